@@ -1,0 +1,39 @@
+"""`pdcache bench KIND ...`: every benchmark prints a table and, with --json PATH, writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# kind -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "engine": ("pdcache.bench.engine_bench", "prefill/decode tokens/s vs transformers"),
+    "kernels": ("pdcache.bench.kernel_bench", "KV copy GB/s vs memcpy, attention tokens/s"),
+    "storage": ("pdcache.bench.storage_bench", "storage read/write GB/s vs memcpy and file I/O"),
+    "cache": ("pdcache.bench.cache_bench", "TTFT by cache tier vs recompute"),
+    "transfer": ("pdcache.bench.transfer_bench", "P->D transfer GB/s per engine vs memcpy"),
+    "offload": ("pdcache.bench.offload_bench", "decode offload on vs off: ITL and next-turn TTFT"),
+    "replay": ("pdcache.bench.replay", "replay a multi-turn trace against a running stack"),
+    "compare": ("pdcache.bench.compare", "launch topologies in turn and replay the same trace"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(_accepts_extra=True)
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="KIND")
+    for name, (module, help_text) in BENCHMARKS.items():
+        sp = sub.add_parser(name, help=help_text)
+        sp.set_defaults(_bench_module=module)
+        sp.add_argument("--json", dest="json_path", default=None, help="also write results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    mod = importlib.import_module(args._bench_module)
+    # Benchmark-specific options are parsed here, once the module is known.
+    parser = argparse.ArgumentParser(prog=f"pdcache bench {args.bench}")
+    mod.add_arguments(parser)
+    parser.add_argument("--json", dest="json_path", default=None)
+    bench_args = parser.parse_args(args._rest)
+    if bench_args.json_path is None:
+        bench_args.json_path = args.json_path
+    return int(mod.run(bench_args) or 0)

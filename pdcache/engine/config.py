@@ -1,0 +1,95 @@
+"""Frozen configuration objects of the engine: model shape and KV-cache sizing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """llama3-style RoPE frequency scaling (HF `rope_scaling` with rope_type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder. Field names follow Hugging Face `config.json`."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    sliding_window: int | None = None  # Mistral; full attention is used when None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"
+    name: str = "model"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token across all layers."""
+        elem = torch.tensor([], dtype=self.torch_dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Device KV pool sizing and prefix-cache switches."""
+
+    page_size: int = 16
+    num_device_pages: int = 2048
+    enable_prefix_cache: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: the token budget bounds each prefill chunk."""
+
+    max_running_requests: int = 64
+    chunked_prefill_tokens: int = 2048
+    max_queued_requests: int = 1024
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine process needs; built once and passed explicitly."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    seed: int = 0

@@ -1,0 +1,53 @@
+"""The one object that carries a batch from the scheduler into the model's forward pass."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+class ForwardMode(Enum):
+    EXTEND = "extend"  # prefill (possibly chunked, possibly after a cached prefix)
+    DECODE = "decode"  # one new token per sequence
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened tokens of several sequences plus where their K/V lives.
+
+    - `input_ids`, `positions`, `out_slots`: `[T]`, the new tokens of all sequences concatenated;
+      `out_slots[t]` is the device pool slot (page_id * page_size + offset) where token t's K/V
+      is stored before attention.
+    - `page_table[B, max_pages]`: device page ids of each sequence (prefix and new tokens).
+    - `prefix_lens[b]`: tokens of sequence b already in the pool before this batch;
+      `extend_lens[b]`: its new tokens (1 per sequence in DECODE mode).
+    - `logits_indices`: rows of the flattened batch whose logits are returned (by default the
+      last new token of each sequence).
+    - `wait_layer(layer)`: called before a layer reads K/V, so a host→device load of that layer
+      can finish while earlier layers compute (HiCache per-layer load). None: nothing to wait.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    page_table: torch.Tensor
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    logits_indices: torch.Tensor | None = None
+    wait_layer: Callable[[int], None] | None = field(default=None, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    def last_token_indices(self) -> torch.Tensor:
+        ends = torch.tensor(self.extend_lens, dtype=torch.long).cumsum(0) - 1
+        return ends.to(self.input_ids.device)

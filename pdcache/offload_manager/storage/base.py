@@ -1,0 +1,60 @@
+"""The storage tier's batched, prefix-aware interface (DESIGN.md §4.4).
+
+A page is the payload of one host page in page-first order (`host_kv[p]` flattened to bytes);
+backends wrap it in the stored page object of §4.3 (header + checksum) and verify it on read.
+Host pages are passed as 1-D contiguous uint8 CPU tensors (views into the host pool), so
+zero-copy backends can use their `data_ptr()` with memory registered once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+
+class StorageBackend(ABC):
+    """Shared KV page storage. Thread-safe: the HiCache workers call it from several threads.
+
+    Every method is batched and never raises for a per-page failure: a failed read or write is
+    reported as False (and counted in `stats()`); only misconfiguration raises.
+    """
+
+    @abstractmethod
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        """Number of consecutive keys, from the first, that are stored and committed."""
+
+    @abstractmethod
+    def get_into(
+        self,
+        keys: Sequence[bytes],
+        host_pages: Sequence[torch.Tensor],
+        origins: list[str | None] | None = None,
+    ) -> list[bool]:
+        """Read each page into its host buffer; False for a miss, a corrupt or foreign page.
+
+        When `origins` is given it is filled (one entry per key) with the origin recorded in
+        each verified page header ("prefill" | "decode"), or None for a failed read.
+        """
+
+    @abstractmethod
+    def put_from(
+        self, keys: Sequence[bytes], host_pages: Sequence[torch.Tensor], origin: str = "prefill"
+    ) -> list[bool]:
+        """Store each page (skipping keys already present, which count as True).
+
+        `origin` ("prefill" | "decode") is recorded in the page header.
+        """
+
+    @abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Remove these pages if present."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, int | float]:
+        """Counters: pages read/written/skipped, misses, corrupt pages, errors, bytes."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release files, connections and registered memory. Idempotent."""
