@@ -1,0 +1,133 @@
+"""Background storage I/O with bounded queues: used by the HiCache controller (backup and
+prefetch) and by the DecodeOffloadManager (writes of generated KV).
+
+A task is a batch of page keys plus the host pages they map to; the worker calls the storage
+backend and hands the per-page results to the task's `on_done` callback (on the worker thread).
+A backend exception fails that task (all pages False), is logged and counted; the worker keeps
+running. Submitting to a full queue returns False at once: callers apply backpressure (drop or
+retry later), they never block the scheduling loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from pdcache.offload_manager.storage.base import StorageBackend
+
+log = logging.getLogger(__name__)
+
+
+class IoKind(Enum):
+    READ = "read"
+    WRITE = "write"
+
+
+@dataclass
+class IoResult:
+    ok: list[bool]
+    origins: list[str | None]
+    seconds: float
+    error: str | None = None
+
+
+@dataclass
+class IoTask:
+    kind: IoKind
+    keys: list[bytes]
+    host_pages: Sequence[torch.Tensor]
+    on_done: Callable[[IoResult], None]
+    origin: str = "prefill"
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class IoStats:
+    tasks_done: int = 0
+    tasks_failed: int = 0
+    tasks_rejected: int = 0
+    pages_read: int = 0
+    pages_written: int = 0
+    pages_failed: int = 0
+    callback_errors: int = 0
+
+
+class IoWorker:
+    """One thread draining one bounded queue of I/O tasks against one backend."""
+
+    def __init__(self, backend: StorageBackend, name: str, max_queued: int = 256) -> None:
+        self.backend = backend
+        self.name = name
+        self.stats = IoStats()
+        self._queue: queue.Queue[IoTask | None] = queue.Queue(maxsize=max_queued)
+        self._thread = threading.Thread(target=self._loop, name=f"pdcache-io-{name}", daemon=True)
+        self._stats_lock = threading.Lock()
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, task: IoTask) -> bool:
+        """Queue `task`; False (and counted) when the queue is full."""
+        try:
+            self._queue.put_nowait(task)
+            return True
+        except queue.Full:
+            self._count(tasks_rejected=1)
+            return False
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop after the queued tasks; bounded wait."""
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            try:
+                self._queue.put(None, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _loop(self) -> None:
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            result = self._run(task)
+            try:
+                task.on_done(result)
+            except Exception:  # a broken callback must not kill the worker
+                log.exception("io worker %s: completion callback failed", self.name)
+                self._count(callback_errors=1)
+
+    def _run(self, task: IoTask) -> IoResult:
+        start = time.perf_counter()
+        n = len(task.keys)
+        if task.cancelled.is_set():
+            return IoResult([False] * n, [None] * n, 0.0, "cancelled")
+        origins: list[str | None] = [None] * n
+        try:
+            if task.kind is IoKind.READ:
+                ok = self.backend.get_into(task.keys, task.host_pages, origins)
+            else:
+                ok = self.backend.put_from(task.keys, task.host_pages, task.origin)
+        except Exception as exc:  # storage down or broken: count, log, survive
+            log.warning("io worker %s: %s of %d pages failed: %s", self.name, task.kind.value, n, exc)
+            self._count(tasks_failed=1, pages_failed=n)
+            return IoResult([False] * n, origins, time.perf_counter() - start, str(exc))
+        done = sum(ok)
+        key = "pages_read" if task.kind is IoKind.READ else "pages_written"
+        self._count(tasks_done=1, pages_failed=n - done, **{key: done})
+        return IoResult(list(ok), origins, time.perf_counter() - start)
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from pdcache.offload_manager.host_pool import HostKVPool
+
+
+def make_pool(num_pages: int = 8) -> HostKVPool:
+    return HostKVPool(num_pages, num_layers=3, page_size=4, num_kv_heads=2, head_dim=8,
+                      dtype=torch.float16)
+
+
+def test_alloc_commit_free_accounting() -> None:
+    pool = make_pool(8)
+    a = pool.alloc(5)
+    assert a is not None and len(set(a)) == 5
+    assert (pool.num_free, pool.num_in_flight, pool.num_used) == (3, 5, 0)
+    assert pool.alloc(4) is None  # short: nothing taken
+    assert pool.num_free == 3
+    pool.commit(a[:3])
+    assert (pool.num_free, pool.num_in_flight, pool.num_used) == (3, 2, 3)
+    pool.free(a)
+    assert (pool.num_free, pool.num_in_flight, pool.num_used) == (8, 0, 0)
+    pool.check()
+
+
+def test_misuse_is_detected() -> None:
+    pool = make_pool(4)
+    pages = pool.alloc(2)
+    assert pages is not None
+    with pytest.raises(ValueError, match="not IN_FLIGHT"):
+        pool.commit(pages)
+        pool.commit(pages)
+    pool.pin(pages[:1])
+    with pytest.raises(ValueError, match="pinned"):
+        pool.free(pages[:1])
+    pool.unpin(pages[:1])
+    with pytest.raises(ValueError, match="unpinned more"):
+        pool.unpin(pages[:1])
+    pool.free(pages)
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free(pages[:1])
+    pool.check()
+
+
+def test_page_bytes_are_views_of_page_first_layout() -> None:
+    pool = make_pool(4)
+    views = pool.page_bytes([2])
+    assert views[0].dtype == torch.uint8 and views[0].numel() == pool.page_nbytes
+    views[0].fill_(0x3C)  # 0x3C3C as fp16 is 1.0586; every element of page 2 changes
+    assert torch.all(pool.host_kv[2] == torch.tensor(0x3C3C, dtype=torch.int16).view(torch.float16))
+    assert torch.all(pool.host_kv[[0, 1, 3]] == 0)
+
+
+def test_concurrent_alloc_free_keeps_invariant() -> None:
+    pool = make_pool(64)
+    errors: list[BaseException] = []
+
+    def churn(seed: int) -> None:
+        try:
+            for i in range(300):
+                pages = pool.alloc(1 + (seed + i) % 4)
+                if pages:
+                    pool.commit(pages)
+                    pool.free(pages)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert pool.num_free == 64
+    pool.check()

@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
+from pdcache.offload_manager.storage.base import StorageBackend
+
+
+class DictBackend(StorageBackend):
+    """In-memory backend with switchable faults, to drive the worker's error paths."""
+
+    def __init__(self) -> None:
+        self.pages: dict[bytes, bytes] = {}
+        self.down = False
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def _check(self) -> None:
+        self.gate.wait(10)
+        if self.down:
+            raise ConnectionError("storage down")
+
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.pages:
+            n += 1
+        return n
+
+    def get_into(self, keys, host_pages, origins=None) -> list[bool]:
+        self._check()
+        ok = []
+        for i, (key, page) in enumerate(zip(keys, host_pages)):
+            data = self.pages.get(key)
+            if data is not None:
+                page.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                if origins is not None:
+                    origins[i] = "prefill"
+            ok.append(data is not None)
+        return ok
+
+    def put_from(self, keys, host_pages, origin="prefill") -> list[bool]:
+        self._check()
+        for key, page in zip(keys, host_pages):
+            self.pages.setdefault(key, page.numpy().tobytes())
+        return [True] * len(keys)
+
+    def delete(self, keys) -> None:
+        for key in keys:
+            self.pages.pop(key, None)
+
+    def stats(self) -> dict[str, int | float]:
+        return {"pages": len(self.pages)}
+
+    def close(self) -> None:
+        pass
+
+
+def run_task(worker: IoWorker, kind: IoKind, keys, pages) -> IoResult:
+    done = threading.Event()
+    box: list[IoResult] = []
+
+    def on_done(result: IoResult) -> None:
+        box.append(result)
+        done.set()
+
+    assert worker.submit(IoTask(kind, keys, pages, on_done))
+    assert done.wait(10)
+    return box[0]
+
+
+def test_write_then_read_round_trip() -> None:
+    backend = DictBackend()
+    worker = IoWorker(backend, "t")
+    src = [torch.randint(0, 256, (64,), dtype=torch.uint8) for _ in range(3)]
+    keys = [bytes([i]) * 32 for i in range(3)]
+    assert run_task(worker, IoKind.WRITE, keys, src).ok == [True] * 3
+    dst = [torch.zeros(64, dtype=torch.uint8) for _ in range(4)]
+    result = run_task(worker, IoKind.READ, keys + [b"x" * 32], dst)
+    assert result.ok == [True, True, True, False]
+    assert result.origins[:3] == ["prefill"] * 3 and result.origins[3] is None
+    assert all(torch.equal(a, b) for a, b in zip(src, dst))
+    assert (worker.stats.pages_written, worker.stats.pages_read, worker.stats.pages_failed) == (3, 3, 1)
+    worker.close()
+
+
+def test_backend_exception_is_counted_and_worker_survives() -> None:
+    backend = DictBackend()
+    worker = IoWorker(backend, "t")
+    page = [torch.ones(8, dtype=torch.uint8)]
+    backend.down = True
+    failed = run_task(worker, IoKind.WRITE, [b"k" * 32], page)
+    assert failed.ok == [False] and "storage down" in (failed.error or "")
+    assert worker.stats.tasks_failed == 1
+    backend.down = False  # storage returns: the same worker serves again
+    assert run_task(worker, IoKind.WRITE, [b"k" * 32], page).ok == [True]
+    assert worker.stats.tasks_done == 1
+    worker.close()
+
+
+def test_full_queue_rejects_without_blocking_and_callback_errors_survive() -> None:
+    backend = DictBackend()
+    backend.gate.clear()  # hold the worker inside the first task
+    worker = IoWorker(backend, "t", max_queued=2)
+
+    def explode(_: IoResult) -> None:
+        raise RuntimeError("bad callback")
+
+    page = [torch.zeros(4, dtype=torch.uint8)]
+    accepted = [worker.submit(IoTask(IoKind.WRITE, [bytes([i]) * 32], page, explode)) for i in range(6)]
+    # one task is being run (blocked), two wait in the queue, the rest are rejected at once
+    assert accepted.count(True) in (2, 3) and worker.stats.tasks_rejected == accepted.count(False)
+    backend.gate.set()
+    worker.close()
+    assert worker.stats.callback_errors == accepted.count(True)
+    assert worker.stats.pages_written == accepted.count(True)
