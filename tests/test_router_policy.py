@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import pytest
+
+from pdcache.engine.page_keys import chain_page_keys, make_salt
+from pdcache.router.policy import NodeState, NoHealthyNodeError, PairSelector, PrefixIndex
+from pdcache.router.sessions import SessionStore
+
+
+def nodes() -> list[NodeState]:
+    return [
+        NodeState("p0", "http://p0", "prefill"),
+        NodeState("p1", "http://p1", "prefill"),
+        NodeState("d0", "http://d0", "decode"),
+        NodeState("d1", "http://d1", "decode"),
+    ]
+
+
+def test_round_robin_skips_unhealthy() -> None:
+    ns = nodes()
+    sel = PairSelector()
+    assert [sel.pick_decode(ns).name for _ in range(4)] == ["d0", "d1", "d0", "d1"]
+    ns[3].healthy = False
+    assert {sel.pick_decode(ns).name for _ in range(3)} == {"d0"}
+    ns[2].healthy = False
+    with pytest.raises(NoHealthyNodeError, match="decode"):
+        sel.pick_decode(ns)
+
+
+def test_least_load() -> None:
+    ns = nodes()
+    ns[0].in_flight, ns[1].in_flight = 5, 2
+    sel = PairSelector("least_load", "least_load")
+    assert sel.pick_prefill(ns, []).name == "p1"
+
+
+def test_cache_aware_prefers_longest_known_prefix() -> None:
+    ns = nodes()
+    salt = make_salt("fp")
+    conv_a = chain_page_keys(list(range(64)), 16, salt)
+    conv_b = chain_page_keys(list(range(100, 164)), 16, salt)
+    sel = PairSelector("cache_aware")
+    sel.index.record("p1", conv_a[:3])
+    sel.index.record("p0", conv_b)
+    ns[1].in_flight = 7  # busier, but it holds conv_a's prefix
+    assert sel.pick_prefill(ns, conv_a).name == "p1"
+    assert sel.pick_prefill(ns, conv_b).name == "p0"
+    unknown = chain_page_keys(list(range(500, 532)), 16, salt)
+    assert sel.pick_prefill(ns, unknown).name == "p0"  # miss: least loaded
+    ns[1].healthy = False
+    assert sel.pick_prefill(ns, conv_a).name == "p0"
+
+
+def test_prefix_index_is_bounded_lru() -> None:
+    index = PrefixIndex(capacity=3)
+    keys = [bytes([i]) * 32 for i in range(5)]
+    index.record("p", keys)
+    assert index.match_len("p", keys) == 0  # the first keys were evicted
+    assert index.match_len("p", keys[2:]) == 3
+
+
+def test_session_history_commits_only_finished_turns() -> None:
+    store = SessionStore(max_sessions=2)
+    assert store.history("s") == []
+    store.commit("s", [1, 2, 3], [4, 5])
+    assert store.history("s") == [1, 2, 3, 4, 5] and store.turns("s") == 1
+    store.commit("s", [1, 2, 3, 4, 5, 6], [7])
+    assert store.history("s") == [1, 2, 3, 4, 5, 6, 7] and store.turns("s") == 2
+    store.commit("t", [9], [9])
+    store.commit("u", [8], [8])
+    assert store.history("s") == [] and len(store) == 2  # LRU bound
+
+
+def test_session_idle_expiry() -> None:
+    store = SessionStore(idle_ttl_s=0.0)
+    store.commit("s", [1], [2])
+    assert store.history("s") == []
