@@ -1,0 +1,254 @@
+"""DecodeOffloadManager: the decode node writes the KV it holds (prompt + answer) to storage.
+
+In PD serving the answer's KV exists only on the decode node. This manager watches running
+requests and, every `stride_pages` completed pages, schedules those pages for offload:
+
+  decode loop ──(enqueue, never blocks)──► copy thread: exists_prefix → skip stored pages,
+      device → host staging copy, release device pages when asked ──► IoWorker: staging →
+      storage (origin = decode), then staging pages freed
+
+Keys continue the prompt's chain (DESIGN.md §4.2), computed from token ids alone, so the next
+turn's prefill finds prompt and answer pages under the keys it computes itself. Prompt pages
+that prefill did not store are written too (only missing pages are copied), so the chain to the
+answer is never broken.
+
+Ownership: a request's device pages stay owned by the engine; after `finish`/`abort`, the
+engine must not free them until `on_released` is called (on the copy thread), which happens
+only after every copy that reads them has finished. Host staging pages are freed only after
+their write finished. When staging or the queue is full, pages are dropped and counted —
+decode is never blocked and nothing leaks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdcache import kernels
+from pdcache.engine.page_keys import chain_page_keys, make_salt
+from pdcache.offload_manager.host_pool import HostKVPool
+from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
+from pdcache.offload_manager.storage.base import StorageBackend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OffloadStats:
+    pages_scheduled: int = 0
+    pages_offloaded: int = 0  # written to storage by this node
+    pages_skipped: int = 0  # already in storage
+    pages_dropped: int = 0  # backpressure: staging or queue full
+    pages_failed: int = 0  # storage write failed
+    write_seconds_total: float = 0.0
+    writes: int = 0
+
+
+@dataclass
+class _Tracked:
+    salt: bytes
+    last_key: bytes | None = None  # key of the last page scheduled: the chain continues from it
+    scheduled_pages: int = 0
+
+
+@dataclass
+class _CopyTask:
+    rid: str
+    keys: list[bytes]
+    device_page_ids: list[int]
+    on_released: Callable[[], None] | None = None  # set on the request's last task
+
+
+class DecodeOffloadManager:
+    """Asynchronous device → host → storage offload of decode requests' full pages.
+
+    Thread model: `track`, `on_step`, `finish`, `abort` are called by the decode loop (one
+    thread); the copy thread and the IoWorker thread own staging pages while they use them.
+    `self._lock` guards the stats and the in-flight counters.
+    """
+
+    def __init__(
+        self,
+        device_kv: torch.Tensor,
+        storage: StorageBackend,
+        fingerprint: str,
+        staging_pages: int,
+        stride_pages: int = 1,
+        max_queued_pages: int = 4096,
+        max_queued_writes: int = 256,
+    ) -> None:
+        num_layers, _, _, page_size, heads, dim = device_kv.shape
+        self.device_kv = device_kv
+        self.page_size = page_size
+        self.fingerprint = fingerprint
+        self.stride_pages = max(1, stride_pages)
+        self.staging = HostKVPool(staging_pages, num_layers, page_size, heads, dim, device_kv.dtype)
+        self.writer = IoWorker(storage, "decode-offload", max_queued=max_queued_writes)
+        self.max_queued_pages = max_queued_pages
+        self.storage = storage
+        self.stats = OffloadStats()
+        self._requests: dict[str, _Tracked] = {}
+        self._tasks: queue.Queue[_CopyTask | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._queued_pages = 0
+        self._pending_writes = 0
+        self._pending_copies = 0
+        self._thread = threading.Thread(target=self._copy_loop, name="pdcache-offload-copy",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- decode-loop side --------------------------------------------------------------
+    def track(self, rid: str, cache_salt: str = "") -> None:
+        self._requests[rid] = _Tracked(make_salt(self.fingerprint, cache_salt))
+
+    def on_step(self, rid: str, kv_token_ids: Sequence[int], device_page_ids: Sequence[int]) -> None:
+        """`kv_token_ids`: every token of the request whose KV is in `device_page_ids` now."""
+        tracked = self._requests.get(rid)
+        if tracked is None:
+            return
+        full_pages = len(kv_token_ids) // self.page_size
+        if full_pages - tracked.scheduled_pages >= self.stride_pages:
+            self._schedule(rid, tracked, kv_token_ids, device_page_ids, full_pages, None)
+
+    def finish(self, rid: str, kv_token_ids: Sequence[int], device_page_ids: Sequence[int],
+               on_released: Callable[[], None]) -> None:
+        """Offload the remaining full pages; `on_released` fires once the device pages are free
+        to reuse (on the copy thread)."""
+        tracked = self._requests.pop(rid, None)
+        if tracked is None:
+            on_released()
+            return
+        full_pages = len(kv_token_ids) // self.page_size
+        self._schedule(rid, tracked, kv_token_ids, device_page_ids, full_pages, on_released)
+
+    def abort(self, rid: str, on_released: Callable[[], None]) -> None:
+        """Stop offloading `rid`; already queued copies finish first, then `on_released`."""
+        self._requests.pop(rid, None)
+        self._enqueue(_CopyTask(rid, [], [], on_released))
+
+    # ---- observability -----------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return self._pending_copies == 0 and self._pending_writes == 0
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.idle:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def check(self) -> None:
+        """Accounting: when idle, no staging page is in use and no request page is held."""
+        self.staging.check()
+        if self.idle:
+            assert self.staging.num_free == self.staging.capacity, "staging pages leaked"
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._tasks.put(None)
+        self._thread.join(timeout_s)
+        self.writer.close(timeout_s)
+
+    # ---- internals ---------------------------------------------------------------------
+    def _schedule(self, rid: str, tracked: _Tracked, kv_token_ids: Sequence[int],
+                  device_page_ids: Sequence[int], full_pages: int,
+                  on_released: Callable[[], None] | None) -> None:
+        first = tracked.scheduled_pages
+        new_tokens = kv_token_ids[first * self.page_size : full_pages * self.page_size]
+        keys = chain_page_keys(new_tokens, self.page_size, tracked.salt, tracked.last_key)
+        if keys:
+            tracked.last_key = keys[-1]
+        tracked.scheduled_pages = full_pages
+        task = _CopyTask(rid, keys, list(device_page_ids[first:full_pages]), on_released)
+        self._enqueue(task)
+
+    def _enqueue(self, task: _CopyTask) -> None:
+        """Queue a copy; beyond `max_queued_pages` the pages are dropped (counted) but a release
+        marker is still queued, so the device pages are released in order and never leak."""
+        with self._lock:
+            self.stats.pages_scheduled += len(task.keys)
+            if self._queued_pages + len(task.keys) > self.max_queued_pages:
+                self.stats.pages_dropped += len(task.keys)
+                task = _CopyTask(task.rid, [], [], task.on_released)
+                if task.on_released is None:
+                    return
+            self._queued_pages += len(task.keys)
+            self._pending_copies += 1
+        self._tasks.put(task)  # unbounded queue of small records: never blocks the decode loop
+
+    def _copy_loop(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            try:
+                self._copy(task)
+            except Exception:
+                log.exception("decode offload: copy of %s failed", task.rid)
+            finally:
+                if task.on_released is not None:
+                    self._release(task)
+                with self._lock:
+                    self._pending_copies -= 1
+                    self._queued_pages -= len(task.keys)
+
+    def _release(self, task: _CopyTask) -> None:
+        try:
+            task.on_released()
+        except Exception:
+            log.exception("decode offload: release callback of %s failed", task.rid)
+
+    def _copy(self, task: _CopyTask) -> None:
+        if not task.keys:
+            return
+        stored = self._stored_prefix(task.keys)
+        todo = list(range(stored, len(task.keys)))
+        with self._lock:
+            self.stats.pages_skipped += stored
+        if not todo:
+            return
+        staging_ids = self.staging.alloc(len(todo))
+        if staging_ids is None:
+            with self._lock:
+                self.stats.pages_dropped += len(todo)
+            return
+        device_ids = torch.tensor([task.device_page_ids[i] for i in todo], dtype=torch.long)
+        kernels.device_to_host(self.device_kv, self.staging.host_kv, device_ids,
+                               torch.tensor(staging_ids, dtype=torch.long))
+        self._write([task.keys[i] for i in todo], staging_ids)
+
+    def _stored_prefix(self, keys: list[bytes]) -> int:
+        try:
+            return self.storage.exists_prefix(keys)
+        except Exception as exc:  # storage down: try writing everything, the writer counts it
+            log.warning("decode offload: exists_prefix failed: %s", exc)
+            return 0
+
+    def _write(self, keys: list[bytes], staging_ids: list[int]) -> None:
+        with self._lock:
+            self._pending_writes += 1
+
+        def done(result: IoResult) -> None:
+            self.staging.free(staging_ids)
+            with self._lock:
+                self._pending_writes -= 1
+                ok = sum(result.ok)
+                self.stats.pages_offloaded += ok
+                self.stats.pages_failed += len(keys) - ok
+                self.stats.write_seconds_total += result.seconds
+                self.stats.writes += 1
+
+        task = IoTask(IoKind.WRITE, keys, self.staging.page_bytes(staging_ids), done, "decode")
+        if not self.writer.submit(task):
+            self.staging.free(staging_ids)
+            with self._lock:
+                self._pending_writes -= 1
+                self.stats.pages_dropped += len(keys)
