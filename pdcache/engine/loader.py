@@ -1,0 +1,178 @@
+"""Building a ready model + tokenizer from a preset name or a local Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdcache.engine.config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from pdcache.engine.model import CausalLM
+from pdcache.engine.presets import PRESETS, byte_tokenizer, init_preset_weights, preset_config
+from pdcache.engine.tokenizer import HFTokenizer, Tokenizer
+from pdcache.engine.weights import iter_safetensors, load_weights, safetensors_files
+
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def load_model(
+    spec: str, *, dtype: str | None = None, seed: int = 0, device: str = "cpu"
+) -> tuple[CausalLM, Tokenizer]:
+    """`spec` is a preset name (`tiny`, `small`: random weights from `seed`) or the path of a
+    local checkpoint directory (config.json, *.safetensors, tokenizer.json). `dtype` defaults
+    to float32 for presets and to the checkpoint's dtype otherwise. The model is in eval mode
+    with gradients off."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if spec in PRESETS:
+        model, tokenizer = _load_preset(spec, dtype or "float32", seed)
+    elif Path(spec).is_dir():
+        model, tokenizer = _load_checkpoint(Path(spec), dtype)
+    else:
+        raise ValueError(
+            f"model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory"
+        )
+    model = model.to(device=device, dtype=model.config.torch_dtype).eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def allocate_device_kv(
+    config: ModelConfig, num_pages: int, page_size: int, device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """A zeroed device KV pool `[L, 2, P, S, Hkv, D]` in the model's dtype."""
+    shape = (
+        config.num_hidden_layers, 2, num_pages, page_size,
+        config.num_key_value_heads, config.head_dim,
+    )
+    return torch.zeros(shape, dtype=config.torch_dtype, device=device)
+
+
+def _load_preset(name: str, dtype: str, seed: int) -> tuple[CausalLM, Tokenizer]:
+    model = CausalLM(preset_config(name, dtype))
+    init_preset_weights(model, seed)
+    return model, byte_tokenizer()
+
+
+def _load_checkpoint(path: Path, dtype: str | None) -> tuple[CausalLM, Tokenizer]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json")
+    hf_config = json.loads(config_file.read_text())
+    config = model_config_from_hf(hf_config, name=path.name, dtype=dtype)
+    tokenizer = HFTokenizer(path, eos_token_ids=config.eos_token_ids)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device="cpu").to(config.torch_dtype)
+    if config.tie_word_embeddings:  # to_empty re-creates parameters: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, iter_safetensors(safetensors_files(path)))
+    return model, tokenizer
+
+
+def model_config_from_hf(
+    hf: dict[str, Any], name: str = "model", dtype: str | None = None
+) -> ModelConfig:
+    """Translate a Hugging Face config.json dict; ValueError for what this engine can't run."""
+    arch = _architecture(hf)
+    _check_supported_features(hf, arch)
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        rope_theta=float(_rope_params(hf).get("rope_theta", 10000.0)),
+        rope_scaling=_rope_scaling(hf),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_window=_sliding_window(hf, arch),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_as_tuple(hf.get("eos_token_id")),
+        dtype=dtype or _checkpoint_dtype(hf),
+        name=name,
+    )
+
+
+def _architecture(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(hf.get("model_type", ""), "?")]
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {arch!r} (model_type {hf.get('model_type')!r}); "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _check_supported_features(hf: dict[str, Any], arch: str) -> None:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only silu / SwiGLU)")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported")
+    if arch in ("LlamaForCausalLM", "MistralForCausalLM") and hf.get("attention_bias"):
+        raise ValueError("attention_bias=true (bias on o_proj too) is not supported for Llama")
+    rope_type = _rope_params(hf).get("rope_type", _rope_params(hf).get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+
+
+def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
+    # transformers >= 5 writes `rope_parameters` (theta included); older files use
+    # `rope_theta` plus an optional `rope_scaling`.
+    params = dict(hf.get("rope_parameters") or {})
+    params.update(hf.get("rope_scaling") or {})
+    if "rope_theta" in hf:
+        params.setdefault("rope_theta", hf["rope_theta"])
+    return params
+
+
+def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
+    p = _rope_params(hf)
+    if p.get("rope_type", p.get("type")) != "llama3":
+        return None
+    return RopeScaling(
+        factor=float(p["factor"]),
+        low_freq_factor=float(p["low_freq_factor"]),
+        high_freq_factor=float(p["high_freq_factor"]),
+        original_max_position_embeddings=int(p["original_max_position_embeddings"]),
+    )
+
+
+def _sliding_window(hf: dict[str, Any], arch: str) -> int | None:
+    window = hf.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return window
+    layer_types = hf.get("layer_types") or []
+    sliding = [t == "sliding_attention" for t in layer_types]
+    if not hf.get("use_sliding_window") and not any(sliding):
+        return None
+    if sliding and all(sliding) and window:
+        return window
+    raise ValueError("per-layer sliding-window attention (use_sliding_window) is not supported")
+
+
+def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+def _checkpoint_dtype(hf: dict[str, Any]) -> str:
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    return dtype if dtype in DTYPES else "float32"

@@ -1,0 +1,243 @@
+"""A compact Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) that reads and writes paged KV.
+
+Parameter names are exactly Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...), so a
+checkpoint's safetensors load without renaming and our state dict loads into `transformers`.
+
+The model owns no KV memory: every forward stores the new tokens' K/V into the caller's
+`device_kv[L, 2, P, S, Hkv, D]` pool at `batch.out_slots` (through `pdcache.kernels.store_kv`)
+and reads cached K/V only through the paged-attention kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdcache import kernels
+from pdcache.engine.config import ModelConfig, RopeScaling
+from pdcache.engine.forward import ForwardBatch, ForwardMode
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, as in Hugging Face Llama."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse RoPE frequencies `[head_dim // 2]` (fp32), with llama3 scaling when given."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    return _llama3_scale(inv_freq, scaling)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[T, 1, head_dim]` for arbitrary (not necessarily contiguous) positions."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x[T, H, D]` by half-split RoPE (the Hugging Face `rotate_half` convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the paged pool; optional q/k/v bias (Qwen2), q/k norm (Qwen3)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        c = config
+        self.layer_id = layer_id
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = c.num_key_value_heads
+        self.head_dim = c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.sliding_window = c.sliding_window
+        bias = c.attention_bias
+        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * c.head_dim, bias=bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * c.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        device_kv: torch.Tensor,
+    ) -> torch.Tensor:
+        q, k, v = self._project(x, cos, sin)
+        if batch.wait_layer is not None:
+            # Before the store too: a per-layer host->device load may still be writing pages.
+            batch.wait_layer(self.layer_id)
+        kernels.store_kv(device_kv, self.layer_id, batch.out_slots, k, v)
+        out = self._attend(q, k, v, batch, device_kv)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def _project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        device_kv: torch.Tensor,
+    ) -> torch.Tensor:
+        if batch.mode is ForwardMode.DECODE:
+            return kernels.paged_attention_decode(
+                q, device_kv, self.layer_id, batch.page_table, batch.seq_lens, self.scale,
+                self.sliding_window,
+            )
+        if self._can_attend_fresh(batch):
+            return self._attend_fresh(q, k, v, batch.extend_lens)
+        return kernels.paged_attention_extend(
+            q, device_kv, self.layer_id, batch.page_table, batch.prefix_lens, batch.extend_lens,
+            self.scale, self.sliding_window,
+        )
+
+    def _can_attend_fresh(self, batch: ForwardBatch) -> bool:
+        # Without a cached prefix all K/V are in hand: plain causal attention, no pool reads.
+        if any(batch.prefix_lens):
+            return False
+        return self.sliding_window is None or max(batch.extend_lens) <= self.sliding_window
+
+    def _attend_fresh(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extend_lens: list[int]
+    ) -> torch.Tensor:
+        outs = []
+        for qs, ks, vs in zip(*(t.split(extend_lens) for t in (q, k, v))):
+            o = F.scaled_dot_product_attention(
+                qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                is_causal=True, scale=self.scale, enable_gqa=True,
+            )
+            outs.append(o.transpose(0, 1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_id)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        device_kv: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, device_kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """The `model.` part of a Hugging Face causal LM: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Llama-family causal LM over a paged KV pool.
+
+    `forward` mutates only `device_kv` (the new tokens' slots in every layer) and returns fp32
+    logits `[n, vocab]` for the rows `batch.logits_indices` (default: each sequence's last new
+    token). It holds no per-request state, so one instance serves any number of sequences.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # A plain attribute, not a buffer: `.to(bfloat16)` must not round the frequencies.
+        self._inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(self, batch: ForwardBatch, device_kv: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids)
+        cos, sin = rope_cos_sin(batch.positions, self._inv_freq_on(x.device), x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, device_kv)
+        rows = batch.logits_indices
+        if rows is None:
+            rows = batch.last_token_indices()
+        # The final norm is per row, so norming only the returned rows changes nothing.
+        return self.lm_head(self.model.norm(x[rows])).float()
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        if self._inv_freq.device != device:
+            self._inv_freq = self._inv_freq.to(device)
+        return self._inv_freq
