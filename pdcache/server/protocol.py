@@ -1,0 +1,486 @@
+"""HTTP contract of DESIGN.md §4.1: request/response models, validation and error bodies.
+
+Shared by the unified server, the router and the P/D nodes, so it depends on pydantic and
+the engine's plain types only (no FastAPI, no engine instance). Every malformed request maps
+to an `ApiError`, which carries an HTTP status and an OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}`.
+
+Request models are strict (JSON types are not coerced: "5" is not an int, 1.0 is not a token
+id) and, where a silently ignored field would change results, reject unknown fields.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pdcache.engine.api import CachedTokens, SamplingParams
+
+# --------------------------------------------------------------------------- errors
+
+INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+OVERLOADED = "overloaded_error"
+TIMEOUT = "timeout_error"
+SERVER_ERROR = "server_error"
+
+SEED_LIMIT = 2**63  # torch generators take a 64-bit seed; keep it a non-negative int64
+
+
+class ApiError(Exception):
+    """A request that cannot be served; rendered as an OpenAI-style JSON error body."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(
+    message: str,
+    *,
+    type: str = INVALID_REQUEST,  # noqa: A002
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+# --------------------------------------------------------------------------- parsing
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(model_cls: type[M], raw: bytes) -> M:
+    """Validate a raw JSON body against `model_cls`; any problem becomes a 400 `ApiError`."""
+    try:
+        return model_cls.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    first = exc.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {first['msg']}", code="invalid_json")
+    param = _loc_to_param(first["loc"])
+    if first["type"] == "extra_forbidden":
+        return bad_request(f"unknown field '{param}'", param=param, code="unknown_field")
+    where = f"'{param}': " if param else "request body: "
+    extra = f" (and {exc.error_count() - 1} more errors)" if exc.error_count() > 1 else ""
+    return bad_request(f"{where}{first['msg']}{extra}", param=param, code=first["type"])
+
+
+def _loc_to_param(loc: tuple[int | str, ...]) -> str | None:
+    # pydantic adds union member tags ('list[int]', 'str') to the location; keep field names
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif "[" not in item and item not in ("str", "int", "float", "bool"):
+            parts.append(("." if parts else "") + item)
+    return "".join(parts) or None
+
+
+# --------------------------------------------------------------------------- limits
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a server knows about its model to validate prompts before queueing them."""
+
+    vocab_size: int
+    context_len: int
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    for i, tok in enumerate(ids):
+        if tok < 0 or tok >= vocab_size:
+            raise bad_request(
+                f"'{param}[{i}]' = {tok} is out of range [0, {vocab_size})",
+                param=param,
+                code="token_id_out_of_range",
+            )
+
+
+def check_prompt(
+    input_ids: list[int], max_new_tokens: int, limits: ModelLimits, param: str
+) -> None:
+    """Reject empty prompts, ids outside the vocabulary and prompts that overflow the context."""
+    if not input_ids:
+        raise bad_request("the prompt is empty", param=param, code="empty_prompt")
+    check_token_ids(input_ids, limits.vocab_size, param)
+    total = len(input_ids) + max_new_tokens
+    if total > limits.context_len:
+        raise bad_request(
+            f"prompt ({len(input_ids)} tokens) + max new tokens ({max_new_tokens}) = {total} "
+            f"exceeds the model's context length of {limits.context_len} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def default_max_tokens(prompt_len: int, limits: ModelLimits, param: str) -> int:
+    """OpenAI chat semantics: no `max_tokens` means 'up to the end of the context'."""
+    room = limits.context_len - prompt_len
+    if room < 1:
+        raise bad_request(
+            f"prompt ({prompt_len} tokens) leaves no room in the model's context length of "
+            f"{limits.context_len} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return room
+
+
+# --------------------------------------------------------------------------- /generate
+
+_STRICT = ConfigDict(strict=True, extra="forbid")
+TokenIds = list[int]
+Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
+
+
+class GenerateSamplingParams(BaseModel):
+    """SGLang's sampling names. Defaults are the engine's (greedy, 128 new tokens)."""
+
+    model_config = _STRICT
+
+    max_new_tokens: int = Field(default=SamplingParams.max_new_tokens, ge=1)
+    temperature: float = Field(default=SamplingParams.temperature, ge=0.0)
+    top_p: float = Field(default=SamplingParams.top_p, gt=0.0, le=1.0)
+    top_k: int = SamplingParams.top_k  # <= 0: no top-k truncation
+    seed: Seed | None = None
+    stop_token_ids: TokenIds = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    def to_engine(self) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class GenerateRequestBody(BaseModel):
+    """`POST /generate`: exactly one of `input_ids` or `text`."""
+
+    model_config = _STRICT
+
+    input_ids: TokenIds | None = None
+    text: str | None = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    session_id: str | None = None
+    cache_salt: str | None = None
+    stream: bool = False
+    rid: str | None = Field(default=None, min_length=1, max_length=128)
+
+    def prompt_param(self) -> str:
+        return "input_ids" if self.input_ids is not None else "text"
+
+    def check_one_prompt(self) -> None:
+        if (self.input_ids is None) == (self.text is None):
+            raise bad_request("give exactly one of 'input_ids' or 'text'", code="invalid_prompt")
+
+
+class CachedTokensDetails(BaseModel):
+    device: int = 0
+    host: int = 0
+    storage: int = 0
+    storage_from_decode: int = 0
+
+    @classmethod
+    def of(cls, cached: CachedTokens) -> CachedTokensDetails:
+        return cls(**cached.as_dict())
+
+
+class GenerateMeta(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_tokens_details: CachedTokensDetails
+    computed_tokens: int
+    ttft_s: float | None
+    e2e_s: float | None
+    prefill_node: str
+    decode_node: str
+    finish_reason: str | None
+
+
+class GenerateResponse(BaseModel):
+    output_ids: list[int]
+    text: str
+    meta: GenerateMeta
+
+
+# --------------------------------------------------------------------------- OpenAI
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class OpenAIRequestBase(BaseModel):
+    """Fields shared by chat and text completions, plus pdcache extensions.
+
+    Unknown fields are rejected (as OpenAI does); fields OpenAI defines but pdcache does not
+    implement are accepted only at their neutral value, so nothing is silently ignored.
+    """
+
+    model_config = _STRICT
+
+    model: str | None = None
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # pdcache / SGLang extensions
+    top_k: int = -1
+    stop_token_ids: TokenIds = Field(default_factory=list)
+    ignore_eos: bool = False
+    session_id: str | None = None
+    cache_salt: str | None = None
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise unsupported("n", "only n=1 is supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0.0):
+                raise unsupported(name, f"'{name}' is not supported (only 0)")
+        if self.logit_bias:
+            raise unsupported("logit_bias", "'logit_bias' is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("'stream_options' needs 'stream': true", param="stream_options")
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(s == "" for s in stops):
+            raise bad_request("stop strings must be non-empty", param="stop")
+        return stops
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_engine(self, max_new_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def unsupported(param: str, message: str) -> ApiError:
+    return bad_request(message, param=param, code="unsupported_parameter")
+
+
+class ChatCompletionRequest(OpenAIRequestBase):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise unsupported("logprobs", "'logprobs' is not supported")
+        if self.tools:
+            raise unsupported("tools", "tool calling is not supported")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise unsupported("tool_choice", "tool calling is not supported")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise unsupported("response_format", "only response_format type 'text' is supported")
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(OpenAIRequestBase):
+    prompt: str | TokenIds | list[str] | list[TokenIds]
+    max_tokens: int = Field(default=16, ge=1)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise unsupported("echo", "'echo' is not supported")
+        if self.suffix:
+            raise unsupported("suffix", "'suffix' is not supported")
+        if self.best_of not in (None, 1):
+            raise unsupported("best_of", "only best_of=1 is supported")
+        if self.logprobs:
+            raise unsupported("logprobs", "'logprobs' is not supported")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request: a string or token ids (batches are rejected)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise unsupported("prompt", "batched prompts are not supported; send one")
+            prompt = prompt[0]
+        return prompt  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- text assembly
+
+
+class TextAssembler:
+    """Incremental detokenization with optional stop strings.
+
+    Text is released only when final: never a dangling partial UTF-8 character (decoded as
+    U+FFFD) and never a prefix of a stop string that a later token might complete.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]) -> None:
+        self._decode = decode
+        self._stops = stops
+        self.ids: list[int] = []
+        self._text = ""
+        self._emitted = 0
+        self.stopped = False
+
+    def add(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        self._text = self._decode(self.ids)
+        if self._stops and self._cut_at_stop():
+            return self._release(len(self._text))
+        return self._release(self._safe_len())
+
+    def flush(self) -> str:
+        return self._release(len(self._text))
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def _cut_at_stop(self) -> bool:
+        start = max(0, self._emitted - max(len(s) for s in self._stops))
+        hits = [i for i in (self._text.find(s, start) for s in self._stops) if i >= 0]
+        if not hits:
+            return False
+        self._text = self._text[: min(hits)]
+        self.stopped = True
+        return True
+
+    def _safe_len(self) -> int:
+        end = len(self._text.rstrip("\ufffd"))
+        hold = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, end), 0, -1):
+                if self._text.endswith(stop[:k], 0, end):
+                    hold = max(hold, k)
+                    break
+        return max(end - hold, self._emitted)
+
+    def _release(self, upto: int) -> str:
+        delta = self._text[self._emitted : upto]
+        self._emitted = max(self._emitted, upto)
+        return delta
+
+
+# --------------------------------------------------------------------------- OpenAI responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage_body(
+    prompt_tokens: int, completion_tokens: int, cached: CachedTokens, computed_tokens: int
+) -> dict[str, Any]:
+    """OpenAI usage plus pdcache's per-tier breakdown of the reused prompt tokens."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached.total},
+        "cached_tokens_details": cached.as_dict(),
+        "computed_tokens": computed_tokens,
+    }
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event: `data: <json>` (or a literal such as `[DONE]`)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")
