@@ -1,0 +1,415 @@
+"""The serving engine: one scheduler thread driving model, pool, radix tree and sampler.
+
+Threading: `submit`, `abort`, `stats`, `check_accounting`, `generate`, `shutdown` may be called
+from any thread; they only touch an inbox queue and a lock-protected snapshot. Everything else
+(scheduler, pool, tree, runner, sampler, request state) belongs to the engine thread, which also
+calls every `on_output` callback. A failure inside a step fails the requests of that step
+(finish_reason "abort" with `error`), is logged and counted, and the thread keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdcache.engine.api import CachedTokens, GenerateRequest, RequestOutput
+from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.kv_pool import DeviceKVPool
+from pdcache.engine.radix import RadixTree
+from pdcache.engine.request import OutputCallback, Req, ReqStatus, pages_for
+from pdcache.engine.runner import CausalLMLike, ModelRunner
+from pdcache.engine.sampler import make_generator, sample
+from pdcache.engine.scheduler import ScheduledBatch, Scheduler
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (`SchedulerConfig.max_queued_requests`); retry later."""
+
+
+class EngineNotRunningError(RuntimeError):
+    """`submit` on an engine that is not started or already shut down."""
+
+
+@dataclass
+class _Submit:
+    req: Req
+
+
+@dataclass
+class _Abort:
+    rid: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: Future
+
+
+class Engine:
+    """Continuous-batching engine over a paged device KV pool with a radix prefix cache."""
+
+    def __init__(self, config: EngineConfig, model: CausalLMLike, tokenizer: Any = None) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        cache = config.cache
+        self.pool = DeviceKVPool.create(
+            config.model, cache.num_device_pages, cache.page_size, config.device
+        )
+        self.tree: RadixTree | None = None
+        if cache.enable_prefix_cache:
+            self.tree = RadixTree(cache.page_size, self.pool.allocator)
+        self.scheduler = Scheduler(
+            config.scheduler, cache, self.pool, self.tree,
+            max_context=config.model.max_position_embeddings,
+            eos_token_ids=config.model.eos_token_ids,
+        )
+        self.runner = ModelRunner(model, self.pool)
+        self._inbox: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()  # guards the fields below
+        self._live_rids: set[str] = set()
+        self._num_pending = 0  # submitted, not yet seen by the engine thread
+        self._num_waiting = 0  # in the scheduler's waiting queue (as of the last step)
+        self._snapshot: dict[str, Any] = {}
+        self._seed_rng = make_generator(config.seed)
+        self._step_errors = 0
+        self._callback_errors = 0
+        self._num_steps = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._update_snapshot()
+
+    # ---- construction ------------------------------------------------------------------
+    @classmethod
+    def from_spec(
+        cls,
+        spec: str,
+        *,
+        cache: CacheConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        dtype: str | None = None,
+        device: str = "cpu",
+        seed: int = 0,
+    ) -> Engine:
+        """Engine over `pdcache.engine.loader.load_model(spec)` (a preset or a checkpoint
+        directory); not started."""
+        from pdcache.engine.loader import load_model
+
+        model, tokenizer = load_model(spec, dtype=dtype, seed=seed, device=device)
+        config = EngineConfig(
+            model=model.config,
+            cache=cache or CacheConfig(),
+            scheduler=scheduler or SchedulerConfig(),
+            device=device,
+            seed=seed,
+        )
+        return cls(config, model, tokenizer)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self) -> Engine:
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._thread = threading.Thread(target=self._run, name="pdcache-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread (bounded join); unfinished requests end with "abort"."""
+        with self._lock:
+            self._stop.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.error("engine thread did not stop within %.1fs", timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- public API (any thread) -------------------------------------------------------
+    def submit(self, req: GenerateRequest, on_output: OutputCallback) -> None:
+        """Queue `req`; `on_output` gets its outputs on the engine thread. Raises ValueError
+        for an invalid request, EngineOverloadedError when the queue is full."""
+        self._validate(req)
+        with self._lock:  # stop is set under this lock: a request put here is always drained
+            if not self.is_running:
+                raise EngineNotRunningError("the engine is not running")
+            if req.rid in self._live_rids:
+                raise ValueError(f"request id {req.rid!r} is already in flight")
+            queued = self._num_pending + self._num_waiting
+            if queued >= self.config.scheduler.max_queued_requests:
+                raise EngineOverloadedError(f"engine queue is full ({queued} requests waiting)")
+            self._live_rids.add(req.rid)
+            self._num_pending += 1
+            self._inbox.put(_Submit(self._new_req(req, on_output, self._generator_for(req))))
+
+    def abort(self, rid: str) -> None:
+        """Finish request `rid` with "abort" as soon as the engine thread sees it (no-op for an
+        unknown or already finished request)."""
+        self._inbox.put(_Abort(rid))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters as of the end of the last engine step (never blocks on a step)."""
+        with self._lock:
+            return dict(self._snapshot, queued=self._num_pending + self._num_waiting)
+
+    def check_accounting(self, timeout: float = 30.0) -> dict[str, int]:
+        """Assert page accounting (on the engine thread when running): free + used ==
+        capacity and tree-held + request-held == used. Returns the numbers."""
+        return self._call(self._check_accounting, timeout)
+
+    def generate(self, req: GenerateRequest, timeout: float = 60.0) -> list[RequestOutput]:
+        """Submit and wait for the final output; on timeout aborts and raises TimeoutError."""
+        outputs: list[RequestOutput] = []
+        done = threading.Event()
+
+        def collect(out: RequestOutput) -> None:
+            outputs.append(out)
+            if out.finished:
+                done.set()
+
+        self.submit(req, collect)
+        if not done.wait(timeout):
+            self.abort(req.rid)
+            raise TimeoutError(f"request {req.rid} did not finish within {timeout}s")
+        return outputs
+
+    # ---- validation --------------------------------------------------------------------
+    def _validate(self, req: GenerateRequest) -> None:
+        model, params = self.config.model, req.sampling
+        if not req.input_ids:
+            raise ValueError("the prompt is empty")
+        bad = next((t for t in req.input_ids if not 0 <= int(t) < model.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of the vocabulary [0, {model.vocab_size})")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        total = len(req.input_ids) + params.max_new_tokens
+        if total > model.max_position_embeddings:
+            raise ValueError(
+                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({params.max_new_tokens})"
+                f" = {total} exceeds the context length {model.max_position_embeddings}"
+            )
+        if pages_for(total, self.pool.page_size) > self.pool.num_pages:
+            raise ValueError(
+                f"prompt + max_new_tokens = {total} tokens exceeds the KV pool "
+                f"({self.pool.num_pages} pages of {self.pool.page_size} tokens)"
+            )
+        _validate_sampling(params)
+
+    def _generator_for(self, req: GenerateRequest) -> torch.Generator:
+        seed = req.sampling.seed
+        if seed is None:  # reproducible per engine seed and submission order
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        return make_generator(seed)
+
+    def _new_req(
+        self, req: GenerateRequest, on_output: OutputCallback, generator: torch.Generator
+    ) -> Req:
+        return Req(
+            rid=req.rid,
+            prompt_ids=[int(t) for t in req.input_ids],
+            sampling=req.sampling,
+            salt=req.cache_salt,
+            on_output=on_output,
+            generator=generator,
+            page_size=self.pool.page_size,
+        )
+
+    # ---- engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        logger.info("engine thread started")
+        while not self._stop.is_set():
+            try:
+                self._drain_inbox(block=not self.scheduler.has_work())
+                if self.scheduler.has_work() and not self._stop.is_set():
+                    self._step()
+            except Exception:  # never let the loop die: log, count, go on
+                logger.exception("engine loop error")
+                self._step_errors += 1
+            self._update_snapshot()
+        self._drain_inbox(block=False)
+        self._finish_all("engine shut down")
+        self._update_snapshot()
+        logger.info("engine thread stopped")
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item is not None:  # None only wakes the thread up
+                self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: _Submit | _Abort | _Call) -> None:
+        if isinstance(item, _Submit):
+            with self._lock:
+                self._num_pending -= 1
+            self.scheduler.add(item.req)
+        elif isinstance(item, _Abort):
+            req = self.scheduler.find(item.rid)
+            if req is not None:
+                self._fail([req], error="aborted by client", reason="abort")
+        elif isinstance(item, _Call):
+            try:
+                item.future.set_result(item.fn())
+            except Exception as exc:
+                item.future.set_exception(exc)
+
+    def _step(self) -> None:
+        batch: ScheduledBatch | None = None
+        try:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return
+            logits = self.runner.forward(batch)
+            rows = [batch.reqs[row] for row in batch.sample_rows]
+            tokens = sample(logits, [r.sampling for r in rows], [r.generator for r in rows])
+            touched = self.scheduler.commit(batch, tokens)
+            self._num_steps += 1
+        except Exception as exc:
+            logger.exception("engine step failed")
+            self._step_errors += 1
+            # a failed schedule() may leave any request half-done: fail them all
+            victims = self._all_unfinished() if batch is None else batch.reqs
+            self._fail([r for r in victims if not r.finished], error=f"engine step failed: {exc!r}")
+            return
+        for req in touched:
+            self._emit(req)
+
+    def _all_unfinished(self) -> list[Req]:
+        return list(self.scheduler.running) + list(self.scheduler.waiting)
+
+    def _fail(self, reqs: list[Req], error: str, reason: str = "abort") -> None:
+        for req in reqs:
+            try:
+                self.scheduler.abort(req, reason=reason, error=error)
+            except Exception:  # accounting may be off: keep going, check_accounting tells
+                logger.exception("releasing request %s failed", req.rid)
+                req.status, req.finish_reason, req.error = ReqStatus.FINISHED, reason, error
+            self._emit(req)
+
+    def _finish_all(self, error: str) -> None:
+        self._fail(self._all_unfinished(), error=error)
+
+    def _emit(self, req: Req) -> None:
+        output = self._output_of(req)
+        if req.finished:
+            with self._lock:
+                self._live_rids.discard(req.rid)
+        try:
+            req.on_output(output)
+        except Exception:
+            self._callback_errors += 1
+            logger.exception("on_output of request %s raised", req.rid)
+            if not req.finished:
+                self._fail([req], error="on_output callback raised")
+
+    def _output_of(self, req: Req) -> RequestOutput:
+        new_tokens = req.take_new_tokens()
+        if not req.finished:
+            return RequestOutput(rid=req.rid, new_token_ids=new_tokens)
+        now = time.perf_counter()
+        first = req.first_token_time
+        return RequestOutput(
+            rid=req.rid,
+            new_token_ids=new_tokens,
+            finished=True,
+            finish_reason=req.finish_reason,
+            error=req.error,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached=CachedTokens(device=req.cached_len or 0),
+            computed_tokens=req.computed_tokens,
+            ttft_s=None if first is None else first - req.arrival_time,
+            e2e_s=now - req.arrival_time,
+        )
+
+    # ---- introspection (engine thread) -------------------------------------------------
+    def _call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        if not self.is_running:
+            return fn()
+        future: Future = Future()
+        self._inbox.put(_Call(fn, future))
+        return future.result(timeout)
+
+    def _check_accounting(self) -> dict[str, int]:
+        allocator = self.pool.allocator
+        allocator.check()
+        if self.tree is not None:
+            self.tree.check()
+        tree_pages = self.tree.total_pages if self.tree else 0
+        request_pages = sum(r.num_own_pages for r in self.scheduler.running)
+        for req in self._all_unfinished():
+            req.check()
+        numbers = {
+            "capacity": allocator.capacity,
+            "free": allocator.num_free,
+            "used": allocator.num_used,
+            "tree": tree_pages,
+            "requests": request_pages,
+        }
+        assert allocator.num_free + allocator.num_used == allocator.capacity, numbers
+        assert tree_pages + request_pages == allocator.num_used, numbers
+        return numbers
+
+    def _update_snapshot(self) -> None:
+        allocator, counters = self.pool.allocator, self.scheduler.counters
+        tree = self.tree
+        snapshot = {
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "page_size": self.pool.page_size,
+            "pages_capacity": allocator.capacity,
+            "pages_free": allocator.num_free,
+            "pages_used": allocator.num_used,
+            "pages_cached": tree.total_pages if tree else 0,
+            "pages_evictable": tree.evictable_pages if tree else 0,
+            "tokens_in_cache": (tree.total_pages if tree else 0) * self.pool.page_size,
+            "pages_evicted_total": tree.num_evicted_pages if tree else 0,
+            "tokens_cached_total": counters.cached_tokens,
+            "tokens_computed_total": counters.computed_tokens,
+            "requests_admitted_total": counters.admitted,
+            "requests_finished_total": counters.finished,
+            "requests_aborted_total": counters.aborted,
+            "requests_retracted_total": counters.retracted,
+            "steps_total": self._num_steps,
+            "step_errors_total": self._step_errors,
+            "callback_errors_total": self._callback_errors,
+        }
+        with self._lock:
+            self._snapshot = snapshot
+            self._num_waiting = snapshot["waiting"]
+
+
+def _validate_sampling(params) -> None:
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+

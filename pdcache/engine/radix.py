@@ -1,0 +1,388 @@
+"""Radix prefix tree of the device tier, at page granularity.
+
+Each edge holds whole pages: `node.key` is `num_pages * page_size` token ids and
+`node.device_page_ids` the device pages holding their K/V. Children are keyed by the tokens of
+their first page, so siblings always differ in their first page and a split happens only at
+a page boundary. Trees are namespaced by `cache_salt`: each salt has its own root, so two
+salts never share a node (nor a page).
+
+Ownership: a page listed in a node belongs to the tree until `evict` frees it back to the
+`PageAllocator`. Requests that reuse a prefix `lock` its last node (lock refs count up the
+whole path); a node with `lock_ref > 0` is never evicted.
+
+Threading: nothing here locks. Every method must be called from the engine thread (the one
+that owns the allocator and the requests).
+
+HiCache extension points (`pdcache.offload_manager`): a node carries `host_page_ids`
+(None = not on host) and `hit_count`; `device_page_ids is None` means its device copy was
+evicted while the node lives on (host-only). The invariant is that on-device nodes form a
+top sub-tree: a node on device has its parent on device. `match_prefix` stops at the first
+node that is not on device; `_on_device_evicted(node)` decides whether a node whose device
+pages were freed is removed (here: when it has no host copy and no children) and
+`on_evict(node, page_ids)` observes every device eviction before the pages are freed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from pdcache.engine.kv_pool import PageAllocator
+
+PageKey = tuple[int, ...]
+
+
+@dataclass(eq=False)
+class RadixNode:
+    """One edge of the tree: whole pages of tokens and where their K/V lives."""
+
+    key: PageKey
+    parent: RadixNode | None
+    salt: str
+    num_pages: int
+    device_page_ids: list[int] | None = None
+    host_page_ids: list[int] | None = None
+    lock_ref: int = 0
+    hit_count: int = 0
+    last_access: int = 0
+    children: dict[PageKey, RadixNode] = field(default_factory=dict)
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_page_ids is not None
+
+    @property
+    def backed_up(self) -> bool:
+        return self.host_page_ids is not None
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def num_device_pages(self) -> int:
+        return self.num_pages if self.device_page_ids is not None else 0
+
+    def path_from_root(self) -> list[RadixNode]:
+        """Nodes from the first below the root down to this one."""
+        path: list[RadixNode] = []
+        node: RadixNode | None = self
+        while node is not None and not node.is_root:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
+
+
+@dataclass
+class MatchResult:
+    """A device-resident prefix: `page_ids` hold tokens `[0, cached_len)`.
+
+    `last_node` is the deepest node the match touched (it may extend past `cached_len` when the
+    match ended inside it); lock it to keep `page_ids` alive. It is the salt's root (or None
+    when the salt has no tree yet) for an empty match.
+    """
+
+    page_ids: list[int]
+    cached_len: int
+    last_node: RadixNode | None
+
+
+@dataclass
+class InsertResult:
+    """`duplicate_page_ids`: pages of the caller whose tokens the tree already held on device;
+    the caller still owns them and must free them. Every other given page now belongs to the
+    tree."""
+
+    duplicate_page_ids: list[int]
+    last_node: RadixNode
+    num_new_pages: int
+
+
+EvictCallback = Callable[[RadixNode, list[int]], None]
+
+
+class RadixTree:
+    """Page-granular prefix tree over the device pages of one `PageAllocator`."""
+
+    def __init__(
+        self,
+        page_size: int,
+        allocator: PageAllocator,
+        on_evict: EvictCallback | None = None,
+    ) -> None:
+        self.page_size = page_size
+        self.allocator = allocator
+        self.on_evict = on_evict
+        self._roots: dict[str, RadixNode] = {}
+        self._clock = itertools.count(1)
+        self._device_pages = 0  # device pages owned by the tree
+        self._locked_pages = 0  # ... of which in nodes with lock_ref > 0
+        self.num_evicted_pages = 0
+
+    # ---- sizes -------------------------------------------------------------------------
+    @property
+    def total_pages(self) -> int:
+        """Device pages the tree owns."""
+        return self._device_pages
+
+    @property
+    def locked_pages(self) -> int:
+        return self._locked_pages
+
+    @property
+    def evictable_pages(self) -> int:
+        """Device pages `evict` could free now (all pages of unlocked nodes)."""
+        return self._device_pages - self._locked_pages
+
+    # ---- lookup ------------------------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int], salt: str = "") -> MatchResult:
+        """Longest device-resident prefix of `token_ids`' full pages under `salt`.
+
+        Read-only: mutates nothing, not even LRU clocks (`lock` touches the path)."""
+        root = self._roots.get(salt)
+        node, page_ids = root, []
+        if root is None:
+            return MatchResult([], 0, None)
+        tokens = tuple(token_ids)
+        num_pages = len(tokens) // self.page_size
+        while len(page_ids) < num_pages:
+            child = node.children.get(self._page_at(tokens, len(page_ids)))
+            if child is None or not child.on_device:
+                break
+            matched = self._count_matching_pages(child.key, tokens, len(page_ids))
+            page_ids.extend(child.device_page_ids[:matched])
+            node = child
+            if matched < child.num_pages:
+                break
+        return MatchResult(page_ids, len(page_ids) * self.page_size, node)
+
+    # ---- insert ------------------------------------------------------------------------
+    def insert(
+        self, token_ids: Sequence[int], page_ids: Sequence[int], salt: str = ""
+    ) -> InsertResult:
+        """Record that `page_ids[i]` holds the K/V of full page i of `token_ids`.
+
+        Mutates the tree (may split nodes, create one leaf) and the LRU clocks of the path.
+        Takes ownership of every given page except the returned duplicates."""
+        tokens = tuple(token_ids)
+        num_pages = min(len(page_ids), len(tokens) // self.page_size)
+        node = self._root_for(salt)
+        done, duplicates, now = 0, [], next(self._clock)
+        while done < num_pages:
+            child = node.children.get(self._page_at(tokens, done))
+            if child is None:
+                node = self._add_leaf(node, tokens, page_ids, done, num_pages)
+                node.last_access = now
+                return InsertResult(duplicates, node, num_pages - done)
+            matched = self._count_matching_pages(child.key, tokens, done, num_pages - done)
+            if matched < child.num_pages:
+                child = self._split(child, matched)
+            duplicates += self._adopt_or_dedupe(child, page_ids[done : done + matched])
+            child.last_access = now
+            node, done = child, done + matched
+        return InsertResult(duplicates, node, 0)
+
+    # ---- lock refs ---------------------------------------------------------------------
+    def lock(self, node: RadixNode | None) -> None:
+        """Protect `node` and its ancestors from eviction; touches their LRU clocks and hit
+        counts. Every `lock` needs exactly one `unlock` of the same node."""
+        now = next(self._clock)
+        for item in self._ancestors(node):
+            if item.lock_ref == 0:
+                self._locked_pages += item.num_device_pages
+            item.lock_ref += 1
+            item.hit_count += 1
+            item.last_access = now
+
+    def unlock(self, node: RadixNode | None) -> None:
+        for item in self._ancestors(node):
+            if item.lock_ref <= 0:
+                raise AssertionError("unlock of a radix node that is not locked")
+            item.lock_ref -= 1
+            if item.lock_ref == 0:
+                self._locked_pages -= item.num_device_pages
+
+    # ---- eviction ----------------------------------------------------------------------
+    def evict(self, num_pages: int) -> int:
+        """Free the device pages of least-recently-used unlocked leaves until at least
+        `num_pages` are freed or nothing evictable is left; returns the pages freed (whole
+        nodes are freed, so it may exceed `num_pages`)."""
+        if num_pages <= 0:
+            return 0
+        order = itertools.count()
+        heap = [(n.last_access, next(order), n) for n in self._iter_nodes() if self._evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            node = heapq.heappop(heap)[2]
+            parent = node.parent
+            freed += self._evict_device(node)
+            if parent is not None and self._evictable(parent):
+                heapq.heappush(heap, (parent.last_access, next(order), parent))
+        return freed
+
+    def flush(self) -> int:
+        """Evict everything that is not locked; returns the pages freed."""
+        return self.evict(self._device_pages)
+
+    # ---- checks ------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise AssertionError on any broken invariant (page ownership, counters, shape)."""
+        seen: set[int] = set()
+        device_pages = locked_pages = 0
+        for node in self._iter_nodes():
+            self._check_node(node, seen)
+            device_pages += node.num_device_pages
+            if node.lock_ref > 0:
+                locked_pages += node.num_device_pages
+        assert device_pages == self._device_pages, (device_pages, self._device_pages)
+        assert locked_pages == self._locked_pages, (locked_pages, self._locked_pages)
+
+    def num_nodes(self) -> int:
+        return sum(1 for _ in self._iter_nodes())
+
+    # ---- internals ---------------------------------------------------------------------
+    def _page_at(self, tokens: PageKey, page_index: int) -> PageKey:
+        start = page_index * self.page_size
+        return tokens[start : start + self.page_size]
+
+    def _count_matching_pages(
+        self, key: PageKey, tokens: PageKey, first_page: int, max_pages: int | None = None
+    ) -> int:
+        """Whole pages of `key` equal to `tokens` from page `first_page` on."""
+        size = self.page_size
+        limit = min(len(key) // size, len(tokens) // size - first_page)
+        if max_pages is not None:
+            limit = min(limit, max_pages)
+        offset = first_page * size
+        if key[: limit * size] == tokens[offset : offset + limit * size]:
+            return limit
+        matched = 0
+        while matched < limit and (
+            self._page_at(key, matched) == self._page_at(tokens, first_page + matched)
+        ):
+            matched += 1
+        return matched
+
+    def _root_for(self, salt: str) -> RadixNode:
+        root = self._roots.get(salt)
+        if root is None:
+            root = RadixNode(key=(), parent=None, salt=salt, num_pages=0, device_page_ids=[])
+            self._roots[salt] = root
+        return root
+
+    def _ancestors(self, node: RadixNode | None) -> Iterator[RadixNode]:
+        while node is not None and not node.is_root:
+            yield node
+            node = node.parent
+
+    def _add_leaf(
+        self, parent: RadixNode, tokens: PageKey, page_ids: Sequence[int], first: int, end: int
+    ) -> RadixNode:
+        size = self.page_size
+        leaf = RadixNode(
+            key=tokens[first * size : end * size],
+            parent=parent,
+            salt=parent.salt,
+            num_pages=end - first,
+            device_page_ids=list(page_ids[first:end]),
+        )
+        parent.children[self._page_at(leaf.key, 0)] = leaf
+        self._device_pages += leaf.num_pages
+        return leaf
+
+    def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
+        """Cut `node` after `num_pages` pages; returns the new upper part (the parent of
+        `node`, which keeps its identity, lock refs and children)."""
+        size = self.page_size
+        upper = RadixNode(
+            key=node.key[: num_pages * size],
+            parent=node.parent,
+            salt=node.salt,
+            num_pages=num_pages,
+            device_page_ids=_head(node.device_page_ids, num_pages),
+            host_page_ids=_head(node.host_page_ids, num_pages),
+            lock_ref=node.lock_ref,
+            hit_count=node.hit_count,
+            last_access=node.last_access,
+        )
+        node.key = node.key[num_pages * size :]
+        node.num_pages -= num_pages
+        node.device_page_ids = _tail(node.device_page_ids, num_pages)
+        node.host_page_ids = _tail(node.host_page_ids, num_pages)
+        upper.parent.children[self._page_at(upper.key, 0)] = upper
+        upper.children[self._page_at(node.key, 0)] = node
+        node.parent = upper
+        return upper
+
+    def _adopt_or_dedupe(self, node: RadixNode, page_ids: Sequence[int]) -> list[int]:
+        """`page_ids` hold the same tokens as `node`: the caller's own copies are duplicates;
+        a node without device pages adopts them."""
+        if node.device_page_ids is None:
+            node.device_page_ids = list(page_ids)
+            self._device_pages += node.num_pages
+            if node.lock_ref > 0:
+                self._locked_pages += node.num_pages
+            return []
+        return [mine for mine, held in zip(page_ids, node.device_page_ids) if mine != held]
+
+    def _evictable(self, node: RadixNode) -> bool:
+        if node.is_root or not node.on_device or node.lock_ref > 0:
+            return False
+        return not any(child.on_device for child in node.children.values())
+
+    def _evict_device(self, node: RadixNode) -> int:
+        page_ids = node.device_page_ids or []
+        if self.on_evict is not None:
+            self.on_evict(node, page_ids)
+        self.allocator.free(page_ids)
+        node.device_page_ids = None
+        self._device_pages -= len(page_ids)
+        self.num_evicted_pages += len(page_ids)
+        self._on_device_evicted(node)
+        return len(page_ids)
+
+    def _on_device_evicted(self, node: RadixNode) -> None:
+        """Drop a node whose device copy is gone unless it still has a host copy or
+        children (HiCache keeps host-only nodes)."""
+        if node.host_page_ids is not None or node.children:
+            return
+        parent = node.parent
+        assert parent is not None
+        del parent.children[self._page_at(node.key, 0)]
+        if parent.is_root and not parent.children:
+            del self._roots[parent.salt]
+
+    def _iter_nodes(self) -> Iterator[RadixNode]:
+        """Every non-root node, parents before children."""
+        stack = [child for root in self._roots.values() for child in root.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _check_node(self, node: RadixNode, seen: set[int]) -> None:
+        size = self.page_size
+        assert node.num_pages >= 1 and len(node.key) == node.num_pages * size, "bad node key"
+        assert node.parent is not None and node.parent.children.get(node.key[:size]) is node
+        assert node.salt == node.parent.salt, "node under a foreign salt"
+        assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock refs"
+        if node.on_device:
+            assert node.parent.is_root or node.parent.on_device, "device node under evicted one"
+            assert len(node.device_page_ids) == node.num_pages, "page count != key pages"
+            for page_id in node.device_page_ids:
+                assert page_id not in seen, f"page {page_id} held twice by the tree"
+                assert self.allocator.is_used(page_id), f"tree holds free page {page_id}"
+                seen.add(page_id)
+        else:
+            assert node.lock_ref == 0, "locked node without device pages"
+
+
+def _head(page_ids: list[int] | None, n: int) -> list[int] | None:
+    return None if page_ids is None else page_ids[:n]
+
+
+def _tail(page_ids: list[int] | None, n: int) -> list[int] | None:
+    return None if page_ids is None else page_ids[n:]

@@ -1,0 +1,129 @@
+"""Internal per-request state of the engine (`Req`), owned by the scheduler.
+
+A request's tokens are `fill_ids = prompt_ids + output_ids`. Its K/V for `fill_ids[:kv_len]`
+lives in `page_ids` (page i holds tokens `[i*S, (i+1)*S)`). The first `num_tree_pages` of
+them are borrowed from the radix tree (kept alive by locking `last_node`); the rest are the
+request's own, allocated from the pool. Engine thread only.
+
+Phases: WAITING → RUNNING (prefill: `kv_len < len(fill_ids)`, in chunks; then decode: each step
+computes the K/V of the last sampled token and samples the next, so `kv_len == len(fill_ids)-1`
+between steps) → FINISHED. A retracted request goes back to WAITING with its output kept and
+re-prefills `fill_ids` (mostly from the cache its retraction inserted).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from pdcache.engine.api import RequestOutput, SamplingParams
+from pdcache.engine.radix import RadixNode
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class ReqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return (num_tokens + page_size - 1) // page_size
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    salt: str
+    on_output: OutputCallback
+    generator: torch.Generator
+    page_size: int
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    page_ids: list[int] = field(default_factory=list)
+    num_tree_pages: int = 0
+    last_node: RadixNode | None = None
+    kv_len: int = 0
+    prefill_done: bool = False
+    cached_len: int | None = None  # prompt tokens reused from the device cache (first admission)
+    computed_tokens: int = 0  # tokens run through an extend forward (recomputation included)
+    num_emitted: int = 0  # output tokens already handed to on_output
+    admit_seq: int = -1
+    num_retractions: int = 0
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_own_pages(self) -> int:
+        return len(self.page_ids) - self.num_tree_pages
+
+    @property
+    def own_page_ids(self) -> list[int]:
+        return self.page_ids[self.num_tree_pages :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def admit(
+        self, prefix_page_ids: list[int], node: RadixNode | None, own_page_ids: list[int], seq: int
+    ) -> None:
+        """WAITING → RUNNING with the K/V of `len(prefix_page_ids)` full pages reused."""
+        assert self.status is ReqStatus.WAITING and not self.page_ids, "admit of a running req"
+        self.page_ids = prefix_page_ids + own_page_ids
+        self.num_tree_pages = len(prefix_page_ids)
+        self.last_node = node
+        self.kv_len = len(prefix_page_ids) * self.page_size
+        if self.cached_len is None:
+            self.cached_len = self.kv_len
+        self.status = ReqStatus.RUNNING
+        self.admit_seq = seq
+        self.check()
+
+    def release_pages(self) -> None:
+        """Forget all pages (the scheduler has already freed or handed them to the tree)."""
+        self.page_ids, self.num_tree_pages, self.last_node = [], 0, None
+        self.kv_len, self.prefill_done = 0, False
+
+    def append_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_ids.append(token_id)
+
+    def take_new_tokens(self) -> list[int]:
+        """Output tokens not yet emitted; marks them emitted."""
+        new = self.output_ids[self.num_emitted :]
+        self.num_emitted = len(self.output_ids)
+        return new
+
+    def check(self) -> None:
+        """Assert the length invariants that tie tokens, K/V and pages together."""
+        size = self.page_size
+        assert 0 <= self.kv_len <= self.fill_len, (self.rid, self.kv_len, self.fill_len)
+        assert len(self.page_ids) * size >= self.kv_len, "K/V beyond the request's pages"
+        assert 0 <= self.num_tree_pages <= len(self.page_ids), "tree pages beyond page_ids"
+        assert self.num_tree_pages * size <= self.kv_len, "reused pages not counted in kv_len"
+        assert len(self.output_ids) <= self.sampling.max_new_tokens, "too many output tokens"
+        if self.status is ReqStatus.RUNNING:
+            assert len(self.page_ids) <= pages_for(self.fill_len, size), "over-allocated"
+            if self.prefill_done:
+                assert self.kv_len == self.fill_len - 1, "decode state out of step"
+        else:
+            assert not self.page_ids and self.last_node is None, "pages held while not running"

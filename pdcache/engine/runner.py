@@ -1,0 +1,70 @@
+"""Turns a `ScheduledBatch` into a `ForwardBatch` and runs the model on it.
+
+Owns nothing but references to the model and the pool; it reads request state and never
+mutates it (the scheduler commits results). Engine thread only.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pdcache.engine.forward import ForwardBatch
+from pdcache.engine.kv_pool import DeviceKVPool
+from pdcache.engine.request import Req
+from pdcache.engine.scheduler import ScheduledBatch
+
+
+class CausalLMLike(Protocol):
+    def forward(self, batch: ForwardBatch, device_kv: torch.Tensor) -> torch.Tensor: ...
+
+
+class ModelRunner:
+    """Builds batch tensors (positions, K/V slots, page table) and calls the model."""
+
+    def __init__(self, model: CausalLMLike, pool: DeviceKVPool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = pool.device_kv.device
+
+    def build(self, batch: ScheduledBatch) -> ForwardBatch:
+        """Flatten the new tokens of `batch`: `extend_lens[b]` tokens of request b, from its
+        `kv_len` on; logits only for `batch.sample_rows`."""
+        size = self.pool.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        out_slots: list[int] = []
+        for req, length in zip(batch.reqs, batch.extend_lens):
+            start = req.kv_len
+            input_ids += req.fill_ids[start : start + length]
+            for pos in range(start, start + length):
+                out_slots.append(req.page_ids[pos // size] * size + pos % size)
+            positions += range(start, start + length)
+        ends = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0) - 1
+        return ForwardBatch(
+            mode=batch.mode,
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
+            out_slots=self._tensor(out_slots),
+            page_table=self._page_table(batch.reqs),
+            prefix_lens=[req.kv_len for req in batch.reqs],
+            extend_lens=list(batch.extend_lens),
+            logits_indices=ends[batch.sample_rows].to(self.device),
+        )
+
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """fp32 logits `[len(batch.sample_rows), vocab]`."""
+        forward_batch = self.build(batch)
+        with torch.inference_mode():
+            return self.model.forward(forward_batch, self.pool.device_kv)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _page_table(self, reqs: list[Req]) -> torch.Tensor:
+        width = max(len(req.page_ids) for req in reqs)
+        table = torch.zeros((len(reqs), width), dtype=torch.long)
+        for row, req in enumerate(reqs):
+            table[row, : len(req.page_ids)] = torch.tensor(req.page_ids, dtype=torch.long)
+        return table.to(self.device)

@@ -1,0 +1,282 @@
+"""Continuous batching with chunked prefill over the paged device pool and the radix tree.
+
+Each `schedule()` admits waiting requests (FIFO) and returns one batch: an EXTEND batch of
+prefill chunks under the token budget `SchedulerConfig.chunked_prefill_tokens`, or a DECODE
+batch of one token per running request (the two alternate when both have work, so a long
+prefill does not stall streaming). `commit()` applies the sampled tokens and finishes
+requests.
+
+Memory: admission reuses the longest cached device prefix (never the whole fill, so at least
+one token is computed and yields logits), locks it, and allocates the pages of the rest of
+the fill up front, evicting LRU cache pages when short; a request that does not fit waits
+(FIFO: nothing behind it is admitted). Decode allocates one page when a request crosses a
+page boundary; when even eviction cannot provide it, the newest running request is retracted:
+its computed full pages go into the tree, the rest is freed, and it waits at the head of the
+queue to re-prefill (mostly from cache).
+
+Every page the scheduler touches is owned by exactly one of: the allocator (free), the tree,
+or one running request (`Req.own_page_ids`). Engine thread only; nothing here locks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdcache.engine.config import CacheConfig, SchedulerConfig
+from pdcache.engine.forward import ForwardMode
+from pdcache.engine.kv_pool import DeviceKVPool
+from pdcache.engine.radix import MatchResult, RadixTree
+from pdcache.engine.request import Req, ReqStatus, pages_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    """What to run: `reqs[b]` computes `extend_lens[b]` new tokens; `sample_rows` are the
+    rows whose logits yield a token (requests whose fill is complete after this batch)."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]
+    sample_rows: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerCounters:
+    admitted: int = 0
+    retracted: int = 0
+    finished: int = 0
+    aborted: int = 0
+    cached_tokens: int = 0  # prompt tokens reused at first admission, over finished requests
+    computed_tokens: int = 0  # tokens run through extend forwards
+
+
+class Scheduler:
+    """Waiting queue, running set and their memory; see the module docstring."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: CacheConfig,
+        pool: DeviceKVPool,
+        tree: RadixTree | None,
+        max_context: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.config = config
+        self.page_size = cache.page_size
+        self.pool = pool
+        self.allocator = pool.allocator
+        self.tree = tree
+        self.max_context = max_context
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.counters = SchedulerCounters()
+        self._admit_seq = 0
+        self._last_mode: ForwardMode | None = None
+
+    # ---- queue -------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, rid: str) -> Req | None:
+        for req in self.running:
+            if req.rid == rid:
+                return req
+        return next((req for req in self.waiting if req.rid == rid), None)
+
+    def abort(self, req: Req, reason: str = "abort", error: str | None = None) -> None:
+        """Finish `req` now, freeing all its pages (nothing of it is cached)."""
+        if req.status is ReqStatus.RUNNING:
+            self._release(req, cache=False)
+            self.running.remove(req)
+        elif req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        req.status, req.finish_reason, req.error = ReqStatus.FINISHED, reason, error
+        self.counters.aborted += 1
+
+    def abort_all(self, error: str) -> list[Req]:
+        reqs = list(self.running) + list(self.waiting)
+        for req in reqs:
+            self.abort(req, error=error)
+        return reqs
+
+    # ---- scheduling --------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """Admit what fits, then pick the next batch (None: nothing runnable)."""
+        self._admit_waiting()
+        prefilling = [r for r in self.running if not r.prefill_done]
+        want_decode = any(r.prefill_done for r in self.running)
+        if prefilling and not (want_decode and self._last_mode is ForwardMode.EXTEND):
+            batch = self._extend_batch(prefilling)
+        elif want_decode:
+            batch = self._decode_batch()
+        else:
+            batch = None
+        if batch is None and prefilling:
+            batch = self._extend_batch([r for r in self.running if not r.prefill_done])
+        self._last_mode = batch.mode if batch else None
+        return batch
+
+    def commit(self, batch: ScheduledBatch, tokens: list[int]) -> list[Req]:
+        """Apply a finished forward: advance K/V lengths, append `tokens` (one per
+        `batch.sample_rows` entry) and finish requests. Returns the requests with new
+        tokens or a finish (FINISHED ones are already released)."""
+        sampled = dict(zip(batch.sample_rows, tokens))
+        touched: list[Req] = []
+        for row, (req, length) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            if req.status is not ReqStatus.RUNNING:
+                continue  # aborted while the batch ran
+            req.kv_len += length
+            if batch.mode is ForwardMode.EXTEND:
+                req.computed_tokens += length
+                self.counters.computed_tokens += length
+            if row in sampled:
+                req.prefill_done = True
+                req.append_token(sampled[row])
+                self._maybe_finish(req, sampled[row])
+                touched.append(req)
+            req.check()
+        return touched
+
+    # ---- admission ---------------------------------------------------------------------
+    def _admit_waiting(self) -> None:
+        pending = sum(r.fill_len - r.kv_len for r in self.running if not r.prefill_done)
+        while (
+            self.waiting
+            and len(self.running) < self.config.max_running_requests
+            and pending < self.config.chunked_prefill_tokens
+        ):
+            req = self.waiting[0]
+            if not self._try_admit(req):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            pending += req.fill_len - req.kv_len
+
+    def _try_admit(self, req: Req) -> bool:
+        match = self._match(req)
+        self._lock(match)
+        need = pages_for(req.fill_len, self.page_size) - len(match.page_ids)
+        headroom = sum(1 for r in self.running if r.prefill_done)  # a page each for decode
+        own = self._alloc(need, reserve=headroom)
+        if own is None:
+            self._unlock(match.last_node)
+            return False
+        req.admit(match.page_ids, match.last_node, own, self._admit_seq)
+        self._admit_seq += 1
+        self.counters.admitted += 1
+        return True
+
+    def _match(self, req: Req) -> MatchResult:
+        if self.tree is None:
+            return MatchResult([], 0, None)
+        # leave at least one token to compute: its logits give the next token
+        return self.tree.match_prefix(req.fill_ids[: req.fill_len - 1], req.salt)
+
+    def _lock(self, match: MatchResult) -> None:
+        if self.tree is not None:
+            self.tree.lock(match.last_node)
+
+    def _unlock(self, node) -> None:
+        if self.tree is not None:
+            self.tree.unlock(node)
+
+    def _alloc(self, num_pages: int, reserve: int = 0) -> list[int] | None:
+        """`num_pages` pages, evicting cache when short, leaving `reserve` more obtainable."""
+        short = num_pages + reserve - self.allocator.num_free
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short)
+        if self.allocator.num_free < num_pages + reserve:
+            return None
+        return self.allocator.alloc(num_pages)
+
+    # ---- batches -----------------------------------------------------------------------
+    def _extend_batch(self, prefilling: list[Req]) -> ScheduledBatch | None:
+        budget = self.config.chunked_prefill_tokens
+        batch = ScheduledBatch(ForwardMode.EXTEND, [], [])
+        for req in prefilling:
+            chunk = min(req.fill_len - req.kv_len, budget)
+            if chunk <= 0:
+                break
+            if req.kv_len + chunk == req.fill_len:
+                batch.sample_rows.append(len(batch.reqs))
+            batch.reqs.append(req)
+            batch.extend_lens.append(chunk)
+            budget -= chunk
+        return batch if batch.reqs else None
+
+    def _decode_batch(self) -> ScheduledBatch | None:
+        """One token per decoding request, giving each a new page when it needs one."""
+        decoding = sorted((r for r in self.running if r.prefill_done), key=lambda r: r.admit_seq)
+        batch: list[Req] = []
+        for req in decoding:
+            if req.status is ReqStatus.RUNNING and self._ensure_decode_page(req):
+                batch.append(req)
+        if not batch:
+            return None
+        return ScheduledBatch(ForwardMode.DECODE, batch, [1] * len(batch), list(range(len(batch))))
+
+    def _ensure_decode_page(self, req: Req) -> bool:
+        """Make room for the K/V of position `req.kv_len`; False if `req` got retracted."""
+        if req.kv_len < len(req.page_ids) * self.page_size:
+            return True
+        while True:
+            page = self._alloc(1)
+            if page is not None:
+                req.page_ids.extend(page)
+                return True
+            victim = max(self.running, key=lambda r: r.admit_seq)
+            self._retract(victim)
+            if victim is req:
+                return False
+
+    def _retract(self, req: Req) -> None:
+        logger.info("retracting %s (kv_len=%d) to free device pages", req.rid, req.kv_len)
+        self._release(req, cache=True)
+        self.running.remove(req)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.waiting.appendleft(req)
+        self.counters.retracted += 1
+
+    # ---- finishing ---------------------------------------------------------------------
+    def _maybe_finish(self, req: Req, token: int) -> None:
+        reason = self._finish_reason(req, token)
+        if reason is None:
+            return
+        self._release(req, cache=True)
+        self.running.remove(req)
+        req.status, req.finish_reason = ReqStatus.FINISHED, reason
+        self.counters.finished += 1
+        self.counters.cached_tokens += req.cached_len or 0
+
+    def _finish_reason(self, req: Req, token: int) -> str | None:
+        params = req.sampling
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= params.max_new_tokens or req.fill_len >= self.max_context:
+            return "length"
+        return None
+
+    def _release(self, req: Req, cache: bool) -> None:
+        """Give back every page of `req`: with `cache`, its computed full pages go to the tree
+        (the tree keeps one copy; duplicates are freed), everything else is freed."""
+        to_free = req.own_page_ids
+        num_full = req.kv_len // self.page_size
+        if cache and self.tree is not None and num_full > req.num_tree_pages:
+            tokens = req.fill_ids[: num_full * self.page_size]
+            result = self.tree.insert(tokens, req.page_ids[:num_full], req.salt)
+            to_free = result.duplicate_page_ids + req.page_ids[num_full:]
+        self.allocator.free(to_free)
+        self._unlock(req.last_node)
+        req.release_pages()
