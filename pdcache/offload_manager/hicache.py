@@ -1,0 +1,432 @@
+"""HiCache controller: backup (device → host → storage), storage prefetch (storage → host) and
+the per-layer host → device load, on top of `HiRadixTree` (DESIGN.md §2, §4.2–4.4).
+
+Engine-thread API (called by the scheduler): `match`, `start_prefetch`, `prefetch_ready`,
+`take_prefetch`, `cancel_prefetch`, `load`, `backup`, `check`. Storage I/O runs on two
+`IoWorker` threads (backup writes, prefetch reads) with bounded queues; their completions
+only touch thread-safe state (the host pool's pins, an op's flags, counters under a lock).
+
+Write policies: `write_through` backs up every inserted node; `write_through_selective` only
+nodes hit at least `write_through_threshold` times; `write_back` backs up a node when the device
+evicts it. A backup copies device pages to host pages, then writes them to storage (if any).
+Prefetch policies decide how long a queued request waits for its storage reads:
+`best_effort` (never waits: takes what has arrived), `wait_complete` (all reads finished),
+`timeout` (finished, or base + per-1k-token × tokens / 1000 capped at max, elapsed).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pdcache import kernels
+from pdcache.engine.api import CachedTokens
+from pdcache.engine.page_keys import chain_page_keys, make_salt
+from pdcache.engine.radix import MatchResult, RadixNode
+from pdcache.offload_manager.hiradix import HiRadixTree, HostMatch
+from pdcache.offload_manager.host_pool import HostKVPool
+from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
+from pdcache.offload_manager.storage.base import StorageBackend
+
+log = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    write_policy: str = "write_through"
+    write_through_threshold: int = 2
+    prefetch_policy: str = "timeout"
+    prefetch_timeout_base_s: float = 2.0
+    prefetch_timeout_per_1k_tokens_s: float = 0.1
+    prefetch_timeout_max_s: float = 30.0
+    prefetch_min_pages: int = 1  # fewer storage hits than this: don't bother prefetching
+    io_batch_pages: int = 64
+    max_queued_io: int = 256
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}")
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch_policy must be one of {PREFETCH_POLICIES}")
+
+    def prefetch_timeout_s(self, num_tokens: int) -> float:
+        per_tokens = self.prefetch_timeout_per_1k_tokens_s * num_tokens / 1000
+        return min(self.prefetch_timeout_base_s + per_tokens, self.prefetch_timeout_max_s)
+
+
+@dataclass
+class HiCacheStats:
+    backup_host_pages: int = 0
+    backup_storage_pages: int = 0
+    backup_skipped_pages: int = 0  # no host room
+    backup_failed_pages: int = 0
+    prefetch_pages: int = 0
+    prefetch_bytes: int = 0
+    prefetch_failed_pages: int = 0
+    prefetch_abandoned_pages: int = 0
+    load_pages: int = 0
+    storage_errors: int = 0
+
+
+@dataclass
+class _Batch:
+    first: int  # index into the op's pages
+    count: int
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: list[bool] = field(default_factory=list)
+    origins: list[str | None] = field(default_factory=list)
+
+
+@dataclass
+class PrefetchOp:
+    """Storage reads for one queued request: pages `first_page ..` of its prompt."""
+
+    rid: str
+    first_page: int
+    keys: list[bytes]
+    host_page_ids: list[int]
+    batches: list[_Batch]
+    deadline: float
+    reason: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return all(b.done.is_set() for b in self.batches)
+
+    def ready_prefix(self) -> tuple[int, list[str | None]]:
+        """Pages readable now: consecutive successes from the start over finished batches."""
+        pages, origins = 0, []
+        for batch in self.batches:
+            if not batch.done.is_set():
+                break
+            for ok, origin in zip(batch.ok, batch.origins):
+                if not ok:
+                    return pages, origins
+                pages += 1
+                origins.append(origin)
+        return pages, origins
+
+
+@dataclass
+class PrefetchResult:
+    """Host pages holding storage hits that continue the device + host match."""
+
+    host_page_ids: list[int]
+    from_decode_pages: int
+
+
+class LayerLoad:
+    """Host → device copy of some pages, one layer at a time, as the forward pass asks for
+    them (`wait(layer)`). On CPU the copy runs in the caller's thread; the host pages stay
+    pinned until the last layer is in."""
+
+    def __init__(self, host_pool: HostKVPool, device_kv: torch.Tensor, host_page_ids: list[int],
+                 device_page_ids: list[int], on_done: Callable[[], None] | None = None) -> None:
+        self.host_pool = host_pool
+        self.device_kv = device_kv
+        self.host_ids = torch.tensor(host_page_ids, dtype=torch.long)
+        self.device_ids = torch.tensor(device_page_ids, dtype=torch.long)
+        self.host_page_ids = host_page_ids
+        self.num_layers = device_kv.shape[0]
+        self._next_layer = 0
+        self._on_done = on_done
+        host_pool.pin(host_page_ids)
+
+    def wait(self, layer: int) -> None:
+        while self._next_layer <= layer:
+            kernels.host_to_device(self.host_pool.host_kv, self.device_kv, self.host_ids,
+                                   self.device_ids, layer=self._next_layer)
+            self._next_layer += 1
+            if self._next_layer == self.num_layers:
+                self._finish()
+
+    def finish(self) -> None:
+        """Load every remaining layer (e.g. when the batch was cancelled)."""
+        self.wait(self.num_layers - 1)
+
+    @property
+    def done(self) -> bool:
+        return self._next_layer >= self.num_layers
+
+    def _finish(self) -> None:
+        self.host_pool.unpin(self.host_page_ids)
+        if self._on_done is not None:
+            self._on_done()
+
+
+class HiCache:
+    """The prefill node's hierarchical cache controller (see module docstring)."""
+
+    def __init__(self, tree: HiRadixTree, device_kv: torch.Tensor, storage: StorageBackend | None,
+                 config: HiCacheConfig, fingerprint: str) -> None:
+        self.tree = tree
+        self.host_pool = tree.host_pool
+        self.device_kv = device_kv
+        self.storage = storage
+        self.config = config
+        self.fingerprint = fingerprint
+        self.page_size = tree.page_size
+        self.stats = HiCacheStats()
+        self._stats_lock = threading.Lock()
+        self._prefetches: dict[str, PrefetchOp] = {}
+        self._abandoned: list[PrefetchOp] = []
+        self._writer = IoWorker(storage, "backup", config.max_queued_io) if storage else None
+        self._reader = IoWorker(storage, "prefetch", config.max_queued_io) if storage else None
+        tree.on_evict = self._on_device_evict
+
+    # ---- matching and loading ----------------------------------------------------------
+    def match(self, token_ids: Sequence[int], salt: str, max_pages: int) -> tuple[MatchResult, HostMatch]:
+        device = self.tree.match_prefix(token_ids[: max_pages * self.page_size], salt)
+        return device, self.tree.match_host(device, token_ids, max_pages)
+
+    def load(self, host: HostMatch, prefetched: PrefetchResult | None,
+             device_page_ids: list[int]) -> tuple[RadixNode | None, LayerLoad | None]:
+        """Start loading host hits (tree nodes) and prefetched pages into `device_page_ids`
+        (host hits first). Host hits are restored into the tree (tree-owned, returned node to
+        lock); prefetched pages' device copies belong to the request. Returns the load to wait on
+        per layer."""
+        host_ids = host.host_page_ids
+        node = self.tree.restore(host, device_page_ids[: len(host_ids)]) if host.nodes else None
+        pref_ids = prefetched.host_page_ids if prefetched else []
+        all_host = host_ids + pref_ids
+        if not all_host:
+            return node, None
+        with self._stats_lock:
+            self.stats.load_pages += len(all_host)
+
+        def release_prefetched() -> None:
+            if pref_ids:
+                self.host_pool.free(pref_ids)
+
+        return node, LayerLoad(self.host_pool, self.device_kv, all_host,
+                               device_page_ids[: len(all_host)], release_prefetched)
+
+    # ---- prefetch ----------------------------------------------------------------------
+    def start_prefetch(self, rid: str, token_ids: Sequence[int], salt: str, first_page: int,
+                       max_pages: int) -> int:
+        """Look up pages `first_page .. max_pages` of the prompt in storage and start reading
+        the consecutive hits into host pages; returns the number of pages being read."""
+        if self._reader is None or max_pages - first_page < self.config.prefetch_min_pages:
+            return 0
+        keys = self.page_keys(token_ids[: max_pages * self.page_size], salt)[first_page:]
+        try:
+            hits = self.storage.exists_prefix(keys)
+        except Exception as exc:
+            log.warning("prefetch of %s: storage lookup failed: %s", rid, exc)
+            self._count(storage_errors=1)
+            return 0
+        if hits < self.config.prefetch_min_pages:
+            return 0
+        host_ids = self._alloc_host(hits)
+        if host_ids is None:
+            log.info("prefetch of %s stopped: no host room for %d pages", rid, hits)
+            return 0
+        op = self._submit_reads(rid, first_page, keys[:hits], host_ids, len(token_ids))
+        self._prefetches[rid] = op
+        return hits
+
+    def prefetch_ready(self, rid: str, now: float | None = None) -> bool:
+        """Whether the queued request may be admitted now, under the prefetch policy."""
+        op = self._prefetches.get(rid)
+        if op is None or self.config.prefetch_policy == "best_effort" or op.complete:
+            return True
+        if self.config.prefetch_policy == "wait_complete":
+            return False
+        return (now or time.monotonic()) >= op.deadline
+
+    def take_prefetch(self, rid: str) -> PrefetchResult | None:
+        """The ready hits of `rid`'s prefetch (host pages, now the caller's until `load`
+        frees them); unfinished or failed pages are released once their reads end."""
+        op = self._prefetches.pop(rid, None)
+        if op is None:
+            return None
+        pages, origins = op.ready_prefix()
+        if pages < len(op.host_page_ids):
+            reason = "incomplete at admission" if not op.complete else "read failure or miss"
+            log.info("prefetch of %s stopped after %d/%d pages: %s", rid, pages,
+                     len(op.host_page_ids), reason)
+            self._abandon(op, pages)
+        self.host_pool.commit(op.host_page_ids[:pages])
+        with self._stats_lock:
+            self.stats.prefetch_pages += pages
+            self.stats.prefetch_bytes += pages * self.host_pool.page_nbytes
+        return PrefetchResult(op.host_page_ids[:pages], sum(o == "decode" for o in origins))
+
+    def cancel_prefetch(self, rid: str) -> None:
+        op = self._prefetches.pop(rid, None)
+        if op is not None:
+            self._abandon(op, 0)
+
+    # ---- backup ------------------------------------------------------------------------
+    def backup(self, token_ids: Sequence[int], salt: str, last_node: RadixNode | None) -> None:
+        """Apply the write policy to the nodes on the path to `last_node` (just inserted or
+        hit): copy them to host and write them to storage."""
+        if last_node is None or self.config.write_policy == "write_back":
+            return
+        path = last_node.path_from_root()
+        keys: list[bytes] | None = None
+        offset = 0
+        for node in path:
+            if node.on_device and not node.backed_up and self._wants_backup(node):
+                keys = keys or self.page_keys(token_ids, salt)
+                self._backup_node(node, keys[offset : offset + node.num_pages])
+            offset += node.num_pages
+
+    def page_keys(self, token_ids: Sequence[int], salt: str) -> list[bytes]:
+        return chain_page_keys(token_ids, self.page_size, make_salt(self.fingerprint, salt))
+
+    # ---- accounting --------------------------------------------------------------------
+    def reap(self) -> None:
+        """Free host pages of abandoned prefetches whose reads have finished."""
+        still = []
+        for op in self._abandoned:
+            if op.complete:
+                self.host_pool.free(op.host_page_ids)
+            else:
+                still.append(op)
+        self._abandoned = still
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.reap()
+            busy = [w for w in (self._writer, self._reader) if w and w.queue_depth]
+            if not busy and not self._abandoned and self.host_pool.num_in_flight == 0 \
+                    and not any(self.host_pool.is_pinned(p) for p in range(self.host_pool.capacity)):
+                return True
+            time.sleep(0.01)
+        return False
+
+    def check(self) -> None:
+        self.tree.check()
+        self.host_pool.check()
+
+    def close(self) -> None:
+        for worker in (self._writer, self._reader):
+            if worker is not None:
+                worker.close()
+
+    def io_stats(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for worker in (self._writer, self._reader):
+            if worker is not None:
+                for name, value in vars(worker.stats).items():
+                    out[f"{worker.name}_{name}"] = value
+        return out
+
+    def cached_tokens(self, device_pages: int, host_pages: int, prefetched: PrefetchResult | None) -> CachedTokens:
+        storage_pages = len(prefetched.host_page_ids) if prefetched else 0
+        from_decode = prefetched.from_decode_pages if prefetched else 0
+        size = self.page_size
+        return CachedTokens(device_pages * size, host_pages * size, storage_pages * size,
+                            from_decode * size)
+
+    # ---- internals ---------------------------------------------------------------------
+    def _wants_backup(self, node: RadixNode) -> bool:
+        if self.config.write_policy == "write_through_selective":
+            return node.hit_count >= self.config.write_through_threshold
+        return True
+
+    def _alloc_host(self, num_pages: int) -> list[int] | None:
+        page_ids = self.host_pool.alloc(num_pages)
+        if page_ids is None:
+            self.tree.evict_host(num_pages - self.host_pool.num_free)
+            page_ids = self.host_pool.alloc(num_pages)
+        return page_ids
+
+    def _backup_node(self, node: RadixNode, keys: list[bytes]) -> None:
+        host_ids = self._alloc_host(node.num_pages)
+        if host_ids is None:
+            self._count(backup_skipped_pages=node.num_pages)
+            return
+        kernels.device_to_host(self.device_kv, self.host_pool.host_kv,
+                               torch.tensor(node.device_page_ids, dtype=torch.long),
+                               torch.tensor(host_ids, dtype=torch.long))
+        self.host_pool.commit(host_ids)
+        node.host_page_ids = host_ids
+        self._count(backup_host_pages=len(host_ids))
+        if self._writer is not None:
+            self._write(keys, host_ids)
+
+    def _write(self, keys: list[bytes], host_ids: list[int]) -> None:
+        self.host_pool.pin(host_ids)
+
+        def done(result: IoResult) -> None:
+            self.host_pool.unpin(host_ids)
+            ok = sum(result.ok)
+            self._count(backup_storage_pages=ok, backup_failed_pages=len(keys) - ok,
+                        storage_errors=1 if result.error else 0)
+
+        task = IoTask(IoKind.WRITE, keys, self.host_pool.page_bytes(host_ids), done, "prefill")
+        if not self._writer.submit(task):
+            self.host_pool.unpin(host_ids)
+            self._count(backup_failed_pages=len(keys))
+
+    def _on_device_evict(self, node: RadixNode, page_ids: list[int]) -> None:
+        """write_back: the last chance to keep this node's KV is before its pages are freed."""
+        if self.config.write_policy != "write_back" or node.backed_up:
+            return
+        host_ids = self.host_pool.alloc(len(page_ids))  # no host eviction inside device eviction
+        if host_ids is None:
+            self._count(backup_skipped_pages=len(page_ids))
+            return
+        kernels.device_to_host(self.device_kv, self.host_pool.host_kv,
+                               torch.tensor(page_ids, dtype=torch.long),
+                               torch.tensor(host_ids, dtype=torch.long))
+        self.host_pool.commit(host_ids)
+        node.host_page_ids = host_ids
+        self._count(backup_host_pages=len(host_ids))
+        if self._writer is not None and node.key:
+            keys = self._node_keys(node)
+            if keys is not None:
+                self._write(keys, host_ids)
+
+    def _node_keys(self, node: RadixNode) -> list[bytes] | None:
+        path = node.path_from_root()
+        tokens = [t for n in path for t in n.key]
+        keys = self.page_keys(tokens, node.salt)
+        return keys[-node.num_pages :]
+
+    def _submit_reads(self, rid: str, first_page: int, keys: list[bytes], host_ids: list[int],
+                      num_tokens: int) -> PrefetchOp:
+        size = self.config.io_batch_pages
+        batches = [_Batch(i, min(size, len(keys) - i)) for i in range(0, len(keys), size)]
+        deadline = time.monotonic() + self.config.prefetch_timeout_s(num_tokens)
+        op = PrefetchOp(rid, first_page, keys, host_ids, batches, deadline)
+        pages = self.host_pool.page_bytes(host_ids)
+        for batch in batches:
+            span = slice(batch.first, batch.first + batch.count)
+            task = IoTask(IoKind.READ, keys[span], pages[span], self._read_done(batch))
+            if not self._reader.submit(task):
+                batch.ok, batch.origins = [False] * batch.count, [None] * batch.count
+                batch.done.set()
+        return op
+
+    def _read_done(self, batch: _Batch):
+        def done(result: IoResult) -> None:
+            batch.ok, batch.origins = result.ok, result.origins
+            if result.error:
+                self._count(storage_errors=1)
+            batch.done.set()
+
+        return done
+
+    def _abandon(self, op: PrefetchOp, keep_pages: int) -> None:
+        rest = PrefetchOp(op.rid, op.first_page + keep_pages, op.keys[keep_pages:],
+                          op.host_page_ids[keep_pages:], op.batches, op.deadline)
+        self._count(prefetch_abandoned_pages=len(rest.host_page_ids))
+        self._abandoned.append(rest)
+        self.reap()
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)

@@ -1,0 +1,138 @@
+"""The radix tree of the hierarchical cache: device residency plus host residency per node.
+
+Extends the device tree (`pdcache.engine.radix`): a node may lose its device pages and live on
+with a host copy (host-only); such nodes hang below the on-device top of the tree. Matching
+continues past the device part through host-only nodes; restoring loads them back on device.
+Host eviction is LRU over host leaves and never touches a node whose host pages are pinned
+(being loaded to device or written to storage).
+
+Threading: like the base tree, engine thread only. Host pages are freed through the
+`HostKVPool`, which is thread-safe.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdcache.engine.kv_pool import PageAllocator
+from pdcache.engine.radix import EvictCallback, MatchResult, RadixNode, RadixTree
+from pdcache.offload_manager.host_pool import HostKVPool
+
+
+@dataclass
+class HostMatch:
+    """Host-only continuation of a device match: `(node, pages matched in it)` in path order."""
+
+    nodes: list[tuple[RadixNode, int]] = field(default_factory=list)
+
+    @property
+    def num_pages(self) -> int:
+        return sum(n for _, n in self.nodes)
+
+    @property
+    def host_page_ids(self) -> list[int]:
+        return [p for node, n in self.nodes for p in node.host_page_ids[:n]]
+
+
+class HiRadixTree(RadixTree):
+    """Radix tree whose nodes may be on device, on host, or both."""
+
+    def __init__(self, page_size: int, allocator: PageAllocator, host_pool: HostKVPool,
+                 on_evict: EvictCallback | None = None) -> None:
+        super().__init__(page_size, allocator, on_evict)
+        self.host_pool = host_pool
+        self.num_host_evicted_pages = 0
+
+    # ---- matching ----------------------------------------------------------------------
+    def match_host(self, device: MatchResult, token_ids: Sequence[int], max_pages: int) -> HostMatch:
+        """Host-only pages that continue `device` (a `match_prefix` result), up to `max_pages`
+        pages in total. Read-only."""
+        match = HostMatch()
+        node, done = device.last_node, len(device.page_ids)
+        if node is None or done >= max_pages or not self._fully_matched(node, done):
+            return match
+        tokens = tuple(token_ids)
+        while done < max_pages:
+            child = node.children.get(self._page_at(tokens, done))
+            if child is None or child.on_device or child.host_page_ids is None:
+                break
+            matched = self._count_matching_pages(child.key, tokens, done, max_pages - done)
+            if matched == 0:
+                break
+            match.nodes.append((child, matched))
+            node, done = child, done + matched
+            if matched < child.num_pages:
+                break
+        return match
+
+    def restore(self, match: HostMatch, device_page_ids: Sequence[int]) -> RadixNode | None:
+        """Give the matched host-only nodes device pages (already filled, or being filled, by
+        the caller's host → device load); returns the deepest restored node (lock it)."""
+        offset, last = 0, None
+        for node, matched in match.nodes:
+            if matched < node.num_pages:
+                node = self._split(node, matched)
+            node.device_page_ids = list(device_page_ids[offset : offset + matched])
+            self._device_pages += matched
+            offset, last = offset + matched, node
+        return last
+
+    # ---- host eviction -----------------------------------------------------------------
+    @property
+    def host_pages(self) -> int:
+        return sum(len(n.host_page_ids) for n in self._iter_nodes() if n.host_page_ids is not None)
+
+    def evict_host(self, num_pages: int) -> int:
+        """Free host copies of least-recently-used host leaves (skipping pinned ones) until
+        `num_pages` are freed or none is left; host-only nodes without children disappear."""
+        if num_pages <= 0:
+            return 0
+        order = itertools.count()
+        heap = [(n.last_access, next(order), n) for n in self._iter_nodes() if self._host_evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            node = heapq.heappop(heap)[2]
+            parent = node.parent
+            freed += self._drop_host(node)
+            if parent is not None and not parent.is_root and self._host_evictable(parent):
+                heapq.heappush(heap, (parent.last_access, next(order), parent))
+        return freed
+
+    def check(self) -> None:
+        super().check()
+        seen: set[int] = set()
+        for node in self._iter_nodes():
+            if node.host_page_ids is None:
+                assert node.on_device, "node with neither device nor host pages"
+                continue
+            assert len(node.host_page_ids) == node.num_pages, "host page count != key pages"
+            for page_id in node.host_page_ids:
+                assert page_id not in seen, f"host page {page_id} held twice by the tree"
+                seen.add(page_id)
+
+    # ---- internals ---------------------------------------------------------------------
+    def _fully_matched(self, node: RadixNode, done_pages: int) -> bool:
+        return node.is_root or sum(n.num_pages for n in node.path_from_root()) == done_pages
+
+    def _host_evictable(self, node: RadixNode) -> bool:
+        if node.host_page_ids is None or node.lock_ref > 0:
+            return False
+        if any(self.host_pool.is_pinned(p) for p in node.host_page_ids):
+            return False
+        return not any(c.host_page_ids is not None for c in node.children.values())
+
+    def _drop_host(self, node: RadixNode) -> int:
+        page_ids = node.host_page_ids or []
+        self.host_pool.free(page_ids)
+        node.host_page_ids = None
+        self.num_host_evicted_pages += len(page_ids)
+        if not node.on_device and not node.children:
+            parent = node.parent
+            del parent.children[self._page_at(node.key, 0)]
+            if parent.is_root and not parent.children:
+                del self._roots[parent.salt]
+        return len(page_ids)

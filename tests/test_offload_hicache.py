@@ -1,0 +1,214 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdcache.engine.kv_pool import PageAllocator
+from pdcache.offload_manager.hicache import HiCache, HiCacheConfig
+from pdcache.offload_manager.hiradix import HiRadixTree
+from pdcache.offload_manager.host_pool import HostKVPool
+from tests.storage_doubles import DictBackend
+
+L, P, S, H, D = 2, 16, 4, 2, 8
+FP = "fp"
+
+
+class Stack:
+    """Device pool + host pool + HiCache over one storage backend."""
+
+    def __init__(self, storage, host_pages: int = 16, **cfg) -> None:
+        self.device_kv = torch.zeros(L, 2, P, S, H, D)
+        self.alloc = PageAllocator(P)
+        self.host = HostKVPool(host_pages, L, S, H, D, torch.float32)
+        self.tree = HiRadixTree(S, self.alloc, self.host)
+        self.cache = HiCache(self.tree, self.device_kv, storage, HiCacheConfig(**cfg), FP)
+
+    def prefill(self, tokens: list[int], salt: str = "") -> list[int]:
+        """Pretend a forward computed `tokens`: fill pages with a pattern, insert, back up."""
+        pages = self.alloc.alloc(len(tokens) // S)
+        for i, page in enumerate(pages):
+            self.device_kv[:, :, page] = float(tokens[i * S]) + torch.arange(S * H * D).view(S, H, D)
+        result = self.tree.insert(tokens, pages, salt)
+        self.cache.backup(tokens, salt, result.last_node)
+        return pages
+
+    def expected(self, tokens: list[int]) -> torch.Tensor:
+        return torch.stack([float(tokens[i * S]) + torch.arange(S * H * D).view(S, H, D)
+                            for i in range(len(tokens) // S)])
+
+    def device_pages(self, page_ids: list[int]) -> torch.Tensor:
+        return self.device_kv[0, 0, page_ids]
+
+    def close(self) -> None:
+        assert self.cache.wait_idle(10)
+        self.cache.check()
+        self.cache.close()
+
+
+TOKENS = list(range(10, 10 + 3 * S))
+
+
+def test_write_through_backs_up_to_host_and_storage_byte_exact() -> None:
+    storage = DictBackend()
+    st = Stack(storage)
+    pages = st.prefill(TOKENS)
+    assert st.cache.wait_idle(10)
+    keys = st.cache.page_keys(TOKENS, "")
+    assert len(storage.pages) == 3
+    for key, page in zip(keys, pages):
+        assert storage.pages[key] == st.device_kv[:, :, page].contiguous().numpy().tobytes()
+    assert st.cache.stats.backup_host_pages == 3 and st.cache.stats.backup_storage_pages == 3
+    st.close()
+
+
+def test_device_eviction_demotes_to_host_and_load_restores() -> None:
+    st = Stack(DictBackend())
+    st.prefill(TOKENS)
+    assert st.tree.evict(3) == 3 and st.alloc.num_used == 0
+    device, host = st.cache.match(TOKENS + [1], "", max_pages=3)
+    assert device.cached_len == 0 and host.num_pages == 3
+    new_pages = st.alloc.alloc(3)
+    node, load = st.cache.load(host, None, new_pages)
+    load.wait(L - 1)
+    assert torch.equal(st.device_kv[:, 0, new_pages][0], st.expected(TOKENS))
+    assert torch.equal(st.device_kv[:, :, new_pages].permute(2, 0, 1, 3, 4, 5).contiguous(),
+                       st.host.host_kv[host.host_page_ids])
+    st.tree.lock(node)
+    assert st.tree.match_prefix(TOKENS, "").cached_len == 3 * S  # back on device
+    st.tree.unlock(node)
+    st.close()
+
+
+def test_partial_host_match_splits_node() -> None:
+    st = Stack(DictBackend())
+    st.prefill(TOKENS)
+    st.tree.evict(3)
+    other = TOKENS[: 2 * S] + [999] * S
+    device, host = st.cache.match(other, "", max_pages=3)
+    assert host.num_pages == 2
+    node, load = st.cache.load(host, None, st.alloc.alloc(2))
+    load.finish()
+    assert node.num_pages == 2 and st.tree.match_prefix(TOKENS, "").cached_len == 2 * S
+    st.close()
+
+
+def test_write_back_backs_up_only_on_eviction() -> None:
+    storage = DictBackend()
+    st = Stack(storage, write_policy="write_back")
+    st.prefill(TOKENS)
+    assert st.host.num_used == 0 and not storage.pages
+    st.tree.evict(3)
+    assert st.host.num_used == 3
+    assert st.cache.wait_idle(10) and len(storage.pages) == 3
+    st.close()
+
+
+def test_write_through_selective_waits_for_hits() -> None:
+    st = Stack(DictBackend(), write_policy="write_through_selective", write_through_threshold=2)
+    st.prefill(TOKENS)
+    assert st.host.num_used == 0
+    node = st.tree.match_prefix(TOKENS, "").last_node
+    for _ in range(2):
+        st.tree.lock(node)
+        st.tree.unlock(node)
+    st.cache.backup(TOKENS, "", node)
+    assert st.host.num_used == 3
+    st.close()
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_prefetch_from_storage_in_a_fresh_process(policy: str) -> None:
+    storage = DictBackend()
+    writer = Stack(storage)
+    writer.prefill(TOKENS)
+    writer.close()
+    st = Stack(storage, prefetch_policy=policy)  # new tiers, same storage
+    assert st.cache.start_prefetch("r", TOKENS + [1], "", first_page=0, max_pages=3) == 3
+    deadline = time.monotonic() + 10
+    while not st.cache._prefetches["r"].complete and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert st.cache.prefetch_ready("r")
+    result = st.cache.take_prefetch("r")
+    assert len(result.host_page_ids) == 3 and result.from_decode_pages == 0
+    device_pages = st.alloc.alloc(3)
+    _, load = st.cache.load(st.cache.match(TOKENS, "", 0)[1], result, device_pages)
+    load.finish()
+    assert torch.equal(st.device_kv[0, 0, device_pages], st.expected(TOKENS))
+    assert st.cache.stats.prefetch_pages == 3
+    assert st.host.num_used == 0  # prefetched host pages were released after the load
+    st.close()
+
+
+def test_prefetch_policies_when_storage_stalls() -> None:
+    storage = DictBackend()
+    writer = Stack(storage)
+    writer.prefill(TOKENS)
+    writer.close()
+    storage.gate.clear()
+    waits = Stack(storage, prefetch_policy="wait_complete")
+    assert waits.cache.start_prefetch("r", TOKENS, "", 0, 3) == 3
+    assert not waits.cache.prefetch_ready("r")
+    times_out = Stack(storage, prefetch_policy="timeout", prefetch_timeout_base_s=0.05,
+                      prefetch_timeout_per_1k_tokens_s=0.0)
+    times_out.cache.start_prefetch("r", TOKENS, "", 0, 3)
+    assert not times_out.cache.prefetch_ready("r")
+    time.sleep(0.06)
+    assert times_out.cache.prefetch_ready("r")
+    assert times_out.cache.take_prefetch("r").host_page_ids == []  # nothing arrived in time
+    assert times_out.cache.stats.prefetch_abandoned_pages == 3
+    storage.gate.set()
+    waits.cache.cancel_prefetch("r")
+    waits.close()
+    times_out.close()  # abandoned pages were freed once their reads ended
+    assert times_out.host.num_free == times_out.host.capacity
+
+
+def test_storage_down_is_survived() -> None:
+    storage = DictBackend()
+    storage.down = True
+    st = Stack(storage)
+    st.prefill(TOKENS)
+    assert st.cache.wait_idle(10)
+    assert st.cache.stats.backup_failed_pages == 3 and st.cache.stats.storage_errors == 1
+    storage.down = False
+    fresh = Stack(storage)
+    assert fresh.cache.start_prefetch("r", TOKENS, "", 0, 3) == 0  # nothing was stored
+    more = [t + 100 for t in TOKENS]
+    st.prefill(more)
+    assert st.cache.wait_idle(10) and len(storage.pages) == 3  # worker recovered
+    st.close()
+    fresh.close()
+
+
+def test_host_eviction_is_lru_and_skips_pinned() -> None:
+    st = Stack(DictBackend(), host_pages=6)
+    a, b, c, d = (list(range(k, k + 3 * S)) for k in (100, 200, 300, 400))
+    st.prefill(a)
+    st.prefill(b)
+    assert st.cache.wait_idle(10)  # storage writes done: host copies unpinned
+    st.tree.evict(6)  # both live on host only now; a is the least recently used
+    node_a = st.cache.match(a, "", 3)[1].nodes[0][0]
+    st.host.pin(node_a.host_page_ids)  # a is being loaded: not evictable
+    assert st.tree.evict_host(3) == 3
+    assert st.cache.match(b, "", 3)[1].num_pages == 0
+    assert st.cache.match(a, "", 3)[1].num_pages == 3
+    st.host.unpin(node_a.host_page_ids)
+    st.prefill(c)
+    st.prefill(d)  # host full: the LRU host copy (a) goes
+    assert st.cache.match(a, "", 3)[1].num_pages == 0
+    assert st.tree.match_prefix(c, "").cached_len == 3 * S
+    st.close()
+
+
+def test_tenants_never_share() -> None:
+    storage = DictBackend()
+    st = Stack(storage)
+    st.prefill(TOKENS, salt="alice")
+    fresh = Stack(storage)
+    assert fresh.cache.start_prefetch("r", TOKENS, "bob", 0, 3) == 0
+    assert fresh.cache.start_prefetch("s", TOKENS, "alice", 0, 3) == 3
+    fresh.cache.cancel_prefetch("s")
+    st.close()
+    fresh.close()
