@@ -1,0 +1,83 @@
+"""`pdcache launch CONFIG`: start, render or print the deployment a topology file describes.
+
+Exit codes: 0 after a requested shutdown (Ctrl-C, SIGTERM) or a successful render/dry run;
+1 when a process cannot come up or dies under `--no-restart`; 2 for an invalid topology or
+invalid flags (the message names the file, the key and what was expected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pdcache.launch.launcher import (
+    ProcessSpec,
+    build_process_specs,
+    launcher_for,
+    select_host,
+    ssh_specs,
+)
+from pdcache.launch.topology import Topology, TopologyError, load_topology
+
+DEFAULT_LOG_DIR = "./.pdcache/logs"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="CONFIG", help="topology TOML file (see configs/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a key: model.preset=tiny, node.p0.port=31000 (repeatable)")
+    parser.add_argument("--render", choices=["sglang"],
+                        help="print the equivalent deployment instead of starting it")
+    parser.add_argument("--log-dir", default=DEFAULT_LOG_DIR,
+                        help=f"per-process logs and processes.json (default {DEFAULT_LOG_DIR})")
+    parser.add_argument("--no-restart", action="store_true",
+                        help="when a process dies, stop everything and exit 1 instead of restarting it")
+    parser.add_argument("--host", metavar="NAME", help="start only the processes of this host")
+    parser.add_argument("--ssh", action="store_true",
+                        help="start every host's part over ssh (pdcache launch --host on each)")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, start nothing")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        topology = load_topology(args.config, args.overrides)
+        if args.render == "sglang":
+            from pdcache.launch.render_sglang import render_sglang
+
+            sys.stdout.write(render_sglang(topology))
+            return 0
+        specs = plan(topology, args)
+    except TopologyError as exc:
+        print(f"pdcache launch: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if args.dry_run:
+        print_plan(specs, Path(args.log_dir))
+        return 0
+    launcher = launcher_for(topology, specs, Path(args.log_dir), restart=not args.no_restart)
+    return launcher.run()
+
+
+def plan(topology: Topology, args: argparse.Namespace) -> list[ProcessSpec]:
+    """The processes this invocation starts (all, one host's, or one ssh per host)."""
+    specs = build_process_specs(topology)
+    if args.ssh and args.host:
+        raise TopologyError(topology.source, "", "--ssh and --host exclude each other")
+    if args.ssh:
+        remote_specs = build_process_specs(topology, config_path=args.config)
+        flags = ["--log-dir", args.log_dir] + (["--no-restart"] if args.no_restart else [])
+        return ssh_specs(topology, remote_specs, args.config, flags)
+    if args.host:
+        selected = select_host(specs, args.host)
+        if not selected:
+            hosts = ", ".join(dict.fromkeys(s.host for s in specs))
+            raise TopologyError(topology.source, "", f"--host {args.host}: nothing runs there (hosts: {hosts})")
+        return selected
+    return specs
+
+
+def print_plan(specs: list[ProcessSpec], log_dir: Path) -> None:
+    for spec in specs:
+        checks = ", ".join(c.describe() for c in spec.health) or "none"
+        print(f"# {spec.name} ({spec.role} on {spec.host}; health {checks}; log {log_dir / spec.name}.log)")
+        print(spec.shell_line())
