@@ -1,0 +1,53 @@
+"""Frozen configuration of the prefill → decode KV transfer (control plane + data engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENGINE_NAMES = ("mooncake", "zmq", "nixl")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Everything the transfer layer of one node needs; built once and passed explicitly.
+
+    `protocol` and `device_names` are handed to the data engine unchanged: `tcp` and "" on a
+    laptop, `rdma` and e.g. "mlx5_0,mlx5_1" on a cluster (Mooncake); NIXL picks its backend
+    from `nixl_backend`.
+    """
+
+    engine: str = "mooncake"
+    protocol: str = "tcp"
+    device_names: str = ""
+    local_host: str = "127.0.0.1"  # address the data engine advertises and listens on
+    metadata_server: str = "P2PHANDSHAKE"  # Mooncake: no etcd needed with P2P handshakes
+    nixl_backend: str = "UCX"
+    # Deadlines (seconds). Every wait in the transfer layer is bounded by one of these.
+    bootstrap_timeout_s: float = 30.0  # a room's two halves (prefill KV, decode pages) meet
+    room_timeout_s: float = 120.0  # a room from creation to Success, on both sides
+    heartbeat_interval_s: float = 1.0
+    heartbeat_misses: int = 3  # a peer silent for interval * misses is declared dead
+    abort_ack_timeout_s: float = 10.0  # decode keeps aborted pages until prefill acks (or this)
+    # Limits.
+    max_message_bytes: int = 1 << 20  # control messages; larger ones are rejected and counted
+    max_batch_entries: int = 1024  # entries per engine batch (Mooncake TCP lanes queue ~2048)
+    max_batch_bytes: int = 64 << 20  # bytes per engine batch; bounds abort latency too
+    transfer_workers: int = 2  # sender threads running engine writes
+    finished_rooms_kept: int = 65536  # outcomes remembered after release, for poll()/late msgs
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINE_NAMES:
+            raise ValueError(f"transfer.engine: unknown '{self.engine}', choose {ENGINE_NAMES}")
+        for name in ("bootstrap_timeout_s", "room_timeout_s", "heartbeat_interval_s",
+                     "abort_ack_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"transfer.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("heartbeat_misses", "max_message_bytes", "max_batch_entries",
+                     "max_batch_bytes", "transfer_workers", "finished_rooms_kept"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"transfer.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def peer_dead_after_s(self) -> float:
+        """Silence after which a peer is declared dead and its rooms fail."""
+        return self.heartbeat_interval_s * self.heartbeat_misses

@@ -1,0 +1,168 @@
+"""The control thread: one thread that owns a set of ZeroMQ sockets.
+
+ZeroMQ sockets are not thread-safe, so every socket of the control plane (the prefill's
+bootstrap ROUTER, decode's DEALERs) is created, read, written and closed on this thread only.
+Other threads hand it work with `call_soon(fn)` (a queue plus a wake-up pipe polled next to
+the sockets), so sending a message from the scheduler or a transfer worker never touches a
+socket directly. `on_tick` runs at least every `tick_s` for heartbeats and deadlines.
+Exceptions in handlers are logged and counted; the thread keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from pdcache.transfer.messages import Message, MessageError, decode, encode
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[zmq.Socket], None]
+
+
+class ControlLoop:
+    """Owns sockets and runs their handlers on one thread; see the module docstring."""
+
+    def __init__(self, name: str, tick_s: float, on_tick: Callable[[], None]) -> None:
+        self.name = name
+        self.ctx = zmq.Context.instance()
+        self._tick_s = tick_s
+        self._on_tick = on_tick
+        self._handlers: dict[zmq.Socket, Handler] = {}
+        self._poller = zmq.Poller()
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._stop = threading.Event()
+        self._wake_lock = threading.Lock()  # the pipe is closed once, never written after
+        self._thread = threading.Thread(target=self._run, name=f"pdcache-{name}", daemon=True)
+        self.errors = 0
+
+    # ---- any thread ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the control thread (FIFO order)."""
+        self._calls.put(fn)
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except (BlockingIOError, OSError):
+                pass  # pipe full: the thread is awake anyway
+
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread; sockets are closed with linger 0. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self.call_soon(lambda: None)
+        if self._thread.is_alive() and not self.on_thread():
+            self._thread.join(timeout_s)
+        with self._wake_lock:
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._wake_r = self._wake_w = -1
+
+    # ---- control thread only ---------------------------------------------------------------
+    def add_socket(self, sock: zmq.Socket, handler: Handler) -> None:
+        self._handlers[sock] = handler
+        self._poller.register(sock, zmq.POLLIN)
+
+    def remove_socket(self, sock: zmq.Socket) -> None:
+        if sock in self._handlers:
+            del self._handlers[sock]
+            self._poller.unregister(sock)
+        sock.close(linger=0)
+
+    def _run(self) -> None:
+        timeout_ms = max(1, int(self._tick_s * 1000))
+        while not self._stop.is_set():
+            self._guard(self._poll_once, timeout_ms)
+            self._guard(self._on_tick)
+        self._run_calls()  # flush messages queued before stop (e.g. aborts at shutdown)
+        for sock in list(self._handlers):
+            self._poller.unregister(sock)
+            sock.close(linger=200)
+        self._handlers.clear()
+
+    def _poll_once(self, timeout_ms: int) -> None:
+        events = dict(self._poller.poll(timeout_ms))
+        if self._wake_r in events:
+            self._drain_wake()
+        self._run_calls()
+        for sock, handler in list(self._handlers.items()):
+            if sock in events:
+                self._drain_socket(sock, handler)
+
+    def _drain_socket(self, sock: zmq.Socket, handler: Handler) -> None:
+        # Bounded so one chatty peer cannot starve the others or the tick.
+        for _ in range(256):
+            if sock not in self._handlers or not sock.poll(0, zmq.POLLIN):
+                return
+            self._guard(handler, sock)
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            self._guard(fn)
+
+    def _guard(self, fn: Callable, *args: object) -> None:
+        try:
+            fn(*args)
+        except zmq.ContextTerminated:
+            self._stop.set()
+        except Exception:
+            self.errors += 1
+            logger.exception("%s: control handler failed (thread keeps running)", self.name)
+
+
+class RejectCounter:
+    """Counts rejected control messages per kind and logs them, rate-limited."""
+
+    def __init__(self, side: str) -> None:
+        self.side = side
+        self.counts: dict[str, int] = {}
+
+    def record(self, err: MessageError, origin: str) -> None:
+        total = sum(self.counts.values())
+        self.counts[err.kind] = self.counts.get(err.kind, 0) + 1
+        if total < 20 or total % 1000 == 0:
+            logger.warning("%s: rejected control message from %s: %s", self.side, origin, err)
+
+
+def parse(frame: bytes, max_bytes: int, rejects: RejectCounter, origin: str) -> Message | None:
+    """Decode a frame; on MessageError count it and return None (the caller keeps serving)."""
+    try:
+        return decode(frame, max_bytes)
+    except MessageError as err:
+        rejects.record(err, origin)
+        return None
+
+
+__all__ = ["ControlLoop", "RejectCounter", "encode", "parse"]

@@ -1,0 +1,102 @@
+"""The one interface every KV data engine implements, and the registry that picks one.
+
+An engine moves bytes from this process's memory into a peer's registered memory:
+
+- target side (decode): `register_target(addr, nbytes)` exposes a region to peers;
+  `session()` is the opaque address a peer needs to reach it (sent in `Register`).
+- initiator side (prefill): `register_source(addr, nbytes)` declares local memory it reads;
+  `add_peer(session)` returns a handle; `submit(peer, batch)` starts a batched write and
+  returns a ticket; `wait(ticket, timeout_s)` blocks until every byte has landed in the
+  peer's memory or raises `EngineError` (failure, dead peer, deadline).
+
+Completion is notified to the peer over the control plane (`Done`), never by the engine, so
+the same ordering guarantee holds for every engine. Engines are used by one transfer worker
+per ticket; `submit`/`wait`/`add_peer` must be safe to call from several worker threads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from pdcache.transfer.config import TransferConfig
+from pdcache.transfer.layout import WriteBatch
+from pdcache.utils.registry import Registry
+
+
+class EngineError(RuntimeError):
+    """A data-engine operation failed; the message says which peer and why."""
+
+
+class EngineTimeout(EngineError):
+    """wait() ran out of time; the ticket is still valid (wait again, or cancel it)."""
+
+
+class KVTransferEngine(ABC):
+    """See the module docstring for the contract."""
+
+    name: str = ""
+
+    def __init__(self, config: TransferConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def session(self) -> bytes:
+        """This endpoint's address for peers (valid once targets are registered)."""
+
+    @abstractmethod
+    def register_target(self, addr: int, nbytes: int) -> None:
+        """Let peers write into [addr, addr + nbytes)."""
+
+    @abstractmethod
+    def register_source(self, addr: int, nbytes: int) -> None:
+        """Declare [addr, addr + nbytes) as memory this endpoint writes from."""
+
+    @abstractmethod
+    def add_peer(self, session: bytes) -> Any:
+        """Prepare writes to the endpoint `session`; returns the peer handle for submit()."""
+
+    def remove_peer(self, peer: Any) -> None:  # noqa: B027 - optional hook
+        """Forget a peer (after it died or unregistered)."""
+
+    @abstractmethod
+    def submit(self, peer: Any, batch: WriteBatch) -> Any:
+        """Start writing `batch` to `peer`; returns a ticket for wait()."""
+
+    @abstractmethod
+    def wait(self, ticket: Any, timeout_s: float) -> None:
+        """Block until the ticket's bytes landed.
+
+        Raises EngineTimeout when `timeout_s` passes first (the ticket stays valid) and
+        EngineError when the write failed (the ticket is finished). Engines whose library only
+        offers a blocking completion call (Mooncake) may overrun `timeout_s` up to the
+        library's own transfer timeout.
+        """
+
+    def cancel(self, ticket: Any) -> None:  # noqa: B027 - optional hook
+        """Give up on a ticket: stop or drop what can still be stopped; never raises."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release sockets, threads and registrations. Idempotent."""
+
+    def write(self, peer: Any, batch: WriteBatch, timeout_s: float) -> None:
+        """submit + wait; on timeout the ticket is cancelled and EngineTimeout raised."""
+        ticket = self.submit(peer, batch)
+        try:
+            self.wait(ticket, timeout_s)
+        except EngineTimeout:
+            self.cancel(ticket)
+            raise
+
+
+ENGINES: Registry[KVTransferEngine] = Registry("transfer engine")
+ENGINES.register("zmq", "pdcache.transfer.engines.zmq_engine:ZmqEngine")
+ENGINES.register("mooncake", "pdcache.transfer.engines.mooncake_engine:MooncakeEngine",
+                 package="mooncake-transfer-engine-non-cuda")
+ENGINES.register("nixl", "pdcache.transfer.engines.nixl_engine:NixlEngine", package="nixl-cu12")
+
+
+def create_engine(config: TransferConfig) -> KVTransferEngine:
+    """Instantiate the engine named by `config.engine` (imports its dependency lazily)."""
+    return ENGINES.get(config.engine)(config)

@@ -1,0 +1,122 @@
+"""`mooncake` engine: Mooncake TransferEngine, one-sided batched writes into the peer's memory.
+
+Protocol and devices come from the config: `tcp` with P2P handshakes on a laptop (no etcd),
+`rdma` + NIC names on a cluster — same code. Batches are already coalesced into contiguous
+runs by the caller and split to at most `max_batch_entries` entries (Mooncake's TCP lanes
+reject more than ~2048 queued transfers per peer).
+
+Mooncake's completion call (`get_batch_transfer_status`) blocks until the batch finished or
+its own transfer timeout (`MC_TRANSFER_TIMEOUT`, set from `room_timeout_s` unless already
+set) — so `wait()` may overrun its `timeout_s` by that much, and `cancel()` cannot recall
+writes. Environment defaults set here before the engine starts: MC_TCP_BIND_ADDRESS (the
+data socket otherwise binds every interface), MC_LOG_LEVEL=ERROR.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from dataclasses import dataclass
+
+from pdcache.transfer.config import TransferConfig
+from pdcache.transfer.engines.base import EngineError, KVTransferEngine
+from pdcache.transfer.layout import WriteBatch
+from pdcache.utils.registry import import_optional
+
+_PACKAGE = "mooncake-transfer-engine-non-cuda"
+
+
+def _load_engine_class():
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    module = import_optional("mooncake.engine", "transfer engine 'mooncake'", _PACKAGE)
+    return module.TransferEngine
+
+
+@dataclass
+class _Ticket:
+    session: str
+    batch_ids: list[int]
+    nbytes: int
+    done: bool = False
+
+
+class MooncakeEngine(KVTransferEngine):
+    """See the module docstring. Mooncake's Python API is thread-safe for these calls."""
+
+    name = "mooncake"
+
+    def __init__(self, config: TransferConfig) -> None:
+        super().__init__(config)
+        if config.protocol == "tcp":
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_host)
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(math.ceil(config.room_timeout_s)))
+        self._engine = _load_engine_class()()
+        rc = self._engine.initialize(config.local_host, config.metadata_server, config.protocol,
+                                     config.device_names)
+        if rc != 0:
+            raise EngineError(
+                f"mooncake: initialize({config.local_host!r}, {config.metadata_server!r}, "
+                f"{config.protocol!r}, {config.device_names!r}) failed with {rc}")
+        self._session = f"{config.local_host}:{self._engine.get_rpc_port()}"
+        self._registered: list[int] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def session(self) -> bytes:
+        return self._session.encode()
+
+    def register_target(self, addr: int, nbytes: int) -> None:
+        self._register(addr, nbytes)
+
+    def register_source(self, addr: int, nbytes: int) -> None:
+        self._register(addr, nbytes)
+
+    def _register(self, addr: int, nbytes: int) -> None:
+        rc = self._engine.register_memory(addr, nbytes)
+        if rc != 0:
+            raise EngineError(f"mooncake: register_memory({addr:#x}, {nbytes}) failed with {rc}")
+        with self._lock:
+            self._registered.append(addr)
+
+    def add_peer(self, session: bytes) -> str:
+        return session.decode()  # Mooncake connects on first write (P2P handshake)
+
+    def submit(self, peer: str, batch: WriteBatch) -> _Ticket:
+        batch_ids: list[int] = []
+        limit = self.config.max_batch_entries
+        for start in range(0, len(batch), limit):
+            stop = start + limit
+            batch_id = self._engine.batch_transfer_async_write(
+                peer, batch.srcs[start:stop].tolist(), batch.dsts[start:stop].tolist(),
+                batch.lengths[start:stop].tolist())
+            if batch_id <= 0:
+                if batch_ids:
+                    self._engine.get_batch_transfer_status(batch_ids)  # reap what started
+                raise EngineError(f"mooncake → {peer}: submitting a batch failed ({batch_id})")
+            batch_ids.append(batch_id)
+        return _Ticket(peer, batch_ids, batch.nbytes)
+
+    def wait(self, ticket: _Ticket, timeout_s: float) -> None:
+        if ticket.done:
+            raise EngineError("mooncake: ticket already completed")
+        ticket.done = True  # the status call frees Mooncake's batch descriptors either way
+        rc = self._engine.get_batch_transfer_status(ticket.batch_ids)
+        if rc != 0:
+            raise EngineError(
+                f"mooncake → {ticket.session}: batch write of {ticket.nbytes} bytes failed "
+                f"({rc}); the peer may be dead or the destination unregistered")
+
+    def cancel(self, ticket: _Ticket) -> None:
+        if not ticket.done:
+            ticket.done = True
+            self._engine.get_batch_transfer_status(ticket.batch_ids)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            registered, self._registered = self._registered, []
+        for addr in registered:
+            self._engine.unregister_memory(addr)

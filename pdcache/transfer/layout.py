@@ -1,0 +1,103 @@
+"""Address arithmetic of a paged KV pool `kv[L, 2, P, S, H, D]` and of page-to-page copies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where each page of a contiguous `[L, 2, P, ...]` pool lives in memory.
+
+    The page of layer l, K/V k (0 = K, 1 = V), page p starts at
+    `base_addr + ((l * 2 + k) * num_pages + p) * page_bytes`.
+    """
+
+    base_addr: int
+    num_layers: int
+    num_pages: int
+    page_bytes: int
+
+    @classmethod
+    def from_tensor(cls, kv: torch.Tensor) -> KVLayout:
+        if kv.dim() < 3 or kv.shape[1] != 2:
+            raise ValueError(f"KV pool must be [L, 2, P, ...], got shape {tuple(kv.shape)}")
+        if not kv.is_contiguous():
+            raise ValueError("KV pool must be contiguous")
+        page_bytes = kv[0, 0, 0].numel() * kv.element_size()
+        return cls(kv.data_ptr(), kv.shape[0], kv.shape[2], page_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_layers * 2 * self.num_pages * self.page_bytes
+
+    def check_pages(self, page_ids: np.ndarray, what: str) -> None:
+        if page_ids.size and (page_ids.min() < 0 or page_ids.max() >= self.num_pages):
+            raise ValueError(f"{what} page ids outside [0, {self.num_pages})")
+
+    def page_addrs(self, page_ids: np.ndarray) -> np.ndarray:
+        """Addresses of every (layer, K/V, page), layer-major: shape [L * 2 * len(page_ids)]."""
+        slabs = np.arange(self.num_layers * 2, dtype=np.int64)[:, None] * self.num_pages
+        pages = slabs + np.asarray(page_ids, dtype=np.int64)[None, :]
+        return (self.base_addr + pages * self.page_bytes).reshape(-1)
+
+
+@dataclass(frozen=True)
+class WriteBatch:
+    """A batched copy: entry i copies lengths[i] bytes from local srcs[i] to remote dsts[i]."""
+
+    srcs: np.ndarray  # int64 addresses in the writer's memory
+    dsts: np.ndarray  # int64 addresses in the peer's memory
+    lengths: np.ndarray  # int64 byte counts
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum())
+
+    def __len__(self) -> int:
+        return int(self.lengths.size)
+
+    def coalesced(self) -> WriteBatch:
+        """Merge entries whose source and destination both continue the previous entry."""
+        if len(self) <= 1:
+            return self
+        ends_src = self.srcs[:-1] + self.lengths[:-1]
+        ends_dst = self.dsts[:-1] + self.lengths[:-1]
+        starts = np.concatenate(([True], (self.srcs[1:] != ends_src) | (self.dsts[1:] != ends_dst)))
+        first = np.flatnonzero(starts)
+        lengths = np.add.reduceat(self.lengths, first)
+        return WriteBatch(self.srcs[first], self.dsts[first], lengths)
+
+    def split(self, max_entries: int, max_bytes: int) -> list[WriteBatch]:
+        """Consecutive sub-batches of at most `max_entries` entries and about `max_bytes`."""
+        parts: list[WriteBatch] = []
+        start = 0
+        cumulative = np.cumsum(self.lengths)
+        while start < len(self):
+            base = cumulative[start - 1] if start else 0
+            by_bytes = int(np.searchsorted(cumulative, base + max_bytes, side="right"))
+            end = min(start + max_entries, max(by_bytes, start + 1), len(self))
+            parts.append(WriteBatch(self.srcs[start:end], self.dsts[start:end],
+                                    self.lengths[start:end]))
+            start = end
+        return parts
+
+
+def page_copy_batch(src: KVLayout, dst: KVLayout, src_pages: np.ndarray,
+                    dst_pages: np.ndarray) -> WriteBatch:
+    """Every layer's K and V page src_pages[i] → dst_pages[i], coalesced into runs."""
+    if src.page_bytes != dst.page_bytes or src.num_layers != dst.num_layers:
+        raise ValueError(
+            f"KV layouts differ: {src.num_layers} layers × {src.page_bytes} B pages vs "
+            f"{dst.num_layers} × {dst.page_bytes}"
+        )
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    src.check_pages(src_pages, "source")
+    dst.check_pages(dst_pages, "destination")
+    srcs = src.page_addrs(src_pages)
+    lengths = np.full(srcs.size, src.page_bytes, dtype=np.int64)
+    return WriteBatch(srcs, dst.page_addrs(dst_pages), lengths).coalesced()

@@ -1,0 +1,408 @@
+"""Decode side: `KVReceiver` registers decode's KV pool with prefill peers and waits for rooms.
+
+Usage by the decode node::
+
+    receiver = KVReceiver(config, device_kv, on_release=on_room_released).start()
+    receiver.connect(bootstrap_addr)                 # optional: request() connects lazily
+    receiver.request(room, bootstrap_addr, dst_page_ids, num_tokens)
+    result = receiver.wait(room, timeout_s)          # TransferResult, or raises TransferError
+    receiver.abort(room, "client disconnected"); receiver.close()
+
+Per prefill peer there is one DEALER socket: `Register` (engine session, base address and
+page geometry of the pool) goes first, then every room's `RoomRequest`; ZeroMQ keeps their
+order. Pings go out every heartbeat interval; a peer silent for `peer_dead_after_s` is
+declared dead and its rooms fail.
+
+Release rule (pages are never reused while prefill may still write them): a room released
+on SUCCESS or on prefill's Abort is released at once; a room decode fails itself (abort,
+timeout) is released when prefill acks the abort, when the peer is declared dead, or after
+`abort_ack_timeout_s` (counted). `on_release(outcome)` runs then; on FAILED the node frees
+the room's pages, on SUCCESS it owns the filled pages.
+
+Threads and what they mutate:
+- control thread: the DEALER sockets and `_peers`; room transitions caused by prefill
+  messages, heartbeats and deadlines.
+- caller threads (`request`, `wait`, `abort`, `connect`): room creation and local failure via
+  RoomTable (locked); they reach sockets only through `ControlLoop.call_soon`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from pdcache.transfer.config import TransferConfig
+from pdcache.transfer.control import ControlLoop, RejectCounter, parse
+from pdcache.transfer.engines.base import create_engine
+from pdcache.transfer.errors import TransferError, TransferTimeout
+from pdcache.transfer.layout import KVLayout
+from pdcache.transfer.messages import (
+    Abort,
+    AbortAck,
+    Done,
+    MessageError,
+    Ping,
+    Pong,
+    Register,
+    RegisterAck,
+    RoomRequest,
+    Started,
+    encode,
+    pack_pages,
+)
+from pdcache.transfer.rooms import Outcome, ReleaseCallback, RoomState, RoomTable, UnknownRoom
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """What prefill reported with `done`."""
+
+    room: int
+    first_token: int
+    stats: dict
+    nbytes: int
+    elapsed_s: float
+
+
+@dataclass
+class _RecvRoom:
+    """Decode-side room payload (RoomTable.data)."""
+
+    peer_addr: str
+    dst_pages: np.ndarray
+    num_tokens: int
+    done: threading.Event = field(default_factory=threading.Event)
+    result: TransferResult | None = None
+    failed_at: float = 0.0  # when decode failed it while prefill might still write
+    timed_out: bool = False
+
+
+@dataclass
+class _Peer:
+    """A prefill bootstrap endpoint; owned by the control thread."""
+
+    addr: str
+    socket: zmq.Socket
+    ready: threading.Event = field(default_factory=threading.Event)
+    error: str = ""
+    prefill_id: str = ""
+    last_seen: float = field(default_factory=time.monotonic)
+    last_ping: float = 0.0
+
+
+class KVReceiver:
+    """The decode node's end of the KV transfer; see the module docstring."""
+
+    def __init__(self, config: TransferConfig, device_kv: torch.Tensor,
+                 on_release: ReleaseCallback | None = None, decode_id: str = "") -> None:
+        self.config = config
+        self.layout = KVLayout.from_tensor(device_kv)
+        self._kv = device_kv
+        self.decode_id = decode_id or f"decode-{uuid.uuid4().hex[:8]}"
+        self._user_release = on_release
+        self.rooms = RoomTable("decode", config.finished_rooms_kept, self._released)
+        self._peers: dict[str, _Peer] = {}  # control thread only
+        self._peer_events: dict[str, _Peer] = {}  # for connect(); guarded by _events_lock
+        self._events_lock = threading.Lock()
+        self.rejects = RejectCounter(f"decode {self.decode_id}")
+        self.counters = {"bytes_received": 0, "peers_lost": 0, "abort_ack_timeouts": 0,
+                         "messages_in": 0, "unexpected_messages": 0}
+        self._seq = itertools.count(1)
+        self._loop = ControlLoop("decode-transfer", _tick_s(config), self._tick)
+        self.engine = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> KVReceiver:
+        self.engine = create_engine(self.config)
+        self.engine.register_target(self.layout.base_addr, self.layout.nbytes)
+        self._session = self.engine.session()
+        self._loop.start()
+        return self
+
+    def close(self) -> None:
+        """Abort every active room (prefill is told), stop the thread, release the engine."""
+        for room in self.rooms.select(lambda r: not r.state.terminal):
+            self.abort(room, "decode node shutting down")
+        self._loop.call_soon(self._release_all_busy)
+        self._loop.stop()
+        if self.engine is not None:
+            self.engine.close()
+
+    # ---- node API (any thread) -----------------------------------------------------------
+    def connect(self, bootstrap_addr: str, timeout_s: float | None = None) -> None:
+        """Register with a prefill peer and wait for its answer (TransferError on refusal)."""
+        timeout_s = self.config.bootstrap_timeout_s if timeout_s is None else timeout_s
+        self._loop.call_soon(lambda: self._ensure_peer(bootstrap_addr))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._events_lock:
+                peer = self._peer_events.get(bootstrap_addr)
+            if peer is not None and peer.ready.wait(min(0.05, timeout_s)):
+                if peer.error:
+                    raise TransferError(-1, f"prefill {bootstrap_addr} refused: {peer.error}")
+                return
+            time.sleep(0.001 if peer is None else 0)
+        raise TransferTimeout(-1, f"prefill {bootstrap_addr} did not answer in {timeout_s}s")
+
+    def request(self, room: int, bootstrap_addr: str, dst_page_ids: Any,
+                num_tokens: int) -> None:
+        """Ask the prefill peer to write this room's KV into `dst_page_ids` (non-blocking).
+
+        From here on `on_release` will run once for the room. ValueError on bad arguments,
+        DuplicateRoom if the room id is in use.
+        """
+        dst = np.asarray(dst_page_ids, dtype=np.int64).reshape(-1)
+        self.layout.check_pages(dst, "destination")
+        if dst.size == 0 or num_tokens < 1 or not 0 <= room < (1 << 63):
+            raise ValueError(f"room {room}: need pages, tokens >= 1 and a 63-bit room id")
+        if len(np.unique(dst)) != dst.size:
+            raise ValueError(f"room {room}: destination pages repeat")
+        data = _RecvRoom(bootstrap_addr, dst, int(num_tokens))
+        self.rooms.create(room, RoomState.BOOTSTRAPPING, self.config.room_timeout_s, data)
+        frame = encode(RoomRequest(room, pack_pages(dst), int(num_tokens)))
+        self._loop.call_soon(lambda: self._send_request(room, bootstrap_addr, frame))
+
+    def wait(self, room: int, timeout_s: float | None = None) -> TransferResult:
+        """Block until the room's KV has landed. On failure raise TransferError; on timeout
+        abort the room (prefill is told) and raise TransferTimeout."""
+        current = self.rooms.get(room)
+        if current is None:
+            return self._finished_result(room)
+        timeout_s = self.config.room_timeout_s if timeout_s is None else timeout_s
+        if not current.data.done.wait(timeout_s):
+            self._fail_local(room, f"no KV within {timeout_s:.3g}s", code="timeout")
+            raise TransferTimeout(room, f"no KV within {timeout_s:.3g}s")
+        return self._result_of(room, current.data)
+
+    def poll(self, room: int) -> RoomState:
+        return self.rooms.state(room)
+
+    def abort(self, room: int, reason: str = "aborted by decode") -> None:
+        self._fail_local(room, reason, code="aborted")
+
+    def stats(self) -> dict[str, Any]:
+        return {"rooms": self.rooms.snapshot(), "rejected": dict(self.rejects.counts),
+                "peers": len(self._peers), "control_errors": self._loop.errors,
+                **self.counters}
+
+    # ---- room outcomes ---------------------------------------------------------------------
+    def _result_of(self, room: int, data: _RecvRoom) -> TransferResult:
+        if data.result is not None:
+            return data.result
+        outcome = self.rooms.outcome(room)
+        current = self.rooms.get(room)
+        reason = outcome.reason if outcome else (current.reason if current else "failed")
+        if data.timed_out:
+            raise TransferTimeout(room, reason)
+        raise TransferError(room, reason)
+
+    def _finished_result(self, room: int) -> TransferResult:
+        outcome = self.rooms.outcome(room)
+        if outcome is None:
+            raise UnknownRoom(f"decode: unknown room {room}")
+        if outcome.data is None:
+            raise TransferError(room, outcome.reason)
+        return self._result_of(room, outcome.data)
+
+    def _finish(self, room: int, state: RoomState, reason: str = "",
+                busy: bool = False) -> bool:
+        current = self.rooms.get(room)
+        changed = self.rooms.finish(room, state, reason, busy=busy)
+        if current is not None:
+            current.data.done.set()
+        return changed
+
+    def _fail_local(self, room: int, reason: str, code: str) -> None:
+        """Decode gives up on the room: tell prefill and keep the pages until it acks."""
+        current = self.rooms.get(room)
+        if current is None or current.state.terminal:
+            return
+        current.data.failed_at = time.monotonic()
+        current.data.timed_out = code == "timeout"
+        if not self._finish(room, RoomState.FAILED, reason, busy=True):
+            return
+        frame = encode(Abort(room, reason, code))
+        self._loop.call_soon(lambda: self._send_abort(room, current.data.peer_addr, frame))
+
+    def _released(self, outcome: Outcome) -> None:
+        if self._user_release is not None:
+            self._user_release(outcome)
+
+    # ---- control thread ------------------------------------------------------------------
+    def _ensure_peer(self, addr: str) -> _Peer:
+        peer = self._peers.get(addr)
+        if peer is not None:
+            return peer
+        sock = self._loop.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 16 * self.config.max_message_bytes)
+        sock.connect(addr)
+        peer = _Peer(addr, sock)
+        self._peers[addr] = peer
+        with self._events_lock:
+            self._peer_events[addr] = peer
+        self._loop.add_socket(sock, lambda s, p=peer: self._on_readable(p))
+        assert self.engine is not None
+        register = Register(self.decode_id, self.config.engine, self._session,
+                            self.layout.base_addr, self.layout.num_layers, self.layout.num_pages,
+                            self.layout.page_bytes)
+        sock.send(encode(register), zmq.NOBLOCK)
+        return peer
+
+    def _send_request(self, room: int, addr: str, frame: bytes) -> None:
+        current = self.rooms.get(room)
+        if current is None or current.state.terminal:
+            return  # aborted before it left
+        peer = self._ensure_peer(addr)
+        self._send_frame(peer, frame)
+        if peer.ready.is_set() and not peer.error:
+            self._advance(room, RoomState.WAITING_FOR_INPUT)
+
+    def _send_abort(self, room: int, addr: str, frame: bytes) -> None:
+        peer = self._peers.get(addr)
+        if peer is None:
+            self.rooms.set_idle(room)  # no live peer can write into the pages
+            return
+        self._send_frame(peer, frame)
+
+    def _send_frame(self, peer: _Peer, frame: bytes) -> None:
+        try:
+            peer.socket.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("decode: control queue to %s is full; message dropped", peer.addr)
+
+    def _advance(self, room: int, new: RoomState) -> None:
+        try:
+            self.rooms.advance(room, new)
+        except (KeyError, RuntimeError):
+            pass  # failed or finished meanwhile (races with aborts are expected)
+
+    def _on_readable(self, peer: _Peer) -> None:
+        frames = peer.socket.recv_multipart()
+        if len(frames) != 1:
+            self.rejects.record(MessageError("malformed", f"{len(frames)} frames"), peer.addr)
+            return
+        msg = parse(frames[0], self.config.max_message_bytes, self.rejects, peer.addr)
+        if msg is None:
+            return
+        peer.last_seen = time.monotonic()
+        self.counters["messages_in"] += 1
+        handler = self._HANDLERS.get(type(msg))
+        if handler is None:
+            self.counters["unexpected_messages"] += 1
+            self.rejects.record(MessageError("unknown_type", f"{msg.TYPE} not for decode"),
+                                peer.addr)
+            return
+        handler(self, peer, msg)
+
+    def _owned(self, peer: _Peer, room: int) -> _RecvRoom | None:
+        current = self.rooms.get(room)
+        if current is None or current.data.peer_addr != peer.addr:
+            return None
+        return current.data
+
+    def _on_register_ack(self, peer: _Peer, msg: RegisterAck) -> None:
+        peer.prefill_id, peer.error = msg.prefill_id, msg.error
+        peer.ready.set()
+        mine = self.rooms.select(lambda r: r.data.peer_addr == peer.addr
+                                 and r.state is RoomState.BOOTSTRAPPING)
+        for room in mine:
+            if msg.error:
+                self._finish(room, RoomState.FAILED, f"prefill {peer.addr} refused: {msg.error}")
+            else:
+                self._advance(room, RoomState.WAITING_FOR_INPUT)
+        if msg.error:
+            self._drop_peer(peer)
+
+    def _on_started(self, peer: _Peer, msg: Started) -> None:
+        if self._owned(peer, msg.room) is not None:
+            self._advance(msg.room, RoomState.TRANSFERRING)
+
+    def _on_done(self, peer: _Peer, msg: Done) -> None:
+        data = self._owned(peer, msg.room)
+        if data is None:
+            return
+        current = self.rooms.get(msg.room)
+        assert current is not None
+        if current.state is RoomState.WAITING_FOR_INPUT:
+            self._advance(msg.room, RoomState.TRANSFERRING)
+        data.result = TransferResult(msg.room, msg.first_token, msg.stats, msg.nbytes,
+                                     time.monotonic() - current.created_at)
+        if self._finish(msg.room, RoomState.SUCCESS):
+            self.counters["bytes_received"] += msg.nbytes
+
+    def _on_abort(self, peer: _Peer, msg: Abort) -> None:
+        if self._owned(peer, msg.room) is None:
+            return
+        # Prefill sends Abort only once its engine stopped writing: release at once.
+        if not self._finish(msg.room, RoomState.FAILED, f"aborted by prefill: {msg.reason}"):
+            self.rooms.set_idle(msg.room)
+        if msg.code == "unregistered":
+            self._drop_peer(peer)  # prefill restarted: register again on the next request
+
+    def _on_abort_ack(self, peer: _Peer, msg: AbortAck) -> None:
+        if self._owned(peer, msg.room) is not None:
+            self.rooms.set_idle(msg.room)
+
+    def _on_pong(self, peer: _Peer, msg: Pong) -> None:
+        pass  # last_seen already refreshed
+
+    _HANDLERS = {RegisterAck: _on_register_ack, Started: _on_started, Done: _on_done,
+                 Abort: _on_abort, AbortAck: _on_abort_ack, Pong: _on_pong}
+
+    def _drop_peer(self, peer: _Peer) -> None:
+        if self._peers.get(peer.addr) is peer:
+            del self._peers[peer.addr]
+            self._loop.remove_socket(peer.socket)
+        with self._events_lock:
+            if self._peer_events.get(peer.addr) is peer:
+                del self._peer_events[peer.addr]
+        peer.ready.set()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for peer in list(self._peers.values()):
+            if now - peer.last_seen > self.config.peer_dead_after_s:
+                self._peer_lost(peer, now)
+            elif now - peer.last_ping >= self.config.heartbeat_interval_s:
+                peer.last_ping = now
+                self._send_frame(peer, encode(Ping(next(self._seq))))
+        for room in self.rooms.select(lambda r: not r.state.terminal and r.deadline < now):
+            self._fail_local(room, "room deadline passed", code="timeout")
+        ack_limit = self.config.abort_ack_timeout_s
+        for room in self.rooms.select(lambda r: r.busy and r.state.terminal
+                                      and now - r.data.failed_at > ack_limit):
+            self.counters["abort_ack_timeouts"] += 1
+            self.rooms.set_idle(room)
+
+    def _peer_lost(self, peer: _Peer, now: float) -> None:
+        self.counters["peers_lost"] += 1
+        silent = now - peer.last_seen
+        logger.warning("decode: prefill peer %s lost (silent for %.1fs)", peer.addr, silent)
+        if not peer.ready.is_set():
+            peer.error = f"no answer for {silent:.1f}s"
+        self._drop_peer(peer)
+        reason = f"prefill peer {peer.addr} lost (no heartbeat for {silent:.1f}s)"
+        for room in self.rooms.select(lambda r: r.data.peer_addr == peer.addr):
+            # A dead peer writes nothing more: fail and release at once.
+            if not self._finish(room, RoomState.FAILED, reason):
+                self.rooms.set_idle(room)
+
+    def _release_all_busy(self) -> None:
+        for room in self.rooms.select(lambda r: r.busy):
+            self.rooms.set_idle(room)
+
+
+def _tick_s(config: TransferConfig) -> float:
+    return min(0.25, max(0.01, config.heartbeat_interval_s / 4))

@@ -1,0 +1,471 @@
+"""Prefill side: `KVSender` serves the bootstrap endpoint and pushes rooms' KV to decode.
+
+Usage by the prefill node::
+
+    sender = KVSender(config, device_kv, "127.0.0.1", port, on_release=free_pages)
+    sender.start()                       # bootstrap ROUTER at sender.bootstrap_addr
+    sender.send(room, src_page_ids, first_token, stats)   # when the room's prefill is done
+    sender.poll(room); sender.abort(room, "client gone"); sender.close()
+
+A room meets its two halves in either order: decode's `RoomRequest` (destination pages) and
+the node's `send()` (source pages, first token). When both are there, a transfer worker
+writes every layer's K and V pages with the engine, then `Done` goes to decode.
+
+Threads and what they mutate:
+- control thread (ControlLoop): the ROUTER socket, `_peers` (under `_peers_lock`), room
+  transitions caused by decode messages, heartbeat/deadline checks; sends every message.
+- transfer workers: engine submit/wait; room TRANSFERRING → SUCCESS | FAILED and `busy`.
+- caller threads (`send`, `abort`, `poll`, `stats`): room creation/transitions via RoomTable.
+`on_release(outcome)` runs once per room that `send()` accepted — on the control thread, a
+worker, or the caller of abort/send — when the engine no longer reads its pages:
+SUCCESS or FAILED, the node frees (or keeps in its cache) the source pages then.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from pdcache.transfer.config import TransferConfig
+from pdcache.transfer.control import ControlLoop, RejectCounter, parse
+from pdcache.transfer.engines.base import EngineError, EngineTimeout, create_engine
+from pdcache.transfer.layout import KVLayout, page_copy_batch
+from pdcache.transfer.messages import (
+    Abort,
+    AbortAck,
+    Done,
+    Message,
+    MessageError,
+    Ping,
+    Pong,
+    Register,
+    RegisterAck,
+    RoomRequest,
+    Started,
+    encode,
+)
+from pdcache.transfer.rooms import Outcome, ReleaseCallback, RoomState, RoomTable
+
+logger = logging.getLogger(__name__)
+_WAIT_SLICE_S = 0.05  # engine waits are sliced so cancellation is seen quickly
+_WINDOW = 2  # engine batches in flight per room
+
+
+@dataclass
+class _Peer:
+    """A registered decode endpoint (one per decode process and prefill)."""
+
+    identity: bytes
+    decode_id: str
+    layout: KVLayout
+    engine_peer: Any
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _SendRoom:
+    """Prefill-side room payload (RoomTable.data)."""
+
+    peer: bytes | None = None  # ROUTER identity of the decode peer, once it asked
+    dst_pages: np.ndarray | None = None
+    num_tokens: int = 0
+    src_pages: np.ndarray | None = None
+    first_token: int = -1
+    stats: dict = field(default_factory=dict)
+    accepted: bool = False  # send() took the pages: on_release owes the node a call
+    cancel: threading.Event = field(default_factory=threading.Event)
+    notify_peer: str = ""  # at release: "" | "abort" | "ack"
+    code: str = "aborted"
+    nbytes: int = 0
+
+
+class KVSender:
+    """The prefill node's end of the KV transfer; see the module docstring."""
+
+    def __init__(self, config: TransferConfig, device_kv: torch.Tensor,
+                 bind_host: str = "127.0.0.1", port: int = 0,
+                 on_release: ReleaseCallback | None = None, prefill_id: str = "") -> None:
+        self.config = config
+        self.layout = KVLayout.from_tensor(device_kv)
+        self._kv = device_kv  # keeps the pool alive while the engine reads it
+        self._bind_host, self._port = bind_host, port
+        self.prefill_id = prefill_id or f"prefill-{uuid.uuid4().hex[:8]}"
+        self._user_release = on_release
+        self.rooms = RoomTable("prefill", config.finished_rooms_kept, self._released)
+        self._peers: dict[bytes, _Peer] = {}
+        self._peers_lock = threading.Lock()
+        self.rejects = RejectCounter(f"prefill {self.prefill_id}")
+        self.counters = {"bytes_sent": 0, "transfers": 0, "engine_errors": 0, "peers_lost": 0,
+                         "messages_in": 0, "unexpected_messages": 0}
+        self._jobs: queue.Queue[int | None] = queue.Queue()
+        self._workers: list[threading.Thread] = []
+        self._loop = ControlLoop("prefill-bootstrap", _tick_s(config), self._tick)
+        self._router: zmq.Socket | None = None
+        self.engine = None
+        self.bootstrap_addr = ""
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> KVSender:
+        self.engine = create_engine(self.config)
+        self.engine.register_source(self.layout.base_addr, self.layout.nbytes)
+        router = self._loop.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, 16 * self.config.max_message_bytes)
+        if self._port:
+            router.bind(f"tcp://{self._bind_host}:{self._port}")
+        else:
+            self._port = router.bind_to_random_port(f"tcp://{self._bind_host}")
+        self.bootstrap_addr = f"tcp://{self._bind_host}:{self._port}"
+        self._router = router
+        self._loop.add_socket(router, self._on_readable)
+        self._loop.start()
+        for i in range(self.config.transfer_workers):
+            worker = threading.Thread(target=self._work, name=f"pdcache-kv-send-{i}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+        return self
+
+    def close(self) -> None:
+        """Fail every active room (decode is told), stop threads, release the engine."""
+        for room_id in self.rooms.select(lambda r: not r.state.terminal):
+            self._fail(room_id, "prefill node shutting down", code="aborted")
+        for _ in self._workers:
+            self._jobs.put(None)
+        for worker in self._workers:
+            worker.join(timeout=5.0)
+        self._loop.stop()
+        if self.engine is not None:
+            self.engine.close()
+
+    # ---- node API (any thread) -----------------------------------------------------------
+    def send(self, room: int, src_page_ids: Any, first_token: int,
+             stats: dict | None = None) -> bool:
+        """Hand the room's KV to the transfer layer; False if the room already finished.
+
+        When True, `on_release` will run for this room once; the pages must stay untouched
+        until then. Raises ValueError for page ids outside this node's pool.
+        """
+        src = np.asarray(src_page_ids, dtype=np.int64).reshape(-1)
+        self.layout.check_pages(src, "source")
+        if src.size == 0:
+            raise ValueError("send() needs at least one page")
+        payload = {"src_pages": src, "first_token": int(first_token), "stats": dict(stats or {})}
+        room_state = self._attach_source(room, payload)
+        if room_state is None:
+            return False
+        if room_state is RoomState.WAITING_FOR_INPUT:
+            self._begin(room)
+        return True
+
+    def poll(self, room: int) -> RoomState:
+        return self.rooms.state(room)
+
+    def abort(self, room: int, reason: str = "aborted by prefill") -> None:
+        """Fail the room (decode is told once the engine stopped); unknown rooms are
+        remembered so decode's late request is refused."""
+        if self.rooms.get(room) is None:
+            self.rooms.tombstone(room, reason)
+            return
+        self._fail(room, reason, code="aborted")
+
+    def stats(self) -> dict[str, Any]:
+        with self._peers_lock:
+            peers = len(self._peers)
+        return {"rooms": self.rooms.snapshot(), "rejected": dict(self.rejects.counts),
+                "peers": peers, "control_errors": self._loop.errors, **self.counters}
+
+    # ---- room assembly ---------------------------------------------------------------------
+    def _attach_source(self, room: int, payload: dict) -> RoomState | None:
+        """Record the source half; returns the room's state then, None if it finished."""
+        def fill(r) -> RoomState | None:
+            if r.data.accepted:
+                return None
+            r.data.src_pages = payload["src_pages"]
+            r.data.first_token = payload["first_token"]
+            r.data.stats = payload["stats"]
+            r.data.accepted = True
+            return r.state
+
+        if self.rooms.get(room) is None and self.rooms.outcome(room) is None:
+            data = _SendRoom(accepted=True, **payload)
+            try:
+                self.rooms.create(room, RoomState.BOOTSTRAPPING,
+                                  self.config.bootstrap_timeout_s, data)
+                return RoomState.BOOTSTRAPPING
+            except ValueError:
+                pass  # decode's request created it meanwhile
+        return self.rooms.mutate(room, fill)
+
+    def _begin(self, room: int) -> None:
+        """Both halves present: go TRANSFERRING (busy) and queue the write."""
+        def arm(r) -> None:
+            r.deadline = time.monotonic() + self.config.room_timeout_s
+
+        try:
+            self.rooms.advance(room, RoomState.TRANSFERRING, busy=True, update=arm)
+        except (KeyError, RuntimeError):
+            return  # failed or started meanwhile
+        self._jobs.put(room)
+
+    def _fail(self, room: int, reason: str, code: str, notify: str = "abort") -> None:
+        current = self.rooms.get(room)
+        if current is None:
+            return
+        current.data.notify_peer = current.data.notify_peer or notify
+        current.data.code = code
+        current.data.cancel.set()
+        self.rooms.finish(room, RoomState.FAILED, reason)
+
+    def _released(self, outcome: Outcome) -> None:
+        """Runs once per room when the engine is done with it: tell decode, then the node."""
+        data: _SendRoom = outcome.data
+        if outcome.state is RoomState.FAILED and data.peer is not None:
+            if data.notify_peer == "ack":
+                self._send(data.peer, AbortAck(outcome.room_id))
+            elif data.notify_peer == "abort":
+                self._send(data.peer, Abort(outcome.room_id, outcome.reason, data.code))
+        if data.accepted and self._user_release is not None:
+            self._user_release(outcome)
+
+    # ---- transfer workers ------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            room = self._jobs.get()
+            if room is None:
+                return
+            try:
+                self._transfer(room)
+            except Exception as exc:  # never lose a room: fail it and keep the worker alive
+                logger.exception("prefill: transfer of room %d crashed", room)
+                self._fail(room, f"transfer crashed: {exc}", code="engine")
+            finally:
+                self.rooms.set_idle(room)
+
+    def _transfer(self, room: int) -> None:
+        current = self.rooms.get(room)
+        if current is None or current.state is not RoomState.TRANSFERRING:
+            return
+        data: _SendRoom = current.data
+        peer = self._peer(data.peer)
+        if peer is None:
+            self._fail(room, "decode peer unregistered before the transfer", code="unregistered")
+            return
+        try:
+            batch = page_copy_batch(self.layout, peer.layout, data.src_pages, data.dst_pages)
+        except ValueError as exc:
+            self._fail(room, f"invalid transfer: {exc}", code="invalid")
+            return
+        self._send(peer.identity, Started(room))
+        error = self._write(peer, batch.split(self.config.max_batch_entries,
+                                              self.config.max_batch_bytes), current)
+        if error:
+            if error.startswith("engine"):
+                self.counters["engine_errors"] += 1
+            self._fail(room, error, code="engine")
+            return
+        self.counters["bytes_sent"] += batch.nbytes
+        self.counters["transfers"] += 1
+        data.nbytes = batch.nbytes
+        self._send(peer.identity, Done(room, data.first_token, batch.nbytes, data.stats))
+        self.rooms.finish(room, RoomState.SUCCESS, busy=False)
+
+    def _write(self, peer: _Peer, parts: list, room) -> str:
+        """Submit parts with a small window; '' on success, else why it stopped."""
+        assert self.engine is not None
+        pending: list[Any] = []
+        try:
+            for part in parts:
+                if room.data.cancel.is_set():
+                    break
+                pending.append(self.engine.submit(peer.engine_peer, part))
+                while len(pending) >= _WINDOW:
+                    self._await(pending.pop(0), room)
+            while pending:
+                self._await(pending.pop(0), room)
+        except (EngineError, _Cancelled) as exc:
+            for ticket in pending:
+                self.engine.cancel(ticket)
+            return str(exc) if isinstance(exc, _Cancelled) else f"engine: {exc}"
+        return "cancelled" if room.data.cancel.is_set() else ""
+
+    def _await(self, ticket: Any, room) -> None:
+        assert self.engine is not None
+        while True:
+            try:
+                self.engine.wait(ticket, _WAIT_SLICE_S)
+                return
+            except EngineTimeout:
+                if room.data.cancel.is_set() or time.monotonic() > room.deadline:
+                    self.engine.cancel(ticket)
+                    raise _Cancelled("cancelled" if room.data.cancel.is_set()
+                                     else "transfer deadline passed") from None
+
+    # ---- control thread ------------------------------------------------------------------
+    def _send(self, identity: bytes, msg: Message) -> None:
+        frame = encode(msg)
+
+        def push() -> None:
+            assert self._router is not None
+            try:
+                self._router.send_multipart([identity, frame], zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("prefill: control queue to a decode peer is full; dropped %s",
+                               msg.TYPE)
+
+        self._loop.call_soon(push)
+
+    def _on_readable(self, sock: zmq.Socket) -> None:
+        frames = sock.recv_multipart()
+        identity = frames[0]
+        if len(frames) != 2:
+            self.rejects.record(MessageError("malformed", f"{len(frames) - 1} frames"), "decode")
+            return
+        msg = parse(frames[1], self.config.max_message_bytes, self.rejects, "decode")
+        if msg is None:
+            return
+        self.counters["messages_in"] += 1
+        self._touch(identity)
+        handler = self._HANDLERS.get(type(msg))
+        if handler is None:
+            self.counters["unexpected_messages"] += 1
+            self.rejects.record(MessageError("unknown_type", f"{msg.TYPE} not for prefill"),
+                                "decode")
+            return
+        handler(self, identity, msg)
+
+    def _touch(self, identity: bytes) -> None:
+        with self._peers_lock:
+            peer = self._peers.get(identity)
+            if peer is not None:
+                peer.last_seen = time.monotonic()
+
+    def _peer(self, identity: bytes | None) -> _Peer | None:
+        with self._peers_lock:
+            return self._peers.get(identity) if identity is not None else None
+
+    def _on_register(self, identity: bytes, msg: Register) -> None:
+        error = self._check_register(msg)
+        if not error:
+            assert self.engine is not None
+            try:
+                engine_peer = self.engine.add_peer(msg.session)
+            except EngineError as exc:
+                error = str(exc)
+        if not error:
+            layout = KVLayout(msg.base_addr, msg.num_layers, msg.num_pages, msg.page_bytes)
+            with self._peers_lock:
+                self._peers[identity] = _Peer(identity, msg.decode_id, layout, engine_peer)
+        self._send(identity, RegisterAck(self.prefill_id, error))
+
+    def _check_register(self, msg: Register) -> str:
+        if msg.engine != self.config.engine:
+            return f"engine mismatch: decode uses {msg.engine!r}, prefill {self.config.engine!r}"
+        if (msg.num_layers, msg.page_bytes) != (self.layout.num_layers, self.layout.page_bytes):
+            return (f"KV layout mismatch: decode {msg.num_layers} layers × {msg.page_bytes} B, "
+                    f"prefill {self.layout.num_layers} × {self.layout.page_bytes} B")
+        if msg.num_pages < 1 or msg.base_addr == 0:
+            return "decode pool is empty"
+        return ""
+
+    def _on_room_request(self, identity: bytes, msg: RoomRequest) -> None:
+        peer = self._peer(identity)
+        if peer is None:
+            self._send(identity, Abort(msg.room, "decode peer is not registered", "unregistered"))
+            return
+        dst = msg.page_ids()
+        if dst.max() >= peer.layout.num_pages:
+            self._send(identity, Abort(msg.room, "destination page out of range", "invalid"))
+            return
+        finished = self.rooms.outcome(msg.room)
+        if finished is not None:
+            self._send(identity, Abort(msg.room, f"room already {finished.state.name}: "
+                                                 f"{finished.reason}", "aborted"))
+            return
+        self._attach_destination(identity, msg, dst)
+
+    def _attach_destination(self, identity: bytes, msg: RoomRequest, dst: np.ndarray) -> None:
+        """Record the destination half; start the transfer if the source is already there."""
+        if self.rooms.get(msg.room) is None:
+            data = _SendRoom(peer=identity, dst_pages=dst, num_tokens=msg.num_tokens)
+            try:
+                self.rooms.create(msg.room, RoomState.WAITING_FOR_INPUT,
+                                  self.config.room_timeout_s, data)
+                return
+            except ValueError:
+                pass  # send() created it meanwhile
+        ready: list[bool] = []
+
+        def fill(r) -> None:
+            if r.data.dst_pages is not None:
+                raise ValueError("duplicate request")
+            r.data.peer, r.data.dst_pages, r.data.num_tokens = identity, dst, msg.num_tokens
+            ready.append(r.data.accepted)
+
+        try:
+            self.rooms.advance(msg.room, RoomState.WAITING_FOR_INPUT, update=fill)
+        except (KeyError, ValueError, RuntimeError):
+            self.rejects.record(MessageError("bad_field", f"unexpected request for room "
+                                                          f"{msg.room}"), "decode")
+            return
+        if ready and ready[0]:
+            self._begin(msg.room)
+
+    def _on_abort(self, identity: bytes, msg: Abort) -> None:
+        current = self.rooms.get(msg.room)
+        if current is None or current.data.peer not in (None, identity):
+            self.rooms.tombstone(msg.room, f"aborted by decode: {msg.reason}")
+            self._send(identity, AbortAck(msg.room))
+            return
+        current.data.peer = identity
+        if current.state.terminal:  # e.g. Done already sent: nothing will be written
+            self._send(identity, AbortAck(msg.room))
+            return
+        self._fail(msg.room, f"aborted by decode: {msg.reason}", code=msg.code, notify="ack")
+
+    def _on_ping(self, identity: bytes, msg: Ping) -> None:
+        self._send(identity, Pong(msg.seq))
+
+    _HANDLERS = {Register: _on_register, RoomRequest: _on_room_request, Abort: _on_abort,
+                 Ping: _on_ping}
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self._drop_silent_peers(now)
+        for room in self.rooms.select(lambda r: not r.state.terminal and r.deadline < now):
+            current = self.rooms.get(room)
+            state = current.state.name if current else "?"
+            self._fail(room, f"timed out in {state}", code="timeout")
+
+    def _drop_silent_peers(self, now: float) -> None:
+        limit = self.config.peer_dead_after_s
+        with self._peers_lock:
+            dead = [p for p in self._peers.values() if now - p.last_seen > limit]
+            for peer in dead:
+                del self._peers[peer.identity]
+        for peer in dead:
+            self.counters["peers_lost"] += 1
+            logger.warning("prefill: decode peer %s lost (silent for %.1fs)", peer.decode_id,
+                           now - peer.last_seen)
+            if self.engine is not None:
+                self.engine.remove_peer(peer.engine_peer)
+            for room in self.rooms.select(lambda r, i=peer.identity: r.data.peer == i
+                                          and not r.state.terminal):
+                self._fail(room, f"decode peer {peer.decode_id} lost (no heartbeat for "
+                                 f"{limit:.1f}s)", code="timeout", notify="none")
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def _tick_s(config: TransferConfig) -> float:
+    return min(0.25, max(0.01, config.heartbeat_interval_s / 4))
