@@ -1,4 +1,4 @@
-"""Replay scheduling pieces and failure accounting (the real-server run is test_bench_replay_e2e)."""
+"""Replay scheduling and failure accounting (the real-server run: test_bench_replay_e2e)."""
 
 from __future__ import annotations
 

@@ -64,7 +64,9 @@ def test_per_turn_curves() -> None:
     assert t0["ttft_p50_s"] == pytest.approx(0.3)
 
 
-def test_write_report_files_and_rerender(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_write_report_files_and_rerender(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     summary = write_report(tmp_path, {"duration_s": 2.0, "trace": "unit"}, plots=True)
     on_disk = json.loads((tmp_path / "summary.json").read_text())

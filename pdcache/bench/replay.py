@@ -21,6 +21,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -75,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="non-streaming requests (no ITL; TTFT from the server's meta)")
     parser.add_argument("--no-session-id", dest="session_id", action="store_false",
                         help="do not send session_id")
+    parser.add_argument("--cache-salt", default=None,
+                        help="send this cache_salt (a fresh one isolates the run from pages "
+                             "earlier runs left in the stack's caches)")
     parser.add_argument("--seed", type=int, default=0, help="poisson arrivals seed")
     parser.add_argument("--no-plots", dest="plots", action="store_false")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
@@ -96,6 +100,7 @@ class ReplayConfig:
     temperature: float = 0.0
     stream: bool = True
     send_session_id: bool = True
+    cache_salt: str | None = None
     seed: int = 0
     progress: bool = True
 
@@ -112,7 +117,8 @@ class ReplayConfig:
             max_duration_s=args.max_duration, drain_timeout_s=args.drain_timeout,
             request_timeout_s=args.request_timeout, page_size=args.page_size,
             max_tokens_cap=args.max_tokens_cap, temperature=args.temperature,
-            stream=args.stream, send_session_id=args.session_id, seed=args.seed,
+            stream=args.stream, send_session_id=args.session_id, cache_salt=args.cache_salt,
+            seed=args.seed,
             progress=args.progress,
         )
 
@@ -233,7 +239,8 @@ class StreamState:
 
 
 async def send_stream(
-    client: httpx.AsyncClient, body: dict[str, Any], rec: RequestRecord
+    client: httpx.AsyncClient, body: dict[str, Any], rec: RequestRecord,
+    on_first_token: Callable[[], None],
 ) -> list[int]:
     state = StreamState(start=time.perf_counter())
     async with client.stream("POST", "/generate", json=body) as resp:
@@ -246,7 +253,10 @@ async def send_stream(
             payload = line[5:].strip()
             if payload == "[DONE]":
                 break
+            had_token = state.first_token_at is not None
             state.on_chunk(json.loads(payload), time.perf_counter())
+            if not had_token and state.first_token_at is not None:
+                on_first_token()
     end = time.perf_counter()
     rec.apply_meta(state.meta)
     rec.e2e_s = end - state.start
@@ -256,7 +266,8 @@ async def send_stream(
 
 
 async def send_plain(
-    client: httpx.AsyncClient, body: dict[str, Any], rec: RequestRecord
+    client: httpx.AsyncClient, body: dict[str, Any], rec: RequestRecord,
+    on_first_token: Callable[[], None],
 ) -> list[int]:
     start = time.perf_counter()
     resp = await client.post("/generate", json=body)
@@ -267,6 +278,7 @@ async def send_plain(
     rec.e2e_s = time.perf_counter() - start
     rec.apply_meta(data.get("meta") or {})
     rec.ttft_s = rec.server_ttft_s
+    on_first_token()  # not observable without streaming: the prompt counts from completion
     return [int(t) for t in data.get("output_ids") or []]
 
 
@@ -361,12 +373,12 @@ class Replayer:
         )
         keys = self.tracker.keys(prompt)
         rec.theoretical_cached_tokens = self.tracker.reusable_tokens(keys, len(prompt))
-        self.tracker.add(keys)
         self.counts["sent"] += 1
         output: list[int] = []
         try:
-            output = await asyncio.wait_for(self.send(session, prompt, max_new, rec),
-                                            self.cfg.request_timeout_s)
+            output = await asyncio.wait_for(
+                self.send(session, prompt, max_new, rec, lambda: self.tracker.add(keys)),
+                self.cfg.request_timeout_s)
             rec.ok, rec.output_tokens = True, len(output)
             full = np.concatenate([prompt, np.asarray(output, dtype=np.int64)])
             self.tracker.add(self.tracker.extend_keys(keys, full))
@@ -380,7 +392,8 @@ class Replayer:
         return rec, output
 
     async def send(
-        self, session: Session, prompt: np.ndarray, max_new: int, rec: RequestRecord
+        self, session: Session, prompt: np.ndarray, max_new: int, rec: RequestRecord,
+        on_first_token: Callable[[], None],
     ) -> list[int]:
         body: dict[str, Any] = {
             "input_ids": prompt.tolist(),
@@ -390,8 +403,10 @@ class Replayer:
         }
         if self.cfg.send_session_id and len(session.turns) > 1:
             body["session_id"] = session.session_id
+        if self.cfg.cache_salt is not None:
+            body["cache_salt"] = self.cfg.cache_salt
         sender = send_stream if self.cfg.stream else send_plain
-        return await sender(self.client, body, rec)
+        return await sender(self.client, body, rec, on_first_token)
 
     def finish(self, turn: Turn, rec: RequestRecord) -> None:
         self.counts["ok" if rec.ok else "failed"] += 1

@@ -6,23 +6,24 @@ equal blocks whatever the tokenizer (the server only ever sees token ids), diffe
 different blocks (with overwhelming probability), and a run of blocks with `num_tokens`
 tokens is the concatenation trimmed to `num_tokens` (only the run's last block is partial).
 
-Theoretical reusable fraction (page granularity). Requests are taken in the order they are
-dispatched. A request's *cacheable sequences* are its prompt (cacheable from its dispatch on)
-and its prompt followed by the ids the server generated for it (cacheable once it has
-completed). For a request `r` with prompt `p` (P = page_size):
+Theoretical reusable fraction (page granularity). A request's *cacheable sequences* are its
+prompt, cacheable once the request's first output token has arrived (its prefill is done;
+without streaming: once it completed), and its prompt followed by the ids the server
+generated for it, cacheable once it completed. For a request `r` with prompt `p`
+(P = page_size), evaluated at the moment `r` is dispatched:
 
     seen_pages(r) = the largest k such that the first k*P tokens of p equal the first k*P
-                    tokens of a cacheable sequence of a request dispatched before r
-                    (prompts of every earlier-dispatched request, prompt+output of every
-                    request completed before r was dispatched)
+                    tokens of a sequence that was cacheable at that moment
     reusable(r)   = P * min(seen_pages(r), floor((len(p) - 1) / P))
 
 The cap keeps at least the last prompt token computed: a server must run it to produce the
 first output token, so even a fully cached prompt cannot reuse its last page when the prompt is
 page-aligned. The theoretical hit rate of a run is sum(reusable) / sum(len(prompt)) over the
 same requests as the measured one. It is the hit rate of an infinite, instantly filled cache
-holding prompts and (decode-offloaded) answers; chained page keys (`engine.page_keys`, the
-same function the servers use) make "page k seen" equivalent to "prefix up to page k seen".
+holding prompts and (decode-offloaded) answers, filled the moment each part exists: a prompt
+still being prefilled by a concurrent request does not count, since no server can reuse it
+either. Chained page keys (`engine.page_keys`, the same function the servers use) make
+"page k seen" equivalent to "prefix up to page k seen".
 
 Offline (`theoretical_reuse`), requests are ordered by round (turn index of dependent turns,
 0 for independent ones), then by arrival time, and each one completes before the next starts;
