@@ -82,6 +82,16 @@ def test_insert_dedupes_and_splits_at_page_boundary() -> None:
     tree.check()
 
 
+def test_walk_reports_every_node_on_the_path_with_partial_last() -> None:
+    tree, _ = make_tree()
+    a = list(range(16))
+    put(tree, a)
+    put(tree, a[:8] + [60] * 8)
+    path = tree.walk(a[:12] + [0] * 4)
+    assert [(node.num_pages, matched) for node, matched in path] == [(2, 2), (2, 1)]
+    assert tree.walk([5] * 8) == [] and tree.walk(a, salt="other") == []
+
+
 def test_reinserting_own_pages_is_not_a_duplicate() -> None:
     tree, allocator = make_tree()
     tokens = list(range(12))

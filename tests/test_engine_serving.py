@@ -103,6 +103,9 @@ def test_second_turn_reuses_prompt_and_answer(tiny) -> None:
         turn2 = turn1 + answer + prompt_of(3, 7)
         tokens2, second = run(engine, "t2", turn2)
         numbers = engine.check_accounting()
+        assert engine.flush_cache() == numbers["tree"] > 0
+        again, third = run(engine, "t2-again", turn2)
+        assert again == tokens2 and third.cached.device == 0
     finally:
         engine.shutdown()
     assert first.cached.device == 0 and first.computed_tokens == 45
@@ -244,8 +247,10 @@ def test_invalid_requests_raise_clear_errors(tiny) -> None:
     vocab, context = tiny.config.vocab_size, tiny.config.max_position_embeddings
     bad = {
         "empty": ([], GREEDY, "empty"),
-        "vocab": ([1, vocab], GREEDY, "out of the vocabulary"),
-        "negative": ([1, -1], GREEDY, "out of the vocabulary"),
+        "vocab": ([1, vocab], GREEDY, "not an integer in"),
+        "negative": ([1, -1], GREEDY, "not an integer in"),
+        "float": ([1, 2.5], GREEDY, "not an integer in"),
+        "bool": ([True, 2], GREEDY, "not an integer in"),
         "context": ([1] * 10, SamplingParams(max_new_tokens=context), "context length"),
         "zero": ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
         "pool": ([1] * 60, SamplingParams(max_new_tokens=5), "KV pool"),

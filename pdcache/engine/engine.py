@@ -10,6 +10,7 @@ calls every `on_output` callback. A failure inside a step fails the requests of 
 from __future__ import annotations
 
 import logging
+import numbers
 import queue
 import threading
 import time
@@ -61,7 +62,15 @@ class _Call:
 class Engine:
     """Continuous-batching engine over a paged device KV pool with a radix prefix cache."""
 
-    def __init__(self, config: EngineConfig, model: CausalLMLike, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: CausalLMLike,
+        tokenizer: Any = None,
+        make_tree: Callable[[DeviceKVPool], RadixTree] | None = None,
+    ) -> None:
+        """`make_tree` builds the prefix tree over the pool (default: a device-only
+        `RadixTree`; the HiCache tier passes its own). Not started: call `start()`."""
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -71,7 +80,8 @@ class Engine:
         )
         self.tree: RadixTree | None = None
         if cache.enable_prefix_cache:
-            self.tree = RadixTree(cache.page_size, self.pool.allocator)
+            factory = make_tree or (lambda pool: RadixTree(pool.page_size, pool.allocator))
+            self.tree = factory(self.pool)
         self.scheduler = Scheduler(
             config.scheduler, cache, self.pool, self.tree,
             max_context=config.model.max_position_embeddings,
@@ -178,6 +188,10 @@ class Engine:
         capacity and tree-held + request-held == used. Returns the numbers."""
         return self._call(self._check_accounting, timeout)
 
+    def flush_cache(self, timeout: float = 30.0) -> int:
+        """Evict every unlocked page of the prefix cache; returns the pages freed."""
+        return self._call(lambda: self.tree.flush() if self.tree else 0, timeout)
+
     def generate(self, req: GenerateRequest, timeout: float = 60.0) -> list[RequestOutput]:
         """Submit and wait for the final output; on timeout aborts and raises TimeoutError."""
         outputs: list[RequestOutput] = []
@@ -199,9 +213,9 @@ class Engine:
         model, params = self.config.model, req.sampling
         if not req.input_ids:
             raise ValueError("the prompt is empty")
-        bad = next((t for t in req.input_ids if not 0 <= int(t) < model.vocab_size), None)
+        bad = next((t for t in req.input_ids if not _is_token_id(t, model.vocab_size)), None)
         if bad is not None:
-            raise ValueError(f"token id {bad} is out of the vocabulary [0, {model.vocab_size})")
+            raise ValueError(f"token id {bad!r} is not an integer in [0, {model.vocab_size})")
         if params.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
         total = len(req.input_ids) + params.max_new_tokens
@@ -405,6 +419,12 @@ class Engine:
         with self._lock:
             self._snapshot = snapshot
             self._num_waiting = snapshot["waiting"]
+
+
+def _is_token_id(value: object, vocab_size: int) -> bool:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return False
+    return 0 <= int(value) < vocab_size
 
 
 def _validate_sampling(params) -> None:

@@ -141,22 +141,35 @@ class RadixTree:
         """Longest device-resident prefix of `token_ids`' full pages under `salt`.
 
         Read-only: mutates nothing, not even LRU clocks (`lock` touches the path)."""
-        root = self._roots.get(salt)
-        node, page_ids = root, []
-        if root is None:
+        last_node = self._roots.get(salt)
+        if last_node is None:
             return MatchResult([], 0, None)
+        page_ids: list[int] = []
+        for node, matched in self.walk(token_ids, salt):
+            if not node.on_device:
+                break
+            page_ids.extend(node.device_page_ids[:matched])
+            last_node = node
+        return MatchResult(page_ids, len(page_ids) * self.page_size, last_node)
+
+    def walk(self, token_ids: Sequence[int], salt: str = "") -> list[tuple[RadixNode, int]]:
+        """The nodes `token_ids`' full pages run through, whatever their residency, each with
+        how many of its pages match (only the last may match partially). Read-only; the
+        host tier uses it to find host-resident pages below the device prefix."""
+        node = self._roots.get(salt)
         tokens = tuple(token_ids)
         num_pages = len(tokens) // self.page_size
-        while len(page_ids) < num_pages:
-            child = node.children.get(self._page_at(tokens, len(page_ids)))
-            if child is None or not child.on_device:
+        path: list[tuple[RadixNode, int]] = []
+        done = 0
+        while node is not None and done < num_pages:
+            child = node.children.get(self._page_at(tokens, done))
+            if child is None:
                 break
-            matched = self._count_matching_pages(child.key, tokens, len(page_ids))
-            page_ids.extend(child.device_page_ids[:matched])
-            node = child
-            if matched < child.num_pages:
-                break
-        return MatchResult(page_ids, len(page_ids) * self.page_size, node)
+            matched = self._count_matching_pages(child.key, tokens, done)
+            path.append((child, matched))
+            done += matched
+            node = child if matched == child.num_pages else None
+        return path
 
     # ---- insert ------------------------------------------------------------------------
     def insert(

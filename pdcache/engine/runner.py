@@ -31,22 +31,21 @@ class ModelRunner:
     def build(self, batch: ScheduledBatch) -> ForwardBatch:
         """Flatten the new tokens of `batch`: `extend_lens[b]` tokens of request b, from its
         `kv_len` on; logits only for `batch.sample_rows`."""
-        size = self.pool.page_size
         input_ids: list[int] = []
-        positions: list[int] = []
-        out_slots: list[int] = []
+        positions: list[torch.Tensor] = []
+        out_slots: list[torch.Tensor] = []
         for req, length in zip(batch.reqs, batch.extend_lens):
             start = req.kv_len
-            input_ids += req.fill_ids[start : start + length]
-            for pos in range(start, start + length):
-                out_slots.append(req.page_ids[pos // size] * size + pos % size)
-            positions += range(start, start + length)
+            input_ids += req.fill_slice(start, start + length)
+            pos = torch.arange(start, start + length, dtype=torch.long)
+            positions.append(pos)
+            out_slots.append(self._slots(req, pos))
         ends = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0) - 1
         return ForwardBatch(
             mode=batch.mode,
-            input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
-            out_slots=self._tensor(out_slots),
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=torch.cat(positions).to(self.device),
+            out_slots=torch.cat(out_slots).to(self.device),
             page_table=self._page_table(batch.reqs),
             prefix_lens=[req.kv_len for req in batch.reqs],
             extend_lens=list(batch.extend_lens),
@@ -59,8 +58,12 @@ class ModelRunner:
         with torch.inference_mode():
             return self.model.forward(forward_batch, self.pool.device_kv)
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+    def _slots(self, req: Req, positions: torch.Tensor) -> torch.Tensor:
+        """Pool slot of each position: page_ids[pos // S] * S + pos % S."""
+        size = self.pool.page_size
+        first, last = int(positions[0]) // size, int(positions[-1]) // size
+        pages = torch.tensor(req.page_ids[first : last + 1], dtype=torch.long)
+        return pages[positions // size - first] * size + positions % size
 
     def _page_table(self, reqs: list[Req]) -> torch.Tensor:
         width = max(len(req.page_ids) for req in reqs)
