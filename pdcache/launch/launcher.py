@@ -285,6 +285,7 @@ class Launcher:
         self.config = config
         self.stop_signal: int | None = None
         self.failed = False
+        self._force = False
         self._t0 = time.monotonic()
 
     # ---- public
@@ -331,6 +332,11 @@ class Launcher:
             for proc in group:
                 if proc.state != "failed":
                     proc.state = "stopped"
+        started = [p for p in self.procs if p.popen is not None]
+        left = [p.spec.name for p in started if p.alive()]
+        if started:
+            self._say(f"stopped {len(started) - len(left)} of {len(started)} processes"
+                      + (f"; still running: {', '.join(left)}" if left else ""))
         self._write_state()
 
     # ---- starting and health
@@ -428,12 +434,11 @@ class Launcher:
             pass
 
     def _reap(self, group: list[Managed], deadline: float) -> None:
-        for proc in group:
-            assert proc.popen is not None
-            try:
-                proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        """Wait for the group leaders to exit, until the deadline or a second stop signal."""
+        while time.monotonic() < deadline and not self._force:
+            if all(p.popen is None or p.popen.poll() is not None for p in group):
+                return
+            time.sleep(0.05)
 
     # ---- signals, state file, output
 
@@ -449,7 +454,10 @@ class Launcher:
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self.stop_signal is None:
-            self._say(f"received {signal.Signals(signum).name}: stopping everything")
+            self._say(f"received {signal.Signals(signum).name}: stopping everything"
+                      " (again to kill at once)")
+        else:
+            self._force = True  # a second Ctrl-C: skip the grace period
         self.stop_signal = signum
 
     def state(self) -> dict[str, object]:

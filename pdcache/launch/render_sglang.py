@@ -43,6 +43,31 @@ METADATA_SERVER = ("python3", "-m", "sglang.srt.mem_cache.storage.hf3fs.mini_3fs
 ROUTER_POLICY = {"round_robin": "round_robin", "cache_aware": "cache_aware", "least_load": "power_of_two"}
 HF3FS_JSON = "hf3fs.json"
 
+# Every flag the renderer may emit, per program, as checked in the sources named above.
+KNOWN_FLAGS = {
+    "sglang.launch_server": frozenset({
+        "--model-path", "--host", "--port", "--dtype", "--random-seed", "--page-size",
+        "--max-total-tokens", "--served-model-name", "--api-key", "--enable-cache-report",
+        "--enable-metrics", "--enable-hierarchical-cache", "--hicache-ratio", "--hicache-size",
+        "--hicache-write-policy", "--hicache-mem-layout", "--hicache-storage-backend",
+        "--hicache-storage-prefetch-policy", "--hicache-storage-backend-extra-config",
+        "--disaggregation-mode", "--disaggregation-transfer-backend",
+        "--disaggregation-bootstrap-port", "--disaggregation-ib-device",
+        "--disaggregation-decode-enable-offload-kvcache",
+    }),
+    "sglang_router.launch_router": frozenset({
+        "--host", "--port", "--pd-disaggregation", "--prefill", "--decode", "--worker-urls",
+        "--policy", "--prefill-policy", "--decode-policy", "--request-timeout-secs", "--api-key",
+    }),
+    "sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server": frozenset({
+        "--host", "--port", "--persistence-path",
+    }),
+    "mooncake_master": frozenset({
+        "--rpc_address", "--rpc_port", "--metrics_host", "--metrics_port",
+        "--enable_http_metadata_server", "--http_metadata_server_host", "--http_metadata_server_port",
+    }),
+}
+
 
 @dataclass(frozen=True)
 class Command:

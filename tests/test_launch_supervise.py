@@ -1,0 +1,309 @@
+"""The launcher for real: processes, health waits, kill -9 → report + restart, --no-restart,
+SIGTERM → nothing left running and every port released, real mooncake_master and metadata service.
+
+Nodes are `tests/launch_stub_node.py` (an HTTP /health server with a child process) started
+through the per-node `command` escape hatch, until the node CLIs accept `--config/--node`.
+The multi-host test over veth/network namespaces needs the PD nodes and is not here yet.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+STUB = Path(__file__).resolve().parent / "launch_stub_node.py"
+PY = sys.executable
+
+pytestmark = pytest.mark.slow
+
+
+def free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def stub_node(name: str, port: int, tmp: Path, *flags: str) -> str:
+    args = ", ".join(f'"{a}"' for a in flags)
+    return f"""
+[[node]]
+name = "{name}"
+role = "unified"
+port = {port}
+command = ["{{python}}", "{STUB}", "--port", "{{port}}", "--child-pid-file", "{tmp}/{{node}}.child"{", " + args if args else ""}]
+"""
+
+
+LAUNCH = """
+[model]
+preset = "tiny"
+
+[launch]
+health_timeout_s = {timeout}
+stop_grace_s = 3.0
+restart_backoff_s = 0.3
+restart_backoff_max_s = 2.0
+"""
+
+
+class Run:
+    """A `pdcache launch` subprocess and what it wrote."""
+
+    def __init__(self, tmp: Path, config_text: str, *flags: str) -> None:
+        self.tmp, self.log_dir = tmp, tmp / "logs"
+        config = tmp / "topology.toml"
+        config.write_text(config_text)
+        self.out_path = tmp / "launcher.out"
+        self.out = self.out_path.open("wb")
+        env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
+        self.proc = subprocess.Popen(
+            [PY, "-m", "pdcache", "launch", str(config), "--log-dir", str(self.log_dir), *flags],
+            stdout=self.out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def state(self) -> dict:
+        try:
+            return json.loads((self.log_dir / "processes.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def procs(self) -> dict[str, dict]:
+        return {p["name"]: p for p in self.state().get("processes", [])}
+
+    def all_healthy(self) -> bool:
+        procs = self.procs()
+        return bool(procs) and all(p["state"] == "healthy" for p in procs.values())
+
+    def child_pid(self, node: str) -> int:
+        return int((self.tmp / f"{node}.child").read_text())
+
+    def kill_all(self) -> None:
+        """Test cleanup: the launcher's group and anything it left (there should be nothing)."""
+        for p in self.procs().values():
+            if p["pid"]:
+                _killpg(p["pid"])
+        _killpg(self.proc.pid)
+        self.proc.wait(timeout=10)
+        self.out.close()
+
+
+def _killpg(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Callable[..., Run]]:
+    runs: list[Run] = []
+
+    def start(config_text: str, *flags: str) -> Run:
+        run = Run(tmp_path, config_text, *flags)
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        run.kill_all()
+
+
+def test_kill9_is_reported_and_restarted_then_sigterm_leaves_nothing(launch, tmp_path) -> None:
+    p0, p1 = free_ports(2)
+    run = launch(LAUNCH.format(timeout=30) + stub_node("u0", p0, tmp_path) + stub_node("u1", p1, tmp_path))
+    wait_for(run.all_healthy, 30, "both nodes healthy")
+    assert "up after" in run.output() and f"http://127.0.0.1:{p0}" in run.output()
+    before = run.procs()
+    old_pid, other_pid, old_child = before["u0"]["pid"], before["u1"]["pid"], run.child_pid("u0")
+
+    os.kill(old_pid, signal.SIGKILL)
+    wait_for(lambda: run.procs()["u0"]["restarts"] == 1 and run.procs()["u0"]["state"] == "healthy",
+             30, "u0 restarted and healthy")
+    out = run.output()
+    assert f"u0 (unified, pid {old_pid}) exited with code -9" in out
+    assert f"stub node on 127.0.0.1:{p0}" in out  # the tail of its log is shown
+    assert "u0: healthy again (restart 1)" in out
+    after = run.procs()
+    assert after["u0"]["pid"] != old_pid and after["u0"]["last_exit"] == -9
+    assert after["u1"]["pid"] == other_pid and after["u1"]["restarts"] == 0
+    wait_for(lambda: not alive(old_child), 10, "the dead node's child to be killed with its group")
+    assert (run.log_dir / "u0.log").read_text().count("=== pdcache launch: start") == 2
+
+    pids = [after["u0"]["pid"], other_pid, run.child_pid("u0"), run.child_pid("u1")]
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.proc.wait(timeout=20) == 0
+    assert "received SIGTERM: stopping everything" in run.output()
+    assert not [pid for pid in pids if alive(pid)]
+    assert port_is_free(p0) and port_is_free(p1)
+    assert {p["state"] for p in run.procs().values()} == {"stopped"}
+
+
+def test_no_restart_stops_everything_and_exits_nonzero(launch, tmp_path) -> None:
+    p0, p1 = free_ports(2)
+    run = launch(LAUNCH.format(timeout=30) + stub_node("u0", p0, tmp_path) + stub_node("u1", p1, tmp_path),
+                 "--no-restart")
+    wait_for(run.all_healthy, 30, "both nodes healthy")
+    procs = run.procs()
+    survivors = [procs["u0"]["pid"], run.child_pid("u0"), run.child_pid("u1")]
+    os.kill(procs["u1"]["pid"], signal.SIGKILL)
+    assert run.proc.wait(timeout=20) == 1
+    out = run.output()
+    assert f"u1 (unified, pid {procs['u1']['pid']}) exited with code -9" in out
+    assert "--no-restart: stopping everything" in out
+    assert not [pid for pid in survivors if alive(pid)]
+    assert port_is_free(p0) and port_is_free(p1)
+    assert run.procs()["u1"]["state"] == "failed"
+
+
+def test_health_deadline_fails_with_the_culprit_named(launch, tmp_path) -> None:
+    (port,) = free_ports(1)
+    run = launch(LAUNCH.format(timeout=2) + stub_node("u0", port, tmp_path, "--never-ready"))
+    assert run.proc.wait(timeout=20) == 1
+    out = run.output()
+    assert f"u0: not healthy after 2s (http://127.0.0.1:{port}/health)" in out
+    assert not alive(run.procs()["u0"]["pid"]) and port_is_free(port)
+
+
+def test_slow_start_is_waited_for_with_progress(launch, tmp_path) -> None:
+    (port,) = free_ports(1)
+    run = launch(LAUNCH.format(timeout=30) + stub_node("u0", port, tmp_path, "--ready-after", "5.5"))
+    wait_for(run.all_healthy, 30, "u0 healthy")
+    assert "waiting for u0 (starting)" in run.output()
+    run.proc.send_signal(signal.SIGINT)
+    assert run.proc.wait(timeout=20) == 0
+
+
+def test_missing_executable_fails_cleanly(launch, tmp_path) -> None:
+    (port,) = free_ports(1)
+    text = LAUNCH.format(timeout=10) + f"""
+[[node]]
+name = "u0"
+role = "unified"
+port = {port}
+command = ["/nonexistent/pdcache-node"]
+"""
+    run = launch(text)
+    assert run.proc.wait(timeout=20) == 1
+    assert "u0: cannot start '/nonexistent/pdcache-node'" in run.output()
+
+
+@pytest.mark.mooncake
+@pytest.mark.skipif(shutil.which("mooncake_master") is None and not (Path(PY).parent / "mooncake_master").exists(),
+                    reason="mooncake_master is not installed (pip install mooncake-transfer-engine-non-cuda)")
+def test_real_mooncake_master_starts_first_and_is_stopped(launch, tmp_path) -> None:
+    rpc, http, metrics, node = free_ports(4)
+    text = LAUNCH.format(timeout=30) + f"""
+[storage]
+backend = "mooncake"
+
+[storage.mooncake]
+master = "127.0.0.1:{rpc}"
+metadata_server = "http://127.0.0.1:{http}/metadata"
+metrics_port = {metrics}
+""" + stub_node("u0", node, tmp_path)
+    run = launch(text)
+    wait_for(run.all_healthy, 30, "mooncake_master and u0 healthy")
+    procs = run.procs()
+    assert list(procs) == ["mooncake_master", "u0"]
+    out = run.output()
+    assert out.index("mooncake_master: healthy") < out.index("u0: started")
+    master_pid = procs["mooncake_master"]["pid"]
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.proc.wait(timeout=30) == 0
+    assert not alive(master_pid) and not alive(procs["u0"]["pid"])
+    assert all(port_is_free(p) for p in (rpc, http, metrics, node))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pdcache.offload_manager.storage.metadata_cli") is None,
+                    reason="pdcache metadata-server is not in this build yet")
+def test_real_metadata_service_starts_before_nodes(launch, tmp_path) -> None:
+    meta, p0, p1 = free_ports(3)
+    text = LAUNCH.format(timeout=60) + f"""
+[storage]
+backend = "hf3fs"
+path = "{tmp_path}/storage"
+metadata = "tcp://127.0.0.1:{meta}"
+
+[storage.metadata_service]
+state_dir = "{tmp_path}/metadata"
+""" + stub_node("u0", p0, tmp_path) + stub_node("u1", p1, tmp_path)
+    run = launch(text)
+    wait_for(run.all_healthy, 60, "metadata service and nodes healthy")
+    assert list(run.procs()) == ["metadata", "u0", "u1"]
+    meta_pid = run.procs()["metadata"]["pid"]
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.proc.wait(timeout=30) == 0
+    assert not alive(meta_pid) and port_is_free(meta)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pdcache.server.cli") is None,
+                    reason="pdcache serve is not in this build yet")
+def test_real_unified_server_serves_then_stops(launch, tmp_path) -> None:
+    import httpx
+
+    (port,) = free_ports(1)
+    text = LAUNCH.format(timeout=120) + f"""
+[[node]]
+name = "u0"
+role = "unified"
+port = {port}
+command = ["{{python}}", "-m", "pdcache", "serve", "--model", "{{model}}", "--host", "{{host}}",
+           "--port", "{{port}}", "--page-size", "{{page_size}}", "--name", "{{node}}"]
+"""
+    run = launch(text)
+    wait_for(run.all_healthy, 120, "pdcache serve healthy")
+    body = {"input_ids": list(range(1, 40)), "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    reply = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
+    assert reply.status_code == 200 and len(reply.json()["output_ids"]) == 4
+    pid = run.procs()["u0"]["pid"]
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.proc.wait(timeout=30) == 0
+    assert not alive(pid) and port_is_free(port)
