@@ -163,7 +163,7 @@ def test_mixed_concurrent_requests_with_aborts_keep_accounting(tiny) -> None:
         engine.shutdown()
     assert numbers["free"] + numbers["used"] == numbers["capacity"]
     assert numbers["requests"] == 0 and numbers["tree"] == numbers["used"]
-    assert stats["running"] == stats["waiting"] == stats["queued"] == 0
+    assert stats["num_running"] == stats["num_waiting"] == stats["queued"] == 0
     aborted = {rid for rid, outs in results.items() if outs[-1].finish_reason == "abort"}
     assert aborted == {"r3", "r5", "r8"}
     for rid, outs in results.items():

@@ -396,13 +396,13 @@ class Engine:
         allocator, counters = self.pool.allocator, self.scheduler.counters
         tree = self.tree
         snapshot = {
-            "waiting": len(self.scheduler.waiting),
-            "running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
             "page_size": self.pool.page_size,
-            "pages_capacity": allocator.capacity,
+            "pages_total": allocator.capacity,
             "pages_free": allocator.num_free,
             "pages_used": allocator.num_used,
-            "pages_cached": tree.total_pages if tree else 0,
+            "cached_pages": tree.total_pages if tree else 0,
             "pages_evictable": tree.evictable_pages if tree else 0,
             "tokens_in_cache": (tree.total_pages if tree else 0) * self.pool.page_size,
             "pages_evicted_total": tree.num_evicted_pages if tree else 0,
@@ -418,7 +418,7 @@ class Engine:
         }
         with self._lock:
             self._snapshot = snapshot
-            self._num_waiting = snapshot["waiting"]
+            self._num_waiting = snapshot["num_waiting"]
 
 
 def _is_token_id(value: object, vocab_size: int) -> bool:
