@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdcache.bench.replay import PoissonGate, RoundBarrier, StreamState
+from pdcache.bench.replay import PoissonGate, RoundBarrier, StreamErrorChunk, StreamState
 from pdcache.bench.traces import Blocks, Session, Turn
 from pdcache.cli import main as pdcache_main
 
@@ -82,6 +82,8 @@ def test_stream_state_measures_first_token_and_spreads_chunk_gaps() -> None:
     assert state.first_token_at == 10.5
     assert state.itl_s == [0.0, 0.5, 0.5, 0.25]
     assert state.meta == {"completion_tokens": 5}
+    with pytest.raises(StreamErrorChunk, match="engine overloaded"):
+        state.on_chunk({"error": {"message": "engine overloaded", "type": "server_error"}}, 12.0)
 
 
 def _free_port() -> int:

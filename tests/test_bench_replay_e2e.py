@@ -124,3 +124,30 @@ def test_non_streaming_replay_against_real_server(server_url: str, tmp_path: Pat
     for t in range(1, TURNS):
         prev_done = max(r["dispatch_s"] + r["e2e_s"] for r in by_turn[t - 1])
         assert min(r["dispatch_s"] for r in by_turn[t]) >= prev_done - 0.05
+
+
+MOONCAKE_REAL = Path("/work/shared/data/mooncake-fast25/synthetic_trace.jsonl")
+
+
+@pytest.mark.skipif(not MOONCAKE_REAL.is_file(), reason="Mooncake FAST'25 trace not present")
+def test_real_mooncake_rows_hit_exactly_the_theoretical_reuse(
+    server_url: str, tmp_path: Path
+) -> None:
+    # The last 16 rows of the real trace share prefixes among themselves (~50% of tokens).
+    # Each 512-token block is replayed as 16 tokens (sharing kept, 1/32 of the compute).
+    # One request at a time, a fresh cache namespace and no answers in later prompts: a
+    # prefix cache that holds every page must reuse exactly the theoretical amount.
+    trace_file = tmp_path / "tail16.jsonl"
+    trace_file.write_text("\n".join(MOONCAKE_REAL.read_text().splitlines()[-16:]) + "\n")
+    out = tmp_path / "mooncake"
+    code = pdcache_main(["bench", "replay", "--url", server_url, "--trace",
+                         f"mooncake:{trace_file}", "--scale-block-size", "16", "--out", str(out),
+                         "--concurrency", "1", "--page-size", str(PAGE), "--no-progress",
+                         "--no-plots", "--cache-salt", "mooncake-tail", "--max-duration", "240"])
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    assert code == 0 and (summary["requests_ok"], summary["requests_failed"]) == (16, 0)
+    assert summary["theoretical_hit_rate"] > 0.3
+    assert [r["cached_tokens"] for r in records] == [
+        r["theoretical_cached_tokens"] for r in records]
+    assert summary["achieved_over_theoretical"] == pytest.approx(1.0)

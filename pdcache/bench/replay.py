@@ -210,6 +210,10 @@ class HttpError(Exception):
         self.status = status
 
 
+class StreamErrorChunk(Exception):
+    """The server reported an error inside a 200 event stream."""
+
+
 @dataclass
 class StreamState:
     """Timing of a streamed response, measured on arrival of token-bearing chunks."""
@@ -223,7 +227,7 @@ class StreamState:
 
     def on_chunk(self, chunk: dict[str, Any], now: float) -> None:
         if chunk.get("error"):
-            raise HttpError(200, json.dumps(chunk["error"]))
+            raise StreamErrorChunk(json.dumps(chunk["error"])[:300])
         ids = chunk.get("output_ids") or []
         if ids:
             if self.first_token_at is None:
@@ -387,7 +391,7 @@ class Replayer:
             self.write(rec)
             self.counts["failed"] += 1
             raise
-        except (httpx.HTTPError, HttpError, asyncio.TimeoutError, ValueError, KeyError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure is this request's, never the run's
             rec.error = f"{type(exc).__name__}: {exc}"[:500]
         return rec, output
 
