@@ -307,3 +307,40 @@ command = ["{{python}}", "-m", "pdcache", "serve", "--model", "{{model}}", "--ho
     run.proc.send_signal(signal.SIGTERM)
     assert run.proc.wait(timeout=30) == 0
     assert not alive(pid) and port_is_free(port)
+
+
+PD_MODULES = ("pdcache.prefill_node.cli", "pdcache.decode_node.cli", "pdcache.router.cli")
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in PD_MODULES),
+                    reason="the prefill/decode node and router CLIs are not in this build yet")
+def test_local_1p1d_serves_two_turns_reusing_decode_pages_then_stops_clean(launch, tmp_path) -> None:
+    """The issue's main scenario: `pdcache launch configs/local-1p1d.toml --set model.preset=tiny`."""
+    import httpx
+
+    router, p0, boot, d0, meta = free_ports(5)
+    config = (Path(__file__).resolve().parents[1] / "configs/local-1p1d.toml").read_text()
+    sets = [f"router.port={router}", f"node.p0.port={p0}", f"node.p0.bootstrap_port={boot}",
+            f"node.d0.port={d0}", f'storage.metadata="tcp://127.0.0.1:{meta}"',
+            f'storage.path="{tmp_path}/storage"', f'storage.metadata_service.state_dir="{tmp_path}/meta"',
+            'storage.capacity="256MiB"', "model.preset=tiny", "launch.health_timeout_s=180"]
+    run = launch(config, *[x for s in sets for x in ("--set", s)])
+    wait_for(run.all_healthy, 180, "metadata, p0, d0 and router healthy")
+    page = 16
+    prompt = [(7 * i) % 200 + 3 for i in range(100)]
+    params = {"max_new_tokens": 3 * page, "temperature": 0, "ignore_eos": True}
+    url = f"http://127.0.0.1:{router}/generate"
+    first = httpx.post(url, json={"input_ids": prompt, "sampling_params": params}, timeout=120).json()
+    answer = first["output_ids"]
+    time.sleep(1.0)  # decode offload is asynchronous
+    second_ids = prompt + answer + [5, 6, 7, 8]
+    second = httpx.post(url, json={"input_ids": second_ids, "sampling_params": params}, timeout=120).json()
+    meta_info = second["meta"]
+    reused = (len(prompt) + len(answer)) // page * page
+    assert meta_info["cached_tokens"] >= reused - page
+    assert meta_info["cached_tokens_details"]["storage_from_decode"] > 0
+    pids = [p["pid"] for p in run.procs().values()]
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.proc.wait(timeout=60) == 0
+    assert not [pid for pid in pids if alive(pid)]
+    assert all(port_is_free(p) for p in (router, p0, boot, d0, meta))

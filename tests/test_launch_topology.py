@@ -227,3 +227,33 @@ def test_unified_with_pd_is_rejected() -> None:
     text = BASE + '\n[[node]]\nname = "u0"\nrole = "unified"\nport = 30009\n'
     with pytest.raises(TopologyError, match="unified nodes cannot be mixed"):
         parse_topology(text, "x.toml")
+
+
+def _node_args(*argv: str):
+    import argparse
+
+    from pdcache.launch.topology import add_topology_arguments
+
+    parser = argparse.ArgumentParser()
+    add_topology_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_node_reads_its_own_settings(tmp_path) -> None:
+    from pdcache.launch.topology import node_from_args, router_from_args
+
+    path = tmp_path / "t.toml"
+    path.write_text(BASE)
+    topology, node = node_from_args(_node_args("--config", str(path), "--node", "d0",
+                                               "--set", "node.d0.port=31999"), ["decode"])
+    assert (node.name, node.port, node.offload) == ("d0", 31999, True)
+    assert topology.endpoints()["p0"].bootstrap_port == 8998
+    assert node_from_args(_node_args(), ["decode"]) is None
+    with pytest.raises(TopologyError, match="node.p0.role: is prefill, but this command runs decode nodes"):
+        node_from_args(_node_args("--config", str(path), "--node", "p0"), ["decode"])
+    with pytest.raises(TopologyError, match=r"--node p9: no such node \(nodes: p0, d0\)"):
+        node_from_args(_node_args("--config", str(path), "--node", "p9"), ["decode"])
+    with pytest.raises(TopologyError, match="--node NAME is required"):
+        node_from_args(_node_args("--config", str(path)), ["decode"])
+    _, router = router_from_args(_node_args("--config", str(path), "--node", "router"))
+    assert router.url == "http://127.0.0.1:8000"

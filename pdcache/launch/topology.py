@@ -29,6 +29,7 @@ launcher keeps equal to its own.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import re
 import sys
@@ -725,6 +726,51 @@ def _mooncake_ports(spec: MooncakeStoreSpec) -> list[tuple[str, int, str]]:
     if http is not None:
         ports.append((http[0], http[1], "storage.mooncake.metadata_server"))
     return ports
+
+
+# --------------------------------------------------------------------------- node side
+
+
+def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `--config/--node/--set` flags of the node command contract (module docstring)."""
+    parser.add_argument("--config", metavar="TOPOLOGY", help="topology TOML file (see configs/)")
+    parser.add_argument("--node", metavar="NAME", help="this process's [[node]] name (or router.name)")
+    parser.add_argument("--set", dest="topology_overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="topology override, as given to pdcache launch")
+
+
+def node_from_args(args: argparse.Namespace, roles: Iterable[str]) -> tuple[Topology, NodeSpec] | None:
+    """(topology, this node) when started with --config, None otherwise. Raises TopologyError.
+
+    `roles` are the roles this command serves, e.g. ("prefill",) for `pdcache prefill`.
+    """
+    if not getattr(args, "config", None):
+        return None
+    topology = load_topology(args.config, getattr(args, "topology_overrides", ()))
+    if not getattr(args, "node", None):
+        raise TopologyError(topology.source, "", f"--node NAME is required with --config (nodes: {topology.node_names()})")
+    try:
+        node = topology.node(args.node)
+    except KeyError:
+        raise TopologyError(topology.source, "", f"--node {args.node}: no such node (nodes: {topology.node_names()})") from None
+    roles = tuple(roles)
+    if node.role not in roles:
+        raise TopologyError(topology.source, f"node.{node.name}.role",
+                            f"is {node.role}, but this command runs {' or '.join(roles)} nodes")
+    return topology, node
+
+
+def router_from_args(args: argparse.Namespace) -> tuple[Topology, RouterSpec] | None:
+    """(topology, its router) when `pdcache router` was started with --config. Raises TopologyError."""
+    if not getattr(args, "config", None):
+        return None
+    topology = load_topology(args.config, getattr(args, "topology_overrides", ()))
+    if topology.router is None:
+        raise TopologyError(topology.source, "router", "missing [router] table")
+    if getattr(args, "node", None) not in (None, topology.router.name):
+        raise TopologyError(topology.source, "router.name",
+                            f"is '{topology.router.name}', not '{args.node}'")
+    return topology, topology.router
 
 
 def finalize(topology: Topology) -> Topology:
