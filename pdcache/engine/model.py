@@ -155,11 +155,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         outs = []
         for qs, ks, vs in zip(*(t.split(extend_lens) for t in (q, k, v))):
+            # 4-D [1, H, T, D] inputs: 3-D ones take torch's slow math path on CPU.
             o = F.scaled_dot_product_attention(
-                qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
                 is_causal=True, scale=self.scale, enable_gqa=True,
             )
-            outs.append(o.transpose(0, 1))
+            outs.append(o[0].transpose(0, 1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
