@@ -7,6 +7,10 @@ Layouts:
   it is exactly the payload of a stored page (DESIGN.md §4.3).
 - staging buffer: `staging[N, L, 2, S, H, D]`, the same order as host pages.
 
+Ids are 1-D int32/int64 tensors, any order, not necessarily contiguous. Page tables are
+`[B, maxP]` int tensors; columns past a sequence's `ceil(len / S)` pages are padding (any value,
+e.g. -1) and never read. Bad shapes, dtypes or ids raise `KernelArgumentError` (a ValueError).
+
 Functions (all mutate only their destination argument):
 - `store_kv(device_kv, layer, slot_ids[T], k[T,H,D], v[T,H,D])`
 - `device_to_host(device_kv, host_kv, device_page_ids[N], host_page_ids[N], layer=None)`
@@ -18,13 +22,17 @@ Functions (all mutate only their destination argument):
 - `paged_attention_decode(q[B,Hq,D], device_kv, layer, page_table, seq_lens, scale,
   sliding_window=None) -> [B,Hq,D]`
 
-The implementation is chosen per call by the device of the tensors ("torch" on CPU,
-"triton" on CUDA when triton is installed) and can be forced with the environment variable
-`PDCACHE_KERNELS=torch|triton` or `select_backend(name)` on a `KernelSet`.
+Backends: "reference" (plain torch, defines correctness; tests compare against it), "torch"
+(fast torch: block copies, batched decode; the default on CPU), "triton" (the default when any
+tensor argument is on CUDA and triton is installed; extend and decode attention included).
+The choice is made per call by the devices of the tensors and can be forced with the
+environment variable `PDCACHE_KERNELS=reference|torch|triton` or `KernelSet(name)`.
+`pdcache.kernels.testing` holds the oracles (dense float64 attention, per-block copies).
 """
 
 from __future__ import annotations
 
+from pdcache.kernels.checks import KernelArgumentError
 from pdcache.kernels.dispatch import (
     KernelSet,
     default_kernels,
@@ -38,6 +46,7 @@ from pdcache.kernels.dispatch import (
 )
 
 __all__ = [
+    "KernelArgumentError",
     "KernelSet",
     "default_kernels",
     "device_to_host",

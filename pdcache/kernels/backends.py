@@ -5,13 +5,22 @@ from __future__ import annotations
 from types import ModuleType
 
 
-def torch_backend() -> ModuleType:
+def reference_backend() -> ModuleType:
+    """Plain torch indexing + one SDPA per sequence: the definition of correct."""
     from pdcache.kernels import reference
 
     return reference
 
 
+def torch_backend() -> ModuleType:
+    """Fast torch (block copies, batched decode): the default on CPU."""
+    from pdcache.kernels import cpu
+
+    return cpu
+
+
 def triton_backend() -> ModuleType:
+    """Triton kernels: the default on CUDA; on CPU only under TRITON_INTERPRET=1."""
     from pdcache.kernels import triton_kernels
 
     return triton_kernels

@@ -1,8 +1,13 @@
-"""Picks a kernel implementation by device, overridable by `PDCACHE_KERNELS`."""
+"""Picks a kernel implementation by device, overridable by `PDCACHE_KERNELS`.
+
+Backends: `reference` (plain torch, defines correctness), `torch` (fast torch, default on CPU),
+`triton` (default on CUDA when triton is installed).
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from types import ModuleType
 
@@ -11,8 +16,11 @@ import torch
 from pdcache.utils.registry import Registry
 
 KERNEL_BACKENDS: Registry[ModuleType] = Registry("kernel backend")
+KERNEL_BACKENDS.register("reference", "pdcache.kernels.backends:reference_backend")
 KERNEL_BACKENDS.register("torch", "pdcache.kernels.backends:torch_backend")
 KERNEL_BACKENDS.register("triton", "pdcache.kernels.backends:triton_backend", package="triton")
+
+ENV_VAR = "PDCACHE_KERNELS"
 
 _OPS = (
     "store_kv",
@@ -26,14 +34,29 @@ _OPS = (
 
 
 class KernelSet:
-    """Resolves each op to one implementation; `name=None` chooses by tensor device."""
+    """Resolves each op to one implementation.
+
+    `name=None` reads `PDCACHE_KERNELS`; if that is unset too, each call chooses by the devices
+    of its tensor arguments: triton when any is on CUDA (and triton is installed), else torch.
+    Holds only a cache of imported backend modules.
+    """
 
     def __init__(self, name: str | None = None) -> None:
-        self.name = name or os.environ.get("PDCACHE_KERNELS") or None
+        self.name = name or os.environ.get(ENV_VAR) or None
+        if self.name is not None and self.name not in KERNEL_BACKENDS:
+            raise KeyError(
+                f"unknown kernel backend '{self.name}' (from {ENV_VAR} or KernelSet); "
+                f"choose one of {KERNEL_BACKENDS.names()}"
+            )
         self._cache: dict[str, ModuleType] = {}
 
+    def backend_name_for(self, device: torch.device) -> str:
+        if self.name is not None:
+            return self.name
+        return "triton" if device.type == "cuda" and has_triton() else "torch"
+
     def backend_for(self, device: torch.device) -> ModuleType:
-        name = self.name or ("triton" if device.type == "cuda" and _has_triton() else "torch")
+        name = self.backend_name_for(device)
         if name not in self._cache:
             self._cache[name] = KERNEL_BACKENDS.get(name)()
         return self._cache[name]
@@ -43,18 +66,24 @@ class KernelSet:
             raise AttributeError(op)
 
         def call(*args, **kwargs):
-            device = next(a.device for a in args if isinstance(a, torch.Tensor))
-            return getattr(self.backend_for(device), op)(*args, **kwargs)
+            return getattr(self.backend_for(_call_device(args, kwargs)), op)(*args, **kwargs)
 
+        call.__name__ = op
         return call
 
 
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _call_device(args: tuple, kwargs: dict) -> torch.device:
+    """CUDA if any tensor argument lives there (host pools are on CPU even on a GPU node)."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    for t in tensors:
+        if t.device.type == "cuda":
+            return t.device
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=1)
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,5 +1,8 @@
 """Torch reference implementations of the KV kernels: they define correctness.
 
+Written to be obviously right, not fast: plain advanced indexing for copies and one SDPA call
+per sequence for attention. Tests compare every other backend against these functions.
+
 Layouts (see `pdcache.kernels` for the full contract):
 - device pool, layer-first: `device_kv[L, 2, P, S, H, D]` (2 = K, V)
 - host pool, page-first:    `host_kv[P, L, 2, S, H, D]` (a page's layers are contiguous)
@@ -11,14 +14,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdcache.kernels import checks
+from pdcache.kernels.checks import IntList, as_int_list
+
 
 def store_kv(
     device_kv: torch.Tensor, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
+    """Write token t's K/V to slot `slot_ids[t]` (= page * S + offset) of `layer`."""
+    checks.check_store(device_kv, layer, slot_ids, k, v)
     page_size = device_kv.shape[3]
-    pages, offsets = slot_ids // page_size, slot_ids % page_size
-    device_kv[layer, 0, pages, offsets] = k.to(device_kv.dtype)
-    device_kv[layer, 1, pages, offsets] = v.to(device_kv.dtype)
+    slots = slot_ids.to(device_kv.device)
+    pages, offsets = slots // page_size, slots % page_size
+    device_kv[layer, 0, pages, offsets] = k.to(device_kv.device, device_kv.dtype)
+    device_kv[layer, 1, pages, offsets] = v.to(device_kv.device, device_kv.dtype)
 
 
 def device_to_host(
@@ -28,13 +37,18 @@ def device_to_host(
     host_page_ids: torch.Tensor,
     layer: int | None = None,
 ) -> None:
+    """host page `host_page_ids[i]` := device page `device_page_ids[i]` (all layers or one)."""
+    op = "device_to_host"
+    checks.check_host_pool(op, host_kv, device_kv, "host_kv")
+    checks.check_layer(op, layer, device_kv)
+    checks.check_page_copy(op, device_page_ids, host_page_ids, device_kv.shape[2], len(host_kv))
+    src = device_page_ids.to(device_kv.device)
+    dst = host_page_ids.to(host_kv.device)
     if layer is None:
         # [L, 2, N, S, H, D] -> [N, L, 2, S, H, D]
-        pages = device_kv[:, :, device_page_ids.to(device_kv.device)].permute(2, 0, 1, 3, 4, 5)
-        host_kv[host_page_ids.to(host_kv.device)] = pages.to(host_kv.device)
+        host_kv[dst] = device_kv[:, :, src].permute(2, 0, 1, 3, 4, 5).to(host_kv.device)
     else:
-        pages = device_kv[layer, :, device_page_ids.to(device_kv.device)].transpose(0, 1)
-        host_kv[host_page_ids.to(host_kv.device), layer] = pages.to(host_kv.device)
+        host_kv[dst, layer] = device_kv[layer, :, src].transpose(0, 1).to(host_kv.device)
 
 
 def host_to_device(
@@ -44,35 +58,43 @@ def host_to_device(
     device_page_ids: torch.Tensor,
     layer: int | None = None,
 ) -> None:
+    """device page `device_page_ids[i]` := host page `host_page_ids[i]` (all layers or one)."""
+    op = "host_to_device"
+    checks.check_host_pool(op, host_kv, device_kv, "host_kv")
+    checks.check_layer(op, layer, device_kv)
+    checks.check_page_copy(op, host_page_ids, device_page_ids, len(host_kv), device_kv.shape[2])
+    src = host_page_ids.to(host_kv.device)
     dst = device_page_ids.to(device_kv.device)
     if layer is None:
-        pages = host_kv[host_page_ids.to(host_kv.device)].permute(1, 2, 0, 3, 4, 5)
-        device_kv[:, :, dst] = pages.to(device_kv.device)
+        device_kv[:, :, dst] = host_kv[src].permute(1, 2, 0, 3, 4, 5).to(device_kv.device)
     else:
-        pages = host_kv[host_page_ids.to(host_kv.device), layer].transpose(0, 1)
-        device_kv[layer, :, dst] = pages.to(device_kv.device)
+        device_kv[layer, :, dst] = host_kv[src, layer].transpose(0, 1).to(device_kv.device)
 
 
 def pack_pages(device_kv: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor) -> None:
-    """Gather device pages into `staging[N, L, 2, S, H, D]` (page-first, as stored)."""
-    staging[: len(page_ids)] = device_kv[:, :, page_ids.to(device_kv.device)].permute(
-        2, 0, 1, 3, 4, 5
-    ).to(staging.device)
+    """Gather device pages into `staging[:N]` (`[N, L, 2, S, H, D]`, page-first, as stored)."""
+    op = "pack_pages"
+    checks.check_host_pool(op, staging, device_kv, "staging")
+    checks.check_staging(op, page_ids, device_kv.shape[2], len(staging))
+    src = page_ids.to(device_kv.device)
+    staging[: len(page_ids)] = device_kv[:, :, src].permute(2, 0, 1, 3, 4, 5).to(staging.device)
 
 
 def unpack_pages(staging: torch.Tensor, device_kv: torch.Tensor, page_ids: torch.Tensor) -> None:
-    """Scatter `staging[N, L, 2, S, H, D]` into the device pages `page_ids`."""
+    """Scatter `staging[:N]` (`[N, L, 2, S, H, D]`) into the device pages `page_ids`."""
+    op = "unpack_pages"
+    checks.check_host_pool(op, staging, device_kv, "staging")
+    checks.check_staging(op, page_ids, device_kv.shape[2], len(staging))
+    dst = page_ids.to(device_kv.device)
     n = len(page_ids)
-    device_kv[:, :, page_ids.to(device_kv.device)] = staging[:n].permute(1, 2, 0, 3, 4, 5).to(
-        device_kv.device
-    )
+    device_kv[:, :, dst] = staging[:n].permute(1, 2, 0, 3, 4, 5).to(device_kv.device)
 
 
 def gather_kv(
     device_kv: torch.Tensor, layer: int, page_ids: torch.Tensor, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the first `num_tokens` tokens held in `page_ids`: two `[num_tokens, H, D]`."""
-    _, _, _, page_size, heads, dim = device_kv.shape
+    _, _, _, _, heads, dim = device_kv.shape
     k = device_kv[layer, 0, page_ids].reshape(-1, heads, dim)[:num_tokens]
     v = device_kv[layer, 1, page_ids].reshape(-1, heads, dim)[:num_tokens]
     return k, v
@@ -106,22 +128,27 @@ def paged_attention_extend(
     device_kv: torch.Tensor,
     layer: int,
     page_table: torch.Tensor,
-    prefix_lens: list[int],
-    extend_lens: list[int],
+    prefix_lens: IntList,
+    extend_lens: IntList,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Prefill-with-prefix: `q[sum(extend_lens), Hq, D]` of several sequences, concatenated.
 
     Sequence b has `prefix_lens[b]` cached tokens followed by `extend_lens[b]` new tokens, whose
-    K/V are already stored in the pool; its pages are `page_table[b]`.
+    K/V are already stored in the pool; its pages are `page_table[b, :ceil(len / S)]` (columns
+    past that are padding and never read). A token attends to itself and the
+    `sliding_window - 1` tokens before it (all earlier tokens when `sliding_window` is None).
     """
+    prefix_lens, extend_lens = as_int_list(prefix_lens), as_int_list(extend_lens)
+    checks.check_extend(q, device_kv, layer, page_table, prefix_lens, extend_lens)
     out = torch.empty_like(q)
     start = 0
     page_size = device_kv.shape[3]
+    table = page_table.to(device_kv.device)
     for b, (prefix_len, extend_len) in enumerate(zip(prefix_lens, extend_lens)):
         total = prefix_len + extend_len
-        pages = page_table[b, : (total + page_size - 1) // page_size]
+        pages = table[b, : (total + page_size - 1) // page_size]
         k, v = gather_kv(device_kv, layer, pages, total)
         qs = q[start : start + extend_len]
         out[start : start + extend_len] = _attend(qs, k, v, prefix_len, scale, sliding_window)
@@ -134,12 +161,14 @@ def paged_attention_decode(
     device_kv: torch.Tensor,
     layer: int,
     page_table: torch.Tensor,
-    seq_lens: list[int],
+    seq_lens: IntList,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: `q[B, Hq, D]`; sequence b attends to its `seq_lens[b]` tokens
     (the new token's K/V included)."""
+    seq_lens = as_int_list(seq_lens)
+    checks.check_decode(q, device_kv, layer, page_table, seq_lens)
     return paged_attention_extend(
         q, device_kv, layer, page_table, [n - 1 for n in seq_lens], [1] * len(seq_lens), scale,
         sliding_window,

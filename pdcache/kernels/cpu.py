@@ -1,0 +1,231 @@
+"""Fast torch implementations of the KV kernels (the default on CPU), same semantics as
+`reference`.
+
+Copies: a page of one layer is a contiguous `[S, H, D]` block on both sides of every layout, so
+each copy is a short loop of `copy_` calls, one per run of consecutive page ids, each moving
+whole blocks with no temporary (a gather then a scatter would touch every byte twice).
+Decode attention: one padded, batched computation over all sequences (grouped query heads
+folded into the matmul instead of repeated), chunked to bound memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdcache.kernels import checks
+from pdcache.kernels.checks import IntList, as_int_list
+
+# Upper bound on gathered K (or V) elements per decode chunk (fp32: 4 bytes each).
+_DECODE_CHUNK_ELEMS = 1 << 25
+
+
+def _runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Split paired id lists into (src_start, dst_start, length) runs of consecutive ids."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def copy_pages(
+    src_pages: torch.Tensor, dst_pages: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor
+) -> None:
+    """`dst_pages[dst_ids[i]] = src_pages[src_ids[i]]`, both indexed along dim 0 (views)."""
+    for s, d, n in _runs(src_ids.tolist(), dst_ids.tolist()):
+        if n == 1:
+            dst_pages.select(0, d).copy_(src_pages.select(0, s))
+        else:
+            dst_pages.narrow(0, d, n).copy_(src_pages.narrow(0, s, n))
+
+
+def _device_pages(device_kv: torch.Tensor, layer: int | None) -> torch.Tensor:
+    """Device pool viewed page-major: `[P, L, 2, S, H, D]` or, for one layer, `[P, 2, S, H, D]`."""
+    if layer is None:
+        return device_kv.permute(2, 0, 1, 3, 4, 5)
+    return device_kv[layer].transpose(0, 1)
+
+
+def _host_pages(host_kv: torch.Tensor, layer: int | None) -> torch.Tensor:
+    return host_kv if layer is None else host_kv[:, layer]
+
+
+def store_kv(
+    device_kv: torch.Tensor, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    checks.check_store(device_kv, layer, slot_ids, k, v)
+    _, _, pages, page_size, heads, dim = device_kv.shape
+    slots = slot_ids.to(device_kv.device)
+    for kv, src in ((0, k), (1, v)):
+        flat = device_kv[layer, kv].view(pages * page_size, heads, dim)
+        flat.index_copy_(0, slots, src.to(device_kv.device, device_kv.dtype))
+
+
+def device_to_host(
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    device_page_ids: torch.Tensor,
+    host_page_ids: torch.Tensor,
+    layer: int | None = None,
+) -> None:
+    op = "device_to_host"
+    checks.check_host_pool(op, host_kv, device_kv, "host_kv")
+    checks.check_layer(op, layer, device_kv)
+    checks.check_page_copy(op, device_page_ids, host_page_ids, device_kv.shape[2], len(host_kv))
+    copy_pages(_device_pages(device_kv, layer), _host_pages(host_kv, layer),
+               device_page_ids, host_page_ids)
+
+
+def host_to_device(
+    host_kv: torch.Tensor,
+    device_kv: torch.Tensor,
+    host_page_ids: torch.Tensor,
+    device_page_ids: torch.Tensor,
+    layer: int | None = None,
+) -> None:
+    op = "host_to_device"
+    checks.check_host_pool(op, host_kv, device_kv, "host_kv")
+    checks.check_layer(op, layer, device_kv)
+    checks.check_page_copy(op, host_page_ids, device_page_ids, len(host_kv), device_kv.shape[2])
+    copy_pages(_host_pages(host_kv, layer), _device_pages(device_kv, layer),
+               host_page_ids, device_page_ids)
+
+
+def pack_pages(device_kv: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor) -> None:
+    op = "pack_pages"
+    checks.check_host_pool(op, staging, device_kv, "staging")
+    checks.check_staging(op, page_ids, device_kv.shape[2], len(staging))
+    n = len(page_ids)
+    staging_ids = torch.arange(n)
+    copy_pages(_device_pages(device_kv, None), staging, page_ids, staging_ids)
+
+
+def unpack_pages(staging: torch.Tensor, device_kv: torch.Tensor, page_ids: torch.Tensor) -> None:
+    op = "unpack_pages"
+    checks.check_host_pool(op, staging, device_kv, "staging")
+    checks.check_staging(op, page_ids, device_kv.shape[2], len(staging))
+    staging_ids = torch.arange(len(page_ids))
+    copy_pages(staging, _device_pages(device_kv, None), staging_ids, page_ids)
+
+
+def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """`pool[P, S, H, D]` pages -> the first `num_tokens` tokens, `[num_tokens, H, D]`."""
+    heads, dim = pool.shape[2], pool.shape[3]
+    return pool.index_select(0, pages).view(-1, heads, dim)[:num_tokens]
+
+
+def _causal_mask(
+    prefix_len: int, num_q: int, num_kv: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    if prefix_len == 0 and sliding_window is None:
+        return None  # plain causal: SDPA's is_causal path
+    q_pos = torch.arange(prefix_len, prefix_len + num_q, device=device)[:, None]
+    k_pos = torch.arange(num_kv, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= q_pos - k_pos < sliding_window
+    return mask
+
+
+def paged_attention_extend(
+    q: torch.Tensor,
+    device_kv: torch.Tensor,
+    layer: int,
+    page_table: torch.Tensor,
+    prefix_lens: IntList,
+    extend_lens: IntList,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    prefix_lens, extend_lens = as_int_list(prefix_lens), as_int_list(extend_lens)
+    checks.check_extend(q, device_kv, layer, page_table, prefix_lens, extend_lens)
+    page_size = device_kv.shape[3]
+    table = page_table.to(device_kv.device)
+    out = torch.empty_like(q)
+    start = 0
+    for b, (prefix_len, extend_len) in enumerate(zip(prefix_lens, extend_lens)):
+        total = prefix_len + extend_len
+        pages = table[b, : -(-total // page_size)]
+        k = _gather_pages(device_kv[layer, 0], pages, total).transpose(0, 1).float()
+        v = _gather_pages(device_kv[layer, 1], pages, total).transpose(0, 1).float()
+        qs = q[start : start + extend_len].transpose(0, 1).float()
+        mask = _causal_mask(prefix_len, extend_len, total, sliding_window, q.device)
+        o = F.scaled_dot_product_attention(
+            qs, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+        out[start : start + extend_len] = o.transpose(0, 1).to(q.dtype)
+        start += extend_len
+    return out
+
+
+def _decode_chunk(
+    q: torch.Tensor,
+    device_kv: torch.Tensor,
+    layer: int,
+    table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Padded batched decode of `q[B, Hq, D]` over `table[B, n_pages]` (all valid page ids)."""
+    batch, q_heads, dim = q.shape
+    kv_heads = device_kv.shape[4]
+    num_kv = table.shape[1] * device_kv.shape[3]
+    # [B, n_pages, S, Hkv, D] -> [B, Hkv, T, D]
+    k = device_kv[layer, 0][table].view(batch, num_kv, kv_heads, dim).transpose(1, 2).float()
+    v = device_kv[layer, 1][table].view(batch, num_kv, kv_heads, dim).transpose(1, 2).float()
+    pos = torch.arange(num_kv, device=q.device)
+    valid = pos[None, :] < seq_lens[:, None]
+    if sliding_window is not None:
+        valid &= pos[None, :] >= seq_lens[:, None] - sliding_window
+    # Pool slots past a sequence's end may hold anything (even NaN): zero V there, -inf scores.
+    v = v.masked_fill(~valid[:, None, :, None], 0.0)
+    qg = q.float().view(batch, kv_heads, q_heads // kv_heads, dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)
+    return out.view(batch, q_heads, dim).to(q.dtype)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    device_kv: torch.Tensor,
+    layer: int,
+    page_table: torch.Tensor,
+    seq_lens: IntList,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    lens = as_int_list(seq_lens)
+    checks.check_decode(q, device_kv, layer, page_table, lens)
+    page_size, kv_heads, dim = device_kv.shape[3], device_kv.shape[4], device_kv.shape[5]
+    table = page_table.to(device_kv.device)
+    out = torch.empty_like(q)
+    start = 0
+    while start < len(lens):
+        end = _chunk_end(lens, start, page_size, kv_heads * dim)
+        n_pages = -(-max(lens[start:end]) // page_size)
+        # Padding columns may hold anything (e.g. -1): read page 0 there; it is masked out.
+        rows = table[start:end, :n_pages].clamp(0, device_kv.shape[2] - 1)
+        chunk_lens = torch.tensor(lens[start:end], device=q.device)
+        out[start:end] = _decode_chunk(
+            q[start:end], device_kv, layer, rows, chunk_lens, scale, sliding_window
+        )
+        start = end
+    return out
+
+
+def _chunk_end(lens: list[int], start: int, page_size: int, token_elems: int) -> int:
+    """Largest end such that padding lens[start:end] to their max stays under the chunk bound."""
+    end, longest = start, 0
+    while end < len(lens):
+        longest = max(longest, -(-lens[end] // page_size) * page_size)
+        if end > start and (end + 1 - start) * longest * token_elems > _DECODE_CHUNK_ELEMS:
+            break
+        end += 1
+    return end

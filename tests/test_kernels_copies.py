@@ -1,0 +1,105 @@
+"""Copy kernels (reference and fast torch) against per-block oracles, byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdcache.kernels import checks, testing
+from pdcache.kernels.dispatch import KERNEL_BACKENDS, KernelSet
+
+BACKENDS = ["reference", "torch"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@st.composite
+def copy_shapes(draw) -> testing.CopyShape:
+    device_pages = draw(st.integers(2, 10))
+    host_pages = draw(st.integers(2, 10))
+    return testing.CopyShape(
+        layers=draw(st.integers(1, 4)),
+        device_pages=device_pages,
+        host_pages=host_pages,
+        page_size=draw(st.sampled_from([1, 4, 16])),
+        heads=draw(st.integers(1, 3)),
+        dim=draw(st.sampled_from([4, 8, 12])),
+        num_pages=draw(st.integers(0, min(device_pages, host_pages))),
+    )
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@settings(max_examples=25, deadline=None)
+@given(shape=copy_shapes(), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31),
+       per_layer=st.booleans())
+def test_layout_copies_match_oracle_and_round_trip(name, shape, dtype, seed, per_layer):
+    layer = seed % shape.layers if per_layer else None
+    testing.check_copies(KERNEL_BACKENDS.get(name)(), shape, dtype, seed, layer=layer)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@settings(max_examples=15, deadline=None)
+@given(shape=copy_shapes(), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31))
+def test_pack_unpack_store_match_oracle(name, shape, dtype, seed):
+    testing.check_pack_store(KERNEL_BACKENDS.get(name)(), shape, dtype, seed)
+
+
+def test_torch_backend_equals_reference_on_runs_and_scattered_ids():
+    """Consecutive ids (merged into one block copy) next to scattered ones."""
+    gen = torch.Generator().manual_seed(7)
+    device_kv = testing.random_pool((3, 2, 12, 4, 2, 8), torch.bfloat16, gen)
+    dev_ids = torch.tensor([2, 3, 4, 9, 0, 1, 7])
+    host_ids = torch.tensor([5, 6, 7, 0, 1, 3, 2])
+    outs = []
+    for name in BACKENDS:
+        host_kv = torch.zeros((8, 3, 2, 4, 2, 8), dtype=torch.bfloat16)
+        KERNEL_BACKENDS.get(name)().device_to_host(device_kv, host_kv, dev_ids, host_ids)
+        outs.append(host_kv)
+    testing.assert_bytes_equal(outs[1], outs[0], "torch vs reference")
+    assert torch.count_nonzero(outs[0][4]) == 0  # host page 4 was not a destination
+
+
+BAD_CALLS = {
+    "dtype mismatch": lambda k, d, h: k.device_to_host(d, h.half(), torch.tensor([0]),
+                                                       torch.tensor([0])),
+    "page shape": lambda k, d, h: k.device_to_host(d, h[:, :1], torch.tensor([0]),
+                                                   torch.tensor([0])),
+    "id out of range": lambda k, d, h: k.host_to_device(h, d, torch.tensor([0]),
+                                                        torch.tensor([6])),
+    "negative id": lambda k, d, h: k.device_to_host(d, h, torch.tensor([-1]), torch.tensor([0])),
+    "length mismatch": lambda k, d, h: k.device_to_host(d, h, torch.tensor([0, 1]),
+                                                        torch.tensor([0])),
+    "float ids": lambda k, d, h: k.pack_pages(d, torch.tensor([0.0]), h),
+    "layer": lambda k, d, h: k.device_to_host(d, h, torch.tensor([0]), torch.tensor([0]), 2),
+    "store shape": lambda k, d, h: k.store_kv(d, 0, torch.tensor([0, 1]), torch.zeros(2, 2, 8),
+                                              torch.zeros(2, 2, 4)),
+    "store slot": lambda k, d, h: k.store_kv(d, 0, torch.tensor([24]), torch.zeros(1, 2, 8),
+                                             torch.zeros(1, 2, 8)),
+}
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_bad_arguments_raise_clear_errors(name, case):
+    device_kv = torch.zeros((2, 2, 6, 4, 2, 8))
+    host_kv = torch.zeros((4, 2, 2, 4, 2, 8))
+    with pytest.raises(checks.KernelArgumentError):
+        BAD_CALLS[case](KERNEL_BACKENDS.get(name)(), device_kv, host_kv)
+
+
+def test_dispatch_defaults_to_torch_on_cpu_and_honours_override(monkeypatch):
+    monkeypatch.delenv("PDCACHE_KERNELS", raising=False)
+    assert KernelSet().backend_name_for(torch.device("cpu")) == "torch"
+    monkeypatch.setenv("PDCACHE_KERNELS", "reference")
+    kernels = KernelSet()
+    assert kernels.backend_for(torch.device("cpu")).__name__ == "pdcache.kernels.reference"
+    device_kv = torch.randn(1, 2, 3, 2, 1, 4)
+    host_kv = torch.zeros(2, 1, 2, 2, 1, 4)
+    kernels.device_to_host(device_kv, host_kv, torch.tensor([2]), torch.tensor([1]))
+    testing.assert_bytes_equal(host_kv[1], device_kv[:, :, 2], "dispatched copy")
+
+
+def test_dispatch_rejects_unknown_backend():
+    with pytest.raises(KeyError, match="choose one of"):
+        KernelSet("cuda-magic")
