@@ -1,1 +1,45 @@
+"""Storage tier backends (DESIGN.md §4.4), chosen by name from a StorageConfig.
 
+Backends load lazily: `create_backend(config)` imports only the chosen one, and a missing
+optional dependency (mooncake, the 3FS usrbio client) raises MissingDependencyError naming it.
+Nothing heavy (torch) is imported by this package itself, so the metadata service starts fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pdcache.utils.registry import Registry
+
+if TYPE_CHECKING:
+    from pdcache.offload_manager.storage.base import StorageBackend
+    from pdcache.offload_manager.storage.config import StorageConfig
+
+BACKENDS: Registry[StorageBackend] = Registry("storage backend")
+BACKENDS.register("hf3fs", "pdcache.offload_manager.storage.hf3fs:Hf3fsBackend")
+BACKENDS.register("file", "pdcache.offload_manager.storage.file:FileBackend")
+BACKENDS.register(
+    "mooncake",
+    "pdcache.offload_manager.storage.mooncake_store:MooncakeStoreBackend",
+    package="mooncake-transfer-engine-non-cuda",
+)
+
+
+def create_backend(config: StorageConfig) -> StorageBackend:
+    """The backend named by `config.backend`, opened with `config`."""
+    return BACKENDS.get(config.backend)(config)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "StorageBackend":
+        from pdcache.offload_manager.storage.base import StorageBackend
+
+        return StorageBackend
+    if name == "StorageConfig":
+        from pdcache.offload_manager.storage.config import StorageConfig
+
+        return StorageConfig
+    raise AttributeError(name)
+
+
+__all__ = ["BACKENDS", "StorageBackend", "StorageConfig", "create_backend"]

@@ -1,0 +1,124 @@
+"""The frozen configuration of one storage backend client (DESIGN.md §4.4, §4.6)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdcache.offload_manager.storage.page_format import HEADER_BYTES, PageSpec
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+BACKENDS = ("hf3fs", "mooncake", "file")
+IO_ENGINES = ("posix", "usrbio")
+SLOT_ALIGN = 4096
+
+
+def _align_up(value: int, align: int) -> int:
+    return (value + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Everything a storage client needs; built once per process and passed explicitly.
+
+    Capacity is `capacity_pages` or, when that is 0, `capacity_bytes` divided by the slot size;
+    0 for both means "the backend's own limit" (mooncake) and is an error for hf3fs.
+    `metadata` is "inproc" or "tcp://host:port" of `pdcache metadata-server`.
+    """
+
+    backend: str = "hf3fs"
+    path: str = ".pdcache/storage"
+    page_bytes: int = 0  # payload bytes of one page: all layers' K and V, page-first
+    capacity_pages: int = 0
+    capacity_bytes: int = 0
+    fingerprint: str = ""
+    namespace: str = "default"  # storage pool name: data files, metadata pool, object prefix
+    num_layers: int = 0
+    page_size: int = 0  # tokens per page, recorded in each header
+    dtype: str = "uint8"
+    # hf3fs
+    io_engine: str = "posix"
+    io_threads: int = 1
+    num_data_files: int = 4
+    metadata: str = "inproc"
+    recover_index: bool = True  # inproc metadata: rebuild the index from slot headers on open
+    reservation_ttl_s: float = 60.0
+    usrbio_mount: str = ""  # 3FS mount point (usrbio engine)
+    usrbio_entries: int = 64
+    # mooncake
+    mooncake_master: str = "127.0.0.1:50051"
+    mooncake_metadata: str = "P2PHANDSHAKE"
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+    mooncake_local_hostname: str = "127.0.0.1"
+    mooncake_segment_bytes: int = 256 << 20
+    mooncake_local_buffer_bytes: int = 64 << 20
+    mooncake_batch_pages: int = 256
+    # faults
+    timeout_s: float = 5.0  # one metadata RPC
+    retry_interval_s: float = 1.0  # after a failure, fail fast this long before retrying
+
+    def __post_init__(self) -> None:
+        self._check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}")
+        self._check(self.io_engine in IO_ENGINES, "io_engine", f"must be one of {IO_ENGINES}")
+        self._check(self.page_bytes > 0, "page_bytes", "must be > 0")
+        self._check(self.capacity_pages >= 0, "capacity_pages", "must be >= 0")
+        self._check(self.capacity_bytes >= 0, "capacity_bytes", "must be >= 0")
+        self._check(self.io_threads >= 1, "io_threads", "must be >= 1")
+        self._check(self.num_data_files >= 1, "num_data_files", "must be >= 1")
+        self._check(self.timeout_s > 0, "timeout_s", "must be > 0")
+        ok_meta = self.metadata == "inproc" or self.metadata.startswith("tcp://")
+        self._check(ok_meta, "metadata", "must be 'inproc' or 'tcp://host:port'")
+        if self.backend == "hf3fs":
+            self._check(self.num_pages > 0, "capacity_pages", "hf3fs needs a capacity")
+        self.page_spec()  # validates dtype
+
+    def _check(self, ok: bool, key: str, problem: str) -> None:
+        if not ok:
+            raise ValueError(f"storage.{key} = {getattr(self, key)!r}: {problem}")
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one hf3fs slot: header + payload, rounded up to 4 KiB."""
+        return _align_up(HEADER_BYTES + self.page_bytes, SLOT_ALIGN)
+
+    @property
+    def num_pages(self) -> int:
+        if self.capacity_pages:
+            return self.capacity_pages
+        return self.capacity_bytes // self.slot_bytes
+
+    def page_spec(self) -> PageSpec:
+        return PageSpec(
+            fingerprint=self.fingerprint,
+            payload_bytes=self.page_bytes,
+            num_layers=self.num_layers,
+            page_size=self.page_size,
+            dtype=self.dtype,
+        )
+
+    def replace(self, **changes: Any) -> StorageConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> StorageConfig:
+        """Build from a TOML/JSON table; unknown keys are an error naming the key."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown storage keys {unknown}; known keys: {sorted(known)}")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> StorageConfig:
+        """Read `[storage]` of a topology file, or the whole file when it has no such table."""
+        data = tomllib.loads(Path(path).read_text())
+        table = data.get("storage", data)
+        return cls.from_mapping(table)

@@ -1,0 +1,232 @@
+"""The `file` backend: one file per page (`header || payload`), for debugging and small setups.
+
+Layout: `{path}/{namespace}/{key[:1] hex}/{key hex}.page`. A put writes a temporary file in the
+same directory and renames it into place, so readers never see a partial page (and a crash
+leaves only a temp file). Existence is the file system's, so several processes may share a
+directory; capacity (LRU) is enforced on the pages this process knows about (those present at
+open, then those it writes or reads). Thread-safe: the LRU index has a lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from pdcache.offload_manager.storage.base import StorageBackend
+from pdcache.offload_manager.storage.config import StorageConfig
+from pdcache.offload_manager.storage.page_format import (
+    HEADER_BYTES,
+    Verdict,
+    byte_view,
+    encode_header,
+    verify_page,
+)
+from pdcache.offload_manager.storage.stats import StorageCounters
+
+log = logging.getLogger(__name__)
+SUFFIX = ".page"
+
+
+class FileBackend(StorageBackend):
+    """One file per page with atomic rename (DESIGN.md §4.4)."""
+
+    def __init__(self, config: StorageConfig) -> None:
+        self.config = config
+        self.spec = config.page_spec()
+        self.root = Path(config.path) / config.namespace
+        self.capacity_pages = config.num_pages  # 0: unlimited
+        self.counters = StorageCounters()
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning("file storage: cannot create %s (%s); puts will fail", self.root, exc)
+        self._load_index()
+
+    def _load_index(self) -> None:
+        """Known pages, oldest modification first (the LRU order after a restart)."""
+        found = []
+        for path in self.root.glob(f"*/*{SUFFIX}"):
+            try:
+                found.append((path.stat().st_mtime_ns, bytes.fromhex(path.stem)))
+            except (OSError, ValueError):
+                continue
+        for _, key in sorted(found):
+            self._lru[key] = None
+
+    def page_path(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.root / name[:2] / f"{name}{SUFFIX}"
+
+    # StorageBackend
+
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        count = 0
+        for key in keys:
+            if not self.page_path(key).exists():
+                break
+            count += 1
+        return count
+
+    def get_into(
+        self,
+        keys: Sequence[bytes],
+        host_pages: Sequence[torch.Tensor],
+        origins: list[str | None] | None = None,
+    ) -> list[bool]:
+        if len(keys) != len(host_pages):
+            raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
+        found = [self._read(k, p) for k, p in zip(keys, host_pages)]
+        if origins is not None:
+            origins[:] = found
+        return [origin is not None for origin in found]
+
+    def put_from(
+        self, keys: Sequence[bytes], host_pages: Sequence[torch.Tensor], origin: str = "prefill"
+    ) -> list[bool]:
+        if len(keys) != len(host_pages):
+            raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
+        return [self._write(k, p, origin) for k, p in zip(keys, host_pages)]
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            if self._unlink(key):
+                self.counters.add("deleted_pages")
+
+    def stats(self) -> dict[str, int | float]:
+        out = self.counters.snapshot()
+        with self._lock:
+            out["used_pages"] = len(self._lru)
+        out["capacity_pages"] = self.capacity_pages
+        return out
+
+    def close(self) -> None:
+        """Nothing is held open between calls."""
+
+    # tools
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._lru)
+
+    def clear(self) -> None:
+        self.delete(self.keys())
+
+    def read_object(self, key: bytes) -> bytes | None:
+        try:
+            return self.page_path(key).read_bytes()
+        except OSError:
+            return None
+
+    def write_object(self, key: bytes, blob: bytes) -> bool:
+        """Replace the stored file of `key` with raw bytes (fault tests, repair tools)."""
+        try:
+            self._write_atomic(self.page_path(key), blob, memoryview(b""))
+        except OSError:
+            return False
+        self._touch(key)
+        return True
+
+    # internals
+
+    def _read(self, key: bytes, page: torch.Tensor) -> str | None:
+        payload = byte_view(page)
+        if len(payload) != self.spec.payload_bytes:
+            raise ValueError(
+                f"host page of {len(payload)} bytes, store pages are "
+                f"{self.spec.payload_bytes} bytes"
+            )
+        header = memoryview(bytearray(HEADER_BYTES))
+        try:
+            with open(self.page_path(key), "rb", buffering=0) as f:
+                nbytes = os.preadv(f.fileno(), [header, payload], 0)
+        except FileNotFoundError:
+            self.counters.add("misses")
+            return None
+        except OSError:
+            self.counters.add_many(read_errors=1, misses=1)
+            return None
+        verdict, origin = verify_page(self.spec, key, header, payload, nbytes)
+        if verdict is not Verdict.OK:
+            self.counters.record_failed_read(verdict)
+            return None
+        self._touch(key)
+        self.counters.add_many(pages_read=1, bytes_read=len(payload))
+        return origin
+
+    def _write(self, key: bytes, page: torch.Tensor, origin: str) -> bool:
+        path = self.page_path(key)
+        if path.exists():
+            self.counters.add("pages_skipped")
+            self._touch(key)
+            return True
+        payload = byte_view(page)
+        header = encode_header(self.spec, key, origin, payload)
+        if not self._make_room():
+            self.counters.add("full_rejects")
+            return False
+        try:
+            self._write_atomic(path, header, payload)
+        except OSError as exc:
+            log.debug("file storage: writing %s failed: %s", path, exc)
+            self.counters.add("write_errors")
+            return False
+        self._touch(key)
+        self.counters.add_many(pages_written=1, bytes_written=len(payload))
+        return True
+
+    def _write_atomic(self, path: Path, header: bytes, payload: memoryview) -> None:
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                want = len(header) + len(payload)
+                if os.writev(fd, [header, payload]) != want:
+                    raise OSError(errno.ENOSPC, "short write")
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _make_room(self) -> bool:
+        """Evict least recently used pages until one more fits; False if none can go."""
+        if not self.capacity_pages:
+            return True
+        while True:
+            with self._lock:
+                if len(self._lru) < self.capacity_pages:
+                    return True
+                if not self._lru:
+                    return False
+                victim, _ = self._lru.popitem(last=False)
+            self._unlink(victim)
+            self.counters.add("evictions")
+
+    def _touch(self, key: bytes) -> None:
+        with self._lock:
+            self._lru[key] = None
+            self._lru.move_to_end(key)
+
+    def _unlink(self, key: bytes) -> bool:
+        with self._lock:
+            self._lru.pop(key, None)
+        try:
+            self.page_path(key).unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            log.debug("file storage: cannot delete %s: %s", key.hex(), exc)
+            return False
+        return True

@@ -1,0 +1,518 @@
+"""The `hf3fs` backend: 3FS layout of a few large data files split into fixed page slots.
+
+Slot `s` lives in data file `s % num_data_files` at offset `(s // num_data_files) *
+slot_bytes` and holds `header || payload` (page_format.py), padded to 4 KiB. The key -> slot
+map is a MetadataClient: in-process (rebuilt from the slot headers on open) or the shared
+`pdcache metadata-server`. Writes are reserve -> write -> commit; a failed write is aborted.
+
+IO engines: `posix` reads with one `preadv` per page straight into the host page (header into
+a small buffer, payload into the page: no extra copy) and verifies the checksum there; works on
+any directory or a 3FS FUSE mount. `usrbio` uses the 3FS native client (`hf3fs_py_usrbio`)
+through a shared-memory iovec and copies into the host page.
+
+Thread-safety: the metadata client and counters lock; file descriptors are only used with
+positional IO, so concurrent batches are safe.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from pdcache.offload_manager.storage.base import StorageBackend
+from pdcache.offload_manager.storage.config import StorageConfig
+from pdcache.offload_manager.storage.metadata import (
+    BUSY,
+    FULL,
+    NEW,
+    PRESENT,
+    InProcMetadata,
+    MetadataClient,
+    MetadataUnavailable,
+    RemoteMetadata,
+)
+from pdcache.offload_manager.storage.page_format import (
+    HEADER_BYTES,
+    PageSpec,
+    Verdict,
+    byte_view,
+    encode_header,
+    parse_header,
+    verify_page,
+)
+from pdcache.offload_manager.storage.stats import StorageCounters
+from pdcache.utils.registry import import_optional
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass
+class SlotIO:
+    """One page's IO: where (fd, offset) and the buffers (header, payload)."""
+
+    fd: int
+    offset: int
+    header: memoryview
+    payload: memoryview
+
+
+class IoEngine(ABC):
+    """Positional reads/writes of whole slots. Returns bytes done, or -errno, per request."""
+
+    name: str
+    batch_pages: int  # requests per read_batch/write_batch call that suit this engine
+
+    @abstractmethod
+    def read_batch(self, reqs: Sequence[SlotIO]) -> list[int]: ...
+
+    @abstractmethod
+    def write_batch(self, reqs: Sequence[SlotIO]) -> list[int]: ...
+
+    def close(self) -> None:  # noqa: B027 - engines without resources need nothing here
+        """Release rings and buffers. Idempotent."""
+
+
+def _io_full(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Repeat `preadv`/`pwritev` until all of `bufs` is done or the file ends."""
+    want = sum(len(b) for b in bufs)
+    done = 0
+    while done < want:
+        n = op(fd, bufs, offset + done)
+        if n <= 0:
+            break
+        done += n
+        bufs = _advance(bufs, n)
+    return done
+
+
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    out: list[memoryview] = []
+    for buf in bufs:
+        if n >= len(buf):
+            n -= len(buf)
+            continue
+        out.append(buf[n:])
+        n = 0
+    return out
+
+
+class PosixEngine(IoEngine):
+    """pread/pwrite on file descriptors: one vectored syscall per page, no bounce buffer."""
+
+    name = "posix"
+    batch_pages = 1  # read and verify page by page while it is hot in cache
+
+    def read_batch(self, reqs: Sequence[SlotIO]) -> list[int]:
+        return [self._one(os.preadv, r) for r in reqs]
+
+    def write_batch(self, reqs: Sequence[SlotIO]) -> list[int]:
+        return [self._one(os.pwritev, r) for r in reqs]
+
+    @staticmethod
+    def _one(op: Callable[..., int], req: SlotIO) -> int:
+        try:
+            return _io_full(op, req.fd, [req.header, req.payload], req.offset)
+        except OSError as exc:
+            return -(exc.errno or errno.EIO)
+
+
+class UsrbioEngine(IoEngine):
+    """3FS native client (hf3fs_py_usrbio): IO through a registered shared-memory iovec.
+
+    The host page cannot be the iovec (3FS needs its own shared memory), so a read lands in
+    the iovec and is copied into the host page; a write copies the other way.
+    """
+
+    name = "usrbio"
+
+    def __init__(self, mount_point: str, fds: Sequence[int], slot_bytes: int, entries: int):
+        self._mod = import_optional(
+            "hf3fs_py_usrbio", "hf3fs io_engine 'usrbio'", "hf3fs-py-usrbio"
+        )
+        if not mount_point:
+            raise ValueError("storage.usrbio_mount must name the 3FS mount point for usrbio")
+        self._slot_bytes = slot_bytes
+        self._entries = entries
+        self.batch_pages = entries
+        self._fds = list(fds)
+        self._shm = shared_memory.SharedMemory(create=True, size=entries * slot_bytes)
+        self._iov = self._mod.make_iovec(self._shm, mount_point)
+        self._read_ring = self._mod.make_ioring(mount_point, entries, for_read=True)
+        self._write_ring = self._mod.make_ioring(mount_point, entries, for_read=False)
+        for fd in self._fds:
+            self._mod.register_fd(fd)
+
+    def read_batch(self, reqs: Sequence[SlotIO]) -> list[int]:
+        results: list[int] = []
+        for start in range(0, len(reqs), self._entries):
+            chunk = reqs[start : start + self._entries]
+            done = self._submit(self._read_ring, chunk, for_read=True)
+            for i, (req, n) in enumerate(zip(chunk, done)):
+                if n > 0:
+                    self._copy_out(i, req, n)
+            results.extend(done)
+        return results
+
+    def write_batch(self, reqs: Sequence[SlotIO]) -> list[int]:
+        results: list[int] = []
+        for start in range(0, len(reqs), self._entries):
+            chunk = reqs[start : start + self._entries]
+            for i, req in enumerate(chunk):
+                self._copy_in(i, req)
+            results.extend(self._submit(self._write_ring, chunk, for_read=False))
+        return results
+
+    def _submit(self, ring: Any, chunk: Sequence[SlotIO], for_read: bool) -> list[int]:
+        for i, req in enumerate(chunk):
+            base = i * self._slot_bytes
+            length = len(req.header) + len(req.payload)
+            ring.prepare(self._iov[base : base + length], for_read, req.fd, req.offset, userdata=i)
+        done = [-errno.EIO] * len(chunk)
+        for result in ring.submit().wait(min_results=len(chunk)):
+            done[int(result.userdata)] = int(result.result)
+        return done
+
+    def _copy_out(self, i: int, req: SlotIO, nbytes: int) -> None:
+        buf = self._shm.buf[i * self._slot_bytes : i * self._slot_bytes + nbytes]
+        head = min(nbytes, len(req.header))
+        req.header[:head] = buf[:head]
+        if nbytes > head:
+            req.payload[: nbytes - head] = buf[head:nbytes]
+
+    def _copy_in(self, i: int, req: SlotIO) -> None:
+        base = i * self._slot_bytes
+        self._shm.buf[base : base + len(req.header)] = req.header
+        start = base + len(req.header)
+        self._shm.buf[start : start + len(req.payload)] = req.payload
+
+    def close(self) -> None:
+        for fd in self._fds:
+            self._mod.deregister_fd(fd)
+        self._fds = []
+        self._shm.close()
+        self._shm.unlink()
+
+
+def _split(items: list[T], parts: int) -> list[list[T]]:
+    size = max(1, -(-len(items) // parts))
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+class Hf3fsBackend(StorageBackend):
+    """Page slots in large data files + key -> slot metadata (DESIGN.md §4.4)."""
+
+    def __init__(self, config: StorageConfig, metadata: MetadataClient | None = None) -> None:
+        self.config = config
+        self.spec: PageSpec = config.page_spec()
+        self.slot_bytes = config.slot_bytes
+        self.counters = StorageCounters()
+        self._closed = False
+        self.read_only = False
+        self._dir = Path(config.path)
+        self._paths = [
+            self._dir / f"{config.namespace}.{i}.bin" for i in range(config.num_data_files)
+        ]
+        self.metadata = metadata or self._make_metadata()
+        self._fds = self._open_files(self.metadata.num_slots)
+        self.engine = self._make_engine()
+        self._pool = ThreadPoolExecutor(config.io_threads) if config.io_threads > 1 else None
+        if isinstance(self.metadata, InProcMetadata) and config.recover_index:
+            self.metadata.load(self._scan_headers())
+
+    # setup
+
+    def _make_metadata(self) -> MetadataClient:
+        cfg = self.config
+        if cfg.metadata == "inproc":
+            return InProcMetadata(cfg.num_pages, cfg.reservation_ttl_s)
+        return RemoteMetadata(
+            cfg.metadata,
+            cfg.namespace,
+            cfg.num_pages,
+            cfg.slot_bytes,
+            cfg.timeout_s,
+            cfg.retry_interval_s,
+        )
+
+    def _open_files(self, num_slots: int) -> list[int]:
+        per_file = -(-num_slots // len(self._paths))
+        try:
+            self._dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning("hf3fs: cannot create %s (%s)", self._dir, exc)
+        return [self._open_one(p, per_file * self.slot_bytes) for p in self._paths]
+
+    def _open_one(self, path: Path, size: int) -> int:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
+                raise
+            log.warning("hf3fs: %s is not writable (%s); read-only", path, exc)
+            self.read_only = True
+            return os.open(path, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)  # sparse: blocks are allocated when slots are written
+        except OSError as exc:  # e.g. a file-size limit: slots past it fail on write
+            log.warning("hf3fs: cannot size %s to %d bytes (%s)", path, size, exc)
+        return fd
+
+    def _make_engine(self) -> IoEngine:
+        cfg = self.config
+        if cfg.io_engine == "usrbio":
+            return UsrbioEngine(cfg.usrbio_mount, self._fds, self.slot_bytes, cfg.usrbio_entries)
+        return PosixEngine()
+
+    def _scan_headers(self) -> list[tuple[bytes, int]]:
+        """(key, slot) of every slot whose header is valid for this store."""
+        found = []
+        header = bytearray(HEADER_BYTES)
+        for slot in range(self.metadata.num_slots):
+            fd, offset = self._where(slot)
+            try:
+                n = os.preadv(fd, [header], offset)
+            except OSError:
+                n = 0
+            verdict, info = parse_header(self.spec, header[:n])
+            if verdict is Verdict.OK and info is not None:
+                found.append((info.key, slot))
+        return found
+
+    # StorageBackend
+
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        try:
+            return self.metadata.exists_prefix(keys)
+        except MetadataUnavailable:
+            self.counters.add("metadata_errors")
+            return 0
+
+    def get_into(
+        self,
+        keys: Sequence[bytes],
+        host_pages: Sequence[torch.Tensor],
+        origins: list[str | None] | None = None,
+    ) -> list[bool]:
+        self._check_batch(keys, host_pages)
+        if origins is not None:
+            origins[:] = [None] * len(keys)
+        try:
+            slots = self.metadata.lookup(keys)
+        except MetadataUnavailable:
+            self.counters.add_many(metadata_errors=1, misses=len(keys))
+            return [False] * len(keys)
+        hits = [i for i, s in enumerate(slots) if s is not None]
+        self.counters.add("misses", len(keys) - len(hits))
+        found = self._map_chunks(lambda ch: self._read_chunk(ch, keys, slots, host_pages), hits)
+        results = [False] * len(keys)
+        for i, origin in zip(hits, found):
+            results[i] = origin is not None
+            if origins is not None:
+                origins[i] = origin
+        return results
+
+    def put_from(
+        self, keys: Sequence[bytes], host_pages: Sequence[torch.Tensor], origin: str = "prefill"
+    ) -> list[bool]:
+        self._check_batch(keys, host_pages)
+        try:
+            reservations = self.metadata.reserve(keys)
+        except MetadataUnavailable:
+            self.counters.add_many(metadata_errors=1, write_errors=len(keys))
+            return [False] * len(keys)
+        results = [False] * len(keys)
+        todo = []
+        for i, (status, slot) in enumerate(reservations):
+            if status in (PRESENT, BUSY):
+                results[i] = True
+                self.counters.add("pages_skipped")
+            elif status == FULL:
+                self.counters.add("full_rejects")
+            elif status == NEW:
+                todo.append((i, slot))
+        written = self._map_chunks(lambda ch: self._write_chunk(ch, keys, host_pages, origin), todo)
+        self._publish(keys, todo, written, results)
+        return results
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        try:
+            slots = self.metadata.lookup(keys)
+            live = [(k, s) for k, s in zip(keys, slots) if s is not None]
+            # Invalidate the header first so a header scan can never resurrect the page.
+            zero = memoryview(bytearray(HEADER_BYTES))
+            self.engine.write_batch(
+                [SlotIO(*self._where(s), zero, memoryview(b"")) for _, s in live]
+            )
+            freed = self.metadata.delete([k for k, _ in live])
+        except MetadataUnavailable:
+            self.counters.add("metadata_errors")
+            return
+        self.counters.add("deleted_pages", len(freed))
+
+    def stats(self) -> dict[str, int | float]:
+        out = self.counters.snapshot()
+        try:
+            out.update(self.metadata.stats())
+        except MetadataUnavailable:
+            self.counters.add("metadata_errors")
+        out["read_only"] = int(self.read_only)
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.engine.close()
+        for fd in self._fds:
+            os.close(fd)
+        self.metadata.close()
+
+    # tools: raw access for `pdcache storage`, fault tests and debugging
+
+    def keys(self) -> list[bytes]:
+        return [k for k, _ in self.metadata.entries()]
+
+    def clear(self) -> None:
+        self.delete(self.keys())
+
+    def locate(self, key: bytes) -> tuple[Path, int] | None:
+        """(data file, byte offset) of the committed slot of `key`."""
+        slot = self.metadata.lookup([key])[0]
+        if slot is None:
+            return None
+        return self._paths[slot % len(self._paths)], (slot // len(self._paths)) * self.slot_bytes
+
+    def read_object(self, key: bytes) -> bytes | None:
+        where = self.locate(key)
+        if where is None:
+            return None
+        with open(where[0], "rb") as f:
+            f.seek(where[1])
+            return f.read(self.spec.object_bytes)
+
+    def write_object(self, key: bytes, blob: bytes) -> bool:
+        """Overwrite the start of `key`'s committed slot with raw bytes (fault tests, repair)."""
+        where = self.locate(key)
+        if where is None:
+            return False
+        fd = os.open(where[0], os.O_WRONLY)
+        try:
+            return os.pwrite(fd, blob, where[1]) == len(blob)
+        finally:
+            os.close(fd)
+
+    # internals
+
+    def _where(self, slot: int) -> tuple[int, int]:
+        nfiles = len(self._fds)
+        return self._fds[slot % nfiles], (slot // nfiles) * self.slot_bytes
+
+    def _check_batch(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> None:
+        if len(keys) != len(pages):
+            raise ValueError(f"{len(keys)} keys but {len(pages)} host pages")
+        for page in pages:
+            if page.numel() != self.spec.payload_bytes:
+                raise ValueError(
+                    f"host page of {page.numel()} bytes, store pages are "
+                    f"{self.spec.payload_bytes} bytes"
+                )
+
+    def _map_chunks(self, fn: Callable[[list[T]], list[R]], items: list[T]) -> list[R]:
+        """`fn` over items in engine-sized sub-batches, spread over the IO threads."""
+        step = self.engine.batch_pages
+
+        def run(chunk: list[T]) -> list[R]:
+            return [r for k in range(0, len(chunk), step) for r in fn(chunk[k : k + step])]
+
+        if self._pool is None or len(items) < 2:
+            return run(items)
+        done = self._pool.map(run, _split(items, self.config.io_threads))
+        return [r for chunk in done for r in chunk]
+
+    def _read_chunk(
+        self,
+        idxs: list[int],
+        keys: Sequence[bytes],
+        slots: Sequence[int | None],
+        pages: Sequence[torch.Tensor],
+    ) -> list[str | None]:
+        """Read pages `idxs` into their host pages and verify them: origin, or None."""
+        reqs = []
+        for i in idxs:
+            fd, offset = self._where(slots[i])  # type: ignore[arg-type]
+            reqs.append(
+                SlotIO(fd, offset, memoryview(bytearray(HEADER_BYTES)), byte_view(pages[i]))
+            )
+        nbytes = self.engine.read_batch(reqs)
+        return [self._verify(keys[i], req, n) for i, req, n in zip(idxs, reqs, nbytes)]
+
+    def _verify(self, key: bytes, req: SlotIO, nbytes: int) -> str | None:
+        if nbytes < 0:
+            self.counters.add_many(read_errors=1, misses=1)
+            return None
+        verdict, origin = verify_page(self.spec, key, req.header, req.payload, nbytes)
+        if verdict is not Verdict.OK:
+            self.counters.record_failed_read(verdict)
+            return None
+        self.counters.add_many(pages_read=1, bytes_read=len(req.payload))
+        return origin
+
+    def _write_chunk(
+        self,
+        items: list[tuple[int, int]],
+        keys: Sequence[bytes],
+        pages: Sequence[torch.Tensor],
+        origin: str,
+    ) -> list[bool]:
+        reqs = []
+        for i, slot in items:
+            payload = byte_view(pages[i])
+            header = memoryview(encode_header(self.spec, keys[i], origin, payload))
+            reqs.append(SlotIO(*self._where(slot), header, payload))
+        nbytes = self.engine.write_batch(reqs)
+        want = self.spec.object_bytes
+        for (_, slot), n in zip(items, nbytes):
+            if n != want:
+                reason = os.strerror(-n) if n < 0 else f"short write {n}/{want}"
+                log.debug("hf3fs write of slot %d failed: %s", slot, reason)
+                self.counters.add("write_errors")
+        return [n == want for n in nbytes]
+
+    def _publish(
+        self,
+        keys: Sequence[bytes],
+        todo: list[tuple[int, int]],
+        written: list[bool],
+        results: list[bool],
+    ) -> None:
+        """Commit the slots that were written, abort the others."""
+        done = [(i, s) for (i, s), ok in zip(todo, written) if ok]
+        failed = [(i, s) for (i, s), ok in zip(todo, written) if not ok]
+        try:
+            if failed:
+                self.metadata.abort([keys[i] for i, _ in failed], [s for _, s in failed])
+            committed = self.metadata.commit([keys[i] for i, _ in done], [s for _, s in done])
+        except MetadataUnavailable:
+            self.counters.add_many(metadata_errors=1, write_errors=len(done))
+            return
+        for (i, _), ok in zip(done, committed):
+            results[i] = ok
+            if ok:
+                self.counters.add_many(pages_written=1, bytes_written=self.spec.payload_bytes)
+            else:
+                self.counters.add("write_errors")

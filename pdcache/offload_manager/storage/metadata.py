@@ -1,0 +1,423 @@
+"""Key -> slot metadata of the hf3fs backend: the index core, in-process and remote clients.
+
+Writes are two-phase: `reserve` hands out a slot (evicting the least recently used committed
+page when the pool is full, never a reserved one), the writer fills the slot, then `commit`
+publishes key -> slot. Readers `lookup` committed slots only. A reservation that is neither
+committed nor aborted within its TTL is reclaimed, so a crashed writer leaks nothing.
+A reader racing with the eviction of its slot reads another page's header or a torn payload;
+the page header (key + checksum) turns that into a miss, never wrong KV.
+
+Accounting invariant, per pool: free + used + reserved == capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import msgpack
+import zmq
+
+log = logging.getLogger(__name__)
+
+# reserve() statuses
+NEW = "new"  # write the page into the returned slot, then commit or abort
+PRESENT = "present"  # already committed: skip
+BUSY = "busy"  # another writer holds a reservation for this key: skip
+FULL = "full"  # no slot could be freed: the write fails
+
+Reservation = tuple[str, int]  # (status, slot or -1)
+
+
+class MetadataUnavailable(RuntimeError):
+    """The metadata service did not answer in time (or recently failed); callers miss."""
+
+
+class Journal(Protocol):
+    """Receives every change of an index, so a service can persist it."""
+
+    def put(self, key: bytes, slot: int) -> None: ...
+
+    def remove(self, key: bytes) -> None: ...
+
+    def touch(self, key: bytes) -> None: ...
+
+
+class SlotIndex:
+    """One pool's key -> slot map with LRU order and reservations. Not thread-safe: the owner
+    holds a lock (InProcMetadata) or runs it on one thread (the metadata service)."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        reservation_ttl_s: float = 60.0,
+        journal: Journal | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"a pool needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._ttl = reservation_ttl_s
+        self._journal = journal
+        self._clock = clock
+        self._committed: OrderedDict[bytes, int] = OrderedDict()  # LRU first
+        self._reserved: dict[int, tuple[bytes, float]] = {}  # slot -> (key, deadline)
+        self._reserved_keys: dict[bytes, int] = {}
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.evictions = 0
+        self.expired_reservations = 0
+
+    def load(self, entries: Iterable[tuple[bytes, int]]) -> None:
+        """Add committed entries (LRU first), e.g. from a persisted index or a header scan."""
+        taken = set()
+        for key, slot in entries:
+            if 0 <= slot < self.num_slots and slot not in taken and key not in self._committed:
+                self._committed[key] = slot
+                taken.add(slot)
+        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
+        slots = [self._committed.get(k) for k in keys]
+        for key, slot in zip(keys, slots):
+            if slot is not None:
+                self._touch(key)
+        return slots
+
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        count = 0
+        for key in keys:
+            if key not in self._committed:
+                break
+            count += 1
+        return count
+
+    def reserve(self, keys: Sequence[bytes]) -> list[Reservation]:
+        return [self._reserve_one(k) for k in keys]
+
+    def commit(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        return [self._commit_one(k, s) for k, s in zip(keys, slots)]
+
+    def abort(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        for key, slot in zip(keys, slots):
+            if self._reserved.get(slot, (None,))[0] == key:
+                self._release_reservation(slot)
+                self._free.append(slot)
+
+    def delete(self, keys: Sequence[bytes]) -> list[int]:
+        freed = []
+        for key in keys:
+            slot = self._committed.pop(key, None)
+            if slot is not None:
+                self._free.append(slot)
+                freed.append(slot)
+                if self._journal:
+                    self._journal.remove(key)
+        return freed
+
+    def clear(self) -> None:
+        self.delete(list(self._committed))
+
+    def entries(self) -> list[tuple[bytes, int]]:
+        return list(self._committed.items())
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "capacity_pages": self.num_slots,
+            "used_pages": len(self._committed),
+            "reserved_pages": len(self._reserved),
+            "free_pages": len(self._free),
+            "evictions": self.evictions,
+            "expired_reservations": self.expired_reservations,
+        }
+
+    # internals
+
+    def _touch(self, key: bytes) -> None:
+        self._committed.move_to_end(key)
+        if self._journal:
+            self._journal.touch(key)
+
+    def _reserve_one(self, key: bytes) -> Reservation:
+        if key in self._committed:
+            self._touch(key)
+            return PRESENT, -1
+        held = self._reserved_keys.get(key)
+        if held is not None and self._reserved[held][1] > self._clock():
+            return BUSY, -1
+        if held is not None:
+            self._expire(held)
+        slot = self._take_slot()
+        if slot is None:
+            return FULL, -1
+        self._reserved[slot] = (key, self._clock() + self._ttl)
+        self._reserved_keys[key] = slot
+        return NEW, slot
+
+    def _take_slot(self) -> int | None:
+        if not self._free:
+            self._reclaim_expired()
+        if not self._free and self._committed:
+            key, slot = self._committed.popitem(last=False)
+            self.evictions += 1
+            if self._journal:
+                self._journal.remove(key)
+            return slot
+        return self._free.pop() if self._free else None
+
+    def _reclaim_expired(self) -> None:
+        now = self._clock()
+        for slot in [s for s, (_, deadline) in self._reserved.items() if deadline <= now]:
+            self._expire(slot)
+
+    def _expire(self, slot: int) -> None:
+        self._release_reservation(slot)
+        self._free.append(slot)
+        self.expired_reservations += 1
+
+    def _release_reservation(self, slot: int) -> None:
+        key, _ = self._reserved.pop(slot)
+        self._reserved_keys.pop(key, None)
+
+    def _commit_one(self, key: bytes, slot: int) -> bool:
+        if self._reserved.get(slot, (None,))[0] != key:
+            return False  # expired and reclaimed, or never reserved
+        self._release_reservation(slot)
+        self._committed[key] = slot
+        if self._journal:
+            self._journal.put(key, slot)
+        return True
+
+
+class MetadataClient(ABC):
+    """What the hf3fs backend needs from its metadata. Thread-safe. Remote implementations
+    raise MetadataUnavailable when the service does not answer within the configured timeout."""
+
+    num_slots: int
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[bytes]) -> list[int | None]: ...
+
+    @abstractmethod
+    def exists_prefix(self, keys: Sequence[bytes]) -> int: ...
+
+    @abstractmethod
+    def reserve(self, keys: Sequence[bytes]) -> list[Reservation]: ...
+
+    @abstractmethod
+    def commit(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]: ...
+
+    @abstractmethod
+    def abort(self, keys: Sequence[bytes], slots: Sequence[int]) -> None: ...
+
+    @abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> list[int]: ...
+
+    @abstractmethod
+    def entries(self) -> list[tuple[bytes, int]]: ...
+
+    @abstractmethod
+    def clear(self) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]: ...
+
+    def close(self) -> None:  # noqa: B027 - the in-process index holds no connection
+        """Release connections. Idempotent."""
+
+
+class InProcMetadata(MetadataClient):
+    """The index in this process, behind one lock."""
+
+    def __init__(self, num_slots: int, reservation_ttl_s: float = 60.0) -> None:
+        self._index = SlotIndex(num_slots, reservation_ttl_s)
+        self._lock = threading.Lock()
+        self.num_slots = num_slots
+
+    def _locked(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            return getattr(self._index, method)(*args)
+
+    def load(self, entries: Iterable[tuple[bytes, int]]) -> None:
+        self._locked("load", list(entries))
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
+        return self._locked("lookup", keys)
+
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        return self._locked("exists_prefix", keys)
+
+    def reserve(self, keys: Sequence[bytes]) -> list[Reservation]:
+        return self._locked("reserve", keys)
+
+    def commit(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        return self._locked("commit", keys, slots)
+
+    def abort(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        self._locked("abort", keys, slots)
+
+    def delete(self, keys: Sequence[bytes]) -> list[int]:
+        return self._locked("delete", keys)
+
+    def entries(self) -> list[tuple[bytes, int]]:
+        return self._locked("entries")
+
+    def clear(self) -> None:
+        self._locked("clear")
+
+    def stats(self) -> dict[str, int]:
+        return self._locked("stats")
+
+
+class RemoteMetadata(MetadataClient):
+    """Client of `pdcache metadata-server` (ZMQ REQ, msgpack). One request at a time per client
+    (a lock); every request has a deadline of `timeout_s`. After a failure the client fails fast
+    for `retry_interval_s`, then tries again, so a dead service costs callers at most one
+    timeout per interval and a restarted one is picked up without any action."""
+
+    def __init__(
+        self,
+        address: str,
+        namespace: str,
+        num_slots: int,
+        slot_bytes: int,
+        timeout_s: float = 5.0,
+        retry_interval_s: float = 1.0,
+    ) -> None:
+        self.address = address
+        self.namespace = namespace
+        self.num_slots = num_slots
+        self._slot_bytes = slot_bytes
+        self._timeout_ms = max(1, int(timeout_s * 1000))
+        self._retry_interval_s = retry_interval_s
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._opened = False
+        self._closed = False
+        self.failures = 0
+        try:
+            self._call("ping")
+        except MetadataUnavailable:
+            log.warning("metadata service %s not reachable yet; will retry", address)
+        except ValueError:
+            self.close()
+            raise
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
+            sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
+            sock.connect(self.address)
+            self._sock = sock
+        return self._sock
+
+    def _drop_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _roundtrip(self, request: dict[str, Any]) -> dict[str, Any]:
+        sock = self._socket()
+        try:
+            sock.send(msgpack.packb(request, use_bin_type=True))
+            reply = msgpack.unpackb(sock.recv(), raw=False)
+        except zmq.ZMQError as exc:
+            # A REQ socket that timed out cannot send again: start a fresh one next time.
+            self._drop_socket()
+            self.failures += 1
+            self._down_until = time.monotonic() + self._retry_interval_s
+            raise MetadataUnavailable(f"metadata service {self.address}: {exc}") from exc
+        return reply
+
+    def _open_pool(self) -> None:
+        reply = self._roundtrip(
+            {
+                "op": "open",
+                "ns": self.namespace,
+                "slots": self.num_slots,
+                "slot_bytes": self._slot_bytes,
+            }
+        )
+        if not reply.get("ok"):
+            raise ValueError(f"metadata service refused pool '{self.namespace}': {reply}")
+        self.num_slots = int(reply["result"])
+        self._opened = True
+
+    def _call(self, op: str, **args: Any) -> Any:
+        with self._lock:
+            if self._closed:
+                raise MetadataUnavailable("metadata client is closed")
+            if time.monotonic() < self._down_until:
+                raise MetadataUnavailable(f"metadata service {self.address} recently failed")
+            if not self._opened:
+                self._open_pool()
+            reply = self._roundtrip({"op": op, "ns": self.namespace, **args})
+            if not reply.get("ok") and reply.get("error") == "unknown pool":
+                self._open_pool()  # the service lost the pool (fresh state dir): recreate
+                reply = self._roundtrip({"op": op, "ns": self.namespace, **args})
+        if not reply.get("ok"):
+            raise MetadataUnavailable(f"metadata service error on {op}: {reply.get('error')}")
+        return reply.get("result")
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
+        return list(self._call("lookup", keys=list(keys)))
+
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        return int(self._call("exists_prefix", keys=list(keys)))
+
+    def reserve(self, keys: Sequence[bytes]) -> list[Reservation]:
+        return [(str(s), int(slot)) for s, slot in self._call("reserve", keys=list(keys))]
+
+    def commit(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        return [bool(x) for x in self._call("commit", keys=list(keys), slots=list(slots))]
+
+    def abort(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        self._call("abort", keys=list(keys), slots=list(slots))
+
+    def delete(self, keys: Sequence[bytes]) -> list[int]:
+        return list(self._call("delete", keys=list(keys)))
+
+    def entries(self) -> list[tuple[bytes, int]]:
+        return [(bytes(k), int(s)) for k, s in self._call("entries")]
+
+    def clear(self) -> None:
+        self._call("clear")
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._call("stats"))
+
+    def ping(self) -> bool:
+        try:
+            self._call("ping")
+        except MetadataUnavailable:
+            return False
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._drop_socket()
+
+
+def ping(address: str, timeout_s: float = 1.0) -> bool:
+    """True when a metadata service answers on `address` within `timeout_s`."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
+    sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+    try:
+        sock.connect(address)
+        sock.send(msgpack.packb({"op": "ping"}, use_bin_type=True))
+        return msgpack.unpackb(sock.recv(), raw=False).get("ok") is True
+    except zmq.ZMQError:
+        return False
+    finally:
+        sock.close(linger=0)

@@ -1,0 +1,54 @@
+"""`pdcache metadata-server`: run the global KV manager (hf3fs key -> slot index service)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from pdcache.offload_manager.storage.metadata_service import MetadataService, serve
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument("--port", type=int, default=18000, help="port to bind (0: any free port)")
+    parser.add_argument("--state-dir", required=True, help="directory of the persisted index")
+    parser.add_argument(
+        "--capacity-pages",
+        type=int,
+        default=0,
+        help="cap on slots per pool (default: what the first client asks for)",
+    )
+    parser.add_argument(
+        "--reservation-ttl",
+        type=float,
+        default=60.0,
+        help="seconds before an uncommitted reservation is reclaimed",
+    )
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    service = MetadataService(args.state_dir, args.capacity_pages, args.reservation_ttl)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def announce(endpoint: str) -> None:
+        print(f"pdcache metadata-server listening on {endpoint}", flush=True)
+
+    try:
+        port = "*" if args.port == 0 else str(args.port)  # zmq spells "any free port" as *
+        serve(service, f"tcp://{args.host}:{port}", stop, on_ready=announce)
+    finally:
+        service.close()
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="pdcache metadata-server")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

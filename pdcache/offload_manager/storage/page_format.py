@@ -1,0 +1,172 @@
+"""The stored page object of DESIGN.md §4.3: a fixed 128-byte header followed by the payload.
+
+Header fields (little-endian): magic, format version, header size, page key, a digest of the
+KV fingerprint, layer count, page size (tokens), dtype, origin (prefill | decode), payload
+length, CRC-32 of the payload, and a CRC-32 of the header itself. Every backend stores exactly
+`header || payload` per page and checks it with `verify_page` on read: any mismatch is a miss,
+never wrong KV. CRC-32 (zlib) runs at about the speed of a page-cache read on this hardware and
+releases the GIL on large buffers, so verification does not serialise reader threads.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+MAGIC = b"PDKV"
+FORMAT_VERSION = 1
+HEADER_BYTES = 128
+KEY_BYTES = 32
+FINGERPRINT_DIGEST_BYTES = 16
+
+# magic, version, header size, key, fingerprint digest, layers, page size, dtype, origin,
+# flags, payload length, payload crc32; the header crc32 follows at _HEADER_CRC_OFFSET.
+_BODY = struct.Struct("<4sHH32s16sIIBBHQI")
+_HEADER_CRC_OFFSET = _BODY.size
+_CRC = struct.Struct("<I")
+
+ORIGINS: tuple[str, ...] = ("prefill", "decode")
+DTYPE_CODES: dict[str, int] = {
+    "uint8": 1,
+    "float32": 2,
+    "bfloat16": 3,
+    "float16": 4,
+    "float8_e4m3fn": 5,
+    "float8_e5m2": 6,
+    "int8": 7,
+}
+
+
+class Verdict(enum.Enum):
+    """Outcome of verifying one stored page."""
+
+    OK = "ok"
+    EMPTY = "empty"  # no page here (zeroed or never written slot)
+    TRUNCATED = "truncated"  # fewer bytes than header + payload
+    CORRUPT = "corrupt"  # bad magic/version/header crc/payload crc
+    FOREIGN = "foreign"  # another fingerprint, shape or dtype
+    WRONG_KEY = "wrong_key"  # a valid page of another key (a reused slot)
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    """What every page of one store must match: the KV fingerprint and the page shape."""
+
+    fingerprint: str
+    payload_bytes: int
+    num_layers: int = 0
+    page_size: int = 0
+    dtype: str = "uint8"
+    fingerprint_digest: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.payload_bytes <= 0:
+            raise ValueError(f"payload_bytes must be > 0, got {self.payload_bytes}")
+        if self.dtype not in DTYPE_CODES:
+            raise ValueError(f"unknown dtype '{self.dtype}'; choose one of {sorted(DTYPE_CODES)}")
+        digest = hashlib.blake2b(self.fingerprint.encode(), digest_size=16).digest()
+        object.__setattr__(self, "fingerprint_digest", digest)
+
+    @property
+    def object_bytes(self) -> int:
+        return HEADER_BYTES + self.payload_bytes
+
+
+def byte_view(page: torch.Tensor) -> memoryview:
+    """A writable memoryview over a 1-D contiguous uint8 CPU tensor (no copy)."""
+    if page.dtype != torch.uint8 or page.dim() != 1 or not page.is_contiguous():
+        raise ValueError("host pages must be 1-D contiguous uint8 tensors")
+    if page.device.type != "cpu":
+        raise ValueError("host pages must live in CPU memory")
+    return memoryview(page.numpy()).cast("B")
+
+
+def payload_checksum(payload: memoryview | bytes | bytearray) -> int:
+    return zlib.crc32(payload)
+
+
+def encode_header(spec: PageSpec, key: bytes, origin: str, payload: memoryview) -> bytes:
+    """The 128-byte header of `payload` stored under `key`."""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"page keys are {KEY_BYTES} bytes, got {len(key)}")
+    if origin not in ORIGINS:
+        raise ValueError(f"origin must be one of {ORIGINS}, got '{origin}'")
+    if len(payload) != spec.payload_bytes:
+        raise ValueError(f"payload is {len(payload)} bytes, the store expects {spec.payload_bytes}")
+    body = _BODY.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_BYTES,
+        key,
+        spec.fingerprint_digest,
+        spec.num_layers,
+        spec.page_size,
+        DTYPE_CODES[spec.dtype],
+        ORIGINS.index(origin),
+        0,
+        spec.payload_bytes,
+        payload_checksum(payload),
+    )
+    header = body + _CRC.pack(zlib.crc32(body))
+    return header + bytes(HEADER_BYTES - len(header))
+
+
+@dataclass(frozen=True)
+class HeaderInfo:
+    key: bytes
+    origin: str
+    payload_bytes: int
+    checksum: int
+
+
+def parse_header(spec: PageSpec, header: memoryview | bytes) -> tuple[Verdict, HeaderInfo | None]:
+    """Check a header against `spec` without looking at the payload."""
+    if len(header) < HEADER_BYTES:
+        return Verdict.TRUNCATED, None
+    head = bytes(header[:HEADER_BYTES])
+    if head[:4] != MAGIC:
+        return (Verdict.EMPTY if not any(head) else Verdict.CORRUPT), None
+    body = head[:_HEADER_CRC_OFFSET]
+    (stored_crc,) = _CRC.unpack_from(head, _HEADER_CRC_OFFSET)
+    if zlib.crc32(body) != stored_crc:
+        return Verdict.CORRUPT, None
+    fields = _BODY.unpack(body)
+    _, version, header_bytes, key, fp, layers, page_size, dtype, origin, _, length, crc = fields
+    if version != FORMAT_VERSION or header_bytes != HEADER_BYTES or origin >= len(ORIGINS):
+        return Verdict.CORRUPT, None
+    shape = (layers, page_size, dtype, length)
+    expected = (spec.num_layers, spec.page_size, DTYPE_CODES[spec.dtype], spec.payload_bytes)
+    if fp != spec.fingerprint_digest or shape != expected:
+        return Verdict.FOREIGN, None
+    return Verdict.OK, HeaderInfo(key, ORIGINS[origin], length, crc)
+
+
+def verify_page(
+    spec: PageSpec, key: bytes, header: memoryview | bytes, payload: memoryview, nbytes: int
+) -> tuple[Verdict, str | None]:
+    """Verify a page read into (`header`, `payload`); `nbytes` is how many bytes were read.
+
+    Returns the verdict and, when OK, the origin recorded in the header.
+    """
+    if nbytes <= 0:
+        return Verdict.EMPTY, None
+    verdict, info = parse_header(spec, header[: min(nbytes, HEADER_BYTES)])
+    if info is None:
+        return verdict, None
+    if info.key != key:
+        return Verdict.WRONG_KEY, None
+    if nbytes < spec.object_bytes:
+        return Verdict.TRUNCATED, None
+    if payload_checksum(payload) != info.checksum:
+        return Verdict.CORRUPT, None
+    return Verdict.OK, info.origin
+
+
+def encode_object(spec: PageSpec, key: bytes, origin: str, payload: memoryview) -> bytes:
+    """`header || payload` as one bytes object (tools and tests; backends avoid the copy)."""
+    return encode_header(spec, key, origin, payload) + bytes(payload)

@@ -1,0 +1,56 @@
+"""Thread-safe counters shared by the storage backends (reported by `stats()`)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from pdcache.offload_manager.storage.page_format import Verdict
+
+COUNTERS = (
+    "pages_read",
+    "pages_written",
+    "pages_skipped",
+    "misses",
+    "corrupt_pages",
+    "truncated_pages",
+    "foreign_pages",
+    "wrong_key_pages",
+    "empty_pages",
+    "read_errors",
+    "write_errors",
+    "full_rejects",
+    "metadata_errors",
+    "bytes_read",
+    "bytes_written",
+    "deleted_pages",
+    "evictions",
+)
+
+
+class StorageCounters:
+    """Named integer counters behind one lock; every name in COUNTERS is always reported."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._values[name] += amount
+
+    def add_many(self, **amounts: int) -> None:
+        with self._lock:
+            self._values.update(amounts)
+
+    def record_failed_read(self, verdict: Verdict) -> None:
+        """A page that was found but failed verification: a miss counted as corrupt."""
+        with self._lock:
+            self._values["misses"] += 1
+            self._values["corrupt_pages"] += 1
+            if verdict is not Verdict.CORRUPT:  # the finer reason, beside the total
+                self._values[f"{verdict.value}_pages"] += 1
+
+    def snapshot(self) -> dict[str, int | float]:
+        with self._lock:
+            return dict(self._values)
