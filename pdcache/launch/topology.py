@@ -643,6 +643,8 @@ def _check_node_role_keys(node: NodeSpec, key: str, ctx: _Ctx) -> None:
         raise ctx.error(f"{key}.offload", f"only decode nodes offload (role is {node.role})")
     if node.command is not None and not node.command:
         raise ctx.error(f"{key}.command", "expected a non-empty array of strings")
+    if not node.host or any(c.isspace() for c in node.host):
+        raise ctx.error(f"{key}.host", f'expected a host name or address, got "{node.host}"')
 
 
 def _check_node_offload(node: NodeSpec, storage: StorageSpec, key: str, ctx: _Ctx) -> None:
@@ -687,7 +689,7 @@ def resolve_nodes(nodes: Iterable[NodeSpec], storage: StorageSpec) -> tuple[Node
     for node in nodes:
         if node.role == "decode" and node.offload is None:
             node = replace(node, offload=storage.enabled)
-        out.append(node)
+        out.append(replace(node, env=types.MappingProxyType(dict(node.env))))
     return tuple(out)
 
 
