@@ -39,10 +39,15 @@ EMPTY = np.zeros(0, dtype=np.int64)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="base URL of the stack (router or server)")
+    parser.add_argument("--out", required=True, help="output directory")
+    add_replay_options(parser)
+
+
+def add_replay_options(parser: argparse.ArgumentParser) -> None:
+    """Every replay option but the target (--url) and --out: shared with `bench compare`."""
     parser.add_argument("--trace", required=True,
                         help="FORMAT:PATH (mooncake, bailian, sharegpt, sessions) or "
                              "synthetic:key=value,... (see pdcache.bench.traces.SyntheticSpec)")
-    parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--mode", choices=MODES, default=None,
                         help="default: poisson with --rate, else afap")
     parser.add_argument("--concurrency", type=int, default=4, help="max requests in flight")
