@@ -68,9 +68,12 @@ class Engine:
         model: CausalLMLike,
         tokenizer: Any = None,
         make_tree: Callable[[DeviceKVPool], RadixTree] | None = None,
+        make_scheduler: Callable[..., Scheduler] | None = None,
     ) -> None:
         """`make_tree` builds the prefix tree over the pool (default: a device-only
-        `RadixTree`; the HiCache tier passes its own). Not started: call `start()`."""
+        `RadixTree`); `make_scheduler` is called with `Scheduler`'s keyword arguments (default:
+        `Scheduler`; lower cache tiers pass a subclass with their hooks). Not started: call
+        `start()`."""
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -82,8 +85,11 @@ class Engine:
         if cache.enable_prefix_cache:
             factory = make_tree or (lambda pool: RadixTree(pool.page_size, pool.allocator))
             self.tree = factory(self.pool)
-        self.scheduler = Scheduler(
-            config.scheduler, cache, self.pool, self.tree,
+        self.scheduler = (make_scheduler or Scheduler)(
+            config=config.scheduler,
+            cache=cache,
+            pool=self.pool,
+            tree=self.tree,
             max_context=config.model.max_position_embeddings,
             eos_token_ids=config.model.eos_token_ids,
         )
@@ -358,7 +364,7 @@ class Engine:
             error=req.error,
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
-            cached=CachedTokens(device=req.cached_len or 0),
+            cached=req.cached or CachedTokens(),
             computed_tokens=req.computed_tokens,
             ttft_s=None if first is None else first - req.arrival_time,
             e2e_s=now - req.arrival_time,

@@ -17,13 +17,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 import torch
 
-from pdcache.engine.api import RequestOutput, SamplingParams
+from pdcache.engine.api import CachedTokens, RequestOutput, SamplingParams
 from pdcache.engine.radix import RadixNode
 
 OutputCallback = Callable[[RequestOutput], None]
+
+
+class KVLoad(Protocol):
+    """A copy of reused K/V into some of a request's device pages that the forward pass
+    waits on layer by layer (HiCache host → device load)."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def wait(self, layer: int) -> None: ...
+
+    def finish(self) -> None: ...
 
 
 class ReqStatus(Enum):
@@ -53,7 +66,9 @@ class Req:
     last_node: RadixNode | None = None
     kv_len: int = 0
     prefill_done: bool = False
-    cached_len: int | None = None  # prompt tokens reused from the device cache (first admission)
+    cached_len: int | None = None  # prompt tokens reused at first admission (all tiers)
+    cached: CachedTokens | None = None  # ... split by tier
+    kv_load: KVLoad | None = None  # pending load into page_ids; every forward completes it
     computed_tokens: int = 0  # tokens run through an extend forward (recomputation included)
     num_emitted: int = 0  # output tokens already handed to on_output
     admit_seq: int = -1
@@ -92,22 +107,33 @@ class Req:
         return self.status is ReqStatus.FINISHED
 
     def admit(
-        self, prefix_page_ids: list[int], node: RadixNode | None, own_page_ids: list[int], seq: int
+        self,
+        page_ids: list[int],
+        num_tree_pages: int,
+        node: RadixNode | None,
+        reused_len: int,
+        seq: int,
+        cached: CachedTokens | None = None,
+        kv_load: KVLoad | None = None,
     ) -> None:
-        """WAITING → RUNNING with the K/V of `len(prefix_page_ids)` full pages reused."""
+        """WAITING → RUNNING holding `page_ids`, the first `num_tree_pages` borrowed from the
+        tree (alive while `node` is locked), with the K/V of `reused_len` tokens reused."""
         assert self.status is ReqStatus.WAITING and not self.page_ids, "admit of a running req"
-        self.page_ids = prefix_page_ids + own_page_ids
-        self.num_tree_pages = len(prefix_page_ids)
-        self.last_node = node
-        self.kv_len = len(prefix_page_ids) * self.page_size
+        assert reused_len % self.page_size == 0 and reused_len < self.fill_len, reused_len
+        self.page_ids, self.num_tree_pages, self.last_node = page_ids, num_tree_pages, node
+        self.kv_len = reused_len
+        self.kv_load = kv_load
         if self.cached_len is None:
-            self.cached_len = self.kv_len
+            self.cached_len = reused_len
+            self.cached = cached or CachedTokens(device=reused_len)
         self.status = ReqStatus.RUNNING
         self.admit_seq = seq
         self.check()
 
     def release_pages(self) -> None:
         """Forget all pages (the scheduler has already freed or handed them to the tree)."""
+        assert self.kv_load is None or self.kv_load.done, "pages released under a pending load"
+        self.kv_load = None
         self.page_ids, self.num_tree_pages, self.last_node = [], 0, None
         self.kv_len, self.prefill_done = 0, False
 

@@ -6,13 +6,14 @@ mutates it (the scheduler commits results). Engine thread only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from pdcache.engine.forward import ForwardBatch
 from pdcache.engine.kv_pool import DeviceKVPool
-from pdcache.engine.request import Req
+from pdcache.engine.request import KVLoad, Req
 from pdcache.engine.scheduler import ScheduledBatch
 
 
@@ -50,13 +51,17 @@ class ModelRunner:
             prefix_lens=[req.kv_len for req in batch.reqs],
             extend_lens=list(batch.extend_lens),
             logits_indices=ends[batch.sample_rows].to(self.device),
+            wait_layer=_wait_all(batch.kv_loads) if batch.kv_loads else None,
         )
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """fp32 logits `[len(batch.sample_rows), vocab]`."""
         forward_batch = self.build(batch)
         with torch.inference_mode():
-            return self.model.forward(forward_batch, self.pool.device_kv)
+            logits = self.model.forward(forward_batch, self.pool.device_kv)
+        for load in batch.kv_loads:  # a model that skipped wait_layer still completes them
+            load.finish()
+        return logits
 
     def _slots(self, req: Req, positions: torch.Tensor) -> torch.Tensor:
         """Pool slot of each position: page_ids[pos // S] * S + pos % S."""
@@ -71,3 +76,11 @@ class ModelRunner:
         for row, req in enumerate(reqs):
             table[row, : len(req.page_ids)] = torch.tensor(req.page_ids, dtype=torch.long)
         return table.to(self.device)
+
+
+def _wait_all(loads: list[KVLoad]) -> Callable[[int], None]:
+    def wait_layer(layer: int) -> None:
+        for load in loads:
+            load.wait(layer)
+
+    return wait_layer

@@ -16,6 +16,13 @@ queue to re-prefill (mostly from cache).
 
 Every page the scheduler touches is owned by exactly one of: the allocator (free), the tree,
 or one running request (`Req.own_page_ids`). Engine thread only; nothing here locks.
+
+Lower cache tiers (HiCache: host, storage) plug in by subclassing and overriding the hooks
+`on_queued` (start a prefetch), `admission_ready` (may this request be admitted yet),
+`reuse_lower_tiers` (fill the pages after the device match with K/V from elsewhere),
+`on_cached` (pages just entered the tree: back them up), `on_dequeued` (a waiting request
+left without running) and `on_step` (once per schedule); see `Engine(make_scheduler=...)`.
+The defaults do nothing, which is the device-only cache.
 """
 
 from __future__ import annotations
@@ -24,11 +31,12 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdcache.engine.api import CachedTokens
 from pdcache.engine.config import CacheConfig, SchedulerConfig
 from pdcache.engine.forward import ForwardMode
 from pdcache.engine.kv_pool import DeviceKVPool
-from pdcache.engine.radix import MatchResult, RadixTree
-from pdcache.engine.request import Req, ReqStatus, pages_for
+from pdcache.engine.radix import InsertResult, MatchResult, RadixNode, RadixTree
+from pdcache.engine.request import KVLoad, Req, ReqStatus, pages_for
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +44,30 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ScheduledBatch:
     """What to run: `reqs[b]` computes `extend_lens[b]` new tokens; `sample_rows` are the
-    rows whose logits yield a token (requests whose fill is complete after this batch)."""
+    rows whose logits yield a token (requests whose fill is complete after this batch);
+    `kv_loads` are every pending load (of any running request), finished by this forward."""
 
     mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]
     sample_rows: list[int] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)  # to complete layer by layer
+
+
+@dataclass
+class TierReuse:
+    """What a lower cache tier put into the pages allocated after the device match.
+
+    The first `tree_pages` of them now belong to the tree (restored nodes; the request locks
+    `node` instead of the device match's node); the next `own_pages` stay the request's own but
+    hold reused K/V too. `kv_load` fills them (waited per layer by the next forward); `cached`
+    splits the reused tokens by tier."""
+
+    tree_pages: int = 0
+    node: RadixNode | None = None
+    own_pages: int = 0
+    kv_load: KVLoad | None = None
+    cached: CachedTokens | None = None
 
 
 @dataclass
@@ -82,6 +108,35 @@ class Scheduler:
     # ---- queue -------------------------------------------------------------------------
     def add(self, req: Req) -> None:
         self.waiting.append(req)
+        self.on_queued(req)
+
+    # ---- hooks for lower cache tiers (defaults: device-only cache) -----------------------
+    def on_queued(self, req: Req) -> None:
+        """`req` entered the waiting queue."""
+
+    def admission_ready(self, req: Req) -> bool:
+        """False keeps `req` waiting (others behind it may still be admitted)."""
+        return True
+
+    def reuse_lower_tiers(
+        self, req: Req, match: MatchResult, own_page_ids: list[int], max_pages: int
+    ) -> TierReuse:
+        """Put reused K/V of the pages after `match` into `own_page_ids` (freshly allocated,
+        in order), at most `max_pages` pages counted from the start of the fill."""
+        return TierReuse()
+
+    def on_cached(self, req: Req, result: InsertResult) -> None:
+        """Pages of `req` up to `result.last_node` were just inserted into the tree."""
+
+    def on_dequeued(self, req: Req) -> None:
+        """A waiting request is leaving without being admitted (abort)."""
+
+    def on_step(self) -> None:
+        """Called at the start of every `schedule()`."""
+
+    def pending_loads(self) -> list[KVLoad]:
+        """Loads the next forward must complete (it may read their pages via the tree)."""
+        return [r.kv_load for r in self.running if r.kv_load is not None and not r.kv_load.done]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -99,6 +154,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
+            self.on_dequeued(req)
         req.status, req.finish_reason, req.error = ReqStatus.FINISHED, reason, error
         self.counters.aborted += 1
 
@@ -111,6 +167,7 @@ class Scheduler:
     # ---- scheduling --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         """Admit what fits, then pick the next batch (None: nothing runnable)."""
+        self.on_step()
         self._admit_waiting()
         prefilling = [r for r in self.running if not r.prefill_done]
         want_decode = any(r.prefill_done for r in self.running)
@@ -123,6 +180,8 @@ class Scheduler:
         if batch is None and prefilling:
             batch = self._extend_batch([r for r in self.running if not r.prefill_done])
         self._last_mode = batch.mode if batch else None
+        if batch is not None:
+            batch.kv_loads = self.pending_loads()
         return batch
 
     def commit(self, batch: ScheduledBatch, tokens: list[int]) -> list[Req]:
@@ -134,6 +193,8 @@ class Scheduler:
         for row, (req, length) in enumerate(zip(batch.reqs, batch.extend_lens)):
             if req.status is not ReqStatus.RUNNING:
                 continue  # aborted while the batch ran
+            if req.kv_load is not None and req.kv_load.done:
+                req.kv_load = None
             req.kv_len += length
             if batch.mode is ForwardMode.EXTEND:
                 req.computed_tokens += length
@@ -148,29 +209,43 @@ class Scheduler:
 
     # ---- admission ---------------------------------------------------------------------
     def _admit_waiting(self) -> None:
+        """FIFO admission; a request whose lower tiers are not ready is skipped, one that does
+        not fit in memory stops admission (so big requests are not starved)."""
         pending = sum(r.fill_len - r.kv_len for r in self.running if not r.prefill_done)
-        while (
-            self.waiting
-            and len(self.running) < self.config.max_running_requests
-            and pending < self.config.chunked_prefill_tokens
-        ):
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if len(self.running) >= self.config.max_running_requests:
+                break
+            if pending >= self.config.chunked_prefill_tokens:
+                break
+            if not self.admission_ready(req):
+                continue
             if not self._try_admit(req):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.running.append(req)
             pending += req.fill_len - req.kv_len
 
     def _try_admit(self, req: Req) -> bool:
         match = self._match(req)
-        self._lock(match)
+        self._lock(match.last_node)
         need = pages_for(req.fill_len, self.page_size) - len(match.page_ids)
         headroom = sum(1 for r in self.running if r.prefill_done)  # a page each for decode
         own = self._alloc(need, reserve=headroom)
         if own is None:
             self._unlock(match.last_node)
             return False
-        req.admit(match.page_ids, match.last_node, own, self._admit_seq)
+        max_pages = (req.fill_len - 1) // self.page_size
+        reuse = self.reuse_lower_tiers(req, match, own, max_pages)
+        node = match.last_node
+        if reuse.tree_pages:
+            self._lock(reuse.node)  # the restored nodes hang below the device match
+            self._unlock(match.last_node)
+            node = reuse.node
+        num_tree_pages = len(match.page_ids) + reuse.tree_pages
+        reused_len = (num_tree_pages + reuse.own_pages) * self.page_size
+        cached = reuse.cached or CachedTokens(device=match.cached_len)
+        req.admit(match.page_ids + own, num_tree_pages, node, reused_len, self._admit_seq,
+                  cached, reuse.kv_load)
         self._admit_seq += 1
         self.counters.admitted += 1
         return True
@@ -181,11 +256,11 @@ class Scheduler:
         # leave at least one token to compute: its logits give the next token
         return self.tree.match_prefix(req.fill_ids[: req.fill_len - 1], req.salt)
 
-    def _lock(self, match: MatchResult) -> None:
+    def _lock(self, node: RadixNode | None) -> None:
         if self.tree is not None:
-            self.tree.lock(match.last_node)
+            self.tree.lock(node)
 
-    def _unlock(self, node) -> None:
+    def _unlock(self, node: RadixNode | None) -> None:
         if self.tree is not None:
             self.tree.unlock(node)
 
@@ -271,8 +346,11 @@ class Scheduler:
     def _release(self, req: Req, cache: bool) -> None:
         """Give back every page of `req`: with `cache`, its computed full pages go to the tree
         (the tree keeps one copy; duplicates are freed), everything else is freed."""
+        if req.kv_load is not None:
+            req.kv_load.finish()  # its pages are about to be cached or freed
         to_free = req.own_page_ids
         num_full = req.kv_len // self.page_size
+        result = None
         if cache and self.tree is not None and num_full > req.num_tree_pages:
             tokens = req.fill_ids[: num_full * self.page_size]
             result = self.tree.insert(tokens, req.page_ids[:num_full], req.salt)
@@ -280,3 +358,5 @@ class Scheduler:
         self.allocator.free(to_free)
         self._unlock(req.last_node)
         req.release_pages()
+        if result is not None:
+            self.on_cached(req, result)
