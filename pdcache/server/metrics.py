@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pdcache.engine.api import CachedTokens
@@ -39,14 +39,20 @@ LATENCY_BUCKETS = (
     60.0,
 )
 
-# engine.stats() key -> (metric name, help). Keys the engine does not report are skipped.
-ENGINE_GAUGES: dict[str, tuple[str, str]] = {
-    "num_waiting": ("pdcache_queue_depth", "requests waiting in the engine queue"),
-    "num_running": ("pdcache_running_requests", "requests being prefilled or decoded"),
-    "pages_free": ("pdcache_device_pages_free", "free device KV pages"),
-    "pages_used": ("pdcache_device_pages_used", "device KV pages in use or cached"),
-    "pages_total": ("pdcache_device_pages_total", "device KV pool capacity in pages"),
-    "cached_pages": ("pdcache_device_cached_pages", "device pages held by the prefix tree"),
+# metric name -> (engine.stats() keys, first present wins; help). Absent keys are skipped.
+ENGINE_GAUGES: dict[str, tuple[tuple[str, ...], str]] = {
+    "pdcache_queue_depth": (("queued",), "requests submitted and not yet running"),
+    "pdcache_running_requests": (("num_running", "running"), "requests prefilling or decoding"),
+    "pdcache_device_pages_total": (("pages_total", "pages_capacity"), "device KV pool pages"),
+    "pdcache_device_pages_free": (("pages_free",), "free device KV pages"),
+    "pdcache_device_pages_used": (("pages_used",), "device pages held by requests or the cache"),
+    "pdcache_device_pages_cached": (("cached_pages", "pages_cached"), "pages in the prefix tree"),
+}
+ENGINE_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
+    "pdcache_device_pages_evicted": (("pages_evicted_total",), "prefix-cache pages evicted"),
+    "pdcache_requests_retracted": (("requests_retracted_total",), "requests preempted"),
+    "pdcache_engine_step_errors": (("step_errors_total",), "engine steps that raised"),
+    "pdcache_engine_callback_errors": (("callback_errors_total",), "callbacks that raised"),
 }
 
 
@@ -57,18 +63,22 @@ class EngineStatsCollector(Collector):
         self._stats = stats
         self._server_name = server_name
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         try:
             stats = self._stats()
         except Exception:  # a scrape must not take the server down; the error is logged
             log.exception("engine.stats() failed during a metrics scrape")
             return
-        for key, (name, help_text) in ENGINE_GAUGES.items():
-            value = stats.get(key)
-            if isinstance(value, int | float):
-                family = GaugeMetricFamily(name, help_text, labels=["server"])
-                family.add_metric([self._server_name], float(value))
-                yield family
+        for kind, table in (
+            (GaugeMetricFamily, ENGINE_GAUGES),
+            (CounterMetricFamily, ENGINE_COUNTERS),
+        ):
+            for name, (keys, help_text) in table.items():
+                value = next((stats[k] for k in keys if k in stats), None)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    family = kind(name, help_text, labels=["server"])
+                    family.add_metric([self._server_name], float(value))
+                    yield family
 
 
 class ServerMetrics:
