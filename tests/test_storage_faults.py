@@ -1,0 +1,358 @@
+"""Storage faults: full or read-only disks, a killed metadata service or mooncake_master.
+
+Every fault must turn into misses / False results (counted), never an exception or a hang, and
+the backend must recover when the service returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+from pdcache.offload_manager.storage import create_backend  # noqa: E402
+from pdcache.offload_manager.storage.config import StorageConfig  # noqa: E402
+from pdcache.offload_manager.storage.metadata import RemoteMetadata  # noqa: E402
+from pdcache.offload_manager.storage.metadata_service import LocalMetadataService  # noqa: E402
+
+PAGE_BYTES = 4096
+SLOT_BYTES = 8192  # header + 4096 rounded up to 4 KiB
+
+
+def _config(path: Path | str, backend: str = "hf3fs", **over: object) -> StorageConfig:
+    values: dict[str, object] = dict(
+        backend=backend,
+        path=str(path),
+        page_bytes=PAGE_BYTES,
+        capacity_pages=4,
+        fingerprint="fp",
+        num_data_files=1,
+        timeout_s=0.5,
+        retry_interval_s=0.3,
+    )
+    values.update(over)
+    return StorageConfig(**values)  # type: ignore[arg-type]
+
+
+def _keys(n: int, tag: int = 0) -> list[bytes]:
+    return [bytes([tag, i]) * 16 for i in range(n)]
+
+
+def _pages(n: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, PAGE_BYTES), dtype=torch.uint8, generator=gen)
+
+
+# A child process: opens a backend, optionally limits file sizes, puts and gets 4 pages.
+_CHILD = r"""
+import json, resource, signal, sys, torch
+from pdcache.offload_manager.storage import create_backend
+from pdcache.offload_manager.storage.config import StorageConfig
+cfg = StorageConfig(**json.loads(sys.argv[1]))
+backend = create_backend(cfg)
+limit = int(sys.argv[2])
+if limit:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+first = int(sys.argv[3])
+keys = [bytes([0, i]) * 16 for i in range(first, first + 4)]
+pages = torch.randint(0, 256, (4, cfg.page_bytes), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(first))
+put = backend.put_from(keys, list(pages))
+out = torch.zeros_like(pages)
+got = backend.get_into(keys, list(out))
+exact = [bool(torch.equal(out[i], pages[i])) for i in range(4)]
+old = [bytes([0, i]) * 16 for i in range(0, first)]
+old_got = backend.get_into(old, [torch.zeros(cfg.page_bytes, dtype=torch.uint8) for _ in old])
+print(json.dumps({"put": put, "got": got, "exact": exact, "old_got": old_got,
+                  "stats": backend.stats()}))
+backend.close()
+"""
+
+
+def _run_child(cfg: StorageConfig, limit: int = 0, first: int = 0) -> dict:
+    values = {
+        f: getattr(cfg, f)
+        for f in (
+            "backend",
+            "path",
+            "page_bytes",
+            "capacity_pages",
+            "fingerprint",
+            "num_data_files",
+        )
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(values), str(limit), str(first)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"child failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_hf3fs_disk_full_fails_puts_and_frees_slots(tmp_path: Path) -> None:
+    cfg = _config(tmp_path / "store")
+    result = _run_child(cfg, limit=2 * SLOT_BYTES)
+    assert result["put"] == [True, True, False, False]
+    assert result["got"] == [True, True, False, False]
+    assert result["exact"][:2] == [True, True]
+    stats = result["stats"]
+    assert stats["write_errors"] == 2
+    assert (stats["used_pages"], stats["reserved_pages"], stats["free_pages"]) == (2, 0, 2)
+
+
+def test_file_disk_full_fails_puts_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    cfg = _config(tmp_path / "store", backend="file", capacity_pages=0)
+    result = _run_child(cfg, limit=PAGE_BYTES // 2)
+    assert result["put"] == [False] * 4 and result["got"] == [False] * 4
+    assert result["stats"]["write_errors"] == 4
+    assert [p for p in (tmp_path / "store").rglob("*") if p.is_file()] == []
+
+
+@pytest.fixture
+def tiny_tmpfs() -> Iterator[Path]:
+    """A 64 KiB tmpfs (a really full disk: ENOSPC), where this process may mount one."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = Path(tempfile.mkdtemp(prefix="pdcache-full-"))
+    ok = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+            capture_output=True,
+            timeout=10,
+        ).returncode
+        == 0
+    )
+    if not ok:
+        mnt.rmdir()
+        pytest.skip("mount not permitted here")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=10)
+        mnt.rmdir()
+
+
+@pytest.mark.parametrize("backend_name", ["hf3fs", "file"])
+def test_enospc_on_a_full_tmpfs(tiny_tmpfs: Path, backend_name: str) -> None:
+    backend = create_backend(_config(tiny_tmpfs, backend_name, capacity_pages=32))
+    try:
+        keys, pages = _keys(24), _pages(24)
+        put = backend.put_from(keys, list(pages))
+        assert put[0] and not put[-1]  # 64 KiB holds a few pages, not 24
+        written = sum(put)
+        assert backend.stats()["write_errors"] == 24 - written
+        out = torch.zeros_like(pages)
+        assert backend.get_into(keys, list(out)) == put
+        assert torch.equal(out[:written], pages[:written])
+    finally:
+        backend.close()
+
+
+@contextlib.contextmanager
+def _read_only(root: Path) -> Iterator[None]:
+    """Make `root` read-only: chmod for a normal user; a read-only bind mount for root, which
+    ignores permissions (skips where mounting is not permitted)."""
+    if os.geteuid() != 0:
+        modes = {p: p.stat().st_mode for p in [root, *root.rglob("*")]}
+        for path in modes:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+        try:
+            yield
+        finally:
+            for path, mode in modes.items():
+                path.chmod(mode)
+        return
+    bind = ["mount", "--bind", str(root), str(root)]
+    if subprocess.run(bind, capture_output=True, timeout=10).returncode != 0:
+        pytest.skip("root cannot bind-mount here, so it cannot make a directory read-only")
+    try:
+        remount = ["mount", "-o", "remount,bind,ro", str(root)]
+        if subprocess.run(remount, capture_output=True, timeout=10).returncode != 0:
+            pytest.skip("read-only remount not permitted")
+        yield
+    finally:
+        subprocess.run(["umount", str(root)], capture_output=True, timeout=10)
+
+
+@pytest.mark.parametrize("backend_name", ["hf3fs", "file"])
+def test_read_only_directory_reads_work_puts_fail(tmp_path: Path, backend_name: str) -> None:
+    cfg = _config(tmp_path / "store", backend_name, capacity_pages=16)
+    keys, pages = _keys(8), _pages(8)
+    writer = create_backend(cfg)
+    assert writer.put_from(keys[:4], list(pages[:4])) == [True] * 4
+    writer.close()
+    with _read_only(tmp_path / "store"):
+        backend = create_backend(cfg)  # a restart on a read-only directory
+        try:
+            out = torch.zeros_like(pages)
+            assert backend.get_into(keys[:4], list(out[:4])) == [True] * 4
+            assert torch.equal(out[:4], pages[:4])
+            assert backend.put_from(keys[4:], list(pages[4:])) == [False] * 4
+            assert backend.get_into(keys[4:], list(out[4:])) == [False] * 4
+            stats = backend.stats()
+        finally:
+            backend.close()
+    assert stats["write_errors"] == 4 and stats["pages_read"] == 4
+    if backend_name == "hf3fs":
+        assert stats["read_only"] == 1 and stats["reserved_pages"] == 0
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[LocalMetadataService]:
+    svc = LocalMetadataService(tmp_path / "state").start()
+    try:
+        yield svc
+    finally:
+        svc.stop(kill=True)
+
+
+def _timed(fn, *args):
+    start = time.monotonic()
+    result = fn(*args)
+    return result, time.monotonic() - start
+
+
+def test_metadata_service_killed_then_restarted(tmp_path: Path, service) -> None:
+    backend = create_backend(_config(tmp_path / "data", metadata=service.address, capacity_pages=8))
+    try:
+        keys, pages = _keys(6), _pages(6)
+        assert backend.put_from(keys[:4], list(pages[:4])) == [True] * 4
+        service.stop(kill=True)
+        out = torch.zeros_like(pages)
+        got, took = _timed(backend.get_into, keys[:4], list(out[:4]))
+        assert got == [False] * 4 and took < 3.0
+        assert backend.put_from(keys[4:], list(pages[4:])) == [False, False]
+        assert backend.exists_prefix(keys) == 0
+        assert backend.stats()["metadata_errors"] >= 1
+        service.start()
+        deadline = time.monotonic() + 10
+        while backend.exists_prefix(keys) == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # Committed before the SIGKILL: all still there, byte-exact.
+        assert backend.get_into(keys[:4], list(out[:4])) == [True] * 4
+        assert torch.equal(out[:4], pages[:4])
+        assert backend.put_from(keys[4:], list(pages[4:])) == [True, True]
+        assert backend.exists_prefix(keys) == 6
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("kill", [True, False], ids=["sigkill", "sigterm"])
+def test_metadata_restart_keeps_every_committed_entry(service, kill: bool) -> None:
+    client = RemoteMetadata(service.address, "pool", 64, SLOT_BYTES, timeout_s=2.0)
+    try:
+        keys = _keys(40, tag=7)
+        for start in range(0, 40, 8):
+            batch = keys[start : start + 8]
+            slots = [slot for _, slot in client.reserve(batch)]
+            assert client.commit(batch, slots) == [True] * 8
+        client.delete(keys[10:12])
+        client.lookup(
+            keys[:1]
+        )  # recency of keys[0] is flushed lazily; entries must not depend on it
+        in_flight = client.reserve(_keys(1, tag=9))[0][1]
+        before = dict(client.entries())
+        service.stop(kill=kill)
+        service.start()
+        after = RemoteMetadata(service.address, "pool", 64, SLOT_BYTES, timeout_s=2.0)
+        try:
+            assert dict(after.entries()) == before and len(before) == 38
+            # The reservation did not survive: its commit fails, its slot is free again.
+            assert after.commit(_keys(1, tag=9), [in_flight]) == [False]
+            stats = after.stats()
+            assert (stats["used_pages"], stats["reserved_pages"], stats["free_pages"]) == (
+                38,
+                0,
+                26,
+            )
+        finally:
+            after.close()
+    finally:
+        client.close()
+
+
+def test_mooncake_master_killed_gives_misses_without_hanging() -> None:
+    pytest.importorskip("mooncake.store")
+    from pdcache.offload_manager.storage.mooncake_store import LocalMooncakeMaster
+
+    master = LocalMooncakeMaster().start()
+    backend = None
+    try:
+        cfg = _config(
+            "unused",
+            "mooncake",
+            mooncake_master=master.address,
+            mooncake_segment_bytes=16 << 20,
+            mooncake_local_buffer_bytes=16 << 20,
+            retry_interval_s=2.0,
+        )
+        backend = create_backend(cfg)
+        keys, pages = _keys(3), _pages(3)
+        assert backend.put_from(keys[:2], list(pages[:2])) == [True, True]
+        master.stop()
+        got, took = _timed(backend.get_into, keys[:2], list(torch.zeros_like(pages[:2])))
+        assert got == [False, False] and took < 15.0
+        (got, took) = _timed(backend.get_into, keys[:2], list(torch.zeros_like(pages[:2])))
+        assert got == [False, False] and took < 1.0  # fails fast while the master is down
+        assert backend.exists_prefix(keys) == 0
+        assert backend.put_from(keys[2:], [pages[2]]) == [False]
+        assert backend.stats()["metadata_errors"] >= 1
+    finally:
+        if backend is not None:
+            backend.close()
+        master.stop()
+
+
+@pytest.mark.parametrize("backend_name", ["hf3fs", "file"])
+def test_concurrent_readers_and_writers_never_see_wrong_bytes(
+    tmp_path: Path, backend_name: str
+) -> None:
+    """Threads put and get over a store smaller than the key space (constant eviction):
+    every page a get reports as found is byte-exact."""
+    backend = create_backend(_config(tmp_path, backend_name, capacity_pages=6, io_threads=2))
+    keys, pages = _keys(16), _pages(16)
+    wrong: list[int] = []
+    hits = [0]
+
+    def worker(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        out = torch.zeros(4, PAGE_BYTES, dtype=torch.uint8)
+        for _ in range(60):
+            idx = torch.randint(0, 16, (4,), generator=gen).tolist()
+            backend.put_from([keys[i] for i in idx[:2]], [pages[i] for i in idx[:2]])
+            found = backend.get_into([keys[i] for i in idx], list(out))
+            for j, ok in enumerate(found):
+                hits[0] += ok
+                if ok and not torch.equal(out[j], pages[idx[j]]):
+                    wrong.append(idx[j])
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads)
+        assert wrong == [] and hits[0] > 0
+        stats = backend.stats()
+        assert stats["used_pages"] <= 6
+    finally:
+        backend.close()
