@@ -113,8 +113,6 @@ class KVReceiver:
         self._user_release = on_release
         self.rooms = RoomTable("decode", config.finished_rooms_kept, self._released)
         self._peers: dict[str, _Peer] = {}  # control thread only
-        self._peer_events: dict[str, _Peer] = {}  # for connect(); guarded by _events_lock
-        self._events_lock = threading.Lock()
         self.rejects = RejectCounter(f"decode {self.decode_id}")
         self.counters = {"bytes_received": 0, "peers_lost": 0, "abort_ack_timeouts": 0,
                          "messages_in": 0, "unexpected_messages": 0}
@@ -143,17 +141,19 @@ class KVReceiver:
     def connect(self, bootstrap_addr: str, timeout_s: float | None = None) -> None:
         """Register with a prefill peer and wait for its answer (TransferError on refusal)."""
         timeout_s = self.config.bootstrap_timeout_s if timeout_s is None else timeout_s
-        self._loop.call_soon(lambda: self._ensure_peer(bootstrap_addr))
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._events_lock:
-                peer = self._peer_events.get(bootstrap_addr)
-            if peer is not None and peer.ready.wait(min(0.05, timeout_s)):
-                if peer.error:
-                    raise TransferError(-1, f"prefill {bootstrap_addr} refused: {peer.error}")
-                return
-            time.sleep(0.001 if peer is None else 0)
-        raise TransferTimeout(-1, f"prefill {bootstrap_addr} did not answer in {timeout_s}s")
+        created = threading.Event()
+        holder: list[_Peer] = []
+
+        def ensure() -> None:
+            holder.append(self._ensure_peer(bootstrap_addr))
+            created.set()
+
+        self._loop.call_soon(ensure)
+        if not created.wait(timeout_s) or not holder[0].ready.wait(deadline - time.monotonic()):
+            raise TransferTimeout(-1, f"prefill {bootstrap_addr} did not answer in {timeout_s}s")
+        if holder[0].error:
+            raise TransferError(-1, f"prefill {bootstrap_addr} refused: {holder[0].error}")
 
     def request(self, room: int, bootstrap_addr: str, dst_page_ids: Any,
                 num_tokens: int) -> None:
@@ -250,8 +250,6 @@ class KVReceiver:
         sock.connect(addr)
         peer = _Peer(addr, sock)
         self._peers[addr] = peer
-        with self._events_lock:
-            self._peer_events[addr] = peer
         self._loop.add_socket(sock, lambda s, p=peer: self._on_readable(p))
         assert self.engine is not None
         register = Register(self.decode_id, self.config.engine, self._session,
@@ -365,9 +363,6 @@ class KVReceiver:
         if self._peers.get(peer.addr) is peer:
             del self._peers[peer.addr]
             self._loop.remove_socket(peer.socket)
-        with self._events_lock:
-            if self._peer_events.get(peer.addr) is peer:
-                del self._peer_events[peer.addr]
         peer.ready.set()
 
     def _tick(self) -> None:

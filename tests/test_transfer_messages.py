@@ -1,0 +1,98 @@
+"""Control messages: round trips and strict rejection of anything malformed."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from pdcache.transfer.messages import (
+    MAX_ROOM_ID,
+    PROTOCOL_VERSION,
+    Abort,
+    Done,
+    MessageError,
+    Ping,
+    Register,
+    RoomRequest,
+    decode,
+    encode,
+    pack_pages,
+)
+
+LIMIT = 1 << 16
+
+
+def _raw(body: dict) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _reject_kind(raw: bytes) -> str:
+    with pytest.raises(MessageError) as info:
+        decode(raw, LIMIT)
+    return info.value.kind
+
+
+@pytest.mark.parametrize("msg", [
+    Register("d1", "zmq", b"tcp://127.0.0.1:5", 1 << 40, 4, 128, 4096),
+    RoomRequest(MAX_ROOM_ID, pack_pages([3, 1, 2]), 40),
+    Done(7, 42, 1 << 20, {"cached_tokens": 16, "details": {"device": 8, "host": 8}}),
+    Abort(9, "client gone", "aborted"),
+    Ping(1),
+])
+def test_round_trip_keeps_every_field(msg) -> None:
+    assert decode(encode(msg), LIMIT) == msg
+
+
+def test_room_request_pages_round_trip() -> None:
+    pages = np.array([5, 0, 1 << 20, 77])
+    msg = decode(encode(RoomRequest(1, pack_pages(pages), 9)), LIMIT)
+    assert msg.page_ids().tolist() == pages.tolist()
+
+
+@pytest.mark.parametrize("raw, kind", [
+    (b"\xc1garbage", "malformed"),
+    (b"", "malformed"),
+    (_raw([1, "ping", 3]), "malformed"),
+    (_raw({"v": PROTOCOL_VERSION + 1, "t": "ping", "seq": 1}), "version"),
+    (_raw({"t": "ping", "seq": 1}), "version"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "launch_missiles"}), "unknown_type"),
+    (_raw({"v": PROTOCOL_VERSION, "t": 3, "seq": 1}), "unknown_type"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "ping"}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "ping", "seq": 1, "extra": 2}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "ping", "seq": "1"}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "ping", "seq": True}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "ping", "seq": -1}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "started", "room": 1 << 63}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "room_request", "room": 1, "dst_pages": b"abc",
+           "num_tokens": 3}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "room_request", "room": 1, "dst_pages": b"",
+           "num_tokens": 3}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "room_request", "room": 1,
+           "dst_pages": np.array([-1], "<i4").tobytes(), "num_tokens": 3}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "done", "room": 1, "first_token": 2, "nbytes": 3,
+           "stats": {"a": b"bytes"}}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "done", "room": 1, "first_token": 2, "nbytes": 3,
+           "stats": {"a": {"b": {"c": {"d": {"e": 1}}}}}}), "bad_field"),
+])
+def test_malformed_messages_are_rejected_with_their_kind(raw: bytes, kind: str) -> None:
+    assert _reject_kind(raw) == kind
+
+
+def test_oversized_message_is_rejected_before_parsing() -> None:
+    big = encode(Abort(1, "x" * LIMIT, "aborted"))
+    assert _reject_kind(big) == "oversized"
+
+
+def test_room_id_must_fit_in_63_bits() -> None:
+    assert _reject_kind(_raw({"v": PROTOCOL_VERSION, "t": "started",
+                              "room": MAX_ROOM_ID + 1})) == "bad_field"
+    assert _reject_kind(_raw({"v": PROTOCOL_VERSION, "t": "started", "room": -5})) \
+        == "bad_field"
+
+
+def test_pack_pages_refuses_ids_outside_int32() -> None:
+    with pytest.raises(ValueError):
+        pack_pages([1 << 31])
+    with pytest.raises(ValueError):
+        pack_pages([-1])

@@ -1,0 +1,345 @@
+"""KVSender ↔ KVReceiver over real loopback sockets: data, concurrency, hostile input, aborts,
+deadlines. Sender and receiver use separate pools (remote memory: test_transfer_multiprocess)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from pdcache.transfer import (
+    KVReceiver,
+    KVSender,
+    Outcome,
+    RoomState,
+    TransferError,
+    TransferTimeout,
+)
+from pdcache.transfer.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortAck,
+    Ping,
+    Pong,
+    Register,
+    RegisterAck,
+    RoomRequest,
+    decode,
+    encode,
+    pack_pages,
+)
+from tests.transfer_support import engine_params, fast_config, make_pool, wait_until
+
+SRC_PAGES, DST_PAGES = 64, 96
+
+
+class Pair:
+    """A started sender and receiver with their pools and release logs."""
+
+    def __init__(self, engine: str, **overrides) -> None:
+        self.config = fast_config(engine, **overrides)
+        self.src, self.dst = make_pool(SRC_PAGES, seed=3), make_pool(DST_PAGES, seed=None)
+        self.sent: list[Outcome] = []
+        self.received: list[Outcome] = []
+        self.sender = KVSender(self.config, self.src, on_release=self.sent.append)
+        self.receiver = KVReceiver(self.config, self.dst, on_release=self.received.append)
+
+    def start(self) -> Pair:
+        self.sender.start()
+        self.receiver.start()
+        return self
+
+    @property
+    def addr(self) -> str:
+        return self.sender.bootstrap_addr
+
+    def assert_idle(self) -> None:
+        """No room left allocated on either side, every release reported."""
+        wait_until(lambda: self.sender.rooms.active_count() == 0
+                   and self.receiver.rooms.active_count() == 0, 5.0, "rooms to be released")
+        for side in (self.sender.stats(), self.receiver.stats()):
+            rooms = side["rooms"]
+            assert rooms["active"] == 0 and rooms["busy"] == 0
+            assert rooms["released"] == rooms["created"]
+            assert side["control_errors"] == 0 and rooms["illegal_transitions"] == 0
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.sender.close()
+
+
+@pytest.fixture
+def pair(request):
+    engine, overrides = request.param if isinstance(request.param, tuple) else (request.param, {})
+    p = Pair(engine, **overrides).start()
+    try:
+        yield p
+        p.assert_idle()
+    finally:
+        p.close()
+
+
+ALL = engine_params()
+ZMQ = engine_params(("zmq",))
+
+
+def _pages(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    return rng.choice(SRC_PAGES, n, replace=False), rng.choice(DST_PAGES, n, replace=False)
+
+
+@pytest.mark.parametrize("pair", ALL, indirect=True)
+def test_rooms_transfer_byte_identical_kv_in_either_order(pair: Pair) -> None:
+    rng = np.random.default_rng(11)
+    pair.receiver.connect(pair.addr)
+    for room, decode_first in ((1 << 62, True), (5, False), ((1 << 63) - 1, True)):
+        src_pages, dst_pages = _pages(rng, 17)
+        pair.dst.zero_()
+        if decode_first:
+            pair.receiver.request(room, pair.addr, dst_pages, num_tokens=65)
+            time.sleep(0.02)
+            assert pair.sender.send(room, src_pages, 1234, {"cached_tokens": 32})
+        else:
+            assert pair.sender.send(room, src_pages, 1234, {"cached_tokens": 32})
+            pair.receiver.request(room, pair.addr, dst_pages, num_tokens=65)
+        result = pair.receiver.wait(room, 5.0)
+        assert (result.first_token, result.stats) == (1234, {"cached_tokens": 32})
+        assert result.nbytes == 4 * 2 * 17 * 512
+        assert torch.equal(pair.dst[:, :, dst_pages], pair.src[:, :, src_pages])
+        untouched = np.setdiff1d(np.arange(DST_PAGES), dst_pages)
+        assert not pair.dst[:, :, untouched].any()
+        wait_until(lambda r=room: pair.sender.poll(r) is RoomState.SUCCESS, 2.0, "success")
+        assert pair.receiver.poll(room) is RoomState.SUCCESS
+    assert [o.state for o in pair.sent] == [RoomState.SUCCESS] * 3
+    assert [o.state for o in pair.received] == [RoomState.SUCCESS] * 3
+
+
+@pytest.mark.parametrize("pair", ALL, indirect=True)
+def test_32_concurrent_rooms_all_succeed(pair: Pair) -> None:
+    rng = np.random.default_rng(12)
+    # 32 rooms × 3 pages use 96 distinct destination pages: any cross-talk shows.
+    dst_all = rng.permutation(DST_PAGES).reshape(32, 3)
+    src_all = [rng.choice(SRC_PAGES, 3, replace=False) for _ in range(32)]
+    rooms = [int(x) for x in rng.integers(1, 1 << 63, size=32)]
+    errors: list[BaseException] = []
+
+    def decode_side(i: int) -> None:
+        try:
+            pair.receiver.request(rooms[i], pair.addr, dst_all[i], num_tokens=12)
+            assert pair.receiver.wait(rooms[i], 10.0).first_token == i
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=decode_side, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for i in reversed(range(32)):
+        assert pair.sender.send(rooms[i], src_all[i], i, {"i": i})
+    for t in threads:
+        t.join(15.0)
+    assert not errors, errors[:3]
+    for i in range(32):
+        assert torch.equal(pair.dst[:, :, dst_all[i]], pair.src[:, :, src_all[i]])
+    wait_until(lambda: len(pair.sent) == 32, 5.0, "32 sender releases")
+    assert pair.sender.stats()["rooms"]["succeeded"] == 32
+    assert pair.receiver.stats()["rooms"]["succeeded"] == 32
+
+
+def _raw_dealer(addr: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    return sock
+
+
+def _recv(sock: zmq.Socket, timeout_s: float = 3.0):
+    assert sock.poll(int(timeout_s * 1000)), "no reply from the bootstrap socket"
+    return decode(sock.recv(), 1 << 20)
+
+
+@pytest.mark.parametrize("pair", ALL, indirect=True)
+def test_hostile_control_messages_are_rejected_counted_and_node_keeps_serving(pair) -> None:
+    limit = pair.config.max_message_bytes
+    sock = _raw_dealer(pair.addr)
+    try:
+        hostile = [
+            [b"\xc1\xc1 not msgpack"],
+            [msgpack.packb([1, 2, 3])],
+            [msgpack.packb({"v": PROTOCOL_VERSION + 7, "t": "ping", "seq": 1})],
+            [msgpack.packb({"v": PROTOCOL_VERSION, "t": "format_disk", "seq": 1})],
+            [msgpack.packb({"v": PROTOCOL_VERSION, "t": "ping", "seq": "one"})],
+            [msgpack.packb({"v": PROTOCOL_VERSION, "t": "ping"})],
+            [encode(Ping(1)), b"second frame"],
+            [encode(Abort(1, "x" * limit, "aborted"))],  # oversized
+            [encode(Pong(1))],  # well-formed, but not a message prefill accepts
+        ]
+        for frames in hostile:
+            sock.send_multipart(frames)
+        expected = {"malformed": 3, "version": 1, "unknown_type": 2, "bad_field": 2,
+                    "oversized": 1}
+        wait_until(lambda: pair.sender.stats()["rejected"] == expected, 3.0,
+                   f"rejections {expected}, got {pair.sender.stats()['rejected']}")
+        # The same socket still gets answers, and registration checks the KV geometry.
+        sock.send(encode(Ping(77)))
+        assert _recv(sock) == Pong(77)
+        sock.send(encode(Register("intruder", pair.config.engine, b"x", 1 << 30, 4, 8, 4096)))
+        ack = _recv(sock)
+        assert isinstance(ack, RegisterAck) and "layout mismatch" in ack.error
+        sock.send(encode(RoomRequest(9, pack_pages([1]), 4)))  # not registered
+        refused = _recv(sock)
+        assert isinstance(refused, Abort) and refused.code == "unregistered"
+    finally:
+        sock.close(linger=0)
+    # A real room still goes through after all that.
+    pair.receiver.request(42, pair.addr, [3, 1, 4], num_tokens=10)
+    assert pair.sender.send(42, [5, 9, 2], 7)
+    pair.receiver.wait(42, 5.0)
+    assert torch.equal(pair.dst[:, :, [3, 1, 4]], pair.src[:, :, [5, 9, 2]])
+    assert pair.sender.stats()["control_errors"] == 0
+
+
+def _next_non_ping(router: zmq.Socket):
+    while True:
+        assert router.poll(3000), "decode sent nothing"
+        msg = decode(router.recv_multipart()[1], 1 << 20)
+        if not isinstance(msg, Ping):
+            return msg
+
+
+@pytest.mark.parametrize("pair", ZMQ, indirect=True)
+def test_receiver_rejects_hostile_replies_from_a_fake_prefill(pair: Pair) -> None:
+    fake = zmq.Context.instance().socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    addr = f"tcp://127.0.0.1:{port}"
+    try:
+        pair.receiver.request(8, addr, [1, 2], num_tokens=5)
+        assert fake.poll(3000)
+        identity, register = fake.recv_multipart()
+        assert isinstance(decode(register, 1 << 20), Register)
+        fake.send_multipart([identity, b"\x00garbage"])
+        fake.send_multipart([identity, msgpack.packb({"v": 99, "t": "done"})])
+        fake.send_multipart([identity, encode(RegisterAck("fake", ""))])
+        wait_until(lambda: pair.receiver.poll(8) is RoomState.WAITING_FOR_INPUT, 3.0,
+                   "room to wait for input")
+        assert pair.receiver.stats()["rejected"] == {"malformed": 1, "version": 1}
+        assert isinstance(_next_non_ping(fake), RoomRequest)
+        pair.receiver.abort(8, "test over")
+        assert _next_non_ping(fake) == Abort(8, "test over", "aborted")
+        # Decode keeps the pages until the (fake) prefill acknowledges the abort.
+        assert pair.received == []
+        fake.send_multipart([identity, encode(AbortAck(8))])
+        wait_until(lambda: len(pair.received) == 1, 3.0, "release after the ack")
+    finally:
+        fake.close(linger=0)
+
+
+@pytest.mark.parametrize("pair", ALL, indirect=True)
+def test_abort_from_decode_reaches_prefill(pair: Pair) -> None:
+    pair.receiver.request(100, pair.addr, [1, 2, 3], num_tokens=9)
+    wait_until(lambda: pair.sender.rooms.get(100) is not None, 3.0, "prefill to see the room")
+    pair.receiver.abort(100, "client disconnected")
+    with pytest.raises(TransferError, match="client disconnected"):
+        pair.receiver.wait(100, 1.0)
+    wait_until(lambda: pair.sender.poll(100) is RoomState.FAILED, 3.0, "prefill to fail room")
+    assert "client disconnected" in pair.sender.rooms.outcome(100).reason
+    assert not pair.sender.send(100, [4, 5, 6], 1)  # late KV is refused, the node keeps pages
+    wait_until(lambda: [o.state for o in pair.received] == [RoomState.FAILED], 3.0,
+               "decode release after prefill's ack")
+    assert pair.receiver.stats()["abort_ack_timeouts"] == 0
+
+
+@pytest.mark.parametrize("pair", ALL, indirect=True)
+def test_abort_from_prefill_reaches_decode(pair: Pair) -> None:
+    pair.receiver.request(200, pair.addr, [7, 8], num_tokens=5)
+    assert pair.sender.send(200, [1, 2], 3)
+    pair.receiver.wait(200, 5.0)  # a first room works
+    pair.receiver.request(201, pair.addr, [9, 10], num_tokens=5)
+    wait_until(lambda: pair.sender.rooms.get(201) is not None, 3.0, "prefill to see the room")
+    pair.sender.abort(201, "prefill out of memory")
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="prefill out of memory"):
+        pair.receiver.wait(201, 5.0)
+    assert time.monotonic() - start < 2.0
+    # Aborting before decode asked: decode's later request is refused at once.
+    pair.sender.abort(202, "request rejected by prefill")
+    pair.receiver.request(202, pair.addr, [11], num_tokens=1)
+    with pytest.raises(TransferError, match="rejected by prefill"):
+        pair.receiver.wait(202, 5.0)
+
+
+@pytest.mark.parametrize("pair", ZMQ, indirect=True)
+def test_decode_wait_timeout_aborts_room_on_both_sides(pair: Pair) -> None:
+    pair.receiver.request(300, pair.addr, [1], num_tokens=3)
+    start = time.monotonic()
+    with pytest.raises(TransferTimeout):
+        pair.receiver.wait(300, 0.3)
+    assert time.monotonic() - start < 1.0
+    wait_until(lambda: pair.sender.poll(300) is RoomState.FAILED, 3.0, "prefill to fail room")
+    assert pair.receiver.poll(300) is RoomState.FAILED
+
+
+@pytest.mark.parametrize("pair", [("zmq", {"bootstrap_timeout_s": 0.3})], indirect=True)
+def test_prefill_room_without_decode_request_times_out_and_is_released(pair: Pair) -> None:
+    assert pair.sender.send(400, [1, 2], 5)
+    wait_until(lambda: len(pair.sent) == 1, 3.0, "sender release")
+    assert pair.sent[0].state is RoomState.FAILED and "timed out" in pair.sent[0].reason
+
+
+@pytest.mark.parametrize("pair", ZMQ, indirect=True)
+def test_prefill_shutdown_fails_decode_rooms_with_a_clear_error(pair: Pair) -> None:
+    pair.receiver.request(500, pair.addr, [1, 2], num_tokens=5)
+    wait_until(lambda: pair.sender.rooms.get(500) is not None, 3.0, "prefill to see the room")
+    pair.sender.close()
+    with pytest.raises(TransferError, match="shutting down|lost"):
+        pair.receiver.wait(500, 5.0)
+
+
+@pytest.mark.parametrize("pair", ZMQ, indirect=True)
+def test_unreachable_prefill_fails_rooms_after_missed_heartbeats(pair: Pair) -> None:
+    nobody = zmq.Context.instance().socket(zmq.ROUTER)
+    port = nobody.bind_to_random_port("tcp://127.0.0.1")
+    nobody.close(linger=0)  # a free port with no listener
+    addr = f"tcp://127.0.0.1:{port}"
+    pair.receiver.request(600, addr, [1], num_tokens=2)
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="lost"):
+        pair.receiver.wait(600, 5.0)
+    elapsed = time.monotonic() - start
+    assert elapsed < pair.config.peer_dead_after_s + 1.0
+    with pytest.raises(TransferError):
+        pair.receiver.connect(addr, timeout_s=0.3)
+
+
+@pytest.mark.parametrize("pair", ZMQ, indirect=True)
+def test_register_refused_on_layout_mismatch(pair: Pair) -> None:
+    other = KVSender(pair.config, make_pool(8, seed=1, layers=2))
+    other.start()
+    try:
+        with pytest.raises(TransferError, match="layout mismatch"):
+            pair.receiver.connect(other.bootstrap_addr, timeout_s=3.0)
+        pair.receiver.request(700, other.bootstrap_addr, [1], num_tokens=2)
+        with pytest.raises(TransferError, match="layout mismatch|not registered"):
+            pair.receiver.wait(700, 3.0)
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("pair", ZMQ, indirect=True)
+def test_bad_arguments_raise_before_any_state_changes(pair: Pair) -> None:
+    with pytest.raises(ValueError):
+        pair.receiver.request(1, pair.addr, [DST_PAGES], num_tokens=1)
+    with pytest.raises(ValueError):
+        pair.receiver.request(1, pair.addr, [1, 1], num_tokens=1)
+    with pytest.raises(ValueError):
+        pair.receiver.request(1 << 63, pair.addr, [1], num_tokens=1)
+    with pytest.raises(ValueError):
+        pair.sender.send(1, [SRC_PAGES], 0)
+    with pytest.raises(ValueError):
+        pair.sender.send(1, [], 0)
+    assert pair.receiver.stats()["rooms"]["created"] == 0
+    assert pair.sender.stats()["rooms"]["created"] == 0

@@ -1,0 +1,65 @@
+"""Shared helpers of the transfer tests: engine availability, fast configs, pools, waits."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+# Before any engine library loads (also inherited by spawned processes).
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_MODULES", "^ib*")
+
+from pdcache.transfer.config import TransferConfig  # noqa: E402
+
+_MODULES = {"zmq": "zmq", "mooncake": "mooncake.engine", "nixl": "nixl_cu12._api"}
+_PACKAGES = {"mooncake": "mooncake-transfer-engine-non-cuda (+ libibverbs1)",
+             "nixl": "nixl-cu12"}
+
+
+def engine_missing(name: str) -> str:
+    """Why engine `name` cannot run here ('' when it can)."""
+    try:
+        importlib.import_module(_MODULES[name])
+    except Exception as exc:  # ImportError, or OSError from a missing system library
+        return f"{name} engine needs {_PACKAGES.get(name, name)}: {exc}"
+    return ""
+
+
+def engine_params(names: tuple[str, ...] = ("zmq", "mooncake", "nixl")) -> list:
+    return [pytest.param(n, marks=pytest.mark.skipif(bool(engine_missing(n)),
+                                                     reason=engine_missing(n) or "-"))
+            for n in names]
+
+
+def fast_config(engine: str, **overrides) -> TransferConfig:
+    values = dict(engine=engine, heartbeat_interval_s=0.2, heartbeat_misses=5,
+                  bootstrap_timeout_s=5.0, room_timeout_s=8.0, abort_ack_timeout_s=2.0,
+                  max_message_bytes=4096)
+    values.update(overrides)
+    return TransferConfig(**values)
+
+
+def make_pool(num_pages: int, seed: int | None, layers: int = 4) -> torch.Tensor:
+    """A [L, 2, P, S=4, H=2, D=16] float32 pool: 512-byte pages; random when seeded."""
+    shape = (layers, 2, num_pages, 4, 2, 16)
+    if seed is None:
+        return torch.zeros(shape)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen)
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll `pred` until true; returns the seconds it took, fails the test on timeout."""
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.005)
+    return time.monotonic() - start
