@@ -25,9 +25,10 @@ KEY_BYTES = 32
 FINGERPRINT_DIGEST_BYTES = 16
 
 # magic, version, header size, key, fingerprint digest, layers, page size, dtype, origin,
-# flags, payload length, payload crc32; the header crc32 follows at _HEADER_CRC_OFFSET.
+# flags, payload length, payload crc32; zero padding; the last 4 bytes are the crc32 of all
+# bytes before them, so no bit of the header goes unchecked.
 _BODY = struct.Struct("<4sHH32s16sIIBBHQI")
-_HEADER_CRC_OFFSET = _BODY.size
+_HEADER_CRC_OFFSET = HEADER_BYTES - 4
 _CRC = struct.Struct("<I")
 
 ORIGINS: tuple[str, ...] = ("prefill", "decode")
@@ -112,8 +113,8 @@ def encode_header(spec: PageSpec, key: bytes, origin: str, payload: memoryview) 
         spec.payload_bytes,
         payload_checksum(payload),
     )
-    header = body + _CRC.pack(zlib.crc32(body))
-    return header + bytes(HEADER_BYTES - len(header))
+    body += bytes(_HEADER_CRC_OFFSET - len(body))
+    return body + _CRC.pack(zlib.crc32(body))
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ def parse_header(spec: PageSpec, header: memoryview | bytes) -> tuple[Verdict, H
     (stored_crc,) = _CRC.unpack_from(head, _HEADER_CRC_OFFSET)
     if zlib.crc32(body) != stored_crc:
         return Verdict.CORRUPT, None
-    fields = _BODY.unpack(body)
+    fields = _BODY.unpack_from(body)
     _, version, header_bytes, key, fp, layers, page_size, dtype, origin, _, length, crc = fields
     if version != FORMAT_VERSION or header_bytes != HEADER_BYTES or origin >= len(ORIGINS):
         return Verdict.CORRUPT, None

@@ -1,0 +1,181 @@
+"""Page format (header + checksum), the slot index, the config, and backend selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdcache.offload_manager.storage import BACKENDS, create_backend
+from pdcache.offload_manager.storage.config import StorageConfig
+from pdcache.offload_manager.storage.metadata import BUSY, FULL, NEW, PRESENT, SlotIndex
+from pdcache.offload_manager.storage.page_format import (
+    HEADER_BYTES,
+    PageSpec,
+    Verdict,
+    encode_header,
+    encode_object,
+    parse_header,
+    verify_page,
+)
+from pdcache.utils.registry import MissingDependencyError
+
+SPEC = PageSpec(
+    fingerprint="fp-a", payload_bytes=1024, num_layers=4, page_size=16, dtype="bfloat16"
+)
+KEY = bytes(range(32))
+
+
+def _payload(seed: int = 0) -> memoryview:
+    gen = torch.Generator().manual_seed(seed)
+    page = torch.randint(0, 256, (SPEC.payload_bytes,), dtype=torch.uint8, generator=gen)
+    return memoryview(page.numpy())
+
+
+def _verify(blob: bytes, spec: PageSpec = SPEC, key: bytes = KEY) -> tuple[Verdict, str | None]:
+    payload = bytearray(spec.payload_bytes)
+    body = blob[HEADER_BYTES:]
+    payload[: len(body)] = body
+    return verify_page(spec, key, blob[:HEADER_BYTES], memoryview(payload), len(blob))
+
+
+def test_round_trip_reports_origin() -> None:
+    for origin in ("prefill", "decode"):
+        blob = encode_object(SPEC, KEY, origin, _payload())
+        assert len(blob) == SPEC.object_bytes
+        assert _verify(blob) == (Verdict.OK, origin)
+
+
+@settings(max_examples=60, deadline=None)
+@given(position=st.integers(0, HEADER_BYTES + 1023), bit=st.integers(0, 7))
+def test_any_flipped_bit_is_never_ok(position: int, bit: int) -> None:
+    blob = bytearray(encode_object(SPEC, KEY, "prefill", _payload()))
+    blob[position] ^= 1 << bit
+    verdict, origin = _verify(bytes(blob))
+    assert verdict is not Verdict.OK and origin is None
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        PageSpec("fp-b", 1024, 4, 16, "bfloat16"),
+        PageSpec("fp-a", 1024, 2, 16, "bfloat16"),
+        PageSpec("fp-a", 1024, 4, 32, "bfloat16"),
+        PageSpec("fp-a", 1024, 4, 16, "float16"),
+        PageSpec("fp-a", 2048, 4, 16, "bfloat16"),
+    ],
+)
+def test_foreign_fingerprint_or_shape(other: PageSpec) -> None:
+    header = encode_header(other, KEY, "prefill", memoryview(bytes(other.payload_bytes)))
+    assert parse_header(SPEC, header)[0] is Verdict.FOREIGN
+
+
+def test_truncated_empty_and_wrong_key() -> None:
+    blob = encode_object(SPEC, KEY, "decode", _payload())
+    assert _verify(blob[: HEADER_BYTES + 100])[0] is Verdict.TRUNCATED
+    assert _verify(blob[:50])[0] is Verdict.TRUNCATED
+    assert _verify(bytes(SPEC.object_bytes))[0] is Verdict.EMPTY
+    assert _verify(b"")[0] is Verdict.EMPTY
+    assert _verify(blob, key=bytes(32))[0] is Verdict.WRONG_KEY
+
+
+def test_encode_rejects_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="32 bytes"):
+        encode_header(SPEC, b"short", "prefill", _payload())
+    with pytest.raises(ValueError, match="origin"):
+        encode_header(SPEC, KEY, "router", _payload())
+    with pytest.raises(ValueError, match="expects 1024"):
+        encode_header(SPEC, KEY, "prefill", memoryview(bytes(10)))
+
+
+def _index(slots: int = 3, ttl: float = 10.0) -> tuple[SlotIndex, list[float]]:
+    now = [0.0]
+    return SlotIndex(slots, ttl, clock=lambda: now[0]), now
+
+
+def _accounted(index: SlotIndex) -> bool:
+    s = index.stats()
+    return s["free_pages"] + s["used_pages"] + s["reserved_pages"] == s["capacity_pages"]
+
+
+def test_index_two_phase_write_and_lru_eviction() -> None:
+    index, _ = _index()
+    keys = [bytes([i]) * 32 for i in range(5)]
+    res = index.reserve(keys[:3])
+    assert [s for s, _ in res] == [NEW] * 3 and sorted(slot for _, slot in res) == [0, 1, 2]
+    assert index.lookup(keys[:3]) == [None] * 3  # not visible before commit
+    assert index.commit(keys[:3], [slot for _, slot in res]) == [True] * 3
+    assert index.exists_prefix(keys) == 3
+    index.lookup(keys[:1])  # keys[0] becomes most recent
+    ((status, slot),) = index.reserve(keys[3:4])
+    assert status == NEW and slot == res[1][1]  # keys[1] was the LRU page
+    assert index.lookup(keys[:3]) == [res[0][1], None, res[2][1]]
+    assert index.stats()["evictions"] == 1 and _accounted(index)
+
+
+def test_index_busy_present_full_abort_and_expiry() -> None:
+    index, _ = _index(slots=2, ttl=5.0)
+    a, b, c = (bytes([i]) * 32 for i in range(3))
+    ((_, slot_a),) = index.reserve([a])
+    assert index.reserve([a]) == [(BUSY, -1)]
+    ((_, slot_b),) = index.reserve([b])
+    assert index.reserve([c]) == [(FULL, -1)]  # reserved slots are never evicted
+    index.abort([b], [slot_b])
+    assert index.reserve([c])[0] == (NEW, slot_b)
+    assert index.commit([a], [slot_a]) == [True] and _accounted(index)
+    # A reservation past its TTL is reclaimed when a slot is needed: a crashed writer leaks
+    # nothing, and its late commit fails.
+    index2, now2 = _index(slots=1, ttl=5.0)
+    ((_, s),) = index2.reserve([a])
+    now2[0] = 6.0
+    assert index2.reserve([b]) == [(NEW, s)]
+    assert index2.commit([a], [s]) == [False]
+    assert index2.stats()["expired_reservations"] == 1 and _accounted(index2)
+    assert index2.commit([b], [s]) == [True]
+    assert index2.reserve([b]) == [(PRESENT, -1)]
+
+
+def test_index_delete_frees_slots() -> None:
+    index, _ = _index(slots=4)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    index.commit(keys, [slot for _, slot in index.reserve(keys)])
+    assert sorted(index.delete(keys[1:3] + [b"\xff" * 32])) == [1, 2]
+    assert index.exists_prefix(keys) == 1 and _accounted(index)
+    index.clear()
+    assert index.stats()["used_pages"] == 0 and _accounted(index)
+
+
+def test_config_validation_names_the_key() -> None:
+    with pytest.raises(ValueError, match="storage.backend"):
+        StorageConfig(backend="s3", page_bytes=1)
+    with pytest.raises(ValueError, match="storage.capacity_pages"):
+        StorageConfig(backend="hf3fs", page_bytes=4096)
+    with pytest.raises(ValueError, match="storage.metadata"):
+        StorageConfig(page_bytes=4096, capacity_pages=1, metadata="http://x")
+    with pytest.raises(ValueError, match="unknown storage keys"):
+        StorageConfig.from_mapping({"page_bytes": 1, "capacity_pages": 1, "colour": "red"})
+    cfg = StorageConfig(page_bytes=4096, capacity_bytes=10 * 8192)
+    assert (cfg.slot_bytes, cfg.num_pages) == (8192, 10)
+
+
+def test_config_from_toml(tmp_path) -> None:
+    path = tmp_path / "topo.toml"
+    path.write_text(
+        '[model]\nname = "x"\n[storage]\nbackend = "file"\npage_bytes = 64\npath = "/tmp/s"\n'
+    )
+    cfg = StorageConfig.from_toml(path)
+    assert (cfg.backend, cfg.page_bytes, cfg.path) == ("file", 64, "/tmp/s")
+
+
+def test_registry_and_missing_usrbio_client(tmp_path) -> None:
+    assert BACKENDS.names() == ["file", "hf3fs", "mooncake"]
+    cfg = StorageConfig(
+        path=str(tmp_path),
+        page_bytes=4096,
+        capacity_pages=2,
+        io_engine="usrbio",
+        usrbio_mount="/3fs",
+    )
+    with pytest.raises(MissingDependencyError, match="hf3fs-py-usrbio"):
+        create_backend(cfg)
