@@ -7,7 +7,7 @@ sent too for the router's affinity. Outputs are forced to the trace's length (`i
 
 Modes: `afap` (as fast as possible under `--concurrency`; think times ignored), `poisson`
 (requests released at Poisson times of rate `--rate`, think times honoured), `trace` (trace
-timestamps and think times divided by `--speedup`). `--round-barrier` releases turn k of every
+timestamps honoured). `--speedup` divides timestamps and think times. `--round-barrier` releases turn k of every
 session only once turn k-1 of every session has finished. The run is bounded by
 `--max-duration` (then in-flight requests get `--drain-timeout` before being cancelled);
 failures are recorded and counted, never fatal. Writes `DIR/requests.jsonl` as requests
@@ -325,7 +325,7 @@ class Replayer:
                 await self.sleep_until(turn.arrival_s / cfg.speedup)
         elif cfg.mode == "poisson":
             if turn.dependent:
-                await self.sleep_until(parent_done_s + turn.delay_s)
+                await self.sleep_until(parent_done_s + turn.delay_s / cfg.speedup)
             assert self.gate is not None
             await self.gate.wait()
 
@@ -396,6 +396,8 @@ class Replayer:
             self.write(rec)
             self.counts["failed"] += 1
             raise
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            rec.error = f"TimeoutError: no complete response in {self.cfg.request_timeout_s:g}s"
         except Exception as exc:  # noqa: BLE001 - any failure is this request's, never the run's
             rec.error = f"{type(exc).__name__}: {exc}"[:500]
         return rec, output
