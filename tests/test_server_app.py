@@ -390,6 +390,42 @@ def test_overloaded_engine_gives_503(engine: Engine) -> None:
     assert c.get("/health").status_code == 503  # engine shut down with the app
 
 
+class FailingForward:
+    """The real tiny model, except that its next `failures` forwards raise (fault injection)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.failures = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError("injected forward failure")
+        return self.model.forward(*args, **kwargs)
+
+
+def test_engine_failure_is_500_json_and_server_survives(engine: Engine) -> None:
+    model = FailingForward(engine.model)
+    flaky = Engine(engine.config, model, engine.tokenizer)
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3, **GREEDY}}
+    with TestClient(create_app(flaky, ServerConfig(name="flaky"))) as c:
+        model.failures = 1
+        r = c.post("/generate", json=body)
+        assert r.status_code == 500
+        assert r.json()["error"]["type"] == "server_error"
+        assert "injected forward failure" in r.json()["error"]["message"]
+        model.failures = 1
+        events = sse_events(c.post("/generate", json={**body, "stream": True}).text)
+        assert events[-1]["error"]["code"] == "engine_abort"
+        ok = c.post("/generate", json=body)
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3
+        assert c.get("/health").status_code == 200
+        metrics = c.get("/metrics").text
+        assert 'pdcache_engine_step_errors_total{server="flaky"} 2.0' in metrics
+        assert 'pdcache_requests_total{endpoint="/generate",status="500"} 1.0' in metrics
+        flaky.check_accounting()
+
+
 # --------------------------------------------------------------------------- metrics, info
 
 

@@ -151,7 +151,9 @@ def test_chat_request_rules() -> None:
         "messages[0].role"
     )
     image = '{"type": "image_url", "image_url": {"url": "x"}}'
-    assert rejected(f'{{"messages": [{{"role": "user", "content": [{image}]}}]}}').status_code == 400
+    assert (
+        rejected(f'{{"messages": [{{"role": "user", "content": [{image}]}}]}}').status_code == 400
+    )
 
 
 def test_completion_prompt_forms() -> None:
@@ -177,10 +179,12 @@ def byte_decode(ids: list[int]) -> str:
 def test_text_assembler_holds_partial_utf8() -> None:
     asm = TextAssembler(byte_decode, [])
     euro = list("€".encode())
-    assert asm.add([ord("a"), euro[0]]) == "a"
+    assert asm.add([ord("a")]) == "a"
+    assert asm.add([euro[0]]) == ""
     assert asm.add([euro[1]]) == ""
     assert asm.add([euro[2], ord("b")]) == "€b"
-    assert asm.flush() == "" and asm.text == "a€b"
+    assert asm.add([euro[0]]) == ""
+    assert asm.flush() == "\ufffd" and asm.text == "a€b\ufffd"
 
 
 def test_text_assembler_stop_strings() -> None:
@@ -192,6 +196,18 @@ def test_text_assembler_stop_strings() -> None:
     assert asm.text == "hello ENX more "
     asm2 = TextAssembler(byte_decode, ["xy"])
     assert asm2.add(list(b"abxyc")) == "ab" and asm2.stopped
+
+
+def test_text_assembler_decodes_in_context() -> None:
+    # a SentencePiece-like decoder: a leading word-boundary marker is dropped at the start
+    vocab = {1: "\u2581Hello", 2: "\u2581world", 3: "!"}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(vocab[i] for i in ids).replace("\u2581", " ").lstrip(" ")
+
+    asm = TextAssembler(decode, [])
+    assert [asm.add([1]), asm.add([2]), asm.add([3])] == ["Hello", " world", "!"]
+    assert asm.text == decode([1, 2, 3])
 
 
 def test_usage_body_and_sse() -> None:

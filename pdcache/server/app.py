@@ -42,16 +42,19 @@ from pdcache.server.protocol import (
     GenerateResponse,
     ModelLimits,
     OpenAIRequestBase,
+    ResponseHead,
     TextAssembler,
     bad_request,
+    chat_choice,
+    chat_delta,
     check_prompt,
     check_token_ids,
     default_max_tokens,
     error_body,
-    new_id,
     now_s,
     parse_body,
     sse,
+    text_choice,
     usage_body,
 )
 
@@ -311,8 +314,9 @@ class UnifiedServer:
             disconnected.cancel()
 
     def streaming(self, events: AsyncIterator[bytes], handle: EngineRequest) -> Response:
+        """SSE response; errors become an `error` event, and the stream always ends [DONE]."""
         return StreamingResponse(
-            events,
+            sse_guard(events),
             media_type="text/event-stream",
             background=BackgroundTask(handle.abort),
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -359,14 +363,10 @@ class UnifiedServer:
     async def _generate_events(
         self, handle: EngineRequest, gen: Generation, text: TextAssembler
     ) -> AsyncIterator[bytes]:
-        try:
-            async with aclosing(self.outputs(handle, gen, text)) as stream:
-                async for new_ids, delta in stream:
-                    meta = self.meta(gen).model_dump()
-                    yield sse({"output_ids": new_ids, "text": delta, "meta": meta})
-        except ApiError as exc:
-            yield sse(exc.body())
-        yield SSE_DONE
+        async with aclosing(self.outputs(handle, gen, text)) as stream:
+            async for new_ids, delta in stream:
+                meta = self.meta(gen).model_dump()
+                yield sse({"output_ids": new_ids, "text": delta, "meta": meta})
 
     # ---- OpenAI endpoints
 
@@ -391,64 +391,32 @@ class UnifiedServer:
         body = parse_body(ChatCompletionRequest, await request.body())
         body.check_supported()
         input_ids = self.apply_chat_template(body.template_messages())
-        handle, text = self._openai_prepare(
-            gen, body, input_ids, body.requested_max_tokens(), "messages"
-        )
-        rid, created = new_id("chatcmpl"), now_s()
+        max_tokens = body.requested_max_tokens()
+        handle, text = self._openai_prepare(gen, body, input_ids, max_tokens, "messages")
         if body.stream:
-            events = self._chat_events(handle, gen, text, rid, created, body.include_usage())
-            return self.streaming(events, handle)
+            head = ResponseHead.new("chatcmpl", "chat.completion.chunk", self.model_name)
+            return self.streaming(self._chat_events(handle, gen, text, head, body), handle)
         await self.collect(request, handle, gen, text)
-        message = {"role": "assistant", "content": text.text}
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": None,
-            "finish_reason": gen.finish_reason,
-        }
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [choice],
-                "usage": self.usage(gen),
-            }
-        )
+        head = ResponseHead.new("chatcmpl", "chat.completion", self.model_name)
+        choice = chat_choice(text.text, gen.finish_reason)
+        return JSONResponse(head.body([choice], usage=self.usage(gen)))
 
     async def _chat_events(
         self,
         handle: EngineRequest,
         gen: Generation,
         text: TextAssembler,
-        rid: str,
-        created: int,
-        include_usage: bool,
+        head: ResponseHead,
+        body: OpenAIRequestBase,
     ) -> AsyncIterator[bytes]:
-        head = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": self.model_name,
-        }
-
-        def chunk(delta: dict[str, str], finish: str | None) -> bytes:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return sse({**head, "choices": [choice]})
-
-        yield chunk({"role": "assistant", "content": ""}, None)
-        try:
-            async with aclosing(self.outputs(handle, gen, text)) as stream:
-                async for _, delta in stream:
-                    if delta:
-                        yield chunk({"content": delta}, None)
-            yield chunk({}, gen.finish_reason)
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": self.usage(gen)})
-        except ApiError as exc:
-            yield sse(exc.body())
-        yield SSE_DONE
+        yield sse(head.body([chat_delta({"role": "assistant", "content": ""}, None)]))
+        async with aclosing(self.outputs(handle, gen, text)) as stream:
+            async for _, delta in stream:
+                if delta:
+                    yield sse(head.body([chat_delta({"content": delta}, None)]))
+        yield sse(head.body([chat_delta({}, gen.finish_reason)]))
+        if body.include_usage():
+            yield sse(head.body([], usage=self.usage(gen)))
 
     async def completions(self, request: Request) -> Response:
         gen = Generation(arrival=time.monotonic())
@@ -457,59 +425,28 @@ class UnifiedServer:
         prompt = body.single_prompt()
         input_ids = self.encode(prompt, "prompt") if isinstance(prompt, str) else prompt
         handle, text = self._openai_prepare(gen, body, input_ids, body.max_tokens, "prompt")
-        rid, created = new_id("cmpl"), now_s()
+        head = ResponseHead.new("cmpl", "text_completion", self.model_name)
         if body.stream:
-            events = self._completion_events(handle, gen, text, rid, created, body.include_usage())
-            return self.streaming(events, handle)
+            return self.streaming(self._completion_events(handle, gen, text, head, body), handle)
         await self.collect(request, handle, gen, text)
-        choice = {
-            "index": 0,
-            "text": text.text,
-            "logprobs": None,
-            "finish_reason": gen.finish_reason,
-        }
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [choice],
-                "usage": self.usage(gen),
-            }
-        )
+        choice = text_choice(text.text, gen.finish_reason)
+        return JSONResponse(head.body([choice], usage=self.usage(gen)))
 
     async def _completion_events(
         self,
         handle: EngineRequest,
         gen: Generation,
         text: TextAssembler,
-        rid: str,
-        created: int,
-        include_usage: bool,
+        head: ResponseHead,
+        body: OpenAIRequestBase,
     ) -> AsyncIterator[bytes]:
-        head = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": self.model_name,
-        }
-
-        def chunk(delta: str, finish: str | None) -> bytes:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-            return sse({**head, "choices": [choice]})
-
-        try:
-            async with aclosing(self.outputs(handle, gen, text)) as stream:
-                async for _, delta in stream:
-                    if delta:
-                        yield chunk(delta, None)
-            yield chunk("", gen.finish_reason)
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": self.usage(gen)})
-        except ApiError as exc:
-            yield sse(exc.body())
-        yield SSE_DONE
+        async with aclosing(self.outputs(handle, gen, text)) as stream:
+            async for _, delta in stream:
+                if delta:
+                    yield sse(head.body([text_choice(delta, None)]))
+        yield sse(head.body([text_choice("", gen.finish_reason)]))
+        if body.include_usage():
+            yield sse(head.body([], usage=self.usage(gen)))
 
     # ---- informational endpoints
 
@@ -565,6 +502,20 @@ async def wait_for_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def sse_guard(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Pass events through; a failure becomes one `data: {"error": ...}` event, then [DONE]."""
+    try:
+        async with aclosing(events) as stream:
+            async for event in stream:
+                yield event
+    except ApiError as exc:
+        yield sse(exc.body())
+    except Exception as exc:  # a bug must end this stream cleanly, not the connection
+        log.exception("streaming response failed")
+        yield sse(error_body(f"internal error: {exc}", type=SERVER_ERROR))
+    yield SSE_DONE
 
 
 def error_response(exc: ApiError) -> JSONResponse:

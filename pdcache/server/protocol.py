@@ -401,31 +401,48 @@ class CompletionRequest(OpenAIRequestBase):
 class TextAssembler:
     """Incremental detokenization with optional stop strings.
 
-    Text is released only when final: never a dangling partial UTF-8 character (decoded as
-    U+FFFD) and never a prefix of a stop string that a later token might complete.
+    Decodes a small window of recent ids (not the whole output per token) and releases text
+    only when final: never a dangling partial character (decoded as U+FFFD) and never a
+    prefix of a stop string that a later token might complete.
     """
 
     def __init__(self, decode: Callable[[list[int]], str], stops: list[str]) -> None:
         self._decode = decode
         self._stops = stops
         self.ids: list[int] = []
-        self._text = ""
-        self._emitted = 0
+        self._text = ""  # decoded text of ids[:_read]
+        self._prefix = 0  # ids[_prefix:_read] give context to the next decode
+        self._read = 0
+        self._emitted = 0  # chars of _text already returned
         self.stopped = False
 
     def add(self, new_ids: list[int]) -> str:
+        """Take the next ids; returns the text that became final."""
         self.ids.extend(new_ids)
-        self._text = self._decode(self.ids)
+        self._text += self._decode_window(final=False)
         if self._stops and self._cut_at_stop():
             return self._release(len(self._text))
         return self._release(self._safe_len())
 
     def flush(self) -> str:
+        """The output ended: release everything, partial characters included."""
+        if not self.stopped:
+            self._text += self._decode_window(final=True)
         return self._release(len(self._text))
 
     @property
     def text(self) -> str:
         return self._text
+
+    def _decode_window(self, final: bool) -> str:
+        # decoding ids with their predecessors keeps tokenizers that render word boundaries
+        # from context (SentencePiece spaces) exact
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return after[len(before) :]
 
     def _cut_at_stop(self) -> bool:
         start = max(0, self._emitted - max(len(s) for s in self._stops))
@@ -437,11 +454,10 @@ class TextAssembler:
         return True
 
     def _safe_len(self) -> int:
-        end = len(self._text.rstrip("\ufffd"))
-        hold = 0
+        end, hold = len(self._text), 0
         for stop in self._stops:
             for k in range(min(len(stop) - 1, end), 0, -1):
-                if self._text.endswith(stop[:k], 0, end):
+                if self._text.endswith(stop[:k]):
                     hold = max(hold, k)
                     break
         return max(end - hold, self._emitted)
@@ -475,6 +491,37 @@ def usage_body(
         "cached_tokens_details": cached.as_dict(),
         "computed_tokens": computed_tokens,
     }
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    """`id`, `object`, `created` and `model` of one OpenAI response or stream."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, prefix: str, obj: str, model: str) -> ResponseHead:
+        return cls(new_id(prefix), obj, now_s(), model)
+
+    def body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        head = {"id": self.id, "object": self.object, "created": self.created}
+        return {**head, "model": self.model, "choices": choices, **extra}
+
+
+def chat_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text}
+    return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chat_delta(delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def text_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
