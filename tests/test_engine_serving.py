@@ -227,6 +227,10 @@ def test_stop_token_eos_and_ignore_eos(tiny) -> None:
         index = free_run.index(stop_at)
         stopped, final = run(engine, "b", prompt, replace(GREEDY, stop_token_ids=(stop_at,)))
         assert stopped == free_run[: index + 1] and final.finish_reason == "stop"
+        one, final = run(engine, "one", prompt, replace(GREEDY, max_new_tokens=1))
+        assert one == free_run[:1] and final.finish_reason == "length"
+        assert final.cached.device == len(prompt) // PAGE * PAGE  # earlier runs cached it
+        assert engine.check_accounting()["requests"] == 0
     finally:
         engine.shutdown()
     eos_model = RecordingModel(tiny)

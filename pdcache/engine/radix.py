@@ -222,7 +222,7 @@ class RadixTree:
         """Free the device pages of least-recently-used unlocked leaves until at least
         `num_pages` are freed or nothing evictable is left; returns the pages freed (whole
         nodes are freed, so it may exceed `num_pages`)."""
-        if num_pages <= 0:
+        if num_pages <= 0 or self.evictable_pages == 0:
             return 0
         order = itertools.count()
         heap = [(n.last_access, next(order), n) for n in self._iter_nodes() if self._evictable(n)]
