@@ -289,6 +289,8 @@ class Hf3fsBackend(StorageBackend):
             verdict, info = parse_header(self.spec, header[:n])
             if verdict is Verdict.OK and info is not None:
                 found.append((info.key, slot))
+            elif verdict not in (Verdict.EMPTY, Verdict.TRUNCATED):
+                self.counters.add("rejected_slots")  # unreadable or foreign header: not indexed
         return found
 
     # StorageBackend

@@ -25,6 +25,7 @@ COUNTERS = (
     "bytes_written",
     "deleted_pages",
     "evictions",
+    "rejected_slots",
 )
 
 
