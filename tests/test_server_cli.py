@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -122,6 +123,17 @@ def test_two_turn_reuse_equals_no_cache(nocache: ServeProcess, cached: TestClien
     assert meta["computed_tokens"] == len(turn2) - meta["cached_tokens"]
     assert ref2["meta"]["cached_tokens"] == 0 and ref2["meta"]["computed_tokens"] == len(turn2)
     assert ref2["meta"]["prefill_node"] == "nocache"
+
+
+def test_concurrent_requests_equal_sequential(nocache: ServeProcess) -> None:
+    rng = random.Random(12)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(5, 70))] for _ in range(6)]
+    with httpx.Client(timeout=60) as http:
+        sequential = [post_generate(http, nocache.url, p, 12)["output_ids"] for p in prompts]
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            futures = [pool.submit(post_generate, http, nocache.url, p, 12) for p in prompts]
+            concurrent = [f.result(timeout=60)["output_ids"] for f in futures]
+    assert concurrent == sequential
 
 
 def metric(text: str, line_prefix: str) -> float:

@@ -147,6 +147,8 @@ def test_chat_request_rules() -> None:
         "stream_options"
     )
     assert rejected('{"messages": []}').param == "messages"
+    assert rejected(f'{{{msgs}, "temperature": Infinity}}').param == "temperature"
+    assert rejected(f'{{{msgs}, "stop": {json.dumps(["x"] * 17)}}}').param == "stop"
     assert rejected('{"messages": [{"role": "robot", "content": "x"}]}').param == (
         "messages[0].role"
     )

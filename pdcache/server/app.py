@@ -290,6 +290,10 @@ class UnifiedServer:
         if final is not None:
             gen.absorb_stats(final)
 
+    def _cleanup(self, handle: EngineRequest, gen: Generation) -> None:
+        handle.abort()
+        self._finish(gen)
+
     def _finish(self, gen: Generation) -> None:
         if gen.done_at is not None:
             return
@@ -313,12 +317,17 @@ class UnifiedServer:
         finally:
             disconnected.cancel()
 
-    def streaming(self, events: AsyncIterator[bytes], handle: EngineRequest) -> Response:
-        """SSE response; errors become an `error` event, and the stream always ends [DONE]."""
+    def streaming(
+        self, events: AsyncIterator[bytes], handle: EngineRequest, gen: Generation
+    ) -> Response:
+        """SSE response; errors become an `error` event, and the stream always ends [DONE].
+
+        The background task covers a client that leaves before the first event is pulled:
+        the event generator never ran, so only it can abort the request and count it."""
         return StreamingResponse(
             sse_guard(events),
             media_type="text/event-stream",
-            background=BackgroundTask(handle.abort),
+            background=BackgroundTask(self._cleanup, handle, gen),
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
@@ -355,7 +364,7 @@ class UnifiedServer:
         handle = self.submit(gen, input_ids, sampling.to_engine(), body.cache_salt, body.rid)
         text = TextAssembler(self.decode, [])
         if body.stream:
-            return self.streaming(self._generate_events(handle, gen, text), handle)
+            return self.streaming(self._generate_events(handle, gen, text), handle, gen)
         await self.collect(request, handle, gen, text)
         response = GenerateResponse(output_ids=gen.output_ids, text=text.text, meta=self.meta(gen))
         return JSONResponse(response.model_dump())
@@ -395,7 +404,7 @@ class UnifiedServer:
         handle, text = self._openai_prepare(gen, body, input_ids, max_tokens, "messages")
         if body.stream:
             head = ResponseHead.new("chatcmpl", "chat.completion.chunk", self.model_name)
-            return self.streaming(self._chat_events(handle, gen, text, head, body), handle)
+            return self.streaming(self._chat_events(handle, gen, text, head, body), handle, gen)
         await self.collect(request, handle, gen, text)
         head = ResponseHead.new("chatcmpl", "chat.completion", self.model_name)
         choice = chat_choice(text.text, gen.finish_reason)
@@ -427,7 +436,9 @@ class UnifiedServer:
         handle, text = self._openai_prepare(gen, body, input_ids, body.max_tokens, "prompt")
         head = ResponseHead.new("cmpl", "text_completion", self.model_name)
         if body.stream:
-            return self.streaming(self._completion_events(handle, gen, text, head, body), handle)
+            return self.streaming(
+                self._completion_events(handle, gen, text, head, body), handle, gen
+            )
         await self.collect(request, handle, gen, text)
         choice = text_choice(text.text, gen.finish_reason)
         return JSONResponse(head.body([choice], usage=self.usage(gen)))

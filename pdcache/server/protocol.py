@@ -159,7 +159,7 @@ def default_max_tokens(prompt_len: int, limits: ModelLimits, param: str) -> int:
 
 # --------------------------------------------------------------------------- /generate
 
-_STRICT = ConfigDict(strict=True, extra="forbid")
+_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 TokenIds = list[int]
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 
@@ -282,7 +282,7 @@ class OpenAIRequestBase(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
