@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -40,17 +42,40 @@ def _verify(blob: bytes, spec: PageSpec = SPEC, key: bytes = KEY) -> tuple[Verdi
     return verify_page(spec, key, blob[:HEADER_BYTES], memoryview(payload), len(blob))
 
 
-def test_round_trip_reports_origin() -> None:
+CHECKSUMS = ["crc32", "xxh3"]
+
+
+def _spec(checksum: str) -> PageSpec:
+    if checksum == "xxh3":
+        pytest.importorskip("xxhash")
+    return dataclasses.replace(SPEC, checksum=checksum)
+
+
+@pytest.mark.parametrize("checksum", CHECKSUMS)
+def test_round_trip_reports_origin(checksum: str) -> None:
     for origin in ("prefill", "decode"):
-        blob = encode_object(SPEC, KEY, origin, _payload())
+        blob = encode_object(_spec(checksum), KEY, origin, _payload())
         assert len(blob) == SPEC.object_bytes
-        assert _verify(blob) == (Verdict.OK, origin)
+        assert _verify(blob) == (Verdict.OK, origin)  # SPEC reads what either algorithm wrote
+
+
+def test_auto_checksum_prefers_xxh3_when_installed() -> None:
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        assert SPEC.checksum == "crc32"
+    else:
+        assert SPEC.checksum == "xxh3"
 
 
 @settings(max_examples=60, deadline=None)
-@given(position=st.integers(0, HEADER_BYTES + 1023), bit=st.integers(0, 7))
-def test_any_flipped_bit_is_never_ok(position: int, bit: int) -> None:
-    blob = bytearray(encode_object(SPEC, KEY, "prefill", _payload()))
+@given(
+    position=st.integers(0, HEADER_BYTES + 1023),
+    bit=st.integers(0, 7),
+    checksum=st.sampled_from(CHECKSUMS),
+)
+def test_any_flipped_bit_is_never_ok(position: int, bit: int, checksum: str) -> None:
+    blob = bytearray(encode_object(_spec(checksum), KEY, "prefill", _payload()))
     blob[position] ^= 1 << bit
     verdict, origin = _verify(bytes(blob))
     assert verdict is not Verdict.OK and origin is None

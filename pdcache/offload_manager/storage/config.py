@@ -43,6 +43,7 @@ class StorageConfig:
     num_layers: int = 0
     page_size: int = 0  # tokens per page, recorded in each header
     dtype: str = "uint8"
+    checksum: str = "auto"  # payload checksum of new pages: auto | xxh3 | crc32
     # hf3fs
     io_engine: str = "posix"
     io_threads: int = 1
@@ -102,6 +103,7 @@ class StorageConfig:
             num_layers=self.num_layers,
             page_size=self.page_size,
             dtype=self.dtype,
+            checksum=self.checksum,
         )
 
     def replace(self, **changes: Any) -> StorageConfig:

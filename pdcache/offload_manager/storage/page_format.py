@@ -2,10 +2,14 @@
 
 Header fields (little-endian): magic, format version, header size, page key, a digest of the
 KV fingerprint, layer count, page size (tokens), dtype, origin (prefill | decode), payload
-length, CRC-32 of the payload, and a CRC-32 of the header itself. Every backend stores exactly
-`header || payload` per page and checks it with `verify_page` on read: any mismatch is a miss,
-never wrong KV. CRC-32 (zlib) runs at about the speed of a page-cache read on this hardware and
-releases the GIL on large buffers, so verification does not serialise reader threads.
+length, the payload checksum and its algorithm, and a CRC-32 of the header itself. Every
+backend stores exactly `header || payload` per page and checks it with `verify_page` on read:
+any mismatch is a miss, never wrong KV.
+
+Payload checksum: XXH3-64 (package `xxhash`) when installed, else zlib CRC-32; the header names
+the algorithm, so readers verify pages of either kind. Measured on 512 KiB pages here: XXH3
+about 50 GB/s from cache, CRC-32 2-5 GB/s, i.e. as slow as the page-cache read it verifies,
+which would halve storage read throughput. Both release the GIL on large buffers.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import enum
 import hashlib
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,9 +30,9 @@ KEY_BYTES = 32
 FINGERPRINT_DIGEST_BYTES = 16
 
 # magic, version, header size, key, fingerprint digest, layers, page size, dtype, origin,
-# flags, payload length, payload crc32; zero padding; the last 4 bytes are the crc32 of all
-# bytes before them, so no bit of the header goes unchecked.
-_BODY = struct.Struct("<4sHH32s16sIIBBHQI")
+# checksum algorithm, payload length, payload checksum; zero padding; the last 4 bytes are the
+# crc32 of all bytes before them, so no bit of the header goes unchecked.
+_BODY = struct.Struct("<4sHH32s16sIIBBHQQ")
 _HEADER_CRC_OFFSET = HEADER_BYTES - 4
 _CRC = struct.Struct("<I")
 
@@ -41,6 +46,32 @@ DTYPE_CODES: dict[str, int] = {
     "float8_e5m2": 6,
     "int8": 7,
 }
+
+
+def _xxh3() -> Callable[..., int] | None:
+    try:
+        import xxhash
+    except ImportError:
+        return None
+    return xxhash.xxh3_64_intdigest
+
+
+_CHECKSUM_FNS: dict[str, Callable[..., int] | None] = {"crc32": zlib.crc32, "xxh3": _xxh3()}
+CHECKSUM_CODES: dict[str, int] = {"crc32": 0, "xxh3": 1}
+_CHECKSUM_NAMES = {code: name for name, code in CHECKSUM_CODES.items()}
+
+
+def resolve_checksum(name: str) -> str:
+    """ "auto" -> the fastest available algorithm; an unavailable one is an error."""
+    if name == "auto":
+        return "xxh3" if _CHECKSUM_FNS["xxh3"] is not None else "crc32"
+    if name not in CHECKSUM_CODES:
+        raise ValueError(f"unknown checksum '{name}'; choose one of {sorted(CHECKSUM_CODES)}")
+    if _CHECKSUM_FNS[name] is None:
+        from pdcache.utils.registry import MissingDependencyError
+
+        raise MissingDependencyError(f"page checksum '{name}'", "xxhash")
+    return name
 
 
 class Verdict(enum.Enum):
@@ -63,6 +94,7 @@ class PageSpec:
     num_layers: int = 0
     page_size: int = 0
     dtype: str = "uint8"
+    checksum: str = "auto"  # written into new pages; reads follow each page's header
     fingerprint_digest: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +104,7 @@ class PageSpec:
             raise ValueError(f"unknown dtype '{self.dtype}'; choose one of {sorted(DTYPE_CODES)}")
         digest = hashlib.blake2b(self.fingerprint.encode(), digest_size=16).digest()
         object.__setattr__(self, "fingerprint_digest", digest)
+        object.__setattr__(self, "checksum", resolve_checksum(self.checksum))
 
     @property
     def object_bytes(self) -> int:
@@ -87,8 +120,11 @@ def byte_view(page: torch.Tensor) -> memoryview:
     return memoryview(page.numpy()).cast("B")
 
 
-def payload_checksum(payload: memoryview | bytes | bytearray) -> int:
-    return zlib.crc32(payload)
+def payload_checksum(payload: memoryview | bytes | bytearray, algorithm: str = "crc32") -> int:
+    fn = _CHECKSUM_FNS[algorithm]
+    if fn is None:
+        raise ValueError(f"checksum '{algorithm}' is not available (pip install xxhash)")
+    return fn(payload)
 
 
 def encode_header(spec: PageSpec, key: bytes, origin: str, payload: memoryview) -> bytes:
@@ -109,9 +145,9 @@ def encode_header(spec: PageSpec, key: bytes, origin: str, payload: memoryview) 
         spec.page_size,
         DTYPE_CODES[spec.dtype],
         ORIGINS.index(origin),
-        0,
+        CHECKSUM_CODES[spec.checksum],
         spec.payload_bytes,
-        payload_checksum(payload),
+        payload_checksum(payload, spec.checksum),
     )
     body += bytes(_HEADER_CRC_OFFSET - len(body))
     return body + _CRC.pack(zlib.crc32(body))
@@ -123,6 +159,7 @@ class HeaderInfo:
     origin: str
     payload_bytes: int
     checksum: int
+    algorithm: str
 
 
 def parse_header(spec: PageSpec, header: memoryview | bytes) -> tuple[Verdict, HeaderInfo | None]:
@@ -137,14 +174,17 @@ def parse_header(spec: PageSpec, header: memoryview | bytes) -> tuple[Verdict, H
     if zlib.crc32(body) != stored_crc:
         return Verdict.CORRUPT, None
     fields = _BODY.unpack_from(body)
-    _, version, header_bytes, key, fp, layers, page_size, dtype, origin, _, length, crc = fields
+    _, version, header_bytes, key, fp, layers, page_size, dtype, origin, algo, length, crc = fields
     if version != FORMAT_VERSION or header_bytes != HEADER_BYTES or origin >= len(ORIGINS):
         return Verdict.CORRUPT, None
+    algorithm = _CHECKSUM_NAMES.get(algo)
+    if algorithm is None or _CHECKSUM_FNS[algorithm] is None:
+        return Verdict.FOREIGN, None  # a page this process cannot verify
     shape = (layers, page_size, dtype, length)
     expected = (spec.num_layers, spec.page_size, DTYPE_CODES[spec.dtype], spec.payload_bytes)
     if fp != spec.fingerprint_digest or shape != expected:
         return Verdict.FOREIGN, None
-    return Verdict.OK, HeaderInfo(key, ORIGINS[origin], length, crc)
+    return Verdict.OK, HeaderInfo(key, ORIGINS[origin], length, crc, algorithm)
 
 
 def verify_page(
@@ -163,7 +203,7 @@ def verify_page(
         return Verdict.WRONG_KEY, None
     if nbytes < spec.object_bytes:
         return Verdict.TRUNCATED, None
-    if payload_checksum(payload) != info.checksum:
+    if payload_checksum(payload, info.algorithm) != info.checksum:
         return Verdict.CORRUPT, None
     return Verdict.OK, info.origin
 
