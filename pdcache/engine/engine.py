@@ -49,7 +49,18 @@ class _Submit:
 
 
 @dataclass
+class _SubmitPrefilled:
+    req: Req
+    first_token: int
+
+
+@dataclass
 class _Abort:
+    rid: str
+
+
+@dataclass
+class _ReleaseHeld:
     rid: str
 
 
@@ -181,8 +192,47 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Finish request `rid` with "abort" as soon as the engine thread sees it (no-op for an
-        unknown or already finished request)."""
+        unknown or already finished request). Also frees pages reserved or held under `rid`."""
         self._inbox.put(_Abort(rid))
+
+    # ---- disaggregation (any thread) ---------------------------------------------------
+    def reserve(self, rid: str, num_tokens: int, timeout: float = 30.0) -> list[int]:
+        """Decode node: allocate the device pages a prefill node will write the K/V of
+        `num_tokens` prompt tokens of `rid` into (page i holds tokens [i*S, (i+1)*S)). Raises
+        EngineOverloadedError when the pool cannot provide them even after eviction."""
+        if num_tokens < 1 or pages_for(num_tokens, self.pool.page_size) > self.pool.num_pages:
+            raise ValueError(f"cannot reserve pages for {num_tokens} tokens")
+        page_ids = self._call(lambda: self.scheduler.reserve(rid, num_tokens), timeout)
+        if page_ids is None:
+            raise EngineOverloadedError(f"no room for {num_tokens} tokens of K/V")
+        return page_ids
+
+    def release_reservation(self, rid: str, timeout: float = 30.0) -> bool:
+        """Free the pages reserved for `rid` (transfer failed); False if there were none."""
+        return self._call(lambda: self.scheduler.release_reservation(rid), timeout)
+
+    def submit_prefilled(
+        self, req: GenerateRequest, first_token: int, on_output: OutputCallback
+    ) -> None:
+        """Decode node: start decoding `req`, whose prompt K/V a prefill node wrote into the
+        pages `reserve(req.rid, len(req.input_ids))` returned and which sampled `first_token`.
+        The first output carries `first_token`; then as `submit`."""
+        self._validate(req)
+        if not _is_token_id(first_token, self.config.model.vocab_size):
+            raise ValueError(f"first token {first_token!r} is not in the vocabulary")
+        with self._lock:
+            if not self.is_running:
+                raise EngineNotRunningError("the engine is not running")
+            if req.rid in self._live_rids:
+                raise ValueError(f"request id {req.rid!r} is already in flight")
+            self._live_rids.add(req.rid)
+            new = self._new_req(req, on_output, self._generator_for(req))
+            self._inbox.put(_SubmitPrefilled(new, int(first_token)))
+
+    def release_held(self, rid: str) -> None:
+        """Prefill node: the pages of finished request `rid`, kept by the scheduler's
+        `hold_after_finish`, may go (into the prefix cache, the rest freed)."""
+        self._inbox.put(_ReleaseHeld(rid))
 
     def stats(self) -> dict[str, Any]:
         """Counters as of the end of the last engine step (never blocks on a step)."""
@@ -286,15 +336,21 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _handle(self, item: _Submit | _Abort | _Call) -> None:
+    def _handle(self, item: _Submit | _SubmitPrefilled | _Abort | _ReleaseHeld | _Call) -> None:
         if isinstance(item, _Submit):
             with self._lock:
                 self._num_pending -= 1
             self.scheduler.add(item.req)
+        elif isinstance(item, _SubmitPrefilled):
+            self._start_prefilled(item.req, item.first_token)
         elif isinstance(item, _Abort):
             req = self.scheduler.find(item.rid)
             if req is not None:
                 self._fail([req], error="aborted by client", reason="abort")
+            self.scheduler.release_reservation(item.rid)
+            self.scheduler.release_held(item.rid)
+        elif isinstance(item, _ReleaseHeld):
+            self.scheduler.release_held(item.rid)
         elif isinstance(item, _Call):
             try:
                 item.future.set_result(item.fn())
@@ -319,6 +375,7 @@ class Engine:
             victims = self._all_unfinished() if batch is None else batch.reqs
             self._fail([r for r in victims if not r.finished], error=f"engine step failed: {exc!r}")
             return
+        self._update_snapshot()  # a client that saw its final output sees these stats too
         for req in touched:
             self._emit(req)
 
@@ -336,6 +393,18 @@ class Engine:
 
     def _finish_all(self, error: str) -> None:
         self._fail(self._all_unfinished(), error=error)
+        for rid in list(self.scheduler.reserved):
+            self.scheduler.release_reservation(rid)
+        for rid in list(self.scheduler.held):
+            self.scheduler.release_held(rid)
+
+    def _start_prefilled(self, req: Req, first_token: int) -> None:
+        try:
+            self.scheduler.add_prefilled(req, first_token)
+        except ValueError as exc:
+            req.status, req.finish_reason, req.error = ReqStatus.FINISHED, "abort", str(exc)
+            self.scheduler.counters.aborted += 1
+        self._emit(req)
 
     def _emit(self, req: Req) -> None:
         output = self._output_of(req)
@@ -384,8 +453,11 @@ class Engine:
         if self.tree is not None:
             self.tree.check()
         tree_pages = self.tree.total_pages if self.tree else 0
-        request_pages = sum(r.num_own_pages for r in self.scheduler.running)
-        for req in self._all_unfinished():
+        scheduler = self.scheduler
+        holders = scheduler.running + list(scheduler.held.values())
+        request_pages = sum(r.num_own_pages for r in holders)
+        request_pages += sum(len(pages) for pages in scheduler.reserved.values())
+        for req in self._all_unfinished() + list(scheduler.held.values()):
             req.check()
         numbers = {
             "capacity": allocator.capacity,
@@ -410,6 +482,8 @@ class Engine:
             "pages_used": allocator.num_used,
             "cached_pages": tree.total_pages if tree else 0,
             "pages_evictable": tree.evictable_pages if tree else 0,
+            "pages_reserved": sum(len(p) for p in self.scheduler.reserved.values()),
+            "requests_held": len(self.scheduler.held),
             "tokens_in_cache": (tree.total_pages if tree else 0) * self.pool.page_size,
             "pages_evicted_total": tree.num_evicted_pages if tree else 0,
             "tokens_cached_total": counters.cached_tokens,

@@ -69,6 +69,7 @@ class Req:
     cached_len: int | None = None  # prompt tokens reused at first admission (all tiers)
     cached: CachedTokens | None = None  # ... split by tier
     kv_load: KVLoad | None = None  # pending load into page_ids; every forward completes it
+    holding_pages: bool = False  # finished, but its pages stay until the scheduler releases them
     computed_tokens: int = 0  # tokens run through an extend forward (recomputation included)
     num_emitted: int = 0  # output tokens already handed to on_output
     admit_seq: int = -1
@@ -130,6 +131,20 @@ class Req:
         self.admit_seq = seq
         self.check()
 
+    def admit_prefilled(self, page_ids: list[int], first_token: int, seq: int) -> None:
+        """WAITING → RUNNING in decode state: the K/V of the whole prompt is already in
+        `page_ids` (written by a prefill node) and `first_token` was sampled there."""
+        assert self.status is ReqStatus.WAITING and not self.output_ids, "not a fresh request"
+        assert len(page_ids) == pages_for(len(self.prompt_ids), self.page_size), "page count"
+        self.page_ids, self.num_tree_pages, self.last_node = page_ids, 0, None
+        self.kv_len = len(self.prompt_ids)
+        self.cached_len, self.cached = 0, CachedTokens()
+        self.append_token(first_token)
+        self.prefill_done = True
+        self.status = ReqStatus.RUNNING
+        self.admit_seq = seq
+        self.check()
+
     def release_pages(self) -> None:
         """Forget all pages (the scheduler has already freed or handed them to the tree)."""
         assert self.kv_load is None or self.kv_load.done, "pages released under a pending load"
@@ -160,5 +175,5 @@ class Req:
             assert len(self.page_ids) <= pages_for(self.fill_len, size), "over-allocated"
             if self.prefill_done:
                 assert self.kv_len == self.fill_len - 1, "decode state out of step"
-        else:
+        elif not self.holding_pages:
             assert not self.page_ids and self.last_node is None, "pages held while not running"

@@ -23,6 +23,12 @@ Lower cache tiers (HiCache: host, storage) plug in by subclassing and overriding
 `on_cached` (pages just entered the tree: back them up), `on_dequeued` (a waiting request
 left without running) and `on_step` (once per schedule); see `Engine(make_scheduler=...)`.
 The defaults do nothing, which is the device-only cache.
+
+Disaggregated serving uses three more primitives. A decode node `reserve`s the pages a
+prefill node writes a prompt's K/V into, then `add_prefilled` starts decoding on them (or
+`release_reservation` gives them back). A prefill node overrides `hold_after_finish` to keep a
+finished request's pages (prompt K/V, partial last page included) until its transfer is done
+and it calls `release_held`.
 """
 
 from __future__ import annotations
@@ -102,6 +108,8 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.counters = SchedulerCounters()
+        self.reserved: dict[str, list[int]] = {}  # rid -> pages awaiting a K/V transfer
+        self.held: dict[str, Req] = {}  # finished requests whose pages are kept
         self._admit_seq = 0
         self._last_mode: ForwardMode | None = None
 
@@ -133,6 +141,52 @@ class Scheduler:
 
     def on_step(self) -> None:
         """Called at the start of every `schedule()`."""
+
+    def hold_after_finish(self, req: Req) -> bool:
+        """True keeps the pages of the just finished `req` (K/V of `fill_ids[:kv_len]`) until
+        `release_held(req.rid)`."""
+        return False
+
+    # ---- disaggregation primitives -----------------------------------------------------
+    def reserve(self, rid: str, num_tokens: int) -> list[int] | None:
+        """Pages for `num_tokens` tokens of request `rid`, evicting cache when short; None
+        (nothing taken) when they cannot be had."""
+        if rid in self.reserved:
+            raise ValueError(f"request {rid!r} already has reserved pages")
+        page_ids = self._alloc(pages_for(num_tokens, self.page_size))
+        if page_ids is not None:
+            self.reserved[rid] = page_ids
+        return page_ids
+
+    def release_reservation(self, rid: str) -> bool:
+        page_ids = self.reserved.pop(rid, None)
+        if page_ids is not None:
+            self.allocator.free(page_ids)
+        return page_ids is not None
+
+    def add_prefilled(self, req: Req, first_token: int) -> None:
+        """Start decoding `req` on its reserved pages, which hold its prompt's K/V."""
+        page_ids = self.reserved.get(req.rid)
+        if page_ids is None:
+            raise ValueError(f"request {req.rid!r} has no reserved pages")
+        if len(page_ids) != pages_for(len(req.prompt_ids), self.page_size):
+            raise ValueError(
+                f"request {req.rid!r} reserved {len(page_ids)} pages, its prompt needs "
+                f"{pages_for(len(req.prompt_ids), self.page_size)}"
+            )
+        del self.reserved[req.rid]
+        req.admit_prefilled(page_ids, first_token, self._admit_seq)
+        self._admit_seq += 1
+        self.running.append(req)
+        self._maybe_finish(req, first_token)
+
+    def release_held(self, rid: str) -> bool:
+        """Cache and free the pages of a held request (see `hold_after_finish`)."""
+        req = self.held.pop(rid, None)
+        if req is not None:
+            req.holding_pages = False
+            self._release(req, cache=True)
+        return req is not None
 
     def pending_loads(self) -> list[KVLoad]:
         """Loads the next forward must complete (it may read their pages via the tree)."""
@@ -327,11 +381,15 @@ class Scheduler:
         reason = self._finish_reason(req, token)
         if reason is None:
             return
-        self._release(req, cache=True)
         self.running.remove(req)
         req.status, req.finish_reason = ReqStatus.FINISHED, reason
         self.counters.finished += 1
         self.counters.cached_tokens += req.cached_len or 0
+        if self.hold_after_finish(req):
+            req.holding_pages = True
+            self.held[req.rid] = req
+        else:
+            self._release(req, cache=True)
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
         params = req.sampling
