@@ -77,3 +77,35 @@ def test_metadata_server_port_zero_announces_its_endpoint(tmp_path: Path) -> Non
         proc.terminate()
         assert proc.wait(timeout=10) == 0
     assert (tmp_path / "state" / "index.sqlite3").exists()
+
+
+def test_storage_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    args = [
+        "bench",
+        "storage",
+        "--pages",
+        "8",
+        "--page-kib",
+        "16",
+        "--repeat",
+        "1",
+        "--backends",
+        "hf3fs,file",
+        "--dir",
+        str(tmp_path),
+        "--json",
+        str(out),
+    ]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    paths = [row["path"] for row in result["rows"]]
+    assert paths == [
+        "memcpy (torch copy_)",
+        "plain file pwrite/preadv",
+        "storage hf3fs",
+        "storage file",
+    ]
+    assert all(row["read_GBps"] > 0 for row in result["rows"])
+    assert result["rows"][1]["read_vs_file"] == 1.0
+    assert "read_vs_file" in capsys.readouterr().out

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 
@@ -356,3 +357,40 @@ def test_concurrent_readers_and_writers_never_see_wrong_bytes(
         assert stats["used_pages"] <= 6
     finally:
         backend.close()
+
+
+def test_service_capacity_caps_the_pool_and_evicts_lru(tmp_path: Path) -> None:
+    with LocalMetadataService(tmp_path / "state", capacity_pages=3) as svc:
+        backend = create_backend(
+            _config(tmp_path / "data", metadata=svc.address, capacity_pages=16)
+        )
+        try:
+            keys, pages = _keys(5), _pages(5)
+            for i in range(5):
+                assert backend.put_from([keys[i]], [pages[i]]) == [True]
+            stats = backend.stats()
+            assert (stats["capacity_pages"], stats["used_pages"], stats["evictions"]) == (3, 3, 2)
+            assert [backend.exists_prefix([k]) for k in keys] == [0, 0, 1, 1, 1]
+        finally:
+            backend.close()
+
+
+def test_service_survives_malformed_requests(service) -> None:
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(service.address)
+    try:
+        for junk in (b"\xc1garbage", b"\x93\x01\x02\x03", b"\x81\xa2op\xa4nope"):
+            sock.send(junk)
+            reply = msgpack.unpackb(sock.recv(), raw=False)
+            assert reply["ok"] is False and reply["error"]
+    finally:
+        sock.close(linger=0)
+    client = RemoteMetadata(service.address, "pool", 4, SLOT_BYTES, timeout_s=2.0)
+    try:
+        assert client.ping() and client.reserve(_keys(1))[0][0] == "new"
+    finally:
+        client.close()
