@@ -184,6 +184,7 @@ def test_lru_eviction_when_full(make_backend: Factory) -> None:
     stats = backend.stats()
     assert stats["evictions"] == 2
     assert stats["used_pages"] == 4
+    assert stats["free_pages"] + stats["used_pages"] + stats["reserved_pages"] == 4
 
 
 @pytest.mark.parametrize("kind", ["hf3fs", "hf3fs_service"])

@@ -106,11 +106,14 @@ class FileBackend(StorageBackend):
         out = self.counters.snapshot()
         with self._lock:
             out["used_pages"] = len(self._lru)
-        out["capacity_pages"] = self.capacity_pages
+        out.update(_capacity_stats(self.capacity_pages, int(out["used_pages"])))
         return out
 
     def close(self) -> None:
         """Nothing is held open between calls."""
+
+    def register_host_memory(self, tensor: torch.Tensor) -> None:
+        """Nothing to register: positional file IO reads straight into any host memory."""
 
     # tools
 
@@ -230,3 +233,9 @@ class FileBackend(StorageBackend):
             log.debug("file storage: cannot delete %s: %s", key.hex(), exc)
             return False
         return True
+
+
+def _capacity_stats(capacity: int, used: int) -> dict[str, int]:
+    """Accounting keys shared with hf3fs (free + used + reserved == capacity when bounded)."""
+    free = max(0, capacity - used) if capacity else 0
+    return {"capacity_pages": capacity, "free_pages": free, "reserved_pages": 0}

@@ -384,6 +384,9 @@ class Hf3fsBackend(StorageBackend):
             os.close(fd)
         self.metadata.close()
 
+    def register_host_memory(self, tensor: torch.Tensor) -> None:
+        """Nothing to register: positional file IO reads straight into any host memory."""
+
     # tools: raw access for `pdcache storage`, fault tests and debugging
 
     def keys(self) -> list[bytes]:

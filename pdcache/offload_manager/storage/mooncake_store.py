@@ -182,7 +182,8 @@ class MooncakeStoreBackend(StorageBackend):
         out = self.counters.snapshot()
         with self._lock:
             out["used_pages"] = len(self._lru)
-        out["capacity_pages"] = self.capacity_pages
+        free = max(0, self.capacity_pages - len(self._lru)) if self.capacity_pages else 0
+        out.update(capacity_pages=self.capacity_pages, free_pages=free, reserved_pages=0)
         return out
 
     def close(self) -> None:
