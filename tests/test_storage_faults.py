@@ -216,6 +216,22 @@ def test_read_only_directory_reads_work_puts_fail(tmp_path: Path, backend_name: 
         assert stats["read_only"] == 1 and stats["reserved_pages"] == 0
 
 
+@pytest.mark.parametrize("backend_name", ["hf3fs", "file"])
+def test_empty_read_only_directory_only_misses(tmp_path: Path, backend_name: str) -> None:
+    (tmp_path / "store").mkdir()
+    cfg = _config(tmp_path / "store", backend_name)
+    with _read_only(tmp_path / "store"):
+        backend = create_backend(cfg)
+        try:
+            keys, pages = _keys(2), _pages(2)
+            assert backend.put_from(keys, list(pages)) == [False, False]
+            assert backend.get_into(keys, list(pages)) == [False, False]
+            assert backend.exists_prefix(keys) == 0
+            assert backend.stats()["write_errors"] == 2
+        finally:
+            backend.close()
+
+
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[LocalMetadataService]:
     svc = LocalMetadataService(tmp_path / "state").start()

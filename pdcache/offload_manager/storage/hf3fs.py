@@ -262,7 +262,10 @@ class Hf3fsBackend(StorageBackend):
                 raise
             log.warning("hf3fs: %s is not writable (%s); read-only", path, exc)
             self.read_only = True
-            return os.open(path, os.O_RDONLY)
+            try:
+                return os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return -1  # nothing stored here and nothing can be: every IO fails (EBADF)
         try:
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)  # sparse: blocks are allocated when slots are written
@@ -381,7 +384,8 @@ class Hf3fsBackend(StorageBackend):
             self._pool.shutdown(wait=True)
         self.engine.close()
         for fd in self._fds:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self.metadata.close()
 
     def register_host_memory(self, tensor: torch.Tensor) -> None:
