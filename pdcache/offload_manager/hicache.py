@@ -121,6 +121,7 @@ class PrefetchResult:
 
     host_page_ids: list[int]
     from_decode_pages: int
+    origins: list[str | None] = field(default_factory=list)
 
 
 class LayerLoad:
@@ -258,7 +259,12 @@ class HiCache:
         with self._stats_lock:
             self.stats.prefetch_pages += pages
             self.stats.prefetch_bytes += pages * self.host_pool.page_nbytes
-        return PrefetchResult(op.host_page_ids[:pages], sum(o == "decode" for o in origins))
+        return PrefetchResult(op.host_page_ids[:pages], origins.count("decode"), origins)
+
+    def prefetch_first_page(self, rid: str) -> int:
+        """First prompt page of `rid`'s prefetch (0 when there is none)."""
+        op = self._prefetches.get(rid)
+        return op.first_page if op else 0
 
     def cancel_prefetch(self, rid: str) -> None:
         op = self._prefetches.pop(rid, None)

@@ -1,0 +1,91 @@
+"""Building an engine with the hierarchical cache (host pool, storage, HiCache scheduler), and
+the KV fingerprint every node of a deployment must agree on to share pages."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdcache.engine.config import EngineConfig, ModelConfig
+from pdcache.engine.engine import Engine
+from pdcache.engine.kv_pool import DeviceKVPool
+from pdcache.engine.page_keys import kv_fingerprint
+from pdcache.offload_manager.hicache import HiCache, HiCacheConfig
+from pdcache.offload_manager.hicache_scheduler import HiCacheScheduler
+from pdcache.offload_manager.hiradix import HiRadixTree
+from pdcache.offload_manager.host_pool import HostKVPool
+from pdcache.offload_manager.storage import create_backend
+from pdcache.offload_manager.storage.base import StorageBackend
+from pdcache.offload_manager.storage.config import StorageConfig
+
+
+def model_identity(model_ref: str, seed: int) -> str:
+    """What names the weights: a preset and its seed, or a checkpoint's directory name plus a
+    digest of its config.json (two different checkpoints never share pages)."""
+    path = Path(model_ref)
+    if (path / "config.json").is_file():
+        digest = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:16]
+        return f"ckpt:{path.resolve().name}:{digest}"
+    return f"preset:{model_ref}:seed={seed}"
+
+
+def fingerprint_for(model: ModelConfig, identity: str, page_size: int) -> str:
+    return kv_fingerprint(identity, model.dtype, page_size, model.num_hidden_layers,
+                          model.num_key_value_heads, model.head_dim, layout="page_first")
+
+
+def storage_config_for(model: ModelConfig, page_size: int, fingerprint: str,
+                       **settings: Any) -> StorageConfig:
+    """A StorageConfig whose page geometry matches this model's host pages."""
+    page_bytes = page_size * model.kv_bytes_per_token
+    return StorageConfig(page_bytes=page_bytes, fingerprint=fingerprint,
+                         num_layers=model.num_hidden_layers, page_size=page_size,
+                         dtype=model.dtype, **settings)
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The lower tiers of one engine: host pool size, HiCache policies, optional storage."""
+
+    host_pages: int
+    hicache: HiCacheConfig
+    storage: StorageConfig | None = None
+
+
+@dataclass
+class TieredEngine:
+    """An engine and the lower tiers it owns; `close()` stops all of them."""
+
+    engine: Engine
+    hicache: HiCache
+    storage: StorageBackend | None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.engine.shutdown(timeout_s)
+        self.hicache.close()
+        if self.storage is not None:
+            self.storage.close()
+
+
+def build_tiered_engine(config: EngineConfig, model: Any, tokenizer: Any,
+                        tiers: TierConfig) -> TieredEngine:
+    """An Engine (not started) whose scheduler runs HiCache over `tiers`."""
+    page_size = config.cache.page_size
+    host_pool = HostKVPool.for_model(config.model, tiers.host_pages, page_size)
+    storage = create_backend(tiers.storage) if tiers.storage is not None else None
+    fingerprint = tiers.storage.fingerprint if tiers.storage else ""
+    built: dict[str, HiCache] = {}
+
+    def make_tree(pool: DeviceKVPool) -> HiRadixTree:
+        return HiRadixTree(pool.page_size, pool.allocator, host_pool)
+
+    def make_scheduler(**kwargs: Any) -> HiCacheScheduler:
+        hicache = HiCache(kwargs["tree"], kwargs["pool"].device_kv, storage, tiers.hicache,
+                          fingerprint)
+        built["hicache"] = hicache
+        return HiCacheScheduler(hicache=hicache, **kwargs)
+
+    engine = Engine(config, model, tokenizer, make_tree=make_tree, make_scheduler=make_scheduler)
+    return TieredEngine(engine, built["hicache"], storage)

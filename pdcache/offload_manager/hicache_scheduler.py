@@ -1,0 +1,82 @@
+"""The engine scheduler with HiCache underneath: the scheduler's lower-tier hooks
+(`pdcache.engine.scheduler`) wired to the `HiCache` controller.
+
+- queued: start the storage prefetch of the prompt pages past the device + host match;
+- admission: wait for the prefetch per policy; then restore host hits into the tree and load
+  host and prefetched pages into the request's pages (per layer, during the next forward);
+- cached: back the inserted nodes up (write policy);
+- every step: free host pages of abandoned prefetches whose reads ended.
+Engine thread only, like the scheduler itself.
+"""
+
+from __future__ import annotations
+
+from pdcache.engine.radix import InsertResult, MatchResult
+from pdcache.engine.request import Req
+from pdcache.engine.scheduler import Scheduler, TierReuse
+from pdcache.offload_manager.hicache import HiCache, PrefetchResult
+
+
+class HiCacheScheduler(Scheduler):
+    def __init__(self, *, hicache: HiCache, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.hicache = hicache
+
+    def on_queued(self, req: Req) -> None:
+        max_pages = self._max_pages(req)
+        device, host = self.hicache.match(req.fill_ids, req.salt, max_pages)
+        first = len(device.page_ids) + host.num_pages
+        self.hicache.start_prefetch(req.rid, req.fill_ids, req.salt, first, max_pages)
+
+    def admission_ready(self, req: Req) -> bool:
+        return self.hicache.prefetch_ready(req.rid)
+
+    def on_dequeued(self, req: Req) -> None:
+        self.hicache.cancel_prefetch(req.rid)
+
+    def on_step(self) -> None:
+        self.hicache.reap()
+
+    def reuse_lower_tiers(self, req: Req, match: MatchResult, own_page_ids: list[int],
+                          max_pages: int) -> TierReuse:
+        host = self.hicache.tree.match_host(match, req.fill_ids, max_pages)
+        first = len(match.page_ids) + host.num_pages
+        prefetched = self._usable_prefetch(req.rid, first, max_pages)
+        if not host.nodes and prefetched is None:
+            return TierReuse(cached=self.hicache.cached_tokens(len(match.page_ids), 0, None))
+        node, load = self.hicache.load(host, prefetched, own_page_ids)
+        return TierReuse(
+            tree_pages=host.num_pages,
+            node=node,
+            own_pages=len(prefetched.host_page_ids) if prefetched else 0,
+            kv_load=load,
+            cached=self.hicache.cached_tokens(len(match.page_ids), host.num_pages, prefetched),
+        )
+
+    def on_cached(self, req: Req, result: InsertResult) -> None:
+        num_pages = sum(n.num_pages for n in result.last_node.path_from_root())
+        tokens = req.fill_ids[: num_pages * self.page_size]
+        self.hicache.backup(tokens, req.salt, result.last_node)
+
+    def _max_pages(self, req: Req) -> int:
+        # the last prompt token is always computed: its logits give the first output token
+        return (req.fill_len - 1) // self.page_size
+
+    def _usable_prefetch(self, rid: str, first: int, max_pages: int) -> PrefetchResult | None:
+        """The prefetched pages that continue the current match (the match may have grown or
+        shrunk since the prefetch started); pages that don't fit are freed."""
+        op_first = self.hicache.prefetch_first_page(rid)
+        result = self.hicache.take_prefetch(rid)
+        if result is None or not result.host_page_ids:
+            return None
+        skip = first - op_first
+        usable = max(0, min(len(result.host_page_ids), max_pages - op_first) - skip)
+        if skip < 0 or usable == 0:
+            self.hicache.host_pool.free(result.host_page_ids)
+            return None
+        keep = result.host_page_ids[skip : skip + usable]
+        drop = result.host_page_ids[:skip] + result.host_page_ids[skip + usable :]
+        if drop:
+            self.hicache.host_pool.free(drop)
+        from_decode = result.origins[skip : skip + usable].count("decode")
+        return PrefetchResult(keep, from_decode, result.origins[skip : skip + usable])
