@@ -32,7 +32,8 @@ from pdcache.engine.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger(__name__)
 
-_IDLE_WAIT_S = 0.05
+_IDLE_WAIT_S = 0.05  # nothing to do: wait this long for the inbox (any item wakes at once)
+_STALLED_WAIT_S = 0.002  # work waits on something else (e.g. a prefetch): poll this often
 
 
 class EngineOverloadedError(RuntimeError):
@@ -234,6 +235,10 @@ class Engine:
         `hold_after_finish`, may go (into the prefix cache, the rest freed)."""
         self._inbox.put(_ReleaseHeld(rid))
 
+    def wake(self) -> None:
+        """Make the engine thread look at its queue now (e.g. a prefetch just finished)."""
+        self._inbox.put(None)
+
     def stats(self) -> dict[str, Any]:
         """Counters as of the end of the last engine step (never blocks on a step)."""
         with self._lock:
@@ -309,23 +314,29 @@ class Engine:
     # ---- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         logger.info("engine thread started")
+        progressed = False
         while not self._stop.is_set():
             try:
-                self._drain_inbox(block=not self.scheduler.has_work())
+                if progressed:
+                    self._drain_inbox(timeout=0.0)
+                else:  # idle, or stalled (e.g. no waiting request ready)
+                    stalled = self.scheduler.has_work()
+                    self._drain_inbox(timeout=_STALLED_WAIT_S if stalled else _IDLE_WAIT_S)
+                progressed = False
                 if self.scheduler.has_work() and not self._stop.is_set():
-                    self._step()
+                    progressed = self._step()
             except Exception:  # never let the loop die: log, count, go on
                 logger.exception("engine loop error")
                 self._step_errors += 1
             self._update_snapshot()
-        self._drain_inbox(block=False)
+        self._drain_inbox(timeout=0.0)
         self._finish_all("engine shut down")
         self._update_snapshot()
         logger.info("engine thread stopped")
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, timeout: float) -> None:
         try:
-            item = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -357,12 +368,13 @@ class Engine:
             except Exception as exc:
                 item.future.set_exception(exc)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """Schedule and run one batch; False when there was nothing runnable."""
         batch: ScheduledBatch | None = None
         try:
             batch = self.scheduler.schedule()
             if batch is None:
-                return
+                return False
             logits = self.runner.forward(batch)
             rows = [batch.reqs[row] for row in batch.sample_rows]
             tokens = sample(logits, [r.sampling for r in rows], [r.generator for r in rows])
@@ -374,10 +386,11 @@ class Engine:
             # a failed schedule() may leave any request half-done: fail them all
             victims = self._all_unfinished() if batch is None else batch.reqs
             self._fail([r for r in victims if not r.finished], error=f"engine step failed: {exc!r}")
-            return
+            return True
         self._update_snapshot()  # a client that saw its final output sees these stats too
         for req in touched:
             self._emit(req)
+        return True
 
     def _all_unfinished(self) -> list[Req]:
         return list(self.scheduler.running) + list(self.scheduler.waiting)
@@ -441,7 +454,8 @@ class Engine:
 
     # ---- introspection (engine thread) -------------------------------------------------
     def _call(self, fn: Callable[[], Any], timeout: float) -> Any:
-        if not self.is_running:
+        """Run `fn` on the engine thread (directly when not running or already on it)."""
+        if not self.is_running or threading.current_thread() is self._thread:
             return fn()
         future: Future = Future()
         self._inbox.put(_Call(fn, future))
