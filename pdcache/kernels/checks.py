@@ -50,7 +50,8 @@ def check_ids(op: str, ids: torch.Tensor, limit: int, name: str) -> None:
         got = (ids.dtype, tuple(ids.shape)) if isinstance(ids, torch.Tensor) else type(ids)
         fail(op, f"{name} must be a 1-D int32/int64 tensor, got {got}")
     if ids.device.type == "cpu" and ids.numel() > 0:
-        low, high = int(ids.min()), int(ids.max())
+        values = ids.tolist()  # cheaper than two tensor reductions for the usual short lists
+        low, high = min(values), max(values)
         if low < 0 or high >= limit:
             fail(op, f"{name} out of range [0, {limit}): min {low}, max {high}")
 
