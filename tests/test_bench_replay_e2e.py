@@ -102,6 +102,8 @@ def _check_run(code: int, summary: dict, records: list[dict]) -> None:
             assert cur["cached_tokens"] >= PAGE * (prev["prompt_tokens"] // PAGE) - PAGE
     assert summary["hit_rate"] > 0
     assert 0 < summary["theoretical_hit_rate"] <= 1
+    # the unified server's device cache holds every page of this small run (answers included)
+    assert summary["hit_rate"] >= 0.9 * summary["theoretical_hit_rate"]
     turn_rates = {row["turn"]: row["hit_rate"] for row in summary["per_turn"]}
     assert turn_rates[1] > 0 and turn_rates[2] > 0
     assert summary["ttft_p50_s"] > 0 and summary["ttft_p99_s"] >= summary["ttft_p50_s"]

@@ -70,14 +70,16 @@ def test_theoretical_reuse_matches_hand_computation(page_size: int, per_request:
 def test_theoretical_reuse_counts_previous_answers_in_sessions() -> None:
     # sessions_small.jsonl with blocks of 8, page 4. Offline order: round 0 by start time
     # (b/0 at 50 ms, a/0 at 100 ms), then round 1 (b/1, a/1).
+    # The KV that exists after a turn covers its prompt + answer except the answer's last token.
     #   b/0: 9 tokens -> 0.   a/0: 10 tokens -> 0.
-    #   b/1: prompt = b/0 (9) + answer (3) + new (3) = 15; b/0 prompt+answer = 12 tokens =
-    #        3 full pages, all seen; cap (15-1)//4 = 3 -> 12 (only 8 without the answer).
-    #   a/1: prompt = 10 + 6 + 5 = 21; 16 tokens seen = 4 pages; cap (21-1)//4 = 5 -> 16.
+    #   b/1: prompt = b/0 (9) + answer (3) + new (3) = 15; KV of 9 + 3 - 1 = 11 tokens =
+    #        2 full pages, both seen; cap (15-1)//4 = 3 -> 8.
+    #   a/1: prompt = 10 + 6 + 5 = 21; KV of 10 + 6 - 1 = 15 tokens = 3 pages, seen (only
+    #        2 without the answer); cap (21-1)//4 = 5 -> 12.
     trace = parse_sessions(FIXTURES / "sessions_small.jsonl", block_size=8)
     reuse = theoretical_reuse(trace, 4, BlockExpander(block_size=8, vocab_high=50000))
     got = {r.request_id: (r.prompt_tokens, r.reusable_tokens) for r in reuse}
-    assert got == {"b/0": (9, 0), "a/0": (10, 0), "b/1": (15, 12), "a/1": (21, 16)}
+    assert got == {"b/0": (9, 0), "a/0": (10, 0), "b/1": (15, 8), "a/1": (21, 12)}
     assert [r.request_id for r in reuse] == ["b/0", "a/0", "b/1", "a/1"]
 
 

@@ -390,7 +390,7 @@ class Replayer:
                 self.cfg.request_timeout_s)
             rec.ok, rec.output_tokens = True, len(output)
             full = np.concatenate([prompt, np.asarray(output, dtype=np.int64)])
-            self.tracker.add(self.tracker.extend_keys(keys, full))
+            self.tracker.add(self.tracker.extend_keys(keys, full[:-1]))  # last token: no KV
         except asyncio.CancelledError:
             rec.error = "cancelled: --max-duration + --drain-timeout reached"
             self.write(rec)

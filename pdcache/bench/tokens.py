@@ -9,8 +9,9 @@ tokens is the concatenation trimmed to `num_tokens` (only the run's last block i
 Theoretical reusable fraction (page granularity). A request's *cacheable sequences* are its
 prompt, cacheable once the request's first output token has arrived (its prefill is done;
 without streaming: once it completed), and its prompt followed by the ids the server
-generated for it, cacheable once it completed. For a request `r` with prompt `p`
-(P = page_size), evaluated at the moment `r` is dispatched:
+generated for it except the last one, cacheable once it completed (the last sampled token
+was never run through the model, so no server holds its KV). For a request `r` with prompt
+`p` (P = page_size), evaluated at the moment `r` is dispatched:
 
     seen_pages(r) = the largest k such that the first k*P tokens of p equal the first k*P
                     tokens of a sequence that was cacheable at that moment
@@ -156,7 +157,7 @@ def theoretical_reuse(
         tracker.add(keys)
         full = np.concatenate([prompt, expander.placeholder_output(turn.request_id,
                                                                    turn.output_len)])
-        tracker.add(tracker.extend_keys(keys, full))
+        tracker.add(tracker.extend_keys(keys, full[:-1]))  # the last token has no KV
         history[turn.session_id] = full
         result.append(TurnReuse(turn.request_id, turn.session_id, turn.turn, len(prompt),
                                 reusable))
