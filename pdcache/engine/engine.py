@@ -1,10 +1,17 @@
 """The serving engine: one scheduler thread driving model, pool, radix tree and sampler.
 
-Threading: `submit`, `abort`, `stats`, `check_accounting`, `generate`, `shutdown` may be called
-from any thread; they only touch an inbox queue and a lock-protected snapshot. Everything else
-(scheduler, pool, tree, runner, sampler, request state) belongs to the engine thread, which also
-calls every `on_output` callback. A failure inside a step fails the requests of that step
-(finish_reason "abort" with `error`), is logged and counted, and the thread keeps running.
+Threading: the public methods (`submit`, `abort`, `generate`, `stats`, `check_accounting`,
+`flush_cache`, `wake`, `shutdown`, and for disaggregation `reserve`, `release_reservation`,
+`submit_prefilled`, `release_held`) may be called from any thread; they only touch an inbox
+queue and a lock-protected snapshot, and the ones that return engine state run on the engine
+thread through the inbox. Everything else (scheduler, pool, tree, runner, sampler, request
+state) belongs to the engine thread, which also calls every `on_output` callback. A failure
+inside a step fails the requests of that step (finish_reason "abort" with `error`), is logged
+and counted, and the thread keeps running.
+
+Outputs: `on_output` gets one `RequestOutput` per step that produced tokens for the request,
+then exactly one with `finished=True` (which carries the last tokens, if any, and the request's
+statistics); concatenating every `new_token_ids` gives the whole completion.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ _STALLED_WAIT_S = 0.002  # work waits on something else (e.g. a prefetch): poll 
 
 
 class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full (`SchedulerConfig.max_queued_requests`); retry later."""
+    """The waiting queue is full (`SchedulerConfig.max_queued_requests`), or `reserve` found no
+    room; retry later."""
 
 
 class EngineNotRunningError(RuntimeError):

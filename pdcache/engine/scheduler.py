@@ -212,12 +212,6 @@ class Scheduler:
         req.status, req.finish_reason, req.error = ReqStatus.FINISHED, reason, error
         self.counters.aborted += 1
 
-    def abort_all(self, error: str) -> list[Req]:
-        reqs = list(self.running) + list(self.waiting)
-        for req in reqs:
-            self.abort(req, error=error)
-        return reqs
-
     # ---- scheduling --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         """Admit what fits, then pick the next batch (None: nothing runnable)."""
