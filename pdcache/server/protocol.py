@@ -189,6 +189,18 @@ class GenerateSamplingParams(BaseModel):
         )
 
 
+class PDParams(BaseModel):
+    """Set only by the router on requests to prefill and decode nodes (docs/pd-protocol.md)."""
+
+    model_config = _STRICT
+
+    room: int = Field(ge=0, lt=1 << 63)
+    role: Literal["prefill", "decode"]
+    bootstrap: str | None = Field(default=None, max_length=256)  # decode: P's bootstrap
+    prefill_node: str | None = Field(default=None, max_length=128)
+    decode_node: str | None = Field(default=None, max_length=128)
+
+
 class GenerateRequestBody(BaseModel):
     """`POST /generate`: exactly one of `input_ids` or `text`."""
 
@@ -201,6 +213,7 @@ class GenerateRequestBody(BaseModel):
     cache_salt: str | None = None
     stream: bool = False
     rid: str | None = Field(default=None, min_length=1, max_length=128)
+    pd: PDParams | None = None
 
     def prompt_param(self) -> str:
         return "input_ids" if self.input_ids is not None else "text"
