@@ -287,3 +287,15 @@ def test_wrong_page_size_is_a_configuration_error(make_backend: Factory) -> None
         backend.put_from(_keys(1), [torch.zeros(PAGE_BYTES - 1, dtype=torch.uint8)])
     with pytest.raises(ValueError, match="keys but"):
         backend.get_into(_keys(2), [torch.zeros(PAGE_BYTES, dtype=torch.uint8)])
+
+
+def test_clear_removes_pages_written_by_any_client(make_backend: Factory) -> None:
+    writer = make_backend()
+    keys, pages = _keys(3), _pages(3)
+    writer.put_from(keys, list(pages))
+    other = make_backend()
+    other.clear()  # type: ignore[attr-defined]
+    assert other.exists_prefix(keys) == 0
+    # The writer misses too (with in-process hf3fs metadata its stale index still lists the
+    # pages, but their slots were invalidated).
+    assert writer.get_into(keys, list(torch.zeros_like(pages))) == [False] * 3

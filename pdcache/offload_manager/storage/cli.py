@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
             result: dict[str, Any] = dict(backend.stats())
         elif args.action == "clear":
             before = len(backend.keys())  # type: ignore[attr-defined]
-            backend.clear()  # type: ignore[attr-defined]
-            result = {"cleared": before}
+            removed = backend.clear()  # type: ignore[attr-defined]
+            result = {"cleared": removed if isinstance(removed, int) else before}
         else:
             if config.backend == "mooncake":
                 print("pdcache storage verify: Mooncake Store cannot list objects", file=sys.stderr)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -203,8 +204,12 @@ class MooncakeStoreBackend(StorageBackend):
         with self._lock:
             return list(self._lru)
 
-    def clear(self) -> None:
-        self.delete(self.keys())
+    def clear(self) -> int:
+        """Remove every page of this namespace, by any client; the number removed."""
+        with self._lock:
+            self._lru.clear()
+            removed = self._call("remove_by_regex", f"^{re.escape(self._prefix)}", True)
+        return max(0, removed or 0)
 
     def read_object(self, key: bytes) -> bytes | None:
         with self._lock:
