@@ -1,0 +1,669 @@
+"""pdcache storage as an SGLang HiCache L3 backend (`--hicache-storage-backend dynamic`).
+
+SGLang loads the class `PdcacheHiCacheStorage` from this module with
+
+    --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "pdcache",
+        "module_path": "pdcache.integrations.sglang", "class_name": "PdcacheHiCacheStorage",
+        "interface_v1": 1, "pdcache_config": "/etc/pdcache/topology.toml"}'
+
+and hands it page hash keys plus its config (model name, TP/PP/CP ranks). The plugin stores
+pages through a pdcache storage backend (`hf3fs`, `mooncake`, `file`), so SGLang gets the
+stored page object of DESIGN.md §4.3 (header + checksum: a corrupt, truncated or foreign page
+is a miss, never wrong KV) and pdcache's metadata service and capacity management.
+
+Keys. SGLang's key of page i is `g_i = SHA256(g_{i-1} || tokens_i)` (hex), with
+`g_{-1}` = nothing, or SGLang's namespace seed when the request carries a cache_salt or
+extra_key. The plugin stores it under `SHA256(salt || bytes(g_i))` with
+`salt = make_salt(fingerprint, key_namespace)` (pdcache.engine.page_keys): the fingerprint binds
+model name, KV dtype, page size, layer count, KV heads and head dim of this shard, and the TP
+shard (rank/size; PP stage and attention-CP rank when used), so models, tenants and shards
+never read each other's pages. pdcache nodes compute the same storage keys from token ids with
+`sglang_compatible_page_keys` (the "sglang" key scheme); pages are then shared in both
+directions. Which settings must match is listed in `INTEROP` below.
+
+Payload. Whatever SGLang's host layout (layer_first, page_first, page_first_direct,
+page_head), a page is stored in pdcache's host page layout: MHA `[layers, 2 (K, V), page_size,
+kv_heads, head_dim]`, MLA `[layers, page_size, 1, kv_cache_dim]`, in the KV dtype. So a pdcache
+node reads SGLang's pages straight into its host pool, and SGLang nodes with different host
+layouts share pages too. This costs one strided copy per page through a reusable staging
+buffer (SGLang's K and V of a page are never one contiguous run in any of its layouts, so even
+SGLang's own zero-copy backends store two objects per page).
+
+Robustness. `batch_get_v1` / `batch_set_v1` never raise and never return None (SGLang's
+prefetch thread dies on either): every failure is a per-key False, logged and counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdcache.engine.page_keys import chain_page_keys, kv_fingerprint, make_salt
+from pdcache.utils.registry import MissingDependencyError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+log = logging.getLogger(__name__)
+
+CLASS_NAME = "PdcacheHiCacheStorage"
+MODULE_PATH = "pdcache.integrations.sglang"
+PAYLOAD_LAYOUT = "page_first"  # pdcache's host page layout, the layout named in fingerprints
+STAGING_BYTES = 64 << 20  # default staging buffer per in-flight batch chunk
+_SGLANG_SEED_TAG = b"sglang-cache-namespace-v1"
+
+# Settings that must be equal on a pdcache node and an SGLang node for them to share pages.
+INTEROP = (
+    "storage: the same backend and location (hf3fs: path, namespace, metadata service and "
+    "capacity; mooncake: master and namespace; file: path and namespace)",
+    "model name: SGLang's served model name (or model path), or `model_name` in the plugin "
+    "config, equals the name in the pdcache node's KV fingerprint",
+    "KV dtype, page size, number of layers, KV heads per shard and head dim",
+    "TP shard: tp_rank / tp_size (pdcache nodes are 0/1); MLA pages are shared by all ranks",
+    "key namespace: the plugin's `key_namespace` (default \"\") equals the namespace the "
+    "pdcache node passes to sglang_compatible_page_keys",
+    "request tenant: the same cache_salt on both sides (SGLang seeds its chain with it)",
+    "key scheme: the pdcache node computes keys with sglang_compatible_page_keys",
+)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def sglang_namespace_seed(cache_salt: str | None = None, extra_key: str | None = None) -> bytes:
+    """SGLang's storage chain seed for a request namespace; b"" when it has none.
+
+    Mirrors `sglang.srt.mem_cache.utils.storage_namespace_seed` (0.5.23): SHA-256 over a tag
+    and, for (extra_key, cache_salt), a presence byte plus length-prefixed UTF-8.
+    """
+    if extra_key is None and cache_salt is None:
+        return b""
+    digest = hashlib.sha256(_SGLANG_SEED_TAG)
+    for part in (extra_key, cache_salt):
+        if part is None:
+            digest.update(b"\x00")
+            continue
+        encoded = part.encode("utf-8")
+        digest.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    return digest.digest()
+
+
+def sglang_chain_hashes(
+    token_ids: Sequence[int] | np.ndarray,
+    page_size: int,
+    cache_salt: str | None = None,
+    extra_key: str | None = None,
+    prior_hash: str | None = None,
+) -> list[str]:
+    """SGLang's storage page hashes (hex) of every full page of `token_ids`.
+
+    `prior_hash` continues a chain after that page (a decode node extending the prompt).
+    """
+    if prior_hash is not None:
+        return [k.hex() for k in chain_page_keys(token_ids, page_size, bytes.fromhex(prior_hash))]
+    seed = sglang_namespace_seed(cache_salt, extra_key)
+    return [k.hex() for k in chain_page_keys(token_ids, page_size, seed)]
+
+
+def derive_storage_key(salt: bytes, sglang_hash: str) -> bytes:
+    """The pdcache storage key of one SGLang page hash under `salt`. Raises ValueError."""
+    raw = bytes.fromhex(sglang_hash)
+    if len(raw) != 32:
+        raise ValueError(f"SGLang page hashes are 32 bytes of hex, got {sglang_hash!r}")
+    return hashlib.sha256(salt + raw).digest()
+
+
+def sglang_compatible_page_keys(
+    token_ids: Sequence[int] | np.ndarray,
+    page_size: int,
+    fingerprint: str,
+    namespace: str = "",
+    cache_salt: str | None = None,
+    prior_hash: str | None = None,
+) -> list[bytes]:
+    """Storage keys a pdcache node uses to share pages with SGLang nodes running this plugin."""
+    salt = make_salt(fingerprint, namespace)
+    hashes = sglang_chain_hashes(token_ids, page_size, cache_salt, prior_hash=prior_hash)
+    return [derive_storage_key(salt, h) for h in hashes]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------- host pool pages
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """How one page sits in an SGLang host pool, and its canonical (stored) shape.
+
+    `page_shape` is a page as sliced from the pool buffer (and as SGLang's flat data pages
+    are ordered); `perm` turns that into `canonical_shape`.
+    """
+
+    kind: str  # "mha" | "mla"
+    layout: str
+    layer_num: int
+    page_size: int
+    head_num: int
+    head_dim: int
+    dtype: torch.dtype
+    page_shape: tuple[int, ...]
+    perm: tuple[int, ...]
+    canonical_shape: tuple[int, ...]
+
+    @property
+    def page_bytes(self) -> int:
+        return int(np.prod(self.canonical_shape)) * self.dtype.itemsize
+
+    @classmethod
+    def from_host_pool(cls, pool: Any) -> PageGeometry:
+        """Geometry of SGLang's MHATokenToKVPoolHost / MLATokenToKVPoolHost (or a lookalike)."""
+        layout, size, layers = pool.layout, pool.page_size, pool.layer_num
+        if hasattr(pool, "kv_cache_dim"):
+            dim = int(pool.kv_cache_dim)
+            shapes = {
+                "layer_first": ((layers, size, 1, dim), (0, 1, 2, 3)),
+                "page_first": ((size, layers, 1, dim), (1, 0, 2, 3)),
+                "page_first_direct": ((layers, size, 1, dim), (0, 1, 2, 3)),
+            }
+            kind, heads, canonical = "mla", 1, (layers, size, 1, dim)
+        else:
+            heads, dim = int(pool.head_num), int(pool.head_dim)
+            if getattr(pool, "v_head_dim", dim) != dim:
+                raise ValueError("pdcache storage needs K and V of the same head_dim")
+            shapes = {
+                "layer_first": ((2, layers, size, heads, dim), (1, 0, 2, 3, 4)),
+                "page_first": ((2, size, layers, heads, dim), (2, 0, 1, 3, 4)),
+                "page_first_direct": ((2, layers, size, heads, dim), (1, 0, 2, 3, 4)),
+                "page_head": ((2, heads, size, layers, dim), (3, 0, 2, 1, 4)),
+            }
+            kind, canonical = "mha", (layers, 2, size, heads, dim)
+        if layout not in shapes:
+            raise ValueError(f"host layout {layout!r} ({kind}) is not supported; use one of "
+                             f"{sorted(shapes)}")
+        page_shape, perm = shapes[layout]
+        return cls(kind, layout, layers, size, heads, dim, pool.dtype, page_shape, perm,
+                   canonical)
+
+    def pool_page(self, kv_buffer: torch.Tensor, first_token: int) -> torch.Tensor:
+        """A view (no copy) of the page starting at host token `first_token`, canonical order."""
+        i, size = first_token, self.page_size
+        if self.layout == "layer_first":
+            page = kv_buffer[:, :, i : i + size] if self.kind == "mha" else kv_buffer[:, i : i + size]
+        elif self.layout == "page_first":
+            page = kv_buffer[:, i : i + size] if self.kind == "mha" else kv_buffer[i : i + size]
+        else:  # page_first_direct, page_head: the buffer has a page axis
+            page = kv_buffer[:, i // size] if self.kind == "mha" else kv_buffer[i // size]
+        return page.permute(self.perm)
+
+    def flat_page(self, flat: torch.Tensor) -> torch.Tensor:
+        """A view of one of SGLang's flat data pages (layout order), canonical order."""
+        return flat.view(self.page_shape).permute(self.perm)
+
+    def stored(self, page_bytes: torch.Tensor) -> torch.Tensor:
+        """A stored (canonical, contiguous) page seen as KV of the canonical shape."""
+        return page_bytes.view(self.dtype).view(self.canonical_shape)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The plugin's part of `--hicache-storage-backend-extra-config` (other keys are SGLang's).
+
+    `storage` holds pdcache `StorageConfig` keys (backend, path, capacity_pages or
+    capacity_bytes, metadata, namespace, io_engine, mooncake_*); `pdcache_config` names a
+    pdcache TOML (a topology file, whose `[storage]` table is translated, or a file of
+    StorageConfig keys); keys in `storage` override the file. page_bytes, dtype, layers, page
+    size and fingerprint always come from SGLang.
+    """
+
+    storage: Mapping[str, Any] = field(default_factory=dict)
+    model_name: str | None = None  # fingerprint model name; default: SGLang's model name
+    origin: str = "prefill"  # recorded in page headers; "decode" on offloading decode nodes
+    staging_bytes: int = STAGING_BYTES
+    key_namespace: str = ""  # extra tenant namespace salted into every key (deployment-wide)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PluginSettings:
+        extra = dict(extra or {})
+        table: dict[str, Any] = {}
+        if extra.get("pdcache_config"):
+            table.update(load_storage_table(extra["pdcache_config"]))
+        inline = extra.get("storage", {})
+        if not isinstance(inline, Mapping):
+            raise ValueError(f"extra-config 'storage' must be an object, got {inline!r}")
+        table.update(inline)
+        if "backend" not in table:
+            raise ValueError("pdcache plugin: set 'pdcache_config' (a pdcache TOML) or "
+                             "'storage': {'backend': ..., ...} in the extra config")
+        origin = str(extra.get("origin", "prefill"))
+        if origin not in ("prefill", "decode"):
+            raise ValueError(f"pdcache plugin: origin must be prefill|decode, got {origin!r}")
+        staging = int(extra.get("staging_bytes", STAGING_BYTES))
+        namespace = str(extra.get("key_namespace", ""))
+        return cls(table, extra.get("model_name"), origin, staging, namespace)
+
+
+_TOPOLOGY_ONLY = {"metadata_service", "start_master", "metrics_port"}
+
+
+def storage_table_from_topology(spec: Any) -> dict[str, Any]:
+    """StorageConfig keys for a topology's `[storage]` (pdcache.launch.topology.StorageSpec)."""
+    if spec.backend == "none":
+        raise ValueError("the pdcache topology has storage.backend = 'none'")
+    mooncake = spec.mooncake
+    return {
+        "backend": spec.backend,
+        "path": spec.path,
+        "capacity_bytes": spec.capacity,
+        "io_engine": spec.io_engine,
+        "metadata": spec.metadata,
+        "namespace": spec.namespace,
+        "mooncake_master": mooncake.master,
+        "mooncake_metadata": mooncake.metadata_server,
+        "mooncake_protocol": mooncake.protocol,
+        "mooncake_device": ",".join(mooncake.devices),
+        "mooncake_segment_bytes": mooncake.global_segment_size,
+        "mooncake_local_buffer_bytes": mooncake.local_buffer_size,
+    }
+
+
+def load_storage_table(path: str | Path) -> dict[str, Any]:
+    """StorageConfig keys from a pdcache topology TOML or a TOML of StorageConfig keys."""
+    data = tomllib.loads(Path(path).read_text())
+    if "node" in data or "model" in data:
+        from pdcache.launch.topology import load_topology
+
+        return storage_table_from_topology(load_topology(path).storage)
+    table = data.get("storage", data)
+    if _TOPOLOGY_ONLY & set(table):
+        raise ValueError(f"{path}: [storage] has topology keys but the file has no [model]/"
+                         "[[node]]; give the whole topology file")
+    return dict(table)
+
+
+@dataclass(frozen=True)
+class ShardIdentity:
+    """The parts of SGLang's HiCacheStorageConfig that decide which pages are interchangeable."""
+
+    model_name: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    rank_replicated: bool = False  # MLA: every TP rank holds the same KV
+    is_writer: bool = True
+
+    @classmethod
+    def from_sglang(cls, config: Any, model_name: str | None) -> ShardIdentity:
+        name = model_name or config.model_name or ""
+        replicated = bool(config.is_mla_model)
+        writer = bool(getattr(config, "is_storage_writer", (not replicated) or config.tp_rank == 0))
+        return cls(name, config.tp_rank, config.tp_size, config.pp_rank, config.pp_size,
+                   config.attn_cp_rank, config.attn_cp_size, replicated, writer)
+
+    def fingerprint(self, geometry: PageGeometry) -> str:
+        tp_rank, tp_size = (0, 1) if self.rank_replicated else (self.tp_rank, self.tp_size)
+        fp = kv_fingerprint(self.model_name, dtype_name(geometry.dtype), geometry.page_size,
+                            geometry.layer_num, geometry.head_num, geometry.head_dim,
+                            PAYLOAD_LAYOUT if geometry.kind == "mha" else "mla",
+                            tp_rank, tp_size)
+        if self.pp_size > 1:
+            fp += f";pp={self.pp_rank}/{self.pp_size}"
+        if self.cp_size > 1:
+            fp += f";cp={self.cp_rank}/{self.cp_size}"
+        return fp
+
+
+# --------------------------------------------------------------------------- staging
+
+
+class StagingBuffers:
+    """Reusable contiguous page buffers (one per concurrent batch chunk; a few are kept).
+
+    Reuse matters twice: fresh memory costs a page fault per 4 KiB on first touch, and the
+    mooncake backend registers each buffer once on first use.
+    """
+
+    def __init__(self, pages: int, page_bytes: int, keep: int = 4) -> None:
+        self.pages, self.page_bytes, self.keep = pages, page_bytes, keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> torch.Tensor:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return torch.empty((self.pages, self.page_bytes), dtype=torch.uint8)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buffer)
+
+
+# --------------------------------------------------------------------------- the backend
+
+
+class PdcacheStorageImpl:
+    """HiCacheStorage methods over a pdcache StorageBackend (the SGLang base class is mixed in
+    by `PdcacheHiCacheStorage`, so this module imports without SGLang).
+
+    Owns the pdcache backend (opened in `register_mem_pool_host`, when the page geometry is
+    known) and the staging buffers. Thread-safe: SGLang's prefetch and backup threads call
+    concurrently; the backend is thread-safe and each call holds its own staging buffer.
+    """
+
+    def __init__(self, storage_config: Any, kwargs: Mapping[str, Any] | None = None) -> None:
+        self.settings = PluginSettings.from_extra_config(storage_config.extra_config)
+        self.identity = ShardIdentity.from_sglang(storage_config, self.settings.model_name)
+        self.counters: Counter[str] = Counter()
+        self._counter_lock = threading.Lock()
+        self._open_lock = threading.Lock()
+        self.backend: Any = None
+        self.geometry: PageGeometry | None = None
+        self.mem_pool_host: Any = None
+        self.salt = b""
+        self.fingerprint = ""
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Learn the page geometry from SGLang's host pool and open the pdcache backend."""
+        geometry = PageGeometry.from_host_pool(mem_pool_host)
+        with self._open_lock:
+            if self.backend is not None and geometry != self.geometry:
+                raise ValueError("pdcache plugin: a second host pool with another geometry")
+            self.mem_pool_host = mem_pool_host
+            if self.backend is None:
+                self._open(geometry)
+
+    def _open(self, geometry: PageGeometry) -> None:
+        from pdcache.offload_manager.storage import create_backend
+        from pdcache.offload_manager.storage.config import StorageConfig
+
+        self.fingerprint = self.identity.fingerprint(geometry)
+        table = {**self.settings.storage, "page_bytes": geometry.page_bytes,
+                 "fingerprint": self.fingerprint, "num_layers": geometry.layer_num,
+                 "page_size": geometry.page_size, "dtype": dtype_name(geometry.dtype)}
+        config = StorageConfig.from_mapping(table)
+        self.salt = make_salt(self.fingerprint, self.settings.key_namespace)
+        chunk = max(1, min(128, self.settings.staging_bytes // geometry.page_bytes))
+        self.staging = StagingBuffers(chunk, geometry.page_bytes)
+        self.storage_config = config
+        self.geometry = geometry
+        self.backend = create_backend(config)
+        log.info("pdcache plugin: %s backend at %s, fingerprint %s", config.backend,
+                 config.path, self.fingerprint)
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+
+    # ---- keys ----------------------------------------------------------------------------
+
+    def storage_keys(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Derived storage keys; None for a key that is not a 64-hex-digit SGLang hash."""
+        out: list[bytes | None] = []
+        for key in keys:
+            try:
+                out.append(derive_storage_key(self.salt, key))
+            except (ValueError, TypeError):
+                self._count("bad_keys")
+                out.append(None)
+        return out
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._counter_lock:
+            self.counters[name] += amount
+
+    def _ready(self) -> bool:
+        if self.backend is None:
+            self._count("not_registered")
+            log.error("pdcache plugin: used before register_mem_pool_host")
+            return False
+        return True
+
+    # ---- existence -----------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """Number of consecutive keys, from the first, that are stored."""
+        if not keys or not self._ready():
+            return 0
+        try:
+            derived = self.storage_keys(keys)
+            valid = derived.index(None) if None in derived else len(derived)
+            return self.backend.exists_prefix(derived[:valid]) if valid else 0
+        except Exception:
+            log.exception("pdcache plugin: batch_exists failed")
+            self._count("errors")
+            return 0
+
+    # ---- zero-copy (v1) ------------------------------------------------------------------
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        """Read pages into the host pool at `host_indices`; per-key False on any failure."""
+        try:
+            firsts = self._first_tokens(keys, host_indices)
+            if firsts is None:
+                return [False] * len(keys)
+            kv = self.mem_pool_host.kv_buffer
+            views = [self.geometry.pool_page(kv, t) for t in firsts]  # type: ignore[union-attr]
+            return self._read_pages(keys, views)
+        except Exception:
+            log.exception("pdcache plugin: batch_get_v1 failed")
+            self._count("errors")
+            return [False] * len(keys)
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        """Store the host pages at `host_indices`; per-key False on any failure."""
+        try:
+            if not self.identity.is_writer:
+                return [True] * len(keys)  # another rank writes this replicated page
+            firsts = self._first_tokens(keys, host_indices)
+            if firsts is None:
+                return [False] * len(keys)
+            kv = self.mem_pool_host.kv_buffer
+            views = [self.geometry.pool_page(kv, t) for t in firsts]  # type: ignore[union-attr]
+            return self._write_pages(keys, views)
+        except Exception:
+            log.exception("pdcache plugin: batch_set_v1 failed")
+            self._count("errors")
+            return [False] * len(keys)
+
+    def _first_tokens(self, keys: list[str], host_indices: torch.Tensor) -> list[int] | None:
+        if not self._ready():
+            return None
+        size = self.geometry.page_size  # type: ignore[union-attr]
+        if host_indices.numel() != len(keys) * size:
+            self._count("errors")
+            log.error("pdcache plugin: %d keys but %d host indices (page size %d)",
+                      len(keys), host_indices.numel(), size)
+            return None
+        return host_indices[::size].tolist()
+
+    # ---- generic (flat pages) ------------------------------------------------------------
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        """Fill SGLang's flat data pages (`target_locations`); None for each miss."""
+        try:
+            if not self._ready():
+                return [None] * len(keys)
+            targets = list(target_locations or [])
+            if len(targets) != len(keys) or any(t is None for t in targets):
+                targets = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+            views = [self.geometry.flat_page(t) for t in targets]  # type: ignore[union-attr]
+            found = self._read_pages(keys, views)
+            return [t if ok else None for t, ok in zip(targets, found)]
+        except Exception:
+            log.exception("pdcache plugin: batch_get failed")
+            self._count("errors")
+            return [None] * len(keys)
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """Store SGLang's flat data pages; True when every page is stored."""
+        try:
+            if not self.identity.is_writer:
+                return True
+            if not self._ready() or values is None or len(values) != len(keys):
+                return False
+            views = [self.geometry.flat_page(v) for v in values]  # type: ignore[union-attr]
+            return all(self._write_pages(keys, views))
+        except Exception:
+            log.exception("pdcache plugin: batch_set failed")
+            self._count("errors")
+            return False
+
+    # ---- page movement -------------------------------------------------------------------
+
+    def _read_pages(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> list[bool]:
+        derived = self.storage_keys(keys)
+        results = [False] * len(keys)
+        step = self.staging.pages
+        for start in range(0, len(keys), step):
+            todo = [i for i in range(start, min(start + step, len(keys))) if derived[i]]
+            if todo:
+                self._read_chunk(todo, derived, views, results)
+        return results
+
+    def _read_chunk(self, todo: list[int], derived: list[bytes | None],
+                    views: Sequence[torch.Tensor], results: list[bool]) -> None:
+        buffer = self.staging.acquire()
+        try:
+            pages = [buffer[j] for j in range(len(todo))]
+            found = self.backend.get_into([derived[i] for i in todo], pages)
+            for j, (i, ok) in enumerate(zip(todo, found)):
+                if ok:
+                    views[i].copy_(self.geometry.stored(pages[j]))  # type: ignore[union-attr]
+                    results[i] = True
+            self._count("pages_read", sum(found))
+        finally:
+            self.staging.release(buffer)
+
+    def _write_pages(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> list[bool]:
+        derived = self.storage_keys(keys)
+        results = [False] * len(keys)
+        step = self.staging.pages
+        for start in range(0, len(keys), step):
+            todo = [i for i in range(start, min(start + step, len(keys))) if derived[i]]
+            if todo:
+                self._write_chunk(todo, derived, views, results)
+        return results
+
+    def _write_chunk(self, todo: list[int], derived: list[bytes | None],
+                     views: Sequence[torch.Tensor], results: list[bool]) -> None:
+        buffer = self.staging.acquire()
+        try:
+            pages = [buffer[j] for j in range(len(todo))]
+            for j, i in enumerate(todo):
+                self.geometry.stored(pages[j]).copy_(views[i])  # type: ignore[union-attr]
+            stored = self.backend.put_from([derived[i] for i in todo], pages,
+                                           self.settings.origin)
+            for i, ok in zip(todo, stored):
+                results[i] = ok
+            self._count("pages_written", sum(stored))
+        finally:
+            self.staging.release(buffer)
+
+    # ---- maintenance ---------------------------------------------------------------------
+
+    def delete_keys(self, keys: list[str]) -> None:
+        if self._ready():
+            self.backend.delete([k for k in self.storage_keys(keys) if k is not None])
+
+    def clear(self) -> None:
+        """Remove every page this backend can enumerate (file / hf3fs); others: no-op."""
+        if self.backend is not None and hasattr(self.backend, "clear"):
+            self.backend.clear()
+
+    def get_stats(self) -> None:
+        return None  # SGLang's StorageMetrics are its own; see pdcache_stats()
+
+    def pdcache_stats(self) -> dict[str, int | float]:
+        """pdcache backend counters plus the plugin's own (bad_keys, errors, pages_*)."""
+        out: dict[str, int | float] = dict(self.backend.stats()) if self.backend else {}
+        with self._counter_lock:
+            out.update({f"plugin_{k}": v for k, v in self.counters.items()})
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def _sglang_class() -> type:
+    try:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "the SGLang storage plugin", "sglang",
+            "on a GPU host: pip install 'pdcache[sglang]'; on CPU for tests: "
+            "pip install --no-deps sglang==0.5.23 plus its light deps",
+        ) from exc
+    return type(CLASS_NAME, (PdcacheStorageImpl, HiCacheStorage),
+                {"__module__": __name__, "__doc__": PdcacheStorageImpl.__doc__})
+
+
+def __getattr__(name: str) -> Any:
+    # SGLang's factory does getattr(module, class_name): build the subclass on first use, so
+    # importing this module (key helpers) never imports SGLang.
+    if name == CLASS_NAME:
+        return _sglang_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def extra_config(
+    pdcache_config: str | None = None,
+    storage: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """The `--hicache-storage-backend-extra-config` object that loads this plugin."""
+    config: dict[str, Any] = {"backend_name": "pdcache", "module_path": MODULE_PATH,
+                              "class_name": CLASS_NAME, "interface_v1": 1}
+    if pdcache_config is not None:
+        config["pdcache_config"] = str(pdcache_config)
+    if storage:
+        config["storage"] = dict(storage)
+    config.update(options)
+    return config
+
+
+def extra_config_json(*args: Any, **kwargs: Any) -> str:
+    return json.dumps(extra_config(*args, **kwargs), separators=(",", ":"))

@@ -1,0 +1,396 @@
+"""The SGLang HiCache storage plugin, loaded by SGLang's own backend factory (issue 9).
+
+Needs `sglang` installed without its dependencies (see scripts/setup.sh / cpu-deps-notes.md).
+SGLang's real host pool classes import torchvision and CUDA-only modules, so the host pool
+here is `SglangLikeHostPool`: the buffer shapes and flat-page methods of SGLang 0.5.23's
+MHATokenToKVPoolHost / MLATokenToKVPoolHost, nothing else (what the plugin reads).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+hicache_storage = pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage",
+    reason="sglang is not installed (pip install --no-deps sglang==0.5.23 + light deps)",
+)
+backend_factory = pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
+
+from pdcache.engine.page_keys import kv_fingerprint  # noqa: E402
+from pdcache.integrations import sglang as plugin  # noqa: E402
+from pdcache.offload_manager.host_pool import HostKVPool  # noqa: E402
+from pdcache.offload_manager.storage import create_backend  # noqa: E402
+from pdcache.offload_manager.storage.config import StorageConfig  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 8, 4
+NUM_PAGES = 12
+
+
+class SglangLikeHostPool:
+    """SGLang's host pool surface the plugin uses: layout, geometry, kv_buffer, flat pages."""
+
+    def __init__(self, layout: str, mla: bool = False, dtype: torch.dtype = torch.float32,
+                 seed: int | None = None) -> None:
+        self.layout, self.page_size, self.dtype = layout, PAGE, dtype
+        self.layer_num, self.head_num, self.head_dim, self.v_head_dim = LAYERS, HEADS, HEAD_DIM, HEAD_DIM
+        self.page_num, self.size = NUM_PAGES, NUM_PAGES * PAGE
+        if mla:
+            self.kv_cache_dim = 24
+        self.kv_buffer = torch.zeros(self._dims(mla), dtype=dtype)
+        if seed is not None:
+            gen = torch.Generator().manual_seed(seed)
+            self.kv_buffer.copy_(torch.randn(self.kv_buffer.shape, generator=gen))
+
+    def _dims(self, mla: bool) -> tuple[int, ...]:
+        n, s, pages, L, H, D = self.size, PAGE, NUM_PAGES, LAYERS, HEADS, HEAD_DIM
+        if mla:
+            dim = self.kv_cache_dim
+            return {"layer_first": (L, n, 1, dim), "page_first": (n, L, 1, dim),
+                    "page_first_direct": (pages, L, s, 1, dim)}[self.layout]
+        return {"layer_first": (2, L, n, H, D), "page_first": (2, n, L, H, D),
+                "page_first_direct": (2, pages, L, s, H, D),
+                "page_head": (2, pages, H, s, L, D)}[self.layout]
+
+    def _page(self, index: int) -> torch.Tensor:
+        if self.layout == "layer_first":
+            return self.kv_buffer[:, :, index : index + PAGE]
+        if self.layout == "page_first":
+            return self.kv_buffer[:, index : index + PAGE]
+        return self.kv_buffer[:, index // PAGE]
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self._page(index)
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(self._page(0).numel(), dtype=self.dtype)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        page = self._page(index)
+        page.copy_(data_page.view(page.shape))
+
+    def kv(self, layer: int, kv: int, token: int) -> torch.Tensor:
+        """K (kv=0) or V (kv=1) of all heads of one host token, read the layout's own way."""
+        if self.layout == "layer_first":
+            return self.kv_buffer[kv, layer, token]
+        if self.layout == "page_first":
+            return self.kv_buffer[kv, token, layer]
+        page, offset = divmod(token, PAGE)
+        if self.layout == "page_first_direct":
+            return self.kv_buffer[kv, page, layer, offset]
+        return self.kv_buffer[kv, page, :, offset, layer]
+
+
+def sglang_config(extra: dict, model: str = "org/model", tp_rank: int = 0, tp_size: int = 1,
+                  mla: bool = False):
+    return hicache_storage.HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name=model, extra_config=dict(extra),
+    )
+
+
+def storage_table(tmp_path: Path, backend: str) -> dict:
+    if backend == "hf3fs":
+        return {"backend": "hf3fs", "path": str(tmp_path / "hf3fs"), "capacity_pages": 64,
+                "io_engine": "posix", "metadata": "inproc", "num_data_files": 2}
+    return {"backend": "file", "path": str(tmp_path / "file")}
+
+
+def make_plugin(tmp_path: Path, pool: SglangLikeHostPool, backend: str = "file", **kw):
+    """The plugin exactly as SGLang builds it: factory, then register_mem_pool_host."""
+    extra = plugin.extra_config(storage=storage_table(tmp_path, backend))
+    extra = json.loads(json.dumps(extra))  # what arrives through the CLI flag
+    config = sglang_config(extra, **kw)
+    backend_obj = backend_factory.StorageBackendFactory.create_backend("dynamic", config, pool)
+    backend_obj.register_mem_pool_host(pool)
+    return backend_obj
+
+
+@pytest.fixture
+def plugins():
+    opened = []
+    yield opened
+    for p in opened:
+        p.close()
+
+
+def open_plugin(plugins, *args, **kw):
+    p = make_plugin(*args, **kw)
+    plugins.append(p)
+    return p
+
+
+def hashes(n: int, start: int = 0) -> list[str]:
+    tokens = list(range(start, start + n * PAGE))
+    return plugin.sglang_chain_hashes(tokens, PAGE)
+
+
+def indices(pages: list[int]) -> torch.Tensor:
+    return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def test_factory_loads_plugin_class(tmp_path, plugins):
+    pool = SglangLikeHostPool("page_first", seed=1)
+    backend = open_plugin(plugins, tmp_path, pool)
+    assert isinstance(backend, hicache_storage.HiCacheStorage)
+    assert type(backend).__name__ == plugin.CLASS_NAME
+    assert backend.fingerprint == kv_fingerprint("org/model", "float32", PAGE, LAYERS, HEADS,
+                                                 HEAD_DIM, "page_first", 0, 1)
+    assert backend.storage_config.page_bytes == LAYERS * 2 * PAGE * HEADS * HEAD_DIM * 4
+
+
+def test_missing_storage_section_is_a_clear_error(tmp_path):
+    config = sglang_config({"backend_name": "pdcache", "module_path": plugin.MODULE_PATH,
+                            "class_name": plugin.CLASS_NAME})
+    with pytest.raises(ValueError, match="pdcache_config"):
+        backend_factory.StorageBackendFactory.create_backend("dynamic", config, None)
+
+
+def test_pdcache_toml_configures_the_plugin(tmp_path, plugins):
+    toml = tmp_path / "storage.toml"
+    toml.write_text(f'[storage]\nbackend = "file"\npath = "{tmp_path / "fromtoml"}"\n')
+    config = sglang_config(plugin.extra_config(pdcache_config=str(toml)))
+    backend = backend_factory.StorageBackendFactory.create_backend("dynamic", config, None)
+    plugins.append(backend)
+    backend.register_mem_pool_host(SglangLikeHostPool("page_first"))
+    assert backend.storage_config.backend == "file"
+    assert backend.storage_config.path == str(tmp_path / "fromtoml")
+
+
+def test_topology_storage_table_maps_to_storage_config():
+    from pdcache.launch.topology import load_topology
+
+    root = Path(__file__).resolve().parents[1]
+    spec = load_topology(root / "configs" / "local-1p1d.toml").storage
+    table = plugin.storage_table_from_topology(spec)
+    config = StorageConfig.from_mapping({**table, "page_bytes": 4096})
+    assert (config.backend, config.metadata, config.capacity_bytes) == (
+        spec.backend, spec.metadata, spec.capacity)
+
+
+# ---------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("backend", ["file", "hf3fs"])
+def test_generic_round_trip_is_byte_exact(tmp_path, plugins, backend):
+    src = SglangLikeHostPool("page_first", seed=2)
+    store = open_plugin(plugins, tmp_path, src, backend)
+    keys = hashes(3)
+    pages = [src.get_data_page(p * PAGE) for p in (1, 4, 7)]
+    assert store.batch_set(keys, pages) is True
+    assert store.batch_exists(keys) == 3
+    assert store.batch_exists(keys + hashes(1, start=999)) == 3
+    assert store.exists(keys[0]) and not store.exists(hashes(1, start=999)[0])
+    got = store.batch_get(keys, [src.get_dummy_flat_data_page() for _ in keys])
+    for page, out in zip(pages, got):
+        assert out is not None and torch.equal(out, page)
+    assert store.batch_get(hashes(1, start=999), [src.get_dummy_flat_data_page()]) == [None]
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct",
+                                    "page_head"])
+def test_zero_copy_round_trip_per_layout(tmp_path, plugins, layout):
+    src = SglangLikeHostPool(layout, seed=3)
+    dst = SglangLikeHostPool(layout)
+    writer = open_plugin(plugins, tmp_path, src, "hf3fs")
+    keys = hashes(4)
+    assert writer.batch_set_v1(keys, indices([0, 3, 5, 9])) == [True] * 4
+    writer.close()
+    reader = open_plugin(plugins, tmp_path, dst, "hf3fs")  # reopened: index rebuilt from disk
+    assert reader.batch_exists(keys) == 4
+    assert reader.batch_get_v1(keys, indices([2, 3, 4, 11])) == [True] * 4
+    for s, d in zip([0, 3, 5, 9], [2, 3, 4, 11]):
+        assert torch.equal(src.get_data_page(s * PAGE), dst.get_data_page(d * PAGE))
+    assert torch.count_nonzero(dst.get_data_page(0)) == 0  # untouched page stays untouched
+
+
+def test_pages_are_shared_across_host_layouts(tmp_path, plugins):
+    src = SglangLikeHostPool("page_first", seed=4)
+    dst = SglangLikeHostPool("layer_first")
+    writer = open_plugin(plugins, tmp_path, src)
+    reader = open_plugin(plugins, tmp_path, dst)
+    keys = hashes(2)
+    assert writer.batch_set_v1(keys, indices([1, 2])) == [True, True]
+    assert reader.batch_get_v1(keys, indices([6, 7])) == [True, True]
+    for s, d in ((1, 6), (2, 7)):
+        for layer in range(LAYERS):
+            for kv in (0, 1):
+                for t in range(PAGE):
+                    assert torch.equal(src.kv(layer, kv, s * PAGE + t), dst.kv(layer, kv, d * PAGE + t))
+
+
+def test_mla_pages_are_shared_by_tp_ranks_and_written_once(tmp_path, plugins):
+    src = SglangLikeHostPool("page_first", mla=True, seed=5)
+    rank0 = open_plugin(plugins, tmp_path, src, tp_rank=0, tp_size=2, mla=True)
+    rank1 = open_plugin(plugins, tmp_path, SglangLikeHostPool("page_first_direct", mla=True),
+                        tp_rank=1, tp_size=2, mla=True)
+    keys = hashes(2)
+    assert rank1.batch_set_v1(keys, indices([0, 1])) == [True, True]  # not the writer: no-op
+    assert rank0.batch_exists(keys) == 0
+    assert rank0.batch_set_v1(keys, indices([3, 4])) == [True, True]
+    assert rank1.batch_get_v1(keys, indices([5, 6])) == [True, True]
+    assert torch.equal(src.kv_buffer[3 * PAGE : 5 * PAGE].permute(1, 0, 2, 3),
+                       rank1.mem_pool_host.kv_buffer[5:7].permute(1, 0, 2, 3, 4).reshape(
+                           LAYERS, 2 * PAGE, 1, 24))
+
+
+# ---------------------------------------------------------------------------- safety
+
+
+@pytest.mark.parametrize("backend", ["file", "hf3fs"])
+def test_corrupt_page_is_a_miss(tmp_path, plugins, backend):
+    src = SglangLikeHostPool("page_first", seed=6)
+    dst = SglangLikeHostPool("page_first")
+    store = open_plugin(plugins, tmp_path, src, backend)
+    keys = hashes(3)
+    assert store.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3
+    bad = store.storage_keys([keys[1]])[0]
+    blob = bytearray(store.backend.read_object(bad))
+    blob[-1] ^= 0xFF  # last payload byte
+    assert store.backend.write_object(bad, bytes(blob))
+    store.mem_pool_host = dst  # read into a clean pool
+    assert store.batch_get_v1(keys, indices([4, 5, 6])) == [True, False, True]
+    assert torch.count_nonzero(dst.get_data_page(5 * PAGE)) == 0
+    assert store.pdcache_stats()["corrupt_pages"] == 1
+
+
+def test_two_models_never_share_pages(tmp_path, plugins):
+    src = SglangLikeHostPool("page_first", seed=7)
+    a = open_plugin(plugins, tmp_path, src, model="org/model-a")
+    b = open_plugin(plugins, tmp_path, SglangLikeHostPool("page_first"), model="org/model-b")
+    a2 = open_plugin(plugins, tmp_path, SglangLikeHostPool("page_first"), model="org/model-a")
+    keys = hashes(2)
+    assert a.batch_set_v1(keys, indices([0, 1])) == [True, True]
+    assert b.batch_exists(keys) == 0
+    assert b.batch_get_v1(keys, indices([0, 1])) == [False, False]
+    assert a2.batch_get_v1(keys, indices([0, 1])) == [True, True]
+
+
+def test_tp_shards_never_collide(tmp_path, plugins):
+    shard0 = SglangLikeHostPool("page_first", seed=8)
+    shard1 = SglangLikeHostPool("page_first", seed=9)
+    p0 = open_plugin(plugins, tmp_path, shard0, tp_rank=0, tp_size=2)
+    p1 = open_plugin(plugins, tmp_path, shard1, tp_rank=1, tp_size=2)
+    solo = open_plugin(plugins, tmp_path, SglangLikeHostPool("page_first"), tp_rank=0, tp_size=1)
+    keys = hashes(2)
+    assert p0.batch_set_v1(keys, indices([0, 1])) == [True, True]
+    assert p1.batch_exists(keys) == 0 and solo.batch_exists(keys) == 0
+    assert p1.batch_set_v1(keys, indices([0, 1])) == [True, True]
+    fresh = SglangLikeHostPool("page_first")
+    p0.mem_pool_host = fresh
+    assert p0.batch_get_v1(keys, indices([0, 1])) == [True, True]
+    assert torch.equal(fresh.kv_buffer[:, : 2 * PAGE], shard0.kv_buffer[:, : 2 * PAGE])
+    assert not torch.equal(fresh.kv_buffer[:, : 2 * PAGE], shard1.kv_buffer[:, : 2 * PAGE])
+
+
+def test_v1_failures_are_per_key_false_never_none(tmp_path, plugins, monkeypatch):
+    pool = SglangLikeHostPool("page_first", seed=10)
+    store = open_plugin(plugins, tmp_path, pool)
+    keys = hashes(2)
+    assert store.batch_set_v1(keys, indices([0, 1])) == [True, True]
+    assert store.batch_get_v1(keys, indices([0])) == [False, False]  # wrong index count
+    assert store.batch_get_v1(["not-hex", keys[1]], indices([2, 3])) == [False, True]
+    assert store.batch_exists(["not-hex", keys[1]]) == 0
+
+    def broken(*args, **kwargs):
+        raise OSError("storage is down")
+
+    monkeypatch.setattr(store.backend, "get_into", broken)
+    monkeypatch.setattr(store.backend, "put_from", broken)
+    monkeypatch.setattr(store.backend, "exists_prefix", broken)
+    assert store.batch_get_v1(keys, indices([2, 3])) == [False, False]
+    assert store.batch_set_v1(keys, indices([2, 3])) == [False, False]
+    assert store.batch_exists(keys) == 0
+    assert store.batch_get(keys, None) == [None, None]
+    assert store.pdcache_stats()["plugin_errors"] == 5
+    unregistered = plugin.PdcacheHiCacheStorage(sglang_config(plugin.extra_config(
+        storage=storage_table(tmp_path, "file"))), {})
+    assert unregistered.batch_get_v1(keys, indices([0, 1])) == [False, False]
+
+
+# ---------------------------------------------------------------------------- interop
+
+
+def test_chain_matches_sglang_hash_functions():
+    utils = pytest.importorskip("sglang.srt.mem_cache.utils")
+    tokens = list(range(100, 100 + 3 * PAGE + 1))
+    try:
+        theirs = utils.get_hash_str(tokens[: 3 * PAGE], None, page_size=PAGE)
+    except RuntimeError as exc:  # the native hash extension needs a C++ compiler + OpenSSL
+        pytest.skip(f"SGLang's native hash extension does not build here: {exc}")
+    assert plugin.sglang_chain_hashes(tokens, PAGE) == theirs
+    seed = utils.storage_namespace_seed(None, "tenant-1")
+    assert plugin.sglang_namespace_seed("tenant-1").hex() == seed
+    salted = utils.get_hash_str(tokens[: 3 * PAGE], seed, page_size=PAGE)
+    assert plugin.sglang_chain_hashes(tokens, PAGE, cache_salt="tenant-1") == salted
+    assert salted != theirs
+    tail = plugin.sglang_chain_hashes(tokens[PAGE:], PAGE, prior_hash=theirs[0])
+    assert tail == theirs[1:]
+
+
+def pdcache_side(tmp_path: Path, model: str, backend: str):
+    """A pdcache node's view: its own backend over the same storage, its own host pool."""
+    fingerprint = kv_fingerprint(model, "float32", PAGE, LAYERS, HEADS, HEAD_DIM)
+    host = HostKVPool(4, LAYERS, PAGE, HEADS, HEAD_DIM, torch.float32)
+    config = StorageConfig.from_mapping({
+        **storage_table(tmp_path, backend), "page_bytes": host.page_nbytes,
+        "fingerprint": fingerprint, "num_layers": LAYERS, "page_size": PAGE, "dtype": "float32"})
+    return create_backend(config), host, fingerprint
+
+
+@pytest.mark.parametrize("backend", ["file", "hf3fs"])
+def test_sglang_writes_pdcache_reads(tmp_path, plugins, backend):
+    tokens = list(range(7, 7 + 3 * PAGE))
+    src = SglangLikeHostPool("page_first", seed=11)
+    store = open_plugin(plugins, tmp_path, src, backend, model="org/model")
+    assert store.batch_set_v1(plugin.sglang_chain_hashes(tokens, PAGE), indices([2, 0, 5])) == [True] * 3
+    store.close()
+    native, host, fingerprint = pdcache_side(tmp_path, "org/model", backend)
+    try:
+        keys = plugin.sglang_compatible_page_keys(tokens, PAGE, fingerprint)
+        assert native.exists_prefix(keys) == 3
+        origins: list[str | None] = []
+        assert native.get_into(keys, host.page_bytes([1, 2, 3]), origins) == [True] * 3
+        assert origins == ["prefill"] * 3
+        for page, first in zip([1, 2, 3], [2, 0, 5]):
+            for layer in range(LAYERS):
+                for kv in (0, 1):
+                    for t in range(PAGE):
+                        assert torch.equal(host.host_kv[page, layer, kv, t],
+                                           src.kv(layer, kv, first * PAGE + t))
+        other = kv_fingerprint("org/other", "float32", PAGE, LAYERS, HEADS, HEAD_DIM)
+        assert native.exists_prefix(plugin.sglang_compatible_page_keys(tokens, PAGE, other)) == 0
+    finally:
+        native.close()
+
+
+@pytest.mark.parametrize("backend", ["file", "hf3fs"])
+def test_pdcache_writes_sglang_reads(tmp_path, plugins, backend):
+    tokens = list(range(50, 50 + 2 * PAGE + 2))  # the partial last page gets no key
+    native, host, fingerprint = pdcache_side(tmp_path, "org/model", backend)
+    try:
+        host.host_kv.copy_(torch.randn(host.host_kv.shape, generator=torch.Generator().manual_seed(12)))
+        keys = plugin.sglang_compatible_page_keys(tokens, PAGE, fingerprint)
+        assert len(keys) == 2
+        assert native.put_from(keys, host.page_bytes([3, 1]), origin="decode") == [True, True]
+    finally:
+        native.close()
+    dst = SglangLikeHostPool("page_head")
+    store = open_plugin(plugins, tmp_path, dst, backend, model="org/model")
+    sglang_keys = plugin.sglang_chain_hashes(tokens, PAGE)
+    assert store.batch_exists(sglang_keys) == 2
+    assert store.batch_get_v1(sglang_keys, indices([8, 9])) == [True, True]
+    for page, first in ((3, 8), (1, 9)):
+        for layer in range(LAYERS):
+            for kv in (0, 1):
+                for t in range(PAGE):
+                    assert torch.equal(dst.kv(layer, kv, first * PAGE + t),
+                                       host.host_kv[page, layer, kv, t])
