@@ -71,3 +71,14 @@ def test_attention_rejects_bad_shapes(name):
         backend.paged_attention_extend(torch.zeros(4, 2, 8), pool, 0, table, [0, 1], [2, 3], 1.0)
     with pytest.raises(checks.KernelArgumentError, match="2-D int"):
         backend.paged_attention_decode(torch.zeros(2, 2, 8), pool, 0, table.float(), [3, 4], 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_on_cuda(name, dtype):
+    for seed in range(4):
+        params = _random_case(seed, decode=seed % 2 == 0)
+        testing.check_attention(KERNEL_BACKENDS.get(name)(), dtype=dtype, seed=seed,
+                                device="cuda", **params)

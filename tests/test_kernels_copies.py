@@ -103,3 +103,17 @@ def test_dispatch_defaults_to_torch_on_cpu_and_honours_override(monkeypatch):
 def test_dispatch_rejects_unknown_backend():
     with pytest.raises(KeyError, match="choose one of"):
         KernelSet("cuda-magic")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_backends_on_cuda(name, dtype):
+    shape = testing.CopyShape(layers=3, device_pages=9, host_pages=7, page_size=16, heads=2,
+                              dim=64, num_pages=5)
+    for seed in range(2):  # even seeds pin the host pool
+        testing.check_copies(KERNEL_BACKENDS.get(name)(), shape, dtype, seed, device="cuda")
+        testing.check_copies(KERNEL_BACKENDS.get(name)(), shape, dtype, seed, device="cuda",
+                             layer=1)
+    testing.check_pack_store(KERNEL_BACKENDS.get(name)(), shape, dtype, 3, device="cuda")

@@ -13,6 +13,8 @@ otherwise the copy falls back to per-page `copy_`.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -91,10 +93,18 @@ def _launch_copy(
     src_ids = src_ids.to(launch_device, torch.int64)
     dst_ids = dst_ids.to(launch_device, torch.int64)
     grid = (pairs, num_blocks, triton.cdiv(block_elems, _COPY_BLOCK))
-    _copy_blocks_kernel[grid](
-        _bits(src), _bits(dst), src_ids, dst_ids, *strides, first_block, block_elems,
-        BLOCK=_COPY_BLOCK,
-    )
+    with _on(launch_device):
+        _copy_blocks_kernel[grid](
+            _bits(src), _bits(dst), src_ids, dst_ids, *strides, first_block, block_elems,
+            BLOCK=_COPY_BLOCK,
+        )
+
+
+def _on(device: torch.device):
+    """Launch on `device` (triton launches on the current CUDA device)."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _pool_strides(device_kv: torch.Tensor) -> tuple[int, int, int]:
@@ -247,23 +257,32 @@ def paged_attention_decode(
     lens = as_int_list(seq_lens)
     checks.check_decode(q, device_kv, layer, page_table, lens)
     _require_launchable("paged_attention_decode", device_kv)
-    batch, q_heads, dim = q.shape
-    page_size, kv_heads = device_kv.shape[3], device_kv.shape[4]
+    batch = q.shape[0]
     table = page_table.to(device_kv.device).contiguous()
     lens_t = torch.tensor(lens, dtype=torch.int32, device=device_kv.device)
     q = q.contiguous()
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    _decode_kernel[(batch, q_heads)](
+    with _on(device_kv.device):
+        _decode(q, device_kv, layer, table, lens_t, out, float(scale), int(sliding_window or 0))
+    return out
+
+
+def _decode(
+    q: torch.Tensor, device_kv: torch.Tensor, layer: int, table: torch.Tensor,
+    lens_t: torch.Tensor, out: torch.Tensor, scale: float, window: int,
+) -> None:
+    _, q_heads, dim = q.shape
+    page_size, kv_heads = device_kv.shape[3], device_kv.shape[4]
+    _decode_kernel[(q.shape[0], q_heads)](
         q, device_kv[layer, 0], device_kv[layer, 1], out, table, lens_t,
         table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        float(scale), int(sliding_window or 0),
+        scale, window,
         GROUP=q_heads // kv_heads, KV_HEADS=kv_heads, HEAD_DIM=dim, PAGE=page_size,
         BLOCK_N=max(16, min(64, triton.next_power_of_2(page_size))),
         BLOCK_D=triton.next_power_of_2(dim),
     )
-    return out
 
 
 @triton.jit
@@ -365,15 +384,16 @@ def paged_attention_extend(
     table = page_table.to(device).contiguous()
     block_m = 16
     grid = (len(extend_lens), triton.cdiv(max(extend_lens), block_m), q_heads)
-    _extend_kernel[grid](
-        q, device_kv[layer, 0], device_kv[layer, 1], out, table,
-        as_dev(prefix_lens), as_dev(extend_lens), as_dev(q_starts),
-        table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        float(scale), int(sliding_window or 0),
-        GROUP=q_heads // kv_heads, KV_HEADS=kv_heads, HEAD_DIM=dim, PAGE=page_size,
-        BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        FP32=_dot_in_fp32(device_kv.dtype),
-    )
+    with _on(device):
+        _extend_kernel[grid](
+            q, device_kv[layer, 0], device_kv[layer, 1], out, table,
+            as_dev(prefix_lens), as_dev(extend_lens), as_dev(q_starts),
+            table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            float(scale), int(sliding_window or 0),
+            GROUP=q_heads // kv_heads, KV_HEADS=kv_heads, HEAD_DIM=dim, PAGE=page_size,
+            BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+            FP32=_dot_in_fp32(device_kv.dtype),
+        )
     return out.to(q_dtype)
 
 
