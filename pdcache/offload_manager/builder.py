@@ -69,9 +69,13 @@ class TieredEngine:
             self.storage.close()
 
 
-def build_tiered_engine(config: EngineConfig, model: Any, tokenizer: Any,
-                        tiers: TierConfig) -> TieredEngine:
-    """An Engine (not started) whose scheduler runs HiCache over `tiers`."""
+def build_tiered_engine(config: EngineConfig, model: Any, tokenizer: Any, tiers: TierConfig,
+                        scheduler_cls: type[HiCacheScheduler] = HiCacheScheduler,
+                        **scheduler_kwargs: Any) -> TieredEngine:
+    """An Engine (not started) whose scheduler (`scheduler_cls`, given `scheduler_kwargs`)
+    runs HiCache over `tiers`."""
+    if not config.cache.enable_prefix_cache:
+        raise ValueError("the hierarchical cache needs the prefix cache enabled")
     page_size = config.cache.page_size
     host_pool = HostKVPool.for_model(config.model, tiers.host_pages, page_size)
     storage = create_backend(tiers.storage) if tiers.storage is not None else None
@@ -85,7 +89,7 @@ def build_tiered_engine(config: EngineConfig, model: Any, tokenizer: Any,
         hicache = HiCache(kwargs["tree"], kwargs["pool"].device_kv, storage, tiers.hicache,
                           fingerprint)
         built["hicache"] = hicache
-        return HiCacheScheduler(hicache=hicache, **kwargs)
+        return scheduler_cls(hicache=hicache, **scheduler_kwargs, **kwargs)
 
     engine = Engine(config, model, tokenizer, make_tree=make_tree, make_scheduler=make_scheduler)
     return TieredEngine(engine, built["hicache"], storage)

@@ -541,10 +541,18 @@ def _json_safe(stats: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- factory
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
-    """Build the app. With `config.manage_engine` the app starts and stops the engine."""
+def create_app(
+    engine: Engine,
+    config: ServerConfig | None = None,
+    server: UnifiedServer | None = None,
+    on_shutdown: Callable[[], None] | None = None,
+) -> FastAPI:
+    """Build the app. With `config.manage_engine` the app starts and stops the engine.
+
+    Prefill and decode nodes pass their own `server` (a `UnifiedServer` subclass) and an
+    `on_shutdown` that closes what they own besides the engine (transfer, cache tiers)."""
     config = config or ServerConfig()
-    server = UnifiedServer(engine, config)
+    server = server or UnifiedServer(engine, config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -555,6 +563,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         finally:
             if config.manage_engine:
                 engine.shutdown()
+            if on_shutdown is not None:
+                on_shutdown()
 
     app = FastAPI(title="pdcache", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server

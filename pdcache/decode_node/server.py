@@ -1,0 +1,231 @@
+"""The decode node's HTTP server (docs/pd-protocol.md).
+
+A request with `pd.role == "decode"` reserves device pages for its prompt, asks the prefill
+node named by `pd.bootstrap` to write the prompt's K/V into them (`KVReceiver`), and once that
+is done decodes from the first token prefill sampled, answering like any `/generate`
+(streaming or not). Its `meta` carries prefill's cache statistics. A failed or timed-out
+transfer is a 502/504 JSON error; the reserved pages are freed when the transfer layer says
+nothing writes them any more.
+
+Threads: handlers on the event loop; `on_release` on the receiver's control thread; the only
+shared state is `_rooms` under `_lock`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pdcache.engine.api import CachedTokens, GenerateRequest
+from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
+from pdcache.server.app import EngineRequest, Generation, ServerConfig, UnifiedServer
+from pdcache.server.protocol import (
+    OVERLOADED,
+    SERVER_ERROR,
+    ApiError,
+    CachedTokensDetails,
+    GenerateMeta,
+    GenerateRequestBody,
+    GenerateResponse,
+    TextAssembler,
+    bad_request,
+    check_prompt,
+    check_token_ids,
+    parse_body,
+)
+from pdcache.transfer import KVReceiver, Outcome, RoomState, TransferError
+
+
+@dataclass
+class _Room:
+    rid: str
+    loop: asyncio.AbstractEventLoop
+    released: asyncio.Future
+
+
+@dataclass
+class PrefillReport:
+    """What the prefill node reported with `done`."""
+
+    first_token: int
+    prompt_tokens: int
+    computed_tokens: int
+    cached: CachedTokens
+    prefill_node: str
+
+
+@dataclass
+class PDGeneration(Generation):
+    report: PrefillReport | None = None
+
+
+class DecodeServer(UnifiedServer):
+    """A unified server whose PD requests start from K/V pushed by a prefill node."""
+
+    def __init__(self, engine: Engine, config: ServerConfig, receiver: KVReceiver) -> None:
+        super().__init__(engine, config)
+        self.receiver = receiver
+        self._rooms: dict[int, _Room] = {}
+        self._lock = threading.Lock()
+
+    # ---- transfer callback --------------------------------------------------------------
+    def on_release(self, outcome: Outcome) -> None:
+        """Receiver thread: the room is over; on failure its reserved pages can go."""
+        with self._lock:
+            entry = self._rooms.pop(outcome.room_id, None)
+        if entry is None:
+            return
+        if outcome.state is not RoomState.SUCCESS:
+            self.engine.abort(entry.rid)  # frees the reservation (nothing writes it any more)
+        entry.loop.call_soon_threadsafe(_resolve, entry.released, outcome)
+
+    # ---- /generate ----------------------------------------------------------------------
+    async def generate(self, request: Request) -> Response:
+        body = parse_body(GenerateRequestBody, await request.body())
+        if body.pd is None:
+            return await super().generate(request)
+        if body.pd.role != "decode" or not body.pd.bootstrap:
+            raise bad_request("this is a decode node: pd needs role 'decode' and 'bootstrap'",
+                              code="wrong_role")
+        return await self._generate_pd(request, body)
+
+    async def _generate_pd(self, request: Request, body: GenerateRequestBody) -> Response:
+        gen = PDGeneration(arrival=time.monotonic())
+        body.check_one_prompt()
+        input_ids = body.input_ids if body.input_ids is not None else self.encode(body.text, "text")
+        sampling = body.sampling_params
+        check_prompt(input_ids, sampling.max_new_tokens, self.limits, body.prompt_param())
+        check_token_ids(sampling.stop_token_ids, self.limits.vocab_size,
+                        "sampling_params.stop_token_ids")
+        room = body.pd.room
+        rid = body.rid or f"pd-{room}"
+        report = await self._receive(room, rid, body.pd.bootstrap, input_ids)
+        report.prefill_node = body.pd.prefill_node or report.prefill_node
+        gen.report = report
+        handle = self._submit_prefilled(gen, rid, input_ids, sampling.to_engine(),
+                                        body.cache_salt, report.first_token)
+        text = TextAssembler(self.decode, [])
+        if body.stream:
+            return self.streaming(self._generate_events(handle, gen, text), handle, gen)
+        await self.collect(request, handle, gen, text)
+        response = GenerateResponse(output_ids=gen.output_ids, text=text.text, meta=self.meta(gen))
+        return JSONResponse(response.model_dump())
+
+    async def _receive(self, room: int, rid: str, bootstrap: str,
+                       input_ids: list[int]) -> PrefillReport:
+        """Reserve pages and wait until prefill wrote the prompt's K/V into them."""
+        pages = await self._reserve(rid, len(input_ids))
+        loop = asyncio.get_running_loop()
+        entry = _Room(rid, loop, loop.create_future())
+        with self._lock:
+            if room in self._rooms:
+                self.engine.abort(rid)
+                raise bad_request(f"room {room} is already in use", code="duplicate_room")
+            self._rooms[room] = entry
+        try:
+            self.receiver.request(room, bootstrap, pages, len(input_ids))
+        except (ValueError, TransferError) as exc:
+            with self._lock:
+                self._rooms.pop(room, None)
+            self.engine.abort(rid)
+            raise bad_request(f"room {room}: {exc}", code="bad_room") from None
+        await self._wait(entry, room)
+        result = self.receiver.wait(room, 0.0)  # finished: returns at once
+        return _report_of(result.first_token, result.stats)
+
+    async def _reserve(self, rid: str, num_tokens: int) -> list[int]:
+        try:
+            return await asyncio.to_thread(self.engine.reserve, rid, num_tokens)
+        except EngineOverloadedError as exc:
+            raise ApiError(503, f"decode node full: {exc}", type=OVERLOADED,
+                           code="overloaded") from None
+        except EngineNotRunningError as exc:
+            raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
+                           code="unavailable") from None
+        except ValueError as exc:
+            raise bad_request(str(exc), code="invalid_request") from None
+
+    async def _wait(self, entry: _Room, room: int) -> Outcome:
+        timeout = self.receiver.config.room_timeout_s + 5.0
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(entry.released), timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            self.receiver.abort(room, "decode request ended before the KV arrived")
+            raise ApiError(504, f"no KV for room {room} within {timeout:.0f}s",
+                           type=SERVER_ERROR, code="transfer_timeout") from None
+        if outcome.state is not RoomState.SUCCESS:
+            code = "transfer_timeout" if "within" in outcome.reason else "transfer_failed"
+            status = 504 if code == "transfer_timeout" else 502
+            raise ApiError(status, f"KV transfer of room {room} failed: {outcome.reason}",
+                           type=SERVER_ERROR, code=code)
+        return outcome
+
+    def _submit_prefilled(self, gen: Generation, rid: str, input_ids: list[int], sampling: Any,
+                          salt: str | None, first_token: int) -> EngineRequest:
+        handle = EngineRequest(self.engine, rid, time.monotonic() + self.config.request_timeout_s)
+        req = GenerateRequest(rid=rid, input_ids=input_ids, sampling=sampling,
+                              cache_salt=salt or "")
+        try:
+            self.engine.submit_prefilled(req, first_token, handle.on_output)
+        except (ValueError, EngineNotRunningError) as exc:
+            self.engine.abort(rid)  # frees the reservation
+            raise ApiError(500, f"cannot start decoding: {exc}", type=SERVER_ERROR) from None
+        gen.prompt_tokens = len(input_ids)
+        return handle
+
+    def meta(self, gen: Generation) -> GenerateMeta:
+        meta = super().meta(gen)
+        report = getattr(gen, "report", None)
+        if report is None:
+            return meta
+        return meta.model_copy(update={
+            "cached_tokens": report.cached.total,
+            "cached_tokens_details": CachedTokensDetails.of(report.cached),
+            "computed_tokens": report.computed_tokens,
+            "prefill_node": report.prefill_node,
+        })
+
+    def _finish(self, gen: Generation) -> None:
+        report = getattr(gen, "report", None)
+        if report is not None and gen.done_at is None:  # metrics count prefill's reuse
+            gen.cached, gen.computed_tokens = report.cached, report.computed_tokens
+        super()._finish(gen)
+
+    async def health(self, request: Request) -> Response:
+        response = await super().health(request)
+        data = json.loads(response.body)
+        data.update(role="decode", transfer=_json_ready(self.receiver.stats()))
+        return JSONResponse(data)
+
+
+def _report_of(first_token: int, stats: dict[str, Any]) -> PrefillReport:
+    cached = stats.get("cached") or {}
+    return PrefillReport(
+        first_token=int(first_token),
+        prompt_tokens=int(stats.get("prompt_tokens", 0)),
+        computed_tokens=int(stats.get("computed_tokens", 0)),
+        cached=CachedTokens(**{k: int(v) for k, v in cached.items()}),
+        prefill_node=str(stats.get("prefill_node", "")),
+    )
+
+
+def _resolve(future: asyncio.Future, outcome: Outcome) -> None:
+    if not future.done():
+        future.set_result(outcome)
+
+
+def _json_ready(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return str(value)

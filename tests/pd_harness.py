@@ -1,0 +1,157 @@
+"""In-process PD stacks for tests: prefill and decode apps on uvicorn threads (127.0.0.1, free
+ports), driven over real HTTP exactly as the router drives them (docs/pd-protocol.md)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import uvicorn
+
+from pdcache.decode_node.node import build_decode_app
+from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.loader import load_model
+from pdcache.launch.node_config import NodeSetup
+from pdcache.offload_manager.builder import (
+    TierConfig,
+    fingerprint_for,
+    model_identity,
+    storage_config_for,
+)
+from pdcache.offload_manager.hicache import HiCacheConfig
+from pdcache.prefill_node.node import build_prefill_app
+from pdcache.transfer import TransferConfig
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerThread:
+    """A uvicorn server on a thread; `stop()` runs the app's shutdown."""
+
+    def __init__(self, app: Any, port: int) -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.server.install_signal_handlers = lambda: None
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{port}"
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@dataclass
+class PDStack:
+    prefill: ServerThread
+    decode: ServerThread
+    prefill_server: Any
+    decode_server: Any
+    bootstrap: str
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120))
+
+    def generate(self, input_ids: list[int], max_new_tokens: int, salt: str = "",
+                 stream: bool = False, room: int | None = None) -> tuple[dict, dict]:
+        """Send one request to P and D at once; returns (P's answer, D's answer)."""
+        room = secrets.randbits(63) if room is None else room
+        sampling = {"max_new_tokens": max_new_tokens, "ignore_eos": True}
+        base = {"input_ids": input_ids, "sampling_params": sampling, "cache_salt": salt}
+        p_body = {**base, "pd": {"room": room, "role": "prefill", "decode_node": "d0"}}
+        d_body = {**base, "pd": {"room": room, "role": "decode", "bootstrap": self.bootstrap,
+                                 "prefill_node": "p0"}}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            p = pool.submit(self.client.post, f"{self.prefill.url}/generate", json=p_body)
+            d = pool.submit(self.client.post, f"{self.decode.url}/generate", json=d_body)
+            return p.result().json(), d.result().json()
+
+    def offload_idle(self, timeout_s: float = 30) -> bool:
+        offload = self.decode_server_app.state.offload
+        return offload is None or offload.wait_idle(timeout_s)
+
+    def close(self) -> None:
+        self.client.close()
+        self.decode.stop()
+        self.prefill.stop()
+
+
+def node_setups(tmp_path, model, page_size: int, engine: str, offload: bool,
+                write_policy: str = "write_through", backend: str = "hf3fs",
+                storage_settings: dict | None = None) -> tuple[NodeSetup, NodeSetup]:
+    fp = fingerprint_for(model.config, model_identity("tiny", 0), page_size)
+    settings = storage_settings or {"path": str(tmp_path / "storage"), "capacity_pages": 4096,
+                                    "metadata": "inproc"}
+    storage = storage_config_for(model.config, page_size, fp, backend=backend, **settings)
+    transfer = TransferConfig(engine=engine, bootstrap_timeout_s=10, room_timeout_s=20,
+                              heartbeat_interval_s=0.5)
+    sched = SchedulerConfig(chunked_prefill_tokens=256)
+    p_engine = EngineConfig(model.config, CacheConfig(page_size, 256), sched)
+    d_engine = EngineConfig(model.config, CacheConfig(page_size, 256, enable_prefix_cache=False),
+                            sched)
+    tiers = TierConfig(512, HiCacheConfig(write_policy=write_policy,
+                                          prefetch_policy="wait_complete"), storage)
+    prefill = NodeSetup("p0", "prefill", "127.0.0.1", 0, p_engine, tiers, fp, storage, transfer,
+                        free_port())
+    decode = NodeSetup("d0", "decode", "127.0.0.1", 0, d_engine, None, fp, storage, transfer,
+                       offload=offload)
+    return prefill, decode
+
+
+def start_stack(prefill: NodeSetup, decode: NodeSetup) -> PDStack:
+    model, tokenizer = load_model("tiny", seed=0)
+    p_app, p_server = build_prefill_app(prefill, model, tokenizer)
+    d_app, d_server = build_decode_app(decode, model, tokenizer, staging_pages=64)
+    p_thread = ServerThread(p_app, free_port())
+    d_thread = ServerThread(d_app, free_port())
+    stack = PDStack(p_thread, d_thread, p_server, d_server, p_server.sender.bootstrap_addr)
+    stack.decode_server_app = d_app
+    return stack
+
+
+class MetadataService:
+    """`pdcache metadata-server` as a subprocess on a free loopback port."""
+
+    def __init__(self, state_dir) -> None:
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdcache", "metadata-server", "--host", "127.0.0.1",
+             "--port", str(self.port), "--state-dir", str(state_dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError("metadata service did not start") from None
+                time.sleep(0.05)
+        self.address = f"tcp://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(5)
