@@ -127,6 +127,19 @@ def test_file_disk_full_fails_puts_and_leaves_no_temp_files(tmp_path: Path) -> N
     assert [p for p in (tmp_path / "store").rglob("*") if p.is_file()] == []
 
 
+def test_file_backend_removes_stale_temp_files_on_open(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, "file", capacity_pages=0)
+    create_backend(cfg).close()
+    shard = tmp_path / cfg.namespace / "ab"
+    shard.mkdir()
+    stale, fresh = shard / ".x.page.1.tmp", shard / ".y.page.2.tmp"
+    stale.write_bytes(b"partial")
+    fresh.write_bytes(b"in flight")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    create_backend(cfg).close()
+    assert not stale.exists() and fresh.exists()
+
+
 @pytest.fixture
 def tiny_tmpfs() -> Iterator[Path]:
     """A 64 KiB tmpfs (a really full disk: ENOSPC), where this process may mount one."""

@@ -9,10 +9,12 @@ open, then those it writes or reads). Thread-safe: the LRU index has a lock.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -33,6 +35,7 @@ from pdcache.offload_manager.storage.stats import StorageCounters
 
 log = logging.getLogger(__name__)
 SUFFIX = ".page"
+STALE_TEMP_S = 600.0  # a temp file this old belongs to no live writer
 
 
 class FileBackend(StorageBackend):
@@ -53,7 +56,13 @@ class FileBackend(StorageBackend):
         self._load_index()
 
     def _load_index(self) -> None:
-        """Known pages, oldest modification first (the LRU order after a restart)."""
+        """Known pages, oldest modification first (the LRU order after a restart); temp files
+        that a crashed writer left long ago are removed."""
+        stale_before = time.time() - STALE_TEMP_S
+        for tmp in self.root.glob("*/.*.tmp"):
+            with contextlib.suppress(OSError):
+                if tmp.stat().st_mtime < stale_before:
+                    tmp.unlink()
         found = []
         for path in self.root.glob(f"*/*{SUFFIX}"):
             try:
