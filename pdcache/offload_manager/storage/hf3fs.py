@@ -226,7 +226,11 @@ class Hf3fsBackend(StorageBackend):
         ]
         self.metadata = metadata or self._make_metadata()
         self._fds = self._open_files(self.metadata.num_slots)
-        self.engine = self._make_engine()
+        try:
+            self.engine = self._make_engine()
+        except BaseException:
+            self._close_files()
+            raise
         self._pool = ThreadPoolExecutor(config.io_threads) if config.io_threads > 1 else None
         if isinstance(self.metadata, InProcMetadata) and config.recover_index:
             self.metadata.load(self._scan_headers())
@@ -383,9 +387,13 @@ class Hf3fsBackend(StorageBackend):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self.engine.close()
+        self._close_files()
+
+    def _close_files(self) -> None:
         for fd in self._fds:
             if fd >= 0:
                 os.close(fd)
+        self._fds = []
         self.metadata.close()
 
     def register_host_memory(self, tensor: torch.Tensor) -> None:
