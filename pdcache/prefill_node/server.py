@@ -127,7 +127,7 @@ class PrefillServer(UnifiedServer):
             outcome = await self._wait_release(entry, room)
         finally:
             self._close_room(room, rid)
-        return self._pd_response(gen, outcome, time.monotonic() - started)
+        return self._pd_response(gen, outcome, time.monotonic() - started, body.pd.decode_node)
 
     def _open_room(self, room: int, rid: str) -> _Room:
         loop = asyncio.get_running_loop()
@@ -167,8 +167,10 @@ class PrefillServer(UnifiedServer):
                            type=SERVER_ERROR, code="transfer_failed")
         return outcome
 
-    def _pd_response(self, gen: Generation, outcome: Outcome, elapsed_s: float) -> Response:
+    def _pd_response(self, gen: Generation, outcome: Outcome, elapsed_s: float,
+                     decode_node: str | None) -> Response:
         meta = self.meta(gen).model_dump()
+        meta["decode_node"] = decode_node or ""
         nbytes = getattr(outcome.data, "nbytes", 0) if outcome.data is not None else 0
         pd = {"room": outcome.room_id, "bytes": nbytes, "transfer_s": elapsed_s}
         return JSONResponse({"output_ids": gen.output_ids, "meta": meta, "pd": pd})

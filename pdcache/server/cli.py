@@ -38,39 +38,80 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=600.0, help="deadline of one request (s)"
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    from pdcache.launch.node_config import add_cache_flags
+    from pdcache.launch.topology import add_topology_arguments
+
+    add_topology_arguments(parser)
+    add_cache_flags(parser)
 
 
 def build_engine(args: argparse.Namespace):
+    """The engine (with HiCache tiers when configured) and what closes them at exit."""
+    from pdcache.engine.config import EngineConfig
     from pdcache.engine.engine import Engine
+    from pdcache.engine.loader import load_model
+    from pdcache.launch.node_config import setup_from_topology, tiers_from_flags
+    from pdcache.offload_manager.builder import build_tiered_engine, fingerprint_for, model_identity
 
-    return Engine.from_spec(
-        args.model,
-        cache=CacheConfig(
-            page_size=args.page_size,
-            num_device_pages=args.device_pages,
-            enable_prefix_cache=not args.no_prefix_cache,
-        ),
-        scheduler=SchedulerConfig(
-            max_running_requests=args.max_running,
-            chunked_prefill_tokens=args.chunked_prefill_tokens,
-            max_queued_requests=args.max_queued,
-        ),
-        dtype=args.dtype,
-        seed=args.seed,
-    )
+    model, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    cache = CacheConfig(page_size=args.page_size, num_device_pages=args.device_pages,
+                        enable_prefix_cache=not args.no_prefix_cache)
+    scheduler = SchedulerConfig(max_running_requests=args.max_running,
+                                chunked_prefill_tokens=args.chunked_prefill_tokens,
+                                max_queued_requests=args.max_queued)
+    config = EngineConfig(model.config, cache, scheduler, seed=args.seed)
+    if getattr(args, "topology", None) is not None:
+        tiers = setup_from_topology(args.topology, args.topology_node, model.config).tiers
+    else:
+        fp = fingerprint_for(model.config, model_identity(args.model, args.seed), args.page_size)
+        tiers, _ = tiers_from_flags(args, model.config, args.page_size, args.device_pages, fp)
+    if tiers is None or args.no_prefix_cache:
+        return Engine(config, model, tokenizer), None
+    tiered = build_tiered_engine(config, model, tokenizer, tiers)
+
+    def close_tiers() -> None:
+        tiered.hicache.close()
+        if tiered.storage is not None:
+            tiered.storage.close()
+
+    return tiered.engine, close_tiers
 
 
 class _AnnouncingServer(uvicorn.Server):
     """Prints the URL once the listening socket is up, so scripts can wait for that line."""
 
-    def __init__(self, config: uvicorn.Config, url: str) -> None:
+    def __init__(self, config: uvicorn.Config, url: str, prefix: str = READY_PREFIX) -> None:
         super().__init__(config)
         self._url = url
+        self._prefix = prefix
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         if self.started:
-            print(f"{READY_PREFIX}{self._url}", flush=True)
+            print(f"{self._prefix}{self._url}", flush=True)
+
+
+def listen(host: str, port: int, command: str) -> socket.socket | None:
+    """Bind the HTTP socket first, so a busy port fails before the model loads."""
+    try:
+        return socket.create_server((host, port))
+    except OSError as exc:
+        print(f"pdcache {command}: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        return None
+
+
+def serve_app(app, sock: socket.socket, host: str, log_level: str, command: str = "serve") -> int:
+    """Run `app` on the bound `sock` until SIGINT/SIGTERM; prints the ready line."""
+    port = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    uv_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    server = _AnnouncingServer(uv_config, f"http://{shown}:{port}",
+                               f"pdcache {command}: ready at ")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0 if server.started else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,24 +119,37 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
-        sock = socket.create_server((args.host, args.port))
-    except OSError as exc:
-        print(f"pdcache serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        args = _apply_topology(args)
+    except ValueError as exc:  # TopologyError included
+        print(f"pdcache serve: {exc}", file=sys.stderr)
+        return 2
+    sock = listen(args.host, args.port, "serve")
+    if sock is None:
         return 1
-    port = sock.getsockname()[1]
     try:
-        engine = build_engine(args)
+        engine, closer = build_engine(args)
     except (OSError, ValueError) as exc:  # unknown preset, missing files, bad config
         sock.close()
         print(f"pdcache serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
         return 2
     config = ServerConfig(name=args.name, request_timeout_s=args.request_timeout)
-    app = create_app(engine, config)
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    uv_config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
-    server = _AnnouncingServer(uv_config, f"http://{host}:{port}")
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    return 0 if server.started else 1
+    app = create_app(engine, config, on_shutdown=closer)
+    return serve_app(app, sock, args.host, args.log_level)
+
+
+def _apply_topology(args: argparse.Namespace) -> argparse.Namespace:
+    """With --config/--node, the topology's settings replace the flags' defaults."""
+    from pdcache.launch.topology import node_from_args
+
+    found = node_from_args(args, ("unified",))
+    if found is None:
+        return args
+    topology, node = found
+    storage = topology.storage
+    values = dict(
+        model=topology.model.ref, dtype=topology.model.dtype, seed=topology.model.seed,
+        name=node.name, host=node.host, port=node.port, page_size=node.cache.page_size,
+        device_pages=node.cache.device_pages, topology=topology, topology_node=node,
+        storage_backend=storage.backend,
+    )
+    return argparse.Namespace(**{**vars(args), **values})

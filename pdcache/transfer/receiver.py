@@ -140,6 +140,7 @@ class KVReceiver:
     # ---- node API (any thread) -----------------------------------------------------------
     def connect(self, bootstrap_addr: str, timeout_s: float | None = None) -> None:
         """Register with a prefill peer and wait for its answer (TransferError on refusal)."""
+        bootstrap_addr = normalize_bootstrap(bootstrap_addr)
         timeout_s = self.config.bootstrap_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         created = threading.Event()
@@ -162,6 +163,7 @@ class KVReceiver:
         From here on `on_release` will run once for the room. ValueError on bad arguments,
         DuplicateRoom if the room id is in use.
         """
+        bootstrap_addr = normalize_bootstrap(bootstrap_addr)
         dst = np.asarray(dst_page_ids, dtype=np.int64).reshape(-1)
         self.layout.check_pages(dst, "destination")
         if dst.size == 0 or num_tokens < 1 or not 0 <= room < (1 << 63):
@@ -401,3 +403,12 @@ class KVReceiver:
 
 def _tick_s(config: TransferConfig) -> float:
     return min(0.25, max(0.01, config.heartbeat_interval_s / 4))
+
+
+def normalize_bootstrap(addr: str) -> str:
+    """'host:port' or 'tcp://host:port' -> 'tcp://host:port'; ValueError for anything else."""
+    bare = addr[len("tcp://"):] if addr.startswith("tcp://") else addr
+    host, _, port = bare.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in bare:
+        raise ValueError(f"bootstrap address must be HOST:PORT, got {addr!r}")
+    return f"tcp://{bare}"

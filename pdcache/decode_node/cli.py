@@ -1,0 +1,24 @@
+"""`pdcache decode`: a decode node (KV receiver, continuous-batching decode, offload).
+
+With `--config TOPOLOGY --node NAME` every setting comes from the topology; otherwise from
+the flags (`--storage-backend` enables the DecodeOffloadManager unless `--no-offload`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pdcache.launch.node_config import add_node_flags
+    from pdcache.launch.topology import add_topology_arguments
+
+    add_topology_arguments(parser)
+    add_node_flags(parser, "decode")
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdcache.prefill_node.cli import run_node
+
+    return run_node(args, "decode")
