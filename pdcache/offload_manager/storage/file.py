@@ -31,7 +31,7 @@ from pdcache.offload_manager.storage.page_format import (
     encode_header,
     verify_page,
 )
-from pdcache.offload_manager.storage.stats import StorageCounters
+from pdcache.offload_manager.storage.stats import RateLimitedLog, StorageCounters
 
 log = logging.getLogger(__name__)
 SUFFIX = ".page"
@@ -47,6 +47,7 @@ class FileBackend(StorageBackend):
         self.root = Path(config.path) / config.namespace
         self.capacity_pages = config.num_pages  # 0: unlimited
         self.counters = StorageCounters()
+        self._warn = RateLimitedLog(log)
         self._lru: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
         try:
@@ -189,7 +190,7 @@ class FileBackend(StorageBackend):
         try:
             self._write_atomic(path, header, payload)
         except OSError as exc:
-            log.debug("file storage: writing %s failed: %s", path, exc)
+            self._warn.warning("write", "file storage: writing %s failed: %s", path, exc)
             self.counters.add("write_errors")
             return False
         self._touch(key)

@@ -50,7 +50,7 @@ from pdcache.offload_manager.storage.page_format import (
     parse_header,
     verify_page,
 )
-from pdcache.offload_manager.storage.stats import StorageCounters
+from pdcache.offload_manager.storage.stats import RateLimitedLog, StorageCounters
 from pdcache.utils.registry import import_optional
 
 log = logging.getLogger(__name__)
@@ -218,6 +218,7 @@ class Hf3fsBackend(StorageBackend):
         self.spec: PageSpec = config.page_spec()
         self.slot_bytes = config.slot_bytes
         self.counters = StorageCounters()
+        self._warn = RateLimitedLog(log)
         self._closed = False
         self.read_only = False
         self._dir = Path(config.path)
@@ -305,8 +306,8 @@ class Hf3fsBackend(StorageBackend):
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         try:
             return self.metadata.exists_prefix(keys)
-        except MetadataUnavailable:
-            self.counters.add("metadata_errors")
+        except MetadataUnavailable as exc:
+            self._metadata_down(exc)
             return 0
 
     def get_into(
@@ -320,8 +321,9 @@ class Hf3fsBackend(StorageBackend):
             origins[:] = [None] * len(keys)
         try:
             slots = self.metadata.lookup(keys)
-        except MetadataUnavailable:
-            self.counters.add_many(metadata_errors=1, misses=len(keys))
+        except MetadataUnavailable as exc:
+            self._metadata_down(exc)
+            self.counters.add("misses", len(keys))
             return [False] * len(keys)
         hits = [i for i, s in enumerate(slots) if s is not None]
         self.counters.add("misses", len(keys) - len(hits))
@@ -339,8 +341,9 @@ class Hf3fsBackend(StorageBackend):
         self._check_batch(keys, host_pages)
         try:
             reservations = self.metadata.reserve(keys)
-        except MetadataUnavailable:
-            self.counters.add_many(metadata_errors=1, write_errors=len(keys))
+        except MetadataUnavailable as exc:
+            self._metadata_down(exc)
+            self.counters.add("write_errors", len(keys))
             return [False] * len(keys)
         results = [False] * len(keys)
         todo = []
@@ -435,6 +438,10 @@ class Hf3fsBackend(StorageBackend):
 
     # internals
 
+    def _metadata_down(self, exc: MetadataUnavailable) -> None:
+        self.counters.add("metadata_errors")
+        self._warn.warning("metadata", "hf3fs: metadata unavailable, storage misses: %s", exc)
+
     def _where(self, slot: int) -> tuple[int, int]:
         nfiles = len(self._fds)
         return self._fds[slot % nfiles], (slot // nfiles) * self.slot_bytes
@@ -506,7 +513,7 @@ class Hf3fsBackend(StorageBackend):
         for (_, slot), n in zip(items, nbytes):
             if n != want:
                 reason = os.strerror(-n) if n < 0 else f"short write {n}/{want}"
-                log.debug("hf3fs write of slot %d failed: %s", slot, reason)
+                self._warn.warning("write", "hf3fs: write of slot %d failed: %s", slot, reason)
                 self.counters.add("write_errors")
         return [n == want for n in nbytes]
 
@@ -524,8 +531,9 @@ class Hf3fsBackend(StorageBackend):
             if failed:
                 self.metadata.abort([keys[i] for i, _ in failed], [s for _, s in failed])
             committed = self.metadata.commit([keys[i] for i, _ in done], [s for _, s in done])
-        except MetadataUnavailable:
-            self.counters.add_many(metadata_errors=1, write_errors=len(done))
+        except MetadataUnavailable as exc:
+            self._metadata_down(exc)
+            self.counters.add("write_errors", len(done))
             return
         for (i, _), ok in zip(done, committed):
             results[i] = ok

@@ -44,7 +44,7 @@ from pdcache.offload_manager.storage.page_format import (
     encode_header,
     verify_page,
 )
-from pdcache.offload_manager.storage.stats import StorageCounters
+from pdcache.offload_manager.storage.stats import RateLimitedLog, StorageCounters
 from pdcache.utils.registry import import_optional
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class MooncakeStoreBackend(StorageBackend):
         self.config = config
         self.spec = config.page_spec()
         self.counters = StorageCounters()
+        self._warn = RateLimitedLog(log)
         self.capacity_pages = (
             config.capacity_pages or config.capacity_bytes // self.spec.object_bytes
         )
@@ -236,6 +237,12 @@ class MooncakeStoreBackend(StorageBackend):
         if any(isinstance(c, int) and c == RPC_FAILED for c in codes):
             self._down_until = time.monotonic() + self.config.retry_interval_s
             self.counters.add("metadata_errors")
+            self._warn.warning(
+                "rpc",
+                "mooncake: master %s unreachable (%s); storage misses",
+                self.config.mooncake_master,
+                method,
+            )
             return None
         return result
 
@@ -332,6 +339,7 @@ class MooncakeStoreBackend(StorageBackend):
     def _check_write(self, key: bytes, code: int) -> bool:
         if code != 0:
             self.counters.add("full_rejects" if code == NO_SPACE else "write_errors")
+            self._warn.warning("write", "mooncake: put of %s failed with %d", key.hex(), code)
             return False
         self._touch(key)
         self.counters.add_many(pages_written=1, bytes_written=self.spec.payload_bytes)

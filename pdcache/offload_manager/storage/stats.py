@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import Counter
 
 from pdcache.offload_manager.storage.page_format import Verdict
@@ -55,3 +57,22 @@ class StorageCounters:
     def snapshot(self) -> dict[str, int | float]:
         with self._lock:
             return dict(self._values)
+
+
+class RateLimitedLog:
+    """Logs a recurring fault at WARNING at most once per `interval_s` per topic (the
+    counters carry the totals), so a full disk or a dead service is visible, not a flood."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 30.0) -> None:
+        self._log = logger
+        self._interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, topic: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(topic, -self._interval_s) < self._interval_s:
+                return
+            self._last[topic] = now
+        self._log.warning(msg, *args)
