@@ -195,7 +195,8 @@ def plot(out: Path, results: dict[str, dict[str, Any]]) -> str | None:
         turns = s.get("per_turn") or []
         ax_turn.plot([r["turn"] for r in turns], [r["ttft_p50_s"] or 0.0 for r in turns],
                      marker="o", label=label)
-    ax_turn.set(xlabel="turn", ylabel="TTFT p50 (s)", title="TTFT per turn")
+    turn_ids = sorted({r["turn"] for s in results.values() for r in s.get("per_turn") or []})
+    ax_turn.set(xlabel="turn", ylabel="TTFT p50 (s)", title="TTFT per turn", xticks=turn_ids)
     ax_turn.legend(fontsize=8)
     labels = list(results)
     xs = range(len(labels))
