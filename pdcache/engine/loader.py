@@ -44,6 +44,28 @@ def load_model(
     return model, tokenizer
 
 
+def load_model_config(spec: str, *, dtype: str | None = None) -> ModelConfig:
+    """The `ModelConfig` of a preset or checkpoint directory, without building any weights
+    (what a router needs: name, vocabulary size, context length)."""
+    if spec in PRESETS:
+        return preset_config(spec, dtype or "float32")
+    config_file = Path(spec) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory"
+        )
+    return model_config_from_hf(json.loads(config_file.read_text()), name=Path(spec).name,
+                                dtype=dtype)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer of a preset or checkpoint directory, without building any weights."""
+    if spec in PRESETS:
+        return byte_tokenizer()
+    config = load_model_config(spec)
+    return HFTokenizer(Path(spec), eos_token_ids=config.eos_token_ids)
+
+
 def allocate_device_kv(
     config: ModelConfig, num_pages: int, page_size: int, device: str | torch.device = "cpu"
 ) -> torch.Tensor:

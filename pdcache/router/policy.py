@@ -81,14 +81,17 @@ class PairSelector:
         self.index = index or PrefixIndex()
         self._turns: dict[str, int] = {}
 
-    def pick_prefill(self, nodes: Sequence[NodeState], page_keys: Sequence[bytes]) -> NodeState:
-        healthy = _healthy(nodes, "prefill")
+    def pick_prefill(self, nodes: Sequence[NodeState], page_keys: Sequence[bytes],
+                     role: str = "prefill") -> NodeState:
+        """The node that computes the prompt: a prefill node, or (role="unified") the unified
+        node that serves the whole request, chosen by the prefill policy."""
+        healthy = _healthy(nodes, role)
         if self.prefill_policy == "cache_aware" and page_keys:
             best = max(healthy, key=lambda n: (self.index.match_len(n.name, page_keys), -n.in_flight))
             if self.index.match_len(best.name, page_keys) > 0:
                 return best
             return min(healthy, key=lambda n: n.in_flight)
-        return self._pick(healthy, "prefill", self.prefill_policy)
+        return self._pick(healthy, role, self.prefill_policy)
 
     def pick_decode(self, nodes: Sequence[NodeState]) -> NodeState:
         return self._pick(_healthy(nodes, "decode"), "decode", self.decode_policy)

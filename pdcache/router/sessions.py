@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from pdcache.engine.tokenizer import Message, Tokenizer
 
 
 @dataclass
@@ -56,3 +59,58 @@ class SessionStore:
             if now - oldest.last_used <= self.idle_ttl_s:
                 break
             del self._sessions[sid]
+
+
+class ChatContinuation:
+    """Token ids that continue a session's exact history with new chat messages.
+
+    Derived once from the chat template by rendering probe conversations: `closing` ends an
+    assistant turn (e.g. `<|im_end|>\\n`), and the new messages are rendered as the template
+    would render them after an assistant turn (with the generation prompt). A template that is
+    not prefix-stable (it rewrites earlier turns) cannot be continued: ValueError.
+    """
+
+    _USER: Message = {"role": "user", "content": "x"}
+    _ANSWER = "y"
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._closing: list[int] | None = None
+        self._turn_prefix: list[int] | None = None
+        self._error: str | None = None
+        try:
+            self._derive()
+        except ValueError as exc:
+            self._error = str(exc)
+
+    def _derive(self) -> None:
+        template = self._tokenizer.apply_chat_template
+        asked = template([self._USER], add_generation_prompt=True)
+        turn = template([self._USER, {"role": "assistant", "content": self._ANSWER}],
+                        add_generation_prompt=False)
+        answer = self._tokenizer.encode(self._ANSWER)
+        rest = _strip_prefix(turn, asked, "the assistant turn")
+        self._closing = _strip_prefix(rest, answer, "the assistant answer")
+        self._turn_prefix = turn
+
+    def continue_ids(self, history: Sequence[int], messages: list[Message]) -> list[int]:
+        """history (ending with the previous answer's ids) + the end of that answer's turn +
+        the new messages + the generation prompt."""
+        if self._error is not None or self._closing is None or self._turn_prefix is None:
+            raise ValueError(f"this model's chat template cannot continue a session "
+                             f"({self._error}); send the whole conversation without session_id")
+        full = self._tokenizer.apply_chat_template(
+            [self._USER, {"role": "assistant", "content": self._ANSWER}, *messages],
+            add_generation_prompt=True,
+        )
+        new_turns = _strip_prefix(full, self._turn_prefix, "the new messages")
+        closing = self._closing
+        done = max((k for k in range(len(closing) + 1)
+                    if k == 0 or list(history[-k:]) == closing[:k]), default=0)
+        return [*history, *closing[done:], *new_turns]
+
+
+def _strip_prefix(ids: Sequence[int], prefix: Sequence[int], what: str) -> list[int]:
+    if list(ids[: len(prefix)]) != list(prefix):
+        raise ValueError(f"the chat template does not render {what} as a continuation")
+    return list(ids[len(prefix):])

@@ -1,0 +1,547 @@
+"""FastAPI app of the router: the OpenAI-compatible front door of a deployment (DESIGN.md §4.1).
+
+The router tokenizes (chat template included), validates with the same models as the unified
+server (`pdcache.server.protocol`), picks a node (unified) or a prefill + decode pair
+(`PairSelector`), and forwards `/generate` with token ids (`Proxy`, docs/pd-protocol.md). It
+streams the answering node's events through, builds OpenAI responses itself (text, stop
+strings, usage with the per-tier cached tokens the node reported), and keeps each session's
+exact token history: with `session_id`, a request carries only the new message, and the router
+prepends the session's previous input + output ids, committing a turn only when it succeeded.
+
+State (sessions, prefix index, node states) lives on the event loop; nothing is locked.
+Every request has a deadline (`request_timeout_s`); a client that goes away cancels the
+upstream requests (their connections close, so the nodes abort them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdcache.engine.api import CachedTokens
+from pdcache.engine.config import ModelConfig
+from pdcache.engine.page_keys import chain_page_keys, make_salt
+from pdcache.engine.tokenizer import Tokenizer
+from pdcache.router.metrics import RouterMetrics
+from pdcache.router.nodes import NodeEndpoint, NodeRegistry
+from pdcache.router.policy import NoHealthyNodeError, PairSelector
+from pdcache.router.proxy import BAD_GATEWAY, Deadline, NodeUnreachableError, Proxy, Route
+from pdcache.router.proxy import RouteStream as UpstreamStream
+from pdcache.router.sessions import ChatContinuation, SessionStore
+from pdcache.server.app import _http_error, error_response, sse_guard, wait_for_disconnect
+from pdcache.server.protocol import (
+    OVERLOADED,
+    SERVER_ERROR,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequestBody,
+    ModelLimits,
+    OpenAIRequestBase,
+    ResponseHead,
+    TextAssembler,
+    bad_request,
+    chat_choice,
+    chat_delta,
+    check_prompt,
+    check_token_ids,
+    default_max_tokens,
+    error_body,
+    now_s,
+    parse_body,
+    sse,
+    text_choice,
+    usage_body,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+FINISHED_OK = ("stop", "length")
+OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key (probes, scrapers)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Settings of one router process."""
+
+    nodes: tuple[NodeEndpoint, ...]
+    model: str = "tiny"  # tokenizer + model config: a preset name or a checkpoint directory
+    served_model_name: str | None = None
+    name: str = "router"
+    page_size: int = 16  # page size of the nodes' caches (cache-aware routing keys)
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "round_robin"
+    api_key: str | None = None
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    unhealthy_after: int = 2  # failed probes in a row before a node is taken out
+    max_attempts: int = 3  # tries of a request whose node was unreachable (nothing sent)
+    max_sessions: int = 10_000
+    session_ttl_s: float = 3600.0
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to forward."""
+
+    input_ids: list[int]
+    sampling: dict[str, Any]
+    cache_salt: str | None
+    session_id: str | None
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Turn:
+    """What a routed request produced."""
+
+    route: Route
+    output_ids: list[int] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+
+class Router:
+    """Request handling of the router; owns the HTTP client, node registry and sessions."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None,
+                 model_config: ModelConfig | None = None) -> None:
+        from pdcache.engine.loader import load_model_config, load_tokenizer
+
+        if not config.nodes:
+            raise ValueError("the router needs at least one node")
+        roles = {n.role for n in config.nodes}
+        if "unified" in roles and roles != {"unified"}:
+            raise ValueError("mix of unified and prefill/decode nodes: give one kind")
+        if roles & {"prefill", "decode"} and roles != {"prefill", "decode"}:
+            raise ValueError("a PD deployment needs at least one prefill and one decode node")
+        self.config = config
+        self.tokenizer = tokenizer or load_tokenizer(config.model)
+        model = model_config or load_model_config(config.model)
+        self.model_name = config.served_model_name or model.name
+        self.limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
+        self.selector = PairSelector(config.prefill_policy, config.decode_policy)
+        self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
+        self.chat = ChatContinuation(self.tokenizer)
+        self._salt_base = f"router;model={self.model_name};page={config.page_size}"
+        self.created = now_s()
+        self.client = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(
+            max_connections=4096, max_keepalive_connections=256))
+        self.registry = NodeRegistry(
+            config.nodes, self.client, health_interval_s=config.health_interval_s,
+            health_timeout_s=config.health_timeout_s, unhealthy_after=config.unhealthy_after,
+            on_recovered=lambda node: self.selector.index.forget(node.name))
+        self.metrics = RouterMetrics(lambda: self.registry.nodes, lambda: len(self.sessions))
+        self.proxy = Proxy(self.client, self.registry, connect_timeout_s=config.connect_timeout_s,
+                           on_node_result=self.metrics.observe_node)
+
+    # ---- lifecycle
+
+    async def startup(self) -> None:
+        await self.registry.check_all()  # bounded by health_timeout_s per node
+        self.registry.start()
+
+    async def shutdown(self) -> None:
+        await self.registry.stop()
+        await self.client.aclose()
+
+    # ---- routing
+
+    def page_keys(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        salt = make_salt(self._salt_base, cache_salt or "")
+        return chain_page_keys(token_ids, self.config.page_size, salt)
+
+    def pick(self, prep: Prepared) -> Route:
+        nodes = self.registry.nodes
+        keys = (self.page_keys(prep.input_ids, prep.cache_salt)
+                if self.selector.prefill_policy == "cache_aware" else [])
+        try:
+            if not self.registry.is_pd:
+                route = Route(unified=self.selector.pick_prefill(nodes, keys, role="unified"))
+            else:
+                route = Route(prefill=self.selector.pick_prefill(nodes, keys),
+                              decode=self.selector.pick_decode(nodes))
+        except NoHealthyNodeError as exc:
+            raise ApiError(503, f"no healthy node can serve this request: {exc}",
+                           type=OVERLOADED, code="no_healthy_node") from None
+        self.selector.index.record(route.first_node.name, keys)  # co-locate concurrent turns
+        return route
+
+    def node_body(self, prep: Prepared) -> dict[str, Any]:
+        body: dict[str, Any] = {"input_ids": prep.input_ids, "sampling_params": prep.sampling,
+                                "rid": f"router-{uuid.uuid4().hex}"}
+        if prep.cache_salt is not None:
+            body["cache_salt"] = prep.cache_salt
+        return body
+
+    async def _routed(self, prep: Prepared, send: Callable[[Route], Awaitable[T]]
+                      ) -> tuple[T, Route]:
+        """`send` on a picked route; a node found unreachable is skipped and the request
+        re-routed (nothing reached it), up to `max_attempts` times."""
+        for attempt in range(1, self.config.max_attempts + 1):
+            route = self.pick(prep)
+            try:
+                return await send(route), route
+            except NodeUnreachableError:
+                if attempt == self.config.max_attempts:
+                    raise
+                self.metrics.retries.inc()
+        raise AssertionError("unreachable")
+
+    async def send_json(self, prep: Prepared, deadline: Deadline) -> tuple[dict[str, Any], Route]:
+        body = self.node_body(prep)
+        return await self._routed(prep, lambda route: self.proxy.generate(route, body, deadline))
+
+    async def send_stream(self, prep: Prepared, deadline: Deadline
+                          ) -> tuple[UpstreamStream, dict[str, Any] | None, Route]:
+        """Open the upstream stream and wait for its first event, so failures before the
+        first token are still proper HTTP errors."""
+        body = self.node_body(prep)
+
+        async def attempt(route: Route) -> tuple[UpstreamStream, dict[str, Any] | None]:
+            stream = await self.proxy.stream(route, body, deadline)
+            try:
+                first = await stream.next()
+            except BaseException:
+                await _close(stream)
+                raise
+            self.metrics.ttft.observe(time.monotonic() - prep.arrival)
+            return stream, first
+
+        (stream, first), route = await self._routed(prep, attempt)
+        return stream, first, route
+
+    def finish(self, prep: Prepared, turn: Turn) -> None:
+        """Account a finished request; commit the session turn only if it succeeded."""
+        self.metrics.observe_meta(turn.meta, len(turn.output_ids))
+        if turn.finish_reason not in FINISHED_OK:
+            return
+        full = prep.input_ids + turn.output_ids
+        if prep.session_id:
+            self.sessions.commit(prep.session_id, prep.input_ids, turn.output_ids)
+        self.selector.index.record(turn.route.first_node.name,
+                                   self.page_keys(full, prep.cache_salt))
+
+    # ---- prompts
+
+    def session_prompt(self, session_id: str | None, new_ids: list[int]) -> list[int]:
+        """The full prompt: the session's exact history + the new message's ids. A client
+        that resends the whole history (it starts with the stored one) is taken as is."""
+        history = self.sessions.history(session_id) if session_id else []
+        if not history or new_ids[: len(history)] == history:
+            return new_ids
+        return history + new_ids
+
+    def chat_prompt(self, session_id: str | None, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            standalone = list(self.tokenizer.apply_chat_template(messages,
+                                                                 add_generation_prompt=True))
+            history = self.sessions.history(session_id) if session_id else []
+            if not history or standalone[: len(history)] == history:
+                return standalone
+            return self.chat.continue_ids(history, messages)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages", code="chat_template") from None
+
+    def encode(self, text: str | None, param: str) -> list[int]:
+        if not text:
+            raise bad_request("the prompt is empty", param=param, code="empty_prompt")
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    # ---- /generate
+
+    async def generate(self, request: Request) -> Response:
+        body = parse_body(GenerateRequestBody, await request.body())
+        body.check_one_prompt()
+        if body.pd is not None:
+            raise bad_request("'pd' is set by the router only", param="pd", code="unknown_field")
+        param = body.prompt_param()
+        new_ids = body.input_ids if body.input_ids is not None else self.encode(body.text, param)
+        input_ids = self.session_prompt(body.session_id, new_ids)
+        sampling = body.sampling_params
+        check_prompt(input_ids, sampling.max_new_tokens, self.limits, param)
+        check_token_ids(sampling.stop_token_ids, self.limits.vocab_size,
+                        "sampling_params.stop_token_ids")
+        prep = Prepared(input_ids, sampling.model_dump(), body.cache_salt, body.session_id)
+        deadline = Deadline(self.config.request_timeout_s)
+        if body.stream:
+            stream, first, route = await watch(request, self.send_stream(prep, deadline))
+            events = self._generate_events(prep, stream, first, Turn(route))
+            return streaming(events, stream)
+        data, route = await watch(request, self.send_json(prep, deadline))
+        turn = Turn(route)
+        _absorb(turn, data)
+        self.finish(prep, turn)
+        return JSONResponse(data)
+
+    async def _generate_events(self, prep: Prepared, stream: UpstreamStream,
+                               event: dict[str, Any] | None, turn: Turn) -> AsyncIterator[bytes]:
+        try:
+            while event is not None:
+                _absorb(turn, event)
+                yield sse(event)
+                event = await stream.next()
+            self.finish(prep, turn)
+        finally:
+            await _close(stream)
+
+    # ---- OpenAI endpoints
+
+    def _openai_prep(self, body: OpenAIRequestBase, input_ids: list[int],
+                     max_tokens: int | None, param: str) -> Prepared:
+        if max_tokens is None:
+            max_tokens = default_max_tokens(len(input_ids), self.limits, param)
+        check_prompt(input_ids, max_tokens, self.limits, param)
+        check_token_ids(body.stop_token_ids, self.limits.vocab_size, "stop_token_ids")
+        sampling = {"max_new_tokens": max_tokens, "temperature": body.temperature,
+                    "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
+                    "stop_token_ids": list(body.stop_token_ids), "ignore_eos": body.ignore_eos}
+        return Prepared(input_ids, sampling, body.cache_salt, body.session_id)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = parse_body(ChatCompletionRequest, await request.body())
+        body.check_supported()
+        stops = body.stop_strings()
+        input_ids = self.chat_prompt(body.session_id, body.template_messages())
+        prep = self._openai_prep(body, input_ids, body.requested_max_tokens(), "messages")
+        kind = "chat.completion.chunk" if body.stream else "chat.completion"
+        head = ResponseHead.new("chatcmpl", kind, self.model_name)
+        return await self._openai(request, prep, body, stops, head, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        body = parse_body(CompletionRequest, await request.body())
+        body.check_supported()
+        stops = body.stop_strings()
+        prompt = body.single_prompt()
+        new_ids = self.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+        input_ids = self.session_prompt(body.session_id, new_ids)
+        prep = self._openai_prep(body, input_ids, body.max_tokens, "prompt")
+        head = ResponseHead.new("cmpl", "text_completion", self.model_name)
+        return await self._openai(request, prep, body, stops, head, chat=False)
+
+    async def _openai(self, request: Request, prep: Prepared, body: OpenAIRequestBase,
+                      stops: list[str], head: ResponseHead, chat: bool) -> Response:
+        deadline = Deadline(self.config.request_timeout_s)
+        stream, first, route = await watch(request, self.send_stream(prep, deadline))
+        turn, text = Turn(route), TextAssembler(self.decode, stops)
+        deltas = self._deltas(prep, stream, first, turn, text)
+        if body.stream:
+            events = (self._chat_events if chat else self._completion_events)(
+                deltas, turn, head, body)
+            return streaming(events, stream)
+        await watch(request, _drain(deltas))
+        choice = (chat_choice if chat else text_choice)(text.text, turn.finish_reason)
+        return JSONResponse(head.body([choice], usage=self.usage(prep, turn)))
+
+    async def _deltas(self, prep: Prepared, stream: UpstreamStream, event: dict[str, Any] | None,
+                      turn: Turn, text: TextAssembler) -> AsyncIterator[str]:
+        """Text deltas of the upstream stream, cut at the first stop string (which closes
+        the upstream request: the node aborts it)."""
+        try:
+            while event is not None:
+                ids = _absorb(turn, event)
+                delta = text.add(ids) if ids else ""
+                if text.stopped:
+                    turn.finish_reason = "stop"
+                    break
+                if delta:
+                    yield delta
+                event = await stream.next()
+            else:
+                delta = text.flush()
+            if delta:
+                yield delta
+            self.finish(prep, turn)
+        finally:
+            await _close(stream)
+
+    async def _chat_events(self, deltas: AsyncIterator[str], turn: Turn, head: ResponseHead,
+                           body: OpenAIRequestBase) -> AsyncIterator[bytes]:
+        yield sse(head.body([chat_delta({"role": "assistant", "content": ""}, None)]))
+        async for delta in deltas:
+            yield sse(head.body([chat_delta({"content": delta}, None)]))
+        yield sse(head.body([chat_delta({}, turn.finish_reason)]))
+        if body.include_usage():
+            yield sse(head.body([], usage=self._usage_of(turn)))
+
+    async def _completion_events(self, deltas: AsyncIterator[str], turn: Turn,
+                                 head: ResponseHead, body: OpenAIRequestBase
+                                 ) -> AsyncIterator[bytes]:
+        async for delta in deltas:
+            yield sse(head.body([text_choice(delta, None)]))
+        yield sse(head.body([text_choice("", turn.finish_reason)]))
+        if body.include_usage():
+            yield sse(head.body([], usage=self._usage_of(turn)))
+
+    def usage(self, prep: Prepared, turn: Turn) -> dict[str, Any]:
+        turn.meta.setdefault("prompt_tokens", len(prep.input_ids))
+        return self._usage_of(turn)
+
+    def _usage_of(self, turn: Turn) -> dict[str, Any]:
+        meta = turn.meta
+        details = meta.get("cached_tokens_details") or {}
+        cached = CachedTokens(**{k: int(details.get(k) or 0) for k in CachedTokens().as_dict()})
+        prompt = int(meta.get("prompt_tokens") or 0)
+        return usage_body(prompt, len(turn.output_ids), cached, int(meta.get("computed_tokens") or 0))
+
+    # ---- informational endpoints
+
+    async def health(self, request: Request) -> Response:
+        ok = self.registry.can_serve()
+        body = {"status": "ok" if ok else "unavailable", "name": self.config.name,
+                "mode": "pd" if self.registry.is_pd else "unified", "model": self.model_name,
+                "sessions": len(self.sessions), "nodes": self.registry.describe()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def models(self, request: Request) -> Response:
+        entry = {"id": self.model_name, "object": "model", "created": self.created,
+                 "owned_by": "pdcache", "max_model_len": self.limits.context_len}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- plumbing
+
+    def authorized(self, request: Request) -> bool:
+        key = self.config.api_key
+        if not key or request.url.path in OPEN_PATHS:
+            return True
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
+                                                                     key.encode())
+
+    async def guarded(self, endpoint: str, handler: Callable[[Request], Awaitable[Response]],
+                      request: Request) -> Response:
+        """Run a handler; map every failure to a JSON error; count status and latency."""
+        start = time.monotonic()
+        try:
+            if not self.authorized(request):
+                response = JSONResponse(
+                    error_body("invalid or missing API key (Authorization: Bearer KEY)",
+                               type="authentication_error", code="invalid_api_key"),
+                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            else:
+                response = await handler(request)
+        except ApiError as exc:
+            response = error_response(exc)
+        except Exception as exc:  # a bug costs one request, never the process
+            log.exception("%s failed", endpoint)
+            response = error_response(ApiError(500, f"internal error: {exc}", type=SERVER_ERROR))
+        self.metrics.observe_request(endpoint, response.status_code, time.monotonic() - start)
+        return response
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _absorb(turn: Turn, event: dict[str, Any]) -> list[int]:
+    """Take one node answer or event: its new ids and meta; names the route's nodes."""
+    ids = event.get("output_ids")
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise ApiError(502, f"node answered without a valid 'output_ids': {str(event)[:200]}",
+                       type=SERVER_ERROR, code=BAD_GATEWAY)
+    meta = event.get("meta")
+    if isinstance(meta, dict):
+        meta["prefill_node"] = turn.route.prefill_name
+        meta["decode_node"] = turn.route.decode_name
+        turn.meta = meta
+        turn.finish_reason = meta.get("finish_reason") or turn.finish_reason
+    turn.output_ids.extend(ids)
+    return ids
+
+
+async def watch(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so its upstream requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise ApiError(499, "client disconnected", type="client_disconnected")
+        return task.result()
+    finally:
+        for fut in (task, gone):
+            fut.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+
+
+async def _drain(deltas: AsyncIterator[str]) -> None:
+    async for _ in deltas:
+        pass
+
+
+async def _close(stream: UpstreamStream) -> None:
+    """Close upstream connections even from a cancelled scope (client disconnect)."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+        await stream.aclose()
+
+
+def streaming(events: AsyncIterator[bytes], stream: UpstreamStream) -> Response:
+    """SSE response; the background close covers a client gone before the first pull."""
+    return StreamingResponse(
+        sse_guard(events), media_type="text/event-stream",
+        background=BackgroundTask(_close, stream),
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# --------------------------------------------------------------------------- factory
+
+
+def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None,
+               model_config: ModelConfig | None = None) -> FastAPI:
+    router = Router(config, tokenizer, model_config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.startup()
+        try:
+            yield
+        finally:
+            await router.shutdown()
+
+    app = FastAPI(title="pdcache router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.router = router
+    routes: list[tuple[str, str, Callable[[Request], Awaitable[Response]]]] = [
+        ("POST", "/generate", router.generate),
+        ("POST", "/v1/chat/completions", router.chat_completions),
+        ("POST", "/v1/completions", router.completions),
+        ("GET", "/health", router.health),
+        ("GET", "/v1/models", router.models),
+        ("GET", "/metrics", router.metrics_endpoint),
+    ]
+    for method, path, handler in routes:
+        app.add_api_route(path, _guard(router, path, handler), methods=[method],
+                          include_in_schema=False)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    return app
+
+
+def _guard(router: Router, path: str, handler: Callable[[Request], Awaitable[Response]]
+           ) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await router.guarded(path, handler, request)
+
+    return endpoint

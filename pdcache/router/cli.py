@@ -1,0 +1,157 @@
+"""`pdcache router`: the OpenAI-compatible front door of a deployment.
+
+From a topology (the node command contract of `pdcache.launch.topology`):
+
+    pdcache router --config TOPOLOGY --node ROUTER_NAME [--set KEY=VALUE ...]
+
+or ad hoc, naming the nodes (names p0, p1, ... d0, ... u0, ... in the order given):
+
+    pdcache router --prefill http://127.0.0.1:30001@127.0.0.1:8998 --decode http://127.0.0.1:30002
+    pdcache router --unified http://127.0.0.1:30000 --unified http://127.0.0.1:30001
+
+Explicit flags override the topology's `[router]` settings. Prints
+`pdcache router: ready at http://HOST:PORT` (flushed) once it accepts connections; `--port 0`
+picks a free port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from typing import Any
+
+import uvicorn
+
+from pdcache.launch.topology import (
+    RouterSpec,
+    Topology,
+    TopologyError,
+    add_topology_arguments,
+    router_from_args,
+)
+from pdcache.router.nodes import NodeEndpoint
+from pdcache.router.policy import DECODE_POLICIES, PREFILL_POLICIES
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "pdcache router: ready at "
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_topology_arguments(parser)
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL[@BOOTSTRAP]",
+                        help="a prefill node (repeatable); BOOTSTRAP is its KV host:port")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="a decode node (repeatable)")
+    parser.add_argument("--unified", action="append", default=[], metavar="URL",
+                        help="a unified node (repeatable)")
+    parser.add_argument("--model", default=None,
+                        help="tokenizer: preset (tiny, small) or HF model dir (default tiny)")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--page-size", type=int, default=None,
+                        help="the nodes' page size, for cache-aware routing (default 16)")
+    parser.add_argument("--host", default=None, help="default 127.0.0.1")
+    parser.add_argument("--port", type=int, default=None, help="default 8000; 0 picks one")
+    parser.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default=None)
+    parser.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None)
+    parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="deadline of one request in seconds (default 600)")
+    parser.add_argument("--connect-timeout", type=float, default=None)
+    parser.add_argument("--health-interval", type=float, default=None)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+
+
+def parse_node_flags(args: argparse.Namespace) -> list[NodeEndpoint]:
+    """The nodes named by --prefill/--decode/--unified."""
+    nodes: list[NodeEndpoint] = []
+    for i, item in enumerate(args.prefill):
+        url, _, bootstrap = item.partition("@")
+        nodes.append(NodeEndpoint(f"p{i}", "prefill", _url(url), bootstrap or None))
+    nodes += [NodeEndpoint(f"d{i}", "decode", _url(u)) for i, u in enumerate(args.decode)]
+    nodes += [NodeEndpoint(f"u{i}", "unified", _url(u)) for i, u in enumerate(args.unified)]
+    return nodes
+
+
+def _url(text: str) -> str:
+    text = text.rstrip("/")
+    return text if "://" in text else f"http://{text}"
+
+
+def topology_nodes(topology: Topology) -> list[NodeEndpoint]:
+    endpoints = topology.endpoints()
+    return [NodeEndpoint(n.name, n.role, endpoints[n.name].url, n.bootstrap_address)
+            for n in topology.nodes]
+
+
+def build_config(args: argparse.Namespace) -> tuple[Any, str, int]:
+    """(RouterConfig, host, port) from the topology and/or the flags. Raises TopologyError
+    or ValueError."""
+    from pdcache.router.app import RouterConfig
+
+    loaded = router_from_args(args)
+    spec = loaded[1] if loaded else RouterSpec()
+    nodes = topology_nodes(loaded[0]) if loaded else []
+    nodes += parse_node_flags(args)
+    if not nodes:
+        raise ValueError("no nodes: give --config/--node or --prefill/--decode/--unified URLs")
+    model = loaded[0].model if loaded else None
+    config = RouterConfig(
+        nodes=tuple(nodes),
+        model=_pick(args.model, model.ref if model else None, "tiny"),
+        served_model_name=_pick(args.served_model_name, model.served_name if model else None),
+        name=spec.name,
+        page_size=_pick(args.page_size, loaded[0].cache.page_size if loaded else None, 16),
+        prefill_policy=_pick(args.prefill_policy, spec.prefill_policy),
+        decode_policy=_pick(args.decode_policy, spec.decode_policy),
+        api_key=_pick(args.api_key, spec.api_key),
+        request_timeout_s=_pick(args.request_timeout, spec.request_timeout_s),
+        connect_timeout_s=_pick(args.connect_timeout, spec.connect_timeout_s),
+        health_interval_s=_pick(args.health_interval, spec.health_interval_s),
+    )
+    return config, _pick(args.host, spec.host), _pick(args.port, spec.port)
+
+
+def _pick(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+class _AnnouncingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, url: str) -> None:
+        super().__init__(config)
+        self._url = url
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            print(f"{READY_PREFIX}{self._url}", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdcache.router.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        config, host, port = build_config(args)
+        app = create_app(config)
+    except TopologyError as exc:
+        print(f"pdcache router: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"pdcache router: {exc}", file=sys.stderr)
+        return 2
+    try:
+        sock = socket.create_server((host, port))
+    except OSError as exc:
+        print(f"pdcache router: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        return 1
+    shown = f"[{host}]" if ":" in host else host
+    uv_config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = _AnnouncingServer(uv_config, f"http://{shown}:{sock.getsockname()[1]}")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0 if server.started else 1

@@ -1,0 +1,462 @@
+"""Forwarding one `/generate` to a unified node or to a prefill + decode pair
+(docs/pd-protocol.md), with deadlines, error mapping and cancellation.
+
+Owns no state beyond one request: `Proxy` holds the shared `httpx.AsyncClient` and the node
+registry (whose in-flight counts it maintains). Errors are `ApiError`s the app renders as-is:
+4xx from a node pass through, a node that cannot be reached is a 502 `NodeUnreachableError`
+(and the node is marked unhealthy), garbage or a connection dying mid-response is a 502, the
+request's deadline is a 504. In PD mode the request goes to P and D at once; if P fails, D's
+request is cancelled (closing its connection makes D abort the room) and the client gets P's
+error; if D fails, P is cancelled and the client gets D's error (P's, if P failed too).
+Cancelling a call (client disconnect) closes every upstream connection it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from pdcache.router.nodes import NodeRegistry
+from pdcache.router.policy import NodeState
+from pdcache.server.protocol import (
+    INVALID_REQUEST,
+    OVERLOADED,
+    SERVER_ERROR,
+    TIMEOUT,
+    ApiError,
+)
+
+log = logging.getLogger(__name__)
+
+BAD_GATEWAY = "bad_gateway"
+PREFILL_ERROR_GRACE_S = 1.0  # after D failed: how long P gets to report the root cause
+PREFILL_FINISH_GRACE_S = 5.0  # after D succeeded: how long P's answer is awaited (accounting)
+MAX_ERROR_BYTES = 64 * 1024
+
+
+class NodeUnreachableError(ApiError):
+    """The node refused or timed out the connection: nothing reached it, a retry is safe."""
+
+    def __init__(self, node: NodeState, detail: str) -> None:
+        super().__init__(502, f"{node.role} node {node.name} is unreachable: {detail}",
+                         type=SERVER_ERROR, code="node_unreachable")
+        self.node = node
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request goes: a unified node, or a prefill + decode pair."""
+
+    unified: NodeState | None = None
+    prefill: NodeState | None = None
+    decode: NodeState | None = None
+
+    @property
+    def prefill_name(self) -> str:
+        node = self.unified or self.prefill
+        assert node is not None
+        return node.name
+
+    @property
+    def decode_name(self) -> str:
+        node = self.unified or self.decode
+        assert node is not None
+        return node.name
+
+    @property
+    def first_node(self) -> NodeState:
+        """The node whose prefix cache serves the prompt (for the cache-aware index)."""
+        node = self.unified or self.prefill
+        assert node is not None
+        return node
+
+
+class Deadline:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.at = time.monotonic() + timeout_s
+
+    def remaining(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+    def error(self, what: str) -> ApiError:
+        return ApiError(504, f"{what} did not finish within the router's deadline of "
+                        f"{self.timeout_s:g}s", type=TIMEOUT, code="timeout")
+
+
+# --------------------------------------------------------------------------- error mapping
+
+
+def error_from_response(node: NodeState, status: int, content: bytes) -> ApiError:
+    """A node's non-200 answer: its OpenAI-style error passed through (5xx other than
+    503/504 become 502, as the router is the gateway); garbage becomes a 502."""
+    error = _error_object(content)
+    if error is None:
+        text = content[:200].decode(errors="replace")
+        return ApiError(502, f"{node.role} node {node.name} answered {status} without a JSON "
+                        f"error: {text!r}", type=SERVER_ERROR, code=BAD_GATEWAY)
+    message = str(error.get("message") or f"{node.role} node {node.name} answered {status}")
+    kind = str(error.get("type") or (INVALID_REQUEST if status < 500 else SERVER_ERROR))
+    param, code = error.get("param"), error.get("code")
+    if status >= 500 and status not in (503, 504):
+        message = f"{node.role} node {node.name} failed: {message}"
+        status = 502
+    return ApiError(status, message, type=kind, param=param, code=code)
+
+
+def error_from_event(node: NodeState, error: Any) -> ApiError:
+    """An `{"error": ...}` event inside a node's SSE stream."""
+    error = error if isinstance(error, dict) else {"message": str(error)}
+    kind = str(error.get("type") or SERVER_ERROR)
+    status = {TIMEOUT: 504, OVERLOADED: 503, INVALID_REQUEST: 400}.get(kind, 502)
+    message = f"{node.role} node {node.name}: {error.get('message') or 'stream failed'}"
+    return ApiError(status, message, type=kind, param=error.get("param"), code=error.get("code"))
+
+
+def _error_object(content: bytes) -> dict[str, Any] | None:
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else None
+
+
+def _transport_error(node: NodeState, exc: httpx.HTTPError, deadline: Deadline) -> ApiError:
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+        return NodeUnreachableError(node, f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, httpx.TimeoutException):
+        return deadline.error(f"{node.role} node {node.name}")
+    return ApiError(502, f"{node.role} node {node.name} broke the connection: "
+                    f"{type(exc).__name__}: {exc}", type=SERVER_ERROR, code=BAD_GATEWAY)
+
+
+# --------------------------------------------------------------------------- SSE stream
+
+
+class EventStream:
+    """The `data:` events of one node's streaming `/generate` response, under a deadline."""
+
+    def __init__(self, node: NodeState, response: httpx.Response, deadline: Deadline) -> None:
+        self.node = node
+        self._response = response
+        self._lines = response.aiter_lines()
+        self._deadline = deadline
+        self.closed = False
+
+    async def next(self) -> dict[str, Any] | None:
+        """The next event; None once the stream ended with [DONE]. ApiError on error events,
+        garbage, a broken connection or the deadline."""
+        while True:
+            line = await self._next_line()
+            if line is None:
+                raise ApiError(502, f"{self.node.role} node {self.node.name} ended its stream "
+                               "without [DONE]", type=SERVER_ERROR, code=BAD_GATEWAY)
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                return None
+            return self._parse(payload)
+
+    def _parse(self, payload: str) -> dict[str, Any]:
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            event = None
+        if not isinstance(event, dict):
+            raise ApiError(502, f"{self.node.role} node {self.node.name} sent a malformed event: "
+                           f"{payload[:200]!r}", type=SERVER_ERROR, code=BAD_GATEWAY)
+        if "error" in event:
+            raise error_from_event(self.node, event["error"])
+        return event
+
+    async def _next_line(self) -> str | None:
+        try:
+            return await asyncio.wait_for(anext(self._lines), self._deadline.remaining())
+        except StopAsyncIteration:
+            return None
+        except asyncio.TimeoutError:
+            raise self._deadline.error(f"{self.node.role} node {self.node.name}") from None
+        except httpx.HTTPError as exc:
+            raise _transport_error(self.node, exc, self._deadline) from None
+
+    async def aclose(self) -> None:
+        """Close the connection (the node sees a disconnect and aborts the request)."""
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(Exception):
+                await self._response.aclose()
+
+
+# --------------------------------------------------------------------------- the proxy
+
+
+class Proxy:
+    """Sends `/generate` bodies to nodes; maintains their in-flight counts."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        registry: NodeRegistry,
+        *,
+        connect_timeout_s: float = 5.0,
+        on_node_result: Callable[[NodeState, bool], None] | None = None,
+    ) -> None:
+        self._client = client
+        self._registry = registry
+        self._connect_timeout_s = connect_timeout_s
+        self._on_node_result = on_node_result
+
+    # ---- one node
+
+    async def post_json(self, node: NodeState, body: dict[str, Any], deadline: Deadline
+                        ) -> dict[str, Any]:
+        """Non-streaming `/generate` on `node`: the parsed JSON answer, or ApiError."""
+        with self._registry.in_flight(node):
+            try:
+                data = await asyncio.wait_for(self._post(node, body, deadline),
+                                              deadline.remaining())
+            except asyncio.TimeoutError:
+                self._result(node, False)
+                raise deadline.error(f"{node.role} node {node.name}") from None
+            except ApiError:
+                self._result(node, False)
+                raise
+        self._result(node, True)
+        return data
+
+    async def _post(self, node: NodeState, body: dict[str, Any], deadline: Deadline
+                    ) -> dict[str, Any]:
+        try:
+            resp = await self._client.post(f"{node.url}/generate", json=body,
+                                           timeout=self._timeout(deadline))
+        except httpx.HTTPError as exc:
+            raise self._failed(node, exc, deadline) from None
+        if resp.status_code != 200:
+            raise error_from_response(node, resp.status_code, resp.content[:MAX_ERROR_BYTES])
+        try:
+            data = resp.json()
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise ApiError(502, f"{node.role} node {node.name} answered a non-JSON body",
+                           type=SERVER_ERROR, code=BAD_GATEWAY)
+        return data
+
+    async def open_stream(self, node: NodeState, body: dict[str, Any], deadline: Deadline
+                          ) -> EventStream:
+        """Streaming `/generate` on `node`, once its response headers arrived."""
+        request = self._client.build_request("POST", f"{node.url}/generate", json=body,
+                                             timeout=self._timeout(deadline))
+        try:
+            resp = await asyncio.wait_for(self._client.send(request, stream=True),
+                                          deadline.remaining())
+        except asyncio.TimeoutError:
+            raise deadline.error(f"{node.role} node {node.name}") from None
+        except httpx.HTTPError as exc:
+            raise self._failed(node, exc, deadline) from None
+        if resp.status_code != 200:
+            try:
+                content = await asyncio.wait_for(resp.aread(), min(deadline.remaining(), 5.0))
+            except (asyncio.TimeoutError, httpx.HTTPError):
+                content = b""
+            finally:
+                await resp.aclose()
+            raise error_from_response(node, resp.status_code, content[:MAX_ERROR_BYTES])
+        return EventStream(node, resp, deadline)
+
+    def _timeout(self, deadline: Deadline) -> httpx.Timeout:
+        remaining = max(deadline.remaining(), 0.001)
+        return httpx.Timeout(remaining, connect=min(self._connect_timeout_s, remaining))
+
+    def _failed(self, node: NodeState, exc: httpx.HTTPError, deadline: Deadline) -> ApiError:
+        error = _transport_error(node, exc, deadline)
+        if isinstance(error, NodeUnreachableError):
+            self._registry.mark_unreachable(node, error.message)
+        return error
+
+    def _result(self, node: NodeState, ok: bool) -> None:
+        if self._on_node_result is not None:
+            self._on_node_result(node, ok)
+
+    # ---- a route (unified node or P + D)
+
+    async def generate(self, route: Route, body: dict[str, Any], deadline: Deadline
+                       ) -> dict[str, Any]:
+        """Non-streaming `/generate` through `route`: the answering node's JSON."""
+        if route.unified is not None:
+            return await self.post_json(route.unified, {**body, "stream": False}, deadline)
+        return await self._pd_generate(route, body, deadline)
+
+    async def stream(self, route: Route, body: dict[str, Any], deadline: Deadline
+                     ) -> RouteStream:
+        """Streaming `/generate` through `route`; `next()` gives its events in order."""
+        if route.unified is not None:
+            node = route.unified
+            node.in_flight += 1
+            try:
+                events = await self.open_stream(node, {**body, "stream": True}, deadline)
+            except BaseException:
+                node.in_flight -= 1
+                self._result(node, False)
+                raise
+            return RouteStream(self, events, None)
+        return await self._pd_stream(route, body, deadline)
+
+    # ---- PD
+
+    def _pd_bodies(self, route: Route, body: dict[str, Any], stream: bool
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+        prefill, decode = route.prefill, route.decode
+        assert prefill is not None and decode is not None
+        if not prefill.bootstrap:
+            raise ApiError(503, f"prefill node {prefill.name} has no known bootstrap address",
+                           type=OVERLOADED, code="no_bootstrap")
+        room = secrets.randbits(63)
+        p_body = {**body, "stream": False,
+                  "pd": {"room": room, "role": "prefill", "decode_node": decode.name}}
+        d_body = {**body, "stream": stream,
+                  "pd": {"room": room, "role": "decode", "bootstrap": prefill.bootstrap,
+                         "prefill_node": prefill.name}}
+        return p_body, d_body
+
+    async def _pd_generate(self, route: Route, body: dict[str, Any], deadline: Deadline
+                           ) -> dict[str, Any]:
+        p_body, d_body = self._pd_bodies(route, body, stream=False)
+        assert route.prefill is not None and route.decode is not None
+        p_task = asyncio.create_task(self.post_json(route.prefill, p_body, deadline))
+        d_task = asyncio.create_task(self.post_json(route.decode, d_body, deadline))
+        try:
+            await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_EXCEPTION)
+            p_error, d_error = _failure(p_task), _failure(d_task)
+            if p_error is not None:
+                raise p_error
+            if d_error is not None:
+                raise await _root_cause(p_task, d_error)
+            await _settle(p_task, PREFILL_FINISH_GRACE_S)
+            return d_task.result()
+        finally:
+            await _cancel(p_task, d_task)
+
+    async def _pd_stream(self, route: Route, body: dict[str, Any], deadline: Deadline
+                         ) -> RouteStream:
+        p_body, d_body = self._pd_bodies(route, body, stream=True)
+        prefill, decode = route.prefill, route.decode
+        assert prefill is not None and decode is not None
+        p_task = asyncio.create_task(self.post_json(prefill, p_body, deadline))
+        decode.in_flight += 1
+        try:
+            events = await _race_prefill(p_task, self.open_stream(decode, d_body, deadline))
+        except BaseException:
+            decode.in_flight -= 1
+            self._result(decode, False)
+            await _cancel(p_task)
+            raise
+        return RouteStream(self, events, p_task)
+
+
+class RouteStream:
+    """The event stream of one routed request (D's, or the unified node's), plus P's call.
+
+    Until the first event arrives a failure of P wins (D is closed, P's error raised). After
+    the stream ends P gets a short grace to answer; `aclose()` cancels whatever is left."""
+
+    def __init__(self, proxy: Proxy, events: EventStream,
+                 prefill: asyncio.Task[dict[str, Any]] | None) -> None:
+        self._proxy = proxy
+        self._events = events
+        self._prefill = prefill
+        self._started = False
+        self._ok = False
+        self._released = False
+
+    async def next(self) -> dict[str, Any] | None:
+        try:
+            if self._started or self._prefill is None:
+                event = await self._events.next()
+            else:
+                event = await _race_prefill(self._prefill, self._events.next())
+        except BaseException as exc:
+            if isinstance(exc, ApiError) and self._prefill is not None:
+                raise await _root_cause(self._prefill, exc) from None
+            raise
+        self._started = True
+        if event is None:
+            self._ok = True
+            if self._prefill is not None:
+                await _settle(self._prefill, PREFILL_FINISH_GRACE_S)
+        return event
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+        if self._prefill is not None:
+            await _cancel(self._prefill)
+        if not self._released:
+            self._released = True
+            self._events.node.in_flight -= 1
+            self._proxy._result(self._events.node, self._ok)
+
+
+# --------------------------------------------------------------------------- task helpers
+
+
+async def _race_prefill(prefill: asyncio.Task[Any], work: Any) -> Any:
+    """Run `work` (a coroutine) unless P fails first; P's failure cancels it and is raised."""
+    work_task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({prefill, work_task}, return_when=asyncio.FIRST_COMPLETED)
+        p_error = _failure(prefill)
+        if not work_task.done() and p_error is not None:
+            raise p_error
+        if not work_task.done():  # P succeeded first: D keeps going on its own
+            await asyncio.wait({work_task})
+        return work_task.result()
+    except BaseException:
+        if work_task.done() and not work_task.cancelled() and _failure(work_task) is None:
+            result = work_task.result()
+            if isinstance(result, EventStream):
+                await result.aclose()
+        raise
+    finally:
+        await _cancel(work_task)
+
+
+async def _root_cause(prefill: asyncio.Task[Any], decode_error: BaseException) -> BaseException:
+    """D failed: if P failed too (now or within a short grace), P's error is the cause."""
+    if not prefill.done():
+        await asyncio.wait({prefill}, timeout=PREFILL_ERROR_GRACE_S)
+    return _failure(prefill) or decode_error
+
+
+async def _settle(task: asyncio.Task[Any], grace_s: float) -> None:
+    """Give `task` up to `grace_s` to finish; its outcome is only logged."""
+    if not task.done():
+        await asyncio.wait({task}, timeout=grace_s)
+    error = _failure(task)
+    if error is not None:
+        log.warning("prefill call failed after decode succeeded: %s", error)
+
+
+def _failure(task: asyncio.Future[Any]) -> BaseException | None:
+    """The exception a finished task raised (None if it succeeded, was cancelled or runs)."""
+    if not task.done() or task.cancelled():
+        return None
+    return task.exception()
+
+
+async def _cancel(*tasks: asyncio.Future[Any]) -> None:
+    pending = [t for t in tasks if not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:  # the outer task's own cancellation still propagates out of gather
+        await asyncio.gather(*pending, return_exceptions=True)

@@ -1,0 +1,300 @@
+"""The router in front of two REAL unified nodes (tiny engines behind uvicorn on loopback):
+routing policies, sessions, streaming proxy, OpenAI usage, API key, metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdcache.router.app import RouterConfig, create_app
+from pdcache.router.nodes import NodeEndpoint
+from tests.router_support import (
+    GREEDY,
+    PAGE,
+    RouterUnderTest,
+    ThreadedServer,
+    UnifiedNode,
+    page_floor,
+    prompt,
+    sse_events,
+)
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[list[UnifiedNode]]:
+    started: list[UnifiedNode] = []
+    try:
+        for name in ("u0", "u1"):
+            started.append(UnifiedNode(name))
+        yield started
+    finally:
+        for node in started:
+            node.stop()
+
+
+def router_client(nodes: list[UnifiedNode], **overrides: Any) -> RouterUnderTest:
+    endpoints = tuple(NodeEndpoint(n.name, "unified", n.url) for n in nodes)
+    config = RouterConfig(nodes=endpoints, page_size=PAGE, request_timeout_s=60,
+                          health_interval_s=30, **overrides)
+    return RouterUnderTest(create_app(config))
+
+
+def generate(client: RouterUnderTest, ids: list[int], n: int, **extra: Any) -> dict[str, Any]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, **GREEDY}, **extra}
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def scrape(client: RouterUnderTest) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+# --------------------------------------------------------------------------- policies
+
+
+def test_round_robin_alternates_and_names_the_node(nodes: list[UnifiedNode]) -> None:
+    with router_client(nodes, prefill_policy="round_robin") as client:
+        served = [generate(client, prompt(20, seed=i), 2)["meta"] for i in range(4)]
+    assert [m["prefill_node"] for m in served] == ["u0", "u1", "u0", "u1"]
+    assert all(m["decode_node"] == m["prefill_node"] for m in served)
+
+
+def test_least_load_avoids_the_busy_node(nodes: list[UnifiedNode]) -> None:
+    with router_client(nodes, prefill_policy="least_load") as client:
+        body = {"input_ids": prompt(20, 1), "stream": True,
+                "sampling_params": {"max_new_tokens": 4000, **GREEDY}}
+        with client.stream("POST", "/generate", json=body) as long_stream:
+            assert long_stream.status_code == 200
+            lines = long_stream.iter_lines()  # kept referenced: dropping it closes the stream
+            next(lines)  # u0 is now busy with this request
+            router = client.app.state.router  # type: ignore[attr-defined]
+            assert [n.in_flight for n in router.registry.nodes] == [1, 0]
+            assert generate(client, prompt(20, 2), 2)["meta"]["prefill_node"] == "u1"
+        deadline = time.monotonic() + 10
+        while nodes[0].running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert nodes[0].running() == 0, "closing the client stream aborts the node's request"
+        assert [n.in_flight for n in router.registry.nodes] == [0, 0]
+
+
+def test_cache_aware_sends_the_next_turn_to_the_node_that_served_the_first(
+        nodes: list[UnifiedNode]) -> None:
+    with router_client(nodes, prefill_policy="cache_aware") as client:
+        router = client.app.state.router  # type: ignore[attr-defined]
+        first = prompt(70, seed=11)
+        router.registry.nodes[0].in_flight = 5  # u0 busy: turn 1 goes to u1 (least load)
+        try:
+            turn1 = generate(client, first, 12)
+        finally:
+            router.registry.nodes[0].in_flight = 0
+        assert turn1["meta"]["prefill_node"] == "u1"
+        history = first + turn1["output_ids"]
+        turn2 = generate(client, history + prompt(9, seed=12), 4)
+        assert turn2["meta"]["prefill_node"] == "u1"  # a tie on load, but u1 holds the prefix
+        assert turn2["meta"]["cached_tokens"] >= page_floor(len(history)) - PAGE > 0
+        other = generate(client, prompt(70, seed=13), 2)
+        assert other["meta"]["prefill_node"] == "u0" and other["meta"]["cached_tokens"] == 0
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+def test_session_turn_with_only_the_new_message_equals_the_full_history(
+        nodes: list[UnifiedNode]) -> None:
+    with router_client(nodes, prefill_policy="cache_aware") as client:
+        first, new = prompt(53, seed=21), prompt(11, seed=22)
+        turn1 = generate(client, first, 15, session_id="s1")
+        turn2 = generate(client, new, 6, session_id="s1")
+        full = first + turn1["output_ids"] + new
+        assert turn2["meta"]["prompt_tokens"] == len(full)
+        assert turn2["meta"]["cached_tokens"] >= page_floor(len(first) + 15) - PAGE
+        assert turn2["meta"]["prefill_node"] == turn1["meta"]["prefill_node"]
+        explicit = generate(client, full, 6)  # no session: the whole history spelled out
+        assert turn2["output_ids"] == explicit["output_ids"]
+        # a client that resends the whole history with its session_id is not doubled
+        resent = generate(client, full + turn2["output_ids"] + new, 3, session_id="s1")
+        assert resent["meta"]["prompt_tokens"] == len(full) + 6 + len(new)
+        assert client.app.state.router.sessions.turns("s1") == 3  # type: ignore[attr-defined]
+
+
+def test_failed_turn_is_not_committed(nodes: list[UnifiedNode]) -> None:
+    with router_client(nodes) as client:
+        generate(client, prompt(30, 31), 4, session_id="s2")
+        router = client.app.state.router  # type: ignore[attr-defined]
+        before = router.sessions.history("s2")
+        r = client.post("/generate", json={"input_ids": [999], "session_id": "s2"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids"
+        assert router.sessions.history("s2") == before
+
+
+def test_chat_session_continues_the_exact_token_history(nodes: list[UnifiedNode]) -> None:
+    with router_client(nodes) as client:
+        router = client.app.state.router  # type: ignore[attr-defined]
+        tok = router.tokenizer
+        system = {"role": "system", "content": "You are terse. " * 4}
+        first = [system, {"role": "user", "content": "hello there"}]
+        body = {"messages": first, "max_tokens": 10, **GREEDY}
+        r1 = client.post("/v1/chat/completions", json={**body, "session_id": "c1"})
+        assert r1.status_code == 200, r1.text
+        turn1_ids = tok.apply_chat_template(first)
+        history = router.sessions.history("c1")
+        assert history[: len(turn1_ids)] == turn1_ids and len(history) == len(turn1_ids) + 10
+        new = [{"role": "user", "content": "and then?"}]
+        r2 = client.post("/v1/chat/completions",
+                         json={"messages": new, "max_tokens": 5, "session_id": "c1", **GREEDY})
+        assert r2.status_code == 200, r2.text
+        usage = r2.json()["usage"]
+        expected = router.chat.continue_ids(history, new)
+        assert usage["prompt_tokens"] == len(expected)
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= page_floor(len(history)) - PAGE
+        assert router.sessions.history("c1")[: len(expected)] == expected
+        assert len(router.sessions.history("c1")) == len(expected) + 5
+
+
+# --------------------------------------------------------------------------- streaming / OpenAI
+
+
+def test_streaming_generate_equals_non_streaming(nodes: list[UnifiedNode]) -> None:
+    with router_client(nodes, prefill_policy="round_robin") as client:
+        ids = prompt(40, seed=41)
+        plain = generate(client, ids, 20)
+        body = {"input_ids": ids, "stream": True,
+                "sampling_params": {"max_new_tokens": 20, **GREEDY}}
+        r = client.post("/generate", json=body)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.text)
+    streamed = [t for e in events for t in e["output_ids"]]
+    assert streamed == plain["output_ids"]
+    assert "".join(e["text"] for e in events) == plain["text"]
+    last = events[-1]["meta"]
+    assert last["finish_reason"] == "length" and last["completion_tokens"] == 20
+    assert last["prefill_node"] != plain["meta"]["prefill_node"]  # round robin moved on
+
+
+def test_chat_completions_usage_and_stream_equal(nodes: list[UnifiedNode]) -> None:
+    with router_client(nodes, prefill_policy="cache_aware") as client:
+        messages = [{"role": "user", "content": "tell me about caches " * 5}]
+        body = {"messages": messages, "max_tokens": 12, **GREEDY}
+        r1 = client.post("/v1/chat/completions", json=body)
+        r2 = client.post("/v1/chat/completions", json=body)
+        assert r1.status_code == r2.status_code == 200, r1.text
+        one, two = r1.json(), r2.json()
+        assert one["object"] == "chat.completion" and one["model"] == "pdcache-tiny"
+        prompt_len = len(client.app.state.router.tokenizer.apply_chat_template(messages))  # type: ignore[attr-defined]
+        assert one["usage"]["prompt_tokens"] == prompt_len
+        assert one["usage"]["completion_tokens"] == 12
+        details = two["usage"]["cached_tokens_details"]
+        cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == details["device"] + details["host"] + details["storage"]
+        assert cached >= page_floor(prompt_len) - PAGE > 0
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        r3 = client.post("/v1/chat/completions", json=stream)
+        events = sse_events(r3.text)
+    text = "".join(c["delta"].get("content", "") for e in events for c in e["choices"])
+    assert text == one["choices"][0]["message"]["content"]
+    assert events[-1]["usage"]["completion_tokens"] == 12
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_completions_with_stop_string_cut_text(nodes: list[UnifiedNode]) -> None:
+    with router_client(nodes) as client:
+        body = {"prompt": "abc " * 10, "max_tokens": 30, **GREEDY}
+        full = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        assert len(full) > 4
+        stop = full[3:5]
+        cut = client.post("/v1/completions", json={**body, "stop": stop}).json()
+        assert cut["choices"][0]["text"] == full[: full.index(stop)]
+        assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+# --------------------------------------------------------------------------- access, errors
+
+
+def test_api_key_required_when_configured(nodes: list[UnifiedNode]) -> None:
+    with router_client(nodes, api_key="sekret") as client:
+        body = {"input_ids": prompt(10, 51), "sampling_params": {"max_new_tokens": 2}}
+        missing = client.post("/generate", json=body)
+        wrong = client.post("/generate", json=body, headers={"Authorization": "Bearer nope"})
+        assert missing.status_code == wrong.status_code == 401
+        assert missing.json()["error"]["code"] == "invalid_api_key"
+        assert client.get("/v1/models").status_code == 401
+        good = client.post("/generate", json=body, headers={"Authorization": "Bearer sekret"})
+        assert good.status_code == 200, good.text
+        assert client.get("/health").status_code == 200  # probes need no key
+
+
+def test_bad_requests_are_400_without_touching_nodes(nodes: list[UnifiedNode]) -> None:
+    with router_client(nodes) as client:
+        before = scrape(client)
+        cases = [
+            {"input_ids": [1, 2], "pd": {"room": 1, "role": "prefill"}},
+            {"input_ids": [1, 300]},
+            {"text": "x", "input_ids": [1]},
+            {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}},
+            {"input_ids": [1] * 9000},
+        ]
+        for body in cases:
+            r = client.post("/generate", json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        r = client.post("/v1/chat/completions", json={"messages": []})
+        assert r.status_code == 400
+        after = scrape(client)
+    sent = [k for k in after if k[0] == "pdcache_router_node_requests_total"]
+    assert all(after[k] == before.get(k, 0.0) for k in sent)
+
+
+def test_metrics_health_and_models(nodes: list[UnifiedNode]) -> None:
+    with router_client(nodes, prefill_policy="round_robin") as client:
+        ids = prompt(48, seed=61)
+        generate(client, ids, 3)
+        before = scrape(client)
+        again = generate(client, ids, 3)  # round robin: the other node, cold
+        again2 = generate(client, ids, 3)  # back to the first node: warm
+        after = scrape(client)
+        health = client.get("/health").json()
+        models = client.get("/v1/models").json()
+    cached = again["meta"]["cached_tokens"] + again2["meta"]["cached_tokens"]
+    assert cached > 0
+    key = ("pdcache_router_cached_tokens_total", (("tier", "device"),))
+    assert after[key] - before[key] == cached
+    ok = ("pdcache_router_requests_total", (("endpoint", "/generate"), ("status", "200")))
+    assert after[ok] - before[ok] == 2
+    assert after[("pdcache_router_node_healthy", (("node", "u0"), ("role", "unified")))] == 1
+    assert after[("pdcache_router_node_in_flight", (("node", "u1"), ("role", "unified")))] == 0
+    assert health["status"] == "ok" and [n["name"] for n in health["nodes"]] == ["u0", "u1"]
+    assert models["data"][0]["id"] == "pdcache-tiny"
+
+
+def test_client_disconnect_cancels_the_node_request(nodes: list[UnifiedNode]) -> None:
+    endpoints = (NodeEndpoint("u0", "unified", nodes[0].url),)
+    config = RouterConfig(nodes=endpoints, page_size=PAGE, request_timeout_s=60)
+    router_server = ThreadedServer(create_app(config))
+    try:
+        body = {"input_ids": prompt(30, 71), "stream": True,
+                "sampling_params": {"max_new_tokens": 2000, **GREEDY}}
+        with httpx.Client(base_url=router_server.url, timeout=30) as http:
+            with http.stream("POST", "/generate", json=body) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                next(lines)
+                assert nodes[0].running() == 1
+        deadline = time.monotonic() + 10
+        while nodes[0].running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert nodes[0].running() == 0
+        router = router_server.server.config.app.state.router  # type: ignore[attr-defined]
+        while router.registry.nodes[0].in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert router.registry.nodes[0].in_flight == 0
+    finally:
+        router_server.stop()
