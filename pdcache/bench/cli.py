@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(_accepts_extra=True)
     sub = parser.add_subparsers(dest="bench", required=True, metavar="KIND")
     for name, (module, help_text) in BENCHMARKS.items():
-        sp = sub.add_parser(name, help=help_text)
+        # add_help=False: --help reaches the benchmark's own parser (in `run`) with its options
+        sp = sub.add_parser(name, help=help_text, add_help=False)
         sp.set_defaults(_bench_module=module)
         sp.add_argument("--json", dest="json_path", default=None, help="also write results here")
 

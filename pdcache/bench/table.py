@@ -33,9 +33,10 @@ def emit(
     json_path: str | None = None,
     columns: Sequence[str] | None = None,
     extra: dict[str, Any] | None = None,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
 ) -> None:
     """Print `rows` under `title`; with `json_path`, write {"title", "rows", **extra} there."""
+    out = out or sys.stdout
     print(f"\n== {title} ==", file=out)
     print(render_table(rows, columns), file=out)
     if extra:
