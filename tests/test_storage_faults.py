@@ -9,13 +9,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
+import select
 import shutil
+import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgpack
@@ -58,59 +60,53 @@ def _pages(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (n, PAGE_BYTES), dtype=torch.uint8, generator=gen)
 
 
-# A child process: opens a backend, optionally limits file sizes, puts and gets 4 pages.
-_CHILD = r"""
-import json, resource, signal, sys, torch
-from pdcache.offload_manager.storage import create_backend
-from pdcache.offload_manager.storage.config import StorageConfig
-cfg = StorageConfig(**json.loads(sys.argv[1]))
-backend = create_backend(cfg)
-limit = int(sys.argv[2])
-if limit:
+def _limited_put_get(cfg: StorageConfig, limit: int) -> dict:
+    """Open a backend, cap file sizes at `limit` bytes, put and get 4 pages."""
+    backend = create_backend(cfg)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-first = int(sys.argv[3])
-keys = [bytes([0, i]) * 16 for i in range(first, first + 4)]
-pages = torch.randint(0, 256, (4, cfg.page_bytes), dtype=torch.uint8,
-                      generator=torch.Generator().manual_seed(first))
-put = backend.put_from(keys, list(pages))
-out = torch.zeros_like(pages)
-got = backend.get_into(keys, list(out))
-exact = [bool(torch.equal(out[i], pages[i])) for i in range(4)]
-old = [bytes([0, i]) * 16 for i in range(0, first)]
-old_got = backend.get_into(old, [torch.zeros(cfg.page_bytes, dtype=torch.uint8) for _ in old])
-print(json.dumps({"put": put, "got": got, "exact": exact, "old_got": old_got,
-                  "stats": backend.stats()}))
-backend.close()
-"""
+    keys, pages = _keys(4), _pages(4)
+    put = backend.put_from(keys, list(pages))
+    out = torch.zeros_like(pages)
+    got = backend.get_into(keys, list(out))
+    exact = [bool(torch.equal(out[i], pages[i])) for i in range(4)]
+    result = {"put": put, "got": got, "exact": exact, "stats": backend.stats()}
+    backend.close()
+    return result
 
 
-def _run_child(cfg: StorageConfig, limit: int = 0, first: int = 0) -> dict:
-    values = {
-        f: getattr(cfg, f)
-        for f in (
-            "backend",
-            "path",
-            "page_bytes",
-            "capacity_pages",
-            "fingerprint",
-            "num_data_files",
-        )
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(values), str(limit), str(first)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"child failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _in_forked_child(fn: Callable[[], dict], timeout_s: float = 60.0) -> dict:
+    """Run `fn` in a forked child (its rlimits and signals stay there); its JSON result.
+
+    Forking keeps torch imported (a fresh interpreter takes seconds to import it)."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never return into pytest
+        code = 0
+        try:
+            payload = json.dumps(fn())
+        except BaseException as exc:
+            payload, code = json.dumps({"child_error": repr(exc)}), 1
+        with os.fdopen(write_fd, "w") as out:
+            out.write(payload)
+        os._exit(code)
+    os.close(write_fd)
+    try:
+        ready, _, _ = select.select([read_fd], [], [], timeout_s)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"child did not finish within {timeout_s}s")
+        with os.fdopen(read_fd, "r") as src:
+            result = json.loads(src.read())
+    finally:
+        os.waitpid(pid, 0)
+    assert "child_error" not in result, result
+    return result
 
 
 def test_hf3fs_disk_full_fails_puts_and_frees_slots(tmp_path: Path) -> None:
     cfg = _config(tmp_path / "store")
-    result = _run_child(cfg, limit=2 * SLOT_BYTES)
+    result = _in_forked_child(lambda: _limited_put_get(cfg, limit=2 * SLOT_BYTES))
     assert result["put"] == [True, True, False, False]
     assert result["got"] == [True, True, False, False]
     assert result["exact"][:2] == [True, True]
@@ -121,7 +117,7 @@ def test_hf3fs_disk_full_fails_puts_and_frees_slots(tmp_path: Path) -> None:
 
 def test_file_disk_full_fails_puts_and_leaves_no_temp_files(tmp_path: Path) -> None:
     cfg = _config(tmp_path / "store", backend="file", capacity_pages=0)
-    result = _run_child(cfg, limit=PAGE_BYTES // 2)
+    result = _in_forked_child(lambda: _limited_put_get(cfg, limit=PAGE_BYTES // 2))
     assert result["put"] == [False] * 4 and result["got"] == [False] * 4
     assert result["stats"]["write_errors"] == 4
     assert [p for p in (tmp_path / "store").rglob("*") if p.is_file()] == []
