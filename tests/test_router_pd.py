@@ -1,0 +1,190 @@
+"""The router in front of REAL prefill and decode nodes (tiny preset, zmq KV transfer, in-process
+uvicorn servers from tests/pd_harness.py): greedy outputs through router -> P + D equal the
+unified no-cache engine for single prompts, streaming and a 3-turn session that sends only the
+new message; concurrent requests all succeed; a dead prefill node gives a quick error and the
+decode node's pages return to idle."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("pdcache.prefill_node.node", reason="the prefill node is not in this build")
+pytest.importorskip("pdcache.decode_node.node", reason="the decode node is not in this build")
+
+from pdcache.engine.api import GenerateRequest, SamplingParams  # noqa: E402
+from pdcache.engine.config import CacheConfig, EngineConfig  # noqa: E402
+from pdcache.engine.engine import Engine  # noqa: E402
+from pdcache.engine.loader import load_model  # noqa: E402
+from pdcache.router.app import RouterConfig, create_app  # noqa: E402
+from pdcache.router.nodes import NodeEndpoint  # noqa: E402
+from tests.pd_harness import PDStack, node_setups, start_stack  # noqa: E402
+from tests.router_support import RouterUnderTest, sse_events  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PAGE = 4
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Any:
+    return load_model("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Any) -> Iterator[Engine]:
+    model, tokenizer = tiny
+    config = EngineConfig(model.config, CacheConfig(PAGE, 512, enable_prefix_cache=False))
+    with Engine(config, model, tokenizer) as engine:
+        yield engine
+
+
+def unified_tokens(engine: Engine, ids: list[int], n: int) -> list[int]:
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    outputs = engine.generate(GenerateRequest(f"ref-{time.monotonic_ns()}", ids, params), 120)
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+def start_pd(tmp_path: Any, tiny: Any) -> PDStack:
+    prefill, decode = node_setups(tmp_path, tiny[0], PAGE, "zmq", offload=False)
+    return start_stack(prefill, decode)
+
+
+def pd_router(stack: PDStack, **overrides: Any) -> RouterUnderTest:
+    nodes = (NodeEndpoint("p0", "prefill", stack.prefill.url, stack.bootstrap),
+             NodeEndpoint("d0", "decode", stack.decode.url))
+    config = RouterConfig(nodes=nodes, page_size=PAGE, request_timeout_s=60,
+                          health_interval_s=30, **overrides)
+    return RouterUnderTest(create_app(config))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny: Any) -> Iterator[PDStack]:
+    pd = start_pd(tmp_path_factory.mktemp("pd"), tiny)
+    try:
+        yield pd
+    finally:
+        pd.close()
+
+
+def generate(client: httpx.Client, ids: list[int], n: int, **extra: Any) -> dict[str, Any]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, **GREEDY}, **extra}
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_pd_outputs_equal_unified_plain_and_streamed(stack: PDStack, reference: Engine) -> None:
+    with pd_router(stack) as client:
+        for seed, n in ((1, 9), (2, 17)):
+            ids = [(seed * 7 + 3 * i) % 250 for i in range(23 + seed)]
+            out = generate(client, ids, n)
+            assert out["output_ids"] == unified_tokens(reference, ids, n)
+            assert (out["meta"]["prefill_node"], out["meta"]["decode_node"]) == ("p0", "d0")
+            body = {"input_ids": ids, "stream": True,
+                    "sampling_params": {"max_new_tokens": n, **GREEDY}}
+            events = sse_events(client.post("/generate", json=body).text)
+            assert [t for e in events for t in e["output_ids"]] == out["output_ids"]
+    stack.prefill_server.engine.check_accounting()
+    stack.decode_server.engine.check_accounting()
+
+
+def test_pd_three_turn_session_sends_only_new_messages(stack: PDStack, reference: Engine
+                                                       ) -> None:
+    with pd_router(stack) as client:
+        history: list[int] = []
+        for turn in range(3):
+            new = [(11 * turn + 5 * i + 1) % 250 for i in range(18)]
+            out = generate(client, new, 7, session_id="pd-s")
+            full = history + new
+            assert out["meta"]["prompt_tokens"] == len(full)
+            assert out["output_ids"] == unified_tokens(reference, full, 7)
+            if history:  # prefill's cache holds at least the previous prompt
+                assert out["meta"]["cached_tokens"] >= (len(history) - 7) // PAGE * PAGE - PAGE
+            history = full + out["output_ids"]
+
+
+def test_pd_chat_completion_and_concurrency(stack: PDStack) -> None:
+    with pd_router(stack) as client:
+        r = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi there " * 4}], "max_tokens": 6,
+            **GREEDY})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["completion_tokens"] == 6 and "cached_tokens_details" in usage
+
+        def one(i: int) -> int:
+            body = {"input_ids": [(i * 13 + j) % 250 for j in range(20 + i % 5)],
+                    "sampling_params": {"max_new_tokens": 5, **GREEDY}, "stream": i % 2 == 0}
+            return client.post("/generate", json=body).status_code
+
+        with ThreadPoolExecutor(16) as pool:
+            codes = list(pool.map(one, range(16)))
+        assert codes == [200] * 16
+        router = client.app.state.router  # type: ignore[attr-defined]
+        assert [n.in_flight for n in router.registry.nodes] == [0, 0]
+    wait_idle(stack.decode_server.engine)
+    stack.prefill_server.engine.check_accounting()
+
+
+def wait_idle(engine: Engine, timeout_s: float = 30.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = engine.stats()
+        idle = not stats.get("num_running") and not stats.get("pages_reserved")
+        if idle or time.monotonic() > deadline:
+            assert idle, stats
+            engine.check_accounting()
+            return stats
+        time.sleep(0.1)
+
+
+def test_dead_prefill_node_fails_fast_and_decode_returns_to_idle(tmp_path: Any, tiny: Any
+                                                                 ) -> None:
+    pd = start_pd(tmp_path, tiny)
+    try:
+        with pd_router(pd, connect_timeout_s=2.0) as client:
+            assert generate(client, list(range(30)), 3)["meta"]["decode_node"] == "d0"
+            pd.prefill.stop()
+            start = time.monotonic()
+            r = client.post("/generate", json={"input_ids": list(range(40)),
+                                               "sampling_params": {"max_new_tokens": 3}})
+            elapsed = time.monotonic() - start
+            assert r.status_code in (502, 503), r.text
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+            assert elapsed < 10, elapsed
+            health = client.get("/health")
+            assert health.status_code == 503
+            assert [n["healthy"] for n in health.json()["nodes"]] == [False, True]
+            r = client.post("/generate", json={"input_ids": [1, 2, 3]})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_node"
+        wait_idle(pd.decode_server.engine)
+    finally:
+        pd.client.close()
+        pd.decode.stop()
+
+
+def test_pd_over_mooncake_equals_unified(tmp_path: Any, tiny: Any, reference: Engine,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mooncake.engine", reason="mooncake wheel not installed")
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    monkeypatch.setenv("MC_LOG_LEVEL", "ERROR")
+    prefill, decode = node_setups(tmp_path, tiny[0], PAGE, "mooncake", offload=False)
+    pd = start_stack(prefill, decode)
+    try:
+        with pd_router(pd) as client:
+            ids = [(3 * i + 2) % 250 for i in range(29)]
+            out = generate(client, ids, 8)
+            assert out["output_ids"] == unified_tokens(reference, ids, 8)
+            body = {"messages": [{"role": "user", "content": "x" * 20}], "max_tokens": 4,
+                    "stream": True, **GREEDY}
+            events = sse_events(client.post("/v1/chat/completions", json=body).text)
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+    finally:
+        pd.close()
