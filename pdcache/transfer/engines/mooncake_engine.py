@@ -9,7 +9,8 @@ Mooncake's completion call (`get_batch_transfer_status`) blocks until the batch 
 its own transfer timeout (`MC_TRANSFER_TIMEOUT`, set from `room_timeout_s` unless already
 set) — so `wait()` may overrun its `timeout_s` by that much, and `cancel()` cannot recall
 writes. Environment defaults set here before the engine starts: MC_TCP_BIND_ADDRESS (the
-data socket otherwise binds every interface), MC_LOG_LEVEL=ERROR.
+data socket otherwise binds every interface), MC_LOG_LEVEL=ERROR,
+MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (room for the batches our workers keep in flight).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 from dataclasses import dataclass
 
 from pdcache.transfer.config import TransferConfig
-from pdcache.transfer.engines.base import EngineError, KVTransferEngine
+from pdcache.transfer.engines.base import EngineError, EngineTimeout, KVTransferEngine
 from pdcache.transfer.layout import WriteBatch
 from pdcache.utils.registry import import_optional
 
@@ -51,6 +52,10 @@ class MooncakeEngine(KVTransferEngine):
         if config.protocol == "tcp":
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_host)
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(math.ceil(config.room_timeout_s)))
+        # Mooncake's TCP lanes reject more than ~2048 queued entries per peer; our workers keep
+        # up to transfer_workers × 2 batches of max_batch_entries in flight per peer.
+        queued = max(8192, 4 * config.transfer_workers * config.max_batch_entries)
+        os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(queued))
         self._engine = _load_engine_class()()
         rc = self._engine.initialize(config.local_host, config.metadata_server, config.protocol,
                                      config.device_names)
@@ -61,6 +66,9 @@ class MooncakeEngine(KVTransferEngine):
         self._session = f"{config.local_host}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []
         self._lock = threading.Lock()
+        # get_batch_transfer_status busy-spins a core until the batch ends; one spinning waiter
+        # at a time keeps Mooncake's own transfer threads fed on small machines.
+        self._wait_lock = threading.Lock()
         self._closed = False
 
     def session(self) -> bytes:
@@ -100,8 +108,13 @@ class MooncakeEngine(KVTransferEngine):
     def wait(self, ticket: _Ticket, timeout_s: float) -> None:
         if ticket.done:
             raise EngineError("mooncake: ticket already completed")
-        ticket.done = True  # the status call frees Mooncake's batch descriptors either way
-        rc = self._engine.get_batch_transfer_status(ticket.batch_ids)
+        if not self._wait_lock.acquire(timeout=max(timeout_s, 0.0)):
+            raise EngineTimeout(f"mooncake → {ticket.session}: another wait is in progress")
+        try:
+            ticket.done = True  # the status call frees Mooncake's batch descriptors either way
+            rc = self._engine.get_batch_transfer_status(ticket.batch_ids)
+        finally:
+            self._wait_lock.release()
         if rc != 0:
             raise EngineError(
                 f"mooncake → {ticket.session}: batch write of {ticket.nbytes} bytes failed "
@@ -110,7 +123,8 @@ class MooncakeEngine(KVTransferEngine):
     def cancel(self, ticket: _Ticket) -> None:
         if not ticket.done:
             ticket.done = True
-            self._engine.get_batch_transfer_status(ticket.batch_ids)
+            with self._wait_lock:
+                self._engine.get_batch_transfer_status(ticket.batch_ids)
 
     def close(self) -> None:
         with self._lock:

@@ -114,6 +114,7 @@ class NixlEngine(KVTransferEngine):
 
     def wait(self, ticket: _Ticket, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        pause = 50e-6  # back off to 1 ms: UCX's own progress thread already spins
         while True:
             state = self._state(ticket)
             if state == "DONE":
@@ -124,7 +125,8 @@ class NixlEngine(KVTransferEngine):
                 raise EngineError(f"nixl → {ticket.peer}: write of {ticket.nbytes} bytes failed")
             if time.monotonic() >= deadline:
                 raise EngineTimeout(f"nixl → {ticket.peer}: not done in {timeout_s:.3g}s")
-            time.sleep(0.0002)
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def _state(self, ticket: _Ticket) -> str:
         with self._lock:
