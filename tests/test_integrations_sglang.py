@@ -56,11 +56,13 @@ class SglangLikeHostPool:
                 "page_head": (2, pages, H, s, L, D)}[self.layout]
 
     def _page(self, index: int) -> torch.Tensor:
+        mla = hasattr(self, "kv_cache_dim")
+        kv = self.kv_buffer if mla else self.kv_buffer[0:2]  # MHA: K and V axis first
         if self.layout == "layer_first":
-            return self.kv_buffer[:, :, index : index + PAGE]
+            return kv[:, index : index + PAGE] if mla else kv[:, :, index : index + PAGE]
         if self.layout == "page_first":
-            return self.kv_buffer[:, index : index + PAGE]
-        return self.kv_buffer[:, index // PAGE]
+            return kv[index : index + PAGE] if mla else kv[:, index : index + PAGE]
+        return kv[index // PAGE] if mla else kv[:, index // PAGE]
 
     def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
         page = self._page(index)
@@ -394,3 +396,52 @@ def test_pdcache_writes_sglang_reads(tmp_path, plugins, backend):
                 for t in range(PAGE):
                     assert torch.equal(dst.kv(layer, kv, first * PAGE + t),
                                        host.host_kv[page, layer, kv, t])
+
+
+# ---------------------------------------------------------------------------- split payload
+
+
+def make_split_plugin(tmp_path: Path, pool: SglangLikeHostPool, backend: str = "file", **kw):
+    extra = plugin.extra_config(storage=storage_table(tmp_path, backend), payload="split")
+    store = backend_factory.StorageBackendFactory.create_backend(
+        "dynamic", sglang_config(extra, **kw), pool)
+    store.register_mem_pool_host(pool)
+    return store
+
+
+@pytest.mark.parametrize("layout,mla", [("page_first", False), ("page_first_direct", False),
+                                        ("page_first", True)])
+def test_split_payload_round_trip(tmp_path, plugins, layout, mla):
+    src = SglangLikeHostPool(layout, mla=mla, seed=13)
+    dst = SglangLikeHostPool(layout, mla=mla)
+    store = make_split_plugin(tmp_path, src, "hf3fs", mla=mla)
+    plugins.append(store)
+    keys = hashes(3)
+    assert store.pieces == (1 if mla else 2)
+    assert store.storage_config.page_bytes * store.pieces == store.geometry.page_bytes
+    assert store.batch_set_v1(keys, indices([1, 2, 6])) == [True] * 3
+    assert store.batch_exists(keys) == 3
+    store.mem_pool_host = dst
+    assert store.batch_get_v1(keys, indices([3, 4, 5])) == [True] * 3
+    for s, d in ((1, 3), (2, 4), (6, 5)):
+        assert torch.equal(src.get_data_page(s * PAGE), dst.get_data_page(d * PAGE))
+    flat = store.batch_get(keys[:1], [src.get_dummy_flat_data_page()])[0]
+    assert torch.equal(flat, src.get_data_page(PAGE))
+
+
+def test_split_payload_half_page_is_a_miss_and_never_seen_by_pdcache_payload(tmp_path, plugins):
+    src = SglangLikeHostPool("page_first", seed=14)
+    split = make_split_plugin(tmp_path, src)
+    plugins.append(split)
+    keys = hashes(2)
+    assert split.batch_set_v1(keys, indices([0, 1])) == [True, True]
+    split.backend.delete([plugin.derive_storage_key(split.salt, keys[1], 1)])  # V of page 1
+    assert split.batch_exists(keys) == 1
+    assert split.batch_get_v1(keys, indices([4, 5])) == [True, False]
+    reordered = open_plugin(plugins, tmp_path, SglangLikeHostPool("page_first"))
+    assert reordered.batch_exists(keys) == 0
+
+
+def test_split_payload_needs_contiguous_pages(tmp_path):
+    with pytest.raises(ValueError, match="page_first"):
+        make_split_plugin(tmp_path, SglangLikeHostPool("layer_first"))
