@@ -53,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
+    load_before = os.getloadavg()[0]
     for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
         missing = _engine_missing(engine)
         if missing:
@@ -64,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {"page_bytes": _page_bytes(args),
                              "bytes_per_repeat": _page_bytes(args) * 2 * args.layers
                              * args.pages_per_room * args.rooms}
+    # Shared machines swing a lot: the load shows how much to trust absolute GiB/s (the
+    # ratios are measured back to back, so they hold up better).
+    extra["load_avg_1m"] = f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     if skipped:
         extra["skipped"] = skipped
     emit("P->D KV transfer (decode in another process)", rows, args.json_path, extra=extra)
