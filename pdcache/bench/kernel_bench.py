@@ -6,7 +6,8 @@ Copies move a random, non-contiguous set of pages. `*_layerwise` rows call the p
 once per layer (the HiCache per-layer load pattern) and count all layers' bytes. On CUDA the
 host pool is pinned CPU memory and its memcpy baseline is the same-direction pinned copy.
 Kernel and memcpy timings are interleaved and the best of `--repeat` is kept for both, so a
-noisy shared machine moves both numbers together.
+noisy shared machine moves both numbers together; `--clock process` (one thread, CPU time)
+measures the work itself when the machine is oversubscribed.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-sizes", type=_int_list, default=[16, 64])
     parser.add_argument("--layers", type=_int_list, default=[8, 32, 64])
     parser.add_argument("--backends", type=_str_list, default=None,
-                        help="comma list of reference,torch,triton (default: cpu -> "
-                             "reference,torch; cuda -> torch,triton)")
+                        help="comma list of reference,torch,triton (default: cpu -> torch; "
+                             "cuda -> torch,triton)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -57,11 +58,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--clock", default="wall", choices=["wall", "process"],
+                        help="process: CPU time of this process (implies --threads 1; for a "
+                             "shared, oversubscribed CPU machine, where wall time mostly "
+                             "measures the neighbours)")
     parser.add_argument("--seed", type=int, default=0)
 
 
 @dataclass(frozen=True)
 class Setup:
+    clock: Callable[[], float]
     device: torch.device
     dtype: torch.dtype
     kv_heads: int
@@ -75,27 +81,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def best_time(fn: Callable[[], object], repeat: int, device: torch.device) -> float:
-    fn()  # warm-up: first touch, compilation, autotuning
-    _sync(device)
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+def timed(fn: Callable[[], object], setup: Setup) -> float:
+    start = setup.clock()
+    fn()
+    _sync(setup.device)
+    return setup.clock() - start
 
 
-def paired_times(kernel: Callable[[], object], baseline: Callable[[], object], repeat: int,
-                 device: torch.device) -> tuple[float, float]:
-    """Best times of `kernel` and `baseline`, measured alternately."""
-    kernel()
-    baseline()
+def paired_times(kernel: Callable[[], object], baseline: Callable[[], object],
+                 setup: Setup) -> tuple[float, float]:
+    """Best times of `kernel` and `baseline`, measured alternately after one warm-up each
+    (first touch, compilation)."""
+    timed(kernel, setup)
+    timed(baseline, setup)
     best_k = best_b = float("inf")
-    for _ in range(repeat):
-        best_k = min(best_k, best_time(kernel, 1, device))
-        best_b = min(best_b, best_time(baseline, 1, device))
+    for _ in range(setup.repeat):
+        best_k = min(best_k, timed(kernel, setup))
+        best_b = min(best_b, timed(baseline, setup))
     return best_k, best_b
 
 
@@ -159,7 +161,7 @@ def copy_rows(setup: Setup, backends: list[str], page_sizes: list[int], layer_co
             for name in backends:
                 kernels = KERNEL_BACKENDS.get(name)()
                 for op, (kernel, memcpy) in bench.calls(kernels).items():
-                    t_kernel, t_memcpy = paired_times(kernel, memcpy, setup.repeat, setup.device)
+                    t_kernel, t_memcpy = paired_times(kernel, memcpy, setup)
                     rows.append(_copy_row(name, op, page_size, layers, bench, t_kernel, t_memcpy))
             del bench
     return rows
@@ -225,7 +227,7 @@ def attention_rows(setup: Setup, backends: list[str], page_size: int, args: argp
                 sdpa_extend, batch * new),
         }
         for op, (kernel, baseline, tokens) in cases.items():
-            t_kernel, t_sdpa = paired_times(kernel, baseline, s.repeat, s.device)
+            t_kernel, t_sdpa = paired_times(kernel, baseline, s)
             rows.append({"backend": name, "op": op, "page_size": page_size, "batch": batch,
                          "context": context, "tokens/s": tokens / t_kernel,
                          "sdpa tokens/s": tokens / t_sdpa, "vs sdpa": t_sdpa / t_kernel})
@@ -242,25 +244,40 @@ def _resolve(args: argparse.Namespace) -> tuple[Setup, list[str]]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("pdcache bench kernels: --device cuda but torch sees no CUDA device")
     cuda = device.type == "cuda"
-    backends = args.backends or (["torch", "triton"] if cuda else ["reference", "torch"])
+    backends = args.backends or (["torch", "triton"] if cuda else ["torch"])
+    if args.clock == "process" and cuda:
+        raise SystemExit("pdcache bench kernels: --clock process measures CPU work; use wall "
+                         "time on cuda")
     if "triton" in backends and not cuda:
         raise SystemExit("pdcache bench kernels: triton runs on CPU only interpreted "
                          "(far too slow to benchmark); use --device cuda")
     mib = args.mib or (1024 if cuda else 128)
     if args.context is None:
         args.context = 8192 if cuda else 2048
-    setup = Setup(device, DTYPES[args.dtype], args.kv_heads, args.head_dim, args.repeat,
+    clock = time.process_time if args.clock == "process" else time.perf_counter
+    setup = Setup(clock, device, DTYPES[args.dtype], args.kv_heads, args.head_dim, args.repeat,
                   mib * 2**20)
     return setup, backends
 
 
 def run(args: argparse.Namespace) -> int:
     setup, backends = _resolve(args)
+    if args.clock == "process":
+        args.threads = 1  # CPU time of one thread is comparable; of several, it is not
+    threads_before = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        return _run(args, setup, backends)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(args: argparse.Namespace, setup: Setup, backends: list[str]) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     extra = {"device": str(setup.device), "dtype": args.dtype, "kv_heads": args.kv_heads,
-             "head_dim": args.head_dim, "torch_threads": torch.get_num_threads()}
+             "head_dim": args.head_dim, "torch_threads": torch.get_num_threads(),
+             "clock": args.clock}
     rows = copy_rows(setup, backends, args.page_sizes, args.layers, gen)
     emit(f"KV copy kernels vs memcpy ({setup.device}, {args.dtype})", rows, extra=extra)
     attn_rows: list[dict] = []

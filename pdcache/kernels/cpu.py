@@ -2,8 +2,9 @@
 `reference`.
 
 Copies: a page of one layer is a contiguous `[S, H, D]` block on both sides of every layout, so
-each copy is a short loop of `copy_` calls, one per run of consecutive page ids, each moving
-whole blocks with no temporary (a gather then a scatter would touch every byte twice).
+a copy is one `_foreach_copy_` over strided views, one view per run of consecutive page ids,
+each moving whole blocks in a single pass with no temporary (index_select into a buffer then
+index_copy_ out of it would touch every byte twice).
 Attention runs SDPA in the pool's dtype (fp32 accumulation inside SDPA) with grouped query
 heads handled by SDPA (`enable_gqa`) instead of repeated K/V. Decode is one padded, batched
 SDPA over all sequences, chunked to bound memory.
@@ -39,10 +40,10 @@ def copy_pages(
 ) -> None:
     """`dst_pages[dst_ids[i]] = src_pages[src_ids[i]]`, both indexed along dim 0 (views)."""
     runs = _runs(src_ids.tolist(), dst_ids.tolist())
-    dst_views = [dst_pages.narrow(0, d, n) for _, d, n in runs]
-    src_views = [src_pages.narrow(0, s, n) for s, _, n in runs]
     if not runs:
         return
+    dst_views = [dst_pages.narrow(0, d, n) for _, d, n in runs]
+    src_views = [src_pages.narrow(0, s, n) for s, _, n in runs]
     if src_pages.device == dst_pages.device:
         # One dispatch for all runs: per-call overhead matters for small (one-layer) pages.
         torch._foreach_copy_(dst_views, src_views)
@@ -51,14 +52,14 @@ def copy_pages(
             dst.copy_(src)
 
 
-def _device_pages(device_kv: torch.Tensor, layer: int | None) -> torch.Tensor:
+def device_page_view(device_kv: torch.Tensor, layer: int | None) -> torch.Tensor:
     """Device pool viewed page-major: `[P, L, 2, S, H, D]` or, for one layer, `[P, 2, S, H, D]`."""
     if layer is None:
         return device_kv.permute(2, 0, 1, 3, 4, 5)
     return device_kv[layer].transpose(0, 1)
 
 
-def _host_pages(host_kv: torch.Tensor, layer: int | None) -> torch.Tensor:
+def host_page_view(host_kv: torch.Tensor, layer: int | None) -> torch.Tensor:
     return host_kv if layer is None else host_kv[:, layer]
 
 
@@ -84,7 +85,7 @@ def device_to_host(
     checks.check_host_pool(op, host_kv, device_kv, "host_kv")
     checks.check_layer(op, layer, device_kv)
     checks.check_page_copy(op, device_page_ids, host_page_ids, device_kv.shape[2], len(host_kv))
-    copy_pages(_device_pages(device_kv, layer), _host_pages(host_kv, layer),
+    copy_pages(device_page_view(device_kv, layer), host_page_view(host_kv, layer),
                device_page_ids, host_page_ids)
 
 
@@ -99,7 +100,7 @@ def host_to_device(
     checks.check_host_pool(op, host_kv, device_kv, "host_kv")
     checks.check_layer(op, layer, device_kv)
     checks.check_page_copy(op, host_page_ids, device_page_ids, len(host_kv), device_kv.shape[2])
-    copy_pages(_host_pages(host_kv, layer), _device_pages(device_kv, layer),
+    copy_pages(host_page_view(host_kv, layer), device_page_view(device_kv, layer),
                host_page_ids, device_page_ids)
 
 
@@ -109,7 +110,7 @@ def pack_pages(device_kv: torch.Tensor, page_ids: torch.Tensor, staging: torch.T
     checks.check_staging(op, page_ids, device_kv.shape[2], len(staging))
     n = len(page_ids)
     staging_ids = torch.arange(n)
-    copy_pages(_device_pages(device_kv, None), staging, page_ids, staging_ids)
+    copy_pages(device_page_view(device_kv, None), staging, page_ids, staging_ids)
 
 
 def unpack_pages(staging: torch.Tensor, device_kv: torch.Tensor, page_ids: torch.Tensor) -> None:
@@ -117,7 +118,7 @@ def unpack_pages(staging: torch.Tensor, device_kv: torch.Tensor, page_ids: torch
     checks.check_host_pool(op, staging, device_kv, "staging")
     checks.check_staging(op, page_ids, device_kv.shape[2], len(staging))
     staging_ids = torch.arange(len(page_ids))
-    copy_pages(staging, _device_pages(device_kv, None), staging_ids, page_ids)
+    copy_pages(staging, device_page_view(device_kv, None), staging_ids, page_ids)
 
 
 def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, num_tokens: int) -> torch.Tensor:

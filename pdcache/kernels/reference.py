@@ -108,7 +108,8 @@ def _attend(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Causal attention of `q[T, Hq, D]` (positions prefix_len..) over `k, v[prefix_len+T, Hkv, D]`."""
+    """Causal attention of `q[T, Hq, D]` (positions prefix_len..) over
+    `k, v[prefix_len + T, Hkv, D]`."""
     num_q, num_kv = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1).float()

@@ -30,7 +30,8 @@ def assert_bytes_equal(actual: torch.Tensor, expected: torch.Tensor, what: str =
     b = expected.detach().cpu().contiguous().view(torch.uint8)
     if not torch.equal(a, b):
         bad = int((a != b).sum()) if a.shape == b.shape else -1
-        raise AssertionError(f"{what}: {bad} bytes differ (shapes {actual.shape}, {expected.shape})")
+        shapes = f"{tuple(actual.shape)} vs {tuple(expected.shape)}"
+        raise AssertionError(f"{what}: {bad} bytes differ ({shapes})")
 
 
 def dense_attention(

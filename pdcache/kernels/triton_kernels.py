@@ -127,7 +127,8 @@ def _copy_layout(
     target = device_kv.device if device_kv.device.type != "cpu" else host_kv.device
     if not (_kernel_can_read(device_kv, target) and _kernel_can_read(host_kv, target)):
         # Pageable host memory: a GPU kernel cannot address it; let the copy engine do it.
-        dev_pages, host_pages = cpu._device_pages(device_kv, layer), cpu._host_pages(host_kv, layer)
+        dev_pages = cpu.device_page_view(device_kv, layer)
+        host_pages = cpu.host_page_view(host_kv, layer)
         if to_host:
             cpu.copy_pages(dev_pages, host_pages, device_ids, host_ids)
         else:
