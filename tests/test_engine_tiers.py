@@ -13,7 +13,7 @@ import torch
 
 from pdcache.engine.api import CachedTokens, GenerateRequest, SamplingParams
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdcache.engine.engine import Engine
+from pdcache.engine.engine import Engine, _Submit
 from pdcache.engine.loader import load_model
 from pdcache.engine.radix import InsertResult, MatchResult
 from pdcache.engine.request import Req
@@ -172,3 +172,61 @@ def test_not_ready_request_waits_while_others_run(tiny) -> None:
         assert tier.dequeued == ["never"]
     finally:
         engine.shutdown()
+
+
+class ProtectingScheduler(Scheduler):
+    """Never retracts the requests named in `protected`; remembers every request it saw."""
+
+    def __init__(self, *, protected: set[str], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.protected = protected
+        self.seen: dict[str, Req] = {}
+
+    def on_queued(self, req: Req) -> None:
+        self.seen[req.rid] = req
+
+    def can_retract(self, req: Req) -> bool:
+        return req.rid not in self.protected
+
+
+def run_sync(engine: Engine, reqs: list[GenerateRequest]) -> dict[str, list[int]]:
+    """Drive a not-started engine step by step on this thread (deterministic scheduling)."""
+    outputs: dict[str, list[int]] = {req.rid: [] for req in reqs}
+    for req in reqs:
+        sink = outputs[req.rid]
+        new = engine._new_req(req, lambda out, sink=sink: sink.extend(out.new_token_ids),
+                              engine._generator_for(req))
+        engine._handle(_Submit(new))
+    while engine.scheduler.has_work():
+        engine._step()
+    engine.check_accounting()
+    return outputs
+
+
+def test_protected_requests_are_never_retracted(tiny) -> None:
+    rng = random.Random(9)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    reqs = [GenerateRequest(f"p{i}", [rng.randrange(3, 250) for _ in range(18 + 3 * i)], params)
+            for i in range(6)]
+    reference = make_engine(tiny, prefix_cache=False)
+    try:
+        expected = {
+            req.rid: [t for o in reference.generate(req, 60) for t in o.new_token_ids]
+            for req in reqs
+        }
+    finally:
+        reference.shutdown()
+    config = EngineConfig(
+        model=tiny.config,
+        cache=CacheConfig(page_size=PAGE, num_device_pages=24),
+        scheduler=SchedulerConfig(chunked_prefill_tokens=16),
+    )
+    retractions = {}
+    for protected in (set(), {"p2"}):  # unprotected, p2 is the one retracted under pressure
+        factory = functools.partial(ProtectingScheduler, protected=protected)
+        engine = Engine(config, tiny, make_scheduler=factory)
+        assert run_sync(engine, reqs) == expected
+        seen = engine.scheduler.seen
+        retractions[frozenset(protected)] = {rid: r.num_retractions for rid, r in seen.items()}
+    assert retractions[frozenset()]["p2"] > 0
+    assert retractions[frozenset({"p2"})]["p2"] == 0

@@ -21,7 +21,8 @@ Lower cache tiers (HiCache: host, storage) plug in by subclassing and overriding
 `on_queued` (start a prefetch), `admission_ready` (may this request be admitted yet),
 `reuse_lower_tiers` (fill the pages after the device match with K/V from elsewhere),
 `on_cached` (pages just entered the tree: back them up), `on_dequeued` (a waiting request
-left without running) and `on_step` (once per schedule); see `Engine(make_scheduler=...)`.
+left without running), `on_step` (once per schedule) and `can_retract` (protect a running
+request's pages from retraction); see `Engine(make_scheduler=...)`.
 The defaults do nothing, which is the device-only cache.
 
 Disaggregated serving uses three more primitives. A decode node `reserve`s the pages a
@@ -141,6 +142,11 @@ class Scheduler:
 
     def on_step(self) -> None:
         """Called at the start of every `schedule()`."""
+
+    def can_retract(self, req: Req) -> bool:
+        """False protects running `req` from retraction (e.g. while something else reads
+        its pages); the request short of a page then waits."""
+        return True
 
     def hold_after_finish(self, req: Req) -> bool:
         """True keeps the pages of the just finished `req` (K/V of `fill_ids[:kv_len]`) until
@@ -341,14 +347,15 @@ class Scheduler:
         decoding = sorted((r for r in self.running if r.prefill_done), key=lambda r: r.admit_seq)
         batch: list[Req] = []
         for req in decoding:
-            if req.status is ReqStatus.RUNNING and self._ensure_decode_page(req):
+            if req.status is ReqStatus.RUNNING and self._ensure_decode_page(req, batch):
                 batch.append(req)
         if not batch:
             return None
         return ScheduledBatch(ForwardMode.DECODE, batch, [1] * len(batch), list(range(len(batch))))
 
-    def _ensure_decode_page(self, req: Req) -> bool:
-        """Make room for the K/V of position `req.kv_len`; False if `req` got retracted."""
+    def _ensure_decode_page(self, req: Req, batched: list[Req]) -> bool:
+        """Make room for the K/V of position `req.kv_len` by retracting the newest retractable
+        request not in `batched`; False if `req` got retracted or must wait a step."""
         if req.kv_len < len(req.page_ids) * self.page_size:
             return True
         while True:
@@ -356,7 +363,10 @@ class Scheduler:
             if page is not None:
                 req.page_ids.extend(page)
                 return True
-            victim = max(self.running, key=lambda r: r.admit_seq)
+            victims = [r for r in self.running if r not in batched and self.can_retract(r)]
+            if not victims:
+                return False  # nothing may give way now: `req` skips this step
+            victim = max(victims, key=lambda r: r.admit_seq)
             self._retract(victim)
             if victim is req:
                 return False
