@@ -24,8 +24,8 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 class ThreadedServer:
     """A uvicorn server for `app` in a daemon thread, listening on 127.0.0.1:free port."""
 
-    def __init__(self, app: Any, startup_timeout_s: float = 60.0) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
+    def __init__(self, app: Any, startup_timeout_s: float = 60.0, port: int = 0) -> None:
+        self.sock = socket.create_server(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
@@ -142,3 +142,59 @@ class RouterUnderTest:
         self.http.close()
         assert self._server is not None
         self._server.stop()
+
+
+class ServeProcess:
+    """`python -m pdcache serve --model tiny --port 0 --name NAME`, ready once it prints its
+    URL (or a `pdcache router ...` command line: any pdcache command with a ready line)."""
+
+    def __init__(self, args: list[str], ready_prefix: str, timeout_s: float = 120.0) -> None:
+        import os
+        import queue
+        import subprocess
+        import sys
+
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdcache", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            self.log.append(line)
+            if line.startswith(ready_prefix):
+                self.url = line[len(ready_prefix):].strip()
+                return
+        self.kill()
+        raise RuntimeError("process did not become ready:\n" + "".join(self.log[-30:]))
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def terminate(self, timeout_s: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            code = self.proc.wait(timeout_s)
+        except Exception:
+            self.kill()
+            raise
+        time.sleep(0.2)  # let the pump thread read what the process wrote last
+        while not self.lines.empty():
+            self.log.append(self.lines.get())
+        return code

@@ -144,12 +144,12 @@ class NodeRegistry:
 
     async def _loop(self) -> None:
         while True:
+            await asyncio.sleep(self.health_interval_s)  # startup() probed just before
             try:
                 await self.check_all()
             except Exception:  # check() never raises; this guards against future bugs
                 self.probe_errors += 1
                 log.exception("health loop iteration failed")
-            await asyncio.sleep(self.health_interval_s)
 
     def _on_success(self, node: NodeState, resp: httpx.Response) -> None:
         if node.role == "prefill" and node.bootstrap is None:
