@@ -1,101 +1,73 @@
-"""`pdcache demo`: start a local stack, replay a multi-turn trace against it, print a summary.
+"""`pdcache demo`: the main job — launch a local PD topology (router + prefill with HiCache +
+decode with offload, 3FS-style storage), replay a multi-turn agentic trace against it, print
+what each turn reused and the replay summary, and tear everything down.
 
-The stack is started by the launcher from a topology file (default: the local 1 prefill +
-1 decode topology); `--unified` starts a single unified server instead. Everything started
-is stopped on exit, whatever happens.
+Built from `bench compare`'s pieces: the launcher runs the topology, `bench replay` drives it
+over HTTP only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
+from pdcache.bench import replay
+from pdcache.bench.compare import ConfigRun, run_one
+from pdcache.bench.table import emit
+
+DEFAULT_CONFIG = "configs/local-1p1d.toml"
 DEFAULT_TRACE = (
-    "synthetic:sessions=4,turns=4,system_prompt=1024,tool_result=96,answer=64,think_time=0,seed=0"
+    "synthetic:sessions=4,turns=4,system_prompt=512,tool_result=64,answer=64,"
+    "think_time=0,seed=0"
 )
+TURN_COLUMNS = ("session", "turn", "prompt", "cached", "device", "host", "storage",
+                "from_decode", "computed", "ttft_s", "P", "D")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="small", help="preset or checkpoint path")
-    parser.add_argument("--trace", default=DEFAULT_TRACE, help="trace spec for bench replay")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="topology file to launch")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="topology override (repeatable)")
     parser.add_argument("--out", default=".pdcache/demo", help="replay output directory")
-    parser.add_argument("--concurrency", type=int, default=2)
-    parser.add_argument("--port", type=int, default=0, help="server port (0: a free one)")
-    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--stop-timeout", type=float, default=60.0)
+    replay.add_replay_options(parser)
+    parser.set_defaults(trace=DEFAULT_TRACE, concurrency=2)
+    for action in parser._actions:  # the demo has a default trace
+        if action.dest == "trace":
+            action.required = False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before becoming healthy")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server at {url} not healthy after {timeout_s:.0f}s")
-
-
-def start_unified(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = args.port or free_port()
-    cmd = [sys.executable, "-m", "pdcache", "serve", "--model", args.model,
-           "--host", "127.0.0.1", "--port", str(port)]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
-
-
-def print_turns(out_dir: Path) -> None:
-    rows = [json.loads(line) for line in (out_dir / "requests.jsonl").read_text().splitlines()]
-    print("\nper request: session turn prompt cached computed ttft_s")
-    for r in rows:
-        print(f"  {r.get('session_id')!s:>8} {r.get('turn')!s:>4} {r.get('prompt_tokens')!s:>6} "
-              f"{r.get('cached_tokens')!s:>6} {r.get('computed_tokens')!s:>8} "
-              f"{r.get('ttft_s', 0) or 0:.3f}")
+def turn_rows(run_dir: Path) -> list[dict]:
+    rows = []
+    for line in (run_dir / "requests.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        rows.append({
+            "session": r.get("session_id"), "turn": r.get("turn"),
+            "prompt": r.get("prompt_tokens"), "cached": r.get("cached_tokens"),
+            "device": r.get("cached_device"), "host": r.get("cached_host"),
+            "storage": r.get("cached_storage"), "from_decode": r.get("cached_storage_from_decode"),
+            "computed": r.get("computed_tokens"), "ttft_s": r.get("ttft_s") or 0.0,
+            "P": r.get("prefill_node"), "D": r.get("decode_node"),
+        })
+    return sorted(rows, key=lambda row: (str(row["session"]), row["turn"] or 0))
 
 
 def run(args: argparse.Namespace) -> int:
-    out_dir = Path(args.out)
-    proc, url = start_unified(args, out_dir / "server.log")
-    try:
-        print(f"[demo] starting unified server ({args.model}) at {url} ...", flush=True)
-        wait_healthy(url, proc, args.startup_timeout)
-        print(f"[demo] healthy; replaying {args.trace}", flush=True)
-        replay = [sys.executable, "-m", "pdcache", "bench", "replay", "--url", url,
-                  "--trace", args.trace, "--out", str(out_dir),
-                  "--concurrency", str(args.concurrency)]
-        code = subprocess.call(replay)
-        if code == 0:
-            print_turns(out_dir)
-        return code
-    finally:
-        stop(proc)
+    out = Path(args.out)
+    config = ConfigRun("demo", Path(args.config), tuple(args.overrides))
+    print(f"[demo] launching {args.config} and replaying {args.trace}", file=sys.stderr)
+    summary = run_one(args, config, out)
+    if "error" in summary:
+        print(f"[demo] failed: {summary['error']}", file=sys.stderr)
+        return 1
+    run_dir = out / "demo"
+    emit("what each turn reused (tokens)", turn_rows(run_dir), columns=TURN_COLUMNS)
+    keys = ("requests_ok", "requests_failed", "hit_rate", "theoretical_hit_rate",
+            "ttft_p50_s", "ttft_p99_s")
+    emit("replay summary", [{k: summary.get(k) for k in keys}],
+         extra={"hit_rate_by_tier": summary.get("hit_rate_by_tier"),
+                "details": str(run_dir / "summary.json")})
+    return 0 if summary.get("requests_failed", 1) == 0 else 1
