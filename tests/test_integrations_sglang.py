@@ -445,3 +445,57 @@ def test_split_payload_half_page_is_a_miss_and_never_seen_by_pdcache_payload(tmp
 def test_split_payload_needs_contiguous_pages(tmp_path):
     with pytest.raises(ValueError, match="page_first"):
         make_split_plugin(tmp_path, SglangLikeHostPool("layer_first"))
+
+
+def test_hf3fs_inproc_metadata_gives_each_rank_its_own_files(tmp_path, plugins):
+    p0 = open_plugin(plugins, tmp_path, SglangLikeHostPool("page_first", seed=15), "hf3fs",
+                     tp_rank=0, tp_size=2)
+    p1 = open_plugin(plugins, tmp_path, SglangLikeHostPool("page_first", seed=16), "hf3fs",
+                     tp_rank=1, tp_size=2)
+    assert p0.storage_config.namespace != p1.storage_config.namespace
+    keys = hashes(2)
+    assert p0.batch_set_v1(keys, indices([0, 1])) == [True, True]
+    assert p1.batch_set_v1(keys, indices([0, 1])) == [True, True]
+    fresh = SglangLikeHostPool("page_first")
+    p0.mem_pool_host = fresh
+    assert p0.batch_get_v1(keys, indices([0, 1])) == [True, True]
+    assert torch.equal(fresh.kv_buffer[:, : 2 * PAGE], SglangLikeHostPool("page_first", seed=15).kv_buffer[:, : 2 * PAGE])
+    with pytest.raises(ValueError, match="metadata service"):
+        make_plugin(tmp_path, SglangLikeHostPool("page_first", mla=True), "hf3fs",
+                    tp_rank=0, tp_size=2, mla=True)
+
+
+@pytest.mark.slow
+def test_live_sharing_through_the_metadata_service(tmp_path, plugins):
+    """SGLang (plugin) and a pdcache node open the same hf3fs store at once, as in production."""
+    from pdcache.offload_manager.storage.metadata_service import LocalMetadataService
+
+    with LocalMetadataService(tmp_path / "meta") as service:
+        table = {**storage_table(tmp_path, "hf3fs"), "metadata": service.address}
+        extra = plugin.extra_config(storage=table)
+        src = SglangLikeHostPool("page_first", seed=17)
+        store = backend_factory.StorageBackendFactory.create_backend(
+            "dynamic", sglang_config(extra), src)
+        plugins.append(store)
+        store.register_mem_pool_host(src)
+        fingerprint = kv_fingerprint("org/model", "float32", PAGE, LAYERS, HEADS, HEAD_DIM)
+        host = HostKVPool(4, LAYERS, PAGE, HEADS, HEAD_DIM, torch.float32)
+        native = create_backend(StorageConfig.from_mapping({
+            **table, "page_bytes": host.page_nbytes, "fingerprint": fingerprint,
+            "num_layers": LAYERS, "page_size": PAGE, "dtype": "float32"}))
+        try:
+            prompt = list(range(300, 300 + 2 * PAGE))
+            answer = prompt + list(range(900, 900 + 2 * PAGE))
+            assert store.batch_set_v1(plugin.sglang_chain_hashes(prompt, PAGE), indices([0, 1])) == [True] * 2
+            keys = plugin.sglang_compatible_page_keys(answer, PAGE, fingerprint)
+            assert native.exists_prefix(keys) == 2  # the prompt, written by SGLang
+            host.host_kv.copy_(torch.randn(host.host_kv.shape, generator=torch.Generator().manual_seed(18)))
+            assert native.put_from(keys[2:], host.page_bytes([0, 1]), origin="decode") == [True] * 2
+            sglang_keys = plugin.sglang_chain_hashes(answer, PAGE)
+            assert store.batch_exists(sglang_keys) == 4
+            assert store.batch_get_v1(sglang_keys[2:], indices([6, 7])) == [True] * 2
+            for page, first in ((0, 6), (1, 7)):
+                for layer in range(LAYERS):
+                    assert torch.equal(src.kv(layer, 1, first * PAGE), host.host_kv[page, layer, 1, 0])
+        finally:
+            native.close()

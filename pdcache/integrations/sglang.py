@@ -484,7 +484,7 @@ class PdcacheStorageImpl:
         table = {**self.settings.storage, "page_bytes": geometry.page_bytes // self.pieces,
                  "fingerprint": self.fingerprint, "num_layers": geometry.layer_num,
                  "page_size": geometry.page_size, "dtype": dtype_name(geometry.dtype)}
-        config = StorageConfig.from_mapping(table)
+        config = self._private_files(StorageConfig.from_mapping(table))
         self.salt = make_salt(self.fingerprint, self.settings.key_namespace)
         chunk = max(1, min(128, self.settings.chunk_bytes // geometry.page_bytes))
         self.staging = StagingBuffers(chunk, geometry.page_bytes)
@@ -494,6 +494,26 @@ class PdcacheStorageImpl:
         self.backend = create_backend(config)
         log.info("pdcache plugin: %s backend at %s, fingerprint %s", config.backend,
                  config.path, self.fingerprint)
+
+    def _private_files(self, config: Any) -> Any:
+        """hf3fs with in-process metadata: one writer process per data file set.
+
+        Each SGLang rank is its own process, and two processes allocating slots in the same
+        files without the shared metadata service would overwrite each other's pages. Sharded
+        (MHA) ranks get their own files; rank-replicated (MLA) ranks read rank 0's pages, which
+        needs the service.
+        """
+        ident = self.identity
+        ranks = ident.tp_size * ident.pp_size * ident.cp_size
+        if config.backend != "hf3fs" or config.metadata != "inproc" or ranks == 1:
+            return config
+        if ident.rank_replicated:
+            raise ValueError("pdcache plugin: hf3fs with several ranks of an MLA model needs the "
+                             "shared metadata service (storage.metadata = 'tcp://HOST:PORT')")
+        suffix = f"tp{ident.tp_rank}of{ident.tp_size}pp{ident.pp_rank}cp{ident.cp_rank}"
+        log.warning("pdcache plugin: hf3fs with in-process metadata: rank files %s.%s.*; use the "
+                    "metadata service to share pages across processes", config.namespace, suffix)
+        return config.replace(namespace=f"{config.namespace}.{suffix}")
 
     def close(self) -> None:
         if self.backend is not None:
