@@ -13,6 +13,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "cache": ("pdcache.bench.cache_bench", "TTFT by cache tier vs recompute"),
     "transfer": ("pdcache.bench.transfer_bench", "P->D transfer GB/s per engine vs memcpy"),
     "offload": ("pdcache.bench.offload_bench", "decode offload on vs off: ITL and next-turn TTFT"),
+    "pd": ("pdcache.bench.pd_bench", "TTFT of PD vs unified, P->D transfer GB/s in that path"),
+    "sglang-plugin": ("pdcache.bench.sglang_plugin_bench",
+                      "SGLang storage plugin GB/s vs the same backend used natively"),
     "replay": ("pdcache.bench.replay", "replay a multi-turn trace against a running stack"),
     "compare": ("pdcache.bench.compare", "launch topologies in turn and replay the same trace"),
 }
