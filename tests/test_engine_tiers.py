@@ -230,3 +230,32 @@ def test_protected_requests_are_never_retracted(tiny) -> None:
         retractions[frozenset(protected)] = {rid: r.num_retractions for rid, r in seen.items()}
     assert retractions[frozenset()]["p2"] > 0
     assert retractions[frozenset({"p2"})]["p2"] == 0
+
+
+class FailingBackupScheduler(Scheduler):
+    """`on_cached` raises once, as a broken backup path would."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.failures_left = 1
+
+    def on_cached(self, req: Req, result: InsertResult) -> None:
+        if self.failures_left:
+            self.failures_left -= 1
+            raise OSError("backup device gone")
+
+
+def test_hook_failure_after_finish_still_delivers_the_final_output(tiny) -> None:
+    engine = make_engine(tiny, FailingBackupScheduler)
+    try:
+        first = engine.generate(GenerateRequest("a", list(range(5, 30)), PARAMS), 30)
+        assert first[-1].finish_reason == "length" and first[-1].completion_tokens == 10
+        assert engine.stats()["step_errors_total"] == 1
+        second = engine.generate(GenerateRequest("b", list(range(5, 30)), PARAMS), 30)
+        assert [t for o in second for t in o.new_token_ids] == \
+            [t for o in first for t in o.new_token_ids]
+        assert second[-1].cached.device == 24  # the failed hook came after the insert
+        numbers = engine.check_accounting()
+        assert numbers["requests"] == 0
+    finally:
+        engine.shutdown()

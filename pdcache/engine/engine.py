@@ -394,6 +394,9 @@ class Engine:
             # a failed schedule() may leave any request half-done: fail them all
             victims = self._all_unfinished() if batch is None else batch.reqs
             self._fail([r for r in victims if not r.finished], error=f"engine step failed: {exc!r}")
+            for req in batch.reqs if batch else []:
+                if req.finished and req.finish_reason != "abort":
+                    self._emit(req)  # finished by this step's commit before it failed
             return True
         self._update_snapshot()  # a client that saw its final output sees these stats too
         for req in touched:
