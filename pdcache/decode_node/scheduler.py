@@ -37,6 +37,10 @@ class DecodeScheduler(Scheduler):
                     self.offload.on_step(req.rid, req.fill_ids[: req.kv_len], req.page_ids)
         return touched
 
+    def can_retract(self, req: Req) -> bool:
+        # retraction frees pages at once, but offload copies may be reading them
+        return self.offload is None
+
     def hold_after_finish(self, req: Req) -> bool:
         if self.offload is None:
             return False
