@@ -6,6 +6,7 @@ decode node's pages return to idle."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,8 +24,8 @@ from pdcache.engine.engine import Engine  # noqa: E402
 from pdcache.engine.loader import load_model  # noqa: E402
 from pdcache.router.app import RouterConfig, create_app  # noqa: E402
 from pdcache.router.nodes import NodeEndpoint  # noqa: E402
-from tests.pd_harness import PDStack, node_setups, start_stack  # noqa: E402
-from tests.router_support import RouterUnderTest, sse_events  # noqa: E402
+from tests.pd_harness import PDStack, free_port, node_setups, start_stack  # noqa: E402
+from tests.router_support import RawServer, RouterUnderTest, sse_events  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -188,3 +189,52 @@ def test_pd_over_mooncake_equals_unified(tmp_path: Any, tiny: Any, reference: En
             assert events[-1]["choices"][0]["finish_reason"] == "length"
     finally:
         pd.close()
+
+
+def test_pd_client_disconnect_cancels_decode(stack: PDStack) -> None:
+    with pd_router(stack) as client:
+        body = {"input_ids": list(range(1, 30)), "stream": True,  # D's pool: 1024 tokens
+                "sampling_params": {"max_new_tokens": 900, **GREEDY}}
+        with client.stream("POST", "/generate", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept referenced: dropping it closes the stream
+            assert next(lines).startswith("data: ")  # the first token came from P via D
+            engine = stack.decode_server.engine
+            wait_until(lambda: engine.stats()["num_running"] == 1)  # D is decoding
+        wait_idle(stack.decode_server.engine)
+        router = client.app.state.router  # type: ignore[attr-defined]
+        wait_until(lambda: [n.in_flight for n in router.registry.nodes] == [0, 0])
+
+
+def wait_until(condition: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_failing_prefill_answer_is_the_clients_error(stack: PDStack) -> None:
+    """P answers 500 (its own failure) while D waits for KV: the client gets P's error at
+    once, D's request is cancelled and D returns to idle."""
+    boom = json.dumps({"error": {"message": "boom in prefill", "type": "server_error",
+                                 "param": None, "code": "prefill_failed"}}).encode()
+    fake_p = RawServer("reply", b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: "
+                       b"application/json\r\ncontent-length: " + str(len(boom)).encode()
+                       + b"\r\nconnection: close\r\n\r\n" + boom)
+    nodes = (NodeEndpoint("p0", "prefill", fake_p.url, f"127.0.0.1:{free_port()}"),
+             NodeEndpoint("d0", "decode", stack.decode.url))
+    config = RouterConfig(nodes=nodes, page_size=PAGE, request_timeout_s=60,
+                          health_interval_s=30)
+    try:
+        with RouterUnderTest(create_app(config)) as client:
+            for stream in (False, True):
+                start = time.monotonic()
+                r = client.post("/generate", json={"input_ids": list(range(5, 40)),
+                                                   "stream": stream})
+                assert r.status_code == 502, r.text
+                error = r.json()["error"]
+                assert "boom in prefill" in error["message"] and error["code"] == "prefill_failed"
+                assert time.monotonic() - start < 5
+    finally:
+        fake_p.stop()
+    wait_idle(stack.decode_server.engine)
