@@ -155,3 +155,79 @@ class MetadataService:
             except Exception:
                 self.proc.kill()
                 self.proc.wait(5)
+
+
+# ---- multi-turn sessions and end-of-test accounting (decode offload tests) ---------------
+
+def page_floor(n: int, page_size: int) -> int:
+    return n // page_size * page_size
+
+
+@dataclass
+class Turn:
+    prompt: list[int]
+    answer: list[int]
+    meta: dict
+
+
+def run_session(stack: PDStack, first_prompt: list[int], messages: list[list[int]],
+                answer_tokens: int, reference=None) -> list[Turn]:
+    """Greedy turns: turn t+1's prompt = prompt_t + answer_t + messages[t]. With `reference`
+    (prompt, n) -> tokens, every answer is checked against it. Waits for decode's offload
+    after each turn, so the next turn sees every page decode wrote."""
+    turns: list[Turn] = []
+    prompt = list(first_prompt)
+    for t in range(len(messages) + 1):
+        p, d = stack.generate(prompt, answer_tokens)
+        assert "output_ids" in d, (p, d)
+        answer = d["output_ids"]
+        assert p["output_ids"] == answer[:1]
+        if reference is not None:
+            assert answer == reference(prompt, answer_tokens), f"turn {t} differs from unified"
+        turns.append(Turn(prompt, answer, d["meta"]))
+        assert stack.offload_idle(30), "decode offload did not drain"
+        if t < len(messages):
+            prompt = prompt + answer + messages[t]
+    return turns
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True
+
+
+def rooms_active(client: httpx.Client, url: str) -> int:
+    return int(client.get(f"{url}/health").json()["transfer"]["rooms"]["active"])
+
+
+def assert_stack_idle(stack: PDStack) -> None:
+    """Invariant 3 at the end of a test: nothing held for offload, staging empty, page
+    accounting exact on both engines, no room in flight on either node."""
+    offload = stack.decode_server_app.state.offload
+    if offload is not None:
+        assert offload.wait_idle(30)
+        offload.check()
+        snap = offload.snapshot()
+        assert snap["staging_pages_used"] == 0 and snap["queued_pages"] == 0, snap
+    decode_engine = stack.decode_server.engine
+    # held pages go back through the engine's inbox: wait until they are free
+    assert wait_for(lambda: decode_engine.check_accounting()["used"] == 0, 10), \
+        decode_engine.check_accounting()
+    stack.prefill_server.engine.check_accounting()
+    assert wait_for(lambda: rooms_active(stack.client, stack.prefill.url) == 0, 10)
+    assert wait_for(lambda: rooms_active(stack.client, stack.decode.url) == 0, 10)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus exposition (0.0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0

@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from pdcache.decode_node.metrics import OffloadStatsCollector
 from pdcache.decode_node.scheduler import DecodeScheduler
 from pdcache.decode_node.server import DecodeServer
 from pdcache.engine.engine import Engine
@@ -48,6 +49,8 @@ def build_decode_app(setup: NodeSetup, model: Any, tokenizer: Any, staging_pages
     server = DecodeServer(engine, ServerConfig(name=setup.name,
                                                request_timeout_s=request_timeout_s), receiver)
     servers.append(server)
+    if managers:  # pdcache_decode_offload_* on this node's /metrics
+        server.metrics.registry.register(OffloadStatsCollector(managers[0], setup.name))
 
     def shutdown() -> None:
         receiver.close()

@@ -33,7 +33,8 @@ class DecodeScheduler(Scheduler):
         touched = super().commit(batch, tokens)
         if self.offload is not None:
             for req in batch.reqs:
-                if req.status is ReqStatus.RUNNING:
+                # fill_ids copies the whole sequence: build it only when a page completed
+                if req.status is ReqStatus.RUNNING and self.offload.due(req.rid, req.kv_len):
                     self.offload.on_step(req.rid, req.fill_ids[: req.kv_len], req.page_ids)
         return touched
 

@@ -107,6 +107,12 @@ class DecodeOffloadManager:
     def track(self, rid: str, cache_salt: str = "") -> None:
         self._requests[rid] = _Tracked(make_salt(self.fingerprint, cache_salt))
 
+    def due(self, rid: str, kv_len: int) -> bool:
+        """Cheap check before `on_step`: has `rid` completed `stride_pages` new pages?"""
+        tracked = self._requests.get(rid)
+        return tracked is not None and (
+            kv_len // self.page_size - tracked.scheduled_pages >= self.stride_pages)
+
     def on_step(self, rid: str, kv_token_ids: Sequence[int], device_page_ids: Sequence[int]) -> None:
         """`kv_token_ids`: every token of the request whose KV is in `device_page_ids` now."""
         tracked = self._requests.get(rid)
@@ -145,6 +151,16 @@ class DecodeOffloadManager:
                 return False
             time.sleep(0.005)
         return True
+
+    def snapshot(self) -> dict[str, float]:
+        """The counters and what is in flight now (any thread; metrics read this)."""
+        with self._lock:
+            stats = dict(vars(self.stats))
+            stats.update(pending_copies=self._pending_copies,
+                         pending_writes=self._pending_writes, queued_pages=self._queued_pages)
+        stats["staging_pages_total"] = self.staging.capacity
+        stats["staging_pages_used"] = self.staging.capacity - self.staging.num_free
+        return stats
 
     def check(self) -> None:
         """Accounting: when idle, no staging page is in use and no request page is held."""
