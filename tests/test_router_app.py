@@ -298,3 +298,42 @@ def test_client_disconnect_cancels_the_node_request(nodes: list[UnifiedNode]) ->
         assert router.registry.nodes[0].in_flight == 0
     finally:
         router_server.stop()
+
+
+def test_streamed_session_turn_commits_and_text_prompts_work(nodes: list[UnifiedNode]) -> None:
+    with router_client(nodes) as client:
+        router = client.app.state.router  # type: ignore[attr-defined]
+        body = {"text": "first message. " * 3, "session_id": "st", "stream": True,
+                "sampling_params": {"max_new_tokens": 8, **GREEDY}}
+        events = sse_events(client.post("/generate", json=body).text)
+        out1 = [t for e in events for t in e["output_ids"]]
+        first_ids = router.tokenizer.encode(body["text"])
+        assert router.sessions.history("st") == first_ids + out1
+        body2 = {**body, "text": "second."}
+        events = sse_events(client.post("/generate", json=body2).text)
+        meta = events[-1]["meta"]
+        assert meta["prompt_tokens"] == len(first_ids) + 8 + len("second.")
+        assert meta["cached_tokens"] >= page_floor(len(first_ids) + 8) - PAGE
+
+
+def test_streamed_completion_stops_at_stop_string(nodes: list[UnifiedNode]) -> None:
+    with router_client(nodes) as client:
+        body = {"prompt": "xyz " * 10, "max_tokens": 30, **GREEDY}
+        full = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        stop = full[4:6]
+        r = client.post("/v1/completions", json={**body, "stop": [stop], "stream": True,
+                                                 "stream_options": {"include_usage": True}})
+        events = sse_events(r.text)
+        text = "".join(c["text"] for e in events for c in e["choices"])
+        assert text == full[: full.index(stop)]
+        assert events[-2]["choices"][0]["finish_reason"] == "stop"
+        assert events[-1]["usage"]["completion_tokens"] >= 1
+        router = client.app.state.router  # type: ignore[attr-defined]
+        wait = time.monotonic() + 10
+        while any(n.in_flight for n in router.registry.nodes) and time.monotonic() < wait:
+            time.sleep(0.05)
+        assert [n.in_flight for n in router.registry.nodes] == [0, 0]
+    deadline = time.monotonic() + 10
+    while any(n.running() for n in nodes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [n.running() for n in nodes] == [0, 0]  # the stop string aborted the node request

@@ -21,7 +21,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -350,7 +350,10 @@ class Router:
             events = (self._chat_events if chat else self._completion_events)(
                 deltas, turn, head, body)
             return streaming(events, stream)
-        await watch(request, _drain(deltas))
+        try:
+            await watch(request, _drain(deltas))
+        finally:
+            await _close(stream)  # idempotent; covers a drain cancelled before it started
         choice = (chat_choice if chat else text_choice)(text.text, turn.finish_reason)
         return JSONResponse(head.body([choice], usage=self.usage(prep, turn)))
 
@@ -379,8 +382,9 @@ class Router:
     async def _chat_events(self, deltas: AsyncIterator[str], turn: Turn, head: ResponseHead,
                            body: OpenAIRequestBase) -> AsyncIterator[bytes]:
         yield sse(head.body([chat_delta({"role": "assistant", "content": ""}, None)]))
-        async for delta in deltas:
-            yield sse(head.body([chat_delta({"content": delta}, None)]))
+        async with aclosing(deltas) as texts:  # closing it closes the upstream stream
+            async for delta in texts:
+                yield sse(head.body([chat_delta({"content": delta}, None)]))
         yield sse(head.body([chat_delta({}, turn.finish_reason)]))
         if body.include_usage():
             yield sse(head.body([], usage=self._usage_of(turn)))
@@ -388,8 +392,9 @@ class Router:
     async def _completion_events(self, deltas: AsyncIterator[str], turn: Turn,
                                  head: ResponseHead, body: OpenAIRequestBase
                                  ) -> AsyncIterator[bytes]:
-        async for delta in deltas:
-            yield sse(head.body([text_choice(delta, None)]))
+        async with aclosing(deltas) as texts:
+            async for delta in texts:
+                yield sse(head.body([text_choice(delta, None)]))
         yield sse(head.body([text_choice("", turn.finish_reason)]))
         if body.include_usage():
             yield sse(head.body([], usage=self._usage_of(turn)))
@@ -489,8 +494,9 @@ async def watch(request: Request, work: Awaitable[T]) -> T:
 
 
 async def _drain(deltas: AsyncIterator[str]) -> None:
-    async for _ in deltas:
-        pass
+    async with aclosing(deltas) as texts:
+        async for _ in texts:
+            pass
 
 
 async def _close(stream: UpstreamStream) -> None:
