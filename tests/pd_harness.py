@@ -231,3 +231,44 @@ def metric_value(text: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return float(sample.value)
     return 0.0
+
+
+def assert_answers_reused(turns: list[Turn], messages: list[list[int]], page_size: int) -> None:
+    """Invariant 2: turn t+1 reuses prompt_t and answer_t (the answer from decode's pages) and
+    computes about only the new message."""
+    for prev, turn, message in zip(turns, turns[1:], messages):
+        meta, details = turn.meta, turn.meta["cached_tokens_details"]
+        assert len(prev.answer) >= 3 * page_size
+        reused_floor = page_floor(len(prev.prompt) + len(prev.answer), page_size) - page_size
+        assert meta["cached_tokens"] >= reused_floor, meta
+        # everything past prompt_t's pages exists only because decode wrote it
+        answer_part = meta["cached_tokens"] - page_floor(len(prev.prompt), page_size)
+        assert details["storage_from_decode"] >= answer_part > 0, meta
+        assert meta["computed_tokens"] == len(turn.prompt) - meta["cached_tokens"]
+        assert meta["computed_tokens"] <= len(message) + page_size, meta
+
+
+class UnifiedReference:
+    """A unified engine without any cache: `tokens(prompt, n)` -> its greedy tokens."""
+
+    def __init__(self, model, tokenizer, page_size: int) -> None:
+        from pdcache.engine.engine import Engine
+
+        config = EngineConfig(model.config, CacheConfig(page_size, 256,
+                                                        enable_prefix_cache=False))
+        self.engine = Engine(config, model, tokenizer)
+        self.engine.start()
+        self._memo: dict[tuple, list[int]] = {}
+
+    def __call__(self, prompt: list[int], n: int) -> list[int]:
+        from pdcache.engine.api import GenerateRequest, SamplingParams
+
+        key = (tuple(prompt), n)
+        if key not in self._memo:
+            params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+            outputs = self.engine.generate(GenerateRequest("ref", prompt, params), timeout=120)
+            self._memo[key] = [t for o in outputs for t in o.new_token_ids]
+        return self._memo[key]
+
+    def close(self) -> None:
+        self.engine.shutdown()

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdcache.engine.api import GenerateRequest, SamplingParams
-from pdcache.engine.config import CacheConfig, EngineConfig
-from pdcache.engine.engine import Engine
 from pdcache.engine.loader import load_model
 from pdcache.engine.page_keys import chain_page_keys, make_salt
 from pdcache.offload_manager.storage import create_backend
 from tests.pd_harness import (
     MetadataService,
+    UnifiedReference,
+    assert_answers_reused,
     assert_stack_idle,
     metric_value,
     node_setups,
@@ -48,23 +47,9 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def reference(tiny):
-    """Unified engine without any cache: (prompt, n) -> greedy tokens."""
-    model, tokenizer = tiny
-    config = EngineConfig(model.config, CacheConfig(PAGE, 256, enable_prefix_cache=False))
-    engine = Engine(config, model, tokenizer)
-    engine.start()
-    memo: dict[tuple, list[int]] = {}
-
-    def tokens(prompt: list[int], n: int) -> list[int]:
-        key = (tuple(prompt), n)
-        if key not in memo:
-            params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-            outputs = engine.generate(GenerateRequest("ref", prompt, params), timeout=120)
-            memo[key] = [t for o in outputs for t in o.new_token_ids]
-        return memo[key]
-
-    yield tokens
-    engine.shutdown()
+    ref = UnifiedReference(*tiny, PAGE)
+    yield ref
+    ref.close()
 
 
 @pytest.fixture()
@@ -91,16 +76,7 @@ def test_five_turn_session_reuses_decode_written_answers(stack_factory, referenc
     stack, _ = stack_factory(offload=True)
     turns = run_session(stack, FIRST, MESSAGES, ANSWER, reference)
     assert len(turns) == 5
-    for prev, turn, message in zip(turns, turns[1:], MESSAGES):
-        meta, details = turn.meta, turn.meta["cached_tokens_details"]
-        assert len(prev.answer) >= 3 * PAGE
-        reused_floor = page_floor(len(prev.prompt) + len(prev.answer), PAGE) - PAGE
-        assert meta["cached_tokens"] >= reused_floor, meta
-        # everything past prompt_t's pages exists only because decode wrote it
-        answer_part = meta["cached_tokens"] - page_floor(len(prev.prompt), PAGE)
-        assert details["storage_from_decode"] >= answer_part > 0, meta
-        assert meta["computed_tokens"] == len(turn.prompt) - meta["cached_tokens"]
-        assert meta["computed_tokens"] <= len(message) + PAGE, meta  # ~ only the new message
+    assert_answers_reused(turns, MESSAGES, PAGE)
     offload = stack.decode_server_app.state.offload
     snap = offload.snapshot()
     assert snap["pages_offloaded"] >= 4 * 4  # at least every answer's pages
