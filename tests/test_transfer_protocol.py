@@ -341,5 +341,9 @@ def test_bad_arguments_raise_before_any_state_changes(pair: Pair) -> None:
         pair.sender.send(1, [SRC_PAGES], 0)
     with pytest.raises(ValueError):
         pair.sender.send(1, [], 0)
+    with pytest.raises(ValueError):
+        pair.sender.send(1 << 63, [1], 0)
+    with pytest.raises(ValueError, match="stats"):
+        pair.sender.send(1, [1], 0, {"tensor": object()})
     assert pair.receiver.stats()["rooms"]["created"] == 0
     assert pair.sender.stats()["rooms"]["created"] == 0

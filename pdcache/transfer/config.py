@@ -26,7 +26,9 @@ class TransferConfig:
     bootstrap_timeout_s: float = 30.0  # a room's two halves (prefill KV, decode pages) meet
     room_timeout_s: float = 120.0  # a room from creation to Success, on both sides
     heartbeat_interval_s: float = 1.0
-    heartbeat_misses: int = 3  # a peer silent for interval * misses is declared dead
+    # A peer silent for interval * misses is declared dead and its rooms fail. Keep this well
+    # above scheduling stalls: a live peer declared dead may still write pages decode freed.
+    heartbeat_misses: int = 5
     abort_ack_timeout_s: float = 10.0  # decode keeps aborted pages until prefill acks (or this)
     # Limits.
     max_message_bytes: int = 1 << 20  # control messages; larger ones are rejected and counted

@@ -236,6 +236,16 @@ def _check_plain(obj: Any, depth: int) -> None:
         raise MessageError("bad_field", f"done.stats value of type {type(obj).__name__}")
 
 
+def check_stats(stats: Any) -> None:
+    """ValueError unless `stats` can travel in `Done` (str keys, JSON-like bounded values)."""
+    if not isinstance(stats, dict):
+        raise ValueError(f"stats must be a dict, got {type(stats).__name__}")
+    try:
+        _check_plain(stats, depth=0)
+    except MessageError as err:
+        raise ValueError(err.detail) from None
+
+
 def pack_pages(page_ids: np.ndarray | list[int]) -> bytes:
     """Page ids as the int32 little-endian bytes RoomRequest carries."""
     arr = np.asarray(page_ids, dtype=np.int64)

@@ -40,6 +40,7 @@ from pdcache.transfer.control import ControlLoop, RejectCounter, parse
 from pdcache.transfer.engines.base import EngineError, EngineTimeout, create_engine
 from pdcache.transfer.layout import KVLayout, page_copy_batch
 from pdcache.transfer.messages import (
+    MAX_ROOM_ID,
     Abort,
     AbortAck,
     Done,
@@ -51,6 +52,7 @@ from pdcache.transfer.messages import (
     RegisterAck,
     RoomRequest,
     Started,
+    check_stats,
     encode,
 )
 from pdcache.transfer.rooms import Outcome, ReleaseCallback, RoomState, RoomTable
@@ -156,8 +158,9 @@ class KVSender:
         """
         src = np.asarray(src_page_ids, dtype=np.int64).reshape(-1)
         self.layout.check_pages(src, "source")
-        if src.size == 0:
-            raise ValueError("send() needs at least one page")
+        if src.size == 0 or not 0 <= room <= MAX_ROOM_ID:
+            raise ValueError(f"send(room={room}) needs a 63-bit room id and at least one page")
+        check_stats(stats or {})
         payload = {"src_pages": src, "first_token": int(first_token), "stats": dict(stats or {})}
         room_state = self._attach_source(room, payload)
         if room_state is None:
@@ -455,12 +458,12 @@ class KVSender:
             self.counters["peers_lost"] += 1
             logger.warning("prefill: decode peer %s lost (silent for %.1fs)", peer.decode_id,
                            now - peer.last_seen)
-            if self.engine is not None:
-                self.engine.remove_peer(peer.engine_peer)
             for room in self.rooms.select(lambda r, i=peer.identity: r.data.peer == i
                                           and not r.state.terminal):
                 self._fail(room, f"decode peer {peer.decode_id} lost (no heartbeat for "
-                                 f"{limit:.1f}s)", code="timeout", notify="none")
+                                 f"{limit:.1f}s)", code="timeout")  # heard if it lives
+            if self.engine is not None:  # after the rooms' workers were told to stop
+                self.engine.remove_peer(peer.engine_peer)
 
 
 class _Cancelled(Exception):
