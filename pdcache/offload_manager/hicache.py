@@ -32,6 +32,7 @@ from pdcache.offload_manager.hiradix import HiRadixTree, HostMatch
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
 from pdcache.offload_manager.storage.base import StorageBackend
+from pdcache.offload_manager.storage.stats import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,7 @@ class HiCache:
         self.fingerprint = fingerprint
         self.page_size = tree.page_size
         self.stats = HiCacheStats()
+        self._warn = RateLimitedLog(log)
         self._stats_lock = threading.Lock()
         self._prefetches: dict[str, PrefetchOp] = {}
         self._abandoned: list[PrefetchOp] = []
@@ -320,6 +322,39 @@ class HiCache:
             if worker is not None:
                 worker.close()
 
+    def snapshot(self) -> dict[str, int]:
+        """Every counter and gauge of the host and storage tiers as one flat dict, for metrics.
+
+        Safe from any thread: controller counters are copied under their lock; host pool
+        counts, queue depths and IoWorker counters are ints read without the engine thread's
+        cooperation (a scrape may see them one update apart, which metrics tolerate). Storage
+        counters come from the backend's thread-safe `stats()` (prefixed `storage_`); a
+        backend whose stats fail (e.g. its metadata service is down) only drops those."""
+        with self._stats_lock:
+            out = dict(vars(self.stats))
+        pool = self.host_pool
+        out.update(host_pages_total=pool.capacity, host_pages_free=pool.num_free,
+                   host_pages_used=pool.num_used, host_pages_in_flight=pool.num_in_flight,
+                   host_evicted_pages=self.tree.num_host_evicted_pages,
+                   prefetch_ops_pending=len(self._prefetches),
+                   prefetch_ops_abandoned=len(self._abandoned))
+        for worker in (self._writer, self._reader):
+            if worker is not None:
+                out[f"{worker.name}_queue_depth"] = worker.queue_depth
+        out.update(self.io_stats())
+        out.update(self._storage_stats())
+        return out
+
+    def _storage_stats(self) -> dict[str, int]:
+        if self.storage is None:
+            return {}
+        try:
+            raw = self.storage.stats()
+        except Exception as exc:  # a scrape must not fail because storage is down
+            self._warn.warning("stats", "storage stats unavailable: %s", exc)
+            return {}
+        return {f"storage_{k}": int(v) for k, v in raw.items() if isinstance(v, int | float)}
+
     def io_stats(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for worker in (self._writer, self._reader):
@@ -412,6 +447,8 @@ class HiCache:
             span = slice(batch.first, batch.first + batch.count)
             task = IoTask(IoKind.READ, keys[span], pages[span], self._read_done(batch))
             if not self._reader.submit(task):
+                log.info("prefetch of %s: read queue full, %d pages not read", rid, batch.count)
+                self._count(prefetch_failed_pages=batch.count)
                 batch.ok, batch.origins = [False] * batch.count, [None] * batch.count
                 batch.done.set()
         return op
@@ -419,8 +456,8 @@ class HiCache:
     def _read_done(self, batch: _Batch):
         def done(result: IoResult) -> None:
             batch.ok, batch.origins = result.ok, result.origins
-            if result.error:
-                self._count(storage_errors=1)
+            self._count(prefetch_failed_pages=len(result.ok) - sum(result.ok),
+                        storage_errors=1 if result.error else 0)
             batch.done.set()
 
         return done

@@ -6,7 +6,7 @@
   host and prefetched pages into the request's pages (per layer, during the next forward);
 - cached: back the inserted nodes up (write policy);
 - every step: free host pages of abandoned prefetches whose reads ended.
-Engine thread only, like the scheduler itself.
+Engine thread only, like the scheduler itself, except `stats()` (any thread).
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ class HiCacheScheduler(Scheduler):
     def __init__(self, *, hicache: HiCache, **kwargs) -> None:
         super().__init__(**kwargs)
         self.hicache = hicache
+
+    def stats(self) -> dict[str, int]:
+        """Lower-tier counters and gauges (`HiCache.snapshot`); callable from any thread,
+        e.g. the metrics scrape."""
+        return self.hicache.snapshot()
 
     def on_queued(self, req: Req) -> None:
         max_pages = self._max_pages(req)

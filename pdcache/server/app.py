@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdcache.engine.api import CachedTokens, GenerateRequest, RequestOutput, SamplingParams
@@ -203,7 +204,10 @@ class UnifiedServer:
         model = engine.config.model
         self.model_name = model.name
         self.limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
-        self.metrics = ServerMetrics(config.name, stats=engine.stats)
+        # HiCacheScheduler has stats(); a device-only scheduler does not
+        tier_stats = getattr(getattr(engine, "scheduler", None), "stats", None)
+        self.metrics = ServerMetrics(config.name, stats=engine.stats,
+                                     tier_stats=tier_stats if callable(tier_stats) else None)
         self.created = now_s()
 
     # ---- plumbing shared by the endpoints
@@ -488,7 +492,9 @@ class UnifiedServer:
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def metrics_endpoint(self, request: Request) -> Response:
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        # off the event loop: the tier stats may ask a remote metadata service (bounded wait)
+        body = await run_in_threadpool(self.metrics.render)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     # ---- tokenizer access
 

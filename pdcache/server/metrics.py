@@ -3,7 +3,8 @@
 `ServerMetrics` owns its `CollectorRegistry` (never the global default one), so several apps
 in one process (tests, a launcher) never share or clash on series. Counters are updated by the
 request handlers on the event loop; engine gauges (queue depth, pages) are read from
-`engine.stats()` at scrape time by `EngineStatsCollector`.
+`engine.stats()` at scrape time by `EngineStatsCollector`, and lower-tier series (host pool,
+storage I/O, storage backend) from the scheduler's `stats()` by `TierStatsCollector`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,88 @@ ENGINE_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
+# Lower tiers (HiCache: host pool, IoWorkers, storage backend), read from the scheduler's
+# `stats()` when it has one. metric name -> (kind, label name, {label value: stats key}, help).
+# A series whose key is absent (e.g. no storage configured) is not exported.
+TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
+    "pdcache_prefetch_pages": ("counter", "", {"": "prefetch_pages"},
+                               "pages read from storage into host and used by a request"),
+    "pdcache_prefetch_bytes": ("counter", "", {"": "prefetch_bytes"},
+                               "bytes of those prefetched pages"),
+    "pdcache_prefetch_failed_pages": ("counter", "", {"": "prefetch_failed_pages"},
+                                      "storage reads that missed, failed or were not queued"),
+    "pdcache_prefetch_abandoned_pages": ("counter", "", {"": "prefetch_abandoned_pages"},
+                                         "prefetched pages not used (late, or after a gap)"),
+    "pdcache_backup_pages": ("counter", "tier", {"host": "backup_host_pages",
+                                                 "storage": "backup_storage_pages"},
+                             "pages backed up, by destination tier"),
+    "pdcache_backup_failed_pages": ("counter", "reason", {"no_host_room": "backup_skipped_pages",
+                                                          "storage": "backup_failed_pages"},
+                                    "pages not backed up"),
+    "pdcache_load_pages": ("counter", "", {"": "load_pages"},
+                           "host pages loaded to device (host hits and prefetched pages)"),
+    "pdcache_host_evicted_pages": ("counter", "", {"": "host_evicted_pages"},
+                                   "host copies dropped by host LRU eviction"),
+    "pdcache_storage_errors": ("counter", "kind", {
+        "read": "storage_read_errors", "write": "storage_write_errors",
+        "metadata": "storage_metadata_errors", "full": "storage_full_rejects",
+        "io_task": "storage_errors"}, "storage failures (each a miss or a skipped write)"),
+    "pdcache_storage_corrupt_pages": ("counter", "", {"": "storage_corrupt_pages"},
+                                      "stored pages that failed header/checksum checks (misses)"),
+    "pdcache_storage_evicted_pages": ("counter", "", {"": "storage_evictions"},
+                                      "pages evicted by the storage tier's LRU"),
+    "pdcache_storage_read_bytes": ("counter", "", {"": "storage_bytes_read"},
+                                   "bytes read from storage by this node"),
+    "pdcache_storage_written_bytes": ("counter", "", {"": "storage_bytes_written"},
+                                      "bytes written to storage by this node"),
+    "pdcache_io_queue_depth": ("gauge", "queue", {"backup": "backup_queue_depth",
+                                                  "prefetch": "prefetch_queue_depth"},
+                               "storage I/O tasks waiting in each worker queue"),
+    "pdcache_io_tasks_rejected": ("counter", "queue", {"backup": "backup_tasks_rejected",
+                                                       "prefetch": "prefetch_tasks_rejected"},
+                                  "I/O tasks refused because the queue was full"),
+    "pdcache_host_pages": ("gauge", "state", {"free": "host_pages_free",
+                                              "used": "host_pages_used",
+                                              "in_flight": "host_pages_in_flight"},
+                           "host KV pool pages by state"),
+    "pdcache_host_pages_total": ("gauge", "", {"": "host_pages_total"}, "host KV pool pages"),
+    "pdcache_storage_pages": ("gauge", "state", {"used": "storage_used_pages",
+                                                 "free": "storage_free_pages",
+                                                 "reserved": "storage_reserved_pages"},
+                              "storage slots by state (as seen by this node)"),
+    "pdcache_storage_pages_total": ("gauge", "", {"": "storage_capacity_pages"},
+                                    "storage capacity in pages"),
+}
+
+
+class TierStatsCollector(Collector):
+    """Reads the scheduler's lower-tier `stats()` at scrape time (any thread: the values are
+    ints read racily from counters the engine and I/O threads update, which is fine for
+    metrics). A failing read yields no tier series, never a failed scrape."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], server_name: str) -> None:
+        self._stats = stats
+        self._server_name = server_name
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._stats()
+        except Exception:
+            log.exception("tier stats() failed during a metrics scrape")
+            return
+        for name, (kind, label, keys, help_text) in TIER_SERIES.items():
+            present = {value: stats[key] for value, key in keys.items() if key in stats}
+            if not present:
+                continue
+            labels = ["server", label] if label else ["server"]
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = cls(name, help_text, labels=labels)
+            for value, number in present.items():
+                family.add_metric([self._server_name, value] if label else [self._server_name],
+                                  float(number))
+            yield family
+
+
 class EngineStatsCollector(Collector):
     """Reads `stats()` at scrape time; a failing engine yields no gauges, never a failed scrape."""
 
@@ -84,7 +167,8 @@ class EngineStatsCollector(Collector):
 class ServerMetrics:
     """Request, token and latency series of one server."""
 
-    def __init__(self, server_name: str, stats: Callable[[], Mapping[str, Any]] | None = None):
+    def __init__(self, server_name: str, stats: Callable[[], Mapping[str, Any]] | None = None,
+                 tier_stats: Callable[[], Mapping[str, Any]] | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         self.requests = Counter(
@@ -136,6 +220,8 @@ class ServerMetrics:
             self.cached_tokens.labels(tier)
         if stats is not None:
             reg.register(EngineStatsCollector(stats, server_name))
+        if tier_stats is not None:
+            reg.register(TierStatsCollector(tier_stats, server_name))
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -1,0 +1,180 @@
+"""Shared pieces of the HiCache tests (`tests/test_hicache_*.py`): the tiny engine with tiers,
+no-cache reference tokens, metrics scraping, and `pdcache serve` as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdcache.engine.api import GenerateRequest, SamplingParams
+from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.engine import Engine
+from pdcache.engine.page_keys import chain_page_keys, make_salt
+from pdcache.offload_manager.builder import (
+    TierConfig,
+    TieredEngine,
+    build_tiered_engine,
+    fingerprint_for,
+    model_identity,
+    storage_config_for,
+)
+from pdcache.offload_manager.hicache import HiCacheConfig
+from pdcache.offload_manager.storage.config import StorageConfig
+from pdcache.server.cli import READY_PREFIX
+
+PAGE = 4
+PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
+PROMPT = [(7 * i + 3) % 250 for i in range(41)]  # 10 full pages + 1 token
+PROMPT_PAGES = 10
+OTHER = [(11 * i + 5) % 250 for i in range(41)]
+
+
+def engine_config(model: Any, prefix_cache: bool = True, device_pages: int = 96) -> EngineConfig:
+    return EngineConfig(
+        model=model.config,
+        cache=CacheConfig(page_size=PAGE, num_device_pages=device_pages,
+                          enable_prefix_cache=prefix_cache),
+        scheduler=SchedulerConfig(chunked_prefill_tokens=32),
+    )
+
+
+def storage_config(model: Any, **settings: Any) -> StorageConfig:
+    """Storage of the tiny preset (seed 0, page 4): what `pdcache serve --model tiny` uses.
+    `model` is a loaded model or its ModelConfig."""
+    config = getattr(model, "config", model)
+    fp = fingerprint_for(config, model_identity("tiny", 0), PAGE)
+    settings.setdefault("capacity_pages", 256)
+    return storage_config_for(config, PAGE, fp, **settings)
+
+
+def prompt_keys(storage: StorageConfig, tokens: list[int], salt: str = "") -> list[bytes]:
+    """The storage keys of the full pages of `tokens` (as every node computes them)."""
+    return chain_page_keys(tokens, PAGE, make_salt(storage.fingerprint, salt))
+
+
+def tiered(tiny: tuple[Any, Any], storage: StorageConfig | None, host_pages: int = 64,
+           device_pages: int = 96, scheduler_cls: Any = None, **hicache: Any) -> TieredEngine:
+    """A started engine (tiny preset) with a host pool and optional storage."""
+    model, tokenizer = tiny
+    tiers = TierConfig(host_pages=host_pages, hicache=HiCacheConfig(**hicache), storage=storage)
+    extra = {"scheduler_cls": scheduler_cls} if scheduler_cls is not None else {}
+    built = build_tiered_engine(engine_config(model, device_pages=device_pages), model, tokenizer,
+                                tiers, **extra)
+    built.engine.start()
+    return built
+
+
+def generate(engine: Engine, rid: str, prompt: list[int], salt: str = ""):
+    outputs = engine.generate(GenerateRequest(rid, prompt, PARAMS, salt), timeout=120)
+    return [t for o in outputs for t in o.new_token_ids], outputs[-1]
+
+
+def reference_tokens(tiny: tuple[Any, Any], prompt: list[int]) -> list[int]:
+    model, tokenizer = tiny
+    with Engine(engine_config(model, prefix_cache=False), model, tokenizer) as engine:
+        return generate(engine, "ref", prompt)[0]
+
+
+def check_every_tier(built: TieredEngine, timeout_s: float = 20.0) -> dict[str, int]:
+    """Accounting on every tier once I/O is idle: device free + used == capacity (and tree +
+    requests == used), host free + used + in_flight == capacity with no pin left, storage
+    used + free + reserved == capacity. Returns the storage numbers (empty without storage)."""
+    assert built.hicache.wait_idle(timeout_s), "HiCache I/O did not go idle"
+    built.engine.check_accounting()
+    built.hicache.check()
+    pool = built.hicache.host_pool
+    assert pool.num_free + pool.num_used + pool.num_in_flight == pool.capacity
+    assert pool.num_in_flight == 0
+    if built.storage is None:
+        return {}
+    stats = built.storage.stats()
+    if "capacity_pages" in stats and stats["capacity_pages"]:
+        total = stats["used_pages"] + stats["free_pages"] + stats["reserved_pages"]
+        assert total == stats["capacity_pages"], stats
+    return stats
+
+
+def parse_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def metric(samples: dict, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+class ServeProcess:
+    """`python -m pdcache serve --model tiny --port 0 ARGS`, ready once it prints its URL."""
+
+    def __init__(self, *args: str, startup_timeout_s: float = 90.0) -> None:
+        cmd = [sys.executable, "-m", "pdcache", "serve", "--model", "tiny", "--port", "0",
+               "--page-size", str(PAGE), "--log-level", "warning", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+               "MC_LOG_LEVEL": "ERROR"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.url = self._wait_ready(startup_timeout_s)
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def _wait_ready(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            self.log.append(line)
+            if line.startswith(READY_PREFIX):
+                return line[len(READY_PREFIX):].strip()
+        self.stop()
+        raise AssertionError("server did not become ready:\n" + "".join(self.log[-40:]))
+
+    def generate(self, prompt: list[int], max_new_tokens: int = 8) -> dict[str, Any]:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens,
+                                                         "temperature": 0.0, "ignore_eos": True}}
+        r = httpx.post(f"{self.url}/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def metrics(self) -> dict:
+        r = httpx.get(f"{self.url}/metrics", timeout=30)
+        assert r.status_code == 200
+        return parse_metrics(r.text)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        time.sleep(0.1)
+        while not self.lines.empty():
+            self.log.append(self.lines.get_nowait())
+        return self.proc.returncode
+
+
+def data_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
