@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -234,3 +235,23 @@ def test_missing_tensor_is_a_clear_error(tmp_path: Path) -> None:
 def test_unknown_model_spec_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="neither a preset"):
         load_model(str(tmp_path / "nope"))
+
+
+def test_engine_bench_tiny_matches_transformers_tokens(tmp_path: Path) -> None:
+    """The benchmark's contenders run the same weights: greedy tokens agree, JSON is written."""
+    from pdcache.bench import engine_bench
+
+    parser = argparse.ArgumentParser()
+    engine_bench.add_arguments(parser)
+    parser.add_argument("--json", dest="json_path")
+    out = tmp_path / "engine.json"
+    args = parser.parse_args(
+        ["--preset", "tiny", "--prompt-len", "40", "--decode-steps", "4", "--repeats", "1",
+         "--chunk", "16", "--margin-steps", "8", "--json", str(out)]
+    )
+    assert engine_bench.run(args) == 0
+    result = json.loads(out.read_text())
+    names = [row["engine"] for row in result["rows"]]
+    assert names == ["pdcache", "pdcache chunked 16", "transformers eager", "transformers sdpa"]
+    assert all(row["same_greedy_tokens"] for row in result["rows"])
+    assert result["max_abs_logit_diff"] < 1e-4 < result["min_top1_top2_margin"]

@@ -9,9 +9,9 @@ decoded (cached-KV) logits, one full forward and a chunked forward of the same t
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--margin-steps", type=int, default=0,
                         help="greedy steps for the margin-vs-noise check (0: skip)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clock", default="wall", choices=["wall", "process"],
+                        help="process: CPU time with one torch thread (for an oversubscribed "
+                             "machine, where wall time mostly measures the neighbours)")
 
 
 @dataclass
@@ -77,30 +80,63 @@ class PagedRunner:
         return self.model(self.batch(ids, start, all_rows), self.kv)
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+class OursContender:
+    """Our model: prefill (whole prompt or in chunks through the paged path), then decode."""
+
+    def __init__(self, model: CausalLM, ids: list[int], args: argparse.Namespace, chunk: int):
+        self.runner = PagedRunner(model, len(ids) + args.decode_steps, args.page_size, args.seed)
+        self.ids, self.chunk = ids, chunk or len(ids)
+
+    def prefill(self) -> int:
+        for start in range(0, len(self.ids), self.chunk):
+            logits = self.runner.forward(self.ids[start : start + self.chunk], start)
+        return int(logits[-1].argmax())
+
+    def decode(self, token: int, steps: int) -> list[int]:
+        tokens = [token]
+        for i in range(steps):
+            tokens.append(int(self.runner.forward([tokens[-1]], len(self.ids) + i).argmax(-1)))
+        return tokens
 
 
-def time_ours(model: CausalLM, ids: list[int], args: argparse.Namespace, chunk: int) -> Timing:
-    runner = PagedRunner(model, len(ids) + args.decode_steps, args.page_size, args.seed)
+class HFContender:
+    """transformers' forward with its own KV cache (DynamicCache)."""
 
-    def prefill() -> torch.Tensor:
-        step = chunk or len(ids)
-        for start in range(0, len(ids), step):
-            logits = runner.forward(ids[start : start + step], start)
-        return logits
+    def __init__(self, hf: torch.nn.Module, ids: list[int]) -> None:
+        self.hf, self.input_ids = hf, torch.tensor([ids])
+        self.cache_arg = _cache_argument(hf)
+        self.out = None
 
-    prefill_s = _median_time(prefill, args.repeats)
-    tokens = [int(prefill().argmax(-1))]
-    t0 = time.perf_counter()
-    for i in range(args.decode_steps):
-        tokens.append(int(runner.forward([tokens[-1]], len(ids) + i).argmax(-1)))
-    return Timing(prefill_s, time.perf_counter() - t0, tokens)
+    def prefill(self) -> int:
+        self.out = self.hf(self.input_ids, use_cache=True)
+        return int(self.out.logits[0, -1].argmax())
+
+    def decode(self, token: int, steps: int) -> list[int]:
+        tokens, out = [token], self.out
+        for _ in range(steps):
+            cache = {self.cache_arg: getattr(out, self.cache_arg)}
+            out = self.hf(torch.tensor([[tokens[-1]]]), use_cache=True, **cache)
+            tokens.append(int(out.logits[0, -1].argmax()))
+        return tokens
+
+
+def time_contenders(contenders: dict, args: argparse.Namespace) -> dict[str, Timing]:
+    """Prefill timings interleaved round-robin (a noisy neighbour hits all alike), median of
+    `repeats`; then one timed decode of `decode_steps` per contender after a fresh prefill."""
+    clock = time.process_time if args.clock == "process" else time.perf_counter
+    prefill_times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.repeats):
+        for name, c in contenders.items():
+            t0 = clock()
+            c.prefill()
+            prefill_times[name].append(clock() - t0)
+    timings = {}
+    for name, c in contenders.items():
+        first = c.prefill()
+        t0 = clock()
+        tokens = c.decode(first, args.decode_steps)
+        timings[name] = Timing(statistics.median(prefill_times[name]), clock() - t0, tokens)
+    return timings
 
 
 def build_hf_model(model: CausalLM, spec: str, attn: str) -> torch.nn.Module:
@@ -127,18 +163,10 @@ def build_hf_model(model: CausalLM, spec: str, attn: str) -> torch.nn.Module:
     return hf.eval()
 
 
-def time_hf(hf: torch.nn.Module, ids: list[int], args: argparse.Namespace) -> Timing:
-    input_ids = torch.tensor([ids])
-    prefill_s = _median_time(lambda: hf(input_ids, use_cache=True), args.repeats)
-    out = hf(input_ids, use_cache=True)
-    tokens = [int(out.logits[0, -1].argmax())]
-    past = out.past_key_values
-    t0 = time.perf_counter()
-    for _ in range(args.decode_steps):
-        out = hf(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return Timing(prefill_s, time.perf_counter() - t0, tokens)
+def _cache_argument(hf: torch.nn.Module) -> str:
+    # transformers >= 5.2x renamed `past_key_values` to `cache` (input and output alike).
+    params = inspect.signature(hf.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _row(name: str, t: Timing, prompt_len: int, steps: int, ref: Timing | None) -> dict:
@@ -195,28 +223,38 @@ def _recompute(model, seq, page_size, seed, rows_from) -> tuple[torch.Tensor, to
 
 
 def run(args: argparse.Namespace) -> int:
-    model, _ = load_model(args.model, dtype=args.dtype, seed=args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(0, min(model.config.vocab_size, 256), (args.prompt_len,), generator=gen)
-    ids = ids.tolist()
-    rows = []
-    with torch.inference_mode():
-        _warm_up(model, args)
-        eager = time_hf(build_hf_model(model, args.model, "eager"), ids, args)
-        ours = time_ours(model, ids, args, chunk=0)
-        rows.append(_row("pdcache", ours, args.prompt_len, args.decode_steps, eager))
-        if args.chunk and args.chunk < args.prompt_len:
-            chunked = time_ours(model, ids, args, chunk=args.chunk)
-            rows.append(_row(f"pdcache chunked {args.chunk}", chunked, args.prompt_len,
-                             args.decode_steps, eager))
-        rows.append(_row("transformers eager", eager, args.prompt_len, args.decode_steps, eager))
-        if not args.no_sdpa:
-            sdpa = time_hf(build_hf_model(model, args.model, "sdpa"), ids, args)
-            rows.append(_row("transformers sdpa", sdpa, args.prompt_len, args.decode_steps, eager))
-        extra = _extra(model, args)
-    title = f"engine: {args.model} {args.dtype}, prompt {args.prompt_len}, decode {args.decode_steps}"
+    threads_before = torch.get_num_threads()
+    if args.clock == "process":
+        torch.set_num_threads(1)  # CPU time of one thread is comparable; of several, it is not
+    try:
+        rows, extra = _measure(args)
+    finally:
+        torch.set_num_threads(threads_before)
+    title = (f"engine: {args.model} {args.dtype}, prompt {args.prompt_len}, "
+             f"decode {args.decode_steps}, clock {args.clock}")
     emit(title, rows, args.json_path, extra=extra)
     return 0
+
+
+def _measure(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    model, _ = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = min(model.config.vocab_size, 256)
+    ids = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
+    with torch.inference_mode():
+        _warm_up(model, args)
+        contenders = {"pdcache": OursContender(model, ids, args, chunk=0)}
+        if args.chunk and args.chunk < args.prompt_len:
+            name = f"pdcache chunked {args.chunk}"
+            contenders[name] = OursContender(model, ids, args, args.chunk)
+        for attn in ("eager",) if args.no_sdpa else ("eager", "sdpa"):
+            hf = build_hf_model(model, args.model, attn)
+            contenders[f"transformers {attn}"] = HFContender(hf, ids)
+        timings = time_contenders(contenders, args)
+        eager = timings["transformers eager"]
+        rows = [_row(n, t, args.prompt_len, args.decode_steps, eager) for n, t in timings.items()]
+        extra = _extra(model, args)
+    return rows, extra
 
 
 def _warm_up(model: CausalLM, args: argparse.Namespace) -> None:

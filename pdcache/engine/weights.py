@@ -67,9 +67,8 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -
             problems.append(f"unexpected tensor {name}")
             continue
         if tuple(tensor.shape) != tuple(params[name].shape):
-            problems.append(
-                f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}"
-            )
+            want = tuple(params[name].shape)
+            problems.append(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {want}")
             continue
         params[name].copy_(tensor)
         loaded.add(name)
