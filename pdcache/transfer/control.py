@@ -84,11 +84,11 @@ class ControlLoop:
         self._handlers[sock] = handler
         self._poller.register(sock, zmq.POLLIN)
 
-    def remove_socket(self, sock: zmq.Socket) -> None:
+    def remove_socket(self, sock: zmq.Socket, linger_ms: int = 0) -> None:
         if sock in self._handlers:
             del self._handlers[sock]
             self._poller.unregister(sock)
-        sock.close(linger=0)
+        sock.close(linger=linger_ms)
 
     def _run(self) -> None:
         timeout_ms = max(1, int(self._tick_s * 1000))

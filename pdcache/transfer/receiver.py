@@ -361,10 +361,10 @@ class KVReceiver:
     _HANDLERS = {RegisterAck: _on_register_ack, Started: _on_started, Done: _on_done,
                  Abort: _on_abort, AbortAck: _on_abort_ack, Pong: _on_pong}
 
-    def _drop_peer(self, peer: _Peer) -> None:
+    def _drop_peer(self, peer: _Peer, linger_ms: int = 0) -> None:
         if self._peers.get(peer.addr) is peer:
             del self._peers[peer.addr]
-            self._loop.remove_socket(peer.socket)
+            self._loop.remove_socket(peer.socket, linger_ms)
         peer.ready.set()
 
     def _tick(self) -> None:
@@ -389,9 +389,12 @@ class KVReceiver:
         logger.warning("decode: prefill peer %s lost (silent for %.1fs)", peer.addr, silent)
         if not peer.ready.is_set():
             peer.error = f"no answer for {silent:.1f}s"
-        self._drop_peer(peer)
         reason = f"prefill peer {peer.addr} lost (no heartbeat for {silent:.1f}s)"
-        for room in self.rooms.select(lambda r: r.data.peer_addr == peer.addr):
+        mine = self.rooms.select(lambda r: r.data.peer_addr == peer.addr)
+        for room in mine:  # best effort: a peer that only stalled stops writing these pages
+            self._send_frame(peer, encode(Abort(room, reason, "timeout")))
+        self._drop_peer(peer, linger_ms=100)
+        for room in mine:
             # A dead peer writes nothing more: fail and release at once.
             if not self._finish(room, RoomState.FAILED, reason):
                 self.rooms.set_idle(room)
