@@ -499,3 +499,17 @@ def test_live_sharing_through_the_metadata_service(tmp_path, plugins):
                     assert torch.equal(src.kv(layer, 1, first * PAGE), host.host_kv[page, layer, 1, 0])
         finally:
             native.close()
+
+
+def test_bench_runs_and_checks_bytes(tmp_path, capsys):
+    from pdcache.bench import sglang_plugin_bench
+
+    out = tmp_path / "bench.json"
+    argv = ["--backends", "file,hf3fs", "--pages", "6", "--layers", "2", "--kv-heads", "2",
+            "--head-dim", "8", "--page-size", "4", "--repeat", "1", "--generic",
+            "--dir", str(tmp_path), "--json", str(out)]
+    assert sglang_plugin_bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["path"].split(" ")[0] for r in rows] == ["pdcache", "plugin", "plugin", "plugin"] * 2
+    assert all(r["read_GBps"] > 0 for r in rows)
+    assert "SGLang plugin vs native" in capsys.readouterr().out
