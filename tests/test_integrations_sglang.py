@@ -513,3 +513,18 @@ def test_bench_runs_and_checks_bytes(tmp_path, capsys):
     assert [r["path"].split(" ")[0] for r in rows] == ["pdcache", "plugin", "plugin", "plugin"] * 2
     assert all(r["read_GBps"] > 0 for r in rows)
     assert "SGLang plugin vs native" in capsys.readouterr().out
+
+
+def test_clear_needs_allow_clear(tmp_path, plugins):
+    pool = SglangLikeHostPool("page_first", seed=19)
+    store = open_plugin(plugins, tmp_path, pool)
+    keys = hashes(2)
+    assert store.batch_set_v1(keys, indices([0, 1])) == [True, True]
+    store.clear()
+    assert store.batch_exists(keys) == 2
+    extra = plugin.extra_config(storage=storage_table(tmp_path, "file"), allow_clear=True)
+    admin = backend_factory.StorageBackendFactory.create_backend("dynamic", sglang_config(extra), pool)
+    plugins.append(admin)
+    admin.register_mem_pool_host(pool)
+    admin.clear()
+    assert store.batch_exists(keys) == 0

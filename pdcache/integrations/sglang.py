@@ -294,6 +294,7 @@ class PluginSettings:
     io_timeout_s: float = 60.0  # one backend call; past it the chunk's pages are failures
     key_namespace: str = ""  # extra tenant namespace salted into every key (deployment-wide)
     payload: str = "pdcache"  # "pdcache": pdcache's page layout; "split": zero-copy K/V objects
+    allow_clear: bool = False  # let SGLang's clear-storage admin call empty the shared namespace
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PluginSettings:
@@ -317,7 +318,9 @@ class PluginSettings:
         payload = str(extra.get("payload", "pdcache"))
         if payload not in PAYLOADS:
             raise ValueError(f"pdcache plugin: payload must be one of {PAYLOADS}, got {payload!r}")
-        return cls(table, extra.get("model_name"), origin, chunk, timeout, namespace, payload)
+        allow_clear = bool(extra.get("allow_clear", False))
+        return cls(table, extra.get("model_name"), origin, chunk, timeout, namespace, payload,
+                   allow_clear)
 
 
 _TOPOLOGY_ONLY = {"metadata_service", "start_master", "metrics_port"}
@@ -778,7 +781,14 @@ class PdcacheStorageImpl:
             self.backend.delete([k for k in self.storage_keys(keys) if k is not None])
 
     def clear(self) -> None:
-        """Remove every page this backend can enumerate (file / hf3fs); others: no-op."""
+        """SGLang's "clear HiCache storage" admin call. The storage namespace is shared with
+        every node (and model) using it, so this removes pages only with `allow_clear: true`
+        in the extra config; then every page of the namespace goes (file / hf3fs / mooncake).
+        """
+        if not self.settings.allow_clear:
+            log.warning("pdcache plugin: clear() ignored: the storage is shared by every node "
+                        "using it (set allow_clear=true in the extra config to allow it)")
+            return
         if self.backend is not None and hasattr(self.backend, "clear"):
             self.backend.clear()
 
