@@ -9,10 +9,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcache.engine.api import GenerateRequest, SamplingParams
@@ -29,6 +32,7 @@ from pdcache.offload_manager.builder import (
 )
 from pdcache.offload_manager.hicache import HiCacheConfig
 from pdcache.offload_manager.storage.config import StorageConfig
+from pdcache.server.app import ServerConfig, create_app
 from pdcache.server.cli import READY_PREFIX
 
 PAGE = 4
@@ -174,6 +178,32 @@ class ServeProcess:
         while not self.lines.empty():
             self.log.append(self.lines.get_nowait())
         return self.proc.returncode
+
+
+@contextmanager
+def served(built: TieredEngine, name: str = "u0") -> Iterator[TestClient]:
+    """The unified server app over a started tiered engine; closes the engine and its tiers
+    on exit."""
+    app = create_app(built.engine, ServerConfig(name=name, manage_engine=False))
+    try:
+        with TestClient(app) as client:
+            yield client
+    finally:
+        built.close()
+
+
+def post(client: TestClient, prompt: list[int], max_new_tokens: int = 8) -> dict[str, Any]:
+    body = {"input_ids": prompt,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def scrape(client: TestClient) -> dict:
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    return parse_metrics(r.text)
 
 
 def data_files(root: Path) -> list[Path]:

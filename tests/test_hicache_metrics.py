@@ -4,10 +4,6 @@ pages by state, host evictions, I/O queue depths, storage pages and corrupt page
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
-
 import pytest
 from fastapi.testclient import TestClient
 
@@ -20,7 +16,9 @@ from tests.hicache_support import (
     check_every_tier,
     data_files,
     metric,
-    parse_metrics,
+    post,
+    scrape,
+    served,
     storage_config,
     tiered,
 )
@@ -36,29 +34,6 @@ def tiny():
     return load_model("tiny", seed=0)
 
 
-@contextmanager
-def served(built) -> Iterator[TestClient]:
-    app = create_app(built.engine, ServerConfig(name=SERVER, manage_engine=False))
-    try:
-        with TestClient(app) as client:
-            yield client
-    finally:
-        built.close()
-
-
-def post(client: TestClient, prompt: list[int]) -> dict[str, Any]:
-    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
-    r = client.post("/generate", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def scrape(client: TestClient) -> dict:
-    r = client.get("/metrics")
-    assert r.status_code == 200
-    return parse_metrics(r.text)
-
-
 def value(samples: dict, name: str, **labels: str) -> float:
     found = metric(samples, name, server=SERVER, **labels)
     assert found is not None, f"{name}{labels} not exported"
@@ -71,7 +46,7 @@ def test_backup_prefetch_and_pool_series(tiny, tmp_path) -> None:
     built = tiered(tiny, storage, host_pages=12, prefetch_policy="wait_complete")
     page_bytes = built.hicache.host_pool.page_nbytes
     with served(built) as client:
-        post(client, PROMPT)
+        post(client, PROMPT, NEW_TOKENS)
         check_every_tier(built)
         m = scrape(client)
         assert value(m, "pdcache_backup_pages_total", tier="host") == FINISHED_PAGES
@@ -85,7 +60,7 @@ def test_backup_prefetch_and_pool_series(tiny, tmp_path) -> None:
         assert value(m, "pdcache_storage_pages", state="used") == FINISHED_PAGES
         assert value(m, "pdcache_storage_pages_total") == 256
         assert value(m, "pdcache_host_evicted_pages_total") == 0
-        post(client, OTHER)  # 10 more pages into a 12-page host pool: LRU host eviction
+        post(client, OTHER, NEW_TOKENS)  # 10 more pages into a 12-page host pool: LRU host eviction
         check_every_tier(built)
         m = scrape(client)
         assert value(m, "pdcache_host_evicted_pages_total") >= 2 * FINISHED_PAGES - 12
@@ -93,7 +68,7 @@ def test_backup_prefetch_and_pool_series(tiny, tmp_path) -> None:
         assert value(m, "pdcache_storage_pages", state="used") == 2 * FINISHED_PAGES
     fresh = tiered(tiny, storage, host_pages=12, prefetch_policy="wait_complete")
     with served(fresh) as client:
-        out = post(client, PROMPT)
+        out = post(client, PROMPT, NEW_TOKENS)
         assert out["meta"]["cached_tokens_details"]["storage"] == PROMPT_PAGES * 4
         check_every_tier(fresh)
         m = scrape(client)
@@ -111,7 +86,7 @@ def test_corrupt_pages_and_storage_errors_are_exported(tiny, tmp_path) -> None:
     built = tiered(tiny, storage)
     generate_and_close = served(built)
     with generate_and_close as client:
-        post(client, PROMPT)
+        post(client, PROMPT, NEW_TOKENS)
         check_every_tier(built)
     for path in data_files(tmp_path):
         raw = bytearray(path.read_bytes())
@@ -120,7 +95,7 @@ def test_corrupt_pages_and_storage_errors_are_exported(tiny, tmp_path) -> None:
         path.write_bytes(bytes(raw))
     fresh = tiered(tiny, storage, prefetch_policy="wait_complete")
     with served(fresh) as client:
-        out = post(client, PROMPT)
+        out = post(client, PROMPT, NEW_TOKENS)
         assert out["meta"]["cached_tokens_details"]["storage"] == 0
         check_every_tier(fresh)
         m = scrape(client)
@@ -137,7 +112,7 @@ def test_device_only_server_exports_no_tier_series(tiny) -> None:
     engine = Engine(engine_config(model), model, tokenizer)
     app = create_app(engine, ServerConfig(name=SERVER))
     with TestClient(app) as client:
-        post(client, PROMPT)
+        post(client, PROMPT, NEW_TOKENS)
         m = scrape(client)
     assert metric(m, "pdcache_host_pages_total", server=SERVER) is None
     assert metric(m, "pdcache_cached_tokens_total", tier="device") is not None
