@@ -809,9 +809,10 @@ def _sglang_class() -> type:
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
     except ImportError as exc:
         raise MissingDependencyError(
-            "the SGLang storage plugin", "sglang",
-            "on a GPU host: pip install 'pdcache[sglang]'; on CPU for tests: "
-            "pip install --no-deps sglang==0.5.23 plus its light deps",
+            "the SGLang storage plugin", "sglang==0.5.23",
+            "it runs inside SGLang: on a GPU host install sglang, which brings its CUDA torch; "
+            "on CPU, for tests only: pip install --no-deps sglang==0.5.23 plus the light "
+            "packages in scripts/setup.sh",
         ) from exc
     return type(CLASS_NAME, (PdcacheStorageImpl, HiCacheStorage),
                 {"__module__": __name__, "__doc__": PdcacheStorageImpl.__doc__})
