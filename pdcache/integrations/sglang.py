@@ -18,9 +18,9 @@ extra_key. The plugin stores it under `SHA256(salt || bytes(g_i))` with
 `salt = make_salt(fingerprint, key_namespace)` (pdcache.engine.page_keys): the fingerprint binds
 model name, KV dtype, page size, layer count, KV heads and head dim of this shard, and the TP
 shard (rank/size; PP stage and attention-CP rank when used), so models, tenants and shards
-never read each other's pages. pdcache nodes compute the same storage keys from token ids with
-`sglang_compatible_page_keys` (the "sglang" key scheme); pages are then shared in both
-directions. Which settings must match is listed in `INTEROP` below.
+never read each other's pages. A pdcache node that computes its keys from token ids with
+`sglang_compatible_page_keys` (the "sglang" key scheme) shares pages with SGLang in both
+directions; which settings must match is listed in `INTEROP` below.
 
 Payload (`"payload"` in the extra config).
 - `"pdcache"` (default): whatever SGLang's host layout (layer_first, page_first,
