@@ -116,6 +116,7 @@ def test_remote_decode_gets_exact_kv_and_its_death_mid_transfer_fails_the_room(e
         assert time.monotonic() - killed_at < sender.config.peer_dead_after_s + 5.0
         assert [(o.room_id, o.state) for o in released] == [
             (SMALL_ROOM, RoomState.SUCCESS), (BIG_ROOM, RoomState.FAILED)]
+        assert released[1].code in ("engine", "peer_lost")  # whichever noticed first
         stats = sender.stats()
         assert stats["rooms"]["active"] == 0 and stats["rooms"]["busy"] == 0
         wait_until(lambda: sender.stats()["peers"] == 0, 5.0, "the dead peer to be dropped")
@@ -139,8 +140,9 @@ def test_prefill_killed_mid_transfer_makes_wait_raise_within_the_deadline(engine
                    "prefill to start writing")
         os.kill(proc.pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(TransferError, match="lost"):
+        with pytest.raises(TransferError, match="lost") as info:
             receiver.wait(BIG_ROOM, 30.0)
+        assert info.value.code == "peer_lost"
         assert time.monotonic() - start < receiver.config.peer_dead_after_s + 2.0
         wait_until(lambda: len(released) == 1, 5.0, "decode to release the room")
         assert released[0].state is RoomState.FAILED

@@ -243,13 +243,15 @@ def test_abort_from_decode_reaches_prefill(pair: Pair) -> None:
     pair.receiver.request(100, pair.addr, [1, 2, 3], num_tokens=9)
     wait_until(lambda: pair.sender.rooms.get(100) is not None, 3.0, "prefill to see the room")
     pair.receiver.abort(100, "client disconnected")
-    with pytest.raises(TransferError, match="client disconnected"):
+    with pytest.raises(TransferError, match="client disconnected") as info:
         pair.receiver.wait(100, 1.0)
+    assert info.value.code == "aborted"
     wait_until(lambda: pair.sender.poll(100) is RoomState.FAILED, 3.0, "prefill to fail room")
     assert "client disconnected" in pair.sender.rooms.outcome(100).reason
     assert not pair.sender.send(100, [4, 5, 6], 1)  # late KV is refused, the node keeps pages
-    wait_until(lambda: [o.state for o in pair.received] == [RoomState.FAILED], 3.0,
-               "decode release after prefill's ack")
+    wait_until(lambda: [(o.state, o.code) for o in pair.received] == [
+        (RoomState.FAILED, "aborted")], 3.0, "decode release after prefill's ack")
+    assert pair.sender.rooms.outcome(100).code == "aborted"
     assert pair.receiver.stats()["abort_ack_timeouts"] == 0
 
 
@@ -276,11 +278,12 @@ def test_abort_from_prefill_reaches_decode(pair: Pair) -> None:
 def test_decode_wait_timeout_aborts_room_on_both_sides(pair: Pair) -> None:
     pair.receiver.request(300, pair.addr, [1], num_tokens=3)
     start = time.monotonic()
-    with pytest.raises(TransferTimeout):
+    with pytest.raises(TransferTimeout) as info:
         pair.receiver.wait(300, 0.3)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 1.0 and info.value.code == "timeout"
     wait_until(lambda: pair.sender.poll(300) is RoomState.FAILED, 3.0, "prefill to fail room")
     assert pair.receiver.poll(300) is RoomState.FAILED
+    assert pair.sender.rooms.outcome(300).code == "timeout"  # decode's code reached prefill
 
 
 @pytest.mark.parametrize("pair", [("zmq", {"bootstrap_timeout_s": 0.3})], indirect=True)
@@ -288,6 +291,7 @@ def test_prefill_room_without_decode_request_times_out_and_is_released(pair: Pai
     assert pair.sender.send(400, [1, 2], 5)
     wait_until(lambda: len(pair.sent) == 1, 3.0, "sender release")
     assert pair.sent[0].state is RoomState.FAILED and "timed out" in pair.sent[0].reason
+    assert pair.sent[0].code == "timeout"
 
 
 @pytest.mark.parametrize("pair", ZMQ, indirect=True)
@@ -307,8 +311,9 @@ def test_unreachable_prefill_fails_rooms_after_missed_heartbeats(pair: Pair) -> 
     addr = f"tcp://127.0.0.1:{port}"
     pair.receiver.request(600, addr, [1], num_tokens=2)
     start = time.monotonic()
-    with pytest.raises(TransferError, match="lost"):
+    with pytest.raises(TransferError, match="lost") as info:
         pair.receiver.wait(600, 5.0)
+    assert info.value.code == "peer_lost"
     elapsed = time.monotonic() - start
     assert elapsed < pair.config.peer_dead_after_s + 1.0
     with pytest.raises(TransferError):
@@ -323,8 +328,9 @@ def test_register_refused_on_layout_mismatch(pair: Pair) -> None:
         with pytest.raises(TransferError, match="layout mismatch"):
             pair.receiver.connect(other.bootstrap_addr, timeout_s=3.0)
         pair.receiver.request(700, other.bootstrap_addr, [1], num_tokens=2)
-        with pytest.raises(TransferError, match="layout mismatch|not registered"):
+        with pytest.raises(TransferError, match="layout mismatch|not registered") as info:
             pair.receiver.wait(700, 3.0)
+        assert info.value.code in ("refused", "unregistered")
     finally:
         other.close()
 

@@ -63,10 +63,11 @@ def test_failed_room_with_engine_in_flight_waits_for_idle() -> None:
     table = _table(released)
     table.create(2, S.WAITING_FOR_INPUT, 10.0)
     table.advance(2, S.TRANSFERRING, busy=True)
-    assert table.finish(2, S.FAILED, "peer lost")
+    assert table.finish(2, S.FAILED, "peer lost", code="peer_lost")
     assert released == [] and table.active_count() == 1  # pages still being written
     table.set_idle(2)
-    assert [(o.state, o.reason) for o in released] == [(S.FAILED, "peer lost")]
+    assert [(o.state, o.reason, o.code) for o in released] == [(S.FAILED, "peer lost",
+                                                                 "peer_lost")]
     assert table.snapshot()["active"] == 0 and table.counters["failed"] == 1
 
 
@@ -139,3 +140,13 @@ def test_config_validates_names_and_limits() -> None:
     with pytest.raises(ValueError, match="room_timeout_s"):
         TransferConfig(room_timeout_s=0)
     assert TransferConfig(heartbeat_interval_s=0.5, heartbeat_misses=4).peer_dead_after_s == 2.0
+
+
+def test_bootstrap_addresses_are_normalised() -> None:
+    from pdcache.transfer.receiver import normalize_bootstrap
+
+    assert normalize_bootstrap("127.0.0.1:5000") == "tcp://127.0.0.1:5000"
+    assert normalize_bootstrap("tcp://node-3:5000") == "tcp://node-3:5000"
+    for bad in ("127.0.0.1", "tcp://h:0", "h:99999", "ipc:///tmp/x:1", ":5"):
+        with pytest.raises(ValueError):
+            normalize_bootstrap(bad)

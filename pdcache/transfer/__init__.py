@@ -9,8 +9,8 @@ from __future__ import annotations
 from pdcache.transfer.config import TransferConfig
 from pdcache.transfer.errors import TransferError, TransferTimeout
 from pdcache.transfer.receiver import KVReceiver, TransferResult
-from pdcache.transfer.rooms import Outcome, RoomState
+from pdcache.transfer.rooms import FAILURE_CODES, Outcome, RoomState
 from pdcache.transfer.sender import KVSender
 
-__all__ = ["KVReceiver", "KVSender", "Outcome", "RoomState", "TransferConfig", "TransferError",
+__all__ = ["FAILURE_CODES", "KVReceiver", "KVSender", "Outcome", "RoomState", "TransferConfig", "TransferError",
            "TransferResult", "TransferTimeout"]

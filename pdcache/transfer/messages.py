@@ -109,7 +109,7 @@ class Abort(Message):
     TYPE: ClassVar[str] = "abort"
     room: int
     reason: str
-    code: str = "aborted"  # "aborted" | "timeout" | "unregistered" | "invalid" | "engine"
+    code: str = "aborted"  # one of rooms.FAILURE_CODES
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,14 @@ from pdcache.transfer.messages import (
     encode,
     pack_pages,
 )
-from pdcache.transfer.rooms import Outcome, ReleaseCallback, RoomState, RoomTable, UnknownRoom
+from pdcache.transfer.rooms import (
+    FAILURE_CODES,
+    Outcome,
+    ReleaseCallback,
+    RoomState,
+    RoomTable,
+    UnknownRoom,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +191,7 @@ class KVReceiver:
         timeout_s = self.config.room_timeout_s if timeout_s is None else timeout_s
         if not current.data.done.wait(timeout_s):
             self._fail_local(room, f"no KV within {timeout_s:.3g}s", code="timeout")
-            raise TransferTimeout(room, f"no KV within {timeout_s:.3g}s")
+            raise TransferTimeout(room, f"no KV within {timeout_s:.3g}s", "timeout")
         return self._result_of(room, current.data)
 
     def poll(self, room: int) -> RoomState:
@@ -204,23 +211,25 @@ class KVReceiver:
             return data.result
         outcome = self.rooms.outcome(room)
         current = self.rooms.get(room)
-        reason = outcome.reason if outcome else (current.reason if current else "failed")
+        source = outcome or current
+        reason = source.reason if source else "failed"
+        code = source.code if source else ""
         if data.timed_out:
-            raise TransferTimeout(room, reason)
-        raise TransferError(room, reason)
+            raise TransferTimeout(room, reason, code or "timeout")
+        raise TransferError(room, reason, code)
 
     def _finished_result(self, room: int) -> TransferResult:
         outcome = self.rooms.outcome(room)
         if outcome is None:
             raise UnknownRoom(f"decode: unknown room {room}")
         if outcome.data is None:
-            raise TransferError(room, outcome.reason)
+            raise TransferError(room, outcome.reason, outcome.code)
         return self._result_of(room, outcome.data)
 
     def _finish(self, room: int, state: RoomState, reason: str = "",
-                busy: bool = False) -> bool:
+                busy: bool = False, code: str = "") -> bool:
         current = self.rooms.get(room)
-        changed = self.rooms.finish(room, state, reason, busy=busy)
+        changed = self.rooms.finish(room, state, reason, busy=busy, code=code)
         if current is not None:
             current.data.done.set()
         return changed
@@ -232,7 +241,7 @@ class KVReceiver:
             return
         current.data.failed_at = time.monotonic()
         current.data.timed_out = code == "timeout"
-        if not self._finish(room, RoomState.FAILED, reason, busy=True):
+        if not self._finish(room, RoomState.FAILED, reason, busy=True, code=code):
             return
         frame = encode(Abort(room, reason, code))
         self._loop.call_soon(lambda: self._send_abort(room, current.data.peer_addr, frame))
@@ -319,7 +328,8 @@ class KVReceiver:
                                  and r.state is RoomState.BOOTSTRAPPING)
         for room in mine:
             if msg.error:
-                self._finish(room, RoomState.FAILED, f"prefill {peer.addr} refused: {msg.error}")
+                self._finish(room, RoomState.FAILED, f"prefill {peer.addr} refused: {msg.error}",
+                             code="refused")
             else:
                 self._advance(room, RoomState.WAITING_FOR_INPUT)
         if msg.error:
@@ -346,7 +356,9 @@ class KVReceiver:
         if self._owned(peer, msg.room) is None:
             return
         # Prefill sends Abort only once its engine stopped writing: release at once.
-        if not self._finish(msg.room, RoomState.FAILED, f"aborted by prefill: {msg.reason}"):
+        code = msg.code if msg.code in FAILURE_CODES else "aborted"
+        if not self._finish(msg.room, RoomState.FAILED, f"aborted by prefill: {msg.reason}",
+                            code=code):
             self.rooms.set_idle(msg.room)
         if msg.code == "unregistered":
             self._drop_peer(peer)  # prefill restarted: register again on the next request
@@ -396,7 +408,7 @@ class KVReceiver:
         self._drop_peer(peer, linger_ms=100)
         for room in mine:
             # A dead peer writes nothing more: fail and release at once.
-            if not self._finish(room, RoomState.FAILED, reason):
+            if not self._finish(room, RoomState.FAILED, reason, code="peer_lost"):
                 self.rooms.set_idle(room)
 
     def _release_all_busy(self) -> None:

@@ -75,18 +75,26 @@ class Room:
     deadline: float  # time.monotonic() by which the room must be terminal
     data: Any = None
     reason: str = ""
+    code: str = ""  # machine-readable failure cause, see Outcome
     busy: bool = False  # an engine write for this room may be in flight
     created_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a released room ended as."""
+    """What a released room ended as. On FAILED, `code` is one of FAILURE_CODES."""
 
     room_id: int
     state: RoomState
     reason: str
     data: Any
+    code: str = ""
+
+
+# Why a room failed: deadline passed | aborted by either node | peer declared dead by
+# heartbeats | the data engine failed | bad pages or layouts | the peer refused registration.
+FAILURE_CODES = ("timeout", "aborted", "peer_lost", "engine", "invalid", "refused",
+                 "unregistered")
 
 
 ReleaseCallback = Callable[[Outcome], None]
@@ -163,7 +171,7 @@ class RoomTable:
         """Remember `room_id` as FAILED without it ever being active (abort before creation)."""
         with self._lock:
             if room_id not in self._rooms and room_id not in self._finished:
-                self._remember(Outcome(room_id, RoomState.FAILED, reason, None))
+                self._remember(Outcome(room_id, RoomState.FAILED, reason, None, "aborted"))
 
     def advance(self, room_id: int, new: RoomState, busy: bool | None = None,
                 update: Callable[[Room], None] | None = None) -> Room:
@@ -185,7 +193,7 @@ class RoomTable:
             return room
 
     def finish(self, room_id: int, new: RoomState, reason: str = "",
-               busy: bool | None = None) -> bool:
+               busy: bool | None = None, code: str = "") -> bool:
         """Make the room terminal; False if it already was (or is unknown). Releases if idle."""
         with self._lock:
             room = self._rooms.get(room_id)
@@ -196,7 +204,7 @@ class RoomTable:
                 changed = False
             else:
                 self._check(room, new)
-                room.state, room.reason = new, reason
+                room.state, room.reason, room.code = new, reason, code
                 if busy is not None:
                     room.busy = busy
                 self.counters["succeeded" if new is RoomState.SUCCESS else "failed"] += 1
@@ -234,7 +242,7 @@ class RoomTable:
         if room is None or not room.state.terminal or room.busy:
             return None
         del self._rooms[room_id]
-        outcome = Outcome(room_id, room.state, room.reason, room.data)
+        outcome = Outcome(room_id, room.state, room.reason, room.data, room.code)
         self._remember(outcome)
         self.counters["released"] += 1
         return outcome

@@ -226,7 +226,7 @@ class KVSender:
         current.data.notify_peer = current.data.notify_peer or notify
         current.data.code = code
         current.data.cancel.set()
-        self.rooms.finish(room, RoomState.FAILED, reason)
+        self.rooms.finish(room, RoomState.FAILED, reason, code=code)
 
     def _released(self, outcome: Outcome) -> None:
         """Runs once per room when the engine is done with it: tell decode, then the node."""
@@ -461,7 +461,7 @@ class KVSender:
             for room in self.rooms.select(lambda r, i=peer.identity: r.data.peer == i
                                           and not r.state.terminal):
                 self._fail(room, f"decode peer {peer.decode_id} lost (no heartbeat for "
-                                 f"{limit:.1f}s)", code="timeout")  # heard if it lives
+                                 f"{limit:.1f}s)", code="peer_lost")  # heard if it lives
             if self.engine is not None:  # after the rooms' workers were told to stop
                 self.engine.remove_peer(peer.engine_peer)
 
