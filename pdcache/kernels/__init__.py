@@ -27,6 +27,8 @@ Backends: "reference" (plain torch, defines correctness; tests compare against i
 tensor argument is on CUDA and triton is installed; extend and decode attention included).
 The choice is made per call by the devices of the tensors and can be forced with the
 environment variable `PDCACHE_KERNELS=reference|torch|triton` or `KernelSet(name)`.
+On CUDA the triton copies address a host pool directly when it is pinned (`pin_memory()`);
+a pageable host pool falls back to per-page `copy_` (correct, slower).
 `pdcache.kernels.testing` holds the oracles (dense float64 attention, per-block copies).
 """
 
