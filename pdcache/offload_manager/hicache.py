@@ -165,7 +165,11 @@ class LayerLoad:
 
 
 class HiCache:
-    """The prefill node's hierarchical cache controller (see module docstring)."""
+    """The prefill node's hierarchical cache controller (see module docstring).
+
+    `layer_load_cls` makes the per-layer loads (a subclass can instrument or pipeline them)."""
+
+    layer_load_cls: type[LayerLoad] = LayerLoad
 
     def __init__(self, tree: HiRadixTree, device_kv: torch.Tensor, storage: StorageBackend | None,
                  config: HiCacheConfig, fingerprint: str) -> None:
@@ -209,8 +213,8 @@ class HiCache:
             if pref_ids:
                 self.host_pool.free(pref_ids)
 
-        return node, LayerLoad(self.host_pool, self.device_kv, all_host,
-                               device_page_ids[: len(all_host)], release_prefetched)
+        return node, self.layer_load_cls(self.host_pool, self.device_kv, all_host,
+                                         device_page_ids[: len(all_host)], release_prefetched)
 
     # ---- prefetch ----------------------------------------------------------------------
     def start_prefetch(self, rid: str, token_ids: Sequence[int], salt: str, first_page: int,

@@ -1,0 +1,201 @@
+"""HiCache policies inside the real engine (tiny preset), not just the controller:
+
+- per-layer load: the forward waits for layer i's host → device copy right before layer i's
+  attention, and layer i+1 is still not on device at that moment (recorded by a LayerLoad
+  subclass and a wrapper of each layer's attention), for host hits and prefetched pages;
+- write_back: nothing is backed up while a node is on device; device eviction writes it to
+  host and storage, and both serve it back exactly;
+- write_through_selective: a node is backed up only once it was hit `threshold` times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from pdcache.engine.loader import load_model
+from pdcache.offload_manager.hicache import LayerLoad
+from tests.hicache_support import (
+    PROMPT,
+    check_every_tier,
+    generate,
+    reference_tokens,
+    storage_config,
+    tiered,
+)
+
+Event = tuple[str, int]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny) -> list[int]:
+    return reference_tokens(tiny, PROMPT)
+
+
+def recording_load(events: list[Event], checks: list[tuple[int, bool, bool]]) -> type[LayerLoad]:
+    class RecordingLayerLoad(LayerLoad):
+        """Logs each wait; after it, whether layer i is on device and layer i+1 not yet."""
+
+        def wait(self, layer: int) -> None:
+            if self.done:  # the runner's finish() after the forward: nothing left to copy
+                return
+            events.append(("wait", layer))
+            super().wait(layer)
+            pages = self.device_kv[:, :, self.device_ids]
+            loaded = bool(pages[layer].abs().sum() > 0)
+            ahead = layer + 1 < self.num_layers and bool(pages[layer + 1].abs().sum() > 0)
+            checks.append((layer, loaded, ahead))
+
+    return RecordingLayerLoad
+
+
+@contextmanager
+def attention_recorded(model, events: list[Event]) -> Iterator[None]:
+    """Wraps every layer's attention step so it logs ("attn", layer) as it runs."""
+    attns = [layer.self_attn for layer in model.model.layers]
+    for attn in attns:
+        inner = attn._attend
+
+        def attend(*args, _inner=inner, _layer=attn.layer_id, **kwargs):
+            events.append(("attn", _layer))
+            return _inner(*args, **kwargs)
+
+        attn._attend = attend
+    try:
+        yield
+    finally:
+        for attn in attns:
+            del attn._attend
+
+
+def assert_layer_by_layer(events: list[Event], checks: list, num_layers: int) -> None:
+    loaded_forward = events[: 2 * num_layers]  # the forward that consumed the load
+    assert loaded_forward == [e for i in range(num_layers) for e in (("wait", i), ("attn", i))]
+    assert not any(kind == "wait" for kind, _ in events[2 * num_layers:])  # done: no more waits
+    assert [c[0] for c in checks] == list(range(num_layers))
+    assert all(loaded for _, loaded, _ in checks), checks
+    assert not any(ahead for _, _, ahead in checks), "a later layer was loaded early"
+
+
+def test_forward_waits_for_each_layer_of_host_and_storage_loads(tiny, expected, tmp_path):
+    model = tiny[0]
+    layers = model.config.num_hidden_layers
+    cfg = storage_config(model, backend="hf3fs", path=str(tmp_path))
+    first = tiered(tiny, cfg)
+    try:
+        generate(first.engine, "cold", PROMPT)
+        first.engine.flush_cache()  # demoted to host
+        check_every_tier(first)
+        first.hicache.device_kv.zero_()  # idle engine, every device page free: mark "not loaded"
+        events: list[Event] = []
+        checks: list = []
+        first.hicache.layer_load_cls = recording_load(events, checks)
+        with attention_recorded(model, events):
+            tokens, out = generate(first.engine, "host", PROMPT)
+        assert tokens == expected and out.cached.host == 40
+        assert_layer_by_layer(events, checks, layers)
+        check_every_tier(first)
+    finally:
+        first.close()
+    second = tiered(tiny, cfg, prefetch_policy="wait_complete")  # zeroed device pool
+    try:
+        events, checks = [], []
+        second.hicache.layer_load_cls = recording_load(events, checks)
+        with attention_recorded(model, events):
+            tokens, out = generate(second.engine, "storage", PROMPT)
+        assert tokens == expected and out.cached.storage == 40
+        assert_layer_by_layer(events, checks, layers)
+        check_every_tier(second)
+    finally:
+        second.close()
+
+
+def test_write_back_backs_up_on_device_eviction(tiny, expected, tmp_path) -> None:
+    cfg = storage_config(tiny[0], backend="hf3fs", path=str(tmp_path))
+    built = tiered(tiny, cfg, write_policy="write_back")
+    try:
+        generate(built.engine, "a", PROMPT)
+        assert built.hicache.wait_idle(10)
+        stats = built.hicache.stats
+        assert stats.backup_host_pages == 0 and built.storage.stats()["used_pages"] == 0
+        tokens, out = generate(built.engine, "b", PROMPT)
+        assert tokens == expected and out.cached.device == 40
+        assert stats.backup_host_pages == 0
+        built.engine.flush_cache()  # eviction: the last moment to keep the KV
+        check_every_tier(built)
+        stored = (len(PROMPT) + 8 - 1) // 4
+        assert stats.backup_host_pages == stored
+        assert stats.backup_storage_pages == stored
+        assert built.storage.stats()["used_pages"] == stored
+        tokens, out = generate(built.engine, "c", PROMPT)
+        assert tokens == expected and (out.cached.device, out.cached.host) == (0, 40)
+        check_every_tier(built)
+    finally:
+        built.close()
+    fresh = tiered(tiny, cfg, write_policy="write_back", prefetch_policy="wait_complete")
+    try:
+        tokens, out = generate(fresh.engine, "d", PROMPT)
+        assert tokens == expected and out.cached.storage == 40
+        check_every_tier(fresh)
+    finally:
+        fresh.close()
+
+
+def test_write_through_selective_waits_for_hits(tiny, expected, tmp_path) -> None:
+    cfg = storage_config(tiny[0], backend="hf3fs", path=str(tmp_path))
+    built = tiered(tiny, cfg, write_policy="write_through_selective", write_through_threshold=2)
+    try:
+        stats = built.hicache.stats
+        generate(built.engine, "a", PROMPT)
+        assert built.hicache.wait_idle(10)
+        assert stats.backup_host_pages == 0  # inserted, never hit
+        hits = 0
+        while stats.backup_host_pages == 0 and hits < 4:
+            tokens, out = generate(built.engine, f"hit{hits}", PROMPT)
+            assert tokens == expected and out.cached.device == 40
+            hits += 1
+        assert hits == 2, f"backed up after {hits} hits, threshold 2"
+        check_every_tier(built)
+        assert stats.backup_host_pages >= 10 and stats.backup_storage_pages >= 10
+        shorter = PROMPT[:21] + [1, 2, 3]  # a different continuation: its new node is not hit
+        generate(built.engine, "other", shorter)
+        check_every_tier(built)
+        backed = stats.backup_host_pages
+        generate(built.engine, "other2", [9] * 21)
+        check_every_tier(built)
+        assert stats.backup_host_pages == backed  # a new prompt is not backed up
+    finally:
+        built.close()
+    fresh = tiered(tiny, cfg, prefetch_policy="wait_complete")
+    try:
+        tokens, out = generate(fresh.engine, "d", PROMPT)
+        assert tokens == expected and out.cached.storage == 40
+        check_every_tier(fresh)
+    finally:
+        fresh.close()
+
+
+def test_recording_load_sees_zeroed_pages_as_not_loaded() -> None:
+    """The checks above rely on a zeroed device page reading as "not loaded"."""
+    from pdcache.offload_manager.host_pool import HostKVPool
+
+    host = HostKVPool(2, 2, 4, 1, 2, torch.float32)
+    page = host.alloc(1)
+    host.commit(page)
+    host.host_kv[page[0]] = 1.0
+    device_kv = torch.zeros(2, 2, 3, 4, 1, 2)
+    events: list[Event] = []
+    checks: list = []
+    load = recording_load(events, checks)(host, device_kv, page, [2])
+    load.wait(0)
+    assert checks == [(0, True, False)] and not load.done
+    load.finish()
+    assert checks[-1] == (1, True, False) and load.done and not host.is_pinned(page[0])
