@@ -185,6 +185,7 @@ def test_presets_are_deterministic_and_sized() -> None:
     c, _ = load_model("tiny", seed=1)
     wa, wb, wc = (m.model.layers[0].self_attn.q_proj.weight for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    assert a.config.name == b.config.name != c.config.name  # KV of other weights never mixes
     assert PRESETS["small"].max_position_embeddings >= 32768
     small_cfg = PRESETS["small"]
     assert small_cfg.num_key_value_heads < small_cfg.num_attention_heads  # GQA

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,10 @@ def allocate_device_kv(
 
 
 def _load_preset(name: str, dtype: str, seed: int) -> tuple[CausalLM, Tokenizer]:
-    model = CausalLM(preset_config(name, dtype))
+    config = preset_config(name, dtype)
+    if seed != 0:  # other weights: the name (part of the KV fingerprint) must differ too
+        config = replace(config, name=f"{config.name}-seed{seed}")
+    model = CausalLM(config)
     init_preset_weights(model, seed)
     return model, byte_tokenizer()
 

@@ -1,14 +1,18 @@
 """Random-weight model presets (fixed seed, nothing downloaded) with the byte tokenizer.
 
-The initialisation is chosen so that greedy decoding is robust: logits have a spread of a few
-units (top-1 vs top-2 margins far above fp32 summation noise), attention is sharp enough that
-the continuation depends on the whole context, and residual branches are scaled down so the
-network is not chaotic (a 1e-7 perturbation stays ~1e-7 instead of growing layer by layer).
+The initialisation is chosen so that greedy decoding is robust and context-dependent:
+- logits spread by a few units (std ~4), so top-1 vs top-2 margins sit far above fp32
+  summation noise (`pdcache bench engine --margin-steps N` measures both);
+- the attention and MLP branches of all layers together carry about as much as the token
+  embedding, so continuations depend on the context, not only on the last token;
+- no gain above 1 anywhere (sharper attention doubled the chunked-vs-full logit noise), so a
+  rounding difference in one layer is not amplified by the next ones.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -66,8 +70,6 @@ LOGIT_STD = 4.0
 def preset_config(name: str, dtype: str = "float32") -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    from dataclasses import replace
-
     return replace(PRESETS[name], dtype=dtype)
 
 
@@ -80,13 +82,13 @@ def init_preset_weights(model: CausalLM, seed: int) -> None:
     """Fill every parameter of `model` deterministically from `seed` (CPU generator, fp32)."""
     gen = torch.Generator().manual_seed(seed)
     config = model.config
-    residual_std = RESIDUAL_GAIN / math.sqrt(2 * config.num_hidden_layers)
+    residual_gain = RESIDUAL_GAIN / math.sqrt(2 * config.num_hidden_layers)
     for name, param in model.named_parameters():
-        param.copy_(_init_tensor(name, param, gen, residual_std))
+        param.copy_(_init_tensor(name, param, gen, residual_gain))
 
 
 def _init_tensor(
-    name: str, param: torch.Tensor, gen: torch.Generator, residual_std: float
+    name: str, param: torch.Tensor, gen: torch.Generator, residual_gain: float
 ) -> torch.Tensor:
     shape = param.shape
     if name.endswith("norm.weight"):
@@ -100,7 +102,7 @@ def _init_tensor(
     if name.endswith(("q_proj.weight", "k_proj.weight")):
         gain = QK_GAIN
     elif name.endswith(("o_proj.weight", "down_proj.weight")):
-        gain = residual_std
+        gain = residual_gain
     elif name == "lm_head.weight":
         gain = LOGIT_STD
     return torch.randn(shape, generator=gen) * fan_in_std * gain
