@@ -1,0 +1,157 @@
+"""Router overhead: the same requests sent straight to a unified node and through the router,
+side by side in one run (latency medians and p90, TTFT of streamed requests, the ratio).
+
+    python -m pdcache.router.bench [--requests 40] [--prompt-tokens 256] [--new-tokens 16]
+                                   [--json PATH]
+
+Starts `pdcache serve` (a unified node) and `pdcache router` in front of it as separate
+processes on loopback (free ports). Requests alternate direct / routed so both see the same
+machine load; every prompt is random (no prefix reuse), so both paths compute the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import queue
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from pdcache.bench.table import emit
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=40, help="requests per path and mode")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--model", default="tiny")
+
+
+class _Process:
+    """A `python -m pdcache ...` child, ready once it prints `ready_prefix` + its URL."""
+
+    def __init__(self, argv: list[str], ready_prefix: str, timeout_s: float = 180.0) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdcache", *argv], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, args=(lines,), daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        seen: list[str] = []
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            seen.append(line)
+            if line.startswith(ready_prefix):
+                self.url = line[len(ready_prefix):].strip()
+                return
+        self.stop()
+        raise RuntimeError(f"{' '.join(argv)} did not start:\n{''.join(seen[-20:])}")
+
+    def _pump(self, lines: queue.Queue[str]) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            lines.put(line)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+async def _one(client: httpx.AsyncClient, url: str, ids: list[int], new_tokens: int,
+               stream: bool) -> tuple[float, float]:
+    """(e2e seconds, time to the first streamed event or e2e) of one request."""
+    body = {"input_ids": ids, "stream": stream,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0,
+                                "ignore_eos": True}}
+    start = time.perf_counter()
+    if not stream:
+        resp = await client.post(f"{url}/generate", json=body)
+        resp.raise_for_status()
+        end = time.perf_counter()
+        return end - start, end - start
+    first = None
+    async with client.stream("POST", f"{url}/generate", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if line.startswith("data:") and first is None:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return end - start, (first or end) - start
+
+
+async def _measure(paths: dict[str, str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    rng = random.Random(0)
+    samples: dict[tuple[str, bool], list[tuple[float, float]]] = {}
+    async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+        for stream in (False, True):
+            for _ in range(args.requests):
+                for name, url in paths.items():
+                    ids = [rng.randrange(256) for _ in range(args.prompt_tokens)]
+                    sample = await _one(client, url, ids, args.new_tokens, stream)
+                    samples.setdefault((name, stream), []).append(sample)
+    return _rows(samples)
+
+
+def _rows(samples: dict[tuple[str, bool], list[tuple[float, float]]]) -> list[dict[str, Any]]:
+    rows = []
+    for stream in (False, True):
+        direct = statistics.median(e for e, _ in samples[("direct", stream)])
+        for name in ("direct", "router"):
+            e2e = sorted(e for e, _ in samples[(name, stream)])
+            ttft = sorted(t for _, t in samples[(name, stream)])
+            rows.append({
+                "mode": "stream" if stream else "plain", "path": name,
+                "e2e_p50_ms": 1e3 * statistics.median(e2e),
+                "e2e_p90_ms": 1e3 * e2e[int(0.9 * (len(e2e) - 1))],
+                "ttft_p50_ms": 1e3 * statistics.median(ttft),
+                "e2e_vs_direct": statistics.median(e2e) / direct,
+            })
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdcache.router.cli import READY_PREFIX as ROUTER_READY
+    from pdcache.server.cli import READY_PREFIX as SERVE_READY
+
+    node = _Process(["serve", "--model", args.model, "--port", "0", "--name", "u0",
+                     "--log-level", "warning"], SERVE_READY)
+    router = None
+    try:
+        router = _Process(["router", "--unified", node.url, "--model", args.model, "--port", "0",
+                           "--log-level", "warning"], ROUTER_READY)
+        rows = asyncio.run(_measure({"direct": node.url, "router": router.url}, args))
+    finally:
+        if router is not None:
+            router.stop()
+        node.stop()
+    emit(f"router overhead ({args.model}, {args.prompt_tokens} prompt + {args.new_tokens} new "
+         f"tokens, {args.requests} requests per row, alternating)", rows,
+         getattr(args, "json_path", None))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdcache.router.bench", description=__doc__)
+    add_arguments(parser)
+    parser.add_argument("--json", dest="json_path", default=None)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
