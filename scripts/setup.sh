@@ -24,4 +24,13 @@ fi
 echo "[setup] installing pdcache and its extras"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[all,test]" 2>&1 \
   | grep -v "^WARNING: Location" || true
+# SGLang's storage-plugin interface, for the plugin tests: sglang pins a CUDA torch, so it is
+# installed without its dependencies plus the light packages its storage modules import.
+if [ "${PDCACHE_SKIP_SGLANG:-0}" != 1 ] && ! .venv/bin/python -c "import sglang" 2>/dev/null; then
+  echo "[setup] installing sglang==0.5.23 (--no-deps, storage plugin interface only)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "sglang==0.5.23" \
+      2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[sglang]" 2>&1 \
+      | grep -v "^WARNING: Location" || true
+fi
 .venv/bin/python -c "import pdcache, torch; print('[setup] ok: torch', torch.__version__)"
