@@ -255,3 +255,15 @@ def test_engine_bench_tiny_matches_transformers_tokens(tmp_path: Path) -> None:
     assert names == ["pdcache", "pdcache chunked 16", "transformers eager", "transformers sdpa"]
     assert all(row["same_greedy_tokens"] for row in result["rows"])
     assert result["max_abs_logit_diff"] < 1e-4 < result["min_top1_top2_margin"]
+
+
+def test_config_and_tokenizer_load_without_weights(tmp_path: Path) -> None:
+    from pdcache.engine.loader import load_model_config, load_tokenizer
+
+    save_hf_model(tmp_path, "qwen3")
+    model, tok = load_model(str(tmp_path))
+    assert load_model_config(str(tmp_path)) == model.config
+    assert load_tokenizer(str(tmp_path)).encode("abc") == tok.encode("abc")
+    assert load_model_config("tiny", seed=3) == load_model("tiny", seed=3)[0].config
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_model_config(str(tmp_path / "nope"))

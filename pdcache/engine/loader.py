@@ -34,37 +34,29 @@ def load_model(
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if spec in PRESETS:
         model, tokenizer = _load_preset(spec, dtype or "float32", seed)
-    elif Path(spec).is_dir():
-        model, tokenizer = _load_checkpoint(Path(spec), dtype)
     else:
-        raise ValueError(
-            f"model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory"
-        )
+        model, tokenizer = _load_checkpoint(_checkpoint_dir(spec), dtype)
     model = model.to(device=device, dtype=model.config.torch_dtype).eval()
     model.requires_grad_(False)
     return model, tokenizer
 
 
-def load_model_config(spec: str, *, dtype: str | None = None) -> ModelConfig:
-    """The `ModelConfig` of a preset or checkpoint directory, without building any weights
-    (what a router needs: name, vocabulary size, context length)."""
+def load_model_config(spec: str, *, dtype: str | None = None, seed: int = 0) -> ModelConfig:
+    """The ModelConfig `load_model(spec, dtype=dtype, seed=seed)` would build, without weights
+    (cheap: for routers and benchmarks that only need shapes, limits and the model name)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if spec in PRESETS:
-        return preset_config(spec, dtype or "float32")
-    config_file = Path(spec) / "config.json"
-    if not config_file.is_file():
-        raise ValueError(
-            f"model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory"
-        )
-    return model_config_from_hf(json.loads(config_file.read_text()), name=Path(spec).name,
-                                dtype=dtype)
+        return _preset_config(spec, dtype or "float32", seed)
+    return _checkpoint_config(_checkpoint_dir(spec), dtype)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer of a preset or checkpoint directory, without building any weights."""
+    """The tokenizer `load_model(spec)` would return, without loading weights."""
     if spec in PRESETS:
         return byte_tokenizer()
-    config = load_model_config(spec)
-    return HFTokenizer(Path(spec), eos_token_ids=config.eos_token_ids)
+    path = _checkpoint_dir(spec)
+    return HFTokenizer(path, eos_token_ids=_checkpoint_config(path, None).eos_token_ids)
 
 
 def allocate_device_kv(
@@ -78,21 +70,36 @@ def allocate_device_kv(
     return torch.zeros(shape, dtype=config.torch_dtype, device=device)
 
 
-def _load_preset(name: str, dtype: str, seed: int) -> tuple[CausalLM, Tokenizer]:
+def _checkpoint_dir(spec: str) -> Path:
+    if not Path(spec).is_dir():
+        raise ValueError(
+            f"model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory"
+        )
+    return Path(spec)
+
+
+def _preset_config(name: str, dtype: str, seed: int) -> ModelConfig:
     config = preset_config(name, dtype)
     if seed != 0:  # other weights: the name (part of the KV fingerprint) must differ too
         config = replace(config, name=f"{config.name}-seed{seed}")
-    model = CausalLM(config)
+    return config
+
+
+def _load_preset(name: str, dtype: str, seed: int) -> tuple[CausalLM, Tokenizer]:
+    model = CausalLM(_preset_config(name, dtype, seed))
     init_preset_weights(model, seed)
     return model, byte_tokenizer()
 
 
-def _load_checkpoint(path: Path, dtype: str | None) -> tuple[CausalLM, Tokenizer]:
+def _checkpoint_config(path: Path, dtype: str | None) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json")
-    hf_config = json.loads(config_file.read_text())
-    config = model_config_from_hf(hf_config, name=path.name, dtype=dtype)
+    return model_config_from_hf(json.loads(config_file.read_text()), path.name, dtype)
+
+
+def _load_checkpoint(path: Path, dtype: str | None) -> tuple[CausalLM, Tokenizer]:
+    config = _checkpoint_config(path, dtype)
     tokenizer = HFTokenizer(path, eos_token_ids=config.eos_token_ids)
     with torch.device("meta"):
         model = CausalLM(config)
