@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,28 +50,27 @@ def router_for(nodes: list[tuple[str, str]], **overrides: Any) -> RouterUnderTes
 # --------------------------------------------------------------------------- killed nodes
 
 
-@pytest.fixture()
-def serve_pair() -> Iterator[list[ServeProcess]]:
-    procs: list[ServeProcess] = []
-    try:
-        for name in ("u0", "u1"):
-            procs.append(ServeProcess(["serve", "--model", "tiny", "--port", "0", "--name", name,
-                                       "--log-level", "warning"], SERVE_READY))
-        yield procs
-    finally:
-        for proc in procs:
-            proc.kill()
-
-
 @pytest.mark.slow
-def test_killed_node_is_avoided_and_none_left_is_503(serve_pair: list[ServeProcess]) -> None:
-    u0, u1 = serve_pair
+def test_killed_node_is_avoided_and_none_left_is_503() -> None:
+    u0 = UnifiedNode("u0")
+    u1 = None
+    try:
+        u1 = ServeProcess(["serve", "--model", "tiny", "--port", "0", "--name", "u1",
+                           "--log-level", "warning"], SERVE_READY)
+        check_killed_node(u0, u1)
+    finally:
+        if u1 is not None:
+            u1.kill()
+        u0.stop()
+
+
+def check_killed_node(u0: UnifiedNode, u1: ServeProcess) -> None:
     with router_for([("u0", u0.url), ("u1", u1.url)], prefill_policy="round_robin",
                     health_interval_s=0.2) as client:
         served = [client.post("/generate", json=body(seed=i)).json()["meta"]["prefill_node"]
                   for i in range(2)]
         assert served == ["u0", "u1"]
-        u1.kill()  # kill -9: no goodbye
+        u1.kill()  # kill -9 of the serve process: no goodbye
         for i in range(4):  # every request succeeds, on u0 (re-routed if it tried u1)
             r = client.post("/generate", json=body(seed=10 + i))
             assert r.status_code == 200, r.text
@@ -80,7 +78,7 @@ def test_killed_node_is_avoided_and_none_left_is_503(serve_pair: list[ServeProce
         health = client.get("/health").json()
         assert health["status"] == "ok"
         assert [n["healthy"] for n in health["nodes"]] == [True, False]
-        u0.kill()
+        u0.stop()
         start = time.monotonic()
         r = client.post("/generate", json=body())
         assert r.status_code in (502, 503), r.text
