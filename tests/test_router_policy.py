@@ -75,3 +75,15 @@ def test_session_idle_expiry() -> None:
     store = SessionStore(idle_ttl_s=0.0)
     store.commit("s", [1], [2])
     assert store.history("s") == []
+
+
+def test_session_store_is_bounded_in_total_tokens() -> None:
+    store = SessionStore(max_total_tokens=10)
+    store.commit("a", [1, 2, 3], [4])
+    store.commit("b", [5, 6, 7], [8, 9])
+    assert store.total_tokens == 9 and len(store) == 2
+    store.commit("c", [10, 11], [12])  # 12 tokens > 10: the least recent session goes
+    assert store.history("a") == [] and store.history("b") == [5, 6, 7, 8, 9]
+    assert store.total_tokens == 8
+    store.commit("b", [5, 6, 7, 8, 9, 1], [2])  # replacing a history frees the old one
+    assert store.total_tokens == 10 and store.history("c") == [10, 11, 12]

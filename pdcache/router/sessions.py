@@ -4,6 +4,7 @@ the new message's tokens: no re-tokenisation drift can break the page-key chain.
 from __future__ import annotations
 
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,21 +14,24 @@ from pdcache.engine.tokenizer import Message, Tokenizer
 
 @dataclass
 class Session:
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: array = field(default_factory=lambda: array("I"))  # 4 bytes per token
     turns: int = 0
     last_used: float = field(default_factory=time.monotonic)
 
 
 class SessionStore:
-    """LRU map session_id → Session, bounded in count and idle time.
+    """LRU map session_id → Session, bounded in count, total tokens and idle time.
 
     Used from the router's event loop only. A turn is committed only when it finished
     successfully, so a failed turn can be retried from the same history.
     """
 
-    def __init__(self, max_sessions: int = 10_000, idle_ttl_s: float = 3600.0) -> None:
+    def __init__(self, max_sessions: int = 10_000, idle_ttl_s: float = 3600.0,
+                 max_total_tokens: int = 64 * 2**20) -> None:
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
+        self.max_total_tokens = max_total_tokens  # 64 Mi tokens = 256 MiB of history
+        self.total_tokens = 0
         self._sessions: OrderedDict[str, Session] = OrderedDict()
 
     def history(self, session_id: str) -> list[int]:
@@ -37,13 +41,22 @@ class SessionStore:
 
     def commit(self, session_id: str, input_ids: list[int], output_ids: list[int]) -> None:
         """Record a finished turn: the session's history becomes input_ids + output_ids."""
-        session = self._sessions.pop(session_id, None) or Session()
-        session.token_ids = list(input_ids) + list(output_ids)
+        session = self._pop(session_id) or Session()
+        session.token_ids = array("I", input_ids)
+        session.token_ids.extend(output_ids)
         session.turns += 1
         session.last_used = time.monotonic()
         self._sessions[session_id] = session
-        while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
+        self.total_tokens += len(session.token_ids)
+        while self._sessions and (len(self._sessions) > self.max_sessions
+                                  or self.total_tokens > self.max_total_tokens):
+            self._pop(next(iter(self._sessions)))
+
+    def _pop(self, session_id: str) -> Session | None:
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self.total_tokens -= len(session.token_ids)
+        return session
 
     def turns(self, session_id: str) -> int:
         session = self._sessions.get(session_id)
@@ -58,7 +71,7 @@ class SessionStore:
             sid, oldest = next(iter(self._sessions.items()))
             if now - oldest.last_used <= self.idle_ttl_s:
                 break
-            del self._sessions[sid]
+            self._pop(sid)
 
 
 class ChatContinuation:
