@@ -191,7 +191,8 @@ class KVReceiver:
         timeout_s = self.config.room_timeout_s if timeout_s is None else timeout_s
         if not current.data.done.wait(timeout_s):
             self._fail_local(room, f"no KV within {timeout_s:.3g}s", code="timeout")
-            raise TransferTimeout(room, f"no KV within {timeout_s:.3g}s", "timeout")
+            if current.data.result is None:  # else `done` won the race: the KV is there
+                raise TransferTimeout(room, f"no KV within {timeout_s:.3g}s", "timeout")
         return self._result_of(room, current.data)
 
     def poll(self, room: int) -> RoomState:
