@@ -231,11 +231,15 @@ class DecodeOffloadManager:
             self.stats.pages_skipped += stored
         if not todo:
             return
-        staging_ids = self.staging.alloc(len(todo))
-        if staging_ids is None:
-            with self._lock:
-                self.stats.pages_dropped += len(todo)
+        # Short of staging: keep the chain's head (only a prefix of a chain is ever found),
+        # drop the tail. Only this thread allocates, so the free count can only grow here.
+        fits = min(len(todo), self.staging.num_free)
+        staging_ids = self.staging.alloc(fits) if fits else None
+        with self._lock:
+            self.stats.pages_dropped += len(todo) - (fits if staging_ids else 0)
+        if not staging_ids:
             return
+        todo = todo[: len(staging_ids)]
         device_ids = torch.tensor([task.device_page_ids[i] for i in todo], dtype=torch.long)
         kernels.device_to_host(self.device_kv, self.staging.host_kv, device_ids,
                                torch.tensor(staging_ids, dtype=torch.long))
