@@ -1,0 +1,427 @@
+"""`pdcache bench cache`: TTFT of a prompt of N cached tokens + 64 new ones, by the tier that
+holds the N tokens, in one run, in-process (engines, no HTTP, so only the cache differs):
+
+- recompute: nothing cached, all N + 64 tokens prefilled (the cold request that seeds the
+  tiers, plus `--recompute-repeats` runs on an engine without prefix cache);
+- device: the prefix already in the device pool (the ideal);
+- host: the prefix demoted to the host pool (`flush_cache`), loaded back layer by layer;
+- hf3fs: a fresh engine (empty device and host tiers) over the same hf3fs directory;
+- mooncake: a fresh engine over a Mooncake Store (a real `mooncake_master` started here) that
+  holds the prefix's pages.
+
+`exact`: the device hits' first tokens equal a no-prefix-cache run's; the other tiers' equal a
+device hit's of the same prompts. Each point is the median of `--repeats` runs. A second table gives storage read
+GB/s beside a plain memcpy and a plain file read of the same bytes (`pdcache bench storage`'s
+method, pages of this model's size). Targets (issue 3): storage hit ≤ 1.3× the device hit and
+≤ 0.1× recompute at N ≥ 4k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdcache.bench.table import emit
+
+TIERS = ("recompute", "device", "host", "hf3fs", "mooncake")
+MB = 1 << 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", "--model", dest="model", default="small",
+                        help="preset name or checkpoint directory (default: small)")
+    parser.add_argument("--tokens", default="1024,4096,16384",
+                        help="cached prefix lengths N, comma-separated (rounded to pages)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="uncached tokens after N")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per point (median)")
+    parser.add_argument("--recompute-repeats", type=int, default=1,
+                        help="extra no-cache runs besides the cold seeding one (slow at 16k)")
+    parser.add_argument("--tiers", default=",".join(TIERS), help="comma-separated subset")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=2048, help="chunked prefill tokens")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--io-threads", type=int, default=1, help="hf3fs IO threads")
+    parser.add_argument("--io-batch-pages", type=int, default=64,
+                        help="pages per storage read task of the prefetch")
+    parser.add_argument("--dir", default=None, help="directory for storage (default: temp dir)")
+    parser.add_argument("--no-bandwidth", action="store_true", help="skip the GB/s table")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+# ---- one engine and its measurements ---------------------------------------------------
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    first_token: int
+    cached: dict[str, int]
+
+
+@dataclass
+class Point:
+    """Samples of one (N, tier)."""
+
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float:
+        return statistics.median(s.ttft_s for s in self.samples)
+
+
+@dataclass
+class Setup:
+    """What every engine of the run shares."""
+
+    model: Any
+    tokenizer: Any
+    args: argparse.Namespace
+    base: Path
+    max_tokens: int
+    master: Any = None  # LocalMooncakeMaster
+
+    @property
+    def page_size(self) -> int:
+        return self.args.page_size
+
+    def engine_config(self, prefix_cache: bool = True):
+        from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+        pages = 2 * (self.max_tokens // self.page_size) + 256
+        return EngineConfig(
+            model=self.model.config,
+            cache=CacheConfig(page_size=self.page_size, num_device_pages=pages,
+                              enable_prefix_cache=prefix_cache),
+            scheduler=SchedulerConfig(chunked_prefill_tokens=self.args.chunk),
+            seed=self.args.seed,
+        )
+
+    def storage(self, backend: str, n_tokens: int, **settings: Any):
+        from pdcache.offload_manager.builder import (
+            fingerprint_for,
+            model_identity,
+            storage_config_for,
+        )
+
+        fp = fingerprint_for(self.model.config, model_identity(self.args.model, self.args.seed),
+                             self.page_size)
+        capacity = 4 * (n_tokens // self.page_size) + 64 * (self.args.repeats + 4)
+        return storage_config_for(self.model.config, self.page_size, fp, backend=backend,
+                                  capacity_pages=capacity, io_threads=self.args.io_threads,
+                                  **settings)
+
+    def tiered(self, storage):
+        from pdcache.offload_manager.builder import TierConfig, build_tiered_engine
+        from pdcache.offload_manager.hicache import HiCacheConfig
+
+        hicache = HiCacheConfig(prefetch_policy="wait_complete",
+                                io_batch_pages=self.args.io_batch_pages)
+        host_pages = 2 * (self.max_tokens // self.page_size) + 256
+        built = build_tiered_engine(self.engine_config(), self.model, self.tokenizer,
+                                    TierConfig(host_pages, hicache, storage))
+        built.engine.start()
+        _warm_up(built.engine)
+        return built
+
+    def mooncake_settings(self, segment_bytes: int) -> dict[str, Any]:
+        return {"mooncake_master": self.master.address, "mooncake_segment_bytes": segment_bytes,
+                "mooncake_local_buffer_bytes": 16 * MB}
+
+
+def _warm_up(engine) -> None:
+    """One short unrelated request, so the measured one finds a running, warmed engine."""
+    prompt = [random.Random(uuid.uuid4().int).randrange(256) for _ in range(40)]
+    _ttft(engine, prompt)
+
+
+def _ttft(engine, prompt: list[int]) -> Sample:
+    from pdcache.engine.api import GenerateRequest, SamplingParams
+
+    req = GenerateRequest(f"bench-{uuid.uuid4().hex[:12]}", prompt,
+                          SamplingParams(max_new_tokens=1, ignore_eos=True))
+    start = time.perf_counter()
+    outputs = engine.generate(req, timeout=3600)
+    wall = time.perf_counter() - start
+    last = outputs[-1]
+    if last.error:
+        raise RuntimeError(f"bench request failed: {last.error}")
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    return Sample(last.ttft_s if last.ttft_s is not None else wall, tokens[0],
+                  last.cached.as_dict())
+
+
+# ---- one prefix length -----------------------------------------------------------------
+
+
+class PrefixRun:
+    """All tiers for one N: a random prefix, and per tier `repeats` random suffixes of its own
+    (a suffix served once is cached too, so no two runs share one).
+
+    Exactness: the device tier's first tokens are compared with a no-prefix-cache engine's
+    on the same prompts; every other tier's with a device hit of its prompts, run last on the
+    seeding engine (so it writes nothing that the storage runs could hit)."""
+
+    def __init__(self, setup: Setup, n_tokens: int, tiers: list[str]) -> None:
+        self.setup = setup
+        self.n = n_tokens
+        self.tiers = tiers
+        self.rng = random.Random(setup.args.seed * 1000 + n_tokens)
+        self.vocab = min(setup.model.config.vocab_size, 256)
+        self.prefix = self._random(n_tokens)
+        reps = setup.args.repeats
+        self.suffixes = {t: [self._random(setup.args.new_tokens) for _ in range(reps)]
+                         for t in TIERS}
+        self.seed_suffix = self._random(setup.args.new_tokens)
+        self.points: dict[str, Point] = {t: Point() for t in TIERS}
+        self.reference: dict[str, list[int | None]] = {t: [None] * reps for t in TIERS}
+        self.dir = setup.base / f"n{n_tokens}"
+
+    def _random(self, length: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(length)]
+
+    def prompt(self, tier: str, i: int) -> list[int]:
+        return self.prefix + self.suffixes[tier][i]
+
+    def measure(self) -> None:
+        hf3fs = self.setup.storage("hf3fs", self.n, path=str(self.dir / "hf3fs"))
+        seeded = self.setup.tiered(hf3fs)
+        try:
+            self._seed_device_and_host(seeded)
+            if "mooncake" in self.tiers and self.setup.master is not None:
+                self._mooncake(hf3fs)
+            if "hf3fs" in self.tiers:
+                self._fresh_engines("hf3fs", hf3fs)
+            self._device_references(seeded)
+        finally:
+            seeded.close()
+        self._recompute()
+
+    def _sample(self, built, tier: str, i: int) -> None:
+        """One timed request, with no storage I/O of earlier requests still running."""
+        if not built.hicache.wait_idle(600):
+            raise RuntimeError("storage I/O did not finish")
+        self.points[tier].samples.append(_ttft(built.engine, self.prompt(tier, i)))
+
+    def _seed_device_and_host(self, built) -> None:
+        """The cold request seeds every tier (and is a recompute sample); then device hits,
+        then host hits (each after demoting the device copy)."""
+        built.hicache.wait_idle(60)
+        self.points["recompute"].samples.append(
+            _ttft(built.engine, self.prefix + self.seed_suffix))
+        for i in range(self.setup.args.repeats):
+            if "device" in self.tiers:
+                self._sample(built, "device", i)
+        for i in range(self.setup.args.repeats):
+            if "host" in self.tiers:
+                built.engine.flush_cache()  # device pages demoted to their host copies
+                self._sample(built, "host", i)
+        if not built.hicache.wait_idle(600):
+            raise RuntimeError("storage writes did not finish")
+
+    def _device_references(self, built) -> None:
+        for tier in ("host", "hf3fs", "mooncake"):
+            for i, _ in enumerate(self.points[tier].samples):
+                sample = _ttft(built.engine, self.prompt(tier, i))
+                if sample.cached.get("device", 0) >= self.n:
+                    self.reference[tier][i] = sample.first_token
+
+    def _recompute(self) -> None:
+        """`--recompute-repeats` no-cache runs of the device tier's prompts (their first
+        tokens are the device tier's reference)."""
+        from pdcache.engine.engine import Engine
+
+        setup = self.setup
+        count = min(setup.args.recompute_repeats, len(self.points["device"].samples))
+        if count == 0:
+            return
+        with Engine(setup.engine_config(prefix_cache=False), setup.model,
+                    setup.tokenizer) as engine:
+            _warm_up(engine)
+            for i in range(count):
+                sample = _ttft(engine, self.prompt("device", i))
+                self.reference["device"][i] = sample.first_token
+                self.points["recompute"].samples.append(sample)
+
+    def _fresh_engines(self, tier: str, storage: Any) -> None:
+        """Each run on a new engine (empty device and host tiers) over the same storage."""
+        for i in range(self.setup.args.repeats):
+            built = self.setup.tiered(storage)
+            try:
+                self._sample(built, tier, i)
+                built.hicache.wait_idle(60)
+            finally:
+                built.close()
+
+    def _mooncake(self, hf3fs) -> None:
+        """Copy the prefix's pages from hf3fs into the store through a client that stays up
+        (its segment holds them), then read them from fresh engines."""
+        from pdcache.offload_manager.storage import create_backend
+
+        pages = self.n // self.setup.page_size
+        segment = max(64 * MB, int(2.5 * pages * (hf3fs.page_bytes + 4096)))
+        cfg = hf3fs.replace(backend="mooncake", namespace=f"n{self.n}",
+                            **self.setup.mooncake_settings(segment))
+        holder = create_backend(cfg)
+        try:
+            _copy_pages(create_backend(hf3fs), holder, self._prefix_keys(hf3fs), hf3fs.page_bytes)
+            reader_cfg = cfg.replace(mooncake_segment_bytes=max(64 * MB, segment // 2))
+            self._fresh_engines("mooncake", reader_cfg)
+        finally:
+            holder.close()
+
+    def _prefix_keys(self, storage) -> list[bytes]:
+        from pdcache.engine.page_keys import chain_page_keys, make_salt
+
+        salt = make_salt(storage.fingerprint, "")
+        return chain_page_keys(self.prefix, self.setup.page_size, salt)
+
+    def rows(self) -> list[dict[str, Any]]:
+        device = self.points["device"].ttft_s if self.points["device"].samples else None
+        recompute = self.points["recompute"].ttft_s if self.points["recompute"].samples else None
+        out = []
+        for tier in TIERS:
+            point = self.points[tier]
+            if point.samples:
+                out.append(self._row(tier, point, device, recompute))
+        return out
+
+    def _row(self, tier: str, point: Point, device: float | None,
+             recompute: float | None) -> dict[str, Any]:
+        ttft = point.ttft_s
+        reused = [sum(v for k, v in s.cached.items() if k != "storage_from_decode")
+                  for s in point.samples]
+        where = _tier_of(point.samples[-1].cached)
+        refs = self.reference[tier]
+        checked = [s.first_token == refs[i] for i, s in enumerate(point.samples)
+                   if i < len(refs) and refs[i] is not None]
+        return {
+            "N": self.n, "tier": tier, "ttft_ms": ttft * 1e3,
+            "vs_device": ttft / device if device else "",
+            "vs_recompute": ttft / recompute if recompute else "",
+            "reused_tokens": min(reused), "hit_tier": where,
+            "exact": ("yes" if all(checked) else "NO") if checked else "",
+            "runs": len(point.samples),
+        }
+
+
+def _tier_of(cached: dict[str, int]) -> str:
+    tiers = [k for k in ("device", "host", "storage") if cached.get(k)]
+    return "+".join(tiers) or "none"
+
+
+def _copy_pages(source, dest, keys: list[bytes], page_bytes: int, batch: int = 64) -> None:
+    try:
+        buf = torch.zeros(min(batch, len(keys)), page_bytes, dtype=torch.uint8)
+        if hasattr(dest, "register_host_memory"):
+            dest.register_host_memory(buf)
+        for start in range(0, len(keys), batch):
+            chunk = keys[start : start + batch]
+            pages = list(buf[: len(chunk)])
+            if not all(source.get_into(chunk, pages)) or not all(dest.put_from(chunk, pages)):
+                raise RuntimeError("copying the prefix into the Mooncake Store failed")
+    finally:
+        source.close()
+
+
+# ---- storage bandwidth -----------------------------------------------------------------
+
+
+def bandwidth_rows(setup: Setup, tiers: list[str]) -> list[dict[str, Any]]:
+    """`pdcache bench storage`'s measurement with this model's page size and the largest N."""
+    from pdcache.bench import storage_bench as sb
+
+    page_bytes = setup.page_size * setup.model.config.kv_bytes_per_token
+    pages = setup.max_tokens // setup.page_size
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8, generator=gen)
+    dst = torch.zeros_like(src)
+    nbytes, repeat = src.numel(), max(3, setup.args.repeats)
+    base = setup.base / "bandwidth"
+    base.mkdir(parents=True, exist_ok=True)
+    plain = sb.PlainFile(base / "plain.bin", src, dst)
+    rows = []
+    try:
+        plain.write()
+        plain_s = sb._best(plain.read, repeat)
+        memcpy_s = sb._best(lambda: dst.copy_(src), repeat)
+        rows.append(sb._row("memcpy (torch copy_)", nbytes, {"read_s": memcpy_s}, plain_s))
+        rows.append(sb._row("plain file preadv", nbytes, {"read_s": plain_s}, plain_s))
+        for name in [t for t in ("hf3fs", "mooncake") if t in tiers]:
+            with sb._open_backend(name, base, page_bytes, pages, setup.args.io_threads) as be:
+                times = sb._run_backend(be, plain, src, dst, repeat)
+            rows.append(sb._row(f"storage {name}", nbytes, times, times["plain_read_s"]))
+    finally:
+        plain.close()
+    return rows
+
+
+# ---- the command -----------------------------------------------------------------------
+
+
+@contextmanager
+def _environment(args: argparse.Namespace, tiers: list[str]) -> Iterator[tuple[Path, Any]]:
+    with ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir,
+                                                              prefix="pdcache-cache-bench-"))
+        master = None
+        if "mooncake" in tiers:
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+            os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+            from pdcache.offload_manager.storage.mooncake_store import LocalMooncakeMaster
+
+            master = stack.enter_context(LocalMooncakeMaster())
+        yield Path(tmp), master
+
+
+def _parse_tokens(text: str, page_size: int) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    rounded = [max(page_size, v // page_size * page_size) for v in values]
+    return sorted(set(rounded))
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdcache.engine.loader import load_model
+
+    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    unknown = sorted(set(tiers) - set(TIERS))
+    if unknown:
+        raise SystemExit(f"unknown tiers {unknown}; known: {', '.join(TIERS)}")
+    sizes = _parse_tokens(args.tokens, args.page_size)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    rows: list[dict[str, Any]] = []
+    with _environment(args, tiers) as (base, master):
+        setup = Setup(model, tokenizer, args, base, max(sizes) + args.new_tokens + 64, master)
+        for n in sizes:
+            run_n = PrefixRun(setup, n, tiers)
+            run_n.measure()
+            rows.extend(run_n.rows())
+        bandwidth = [] if args.no_bandwidth else bandwidth_rows(setup, tiers)
+    extra = {
+        "preset": args.model, "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "page_size": args.page_size, "chunk": args.chunk, "threads": torch.get_num_threads(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "targets": "storage (hf3fs, mooncake) vs_device <= 1.3 and vs_recompute <= 0.1 at N>=4k",
+    }
+    emit("TTFT by the tier holding N cached tokens (+ new tokens), in-process", rows,
+         extra=extra)
+    if bandwidth:
+        emit("storage read GB/s beside memcpy and a plain file read (same bytes)", bandwidth)
+    if args.json_path:
+        payload = {"title": "pdcache bench cache", "rows": rows, "bandwidth": bandwidth, **extra}
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(payload, indent=2, default=str))
+        print(f"wrote {args.json_path}")
+    return 0

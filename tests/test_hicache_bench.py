@@ -1,0 +1,57 @@
+"""Smoke test of `pdcache bench cache` (tiny preset, tiny N): every tier row is there, reused
+exactly N tokens from the tier it names, produced the no-cache first tokens, and the JSON
+holds the same rows plus the bandwidth table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from pdcache.bench import cache_bench
+
+pytestmark = pytest.mark.slow
+
+
+def bench_args(tmp_path, tiers: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cache_bench.add_arguments(parser)
+    parser.add_argument("--json", dest="json_path", default=None)
+    return parser.parse_args([
+        "--preset", "tiny", "--tokens", "32,64", "--new-tokens", "8", "--repeats", "2",
+        "--page-size", "4", "--tiers", tiers, "--dir", str(tmp_path),
+        "--json", str(tmp_path / "out.json"),
+    ])
+
+
+def test_cache_bench_smoke(tmp_path, capsys) -> None:
+    tiers = ["recompute", "device", "host", "hf3fs"]
+    try:
+        import mooncake.store  # noqa: F401
+
+        tiers.append("mooncake")
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    except ImportError:
+        pass
+    assert cache_bench.run(bench_args(tmp_path, ",".join(tiers))) == 0
+    printed = capsys.readouterr().out
+    assert "TTFT by the tier" in printed and "storage read GB/s" in printed
+    report = json.loads((tmp_path / "out.json").read_text())
+    rows = {(r["N"], r["tier"]): r for r in report["rows"]}
+    assert set(rows) == {(n, t) for n in (32, 64) for t in tiers}
+    expected_tier = {"recompute": "none", "device": "device", "host": "host", "hf3fs": "storage",
+                     "mooncake": "storage"}
+    for (n, tier), row in rows.items():
+        assert row["hit_tier"] == expected_tier[tier], row
+        assert row["reused_tokens"] == (0 if tier == "recompute" else n), row
+        assert row["ttft_ms"] > 0 and row["vs_device"] > 0
+        if tier != "recompute":
+            assert row["exact"] == "yes", row
+    paths = [r["path"] for r in report["bandwidth"]]
+    assert paths[:2] == ["memcpy (torch copy_)", "plain file preadv"]
+    assert "storage hf3fs" in paths
+    assert all(r["read_GBps"] > 0 for r in report["bandwidth"])
+    assert not list(tmp_path.glob("pdcache-cache-bench-*"))  # the temp dir is removed
