@@ -82,6 +82,7 @@ class RouterConfig:
 
     nodes: tuple[NodeEndpoint, ...]
     model: str = "tiny"  # tokenizer + model config: a preset name or a checkpoint directory
+    model_seed: int = 0  # presets: the seed is part of the model's name
     served_model_name: str | None = None
     name: str = "router"
     page_size: int = 16  # page size of the nodes' caches (cache-aware routing keys)
@@ -135,7 +136,7 @@ class Router:
             raise ValueError("a PD deployment needs at least one prefill and one decode node")
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.model)
-        model = model_config or load_model_config(config.model)
+        model = model_config or load_model_config(config.model, seed=config.model_seed)
         self.model_name = config.served_model_name or model.name
         self.limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
         self.selector = PairSelector(config.prefill_policy, config.decode_policy)

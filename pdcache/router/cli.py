@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a unified node (repeatable)")
     parser.add_argument("--model", default=None,
                         help="tokenizer: preset (tiny, small) or HF model dir (default tiny)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the preset's weights (part of its model name; default 0)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--page-size", type=int, default=None,
                         help="the nodes' page size, for cache-aware routing (default 16)")
@@ -101,6 +103,7 @@ def build_config(args: argparse.Namespace) -> tuple[Any, str, int]:
     config = RouterConfig(
         nodes=tuple(nodes),
         model=_pick(args.model, model.ref if model else None, "tiny"),
+        model_seed=_pick(args.seed, model.seed if model else None, 0),
         served_model_name=_pick(args.served_model_name, model.served_name if model else None),
         name=spec.name,
         page_size=_pick(args.page_size, loaded[0].cache.page_size if loaded else None, 16),
