@@ -24,7 +24,10 @@ from pdcache.engine.page_keys import kv_fingerprint  # noqa: E402
 from pdcache.integrations import sglang as plugin  # noqa: E402
 from pdcache.offload_manager.host_pool import HostKVPool  # noqa: E402
 from pdcache.offload_manager.storage import create_backend  # noqa: E402
-from pdcache.offload_manager.storage.config import StorageConfig  # noqa: E402
+from pdcache.offload_manager.storage.config import (  # noqa: E402
+    StorageConfig,
+    storage_keys_from_spec,
+)
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 8, 4
 NUM_PAGES = 12
@@ -172,10 +175,15 @@ def test_topology_storage_table_maps_to_storage_config():
 
     root = Path(__file__).resolve().parents[1]
     spec = load_topology(root / "configs" / "local-1p1d.toml").storage
-    table = plugin.storage_table_from_topology(spec)
+    table = storage_keys_from_spec(spec)
     config = StorageConfig.from_mapping({**table, "page_bytes": 4096})
     assert (config.backend, config.metadata, config.capacity_bytes) == (
         spec.backend, spec.metadata, spec.capacity)
+    assert not any(k.startswith("mooncake_") for k in table)  # hf3fs: no mooncake keys
+    store = load_topology(root / "configs" / "local-mooncake-store.toml").storage
+    mooncake = storage_keys_from_spec(store)
+    assert (mooncake["mooncake_master"], mooncake["mooncake_metadata"]) == (
+        store.mooncake.master, store.mooncake.metadata_server)
 
 
 # ---------------------------------------------------------------------------- round trips

@@ -3,6 +3,11 @@
 `h_0 = SHA256(salt || tokens_0)`, `h_i = SHA256(h_{i-1} || tokens_i)`, tokens as little-endian
 uint32. Only full pages get keys. The salt binds a key to the KV fingerprint (model, dtype,
 page size, layout, TP shard) and to the tenant namespace, so foreign pages never match.
+
+The "sglang" key scheme (bottom of this module) names the same pages the way SGLang's HiCache
+does, salted the same way, so pdcache nodes and SGLang nodes running the pdcache storage
+plugin (`pdcache.integrations.sglang`) share pages. It needs only hashlib and numpy, so a
+node uses it without importing the integration.
 """
 
 from __future__ import annotations
@@ -68,3 +73,69 @@ def chain_page_keys(
 
 def key_hex(key: bytes) -> str:
     return key.hex()
+
+
+# --------------------------------------------------------------------------- sglang scheme
+
+_SGLANG_SEED_TAG = b"sglang-cache-namespace-v1"
+
+
+def sglang_namespace_seed(cache_salt: str | None = None, extra_key: str | None = None) -> bytes:
+    """SGLang's storage chain seed for a request namespace; b"" when it has none.
+
+    Mirrors `sglang.srt.mem_cache.utils.storage_namespace_seed` (0.5.23): SHA-256 over a tag
+    and, for (extra_key, cache_salt), a presence byte plus length-prefixed UTF-8.
+    """
+    if extra_key is None and cache_salt is None:
+        return b""
+    digest = hashlib.sha256(_SGLANG_SEED_TAG)
+    for part in (extra_key, cache_salt):
+        if part is None:
+            digest.update(b"\x00")
+            continue
+        encoded = part.encode("utf-8")
+        digest.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    return digest.digest()
+
+
+def sglang_chain_hashes(
+    token_ids: Sequence[int] | np.ndarray,
+    page_size: int,
+    cache_salt: str | None = None,
+    extra_key: str | None = None,
+    prior_hash: str | None = None,
+) -> list[str]:
+    """SGLang's storage page hashes (hex) of every full page of `token_ids`.
+
+    `prior_hash` continues a chain after that page (a decode node extending the prompt).
+    """
+    if prior_hash is not None:
+        return [k.hex() for k in chain_page_keys(token_ids, page_size, bytes.fromhex(prior_hash))]
+    seed = sglang_namespace_seed(cache_salt, extra_key)
+    return [k.hex() for k in chain_page_keys(token_ids, page_size, seed)]
+
+
+def derive_storage_key(salt: bytes, sglang_hash: str, piece: int | None = None) -> bytes:
+    """The pdcache storage key of one SGLang page hash under `salt`. Raises ValueError.
+
+    `piece` names one contiguous run of the page in the plugin's "split" payload (0 = K, 1 = V).
+    """
+    raw = bytes.fromhex(sglang_hash)
+    if len(raw) != KEY_BYTES:
+        raise ValueError(f"SGLang page hashes are 32 bytes of hex, got {sglang_hash!r}")
+    suffix = b"" if piece is None else bytes([piece])
+    return hashlib.sha256(salt + raw + suffix).digest()
+
+
+def sglang_compatible_page_keys(
+    token_ids: Sequence[int] | np.ndarray,
+    page_size: int,
+    fingerprint: str,
+    namespace: str = "",
+    cache_salt: str | None = None,
+    prior_hash: str | None = None,
+) -> list[bytes]:
+    """Storage keys a pdcache node uses to share pages with SGLang nodes running the plugin."""
+    salt = make_salt(fingerprint, namespace)
+    hashes = sglang_chain_hashes(token_ids, page_size, cache_salt, prior_hash=prior_hash)
+    return [derive_storage_key(salt, h) for h in hashes]

@@ -42,7 +42,6 @@ prefetch thread dies on either): every failure is a per-key False, logged and co
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import threading
@@ -56,7 +55,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdcache.engine.page_keys import chain_page_keys, kv_fingerprint, make_salt
+from pdcache.engine.page_keys import derive_storage_key, kv_fingerprint, make_salt
+from pdcache.engine.page_keys import (  # the "sglang" key scheme, re-exported for plugin users
+    sglang_chain_hashes as sglang_chain_hashes,
+)
+from pdcache.engine.page_keys import (
+    sglang_compatible_page_keys as sglang_compatible_page_keys,
+)
+from pdcache.engine.page_keys import sglang_namespace_seed as sglang_namespace_seed
+from pdcache.offload_manager.storage.config import storage_keys_from_spec
 from pdcache.utils.registry import MissingDependencyError
 
 try:
@@ -71,7 +78,6 @@ MODULE_PATH = "pdcache.integrations.sglang"
 PAYLOAD_LAYOUT = "page_first"  # pdcache's host page layout, the layout named in fingerprints
 PAYLOADS = ("pdcache", "split")
 CHUNK_BYTES = 8 << 20  # default pages per pipelined chunk: about this many bytes
-_SGLANG_SEED_TAG = b"sglang-cache-namespace-v1"
 
 # Settings that must be equal on a pdcache node and an SGLang node for them to share pages.
 INTEROP = (
@@ -89,67 +95,6 @@ INTEROP = (
 
 
 # --------------------------------------------------------------------------- keys
-
-
-def sglang_namespace_seed(cache_salt: str | None = None, extra_key: str | None = None) -> bytes:
-    """SGLang's storage chain seed for a request namespace; b"" when it has none.
-
-    Mirrors `sglang.srt.mem_cache.utils.storage_namespace_seed` (0.5.23): SHA-256 over a tag
-    and, for (extra_key, cache_salt), a presence byte plus length-prefixed UTF-8.
-    """
-    if extra_key is None and cache_salt is None:
-        return b""
-    digest = hashlib.sha256(_SGLANG_SEED_TAG)
-    for part in (extra_key, cache_salt):
-        if part is None:
-            digest.update(b"\x00")
-            continue
-        encoded = part.encode("utf-8")
-        digest.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
-    return digest.digest()
-
-
-def sglang_chain_hashes(
-    token_ids: Sequence[int] | np.ndarray,
-    page_size: int,
-    cache_salt: str | None = None,
-    extra_key: str | None = None,
-    prior_hash: str | None = None,
-) -> list[str]:
-    """SGLang's storage page hashes (hex) of every full page of `token_ids`.
-
-    `prior_hash` continues a chain after that page (a decode node extending the prompt).
-    """
-    if prior_hash is not None:
-        return [k.hex() for k in chain_page_keys(token_ids, page_size, bytes.fromhex(prior_hash))]
-    seed = sglang_namespace_seed(cache_salt, extra_key)
-    return [k.hex() for k in chain_page_keys(token_ids, page_size, seed)]
-
-
-def derive_storage_key(salt: bytes, sglang_hash: str, piece: int | None = None) -> bytes:
-    """The pdcache storage key of one SGLang page hash under `salt`. Raises ValueError.
-
-    `piece` names one contiguous run of the page in the "split" payload (0 = K, 1 = V).
-    """
-    raw = bytes.fromhex(sglang_hash)
-    if len(raw) != 32:
-        raise ValueError(f"SGLang page hashes are 32 bytes of hex, got {sglang_hash!r}")
-    suffix = b"" if piece is None else bytes([piece])
-    return hashlib.sha256(salt + raw + suffix).digest()
-
-
-def sglang_compatible_page_keys(
-    token_ids: Sequence[int] | np.ndarray,
-    page_size: int,
-    fingerprint: str,
-    namespace: str = "",
-    cache_salt: str | None = None,
-    prior_hash: str | None = None,
-) -> list[bytes]:
-    """Storage keys a pdcache node uses to share pages with SGLang nodes running this plugin."""
-    salt = make_salt(fingerprint, namespace)
-    hashes = sglang_chain_hashes(token_ids, page_size, cache_salt, prior_hash=prior_hash)
-    return [derive_storage_key(salt, h) for h in hashes]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -326,34 +271,13 @@ class PluginSettings:
 _TOPOLOGY_ONLY = {"metadata_service", "start_master", "metrics_port"}
 
 
-def storage_table_from_topology(spec: Any) -> dict[str, Any]:
-    """StorageConfig keys for a topology's `[storage]` (pdcache.launch.topology.StorageSpec)."""
-    if spec.backend == "none":
-        raise ValueError("the pdcache topology has storage.backend = 'none'")
-    mooncake = spec.mooncake
-    return {
-        "backend": spec.backend,
-        "path": spec.path,
-        "capacity_bytes": spec.capacity,
-        "io_engine": spec.io_engine,
-        "metadata": spec.metadata,
-        "namespace": spec.namespace,
-        "mooncake_master": mooncake.master,
-        "mooncake_metadata": mooncake.metadata_server,
-        "mooncake_protocol": mooncake.protocol,
-        "mooncake_device": ",".join(mooncake.devices),
-        "mooncake_segment_bytes": mooncake.global_segment_size,
-        "mooncake_local_buffer_bytes": mooncake.local_buffer_size,
-    }
-
-
 def load_storage_table(path: str | Path) -> dict[str, Any]:
     """StorageConfig keys from a pdcache topology TOML or a TOML of StorageConfig keys."""
     data = tomllib.loads(Path(path).read_text())
     if "node" in data or "model" in data:
         from pdcache.launch.topology import load_topology
 
-        return storage_table_from_topology(load_topology(path).storage)
+        return storage_keys_from_spec(load_topology(path).storage)
     table = data.get("storage", data)
     if _TOPOLOGY_ONLY & set(table):
         raise ValueError(f"{path}: [storage] has topology keys but the file has no [model]/"

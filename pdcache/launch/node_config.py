@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any
 
 from pdcache.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdcache.launch.topology import NodeSpec, StorageSpec, Topology, TransferSpec, parse_size
@@ -22,7 +21,7 @@ from pdcache.offload_manager.builder import (
 )
 from pdcache.offload_manager.hicache import HiCacheConfig
 from pdcache.offload_manager.host_pool import host_pages_for
-from pdcache.offload_manager.storage.config import StorageConfig
+from pdcache.offload_manager.storage.config import StorageConfig, storage_keys_from_spec
 from pdcache.transfer.config import TransferConfig
 
 
@@ -47,19 +46,7 @@ def storage_from_spec(spec: StorageSpec, model: ModelConfig, page_size: int,
                       fingerprint: str) -> StorageConfig | None:
     if not spec.enabled:
         return None
-    settings: dict[str, Any] = {
-        "backend": spec.backend, "path": spec.path, "capacity_bytes": spec.capacity,
-        "io_engine": spec.io_engine, "metadata": spec.metadata, "namespace": spec.namespace,
-    }
-    if spec.backend == "mooncake":
-        mc = spec.mooncake
-        settings.update(
-            mooncake_master=mc.master, mooncake_metadata=mc.metadata_server,
-            mooncake_protocol=mc.protocol, mooncake_device=",".join(mc.devices),
-            mooncake_segment_bytes=mc.global_segment_size,
-            mooncake_local_buffer_bytes=mc.local_buffer_size,
-        )
-    return storage_config_for(model, page_size, fingerprint, **settings)
+    return storage_config_for(model, page_size, fingerprint, **storage_keys_from_spec(spec))
 
 
 def transfer_from_spec(spec: TransferSpec, node: NodeSpec) -> TransferConfig:

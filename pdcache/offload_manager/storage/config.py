@@ -6,9 +6,10 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdcache.offload_manager.storage.page_format import HEADER_BYTES, PageSpec
+if TYPE_CHECKING:  # page_format needs torch; this module stays light (renderer, plugin config)
+    from pdcache.offload_manager.storage.page_format import PageSpec
 
 try:
     import tomllib
@@ -18,6 +19,32 @@ except ModuleNotFoundError:  # Python 3.10
 BACKENDS = ("hf3fs", "mooncake", "file")
 IO_ENGINES = ("posix", "usrbio")
 SLOT_ALIGN = 4096
+
+
+def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
+    """StorageConfig keys (all but the page geometry) for a topology's `[storage]` table.
+
+    `spec` is a `pdcache.launch.topology.StorageSpec` or anything with its attributes (backend,
+    path, capacity, io_engine, metadata, namespace, mooncake.*). The one mapping used by pdcache
+    nodes (`pdcache.launch.node_config`), the SGLang plugin and the SGLang renderer, so both
+    engines open the same storage. Mooncake keys appear only for the mooncake backend.
+    """
+    if spec.backend not in BACKENDS:
+        raise ValueError(f"storage.backend = {spec.backend!r}: no storage to configure "
+                         f"(one of {BACKENDS} is needed)")
+    keys: dict[str, Any] = {
+        "backend": spec.backend, "path": spec.path, "capacity_bytes": spec.capacity,
+        "io_engine": spec.io_engine, "metadata": spec.metadata, "namespace": spec.namespace,
+    }
+    if spec.backend == "mooncake":
+        mooncake = spec.mooncake
+        keys.update(
+            mooncake_master=mooncake.master, mooncake_metadata=mooncake.metadata_server,
+            mooncake_protocol=mooncake.protocol, mooncake_device=",".join(mooncake.devices),
+            mooncake_segment_bytes=mooncake.global_segment_size,
+            mooncake_local_buffer_bytes=mooncake.local_buffer_size,
+        )
+    return keys
 
 
 def _align_up(value: int, align: int) -> int:
@@ -88,6 +115,8 @@ class StorageConfig:
     @property
     def slot_bytes(self) -> int:
         """Bytes of one hf3fs slot: header + payload, rounded up to 4 KiB."""
+        from pdcache.offload_manager.storage.page_format import HEADER_BYTES
+
         return _align_up(HEADER_BYTES + self.page_bytes, SLOT_ALIGN)
 
     @property
@@ -97,6 +126,8 @@ class StorageConfig:
         return self.capacity_bytes // self.slot_bytes
 
     def page_spec(self) -> PageSpec:
+        from pdcache.offload_manager.storage.page_format import PageSpec
+
         return PageSpec(
             fingerprint=self.fingerprint,
             payload_bytes=self.page_bytes,
