@@ -125,9 +125,9 @@ def test_pd_chat_completion_and_concurrency(stack: PDStack) -> None:
                     "sampling_params": {"max_new_tokens": 5, **GREEDY}, "stream": i % 2 == 0}
             return client.post("/generate", json=body).status_code
 
-        with ThreadPoolExecutor(16) as pool:
-            codes = list(pool.map(one, range(16)))
-        assert codes == [200] * 16
+        with ThreadPoolExecutor(32) as pool:
+            codes = list(pool.map(one, range(32)))
+        assert codes == [200] * 32
         router = client.app.state.router  # type: ignore[attr-defined]
         assert [n.in_flight for n in router.registry.nodes] == [0, 0]
     wait_idle(stack.decode_server.engine)
@@ -238,3 +238,34 @@ def test_failing_prefill_answer_is_the_clients_error(stack: PDStack) -> None:
     finally:
         fake_p.stop()
     wait_idle(stack.decode_server.engine)
+
+
+def test_cache_aware_keeps_a_conversation_on_its_prefill_node(
+        stack: PDStack, tmp_path: Any, tiny: Any, reference: Engine) -> None:
+    """2P1D: the second prefill node is another stack's P (any P can push to any D)."""
+    other = start_pd(tmp_path, tiny)
+    nodes = (NodeEndpoint("p0", "prefill", stack.prefill.url, stack.bootstrap),
+             NodeEndpoint("p1", "prefill", other.prefill.url, other.bootstrap),
+             NodeEndpoint("d0", "decode", stack.decode.url))
+    config = RouterConfig(nodes=nodes, page_size=PAGE, request_timeout_s=60,
+                          health_interval_s=30, prefill_policy="cache_aware")
+    try:
+        with RouterUnderTest(create_app(config)) as client:
+            router = client.app.state.router  # type: ignore[attr-defined]
+            first = [(17 * i + 4) % 250 for i in range(41)]
+            router.registry.nodes[0].in_flight = 3  # p0 busy: turn 1 goes to p1
+            try:
+                turn1 = generate(client, first, 6, session_id="ca")
+            finally:
+                router.registry.nodes[0].in_flight = 0
+            assert turn1["meta"]["prefill_node"] == "p1"
+            turn2 = generate(client, [7, 7, 7, 7, 7], 6, session_id="ca")
+            assert turn2["meta"]["prefill_node"] == "p1"  # load tie: the prefix decides
+            assert turn2["meta"]["cached_tokens"] >= len(first) // PAGE * PAGE - PAGE
+            full = first + turn1["output_ids"] + [7, 7, 7, 7, 7]
+            assert turn2["output_ids"] == unified_tokens(reference, full, 6)
+            fresh = generate(client, [(3 * i) % 250 for i in range(41)], 2)
+            assert fresh["meta"]["prefill_node"] == "p0"
+    finally:
+        other.close()
+    stack.decode_server.engine.check_accounting()
