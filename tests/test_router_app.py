@@ -98,6 +98,8 @@ def test_cache_aware_sends_the_next_turn_to_the_node_that_served_the_first(
             router.registry.nodes[0].in_flight = 0
         assert turn1["meta"]["prefill_node"] == "u1"
         history = first + turn1["output_ids"]
+        known = router.selector.index.match_len("u1", router.page_keys(history, None))
+        assert known == len(history) // PAGE  # the answer's pages are indexed too
         turn2 = generate(client, history + prompt(9, seed=12), 4)
         assert turn2["meta"]["prefill_node"] == "u1"  # a tie on load, but u1 holds the prefix
         assert turn2["meta"]["cached_tokens"] >= page_floor(len(history)) - PAGE > 0

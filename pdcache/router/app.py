@@ -108,6 +108,7 @@ class Prepared:
     cache_salt: str | None
     session_id: str | None
     arrival: float = field(default_factory=time.monotonic)
+    page_keys: list[bytes] | None = None  # the prompt's, computed once (cache-aware routing)
 
 
 @dataclass
@@ -172,8 +173,9 @@ class Router:
 
     def pick(self, prep: Prepared) -> Route:
         nodes = self.registry.nodes
-        keys = (self.page_keys(prep.input_ids, prep.cache_salt)
-                if self.selector.prefill_policy == "cache_aware" else [])
+        if self.selector.prefill_policy == "cache_aware" and prep.page_keys is None:
+            prep.page_keys = self.page_keys(prep.input_ids, prep.cache_salt)
+        keys = prep.page_keys or []
         try:
             if not self.registry.is_pd:
                 route = Route(unified=self.selector.pick_prefill(nodes, keys, role="unified"))
@@ -208,17 +210,16 @@ class Router:
         raise AssertionError("unreachable")
 
     async def send_json(self, prep: Prepared, deadline: Deadline) -> tuple[dict[str, Any], Route]:
-        body = self.node_body(prep)
-        return await self._routed(prep, lambda route: self.proxy.generate(route, body, deadline))
+        # a fresh body (rid) per attempt: a node that got an abandoned try may still hold its rid
+        return await self._routed(
+            prep, lambda route: self.proxy.generate(route, self.node_body(prep), deadline))
 
     async def send_stream(self, prep: Prepared, deadline: Deadline
                           ) -> tuple[UpstreamStream, dict[str, Any] | None, Route]:
         """Open the upstream stream and wait for its first event, so failures before the
         first token are still proper HTTP errors."""
-        body = self.node_body(prep)
-
         async def attempt(route: Route) -> tuple[UpstreamStream, dict[str, Any] | None]:
-            stream = await self.proxy.stream(route, body, deadline)
+            stream = await self.proxy.stream(route, self.node_body(prep), deadline)
             try:
                 first = await stream.next()
             except BaseException:
@@ -235,11 +236,20 @@ class Router:
         self.metrics.observe_meta(turn.meta, len(turn.output_ids))
         if turn.finish_reason not in FINISHED_OK:
             return
-        full = prep.input_ids + turn.output_ids
         if prep.session_id:
             self.sessions.commit(prep.session_id, prep.input_ids, turn.output_ids)
-        self.selector.index.record(turn.route.first_node.name,
-                                   self.page_keys(full, prep.cache_salt))
+        if prep.page_keys is not None:
+            self.selector.index.record(turn.route.first_node.name, self._answer_keys(prep, turn))
+
+    def _answer_keys(self, prep: Prepared, turn: Turn) -> list[bytes]:
+        """Keys of the pages prompt + answer fill beyond the prompt's full pages (the chain
+        continues from the prompt's last key: no rehash of the prompt)."""
+        keys = prep.page_keys or []
+        start = len(keys) * self.config.page_size
+        rest = (prep.input_ids + turn.output_ids)[start:]
+        if not keys:
+            return self.page_keys(rest, prep.cache_salt)
+        return chain_page_keys(rest, self.config.page_size, b"", prev_key=keys[-1])
 
     # ---- prompts
 
