@@ -10,7 +10,9 @@ holds the N tokens, in one run, in-process (engines, no HTTP, so only the cache 
   holds the prefix's pages.
 
 `exact`: the device hits' first tokens equal a no-prefix-cache run's; the other tiers' equal a
-device hit's of the same prompts. Each point is the median of `--repeats` runs. A second table gives storage read
+device hit's of the same prompts. Each point is the median of `--repeats` runs; `lookup_ms` (keys + exists_prefix), `read_ms`
+(storage reads), `wait_ms` (prefetch start to admission) and `h2d_ms` (host → device copies)
+say where a lower tier's time goes. A second table gives storage read
 GB/s beside a plain memcpy and a plain file read of the same bytes (`pdcache bench storage`'s
 method, pages of this model's size). Targets (issue 3): storage hit ≤ 1.3× the device hit and
 ≤ 0.1× recompute at N ≥ 4k.
@@ -69,6 +71,15 @@ class Sample:
     ttft_s: float
     first_token: int
     cached: dict[str, int]
+    breakdown_ms: dict[str, float] = field(default_factory=dict)
+
+
+BREAKDOWN = {  # column -> HiCacheStats counter (microseconds)
+    "lookup_ms": "prefetch_lookup_us",
+    "read_ms": "prefetch_read_us",
+    "wait_ms": "prefetch_wait_us",
+    "h2d_ms": "load_copy_us",
+}
 
 
 @dataclass
@@ -123,15 +134,19 @@ class Setup:
                                   capacity_pages=capacity, io_threads=self.args.io_threads,
                                   **settings)
 
-    def tiered(self, storage):
+    def tiered(self, storage, write_policy: str = "write_through"):
+        """A started engine with host and storage tiers. Its pools are touched once (as in a
+        server that has been up a while), so no run pays first-touch page faults."""
         from pdcache.offload_manager.builder import TierConfig, build_tiered_engine
         from pdcache.offload_manager.hicache import HiCacheConfig
 
-        hicache = HiCacheConfig(prefetch_policy="wait_complete",
+        hicache = HiCacheConfig(write_policy=write_policy, prefetch_policy="wait_complete",
                                 io_batch_pages=self.args.io_batch_pages)
         host_pages = 2 * (self.max_tokens // self.page_size) + 256
         built = build_tiered_engine(self.engine_config(), self.model, self.tokenizer,
                                     TierConfig(host_pages, hicache, storage))
+        built.hicache.host_pool.host_kv.zero_()
+        built.hicache.device_kv.zero_()
         built.engine.start()
         _warm_up(built.engine)
         return built
@@ -196,38 +211,42 @@ class PrefixRun:
         return self.prefix + self.suffixes[tier][i]
 
     def measure(self) -> None:
+        """Tiers interleaved round by round (device, host, hf3fs, mooncake, then again), so
+        a change of machine load hits them alike."""
         hf3fs = self.setup.storage("hf3fs", self.n, path=str(self.dir / "hf3fs"))
-        seeded = self.setup.tiered(hf3fs)
-        try:
-            self._seed_device_and_host(seeded)
+        with ExitStack() as stack:
+            seeded = self.setup.tiered(hf3fs)
+            stack.callback(seeded.close)
+            self._seed(seeded)
+            readers = {"hf3fs": hf3fs} if "hf3fs" in self.tiers else {}
             if "mooncake" in self.tiers and self.setup.master is not None:
-                self._mooncake(hf3fs)
-            if "hf3fs" in self.tiers:
-                self._fresh_engines("hf3fs", hf3fs)
+                readers["mooncake"] = self._mooncake(hf3fs, stack)
+            for i in range(self.setup.args.repeats):
+                if "device" in self.tiers:
+                    self._sample(seeded, "device", i)  # on device: seeded, or restored
+                if "host" in self.tiers:
+                    seeded.engine.flush_cache()  # device pages demoted to their host copies
+                    self._sample(seeded, "host", i)
+                for tier, storage in readers.items():
+                    self._fresh_engine(tier, storage, i)
             self._device_references(seeded)
-        finally:
-            seeded.close()
         self._recompute()
 
     def _sample(self, built, tier: str, i: int) -> None:
         """One timed request, with no storage I/O of earlier requests still running."""
         if not built.hicache.wait_idle(600):
             raise RuntimeError("storage I/O did not finish")
-        self.points[tier].samples.append(_ttft(built.engine, self.prompt(tier, i)))
+        before = dict(vars(built.hicache.stats))
+        sample = _ttft(built.engine, self.prompt(tier, i))
+        after = dict(vars(built.hicache.stats))
+        sample.breakdown_ms = {col: (after[key] - before[key]) / 1e3
+                               for col, key in BREAKDOWN.items()}
+        self.points[tier].samples.append(sample)
 
-    def _seed_device_and_host(self, built) -> None:
-        """The cold request seeds every tier (and is a recompute sample); then device hits,
-        then host hits (each after demoting the device copy)."""
-        built.hicache.wait_idle(60)
+    def _seed(self, built) -> None:
+        """The cold request seeds every tier (and is a recompute sample)."""
         self.points["recompute"].samples.append(
             _ttft(built.engine, self.prefix + self.seed_suffix))
-        for i in range(self.setup.args.repeats):
-            if "device" in self.tiers:
-                self._sample(built, "device", i)
-        for i in range(self.setup.args.repeats):
-            if "host" in self.tiers:
-                built.engine.flush_cache()  # device pages demoted to their host copies
-                self._sample(built, "host", i)
         if not built.hicache.wait_idle(600):
             raise RuntimeError("storage writes did not finish")
 
@@ -255,32 +274,29 @@ class PrefixRun:
                 self.reference["device"][i] = sample.first_token
                 self.points["recompute"].samples.append(sample)
 
-    def _fresh_engines(self, tier: str, storage: Any) -> None:
-        """Each run on a new engine (empty device and host tiers) over the same storage."""
-        for i in range(self.setup.args.repeats):
-            built = self.setup.tiered(storage)
-            try:
-                self._sample(built, tier, i)
-                built.hicache.wait_idle(60)
-            finally:
-                built.close()
+    def _fresh_engine(self, tier: str, storage: Any, i: int) -> None:
+        """A run on a new engine (empty device and host tiers) over the same storage. It only
+        reads (write_back never writes before an eviction): the seeding engine's in-process
+        hf3fs index stays the only writer of those files."""
+        built = self.setup.tiered(storage, write_policy="write_back")
+        try:
+            self._sample(built, tier, i)
+        finally:
+            built.close()
 
-    def _mooncake(self, hf3fs) -> None:
+    def _mooncake(self, hf3fs, stack: ExitStack):
         """Copy the prefix's pages from hf3fs into the store through a client that stays up
-        (its segment holds them), then read them from fresh engines."""
+        (its segment holds them); returns the readers' config."""
         from pdcache.offload_manager.storage import create_backend
 
         pages = self.n // self.setup.page_size
-        segment = max(64 * MB, int(2.5 * pages * (hf3fs.page_bytes + 4096)))
+        segment = max(64 * MB, int(1.5 * pages * (hf3fs.page_bytes + 4096)))
         cfg = hf3fs.replace(backend="mooncake", namespace=f"n{self.n}",
                             **self.setup.mooncake_settings(segment))
         holder = create_backend(cfg)
-        try:
-            _copy_pages(create_backend(hf3fs), holder, self._prefix_keys(hf3fs), hf3fs.page_bytes)
-            reader_cfg = cfg.replace(mooncake_segment_bytes=max(64 * MB, segment // 2))
-            self._fresh_engines("mooncake", reader_cfg)
-        finally:
-            holder.close()
+        stack.callback(holder.close)
+        _copy_pages(create_backend(hf3fs), holder, self._prefix_keys(hf3fs), hf3fs.page_bytes)
+        return cfg.replace(mooncake_segment_bytes=64 * MB)
 
     def _prefix_keys(self, storage) -> list[bytes]:
         from pdcache.engine.page_keys import chain_page_keys, make_salt
@@ -314,6 +330,8 @@ class PrefixRun:
             "reused_tokens": min(reused), "hit_tier": where,
             "exact": ("yes" if all(checked) else "NO") if checked else "",
             "runs": len(point.samples),
+            **{col: statistics.median(s.breakdown_ms.get(col, 0.0) for s in point.samples)
+               for col in BREAKDOWN},
         }
 
 

@@ -75,6 +75,11 @@ class HiCacheStats:
     prefetch_abandoned_pages: int = 0
     load_pages: int = 0
     storage_errors: int = 0
+    # where a storage hit's time goes (microseconds, summed over requests)
+    prefetch_lookup_us: int = 0  # key hashing + exists_prefix, on the engine thread
+    prefetch_read_us: int = 0  # storage reads, on the prefetch worker
+    prefetch_wait_us: int = 0  # prefetch start → taken at admission
+    load_copy_us: int = 0  # host → device copies, inside the forward
 
 
 @dataclass
@@ -97,6 +102,7 @@ class PrefetchOp:
     batches: list[_Batch]
     deadline: float
     reason: str = ""
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def complete(self) -> bool:
@@ -131,7 +137,8 @@ class LayerLoad:
     pinned until the last layer is in."""
 
     def __init__(self, host_pool: HostKVPool, device_kv: torch.Tensor, host_page_ids: list[int],
-                 device_page_ids: list[int], on_done: Callable[[], None] | None = None) -> None:
+                 device_page_ids: list[int], on_done: Callable[[], None] | None = None,
+                 on_copied: Callable[[float], None] | None = None) -> None:
         self.host_pool = host_pool
         self.device_kv = device_kv
         self.host_ids = torch.tensor(host_page_ids, dtype=torch.long)
@@ -140,12 +147,16 @@ class LayerLoad:
         self.num_layers = device_kv.shape[0]
         self._next_layer = 0
         self._on_done = on_done
+        self._on_copied = on_copied
+        self.copy_s = 0.0
         host_pool.pin(host_page_ids)
 
     def wait(self, layer: int) -> None:
         while self._next_layer <= layer:
+            start = time.perf_counter()
             kernels.host_to_device(self.host_pool.host_kv, self.device_kv, self.host_ids,
                                    self.device_ids, layer=self._next_layer)
+            self.copy_s += time.perf_counter() - start
             self._next_layer += 1
             if self._next_layer == self.num_layers:
                 self._finish()
@@ -160,6 +171,8 @@ class LayerLoad:
 
     def _finish(self) -> None:
         self.host_pool.unpin(self.host_page_ids)
+        if self._on_copied is not None:
+            self._on_copied(self.copy_s)
         if self._on_done is not None:
             self._on_done()
 
@@ -213,8 +226,12 @@ class HiCache:
             if pref_ids:
                 self.host_pool.free(pref_ids)
 
+        def copied(seconds: float) -> None:
+            self._count(load_copy_us=int(seconds * 1e6))
+
         return node, self.layer_load_cls(self.host_pool, self.device_kv, all_host,
-                                         device_page_ids[: len(all_host)], release_prefetched)
+                                         device_page_ids[: len(all_host)], release_prefetched,
+                                         copied)
 
     # ---- prefetch ----------------------------------------------------------------------
     def start_prefetch(self, rid: str, token_ids: Sequence[int], salt: str, first_page: int,
@@ -223,6 +240,7 @@ class HiCache:
         the consecutive hits into host pages; returns the number of pages being read."""
         if self._reader is None or max_pages - first_page < self.config.prefetch_min_pages:
             return 0
+        start = time.perf_counter()
         keys = self.page_keys(token_ids[: max_pages * self.page_size], salt)[first_page:]
         try:
             hits = self.storage.exists_prefix(keys)
@@ -230,6 +248,8 @@ class HiCache:
             log.warning("prefetch of %s: storage lookup failed: %s", rid, exc)
             self._count(storage_errors=1)
             return 0
+        finally:
+            self._count(prefetch_lookup_us=int((time.perf_counter() - start) * 1e6))
         if hits < self.config.prefetch_min_pages:
             return 0
         host_ids = self._alloc_host(hits)
@@ -263,6 +283,7 @@ class HiCache:
             self._abandon(op, pages)
         self.host_pool.commit(op.host_page_ids[:pages])
         with self._stats_lock:
+            self.stats.prefetch_wait_us += int((time.monotonic() - op.started) * 1e6)
             self.stats.prefetch_pages += pages
             self.stats.prefetch_bytes += pages * self.host_pool.page_nbytes
         return PrefetchResult(op.host_page_ids[:pages], origins.count("decode"), origins)
@@ -461,7 +482,8 @@ class HiCache:
         def done(result: IoResult) -> None:
             batch.ok, batch.origins = result.ok, result.origins
             self._count(prefetch_failed_pages=len(result.ok) - sum(result.ok),
-                        storage_errors=1 if result.error else 0)
+                        storage_errors=1 if result.error else 0,
+                        prefetch_read_us=int(result.seconds * 1e6))
             batch.done.set()
 
         return done
