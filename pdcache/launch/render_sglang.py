@@ -1,27 +1,32 @@
-"""Render a topology as the equivalent SGLang deployment: a bash script plus its JSON files.
+"""Render a topology as the equivalent SGLang deployment: one bash script.
+
+The SGLang servers keep their KV pages in pdcache's storage through the pdcache HiCache plugin
+(`pdcache.integrations.sglang`, loaded by `--hicache-storage-backend dynamic`), configured from
+the topology's `[storage]` table with the same mapping pdcache nodes use
+(`storage_keys_from_spec`), so SGLang and pdcache nodes open the same storage. No storage JSON
+files and no SGLANG_HICACHE_* variables are needed: the plugin runs pdcache's own hf3fs, file
+and Mooncake Store clients; the shared metadata service is `pdcache metadata-server`.
 
 Every flag below is one SGLang really has; where they were checked:
 - server flags: sgl-project/sglang `python/sglang/srt/server_args.py` (`--model-path`, `--host`,
   `--port`, `--dtype`, `--random-seed`, `--page-size`, `--max-total-tokens`, `--api-key`,
   `--enable-cache-report`, `--enable-metrics`, `--enable-hierarchical-cache`, `--hicache-ratio`,
   `--hicache-size` (GB), `--hicache-write-policy`, `--hicache-mem-layout`,
-  `--hicache-storage-backend`, `--hicache-storage-prefetch-policy`,
-  `--hicache-storage-backend-extra-config`, `--disaggregation-mode`,
-  `--disaggregation-transfer-backend`, `--disaggregation-bootstrap-port`,
-  `--disaggregation-ib-device`, `--disaggregation-decode-enable-offload-kvcache`), and
-  `/work/shared/reference/sglang-hicache-pd-notes.md` §1.3, §1.8, §1.9, §2.7, §3.
+  `--hicache-storage-backend` (choices include `dynamic`), `--hicache-storage-prefetch-policy`,
+  `--hicache-storage-backend-extra-config` (inline JSON; decode offload parses it too),
+  `--disaggregation-mode`, `--disaggregation-transfer-backend`,
+  `--disaggregation-bootstrap-port`, `--disaggregation-ib-device`,
+  `--disaggregation-decode-enable-offload-kvcache` (needs `--hicache-storage-backend`)), and
+  `/work/shared/reference/sglang-hicache-pd-notes.md` §1.3, §1.7, §2.7, §3.
+- dynamic backend keys (`StorageBackendFactory._create_dynamic_backend`): backend_name,
+  module_path, class_name, interface_v1; the rest of the object is the plugin's
+  (`PluginSettings.from_extra_config`) and HiCache's prefetch keys (notes §1.3).
 - router flags: `sgl-router/py_src/sglang_router/router_args.py` (`--pd-disaggregation`,
   `--prefill URL BOOTSTRAP_PORT`, `--decode URL`, `--worker-urls`, `--policy`,
   `--prefill-policy`, `--decode-policy` with choices random|round_robin|cache_aware|power_of_two,
   `--api-key`, `--request-timeout-secs`, `--host`, `--port`).
-- 3FS JSON (`SGLANG_HICACHE_HF3FS_CONFIG_PATH`): file_path_prefix, file_size, numjobs, entries,
-  metadata_server_url; metadata server module `sglang.srt.mem_cache.storage.hf3fs.
-  mini_3fs_metadata_server --host --port --persistence-path FILE` (notes §1.8).
-- Mooncake JSON (`SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`): local_hostname, metadata_server,
-  master_server_address, protocol, device_name, global_segment_size, local_buffer_size
-  (notes §1.9; SGLang's HiCache Mooncake docs).
-- File backend directory: `SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR` (sglang `environ.py`).
 - Mooncake transfer over TCP instead of RDMA: `MC_FORCE_TCP=1` (Mooncake TransferEngine env).
+- `pdcache metadata-server` and `mooncake_master` flags: pdcache's own CLI and the launcher's.
 The output is deterministic (golden-file tested) and uses only paths given in the topology.
 """
 
@@ -29,19 +34,33 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
 import textwrap
 from dataclasses import dataclass
+from typing import Any
 
 from pdcache.launch.launcher import mooncake_master_argv
 from pdcache.launch.topology import CacheSpec, NodeSpec, Topology
+from pdcache.offload_manager.storage.config import storage_keys_from_spec
 
 SERVER = ("python3", "-m", "sglang.launch_server")
 ROUTER = ("python3", "-m", "sglang_router.launch_router")
-METADATA_SERVER = ("python3", "-m", "sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server")
+METADATA_SERVER = ("pdcache", "metadata-server")
 # SGLang's router has no least-load policy; power_of_two picks the less loaded of two workers.
 ROUTER_POLICY = {"round_robin": "round_robin", "cache_aware": "cache_aware", "least_load": "power_of_two"}
-HF3FS_JSON = "hf3fs.json"
+# The plugin SGLang loads (pdcache.integrations.sglang.MODULE_PATH / CLASS_NAME; not imported
+# here: the plugin module needs torch, the renderer does not).
+PLUGIN_MODULE = "pdcache.integrations.sglang"
+PLUGIN_CLASS = "PdcacheHiCacheStorage"
+# Shell variables the script defines; inside arguments they are expanded, everything else is
+# quoted literally.
+MODEL_NAME_VAR = "$PDCACHE_MODEL_NAME"
+_SHELL_VARS = re.compile(r"(\$MODEL_PATH|\$PDCACHE_MODEL_NAME)")
+# pdcache's name for the weights at MODEL_PATH in its KV fingerprint (the function pdcache nodes
+# use), computed on the host that runs the command.
+_MODEL_IDENTITY_PY = ("import sys; from pdcache.offload_manager.builder import model_identity; "
+                      "print(model_identity(sys.argv[1], int(sys.argv[2])))")
 
 # Every flag the renderer may emit, per program, as checked in the sources named above.
 KNOWN_FLAGS = {
@@ -59,9 +78,7 @@ KNOWN_FLAGS = {
         "--host", "--port", "--pd-disaggregation", "--prefill", "--decode", "--worker-urls",
         "--policy", "--prefill-policy", "--decode-policy", "--request-timeout-secs", "--api-key",
     }),
-    "sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server": frozenset({
-        "--host", "--port", "--persistence-path",
-    }),
+    "metadata-server": frozenset({"--host", "--port", "--state-dir"}),  # pdcache metadata-server
     "mooncake_master": frozenset({
         "--rpc_address", "--rpc_port", "--metrics_host", "--metrics_port",
         "--enable_http_metadata_server", "--http_metadata_server_host", "--http_metadata_server_port",
@@ -99,18 +116,17 @@ def _flag_lines(args: tuple[str, ...]) -> list[str]:
 
 
 def _quote(text: str) -> str:
-    """Shell-quote, but let "$VAR..." expand (double quotes)."""
-    return f'"{text}"' if text.startswith("$") else shlex.quote(text)
+    """Shell-quote literally, except the script's own variables, which expand ("$VAR")."""
+    parts = [p for p in _SHELL_VARS.split(text) if p]
+    return "".join(f'"{p}"' if _SHELL_VARS.fullmatch(p) else shlex.quote(p) for p in parts) or "''"
 
 
 # --------------------------------------------------------------------------- the script
 
 
 def render_sglang(topology: Topology) -> str:
-    """The whole deployment as a bash script: notes, JSON files, one command per process."""
-    parts = [_header(topology), *(_file_block(name, body) for name, body in sglang_files(topology).items())]
-    parts += [cmd.render() for cmd in sglang_commands(topology)]
-    parts.append("wait")
+    """The whole deployment as a bash script: notes, variables, one command per process."""
+    parts = [_header(topology), *(cmd.render() for cmd in sglang_commands(topology)), "wait"]
     return "\n\n".join(parts) + "\n"
 
 
@@ -119,14 +135,16 @@ def _header(topology: Topology) -> str:
         "#!/usr/bin/env bash",
         f"# SGLang deployment equivalent to the pdcache topology {topology.source.name}",
         "# (rendered by `pdcache launch CONFIG --render sglang`). Run each command on the host",
-        "# named above it; the JSON files must exist on every host that uses them.",
+        "# named above it. SGLang keeps KV pages in pdcache storage through the pdcache plugin:",
+        "# every host needs `pip install sglang==0.5.23 pdcache` (see docs/sglang.md).",
     ]
     if topology.overrides:
         lines.append("# overrides: " + " ".join(f"--set {o}" for o in topology.overrides))
     for note in _notes(topology):
         lines += textwrap.wrap(note, 96, initial_indent="# NOTE: ", subsequent_indent="#       ")
-    lines += ["set -euo pipefail", _model_line(topology), 'CONFIG_DIR="${CONFIG_DIR:-./sglang-configs}"',
-              'mkdir -p "$CONFIG_DIR"']
+    lines += ["set -euo pipefail", _model_line(topology)]
+    if topology.storage.enabled:
+        lines += _model_name_lines(topology)
     return "\n".join(lines)
 
 
@@ -137,75 +155,29 @@ def _model_line(topology: Topology) -> str:
             ' set MODEL_PATH to a Llama-family checkpoint}"')
 
 
+def _model_name_lines(topology: Topology) -> list[str]:
+    """PDCACHE_MODEL_NAME: the plugin's `model_name`, i.e. the model name pdcache nodes serving
+    the weights at MODEL_PATH put in their KV fingerprint, so both share pages."""
+    command = f"python3 -c {shlex.quote(_MODEL_IDENTITY_PY)} \"$MODEL_PATH\" {topology.model.seed}"
+    return [
+        "# The model name in pdcache's KV fingerprint for the weights at MODEL_PATH (what pdcache",
+        "# nodes serving that checkpoint use): pages are shared only where it is equal.",
+        f'PDCACHE_MODEL_NAME="${{PDCACHE_MODEL_NAME:-$({command})}}"',
+    ]
+
+
 def _notes(topology: Topology) -> list[str]:
-    notes, storage, transfer = [], topology.storage, topology.transfer
+    notes, transfer = [], topology.transfer
     if topology.model.preset is not None:
         notes.append(f"model.preset = {topology.model.preset!r} has random weights in pdcache; SGLang needs"
-                     " a checkpoint: MODEL_PATH.")
-    if storage.backend == "hf3fs" and storage.io_engine == "posix":
-        notes.append("SGLang's hf3fs backend reads and writes through the 3FS usrbio client: storage.path"
-                     " must be a 3FS mount there (a plain directory works with the file backend).")
+                     " a checkpoint: MODEL_PATH. Its pages are not shared with pdcache nodes running"
+                     " the preset (other weights, other model name).")
     if topology.is_pd and transfer.engine == "zmq":
         notes.append("transfer.engine = \"zmq\" has no SGLang equivalent; rendered with mooncake.")
     if any(n.cache.write_policy == "write_through_selective" and n.cache.write_through_threshold != 2
            for n in topology.nodes):
         notes.append("SGLang fixes the write_through_selective threshold at 2 hits; ours differs.")
-    if storage.namespace != "default" and storage.backend == "hf3fs":
-        notes.append("SGLang's hf3fs keys carry no namespace: use one storage path per tenant.")
     return notes
-
-
-def _file_block(name: str, body: str) -> str:
-    return f"cat > \"$CONFIG_DIR/{name}\" <<'EOF'\n{body}EOF"
-
-
-# --------------------------------------------------------------------------- JSON files
-
-
-def sglang_files(topology: Topology) -> dict[str, str]:
-    """File name (under $CONFIG_DIR) → content, for the storage backend's JSON config."""
-    storage = topology.storage
-    if storage.backend == "hf3fs":
-        return {HF3FS_JSON: _json(_hf3fs_config(topology))}
-    if storage.backend == "mooncake":
-        return {_mooncake_file(n): _json(_mooncake_config(topology, n))
-                for n in topology.nodes if _node_uses_storage(n)}
-    return {}
-
-
-def _json(data: dict[str, object]) -> str:
-    return json.dumps(data, indent=2) + "\n"
-
-
-def _hf3fs_config(topology: Topology) -> dict[str, object]:
-    storage = topology.storage
-    config: dict[str, object] = {
-        "file_path_prefix": f"{storage.path.rstrip('/')}/hicache",
-        "file_size": storage.capacity,
-        "numjobs": 16,
-        "entries": 8,
-    }
-    if storage.metadata_address is not None:
-        host, port = storage.metadata_address
-        config["metadata_server_url"] = f"http://{host}:{port}"
-    return config
-
-
-def _mooncake_file(node: NodeSpec) -> str:
-    return f"mooncake-{node.name}.json"
-
-
-def _mooncake_config(topology: Topology, node: NodeSpec) -> dict[str, object]:
-    spec = topology.storage.mooncake
-    return {
-        "local_hostname": node.host,
-        "metadata_server": spec.metadata_server,
-        "master_server_address": spec.master,
-        "protocol": spec.protocol,
-        "device_name": ",".join(spec.devices),
-        "global_segment_size": spec.global_segment_size,
-        "local_buffer_size": spec.local_buffer_size,
-    }
 
 
 # --------------------------------------------------------------------------- commands
@@ -225,9 +197,8 @@ def _service_commands(topology: Topology) -> list[Command]:
     if storage.uses_metadata_service and storage.metadata_service.start:
         host, port = storage.metadata_address  # type: ignore[misc]
         bind = storage.metadata_service.bind_host or host
-        state = f"{storage.metadata_service.state_dir.rstrip('/')}/sglang-3fs-metadata.json"
-        args = ("--host", bind, "--port", str(port), "--persistence-path", state)
-        out.append(Command("3FS metadata service", host, METADATA_SERVER, args))
+        args = ("--host", bind, "--port", str(port), "--state-dir", storage.metadata_service.state_dir)
+        out.append(Command("pdcache metadata service", host, METADATA_SERVER, args))
     if storage.backend == "mooncake" and storage.mooncake.start_master:
         host, _ = storage.mooncake.master_address
         argv = mooncake_master_argv(topology)
@@ -241,7 +212,7 @@ def _server_command(topology: Topology, node: NodeSpec) -> Command:
     if topology.router is not None and topology.router.api_key:
         args += ["--api-key", topology.router.api_key]
     return Command(f"{node.role} server {node.name}", node.host, SERVER, tuple(args),
-                   _server_env(topology, node))
+                   _server_env(node, topology))
 
 
 def _model_args(topology: Topology, cache: CacheSpec) -> list[str]:
@@ -257,16 +228,16 @@ def _role_args(topology: Topology, node: NodeSpec) -> list[str]:
     if node.role == "prefill":
         return ["--disaggregation-mode", "prefill", *_transfer_args(topology, node),
                 "--disaggregation-bootstrap-port", str(node.bootstrap_port),
-                *_hicache_args(topology, node.cache)]
+                *_hicache_args(topology, node)]
     if node.role == "decode":
         args = ["--disaggregation-mode", "decode", *_transfer_args(topology, node)]
-        if node.offload:
-            # Decode needs no --enable-hierarchical-cache: the offload manager has its own host pool.
-            # Decode never prefetches, so only the backend (and its JSON file) is passed.
+        if node.offload and topology.storage.enabled:
+            # Decode needs no --enable-hierarchical-cache: the offload manager has its own host
+            # pool. It never prefetches: no prefetch policy, no prefetch keys.
             args += ["--disaggregation-decode-enable-offload-kvcache", *_host_pool_args(node.cache),
-                     "--hicache-storage-backend", topology.storage.backend]
+                     *_plugin_args(plugin_extra_config(topology, node, "decode"))]
         return args
-    return _hicache_args(topology, node.cache)
+    return _hicache_args(topology, node)
 
 
 def _transfer_args(topology: Topology, node: NodeSpec) -> list[str]:
@@ -278,10 +249,11 @@ def _transfer_args(topology: Topology, node: NodeSpec) -> list[str]:
     return args
 
 
-def _hicache_args(topology: Topology, cache: CacheSpec) -> list[str]:
+def _hicache_args(topology: Topology, node: NodeSpec) -> list[str]:
+    cache = node.cache
     args = ["--enable-hierarchical-cache", *_host_pool_args(cache),
             "--hicache-write-policy", cache.write_policy, "--hicache-mem-layout", "page_first"]
-    return args + _storage_args(topology, cache)
+    return args + _storage_args(topology, node)
 
 
 def _host_pool_args(cache: CacheSpec) -> list[str]:
@@ -290,18 +262,37 @@ def _host_pool_args(cache: CacheSpec) -> list[str]:
     return ["--hicache-ratio", _num(cache.effective_host_ratio)]
 
 
-def _storage_args(topology: Topology, cache: CacheSpec) -> list[str]:
+def _storage_args(topology: Topology, node: NodeSpec) -> list[str]:
     if not topology.storage.enabled:
         return []
-    args = ["--hicache-storage-backend", topology.storage.backend,
-            "--hicache-storage-prefetch-policy", cache.prefetch_policy]
-    extra = _extra_config(cache)
-    if extra:
-        args += ["--hicache-storage-backend-extra-config", json.dumps(extra, separators=(",", ":"))]
-    return args
+    extra = {**plugin_extra_config(topology, node, "prefill"), **_prefetch_config(node.cache)}
+    return ["--hicache-storage-prefetch-policy", node.cache.prefetch_policy, *_plugin_args(extra)]
 
 
-def _extra_config(cache: CacheSpec) -> dict[str, float]:
+def _plugin_args(extra: dict[str, Any]) -> list[str]:
+    return ["--hicache-storage-backend", "dynamic",
+            "--hicache-storage-backend-extra-config", json.dumps(extra, separators=(",", ":"))]
+
+
+def plugin_extra_config(topology: Topology, node: NodeSpec, origin: str) -> dict[str, Any]:
+    """The extra-config object that makes SGLang load the pdcache plugin on this storage.
+
+    `model_name` is the shell variable PDCACHE_MODEL_NAME (see `_model_name_lines`); `origin`
+    is recorded in page headers ("decode" on offloading decode servers).
+    """
+    storage = storage_keys_from_spec(topology.storage)
+    if topology.storage.backend == "mooncake":  # the address this node's store client serves on
+        storage["mooncake_local_hostname"] = node.host
+    extra: dict[str, Any] = {
+        "backend_name": "pdcache", "module_path": PLUGIN_MODULE, "class_name": PLUGIN_CLASS,
+        "interface_v1": 1, "storage": storage, "model_name": MODEL_NAME_VAR,
+    }
+    if origin != "prefill":
+        extra["origin"] = origin
+    return extra
+
+
+def _prefetch_config(cache: CacheSpec) -> dict[str, float]:
     """Generic HiCache extra-config keys for the timeout prefetch policy (notes §1.3)."""
     if cache.prefetch_policy != "timeout":
         return {}
@@ -310,23 +301,11 @@ def _extra_config(cache: CacheSpec) -> dict[str, float]:
             "prefetch_timeout_max": cache.prefetch_timeout_max_s}
 
 
-def _node_uses_storage(node: NodeSpec) -> bool:
-    return node.role in ("prefill", "unified") or bool(node.role == "decode" and node.offload)
-
-
-def _server_env(topology: Topology, node: NodeSpec) -> tuple[tuple[str, str], ...]:
-    env: list[tuple[str, str]] = []
-    backend = topology.storage.backend
-    if _node_uses_storage(node):
-        if backend == "hf3fs":
-            env.append(("SGLANG_HICACHE_HF3FS_CONFIG_PATH", f"$CONFIG_DIR/{HF3FS_JSON}"))
-        elif backend == "mooncake":
-            env.append(("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", f"$CONFIG_DIR/{_mooncake_file(node)}"))
-        elif backend == "file":
-            env.append(("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", topology.storage.path))
+def _server_env(node: NodeSpec, topology: Topology) -> tuple[tuple[str, str], ...]:
+    # The PD transfer (Mooncake TransferEngine) over TCP; storage needs no variables.
     if node.role in ("prefill", "decode") and topology.transfer.protocol == "tcp":
-        env.append(("MC_FORCE_TCP", "1"))
-    return tuple(env)
+        return (("MC_FORCE_TCP", "1"),)
+    return ()
 
 
 def _router_command(topology: Topology) -> Command:

@@ -1,34 +1,25 @@
 #!/usr/bin/env bash
 # SGLang deployment equivalent to the pdcache topology local-2p2d.toml
 # (rendered by `pdcache launch CONFIG --render sglang`). Run each command on the host
-# named above it; the JSON files must exist on every host that uses them.
+# named above it. SGLang keeps KV pages in pdcache storage through the pdcache plugin:
+# every host needs `pip install sglang==0.5.23 pdcache` (see docs/sglang.md).
 # NOTE: model.preset = 'small' has random weights in pdcache; SGLang needs a checkpoint:
-#       MODEL_PATH.
-# NOTE: SGLang's hf3fs backend reads and writes through the 3FS usrbio client: storage.path must
-#       be a 3FS mount there (a plain directory works with the file backend).
+#       MODEL_PATH. Its pages are not shared with pdcache nodes running the preset (other
+#       weights, other model name).
 set -euo pipefail
 MODEL_PATH="${MODEL_PATH:?preset 'small' exists only in pdcache; set MODEL_PATH to a Llama-family checkpoint}"
-CONFIG_DIR="${CONFIG_DIR:-./sglang-configs}"
-mkdir -p "$CONFIG_DIR"
+# The model name in pdcache's KV fingerprint for the weights at MODEL_PATH (what pdcache
+# nodes serving that checkpoint use): pages are shared only where it is equal.
+PDCACHE_MODEL_NAME="${PDCACHE_MODEL_NAME:-$(python3 -c 'import sys; from pdcache.offload_manager.builder import model_identity; print(model_identity(sys.argv[1], int(sys.argv[2])))' "$MODEL_PATH" 0)}"
 
-cat > "$CONFIG_DIR/hf3fs.json" <<'EOF'
-{
-  "file_path_prefix": "./.pdcache/storage/hicache",
-  "file_size": 8589934592,
-  "numjobs": 16,
-  "entries": 8,
-  "metadata_server_url": "http://127.0.0.1:18000"
-}
-EOF
-
-# --- 3FS metadata service (on 127.0.0.1)
-python3 -m sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server \
+# --- pdcache metadata service (on 127.0.0.1)
+pdcache metadata-server \
     --host 127.0.0.1 \
     --port 18000 \
-    --persistence-path ./.pdcache/metadata/sglang-3fs-metadata.json &
+    --state-dir ./.pdcache/metadata &
 
 # --- prefill server p0 (on 127.0.0.1)
-SGLANG_HICACHE_HF3FS_CONFIG_PATH="$CONFIG_DIR/hf3fs.json" MC_FORCE_TCP=1 python3 -m sglang.launch_server \
+MC_FORCE_TCP=1 python3 -m sglang.launch_server \
     --model-path "$MODEL_PATH" \
     --host 127.0.0.1 \
     --port 30001 \
@@ -45,12 +36,12 @@ SGLANG_HICACHE_HF3FS_CONFIG_PATH="$CONFIG_DIR/hf3fs.json" MC_FORCE_TCP=1 python3
     --hicache-ratio 2 \
     --hicache-write-policy write_through \
     --hicache-mem-layout page_first \
-    --hicache-storage-backend hf3fs \
     --hicache-storage-prefetch-policy timeout \
-    --hicache-storage-backend-extra-config '{"prefetch_timeout_base":2.0,"prefetch_timeout_per_ki_token":0.1,"prefetch_timeout_max":30.0}' &
+    --hicache-storage-backend dynamic \
+    --hicache-storage-backend-extra-config '{"backend_name":"pdcache","module_path":"pdcache.integrations.sglang","class_name":"PdcacheHiCacheStorage","interface_v1":1,"storage":{"backend":"hf3fs","path":"./.pdcache/storage","capacity_bytes":8589934592,"io_engine":"posix","metadata":"tcp://127.0.0.1:18000","namespace":"default"},"model_name":"'"$PDCACHE_MODEL_NAME"'","prefetch_timeout_base":2.0,"prefetch_timeout_per_ki_token":0.1,"prefetch_timeout_max":30.0}' &
 
 # --- prefill server p1 (on 127.0.0.1)
-SGLANG_HICACHE_HF3FS_CONFIG_PATH="$CONFIG_DIR/hf3fs.json" MC_FORCE_TCP=1 python3 -m sglang.launch_server \
+MC_FORCE_TCP=1 python3 -m sglang.launch_server \
     --model-path "$MODEL_PATH" \
     --host 127.0.0.1 \
     --port 30003 \
@@ -67,12 +58,12 @@ SGLANG_HICACHE_HF3FS_CONFIG_PATH="$CONFIG_DIR/hf3fs.json" MC_FORCE_TCP=1 python3
     --hicache-ratio 2 \
     --hicache-write-policy write_through \
     --hicache-mem-layout page_first \
-    --hicache-storage-backend hf3fs \
     --hicache-storage-prefetch-policy timeout \
-    --hicache-storage-backend-extra-config '{"prefetch_timeout_base":2.0,"prefetch_timeout_per_ki_token":0.1,"prefetch_timeout_max":30.0}' &
+    --hicache-storage-backend dynamic \
+    --hicache-storage-backend-extra-config '{"backend_name":"pdcache","module_path":"pdcache.integrations.sglang","class_name":"PdcacheHiCacheStorage","interface_v1":1,"storage":{"backend":"hf3fs","path":"./.pdcache/storage","capacity_bytes":8589934592,"io_engine":"posix","metadata":"tcp://127.0.0.1:18000","namespace":"default"},"model_name":"'"$PDCACHE_MODEL_NAME"'","prefetch_timeout_base":2.0,"prefetch_timeout_per_ki_token":0.1,"prefetch_timeout_max":30.0}' &
 
 # --- decode server d0 (on 127.0.0.1)
-SGLANG_HICACHE_HF3FS_CONFIG_PATH="$CONFIG_DIR/hf3fs.json" MC_FORCE_TCP=1 python3 -m sglang.launch_server \
+MC_FORCE_TCP=1 python3 -m sglang.launch_server \
     --model-path "$MODEL_PATH" \
     --host 127.0.0.1 \
     --port 30002 \
@@ -86,10 +77,11 @@ SGLANG_HICACHE_HF3FS_CONFIG_PATH="$CONFIG_DIR/hf3fs.json" MC_FORCE_TCP=1 python3
     --disaggregation-transfer-backend mooncake \
     --disaggregation-decode-enable-offload-kvcache \
     --hicache-ratio 2 \
-    --hicache-storage-backend hf3fs &
+    --hicache-storage-backend dynamic \
+    --hicache-storage-backend-extra-config '{"backend_name":"pdcache","module_path":"pdcache.integrations.sglang","class_name":"PdcacheHiCacheStorage","interface_v1":1,"storage":{"backend":"hf3fs","path":"./.pdcache/storage","capacity_bytes":8589934592,"io_engine":"posix","metadata":"tcp://127.0.0.1:18000","namespace":"default"},"model_name":"'"$PDCACHE_MODEL_NAME"'","origin":"decode"}' &
 
 # --- decode server d1 (on 127.0.0.1)
-SGLANG_HICACHE_HF3FS_CONFIG_PATH="$CONFIG_DIR/hf3fs.json" MC_FORCE_TCP=1 python3 -m sglang.launch_server \
+MC_FORCE_TCP=1 python3 -m sglang.launch_server \
     --model-path "$MODEL_PATH" \
     --host 127.0.0.1 \
     --port 30004 \
@@ -103,7 +95,8 @@ SGLANG_HICACHE_HF3FS_CONFIG_PATH="$CONFIG_DIR/hf3fs.json" MC_FORCE_TCP=1 python3
     --disaggregation-transfer-backend mooncake \
     --disaggregation-decode-enable-offload-kvcache \
     --hicache-ratio 2 \
-    --hicache-storage-backend hf3fs &
+    --hicache-storage-backend dynamic \
+    --hicache-storage-backend-extra-config '{"backend_name":"pdcache","module_path":"pdcache.integrations.sglang","class_name":"PdcacheHiCacheStorage","interface_v1":1,"storage":{"backend":"hf3fs","path":"./.pdcache/storage","capacity_bytes":8589934592,"io_engine":"posix","metadata":"tcp://127.0.0.1:18000","namespace":"default"},"model_name":"'"$PDCACHE_MODEL_NAME"'","origin":"decode"}' &
 
 # --- router (on 127.0.0.1)
 python3 -m sglang_router.launch_router \

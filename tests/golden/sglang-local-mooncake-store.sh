@@ -1,37 +1,16 @@
 #!/usr/bin/env bash
 # SGLang deployment equivalent to the pdcache topology local-mooncake-store.toml
 # (rendered by `pdcache launch CONFIG --render sglang`). Run each command on the host
-# named above it; the JSON files must exist on every host that uses them.
+# named above it. SGLang keeps KV pages in pdcache storage through the pdcache plugin:
+# every host needs `pip install sglang==0.5.23 pdcache` (see docs/sglang.md).
 # NOTE: model.preset = 'small' has random weights in pdcache; SGLang needs a checkpoint:
-#       MODEL_PATH.
+#       MODEL_PATH. Its pages are not shared with pdcache nodes running the preset (other
+#       weights, other model name).
 set -euo pipefail
 MODEL_PATH="${MODEL_PATH:?preset 'small' exists only in pdcache; set MODEL_PATH to a Llama-family checkpoint}"
-CONFIG_DIR="${CONFIG_DIR:-./sglang-configs}"
-mkdir -p "$CONFIG_DIR"
-
-cat > "$CONFIG_DIR/mooncake-p0.json" <<'EOF'
-{
-  "local_hostname": "127.0.0.1",
-  "metadata_server": "http://127.0.0.1:8080/metadata",
-  "master_server_address": "127.0.0.1:50051",
-  "protocol": "tcp",
-  "device_name": "",
-  "global_segment_size": 1073741824,
-  "local_buffer_size": 67108864
-}
-EOF
-
-cat > "$CONFIG_DIR/mooncake-d0.json" <<'EOF'
-{
-  "local_hostname": "127.0.0.1",
-  "metadata_server": "http://127.0.0.1:8080/metadata",
-  "master_server_address": "127.0.0.1:50051",
-  "protocol": "tcp",
-  "device_name": "",
-  "global_segment_size": 1073741824,
-  "local_buffer_size": 67108864
-}
-EOF
+# The model name in pdcache's KV fingerprint for the weights at MODEL_PATH (what pdcache
+# nodes serving that checkpoint use): pages are shared only where it is equal.
+PDCACHE_MODEL_NAME="${PDCACHE_MODEL_NAME:-$(python3 -c 'import sys; from pdcache.offload_manager.builder import model_identity; print(model_identity(sys.argv[1], int(sys.argv[2])))' "$MODEL_PATH" 0)}"
 
 # --- Mooncake Store master (on 127.0.0.1)
 mooncake_master \
@@ -44,7 +23,7 @@ mooncake_master \
     --http_metadata_server_port=8080 &
 
 # --- prefill server p0 (on 127.0.0.1)
-SGLANG_HICACHE_MOONCAKE_CONFIG_PATH="$CONFIG_DIR/mooncake-p0.json" MC_FORCE_TCP=1 python3 -m sglang.launch_server \
+MC_FORCE_TCP=1 python3 -m sglang.launch_server \
     --model-path "$MODEL_PATH" \
     --host 127.0.0.1 \
     --port 30001 \
@@ -61,12 +40,12 @@ SGLANG_HICACHE_MOONCAKE_CONFIG_PATH="$CONFIG_DIR/mooncake-p0.json" MC_FORCE_TCP=
     --hicache-ratio 2 \
     --hicache-write-policy write_through \
     --hicache-mem-layout page_first \
-    --hicache-storage-backend mooncake \
     --hicache-storage-prefetch-policy timeout \
-    --hicache-storage-backend-extra-config '{"prefetch_timeout_base":2.0,"prefetch_timeout_per_ki_token":0.1,"prefetch_timeout_max":30.0}' &
+    --hicache-storage-backend dynamic \
+    --hicache-storage-backend-extra-config '{"backend_name":"pdcache","module_path":"pdcache.integrations.sglang","class_name":"PdcacheHiCacheStorage","interface_v1":1,"storage":{"backend":"mooncake","path":"./.pdcache/storage","capacity_bytes":4294967296,"io_engine":"posix","metadata":"inproc","namespace":"default","mooncake_master":"127.0.0.1:50051","mooncake_metadata":"http://127.0.0.1:8080/metadata","mooncake_protocol":"tcp","mooncake_device":"","mooncake_segment_bytes":1073741824,"mooncake_local_buffer_bytes":67108864,"mooncake_local_hostname":"127.0.0.1"},"model_name":"'"$PDCACHE_MODEL_NAME"'","prefetch_timeout_base":2.0,"prefetch_timeout_per_ki_token":0.1,"prefetch_timeout_max":30.0}' &
 
 # --- decode server d0 (on 127.0.0.1)
-SGLANG_HICACHE_MOONCAKE_CONFIG_PATH="$CONFIG_DIR/mooncake-d0.json" MC_FORCE_TCP=1 python3 -m sglang.launch_server \
+MC_FORCE_TCP=1 python3 -m sglang.launch_server \
     --model-path "$MODEL_PATH" \
     --host 127.0.0.1 \
     --port 30002 \
@@ -80,7 +59,8 @@ SGLANG_HICACHE_MOONCAKE_CONFIG_PATH="$CONFIG_DIR/mooncake-d0.json" MC_FORCE_TCP=
     --disaggregation-transfer-backend mooncake \
     --disaggregation-decode-enable-offload-kvcache \
     --hicache-ratio 2 \
-    --hicache-storage-backend mooncake &
+    --hicache-storage-backend dynamic \
+    --hicache-storage-backend-extra-config '{"backend_name":"pdcache","module_path":"pdcache.integrations.sglang","class_name":"PdcacheHiCacheStorage","interface_v1":1,"storage":{"backend":"mooncake","path":"./.pdcache/storage","capacity_bytes":4294967296,"io_engine":"posix","metadata":"inproc","namespace":"default","mooncake_master":"127.0.0.1:50051","mooncake_metadata":"http://127.0.0.1:8080/metadata","mooncake_protocol":"tcp","mooncake_device":"","mooncake_segment_bytes":1073741824,"mooncake_local_buffer_bytes":67108864,"mooncake_local_hostname":"127.0.0.1"},"model_name":"'"$PDCACHE_MODEL_NAME"'","origin":"decode"}' &
 
 # --- router (on 127.0.0.1)
 python3 -m sglang_router.launch_router \

@@ -1,32 +1,22 @@
 #!/usr/bin/env bash
 # SGLang deployment equivalent to the pdcache topology multinode-example.toml
 # (rendered by `pdcache launch CONFIG --render sglang`). Run each command on the host
-# named above it; the JSON files must exist on every host that uses them.
-# NOTE: SGLang's hf3fs backend reads and writes through the 3FS usrbio client: storage.path must
-#       be a 3FS mount there (a plain directory works with the file backend).
+# named above it. SGLang keeps KV pages in pdcache storage through the pdcache plugin:
+# every host needs `pip install sglang==0.5.23 pdcache` (see docs/sglang.md).
 set -euo pipefail
 MODEL_PATH="${MODEL_PATH:-/models/Qwen3-8B}"
-CONFIG_DIR="${CONFIG_DIR:-./sglang-configs}"
-mkdir -p "$CONFIG_DIR"
+# The model name in pdcache's KV fingerprint for the weights at MODEL_PATH (what pdcache
+# nodes serving that checkpoint use): pages are shared only where it is equal.
+PDCACHE_MODEL_NAME="${PDCACHE_MODEL_NAME:-$(python3 -c 'import sys; from pdcache.offload_manager.builder import model_identity; print(model_identity(sys.argv[1], int(sys.argv[2])))' "$MODEL_PATH" 0)}"
 
-cat > "$CONFIG_DIR/hf3fs.json" <<'EOF'
-{
-  "file_path_prefix": "/mnt/3fs/pdcache/hicache",
-  "file_size": 1099511627776,
-  "numjobs": 16,
-  "entries": 8,
-  "metadata_server_url": "http://10.0.0.1:18000"
-}
-EOF
-
-# --- 3FS metadata service (on 10.0.0.1)
-python3 -m sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server \
+# --- pdcache metadata service (on 10.0.0.1)
+pdcache metadata-server \
     --host 10.0.0.1 \
     --port 18000 \
-    --persistence-path /var/lib/pdcache/metadata/sglang-3fs-metadata.json &
+    --state-dir /var/lib/pdcache/metadata &
 
 # --- prefill server p0 (on 10.0.0.1)
-SGLANG_HICACHE_HF3FS_CONFIG_PATH="$CONFIG_DIR/hf3fs.json" MC_FORCE_TCP=1 python3 -m sglang.launch_server \
+MC_FORCE_TCP=1 python3 -m sglang.launch_server \
     --model-path "$MODEL_PATH" \
     --host 10.0.0.1 \
     --port 30001 \
@@ -43,12 +33,12 @@ SGLANG_HICACHE_HF3FS_CONFIG_PATH="$CONFIG_DIR/hf3fs.json" MC_FORCE_TCP=1 python3
     --hicache-size 64 \
     --hicache-write-policy write_through \
     --hicache-mem-layout page_first \
-    --hicache-storage-backend hf3fs \
     --hicache-storage-prefetch-policy timeout \
-    --hicache-storage-backend-extra-config '{"prefetch_timeout_base":2.0,"prefetch_timeout_per_ki_token":0.1,"prefetch_timeout_max":30.0}' &
+    --hicache-storage-backend dynamic \
+    --hicache-storage-backend-extra-config '{"backend_name":"pdcache","module_path":"pdcache.integrations.sglang","class_name":"PdcacheHiCacheStorage","interface_v1":1,"storage":{"backend":"hf3fs","path":"/mnt/3fs/pdcache","capacity_bytes":1099511627776,"io_engine":"posix","metadata":"tcp://10.0.0.1:18000","namespace":"default"},"model_name":"'"$PDCACHE_MODEL_NAME"'","prefetch_timeout_base":2.0,"prefetch_timeout_per_ki_token":0.1,"prefetch_timeout_max":30.0}' &
 
 # --- decode server d0 (on 10.0.0.2)
-SGLANG_HICACHE_HF3FS_CONFIG_PATH="$CONFIG_DIR/hf3fs.json" MC_FORCE_TCP=1 python3 -m sglang.launch_server \
+MC_FORCE_TCP=1 python3 -m sglang.launch_server \
     --model-path "$MODEL_PATH" \
     --host 10.0.0.2 \
     --port 30002 \
@@ -62,7 +52,8 @@ SGLANG_HICACHE_HF3FS_CONFIG_PATH="$CONFIG_DIR/hf3fs.json" MC_FORCE_TCP=1 python3
     --disaggregation-transfer-backend mooncake \
     --disaggregation-decode-enable-offload-kvcache \
     --hicache-size 64 \
-    --hicache-storage-backend hf3fs &
+    --hicache-storage-backend dynamic \
+    --hicache-storage-backend-extra-config '{"backend_name":"pdcache","module_path":"pdcache.integrations.sglang","class_name":"PdcacheHiCacheStorage","interface_v1":1,"storage":{"backend":"hf3fs","path":"/mnt/3fs/pdcache","capacity_bytes":1099511627776,"io_engine":"posix","metadata":"tcp://10.0.0.1:18000","namespace":"default"},"model_name":"'"$PDCACHE_MODEL_NAME"'","origin":"decode"}' &
 
 # --- router (on 10.0.0.1)
 python3 -m sglang_router.launch_router \
