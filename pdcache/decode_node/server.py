@@ -161,7 +161,7 @@ class DecodeServer(UnifiedServer):
             raise ApiError(504, f"no KV for room {room} within {timeout:.0f}s",
                            type=SERVER_ERROR, code="transfer_timeout") from None
         if outcome.state is not RoomState.SUCCESS:
-            code = "transfer_timeout" if "within" in outcome.reason else "transfer_failed"
+            code = "transfer_timeout" if outcome.code == "timeout" else "transfer_failed"
             status = 504 if code == "transfer_timeout" else 502
             raise ApiError(status, f"KV transfer of room {room} failed: {outcome.reason}",
                            type=SERVER_ERROR, code=code)
