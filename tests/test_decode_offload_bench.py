@@ -31,3 +31,5 @@ def test_bench_offload_smoke(tmp_path) -> None:
     assert row["next_cached_on"] >= 112 and row["next_from_decode_on"] >= 48
     assert row["next_cached_off"] <= 64
     assert result["pages_offloaded"] >= 4 and result["pages_dropped"] == 0
+    assert row["cpu_ms_per_token_on"] > 0 and row["cpu_ms_per_token_off"] > 0
+    assert result["manager_pages"] == 256 and result["manager_cpu_ms_per_page"] > 0

@@ -6,11 +6,17 @@ all real processes on loopback, driven like the router drives them. Per answer l
 repeat plays a two-turn session on each decode node (order alternating, distinct random
 prompts so neither session reuses the other's pages):
 
-  turn 1: prompt (random) -> answer of N tokens    decode inter-token latency (ITL)
+  turn 1: prompt (random) -> answer of N tokens    decode inter-token latency (ITL), and
+                                                    decode process CPU time per token
           wait until decode's offload drained       (reported: drain time after the answer)
   turn 2: prompt + answer + new message -> 1 token  next-turn TTFT (client latency)
 
+Beside it, the manager alone in this process (`--intrinsic-pages`): its CPU time per page,
+shown per row as a share of the offload-off ITL — the cost offload adds, free of machine load.
+
 Targets: ITL overhead of offload <= 5%; next-turn TTFT with offload <= 0.5x without at 1024.
+On an oversubscribed CPU wall-clock ITL swings with other processes; the decode process's CPU
+time per token (every thread of it, offload drain included) is the steadier cost measure.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["best_effort", "wait_complete", "timeout"])
     parser.add_argument("--storage-dir", default=None, help="default: a temporary directory")
     parser.add_argument("--timeout", type=float, default=900.0, help="per request (s)")
+    parser.add_argument("--intrinsic-pages", type=int, default=256,
+                        help="pages for the in-process cost of the manager alone (0: skip)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,10 +89,15 @@ def _run(args: argparse.Namespace, tmp: Path) -> int:
         for node in reversed(nodes):
             node.stop()
         metadata.stop()
+    intrinsic = _manager_cost(args, tmp) if args.intrinsic_pages else {}
+    if intrinsic:
+        per_token_ms = intrinsic["manager_cpu_ms_per_page"] / args.page_size
+        for row in rows:
+            row["manager_cpu_pct_of_itl_off"] = 100.0 * per_token_ms / row["itl_off_ms"]
     extra = {"preset": args.preset, "prompt_len": args.prompt_len,
              "message_len": args.message_len, "repeats": args.repeats,
              "transfer_engine": args.transfer_engine, "prefetch_policy": args.prefetch_policy,
-             **offload, "load_avg_before": round(load_before, 2),
+             **offload, **intrinsic, "load_avg_before": round(load_before, 2),
              "load_avg_after": round(os.getloadavg()[0], 2),
              "targets": "ITL overhead <= 5%; next-turn TTFT on/off <= 0.5 at 1024"}
     emit("Decode offload on vs off: decode ITL and next-turn TTFT", rows, args.json_path,
@@ -117,6 +130,9 @@ def _measure(args: argparse.Namespace, client: httpx.Client, prefill: NodeProces
         "itl_off_ms": 1e3 * med["itl_off"],
         "itl_on_ms": 1e3 * med["itl_on"],
         "itl_overhead_pct": 100.0 * (med["itl_on"] / med["itl_off"] - 1.0),
+        "cpu_ms_per_token_off": 1e3 * med["cpu_off"],
+        "cpu_ms_per_token_on": 1e3 * med["cpu_on"],
+        "cpu_overhead_pct": 100.0 * (med["cpu_on"] / med["cpu_off"] - 1.0),
         "next_ttft_off_s": med["ttft_off"],
         "next_ttft_on_s": med["ttft_on"],
         "next_ttft_on_over_off": med["ttft_on"] / med["ttft_off"],
@@ -131,19 +147,30 @@ def _measure(args: argparse.Namespace, client: httpx.Client, prefill: NodeProces
 def _session(args: argparse.Namespace, client: httpx.Client, prefill: NodeProcess,
              decode: NodeProcess, rng: random.Random, answer_len: int) -> dict[str, float]:
     prompt = random_prompt(rng, args.prompt_len)
+    cpu_before = process_cpu_s(decode.proc.pid)
     _, _, d1 = pd_request(client, prefill.url, decode.url, prefill.bootstrap, prompt,
                           answer_len)
     meta = d1["meta"]
-    itl = (meta["e2e_s"] - meta["ttft_s"]) / max(1, len(d1["output_ids"]) - 1)
+    decoded = max(1, len(d1["output_ids"]) - 1)
+    itl = (meta["e2e_s"] - meta["ttft_s"]) / decoded
     answered = time.perf_counter()
     _wait_drained(client, decode, deadline_s=120.0)
     drain = time.perf_counter() - answered
+    # all of decode's threads (engine, offload copy, storage writer), drain included
+    cpu_per_token = (process_cpu_s(decode.proc.pid) - cpu_before) / decoded
     turn2 = prompt + d1["output_ids"] + random_prompt(rng, args.message_len)
     ttft, _, d2 = pd_request(client, prefill.url, decode.url, prefill.bootstrap, turn2, 1)
     meta2 = d2["meta"]
-    return {"itl": itl, "ttft": ttft, "drain": drain, "cached": meta2["cached_tokens"],
+    return {"itl": itl, "cpu": cpu_per_token, "ttft": ttft, "drain": drain, "cached": meta2["cached_tokens"],
             "from_decode": meta2["cached_tokens_details"]["storage_from_decode"],
             "computed": meta2["computed_tokens"]}
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, all threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_drained(client: httpx.Client, decode: NodeProcess, deadline_s: float) -> None:
@@ -169,3 +196,43 @@ def _offload_counters(client: httpx.Client, decode: NodeProcess) -> dict[str, fl
             if sample.name.startswith(prefix):
                 out[sample.name[len(prefix):].removesuffix("_total")] = float(sample.value)
     return out
+
+
+def _manager_cost(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
+    """CPU time of the DecodeOffloadManager alone per page (this process, nothing else running
+    in it): scheduling, exists_prefix, device->staging copy, checksum and write to an hf3fs
+    store (in-process metadata) — what offload adds to a decode node, free of machine load."""
+    import threading
+
+    import torch
+
+    from pdcache.engine.loader import load_model_config
+    from pdcache.offload_manager.builder import fingerprint_for, model_identity, storage_config_for
+    from pdcache.offload_manager.decode_offload import DecodeOffloadManager
+    from pdcache.offload_manager.storage import create_backend
+
+    config, page, pages = load_model_config(args.preset), args.page_size, args.intrinsic_pages
+    fingerprint = fingerprint_for(config, model_identity(args.preset, 0), page)
+    storage = create_backend(storage_config_for(
+        config, page, fingerprint, backend="hf3fs", path=str(tmp / "intrinsic"),
+        capacity_pages=2 * pages, metadata="inproc"))
+    device_kv = torch.randn(config.num_hidden_layers, 2, pages, page,
+                            config.num_key_value_heads, config.head_dim)
+    manager = DecodeOffloadManager(device_kv, storage, fingerprint, staging_pages=256)
+    tokens = random_prompt(random.Random(7), pages * page)
+    try:
+        cpu, wall = time.process_time(), time.perf_counter()
+        manager.track("intrinsic")
+        for n in range(1, pages + 1):  # one page completes every `page` decode steps
+            manager.on_step("intrinsic", tokens[: n * page], list(range(n)))
+        released = threading.Event()
+        manager.finish("intrinsic", tokens, list(range(pages)), released.set)
+        if not (released.wait(120) and manager.wait_idle(120)):
+            raise RuntimeError("intrinsic offload run did not drain")
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        written = manager.stats.pages_offloaded
+    finally:
+        manager.close()
+        storage.close()
+    return {"manager_pages": written, "manager_cpu_ms_per_page": 1e3 * cpu / pages,
+            "manager_wall_ms_per_page": 1e3 * wall / pages}
