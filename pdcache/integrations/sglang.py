@@ -7,10 +7,12 @@ SGLang loads the class `PdcacheHiCacheStorage` from this module with
         "module_path": "pdcache.integrations.sglang", "class_name": "PdcacheHiCacheStorage",
         "interface_v1": 1, "pdcache_config": "/etc/pdcache/topology.toml"}'
 
-and hands it page hash keys plus its config (model name, TP/PP/CP ranks). The plugin stores
-pages through a pdcache storage backend (`hf3fs`, `mooncake`, `file`), so SGLang gets the
-stored page object of DESIGN.md §4.3 (header + checksum: a corrupt, truncated or foreign page
-is a miss, never wrong KV) and pdcache's metadata service and capacity management.
+(or the storage keys inline: `"storage": {"backend": "hf3fs", ...}`, the form
+`pdcache launch CONFIG --render sglang` writes; see docs/sglang.md) and hands it page hash
+keys plus its config (model name, TP/PP/CP ranks). The plugin stores pages through a pdcache
+storage backend (`hf3fs`, `mooncake`, `file`), so SGLang gets the stored page object of
+DESIGN.md §4.3 (header + checksum: a corrupt, truncated or foreign page is a miss, never wrong
+KV) and pdcache's metadata service and capacity management.
 
 Keys. SGLang's key of page i is `g_i = SHA256(g_{i-1} || tokens_i)` (hex), with
 `g_{-1}` = nothing, or SGLang's namespace seed when the request carries a cache_salt or
@@ -19,8 +21,9 @@ extra_key. The plugin stores it under `SHA256(salt || bytes(g_i))` with
 model name, KV dtype, page size, layer count, KV heads and head dim of this shard, and the TP
 shard (rank/size; PP stage and attention-CP rank when used), so models, tenants and shards
 never read each other's pages. A pdcache node that computes its keys from token ids with
-`sglang_compatible_page_keys` (the "sglang" key scheme) shares pages with SGLang in both
-directions; which settings must match is listed in `INTEROP` below.
+`pdcache.engine.page_keys.sglang_compatible_page_keys` (the "sglang" key scheme, re-exported
+here) shares pages with SGLang in both directions; which settings must match is listed in
+`INTEROP` below.
 
 Payload (`"payload"` in the extra config).
 - `"pdcache"` (default): whatever SGLang's host layout (layer_first, page_first,
