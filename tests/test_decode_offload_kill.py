@@ -127,8 +127,10 @@ def test_kill_decode_mid_offload_leaves_only_whole_pages(env, tmp_path) -> None:
         stored_at_kill = backend.exists_prefix(keys)
         assert stored_at_kill < len(keys), "decode finished offloading before it was killed"
         assert p_fut.result(60).status_code == 200  # prefill's part was over: it succeeded
-        with pytest.raises(httpx.TransportError):
-            d_fut.result(60)
+        try:  # the client usually loses the connection; offload lagging behind an answer
+            d_fut.result(60)  # that already went out is just as much "mid-offload"
+        except httpx.TransportError:
+            pass
 
         # every committed page reads back whole (header and checksum checked)
         result = verify(backend)
