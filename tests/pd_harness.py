@@ -182,6 +182,7 @@ def run_session(stack: PDStack, first_prompt: list[int], messages: list[list[int
         assert "output_ids" in d, (p, d)
         answer = d["output_ids"]
         assert p["output_ids"] == answer[:1]
+        assert 0 < p["pd"]["push_s"] <= p["pd"]["transfer_s"], p["pd"]
         if reference is not None:
             assert answer == reference(prompt, answer_tokens), f"turn {t} differs from unified"
         turns.append(Turn(prompt, answer, d["meta"]))

@@ -7,9 +7,10 @@ to P and D at once. TTFT is what a client sees: the latency of a request for one
 (unified: the /generate answer; PD: decode's answer, which arrives once prefill computed the
 prompt, pushed its K/V and decode emitted prefill's first token). Prompts are random and
 distinct, so no cache tier helps either side; unified and PD requests alternate so machine
-load hits both alike. The PD path's transfer GB/s is P's pushed bytes over the time between
-prefill's first token and the transfer's release; `--raw` also runs `pdcache bench transfer`
-with the same page geometry for the engine alone and memcpy.
+load hits both alike. The PD path's transfer GB/s is P's pushed bytes over `pd.push_s`, the
+time from the prompt's K/V being complete to the room's release (transfer and `done`);
+`--raw` also runs `pdcache bench transfer` with the same page geometry for the engine alone
+and memcpy.
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ def _measure(args: argparse.Namespace, client: httpx.Client, prompt_len: int,
         if i < args.warmup:
             continue
         handoff = max(pd_s - p["meta"]["ttft_s"], 0.0)
-        transfer = max(p["pd"]["transfer_s"] - p["meta"]["ttft_s"], 1e-9)
+        transfer = max(p["pd"]["push_s"], 1e-9)  # prompt K/V complete -> room released
         nbytes = int(p["pd"]["bytes"])
         for key, value in (("unified", u_s), ("pd", pd_s), ("prefill", p["meta"]["ttft_s"]),
                            ("handoff", handoff), ("transfer", transfer)):

@@ -44,6 +44,8 @@ class _Room:
     loop: asyncio.AbstractEventLoop
     released: asyncio.Future
     sent: bool = False
+    sent_at: float = 0.0  # monotonic: prompt K/V complete, handed to the sender
+    released_at: float = 0.0  # monotonic: the transfer layer released the room
 
 
 class PrefillServer(UnifiedServer):
@@ -72,7 +74,7 @@ class PrefillServer(UnifiedServer):
             entry = self._rooms.get(room) if room is not None else None
             accepted = entry is not None and self.sender.send(room, pages, req.output_ids[0], stats)
             if accepted:
-                entry.sent = True
+                entry.sent, entry.sent_at = True, time.monotonic()
             else:
                 self._room_of.pop(req.rid, None)
         if not accepted:  # the room is already over: nobody will read these pages
@@ -88,6 +90,7 @@ class PrefillServer(UnifiedServer):
         if rid is not None:
             self._release(rid)
         if entry is not None:
+            entry.released_at = time.monotonic()
             entry.loop.call_soon_threadsafe(_resolve, entry.released, outcome)
 
     def _release(self, rid: str) -> None:
@@ -127,7 +130,9 @@ class PrefillServer(UnifiedServer):
             outcome = await self._wait_release(entry, room)
         finally:
             self._close_room(room, rid)
-        return self._pd_response(gen, outcome, time.monotonic() - started, body.pd.decode_node)
+        push_s = max(entry.released_at - entry.sent_at, 0.0) if entry.sent_at else 0.0
+        return self._pd_response(gen, outcome, time.monotonic() - started, push_s,
+                                 body.pd.decode_node)
 
     def _open_room(self, room: int, rid: str) -> _Room:
         loop = asyncio.get_running_loop()
@@ -167,12 +172,15 @@ class PrefillServer(UnifiedServer):
                            type=SERVER_ERROR, code="transfer_failed")
         return outcome
 
-    def _pd_response(self, gen: Generation, outcome: Outcome, elapsed_s: float,
+    def _pd_response(self, gen: Generation, outcome: Outcome, elapsed_s: float, push_s: float,
                      decode_node: str | None) -> Response:
+        """`pd.transfer_s`: the handler's whole time (prefill included); `pd.push_s`: from the
+        prompt's K/V being complete to the room's release (the transfer and its `done`)."""
         meta = self.meta(gen).model_dump()
         meta["decode_node"] = decode_node or ""
         nbytes = getattr(outcome.data, "nbytes", 0) if outcome.data is not None else 0
-        pd = {"room": outcome.room_id, "bytes": nbytes, "transfer_s": elapsed_s}
+        pd = {"room": outcome.room_id, "bytes": nbytes, "transfer_s": elapsed_s,
+              "push_s": push_s}
         return JSONResponse({"output_ids": gen.output_ids, "meta": meta, "pd": pd})
 
     @property
