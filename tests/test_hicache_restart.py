@@ -29,7 +29,7 @@ def serve(storage_dir: str, service: LocalMetadataService) -> ServeProcess:
     )
 
 
-def wait_backed_up(server: ServeProcess, pages: int, timeout_s: float = 30.0) -> dict:
+def wait_backed_up(server: ServeProcess, pages: int, timeout_s: float = 60.0) -> dict:
     """Until /metrics says `pages` pages reached storage (writes are asynchronous)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -66,6 +66,7 @@ def test_server_and_metadata_service_restarts_keep_the_cache(tmp_path) -> None:
         details = warm["meta"]["cached_tokens_details"]
         assert details["storage"] == 40 and details["device"] == details["host"] == 0
         assert warm["output_ids"] == cold["output_ids"]
+        wait_backed_up(second, STORED_PAGES)  # its own write-through (present pages skipped)
 
         service.stop(kill=True)  # SIGKILL: no clean shutdown of the index
         service.start()
@@ -85,6 +86,11 @@ def test_server_and_metadata_service_restarts_keep_the_cache(tmp_path) -> None:
                  for s in ("used", "free", "reserved")}
         assert sum(pages.values()) == metric(m, "pdcache_storage_pages_total", server="u0")
         assert stopped_cleanly(second), "".join(second.log[-30:])
+    except BaseException:
+        for server in servers:  # shown by pytest on failure
+            server.stop()
+            print("---- server log ----\n" + "".join(server.log[-60:]))
+        raise
     finally:
         for server in servers:
             server.stop()
