@@ -4,6 +4,7 @@ real checkpoints. Both turn chat messages into token ids with the model's chat t
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 Message = dict[str, Any]
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """What the engine and servers need from a tokenizer. Implementations are stateless after
     construction and safe to share between threads."""
 
@@ -20,16 +21,19 @@ class Tokenizer:
     bos_token_id: int | None
     pad_token_id: int | None
 
+    @abstractmethod
     def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+        """Token ids of `text` (no special tokens are produced from plain text)."""
 
+    @abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        raise NotImplementedError
+        """Text of `ids`."""
 
+    @abstractmethod
     def apply_chat_template(
         self, messages: list[Message], add_generation_prompt: bool = True
     ) -> list[int]:
-        raise NotImplementedError
+        """Token ids of a chat rendered with the model's template."""
 
 
 BYTE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
