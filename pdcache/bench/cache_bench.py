@@ -9,13 +9,14 @@ holds the N tokens, in one run, in-process (engines, no HTTP, so only the cache 
 - mooncake: a fresh engine over a Mooncake Store (a real `mooncake_master` started here) that
   holds the prefix's pages.
 
-`exact`: the device hits' first tokens equal a no-prefix-cache run's; the other tiers' equal a
-device hit's of the same prompts. Each point is the median of `--repeats` runs; `lookup_ms` (keys + exists_prefix), `read_ms`
-(storage reads), `wait_ms` (prefetch start to admission) and `h2d_ms` (host → device copies)
-say where a lower tier's time goes. A second table gives storage read
-GB/s beside a plain memcpy and a plain file read of the same bytes (`pdcache bench storage`'s
-method, pages of this model's size). Targets (issue 3): storage hit ≤ 1.3× the device hit and
-≤ 0.1× recompute at N ≥ 4k.
+Tiers are interleaved round by round, so a change of machine load hits them alike; each
+point is the median of `--repeats` runs. `exact`: the device hits' first tokens equal a
+no-prefix-cache run's, the other tiers' equal a device hit's of the same prompts. Where a
+lower tier's time goes: `lookup_ms` (keys + exists_prefix), `read_ms` (storage reads),
+`wait_ms` (prefetch start to admission), `h2d_ms` (host → device copies). A second table gives
+storage read GB/s beside a plain memcpy and a plain file read of the same bytes (`pdcache
+bench storage`'s method, pages of this model's size). Targets (issue 3): storage hit ≤ 1.3×
+the device hit and ≤ 0.1× recompute at N ≥ 4k.
 """
 
 from __future__ import annotations
