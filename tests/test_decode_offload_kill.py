@@ -118,7 +118,8 @@ def test_kill_decode_mid_offload_leaves_only_whole_pages(env, tmp_path) -> None:
         prompt_pages = len(PROMPT) // PAGE
         bootstrap = p_server.sender.bootstrap_addr
 
-        decodes.append(DecodeProcess(flags))
+        offload_flags = ["--offload-stride-pages", "1", "--offload-staging-pages", "64"]
+        decodes.append(DecodeProcess([*flags, *offload_flags]))
         p_fut, d_fut = pd_request(client, prefill.url, decodes[0].url, bootstrap, 1, PROMPT,
                                   ANSWER)
         # decode's own pages are landing in storage: kill it while it is still going

@@ -16,6 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_topology_arguments(parser)
     add_node_flags(parser, "decode")
     parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--offload-stride-pages", type=int, default=1,
+                        help="offload every this many completed pages of a request")
+    parser.add_argument("--offload-staging-pages", type=int, default=256,
+                        help="host staging pages between device and storage (full: dropped)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,6 +24,9 @@ def build_decode_app(setup: NodeSetup, model: Any, tokenizer: Any, staging_pages
     """The app of one decode node; with `setup.offload` its KV goes back to storage."""
     if setup.transfer is None:
         raise ValueError("a decode node needs a transfer config")
+    if staging_pages < 1 or stride_pages < 1:
+        raise ValueError(f"offload staging pages ({staging_pages}) and stride pages "
+                         f"({stride_pages}) must be >= 1")
     storage = create_backend(setup.storage) if setup.offload and setup.storage else None
     engines: list[Engine] = []
     managers: list[DecodeOffloadManager] = []

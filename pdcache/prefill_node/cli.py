@@ -47,7 +47,10 @@ def run_node(args: argparse.Namespace, role: str) -> int:
         model, tokenizer = load_model(model_ref, dtype=dtype, seed=seed)
         setup = (setup_from_topology(*found, model.config) if found
                  else setup_from_flags(args, role, model.config))
-        app = _build(role, setup, model, tokenizer, args.request_timeout)
+        offload = {} if role == "prefill" else {
+            "stride_pages": args.offload_stride_pages,
+            "staging_pages": args.offload_staging_pages}
+        app = _build(role, setup, model, tokenizer, args.request_timeout, **offload)
     except (OSError, ValueError) as exc:
         sock.close()
         print(f"pdcache {role}: cannot start: {exc}", file=sys.stderr)
@@ -55,7 +58,7 @@ def run_node(args: argparse.Namespace, role: str) -> int:
     return serve_app(app, sock, host, args.log_level, role)
 
 
-def _build(role: str, setup, model, tokenizer, request_timeout_s: float):
+def _build(role: str, setup, model, tokenizer, request_timeout_s: float, **offload_settings):
     if role == "prefill":
         from pdcache.prefill_node.node import build_prefill_app
 
@@ -64,5 +67,6 @@ def _build(role: str, setup, model, tokenizer, request_timeout_s: float):
         return app
     from pdcache.decode_node.node import build_decode_app
 
-    app, _ = build_decode_app(setup, model, tokenizer, request_timeout_s=request_timeout_s)
+    app, _ = build_decode_app(setup, model, tokenizer, request_timeout_s=request_timeout_s,
+                              **offload_settings)
     return app
