@@ -25,7 +25,14 @@ from fastapi.responses import JSONResponse, Response
 
 from pdcache.engine.api import CachedTokens, GenerateRequest
 from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
-from pdcache.server.app import EngineRequest, Generation, ServerConfig, UnifiedServer
+from pdcache.server.app import (
+    EngineRequest,
+    Generation,
+    ServerConfig,
+    UnifiedServer,
+    json_ready,
+    set_result_once,
+)
 from pdcache.server.protocol import (
     OVERLOADED,
     SERVER_ERROR,
@@ -84,7 +91,7 @@ class DecodeServer(UnifiedServer):
             return
         if outcome.state is not RoomState.SUCCESS:
             self.engine.abort(entry.rid)  # frees the reservation (nothing writes it any more)
-        entry.loop.call_soon_threadsafe(_resolve, entry.released, outcome)
+        entry.loop.call_soon_threadsafe(set_result_once, entry.released, outcome)
 
     # ---- /generate ----------------------------------------------------------------------
     async def generate(self, request: Request) -> Response:
@@ -201,7 +208,7 @@ class DecodeServer(UnifiedServer):
     async def health(self, request: Request) -> Response:
         response = await super().health(request)
         data = json.loads(response.body)
-        data.update(role="decode", transfer=_json_ready(self.receiver.stats()))
+        data.update(role="decode", transfer=json_ready(self.receiver.stats()))
         return JSONResponse(data)
 
 
@@ -214,18 +221,3 @@ def _report_of(first_token: int, stats: dict[str, Any]) -> PrefillReport:
         cached=CachedTokens(**{k: int(v) for k, v in cached.items()}),
         prefill_node=str(stats.get("prefill_node", "")),
     )
-
-
-def _resolve(future: asyncio.Future, outcome: Outcome) -> None:
-    if not future.done():
-        future.set_result(outcome)
-
-
-def _json_ready(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_ready(v) for v in value]
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    return str(value)

@@ -24,7 +24,14 @@ from fastapi.responses import JSONResponse, Response
 
 from pdcache.engine.engine import Engine
 from pdcache.engine.request import Req, pages_for
-from pdcache.server.app import Generation, ServerConfig, UnifiedServer, create_app
+from pdcache.server.app import (
+    Generation,
+    ServerConfig,
+    UnifiedServer,
+    create_app,
+    json_ready,
+    set_result_once,
+)
 from pdcache.server.protocol import (
     SERVER_ERROR,
     ApiError,
@@ -91,7 +98,7 @@ class PrefillServer(UnifiedServer):
             self._release(rid)
         if entry is not None:
             entry.released_at = time.monotonic()
-            entry.loop.call_soon_threadsafe(_resolve, entry.released, outcome)
+            entry.loop.call_soon_threadsafe(set_result_once, entry.released, outcome)
 
     def _release(self, rid: str) -> None:
         self.scheduler.release_guard.allow(rid)
@@ -191,23 +198,10 @@ class PrefillServer(UnifiedServer):
         response = await super().health(request)
         data = json.loads(response.body)
         data.update(role="prefill", bootstrap=self.sender.bootstrap_addr,
-                    transfer=_json_ready(self.sender.stats()))
+                    transfer=json_ready(self.sender.stats()))
         return JSONResponse(data)
 
 
-def _resolve(future: asyncio.Future, outcome: Outcome) -> None:
-    if not future.done():
-        future.set_result(outcome)
-
-
-def _json_ready(value):
-    if isinstance(value, dict):
-        return {str(k): _json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_ready(v) for v in value]
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    return str(value)
 
 
 def create_prefill_app(server: PrefillServer, on_shutdown=None) -> FastAPI:

@@ -544,6 +544,23 @@ def _json_safe(stats: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in stats.items() if isinstance(v, int | float | str | bool | None)}
 
 
+def json_ready(value: Any) -> Any:
+    """`value` with every key a string and every leaf JSON-native (others become strings)."""
+    if isinstance(value, dict):
+        return {str(k): json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_ready(v) for v in value]
+    if isinstance(value, int | float | str | bool) or value is None:
+        return value
+    return str(value)
+
+
+def set_result_once(future: asyncio.Future, value: Any) -> None:
+    """For `loop.call_soon_threadsafe`: resolve `future` unless it is already done."""
+    if not future.done():
+        future.set_result(value)
+
+
 # --------------------------------------------------------------------------- factory
 
 
