@@ -54,6 +54,8 @@ class Namespaces:
 
 
 def add_namespace(name: str) -> None:
+    if name in ip("netns", "list", check=False).stdout.split():
+        ip("netns", "del", name, check=False)  # left by a killed run that had our pid
     result = ip("netns", "add", name, check=False)
     if result.returncode != 0:
         pytest.skip(f"network namespaces not permitted here (`ip netns add {name}`: "
@@ -146,7 +148,8 @@ CLIENT = textwrap.dedent("""
     import json, re, sys, time
     import httpx
 
-    router, decode, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    router, prefill, decode = sys.argv[1], sys.argv[2], sys.argv[3]
+    spec = json.loads(sys.argv[4])
     params = {"max_new_tokens": spec["answer"], "temperature": 0, "ignore_eos": True}
 
     def offload_settled(client):
@@ -172,7 +175,8 @@ CLIENT = textwrap.dedent("""
             while not offload_settled(client) and time.monotonic() < deadline:
                 time.sleep(0.05)
             prompt = prompt + body["output_ids"] + spec["message"]
-        turns.append({"decode_metrics": client.get(decode + "/metrics").text})
+        turns.append({"decode_metrics": client.get(decode + "/metrics").text,
+                      "prefill_health": client.get(prefill + "/health").json()})
     print(json.dumps(turns))
 """)
 
@@ -219,7 +223,8 @@ def run_client(ns: Namespaces, tmp_path: Path) -> list[dict]:
     spec = json.dumps({"prompt": PROMPT, "answer": ANSWER, "message": MESSAGE})
     result = subprocess.run(
         ["ip", "netns", "exec", ns.a, sys.executable, str(script),
-         f"http://{ADDR_A}:{ROUTER_PORT}", f"http://{ADDR_B}:{DECODE_PORT}", spec],
+         f"http://{ADDR_A}:{ROUTER_PORT}", f"http://{ADDR_A}:{PREFILL_PORT}",
+         f"http://{ADDR_B}:{DECODE_PORT}", spec],
         capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
@@ -268,11 +273,15 @@ def test_prefill_and_decode_in_two_namespaces_serve_a_session(namespaces, tmp_pa
         assert meta2["cached_tokens"] >= (history - 1) // PAGE * PAGE - PAGE, meta2
         assert meta2["cached_tokens_details"]["storage_from_decode"] > 0, meta2
         assert "pdcache_decode_offload_pages_offloaded" in metrics["decode_metrics"]
-        # the prompt's K/V reached B through the veth (its only link): at least turn 1's
-        # full prompt pages arrived there, on top of the small HTTP bodies
+        # mooncake moved the prompts' K/V from A to B, and it went through the veth (B's only
+        # link): at least turn 1's full prompt pages arrived there, besides the HTTP bodies
         pushed = len(PROMPT) // PAGE * PAGE * model.config.kv_bytes_per_token
-        print(f"veth bytes into B during the session: {rx_in_b}, turn 1 prompt KV: {pushed}")
-        assert rx_in_b >= pushed, (rx_in_b, pushed)
+        sender = metrics["prefill_health"]["transfer"]
+        print(f"veth bytes into B during the session: {rx_in_b}, turn 1 prompt KV: {pushed}, "
+              f"prefill sender: {sender}")
+        assert sender["transfers"] >= 2 and sender["engine_errors"] == 0, sender
+        assert sender["bytes_sent"] >= pushed, sender
+        assert rx_in_b >= sender["bytes_sent"], (rx_in_b, sender)
     except Exception:
         for proc in procs:
             print(f"---- {proc.name} log ----\n{proc.tail()}")
