@@ -50,7 +50,7 @@ class MooncakeEngine(KVTransferEngine):
     def __init__(self, config: TransferConfig) -> None:
         super().__init__(config)
         if config.protocol == "tcp":
-            os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_host)
+            _bind_tcp(config.local_host)
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(math.ceil(config.room_timeout_s)))
         # Mooncake's TCP lanes reject more than ~2048 queued entries per peer; our workers keep
         # up to transfer_workers × 2 batches of max_batch_entries in flight per peer.
@@ -134,3 +134,12 @@ class MooncakeEngine(KVTransferEngine):
             registered, self._registered = self._registered, []
         for addr in registered:
             self._engine.unregister_memory(addr)
+
+
+def _bind_tcp(local_host: str) -> None:
+    """Mooncake's TCP transport binds MC_TCP_BIND_ADDRESS. A node's own non-loopback address
+    wins over an inherited loopback default (a multi-host node must not listen on 127.0.0.1);
+    an explicit non-loopback setting is kept."""
+    current = os.environ.get("MC_TCP_BIND_ADDRESS")
+    if current is None or (current.startswith("127.") and not local_host.startswith("127.")):
+        os.environ["MC_TCP_BIND_ADDRESS"] = local_host
