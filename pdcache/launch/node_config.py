@@ -43,10 +43,14 @@ class NodeSetup:
 
 
 def storage_from_spec(spec: StorageSpec, model: ModelConfig, page_size: int,
-                      fingerprint: str) -> StorageConfig | None:
+                      fingerprint: str, host: str = "127.0.0.1") -> StorageConfig | None:
+    """`host`: the node's address, which a Mooncake Store client advertises to its peers."""
     if not spec.enabled:
         return None
-    return storage_config_for(model, page_size, fingerprint, **storage_keys_from_spec(spec))
+    keys = storage_keys_from_spec(spec)
+    if spec.backend == "mooncake":
+        keys["mooncake_local_hostname"] = host
+    return storage_config_for(model, page_size, fingerprint, **keys)
 
 
 def transfer_from_spec(spec: TransferSpec, node: NodeSpec) -> TransferConfig:
@@ -61,7 +65,7 @@ def setup_from_topology(topology: Topology, node: NodeSpec, model: ModelConfig) 
     cache = node.cache
     identity = model_identity(topology.model.ref, topology.model.seed)
     fingerprint = fingerprint_for(model, identity, cache.page_size)
-    storage = storage_from_spec(topology.storage, model, cache.page_size, fingerprint)
+    storage = storage_from_spec(topology.storage, model, cache.page_size, fingerprint, node.host)
     # decode nodes are handed their prompts' K/V: a prefix cache there would only hold memory
     engine = EngineConfig(model=model,
                           cache=CacheConfig(cache.page_size, cache.device_pages,
