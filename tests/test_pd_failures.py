@@ -167,12 +167,15 @@ def decode_idle(health: dict[str, Any]) -> bool:
             and engine["pages_reserved"] == 0 and engine["pages_used"] == 0)
 
 
-def assert_survivors_idle(cluster: Cluster, timeout_s: float = 30.0) -> None:
+def assert_survivors_idle(cluster: Cluster, timeout_s: float = 30.0) -> float:
+    """Waits until every living node is idle; returns how long that took."""
+    start = time.monotonic()
     checks = [(p, prefill_idle) for p in cluster.alive(cluster.prefills())]
     checks += [(d, decode_idle) for d in cluster.alive(cluster.decodes())]
     for proc, idle in checks:
         assert wait_for(lambda p=proc, f=idle: f(cluster.health(p)), timeout_s, 0.1), \
             (proc.name, cluster.health(proc))
+    return time.monotonic() - start
 
 
 def generate_body(ids: list[int], n: int, **extra: Any) -> dict[str, Any]:
@@ -297,7 +300,7 @@ def test_kill9_decode_during_transfer(cluster: Cluster) -> None:
     print(f"killed {victim.name}: router answered {r.status_code} after {elapsed:.2f} s")
     assert_json_error(r)
     assert elapsed < 30, elapsed
-    assert_survivors_idle(cluster)
+    print(f"survivors idle {assert_survivors_idle(cluster):.2f} s after the answer")
     # the push to the dead decode failed (it did not complete before the kill)
     rooms = cluster.health(pushing)["transfer"]["rooms"]
     assert rooms["failed"] > failed_before[pushing.name], rooms
@@ -319,7 +322,7 @@ def test_kill9_prefill_before_done(cluster: Cluster) -> None:
     print(f"killed {victim.name}: router answered {r.status_code} after {elapsed:.2f} s")
     assert_json_error(r)
     assert elapsed < 30, elapsed
-    assert_survivors_idle(cluster)
+    print(f"survivors idle {assert_survivors_idle(cluster):.2f} s after the answer")
     for proc in decodes:
         assert cluster.health(proc)["engine"]["pages_reserved"] == 0
     assert_healthy_pair_serves(cluster)
