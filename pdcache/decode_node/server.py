@@ -26,12 +26,14 @@ from fastapi.responses import JSONResponse, Response
 from pdcache.engine.api import CachedTokens, GenerateRequest
 from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
 from pdcache.server.app import (
+    CLIENT_DISCONNECTED,
     EngineRequest,
     Generation,
     ServerConfig,
     UnifiedServer,
     json_ready,
     set_result_once,
+    wait_for_disconnect,
 )
 from pdcache.server.protocol import (
     OVERLOADED,
@@ -113,7 +115,7 @@ class DecodeServer(UnifiedServer):
                         "sampling_params.stop_token_ids")
         room = body.pd.room
         rid = body.rid or f"pd-{room}"
-        report = await self._receive(room, rid, body.pd.bootstrap, input_ids)
+        report = await self._receive(request, room, rid, body.pd.bootstrap, input_ids)
         report.prefill_node = body.pd.prefill_node or report.prefill_node
         gen.report = report
         handle = self._submit_prefilled(gen, rid, input_ids, sampling.to_engine(),
@@ -125,7 +127,7 @@ class DecodeServer(UnifiedServer):
         response = GenerateResponse(output_ids=gen.output_ids, text=text.text, meta=self.meta(gen))
         return JSONResponse(response.model_dump())
 
-    async def _receive(self, room: int, rid: str, bootstrap: str,
+    async def _receive(self, request: Request, room: int, rid: str, bootstrap: str,
                        input_ids: list[int]) -> PrefillReport:
         """Reserve pages and wait until prefill wrote the prompt's K/V into them."""
         pages = await self._reserve(rid, len(input_ids))
@@ -143,7 +145,7 @@ class DecodeServer(UnifiedServer):
                 self._rooms.pop(room, None)
             self.engine.abort(rid)
             raise bad_request(f"room {room}: {exc}", code="bad_room") from None
-        await self._wait(entry, room)
+        await self._wait(entry, room, request)
         result = self.receiver.wait(room, 0.0)  # finished: returns at once
         return _report_of(result.first_token, result.stats)
 
@@ -159,14 +161,28 @@ class DecodeServer(UnifiedServer):
         except ValueError as exc:
             raise bad_request(str(exc), code="invalid_request") from None
 
-    async def _wait(self, entry: _Room, room: int) -> Outcome:
+    async def _wait(self, entry: _Room, room: int, request: Request) -> Outcome:
+        """The room's outcome; a caller that leaves (the router cancelling) or the deadline
+        aborts the room, which tells prefill and frees the pages once nothing writes them."""
         timeout = self.receiver.config.room_timeout_s + 5.0
+        disconnected = asyncio.ensure_future(wait_for_disconnect(request))
         try:
-            outcome = await asyncio.wait_for(asyncio.shield(entry.released), timeout)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
-            self.receiver.abort(room, "decode request ended before the KV arrived")
-            raise ApiError(504, f"no KV for room {room} within {timeout:.0f}s",
-                           type=SERVER_ERROR, code="transfer_timeout") from None
+            await asyncio.wait({entry.released, disconnected}, timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            self.receiver.abort(room, "decode request cancelled before the KV arrived")
+            raise
+        finally:
+            disconnected.cancel()
+        if not entry.released.done():
+            gone = disconnected.done() and not disconnected.cancelled()
+            reason = "caller disconnected" if gone else f"no KV within {timeout:.0f}s"
+            self.receiver.abort(room, f"decode request ended before the KV arrived: {reason}")
+            if gone:
+                raise ApiError(499, f"room {room}: {reason}", type=CLIENT_DISCONNECTED)
+            raise ApiError(504, f"room {room}: {reason}", type=SERVER_ERROR,
+                           code="transfer_timeout")
+        outcome = entry.released.result()
         if outcome.state is not RoomState.SUCCESS:
             code = "transfer_timeout" if outcome.code == "timeout" else "transfer_failed"
             status = 504 if code == "transfer_timeout" else 502

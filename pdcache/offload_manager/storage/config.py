@@ -120,6 +120,14 @@ class StorageConfig:
         return _align_up(HEADER_BYTES + self.page_bytes, SLOT_ALIGN)
 
     @property
+    def pool_name(self) -> str:
+        """hf3fs data files and metadata pool: one per namespace and slot size, so models with
+        other page geometries (e.g. a `tiny` run after a `small` one on the same state
+        directory) get their own pool instead of a refusal; keys of models that share a slot
+        size never collide since they are salted with the KV fingerprint."""
+        return f"{self.namespace}.slot{self.slot_bytes}"
+
+    @property
     def num_pages(self) -> int:
         if self.capacity_pages:
             return self.capacity_pages

@@ -223,7 +223,7 @@ class Hf3fsBackend(StorageBackend):
         self.read_only = False
         self._dir = Path(config.path)
         self._paths = [
-            self._dir / f"{config.namespace}.{i}.bin" for i in range(config.num_data_files)
+            self._dir / f"{config.pool_name}.{i}.bin" for i in range(config.num_data_files)
         ]
         self.metadata = metadata or self._make_metadata()
         self._fds = self._open_files(self.metadata.num_slots)
@@ -244,7 +244,7 @@ class Hf3fsBackend(StorageBackend):
             return InProcMetadata(cfg.num_pages, cfg.reservation_ttl_s)
         return RemoteMetadata(
             cfg.metadata,
-            cfg.namespace,
+            cfg.pool_name,
             cfg.num_pages,
             cfg.slot_bytes,
             cfg.timeout_s,
