@@ -29,9 +29,10 @@ echo "[setup] installing pdcache and its extras"
 if [ "${PDCACHE_SKIP_SGLANG:-0}" != 1 ] && ! .venv/bin/python -c "import sglang" 2>/dev/null; then
   echo "[setup] installing sglang==0.5.23 (--no-deps, storage plugin interface only)"
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "sglang==0.5.23" \
-      2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[sglang]" 2>&1 \
-      | grep -v "^WARNING: Location" || true
+      > .venv/sglang.log 2>&1 || echo "[setup] WARNING: sglang unavailable; its plugin tests skip"
+  # pip then lists sglang's own (CUDA) requirements as unmet: expected, so that report is muted
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[sglang]" \
+      > .venv/sglang-extra.log 2>&1 || { cat .venv/sglang-extra.log; exit 1; }
 fi
 # NIXL (DRAM-to-DRAM over UCX on loopback) for the nixl transfer engine's tests.
 if [ "${PDCACHE_SKIP_NIXL:-0}" != 1 ] && ! .venv/bin/python -c "import nixl_cu12" 2>/dev/null; then
