@@ -37,7 +37,7 @@ fi
 # NIXL (DRAM-to-DRAM over UCX on loopback) for the nixl transfer engine's tests.
 if [ "${PDCACHE_SKIP_NIXL:-0}" != 1 ] && ! .venv/bin/python -c "import nixl_cu12" 2>/dev/null; then
   echo "[setup] installing nixl-cu12 (nixl transfer engine)"
-  .venv/bin/python -m pip install -q --disable-pip-version-check "nixl-cu12==1.5.1" 2>&1 \
-    | grep -v "^WARNING: Location" || echo "[setup] WARNING: nixl-cu12 unavailable; its tests skip"
+  .venv/bin/python -m pip install -q --disable-pip-version-check "nixl-cu12==1.5.1" \
+    > .venv/nixl.log 2>&1 || echo "[setup] WARNING: nixl-cu12 unavailable; its tests skip"
 fi
 .venv/bin/python -c "import pdcache, torch; print('[setup] ok: torch', torch.__version__)"
