@@ -42,11 +42,7 @@ from pdcache.server.protocol import (
     CachedTokensDetails,
     GenerateMeta,
     GenerateRequestBody,
-    GenerateResponse,
-    TextAssembler,
     bad_request,
-    check_prompt,
-    check_token_ids,
     parse_body,
 )
 from pdcache.transfer import KVReceiver, Outcome, RoomState, TransferError
@@ -107,12 +103,8 @@ class DecodeServer(UnifiedServer):
 
     async def _generate_pd(self, request: Request, body: GenerateRequestBody) -> Response:
         gen = PDGeneration(arrival=time.monotonic())
-        body.check_one_prompt()
-        input_ids = body.input_ids if body.input_ids is not None else self.encode(body.text, "text")
+        input_ids = self.checked_prompt(body)
         sampling = body.sampling_params
-        check_prompt(input_ids, sampling.max_new_tokens, self.limits, body.prompt_param())
-        check_token_ids(sampling.stop_token_ids, self.limits.vocab_size,
-                        "sampling_params.stop_token_ids")
         room = body.pd.room
         rid = body.rid or f"pd-{room}"
         report = await self._receive(request, room, rid, body.pd.bootstrap, input_ids)
@@ -120,12 +112,7 @@ class DecodeServer(UnifiedServer):
         gen.report = report
         handle = self._submit_prefilled(gen, rid, input_ids, sampling.to_engine(),
                                         body.cache_salt, report.first_token)
-        text = TextAssembler(self.decode, [])
-        if body.stream:
-            return self.streaming(self._generate_events(handle, gen, text), handle, gen)
-        await self.collect(request, handle, gen, text)
-        response = GenerateResponse(output_ids=gen.output_ids, text=text.text, meta=self.meta(gen))
-        return JSONResponse(response.model_dump())
+        return await self.respond(request, handle, gen, body.stream)
 
     async def _receive(self, request: Request, room: int, rid: str, bootstrap: str,
                        input_ids: list[int]) -> PrefillReport:

@@ -38,8 +38,6 @@ from pdcache.server.protocol import (
     GenerateRequestBody,
     TextAssembler,
     bad_request,
-    check_prompt,
-    check_token_ids,
     parse_body,
 )
 from pdcache.transfer import KVSender, Outcome, RoomState
@@ -116,12 +114,8 @@ class PrefillServer(UnifiedServer):
 
     async def _generate_pd(self, request: Request, body: GenerateRequestBody) -> Response:
         gen = Generation(arrival=time.monotonic())
-        body.check_one_prompt()
-        input_ids = body.input_ids if body.input_ids is not None else self.encode(body.text, "text")
+        input_ids = self.checked_prompt(body)
         sampling = body.sampling_params
-        check_prompt(input_ids, sampling.max_new_tokens, self.limits, body.prompt_param())
-        check_token_ids(sampling.stop_token_ids, self.limits.vocab_size,
-                        "sampling_params.stop_token_ids")
         room = body.pd.room
         rid = body.rid or f"pd-{room}"
         entry = self._open_room(room, rid)

@@ -357,6 +357,13 @@ class UnifiedServer:
     async def generate(self, request: Request) -> Response:
         gen = Generation(arrival=time.monotonic())
         body = parse_body(GenerateRequestBody, await request.body())
+        input_ids = self.checked_prompt(body)
+        sampling = body.sampling_params
+        handle = self.submit(gen, input_ids, sampling.to_engine(), body.cache_salt, body.rid)
+        return await self.respond(request, handle, gen, body.stream)
+
+    def checked_prompt(self, body: GenerateRequestBody) -> list[int]:
+        """The request's prompt ids (encoding `text`), after every input check of §4.1."""
         body.check_one_prompt()
         param = body.prompt_param()
         input_ids = body.input_ids if body.input_ids is not None else self.encode(body.text, param)
@@ -365,9 +372,14 @@ class UnifiedServer:
         check_token_ids(
             sampling.stop_token_ids, self.limits.vocab_size, "sampling_params.stop_token_ids"
         )
-        handle = self.submit(gen, input_ids, sampling.to_engine(), body.cache_salt, body.rid)
+        return input_ids
+
+    async def respond(
+        self, request: Request, handle: EngineRequest, gen: Generation, stream: bool
+    ) -> Response:
+        """A submitted /generate request's answer: SSE events, or one JSON body at the end."""
         text = TextAssembler(self.decode, [])
-        if body.stream:
+        if stream:
             return self.streaming(self._generate_events(handle, gen, text), handle, gen)
         await self.collect(request, handle, gen, text)
         response = GenerateResponse(output_ids=gen.output_ids, text=text.text, meta=self.meta(gen))
