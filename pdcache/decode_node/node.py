@@ -36,7 +36,9 @@ def build_decode_app(setup: NodeSetup, model: Any, tokenizer: Any, staging_pages
         offload = None
         if storage is not None:
             offload = DecodeOffloadManager(kwargs["pool"].device_kv, storage, setup.fingerprint,
-                                           staging_pages, stride_pages)
+                                           staging_pages, stride_pages,
+                                           key_scheme=setup.key_scheme,
+                                           key_namespace=setup.key_namespace)
             managers.append(offload)
         return DecodeScheduler(offload=offload, release=lambda rid: engines[0].release_held(rid),
                                **kwargs)

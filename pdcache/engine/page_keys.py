@@ -7,7 +7,8 @@ page size, layout, TP shard) and to the tenant namespace, so foreign pages never
 The "sglang" key scheme (bottom of this module) names the same pages the way SGLang's HiCache
 does, salted the same way, so pdcache nodes and SGLang nodes running the pdcache storage
 plugin (`pdcache.integrations.sglang`) share pages. It needs only hashlib and numpy, so a
-node uses it without importing the integration.
+node uses it without importing the integration. `PageKeyScheme` is the one object nodes
+(HiCache, the decode offload manager) compute their storage keys with, in either scheme.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -123,8 +125,12 @@ def derive_storage_key(salt: bytes, sglang_hash: str, piece: int | None = None) 
     raw = bytes.fromhex(sglang_hash)
     if len(raw) != KEY_BYTES:
         raise ValueError(f"SGLang page hashes are 32 bytes of hex, got {sglang_hash!r}")
+    return _derive(salt, raw, piece)
+
+
+def _derive(salt: bytes, raw_hash: bytes, piece: int | None = None) -> bytes:
     suffix = b"" if piece is None else bytes([piece])
-    return hashlib.sha256(salt + raw + suffix).digest()
+    return hashlib.sha256(salt + raw_hash + suffix).digest()
 
 
 def sglang_compatible_page_keys(
@@ -139,3 +145,70 @@ def sglang_compatible_page_keys(
     salt = make_salt(fingerprint, namespace)
     hashes = sglang_chain_hashes(token_ids, page_size, cache_salt, prior_hash=prior_hash)
     return [derive_storage_key(salt, h) for h in hashes]
+
+
+# --------------------------------------------------------------------------- node key scheme
+
+KEY_SCHEMES = ("pdcache", "sglang")
+
+
+def check_key_scheme(name: str) -> str:
+    """`name` if it is a known key scheme; ValueError naming the allowed ones otherwise."""
+    if name not in KEY_SCHEMES:
+        raise ValueError(f"unknown key scheme {name!r}; expected one of: {', '.join(KEY_SCHEMES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class PageKeyScheme:
+    """How a node names its stored pages; the one chaining rule HiCache and decode offload use.
+
+    - "pdcache": `chain_page_keys` salted with `make_salt(fingerprint, tenant)` (DESIGN.md
+      §4.2); a non-empty `namespace` is appended to that salt, length-prefixed.
+    - "sglang": SGLang's hash chain (seeded with the tenant as SGLang's `cache_salt`, "" =
+      none), each hash stored under `derive_storage_key(make_salt(fingerprint, namespace), h)`:
+      the keys SGLang servers running the pdcache plugin with `key_namespace = namespace` and
+      `model_name` = the fingerprint's model name use.
+
+    Chain state (`keys`' second result, `prior` of the next call) is opaque bytes: the last
+    key ("pdcache") or the last SGLang hash ("sglang"), so a decode node continues the
+    prompt's chain with the answer's pages in either scheme.
+    """
+
+    fingerprint: str
+    page_size: int
+    scheme: str = "pdcache"
+    namespace: str = ""
+
+    def __post_init__(self) -> None:
+        check_key_scheme(self.scheme)
+
+    def keys(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        tenant: str = "",
+        prior: bytes | None = None,
+    ) -> tuple[list[bytes], bytes | None]:
+        """(storage keys of every full page of `token_ids`, chain state after the last one).
+
+        `prior`: the chain state after the page just before `token_ids` (None: from the start).
+        """
+        if self.scheme == "sglang":
+            return self._sglang_keys(token_ids, tenant, prior)
+        keys = chain_page_keys(token_ids, self.page_size, self._pdcache_salt(tenant), prior)
+        return keys, keys[-1] if keys else prior
+
+    def _pdcache_salt(self, tenant: str) -> bytes:
+        salt = make_salt(self.fingerprint, tenant)
+        if not self.namespace:
+            return salt  # exactly the keys of nodes without a namespace
+        namespace = self.namespace.encode()
+        return salt + struct.pack("<I", len(namespace)) + namespace
+
+    def _sglang_keys(
+        self, token_ids: Sequence[int] | np.ndarray, tenant: str, prior: bytes | None
+    ) -> tuple[list[bytes], bytes | None]:
+        seed = prior if prior is not None else sglang_namespace_seed(tenant or None)
+        hashes = chain_page_keys(token_ids, self.page_size, seed)
+        salt = make_salt(self.fingerprint, self.namespace)
+        return [_derive(salt, h) for h in hashes], hashes[-1] if hashes else prior

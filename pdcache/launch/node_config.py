@@ -3,7 +3,9 @@ engine sizing, HiCache tiers and storage, transfer settings, the shared KV finge
 
 Every prefill, decode and unified node computes the fingerprint the same way
 (`pdcache.offload_manager.builder.fingerprint_for`), so pages written by any node are found
-by any other that serves the same model with the same page size and dtype.
+by any other that serves the same model with the same page size and dtype. They also name
+pages with one key scheme (`[cache] key_scheme` / `--key-scheme`, with `key_namespace`):
+"sglang" makes them share pages with SGLang servers running the pdcache storage plugin.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 from dataclasses import dataclass
 
 from pdcache.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdcache.engine.page_keys import KEY_SCHEMES
 from pdcache.launch.topology import NodeSpec, StorageSpec, Topology, TransferSpec, parse_size
 from pdcache.offload_manager.builder import (
     TierConfig,
@@ -40,6 +43,8 @@ class NodeSetup:
     transfer: TransferConfig | None = None
     bootstrap_port: int | None = None
     offload: bool = False
+    key_scheme: str = "pdcache"  # how stored pages are named (PageKeyScheme), every node alike
+    key_namespace: str = ""
 
 
 def storage_from_spec(spec: StorageSpec, model: ModelConfig, page_size: int,
@@ -81,11 +86,13 @@ def setup_from_topology(topology: Topology, node: NodeSpec, model: ModelConfig) 
             prefetch_timeout_base_s=cache.prefetch_timeout_base_s,
             prefetch_timeout_per_1k_tokens_s=cache.prefetch_timeout_per_1k_tokens_s,
             prefetch_timeout_max_s=cache.prefetch_timeout_max_s,
+            key_scheme=cache.key_scheme, key_namespace=cache.key_namespace,
         )
         tiers = TierConfig(host_pages, hicache, storage)
     transfer = transfer_from_spec(topology.transfer, node) if node.role != "unified" else None
     return NodeSetup(node.name, node.role, node.host, node.port, engine, tiers, fingerprint,
-                     storage, transfer, node.bootstrap_port, bool(node.offload))
+                     storage, transfer, node.bootstrap_port, bool(node.offload),
+                     cache.key_scheme, cache.key_namespace)
 
 
 # ---- the same from flags, for ad-hoc runs without a topology file ---------------------
@@ -100,6 +107,11 @@ def add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> No
                            choices=["write_through", "write_through_selective", "write_back"])
         group.add_argument("--prefetch-policy", default="timeout",
                            choices=["best_effort", "wait_complete", "timeout"])
+    group.add_argument("--key-scheme", default="pdcache", choices=list(KEY_SCHEMES),
+                       help="how stored pages are named; 'sglang' shares pages with SGLang "
+                            "servers running the pdcache storage plugin")
+    group.add_argument("--key-namespace", default="",
+                       help="deployment-wide key salt (the SGLang plugin's key_namespace)")
     group.add_argument("--storage-backend", default="none",
                        choices=["none", "hf3fs", "file", "mooncake"])
     group.add_argument("--storage-path", default="./.pdcache/storage")
@@ -125,8 +137,15 @@ def tiers_from_flags(args: argparse.Namespace, model: ModelConfig, page_size: in
     if host_pages <= 0 and storage is None or not hasattr(args, "host_pages"):
         return None, storage
     host_pages = host_pages or 2 * device_pages
-    hicache = HiCacheConfig(write_policy=args.write_policy, prefetch_policy=args.prefetch_policy)
+    hicache = HiCacheConfig(write_policy=args.write_policy, prefetch_policy=args.prefetch_policy,
+                            **key_settings(args))
     return TierConfig(host_pages, hicache, storage), storage
+
+
+def key_settings(args: argparse.Namespace) -> dict[str, str]:
+    """key_scheme / key_namespace from the flags (defaults when a command has none)."""
+    return {"key_scheme": getattr(args, "key_scheme", "pdcache"),
+            "key_namespace": getattr(args, "key_namespace", "")}
 
 
 def add_node_flags(parser: argparse.ArgumentParser, role: str) -> None:
@@ -159,10 +178,12 @@ def setup_from_flags(args: argparse.Namespace, role: str, model: ModelConfig) ->
                           scheduler=SchedulerConfig(), seed=args.seed)
     tiers, storage = tiers_from_flags(args, model, args.page_size, args.device_pages, fingerprint)
     if role == "prefill" and tiers is None:  # the prefill scheduler always runs HiCache
-        tiers = TierConfig(2 * args.device_pages, HiCacheConfig(), storage)
+        tiers = TierConfig(2 * args.device_pages, HiCacheConfig(**key_settings(args)), storage)
     transfer = TransferConfig(engine=args.transfer_engine, local_host=args.host,
                               bootstrap_timeout_s=args.transfer_timeout,
                               room_timeout_s=4 * args.transfer_timeout)
     offload = role == "decode" and not args.no_offload and storage is not None
+    keys = key_settings(args)
     return NodeSetup(args.name, role, args.host, args.port, engine, tiers, fingerprint, storage,
-                     transfer, getattr(args, "bootstrap_port", None), offload)
+                     transfer, getattr(args, "bootstrap_port", None), offload,
+                     keys["key_scheme"], keys["key_namespace"])

@@ -119,6 +119,10 @@ class CacheSpec:
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_1k_tokens_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
+    # How stored pages are named: "pdcache", or "sglang" to share pages with SGLang servers
+    # running the pdcache storage plugin (whose `key_namespace` must equal this one).
+    key_scheme: Literal["pdcache", "sglang"] = "pdcache"
+    key_namespace: str = ""
 
     @property
     def effective_host_ratio(self) -> float:
@@ -631,6 +635,7 @@ def _check_nodes(topology: Topology, ctx: _Ctx) -> None:
         seen.add(node.name)
         _check_node_role_keys(node, key, ctx)
         _check_cache(node.cache, f"{key}.cache", ctx)
+        _check_node_keys(node, topology.cache, key, ctx)
         _check_node_offload(node, topology.storage, key, ctx)
 
 
@@ -645,6 +650,14 @@ def _check_node_role_keys(node: NodeSpec, key: str, ctx: _Ctx) -> None:
         raise ctx.error(f"{key}.command", "expected a non-empty array of strings")
     if not node.host or any(c.isspace() for c in node.host):
         raise ctx.error(f"{key}.host", f'expected a host name or address, got "{node.host}"')
+
+
+def _check_node_keys(node: NodeSpec, cache: CacheSpec, key: str, ctx: _Ctx) -> None:
+    """Nodes naming pages differently would never find each other's pages in storage."""
+    for name in ("key_scheme", "key_namespace"):
+        if getattr(node.cache, name) != getattr(cache, name):
+            raise ctx.error(f"{key}.cache.{name}", f"must equal cache.{name} "
+                            f"({getattr(cache, name)!r}): every node shares one key scheme")
 
 
 def _check_node_offload(node: NodeSpec, storage: StorageSpec, key: str, ctx: _Ctx) -> None:

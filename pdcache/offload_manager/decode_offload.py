@@ -8,7 +8,8 @@ requests and, every `stride_pages` completed pages, schedules those pages for of
       storage (origin = decode), then staging pages freed
 
 Keys continue the prompt's chain (DESIGN.md §4.2), computed from token ids alone, so the next
-turn's prefill finds prompt and answer pages under the keys it computes itself. Prompt pages
+turn's prefill finds prompt and answer pages under the keys it computes itself (with the same
+key scheme, `pdcache.engine.page_keys.PageKeyScheme`: "pdcache" or "sglang"). Prompt pages
 that prefill did not store are written too (only missing pages are copied), so the chain to the
 answer is never broken.
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from pdcache import kernels
-from pdcache.engine.page_keys import chain_page_keys, make_salt
+from pdcache.engine.page_keys import PageKeyScheme
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
 from pdcache.offload_manager.storage.base import StorageBackend
@@ -52,8 +53,8 @@ class OffloadStats:
 
 @dataclass
 class _Tracked:
-    salt: bytes
-    last_key: bytes | None = None  # key of the last page scheduled: the chain continues from it
+    tenant: str
+    chain: bytes | None = None  # key scheme's chain state after the last page scheduled
     scheduled_pages: int = 0
 
 
@@ -70,7 +71,8 @@ class DecodeOffloadManager:
 
     Thread model: `track`, `on_step`, `finish`, `abort` are called by the decode loop (one
     thread); the copy thread and the IoWorker thread own staging pages while they use them.
-    `self._lock` guards the stats and the in-flight counters.
+    `self._lock` guards the stats and the in-flight counters. `key_scheme` / `key_namespace`
+    name the stored pages (`PageKeyScheme`; the prefill nodes' HiCacheConfig must agree).
     """
 
     def __init__(
@@ -82,11 +84,14 @@ class DecodeOffloadManager:
         stride_pages: int = 1,
         max_queued_pages: int = 4096,
         max_queued_writes: int = 256,
+        key_scheme: str = "pdcache",
+        key_namespace: str = "",
     ) -> None:
         num_layers, _, _, page_size, heads, dim = device_kv.shape
         self.device_kv = device_kv
         self.page_size = page_size
         self.fingerprint = fingerprint
+        self.scheme = PageKeyScheme(fingerprint, page_size, key_scheme, key_namespace)
         self.stride_pages = max(1, stride_pages)
         self.staging = HostKVPool(staging_pages, num_layers, page_size, heads, dim, device_kv.dtype)
         self.writer = IoWorker(storage, "decode-offload", max_queued=max_queued_writes)
@@ -105,7 +110,7 @@ class DecodeOffloadManager:
 
     # ---- decode-loop side --------------------------------------------------------------
     def track(self, rid: str, cache_salt: str = "") -> None:
-        self._requests[rid] = _Tracked(make_salt(self.fingerprint, cache_salt))
+        self._requests[rid] = _Tracked(cache_salt)
 
     def due(self, rid: str, kv_len: int) -> bool:
         """Cheap check before `on_step`: has `rid` completed `stride_pages` new pages?"""
@@ -179,9 +184,7 @@ class DecodeOffloadManager:
                   on_released: Callable[[], None] | None) -> None:
         first = tracked.scheduled_pages
         new_tokens = kv_token_ids[first * self.page_size : full_pages * self.page_size]
-        keys = chain_page_keys(new_tokens, self.page_size, tracked.salt, tracked.last_key)
-        if keys:
-            tracked.last_key = keys[-1]
+        keys, tracked.chain = self.scheme.keys(new_tokens, tracked.tenant, tracked.chain)
         tracked.scheduled_pages = full_pages
         task = _CopyTask(rid, keys, list(device_page_ids[first:full_pages]), on_released)
         self._enqueue(task)

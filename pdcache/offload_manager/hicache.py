@@ -26,7 +26,7 @@ import torch
 
 from pdcache import kernels
 from pdcache.engine.api import CachedTokens
-from pdcache.engine.page_keys import chain_page_keys, make_salt
+from pdcache.engine.page_keys import PageKeyScheme, check_key_scheme
 from pdcache.engine.radix import MatchResult, RadixNode
 from pdcache.offload_manager.hiradix import HiRadixTree, HostMatch
 from pdcache.offload_manager.host_pool import HostKVPool
@@ -51,12 +51,17 @@ class HiCacheConfig:
     prefetch_min_pages: int = 1  # fewer storage hits than this: don't bother prefetching
     io_batch_pages: int = 64
     max_queued_io: int = 256
+    # how stored pages are named (pdcache.engine.page_keys.PageKeyScheme): "pdcache", or
+    # "sglang" to share pages with SGLang servers running the pdcache storage plugin
+    key_scheme: str = "pdcache"
+    key_namespace: str = ""  # the plugin's `key_namespace` (deployment-wide key salt)
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}")
         if self.prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch_policy must be one of {PREFETCH_POLICIES}")
+        check_key_scheme(self.key_scheme)
 
     def prefetch_timeout_s(self, num_tokens: int) -> float:
         per_tokens = self.prefetch_timeout_per_1k_tokens_s * num_tokens / 1000
@@ -193,6 +198,8 @@ class HiCache:
         self.config = config
         self.fingerprint = fingerprint
         self.page_size = tree.page_size
+        self.scheme = PageKeyScheme(fingerprint, tree.page_size, config.key_scheme,
+                                        config.key_namespace)
         self.stats = HiCacheStats()
         self._warn = RateLimitedLog(log)
         self._stats_lock = threading.Lock()
@@ -314,7 +321,8 @@ class HiCache:
             offset += node.num_pages
 
     def page_keys(self, token_ids: Sequence[int], salt: str) -> list[bytes]:
-        return chain_page_keys(token_ids, self.page_size, make_salt(self.fingerprint, salt))
+        """Storage keys of the full pages of `token_ids` for tenant `salt` (the key scheme's)."""
+        return self.scheme.keys(token_ids, salt)[0]
 
     # ---- accounting --------------------------------------------------------------------
     def reap(self) -> None:
