@@ -9,6 +9,7 @@ MHATokenToKVPoolHost / MLATokenToKVPoolHost, nothing else (what the plugin reads
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from pdcache.offload_manager.storage.config import (  # noqa: E402
     StorageConfig,
     storage_keys_from_spec,
 )
+from pdcache.offload_manager.storage.page_format import encode_object  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 8, 4
 NUM_PAGES = 12
@@ -326,6 +328,52 @@ def test_v1_failures_are_per_key_false_never_none(tmp_path, plugins, monkeypatch
     assert unregistered.batch_get_v1(keys, indices([0, 1])) == [False, False]
 
 
+def test_batches_move_in_parallel_chunks_byte_exact(tmp_path, plugins):
+    """A batch larger than a chunk is cut over the IO threads; every page lands in place."""
+    src, dst = SglangLikeHostPool("page_first", seed=22), SglangLikeHostPool("page_first")
+    extra = plugin.extra_config(storage=storage_table(tmp_path, "hf3fs"), chunk_bytes=1,
+                                io_threads=3)
+    store = backend_factory.StorageBackendFactory.create_backend("dynamic", sglang_config(extra), src)
+    plugins.append(store)
+    store.register_mem_pool_host(src)
+    keys, pages = hashes(NUM_PAGES), list(range(NUM_PAGES))
+    assert len(store._chunks(keys)) == NUM_PAGES  # one page per chunk (chunk_bytes=1)
+    assert store.batch_set_v1(keys, indices(pages)) == [True] * NUM_PAGES
+    store.mem_pool_host = dst
+    assert store.batch_get_v1(keys, indices(pages[::-1])) == [True] * NUM_PAGES
+    for page in pages:
+        last = NUM_PAGES - 1 - page
+        assert torch.equal(dst.get_data_page(last * PAGE), src.get_data_page(page * PAGE))
+
+
+def test_read_past_its_deadline_never_touches_the_host_pool(tmp_path, plugins, monkeypatch):
+    """SGLang reuses the host pages of a failed read at once: a backend read that finishes
+    after the plugin gave up must not copy into them."""
+    import threading
+
+    src = SglangLikeHostPool("page_first", seed=23)
+    extra = plugin.extra_config(storage=storage_table(tmp_path, "file"), io_timeout_s=0.2)
+    store = backend_factory.StorageBackendFactory.create_backend("dynamic", sglang_config(extra), src)
+    plugins.append(store)
+    store.register_mem_pool_host(src)
+    keys = hashes(2)
+    assert store.batch_set_v1(keys, indices([0, 1])) == [True, True]
+    release, real_get = threading.Event(), store.backend.get_into
+
+    def slow_get(*args, **kwargs):
+        assert release.wait(10)
+        return real_get(*args, **kwargs)
+
+    monkeypatch.setattr(store.backend, "get_into", slow_get)
+    dst = SglangLikeHostPool("page_first")
+    store.mem_pool_host = dst
+    assert store.batch_get_v1(keys, indices([2, 3])) == [False, False]
+    release.set()
+    store._io.shutdown(wait=True)  # the late reads have finished
+    assert not dst.kv_buffer.any()
+    assert store.pdcache_stats()["plugin_errors"] == 1
+
+
 # ---------------------------------------------------------------------------- interop
 
 
@@ -425,9 +473,14 @@ def test_split_payload_round_trip(tmp_path, plugins, layout, mla):
     store = make_split_plugin(tmp_path, src, "hf3fs", mla=mla)
     plugins.append(store)
     keys = hashes(3)
-    assert store.pieces == (1 if mla else 2)
-    assert store.storage_config.page_bytes * store.pieces == store.geometry.page_bytes
+    assert store.storage_config.page_bytes == store.geometry.page_bytes
     assert store.batch_set_v1(keys, indices([1, 2, 6])) == [True] * 3
+    # one stored object per page: the pdcache page format over the page's runs in pool order
+    # (K then V), checksum included, exactly as if the page were one contiguous buffer
+    layout_order = memoryview(src.get_data_page(PAGE).view(torch.uint8).numpy())
+    key = plugin.derive_storage_key(store.salt, keys[0])
+    assert store.backend.read_object(key) == encode_object(store.backend.spec, key, "prefill",
+                                                           layout_order)
     assert store.batch_exists(keys) == 3
     store.mem_pool_host = dst
     assert store.batch_get_v1(keys, indices([3, 4, 5])) == [True] * 3
@@ -437,17 +490,56 @@ def test_split_payload_round_trip(tmp_path, plugins, layout, mla):
     assert torch.equal(flat, src.get_data_page(PAGE))
 
 
-def test_split_payload_half_page_is_a_miss_and_never_seen_by_pdcache_payload(tmp_path, plugins):
+def test_split_payload_truncated_page_is_a_miss_and_never_seen_by_pdcache_payload(tmp_path,
+                                                                                  plugins):
     src = SglangLikeHostPool("page_first", seed=14)
     split = make_split_plugin(tmp_path, src)
     plugins.append(split)
     keys = hashes(2)
     assert split.batch_set_v1(keys, indices([0, 1])) == [True, True]
-    split.backend.delete([plugin.derive_storage_key(split.salt, keys[1], 1)])  # V of page 1
-    assert split.batch_exists(keys) == 1
+    key = plugin.derive_storage_key(split.salt, keys[1])
+    blob = split.backend.read_object(key)
+    assert split.backend.write_object(key, blob[: len(blob) // 2])  # K of page 1, no V
     assert split.batch_get_v1(keys, indices([4, 5])) == [True, False]
     reordered = open_plugin(plugins, tmp_path, SglangLikeHostPool("page_first"))
     assert reordered.batch_exists(keys) == 0
+
+
+@pytest.mark.parametrize("backend,checksum", [("file", "auto"), ("file", "crc32"),
+                                              ("hf3fs", "auto"), ("mooncake", "auto")])
+def test_backend_stores_a_page_given_as_runs_as_the_concatenated_page(tmp_path, monkeypatch,
+                                                                      backend, checksum):
+    """The scatter/gather entry point the split payload uses: a host page handed over as a
+    tuple of runs is the page of their concatenation (same object bytes, same checksum) and
+    reads back into runs or into one buffer."""
+    table = {**storage_table(tmp_path, backend), "page_bytes": 4096, "checksum": checksum,
+             "fingerprint": "runs", "capacity_pages": 8}
+    with ExitStack() as stack:
+        if backend == "mooncake":
+            pytest.importorskip("mooncake.store")
+            monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+            monkeypatch.setenv("MC_LOG_LEVEL", "ERROR")
+            from pdcache.offload_manager.storage.mooncake_store import LocalMooncakeMaster
+
+            master = stack.enter_context(LocalMooncakeMaster())
+            table.update(mooncake_master=master.address, mooncake_segment_bytes=16 << 20,
+                         mooncake_local_buffer_bytes=16 << 20)
+        store = create_backend(StorageConfig.from_mapping(table))
+        stack.callback(store.close)
+        src = torch.randint(0, 256, (8192,), dtype=torch.uint8, generator=torch.Generator().manual_seed(21))
+        runs = (src[5000:6000], src[0:3096])  # out of order and apart
+        whole = torch.cat(runs)
+        by_runs, by_page = bytes(range(32)), bytes(range(1, 33))
+        assert store.put_from([by_runs, by_page], [runs, whole]) == [True, True]
+        for key in (by_runs, by_page):
+            assert store.read_object(key) == encode_object(store.spec, key, "prefill",
+                                                           memoryview(whole.numpy()))
+        into_page, into_runs = torch.zeros(4096, dtype=torch.uint8), torch.zeros_like(src)
+        assert store.get_into([by_runs], [into_page]) == [True]
+        assert torch.equal(into_page, whole)
+        assert store.get_into([by_page], [(into_runs[5000:6000], into_runs[0:3096])]) == [True]
+        assert torch.equal(into_runs[5000:6000], runs[0]) and torch.equal(into_runs[:3096], runs[1])
+        assert not into_runs[3096:5000].any() and not into_runs[6000:].any()
 
 
 def test_split_payload_needs_contiguous_pages(tmp_path):
@@ -518,8 +610,13 @@ def test_bench_runs_and_checks_bytes(tmp_path, capsys):
             "--dir", str(tmp_path), "--json", str(out)]
     assert sglang_plugin_bench.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["path"].split(" ")[0] for r in rows] == ["pdcache", "plugin", "plugin", "plugin"] * 2
-    assert all(r["read_GBps"] > 0 for r in rows)
+    native, parallel, reordered, split, generic = ("pdcache native (", "pdcache native, batch",
+                                                   "plugin v1, payload=pdcache",
+                                                   "plugin v1, payload=split", "plugin flat")
+    expected = [native, parallel, reordered, split, generic] * 2
+    assert [r["path"].startswith(e) for r, e in zip(rows, expected)] == [True] * 10
+    assert all(r["read_GBps"] > 0 and r["read_GBps_med"] > 0 for r in rows)
+    assert all("read_overhead_med" in r and "read_overhead_par" in r for r in rows[2:5])
     assert "SGLang plugin vs native" in capsys.readouterr().out
 
 

@@ -1,23 +1,31 @@
 """`pdcache bench sglang-plugin`: page GB/s through the SGLang plugin beside pdcache natively.
 
-Same run, same backend kind, same bytes: N pages of KV are written and read back
+Same run, same backend kind and settings, same page bytes, same batch sizes: `--pages` pages of
+KV are written and read back in batches of 128 pages (SGLang's STORAGE_BATCH_SIZE; a pdcache
+node's HiCache moves `io_batch_pages` = 64 per backend call, here 128 for both paths)
 
 - natively, as a pdcache node does: `put_from` / `get_into` on views of a pdcache HostKVPool
-  (zero-copy: the host page is the stored payload);
-- through the plugin, as SGLang's HiCache controller does: `batch_set_v1` / `batch_get_v1`
-  with host token indices into an SGLang-layout host pool (page_first by default), in
-  SGLang's batches of 128 pages, once per payload mode: `pdcache` (each page reordered into
-  pdcache's layout through a staging buffer, readable by pdcache nodes) and `split`
-  (zero-copy: K and V runs stored in place as two objects);
+  (zero-copy: the host page is the stored payload), one backend call per batch, in the
+  calling thread;
+- through the plugin, exactly as SGLang's HiCache controller calls it: `batch_set_v1` /
+  `batch_get_v1` with host token indices into an SGLang-layout host pool (page_first by
+  default), once per payload mode: `pdcache` (each page reordered into pdcache's layout
+  through staging buffers, readable by pdcache nodes) and `split` (zero-copy: the page's K and
+  V runs are the stored payload);
 - with `--generic`, through the legacy flat-page API (`batch_get` plus SGLang's own
   `set_from_flat_data_page` scatter, emulated here with a torch copy), for reference.
 
-Native and plugin passes alternate and the best of `--repeat` is kept, so load from other
-processes hits both alike. `overhead` = 1 - plugin GB/s / native GB/s (target <= 10%);
-`cpu_overhead` = plugin CPU seconds / native CPU seconds - 1 (this process, all threads): the
-work the plugin adds, which outside load on a shared machine disturbs far less than wall time.
-Every read is checked byte-exact. Without sglang installed the plugin's implementation
-class (the same code, minus SGLang's abstract base) is used.
+Protocol: one untimed warm-up round, then `--repeat` timed rounds. A round writes fresh keys
+on every path (in an order that rotates per round, so no path is always first), then reads
+them back in the same order, checks every read byte-exact against the source pool (untimed),
+and deletes the round's pages (untimed, so storage and page cache stay the same size). GB/s
+is reported for the best round and the median round; `overhead` = 1 - plugin GB/s / native
+GB/s for the best rounds, `overhead_med` the median over rounds of the same ratio taken within
+a round (adjacent passes, so outside load hits both alike); `cpu_overhead` = plugin CPU
+seconds / native CPU seconds - 1 (this process, all threads, best rounds): the work the plugin
+adds, which outside load disturbs far less than wall time. Target: overhead <= 10%.
+Without sglang installed the plugin's implementation class (the same code, minus SGLang's
+abstract base) is used.
 """
 
 from __future__ import annotations
@@ -25,15 +33,18 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import statistics
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdcache.bench.table import emit
@@ -42,14 +53,18 @@ from pdcache.engine.page_keys import kv_fingerprint
 SGLANG_BATCH_PAGES = 128  # sglang.srt.mem_cache.hicache_storage.STORAGE_BATCH_SIZE
 PAYLOAD_LABELS = {
     "pdcache": "plugin v1, payload=pdcache (reordered, pdcache-readable)",
-    "split": "plugin v1, payload=split (zero-copy K/V objects)",
+    "split": "plugin v1, payload=split (zero-copy, SGLang byte order)",
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+NATIVE = "native"
+NATIVE_PAR = "native_par"
+SHM_DIR = "/dev/shm"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default="hf3fs,file", help="comma-separated: hf3fs,file,mooncake")
-    parser.add_argument("--pages", type=int, default=256, help="pages per pass")
+    parser.add_argument("--pages", type=int, default=512,
+                        help="pages per pass (512 pages of the default 512 KiB: 256 MiB)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -60,16 +75,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SGLang host pool layout")
     parser.add_argument("--payloads", default="pdcache,split",
                         help="plugin payload modes to time (comma-separated)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed passes per path (best kept)")
+    parser.add_argument("--repeat", type=int, default=6,
+                        help="timed rounds (best and median); a multiple of the number of paths "
+                             "puts every path in every position equally often")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--generic", action="store_true",
                         help="also time the flat-page API (batch_get + SGLang's own page scatter)")
-    parser.add_argument("--dir", default=None, help="directory for storage (default: a temp dir)")
+    parser.add_argument("--dir", default=None,
+                        help="directory for storage (default: a temp dir in /dev/shm when it "
+                             "exists, so disk writeback does not time the plugin; else in TMPDIR)")
 
 
-@torch.no_grad()
 def _fill(tensor: torch.Tensor, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    tensor.copy_(torch.randn(tensor.shape, generator=gen, dtype=torch.float32))
+    """Random bytes, fast: a random block of a length no page size divides, tiled, so every
+    page differs (a page landing at the wrong index fails the byte check)."""
+    block = np.random.default_rng(seed).integers(0, 256, (8 << 20) + 4099, dtype=np.uint8)
+    flat = tensor.view(-1).view(torch.uint8).numpy()
+    flat[:] = np.resize(block, flat.size)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
 
 
 class BenchHostPool:
@@ -137,27 +163,36 @@ def _mooncake(name: str, table: dict[str, Any], capacity_bytes: int):
                "mooncake_local_buffer_bytes": 16 << 20}
 
 
-def _best(fn: Callable[[int], None], passes: list[float], index: int) -> None:
-    """Time one pass: wall seconds, and process CPU seconds under the key's "@cpu" twin."""
+def _storage_dir(requested: str | None) -> str | None:
+    if requested is not None:
+        return requested
+    return SHM_DIR if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else None
+
+
+def _timed(fn: Callable[[], None]) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds of all threads) of one pass."""
     start, cpu = time.perf_counter(), time.process_time()
-    fn(index)
-    passes.append((time.perf_counter() - start, time.process_time() - cpu))  # type: ignore[arg-type]
+    fn()
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+def _batches(n: int) -> range:
+    return range(0, n, SGLANG_BATCH_PAGES)
 
 
 class Paths:
-    """The three ways of moving the same pages, each with its own storage and keys per pass."""
+    """Native and per-payload plugin paths, each with its own storage namespace."""
 
     def __init__(self, args: argparse.Namespace, table: dict[str, Any], stack: ExitStack):
-        from pdcache.integrations.sglang import PdcacheStorageImpl, extra_config
+        from pdcache.integrations.sglang import PdcacheStorageImpl, PluginSettings, extra_config
         from pdcache.offload_manager.host_pool import HostKVPool
         from pdcache.offload_manager.storage import create_backend
         from pdcache.offload_manager.storage.config import StorageConfig
 
         dtype, n = DTYPES[args.dtype], args.pages
-        shape = (args.layers, args.page_size, args.kv_heads, args.head_dim)
         self.n, self.page_size = n, args.page_size
-        self.native_src = HostKVPool(n, *shape[:1], args.page_size, *shape[2:], dtype)
-        self.native_dst = HostKVPool(n, *shape[:1], args.page_size, *shape[2:], dtype)
+        host_args = (n, args.layers, args.page_size, args.kv_heads, args.head_dim, dtype)
+        self.native_src, self.native_dst = HostKVPool(*host_args), HostKVPool(*host_args)
         _fill(self.native_src.host_kv, 1)
         self.page_bytes = self.native_src.page_nbytes
         fingerprint = kv_fingerprint("bench/model", args.dtype, args.page_size, args.layers,
@@ -171,142 +206,172 @@ class Paths:
         pool_args = (args.layout, n, args.layers, args.kv_heads, args.head_dim, args.page_size, dtype)
         self.sg_src, self.sg_dst = BenchHostPool(*pool_args), BenchHostPool(*pool_args)
         _fill(self.sg_src.kv_buffer, 2)
-        self.plugins = {}
+        self.plugins: dict[str, Any] = {}
         for payload in args.payloads.split(","):
             ns = {**table, "namespace": f"{table['namespace']}{payload}"}
             config = _sglang_config(extra_config(storage=ns, payload=payload))
             self.plugins[payload] = plugin = PdcacheStorageImpl(config, {})
             plugin.register_mem_pool_host(self.sg_src)
             stack.callback(plugin.close)
-        self.plugin = next(iter(self.plugins.values()))
-        self.native_keys = [[uuid.uuid4().bytes * 2 for _ in range(n)] for _ in range(args.repeat)]
-        self.sg_keys = [[os.urandom(32).hex() for _ in range(n)] for _ in range(args.repeat)]
+        # the plugin spreads a batch over its IO threads: the same, natively, for reference
+        self.threads = PluginSettings.from_extra_config(extra_config(storage=table)).threads
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="bench-native")
+        stack.callback(self.pool.shutdown)
         self.all_indices = torch.arange(n * args.page_size, dtype=torch.int64)
+        self.native_pages = (self.native_src.page_bytes(range(n)),
+                             self.native_dst.page_bytes(range(n)))
+        self.new_keys()
 
-    def _batches(self) -> range:
-        return range(0, self.n, SGLANG_BATCH_PAGES)
+    @property
+    def names(self) -> list[str]:
+        return [NATIVE, NATIVE_PAR, *self.plugins]
 
-    def native_write(self, rep: int) -> None:
-        pages = self.native_src.page_bytes(range(self.n))
-        for s in self._batches():
-            ok = self.native.put_from(self.native_keys[rep][s : s + SGLANG_BATCH_PAGES],
-                                      pages[s : s + SGLANG_BATCH_PAGES])
-            assert all(ok), "native put failed"
+    def new_keys(self) -> None:
+        self.native_keys = [os.urandom(32) for _ in range(self.n)]
+        self.native_par_keys = [os.urandom(32) for _ in range(self.n)]
+        self.sg_keys = [os.urandom(32).hex() for _ in range(self.n)]
 
-    def native_read(self, rep: int) -> None:
-        pages = self.native_dst.page_bytes(range(self.n))
-        for s in self._batches():
-            ok = self.native.get_into(self.native_keys[rep][s : s + SGLANG_BATCH_PAGES],
-                                      pages[s : s + SGLANG_BATCH_PAGES])
-            assert all(ok), "native get missed"
+    def write(self, name: str) -> None:
+        if name in (NATIVE, NATIVE_PAR):
+            pages = self.native_pages[0]
+            return self._native(self.native.put_from, pages, name, "native put failed")
+        return self._plugin(name, self.sg_src, "batch_set_v1")
 
-    def _indices(self, s: int) -> torch.Tensor:
-        end = min(s + SGLANG_BATCH_PAGES, self.n)
-        return self.all_indices[s * self.page_size : end * self.page_size]
+    def read(self, name: str) -> None:
+        if name in (NATIVE, NATIVE_PAR):
+            pages = self.native_pages[1]
+            return self._native(self.native.get_into, pages, name, "native get missed")
+        return self._plugin(name, self.sg_dst, "batch_get_v1")
 
-    def plugin_write(self, payload: str, rep: int) -> None:
+    def _native(self, call: Callable[..., list[bool]], pages: list[torch.Tensor], name: str,
+                err: str) -> None:
+        keys = self.native_keys if name == NATIVE else self.native_par_keys
+        for s in _batches(self.n):
+            end = min(s + SGLANG_BATCH_PAGES, self.n)
+            if name == NATIVE:
+                assert all(call(keys[s:end], pages[s:end])), err
+                continue
+            step = -(-(end - s) // self.threads)  # as the plugin cuts a batch
+            futures = [self.pool.submit(call, keys[c : c + step], pages[c : c + step])
+                       for c in range(s, end, step)]
+            assert all(all(f.result()) for f in futures), err
+
+    def _plugin(self, payload: str, pool: BenchHostPool, method: str) -> None:
         plugin = self.plugins[payload]
-        plugin.mem_pool_host = self.sg_src
-        for s in self._batches():
-            ok = plugin.batch_set_v1(self.sg_keys[rep][s : s + SGLANG_BATCH_PAGES], self._indices(s))
-            assert all(ok), "plugin batch_set_v1 failed"
+        plugin.mem_pool_host = pool
+        call = getattr(plugin, method)
+        for s in _batches(self.n):
+            end = min(s + SGLANG_BATCH_PAGES, self.n)
+            indices = self.all_indices[s * self.page_size : end * self.page_size]
+            assert all(call(self.sg_keys[s:end], indices)), f"plugin {method} ({payload}) failed"
 
-    def plugin_read(self, payload: str, rep: int) -> None:
-        plugin = self.plugins[payload]
-        plugin.mem_pool_host = self.sg_dst
-        for s in self._batches():
-            ok = plugin.batch_get_v1(self.sg_keys[rep][s : s + SGLANG_BATCH_PAGES], self._indices(s))
-            assert all(ok), "plugin batch_get_v1 missed"
-
-    def generic_read(self, rep: int) -> None:
-        pool = self.sg_dst
-        for s in self._batches():
-            keys = self.sg_keys[rep][s : s + SGLANG_BATCH_PAGES]
-            targets = [pool.get_dummy_flat_data_page() for _ in keys]
-            # the first payload's plugin: its pages were written by plugin_write
-            got = self.plugin.batch_get(keys, targets)
+    def generic_read(self) -> None:
+        plugin, pool = next(iter(self.plugins.values())), self.sg_dst
+        for s in _batches(self.n):
+            keys = self.sg_keys[s : s + SGLANG_BATCH_PAGES]
+            got = plugin.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
             assert all(t is not None for t in got), "plugin batch_get missed"
             for j, page in enumerate(got):
                 pool.set_from_flat_data_page((s + j) * self.page_size, page)
 
-    def check(self) -> None:
-        assert torch.equal(self.native_src.host_kv, self.native_dst.host_kv), "native not exact"
-        assert torch.equal(self.sg_src.kv_buffer, self.sg_dst.kv_buffer), "plugin not exact"
+    def clear_destination(self, name: str) -> None:
+        native = name in (NATIVE, NATIVE_PAR)
+        (self.native_dst.host_kv if native else self.sg_dst.kv_buffer).zero_()
+
+    def check(self, name: str) -> None:
+        if name in (NATIVE, NATIVE_PAR):
+            assert _same_bytes(self.native_src.host_kv, self.native_dst.host_kv), "native not exact"
+        else:
+            assert _same_bytes(self.sg_src.kv_buffer, self.sg_dst.kv_buffer), f"{name} not exact"
+
+    def delete(self) -> None:
+        self.native.delete(self.native_keys + self.native_par_keys)
+        for plugin in self.plugins.values():
+            plugin.delete_keys(self.sg_keys)
 
 
-def _measure(paths: Paths, repeat: int, generic: bool) -> dict[str, float]:
-    times: dict[str, list[float]] = {}
-    for rep in range(repeat):  # alternate the paths so outside load hits them alike
-        _best(paths.native_write, times.setdefault("native_write", []), rep)
-        for payload in paths.plugins:
-            write = functools.partial(paths.plugin_write, payload)
-            _best(write, times.setdefault(f"{payload}_write", []), rep)
-    for rep in range(repeat):
-        paths.native_dst.host_kv.zero_()
-        _best(paths.native_read, times.setdefault("native_read", []), rep)
-        for payload in paths.plugins:
-            paths.sg_dst.kv_buffer.zero_()
-            read = functools.partial(paths.plugin_read, payload)
-            _best(read, times.setdefault(f"{payload}_read", []), rep)
-            paths.check()
+Samples = dict[str, list[tuple[float, float]]]  # "{path}_{write|read}" -> [(wall, cpu)] per round
+
+
+def _round(paths: Paths, order: list[str], generic: bool, samples: Samples) -> None:
+    paths.new_keys()
+    for name in order:
+        samples.setdefault(f"{name}_write", []).append(_timed(functools.partial(paths.write, name)))
+    for name in order:
+        paths.clear_destination(name)
+        samples.setdefault(f"{name}_read", []).append(_timed(functools.partial(paths.read, name)))
+        paths.check(name)
     if generic:
-        for rep in range(repeat):
-            paths.sg_dst.kv_buffer.zero_()
-            _best(paths.generic_read, times.setdefault("generic_read", []), rep)
-            paths.check()
-    best = {k: min(wall for wall, _ in v) for k, v in times.items()}  # type: ignore[misc]
-    best.update({f"{k}@cpu": min(cpu for _, cpu in v) for k, v in times.items()})  # type: ignore[misc]
-    return best
+        paths.clear_destination("generic")
+        samples.setdefault("generic_read", []).append(_timed(paths.generic_read))
+        paths.check("generic")
+    paths.delete()
 
 
-def _rows(name: str, nbytes: int, best: dict[str, float]) -> list[dict[str, Any]]:
-    def gbps(key: str) -> float:
-        return nbytes / best[key] / 1e9
+def _measure(paths: Paths, repeat: int, warmup: int, generic: bool) -> Samples:
+    names, samples = paths.names, {}
+    for r in range(warmup + repeat):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        _round(paths, order, generic, samples if r >= warmup else {})
+    return samples
 
-    def overhead(key: str, native: str) -> float:
-        return 1 - gbps(key) / gbps(native)
 
-    def cpu_overhead(key: str, native: str) -> float:
-        return best[f"{key}@cpu"] / best[f"{native}@cpu"] - 1
+def _rows(name: str, nbytes: int, samples: Samples, threads: int) -> list[dict[str, Any]]:
+    def gbps(key: str, pick: Callable[[list[float]], float]) -> float:
+        return nbytes / pick([wall for wall, _ in samples[key]]) / 1e9
 
-    rows = [{"backend": name, "path": "pdcache native (put_from/get_into)",
-             "write_GBps": gbps("native_write"), "read_GBps": gbps("native_read")}]
-    for payload in PAYLOAD_LABELS:
-        write, read = f"{payload}_write", f"{payload}_read"
-        if read in best:
-            rows.append({"backend": name, "path": PAYLOAD_LABELS[payload],
-                         "write_GBps": gbps(write), "read_GBps": gbps(read),
-                         "write_overhead": overhead(write, "native_write"),
-                         "read_overhead": overhead(read, "native_read"),
-                         "write_cpu_overhead": cpu_overhead(write, "native_write"),
-                         "read_cpu_overhead": cpu_overhead(read, "native_read")})
-    if "generic_read" in best:
-        rows.append({"backend": name, "path": "plugin flat pages (batch_get + SGLang scatter)",
-                     "read_GBps": gbps("generic_read"),
-                     "read_overhead": overhead("generic_read", "native_read"),
-                     "read_cpu_overhead": cpu_overhead("generic_read", "native_read")})
+    def overheads(op: str, path: str) -> dict[str, float]:
+        key, native, par = f"{path}_{op}", f"{NATIVE}_{op}", f"{NATIVE_PAR}_{op}"
+        paired = [1 - n / p for (p, _), (n, _) in zip(samples[key], samples[native])]
+        cpu = min(c for _, c in samples[key]) / min(c for _, c in samples[native]) - 1
+        out = {f"{op}_overhead": 1 - gbps(key, min) / gbps(native, min),
+               f"{op}_overhead_med": statistics.median(paired), f"{op}_cpu_overhead": cpu}
+        if par in samples and path != NATIVE_PAR:
+            out[f"{op}_overhead_par"] = 1 - gbps(key, min) / gbps(par, min)
+        return out
+
+    def row(path: str, label: str, ops: tuple[str, ...]) -> dict[str, Any]:
+        out: dict[str, Any] = {"backend": name, "path": label}
+        for op in ops:
+            out[f"{op}_GBps"] = gbps(f"{path}_{op}", min)
+            out[f"{op}_GBps_med"] = gbps(f"{path}_{op}", statistics.median)
+            if path != NATIVE:
+                out.update(overheads(op, path))
+        return out
+
+    rows = [row(NATIVE, "pdcache native (put_from/get_into)", ("write", "read")),
+            row(NATIVE_PAR, f"pdcache native, batch over {threads} threads", ("write", "read"))]
+    rows += [row(p, PAYLOAD_LABELS[p], ("write", "read"))
+             for p in PAYLOAD_LABELS if f"{p}_read" in samples]
+    if "generic_read" in samples:
+        rows.append(row("generic", "plugin flat pages (batch_get + SGLang scatter)", ("read",)))
     return rows
+
+
+COLUMNS = ["backend", "path", "write_GBps", "write_GBps_med", "read_GBps", "read_GBps_med",
+           "write_overhead", "write_overhead_med", "write_overhead_par", "read_overhead",
+           "read_overhead_med", "read_overhead_par", "write_cpu_overhead", "read_cpu_overhead"]
 
 
 def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     itemsize = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
     page_bytes = 2 * args.layers * args.page_size * args.kv_heads * args.head_dim * itemsize
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix="pdcache-sglang-bench-") as tmp:
+    with tempfile.TemporaryDirectory(dir=_storage_dir(args.dir), prefix="pdcache-sglang-bench-") as tmp:
         for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
-            capacity = 2 * args.pages * args.repeat
+            capacity = 2 * args.pages  # each round's pages are deleted before the next
             table = _storage_table(name, Path(tmp), capacity)
             with ExitStack() as stack:
                 table = stack.enter_context(_mooncake(name, table, capacity * page_bytes))
                 paths = Paths(args, table, stack)
-                best = _measure(paths, args.repeat, args.generic)
-            rows += _rows(name, page_bytes * args.pages, best)
-    extra = {"page_bytes": page_bytes, "pages": args.pages, "sglang_layout": args.layout,
-             "dtype": args.dtype, "target": "plugin overhead <= 0.10"}
-    columns = ["backend", "path", "write_GBps", "read_GBps", "write_overhead", "read_overhead",
-               "write_cpu_overhead", "read_cpu_overhead"]
-    emit("SGLang plugin vs native pdcache storage (same backend, same run)", rows,
-         getattr(args, "json_path", None), columns=columns, extra=extra)
+                samples = _measure(paths, args.repeat, args.warmup, args.generic)
+                threads = paths.threads
+            rows += _rows(name, page_bytes * args.pages, samples, threads)
+    extra = {"page_bytes": page_bytes, "pages": args.pages, "batch_pages": SGLANG_BATCH_PAGES,
+             "sglang_layout": args.layout, "dtype": args.dtype, "rounds": args.repeat,
+             "target": "plugin overhead <= 0.10"}
+    emit("SGLang plugin vs native pdcache storage (same backend, same run, same batches)", rows,
+         getattr(args, "json_path", None), columns=COLUMNS, extra=extra)
     return 0
 
 

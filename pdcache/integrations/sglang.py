@@ -33,12 +33,17 @@ Payload (`"payload"` in the extra config).
   2 (K, V), page_size, kv_heads, head_dim]`, MLA `[layers, page_size, 1, kv_cache_dim]`, in the
   KV dtype. A pdcache node reads SGLang's pages straight into its host pool (and the other way
   round), and SGLang nodes with different host layouts share pages. Costs one reordering copy
-  per page through a staging buffer, pipelined against the backend IO (no SGLang host layout
-  keeps a page's K and V in one contiguous run).
-- `"split"`: zero-copy. Each contiguous run of a page in SGLang's pool (K and V for MHA, the
-  page for MLA; host layouts page_first and page_first_direct) is its own stored object, read
-  and written in place, as SGLang's own zero-copy backends do. Pages are shared only between
-  SGLang nodes with the same host layout (the layout is part of the fingerprint).
+  per page through a staging buffer (no SGLang host layout keeps a page's K and V in one run,
+  and the checksum needs the stored bytes in order): a batch is cut into chunks that the IO
+  threads move in parallel, each reordering its chunk and doing its backend IO (numpy's copy,
+  pread/pwrite and the checksum release the GIL), so the copy of one chunk overlaps the IO of
+  another and no stage waits for a pipeline to fill or drain.
+- `"split"`: zero-copy. A page is stored as one object whose payload is the page's contiguous
+  runs in SGLang's pool (K then V for MHA, the page for MLA; host layouts page_first and
+  page_first_direct), read and written in place with scatter/gather IO (preadv/pwritev,
+  Mooncake's multi-buffer transfers; the checksum is computed over the runs in order). Pages
+  are shared only between SGLang nodes with the same host layout (the layout is part of the
+  fingerprint).
 
 Robustness. `batch_get_v1` / `batch_set_v1` never raise and never return None (SGLang's
 prefetch thread dies on either): every failure is a per-key False, logged and counted.
@@ -49,6 +54,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -82,7 +88,7 @@ CLASS_NAME = "PdcacheHiCacheStorage"
 MODULE_PATH = "pdcache.integrations.sglang"
 PAYLOAD_LAYOUT = "page_first"  # pdcache's host page layout, the layout named in fingerprints
 PAYLOADS = ("pdcache", "split")
-CHUNK_BYTES = 8 << 20  # default pages per pipelined chunk: about this many bytes
+CHUNK_BYTES = 8 << 20  # "pdcache" payload: at most about this many bytes per chunk of a batch
 
 # Settings that must be equal on a pdcache node and an SGLang node for them to share pages.
 INTEROP = (
@@ -193,30 +199,41 @@ class PageGeometry:
 
     @property
     def split_pieces(self) -> int:
-        """Contiguous runs per page in the pool (the objects of the "split" payload); 0 when
-        the layout has none (layer_first, page_head)."""
+        """Contiguous runs per page in the pool (K and V for MHA, the page for MLA: the payload
+        of the "split" payload); 0 when the layout has none (layer_first, page_head)."""
         if self.layout not in ("page_first", "page_first_direct"):
             return 0
         return 2 if self.kind == "mha" else 1
 
-    def pool_pieces(self, kv_buffer: torch.Tensor, first_token: int) -> list[torch.Tensor]:
-        """The page's contiguous runs (K then V for MHA) as 1-D uint8 views of the pool."""
-        i, size = first_token, self.page_size
-        if self.kind == "mla":
-            page = kv_buffer[i : i + size] if self.layout == "page_first" else kv_buffer[i // size]
-            return [_bytes_of(page)]
-        if self.layout == "page_first":
-            return [_bytes_of(kv_buffer[0, i : i + size]), _bytes_of(kv_buffer[1, i : i + size])]
-        return [_bytes_of(kv_buffer[0, i // size]), _bytes_of(kv_buffer[1, i // size])]
+    def pool_runs(self, kv_flat: torch.Tensor, first_token: int) -> tuple[torch.Tensor, ...]:
+        """The page's contiguous runs (K then V for MHA) as 1-D uint8 views of the pool.
 
-    def flat_pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        `kv_flat` is the whole kv_buffer as one flat uint8 tensor (`flat_bytes`): slicing it
+        costs a fraction of slicing the N-d buffer, and a batch makes hundreds.
+        """
+        run = self.page_bytes // self.split_pieces
+        if self.layout == "page_first":  # token-major: a page is `page_size` tokens of runs
+            start = first_token * (run // self.page_size)
+        else:  # page_first_direct: a page axis
+            start = (first_token // self.page_size) * run
+        if self.kind == "mla":
+            return (kv_flat[start : start + run],)
+        v_start = start + kv_flat.numel() // 2
+        return kv_flat[start : start + run], kv_flat[v_start : v_start + run]
+
+    def flat_runs(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The same runs of one of SGLang's flat data pages (they are in pool order)."""
-        return list(_bytes_of(flat).chunk(self.split_pieces))
+        return tuple(_bytes_of(flat).chunk(self.split_pieces))
 
 
 def byte_array(tensor: torch.Tensor) -> np.ndarray:
     """A CPU tensor whose last dim is contiguous as a numpy uint8 array (no copy)."""
     return tensor.view(torch.uint8).numpy()
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor as one flat uint8 tensor (no copy); raises if not contiguous."""
+    return tensor.view(-1).view(torch.uint8)
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -248,6 +265,7 @@ class PluginSettings:
     key_namespace: str = ""  # extra tenant namespace salted into every key (deployment-wide)
     payload: str = "pdcache"  # "pdcache": pdcache's page layout; "split": zero-copy K/V objects
     allow_clear: bool = False  # let SGLang's clear-storage admin call empty the shared namespace
+    io_threads: int = 0  # threads moving chunks of a batch; 0: min(4, CPU count), at least 2
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PluginSettings:
@@ -272,8 +290,15 @@ class PluginSettings:
         if payload not in PAYLOADS:
             raise ValueError(f"pdcache plugin: payload must be one of {PAYLOADS}, got {payload!r}")
         allow_clear = bool(extra.get("allow_clear", False))
+        threads = int(extra.get("io_threads", 0))
+        if threads < 0:
+            raise ValueError(f"pdcache plugin: io_threads must be >= 0, got {threads}")
         return cls(table, extra.get("model_name"), origin, chunk, timeout, namespace, payload,
-                   allow_clear)
+                   allow_clear, threads)
+
+    @property
+    def threads(self) -> int:
+        return self.io_threads or max(2, min(4, os.cpu_count() or 2))
 
 
 _TOPOLOGY_ONLY = {"metadata_service", "start_master", "metrics_port"}
@@ -343,8 +368,18 @@ def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src)
 
 
+class StagingBuffer:
+    """`pages` contiguous page slots: the tensor, its rows (the host pages handed to the
+    backend) and the same memory as a numpy array (for the reordering copies)."""
+
+    def __init__(self, pages: int, page_bytes: int) -> None:
+        self.tensor = torch.empty((pages, page_bytes), dtype=torch.uint8)
+        self.rows = list(self.tensor)
+        self.array = self.tensor.numpy()
+
+
 class StagingBuffers:
-    """Reusable contiguous page buffers (one per concurrent batch chunk; a few are kept).
+    """Reusable staging buffers (one per chunk in flight; `keep` are kept).
 
     Reuse matters twice: fresh memory costs a page fault per 4 KiB on first touch, and the
     mooncake backend registers each buffer once on first use.
@@ -352,19 +387,31 @@ class StagingBuffers:
 
     def __init__(self, pages: int, page_bytes: int, keep: int = 8) -> None:
         self.pages, self.page_bytes, self.keep = pages, page_bytes, keep
-        self._free: list[torch.Tensor] = []
+        self._free: list[StagingBuffer] = []
         self._lock = threading.Lock()
 
-    def acquire(self) -> torch.Tensor:
+    def acquire(self) -> StagingBuffer:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return torch.empty((self.pages, self.page_bytes), dtype=torch.uint8)
+        return StagingBuffer(self.pages, self.page_bytes)
 
-    def release(self, buffer: torch.Tensor) -> None:
+    def release(self, buffer: StagingBuffer) -> None:
         with self._lock:
             if len(self._free) < self.keep:
                 self._free.append(buffer)
+
+
+@dataclass
+class Chunk:
+    """Pages of one batch that one IO thread moves: their positions in the batch and storage
+    keys. A thread that starts or finishes after the caller stopped waiting (`abandoned`, set
+    under `lock`) leaves the host pool alone: SGLang may already reuse those host pages."""
+
+    todo: list[int]
+    keys: list[bytes]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    abandoned: bool = False
 
 
 # --------------------------------------------------------------------------- the backend
@@ -391,7 +438,6 @@ class PdcacheStorageImpl:
         self.salt = b""
         self.fingerprint = ""
         self.split = False
-        self.pieces = 1
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -410,19 +456,20 @@ class PdcacheStorageImpl:
         from pdcache.offload_manager.storage.config import StorageConfig
 
         self.split = self.settings.payload == "split"
-        self.pieces = geometry.split_pieces if self.split else 1
-        if self.split and not self.pieces:
+        if self.split and not geometry.split_pieces:
             raise ValueError(f"pdcache plugin: payload 'split' needs host layout page_first or "
                              f"page_first_direct, not {geometry.layout!r}")
         self.fingerprint = self.identity.fingerprint(geometry, self.settings.payload)
-        table = {**self.settings.storage, "page_bytes": geometry.page_bytes // self.pieces,
+        table = {**self.settings.storage, "page_bytes": geometry.page_bytes,
                  "fingerprint": self.fingerprint, "num_layers": geometry.layer_num,
                  "page_size": geometry.page_size, "dtype": dtype_name(geometry.dtype)}
         config = self._private_files(StorageConfig.from_mapping(table))
         self.salt = make_salt(self.fingerprint, self.settings.key_namespace)
         chunk = max(1, min(128, self.settings.chunk_bytes // geometry.page_bytes))
-        self.staging = StagingBuffers(chunk, geometry.page_bytes)
-        self._io = ThreadPoolExecutor(4, thread_name_prefix="pdcache-sglang-io")
+        threads = self.settings.threads
+        self.staging = StagingBuffers(chunk, geometry.page_bytes, keep=2 * threads)
+        self._io = ThreadPoolExecutor(threads, thread_name_prefix="pdcache-sglang-io")
+        self._threads = threads
         self.storage_config = config
         self.geometry = geometry
         self.backend = create_backend(config)
@@ -491,10 +538,7 @@ class PdcacheStorageImpl:
         try:
             derived = self.storage_keys(keys)
             valid = derived.index(None) if None in derived else len(derived)
-            if not self.split:
-                return self.backend.exists_prefix(derived[:valid]) if valid else 0
-            pieces = self._piece_keys(keys[:valid])
-            return self.backend.exists_prefix(pieces) // self.pieces if valid else 0
+            return self.backend.exists_prefix(derived[:valid]) if valid else 0
         except Exception:
             log.exception("pdcache plugin: batch_exists failed")
             self._count("errors")
@@ -589,122 +633,118 @@ class PdcacheStorageImpl:
     # ---- page movement -------------------------------------------------------------------
 
     def _pool_targets(self, firsts: list[int]) -> list[Any]:
-        """Per page: its canonical view ("pdcache") or its contiguous runs ("split")."""
+        """Per page: its canonical view ("pdcache") or its tuple of contiguous runs ("split")."""
         kv, geometry = self.mem_pool_host.kv_buffer, self.geometry
         if self.split:
-            return [geometry.pool_pieces(kv, t) for t in firsts]  # type: ignore[union-attr]
+            kv_flat = flat_bytes(kv)
+            return [geometry.pool_runs(kv_flat, t) for t in firsts]  # type: ignore[union-attr]
         kv_bytes = byte_array(kv)
         return [geometry.pool_page(kv_bytes, t) for t in firsts]  # type: ignore[union-attr]
 
     def _flat_targets(self, flats: Sequence[torch.Tensor]) -> list[Any]:
         if self.split:
-            return [self.geometry.flat_pieces(f) for f in flats]  # type: ignore[union-attr]
+            return [self.geometry.flat_runs(f) for f in flats]  # type: ignore[union-attr]
         return [self.geometry.flat_page(f) for f in flats]  # type: ignore[union-attr]
 
+    # A batch is cut into chunks, one per IO thread (at most `staging.pages` pages for the
+    # "pdcache" payload), moved in parallel: a batch takes about 1/threads of the time when
+    # storage is not the bottleneck. "split": each thread reads/writes its pages' runs in the
+    # pool in place. "pdcache": each thread reorders its chunk between the host pool and its
+    # own staging buffer and does the chunk's backend IO, so one chunk's copy overlaps
+    # another's IO (numpy copies, pread/pwrite and the checksum release the GIL), with no
+    # pipeline to fill or drain.
+
     def _read(self, keys: Sequence[str], targets: list[Any]) -> list[bool]:
-        return self._move_split(keys, targets, True) if self.split else self._read_pages(keys, targets)
+        work = self._read_runs if self.split else self._read_chunk
+        return self._move_chunks(keys, targets, work, "pages_read")
 
     def _write(self, keys: Sequence[str], targets: list[Any]) -> list[bool]:
-        return self._move_split(keys, targets, False) if self.split else self._write_pages(keys, targets)
+        work = self._write_runs if self.split else self._write_chunk
+        return self._move_chunks(keys, targets, work, "pages_written")
 
-    def _piece_keys(self, keys: Sequence[str]) -> list[bytes]:
-        """Storage keys of every run of every page, page-major (valid keys only)."""
-        return [derive_storage_key(self.salt, k, piece) for k in keys for piece in range(self.pieces)]
-
-    def _move_split(self, keys: Sequence[str], targets: list[Any], read: bool) -> list[bool]:
-        """Zero-copy: the backend reads/writes each contiguous run of the pool directly."""
+    def _chunks(self, keys: Sequence[str]) -> list[Chunk]:
         derived = self.storage_keys(keys)
         valid = [i for i, k in enumerate(derived) if k is not None]
-        piece_keys = self._piece_keys([keys[i] for i in valid])
-        runs = [run for i in valid for run in targets[i]]
-        if read:
-            future = self._io.submit(self.backend.get_into, piece_keys, runs)
-        else:
-            future = self._io.submit(self.backend.put_from, piece_keys, runs, self.settings.origin)
-        done = self._outcome(future, len(piece_keys), "get_into" if read else "put_from")
-        results = [False] * len(keys)
-        for n, i in enumerate(valid):
-            results[i] = all(done[n * self.pieces : (n + 1) * self.pieces])
-        self._count("pages_read" if read else "pages_written", sum(results))
-        return results
-    # A batch moves in chunks of `staging.pages` pages, pipelined: the calling thread reorders
-    # chunk k+1 between the host pool and a staging buffer while an IO worker moves chunk k
-    # to or from storage (numpy copies, pwrite/pread and CRC-32 all release the GIL).
-
-    def _chunks(self, keys: Sequence[str]) -> list[tuple[list[int], list[bytes]]]:
-        derived = self.storage_keys(keys)
-        valid = [i for i, k in enumerate(derived) if k is not None]
-        step = self.staging.pages
-        return [(valid[s : s + step], [derived[i] for i in valid[s : s + step]])  # type: ignore[misc]
+        step = -(-len(valid) // self._threads)
+        if not self.split:
+            step = min(step, self.staging.pages)
+        return [Chunk(valid[s : s + step], [derived[i] for i in valid[s : s + step]])  # type: ignore[misc]
                 for s in range(0, len(valid), step)]
 
-    def _read_pages(self, keys: Sequence[str], views: Sequence[np.ndarray]) -> list[bool]:
+    def _move_chunks(self, keys: Sequence[str], targets: Sequence[Any], work: Any,
+                     counter: str) -> list[bool]:
         results = [False] * len(keys)
         chunks = self._chunks(keys)
-        pending = self._submit_read(chunks[0]) if chunks else None
-        for k in range(len(chunks)):
-            current = pending
-            pending = self._submit_read(chunks[k + 1]) if k + 1 < len(chunks) else None
-            self._finish_read(chunks[k][0], views, results, *current)  # type: ignore[misc]
-        return results
-
-    def _submit_read(self, chunk: tuple[list[int], list[bytes]]) -> tuple[Future, torch.Tensor]:
-        buffer = self.staging.acquire()
-        pages = list(buffer[: len(chunk[1])])
-        return self._io.submit(self.backend.get_into, chunk[1], pages), buffer
-
-    def _finish_read(self, todo: list[int], views: Sequence[np.ndarray], results: list[bool],
-                     future: Future, buffer: torch.Tensor) -> None:
-        try:
-            found = self._outcome(future, len(todo), "get_into")
-            staged = buffer.numpy()
-            for j, (i, ok) in enumerate(zip(todo, found)):
-                if ok:
-                    copy_bytes(views[i], self.geometry.stored(staged[j]))  # type: ignore[union-attr]
-                    results[i] = True
-            self._count("pages_read", sum(found))
-        finally:
-            self._release(future, buffer)
-
-    def _write_pages(self, keys: Sequence[str], views: Sequence[np.ndarray]) -> list[bool]:
-        results = [False] * len(keys)
-        pending: tuple[list[int], Future, torch.Tensor] | None = None
-        for todo, derived in self._chunks(keys):
-            buffer = self.staging.acquire()
-            staged = buffer.numpy()
-            for j, i in enumerate(todo):
-                copy_bytes(self.geometry.stored(staged[j]), views[i])  # type: ignore[union-attr]
-            pages = list(buffer[: len(todo)])
-            future = self._io.submit(self.backend.put_from, derived, pages, self.settings.origin)
-            if pending is not None:
-                self._finish_write(results, *pending)
-            pending = (todo, future, buffer)
-        if pending is not None:
-            self._finish_write(results, *pending)
-        return results
-
-    def _finish_write(self, results: list[bool], todo: list[int], future: Future,
-                      buffer: torch.Tensor) -> None:
-        try:
-            stored = self._outcome(future, len(todo), "put_from")
-            for i, ok in zip(todo, stored):
+        futures = [self._io.submit(work, chunk, targets) for chunk in chunks]
+        failed = 0
+        for chunk, future in zip(chunks, futures):
+            done, chunk_failed = self._outcome(future, len(chunk.todo), work.__name__, chunk)
+            failed += chunk_failed
+            for i, ok in zip(chunk.todo, done):
                 results[i] = ok
-            self._count("pages_written", sum(stored))
-        finally:
-            self._release(future, buffer)
+            self._count(counter, sum(done))
+        self._count("errors", min(failed, 1))  # one per failed SGLang call
+        return results
 
-    def _release(self, future: Future, buffer: torch.Tensor) -> None:
-        if future.done():  # a call still running past its deadline keeps its buffer
+    def _read_runs(self, chunk: Chunk, runs: Sequence[tuple[torch.Tensor, ...]]) -> list[bool]:
+        """IO thread, "split": read a chunk's pages straight into their runs in the pool.
+
+        Zero-copy has no staging to hold back: a read still running past the caller's deadline
+        lands in the pool (as with SGLang's own zero-copy backends)."""
+        if chunk.abandoned:
+            return [False] * len(chunk.todo)
+        return list(self.backend.get_into(chunk.keys, [runs[i] for i in chunk.todo]))
+
+    def _write_runs(self, chunk: Chunk, runs: Sequence[tuple[torch.Tensor, ...]]) -> list[bool]:
+        """IO thread, "split": store a chunk's pages from their runs in the pool."""
+        if chunk.abandoned:  # queued past the deadline: the pool may hold other pages by now
+            return [False] * len(chunk.todo)
+        pages = [runs[i] for i in chunk.todo]
+        return list(self.backend.put_from(chunk.keys, pages, self.settings.origin))
+
+    def _read_chunk(self, chunk: Chunk, views: Sequence[np.ndarray]) -> list[bool]:
+        """IO thread: read a chunk into staging, then reorder its hits into the host pool."""
+        buffer = self.staging.acquire()
+        try:
+            found = self.backend.get_into(chunk.keys, buffer.rows[: len(chunk.keys)])
+            stored = self.geometry.stored  # type: ignore[union-attr]
+            with chunk.lock:
+                if chunk.abandoned:
+                    return [False] * len(chunk.todo)
+                for j, (i, ok) in enumerate(zip(chunk.todo, found)):
+                    if ok:
+                        copy_bytes(views[i], stored(buffer.array[j]))
+            return list(found)
+        finally:
             self.staging.release(buffer)
 
-    def _outcome(self, future: Future, count: int, what: str) -> list[bool]:
-        """The backend's per-page results; all False (logged, counted) if the call raised."""
+    def _write_chunk(self, chunk: Chunk, views: Sequence[np.ndarray]) -> list[bool]:
+        """IO thread: reorder a chunk's host pages into staging, then store them."""
+        buffer = self.staging.acquire()
         try:
-            return list(future.result(timeout=self.settings.io_timeout_s))
+            stored = self.geometry.stored  # type: ignore[union-attr]
+            with chunk.lock:
+                if chunk.abandoned:
+                    return [False] * len(chunk.todo)
+                for j, i in enumerate(chunk.todo):
+                    copy_bytes(stored(buffer.array[j]), views[i])
+            pages = buffer.rows[: len(chunk.keys)]
+            return list(self.backend.put_from(chunk.keys, pages, self.settings.origin))
+        finally:
+            self.staging.release(buffer)
+
+    def _outcome(self, future: Future, count: int, what: str,
+                 chunk: Chunk | None = None) -> tuple[list[bool], int]:
+        """(per-page results, 0), or (all False, 1), logged, if the call raised or ran past
+        `io_timeout_s` (then its chunk is abandoned: it no longer touches the host pool)."""
+        try:
+            return list(future.result(timeout=self.settings.io_timeout_s)), 0
         except Exception:
             log.exception("pdcache plugin: backend %s failed for %d pages", what, count)
-            self._count("errors")
-            return [False] * count
+            if chunk is not None:
+                with chunk.lock:
+                    chunk.abandoned = True
+            return [False] * count, 1
 
     # ---- maintenance ---------------------------------------------------------------------
 

@@ -3,7 +3,10 @@
 A page is the payload of one host page in page-first order (`host_kv[p]` flattened to bytes);
 backends wrap it in the stored page object of §4.3 (header + checksum) and verify it on read.
 Host pages are passed as 1-D contiguous uint8 CPU tensors (views into the host pool), so
-zero-copy backends can use their `data_ptr()` with memory registered once.
+zero-copy backends can use their `data_ptr()` with memory registered once. A host page may
+also be a tuple of such tensors, its runs (scatter/gather, e.g. the K and V runs of a page in
+an SGLang host pool): the payload is their concatenation, in order, and the stored object is
+byte-identical to that of the concatenated page (`page_format.HostPage`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-import torch
+from pdcache.offload_manager.storage.page_format import HostPage
 
 
 class StorageBackend(ABC):
@@ -29,7 +32,7 @@ class StorageBackend(ABC):
     def get_into(
         self,
         keys: Sequence[bytes],
-        host_pages: Sequence[torch.Tensor],
+        host_pages: Sequence[HostPage],
         origins: list[str | None] | None = None,
     ) -> list[bool]:
         """Read each page into its host buffer; False for a miss, a corrupt or foreign page.
@@ -40,7 +43,7 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def put_from(
-        self, keys: Sequence[bytes], host_pages: Sequence[torch.Tensor], origin: str = "prefill"
+        self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill"
     ) -> list[bool]:
         """Store each page (skipping keys already present, which count as True).
 

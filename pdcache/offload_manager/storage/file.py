@@ -26,9 +26,11 @@ from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.config import StorageConfig
 from pdcache.offload_manager.storage.page_format import (
     HEADER_BYTES,
+    HostPage,
     Verdict,
-    byte_view,
     encode_header,
+    payload_nbytes,
+    payload_views,
     verify_page,
 )
 from pdcache.offload_manager.storage.stats import RateLimitedLog, StorageCounters
@@ -90,7 +92,7 @@ class FileBackend(StorageBackend):
     def get_into(
         self,
         keys: Sequence[bytes],
-        host_pages: Sequence[torch.Tensor],
+        host_pages: Sequence[HostPage],
         origins: list[str | None] | None = None,
     ) -> list[bool]:
         if len(keys) != len(host_pages):
@@ -101,7 +103,7 @@ class FileBackend(StorageBackend):
         return [origin is not None for origin in found]
 
     def put_from(
-        self, keys: Sequence[bytes], host_pages: Sequence[torch.Tensor], origin: str = "prefill"
+        self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill"
     ) -> list[bool]:
         if len(keys) != len(host_pages):
             raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
@@ -143,7 +145,7 @@ class FileBackend(StorageBackend):
     def write_object(self, key: bytes, blob: bytes) -> bool:
         """Replace the stored file of `key` with raw bytes (fault tests, repair tools)."""
         try:
-            self._write_atomic(self.page_path(key), blob, memoryview(b""))
+            self._write_atomic(self.page_path(key), blob, [])
         except OSError:
             return False
         self._touch(key)
@@ -151,17 +153,17 @@ class FileBackend(StorageBackend):
 
     # internals
 
-    def _read(self, key: bytes, page: torch.Tensor) -> str | None:
-        payload = byte_view(page)
-        if len(payload) != self.spec.payload_bytes:
+    def _read(self, key: bytes, page: HostPage) -> str | None:
+        payload = payload_views(page)
+        if payload_nbytes(payload) != self.spec.payload_bytes:
             raise ValueError(
-                f"host page of {len(payload)} bytes, store pages are "
+                f"host page of {payload_nbytes(payload)} bytes, store pages are "
                 f"{self.spec.payload_bytes} bytes"
             )
         header = memoryview(bytearray(HEADER_BYTES))
         try:
             with open(self.page_path(key), "rb", buffering=0) as f:
-                nbytes = os.preadv(f.fileno(), [header, payload], 0)
+                nbytes = os.preadv(f.fileno(), [header, *payload], 0)
         except FileNotFoundError:
             self.counters.add("misses")
             return None
@@ -173,16 +175,16 @@ class FileBackend(StorageBackend):
             self.counters.record_failed_read(verdict)
             return None
         self._touch(key)
-        self.counters.add_many(pages_read=1, bytes_read=len(payload))
+        self.counters.add_many(pages_read=1, bytes_read=self.spec.payload_bytes)
         return origin
 
-    def _write(self, key: bytes, page: torch.Tensor, origin: str) -> bool:
+    def _write(self, key: bytes, page: HostPage, origin: str) -> bool:
         path = self.page_path(key)
         if path.exists():
             self.counters.add("pages_skipped")
             self._touch(key)
             return True
-        payload = byte_view(page)
+        payload = payload_views(page)
         header = encode_header(self.spec, key, origin, payload)
         if not self._make_room():
             self.counters.add("full_rejects")
@@ -194,17 +196,17 @@ class FileBackend(StorageBackend):
             self.counters.add("write_errors")
             return False
         self._touch(key)
-        self.counters.add_many(pages_written=1, bytes_written=len(payload))
+        self.counters.add_many(pages_written=1, bytes_written=self.spec.payload_bytes)
         return True
 
-    def _write_atomic(self, path: Path, header: bytes, payload: memoryview) -> None:
+    def _write_atomic(self, path: Path, header: bytes, payload: list[memoryview]) -> None:
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                want = len(header) + len(payload)
-                if os.writev(fd, [header, payload]) != want:
+                want = len(header) + payload_nbytes(payload)
+                if os.writev(fd, [header, *payload]) != want:
                     raise OSError(errno.ENOSPC, "short write")
             finally:
                 os.close(fd)

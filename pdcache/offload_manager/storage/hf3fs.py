@@ -6,8 +6,9 @@ map is a MetadataClient: in-process (rebuilt from the slot headers on open) or t
 `pdcache metadata-server`. Writes are reserve -> write -> commit; a failed write is aborted.
 
 IO engines: `posix` reads with one `preadv` per page straight into the host page (header into
-a small buffer, payload into the page: no extra copy) and verifies the checksum there; works on
-any directory or a 3FS FUSE mount. `usrbio` uses the 3FS native client (`hf3fs_py_usrbio`)
+a small buffer, payload into the page, or into its runs when the page is given as a tuple of
+runs: no extra copy) and verifies the checksum there; works on any directory or a 3FS FUSE
+mount. `usrbio` uses the 3FS native client (`hf3fs_py_usrbio`)
 through a shared-memory iovec and copies into the host page.
 
 Thread-safety: the metadata client and counters lock; file descriptors are only used with
@@ -43,11 +44,13 @@ from pdcache.offload_manager.storage.metadata import (
 )
 from pdcache.offload_manager.storage.page_format import (
     HEADER_BYTES,
+    HostPage,
     PageSpec,
     Verdict,
-    byte_view,
     encode_header,
+    host_page_nbytes,
     parse_header,
+    payload_views,
     verify_page,
 )
 from pdcache.offload_manager.storage.stats import RateLimitedLog, StorageCounters
@@ -60,12 +63,16 @@ R = TypeVar("R")
 
 @dataclass
 class SlotIO:
-    """One page's IO: where (fd, offset) and the buffers (header, payload)."""
+    """One page's IO: where (fd, offset) and the buffers (header, payload runs in order)."""
 
     fd: int
     offset: int
     header: memoryview
-    payload: memoryview
+    payload: list[memoryview]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(part) for part in self.payload)
 
 
 class IoEngine(ABC):
@@ -123,7 +130,7 @@ class PosixEngine(IoEngine):
     @staticmethod
     def _one(op: Callable[..., int], req: SlotIO) -> int:
         try:
-            return _io_full(op, req.fd, [req.header, req.payload], req.offset)
+            return _io_full(op, req.fd, [req.header, *req.payload], req.offset)
         except OSError as exc:
             return -(exc.errno or errno.EIO)
 
@@ -177,7 +184,7 @@ class UsrbioEngine(IoEngine):
     def _submit(self, ring: Any, chunk: Sequence[SlotIO], for_read: bool) -> list[int]:
         for i, req in enumerate(chunk):
             base = i * self._slot_bytes
-            length = len(req.header) + len(req.payload)
+            length = len(req.header) + req.payload_bytes
             ring.prepare(self._iov[base : base + length], for_read, req.fd, req.offset, userdata=i)
         done = [-errno.EIO] * len(chunk)
         for result in ring.submit().wait(min_results=len(chunk)):
@@ -188,14 +195,21 @@ class UsrbioEngine(IoEngine):
         buf = self._shm.buf[i * self._slot_bytes : i * self._slot_bytes + nbytes]
         head = min(nbytes, len(req.header))
         req.header[:head] = buf[:head]
-        if nbytes > head:
-            req.payload[: nbytes - head] = buf[head:nbytes]
+        start = head
+        for part in req.payload:
+            count = min(len(part), nbytes - start)
+            if count <= 0:
+                break
+            part[:count] = buf[start : start + count]
+            start += count
 
     def _copy_in(self, i: int, req: SlotIO) -> None:
         base = i * self._slot_bytes
         self._shm.buf[base : base + len(req.header)] = req.header
         start = base + len(req.header)
-        self._shm.buf[start : start + len(req.payload)] = req.payload
+        for part in req.payload:
+            self._shm.buf[start : start + len(part)] = part
+            start += len(part)
 
     def close(self) -> None:
         for fd in self._fds:
@@ -313,7 +327,7 @@ class Hf3fsBackend(StorageBackend):
     def get_into(
         self,
         keys: Sequence[bytes],
-        host_pages: Sequence[torch.Tensor],
+        host_pages: Sequence[HostPage],
         origins: list[str | None] | None = None,
     ) -> list[bool]:
         self._check_batch(keys, host_pages)
@@ -336,7 +350,7 @@ class Hf3fsBackend(StorageBackend):
         return results
 
     def put_from(
-        self, keys: Sequence[bytes], host_pages: Sequence[torch.Tensor], origin: str = "prefill"
+        self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill"
     ) -> list[bool]:
         self._check_batch(keys, host_pages)
         try:
@@ -366,7 +380,7 @@ class Hf3fsBackend(StorageBackend):
             # Invalidate the header first so a header scan can never resurrect the page.
             zero = memoryview(bytearray(HEADER_BYTES))
             self.engine.write_batch(
-                [SlotIO(*self._where(s), zero, memoryview(b"")) for _, s in live]
+                [SlotIO(*self._where(s), zero, []) for _, s in live]
             )
             freed = self.metadata.delete([k for k, _ in live])
         except MetadataUnavailable:
@@ -446,13 +460,13 @@ class Hf3fsBackend(StorageBackend):
         nfiles = len(self._fds)
         return self._fds[slot % nfiles], (slot // nfiles) * self.slot_bytes
 
-    def _check_batch(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> None:
+    def _check_batch(self, keys: Sequence[bytes], pages: Sequence[HostPage]) -> None:
         if len(keys) != len(pages):
             raise ValueError(f"{len(keys)} keys but {len(pages)} host pages")
         for page in pages:
-            if page.numel() != self.spec.payload_bytes:
+            if host_page_nbytes(page) != self.spec.payload_bytes:
                 raise ValueError(
-                    f"host page of {page.numel()} bytes, store pages are "
+                    f"host page of {host_page_nbytes(page)} bytes, store pages are "
                     f"{self.spec.payload_bytes} bytes"
                 )
 
@@ -473,14 +487,14 @@ class Hf3fsBackend(StorageBackend):
         idxs: list[int],
         keys: Sequence[bytes],
         slots: Sequence[int | None],
-        pages: Sequence[torch.Tensor],
+        pages: Sequence[HostPage],
     ) -> list[str | None]:
         """Read pages `idxs` into their host pages and verify them: origin, or None."""
         reqs = []
         for i in idxs:
             fd, offset = self._where(slots[i])  # type: ignore[arg-type]
             reqs.append(
-                SlotIO(fd, offset, memoryview(bytearray(HEADER_BYTES)), byte_view(pages[i]))
+                SlotIO(fd, offset, memoryview(bytearray(HEADER_BYTES)), payload_views(pages[i]))
             )
         nbytes = self.engine.read_batch(reqs)
         return [self._verify(keys[i], req, n) for i, req, n in zip(idxs, reqs, nbytes)]
@@ -493,19 +507,19 @@ class Hf3fsBackend(StorageBackend):
         if verdict is not Verdict.OK:
             self.counters.record_failed_read(verdict)
             return None
-        self.counters.add_many(pages_read=1, bytes_read=len(req.payload))
+        self.counters.add_many(pages_read=1, bytes_read=req.payload_bytes)
         return origin
 
     def _write_chunk(
         self,
         items: list[tuple[int, int]],
         keys: Sequence[bytes],
-        pages: Sequence[torch.Tensor],
+        pages: Sequence[HostPage],
         origin: str,
     ) -> list[bool]:
         reqs = []
         for i, slot in items:
-            payload = byte_view(pages[i])
+            payload = payload_views(pages[i])
             header = memoryview(encode_header(self.spec, keys[i], origin, payload))
             reqs.append(SlotIO(*self._where(slot), header, payload))
         nbytes = self.engine.write_batch(reqs)

@@ -39,9 +39,12 @@ from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.config import StorageConfig
 from pdcache.offload_manager.storage.page_format import (
     HEADER_BYTES,
+    HostPage,
     Verdict,
     byte_view,
     encode_header,
+    host_page_nbytes,
+    payload_views,
     verify_page,
 )
 from pdcache.offload_manager.storage.stats import RateLimitedLog, StorageCounters
@@ -119,15 +122,21 @@ class MooncakeStoreBackend(StorageBackend):
     def _covered(self, addr: int, nbytes: int) -> bool:
         return any(lo <= addr and addr + nbytes <= hi for lo, hi in self._regions)
 
-    def _page_ptr(self, page: torch.Tensor) -> int:
-        if page.numel() != self.spec.payload_bytes:
+    def _page_buffers(self, header: int, page: HostPage) -> tuple[list[int], list[int]]:
+        """(pointers, sizes) of a stored object: the header slot, then the page or its runs."""
+        if host_page_nbytes(page) != self.spec.payload_bytes:
             raise ValueError(
-                f"host page of {page.numel()} bytes, store pages are {self.spec.payload_bytes}"
+                f"host page of {host_page_nbytes(page)} bytes, store pages are "
+                f"{self.spec.payload_bytes}"
             )
-        byte_view(page)  # validates dtype, shape, device
-        if not self._covered(page.data_ptr(), page.numel()):
-            self.register_host_memory(page)
-        return page.data_ptr()
+        ptrs, sizes = [header], [HEADER_BYTES]
+        for run in page if isinstance(page, tuple) else (page,):
+            byte_view(run)  # validates dtype, shape, device
+            if not self._covered(run.data_ptr(), run.numel()):
+                self.register_host_memory(run)
+            ptrs.append(run.data_ptr())
+            sizes.append(run.numel())
+        return ptrs, sizes
 
     # StorageBackend
 
@@ -148,7 +157,7 @@ class MooncakeStoreBackend(StorageBackend):
     def get_into(
         self,
         keys: Sequence[bytes],
-        host_pages: Sequence[torch.Tensor],
+        host_pages: Sequence[HostPage],
         origins: list[str | None] | None = None,
     ) -> list[bool]:
         if len(keys) != len(host_pages):
@@ -162,7 +171,7 @@ class MooncakeStoreBackend(StorageBackend):
         return [origin is not None for origin in found]
 
     def put_from(
-        self, keys: Sequence[bytes], host_pages: Sequence[torch.Tensor], origin: str = "prefill"
+        self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill"
     ) -> list[bool]:
         if len(keys) != len(host_pages):
             raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
@@ -246,16 +255,15 @@ class MooncakeStoreBackend(StorageBackend):
             return None
         return result
 
-    def _get_chunk(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[str | None]:
-        page_bytes = self.spec.payload_bytes
+    def _get_chunk(self, keys: Sequence[bytes], pages: Sequence[HostPage]) -> list[str | None]:
         with self._lock:
-            ptrs = [[self._headers[j].data_ptr(), self._page_ptr(p)] for j, p in enumerate(pages)]
+            buffers = [self._page_buffers(self._headers[j].data_ptr(), p) for j, p in enumerate(pages)]
             okeys = [self._object_key(k) for k in keys]
             codes = self._call(
                 "batch_get_into_multi_buffers",
                 okeys,
-                ptrs,
-                [[HEADER_BYTES, page_bytes]] * len(keys),
+                [ptrs for ptrs, _ in buffers],
+                [sizes for _, sizes in buffers],
             )
             if codes is None:
                 self.counters.add_many(misses=len(keys), read_errors=len(keys))
@@ -264,14 +272,14 @@ class MooncakeStoreBackend(StorageBackend):
                 self._check_read(j, k, p, c) for j, (k, p, c) in enumerate(zip(keys, pages, codes))
             ]
 
-    def _check_read(self, j: int, key: bytes, page: torch.Tensor, code: int) -> str | None:
+    def _check_read(self, j: int, key: bytes, page: HostPage, code: int) -> str | None:
         if code == NOT_FOUND:
             self.counters.add("misses")
             return None
         if code < 0:
             return self._classify_failed_read(key, code)
         header = memoryview(self._headers[j].numpy())
-        verdict, origin = verify_page(self.spec, key, header, byte_view(page), code)
+        verdict, origin = verify_page(self.spec, key, header, payload_views(page), code)
         if verdict is not Verdict.OK:
             self.counters.record_failed_read(verdict)
             return None
@@ -291,7 +299,7 @@ class MooncakeStoreBackend(StorageBackend):
         return None
 
     def _put_chunk(
-        self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], origin: str
+        self, keys: Sequence[bytes], pages: Sequence[HostPage], origin: str
     ) -> list[bool]:
         with self._lock:
             exist = self._call("batch_is_exist", [self._object_key(k) for k in keys])
@@ -309,12 +317,12 @@ class MooncakeStoreBackend(StorageBackend):
         return results
 
     def _write(
-        self, todo: list[int], keys: Sequence[bytes], pages: Sequence[torch.Tensor], origin: str
+        self, todo: list[int], keys: Sequence[bytes], pages: Sequence[HostPage], origin: str
     ) -> list[bool]:
         if not todo:
             return []
         for j in todo:
-            header = encode_header(self.spec, keys[j], origin, byte_view(pages[j]))
+            header = encode_header(self.spec, keys[j], origin, payload_views(pages[j]))
             self._headers[j].numpy()[:] = memoryview(header)
         self._make_room(len(todo))
         codes = self._put_objects(todo, keys, pages)
@@ -329,12 +337,12 @@ class MooncakeStoreBackend(StorageBackend):
         return written
 
     def _put_objects(
-        self, todo: list[int], keys: Sequence[bytes], pages: Sequence[torch.Tensor]
+        self, todo: list[int], keys: Sequence[bytes], pages: Sequence[HostPage]
     ) -> list[int] | None:
         okeys = [self._object_key(keys[j]) for j in todo]
-        ptrs = [[self._headers[j].data_ptr(), self._page_ptr(pages[j])] for j in todo]
-        sizes = [[HEADER_BYTES, self.spec.payload_bytes]] * len(todo)
-        return self._call("batch_put_from_multi_buffers", okeys, ptrs, sizes)
+        buffers = [self._page_buffers(self._headers[j].data_ptr(), pages[j]) for j in todo]
+        return self._call("batch_put_from_multi_buffers", okeys, [p for p, _ in buffers],
+                          [s for _, s in buffers])
 
     def _check_write(self, key: bytes, code: int) -> bool:
         if code != 0:

@@ -10,6 +10,11 @@ Payload checksum: XXH3-64 (package `xxhash`) when installed, else zlib CRC-32; t
 the algorithm, so readers verify pages of either kind. Measured on 512 KiB pages here: XXH3
 about 50 GB/s from cache, CRC-32 2-5 GB/s, i.e. as slow as the page-cache read it verifies,
 which would halve storage read throughput. Both release the GIL on large buffers.
+
+Scatter/gather: a payload may be given as a list of buffers (the runs of a page that is not
+contiguous in host memory, e.g. K and V in an SGLang host pool); the stored object and its
+checksum are exactly those of the runs concatenated in order (checksums are computed
+streaming, run by run), so readers cannot tell the difference.
 """
 
 from __future__ import annotations
@@ -111,6 +116,13 @@ class PageSpec:
         return HEADER_BYTES + self.payload_bytes
 
 
+# A host page as backends accept it: one 1-D contiguous uint8 CPU tensor, or a tuple of them
+# (its runs, scatter/gather: the payload is their concatenation, in order).
+HostPage = torch.Tensor | tuple[torch.Tensor, ...]
+# A payload as the functions below accept it: one buffer, or a list of runs.
+Payload = memoryview | bytes | bytearray | list[memoryview]
+
+
 def byte_view(page: torch.Tensor) -> memoryview:
     """A writable memoryview over a 1-D contiguous uint8 CPU tensor (no copy)."""
     if page.dtype != torch.uint8 or page.dim() != 1 or not page.is_contiguous():
@@ -120,21 +132,57 @@ def byte_view(page: torch.Tensor) -> memoryview:
     return memoryview(page.numpy()).cast("B")
 
 
-def payload_checksum(payload: memoryview | bytes | bytearray, algorithm: str = "crc32") -> int:
+def payload_views(page: HostPage) -> list[memoryview]:
+    """The buffers of a host page (one, or one per run), no copy."""
+    if isinstance(page, tuple):
+        return [byte_view(run) for run in page]
+    return [byte_view(page)]
+
+
+def host_page_nbytes(page: HostPage) -> int:
+    if isinstance(page, tuple):
+        return sum(run.numel() for run in page)
+    return page.numel()
+
+
+def payload_nbytes(payload: Payload) -> int:
+    if isinstance(payload, list):
+        return sum(len(part) for part in payload)
+    return len(payload)
+
+
+def payload_checksum(payload: Payload, algorithm: str = "crc32") -> int:
+    """Checksum of the payload (of its runs concatenated, for a list)."""
     fn = _CHECKSUM_FNS[algorithm]
     if fn is None:
         raise ValueError(f"checksum '{algorithm}' is not available (pip install xxhash)")
-    return fn(payload)
+    if not isinstance(payload, list):
+        return fn(payload)
+    if len(payload) == 1:
+        return fn(payload[0])
+    if algorithm == "crc32":
+        crc = 0
+        for part in payload:
+            crc = zlib.crc32(part, crc)
+        return crc
+    import xxhash
+
+    state = xxhash.xxh3_64()
+    for part in payload:
+        state.update(part)
+    return state.intdigest()
 
 
-def encode_header(spec: PageSpec, key: bytes, origin: str, payload: memoryview) -> bytes:
+def encode_header(spec: PageSpec, key: bytes, origin: str, payload: Payload) -> bytes:
     """The 128-byte header of `payload` stored under `key`."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"page keys are {KEY_BYTES} bytes, got {len(key)}")
     if origin not in ORIGINS:
         raise ValueError(f"origin must be one of {ORIGINS}, got '{origin}'")
-    if len(payload) != spec.payload_bytes:
-        raise ValueError(f"payload is {len(payload)} bytes, the store expects {spec.payload_bytes}")
+    if payload_nbytes(payload) != spec.payload_bytes:
+        raise ValueError(
+            f"payload is {payload_nbytes(payload)} bytes, the store expects {spec.payload_bytes}"
+        )
     body = _BODY.pack(
         MAGIC,
         FORMAT_VERSION,
@@ -188,7 +236,7 @@ def parse_header(spec: PageSpec, header: memoryview | bytes) -> tuple[Verdict, H
 
 
 def verify_page(
-    spec: PageSpec, key: bytes, header: memoryview | bytes, payload: memoryview, nbytes: int
+    spec: PageSpec, key: bytes, header: memoryview | bytes, payload: Payload, nbytes: int
 ) -> tuple[Verdict, str | None]:
     """Verify a page read into (`header`, `payload`); `nbytes` is how many bytes were read.
 
@@ -208,6 +256,7 @@ def verify_page(
     return Verdict.OK, info.origin
 
 
-def encode_object(spec: PageSpec, key: bytes, origin: str, payload: memoryview) -> bytes:
+def encode_object(spec: PageSpec, key: bytes, origin: str, payload: Payload) -> bytes:
     """`header || payload` as one bytes object (tools and tests; backends avoid the copy)."""
-    return encode_header(spec, key, origin, payload) + bytes(payload)
+    body = b"".join(payload) if isinstance(payload, list) else bytes(payload)
+    return encode_header(spec, key, origin, payload) + body
