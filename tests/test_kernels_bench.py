@@ -4,6 +4,7 @@ the same numbers as the printed tables."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 
 from pdcache.bench import kernel_bench
@@ -42,4 +43,16 @@ def test_kernel_bench_process_clock_runs_single_threaded(tmp_path):
     assert kernel_bench.run(args) == 0
     payload = json.loads((tmp_path / "k.json").read_text())
     assert payload["torch_threads"] == 1 and payload["clock"] == "process"
-    assert {r["backend"] for r in payload["rows"]} == {"torch"}
+    default = {"torch", "numba"} if importlib.util.find_spec("numba") else {"torch"}
+    assert {r["backend"] for r in payload["rows"]} == default
+
+
+def test_numba_rows_are_copies_only_beside_torch(tmp_path):
+    """numba's attention is torch's: with both backends it gets copy rows only."""
+    import pytest
+
+    pytest.importorskip("numba", reason="numba not installed (pip install numba)")
+    assert kernel_bench.run(_args(tmp_path, "--backends", "torch,numba")) == 0
+    payload = json.loads((tmp_path / "k.json").read_text())
+    rows = {(r["kind"], r["backend"]) for r in payload["rows"]}
+    assert rows == {("copy", "torch"), ("copy", "numba"), ("attention", "torch")}

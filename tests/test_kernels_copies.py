@@ -1,16 +1,18 @@
-"""Copy kernels (reference and fast torch) against per-block oracles, byte for byte."""
+"""Copy kernels (reference, fast torch, numba) against per-block oracles, byte for byte."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdcache.kernels import checks, testing
+from pdcache.kernels import checks, dispatch, testing
 from pdcache.kernels.dispatch import KERNEL_BACKENDS, KernelSet
 
-BACKENDS = ["reference", "torch"]
+BACKENDS = ["reference", "torch"] + (["numba"] if importlib.util.find_spec("numba") else [])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -88,8 +90,11 @@ def test_bad_arguments_raise_clear_errors(name, case):
         BAD_CALLS[case](KERNEL_BACKENDS.get(name)(), device_kv, host_kv)
 
 
-def test_dispatch_defaults_to_torch_on_cpu_and_honours_override(monkeypatch):
+def test_dispatch_defaults_on_cpu_and_honours_override(monkeypatch):
     monkeypatch.delenv("PDCACHE_KERNELS", raising=False)
+    want = "numba" if importlib.util.find_spec("numba") else "torch"
+    assert KernelSet().backend_name_for(torch.device("cpu")) == want
+    monkeypatch.setattr(dispatch, "has_numba", lambda: False)
     assert KernelSet().backend_name_for(torch.device("cpu")) == "torch"
     monkeypatch.setenv("PDCACHE_KERNELS", "reference")
     kernels = KernelSet()
@@ -98,6 +103,56 @@ def test_dispatch_defaults_to_torch_on_cpu_and_honours_override(monkeypatch):
     host_kv = torch.zeros(2, 1, 2, 2, 1, 4)
     kernels.device_to_host(device_kv, host_kv, torch.tensor([2]), torch.tensor([1]))
     testing.assert_bytes_equal(host_kv[1], device_kv[:, :, 2], "dispatched copy")
+
+
+def _numba_backend():
+    pytest.importorskip("numba", reason="numba not installed (pip install numba)")
+    return KERNEL_BACKENDS.get("numba")()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_numba_copies_odd_block_sizes_byte_by_byte(dtype):
+    """Blocks whose size is not a multiple of 8 bytes take the byte-wise kernel."""
+    shape = testing.CopyShape(layers=2, device_pages=7, host_pages=6, page_size=1, heads=1,
+                              dim=3, num_pages=4)
+    for seed, layer in ((1, None), (2, 1)):
+        testing.check_copies(_numba_backend(), shape, dtype, seed, layer=layer)
+    testing.check_pack_store(_numba_backend(), shape, dtype, 3)
+
+
+def test_numba_falls_back_for_non_contiguous_pools():
+    backend = _numba_backend()
+    gen = torch.Generator().manual_seed(5)
+    device_kv = testing.random_pool((2, 2, 6, 4, 2, 8), torch.float32, gen)
+    wide = torch.zeros((5, 2, 2, 4, 2, 16))
+    host_kv = wide[..., ::2]  # a strided view: cannot be addressed as flat words
+    dev_ids, host_ids = torch.tensor([4, 0, 3]), torch.tensor([1, 4, 0])
+    backend.device_to_host(device_kv, host_kv, dev_ids, host_ids)
+    expected = torch.zeros((5, 2, 2, 4, 2, 8))
+    KERNEL_BACKENDS.get("reference")().device_to_host(device_kv, expected, dev_ids, host_ids)
+    testing.assert_bytes_equal(host_kv, expected, "strided host pool")
+
+
+def test_numba_copies_from_many_threads_at_once(monkeypatch):
+    """Parallel launches are serialised, never lost or interleaved wrongly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    backend = _numba_backend()
+    monkeypatch.setattr(backend, "PARALLEL_MIN_BYTES", 0)  # every copy takes the parallel loop
+    gen = torch.Generator().manual_seed(9)
+    device_kv = testing.random_pool((4, 2, 64, 16, 2, 16), torch.bfloat16, gen)
+    ids = [testing.random_page_ids(32, 64, gen) for _ in range(8)]
+    hosts = [torch.zeros((32, 4, 2, 16, 2, 16), dtype=torch.bfloat16) for _ in ids]
+
+    def copy(i: int) -> None:
+        for layer in range(4):
+            backend.device_to_host(device_kv, hosts[i], ids[i], torch.arange(32), layer=layer)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(copy, range(8)))
+    for page_ids, host_kv in zip(ids, hosts):
+        testing.assert_bytes_equal(host_kv, device_kv[:, :, page_ids].permute(2, 0, 1, 3, 4, 5),
+                                   "threaded copy")
 
 
 def test_dispatch_rejects_unknown_backend():

@@ -7,12 +7,14 @@ once per layer (the HiCache per-layer load pattern) and count all layers' bytes.
 host pool is pinned CPU memory and its memcpy baseline is the same-direction pinned copy.
 Kernel and memcpy timings are interleaved and the best of `--repeat` is kept for both, so a
 noisy shared machine moves both numbers together; `--clock process` (one thread, CPU time)
-measures the work itself when the machine is oversubscribed.
+measures the work itself when the machine is oversubscribed. On CPU the default backends are
+`torch` and, when installed, `numba` (copies only: its attention is torch's).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import time
 from collections.abc import Callable
@@ -42,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-sizes", type=_int_list, default=[16, 64])
     parser.add_argument("--layers", type=_int_list, default=[8, 32, 64])
     parser.add_argument("--backends", type=_str_list, default=None,
-                        help="comma list of reference,torch,triton (default: cpu -> torch; "
-                             "cuda -> torch,triton)")
+                        help="comma list of reference,torch,numba,triton (default: cpu -> "
+                             "torch,numba; cuda -> torch,triton)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -217,7 +219,8 @@ def attention_rows(setup: Setup, backends: list[str], page_size: int, args: argp
                                               scale=scale, enable_gqa=True)
 
     rows = []
-    for name in backends:
+    # numba's attention is the torch backend's own functions: one row would repeat the other.
+    for name in [b for b in backends if not (b == "numba" and "torch" in backends)]:
         k = KERNEL_BACKENDS.get(name)()
         cases = {
             "decode": (lambda k=k: k.paged_attention_decode(
@@ -239,12 +242,16 @@ def _offset_causal_mask(prefix: int, num_q: int, num_kv: int, device: torch.devi
     return torch.arange(num_kv, device=device)[None, :] <= q_pos
 
 
+def _numba() -> list[str]:
+    return ["numba"] if importlib.util.find_spec("numba") else []
+
+
 def _resolve(args: argparse.Namespace) -> tuple[Setup, list[str]]:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("pdcache bench kernels: --device cuda but torch sees no CUDA device")
     cuda = device.type == "cuda"
-    backends = args.backends or (["torch", "triton"] if cuda else ["torch"])
+    backends = args.backends or (["torch", "triton"] if cuda else ["torch", *_numba()])
     if args.clock == "process" and cuda:
         raise SystemExit("pdcache bench kernels: --clock process measures CPU work; use wall "
                          "time on cuda")

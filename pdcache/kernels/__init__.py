@@ -23,10 +23,12 @@ Functions (all mutate only their destination argument):
   sliding_window=None) -> [B,Hq,D]`
 
 Backends: "reference" (plain torch, defines correctness; tests compare against it), "torch"
-(fast torch: block copies, batched decode; the default on CPU), "triton" (the default when any
-tensor argument is on CUDA and triton is installed; extend and decode attention included).
-The choice is made per call by the devices of the tensors and can be forced with the
-environment variable `PDCACHE_KERNELS=reference|torch|triton` or `KernelSet(name)`.
+(fast torch: block copies, batched decode), "numba" (torch's, with page copies compiled by numba
+into one parallel loop over blocks: the default on CPU when `numba` is installed, else "torch"),
+"triton" (the default when any tensor argument is on CUDA and triton is installed; extend and
+decode attention included). The choice is made per call by the devices of the tensors and can
+be forced with the environment variable `PDCACHE_KERNELS=reference|torch|numba|triton` or
+`KernelSet(name)`.
 On CUDA the triton copies address a host pool directly when it is pinned (`pin_memory()`);
 a pageable host pool falls back to per-page `copy_` (correct, slower).
 `pdcache.kernels.testing` holds the oracles (dense float64 attention, per-block copies).

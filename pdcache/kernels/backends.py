@@ -24,3 +24,11 @@ def triton_backend() -> ModuleType:
     from pdcache.kernels import triton_kernels
 
     return triton_kernels
+
+
+def numba_backend() -> ModuleType:
+    """numba-compiled parallel block copies (the default on CPU when numba is installed);
+    store_kv and attention as the torch backend."""
+    from pdcache.kernels import numba_copies
+
+    return numba_copies

@@ -1,7 +1,8 @@
 """Picks a kernel implementation by device, overridable by `PDCACHE_KERNELS`.
 
-Backends: `reference` (plain torch, defines correctness), `torch` (fast torch, default on CPU),
-`triton` (default on CUDA when triton is installed).
+Backends: `reference` (plain torch, defines correctness), `torch` (fast torch), `numba` (the
+torch backend with numba-compiled parallel page copies: the default on CPU when numba is
+installed, else `torch`), `triton` (default on CUDA when triton is installed).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ KERNEL_BACKENDS: Registry[ModuleType] = Registry("kernel backend")
 KERNEL_BACKENDS.register("reference", "pdcache.kernels.backends:reference_backend")
 KERNEL_BACKENDS.register("torch", "pdcache.kernels.backends:torch_backend")
 KERNEL_BACKENDS.register("triton", "pdcache.kernels.backends:triton_backend", package="triton")
+KERNEL_BACKENDS.register("numba", "pdcache.kernels.backends:numba_backend", package="numba")
 
 ENV_VAR = "PDCACHE_KERNELS"
 
@@ -37,7 +39,8 @@ class KernelSet:
     """Resolves each op to one implementation.
 
     `name=None` reads `PDCACHE_KERNELS`; if that is unset too, each call chooses by the devices
-    of its tensor arguments: triton when any is on CUDA (and triton is installed), else torch.
+    of its tensor arguments: triton when any is on CUDA (and triton is installed), else numba
+    (when installed) or torch.
     Holds only a cache of imported backend modules.
     """
 
@@ -53,7 +56,9 @@ class KernelSet:
     def backend_name_for(self, device: torch.device) -> str:
         if self.name is not None:
             return self.name
-        return "triton" if device.type == "cuda" and has_triton() else "torch"
+        if device.type == "cuda":
+            return "triton" if has_triton() else "torch"
+        return "numba" if has_numba() else "torch"
 
     def backend_for(self, device: torch.device) -> ModuleType:
         name = self.backend_name_for(device)
@@ -84,6 +89,11 @@ def _call_device(args: tuple, kwargs: dict) -> torch.device:
 @functools.lru_cache(maxsize=1)
 def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=1)
+def has_numba() -> bool:
+    return importlib.util.find_spec("numba") is not None
 
 
 @functools.lru_cache(maxsize=1)

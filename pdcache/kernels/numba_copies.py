@@ -1,0 +1,170 @@
+"""CPU page copies compiled with numba (the default on CPU when numba is installed).
+
+Every layout copy is a list of contiguous blocks: one `[S, H, D]` run of K or V of one layer of
+one page, contiguous in every layout (device, host, staging). One compiled loop computes each
+block's offsets from the page ids and copies it with word-sized loads and stores; copies of at
+least `PARALLEL_MIN_BYTES` spread their blocks over threads. Why not torch: a one-layer page of 16 tokens is a 32 KiB
+copy, below torch's intra-op parallelism grain, so torch copies those one at a time on one
+thread (about 0.3 of a two-thread memcpy); here the blocks of one call share all threads.
+
+Same semantics and argument checks as `reference`; `store_kv` and attention are the torch
+backend's. Tensors this path cannot address as flat words (on CUDA, non-contiguous, misaligned)
+go to the torch backend, so every call is correct.
+
+Threads: numba's `workqueue` layer (fork-safe; chosen unless NUMBA_THREADING_LAYER says
+otherwise) does not allow two parallel launches at once, so launches are serialised by a
+process-wide lock; each launch already uses all the threads copying needs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+import numba
+import numpy as np
+import torch
+
+from pdcache.kernels import checks, cpu
+from pdcache.kernels.cpu import (  # noqa: F401  (the rest of the API, re-exported)
+    paged_attention_decode,
+    paged_attention_extend,
+    store_kv,
+)
+
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
+
+# Serialises parallel launches (see the module docstring); holds no data.
+_LAUNCH_LOCK = threading.Lock()
+
+# Below this many bytes a copy runs on the calling thread: a parallel launch costs ~30-100 us.
+PARALLEL_MIN_BYTES = 1 << 20
+
+_WORDS = {8: "int64", 1: "uint8"}
+
+
+def _signature(word: int) -> str:
+    w = _WORDS[word]
+    return f"void({w}[::1], {w}[::1], int64[::1], int64[::1], int64, int64, int64, int64, int64, b1)"
+
+
+@numba.njit(inline="always")
+def _copy_block(device, paged, device_ids, paged_ids, i, first_layer, num_layers, total_layers,
+                pool_pages, block, to_device):  # pragma: no cover (compiled)
+    """Block i of a copy: page i // (2 * num_layers), then layer, then K/V."""
+    per_page = 2 * num_layers
+    page = i // per_page
+    layer = first_layer + (i % per_page) // 2
+    kv = i % 2
+    dev = ((layer * 2 + kv) * pool_pages + device_ids[page]) * block
+    pg = ((paged_ids[page] * total_layers + layer) * 2 + kv) * block
+    if to_device:
+        device[dev : dev + block] = paged[pg : pg + block]
+    else:
+        paged[pg : pg + block] = device[dev : dev + block]
+
+
+# Two functions, not one jitted twice: numba's on-disk cache keys on the function, so a serial
+# and a parallel compile of the same function would load each other's code.
+@numba.njit([_signature(w) for w in _WORDS], nogil=True, cache=True)
+def _copy_pages_serial(device, paged, device_ids, paged_ids, first_layer, num_layers,
+                       total_layers, pool_pages, block, to_device):  # pragma: no cover
+    for i in range(device_ids.shape[0] * 2 * num_layers):
+        _copy_block(device, paged, device_ids, paged_ids, i, first_layer, num_layers,
+                    total_layers, pool_pages, block, to_device)
+
+
+@numba.njit([_signature(w) for w in _WORDS], parallel=True, nogil=True, cache=True)
+def _copy_pages_parallel(device, paged, device_ids, paged_ids, first_layer, num_layers,
+                         total_layers, pool_pages, block, to_device):  # pragma: no cover
+    for i in numba.prange(device_ids.shape[0] * 2 * num_layers):
+        _copy_block(device, paged, device_ids, paged_ids, i, first_layer, num_layers,
+                    total_layers, pool_pages, block, to_device)
+
+
+def _flat_words(t: torch.Tensor, word: int) -> np.ndarray | None:
+    """`t`'s elements as a flat numpy array of `word`-byte integers, or None if not possible."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    if (t.storage_offset() * t.element_size()) % word or (t.numel() * t.element_size()) % word:
+        return None
+    flat = t.view(-1).view(torch.uint8)
+    return (flat.view(torch.int64) if word == 8 else flat).numpy()
+
+
+def _ids(ids: torch.Tensor) -> np.ndarray:
+    return ids.to("cpu", torch.int64).contiguous().numpy()
+
+
+def _copy(device_kv: torch.Tensor, paged: torch.Tensor, device_ids: torch.Tensor,
+          paged_ids: torch.Tensor, layer: int | None, to_device: bool) -> bool:
+    """Copy pages `device_ids` of the device pool to pages `paged_ids` of a page-first buffer
+    (host pool or staging), or back when `to_device`. False (nothing copied) when the tensors
+    cannot be addressed as flat words here."""
+    layers, _, pool_pages = device_kv.shape[:3]
+    block_bytes = math.prod(device_kv.shape[3:]) * device_kv.element_size()
+    word = 8 if block_bytes % 8 == 0 else 1
+    device_words, paged_words = _flat_words(device_kv, word), _flat_words(paged, word)
+    if device_words is None or paged_words is None:
+        return False
+    first, count = (0, layers) if layer is None else (layer, 1)
+    total_bytes = len(device_ids) * 2 * count * block_bytes
+    args = (device_words, paged_words, _ids(device_ids), _ids(paged_ids), first, count, layers,
+            pool_pages, block_bytes // word, to_device)
+    if total_bytes < PARALLEL_MIN_BYTES or torch.get_num_threads() == 1:
+        _copy_pages_serial(*args)
+        return True
+    with _LAUNCH_LOCK:
+        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        _copy_pages_parallel(*args)
+    return True
+
+
+def device_to_host(
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    device_page_ids: torch.Tensor,
+    host_page_ids: torch.Tensor,
+    layer: int | None = None,
+) -> None:
+    op = "device_to_host"
+    checks.check_host_pool(op, host_kv, device_kv, "host_kv")
+    checks.check_layer(op, layer, device_kv)
+    checks.check_page_copy(op, device_page_ids, host_page_ids, device_kv.shape[2], len(host_kv))
+    if not _copy(device_kv, host_kv, device_page_ids, host_page_ids, layer, False):
+        cpu.device_to_host(device_kv, host_kv, device_page_ids, host_page_ids, layer)
+
+
+def host_to_device(
+    host_kv: torch.Tensor,
+    device_kv: torch.Tensor,
+    host_page_ids: torch.Tensor,
+    device_page_ids: torch.Tensor,
+    layer: int | None = None,
+) -> None:
+    op = "host_to_device"
+    checks.check_host_pool(op, host_kv, device_kv, "host_kv")
+    checks.check_layer(op, layer, device_kv)
+    checks.check_page_copy(op, host_page_ids, device_page_ids, len(host_kv), device_kv.shape[2])
+    if not _copy(device_kv, host_kv, device_page_ids, host_page_ids, layer, True):
+        cpu.host_to_device(host_kv, device_kv, host_page_ids, device_page_ids, layer)
+
+
+def pack_pages(device_kv: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor) -> None:
+    op = "pack_pages"
+    checks.check_host_pool(op, staging, device_kv, "staging")
+    checks.check_staging(op, page_ids, device_kv.shape[2], len(staging))
+    staging_ids = torch.arange(len(page_ids))
+    if not _copy(device_kv, staging, page_ids, staging_ids, None, False):
+        cpu.pack_pages(device_kv, page_ids, staging)
+
+
+def unpack_pages(staging: torch.Tensor, device_kv: torch.Tensor, page_ids: torch.Tensor) -> None:
+    op = "unpack_pages"
+    checks.check_host_pool(op, staging, device_kv, "staging")
+    checks.check_staging(op, page_ids, device_kv.shape[2], len(staging))
+    staging_ids = torch.arange(len(page_ids))
+    if not _copy(device_kv, staging, page_ids, staging_ids, None, True):
+        cpu.unpack_pages(staging, device_kv, page_ids)
