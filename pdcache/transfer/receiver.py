@@ -93,6 +93,7 @@ class _RecvRoom:
     result: TransferResult | None = None
     failed_at: float = 0.0  # when decode failed it while prefill might still write
     timed_out: bool = False
+    request_sent: bool = False  # set on the control thread once the RoomRequest left
 
 
 @dataclass
@@ -276,6 +277,7 @@ class KVReceiver:
             return  # aborted before it left
         peer = self._ensure_peer(addr)
         self._send_frame(peer, frame)
+        current.data.request_sent = True
         if peer.ready.is_set() and not peer.error:
             self._advance(room, RoomState.WAITING_FOR_INPUT)
 
@@ -325,8 +327,9 @@ class KVReceiver:
     def _on_register_ack(self, peer: _Peer, msg: RegisterAck) -> None:
         peer.prefill_id, peer.error = msg.prefill_id, msg.error
         peer.ready.set()
+        # Rooms whose request has not left yet advance when it does (`_send_request`).
         mine = self.rooms.select(lambda r: r.data.peer_addr == peer.addr
-                                 and r.state is RoomState.BOOTSTRAPPING)
+                                 and r.state is RoomState.BOOTSTRAPPING and r.data.request_sent)
         for room in mine:
             if msg.error:
                 self._finish(room, RoomState.FAILED, f"prefill {peer.addr} refused: {msg.error}",
