@@ -158,6 +158,27 @@ port = 30000
     assert 'MODEL_PATH="${MODEL_PATH:-/m}"' in rendered
 
 
+def test_key_namespace_reaches_the_plugin_config() -> None:
+    """pdcache nodes salt keys with [cache] key_namespace; the rendered plugin must too."""
+    base = """
+[model]
+path = "/m"
+[storage]
+backend = "file"
+path = "/data/pages"
+[[node]]
+name = "u0"
+role = "unified"
+port = 30000
+"""
+    for cache, want in (("", None), ('[cache]\nkey_scheme = "sglang"\nkey_namespace = "team-a"\n',
+                                    "team-a")):
+        topology = parse_topology(cache + base, "ns.toml")
+        unified = sglang_commands(topology)[0]
+        extra = json.loads(_flag_values(unified.args, "--hicache-storage-backend-extra-config")[0])
+        assert extra.get("key_namespace") == want
+
+
 # ---------------------------------------------------------------------------- running the script
 
 # Stand-ins for the programs the script starts: each records its argv (as bash expanded it) in

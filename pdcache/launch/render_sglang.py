@@ -289,6 +289,8 @@ def plugin_extra_config(topology: Topology, node: NodeSpec, origin: str) -> dict
     }
     if origin != "prefill":
         extra["origin"] = origin
+    if topology.cache.key_namespace:  # pdcache nodes salt their keys with it: so must SGLang
+        extra["key_namespace"] = topology.cache.key_namespace
     return extra
 
 
