@@ -610,7 +610,7 @@ def test_bench_runs_and_checks_bytes(tmp_path, capsys):
             "--dir", str(tmp_path), "--json", str(out)]
     assert sglang_plugin_bench.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
-    native, parallel, reordered, split, generic = ("pdcache native (", "pdcache native, batch",
+    native, parallel, reordered, split, generic = ("native: one call", "native: batch over",
                                                    "plugin v1, payload=pdcache",
                                                    "plugin v1, payload=split", "plugin flat")
     expected = [native, parallel, reordered, split, generic] * 2

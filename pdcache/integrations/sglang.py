@@ -137,9 +137,14 @@ class PageGeometry:
     perm: tuple[int, ...]
     canonical_shape: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def page_bytes(self) -> int:
         return int(np.prod(self.canonical_shape)) * self.dtype.itemsize
+
+    @functools.cached_property
+    def run_bytes(self) -> int:
+        """Bytes of one contiguous run of a page ("split" layouts)."""
+        return self.page_bytes // max(1, self.split_pieces)
 
     @classmethod
     def from_host_pool(cls, pool: Any) -> PageGeometry:
@@ -211,7 +216,7 @@ class PageGeometry:
         `kv_flat` is the whole kv_buffer as one flat uint8 tensor (`flat_bytes`): slicing it
         costs a fraction of slicing the N-d buffer, and a batch makes hundreds.
         """
-        run = self.page_bytes // self.split_pieces
+        run = self.run_bytes
         if self.layout == "page_first":  # token-major: a page is `page_size` tokens of runs
             start = first_token * (run // self.page_size)
         else:  # page_first_direct: a page axis
