@@ -120,6 +120,23 @@ def test_numba_copies_odd_block_sizes_byte_by_byte(dtype):
     testing.check_pack_store(_numba_backend(), shape, dtype, 3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_numba_parallel_loop_matches_oracle(monkeypatch, dtype):
+    backend = _numba_backend()
+    monkeypatch.setattr(backend, "PARALLEL_MIN_BYTES", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for seed, page_size in ((4, 16), (5, 1)):
+            shape = testing.CopyShape(layers=3, device_pages=11, host_pages=9,
+                                      page_size=page_size, heads=2, dim=12, num_pages=7)
+            for layer in (None, 2):
+                testing.check_copies(backend, shape, dtype, seed, layer=layer)
+            testing.check_pack_store(backend, shape, dtype, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_numba_falls_back_for_non_contiguous_pools():
     backend = _numba_backend()
     gen = torch.Generator().manual_seed(5)
@@ -135,10 +152,19 @@ def test_numba_falls_back_for_non_contiguous_pools():
 
 def test_numba_copies_from_many_threads_at_once(monkeypatch):
     """Parallel launches are serialised, never lost or interleaved wrongly."""
-    from concurrent.futures import ThreadPoolExecutor
-
     backend = _numba_backend()
     monkeypatch.setattr(backend, "PARALLEL_MIN_BYTES", 0)  # every copy takes the parallel loop
+    threads = torch.get_num_threads()  # CI runs with OMP_NUM_THREADS=1: one thread is serial
+    torch.set_num_threads(2)
+    try:
+        _copy_from_threads(backend)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _copy_from_threads(backend) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
     gen = torch.Generator().manual_seed(9)
     device_kv = testing.random_pool((4, 2, 64, 16, 2, 16), torch.bfloat16, gen)
     ids = [testing.random_page_ids(32, 64, gen) for _ in range(8)]
