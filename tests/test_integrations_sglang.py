@@ -310,6 +310,8 @@ def test_v1_failures_are_per_key_false_never_none(tmp_path, plugins, monkeypatch
     assert store.batch_set_v1(keys, indices([0, 1])) == [True, True]
     assert store.batch_get_v1(keys, indices([0])) == [False, False]  # wrong index count
     assert store.batch_get_v1(["not-hex", keys[1]], indices([2, 3])) == [False, True]
+    assert store.batch_get_v1(["not-hex"], indices([2])) == [False]  # no valid key: no IO
+    assert store.batch_set_v1(["not-hex"], indices([2])) == [False]
     assert store.batch_exists(["not-hex", keys[1]]) == 0
 
     def broken(*args, **kwargs):

@@ -672,7 +672,7 @@ class PdcacheStorageImpl:
     def _chunks(self, keys: Sequence[str]) -> list[Chunk]:
         derived = self.storage_keys(keys)
         valid = [i for i, k in enumerate(derived) if k is not None]
-        step = -(-len(valid) // self._threads)
+        step = max(1, -(-len(valid) // self._threads))
         if not self.split:
             step = min(step, self.staging.pages)
         return [Chunk(valid[s : s + step], [derived[i] for i in valid[s : s + step]])  # type: ignore[misc]
