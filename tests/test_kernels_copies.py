@@ -137,6 +137,30 @@ def test_numba_parallel_loop_matches_oracle(monkeypatch, dtype):
         torch.set_num_threads(threads)
 
 
+def test_numba_leaves_big_page_views_to_torch(monkeypatch):
+    """Per-layer views of small pages go through the compiled loop; views above torch's grain
+    (here: all layers of a page) go to the torch backend; both land byte-exact."""
+    backend = _numba_backend()
+    torch_calls: list[int | None] = []
+    real = backend.cpu.device_to_host
+
+    def counting(*args, **kwargs):
+        torch_calls.append(args[4] if len(args) > 4 else kwargs.get("layer"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend.cpu, "device_to_host", counting)
+    gen = torch.Generator().manual_seed(3)
+    device_kv = testing.random_pool((8, 2, 6, 16, 8, 64), torch.bfloat16, gen)  # 8192-elem blocks
+    for layer in (1, None):
+        host_kv = torch.zeros((5, 8, 2, 16, 8, 64), dtype=torch.bfloat16)
+        expected = host_kv.clone()
+        ids = (torch.tensor([4, 0, 5]), torch.tensor([2, 4, 0]))
+        backend.device_to_host(device_kv, host_kv, *ids, layer=layer)
+        KERNEL_BACKENDS.get("reference")().device_to_host(device_kv, expected, *ids, layer=layer)
+        testing.assert_bytes_equal(host_kv, expected, f"layer={layer}")
+    assert torch_calls == [None]
+
+
 def test_numba_falls_back_for_non_contiguous_pools():
     backend = _numba_backend()
     gen = torch.Generator().manual_seed(5)

@@ -1,11 +1,14 @@
 """CPU page copies compiled with numba (the default on CPU when numba is installed).
 
+Why: a one-layer page of 16 tokens is a 32 KiB copy, below torch's intra-op grain, so torch
+copies those one at a time on one thread (about 0.3 of a two-thread memcpy).
+
 Every layout copy is a list of contiguous blocks: one `[S, H, D]` run of K or V of one layer of
 one page, contiguous in every layout (device, host, staging). One compiled loop computes each
 block's offsets from the page ids and copies it with word-sized loads and stores; copies of at
-least `PARALLEL_MIN_BYTES` spread their blocks over threads. Why not torch: a one-layer page of 16 tokens is a 32 KiB
-copy, below torch's intra-op parallelism grain, so torch copies those one at a time on one
-thread (about 0.3 of a two-thread memcpy); here the blocks of one call share all threads.
+least `PARALLEL_MIN_BYTES` spread their blocks over threads. Copies whose per-page view exceeds
+torch's intra-op grain (all-layer copies, large pages) go to the torch backend instead: one
+pass per page either way, and torch splits each over its already-running thread pool.
 
 Same semantics and argument checks as `reference`; `store_kv` and attention are the torch
 backend's. Tensors this path cannot address as flat words (on CUDA, non-contiguous, misaligned)
@@ -41,6 +44,10 @@ _LAUNCH_LOCK = threading.Lock()
 
 # Below this many bytes a copy runs on the calling thread: a parallel launch costs ~30-100 us.
 PARALLEL_MIN_BYTES = 1 << 20
+# torch's intra-op grain (at::internal::GRAIN_SIZE): a copy of more elements than this is split
+# over torch's threads. Page views that big are left to torch (as fast serially, faster with
+# threads: no launch).
+TORCH_GRAIN_ELEMS = 32768
 
 _WORDS = {8: "int64", 1: "uint8"}
 
@@ -101,15 +108,18 @@ def _ids(ids: torch.Tensor) -> np.ndarray:
 def _copy(device_kv: torch.Tensor, paged: torch.Tensor, device_ids: torch.Tensor,
           paged_ids: torch.Tensor, layer: int | None, to_device: bool) -> bool:
     """Copy pages `device_ids` of the device pool to pages `paged_ids` of a page-first buffer
-    (host pool or staging), or back when `to_device`. False (nothing copied) when the tensors
-    cannot be addressed as flat words here."""
+    (host pool or staging), or back when `to_device`. False (nothing copied) when the torch
+    backend does it better or the tensors cannot be addressed as flat words here."""
     layers, _, pool_pages = device_kv.shape[:3]
-    block_bytes = math.prod(device_kv.shape[3:]) * device_kv.element_size()
+    block_elems = math.prod(device_kv.shape[3:])
+    first, count = (0, layers) if layer is None else (layer, 1)
+    if 2 * count * block_elems > TORCH_GRAIN_ELEMS:
+        return False  # big page views: torch copies each in one pass, split over its threads
+    block_bytes = block_elems * device_kv.element_size()
     word = 8 if block_bytes % 8 == 0 else 1
     device_words, paged_words = _flat_words(device_kv, word), _flat_words(paged, word)
     if device_words is None or paged_words is None:
         return False
-    first, count = (0, layers) if layer is None else (layer, 1)
     total_bytes = len(device_ids) * 2 * count * block_bytes
     args = (device_words, paged_words, _ids(device_ids), _ids(paged_ids), first, count, layers,
             pool_pages, block_bytes // word, to_device)
