@@ -137,8 +137,7 @@ def test_zmq_transfer_is_noted_not_invented() -> None:
     assert re.search(r"--disaggregation-transfer-backend mooncake", text)
 
 
-def test_file_backend_is_configured_in_the_extra_config() -> None:
-    text = """
+FILE_TOPOLOGY = """
 [model]
 path = "/m"
 [storage]
@@ -149,7 +148,10 @@ name = "u0"
 role = "unified"
 port = 30000
 """
-    topology = parse_topology(text, "file.toml")
+
+
+def test_file_backend_is_configured_in_the_extra_config() -> None:
+    topology = parse_topology(FILE_TOPOLOGY, "file.toml")
     rendered = render_sglang(topology)
     assert "SGLANG_" not in rendered and "MC_FORCE_TCP" not in rendered
     unified = sglang_commands(topology)[0]
@@ -160,20 +162,9 @@ port = 30000
 
 def test_key_namespace_reaches_the_plugin_config() -> None:
     """pdcache nodes salt keys with [cache] key_namespace; the rendered plugin must too."""
-    base = """
-[model]
-path = "/m"
-[storage]
-backend = "file"
-path = "/data/pages"
-[[node]]
-name = "u0"
-role = "unified"
-port = 30000
-"""
     for cache, want in (("", None), ('[cache]\nkey_scheme = "sglang"\nkey_namespace = "team-a"\n',
                                     "team-a")):
-        topology = parse_topology(cache + base, "ns.toml")
+        topology = parse_topology(cache + FILE_TOPOLOGY, "ns.toml")
         unified = sglang_commands(topology)[0]
         extra = json.loads(_flag_values(unified.args, "--hicache-storage-backend-extra-config")[0])
         assert extra.get("key_namespace") == want

@@ -71,6 +71,31 @@ def check_staging(op: str, page_ids: torch.Tensor, device_pages: int, staging_pa
         fail(op, f"{page_ids.numel()} pages do not fit a staging buffer of {staging_pages}")
 
 
+def check_device_to_host(device_kv: torch.Tensor, host_kv: torch.Tensor,
+                         device_page_ids: torch.Tensor, host_page_ids: torch.Tensor,
+                         layer: int | None) -> None:
+    op = "device_to_host"
+    check_host_pool(op, host_kv, device_kv, "host_kv")
+    check_layer(op, layer, device_kv)
+    check_page_copy(op, device_page_ids, host_page_ids, device_kv.shape[2], len(host_kv))
+
+
+def check_host_to_device(host_kv: torch.Tensor, device_kv: torch.Tensor,
+                         host_page_ids: torch.Tensor, device_page_ids: torch.Tensor,
+                         layer: int | None) -> None:
+    op = "host_to_device"
+    check_host_pool(op, host_kv, device_kv, "host_kv")
+    check_layer(op, layer, device_kv)
+    check_page_copy(op, host_page_ids, device_page_ids, len(host_kv), device_kv.shape[2])
+
+
+def check_pack(op: str, device_kv: torch.Tensor, page_ids: torch.Tensor,
+               staging: torch.Tensor) -> None:
+    """pack_pages / unpack_pages arguments."""
+    check_host_pool(op, staging, device_kv, "staging")
+    check_staging(op, page_ids, device_kv.shape[2], len(staging))
+
+
 def check_layer(op: str, layer: int | None, device_kv: torch.Tensor) -> None:
     if layer is not None and not 0 <= layer < device_kv.shape[0]:
         fail(op, f"layer {layer} out of range [0, {device_kv.shape[0]})")

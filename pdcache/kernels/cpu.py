@@ -81,10 +81,7 @@ def device_to_host(
     host_page_ids: torch.Tensor,
     layer: int | None = None,
 ) -> None:
-    op = "device_to_host"
-    checks.check_host_pool(op, host_kv, device_kv, "host_kv")
-    checks.check_layer(op, layer, device_kv)
-    checks.check_page_copy(op, device_page_ids, host_page_ids, device_kv.shape[2], len(host_kv))
+    checks.check_device_to_host(device_kv, host_kv, device_page_ids, host_page_ids, layer)
     copy_pages(device_page_view(device_kv, layer), host_page_view(host_kv, layer),
                device_page_ids, host_page_ids)
 
@@ -96,27 +93,20 @@ def host_to_device(
     device_page_ids: torch.Tensor,
     layer: int | None = None,
 ) -> None:
-    op = "host_to_device"
-    checks.check_host_pool(op, host_kv, device_kv, "host_kv")
-    checks.check_layer(op, layer, device_kv)
-    checks.check_page_copy(op, host_page_ids, device_page_ids, len(host_kv), device_kv.shape[2])
+    checks.check_host_to_device(host_kv, device_kv, host_page_ids, device_page_ids, layer)
     copy_pages(host_page_view(host_kv, layer), device_page_view(device_kv, layer),
                host_page_ids, device_page_ids)
 
 
 def pack_pages(device_kv: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor) -> None:
-    op = "pack_pages"
-    checks.check_host_pool(op, staging, device_kv, "staging")
-    checks.check_staging(op, page_ids, device_kv.shape[2], len(staging))
+    checks.check_pack("pack_pages", device_kv, page_ids, staging)
     n = len(page_ids)
     staging_ids = torch.arange(n)
     copy_pages(device_page_view(device_kv, None), staging, page_ids, staging_ids)
 
 
 def unpack_pages(staging: torch.Tensor, device_kv: torch.Tensor, page_ids: torch.Tensor) -> None:
-    op = "unpack_pages"
-    checks.check_host_pool(op, staging, device_kv, "staging")
-    checks.check_staging(op, page_ids, device_kv.shape[2], len(staging))
+    checks.check_pack("unpack_pages", device_kv, page_ids, staging)
     staging_ids = torch.arange(len(page_ids))
     copy_pages(staging, device_page_view(device_kv, None), staging_ids, page_ids)
 

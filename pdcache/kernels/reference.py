@@ -38,10 +38,7 @@ def device_to_host(
     layer: int | None = None,
 ) -> None:
     """host page `host_page_ids[i]` := device page `device_page_ids[i]` (all layers or one)."""
-    op = "device_to_host"
-    checks.check_host_pool(op, host_kv, device_kv, "host_kv")
-    checks.check_layer(op, layer, device_kv)
-    checks.check_page_copy(op, device_page_ids, host_page_ids, device_kv.shape[2], len(host_kv))
+    checks.check_device_to_host(device_kv, host_kv, device_page_ids, host_page_ids, layer)
     src = device_page_ids.to(device_kv.device)
     dst = host_page_ids.to(host_kv.device)
     if layer is None:
@@ -59,10 +56,7 @@ def host_to_device(
     layer: int | None = None,
 ) -> None:
     """device page `device_page_ids[i]` := host page `host_page_ids[i]` (all layers or one)."""
-    op = "host_to_device"
-    checks.check_host_pool(op, host_kv, device_kv, "host_kv")
-    checks.check_layer(op, layer, device_kv)
-    checks.check_page_copy(op, host_page_ids, device_page_ids, len(host_kv), device_kv.shape[2])
+    checks.check_host_to_device(host_kv, device_kv, host_page_ids, device_page_ids, layer)
     src = host_page_ids.to(host_kv.device)
     dst = device_page_ids.to(device_kv.device)
     if layer is None:
@@ -73,18 +67,14 @@ def host_to_device(
 
 def pack_pages(device_kv: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor) -> None:
     """Gather device pages into `staging[:N]` (`[N, L, 2, S, H, D]`, page-first, as stored)."""
-    op = "pack_pages"
-    checks.check_host_pool(op, staging, device_kv, "staging")
-    checks.check_staging(op, page_ids, device_kv.shape[2], len(staging))
+    checks.check_pack("pack_pages", device_kv, page_ids, staging)
     src = page_ids.to(device_kv.device)
     staging[: len(page_ids)] = device_kv[:, :, src].permute(2, 0, 1, 3, 4, 5).to(staging.device)
 
 
 def unpack_pages(staging: torch.Tensor, device_kv: torch.Tensor, page_ids: torch.Tensor) -> None:
     """Scatter `staging[:N]` (`[N, L, 2, S, H, D]`) into the device pages `page_ids`."""
-    op = "unpack_pages"
-    checks.check_host_pool(op, staging, device_kv, "staging")
-    checks.check_staging(op, page_ids, device_kv.shape[2], len(staging))
+    checks.check_pack("unpack_pages", device_kv, page_ids, staging)
     dst = page_ids.to(device_kv.device)
     n = len(page_ids)
     device_kv[:, :, dst] = staging[:n].permute(1, 2, 0, 3, 4, 5).to(device_kv.device)

@@ -166,11 +166,9 @@ def device_to_host(
     host_page_ids: torch.Tensor,
     layer: int | None = None,
 ) -> None:
-    op = "device_to_host"
-    checks.check_host_pool(op, host_kv, device_kv, "host_kv")
-    checks.check_layer(op, layer, device_kv)
-    checks.check_page_copy(op, device_page_ids, host_page_ids, device_kv.shape[2], len(host_kv))
-    _copy_layout(op, device_kv, host_kv, device_page_ids, host_page_ids, layer, to_host=True)
+    checks.check_device_to_host(device_kv, host_kv, device_page_ids, host_page_ids, layer)
+    _copy_layout("device_to_host", device_kv, host_kv, device_page_ids, host_page_ids, layer,
+                 to_host=True)
 
 
 def host_to_device(
@@ -180,27 +178,21 @@ def host_to_device(
     device_page_ids: torch.Tensor,
     layer: int | None = None,
 ) -> None:
-    op = "host_to_device"
-    checks.check_host_pool(op, host_kv, device_kv, "host_kv")
-    checks.check_layer(op, layer, device_kv)
-    checks.check_page_copy(op, host_page_ids, device_page_ids, len(host_kv), device_kv.shape[2])
-    _copy_layout(op, device_kv, host_kv, device_page_ids, host_page_ids, layer, to_host=False)
+    checks.check_host_to_device(host_kv, device_kv, host_page_ids, device_page_ids, layer)
+    _copy_layout("host_to_device", device_kv, host_kv, device_page_ids, host_page_ids, layer,
+                 to_host=False)
 
 
 def pack_pages(device_kv: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor) -> None:
-    op = "pack_pages"
-    checks.check_host_pool(op, staging, device_kv, "staging")
-    checks.check_staging(op, page_ids, device_kv.shape[2], len(staging))
+    checks.check_pack("pack_pages", device_kv, page_ids, staging)
     staging_ids = torch.arange(page_ids.numel(), device=page_ids.device)
-    _copy_layout(op, device_kv, staging, page_ids, staging_ids, None, to_host=True)
+    _copy_layout("pack_pages", device_kv, staging, page_ids, staging_ids, None, to_host=True)
 
 
 def unpack_pages(staging: torch.Tensor, device_kv: torch.Tensor, page_ids: torch.Tensor) -> None:
-    op = "unpack_pages"
-    checks.check_host_pool(op, staging, device_kv, "staging")
-    checks.check_staging(op, page_ids, device_kv.shape[2], len(staging))
+    checks.check_pack("unpack_pages", device_kv, page_ids, staging)
     staging_ids = torch.arange(page_ids.numel(), device=page_ids.device)
-    _copy_layout(op, device_kv, staging, page_ids, staging_ids, None, to_host=False)
+    _copy_layout("unpack_pages", device_kv, staging, page_ids, staging_ids, None, to_host=False)
 
 
 @triton.jit
