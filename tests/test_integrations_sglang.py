@@ -376,6 +376,68 @@ def test_read_past_its_deadline_never_touches_the_host_pool(tmp_path, plugins, m
     assert store.pdcache_stats()["plugin_errors"] == 1
 
 
+def test_split_read_past_its_deadline_is_waited_for(tmp_path, plugins, monkeypatch):
+    """Zero-copy IO cannot be held back: a split read running past io_timeout_s is a miss,
+    and the call returns only once it stopped touching the pool."""
+    import time
+
+    src = SglangLikeHostPool("page_first", seed=29)
+    extra = plugin.extra_config(storage=storage_table(tmp_path, "file"), payload="split",
+                                io_timeout_s=0.2)
+    store = backend_factory.StorageBackendFactory.create_backend("dynamic", sglang_config(extra), src)
+    plugins.append(store)
+    store.register_mem_pool_host(src)
+    keys = hashes(2)
+    assert store.batch_set_v1(keys, indices([0, 1])) == [True, True]
+    calls = {"started": 0, "finished": 0}
+    real_get = store.backend.get_into
+
+    def slow_get(*args, **kwargs):
+        calls["started"] += 1
+        time.sleep(0.6)
+        try:
+            return real_get(*args, **kwargs)
+        finally:
+            calls["finished"] += 1
+
+    monkeypatch.setattr(store.backend, "get_into", slow_get)
+    started = time.monotonic()
+    found = store.batch_get_v1(keys, indices([2, 3]))
+    # The first chunk ran past the deadline: a miss; any IO that started has ended by now.
+    assert found[0] is False and calls["finished"] == calls["started"] >= 1
+    assert time.monotonic() - started >= 0.6
+    assert store.pdcache_stats()["plugin_errors"] == 1
+
+
+def test_one_deadline_per_call_not_per_chunk(tmp_path, plugins, monkeypatch):
+    """A hung backend holds SGLang's thread for io_timeout_s once, not once per chunk."""
+    import threading
+    import time
+
+    src = SglangLikeHostPool("page_first", seed=31)
+    extra = plugin.extra_config(storage=storage_table(tmp_path, "file"), io_timeout_s=0.3,
+                                chunk_bytes=1, io_threads=2)
+    store = backend_factory.StorageBackendFactory.create_backend("dynamic", sglang_config(extra), src)
+    plugins.append(store)
+    store.register_mem_pool_host(src)
+    keys = hashes(NUM_PAGES)
+    assert store.batch_set_v1(keys, indices(list(range(NUM_PAGES)))) == [True] * NUM_PAGES
+    release, real_get = threading.Event(), store.backend.get_into
+
+    def hung_get(*args, **kwargs):
+        release.wait(10)
+        return real_get(*args, **kwargs)
+
+    monkeypatch.setattr(store.backend, "get_into", hung_get)
+    assert len(store._chunks(keys)) > 2
+    started = time.monotonic()
+    try:
+        assert store.batch_get_v1(keys, indices(list(range(NUM_PAGES)))) == [False] * NUM_PAGES
+        assert time.monotonic() - started < 0.3 * 2
+    finally:
+        release.set()
+
+
 # ---------------------------------------------------------------------------- interop
 
 

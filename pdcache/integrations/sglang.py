@@ -58,9 +58,11 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -268,7 +270,7 @@ class PluginSettings:
     model_name: str | None = None  # fingerprint model name; default: SGLang's model name
     origin: str = "prefill"  # recorded in page headers; "decode" on offloading decode nodes
     chunk_bytes: int = CHUNK_BYTES
-    io_timeout_s: float = 60.0  # one backend call; past it the chunk's pages are failures
+    io_timeout_s: float = 60.0  # one SGLang batch call; past it its pages are failures
     key_namespace: str = ""  # extra tenant namespace salted into every key (deployment-wide)
     payload: str = "pdcache"  # "pdcache": pdcache's page layout; "split": zero-copy K/V objects
     allow_clear: bool = False  # let SGLang's clear-storage admin call empty the shared namespace
@@ -683,9 +685,10 @@ class PdcacheStorageImpl:
         results = [False] * len(keys)
         chunks = self._chunks(keys)
         futures = [self._io.submit(work, chunk, targets) for chunk in chunks]
+        deadline = time.monotonic() + self.settings.io_timeout_s  # one for the whole call
         failed = 0
         for chunk, future in zip(chunks, futures):
-            done, chunk_failed = self._outcome(future, len(chunk.todo), work.__name__, chunk)
+            done, chunk_failed = self._outcome(future, chunk, work.__name__, deadline)
             failed += chunk_failed
             for i, ok in zip(chunk.todo, done):
                 results[i] = ok
@@ -694,10 +697,8 @@ class PdcacheStorageImpl:
         return results
 
     def _read_runs(self, chunk: Chunk, runs: Sequence[tuple[torch.Tensor, ...]]) -> list[bool]:
-        """IO thread, "split": read a chunk's pages straight into their runs in the pool.
-
-        Zero-copy has no staging to hold back: a read still running past the caller's deadline
-        lands in the pool (as with SGLang's own zero-copy backends)."""
+        """IO thread, "split": read a chunk's pages straight into their runs in the pool
+        (a chunk that started is always waited for: see `_outcome`)."""
         if chunk.abandoned:
             return [False] * len(chunk.todo)
         return list(self.backend.get_into(chunk.keys, [runs[i] for i in chunk.todo]))
@@ -740,18 +741,22 @@ class PdcacheStorageImpl:
         finally:
             self.staging.release(buffer)
 
-    def _outcome(self, future: Future, count: int, what: str,
-                 chunk: Chunk | None = None) -> tuple[list[bool], int]:
-        """(per-page results, 0), or (all False, 1), logged, if the call raised or ran past
-        `io_timeout_s` (then its chunk is abandoned: it no longer touches the host pool)."""
+    def _outcome(self, future: Future, chunk: Chunk, what: str,
+                 deadline: float) -> tuple[list[bool], int]:
+        """(per-page results, 0), or (all False, 1), logged, if the call raised or ran past the
+        call's deadline (`io_timeout_s`). Past it the chunk is abandoned: with staging it no
+        longer touches the host pool; zero-copy ("split") IO cannot be held back, so a chunk
+        already running is waited for before SGLang gets the pages back (queued ones skip)."""
         try:
-            return list(future.result(timeout=self.settings.io_timeout_s)), 0
+            return list(future.result(timeout=max(0.0, deadline - time.monotonic()))), 0
         except Exception:
-            log.exception("pdcache plugin: backend %s failed for %d pages", what, count)
-            if chunk is not None:
-                with chunk.lock:
-                    chunk.abandoned = True
-            return [False] * count, 1
+            log.exception("pdcache plugin: backend %s failed for %d pages", what,
+                          len(chunk.todo))
+            with chunk.lock:
+                chunk.abandoned = True
+            if self.split:
+                futures_wait([future])
+            return [False] * len(chunk.todo), 1
 
     # ---- maintenance ---------------------------------------------------------------------
 
