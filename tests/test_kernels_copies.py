@@ -205,6 +205,36 @@ def _copy_from_threads(backend) -> None:
                                    "threaded copy")
 
 
+def test_numba_that_fails_to_load_falls_back_to_torch(monkeypatch, caplog):
+    """Installed but unusable (broken, or no way to compile): torch, with a warning; asked for
+    by name: the error."""
+    def broken():
+        raise RuntimeError("cannot cache function: no locator available")
+
+    monkeypatch.delenv("PDCACHE_KERNELS", raising=False)
+    monkeypatch.setattr(dispatch, "has_numba", lambda: True)
+    monkeypatch.setattr(KERNEL_BACKENDS, "get", lambda name: broken if name == "numba"
+                        else {"torch": lambda: dispatch.importlib.import_module(
+                            "pdcache.kernels.cpu")}[name])
+    with caplog.at_level("WARNING"):
+        chosen = KernelSet().backend_for(torch.device("cpu"))
+    assert chosen.__name__ == "pdcache.kernels.cpu"
+    assert "numba copy kernels unavailable" in caplog.text
+    with pytest.raises(RuntimeError, match="no locator"):
+        KernelSet("numba").backend_for(torch.device("cpu"))
+
+
+def test_numba_rejects_out_of_range_ids_from_any_device():
+    """checks.py checks id values only on the CPU; the compiled loop checks none."""
+    backend = _numba_backend()
+    device_kv = torch.zeros((2, 2, 6, 4, 2, 8))
+    host_kv = torch.zeros((4, 2, 2, 4, 2, 8))
+    with pytest.raises(checks.KernelArgumentError, match="out of range"):
+        backend._copy(device_kv, host_kv, torch.tensor([0, 6]), torch.tensor([0, 1]), 1, False)
+    with pytest.raises(checks.KernelArgumentError, match="out of range"):
+        backend._copy(device_kv, host_kv, torch.tensor([0, 1]), torch.tensor([4, 0]), None, True)
+
+
 def test_dispatch_rejects_unknown_backend():
     with pytest.raises(KeyError, match="choose one of"):
         KernelSet("cuda-magic")

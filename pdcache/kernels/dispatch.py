@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 from types import ModuleType
 
@@ -23,6 +24,8 @@ KERNEL_BACKENDS.register("triton", "pdcache.kernels.backends:triton_backend", pa
 KERNEL_BACKENDS.register("numba", "pdcache.kernels.backends:numba_backend", package="numba")
 
 ENV_VAR = "PDCACHE_KERNELS"
+
+log = logging.getLogger(__name__)
 
 _OPS = (
     "store_kv",
@@ -63,8 +66,20 @@ class KernelSet:
     def backend_for(self, device: torch.device) -> ModuleType:
         name = self.backend_name_for(device)
         if name not in self._cache:
-            self._cache[name] = KERNEL_BACKENDS.get(name)()
+            self._cache[name] = self._load(name)
         return self._cache[name]
+
+    def _load(self, name: str) -> ModuleType:
+        """The backend `name`; a numba that is installed but fails to load (e.g. broken, or
+        cannot compile here) gives the torch backend, unless numba was asked for by name."""
+        try:
+            return KERNEL_BACKENDS.get(name)()
+        except Exception as exc:
+            if name != "numba" or self.name == "numba":
+                raise
+            log.warning("numba copy kernels unavailable (%s: %s); using the torch backend",
+                        type(exc).__name__, exc)
+            return KERNEL_BACKENDS.get("torch")()
 
     def __getattr__(self, op: str):
         if op not in _OPS:

@@ -73,9 +73,23 @@ def _copy_block(device, paged, device_ids, paged_ids, i, first_layer, num_layers
         paged[pg : pg + block] = device[dev : dev + block]
 
 
+def _compiled(parallel: bool):
+    """numba.njit for the copy loops: eager, cached on disk when numba finds a writable cache
+    directory (else compiled in memory, each process)."""
+    def jit(fn):
+        options = {"parallel": parallel, "nogil": True}
+        signatures = [_signature(w) for w in _WORDS]
+        try:
+            return numba.njit(signatures, cache=True, **options)(fn)
+        except RuntimeError:  # "cannot cache function ...: no locator available"
+            return numba.njit(signatures, **options)(fn)
+
+    return jit
+
+
 # Two functions, not one jitted twice: numba's on-disk cache keys on the function, so a serial
 # and a parallel compile of the same function would load each other's code.
-@numba.njit([_signature(w) for w in _WORDS], nogil=True, cache=True)
+@_compiled(parallel=False)
 def _copy_pages_serial(device, paged, device_ids, paged_ids, first_layer, num_layers,
                        total_layers, pool_pages, block, to_device):  # pragma: no cover
     for i in range(device_ids.shape[0] * 2 * num_layers):
@@ -83,7 +97,7 @@ def _copy_pages_serial(device, paged, device_ids, paged_ids, first_layer, num_la
                     total_layers, pool_pages, block, to_device)
 
 
-@numba.njit([_signature(w) for w in _WORDS], parallel=True, nogil=True, cache=True)
+@_compiled(parallel=True)
 def _copy_pages_parallel(device, paged, device_ids, paged_ids, first_layer, num_layers,
                          total_layers, pool_pages, block, to_device):  # pragma: no cover
     for i in numba.prange(device_ids.shape[0] * 2 * num_layers):
@@ -101,8 +115,11 @@ def _flat_words(t: torch.Tensor, word: int) -> np.ndarray | None:
     return (flat.view(torch.int64) if word == 8 else flat).numpy()
 
 
-def _ids(ids: torch.Tensor) -> np.ndarray:
-    return ids.to("cpu", torch.int64).contiguous().numpy()
+def _ids(ids: torch.Tensor, limit: int, name: str) -> np.ndarray:
+    rows = ids.to("cpu", torch.int64).contiguous().numpy()
+    if rows.size and (rows.min() < 0 or rows.max() >= limit):
+        checks.fail("numba copy", f"{name} out of range [0, {limit})")
+    return rows
 
 
 def _copy(device_kv: torch.Tensor, paged: torch.Tensor, device_ids: torch.Tensor,
@@ -121,7 +138,10 @@ def _copy(device_kv: torch.Tensor, paged: torch.Tensor, device_ids: torch.Tensor
     if device_words is None or paged_words is None:
         return False
     total_bytes = len(device_ids) * 2 * count * block_bytes
-    args = (device_words, paged_words, _ids(device_ids), _ids(paged_ids), first, count, layers,
+    # The compiled loop does no bounds checks; checks.py checks only ids already on the CPU.
+    device_rows = _ids(device_ids, pool_pages, "device page ids")
+    paged_rows = _ids(paged_ids, len(paged), "page-first buffer page ids")
+    args = (device_words, paged_words, device_rows, paged_rows, first, count, layers,
             pool_pages, block_bytes // word, to_device)
     if total_bytes < PARALLEL_MIN_BYTES or torch.get_num_threads() == 1:
         _copy_pages_serial(*args)

@@ -205,12 +205,12 @@ class HiCache:
         self._stats_lock = threading.Lock()
         self._prefetches: dict[str, PrefetchOp] = {}
         self._abandoned: list[PrefetchOp] = []
-        self._writer = IoWorker(storage, "backup", config.max_queued_io) if storage else None
-        self._reader = IoWorker(storage, "prefetch", config.max_queued_io) if storage else None
-        tree.on_evict = self._on_device_evict
         # Import (and, first time on a machine, compile) the copy kernels now, not inside the
         # first request's per-layer load.
         kernels.default_kernels().backend_for(device_kv.device)
+        self._writer = IoWorker(storage, "backup", config.max_queued_io) if storage else None
+        self._reader = IoWorker(storage, "prefetch", config.max_queued_io) if storage else None
+        tree.on_evict = self._on_device_evict
 
     # ---- matching and loading ----------------------------------------------------------
     def match(self, token_ids: Sequence[int], salt: str, max_pages: int) -> tuple[MatchResult, HostMatch]:
