@@ -300,7 +300,7 @@ def test_prefill_shutdown_fails_decode_rooms_with_a_clear_error(pair: Pair) -> N
     wait_until(lambda: pair.sender.rooms.get(500) is not None, 3.0, "prefill to see the room")
     pair.sender.close()
     with pytest.raises(TransferError, match="shutting down|lost"):
-        pair.receiver.wait(500, 5.0)
+        pair.receiver.wait(500, pair.config.peer_dead_after_s + 3.0)
 
 
 @pytest.mark.parametrize("pair", ZMQ, indirect=True)
@@ -312,7 +312,7 @@ def test_unreachable_prefill_fails_rooms_after_missed_heartbeats(pair: Pair) -> 
     pair.receiver.request(600, addr, [1], num_tokens=2)
     start = time.monotonic()
     with pytest.raises(TransferError, match="lost") as info:
-        pair.receiver.wait(600, 5.0)
+        pair.receiver.wait(600, pair.config.peer_dead_after_s + 3.0)
     assert info.value.code == "peer_lost"
     elapsed = time.monotonic() - start
     assert elapsed < pair.config.peer_dead_after_s + 1.0

@@ -39,7 +39,8 @@ def engine_params(names: tuple[str, ...] = ("zmq", "mooncake", "nixl")) -> list:
 
 
 def fast_config(engine: str, **overrides) -> TransferConfig:
-    values = dict(engine=engine, heartbeat_interval_s=0.25, heartbeat_misses=8,
+    # 4 s of silence before a peer is dead: a loaded 2-core CI machine can stall a process ~3 s.
+    values = dict(engine=engine, heartbeat_interval_s=0.25, heartbeat_misses=16,
                   bootstrap_timeout_s=5.0, room_timeout_s=8.0, abort_ack_timeout_s=2.0,
                   max_message_bytes=4096)
     values.update(overrides)
