@@ -13,7 +13,7 @@ def reference_backend() -> ModuleType:
 
 
 def torch_backend() -> ModuleType:
-    """Fast torch (block copies, batched decode): the default on CPU."""
+    """Fast torch (block copies, batched decode): the default on CPU without numba."""
     from pdcache.kernels import cpu
 
     return cpu

@@ -1,4 +1,4 @@
-"""Fast torch implementations of the KV kernels (the default on CPU), same semantics as
+"""Fast torch implementations of the KV kernels (the CPU default without numba), same semantics as
 `reference`.
 
 Copies: a page of one layer is a contiguous `[S, H, D]` block on both sides of every layout, so
