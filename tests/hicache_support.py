@@ -3,12 +3,6 @@ no-cache reference tokens, metrics scraping, and `pdcache serve` as a subprocess
 
 from __future__ import annotations
 
-import os
-import queue
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +28,7 @@ from pdcache.offload_manager.hicache import HiCacheConfig
 from pdcache.offload_manager.storage.config import StorageConfig
 from pdcache.server.app import ServerConfig, create_app
 from pdcache.server.cli import READY_PREFIX
+from tests.process_support import PdcacheProcess
 
 PAGE = 4
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -119,40 +114,14 @@ def metric(samples: dict, name: str, **labels: str) -> float | None:
     return samples.get((name, tuple(sorted(labels.items()))))
 
 
-class ServeProcess:
+class ServeProcess(PdcacheProcess):
     """`python -m pdcache serve --model tiny --port 0 ARGS`, ready once it prints its URL."""
 
     def __init__(self, *args: str, startup_timeout_s: float = 90.0) -> None:
-        cmd = [sys.executable, "-m", "pdcache", "serve", "--model", "tiny", "--port", "0",
-               "--page-size", str(PAGE), "--log-level", "warning", *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-               "MC_LOG_LEVEL": "ERROR"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.url = self._wait_ready(startup_timeout_s)
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-
-    def _wait_ready(self, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            self.log.append(line)
-            if line.startswith(READY_PREFIX):
-                return line[len(READY_PREFIX):].strip()
-        self.stop()
-        raise AssertionError("server did not become ready:\n" + "".join(self.log[-40:]))
+        cmd = ["serve", "--model", "tiny", "--port", "0", "--page-size", str(PAGE),
+               "--log-level", "warning", *args]
+        super().__init__(cmd, READY_PREFIX, startup_timeout_s,
+                         env={"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_LOG_LEVEL": "ERROR"})
 
     def generate(self, prompt: list[int], max_new_tokens: int = 8) -> dict[str, Any]:
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens,
@@ -167,17 +136,7 @@ class ServeProcess:
         return parse_metrics(r.text)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        time.sleep(0.1)
-        while not self.lines.empty():
-            self.log.append(self.lines.get_nowait())
-        return self.proc.returncode
+        return super().stop(timeout_s=20)
 
 
 @contextmanager

@@ -16,6 +16,7 @@ import uvicorn
 from pdcache.engine.config import CacheConfig
 from pdcache.engine.engine import Engine
 from pdcache.server.app import ServerConfig, create_app
+from tests.process_support import PdcacheProcess
 
 PAGE = 16
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -144,49 +145,15 @@ class RouterUnderTest:
         self._server.stop()
 
 
-class ServeProcess:
+class ServeProcess(PdcacheProcess):
     """`python -m pdcache serve --model tiny --port 0 --name NAME`, ready once it prints its
     URL (or a `pdcache router ...` command line: any pdcache command with a ready line)."""
 
     def __init__(self, args: list[str], ready_prefix: str, timeout_s: float = 120.0) -> None:
-        import os
-        import queue
-        import subprocess
-        import sys
-
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdcache", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            self.log.append(line)
-            if line.startswith(ready_prefix):
-                self.url = line[len(ready_prefix):].strip()
-                return
-        self.kill()
-        raise RuntimeError("process did not become ready:\n" + "".join(self.log[-30:]))
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
+        super().__init__(args, ready_prefix, timeout_s)
 
     def terminate(self, timeout_s: float = 15.0) -> int:
+        """SIGTERM and the exit code; raises (after a kill) if it does not exit in time."""
         if self.proc.poll() is None:
             self.proc.terminate()
         try:
@@ -194,7 +161,5 @@ class ServeProcess:
         except Exception:
             self.kill()
             raise
-        time.sleep(0.2)  # let the pump thread read what the process wrote last
-        while not self.lines.empty():
-            self.log.append(self.lines.get())
+        self.drain()
         return code

@@ -3,13 +3,10 @@ no-prefix-cache server, and client disconnects that abort the request in the eng
 
 from __future__ import annotations
 
-import os
-import queue
 import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +20,7 @@ from pdcache.engine.config import CacheConfig
 from pdcache.engine.engine import Engine
 from pdcache.server.app import ServerConfig, create_app
 from pdcache.server.cli import READY_PREFIX
+from tests.process_support import PdcacheProcess
 
 pytestmark = pytest.mark.slow
 
@@ -31,52 +29,12 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 STARTUP_TIMEOUT_S = 90.0
 
 
-class ServeProcess:
+class ServeProcess(PdcacheProcess):
     """`python -m pdcache serve ... --port 0`, ready once it prints its URL."""
 
     def __init__(self, *args: str) -> None:
-        cmd = [sys.executable, "-m", "pdcache", "serve", "--model", "tiny", "--port", "0", *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.url = self._wait_ready()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-
-    def _wait_ready(self) -> str:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            self.log.append(line)
-            if line.startswith(READY_PREFIX):
-                return line[len(READY_PREFIX) :].strip()
-        self.stop()
-        raise AssertionError("server did not become ready:\n" + "".join(self.log[-40:]))
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        time.sleep(0.2)  # let the pump thread read the last lines
-        while not self.lines.empty():
-            self.log.append(self.lines.get_nowait())
-        return self.proc.returncode
+        super().__init__(["serve", "--model", "tiny", "--port", "0", *args], READY_PREFIX,
+                         STARTUP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
