@@ -7,15 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdcache.bench.tokens import (
-    BENCH_SALT,
-    BlockExpander,
-    ReuseTracker,
-    hit_rate,
-    theoretical_reuse,
-)
+from pdcache.bench.tokens import BlockExpander, ReuseTracker, hit_rate, theoretical_reuse
 from pdcache.bench.traces import Blocks, parse_mooncake, parse_sessions
-from pdcache.engine.page_keys import chain_page_keys
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 MOONCAKE_REAL = Path("/work/shared/data/mooncake-fast25/synthetic_trace.jsonl")
@@ -96,15 +89,6 @@ def test_tracker_extends_keys_like_a_fresh_chain() -> None:
     prompt_keys = tracker.keys(seq[:10])
     assert tracker.extend_keys(prompt_keys, seq) == tracker.keys(seq)
     assert len(tracker.keys(seq)) == 5
-
-
-def test_tracker_keys_are_the_servers_page_chain() -> None:
-    """The replay writes the chain out (it imports nothing of the engine); it must not drift."""
-    seq = np.arange(70000, 70023)  # ids above 2**16 too
-    tracker = ReuseTracker(page_size=4)
-    assert tracker.keys(seq) == chain_page_keys(seq, 4, BENCH_SALT)
-    head = chain_page_keys(seq[:8], 4, BENCH_SALT)
-    assert tracker.extend_keys(head, seq) == chain_page_keys(seq, 4, BENCH_SALT)
 
 
 def _id_level_reuse(rows: list[tuple[tuple[int, ...], int]], block: int) -> list[int]:

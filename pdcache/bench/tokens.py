@@ -23,8 +23,7 @@ page-aligned. The theoretical hit rate of a run is sum(reusable) / sum(len(promp
 same requests as the measured one. It is the hit rate of an infinite, instantly filled cache
 holding prompts and (decode-offloaded) answers, filled the moment each part exists: a prompt
 still being prefilled by a concurrent request does not count, since no server can reuse it
-either. Chained page keys (the servers' chain of pdcache/engine/page_keys.py, written out in
-`chain_keys` because the replay is a client that imports nothing of the server side) make
+either. Chained page keys (`engine.page_keys`, the same function the servers use) make
 "page k seen" equivalent to "prefix up to page k seen".
 
 Offline (`theoretical_reuse`), requests are ordered by round (turn index of dependent turns,
@@ -42,22 +41,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdcache.bench.traces import Blocks, Trace, Turn
+from pdcache.engine.page_keys import chain_page_keys
 
 BENCH_SALT = b"pdcache-bench-theoretical"
-
-
-def chain_keys(tokens: Sequence[int] | np.ndarray, page_size: int, salt: bytes,
-               prev_key: bytes | None = None) -> list[bytes]:
-    """Keys of every full page of `tokens`: each the sha256 of the previous key (`salt` for the
-    first page, or `prev_key` to continue a chain) and the page's ids as little-endian uint32,
-    as `pdcache.engine.page_keys.chain_page_keys` computes them."""
-    ids = np.asarray(tokens, dtype="<u4")
-    keys: list[bytes] = []
-    prev = salt if prev_key is None else prev_key
-    for i in range(len(ids) // page_size):
-        prev = hashlib.sha256(prev + ids[i * page_size : (i + 1) * page_size].tobytes()).digest()
-        keys.append(prev)
-    return keys
 
 
 @dataclass
@@ -119,7 +105,7 @@ class ReuseTracker:
         self._seen: set[bytes] = set()
 
     def keys(self, tokens: np.ndarray | Sequence[int]) -> list[bytes]:
-        return chain_keys(np.asarray(tokens, dtype=np.int64), self.page_size, self.salt)
+        return chain_page_keys(np.asarray(tokens, dtype=np.int64), self.page_size, self.salt)
 
     def reusable_tokens(self, prompt_keys: list[bytes], prompt_len: int) -> int:
         seen = 0
@@ -137,7 +123,7 @@ class ReuseTracker:
         done = len(prompt_keys)
         prev = prompt_keys[-1] if prompt_keys else None
         rest = np.asarray(sequence[done * self.page_size :], dtype=np.int64)
-        return prompt_keys + chain_keys(rest, self.page_size, self.salt, prev_key=prev)
+        return prompt_keys + chain_page_keys(rest, self.page_size, self.salt, prev_key=prev)
 
 
 @dataclass(frozen=True)
