@@ -170,3 +170,18 @@ def test_config_rejects_bad_limits() -> None:
                                  NodeEndpoint("u1", "unified", "http://127.0.0.1:2")),
                           max_inflight_per_node=5)
     assert [config.inflight_limit(n) for n in config.nodes] == [2, 5]
+
+
+def test_flags_set_the_admission_fields() -> None:
+    import argparse
+
+    from pdcache.router.cli import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--unified", "127.0.0.1:1", "--max-inflight-per-node", "3",
+                              "--max-queue", "7", "--max-attempts", "2"])
+    config, _, _ = build_config(args)
+    assert (config.max_inflight_per_node, config.max_queue, config.max_attempts) == (3, 7, 2)
+    config, _, _ = build_config(parser.parse_args(["--unified", "127.0.0.1:1"]))
+    assert (config.max_inflight_per_node, config.max_queue, config.max_attempts) == (0, 1024, 3)
