@@ -12,6 +12,12 @@ session only once turn k-1 of every session has finished. The run is bounded by
 `--max-duration` (then in-flight requests get `--drain-timeout` before being cancelled);
 failures are recorded and counted, never fatal. Writes `DIR/requests.jsonl` as requests
 complete, then `DIR/summary.json`, a table and plots (`pdcache.bench.report`).
+
+Hygiene: the `session_id`s sent are `RUN-SID` with a fresh run id `r<8 hex>` per run (or
+`--session-prefix`), so a second run against the same router never continues the first run's
+sessions. Every answer's `meta.prompt_tokens` must equal the prompt length the replay sent: a
+mismatch (the server prepended another history) fails that request (`prompt_mismatch`), is
+counted in the summary, and makes the command exit 1 naming the first one.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -81,6 +88,10 @@ def add_replay_options(parser: argparse.ArgumentParser) -> None:
                         help="non-streaming requests (no ITL; TTFT from the server's meta)")
     parser.add_argument("--no-session-id", dest="session_id", action="store_false",
                         help="do not send session_id")
+    parser.add_argument("--session-prefix", default=None, metavar="PREFIX",
+                        help="session ids sent are PREFIX-SID (default: a fresh run id "
+                             "r<8 hex> per run, so runs never share router sessions; '' sends "
+                             "the trace's ids as they are)")
     parser.add_argument("--cache-salt", default=None,
                         help="send this cache_salt (a fresh one isolates the run from pages "
                              "earlier runs left in the stack's caches)")
@@ -108,6 +119,12 @@ class ReplayConfig:
     cache_salt: str | None = None
     seed: int = 0
     progress: bool = True
+    session_prefix: str = ""  # "" sends the trace's session ids as they are
+
+    def session_id_for(self, trace_session_id: str) -> str:
+        """The `session_id` sent for a trace session: `PREFIX-SID`, or SID without a prefix."""
+        prefix = self.session_prefix
+        return f"{prefix}-{trace_session_id}" if prefix else trace_session_id
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ReplayConfig:
@@ -125,7 +142,35 @@ class ReplayConfig:
             stream=args.stream, send_session_id=args.session_id, cache_salt=args.cache_salt,
             seed=args.seed,
             progress=args.progress,
+            session_prefix=new_run_id() if args.session_prefix is None else args.session_prefix,
         )
+
+
+def new_run_id() -> str:
+    """A fresh run id, `r` + 8 hex digits: the default session-id prefix of one replay."""
+    return f"r{secrets.token_hex(4)}"
+
+
+class PromptMismatchError(Exception):
+    """The server's `prompt_tokens` differs from the prompt the replay sent."""
+
+    def __init__(self, sent: int, seen: int, session_id: str | None) -> None:
+        where = f"session {session_id!r}" if session_id else "no session_id"
+        super().__init__(
+            f"sent {sent} prompt tokens, the server saw {seen} ({where}): another history was "
+            "prepended; replay with a fresh --session-prefix")
+        self.sent, self.seen = sent, seen
+
+
+PROMPT_MISMATCH = "prompt_mismatch"
+
+
+def check_prompt_tokens(rec: RequestRecord) -> None:
+    """Raise PromptMismatchError if the answer's meta named another prompt length. Answers
+    without `prompt_tokens` (servers that do not report it) are not checked."""
+    seen = rec.server_prompt_tokens
+    if seen is not None and seen != rec.prompt_tokens:
+        raise PromptMismatchError(rec.prompt_tokens, seen, rec.sent_session_id)
 
 
 class PoissonGate:
@@ -195,9 +240,13 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     prefill_node: str | None = None
     decode_node: str | None = None
+    sent_session_id: str | None = None  # the `session_id` sent (None: none was sent)
+    server_prompt_tokens: int | None = None  # the answer's `meta.prompt_tokens`
 
     def apply_meta(self, meta: dict[str, Any]) -> None:
         details = meta.get("cached_tokens_details") or {}
+        seen = meta.get("prompt_tokens")
+        self.server_prompt_tokens = None if seen is None else int(seen)
         self.cached_tokens = int(meta.get("cached_tokens") or 0)
         for tier in ("device", "host", "storage", "storage_from_decode"):
             setattr(self, f"cached_{tier}", int(details.get(tier) or 0))
@@ -302,7 +351,8 @@ class Replayer:
         self.expander = expander
         self.sink = sink
         self.tracker = ReuseTracker(cfg.page_size)
-        self.counts = {"sent": 0, "ok": 0, "failed": 0, "skipped": 0}
+        self.counts = {"sent": 0, "ok": 0, "failed": 0, "skipped": 0, PROMPT_MISMATCH: 0}
+        self.first_mismatch: str | None = None  # "REQUEST_ID: message" of the first one
         self.skip_reasons: dict[str, int] = {}
         self.stopping = False
 
@@ -388,6 +438,7 @@ class Replayer:
             output = await asyncio.wait_for(
                 self.send(session, prompt, max_new, rec, lambda: self.tracker.add(keys)),
                 self.cfg.request_timeout_s)
+            check_prompt_tokens(rec)
             rec.ok, rec.output_tokens = True, len(output)
             full = np.concatenate([prompt, np.asarray(output, dtype=np.int64)])
             self.tracker.add(self.tracker.extend_keys(keys, full[:-1]))  # last token: no KV
@@ -398,9 +449,19 @@ class Replayer:
             raise
         except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             rec.error = f"TimeoutError: no complete response in {self.cfg.request_timeout_s:g}s"
+        except PromptMismatchError as exc:
+            rec.output_tokens = len(output)
+            self.mismatch(rec, exc)
         except Exception as exc:  # noqa: BLE001 - any failure is this request's, never the run's
             rec.error = f"{type(exc).__name__}: {exc}"[:500]
         return rec, output
+
+    def mismatch(self, rec: RequestRecord, exc: PromptMismatchError) -> None:
+        """Record a prompt mismatch on `rec` (failed) and in the run's counts."""
+        rec.error = f"{PROMPT_MISMATCH}: {exc}"
+        self.counts[PROMPT_MISMATCH] += 1
+        if self.first_mismatch is None:
+            self.first_mismatch = f"{rec.request_id}: {exc}"
 
     async def send(
         self, session: Session, prompt: np.ndarray, max_new: int, rec: RequestRecord,
@@ -413,7 +474,8 @@ class Replayer:
             "stream": self.cfg.stream,
         }
         if self.cfg.send_session_id and len(session.turns) > 1:
-            body["session_id"] = session.session_id
+            rec.sent_session_id = self.cfg.session_id_for(session.session_id)
+            body["session_id"] = rec.sent_session_id
         if self.cfg.cache_salt is not None:
             body["cache_salt"] = self.cfg.cache_salt
         sender = send_stream if self.cfg.stream else send_plain
@@ -465,6 +527,9 @@ class Replayer:
             "requests_skipped": self.counts["skipped"] + not_sent,
             "skip_reasons": self.skip_reasons,
             "replayer_errors": len(errors),
+            "session_prefix": cfg.session_prefix,
+            "requests_prompt_mismatch": self.counts[PROMPT_MISMATCH],
+            "first_prompt_mismatch": self.first_mismatch,
         }
 
 
@@ -496,4 +561,9 @@ def run(args: argparse.Namespace) -> int:
                     sessions=len(trace.sessions), config=cfg.__dict__)
     summary = report.write_report(out_dir, run_info, plots=args.plots,
                                   json_path=getattr(args, "json_path", None))
+    if run_info["requests_prompt_mismatch"]:
+        print(f"pdcache bench replay: FAILED: {run_info['requests_prompt_mismatch']} answer(s) "
+              f"saw another prompt than the one sent; first: {run_info['first_prompt_mismatch']}",
+              file=sys.stderr)
+        return 1
     return 0 if summary["requests_ok"] > 0 or run_info["requests_sent"] == 0 else 1

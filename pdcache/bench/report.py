@@ -118,7 +118,8 @@ def summarize(records: Sequence[dict[str, Any]], run_info: dict[str, Any]) -> di
 
 
 SUMMARY_ROWS = (
-    "requests_ok", "requests_failed", "requests_skipped", "duration_s",
+    "session_prefix", "requests_ok", "requests_failed", "requests_prompt_mismatch",
+    "requests_skipped", "duration_s",
     "request_throughput_rps", "output_token_throughput", "ttft_p50_s", "ttft_p90_s",
     "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "hit_rate",
     "theoretical_hit_rate", "achieved_over_theoretical",
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     previous = out_dir / "summary.json"
     run_info = json.loads(previous.read_text()) if previous.is_file() else {}
-    keep = ("duration_s", "requests_total", "requests_sent", "requests_skipped", "trace")
+    keep = ("duration_s", "requests_total", "requests_sent", "requests_skipped", "trace",
+            "session_prefix", "requests_prompt_mismatch", "first_prompt_mismatch")
     write_report(out_dir, {k: run_info[k] for k in keep if k in run_info}, plots=args.plots)
     return 0
 

@@ -8,9 +8,20 @@ strings, usage with the per-tier cached tokens the node reported), and keeps eac
 exact token history: with `session_id`, a request carries only the new message, and the router
 prepends the session's previous input + output ids, committing a turn only when it succeeded.
 
-State (sessions, prefix index, node states) lives on the event loop; nothing is locked.
-Every request has a deadline (`request_timeout_s`); a client that goes away cancels the
-upstream requests (their connections close, so the nodes abort them).
+State (sessions, prefix index, node states, admission queue) lives on the event loop; nothing
+is locked. Every request has a deadline (`request_timeout_s`); a client that goes away cancels
+the upstream requests (their connections close, so the nodes abort them).
+
+Load (issue 17): with `max_inflight_per_node` a request waits in the router's bounded FIFO
+queue until its nodes have a free slot (`pdcache.router.admission`: 503 `queue_full` /
+`queue_timeout` with `Retry-After` otherwise). A request whose node was unreachable, or
+answered 503 (full, queue full) while another healthy node of that role exists, is sent again
+(up to `max_attempts` tries in all, within its deadline) with a fresh rid and, in PD, a fresh
+room and BOTH calls again: the failed attempt's other call is cancelled (P aborts its room; D
+frees its pages). A room is never reused: the router cannot tell whether D reached P before it
+failed (D's reserve refuses before asking P, but D's engine queue can refuse after the KV
+arrived), rooms are single-use on both nodes (`duplicate_room`), and a D that refuses answers
+in milliseconds, so little of P's work is lost (and P's prefix cache keeps what it computed).
 """
 
 from __future__ import annotations
@@ -36,10 +47,18 @@ from pdcache.engine.api import CachedTokens
 from pdcache.engine.config import ModelConfig
 from pdcache.engine.page_keys import chain_page_keys, make_salt
 from pdcache.engine.tokenizer import Tokenizer
-from pdcache.router.metrics import RouterMetrics
+from pdcache.router.admission import Admission, Ask, HasRoom, RouterBusyError
+from pdcache.router.metrics import QueueView, RouterMetrics
 from pdcache.router.nodes import NodeEndpoint, NodeRegistry
 from pdcache.router.policy import NoHealthyNodeError, PairSelector
-from pdcache.router.proxy import BAD_GATEWAY, Deadline, NodeUnreachableError, Proxy, Route
+from pdcache.router.proxy import (
+    BAD_GATEWAY,
+    Deadline,
+    NodeOverloadedError,
+    NodeUnreachableError,
+    Proxy,
+    Route,
+)
 from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.sessions import ChatContinuation, SessionStore
 from pdcache.server.bridge import wait_for_disconnect
@@ -103,9 +122,21 @@ class RouterConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     unhealthy_after: int = 2  # failed probes in a row before a node is taken out
-    max_attempts: int = 3  # tries of a request whose node was unreachable (nothing sent)
+    max_attempts: int = 3  # tries of a request whose node was unreachable or answered 503
     max_sessions: int = 10_000
     session_ttl_s: float = 3600.0
+    max_inflight_per_node: int = 0  # router slots per node (NodeEndpoint.max_inflight wins); 0: none
+    max_queue: int = 1024  # requests waiting for a slot; 0: a busy router refuses at once
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.max_queue < 0 or self.max_inflight_per_node < 0:
+            raise ValueError("max_attempts must be >= 1, max_queue and max_inflight_per_node "
+                             ">= 0")
+
+    def inflight_limit(self, node: NodeEndpoint) -> int:
+        """The router's in-flight limit of `node` (0: none)."""
+        own = node.max_inflight
+        return self.max_inflight_per_node if own is None else max(0, own)
 
 
 @dataclass
@@ -159,14 +190,23 @@ class Router:
         self.registry = NodeRegistry(
             config.nodes, self.client, health_interval_s=config.health_interval_s,
             health_timeout_s=config.health_timeout_s, unhealthy_after=config.unhealthy_after,
-            on_recovered=lambda node: self.selector.index.forget(node.name))
-        self.metrics = RouterMetrics(lambda: self.registry.nodes, lambda: len(self.sessions))
+            on_recovered=lambda node: self.selector.index.forget(node.name),
+            on_checked=lambda: self.admission.pump())
+        limits = {n.name: config.inflight_limit(n) for n in config.nodes}
+        self.admission = Admission(lambda n: limits.get(n.name, 0), config.max_queue)
+        admission = self.admission
+        queue = QueueView(lambda: admission.depth, lambda: admission.peak_depth,
+                          admission.held, admission.limit)
+        self.metrics = RouterMetrics(lambda: self.registry.nodes, lambda: len(self.sessions),
+                                     queue)
+        admission.observer = self.metrics
         self.proxy = Proxy(self.client, self.registry, connect_timeout_s=config.connect_timeout_s,
                            on_node_result=self.metrics.observe_node)
 
     # ---- lifecycle
 
     async def startup(self) -> None:
+        self.loop = asyncio.get_running_loop()  # the loop all router state lives on
         await self.registry.check_all()  # bounded by health_timeout_s per node
         self.registry.start()
 
@@ -180,8 +220,23 @@ class Router:
         salt = make_salt(self._salt_base, cache_salt or "")
         return chain_page_keys(token_ids, self.config.page_size, salt)
 
-    def pick(self, prep: Prepared) -> Route:
-        nodes = self.registry.nodes
+    def _roles(self) -> tuple[str, ...]:
+        return ("prefill", "decode") if self.registry.is_pd else ("unified",)
+
+    def check(self, exclude: frozenset[str]) -> None:
+        """ApiError 503 `no_healthy_node` unless every role has a healthy node not excluded."""
+        for role in self._roles():
+            if not self.registry.has_other(role, exclude):
+                raise ApiError(503, f"no healthy node can serve this request: no healthy {role} "
+                               "node" + (" left to try" if exclude else ""),
+                               type=OVERLOADED, code="no_healthy_node")
+
+    def pick(self, prep: Prepared, exclude: frozenset[str] = frozenset(),
+             has_room: HasRoom | None = None) -> Route | None:
+        """A route among healthy nodes not in `exclude` with a free slot (`has_room`); None
+        when some role has none. Records the prompt's keys for the chosen prefill node."""
+        nodes = [n for n in self.registry.nodes if n.name not in exclude
+                 and (has_room is None or has_room(n))]
         if self.selector.prefill_policy == "cache_aware" and prep.page_keys is None:
             prep.page_keys = self.page_keys(prep.input_ids, prep.cache_salt)
         keys = prep.page_keys or []
@@ -191,11 +246,14 @@ class Router:
             else:
                 route = Route(prefill=self.selector.pick_prefill(nodes, keys),
                               decode=self.selector.pick_decode(nodes))
-        except NoHealthyNodeError as exc:
-            raise ApiError(503, f"no healthy node can serve this request: {exc}",
-                           type=OVERLOADED, code="no_healthy_node") from None
+        except NoHealthyNodeError:
+            return None
         self.selector.index.record(route.first_node.name, keys)  # co-locate concurrent turns
         return route
+
+    def ask(self, prep: Prepared, exclude: frozenset[str]) -> Ask:
+        return Ask(lambda: self.check(exclude),
+                   lambda has_room: self.pick(prep, exclude, has_room))
 
     def node_body(self, prep: Prepared) -> dict[str, Any]:
         body: dict[str, Any] = {"input_ids": prep.input_ids, "sampling_params": prep.sampling,
@@ -204,29 +262,53 @@ class Router:
             body["cache_salt"] = prep.cache_salt
         return body
 
-    async def _routed(self, prep: Prepared, send: Callable[[Route], Awaitable[T]]
-                      ) -> tuple[T, Route]:
-        """`send` on a picked route; a node found unreachable is skipped and the request
-        re-routed (nothing reached it), up to `max_attempts` times."""
+    async def _routed(self, prep: Prepared, deadline: Deadline,
+                      send: Callable[[Route], Awaitable[T]]) -> tuple[T, Route]:
+        """`send` on a route admitted with its slots (waiting for them if need be). A node that
+        was unreachable or answered 503 is excluded and the request sent again elsewhere
+        (`retry_reason`); the route's slots are released on every failure (and by the proxy
+        when the work ends)."""
+        exclude: set[str] = set()
         for attempt in range(1, self.config.max_attempts + 1):
-            route = self.pick(prep)
+            route = await self.admission.admit(self.ask(prep, frozenset(exclude)), deadline,
+                                               front=attempt > 1)
             try:
                 return await send(route), route
-            except NodeUnreachableError:
-                if attempt == self.config.max_attempts:
+            except (NodeUnreachableError, NodeOverloadedError) as exc:
+                route.release_all()
+                reason = self.retry_reason(exc, attempt, deadline, exclude)
+                if reason is None:
+                    if isinstance(exc, NodeOverloadedError):
+                        self.metrics.rejected("node_overloaded")
                     raise
-                self.metrics.retries.inc()
+                self.metrics.retries.labels(reason).inc()
+            except BaseException:
+                route.release_all()
+                raise
         raise AssertionError("unreachable")
+
+    def retry_reason(self, exc: NodeUnreachableError | NodeOverloadedError, attempt: int,
+                     deadline: Deadline, exclude: set[str]) -> str | None:
+        """Why the failed attempt is tried again (`unreachable`, `overloaded`), or None. Adds
+        the failed node to `exclude`. An overloaded node is retried only when another
+        healthy node of its role exists: a lone full node's 503 reaches the client."""
+        exclude.add(exc.node.name)
+        if attempt >= self.config.max_attempts or deadline.remaining() <= 0:
+            return None
+        if isinstance(exc, NodeUnreachableError):
+            return "unreachable"
+        return "overloaded" if self.registry.has_other(exc.node.role, exclude) else None
 
     async def send_json(self, prep: Prepared, deadline: Deadline) -> tuple[dict[str, Any], Route]:
         # a fresh body (rid) per attempt: a node that got an abandoned try may still hold its rid
         return await self._routed(
-            prep, lambda route: self.proxy.generate(route, self.node_body(prep), deadline))
+            prep, deadline,
+            lambda route: self.proxy.generate(route, self.node_body(prep), deadline))
 
     async def send_stream(self, prep: Prepared, deadline: Deadline
                           ) -> tuple[UpstreamStream, dict[str, Any] | None, Route]:
         """Open the upstream stream and wait for its first event, so failures before the
-        first token are still proper HTTP errors."""
+        first token are still proper HTTP errors (and may be retried elsewhere)."""
         async def attempt(route: Route) -> tuple[UpstreamStream, dict[str, Any] | None]:
             stream = await self.proxy.stream(route, self.node_body(prep), deadline)
             try:
@@ -237,7 +319,7 @@ class Router:
             self.metrics.ttft.observe(time.monotonic() - prep.arrival)
             return stream, first
 
-        (stream, first), route = await self._routed(prep, attempt)
+        (stream, first), route = await self._routed(prep, deadline, attempt)
         return stream, first, route
 
     def finish(self, prep: Prepared, turn: Turn) -> None:
@@ -417,7 +499,8 @@ class Router:
         ok = self.registry.can_serve()
         body = {"status": "ok" if ok else "unavailable", "name": self.config.name,
                 "mode": "pd" if self.registry.is_pd else "unified", "model": self.model_name,
-                "sessions": len(self.sessions), "nodes": self.registry.describe()}
+                "sessions": len(self.sessions), "queue_depth": self.admission.depth,
+                "nodes": self.registry.describe()}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def models(self, request: Request) -> Response:
@@ -446,7 +529,7 @@ class Router:
                            type="authentication_error", code="invalid_api_key"),
                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
         else:
-            response = await run_guarded(endpoint, handler, request)
+            response = await run_guarded(endpoint, _with_retry_after(handler), request)
         self.metrics.observe_request(endpoint, response.status_code, time.monotonic() - start)
         return response
 
@@ -468,6 +551,18 @@ def _absorb(turn: Turn, event: dict[str, Any]) -> list[int]:
         turn.finish_reason = meta.get("finish_reason") or turn.finish_reason
     turn.output_ids.extend(ids)
     return ids
+
+
+def _with_retry_after(handler: Handler) -> Handler:
+    """`handler`, with the router's own 503s (admission) rendered with their Retry-After."""
+    async def handle(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except RouterBusyError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status_code,
+                                headers={"Retry-After": str(exc.retry_after_s)})
+
+    return handle
 
 
 async def watch(request: Request, work: Awaitable[T]) -> T:

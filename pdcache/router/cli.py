@@ -63,6 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="deadline of one request in seconds (default 600)")
     parser.add_argument("--connect-timeout", type=float, default=None)
     parser.add_argument("--health-interval", type=float, default=None)
+    parser.add_argument("--max-inflight-per-node", type=int, default=None, metavar="N",
+                        help="requests the router has in flight per node; more wait in its "
+                             "queue (default 0: no limit)")
+    parser.add_argument("--max-queue", type=int, default=None, metavar="N",
+                        help="requests that may wait for a free node; more get 503 with "
+                             "Retry-After (default 1024; 0: refuse at once)")
+    parser.add_argument("--max-attempts", type=int, default=None, metavar="N",
+                        help="tries of a request whose node was unreachable or answered 503 "
+                             "(default 3)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
 
 
@@ -113,8 +122,16 @@ def build_config(args: argparse.Namespace) -> tuple[Any, str, int]:
         request_timeout_s=_pick(args.request_timeout, spec.request_timeout_s),
         connect_timeout_s=_pick(args.connect_timeout, spec.connect_timeout_s),
         health_interval_s=_pick(args.health_interval, spec.health_interval_s),
+        **_load_settings(args),
     )
     return config, _pick(args.host, spec.host), _pick(args.port, spec.port)
+
+
+def _load_settings(args: argparse.Namespace) -> dict[str, int]:
+    """RouterConfig's admission/retry fields given by flags (topology keys: not yet)."""
+    named = {"max_inflight_per_node": args.max_inflight_per_node, "max_queue": args.max_queue,
+             "max_attempts": args.max_attempts}
+    return {k: v for k, v in named.items() if v is not None}
 
 
 def _pick(*values: Any) -> Any:

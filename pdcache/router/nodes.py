@@ -8,7 +8,8 @@ moves to the other nodes without waiting for the next probe. A node that comes b
 its cache-aware prefix index (a restarted node has an empty cache).
 
 Everything here runs on the router's event loop (no locking); the loop task logs and survives
-every probe error, and `stop()` ends it within one interval.
+every probe error, and `stop()` ends it within one interval. `on_checked` runs after every
+round of probes (the admission queue looks again at what may now be served).
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ ROLES = ("prefill", "decode", "unified")
 
 @dataclass(frozen=True)
 class NodeEndpoint:
-    """One configured node: its name, role, HTTP base URL and (prefill) KV bootstrap address."""
+    """One configured node: its name, role, HTTP base URL, (prefill) KV bootstrap address and
+    the router's in-flight limit for it (None: `RouterConfig.max_inflight_per_node`)."""
 
     name: str
     role: str
     url: str
     bootstrap: str | None = None
+    max_inflight: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -55,6 +58,7 @@ class NodeRegistry:
         health_timeout_s: float = 2.0,
         unhealthy_after: int = 2,
         on_recovered: Callable[[NodeState], None] | None = None,
+        on_checked: Callable[[], None] | None = None,
     ) -> None:
         names = [e.name for e in endpoints]
         if len(set(names)) != len(names):
@@ -65,6 +69,7 @@ class NodeRegistry:
         self.health_timeout_s = health_timeout_s
         self.unhealthy_after = max(1, unhealthy_after)
         self._on_recovered = on_recovered
+        self._on_checked = on_checked
         self._task: asyncio.Task[None] | None = None
         self.probe_errors = 0  # probes that raised something unexpected (logged)
 
@@ -105,6 +110,10 @@ class NodeRegistry:
             yield
         finally:
             node.in_flight -= 1
+
+    def has_other(self, role: str, exclude: set[str] | frozenset[str]) -> bool:
+        """A healthy node of `role` whose name is not in `exclude` exists."""
+        return any(n.healthy and n.name not in exclude for n in self.by_role(role))
 
     def mark_unreachable(self, node: NodeState, error: str) -> None:
         """A request could not connect: the node is down now, not after N probes."""
@@ -147,6 +156,8 @@ class NodeRegistry:
             await asyncio.sleep(self.health_interval_s)  # startup() probed just before
             try:
                 await self.check_all()
+                if self._on_checked is not None:
+                    self._on_checked()
             except Exception:  # check() never raises; this guards against future bugs
                 self.probe_errors += 1
                 log.exception("health loop iteration failed")

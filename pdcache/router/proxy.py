@@ -5,10 +5,16 @@ Owns no state beyond one request: `Proxy` holds the shared `httpx.AsyncClient` a
 registry (whose in-flight counts it maintains). Errors are `ApiError`s the app renders as-is:
 4xx from a node pass through, a node that cannot be reached is a 502 `NodeUnreachableError`
 (and the node is marked unhealthy), garbage or a connection dying mid-response is a 502, the
-request's deadline is a 504. In PD mode the request goes to P and D at once; if P fails, D's
-request is cancelled (closing its connection makes D abort the room) and the client gets P's
-error; if D fails, P is cancelled and the client gets D's error (P's, if P failed too).
-Cancelling a call (client disconnect) closes every upstream connection it holds.
+request's deadline is a 504. A node's 503 (full, queue full, not running) is a
+`NodeOverloadedError` naming the node, so the app can retry elsewhere. In PD mode the request
+goes to P and D at once; if P fails, D's request is cancelled (closing its connection makes D
+abort the room) and the client gets P's error; if D fails, P is cancelled and the client gets
+D's error (P's, if P failed too; a D that refused with 503 never reached P, so P is not waited
+for). Cancelling a call (client disconnect) closes every upstream connection it holds.
+
+Slots: a `Route` may carry the router-side slots its request holds (`SlotHolder`,
+`pdcache.router.admission`). The proxy frees them as the work ends: P's when P's call is over,
+the answering node's (D or unified) when the JSON answer is in or the stream is closed.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import anyio
 import httpx
@@ -54,13 +60,47 @@ class NodeUnreachableError(ApiError):
         self.node = node
 
 
+class NodeOverloadedError(ApiError):
+    """The node answered 503 (full, queue full, not running): it refused the request, so
+    another node of its role may take it. The node's own error (status, type, code, message)
+    is kept, so a 503 that is not retried reaches the client unchanged."""
+
+    def __init__(self, node: NodeState, error: ApiError) -> None:
+        super().__init__(error.status_code, error.message, type=error.type, param=error.param,
+                         code=error.code)
+        self.node = node
+
+
+class SlotHolder(Protocol):
+    """Router-side slots held by one request on its route's nodes (idempotent releases)."""
+
+    def release(self, node: NodeState) -> None: ...
+
+    def release_all(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Route:
-    """Where one request goes: a unified node, or a prefill + decode pair."""
+    """Where one request goes: a unified node, or a prefill + decode pair; `lease` holds the
+    request's router slots on those nodes (None when the router does not limit them)."""
 
     unified: NodeState | None = None
     prefill: NodeState | None = None
     decode: NodeState | None = None
+    lease: SlotHolder | None = field(default=None, compare=False)
+
+    @property
+    def nodes(self) -> tuple[NodeState, ...]:
+        return tuple(n for n in (self.unified, self.prefill, self.decode) if n is not None)
+
+    def release(self, node: NodeState) -> None:
+        """This request's work on `node` is over: free its slot there (idempotent)."""
+        if self.lease is not None:
+            self.lease.release(node)
+
+    def release_all(self) -> None:
+        if self.lease is not None:
+            self.lease.release_all()
 
     @property
     def prefill_name(self) -> str:
@@ -112,7 +152,12 @@ def error_from_response(node: NodeState, status: int, content: bytes) -> ApiErro
     if status >= 500 and status not in (503, 504):
         message = f"{node.role} node {node.name} failed: {message}"
         status = 502
-    return ApiError(status, message, type=kind, param=param, code=code)
+    return _overloaded(node, ApiError(status, message, type=kind, param=param, code=code))
+
+
+def _overloaded(node: NodeState, error: ApiError) -> ApiError:
+    """A 503 becomes a NodeOverloadedError naming `node` (retryable elsewhere)."""
+    return NodeOverloadedError(node, error) if error.status_code == 503 else error
 
 
 def error_from_event(node: NodeState, error: Any) -> ApiError:
@@ -121,7 +166,8 @@ def error_from_event(node: NodeState, error: Any) -> ApiError:
     kind = str(error.get("type") or SERVER_ERROR)
     status = {TIMEOUT: 504, OVERLOADED: 503, INVALID_REQUEST: 400}.get(kind, 502)
     message = f"{node.role} node {node.name}: {error.get('message') or 'stream failed'}"
-    return ApiError(status, message, type=kind, param=error.get("param"), code=error.get("code"))
+    return _overloaded(node, ApiError(status, message, type=kind, param=error.get("param"),
+                                      code=error.get("code")))
 
 
 def _error_object(content: bytes) -> dict[str, Any] | None:
@@ -308,25 +354,39 @@ class Proxy:
 
     async def generate(self, route: Route, body: dict[str, Any], deadline: Deadline
                        ) -> dict[str, Any]:
-        """Non-streaming `/generate` through `route`: the answering node's JSON."""
-        if route.unified is not None:
-            return await self.post_json(route.unified, {**body, "stream": False}, deadline)
-        return await self._pd_generate(route, body, deadline)
+        """Non-streaming `/generate` through `route`: the answering node's JSON. The route's
+        slots are free when this returns or raises."""
+        try:
+            if route.unified is not None:
+                return await self.post_json(route.unified, {**body, "stream": False}, deadline)
+            return await self._pd_generate(route, body, deadline)
+        finally:
+            route.release_all()
 
     async def stream(self, route: Route, body: dict[str, Any], deadline: Deadline
                      ) -> RouteStream:
-        """Streaming `/generate` through `route`; `next()` gives its events in order."""
-        if route.unified is not None:
-            node = route.unified
-            node.in_flight += 1
-            try:
-                events = await self.open_stream(node, {**body, "stream": True}, deadline)
-            except BaseException:
-                node.in_flight -= 1
-                self._result(node, False)
-                raise
-            return RouteStream(self, events, None)
-        return await self._pd_stream(route, body, deadline)
+        """Streaming `/generate` through `route`; `next()` gives its events in order. The
+        route's slots are free once the stream is closed (or when this raises)."""
+        try:
+            if route.unified is not None:
+                return await self._unified_stream(route, body, deadline)
+            return await self._pd_stream(route, body, deadline)
+        except BaseException:
+            route.release_all()
+            raise
+
+    async def _unified_stream(self, route: Route, body: dict[str, Any], deadline: Deadline
+                              ) -> RouteStream:
+        node = route.unified
+        assert node is not None
+        node.in_flight += 1
+        try:
+            events = await self.open_stream(node, {**body, "stream": True}, deadline)
+        except BaseException:
+            node.in_flight -= 1
+            self._result(node, False)
+            raise
+        return RouteStream(self, events, None, route)
 
     # ---- PD
 
@@ -349,7 +409,7 @@ class Proxy:
                            ) -> dict[str, Any]:
         p_body, d_body = self._pd_bodies(route, body, stream=False)
         assert route.prefill is not None and route.decode is not None
-        p_task = asyncio.create_task(self.post_json(route.prefill, p_body, deadline))
+        p_task = self._prefill_task(route, p_body, deadline)
         d_task = asyncio.create_task(self.post_json(route.decode, d_body, deadline))
         try:
             await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_EXCEPTION)
@@ -368,7 +428,7 @@ class Proxy:
         p_body, d_body = self._pd_bodies(route, body, stream=True)
         prefill, decode = route.prefill, route.decode
         assert prefill is not None and decode is not None
-        p_task = asyncio.create_task(self.post_json(prefill, p_body, deadline))
+        p_task = self._prefill_task(route, p_body, deadline)
         decode.in_flight += 1
         try:
             events = await _race_prefill(p_task, self.open_stream(decode, d_body, deadline))
@@ -377,7 +437,17 @@ class Proxy:
             self._result(decode, False)
             await _cancel(p_task)
             raise
-        return RouteStream(self, events, p_task)
+        return RouteStream(self, events, p_task, route)
+
+    def _prefill_task(self, route: Route, p_body: dict[str, Any], deadline: Deadline
+                      ) -> asyncio.Task[dict[str, Any]]:
+        """P's call as a task; its slot frees as soon as the call is over (P's work is done
+        once the KV is pushed, while D still decodes)."""
+        prefill = route.prefill
+        assert prefill is not None
+        task = asyncio.create_task(self.post_json(prefill, p_body, deadline))
+        task.add_done_callback(lambda _task: route.release(prefill))
+        return task
 
 
 class RouteStream:
@@ -387,10 +457,12 @@ class RouteStream:
     the stream ends P gets a short grace to answer; `aclose()` cancels whatever is left."""
 
     def __init__(self, proxy: Proxy, events: EventStream,
-                 prefill: asyncio.Task[dict[str, Any]] | None) -> None:
+                 prefill: asyncio.Task[dict[str, Any]] | None, route: Route | None = None
+                 ) -> None:
         self._proxy = proxy
         self._events = events
         self._prefill = prefill
+        self._route = route
         self._started = False
         self._ok = False
         self._released = False
@@ -420,6 +492,8 @@ class RouteStream:
             self._released = True
             self._events.node.in_flight -= 1
             self._proxy._result(self._events.node, self._ok)
+            if self._route is not None:
+                self._route.release_all()
 
 
 # --------------------------------------------------------------------------- task helpers
@@ -447,7 +521,10 @@ async def _race_prefill(prefill: asyncio.Task[Any], work: Any) -> Any:
 
 
 async def _root_cause(prefill: asyncio.Task[Any], decode_error: BaseException) -> BaseException:
-    """D failed: if P failed too (now or within a short grace), P's error is the cause."""
+    """D failed: if P failed too (now or within a short grace), P's error is the cause. A D
+    that refused the request (503) never asked P for the KV: no grace for P then."""
+    if isinstance(decode_error, NodeOverloadedError):
+        return _failure(prefill) or decode_error
     if not prefill.done():
         await asyncio.wait({prefill}, timeout=PREFILL_ERROR_GRACE_S)
     return _failure(prefill) or decode_error

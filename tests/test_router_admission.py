@@ -1,0 +1,187 @@
+"""The router's own admission (issue 17): per-node in-flight limits and a bounded FIFO queue
+in front of REAL `tiny` unified nodes (in-process uvicorn on 127.0.0.1 free ports).
+
+The node's slot is occupied deterministically by a lease the test takes through the router's
+own admission (on the router's loop), the way a long request would hold it: the queued
+requests are then real requests to a real node. Waits are bounded polls, never bare sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdcache.router.admission import Ask
+from pdcache.router.app import Router, RouterConfig, create_app
+from pdcache.router.nodes import NodeEndpoint
+from pdcache.router.proxy import Deadline, Route
+from tests.router_support import GREEDY, PAGE, RouterUnderTest, UnifiedNode, prompt
+
+pytestmark = pytest.mark.slow
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[UnifiedNode]:
+    u0 = UnifiedNode("u0")
+    try:
+        yield u0
+    finally:
+        u0.stop()
+
+
+def router_for(node: UnifiedNode, **overrides: Any) -> RouterUnderTest:
+    config = RouterConfig(nodes=(NodeEndpoint("u0", "unified", node.url),), page_size=PAGE,
+                          health_interval_s=30, **{"request_timeout_s": 60, **overrides})
+    return RouterUnderTest(create_app(config))
+
+
+def router_of(client: httpx.Client) -> Router:
+    return client.app.state.router  # type: ignore[attr-defined]
+
+
+def hold_slot(router: Router) -> Route:
+    """Take u0's slot through the router's admission, on the router's loop."""
+    node = router.registry.nodes[0]
+    ask = Ask(lambda: None, lambda has_room: Route(unified=node) if has_room(node) else None)
+    future = asyncio.run_coroutine_threadsafe(router.admission.admit(ask, Deadline(60)),
+                                              router.loop)
+    return future.result(10)
+
+
+def release(router: Router, route: Route) -> None:
+    router.loop.call_soon_threadsafe(route.release_all)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def body(seed: int, n: int = 4) -> dict[str, Any]:
+    return {"input_ids": prompt(24, seed), "sampling_params": {"max_new_tokens": n, **GREEDY}}
+
+
+def scrape(client: httpx.Client) -> Samples:
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def metric(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def test_inflight_limit_makes_concurrent_requests_wait_and_all_succeed(node: UnifiedNode
+                                                                       ) -> None:
+    n = 4
+    with router_for(node, max_inflight_per_node=1, max_queue=16) as client:
+        router = router_of(client)
+        held = hold_slot(router)
+        with ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(client.post, "/generate", json=body(i)) for i in range(n)]
+            wait_until(lambda: router.admission.depth == n, f"{n} requests in the queue")
+            assert all(not f.done() for f in futures), "nothing may pass a full node"
+            during = scrape(client)
+            release(router, held)
+            answers = [f.result(60) for f in futures]
+        assert [a.status_code for a in answers] == [200] * n, [a.text for a in answers]
+        assert all(len(a.json()["output_ids"]) == 4 for a in answers)
+        wait_until(lambda: router.admission.held(router.registry.nodes[0]) == 0, "slots freed")
+        after = scrape(client)
+    assert metric(during, "pdcache_router_queue_depth") == n
+    assert metric(during, "pdcache_router_node_slots_held", node="u0", role="unified") == 1
+    assert metric(after, "pdcache_router_queue_depth") == 0
+    assert metric(after, "pdcache_router_queue_depth_peak") == n
+    assert metric(after, "pdcache_router_node_inflight_limit", node="u0", role="unified") == 1
+    labels = {"node": "u0", "role": "unified"}
+    # the holder did not wait (le=0 bucket), every real request did
+    assert metric(after, "pdcache_router_queue_wait_seconds_count", **labels) == n + 1
+    assert metric(after, "pdcache_router_queue_wait_seconds_bucket", le="0.0", **labels) == 1
+    assert metric(after, "pdcache_router_queue_wait_seconds_sum", **labels) > 0
+    assert metric(after, "pdcache_router_rejected_total", reason="queue_full") == 0
+
+
+def test_full_queue_is_503_with_retry_after_and_the_queued_one_still_succeeds(
+    node: UnifiedNode
+) -> None:
+    with router_for(node, max_inflight_per_node=1, max_queue=1) as client:
+        router = router_of(client)
+        held = hold_slot(router)
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(client.post, "/generate", json=body(1))
+            wait_until(lambda: router.admission.depth == 1, "one request in the queue")
+            refused = client.post("/generate", json=body(2))
+            release(router, held)
+            assert queued.result(60).status_code == 200
+        samples = scrape(client)
+    assert refused.status_code == 503
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["code"] == "queue_full"
+    assert metric(samples, "pdcache_router_rejected_total", reason="queue_full") == 1
+
+
+def test_deadline_passed_in_the_queue_is_503_queue_timeout_with_retry_after(
+    node: UnifiedNode
+) -> None:
+    with router_for(node, max_inflight_per_node=1) as client:
+        start = time.monotonic()  # baseline: one unqueued request end to end
+        assert client.post("/generate", json=body(3)).status_code == 200
+        baseline_s = time.monotonic() - start
+    timeout_s = max(1.0, 20 * baseline_s)
+    with router_for(node, max_inflight_per_node=1, request_timeout_s=timeout_s) as client:
+        router = router_of(client)
+        held = hold_slot(router)
+        try:
+            start = time.monotonic()
+            late = client.post("/generate", json=body(4))
+            elapsed = time.monotonic() - start
+            # a client that leaves while queued leaves the queue
+            with pytest.raises(httpx.ReadTimeout):
+                client.post("/generate", json=body(5), timeout=httpx.Timeout(60, read=0.3))
+            wait_until(lambda: router.admission.depth == 0, "the gone client left the queue")
+        finally:
+            release(router, held)
+        samples = scrape(client)
+    assert late.status_code == 503, late.text
+    assert late.json()["error"]["code"] == "queue_timeout"
+    assert int(late.headers["Retry-After"]) >= 1
+    assert timeout_s <= elapsed < timeout_s + 5 + 10 * baseline_s
+    assert metric(samples, "pdcache_router_rejected_total", reason="queue_timeout") == 1
+
+
+def test_config_rejects_bad_limits() -> None:
+    with pytest.raises(ValueError):
+        RouterConfig(nodes=(NodeEndpoint("u0", "unified", "http://127.0.0.1:1"),),
+                     max_queue=-1)
+    config = RouterConfig(nodes=(NodeEndpoint("u0", "unified", "http://127.0.0.1:1",
+                                              max_inflight=2),
+                                 NodeEndpoint("u1", "unified", "http://127.0.0.1:2")),
+                          max_inflight_per_node=5)
+    assert [config.inflight_limit(n) for n in config.nodes] == [2, 5]
+
+
+def test_flags_set_the_admission_fields() -> None:
+    import argparse
+
+    from pdcache.router.cli import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--unified", "127.0.0.1:1", "--max-inflight-per-node", "3",
+                              "--max-queue", "7", "--max-attempts", "2"])
+    config, _, _ = build_config(args)
+    assert (config.max_inflight_per_node, config.max_queue, config.max_attempts) == (3, 7, 2)
+    config, _, _ = build_config(parser.parse_args(["--unified", "127.0.0.1:1"]))
+    assert (config.max_inflight_per_node, config.max_queue, config.max_attempts) == (0, 1024, 3)
