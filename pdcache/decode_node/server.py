@@ -14,6 +14,7 @@ shared state is `_rooms` under `_lock`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -23,7 +24,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdcache.engine.api import CachedTokens, GenerateRequest
+from pdcache.engine.api import GenerateRequest
 from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
 from pdcache.server.app import (
     CLIENT_DISCONNECTED,
@@ -45,7 +46,7 @@ from pdcache.server.protocol import (
     bad_request,
     parse_body,
 )
-from pdcache.transfer import KVReceiver, Outcome, RoomState, TransferError
+from pdcache.transfer import KVReceiver, Outcome, PrefillReport, RoomState, TransferError
 
 
 @dataclass
@@ -53,17 +54,6 @@ class _Room:
     rid: str
     loop: asyncio.AbstractEventLoop
     released: asyncio.Future
-
-
-@dataclass
-class PrefillReport:
-    """What the prefill node reported with `done`."""
-
-    first_token: int
-    prompt_tokens: int
-    computed_tokens: int
-    cached: CachedTokens
-    prefill_node: str
 
 
 @dataclass
@@ -108,7 +98,8 @@ class DecodeServer(UnifiedServer):
         room = body.pd.room
         rid = body.rid or f"pd-{room}"
         report = await self._receive(request, room, rid, body.pd.bootstrap, input_ids)
-        report.prefill_node = body.pd.prefill_node or report.prefill_node
+        if body.pd.prefill_node:
+            report = dataclasses.replace(report, prefill_node=body.pd.prefill_node)
         gen.report = report
         handle = self._submit_prefilled(gen, rid, input_ids, sampling.to_engine(),
                                         body.cache_salt, report.first_token)
@@ -134,7 +125,7 @@ class DecodeServer(UnifiedServer):
             raise bad_request(f"room {room}: {exc}", code="bad_room") from None
         await self._wait(entry, room, request)
         result = self.receiver.wait(room, 0.0)  # finished: returns at once
-        return _report_of(result.first_token, result.stats)
+        return result.report
 
     async def _reserve(self, rid: str, num_tokens: int) -> list[int]:
         try:
@@ -213,14 +204,3 @@ class DecodeServer(UnifiedServer):
         data = json.loads(response.body)
         data.update(role="decode", transfer=json_ready(self.receiver.stats()))
         return JSONResponse(data)
-
-
-def _report_of(first_token: int, stats: dict[str, Any]) -> PrefillReport:
-    cached = stats.get("cached") or {}
-    return PrefillReport(
-        first_token=int(first_token),
-        prompt_tokens=int(stats.get("prompt_tokens", 0)),
-        computed_tokens=int(stats.get("computed_tokens", 0)),
-        cached=CachedTokens(**{k: int(v) for k, v in cached.items()}),
-        prefill_node=str(stats.get("prefill_node", "")),
-    )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdcache.engine.api import CachedTokens
 from pdcache.engine.engine import Engine
 from pdcache.engine.request import Req, pages_for
 from pdcache.server.app import (
@@ -40,7 +41,7 @@ from pdcache.server.protocol import (
     bad_request,
     parse_body,
 )
-from pdcache.transfer import KVSender, Outcome, RoomState
+from pdcache.transfer import KVSender, Outcome, PrefillReport, RoomState
 
 
 @dataclass
@@ -69,15 +70,15 @@ class PrefillServer(UnifiedServer):
         """Engine thread: the request's prompt K/V is complete and its pages are held."""
         pages = req.page_ids[: pages_for(len(req.prompt_ids), self.engine.pool.page_size)]
         cached = req.cached
-        stats = {"prompt_tokens": len(req.prompt_ids), "computed_tokens": req.computed_tokens,
-                 "cached": cached.as_dict() if cached else {}, "prefill_node": self.config.name}
+        report = PrefillReport(req.output_ids[0], len(req.prompt_ids), req.computed_tokens,
+                               cached or CachedTokens(), self.config.name)
         # Held across send(): the handler cannot close the room between the lookup and
         # `sent`, so exactly one of on_release / this method frees the pages (RLock: send()
         # may run on_release on this thread).
         with self._lock:
             room = self._room_of.get(req.rid)
             entry = self._rooms.get(room) if room is not None else None
-            accepted = entry is not None and self.sender.send(room, pages, req.output_ids[0], stats)
+            accepted = entry is not None and self.sender.send(room, pages, report)
             if accepted:
                 entry.sent, entry.sent_at = True, time.monotonic()
             else:
