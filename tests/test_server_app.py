@@ -467,3 +467,16 @@ def test_health_and_models(client: TestClient, engine: Engine) -> None:
     assert models["object"] == "list"
     assert models["data"][0]["id"] == engine.config.model.name
     assert models["data"][0]["max_model_len"] == CTX
+
+
+def test_pd_body_on_a_unified_server_is_400(client: TestClient) -> None:
+    """`pd` is the router's field for P/D nodes: a unified server must not serve it as a plain
+    request (it would generate the whole answer where prefill expects one token)."""
+    body = {"input_ids": prompt(8, 1), "sampling_params": {"max_new_tokens": 2},
+            "pd": {"room": 7, "role": "prefill"}}
+    response = client.post("/generate", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "pd"
+    ok = client.post("/generate", json={"input_ids": prompt(8, 1),
+                                        "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200

@@ -17,9 +17,8 @@ from pdcache.server.protocol import (
     check_prompt,
     default_max_tokens,
     parse_body,
-    sse,
-    usage_body,
 )
+from pdcache.server.responses import sse, usage_body
 
 LIMITS = ModelLimits(vocab_size=100, context_len=64)
 

@@ -14,7 +14,9 @@ from pdcache.engine.engine import Engine
 from pdcache.launch.node_config import NodeSetup
 from pdcache.offload_manager.decode_offload import DecodeOffloadManager
 from pdcache.offload_manager.storage import create_backend
-from pdcache.server.app import ServerConfig, create_app
+from pdcache.server.app import routes_for
+from pdcache.server.bridge import ServerConfig
+from pdcache.server.routes import build_app
 from pdcache.transfer import KVReceiver, Outcome
 
 
@@ -51,13 +53,14 @@ def build_decode_app(setup: NodeSetup, model: Any, tokenizer: Any, staging_pages
 
     receiver = KVReceiver(setup.transfer, engine.pool.device_kv, on_release=on_release,
                           decode_id=setup.name).start()
-    server = DecodeServer(engine, ServerConfig(name=setup.name,
-                                               request_timeout_s=request_timeout_s), receiver)
+    config = ServerConfig(name=setup.name, request_timeout_s=request_timeout_s)
+    server = DecodeServer(routes_for(engine, config), receiver)
     servers.append(server)
     if managers:  # pdcache_decode_offload_* on this node's /metrics
-        server.metrics.registry.register(OffloadStatsCollector(managers[0], setup.name))
+        server.bridge.metrics.registry.register(OffloadStatsCollector(managers[0], setup.name))
 
     def shutdown() -> None:
+        engine.shutdown()
         receiver.close()
         for manager in managers:
             manager.close()
@@ -65,6 +68,8 @@ def build_decode_app(setup: NodeSetup, model: Any, tokenizer: Any, staging_pages
         if storage is not None:
             storage.close()
 
-    app = create_app(engine, server.config, server=server, on_shutdown=shutdown)
+    app = build_app(server.routes, pd_generate=server.pd_generate,
+                    health_extra=server.health_extra, on_startup=engine.start,
+                    on_shutdown=shutdown)
     app.state.offload = managers[0] if managers else None
     return app, server

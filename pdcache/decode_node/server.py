@@ -15,23 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from pdcache.engine.api import GenerateRequest
-from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
-from pdcache.server.app import (
+from pdcache.engine.engine import EngineNotRunningError, EngineOverloadedError
+from pdcache.server.bridge import (
     CLIENT_DISCONNECTED,
-    EngineRequest,
     Generation,
-    ServerConfig,
-    UnifiedServer,
     json_ready,
     set_result_once,
     wait_for_disconnect,
@@ -40,12 +35,10 @@ from pdcache.server.protocol import (
     OVERLOADED,
     SERVER_ERROR,
     ApiError,
-    CachedTokensDetails,
-    GenerateMeta,
     GenerateRequestBody,
     bad_request,
-    parse_body,
 )
+from pdcache.server.routes import ServerRoutes
 from pdcache.transfer import KVReceiver, Outcome, PrefillReport, RoomState, TransferError
 
 
@@ -56,16 +49,15 @@ class _Room:
     released: asyncio.Future
 
 
-@dataclass
-class PDGeneration(Generation):
-    report: PrefillReport | None = None
+class DecodeServer:
+    """The `pd` requests of a decode node: they start from K/V pushed by a prefill node.
+    Other requests are the `routes`' (a unified server's)."""
 
-
-class DecodeServer(UnifiedServer):
-    """A unified server whose PD requests start from K/V pushed by a prefill node."""
-
-    def __init__(self, engine: Engine, config: ServerConfig, receiver: KVReceiver) -> None:
-        super().__init__(engine, config)
+    def __init__(self, routes: ServerRoutes, receiver: KVReceiver) -> None:
+        self.routes = routes
+        self.bridge = routes.bridge
+        self.engine = routes.engine
+        self.config = routes.bridge.config
         self.receiver = receiver
         self._rooms: dict[int, _Room] = {}
         self._lock = threading.Lock()
@@ -82,28 +74,26 @@ class DecodeServer(UnifiedServer):
         entry.loop.call_soon_threadsafe(set_result_once, entry.released, outcome)
 
     # ---- /generate ----------------------------------------------------------------------
-    async def generate(self, request: Request) -> Response:
-        body = parse_body(GenerateRequestBody, await request.body())
-        if body.pd is None:
-            return await super().generate(request)
+    async def pd_generate(self, request: Request, body: GenerateRequestBody) -> Response:
+        assert body.pd is not None
         if body.pd.role != "decode" or not body.pd.bootstrap:
             raise bad_request("this is a decode node: pd needs role 'decode' and 'bootstrap'",
                               code="wrong_role")
         return await self._generate_pd(request, body)
 
     async def _generate_pd(self, request: Request, body: GenerateRequestBody) -> Response:
-        gen = PDGeneration(arrival=time.monotonic())
-        input_ids = self.checked_prompt(body)
+        arrival = time.monotonic()
+        input_ids = self.routes.checked_prompt(body)
         sampling = body.sampling_params
         room = body.pd.room
         rid = body.rid or f"pd-{room}"
         report = await self._receive(request, room, rid, body.pd.bootstrap, input_ids)
         if body.pd.prefill_node:
             report = dataclasses.replace(report, prefill_node=body.pd.prefill_node)
-        gen.report = report
-        handle = self._submit_prefilled(gen, rid, input_ids, sampling.to_engine(),
-                                        body.cache_salt, report.first_token)
-        return await self.respond(request, handle, gen, body.stream)
+        gen = Generation(arrival=arrival, report=report)
+        handle = self.bridge.submit_prefilled(gen, rid, input_ids, sampling.to_engine(),
+                                              body.cache_salt, report.first_token)
+        return await self.routes.respond(request, handle, gen, body.stream)
 
     async def _receive(self, request: Request, room: int, rid: str, bootstrap: str,
                        input_ids: list[int]) -> PrefillReport:
@@ -168,39 +158,5 @@ class DecodeServer(UnifiedServer):
                            type=SERVER_ERROR, code=code)
         return outcome
 
-    def _submit_prefilled(self, gen: Generation, rid: str, input_ids: list[int], sampling: Any,
-                          salt: str | None, first_token: int) -> EngineRequest:
-        handle = EngineRequest(self.engine, rid, time.monotonic() + self.config.request_timeout_s)
-        req = GenerateRequest(rid=rid, input_ids=input_ids, sampling=sampling,
-                              cache_salt=salt or "")
-        try:
-            self.engine.submit_prefilled(req, first_token, handle.on_output)
-        except (ValueError, EngineNotRunningError) as exc:
-            self.engine.abort(rid)  # frees the reservation
-            raise ApiError(500, f"cannot start decoding: {exc}", type=SERVER_ERROR) from None
-        gen.prompt_tokens = len(input_ids)
-        return handle
-
-    def meta(self, gen: Generation) -> GenerateMeta:
-        meta = super().meta(gen)
-        report = getattr(gen, "report", None)
-        if report is None:
-            return meta
-        return meta.model_copy(update={
-            "cached_tokens": report.cached.total,
-            "cached_tokens_details": CachedTokensDetails.of(report.cached),
-            "computed_tokens": report.computed_tokens,
-            "prefill_node": report.prefill_node,
-        })
-
-    def _finish(self, gen: Generation) -> None:
-        report = getattr(gen, "report", None)
-        if report is not None and gen.done_at is None:  # metrics count prefill's reuse
-            gen.cached, gen.computed_tokens = report.cached, report.computed_tokens
-        super()._finish(gen)
-
-    async def health(self, request: Request) -> Response:
-        response = await super().health(request)
-        data = json.loads(response.body)
-        data.update(role="decode", transfer=json_ready(self.receiver.stats()))
-        return JSONResponse(data)
+    def health_extra(self) -> dict[str, Any]:
+        return {"role": "decode", "transfer": json_ready(self.receiver.stats())}

@@ -11,7 +11,9 @@ from pdcache.launch.node_config import NodeSetup
 from pdcache.offload_manager.builder import build_tiered_engine
 from pdcache.prefill_node.scheduler import PrefillScheduler
 from pdcache.prefill_node.server import PrefillServer
-from pdcache.server.app import ServerConfig, create_app
+from pdcache.server.app import routes_for
+from pdcache.server.bridge import ServerConfig
+from pdcache.server.routes import build_app
 from pdcache.transfer import KVSender, Outcome
 
 
@@ -34,18 +36,21 @@ def build_prefill_app(setup: NodeSetup, model: Any, tokenizer: Any,
     engine = tiered.engine
     sender = KVSender(setup.transfer, engine.pool.device_kv, setup.host,
                       setup.bootstrap_port or 0, on_release=on_release, prefill_id=setup.name)
-    server = PrefillServer(engine, ServerConfig(name=setup.name,
-                                                request_timeout_s=request_timeout_s), sender)
+    config = ServerConfig(name=setup.name, request_timeout_s=request_timeout_s)
+    server = PrefillServer(routes_for(engine, config), sender)
     servers.append(server)
     sender.start()
 
     def shutdown() -> None:
+        engine.shutdown()
         sender.close()
         engine.scheduler.release_all_held()
         tiered.hicache.close()
         if tiered.storage is not None:
             tiered.storage.close()
 
-    app = create_app(engine, server.config, server=server, on_shutdown=shutdown)
+    app = build_app(server.routes, pd_generate=server.pd_generate,
+                    health_extra=server.health_extra, on_startup=engine.start,
+                    on_shutdown=shutdown)
     app.state.tiered = tiered
     return app, server

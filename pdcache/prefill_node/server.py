@@ -14,33 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcache.engine.api import CachedTokens
-from pdcache.engine.engine import Engine
 from pdcache.engine.request import Req, pages_for
-from pdcache.server.app import (
-    Generation,
-    ServerConfig,
-    UnifiedServer,
-    create_app,
-    json_ready,
-    set_result_once,
-)
+from pdcache.server.bridge import Generation, json_ready, set_result_once
 from pdcache.server.protocol import (
     SERVER_ERROR,
     ApiError,
     GenerateRequestBody,
     TextAssembler,
     bad_request,
-    parse_body,
 )
+from pdcache.server.routes import ServerRoutes
 from pdcache.transfer import KVSender, Outcome, PrefillReport, RoomState
 
 
@@ -54,11 +46,15 @@ class _Room:
     released_at: float = 0.0  # monotonic: the transfer layer released the room
 
 
-class PrefillServer(UnifiedServer):
-    """A unified server whose PD requests end by pushing their KV to a decode node."""
+class PrefillServer:
+    """The `pd` requests of a prefill node: computed to their first token, then their KV is
+    pushed to a decode node. Other requests are the `routes`' (a unified server's)."""
 
-    def __init__(self, engine: Engine, config: ServerConfig, sender: KVSender) -> None:
-        super().__init__(engine, config)
+    def __init__(self, routes: ServerRoutes, sender: KVSender) -> None:
+        self.routes = routes
+        self.bridge = routes.bridge
+        self.engine = routes.engine
+        self.config = routes.bridge.config
         self.sender = sender
         self._rooms: dict[int, _Room] = {}  # room -> the handler waiting for it
         self._orphans: dict[int, str] = {}  # room -> rid, transfer running, handler gone
@@ -104,18 +100,15 @@ class PrefillServer(UnifiedServer):
         self.engine.release_held(rid)
 
     # ---- /generate ----------------------------------------------------------------------
-    async def generate(self, request: Request) -> Response:
-        raw = await request.body()
-        body = parse_body(GenerateRequestBody, raw)
-        if body.pd is None:
-            return await super().generate(request)
+    async def pd_generate(self, request: Request, body: GenerateRequestBody) -> Response:
+        assert body.pd is not None
         if body.pd.role != "prefill":
             raise bad_request("this is a prefill node: pd.role must be 'prefill'", code="wrong_role")
         return await self._generate_pd(request, body)
 
     async def _generate_pd(self, request: Request, body: GenerateRequestBody) -> Response:
         gen = Generation(arrival=time.monotonic())
-        input_ids = self.checked_prompt(body)
+        input_ids = self.routes.checked_prompt(body)
         sampling = body.sampling_params
         room = body.pd.room
         rid = body.rid or f"pd-{room}"
@@ -123,8 +116,9 @@ class PrefillServer(UnifiedServer):
         started = time.monotonic()
         try:
             first_only = dataclasses.replace(sampling.to_engine(), max_new_tokens=1)
-            handle = self.submit(gen, input_ids, first_only, body.cache_salt, rid)
-            await self.collect(request, handle, gen, TextAssembler(self.decode, []))
+            handle = self.bridge.submit(gen, input_ids, first_only, body.cache_salt, rid)
+            await self.bridge.collect(request, handle, gen,
+                                     TextAssembler(self.routes.decode, []))
             if gen.finish_reason not in ("length", "stop") or not gen.output_ids:
                 self.sender.abort(room, f"prefill failed: {gen.finish_reason}")
                 raise ApiError(500, f"prefill of room {room} failed ({gen.finish_reason})",
@@ -178,7 +172,7 @@ class PrefillServer(UnifiedServer):
                      decode_node: str | None) -> Response:
         """`pd.transfer_s`: the handler's whole time (prefill included); `pd.push_s`: from the
         prompt's K/V being complete to the room's release (the transfer and its `done`)."""
-        meta = self.meta(gen).model_dump()
+        meta = self.bridge.meta(gen).model_dump()
         meta["decode_node"] = decode_node or ""
         nbytes = getattr(outcome.data, "nbytes", 0) if outcome.data is not None else 0
         pd = {"room": outcome.room_id, "bytes": nbytes, "transfer_s": elapsed_s,
@@ -189,15 +183,6 @@ class PrefillServer(UnifiedServer):
     def scheduler(self):
         return self.engine.scheduler
 
-    async def health(self, request: Request) -> Response:
-        response = await super().health(request)
-        data = json.loads(response.body)
-        data.update(role="prefill", bootstrap=self.sender.bootstrap_addr,
-                    transfer=json_ready(self.sender.stats()))
-        return JSONResponse(data)
-
-
-
-
-def create_prefill_app(server: PrefillServer, on_shutdown=None) -> FastAPI:
-    return create_app(server.engine, server.config, server=server, on_shutdown=on_shutdown)
+    def health_extra(self) -> dict[str, Any]:
+        return {"role": "prefill", "bootstrap": self.sender.bootstrap_addr,
+                "transfer": json_ready(self.sender.stats())}

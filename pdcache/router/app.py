@@ -21,17 +21,16 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdcache.engine.api import CachedTokens
 from pdcache.engine.config import ModelConfig
@@ -43,7 +42,7 @@ from pdcache.router.policy import NoHealthyNodeError, PairSelector
 from pdcache.router.proxy import BAD_GATEWAY, Deadline, NodeUnreachableError, Proxy, Route
 from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.sessions import ChatContinuation, SessionStore
-from pdcache.server.app import _http_error, error_response, sse_guard, wait_for_disconnect
+from pdcache.server.bridge import wait_for_disconnect
 from pdcache.server.protocol import (
     OVERLOADED,
     SERVER_ERROR,
@@ -53,21 +52,31 @@ from pdcache.server.protocol import (
     GenerateRequestBody,
     ModelLimits,
     OpenAIRequestBase,
-    ResponseHead,
     TextAssembler,
     bad_request,
-    chat_choice,
-    chat_delta,
     check_prompt,
     check_token_ids,
     default_max_tokens,
     error_body,
-    now_s,
     parse_body,
+)
+from pdcache.server.responses import (
+    Handler,
+    ResponseHead,
+    StreamEnd,
+    chat_choice,
+    chat_events,
+    completion_events,
+    drain,
+    event_stream,
+    model_list,
+    now_s,
+    run_guarded,
     sse,
     text_choice,
     usage_body,
 )
+from pdcache.server.routes import mount
 
 log = logging.getLogger(__name__)
 
@@ -358,11 +367,12 @@ class Router:
         turn, text = Turn(route), TextAssembler(self.decode, stops)
         deltas = self._deltas(prep, stream, first, turn, text)
         if body.stream:
-            events = (self._chat_events if chat else self._completion_events)(
-                deltas, turn, head, body)
+            end = StreamEnd(lambda: turn.finish_reason, lambda: self._usage_of(turn),
+                            body.include_usage())
+            events = (chat_events if chat else completion_events)(head, deltas, end)
             return streaming(events, stream)
         try:
-            await watch(request, _drain(deltas))
+            await watch(request, drain(deltas))
         finally:
             await _close(stream)  # idempotent; covers a drain cancelled before it started
         choice = (chat_choice if chat else text_choice)(text.text, turn.finish_reason)
@@ -390,26 +400,6 @@ class Router:
         finally:
             await _close(stream)
 
-    async def _chat_events(self, deltas: AsyncIterator[str], turn: Turn, head: ResponseHead,
-                           body: OpenAIRequestBase) -> AsyncIterator[bytes]:
-        yield sse(head.body([chat_delta({"role": "assistant", "content": ""}, None)]))
-        async with aclosing(deltas) as texts:  # closing it closes the upstream stream
-            async for delta in texts:
-                yield sse(head.body([chat_delta({"content": delta}, None)]))
-        yield sse(head.body([chat_delta({}, turn.finish_reason)]))
-        if body.include_usage():
-            yield sse(head.body([], usage=self._usage_of(turn)))
-
-    async def _completion_events(self, deltas: AsyncIterator[str], turn: Turn,
-                                 head: ResponseHead, body: OpenAIRequestBase
-                                 ) -> AsyncIterator[bytes]:
-        async with aclosing(deltas) as texts:
-            async for delta in texts:
-                yield sse(head.body([text_choice(delta, None)]))
-        yield sse(head.body([text_choice("", turn.finish_reason)]))
-        if body.include_usage():
-            yield sse(head.body([], usage=self._usage_of(turn)))
-
     def usage(self, prep: Prepared, turn: Turn) -> dict[str, Any]:
         turn.meta.setdefault("prompt_tokens", len(prep.input_ids))
         return self._usage_of(turn)
@@ -431,9 +421,7 @@ class Router:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def models(self, request: Request) -> Response:
-        entry = {"id": self.model_name, "object": "model", "created": self.created,
-                 "owned_by": "pdcache", "max_model_len": self.limits.context_len}
-        return JSONResponse({"object": "list", "data": [entry]})
+        return JSONResponse(model_list(self.model_name, self.created, self.limits.context_len))
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -449,23 +437,16 @@ class Router:
         return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
                                                                      key.encode())
 
-    async def guarded(self, endpoint: str, handler: Callable[[Request], Awaitable[Response]],
-                      request: Request) -> Response:
+    async def guarded(self, endpoint: str, handler: Handler, request: Request) -> Response:
         """Run a handler; map every failure to a JSON error; count status and latency."""
         start = time.monotonic()
-        try:
-            if not self.authorized(request):
-                response = JSONResponse(
-                    error_body("invalid or missing API key (Authorization: Bearer KEY)",
-                               type="authentication_error", code="invalid_api_key"),
-                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-            else:
-                response = await handler(request)
-        except ApiError as exc:
-            response = error_response(exc)
-        except Exception as exc:  # a bug costs one request, never the process
-            log.exception("%s failed", endpoint)
-            response = error_response(ApiError(500, f"internal error: {exc}", type=SERVER_ERROR))
+        if not self.authorized(request):
+            response: Response = JSONResponse(
+                error_body("invalid or missing API key (Authorization: Bearer KEY)",
+                           type="authentication_error", code="invalid_api_key"),
+                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        else:
+            response = await run_guarded(endpoint, handler, request)
         self.metrics.observe_request(endpoint, response.status_code, time.monotonic() - start)
         return response
 
@@ -504,12 +485,6 @@ async def watch(request: Request, work: Awaitable[T]) -> T:
         await asyncio.gather(task, gone, return_exceptions=True)
 
 
-async def _drain(deltas: AsyncIterator[str]) -> None:
-    async with aclosing(deltas) as texts:
-        async for _ in texts:
-            pass
-
-
 async def _close(stream: UpstreamStream) -> None:
     """Close upstream connections even from a cancelled scope (client disconnect)."""
     with anyio.CancelScope(shield=True), anyio.move_on_after(10):
@@ -518,10 +493,7 @@ async def _close(stream: UpstreamStream) -> None:
 
 def streaming(events: AsyncIterator[bytes], stream: UpstreamStream) -> Response:
     """SSE response; the background close covers a client gone before the first pull."""
-    return StreamingResponse(
-        sse_guard(events), media_type="text/event-stream",
-        background=BackgroundTask(_close, stream),
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return event_stream(events, BackgroundTask(_close, stream))
 
 
 # --------------------------------------------------------------------------- factory
@@ -541,24 +513,10 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None,
 
     app = FastAPI(title="pdcache router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
-    routes: list[tuple[str, str, Callable[[Request], Awaitable[Response]]]] = [
-        ("POST", "/generate", router.generate),
-        ("POST", "/v1/chat/completions", router.chat_completions),
-        ("POST", "/v1/completions", router.completions),
-        ("GET", "/health", router.health),
-        ("GET", "/v1/models", router.models),
-        ("GET", "/metrics", router.metrics_endpoint),
-    ]
-    for method, path, handler in routes:
-        app.add_api_route(path, _guard(router, path, handler), methods=[method],
-                          include_in_schema=False)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
+    mount(app, [("POST", "/generate", router.generate),
+                ("POST", "/v1/chat/completions", router.chat_completions),
+                ("POST", "/v1/completions", router.completions),
+                ("GET", "/health", router.health),
+                ("GET", "/v1/models", router.models),
+                ("GET", "/metrics", router.metrics_endpoint)], router.guarded)
     return app
-
-
-def _guard(router: Router, path: str, handler: Callable[[Request], Awaitable[Response]]
-           ) -> Callable[[Request], Awaitable[Response]]:
-    async def endpoint(request: Request) -> Response:
-        return await router.guarded(path, handler, request)
-
-    return endpoint

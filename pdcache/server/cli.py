@@ -11,13 +11,12 @@ import logging
 import socket
 import sys
 
-import uvicorn
-
 from pdcache.engine.config import DTYPES, CacheConfig, SchedulerConfig
+from pdcache.server.runtime import READY_PREFIX, listen, serve
 
 log = logging.getLogger(__name__)
 
-READY_PREFIX = "pdcache serve: ready at "
+__all__ = ["READY_PREFIX", "add_arguments", "listen", "run", "serve_app"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,41 +76,25 @@ def build_engine(args: argparse.Namespace):
     return tiered.engine, close_tiers
 
 
-class _AnnouncingServer(uvicorn.Server):
-    """Prints the URL once the listening socket is up, so scripts can wait for that line."""
+class _AppRuntime:
+    """An app built elsewhere, served as a runtime (the nodes, until they are runtimes)."""
 
-    def __init__(self, config: uvicorn.Config, url: str, prefix: str = READY_PREFIX) -> None:
-        super().__init__(config)
-        self._url = url
-        self._prefix = prefix
+    def __init__(self, app) -> None:
+        self._app = app
 
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started:
-            print(f"{self._prefix}{self._url}", flush=True)
+    def app(self):
+        return self._app
 
+    def ready_lines(self) -> list[str]:
+        return []
 
-def listen(host: str, port: int, command: str) -> socket.socket | None:
-    """Bind the HTTP socket first, so a busy port fails before the model loads."""
-    try:
-        return socket.create_server((host, port))
-    except OSError as exc:
-        print(f"pdcache {command}: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
-        return None
+    def close(self) -> None:
+        pass
 
 
 def serve_app(app, sock: socket.socket, host: str, log_level: str, command: str = "serve") -> int:
     """Run `app` on the bound `sock` until SIGINT/SIGTERM; prints the ready line."""
-    port = sock.getsockname()[1]
-    shown = f"[{host}]" if ":" in host else host
-    uv_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-    server = _AnnouncingServer(uv_config, f"http://{shown}:{port}",
-                               f"pdcache {command}: ready at ")
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    return 0 if server.started else 1
+    return serve(_AppRuntime(app), sock, host, log_level, command)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""HTTP contract of DESIGN.md §4.1: request/response models, validation and error bodies.
+"""HTTP contract of DESIGN.md §4.1: request models, validation and error bodies.
 
 Shared by the unified server, the router and the P/D nodes, so it depends on pydantic and
 the engine's plain types only (no FastAPI, no engine instance). Every malformed request maps
@@ -11,9 +11,6 @@ id) and, where a silently ignored field would change results, reject unknown fie
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
@@ -479,68 +476,3 @@ class TextAssembler:
         delta = self._text[self._emitted : upto]
         self._emitted = max(self._emitted, upto)
         return delta
-
-
-# --------------------------------------------------------------------------- OpenAI responses
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now_s() -> int:
-    return int(time.time())
-
-
-def usage_body(
-    prompt_tokens: int, completion_tokens: int, cached: CachedTokens, computed_tokens: int
-) -> dict[str, Any]:
-    """OpenAI usage plus pdcache's per-tier breakdown of the reused prompt tokens."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached.total},
-        "cached_tokens_details": cached.as_dict(),
-        "computed_tokens": computed_tokens,
-    }
-
-
-@dataclass(frozen=True)
-class ResponseHead:
-    """`id`, `object`, `created` and `model` of one OpenAI response or stream."""
-
-    id: str
-    object: str
-    created: int
-    model: str
-
-    @classmethod
-    def new(cls, prefix: str, obj: str, model: str) -> ResponseHead:
-        return cls(new_id(prefix), obj, now_s(), model)
-
-    def body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        head = {"id": self.id, "object": self.object, "created": self.created}
-        return {**head, "model": self.model, "choices": choices, **extra}
-
-
-def chat_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text}
-    return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-
-
-def chat_delta(delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-
-
-def text_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-
-def sse(payload: dict[str, Any] | str) -> bytes:
-    """One server-sent event: `data: <json>` (or a literal such as `[DONE]`)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-SSE_DONE = sse("[DONE]")

@@ -1,0 +1,125 @@
+"""How a node process runs: a `NodeRuntime` builds what the node owns from its `NodeSetup`,
+starts its threads in `start()` and stops them in reverse in `close()`; `serve()` runs one
+runtime's app on a bound socket until SIGINT/SIGTERM. Every role (unified, prefill, decode)
+goes through `serve()`; `UnifiedRuntime` is the unified server's.
+
+Lifecycle: the app's lifespan calls `start()` before the socket accepts requests and
+`close()` after the last response, so what `ready_lines()` reports (a prefill node's KV
+bootstrap address) is listening before the ready line is printed.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from typing import Any, Protocol
+
+import uvicorn
+from fastapi import FastAPI
+
+from pdcache.engine.engine import Engine
+from pdcache.offload_manager.builder import TieredEngine, build_tiered_engine
+from pdcache.server.app import routes_for
+from pdcache.server.bridge import ServerConfig
+from pdcache.server.routes import build_app
+
+READY_PREFIX = "pdcache serve: ready at "
+
+
+class NodeRuntime(Protocol):
+    """What `serve()` needs of a node: built (nothing started) by `__init__`."""
+
+    def __init__(self, setup: Any, model: Any, tokenizer: Any) -> None: ...
+
+    def start(self) -> None:
+        """Start every thread the node owns (engine, cache tiers, transfer)."""
+
+    def close(self) -> None:
+        """Stop them in reverse order; idempotent."""
+
+    def app(self) -> FastAPI:
+        """The node's HTTP app; its lifespan calls `start()` and `close()`."""
+
+    def ready_lines(self) -> list[str]:
+        """Lines printed (after `start()`) before the ready line, e.g. bootstrap addresses."""
+
+
+class UnifiedRuntime:
+    """A unified server: one engine (with HiCache tiers when the setup has them).
+
+    Owns the engine thread (started in `start()`) and the tiers' IO threads (started when
+    the engine is built, closed in `close()`)."""
+
+    def __init__(self, setup: Any, model: Any, tokenizer: Any) -> None:
+        self.setup = setup
+        self.config = ServerConfig(name=setup.name,
+                                   request_timeout_s=setup.server.request_timeout_s)
+        self.tiered: TieredEngine | None = None
+        if setup.tiers is not None and setup.engine.cache.enable_prefix_cache:
+            self.tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers)
+            self.engine = self.tiered.engine
+        else:
+            self.engine = Engine(setup.engine, model, tokenizer)
+        self._closed = False
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.tiered is not None:
+            self.tiered.close()
+        else:
+            self.engine.shutdown()
+
+    def app(self) -> FastAPI:
+        return build_app(routes_for(self.engine, self.config), on_startup=self.start,
+                         on_shutdown=self.close)
+
+    def ready_lines(self) -> list[str]:
+        return []
+
+
+class _AnnouncingServer(uvicorn.Server):
+    """Prints the runtime's lines and the URL once the listening socket is up, so scripts
+    can wait for the ready line."""
+
+    def __init__(self, config: uvicorn.Config, lines: Any, ready: str) -> None:
+        super().__init__(config)
+        self._lines = lines
+        self._ready = ready
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            for line in self._lines():
+                print(line, flush=True)
+            print(self._ready, flush=True)
+
+
+def listen(host: str, port: int, command: str) -> socket.socket | None:
+    """Bind the HTTP socket first, so a busy port fails before the model loads."""
+    try:
+        return socket.create_server((host, port))
+    except OSError as exc:
+        print(f"pdcache {command}: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        return None
+
+
+def serve(runtime: NodeRuntime, sock: socket.socket, host: str, log_level: str,
+          command: str = "serve") -> int:
+    """Run `runtime`'s app on the bound `sock` until SIGINT/SIGTERM; prints the ready line
+    `pdcache COMMAND: ready at http://HOST:PORT` once it accepts requests."""
+    port = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    uv_config = uvicorn.Config(runtime.app(), log_level=log_level, timeout_graceful_shutdown=5)
+    server = _AnnouncingServer(uv_config, runtime.ready_lines,
+                               f"pdcache {command}: ready at http://{shown}:{port}")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        runtime.close()  # idempotent: the lifespan closed it unless startup failed
+    return 0 if server.started else 1
