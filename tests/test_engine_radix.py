@@ -60,9 +60,9 @@ def test_match_counts_full_pages_only() -> None:
 def test_match_is_read_only() -> None:
     tree, _ = make_tree()
     put(tree, list(range(8)))
-    before = [(n.last_access, n.hit_count, n.lock_ref) for n in tree._iter_nodes()]
+    before = [(n.last_access, n.hit_count, n.lock_ref) for n, _ in tree.walk(list(range(8)))]
     tree.match_prefix(list(range(8)))
-    assert [(n.last_access, n.hit_count, n.lock_ref) for n in tree._iter_nodes()] == before
+    assert [(n.last_access, n.hit_count, n.lock_ref) for n, _ in tree.walk(list(range(8)))] == before
 
 
 def test_insert_dedupes_and_splits_at_page_boundary() -> None:
@@ -148,7 +148,8 @@ def test_lock_protects_across_split_and_unlock_balances() -> None:
     assert tree.evict(100) == 1  # only the new unlocked leaf
     tree.unlock(node)
     assert tree.locked_pages == 0
-    assert all(n.lock_ref == 0 for n in tree._iter_nodes())
+    assert tree.num_nodes() == 2  # the unlocked leaf is evicted: a's head and tail are left
+    assert all(n.lock_ref == 0 for n, _ in tree.walk(a))
     tree.check()
     tree.flush()
     assert allocator.num_used == 0

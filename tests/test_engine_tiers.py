@@ -13,7 +13,7 @@ import torch
 
 from pdcache.engine.api import CachedTokens, GenerateRequest, SamplingParams
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdcache.engine.engine import Engine, _Submit
+from pdcache.engine.engine import Engine
 from pdcache.engine.loader import load_model
 from pdcache.engine.radix import InsertResult, MatchResult
 from pdcache.engine.request import Req
@@ -190,15 +190,14 @@ class ProtectingScheduler(Scheduler):
 
 
 def run_sync(engine: Engine, reqs: list[GenerateRequest]) -> dict[str, list[int]]:
-    """Drive a not-started engine step by step on this thread (deterministic scheduling)."""
+    """Drive the engine step by step on this thread (deterministic scheduling)."""
+    engine.start(thread=False)
     outputs: dict[str, list[int]] = {req.rid: [] for req in reqs}
     for req in reqs:
         sink = outputs[req.rid]
-        new = engine._new_req(req, lambda out, sink=sink: sink.extend(out.new_token_ids),
-                              engine._generator_for(req))
-        engine._handle(_Submit(new))
-    while engine.scheduler.has_work():
-        engine._step()
+        engine.submit(req, lambda out, sink=sink: sink.extend(out.new_token_ids))
+    while engine.step():
+        pass
     engine.check_accounting()
     return outputs
 

@@ -8,7 +8,7 @@ import torch
 
 from pdcache.transfer.engines.base import ENGINES, EngineError, create_engine
 from pdcache.transfer.layout import KVLayout, WriteBatch, page_copy_batch
-from pdcache.utils.registry import MissingDependencyError
+from pdcache.utils.registry import MissingDependencyError, Registry
 from tests.transfer_support import engine_params, fast_config, make_pool
 
 
@@ -60,14 +60,13 @@ def test_write_outside_registered_memory_fails_and_engine_keeps_working(engine_p
     assert torch.equal(dst.view(-1)[:128], src.view(-1)[:128])
 
 
-def test_registry_names_engines_and_reports_missing_packages(monkeypatch) -> None:
+def test_registry_names_engines_and_reports_missing_packages() -> None:
     assert ENGINES.names() == ["mooncake", "nixl", "zmq"]
     with pytest.raises(KeyError, match="choose one of"):
         ENGINES.get("carrier-pigeon")
-    # An engine whose module cannot import is reported with the package to install.
-    ENGINES.register("ghost", "pdcache.transfer.engines.no_such_module:Ghost", package="ghost-pkg")
-    try:
-        with pytest.raises(MissingDependencyError, match="pip install ghost-pkg"):
-            ENGINES.get("ghost")
-    finally:
-        ENGINES._entries.pop("ghost")  # noqa: SLF001 - keep the shared registry clean
+    # An engine whose module cannot import is reported with the package to install (in a
+    # registry of its own: the shared one stays clean).
+    ghosts: Registry[object] = Registry("transfer engine")
+    ghosts.register("ghost", "pdcache.transfer.engines.no_such_module:Ghost", package="ghost-pkg")
+    with pytest.raises(MissingDependencyError, match="pip install ghost-pkg"):
+        ghosts.get("ghost")

@@ -40,13 +40,14 @@ def _config(engine: str):
 
 def _decode_main(engine: str, addr: str, conn) -> None:
     """Child: a decode node. Small room → report the digest; then ask for the big room."""
-    receiver = KVReceiver(_config(engine), _pool(None)).start()
+    pool = _pool(None)
+    receiver = KVReceiver(_config(engine), pool).start()
     try:
         rng = np.random.default_rng(5)
         small = rng.choice(PAGES, 17, replace=False)
         receiver.request(SMALL_ROOM, addr, small, num_tokens=17 * 16)
         result = receiver.wait(SMALL_ROOM, 20.0)
-        conn.send((small.tolist(), _digest(receiver._kv, small), result.first_token))
+        conn.send((small.tolist(), _digest(pool, small), result.first_token))
         receiver.request(BIG_ROOM, addr, rng.permutation(PAGES)[:BIG_PAGES], BIG_PAGES * 16)
         conn.send("requested")
         time.sleep(60)  # killed by the parent

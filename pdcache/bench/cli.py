@@ -16,7 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "pd": ("pdcache.bench.pd_bench", "TTFT of PD vs unified, P->D transfer GB/s in that path"),
     "sglang-plugin": ("pdcache.bench.sglang_plugin_bench",
                       "SGLang storage plugin GB/s vs the same backend used natively"),
-    "router": ("pdcache.router.bench",
+    "router": ("pdcache.bench.router_bench",
                "router overhead: the same requests direct to a node and through the router"),
     "replay": ("pdcache.bench.replay", "replay a multi-turn trace against a running stack"),
     "compare": ("pdcache.bench.compare", "launch topologies in turn and replay the same trace"),

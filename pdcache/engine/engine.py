@@ -9,6 +9,10 @@ state) belongs to the engine thread, which also calls every `on_output` callback
 inside a step fails the requests of that step (finish_reason "abort" with `error`), is logged
 and counted, and the thread keeps running.
 
+Driven without a thread: `start(thread=False)` starts none, and the caller runs the loop one
+iteration at a time with `step()`; its own thread is then the engine thread (deterministic
+scheduling for synchronous tests and tools).
+
 Outputs: `on_output` gets one `RequestOutput` per step that produced tokens for the request,
 then exactly one with `finished=True` (which carries the last tokens, if any, and the request's
 statistics); concatenating every `new_token_ids` gives the whole completion.
@@ -126,6 +130,7 @@ class Engine:
         self._num_steps = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._driven = False  # start(thread=False): the caller runs the loop with step()
         self._update_snapshot()
 
     # ---- construction ------------------------------------------------------------------
@@ -155,12 +160,38 @@ class Engine:
         return cls(config, model, tokenizer)
 
     # ---- lifecycle ---------------------------------------------------------------------
-    def start(self) -> Engine:
-        if self._thread is not None:
+    def start(self, *, thread: bool = True) -> Engine:
+        """Start the engine thread; with `thread=False` start none: the caller drives the
+        engine with `step()` (and `generate`, which waits for the thread, is of no use)."""
+        if self._thread is not None or self._driven:
             raise RuntimeError("engine already started")
+        if not thread:
+            self._driven = True
+            return self
         self._thread = threading.Thread(target=self._run, name="pdcache-engine", daemon=True)
         self._thread.start()
         return self
+
+    def step(self) -> bool:
+        """One iteration of the engine loop on the caller's thread, for an engine started with
+        `start(thread=False)`: handle everything the public methods queued (submissions,
+        aborts, releases), then schedule and run one batch, calling `on_output` callbacks here.
+        Returns whether work is left: `while engine.step(): pass` runs everything submitted to
+        the end (a step stalled on a prefetch runs no batch and returns True). Unlike the
+        thread's loop it lets an exception outside a batch propagate. Raises RuntimeError on an
+        engine with a thread, or not started, or shut down."""
+        if self._thread is not None:
+            raise RuntimeError("step(): the engine runs its own thread (start(thread=False) "
+                               "for an engine the caller drives)")
+        if not self._driven:
+            raise RuntimeError("step(): start the engine with start(thread=False) first")
+        if self._stop.is_set():
+            raise RuntimeError("step(): the engine is shut down")
+        self._drain_inbox(timeout=0.0)
+        if self.scheduler.has_work():
+            self._step()
+        self._update_snapshot()
+        return self.scheduler.has_work() or not self._inbox.empty()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread (bounded join); unfinished requests end with "abort", and every
@@ -173,10 +204,17 @@ class Engine:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.error("engine thread did not stop within %.1fs", timeout)
+        elif self._driven:  # the caller's thread is the engine thread
+            self._drain_inbox(timeout=0.0)
+            self._finish_all("engine shut down")
+            self._update_snapshot()
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+        """Accepting requests: started (with a live thread, or `thread=False`), not shut down."""
+        if self._stop.is_set():
+            return False
+        return self._driven or (self._thread is not None and self._thread.is_alive())
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -471,8 +509,9 @@ class Engine:
 
     # ---- introspection (engine thread) -------------------------------------------------
     def _call(self, fn: Callable[[], Any], timeout: float) -> Any:
-        """Run `fn` on the engine thread (directly when not running or already on it)."""
-        if not self.is_running or threading.current_thread() is self._thread:
+        """Run `fn` on the engine thread (directly when there is none or already on it)."""
+        threadless = self._thread is None or not self.is_running
+        if threadless or threading.current_thread() is self._thread:
             return fn()
         future: Future = Future()
         self._inbox.put(_Call(fn, future))

@@ -1,8 +1,8 @@
 """Router overhead: the same requests sent straight to a unified node and through the router,
 side by side in one run (latency medians and p90, TTFT of streamed requests, the ratio).
 
-    python -m pdcache.router.bench [--requests 40] [--prompt-tokens 256] [--new-tokens 16]
-                                   [--json PATH]
+    python -m pdcache.bench.router_bench [--requests 40] [--prompt-tokens 256]
+                                         [--new-tokens 16] [--json PATH]
 
 Starts `pdcache serve` (a unified node) and `pdcache router` in front of it as separate
 processes on loopback (free ports). Requests alternate direct / routed so both see the same
@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdcache.router.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pdcache.bench.router_bench",
+                                     description=__doc__)
     add_arguments(parser)
     parser.add_argument("--json", dest="json_path", default=None)
     return run(parser.parse_args(argv))

@@ -1,0 +1,135 @@
+"""The plugin's settings from SGLang's extra config, and the shard identity that decides
+which pages are interchangeable (the fingerprint)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdcache.engine.page_keys import kv_fingerprint
+from pdcache.integrations.sglang.geometry import PageGeometry, dtype_name
+from pdcache.offload_manager.storage.config import storage_keys_from_spec
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+PAYLOAD_LAYOUT = "page_first"  # pdcache's host page layout, the layout named in fingerprints
+PAYLOADS = ("pdcache", "split")
+CHUNK_BYTES = 8 << 20  # "pdcache" payload: at most about this many bytes per chunk of a batch
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The plugin's part of `--hicache-storage-backend-extra-config` (other keys are SGLang's).
+
+    `storage` holds pdcache `StorageConfig` keys (backend, path, capacity_pages or
+    capacity_bytes, metadata, namespace, io_engine, mooncake_*); `pdcache_config` names a
+    pdcache TOML (a topology file, whose `[storage]` table is translated, or a file of
+    StorageConfig keys); keys in `storage` override the file. page_bytes, dtype, layers, page
+    size and fingerprint always come from SGLang.
+    """
+
+    storage: Mapping[str, Any] = field(default_factory=dict)
+    model_name: str | None = None  # fingerprint model name; default: SGLang's model name
+    origin: str = "prefill"  # recorded in page headers; "decode" on offloading decode nodes
+    chunk_bytes: int = CHUNK_BYTES
+    io_timeout_s: float = 60.0  # one SGLang batch call; past it its pages are failures
+    key_namespace: str = ""  # extra tenant namespace salted into every key (deployment-wide)
+    payload: str = "pdcache"  # "pdcache": pdcache's page layout; "split": zero-copy K/V objects
+    allow_clear: bool = False  # let SGLang's clear-storage admin call empty the shared namespace
+    io_threads: int = 0  # threads moving chunks of a batch; 0: min(4, CPU count), at least 2
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PluginSettings:
+        extra = dict(extra or {})
+        table: dict[str, Any] = {}
+        if extra.get("pdcache_config"):
+            table.update(load_storage_table(extra["pdcache_config"]))
+        inline = extra.get("storage", {})
+        if not isinstance(inline, Mapping):
+            raise ValueError(f"extra-config 'storage' must be an object, got {inline!r}")
+        table.update(inline)
+        if "backend" not in table:
+            raise ValueError("pdcache plugin: set 'pdcache_config' (a pdcache TOML) or "
+                             "'storage': {'backend': ..., ...} in the extra config")
+        origin = str(extra.get("origin", "prefill"))
+        if origin not in ("prefill", "decode"):
+            raise ValueError(f"pdcache plugin: origin must be prefill|decode, got {origin!r}")
+        chunk = int(extra.get("chunk_bytes", CHUNK_BYTES))
+        timeout = float(extra.get("io_timeout_s", 60.0))
+        namespace = str(extra.get("key_namespace", ""))
+        payload = str(extra.get("payload", "pdcache"))
+        if payload not in PAYLOADS:
+            raise ValueError(f"pdcache plugin: payload must be one of {PAYLOADS}, got {payload!r}")
+        allow_clear = bool(extra.get("allow_clear", False))
+        threads = int(extra.get("io_threads", 0))
+        if threads < 0:
+            raise ValueError(f"pdcache plugin: io_threads must be >= 0, got {threads}")
+        return cls(table, extra.get("model_name"), origin, chunk, timeout, namespace, payload,
+                   allow_clear, threads)
+
+    @property
+    def threads(self) -> int:
+        return self.io_threads or max(2, min(4, os.cpu_count() or 2))
+
+
+_TOPOLOGY_ONLY = {"metadata_service", "start_master", "metrics_port"}
+
+
+def load_storage_table(path: str | Path) -> dict[str, Any]:
+    """StorageConfig keys from a pdcache topology TOML or a TOML of StorageConfig keys."""
+    data = tomllib.loads(Path(path).read_text())
+    if "node" in data or "model" in data:
+        from pdcache.launch.topology import load_topology
+
+        return storage_keys_from_spec(load_topology(path).storage)
+    table = data.get("storage", data)
+    if _TOPOLOGY_ONLY & set(table):
+        raise ValueError(f"{path}: [storage] has topology keys but the file has no [model]/"
+                         "[[node]]; give the whole topology file")
+    return dict(table)
+
+
+@dataclass(frozen=True)
+class ShardIdentity:
+    """The parts of SGLang's HiCacheStorageConfig that decide which pages are interchangeable."""
+
+    model_name: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    rank_replicated: bool = False  # MLA: every TP rank holds the same KV
+    is_writer: bool = True
+
+    @classmethod
+    def from_sglang(cls, config: Any, model_name: str | None) -> ShardIdentity:
+        name = model_name or config.model_name or ""
+        replicated = bool(config.is_mla_model)
+        writer = bool(getattr(config, "is_storage_writer", (not replicated) or config.tp_rank == 0))
+        return cls(name, config.tp_rank, config.tp_size, config.pp_rank, config.pp_size,
+                   config.attn_cp_rank, config.attn_cp_size, replicated, writer)
+
+    def fingerprint(self, geometry: PageGeometry, payload: str = "pdcache") -> str:
+        tp_rank, tp_size = (0, 1) if self.rank_replicated else (self.tp_rank, self.tp_size)
+        layout = PAYLOAD_LAYOUT if geometry.kind == "mha" else "mla"
+        if payload == "split":  # SGLang's own byte order: only SGLang nodes of this layout share
+            layout = f"sglang-{geometry.kind}-{geometry.layout}-split"
+        fp = kv_fingerprint(self.model_name, dtype_name(geometry.dtype), geometry.page_size,
+                            geometry.layer_num, geometry.head_num, geometry.head_dim,
+                            layout, tp_rank, tp_size)
+        if self.pp_size > 1:
+            fp += f";pp={self.pp_rank}/{self.pp_size}"
+        if self.cp_size > 1:
+            fp += f";cp={self.cp_rank}/{self.cp_size}"
+        return fp
