@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from pdcache.decode_node.node import build_decode_app
+from pdcache.decode_node.runtime import DecodeRuntime
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdcache.engine.loader import load_model
 from pdcache.launch.node_config import NodeSetup
@@ -25,7 +25,7 @@ from pdcache.offload_manager.builder import (
     storage_config_for,
 )
 from pdcache.offload_manager.hicache import HiCacheConfig
-from pdcache.prefill_node.node import build_prefill_app
+from pdcache.prefill_node.runtime import PrefillRuntime
 from pdcache.transfer import TransferConfig
 
 
@@ -114,8 +114,9 @@ def node_setups(tmp_path, model, page_size: int, engine: str, offload: bool,
 
 def start_stack(prefill: NodeSetup, decode: NodeSetup) -> PDStack:
     model, tokenizer = load_model("tiny", seed=0)
-    p_app, p_server = build_prefill_app(prefill, model, tokenizer)
-    d_app, d_server = build_decode_app(decode, model, tokenizer, staging_pages=64)
+    p_server = PrefillRuntime(prefill, model, tokenizer)
+    d_server = DecodeRuntime(decode, model, tokenizer)
+    p_app, d_app = p_server.app(), d_server.app()
     p_thread = ServerThread(p_app, free_port())
     d_thread = ServerThread(d_app, free_port())
     stack = PDStack(p_thread, d_thread, p_server, d_server, p_server.sender.bootstrap_addr)

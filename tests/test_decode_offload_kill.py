@@ -22,7 +22,7 @@ from pdcache.launch.node_config import setup_from_flags
 from pdcache.offload_manager.storage import create_backend
 from pdcache.offload_manager.storage.cli import verify
 from pdcache.prefill_node import cli as prefill_cli
-from pdcache.prefill_node.node import build_prefill_app
+from pdcache.prefill_node.runtime import PrefillRuntime
 from tests.pd_harness import (
     MetadataService,
     ServerThread,
@@ -106,7 +106,8 @@ def test_kill_decode_mid_offload_leaves_only_whole_pages(env, tmp_path) -> None:
                                 "wait_complete"])
     model, tokenizer = load_model("tiny", seed=0)
     setup = setup_from_flags(p_args, "prefill", model.config)
-    p_app, p_server = build_prefill_app(setup, model, tokenizer)
+    p_server = PrefillRuntime(setup, model, tokenizer)
+    p_app = p_server.app()
     prefill = ServerThread(p_app, free_port())
     reference = UnifiedReference(model, tokenizer, PAGE)
     backend = create_backend(setup.storage)

@@ -18,7 +18,7 @@ FP = "staging-test"
 def test_short_staging_keeps_the_chain_head_and_drops_the_tail() -> None:
     kv = torch.randn(LAYERS, 2, PAGES, PAGE, HEADS, DIM, generator=torch.Generator().manual_seed(1))
     storage = DictBackend()
-    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=3)
+    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=3).start()
     tokens = list(range(6 * PAGE))
     pages = [9, 1, 4, 12, 3, 7]
     mgr.track("r")

@@ -28,7 +28,7 @@ def released_event() -> tuple[threading.Event, callable]:
 
 def test_answer_pages_continue_the_prompt_chain_byte_exact() -> None:
     kv, storage = device_kv(), DictBackend()
-    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=16, stride_pages=1)
+    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=16, stride_pages=1).start()
     tokens = list(range(100, 100 + 4 * PAGE + 2))  # 4 full pages + a partial one
     pages = [7, 3, 11, 5, 9]
     mgr.track("r", cache_salt="tenant")
@@ -53,7 +53,7 @@ def test_pages_already_stored_are_skipped() -> None:
     keys = chain_page_keys(tokens, PAGE, make_salt(FP))
     storage.pages[keys[0]] = b"prefill-wrote-this"
     storage.origin[keys[0]] = "prefill"
-    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=8)
+    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=8).start()
     mgr.track("r")
     done, release = released_event()
     mgr.finish("r", tokens, [0, 1, 2], release)
@@ -67,7 +67,7 @@ def test_pages_already_stored_are_skipped() -> None:
 def test_full_staging_drops_and_counts_without_leaking() -> None:
     kv, storage = device_kv(), DictBackend()
     storage.gate.clear()  # storage stalls: staging pages stay in use
-    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=2, stride_pages=1)
+    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=2, stride_pages=1).start()
     mgr.track("r")
     tokens = list(range(6 * PAGE))
     for n in range(PAGE, len(tokens) + 1, PAGE):
@@ -87,7 +87,7 @@ def test_full_staging_drops_and_counts_without_leaking() -> None:
 def test_storage_down_counts_failures_and_recovers() -> None:
     kv, storage = device_kv(), DictBackend()
     storage.down = True
-    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=8)
+    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=8).start()
     tokens = list(range(2 * PAGE))
     mgr.track("a")
     done, release = released_event()
@@ -106,7 +106,7 @@ def test_storage_down_counts_failures_and_recovers() -> None:
 
 def test_abort_and_untracked_release() -> None:
     kv, storage = device_kv(), DictBackend()
-    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=8)
+    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=8).start()
     done, release = released_event()
     mgr.finish("never-tracked", [1, 2, 3], [0], release)
     assert done.is_set()

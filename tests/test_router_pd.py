@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-pytest.importorskip("pdcache.prefill_node.node", reason="the prefill node is not in this build")
-pytest.importorskip("pdcache.decode_node.node", reason="the decode node is not in this build")
+pytest.importorskip("pdcache.prefill_node.runtime", reason="the prefill node is not in this build")
+pytest.importorskip("pdcache.decode_node.runtime", reason="the decode node is not in this build")
 
 from pdcache.engine.api import GenerateRequest, SamplingParams  # noqa: E402
 from pdcache.engine.config import CacheConfig, EngineConfig  # noqa: E402

@@ -6,6 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from pdcache.engine.api import CachedTokens
 from pdcache.transfer.messages import (
     MAX_ROOM_ID,
     PROTOCOL_VERSION,
@@ -13,6 +14,7 @@ from pdcache.transfer.messages import (
     Done,
     MessageError,
     Ping,
+    PrefillReport,
     Register,
     RoomRequest,
     decode,
@@ -21,6 +23,9 @@ from pdcache.transfer.messages import (
 )
 
 LIMIT = 1 << 16
+CACHED = {"device": 8, "host": 0, "storage": 0, "storage_from_decode": 0}
+REPORT = {"first_token": 2, "prompt_tokens": 9, "computed_tokens": 1, "cached": CACHED,
+          "prefill_node": "p0"}
 
 
 def _raw(body: dict) -> bytes:
@@ -36,7 +41,8 @@ def _reject_kind(raw: bytes) -> str:
 @pytest.mark.parametrize("msg", [
     Register("d1", "zmq", b"tcp://127.0.0.1:5", 1 << 40, 4, 128, 4096),
     RoomRequest(MAX_ROOM_ID, pack_pages([3, 1, 2]), 40),
-    Done(7, 42, 1 << 20, {"cached_tokens": 16, "details": {"device": 8, "host": 8}}),
+    Done(7, 1 << 20, PrefillReport(42, 40, 24, CachedTokens(device=8, host=8), "p0")),
+    Done(8, 1, PrefillReport(-1)),
     Abort(9, "client gone", "aborted"),
     Ping(1),
 ])
@@ -71,9 +77,23 @@ def test_room_request_pages_round_trip() -> None:
     (_raw({"v": PROTOCOL_VERSION, "t": "room_request", "room": 1,
            "dst_pages": np.array([-1], "<i4").tobytes(), "num_tokens": 3}), "bad_field"),
     (_raw({"v": PROTOCOL_VERSION, "t": "done", "room": 1, "first_token": 2, "nbytes": 3,
-           "stats": {"a": b"bytes"}}), "bad_field"),
-    (_raw({"v": PROTOCOL_VERSION, "t": "done", "room": 1, "first_token": 2, "nbytes": 3,
-           "stats": {"a": {"b": {"c": {"d": {"e": 1}}}}}}), "bad_field"),
+           "stats": {"cached_tokens": 1}}), "bad_field"),  # version 1's shape
+    (_raw({"v": PROTOCOL_VERSION, "t": "done", "room": 1, "nbytes": 3,
+           "report": {**REPORT, "extra": 1}}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "done", "room": 1, "nbytes": 3,
+           "report": {**REPORT, "cached": {"device": 1}}}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "done", "room": 1, "nbytes": 3,
+           "report": {**REPORT, "cached": {**CACHED, "disk": 1}}}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "done", "room": 1, "nbytes": 3,
+           "report": {**REPORT, "cached": {**CACHED, "host": "8"}}}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "done", "room": 1, "nbytes": 3,
+           "report": {**REPORT, "cached": {**CACHED, "host": -8}}}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "done", "room": 1, "nbytes": 3,
+           "report": {**REPORT, "first_token": -2}}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "done", "room": 1, "nbytes": 3,
+           "report": {**REPORT, "prefill_node": b"p0"}}), "bad_field"),
+    (_raw({"v": PROTOCOL_VERSION, "t": "done", "room": 1, "nbytes": 3,
+           "report": [2, 0, 0, CACHED, "p0"]}), "bad_field"),
 ])
 def test_malformed_messages_are_rejected_with_their_kind(raw: bytes, kind: str) -> None:
     assert _reject_kind(raw) == kind

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdcache.transfer import KVReceiver, KVSender, Outcome, RoomState, TransferError
+from pdcache.transfer import KVReceiver, KVSender, Outcome, PrefillReport, RoomState, TransferError
 from tests.transfer_support import engine_params, fast_config, wait_until
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def _prefill_main(engine: str, conn) -> None:
         conn.send(sender.bootstrap_addr)
         while True:
             room, pages = conn.recv()
-            sender.send(room, pages, 99)
+            sender.send(room, pages, PrefillReport(99))
     finally:
         sender.close()
 
@@ -99,13 +99,13 @@ def test_remote_decode_gets_exact_kv_and_its_death_mid_transfer_fails_the_room(e
     try:
         wait_until(lambda: sender.rooms.get(SMALL_ROOM) is not None, 60.0, "decode's request")
         src_small = np.random.default_rng(6).choice(PAGES, 17, replace=False)
-        assert sender.send(SMALL_ROOM, src_small, 31)
+        assert sender.send(SMALL_ROOM, src_small, PrefillReport(31))
         _, digest, first_token = _recv(conn)
         assert digest == _digest(src, src_small) and first_token == 31
 
         assert _recv(conn) == "requested"
         wait_until(lambda: sender.rooms.get(BIG_ROOM) is not None, 10.0, "big request")
-        assert sender.send(BIG_ROOM, np.arange(BIG_PAGES), 32)
+        assert sender.send(BIG_ROOM, np.arange(BIG_PAGES), PrefillReport(32))
         wait_until(lambda: sender.poll(BIG_ROOM) is not RoomState.WAITING_FOR_INPUT, 10.0,
                    "transfer start")
         os.kill(proc.pid, signal.SIGKILL)

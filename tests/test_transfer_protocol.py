@@ -12,6 +12,7 @@ import pytest
 import torch
 import zmq
 
+from pdcache.engine.api import CachedTokens
 from pdcache.transfer import (
     KVReceiver,
     KVSender,
@@ -26,6 +27,7 @@ from pdcache.transfer.messages import (
     AbortAck,
     Ping,
     Pong,
+    PrefillReport,
     Register,
     RegisterAck,
     RoomRequest,
@@ -34,6 +36,9 @@ from pdcache.transfer.messages import (
     pack_pages,
 )
 from tests.transfer_support import engine_params, fast_config, make_pool, wait_until
+
+REPORT = PrefillReport(1234, prompt_tokens=65, computed_tokens=33, cached=CachedTokens(device=32),
+                       prefill_node="p0")
 
 SRC_PAGES, DST_PAGES = 64, 96
 
@@ -102,12 +107,12 @@ def test_rooms_transfer_byte_identical_kv_in_either_order(pair: Pair) -> None:
         if decode_first:
             pair.receiver.request(room, pair.addr, dst_pages, num_tokens=65)
             time.sleep(0.02)
-            assert pair.sender.send(room, src_pages, 1234, {"cached_tokens": 32})
+            assert pair.sender.send(room, src_pages, REPORT)
         else:
-            assert pair.sender.send(room, src_pages, 1234, {"cached_tokens": 32})
+            assert pair.sender.send(room, src_pages, REPORT)
             pair.receiver.request(room, pair.addr, dst_pages, num_tokens=65)
         result = pair.receiver.wait(room, 5.0)
-        assert (result.first_token, result.stats) == (1234, {"cached_tokens": 32})
+        assert (result.first_token, result.report) == (1234, REPORT)
         assert result.nbytes == 4 * 2 * 17 * 512
         assert torch.equal(pair.dst[:, :, dst_pages], pair.src[:, :, src_pages])
         untouched = np.setdiff1d(np.arange(DST_PAGES), dst_pages)
@@ -138,7 +143,7 @@ def test_32_concurrent_rooms_all_succeed(pair: Pair) -> None:
     for t in threads:
         t.start()
     for i in reversed(range(32)):
-        assert pair.sender.send(rooms[i], src_all[i], i, {"i": i})
+        assert pair.sender.send(rooms[i], src_all[i], PrefillReport(i, prompt_tokens=i))
     for t in threads:
         t.join(15.0)
     assert not errors, errors[:3]
@@ -196,7 +201,7 @@ def test_hostile_control_messages_are_rejected_counted_and_node_keeps_serving(pa
         sock.close(linger=0)
     # A real room still goes through after all that.
     pair.receiver.request(42, pair.addr, [3, 1, 4], num_tokens=10)
-    assert pair.sender.send(42, [5, 9, 2], 7)
+    assert pair.sender.send(42, [5, 9, 2], PrefillReport(7))
     pair.receiver.wait(42, 5.0)
     assert torch.equal(pair.dst[:, :, [3, 1, 4]], pair.src[:, :, [5, 9, 2]])
     assert pair.sender.stats()["control_errors"] == 0
@@ -248,7 +253,8 @@ def test_abort_from_decode_reaches_prefill(pair: Pair) -> None:
     assert info.value.code == "aborted"
     wait_until(lambda: pair.sender.poll(100) is RoomState.FAILED, 3.0, "prefill to fail room")
     assert "client disconnected" in pair.sender.rooms.outcome(100).reason
-    assert not pair.sender.send(100, [4, 5, 6], 1)  # late KV is refused, the node keeps pages
+    late = PrefillReport(1)
+    assert not pair.sender.send(100, [4, 5, 6], late)  # late KV is refused, the node keeps pages
     wait_until(lambda: [(o.state, o.code) for o in pair.received] == [
         (RoomState.FAILED, "aborted")], 3.0, "decode release after prefill's ack")
     assert pair.sender.rooms.outcome(100).code == "aborted"
@@ -258,7 +264,7 @@ def test_abort_from_decode_reaches_prefill(pair: Pair) -> None:
 @pytest.mark.parametrize("pair", ALL, indirect=True)
 def test_abort_from_prefill_reaches_decode(pair: Pair) -> None:
     pair.receiver.request(200, pair.addr, [7, 8], num_tokens=5)
-    assert pair.sender.send(200, [1, 2], 3)
+    assert pair.sender.send(200, [1, 2], PrefillReport(3))
     pair.receiver.wait(200, 5.0)  # a first room works
     pair.receiver.request(201, pair.addr, [9, 10], num_tokens=5)
     wait_until(lambda: pair.sender.rooms.get(201) is not None, 3.0, "prefill to see the room")
@@ -288,7 +294,7 @@ def test_decode_wait_timeout_aborts_room_on_both_sides(pair: Pair) -> None:
 
 @pytest.mark.parametrize("pair", [("zmq", {"bootstrap_timeout_s": 0.3})], indirect=True)
 def test_prefill_room_without_decode_request_times_out_and_is_released(pair: Pair) -> None:
-    assert pair.sender.send(400, [1, 2], 5)
+    assert pair.sender.send(400, [1, 2], PrefillReport(5))
     wait_until(lambda: len(pair.sent) == 1, 3.0, "sender release")
     assert pair.sent[0].state is RoomState.FAILED and "timed out" in pair.sent[0].reason
     assert pair.sent[0].code == "timeout"
@@ -344,12 +350,14 @@ def test_bad_arguments_raise_before_any_state_changes(pair: Pair) -> None:
     with pytest.raises(ValueError):
         pair.receiver.request(1 << 63, pair.addr, [1], num_tokens=1)
     with pytest.raises(ValueError):
-        pair.sender.send(1, [SRC_PAGES], 0)
+        pair.sender.send(1, [SRC_PAGES], PrefillReport(0))
     with pytest.raises(ValueError):
-        pair.sender.send(1, [], 0)
+        pair.sender.send(1, [], PrefillReport(0))
     with pytest.raises(ValueError):
-        pair.sender.send(1 << 63, [1], 0)
-    with pytest.raises(ValueError, match="stats"):
-        pair.sender.send(1, [1], 0, {"tensor": object()})
+        pair.sender.send(1 << 63, [1], PrefillReport(0))
+    with pytest.raises(ValueError, match="report"):
+        pair.sender.send(1, [1], {"tensor": object()})
+    with pytest.raises(ValueError, match="out of range"):
+        pair.sender.send(1, [1], PrefillReport(0, cached=CachedTokens(host=-3)))
     assert pair.receiver.stats()["rooms"]["created"] == 0
     assert pair.sender.stats()["rooms"]["created"] == 0

@@ -218,7 +218,7 @@ def _manager_cost(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
         capacity_pages=2 * pages, metadata="inproc"))
     device_kv = torch.randn(config.num_hidden_layers, 2, pages, page,
                             config.num_key_value_heads, config.head_dim)
-    manager = DecodeOffloadManager(device_kv, storage, fingerprint, staging_pages=256)
+    manager = DecodeOffloadManager(device_kv, storage, fingerprint, staging_pages=256).start()
     tokens = random_prompt(random.Random(7), pages * page)
     try:
         cpu, wall = time.process_time(), time.perf_counter()

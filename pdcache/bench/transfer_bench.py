@@ -160,6 +160,8 @@ def _raw_once(raw, peer, src: torch.Tensor, dst_fields: tuple, config,
 
 
 def _protocol_once(sender, src: torch.Tensor, conn, rooms) -> tuple[float, bool]:
+    from pdcache.transfer.messages import PrefillReport
+
     conn.send(("rooms", sender.bootstrap_addr,
                [(room, dst_pages.tolist()) for room, _, dst_pages in rooms]))
     _expect(conn, "requested")
@@ -170,7 +172,7 @@ def _protocol_once(sender, src: torch.Tensor, conn, rooms) -> tuple[float, bool]
         time.sleep(0.001)
     start = time.monotonic()
     for room, src_pages, _ in rooms:
-        sender.send(room, src_pages, first_token=1)
+        sender.send(room, src_pages, PrefillReport(first_token=1))
     _, done_at, nbytes, digest = _recv(conn)
     last_src = rooms[-1][1]
     ok = digest == _digest(src, last_src)

@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdcache.prefill_node.cli import run_node
+    from pdcache.decode_node.runtime import DecodeRuntime
+    from pdcache.server.cli import run_node
 
-    return run_node(args, "decode")
+    return run_node(args, "decode", DecodeRuntime)

@@ -1,28 +1,39 @@
 """The decode node's scheduler: decoding requests whose prompt K/V a prefill node wrote, with
-the DecodeOffloadManager writing their pages (prompt + answer) back to storage."""
+the DecodeOffloadManager writing their pages (prompt + answer) back to storage.
+
+The offload hooks stay here because they are scheduling: which pages completed this step
+(`commit`), whether a request may be retracted (`can_retract`) — they read the engine
+thread's request state. When a held request's pages are freed is the `DecodeController`'s
+decision (`hold_for_offload`), as for every other PD page of this node. Engine thread only.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
-from pdcache.engine.held import HeldReleaseGuard
 from pdcache.engine.request import Req, ReqStatus
 from pdcache.engine.scheduler import ScheduledBatch, Scheduler
 from pdcache.offload_manager.decode_offload import DecodeOffloadManager
 
 
+class OffloadHolds(Protocol):
+    """`DecodeController.hold_for_offload`: the callback that frees a held request, once."""
+
+    def hold_for_offload(self, rid: str) -> Callable[[], None]: ...
+
+
 class DecodeScheduler(Scheduler):
     """With `offload`, every tracked request's completed pages are offloaded as decoding goes,
-    and a finished or aborted request keeps its pages until the manager's copies are done
-    (`release(rid)` is then called from the copy thread; the node turns it into
-    `Engine.release_held`)."""
+    and a finished or aborted running request keeps its pages until the manager's copies are
+    done: the manager then calls the callback `holds.hold_for_offload(rid)` returned (copy
+    thread), which frees them through `Engine.release_held`. An abort never frees them."""
 
-    def __init__(self, *, offload: DecodeOffloadManager | None,
-                 release: Callable[[str], None], **kwargs) -> None:
+    def __init__(self, *, offload: DecodeOffloadManager | None, holds: OffloadHolds,
+                 **kwargs) -> None:
         super().__init__(**kwargs)
         self.offload = offload
-        self.release = release
-        self.release_guard = HeldReleaseGuard()
+        self.holds = holds
 
     def add_prefilled(self, req: Req, first_token: int) -> None:
         if self.offload is not None:
@@ -46,34 +57,15 @@ class DecodeScheduler(Scheduler):
         if self.offload is None:
             return False
         self.offload.finish(req.rid, req.fill_ids[: req.kv_len], list(req.page_ids),
-                            self._releaser(req.rid))
+                            self.holds.hold_for_offload(req.rid))
         return True
 
-    def abort(self, req: Req, reason: str = "abort", error: str | None = None) -> None:
-        if self.offload is None or req.status is not ReqStatus.RUNNING:
-            super().abort(req, reason, error)
-            return
+    def hold_on_abort(self, req: Req) -> bool:
+        if self.offload is None:
+            return False
         # copies of its pages may be running: hold them until the manager lets go
-        self.running.remove(req)
-        req.status, req.finish_reason, req.error = ReqStatus.FINISHED, reason, error
-        req.holding_pages = True
-        self.held[req.rid] = req
-        self.counters.aborted += 1
-        self.offload.abort(req.rid, self._releaser(req.rid))
+        self.offload.abort(req.rid, self.holds.hold_for_offload(req.rid))
+        return True
 
-    def release_held(self, rid: str) -> bool:
-        if self.offload is not None and rid in self.held and not self.release_guard.take(rid):
-            return False  # offload copies may still read these pages
-        return super().release_held(rid)
-
-    def release_all_held(self) -> None:
-        for rid in list(self.held):
-            self.release_guard.allow(rid)
-            super().release_held(rid)
-
-    def _releaser(self, rid: str) -> Callable[[], None]:
-        def released() -> None:
-            self.release_guard.allow(rid)
-            self.release(rid)
-
-        return released
+    def abort_releases_held(self, req: Req) -> bool:
+        return self.offload is None  # held only for offload: the copies decide

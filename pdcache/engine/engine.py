@@ -194,7 +194,9 @@ class Engine:
         return self.scheduler.has_work() or not self._inbox.empty()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the thread (bounded join); unfinished requests end with "abort"."""
+        """Stop the thread (bounded join); unfinished requests end with "abort", and every
+        reserved or held page is freed: stop whatever reads held pages (transfer, offload)
+        first, so its last `release_held` calls are handled before."""
         with self._lock:
             self._stop.set()
         self._inbox.put(None)
@@ -239,7 +241,9 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Finish request `rid` with "abort" as soon as the engine thread sees it (no-op for an
-        unknown or already finished request). Also frees pages reserved or held under `rid`."""
+        unknown or already finished request). Also frees pages reserved under `rid`, and those
+        held under it unless the scheduler leaves them to their holder
+        (`Scheduler.abort_releases_held`)."""
         self._inbox.put(_Abort(rid))
 
     # ---- disaggregation (any thread) ---------------------------------------------------
@@ -277,8 +281,10 @@ class Engine:
             self._inbox.put(_SubmitPrefilled(new, int(first_token)))
 
     def release_held(self, rid: str) -> None:
-        """Prefill node: the pages of finished request `rid`, kept by the scheduler's
-        `hold_after_finish`, may go (into the prefix cache, the rest freed)."""
+        """The pages of finished request `rid`, kept by the scheduler's `hold_after_finish` or
+        `hold_on_abort`, may go (into the prefix cache, the rest freed). Handled on the engine
+        thread after everything queued before it, so a release sent while the request is
+        being held (from the hook itself) still finds it held."""
         self._inbox.put(_ReleaseHeld(rid))
 
     def wake(self) -> None:
@@ -405,7 +411,7 @@ class Engine:
             if req is not None:
                 self._fail([req], error="aborted by client", reason="abort")
             self.scheduler.release_reservation(item.rid)
-            self.scheduler.release_held(item.rid)
+            self.scheduler.abort_held(item.rid)
         elif isinstance(item, _ReleaseHeld):
             self.scheduler.release_held(item.rid)
         elif isinstance(item, _Call):

@@ -27,9 +27,12 @@ The defaults do nothing, which is the device-only cache.
 
 Disaggregated serving uses three more primitives. A decode node `reserve`s the pages a
 prefill node writes a prompt's K/V into, then `add_prefilled` starts decoding on them (or
-`release_reservation` gives them back). A prefill node overrides `hold_after_finish` to keep a
-finished request's pages (prompt K/V, partial last page included) until its transfer is done
-and it calls `release_held`.
+`release_reservation` gives them back). Held pages: `hold_after_finish` keeps a finished
+request's pages (prompt K/V, partial last page included) and `hold_on_abort` an aborted
+running one's, until whoever reads them outside the engine (a KV transfer, offload copies)
+calls `release_held`; `abort_releases_held` says whether an abort of a held request frees it
+anyway (the default) or leaves it to that holder. The node's controller
+(`pdcache.prefill_node.controller`, `pdcache.decode_node.controller`) makes those decisions.
 """
 
 from __future__ import annotations
@@ -153,6 +156,16 @@ class Scheduler:
         `release_held(req.rid)`."""
         return False
 
+    def hold_on_abort(self, req: Req) -> bool:
+        """True keeps the pages of running `req`, being aborted, until `release_held(req.rid)`
+        (something outside the engine may be reading them); False frees them now."""
+        return False
+
+    def abort_releases_held(self, req: Req) -> bool:
+        """Whether an abort of held `req` frees its pages (True), or leaves them to its holder's
+        `release_held` (False: they are still read outside the engine)."""
+        return True
+
     # ---- disaggregation primitives -----------------------------------------------------
     def reserve(self, rid: str, num_tokens: int) -> list[int] | None:
         """Pages for `num_tokens` tokens of request `rid`, evicting cache when short; None
@@ -208,15 +221,28 @@ class Scheduler:
         return next((req for req in self.waiting if req.rid == rid), None)
 
     def abort(self, req: Req, reason: str = "abort", error: str | None = None) -> None:
-        """Finish `req` now, freeing all its pages (nothing of it is cached)."""
+        """Finish `req` now, freeing all its pages (nothing of it is cached), unless
+        `hold_on_abort` keeps them."""
+        hold = False
         if req.status is ReqStatus.RUNNING:
-            self._release(req, cache=False)
             self.running.remove(req)
+            hold = self.hold_on_abort(req)
+            if not hold:
+                self._release(req, cache=False)
         elif req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
             self.on_dequeued(req)
         req.status, req.finish_reason, req.error = ReqStatus.FINISHED, reason, error
         self.counters.aborted += 1
+        if hold:
+            self._hold(req)
+
+    def abort_held(self, rid: str) -> bool:
+        """An abort reached held request `rid`: free it if `abort_releases_held` says so."""
+        req = self.held.get(rid)
+        if req is None or not self.abort_releases_held(req):
+            return False
+        return self.release_held(rid)
 
     # ---- scheduling --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -390,10 +416,13 @@ class Scheduler:
         self.counters.finished += 1
         self.counters.cached_tokens += req.cached_len or 0
         if self.hold_after_finish(req):
-            req.holding_pages = True
-            self.held[req.rid] = req
+            self._hold(req)
         else:
             self._release(req, cache=True)
+
+    def _hold(self, req: Req) -> None:
+        req.holding_pages = True
+        self.held[req.rid] = req
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
         params = req.sampling

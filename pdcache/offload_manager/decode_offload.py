@@ -70,7 +70,8 @@ class DecodeOffloadManager:
     """Asynchronous device → host → storage offload of decode requests' full pages.
 
     Thread model: `track`, `on_step`, `finish`, `abort` are called by the decode loop (one
-    thread); the copy thread and the IoWorker thread own staging pages while they use them.
+    thread); the copy thread (started by `start()`, not by the constructor) and the IoWorker
+    thread own staging pages while they use them.
     `self._lock` guards the stats and the in-flight counters. `key_scheme` / `key_namespace`
     name the stored pages (`PageKeyScheme`; the prefill nodes' HiCacheConfig must agree).
     """
@@ -94,7 +95,8 @@ class DecodeOffloadManager:
         self.scheme = PageKeyScheme(fingerprint, page_size, key_scheme, key_namespace)
         self.stride_pages = max(1, stride_pages)
         self.staging = HostKVPool(staging_pages, num_layers, page_size, heads, dim, device_kv.dtype)
-        self.writer = IoWorker(storage, "decode-offload", max_queued=max_queued_writes)
+        self._max_queued_writes = max_queued_writes
+        self.writer: IoWorker | None = None  # started with the copy thread
         self.max_queued_pages = max_queued_pages
         self.storage = storage
         self.stats = OffloadStats()
@@ -104,9 +106,18 @@ class DecodeOffloadManager:
         self._queued_pages = 0
         self._pending_writes = 0
         self._pending_copies = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> DecodeOffloadManager:
+        """Start the copy thread and the storage writer's (the node's runtime does, with its
+        other threads)."""
+        if self._thread is not None:
+            raise RuntimeError("decode offload manager already started")
+        self.writer = IoWorker(self.storage, "decode-offload", max_queued=self._max_queued_writes)
         self._thread = threading.Thread(target=self._copy_loop, name="pdcache-offload-copy",
                                         daemon=True)
         self._thread.start()
+        return self
 
     # ---- decode-loop side --------------------------------------------------------------
     def track(self, rid: str, cache_salt: str = "") -> None:
@@ -174,9 +185,12 @@ class DecodeOffloadManager:
             assert self.staging.num_free == self.staging.capacity, "staging pages leaked"
 
     def close(self, timeout_s: float = 10.0) -> None:
-        self._tasks.put(None)
-        self._thread.join(timeout_s)
-        self.writer.close(timeout_s)
+        """Finish the queued copies (their release callbacks run), then stop both threads."""
+        if self._thread is not None:
+            self._tasks.put(None)
+            self._thread.join(timeout_s)
+        if self.writer is not None:
+            self.writer.close(timeout_s)
 
     # ---- internals ---------------------------------------------------------------------
     def _schedule(self, rid: str, tracked: _Tracked, kv_token_ids: Sequence[int],
@@ -270,6 +284,7 @@ class DecodeOffloadManager:
                 self.stats.writes += 1
 
         task = IoTask(IoKind.WRITE, keys, self.staging.page_bytes(staging_ids), done, "decode")
+        assert self.writer is not None, "start() the manager first"
         if not self.writer.submit(task):
             self.staging.free(staging_ids)
             with self._lock:

@@ -1,52 +1,41 @@
 """The prefill node's scheduler: HiCache scheduling, and PD requests that stop after their
-first token and keep their pages until the KV transfer to decode released them."""
+first token and keep their pages while the KV transfer to decode reads them.
+
+Whether a finished request is held, and when its pages go, is the `PrefillController`'s
+decision (`pdcache.prefill_node.controller`); this class only turns the engine's hooks into
+its calls. Engine thread only.
+"""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+from typing import Protocol
 
-from pdcache.engine.held import HeldReleaseGuard
-from pdcache.engine.request import Req
+from pdcache.engine.api import CachedTokens
+from pdcache.engine.request import Req, pages_for
 from pdcache.offload_manager.hicache_scheduler import HiCacheScheduler
+from pdcache.transfer.messages import PrefillReport
+
+
+class PrefilledSink(Protocol):
+    """`PrefillController.take_prefilled`'s side of the scheduler."""
+
+    def take_prefilled(self, rid: str, page_ids: list[int], report: PrefillReport) -> bool: ...
 
 
 class PrefillScheduler(HiCacheScheduler):
-    """`expect(rid)` (any thread) marks a request as PD: when it finishes, `on_prefilled(req)`
-    runs on the engine thread with its pages held; the node frees them with
-    `release_guard.allow(rid)` then `Engine.release_held(rid)` once the transfer no longer
-    reads them (an abort alone never frees held pages)."""
+    """A finished request is held when `pd.take_prefilled` takes its prompt pages (a PD
+    request whose room is open); held pages are freed only by `Engine.release_held`, which the
+    controller calls once the transfer no longer reads them — never by an abort."""
 
-    def __init__(self, *, on_prefilled: Callable[[Req], None], **kwargs) -> None:
+    def __init__(self, *, pd: PrefilledSink, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.on_prefilled = on_prefilled
-        self._pd_rids: set[str] = set()
-        self._rids_lock = threading.Lock()
-        self.release_guard = HeldReleaseGuard()
-
-    def expect(self, rid: str) -> None:
-        with self._rids_lock:
-            self._pd_rids.add(rid)
-
-    def forget(self, rid: str) -> None:
-        with self._rids_lock:
-            self._pd_rids.discard(rid)
+        self.pd = pd
 
     def hold_after_finish(self, req: Req) -> bool:
-        with self._rids_lock:
-            if req.rid not in self._pd_rids:
-                return False
-            self._pd_rids.discard(req.rid)
-        self.on_prefilled(req)
-        return True
+        pages = req.page_ids[: pages_for(len(req.prompt_ids), self.page_size)]
+        report = PrefillReport(req.output_ids[0], len(req.prompt_ids), req.computed_tokens,
+                               req.cached or CachedTokens())
+        return self.pd.take_prefilled(req.rid, list(pages), report)
 
-    def release_held(self, rid: str) -> bool:
-        if rid in self.held and not self.release_guard.take(rid):
-            return False  # the transfer may still read these pages
-        return super().release_held(rid)
-
-    def release_all_held(self) -> None:
-        """Shutdown: the transfer layer is closed, nothing reads the pages any more."""
-        for rid in list(self.held):
-            self.release_guard.allow(rid)
-            self.release_held(rid)
+    def abort_releases_held(self, req: Req) -> bool:
+        return False  # the transfer may still read them: the controller frees them

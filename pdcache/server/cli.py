@@ -16,7 +16,7 @@ from pdcache.server.runtime import READY_PREFIX, listen, serve
 
 log = logging.getLogger(__name__)
 
-__all__ = ["READY_PREFIX", "add_arguments", "listen", "run", "serve_app"]
+__all__ = ["READY_PREFIX", "add_arguments", "listen", "run", "run_node", "serve_app"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,3 +136,34 @@ def _apply_topology(args: argparse.Namespace) -> argparse.Namespace:
         storage_backend=storage.backend,
     )
     return argparse.Namespace(**{**vars(args), **values})
+
+
+def run_node(args: argparse.Namespace, role: str, runtime_cls: type) -> int:
+    """`pdcache prefill|decode`: the node's `NodeSetup` (from `--config/--node`, else from
+    the flags), its `runtime_cls(setup, model, tokenizer)` served on the bound socket."""
+    from pdcache.engine.loader import load_model
+    from pdcache.launch.node_config import setup_from_flags, setup_from_topology
+    from pdcache.launch.topology import TopologyError, node_from_args
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        found = node_from_args(args, (role,))
+    except TopologyError as exc:
+        print(f"pdcache {role}: {exc}", file=sys.stderr)
+        return 2
+    model_ref = found[0].model.ref if found else args.model
+    dtype, seed = (found[0].model.dtype, found[0].model.seed) if found else (args.dtype, args.seed)
+    host, port = (found[1].host, found[1].port) if found else (args.host, args.port)
+    sock = listen(host, port, role)
+    if sock is None:
+        return 1
+    try:
+        model, tokenizer = load_model(model_ref, dtype=dtype, seed=seed)
+        setup = (setup_from_topology(*found, model.config) if found
+                 else setup_from_flags(args, role, model.config))
+        runtime = runtime_cls(setup, model, tokenizer)
+    except (OSError, ValueError) as exc:
+        sock.close()
+        print(f"pdcache {role}: cannot start: {exc}", file=sys.stderr)
+        return 2
+    return serve(runtime, sock, host, args.log_level, role)

@@ -143,17 +143,24 @@ class ControlLoop:
 
 
 class RejectCounter:
-    """Counts rejected control messages per kind and logs them, rate-limited."""
+    """Counts rejected control messages per kind and logs them, rate-limited. `record` may run
+    on any thread (control thread, workers); `snapshot` copies under the same lock."""
 
     def __init__(self, side: str) -> None:
         self.side = side
         self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def record(self, err: MessageError, origin: str) -> None:
-        total = sum(self.counts.values())
-        self.counts[err.kind] = self.counts.get(err.kind, 0) + 1
+        with self._lock:
+            total = sum(self.counts.values())
+            self.counts[err.kind] = self.counts.get(err.kind, 0) + 1
         if total < 20 or total % 1000 == 0:
             logger.warning("%s: rejected control message from %s: %s", self.side, origin, err)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
 
 
 def parse(frame: bytes, max_bytes: int, rejects: RejectCounter, origin: str) -> Message | None:

@@ -1,10 +1,15 @@
 """Typed control-plane messages, msgpack-encoded, with strict decoding.
 
-Wire format (protocol version 1): one ZMQ frame holding a msgpack map
-`{"v": 1, "t": "<type>", <field>: <value>, ...}`. Decoding rejects — with a `MessageError`
-whose `kind` names the cause — anything oversized, not msgpack, not a map, of another
-version, of an unknown type, with missing or extra fields, or with a field of the wrong type
-or out of range. Nothing here touches sockets or state; it is pure and thread-safe.
+Wire format (protocol version 2): one ZMQ frame holding a msgpack map
+`{"v": 2, "t": "<type>", <field>: <value>, ...}`; a field whose type is a dataclass (`Done`'s
+`PrefillReport` and its `CachedTokens`) is a nested map of exactly its fields. Decoding
+rejects — with a `MessageError` whose `kind` names the cause — anything oversized, not
+msgpack, not a map, of another version, of an unknown type, with missing or extra fields (at
+any depth), or with a field of the wrong type or out of range. Nothing here touches sockets
+or state; it is pure and thread-safe.
+
+Version 2 replaced version 1's free-form `done.stats` map and `done.first_token` with the
+typed `done.report`.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+from pdcache.engine.api import CachedTokens
+
+PROTOCOL_VERSION = 2
 MAX_ROOM_ID = (1 << 63) - 1
-MAX_STATS_ITEMS = 256
-MAX_STATS_DEPTH = 3
+MAX_CONTAINER_ITEMS = 256  # entries of any msgpack array or map
 _INT64_MAX = (1 << 63) - 1
 
 
@@ -92,14 +98,28 @@ class Started(Message):
 
 
 @dataclass(frozen=True)
+class PrefillReport:
+    """What the prefill node reports with `done`: the first token it sampled and how the
+    prompt was served there (the decode node's response `meta` and metrics use these).
+
+    `cached` splits the reused prompt tokens by tier; `computed_tokens` ran through prefill's
+    forward; `prefill_node` names the node. `first_token` -1 means "none" (transfer tests)."""
+
+    first_token: int
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    cached: CachedTokens = field(default_factory=CachedTokens)
+    prefill_node: str = ""
+
+
+@dataclass(frozen=True)
 class Done(Message):
-    """Prefill → decode: all KV of the room has landed; first token and cache statistics."""
+    """Prefill → decode: all KV of the room has landed (`nbytes` of it); prefill's report."""
 
     TYPE: ClassVar[str] = "done"
     room: int
-    first_token: int
     nbytes: int
-    stats: dict = field(default_factory=dict)
+    report: PrefillReport
 
 
 @dataclass(frozen=True)
@@ -136,11 +156,18 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (Register, RegisterAck, RoomRequest, Started, Done, Abort, AbortAck, Ping, Pong)
 }
-_FIELDS: dict[str, dict[str, type]] = {
-    name: typing.get_type_hints(cls) for name, cls in MESSAGE_TYPES.items()
+_NESTED: tuple[type, ...] = (PrefillReport, CachedTokens)  # dataclasses allowed as fields
+
+
+def _hints(cls: type) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    hints.pop("TYPE", None)
+    return hints
+
+
+_FIELDS: dict[type, dict[str, type]] = {
+    cls: _hints(cls) for cls in (*MESSAGE_TYPES.values(), *_NESTED)
 }
-for _hints in _FIELDS.values():
-    _hints.pop("TYPE", None)
 
 
 def encode(msg: Message) -> bytes:
@@ -164,8 +191,7 @@ def decode(raw: bytes | memoryview, max_bytes: int) -> Message:
     cls = MESSAGE_TYPES.get(type_tag) if isinstance(type_tag, str) else None
     if cls is None:
         raise MessageError("unknown_type", f"message type {type_tag!r}")
-    _check_fields(type_tag, body)
-    msg = cls(**body)
+    msg = _build(cls, body, type_tag)
     _check_ranges(msg)
     return msg
 
@@ -175,22 +201,30 @@ def _unpack(raw: bytes | memoryview, max_bytes: int) -> Any:
         return msgpack.unpackb(
             raw, raw=False, strict_map_key=True, use_list=True,
             max_bin_len=max_bytes, max_str_len=max_bytes,
-            max_array_len=MAX_STATS_ITEMS, max_map_len=MAX_STATS_ITEMS,
+            max_array_len=MAX_CONTAINER_ITEMS, max_map_len=MAX_CONTAINER_ITEMS,
         )
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise MessageError("malformed", f"not a msgpack document ({exc})") from None
 
 
-def _check_fields(type_tag: str, body: dict[str, Any]) -> None:
-    expected = _FIELDS[type_tag]
+def _build(cls: type, body: dict[str, Any], where: str) -> Any:
+    """`cls(**body)` once `body` has exactly `cls`'s fields, each of its type (nested
+    dataclass fields are maps, built the same way)."""
+    expected = _FIELDS[cls]
     missing = [name for name in expected if name not in body]
     extra = [name for name in body if name not in expected]
     if missing or extra:
-        raise MessageError("bad_field", f"{type_tag}: missing {missing}, unexpected {extra}")
+        raise MessageError("bad_field", f"{where}: missing {missing}, unexpected {extra}")
+    values: dict[str, Any] = {}
     for name, kind in expected.items():
-        if not _is_instance(body[name], kind):
-            got = type(body[name]).__name__
-            raise MessageError("bad_field", f"{type_tag}.{name}: expected {kind.__name__}, got {got}")
+        value = body[name]
+        if kind in _NESTED and isinstance(value, dict):
+            value = _build(kind, value, f"{where}.{name}")
+        elif not _is_instance(value, kind):
+            got = type(value).__name__
+            raise MessageError("bad_field", f"{where}.{name}: expected {kind.__name__}, got {got}")
+        values[name] = value
+    return cls(**values)
 
 
 def _is_instance(value: Any, kind: type) -> bool:
@@ -200,15 +234,20 @@ def _is_instance(value: Any, kind: type) -> bool:
 
 
 def _check_ranges(msg: Message) -> None:
-    for name, value in dataclasses.asdict(msg).items():
-        if isinstance(value, int) and not isinstance(value, bool):
-            low = -1 if name == "first_token" else 0
-            if not low <= value <= _INT64_MAX:
-                raise MessageError("bad_field", f"{msg.TYPE}.{name}={value} out of range")
+    _check_ints(dataclasses.asdict(msg), msg.TYPE)
     if isinstance(msg, RoomRequest):
         _check_pages(msg)
-    if isinstance(msg, Done):
-        _check_plain(msg.stats, depth=0)
+
+
+def _check_ints(fields: dict[str, Any], where: str) -> None:
+    """Every integer (nested ones too) is a non-negative int64; `first_token` may be -1."""
+    for name, value in fields.items():
+        if isinstance(value, dict):
+            _check_ints(value, f"{where}.{name}")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            low = -1 if name == "first_token" else 0
+            if not low <= value <= _INT64_MAX:
+                raise MessageError("bad_field", f"{where}.{name}={value} out of range")
 
 
 def _check_pages(msg: RoomRequest) -> None:
@@ -220,28 +259,14 @@ def _check_pages(msg: RoomRequest) -> None:
         raise MessageError("bad_field", "room_request.dst_pages: negative page id")
 
 
-def _check_plain(obj: Any, depth: int) -> None:
-    """Statistics are JSON-like: str keys, scalar leaves, bounded nesting."""
-    if depth > MAX_STATS_DEPTH:
-        raise MessageError("bad_field", "done.stats nested too deeply")
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            if not isinstance(key, str):
-                raise MessageError("bad_field", f"done.stats key {key!r} is not a string")
-            _check_plain(value, depth + 1)
-    elif isinstance(obj, list):
-        for value in obj:
-            _check_plain(value, depth + 1)
-    elif not (obj is None or isinstance(obj, (bool, int, float, str))):
-        raise MessageError("bad_field", f"done.stats value of type {type(obj).__name__}")
-
-
-def check_stats(stats: Any) -> None:
-    """ValueError unless `stats` can travel in `Done` (str keys, JSON-like bounded values)."""
-    if not isinstance(stats, dict):
-        raise ValueError(f"stats must be a dict, got {type(stats).__name__}")
+def check_report(report: Any) -> None:
+    """ValueError unless `report` is a PrefillReport that `decode` would accept."""
+    if not isinstance(report, PrefillReport) or not isinstance(report.cached, CachedTokens):
+        raise ValueError(f"the report must be a PrefillReport, got {type(report).__name__}")
+    body = dataclasses.asdict(report)
     try:
-        _check_plain(stats, depth=0)
+        _build(PrefillReport, body, "done.report")
+        _check_ints(body, "done.report")
     except MessageError as err:
         raise ValueError(err.detail) from None
 

@@ -24,6 +24,7 @@ Threads and what they mutate:
   messages, heartbeats and deadlines.
 - caller threads (`request`, `wait`, `abort`, `connect`): room creation and local failure via
   RoomTable (locked); they reach sockets only through `ControlLoop.call_soon`.
+`counters` are written by the control thread only (`stats()` copies them).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from pdcache.transfer.messages import (
     MessageError,
     Ping,
     Pong,
+    PrefillReport,
     Register,
     RegisterAck,
     RoomRequest,
@@ -73,13 +75,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TransferResult:
-    """What prefill reported with `done`."""
+    """What prefill reported with `done`: its report and how many bytes landed."""
 
     room: int
-    first_token: int
-    stats: dict
+    report: PrefillReport
     nbytes: int
     elapsed_s: float
+
+    @property
+    def first_token(self) -> int:
+        return self.report.first_token
 
 
 @dataclass
@@ -203,9 +208,9 @@ class KVReceiver:
         self._fail_local(room, reason, code="aborted")
 
     def stats(self) -> dict[str, Any]:
-        return {"rooms": self.rooms.snapshot(), "rejected": dict(self.rejects.counts),
+        return {"rooms": self.rooms.snapshot(), "rejected": self.rejects.snapshot(),
                 "peers": len(self._peers), "control_errors": self._loop.errors,
-                **self.counters}
+                **dict(self.counters)}
 
     # ---- room outcomes ---------------------------------------------------------------------
     def _result_of(self, room: int, data: _RecvRoom) -> TransferResult:
@@ -351,7 +356,7 @@ class KVReceiver:
         assert current is not None
         if current.state is RoomState.WAITING_FOR_INPUT:
             self._advance(msg.room, RoomState.TRANSFERRING)
-        data.result = TransferResult(msg.room, msg.first_token, msg.stats, msg.nbytes,
+        data.result = TransferResult(msg.room, msg.report, msg.nbytes,
                                      time.monotonic() - current.created_at)
         if self._finish(msg.room, RoomState.SUCCESS):
             self.counters["bytes_received"] += msg.nbytes

@@ -4,18 +4,21 @@ Usage by the prefill node::
 
     sender = KVSender(config, device_kv, "127.0.0.1", port, on_release=free_pages)
     sender.start()                       # bootstrap ROUTER at sender.bootstrap_addr
-    sender.send(room, src_page_ids, first_token, stats)   # when the room's prefill is done
+    sender.send(room, src_page_ids, report)   # PrefillReport, when the room's prefill is done
     sender.poll(room); sender.abort(room, "client gone"); sender.close()
 
 A room meets its two halves in either order: decode's `RoomRequest` (destination pages) and
 the node's `send()` (source pages, first token). When both are there, a transfer worker
-writes every layer's K and V pages with the engine, then `Done` goes to decode.
+writes every layer's K and V pages with the engine, then `Done` (with the node's
+`PrefillReport`) goes to decode.
 
 Threads and what they mutate:
 - control thread (ControlLoop): the ROUTER socket, `_peers` (under `_peers_lock`), room
   transitions caused by decode messages, heartbeat/deadline checks; sends every message.
 - transfer workers: engine submit/wait; room TRANSFERRING → SUCCESS | FAILED and `busy`.
 - caller threads (`send`, `abort`, `poll`, `stats`): room creation/transitions via RoomTable.
+`counters` are bumped by the control thread and every worker: only through `_count` (under
+`_counters_lock`); `stats()` copies them under the same lock.
 `on_release(outcome)` runs once per room that `send()` accepted — on the control thread, a
 worker, or the caller of abort/send — when the engine no longer reads its pages:
 SUCCESS or FAILED, the node frees (or keeps in its cache) the source pages then.
@@ -48,11 +51,12 @@ from pdcache.transfer.messages import (
     MessageError,
     Ping,
     Pong,
+    PrefillReport,
     Register,
     RegisterAck,
     RoomRequest,
     Started,
-    check_stats,
+    check_report,
     encode,
 )
 from pdcache.transfer.rooms import Outcome, ReleaseCallback, RoomState, RoomTable
@@ -81,8 +85,7 @@ class _SendRoom:
     dst_pages: np.ndarray | None = None
     num_tokens: int = 0
     src_pages: np.ndarray | None = None
-    first_token: int = -1
-    stats: dict = field(default_factory=dict)
+    report: PrefillReport = field(default_factory=lambda: PrefillReport(first_token=-1))
     accepted: bool = False  # send() took the pages: on_release owes the node a call
     cancel: threading.Event = field(default_factory=threading.Event)
     notify_peer: str = ""  # at release: "" | "abort" | "ack"
@@ -108,6 +111,7 @@ class KVSender:
         self.rejects = RejectCounter(f"prefill {self.prefill_id}")
         self.counters = {"bytes_sent": 0, "transfers": 0, "engine_errors": 0, "peers_lost": 0,
                          "messages_in": 0, "unexpected_messages": 0}
+        self._counters_lock = threading.Lock()  # workers and the control thread count
         self._jobs: queue.Queue[int | None] = queue.Queue()
         self._workers: list[threading.Thread] = []
         self._loop = ControlLoop("prefill-bootstrap", _tick_s(config), self._tick)
@@ -149,19 +153,19 @@ class KVSender:
             self.engine.close()
 
     # ---- node API (any thread) -----------------------------------------------------------
-    def send(self, room: int, src_page_ids: Any, first_token: int,
-             stats: dict | None = None) -> bool:
+    def send(self, room: int, src_page_ids: Any, report: PrefillReport) -> bool:
         """Hand the room's KV to the transfer layer; False if the room already finished.
 
         When True, `on_release` will run for this room once; the pages must stay untouched
-        until then. Raises ValueError for page ids outside this node's pool.
+        until then. `report` travels to decode in `Done`. Raises ValueError for page ids
+        outside this node's pool or a report the wire format refuses.
         """
         src = np.asarray(src_page_ids, dtype=np.int64).reshape(-1)
         self.layout.check_pages(src, "source")
         if src.size == 0 or not 0 <= room <= MAX_ROOM_ID:
             raise ValueError(f"send(room={room}) needs a 63-bit room id and at least one page")
-        check_stats(stats or {})
-        payload = {"src_pages": src, "first_token": int(first_token), "stats": dict(stats or {})}
+        check_report(report)
+        payload = {"src_pages": src, "report": report}
         room_state = self._attach_source(room, payload)
         if room_state is None:
             return False
@@ -183,8 +187,14 @@ class KVSender:
     def stats(self) -> dict[str, Any]:
         with self._peers_lock:
             peers = len(self._peers)
-        return {"rooms": self.rooms.snapshot(), "rejected": dict(self.rejects.counts),
-                "peers": peers, "control_errors": self._loop.errors, **self.counters}
+        with self._counters_lock:
+            counters = dict(self.counters)
+        return {"rooms": self.rooms.snapshot(), "rejected": self.rejects.snapshot(),
+                "peers": peers, "control_errors": self._loop.errors, **counters}
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._counters_lock:
+            self.counters[name] += amount
 
     # ---- room assembly ---------------------------------------------------------------------
     def _attach_source(self, room: int, payload: dict) -> RoomState | None:
@@ -193,8 +203,7 @@ class KVSender:
             if r.data.accepted:
                 return None
             r.data.src_pages = payload["src_pages"]
-            r.data.first_token = payload["first_token"]
-            r.data.stats = payload["stats"]
+            r.data.report = payload["report"]
             r.data.accepted = True
             return r.state
 
@@ -272,13 +281,13 @@ class KVSender:
                                               self.config.max_batch_bytes), current)
         if error:
             if error.startswith("engine"):
-                self.counters["engine_errors"] += 1
+                self._count("engine_errors")
             self._fail(room, error, code="engine")
             return
-        self.counters["bytes_sent"] += batch.nbytes
-        self.counters["transfers"] += 1
+        self._count("bytes_sent", batch.nbytes)
+        self._count("transfers")
         data.nbytes = batch.nbytes
-        self._send(peer.identity, Done(room, data.first_token, batch.nbytes, data.stats))
+        self._send(peer.identity, Done(room, batch.nbytes, data.report))
         self.rooms.finish(room, RoomState.SUCCESS, busy=False)
 
     def _write(self, peer: _Peer, parts: list, room) -> str:
@@ -335,11 +344,11 @@ class KVSender:
         msg = parse(frames[1], self.config.max_message_bytes, self.rejects, "decode")
         if msg is None:
             return
-        self.counters["messages_in"] += 1
+        self._count("messages_in")
         self._touch(identity)
         handler = self._HANDLERS.get(type(msg))
         if handler is None:
-            self.counters["unexpected_messages"] += 1
+            self._count("unexpected_messages")
             self.rejects.record(MessageError("unknown_type", f"{msg.TYPE} not for prefill"),
                                 "decode")
             return
@@ -455,7 +464,7 @@ class KVSender:
             for peer in dead:
                 del self._peers[peer.identity]
         for peer in dead:
-            self.counters["peers_lost"] += 1
+            self._count("peers_lost")
             logger.warning("prefill: decode peer %s lost (silent for %.1fs)", peer.decode_id,
                            now - peer.last_seen)
             for room in self.rooms.select(lambda r, i=peer.identity: r.data.peer == i

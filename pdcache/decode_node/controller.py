@@ -1,0 +1,354 @@
+"""The decode node's PD rooms and the pages they reserve or hold: the one place that decides
+when a decode page of a PD request is freed.
+
+A room's life (docs/pd-protocol.md), with the thread that drives each step:
+
+    open_room(rid, room, notify)                event loop the handler owns the room
+    request_kv(room, bootstrap, n)              worker     reserve pages for the prompt, ask
+                                                (blocks)   prefill to write its K/V there
+    on_release(outcome)                         transfer   nothing writes the pages any more:
+                                                           success -> KV ready (the handler
+                                                           decodes), failure -> reservation
+                                                           freed; the handler is told
+    start_decode(room, start)                   event loop the engine adopts the reservation
+    leave(room, reason)                         event loop the caller is gone / gave up: abort
+                                                           the room (freed on its release) or
+                                                           free a ready reservation now
+    close()                                     closing    after the receiver closed: free the
+                                                           rest
+
+Reserved pages are freed exactly once, by `Engine.abort(rid)` (which releases the reservation
+on the engine thread), and only once nothing writes them: after the room's `on_release`
+(the receiver's contract: prefill acked the abort, was declared dead, or the ack timed out),
+or, for a room that never reached the receiver, at once. From `start_decode` on the engine
+owns them (a failed start frees them the same way).
+
+The offload hold: a decode request that finishes (or is aborted while running) with the
+DecodeOffloadManager on keeps its pages until the manager's copies that read them are done.
+`DecodeScheduler` asks `hold_for_offload(rid)` for the callback it hands the manager; that
+callback (copy thread) frees the pages once with `Engine.release_held(rid)`.
+
+Ownership rule: the thread that removes a room from `_rooms` (under the lock) frees its
+reservation — except `on_release` on success, which keeps the room (KV_READY) for the handler,
+and `start_decode`, which hands the pages to the engine.
+
+Locking: `_lock` (a plain Lock) guards `_rooms`, `_room_of`, `_held` and each `_Room`'s
+fields. Methods decide under the lock and act — reserve, request, abort, free, notify —
+outside it, so a receiver calling `on_release` back on the calling thread (inside `abort()`)
+re-enters nothing held.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from pdcache.transfer.errors import TransferError
+from pdcache.transfer.messages import PrefillReport
+from pdcache.transfer.rooms import Outcome, RoomState
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Receiver(Protocol):
+    """The transfer side (`pdcache.transfer.KVReceiver`)."""
+
+    def request(self, room: int, bootstrap_addr: str, dst_page_ids: Any,
+                num_tokens: int) -> None: ...
+
+    def wait(self, room: int, timeout_s: float | None = None) -> Any: ...
+
+    def abort(self, room: int, reason: str = ...) -> None: ...
+
+
+class DecodeEngine(Protocol):
+    """The engine side (`pdcache.engine.engine.Engine`)."""
+
+    def reserve(self, rid: str, num_tokens: int) -> list[int]: ...
+
+    def abort(self, rid: str) -> None: ...
+
+    def release_held(self, rid: str) -> None: ...
+
+
+class DuplicateRoomError(ValueError):
+    """The room id (or the request id) is already in use on this node."""
+
+
+class BadRoomError(ValueError):
+    """The receiver refused the room's request (bad bootstrap address, pages, room id)."""
+
+
+class RoomCancelledError(RuntimeError):
+    """The caller left while the pages were being reserved; they are freed again."""
+
+
+@dataclass(frozen=True)
+class DecodeOutcome:
+    """What the handler waiting for a room's K/V learns. On success `report` is prefill's."""
+
+    room: int
+    state: RoomState
+    reason: str = ""
+    code: str = ""
+    report: PrefillReport | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state is RoomState.SUCCESS and self.report is not None
+
+
+Notify = Callable[[DecodeOutcome], None]
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"  # open_room: reserving pages, sending the request
+    AWAITING_KV = "awaiting_kv"  # the receiver has the room: one on_release will come
+    KV_READY = "kv_ready"  # released with success: the pages hold the prompt's K/V
+
+
+@dataclass
+class _Room:
+    rid: str
+    notify: Notify
+    phase: Phase = Phase.STARTING
+    requesting: bool = False  # request_kv runs (STARTING): it cleans up after a leave()
+    caller_gone: bool = False  # leave() came: nobody waits, free as soon as allowed
+
+
+class DecodeController:
+    """Owns the decode node's rooms, the rid <-> room maps, the decision to free reserved
+    pages and the offload holds; see the module docstring for the threads and the lock.
+
+    Built before the engine (its scheduler calls `hold_for_offload`) and the receiver (which
+    calls `on_release`); `attach(engine, receiver)` supplies them before `start`."""
+
+    def __init__(self) -> None:
+        self._engine: DecodeEngine | None = None
+        self._receiver: Receiver | None = None
+        self._lock = threading.Lock()
+        self._rooms: dict[int, _Room] = {}
+        self._room_of: dict[str, int] = {}
+        self._held: set[str] = set()  # rids whose pages offload copies may still read
+        self._closed = False
+
+    def attach(self, engine: DecodeEngine, receiver: Receiver) -> None:
+        self._engine, self._receiver = engine, receiver
+
+    # ---- event loop, then a worker thread (blocking) -------------------------------------------
+    def open_room(self, rid: str, room: int, notify: Notify) -> None:
+        """Register the handler of `room` (request `rid`): from here on it owns the room until
+        `start_decode` or `leave`. `notify(outcome)` runs once (transfer thread) when the room
+        is released, unless the caller left first. Raises DuplicateRoomError, or RuntimeError
+        when the node is closing."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the decode node is shutting down")
+            if room in self._rooms:
+                raise DuplicateRoomError(f"room {room} is already in use")
+            if rid in self._room_of:
+                raise DuplicateRoomError(f"request {rid!r} already has room {self._room_of[rid]}")
+            self._rooms[room], self._room_of[rid] = _Room(rid, notify), room
+
+    def request_kv(self, room: int, bootstrap: str, num_tokens: int) -> list[int]:
+        """Reserve pages for the `num_tokens` prompt tokens of the opened `room` and ask the
+        prefill node at `bootstrap` to write their K/V; returns the pages. Blocks on the
+        engine: call it off the event loop. On any failure nothing stays reserved and the
+        room is forgotten: the engine's reserve errors (EngineOverloadedError,
+        EngineNotRunningError, ValueError), BadRoomError (the receiver refused the request),
+        RoomCancelledError (the caller left or the node closed meanwhile)."""
+        with self._lock:
+            entry = self._rooms.get(room)
+            if entry is None or entry.phase is not Phase.STARTING or entry.requesting:
+                raise RoomCancelledError(f"room {room} is not open")
+            entry.requesting = True
+        try:
+            pages = self._require_engine().reserve(entry.rid, num_tokens)
+        except BaseException:
+            with self._lock:
+                self._forget(room, entry)
+            raise
+        if self._drop_if_gone(room, entry):
+            raise RoomCancelledError(f"room {room}: the caller left")
+        try:
+            self._require_receiver().request(room, bootstrap, pages, num_tokens)
+        except (ValueError, TransferError) as exc:
+            with self._lock:
+                self._forget(room, entry)
+            self._free_reservation(entry.rid)
+            raise BadRoomError(f"room {room}: {exc}") from None
+        self._requested(room, entry)
+        return pages
+
+    def _drop_if_gone(self, room: int, entry: _Room) -> bool:
+        """After reserving: a caller that left meanwhile (or a closing node) gets nothing."""
+        with self._lock:
+            drop = entry.caller_gone or self._closed
+            if drop:
+                self._forget(room, entry)
+        if drop:
+            self._free_reservation(entry.rid)
+        return drop
+
+    def _requested(self, room: int, entry: _Room) -> None:
+        with self._lock:
+            if entry.phase is not Phase.STARTING:
+                return  # on_release came already
+            closed = self._closed  # close() left this room to us: no release will come
+            if not closed:
+                entry.phase = Phase.AWAITING_KV
+            abort = entry.caller_gone and not closed
+        if closed:
+            self._free_reservation(entry.rid)
+        elif abort:  # left while the request was going out: abort now that the room exists
+            self._receiver_abort(room, "decode request ended before the KV arrived")
+
+    # ---- transfer threads ---------------------------------------------------------------------
+    def on_release(self, outcome: Outcome) -> None:
+        """Nothing writes the room's pages any more: on success they hold the prompt's K/V
+        (the handler decodes from them), otherwise the reservation is freed."""
+        report = self._report(outcome) if outcome.state is RoomState.SUCCESS else None
+        with self._lock:
+            entry = self._rooms.get(outcome.room_id)
+            if entry is None or entry.phase is Phase.KV_READY:
+                return  # not ours, or released already
+            keep = report is not None and not entry.caller_gone
+            if keep:
+                entry.phase = Phase.KV_READY
+            else:
+                self._forget(outcome.room_id, entry)
+            gone = entry.caller_gone
+        if not keep:
+            self._free_reservation(entry.rid)
+        if not gone:
+            unreadable = outcome.state is RoomState.SUCCESS and report is None
+            state = RoomState.FAILED if unreadable else outcome.state
+            reason = "prefill's report could not be read" if unreadable else outcome.reason
+            self._notify(entry, DecodeOutcome(outcome.room_id, state, reason, outcome.code,
+                                              report))
+
+    def _report(self, outcome: Outcome) -> PrefillReport | None:
+        try:  # the room is released: wait() returns its result at once
+            return self._require_receiver().wait(outcome.room_id, 0.0).report
+        except Exception:
+            log.exception("decode: no report for room %d", outcome.room_id)
+            return None
+
+    # ---- event loop ---------------------------------------------------------------------------
+    def start_decode(self, room: int, start: Callable[[], T]) -> T:
+        """Hand the room's filled pages to the engine: `start()` submits the prefilled request
+        (`Engine.submit_prefilled` adopts the reservation). If the room is no longer ready
+        (RoomCancelledError) or `start()` raises, the reservation is freed."""
+        with self._lock:
+            entry = self._rooms.get(room)
+            ready = entry is not None and entry.phase is Phase.KV_READY and not entry.caller_gone
+            if ready:
+                self._forget(room, entry)
+        if not ready:
+            raise RoomCancelledError(f"room {room} has no K/V ready")
+        try:
+            return start()
+        except BaseException:
+            self._free_reservation(entry.rid)
+            raise
+
+    def leave(self, room: int, reason: str) -> None:
+        """The caller is gone or gave up on `room`: abort it at the receiver (its reservation
+        is freed on release), or free a reservation whose K/V already arrived."""
+        with self._lock:
+            entry = self._rooms.get(room)
+            if entry is None or entry.caller_gone:
+                return
+            entry.caller_gone = True
+            phase = entry.phase  # STARTING while requesting: request_kv cleans up
+            if phase is Phase.KV_READY or (phase is Phase.STARTING and not entry.requesting):
+                self._forget(room, entry)  # (nothing reserved yet in the second case)
+        if phase is Phase.AWAITING_KV:
+            self._receiver_abort(room, reason)
+        elif phase is Phase.KV_READY:
+            self._free_reservation(entry.rid)
+
+    # ---- engine thread: the offload hold --------------------------------------------------------
+    def hold_for_offload(self, rid: str) -> Callable[[], None]:
+        """`rid` is being held while offload copies read its pages; the returned callback
+        (copy thread, once the copies are done) frees them, once."""
+        with self._lock:
+            if rid in self._held:
+                log.error("decode: request %s is already held for offload", rid)
+            self._held.add(rid)
+        return functools.partial(self._offload_done, rid)
+
+    def _offload_done(self, rid: str) -> None:
+        with self._lock:
+            if rid not in self._held:
+                return  # freed already (shutdown): never twice
+            self._held.discard(rid)
+        self._require_engine().release_held(rid)
+
+    # ---- shutdown -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """After the receiver and the offload manager closed: refuse new rooms and free what
+        is still reserved or held — nothing writes or reads those pages any more."""
+        with self._lock:
+            self._closed = True
+            reserved = [e.rid for e in self._rooms.values() if e.phase is not Phase.STARTING]
+            self._rooms.clear()  # STARTING rooms: request_kv frees what it reserved
+            self._room_of.clear()
+            held, self._held = list(self._held), set()
+        for rid in reserved:
+            self._free_reservation(rid)
+        for rid in held:
+            self._require_engine().release_held(rid)
+
+    # ---- introspection -----------------------------------------------------------------------
+    def rooms(self) -> dict[int, str]:
+        """Open rooms by room id -> phase name; any thread."""
+        with self._lock:
+            return {room: entry.phase.value for room, entry in self._rooms.items()}
+
+    def held(self) -> list[str]:
+        with self._lock:
+            return sorted(self._held)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _forget(self, room: int, entry: _Room) -> None:
+        """Under `_lock`: drop the room and its rid mapping."""
+        if self._rooms.get(room) is entry:
+            del self._rooms[room]
+        if self._room_of.get(entry.rid) == room:
+            del self._room_of[entry.rid]
+
+    def _free_reservation(self, rid: str) -> None:
+        try:
+            self._require_engine().abort(rid)  # releases the reservation on the engine thread
+        except Exception:
+            log.exception("decode: freeing the reservation of %s failed", rid)
+
+    def _receiver_abort(self, room: int, reason: str) -> None:
+        try:
+            self._require_receiver().abort(room, reason)
+        except Exception:
+            log.exception("decode: abort of room %d failed", room)
+
+    def _require_engine(self) -> DecodeEngine:
+        assert self._engine is not None, "attach() the engine first"
+        return self._engine
+
+    def _require_receiver(self) -> Receiver:
+        assert self._receiver is not None, "attach() the receiver first"
+        return self._receiver
+
+    @staticmethod
+    def _notify(entry: _Room, outcome: DecodeOutcome) -> None:
+        try:
+            entry.notify(outcome)
+        except Exception:  # the handler's adapter must not break a transfer thread
+            log.exception("decode: notifying the handler of room %d failed", outcome.room)
+

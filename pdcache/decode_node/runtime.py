@@ -1,0 +1,130 @@
+"""`DecodeRuntime`: one decode node process — engine (+ DecodeOffloadManager), KV receiver,
+controller, app.
+
+Built in order, each part from the ones before it: the controller (needs nothing), the
+storage backend (with offload), the engine — its `DecodeScheduler` (made by `_scheduler`, a
+method of this runtime, while the engine builds its pool) gets the offload manager over that
+pool and `controller.hold_for_offload` —, the receiver whose releases go to
+`controller.on_release`, then `controller.attach(engine, receiver)`.
+
+Threads of the node: the engine thread, the offload manager's copy thread and its storage
+writer, the receiver's control thread (all started by `start()`, none by a constructor), the
+event loop (the app), and uvicorn's. `close()` stops the readers and writers of PD pages
+before the engine: the receiver (every room released), the offload manager (its last copies
+done, their holds released), the controller (frees what is left), the engine, the storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+
+from pdcache.decode_node.app import DecodeApp
+from pdcache.decode_node.controller import DecodeController
+from pdcache.decode_node.metrics import OffloadStatsCollector
+from pdcache.decode_node.scheduler import DecodeScheduler
+from pdcache.engine.engine import Engine
+from pdcache.offload_manager.decode_offload import DecodeOffloadManager
+from pdcache.offload_manager.storage import create_backend
+from pdcache.offload_manager.storage.base import StorageBackend
+from pdcache.server.app import routes_for
+from pdcache.server.bridge import ServerConfig
+from pdcache.server.routes import build_app
+from pdcache.transfer import KVReceiver
+
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class _OffloadDefaults:
+    """`OffloadSettings`' defaults, for a setup whose `offload` is still a bool."""
+
+    staging_pages: int = 256
+    stride_pages: int = 1
+
+
+def offload_settings(setup: Any) -> Any | None:
+    """`setup.offload` (OffloadSettings, None = off); a bool `offload` gives the defaults."""
+    offload = getattr(setup, "offload", None)
+    if offload is None or offload is False:
+        return None
+    return _OffloadDefaults() if offload is True else offload
+
+
+def request_timeout_of(setup: Any) -> float:
+    server = getattr(setup, "server", None)
+    return float(server.request_timeout_s) if server is not None else DEFAULT_REQUEST_TIMEOUT_S
+
+
+class DecodeRuntime:
+    """A decode node: see the module docstring. Nothing runs until `start()`."""
+
+    def __init__(self, setup: Any, model: Any, tokenizer: Any) -> None:
+        if setup.transfer is None:
+            raise ValueError("a decode node needs a transfer config")
+        self.setup = setup
+        self.offload_settings = offload_settings(setup)
+        settings = self.offload_settings
+        if settings is not None and (settings.staging_pages < 1 or settings.stride_pages < 1):
+            raise ValueError(f"offload staging pages ({settings.staging_pages}) and stride "
+                             f"pages ({settings.stride_pages}) must be >= 1")
+        self.config = ServerConfig(name=setup.name, request_timeout_s=request_timeout_of(setup))
+        self.controller = DecodeController()
+        self.storage: StorageBackend | None = (
+            create_backend(setup.storage) if settings is not None and setup.storage else None)
+        self.offload: DecodeOffloadManager | None = None  # set by _scheduler
+        self.engine = Engine(setup.engine, model, tokenizer, make_scheduler=self._scheduler)
+        self.receiver = KVReceiver(setup.transfer, self.engine.pool.device_kv,
+                                   on_release=self.controller.on_release, decode_id=setup.name)
+        self.controller.attach(self.engine, self.receiver)
+        self.routes = routes_for(self.engine, self.config)
+        if self.offload is not None:  # pdcache_decode_offload_* on this node's /metrics
+            self.routes.bridge.metrics.registry.register(
+                OffloadStatsCollector(self.offload, setup.name))
+        self.pd = DecodeApp(self.routes, self.controller, self.receiver)
+        self._started = False
+        self._closed = False
+
+    def _scheduler(self, **kwargs: Any) -> DecodeScheduler:
+        """`Engine(make_scheduler=...)`: the offload manager needs the engine's pool."""
+        if self.storage is not None:
+            settings, setup = self.offload_settings, self.setup
+            self.offload = DecodeOffloadManager(
+                kwargs["pool"].device_kv, self.storage, setup.fingerprint,
+                settings.staging_pages, settings.stride_pages,
+                key_scheme=setup.key_scheme, key_namespace=setup.key_namespace)
+        return DecodeScheduler(offload=self.offload, holds=self.controller, **kwargs)
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        if self.offload is not None:
+            self.offload.start()
+        self.receiver.start()
+        self.engine.start()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._started:
+            self.receiver.close()
+        if self.offload is not None:
+            self.offload.close()
+        self.controller.close()
+        self.engine.shutdown()  # frees whatever is still reserved or held
+        if self.storage is not None:
+            self.storage.close()
+
+    def app(self) -> FastAPI:
+        app = build_app(self.routes, pd_generate=self.pd.pd_generate,
+                        health_extra=self.pd.health_extra, on_startup=self.start,
+                        on_shutdown=self.close)
+        app.state.offload = self.offload
+        return app
+
+    def ready_lines(self) -> list[str]:
+        return []

@@ -1,0 +1,122 @@
+"""The prefill node's HTTP side (docs/pd-protocol.md): the handler of `/generate` bodies whose
+`pd.role` is "prefill", over the server's `EngineBridge` and the `PrefillController`.
+
+Such a request is computed up to its first token (HiCache reuse on the way); the controller
+hands its prompt pages to the decode node through the sender, and the answer goes out once
+the room is released: success with the first token and cache statistics, or a JSON error.
+Requests without `pd` are the shared routes' (served like a unified server's).
+
+Threads: everything here runs on the event loop; the controller's `notify` (a transfer
+thread) only schedules the result on the loop (`call_soon_threadsafe`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pdcache.prefill_node.controller import DuplicateRoomError, PrefillController, PrefillOutcome
+from pdcache.server.bridge import Generation, json_ready, set_result_once
+from pdcache.server.protocol import (
+    OVERLOADED,
+    SERVER_ERROR,
+    ApiError,
+    GenerateRequestBody,
+    TextAssembler,
+    bad_request,
+)
+from pdcache.server.routes import ServerRoutes
+from pdcache.transfer import KVSender
+
+
+class PrefillApp:
+    """`pd_generate` and `health_extra` of one prefill node; holds no state of its own (the
+    rooms are the controller's)."""
+
+    def __init__(self, routes: ServerRoutes, controller: PrefillController,
+                 sender: KVSender) -> None:
+        self.routes = routes
+        self.bridge = routes.bridge
+        self.controller = controller
+        self.sender = sender
+
+    async def pd_generate(self, request: Request, body: GenerateRequestBody) -> Response:
+        pd = body.pd
+        assert pd is not None
+        if pd.role != "prefill":
+            raise bad_request("this is a prefill node: pd.role must be 'prefill'", code="wrong_role")
+        gen = Generation(arrival=time.monotonic())
+        input_ids = self.routes.checked_prompt(body)
+        room, rid = pd.room, body.rid or f"pd-{pd.room}"
+        released = self._open(rid, room)
+        started = time.monotonic()
+        try:
+            first_only = dataclasses.replace(body.sampling_params.to_engine(), max_new_tokens=1)
+            handle = self.bridge.submit(gen, input_ids, first_only, body.cache_salt, rid)
+            await self.bridge.collect(request, handle, gen, TextAssembler(self.routes.decode, []))
+            if gen.finish_reason not in ("length", "stop") or not gen.output_ids:
+                self.controller.close_room(room, f"prefill failed: {gen.finish_reason}")
+                raise ApiError(500, f"prefill of room {room} failed ({gen.finish_reason})",
+                               type=SERVER_ERROR, code="prefill_failed")
+            outcome = await self._wait_release(released, room)
+        finally:
+            self.controller.close_room(room)  # no-op once released; else abort (orphan)
+        return self._pd_response(gen, outcome, time.monotonic() - started, pd.decode_node)
+
+    def _open(self, rid: str, room: int) -> asyncio.Future[PrefillOutcome]:
+        loop = asyncio.get_running_loop()
+        released: asyncio.Future[PrefillOutcome] = loop.create_future()
+        try:
+            self.controller.open_room(rid, room, _on_loop(loop, released))
+        except DuplicateRoomError:
+            raise bad_request(f"room {room} is already in use", code="duplicate_room") from None
+        except RuntimeError as exc:  # shutting down
+            raise ApiError(503, f"prefill node unavailable: {exc}", type=OVERLOADED,
+                           code="unavailable") from None
+        return released
+
+    async def _wait_release(self, released: asyncio.Future[PrefillOutcome], room: int
+                            ) -> PrefillOutcome:
+        timeout = self.sender.config.room_timeout_s + 5.0
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(released), timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(504, f"KV transfer of room {room} did not finish in {timeout:.0f}s",
+                           type=SERVER_ERROR, code="transfer_timeout") from None
+        if not outcome.ok:
+            raise ApiError(502, f"KV transfer of room {room} failed: {outcome.reason}",
+                           type=SERVER_ERROR, code="transfer_failed")
+        return outcome
+
+    def _pd_response(self, gen: Generation, outcome: PrefillOutcome, elapsed_s: float,
+                     decode_node: str | None) -> Response:
+        """`pd.transfer_s`: the handler's whole time (prefill included); `pd.push_s`: from the
+        prompt's K/V being complete to the room's release (the transfer and its `done`)."""
+        meta = self.bridge.meta(gen).model_dump()
+        meta["decode_node"] = decode_node or ""
+        pd = {"room": outcome.room, "bytes": outcome.nbytes, "transfer_s": elapsed_s,
+              "push_s": outcome.push_s}
+        return JSONResponse({"output_ids": gen.output_ids, "meta": meta, "pd": pd})
+
+    def health_extra(self) -> dict[str, Any]:
+        return {"role": "prefill", "bootstrap": self.sender.bootstrap_addr,
+                "transfer": json_ready(self.sender.stats())}
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future[PrefillOutcome]
+             ) -> Callable[[PrefillOutcome], None]:
+    """The controller's `notify` (any thread): resolve `future` on its loop."""
+
+    def notify(outcome: PrefillOutcome) -> None:
+        try:
+            loop.call_soon_threadsafe(set_result_once, future, outcome)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    return notify

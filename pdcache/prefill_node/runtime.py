@@ -1,0 +1,86 @@
+"""`PrefillRuntime`: one prefill node process — HiCache engine, KV sender, controller, app.
+
+Built in order, each part from the ones before it (no late lookups): the controller (it only
+needs the node's name), the engine whose `PrefillScheduler` hands finished PD requests to
+`controller.take_prefilled`, the sender whose releases go to `controller.on_release`, then
+`controller.attach(engine, sender)`.
+
+Threads of the node: the engine thread (`start()`), HiCache's IO workers (built with the
+engine), the sender's control thread and transfer workers (`start()`), the event loop (the
+app), and uvicorn's. `close()` stops the readers of held pages before the engine: the sender
+(it releases every room it accepted), then the controller (frees what was never released),
+then the engine and its tiers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from pdcache.offload_manager.builder import build_tiered_engine
+from pdcache.prefill_node.app import PrefillApp
+from pdcache.prefill_node.controller import PrefillController
+from pdcache.prefill_node.scheduler import PrefillScheduler
+from pdcache.server.app import routes_for
+from pdcache.server.bridge import ServerConfig
+from pdcache.server.routes import build_app
+from pdcache.transfer import KVSender
+
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+
+
+def request_timeout_of(setup: Any) -> float:
+    """`setup.server.request_timeout_s` (NodeSetup's ServerSettings); the default before a
+    setup carries one."""
+    server = getattr(setup, "server", None)
+    return float(server.request_timeout_s) if server is not None else DEFAULT_REQUEST_TIMEOUT_S
+
+
+class PrefillRuntime:
+    """A prefill node: see the module docstring. Nothing runs until `start()`."""
+
+    def __init__(self, setup: Any, model: Any, tokenizer: Any) -> None:
+        if setup.tiers is None or setup.transfer is None:
+            raise ValueError("a prefill node needs cache tiers and a transfer config")
+        self.setup = setup
+        self.config = ServerConfig(name=setup.name, request_timeout_s=request_timeout_of(setup))
+        self.controller = PrefillController(setup.name)
+        self.tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers,
+                                          PrefillScheduler, pd=self.controller)
+        self.engine = self.tiered.engine
+        self.sender = KVSender(setup.transfer, self.engine.pool.device_kv, setup.host,
+                               setup.bootstrap_port or 0, on_release=self.controller.on_release,
+                               prefill_id=setup.name)
+        self.controller.attach(self.engine, self.sender)
+        self.routes = routes_for(self.engine, self.config)
+        self.pd = PrefillApp(self.routes, self.controller, self.sender)
+        self._started = False
+        self._closed = False
+
+    def start(self) -> None:
+        """The KV bootstrap endpoint listens, then the engine runs."""
+        if self._started:
+            return
+        self._started = True
+        self.sender.start()
+        self.engine.start()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._started:
+            self.sender.close()
+        self.controller.close()
+        self.tiered.close()  # engine (its last releases handled), HiCache, storage
+
+    def app(self) -> FastAPI:
+        app = build_app(self.routes, pd_generate=self.pd.pd_generate,
+                        health_extra=self.pd.health_extra, on_startup=self.start,
+                        on_shutdown=self.close)
+        app.state.tiered = self.tiered
+        return app
+
+    def ready_lines(self) -> list[str]:
+        return [f"pdcache prefill: KV bootstrap at {self.sender.bootstrap_addr}"]
