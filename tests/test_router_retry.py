@@ -21,8 +21,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-pytest.importorskip("pdcache.prefill_node.node", reason="the prefill node is not in this build")
-pytest.importorskip("pdcache.decode_node.node", reason="the decode node is not in this build")
+pytest.importorskip("pdcache.prefill_node.runtime", reason="the prefill node is not in this build")
+pytest.importorskip("pdcache.decode_node.runtime", reason="the decode node is not in this build")
 
 from pdcache.engine.engine import Engine  # noqa: E402
 from pdcache.engine.loader import load_model  # noqa: E402
