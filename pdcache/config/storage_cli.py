@@ -1,7 +1,12 @@
-"""`pdcache storage stats|clear|verify --config FILE`: inspect, empty or check a storage tier.
+"""`pdcache storage stats|clear|verify --config TOPOLOGY`: inspect, empty or check the storage
+tier of a deployment.
 
-The config is a TOML file whose `[storage]` table (or whole content) is a StorageConfig;
-`--set key=value` overrides single keys (values in TOML syntax: 4096, "file", true).
+`--config` is a topology file, the same schema every other command reads; its `[storage]`
+table and `[model]` (for the page geometry and the KV fingerprint, read without loading any
+weights) name the storage the nodes open. `--set KEY=VALUE` overrides topology keys as for
+`pdcache launch` (`storage.path="/tmp/s"`); `--node NAME` picks whose view of the storage
+(page size) to open, by default the first node that uses storage. The metadata service or
+Mooncake master of the topology must be running (`pdcache launch` starts them).
 """
 
 from __future__ import annotations
@@ -11,41 +16,36 @@ import json
 import sys
 from typing import Any
 
+from pdcache.config.parse import load_topology
 from pdcache.offload_manager.storage import create_backend
-from pdcache.offload_manager.storage.config import StorageConfig, tomllib
+from pdcache.offload_manager.storage.config import StorageConfig
 
 VERIFY_BATCH = 64
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["stats", "clear", "verify"])
-    parser.add_argument("--config", required=True, help="TOML file with a [storage] table")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one storage key (TOML value)",
-    )
+    parser.add_argument("--config", required=True, metavar="TOPOLOGY",
+                        help="topology TOML file (see configs/)")
+    parser.add_argument("--node", metavar="NAME",
+                        help="open the storage as this node does (default: the first storage user)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="topology override: storage.path=/tmp/s, model.preset=tiny (repeatable)")
 
 
-def load_config(path: str, overrides: list[str]) -> StorageConfig:
-    config = StorageConfig.from_toml(path)
-    changes: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            changes[key.strip()] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            changes[key.strip()] = value  # a bare string
-    return StorageConfig.from_mapping({**_fields(config), **changes})
+def load_config(path: str, overrides: list[str], node: str | None = None) -> StorageConfig:
+    """The StorageConfig of topology `path` (with `overrides`) as node `node` opens it.
+    Raises TopologyError (a ValueError) or OSError."""
+    from pdcache.config.node_setup import storage_for
+    from pdcache.engine.loader import load_model_config
 
-
-def _fields(config: StorageConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in config.__dataclass_fields__}
+    topology = load_topology(path, overrides)
+    spec = topology.model
+    model = load_model_config(spec.ref, dtype=spec.dtype, seed=spec.seed)
+    try:
+        return storage_for(topology, model, node)
+    except KeyError as exc:
+        raise ValueError(exc.args[0]) from None
 
 
 def verify(backend: Any) -> dict[str, int]:
@@ -65,24 +65,32 @@ def verify(backend: Any) -> dict[str, int]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config, args.overrides)
-    except (OSError, ValueError, TypeError) as exc:
+        config = load_config(args.config, args.overrides, args.node)
+    except (OSError, ValueError, TypeError) as exc:  # TopologyError included
         print(f"pdcache storage: bad config: {exc}", file=sys.stderr)
         return 2
-    backend = create_backend(config)
+    if args.action == "verify" and config.backend == "mooncake":
+        print("pdcache storage verify: Mooncake Store cannot list objects", file=sys.stderr)
+        return 2
     try:
-        if args.action == "stats":
-            result: dict[str, Any] = dict(backend.stats())
-        elif args.action == "clear":
-            before = len(backend.keys())  # type: ignore[attr-defined]
-            removed = backend.clear()  # type: ignore[attr-defined]
-            result = {"cleared": removed if isinstance(removed, int) else before}
-        else:
-            if config.backend == "mooncake":
-                print("pdcache storage verify: Mooncake Store cannot list objects", file=sys.stderr)
-                return 2
-            result = verify(backend)
+        backend = create_backend(config)
+    except Exception as exc:  # unreachable metadata service / master, missing package, ...
+        print(f"pdcache storage: cannot open {config.backend} storage: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 1
+    try:
+        result = _act(args.action, backend)
     finally:
         backend.close()
     print(json.dumps(result, indent=2, sort_keys=True))
     return 1 if result.get("bad") else 0
+
+
+def _act(action: str, backend: Any) -> dict[str, Any]:
+    if action == "stats":
+        return dict(backend.stats())
+    if action == "clear":
+        before = len(backend.keys())
+        removed = backend.clear()
+        return {"cleared": removed if isinstance(removed, int) else before}
+    return verify(backend)

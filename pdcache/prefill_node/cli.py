@@ -1,23 +1,23 @@
 """`pdcache prefill`: a prefill node (HiCache + KV bootstrap endpoint + HTTP).
 
 With `--config TOPOLOGY --node NAME` every setting comes from the topology (the launcher's
-node command contract); otherwise from the flags.
+node command contract); otherwise the flags describe a one-node topology. Either way the node
+is set up by `pdcache.config.setup_for`.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pdcache.launch.node_config import add_node_flags
-    from pdcache.launch.topology import add_topology_arguments
+    from pdcache.config import add_node_flags, add_topology_arguments
 
     add_topology_arguments(parser)
     add_node_flags(parser, "prefill")
-    parser.add_argument("--request-timeout", type=float, default=600.0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,47 +26,43 @@ def run(args: argparse.Namespace) -> int:
 
 def run_node(args: argparse.Namespace, role: str) -> int:
     """Shared by `pdcache prefill` and `pdcache decode`."""
+    from pdcache.config import TopologyError, process_environment, setup_for, topology_for
     from pdcache.engine.loader import load_model
-    from pdcache.launch.node_config import setup_from_flags, setup_from_topology
-    from pdcache.launch.topology import TopologyError, node_from_args
     from pdcache.server.cli import listen, serve_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
-        found = node_from_args(args, (role,))
+        topology, name = topology_for(args, role)
     except TopologyError as exc:
         print(f"pdcache {role}: {exc}", file=sys.stderr)
         return 2
-    model_ref = found[0].model.ref if found else args.model
-    dtype, seed = (found[0].model.dtype, found[0].model.seed) if found else (args.dtype, args.seed)
-    host, port = (found[1].host, found[1].port) if found else (args.host, args.port)
-    sock = listen(host, port, role)
+    node = topology.node(name)
+    sock = listen(node.host, node.port, role)
     if sock is None:
         return 1
     try:
-        model, tokenizer = load_model(model_ref, dtype=dtype, seed=seed)
-        setup = (setup_from_topology(*found, model.config) if found
-                 else setup_from_flags(args, role, model.config))
-        offload = {} if role == "prefill" else {
-            "stride_pages": args.offload_stride_pages,
-            "staging_pages": args.offload_staging_pages}
-        app = _build(role, setup, model, tokenizer, args.request_timeout, **offload)
-    except (OSError, ValueError) as exc:
+        spec = topology.model
+        model, tokenizer = load_model(spec.ref, dtype=spec.dtype, seed=spec.seed)
+        setup = setup_for(topology, name, model.config)
+        # Once, before any transfer engine loads: settings its library reads only from the
+        # environment (Mooncake's bind address, timeouts; UCX), computed from the config.
+        os.environ.update(process_environment(setup, os.environ))
+        app = _build(setup, model, tokenizer)
+    except (OSError, ValueError) as exc:  # TopologyError included
         sock.close()
         print(f"pdcache {role}: cannot start: {exc}", file=sys.stderr)
         return 2
-    return serve_app(app, sock, host, args.log_level, role)
+    return serve_app(app, sock, node.host, args.log_level, role)
 
 
-def _build(role: str, setup, model, tokenizer, request_timeout_s: float, **offload_settings):
-    if role == "prefill":
+def _build(setup, model, tokenizer):
+    if setup.role == "prefill":
         from pdcache.prefill_node.node import build_prefill_app
 
-        app, server = build_prefill_app(setup, model, tokenizer, request_timeout_s)
+        app, server = build_prefill_app(setup, model, tokenizer)
         print(f"pdcache prefill: KV bootstrap at {server.sender.bootstrap_addr}", flush=True)
         return app
     from pdcache.decode_node.node import build_decode_app
 
-    app, _ = build_decode_app(setup, model, tokenizer, request_timeout_s=request_timeout_s,
-                              **offload_settings)
+    app, _ = build_decode_app(setup, model, tokenizer)
     return app

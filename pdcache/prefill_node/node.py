@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from pdcache.config import NodeSetup
 from pdcache.engine.request import Req
-from pdcache.launch.node_config import NodeSetup
 from pdcache.offload_manager.builder import build_tiered_engine
 from pdcache.prefill_node.scheduler import PrefillScheduler
 from pdcache.prefill_node.server import PrefillServer
@@ -15,8 +15,7 @@ from pdcache.server.app import ServerConfig, create_app
 from pdcache.transfer import KVSender, Outcome
 
 
-def build_prefill_app(setup: NodeSetup, model: Any, tokenizer: Any,
-                      request_timeout_s: float = 600.0) -> tuple[FastAPI, PrefillServer]:
+def build_prefill_app(setup: NodeSetup, model: Any, tokenizer: Any) -> tuple[FastAPI, PrefillServer]:
     """The app of one prefill node; the KV bootstrap endpoint is listening when this returns
     (`server.sender.bootstrap_addr`), the engine starts with the app."""
     if setup.tiers is None or setup.transfer is None:
@@ -35,7 +34,7 @@ def build_prefill_app(setup: NodeSetup, model: Any, tokenizer: Any,
     sender = KVSender(setup.transfer, engine.pool.device_kv, setup.host,
                       setup.bootstrap_port or 0, on_release=on_release, prefill_id=setup.name)
     server = PrefillServer(engine, ServerConfig(name=setup.name,
-                                                request_timeout_s=request_timeout_s), sender)
+                                                request_timeout_s=setup.server.request_timeout_s), sender)
     servers.append(server)
     sender.start()
 

@@ -13,61 +13,27 @@ import sys
 
 import uvicorn
 
-from pdcache.engine.config import DTYPES, CacheConfig, SchedulerConfig
-
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "pdcache serve: ready at "
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    cache, sched = CacheConfig(), SchedulerConfig()
-    parser.add_argument("--model", default="tiny", help="preset (tiny, small) or a HF model dir")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
-    parser.add_argument("--page-size", type=int, default=cache.page_size)
-    parser.add_argument("--device-pages", type=int, default=cache.num_device_pages)
-    parser.add_argument("--max-running", type=int, default=sched.max_running_requests)
-    parser.add_argument("--max-queued", type=int, default=sched.max_queued_requests)
-    parser.add_argument("--chunked-prefill-tokens", type=int, default=sched.chunked_prefill_tokens)
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix reuse")
-    parser.add_argument("--seed", type=int, default=0, help="seed of preset weights and sampling")
-    parser.add_argument("--name", default="unified", help="this server's name in responses")
-    parser.add_argument(
-        "--request-timeout", type=float, default=600.0, help="deadline of one request (s)"
-    )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
-    from pdcache.launch.node_config import add_cache_flags
-    from pdcache.launch.topology import add_topology_arguments
+    from pdcache.config import add_node_flags, add_topology_arguments
 
+    add_node_flags(parser, "unified")
     add_topology_arguments(parser)
-    add_cache_flags(parser)
 
 
-def build_engine(args: argparse.Namespace):
-    """The engine (with HiCache tiers when configured) and what closes them at exit."""
-    from pdcache.engine.config import EngineConfig
+def build_engine(setup, model, tokenizer):
+    """The engine of a unified node (with HiCache tiers when `setup.tiers`) and what closes
+    the tiers at exit (None without them)."""
     from pdcache.engine.engine import Engine
-    from pdcache.engine.loader import load_model
-    from pdcache.launch.node_config import setup_from_topology, tiers_from_flags
-    from pdcache.offload_manager.builder import build_tiered_engine, fingerprint_for, model_identity
+    from pdcache.offload_manager.builder import build_tiered_engine
 
-    model, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
-    cache = CacheConfig(page_size=args.page_size, num_device_pages=args.device_pages,
-                        enable_prefix_cache=not args.no_prefix_cache)
-    scheduler = SchedulerConfig(max_running_requests=args.max_running,
-                                chunked_prefill_tokens=args.chunked_prefill_tokens,
-                                max_queued_requests=args.max_queued)
-    config = EngineConfig(model.config, cache, scheduler, seed=args.seed)
-    if getattr(args, "topology", None) is not None:
-        tiers = setup_from_topology(args.topology, args.topology_node, model.config).tiers
-    else:
-        fp = fingerprint_for(model.config, model_identity(args.model, args.seed), args.page_size)
-        tiers, _ = tiers_from_flags(args, model.config, args.page_size, args.device_pages, fp)
-    if tiers is None or args.no_prefix_cache:
-        return Engine(config, model, tokenizer), None
-    tiered = build_tiered_engine(config, model, tokenizer, tiers)
+    if setup.tiers is None:
+        return Engine(setup.engine, model, tokenizer), None
+    tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers)
 
     def close_tiers() -> None:
         tiered.hicache.close()
@@ -115,41 +81,29 @@ def serve_app(app, sock: socket.socket, host: str, log_level: str, command: str 
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdcache.config import TopologyError, setup_for, topology_for
+    from pdcache.engine.loader import load_model
     from pdcache.server.app import ServerConfig, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
-        args = _apply_topology(args)
-    except ValueError as exc:  # TopologyError included
+        topology, name = topology_for(args, "unified")
+    except TopologyError as exc:
         print(f"pdcache serve: {exc}", file=sys.stderr)
         return 2
-    sock = listen(args.host, args.port, "serve")
+    node = topology.node(name)
+    sock = listen(node.host, node.port, "serve")
     if sock is None:
         return 1
+    spec = topology.model
     try:
-        engine, closer = build_engine(args)
+        model, tokenizer = load_model(spec.ref, dtype=spec.dtype, seed=spec.seed)
+        setup = setup_for(topology, name, model.config)
+        engine, closer = build_engine(setup, model, tokenizer)
     except (OSError, ValueError) as exc:  # unknown preset, missing files, bad config
         sock.close()
-        print(f"pdcache serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
+        print(f"pdcache serve: cannot load model {spec.ref!r}: {exc}", file=sys.stderr)
         return 2
-    config = ServerConfig(name=args.name, request_timeout_s=args.request_timeout)
+    config = ServerConfig(name=setup.name, request_timeout_s=setup.server.request_timeout_s)
     app = create_app(engine, config, on_shutdown=closer)
-    return serve_app(app, sock, args.host, args.log_level)
-
-
-def _apply_topology(args: argparse.Namespace) -> argparse.Namespace:
-    """With --config/--node, the topology's settings replace the flags' defaults."""
-    from pdcache.launch.topology import node_from_args
-
-    found = node_from_args(args, ("unified",))
-    if found is None:
-        return args
-    topology, node = found
-    storage = topology.storage
-    values = dict(
-        model=topology.model.ref, dtype=topology.model.dtype, seed=topology.model.seed,
-        name=node.name, host=node.host, port=node.port, page_size=node.cache.page_size,
-        device_pages=node.cache.device_pages, topology=topology, topology_node=node,
-        storage_backend=storage.backend,
-    )
-    return argparse.Namespace(**{**vars(args), **values})
+    return serve_app(app, sock, node.host, args.log_level)
