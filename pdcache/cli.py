@@ -14,7 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("pdcache.router.cli", "run the OpenAI-compatible router"),
     "launch": ("pdcache.launch.cli", "start a topology from a TOML config"),
     "metadata-server": ("pdcache.offload_manager.storage.metadata_cli", "run the global KV manager"),
-    "storage": ("pdcache.offload_manager.storage.cli", "inspect or clear a storage backend"),
+    "storage": ("pdcache.config.storage_cli", "inspect or clear a storage backend"),
     "bench": ("pdcache.bench.cli", "benchmarks: engine, kernels, cache, transfer, replay, compare"),
     "demo": ("pdcache.bench.demo", "launch the default topology and replay a multi-turn trace"),
 }

@@ -25,7 +25,7 @@ fi
 
 OUT="${GPU_CHECK_OUT:-.gpu_check}"
 mkdir -p "$OUT"
-unset TRITON_INTERPRET PDCACHE_KERNELS
+unset TRITON_INTERPRET
 export TRITON_DEFAULT_FP_FUSION=1
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'

@@ -4,6 +4,7 @@ ports), driven over real HTTP exactly as the router drives them (docs/pd-protoco
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import secrets
 import socket
 import threading
@@ -14,10 +15,10 @@ from typing import Any
 import httpx
 import uvicorn
 
+from pdcache.config import NodeSetup, OffloadSettings, process_environment
 from pdcache.decode_node.runtime import DecodeRuntime
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdcache.engine.loader import load_model
-from pdcache.launch.node_config import NodeSetup
 from pdcache.offload_manager.builder import (
     TierConfig,
     fingerprint_for,
@@ -108,12 +109,13 @@ def node_setups(tmp_path, model, page_size: int, engine: str, offload: bool,
     prefill = NodeSetup("p0", "prefill", "127.0.0.1", 0, p_engine, tiers, fp, storage, transfer,
                         free_port())
     decode = NodeSetup("d0", "decode", "127.0.0.1", 0, d_engine, None, fp, storage, transfer,
-                       offload=offload)
+                       offload=OffloadSettings(staging_pages=64) if offload else None)
     return prefill, decode
 
 
 def start_stack(prefill: NodeSetup, decode: NodeSetup) -> PDStack:
     model, tokenizer = load_model("tiny", seed=0)
+    os.environ.update(process_environment(prefill, os.environ))  # as a node process's entry does
     p_server = PrefillRuntime(prefill, model, tokenizer)
     d_server = DecodeRuntime(decode, model, tokenizer)
     p_app, d_app = p_server.app(), d_server.app()

@@ -16,11 +16,11 @@ import threading
 import httpx
 import pytest
 
+from pdcache.config import process_environment, setup_for, topology_from_flags
+from pdcache.config.storage_cli import verify
 from pdcache.engine.loader import load_model
 from pdcache.engine.page_keys import chain_page_keys, make_salt
-from pdcache.launch.node_config import setup_from_flags
 from pdcache.offload_manager.storage import create_backend
-from pdcache.offload_manager.storage.cli import verify
 from pdcache.prefill_node import cli as prefill_cli
 from pdcache.prefill_node.runtime import PrefillRuntime
 from tests.pd_harness import (
@@ -105,7 +105,8 @@ def test_kill_decode_mid_offload_leaves_only_whole_pages(env, tmp_path) -> None:
     p_args = parser.parse_args([*flags, "--host-pages", "1024", "--prefetch-policy",
                                 "wait_complete"])
     model, tokenizer = load_model("tiny", seed=0)
-    setup = setup_from_flags(p_args, "prefill", model.config)
+    setup = setup_for(topology_from_flags(p_args, "prefill"), p_args.name, model.config)
+    os.environ.update(process_environment(setup, os.environ))  # as `pdcache prefill` does
     p_server = PrefillRuntime(setup, model, tokenizer)
     p_app = p_server.app()
     prefill = ServerThread(p_app, free_port())

@@ -173,7 +173,7 @@ def test_pdcache_toml_configures_the_plugin(tmp_path, plugins):
 
 
 def test_topology_storage_table_maps_to_storage_config():
-    from pdcache.launch.topology import load_topology
+    from pdcache.config import load_topology
 
     root = Path(__file__).resolve().parents[1]
     spec = load_topology(root / "configs" / "local-1p1d.toml").storage

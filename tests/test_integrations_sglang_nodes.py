@@ -20,12 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdcache.config import (
+    TopologyError,
+    add_node_flags,
+    parse_topology,
+    setup_for,
+    topology_from_flags,
+)
 from pdcache.engine.config import ModelConfig
 from pdcache.engine.loader import load_model
 from pdcache.engine.page_keys import PageKeyScheme, sglang_chain_hashes
 from pdcache.integrations import sglang as plugin
-from pdcache.launch.node_config import add_node_flags, setup_from_flags, setup_from_topology
-from pdcache.launch.topology import TopologyError, parse_topology
 from pdcache.offload_manager.builder import TieredEngine, model_identity
 from pdcache.offload_manager.hicache import HiCacheConfig
 from tests.hicache_support import (
@@ -274,15 +279,15 @@ def topology(tmp_path: Path, cache: str = "", node: str = "", overrides: tuple =
 
 def test_topology_key_scheme_reaches_hicache(tiny, tmp_path) -> None:
     topo = topology(tmp_path, 'key_scheme = "sglang"\nkey_namespace = "team-a"')
-    setup = setup_from_topology(topo, topo.node("u0"), tiny[0].config)
+    setup = setup_for(topo, "u0", tiny[0].config)
     assert (setup.key_scheme, setup.key_namespace) == ("sglang", "team-a")
     assert (setup.tiers.hicache.key_scheme, setup.tiers.hicache.key_namespace) == (
         "sglang", "team-a")
     default = topology(tmp_path)
-    plain = setup_from_topology(default, default.node("u0"), tiny[0].config)
+    plain = setup_for(default, "u0", tiny[0].config)
     assert plain.tiers.hicache.key_scheme == "pdcache" and plain.key_namespace == ""
     over = topology(tmp_path, overrides=("cache.key_scheme=sglang",))
-    assert setup_from_topology(over, over.node("u0"), tiny[0].config).key_scheme == "sglang"
+    assert setup_for(over, "u0", tiny[0].config).key_scheme == "sglang"
 
 
 def test_bad_key_scheme_is_a_clear_error(tmp_path) -> None:
@@ -299,8 +304,8 @@ def test_key_scheme_flags(tiny) -> None:
     add_node_flags(parser, "decode")
     args = parser.parse_args(["--key-scheme", "sglang", "--key-namespace", "ns",
                               "--storage-backend", "file"])
-    setup = setup_from_flags(args, "decode", tiny[0].config)
-    assert (setup.key_scheme, setup.key_namespace, setup.offload) == ("sglang", "ns", True)
+    setup = setup_for(topology_from_flags(args, "decode"), args.name, tiny[0].config)
+    assert (setup.key_scheme, setup.key_namespace, setup.offload is not None) == ("sglang", "ns", True)
     with pytest.raises(SystemExit):
         parser.parse_args(["--key-scheme", "vllm"])
 

@@ -91,13 +91,13 @@ def test_bad_arguments_raise_clear_errors(name, case):
 
 
 def test_dispatch_defaults_on_cpu_and_honours_override(monkeypatch):
-    monkeypatch.delenv("PDCACHE_KERNELS", raising=False)
+    monkeypatch.setenv("PDCACHE_KERNELS", "reference")  # no longer read: the config decides
     want = "numba" if importlib.util.find_spec("numba") else "torch"
     assert KernelSet().backend_name_for(torch.device("cpu")) == want
+    assert KernelSet("auto").backend_name_for(torch.device("cpu")) == want
     monkeypatch.setattr(dispatch, "has_numba", lambda: False)
     assert KernelSet().backend_name_for(torch.device("cpu")) == "torch"
-    monkeypatch.setenv("PDCACHE_KERNELS", "reference")
-    kernels = KernelSet()
+    kernels = KernelSet("reference")
     assert kernels.backend_for(torch.device("cpu")).__name__ == "pdcache.kernels.reference"
     device_kv = torch.randn(1, 2, 3, 2, 1, 4)
     host_kv = torch.zeros(2, 1, 2, 2, 1, 4)
@@ -211,7 +211,6 @@ def test_numba_that_fails_to_load_falls_back_to_torch(monkeypatch, caplog):
     def broken():
         raise RuntimeError("cannot cache function: no locator available")
 
-    monkeypatch.delenv("PDCACHE_KERNELS", raising=False)
     monkeypatch.setattr(dispatch, "has_numba", lambda: True)
     monkeypatch.setattr(KERNEL_BACKENDS, "get", lambda name: broken if name == "numba"
                         else {"torch": lambda: dispatch.importlib.import_module(

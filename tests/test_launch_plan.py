@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdcache.cli import main as pdcache_main
+from pdcache.config import TopologyError, load_topology, parse_topology
 from pdcache.launch.launcher import (
     STAGE_NODES,
     STAGE_ROUTER,
@@ -16,7 +17,6 @@ from pdcache.launch.launcher import (
     select_host,
     ssh_specs,
 )
-from pdcache.launch.topology import TopologyError, load_topology, parse_topology
 
 REPO = Path(__file__).resolve().parents[1]
 PY = "/usr/bin/python3"

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from pdcache.cli import main as pdcache_main
+from pdcache.config import load_topology, parse_topology
 from pdcache.launch.render_sglang import (
     KNOWN_FLAGS,
     PLUGIN_CLASS,
@@ -27,7 +28,6 @@ from pdcache.launch.render_sglang import (
     render_sglang,
     sglang_commands,
 )
-from pdcache.launch.topology import load_topology, parse_topology
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdcache.cli import main as pdcache_main
-from pdcache.launch.topology import (
+from pdcache.config import (
     TopologyError,
     load_topology,
     parse_override_value,
@@ -232,7 +232,7 @@ def test_unified_with_pd_is_rejected() -> None:
 def _node_args(*argv: str):
     import argparse
 
-    from pdcache.launch.topology import add_topology_arguments
+    from pdcache.config import add_topology_arguments
 
     parser = argparse.ArgumentParser()
     add_topology_arguments(parser)
@@ -240,7 +240,7 @@ def _node_args(*argv: str):
 
 
 def test_node_reads_its_own_settings(tmp_path) -> None:
-    from pdcache.launch.topology import node_from_args, router_from_args
+    from pdcache.config import node_from_args, router_from_args
 
     path = tmp_path / "t.toml"
     path.write_text(BASE)

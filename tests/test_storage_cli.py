@@ -5,22 +5,42 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from pdcache.cli import main
+from pdcache.config.storage_cli import load_config
 from pdcache.offload_manager.storage import create_backend
-from pdcache.offload_manager.storage.cli import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "configs").glob("*.toml"))
+
+TOPOLOGY = """
+[model]
+preset = "tiny"
+
+[storage]
+backend = "{backend}"
+path = "{path}"
+capacity = {capacity}
+
+[[node]]
+name = "u0"
+role = "unified"
+port = 30000
+"""
 
 
 def _write_config(tmp_path: Path, backend: str) -> Path:
-    path = tmp_path / "storage.toml"
-    path.write_text(
-        f'[storage]\nbackend = "{backend}"\npath = "{tmp_path / "data"}"\npage_bytes = 4096\n'
-        'capacity_pages = 8\nfingerprint = "fp"\n'
-    )
+    """A one-node topology whose storage holds exactly 8 pages of the tiny model."""
+    path = tmp_path / "topology.toml"
+    path.write_text(TOPOLOGY.format(backend=backend, path=tmp_path / "data", capacity=1 << 20))
+    slot_bytes = load_config(str(path), []).slot_bytes
+    path.write_text(TOPOLOGY.format(backend=backend, path=tmp_path / "data",
+                                    capacity=8 * slot_bytes))
     return path
 
 
@@ -29,9 +49,11 @@ def test_verify_finds_the_corrupt_page_then_clear_empties(
     tmp_path: Path, backend_name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config_path = _write_config(tmp_path, backend_name)
-    backend = create_backend(load_config(str(config_path), []))
+    config = load_config(str(config_path), [])
+    backend = create_backend(config)
     keys = [bytes([i]) * 32 for i in range(3)]
-    assert backend.put_from(keys, list(torch.ones(3, 4096, dtype=torch.uint8))) == [True] * 3
+    pages = list(torch.ones(3, config.page_bytes, dtype=torch.uint8))
+    assert backend.put_from(keys, pages) == [True] * 3
     blob = bytearray(backend.read_object(keys[1]))
     blob[3000] ^= 1
     backend.write_object(keys[1], bytes(blob))
@@ -41,15 +63,69 @@ def test_verify_finds_the_corrupt_page_then_clear_empties(
     assert json.loads(capsys.readouterr().out) == {"pages": 3, "good": 2, "bad": 1}
     assert main(["storage", "clear", "--config", str(config_path)]) == 0
     assert json.loads(capsys.readouterr().out) == {"cleared": 3}
-    assert main(["storage", "stats", "--config", str(config_path), "--set", "io_threads=2"]) == 0
+    assert main(["storage", "stats", "--config", str(config_path), "--set", "model.seed=0"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["used_pages"] == 0 and stats["capacity_pages"] == 8
 
 
 def test_bad_config_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config_path = _write_config(tmp_path, "file")
-    assert main(["storage", "stats", "--config", str(config_path), "--set", "colour=1"]) == 2
-    assert "unknown storage keys" in capsys.readouterr().err
+    assert main(["storage", "stats", "--config", str(config_path), "--set", "storage.colour=1"]) == 2
+    assert "storage.colour: unknown key" in capsys.readouterr().err
+    assert main(["storage", "stats", "--config", str(config_path), "--node", "p9"]) == 2
+    assert "no node named 'p9'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def metadata_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from tests.pd_harness import MetadataService
+
+    service = MetadataService(tmp_path_factory.mktemp("metadata"))
+    yield service.address
+    service.stop()
+
+
+@pytest.mark.parametrize("config", SHIPPED, ids=lambda p: p.stem)
+def test_storage_commands_read_every_shipped_topology(
+    config: Path, tmp_path: Path, metadata_service: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pdcache storage stats|verify --config configs/X.toml` (README): the topology schema
+    every other command reads, on a private storage path and a local metadata service."""
+    overrides = ["model.preset=tiny", f'storage.path="{tmp_path / "storage"}"',
+                 'storage.capacity="16MiB"']
+    config_text = config.read_text()
+    if 'backend = "mooncake"' in config_text:
+        pytest.importorskip("mooncake.store")
+        from pdcache.offload_manager.storage.mooncake_store import LocalMooncakeMaster
+
+        storage = load_config(str(config), overrides)
+        assert (storage.backend, storage.mooncake_master) == ("mooncake", "127.0.0.1:50051")
+        assert storage.page_bytes > 0 and storage.fingerprint
+        with LocalMooncakeMaster() as master:
+            local = [*overrides, f'storage.mooncake.master="{master.address}"',
+                     'storage.mooncake.metadata_server="P2PHANDSHAKE"',
+                     'storage.mooncake.global_segment_size="16MiB"',
+                     'storage.mooncake.local_buffer_size="16MiB"']
+            argv = ["storage", "stats", "--config", str(config)]
+            for item in local:
+                argv += ["--set", item]
+            assert main(argv) == 0, capsys.readouterr().err
+            assert isinstance(json.loads(capsys.readouterr().out), dict)
+            assert main(["storage", "verify", *argv[2:]]) == 2  # Mooncake Store cannot list
+            assert "cannot list objects" in capsys.readouterr().err
+        return
+    if "tcp://" in config_text:
+        overrides.append(f'storage.metadata="{metadata_service}"')
+    for action in ("stats", "verify"):
+        argv = ["storage", action, "--config", str(config)]
+        for item in overrides:
+            argv += ["--set", item]
+        assert main(argv) == 0, capsys.readouterr().err
+        result = json.loads(capsys.readouterr().out)
+        if action == "verify":
+            assert result == {"pages": 0, "good": 0, "bad": 0}
+        else:
+            assert result["used_pages"] == 0 and result["capacity_pages"] > 0
 
 
 def test_metadata_server_port_zero_announces_its_endpoint(tmp_path: Path) -> None:

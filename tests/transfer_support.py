@@ -17,6 +17,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MODULES", "^ib*")
 
 from pdcache.transfer.config import TransferConfig  # noqa: E402
+from pdcache.transfer.engines.base import ENGINES  # noqa: E402
 
 _MODULES = {"zmq": "zmq", "mooncake": "mooncake.engine", "nixl": "nixl_cu12._api"}
 _PACKAGES = {"mooncake": "mooncake-transfer-engine-non-cuda (+ libibverbs1)",
@@ -44,7 +45,10 @@ def fast_config(engine: str, **overrides) -> TransferConfig:
                   bootstrap_timeout_s=5.0, room_timeout_s=8.0, abort_ack_timeout_s=2.0,
                   max_message_bytes=4096)
     values.update(overrides)
-    return TransferConfig(**values)
+    config = TransferConfig(**values)
+    # what a node's entry point does once: the settings Mooncake / UCX read from the environment
+    os.environ.update(ENGINES.get(engine).environment(config, os.environ))
+    return config
 
 
 def make_pool(num_pages: int, seed: int | None, layers: int = 4) -> torch.Tensor:

@@ -65,7 +65,7 @@ def parse_config_arg(text: str, common: list[str]) -> ConfigRun:
 
 def endpoints_of(run: ConfigRun) -> tuple[str, list[str]]:
     """(front door URL, every HTTP endpoint URL) of the topology."""
-    from pdcache.launch.topology import load_topology
+    from pdcache.config import load_topology
 
     topology = load_topology(run.path, run.overrides)
     urls = [n.url for n in topology.nodes if n.health == "http"]

@@ -228,10 +228,15 @@ def _serve_rooms(receiver, dst: torch.Tensor, conn, addr: str, rooms: list) -> N
 
 # ---- helpers -------------------------------------------------------------------------------
 def _config(args: argparse.Namespace, engine: str):
+    """The benchmark's TransferConfig; as a node's entry point does, it sets (once, before the
+    engine's library loads) what that library reads only from the environment."""
     from pdcache.transfer import TransferConfig
+    from pdcache.transfer.engines.base import ENGINES
 
-    return TransferConfig(engine=engine, transfer_workers=args.workers, room_timeout_s=300.0,
-                          heartbeat_interval_s=1.0, heartbeat_misses=10)
+    config = TransferConfig(engine=engine, transfer_workers=args.workers, room_timeout_s=300.0,
+                            heartbeat_interval_s=1.0, heartbeat_misses=10)
+    os.environ.update(ENGINES.get(engine).environment(config, os.environ))
+    return config
 
 
 def _page_bytes(args: argparse.Namespace) -> int:

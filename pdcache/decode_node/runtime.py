@@ -16,16 +16,17 @@ done, their holds released), the controller (frees what is left), the engine, th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
 
+from pdcache.config import NodeSetup
 from pdcache.decode_node.app import DecodeApp
 from pdcache.decode_node.controller import DecodeController
 from pdcache.decode_node.metrics import OffloadStatsCollector
 from pdcache.decode_node.scheduler import DecodeScheduler
 from pdcache.engine.engine import Engine
+from pdcache.kernels import KernelSet
 from pdcache.offload_manager.decode_offload import DecodeOffloadManager
 from pdcache.offload_manager.storage import create_backend
 from pdcache.offload_manager.storage.base import StorageBackend
@@ -34,43 +35,17 @@ from pdcache.server.bridge import ServerConfig
 from pdcache.server.routes import build_app
 from pdcache.transfer import KVReceiver
 
-DEFAULT_REQUEST_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True)
-class _OffloadDefaults:
-    """`OffloadSettings`' defaults, for a setup whose `offload` is still a bool."""
-
-    staging_pages: int = 256
-    stride_pages: int = 1
-
-
-def offload_settings(setup: Any) -> Any | None:
-    """`setup.offload` (OffloadSettings, None = off); a bool `offload` gives the defaults."""
-    offload = getattr(setup, "offload", None)
-    if offload is None or offload is False:
-        return None
-    return _OffloadDefaults() if offload is True else offload
-
-
-def request_timeout_of(setup: Any) -> float:
-    server = getattr(setup, "server", None)
-    return float(server.request_timeout_s) if server is not None else DEFAULT_REQUEST_TIMEOUT_S
-
 
 class DecodeRuntime:
     """A decode node: see the module docstring. Nothing runs until `start()`."""
 
-    def __init__(self, setup: Any, model: Any, tokenizer: Any) -> None:
+    def __init__(self, setup: NodeSetup, model: Any, tokenizer: Any) -> None:
         if setup.transfer is None:
             raise ValueError("a decode node needs a transfer config")
         self.setup = setup
-        self.offload_settings = offload_settings(setup)
-        settings = self.offload_settings
-        if settings is not None and (settings.staging_pages < 1 or settings.stride_pages < 1):
-            raise ValueError(f"offload staging pages ({settings.staging_pages}) and stride "
-                             f"pages ({settings.stride_pages}) must be >= 1")
-        self.config = ServerConfig(name=setup.name, request_timeout_s=request_timeout_of(setup))
+        settings = setup.offload  # OffloadSettings (validated) or None: no offload
+        self.config = ServerConfig(name=setup.name,
+                                   request_timeout_s=setup.server.request_timeout_s)
         self.controller = DecodeController()
         self.storage: StorageBackend | None = (
             create_backend(setup.storage) if settings is not None and setup.storage else None)
@@ -90,11 +65,14 @@ class DecodeRuntime:
     def _scheduler(self, **kwargs: Any) -> DecodeScheduler:
         """`Engine(make_scheduler=...)`: the offload manager needs the engine's pool."""
         if self.storage is not None:
-            settings, setup = self.offload_settings, self.setup
+            setup = self.setup
+            settings = setup.offload
+            assert settings is not None  # storage is only opened with offload on
             self.offload = DecodeOffloadManager(
                 kwargs["pool"].device_kv, self.storage, setup.fingerprint,
                 settings.staging_pages, settings.stride_pages,
-                key_scheme=setup.key_scheme, key_namespace=setup.key_namespace)
+                key_scheme=setup.key_scheme, key_namespace=setup.key_namespace,
+                kernels=KernelSet(setup.engine.kernels))
         return DecodeScheduler(offload=self.offload, holds=self.controller, **kwargs)
 
     def start(self) -> None:

@@ -93,3 +93,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
     seed: int = 0
+    kernels: str = "auto"  # KV kernel backend (pdcache.kernels.KernelSet): auto = by device

@@ -40,6 +40,7 @@ from pdcache.engine.request import OutputCallback, Req, ReqStatus, pages_for
 from pdcache.engine.runner import CausalLMLike, ModelRunner
 from pdcache.engine.sampler import make_generator, sample
 from pdcache.engine.scheduler import ScheduledBatch, Scheduler
+from pdcache.kernels import KernelSet
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,8 @@ class Engine:
             max_context=config.model.max_position_embeddings,
             eos_token_ids=config.model.eos_token_ids,
         )
-        self.runner = ModelRunner(model, self.pool)
+        self.kernels = KernelSet(config.kernels)  # the model's, HiCache's and offload's KV kernels
+        self.runner = ModelRunner(model, self.pool, self.kernels)
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards the fields below
         self._live_rids: set[str] = set()

@@ -8,6 +8,8 @@ from enum import Enum
 
 import torch
 
+from pdcache.kernels import KernelSet
+
 
 class ForwardMode(Enum):
     EXTEND = "extend"  # prefill (possibly chunked, possibly after a cached prefix)
@@ -28,6 +30,8 @@ class ForwardBatch:
       last new token of each sequence).
     - `wait_layer(layer)`: called before a layer reads K/V, so a host→device load of that layer
       can finish while earlier layers compute (HiCache per-layer load). None: nothing to wait.
+    - `kernels`: the KV kernels the model stores and attends with (the engine's
+      `EngineConfig.kernels`; "auto" when a test builds a batch by hand).
     """
 
     mode: ForwardMode
@@ -39,6 +43,7 @@ class ForwardBatch:
     extend_lens: list[int]
     logits_indices: torch.Tensor | None = None
     wait_layer: Callable[[int], None] | None = field(default=None, repr=False)
+    kernels: KernelSet = field(default_factory=KernelSet, repr=False)
 
     @property
     def batch_size(self) -> int:

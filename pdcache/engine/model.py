@@ -4,7 +4,7 @@ Parameter names are exactly Hugging Face's (`model.layers.0.self_attn.q_proj.wei
 checkpoint's safetensors load without renaming and our state dict loads into `transformers`.
 
 The model owns no KV memory: every forward stores the new tokens' K/V into the caller's
-`device_kv[L, 2, P, S, Hkv, D]` pool at `batch.out_slots` (through `pdcache.kernels.store_kv`)
+`device_kv[L, 2, P, S, Hkv, D]` pool at `batch.out_slots` (through `batch.kernels.store_kv`)
 and reads cached K/V only through the paged-attention kernels.
 """
 
@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcache import kernels
 from pdcache.engine.config import ModelConfig, RopeScaling
 from pdcache.engine.forward import ForwardBatch, ForwardMode
 
@@ -109,7 +108,7 @@ class Attention(nn.Module):
         if batch.wait_layer is not None:
             # Before the store too: a per-layer host->device load may still be writing pages.
             batch.wait_layer(self.layer_id)
-        kernels.store_kv(device_kv, self.layer_id, batch.out_slots, k, v)
+        batch.kernels.store_kv(device_kv, self.layer_id, batch.out_slots, k, v)
         out = self._attend(q, k, v, batch, device_kv)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
@@ -133,13 +132,13 @@ class Attention(nn.Module):
         device_kv: torch.Tensor,
     ) -> torch.Tensor:
         if batch.mode is ForwardMode.DECODE:
-            return kernels.paged_attention_decode(
+            return batch.kernels.paged_attention_decode(
                 q, device_kv, self.layer_id, batch.page_table, batch.seq_lens, self.scale,
                 self.sliding_window,
             )
         if self._can_attend_fresh(batch):
             return self._attend_fresh(q, k, v, batch.extend_lens)
-        return kernels.paged_attention_extend(
+        return batch.kernels.paged_attention_extend(
             q, device_kv, self.layer_id, batch.page_table, batch.prefix_lens, batch.extend_lens,
             self.scale, self.sliding_window,
         )

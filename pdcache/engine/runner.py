@@ -15,6 +15,7 @@ from pdcache.engine.forward import ForwardBatch
 from pdcache.engine.kv_pool import DeviceKVPool
 from pdcache.engine.request import KVLoad, Req
 from pdcache.engine.scheduler import ScheduledBatch
+from pdcache.kernels import KernelSet
 
 
 class CausalLMLike(Protocol):
@@ -24,10 +25,12 @@ class CausalLMLike(Protocol):
 class ModelRunner:
     """Builds batch tensors (positions, K/V slots, page table) and calls the model."""
 
-    def __init__(self, model: CausalLMLike, pool: DeviceKVPool) -> None:
+    def __init__(self, model: CausalLMLike, pool: DeviceKVPool,
+                 kernels: KernelSet | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.device_kv.device
+        self.kernels = kernels or KernelSet()
 
     def build(self, batch: ScheduledBatch) -> ForwardBatch:
         """Flatten the new tokens of `batch`: `extend_lens[b]` tokens of request b, from its
@@ -52,6 +55,7 @@ class ModelRunner:
             extend_lens=list(batch.extend_lens),
             logits_indices=ends[batch.sample_rows].to(self.device),
             wait_layer=_wait_all(batch.kv_loads) if batch.kv_loads else None,
+            kernels=self.kernels,
         )
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -11,7 +11,8 @@ Ids are 1-D int32/int64 tensors, any order, not necessarily contiguous. Page tab
 `[B, maxP]` int tensors; columns past a sequence's `ceil(len / S)` pages are padding (any value,
 e.g. -1) and never read. Bad shapes, dtypes or ids raise `KernelArgumentError` (a ValueError).
 
-Functions (all mutate only their destination argument):
+Ops, methods of a `KernelSet` and functions of each backend module (all mutate only their
+destination argument):
 - `store_kv(device_kv, layer, slot_ids[T], k[T,H,D], v[T,H,D])`
 - `device_to_host(device_kv, host_kv, device_page_ids[N], host_page_ids[N], layer=None)`
 - `host_to_device(host_kv, device_kv, host_page_ids[N], device_page_ids[N], layer=None)`
@@ -26,9 +27,10 @@ Backends: "reference" (plain torch, defines correctness; tests compare against i
 (fast torch: block copies, batched decode), "numba" (torch's, with page copies compiled by numba
 into one parallel loop over blocks: the default on CPU when `numba` is installed, else "torch"),
 "triton" (the default when any tensor argument is on CUDA and triton is installed; extend and
-decode attention included). The choice is made per call by the devices of the tensors and can
-be forced with the environment variable `PDCACHE_KERNELS=reference|torch|numba|triton` or
-`KernelSet(name)`.
+decode attention included). Callers hold a `KernelSet(name)`: "auto" chooses per call by the
+devices of the tensors, a backend name forces it. Nodes build theirs from the frozen config
+(`EngineConfig.kernels`: `[node] kernels` in a topology, `--kernels` on the command line);
+benchmarks and tests pass `KernelSet("reference")` (or call `KERNEL_BACKENDS.get(name)()`).
 On CUDA the triton copies address a host pool directly when it is pinned (`pin_memory()`);
 a pageable host pool falls back to per-page `copy_` (correct, slower).
 `pdcache.kernels.testing` holds the oracles (dense float64 attention, per-block copies).
@@ -37,27 +39,6 @@ a pageable host pool falls back to per-page `copy_` (correct, slower).
 from __future__ import annotations
 
 from pdcache.kernels.checks import KernelArgumentError
-from pdcache.kernels.dispatch import (
-    KernelSet,
-    default_kernels,
-    device_to_host,
-    host_to_device,
-    pack_pages,
-    paged_attention_decode,
-    paged_attention_extend,
-    store_kv,
-    unpack_pages,
-)
+from pdcache.kernels.dispatch import AUTO, KERNEL_BACKENDS, KernelSet
 
-__all__ = [
-    "KernelArgumentError",
-    "KernelSet",
-    "default_kernels",
-    "device_to_host",
-    "host_to_device",
-    "pack_pages",
-    "paged_attention_decode",
-    "paged_attention_extend",
-    "store_kv",
-    "unpack_pages",
-]
+__all__ = ["AUTO", "KERNEL_BACKENDS", "KernelArgumentError", "KernelSet"]

@@ -1,8 +1,12 @@
-"""Picks a kernel implementation by device, overridable by `PDCACHE_KERNELS`.
+"""Picks a kernel implementation by name or by device.
 
 Backends: `reference` (plain torch, defines correctness), `torch` (fast torch), `numba` (the
 torch backend with numba-compiled parallel page copies: the default on CPU when numba is
-installed, else `torch`), `triton` (default on CUDA when triton is installed).
+installed, else `torch`), `triton` (default on CUDA when triton is installed). The choice is
+a `KernelSet(name)` held by whoever calls the kernels: the engine builds one from
+`EngineConfig.kernels` (a topology's `[node] kernels` or `--kernels`) and hands it to the
+model (through `ForwardBatch.kernels`), HiCache and the decode offload manager; benchmarks
+and tests pick one with `KernelSet("reference")` or `KERNEL_BACKENDS.get(name)()`.
 """
 
 from __future__ import annotations
@@ -10,7 +14,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
 from types import ModuleType
 
 import torch
@@ -23,7 +26,7 @@ KERNEL_BACKENDS.register("torch", "pdcache.kernels.backends:torch_backend")
 KERNEL_BACKENDS.register("triton", "pdcache.kernels.backends:triton_backend", package="triton")
 KERNEL_BACKENDS.register("numba", "pdcache.kernels.backends:numba_backend", package="numba")
 
-ENV_VAR = "PDCACHE_KERNELS"
+AUTO = "auto"  # choose per call by the tensors' devices
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +44,19 @@ _OPS = (
 class KernelSet:
     """Resolves each op to one implementation.
 
-    `name=None` reads `PDCACHE_KERNELS`; if that is unset too, each call chooses by the devices
-    of its tensor arguments: triton when any is on CUDA (and triton is installed), else numba
-    (when installed) or torch.
-    Holds only a cache of imported backend modules.
+    `name="auto"` chooses per call by the devices of the tensor arguments: triton when any is
+    on CUDA (and triton is installed), else numba (when installed) or torch. Another name
+    (one of `KERNEL_BACKENDS`) forces that backend. Holds only a cache of imported backend
+    modules (filled from whichever thread calls first; a race imports a module twice, which
+    is harmless).
     """
 
-    def __init__(self, name: str | None = None) -> None:
-        self.name = name or os.environ.get(ENV_VAR) or None
+    def __init__(self, name: str | None = AUTO) -> None:
+        self.name = None if name in (None, AUTO) else name
         if self.name is not None and self.name not in KERNEL_BACKENDS:
             raise KeyError(
-                f"unknown kernel backend '{self.name}' (from {ENV_VAR} or KernelSet); "
-                f"choose one of {KERNEL_BACKENDS.names()}"
+                f"unknown kernel backend '{self.name}'; "
+                f"choose one of {[AUTO, *KERNEL_BACKENDS.names()]}"
             )
         self._cache: dict[str, ModuleType] = {}
 
@@ -109,26 +113,3 @@ def has_triton() -> bool:
 @functools.lru_cache(maxsize=1)
 def has_numba() -> bool:
     return importlib.util.find_spec("numba") is not None
-
-
-@functools.lru_cache(maxsize=1)
-def default_kernels() -> KernelSet:
-    """The process-wide choice (read once from `PDCACHE_KERNELS`)."""
-    return KernelSet()
-
-
-def _op(name: str):
-    def call(*args, **kwargs):
-        return getattr(default_kernels(), name)(*args, **kwargs)
-
-    call.__name__ = name
-    return call
-
-
-store_kv = _op("store_kv")
-device_to_host = _op("device_to_host")
-host_to_device = _op("host_to_device")
-pack_pages = _op("pack_pages")
-unpack_pages = _op("unpack_pages")
-paged_attention_extend = _op("paged_attention_extend")
-paged_attention_decode = _op("paged_attention_decode")

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pdcache.config import Topology, TopologyError, load_topology
 from pdcache.launch.launcher import (
     ProcessSpec,
     build_process_specs,
@@ -18,7 +19,6 @@ from pdcache.launch.launcher import (
     select_host,
     ssh_specs,
 )
-from pdcache.launch.topology import Topology, TopologyError, load_topology
 
 DEFAULT_LOG_DIR = "./.pdcache/logs"
 

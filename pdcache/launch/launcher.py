@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
-from pdcache.launch.topology import NodeSpec, Topology, TopologyError
+from pdcache.config import NodeSpec, Topology, TopologyError
 
 NODE_SUBCOMMANDS = {"prefill": "prefill", "decode": "decode", "unified": "serve"}
 STAGE_SERVICES, STAGE_NODES, STAGE_ROUTER = 0, 1, 2

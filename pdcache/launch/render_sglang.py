@@ -40,8 +40,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
+from pdcache.config import CacheSpec, NodeSpec, Topology
 from pdcache.launch.launcher import mooncake_master_argv
-from pdcache.launch.topology import CacheSpec, NodeSpec, Topology
 from pdcache.offload_manager.storage.config import storage_keys_from_spec
 
 SERVER = ("python3", "-m", "sglang.launch_server")

@@ -12,6 +12,7 @@ from pdcache.engine.config import EngineConfig, ModelConfig
 from pdcache.engine.engine import Engine
 from pdcache.engine.kv_pool import DeviceKVPool
 from pdcache.engine.page_keys import kv_fingerprint
+from pdcache.kernels import KernelSet
 from pdcache.offload_manager.hicache import HiCache, HiCacheConfig
 from pdcache.offload_manager.hicache_scheduler import HiCacheScheduler
 from pdcache.offload_manager.hiradix import HiRadixTree
@@ -80,6 +81,7 @@ def build_tiered_engine(config: EngineConfig, model: Any, tokenizer: Any, tiers:
     host_pool = HostKVPool.for_model(config.model, tiers.host_pages, page_size)
     storage = create_backend(tiers.storage) if tiers.storage is not None else None
     fingerprint = tiers.storage.fingerprint if tiers.storage else ""
+    kernels = KernelSet(config.kernels)
     built: dict[str, HiCache] = {}
 
     def make_tree(pool: DeviceKVPool) -> HiRadixTree:
@@ -87,7 +89,7 @@ def build_tiered_engine(config: EngineConfig, model: Any, tokenizer: Any, tiers:
 
     def make_scheduler(**kwargs: Any) -> HiCacheScheduler:
         hicache = HiCache(kwargs["tree"], kwargs["pool"].device_kv, storage, tiers.hicache,
-                          fingerprint)
+                          fingerprint, kernels)
         built["hicache"] = hicache
         return scheduler_cls(hicache=hicache, **scheduler_kwargs, **kwargs)
 

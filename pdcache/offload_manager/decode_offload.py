@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdcache import kernels
 from pdcache.engine.page_keys import PageKeyScheme
+from pdcache.kernels import KernelSet
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
 from pdcache.offload_manager.storage.base import StorageBackend
@@ -87,9 +87,11 @@ class DecodeOffloadManager:
         max_queued_writes: int = 256,
         key_scheme: str = "pdcache",
         key_namespace: str = "",
+        kernels: KernelSet | None = None,
     ) -> None:
         num_layers, _, _, page_size, heads, dim = device_kv.shape
         self.device_kv = device_kv
+        self.kernels = kernels or KernelSet()  # the node's EngineConfig.kernels (default auto)
         self.page_size = page_size
         self.fingerprint = fingerprint
         self.scheme = PageKeyScheme(fingerprint, page_size, key_scheme, key_namespace)
@@ -258,7 +260,7 @@ class DecodeOffloadManager:
             return
         todo = todo[: len(staging_ids)]
         device_ids = torch.tensor([task.device_page_ids[i] for i in todo], dtype=torch.long)
-        kernels.device_to_host(self.device_kv, self.staging.host_kv, device_ids,
+        self.kernels.device_to_host(self.device_kv, self.staging.host_kv, device_ids,
                                torch.tensor(staging_ids, dtype=torch.long))
         self._write([task.keys[i] for i in todo], staging_ids)
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdcache import kernels
 from pdcache.engine.api import CachedTokens
 from pdcache.engine.page_keys import PageKeyScheme, check_key_scheme
 from pdcache.engine.radix import MatchResult, RadixNode
+from pdcache.kernels import KernelSet
 from pdcache.offload_manager.hiradix import HiRadixTree, HostMatch
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
@@ -143,9 +143,11 @@ class LayerLoad:
 
     def __init__(self, host_pool: HostKVPool, device_kv: torch.Tensor, host_page_ids: list[int],
                  device_page_ids: list[int], on_done: Callable[[], None] | None = None,
-                 on_copied: Callable[[float], None] | None = None) -> None:
+                 on_copied: Callable[[float], None] | None = None,
+                 kernels: KernelSet | None = None) -> None:
         self.host_pool = host_pool
         self.device_kv = device_kv
+        self.kernels = kernels or KernelSet()
         self.host_ids = torch.tensor(host_page_ids, dtype=torch.long)
         self.device_ids = torch.tensor(device_page_ids, dtype=torch.long)
         self.host_page_ids = host_page_ids
@@ -159,7 +161,7 @@ class LayerLoad:
     def wait(self, layer: int) -> None:
         while self._next_layer <= layer:
             start = time.perf_counter()
-            kernels.host_to_device(self.host_pool.host_kv, self.device_kv, self.host_ids,
+            self.kernels.host_to_device(self.host_pool.host_kv, self.device_kv, self.host_ids,
                                    self.device_ids, layer=self._next_layer)
             self.copy_s += time.perf_counter() - start
             self._next_layer += 1
@@ -185,13 +187,15 @@ class LayerLoad:
 class HiCache:
     """The prefill node's hierarchical cache controller (see module docstring).
 
-    `layer_load_cls` makes the per-layer loads (a subclass can instrument or pipeline them)."""
+    `layer_load_cls` makes the per-layer loads (a subclass can instrument or pipeline them).
+    `kernels` moves pages between the tiers (the engine's `EngineConfig.kernels`; default auto)."""
 
     layer_load_cls: type[LayerLoad] = LayerLoad
 
     def __init__(self, tree: HiRadixTree, device_kv: torch.Tensor, storage: StorageBackend | None,
-                 config: HiCacheConfig, fingerprint: str) -> None:
+                 config: HiCacheConfig, fingerprint: str, kernels: KernelSet | None = None) -> None:
         self.tree = tree
+        self.kernels = kernels or KernelSet()
         self.host_pool = tree.host_pool
         self.device_kv = device_kv
         self.storage = storage
@@ -207,7 +211,7 @@ class HiCache:
         self._abandoned: list[PrefetchOp] = []
         # Import (and, first time on a machine, compile) the copy kernels now, not inside the
         # first request's per-layer load.
-        kernels.default_kernels().backend_for(device_kv.device)
+        self.kernels.backend_for(device_kv.device)
         self._writer = IoWorker(storage, "backup", config.max_queued_io) if storage else None
         self._reader = IoWorker(storage, "prefetch", config.max_queued_io) if storage else None
         tree.on_evict = self._on_device_evict
@@ -241,7 +245,7 @@ class HiCache:
 
         return node, self.layer_load_cls(self.host_pool, self.device_kv, all_host,
                                          device_page_ids[: len(all_host)], release_prefetched,
-                                         copied)
+                                         copied, self.kernels)
 
     # ---- prefetch ----------------------------------------------------------------------
     def start_prefetch(self, rid: str, token_ids: Sequence[int], salt: str, first_page: int,
@@ -424,7 +428,7 @@ class HiCache:
         if host_ids is None:
             self._count(backup_skipped_pages=node.num_pages)
             return
-        kernels.device_to_host(self.device_kv, self.host_pool.host_kv,
+        self.kernels.device_to_host(self.device_kv, self.host_pool.host_kv,
                                torch.tensor(node.device_page_ids, dtype=torch.long),
                                torch.tensor(host_ids, dtype=torch.long))
         self.host_pool.commit(host_ids)
@@ -455,7 +459,7 @@ class HiCache:
         if host_ids is None:
             self._count(backup_skipped_pages=len(page_ids))
             return
-        kernels.device_to_host(self.device_kv, self.host_pool.host_kv,
+        self.kernels.device_to_host(self.device_kv, self.host_pool.host_kv,
                                torch.tensor(page_ids, dtype=torch.long),
                                torch.tensor(host_ids, dtype=torch.long))
         self.host_pool.commit(host_ids)

@@ -1,7 +1,8 @@
 """`pdcache prefill`: a prefill node (HiCache + KV bootstrap endpoint + HTTP).
 
 With `--config TOPOLOGY --node NAME` every setting comes from the topology (the launcher's
-node command contract); otherwise from the flags. Prints `pdcache prefill: KV bootstrap at
+node command contract); otherwise the flags describe a one-node topology. Either way the node
+is set up by `pdcache.config.setup_for`. Prints `pdcache prefill: KV bootstrap at
 tcp://HOST:PORT`, then the ready line.
 """
 
@@ -11,12 +12,10 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pdcache.launch.node_config import add_node_flags
-    from pdcache.launch.topology import add_topology_arguments
+    from pdcache.config import add_node_flags, add_topology_arguments
 
     add_topology_arguments(parser)
     add_node_flags(parser, "prefill")
-    parser.add_argument("--request-timeout", type=float, default=600.0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from pdcache.config import NodeSetup
 from pdcache.offload_manager.builder import build_tiered_engine
 from pdcache.prefill_node.app import PrefillApp
 from pdcache.prefill_node.controller import PrefillController
@@ -27,24 +28,16 @@ from pdcache.server.bridge import ServerConfig
 from pdcache.server.routes import build_app
 from pdcache.transfer import KVSender
 
-DEFAULT_REQUEST_TIMEOUT_S = 600.0
-
-
-def request_timeout_of(setup: Any) -> float:
-    """`setup.server.request_timeout_s` (NodeSetup's ServerSettings); the default before a
-    setup carries one."""
-    server = getattr(setup, "server", None)
-    return float(server.request_timeout_s) if server is not None else DEFAULT_REQUEST_TIMEOUT_S
-
 
 class PrefillRuntime:
     """A prefill node: see the module docstring. Nothing runs until `start()`."""
 
-    def __init__(self, setup: Any, model: Any, tokenizer: Any) -> None:
+    def __init__(self, setup: NodeSetup, model: Any, tokenizer: Any) -> None:
         if setup.tiers is None or setup.transfer is None:
             raise ValueError("a prefill node needs cache tiers and a transfer config")
         self.setup = setup
-        self.config = ServerConfig(name=setup.name, request_timeout_s=request_timeout_of(setup))
+        self.config = ServerConfig(name=setup.name,
+                                   request_timeout_s=setup.server.request_timeout_s)
         self.controller = PrefillController(setup.name)
         self.tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers,
                                           PrefillScheduler, pd=self.controller)

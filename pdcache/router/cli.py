@@ -1,6 +1,6 @@
 """`pdcache router`: the OpenAI-compatible front door of a deployment.
 
-From a topology (the node command contract of `pdcache.launch.topology`):
+From a topology (the node command contract of `pdcache.config.args`):
 
     pdcache router --config TOPOLOGY --node ROUTER_NAME [--set KEY=VALUE ...]
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import uvicorn
 
-from pdcache.launch.topology import (
+from pdcache.config import (
     RouterSpec,
     Topology,
     TopologyError,

@@ -21,6 +21,9 @@ class TransferConfig:
     device_names: str = ""
     local_host: str = "127.0.0.1"  # address the data engine advertises and listens on
     metadata_server: str = "P2PHANDSHAKE"  # Mooncake: no etcd needed with P2P handshakes
+    # Mooncake reads these from the environment only; see MooncakeEngine.environment.
+    tcp_bind_address: str = ""  # MC_TCP_BIND_ADDRESS; "" = local_host
+    mooncake_log_level: str = "ERROR"  # MC_LOG_LEVEL
     nixl_backend: str = "UCX"
     # Deadlines (seconds). Every wait in the transfer layer is bounded by one of these.
     bootstrap_timeout_s: float = 30.0  # a room's two halves (prefill KV, decode pages) meet

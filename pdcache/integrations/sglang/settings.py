@@ -88,7 +88,7 @@ def load_storage_table(path: str | Path) -> dict[str, Any]:
     """StorageConfig keys from a pdcache topology TOML or a TOML of StorageConfig keys."""
     data = tomllib.loads(Path(path).read_text())
     if "node" in data or "model" in data:
-        from pdcache.launch.topology import load_topology
+        from pdcache.config import load_topology
 
         return storage_keys_from_spec(load_topology(path).storage)
     table = data.get("storage", data)

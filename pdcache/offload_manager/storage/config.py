@@ -24,9 +24,9 @@ SLOT_ALIGN = 4096
 def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
     """StorageConfig keys (all but the page geometry) for a topology's `[storage]` table.
 
-    `spec` is a `pdcache.launch.topology.StorageSpec` or anything with its attributes (backend,
+    `spec` is a `pdcache.config.StorageSpec` or anything with its attributes (backend,
     path, capacity, io_engine, metadata, namespace, mooncake.*). The one mapping used by pdcache
-    nodes (`pdcache.launch.node_config`), the SGLang plugin and the SGLang renderer, so both
+    nodes (`pdcache.config.node_setup`), the SGLang plugin and the SGLang renderer, so both
     engines open the same storage. Mooncake keys appear only for the mooncake backend.
     """
     if spec.backend not in BACKENDS:

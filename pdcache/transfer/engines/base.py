@@ -17,6 +17,7 @@ per ticket; `submit`/`wait`/`add_peer` must be safe to call from several worker 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
 from pdcache.transfer.config import TransferConfig
@@ -38,7 +39,16 @@ class KVTransferEngine(ABC):
     name: str = ""
 
     def __init__(self, config: TransferConfig) -> None:
+        """Never writes the process environment: see `environment`."""
         self.config = config
+
+    @classmethod
+    def environment(cls, config: TransferConfig, inherited: Mapping[str, str]) -> dict[str, str]:
+        """Variables this engine's library reads only from the process environment, for
+        `config`; `inherited` (the current environment) keeps explicit settings. The process
+        entry point applies them once, before the first engine starts
+        (`pdcache.config.process_environment`). None by default."""
+        return {}
 
     @abstractmethod
     def session(self) -> bytes:

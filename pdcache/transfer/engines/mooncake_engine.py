@@ -6,18 +6,25 @@ runs by the caller and split to at most `max_batch_entries` entries (Mooncake's 
 reject more than ~2048 queued transfers per peer).
 
 Mooncake's completion call (`get_batch_transfer_status`) blocks until the batch finished or
-its own transfer timeout (`MC_TRANSFER_TIMEOUT`, set from `room_timeout_s` unless already
-set) — so `wait()` may overrun its `timeout_s` by that much, and `cancel()` cannot recall
-writes. Environment defaults set here before the engine starts: MC_TCP_BIND_ADDRESS (the
-data socket otherwise binds every interface), MC_LOG_LEVEL=ERROR,
+its own transfer timeout (`MC_TRANSFER_TIMEOUT`, from `room_timeout_s` unless already set) —
+so `wait()` may overrun its `timeout_s` by that much, and `cancel()` cannot recall writes.
+
+Settings Mooncake reads only from the environment: its Python API (`initialize(hostname,
+metadata_server, protocol, device_names)`) takes protocol and devices, but the TCP bind
+address, transfer timeout, queue depth and log level are read with getenv() by the library
+itself (its global config and TCP transport, at engine initialisation). `MooncakeEngine` never
+writes them; `MooncakeEngine.environment(config, os.environ)` computes them from the
+TransferConfig and the process entry point sets them once, before Mooncake loads:
+MC_TCP_BIND_ADDRESS (`tcp_bind_address`, default the node's host: the data socket otherwise
+binds every interface), MC_LOG_LEVEL (`mooncake_log_level`), MC_TRANSFER_TIMEOUT,
 MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (room for the batches our workers keep in flight).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdcache.transfer.config import TransferConfig
@@ -29,7 +36,6 @@ _PACKAGE = "mooncake-transfer-engine-non-cuda"
 
 
 def _load_engine_class():
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     module = import_optional("mooncake.engine", "transfer engine 'mooncake'", _PACKAGE)
     return module.TransferEngine
 
@@ -47,15 +53,27 @@ class MooncakeEngine(KVTransferEngine):
 
     name = "mooncake"
 
-    def __init__(self, config: TransferConfig) -> None:
-        super().__init__(config)
-        if config.protocol == "tcp":
-            _bind_tcp(config.local_host)
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(math.ceil(config.room_timeout_s)))
+    @classmethod
+    def environment(cls, config: TransferConfig, inherited: Mapping[str, str]) -> dict[str, str]:
+        """What the process must set for Mooncake (module docstring); an inherited value wins,
+        except a loopback bind address when this node's own address is not loopback (a
+        multi-host node must not listen on 127.0.0.1)."""
         # Mooncake's TCP lanes reject more than ~2048 queued entries per peer; our workers keep
         # up to transfer_workers × 2 batches of max_batch_entries in flight per peer.
         queued = max(8192, 4 * config.transfer_workers * config.max_batch_entries)
-        os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(queued))
+        wanted = {"MC_LOG_LEVEL": config.mooncake_log_level,
+                  "MC_TRANSFER_TIMEOUT": str(math.ceil(config.room_timeout_s)),
+                  "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": str(queued)}
+        out = {key: value for key, value in wanted.items() if key not in inherited}
+        bind = config.tcp_bind_address or config.local_host
+        current = inherited.get("MC_TCP_BIND_ADDRESS")
+        if config.protocol == "tcp" and (
+                current is None or (current.startswith("127.") and not bind.startswith("127."))):
+            out["MC_TCP_BIND_ADDRESS"] = bind
+        return out
+
+    def __init__(self, config: TransferConfig) -> None:
+        super().__init__(config)
         self._engine = _load_engine_class()()
         rc = self._engine.initialize(config.local_host, config.metadata_server, config.protocol,
                                      config.device_names)
@@ -134,12 +152,3 @@ class MooncakeEngine(KVTransferEngine):
             registered, self._registered = self._registered, []
         for addr in registered:
             self._engine.unregister_memory(addr)
-
-
-def _bind_tcp(local_host: str) -> None:
-    """Mooncake's TCP transport binds MC_TCP_BIND_ADDRESS. A node's own non-loopback address
-    wins over an inherited loopback default (a multi-host node must not listen on 127.0.0.1);
-    an explicit non-loopback setting is kept."""
-    current = os.environ.get("MC_TCP_BIND_ADDRESS")
-    if current is None or (current.startswith("127.") and not local_host.startswith("127.")):
-        os.environ["MC_TCP_BIND_ADDRESS"] = local_host

@@ -2,9 +2,11 @@
 
 The target's `session()` is its NIXL agent metadata (taken after its memory is registered);
 the initiator adds it as a remote agent and posts one WRITE request per batch, polled with
-`check_xfer_state`. Environment defaults set before the agent starts, needed on machines
-without InfiniBand: UCX_NET_DEVICES=lo when the host is loopback, UCX_MODULES='^ib*'
-(otherwise processes that loaded UCX next to libibverbs crash at exit).
+`check_xfer_state`. UCX reads its settings only from the environment; machines without
+InfiniBand need UCX_NET_DEVICES=lo when the host is loopback and UCX_MODULES='^ib*'
+(otherwise processes that loaded UCX next to libibverbs crash at exit). `NixlEngine` never
+writes them: `NixlEngine.environment(config, os.environ)` gives them to the process entry
+point, which sets them once before UCX loads.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +31,6 @@ _DRAM = "DRAM"
 
 
 def _load_api():
-    os.environ.setdefault("UCX_MODULES", "^ib*")
     return import_optional("nixl_cu12._api", "transfer engine 'nixl'", _PACKAGE)
 
 
@@ -45,10 +47,16 @@ class NixlEngine(KVTransferEngine):
 
     name = "nixl"
 
+    @classmethod
+    def environment(cls, config: TransferConfig, inherited: Mapping[str, str]) -> dict[str, str]:
+        """UCX defaults (module docstring); inherited values win."""
+        wanted = {"UCX_MODULES": "^ib*"}
+        if config.local_host in ("127.0.0.1", "localhost"):
+            wanted["UCX_NET_DEVICES"] = "lo"
+        return {key: value for key, value in wanted.items() if key not in inherited}
+
     def __init__(self, config: TransferConfig) -> None:
         super().__init__(config)
-        if config.local_host in ("127.0.0.1", "localhost"):
-            os.environ.setdefault("UCX_NET_DEVICES", "lo")
         api = _load_api()
         self._agent_name = f"pdcache-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         agent_config = api.nixl_agent_config(backends=[config.nixl_backend])

@@ -1,0 +1,269 @@
+"""The command-line side of a topology: `--config/--node/--set`, and the flags of the node
+commands, which build a one-node topology when no file is given.
+
+Node command contract
+---------------------
+Every pdcache process the launcher starts reads its settings from the same topology file:
+
+    python -m pdcache serve   --config CONFIG --node NAME [--set KEY=VALUE ...]   # role unified
+    python -m pdcache prefill --config CONFIG --node NAME [--set KEY=VALUE ...]   # role prefill
+    python -m pdcache decode  --config CONFIG --node NAME [--set KEY=VALUE ...]   # role decode
+    python -m pdcache router  --config CONFIG --node ROUTER_NAME [--set ...]      # router.name
+    python -m pdcache metadata-server --host H --port P --state-dir DIR           # 3FS metadata
+
+A node calls `load_topology(config, overrides)` with the `--set` values it was given (the
+launcher forwards its own) and then `topology.node(name)` for its own `NodeSpec` (or
+`topology.router` for the router); `topology.endpoints()` gives every peer's address. A node
+must bind `node.host:node.port` (HTTP, serving `GET /health` with 200 once ready) and, for a
+prefill node, its bootstrap endpoint on `node.host:node.bootstrap_port`. Relative paths in the
+file (storage.path, state_dir) are relative to the process's working directory, which the
+launcher keeps equal to its own.
+
+Without `--config`, `topology_from_flags` turns the flags into a topology of one node, so
+both ways reach `pdcache.config.node_setup.setup_for`. The flags of `NODE_FLAG_KEYS` (request
+timeout, offload pages, scheduler limits, prefix cache, kernels) also apply with `--config`
+when given: they override that node's keys, as `--set node.NAME.KEY=VALUE` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from pdcache.config.parse import load_topology, topology_from_raw
+from pdcache.config.schema import RouterSpec, SchedulerSpec, Topology, TopologyError
+
+# flag dest -> the node key it sets (dotted below the node). Their flags default to None, so
+# only flags given on the command line override a topology's values.
+NODE_FLAG_KEYS = {
+    "request_timeout": "request_timeout_s",
+    "offload_staging_pages": "offload_staging_pages",
+    "offload_stride_pages": "offload_stride_pages",
+    "kernels": "kernels",
+    "max_running": "scheduler.max_running_requests",
+    "max_queued": "scheduler.max_queued_requests",
+    "chunked_prefill_tokens": "scheduler.chunked_prefill_tokens",
+    "no_prefix_cache": "cache.prefix_cache",
+}
+FLAGS_SOURCE = "<command line>"
+_FLAG_SEGMENT_BYTES = 256 << 20  # Mooncake Store segment of a flags-only node (StorageConfig's)
+_DEFAULT_NAMES = {"prefill": "p0", "decode": "d0", "unified": "unified"}
+_DEFAULT_PORTS = {"prefill": 0, "decode": 0, "unified": 30000}
+
+
+def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `--config/--node/--set` flags of the node command contract (module docstring)."""
+    parser.add_argument("--config", metavar="TOPOLOGY", help="topology TOML file (see configs/)")
+    parser.add_argument("--node", metavar="NAME", help="this process's [[node]] name (or router.name)")
+    parser.add_argument("--set", dest="topology_overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="topology override, as given to pdcache launch")
+
+
+def node_from_args(args: argparse.Namespace, roles: Iterable[str]) -> tuple[Topology, Any] | None:
+    """(topology, this node's NodeSpec) when started with --config, None otherwise. Raises
+    TopologyError. The flags of `NODE_FLAG_KEYS` that were given override this node's keys.
+
+    `roles` are the roles this command serves, e.g. ("prefill",) for `pdcache prefill`.
+    """
+    if not getattr(args, "config", None):
+        return None
+    overrides = list(getattr(args, "topology_overrides", ()))
+    topology = load_topology(args.config, overrides)
+    if not getattr(args, "node", None):
+        raise TopologyError(topology.source, "", f"--node NAME is required with --config (nodes: {topology.node_names()})")
+    try:
+        node = topology.node(args.node)
+    except KeyError:
+        raise TopologyError(topology.source, "", f"--node {args.node}: no such node (nodes: {topology.node_names()})") from None
+    roles = tuple(roles)
+    if node.role not in roles:
+        raise TopologyError(topology.source, f"node.{node.name}.role",
+                            f"is {node.role}, but this command runs {' or '.join(roles)} nodes")
+    from_flags = [f"node.{node.name}.{key}={_toml(value)}" for key, value in flag_settings(args).items()]
+    if from_flags:
+        topology = load_topology(args.config, overrides + from_flags)
+        node = topology.node(node.name)
+    return topology, node
+
+
+def router_from_args(args: argparse.Namespace) -> tuple[Topology, RouterSpec] | None:
+    """(topology, its router) when `pdcache router` was started with --config. Raises TopologyError."""
+    if not getattr(args, "config", None):
+        return None
+    topology = load_topology(args.config, getattr(args, "topology_overrides", ()))
+    if topology.router is None:
+        raise TopologyError(topology.source, "router", "missing [router] table")
+    if getattr(args, "node", None) not in (None, topology.router.name):
+        raise TopologyError(topology.source, "router.name",
+                            f"is '{topology.router.name}', not '{args.node}'")
+    return topology, topology.router
+
+
+def topology_for(args: argparse.Namespace, role: str) -> tuple[Topology, str]:
+    """(topology, this node's name) of a node command: its --config file, or its flags."""
+    found = node_from_args(args, (role,))
+    if found is not None:
+        return found[0], found[1].name
+    topology = topology_from_flags(args, role)
+    return topology, topology.nodes[0].name
+
+
+def flag_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Node keys (dotted below the node) set by the `NODE_FLAG_KEYS` flags that were given."""
+    out: dict[str, Any] = {}
+    for dest, key in NODE_FLAG_KEYS.items():
+        value = getattr(args, dest, None)
+        if dest == "no_prefix_cache":
+            value = False if value else None
+        if value is not None:
+            out[key] = value
+    return out
+
+
+# ---- flags without a topology file ---------------------------------------------------
+
+
+def topology_from_flags(args: argparse.Namespace, role: str) -> Topology:
+    """The one-node topology the flags of `pdcache serve|prefill|decode` describe (added by
+    `add_node_flags(parser, role)`). Raises TopologyError naming the key a bad flag sets."""
+    node: dict[str, Any] = {"name": args.name, "role": role, "host": args.host, "port": args.port}
+    if role == "prefill":
+        node["bootstrap_port"] = args.bootstrap_port
+    if role == "decode" and args.no_offload:
+        node["offload"] = False
+    for key, value in flag_settings(args).items():
+        _put(node, key, value)
+    raw: dict[str, Any] = {
+        "model": {("path" if Path(args.model).is_dir() else "preset"): args.model,
+                  "dtype": args.dtype, "seed": args.seed},
+        "cache": _cache_table(args, role),
+        "storage": _storage_table(args),
+        "node": [node],
+    }
+    if role != "unified":
+        raw["transfer"] = {"engine": args.transfer_engine, "timeout_s": args.transfer_timeout}
+    return topology_from_raw(raw, FLAGS_SOURCE, standalone=True)
+
+
+def _cache_table(args: argparse.Namespace, role: str) -> dict[str, Any]:
+    table: dict[str, Any] = {"page_size": args.page_size, "device_pages": args.device_pages,
+                             "key_scheme": args.key_scheme, "key_namespace": args.key_namespace}
+    if hasattr(args, "write_policy"):
+        table.update(write_policy=args.write_policy, prefetch_policy=args.prefetch_policy)
+    host_pages = getattr(args, "host_pages", 0)
+    if host_pages > 0:
+        table["host_pages"] = host_pages
+    elif role == "unified" and args.storage_backend == "none":
+        table["host_pages"] = 0  # `--host-pages 0` without storage: no host tier at all
+    return table
+
+
+def _storage_table(args: argparse.Namespace) -> dict[str, Any]:
+    if args.storage_backend == "none":
+        return {"backend": "none"}
+    return {"backend": args.storage_backend, "path": args.storage_path,
+            "capacity": str(args.storage_capacity), "metadata": args.storage_metadata,
+            "mooncake": {"master": args.mooncake_master, "metadata_server": args.mooncake_metadata,
+                         "global_segment_size": _FLAG_SEGMENT_BYTES}}
+
+
+def _put(table: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        table = table.setdefault(part, {})
+    table[last] = value
+
+
+def _toml(value: Any) -> str:
+    """`value` as a TOML literal, for a --set override."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)
+
+
+def add_node_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    """Flags of `pdcache serve|prefill|decode` (role unified|prefill|decode) when run without a
+    topology file. Choices come from the registries they name."""
+    from pdcache.engine.config import DTYPES, CacheConfig
+
+    cache = CacheConfig()
+    parser.add_argument("--model", default="tiny", help="preset (tiny, small) or a HF model dir")
+    parser.add_argument("--dtype", default="float32",
+                        **({"choices": sorted(DTYPES)} if role == "unified" else {}))
+    parser.add_argument("--seed", type=int, default=0, help="seed of preset weights and sampling")
+    parser.add_argument("--name", default=_DEFAULT_NAMES[role], help="this node's name in responses")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=_DEFAULT_PORTS[role], help="HTTP port; 0 picks a free one")
+    parser.add_argument("--page-size", type=int, default=cache.page_size)
+    parser.add_argument("--device-pages", type=int, default=cache.num_device_pages)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    _add_setting_flags(parser, role)
+    if role != "unified":
+        _add_transfer_flags(parser, role)
+    _add_cache_flags(parser, hicache=role != "decode")
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    """The flags of NODE_FLAG_KEYS: default None, so that only given ones override a topology."""
+    from pdcache.kernels.dispatch import KERNEL_BACKENDS
+
+    sched = SchedulerSpec()
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="deadline of one request in seconds (default 600)")
+    parser.add_argument("--kernels", default=None, choices=["auto", *KERNEL_BACKENDS.names()],
+                        help="KV kernel backend (default auto: by device)")
+    if role == "unified":
+        parser.add_argument("--max-running", type=int, default=None,
+                            help=f"default {sched.max_running_requests}")
+        parser.add_argument("--max-queued", type=int, default=None,
+                            help=f"default {sched.max_queued_requests}")
+        parser.add_argument("--chunked-prefill-tokens", type=int, default=None,
+                            help=f"default {sched.chunked_prefill_tokens}")
+        parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix reuse")
+    if role == "decode":
+        parser.add_argument("--offload-stride-pages", type=int, default=None,
+                            help="offload every this many completed pages of a request (default 1)")
+        parser.add_argument("--offload-staging-pages", type=int, default=None,
+                            help="host staging pages between device and storage (full: dropped; "
+                                 "default 256)")
+
+
+def _add_transfer_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    from pdcache.transfer.engines.base import ENGINES
+
+    parser.add_argument("--transfer-engine", default="mooncake", choices=ENGINES.names())
+    parser.add_argument("--transfer-timeout", type=float, default=30.0)
+    if role == "prefill":
+        parser.add_argument("--bootstrap-port", type=int, default=0, help="0 picks a free one")
+    if role == "decode":
+        parser.add_argument("--no-offload", action="store_true",
+                            help="do not write generated KV back to storage")
+
+
+def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> None:
+    """Storage (and, for prefill/unified, host tier) flags shared by the node commands."""
+    from pdcache.engine.page_keys import KEY_SCHEMES
+    from pdcache.offload_manager.hicache import PREFETCH_POLICIES, WRITE_POLICIES
+    from pdcache.offload_manager.storage import BACKENDS
+
+    group = parser.add_argument_group("cache tiers (without --config)")
+    if hicache:
+        group.add_argument("--host-pages", type=int, default=0,
+                           help="host KV pool in pages; 0 = no host tier unless storage is set")
+        group.add_argument("--write-policy", default="write_through", choices=list(WRITE_POLICIES))
+        group.add_argument("--prefetch-policy", default="timeout", choices=list(PREFETCH_POLICIES))
+    group.add_argument("--key-scheme", default="pdcache", choices=list(KEY_SCHEMES),
+                       help="how stored pages are named; 'sglang' shares pages with SGLang "
+                            "servers running the pdcache storage plugin")
+    group.add_argument("--key-namespace", default="",
+                       help="deployment-wide key salt (the SGLang plugin's key_namespace)")
+    group.add_argument("--storage-backend", default="none", choices=["none", *BACKENDS.names()])
+    group.add_argument("--storage-path", default="./.pdcache/storage")
+    group.add_argument("--storage-capacity", default="4GiB")
+    group.add_argument("--storage-metadata", default="inproc",
+                       help="'inproc' or tcp://HOST:PORT of pdcache metadata-server")
+    group.add_argument("--mooncake-master", default="127.0.0.1:50051")
+    group.add_argument("--mooncake-metadata", default="P2PHANDSHAKE")

@@ -1,0 +1,330 @@
+"""The topology schema: frozen sections of the TOML file that describes a whole deployment.
+
+Parsing and coercion are in `pdcache.config.parse`, cross-key checks in
+`pdcache.config.validate`; errors are `TopologyError`s naming the file, the key and what was
+expected. Everything here is plain data: no I/O, no torch, so the launcher stays light.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Role = Literal["prefill", "decode", "unified"]
+PD_ROLES = ("prefill", "decode")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+               "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+               "tib": 2**40, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+class TopologyError(ValueError):
+    """A topology file (or a --set override) is invalid; the message names file, key, expectation."""
+
+    exit_code = 2
+
+    def __init__(self, source: str | Path, key: str, problem: str) -> None:
+        where = f"{source}: {key}: " if key else f"{source}: "
+        super().__init__(where + problem)
+        self.source = str(source)
+        self.key = key
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class ErrorContext:
+    """Where a topology came from, for errors: the file and the keys `--set` changed."""
+
+    source: Path
+    set_keys: frozenset[str] = frozenset()
+
+    def error(self, key: str, problem: str) -> TopologyError:
+        if key in self.set_keys:
+            problem += " (from --set)"
+        return TopologyError(self.source, key, problem)
+
+
+def _size(**kw: Any) -> Any:
+    """A byte-size field: an integer of bytes or a string such as "4GiB" or "512MB"."""
+    return field(metadata={"size": True}, **kw)
+
+
+def parse_size(text: str) -> int | None:
+    """Bytes in "4GiB", "512MB", "64k"; None when the text is not a size."""
+    match = _SIZE_RE.match(text)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        return None
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """`[model]`: a random-initialised preset (`tiny`, `small`) or a checkpoint directory."""
+
+    preset: str | None = None
+    path: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seed: int = 0
+    served_name: str | None = None
+
+    @property
+    def ref(self) -> str:
+        """What `pdcache serve --model` takes: the preset name or the path."""
+        return self.preset if self.preset is not None else str(self.path)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """`[cache]` (and per-node `[node.cache]` overrides): device/host sizing and policies."""
+
+    page_size: int = 16
+    device_pages: int = 2048
+    host_ratio: float | None = None  # host pool = device pool × ratio (default 2.0)
+    host_bytes: int | None = _size(default=None)
+    host_pages: int | None = None  # host pool in pages; 0 = none (unified nodes without storage)
+    prefix_cache: bool = True  # false (unified nodes only): no prefix reuse, no lower tiers
+    write_policy: Literal["write_through", "write_through_selective", "write_back"] = (
+        "write_through"
+    )
+    write_through_threshold: int = 2  # hits before backup under write_through_selective
+    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
+    prefetch_timeout_base_s: float = 2.0
+    prefetch_timeout_per_1k_tokens_s: float = 0.1
+    prefetch_timeout_max_s: float = 30.0
+    # How stored pages are named: "pdcache", or "sglang" to share pages with SGLang servers
+    # running the pdcache storage plugin (whose `key_namespace` must equal this one).
+    key_scheme: Literal["pdcache", "sglang"] = "pdcache"
+    key_namespace: str = ""
+
+    @property
+    def effective_host_ratio(self) -> float:
+        unset = self.host_ratio is None and self.host_bytes is None and self.host_pages is None
+        return 2.0 if unset else self.host_ratio or 0.0
+
+    def prefetch_timeout_s(self, num_tokens: int) -> float:
+        """The `timeout` policy's deadline for a prefetch of `num_tokens` tokens."""
+        linear = self.prefetch_timeout_base_s + self.prefetch_timeout_per_1k_tokens_s * num_tokens / 1024
+        return min(self.prefetch_timeout_max_s, linear)
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """`[scheduler]` (and per-node `[node.scheduler]` overrides): continuous-batching limits."""
+
+    max_running_requests: int = 64
+    chunked_prefill_tokens: int = 2048  # token budget of one prefill chunk
+    max_queued_requests: int = 1024
+
+
+@dataclass(frozen=True)
+class MetadataServiceSpec:
+    """`[storage.metadata_service]`: the shared 3FS metadata service (global KV manager)."""
+
+    start: bool = True  # the launcher starts it; false when it runs elsewhere already
+    bind_host: str | None = None  # defaults to the host of storage.metadata
+    state_dir: str = "./.pdcache/metadata"
+
+
+@dataclass(frozen=True)
+class MooncakeStoreSpec:
+    """`[storage.mooncake]`: Mooncake Store master and client settings."""
+
+    master: str = "127.0.0.1:50051"  # rpc host:port of mooncake_master
+    metadata_server: str = "http://127.0.0.1:8080/metadata"  # or "P2PHANDSHAKE"
+    start_master: bool = True
+    metrics_port: int = 9003
+    global_segment_size: int = _size(default=512 * 2**20)
+    local_buffer_size: int = _size(default=64 * 2**20)
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    devices: tuple[str, ...] = ()
+
+    @property
+    def master_address(self) -> tuple[str, int]:
+        return split_host_port(self.master)
+
+    @property
+    def http_metadata_address(self) -> tuple[str, int] | None:
+        """(host, port) of an HTTP metadata server, or None for P2PHANDSHAKE."""
+        match = re.match(r"^http://([^:/]+):(\d+)(/.*)?$", self.metadata_server)
+        return (match.group(1), int(match.group(2))) if match else None
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """`[storage]`: the shared storage tier every prefill (and offloading decode) node uses."""
+
+    backend: Literal["hf3fs", "mooncake", "file", "none"] = "none"
+    path: str = "./.pdcache/storage"
+    capacity: int = _size(default=4 * 2**30)
+    io_engine: Literal["posix", "usrbio"] = "posix"
+    metadata: str = "inproc"  # "inproc" or "tcp://HOST:PORT" (the shared metadata service)
+    namespace: str = "default"
+    metadata_service: MetadataServiceSpec = field(default_factory=MetadataServiceSpec)
+    mooncake: MooncakeStoreSpec = field(default_factory=MooncakeStoreSpec)
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "none"
+
+    @property
+    def metadata_address(self) -> tuple[str, int] | None:
+        """(host, port) of the metadata service, or None when metadata is in-process."""
+        if self.metadata == "inproc":
+            return None
+        return split_host_port(self.metadata.removeprefix("tcp://"))
+
+    @property
+    def uses_metadata_service(self) -> bool:
+        return self.backend == "hf3fs" and self.metadata_address is not None
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """`[transfer]`: how prefill pushes KV pages into decode memory."""
+
+    engine: Literal["mooncake", "zmq", "nixl"] = "mooncake"
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    devices: tuple[str, ...] = ()  # RDMA NICs, e.g. ["mlx5_0", "mlx5_1"]
+    timeout_s: float = 30.0  # bootstrap and per-room transfer deadline
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """`[router]`: the OpenAI-compatible front door; absent table = no router."""
+
+    name: str = "router"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_policy: Literal["round_robin", "least_load", "cache_aware"] = "cache_aware"
+    decode_policy: Literal["round_robin", "least_load"] = "round_robin"
+    api_key: str | None = None
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    health_interval_s: float = 2.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """`[launch]`: how the launcher runs and supervises processes."""
+
+    python: str | None = None  # interpreter for nodes; default: the launcher's own
+    health_timeout_s: float = 300.0
+    stop_grace_s: float = 10.0
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    ssh_user: str | None = None
+    ssh_options: tuple[str, ...] = ("-o", "BatchMode=yes")
+    remote_workdir: str | None = None  # where the repo and config live on remote hosts
+    remote_python: str = "python3"
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One `[[node]]`: a prefill, decode or unified server, with its effective cache settings."""
+
+    name: str
+    role: Role
+    port: int
+    host: str = "127.0.0.1"
+    bootstrap_port: int | None = None  # prefill only: ZMQ bootstrap endpoint
+    offload: bool | None = None  # decode only: write generated KV to storage (default: on)
+    offload_staging_pages: int | None = None  # decode only: host staging pages (default 256)
+    offload_stride_pages: int | None = None  # decode only: offload every N full pages (default 1)
+    request_timeout_s: float = 600.0  # deadline of one request on this node's HTTP side
+    kernels: str = "auto"  # KV kernel backend (pdcache.kernels): auto, reference, torch, ...
+    devices: tuple[str, ...] | None = None  # overrides transfer.devices on this node
+    cache: CacheSpec = field(default_factory=CacheSpec)  # [cache] merged with [node.cache]
+    scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)  # [scheduler] + [node.scheduler]
+    command: tuple[str, ...] | None = None  # replaces the node command ({python} {config} ...)
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    health: Literal["http", "tcp", "none"] = "http"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def bootstrap_address(self) -> str | None:
+        return None if self.bootstrap_port is None else f"{self.host}:{self.bootstrap_port}"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where one component listens: what the router, the nodes and the launcher connect to."""
+
+    name: str
+    role: str
+    host: str
+    port: int
+    bootstrap_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A whole deployment. Built only by `load_topology` / `parse_topology`, which validate it."""
+
+    source: Path
+    overrides: tuple[str, ...]
+    model: ModelSpec
+    cache: CacheSpec
+    scheduler: SchedulerSpec
+    storage: StorageSpec
+    transfer: TransferSpec
+    router: RouterSpec | None
+    launch: LaunchSpec
+    nodes: tuple[NodeSpec, ...]
+
+    def node(self, name: str) -> NodeSpec:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"{self.source}: no node named '{name}' (nodes: {self.node_names()})")
+
+    def node_names(self) -> str:
+        return ", ".join(n.name for n in self.nodes)
+
+    def nodes_with_role(self, role: str) -> tuple[NodeSpec, ...]:
+        return tuple(n for n in self.nodes if n.role == role)
+
+    @property
+    def is_pd(self) -> bool:
+        return any(n.role in PD_ROLES for n in self.nodes)
+
+    def endpoints(self) -> dict[str, Endpoint]:
+        """Name → endpoint of every node and of the router (the HTTP services)."""
+        out = {n.name: Endpoint(n.name, n.role, n.host, n.port, n.bootstrap_port) for n in self.nodes}
+        if self.router is not None:
+            out[self.router.name] = Endpoint(self.router.name, "router", self.router.host, self.router.port)
+        return out
+
+    def hosts(self) -> tuple[str, ...]:
+        """Every host that runs something, in first-seen order."""
+        seen: dict[str, None] = {}
+        for node in self.nodes:
+            seen[node.host] = None
+        if self.router is not None:
+            seen[self.router.host] = None
+        return tuple(seen)
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"'{text}' is not HOST:PORT")
+    return host, int(port)

@@ -1,0 +1,248 @@
+"""Cross-key checks of a parsed topology, and the role defaults it is completed with.
+
+Each check raises a `TopologyError` naming the key and, where there is one, the fix. The
+kernel backend name is checked against the kernels registry when a node is set up
+(`pdcache.config.node_setup`), so that this module (and the launcher) never import torch.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from collections.abc import Iterable
+from dataclasses import fields, replace
+
+from pdcache.config.schema import (
+    PD_ROLES,
+    CacheSpec,
+    ErrorContext,
+    ModelSpec,
+    MooncakeStoreSpec,
+    NodeSpec,
+    SchedulerSpec,
+    StorageSpec,
+    Topology,
+    TransferSpec,
+    split_host_port,
+)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_LOCAL_ALIASES = {"localhost": "127.0.0.1"}
+
+
+def validate(topology: Topology, ctx: ErrorContext, standalone: bool = False) -> None:
+    """Cross-key checks; each raises a TopologyError naming the key and the fix.
+
+    `standalone`: a one-node topology built from flags; deployment-wide checks are skipped."""
+    _check_model(topology.model, ctx)
+    _check_cache(topology.cache, "cache", ctx)
+    _check_scheduler(topology.scheduler, "scheduler", ctx)
+    _check_storage(topology.storage, ctx)
+    _check_transfer(topology.transfer, ctx)
+    _check_nodes(topology, ctx)
+    if standalone:
+        return
+    _check_shape(topology, ctx)
+    _check_shared_inproc_metadata(topology, ctx)
+    _check_ports(topology, ctx)
+
+
+def _check_model(model: ModelSpec, ctx: ErrorContext) -> None:
+    if (model.preset is None) == (model.path is None):
+        raise ctx.error("model", 'expected exactly one of preset = "tiny"|"small" or path = "/checkpoint/dir"')
+
+
+def _check_cache(cache: CacheSpec, prefix: str, ctx: ErrorContext) -> None:
+    for key in ("page_size", "device_pages", "write_through_threshold"):
+        if getattr(cache, key) < 1:
+            raise ctx.error(f"{prefix}.{key}", f"expected an integer >= 1, got {getattr(cache, key)}")
+    given = [k for k in ("host_ratio", "host_bytes", "host_pages") if getattr(cache, k) is not None]
+    if len(given) > 1:
+        raise ctx.error(f"{prefix}.{given[0]}", f"give one of {' or '.join(given)}, not both")
+    if cache.host_pages is not None and cache.host_pages < 0:
+        raise ctx.error(f"{prefix}.host_pages", f"expected an integer >= 0, got {cache.host_pages}")
+    if cache.host_ratio is not None and cache.host_ratio <= 0:
+        raise ctx.error(f"{prefix}.host_ratio", f"expected a number > 0, got {cache.host_ratio}")
+    for key in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s", "prefetch_timeout_max_s"):
+        if getattr(cache, key) < 0:
+            raise ctx.error(f"{prefix}.{key}", f"expected a number >= 0, got {getattr(cache, key)}")
+
+
+def _check_scheduler(scheduler: SchedulerSpec, prefix: str, ctx: ErrorContext) -> None:
+    for f in fields(scheduler):
+        if getattr(scheduler, f.name) < 1:
+            raise ctx.error(f"{prefix}.{f.name}", f"expected an integer >= 1, got {getattr(scheduler, f.name)}")
+
+
+def _check_storage(storage: StorageSpec, ctx: ErrorContext) -> None:
+    if storage.metadata != "inproc" and not re.match(r"^tcp://[^:/\s]+:\d{1,5}$", storage.metadata):
+        raise ctx.error("storage.metadata", f'expected "inproc" or "tcp://HOST:PORT", got "{storage.metadata}"')
+    if storage.io_engine == "usrbio" and storage.backend != "hf3fs":
+        raise ctx.error("storage.io_engine", f'"usrbio" is the 3FS client; it needs backend = "hf3fs", not "{storage.backend}"')
+    if storage.capacity < 1:
+        raise ctx.error("storage.capacity", "expected a size > 0")
+    if storage.backend == "mooncake":
+        try:
+            split_host_port(storage.mooncake.master)
+        except ValueError as exc:
+            raise ctx.error("storage.mooncake.master", f"expected HOST:PORT ({exc})") from exc
+
+
+def _check_transfer(transfer: TransferSpec, ctx: ErrorContext) -> None:
+    if transfer.engine == "zmq" and transfer.protocol == "rdma":
+        raise ctx.error("transfer.protocol", '"rdma" needs engine = "mooncake" or "nixl"; the zmq engine is tcp only')
+    if transfer.timeout_s <= 0:
+        raise ctx.error("transfer.timeout_s", f"expected a number > 0, got {transfer.timeout_s}")
+
+
+def _check_nodes(topology: Topology, ctx: ErrorContext) -> None:
+    seen: set[str] = set()
+    names = {topology.router.name} if topology.router else set()
+    for node in topology.nodes:
+        key = f"node.{node.name}"
+        if not _NAME_RE.match(node.name):
+            raise ctx.error(f"{key}.name", "expected letters, digits, '_', '-' or '.'")
+        if node.name in seen or node.name in names:
+            raise ctx.error(f"{key}.name", f"duplicate name '{node.name}' (node and router names must be unique)")
+        seen.add(node.name)
+        _check_node_role_keys(node, key, ctx)
+        _check_cache(node.cache, f"{key}.cache", ctx)
+        _check_scheduler(node.scheduler, f"{key}.scheduler", ctx)
+        _check_node_tiers(node, topology.storage, key, ctx)
+        _check_node_server(node, key, ctx)
+        _check_node_keys(node, topology.cache, key, ctx)
+        _check_node_offload(node, topology.storage, key, ctx)
+
+
+def _check_node_role_keys(node: NodeSpec, key: str, ctx: ErrorContext) -> None:
+    if node.role == "prefill" and node.bootstrap_port is None:
+        raise ctx.error(f"{key}.bootstrap_port", "missing required key for role prefill (expected an integer port)")
+    if node.role != "prefill" and node.bootstrap_port is not None:
+        raise ctx.error(f"{key}.bootstrap_port", f"only prefill nodes have a bootstrap port (role is {node.role})")
+    if node.role != "decode" and node.offload is not None:
+        raise ctx.error(f"{key}.offload", f"only decode nodes offload (role is {node.role})")
+    if node.command is not None and not node.command:
+        raise ctx.error(f"{key}.command", "expected a non-empty array of strings")
+    if not node.host or any(c.isspace() for c in node.host):
+        raise ctx.error(f"{key}.host", f'expected a host name or address, got "{node.host}"')
+
+
+def _check_node_tiers(node: NodeSpec, storage: StorageSpec, key: str, ctx: ErrorContext) -> None:
+    """A prefill node always runs HiCache; storage is reached through the host tier."""
+    if not node.cache.prefix_cache and node.role != "unified":
+        raise ctx.error(f"{key}.cache.prefix_cache", f"only unified nodes run without a prefix cache (role is {node.role})")
+    if node.cache.host_pages == 0 and node.role == "prefill":
+        raise ctx.error(f"{key}.cache.host_pages", "a prefill node needs a host tier (expected an integer >= 1)")
+    if node.cache.host_pages == 0 and node.role == "unified" and storage.enabled and node.cache.prefix_cache:
+        raise ctx.error(f"{key}.cache.host_pages", "storage is reached through the host tier: expected an integer >= 1, "
+                        'or storage.backend = "none"')
+
+
+def _check_node_server(node: NodeSpec, key: str, ctx: ErrorContext) -> None:
+    if node.request_timeout_s <= 0:
+        raise ctx.error(f"{key}.request_timeout_s", f"expected a number > 0, got {node.request_timeout_s}")
+    for name in ("offload_staging_pages", "offload_stride_pages"):
+        value = getattr(node, name)
+        if value is not None and node.role != "decode":
+            raise ctx.error(f"{key}.{name}", f"only decode nodes offload (role is {node.role})")
+        if value is not None and value < 1:
+            raise ctx.error(f"{key}.{name}", f"expected an integer >= 1, got {value}")
+    if not node.kernels or any(c.isspace() for c in node.kernels):
+        raise ctx.error(f"{key}.kernels", f'expected a kernel backend name or "auto", got "{node.kernels}"')
+
+
+def _check_node_keys(node: NodeSpec, cache: CacheSpec, key: str, ctx: ErrorContext) -> None:
+    """Nodes naming pages differently would never find each other's pages in storage."""
+    for name in ("key_scheme", "key_namespace"):
+        if getattr(node.cache, name) != getattr(cache, name):
+            raise ctx.error(f"{key}.cache.{name}", f"must equal cache.{name} "
+                            f"({getattr(cache, name)!r}): every node shares one key scheme")
+
+
+def _check_node_offload(node: NodeSpec, storage: StorageSpec, key: str, ctx: ErrorContext) -> None:
+    if node.role == "decode" and node.offload and not storage.enabled:
+        raise ctx.error(
+            f"{key}.offload",
+            'decode offload needs storage: set storage.backend = "hf3fs"|"mooncake"|"file", or offload = false',
+        )
+
+
+def _check_shape(topology: Topology, ctx: ErrorContext) -> None:
+    roles = {n.role for n in topology.nodes}
+    if "unified" in roles and roles & set(PD_ROLES):
+        raise ctx.error("node", "unified nodes cannot be mixed with prefill/decode nodes in one topology")
+    if roles & set(PD_ROLES) and not {"prefill", "decode"} <= roles:
+        missing = "decode" if "prefill" in roles else "prefill"
+        raise ctx.error("node", f"a PD topology needs at least one prefill and one decode node; no {missing} node")
+    if topology.is_pd and topology.router is None:
+        raise ctx.error("router", "missing [router] table: a PD topology needs a router in front of its nodes")
+
+
+def _check_shared_inproc_metadata(topology: Topology, ctx: ErrorContext) -> None:
+    """Two processes with private in-process 3FS metadata would hand out the same slots."""
+    if topology.storage.backend != "hf3fs" or topology.storage.metadata != "inproc":
+        return
+    users = [n.name for n in resolve_nodes(topology.nodes, topology.storage) if _uses_storage(n)]
+    if len(users) > 1:
+        raise ctx.error(
+            "storage.metadata",
+            f'"inproc" metadata cannot be shared by {len(users)} processes ({", ".join(users)}); '
+            'use "tcp://HOST:PORT" (the launcher starts the metadata service)',
+        )
+
+
+def _uses_storage(node: NodeSpec) -> bool:
+    return node.role in ("prefill", "unified") or bool(node.role == "decode" and node.offload)
+
+
+def resolve_nodes(nodes: Iterable[NodeSpec], storage: StorageSpec) -> tuple[NodeSpec, ...]:
+    """Fill role-dependent defaults: decode offload defaults to on when storage exists."""
+    out = []
+    for node in nodes:
+        if node.role == "decode" and node.offload is None:
+            node = replace(node, offload=storage.enabled)
+        out.append(replace(node, env=types.MappingProxyType(dict(node.env))))
+    return tuple(out)
+
+
+def _check_ports(topology: Topology, ctx: ErrorContext) -> None:
+    owners: dict[tuple[str, int], str] = {}
+    for host, port, key in _listening_ports(topology):
+        if not 1 <= port <= 65535:
+            raise ctx.error(key, f"expected a port in 1..65535, got {port}")
+        where = (_LOCAL_ALIASES.get(host, host), port)
+        if where in owners:
+            raise ctx.error(key, f"port clash: {host}:{port} is also used by {owners[where]}")
+        owners[where] = key
+
+
+def _listening_ports(topology: Topology) -> list[tuple[str, int, str]]:
+    ports = []
+    if topology.router is not None:
+        ports.append((topology.router.host, topology.router.port, "router.port"))
+    for node in topology.nodes:
+        ports.append((node.host, node.port, f"node.{node.name}.port"))
+        if node.bootstrap_port is not None:
+            ports.append((node.host, node.bootstrap_port, f"node.{node.name}.bootstrap_port"))
+    storage = topology.storage
+    if storage.uses_metadata_service and storage.metadata_service.start:
+        host, port = storage.metadata_address  # type: ignore[misc]
+        ports.append((host, port, "storage.metadata"))
+    if storage.backend == "mooncake" and storage.mooncake.start_master:
+        ports.extend(_mooncake_ports(storage.mooncake))
+    return ports
+
+
+def _mooncake_ports(spec: MooncakeStoreSpec) -> list[tuple[str, int, str]]:
+    host, port = spec.master_address
+    ports = [(host, port, "storage.mooncake.master"), (host, spec.metrics_port, "storage.mooncake.metrics_port")]
+    http = spec.http_metadata_address
+    if http is not None:
+        ports.append((http[0], http[1], "storage.mooncake.metadata_server"))
+    return ports
+
+
+
+def finalize(topology: Topology) -> Topology:
+    """The topology with role defaults filled in (what `load_topology` returns)."""
+    return replace(topology, nodes=resolve_nodes(topology.nodes, topology.storage))

@@ -1,0 +1,274 @@
+"""`pdcache.config`: one setup path for flags and topology files, the node keys that moved into
+the topology, argparse choices from the registries, the kernel backend from the config."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import get_args, get_type_hints
+
+import pytest
+
+from pdcache.config import (
+    CacheSpec,
+    OffloadSettings,
+    ServerSettings,
+    StorageSpec,
+    TopologyError,
+    TransferSpec,
+    add_node_flags,
+    add_topology_arguments,
+    node_from_args,
+    parse_topology,
+    process_environment,
+    setup_for,
+    topology_from_flags,
+)
+from pdcache.engine.config import SchedulerConfig
+from pdcache.engine.loader import load_model_config
+from pdcache.engine.page_keys import KEY_SCHEMES
+from pdcache.kernels.dispatch import KERNEL_BACKENDS
+from pdcache.offload_manager.hicache import PREFETCH_POLICIES, WRITE_POLICIES
+from pdcache.offload_manager.storage import BACKENDS as STORAGE_BACKENDS
+from pdcache.transfer.config import TransferConfig
+from pdcache.transfer.engines.base import ENGINES
+
+MODEL = load_model_config("tiny")
+
+PD = """
+[model]
+preset = "tiny"
+
+[cache]
+page_size = 16
+device_pages = 128
+{cache}
+
+[storage]
+backend = "hf3fs"
+path = "{path}"
+metadata = "tcp://127.0.0.1:18000"
+
+[transfer]
+engine = "zmq"
+timeout_s = 7.5
+
+[router]
+port = 8000
+
+[[node]]
+name = "p0"
+role = "prefill"
+port = 31001
+bootstrap_port = 8998
+{prefill}
+
+[[node]]
+name = "d0"
+role = "decode"
+port = 31002
+{decode}
+"""
+
+UNIFIED = """
+[model]
+preset = "tiny"
+
+[cache]
+device_pages = 128
+{cache}
+
+[[node]]
+name = "u0"
+role = "unified"
+port = 31000
+{node}
+"""
+
+
+def parser_for(role: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_topology_arguments(parser)
+    add_node_flags(parser, role)
+    return parser
+
+
+def from_flags(role: str, *argv: str):
+    args = parser_for(role).parse_args(list(argv))
+    return setup_for(topology_from_flags(args, role), args.name, MODEL)
+
+
+def pd(tmp_path: Path, cache: str = "", prefill: str = "", decode: str = "", overrides=()):
+    text = PD.format(path=tmp_path / "s", cache=cache, prefill=prefill, decode=decode)
+    return parse_topology(text, "t.toml", overrides)
+
+
+def storage_flags(tmp_path: Path) -> list[str]:
+    return ["--storage-backend", "hf3fs", "--storage-path", str(tmp_path / "s"),
+            "--storage-metadata", "tcp://127.0.0.1:18000", "--page-size", "16",
+            "--device-pages", "128"]
+
+
+def test_prefill_from_flags_equals_prefill_from_topology(tmp_path: Path) -> None:
+    flags = from_flags("prefill", "--name", "p0", "--port", "31001", "--bootstrap-port", "8998",
+                       "--transfer-engine", "zmq", "--transfer-timeout", "7.5",
+                       "--request-timeout", "30", "--write-policy", "write_back",
+                       *storage_flags(tmp_path))
+    topo = setup_for(pd(tmp_path, cache='write_policy = "write_back"',
+                        prefill="request_timeout_s = 30"), "p0", MODEL)
+    assert flags == topo
+    assert flags.server == ServerSettings(30.0) and flags.tiers.hicache.write_policy == "write_back"
+    assert flags.tiers.host_pages == 256  # 2 x the device pool, as before
+    assert (flags.transfer.bootstrap_timeout_s, flags.transfer.room_timeout_s) == (7.5, 30.0)
+
+
+def test_decode_from_flags_equals_decode_from_topology(tmp_path: Path) -> None:
+    flags = from_flags("decode", "--name", "d0", "--port", "31002", "--transfer-engine", "zmq",
+                       "--transfer-timeout", "7.5", "--offload-staging-pages", "64",
+                       "--offload-stride-pages", "2", "--kernels", "torch", *storage_flags(tmp_path))
+    topo = setup_for(pd(tmp_path, decode="offload_staging_pages = 64\noffload_stride_pages = 2\n"
+                                         'kernels = "torch"'), "d0", MODEL)
+    assert flags == topo
+    assert flags.offload == OffloadSettings(staging_pages=64, stride_pages=2)
+    assert flags.engine.kernels == "torch" and flags.tiers is None
+    assert not flags.engine.cache.enable_prefix_cache
+    no_offload = from_flags("decode", "--no-offload", "--transfer-engine", "zmq",
+                            *storage_flags(tmp_path))
+    assert no_offload.offload is None
+    assert setup_for(pd(tmp_path, decode="offload = false"), "d0", MODEL).offload is None
+
+
+def test_unified_from_flags_equals_unified_from_topology(tmp_path: Path) -> None:
+    flags = from_flags("unified", "--name", "u0", "--port", "31000", "--device-pages", "128",
+                       "--max-running", "8", "--max-queued", "9", "--chunked-prefill-tokens", "512")
+    text = UNIFIED.format(cache="host_pages = 0", node="[node.scheduler]\nmax_running_requests = 8\n"
+                          "max_queued_requests = 9\nchunked_prefill_tokens = 512")
+    topo = setup_for(parse_topology(text, "u.toml"), "u0", MODEL)
+    assert flags == topo
+    assert flags.tiers is None and flags.transfer is None  # no host tier, no storage: plain engine
+    assert flags.engine.scheduler == SchedulerConfig(8, 512, 9)
+    hosted = from_flags("unified", "--host-pages", "40")
+    assert hosted.tiers.host_pages == 40 and hosted.storage is None
+    nocache = from_flags("unified", "--no-prefix-cache", "--host-pages", "40")
+    assert nocache.tiers is None and not nocache.engine.cache.enable_prefix_cache
+
+
+def test_flags_keep_their_defaults() -> None:
+    setup = from_flags("prefill")
+    assert (setup.name, setup.port, setup.bootstrap_port, setup.transfer.engine) == ("p0", 0, 0, "mooncake")
+    assert setup.server == ServerSettings() and setup.engine.kernels == "auto"
+    assert setup.engine.scheduler == SchedulerConfig()
+    unified = from_flags("unified")
+    assert (unified.name, unified.port, unified.tiers) == ("unified", 30000, None)
+    assert from_flags("decode").name == "d0"
+
+
+def test_given_flags_override_the_topology_node(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(PD.format(path=tmp_path / "s", cache="", prefill="", decode="request_timeout_s = 9"))
+    args = parser_for("decode").parse_args(["--config", str(path), "--node", "d0",
+                                             "--offload-staging-pages", "32"])
+    topology, node = node_from_args(args, ["decode"])
+    setup = setup_for(topology, node.name, MODEL)
+    assert setup.offload == OffloadSettings(staging_pages=32) and setup.server.request_timeout_s == 9
+    args = parser_for("decode").parse_args(["--config", str(path), "--node", "d0",
+                                             "--request-timeout", "5"])
+    assert setup_for(*_topology_and_name(args, "decode"), MODEL).server.request_timeout_s == 5
+
+
+def _topology_and_name(args: argparse.Namespace, role: str):
+    topology, node = node_from_args(args, [role])
+    return topology, node.name
+
+
+def test_new_node_keys_are_validated(tmp_path: Path) -> None:
+    cases = {
+        ("prefill", "offload_staging_pages = 8"): "node.p0.offload_staging_pages: only decode nodes offload",
+        ("decode", "offload_stride_pages = 0"): "node.d0.offload_stride_pages: expected an integer >= 1",
+        ("decode", "request_timeout_s = 0"): "node.d0.request_timeout_s: expected a number > 0",
+        ("prefill", "[node.cache]\nhost_pages = 0"): "node.p0.cache.host_pages: a prefill node needs a host tier",
+        ("prefill", "[node.cache]\nprefix_cache = false"): "node.p0.cache.prefix_cache: only unified nodes",
+        ("prefill", "[node.scheduler]\nmax_running_requests = 0"):
+            "node.p0.scheduler.max_running_requests: expected an integer >= 1",
+    }
+    for (role, text), message in cases.items():
+        with pytest.raises(TopologyError, match=message):
+            pd(tmp_path, **{role: text})
+    with pytest.raises(TopologyError, match="give one of host_ratio or host_pages"):
+        pd(tmp_path, cache="host_ratio = 2.0\nhost_pages = 4")
+    assert pd(tmp_path, overrides=["cache.host_pages=40"]).node("p0").cache.host_ratio is None
+    with pytest.raises(TopologyError, match='node.d0.kernels: unknown kernel backend "cuda"'):
+        setup_for(pd(tmp_path, decode='kernels = "cuda"'), "d0", MODEL)
+
+
+def test_choices_come_from_the_registries() -> None:
+    actions = {a.dest: a for a in parser_for("prefill")._actions}
+    assert actions["transfer_engine"].choices == ENGINES.names()
+    assert actions["storage_backend"].choices == ["none", *STORAGE_BACKENDS.names()]
+    assert actions["kernels"].choices == ["auto", *KERNEL_BACKENDS.names()]
+    assert actions["key_scheme"].choices == list(KEY_SCHEMES)
+    assert actions["write_policy"].choices == list(WRITE_POLICIES)
+    assert actions["prefetch_policy"].choices == list(PREFETCH_POLICIES)
+    # the TOML schema names the same values (its own order, which its error messages keep)
+    def values(cls: type, key: str) -> set[str]:
+        return set(get_args(get_type_hints(cls)[key]))
+
+    assert values(StorageSpec, "backend") == {"none", *STORAGE_BACKENDS.names()}
+    assert values(TransferSpec, "engine") == set(ENGINES.names())
+    assert values(CacheSpec, "key_scheme") == set(KEY_SCHEMES)
+    assert values(CacheSpec, "write_policy") == set(WRITE_POLICIES)
+    assert values(CacheSpec, "prefetch_policy") == set(PREFETCH_POLICIES)
+
+
+def test_kernels_come_from_the_config(tiny) -> None:
+    from dataclasses import replace
+
+    from pdcache.engine.engine import Engine
+
+    model, tokenizer = tiny
+    setup = from_flags("unified", "--kernels", "reference", "--device-pages", "32")
+    engine = Engine(setup.engine, model, tokenizer)
+    assert engine.kernels.name == "reference" and engine.runner.kernels is engine.kernels
+    auto = Engine(replace(setup.engine, kernels="auto"), model, tokenizer)
+    assert auto.kernels.name is None  # chosen per call by device
+    os.environ["PDCACHE_KERNELS"] = "torch"
+    try:  # the environment variable is not read any more
+        assert Engine(setup.engine, model, tokenizer).kernels.name == "reference"
+    finally:
+        del os.environ["PDCACHE_KERNELS"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from pdcache.engine.loader import load_model
+
+    return load_model("tiny", seed=0)
+
+
+def test_process_environment_is_computed_not_written(tmp_path: Path) -> None:
+    before = dict(os.environ)
+    setup = setup_for(pd(tmp_path, overrides=["transfer.engine=mooncake", "transfer.timeout_s=10"]),
+                      "p0", MODEL)
+    env = process_environment(setup, {})
+    assert env == {"MC_LOG_LEVEL": "ERROR", "MC_TRANSFER_TIMEOUT": "40",
+                   "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "8192", "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    assert process_environment(setup, {"MC_LOG_LEVEL": "INFO", "MC_TCP_BIND_ADDRESS": "10.0.0.5"}) == {
+        "MC_TRANSFER_TIMEOUT": "40", "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "8192"}
+    unified = setup_for(parse_topology(UNIFIED.format(cache="", node=""), "u.toml"), "u0", MODEL)
+    assert process_environment(unified, {}) == {}
+    assert dict(os.environ) == before
+
+
+def test_mooncake_engine_leaves_the_environment_alone() -> None:
+    pytest.importorskip("mooncake.engine")
+    before = dict(os.environ)
+    engine = ENGINES.get("mooncake")(TransferConfig(engine="mooncake", room_timeout_s=77))
+    try:
+        assert engine.session()
+    finally:
+        engine.close()
+    assert dict(os.environ) == before
+    remote = TransferConfig(engine="mooncake", local_host="10.0.0.2")
+    assert ENGINES.get("mooncake").environment(remote, {"MC_TCP_BIND_ADDRESS": "127.0.0.1"})[
+        "MC_TCP_BIND_ADDRESS"] == "10.0.0.2"  # a multi-host node never listens on loopback
