@@ -11,7 +11,7 @@ from pdcache.bench.tokens import BlockExpander, ReuseTracker, hit_rate, theoreti
 from pdcache.bench.traces import Blocks, parse_mooncake, parse_sessions
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
-MOONCAKE_REAL = Path("/work/shared/data/mooncake-fast25/synthetic_trace.jsonl")
+MOONCAKE_REAL = Path(__file__).resolve().parents[1].parent / "shared/data/mooncake-fast25/synthetic_trace.jsonl"
 
 
 def test_equal_ids_give_equal_blocks_whatever_the_instance() -> None:

@@ -24,7 +24,7 @@ from pdcache.bench.traces import (
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
-MOONCAKE_REAL = Path("/work/shared/data/mooncake-fast25/synthetic_trace.jsonl")
+MOONCAKE_REAL = Path(__file__).resolve().parents[1].parent / "shared/data/mooncake-fast25/synthetic_trace.jsonl"
 
 
 def test_mooncake_rows_become_single_turn_sessions() -> None:

@@ -1,4 +1,4 @@
-"""One behaviour suite for every storage backend (DESIGN.md §4.3-4.4).
+"""One behaviour suite for every storage backend (docs/design.md §4.3-4.4).
 
 Backends: hf3fs (posix IO, in-process metadata), hf3fs with `pdcache metadata-server`, file,
 and mooncake against a real `mooncake_master` on loopback. Each test uses its own namespace, so

@@ -1,6 +1,6 @@
 """`pdcache bench replay`: replay a multi-turn trace against a running stack over HTTP.
 
-Every request goes to `POST {url}/generate` with token ids (DESIGN.md §4.1). Turns that carry
+Every request goes to `POST {url}/generate` with token ids (docs/design.md §4.1). Turns that carry
 history send the session's previous prompt + the ids the server actually generated + the new
 tokens, so the server sees exactly what a real conversation would send it; `session_id` is
 sent too for the router's affinity. Outputs are forced to the trace's length (`ignore_eos`).

@@ -14,7 +14,7 @@ Every supported format is parsed into one `Trace`:
 * timing: `arrival_s` (seconds from trace start) for turns that start on the clock,
   `delay_s` (think time after the previous turn of the session completes) for dependent turns.
 
-Formats (DESIGN §4.1, anchors-survey §4): `mooncake` JSONL, `bailian` JSONL, `sharegpt` JSON,
+Formats (sent as docs/design.md §4.1 `/generate` requests): `mooncake` JSONL, `bailian` JSONL, `sharegpt` JSON,
 `sessions` JSONL (Mooncake rows with `session_id`/`delay`, history accumulated), and the
 `synthetic` agentic generator.
 """

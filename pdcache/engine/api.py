@@ -24,7 +24,7 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class CachedTokens:
-    """Where the prompt's reused tokens came from (DESIGN.md §4.1 `cached_tokens_details`)."""
+    """Where the prompt's reused tokens came from (docs/design.md §4.1 `cached_tokens_details`)."""
 
     device: int = 0
     host: int = 0

@@ -1,4 +1,4 @@
-"""Chained page keys shared by every node, backend, router and benchmark (DESIGN.md §4.2).
+"""Chained page keys shared by every node, backend, router and benchmark (docs/design.md §4.2).
 
 `h_0 = SHA256(salt || tokens_0)`, `h_i = SHA256(h_{i-1} || tokens_i)`, tokens as little-endian
 uint32. Only full pages get keys. The salt binds a key to the KV fingerprint (model, dtype,
@@ -163,7 +163,7 @@ def check_key_scheme(name: str) -> str:
 class PageKeyScheme:
     """How a node names its stored pages; the one chaining rule HiCache and decode offload use.
 
-    - "pdcache": `chain_page_keys` salted with `make_salt(fingerprint, tenant)` (DESIGN.md
+    - "pdcache": `chain_page_keys` salted with `make_salt(fingerprint, tenant)` (docs/design.md
       §4.2); a non-empty `namespace` is appended to that salt, length-prefixed.
     - "sglang": SGLang's hash chain (seeded with the tenant as SGLang's `cache_salt`, "" =
       none), each hash stored under `derive_storage_key(make_salt(fingerprint, namespace), h)`:

@@ -4,7 +4,7 @@ Layouts:
 - device pool (layer-first): `device_kv[L, 2, P, S, H, D]`; `device_kv[l, 0]` is layer l's K
   pages, `device_kv[l, 1]` its V pages. A slot id is `page_id * S + offset`.
 - host pool (page-first): `host_kv[P, L, 2, S, H, D]`; one page, all layers, is contiguous, so
-  it is exactly the payload of a stored page (DESIGN.md §4.3).
+  it is exactly the payload of a stored page (docs/design.md §4.3).
 - staging buffer: `staging[N, L, 2, S, H, D]`, the same order as host pages.
 
 Ids are 1-D int32/int64 tensors, any order, not necessarily contiguous. Page tables are

@@ -16,11 +16,11 @@ Every flag below is one SGLang really has; where they were checked:
   `--hicache-storage-backend-extra-config` (inline JSON; decode offload parses it too),
   `--disaggregation-mode`, `--disaggregation-transfer-backend`,
   `--disaggregation-bootstrap-port`, `--disaggregation-ib-device`,
-  `--disaggregation-decode-enable-offload-kvcache` (needs `--hicache-storage-backend`)), and
-  `/work/shared/reference/sglang-hicache-pd-notes.md` §1.3, §1.7, §2.7, §3.
+  `--disaggregation-decode-enable-offload-kvcache` (needs `--hicache-storage-backend`)); the
+  flags and keys pdcache relies on are listed in docs/sglang.md.
 - dynamic backend keys (`StorageBackendFactory._create_dynamic_backend`): backend_name,
   module_path, class_name, interface_v1; the rest of the object is the plugin's
-  (`PluginSettings.from_extra_config`) and HiCache's prefetch keys (notes §1.3).
+  (`PluginSettings.from_extra_config`) and HiCache's prefetch keys (docs/sglang.md, "Extra-config keys").
 - router flags: `sgl-router/py_src/sglang_router/router_args.py` (`--pd-disaggregation`,
   `--prefill URL BOOTSTRAP_PORT`, `--decode URL`, `--worker-urls`, `--policy`,
   `--prefill-policy`, `--decode-policy` with choices random|round_robin|cache_aware|power_of_two,
@@ -295,7 +295,7 @@ def plugin_extra_config(topology: Topology, node: NodeSpec, origin: str) -> dict
 
 
 def _prefetch_config(cache: CacheSpec) -> dict[str, float]:
-    """Generic HiCache extra-config keys for the timeout prefetch policy (notes §1.3)."""
+    """Generic HiCache extra-config keys for the timeout prefetch policy (docs/sglang.md, "Extra-config keys")."""
     if cache.prefetch_policy != "timeout":
         return {}
     return {"prefetch_timeout_base": cache.prefetch_timeout_base_s,

@@ -7,7 +7,7 @@ requests and, every `stride_pages` completed pages, schedules those pages for of
       device → host staging copy, release device pages when asked ──► IoWorker: staging →
       storage (origin = decode), then staging pages freed
 
-Keys continue the prompt's chain (DESIGN.md §4.2), computed from token ids alone, so the next
+Keys continue the prompt's chain (docs/design.md §4.2), computed from token ids alone, so the next
 turn's prefill finds prompt and answer pages under the keys it computes itself (with the same
 key scheme, `pdcache.engine.page_keys.PageKeyScheme`: "pdcache" or "sglang"). Prompt pages
 that prefill did not store are written too (only missing pages are copied), so the chain to the

@@ -1,5 +1,5 @@
 """HiCache controller: backup (device → host → storage), storage prefetch (storage → host) and
-the per-layer host → device load, on top of `HiRadixTree` (DESIGN.md §2, §4.2–4.4).
+the per-layer host → device load, on top of `HiRadixTree` (docs/design.md §2, §4.2–4.4).
 
 Engine-thread API (called by the scheduler): `match`, `start_prefetch`, `prefetch_ready`,
 `take_prefetch`, `cancel_prefetch`, `load`, `backup`, `check`. Storage I/O runs on two

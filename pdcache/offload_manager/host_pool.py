@@ -1,7 +1,7 @@
 """The host tier: a page-first KV pool in CPU memory and its page allocator.
 
 `host_kv[P, L, 2, S, H, D]`: all layers of K and V of one page are contiguous, so a host page is
-exactly the payload of a stored page (DESIGN.md §4.3) and moves to or from storage in one I/O.
+exactly the payload of a stored page (docs/design.md §4.3) and moves to or from storage in one I/O.
 
 Page states: FREE → (alloc) → IN_FLIGHT → (commit) → USED → (free) → FREE; an IN_FLIGHT page
 (its I/O still running, or abandoned) can also be freed. USED pages can additionally be

@@ -1,4 +1,4 @@
-"""FastAPI app of the router: the OpenAI-compatible front door of a deployment (DESIGN.md §4.1).
+"""FastAPI app of the router: the OpenAI-compatible front door of a deployment (docs/design.md §4.1).
 
 The router tokenizes (chat template included), validates with the same models as the unified
 server (`pdcache.server.protocol`), picks a node (unified) or a prefill + decode pair

@@ -1,4 +1,4 @@
-"""HTTP contract of DESIGN.md §4.1: request models, validation and error bodies.
+"""HTTP contract of docs/design.md §4.1: request models, validation and error bodies.
 
 Shared by the unified server, the router and the P/D nodes, so it depends on pydantic and
 the engine's plain types only (no FastAPI, no engine instance). Every malformed request maps

@@ -1,4 +1,4 @@
-"""Response bodies and event streams of the HTTP contract (DESIGN.md §4.1), one builder per
+"""Response bodies and event streams of the HTTP contract (docs/design.md §4.1), one builder per
 shape, shared by the unified server, the P/D nodes and the router.
 
 Everything here is a pure function of what a request produced (text deltas, finish reason,

@@ -1,4 +1,4 @@
-"""The HTTP routes of a server around one engine (DESIGN.md §4.1), and the app that mounts them.
+"""The HTTP routes of a server around one engine (docs/design.md §4.1), and the app that mounts them.
 
 `ServerRoutes` answers `/generate`, the OpenAI endpoints, `/health`, `/v1/models` and
 `/metrics` for the unified server and for the P/D nodes alike; a node composes it with its own

@@ -1,7 +1,7 @@
 """Prefill → decode KV transfer: ZeroMQ control plane, room state machines, data engines.
 
 Prefill nodes use `KVSender`, decode nodes `KVReceiver`; both take one frozen
-`TransferConfig`. See DESIGN.md §4.5 and the module docstrings for the protocol.
+`TransferConfig`. See docs/design.md §4.5 and the module docstrings for the protocol.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ SGLang loads the class `PdcacheHiCacheStorage` from this module with
 `pdcache launch CONFIG --render sglang` writes; see docs/sglang.md) and hands it page hash
 keys plus its config (model name, TP/PP/CP ranks). The plugin stores pages through a pdcache
 storage backend (`hf3fs`, `mooncake`, `file`), so SGLang gets the stored page object of
-DESIGN.md §4.3 (header + checksum: a corrupt, truncated or foreign page is a miss, never wrong
+docs/design.md §4.3 (header + checksum: a corrupt, truncated or foreign page is a miss, never wrong
 KV) and pdcache's metadata service and capacity management.
 
 Keys. SGLang's key of page i is `g_i = SHA256(g_{i-1} || tokens_i)` (hex), with

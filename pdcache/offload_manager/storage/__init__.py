@@ -1,4 +1,4 @@
-"""Storage tier backends (DESIGN.md §4.4), chosen by name from a StorageConfig.
+"""Storage tier backends (docs/design.md §4.4), chosen by name from a StorageConfig.
 
 Backends load lazily: `create_backend(config)` imports only the chosen one, and a missing
 optional dependency (mooncake, the 3FS usrbio client) raises MissingDependencyError naming it.

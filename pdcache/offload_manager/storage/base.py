@@ -1,4 +1,4 @@
-"""The storage tier's batched, prefix-aware interface (DESIGN.md §4.4).
+"""The storage tier's batched, prefix-aware interface (docs/design.md §4.4).
 
 A page is the payload of one host page in page-first order (`host_kv[p]` flattened to bytes);
 backends wrap it in the stored page object of §4.3 (header + checksum) and verify it on read.

@@ -1,4 +1,4 @@
-"""The frozen configuration of one storage backend client (DESIGN.md §4.4, §4.6)."""
+"""The frozen configuration of one storage backend client (docs/design.md §4.4, §4.6)."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ STALE_TEMP_S = 600.0  # a temp file this old belongs to no live writer
 
 
 class FileBackend(StorageBackend):
-    """One file per page with atomic rename (DESIGN.md §4.4)."""
+    """One file per page with atomic rename (docs/design.md §4.4)."""
 
     def __init__(self, config: StorageConfig) -> None:
         self.config = config

@@ -225,7 +225,7 @@ def _split(items: list[T], parts: int) -> list[list[T]]:
 
 
 class Hf3fsBackend(StorageBackend):
-    """Page slots in large data files + key -> slot metadata (DESIGN.md §4.4)."""
+    """Page slots in large data files + key -> slot metadata (docs/design.md §4.4)."""
 
     def __init__(self, config: StorageConfig, metadata: MetadataClient | None = None) -> None:
         self.config = config

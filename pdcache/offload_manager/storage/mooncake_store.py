@@ -61,7 +61,7 @@ RPC_FAILED = -900
 
 
 class MooncakeStoreBackend(StorageBackend):
-    """Pages as Mooncake Store objects (DESIGN.md §4.4)."""
+    """Pages as Mooncake Store objects (docs/design.md §4.4)."""
 
     def __init__(self, config: StorageConfig) -> None:
         self.config = config

@@ -1,4 +1,4 @@
-"""The stored page object of DESIGN.md §4.3: a fixed 128-byte header followed by the payload.
+"""The stored page object of docs/design.md §4.3: a fixed 128-byte header followed by the payload.
 
 Header fields (little-endian): magic, format version, header size, page key, a digest of the
 KV fingerprint, layer count, page size (tokens), dtype, origin (prefill | decode), payload
