@@ -32,7 +32,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 
 echo "== kernel tests (CUDA) =="
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider -o addopts= \
-  tests/test_kernels_copies.py tests/test_kernels_attention.py tests/test_kernels_triton.py
+  tests/kernels/test_copies.py tests/kernels/test_attention.py tests/kernels/test_triton.py
 
 echo "== pdcache bench kernels --device cuda =="
 timeout 300 "$PY" -m pdcache bench kernels --device cuda --json "$OUT/kernel_bench_cuda.json" "$@"

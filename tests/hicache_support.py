@@ -1,4 +1,4 @@
-"""Shared pieces of the HiCache tests (`tests/test_hicache_*.py`): the tiny engine with tiers,
+"""Shared pieces of the HiCache tests (`tests/offload_manager/test_hicache_*.py`): the tiny engine with tiers,
 no-cache reference tokens, metrics scraping, and `pdcache serve` as a subprocess."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pdcache.cli import main
 from pdcache.config.storage_cli import load_config
 from pdcache.offload_manager.storage import create_backend
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.toml"))
 
 TOPOLOGY = """

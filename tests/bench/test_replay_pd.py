@@ -14,7 +14,7 @@ from pdcache.bench.compare import ConfigRun, endpoints_of, start_launcher, stop_
 from pdcache.cli import main as pdcache_main
 
 PD_MODULES = ("pdcache.prefill_node.cli", "pdcache.decode_node.cli", "pdcache.router.cli")
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local-1p1d.toml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-1p1d.toml"
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in PD_MODULES),

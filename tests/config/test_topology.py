@@ -16,7 +16,7 @@ from pdcache.config import (
     parse_topology,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 
 BASE = """

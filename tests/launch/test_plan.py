@@ -18,7 +18,7 @@ from pdcache.launch.launcher import (
     ssh_specs,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PY = "/usr/bin/python3"
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-STUB = Path(__file__).resolve().parent / "launch_stub_node.py"
+STUB = Path(__file__).resolve().parents[1] / "launch_stub_node.py"
 PY = sys.executable
 
 pytestmark = pytest.mark.slow
@@ -319,7 +319,7 @@ def test_local_1p1d_serves_two_turns_reusing_decode_pages_then_stops_clean(launc
     import httpx
 
     router, p0, boot, d0, meta = free_ports(5)
-    config = (Path(__file__).resolve().parents[1] / "configs/local-1p1d.toml").read_text()
+    config = (Path(__file__).resolve().parents[2] / "configs/local-1p1d.toml").read_text()
     sets = [f"router.port={router}", f"node.p0.port={p0}", f"node.p0.bootstrap_port={boot}",
             f"node.d0.port={d0}", f'storage.metadata="tcp://127.0.0.1:{meta}"',
             f'storage.path="{tmp_path}/storage"', f'storage.metadata_service.state_dir="{tmp_path}/meta"',

@@ -36,7 +36,7 @@ def test_interpreter_suite():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240,
-                          cwd=Path(__file__).parent.parent)
+                          cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" in proc.stdout
 

@@ -1,7 +1,7 @@
 """`pdcache launch CONFIG --render sglang`: golden files for every shipped config.
 
 Regenerate the golden files after an intended change with
-`PDCACHE_UPDATE_GOLDEN=1 python -m pytest tests/test_launch_render.py` and review the diff.
+`PDCACHE_UPDATE_GOLDEN=1 python -m pytest tests/launch/test_render.py` and review the diff.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pdcache.launch.render_sglang import (
     sglang_commands,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).resolve().parent / "golden"
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 
 
@@ -302,7 +302,7 @@ def test_rendered_servers_share_pages_through_the_plugin(tmp_path: Path) -> None
                                           reason="sglang is not installed")
     factory = pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
     from pdcache.offload_manager.builder import model_identity
-    from tests.test_integrations_sglang import PAGE, SglangLikeHostPool, indices, sglang_config
+    from tests.integrations.test_sglang import PAGE, SglangLikeHostPool, indices, sglang_config
 
     port = _free_port()
     ckpt, topology = _checkpoint_topology(tmp_path, port)

@@ -175,7 +175,7 @@ def test_pdcache_toml_configures_the_plugin(tmp_path, plugins):
 def test_topology_storage_table_maps_to_storage_config():
     from pdcache.config import load_topology
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     spec = load_topology(root / "configs" / "local-1p1d.toml").storage
     table = storage_keys_from_spec(spec)
     config = StorageConfig.from_mapping({**table, "page_bytes": 4096})

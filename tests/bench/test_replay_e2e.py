@@ -128,7 +128,7 @@ def test_non_streaming_replay_against_real_server(server_url: str, tmp_path: Pat
         assert min(r["dispatch_s"] for r in by_turn[t]) >= prev_done - 0.05
 
 
-MOONCAKE_REAL = Path(__file__).resolve().parents[1].parent / "shared/data/mooncake-fast25/synthetic_trace.jsonl"
+MOONCAKE_REAL = Path(__file__).resolve().parents[2].parent / "shared/data/mooncake-fast25/synthetic_trace.jsonl"
 
 
 @pytest.mark.skipif(not MOONCAKE_REAL.is_file(), reason="Mooncake FAST'25 trace not present")

@@ -10,8 +10,8 @@ import pytest
 from pdcache.bench.tokens import BlockExpander, ReuseTracker, hit_rate, theoretical_reuse
 from pdcache.bench.traces import Blocks, parse_mooncake, parse_sessions
 
-FIXTURES = Path(__file__).parent / "fixtures" / "traces"
-MOONCAKE_REAL = Path(__file__).resolve().parents[1].parent / "shared/data/mooncake-fast25/synthetic_trace.jsonl"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
+MOONCAKE_REAL = Path(__file__).resolve().parents[2].parent / "shared/data/mooncake-fast25/synthetic_trace.jsonl"
 
 
 def test_equal_ids_give_equal_blocks_whatever_the_instance() -> None:

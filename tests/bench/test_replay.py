@@ -1,4 +1,4 @@
-"""Replay scheduling and failure accounting (the real-server run: test_bench_replay_e2e)."""
+"""Replay scheduling and failure accounting (the real-server run: tests/bench/test_replay_e2e.py)."""
 
 from __future__ import annotations
 

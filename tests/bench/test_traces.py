@@ -23,8 +23,8 @@ from pdcache.bench.traces import (
     synthetic_trace,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures" / "traces"
-MOONCAKE_REAL = Path(__file__).resolve().parents[1].parent / "shared/data/mooncake-fast25/synthetic_trace.jsonl"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
+MOONCAKE_REAL = Path(__file__).resolve().parents[2].parent / "shared/data/mooncake-fast25/synthetic_trace.jsonl"
 
 
 def test_mooncake_rows_become_single_turn_sessions() -> None:

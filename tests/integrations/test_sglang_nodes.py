@@ -6,7 +6,7 @@ and the plugin's `model_name` equals the node's model identity (`model_identity(
 pages by a fresh pdcache node, and a decode node's offloaded answer pages by SGLang under
 `sglang_chain_hashes(prompt + answer)`. The plugin is loaded through SGLang's own backend
 factory; the SGLang host pool is a lookalike in the `page_head` layout (a different byte order
-than pdcache's host pages), as in tests/test_integrations_sglang.py. The topology / flag
+than pdcache's host pages), as in tests/integrations/test_sglang.py. The topology / flag
 plumbing tests at the end run without sglang.
 """
 

@@ -1,5 +1,5 @@
 """KVSender ↔ KVReceiver over real loopback sockets: data, concurrency, hostile input, aborts,
-deadlines. Sender and receiver use separate pools (remote memory: test_transfer_multiprocess)."""
+deadlines. Sender and receiver use separate pools (remote memory: tests/transfer/test_multiprocess.py)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from tests.router_support import (
     prompt,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def body(n: int = 3, seed: int = 0, **extra: Any) -> dict[str, Any]:

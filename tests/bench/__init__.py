@@ -1,0 +1,1 @@
+"""Tests of pdcache.bench: every benchmark and the replay."""

@@ -1,0 +1,1 @@
+"""Tests of pdcache.config: the topology schema and the node setup."""

@@ -1,0 +1,1 @@
+"""Tests of pdcache.decode_node."""

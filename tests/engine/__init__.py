@@ -1,0 +1,1 @@
+"""Tests of pdcache.engine: model, pool, radix tree, scheduler, sampler, engine loop."""

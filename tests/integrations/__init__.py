@@ -1,0 +1,1 @@
+"""Tests of pdcache.integrations: the SGLang storage plugin."""

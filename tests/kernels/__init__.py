@@ -1,0 +1,1 @@
+"""Tests of pdcache.kernels: copy and attention kernels, every backend."""

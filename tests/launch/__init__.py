@@ -1,0 +1,1 @@
+"""Tests of pdcache.launch: the supervisor and the renderers."""

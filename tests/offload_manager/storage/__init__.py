@@ -1,0 +1,1 @@
+"""Tests of pdcache.offload_manager.storage: the storage backends, format, CLI."""

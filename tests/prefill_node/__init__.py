@@ -1,0 +1,1 @@
+"""Tests of pdcache.prefill_node."""

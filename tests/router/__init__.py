@@ -1,0 +1,1 @@
+"""Tests of pdcache.router: policies, sessions, proxying, failover."""

@@ -1,0 +1,1 @@
+"""Tests of pdcache.server: the unified node's HTTP server, protocol and CLI."""
