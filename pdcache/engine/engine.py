@@ -163,10 +163,12 @@ class Engine:
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self, *, thread: bool = True) -> Engine:
-        """Start the engine thread; with `thread=False` start none: the caller drives the
-        engine with `step()` (and `generate`, which waits for the thread, is of no use)."""
+        """Start the scheduler's tier threads (`Scheduler.start`), then the engine thread; with
+        `thread=False` no engine thread: the caller drives the engine with `step()` (and
+        `generate`, which waits for the thread, is of no use)."""
         if self._thread is not None or self._driven:
             raise RuntimeError("engine already started")
+        self.scheduler.start()
         if not thread:
             self._driven = True
             return self
@@ -511,12 +513,19 @@ class Engine:
 
     # ---- introspection (engine thread) -------------------------------------------------
     def _call(self, fn: Callable[[], Any], timeout: float) -> Any:
-        """Run `fn` on the engine thread (directly when there is none or already on it)."""
-        threadless = self._thread is None or not self.is_running
-        if threadless or threading.current_thread() is self._thread:
+        """Run `fn` on the engine thread; directly when there is no live engine thread (not
+        started, driven by `step()`, or stopped and joined) or when already on it. While the
+        thread is stopping nothing may run beside its last drain: EngineNotRunningError.
+        The check and the put share `_lock` with `shutdown`'s stop flag, so every call queued
+        is handled by the thread's final drain."""
+        thread = self._thread
+        if thread is None or not thread.is_alive() or threading.current_thread() is thread:
             return fn()
         future: Future = Future()
-        self._inbox.put(_Call(fn, future))
+        with self._lock:
+            if self._stop.is_set():
+                raise EngineNotRunningError("the engine is shutting down")
+            self._inbox.put(_Call(fn, future))
         return future.result(timeout)
 
     def _check_accounting(self) -> dict[str, int]:

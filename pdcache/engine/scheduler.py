@@ -146,6 +146,10 @@ class Scheduler:
     def on_step(self) -> None:
         """Called at the start of every `schedule()`."""
 
+    def start(self) -> None:
+        """Start the threads the scheduler's lower tiers own (HiCache's IO workers); called
+        once by `Engine.start()`, before the engine thread. The base scheduler has none."""
+
     def can_retract(self, req: Req) -> bool:
         """False protects running `req` from retraction (e.g. while something else reads
         its pages); the request short of a page then waits."""

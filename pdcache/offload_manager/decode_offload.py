@@ -115,7 +115,8 @@ class DecodeOffloadManager:
         other threads)."""
         if self._thread is not None:
             raise RuntimeError("decode offload manager already started")
-        self.writer = IoWorker(self.storage, "decode-offload", max_queued=self._max_queued_writes)
+        self.writer = IoWorker(self.storage, "decode-offload",
+                               max_queued=self._max_queued_writes).start()
         self._thread = threading.Thread(target=self._copy_loop, name="pdcache-offload-copy",
                                         daemon=True)
         self._thread.start()

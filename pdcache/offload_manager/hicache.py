@@ -357,6 +357,13 @@ class HiCache:
         self.tree.check()
         self.host_pool.check()
 
+    def start(self) -> None:
+        """Start the backup and prefetch IO threads (the engine's `start()` does, through its
+        scheduler); idempotent. Work queued before waits in their queues."""
+        for worker in (self._writer, self._reader):
+            if worker is not None:
+                worker.start()
+
     def close(self) -> None:
         for worker in (self._writer, self._reader):
             if worker is not None:

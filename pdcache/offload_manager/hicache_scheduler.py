@@ -22,6 +22,9 @@ class HiCacheScheduler(Scheduler):
         super().__init__(**kwargs)
         self.hicache = hicache
 
+    def start(self) -> None:
+        self.hicache.start()
+
     def stats(self) -> dict[str, int]:
         """Lower-tier counters and gauges (`HiCache.snapshot`); callable from any thread,
         e.g. the metrics scrape."""

@@ -60,7 +60,10 @@ class IoStats:
 
 
 class IoWorker:
-    """One thread draining one bounded queue of I/O tasks against one backend."""
+    """One thread draining one bounded queue of I/O tasks against one backend.
+
+    The thread starts in `start()` (tasks submitted before wait in the queue) and stops in
+    `close()`, after the tasks queued before it."""
 
     def __init__(self, backend: StorageBackend, name: str, max_queued: int = 256) -> None:
         self.backend = backend
@@ -69,7 +72,14 @@ class IoWorker:
         self._queue: queue.Queue[IoTask | None] = queue.Queue(maxsize=max_queued)
         self._thread = threading.Thread(target=self._loop, name=f"pdcache-io-{name}", daemon=True)
         self._stats_lock = threading.Lock()
-        self._thread.start()
+        self._started = False
+
+    def start(self) -> IoWorker:
+        """Start the worker thread (once; later calls do nothing)."""
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        return self
 
     @property
     def queue_depth(self) -> int:
@@ -85,7 +95,9 @@ class IoWorker:
             return False
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop after the queued tasks; bounded wait."""
+        """Stop after the queued tasks; bounded wait. A worker never started has no thread."""
+        if not self._started:
+            return
         deadline = time.monotonic() + timeout_s
         while self._thread.is_alive() and time.monotonic() < deadline:
             try:

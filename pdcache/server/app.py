@@ -12,6 +12,7 @@ from collections.abc import Callable
 from fastapi import FastAPI
 
 from pdcache.engine.engine import Engine
+from pdcache.offload_manager.hicache_scheduler import HiCacheScheduler
 from pdcache.server.bridge import EngineBridge, ServerConfig
 from pdcache.server.metrics import ServerMetrics
 from pdcache.server.routes import ServerRoutes, build_app
@@ -20,9 +21,9 @@ from pdcache.server.routes import ServerRoutes, build_app
 def server_metrics(engine: Engine, name: str) -> ServerMetrics:
     """The app's registry: request series, engine gauges, and lower-tier series when the
     engine's scheduler has `stats()` (HiCache; a device-only scheduler has none)."""
-    tier_stats = getattr(engine.scheduler, "stats", None)
-    return ServerMetrics(name, stats=engine.stats,
-                         tier_stats=tier_stats if callable(tier_stats) else None)
+    scheduler = engine.scheduler
+    tier_stats = scheduler.stats if isinstance(scheduler, HiCacheScheduler) else None
+    return ServerMetrics(name, stats=engine.stats, tier_stats=tier_stats)
 
 
 def routes_for(engine: Engine, config: ServerConfig) -> ServerRoutes:

@@ -1,6 +1,8 @@
-"""How a node process runs: a `NodeRuntime` builds what the node owns from its `NodeSetup`,
-starts its threads in `start()` and stops them in reverse in `close()`; `serve()` runs one
-runtime's app on a bound socket until SIGINT/SIGTERM. Every role (unified, prefill, decode)
+"""How a node process runs: a `NodeRuntime` builds what the node owns from its `NodeSetup`
+(no thread starts while it builds), starts its threads in `start()` and stops them in
+`close()` (readers and writers of engine pages before the engine, so the engine's final drain
+frees exactly what is left); `serve()` runs one runtime's app on a bound socket until
+SIGINT/SIGTERM. Every role (unified, prefill, decode)
 goes through `serve()`; `UnifiedRuntime` is the unified server's.
 
 Lifecycle: the app's lifespan calls `start()` before the socket accepts requests and
@@ -35,7 +37,7 @@ class NodeRuntime(Protocol):
         """Start every thread the node owns (engine, cache tiers, transfer)."""
 
     def close(self) -> None:
-        """Stop them in reverse order; idempotent."""
+        """Stop them (transfer and offload before the engine); idempotent."""
 
     def app(self) -> FastAPI:
         """The node's HTTP app; its lifespan calls `start()` and `close()`."""

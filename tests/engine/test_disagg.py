@@ -141,3 +141,30 @@ def test_held_pages_freed_by_abort_and_shutdown(tiny) -> None:
         engine.shutdown()
     numbers = engine.check_accounting()  # not running: checked in this thread
     assert numbers["requests"] == 0 and numbers["used"] == numbers["tree"]
+
+
+def test_no_reservation_beside_a_stopping_engine_thread(tiny) -> None:
+    """While the engine thread is still running after `shutdown()` (its join timed out), a
+    `reserve` from another thread must not run the scheduler on that thread beside it (the
+    thread's final drain frees pages): it is refused with EngineNotRunningError. Without the
+    guard, `reserve` ran `scheduler.reserve` on the caller's thread and returned pages."""
+    from pdcache.engine.engine import EngineNotRunningError
+
+    engine = make_engine(tiny, pages=32)
+    in_callback, release = threading.Event(), threading.Event()
+
+    def block(out: RequestOutput) -> None:  # engine thread: hold it inside a callback
+        in_callback.set()
+        release.wait(30)
+
+    req = GenerateRequest(rid="blocker", input_ids=[1, 2, 3], sampling=DECODE)
+    engine.submit(req, block)
+    assert in_callback.wait(30)
+    engine.shutdown(timeout=0.05)  # stop flag set; the thread is still inside `block`
+    try:
+        with pytest.raises(EngineNotRunningError):
+            engine.reserve("late", 8)
+    finally:
+        release.set()
+    engine.shutdown(timeout=30)
+    assert engine.check_accounting()["free"] == 32

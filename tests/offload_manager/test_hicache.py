@@ -24,6 +24,7 @@ class Stack:
         self.host = HostKVPool(host_pages, L, S, H, D, torch.float32)
         self.tree = HiRadixTree(S, self.alloc, self.host)
         self.cache = HiCache(self.tree, self.device_kv, storage, HiCacheConfig(**cfg), FP)
+        self.cache.start()
 
     def prefill(self, tokens: list[int], salt: str = "") -> list[int]:
         """Pretend a forward computed `tokens`: fill pages with a pattern, insert, back up."""

@@ -23,7 +23,7 @@ def run_task(worker: IoWorker, kind: IoKind, keys, pages) -> IoResult:
 
 def test_write_then_read_round_trip() -> None:
     backend = DictBackend()
-    worker = IoWorker(backend, "t")
+    worker = IoWorker(backend, "t").start()
     src = [torch.randint(0, 256, (64,), dtype=torch.uint8) for _ in range(3)]
     keys = [bytes([i]) * 32 for i in range(3)]
     assert run_task(worker, IoKind.WRITE, keys, src).ok == [True] * 3
@@ -38,7 +38,7 @@ def test_write_then_read_round_trip() -> None:
 
 def test_backend_exception_is_counted_and_worker_survives() -> None:
     backend = DictBackend()
-    worker = IoWorker(backend, "t")
+    worker = IoWorker(backend, "t").start()
     page = [torch.ones(8, dtype=torch.uint8)]
     backend.down = True
     failed = run_task(worker, IoKind.WRITE, [b"k" * 32], page)
@@ -53,7 +53,7 @@ def test_backend_exception_is_counted_and_worker_survives() -> None:
 def test_full_queue_rejects_without_blocking_and_callback_errors_survive() -> None:
     backend = DictBackend()
     backend.gate.clear()  # hold the worker inside the first task
-    worker = IoWorker(backend, "t", max_queued=2)
+    worker = IoWorker(backend, "t", max_queued=2).start()
 
     def explode(_: IoResult) -> None:
         raise RuntimeError("bad callback")
@@ -66,3 +66,20 @@ def test_full_queue_rejects_without_blocking_and_callback_errors_survive() -> No
     worker.close()
     assert worker.stats.callback_errors == accepted.count(True)
     assert worker.stats.pages_written == accepted.count(True)
+
+
+def test_no_thread_before_start_and_queued_tasks_run_after() -> None:
+    """The worker's thread is started by `start()` (its owner's), not by the constructor: a
+    task submitted before waits in the queue and runs once the worker starts."""
+    before = {t.name for t in threading.enumerate()}
+    worker = IoWorker(DictBackend(), "lazy")
+    assert "pdcache-io-lazy" not in {t.name for t in threading.enumerate()} - before
+    done = threading.Event()
+    page = [torch.zeros(4, dtype=torch.uint8)]
+    assert worker.submit(IoTask(IoKind.WRITE, [b"k" * 32], page, lambda _: done.set()))
+    assert not done.wait(0.2)  # nothing runs it yet
+    worker.start()
+    assert done.wait(10)
+    worker.close()
+    assert worker.stats.pages_written == 1
+    IoWorker(DictBackend(), "never").close()  # never started: close returns at once
