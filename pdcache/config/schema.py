@@ -208,6 +208,9 @@ class RouterSpec:
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     health_interval_s: float = 2.0
+    max_inflight_per_node: int = 0  # requests in flight per node before the router queues; 0 = no limit
+    max_queue: int = 1024  # requests the router queues when every node is at its limit
+    max_attempts: int = 3  # tries of a request whose node was unreachable or answered 503
 
     @property
     def url(self) -> str:

@@ -122,16 +122,16 @@ def build_config(args: argparse.Namespace) -> tuple[Any, str, int]:
         request_timeout_s=_pick(args.request_timeout, spec.request_timeout_s),
         connect_timeout_s=_pick(args.connect_timeout, spec.connect_timeout_s),
         health_interval_s=_pick(args.health_interval, spec.health_interval_s),
-        **_load_settings(args),
+        **_load_settings(args, spec),
     )
     return config, _pick(args.host, spec.host), _pick(args.port, spec.port)
 
 
-def _load_settings(args: argparse.Namespace) -> dict[str, int]:
-    """RouterConfig's admission/retry fields given by flags (topology keys: not yet)."""
-    named = {"max_inflight_per_node": args.max_inflight_per_node, "max_queue": args.max_queue,
-             "max_attempts": args.max_attempts}
-    return {k: v for k, v in named.items() if v is not None}
+def _load_settings(args: argparse.Namespace, spec: RouterSpec) -> dict[str, int]:
+    """RouterConfig's admission/retry fields: the flags, else the topology's `[router]`."""
+    return {"max_inflight_per_node": _pick(args.max_inflight_per_node, spec.max_inflight_per_node),
+            "max_queue": _pick(args.max_queue, spec.max_queue),
+            "max_attempts": _pick(args.max_attempts, spec.max_attempts)}
 
 
 def _pick(*values: Any) -> Any:

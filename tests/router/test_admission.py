@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -185,3 +186,23 @@ def test_flags_set_the_admission_fields() -> None:
     assert (config.max_inflight_per_node, config.max_queue, config.max_attempts) == (3, 7, 2)
     config, _, _ = build_config(parser.parse_args(["--unified", "127.0.0.1:1"]))
     assert (config.max_inflight_per_node, config.max_queue, config.max_attempts) == (0, 1024, 3)
+
+
+def test_topology_router_keys_set_the_admission_fields() -> None:
+    """`[router] max_inflight_per_node / max_queue / max_attempts` reach the router that
+    `pdcache launch` starts (`--config --node router`); a flag still wins."""
+    import argparse
+
+    from pdcache.router.cli import add_arguments, build_config
+
+    config_path = Path(__file__).resolve().parents[2] / "configs" / "local-1p1d.toml"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sets = ["--set", "router.max_inflight_per_node=4", "--set", "router.max_queue=9",
+            "--set", "router.max_attempts=2"]
+    args = parser.parse_args(["--config", str(config_path), "--node", "router", *sets])
+    config, _, _ = build_config(args)
+    assert (config.max_inflight_per_node, config.max_queue, config.max_attempts) == (4, 9, 2)
+    args = parser.parse_args(["--config", str(config_path), "--node", "router", *sets,
+                              "--max-queue", "3"])
+    assert build_config(args)[0].max_queue == 3
