@@ -48,8 +48,9 @@ from pdcache.engine.config import ModelConfig
 from pdcache.engine.page_keys import chain_page_keys, make_salt
 from pdcache.engine.tokenizer import Tokenizer
 from pdcache.router.admission import Admission, Ask, HasRoom, RouterBusyError
+from pdcache.router.config import RouterConfig
 from pdcache.router.metrics import QueueView, RouterMetrics
-from pdcache.router.nodes import NodeEndpoint, NodeRegistry
+from pdcache.router.nodes import NodeRegistry
 from pdcache.router.policy import NoHealthyNodeError, PairSelector
 from pdcache.router.proxy import (
     BAD_GATEWAY,
@@ -102,41 +103,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 FINISHED_OK = ("stop", "length")
 OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key (probes, scrapers)
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """Settings of one router process."""
-
-    nodes: tuple[NodeEndpoint, ...]
-    model: str = "tiny"  # tokenizer + model config: a preset name or a checkpoint directory
-    model_seed: int = 0  # presets: the seed is part of the model's name
-    served_model_name: str | None = None
-    name: str = "router"
-    page_size: int = 16  # page size of the nodes' caches (cache-aware routing keys)
-    prefill_policy: str = "cache_aware"
-    decode_policy: str = "round_robin"
-    api_key: str | None = None
-    request_timeout_s: float = 600.0
-    connect_timeout_s: float = 5.0
-    health_interval_s: float = 2.0
-    health_timeout_s: float = 2.0
-    unhealthy_after: int = 2  # failed probes in a row before a node is taken out
-    max_attempts: int = 3  # tries of a request whose node was unreachable or answered 503
-    max_sessions: int = 10_000
-    session_ttl_s: float = 3600.0
-    max_inflight_per_node: int = 0  # router slots per node (NodeEndpoint.max_inflight wins); 0: none
-    max_queue: int = 1024  # requests waiting for a slot; 0: a busy router refuses at once
-
-    def __post_init__(self) -> None:
-        if self.max_attempts < 1 or self.max_queue < 0 or self.max_inflight_per_node < 0:
-            raise ValueError("max_attempts must be >= 1, max_queue and max_inflight_per_node "
-                             ">= 0")
-
-    def inflight_limit(self, node: NodeEndpoint) -> int:
-        """The router's in-flight limit of `node` (0: none)."""
-        own = node.max_inflight
-        return self.max_inflight_per_node if own is None else max(0, own)
 
 
 @dataclass
