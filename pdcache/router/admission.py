@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdcache.router.policy import NodeState
-from pdcache.router.proxy import Deadline, Route
+from pdcache.router.route import Deadline, Route
 from pdcache.server.protocol import OVERLOADED, ApiError
 
 HasRoom = Callable[[NodeState], bool]

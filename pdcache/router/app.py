@@ -50,17 +50,12 @@ from pdcache.engine.tokenizer import Tokenizer
 from pdcache.router.admission import Admission, Ask, HasRoom, RouterBusyError
 from pdcache.router.config import RouterConfig
 from pdcache.router.metrics import QueueView, RouterMetrics
+from pdcache.router.node_client import BAD_GATEWAY, NodeOverloadedError, NodeUnreachableError
 from pdcache.router.nodes import NodeRegistry
 from pdcache.router.policy import NoHealthyNodeError, PairSelector
-from pdcache.router.proxy import (
-    BAD_GATEWAY,
-    Deadline,
-    NodeOverloadedError,
-    NodeUnreachableError,
-    Proxy,
-    Route,
-)
+from pdcache.router.proxy import Proxy
 from pdcache.router.proxy import RouteStream as UpstreamStream
+from pdcache.router.route import Deadline, Route
 from pdcache.router.sessions import ChatContinuation, SessionStore
 from pdcache.server.bridge import wait_for_disconnect
 from pdcache.server.protocol import (

@@ -22,7 +22,7 @@ from pdcache.router.admission import Ask
 from pdcache.router.app import Router, create_app
 from pdcache.router.config import RouterConfig
 from pdcache.router.nodes import NodeEndpoint
-from pdcache.router.proxy import Deadline, Route
+from pdcache.router.route import Deadline, Route
 from tests.router_support import GREEDY, PAGE, RouterUnderTest, UnifiedNode, prompt
 
 pytestmark = pytest.mark.slow
