@@ -22,6 +22,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import httpx
 
 from pdcache.router.node_client import EventStream, NodeClient, NodeOverloadedError
@@ -197,6 +198,12 @@ class RouteStream:
             self._client.result(self._events.node, self._ok)
             if self._route is not None:
                 self._route.release_all()
+
+
+async def close_stream(stream: RouteStream) -> None:
+    """Close upstream connections even from a cancelled scope (client disconnect)."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+        await stream.aclose()
 
 
 # --------------------------------------------------------------------------- task helpers
