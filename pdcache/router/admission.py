@@ -74,7 +74,7 @@ class AdmissionObserver:
 
 class Lease:
     """The slots one admitted request holds; owned by that request, released per node
-    (idempotent) by the proxy and by the app on failure. Event loop only."""
+    (idempotent) by the proxy and by the routing core on failure. Event loop only."""
 
     def __init__(self, admission: Admission, nodes: Sequence[NodeState]) -> None:
         self._admission = admission
