@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdcache.router.policy import NodeState
-from pdcache.router.proxy import Deadline, Route
+from pdcache.router.route import Deadline, Route
 from pdcache.server.protocol import OVERLOADED, ApiError
 
 HasRoom = Callable[[NodeState], bool]
@@ -74,7 +74,7 @@ class AdmissionObserver:
 
 class Lease:
     """The slots one admitted request holds; owned by that request, released per node
-    (idempotent) by the proxy and by the app on failure. Event loop only."""
+    (idempotent) by the proxy and by the routing core on failure. Event loop only."""
 
     def __init__(self, admission: Admission, nodes: Sequence[NodeState]) -> None:
         self._admission = admission

@@ -31,6 +31,7 @@ from pdcache.config import (
     add_topology_arguments,
     router_from_args,
 )
+from pdcache.router.config import RouterConfig
 from pdcache.router.nodes import NodeEndpoint
 from pdcache.router.policy import DECODE_POLICIES, PREFILL_POLICIES
 
@@ -97,11 +98,9 @@ def topology_nodes(topology: Topology) -> list[NodeEndpoint]:
             for n in topology.nodes]
 
 
-def build_config(args: argparse.Namespace) -> tuple[Any, str, int]:
+def build_config(args: argparse.Namespace) -> tuple[RouterConfig, str, int]:
     """(RouterConfig, host, port) from the topology and/or the flags. Raises TopologyError
     or ValueError."""
-    from pdcache.router.app import RouterConfig
-
     loaded = router_from_args(args)
     spec = loaded[1] if loaded else RouterSpec()
     nodes = topology_nodes(loaded[0]) if loaded else []

@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 
 from pdcache.router.admission import AdmissionObserver
 from pdcache.router.policy import NodeState
-from pdcache.router.proxy import Route
+from pdcache.router.route import Route
 from pdcache.server.metrics import LATENCY_BUCKETS, TIERS
 
 REJECT_REASONS = ("queue_full", "queue_timeout", "no_healthy_node", "node_overloaded")

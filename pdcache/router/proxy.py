@@ -1,16 +1,13 @@
-"""Forwarding one `/generate` to a unified node or to a prefill + decode pair
-(docs/pd-protocol.md), with deadlines, error mapping and cancellation.
+"""Forwarding one `/generate` through a route: to a unified node, or to a prefill + decode
+pair at once (docs/pd-protocol.md), with cancellation of the pair's other call.
 
-Owns no state beyond one request: `Proxy` holds the shared `httpx.AsyncClient` and the node
-registry (whose in-flight counts it maintains). Errors are `ApiError`s the app renders as-is:
-4xx from a node pass through, a node that cannot be reached is a 502 `NodeUnreachableError`
-(and the node is marked unhealthy), garbage or a connection dying mid-response is a 502, the
-request's deadline is a 504. A node's 503 (full, queue full, not running) is a
-`NodeOverloadedError` naming the node, so the app can retry elsewhere. In PD mode the request
-goes to P and D at once; if P fails, D's request is cancelled (closing its connection makes D
-abort the room) and the client gets P's error; if D fails, P is cancelled and the client gets
-D's error (P's, if P failed too; a D that refused with 503 never reached P, so P is not waited
-for). Cancelling a call (client disconnect) closes every upstream connection it holds.
+`Proxy` owns no state beyond one request; its calls to single nodes (HTTP, SSE parsing, error
+mapping, in-flight counts) are `pdcache.router.node_client.NodeClient`'s. In PD mode the
+request goes to P and D at once; if P fails, D's request is cancelled (closing its connection
+makes D abort the room) and the client gets P's error; if D fails, P is cancelled and the
+client gets D's error (P's, if P failed too; a D that refused with 503 never reached P, so P is
+not waited for). Cancelling a call (client disconnect) closes every upstream connection it
+holds. Everything runs on the router's event loop.
 
 Slots: a `Route` may carry the router-side slots its request holds (`SlotHolder`,
 `pdcache.router.admission`). The proxy frees them as the work ends: P's when P's call is over,
@@ -20,250 +17,29 @@ the answering node's (D or unified) when the JSON answer is in or the stream is 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import secrets
-import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import httpx
 
+from pdcache.router.node_client import EventStream, NodeClient, NodeOverloadedError
 from pdcache.router.nodes import NodeRegistry
 from pdcache.router.policy import NodeState
-from pdcache.server.protocol import (
-    INVALID_REQUEST,
-    OVERLOADED,
-    SERVER_ERROR,
-    TIMEOUT,
-    ApiError,
-)
+from pdcache.router.route import Deadline, Route
+from pdcache.server.protocol import OVERLOADED, ApiError
 
 log = logging.getLogger(__name__)
 
-BAD_GATEWAY = "bad_gateway"
 PREFILL_ERROR_GRACE_S = 1.0  # after D failed: how long P gets to report the root cause
 PREFILL_FINISH_GRACE_S = 5.0  # after D succeeded: how long P's answer is awaited (accounting)
-MAX_ERROR_BYTES = 64 * 1024
-
-
-class NodeUnreachableError(ApiError):
-    """The node refused or timed out the connection: nothing reached it, a retry is safe."""
-
-    def __init__(self, node: NodeState, detail: str) -> None:
-        super().__init__(502, f"{node.role} node {node.name} is unreachable: {detail}",
-                         type=SERVER_ERROR, code="node_unreachable")
-        self.node = node
-
-
-class NodeOverloadedError(ApiError):
-    """The node answered 503 (full, queue full, not running): it refused the request, so
-    another node of its role may take it. The node's own error (status, type, code, message)
-    is kept, so a 503 that is not retried reaches the client unchanged."""
-
-    def __init__(self, node: NodeState, error: ApiError) -> None:
-        super().__init__(error.status_code, error.message, type=error.type, param=error.param,
-                         code=error.code)
-        self.node = node
-
-
-class SlotHolder(Protocol):
-    """Router-side slots held by one request on its route's nodes (idempotent releases)."""
-
-    def release(self, node: NodeState) -> None: ...
-
-    def release_all(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where one request goes: a unified node, or a prefill + decode pair; `lease` holds the
-    request's router slots on those nodes (None when the router does not limit them)."""
-
-    unified: NodeState | None = None
-    prefill: NodeState | None = None
-    decode: NodeState | None = None
-    lease: SlotHolder | None = field(default=None, compare=False)
-
-    @property
-    def nodes(self) -> tuple[NodeState, ...]:
-        return tuple(n for n in (self.unified, self.prefill, self.decode) if n is not None)
-
-    def release(self, node: NodeState) -> None:
-        """This request's work on `node` is over: free its slot there (idempotent)."""
-        if self.lease is not None:
-            self.lease.release(node)
-
-    def release_all(self) -> None:
-        if self.lease is not None:
-            self.lease.release_all()
-
-    @property
-    def prefill_name(self) -> str:
-        node = self.unified or self.prefill
-        assert node is not None
-        return node.name
-
-    @property
-    def decode_name(self) -> str:
-        node = self.unified or self.decode
-        assert node is not None
-        return node.name
-
-    @property
-    def first_node(self) -> NodeState:
-        """The node whose prefix cache serves the prompt (for the cache-aware index)."""
-        node = self.unified or self.prefill
-        assert node is not None
-        return node
-
-
-class Deadline:
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self.at = time.monotonic() + timeout_s
-
-    def remaining(self) -> float:
-        return max(0.0, self.at - time.monotonic())
-
-    def error(self, what: str) -> ApiError:
-        return ApiError(504, f"{what} did not finish within the router's deadline of "
-                        f"{self.timeout_s:g}s", type=TIMEOUT, code="timeout")
-
-
-# --------------------------------------------------------------------------- error mapping
-
-
-def error_from_response(node: NodeState, status: int, content: bytes) -> ApiError:
-    """A node's non-200 answer: its OpenAI-style error passed through (5xx other than
-    503/504 become 502, as the router is the gateway); garbage becomes a 502."""
-    error = _error_object(content)
-    if error is None:
-        text = content[:200].decode(errors="replace")
-        return ApiError(502, f"{node.role} node {node.name} answered {status} without a JSON "
-                        f"error: {text!r}", type=SERVER_ERROR, code=BAD_GATEWAY)
-    message = str(error.get("message") or f"{node.role} node {node.name} answered {status}")
-    kind = str(error.get("type") or (INVALID_REQUEST if status < 500 else SERVER_ERROR))
-    param, code = error.get("param"), error.get("code")
-    if status >= 500 and status not in (503, 504):
-        message = f"{node.role} node {node.name} failed: {message}"
-        status = 502
-    return _overloaded(node, ApiError(status, message, type=kind, param=param, code=code))
-
-
-def _overloaded(node: NodeState, error: ApiError) -> ApiError:
-    """A 503 becomes a NodeOverloadedError naming `node` (retryable elsewhere)."""
-    return NodeOverloadedError(node, error) if error.status_code == 503 else error
-
-
-def error_from_event(node: NodeState, error: Any) -> ApiError:
-    """An `{"error": ...}` event inside a node's SSE stream."""
-    error = error if isinstance(error, dict) else {"message": str(error)}
-    kind = str(error.get("type") or SERVER_ERROR)
-    status = {TIMEOUT: 504, OVERLOADED: 503, INVALID_REQUEST: 400}.get(kind, 502)
-    message = f"{node.role} node {node.name}: {error.get('message') or 'stream failed'}"
-    return _overloaded(node, ApiError(status, message, type=kind, param=error.get("param"),
-                                      code=error.get("code")))
-
-
-def _error_object(content: bytes) -> dict[str, Any] | None:
-    try:
-        body = json.loads(content)
-    except ValueError:
-        return None
-    error = body.get("error") if isinstance(body, dict) else None
-    return error if isinstance(error, dict) else None
-
-
-def _transport_error(node: NodeState, exc: httpx.HTTPError, deadline: Deadline) -> ApiError:
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
-        return NodeUnreachableError(node, f"{type(exc).__name__}: {exc}")
-    if isinstance(exc, httpx.TimeoutException):
-        return deadline.error(f"{node.role} node {node.name}")
-    return ApiError(502, f"{node.role} node {node.name} broke the connection: "
-                    f"{type(exc).__name__}: {exc}", type=SERVER_ERROR, code=BAD_GATEWAY)
-
-
-# --------------------------------------------------------------------------- SSE stream
-
-
-class EventStream:
-    """The `data:` events of one node's streaming `/generate` response, under a deadline.
-
-    Parses SSE at the byte level from the response's chunks (one `data:` line per event, as
-    the nodes send them): forwarding costs one chunk read and one JSON parse per event."""
-
-    def __init__(self, node: NodeState, response: httpx.Response, deadline: Deadline) -> None:
-        self.node = node
-        self._response = response
-        self._chunks = response.aiter_bytes()
-        self._buffer = b""
-        self._payloads: deque[bytes] = deque()
-        self._deadline = deadline
-        self.closed = False
-
-    async def next(self) -> dict[str, Any] | None:
-        """The next event; None once the stream ended with [DONE]. ApiError on error events,
-        garbage, a broken connection or the deadline."""
-        while not self._payloads:
-            chunk = await self._next_chunk()
-            if chunk is None:
-                self._split(b"\n")  # a last line without its newline
-                if not self._payloads:
-                    raise ApiError(502, f"{self.node.role} node {self.node.name} ended its "
-                                   "stream without [DONE]", type=SERVER_ERROR, code=BAD_GATEWAY)
-                break
-            self._split(chunk)
-        payload = self._payloads.popleft()
-        return None if payload == b"[DONE]" else self._parse(payload)
-
-    def _split(self, chunk: bytes) -> None:
-        *lines, self._buffer = (self._buffer + chunk).split(b"\n")
-        for line in lines:
-            if line.startswith(b"data:"):
-                self._payloads.append(line[5:].strip())
-
-    def _parse(self, payload: bytes) -> dict[str, Any]:
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            event = None
-        if not isinstance(event, dict):
-            raise ApiError(502, f"{self.node.role} node {self.node.name} sent a malformed event: "
-                           f"{payload[:200]!r}", type=SERVER_ERROR, code=BAD_GATEWAY)
-        if "error" in event:
-            raise error_from_event(self.node, event["error"])
-        return event
-
-    async def _next_chunk(self) -> bytes | None:
-        try:
-            # a cancel scope, not wait_for: no task per read on the hot path
-            with anyio.fail_after(self._deadline.remaining()):
-                return await anext(self._chunks)
-        except StopAsyncIteration:
-            return None
-        except TimeoutError:
-            raise self._deadline.error(f"{self.node.role} node {self.node.name}") from None
-        except httpx.HTTPError as exc:
-            raise _transport_error(self.node, exc, self._deadline) from None
-
-    async def aclose(self) -> None:
-        """Close the connection (the node sees a disconnect and aborts the request)."""
-        if not self.closed:
-            self.closed = True
-            with contextlib.suppress(Exception):
-                await self._response.aclose()
-
-
-# --------------------------------------------------------------------------- the proxy
 
 
 class Proxy:
-    """Sends `/generate` bodies to nodes; maintains their in-flight counts."""
+    """Sends `/generate` bodies through routes (one node, or P + D); its `NodeClient`
+    maintains the nodes' in-flight counts."""
 
     def __init__(
         self,
@@ -273,82 +49,8 @@ class Proxy:
         connect_timeout_s: float = 5.0,
         on_node_result: Callable[[NodeState, bool], None] | None = None,
     ) -> None:
-        self._client = client
-        self._registry = registry
-        self._connect_timeout_s = connect_timeout_s
-        self._on_node_result = on_node_result
-
-    # ---- one node
-
-    async def post_json(self, node: NodeState, body: dict[str, Any], deadline: Deadline
-                        ) -> dict[str, Any]:
-        """Non-streaming `/generate` on `node`: the parsed JSON answer, or ApiError."""
-        with self._registry.in_flight(node):
-            try:
-                data = await asyncio.wait_for(self._post(node, body, deadline),
-                                              deadline.remaining())
-            except asyncio.TimeoutError:
-                self._result(node, False)
-                raise deadline.error(f"{node.role} node {node.name}") from None
-            except ApiError:
-                self._result(node, False)
-                raise
-        self._result(node, True)
-        return data
-
-    async def _post(self, node: NodeState, body: dict[str, Any], deadline: Deadline
-                    ) -> dict[str, Any]:
-        try:
-            resp = await self._client.post(f"{node.url}/generate", json=body,
-                                           timeout=self._timeout(deadline))
-        except httpx.HTTPError as exc:
-            raise self._failed(node, exc, deadline) from None
-        if resp.status_code != 200:
-            raise error_from_response(node, resp.status_code, resp.content[:MAX_ERROR_BYTES])
-        try:
-            data = resp.json()
-        except ValueError:
-            data = None
-        if not isinstance(data, dict):
-            raise ApiError(502, f"{node.role} node {node.name} answered a non-JSON body",
-                           type=SERVER_ERROR, code=BAD_GATEWAY)
-        return data
-
-    async def open_stream(self, node: NodeState, body: dict[str, Any], deadline: Deadline
-                          ) -> EventStream:
-        """Streaming `/generate` on `node`, once its response headers arrived."""
-        request = self._client.build_request("POST", f"{node.url}/generate", json=body,
-                                             timeout=self._timeout(deadline))
-        try:
-            resp = await asyncio.wait_for(self._client.send(request, stream=True),
-                                          deadline.remaining())
-        except asyncio.TimeoutError:
-            raise deadline.error(f"{node.role} node {node.name}") from None
-        except httpx.HTTPError as exc:
-            raise self._failed(node, exc, deadline) from None
-        if resp.status_code != 200:
-            try:
-                content = await asyncio.wait_for(resp.aread(), min(deadline.remaining(), 5.0))
-            except (asyncio.TimeoutError, httpx.HTTPError):
-                content = b""
-            finally:
-                await resp.aclose()
-            raise error_from_response(node, resp.status_code, content[:MAX_ERROR_BYTES])
-        return EventStream(node, resp, deadline)
-
-    def _timeout(self, deadline: Deadline) -> httpx.Timeout:
-        remaining = max(deadline.remaining(), 0.001)
-        return httpx.Timeout(remaining, connect=min(self._connect_timeout_s, remaining))
-
-    def _failed(self, node: NodeState, exc: httpx.HTTPError, deadline: Deadline) -> ApiError:
-        error = _transport_error(node, exc, deadline)
-        if isinstance(error, NodeUnreachableError):
-            self._registry.mark_unreachable(node, error.message)
-        return error
-
-    def _result(self, node: NodeState, ok: bool) -> None:
-        if self._on_node_result is not None:
-            self._on_node_result(node, ok)
+        self._client = NodeClient(client, registry, connect_timeout_s=connect_timeout_s,
+                                  on_node_result=on_node_result)
 
     # ---- a route (unified node or P + D)
 
@@ -358,7 +60,8 @@ class Proxy:
         slots are free when this returns or raises."""
         try:
             if route.unified is not None:
-                return await self.post_json(route.unified, {**body, "stream": False}, deadline)
+                return await self._client.post_json(route.unified, {**body, "stream": False},
+                                                    deadline)
             return await self._pd_generate(route, body, deadline)
         finally:
             route.release_all()
@@ -381,12 +84,12 @@ class Proxy:
         assert node is not None
         node.in_flight += 1
         try:
-            events = await self.open_stream(node, {**body, "stream": True}, deadline)
+            events = await self._client.open_stream(node, {**body, "stream": True}, deadline)
         except BaseException:
             node.in_flight -= 1
-            self._result(node, False)
+            self._client.result(node, False)
             raise
-        return RouteStream(self, events, None, route)
+        return RouteStream(self._client, events, None, route)
 
     # ---- PD
 
@@ -410,7 +113,7 @@ class Proxy:
         p_body, d_body = self._pd_bodies(route, body, stream=False)
         assert route.prefill is not None and route.decode is not None
         p_task = self._prefill_task(route, p_body, deadline)
-        d_task = asyncio.create_task(self.post_json(route.decode, d_body, deadline))
+        d_task = asyncio.create_task(self._client.post_json(route.decode, d_body, deadline))
         try:
             await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_EXCEPTION)
             p_error, d_error = _failure(p_task), _failure(d_task)
@@ -431,13 +134,14 @@ class Proxy:
         p_task = self._prefill_task(route, p_body, deadline)
         decode.in_flight += 1
         try:
-            events = await _race_prefill(p_task, self.open_stream(decode, d_body, deadline))
+            events = await _race_prefill(p_task,
+                                         self._client.open_stream(decode, d_body, deadline))
         except BaseException:
             decode.in_flight -= 1
-            self._result(decode, False)
+            self._client.result(decode, False)
             await _cancel(p_task)
             raise
-        return RouteStream(self, events, p_task, route)
+        return RouteStream(self._client, events, p_task, route)
 
     def _prefill_task(self, route: Route, p_body: dict[str, Any], deadline: Deadline
                       ) -> asyncio.Task[dict[str, Any]]:
@@ -445,7 +149,7 @@ class Proxy:
         once the KV is pushed, while D still decodes)."""
         prefill = route.prefill
         assert prefill is not None
-        task = asyncio.create_task(self.post_json(prefill, p_body, deadline))
+        task = asyncio.create_task(self._client.post_json(prefill, p_body, deadline))
         task.add_done_callback(lambda _task: route.release(prefill))
         return task
 
@@ -456,10 +160,10 @@ class RouteStream:
     Until the first event arrives a failure of P wins (D is closed, P's error raised). After
     the stream ends P gets a short grace to answer; `aclose()` cancels whatever is left."""
 
-    def __init__(self, proxy: Proxy, events: EventStream,
+    def __init__(self, client: NodeClient, events: EventStream,
                  prefill: asyncio.Task[dict[str, Any]] | None, route: Route | None = None
                  ) -> None:
-        self._proxy = proxy
+        self._client = client
         self._events = events
         self._prefill = prefill
         self._route = route
@@ -491,9 +195,15 @@ class RouteStream:
         if not self._released:
             self._released = True
             self._events.node.in_flight -= 1
-            self._proxy._result(self._events.node, self._ok)
+            self._client.result(self._events.node, self._ok)
             if self._route is not None:
                 self._route.release_all()
+
+
+async def close_stream(stream: RouteStream) -> None:
+    """Close upstream connections even from a cancelled scope (client disconnect)."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+        await stream.aclose()
 
 
 # --------------------------------------------------------------------------- task helpers

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdcache.bench.replay import PoissonGate, RoundBarrier, StreamErrorChunk, StreamState
+from pdcache.bench.replay_http import StreamErrorChunk, StreamState
+from pdcache.bench.replay_run import PoissonGate, RoundBarrier
 from pdcache.bench.traces import Blocks, Session, Turn
 from pdcache.cli import main as pdcache_main
 

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from pdcache.cli import main as pdcache_main
-from pdcache.router.app import RouterConfig, create_app
+from pdcache.router.app import create_app
+from pdcache.router.config import RouterConfig
 from pdcache.router.nodes import NodeEndpoint
 from tests.router_support import PAGE, RouterUnderTest, UnifiedNode
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdcache.bench.replay import RequestRecord
+from pdcache.bench.replay_records import RequestRecord
 from pdcache.bench.report import main as report_main
 from pdcache.bench.report import summarize, write_report
 

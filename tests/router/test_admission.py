@@ -20,9 +20,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcache.router.admission import Ask
-from pdcache.router.app import Router, RouterConfig, create_app
+from pdcache.router.app import create_app
+from pdcache.router.config import RouterConfig
+from pdcache.router.core import Router
 from pdcache.router.nodes import NodeEndpoint
-from pdcache.router.proxy import Deadline, Route
+from pdcache.router.route import Deadline, Route
 from tests.router_support import GREEDY, PAGE, RouterUnderTest, UnifiedNode, prompt
 
 pytestmark = pytest.mark.slow

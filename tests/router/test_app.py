@@ -11,7 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdcache.router.app import RouterConfig, create_app
+from pdcache.router.app import create_app
+from pdcache.router.config import RouterConfig
 from pdcache.router.nodes import NodeEndpoint
 from tests.router_support import (
     GREEDY,

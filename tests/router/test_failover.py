@@ -15,8 +15,9 @@ import pytest
 
 from pdcache.engine.config import CacheConfig
 from pdcache.engine.engine import Engine
-from pdcache.router.app import RouterConfig, create_app
+from pdcache.router.app import create_app
 from pdcache.router.cli import READY_PREFIX as ROUTER_READY
+from pdcache.router.config import RouterConfig
 from pdcache.router.nodes import NodeEndpoint
 from pdcache.server.app import ServerConfig
 from pdcache.server.app import create_app as create_unified_app

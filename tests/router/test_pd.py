@@ -22,7 +22,8 @@ from pdcache.engine.api import GenerateRequest, SamplingParams  # noqa: E402
 from pdcache.engine.config import CacheConfig, EngineConfig  # noqa: E402
 from pdcache.engine.engine import Engine  # noqa: E402
 from pdcache.engine.loader import load_model  # noqa: E402
-from pdcache.router.app import RouterConfig, create_app  # noqa: E402
+from pdcache.router.app import create_app  # noqa: E402
+from pdcache.router.config import RouterConfig  # noqa: E402
 from pdcache.router.nodes import NodeEndpoint  # noqa: E402
 from tests.pd_harness import PDStack, free_port, node_setups, start_stack  # noqa: E402
 from tests.router_support import RawServer, RouterUnderTest, sse_events  # noqa: E402

@@ -26,7 +26,8 @@ pytest.importorskip("pdcache.decode_node.runtime", reason="the decode node is no
 
 from pdcache.engine.engine import Engine  # noqa: E402
 from pdcache.engine.loader import load_model  # noqa: E402
-from pdcache.router.app import RouterConfig, create_app  # noqa: E402
+from pdcache.router.app import create_app  # noqa: E402
+from pdcache.router.config import RouterConfig  # noqa: E402
 from pdcache.router.nodes import NodeEndpoint  # noqa: E402
 from tests.pd_harness import PDStack, node_setups, start_stack  # noqa: E402
 from tests.router_support import RouterUnderTest, sse_events  # noqa: E402

@@ -1,0 +1,266 @@
+"""The run loop of `pdcache bench replay`: `Replayer` drives one replay on one asyncio event
+loop (every session a task; `--concurrency` a semaphore), releasing turns by mode
+(`PoissonGate` for poisson arrivals, trace timestamps, `RoundBarrier` for `--round-barrier`),
+building each turn's token-exact prompt from the session's real history, sending it
+(`pdcache.bench.replay_http`), tracking the theoretical reuse, and writing one
+`RequestRecord` per request to `requests.jsonl` as it completes. Returns the run's counts
+(the run part of `summary.json`; `pdcache.bench.report` writes the rest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from pdcache.bench.replay_config import ReplayConfig
+from pdcache.bench.replay_http import send_plain, send_stream
+from pdcache.bench.replay_records import (
+    PROMPT_MISMATCH,
+    PromptMismatchError,
+    RequestRecord,
+    check_prompt_tokens,
+)
+from pdcache.bench.tokens import BlockExpander, ReuseTracker
+from pdcache.bench.traces import Session, Trace, Turn
+
+EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class PoissonGate:
+    """Releases one waiter per tick of a Poisson process; FIFO (asyncio.Lock is fair)."""
+
+    def __init__(self, rate: float, seed: int) -> None:
+        self.rate = rate
+        self.rng = np.random.default_rng(seed)
+        self.lock = asyncio.Lock()
+        self.next_tick: float | None = None
+
+    async def wait(self) -> None:
+        async with self.lock:
+            loop = asyncio.get_running_loop()
+            now = loop.time()
+            tick = now if self.next_tick is None else max(self.next_tick, now)
+            self.next_tick = tick + float(self.rng.exponential(1.0 / self.rate))
+            await asyncio.sleep(max(0.0, tick - now))
+
+
+class RoundBarrier:
+    """Round k opens when every session that has a turn k-1 finished (or dropped) it."""
+
+    def __init__(self, sessions: tuple[Session, ...]) -> None:
+        rounds = max((len(s.turns) for s in sessions), default=0)
+        self.pending = [sum(len(s.turns) > k for s in sessions) for k in range(rounds)]
+        self.events = [asyncio.Event() for _ in range(rounds)]
+        for k, count in enumerate(self.pending):
+            if count == 0:
+                self.events[k].set()
+
+    async def wait(self, round_index: int) -> None:
+        if round_index > 0:
+            await self.events[round_index - 1].wait()
+
+    def finish(self, round_index: int) -> None:
+        self.pending[round_index] -= 1
+        if self.pending[round_index] == 0:
+            self.events[round_index].set()
+
+
+class Replayer:
+    """Drives one replay: owns the HTTP client, the reuse tracker and the output file."""
+
+    def __init__(
+        self, cfg: ReplayConfig, trace: Trace, expander: BlockExpander, sink: TextIO
+    ) -> None:
+        self.cfg = cfg
+        self.trace = trace
+        self.expander = expander
+        self.sink = sink
+        self.tracker = ReuseTracker(cfg.page_size)
+        self.counts = {"sent": 0, "ok": 0, "failed": 0, "skipped": 0, PROMPT_MISMATCH: 0}
+        self.first_mismatch: str | None = None  # "REQUEST_ID: message" of the first one
+        self.skip_reasons: dict[str, int] = {}
+        self.stopping = False
+
+    # -- timing -------------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time() - self.t0
+
+    async def sleep_until(self, t: float) -> None:
+        await asyncio.sleep(max(0.0, min(t, self.cfg.max_duration_s) - self.now()))
+
+    async def wait_release(self, turn: Turn, parent_done_s: float) -> None:
+        cfg = self.cfg
+        if self.barrier is not None:
+            await self.barrier.wait(turn.turn)
+        if cfg.mode == "trace":
+            if turn.dependent:
+                await self.sleep_until(parent_done_s + turn.delay_s / cfg.speedup)
+            else:
+                await self.sleep_until(turn.arrival_s / cfg.speedup)
+        elif cfg.mode == "poisson":
+            if turn.dependent:
+                await self.sleep_until(parent_done_s + turn.delay_s / cfg.speedup)
+            assert self.gate is not None
+            await self.gate.wait()
+
+    # -- one session --------------------------------------------------------------------------
+
+    def skip(self, session: Session, from_turn: int, reason: str) -> None:
+        for turn in session.turns[from_turn:]:
+            self.counts["skipped"] += 1
+            self.skip_reasons[reason] = self.skip_reasons.get(reason, 0) + 1
+            if self.barrier is not None:
+                self.barrier.finish(turn.turn)
+            self.pbar.update(1)
+
+    def build_prompt(self, turn: Turn, history: np.ndarray) -> tuple[np.ndarray, int] | None:
+        """(prompt, max_new_tokens), or None when the session exceeds --max-tokens-cap."""
+        new = self.expander.turn_tokens(turn)
+        prompt = np.concatenate([history, new]) if turn.dependent else new
+        max_new = max(1, turn.output_len)
+        cap = self.cfg.max_tokens_cap
+        if cap is not None and len(prompt) + max_new > cap:
+            if turn.dependent or turn.with_history:
+                return None
+            max_new = min(max_new, max(1, cap // 2))
+            prompt = prompt[: cap - max_new]
+        return prompt, max_new
+
+    async def run_session(self, session: Session) -> None:
+        history, parent_done_s = EMPTY, 0.0
+        for index, turn in enumerate(session.turns):
+            await self.wait_release(turn, parent_done_s)
+            built = self.build_prompt(turn, history)
+            if built is None:
+                return self.skip(session, index, "max_tokens_cap")
+            if self.stopping or self.now() >= self.cfg.max_duration_s:
+                return self.skip(session, index, "max_duration")
+            async with self.semaphore:
+                if self.now() >= self.cfg.max_duration_s:
+                    return self.skip(session, index, "max_duration")
+                rec, output = await self.dispatch(session, turn, *built)
+            parent_done_s = self.now()
+            self.finish(turn, rec)
+            if not rec.ok and index + 1 < len(session.turns):
+                if any(t.dependent for t in session.turns[index + 1 :]):
+                    return self.skip(session, index + 1, "parent_failed")
+            history = np.concatenate([built[0], np.asarray(output, dtype=np.int64)])
+
+    async def dispatch(
+        self, session: Session, turn: Turn, prompt: np.ndarray, max_new: int
+    ) -> tuple[RequestRecord, list[int]]:
+        rec = RequestRecord(
+            turn.request_id, session.session_id, turn.turn, dispatch_s=round(self.now(), 6),
+            prompt_tokens=len(prompt), max_new_tokens=max_new,
+            new_input_tokens=turn.input_len if turn.dependent else len(prompt),
+        )
+        keys = self.tracker.keys(prompt)
+        rec.theoretical_cached_tokens = self.tracker.reusable_tokens(keys, len(prompt))
+        self.counts["sent"] += 1
+        output: list[int] = []
+        try:
+            output = await asyncio.wait_for(
+                self.send(session, prompt, max_new, rec, lambda: self.tracker.add(keys)),
+                self.cfg.request_timeout_s)
+            check_prompt_tokens(rec)
+            rec.ok, rec.output_tokens = True, len(output)
+            full = np.concatenate([prompt, np.asarray(output, dtype=np.int64)])
+            self.tracker.add(self.tracker.extend_keys(keys, full[:-1]))  # last token: no KV
+        except asyncio.CancelledError:
+            rec.error = "cancelled: --max-duration + --drain-timeout reached"
+            self.write(rec)
+            self.counts["failed"] += 1
+            raise
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            rec.error = f"TimeoutError: no complete response in {self.cfg.request_timeout_s:g}s"
+        except PromptMismatchError as exc:
+            rec.output_tokens = len(output)
+            self.mismatch(rec, exc)
+        except Exception as exc:  # noqa: BLE001 - any failure is this request's, never the run's
+            rec.error = f"{type(exc).__name__}: {exc}"[:500]
+        return rec, output
+
+    def mismatch(self, rec: RequestRecord, exc: PromptMismatchError) -> None:
+        """Record a prompt mismatch on `rec` (failed) and in the run's counts."""
+        rec.error = f"{PROMPT_MISMATCH}: {exc}"
+        self.counts[PROMPT_MISMATCH] += 1
+        if self.first_mismatch is None:
+            self.first_mismatch = f"{rec.request_id}: {exc}"
+
+    async def send(
+        self, session: Session, prompt: np.ndarray, max_new: int, rec: RequestRecord,
+        on_first_token: Callable[[], None],
+    ) -> list[int]:
+        body: dict[str, Any] = {
+            "input_ids": prompt.tolist(),
+            "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True,
+                                "temperature": self.cfg.temperature},
+            "stream": self.cfg.stream,
+        }
+        if self.cfg.send_session_id and len(session.turns) > 1:
+            rec.sent_session_id = self.cfg.session_id_for(session.session_id)
+            body["session_id"] = rec.sent_session_id
+        if self.cfg.cache_salt is not None:
+            body["cache_salt"] = self.cfg.cache_salt
+        sender = send_stream if self.cfg.stream else send_plain
+        return await sender(self.client, body, rec, on_first_token)
+
+    def finish(self, turn: Turn, rec: RequestRecord) -> None:
+        self.counts["ok" if rec.ok else "failed"] += 1
+        self.write(rec)
+        if self.barrier is not None:
+            self.barrier.finish(turn.turn)
+        self.pbar.update(1)
+
+    def write(self, rec: RequestRecord) -> None:
+        self.sink.write(json.dumps(rec.__dict__) + "\n")
+        self.sink.flush()
+
+    # -- whole run ----------------------------------------------------------------------------
+
+    async def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        self.t0 = asyncio.get_running_loop().time()
+        self.semaphore = asyncio.Semaphore(cfg.concurrency)
+        self.gate = PoissonGate(cfg.rate, cfg.seed) if cfg.mode == "poisson" else None
+        self.barrier = RoundBarrier(self.trace.sessions) if cfg.round_barrier else None
+        limits = httpx.Limits(max_connections=cfg.concurrency + 4)
+        timeout = httpx.Timeout(cfg.request_timeout_s, connect=30.0)
+        self.pbar = tqdm(total=self.trace.num_requests, file=sys.stderr, unit="req",
+                         disable=not cfg.progress, desc="replay")
+        wall_start = time.perf_counter()
+        async with httpx.AsyncClient(base_url=cfg.url, limits=limits, timeout=timeout) as client:
+            self.client = client
+            tasks = [asyncio.create_task(self.run_session(s)) for s in self.trace.sessions]
+            _, pending = await asyncio.wait(
+                tasks, timeout=cfg.max_duration_s + cfg.drain_timeout_s)
+            self.stopping = True
+            for task in pending:
+                task.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        self.pbar.close()
+        errors = [r for r in results if isinstance(r, BaseException)
+                  and not isinstance(r, asyncio.CancelledError)]
+        for err in errors:  # a bug in the replayer itself: say so, never hide it
+            print(f"replay: session task failed: {err!r}", file=sys.stderr)
+        not_sent = self.trace.num_requests - self.counts["sent"] - self.counts["skipped"]
+        return {
+            "duration_s": time.perf_counter() - wall_start,
+            "requests_total": self.trace.num_requests,
+            "requests_sent": self.counts["sent"],
+            "requests_skipped": self.counts["skipped"] + not_sent,
+            "skip_reasons": self.skip_reasons,
+            "replayer_errors": len(errors),
+            "session_prefix": cfg.session_prefix,
+            "requests_prompt_mismatch": self.counts[PROMPT_MISMATCH],
+            "first_prompt_mismatch": self.first_mismatch,
+        }

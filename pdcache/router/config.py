@@ -1,0 +1,47 @@
+"""`RouterConfig`: the settings of one router process (docs/design.md §4.1).
+
+Built once at start-up (`pdcache.router.cli.build_config`: topology and/or flags), frozen, and
+read by the routing core (`pdcache.router.core`) and the HTTP app (`pdcache.router.app`) on the
+router's event loop. Holds no state and does no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcache.router.nodes import NodeEndpoint
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Settings of one router process."""
+
+    nodes: tuple[NodeEndpoint, ...]
+    model: str = "tiny"  # tokenizer + model config: a preset name or a checkpoint directory
+    model_seed: int = 0  # presets: the seed is part of the model's name
+    served_model_name: str | None = None
+    name: str = "router"
+    page_size: int = 16  # page size of the nodes' caches (cache-aware routing keys)
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "round_robin"
+    api_key: str | None = None
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    unhealthy_after: int = 2  # failed probes in a row before a node is taken out
+    max_attempts: int = 3  # tries of a request whose node was unreachable or answered 503
+    max_sessions: int = 10_000
+    session_ttl_s: float = 3600.0
+    max_inflight_per_node: int = 0  # router slots per node (NodeEndpoint.max_inflight wins); 0: none
+    max_queue: int = 1024  # requests waiting for a slot; 0: a busy router refuses at once
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.max_queue < 0 or self.max_inflight_per_node < 0:
+            raise ValueError("max_attempts must be >= 1, max_queue and max_inflight_per_node "
+                             ">= 0")
+
+    def inflight_limit(self, node: NodeEndpoint) -> int:
+        """The router's in-flight limit of `node` (0: none)."""
+        own = node.max_inflight
+        return self.max_inflight_per_node if own is None else max(0, own)

@@ -1,0 +1,306 @@
+"""The routing core of the router: sessions, node picking, dispatch with retries, and finishing
+a turn (docs/design.md §4.1). HTTP (request parsing, OpenAI bodies, auth) is
+`pdcache.router.app`'s; this module never sees a `Request`.
+
+`Router` picks a node (unified) or a prefill + decode pair (`PairSelector`) and forwards
+`/generate` with token ids (`Proxy`, docs/pd-protocol.md). It keeps each session's exact token
+history: with `session_id`, a request carries only the new message, and the router prepends
+the session's previous input + output ids, committing a turn only when it succeeded.
+
+State (sessions, prefix index, node states, admission queue) lives on the event loop; nothing
+is locked. Every request has a deadline (`request_timeout_s`).
+
+Load (issue 17): with `max_inflight_per_node` a request waits in the router's bounded FIFO
+queue until its nodes have a free slot (`pdcache.router.admission`: 503 `queue_full` /
+`queue_timeout` with `Retry-After` otherwise). A request whose node was unreachable, or
+answered 503 (full, queue full) while another healthy node of that role exists, is sent again
+(up to `max_attempts` tries in all, within its deadline) with a fresh rid and, in PD, a fresh
+room and BOTH calls again: the failed attempt's other call is cancelled (P aborts its room; D
+frees its pages). A room is never reused: the router cannot tell whether D reached P before it
+failed (D's reserve refuses before asking P, but D's engine queue can refuse after the KV
+arrived), rooms are single-use on both nodes (`duplicate_room`), and a D that refuses answers
+in milliseconds, so little of P's work is lost (and P's prefix cache keeps what it computed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+
+from pdcache.engine.config import ModelConfig
+from pdcache.engine.page_keys import chain_page_keys, make_salt
+from pdcache.engine.tokenizer import Tokenizer
+from pdcache.router.admission import Admission, Ask, HasRoom
+from pdcache.router.config import RouterConfig
+from pdcache.router.metrics import QueueView, RouterMetrics
+from pdcache.router.node_client import BAD_GATEWAY, NodeOverloadedError, NodeUnreachableError
+from pdcache.router.nodes import NodeRegistry
+from pdcache.router.policy import NoHealthyNodeError, PairSelector
+from pdcache.router.proxy import Proxy, close_stream
+from pdcache.router.proxy import RouteStream as UpstreamStream
+from pdcache.router.route import Deadline, Route
+from pdcache.router.sessions import ChatContinuation, SessionStore
+from pdcache.server.protocol import (
+    OVERLOADED,
+    SERVER_ERROR,
+    ApiError,
+    ModelLimits,
+    bad_request,
+)
+
+T = TypeVar("T")
+FINISHED_OK = ("stop", "length")
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to forward."""
+
+    input_ids: list[int]
+    sampling: dict[str, Any]
+    cache_salt: str | None
+    session_id: str | None
+    arrival: float = field(default_factory=time.monotonic)
+    page_keys: list[bytes] | None = None  # the prompt's, computed once (cache-aware routing)
+
+
+@dataclass
+class Turn:
+    """What a routed request produced."""
+
+    route: Route
+    output_ids: list[int] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+    def absorb(self, event: dict[str, Any]) -> list[int]:
+        """Take one node answer or event: its new ids and meta; names the route's nodes."""
+        ids = event.get("output_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise ApiError(502, f"node answered without a valid 'output_ids': {str(event)[:200]}",
+                           type=SERVER_ERROR, code=BAD_GATEWAY)
+        meta = event.get("meta")
+        if isinstance(meta, dict):
+            meta["prefill_node"] = self.route.prefill_name
+            meta["decode_node"] = self.route.decode_name
+            self.meta = meta
+            self.finish_reason = meta.get("finish_reason") or self.finish_reason
+        self.output_ids.extend(ids)
+        return ids
+
+
+class Router:
+    """The routing core; owns the HTTP client, node registry, selector, sessions, admission queue,
+    metrics and proxy. Runs on the router's event loop (`startup` records it)."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None,
+                 model_config: ModelConfig | None = None) -> None:
+        from pdcache.engine.loader import load_model_config, load_tokenizer
+
+        if not config.nodes:
+            raise ValueError("the router needs at least one node")
+        roles = {n.role for n in config.nodes}
+        if "unified" in roles and roles != {"unified"}:
+            raise ValueError("mix of unified and prefill/decode nodes: give one kind")
+        if roles & {"prefill", "decode"} and roles != {"prefill", "decode"}:
+            raise ValueError("a PD deployment needs at least one prefill and one decode node")
+        self.config = config
+        self.tokenizer = tokenizer or load_tokenizer(config.model)
+        model = model_config or load_model_config(config.model, seed=config.model_seed)
+        self.model_name = config.served_model_name or model.name
+        self.limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
+        self.selector = PairSelector(config.prefill_policy, config.decode_policy)
+        self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
+        self.chat = ChatContinuation(self.tokenizer)
+        self._salt_base = f"router;model={self.model_name};page={config.page_size}"
+        self.client = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(
+            max_connections=4096, max_keepalive_connections=256))
+        self.registry = NodeRegistry(
+            config.nodes, self.client, health_interval_s=config.health_interval_s,
+            health_timeout_s=config.health_timeout_s, unhealthy_after=config.unhealthy_after,
+            on_recovered=lambda node: self.selector.index.forget(node.name),
+            on_checked=lambda: self.admission.pump())
+        limits = {n.name: config.inflight_limit(n) for n in config.nodes}
+        self.admission = Admission(lambda n: limits.get(n.name, 0), config.max_queue)
+        admission = self.admission
+        queue = QueueView(lambda: admission.depth, lambda: admission.peak_depth,
+                          admission.held, admission.limit)
+        self.metrics = RouterMetrics(lambda: self.registry.nodes, lambda: len(self.sessions),
+                                     queue)
+        admission.observer = self.metrics
+        self.proxy = Proxy(self.client, self.registry, connect_timeout_s=config.connect_timeout_s,
+                           on_node_result=self.metrics.observe_node)
+
+    # ---- lifecycle
+
+    async def startup(self) -> None:
+        self.loop = asyncio.get_running_loop()  # the loop all router state lives on
+        await self.registry.check_all()  # bounded by health_timeout_s per node
+        self.registry.start()
+
+    async def shutdown(self) -> None:
+        await self.registry.stop()
+        await self.client.aclose()
+
+    # ---- routing
+
+    def page_keys(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        salt = make_salt(self._salt_base, cache_salt or "")
+        return chain_page_keys(token_ids, self.config.page_size, salt)
+
+    def _roles(self) -> tuple[str, ...]:
+        return ("prefill", "decode") if self.registry.is_pd else ("unified",)
+
+    def check(self, exclude: frozenset[str]) -> None:
+        """ApiError 503 `no_healthy_node` unless every role has a healthy node not excluded."""
+        for role in self._roles():
+            if not self.registry.has_other(role, exclude):
+                raise ApiError(503, f"no healthy node can serve this request: no healthy {role} "
+                               "node" + (" left to try" if exclude else ""),
+                               type=OVERLOADED, code="no_healthy_node")
+
+    def pick(self, prep: Prepared, exclude: frozenset[str] = frozenset(),
+             has_room: HasRoom | None = None) -> Route | None:
+        """A route among healthy nodes not in `exclude` with a free slot (`has_room`); None
+        when some role has none. Records the prompt's keys for the chosen prefill node."""
+        nodes = [n for n in self.registry.nodes if n.name not in exclude
+                 and (has_room is None or has_room(n))]
+        if self.selector.prefill_policy == "cache_aware" and prep.page_keys is None:
+            prep.page_keys = self.page_keys(prep.input_ids, prep.cache_salt)
+        keys = prep.page_keys or []
+        try:
+            if not self.registry.is_pd:
+                route = Route(unified=self.selector.pick_prefill(nodes, keys, role="unified"))
+            else:
+                route = Route(prefill=self.selector.pick_prefill(nodes, keys),
+                              decode=self.selector.pick_decode(nodes))
+        except NoHealthyNodeError:
+            return None
+        self.selector.index.record(route.first_node.name, keys)  # co-locate concurrent turns
+        return route
+
+    def ask(self, prep: Prepared, exclude: frozenset[str]) -> Ask:
+        return Ask(lambda: self.check(exclude),
+                   lambda has_room: self.pick(prep, exclude, has_room))
+
+    def node_body(self, prep: Prepared) -> dict[str, Any]:
+        body: dict[str, Any] = {"input_ids": prep.input_ids, "sampling_params": prep.sampling,
+                                "rid": f"router-{uuid.uuid4().hex}"}
+        if prep.cache_salt is not None:
+            body["cache_salt"] = prep.cache_salt
+        return body
+
+    async def _routed(self, prep: Prepared, deadline: Deadline,
+                      send: Callable[[Route], Awaitable[T]]) -> tuple[T, Route]:
+        """`send` on a route admitted with its slots (waiting for them if need be). A node that
+        was unreachable or answered 503 is excluded and the request sent again elsewhere
+        (`retry_reason`); the route's slots are released on every failure (and by the proxy
+        when the work ends)."""
+        exclude: set[str] = set()
+        for attempt in range(1, self.config.max_attempts + 1):
+            route = await self.admission.admit(self.ask(prep, frozenset(exclude)), deadline,
+                                               front=attempt > 1)
+            try:
+                return await send(route), route
+            except (NodeUnreachableError, NodeOverloadedError) as exc:
+                route.release_all()
+                reason = self.retry_reason(exc, attempt, deadline, exclude)
+                if reason is None:
+                    if isinstance(exc, NodeOverloadedError):
+                        self.metrics.rejected("node_overloaded")
+                    raise
+                self.metrics.retries.labels(reason).inc()
+            except BaseException:
+                route.release_all()
+                raise
+        raise AssertionError("unreachable")
+
+    def retry_reason(self, exc: NodeUnreachableError | NodeOverloadedError, attempt: int,
+                     deadline: Deadline, exclude: set[str]) -> str | None:
+        """Why the failed attempt is tried again (`unreachable`, `overloaded`), or None. Adds
+        the failed node to `exclude`. An overloaded node is retried only when another
+        healthy node of its role exists: a lone full node's 503 reaches the client."""
+        exclude.add(exc.node.name)
+        if attempt >= self.config.max_attempts or deadline.remaining() <= 0:
+            return None
+        if isinstance(exc, NodeUnreachableError):
+            return "unreachable"
+        return "overloaded" if self.registry.has_other(exc.node.role, exclude) else None
+
+    async def send_json(self, prep: Prepared, deadline: Deadline) -> tuple[dict[str, Any], Route]:
+        # a fresh body (rid) per attempt: a node that got an abandoned try may still hold its rid
+        return await self._routed(
+            prep, deadline,
+            lambda route: self.proxy.generate(route, self.node_body(prep), deadline))
+
+    async def send_stream(self, prep: Prepared, deadline: Deadline
+                          ) -> tuple[UpstreamStream, dict[str, Any] | None, Route]:
+        """Open the upstream stream and wait for its first event, so failures before the
+        first token are still proper HTTP errors (and may be retried elsewhere)."""
+        async def attempt(route: Route) -> tuple[UpstreamStream, dict[str, Any] | None]:
+            stream = await self.proxy.stream(route, self.node_body(prep), deadline)
+            try:
+                first = await stream.next()
+            except BaseException:
+                await close_stream(stream)
+                raise
+            self.metrics.ttft.observe(time.monotonic() - prep.arrival)
+            return stream, first
+
+        (stream, first), route = await self._routed(prep, deadline, attempt)
+        return stream, first, route
+
+    def finish(self, prep: Prepared, turn: Turn) -> None:
+        """Account a finished request; commit the session turn only if it succeeded."""
+        self.metrics.observe_meta(turn.meta, len(turn.output_ids))
+        if turn.finish_reason not in FINISHED_OK:
+            return
+        if prep.session_id:
+            self.sessions.commit(prep.session_id, prep.input_ids, turn.output_ids)
+        if prep.page_keys is not None:
+            self.selector.index.record(turn.route.first_node.name, self._answer_keys(prep, turn))
+
+    def _answer_keys(self, prep: Prepared, turn: Turn) -> list[bytes]:
+        """Keys of the pages prompt + answer fill beyond the prompt's full pages (the chain
+        continues from the prompt's last key: no rehash of the prompt)."""
+        keys = prep.page_keys or []
+        start = len(keys) * self.config.page_size
+        rest = (prep.input_ids + turn.output_ids)[start:]
+        if not keys:
+            return self.page_keys(rest, prep.cache_salt)
+        return chain_page_keys(rest, self.config.page_size, b"", prev_key=keys[-1])
+
+    # ---- prompts
+
+    def session_prompt(self, session_id: str | None, new_ids: list[int]) -> list[int]:
+        """The full prompt: the session's exact history + the new message's ids. A client
+        that resends the whole history (it starts with the stored one) is taken as is."""
+        history = self.sessions.history(session_id) if session_id else []
+        if not history or new_ids[: len(history)] == history:
+            return new_ids
+        return history + new_ids
+
+    def chat_prompt(self, session_id: str | None, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            standalone = list(self.tokenizer.apply_chat_template(messages,
+                                                                 add_generation_prompt=True))
+            history = self.sessions.history(session_id) if session_id else []
+            if not history or standalone[: len(history)] == history:
+                return standalone
+            return self.chat.continue_ids(history, messages)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages", code="chat_template") from None
+
+    def encode(self, text: str | None, param: str) -> list[int]:
+        if not text:
+            raise bad_request("the prompt is empty", param=param, code="empty_prompt")
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
