@@ -160,7 +160,7 @@ class RouterApp:
         turn, text = Turn(route), TextAssembler(self.router.decode, stops)
         deltas = self._deltas(prep, stream, first, turn, text)
         if body.stream:
-            end = StreamEnd(lambda: turn.finish_reason, lambda: self._usage_of(turn),
+            end = StreamEnd(lambda: turn.finish_reason, lambda: self.usage(prep, turn),
                             body.include_usage())
             events = (chat_events if chat else completion_events)(head, deltas, end)
             return streaming(events, stream)
@@ -194,15 +194,16 @@ class RouterApp:
             await close_stream(stream)
 
     def usage(self, prep: Prepared, turn: Turn) -> dict[str, Any]:
-        turn.meta.setdefault("prompt_tokens", len(prep.input_ids))
-        return self._usage_of(turn)
+        return self._usage_of(turn, len(prep.input_ids))
 
-    def _usage_of(self, turn: Turn) -> dict[str, Any]:
+    def _usage_of(self, turn: Turn, prompt_tokens: int = 0) -> dict[str, Any]:
+        """OpenAI usage from the node's typed meta (a node that sent none: the prompt the
+        router sent, nothing reused)."""
         meta = turn.meta
-        details = meta.get("cached_tokens_details") or {}
-        cached = CachedTokens(**{k: int(details.get(k) or 0) for k in CachedTokens().as_dict()})
-        prompt = int(meta.get("prompt_tokens") or 0)
-        return usage_body(prompt, len(turn.output_ids), cached, int(meta.get("computed_tokens") or 0))
+        if meta is None:
+            return usage_body(prompt_tokens, len(turn.output_ids), CachedTokens(), 0)
+        cached = CachedTokens(**meta.cached_tokens_details.model_dump())
+        return usage_body(meta.prompt_tokens, len(turn.output_ids), cached, meta.computed_tokens)
 
     # ---- informational endpoints
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
+from pydantic import ValidationError
 
 from pdcache.engine.config import ModelConfig
 from pdcache.engine.page_keys import chain_page_keys, make_salt
@@ -50,6 +51,7 @@ from pdcache.server.protocol import (
     OVERLOADED,
     SERVER_ERROR,
     ApiError,
+    GenerateMeta,
     ModelLimits,
     bad_request,
 )
@@ -72,25 +74,35 @@ class Prepared:
 
 @dataclass
 class Turn:
-    """What a routed request produced."""
+    """What a routed request produced. `meta` is the answering node's last `meta`, typed
+    (`GenerateMeta`, the model the nodes answer with); None until a node sent one."""
 
     route: Route
     output_ids: list[int] = field(default_factory=list)
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: GenerateMeta | None = None
     finish_reason: str | None = None
 
     def absorb(self, event: dict[str, Any]) -> list[int]:
-        """Take one node answer or event: its new ids and meta; names the route's nodes."""
+        """Take one node answer or event: its new ids and meta. The event's `meta` (passed on
+        to the client as it is) names the route's nodes; a meta that is not a `GenerateMeta`
+        is a bad gateway."""
         ids = event.get("output_ids")
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise ApiError(502, f"node answered without a valid 'output_ids': {str(event)[:200]}",
                            type=SERVER_ERROR, code=BAD_GATEWAY)
-        meta = event.get("meta")
-        if isinstance(meta, dict):
-            meta["prefill_node"] = self.route.prefill_name
-            meta["decode_node"] = self.route.decode_name
-            self.meta = meta
-            self.finish_reason = meta.get("finish_reason") or self.finish_reason
+        raw = event.get("meta")
+        if raw is not None:
+            if not isinstance(raw, dict):
+                raise ApiError(502, f"node answered a 'meta' that is not an object: {raw!r:.200}",
+                               type=SERVER_ERROR, code=BAD_GATEWAY)
+            raw["prefill_node"] = self.route.prefill_name
+            raw["decode_node"] = self.route.decode_name
+            try:
+                self.meta = GenerateMeta.model_validate(raw)
+            except ValidationError as exc:
+                raise ApiError(502, f"node answered an invalid 'meta': {exc.errors()[:2]}",
+                               type=SERVER_ERROR, code=BAD_GATEWAY) from None
+            self.finish_reason = self.meta.finish_reason or self.finish_reason
         self.output_ids.extend(ids)
         return ids
 

@@ -16,9 +16,8 @@ node_overloaded: a node's 503 that could not be retried elsewhere),
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -28,6 +27,7 @@ from pdcache.router.admission import AdmissionObserver
 from pdcache.router.policy import NodeState
 from pdcache.router.route import Route
 from pdcache.server.metrics import LATENCY_BUCKETS, TIERS
+from pdcache.server.protocol import GenerateMeta
 
 REJECT_REASONS = ("queue_full", "queue_timeout", "no_healthy_node", "node_overloaded")
 RETRY_REASONS = ("unreachable", "overloaded")
@@ -146,19 +146,16 @@ class RouterMetrics(AdmissionObserver):
     def observe_node(self, node: NodeState, ok: bool) -> None:
         self.node_requests.labels(node.name, node.role, "ok" if ok else "error").inc()
 
-    def observe_meta(self, meta: Mapping[str, Any], completion_tokens: int) -> None:
-        """Token counts of one finished request, from the answering node's `meta`."""
-        self.prompt_tokens.inc(_count(meta.get("prompt_tokens")))
+    def observe_meta(self, meta: GenerateMeta | None, completion_tokens: int) -> None:
+        """Token counts of one finished request, from the answering node's typed `meta`."""
         self.generation_tokens.inc(completion_tokens)
-        self.computed_tokens.inc(_count(meta.get("computed_tokens")))
-        details = meta.get("cached_tokens_details")
-        if isinstance(details, Mapping):
-            for tier in TIERS:
-                self.cached_tokens.labels(tier).inc(_count(details.get(tier)))
+        if meta is None:
+            return
+        self.prompt_tokens.inc(max(meta.prompt_tokens, 0))
+        self.computed_tokens.inc(max(meta.computed_tokens, 0))
+        details = meta.cached_tokens_details.model_dump()
+        for tier in TIERS:
+            self.cached_tokens.labels(tier).inc(max(details.get(tier, 0), 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -29,7 +29,7 @@ from pdcache.router.node_client import EventStream, NodeClient, NodeOverloadedEr
 from pdcache.router.nodes import NodeRegistry
 from pdcache.router.policy import NodeState
 from pdcache.router.route import Deadline, Route
-from pdcache.server.protocol import OVERLOADED, ApiError
+from pdcache.server.protocol import OVERLOADED, ApiError, PDParams
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +101,11 @@ class Proxy:
             raise ApiError(503, f"prefill node {prefill.name} has no known bootstrap address",
                            type=OVERLOADED, code="no_bootstrap")
         room = secrets.randbits(63)
-        p_body = {**body, "stream": False,
-                  "pd": {"room": room, "role": "prefill", "decode_node": decode.name}}
-        d_body = {**body, "stream": stream,
-                  "pd": {"room": room, "role": "decode", "bootstrap": prefill.bootstrap,
-                         "prefill_node": prefill.name}}
+        p_pd = PDParams(room=room, role="prefill", decode_node=decode.name)
+        d_pd = PDParams(room=room, role="decode", bootstrap=prefill.bootstrap,
+                        prefill_node=prefill.name)
+        p_body = {**body, "stream": False, "pd": p_pd.model_dump(exclude_none=True)}
+        d_body = {**body, "stream": stream, "pd": d_pd.model_dump(exclude_none=True)}
         return p_body, d_body
 
     async def _pd_generate(self, route: Route, body: dict[str, Any], deadline: Deadline

@@ -181,7 +181,7 @@ def test_node_errors_and_garbage_map_to_json_errors(reply: bytes, status: int,
 
 
 def test_garbage_midstream_becomes_an_error_event() -> None:
-    events = b'data: {"output_ids": [65], "text": "A", "meta": {}}\n\ndata: {nonsense\n\n'
+    events = b'data: {"output_ids": [65], "text": "A"}\n\ndata: {nonsense\n\n'
     reply = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
              b"content-length: " + str(len(events)).encode() + b"\r\n\r\n" + events)
     node = RawServer("reply", reply)
@@ -193,6 +193,23 @@ def test_garbage_midstream_becomes_an_error_event() -> None:
             assert json.loads(datas[0])["output_ids"] == [65]
             assert json.loads(datas[1])["error"]["code"] == "bad_gateway"
             assert datas[-1] == "[DONE]"
+    finally:
+        node.stop()
+
+
+def test_a_meta_that_is_not_generate_meta_is_a_bad_gateway() -> None:
+    """The router reads the node's `meta` as the typed `GenerateMeta` the nodes answer with:
+    a node whose meta lacks its fields (here `prompt_tokens` is a string) is a 502, never
+    usage numbers made up from whatever keys happen to be there."""
+    answer = {"output_ids": [65], "text": "A",
+              "meta": {"prompt_tokens": "4", "completion_tokens": 1}}
+    node = RawServer("reply", http_reply("200 OK", json.dumps(answer).encode()))
+    try:
+        with router_for([("u0", node.url)], request_timeout_s=5.0) as client:
+            r = client.post("/generate", json=body())
+            assert r.status_code == 502, r.text
+            assert r.json()["error"]["code"] == "bad_gateway"
+            assert "invalid 'meta'" in r.json()["error"]["message"]
     finally:
         node.stop()
 
