@@ -95,7 +95,8 @@ def engine_for(topology: Topology, node: NodeSpec, model: ModelConfig) -> Engine
                           enable_prefix_cache=prefix_cache),
         scheduler=SchedulerConfig(max_running_requests=sched.max_running_requests,
                                   chunked_prefill_tokens=sched.chunked_prefill_tokens,
-                                  max_queued_requests=sched.max_queued_requests),
+                                  max_queued_requests=sched.max_queued_requests,
+                                  max_pending_reservations=sched.max_pending_reservations),
         seed=topology.model.seed, kernels=_kernels(topology, node))
 
 
@@ -161,7 +162,8 @@ def transfer_from_spec(spec: TransferSpec, node: NodeSpec) -> TransferConfig:
     return TransferConfig(engine=spec.engine, protocol=spec.protocol,
                           device_names=",".join(devices), local_host=node.host,
                           bootstrap_timeout_s=spec.timeout_s,
-                          room_timeout_s=4 * spec.timeout_s)
+                          room_timeout_s=4 * spec.timeout_s,
+                          prefill_waits_for_decode=spec.prefill_waits_for_decode)
 
 
 def process_environment(setup: NodeSetup, inherited: Mapping[str, str]) -> dict[str, str]:

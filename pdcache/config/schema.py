@@ -121,6 +121,7 @@ class SchedulerSpec:
     max_running_requests: int = 64
     chunked_prefill_tokens: int = 2048  # token budget of one prefill chunk
     max_queued_requests: int = 1024
+    max_pending_reservations: int = 256  # decode: reservations waiting for pages (0: refuse)
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,7 @@ class TransferSpec:
     protocol: Literal["tcp", "rdma"] = "tcp"
     devices: tuple[str, ...] = ()  # RDMA NICs, e.g. ["mlx5_0", "mlx5_1"]
     timeout_s: float = 30.0  # bootstrap and per-room transfer deadline
+    prefill_waits_for_decode: bool = True  # no prefill compute before decode reserved the pages
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,16 @@ carries prefill's cache statistics (`Generation.report`). A failed or timed-out 
 502/504 JSON error; a caller that leaves while the K/V is awaited aborts the room. Which
 pages are freed when is the controller's business.
 
-Threads: everything here runs on the event loop, except `controller.request_kv` (it blocks on
-the engine: a worker thread via `asyncio.to_thread`); the controller's `notify` (a transfer
-thread) only schedules the result on the loop.
+Admission (docs/pd-protocol.md, "Decode admission"): a request whose pages the pool cannot
+give now waits in the engine's admission queue, in arrival order, until running requests free
+them, and only then is prefill asked for the K/V. It is refused only when it can never fit the
+pool (400 `kv_exceeds_pool`, at once), when the queue is full (503 `queue_full`) or when its
+deadline — arrival + min(request timeout, room timeout) — passes while it waits (503
+`queue_timeout`); a caller that leaves while queued leaves the queue. `AdmissionMetrics`
+counts each outcome and the wait.
+
+Threads: everything here runs on the event loop; the controller's callbacks (`on_admitted`
+on the engine thread, `notify` on a transfer thread) only schedule results on the loop.
 """
 
 from __future__ import annotations
@@ -25,13 +32,14 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pdcache.decode_node.controller import (
-    BadRoomError,
+    Admitted,
     DecodeController,
     DecodeOutcome,
     DuplicateRoomError,
     RoomCancelledError,
 )
-from pdcache.engine.engine import EngineNotRunningError, EngineOverloadedError
+from pdcache.decode_node.metrics import AdmissionMetrics
+from pdcache.engine.engine import EngineNotRunningError
 from pdcache.server.bridge import (
     CLIENT_DISCONNECTED,
     Generation,
@@ -60,6 +68,13 @@ class DecodeApp:
         self.bridge = routes.bridge
         self.controller = controller
         self.receiver = receiver
+        self.admission = AdmissionMetrics(self.bridge.metrics.registry, self.bridge.engine.stats,
+                                          self.bridge.config.name)
+
+    @property
+    def admission_timeout_s(self) -> float:
+        """How long a request may wait for pages: its request deadline, at most a room's."""
+        return min(self.bridge.config.request_timeout_s, self.receiver.config.room_timeout_s)
 
     async def pd_generate(self, request: Request, body: GenerateRequestBody) -> Response:
         pd = body.pd
@@ -70,7 +85,9 @@ class DecodeApp:
         arrival = time.monotonic()
         input_ids = self.routes.checked_prompt(body)
         room, rid = pd.room, body.rid or f"pd-{pd.room}"
-        report = await self._receive(request, room, rid, pd.bootstrap, len(input_ids))
+        report = await self._receive(request, room, rid, pd.bootstrap, len(input_ids),
+                                     body.sampling_params.max_new_tokens,
+                                     arrival + self.admission_timeout_s)
         if pd.prefill_node:
             report = dataclasses.replace(report, prefill_node=pd.prefill_node)
         gen = Generation(arrival=arrival, report=report)
@@ -84,10 +101,12 @@ class DecodeApp:
         return await self.routes.respond(request, handle, gen, body.stream)
 
     async def _receive(self, request: Request, room: int, rid: str, bootstrap: str,
-                       num_tokens: int) -> PrefillReport:
-        """Reserve pages and wait until prefill wrote the prompt's K/V into them."""
+                       num_tokens: int, max_new_tokens: int, deadline: float) -> PrefillReport:
+        """Reserve pages (waiting in the admission queue until `deadline` if the pool is short
+        now), then wait until prefill wrote the prompt's K/V into them."""
         loop = asyncio.get_running_loop()
         released: asyncio.Future[DecodeOutcome] = loop.create_future()
+        admitted: asyncio.Future[Admitted] = loop.create_future()
         try:
             self.controller.open_room(rid, room, _on_loop(loop, released))
         except DuplicateRoomError:
@@ -96,16 +115,58 @@ class DecodeApp:
             raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
                            code="unavailable") from None
         try:
-            await asyncio.to_thread(self.controller.request_kv, room, bootstrap, num_tokens)
-        except asyncio.CancelledError:
-            self.controller.leave(room, "decode request cancelled before the KV arrived")
-            raise
-        except (EngineOverloadedError, EngineNotRunningError, ValueError,
-                RoomCancelledError) as exc:
-            raise _request_error(exc) from None
+            self.controller.request_kv(room, bootstrap, num_tokens, _on_loop(loop, admitted),
+                                       max_new_tokens=max_new_tokens)
+        except ValueError as exc:  # can never fit this node's pool
+            self.admission.observe_rejected("never_fits")
+            raise bad_request(f"decode node cannot hold this request: {exc}",
+                              code="kv_exceeds_pool") from None
+        except (EngineNotRunningError, RoomCancelledError) as exc:
+            raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
+                           code="unavailable") from None
+        await self._admitted(admitted, room, request, num_tokens, deadline)
         outcome = await self._wait(released, room, request)
         assert outcome.report is not None
         return outcome.report
+
+    async def _admitted(self, admitted: asyncio.Future[Admitted], room: int, request: Request,
+                        num_tokens: int, deadline: float) -> None:
+        """Wait for the room's admission (pages reserved, prefill asked) until `deadline`; a
+        caller that leaves, or the deadline, takes the room out of the queue."""
+        timeout = max(deadline - time.monotonic(), 0.0)
+        disconnected = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({admitted, disconnected}, timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            self.controller.leave(room, "decode request cancelled while waiting for pages")
+            raise
+        finally:
+            disconnected.cancel()
+        if not admitted.done():
+            gone = disconnected.done() and not disconnected.cancelled()
+            reason = "caller disconnected" if gone else "deadline passed"
+            self.controller.leave(room, f"decode request left the admission queue: {reason}")
+            if gone:
+                raise ApiError(499, f"room {room}: {reason} while waiting for pages",
+                               type=CLIENT_DISCONNECTED)
+            self.admission.observe_rejected("deadline")
+            raise ApiError(503, f"decode node full: no room for {num_tokens} tokens of K/V "
+                                f"within {self.admission_timeout_s:.0f}s", type=OVERLOADED,
+                           code="queue_timeout")
+        result = admitted.result()
+        if result.ok:
+            self.admission.observe_admitted(result.waited_s, result.queued)
+            return
+        if result.reason == "queue_full":
+            self.admission.observe_rejected("queue_full")
+            raise ApiError(503, f"decode node full: no room for {num_tokens} tokens of K/V now "
+                                f"and its admission queue is full", type=OVERLOADED,
+                           code="queue_full")
+        if result.reason == "bad_room":
+            raise bad_request(result.message, code="bad_room")
+        raise ApiError(503, f"decode node unavailable: {result.reason}", type=OVERLOADED,
+                       code="unavailable")
 
     async def _wait(self, released: asyncio.Future[DecodeOutcome], room: int,
                     request: Request) -> DecodeOutcome:
@@ -142,23 +203,11 @@ class DecodeApp:
         return {"role": "decode", "transfer": json_ready(self.receiver.stats())}
 
 
-def _request_error(exc: Exception) -> ApiError:
-    """`request_kv`'s failures (nothing is left reserved) as HTTP errors."""
-    if isinstance(exc, EngineOverloadedError):
-        return ApiError(503, f"decode node full: {exc}", type=OVERLOADED, code="overloaded")
-    if isinstance(exc, EngineNotRunningError | RoomCancelledError):
-        return ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
-                        code="unavailable")
-    if isinstance(exc, BadRoomError):
-        return bad_request(str(exc), code="bad_room")
-    return bad_request(str(exc), code="invalid_request")
+def _on_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]
+             ) -> Callable[[Any], None]:
+    """A controller callback (any thread): resolve `future` on its loop."""
 
-
-def _on_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future[DecodeOutcome]
-             ) -> Callable[[DecodeOutcome], None]:
-    """The controller's `notify` (any thread): resolve `future` on its loop."""
-
-    def notify(outcome: DecodeOutcome) -> None:
+    def notify(outcome: Any) -> None:
         try:
             loop.call_soon_threadsafe(set_result_once, future, outcome)
         except RuntimeError:  # the loop is closed: the server is gone

@@ -4,8 +4,10 @@ when a decode page of a PD request is freed.
 A room's life (docs/pd-protocol.md), with the thread that drives each step:
 
     open_room(rid, room, notify)                event loop the handler owns the room
-    request_kv(room, bootstrap, n)              worker     reserve pages for the prompt, ask
-                                                (blocks)   prefill to write its K/V there
+    request_kv(room, bootstrap, n, on_admitted) event loop reserve pages for the prompt (now,
+                                                           or queued until pages free) ...
+      -> on_admitted(Admitted)                  engine     ... then ask prefill to write its
+                                                           K/V there; tell the handler
     on_release(outcome)                         transfer   nothing writes the pages any more:
                                                            success -> KV ready (the handler
                                                            decodes), failure -> reservation
@@ -16,6 +18,11 @@ A room's life (docs/pd-protocol.md), with the thread that drives each step:
                                                            free a ready reservation now
     close()                                     closing    after the receiver closed: free the
                                                            rest
+
+A room waiting for pages sits in the engine's admission queue (`Engine.reserve_when_free`);
+`leave` takes it out (`Engine.cancel_reservation`). The engine answers each queued rid exactly
+once — granted, cancelled, queue full, shutdown — and the answer's thread (the engine's)
+decides: a grant for a caller who left is freed at once, a refusal forgets the room.
 
 Reserved pages are freed exactly once, by `Engine.abort(rid)` (which releases the reservation
 on the engine thread), and only once nothing writes them: after the room's `on_release`
@@ -71,7 +78,10 @@ class Receiver(Protocol):
 class DecodeEngine(Protocol):
     """The engine side (`pdcache.engine.engine.Engine`)."""
 
-    def reserve(self, rid: str, num_tokens: int) -> list[int]: ...
+    def reserve_when_free(self, rid: str, num_tokens: int, on_done: Callable[[Any], None],
+                          max_new_tokens: int = 0) -> None: ...
+
+    def cancel_reservation(self, rid: str) -> None: ...
 
     def abort(self, rid: str) -> None: ...
 
@@ -106,6 +116,19 @@ class DecodeOutcome:
 
 
 Notify = Callable[[DecodeOutcome], None]
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """`request_kv`'s answer: `ok` (pages reserved, the request is with prefill) or refused
+    with `reason` ("queue_full", "bad_room", "shutdown"); `queued`/`waited_s`: whether and
+    how long it waited in the admission queue."""
+
+    ok: bool
+    reason: str = ""
+    message: str = ""
+    waited_s: float = 0.0
+    queued: bool = False
 
 
 class Phase(enum.Enum):
@@ -157,35 +180,65 @@ class DecodeController:
                 raise DuplicateRoomError(f"request {rid!r} already has room {self._room_of[rid]}")
             self._rooms[room], self._room_of[rid] = _Room(rid, notify), room
 
-    def request_kv(self, room: int, bootstrap: str, num_tokens: int) -> list[int]:
-        """Reserve pages for the `num_tokens` prompt tokens of the opened `room` and ask the
-        prefill node at `bootstrap` to write their K/V; returns the pages. Blocks on the
-        engine: call it off the event loop. On any failure nothing stays reserved and the
-        room is forgotten: the engine's reserve errors (EngineOverloadedError,
-        EngineNotRunningError, ValueError), BadRoomError (the receiver refused the request),
-        RoomCancelledError (the caller left or the node closed meanwhile)."""
+    def request_kv(self, room: int, bootstrap: str, num_tokens: int,
+                   on_admitted: Callable[[Admitted], None], max_new_tokens: int = 0) -> None:
+        """Reserve pages for the `num_tokens` prompt tokens of the opened `room` — at once, or
+        once running requests free them (the engine's admission queue, in arrival order) —
+        then ask the prefill node at `bootstrap` to write their K/V. Does not block.
+
+        Raises at once, with nothing reserved and the room forgotten: ValueError (the request
+        can never fit this node's pool), EngineNotRunningError, RoomCancelledError (the room
+        is not open). Otherwise `on_admitted(Admitted)` runs exactly once (engine thread),
+        unless the caller left first: admitted (the request went out to prefill; a release
+        follows) or refused ("queue_full", "bad_room", "shutdown"; nothing stays reserved).
+        A caller that gives up while queued calls `leave`, which takes it out of the queue."""
         with self._lock:
             entry = self._rooms.get(room)
             if entry is None or entry.phase is not Phase.STARTING or entry.requesting:
                 raise RoomCancelledError(f"room {room} is not open")
             entry.requesting = True
+        done = functools.partial(self._on_reserved, room, entry, bootstrap, num_tokens,
+                                 on_admitted)
         try:
-            pages = self._require_engine().reserve(entry.rid, num_tokens)
+            self._require_engine().reserve_when_free(entry.rid, num_tokens, done,
+                                                     max_new_tokens=max_new_tokens)
         except BaseException:
             with self._lock:
                 self._forget(room, entry)
             raise
+
+    def _on_reserved(self, room: int, entry: _Room, bootstrap: str, num_tokens: int,
+                     on_admitted: Callable[[Admitted], None], admission: Any) -> None:
+        """The engine's answer (engine thread): send the request to prefill, or give up."""
+        if not admission.ok:
+            with self._lock:
+                self._forget(room, entry)
+                gone = entry.caller_gone
+            if not gone:
+                self._admitted(on_admitted, Admitted(False, admission.reason,
+                                                     waited_s=admission.waited_s))
+            return
         if self._drop_if_gone(room, entry):
-            raise RoomCancelledError(f"room {room}: the caller left")
+            return
         try:
-            self._require_receiver().request(room, bootstrap, pages, num_tokens)
+            self._require_receiver().request(room, bootstrap, admission.page_ids, num_tokens)
         except (ValueError, TransferError) as exc:
             with self._lock:
                 self._forget(room, entry)
             self._free_reservation(entry.rid)
-            raise BadRoomError(f"room {room}: {exc}") from None
+            self._admitted(on_admitted, Admitted(False, "bad_room", f"room {room}: {exc}",
+                                                 admission.waited_s))
+            return
         self._requested(room, entry)
-        return pages
+        self._admitted(on_admitted, Admitted(True, waited_s=admission.waited_s,
+                                             queued=admission.queued))
+
+    @staticmethod
+    def _admitted(on_admitted: Callable[[Admitted], None], result: Admitted) -> None:
+        try:
+            on_admitted(result)
+        except Exception:  # the handler's adapter must not break the engine thread
+            log.exception("decode: telling the handler about its admission failed")
 
     def _drop_if_gone(self, room: int, entry: _Room) -> bool:
         """After reserving: a caller that left meanwhile (or a closing node) gets nothing."""
@@ -267,13 +320,17 @@ class DecodeController:
             if entry is None or entry.caller_gone:
                 return
             entry.caller_gone = True
-            phase = entry.phase  # STARTING while requesting: request_kv cleans up
+            phase = entry.phase  # STARTING while requesting: its engine answer cleans up
+            queued = phase is Phase.STARTING and entry.requesting
             if phase is Phase.KV_READY or (phase is Phase.STARTING and not entry.requesting):
                 self._forget(room, entry)  # (nothing reserved yet in the second case)
         if phase is Phase.AWAITING_KV:
             self._receiver_abort(room, reason)
         elif phase is Phase.KV_READY:
             self._free_reservation(entry.rid)
+        elif queued:  # waiting for pages: leave the queue ("cancelled" comes back), or, if
+            # they were granted meanwhile, the grant's answer sees caller_gone and frees them
+            self._cancel_reservation(entry.rid)
 
     # ---- engine thread: the offload hold --------------------------------------------------------
     def hold_for_offload(self, rid: str) -> Callable[[], None]:
@@ -330,6 +387,12 @@ class DecodeController:
             self._require_engine().abort(rid)  # releases the reservation on the engine thread
         except Exception:
             log.exception("decode: freeing the reservation of %s failed", rid)
+
+    def _cancel_reservation(self, rid: str) -> None:
+        try:
+            self._require_engine().cancel_reservation(rid)
+        except Exception:
+            log.exception("decode: cancelling the queued reservation of %s failed", rid)
 
     def _receiver_abort(self, room: int, reason: str) -> None:
         try:

@@ -1,14 +1,19 @@
-"""Prometheus series of the decode node's DecodeOffloadManager (`pdcache_decode_offload_*`).
+"""Prometheus series of the decode node: its DecodeOffloadManager (`pdcache_decode_offload_*`)
+and its admission queue (`pdcache_decode_admission_*`).
 
-Read from `DecodeOffloadManager.snapshot()` at scrape time and registered on the server's own
-registry, so the engine's and server's collectors stay untouched.
+Offload series are read from `DecodeOffloadManager.snapshot()` at scrape time; admission
+gauges from `engine.stats()` at scrape time, its counters and wait histogram are updated by
+the decode handler on the event loop. All live on the server's own registry, so the engine's
+and server's collectors stay untouched.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -62,3 +67,64 @@ class OffloadStatsCollector(Collector):
         latency.add_metric([self._server], count_value=float(stats["writes"]),
                            sum_value=float(stats["write_seconds_total"]))
         yield latency
+
+
+# ---- decode admission (the engine's queue of PD requests waiting for pages) -----------------
+
+ADMISSION_PREFIX = "pdcache_decode_admission_"
+REJECT_REASONS = ("never_fits", "queue_full", "deadline")
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class AdmissionQueueCollector(Collector):
+    """`pdcache_decode_admission_queue_depth` / `_queue_pages`, read from `engine.stats()` at
+    scrape time (the engine thread's last snapshot)."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], server_name: str) -> None:
+        self._stats = stats
+        self._server = server_name
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._stats()
+        except Exception:
+            log.exception("engine.stats() failed during a metrics scrape")
+            return
+        for name, key, help_text in (
+                ("queue_depth", "reservations_pending",
+                 "PD requests waiting for decode pages (admission queue)"),
+                ("queue_pages", "reservations_pending_pages",
+                 "prompt pages the queued PD requests wait for")):
+            family = GaugeMetricFamily(ADMISSION_PREFIX + name, help_text, labels=["server"])
+            family.add_metric([self._server], float(stats.get(key, 0)))
+            yield family
+
+
+class AdmissionMetrics:
+    """Wait time, admissions and rejections of decode admission; updated by the decode handler
+    on the event loop, on the server's own registry."""
+
+    def __init__(self, registry: CollectorRegistry, stats: Callable[[], Mapping[str, Any]],
+                 server_name: str) -> None:
+        self.wait = Histogram(
+            ADMISSION_PREFIX + "wait_seconds",
+            "time a PD request waited for its decode pages (0 when reserved at once)",
+            buckets=WAIT_BUCKETS, registry=registry)
+        self.admitted = Counter(
+            ADMISSION_PREFIX + "admitted", "PD requests whose decode pages were reserved, by "
+            "whether they waited in the queue", ["queued"], registry=registry)
+        self.rejected = Counter(
+            ADMISSION_PREFIX + "rejected", "PD requests refused by decode admission, by reason "
+            "(never_fits: 400; queue_full, deadline: 503)", ["reason"], registry=registry)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+        for queued in ("true", "false"):
+            self.admitted.labels(queued)
+        registry.register(AdmissionQueueCollector(stats, server_name))
+
+    def observe_admitted(self, waited_s: float, queued: bool) -> None:
+        self.wait.observe(max(waited_s, 0.0))
+        self.admitted.labels("true" if queued else "false").inc()
+
+    def observe_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()

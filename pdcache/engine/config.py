@@ -77,11 +77,16 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching limits: the token budget bounds each prefill chunk."""
+    """Continuous batching limits: the token budget bounds each prefill chunk.
+
+    `max_pending_reservations` bounds the decode node's admission queue: PD requests whose
+    pages cannot be reserved yet wait there, in arrival order, until running requests free
+    them (`Engine.reserve_when_free`); 0 refuses at once when the pool is short."""
 
     max_running_requests: int = 64
     chunked_prefill_tokens: int = 2048
     max_queued_requests: int = 1024
+    max_pending_reservations: int = 256
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The serving engine: one scheduler thread driving model, pool, radix tree and sampler.
 
 Threading: the public methods (`submit`, `abort`, `generate`, `stats`, `check_accounting`,
-`flush_cache`, `wake`, `shutdown`, and for disaggregation `reserve`, `release_reservation`,
-`submit_prefilled`, `release_held`) may be called from any thread; they only touch an inbox
+`flush_cache`, `wake`, `shutdown`, and for disaggregation `reserve`, `reserve_when_free`,
+`cancel_reservation`, `release_reservation`, `submit_prefilled`, `release_held`) may be called from any thread; they only touch an inbox
 queue and a lock-protected snapshot, and the ones that return engine state run on the engine
 thread through the inbox. Everything else (scheduler, pool, tree, runner, sampler, request
 state) belongs to the engine thread, which also calls every `on_output` callback. A failure
@@ -39,7 +39,7 @@ from pdcache.engine.radix import RadixTree
 from pdcache.engine.request import OutputCallback, Req, ReqStatus, pages_for
 from pdcache.engine.runner import CausalLMLike, ModelRunner
 from pdcache.engine.sampler import make_generator, sample
-from pdcache.engine.scheduler import ScheduledBatch, Scheduler
+from pdcache.engine.scheduler import PendingReservation, ScheduledBatch, Scheduler
 from pdcache.kernels import KernelSet
 
 logger = logging.getLogger(__name__)
@@ -57,9 +57,36 @@ class EngineNotRunningError(RuntimeError):
     """`submit` on an engine that is not started or already shut down."""
 
 
+@dataclass(frozen=True)
+class Admission:
+    """The one answer to `reserve_when_free` (engine thread). `page_ids` is None when no pages
+    were reserved: `reason` is "queue_full", "cancelled" (`cancel_reservation` / `abort`) or
+    "shutdown". `queued`: it waited in the admission queue, for `waited_s` seconds."""
+
+    rid: str
+    page_ids: list[int] | None
+    reason: str = ""
+    waited_s: float = 0.0
+    queued: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.page_ids is not None
+
+
 @dataclass
 class _Submit:
     req: Req
+
+
+@dataclass
+class _Reserve:
+    pending: PendingReservation
+
+
+@dataclass
+class _CancelReservation:
+    rid: str
 
 
 @dataclass
@@ -194,6 +221,7 @@ class Engine:
         self._drain_inbox(timeout=0.0)
         if self.scheduler.has_work():
             self._step()
+        self._grant_pending()
         self._update_snapshot()
         return self.scheduler.has_work() or not self._inbox.empty()
 
@@ -261,6 +289,38 @@ class Engine:
         if page_ids is None:
             raise EngineOverloadedError(f"no room for {num_tokens} tokens of K/V")
         return page_ids
+
+    def reserve_when_free(self, rid: str, num_tokens: int, on_done: Callable[[Admission], None],
+                          max_new_tokens: int = 0) -> None:
+        """Decode node: reserve the pages of `num_tokens` prompt tokens of `rid` as soon as the
+        pool can give them, in arrival order behind the reservations already waiting
+        (`SchedulerConfig.max_pending_reservations` of them at most). A grant also keeps back
+        the pages that it and every admitted request need to decode `max_new_tokens`, so it is
+        granted only when they all can finish. `on_done(Admission)` runs exactly once, on the
+        engine thread: at once (granted, or the queue is full) or when the pages free, the
+        reservation is cancelled, or the engine stops; it must not block. Raises ValueError at
+        once for a request that can never fit the pool, EngineNotRunningError."""
+        page_size, capacity = self.pool.page_size, self.pool.num_pages
+        total = min(num_tokens + max(max_new_tokens, 0), self.config.model.max_position_embeddings)
+        if num_tokens < 1:
+            raise ValueError(f"cannot reserve pages for {num_tokens} tokens")
+        if pages_for(total, page_size) > capacity:
+            raise ValueError(
+                f"prompt ({num_tokens} tokens) + max_new_tokens ({max_new_tokens}) needs "
+                f"{pages_for(total, page_size)} pages of K/V; this node's pool holds {capacity}"
+                f" pages ({capacity * page_size} tokens)")
+        num_pages = pages_for(num_tokens, page_size)
+        pending = PendingReservation(rid, num_pages, pages_for(total, page_size) - num_pages,
+                                     time.monotonic(), on_done)
+        with self._lock:  # as in submit: anything put here is drained, even at shutdown
+            if not self.is_running:
+                raise EngineNotRunningError("the engine is not running")
+            self._inbox.put(_Reserve(pending))
+
+    def cancel_reservation(self, rid: str) -> None:
+        """Take `rid` out of the admission queue: its `on_done` gets "cancelled". Pages already
+        granted are not touched (the grant's `on_done` came, or comes first)."""
+        self._inbox.put(_CancelReservation(rid))
 
     def release_reservation(self, rid: str, timeout: float = 30.0) -> bool:
         """Free the pages reserved for `rid` (transfer failed); False if there were none."""
@@ -381,6 +441,7 @@ class Engine:
                 progressed = False
                 if self.scheduler.has_work() and not self._stop.is_set():
                     progressed = self._step()
+                self._grant_pending()  # after anything that may have freed pages
             except Exception:  # never let the loop die: log, count, go on
                 logger.exception("engine loop error")
                 self._step_errors += 1
@@ -403,7 +464,7 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _handle(self, item: _Submit | _SubmitPrefilled | _Abort | _ReleaseHeld | _Call) -> None:
+    def _handle(self, item: Any) -> None:
         if isinstance(item, _Submit):
             with self._lock:
                 self._num_pending -= 1
@@ -416,6 +477,11 @@ class Engine:
                 self._fail([req], error="aborted by client", reason="abort")
             self.scheduler.release_reservation(item.rid)
             self.scheduler.abort_held(item.rid)
+            self._cancel_pending(item.rid)
+        elif isinstance(item, _Reserve):
+            self._queue_reservation(item.pending)
+        elif isinstance(item, _CancelReservation):
+            self._cancel_pending(item.rid)
         elif isinstance(item, _ReleaseHeld):
             self.scheduler.release_held(item.rid)
         elif isinstance(item, _Call):
@@ -464,11 +530,54 @@ class Engine:
             self._emit(req)
 
     def _finish_all(self, error: str) -> None:
+        for rid in list(self.scheduler.pending):
+            self._cancel_pending(rid, reason="shutdown")
         self._fail(self._all_unfinished(), error=error)
         for rid in list(self.scheduler.reserved):
             self.scheduler.release_reservation(rid)
         for rid in list(self.scheduler.held):
             self.scheduler.release_held(rid)
+
+    # ---- the admission queue (engine thread) --------------------------------------------
+    def _queue_reservation(self, pending: PendingReservation) -> None:
+        if self._stop.is_set():
+            self._answer(pending, Admission(pending.rid, None, "shutdown"))
+            return
+        try:
+            decision = self.scheduler.queue_reservation(pending)
+        except ValueError:  # the rid already has pages or a place in the queue
+            logger.exception("reservation of %s refused", pending.rid)
+            self._answer(pending, Admission(pending.rid, None, "cancelled"))
+            return
+        if decision == "granted":
+            self._answer(pending, Admission(pending.rid, list(self.scheduler.reserved[pending.rid])))
+        elif decision == "queue_full":
+            self._answer(pending, Admission(pending.rid, None, "queue_full"))
+
+    def _grant_pending(self) -> None:
+        if not self.scheduler.pending:
+            return
+        now = time.monotonic()
+        for pending in self.scheduler.grant_pending():
+            pages = list(self.scheduler.reserved[pending.rid])
+            self._answer(pending, Admission(pending.rid, pages, waited_s=now - pending.since,
+                                            queued=True))
+
+    def _cancel_pending(self, rid: str, reason: str = "cancelled") -> None:
+        pending = self.scheduler.cancel_pending(rid)
+        if pending is not None:
+            self._answer(pending, Admission(rid, None, reason,
+                                            waited_s=time.monotonic() - pending.since,
+                                            queued=True))
+
+    def _answer(self, pending: PendingReservation, admission: Admission) -> None:
+        try:
+            pending.on_done(admission)
+        except Exception:  # nobody took the pages: give them back, never leak them
+            self._callback_errors += 1
+            logger.exception("reservation callback of %s raised", pending.rid)
+            if admission.ok:
+                self.scheduler.release_reservation(pending.rid)
 
     def _start_prefilled(self, req: Req, first_token: int) -> None:
         try:
@@ -564,6 +673,8 @@ class Engine:
             "cached_pages": tree.total_pages if tree else 0,
             "pages_evictable": tree.evictable_pages if tree else 0,
             "pages_reserved": sum(len(p) for p in self.scheduler.reserved.values()),
+            "reservations_pending": len(self.scheduler.pending),
+            "reservations_pending_pages": sum(p.num_pages for p in self.scheduler.pending.values()),
             "requests_held": len(self.scheduler.held),
             "tokens_in_cache": (tree.total_pages if tree else 0) * self.pool.page_size,
             "pages_evicted_total": tree.num_evicted_pages if tree else 0,

@@ -31,7 +31,12 @@ prefill node writes a prompt's K/V into, then `add_prefilled` starts decoding on
 request's pages (prompt K/V, partial last page included) and `hold_on_abort` an aborted
 running one's, until whoever reads them outside the engine (a KV transfer, offload copies)
 calls `release_held`; `abort_releases_held` says whether an abort of a held request frees it
-anyway (the default) or leaves it to that holder. The node's controller
+anyway (the default) or leaves it to that holder. A reservation that cannot be had now
+waits in `pending` (`queue_reservation`, bounded by `SchedulerConfig.max_pending_reservations`)
+and is granted in arrival order by `grant_pending`, which the engine runs after every change
+that can free pages; a grant keeps back, besides its own pages, the pages every running and
+reserved request (itself included) still needs to reach its `max_new_tokens`, so what is
+granted can always decode to the end, even with retraction off. The node's controller
 (`pdcache.prefill_node.controller`, `pdcache.decode_node.controller`) makes those decisions.
 """
 
@@ -39,7 +44,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdcache.engine.api import CachedTokens
 from pdcache.engine.config import CacheConfig, SchedulerConfig
@@ -81,6 +88,18 @@ class TierReuse:
 
 
 @dataclass
+class PendingReservation:
+    """A reservation waiting for pages: `num_pages` for the prompt, `growth_pages` more that
+    its decoding will need; `on_done` is the engine's, called once when it leaves the queue."""
+
+    rid: str
+    num_pages: int
+    growth_pages: int
+    since: float
+    on_done: Callable[..., Any]
+
+
+@dataclass
 class SchedulerCounters:
     admitted: int = 0
     retracted: int = 0
@@ -113,6 +132,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.counters = SchedulerCounters()
         self.reserved: dict[str, list[int]] = {}  # rid -> pages awaiting a K/V transfer
+        self.reserved_growth: dict[str, int] = {}  # rid -> pages its decoding will still need
+        self.pending: dict[str, PendingReservation] = {}  # FIFO: waiting for pages
         self.held: dict[str, Req] = {}  # finished requests whose pages are kept
         self._admit_seq = 0
         self._last_mode: ForwardMode | None = None
@@ -181,7 +202,55 @@ class Scheduler:
             self.reserved[rid] = page_ids
         return page_ids
 
+    def queue_reservation(self, pending: PendingReservation) -> str:
+        """Reserve `pending`'s pages now ("granted": they are in `reserved`), or queue it
+        behind the others ("queued"), or refuse it ("queue_full"). Nothing is granted out of
+        arrival order: with anyone waiting, a newcomer waits too."""
+        rid = pending.rid
+        if rid in self.reserved or rid in self.pending:
+            raise ValueError(f"request {rid!r} already has reserved or pending pages")
+        if not self.pending and self._grant(pending):
+            return "granted"
+        if len(self.pending) >= self.config.max_pending_reservations:
+            return "queue_full"
+        self.pending[rid] = pending
+        return "queued"
+
+    def grant_pending(self) -> list[PendingReservation]:
+        """Grant waiting reservations in arrival order while the head fits; the granted."""
+        granted: list[PendingReservation] = []
+        while self.pending:
+            head = next(iter(self.pending.values()))
+            if not self._grant(head):
+                break
+            del self.pending[head.rid]
+            granted.append(head)
+        return granted
+
+    def cancel_pending(self, rid: str) -> PendingReservation | None:
+        """Take `rid` out of the queue (its caller left); None if it is not waiting."""
+        return self.pending.pop(rid, None)
+
+    def growth_headroom(self) -> int:
+        """Pages the running and reserved requests still need to finish decoding."""
+        need = sum(self.reserved_growth.values())
+        for req in self.running:
+            target = min(len(req.prompt_ids) + req.sampling.max_new_tokens, self.max_context)
+            need += max(0, pages_for(target, self.page_size) - len(req.page_ids))
+        return need
+
+    def _grant(self, pending: PendingReservation) -> bool:
+        # its own growth too: everything granted can always decode to the end
+        reserve = self.growth_headroom() + pending.growth_pages
+        page_ids = self._alloc(pending.num_pages, reserve=reserve)
+        if page_ids is None:
+            return False
+        self.reserved[pending.rid] = page_ids
+        self.reserved_growth[pending.rid] = pending.growth_pages
+        return True
+
     def release_reservation(self, rid: str) -> bool:
+        self.reserved_growth.pop(rid, None)
         page_ids = self.reserved.pop(rid, None)
         if page_ids is not None:
             self.allocator.free(page_ids)
@@ -198,6 +267,7 @@ class Scheduler:
                 f"{pages_for(len(req.prompt_ids), self.page_size)}"
             )
         del self.reserved[req.rid]
+        self.reserved_growth.pop(req.rid, None)
         req.admit_prefilled(page_ids, first_token, self._admit_seq)
         self._admit_seq += 1
         self.running.append(req)

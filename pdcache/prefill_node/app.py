@@ -6,6 +6,11 @@ hands its prompt pages to the decode node through the sender, and the answer goe
 the room is released: success with the first token and cache statistics, or a JSON error.
 Requests without `pd` are the shared routes' (served like a unified server's).
 
+Admission (docs/pd-protocol.md, "Decode admission"): the request is queued in the engine at
+once (its storage prefetch starts), but computed only once its decode node asked for the K/V
+(the scheduler's gate); a decode that never asks within room_timeout_s + bootstrap_timeout_s
+ends it with 503 `decode_wait_timeout`. `DecodeWaitMetrics` records the wait.
+
 Threads: everything here runs on the event loop; the controller's `notify` (a transfer
 thread) only schedules the result on the loop (`call_soon_threadsafe`).
 """
@@ -22,7 +27,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcache.prefill_node.controller import DuplicateRoomError, PrefillController, PrefillOutcome
-from pdcache.server.bridge import Generation, json_ready, set_result_once
+from pdcache.prefill_node.metrics import DecodeWaitMetrics
+from pdcache.server.bridge import EngineRequest, Generation, json_ready, set_result_once
 from pdcache.server.protocol import (
     OVERLOADED,
     SERVER_ERROR,
@@ -45,6 +51,16 @@ class PrefillApp:
         self.bridge = routes.bridge
         self.controller = controller
         self.sender = sender
+        self.decode_wait = DecodeWaitMetrics(self.bridge.metrics.registry,
+                                             controller.waiting_for_decode,
+                                             self.bridge.config.name)
+
+    @property
+    def decode_wait_timeout_s(self) -> float:
+        """How long a PD request waits for its decode to ask: decode's admission deadline (at
+        most a room's timeout) plus the time its request takes to arrive."""
+        config = self.sender.config
+        return config.room_timeout_s + config.bootstrap_timeout_s
 
     async def pd_generate(self, request: Request, body: GenerateRequestBody) -> Response:
         pd = body.pd
@@ -54,12 +70,23 @@ class PrefillApp:
         gen = Generation(arrival=time.monotonic())
         input_ids = self.routes.checked_prompt(body)
         room, rid = pd.room, body.rid or f"pd-{pd.room}"
-        released = self._open(rid, room)
+        requested: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        released = self._open(rid, room, requested)
         started = time.monotonic()
         try:
             first_only = dataclasses.replace(body.sampling_params.to_engine(), max_new_tokens=1)
             handle = self.bridge.submit(gen, input_ids, first_only, body.cache_salt, rid)
-            await self.bridge.collect(request, handle, gen, TextAssembler(self.routes.decode, []))
+            watchdog = asyncio.ensure_future(self._watch_decode(requested, handle))
+            try:
+                await self.bridge.collect(request, handle, gen,
+                                          TextAssembler(self.routes.decode, []))
+            finally:
+                if not watchdog.done():
+                    watchdog.cancel()
+            if watchdog.done() and not watchdog.cancelled() and watchdog.result():
+                raise ApiError(503, f"room {room}: its decode node did not ask for the K/V "
+                                    f"within {self.decode_wait_timeout_s:.0f}s",
+                               type=OVERLOADED, code="decode_wait_timeout")
             if gen.finish_reason not in ("length", "stop") or not gen.output_ids:
                 self.controller.close_room(room, f"prefill failed: {gen.finish_reason}")
                 raise ApiError(500, f"prefill of room {room} failed ({gen.finish_reason})",
@@ -69,11 +96,29 @@ class PrefillApp:
             self.controller.close_room(room)  # no-op once released; else abort (orphan)
         return self._pd_response(gen, outcome, time.monotonic() - started, pd.decode_node)
 
-    def _open(self, rid: str, room: int) -> asyncio.Future[PrefillOutcome]:
+    async def _watch_decode(self, requested: asyncio.Future[float],
+                            handle: EngineRequest) -> bool:
+        """Record how long decode took to ask for the K/V; past the deadline, abort the
+        request still held out of compute (True: the handler answers 503). Aborting before
+        the room is closed keeps the gate shut until the engine saw the abort."""
+        try:
+            waited = await asyncio.wait_for(asyncio.shield(requested), self.decode_wait_timeout_s)
+        except asyncio.TimeoutError:
+            if handle.finished or not self.controller.wait_for_decode:
+                return False
+            self.decode_wait.timeouts.inc()
+            handle.abort()
+            return True
+        self.decode_wait.wait.observe(waited)
+        return False
+
+    def _open(self, rid: str, room: int, requested: asyncio.Future[float]
+              ) -> asyncio.Future[PrefillOutcome]:
         loop = asyncio.get_running_loop()
         released: asyncio.Future[PrefillOutcome] = loop.create_future()
         try:
-            self.controller.open_room(rid, room, _on_loop(loop, released))
+            self.controller.open_room(rid, room, _on_loop(loop, released),
+                                      on_requested=_on_loop(loop, requested))
         except DuplicateRoomError:
             raise bad_request(f"room {room} is already in use", code="duplicate_room") from None
         except RuntimeError as exc:  # shutting down
@@ -109,11 +154,11 @@ class PrefillApp:
                 "transfer": json_ready(self.sender.stats())}
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future[PrefillOutcome]
-             ) -> Callable[[PrefillOutcome], None]:
-    """The controller's `notify` (any thread): resolve `future` on its loop."""
+def _on_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]
+             ) -> Callable[[Any], None]:
+    """A controller callback (any thread): resolve `future` on its loop."""
 
-    def notify(outcome: PrefillOutcome) -> None:
+    def notify(outcome: Any) -> None:
         try:
             loop.call_soon_threadsafe(set_result_once, future, outcome)
         except RuntimeError:  # the loop is closed: the server is gone

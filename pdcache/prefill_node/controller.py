@@ -3,7 +3,10 @@ prefill page handed to a decode node is freed.
 
 A room's life (docs/pd-protocol.md), with the thread that drives each step:
 
-    open_room(rid, room, notify)        event loop   the handler will wait for the room
+    open_room(rid, room, notify, ...)   event loop   the handler will wait for the room
+    decode_requested(room)              control      decode's RoomRequest arrived: its
+                                                     pages are reserved, so the request may
+                                                     now be computed (`decode_ready`)
     take_prefilled(rid, pages, report)  engine       prompt K/V complete: hand the pages to
                                                      the sender; True = the engine holds them
     on_release(outcome)                 transfer     the sender no longer reads the pages:
@@ -19,6 +22,13 @@ release decided while the engine is still holding the request — even from insi
 `send()` was accepted (the sender's contract: one release per accepted room), or by `close()`
 for an accepted room the closed sender never released. A room that was never accepted holds
 nothing: `take_prefilled` returns False and the scheduler caches/frees its pages at once.
+
+The admission gate (docs/pd-protocol.md, "Decode admission"): with `wait_for_decode`, the
+scheduler's `admission_ready` asks `decode_ready(rid)` (engine thread), which is False for a
+PD request whose decode has not asked for its K/V yet, so no prefill compute (and no prefill
+page) is spent on a request the decode node cannot take yet. The sender reports each
+`RoomRequest` (`on_requested` -> `decode_requested`); a room opened after its request came
+asks the sender (`has_destination`). The handler's deadline ends a wait that never ends.
 
 Locking: `_lock` (a plain Lock) guards `_rooms`, `_room_of` and each `_Room`'s fields. Every
 method decides under the lock and acts — `send`, `abort`, `release_held`, `notify` — outside
@@ -48,6 +58,8 @@ class Sender(Protocol):
 
     def send(self, room: int, src_page_ids: Sequence[int], report: PrefillReport) -> bool: ...
 
+    def has_destination(self, room: int) -> bool: ...
+
     def abort(self, room: int, reason: str = ...) -> None: ...
 
 
@@ -56,6 +68,8 @@ class HeldPages(Protocol):
     engine thread, after everything queued before."""
 
     def release_held(self, rid: str) -> None: ...
+
+    def wake(self) -> None: ...
 
 
 class DuplicateRoomError(ValueError):
@@ -97,6 +111,9 @@ class _Room:
     phase: Phase = Phase.OPEN
     handler_gone: bool = False  # close_room came first: nobody waits, abort when sent
     sent_at: float = 0.0
+    opened_at: float = 0.0
+    requested: bool = False  # decode's RoomRequest is at the sender: it may be computed
+    on_requested: Callable[[float], None] | None = None
 
 
 class PrefillController:
@@ -106,8 +123,9 @@ class PrefillController:
     Built before the engine and the sender (the engine's scheduler calls `take_prefilled`,
     the sender calls `on_release`); `attach(engine, sender)` supplies them before `start`."""
 
-    def __init__(self, node_name: str) -> None:
+    def __init__(self, node_name: str, wait_for_decode: bool = True) -> None:
         self.node_name = node_name
+        self.wait_for_decode = wait_for_decode
         self._engine: HeldPages | None = None
         self._sender: Sender | None = None
         self._lock = threading.Lock()
@@ -119,9 +137,12 @@ class PrefillController:
         self._engine, self._sender = engine, sender
 
     # ---- event loop --------------------------------------------------------------------------
-    def open_room(self, rid: str, room: int, notify: Notify) -> None:
+    def open_room(self, rid: str, room: int, notify: Notify,
+                  on_requested: Callable[[float], None] | None = None) -> None:
         """Register the handler of `room` (request `rid`); `notify(outcome)` runs once, on a
-        transfer thread, when the room ends — unless the handler closed the room first."""
+        transfer thread, when the room ends — unless the handler closed the room first.
+        `on_requested(waited_s)` runs once (any thread) when decode asked for the room's K/V
+        (maybe before this returns)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the prefill node is shutting down")
@@ -129,8 +150,45 @@ class PrefillController:
                 raise DuplicateRoomError(f"room {room} is already in use")
             if rid in self._room_of:
                 raise DuplicateRoomError(f"request {rid!r} already has room {self._room_of[rid]}")
-            self._rooms[room] = _Room(rid, notify)
+            self._rooms[room] = _Room(rid, notify, opened_at=time.monotonic(),
+                                      on_requested=on_requested)
             self._room_of[rid] = room
+        if self._require_sender().has_destination(room):  # decode asked before we opened
+            self.decode_requested(room)
+
+    # ---- control thread (the sender's on_requested), or the event loop --------------------------
+    def decode_requested(self, room: int) -> None:
+        """Decode's RoomRequest for `room` is at the sender: its request may be computed."""
+        with self._lock:
+            entry = self._rooms.get(room)
+            if entry is None or entry.requested:
+                return
+            entry.requested = True
+            waited, callback = time.monotonic() - entry.opened_at, entry.on_requested
+        if self.wait_for_decode and self._engine is not None:
+            self._engine.wake()  # the gate opened: schedule now
+        if callback is not None:
+            try:
+                callback(waited)
+            except Exception:
+                log.exception("prefill: on_requested of room %d raised", room)
+
+    # ---- engine thread: the admission gate ------------------------------------------------------
+    def decode_ready(self, rid: str) -> bool:
+        """May `rid` be computed now? False only for the request of an open PD room whose
+        decode has not asked for its K/V yet (and only with `wait_for_decode`)."""
+        if not self.wait_for_decode:
+            return True
+        with self._lock:
+            room = self._room_of.get(rid)
+            entry = self._rooms.get(room) if room is not None else None
+            return entry is None or entry.requested or entry.phase is not Phase.OPEN
+
+    def waiting_for_decode(self) -> int:
+        """Open PD rooms whose decode has not asked yet; any thread."""
+        with self._lock:
+            return sum(1 for e in self._rooms.values()
+                       if e.phase is Phase.OPEN and not e.requested and not e.handler_gone)
 
     def close_room(self, room: int, reason: str = "prefill request ended early") -> None:
         """The handler is done with `room` (answered, failed or gone). A room not released yet

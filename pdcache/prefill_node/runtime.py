@@ -38,13 +38,15 @@ class PrefillRuntime:
         self.setup = setup
         self.config = ServerConfig(name=setup.name,
                                    request_timeout_s=setup.server.request_timeout_s)
-        self.controller = PrefillController(setup.name)
+        self.controller = PrefillController(
+            setup.name, wait_for_decode=setup.transfer.prefill_waits_for_decode)
         self.tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers,
                                           PrefillScheduler, pd=self.controller)
         self.engine = self.tiered.engine
         self.sender = KVSender(setup.transfer, self.engine.pool.device_kv, setup.host,
                                setup.bootstrap_port or 0, on_release=self.controller.on_release,
-                               prefill_id=setup.name)
+                               prefill_id=setup.name,
+                               on_requested=self.controller.decode_requested)
         self.controller.attach(self.engine, self.sender)
         self.routes = routes_for(self.engine, self.config)
         self.pd = PrefillApp(self.routes, self.controller, self.sender)

@@ -1,6 +1,10 @@
 """The prefill node's scheduler: HiCache scheduling, and PD requests that stop after their
 first token and keep their pages while the KV transfer to decode reads them.
 
+A PD request is admitted for compute only once its decode node asked for its K/V
+(`admission_ready` -> `PrefillController.decode_ready`): until then it waits in the queue (its
+storage prefetch runs meanwhile) and requests behind it may go first.
+
 Whether a finished request is held, and when its pages go, is the `PrefillController`'s
 decision (`pdcache.prefill_node.controller`); this class only turns the engine's hooks into
 its calls. Engine thread only.
@@ -21,6 +25,8 @@ class PrefilledSink(Protocol):
 
     def take_prefilled(self, rid: str, page_ids: list[int], report: PrefillReport) -> bool: ...
 
+    def decode_ready(self, rid: str) -> bool: ...
+
 
 class PrefillScheduler(HiCacheScheduler):
     """A finished request is held when `pd.take_prefilled` takes its prompt pages (a PD
@@ -30,6 +36,10 @@ class PrefillScheduler(HiCacheScheduler):
     def __init__(self, *, pd: PrefilledSink, **kwargs) -> None:
         super().__init__(**kwargs)
         self.pd = pd
+
+    def admission_ready(self, req: Req) -> bool:
+        # decode first: a request decode cannot take yet costs no compute and no pages
+        return self.pd.decode_ready(req.rid) and super().admission_ready(req)
 
     def hold_after_finish(self, req: Req) -> bool:
         pages = req.page_ids[: pages_for(len(req.prompt_ids), self.page_size)]

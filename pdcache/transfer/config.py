@@ -38,6 +38,11 @@ class TransferConfig:
     max_batch_entries: int = 1024  # entries per engine batch (Mooncake TCP lanes queue ~2048)
     max_batch_bytes: int = 64 << 20  # bytes per engine batch; bounds abort latency too
     transfer_workers: int = 2  # sender threads running engine writes
+    # PD admission (docs/pd-protocol.md): a prefill node holds a PD request out of its compute
+    # queue until decode's RoomRequest for the room arrived (decode reserved its pages), for at
+    # most room_timeout_s + bootstrap_timeout_s. False computes at once and holds the K/V on
+    # prefill until decode asks (for bootstrap_timeout_s): measured worse, kept for the A/B.
+    prefill_waits_for_decode: bool = True
     finished_rooms_kept: int = 65536  # outcomes remembered after release, for poll()/late msgs
 
     def __post_init__(self) -> None:

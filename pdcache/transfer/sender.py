@@ -19,6 +19,9 @@ Threads and what they mutate:
 - caller threads (`send`, `abort`, `poll`, `stats`): room creation/transitions via RoomTable.
 `counters` are bumped by the control thread and every worker: only through `_count` (under
 `_counters_lock`); `stats()` copies them under the same lock.
+`on_requested(room)` runs (control thread) when decode's `RoomRequest` for a room arrived, so a
+node that holds a PD request out of its compute queue until then can let it go;
+`has_destination(room)` asks the same for a room the node learns about later.
 `on_release(outcome)` runs once per room that `send()` accepted — on the control thread, a
 worker, or the caller of abort/send — when the engine no longer reads its pages:
 SUCCESS or FAILED, the node frees (or keeps in its cache) the source pages then.
@@ -31,6 +34,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,8 +102,10 @@ class KVSender:
 
     def __init__(self, config: TransferConfig, device_kv: torch.Tensor,
                  bind_host: str = "127.0.0.1", port: int = 0,
-                 on_release: ReleaseCallback | None = None, prefill_id: str = "") -> None:
+                 on_release: ReleaseCallback | None = None, prefill_id: str = "",
+                 on_requested: Callable[[int], None] | None = None) -> None:
         self.config = config
+        self._on_requested = on_requested
         self.layout = KVLayout.from_tensor(device_kv)
         self._kv = device_kv  # keeps the pool alive while the engine reads it
         self._bind_host, self._port = bind_host, port
@@ -175,6 +181,11 @@ class KVSender:
 
     def poll(self, room: int) -> RoomState:
         return self.rooms.state(room)
+
+    def has_destination(self, room: int) -> bool:
+        """Whether decode's request (its destination pages) for `room` is here."""
+        current = self.rooms.get(room)
+        return current is not None and current.data.dst_pages is not None
 
     def abort(self, room: int, reason: str = "aborted by prefill") -> None:
         """Fail the room (decode is told once the engine stopped); unknown rooms are
@@ -411,6 +422,7 @@ class KVSender:
             try:
                 self.rooms.create(msg.room, RoomState.WAITING_FOR_INPUT,
                                   self.config.room_timeout_s, data)
+                self._requested(msg.room)
                 return
             except ValueError:
                 pass  # send() created it meanwhile
@@ -430,6 +442,16 @@ class KVSender:
             return
         if ready and ready[0]:
             self._begin(msg.room)
+        else:
+            self._requested(msg.room)
+
+    def _requested(self, room: int) -> None:
+        if self._on_requested is None:
+            return
+        try:
+            self._on_requested(room)
+        except Exception:  # the node's callback must not break the control thread
+            logger.exception("prefill: on_requested of room %d raised", room)
 
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
         current = self.rooms.get(msg.room)

@@ -272,3 +272,16 @@ def test_mooncake_engine_leaves_the_environment_alone() -> None:
     remote = TransferConfig(engine="mooncake", local_host="10.0.0.2")
     assert ENGINES.get("mooncake").environment(remote, {"MC_TCP_BIND_ADDRESS": "127.0.0.1"})[
         "MC_TCP_BIND_ADDRESS"] == "10.0.0.2"  # a multi-host node never listens on loopback
+
+
+def test_admission_keys_reach_the_node_setup(tmp_path: Path) -> None:
+    """`[scheduler] max_pending_reservations` sizes the decode node's admission queue and
+    `[transfer] prefill_waits_for_decode` gates prefill compute (issue 17): both reach the
+    frozen configs the node runs with; defaults 256 / true."""
+    default = setup_for(pd(tmp_path), "d0", MODEL)
+    assert default.engine.scheduler.max_pending_reservations == 256
+    assert default.transfer is not None and default.transfer.prefill_waits_for_decode
+    overrides = ("scheduler.max_pending_reservations=3", "transfer.prefill_waits_for_decode=false")
+    setup = setup_for(pd(tmp_path, overrides=overrides), "d0", MODEL)
+    assert setup.engine.scheduler.max_pending_reservations == 3
+    assert setup.transfer is not None and not setup.transfer.prefill_waits_for_decode

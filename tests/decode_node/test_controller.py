@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from pdcache.decode_node.controller import (
-    BadRoomError,
+    Admitted,
     DecodeController,
     DecodeOutcome,
     DuplicateRoomError,
@@ -24,7 +24,7 @@ from pdcache.decode_node.controller import (
 from pdcache.decode_node.scheduler import DecodeScheduler
 from pdcache.engine.api import GenerateRequest, RequestOutput, SamplingParams
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdcache.engine.engine import Engine, EngineOverloadedError
+from pdcache.engine.engine import Admission, Engine
 from pdcache.engine.loader import load_model
 from pdcache.transfer import Outcome, PrefillReport, RoomState
 
@@ -53,28 +53,47 @@ class Books:
 
 
 class FakeEngine:
-    """`DecodeEngine`: `reserve` answers at once (it blocks on the engine thread for real);
-    `abort` / decoding go through an inbox. `abort` of a rid with nothing reserved is a no-op
-    in the real engine; here it counts as a double free, so the books are exact."""
+    """`DecodeEngine`: `reserve_when_free` answers at once while there is capacity (on the
+    caller's thread; the real engine answers on its own), else queues the rid (FIFO, at most
+    `queue_limit`); `abort`, `cancel_reservation` and decoding go through an inbox drained by
+    `step()`, which then grants queued rids while capacity allows. `abort` of a rid with
+    nothing reserved is a no-op in the real engine; here it counts as a double free, so the
+    books are exact."""
 
-    def __init__(self, books: Books, capacity: int = 1000) -> None:
+    def __init__(self, books: Books, capacity: int = 1000, queue_limit: int = 8) -> None:
         self.books = books
         self.capacity = capacity
+        self.queue_limit = queue_limit
+        self.max_tokens = 10_000
         self.inbox: list[tuple[str, str]] = []
+        self.queue: dict[str, Callable[[Admission], None]] = {}
         self.during_reserve: Callable[[], None] | None = None
         self._next = 0
 
-    def reserve(self, rid: str, num_tokens: int) -> list[int]:
+    def reserve_when_free(self, rid: str, num_tokens: int,
+                          on_done: Callable[[Admission], None], max_new_tokens: int = 0) -> None:
+        if num_tokens + max_new_tokens > self.max_tokens:
+            raise ValueError(f"needs more than the pool's {self.max_tokens} tokens")
         if self.during_reserve is not None:
             hook, self.during_reserve = self.during_reserve, None
-            hook()  # what another thread does while this one blocks
-        if len(self.books.reserved) >= self.capacity:
-            raise EngineOverloadedError("no room")
-        assert rid not in self.books.reserved
+            hook()  # what another thread does before the engine thread answers
+        assert rid not in self.books.reserved and rid not in self.queue
+        if self.queue or len(self.books.reserved) >= self.capacity:
+            if len(self.queue) >= self.queue_limit:
+                on_done(Admission(rid, None, "queue_full"))
+            else:
+                self.queue[rid] = on_done
+            return
+        on_done(Admission(rid, self._grant(rid)))
+
+    def _grant(self, rid: str) -> list[int]:
         pages = list(range(self._next, self._next + 2))
         self._next += 2
         self.books.reserved[rid] = pages
         return pages
+
+    def cancel_reservation(self, rid: str) -> None:
+        self.inbox.append(("cancel", rid))
 
     def abort(self, rid: str) -> None:
         self.inbox.append(("free", rid))
@@ -85,10 +104,32 @@ class FakeEngine:
     def release_held(self, rid: str) -> None:
         raise AssertionError("no offload hold in these tests")
 
-    def step(self) -> None:
+    def step(self, grant_first: bool = False) -> None:
+        """Drain the inbox, then grant; `grant_first`: grant before draining (the real engine
+        grants after a step, while a cancel may already wait in its inbox)."""
+        if grant_first:
+            self._grant_queued()
         inbox, self.inbox = self.inbox, []
         for kind, rid in inbox:
-            (self.books.free if kind == "free" else self.books.adopt)(rid)
+            if kind == "cancel":
+                on_done = self.queue.pop(rid, None)
+                if on_done is not None:
+                    on_done(Admission(rid, None, "cancelled", queued=True))
+            else:
+                (self.books.free if kind == "free" else self.books.adopt)(rid)
+        self._grant_queued()
+
+    def _grant_queued(self) -> None:
+        while self.queue and len(self.books.reserved) < self.capacity:
+            rid, on_done = next(iter(self.queue.items()))
+            del self.queue[rid]
+            on_done(Admission(rid, self._grant(rid), waited_s=0.5, queued=True))
+
+    def shutdown(self) -> None:
+        self.step()
+        for rid, on_done in list(self.queue.items()):
+            del self.queue[rid]
+            on_done(Admission(rid, None, "shutdown", queued=True))
 
 
 @dataclass
@@ -158,17 +199,26 @@ class Node:
         self.receiver = FakeReceiver(self.controller)
         self.controller.attach(self.engine, self.receiver)
         self.outcomes: dict[int, list[DecodeOutcome]] = {}
+        self.admissions: dict[int, list[Admitted]] = {}
 
     def open(self, room: int) -> None:
         self.outcomes[room] = []
+        self.admissions[room] = []
         self.controller.open_room(f"r{room}", room, self.outcomes[room].append)
 
     def request(self, room: int, bootstrap: str = "tcp://127.0.0.1:1") -> bool:
+        """Ask for the room's K/V; True when it was admitted at once (pages reserved, the
+        request is with the receiver)."""
         try:
-            self.controller.request_kv(room, bootstrap, 20)
-            return True
-        except (RoomCancelledError, BadRoomError, EngineOverloadedError):
+            self.controller.request_kv(room, bootstrap, 20, self.admissions[room].append)
+        except (RoomCancelledError, ValueError):
             return False
+        return self.admitted(room)
+
+    def admitted(self, room: int) -> bool:
+        answers = self.admissions.get(room, [])
+        assert len(answers) <= 1, f"room {room} was answered twice: {answers}"
+        return bool(answers) and answers[0].ok
 
     def start(self, room: int) -> bool:
         try:
@@ -181,7 +231,7 @@ class Node:
         """DecodeRuntime.close: receiver, controller, then the engine drains its inbox."""
         self.receiver.close()
         self.controller.close()
-        self.engine.step()
+        self.engine.shutdown()
 
 
 def test_kv_arrives_and_decoding_adopts_the_pages() -> None:
@@ -241,7 +291,8 @@ def test_caller_gone_while_reserving_or_requesting() -> None:
     node = Node()
     node.open(5)
     node.engine.during_reserve = lambda: node.controller.leave(5, "gone")
-    assert not node.request(5)  # RoomCancelledError: reserved, then freed again
+    assert not node.request(5)  # left before the answer: reserved, then freed again
+    assert node.admissions[5] == []  # nobody is told
     node.open(6)
     node.receiver.during_request = lambda: node.controller.leave(6, "gone")
     assert node.request(6)  # the request left: the room is aborted right after
@@ -261,18 +312,85 @@ def test_caller_gone_before_requesting_leaves_nothing() -> None:
     node.books.check_empty()
 
 
-def test_refused_request_and_full_engine_free_everything() -> None:
+def test_refused_request_and_full_queue_free_everything() -> None:
     node = Node()
     node.open(8)
-    with pytest.raises(BadRoomError):
-        node.controller.request_kv(8, "bad", 20)
-    node.engine.capacity = 0
+    assert not node.request(8, "bad")  # the receiver refused: reserved, then freed
+    assert node.admissions[8][0].reason == "bad_room"
+    node.engine.capacity, node.engine.queue_limit = 0, 0
     node.open(9)
-    with pytest.raises(EngineOverloadedError):
-        node.controller.request_kv(9, "tcp://127.0.0.1:1", 20)
+    assert not node.request(9)
+    assert node.admissions[9][0].reason == "queue_full"
     node.engine.step()
     assert node.books.frees == {"r8": 1}
     node.books.check_empty()
+    assert node.controller.rooms() == {}
+
+
+def test_a_request_that_never_fits_is_refused_at_once() -> None:
+    node = Node()
+    node.open(30)
+    with pytest.raises(ValueError, match="pool"):
+        node.controller.request_kv(30, "tcp://127.0.0.1:1", 20_000, print)
+    assert node.controller.rooms() == {}
+    node.books.check_empty()
+
+
+def test_a_queued_request_is_admitted_in_order_when_pages_free() -> None:
+    node = Node()
+    node.engine.capacity = 1
+    for room in (40, 41, 42):
+        node.open(room)
+    assert node.request(40)
+    assert not node.request(41) and not node.request(42)  # queued: no answer yet
+    assert node.admissions[41] == [] and set(node.engine.queue) == {"r41", "r42"}
+    node.receiver.finish(40, RoomState.SUCCESS)
+    assert node.start(40)
+    node.engine.step()  # r40 adopted: capacity for one more, the first in line
+    assert node.admitted(41) and not node.admissions[42]
+    assert node.admissions[41][0].queued and node.admissions[41][0].waited_s > 0
+    assert 41 in node.receiver.active  # prefill is asked only now
+    node.receiver.finish(41, RoomState.FAILED, "aborted")
+    node.engine.step()
+    assert node.admitted(42)
+    node.shutdown()
+    node.books.check_empty()
+
+
+def test_a_caller_gone_while_queued_leaves_the_queue() -> None:
+    # Protection: leave() cancels the queued reservation. Without the
+    # `self._cancel_reservation(entry.rid)` branch in leave(), r51 keeps its place in the queue
+    # (everyone behind it waits; the queue depth counts it) until pages are granted to nobody:
+    # the `engine.queue == {}` assertion fails.
+    node = Node()
+    node.engine.capacity = 1
+    node.open(50)
+    node.open(51)
+    assert node.request(50) and not node.request(51)
+    node.controller.leave(51, "caller disconnected")
+    node.engine.step()
+    assert node.engine.queue == {} and node.controller.rooms() == {50: "awaiting_kv"}
+    node.receiver.finish(50, RoomState.FAILED, "aborted")
+    node.engine.step()
+    node.books.check_empty()
+    assert node.admissions[51] == [] and node.controller.rooms() == {}
+
+
+def test_a_grant_racing_the_leave_is_freed_once() -> None:
+    node = Node()
+    node.engine.capacity = 1
+    node.open(60)
+    node.open(61)
+    assert node.request(60) and not node.request(61)
+    node.engine.capacity = 0  # r60's pages free, but r61 is not granted yet
+    node.receiver.finish(60, RoomState.FAILED, "aborted")
+    node.engine.step()
+    node.controller.leave(61, "gone")  # its cancel waits in the inbox ...
+    node.engine.capacity = 1
+    node.engine.step(grant_first=True)  # ... behind the grant: freed at once, then no-op
+    node.engine.step()
+    node.books.check_empty()
+    assert node.books.frees == {"r60": 1, "r61": 1}
     assert node.controller.rooms() == {}
 
 
@@ -326,13 +444,14 @@ def test_shutdown_with_rooms_open_frees_everything_once() -> None:
 
 
 EVENTS = ("request", "reserve_leave", "request_leave", "done", "failed", "peer_lost", "leave",
-          "ack", "start", "replay", "step")
+          "ack", "start", "replay", "step", "full")
 
 
 def run_interleaving(seed: int) -> Node:
     rng = random.Random(seed)
     node = Node()
     node.receiver.ack_inside_abort = rng.random() < 0.3
+    node.engine.queue_limit = rng.choice([0, 1, 8])
     rooms = list(range(rng.randint(1, 6)))
     plans = {room: ["open"] + rng.sample(EVENTS, rng.randint(1, len(EVENTS))) for room in rooms}
     while any(plans.values()):
@@ -363,6 +482,8 @@ def run_interleaving(seed: int) -> Node:
             node.start(room)
         elif event == "replay":
             node.receiver.replay(room)
+        elif event == "full":  # the pool fills up or drains: requests queue, then go
+            node.engine.capacity = rng.choice([0, 1, 1000])
         if rng.random() < 0.5:
             node.engine.step()
     node.shutdown()
@@ -379,18 +500,20 @@ def test_random_interleavings_free_every_reservation_exactly_once(seed: int) -> 
     assert not set(node.books.frees) & node.books.adopted
     assert node.controller.rooms() == {}
     assert all(len(outcomes) <= 1 for outcomes in node.outcomes.values())
+    assert all(len(answers) <= 1 for answers in node.admissions.values())
+    assert node.engine.queue == {}
 
 
 def test_the_books_catch_what_the_controller_prevents() -> None:
     """With the protection off — a reservation freed twice, or never — the books fail."""
     books = Books()
     engine = FakeEngine(books)
-    engine.reserve("x", 4)
+    engine.reserve_when_free("x", 4, print)
     engine.abort("x")
     engine.abort("x")  # what on_release + leave without the room map would both do
     with pytest.raises(AssertionError, match="double free"):
         engine.step()
-    engine.reserve("y", 4)
+    engine.reserve_when_free("y", 4, print)
     with pytest.raises(AssertionError, match="leaked"):
         books.check_empty()
 

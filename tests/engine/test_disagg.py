@@ -11,7 +11,7 @@ import pytest
 
 from pdcache.engine.api import GenerateRequest, RequestOutput, SamplingParams
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdcache.engine.engine import Engine, EngineOverloadedError
+from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
 from pdcache.engine.loader import load_model
 from pdcache.engine.request import Req
 from pdcache.engine.scheduler import Scheduler
@@ -168,3 +168,74 @@ def test_no_reservation_beside_a_stopping_engine_thread(tiny) -> None:
         release.set()
     engine.shutdown(timeout=30)
     assert engine.check_accounting()["free"] == 32
+
+
+# ---- the admission queue: reservations that wait for pages (decode nodes) -------------------
+
+def driven_engine(model, pages: int, max_pending: int) -> Engine:
+    config = EngineConfig(model.config, CacheConfig(page_size=PAGE, num_device_pages=pages),
+                          SchedulerConfig(chunked_prefill_tokens=64,
+                                          max_pending_reservations=max_pending))
+    return Engine(config, model).start(thread=False)
+
+
+def test_admission_queue_grants_in_arrival_order_as_pages_free(tiny) -> None:
+    # Protections, each failing here when off: FIFO (without `not self.pending` in
+    # queue_reservation, "c" — 3 pages, they are free — is granted before "b"); the bound (without
+    # the max_pending_reservations check "d" queues); the growth headroom (without
+    # `growth_headroom()` in _grant, "c" is granted with "b", leaving "b" no page to decode).
+    engine = driven_engine(tiny, pages=8, max_pending=2)
+    answers: dict[str, object] = {}
+    order: list[str] = []
+
+    def on_done(admission) -> None:
+        assert admission.rid not in answers, f"{admission.rid} answered twice"
+        answers[admission.rid] = admission
+        order.append(admission.rid)
+
+    engine.reserve_when_free("a", 17, on_done)  # 5 of 8 pages
+    engine.reserve_when_free("b", 20, on_done, max_new_tokens=4)  # 5 pages + 1 to decode
+    engine.reserve_when_free("c", 12, on_done)  # 3 pages: fits now, but waits behind "b"
+    engine.reserve_when_free("d", 4, on_done)  # the queue holds 2
+    engine.step()
+    assert order == ["a", "d"] and answers["a"].ok and not answers["a"].queued
+    assert answers["d"].reason == "queue_full" and answers["d"].page_ids is None
+    assert engine.stats()["reservations_pending"] == 2
+    with pytest.raises(ValueError, match="pool holds 8 pages"):
+        engine.reserve_when_free("x", 30, on_done, max_new_tokens=4)  # 9 pages: never fits
+    assert engine.check_accounting()["requests"] == 5
+    assert engine.release_reservation("a")
+    engine.step()
+    assert order == ["a", "d", "b"]  # b takes 5 and keeps 1 for its decode: c (3) waits
+    assert answers["b"].queued and answers["b"].waited_s > 0 and len(answers["b"].page_ids) == 5
+    assert engine.check_accounting()["requests"] == 5
+    engine.submit_prefilled(GenerateRequest("b", [5] * 20, SamplingParams(4, ignore_eos=True)),
+                            7, lambda out: None)
+    while engine.step():
+        pass
+    assert order == ["a", "d", "b", "c"] and answers["c"].ok  # b finished: its pages freed
+    engine.release_reservation("c")
+    assert engine.check_accounting()["requests"] == 0  # (b's full pages are in the tree)
+    engine.shutdown()
+
+
+def test_queued_reservations_leave_on_cancel_abort_and_shutdown(tiny) -> None:
+    engine = driven_engine(tiny, pages=4, max_pending=8)
+    answers: dict[str, object] = {}
+    for rid in ("hog", "q1", "q2", "q3"):
+        engine.reserve_when_free(rid, 16, lambda a: answers.setdefault(a.rid, a))
+    engine.step()
+    assert answers["hog"].ok and set(answers) == {"hog"}
+    engine.cancel_reservation("q1")
+    engine.abort("q2")
+    engine.step()
+    assert answers["q1"].reason == answers["q2"].reason == "cancelled"
+    assert engine.stats()["reservations_pending"] == 1
+    engine.cancel_reservation("hog")  # granted pages are not the queue's: untouched
+    engine.step()
+    assert engine.check_accounting()["requests"] == 4
+    engine.shutdown()
+    assert answers["q3"].reason == "shutdown"
+    assert engine.check_accounting()["requests"] == 0
+    with pytest.raises(EngineNotRunningError):
+        engine.reserve_when_free("late", 4, print)

@@ -8,6 +8,7 @@ The fake engine models the real one's ordering: `release_held` goes to an inbox 
 from __future__ import annotations
 
 import random
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -54,6 +55,9 @@ class FakeEngine:
     def release_held(self, rid: str) -> None:
         self.inbox.append(rid)
 
+    def wake(self) -> None:
+        pass
+
     def step(self) -> None:
         inbox, self.inbox = self.inbox, []
         for rid in inbox:
@@ -71,6 +75,10 @@ class FakeSender:
     over: set[int] = field(default_factory=set)  # aborted / failed before send()
     release_inside_send: bool = False  # re-entrancy: on_release from within send()
     closed: bool = False
+    decode_asked: bool = True  # decode's RoomRequest came before the handler opened the room
+
+    def has_destination(self, room: int) -> bool:
+        return self.decode_asked
 
     def send(self, room: int, src_page_ids, report: PrefillReport) -> bool:
         if room in self.over or room in self.accepted:
@@ -340,5 +348,35 @@ def test_real_engine_holds_until_release(tiny, inside_send: bool) -> None:
         numbers = engine.check_accounting()  # after the release was handled
         assert numbers["requests"] == 0 and numbers["used"] == numbers["tree"]
         assert len(outcomes) == 1
+    finally:
+        tiered.close()
+
+
+def test_the_gate_holds_a_pd_request_out_of_compute_until_decode_asks(tiny) -> None:
+    # Protection: PrefillScheduler.admission_ready asks decode_ready. Without it (return
+    # super().admission_ready(req) only), "g" is computed at once and `num_waiting == 1`
+    # fails.
+    controller, tiered = real_node(tiny)
+    engine = tiered.engine
+    sender = FakeSender(controller, decode_asked=False)
+    controller.attach(engine, sender)
+    engine.start()
+    try:
+        waits: list[float] = []
+        controller.open_room("g", 5, print, on_requested=waits.append)
+        done = threading.Event()
+        engine.submit(GenerateRequest("g", list(range(3, 40)), SamplingParams(1)),
+                      lambda out: out.finished and done.set())
+        other = engine.generate(GenerateRequest("n", list(range(50, 60)), SamplingParams(1)), 60)
+        assert other[-1].finished  # a request behind the held one is not blocked
+        stats = engine.stats()
+        assert stats["num_waiting"] == 1 and controller.waiting_for_decode() == 1
+        assert not done.is_set() and 5 not in sender.accepted  # nothing computed for "g"
+        assert engine.check_accounting()["requests"] == 0  # and no page taken
+        controller.decode_requested(5)  # the sender saw decode's RoomRequest
+        assert done.wait(60) and 5 in sender.accepted
+        assert len(waits) == 1 and waits[0] > 0 and controller.waiting_for_decode() == 0
+        sender.finish(5, RoomState.SUCCESS)
+        assert engine.check_accounting()["requests"] == 0
     finally:
         tiered.close()

@@ -43,8 +43,13 @@ HOG = "test-hog"  # the rid whose reservation fills a decode node's pool
 def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PDStack, PDStack]]:
     """(normal stack, stack whose prefill node refuses every request: queue of 0)."""
     model = load_model("tiny", seed=0)[0]
-    normal = start_stack(*node_setups(tmp_path_factory.mktemp("a"), model, PAGE, "zmq",
-                                      offload=False))
+    prefill_a, decode_a = node_setups(tmp_path_factory.mktemp("a"), model, PAGE, "zmq",
+                                      offload=False)
+    # no admission queue on d0: a full pool is a 503 at once (with a queue the request would
+    # wait there for the test's HOG reservation to go; docs/pd-protocol.md)
+    no_wait = dataclasses.replace(decode_a.engine, scheduler=dataclasses.replace(
+        decode_a.engine.scheduler, max_pending_reservations=0))
+    normal = start_stack(prefill_a, dataclasses.replace(decode_a, engine=no_wait))
     prefill, decode = node_setups(tmp_path_factory.mktemp("b"), model, PAGE, "zmq",
                                   offload=False)
     engine = prefill.engine
@@ -157,7 +162,7 @@ def test_a_lone_full_decode_node_gives_the_client_its_503(
                     "input_ids": list(range(seed + 1, 30)), "stream": stream,
                     "sampling_params": {"max_new_tokens": 3, **GREEDY}})
                 assert r.status_code == 503, r.text
-                assert r.json()["error"]["code"] == "overloaded"
+                assert r.json()["error"]["code"] == "queue_full"
                 assert "decode node full" in r.json()["error"]["message"]
                 assert int(r.headers["Retry-After"]) >= 1
             assert counter(client, "pdcache_router_retries_total", "overloaded") == 0
