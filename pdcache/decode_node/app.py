@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -44,7 +43,7 @@ from pdcache.server.bridge import (
     CLIENT_DISCONNECTED,
     Generation,
     json_ready,
-    set_result_once,
+    resolve_on_loop,
     wait_for_disconnect,
 )
 from pdcache.server.protocol import (
@@ -108,14 +107,14 @@ class DecodeApp:
         released: asyncio.Future[DecodeOutcome] = loop.create_future()
         admitted: asyncio.Future[Admitted] = loop.create_future()
         try:
-            self.controller.open_room(rid, room, _on_loop(loop, released))
+            self.controller.open_room(rid, room, resolve_on_loop(loop, released))
         except DuplicateRoomError:
             raise bad_request(f"room {room} is already in use", code="duplicate_room") from None
         except RuntimeError as exc:  # shutting down
             raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
                            code="unavailable") from None
         try:
-            self.controller.request_kv(room, bootstrap, num_tokens, _on_loop(loop, admitted),
+            self.controller.request_kv(room, bootstrap, num_tokens, resolve_on_loop(loop, admitted),
                                        max_new_tokens=max_new_tokens)
         except ValueError as exc:  # can never fit this node's pool
             self.admission.observe_rejected("never_fits")
@@ -201,16 +200,3 @@ class DecodeApp:
 
     def health_extra(self) -> dict[str, Any]:
         return {"role": "decode", "transfer": json_ready(self.receiver.stats())}
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]
-             ) -> Callable[[Any], None]:
-    """A controller callback (any thread): resolve `future` on its loop."""
-
-    def notify(outcome: Any) -> None:
-        try:
-            loop.call_soon_threadsafe(set_result_once, future, outcome)
-        except RuntimeError:  # the loop is closed: the server is gone
-            pass
-
-    return notify

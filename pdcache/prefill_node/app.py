@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -28,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdcache.prefill_node.controller import DuplicateRoomError, PrefillController, PrefillOutcome
 from pdcache.prefill_node.metrics import DecodeWaitMetrics
-from pdcache.server.bridge import EngineRequest, Generation, json_ready, set_result_once
+from pdcache.server.bridge import EngineRequest, Generation, json_ready, resolve_on_loop
 from pdcache.server.protocol import (
     OVERLOADED,
     SERVER_ERROR,
@@ -117,8 +116,8 @@ class PrefillApp:
         loop = asyncio.get_running_loop()
         released: asyncio.Future[PrefillOutcome] = loop.create_future()
         try:
-            self.controller.open_room(rid, room, _on_loop(loop, released),
-                                      on_requested=_on_loop(loop, requested))
+            self.controller.open_room(rid, room, resolve_on_loop(loop, released),
+                                      on_requested=resolve_on_loop(loop, requested))
         except DuplicateRoomError:
             raise bad_request(f"room {room} is already in use", code="duplicate_room") from None
         except RuntimeError as exc:  # shutting down
@@ -152,16 +151,3 @@ class PrefillApp:
     def health_extra(self) -> dict[str, Any]:
         return {"role": "prefill", "bootstrap": self.sender.bootstrap_addr,
                 "transfer": json_ready(self.sender.stats())}
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]
-             ) -> Callable[[Any], None]:
-    """A controller callback (any thread): resolve `future` on its loop."""
-
-    def notify(outcome: Any) -> None:
-        try:
-            loop.call_soon_threadsafe(set_result_once, future, outcome)
-        except RuntimeError:  # the loop is closed: the server is gone
-            pass
-
-    return notify

@@ -54,6 +54,7 @@ from pdcache.server.protocol import (
     GenerateMeta,
     ModelLimits,
     bad_request,
+    encode_prompt,
 )
 
 T = TypeVar("T")
@@ -310,9 +311,7 @@ class Router:
             raise bad_request(str(exc), param="messages", code="chat_template") from None
 
     def encode(self, text: str | None, param: str) -> list[int]:
-        if not text:
-            raise bad_request("the prompt is empty", param=param, code="empty_prompt")
-        return list(self.tokenizer.encode(text))
+        return encode_prompt(self.tokenizer, text, param)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -346,6 +346,20 @@ def set_result_once(future: asyncio.Future, value: Any) -> None:
     """For `loop.call_soon_threadsafe`: resolve `future` unless it is already done."""
     if not future.done():
         future.set_result(value)
+
+
+def resolve_on_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]
+                    ) -> Callable[[Any], None]:
+    """A callback for another thread (a node controller's `notify`): resolve `future` on
+    `loop` with its argument, once; a closed loop (the server is gone) is ignored."""
+
+    def notify(value: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(set_result_once, future, value)
+        except RuntimeError:
+            pass
+
+    return notify
 
 
 def json_ready(value: Any) -> Any:

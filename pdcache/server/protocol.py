@@ -114,6 +114,13 @@ class ModelLimits:
     context_len: int
 
 
+def encode_prompt(tokenizer: Any, text: str | None, param: str) -> list[int]:
+    """The token ids of a text prompt; an empty one is a 400 naming `param`."""
+    if not text:
+        raise bad_request("the prompt is empty", param=param, code="empty_prompt")
+    return list(tokenizer.encode(text))
+
+
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     for i, tok in enumerate(ids):
         if tok < 0 or tok >= vocab_size:

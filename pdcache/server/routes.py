@@ -37,6 +37,7 @@ from pdcache.server.protocol import (
     check_prompt,
     check_token_ids,
     default_max_tokens,
+    encode_prompt,
     parse_body,
 )
 from pdcache.server.responses import (
@@ -172,9 +173,7 @@ class ServerRoutes:
     # ---- tokenizer access
 
     def encode(self, text: str | None, param: str) -> list[int]:
-        if not text:
-            raise bad_request("the prompt is empty", param=param, code="empty_prompt")
-        return list(self.tokenizer.encode(text))
+        return encode_prompt(self.tokenizer, text, param)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
