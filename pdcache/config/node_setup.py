@@ -96,7 +96,8 @@ def engine_for(topology: Topology, node: NodeSpec, model: ModelConfig) -> Engine
         scheduler=SchedulerConfig(max_running_requests=sched.max_running_requests,
                                   chunked_prefill_tokens=sched.chunked_prefill_tokens,
                                   max_queued_requests=sched.max_queued_requests,
-                                  max_pending_reservations=sched.max_pending_reservations),
+                                  max_pending_reservations=sched.max_pending_reservations,
+                                  decode_reserve_tokens=sched.decode_reserve_tokens),
         seed=topology.model.seed, kernels=_kernels(topology, node))
 
 

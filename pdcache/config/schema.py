@@ -122,6 +122,7 @@ class SchedulerSpec:
     chunked_prefill_tokens: int = 2048  # token budget of one prefill chunk
     max_queued_requests: int = 1024
     max_pending_reservations: int = 256  # decode: reservations waiting for pages (0: refuse)
+    decode_reserve_tokens: int = 512  # decode: answer tokens an admission keeps room for
 
 
 @dataclass(frozen=True)

@@ -81,12 +81,18 @@ class SchedulerConfig:
 
     `max_pending_reservations` bounds the decode node's admission queue: PD requests whose
     pages cannot be reserved yet wait there, in arrival order, until running requests free
-    them (`Engine.reserve_when_free`); 0 refuses at once when the pool is short."""
+    them (`Engine.reserve_when_free`); 0 refuses at once when the pool is short.
+    `decode_reserve_tokens` is how much of a request's answer an admission keeps room for
+    (at most its `max_new_tokens`): a client that sends no `max_tokens` asks for the whole
+    context, and keeping room for all of it would admit one such request at a time (and refuse
+    it outright on a pool smaller than the context). Past it, decoding takes pages as they
+    free (retraction where offload allows it), as SGLang's reserved decode tokens do."""
 
     max_running_requests: int = 64
     chunked_prefill_tokens: int = 2048
     max_queued_requests: int = 1024
     max_pending_reservations: int = 256
+    decode_reserve_tokens: int = 512
 
 
 @dataclass(frozen=True)

@@ -232,10 +232,13 @@ class Scheduler:
         return self.pending.pop(rid, None)
 
     def growth_headroom(self) -> int:
-        """Pages the running and reserved requests still need to finish decoding."""
+        """Pages the running and reserved requests still need to decode the answer tokens
+        their admission kept room for (min(max_new_tokens, decode_reserve_tokens))."""
         need = sum(self.reserved_growth.values())
+        reserve_tokens = self.config.decode_reserve_tokens
         for req in self.running:
-            target = min(len(req.prompt_ids) + req.sampling.max_new_tokens, self.max_context)
+            answer = min(req.sampling.max_new_tokens, reserve_tokens)
+            target = min(len(req.prompt_ids) + answer, self.max_context)
             need += max(0, pages_for(target, self.page_size) - len(req.page_ids))
         return need
 

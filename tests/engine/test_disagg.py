@@ -219,6 +219,27 @@ def test_admission_queue_grants_in_arrival_order_as_pages_free(tiny) -> None:
     engine.shutdown()
 
 
+def test_admission_keeps_room_for_a_bounded_part_of_each_answer(tiny) -> None:
+    """A client without `max_tokens` asks for the whole context. Keeping room for all of it
+    would refuse such a request on a pool smaller than the context and admit one at a time;
+    an admission keeps room for `decode_reserve_tokens` of it. Without the bound, "a" is a
+    ValueError (20 + 8000 tokens never fit 16 pages) and "b" waits behind it."""
+    config = EngineConfig(tiny.config, CacheConfig(page_size=PAGE, num_device_pages=16),
+                          SchedulerConfig(chunked_prefill_tokens=64, decode_reserve_tokens=8))
+    engine = Engine(config, tiny).start(thread=False)
+    answers: dict[str, object] = {}
+    for rid in ("a", "b"):
+        engine.reserve_when_free(rid, 20, lambda a: answers.setdefault(a.rid, a),
+                                 max_new_tokens=8000)
+    engine.step()
+    assert answers["a"].ok and answers["b"].ok  # 5 + 2 pages each: both fit 16 at once
+    assert not answers["b"].queued
+    for rid in ("a", "b"):
+        assert engine.release_reservation(rid)
+    assert engine.check_accounting()["requests"] == 0
+    engine.shutdown()
+
+
 def test_queued_reservations_leave_on_cancel_abort_and_shutdown(tiny) -> None:
     engine = driven_engine(tiny, pages=4, max_pending=8)
     answers: dict[str, object] = {}
