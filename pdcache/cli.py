@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "metadata-server": ("pdcache.offload_manager.storage.metadata_cli", "run the global KV manager"),
     "storage": ("pdcache.config.storage_cli", "inspect or clear a storage backend"),
     "bench": ("pdcache.bench.cli", "benchmarks: engine, kernels, cache, transfer, replay, compare"),
+    "export-model": ("pdcache.engine.export", "write a preset as a Hugging Face checkpoint"),
     "demo": ("pdcache.bench.demo", "launch the default topology and replay a multi-turn trace"),
 }
 
