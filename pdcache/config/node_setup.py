@@ -68,6 +68,7 @@ class NodeSetup:
     server: ServerSettings = ServerSettings()
     key_scheme: str = "pdcache"  # how stored pages are named (PageKeyScheme), every node alike
     key_namespace: str = ""
+    model_path: str = ""  # `[model]`'s preset name or checkpoint path (/server_info reports it)
 
 
 def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSetup:
@@ -82,7 +83,7 @@ def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSet
     return NodeSetup(node.name, node.role, node.host, node.port, engine_for(topology, node, model),
                      tiers_for(node, model, storage), fingerprint, storage, transfer,
                      node.bootstrap_port, offload_for(node), ServerSettings(node.request_timeout_s),
-                     cache.key_scheme, cache.key_namespace)
+                     cache.key_scheme, cache.key_namespace, topology.model.ref)
 
 
 def engine_for(topology: Topology, node: NodeSpec, model: ModelConfig) -> EngineConfig:

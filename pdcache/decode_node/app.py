@@ -58,7 +58,7 @@ from pdcache.transfer import KVReceiver, PrefillReport
 
 
 class DecodeApp:
-    """`pd_generate` and `health_extra` of one decode node; holds no state of its own (the
+    """`pd_generate`, `health_extra` and `info_extra` of one decode node; holds no state of its own (the
     rooms and their pages are the controller's)."""
 
     def __init__(self, routes: ServerRoutes, controller: DecodeController,
@@ -200,3 +200,7 @@ class DecodeApp:
 
     def health_extra(self) -> dict[str, Any]:
         return {"role": "decode", "transfer": json_ready(self.receiver.stats())}
+
+    def info_extra(self) -> dict[str, Any]:
+        """/server_info's PD fields (SGLang's names)."""
+        return {"disaggregation_transfer_backend": self.receiver.config.engine}

@@ -44,8 +44,7 @@ class DecodeRuntime:
             raise ValueError("a decode node needs a transfer config")
         self.setup = setup
         settings = setup.offload  # OffloadSettings (validated) or None: no offload
-        self.config = ServerConfig(name=setup.name,
-                                   request_timeout_s=setup.server.request_timeout_s)
+        self.config = ServerConfig.of(setup)
         self.controller = DecodeController()
         self.storage: StorageBackend | None = (
             create_backend(setup.storage) if settings is not None and setup.storage else None)
@@ -99,7 +98,8 @@ class DecodeRuntime:
 
     def app(self) -> FastAPI:
         app = build_app(self.routes, pd_generate=self.pd.pd_generate,
-                        health_extra=self.pd.health_extra, on_startup=self.start,
+                        health_extra=self.pd.health_extra, info_extra=self.pd.info_extra,
+                        on_startup=self.start,
                         on_shutdown=self.close)
         app.state.offload = self.offload
         return app

@@ -46,6 +46,26 @@ class CachedTokens:
 
 
 @dataclass(frozen=True)
+class CacheFlush:
+    """The answer of `Engine.drop_cache`: whether the memory tiers were dropped, what was
+    freed, or what kept them (requests in flight, tier I/O in flight)."""
+
+    flushed: bool
+    device_pages: int = 0  # device pages the prefix tree gave back
+    host_pages: int = 0  # host copies dropped (HiCache); storage is never touched
+    busy_requests: int = 0  # requests queued, running, held or reserved: nothing dropped
+    tier_busy: bool = False  # host/storage I/O still in flight: nothing dropped
+
+    @property
+    def reason(self) -> str:
+        if self.flushed:
+            return ""
+        if self.busy_requests:
+            return f"{self.busy_requests} requests in flight"
+        return "cache tier I/O in flight" if self.tier_busy else "not flushed"
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One request as the engine sees it: token ids in, token ids out."""
 

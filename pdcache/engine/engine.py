@@ -1,7 +1,7 @@
 """The serving engine: one scheduler thread driving model, pool, radix tree and sampler.
 
 Threading: the public methods (`submit`, `abort`, `generate`, `stats`, `check_accounting`,
-`flush_cache`, `wake`, `shutdown`, and for disaggregation `reserve`, `reserve_when_free`,
+`flush_cache`, `drop_cache`, `wake`, `shutdown`, and for disaggregation `reserve`, `reserve_when_free`,
 `cancel_reservation`, `release_reservation`, `submit_prefilled`, `release_held`) may be called from any thread; they only touch an inbox
 queue and a lock-protected snapshot, and the ones that return engine state run on the engine
 thread through the inbox. Everything else (scheduler, pool, tree, runner, sampler, request
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pdcache.engine.api import CachedTokens, GenerateRequest, RequestOutput
+from pdcache.engine.api import CachedTokens, CacheFlush, GenerateRequest, RequestOutput
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdcache.engine.kv_pool import DeviceKVPool
 from pdcache.engine.radix import RadixTree
@@ -370,6 +370,14 @@ class Engine:
         """Evict every unlocked page of the prefix cache; returns the pages freed."""
         return self._call(lambda: self.tree.flush() if self.tree else 0, timeout)
 
+    def drop_cache(self, timeout: float = 30.0) -> CacheFlush:
+        """Drop every cached page of the memory tiers (the device tree and, with HiCache, the
+        host copies; storage is never touched, and nothing is backed up on the way), only when
+        the engine is idle: no request submitted, queued, running, held or reserved, and no
+        tier I/O in flight. Otherwise nothing changes and the answer says what is busy. Runs
+        on the engine thread (`_call`)."""
+        return self._call(self._drop_cache, timeout)
+
     def generate(self, req: GenerateRequest, timeout: float = 60.0) -> list[RequestOutput]:
         """Submit and wait for the final output; on timeout aborts and raises TimeoutError."""
         outputs: list[RequestOutput] = []
@@ -637,6 +645,19 @@ class Engine:
                 raise EngineNotRunningError("the engine is shutting down")
             self._inbox.put(_Call(fn, future))
         return future.result(timeout)
+
+    def _drop_cache(self) -> CacheFlush:
+        scheduler = self.scheduler
+        with self._lock:
+            busy = len(self._live_rids)  # submitted and not finished (queued, running, held)
+        busy += len(scheduler.reserved) + len(scheduler.pending) + len(scheduler.held)
+        if busy:
+            return CacheFlush(False, busy_requests=busy)
+        if not scheduler.tiers_idle():
+            return CacheFlush(False, tier_busy=True)
+        device, host = scheduler.drop_cache()
+        self._update_snapshot()
+        return CacheFlush(True, device_pages=device, host_pages=host)
 
     def _check_accounting(self) -> dict[str, int]:
         allocator = self.pool.allocator

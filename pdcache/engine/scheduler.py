@@ -21,8 +21,9 @@ Lower cache tiers (HiCache: host, storage) plug in by subclassing and overriding
 `on_queued` (start a prefetch), `admission_ready` (may this request be admitted yet),
 `reuse_lower_tiers` (fill the pages after the device match with K/V from elsewhere),
 `on_cached` (pages just entered the tree: back them up), `on_dequeued` (a waiting request
-left without running), `on_step` (once per schedule) and `can_retract` (protect a running
-request's pages from retraction); see `Engine(make_scheduler=...)`.
+left without running), `on_step` (once per schedule), `can_retract` (protect a running
+request's pages from retraction), and for `Engine.drop_cache` `tiers_idle` / `drop_cache`;
+see `Engine(make_scheduler=...)`.
 The defaults do nothing, which is the device-only cache.
 
 Disaggregated serving uses three more primitives. A decode node `reserve`s the pages a
@@ -170,6 +171,16 @@ class Scheduler:
     def start(self) -> None:
         """Start the threads the scheduler's lower tiers own (HiCache's IO workers); called
         once by `Engine.start()`, before the engine thread. The base scheduler has none."""
+
+    def tiers_idle(self) -> bool:
+        """No lower-tier I/O is in flight (`Engine.drop_cache` waits for it); always True for
+        the device-only cache."""
+        return True
+
+    def drop_cache(self) -> tuple[int, int]:
+        """Idle engine: drop every cached page of the memory tiers; returns (device pages,
+        host pages) freed. The device-only cache flushes its tree."""
+        return (self.tree.flush() if self.tree is not None else 0), 0
 
     def can_retract(self, req: Req) -> bool:
         """False protects running `req` from retraction (e.g. while something else reads

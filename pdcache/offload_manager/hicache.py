@@ -345,13 +345,31 @@ class HiCache:
     def wait_idle(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self.reap()
-            busy = [w for w in (self._writer, self._reader) if w and w.queue_depth]
-            if not busy and not self._abandoned and self.host_pool.num_in_flight == 0 \
-                    and not any(self.host_pool.is_pinned(p) for p in range(self.host_pool.capacity)):
+            if self.io_idle():
                 return True
             time.sleep(0.01)
         return False
+
+    def io_idle(self) -> bool:
+        """No storage task queued, no abandoned read running, no host page in flight or pinned
+        (after reaping what finished). Engine thread, or any thread when the engine is idle."""
+        self.reap()
+        busy = [w for w in (self._writer, self._reader) if w and w.queue_depth]
+        pool = self.host_pool
+        return not busy and not self._abandoned and pool.num_in_flight == 0 \
+            and not pool.any_pinned
+
+    def drop_all(self) -> tuple[int, int]:
+        """Engine thread, idle engine (`io_idle`, no locked node): free every device page of
+        the tree without backing any up (write_back's eviction hook is off meanwhile), then
+        every host copy; storage is left as it is. Returns (device pages, host pages)."""
+        tree = self.tree
+        on_evict, tree.on_evict = tree.on_evict, None
+        try:
+            device = tree.flush()
+        finally:
+            tree.on_evict = on_evict
+        return device, tree.evict_host(tree.host_pages)
 
     def check(self) -> None:
         self.tree.check()

@@ -5,7 +5,8 @@
 - admission: wait for the prefetch per policy; then restore host hits into the tree and load
   host and prefetched pages into the request's pages (per layer, during the next forward);
 - cached: back the inserted nodes up (write policy);
-- every step: free host pages of abandoned prefetches whose reads ended.
+- every step: free host pages of abandoned prefetches whose reads ended;
+- `drop_cache` (an idle engine's `/flush_cache`): device and host tiers, storage untouched.
 Engine thread only, like the scheduler itself, except `stats()` (any thread).
 """
 
@@ -29,6 +30,12 @@ class HiCacheScheduler(Scheduler):
         """Lower-tier counters and gauges (`HiCache.snapshot`); callable from any thread,
         e.g. the metrics scrape."""
         return self.hicache.snapshot()
+
+    def tiers_idle(self) -> bool:
+        return self.hicache.io_idle()
+
+    def drop_cache(self) -> tuple[int, int]:
+        return self.hicache.drop_all()
 
     def on_queued(self, req: Req) -> None:
         max_pages = self._max_pages(req)

@@ -143,6 +143,12 @@ class HostKVPool:
     def is_pinned(self, page_id: int) -> bool:
         return self._pins[page_id] > 0
 
+    @property
+    def any_pinned(self) -> bool:
+        """Some page is pinned (a storage write or a load reads it)."""
+        with self._lock:
+            return any(self._pins)
+
     # ---- data --------------------------------------------------------------------------
     def page_bytes(self, page_ids: Sequence[int]) -> list[torch.Tensor]:
         """1-D uint8 views of the pages (what storage backends read into and write from)."""

@@ -41,7 +41,7 @@ from pdcache.transfer import KVSender
 
 
 class PrefillApp:
-    """`pd_generate` and `health_extra` of one prefill node; holds no state of its own (the
+    """`pd_generate`, `health_extra` and `info_extra` of one prefill node; holds no state of its own (the
     rooms are the controller's)."""
 
     def __init__(self, routes: ServerRoutes, controller: PrefillController,
@@ -151,3 +151,10 @@ class PrefillApp:
     def health_extra(self) -> dict[str, Any]:
         return {"role": "prefill", "bootstrap": self.sender.bootstrap_addr,
                 "transfer": json_ready(self.sender.stats())}
+
+    def info_extra(self) -> dict[str, Any]:
+        """/server_info's PD fields (SGLang's names): the KV bootstrap port (once started)."""
+        addr = self.sender.bootstrap_addr
+        port = int(addr.rsplit(":", 1)[1]) if addr else None
+        return {"disaggregation_bootstrap_port": port, "disaggregation_bootstrap_addr": addr,
+                "disaggregation_transfer_backend": self.sender.config.engine}

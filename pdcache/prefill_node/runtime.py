@@ -36,8 +36,7 @@ class PrefillRuntime:
         if setup.tiers is None or setup.transfer is None:
             raise ValueError("a prefill node needs cache tiers and a transfer config")
         self.setup = setup
-        self.config = ServerConfig(name=setup.name,
-                                   request_timeout_s=setup.server.request_timeout_s)
+        self.config = ServerConfig.of(setup)
         self.controller = PrefillController(
             setup.name, wait_for_decode=setup.transfer.prefill_waits_for_decode)
         self.tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers,
@@ -72,7 +71,8 @@ class PrefillRuntime:
 
     def app(self) -> FastAPI:
         app = build_app(self.routes, pd_generate=self.pd.pd_generate,
-                        health_extra=self.pd.health_extra, on_startup=self.start,
+                        health_extra=self.pd.health_extra, info_extra=self.pd.info_extra,
+                        on_startup=self.start,
                         on_shutdown=self.close)
         app.state.tiered = self.tiered
         return app

@@ -1,7 +1,8 @@
 """FastAPI app of the router: the OpenAI-compatible front door of a deployment (docs/design.md §4.1).
 
 `RouterApp` holds the HTTP handlers of `/generate`, the OpenAI endpoints (`/v1/chat/completions`,
-`/v1/completions`, `/v1/models`), `/health` and `/metrics`, and the guard around them (API
+`/v1/completions`, `/v1/models`), `/health` and `/metrics` (SGLang's service endpoints are
+`pdcache.router.service`'s), and the guard around them (API
 key, error mapping, request metrics). They tokenize (chat template included), validate with
 the same models as the unified server (`pdcache.server.protocol`), and hand the request to the
 routing core (`pdcache.router.core.Router`: sessions, node or pair picking, dispatch with
@@ -37,6 +38,7 @@ from pdcache.router.core import Prepared, Router, Turn
 from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.proxy import close_stream
 from pdcache.router.route import Deadline
+from pdcache.router.service import RouterService
 from pdcache.server.bridge import wait_for_disconnect
 from pdcache.server.protocol import (
     ApiError,
@@ -71,7 +73,7 @@ from pdcache.server.responses import (
 from pdcache.server.routes import mount
 
 T = TypeVar("T")
-OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key (probes, scrapers)
+OPEN_PATHS = ("/health", "/health_generate", "/metrics")  # no API key: probes, scrapers
 
 
 class RouterApp:
@@ -96,7 +98,8 @@ class RouterApp:
         check_prompt(input_ids, sampling.max_new_tokens, self.router.limits, param)
         check_token_ids(sampling.stop_token_ids, self.router.limits.vocab_size,
                         "sampling_params.stop_token_ids")
-        prep = Prepared(input_ids, sampling.model_dump(), body.cache_salt, body.session_id)
+        prep = Prepared(input_ids, sampling.model_dump(), body.cache_salt, body.session_id,
+                        stream=body.stream)
         deadline = Deadline(self.router.config.request_timeout_s)
         if body.stream:
             stream, first, route = await watch(request, self.router.send_stream(prep, deadline))
@@ -130,7 +133,8 @@ class RouterApp:
         sampling = {"max_new_tokens": max_tokens, "temperature": body.temperature,
                     "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
                     "stop_token_ids": list(body.stop_token_ids), "ignore_eos": body.ignore_eos}
-        return Prepared(input_ids, sampling, body.cache_salt, body.session_id)
+        return Prepared(input_ids, sampling, body.cache_salt, body.session_id,
+                        stream=bool(body.stream))
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await request.body())
@@ -291,6 +295,7 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None,
                model_config: ModelConfig | None = None) -> FastAPI:
     router = Router(config, tokenizer, model_config)
     handlers = RouterApp(router)
+    service = RouterService(router)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -307,5 +312,13 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None,
                 ("POST", "/v1/completions", handlers.completions),
                 ("GET", "/health", handlers.health),
                 ("GET", "/v1/models", handlers.models),
-                ("GET", "/metrics", handlers.metrics_endpoint)], handlers.guarded)
+                ("GET", "/metrics", handlers.metrics_endpoint),
+                ("GET", "/server_info", service.server_info),
+                ("GET", "/get_server_info", service.server_info),
+                ("GET", "/model_info", service.model_info),
+                ("GET", "/get_model_info", service.model_info),
+                ("GET", "/health_generate", service.health_generate),
+                ("POST", "/health_generate", service.health_generate),
+                ("GET", "/flush_cache", service.flush_cache),
+                ("POST", "/flush_cache", service.flush_cache)], handlers.guarded)
     return app

@@ -71,6 +71,7 @@ class Prepared:
     session_id: str | None
     arrival: float = field(default_factory=time.monotonic)
     page_keys: list[bytes] | None = None  # the prompt's, computed once (cache-aware routing)
+    stream: bool = False  # the client asked for SSE (SGLang's is_streaming label)
 
 
 @dataclass
@@ -126,6 +127,7 @@ class Router:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.model)
         model = model_config or load_model_config(config.model, seed=config.model_seed)
+        self.model_config = model
         self.model_name = config.served_model_name or model.name
         self.limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
         self.selector = PairSelector(config.prefill_policy, config.decode_policy)
@@ -145,7 +147,7 @@ class Router:
         queue = QueueView(lambda: admission.depth, lambda: admission.peak_depth,
                           admission.held, admission.limit)
         self.metrics = RouterMetrics(lambda: self.registry.nodes, lambda: len(self.sessions),
-                                     queue)
+                                     queue, model_name=self.model_name)
         admission.observer = self.metrics
         self.proxy = Proxy(self.client, self.registry, connect_timeout_s=config.connect_timeout_s,
                            on_node_result=self.metrics.observe_node)
@@ -272,6 +274,9 @@ class Router:
     def finish(self, prep: Prepared, turn: Turn) -> None:
         """Account a finished request; commit the session turn only if it succeeded."""
         self.metrics.observe_meta(turn.meta, len(turn.output_ids))
+        self.metrics.observe_sglang(turn.meta, len(turn.output_ids),
+                                    time.monotonic() - prep.arrival, prep.stream,
+                                    turn.finish_reason)
         if turn.finish_reason not in FINISHED_OK:
             return
         if prep.session_id:

@@ -12,6 +12,11 @@ node_overloaded: a node's 503 that could not be retried elsewhere),
 `pdcache_router_retries_total{reason}` (unreachable, overloaded),
 `pdcache_router_node_slots_held{node,role}` and `pdcache_router_node_inflight_limit{node,role}`
 (0: no limit).
+
+SGLang's request series (`sglang:prompt_tokens_total`, `sglang:generation_tokens_total`,
+`sglang:cached_tokens_total{cache_source}`, `sglang:num_requests_total`,
+`sglang:e2e_request_latency_seconds`, ...; `pdcache.server.sglang_metrics`) count the
+router's finished requests with `engine_type="router"`, from the nodes' `meta`.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdcache.engine.api import CachedTokens
 from pdcache.router.admission import AdmissionObserver
 from pdcache.router.policy import NodeState
 from pdcache.router.route import Route
 from pdcache.server.metrics import LATENCY_BUCKETS, TIERS
 from pdcache.server.protocol import GenerateMeta
+from pdcache.server.sglang_metrics import SGLangRequestSeries
 
 REJECT_REASONS = ("queue_full", "queue_timeout", "no_healthy_node", "node_overloaded")
 RETRY_REASONS = ("unreachable", "overloaded")
@@ -92,8 +99,10 @@ class RouterMetrics(AdmissionObserver):
     queue's observer."""
 
     def __init__(self, nodes: Callable[[], Sequence[NodeState]], sessions: Callable[[], int],
-                 queue: QueueView | None = None):
+                 queue: QueueView | None = None, *, model_name: str = ""):
         self.registry = reg = CollectorRegistry(auto_describe=True)
+        # SGLang's request series, engine_type="router", from the nodes' meta
+        self.sglang = SGLangRequestSeries(reg, model_name, "router")
         self.requests = Counter("pdcache_router_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=reg)
         self.latency = Histogram("pdcache_router_request_latency_seconds",
@@ -156,6 +165,16 @@ class RouterMetrics(AdmissionObserver):
         details = meta.cached_tokens_details.model_dump()
         for tier in TIERS:
             self.cached_tokens.labels(tier).inc(max(details.get(tier, 0), 0))
+
+    def observe_sglang(self, meta: GenerateMeta | None, completion_tokens: int, e2e_s: float,
+                       stream: bool, finish_reason: str | None) -> None:
+        """One finished request in SGLang's series (tokens and cache sources from `meta`)."""
+        prompt, cached = 0, CachedTokens()
+        if meta is not None:
+            prompt = max(meta.prompt_tokens, 0)
+            cached = CachedTokens(**meta.cached_tokens_details.model_dump())
+        self.sglang.observe_finished(prompt, completion_tokens, cached, e2e_s, stream=stream,
+                                     aborted=finish_reason == "abort")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

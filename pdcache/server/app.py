@@ -18,17 +18,20 @@ from pdcache.server.metrics import ServerMetrics
 from pdcache.server.routes import ServerRoutes, build_app
 
 
-def server_metrics(engine: Engine, name: str) -> ServerMetrics:
+def server_metrics(engine: Engine, name: str, role: str = "unified") -> ServerMetrics:
     """The app's registry: request series, engine gauges, and lower-tier series when the
-    engine's scheduler has `stats()` (HiCache; a device-only scheduler has none)."""
+    engine's scheduler has `stats()` (HiCache; a device-only scheduler has none); SGLang's
+    series carry the model's name and `role` as `engine_type`."""
     scheduler = engine.scheduler
     tier_stats = scheduler.stats if isinstance(scheduler, HiCacheScheduler) else None
-    return ServerMetrics(name, stats=engine.stats, tier_stats=tier_stats)
+    return ServerMetrics(name, stats=engine.stats, tier_stats=tier_stats,
+                         model_name=engine.config.model.name, engine_type=role)
 
 
 def routes_for(engine: Engine, config: ServerConfig) -> ServerRoutes:
     """The bridge (with its metrics) and the routes of one server around `engine`."""
-    return ServerRoutes(EngineBridge(engine, config, server_metrics(engine, config.name)))
+    metrics = server_metrics(engine, config.name, config.role)
+    return ServerRoutes(EngineBridge(engine, config, metrics))
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None,

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -41,6 +41,9 @@ from pdcache.server.protocol import (
 )
 from pdcache.server.responses import event_stream, usage_body
 
+if TYPE_CHECKING:
+    from pdcache.config.node_setup import NodeSetup
+
 log = logging.getLogger(__name__)
 
 CLIENT_DISCONNECTED = "client_disconnected"
@@ -53,6 +56,15 @@ class ServerConfig:
     name: str = "unified"
     request_timeout_s: float = 600.0  # deadline of every wait on the engine, per request
     manage_engine: bool = True  # start the engine at app startup and shut it down at exit
+    role: str = "unified"  # unified | prefill | decode (/server_info's disaggregation_mode)
+    model_path: str = ""  # preset name or checkpoint path; "" = the model's name
+    health_check_timeout_s: float = 20.0  # /health_generate's deadline (SGLang's default)
+
+    @classmethod
+    def of(cls, setup: NodeSetup) -> ServerConfig:
+        """The server settings of a node process."""
+        return cls(name=setup.name, request_timeout_s=setup.server.request_timeout_s,
+                   role=setup.role, model_path=setup.model_path)
 
 
 # --------------------------------------------------------------------------- one request
@@ -153,6 +165,7 @@ class Generation:
     first_token_at: float | None = None
     last_token_at: float | None = None
     done_at: float | None = None
+    stream: bool = False  # answered as SSE (`EngineBridge.streaming`): SGLang's is_streaming
 
     def __post_init__(self) -> None:
         if self.report is not None:
@@ -294,6 +307,7 @@ class EngineBridge:
     def streaming(self, events: AsyncIterator[bytes], handle: EngineRequest, gen: Generation
                   ) -> Response:
         """SSE response whose cleanup aborts the request and counts it (client gone early)."""
+        gen.stream = True
         return event_stream(events, BackgroundTask(self._cleanup, handle, gen))
 
     def _cleanup(self, handle: EngineRequest, gen: Generation) -> None:
@@ -311,6 +325,17 @@ class EngineBridge:
         if gen.ttft_s is not None:
             self.metrics.ttft.observe(gen.ttft_s)
         self.metrics.e2e.observe(gen.e2e_s or 0.0)
+        self._observe_sglang(gen)
+
+    def _observe_sglang(self, gen: Generation) -> None:
+        """The request in SGLang's series (`sglang:*`), as its tokenizer manager counts it."""
+        series, completion = self.metrics.sglang, len(gen.output_ids)
+        series.observe_finished(gen.prompt_tokens, completion, gen.cached, gen.e2e_s or 0.0,
+                                stream=gen.stream, aborted=gen.finish_reason == "abort")
+        decode_s = None
+        if gen.first_token_at is not None and gen.done_at is not None:
+            decode_s = gen.done_at - gen.first_token_at
+        series.observe_latency(gen.ttft_s, decode_s, completion, stream=gen.stream)
 
     def meta(self, gen: Generation) -> GenerateMeta:
         prefill_node = gen.report.prefill_node if gen.report is not None else self.config.name

@@ -1,4 +1,5 @@
-"""Prometheus collectors of an HTTP server (prefix `pdcache_`), one registry per app.
+"""Prometheus collectors of an HTTP server (prefix `pdcache_`, and SGLang's `sglang:` names
+from `pdcache.server.sglang_metrics`), one registry per app.
 
 `ServerMetrics` owns its `CollectorRegistry` (never the global default one), so several apps
 in one process (tests, a launcher) never share or clash on series. Counters are updated by the
@@ -18,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdcache.engine.api import CachedTokens
+from pdcache.server.sglang_metrics import SGLangEngineCollector, SGLangRequestSeries
 
 log = logging.getLogger(__name__)
 
@@ -165,12 +167,16 @@ class EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    """Request, token and latency series of one server."""
+    """Request, token and latency series of one server: `pdcache_*`, and SGLang's names
+    (`self.sglang`, `SGLangEngineCollector`; `pdcache.server.sglang_metrics`) with the
+    labels `model_name` and `engine_type` (the node's role)."""
 
     def __init__(self, server_name: str, stats: Callable[[], Mapping[str, Any]] | None = None,
-                 tier_stats: Callable[[], Mapping[str, Any]] | None = None):
+                 tier_stats: Callable[[], Mapping[str, Any]] | None = None, *,
+                 model_name: str = "", engine_type: str = "unified"):
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
+        self.sglang = SGLangRequestSeries(reg, model_name, engine_type)
         self.requests = Counter(
             "pdcache_requests",
             "HTTP requests by endpoint and status code",
@@ -222,6 +228,8 @@ class ServerMetrics:
             reg.register(EngineStatsCollector(stats, server_name))
         if tier_stats is not None:
             reg.register(TierStatsCollector(tier_stats, server_name))
+        if stats is not None:
+            reg.register(SGLangEngineCollector(stats, tier_stats, model_name, engine_type))
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -238,6 +246,7 @@ class ServerMetrics:
         if gap_s is not None and count > 0:
             for _ in range(count):
                 self.itl.observe(gap_s / count)
+            self.sglang.observe_itl(gap_s, count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

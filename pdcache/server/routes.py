@@ -3,7 +3,8 @@
 `ServerRoutes` answers `/generate`, the OpenAI endpoints, `/health`, `/v1/models` and
 `/metrics` for the unified server and for the P/D nodes alike; a node composes it with its own
 handler for the `/generate` bodies that carry `pd` (`build_app(pd_generate=...)`) and its own
-`/health` fields (`health_extra`). Nothing subclasses a handler.
+`/health` and `/server_info` fields (`health_extra`, `info_extra`). `build_app` also mounts
+SGLang's service endpoints (`pdcache.server.service`). Nothing subclasses a handler.
 
 Threads: every handler runs on the event loop; `/metrics` renders in the thread pool (tier
 stats may ask a remote metadata service, a bounded wait).
@@ -54,6 +55,7 @@ from pdcache.server.responses import (
     sse,
     text_choice,
 )
+from pdcache.server.service import ServiceRoutes
 
 PDHandler = Callable[[Request, GenerateRequestBody], Awaitable[Response]]
 
@@ -191,10 +193,12 @@ def _json_safe(stats: dict[str, Any]) -> dict[str, Any]:
 
 def build_app(routes: ServerRoutes, *, pd_generate: PDHandler | None = None,
               health_extra: Callable[[], dict[str, Any]] | None = None,
+              info_extra: Callable[[], dict[str, Any]] | None = None,
               on_startup: Callable[[], None] | None = None,
               on_shutdown: Callable[[], None] | None = None, title: str = "pdcache") -> FastAPI:
     """The FastAPI app of one server. `/generate` bodies with `pd` go to `pd_generate` (400
-    without one); `health_extra()` adds a node's fields to /health; `on_startup` and
+    without one); `health_extra()` adds a node's fields to /health and `info_extra()` to
+    /server_info (SGLang's service endpoints: `pdcache.server.service`); `on_startup` and
     `on_shutdown` run in the app's lifespan (the runtime's start and close)."""
 
     async def generate(request: Request) -> Response:
@@ -231,13 +235,27 @@ def build_app(routes: ServerRoutes, *, pd_generate: PDHandler | None = None,
         metrics.observe_request(endpoint, response.status_code)
         return response
 
+    service = ServiceRoutes(routes.bridge, routes.model_name, info_extra)
     mount(app, [("POST", "/generate", generate),
                 ("POST", "/v1/chat/completions", routes.chat_completions),
                 ("POST", "/v1/completions", routes.completions),
                 ("GET", "/health", health),
                 ("GET", "/v1/models", routes.models),
-                ("GET", "/metrics", routes.metrics_endpoint)], guard)
+                ("GET", "/metrics", routes.metrics_endpoint),
+                *service_handlers(service)], guard)
     return app
+
+
+def service_handlers(service: ServiceRoutes) -> list[tuple[str, str, Handler]]:
+    """SGLang's service endpoints, with the methods SGLang accepts (and POST for health)."""
+    return [("GET", "/server_info", service.server_info),
+            ("GET", "/get_server_info", service.server_info),
+            ("GET", "/model_info", service.model_info),
+            ("GET", "/get_model_info", service.model_info),
+            ("GET", "/health_generate", service.health_generate),
+            ("POST", "/health_generate", service.health_generate),
+            ("GET", "/flush_cache", service.flush_cache),
+            ("POST", "/flush_cache", service.flush_cache)]
 
 
 Guard = Callable[[str, Handler, Request], Awaitable[Response]]

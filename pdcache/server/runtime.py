@@ -54,8 +54,7 @@ class UnifiedRuntime:
 
     def __init__(self, setup: Any, model: Any, tokenizer: Any) -> None:
         self.setup = setup
-        self.config = ServerConfig(name=setup.name,
-                                   request_timeout_s=setup.server.request_timeout_s)
+        self.config = ServerConfig.of(setup)
         self.tiered: TieredEngine | None = None
         if setup.tiers is not None and setup.engine.cache.enable_prefix_cache:
             self.tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers)
