@@ -70,7 +70,7 @@ from pdcache.server.responses import (
     text_choice,
     usage_body,
 )
-from pdcache.server.routes import mount
+from pdcache.server.routes import mount, service_handlers
 
 T = TypeVar("T")
 OPEN_PATHS = ("/health", "/health_generate", "/metrics")  # no API key: probes, scrapers
@@ -313,12 +313,5 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None,
                 ("GET", "/health", handlers.health),
                 ("GET", "/v1/models", handlers.models),
                 ("GET", "/metrics", handlers.metrics_endpoint),
-                ("GET", "/server_info", service.server_info),
-                ("GET", "/get_server_info", service.server_info),
-                ("GET", "/model_info", service.model_info),
-                ("GET", "/get_model_info", service.model_info),
-                ("GET", "/health_generate", service.health_generate),
-                ("POST", "/health_generate", service.health_generate),
-                ("GET", "/flush_cache", service.flush_cache),
-                ("POST", "/flush_cache", service.flush_cache)], handlers.guarded)
+                *service_handlers(service)], handlers.guarded)
     return app

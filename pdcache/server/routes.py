@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -246,8 +246,18 @@ def build_app(routes: ServerRoutes, *, pd_generate: PDHandler | None = None,
     return app
 
 
-def service_handlers(service: ServiceRoutes) -> list[tuple[str, str, Handler]]:
-    """SGLang's service endpoints, with the methods SGLang accepts (and POST for health)."""
+class ServiceEndpoints(Protocol):
+    """SGLang's service endpoints, as a node (`ServiceRoutes`) or the router answers them."""
+
+    async def server_info(self, request: Request) -> Response: ...
+    async def model_info(self, request: Request) -> Response: ...
+    async def health_generate(self, request: Request) -> Response: ...
+    async def flush_cache(self, request: Request) -> Response: ...
+
+
+def service_handlers(service: ServiceEndpoints) -> list[tuple[str, str, Handler]]:
+    """SGLang's service endpoints, with the methods SGLang accepts (and POST for health);
+    the servers and the router mount the same table."""
     return [("GET", "/server_info", service.server_info),
             ("GET", "/get_server_info", service.server_info),
             ("GET", "/model_info", service.model_info),
