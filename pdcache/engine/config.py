@@ -84,9 +84,10 @@ class SchedulerConfig:
     them (`Engine.reserve_when_free`); 0 refuses at once when the pool is short.
     `decode_reserve_tokens` is how much of a request's answer an admission keeps room for
     (at most its `max_new_tokens`): a client that sends no `max_tokens` asks for the whole
-    context, and keeping room for all of it would admit one such request at a time (and refuse
-    it outright on a pool smaller than the context). Past it, decoding takes pages as they
-    free (retraction where offload allows it), as SGLang's reserved decode tokens do."""
+    context, and keeping room for all of it would admit one such request at a time. Past it,
+    decoding takes pages as they free (retraction where offload allows it), as SGLang's
+    reserved decode tokens do; with offload on and every request past its reserve, decoding
+    can stall until requests finish or reach their deadline."""
 
     max_running_requests: int = 64
     chunked_prefill_tokens: int = 2048

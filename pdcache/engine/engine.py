@@ -301,15 +301,19 @@ class Engine:
         reservation is cancelled, or the engine stops; it must not block. Raises ValueError at
         once for a request that can never fit the pool, EngineNotRunningError."""
         page_size, capacity = self.pool.page_size, self.pool.num_pages
-        growth = min(max(max_new_tokens, 0), self.config.scheduler.decode_reserve_tokens)
-        total = min(num_tokens + growth, self.config.model.max_position_embeddings)
+        context = self.config.model.max_position_embeddings
         if num_tokens < 1:
             raise ValueError(f"cannot reserve pages for {num_tokens} tokens")
-        if pages_for(total, page_size) > capacity:
+        # what `submit_prefilled` will accept: a whole answer that can never fit is refused now,
+        # before prefill computes anything
+        whole = min(num_tokens + max(max_new_tokens, 0), context)
+        if pages_for(whole, page_size) > capacity:
             raise ValueError(
-                f"prompt ({num_tokens} tokens) + {growth} answer tokens kept free needs "
-                f"{pages_for(total, page_size)} pages of K/V; this node's pool holds {capacity}"
+                f"prompt ({num_tokens} tokens) + max_new_tokens ({max_new_tokens}) needs "
+                f"{pages_for(whole, page_size)} pages of K/V; this node's pool holds {capacity}"
                 f" pages ({capacity * page_size} tokens)")
+        growth = min(max(max_new_tokens, 0), self.config.scheduler.decode_reserve_tokens)
+        total = min(num_tokens + growth, context)
         num_pages = pages_for(num_tokens, page_size)
         pending = PendingReservation(rid, num_pages, pages_for(total, page_size) - num_pages,
                                      time.monotonic(), on_done)

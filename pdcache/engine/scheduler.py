@@ -36,8 +36,9 @@ anyway (the default) or leaves it to that holder. A reservation that cannot be h
 waits in `pending` (`queue_reservation`, bounded by `SchedulerConfig.max_pending_reservations`)
 and is granted in arrival order by `grant_pending`, which the engine runs after every change
 that can free pages; a grant keeps back, besides its own pages, the pages every running and
-reserved request (itself included) still needs to reach its `max_new_tokens`, so what is
-granted can always decode to the end, even with retraction off. The node's controller
+reserved request (itself included) still needs to decode min(`max_new_tokens`,
+`decode_reserve_tokens`) answer tokens, so what is granted never waits for a page within that
+budget, even with retraction off. The node's controller
 (`pdcache.prefill_node.controller`, `pdcache.decode_node.controller`) makes those decisions.
 """
 
@@ -254,7 +255,7 @@ class Scheduler:
         return need
 
     def _grant(self, pending: PendingReservation) -> bool:
-        # its own growth too: everything granted can always decode to the end
+        # its own growth too: everything granted can decode its reserved answer tokens
         reserve = self.growth_headroom() + pending.growth_pages
         page_ids = self._alloc(pending.num_pages, reserve=reserve)
         if page_ids is None:

@@ -232,8 +232,10 @@ async def _race_prefill(prefill: asyncio.Task[Any], work: Any) -> Any:
 
 async def _root_cause(prefill: asyncio.Task[Any], decode_error: BaseException) -> BaseException:
     """D failed: if P failed too (now or within a short grace), P's error is the cause. A D
-    that refused the request (503) never asked P for the KV: no grace for P then."""
-    if isinstance(decode_error, NodeOverloadedError):
+    that refused the request (503, or a 4xx such as `kv_exceeds_pool`) never asked P for the
+    KV, and P (held out of compute until D asks) has nothing to report: no grace then."""
+    refused = isinstance(decode_error, ApiError) and decode_error.status_code < 500
+    if isinstance(decode_error, NodeOverloadedError) or refused:
         return _failure(prefill) or decode_error
     if not prefill.done():
         await asyncio.wait({prefill}, timeout=PREFILL_ERROR_GRACE_S)

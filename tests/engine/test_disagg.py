@@ -221,21 +221,27 @@ def test_admission_queue_grants_in_arrival_order_as_pages_free(tiny) -> None:
 
 def test_admission_keeps_room_for_a_bounded_part_of_each_answer(tiny) -> None:
     """A client without `max_tokens` asks for the whole context. Keeping room for all of it
-    would refuse such a request on a pool smaller than the context and admit one at a time;
-    an admission keeps room for `decode_reserve_tokens` of it. Without the bound, "a" is a
-    ValueError (20 + 8000 tokens never fit 16 pages) and "b" waits behind it."""
+    would admit one such request at a time; an admission keeps room for
+    `decode_reserve_tokens` of it. Without the bound, "a" keeps 5 + 10 of the 16 pages and "b"
+    waits behind it. A whole answer that can never fit the pool is still refused at once (what
+    `submit_prefilled` would refuse after prefill had computed it)."""
     config = EngineConfig(tiny.config, CacheConfig(page_size=PAGE, num_device_pages=16),
                           SchedulerConfig(chunked_prefill_tokens=64, decode_reserve_tokens=8))
     engine = Engine(config, tiny).start(thread=False)
     answers: dict[str, object] = {}
     for rid in ("a", "b"):
         engine.reserve_when_free(rid, 20, lambda a: answers.setdefault(a.rid, a),
-                                 max_new_tokens=8000)
+                                 max_new_tokens=40)  # 60 of the pool's 64 tokens
     engine.step()
     assert answers["a"].ok and answers["b"].ok  # 5 + 2 pages each: both fit 16 at once
     assert not answers["b"].queued
-    for rid in ("a", "b"):
-        assert engine.release_reservation(rid)
+    with pytest.raises(ValueError, match="pool holds 16 pages"):
+        engine.reserve_when_free("c", 20, print, max_new_tokens=8000)
+    engine.submit_prefilled(GenerateRequest("a", [5] * 20, SamplingParams(40, ignore_eos=True)),
+                            7, lambda out: None)  # what was granted starts decoding
+    engine.release_reservation("b")
+    while engine.step():
+        pass
     assert engine.check_accounting()["requests"] == 0
     engine.shutdown()
 
