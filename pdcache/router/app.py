@@ -73,7 +73,7 @@ from pdcache.server.responses import (
 from pdcache.server.routes import mount, service_handlers
 
 T = TypeVar("T")
-OPEN_PATHS = ("/health", "/health_generate", "/metrics")  # no API key: probes, scrapers
+OPEN_PATHS = ("/health", "/metrics")  # no API key: probes, scrapers (never a generation)
 
 
 class RouterApp:

@@ -17,6 +17,7 @@ request's `on_output` runs on the engine thread and only resolves a future on th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 import uuid
 from collections.abc import Callable
@@ -163,11 +164,14 @@ class ServiceRoutes:
         SGLang: `?timeout=S` (default 0) waits up to S seconds for running and queued requests
         to end; 200 "Cache flushed." or 400 when still busy. Tier I/O in flight (storage
         writes of an idle engine) is waited for up to max(S, 5 s)."""
-        timeout = timeout_param(request)
+        # bounded by the server's request deadline: the wait holds a thread-pool worker
+        timeout = min(timeout_param(request), self.bridge.config.request_timeout_s)
         try:
             result = await run_in_threadpool(flush_when_idle, self.engine, timeout)
         except EngineNotRunningError as exc:
             raise _unhealthy(f"engine is not running: {exc}") from None
+        except concurrent.futures.TimeoutError:
+            raise _unhealthy("the engine did not answer the flush in time") from None
         if not result.flushed:
             waited = f" after waiting {timeout:g} s" if timeout > 0 else ""
             return PlainTextResponse(f"Flush cache failed: {result.reason}{waited}.\n",

@@ -233,6 +233,10 @@ def test_api_key_required_when_configured(nodes: list[UnifiedNode]) -> None:
         good = client.post("/generate", json=body, headers={"Authorization": "Bearer sekret"})
         assert good.status_code == 200, good.text
         assert client.get("/health").status_code == 200  # probes need no key
+        # a health check that generates is a request like any other: it needs the key
+        assert client.get("/health_generate").status_code == 401
+        authorized = {"Authorization": "Bearer sekret"}
+        assert client.get("/health_generate", headers=authorized).status_code == 200
 
 
 def test_bad_requests_are_400_without_touching_nodes(nodes: list[UnifiedNode]) -> None:
