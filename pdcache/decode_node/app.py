@@ -133,17 +133,9 @@ class DecodeApp:
         """Wait for the room's admission (pages reserved, prefill asked) until `deadline`; a
         caller that leaves, or the deadline, takes the room out of the queue."""
         timeout = max(deadline - time.monotonic(), 0.0)
-        disconnected = asyncio.ensure_future(wait_for_disconnect(request))
-        try:
-            await asyncio.wait({admitted, disconnected}, timeout=timeout,
-                               return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            self.controller.leave(room, "decode request cancelled while waiting for pages")
-            raise
-        finally:
-            disconnected.cancel()
-        if not admitted.done():
-            gone = disconnected.done() and not disconnected.cancelled()
+        gone = await self._race_caller(admitted, request, timeout, room,
+                                       "decode request cancelled while waiting for pages")
+        if gone is not None:
             reason = "caller disconnected" if gone else "deadline passed"
             self.controller.leave(room, f"decode request left the admission queue: {reason}")
             if gone:
@@ -167,23 +159,33 @@ class DecodeApp:
         raise ApiError(503, f"decode node unavailable: {result.reason}", type=OVERLOADED,
                        code="unavailable")
 
+    async def _race_caller(self, future: asyncio.Future[Any], request: Request, timeout: float,
+                           room: int, cancelled: str) -> bool | None:
+        """Wait for `future` until `timeout` or the caller leaving; a cancelled handler makes
+        the controller leave `room` (`cancelled` says why). None when `future` is done, else
+        whether the caller went away (False: the deadline passed)."""
+        disconnected = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({future, disconnected}, timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            self.controller.leave(room, cancelled)
+            raise
+        finally:
+            disconnected.cancel()
+        if future.done():
+            return None
+        return disconnected.done() and not disconnected.cancelled()
+
     async def _wait(self, released: asyncio.Future[DecodeOutcome], room: int,
                     request: Request) -> DecodeOutcome:
         """The room's outcome; a caller that leaves (the router cancelling) or the deadline
         makes the controller abort the room (prefill is told; the pages are freed once
         nothing writes them)."""
         timeout = self.receiver.config.room_timeout_s + 5.0
-        disconnected = asyncio.ensure_future(wait_for_disconnect(request))
-        try:
-            await asyncio.wait({released, disconnected}, timeout=timeout,
-                               return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            self.controller.leave(room, "decode request cancelled before the KV arrived")
-            raise
-        finally:
-            disconnected.cancel()
-        if not released.done():
-            gone = disconnected.done() and not disconnected.cancelled()
+        gone = await self._race_caller(released, request, timeout, room,
+                                       "decode request cancelled before the KV arrived")
+        if gone is not None:
             reason = "caller disconnected" if gone else f"no KV within {timeout:.0f}s"
             self.controller.leave(room, f"decode request ended before the KV arrived: {reason}")
             if gone:
