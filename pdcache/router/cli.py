@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 import sys
 from typing import Any
-
-import uvicorn
 
 from pdcache.config import (
     RouterSpec,
     Topology,
-    TopologyError,
     add_topology_arguments,
     router_from_args,
 )
@@ -137,40 +133,18 @@ def _pick(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
-class _AnnouncingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, url: str) -> None:
-        super().__init__(config)
-        self._url = url
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started:
-            print(f"{READY_PREFIX}{self._url}", flush=True)
-
-
 def run(args: argparse.Namespace) -> int:
     from pdcache.router.app import create_app
+    from pdcache.server.runtime import listen, serve_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         config, host, port = build_config(args)
         app = create_app(config)
-    except TopologyError as exc:
+    except (OSError, ValueError) as exc:  # TopologyError included
         print(f"pdcache router: {exc}", file=sys.stderr)
         return 2
-    except (OSError, ValueError) as exc:
-        print(f"pdcache router: {exc}", file=sys.stderr)
-        return 2
-    try:
-        sock = socket.create_server((host, port))
-    except OSError as exc:
-        print(f"pdcache router: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+    sock = listen(host, port, "router")
+    if sock is None:
         return 1
-    shown = f"[{host}]" if ":" in host else host
-    uv_config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
-    server = _AnnouncingServer(uv_config, f"http://{shown}:{sock.getsockname()[1]}")
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    return 0 if server.started else 1
+    return serve_app(app, sock, host, args.log_level, "router")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import uvicorn
@@ -87,7 +88,8 @@ class _AnnouncingServer(uvicorn.Server):
     """Prints the runtime's lines and the URL once the listening socket is up, so scripts
     can wait for the ready line."""
 
-    def __init__(self, config: uvicorn.Config, lines: Any, ready: str) -> None:
+    def __init__(self, config: uvicorn.Config, lines: Callable[[], list[str]],
+                 ready: str) -> None:
         super().__init__(config)
         self._lines = lines
         self._ready = ready
@@ -109,18 +111,29 @@ def listen(host: str, port: int, command: str) -> socket.socket | None:
         return None
 
 
-def serve(runtime: NodeRuntime, sock: socket.socket, host: str, log_level: str,
-          command: str = "serve") -> int:
-    """Run `runtime`'s app on the bound `sock` until SIGINT/SIGTERM; prints the ready line
-    `pdcache COMMAND: ready at http://HOST:PORT` once it accepts requests."""
+def serve_app(app: FastAPI, sock: socket.socket, host: str, log_level: str, command: str,
+              lines: Callable[[], list[str]] = list) -> int:
+    """Run `app` on the bound `sock` until SIGINT/SIGTERM; once it accepts requests, print
+    `lines()` and the ready line `pdcache COMMAND: ready at http://HOST:PORT`. Shared by every
+    node and the router; 0 when it served, 1 when it never started."""
     port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    uv_config = uvicorn.Config(runtime.app(), log_level=log_level, timeout_graceful_shutdown=5)
-    server = _AnnouncingServer(uv_config, runtime.ready_lines,
+    uv_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    server = _AnnouncingServer(uv_config, lines,
                                f"pdcache {command}: ready at http://{shown}:{port}")
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
-        runtime.close()  # idempotent: the lifespan closed it unless startup failed
     return 0 if server.started else 1
+
+
+def serve(runtime: NodeRuntime, sock: socket.socket, host: str, log_level: str,
+          command: str = "serve") -> int:
+    """`serve_app` of `runtime`'s app, printing its `ready_lines()`; the runtime is closed
+    at the end whatever happened (idempotent: the lifespan closed it unless startup failed)."""
+    try:
+        return serve_app(runtime.app(), sock, host, log_level, command, runtime.ready_lines)
+    finally:
+        sock.close()
+        runtime.close()
