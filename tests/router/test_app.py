@@ -4,11 +4,9 @@ routing policies, sessions, streaming proxy, OpenAI usage, API key, metrics."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcache.router.app import create_app
@@ -24,18 +22,6 @@ from tests.router_support import (
     prompt,
     sse_events,
 )
-
-
-@pytest.fixture(scope="module")
-def nodes() -> Iterator[list[UnifiedNode]]:
-    started: list[UnifiedNode] = []
-    try:
-        for name in ("u0", "u1"):
-            started.append(UnifiedNode(name))
-        yield started
-    finally:
-        for node in started:
-            node.stop()
 
 
 def router_client(nodes: list[UnifiedNode], **overrides: Any) -> RouterUnderTest:

@@ -5,11 +5,9 @@ the router and its nodes, a routed `/health_generate`, `/flush_cache` fanned out
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcache import __version__
@@ -20,18 +18,6 @@ from pdcache.router.nodes import NodeEndpoint
 from tests.router_support import GREEDY, PAGE, RouterUnderTest, UnifiedNode, prompt, sse_events
 
 MODEL = "pdcache-tiny"
-
-
-@pytest.fixture(scope="module")
-def nodes() -> Iterator[list[UnifiedNode]]:
-    started: list[UnifiedNode] = []
-    try:
-        for name in ("u0", "u1"):
-            started.append(UnifiedNode(name))
-        yield started
-    finally:
-        for node in started:
-            node.stop()
 
 
 def router_for(endpoints: tuple[NodeEndpoint, ...], **overrides: Any) -> RouterUnderTest:
