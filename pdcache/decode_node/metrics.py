@@ -23,6 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from pdcache.offload_manager.decode_offload import DecodeOffloadManager
+from pdcache.server.metrics import EngineStatsCollector
 
 log = logging.getLogger(__name__)
 
@@ -76,28 +77,13 @@ REJECT_REASONS = ("never_fits", "queue_full", "deadline")
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
-class AdmissionQueueCollector(Collector):
-    """`pdcache_decode_admission_queue_depth` / `_queue_pages`, read from `engine.stats()` at
-    scrape time (the engine thread's last snapshot)."""
-
-    def __init__(self, stats: Callable[[], Mapping[str, Any]], server_name: str) -> None:
-        self._stats = stats
-        self._server = server_name
-
-    def collect(self) -> Iterator[Metric]:
-        try:
-            stats = self._stats()
-        except Exception:
-            log.exception("engine.stats() failed during a metrics scrape")
-            return
-        for name, key, help_text in (
-                ("queue_depth", "reservations_pending",
-                 "PD requests waiting for decode pages (admission queue)"),
-                ("queue_pages", "reservations_pending_pages",
-                 "prompt pages the queued PD requests wait for")):
-            family = GaugeMetricFamily(ADMISSION_PREFIX + name, help_text, labels=["server"])
-            family.add_metric([self._server], float(stats.get(key, 0)))
-            yield family
+# read from `engine.stats()` at scrape time (the engine thread's last snapshot)
+ADMISSION_GAUGES = {
+    ADMISSION_PREFIX + "queue_depth": (("reservations_pending",),
+                                       "PD requests waiting for decode pages (admission queue)"),
+    ADMISSION_PREFIX + "queue_pages": (("reservations_pending_pages",),
+                                       "prompt pages the queued PD requests wait for"),
+}
 
 
 class AdmissionMetrics:
@@ -120,7 +106,8 @@ class AdmissionMetrics:
             self.rejected.labels(reason)
         for queued in ("true", "false"):
             self.admitted.labels(queued)
-        registry.register(AdmissionQueueCollector(stats, server_name))
+        registry.register(EngineStatsCollector(stats, server_name, gauges=ADMISSION_GAUGES,
+                                               counters={}))
 
     def observe_admitted(self, waited_s: float, queued: bool) -> None:
         self.wait.observe(max(waited_s, 0.0))

@@ -142,11 +142,16 @@ class TierStatsCollector(Collector):
 
 
 class EngineStatsCollector(Collector):
-    """Reads `stats()` at scrape time; a failing engine yields no gauges, never a failed scrape."""
+    """Reads `stats()` at scrape time; a failing engine yields no gauges, never a failed scrape.
+    `gauges` / `counters`: metric name -> (stats keys, first present wins; help); a node adds
+    its own series from the same stats with a second collector and its own tables."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, Any]], server_name: str) -> None:
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], server_name: str, *,
+                 gauges: Mapping[str, tuple[tuple[str, ...], str]] = ENGINE_GAUGES,
+                 counters: Mapping[str, tuple[tuple[str, ...], str]] = ENGINE_COUNTERS) -> None:
         self._stats = stats
         self._server_name = server_name
+        self._tables = ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters))
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -154,10 +159,7 @@ class EngineStatsCollector(Collector):
         except Exception:  # a scrape must not take the server down; the error is logged
             log.exception("engine.stats() failed during a metrics scrape")
             return
-        for kind, table in (
-            (GaugeMetricFamily, ENGINE_GAUGES),
-            (CounterMetricFamily, ENGINE_COUNTERS),
-        ):
+        for kind, table in self._tables:
             for name, (keys, help_text) in table.items():
                 value = next((stats[k] for k in keys if k in stats), None)
                 if isinstance(value, int | float) and not isinstance(value, bool):
