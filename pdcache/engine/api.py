@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -16,6 +20,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0  # 0: off; else drop tokens with p < min_p * p_max
+    min_new_tokens: int = 0  # EOS and stop tokens are masked until this many tokens exist
+    frequency_penalty: float = 0.0  # OpenAI: logit -= f * count(token in output)
+    presence_penalty: float = 0.0  # OpenAI: logit -= p * (token in output)
+    repetition_penalty: float = 1.0  # CTRL/HF: over prompt + output, 1.0: off
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +75,47 @@ class CacheFlush:
 
 
 @dataclass(frozen=True)
+class LogprobRequest:
+    """What logprobs a request wants (SGLang's `return_logprob` family).
+
+    Output logprobs come with every sampled token; `top_n` alternatives and the logprobs of
+    `token_ids` ride along. `input_start` asks for the logprobs of prompt positions
+    `input_start..` (each position's token given the ones before it): those positions need
+    their logits, so cached pages from there on are recomputed, not reused."""
+
+    top_n: int = 0
+    token_ids: tuple[int, ...] = ()
+    input_start: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The logprob of one token at one position (log_softmax of the logits the sampler saw,
+    before temperature and truncation), with the `top_n` best and the requested `token_ids`
+    at that position as `(token_id, logprob)` pairs."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    selected: tuple[tuple[int, float], ...] = ()
+
+
+class TokenConstraint(Protocol):
+    """A per-request constraint on what may be sampled next (a grammar matcher, a forced
+    sequence). Called on the engine thread only, once per sampled token, in this order:
+    `allowed_tokens` (before sampling), then `accept` with the token sampled."""
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:
+        """A bool mask `[vocab_size]` of the tokens allowed next; None allows every token."""
+
+    def accept(self, token_id: int) -> None:
+        """Advance past `token_id` (one `allowed_tokens` allowed)."""
+
+    def is_terminated(self) -> bool:
+        """True once the constraint is complete: the request finishes with reason 'stop'."""
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One request as the engine sees it: token ids in, token ids out."""
 
@@ -73,6 +123,12 @@ class GenerateRequest:
     input_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str = ""  # tenant namespace: page keys and prefix matches never cross it
+    logprobs: LogprobRequest | None = None
+    constraint: TokenConstraint | None = None
+    # rid of a request with the same prompt submitted just before this one (n > 1 samples):
+    # this one is not scheduled until that one's prompt pages are in the prefix tree, so the
+    # prompt is computed once and the samples share its pages
+    prefill_leader: str | None = None
 
 
 @dataclass(frozen=True)
@@ -94,3 +150,7 @@ class RequestOutput:
     computed_tokens: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
+    # with GenerateRequest.logprobs: one per entry of new_token_ids, and on the first output
+    # the prompt's from LogprobRequest.input_start on (the first prompt token has none)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_logprobs: list[TokenLogprob] | None = None
