@@ -193,6 +193,11 @@ class HFTokenizer(Tokenizer):
         self.eos_token_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
         self._path = path
 
+    @property
+    def tokenizer_file(self) -> Path:
+        """The checkpoint's tokenizer.json (grammar libraries read the vocabulary from it)."""
+        return self._path / "tokenizer.json"
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
