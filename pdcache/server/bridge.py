@@ -26,7 +26,15 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
-from pdcache.engine.api import CachedTokens, GenerateRequest, RequestOutput, SamplingParams
+from pdcache.engine.api import (
+    CachedTokens,
+    GenerateRequest,
+    LogprobRequest,
+    RequestOutput,
+    SamplingParams,
+    TokenConstraint,
+    TokenLogprob,
+)
 from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
 from pdcache.server.metrics import ServerMetrics
 from pdcache.server.protocol import (
@@ -59,12 +67,14 @@ class ServerConfig:
     role: str = "unified"  # unified | prefill | decode (/server_info's disaggregation_mode)
     model_path: str = ""  # preset name or checkpoint path; "" = the model's name
     health_check_timeout_s: float = 20.0  # /health_generate's deadline (SGLang's default)
+    tool_call_parser: str = "hermes"  # pdcache.server.tool_calls.TOOL_CALL_PARSERS
 
     @classmethod
     def of(cls, setup: NodeSetup) -> ServerConfig:
         """The server settings of a node process."""
         return cls(name=setup.name, request_timeout_s=setup.server.request_timeout_s,
-                   role=setup.role, model_path=setup.model_path)
+                   role=setup.role, model_path=setup.model_path,
+                   tool_call_parser=setup.server.tool_call_parser)
 
 
 # --------------------------------------------------------------------------- one request
@@ -166,6 +176,7 @@ class Generation:
     last_token_at: float | None = None
     done_at: float | None = None
     stream: bool = False  # answered as SSE (`EngineBridge.streaming`): SGLang's is_streaming
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
 
     def __post_init__(self) -> None:
         if self.report is not None:
@@ -175,6 +186,7 @@ class Generation:
         """Record one engine output; returns the gap since the previous tokens (for ITL)."""
         gap = None if self.last_token_at is None else now - self.last_token_at
         self.absorb_stats(out)
+        self.logprobs.extend(out.new_logprobs)
         if out.new_token_ids:
             self.output_ids.extend(out.new_token_ids)
             self.first_token_at = self.first_token_at or now
@@ -217,11 +229,15 @@ class EngineBridge:
         return EngineRequest(self.engine, rid, time.monotonic() + self.config.request_timeout_s)
 
     def submit(self, gen: Generation, input_ids: list[int], sampling: SamplingParams,
-               salt: str | None, rid: str | None = None) -> EngineRequest:
-        """Queue a request in the engine; 503 when full or stopped, 400 when invalid."""
+               salt: str | None, rid: str | None = None, *,
+               logprobs: LogprobRequest | None = None,
+               constraint: TokenConstraint | None = None,
+               prefill_leader: str | None = None) -> EngineRequest:
+        """Queue a request in the engine; 503 when full or stopped, 400 when invalid.
+        `logprobs`, `constraint` and `prefill_leader` are `GenerateRequest`'s."""
         handle = self._new_handle(rid or uuid.uuid4().hex)
-        req = GenerateRequest(rid=handle.rid, input_ids=input_ids, sampling=sampling,
-                              cache_salt=salt or "")
+        req = self.engine_request(handle.rid, input_ids, sampling, salt, logprobs=logprobs,
+                                  constraint=constraint, prefill_leader=prefill_leader)
         try:
             self.engine.submit(req, handle.on_output)
         except EngineOverloadedError as exc:
@@ -234,6 +250,16 @@ class EngineBridge:
             raise bad_request(str(exc), code="invalid_request") from None
         gen.prompt_tokens = len(input_ids)
         return handle
+
+    def engine_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
+                       salt: str | None, *, logprobs: LogprobRequest | None = None,
+                       constraint: TokenConstraint | None = None,
+                       prefill_leader: str | None = None) -> GenerateRequest:
+        """The engine's request for one submission (a test double of the bridge overrides
+        this to install a scripted constraint; no HTTP field reaches it)."""
+        return GenerateRequest(rid=rid, input_ids=input_ids, sampling=sampling,
+                               cache_salt=salt or "", logprobs=logprobs, constraint=constraint,
+                               prefill_leader=prefill_leader)
 
     def submit_prefilled(self, gen: Generation, rid: str, input_ids: list[int],
                          sampling: SamplingParams, salt: str | None, first_token: int
@@ -294,13 +320,16 @@ class EngineBridge:
             gen.absorb_stats(final)
 
     async def collect(self, request: Request, handle: EngineRequest, gen: Generation,
-                      text: TextAssembler) -> None:
-        """Run a non-streaming request to its end, aborting it if the client goes away."""
+                      text: TextAssembler, on_delta: Callable[[str], Any] | None = None
+                      ) -> None:
+        """Run a non-streaming request to its end, aborting it if the client goes away;
+        `on_delta` sees each text delta."""
         disconnected = asyncio.ensure_future(wait_for_disconnect(request))
         try:
             async with aclosing(self.outputs(handle, gen, text, disconnected)) as stream:
-                async for _ in stream:
-                    pass
+                async for _, delta in stream:
+                    if on_delta is not None:
+                        on_delta(delta)
         finally:
             disconnected.cancel()
 
@@ -309,6 +338,17 @@ class EngineBridge:
         """SSE response whose cleanup aborts the request and counts it (client gone early)."""
         gen.stream = True
         return event_stream(events, BackgroundTask(self._cleanup, handle, gen))
+
+    def streaming_many(self, events: AsyncIterator[bytes],
+                       requests: list[tuple[EngineRequest, Generation]]) -> Response:
+        """`streaming` for the `n` engine requests of one answer (n choices)."""
+        for _, gen in requests:
+            gen.stream = True
+        return event_stream(events, BackgroundTask(self._cleanup_many, requests))
+
+    def _cleanup_many(self, requests: list[tuple[EngineRequest, Generation]]) -> None:
+        for handle, gen in requests:
+            self._cleanup(handle, gen)
 
     def _cleanup(self, handle: EngineRequest, gen: Generation) -> None:
         handle.abort()

@@ -1,0 +1,129 @@
+"""The agent API's per-request plan: which tool-call format parses a choice, which constraint
+an engine request carries (`response_format` json, a forced tool call), which logprobs it asks
+for and how they are written (docs/tools.md).
+
+`AgentFeatures` is built once per server (and once in the router, without constraints: the
+nodes build those) from the deployment's `tool_call_parser`; `chat_plan` / `completion_plan`
+turn one validated request into a `ChoicePlan` that makes each of its `n` choices' parts.
+Owns the server's `GrammarBackend` (built on the first constrained request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcache.engine.api import LogprobRequest, TokenConstraint, TokenLogprob
+from pdcache.engine.tokenizer import Tokenizer
+from pdcache.server.bridge import EngineRequest, Generation
+from pdcache.server.choices import ChoiceOutput, LogprobFormatter
+from pdcache.server.protocol import ChatCompletionRequest, CompletionRequest, TextAssembler
+from pdcache.server.structured import GrammarBackend, tool_calls_schema
+from pdcache.server.tool_calls import ToolCallFormat, tool_call_format
+
+
+@dataclass
+class ChoicePlan:
+    """What every choice of one request shares; `output(i)` / `constraint()` make choice i's
+    own parse state and grammar matcher (each choice needs its own)."""
+
+    chat: bool
+    logprobs: LogprobRequest | None = None
+    tool_format: ToolCallFormat | None = None
+    tool_names: set[str] = field(default_factory=set)
+    make_constraint: Callable[[], TokenConstraint] | None = None
+    format_logprobs: LogprobFormatter | None = None
+
+    def constraint(self) -> TokenConstraint | None:
+        return None if self.make_constraint is None else self.make_constraint()
+
+    def output(self, index: int) -> ChoiceOutput:
+        return ChoiceOutput(index, chat=self.chat, tool_format=self.tool_format,
+                            tool_names=self.tool_names, format_logprobs=self.format_logprobs)
+
+
+@dataclass
+class ChoiceRun:
+    """One submitted choice: its engine request, what it produced, its OpenAI output."""
+
+    handle: EngineRequest
+    gen: Generation
+    text: TextAssembler
+    output: ChoiceOutput
+    _logprobs_read: int = 0
+
+    def new_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs that arrived since the previous call."""
+        fresh = self.gen.logprobs[self._logprobs_read:]
+        self._logprobs_read = len(self.gen.logprobs)
+        return fresh
+
+
+class AgentFeatures:
+    """The deployment's tool-call format and grammar backend, and the plans they make."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, tool_call_parser: str) -> None:
+        self.tokenizer = tokenizer
+        self.tool_format = tool_call_format(tool_call_parser)
+        self.grammar = GrammarBackend(tokenizer, vocab_size)
+
+    def chat_plan(self, body: ChatCompletionRequest, constrain: bool = True) -> ChoicePlan:
+        """The plan of a chat request. `constrain=False` (the router) skips building the
+        constraint: the node that runs the request builds it from the same fields."""
+        plan = ChoicePlan(chat=True, logprobs=logprob_request(body.logprobs_top_n()))
+        if plan.logprobs is not None:
+            plan.format_logprobs = self.chat_logprobs
+        if body.parses_tool_calls():
+            plan.tool_format, plan.tool_names = self.tool_format, body.tool_names()
+        if not constrain:
+            return plan
+        schema = body.json_schema()
+        if schema is not None:
+            self.grammar.json_constraint(schema)  # compile once here: a bad schema is a 400
+            plan.make_constraint = lambda: self.grammar.json_constraint(schema)
+        elif body.forces_tool_call():
+            tools = [t.template_tool() for t in body.forced_tools()]
+            call_schema = tool_calls_schema(tools, self.tool_format.arguments_key)
+            before, after = self.tool_format.wrap("")
+            self.grammar.tool_call_constraint(call_schema, before, after)
+            plan.make_constraint = lambda: self.grammar.tool_call_constraint(call_schema,
+                                                                             before, after)
+        return plan
+
+    def completion_plan(self, body: CompletionRequest) -> ChoicePlan:
+        plan = ChoicePlan(chat=False, logprobs=logprob_request(body.logprobs_top_n()))
+        if plan.logprobs is not None:
+            plan.format_logprobs = self.completion_logprobs
+        return plan
+
+    # ---- OpenAI logprobs objects
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def chat_logprobs(self, logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        """Chat's `{"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}`."""
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in logprobs]}
+
+    def completion_logprobs(self, logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        """Completions' `{tokens, token_logprobs, top_logprobs, text_offset}`; `offset` is
+        the text offset of the first token (in this choice's text)."""
+        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        offsets, at = [], offset
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in logprobs],
+                "text_offset": offsets}
+
+
+def logprob_request(top_n: int | None) -> LogprobRequest | None:
+    return None if top_n is None else LogprobRequest(top_n=top_n)
