@@ -51,13 +51,10 @@ class ChoiceRun:
     gen: Generation
     text: TextAssembler
     output: ChoiceOutput
-    _logprobs_read: int = 0
 
     def new_logprobs(self) -> list[TokenLogprob]:
         """The logprobs that arrived since the previous call."""
-        fresh = self.gen.logprobs[self._logprobs_read:]
-        self._logprobs_read = len(self.gen.logprobs)
-        return fresh
+        return self.gen.take_logprobs()
 
 
 class AgentFeatures:

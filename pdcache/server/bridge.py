@@ -176,7 +176,8 @@ class Generation:
     last_token_at: float | None = None
     done_at: float | None = None
     stream: bool = False  # answered as SSE (`EngineBridge.streaming`): SGLang's is_streaming
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
+    # logprobs (GenerateRequest.logprobs): output ones not yet sent, the prompt's once
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.report is not None:
@@ -186,7 +187,7 @@ class Generation:
         """Record one engine output; returns the gap since the previous tokens (for ITL)."""
         gap = None if self.last_token_at is None else now - self.last_token_at
         self.absorb_stats(out)
-        self.logprobs.extend(out.new_logprobs)
+        self.new_logprobs.extend(out.new_logprobs)
         if out.new_token_ids:
             self.output_ids.extend(out.new_token_ids)
             self.first_token_at = self.first_token_at or now
@@ -194,6 +195,11 @@ class Generation:
         if out.finished:
             self.finish_reason = out.finish_reason
         return gap
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The output logprobs absorbed since the previous call (one chunk's)."""
+        taken, self.new_logprobs = self.new_logprobs, []
+        return taken
 
     def absorb_stats(self, out: RequestOutput) -> None:
         if out.prompt_tokens:  # only final outputs carry the prompt statistics
@@ -230,14 +236,14 @@ class EngineBridge:
 
     def submit(self, gen: Generation, input_ids: list[int], sampling: SamplingParams,
                salt: str | None, rid: str | None = None, *,
-               logprobs: LogprobRequest | None = None,
-               constraint: TokenConstraint | None = None,
-               prefill_leader: str | None = None) -> EngineRequest:
+               logprobs: LogprobRequest | None = None, prefill_leader: str | None = None,
+               constraint: TokenConstraint | None = None) -> EngineRequest:
         """Queue a request in the engine; 503 when full or stopped, 400 when invalid.
-        `logprobs`, `constraint` and `prefill_leader` are `GenerateRequest`'s."""
+        `logprobs`, `prefill_leader` and `constraint` are `GenerateRequest`'s."""
         handle = self._new_handle(rid or uuid.uuid4().hex)
-        req = self.engine_request(handle.rid, input_ids, sampling, salt, logprobs=logprobs,
-                                  constraint=constraint, prefill_leader=prefill_leader)
+        req = GenerateRequest(rid=handle.rid, input_ids=input_ids, sampling=sampling,
+                              cache_salt=salt or "", logprobs=logprobs,
+                              prefill_leader=prefill_leader, constraint=constraint)
         try:
             self.engine.submit(req, handle.on_output)
         except EngineOverloadedError as exc:
@@ -250,16 +256,6 @@ class EngineBridge:
             raise bad_request(str(exc), code="invalid_request") from None
         gen.prompt_tokens = len(input_ids)
         return handle
-
-    def engine_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
-                       salt: str | None, *, logprobs: LogprobRequest | None = None,
-                       constraint: TokenConstraint | None = None,
-                       prefill_leader: str | None = None) -> GenerateRequest:
-        """The engine's request for one submission (a test double of the bridge overrides
-        this to install a scripted constraint; no HTTP field reaches it)."""
-        return GenerateRequest(rid=rid, input_ids=input_ids, sampling=sampling,
-                               cache_salt=salt or "", logprobs=logprobs, constraint=constraint,
-                               prefill_leader=prefill_leader)
 
     def submit_prefilled(self, gen: Generation, rid: str, input_ids: list[int],
                          sampling: SamplingParams, salt: str | None, first_token: int
@@ -340,14 +336,14 @@ class EngineBridge:
         return event_stream(events, BackgroundTask(self._cleanup, handle, gen))
 
     def streaming_many(self, events: AsyncIterator[bytes],
-                       requests: list[tuple[EngineRequest, Generation]]) -> Response:
-        """`streaming` for the `n` engine requests of one answer (n choices)."""
-        for _, gen in requests:
+                       runs: list[tuple[EngineRequest, Generation]]) -> Response:
+        """`streaming` for one answer's engine requests (n choices)."""
+        for _, gen in runs:
             gen.stream = True
-        return event_stream(events, BackgroundTask(self._cleanup_many, requests))
+        return event_stream(events, BackgroundTask(self._cleanup_all, runs))
 
-    def _cleanup_many(self, requests: list[tuple[EngineRequest, Generation]]) -> None:
-        for handle, gen in requests:
+    def _cleanup_all(self, runs: list[tuple[EngineRequest, Generation]]) -> None:
+        for handle, gen in runs:
             self._cleanup(handle, gen)
 
     def _cleanup(self, handle: EngineRequest, gen: Generation) -> None:
