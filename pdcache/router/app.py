@@ -21,7 +21,8 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -39,8 +40,11 @@ from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.proxy import close_stream
 from pdcache.router.route import Deadline
 from pdcache.router.service import RouterService
+from pdcache.server.agent import ChoicePlan
 from pdcache.server.bridge import wait_for_disconnect
+from pdcache.server.choices import ChoiceDelta, ChoiceOutput, choice_events, merge_streams
 from pdcache.server.protocol import (
+    SEED_LIMIT,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,21 +57,18 @@ from pdcache.server.protocol import (
     default_max_tokens,
     error_body,
     parse_body,
+    unsupported,
 )
 from pdcache.server.responses import (
     Handler,
     ResponseHead,
     StreamEnd,
-    chat_choice,
-    chat_events,
-    completion_events,
     drain,
     event_stream,
     model_list,
     now_s,
     run_guarded,
     sse,
-    text_choice,
     usage_body,
 )
 from pdcache.server.routes import mount, service_handlers
@@ -139,41 +140,79 @@ class RouterApp:
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await request.body())
         body.check_supported()
+        check_router_supported(body)
         stops = body.stop_strings()
-        input_ids = self.router.chat_prompt(body.session_id, body.template_messages())
+        input_ids = self.router.chat_prompt(body.session_id, body.template_messages(),
+                                            body.template_tools())
         prep = self._openai_prep(body, input_ids, body.requested_max_tokens(), "messages")
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
         head = ResponseHead.new("chatcmpl", kind, self.router.model_name)
-        return await self._openai(request, prep, body, stops, head, chat=True)
+        plan = self.router.agent.chat_plan(body, constrain=False)
+        return await self._openai(request, prep, body, stops, head, plan)
 
     async def completions(self, request: Request) -> Response:
         body = parse_body(CompletionRequest, await request.body())
         body.check_supported()
+        check_router_supported(body)
         stops = body.stop_strings()
         prompt = body.single_prompt()
         new_ids = self.router.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         input_ids = self.router.session_prompt(body.session_id, new_ids)
         prep = self._openai_prep(body, input_ids, body.max_tokens, "prompt")
         head = ResponseHead.new("cmpl", "text_completion", self.router.model_name)
-        return await self._openai(request, prep, body, stops, head, chat=False)
+        plan = self.router.agent.completion_plan(body)
+        return await self._openai(request, prep, body, stops, head, plan)
 
     async def _openai(self, request: Request, prep: Prepared, body: OpenAIRequestBase,
-                      stops: list[str], head: ResponseHead, chat: bool) -> Response:
+                      stops: list[str], head: ResponseHead, plan: ChoicePlan) -> Response:
+        """Route the request's `n` choices, each its own node request; choice i > 0 is sent
+        once choice 0's first token arrived, so its prompt pages are in the prefix tree of
+        the node the cache-aware policy sends the others to (computed once). Only choice 0
+        commits the session turn."""
         deadline = Deadline(self.router.config.request_timeout_s)
-        stream, first, route = await watch(request, self.router.send_stream(prep, deadline))
-        turn, text = Turn(route), TextAssembler(self.router.decode, stops)
-        deltas = self._deltas(prep, stream, first, turn, text)
+        choices: list[RoutedChoice] = []
+        try:
+            for index in range(body.n):
+                choice_prep = prep if index == 0 else sample_prep(prep, index)
+                stream, first, route = await watch(request,
+                                                   self.router.send_stream(choice_prep, deadline))
+                choices.append(RoutedChoice(choice_prep, stream, first, Turn(route),
+                                            TextAssembler(self.router.decode, stops),
+                                            plan.output(index)))
+        except BaseException:
+            for choice in choices:
+                await close_stream(choice.stream)
+            raise
+        deltas = merge_streams([self._choice_deltas(choice) for choice in choices])
         if body.stream:
-            end = StreamEnd(lambda: turn.finish_reason, lambda: self.usage(prep, turn),
-                            body.include_usage())
-            events = (chat_events if chat else completion_events)(head, deltas, end)
-            return streaming(events, stream)
+            end = StreamEnd(lambda: None, lambda: self.usage_of(choices), body.include_usage())
+            events = choice_events(head, deltas, body.n, end, plan.chat)
+            return event_stream(events, BackgroundTask(close_streams, choices))
         try:
             await watch(request, drain(deltas))
         finally:
-            await close_stream(stream)  # idempotent; covers a drain cancelled before it started
-        choice = (chat_choice if chat else text_choice)(text.text, turn.finish_reason)
-        return JSONResponse(head.body([choice], usage=self.usage(prep, turn)))
+            await close_streams(choices)  # idempotent; covers a drain cancelled before it started
+        bodies = [choice.output.body(choice.turn.finish_reason) for choice in choices]
+        return JSONResponse(head.body(bodies, usage=self.usage_of(choices)))
+
+    async def _choice_deltas(self, choice: RoutedChoice) -> AsyncIterator[ChoiceDelta]:
+        texts = self._deltas(choice.prep, choice.stream, choice.first, choice.turn, choice.text)
+        async with aclosing(texts) as stream:
+            async for text in stream:
+                delta = choice.output.add(text)
+                if not delta.empty():
+                    yield delta
+        yield choice.output.finish(choice.turn.finish_reason)
+
+    def usage_of(self, choices: list[RoutedChoice]) -> dict[str, Any]:
+        """The prompt once (choice 0's numbers), every choice's completion and computed
+        tokens."""
+        usages = [self.usage(c.prep, c.turn) for c in choices]
+        first = usages[0]
+        completion = sum(u["completion_tokens"] for u in usages)
+        return {**first, "completion_tokens": completion,
+                "total_tokens": first["prompt_tokens"] + completion,
+                "computed_tokens": sum(u["computed_tokens"] for u in usages)}
 
     async def _deltas(self, prep: Prepared, stream: UpstreamStream, event: dict[str, Any] | None,
                       turn: Turn, text: TextAssembler) -> AsyncIterator[str]:
@@ -254,6 +293,45 @@ class RouterApp:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+@dataclass
+class RoutedChoice:
+    """One choice of an OpenAI request: its routed node request and its OpenAI output."""
+
+    prep: Prepared
+    stream: UpstreamStream
+    first: dict[str, Any] | None
+    turn: Turn
+    text: TextAssembler
+    output: ChoiceOutput
+
+
+def sample_prep(prep: Prepared, index: int) -> Prepared:
+    """Choice `index` > 0 of `prep`: its own seed (a given seed + index), no session turn."""
+    seed = prep.sampling.get("seed")
+    sampling = {**prep.sampling, "seed": None if seed is None else (seed + index) % SEED_LIMIT}
+    return replace(prep, sampling=sampling, session_id=None, arrival=time.monotonic())
+
+
+async def close_streams(choices: list[RoutedChoice]) -> None:
+    for choice in choices:
+        await close_stream(choice.stream)
+
+
+def check_router_supported(body: OpenAIRequestBase) -> None:
+    """What the nodes cannot yet be asked for through the router's node protocol: 400."""
+    if body.logprobs_top_n() is not None:
+        raise unsupported("logprobs", "'logprobs' is served by the unified server and the "
+                          "nodes; the router does not forward it yet")
+    if isinstance(body, ChatCompletionRequest):
+        if body.json_schema() is not None:
+            raise unsupported("response_format", "'response_format' json is served by the "
+                              "unified server; the router does not forward it yet")
+        if body.forces_tool_call():
+            raise unsupported("tool_choice", "'tool_choice' required or named needs "
+                              "constrained decoding on the node; the router does not forward "
+                              "it yet (use 'auto')")
 
 
 def _with_retry_after(handler: Handler) -> Handler:
