@@ -321,6 +321,10 @@ async def close_streams(choices: list[RoutedChoice]) -> None:
 
 def check_router_supported(body: OpenAIRequestBase) -> None:
     """What the nodes cannot yet be asked for through the router's node protocol: 400."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise unsupported(name, f"'{name}' is served by the unified server; the router "
+                              "does not forward it yet")
     if body.logprobs_top_n() is not None:
         raise unsupported("logprobs", "'logprobs' is served by the unified server and the "
                           "nodes; the router does not forward it yet")

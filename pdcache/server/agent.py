@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcache.engine.api import LogprobRequest, TokenConstraint, TokenLogprob
-from pdcache.engine.tokenizer import Tokenizer
+from pdcache.engine.tokenizer import ByteTokenizer, Tokenizer
 from pdcache.server.bridge import EngineRequest, Generation
 from pdcache.server.choices import ChoiceOutput, LogprobFormatter
+from pdcache.server.logprobs import openai_chat_logprobs, openai_completion_logprobs
 from pdcache.server.protocol import ChatCompletionRequest, CompletionRequest, TextAssembler
 from pdcache.server.structured import GrammarBackend, tool_calls_schema
 from pdcache.server.tool_calls import ToolCallFormat, tool_call_format
@@ -94,32 +95,32 @@ class AgentFeatures:
             plan.format_logprobs = self.completion_logprobs
         return plan
 
-    # ---- OpenAI logprobs objects
+    # ---- OpenAI logprobs objects (pdcache.server.logprobs)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def chat_logprobs(self, logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
-        """Chat's `{"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}`."""
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    def chat_logprobs(self, logprobs: list[TokenLogprob], offset: int
+                      ) -> tuple[dict[str, Any], int]:
+        return openai_chat_logprobs(logprobs, self.token_text), offset
 
-        return {"content": [{**entry(lp.token_id, lp.logprob),
-                             "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                            for lp in logprobs]}
+    def completion_logprobs(self, logprobs: list[TokenLogprob], offset: int
+                            ) -> tuple[dict[str, Any], int]:
+        """Completions' logprobs from text offset `offset`, and the offset after them;
+        `top_logprobs` keys are `token_key`s."""
+        body = openai_completion_logprobs(logprobs, self.token_text, offset)
+        body["top_logprobs"] = [{self.token_key(t): v for t, v in lp.top} for lp in logprobs]
+        end = body["text_offset"][-1] + len(body["tokens"][-1]) if logprobs else offset
+        return body, end
 
-    def completion_logprobs(self, logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
-        """Completions' `{tokens, token_logprobs, top_logprobs, text_offset}`; `offset` is
-        the text offset of the first token (in this choice's text)."""
-        tokens = [self.token_text(lp.token_id) for lp in logprobs]
-        offsets, at = [], offset
-        for text in tokens:
-            offsets.append(at)
-            at += len(text)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in logprobs],
-                "text_offset": offsets}
+    def token_key(self, token_id: int) -> str:
+        """A token's text as completions' `{text: logprob}` keys: a token that is no whole
+        character (one byte of a multi-byte one) is `bytes:\\xNN`, as OpenAI writes it, so
+        two such alternatives never collide as U+FFFD."""
+        text = self.token_text(token_id)
+        if "\ufffd" in text and isinstance(self.tokenizer, ByteTokenizer) and token_id < 256:
+            return f"bytes:\\x{token_id:02x}"
+        return text
 
 
 def logprob_request(top_n: int | None) -> LogprobRequest | None:

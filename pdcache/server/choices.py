@@ -18,9 +18,9 @@ from pdcache.engine.api import TokenLogprob
 from pdcache.server.responses import ResponseHead, StreamEnd, sse
 from pdcache.server.tool_calls import ToolCallFormat, ToolCallStream
 
-# the OpenAI `logprobs` object of a run of tokens; `offset` is the text offset of the first
-# (completions' `text_offset`), ignored by chat
-LogprobFormatter = Callable[[list[TokenLogprob], int], dict[str, Any]]
+# (the OpenAI `logprobs` object of a run of tokens, the text offset after them): the int
+# argument is the text offset of the first token (completions' `text_offset`; chat ignores it)
+LogprobFormatter = Callable[[list[TokenLogprob], int], tuple[dict[str, Any], int]]
 
 
 @dataclass
@@ -86,8 +86,7 @@ class ChoiceOutput:
             self._call_count += 1
         if logprobs and self.format_logprobs is not None:
             self.logprobs.extend(logprobs)
-            delta.logprobs = self.format_logprobs(logprobs, self._text_offset)
-        self._text_offset += len(content)
+            delta.logprobs, self._text_offset = self.format_logprobs(logprobs, self._text_offset)
         return delta
 
     # ---- non-streaming bodies
@@ -95,7 +94,7 @@ class ChoiceOutput:
     def _all_logprobs(self) -> dict[str, Any] | None:
         if self.format_logprobs is None:
             return None
-        return self.format_logprobs(self.logprobs, 0)
+        return self.format_logprobs(self.logprobs, 0)[0]
 
     def body(self, engine_reason: str | None) -> dict[str, Any]:
         """The choice of a non-streaming answer (call after `finish`)."""

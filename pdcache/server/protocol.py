@@ -426,8 +426,8 @@ class OpenAIRequestBase(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     # pdcache / SGLang extensions
     top_k: int = -1
@@ -437,9 +437,6 @@ class OpenAIRequestBase(BaseModel):
     cache_salt: str | None = None
 
     def check_supported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                raise unsupported(name, f"'{name}' is not supported (only 0)")
         if self.logit_bias:
             raise unsupported("logit_bias", "'logit_bias' is not supported")
         if self.stream_options is not None and not self.stream:
@@ -465,6 +462,8 @@ class OpenAIRequestBase(BaseModel):
             seed=None if self.seed is None else (self.seed + index) % SEED_LIMIT,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
         )
 
     def logprobs_top_n(self) -> int | None:
