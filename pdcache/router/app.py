@@ -165,10 +165,11 @@ class RouterApp:
 
     async def _openai(self, request: Request, prep: Prepared, body: OpenAIRequestBase,
                       stops: list[str], head: ResponseHead, plan: ChoicePlan) -> Response:
-        """Route the request's `n` choices, each its own node request; choice i > 0 is sent
-        once choice 0's first token arrived, so its prompt pages are in the prefix tree of
-        the node the cache-aware policy sends the others to (computed once). Only choice 0
-        commits the session turn."""
+        """Route the request's `n` choices, each its own node request. Choice i > 0 is sent
+        once choice 0's first token arrived and, in PD, its prefill call ended: its prompt
+        pages are then in that prefill node's tree, where the cache-aware policy sends the
+        others (the prompt computed once). A unified node caches the prompt when choice 0
+        ends, so there the others may compute it again. Only choice 0 commits the session."""
         deadline = Deadline(self.router.config.request_timeout_s)
         choices: list[RoutedChoice] = []
         try:
@@ -179,6 +180,8 @@ class RouterApp:
                 choices.append(RoutedChoice(choice_prep, stream, first, Turn(route),
                                             TextAssembler(self.router.decode, stops),
                                             plan.output(index)))
+                if index == 0 and body.n > 1:
+                    await watch(request, stream.prefill_finished())
         except BaseException:
             for choice in choices:
                 await close_stream(choice.stream)
