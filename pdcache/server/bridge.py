@@ -316,16 +316,13 @@ class EngineBridge:
             gen.absorb_stats(final)
 
     async def collect(self, request: Request, handle: EngineRequest, gen: Generation,
-                      text: TextAssembler, on_delta: Callable[[str], Any] | None = None
-                      ) -> None:
-        """Run a non-streaming request to its end, aborting it if the client goes away;
-        `on_delta` sees each text delta."""
+                      text: TextAssembler) -> None:
+        """Run a non-streaming request to its end, aborting it if the client goes away."""
         disconnected = asyncio.ensure_future(wait_for_disconnect(request))
         try:
             async with aclosing(self.outputs(handle, gen, text, disconnected)) as stream:
-                async for _, delta in stream:
-                    if on_delta is not None:
-                        on_delta(delta)
+                async for _ in stream:
+                    pass
         finally:
             disconnected.cancel()
 

@@ -178,8 +178,9 @@ class ServerRoutes:
         yield run.output.finish(run.gen.finish_reason)
 
     async def _collect_choice(self, request: Request, run: ChoiceRun) -> None:
-        await self.bridge.collect(request, run.handle, run.gen, run.text,
-                                  on_delta=lambda d: run.output.add(d, run.new_logprobs()))
+        # the whole text at once: the tool-call parse of a whole text equals the streamed one
+        await self.bridge.collect(request, run.handle, run.gen, run.text)
+        run.output.add(run.text.text, run.new_logprobs())
         run.output.finish(run.gen.finish_reason)
 
     def _usage(self, runs: list[ChoiceRun]) -> dict[str, Any]:
