@@ -187,11 +187,11 @@ class Generation:
         """Record one engine output; returns the gap since the previous tokens (for ITL)."""
         gap = None if self.last_token_at is None else now - self.last_token_at
         self.absorb_stats(out)
-        self.new_logprobs.extend(out.new_logprobs)
         if out.new_token_ids:
             self.output_ids.extend(out.new_token_ids)
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
+        self.new_logprobs.extend(out.new_logprobs)
         if out.finished:
             self.finish_reason = out.finish_reason
         return gap
