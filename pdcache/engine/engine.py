@@ -616,7 +616,13 @@ class Engine:
     def _output_of(self, req: Req) -> RequestOutput:
         new_tokens = req.take_new_tokens()
         if not req.finished:
-            return RequestOutput(rid=req.rid, new_token_ids=new_tokens)
+            if req.cached is None:
+                return RequestOutput(rid=req.rid, new_token_ids=new_tokens)
+            # the prompt is matched: its statistics ride along (SGLang's first stream chunk
+            # carries prompt_tokens and cached_tokens; its clients read them there)
+            return RequestOutput(rid=req.rid, new_token_ids=new_tokens,
+                                 prompt_tokens=len(req.prompt_ids), cached=req.cached,
+                                 computed_tokens=req.computed_tokens)
         now = time.perf_counter()
         first = req.first_token_time
         return RequestOutput(
