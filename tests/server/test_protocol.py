@@ -7,6 +7,7 @@ import json
 import pytest
 
 from pdcache.engine.api import CachedTokens
+from pdcache.server.generate_api import GenerateRequestBody
 from pdcache.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -17,7 +18,6 @@ from pdcache.server.protocol import (
     default_max_tokens,
     parse_body,
 )
-from pdcache.server.generate_api import GenerateRequestBody
 from pdcache.server.responses import sse, usage_body
 
 LIMITS = ModelLimits(vocab_size=100, context_len=64)
