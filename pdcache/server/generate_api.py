@@ -152,7 +152,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 # accepted with any value, no effect on the answer: request tracking and logging controls
 # (pdcache logs no request contents) — docs/sglang.md
-TRACKING_FIELDS = ("conversation_id", "no_logs", "custom_labels", "external_trace_header",
+TRACKING_FIELDS = ("model", "conversation_id", "no_logs", "custom_labels", "external_trace_header",
                    "received_time", "log_metrics")
 
 
@@ -205,7 +205,9 @@ class _GenerateBase(BaseModel):
     # pdcache extensions
     incremental_streaming_output: bool | None = None  # None: the server's setting
     pd: PDParams | None = None
-    # tracking only (TRACKING_FIELDS)
+    # tracking only (TRACKING_FIELDS); `model` is not SGLang's, but sglang-router sends it
+    # (null) to every worker: one model per deployment, the name is not checked
+    model: str | None = None
     conversation_id: str | None = None
     no_logs: bool = False
     custom_labels: dict[str, str] | None = None
