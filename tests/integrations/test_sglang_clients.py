@@ -49,18 +49,19 @@ def start(args: list[str], command: str) -> PdcacheProcess:
 @dataclass
 class Stack:
     model_dir: Path
-    dataset: Path
+    dataset: Path  # the cache-hit kit's
+    bench_dataset: Path  # bench_serving's: other prompts, so the kit's round 0 is cold
     unified: str
     router: str
     sglang_router: str | None
     sglang_router_log: Path
 
 
-def sharegpt_file(path: Path, count: int = 24) -> Path:
+def sharegpt_file(path: Path, seed: int, count: int = 24) -> Path:
     """A ShareGPT-format dataset of random words (bench_serving's `random` dataset and the
     cache-hit kit draw their token ids from one; they download it when none is given)."""
-    rng = random.Random(5)
-    words = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta"]
+    rng = random.Random(seed)
+    words = [f"{w}{seed}" for w in ("alpha", "beta", "gamma", "delta", "omega", "kappa")]
     rows = [{"conversations": [
         {"from": "human", "value": " ".join(rng.choice(words) for _ in range(40))},
         {"from": "gpt", "value": " ".join(rng.choice(words) for _ in range(20))}]}
@@ -126,8 +127,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             prefill.url, int(info["disaggregation_bootstrap_port"]), decode.url, log)
         if sgl_proc is not None:
             extra.append(sgl_proc)
-        yield Stack(model_dir, sharegpt_file(base / "sharegpt.json"), unified.url, router.url,
-                    sgl_url, log)
+        yield Stack(model_dir, sharegpt_file(base / "kit.json", 5),
+                    sharegpt_file(base / "bench.json", 6), unified.url, router.url, sgl_url, log)
     finally:
         for proc in extra:
             proc.terminate()
@@ -147,7 +148,7 @@ def run_client(*args: str) -> str:
 def bench_serving(stack: Stack, url: str, backend: str, tmp_path: Path) -> dict:
     result = tmp_path / f"{backend}.jsonl"
     run_client("bench_serving", "--backend", backend, "--base-url", url,
-               "--dataset-name", "random", "--dataset-path", str(stack.dataset),
+               "--dataset-name", "random", "--dataset-path", str(stack.bench_dataset),
                "--tokenizer", str(stack.model_dir), "--model", str(stack.model_dir),
                "--num-prompts", "6", "--random-input-len", "48", "--random-output-len", "8",
                "--random-range-ratio", "1.0", "--request-rate", "inf", "--max-concurrency", "3",
