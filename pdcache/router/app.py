@@ -100,7 +100,7 @@ class RouterApp:
             raise bad_request("'pd' is set by the router only", param="pd", code="unknown_field")
         body.check_supported()
         if body.has_bootstrap():
-            raise unsupported("bootstrap_room", "'bootstrap_*' are for prefill and decode "
+            raise unsupported(body.bootstrap_field() or "bootstrap_room", "'bootstrap_*' are for prefill and decode "
                               "nodes; this is the router")
         items = body.items()
         if body.session_id and len(items) > 1:

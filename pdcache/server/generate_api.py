@@ -333,8 +333,12 @@ class _GenerateBase(BaseModel):
         return PDParams(room=self.bootstrap_room, role="prefill")
 
     def has_bootstrap(self) -> bool:
-        return self.bootstrap_room is not None or self.bootstrap_host is not None \
-            or self.bootstrap_port is not None
+        return self.bootstrap_field() is not None
+
+    def bootstrap_field(self) -> str | None:
+        """The first of SGLang's PD fields that is set."""
+        return next((name for name in ("bootstrap_room", "bootstrap_host", "bootstrap_port")
+                     if getattr(self, name) is not None), None)
 
 
 GenerateRequestBody = create_model(

@@ -102,7 +102,7 @@ class ServerRoutes:
         prompt after its first wait for its prompt pages (`prefill_leader`)."""
         body.check_supported()
         if body.has_bootstrap():
-            raise unsupported("bootstrap_room", "'bootstrap_*' are for prefill and decode "
+            raise unsupported(body.bootstrap_field() or "bootstrap_room", "'bootstrap_*' are for prefill and decode "
                               "nodes; this is a unified server")
         runs: list[SequenceRun] = []
         try:

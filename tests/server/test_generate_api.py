@@ -283,3 +283,11 @@ def test_batch_stream_interleaves_indexed_chunks(client: TestClient) -> None:
     plain = [post(client, {"input_ids": p, "sampling_params": {"max_new_tokens": 4, **GREEDY}})
              for p in prompts]
     assert [finals[i]["output_ids"] for i in (0, 1)] == [p["output_ids"] for p in plain]
+
+
+def test_pd_fields_are_refused_on_a_unified_server(client: TestClient) -> None:
+    for field, value in (("bootstrap_room", 7), ("bootstrap_host", "127.0.0.1"),
+                         ("pd", {"room": 1, "role": "prefill"})):
+        r = client.post("/generate", json={"input_ids": [1, 2, 3], field: value})
+        assert r.status_code == 400, (field, r.text)
+        assert r.json()["error"]["param"] == field
