@@ -218,6 +218,7 @@ class RouterSpec:
     max_queue: int = 1024  # requests the router queues when every node is at its limit
     max_attempts: int = 3  # tries of a request whose node was unreachable or answered 503
     tool_call_parser: ToolCallParser = "hermes"  # how model output becomes OpenAI tool_calls
+    incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
 
     @property
     def url(self) -> str:
@@ -253,6 +254,7 @@ class NodeSpec:
     offload_stride_pages: int | None = None  # decode only: offload every N full pages (default 1)
     request_timeout_s: float = 600.0  # deadline of one request on this node's HTTP side
     tool_call_parser: ToolCallParser = "hermes"  # how model output becomes OpenAI tool_calls
+    incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
     kernels: str = "auto"  # KV kernel backend (pdcache.kernels): auto, reference, torch, ...
     devices: tuple[str, ...] | None = None  # overrides transfer.devices on this node
     cache: CacheSpec = field(default_factory=CacheSpec)  # [cache] merged with [node.cache]

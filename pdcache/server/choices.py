@@ -8,7 +8,6 @@ state and is used from one event loop.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -146,26 +145,3 @@ async def choice_events(head: ResponseHead, deltas: AsyncIterator[ChoiceDelta], 
     if end.include_usage:
         yield sse(head.body([], usage=end.usage()))
 
-
-async def merge_streams(streams: list[AsyncIterator[ChoiceDelta]]
-                        ) -> AsyncIterator[ChoiceDelta]:
-    """The items of `streams` as they come (n choices interleaved). Leaving early (or
-    failing) cancels and closes every stream, so each ends its engine or upstream request."""
-    pending = {asyncio.ensure_future(anext(s)): s for s in streams}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in sorted(done, key=lambda f: streams.index(pending[f])):
-                stream = pending.pop(fut)
-                try:
-                    item = fut.result()
-                except StopAsyncIteration:
-                    continue
-                pending[asyncio.ensure_future(anext(stream))] = stream
-                yield item
-    finally:
-        for fut in pending:
-            fut.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        for stream in streams:
-            await stream.aclose()  # type: ignore[attr-defined]
