@@ -30,12 +30,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
-from pdcache.engine.api import CachedTokens
+from pdcache.engine.api import CachedTokens, TokenLogprob
 from pdcache.engine.config import ModelConfig
 from pdcache.engine.tokenizer import Tokenizer
 from pdcache.router.admission import RouterBusyError
 from pdcache.router.config import RouterConfig
 from pdcache.router.core import Prepared, Router, Turn
+from pdcache.router.node_client import BAD_GATEWAY
 from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.proxy import close_stream
 from pdcache.router.route import Deadline
@@ -51,6 +52,7 @@ from pdcache.server.generate_api import (
 )
 from pdcache.server.protocol import (
     SEED_LIMIT,
+    SERVER_ERROR,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -172,8 +174,13 @@ class RouterApp:
         sampling = {"max_new_tokens": max_tokens, "temperature": body.temperature,
                     "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
                     "stop_token_ids": list(body.stop_token_ids), "ignore_eos": body.ignore_eos}
+        for name in ("presence_penalty", "frequency_penalty"):  # SGLang's names too
+            if getattr(body, name):
+                sampling[name] = getattr(body, name)
+        top_n = body.logprobs_top_n()
+        extra = {} if top_n is None else {"return_logprob": True, "top_logprobs_num": top_n}
         return Prepared(input_ids, sampling, body.cache_salt, body.session_id,
-                        stream=bool(body.stream))
+                        stream=bool(body.stream), extra=extra)
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await request.body())
@@ -239,8 +246,8 @@ class RouterApp:
     async def _choice_deltas(self, choice: RoutedChoice) -> AsyncIterator[ChoiceDelta]:
         texts = self._deltas(choice.prep, choice.stream, choice.first, choice.turn, choice.text)
         async with aclosing(texts) as stream:
-            async for text in stream:
-                delta = choice.output.add(text)
+            async for text, logprobs in stream:
+                delta = choice.output.add(text, logprobs)
                 if not delta.empty():
                     yield delta
         yield choice.output.finish(choice.turn.finish_reason)
@@ -256,23 +263,26 @@ class RouterApp:
                 "computed_tokens": sum(u["computed_tokens"] for u in usages)}
 
     async def _deltas(self, prep: Prepared, stream: UpstreamStream, event: dict[str, Any] | None,
-                      turn: Turn, text: TextAssembler) -> AsyncIterator[str]:
-        """Text deltas of the upstream stream, cut at the first stop string (which closes
-        the upstream request: the node aborts it)."""
+                      turn: Turn, text: TextAssembler
+                      ) -> AsyncIterator[tuple[str, list[TokenLogprob]]]:
+        """(text delta, output logprobs of its event) of the upstream stream, cut at the first
+        stop string (which closes the upstream request: the node aborts it)."""
         try:
+            logprobs: list[TokenLogprob] = []
             while event is not None:
                 ids = turn.absorb(event)
+                logprobs = node_logprobs(event)
                 delta = text.add(ids) if ids else ""
                 if text.stopped:
                     turn.finish_reason = "stop"
                     break
-                if delta:
-                    yield delta
+                if delta or logprobs:
+                    yield delta, logprobs
                 event = await stream.next()
             else:
-                delta = text.flush()
-            if delta:
-                yield delta
+                delta, logprobs = text.flush(), []
+            if delta or logprobs:
+                yield delta, logprobs
             self.router.finish(prep, turn)
         finally:
             await close_stream(stream)
@@ -360,15 +370,26 @@ async def close_streams(choices: list[RoutedChoice]) -> None:
         await close_stream(choice.stream)
 
 
+def node_logprobs(event: dict[str, Any]) -> list[TokenLogprob]:
+    """The output logprobs of one incremental node event: SGLang's `meta_info`
+    `output_token_logprobs` `[(logprob, id, text)]` and `output_top_logprobs` (per token a
+    list of such, or null)."""
+    info = event.get("meta_info")
+    if not isinstance(info, dict) or not info.get("output_token_logprobs"):
+        return []
+    tokens = info["output_token_logprobs"]
+    tops = info.get("output_top_logprobs") or [None] * len(tokens)
+    try:
+        return [TokenLogprob(int(token[1]), token[0],
+                             top=tuple((int(t[1]), t[0]) for t in top or ()))
+                for token, top in zip(tokens, tops, strict=True)]
+    except (TypeError, ValueError, IndexError) as exc:
+        raise ApiError(502, f"node answered invalid logprobs: {exc}", type=SERVER_ERROR,
+                       code=BAD_GATEWAY) from None
+
+
 def check_router_supported(body: OpenAIRequestBase) -> None:
     """What the nodes cannot yet be asked for through the router's node protocol: 400."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise unsupported(name, f"'{name}' is served by the unified server; the router "
-                              "does not forward it yet")
-    if body.logprobs_top_n() is not None:
-        raise unsupported("logprobs", "'logprobs' is served by the unified server and the "
-                          "nodes; the router does not forward it yet")
     if isinstance(body, ChatCompletionRequest):
         if body.json_schema() is not None:
             raise unsupported("response_format", "'response_format' json is served by the "

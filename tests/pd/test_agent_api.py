@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("pdcache.prefill_node.runtime", reason="the prefill node is not in this build")
 
-from pdcache.engine.api import GenerateRequest, SamplingParams  # noqa: E402
+from pdcache.engine.api import GenerateRequest, LogprobRequest, SamplingParams  # noqa: E402
 from pdcache.engine.loader import load_model  # noqa: E402
 from pdcache.router.app import create_app  # noqa: E402
 from pdcache.router.config import RouterConfig  # noqa: E402
@@ -62,3 +62,39 @@ def test_tools_and_n_through_the_router_and_pd(stack: PDStack, tiny: Any) -> Non
     text = tokenizer.decode([t for o in reference for t in o.new_token_ids])
     assert [c["index"] for c in out["choices"]] == [0, 1]
     assert all(c["message"]["content"] == text for c in out["choices"])
+
+
+def routed_logprobs(stack: PDStack, tiny: Any) -> tuple[list[dict], list]:
+    nodes = (NodeEndpoint("p0", "prefill", stack.prefill.url, stack.bootstrap),
+             NodeEndpoint("d0", "decode", stack.decode.url))
+    config = RouterConfig(nodes=nodes, page_size=PAGE, request_timeout_s=60,
+                          health_interval_s=30)
+    _, tokenizer = tiny
+    with RouterUnderTest(create_app(config)) as client:
+        out = client.post("/v1/chat/completions", json={
+            "messages": ASK, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 2}).json()
+    ids = tokenizer.apply_chat_template(ASK)
+    reference = stack.prefill_server.engine.generate(GenerateRequest(
+        f"ref-lp-{len(ids)}", ids, SamplingParams(max_new_tokens=5, ignore_eos=True),
+        logprobs=LogprobRequest(top_n=2)), timeout=60)
+    return out["choices"][0]["logprobs"]["content"], [lp for o in reference
+                                                       for lp in o.new_logprobs]
+
+
+def test_logprobs_through_the_router_and_pd(stack: PDStack, tiny: Any) -> None:
+    """The decode node's logprobs reach the client through the router, equal to the
+    engine's; the `logprobs` fields reach both nodes."""
+    content, ref = routed_logprobs(stack, tiny)
+    assert len(content) == 5
+    later = content[1:]  # sampled on decode
+    assert [e["logprob"] for e in later] == pytest.approx([r.logprob for r in ref[1:]], abs=1e-4)
+    assert [[t["logprob"] for t in e["top_logprobs"]] for e in later] == [
+        pytest.approx([lp for _, lp in r.top], abs=1e-4) for r in ref[1:]]
+
+
+@pytest.mark.xfail(strict=True, reason="the first token is sampled on prefill; its logprob is "
+                   "not carried to decode yet (engine/transfer side, PrefillReport)")
+def test_first_token_logprob_through_pd(stack: PDStack, tiny: Any) -> None:
+    content, ref = routed_logprobs(stack, tiny)
+    assert content[0]["logprob"] == pytest.approx(ref[0].logprob, abs=1e-4)
