@@ -76,8 +76,11 @@ class PrefillApp:
         started = time.monotonic()
         try:
             first_only = dataclasses.replace(item.sampling.to_engine(), max_new_tokens=1)
+            # the first token is sampled here: under the request's grammar (decode rebuilds it)
             handle = self.bridge.submit(gen, input_ids, first_only, body.cache_salt, rid,
-                                        logprobs=item.logprobs)
+                                        logprobs=item.logprobs,
+                                        constraint=self.routes.agent.sampling_constraint(
+                                            item.sampling))
             watchdog = asyncio.ensure_future(self._watch_decode(requested, handle))
             try:
                 text = self.routes.assembler(item)

@@ -185,11 +185,13 @@ class RouterApp:
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await request.body())
         body.check_supported()
-        check_router_supported(body)
         stops = body.stop_strings()
         input_ids = self.router.chat_prompt(body.session_id, body.template_messages(),
                                             body.template_tools())
         prep = self._openai_prep(body, input_ids, body.requested_max_tokens(), "messages")
+        json_schema = self.router.agent.node_json_schema(body)
+        if json_schema is not None:
+            prep.sampling["json_schema"] = json_schema  # the nodes build the constraint
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
         head = ResponseHead.new("chatcmpl", kind, self.router.model_name)
         plan = self.router.agent.chat_plan(body, constrain=False)
@@ -198,7 +200,6 @@ class RouterApp:
     async def completions(self, request: Request) -> Response:
         body = parse_body(CompletionRequest, await request.body())
         body.check_supported()
-        check_router_supported(body)
         stops = body.stop_strings()
         prompt = body.single_prompt()
         new_ids = self.router.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
@@ -386,18 +387,6 @@ def node_logprobs(event: dict[str, Any]) -> list[TokenLogprob]:
     except (TypeError, ValueError, IndexError) as exc:
         raise ApiError(502, f"node answered invalid logprobs: {exc}", type=SERVER_ERROR,
                        code=BAD_GATEWAY) from None
-
-
-def check_router_supported(body: OpenAIRequestBase) -> None:
-    """What the nodes cannot yet be asked for through the router's node protocol: 400."""
-    if isinstance(body, ChatCompletionRequest):
-        if body.json_schema() is not None:
-            raise unsupported("response_format", "'response_format' json is served by the "
-                              "unified server; the router does not forward it yet")
-        if body.forces_tool_call():
-            raise unsupported("tool_choice", "'tool_choice' required or named needs "
-                              "constrained decoding on the node; the router does not forward "
-                              "it yet (use 'auto')")
 
 
 def _with_retry_after(handler: Handler) -> Handler:

@@ -10,6 +10,7 @@ Owns the server's `GrammarBackend` (built on the first constrained request).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,9 +20,14 @@ from pdcache.engine.tokenizer import ByteTokenizer, Tokenizer
 from pdcache.server.bridge import EngineRequest, Generation
 from pdcache.server.choices import ChoiceOutput, LogprobFormatter
 from pdcache.server.logprobs import openai_chat_logprobs, openai_completion_logprobs
-from pdcache.server.protocol import ChatCompletionRequest, CompletionRequest, TextAssembler
+from pdcache.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TextAssembler,
+    bad_request,
+)
 from pdcache.server.structured import GrammarBackend, tool_calls_schema
-from pdcache.server.tool_calls import ToolCallFormat, tool_call_format
+from pdcache.server.tool_calls import Llama3Format, ToolCallFormat, tool_call_format
 
 
 @dataclass
@@ -75,6 +81,8 @@ class AgentFeatures:
         if body.parses_tool_calls():
             plan.tool_format, plan.tool_names = self.tool_format, body.tool_names()
         if not constrain:
+            if body.forces_tool_call():  # the node writes the bare call (node_json_schema)
+                plan.tool_format = Llama3Format()
             return plan
         schema = body.json_schema()
         if schema is not None:
@@ -88,6 +96,33 @@ class AgentFeatures:
             plan.make_constraint = lambda: self.grammar.tool_call_constraint(call_schema,
                                                                              before, after)
         return plan
+
+    def node_json_schema(self, body: ChatCompletionRequest) -> str | None:
+        """What the router sends a node as SGLang's `sampling_params.json_schema`: the
+        `response_format` schema, or for a forced tool call the bare call's
+        (`{"name", "arguments"}`, parsed back as JSON by the router's plan)."""
+        schema = body.json_schema()
+        if schema is None and body.forces_tool_call():
+            schema = tool_calls_schema([t.template_tool() for t in body.forced_tools()],
+                                       "arguments")
+        if schema is None:
+            return None
+        self.grammar.json_constraint(schema)  # a schema the nodes cannot compile: 400 here
+        return json.dumps(schema)
+
+    def sampling_constraint(self, sampling: Any) -> TokenConstraint | None:
+        """The constraint of a `/generate` sequence: SGLang's `sampling_params.json_schema`
+        (a JSON schema as text; what the router sends for `response_format`), else None."""
+        text = getattr(sampling, "json_schema", None)
+        if text is None:
+            return None
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise bad_request(f"'sampling_params.json_schema' is not JSON: {exc}",
+                              param="sampling_params.json_schema",
+                              code="invalid_json_schema") from None
+        return self.grammar.json_constraint(schema if isinstance(schema, dict) else {})
 
     def completion_plan(self, body: CompletionRequest) -> ChoicePlan:
         plan = ChoicePlan(chat=False, logprobs=logprob_request(body.logprobs_top_n()))

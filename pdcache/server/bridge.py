@@ -272,14 +272,19 @@ class EngineBridge:
 
     def submit_prefilled(self, gen: Generation, rid: str, input_ids: list[int],
                          sampling: SamplingParams, salt: str | None, first_token: int,
-                         logprobs: LogprobRequest | None = None) -> EngineRequest:
+                         logprobs: LogprobRequest | None = None,
+                         constraint: TokenConstraint | None = None) -> EngineRequest:
         """Start decoding a request whose prompt K/V sits in the pages reserved under `rid`;
-        on failure the reservation is freed and the request answers 500."""
+        on failure the reservation is freed and the request answers 500. A `constraint`
+        (rebuilt from the request) is first advanced past `first_token`, which prefill
+        sampled under its own copy."""
         handle = self._new_handle(rid)
         gen.rid = rid
         req = GenerateRequest(rid=rid, input_ids=input_ids, sampling=sampling,
-                              cache_salt=salt or "", logprobs=logprobs)
+                              cache_salt=salt or "", logprobs=logprobs, constraint=constraint)
         try:
+            if constraint is not None:
+                constraint.accept(first_token)
             self.engine.submit_prefilled(req, first_token, handle.on_output)
         except (ValueError, EngineNotRunningError) as exc:
             self.engine.abort(rid)  # frees the reservation

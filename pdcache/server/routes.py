@@ -124,7 +124,8 @@ class ServerRoutes:
         input_ids = self.checked_prompt(item)
         leader = earlier[item.leader].handle.rid if item.leader is not None else None
         handle = self.bridge.submit(gen, input_ids, item.sampling.to_engine(), body.cache_salt,
-                                    item.rid, logprobs=item.logprobs, prefill_leader=leader)
+                                    item.rid, logprobs=item.logprobs, prefill_leader=leader,
+                                    constraint=self.agent.sampling_constraint(item.sampling))
         return SequenceRun(item, handle, gen, self.assembler(item))
 
     def checked_prompt(self, item: GenerateItem) -> list[int]:

@@ -4,6 +4,7 @@ prompt prefill computes once (choice 1 finds choice 0's pages in prefill's tree)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -98,3 +99,25 @@ def test_logprobs_through_the_router_and_pd(stack: PDStack, tiny: Any) -> None:
 def test_first_token_logprob_through_pd(stack: PDStack, tiny: Any) -> None:
     content, ref = routed_logprobs(stack, tiny)
     assert content[0]["logprob"] == pytest.approx(ref[0].logprob, abs=1e-4)
+
+
+def test_json_schema_through_the_router_and_pd(stack: PDStack) -> None:
+    """Prefill samples the first token under the grammar; decode rebuilds it from the request
+    and advances it past that token: the whole output validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                               "ok": {"type": "boolean"}},
+              "required": ["city", "ok"], "additionalProperties": False}
+    nodes = (NodeEndpoint("p0", "prefill", stack.prefill.url, stack.bootstrap),
+             NodeEndpoint("d0", "decode", stack.decode.url))
+    config = RouterConfig(nodes=nodes, page_size=PAGE, request_timeout_s=60,
+                          health_interval_s=30)
+    with RouterUnderTest(create_app(config)) as client:
+        for seed in (1, 2):
+            out = client.post("/v1/chat/completions", json={
+                "messages": ASK, "temperature": 1.0, "seed": seed, "max_tokens": 200,
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "w", "schema": schema}}}).json()
+            choice = out["choices"][0]
+            assert choice["finish_reason"] == "stop", choice
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema)

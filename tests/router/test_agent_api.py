@@ -2,7 +2,8 @@
 unified node whose output is scripted (tests.agent_support.ScriptedNode): tool calls parsed
 from the node's ids, streamed calls reassembling to the non-streamed ones, a tool loop that
 keeps its cache chain (the resent assistant turn maps back to the produced ids), n choices
-with the prompt computed once, and 400s for what the router does not forward yet."""
+with the prompt counted once, logprobs, json_schema and forced tool calls built on the node,
+and 400s naming what is still unsupported."""
 
 from __future__ import annotations
 
@@ -135,12 +136,38 @@ def test_logprobs_and_penalties_are_forwarded(node: ScriptedNode, router: httpx.
     assert values({"content": streamed}) == values(direct["logprobs"])
 
 
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10},
+                                           "ok": {"type": "boolean"}},
+          "required": ["answer", "ok"], "additionalProperties": False}
+
+
+def test_json_schema_and_forced_tool_calls_are_built_on_the_node(router: httpx.Client) -> None:
+    """The router sends SGLang's `sampling_params.json_schema`; the node constrains its
+    random-weight output with it."""
+    jsonschema = pytest.importorskip("jsonschema")
+    out = router.post("/v1/chat/completions", json={
+        "messages": ASK, "temperature": 1.0, "seed": 4, "max_tokens": 200,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "r", "schema": SCHEMA}}}).json()
+    jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), SCHEMA)
+    forced = router.post("/v1/chat/completions", json={
+        "messages": ASK, "tools": TOOLS, "temperature": 1.0, "seed": 5, "max_tokens": 200,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}}}).json()
+    choice = forced["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_time"
+    jsonschema.validate(json.loads(call["function"]["arguments"]),
+                        TOOLS[1]["function"]["parameters"])
+
+
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
     ({"logit_bias": {"1": 1.0}}, "logit_bias"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": 3}}}},
+     "response_format"),
 ])
-def test_what_the_router_cannot_forward_is_a_400(router: httpx.Client, extra: dict[str, Any],
-                                                 param: str) -> None:
+def test_what_the_router_cannot_serve_is_a_400(router: httpx.Client, extra: dict[str, Any],
+                                               param: str) -> None:
     r = router.post("/v1/chat/completions", json={"messages": ASK, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
