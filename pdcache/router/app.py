@@ -234,7 +234,7 @@ class RouterApp:
             raise
         deltas = merge_streams([self._choice_deltas(choice) for choice in choices])
         if body.stream:
-            end = StreamEnd(lambda: None, lambda: self.usage_of(choices), body.include_usage())
+            end = StreamEnd(lambda: self.usage_of(choices), body.include_usage())
             events = choice_events(head, deltas, body.n, end, plan.chat)
             return event_stream(events, BackgroundTask(close_streams, choices))
         try:

@@ -255,7 +255,7 @@ class ServerRoutes:
                 self.bridge.finish(run.gen)
             raise
         if body.stream:
-            end = StreamEnd(lambda: None, lambda: self._usage(runs), body.include_usage())
+            end = StreamEnd(lambda: self._usage(runs), body.include_usage())
             deltas = merge_streams([self._choice_deltas(run) for run in runs])
             events = choice_events(head, deltas, body.n, end, plan.chat)
             return self.bridge.streaming_many(events, [(r.handle, r.gen) for r in runs])
