@@ -275,7 +275,8 @@ class Scheduler:
             self.allocator.free(page_ids)
         return page_ids is not None
 
-    def add_prefilled(self, req: Req, first_token: int) -> None:
+    def add_prefilled(self, req: Req, first_token: int,
+                      first_logprob: TokenLogprob | None = None) -> None:
         """Start decoding `req` on its reserved pages, which hold its prompt's K/V."""
         page_ids = self.reserved.get(req.rid)
         if page_ids is None:
@@ -287,7 +288,7 @@ class Scheduler:
             )
         del self.reserved[req.rid]
         self.reserved_growth.pop(req.rid, None)
-        req.admit_prefilled(page_ids, first_token, self._admit_seq)
+        req.admit_prefilled(page_ids, first_token, self._admit_seq, first_logprob)
         self._admit_seq += 1
         self.running.append(req)
         self._maybe_finish(req, first_token)

@@ -26,7 +26,13 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
-from pdcache.engine.api import CachedTokens, GenerateRequest, RequestOutput, SamplingParams
+from pdcache.engine.api import (
+    CachedTokens,
+    GenerateRequest,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
 from pdcache.server.metrics import ServerMetrics
 from pdcache.server.protocol import (
@@ -236,15 +242,20 @@ class EngineBridge:
         return handle
 
     def submit_prefilled(self, gen: Generation, rid: str, input_ids: list[int],
-                         sampling: SamplingParams, salt: str | None, first_token: int
+                         sampling: SamplingParams, salt: str | None, first_token: int, *,
+                         first_logprob: TokenLogprob | None = None,
+                         input_logprobs: list[TokenLogprob] | None = None,
                          ) -> EngineRequest:
         """Start decoding a request whose prompt K/V sits in the pages reserved under `rid`;
-        on failure the reservation is freed and the request answers 500."""
+        on failure the reservation is freed and the request answers 500. `first_logprob` /
+        `input_logprobs`: what prefill's report carried (`Engine.submit_prefilled`)."""
         handle = self._new_handle(rid)
         req = GenerateRequest(rid=rid, input_ids=input_ids, sampling=sampling,
                               cache_salt=salt or "")
         try:
-            self.engine.submit_prefilled(req, first_token, handle.on_output)
+            self.engine.submit_prefilled(req, first_token, handle.on_output,
+                                         first_logprob=first_logprob,
+                                         input_logprobs=input_logprobs)
         except (ValueError, EngineNotRunningError) as exc:
             self.engine.abort(rid)  # frees the reservation
             raise ApiError(500, f"cannot start decoding: {exc}", type=SERVER_ERROR) from None
