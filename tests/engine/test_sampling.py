@@ -22,6 +22,7 @@ from pdcache.engine.constraints import ForcedTokens
 from pdcache.engine.engine import Engine
 from pdcache.engine.forward import ForwardBatch, ForwardMode
 from pdcache.engine.loader import allocate_device_kv, load_model
+from pdcache.engine.scheduler import Scheduler
 
 PAGE = 4
 ATOL = 1e-4
@@ -379,3 +380,40 @@ def test_a_follower_of_a_failed_leader_computes_its_own_prompt(tiny) -> None:
     assert finals["lead"].finish_reason == "abort"
     assert finals["follow"].finish_reason == "length"
     assert finals["follow"].computed_tokens == 10
+
+
+class HoldingScheduler(Scheduler):
+    """A prefill node's pattern: finished requests keep their pages until `release_held`."""
+
+    def hold_after_finish(self, req) -> bool:
+        return True
+
+
+def test_followers_share_a_held_leaders_prompt(tiny) -> None:
+    prompt = prompt_of(13, 14)  # 3 full pages + 2 tokens
+    config = EngineConfig(
+        model=tiny.config,
+        cache=CacheConfig(page_size=PAGE, num_device_pages=64),
+        scheduler=SchedulerConfig(),
+    )
+    engine = Engine(config, tiny, make_scheduler=HoldingScheduler).start(thread=False)
+    finals: dict[str, RequestOutput] = {}
+
+    def collect(out: RequestOutput) -> None:
+        if out.finished:
+            finals[out.rid] = out
+
+    first = SamplingParams(max_new_tokens=1)  # prefill's request: the first token only
+    engine.submit(GenerateRequest("lead", prompt, first), collect)
+    engine.submit(GenerateRequest("f1", prompt, first, prefill_leader="lead"), collect)
+    for _ in range(20):
+        if not engine.step():
+            break
+    assert finals["lead"].computed_tokens == 14
+    assert finals["f1"].cached.total == 12 and finals["f1"].computed_tokens == 2
+    assert engine.check_accounting()["requests"] > 0  # both still hold their pages
+    engine.release_held("lead")
+    engine.release_held("f1")
+    engine.step()
+    assert engine.check_accounting()["requests"] == 0
+    engine.shutdown()
