@@ -587,7 +587,8 @@ class Engine:
         stop_ids: tuple[int, ...] = ()
         if params.min_new_tokens > len(req.output_ids):
             eos = () if params.ignore_eos else self.config.model.eos_token_ids
-            stop_ids = tuple(eos) + tuple(params.stop_token_ids)
+            vocab = self.config.model.vocab_size  # a stop id outside it can never be sampled
+            stop_ids = tuple(t for t in (*eos, *params.stop_token_ids) if _is_token_id(t, vocab))
         return SampleRow(params, req.generator, req.prompt_ids, req.output_ids, stop_ids,
                          allowed, req.logprobs)
 

@@ -238,8 +238,8 @@ def test_min_new_tokens_keeps_stop_tokens_out(tiny) -> None:
             engine,
             "min",
             prompt,
-            SamplingParams(
-                max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop,), min_new_tokens=6
+            SamplingParams(  # an id outside the vocabulary is no stop token to mask
+                max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop, 10**6), min_new_tokens=6
             ),
         )
     tokens = tokens_of(held)
@@ -417,3 +417,20 @@ def test_followers_share_a_held_leaders_prompt(tiny) -> None:
     engine.step()
     assert engine.check_accounting()["requests"] == 0
     engine.shutdown()
+
+
+def test_min_new_tokens_keeps_eos_out(tiny) -> None:
+    prompt = prompt_of(6, 8)
+    with make_engine(tiny) as engine:
+        plain = tokens_of(run(engine, "plain", prompt, SamplingParams(max_new_tokens=12)))
+    eos = plain[1]  # make the token greedy emits second the model's EOS
+    config = EngineConfig(
+        model=replace(tiny.config, eos_token_ids=(eos,)),
+        cache=CacheConfig(page_size=PAGE, num_device_pages=256),
+    )
+    with Engine(config, tiny) as engine:
+        stopped = run(engine, "eos", prompt, SamplingParams(max_new_tokens=12))
+        held = run(engine, "min", prompt, SamplingParams(max_new_tokens=12, min_new_tokens=5))
+    assert tokens_of(stopped) == plain[:2] and stopped[-1].finish_reason == "stop"
+    tokens = tokens_of(held)
+    assert len(tokens) >= 5 and eos not in tokens[:5] and tokens[0] == plain[0]
