@@ -36,10 +36,11 @@ class DecodeScheduler(Scheduler):
         self.offload = offload
         self.holds = holds
 
-    def add_prefilled(self, req: Req, first_token: int) -> None:
+    def add_prefilled(self, req: Req, first_token: int,
+                      first_logprob: TokenLogprob | None = None) -> None:
         if self.offload is not None:
             self.offload.track(req.rid, req.salt)
-        super().add_prefilled(req, first_token)
+        super().add_prefilled(req, first_token, first_logprob)
 
     def commit(self, batch: ScheduledBatch, tokens: list[int],
                logprobs: list[TokenLogprob | None] | None = None) -> list[Req]:

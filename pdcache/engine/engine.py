@@ -39,6 +39,7 @@ from pdcache.engine.api import (
     GenerateRequest,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
 )
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdcache.engine.kv_pool import DeviceKVPool
@@ -100,6 +101,7 @@ class _CancelReservation:
 class _SubmitPrefilled:
     req: Req
     first_token: int
+    first_logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -339,14 +341,21 @@ class Engine:
         return self._call(lambda: self.scheduler.release_reservation(rid), timeout)
 
     def submit_prefilled(
-        self, req: GenerateRequest, first_token: int, on_output: OutputCallback
+        self, req: GenerateRequest, first_token: int, on_output: OutputCallback, *,
+        first_logprob: TokenLogprob | None = None,
+        input_logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         """Decode node: start decoding `req`, whose prompt K/V a prefill node wrote into the
         pages `reserve(req.rid, len(req.input_ids))` returned and which sampled `first_token`.
-        The first output carries `first_token`; then as `submit`."""
+        The first output carries `first_token`; then as `submit`. With `req.logprobs` the
+        first output also carries prefill's `first_logprob` (a None logprob when prefill sent
+        none) and `input_logprobs`; `req.constraint` accepts `first_token` first (a refusal
+        fails the request) and the penalties count it."""
         self._validate(req)
         if not _is_token_id(first_token, self.config.model.vocab_size):
             raise ValueError(f"first token {first_token!r} is not in the vocabulary")
+        if first_logprob is not None and first_logprob.token_id != int(first_token):
+            raise ValueError("first_logprob is not the first token's")
         with self._lock:
             if not self.is_running:
                 raise EngineNotRunningError("the engine is not running")
@@ -354,7 +363,9 @@ class Engine:
                 raise ValueError(f"request id {req.rid!r} is already in flight")
             self._live_rids.add(req.rid)
             new = self._new_req(req, on_output, self._generator_for(req))
-            self._inbox.put(_SubmitPrefilled(new, int(first_token)))
+            if req.logprobs is not None and input_logprobs is not None:
+                new.input_logprobs = list(input_logprobs)
+            self._inbox.put(_SubmitPrefilled(new, int(first_token), first_logprob))
 
     def release_held(self, rid: str) -> None:
         """The pages of finished request `rid`, kept by the scheduler's `hold_after_finish` or
@@ -496,7 +507,7 @@ class Engine:
                 self._num_pending -= 1
             self.scheduler.add(item.req)
         elif isinstance(item, _SubmitPrefilled):
-            self._start_prefilled(item.req, item.first_token)
+            self._start_prefilled(item.req, item.first_token, item.first_logprob)
         elif isinstance(item, _Abort):
             req = self.scheduler.find(item.rid)
             if req is not None:
@@ -576,7 +587,8 @@ class Engine:
         stop_ids: tuple[int, ...] = ()
         if params.min_new_tokens > len(req.output_ids):
             eos = () if params.ignore_eos else self.config.model.eos_token_ids
-            stop_ids = tuple(eos) + tuple(params.stop_token_ids)
+            vocab = self.config.model.vocab_size  # a stop id outside it can never be sampled
+            stop_ids = tuple(t for t in (*eos, *params.stop_token_ids) if _is_token_id(t, vocab))
         return SampleRow(params, req.generator, req.prompt_ids, req.output_ids, stop_ids,
                          allowed, req.logprobs)
 
@@ -653,9 +665,16 @@ class Engine:
             if admission.ok:
                 self.scheduler.release_reservation(pending.rid)
 
-    def _start_prefilled(self, req: Req, first_token: int) -> None:
+    def _start_prefilled(self, req: Req, first_token: int,
+                         first_logprob: TokenLogprob | None) -> None:
         try:
-            self.scheduler.add_prefilled(req, first_token)
+            if req.constraint is not None:
+                try:
+                    req.constraint.accept(first_token)
+                except Exception as exc:
+                    self.scheduler.release_reservation(req.rid)  # nothing will decode on it
+                    raise ValueError(f"constraint failed on the first token: {exc}") from exc
+            self.scheduler.add_prefilled(req, first_token, first_logprob)
         except ValueError as exc:
             req.status, req.finish_reason, req.error = ReqStatus.FINISHED, "abort", str(exc)
             self.scheduler.counters.aborted += 1

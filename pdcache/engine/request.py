@@ -177,15 +177,17 @@ class Req:
         self.admit_seq = seq
         self.check()
 
-    def admit_prefilled(self, page_ids: list[int], first_token: int, seq: int) -> None:
+    def admit_prefilled(self, page_ids: list[int], first_token: int, seq: int,
+                        first_logprob: TokenLogprob | None = None) -> None:
         """WAITING → RUNNING in decode state: the K/V of the whole prompt is already in
-        `page_ids` (written by a prefill node) and `first_token` was sampled there."""
+        `page_ids` (written by a prefill node) and `first_token` was sampled there (with
+        `first_logprob`, when it sent one)."""
         assert self.status is ReqStatus.WAITING and not self.output_ids, "not a fresh request"
         assert len(page_ids) == pages_for(len(self.prompt_ids), self.page_size), "page count"
         self.page_ids, self.num_tree_pages, self.last_node = page_ids, 0, None
         self.kv_len = len(self.prompt_ids)
         self.cached_len, self.cached = 0, CachedTokens()
-        self.append_token(first_token)
+        self.append_token(first_token, first_logprob)
         self.prefill_done = True
         self.status = ReqStatus.RUNNING
         self.admit_seq = seq

@@ -275,7 +275,8 @@ class Scheduler:
             self.allocator.free(page_ids)
         return page_ids is not None
 
-    def add_prefilled(self, req: Req, first_token: int) -> None:
+    def add_prefilled(self, req: Req, first_token: int,
+                      first_logprob: TokenLogprob | None = None) -> None:
         """Start decoding `req` on its reserved pages, which hold its prompt's K/V."""
         page_ids = self.reserved.get(req.rid)
         if page_ids is None:
@@ -287,7 +288,7 @@ class Scheduler:
             )
         del self.reserved[req.rid]
         self.reserved_growth.pop(req.rid, None)
-        req.admit_prefilled(page_ids, first_token, self._admit_seq)
+        req.admit_prefilled(page_ids, first_token, self._admit_seq, first_logprob)
         self._admit_seq += 1
         self.running.append(req)
         self._maybe_finish(req, first_token)
@@ -440,6 +441,11 @@ class Scheduler:
         is gone (finished: its pages were cached; failed: nothing to share)."""
         if req.prefill_leader is None or self.tree is None:
             return True
+        held = self.held.get(req.prefill_leader)
+        if held is not None:  # finished, its pages kept (a prefill node's KV transfer reads them)
+            if held.prefill_done:  # not one aborted mid-prefill
+                self.cache_prompt(held)
+            return True
         leader = next((r for r in self.running if r.rid == req.prefill_leader), None)
         if leader is None:
             return all(r.rid != req.prefill_leader for r in self.waiting)
@@ -449,8 +455,9 @@ class Scheduler:
         return True
 
     def cache_prompt(self, req: Req) -> None:
-        """Insert the full prompt pages of running, prefilled `req` into the tree now (not at
-        its finish), so other requests match them while it decodes. Pages the tree already held
+        """Insert the full prompt pages of prefilled `req` (running, or finished and held)
+        into the tree now (not when it releases its pages), so other requests match them
+        while it decodes or its pages are read. Pages the tree already held
         are swapped for the tree's copies (same tokens, same K/V) and freed; `req` then
         borrows all of them from the tree, locking the new last node."""
         assert self.tree is not None and req.prefill_done, req.rid

@@ -75,8 +75,11 @@ class PrefillApp:
         released = self._open(rid, room, requested)
         started = time.monotonic()
         try:
-            first_only = dataclasses.replace(item.sampling.to_engine(), max_new_tokens=1)
-            # the first token is sampled here: under the request's grammar (decode rebuilds it)
+            sampling = item.sampling.to_engine()
+            # the first token only; min_new_tokens >= 1 still keeps it from being a stop token;
+            # sampled here under the request's grammar (decode rebuilds it)
+            first_only = dataclasses.replace(sampling, max_new_tokens=1,
+                                             min_new_tokens=min(sampling.min_new_tokens, 1))
             handle = self.bridge.submit(gen, input_ids, first_only, body.cache_salt, rid,
                                         logprobs=item.logprobs,
                                         constraint=self.routes.agent.sampling_constraint(

@@ -22,6 +22,7 @@ from pdcache.engine.constraints import ForcedTokens
 from pdcache.engine.engine import Engine
 from pdcache.engine.forward import ForwardBatch, ForwardMode
 from pdcache.engine.loader import allocate_device_kv, load_model
+from pdcache.engine.scheduler import Scheduler
 
 PAGE = 4
 ATOL = 1e-4
@@ -237,8 +238,8 @@ def test_min_new_tokens_keeps_stop_tokens_out(tiny) -> None:
             engine,
             "min",
             prompt,
-            SamplingParams(
-                max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop,), min_new_tokens=6
+            SamplingParams(  # an id outside the vocabulary is no stop token to mask
+                max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop, 10**6), min_new_tokens=6
             ),
         )
     tokens = tokens_of(held)
@@ -379,3 +380,57 @@ def test_a_follower_of_a_failed_leader_computes_its_own_prompt(tiny) -> None:
     assert finals["lead"].finish_reason == "abort"
     assert finals["follow"].finish_reason == "length"
     assert finals["follow"].computed_tokens == 10
+
+
+class HoldingScheduler(Scheduler):
+    """A prefill node's pattern: finished requests keep their pages until `release_held`."""
+
+    def hold_after_finish(self, req) -> bool:
+        return True
+
+
+def test_followers_share_a_held_leaders_prompt(tiny) -> None:
+    prompt = prompt_of(13, 14)  # 3 full pages + 2 tokens
+    config = EngineConfig(
+        model=tiny.config,
+        cache=CacheConfig(page_size=PAGE, num_device_pages=64),
+        scheduler=SchedulerConfig(),
+    )
+    engine = Engine(config, tiny, make_scheduler=HoldingScheduler).start(thread=False)
+    finals: dict[str, RequestOutput] = {}
+
+    def collect(out: RequestOutput) -> None:
+        if out.finished:
+            finals[out.rid] = out
+
+    first = SamplingParams(max_new_tokens=1)  # prefill's request: the first token only
+    engine.submit(GenerateRequest("lead", prompt, first), collect)
+    engine.submit(GenerateRequest("f1", prompt, first, prefill_leader="lead"), collect)
+    for _ in range(20):
+        if not engine.step():
+            break
+    assert finals["lead"].computed_tokens == 14
+    assert finals["f1"].cached.total == 12 and finals["f1"].computed_tokens == 2
+    assert engine.check_accounting()["requests"] > 0  # both still hold their pages
+    engine.release_held("lead")
+    engine.release_held("f1")
+    engine.step()
+    assert engine.check_accounting()["requests"] == 0
+    engine.shutdown()
+
+
+def test_min_new_tokens_keeps_eos_out(tiny) -> None:
+    prompt = prompt_of(6, 8)
+    with make_engine(tiny) as engine:
+        plain = tokens_of(run(engine, "plain", prompt, SamplingParams(max_new_tokens=12)))
+    eos = plain[1]  # make the token greedy emits second the model's EOS
+    config = EngineConfig(
+        model=replace(tiny.config, eos_token_ids=(eos,)),
+        cache=CacheConfig(page_size=PAGE, num_device_pages=256),
+    )
+    with Engine(config, tiny) as engine:
+        stopped = run(engine, "eos", prompt, SamplingParams(max_new_tokens=12))
+        held = run(engine, "min", prompt, SamplingParams(max_new_tokens=12, min_new_tokens=5))
+    assert tokens_of(stopped) == plain[:2] and stopped[-1].finish_reason == "stop"
+    tokens = tokens_of(held)
+    assert len(tokens) >= 5 and eos not in tokens[:5] and tokens[0] == plain[0]
