@@ -171,3 +171,7 @@ def test_what_the_router_cannot_serve_is_a_400(router: httpx.Client, extra: dict
                                                param: str) -> None:
     r = router.post("/v1/chat/completions", json={"messages": ASK, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_router_model_info_names_its_tool_call_parser(router: httpx.Client) -> None:
+    assert router.get("/get_model_info").json()["tool_call_parser"] == "hermes"

@@ -296,3 +296,8 @@ def test_completion_unsupported_values_are_400(node: ScriptedNode) -> None:
                         ({"prompt": "x", "n": 2, "best_of": 3}, "best_of")]:
         response = post(node, "/v1/completions", body)
         assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_model_info_names_the_tool_call_parser(node: ScriptedNode) -> None:
+    info = httpx.get(f"{node.url}/get_model_info", timeout=10, trust_env=False).json()
+    assert info["tool_call_parser"] == "hermes"  # SGLang's field, as --tool-call-parser set it
