@@ -87,6 +87,10 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
         "io_task": "storage_errors"}, "storage failures (each a miss or a skipped write)"),
     "pdcache_storage_corrupt_pages": ("counter", "", {"": "storage_corrupt_pages"},
                                       "stored pages that failed header/checksum checks (misses)"),
+    "pdcache_storage_rejected_pages": ("counter", "reason", {
+        reason: f"storage_rejected_{reason}_pages"
+        for reason in ("header", "checksum", "mac", "truncated", "foreign", "wrong_key")},
+        "stored pages found but not served, by reason (mac: unauthenticated or forged)"),
     "pdcache_storage_evicted_pages": ("counter", "", {"": "storage_evictions"},
                                       "pages evicted by the storage tier's LRU"),
     "pdcache_storage_read_bytes": ("counter", "", {"": "storage_bytes_read"},
