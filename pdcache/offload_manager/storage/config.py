@@ -76,6 +76,9 @@ class StorageConfig:
     # served; None (no cluster secret): checksums only. Never from a file: set by the process
     # that loaded the secret.
     page_mac_key: bytes | None = field(default=None, repr=False, compare=False)
+    # derive_key(cluster secret, "metadata"): authenticates every metadata-service request
+    # (hf3fs with metadata = tcp://...); None: unauthenticated. Set like page_mac_key.
+    metadata_key: bytes | None = field(default=None, repr=False, compare=False)
     # hf3fs
     io_engine: str = "posix"
     io_threads: int = 1
