@@ -162,6 +162,38 @@ def _row(path: str, nbytes: int, times: dict[str, float], plain_read_s: float) -
     }
 
 
+MAC_SIZES = (8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20)  # tiny/small pages .. 8B bf16
+
+
+def mac_algorithm_rows(page_bytes: int, hashed_bytes: int = 64 << 20) -> list[dict[str, Any]]:
+    """GB/s of the page-MAC candidates (single thread, one page per call) beside xxh3, per
+    page size: what chose keyed BLAKE3 (docs/security.md)."""
+    import hashlib
+    import hmac
+
+    import blake3
+    import xxhash
+
+    key = os.urandom(32)
+    rows = []
+    for size in sorted({*MAC_SIZES, page_bytes}):
+        page = os.urandom(size)
+        calls = max(8, hashed_bytes // size)
+        fns = {
+            "blake3_keyed": lambda p=page: blake3.blake3(p, key=key).digest(),
+            "blake3_keyed_2threads": lambda p=page: blake3.blake3(p, key=key,
+                                                                   max_threads=2).digest(),
+            "hmac_sha256": lambda p=page: hmac.digest(key, p, hashlib.sha256),
+            "xxh3_checksum": lambda p=page: xxhash.xxh3_64_intdigest(p),
+        }
+        row: dict[str, Any] = {"page_KiB": size >> 10}
+        for name, fn in fns.items():
+            seconds = _best(lambda f=fn, n=calls: [f() for _ in range(n)], 2)
+            row[f"{name}_GBps"] = _gbps(size * calls, seconds)
+        rows.append(row)
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     page_bytes = args.page_kib * 1024
     nbytes = page_bytes * args.pages
@@ -209,4 +241,8 @@ def run(args: argparse.Namespace) -> int:
         columns += ["mac_read_ratio", "mac_write_ratio"]
     emit("storage read/write throughput (same bytes, same run)", rows, args.json_path, columns,
          extra=extra)
+    if args.mac != "off":
+        mac_json = args.json_path and args.json_path.replace(".json", "") + ".mac.json"
+        emit("page MAC candidates, GB/s per page (one thread)", mac_algorithm_rows(page_bytes),
+             mac_json, extra={"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)})
     return 0

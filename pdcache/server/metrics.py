@@ -145,6 +145,31 @@ class TierStatsCollector(Collector):
             yield family
 
 
+class ControlRejectCollector(Collector):
+    """`pdcache_control_rejected_messages_total{kind}`: control messages a KVSender/KVReceiver
+    dropped (malformed, ..., unauthenticated, stale, replayed: docs/security.md), read from
+    its `stats()["rejected"]` at scrape time. Every kind is exported, zeros included."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], server_name: str) -> None:
+        self._stats = stats
+        self._server_name = server_name
+
+    def collect(self) -> Iterator[Metric]:
+        from pdcache.transfer.messages import REJECT_KINDS
+
+        try:
+            counts = dict(self._stats().get("rejected", {}))
+        except Exception:
+            log.exception("transfer stats() failed during a metrics scrape")
+            return
+        family = CounterMetricFamily("pdcache_control_rejected_messages",
+                                     "control-plane messages dropped, by kind",
+                                     labels=["server", "kind"])
+        for kind in REJECT_KINDS:
+            family.add_metric([self._server_name, kind], float(counts.get(kind, 0)))
+        yield family
+
+
 class EngineStatsCollector(Collector):
     """Reads `stats()` at scrape time; a failing engine yields no gauges, never a failed scrape.
     `gauges` / `counters`: metric name -> (stats keys, first present wins; help); a node adds

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from prometheus_client import CollectorRegistry
 
+from pdcache.server.metrics import ControlRejectCollector
 from pdcache.transfer import KVReceiver, KVSender, RoomState, TransferError
 from pdcache.transfer.control import control_auth
 from pdcache.transfer.messages import (
@@ -105,6 +107,11 @@ def test_intruders_are_dropped_counted_and_the_node_keeps_serving(authed: Pair) 
         sock.close(linger=0)
     _transfer(authed, 3)  # the node still serves its real peer
     assert authed.sender.stats()["control_errors"] == 0
+    registry = CollectorRegistry()  # what the prefill node's /metrics exports
+    registry.register(ControlRejectCollector(authed.sender.stats, "p0"))
+    for kind, count in (("unauthenticated", 4), ("replayed", 1), ("stale", 1), ("malformed", 0)):
+        labels = {"server": "p0", "kind": kind}
+        assert registry.get_sample_value("pdcache_control_rejected_messages_total", labels) == count
 
 
 @pytest.mark.parametrize("auth", [True, False], ids=["auth_on", "auth_off"])
