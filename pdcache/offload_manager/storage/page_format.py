@@ -292,10 +292,16 @@ def verify_page(
         return Verdict.WRONG_KEY, None
     if nbytes < spec.object_bytes:
         return Verdict.TRUNCATED, None
+    if spec.mac_key is not None:
+        # A verified MAC covers the payload (and the checksum field), so the checksum pass is
+        # skipped; only a failed MAC pays for it, to tell corruption from forgery.
+        if _mac_ok(spec.mac_key, info, payload):
+            return Verdict.OK, info.origin
+        if payload_checksum(payload, info.algorithm) != info.checksum:
+            return Verdict.BAD_CHECKSUM, None
+        return Verdict.BAD_MAC, None
     if payload_checksum(payload, info.algorithm) != info.checksum:
         return Verdict.BAD_CHECKSUM, None
-    if spec.mac_key is not None and not _mac_ok(spec.mac_key, info, payload):
-        return Verdict.BAD_MAC, None
     return Verdict.OK, info.origin
 
 
