@@ -4,17 +4,17 @@ Two measurements, same run, same message (a msgpack `Ping`):
 - `node`: a DEALER in this process pings a real KVSender's bootstrap ROUTER (its control thread
   parses, answers `Pong`), without a control key and with one (the per-message keyed BLAKE3
   MAC + timestamp + nonce of `pdcache.utils.message_auth`, sealed and opened on both ends);
-- `mechanism`: a bare ROUTER echo thread answering the same frames in plain ZMQ, with that
-  HMAC scheme, and with CurveZMQ (keys derived from the secret, a ZAP handler admitting only
-  the derived client key): the alternative the issue names, at equal footing. Curve's
-  per-connection handshake is reported separately.
+- `mechanism`: a bare ROUTER echo in a child process (no GIL shared with the client)
+  answering the same frames in plain ZMQ, with that HMAC scheme, and with CurveZMQ (keys
+  derived from the secret, a ZAP handler admitting only the derived client key): the
+  alternative the issue names, at equal footing. `first_reply_us` is connect + first round
+  trip (Curve's handshake and ZAP check included).
 Each round is one send + one receive, timed individually; rows give the median and p99 µs.
 """
 
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -92,38 +92,6 @@ def _check_pong(reply: bytes, auth: Any, parse: Callable[..., Any]) -> None:
     assert isinstance(msg, Pong), f"unexpected reply {msg!r}"
 
 
-class _Echo:
-    """A ROUTER answering each frame with `answer(frame)`, on its own thread (owned here:
-    started in __init__, stopped in close())."""
-
-    def __init__(
-        self, ctx: zmq.Context, answer: Callable[[bytes], bytes], curve_secret: bytes | None = None
-    ) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if curve_secret is not None:
-            self.sock.curve_secretkey = curve_secret
-            self.sock.curve_publickey = zmq.curve_public(curve_secret)
-            self.sock.curve_server = True
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.addr = f"tcp://127.0.0.1:{port}"
-        self._answer = answer
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pdcache-bench-echo", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self.sock.poll(50):
-                identity, frame = self.sock.recv_multipart()
-                self.sock.send_multipart([identity, self._answer(frame)])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close(linger=0)
-
-
 class _OnlyKey:
     """ZAP credentials: admit exactly the client public key derived from the secret."""
 
@@ -134,88 +102,119 @@ class _OnlyKey:
         return key == self.public
 
 
-def mechanism_rows(rounds: int, key: bytes) -> list[dict[str, Any]]:
-    """The same Ping/Pong frames over a bare echo: plain, HMAC-sealed, CurveZMQ."""
-    from zmq.auth.thread import ThreadAuthenticator
+def _curve_secrets(key: bytes) -> tuple[bytes, bytes]:
+    """(server, client) Curve secret keys, z85, derived from the secret: X25519 takes any 32
+    bytes as a secret key and `zmq.curve_public` gives its public key."""
     from zmq.utils import z85
 
-    from pdcache.transfer.messages import Ping, Pong, decode, encode
+    from pdcache.utils.secret import derive_key
+
+    return z85.encode(derive_key(key, "curve-server")), z85.encode(derive_key(key, "curve-client"))
+
+
+STOP = b"stop"
+
+
+def _echo_main(mode: str, key: bytes, conn: Any) -> None:
+    """Child process: a ROUTER answering each Ping with a Pong in `mode` (none | hmac |
+    curve) until it receives STOP. Its own process, so no GIL is shared with the client."""
+    from pdcache.transfer.messages import Pong, decode, encode
     from pdcache.utils.message_auth import MessageAuth
 
     ctx = zmq.Context()
-    rows = []
-    server_auth = MessageAuth(key, b"prefill", b"decode")
-    client_auth = MessageAuth(key, b"decode", b"prefill")
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    auth = MessageAuth(key, b"prefill", b"decode") if mode == "hmac" else None
+    authenticator = None
+    if mode == "curve":
+        from zmq.auth.thread import ThreadAuthenticator
+
+        server_secret, client_secret = _curve_secrets(key)
+        authenticator = ThreadAuthenticator(ctx)
+        authenticator.start()
+        authenticator.configure_curve_callback(
+            "*", credentials_provider=_OnlyKey(zmq.curve_public(client_secret))
+        )
+        sock.curve_secretkey = server_secret
+        sock.curve_publickey = zmq.curve_public(server_secret)
+        sock.curve_server = True
+    conn.send(sock.bind_to_random_port("tcp://127.0.0.1"))
     pong = encode(Pong(1))
-    cases: dict[
-        str, tuple[Callable[[bytes], bytes], Callable[[int], bytes], Callable[[bytes], Any]]
-    ] = {
-        "none": (
-            lambda f: pong if decode(f, 1 << 20) else b"",
-            lambda i: encode(Ping(i)),
-            lambda r: decode(r, 1 << 20),
-        ),
-        "hmac (blake3 MAC + nonce)": (
-            lambda f: server_auth.seal(pong) if decode(server_auth.open_(f), 1 << 20) else b"",
-            lambda i: client_auth.seal(encode(Ping(i))),
-            lambda r: decode(client_auth.open_(r), 1 << 20),
-        ),
-    }
     try:
-        for label, (answer, make, check) in cases.items():
-            echo = _Echo(ctx, answer)
+        while True:
+            identity, frame = sock.recv_multipart()
+            if frame == STOP:
+                return
+            decode(auth.open_(frame) if auth else frame, 1 << 20)
+            sock.send_multipart([identity, auth.seal(pong) if auth else pong])
+    finally:
+        sock.close(linger=0)
+        if authenticator is not None:
+            authenticator.stop()
+        ctx.term()
+
+
+def mechanism_rows(rounds: int, key: bytes) -> list[dict[str, Any]]:
+    """The same Ping/Pong frames against an echo in another process: plain, HMAC, Curve."""
+    import multiprocessing as mp
+
+    from pdcache.transfer.messages import Ping, decode, encode
+    from pdcache.utils.message_auth import MessageAuth
+
+    ctx = zmq.Context()
+    mp_ctx = mp.get_context("spawn")
+    client_auth = MessageAuth(key, b"decode", b"prefill")
+    labels = {
+        "none": "none",
+        "hmac": "hmac (blake3 MAC + nonce)",
+        "curve": "curve (CurveZMQ + ZAP)",
+    }
+    rows = []
+    try:
+        for mode, label in labels.items():
+            parent, child = mp_ctx.Pipe()
+            proc = mp_ctx.Process(target=_echo_main, args=(mode, key, child), daemon=True)
+            proc.start()
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(echo.addr)
             try:
-                samples = _rounds(sock, make, check, rounds)
+                if not parent.poll(60):
+                    raise TimeoutError("echo process did not start in 60 s")
+                port = parent.recv()
+                if mode == "curve":
+                    server_secret, client_secret = _curve_secrets(key)
+                    sock.curve_secretkey = client_secret
+                    sock.curve_publickey = zmq.curve_public(client_secret)
+                    sock.curve_serverkey = zmq.curve_public(server_secret)
+                hmac = client_auth if mode == "hmac" else None
+                start = time.perf_counter()
+                sock.connect(f"tcp://127.0.0.1:{port}")
+                sock.send(hmac.seal(encode(Ping(0))) if hmac else encode(Ping(0)))
+                if not sock.poll(5000):
+                    raise TimeoutError(f"{mode} echo: no first reply in 5 s")
+                sock.recv()
+                first_reply_us = round((time.perf_counter() - start) * 1e6, 1)
+                samples = _rounds(
+                    sock,
+                    lambda i, a=hmac: a.seal(encode(Ping(i))) if a else encode(Ping(i)),
+                    lambda r, a=hmac: decode(a.open_(r) if a else r, 1 << 20),
+                    rounds,
+                )
+                sock.send(STOP)
             finally:
                 sock.close(linger=0)
-                echo.close()
-            rows.append({"path": "bare echo", "auth": label, **_stats(samples)})
-        rows.append(_curve_row(ctx, rounds, key, ThreadAuthenticator, z85))
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+            rows.append(
+                {
+                    "path": "echo in another process",
+                    "auth": label,
+                    **_stats(samples),
+                    "first_reply_us": first_reply_us,
+                }
+            )
     finally:
         ctx.term()
     return rows
-
-
-def _curve_row(
-    ctx: zmq.Context, rounds: int, key: bytes, authenticator: Any, z85: Any
-) -> dict[str, Any]:
-    from pdcache.transfer.messages import Ping, Pong, decode, encode
-    from pdcache.utils.secret import derive_key
-
-    server_secret = z85.encode(derive_key(key, "curve-server"))
-    client_secret = z85.encode(derive_key(key, "curve-client"))
-    auth = authenticator(ctx)
-    auth.start()
-    auth.configure_curve_callback(
-        "*", credentials_provider=_OnlyKey(zmq.curve_public(client_secret))
-    )
-    pong = encode(Pong(1))
-    echo = _Echo(ctx, lambda f: pong if decode(f, 1 << 20) else b"", curve_secret=server_secret)
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.curve_secretkey = client_secret
-    sock.curve_publickey = zmq.curve_public(client_secret)
-    sock.curve_serverkey = zmq.curve_public(server_secret)
-    try:
-        start = time.perf_counter()
-        sock.connect(echo.addr)
-        sock.send(encode(Ping(0)))
-        if not sock.poll(5000):
-            raise TimeoutError("curve handshake: no answer in 5 s")
-        sock.recv()
-        handshake_us = round((time.perf_counter() - start) * 1e6, 1)
-        samples = _rounds(sock, lambda i: encode(Ping(i)), lambda r: decode(r, 1 << 20), rounds)
-        assert isinstance(decode(pong, 1 << 20), Pong)
-    finally:
-        sock.close(linger=0)
-        echo.close()
-        auth.stop()
-    return {
-        "path": "bare echo",
-        "auth": "curve (CurveZMQ + ZAP)",
-        **_stats(samples),
-        "first_reply_us": handshake_us,
-    }

@@ -32,6 +32,7 @@ def test_transfer_bench_reports_every_path_verified(tmp_path, capsys) -> None:
     assert "KVSender->KVReceiver" in capsys.readouterr().out
     control = json.loads((tmp_path / "transfer.control.json").read_text())["rows"]
     assert [(r["path"], r["auth"].split()[0]) for r in control] == [
-        ("KVSender ping", "none"), ("KVSender ping", "hmac"), ("bare echo", "none"),
-        ("bare echo", "hmac"), ("bare echo", "curve")]
+        ("KVSender ping", "none"), ("KVSender ping", "hmac"),
+        ("echo in another process", "none"), ("echo in another process", "hmac"),
+        ("echo in another process", "curve")]
     assert all(r["rtt_p50_us"] > 0 for r in control)
