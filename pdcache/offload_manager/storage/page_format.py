@@ -20,10 +20,12 @@ above, key and fingerprint included) followed by the payload; the header CRC cov
 too. A reader with a key serves only version-2 pages whose MAC verifies: a version-1 page, or
 a version-2 page with a forged or other-secret MAC, is `Verdict.BAD_MAC` (a counted miss)
 whatever its checksum. A reader without a key ignores the MAC and checks pages of either
-version by their checksum (today's behaviour, and what lets a forged page through). Keyed
-BLAKE3 over HMAC-SHA256 by measurement on this CPU (docs/security.md): about 6 GB/s against
-1.7 GB/s on 64 KiB-2 MiB pages, single-threaded (blake3's `max_threads` was slower on the
-two shared cores here).
+version by their checksum (today's behaviour, and what lets a forged page through). With a
+key, a verified MAC stands in for the checksum pass (the checksum is still written, for
+keyless readers, and computed on a failed MAC only, to count corruption apart from forgery).
+Keyed BLAKE3 over HMAC-SHA256 by measurement on this CPU (docs/security.md, `pdcache bench
+storage`): 2-6 GB/s against 0.6-1.7 GB/s on 8 KiB-2 MiB pages, single-threaded (blake3's
+`max_threads` was slower on the two shared cores here).
 
 Scatter/gather: a payload may be given as a list of buffers (the runs of a page that is not
 contiguous in host memory, e.g. K and V in an SGLang host pool); the stored object and its
