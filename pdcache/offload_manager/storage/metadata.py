@@ -23,6 +23,8 @@ from typing import Any, Protocol
 import msgpack
 import zmq
 
+from pdcache.utils.message_auth import AuthError, MessageAuth
+
 log = logging.getLogger(__name__)
 
 # reserve() statuses
@@ -48,12 +50,10 @@ METADATA_KEY_PURPOSE = "metadata"  # derive_key(secret, METADATA_KEY_PURPOSE) ->
 CLIENT_LABEL, SERVICE_LABEL = b"metadata-client", b"metadata-service"
 
 
-def client_auth(auth_key: bytes | None) -> Any:
-    """The client's sealer (pdcache.utils.message_auth.MessageAuth), None without a key."""
+def client_auth(auth_key: bytes | None) -> MessageAuth | None:
+    """The client's sealer, None without a key."""
     if auth_key is None:
         return None
-    from pdcache.utils.message_auth import MessageAuth
-
     return MessageAuth(auth_key, CLIENT_LABEL, SERVICE_LABEL)
 
 
@@ -364,8 +364,6 @@ class RemoteMetadata(MetadataClient):
         return self._open_reply(raw)
 
     def _open_reply(self, raw: bytes) -> dict[str, Any]:
-        from pdcache.utils.message_auth import AuthError
-
         if self._auth is not None:
             try:
                 raw = self._auth.open_(raw)
@@ -468,7 +466,7 @@ class RemoteMetadata(MetadataClient):
             self._drop_socket()
 
 
-def _seal(auth: Any, body: bytes) -> bytes:
+def _seal(auth: MessageAuth | None, body: bytes) -> bytes:
     return body if auth is None else auth.seal(body)
 
 
