@@ -24,7 +24,7 @@ from collections.abc import Callable
 import zmq
 
 from pdcache.transfer.messages import Message, MessageError, decode, encode
-from pdcache.utils.message_auth import AuthError, MessageAuth
+from pdcache.utils.message_auth import TRAILER_BYTES, AuthError, MessageAuth
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def parse(frame: bytes, max_bytes: int, rejects: RejectCounter, origin: str,
     caller keeps serving)."""
     try:
         if auth is not None:
-            if len(frame) > max_bytes + 4096:  # never hash an oversized frame
+            if len(frame) > max_bytes + TRAILER_BYTES:  # never hash an oversized frame
                 raise MessageError("oversized", f"{len(frame)} bytes > limit {max_bytes}")
             try:
                 frame = auth.open_(frame)

@@ -94,9 +94,10 @@ def test_intruders_are_dropped_counted_and_the_node_keeps_serving(authed: Pair) 
             captured,  # replayed
             past.seal(encode(Ping(4))),  # outside the window
             encode(Register("intruder", "zmq", b"x", 1 << 30, 4, 8, 4096)),
+            bytes(authed.config.max_message_bytes + 100),  # refused before any hashing
         ):
             sock.send(frame)
-        expected = {"unauthenticated": 4, "replayed": 1, "stale": 1}
+        expected = {"unauthenticated": 4, "replayed": 1, "stale": 1, "oversized": 1}
         wait_until(
             lambda: authed.sender.stats()["rejected"] == expected,
             3.0,
