@@ -39,8 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default=DEFAULT_BACKENDS, help="comma-separated")
     parser.add_argument("--io-threads", type=int, default=1, help="hf3fs IO threads")
     parser.add_argument("--dir", default=None, help="directory for files (default: a temp dir)")
-    parser.add_argument("--mac", choices=("off", "on", "both"), default="both",
-                        help="authenticated pages (page MAC): off, on, or both side by side")
+    parser.add_argument(
+        "--mac",
+        choices=("off", "on", "both"),
+        default="both",
+        help="authenticated pages (page MAC): off, on, or both side by side",
+    )
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -113,8 +117,14 @@ def _run_backend(
 
 
 @contextmanager
-def _open_backend(name: str, base: Path, page_bytes: int, pages: int, io_threads: int,
-                  mac_key: bytes | None = None):
+def _open_backend(
+    name: str,
+    base: Path,
+    page_bytes: int,
+    pages: int,
+    io_threads: int,
+    mac_key: bytes | None = None,
+):
     from pdcache.offload_manager.storage import create_backend
     from pdcache.offload_manager.storage.config import StorageConfig
 
@@ -181,8 +191,9 @@ def mac_algorithm_rows(page_bytes: int, hashed_bytes: int = 64 << 20) -> list[di
         calls = max(8, hashed_bytes // size)
         fns = {
             "blake3_keyed": lambda p=page: blake3.blake3(p, key=key).digest(),
-            "blake3_keyed_2threads": lambda p=page: blake3.blake3(p, key=key,
-                                                                   max_threads=2).digest(),
+            "blake3_keyed_2threads": lambda p=page: blake3.blake3(
+                p, key=key, max_threads=2
+            ).digest(),
             "hmac_sha256": lambda p=page: hmac.digest(key, p, hashlib.sha256),
             "xxh3_checksum": lambda p=page: xxhash.xxh3_64_intdigest(p),
         }
@@ -216,8 +227,9 @@ def run(args: argparse.Namespace) -> int:
             for name in [n.strip() for n in args.backends.split(",") if n.strip()]:
                 without: dict[str, float] = {}
                 for mac_key in macs[args.mac]:
-                    with _open_backend(name, base, page_bytes, args.pages, args.io_threads,
-                                       mac_key) as backend:
+                    with _open_backend(
+                        name, base, page_bytes, args.pages, args.io_threads, mac_key
+                    ) as backend:
                         times = _run_backend(backend, plain, src, dst, args.repeat)
                     label = f"storage {name}" + (" +mac" if mac_key else "")
                     rows.append(_row(label, nbytes, times, times["plain_read_s"]))
@@ -239,10 +251,19 @@ def run(args: argparse.Namespace) -> int:
     columns = list(rows[0])
     if any("mac_read_ratio" in row for row in rows):
         columns += ["mac_read_ratio", "mac_write_ratio"]
-    emit("storage read/write throughput (same bytes, same run)", rows, args.json_path, columns,
-         extra=extra)
+    emit(
+        "storage read/write throughput (same bytes, same run)",
+        rows,
+        args.json_path,
+        columns,
+        extra=extra,
+    )
     if args.mac != "off":
         mac_json = args.json_path and args.json_path.replace(".json", "") + ".mac.json"
-        emit("page MAC candidates, GB/s per page (one thread)", mac_algorithm_rows(page_bytes),
-             mac_json, extra={"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)})
+        emit(
+            "page MAC candidates, GB/s per page (one thread)",
+            mac_algorithm_rows(page_bytes),
+            mac_json,
+            extra={"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)},
+        )
     return 0

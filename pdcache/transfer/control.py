@@ -186,8 +186,13 @@ def seal(msg: Message, auth: MessageAuth | None) -> bytes:
     return frame if auth is None else auth.seal(frame)
 
 
-def parse(frame: bytes, max_bytes: int, rejects: RejectCounter, origin: str,
-          auth: MessageAuth | None = None) -> Message | None:
+def parse(
+    frame: bytes,
+    max_bytes: int,
+    rejects: RejectCounter,
+    origin: str,
+    auth: MessageAuth | None = None,
+) -> Message | None:
     """Open (when authenticated) and decode a frame; on failure count it and return None (the
     caller keeps serving)."""
     try:

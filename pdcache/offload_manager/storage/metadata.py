@@ -374,11 +374,15 @@ class RemoteMetadata(MetadataClient):
         except (msgpack.UnpackException, ValueError):
             reply = None
         if not isinstance(reply, dict):
-            raise MetadataAuthError(f"metadata service {self.address} sent an unreadable reply "
-                                    "(it may require the cluster secret: configure one)")
+            raise MetadataAuthError(
+                f"metadata service {self.address} sent an unreadable reply "
+                "(it may require the cluster secret: configure one)"
+            )
         if reply.get("error_kind") == "unauthenticated":
-            raise MetadataAuthError(f"metadata service {self.address} refused this client: "
-                                    f"{reply.get('error')} (configure the cluster secret)")
+            raise MetadataAuthError(
+                f"metadata service {self.address} refused this client: "
+                f"{reply.get('error')} (configure the cluster secret)"
+            )
         return reply
 
     def _refusal(self, raw: bytes, exc: Exception) -> str:
@@ -387,10 +391,14 @@ class RemoteMetadata(MetadataClient):
         except (msgpack.UnpackException, ValueError):
             reply = None
         if isinstance(reply, dict) and reply.get("error_kind") == "unauthenticated":
-            return (f"metadata service {self.address} refused this client's credential "
-                    f"({reply.get('error')}): is this node on another cluster secret?")
-        return (f"metadata service {self.address} answered without a valid credential ({exc}): "
-                "it runs without the cluster secret or with another one")
+            return (
+                f"metadata service {self.address} refused this client's credential "
+                f"({reply.get('error')}): is this node on another cluster secret?"
+            )
+        return (
+            f"metadata service {self.address} answered without a valid credential ({exc}): "
+            "it runs without the cluster secret or with another one"
+        )
 
     def _open_pool(self) -> None:
         reply = self._roundtrip(

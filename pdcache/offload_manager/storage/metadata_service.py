@@ -278,8 +278,13 @@ class LocalMetadataService:
     start() after stop() restarts it on the same port and state directory.
     """
 
-    def __init__(self, state_dir: str | Path, port: int = 0, capacity_pages: int = 0,
-                 secret_file: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: str | Path,
+        port: int = 0,
+        capacity_pages: int = 0,
+        secret_file: str | Path | None = None,
+    ) -> None:
         self.state_dir = Path(state_dir)
         self.secret_file = secret_file
         self.port = port or _free_port()

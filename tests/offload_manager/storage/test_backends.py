@@ -309,8 +309,13 @@ OTHER_MAC_KEY = derive_key(b"cluster-secret-two-" * 2, "page-mac")
 def _forged(spec_key: bytes | None, key: bytes, payload: torch.Tensor) -> bytes:
     """A well-formed page (valid header CRC and payload checksum) under `key`, MAC'd with
     `spec_key` (None: no MAC, a version-1 page), as a forger with storage access writes it."""
-    spec = PageSpec(fingerprint=FINGERPRINT, payload_bytes=PAGE_BYTES, num_layers=2,
-                    page_size=4, mac_key=spec_key)
+    spec = PageSpec(
+        fingerprint=FINGERPRINT,
+        payload_bytes=PAGE_BYTES,
+        num_layers=2,
+        page_size=4,
+        mac_key=spec_key,
+    )
     return encode_object(spec, key, "prefill", byte_view(payload))
 
 

@@ -216,7 +216,9 @@ def _recrc(blob: bytearray) -> bytes:
     """Recompute the header CRC after an edit, as a forger with the format (not the key) can."""
     import zlib
 
-    blob[HEADER_BYTES - 4 : HEADER_BYTES] = zlib.crc32(blob[: HEADER_BYTES - 4]).to_bytes(4, "little")
+    blob[HEADER_BYTES - 4 : HEADER_BYTES] = zlib.crc32(blob[: HEADER_BYTES - 4]).to_bytes(
+        4, "little"
+    )
     return bytes(blob)
 
 
@@ -260,4 +262,5 @@ def test_mac_over_runs_equals_mac_over_the_concatenated_page() -> None:
     payload = bytes(_payload())
     runs = [memoryview(payload[:100]), memoryview(payload[100:700]), memoryview(payload[700:])]
     assert encode_header(MAC_SPEC, KEY, "prefill", runs) == encode_header(
-        MAC_SPEC, KEY, "prefill", memoryview(payload))
+        MAC_SPEC, KEY, "prefill", memoryview(payload)
+    )
