@@ -95,7 +95,9 @@ class DecodeApp:
         sampling, salt = item.sampling.to_engine(), body.cache_salt
         try:
             handle = self.controller.start_decode(room, lambda: self.bridge.submit_prefilled(
-                gen, rid, input_ids, sampling, salt, report.first_token, item.logprobs))
+                gen, rid, input_ids, sampling, salt, report.first_token,
+                logprobs=item.logprobs, first_logprob=report.first_token_logprob(),
+                input_logprobs=report.prompt_logprobs()))
         except RoomCancelledError as exc:  # the node is closing
             raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
                            code="unavailable") from None

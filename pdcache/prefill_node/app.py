@@ -75,7 +75,10 @@ class PrefillApp:
         released = self._open(rid, room, requested)
         started = time.monotonic()
         try:
-            first_only = dataclasses.replace(item.sampling.to_engine(), max_new_tokens=1)
+            sampling = item.sampling.to_engine()
+            # the first token only; min_new_tokens >= 1 still keeps it from being a stop token
+            first_only = dataclasses.replace(sampling, max_new_tokens=1,
+                                             min_new_tokens=min(sampling.min_new_tokens, 1))
             handle = self.bridge.submit(gen, input_ids, first_only, body.cache_salt, rid,
                                         logprobs=item.logprobs)
             watchdog = asyncio.ensure_future(self._watch_decode(requested, handle))

@@ -267,16 +267,22 @@ class EngineBridge:
         return handle
 
     def submit_prefilled(self, gen: Generation, rid: str, input_ids: list[int],
-                         sampling: SamplingParams, salt: str | None, first_token: int,
-                         logprobs: LogprobRequest | None = None) -> EngineRequest:
+                         sampling: SamplingParams, salt: str | None, first_token: int, *,
+                         logprobs: LogprobRequest | None = None,
+                         first_logprob: TokenLogprob | None = None,
+                         input_logprobs: list[TokenLogprob] | None = None,
+                         ) -> EngineRequest:
         """Start decoding a request whose prompt K/V sits in the pages reserved under `rid`;
-        on failure the reservation is freed and the request answers 500."""
+        on failure the reservation is freed and the request answers 500. `first_logprob` /
+        `input_logprobs`: what prefill's report carried (`Engine.submit_prefilled`)."""
         handle = self._new_handle(rid)
         gen.rid = rid
         req = GenerateRequest(rid=rid, input_ids=input_ids, sampling=sampling,
                               cache_salt=salt or "", logprobs=logprobs)
         try:
-            self.engine.submit_prefilled(req, first_token, handle.on_output)
+            self.engine.submit_prefilled(req, first_token, handle.on_output,
+                                         first_logprob=first_logprob,
+                                         input_logprobs=input_logprobs)
         except (ValueError, EngineNotRunningError) as exc:
             self.engine.abort(rid)  # frees the reservation
             raise ApiError(500, f"cannot start decoding: {exc}", type=SERVER_ERROR) from None
