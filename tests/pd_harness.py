@@ -188,7 +188,7 @@ def run_session(stack: PDStack, first_prompt: list[int], messages: list[list[int
         assert 0 < p["pd"]["push_s"] <= p["pd"]["transfer_s"], p["pd"]
         if reference is not None:
             assert answer == reference(prompt, answer_tokens), f"turn {t} differs from unified"
-        turns.append(Turn(prompt, answer, d["meta"]))
+        turns.append(Turn(prompt, answer, d["meta_info"]))
         assert stack.offload_idle(30), "decode offload did not drain"
         if t < len(messages):
             prompt = prompt + answer + messages[t]

@@ -35,6 +35,7 @@ class ServerSettings:
     """The HTTP side of one node process."""
 
     request_timeout_s: float = 600.0  # deadline of every wait on the engine, per request
+    incremental_streaming_output: bool = False  # /generate streams deltas, not cumulative
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSet
     transfer = transfer_from_spec(topology.transfer, node) if node.role != "unified" else None
     return NodeSetup(node.name, node.role, node.host, node.port, engine_for(topology, node, model),
                      tiers_for(node, model, storage), fingerprint, storage, transfer,
-                     node.bootstrap_port, offload_for(node), ServerSettings(node.request_timeout_s),
+                     node.bootstrap_port, offload_for(node), ServerSettings(node.request_timeout_s, node.incremental_streaming_output),
                      cache.key_scheme, cache.key_namespace, topology.model.ref)
 
 

@@ -700,8 +700,15 @@ class Engine:
         if req.input_logprobs is not None and not req.input_logprobs_sent:
             prompt_logprobs, req.input_logprobs_sent = list(req.input_logprobs), True
         if not req.finished:
+            if req.cached is None:
+                return RequestOutput(rid=req.rid, new_token_ids=new_tokens,
+                                     new_logprobs=new_logprobs, input_logprobs=prompt_logprobs)
+            # the prompt is matched: its statistics ride along (SGLang's first stream chunk
+            # carries prompt_tokens and cached_tokens; its clients read them there)
             return RequestOutput(rid=req.rid, new_token_ids=new_tokens,
-                                 new_logprobs=new_logprobs, input_logprobs=prompt_logprobs)
+                                 new_logprobs=new_logprobs, input_logprobs=prompt_logprobs,
+                                 prompt_tokens=len(req.prompt_ids), cached=req.cached,
+                                 computed_tokens=req.computed_tokens)
         now = time.perf_counter()
         first = req.first_token_time
         return RequestOutput(

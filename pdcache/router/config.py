@@ -35,6 +35,7 @@ class RouterConfig:
     session_ttl_s: float = 3600.0
     max_inflight_per_node: int = 0  # router slots per node (NodeEndpoint.max_inflight wins); 0: none
     max_queue: int = 1024  # requests waiting for a slot; 0: a busy router refuses at once
+    incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.max_queue < 0 or self.max_inflight_per_node < 0:

@@ -123,7 +123,7 @@ def test_first_token_logprob_and_prompt_logprobs_cross_the_pair(stack, seam, mod
     seam.decode_outputs.clear()
     _, again = stack.generate(PROMPT, 6)
     assert again["output_ids"] == expected_tokens
-    assert again["meta"]["cached_tokens"] == (LOGPROBS.input_start // PAGE) * PAGE == 4
+    assert again["meta_info"]["cached_tokens"] == (LOGPROBS.input_start // PAGE) * PAGE == 4
     assert seam.decode_outputs[0].input_logprobs == reference[0].input_logprobs
     stack.prefill_server.engine.check_accounting()
     stack.decode_server.engine.check_accounting()
