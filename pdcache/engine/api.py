@@ -150,6 +150,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    # the prompt's numbers: on every output once the prompt is matched (SGLang's first stream
+    # chunk carries them), final on the last one (retractions may recompute)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached: CachedTokens = field(default_factory=CachedTokens)

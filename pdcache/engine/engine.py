@@ -706,9 +706,9 @@ class Engine:
             # the prompt is matched: its statistics ride along (SGLang's first stream chunk
             # carries prompt_tokens and cached_tokens; its clients read them there)
             return RequestOutput(rid=req.rid, new_token_ids=new_tokens,
+                                 new_logprobs=new_logprobs, input_logprobs=prompt_logprobs,
                                  prompt_tokens=len(req.prompt_ids), cached=req.cached,
-                                 computed_tokens=req.computed_tokens,
-                                 new_logprobs=new_logprobs, input_logprobs=prompt_logprobs)
+                                 computed_tokens=req.computed_tokens)
         now = time.perf_counter()
         first = req.first_token_time
         return RequestOutput(

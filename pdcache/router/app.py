@@ -120,8 +120,8 @@ class RouterApp:
             sequences = [self._generate_chunks(prep, stream, first, Turn(route), builder)
                          for prep, (stream, first, route), builder
                          in zip(preps, streams, builders, strict=True)]
-            return streaming_many(_as_sse(merge_streams(sequences)),
-                                  [stream for stream, _, _ in streams])
+            chunks = sequences[0] if len(sequences) == 1 else merge_streams(sequences)
+            return streaming_many(_as_sse(chunks), [stream for stream, _, _ in streams])
         answers = await watch(request, asyncio.gather(
             *(self._generate_json(prep, deadline, builder)
               for prep, builder in zip(preps, builders, strict=True))))

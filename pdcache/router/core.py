@@ -102,6 +102,11 @@ class Turn:
                                f"{raw!r:.200}", type=SERVER_ERROR, code=BAD_GATEWAY)
             raw["prefill_node"] = self.route.prefill_name
             raw["decode_node"] = self.route.decode_name
+            if self.meta is not None and raw.get("finish_reason") is None:
+                # mid-stream: only the first and the final meta_info are read (typed); the
+                # others pass through as they are (no validation per token on the hot path)
+                self.output_ids.extend(ids)
+                return ids
             try:
                 self.meta = GenerateMeta.model_validate(raw)
             except ValidationError as exc:

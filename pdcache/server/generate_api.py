@@ -488,6 +488,8 @@ class OutputBuilder:
                 so_far = self._logprob_lists.setdefault(key, [])
                 so_far.extend(meta_info.get(key) or [])
                 merged[key] = list(so_far)
+        if "output_token_logprobs" in merged:
+            merged["output_token_logprobs_length"] = len(merged["output_token_logprobs"])
         return merged
 
     def _chunk(self, text: str, ids: list[int], meta_info: dict[str, Any]) -> dict[str, Any]:

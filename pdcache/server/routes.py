@@ -200,12 +200,13 @@ class ServerRoutes:
         request = run.item.logprobs
         assert request is not None
         gen = run.gen
-        input_ = gen.input_logprobs
-        gen.input_logprobs = None  # sent once; a cumulative stream re-sends it (OutputBuilder)
         decode = (lambda tok: self.tokenizer.decode([tok], skip_special_tokens=False)) \
             if body.return_text_in_logprobs else None
-        return sglang_logprob_fields(gen.take_logprobs(), input_, top_n=request.top_n,
-                                     token_ids=request.token_ids, decode_token=decode)
+        # this chunk's output logprobs (OutputBuilder makes them cumulative); the prompt's in
+        # every chunk, as SGLang sends them
+        return sglang_logprob_fields(gen.take_logprobs(), gen.input_logprobs,
+                                     top_n=request.top_n, token_ids=bool(request.token_ids),
+                                     decode_token=decode)
 
     # ---- OpenAI endpoints
 

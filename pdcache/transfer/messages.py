@@ -43,7 +43,8 @@ class MessageError(ValueError):
         self.detail = detail
 
 
-REJECT_KINDS = ("oversized", "malformed", "version", "unknown_type", "bad_field")
+REJECT_KINDS = ("oversized", "malformed", "version", "unknown_type", "bad_field",
+                "unauthenticated", "stale", "replayed")  # the last three: control.parse
 
 
 @dataclass(frozen=True)

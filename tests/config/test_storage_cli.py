@@ -180,8 +180,12 @@ def test_storage_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         "memcpy (torch copy_)",
         "plain file pwrite/preadv",
         "storage hf3fs",
+        "storage hf3fs +mac",
         "storage file",
+        "storage file +mac",
     ]
     assert all(row["read_GBps"] > 0 for row in result["rows"])
+    mac_rows = [row for row in result["rows"] if row["path"].endswith("+mac")]
+    assert all(row["mac_read_ratio"] > 0 and row["mac_write_ratio"] > 0 for row in mac_rows)
     assert result["rows"][1]["read_vs_file"] == 1.0
     assert "read_vs_file" in capsys.readouterr().out

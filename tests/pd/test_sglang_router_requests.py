@@ -95,3 +95,27 @@ def test_bootstrap_fields_are_checked(stack: PDStack) -> None:
                                sampling_params={"max_new_tokens": 2})
     r = stack.client.post(f"{stack.prefill.url}/generate", json=batch)
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_across_the_pair(stack: PDStack, tiny, stream: bool) -> None:
+    """sglang-router's body with return_logprob: D's answer carries SGLang's logprob keys for
+    every output token (the first one's from P's report) and the prompt's from P."""
+    ids = [(11 * i + 1) % 250 for i in range(22)]
+    body = sglang_router_body(stack, secrets.randbits(63), input_ids=ids, stream=stream,
+                              return_logprob=True, top_logprobs_num=2, logprob_start_len=10,
+                              sampling_params={"temperature": 0.0, "max_new_tokens": 4,
+                                               "ignore_eos": True})
+    p, d = send_pair(stack, body)
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+    if stream:
+        datas = [line[6:] for line in d.text.split("\n") if line.startswith("data: ")]
+        answer = json.loads(datas[-2])
+    else:
+        answer = d.json()
+    meta = answer["meta_info"]
+    assert [e[1] for e in meta["output_token_logprobs"]] == answer["output_ids"]
+    assert answer["output_ids"] == unified_tokens(tiny, ids, 4)
+    assert all(top[0][1] == e[1] for e, top in zip(meta["output_token_logprobs"],
+                                                   meta["output_top_logprobs"], strict=True))
+    assert [e[1] for e in meta["input_token_logprobs"]] == ids[10:]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.router.test_app import generate, router_client
 from tests.router_support import GREEDY, UnifiedNode, prompt
 
@@ -68,3 +70,29 @@ def test_stop_string_and_refusals_through_the_router(nodes: list[UnifiedNode]) -
             assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (
                 field, "unsupported_parameter")
         assert generate(client, ids, 2)["meta_info"]["completion_tokens"] == 2
+
+
+def test_logprobs_through_the_router(nodes: list[UnifiedNode]) -> None:
+    """The router forwards the logprob fields; its cumulative chunks concatenate the node's
+    incremental slices into the node's own non-streaming answer."""
+    import httpx
+
+    ids = prompt(24, seed=66)
+    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+            "logprob_start_len": 12, "sampling_params": {"max_new_tokens": 5, **GREEDY}}
+    direct = httpx.post(f"{nodes[0].url}/generate", json=body, timeout=60,
+                        trust_env=False).json()["meta_info"]
+    with router_client(nodes) as client:
+        routed = client.post("/generate", json=body).json()["meta_info"]
+        last = chunks_of(client.post("/generate", json={**body, "stream": True}).text)[-1]
+    keys = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs",
+            "output_token_logprobs_length")
+    for key in keys:  # ids exact; logprobs within fp32 noise (another batch, another node)
+        for got in (routed[key], last["meta_info"][key]):
+            assert flat(got) == pytest.approx(flat(direct[key]), abs=1e-4), key
+
+
+def flat(value: object) -> list[float]:
+    if isinstance(value, list):
+        return [x for v in value for x in flat(v)]
+    return [] if value is None else [float(value)]  # type: ignore[arg-type]

@@ -291,3 +291,46 @@ def test_pd_fields_are_refused_on_a_unified_server(client: TestClient) -> None:
         r = client.post("/generate", json={"input_ids": [1, 2, 3], field: value})
         assert r.status_code == 400, (field, r.text)
         assert r.json()["error"]["param"] == field
+
+
+def test_logprobs_in_meta_info_json_and_streams(client: TestClient) -> None:
+    """SGLang's logprob keys: the greedy token is its position's top alternative, a
+    cumulative stream's last chunk equals the JSON answer, an incremental one's slices add
+    up to it, and the prompt's logprobs start at logprob_start_len."""
+    ids = ids_of(30, 12)
+    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 3,
+            "logprob_start_len": 20, "token_ids_logprob": [5, 6],
+            "sampling_params": {"max_new_tokens": 5, **GREEDY}}
+    out = post(client, body)
+    api_types.GenerateResponse.from_json_value(out)
+    meta = out["meta_info"]
+    entries = meta["output_token_logprobs"]
+    assert [e[1] for e in entries] == out["output_ids"] and meta["output_token_logprobs_length"] == 5
+    for entry, top in zip(entries, meta["output_top_logprobs"], strict=True):
+        assert len(top) == 3 and top[0][1] == entry[1] and top[0][0] == pytest.approx(entry[0])
+        assert entry[0] <= 0.0 and top[0][0] >= top[1][0] >= top[2][0]
+    assert [[t[1] for t in pos] for pos in meta["output_token_ids_logprobs"]] == [[5, 6]] * 5
+    assert len(meta["input_token_logprobs"]) == 30 - 20
+    assert [e[1] for e in meta["input_token_logprobs"]] == ids[20:]
+    r = client.post("/generate", json={**body, "stream": True})
+    chunks = [json.loads(e[6:]) for e in raw_events(r.content)[:-1]]
+    last = chunks[-1]["meta_info"]
+    for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
+                "input_token_logprobs", "output_token_logprobs_length"):
+        assert last[key] == meta[key], key
+    assert [c["meta_info"]["output_token_logprobs_length"] for c in chunks] == [1, 2, 3, 4, 5]
+    r = client.post("/generate", json={**body, "stream": True, "incremental_streaming_output": True})
+    pieces = [json.loads(e[6:]) for e in raw_events(r.content)[:-1]]
+    assert [e for c in pieces for e in c["meta_info"]["output_token_logprobs"]] == entries
+
+
+def test_n_samples_compute_the_prompt_once(client: TestClient) -> None:
+    ids = ids_of(53, 13)  # fresh: nothing cached before
+    outs = post(client, {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 3, "n": 4, "temperature": 1.0, "seed": 3, "ignore_eos": True}})
+    metas = [o["meta_info"] for o in outs]
+    assert len(outs) == 4 and metas[0]["cached_tokens"] == 0
+    assert metas[0]["computed_tokens"] == 53
+    full_pages = (53 - 1) // PAGE * PAGE  # followers reuse the leader's full prompt pages
+    assert [m["cached_tokens"] for m in metas[1:]] == [full_pages] * 3
+    assert [m["computed_tokens"] for m in metas[1:]] == [53 - full_pages] * 3
