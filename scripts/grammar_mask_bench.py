@@ -24,10 +24,16 @@ import torch
 from pdcache.engine.export import export_preset
 from pdcache.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}},
-    "required": ["name", "age", "tags"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 DOC = json.dumps({"name": "alice", "age": 42, "tags": ["a", "bc"]}, separators=(",", ":"))
 VOCAB = 261
 
@@ -42,8 +48,9 @@ class XGrammar:
         stop = list(tok.eos_token_ids)
         if isinstance(tok, ByteTokenizer):
             vocab = [bytes([i]) for i in range(256)] + [b""] * 5
-            info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=VOCAB,
-                                     stop_token_ids=stop)
+            info = xgr.TokenizerInfo(
+                vocab, xgr.VocabType.RAW, vocab_size=VOCAB, stop_token_ids=stop
+            )
         else:
             from transformers import PreTrainedTokenizerFast
 
@@ -52,8 +59,9 @@ class XGrammar:
         self.compiler = xgr.GrammarCompiler(info)
 
     def matcher(self) -> Any:
-        compiled = self.compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False,
-                                                    separators=(",", ":"))
+        compiled = self.compiler.compile_json_schema(
+            json.dumps(SCHEMA), any_whitespace=False, separators=(",", ":")
+        )
         return self.xgr.GrammarMatcher(compiled)
 
     def fill(self, m: Any, bitmask: torch.Tensor) -> None:
@@ -80,7 +88,8 @@ class LLGuidance:
 
     def matcher(self) -> Any:
         grammar = self.llg.LLMatcher.grammar_from_json_schema(
-            json.dumps(SCHEMA), defaults={"whitespace_flexible": False})
+            json.dumps(SCHEMA), defaults={"whitespace_flexible": False}
+        )
         return self.llg.LLMatcher(self.lltok, grammar)
 
     def fill(self, m: Any, bitmask: torch.Tensor) -> None:
@@ -97,8 +106,11 @@ class LLGuidance:
 
 
 def mask_of(bitmask: torch.Tensor) -> torch.Tensor:
-    return ((bitmask[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[
-        :VOCAB].bool()
+    return (
+        ((bitmask[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1)
+        .flatten()[:VOCAB]
+        .bool()
+    )
 
 
 def measure(lib: Any, tok: Tokenizer) -> dict[str, Any]:
@@ -129,21 +141,28 @@ def measure(lib: Any, tok: Tokenizer) -> dict[str, Any]:
             valid += 1
         except json.JSONDecodeError:
             pass
-    return {"compile_ms": round(compile_ms, 2),
-            "mask_us_median": round(statistics.median(times) * 1e6, 1),
-            "mask_us_p90": round(times[int(len(times) * 0.9)] * 1e6, 1),
-            "ended_of_20": ended, "strict_json_of_20": valid}
+    return {
+        "compile_ms": round(compile_ms, 2),
+        "mask_us_median": round(statistics.median(times) * 1e6, 1),
+        "mask_us_p90": round(times[int(len(times) * 0.9)] * 1e6, 1),
+        "ended_of_20": ended,
+        "strict_json_of_20": valid,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--export-dir", help="an exported preset (default: export tiny to a temp dir)")
+    parser.add_argument(
+        "--export-dir", help="an exported preset (default: export tiny to a temp dir)"
+    )
     args = parser.parse_args()
     export_dir = args.export_dir or str(Path(tempfile.mkdtemp()) / "tiny")
     if not args.export_dir:
         export_preset("tiny", export_dir)
-    for tok_name, tok in (("byte tokenizer (261 ids)", ByteTokenizer()),
-                          ("exported tokenizer.json (261 ids)", HFTokenizer(export_dir))):
+    for tok_name, tok in (
+        ("byte tokenizer (261 ids)", ByteTokenizer()),
+        ("exported tokenizer.json (261 ids)", HFTokenizer(export_dir)),
+    ):
         for cls in (XGrammar, LLGuidance):
             try:
                 lib = cls(tok)

@@ -22,15 +22,32 @@ from pdcache.server.routes import ServerRoutes, build_app
 from tests.router_support import PAGE, ThreadedServer
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string",
-                                                                  "maxLength": 8}},
-                       "required": ["city"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "get_time", "description": "The time in a zone",
-        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                       "required": ["zone"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 8}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The time in a zone",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 TOOL_NAMES = {"get_weather", "get_time"}
 
@@ -46,29 +63,50 @@ class ScriptedBridge(EngineBridge):
     def script(self, *outputs: list[int]) -> None:
         self.scripts.extend(outputs)
 
-    def submit(self, gen: Generation, input_ids: list[int], sampling: SamplingParams,
-               salt: str | None, rid: str | None = None, *,
-               logprobs: LogprobRequest | None = None, prefill_leader: str | None = None,
-               constraint: TokenConstraint | None = None) -> EngineRequest:
+    def submit(
+        self,
+        gen: Generation,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        salt: str | None,
+        rid: str | None = None,
+        *,
+        logprobs: LogprobRequest | None = None,
+        prefill_leader: str | None = None,
+        constraint: TokenConstraint | None = None,
+    ) -> EngineRequest:
         if self.scripts:
             constraint = ForcedTokens(self.scripts.popleft())
-        return super().submit(gen, input_ids, sampling, salt, rid, logprobs=logprobs,
-                              prefill_leader=prefill_leader, constraint=constraint)
+        return super().submit(
+            gen,
+            input_ids,
+            sampling,
+            salt,
+            rid,
+            logprobs=logprobs,
+            prefill_leader=prefill_leader,
+            constraint=constraint,
+        )
 
 
 class ScriptedNode:
     """A real unified server (uvicorn, loopback) around its own `tiny` engine and a
     `ScriptedBridge`; `script(ids...)` queues outputs."""
 
-    def __init__(self, name: str = "u0", device_pages: int = 512, tool_call_parser: str = "hermes"
-                 ) -> None:
-        self.engine = Engine.from_spec("tiny", cache=CacheConfig(page_size=PAGE,
-                                                                 num_device_pages=device_pages))
+    def __init__(
+        self, name: str = "u0", device_pages: int = 512, tool_call_parser: str = "hermes"
+    ) -> None:
+        self.engine = Engine.from_spec(
+            "tiny", cache=CacheConfig(page_size=PAGE, num_device_pages=device_pages)
+        )
         config = ServerConfig(name=name, request_timeout_s=60, tool_call_parser=tool_call_parser)
         self.bridge = ScriptedBridge(self.engine, config)
         self.tokenizer = self.engine.tokenizer
-        app = build_app(ServerRoutes(self.bridge), on_startup=self.engine.start,
-                        on_shutdown=self.engine.shutdown)
+        app = build_app(
+            ServerRoutes(self.bridge),
+            on_startup=self.engine.start,
+            on_shutdown=self.engine.shutdown,
+        )
         self.server = ThreadedServer(app)
         self.url = self.server.url
 
@@ -100,8 +138,11 @@ def reassemble(chunks: list[Any]) -> tuple[str, list[dict[str, str]], list[str |
                 if call.id is not None:
                     assert call.type == "function" and call.function.name
                     assert call.index not in calls
-                    calls[call.index] = {"id": call.id, "name": call.function.name,
-                                         "arguments": call.function.arguments or ""}
+                    calls[call.index] = {
+                        "id": call.id,
+                        "name": call.function.name,
+                        "arguments": call.function.arguments or "",
+                    }
                 else:
                     assert call.function.name is None
                     calls[call.index]["arguments"] += call.function.arguments or ""

@@ -137,8 +137,7 @@ def render_tools_block(tools: list[dict[str, Any]]) -> str:
     return TOOLS_INTRO + "".join("\n" + tojson(tool) for tool in tools) + TOOLS_OUTRO
 
 
-def with_tools_system(messages: list[Message], tools: list[dict[str, Any]] | None
-                      ) -> list[Message]:
+def with_tools_system(messages: list[Message], tools: list[dict[str, Any]] | None) -> list[Message]:
     """`messages` with the tools block appended to the first system message (or added as one)."""
     if not tools:
         return messages
@@ -161,8 +160,10 @@ def render_tool_calls(tool_calls: Any, content: str) -> str:
         # JSON text (OpenAI's `arguments`) is written as it is, an object as its tojson
         arguments = arguments if isinstance(arguments, str) else tojson(arguments)
         sep = "\n" if content or i > 0 else ""
-        out.append(f'{sep}<tool_call>\n{{"name": {tojson(function.get("name"))}, '
-                   f'"arguments": {arguments}}}\n</tool_call>')
+        out.append(
+            f'{sep}<tool_call>\n{{"name": {tojson(function.get("name"))}, '
+            f'"arguments": {arguments}}}\n</tool_call>'
+        )
     return "".join(out)
 
 

@@ -46,8 +46,13 @@ class ChoicePlan:
         return None if self.make_constraint is None else self.make_constraint()
 
     def output(self, index: int) -> ChoiceOutput:
-        return ChoiceOutput(index, chat=self.chat, tool_format=self.tool_format,
-                            tool_names=self.tool_names, format_logprobs=self.format_logprobs)
+        return ChoiceOutput(
+            index,
+            chat=self.chat,
+            tool_format=self.tool_format,
+            tool_names=self.tool_names,
+            format_logprobs=self.format_logprobs,
+        )
 
 
 @dataclass
@@ -93,8 +98,9 @@ class AgentFeatures:
             call_schema = tool_calls_schema(tools, self.tool_format.arguments_key)
             before, after = self.tool_format.wrap("")
             self.grammar.tool_call_constraint(call_schema, before, after)
-            plan.make_constraint = lambda: self.grammar.tool_call_constraint(call_schema,
-                                                                             before, after)
+            plan.make_constraint = lambda: self.grammar.tool_call_constraint(
+                call_schema, before, after
+            )
         return plan
 
     def node_json_schema(self, body: ChatCompletionRequest) -> str | None:
@@ -103,8 +109,9 @@ class AgentFeatures:
         (`{"name", "arguments"}`, parsed back as JSON by the router's plan)."""
         schema = body.json_schema()
         if schema is None and body.forces_tool_call():
-            schema = tool_calls_schema([t.template_tool() for t in body.forced_tools()],
-                                       "arguments")
+            schema = tool_calls_schema(
+                [t.template_tool() for t in body.forced_tools()], "arguments"
+            )
         if schema is None:
             return None
         self.grammar.json_constraint(schema)  # a schema the nodes cannot compile: 400 here
@@ -119,9 +126,11 @@ class AgentFeatures:
         try:
             schema = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise bad_request(f"'sampling_params.json_schema' is not JSON: {exc}",
-                              param="sampling_params.json_schema",
-                              code="invalid_json_schema") from None
+            raise bad_request(
+                f"'sampling_params.json_schema' is not JSON: {exc}",
+                param="sampling_params.json_schema",
+                code="invalid_json_schema",
+            ) from None
         return self.grammar.json_constraint(schema if isinstance(schema, dict) else {})
 
     def completion_plan(self, body: CompletionRequest) -> ChoicePlan:
@@ -135,12 +144,14 @@ class AgentFeatures:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def chat_logprobs(self, logprobs: list[TokenLogprob], offset: int
-                      ) -> tuple[dict[str, Any], int]:
+    def chat_logprobs(
+        self, logprobs: list[TokenLogprob], offset: int
+    ) -> tuple[dict[str, Any], int]:
         return openai_chat_logprobs(logprobs, self.token_text), offset
 
-    def completion_logprobs(self, logprobs: list[TokenLogprob], offset: int
-                            ) -> tuple[dict[str, Any], int]:
+    def completion_logprobs(
+        self, logprobs: list[TokenLogprob], offset: int
+    ) -> tuple[dict[str, Any], int]:
         """Completions' logprobs from text offset `offset`, and the offset after them;
         `top_logprobs` keys are `token_key`s."""
         body = openai_completion_logprobs(logprobs, self.token_text, offset)

@@ -43,13 +43,20 @@ class ChoiceOutput:
     calls); without, text is content as it is. Logprobs are formatted per delta by
     `format_logprobs` (None: the request asked for none)."""
 
-    def __init__(self, index: int, *, chat: bool, tool_format: ToolCallFormat | None = None,
-                 tool_names: set[str] | None = None,
-                 format_logprobs: LogprobFormatter | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        *,
+        chat: bool,
+        tool_format: ToolCallFormat | None = None,
+        tool_names: set[str] | None = None,
+        format_logprobs: LogprobFormatter | None = None,
+    ) -> None:
         self.index = index
         self.chat = chat
-        self.tools = (ToolCallStream(tool_format, tool_names or set())
-                      if tool_format is not None else None)
+        self.tools = (
+            ToolCallStream(tool_format, tool_names or set()) if tool_format is not None else None
+        )
         self.format_logprobs = format_logprobs
         self.text = ""  # all content released so far (no tool-call text)
         self.logprobs: list[TokenLogprob] = []
@@ -76,8 +83,9 @@ class ChoiceOutput:
             return "tool_calls"
         return engine_reason
 
-    def _delta(self, content: str, calls: list[Any], logprobs: list[TokenLogprob] | None
-               ) -> ChoiceDelta:
+    def _delta(
+        self, content: str, calls: list[Any], logprobs: list[TokenLogprob] | None
+    ) -> ChoiceDelta:
         delta = ChoiceDelta(self.index, content)
         self.text += content
         for call in calls:
@@ -99,14 +107,22 @@ class ChoiceOutput:
         """The choice of a non-streaming answer (call after `finish`)."""
         reason = self.finish_reason(engine_reason)
         if not self.chat:
-            return {"index": self.index, "text": self.text, "logprobs": self._all_logprobs(),
-                    "finish_reason": reason}
+            return {
+                "index": self.index,
+                "text": self.text,
+                "logprobs": self._all_logprobs(),
+                "finish_reason": reason,
+            }
         message: dict[str, Any] = {"role": "assistant", "content": self.text}
         if self.tools is not None and self.tools.calls:
             message["content"] = self.tools.content
             message["tool_calls"] = [call.body() for call in self.tools.calls]
-        return {"index": self.index, "message": message, "logprobs": self._all_logprobs(),
-                "finish_reason": reason}
+        return {
+            "index": self.index,
+            "message": message,
+            "logprobs": self._all_logprobs(),
+            "finish_reason": reason,
+        }
 
 
 # --------------------------------------------------------------------------- streams
@@ -118,24 +134,37 @@ def chat_chunk(delta: ChoiceDelta) -> dict[str, Any]:
         body["content"] = delta.content
     if delta.tool_calls:
         body["tool_calls"] = delta.tool_calls
-    return {"index": delta.index, "delta": body, "logprobs": delta.logprobs,
-            "finish_reason": delta.finish_reason}
+    return {
+        "index": delta.index,
+        "delta": body,
+        "logprobs": delta.logprobs,
+        "finish_reason": delta.finish_reason,
+    }
 
 
 def text_chunk(delta: ChoiceDelta) -> dict[str, Any]:
-    return {"index": delta.index, "text": delta.content, "logprobs": delta.logprobs,
-            "finish_reason": delta.finish_reason}
+    return {
+        "index": delta.index,
+        "text": delta.content,
+        "logprobs": delta.logprobs,
+        "finish_reason": delta.finish_reason,
+    }
 
 
-async def choice_events(head: ResponseHead, deltas: AsyncIterator[ChoiceDelta], n: int,
-                        end: StreamEnd, chat: bool) -> AsyncIterator[bytes]:
+async def choice_events(
+    head: ResponseHead, deltas: AsyncIterator[ChoiceDelta], n: int, end: StreamEnd, chat: bool
+) -> AsyncIterator[bytes]:
     """The SSE events of `n` choices: (chat) a role chunk per choice, then each delta as its
     own chunk tagged with its `index` (choices interleave as they are produced), each
     choice's finish as it ends, then the usage chunk when asked for."""
     if chat:
         for index in range(n):
-            role = {"index": index, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}
+            role = {
+                "index": index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
             yield sse(head.body([role]))
     chunk = chat_chunk if chat else text_chunk
     async with aclosing(deltas) as stream:  # closing it ends the producers
@@ -144,4 +173,3 @@ async def choice_events(head: ResponseHead, deltas: AsyncIterator[ChoiceDelta], 
                 yield sse(head.body([chunk(delta)]))
     if end.include_usage:
         yield sse(head.body([], usage=end.usage()))
-

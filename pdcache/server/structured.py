@@ -34,10 +34,14 @@ def _llguidance() -> Any:
         import llguidance
         import llguidance.torch  # noqa: F401 - the bitmask helpers
     except ImportError:
-        raise ApiError(400, "structured output ('response_format' json, 'tool_choice' required "
-                       f"or named) needs the '{GRAMMAR_PACKAGE}' package on the server "
-                       "(pip install 'pdcache[structured]')", param="response_format",
-                       code="structured_output_unavailable") from None
+        raise ApiError(
+            400,
+            "structured output ('response_format' json, 'tool_choice' required "
+            f"or named) needs the '{GRAMMAR_PACKAGE}' package on the server "
+            "(pip install 'pdcache[structured]')",
+            param="response_format",
+            code="structured_output_unavailable",
+        ) from None
     return llguidance
 
 
@@ -73,8 +77,10 @@ class GrammarConstraint:
     def accept(self, token_id: int) -> None:
         self._mask = None
         if not self._matcher.consume_token(token_id):
-            raise ValueError(f"token {token_id} is not allowed by the request's grammar: "
-                             f"{self._matcher.get_error()}")
+            raise ValueError(
+                f"token {token_id} is not allowed by the request's grammar: "
+                f"{self._matcher.get_error()}"
+            )
 
     def is_terminated(self) -> bool:
         """Done when the grammar stopped (it took a stop token or nothing else may follow), or
@@ -111,26 +117,34 @@ class GrammarBackend:
         lltok = self._ll_tokenizer()
         matcher = self._llg.LLMatcher(lltok, grammar(self._llg), log_level=0)
         if matcher.is_error():
-            raise bad_request(f"the schema cannot be compiled to a grammar: "
-                              f"{matcher.get_error()[:500]}", param=param,
-                              code="invalid_json_schema")
-        return GrammarConstraint(self._llg, matcher, lltok.vocab_size,
-                                 self._tokenizer.eos_token_ids)
+            raise bad_request(
+                f"the schema cannot be compiled to a grammar: {matcher.get_error()[:500]}",
+                param=param,
+                code="invalid_json_schema",
+            )
+        return GrammarConstraint(
+            self._llg, matcher, lltok.vocab_size, self._tokenizer.eos_token_ids
+        )
 
     def json_constraint(self, schema: dict[str, Any]) -> GrammarConstraint:
         """Output is one JSON value following `schema` (compact)."""
         text = json.dumps(schema)
         return self._constraint(
             lambda llg: llg.LLMatcher.grammar_from_json_schema(text, defaults=COMPACT),
-            "response_format")
+            "response_format",
+        )
 
-    def tool_call_constraint(self, call_schema: dict[str, Any], before: str, after: str
-                             ) -> GrammarConstraint:
+    def tool_call_constraint(
+        self, call_schema: dict[str, Any], before: str, after: str
+    ) -> GrammarConstraint:
         """Output is `before` + one JSON call following `call_schema` + `after` (a tool-call
         format's wrapping, e.g. Hermes' `<tool_call>\\n` ... `\\n</tool_call>`)."""
         schema = {**call_schema, "x-guidance": COMPACT}
-        lark = (f"start: {json.dumps(before)} call {json.dumps(after)}\n"
-                if before or after else "start: call\n")
+        lark = (
+            f"start: {json.dumps(before)} call {json.dumps(after)}\n"
+            if before or after
+            else "start: call\n"
+        )
         lark += "call: %json " + json.dumps(schema)
         return self._constraint(lambda llg: llg.LLMatcher.grammar_from_lark(lark), "tools")
 
@@ -141,13 +155,16 @@ def ll_tokenizer(llg: Any, tokenizer: Tokenizer, vocab_size: int) -> Any:
     tokenizer is read from its tokenizer.json."""
     stop = list(tokenizer.eos_token_ids)
     if isinstance(tokenizer, ByteTokenizer):
-        return llg.LLTokenizer(llg.TokenizerWrapper(_ByteVocab(tokenizer)), n_vocab=vocab_size,
-                               eos_token=stop)
+        return llg.LLTokenizer(
+            llg.TokenizerWrapper(_ByteVocab(tokenizer)), n_vocab=vocab_size, eos_token=stop
+        )
     if isinstance(tokenizer, HFTokenizer):
-        return llg.LLTokenizer(str(tokenizer.tokenizer_file), n_vocab=vocab_size,
-                               eos_token=stop)
-    raise bad_request(f"structured output does not support the {type(tokenizer).__name__}",
-                      param="response_format", code="structured_output_unavailable")
+        return llg.LLTokenizer(str(tokenizer.tokenizer_file), n_vocab=vocab_size, eos_token=stop)
+    raise bad_request(
+        f"structured output does not support the {type(tokenizer).__name__}",
+        param="response_format",
+        code="structured_output_unavailable",
+    )
 
 
 class _ByteVocab:
@@ -170,8 +187,12 @@ def tool_calls_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[s
     for tool in tools:
         function = tool["function"]
         params = function.get("parameters") or {"type": "object"}
-        options.append({"type": "object",
-                        "properties": {"name": {"const": function["name"]},
-                                       arguments_key: params},
-                        "required": ["name", arguments_key], "additionalProperties": False})
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": function["name"]}, arguments_key: params},
+                "required": ["name", arguments_key],
+                "additionalProperties": False,
+            }
+        )
     return options[0] if len(options) == 1 else {"anyOf": options}

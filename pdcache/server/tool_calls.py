@@ -40,20 +40,29 @@ class ToolCall:
 
     @staticmethod
     def new(name: str, arguments: dict[str, Any]) -> ToolCall:
-        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name,
-                        json.dumps(arguments, ensure_ascii=False))
+        return ToolCall(
+            f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False)
+        )
 
     def body(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
     def stream_deltas(self, index: int) -> list[dict[str, Any]]:
         """OpenAI's `delta.tool_calls` entries for this call: the head, then argument chunks."""
-        head = {"index": index, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": ""}}
+        head = {
+            "index": index,
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": ""},
+        }
         args = self.arguments
-        chunks = [args[i:i + ARGUMENT_CHUNK_CHARS] for i in range(0, len(args),
-                                                                  ARGUMENT_CHUNK_CHARS)]
+        chunks = [
+            args[i : i + ARGUMENT_CHUNK_CHARS] for i in range(0, len(args), ARGUMENT_CHUNK_CHARS)
+        ]
         return [head, *({"index": index, "function": {"arguments": c}} for c in chunks)]
 
 
@@ -147,7 +156,9 @@ class Llama3Format(ToolCallFormat):
 
 
 TOOL_CALL_PARSERS: dict[str, type[ToolCallFormat]] = {
-    "hermes": HermesFormat, "qwen": HermesFormat, "qwen25": HermesFormat,
+    "hermes": HermesFormat,
+    "qwen": HermesFormat,
+    "qwen25": HermesFormat,
     "llama3": Llama3Format,
 }
 DEFAULT_TOOL_CALL_PARSER = "hermes"  # the format of pdcache's own chat template
@@ -158,8 +169,10 @@ def tool_call_format(name: str) -> ToolCallFormat:
     try:
         return TOOL_CALL_PARSERS[name]()
     except KeyError:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose one of "
-                         f"{', '.join(sorted(TOOL_CALL_PARSERS))}") from None
+        raise ValueError(
+            f"unknown tool-call parser {name!r}; choose one of "
+            f"{', '.join(sorted(TOOL_CALL_PARSERS))}"
+        ) from None
 
 
 class ToolCallStream:
@@ -212,11 +225,13 @@ class ToolCallStream:
                 cut = self._pending.find(fmt.end)
                 if cut < 0:
                     keep = _partial_suffix(self._pending, fmt.end)
-                    self._region += self._pending[:len(self._pending) - keep]
-                    self._pending = self._pending[len(self._pending) - keep:]
+                    self._region += self._pending[: len(self._pending) - keep]
+                    self._pending = self._pending[len(self._pending) - keep :]
                     return
-                region, self._pending = (self._region + self._pending[:cut],
-                                         self._pending[cut + len(fmt.end):])
+                region, self._pending = (
+                    self._region + self._pending[:cut],
+                    self._pending[cut + len(fmt.end) :],
+                )
                 self._region = None
                 self._close_region(out, region, closed=True)
                 continue
@@ -232,13 +247,13 @@ class ToolCallStream:
             cut = self._pending.find(fmt.start)
             if cut >= 0:
                 self._content(out, self._pending[:cut], final=True)
-                self._pending = self._pending[cut + len(fmt.start):]
+                self._pending = self._pending[cut + len(fmt.start) :]
                 self._region = ""
                 self._opened_bare = False
                 continue
             keep = 0 if final else _partial_suffix(self._pending, fmt.start)
-            self._content(out, self._pending[:len(self._pending) - keep], final=False)
-            self._pending = self._pending[len(self._pending) - keep:]
+            self._content(out, self._pending[: len(self._pending) - keep], final=False)
+            self._pending = self._pending[len(self._pending) - keep :]
             return
 
     def _close_region(self, out: ParsedDelta, region: str, closed: bool) -> None:
@@ -265,7 +280,7 @@ class ToolCallStream:
             self._space = ""
             self.content_parts.append(piece)
             out.content += piece
-        self._space += text[len(body):]
+        self._space += text[len(body) :]
         if final:
             self._space = ""
 
@@ -278,8 +293,9 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def parse_tool_calls(fmt: ToolCallFormat, text: str, tool_names: set[str]
-                     ) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(
+    fmt: ToolCallFormat, text: str, tool_names: set[str]
+) -> tuple[str | None, list[ToolCall]]:
     """The content and calls of a whole output (the streaming machine, fed at once)."""
     stream = ToolCallStream(fmt, tool_names)
     stream.feed(text)

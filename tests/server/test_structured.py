@@ -34,16 +34,33 @@ SCHEMA = {
     "additionalProperties": False,
 }
 MAX_STEPS = 400
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
-    "required": ["city"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "noop", "parameters": {
-        "type": "object", "properties": {}, "additionalProperties": False}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 6}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "noop",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
+    },
+]
 
 
 @pytest.fixture(scope="module", params=["byte", "tokenizer.json"])
-def tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-              ) -> Tokenizer:
+def tokenizer(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Tokenizer:
     if request.param == "byte":
         return ByteTokenizer()
     out = tmp_path_factory.mktemp("export") / "tiny"
@@ -111,8 +128,7 @@ def test_forced_tool_call_parses_back(tokenizer: Tokenizer, seed: int) -> None:
     hermes = tool_call_format("hermes")
     backend = GrammarBackend(tokenizer, VOCAB)
     before, after = hermes.wrap("")
-    constraint = backend.tool_call_constraint(tool_calls_schema(TOOLS, "arguments"), before,
-                                              after)
+    constraint = backend.tool_call_constraint(tool_calls_schema(TOOLS, "arguments"), before, after)
     ids, done = sample(constraint, seed)
     assert done
     content, calls = parse_tool_calls(hermes, tokenizer.decode(ids), {"get_weather", "noop"})

@@ -36,27 +36,36 @@ def test_registry_matches_the_config_choices() -> None:
 
 
 def test_hermes_parses_calls_and_keeps_content() -> None:
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
-            '\n</tool_call>\n<tool_call>\n{"name": "lookup", "arguments": {"q": "x", "n": 2}}'
-            "\n</tool_call>")
-    assert calls_of(HERMES, text) == ("Let me check.", [
-        ("get_weather", {"city": "Paris"}), ("lookup", {"q": "x", "n": 2})])
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        '\n</tool_call>\n<tool_call>\n{"name": "lookup", "arguments": {"q": "x", "n": 2}}'
+        "\n</tool_call>"
+    )
+    assert calls_of(HERMES, text) == (
+        "Let me check.",
+        [("get_weather", {"city": "Paris"}), ("lookup", {"q": "x", "n": 2})],
+    )
     assert calls_of(tool_call_format("qwen25"), text)[1][0][0] == "get_weather"
 
 
 def test_hermes_only_call_has_null_content_and_plain_text_is_content() -> None:
     assert calls_of(HERMES, '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>') == (
-        None, [("lookup", {})])
+        None,
+        [("lookup", {})],
+    )
     assert calls_of(HERMES, "just text, no call ") == ("just text, no call", [])
 
 
-@pytest.mark.parametrize("text", [
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par}\n</tool_call>',  # bad JSON
-    '<tool_call>\n{"name": "unknown_tool", "arguments": {}}\n</tool_call>',  # not in tools
-    '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
-    '<tool_call>\n{"name": "lookup", "arguments": [1]}\n</tool_call>',  # arguments not an object
-    '<tool_call>\n{"name": "lookup", "arguments": {}}',  # never closed
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par}\n</tool_call>',  # bad JSON
+        '<tool_call>\n{"name": "unknown_tool", "arguments": {}}\n</tool_call>',  # not in tools
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
+        '<tool_call>\n{"name": "lookup", "arguments": [1]}\n</tool_call>',  # arguments not an object
+        '<tool_call>\n{"name": "lookup", "arguments": {}}',  # never closed
+    ],
+)
 def test_hermes_malformed_call_stays_text(text: str) -> None:
     assert calls_of(HERMES, text) == (text, [])
 
@@ -68,12 +77,15 @@ def test_llama3_json_calls_with_and_without_python_tag() -> None:
     assert calls_of(LLAMA3, tagged) == ("Calling now", [("lookup", {"q": "b"})])
 
 
-@pytest.mark.parametrize("text", [
-    '{"name": "lookup", "parameters": {"q": "a"}',  # unterminated
-    '{"name": "lookup", "parameters": {"q": "a"}} trailing words',
-    '{"not": "a call"}',
-    "plain answer",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "lookup", "parameters": {"q": "a"}',  # unterminated
+        '{"name": "lookup", "parameters": {"q": "a"}} trailing words',
+        '{"not": "a call"}',
+        "plain answer",
+    ],
+)
 def test_llama3_malformed_stays_text(text: str) -> None:
     assert calls_of(LLAMA3, text) == (text, [])
 
@@ -109,7 +121,8 @@ def test_streamed_parse_equals_one_shot_for_every_split(fmt, seed: int) -> None:
         calls += delta.calls
         assert (content or None if calls else content) == whole_content
         assert [(c.name, c.arguments) for c in calls] == [
-            (c.name, c.arguments) for c in whole_calls]
+            (c.name, c.arguments) for c in whole_calls
+        ]
 
 
 def test_stream_never_releases_a_marker_prefix() -> None:
@@ -120,11 +133,19 @@ def test_stream_never_releases_a_marker_prefix() -> None:
 
 
 def test_stream_deltas_are_openais_shape() -> None:
-    _, [call] = parse_tool_calls(HERMES, '<tool_call>{"name": "lookup", "arguments": '
-                                 '{"query": "a long argument value"}}</tool_call>', NAMES)
+    _, [call] = parse_tool_calls(
+        HERMES,
+        '<tool_call>{"name": "lookup", "arguments": '
+        '{"query": "a long argument value"}}</tool_call>',
+        NAMES,
+    )
     deltas = call.stream_deltas(3)
-    assert deltas[0] == {"index": 3, "id": call.id, "type": "function",
-                         "function": {"name": "lookup", "arguments": ""}}
+    assert deltas[0] == {
+        "index": 3,
+        "id": call.id,
+        "type": "function",
+        "function": {"name": "lookup", "arguments": ""},
+    }
     assert all(set(d) == {"index", "function"} and d["index"] == 3 for d in deltas[1:])
     assert "".join(d["function"]["arguments"] for d in deltas) == call.arguments
     assert len(deltas) > 2  # the arguments come in more than one chunk
