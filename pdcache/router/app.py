@@ -236,7 +236,7 @@ class RouterApp:
         if body.stream:
             end = StreamEnd(lambda: self.usage_of(choices), body.include_usage())
             events = choice_events(head, deltas, body.n, end, plan.chat)
-            return event_stream(events, BackgroundTask(close_streams, choices))
+            return streaming_many(events, [choice.stream for choice in choices])
         try:
             await watch(request, drain(deltas))
         finally:
@@ -416,13 +416,10 @@ async def watch(request: Request, work: Awaitable[T]) -> T:
         await asyncio.gather(task, gone, return_exceptions=True)
 
 
-def streaming(events: AsyncIterator[bytes], stream: UpstreamStream) -> Response:
-    """SSE response; the background close covers a client gone before the first pull."""
-    return event_stream(events, BackgroundTask(close_stream, stream))
-
-
 def streaming_many(events: AsyncIterator[bytes], streams: list[UpstreamStream]) -> Response:
-    """`streaming` for the upstream streams of one /generate's sequences."""
+    """SSE response over the upstream streams of one answer (a /generate's sequences, an
+    OpenAI request's choices); the background close covers a client gone before the first
+    pull."""
     async def close_all() -> None:
         for stream in streams:
             await close_stream(stream)
