@@ -39,6 +39,7 @@ class ChoicePlan:
     logprobs: LogprobRequest | None = None
     tool_format: ToolCallFormat | None = None
     tool_names: set[str] = field(default_factory=set)
+    max_calls: int | None = None  # parallel_tool_calls: false -> 1
     make_constraint: Callable[[], TokenConstraint] | None = None
     format_logprobs: LogprobFormatter | None = None
 
@@ -51,6 +52,7 @@ class ChoicePlan:
             chat=self.chat,
             tool_format=self.tool_format,
             tool_names=self.tool_names,
+            max_calls=self.max_calls,
             format_logprobs=self.format_logprobs,
         )
 
@@ -85,6 +87,7 @@ class AgentFeatures:
             plan.format_logprobs = self.chat_logprobs
         if body.parses_tool_calls():
             plan.tool_format, plan.tool_names = self.tool_format, body.tool_names()
+            plan.max_calls = 1 if body.parallel_tool_calls is False else None
         if not constrain:
             if body.forces_tool_call():  # the node writes the bare call (node_json_schema)
                 plan.tool_format = Llama3Format()

@@ -50,12 +50,15 @@ class ChoiceOutput:
         chat: bool,
         tool_format: ToolCallFormat | None = None,
         tool_names: set[str] | None = None,
+        max_calls: int | None = None,
         format_logprobs: LogprobFormatter | None = None,
     ) -> None:
         self.index = index
         self.chat = chat
         self.tools = (
-            ToolCallStream(tool_format, tool_names or set()) if tool_format is not None else None
+            ToolCallStream(tool_format, tool_names or set(), max_calls)
+            if tool_format is not None
+            else None
         )
         self.format_logprobs = format_logprobs
         self.text = ""  # all content released so far (no tool-call text)

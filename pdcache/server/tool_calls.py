@@ -182,9 +182,12 @@ class ToolCallStream:
     only separates content from a call (or ends the output) is dropped. A call region is held
     until it closes; it becomes calls if it parses, else its text becomes content."""
 
-    def __init__(self, fmt: ToolCallFormat, tool_names: set[str]) -> None:
+    def __init__(
+        self, fmt: ToolCallFormat, tool_names: set[str], max_calls: int | None = None
+    ) -> None:
         self.fmt = fmt
         self.tool_names = tool_names
+        self.max_calls = max_calls  # `parallel_tool_calls: false`: 1; later calls are dropped
         self._pending = ""  # text not yet classified
         self._region: str | None = None  # the open call region's text (after the marker)
         self._seen_text = False  # non-space output seen (the marker-less start is over)
@@ -265,6 +268,8 @@ class ToolCallStream:
             return
         self._space = ""  # whitespace before a call is not content
         for name, args in calls:
+            if self.max_calls is not None and len(self.calls) >= self.max_calls:
+                return
             call = ToolCall.new(name, args)
             self.calls.append(call)
             out.calls.append(call)

@@ -411,3 +411,11 @@ def test_completion_unsupported_values_are_400(node: ScriptedNode) -> None:
 def test_model_info_names_the_tool_call_parser(node: ScriptedNode) -> None:
     info = httpx.get(f"{node.url}/get_model_info", timeout=10, trust_env=False).json()
     assert info["tool_call_parser"] == "hermes"  # SGLang's field, as --tool-call-parser set it
+
+
+def test_parallel_tool_calls_false_gives_one_call(node: ScriptedNode, client: Any) -> None:
+    node.script(CALL + "\n" + tool_call_text("get_time", '{"zone": "UTC"}'))
+    out = client.chat.completions.create(
+        model="m", messages=ASK, tools=TOOLS, max_tokens=200, parallel_tool_calls=False
+    )
+    assert [c.function.name for c in out.choices[0].message.tool_calls] == ["get_weather"]

@@ -149,3 +149,16 @@ def test_stream_deltas_are_openais_shape() -> None:
     assert all(set(d) == {"index", "function"} and d["index"] == 3 for d in deltas[1:])
     assert "".join(d["function"]["arguments"] for d in deltas) == call.arguments
     assert len(deltas) > 2  # the arguments come in more than one chunk
+
+
+def test_max_calls_keeps_only_the_first_call() -> None:
+    """`parallel_tool_calls: false`: one call; the others are dropped, not content."""
+    text = (
+        '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>\n'
+        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    )
+    stream = ToolCallStream(HERMES, NAMES, max_calls=1)
+    stream.feed(text)
+    stream.finish()
+    assert [c.name for c in stream.calls] == ["lookup"] and stream.content is None
+    assert [c.name for c in parse_tool_calls(HERMES, text, NAMES)[1]] == ["lookup", "get_weather"]
