@@ -462,6 +462,7 @@ class Engine:
             logprobs=req.logprobs,
             constraint=req.constraint,
             prefill_leader=req.prefill_leader,
+            session_id=req.session_id,
         )
 
     # ---- engine thread -----------------------------------------------------------------

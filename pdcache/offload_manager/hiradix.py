@@ -3,7 +3,8 @@
 Extends the device tree (`pdcache.engine.radix`): a node may lose its device pages and live on
 with a host copy (host-only); such nodes hang below the on-device top of the tree. Matching
 continues past the device part through host-only nodes; restoring loads them back on device.
-Host eviction is LRU over host leaves and never touches a node whose host pages are pinned
+Host eviction ranks host leaves by `host_policy` (`pdcache.engine.eviction`; LRU by default)
+and never touches a node whose host pages are pinned
 (being loaded to device or written to storage).
 
 Threading: like the base tree, engine thread only. Host pages are freed through the
@@ -17,6 +18,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdcache.engine.eviction import EvictionPolicy, LruPolicy, SessionTracker
 from pdcache.engine.kv_pool import PageAllocator
 from pdcache.engine.radix import EvictCallback, MatchResult, RadixNode, RadixTree
 from pdcache.offload_manager.host_pool import HostKVPool
@@ -41,9 +43,12 @@ class HiRadixTree(RadixTree):
     """Radix tree whose nodes may be on device, on host, or both."""
 
     def __init__(self, page_size: int, allocator: PageAllocator, host_pool: HostKVPool,
-                 on_evict: EvictCallback | None = None) -> None:
-        super().__init__(page_size, allocator, on_evict)
+                 on_evict: EvictCallback | None = None, policy: EvictionPolicy | None = None,
+                 host_policy: EvictionPolicy | None = None,
+                 sessions: SessionTracker | None = None) -> None:
+        super().__init__(page_size, allocator, on_evict, policy, sessions)
         self.host_pool = host_pool
+        self.host_policy: EvictionPolicy = host_policy or LruPolicy()
         self.num_host_evicted_pages = 0
 
     # ---- matching ----------------------------------------------------------------------
@@ -86,12 +91,14 @@ class HiRadixTree(RadixTree):
         return sum(len(n.host_page_ids) for n in self._iter_nodes() if n.host_page_ids is not None)
 
     def evict_host(self, num_pages: int) -> int:
-        """Free host copies of least-recently-used host leaves (skipping pinned ones) until
-        `num_pages` are freed or none is left; host-only nodes without children disappear."""
+        """Free host copies of host leaves (skipping pinned ones), in `host_policy` order,
+        until `num_pages` are freed or none is left; host-only nodes without children
+        disappear."""
         if num_pages <= 0:
             return 0
+        key = self.host_policy.key_fn()
         order = itertools.count()
-        heap = [(n.last_access, next(order), n) for n in self._iter_nodes() if self._host_evictable(n)]
+        heap = [(key(n), next(order), n) for n in self._iter_nodes() if self._host_evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -99,7 +106,34 @@ class HiRadixTree(RadixTree):
             parent = node.parent
             freed += self._drop_host(node)
             if parent is not None and not parent.is_root and self._host_evictable(parent):
-                heapq.heappush(heap, (parent.last_access, next(order), parent))
+                heapq.heappush(heap, (key(parent), next(order), parent))
+        return freed
+
+    def host_admits(self, victim: RadixNode, num_pages: int) -> bool:
+        """Exclusive host tier: whether a device victim is worth `num_pages` host pages, i.e.
+        there is room, or some host leaf ranks below it under `host_policy` (it would be
+        evicted to make room) - a victim that would be the host's first eviction is dropped. A
+        victim with host-only children is always admitted (dropping it would orphan them)."""
+        if self.host_pool.num_free >= num_pages or victim.children:
+            return True  # room, or host-only pages below it that are reachable only through it
+        key = self.host_policy.key_fn()
+        keys = [key(n) for n in self._iter_nodes() if n is not victim and self._host_evictable(n)]
+        return bool(keys) and min(keys) < key(victim)
+
+    def drop_host_copies(self, node: RadixNode | None, host_page_ids: Sequence[int]) -> int:
+        """Exclusive host tier, after a host → device load: free the host copies, among
+        `host_page_ids`, of `node` and its ancestors (on device again), except pinned ones
+        (a storage write still reads them). Returns the host pages freed."""
+        loaded, freed = set(host_page_ids), 0
+        for item in self._ancestors(node):
+            ids = item.host_page_ids
+            if not item.on_device or ids is None or not loaded.issuperset(ids):
+                continue
+            if any(self.host_pool.is_pinned(p) for p in ids):
+                continue
+            self.host_pool.free(ids)
+            item.host_page_ids = None
+            freed += len(ids)
         return freed
 
     def check(self) -> None:
@@ -112,7 +146,9 @@ class HiRadixTree(RadixTree):
             assert len(node.host_page_ids) == node.num_pages, "host page count != key pages"
             for page_id in node.host_page_ids:
                 assert page_id not in seen, f"host page {page_id} held twice by the tree"
+                assert self.host_pool.is_used(page_id), f"tree holds host page {page_id} not USED"
                 seen.add(page_id)
+        assert len(seen) <= self.host_pool.num_used, (len(seen), self.host_pool.num_used)
 
     # ---- internals ---------------------------------------------------------------------
     def _fully_matched(self, node: RadixNode, done_pages: int) -> bool:
