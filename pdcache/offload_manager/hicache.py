@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdcache.engine.api import CachedTokens
+from pdcache.engine.eviction import EVICTION_POLICIES
 from pdcache.engine.page_keys import PageKeyScheme, check_key_scheme
 from pdcache.engine.radix import MatchResult, RadixNode
 from pdcache.kernels import KernelSet
@@ -50,6 +51,7 @@ class HiCacheConfig:
     write_policy: str = "write_through"
     write_through_threshold: int = 2
     host_mode: str = "inclusive"
+    host_eviction: str = "lru"  # which host copies go first (pdcache.engine.eviction)
     prefetch_policy: str = "timeout"
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_1k_tokens_s: float = 0.1
@@ -65,6 +67,8 @@ class HiCacheConfig:
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}")
+        if self.host_eviction not in EVICTION_POLICIES:
+            raise ValueError(f"host_eviction must be one of {EVICTION_POLICIES}")
         if self.host_mode not in HOST_MODES:
             raise ValueError(f"host_mode must be one of {HOST_MODES}")
         if self.prefetch_policy not in PREFETCH_POLICIES:

@@ -77,7 +77,8 @@ class PrefillApp:
             # the first token only; min_new_tokens >= 1 still keeps it from being a stop token
             first_only = dataclasses.replace(sampling, max_new_tokens=1,
                                              min_new_tokens=min(sampling.min_new_tokens, 1))
-            handle = self.bridge.submit(gen, input_ids, first_only, body.cache_salt, rid)
+            handle = self.bridge.submit(gen, input_ids, first_only, body.cache_salt, rid,
+                                        body.session_id)
             watchdog = asyncio.ensure_future(self._watch_decode(requested, handle))
             try:
                 await self.bridge.collect(request, handle, gen,

@@ -209,6 +209,8 @@ class Router:
                                 "rid": f"router-{uuid.uuid4().hex}"}
         if prep.cache_salt is not None:
             body["cache_salt"] = prep.cache_salt
+        if prep.session_id:  # the nodes' session-aware eviction policies learn turns from it
+            body["session_id"] = prep.session_id
         return body
 
     async def _routed(self, prep: Prepared, deadline: Deadline,

@@ -223,11 +223,12 @@ class EngineBridge:
         return EngineRequest(self.engine, rid, time.monotonic() + self.config.request_timeout_s)
 
     def submit(self, gen: Generation, input_ids: list[int], sampling: SamplingParams,
-               salt: str | None, rid: str | None = None) -> EngineRequest:
+               salt: str | None, rid: str | None = None,
+               session_id: str | None = None) -> EngineRequest:
         """Queue a request in the engine; 503 when full or stopped, 400 when invalid."""
         handle = self._new_handle(rid or uuid.uuid4().hex)
         req = GenerateRequest(rid=handle.rid, input_ids=input_ids, sampling=sampling,
-                              cache_salt=salt or "")
+                              cache_salt=salt or "", session_id=session_id or "")
         try:
             self.engine.submit(req, handle.on_output)
         except EngineOverloadedError as exc:

@@ -79,7 +79,7 @@ class ServerRoutes:
         input_ids = self.checked_prompt(body)
         sampling = body.sampling_params
         handle = self.bridge.submit(gen, input_ids, sampling.to_engine(), body.cache_salt,
-                                    body.rid)
+                                    body.rid, body.session_id)
         return await self.respond(request, handle, gen, body.stream)
 
     def checked_prompt(self, body: GenerateRequestBody) -> list[int]:
