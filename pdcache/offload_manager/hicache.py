@@ -336,12 +336,13 @@ class HiCache:
         if last_node is None or self._writes_on_evict:
             return
         path = last_node.path_from_root()
+        keep = frozenset(path)  # room for a child must not cost its parent's new host copy
         keys: list[bytes] | None = None
         offset = 0
         for node in path:
             if node.on_device and not node.backed_up and self._wants_backup(node):
                 keys = keys or self.page_keys(token_ids, salt)
-                self._backup_node(node, keys[offset : offset + node.num_pages])
+                self._backup_node(node, keys[offset : offset + node.num_pages], keep)
             offset += node.num_pages
 
     def page_keys(self, token_ids: Sequence[int], salt: str) -> list[bytes]:
@@ -350,7 +351,9 @@ class HiCache:
 
     # ---- accounting --------------------------------------------------------------------
     def reap(self) -> None:
-        """Free host pages of abandoned prefetches whose reads have finished."""
+        """Free host pages of abandoned prefetches whose reads have finished, and orphaned
+        host copies whose storage writes have (`HiRadixTree.release_orphans`)."""
+        self.tree.release_orphans()
         still = []
         for op in self._abandoned:
             if op.complete:
@@ -462,15 +465,18 @@ class HiCache:
             return node.hit_count >= self.config.write_through_threshold
         return True
 
-    def _alloc_host(self, num_pages: int) -> list[int] | None:
+    def _alloc_host(self, num_pages: int,
+                    keep: frozenset[RadixNode] = frozenset()) -> list[int] | None:
+        """`num_pages` host pages, evicting host copies (never those of `keep`) when short."""
         page_ids = self.host_pool.alloc(num_pages)
         if page_ids is None:
-            self.tree.evict_host(num_pages - self.host_pool.num_free)
+            self.tree.evict_host(num_pages - self.host_pool.num_free, keep)
             page_ids = self.host_pool.alloc(num_pages)
         return page_ids
 
-    def _backup_node(self, node: RadixNode, keys: list[bytes]) -> None:
-        host_ids = self._alloc_host(node.num_pages)
+    def _backup_node(self, node: RadixNode, keys: list[bytes],
+                     keep: frozenset[RadixNode] = frozenset()) -> None:
+        host_ids = self._alloc_host(node.num_pages, keep)
         if host_ids is None:
             self._count(backup_skipped_pages=node.num_pages)
             return

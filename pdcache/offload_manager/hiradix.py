@@ -49,6 +49,8 @@ class HiRadixTree(RadixTree):
         super().__init__(page_size, allocator, on_evict, policy, sessions)
         self.host_pool = host_pool
         self.host_policy: EvictionPolicy = host_policy or LruPolicy()
+        # host pages of nodes cut off from the tree while a storage write still read them
+        self._orphans: list[int] = []
         self.num_host_evicted_pages = 0
 
     # ---- matching ----------------------------------------------------------------------
@@ -90,24 +92,40 @@ class HiRadixTree(RadixTree):
     def host_pages(self) -> int:
         return sum(len(n.host_page_ids) for n in self._iter_nodes() if n.host_page_ids is not None)
 
-    def evict_host(self, num_pages: int) -> int:
-        """Free host copies of host leaves (skipping pinned ones), in `host_policy` order,
-        until `num_pages` are freed or none is left; host-only nodes without children
-        disappear."""
+    def evict_host(self, num_pages: int, keep: frozenset[RadixNode] = frozenset()) -> int:
+        """Free host copies of host leaves (skipping pinned ones and those of `keep`), in
+        `host_policy` order, until `num_pages` are freed or none is left; host-only nodes
+        without children disappear."""
         if num_pages <= 0:
             return 0
         key = self.host_policy.key_fn()
         order = itertools.count()
-        heap = [(key(n), next(order), n) for n in self._iter_nodes() if self._host_evictable(n)]
+        heap = [(key(n), next(order), n) for n in self._iter_nodes()
+                if n not in keep and self._host_evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
             node = heapq.heappop(heap)[2]
             parent = node.parent
             freed += self._drop_host(node)
-            if parent is not None and not parent.is_root and self._host_evictable(parent):
+            if (parent is not None and not parent.is_root and parent not in keep
+                    and self._host_evictable(parent)):
                 heapq.heappush(heap, (key(parent), next(order), parent))
         return freed
+
+    def release_orphans(self) -> int:
+        """Free the orphaned host pages (`_on_device_evicted`) no storage write pins any
+        more; returns how many."""
+        pinned = [p for p in self._orphans if self.host_pool.is_pinned(p)]
+        free = [p for p in self._orphans if not self.host_pool.is_pinned(p)]
+        if free:
+            self.host_pool.free(free)
+        self._orphans = pinned
+        return len(free)
+
+    @property
+    def num_orphan_pages(self) -> int:
+        return len(self._orphans)
 
     def host_admits(self, victim: RadixNode, num_pages: int) -> bool:
         """Exclusive host tier: whether a device victim is worth `num_pages` host pages, i.e.
@@ -148,9 +166,41 @@ class HiRadixTree(RadixTree):
                 assert page_id not in seen, f"host page {page_id} held twice by the tree"
                 assert self.host_pool.is_used(page_id), f"tree holds host page {page_id} not USED"
                 seen.add(page_id)
+        for page_id in self._orphans:
+            assert page_id not in seen, f"orphaned host page {page_id} still held by the tree"
+            assert self.host_pool.is_used(page_id), f"orphaned host page {page_id} not USED"
+            seen.add(page_id)
         assert len(seen) <= self.host_pool.num_used, (len(seen), self.host_pool.num_used)
 
     # ---- internals ---------------------------------------------------------------------
+    def _on_device_evicted(self, node: RadixNode) -> None:
+        """A node whose device copy is gone with no host copy cannot be matched past, so
+        its host-only descendants are unreachable: drop the whole sub-tree (their host pages
+        are freed now, or once the storage write reading them ends)."""
+        if node.host_page_ids is None and node.children:
+            for item in self._subtree(node):
+                if item.host_page_ids is not None:
+                    self._release_host(item.host_page_ids)
+                    self.num_host_evicted_pages += len(item.host_page_ids)
+                    item.host_page_ids = None
+            node.children.clear()
+        super()._on_device_evicted(node)
+
+    def _subtree(self, node: RadixNode) -> list[RadixNode]:
+        stack, found = list(node.children.values()), []
+        while stack:
+            item = stack.pop()
+            assert not item.on_device, "device node below an evicted one"
+            found.append(item)
+            stack.extend(item.children.values())
+        return found
+
+    def _release_host(self, page_ids: list[int]) -> None:
+        free = [p for p in page_ids if not self.host_pool.is_pinned(p)]
+        self._orphans.extend(p for p in page_ids if self.host_pool.is_pinned(p))
+        if free:
+            self.host_pool.free(free)
+
     def _fully_matched(self, node: RadixNode, done_pages: int) -> bool:
         return node.is_root or sum(n.num_pages for n in node.path_from_root()) == done_pages
 

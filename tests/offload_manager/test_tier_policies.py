@@ -81,8 +81,8 @@ class TierSim:
         result = self.tree.insert(tokens, pages, "")
         self.tree.note_session(result.last_node, session_id, new_turn=False)
         self.alloc.free(result.duplicate_page_ids)
+        self.tree.unlock(node)  # as the scheduler's release: unlocked, then backed up
         self.cache.backup(tokens, "", result.last_node)
-        self.tree.unlock(node)
         self.check()
 
     def _alloc(self, num_pages: int) -> list[int]:
@@ -187,4 +187,22 @@ def test_random_ops_keep_exact_accounting(
         if idle == 3:
             sim.sessions.end(f"s{session}")
     sim.tree.evict(sim.tree.total_pages)
+    sim.check()
+
+
+def test_device_eviction_of_a_node_without_host_copy_drops_its_host_only_subtree() -> None:
+    """P on device without a host copy, its child C host-only: once P leaves the device,
+    nothing can match C, so C's host pages are freed with it (no node with neither copy)."""
+    sim = TierSim(8, 8)
+    parent_tokens, child_tokens = session_tokens(0, 1), session_tokens(0, 2)
+    sim.turn("s", parent_tokens)
+    sim.turn("s", child_tokens)  # write-through: P and C on device and host
+    parent = sim.tree.match_prefix(parent_tokens).last_node
+    assert parent.backed_up and sim.host.num_used == 4
+    sim.tree.evict(2)  # C (the leaf) goes: host-only
+    assert sim.tree.match_host(sim.tree.match_prefix(child_tokens), child_tokens, 4).num_pages == 2
+    sim.host.free(parent.host_page_ids)  # P's host copy gone (as a host eviction would)
+    parent.host_page_ids = None
+    sim.tree.evict(2)  # now P goes: C is unreachable
+    assert sim.tree.num_nodes() == 0 and sim.host.num_used == 0
     sim.check()
