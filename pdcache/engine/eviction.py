@@ -105,6 +105,11 @@ class SessionTracker:
         session.last_turn, session.last_seen_s, session.ended = self.turns, now_s, False
         self._sessions.move_to_end(session_id)
 
+    def num_turns(self, session_id: str) -> int:
+        """Turns of `session_id` this node has served (0: unknown or forgotten)."""
+        session = self._sessions.get(session_id)
+        return session.gaps + 1 if session is not None else 0
+
     def end(self, session_id: str) -> None:
         """The client said the conversation is over: its pages go first from now on."""
         session = self._sessions.get(session_id)
