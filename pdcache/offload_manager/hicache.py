@@ -421,8 +421,11 @@ class HiCache:
         out.update(host_pages_total=pool.capacity, host_pages_free=pool.num_free,
                    host_pages_used=pool.num_used, host_pages_in_flight=pool.num_in_flight,
                    host_evicted_pages=self.tree.num_host_evicted_pages,
+                   host_orphan_pages=self.tree.num_orphan_pages,
                    prefetch_ops_pending=len(self._prefetches),
                    prefetch_ops_abandoned=len(self._abandoned))
+        if self.tree.sessions is not None:
+            out["sessions_tracked"] = len(self.tree.sessions)
         for worker in (self._writer, self._reader):
             if worker is not None:
                 out[f"{worker.name}_queue_depth"] = worker.queue_depth

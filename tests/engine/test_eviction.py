@@ -134,3 +134,25 @@ def test_engine_learns_sessions_and_session_policy_beats_lru(tiny) -> None:
     lru = engine_round_robin(tiny, "lru")
     session = engine_round_robin(tiny, "session")
     assert session > 2 * lru, (session, lru)
+
+
+def test_session_policy_without_session_ids_evicts_like_lru() -> None:
+    """No request names a session: every node ranks in the no-session band, by LRU, so the
+    device keeps exactly what LRU keeps."""
+    kept = {}
+    for policy in ("lru", "session"):
+        tracker = SessionTracker()
+        allocator = PageAllocator(8)  # 4 of the 6 two-page prompts
+        tree = RadixTree(PAGE, allocator, policy=make_policy(policy, tracker), sessions=tracker)
+        for i in (0, 1, 2, 0, 3, 1, 4, 0, 5):
+            tokens = session_tokens(i, 1)
+            match = tree.match_prefix(tokens)
+            tree.lock(match.last_node)
+            need = len(tokens) // PAGE - len(match.page_ids)
+            tree.evict(need - allocator.num_free)
+            result = tree.insert(tokens, match.page_ids + allocator.alloc(need))
+            allocator.free(result.duplicate_page_ids)
+            tree.unlock(match.last_node)
+        kept[policy] = {i for i in range(6) if tree.match_prefix(session_tokens(i, 1)).page_ids}
+    assert kept["lru"] == {0, 1, 4, 5}  # 2 and 3 were least recently used when room ran out
+    assert kept["session"] == kept["lru"]

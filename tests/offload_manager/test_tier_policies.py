@@ -131,7 +131,12 @@ def test_session_policy_beats_lru_on_device() -> None:
 
 def test_exclusive_host_serves_hits_where_inclusive_serves_none() -> None:
     inclusive = round_robin(TierSim(DEVICE, HOST), N_SESSIONS, N_TURNS)
-    exclusive = round_robin(TierSim(DEVICE, HOST, host_mode="exclusive"), N_SESSIONS, N_TURNS)
+    sim = TierSim(DEVICE, HOST, host_mode="exclusive")
+    exclusive = round_robin(sim, N_SESSIONS, N_TURNS)
+    snapshot = sim.cache.snapshot()
+    # every host hit was loaded back and its host copy released; sessions were learned
+    assert snapshot["host_released_pages"] == exclusive.host
+    assert snapshot["sessions_tracked"] == N_SESSIONS
     assert inclusive.host == 0  # the host mirrors the device pool: nothing extra to hit
     assert exclusive.host > 0
     assert exclusive.computed < inclusive.computed
