@@ -7,7 +7,8 @@ tokens. The device pool holds `--device-ratio` of the last round's working set (
 final contexts), the host pool `--host-ratio` of the device pool. Each row replays the same
 trace on a fresh engine with one (device_eviction, host_eviction, host_mode) and reports the
 prompt tokens served by each tier against the theoretical reuse (every previous turn's prompt
-+ answer, in whole pages). Requests run one at a time, so hit counts are deterministic.
++ answer, in whole pages). Requests run one at a time, so hit counts are deterministic; each engine serves one warm-up
+request first (then its tiers are emptied), so TTFTs compare like with like.
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ def _replay(args: argparse.Namespace, model: Any, device: str, host: str, mode: 
     built.engine.start()
     rng = random.Random(args.seed)
     vocab = model.config.vocab_size
+    # warm-up (first forwards of a process are slow), then empty tiers so counts start at 0
+    warm = [rng.randrange(3, vocab) for _ in range(args.turn_tokens)]
+    built.engine.generate(GenerateRequest("warm-up", warm, SamplingParams(max_new_tokens=2)))
+    if not built.engine.drop_cache().flushed:
+        raise RuntimeError("the tiers did not empty after the warm-up request")
     histories: list[list[int]] = [[] for _ in range(args.sessions)]
     params = SamplingParams(max_new_tokens=args.answer_tokens, ignore_eos=True)
     tally = Tally()
