@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdcache.engine.eviction import EvictionPolicy, LruPolicy, SessionTracker
+from pdcache.engine.eviction import EvictionPolicy, EvictKey, LruPolicy, SessionTracker
 from pdcache.engine.kv_pool import PageAllocator
 from pdcache.engine.radix import EvictCallback, MatchResult, RadixNode, RadixTree
 from pdcache.offload_manager.host_pool import HostKVPool
@@ -51,6 +51,8 @@ class HiRadixTree(RadixTree):
         self.host_policy: EvictionPolicy = host_policy or LruPolicy()
         # host pages of nodes cut off from the tree while a storage write still read them
         self._orphans: list[int] = []
+        self._in_device_pass = False  # inside `evict`: host evictions share `_pass_heap`
+        self._pass_heap: _HostHeap | None = None
         self.num_host_evicted_pages = 0
 
     # ---- matching ----------------------------------------------------------------------
@@ -92,26 +94,42 @@ class HiRadixTree(RadixTree):
     def host_pages(self) -> int:
         return sum(len(n.host_page_ids) for n in self._iter_nodes() if n.host_page_ids is not None)
 
+    def evict(self, num_pages: int) -> int:
+        """Device eviction (`RadixTree.evict`). The host evictions its victims trigger (the
+        exclusive host tier) share one ranked heap of host leaves for the whole pass, instead
+        of a tree scan per victim; victims admitted to host during the pass are not evicted
+        from host in the same pass."""
+        self._in_device_pass, self._pass_heap = True, None
+        try:
+            return super().evict(num_pages)
+        finally:
+            self._in_device_pass, self._pass_heap = False, None
+
     def evict_host(self, num_pages: int, keep: frozenset[RadixNode] = frozenset()) -> int:
         """Free host copies of host leaves (skipping pinned ones and those of `keep`), in
         `host_policy` order, until `num_pages` are freed or none is left; host-only nodes
         without children disappear."""
         if num_pages <= 0:
             return 0
-        key = self.host_policy.key_fn()
-        order = itertools.count()
-        heap = [(key(n), next(order), n) for n in self._iter_nodes()
-                if n not in keep and self._host_evictable(n)]
-        heapq.heapify(heap)
+        heap = self._host_heap(keep)
         freed = 0
-        while freed < num_pages and heap:
-            node = heapq.heappop(heap)[2]
+        while freed < num_pages:
+            node = heap.pop_valid(keep)
+            if node is None:
+                break
             parent = node.parent
             freed += self._drop_host(node)
             if (parent is not None and not parent.is_root and parent not in keep
                     and self._host_evictable(parent)):
-                heapq.heappush(heap, (key(parent), next(order), parent))
+                heap.push(parent)
         return freed
+
+    def _host_heap(self, keep: frozenset[RadixNode]) -> _HostHeap:
+        if not self._in_device_pass or keep:
+            return _HostHeap(self, keep)
+        if self._pass_heap is None:
+            self._pass_heap = _HostHeap(self, keep)
+        return self._pass_heap
 
     def release_orphans(self) -> int:
         """Free the orphaned host pages (`_on_device_evicted`) no storage write pins any
@@ -134,9 +152,9 @@ class HiRadixTree(RadixTree):
         victim with host-only children is always admitted (dropping it would orphan them)."""
         if self.host_pool.num_free >= num_pages or victim.children:
             return True  # room, or host-only pages below it that are reachable only through it
-        key = self.host_policy.key_fn()
-        keys = [key(n) for n in self._iter_nodes() if n is not victim and self._host_evictable(n)]
-        return bool(keys) and min(keys) < key(victim)
+        heap = self._host_heap(frozenset())
+        lowest = heap.lowest_key(victim)
+        return lowest is not None and lowest < heap.key(victim)
 
     def drop_host_copies(self, node: RadixNode | None, host_page_ids: Sequence[int]) -> int:
         """Exclusive host tier, after a host → device load: free the host copies, among
@@ -222,3 +240,36 @@ class HiRadixTree(RadixTree):
             if parent.is_root and not parent.children:
                 del self._roots[parent.salt]
         return len(page_ids)
+
+
+class _HostHeap:
+    """Host leaves ranked by the tree's `host_policy` (keys taken once, at build or push).
+    Entries are checked when they surface: a node that lost its host copy, gained a host
+    child, got pinned or joined `keep` since is skipped (lazy deletion)."""
+
+    def __init__(self, tree: HiRadixTree, keep: frozenset[RadixNode]) -> None:
+        self.tree = tree
+        self.key = tree.host_policy.key_fn()
+        self._order = itertools.count()
+        self._heap = [(self.key(n), next(self._order), n) for n in tree._iter_nodes()
+                      if n not in keep and tree._host_evictable(n)]
+        heapq.heapify(self._heap)
+
+    def push(self, node: RadixNode) -> None:
+        heapq.heappush(self._heap, (self.key(node), next(self._order), node))
+
+    def pop_valid(self, keep: frozenset[RadixNode]) -> RadixNode | None:
+        while self._heap:
+            node = heapq.heappop(self._heap)[2]
+            if node not in keep and self.tree._host_evictable(node):
+                return node
+        return None
+
+    def lowest_key(self, skip: RadixNode) -> EvictKey | None:
+        """Key of the first host leaf that would be evicted (not `skip`), or None."""
+        while self._heap:
+            key, _, node = self._heap[0]
+            if node is not skip and self.tree._host_evictable(node):
+                return key
+            heapq.heappop(self._heap)
+        return None
