@@ -419,7 +419,10 @@ class Scheduler:
             self._unlock(match.last_node)
             node = reuse.node
         if self.tree is not None:
-            self.tree.note_session(node, req.session_id, new_turn=req.cached_len is None)
+            # a turn arrives once: not again when a retracted request comes back, nor for the
+            # other samples (n > 1) of the same prompt
+            first = req.cached_len is None and req.prefill_leader is None
+            self.tree.note_session(node, req.session_id, new_turn=first)
         num_tree_pages = len(match.page_ids) + reuse.tree_pages
         reused_len = (num_tree_pages + reuse.own_pages) * self.page_size
         cached = reuse.cached or CachedTokens(device=match.cached_len)

@@ -156,3 +156,30 @@ def test_session_policy_without_session_ids_evicts_like_lru() -> None:
         kept[policy] = {i for i in range(6) if tree.match_prefix(session_tokens(i, 1)).page_ids}
     assert kept["lru"] == {0, 1, 4, 5}  # 2 and 3 were least recently used when room ran out
     assert kept["session"] == kept["lru"]
+
+
+def test_samples_of_one_prompt_count_one_turn(tiny) -> None:
+    """n > 1: the followers (`prefill_leader`) of a session's request are the same turn."""
+    import threading
+
+    cache = CacheConfig(page_size=PAGE, num_device_pages=64, device_eviction="session")
+    engine = Engine(EngineConfig(model=tiny.config, cache=cache), tiny).start()
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    prompt = [3 + i % 200 for i in range(13)]
+    done = {rid: threading.Event() for rid in ("lead", "f1", "f2")}
+
+    def collect(out) -> None:
+        if out.finished:
+            done[out.rid].set()
+
+    try:
+        for rid, leader in (("lead", None), ("f1", "lead"), ("f2", "lead")):
+            req = GenerateRequest(rid, prompt, params, session_id="s", prefill_leader=leader)
+            engine.submit(req, collect)
+        assert all(event.wait(60) for event in done.values())
+        assert engine.tree.sessions.num_turns("s") == 1
+        engine.generate(GenerateRequest("next", prompt + [5] * 8, params, session_id="s"))
+        assert engine.tree.sessions.num_turns("s") == 2
+        engine.check_accounting()
+    finally:
+        engine.shutdown(10)
