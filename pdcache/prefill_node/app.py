@@ -80,7 +80,8 @@ class PrefillApp:
             first_only = dataclasses.replace(sampling, max_new_tokens=1,
                                              min_new_tokens=min(sampling.min_new_tokens, 1))
             handle = self.bridge.submit(gen, input_ids, first_only, body.cache_salt, rid,
-                                        logprobs=item.logprobs)
+                                        logprobs=item.logprobs,
+                                       session_id=body.session_id)
             watchdog = asyncio.ensure_future(self._watch_decode(requested, handle))
             try:
                 text = self.routes.assembler(item)

@@ -245,14 +245,16 @@ class EngineBridge:
 
     def submit(self, gen: Generation, input_ids: list[int], sampling: SamplingParams,
                salt: str | None, rid: str | None = None, *,
-               logprobs: LogprobRequest | None = None, prefill_leader: str | None = None
+               logprobs: LogprobRequest | None = None, prefill_leader: str | None = None,
+               session_id: str | None = None
                ) -> EngineRequest:
         """Queue a request in the engine; 503 when full or stopped, 400 when invalid."""
         handle = self._new_handle(rid or uuid.uuid4().hex)
         gen.rid = handle.rid
         req = GenerateRequest(rid=handle.rid, input_ids=input_ids, sampling=sampling,
                               cache_salt=salt or "", logprobs=logprobs,
-                              prefill_leader=prefill_leader)
+                              prefill_leader=prefill_leader,
+                              session_id=session_id or "")
         try:
             self.engine.submit(req, handle.on_output)
         except EngineOverloadedError as exc:

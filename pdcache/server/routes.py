@@ -122,7 +122,8 @@ class ServerRoutes:
         input_ids = self.checked_prompt(item)
         leader = earlier[item.leader].handle.rid if item.leader is not None else None
         handle = self.bridge.submit(gen, input_ids, item.sampling.to_engine(), body.cache_salt,
-                                    item.rid, logprobs=item.logprobs, prefill_leader=leader)
+                                    item.rid, logprobs=item.logprobs, prefill_leader=leader,
+                                    session_id=body.session_id)
         return SequenceRun(item, handle, gen, self.assembler(item))
 
     def checked_prompt(self, item: GenerateItem) -> list[int]:
@@ -233,7 +234,8 @@ class ServerRoutes:
             max_tokens = default_max_tokens(len(input_ids), self.limits, param)
         check_prompt(input_ids, max_tokens, self.limits, param)
         check_token_ids(body.stop_token_ids, self.limits.vocab_size, "stop_token_ids")
-        handle = self.bridge.submit(gen, input_ids, body.to_engine(max_tokens), body.cache_salt)
+        handle = self.bridge.submit(gen, input_ids, body.to_engine(max_tokens), body.cache_salt,
+                                    session_id=body.session_id)
         text = TextAssembler(self.decode, body.stop_strings())
         if body.stream:
             end = StreamEnd(lambda: gen.finish_reason, lambda: self.bridge.usage(gen),
