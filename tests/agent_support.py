@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from pdcache.engine.api import LogprobRequest, SamplingParams, TokenConstraint
+from pdcache.engine.api import SamplingParams
 from pdcache.engine.config import CacheConfig
 from pdcache.engine.constraints import ForcedTokens
 from pdcache.engine.engine import Engine
@@ -70,23 +70,11 @@ class ScriptedBridge(EngineBridge):
         sampling: SamplingParams,
         salt: str | None,
         rid: str | None = None,
-        *,
-        logprobs: LogprobRequest | None = None,
-        prefill_leader: str | None = None,
-        constraint: TokenConstraint | None = None,
+        **fields: Any,
     ) -> EngineRequest:
         if self.scripts:
-            constraint = ForcedTokens(self.scripts.popleft())
-        return super().submit(
-            gen,
-            input_ids,
-            sampling,
-            salt,
-            rid,
-            logprobs=logprobs,
-            prefill_leader=prefill_leader,
-            constraint=constraint,
-        )
+            fields["constraint"] = ForcedTokens(self.scripts.popleft())
+        return super().submit(gen, input_ids, sampling, salt, rid, **fields)
 
 
 class ScriptedNode:

@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kernels": ("pdcache.bench.kernel_bench", "KV copy GB/s vs memcpy, attention tokens/s"),
     "storage": ("pdcache.bench.storage_bench", "storage read/write GB/s vs memcpy and file I/O"),
     "cache": ("pdcache.bench.cache_bench", "TTFT by cache tier vs recompute"),
+    "tiers": ("pdcache.bench.tier_bench", "hits per cache tier by eviction policy / host mode"),
     "transfer": ("pdcache.bench.transfer_bench", "P->D transfer GB/s per engine vs memcpy"),
     "offload": ("pdcache.bench.offload_bench", "decode offload on vs off: ITL and next-turn TTFT"),
     "pd": ("pdcache.bench.pd_bench", "TTFT of PD vs unified, P->D transfer GB/s in that path"),

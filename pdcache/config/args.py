@@ -160,7 +160,9 @@ def _cache_table(args: argparse.Namespace, role: str) -> dict[str, Any]:
     table: dict[str, Any] = {"page_size": args.page_size, "device_pages": args.device_pages,
                              "key_scheme": args.key_scheme, "key_namespace": args.key_namespace}
     if hasattr(args, "write_policy"):
-        table.update(write_policy=args.write_policy, prefetch_policy=args.prefetch_policy)
+        table.update(write_policy=args.write_policy, prefetch_policy=args.prefetch_policy,
+                     device_eviction=args.device_eviction, host_eviction=args.host_eviction,
+                     host_mode=args.host_mode, session_idle_s=args.session_idle_s)
     host_pages = getattr(args, "host_pages", 0)
     if host_pages > 0:
         table["host_pages"] = host_pages
@@ -259,8 +261,9 @@ def _add_transfer_flags(parser: argparse.ArgumentParser, role: str) -> None:
 
 def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> None:
     """Storage (and, for prefill/unified, host tier) flags shared by the node commands."""
+    from pdcache.engine.eviction import EVICTION_POLICIES
     from pdcache.engine.page_keys import KEY_SCHEMES
-    from pdcache.offload_manager.hicache import PREFETCH_POLICIES, WRITE_POLICIES
+    from pdcache.offload_manager.hicache import HOST_MODES, PREFETCH_POLICIES, WRITE_POLICIES
     from pdcache.offload_manager.storage import BACKENDS
 
     group = parser.add_argument_group("cache tiers (without --config)")
@@ -269,6 +272,15 @@ def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> N
                            help="host KV pool in pages; 0 = no host tier unless storage is set")
         group.add_argument("--write-policy", default="write_through", choices=list(WRITE_POLICIES))
         group.add_argument("--prefetch-policy", default="timeout", choices=list(PREFETCH_POLICIES))
+        group.add_argument("--device-eviction", default="lru", choices=list(EVICTION_POLICIES),
+                           help="which cached pages the device evicts first; 'session': closed "
+                                "sessions first, active ones expected back last next")
+        group.add_argument("--host-eviction", default="lru", choices=list(EVICTION_POLICIES))
+        group.add_argument("--host-mode", default="inclusive", choices=list(HOST_MODES),
+                           help="'exclusive': the host keeps what the device evicts (a victim "
+                                "cache) instead of mirroring it")
+        group.add_argument("--session-idle-s", type=float, default=300.0,
+                           help="a session without a turn for this long is closed")
     group.add_argument("--key-scheme", default="pdcache", choices=list(KEY_SCHEMES),
                        help="how stored pages are named; 'sglang' shares pages with SGLang "
                             "servers running the pdcache storage plugin")

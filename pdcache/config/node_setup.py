@@ -97,7 +97,9 @@ def engine_for(topology: Topology, node: NodeSpec, model: ModelConfig) -> Engine
     return EngineConfig(
         model=model,
         cache=CacheConfig(node.cache.page_size, node.cache.device_pages,
-                          enable_prefix_cache=prefix_cache),
+                          enable_prefix_cache=prefix_cache,
+                          device_eviction=node.cache.device_eviction,
+                          session_idle_s=node.cache.session_idle_s),
         scheduler=SchedulerConfig(max_running_requests=sched.max_running_requests,
                                   chunked_prefill_tokens=sched.chunked_prefill_tokens,
                                   max_queued_requests=sched.max_queued_requests,
@@ -123,6 +125,7 @@ def tiers_for(node: NodeSpec, model: ModelConfig, storage: StorageConfig | None)
         prefetch_timeout_per_1k_tokens_s=cache.prefetch_timeout_per_1k_tokens_s,
         prefetch_timeout_max_s=cache.prefetch_timeout_max_s,
         key_scheme=cache.key_scheme, key_namespace=cache.key_namespace,
+        host_mode=cache.host_mode, host_eviction=cache.host_eviction,
     )
     return TierConfig(host_pages, hicache, storage)
 

@@ -97,6 +97,13 @@ class CacheSpec:
         "write_through"
     )
     write_through_threshold: int = 2  # hits before backup under write_through_selective
+    # tier policies (pdcache.engine.eviction, docs/design.md "Tier policies"): which pages each
+    # tier evicts first, and whether the host tier mirrors the device (inclusive) or holds
+    # what the device evicted (exclusive: host capacity adds to device capacity)
+    device_eviction: Literal["lru", "session"] = "lru"
+    host_eviction: Literal["lru", "session"] = "lru"
+    host_mode: Literal["inclusive", "exclusive"] = "inclusive"
+    session_idle_s: float = 300.0  # a session without a turn for this long is closed
     prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_1k_tokens_s: float = 0.1

@@ -63,6 +63,8 @@ def _check_cache(cache: CacheSpec, prefix: str, ctx: ErrorContext) -> None:
         raise ctx.error(f"{prefix}.host_pages", f"expected an integer >= 0, got {cache.host_pages}")
     if cache.host_ratio is not None and cache.host_ratio <= 0:
         raise ctx.error(f"{prefix}.host_ratio", f"expected a number > 0, got {cache.host_ratio}")
+    if cache.session_idle_s <= 0:
+        raise ctx.error(f"{prefix}.session_idle_s", f"expected a number > 0, got {cache.session_idle_s}")
     for key in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s", "prefetch_timeout_max_s"):
         if getattr(cache, key) < 0:
             raise ctx.error(f"{prefix}.{key}", f"expected a number >= 0, got {getattr(cache, key)}")

@@ -135,6 +135,9 @@ class GenerateRequest:
     # this one is not scheduled until that one's prompt pages are in the prefix tree, so the
     # prompt is computed once and the samples share its pages
     prefill_leader: str | None = None
+    # the conversation this request is a turn of (router → node `session_id`): session-aware
+    # eviction policies keep the pages of sessions expected back soon
+    session_id: str = ""
 
 
 @dataclass(frozen=True)

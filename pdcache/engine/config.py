@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdcache.engine.eviction import EVICTION_POLICIES, SessionTracker
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -73,6 +75,20 @@ class CacheConfig:
     page_size: int = 16
     num_device_pages: int = 2048
     enable_prefix_cache: bool = True
+    # which cached pages the device tree evicts first (`pdcache.engine.eviction`): "lru" or
+    # "session" (closed sessions first, active ones expected back last next)
+    device_eviction: str = "lru"
+    session_idle_s: float = 300.0  # a session without a turn for this long is closed
+
+    def __post_init__(self) -> None:
+        if self.device_eviction not in EVICTION_POLICIES:
+            raise ValueError(f"device_eviction must be one of {EVICTION_POLICIES}")
+        if self.session_idle_s <= 0:
+            raise ValueError("session_idle_s must be > 0")
+
+    def make_sessions(self) -> SessionTracker:
+        """The tracker the node's tiers share (one per engine)."""
+        return SessionTracker(self.session_idle_s)
 
 
 @dataclass(frozen=True)

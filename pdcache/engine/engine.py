@@ -42,6 +42,7 @@ from pdcache.engine.api import (
     TokenLogprob,
 )
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.eviction import make_policy
 from pdcache.engine.kv_pool import DeviceKVPool
 from pdcache.engine.radix import RadixTree
 from pdcache.engine.request import OutputCallback, Req, ReqStatus, pages_for
@@ -144,7 +145,7 @@ class Engine:
         )
         self.tree: RadixTree | None = None
         if cache.enable_prefix_cache:
-            factory = make_tree or (lambda pool: RadixTree(pool.page_size, pool.allocator))
+            factory = make_tree or (lambda pool: _device_tree(pool, cache))
             self.tree = factory(self.pool)
         self.scheduler = (make_scheduler or Scheduler)(
             config=config.scheduler,
@@ -462,6 +463,7 @@ class Engine:
             logprobs=req.logprobs,
             constraint=req.constraint,
             prefill_leader=req.prefill_leader,
+            session_id=req.session_id,
         )
 
     # ---- engine thread -----------------------------------------------------------------
@@ -855,3 +857,9 @@ def _validate_logprobs(req: GenerateRequest, vocab_size: int) -> None:
             f"logprobs input_start must be in [0, {len(req.input_ids)}] (the prompt length), "
             f"got {start}")
 
+
+def _device_tree(pool: DeviceKVPool, cache: CacheConfig) -> RadixTree:
+    """The device-only prefix tree, evicting by `cache.device_eviction`."""
+    sessions = cache.make_sessions()
+    policy = make_policy(cache.device_eviction, sessions)
+    return RadixTree(pool.page_size, pool.allocator, policy=policy, sessions=sessions)

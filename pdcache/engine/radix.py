@@ -29,6 +29,7 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from pdcache.engine.eviction import EvictionPolicy, LruPolicy, SessionTracker
 from pdcache.engine.kv_pool import PageAllocator
 
 PageKey = tuple[int, ...]
@@ -47,6 +48,7 @@ class RadixNode:
     lock_ref: int = 0
     hit_count: int = 0
     last_access: int = 0
+    session_id: str = ""  # the conversation that last used this node ("" = none known)
     children: dict[PageKey, RadixNode] = field(default_factory=dict)
 
     @property
@@ -111,10 +113,16 @@ class RadixTree:
         page_size: int,
         allocator: PageAllocator,
         on_evict: EvictCallback | None = None,
+        policy: EvictionPolicy | None = None,
+        sessions: SessionTracker | None = None,
     ) -> None:
+        """`policy` ranks device evictions (default LRU); `sessions` (shared with the
+        policies that read it) learns conversations from `note_session`."""
         self.page_size = page_size
         self.allocator = allocator
         self.on_evict = on_evict
+        self.policy: EvictionPolicy = policy or LruPolicy()
+        self.sessions = sessions
         self._roots: dict[str, RadixNode] = {}
         self._clock = itertools.count(1)
         self._device_pages = 0  # device pages owned by the tree
@@ -217,15 +225,27 @@ class RadixTree:
             if item.lock_ref == 0:
                 self._locked_pages -= item.num_device_pages
 
+    # ---- sessions ----------------------------------------------------------------------
+    def note_session(self, node: RadixNode | None, session_id: str, new_turn: bool) -> None:
+        """`node` and its ancestors now serve conversation `session_id` (a shared prefix
+        belongs to the last session that used it); `new_turn`: a turn of it arrived."""
+        if not session_id:
+            return
+        if new_turn and self.sessions is not None:
+            self.sessions.observe_turn(session_id)
+        for item in self._ancestors(node):
+            item.session_id = session_id
+
     # ---- eviction ----------------------------------------------------------------------
     def evict(self, num_pages: int) -> int:
-        """Free the device pages of least-recently-used unlocked leaves until at least
-        `num_pages` are freed or nothing evictable is left; returns the pages freed (whole
-        nodes are freed, so it may exceed `num_pages`)."""
+        """Free the device pages of unlocked leaves, in the order of `self.policy` (LRU by
+        default), until at least `num_pages` are freed or nothing evictable is left; returns
+        the pages freed (whole nodes are freed, so it may exceed `num_pages`)."""
         if num_pages <= 0 or self.evictable_pages == 0:
             return 0
+        key = self.policy.key_fn()
         order = itertools.count()
-        heap = [(n.last_access, next(order), n) for n in self._iter_nodes() if self._evictable(n)]
+        heap = [(key(n), next(order), n) for n in self._iter_nodes() if self._evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -233,7 +253,7 @@ class RadixTree:
             parent = node.parent
             freed += self._evict_device(node)
             if parent is not None and self._evictable(parent):
-                heapq.heappush(heap, (parent.last_access, next(order), parent))
+                heapq.heappush(heap, (key(parent), next(order), parent))
         return freed
 
     def flush(self) -> int:
@@ -320,6 +340,7 @@ class RadixTree:
             lock_ref=node.lock_ref,
             hit_count=node.hit_count,
             last_access=node.last_access,
+            session_id=node.session_id,
         )
         node.key = node.key[num_pages * size :]
         node.num_pages -= num_pages

@@ -78,6 +78,7 @@ class Req:
     kv_load: KVLoad | None = None  # pending load into page_ids; every forward completes it
     holding_pages: bool = False  # finished, but its pages stay until the scheduler releases them
     computed_tokens: int = 0  # tokens run through an extend forward (recomputation included)
+    session_id: str = ""  # the conversation it is a turn of ("" = none; eviction policies)
     num_emitted: int = 0  # output tokens already handed to on_output
     admit_seq: int = -1
     num_retractions: int = 0

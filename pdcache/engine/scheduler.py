@@ -418,6 +418,11 @@ class Scheduler:
             self._lock(reuse.node)  # the restored nodes hang below the device match
             self._unlock(match.last_node)
             node = reuse.node
+        if self.tree is not None:
+            # a turn arrives once: not again when a retracted request comes back, nor for the
+            # other samples (n > 1) of the same prompt
+            first = req.cached_len is None and req.prefill_leader is None
+            self.tree.note_session(node, req.session_id, new_turn=first)
         num_tree_pages = len(match.page_ids) + reuse.tree_pages
         reused_len = (num_tree_pages + reuse.own_pages) * self.page_size
         cached = reuse.cached or CachedTokens(device=match.cached_len)
@@ -466,6 +471,7 @@ class Scheduler:
             return
         tokens = req.prompt_ids[: num_full * self.page_size]
         result = self.tree.insert(tokens, req.page_ids[:num_full], req.salt)
+        self.tree.note_session(result.last_node, req.session_id, new_turn=False)
         match = self.tree.match_prefix(tokens, req.salt)
         assert match.cached_len == len(tokens), (match.cached_len, len(tokens))
         self._lock(match.last_node)
@@ -590,6 +596,7 @@ class Scheduler:
         if cache and self.tree is not None and num_full > req.num_tree_pages:
             tokens = req.fill_ids[: num_full * self.page_size]
             result = self.tree.insert(tokens, req.page_ids[:num_full], req.salt)
+            self.tree.note_session(result.last_node, req.session_id, new_turn=False)
             to_free = result.duplicate_page_ids + req.page_ids[num_full:]
         self.allocator.free(to_free)
         self._unlock(req.last_node)

@@ -10,6 +10,7 @@ from typing import Any
 
 from pdcache.engine.config import EngineConfig, ModelConfig
 from pdcache.engine.engine import Engine
+from pdcache.engine.eviction import make_policy
 from pdcache.engine.kv_pool import DeviceKVPool
 from pdcache.engine.page_keys import kv_fingerprint
 from pdcache.kernels import KernelSet
@@ -84,8 +85,13 @@ def build_tiered_engine(config: EngineConfig, model: Any, tokenizer: Any, tiers:
     kernels = KernelSet(config.kernels)
     built: dict[str, HiCache] = {}
 
+    sessions = config.cache.make_sessions()  # shared by the device and host policies
+    device_policy = make_policy(config.cache.device_eviction, sessions)
+    host_policy = make_policy(tiers.hicache.host_eviction, sessions)
+
     def make_tree(pool: DeviceKVPool) -> HiRadixTree:
-        return HiRadixTree(pool.page_size, pool.allocator, host_pool)
+        return HiRadixTree(pool.page_size, pool.allocator, host_pool, policy=device_policy,
+                           host_policy=host_policy, sessions=sessions)
 
     def make_scheduler(**kwargs: Any) -> HiCacheScheduler:
         hicache = HiCache(kwargs["tree"], kwargs["pool"].device_kv, storage, tiers.hicache,

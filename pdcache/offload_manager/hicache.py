@@ -9,6 +9,10 @@ only touch thread-safe state (the host pool's pins, an op's flags, counters unde
 Write policies: `write_through` backs up every inserted node; `write_through_selective` only
 nodes hit at least `write_through_threshold` times; `write_back` backs up a node when the device
 evicts it. A backup copies device pages to host pages, then writes them to storage (if any).
+Host modes: `inclusive` (the host mirrors what the write policy backs up, device pages included);
+`exclusive` (a victim cache: a page enters the host tier only when the device evicts it, and
+leaves it when it is loaded back on device, so host capacity adds to device capacity; storage
+writes then happen when a page enters the host tier, whatever the write policy).
 Prefetch policies decide how long a queued request waits for its storage reads:
 `best_effort` (never waits: takes what has arrived), `wait_complete` (all reads finished),
 `timeout` (finished, or base + per-1k-token × tokens / 1000 capped at max, elapsed).
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdcache.engine.api import CachedTokens
+from pdcache.engine.eviction import EVICTION_POLICIES
 from pdcache.engine.page_keys import PageKeyScheme, check_key_scheme
 from pdcache.engine.radix import MatchResult, RadixNode
 from pdcache.kernels import KernelSet
@@ -38,12 +43,15 @@ log = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+HOST_MODES = ("inclusive", "exclusive")
 
 
 @dataclass(frozen=True)
 class HiCacheConfig:
     write_policy: str = "write_through"
     write_through_threshold: int = 2
+    host_mode: str = "inclusive"
+    host_eviction: str = "lru"  # which host copies go first (pdcache.engine.eviction)
     prefetch_policy: str = "timeout"
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_1k_tokens_s: float = 0.1
@@ -59,6 +67,10 @@ class HiCacheConfig:
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}")
+        if self.host_eviction not in EVICTION_POLICIES:
+            raise ValueError(f"host_eviction must be one of {EVICTION_POLICIES}")
+        if self.host_mode not in HOST_MODES:
+            raise ValueError(f"host_mode must be one of {HOST_MODES}")
         if self.prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch_policy must be one of {PREFETCH_POLICIES}")
         check_key_scheme(self.key_scheme)
@@ -73,6 +85,8 @@ class HiCacheStats:
     backup_host_pages: int = 0
     backup_storage_pages: int = 0
     backup_skipped_pages: int = 0  # no host room
+    victim_dropped_pages: int = 0  # exclusive host: device victims ranked below all of host
+    host_released_pages: int = 0  # exclusive host: host copies freed once loaded on device
     backup_failed_pages: int = 0
     prefetch_pages: int = 0
     prefetch_bytes: int = 0
@@ -239,6 +253,9 @@ class HiCache:
         def release_prefetched() -> None:
             if pref_ids:
                 self.host_pool.free(pref_ids)
+            if host_ids and self.config.host_mode == "exclusive":
+                released = self.tree.drop_host_copies(node, host_ids)
+                self._count(host_released_pages=released)
 
         def copied(seconds: float) -> None:
             self._count(load_copy_us=int(seconds * 1e6))
@@ -316,15 +333,16 @@ class HiCache:
     def backup(self, token_ids: Sequence[int], salt: str, last_node: RadixNode | None) -> None:
         """Apply the write policy to the nodes on the path to `last_node` (just inserted or
         hit): copy them to host and write them to storage."""
-        if last_node is None or self.config.write_policy == "write_back":
+        if last_node is None or self._writes_on_evict:
             return
         path = last_node.path_from_root()
+        keep = frozenset(path)  # room for a child must not cost its parent's new host copy
         keys: list[bytes] | None = None
         offset = 0
         for node in path:
             if node.on_device and not node.backed_up and self._wants_backup(node):
                 keys = keys or self.page_keys(token_ids, salt)
-                self._backup_node(node, keys[offset : offset + node.num_pages])
+                self._backup_node(node, keys[offset : offset + node.num_pages], keep)
             offset += node.num_pages
 
     def page_keys(self, token_ids: Sequence[int], salt: str) -> list[bytes]:
@@ -333,7 +351,9 @@ class HiCache:
 
     # ---- accounting --------------------------------------------------------------------
     def reap(self) -> None:
-        """Free host pages of abandoned prefetches whose reads have finished."""
+        """Free host pages of abandoned prefetches whose reads have finished, and orphaned
+        host copies whose storage writes have (`HiRadixTree.release_orphans`)."""
+        self.tree.release_orphans()
         still = []
         for op in self._abandoned:
             if op.complete:
@@ -401,8 +421,11 @@ class HiCache:
         out.update(host_pages_total=pool.capacity, host_pages_free=pool.num_free,
                    host_pages_used=pool.num_used, host_pages_in_flight=pool.num_in_flight,
                    host_evicted_pages=self.tree.num_host_evicted_pages,
+                   host_orphan_pages=self.tree.num_orphan_pages,
                    prefetch_ops_pending=len(self._prefetches),
                    prefetch_ops_abandoned=len(self._abandoned))
+        if self.tree.sessions is not None:
+            out["sessions_tracked"] = len(self.tree.sessions)
         for worker in (self._writer, self._reader):
             if worker is not None:
                 out[f"{worker.name}_queue_depth"] = worker.queue_depth
@@ -436,20 +459,27 @@ class HiCache:
                             from_decode * size)
 
     # ---- internals ---------------------------------------------------------------------
+    @property
+    def _writes_on_evict(self) -> bool:
+        return self.config.write_policy == "write_back" or self.config.host_mode == "exclusive"
+
     def _wants_backup(self, node: RadixNode) -> bool:
         if self.config.write_policy == "write_through_selective":
             return node.hit_count >= self.config.write_through_threshold
         return True
 
-    def _alloc_host(self, num_pages: int) -> list[int] | None:
+    def _alloc_host(self, num_pages: int,
+                    keep: frozenset[RadixNode] = frozenset()) -> list[int] | None:
+        """`num_pages` host pages, evicting host copies (never those of `keep`) when short."""
         page_ids = self.host_pool.alloc(num_pages)
         if page_ids is None:
-            self.tree.evict_host(num_pages - self.host_pool.num_free)
+            self.tree.evict_host(num_pages - self.host_pool.num_free, keep)
             page_ids = self.host_pool.alloc(num_pages)
         return page_ids
 
-    def _backup_node(self, node: RadixNode, keys: list[bytes]) -> None:
-        host_ids = self._alloc_host(node.num_pages)
+    def _backup_node(self, node: RadixNode, keys: list[bytes],
+                     keep: frozenset[RadixNode] = frozenset()) -> None:
+        host_ids = self._alloc_host(node.num_pages, keep)
         if host_ids is None:
             self._count(backup_skipped_pages=node.num_pages)
             return
@@ -477,10 +507,18 @@ class HiCache:
             self._count(backup_failed_pages=len(keys))
 
     def _on_device_evict(self, node: RadixNode, page_ids: list[int]) -> None:
-        """write_back: the last chance to keep this node's KV is before its pages are freed."""
-        if self.config.write_policy != "write_back" or node.backed_up:
+        """write_back / exclusive host: the last chance to keep this node's KV is before its
+        pages are freed. write_back never evicts host pages here; the exclusive host tier
+        makes room by its host policy when the victim ranks above what it would evict."""
+        if not self._writes_on_evict or node.backed_up:
             return
-        host_ids = self.host_pool.alloc(len(page_ids))  # no host eviction inside device eviction
+        if self.config.host_mode == "exclusive":
+            if not self.tree.host_admits(node, len(page_ids)):
+                self._count(victim_dropped_pages=len(page_ids))
+                return
+            host_ids = self._alloc_host(len(page_ids))
+        else:
+            host_ids = self.host_pool.alloc(len(page_ids))
         if host_ids is None:
             self._count(backup_skipped_pages=len(page_ids))
             return

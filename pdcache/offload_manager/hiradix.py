@@ -3,7 +3,8 @@
 Extends the device tree (`pdcache.engine.radix`): a node may lose its device pages and live on
 with a host copy (host-only); such nodes hang below the on-device top of the tree. Matching
 continues past the device part through host-only nodes; restoring loads them back on device.
-Host eviction is LRU over host leaves and never touches a node whose host pages are pinned
+Host eviction ranks host leaves by `host_policy` (`pdcache.engine.eviction`; LRU by default)
+and never touches a node whose host pages are pinned
 (being loaded to device or written to storage).
 
 Threading: like the base tree, engine thread only. Host pages are freed through the
@@ -17,6 +18,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdcache.engine.eviction import EvictionPolicy, EvictKey, LruPolicy, SessionTracker
 from pdcache.engine.kv_pool import PageAllocator
 from pdcache.engine.radix import EvictCallback, MatchResult, RadixNode, RadixTree
 from pdcache.offload_manager.host_pool import HostKVPool
@@ -41,9 +43,16 @@ class HiRadixTree(RadixTree):
     """Radix tree whose nodes may be on device, on host, or both."""
 
     def __init__(self, page_size: int, allocator: PageAllocator, host_pool: HostKVPool,
-                 on_evict: EvictCallback | None = None) -> None:
-        super().__init__(page_size, allocator, on_evict)
+                 on_evict: EvictCallback | None = None, policy: EvictionPolicy | None = None,
+                 host_policy: EvictionPolicy | None = None,
+                 sessions: SessionTracker | None = None) -> None:
+        super().__init__(page_size, allocator, on_evict, policy, sessions)
         self.host_pool = host_pool
+        self.host_policy: EvictionPolicy = host_policy or LruPolicy()
+        # host pages of nodes cut off from the tree while a storage write still read them
+        self._orphans: list[int] = []
+        self._in_device_pass = False  # inside `evict`: host evictions share `_pass_heap`
+        self._pass_heap: _HostHeap | None = None
         self.num_host_evicted_pages = 0
 
     # ---- matching ----------------------------------------------------------------------
@@ -85,21 +94,82 @@ class HiRadixTree(RadixTree):
     def host_pages(self) -> int:
         return sum(len(n.host_page_ids) for n in self._iter_nodes() if n.host_page_ids is not None)
 
-    def evict_host(self, num_pages: int) -> int:
-        """Free host copies of least-recently-used host leaves (skipping pinned ones) until
-        `num_pages` are freed or none is left; host-only nodes without children disappear."""
+    def evict(self, num_pages: int) -> int:
+        """Device eviction (`RadixTree.evict`). The host evictions its victims trigger (the
+        exclusive host tier) share one ranked heap of host leaves for the whole pass, instead
+        of a tree scan per victim; victims admitted to host during the pass are not evicted
+        from host in the same pass."""
+        self._in_device_pass, self._pass_heap = True, None
+        try:
+            return super().evict(num_pages)
+        finally:
+            self._in_device_pass, self._pass_heap = False, None
+
+    def evict_host(self, num_pages: int, keep: frozenset[RadixNode] = frozenset()) -> int:
+        """Free host copies of host leaves (skipping pinned ones and those of `keep`), in
+        `host_policy` order, until `num_pages` are freed or none is left; host-only nodes
+        without children disappear."""
         if num_pages <= 0:
             return 0
-        order = itertools.count()
-        heap = [(n.last_access, next(order), n) for n in self._iter_nodes() if self._host_evictable(n)]
-        heapq.heapify(heap)
+        heap = self._host_heap(keep)
         freed = 0
-        while freed < num_pages and heap:
-            node = heapq.heappop(heap)[2]
+        while freed < num_pages:
+            node = heap.pop_valid(keep)
+            if node is None:
+                break
             parent = node.parent
             freed += self._drop_host(node)
-            if parent is not None and not parent.is_root and self._host_evictable(parent):
-                heapq.heappush(heap, (parent.last_access, next(order), parent))
+            if (parent is not None and not parent.is_root and parent not in keep
+                    and self._host_evictable(parent)):
+                heap.push(parent)
+        return freed
+
+    def _host_heap(self, keep: frozenset[RadixNode]) -> _HostHeap:
+        if not self._in_device_pass or keep:
+            return _HostHeap(self, keep)
+        if self._pass_heap is None:
+            self._pass_heap = _HostHeap(self, keep)
+        return self._pass_heap
+
+    def release_orphans(self) -> int:
+        """Free the orphaned host pages (`_on_device_evicted`) no storage write pins any
+        more; returns how many."""
+        pinned = [p for p in self._orphans if self.host_pool.is_pinned(p)]
+        free = [p for p in self._orphans if not self.host_pool.is_pinned(p)]
+        if free:
+            self.host_pool.free(free)
+        self._orphans = pinned
+        return len(free)
+
+    @property
+    def num_orphan_pages(self) -> int:
+        return len(self._orphans)
+
+    def host_admits(self, victim: RadixNode, num_pages: int) -> bool:
+        """Exclusive host tier: whether a device victim is worth `num_pages` host pages, i.e.
+        there is room, or some host leaf ranks below it under `host_policy` (it would be
+        evicted to make room) - a victim that would be the host's first eviction is dropped. A
+        victim with host-only children is always admitted (dropping it would orphan them)."""
+        if self.host_pool.num_free >= num_pages or victim.children:
+            return True  # room, or host-only pages below it that are reachable only through it
+        heap = self._host_heap(frozenset())
+        lowest = heap.lowest_key(victim)
+        return lowest is not None and lowest < heap.key(victim)
+
+    def drop_host_copies(self, node: RadixNode | None, host_page_ids: Sequence[int]) -> int:
+        """Exclusive host tier, after a host → device load: free the host copies, among
+        `host_page_ids`, of `node` and its ancestors (on device again), except pinned ones
+        (a storage write still reads them). Returns the host pages freed."""
+        loaded, freed = set(host_page_ids), 0
+        for item in self._ancestors(node):
+            ids = item.host_page_ids
+            if not item.on_device or ids is None or not loaded.issuperset(ids):
+                continue
+            if any(self.host_pool.is_pinned(p) for p in ids):
+                continue
+            self.host_pool.free(ids)
+            item.host_page_ids = None
+            freed += len(ids)
         return freed
 
     def check(self) -> None:
@@ -112,9 +182,43 @@ class HiRadixTree(RadixTree):
             assert len(node.host_page_ids) == node.num_pages, "host page count != key pages"
             for page_id in node.host_page_ids:
                 assert page_id not in seen, f"host page {page_id} held twice by the tree"
+                assert self.host_pool.is_used(page_id), f"tree holds host page {page_id} not USED"
                 seen.add(page_id)
+        for page_id in self._orphans:
+            assert page_id not in seen, f"orphaned host page {page_id} still held by the tree"
+            assert self.host_pool.is_used(page_id), f"orphaned host page {page_id} not USED"
+            seen.add(page_id)
+        assert len(seen) <= self.host_pool.num_used, (len(seen), self.host_pool.num_used)
 
     # ---- internals ---------------------------------------------------------------------
+    def _on_device_evicted(self, node: RadixNode) -> None:
+        """A node whose device copy is gone with no host copy cannot be matched past, so
+        its host-only descendants are unreachable: drop the whole sub-tree (their host pages
+        are freed now, or once the storage write reading them ends)."""
+        if node.host_page_ids is None and node.children:
+            for item in self._subtree(node):
+                if item.host_page_ids is not None:
+                    self._release_host(item.host_page_ids)
+                    self.num_host_evicted_pages += len(item.host_page_ids)
+                    item.host_page_ids = None
+            node.children.clear()
+        super()._on_device_evicted(node)
+
+    def _subtree(self, node: RadixNode) -> list[RadixNode]:
+        stack, found = list(node.children.values()), []
+        while stack:
+            item = stack.pop()
+            assert not item.on_device, "device node below an evicted one"
+            found.append(item)
+            stack.extend(item.children.values())
+        return found
+
+    def _release_host(self, page_ids: list[int]) -> None:
+        free = [p for p in page_ids if not self.host_pool.is_pinned(p)]
+        self._orphans.extend(p for p in page_ids if self.host_pool.is_pinned(p))
+        if free:
+            self.host_pool.free(free)
+
     def _fully_matched(self, node: RadixNode, done_pages: int) -> bool:
         return node.is_root or sum(n.num_pages for n in node.path_from_root()) == done_pages
 
@@ -136,3 +240,36 @@ class HiRadixTree(RadixTree):
             if parent.is_root and not parent.children:
                 del self._roots[parent.salt]
         return len(page_ids)
+
+
+class _HostHeap:
+    """Host leaves ranked by the tree's `host_policy` (keys taken once, at build or push).
+    Entries are checked when they surface: a node that lost its host copy, gained a host
+    child, got pinned or joined `keep` since is skipped (lazy deletion)."""
+
+    def __init__(self, tree: HiRadixTree, keep: frozenset[RadixNode]) -> None:
+        self.tree = tree
+        self.key = tree.host_policy.key_fn()
+        self._order = itertools.count()
+        self._heap = [(self.key(n), next(self._order), n) for n in tree._iter_nodes()
+                      if n not in keep and tree._host_evictable(n)]
+        heapq.heapify(self._heap)
+
+    def push(self, node: RadixNode) -> None:
+        heapq.heappush(self._heap, (self.key(node), next(self._order), node))
+
+    def pop_valid(self, keep: frozenset[RadixNode]) -> RadixNode | None:
+        while self._heap:
+            node = heapq.heappop(self._heap)[2]
+            if node not in keep and self.tree._host_evictable(node):
+                return node
+        return None
+
+    def lowest_key(self, skip: RadixNode) -> EvictKey | None:
+        """Key of the first host leaf that would be evicted (not `skip`), or None."""
+        while self._heap:
+            key, _, node = self._heap[0]
+            if node is not skip and self.tree._host_evictable(node):
+                return key
+            heapq.heappop(self._heap)
+        return None

@@ -140,6 +140,9 @@ class HostKVPool:
                     raise ValueError(f"host page {p} unpinned more than pinned")
                 self._pins[p] -= 1
 
+    def is_used(self, page_id: int) -> bool:
+        return self._state[page_id] == PageState.USED
+
     def is_pinned(self, page_id: int) -> bool:
         return self._pins[page_id] > 0
 

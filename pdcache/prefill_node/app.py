@@ -83,7 +83,8 @@ class PrefillApp:
             handle = self.bridge.submit(gen, input_ids, first_only, body.cache_salt, rid,
                                         logprobs=item.logprobs,
                                         constraint=self.routes.agent.sampling_constraint(
-                                            item.sampling))
+                                            item.sampling),
+                                        session_id=body.session_id)
             watchdog = asyncio.ensure_future(self._watch_decode(requested, handle))
             try:
                 text = self.routes.assembler(item)

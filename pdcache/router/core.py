@@ -221,6 +221,8 @@ class Router:
                                 "incremental_streaming_output": True, **prep.extra}
         if prep.cache_salt is not None:
             body["cache_salt"] = prep.cache_salt
+        if prep.session_id:  # the nodes' session-aware eviction policies learn turns from it
+            body["session_id"] = prep.session_id
         return body
 
     async def _routed(self, prep: Prepared, deadline: Deadline,

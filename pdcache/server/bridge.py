@@ -249,14 +249,16 @@ class EngineBridge:
     def submit(self, gen: Generation, input_ids: list[int], sampling: SamplingParams,
                salt: str | None, rid: str | None = None, *,
                logprobs: LogprobRequest | None = None, prefill_leader: str | None = None,
-               constraint: TokenConstraint | None = None) -> EngineRequest:
+               constraint: TokenConstraint | None = None, session_id: str | None = None
+               ) -> EngineRequest:
         """Queue a request in the engine; 503 when full or stopped, 400 when invalid.
-        `logprobs`, `prefill_leader` and `constraint` are `GenerateRequest`'s."""
+        `logprobs`, `prefill_leader`, `constraint` and `session_id` are `GenerateRequest`'s."""
         handle = self._new_handle(rid or uuid.uuid4().hex)
         gen.rid = handle.rid
         req = GenerateRequest(rid=handle.rid, input_ids=input_ids, sampling=sampling,
                               cache_salt=salt or "", logprobs=logprobs,
-                              prefill_leader=prefill_leader, constraint=constraint)
+                              prefill_leader=prefill_leader, constraint=constraint,
+                              session_id=session_id or "")
         try:
             self.engine.submit(req, handle.on_output)
         except EngineOverloadedError as exc:

@@ -125,7 +125,8 @@ class ServerRoutes:
         leader = earlier[item.leader].handle.rid if item.leader is not None else None
         handle = self.bridge.submit(gen, input_ids, item.sampling.to_engine(), body.cache_salt,
                                     item.rid, logprobs=item.logprobs, prefill_leader=leader,
-                                    constraint=self.agent.sampling_constraint(item.sampling))
+                                    constraint=self.agent.sampling_constraint(item.sampling),
+                                    session_id=body.session_id)
         return SequenceRun(item, handle, gen, self.assembler(item))
 
     def checked_prompt(self, item: GenerateItem) -> list[int]:
@@ -247,7 +248,8 @@ class ServerRoutes:
                 handle = self.bridge.submit(gen, input_ids, body.to_engine(max_tokens, index),
                                             body.cache_salt, logprobs=plan.logprobs,
                                             constraint=plan.constraint(),
-                                            prefill_leader=leader)
+                                            prefill_leader=leader,
+                                            session_id=body.session_id)
                 text = TextAssembler(self.decode, body.stop_strings())
                 runs.append(ChoiceRun(handle, gen, text, plan.output(index)))
         except BaseException:

@@ -318,3 +318,36 @@ def test_router_tool_call_parser_flag_and_key(tmp_path: Path) -> None:
     assert config.tool_call_parser == "hermes"
     args = parser.parse_args(["--unified", "127.0.0.1:1", "--tool-call-parser", "llama3"])
     assert build_config(args)[0].tool_call_parser == "llama3"
+
+
+def test_tier_policy_keys_reach_the_engine_and_hicache(tmp_path: Path) -> None:
+    """`[cache] device_eviction / host_eviction / host_mode / session_idle_s` (and their flags)
+    land in the engine's CacheConfig and HiCacheConfig; LRU + inclusive stay the defaults."""
+    from pdcache.engine.eviction import EVICTION_POLICIES
+    from pdcache.offload_manager.hicache import HOST_MODES
+
+    default = setup_for(pd(tmp_path), "p0", MODEL)
+    assert (default.engine.cache.device_eviction, default.tiers.hicache.host_eviction,
+            default.tiers.hicache.host_mode) == ("lru", "lru", "inclusive")
+    keys = ('device_eviction = "session"\nhost_eviction = "session"\n'
+            'host_mode = "exclusive"\nsession_idle_s = 45.0')
+    topo = setup_for(pd(tmp_path, cache=keys), "p0", MODEL)
+    assert topo.engine.cache.device_eviction == "session"
+    assert topo.engine.cache.session_idle_s == 45.0
+    assert (topo.tiers.hicache.host_eviction, topo.tiers.hicache.host_mode) == ("session",
+                                                                                 "exclusive")
+    flags = from_flags("prefill", "--name", "p0", "--port", "31001", "--bootstrap-port", "8998",
+                       "--transfer-engine", "zmq", "--transfer-timeout", "7.5",
+                       "--device-eviction", "session", "--host-eviction", "session",
+                       "--host-mode", "exclusive", "--session-idle-s", "45",
+                       *storage_flags(tmp_path))
+    assert flags.engine.cache == topo.engine.cache and flags.tiers == topo.tiers
+    with pytest.raises(TopologyError, match="cache.host_mode"):
+        pd(tmp_path, cache='host_mode = "victim"')
+    with pytest.raises(TopologyError, match="cache.session_idle_s: expected a number > 0"):
+        pd(tmp_path, cache="session_idle_s = 0")
+    actions = {a.dest: a for a in parser_for("prefill")._actions}
+    assert actions["device_eviction"].choices == list(EVICTION_POLICIES)
+    assert actions["host_mode"].choices == list(HOST_MODES)
+    assert set(get_args(get_type_hints(CacheSpec)["device_eviction"])) == set(EVICTION_POLICIES)
+    assert set(get_args(get_type_hints(CacheSpec)["host_mode"])) == set(HOST_MODES)

@@ -104,7 +104,7 @@ def test_forged_pages_are_misses_with_the_mac(
         rejected = metric(
             samples, "pdcache_storage_rejected_pages_total", server="u0", reason="mac"
         )
-        storage_hits = out["meta"]["cached_tokens_details"]["storage"]
+        storage_hits = out["meta_info"]["cached_tokens_details"]["storage"]
         if mac:
             assert storage_hits == 0
             assert out["output_ids"] == expected

@@ -113,6 +113,9 @@ def test_session_turn_with_only_the_new_message_equals_the_full_history(
         resent = generate(client, full + turn2["output_ids"] + new, 3, session_id="s1")
         assert resent["meta_info"]["prompt_tokens"] == len(full) + 6 + len(new)
         assert client.app.state.router.sessions.turns("s1") == 3  # type: ignore[attr-defined]
+        # the router forwards session_id: the node's eviction policies learned the turns
+        served = {n.name: n for n in nodes}[turn1["meta_info"]["prefill_node"]]
+        assert served.engine.tree.sessions.num_turns("s1") == 3
 
 
 def test_failed_turn_is_not_committed(nodes: list[UnifiedNode]) -> None:
