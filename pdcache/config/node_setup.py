@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdcache.config.schema import NodeSpec, StorageSpec, Topology, TopologyError, TransferSpec
+from pdcache.config.security import SecuritySettings, security_for
 from pdcache.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdcache.offload_manager.builder import (
     TierConfig,
@@ -69,6 +70,10 @@ class NodeSetup:
     key_scheme: str = "pdcache"  # how stored pages are named (PageKeyScheme), every node alike
     key_namespace: str = ""
     model_path: str = ""  # `[model]`'s preset name or checkpoint path (/server_info reports it)
+    # The cluster secret and its derived keys (`[security]`), loaded once by setup_for: the
+    # node HTTP credential, and the keys of stored pages, the control plane and the metadata
+    # service. Without a secret every key is None.
+    security: SecuritySettings = SecuritySettings()
 
 
 def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSetup:
@@ -83,7 +88,8 @@ def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSet
     return NodeSetup(node.name, node.role, node.host, node.port, engine_for(topology, node, model),
                      tiers_for(node, model, storage), fingerprint, storage, transfer,
                      node.bootstrap_port, offload_for(node), ServerSettings(node.request_timeout_s),
-                     cache.key_scheme, cache.key_namespace, topology.model.ref)
+                     cache.key_scheme, cache.key_namespace, topology.model.ref,
+                     security_for(topology.security, topology.source))
 
 
 def engine_for(topology: Topology, node: NodeSpec, model: ModelConfig) -> EngineConfig:

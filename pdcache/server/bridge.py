@@ -59,12 +59,18 @@ class ServerConfig:
     role: str = "unified"  # unified | prefill | decode (/server_info's disaggregation_mode)
     model_path: str = ""  # preset name or checkpoint path; "" = the model's name
     health_check_timeout_s: float = 20.0  # /health_generate's deadline (SGLang's default)
+    # Bearer credential every endpoint but /health (and /metrics unless metrics_auth) needs:
+    # derived from the cluster secret (`SecuritySettings.node_http_token`); None: open.
+    auth_token: str | None = None
+    metrics_auth: bool = False
 
     @classmethod
     def of(cls, setup: NodeSetup) -> ServerConfig:
         """The server settings of a node process."""
         return cls(name=setup.name, request_timeout_s=setup.server.request_timeout_s,
-                   role=setup.role, model_path=setup.model_path)
+                   role=setup.role, model_path=setup.model_path,
+                   auth_token=setup.security.node_http_token,
+                   metrics_auth=setup.security.metrics_auth)
 
 
 # --------------------------------------------------------------------------- one request
