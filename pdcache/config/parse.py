@@ -184,8 +184,7 @@ def _build_tenant(raw: Any, index: int, ctx: ErrorContext) -> TenantSpec:
             raise ctx.error(f"{prefix}.api_key_env", f"environment variable "
                             f"{tenant.api_key_env} is not set (or empty): it should hold "
                             f"tenant {tenant.name!r}'s API key")
-        tenant = TenantSpec(tenant.name, key, tenant.api_key_env, tenant.max_inflight,
-                            tenant.storage_quota)
+        tenant = TenantSpec(tenant.name, key, tenant.api_key_env, tenant.max_inflight)
     return tenant
 
 

@@ -210,7 +210,6 @@ class TenantSpec:
     api_key: str | None = None
     api_key_env: str | None = None
     max_inflight: int = 0  # requests of this tenant in flight at the router; 0 = no limit
-    storage_quota: int | None = _size(default=None)  # bytes of stored pages (see docs)
 
 
 @dataclass(frozen=True)

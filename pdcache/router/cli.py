@@ -139,7 +139,7 @@ def build_config(args: argparse.Namespace) -> tuple[RouterConfig, str, int]:
 def _security_settings(args: argparse.Namespace, topology: Topology | None,
                        spec: RouterSpec) -> dict[str, Any]:
     """RouterConfig's tenants, node credential and TLS files: flags over the topology."""
-    tenants = [Tenant(t.name, t.api_key or "", t.max_inflight, t.storage_quota)
+    tenants = [Tenant(t.name, t.api_key or "", t.max_inflight)
                for t in spec.tenant]
     tenants += [Tenant(*parse_tenant_flag(item)) for item in args.tenant]
     security = topology.security if topology is not None else SecuritySpec()

@@ -45,7 +45,6 @@ class Tenant:
     name: str
     api_key: str = field(repr=False)
     max_inflight: int = 0  # generations in flight at the router; 0 = no limit
-    storage_quota: int | None = None  # bytes of stored pages (documented: not enforced yet)
 
     @property
     def namespace(self) -> str:

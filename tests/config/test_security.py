@@ -100,7 +100,6 @@ TENANTS = """
 name = "alice"
 api_key = "k-alice"
 max_inflight = 4
-storage_quota = "1GiB"
 
 [[router.tenant]]
 name = "bob"
@@ -113,8 +112,7 @@ def test_router_tenants_parse_with_api_key_env(monkeypatch) -> None:
     router = parse_topology(pd() + TENANTS).router
     assert router is not None
     alice, bob = router.tenant
-    assert (alice.name, alice.api_key, alice.max_inflight, alice.storage_quota) == (
-        "alice", "k-alice", 4, 2**30)
+    assert (alice.name, alice.api_key, alice.max_inflight) == ("alice", "k-alice", 4)
     assert (bob.name, bob.api_key, bob.api_key_env) == ("bob", "k-bob", "PDCACHE_TEST_BOB_KEY")
 
 
