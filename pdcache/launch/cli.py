@@ -69,8 +69,9 @@ def with_cluster_secret(topology: Topology, args: argparse.Namespace) -> Topolog
     """`topology` with `[security] secret_file` set: as given, or the launcher's own
     (LOG_DIR/cluster.secret, created mode 0600 unless it exists; a dry run creates nothing).
     The override travels to every node with the others (`--set security.secret_file=...`).
-    A multi-host topology never gets here without one (validation refuses it)."""
-    if topology.security.enabled:
+    A multi-host topology never gets here without one (validation refuses it); with `--ssh`
+    each host's launcher makes its own (a path on this machine would not exist there)."""
+    if topology.security.enabled or getattr(args, "ssh", False):
         return topology
     path = Path(args.log_dir).resolve() / SECRET_FILE_NAME
     if not args.dry_run:
