@@ -87,12 +87,22 @@ def test_wildcard_bind_needs_a_secret(host: str, with_secret: bool) -> None:
         parse_topology(text)
 
 
-def test_wildcard_bind_is_refused_for_flag_nodes_and_the_metadata_server(tmp_path, capsys) -> None:
+def test_wildcard_bind_is_refused_for_flag_nodes(capsys) -> None:
     assert pdcache_main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
     assert "binds the wildcard address '0.0.0.0'" in capsys.readouterr().err
-    argv = ["metadata-server", "--host", "0.0.0.0", "--port", "0", "--state-dir", str(tmp_path)]
-    assert pdcache_main(argv) == 2
-    assert "refusing to bind the wildcard address" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("with_secret", [False, True], ids=["refused", "with-secret"])
+def test_wildcard_metadata_service_bind_needs_a_secret(with_secret: bool) -> None:
+    storage = ('[storage]\nbackend = "hf3fs"\nmetadata = "tcp://127.0.0.1:18000"\n'
+               '[storage.metadata_service]\nbind_host = "0.0.0.0"\n')
+    extra = storage + ('[security]\nsecret_file = "/s"\n' if with_secret else "")
+    if with_secret:
+        parse_topology(pd(extra=extra))
+        return
+    with pytest.raises(TopologyError, match=r"storage\.metadata_service\.bind_host: binds the "
+                                            r"wildcard address '0\.0\.0\.0'"):
+        parse_topology(pd(extra=extra))
 
 
 TENANTS = """

@@ -27,33 +27,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         help="seconds before an uncommitted reservation is reclaimed",
     )
-    parser.add_argument("--secret-file", default=None, metavar="PATH",
-                        help="the cluster secret ([security] secret_file; `pdcache launch` "
-                             "passes it); required to bind a wildcard address")
+    parser.add_argument(
+        "--secret-file",
+        default=None,
+        help="cluster secret file: every request must carry its derived credential "
+        "(docs/security.md); default: unauthenticated",
+    )
     parser.add_argument("--log-level", default="INFO")
-
-
-WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*", "")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    if args.secret_file is not None:
-        from pdcache.utils.secret import SecretError, load_secret
-
-        try:
-            # checked at start, so a bad file fails before binding; the service's request
-            # authentication derives its key from these bytes (derive_key(..., "metadata"))
-            load_secret(args.secret_file)
-        except SecretError as exc:
-            print(f"pdcache metadata-server: {exc}", file=sys.stderr)
-            return 2
-    elif args.host.strip() in WILDCARD_HOSTS:
-        print(f"pdcache metadata-server: refusing to bind the wildcard address {args.host!r} "
-              "without a cluster secret (anyone on the network could register or evict "
-              "pages); bind this host's address, or pass --secret-file PATH (create one with "
-              "`pdcache secret create PATH`)", file=sys.stderr)
-        return 2
     service = MetadataService(args.state_dir, args.capacity_pages, args.reservation_ttl)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
