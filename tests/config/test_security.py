@@ -188,3 +188,8 @@ def test_secret_create_cli(tmp_path, capsys) -> None:
     assert pdcache_main(["secret", "create", str(path)]) == 1  # never overwritten
     assert "exists; not overwritten" in capsys.readouterr().err
     assert path.read_bytes() == before
+    assert pdcache_main(["secret", "node-token", str(path)]) == 0
+    assert capsys.readouterr().out.strip() == derive_key(load_secret(path), "node-http").hex()
+    os.chmod(path, 0o644)
+    assert pdcache_main(["secret", "node-token", str(path)]) == 2
+    assert "chmod 600" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdcache.launch.launcher import HealthCheck, check_health
 from tests.router_support import GREEDY, ServeProcess, UnifiedNode, prompt
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
@@ -41,6 +42,10 @@ def test_router_serves_https(nodes: list[UnifiedNode], tmp_path) -> None:
                     "sampling_params": {"max_new_tokens": 3, **GREEDY}}
             r = client.post(f"{router.url}/generate", json=body)
             assert r.status_code == 200 and len(r.json()["output_ids"]) == 3
+        host, port = router.url.removeprefix("https://").split(":")
+        # the launcher's health check of a TLS router (liveness: the certificate is ours)
+        assert check_health(HealthCheck("http", host, int(port), tls=True), 10.0)
+        assert not check_health(HealthCheck("http", host, int(port)), 10.0)
         with httpx.Client(timeout=10, trust_env=False) as client:  # not trusting it: refused
             with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
                 client.get(f"{router.url}/health")
