@@ -9,6 +9,7 @@ and wrong types are `TopologyError`s naming the key (with a close match when the
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import sys
@@ -165,8 +166,7 @@ def _build_router(table: dict[str, Any], ctx: ErrorContext) -> RouterSpec:
         raise ctx.error("router.tenant", "must be an array of tables ([[router.tenant]])")
     spec = _build(RouterSpec, table, "router", ctx)
     tenants = tuple(_build_tenant(t, i, ctx) for i, t in enumerate(tenants_raw))
-    return RouterSpec(**{**{f.name: getattr(spec, f.name) for f in fields(spec)},
-                         "tenant": tenants})
+    return dataclasses.replace(spec, tenant=tenants)
 
 
 def _build_tenant(raw: Any, index: int, ctx: ErrorContext) -> TenantSpec:

@@ -18,6 +18,7 @@ last byte or the client's disconnect). Event loop only; nothing is locked.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import time
 from collections.abc import Callable, Iterable
@@ -34,7 +35,7 @@ from pdcache.server.protocol import error_body
 DEFAULT_TENANT = "default"  # the tenant of the single `api_key`
 NAMESPACE_PREFIX = "tenant/"
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: aggregate numbers, no tenant's data
-GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions", "/health_generate")
 RATE_LIMITED = "rate_limit_exceeded"
 
 
@@ -84,23 +85,28 @@ class TenantDirectory:
 
     def __init__(self, tenants: Iterable[Tenant]) -> None:
         self.tenants = tuple(tenants)
-        self._keys = [(t, t.api_key.encode()) for t in self.tenants]
+        self._digests = [(t, _digest(t.api_key)) for t in self.tenants]
 
     @property
     def enabled(self) -> bool:
         return bool(self.tenants)
 
     def authenticate(self, token: str | None) -> Tenant | None:
-        """The tenant whose key is `token`. Every key is compared (no early exit), each in
-        constant time, so timing tells nothing about which keys exist or how much matched."""
+        """The tenant whose key is `token`. Fixed-size digests are compared (so not even a
+        key's length shows), every one of them (no early exit) and each in constant time:
+        timing tells nothing about which keys exist or how much of one matched."""
         if token is None:
             return None
-        given = token.encode()
+        given = _digest(token)
         found = None
-        for tenant, key in self._keys:
-            if hmac.compare_digest(given, key):
+        for tenant, digest in self._digests:
+            if hmac.compare_digest(given, digest):
                 found = tenant
         return found
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
 
 
 class TenantLimits:
