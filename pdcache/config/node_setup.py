@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdcache.config.schema import NodeSpec, StorageSpec, Topology, TopologyError, TransferSpec
-from pdcache.config.security import SecuritySettings, security_for
+from pdcache.config.security import SecuritySettings, security_for, tenant_quotas
 from pdcache.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdcache.offload_manager.builder import (
     TierConfig,
@@ -84,6 +84,9 @@ def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSet
     identity = model_identity(topology.model.ref, topology.model.seed)
     fingerprint = fingerprint_for(model, identity, cache.page_size)
     storage = storage_from_spec(topology.storage, model, cache.page_size, fingerprint, node.host)
+    quotas = tenant_quotas(topology)
+    if storage is not None and quotas:
+        storage = storage.replace(namespace_quotas=quotas)
     transfer = transfer_from_spec(topology.transfer, node) if node.role != "unified" else None
     return NodeSetup(node.name, node.role, node.host, node.port, engine_for(topology, node, model),
                      tiers_for(node, model, storage), fingerprint, storage, transfer,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import sys
 import types
 from collections.abc import Iterable, Mapping
@@ -170,7 +169,8 @@ def _build_router(table: dict[str, Any], ctx: ErrorContext) -> RouterSpec:
 
 
 def _build_tenant(raw: Any, index: int, ctx: ErrorContext) -> TenantSpec:
-    """One tenant; `api_key_env` is read here, once: the topology names the variable."""
+    """One tenant. `api_key_env` is only named here: the router process reads it
+    (`config.security.tenant_api_key`), so nodes need not hold tenants' keys."""
     if not isinstance(raw, dict):
         raise ctx.error(f"router.tenant.{index}", f"expected a table, got {_describe(raw)}")
     name = raw.get("name")
@@ -178,13 +178,6 @@ def _build_tenant(raw: Any, index: int, ctx: ErrorContext) -> TenantSpec:
     tenant = _build(TenantSpec, raw, prefix, ctx)
     if (tenant.api_key is None) == (tenant.api_key_env is None):
         raise ctx.error(prefix, "expected exactly one of api_key or api_key_env")
-    if tenant.api_key_env is not None:
-        key = os.environ.get(tenant.api_key_env)
-        if not key:
-            raise ctx.error(f"{prefix}.api_key_env", f"environment variable "
-                            f"{tenant.api_key_env} is not set (or empty): it should hold "
-                            f"tenant {tenant.name!r}'s API key")
-        tenant = TenantSpec(tenant.name, key, tenant.api_key_env, tenant.max_inflight)
     return tenant
 
 

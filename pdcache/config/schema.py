@@ -202,14 +202,15 @@ class TransferSpec:
 class TenantSpec:
     """One `[[router.tenant]]`: a principal of the router, known by its API key.
 
-    Its key (`api_key`, or the environment variable `api_key_env` names, read when the
-    topology is parsed) authenticates its requests; its name derives the page-key namespace
-    its requests' `cache_salt` lives in and scopes its `session_id`s."""
+    Its key (`api_key`, or the environment variable `api_key_env` names, read by the router
+    process: `config.security.tenant_api_key`) authenticates its requests; its name derives
+    the page-key namespace its requests' `cache_salt` lives in and scopes its `session_id`s."""
 
     name: str
     api_key: str | None = None
     api_key_env: str | None = None
     max_inflight: int = 0  # requests of this tenant in flight at the router; 0 = no limit
+    storage_quota: int | None = _size(default=None)  # bytes of its stored pages (file backend)
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,12 @@ Without a secret every key is None: nothing is authenticated (single-host develo
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdcache.config.schema import SecuritySpec, TopologyError
+from pdcache.config.schema import SecuritySpec, TenantSpec, Topology, TopologyError
 from pdcache.utils.secret import SecretError, derive_key, load_secret
 
 NODE_HTTP, PAGE_MAC, ZMQ_CONTROL, METADATA = "node-http", "page-mac", "zmq-control", "metadata"
@@ -72,3 +74,28 @@ def security_for(spec: SecuritySpec, source: str | Path = "<topology>") -> Secur
     except SecretError as exc:
         raise TopologyError(source, "security.secret_file", str(exc)) from None
     return SecuritySettings.from_secret(secret, spec.metrics_auth, spec.secret_file)
+
+
+def tenant_api_key(tenant: TenantSpec, source: str | Path = "<topology>",
+                   environ: Mapping[str, str] = os.environ) -> str:
+    """A tenant's API key: `api_key`, or the variable `api_key_env` names (the topology
+    names it, so reading it is explicit configuration). Raises TopologyError when unset."""
+    if tenant.api_key is not None:
+        return tenant.api_key
+    assert tenant.api_key_env is not None  # validation: exactly one of the two
+    key = environ.get(tenant.api_key_env, "")
+    if not key:
+        raise TopologyError(source, f"router.tenant.{tenant.name}.api_key_env",
+                            f"environment variable {tenant.api_key_env} is not set (or "
+                            f"empty): it should hold tenant {tenant.name!r}'s API key")
+    return key
+
+
+def tenant_quotas(topology: Topology) -> dict[str, int]:
+    """Tenant namespace -> storage quota in bytes, of the tenants that have one (what every
+    node's storage enforces where its backend can)."""
+    from pdcache.offload_manager.storage.config import TENANT_PREFIX
+
+    tenants = topology.router.tenant if topology.router is not None else ()
+    return {TENANT_PREFIX + t.name: t.storage_quota for t in tenants
+            if t.storage_quota is not None}

@@ -285,7 +285,10 @@ def _check_router(topology: Topology, ctx: ErrorContext) -> None:
         names.add(tenant.name)
         if tenant.max_inflight < 0:
             raise ctx.error(f"{key}.max_inflight", f"expected an integer >= 0, got {tenant.max_inflight}")
-    keys = [t.api_key for t in router.tenant] + ([router.api_key] if router.api_key else [])
+        if tenant.storage_quota is not None and tenant.storage_quota < 1:
+            raise ctx.error(f"{key}.storage_quota", "expected a size > 0")
+    keys = [t.api_key for t in router.tenant if t.api_key is not None]
+    keys += [router.api_key] if router.api_key else []
     if len(set(keys)) != len(keys):
         raise ctx.error("router.tenant", "two tenants (or a tenant and router.api_key) share an "
                         "API key: the key is what tells tenants apart")

@@ -28,7 +28,7 @@ from pdcache.config import (
     add_topology_arguments,
     router_from_args,
 )
-from pdcache.config.security import security_for
+from pdcache.config.security import security_for, tenant_api_key
 from pdcache.router.config import RouterConfig
 from pdcache.router.nodes import NodeEndpoint
 from pdcache.router.policy import DECODE_POLICIES, PREFILL_POLICIES
@@ -139,13 +139,12 @@ def build_config(args: argparse.Namespace) -> tuple[RouterConfig, str, int]:
 def _security_settings(args: argparse.Namespace, topology: Topology | None,
                        spec: RouterSpec) -> dict[str, Any]:
     """RouterConfig's tenants, node credential and TLS files: flags over the topology."""
-    tenants = [Tenant(t.name, t.api_key or "", t.max_inflight)
-               for t in spec.tenant]
+    source = topology.source if topology is not None else "<command line>"
+    tenants = [Tenant(t.name, tenant_api_key(t, source), t.max_inflight) for t in spec.tenant]
     tenants += [Tenant(*parse_tenant_flag(item)) for item in args.tenant]
     security = topology.security if topology is not None else SecuritySpec()
     if args.secret_file is not None:
         security = SecuritySpec(args.secret_file, security.metrics_auth)
-    source = topology.source if topology is not None else "<command line>"
     return {"tenants": tuple(tenants),
             "node_token": security_for(security, source).node_http_token,
             "tls_cert": _pick(args.tls_cert, spec.tls_cert),

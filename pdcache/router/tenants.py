@@ -29,11 +29,12 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdcache.offload_manager.storage.config import TENANT_PREFIX
 from pdcache.server.auth import bearer_token, unauthorized
 from pdcache.server.protocol import error_body
 
 DEFAULT_TENANT = "default"  # the tenant of the single `api_key`
-NAMESPACE_PREFIX = "tenant/"
+NAMESPACE_PREFIX = TENANT_PREFIX  # what the nodes' storage reads back (tenant_namespace)
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: aggregate numbers, no tenant's data
 GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions", "/health_generate")
 RATE_LIMITED = "rate_limit_exceeded"

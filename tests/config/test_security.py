@@ -12,7 +12,12 @@ import pytest
 
 from pdcache.cli import main as pdcache_main
 from pdcache.config import TopologyError, parse_topology, setup_for
-from pdcache.config.security import SecuritySettings, security_for
+from pdcache.config.security import (
+    SecuritySettings,
+    security_for,
+    tenant_api_key,
+    tenant_quotas,
+)
 from pdcache.engine.loader import load_model_config
 from pdcache.utils.secret import create_secret, derive_key, load_secret
 
@@ -110,6 +115,7 @@ TENANTS = """
 name = "alice"
 api_key = "k-alice"
 max_inflight = 4
+storage_quota = "1MiB"
 
 [[router.tenant]]
 name = "bob"
@@ -117,17 +123,24 @@ api_key_env = "PDCACHE_TEST_BOB_KEY"
 """
 
 
-def test_router_tenants_parse_with_api_key_env(monkeypatch) -> None:
-    monkeypatch.setenv("PDCACHE_TEST_BOB_KEY", "k-bob")
-    router = parse_topology(pd() + TENANTS).router
+def test_router_tenants_parse_and_the_router_reads_api_key_env() -> None:
+    topology = parse_topology(pd() + TENANTS)
+    router = topology.router
     assert router is not None
     alice, bob = router.tenant
-    assert (alice.name, alice.api_key, alice.max_inflight) == ("alice", "k-alice", 4)
-    assert (bob.name, bob.api_key, bob.api_key_env) == ("bob", "k-bob", "PDCACHE_TEST_BOB_KEY")
+    assert (alice.name, alice.api_key, alice.max_inflight, alice.storage_quota) == (
+        "alice", "k-alice", 4, 2**20)
+    assert (bob.name, bob.api_key, bob.api_key_env) == ("bob", None, "PDCACHE_TEST_BOB_KEY")
+    # nodes parse the same file without the tenants' keys; the router process reads them
+    assert tenant_api_key(bob, environ={"PDCACHE_TEST_BOB_KEY": "k-bob"}) == "k-bob"
+    assert tenant_api_key(alice, environ={}) == "k-alice"
+    with pytest.raises(TopologyError, match=r"router\.tenant\.bob\.api_key_env: environment "
+                                            r"variable PDCACHE_TEST_BOB_KEY is not set"):
+        tenant_api_key(bob, environ={})
+    assert tenant_quotas(topology) == {"tenant/alice": 2**20}  # what every node enforces
 
 
 @pytest.mark.parametrize(("edit", "error"), [
-    (lambda t: t, r"router\.tenant\.bob\.api_key_env: environment variable PDCACHE_TEST_BOB_KEY is not set"),
     (lambda t: t.replace('api_key_env = "PDCACHE_TEST_BOB_KEY"', ""),
      r"router\.tenant\.bob: expected exactly one of api_key or api_key_env"),
     (lambda t: t.replace('"bob"', '"alice"').replace('api_key_env = "PDCACHE_TEST_BOB_KEY"',
@@ -139,8 +152,7 @@ def test_router_tenants_parse_with_api_key_env(monkeypatch) -> None:
                                                     'api_key = "k2"'),
      r"router\.tenant\.b/ob\.name: expected letters"),
 ])
-def test_bad_tenants_are_refused(monkeypatch, edit, error: str) -> None:
-    monkeypatch.delenv("PDCACHE_TEST_BOB_KEY", raising=False)
+def test_bad_tenants_are_refused(edit, error: str) -> None:
     with pytest.raises(TopologyError, match=error):
         parse_topology(pd() + edit(TENANTS))
 
