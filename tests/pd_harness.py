@@ -129,14 +129,15 @@ def start_stack(prefill: NodeSetup, decode: NodeSetup) -> PDStack:
 class MetadataService:
     """`pdcache metadata-server` as a subprocess on a free loopback port."""
 
-    def __init__(self, state_dir) -> None:
+    def __init__(self, state_dir, secret_file: str | None = None) -> None:
         import subprocess
         import sys
 
         self.port = free_port()
+        secret = ["--secret-file", secret_file] if secret_file else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdcache", "metadata-server", "--host", "127.0.0.1",
-             "--port", str(self.port), "--state-dir", str(state_dir)],
+             "--port", str(self.port), "--state-dir", str(state_dir), *secret],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while True:
@@ -188,7 +189,7 @@ def run_session(stack: PDStack, first_prompt: list[int], messages: list[list[int
         assert 0 < p["pd"]["push_s"] <= p["pd"]["transfer_s"], p["pd"]
         if reference is not None:
             assert answer == reference(prompt, answer_tokens), f"turn {t} differs from unified"
-        turns.append(Turn(prompt, answer, d["meta"]))
+        turns.append(Turn(prompt, answer, d["meta_info"]))
         assert stack.offload_idle(30), "decode offload did not drain"
         if t < len(messages):
             prompt = prompt + answer + messages[t]

@@ -150,9 +150,9 @@ def _session(args: argparse.Namespace, client: httpx.Client, prefill: NodeProces
     cpu_before = process_cpu_s(decode.proc.pid)
     _, _, d1 = pd_request(client, prefill.url, decode.url, prefill.bootstrap, prompt,
                           answer_len)
-    meta = d1["meta"]
+    meta = d1["meta_info"]
     decoded = max(1, len(d1["output_ids"]) - 1)
-    itl = (meta["e2e_s"] - meta["ttft_s"]) / decoded
+    itl = (meta["e2e_latency"] - meta["ttft_s"]) / decoded
     answered = time.perf_counter()
     _wait_drained(client, decode, deadline_s=120.0)
     drain = time.perf_counter() - answered
@@ -160,7 +160,7 @@ def _session(args: argparse.Namespace, client: httpx.Client, prefill: NodeProces
     cpu_per_token = (process_cpu_s(decode.proc.pid) - cpu_before) / decoded
     turn2 = prompt + d1["output_ids"] + random_prompt(rng, args.message_len)
     ttft, _, d2 = pd_request(client, prefill.url, decode.url, prefill.bootstrap, turn2, 1)
-    meta2 = d2["meta"]
+    meta2 = d2["meta_info"]
     return {"itl": itl, "cpu": cpu_per_token, "ttft": ttft, "drain": drain, "cached": meta2["cached_tokens"],
             "from_decode": meta2["cached_tokens_details"]["storage_from_decode"],
             "computed": meta2["computed_tokens"]}

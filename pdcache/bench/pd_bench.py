@@ -239,10 +239,10 @@ def _measure(args: argparse.Namespace, client: httpx.Client, prompt_len: int,
                                 random_prompt(rng, prompt_len), 1)
         if i < args.warmup:
             continue
-        handoff = max(pd_s - p["meta"]["ttft_s"], 0.0)
+        handoff = max(pd_s - p["meta_info"]["ttft_s"], 0.0)
         transfer = max(p["pd"]["push_s"], 1e-9)  # prompt K/V complete -> room released
         nbytes = int(p["pd"]["bytes"])
-        for key, value in (("unified", u_s), ("pd", pd_s), ("prefill", p["meta"]["ttft_s"]),
+        for key, value in (("unified", u_s), ("pd", pd_s), ("prefill", p["meta_info"]["ttft_s"]),
                            ("handoff", handoff), ("transfer", transfer)):
             samples[key].append(value)
     med = {key: statistics.median(values) for key, values in samples.items()}

@@ -51,8 +51,8 @@ class StreamState:
             self.itl_s.extend(gaps)
             self.last_at = now
             self.output_ids.extend(int(t) for t in ids)
-        if chunk.get("meta"):
-            self.meta = chunk["meta"]
+        if chunk.get("meta_info"):
+            self.meta = chunk["meta_info"]
 
 
 async def send_stream(
@@ -93,7 +93,7 @@ async def send_plain(
         raise HttpError(resp.status_code, resp.text)
     data = resp.json()
     rec.e2e_s = time.perf_counter() - start
-    rec.apply_meta(data.get("meta") or {})
+    rec.apply_meta(data.get("meta_info") or {})
     rec.ttft_s = rec.server_ttft_s
     on_first_token()  # not observable without streaming: the prompt counts from completion
     return [int(t) for t in data.get("output_ids") or []]

@@ -205,6 +205,8 @@ class Replayer:
             "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True,
                                 "temperature": self.cfg.temperature},
             "stream": self.cfg.stream,
+            # the replay reads each chunk's new ids (ITL per token): SGLang's incremental chunks
+            "incremental_streaming_output": True,
         }
         if self.cfg.send_session_id and len(session.turns) > 1:
             rec.sent_session_id = self.cfg.session_id_for(session.session_id)

@@ -6,6 +6,10 @@ page cache warm, no checksum), then put/get through each backend (header + check
 verification included). Plain-file and backend reads alternate, best of `--repeat` each, so a
 busy machine slows both alike; `read_vs_file` is the backend's read GB/s over the plain file
 read measured beside it (target >= 0.5). Every read is checked byte-exact.
+
+`--mac both` (the default) also runs every backend with authenticated pages (a keyed BLAKE3
+MAC per page, docs/security.md) in the same run: the "+mac" row's `mac_read_ratio` /
+`mac_write_ratio` are its GB/s over the same backend's without the MAC (target >= 0.95).
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default=DEFAULT_BACKENDS, help="comma-separated")
     parser.add_argument("--io-threads", type=int, default=1, help="hf3fs IO threads")
     parser.add_argument("--dir", default=None, help="directory for files (default: a temp dir)")
+    parser.add_argument(
+        "--mac",
+        choices=("off", "on", "both"),
+        default="both",
+        help="authenticated pages (page MAC): off, on, or both side by side",
+    )
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -107,7 +117,14 @@ def _run_backend(
 
 
 @contextmanager
-def _open_backend(name: str, base: Path, page_bytes: int, pages: int, io_threads: int):
+def _open_backend(
+    name: str,
+    base: Path,
+    page_bytes: int,
+    pages: int,
+    io_threads: int,
+    mac_key: bytes | None = None,
+):
     from pdcache.offload_manager.storage import create_backend
     from pdcache.offload_manager.storage.config import StorageConfig
 
@@ -119,6 +136,7 @@ def _open_backend(name: str, base: Path, page_bytes: int, pages: int, io_threads
         fingerprint="bench",
         io_threads=io_threads,
         namespace=f"bench{uuid.uuid4().hex[:8]}",
+        page_mac_key=mac_key,
     )
     with ExitStack() as stack:
         if name == "hf3fs_service":
@@ -154,6 +172,39 @@ def _row(path: str, nbytes: int, times: dict[str, float], plain_read_s: float) -
     }
 
 
+MAC_SIZES = (8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20)  # tiny/small pages .. 8B bf16
+
+
+def mac_algorithm_rows(page_bytes: int, hashed_bytes: int = 64 << 20) -> list[dict[str, Any]]:
+    """GB/s of the page-MAC candidates (single thread, one page per call) beside xxh3, per
+    page size: what chose keyed BLAKE3 (docs/security.md)."""
+    import hashlib
+    import hmac
+
+    import blake3
+    import xxhash
+
+    key = os.urandom(32)
+    rows = []
+    for size in sorted({*MAC_SIZES, page_bytes}):
+        page = os.urandom(size)
+        calls = max(8, hashed_bytes // size)
+        fns = {
+            "blake3_keyed": lambda p=page: blake3.blake3(p, key=key).digest(),
+            "blake3_keyed_2threads": lambda p=page: blake3.blake3(
+                p, key=key, max_threads=2
+            ).digest(),
+            "hmac_sha256": lambda p=page: hmac.digest(key, p, hashlib.sha256),
+            "xxh3_checksum": lambda p=page: xxhash.xxh3_64_intdigest(p),
+        }
+        row: dict[str, Any] = {"page_KiB": size >> 10}
+        for name, fn in fns.items():
+            seconds = _best(lambda f=fn, n=calls: [f() for _ in range(n)], 2)
+            row[f"{name}_GBps"] = _gbps(size * calls, seconds)
+        rows.append(row)
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     page_bytes = args.page_kib * 1024
     nbytes = page_bytes * args.pages
@@ -172,10 +223,21 @@ def run(args: argparse.Namespace) -> int:
             rows.append(_row("memcpy (torch copy_)", nbytes, {"read_s": memcpy_s}, plain_read_s))
             plain_times = {"write_s": plain_write_s, "read_s": plain_read_s}
             rows.append(_row("plain file pwrite/preadv", nbytes, plain_times, plain_read_s))
+            macs = {"off": [None], "on": [os.urandom(32)], "both": [None, os.urandom(32)]}
             for name in [n.strip() for n in args.backends.split(",") if n.strip()]:
-                with _open_backend(name, base, page_bytes, args.pages, args.io_threads) as backend:
-                    times = _run_backend(backend, plain, src, dst, args.repeat)
-                rows.append(_row(f"storage {name}", nbytes, times, times["plain_read_s"]))
+                without: dict[str, float] = {}
+                for mac_key in macs[args.mac]:
+                    with _open_backend(
+                        name, base, page_bytes, args.pages, args.io_threads, mac_key
+                    ) as backend:
+                        times = _run_backend(backend, plain, src, dst, args.repeat)
+                    label = f"storage {name}" + (" +mac" if mac_key else "")
+                    rows.append(_row(label, nbytes, times, times["plain_read_s"]))
+                    if mac_key is None:
+                        without = times
+                    elif without:
+                        rows[-1]["mac_read_ratio"] = without["read_s"] / times["read_s"]
+                        rows[-1]["mac_write_ratio"] = without["write_s"] / times["write_s"]
         finally:
             plain.close()
     extra = {
@@ -183,7 +245,25 @@ def run(args: argparse.Namespace) -> int:
         "pages": args.pages,
         "io_threads": args.io_threads,
         "note": "read_vs_file = plain file read time / this read time, measured alternately",
-        "target": "storage read_vs_file >= 0.5",
+        "target": "storage read_vs_file >= 0.5; +mac rows mac_*_ratio >= 0.95",
+        "mac": args.mac,
     }
-    emit("storage read/write throughput (same bytes, same run)", rows, args.json_path, extra=extra)
+    columns = list(rows[0])
+    if any("mac_read_ratio" in row for row in rows):
+        columns += ["mac_read_ratio", "mac_write_ratio"]
+    emit(
+        "storage read/write throughput (same bytes, same run)",
+        rows,
+        args.json_path,
+        columns,
+        extra=extra,
+    )
+    if args.mac != "off":
+        mac_json = args.json_path and args.json_path.replace(".json", "") + ".mac.json"
+        emit(
+            "page MAC candidates, GB/s per page (one thread)",
+            mac_algorithm_rows(page_bytes),
+            mac_json,
+            extra={"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)},
+        )
     return 0

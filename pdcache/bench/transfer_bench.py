@@ -8,6 +8,10 @@ layout, in the same run:
   timed from prefill's send() until decode's wait() returned for every room.
 The target is transfer ≥ 70% of the raw engine. The last room's pages are checked byte for
 byte (SHA-256 on both sides) so a fast wrong transfer cannot pass.
+
+Then the control plane's round trip with and without authentication (`pdcache.bench.
+control_rtt`: a real KVSender pinged unauthenticated vs with its control key, and the bare
+mechanisms plain / per-message HMAC / CurveZMQ side by side), `--control-rounds` each.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rooms", type=int, default=2, help="rooms per repeat")
     parser.add_argument("--repeats", type=int, default=3, help="median of this many")
     parser.add_argument("--workers", type=int, default=2, help="sender transfer workers")
+    parser.add_argument("--control-rounds", type=int, default=2000,
+                        help="control-plane round trips per auth mode (0: skip that table)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,7 +77,23 @@ def run(args: argparse.Namespace) -> int:
     if skipped:
         extra["skipped"] = skipped
     emit("P->D KV transfer (decode in another process)", rows, args.json_path, extra=extra)
+    if args.control_rounds > 0:
+        _control_table(args)
     return 0
+
+
+def _control_table(args: argparse.Namespace) -> None:
+    from pdcache.bench.control_rtt import mechanism_rows, node_rows
+
+    key = os.urandom(32)
+    rows = node_rows(args.control_rounds, key) + mechanism_rows(args.control_rounds, key)
+    base = {r["path"]: r["rtt_p50_us"] for r in rows if r["auth"] == "none"}
+    for row in rows:
+        row["p50_vs_none"] = round(row["rtt_p50_us"] / base[row["path"]], 3)
+    json_path = args.json_path and args.json_path.replace(".json", "") + ".control.json"
+    emit("control-plane round trip (Ping -> Pong), authenticated vs not", rows, json_path,
+         columns=["path", "auth", "rtt_p50_us", "rtt_p99_us", "p50_vs_none", "first_reply_us"],
+         extra={"rounds": args.control_rounds, "load_avg_1m": round(os.getloadavg()[0], 2)})
 
 
 # ---- one engine × layout -------------------------------------------------------------------

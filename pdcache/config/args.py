@@ -47,6 +47,7 @@ NODE_FLAG_KEYS = {
     "max_queued": "scheduler.max_queued_requests",
     "chunked_prefill_tokens": "scheduler.chunked_prefill_tokens",
     "no_prefix_cache": "cache.prefix_cache",
+    "incremental_streaming_output": "incremental_streaming_output",
 }
 FLAGS_SOURCE = "<command line>"
 _FLAG_SEGMENT_BYTES = 256 << 20  # Mooncake Store segment of a flags-only node (StorageConfig's)
@@ -220,6 +221,9 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
                         help="deadline of one request in seconds (default 600)")
     parser.add_argument("--kernels", default=None, choices=["auto", *KERNEL_BACKENDS.names()],
                         help="KV kernel backend (default auto: by device)")
+    parser.add_argument("--incremental-streaming-output", action="store_const", const=True,
+                        default=None, help="/generate streams deltas, not SGLang's default "
+                        "cumulative chunks (SGLang's flag)")
     if role == "unified":
         parser.add_argument("--max-running", type=int, default=None,
                             help=f"default {sched.max_running_requests}")

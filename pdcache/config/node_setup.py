@@ -36,6 +36,7 @@ class ServerSettings:
     """The HTTP side of one node process."""
 
     request_timeout_s: float = 600.0  # deadline of every wait on the engine, per request
+    incremental_streaming_output: bool = False  # /generate streams deltas, not cumulative
 
 
 @dataclass(frozen=True)
@@ -83,16 +84,24 @@ def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSet
     cache = node.cache
     identity = model_identity(topology.model.ref, topology.model.seed)
     fingerprint = fingerprint_for(model, identity, cache.page_size)
-    storage = storage_from_spec(topology.storage, model, cache.page_size, fingerprint, node.host)
+    security = security_for(topology.security, topology.source)
+    storage = with_keys(storage_from_spec(topology.storage, model, cache.page_size, fingerprint,
+                                          node.host), security)
     quotas = tenant_quotas(topology)
     if storage is not None and quotas:
         storage = storage.replace(namespace_quotas=quotas)
     transfer = transfer_from_spec(topology.transfer, node) if node.role != "unified" else None
     return NodeSetup(node.name, node.role, node.host, node.port, engine_for(topology, node, model),
                      tiers_for(node, model, storage), fingerprint, storage, transfer,
-                     node.bootstrap_port, offload_for(node), ServerSettings(node.request_timeout_s),
-                     cache.key_scheme, cache.key_namespace, topology.model.ref,
-                     security_for(topology.security, topology.source))
+                     node.bootstrap_port, offload_for(node), ServerSettings(node.request_timeout_s, node.incremental_streaming_output),
+                     cache.key_scheme, cache.key_namespace, topology.model.ref, security)
+
+
+def with_keys(storage: StorageConfig | None, security: SecuritySettings) -> StorageConfig | None:
+    """`storage` with the page MAC and metadata-service keys of the cluster secret."""
+    if storage is None or not security.enabled:
+        return storage
+    return storage.replace(page_mac_key=security.page_mac_key, metadata_key=security.metadata_key)
 
 
 def engine_for(topology: Topology, node: NodeSpec, model: ModelConfig) -> EngineConfig:
@@ -165,7 +174,10 @@ def storage_for(topology: Topology, model: ModelConfig, node_name: str | None = 
     fingerprint = fingerprint_for(model, identity, node.cache.page_size)
     storage = storage_from_spec(topology.storage, model, node.cache.page_size, fingerprint, node.host)
     assert storage is not None  # storage.enabled
-    return storage
+    # `pdcache storage` verifies pages as the nodes do: with the secret's keys
+    keyed = with_keys(storage, security_for(topology.security, topology.source))
+    assert keyed is not None
+    return keyed
 
 
 def transfer_from_spec(spec: TransferSpec, node: NodeSpec) -> TransferConfig:

@@ -245,6 +245,7 @@ class RouterSpec:
     max_inflight_per_node: int = 0  # requests in flight per node before the router queues; 0 = no limit
     max_queue: int = 1024  # requests the router queues when every node is at its limit
     max_attempts: int = 3  # tries of a request whose node was unreachable or answered 503
+    incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
     tls_cert: str | None = None  # PEM certificate chain: the router serves HTTPS
     tls_key: str | None = None  # PEM private key of tls_cert
     tenant: tuple[TenantSpec, ...] = ()  # [[router.tenant]]; with any, every request needs a key
@@ -283,6 +284,7 @@ class NodeSpec:
     offload_staging_pages: int | None = None  # decode only: host staging pages (default 256)
     offload_stride_pages: int | None = None  # decode only: offload every N full pages (default 1)
     request_timeout_s: float = 600.0  # deadline of one request on this node's HTTP side
+    incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
     kernels: str = "auto"  # KV kernel backend (pdcache.kernels): auto, reference, torch, ...
     devices: tuple[str, ...] | None = None  # overrides transfer.devices on this node
     cache: CacheSpec = field(default_factory=CacheSpec)  # [cache] merged with [node.cache]

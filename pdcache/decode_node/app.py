@@ -46,11 +46,11 @@ from pdcache.server.bridge import (
     resolve_on_loop,
     wait_for_disconnect,
 )
+from pdcache.server.generate_api import GenerateRequestBody, single_item
 from pdcache.server.protocol import (
     OVERLOADED,
     SERVER_ERROR,
     ApiError,
-    GenerateRequestBody,
     bad_request,
 )
 from pdcache.server.routes import ServerRoutes
@@ -76,28 +76,32 @@ class DecodeApp:
         return min(self.bridge.config.request_timeout_s, self.receiver.config.room_timeout_s)
 
     async def pd_generate(self, request: Request, body: GenerateRequestBody) -> Response:
-        pd = body.pd
+        pd = body.pd_params("decode")
         assert pd is not None
         if pd.role != "decode" or not pd.bootstrap:
             raise bad_request("this is a decode node: pd needs role 'decode' and 'bootstrap'",
                               code="wrong_role")
+        body.check_supported()
+        item = single_item(body)
         arrival = time.monotonic()
-        input_ids = self.routes.checked_prompt(body)
-        room, rid = pd.room, body.rid or f"pd-{pd.room}"
+        input_ids = self.routes.checked_prompt(item)
+        room, rid = pd.room, item.rid or f"pd-{pd.room}"
         report = await self._receive(request, room, rid, pd.bootstrap, len(input_ids),
-                                     body.sampling_params.max_new_tokens,
+                                     item.sampling.max_new_tokens,
                                      arrival + self.admission_timeout_s)
         if pd.prefill_node:
             report = dataclasses.replace(report, prefill_node=pd.prefill_node)
         gen = Generation(arrival=arrival, report=report)
-        sampling, salt = body.sampling_params.to_engine(), body.cache_salt
+        sampling, salt = item.sampling.to_engine(), body.cache_salt
         try:
             handle = self.controller.start_decode(room, lambda: self.bridge.submit_prefilled(
-                gen, rid, input_ids, sampling, salt, report.first_token))
+                gen, rid, input_ids, sampling, salt, report.first_token,
+                logprobs=item.logprobs, first_logprob=report.first_token_logprob(),
+                input_logprobs=report.prompt_logprobs()))
         except RoomCancelledError as exc:  # the node is closing
             raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
                            code="unavailable") from None
-        return await self.routes.respond(request, handle, gen, body.stream)
+        return await self.routes.respond(request, handle, gen, body, item)
 
     async def _receive(self, request: Request, room: int, rid: str, bootstrap: str,
                        num_tokens: int, max_new_tokens: int, deadline: float) -> PrefillReport:

@@ -32,6 +32,7 @@ from pdcache.offload_manager.storage import create_backend
 from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.server.app import routes_for
 from pdcache.server.bridge import ServerConfig
+from pdcache.server.metrics import ControlRejectCollector
 from pdcache.server.routes import build_app
 from pdcache.transfer import KVReceiver
 
@@ -51,9 +52,12 @@ class DecodeRuntime:
         self.offload: DecodeOffloadManager | None = None  # set by _scheduler
         self.engine = Engine(setup.engine, model, tokenizer, make_scheduler=self._scheduler)
         self.receiver = KVReceiver(setup.transfer, self.engine.pool.device_kv,
-                                   on_release=self.controller.on_release, decode_id=setup.name)
+                                   on_release=self.controller.on_release, decode_id=setup.name,
+                                   control_key=setup.security.zmq_control_key)
         self.controller.attach(self.engine, self.receiver)
         self.routes = routes_for(self.engine, self.config)
+        self.routes.bridge.metrics.registry.register(  # dropped control messages, by kind
+            ControlRejectCollector(self.receiver.stats, setup.name))
         if self.offload is not None:  # pdcache_decode_offload_* on this node's /metrics
             self.routes.bridge.metrics.registry.register(
                 OffloadStatsCollector(self.offload, setup.name))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from pdcache.engine.api import TokenLogprob
 from pdcache.engine.request import Req, ReqStatus
 from pdcache.engine.scheduler import ScheduledBatch, Scheduler
 from pdcache.offload_manager.decode_offload import DecodeOffloadManager
@@ -35,13 +36,15 @@ class DecodeScheduler(Scheduler):
         self.offload = offload
         self.holds = holds
 
-    def add_prefilled(self, req: Req, first_token: int) -> None:
+    def add_prefilled(self, req: Req, first_token: int,
+                      first_logprob: TokenLogprob | None = None) -> None:
         if self.offload is not None:
             self.offload.track(req.rid, req.salt)
-        super().add_prefilled(req, first_token)
+        super().add_prefilled(req, first_token, first_logprob)
 
-    def commit(self, batch: ScheduledBatch, tokens: list[int]) -> list[Req]:
-        touched = super().commit(batch, tokens)
+    def commit(self, batch: ScheduledBatch, tokens: list[int],
+               logprobs: list[TokenLogprob | None] | None = None) -> list[Req]:
+        touched = super().commit(batch, tokens, logprobs)
         if self.offload is not None:
             for req in batch.reqs:
                 # fill_ids copies the whole sequence: build it only when a page completed

@@ -90,12 +90,18 @@ class LogprobRequest:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """The logprob of one token at one position (log_softmax of the logits the sampler saw,
-    before temperature and truncation), with the `top_n` best and the requested `token_ids`
-    at that position as `(token_id, logprob)` pairs."""
+    """The logprob of one token at one position, with the `top_n` best (sorted, best first) and
+    the requested `token_ids` at that position as `(token_id, logprob)` pairs.
+
+    Output tokens: log_softmax of the logits the sampler saw (penalties and masks applied),
+    divided by the temperature for sampled requests, before top-k/top-p/min-p truncation:
+    SGLang 0.5.23's default (`pdcache.engine.sampler`). Masked tokens read the fp32 minimum,
+    not -inf. Prompt tokens: log_softmax of the raw logits. `logprob` is None only for the
+    first entry of `RequestOutput.input_logprobs` (the token at `input_start`: no logits
+    before it are computed, as in SGLang), whose `top`/`selected` are empty."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
     selected: tuple[tuple[int, float], ...] = ()
 
@@ -144,6 +150,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    # the prompt's numbers: on every output once the prompt is matched (SGLang's first stream
+    # chunk carries them), final on the last one (retractions may recompute)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached: CachedTokens = field(default_factory=CachedTokens)

@@ -21,6 +21,7 @@ statistics); concatenating every `new_token_ids` gives the whole completion.
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 import queue
 import threading
@@ -32,13 +33,20 @@ from typing import Any
 
 import torch
 
-from pdcache.engine.api import CachedTokens, CacheFlush, GenerateRequest, RequestOutput
+from pdcache.engine.api import (
+    CachedTokens,
+    CacheFlush,
+    GenerateRequest,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdcache.engine.kv_pool import DeviceKVPool
 from pdcache.engine.radix import RadixTree
 from pdcache.engine.request import OutputCallback, Req, ReqStatus, pages_for
 from pdcache.engine.runner import CausalLMLike, ModelRunner
-from pdcache.engine.sampler import make_generator, sample
+from pdcache.engine.sampler import SampleRow, input_logprobs, make_generator, sample_rows
 from pdcache.engine.scheduler import PendingReservation, ScheduledBatch, Scheduler
 from pdcache.kernels import KernelSet
 
@@ -93,6 +101,7 @@ class _CancelReservation:
 class _SubmitPrefilled:
     req: Req
     first_token: int
+    first_logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -332,14 +341,21 @@ class Engine:
         return self._call(lambda: self.scheduler.release_reservation(rid), timeout)
 
     def submit_prefilled(
-        self, req: GenerateRequest, first_token: int, on_output: OutputCallback
+        self, req: GenerateRequest, first_token: int, on_output: OutputCallback, *,
+        first_logprob: TokenLogprob | None = None,
+        input_logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         """Decode node: start decoding `req`, whose prompt K/V a prefill node wrote into the
         pages `reserve(req.rid, len(req.input_ids))` returned and which sampled `first_token`.
-        The first output carries `first_token`; then as `submit`."""
+        The first output carries `first_token`; then as `submit`. With `req.logprobs` the
+        first output also carries prefill's `first_logprob` (a None logprob when prefill sent
+        none) and `input_logprobs`; `req.constraint` accepts `first_token` first (a refusal
+        fails the request) and the penalties count it."""
         self._validate(req)
         if not _is_token_id(first_token, self.config.model.vocab_size):
             raise ValueError(f"first token {first_token!r} is not in the vocabulary")
+        if first_logprob is not None and first_logprob.token_id != int(first_token):
+            raise ValueError("first_logprob is not the first token's")
         with self._lock:
             if not self.is_running:
                 raise EngineNotRunningError("the engine is not running")
@@ -347,7 +363,9 @@ class Engine:
                 raise ValueError(f"request id {req.rid!r} is already in flight")
             self._live_rids.add(req.rid)
             new = self._new_req(req, on_output, self._generator_for(req))
-            self._inbox.put(_SubmitPrefilled(new, int(first_token)))
+            if req.logprobs is not None and input_logprobs is not None:
+                new.input_logprobs = list(input_logprobs)
+            self._inbox.put(_SubmitPrefilled(new, int(first_token), first_logprob))
 
     def release_held(self, rid: str) -> None:
         """The pages of finished request `rid`, kept by the scheduler's `hold_after_finish` or
@@ -420,6 +438,9 @@ class Engine:
                 f"({self.pool.num_pages} pages of {self.pool.page_size} tokens)"
             )
         _validate_sampling(params)
+        _validate_logprobs(req, model.vocab_size)
+        if req.prefill_leader is not None and req.prefill_leader == req.rid:
+            raise ValueError("prefill_leader names the request itself")
 
     def _generator_for(self, req: GenerateRequest) -> torch.Generator:
         seed = req.sampling.seed
@@ -438,6 +459,9 @@ class Engine:
             on_output=on_output,
             generator=generator,
             page_size=self.pool.page_size,
+            logprobs=req.logprobs,
+            constraint=req.constraint,
+            prefill_leader=req.prefill_leader,
         )
 
     # ---- engine thread -----------------------------------------------------------------
@@ -483,7 +507,7 @@ class Engine:
                 self._num_pending -= 1
             self.scheduler.add(item.req)
         elif isinstance(item, _SubmitPrefilled):
-            self._start_prefilled(item.req, item.first_token)
+            self._start_prefilled(item.req, item.first_token, item.first_logprob)
         elif isinstance(item, _Abort):
             req = self.scheduler.find(item.rid)
             if req is not None:
@@ -511,9 +535,12 @@ class Engine:
             if batch is None:
                 return False
             logits = self.runner.forward(batch)
+            num_sampled = len(batch.sample_rows)
+            self._record_input_logprobs(batch, logits[num_sampled:])
             rows = [batch.reqs[row] for row in batch.sample_rows]
-            tokens = sample(logits, [r.sampling for r in rows], [r.generator for r in rows])
-            touched = self.scheduler.commit(batch, tokens)
+            result = sample_rows(logits[:num_sampled], [self._sample_row(r) for r in rows])
+            self._accept(rows, result.tokens)
+            touched = self.scheduler.commit(batch, result.tokens, result.logprobs)
             self._num_steps += 1
         except Exception as exc:
             logger.exception("engine step failed")
@@ -529,6 +556,52 @@ class Engine:
         for req in touched:
             self._emit(req)
         return True
+
+    def _record_input_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        """Prompt logprobs from the logits of `batch.logprob_spans` (row `first + i` of a span
+        gives the logprob of prompt token `first + i + 1`)."""
+        offset = 0
+        for row, first, end in batch.logprob_spans:
+            req = batch.reqs[row]
+            span = logits[offset : offset + end - first]
+            offset += end - first
+            if req.input_logprobs is None or req.logprobs is None:
+                continue
+            next_ids = req.prompt_ids[first + 1 : end + 1]
+            req.input_logprobs.extend(input_logprobs(span, next_ids, req.logprobs))
+
+    def _sample_row(self, req: Req) -> SampleRow:
+        """What the sampler needs of `req`; a constraint that raises or allows no token fails
+        the request (aborted before commit, so its token is dropped)."""
+        params = req.sampling
+        allowed = None
+        if req.constraint is not None and not req.finished:
+            try:
+                allowed = req.constraint.allowed_tokens(self.config.model.vocab_size)
+                if allowed is not None and not bool(allowed.any()):
+                    raise ValueError("the constraint allows no token")
+            except Exception as exc:
+                logger.exception("constraint of %s failed", req.rid)
+                self._fail([req], error=f"constraint failed: {exc}")
+                allowed = None
+        stop_ids: tuple[int, ...] = ()
+        if params.min_new_tokens > len(req.output_ids):
+            eos = () if params.ignore_eos else self.config.model.eos_token_ids
+            vocab = self.config.model.vocab_size  # a stop id outside it can never be sampled
+            stop_ids = tuple(t for t in (*eos, *params.stop_token_ids) if _is_token_id(t, vocab))
+        return SampleRow(params, req.generator, req.prompt_ids, req.output_ids, stop_ids,
+                         allowed, req.logprobs)
+
+    def _accept(self, reqs: list[Req], tokens: list[int]) -> None:
+        """Advance each constraint past its sampled token; one that raises fails its request."""
+        for req, token in zip(reqs, tokens):
+            if req.constraint is None or req.finished:
+                continue
+            try:
+                req.constraint.accept(token)
+            except Exception as exc:
+                logger.exception("constraint of %s refused token %d", req.rid, token)
+                self._fail([req], error=f"constraint failed: {exc}")
 
     def _all_unfinished(self) -> list[Req]:
         return list(self.scheduler.running) + list(self.scheduler.waiting)
@@ -592,9 +665,16 @@ class Engine:
             if admission.ok:
                 self.scheduler.release_reservation(pending.rid)
 
-    def _start_prefilled(self, req: Req, first_token: int) -> None:
+    def _start_prefilled(self, req: Req, first_token: int,
+                         first_logprob: TokenLogprob | None) -> None:
         try:
-            self.scheduler.add_prefilled(req, first_token)
+            if req.constraint is not None:
+                try:
+                    req.constraint.accept(first_token)
+                except Exception as exc:
+                    self.scheduler.release_reservation(req.rid)  # nothing will decode on it
+                    raise ValueError(f"constraint failed on the first token: {exc}") from exc
+            self.scheduler.add_prefilled(req, first_token, first_logprob)
         except ValueError as exc:
             req.status, req.finish_reason, req.error = ReqStatus.FINISHED, "abort", str(exc)
             self.scheduler.counters.aborted += 1
@@ -615,8 +695,20 @@ class Engine:
 
     def _output_of(self, req: Req) -> RequestOutput:
         new_tokens = req.take_new_tokens()
+        new_logprobs = req.take_new_logprobs(len(new_tokens))
+        prompt_logprobs = None
+        if req.input_logprobs is not None and not req.input_logprobs_sent:
+            prompt_logprobs, req.input_logprobs_sent = list(req.input_logprobs), True
         if not req.finished:
-            return RequestOutput(rid=req.rid, new_token_ids=new_tokens)
+            if req.cached is None:
+                return RequestOutput(rid=req.rid, new_token_ids=new_tokens,
+                                     new_logprobs=new_logprobs, input_logprobs=prompt_logprobs)
+            # the prompt is matched: its statistics ride along (SGLang's first stream chunk
+            # carries prompt_tokens and cached_tokens; its clients read them there)
+            return RequestOutput(rid=req.rid, new_token_ids=new_tokens,
+                                 new_logprobs=new_logprobs, input_logprobs=prompt_logprobs,
+                                 prompt_tokens=len(req.prompt_ids), cached=req.cached,
+                                 computed_tokens=req.computed_tokens)
         now = time.perf_counter()
         first = req.first_token_time
         return RequestOutput(
@@ -631,6 +723,8 @@ class Engine:
             computed_tokens=req.computed_tokens,
             ttft_s=None if first is None else first - req.arrival_time,
             e2e_s=now - req.arrival_time,
+            new_logprobs=new_logprobs,
+            input_logprobs=prompt_logprobs,
         )
 
     # ---- introspection (engine thread) -------------------------------------------------
@@ -725,9 +819,39 @@ def _is_token_id(value: object, vocab_size: int) -> bool:
     return 0 <= int(value) < vocab_size
 
 
-def _validate_sampling(params) -> None:
-    if params.temperature < 0:
+def _validate_sampling(params: SamplingParams) -> None:
+    """SGLang's ranges (`SamplingParams.verify`), with the same messages' meaning."""
+    if not math.isfinite(params.temperature) or params.temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {params.temperature}")
     if not 0.0 < params.top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if not 0.0 <= params.min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
+    if not -2.0 <= params.frequency_penalty <= 2.0:
+        raise ValueError(f"frequency_penalty must be in [-2, 2], got {params.frequency_penalty}")
+    if not -2.0 <= params.presence_penalty <= 2.0:
+        raise ValueError(f"presence_penalty must be in [-2, 2], got {params.presence_penalty}")
+    if not 0.0 < params.repetition_penalty <= 2.0:
+        raise ValueError(
+            f"repetition_penalty must be in (0, 2], got {params.repetition_penalty}")
+    if not 0 <= params.min_new_tokens <= params.max_new_tokens:
+        raise ValueError(
+            f"min_new_tokens must be in [0, max_new_tokens={params.max_new_tokens}], got "
+            f"{params.min_new_tokens}")
+
+
+def _validate_logprobs(req: GenerateRequest, vocab_size: int) -> None:
+    request = req.logprobs
+    if request is None:
+        return
+    if isinstance(request.top_n, bool) or not 0 <= request.top_n <= vocab_size:
+        raise ValueError(f"logprobs top_n must be in [0, {vocab_size}], got {request.top_n!r}")
+    bad = next((t for t in request.token_ids if not _is_token_id(t, vocab_size)), None)
+    if bad is not None:
+        raise ValueError(f"logprobs token id {bad!r} is not an integer in [0, {vocab_size})")
+    start = request.input_start
+    if start is not None and not 0 <= start <= len(req.input_ids):
+        raise ValueError(
+            f"logprobs input_start must be in [0, {len(req.input_ids)}] (the prompt length), "
+            f"got {start}")
 

@@ -21,7 +21,14 @@ from typing import Protocol
 
 import torch
 
-from pdcache.engine.api import CachedTokens, RequestOutput, SamplingParams
+from pdcache.engine.api import (
+    CachedTokens,
+    LogprobRequest,
+    RequestOutput,
+    SamplingParams,
+    TokenConstraint,
+    TokenLogprob,
+)
 from pdcache.engine.radix import RadixNode
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -77,6 +84,39 @@ class Req:
     first_token_time: float | None = None
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: LogprobRequest | None = None
+    constraint: TokenConstraint | None = None
+    prefill_leader: str | None = None  # not admitted before that request's prompt is cached
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # with `logprobs`
+    input_logprobs: list[TokenLogprob] | None = None  # filled by the first prefill
+    input_logprobs_sent: bool = False
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not complete yet: the prefill must compute the
+        logits of every prompt position from `logprobs.input_start` on."""
+        # complete once the first prefill sampled a token (a retraction re-prefills without)
+        return self.logprobs is not None and self.logprobs.input_start is not None and (
+            not self.output_ids)
+
+    @property
+    def max_reuse_len(self) -> int:
+        """Tokens of the fill whose cached K/V admission may reuse: all but the last (its
+        logits give the next token), and none from `input_start` on while prompt logprobs are
+        wanted (those positions need their logits, so cached pages there are recomputed)."""
+        limit = self.fill_len - 1
+        if self.wants_input_logprobs and self.logprobs is not None:
+            limit = min(limit, self.logprobs.input_start or 0)
+        return limit
+
+    def input_logprob_positions(self, start: int, end: int) -> tuple[int, int]:
+        """The positions in `[start, end)` (a chunk being computed) whose logits give a prompt
+        logprob: `[input_start, len(prompt) - 1)`; an empty range `(x, x)` when none."""
+        if not self.wants_input_logprobs or self.logprobs is None:
+            return (start, start)
+        first = max(start, self.logprobs.input_start or 0)
+        last = min(end, len(self.prompt_ids) - 1)
+        return (first, max(first, last))
 
     @property
     def fill_ids(self) -> list[int]:
@@ -124,6 +164,12 @@ class Req:
         self.page_ids, self.num_tree_pages, self.last_node = page_ids, num_tree_pages, node
         self.kv_len = reused_len
         self.kv_load = kv_load
+        if self.wants_input_logprobs and self.logprobs is not None:
+            # (re)start the prompt logprobs: a retraction mid-prefill recomputes them
+            start = self.logprobs.input_start or 0
+            assert reused_len <= start, (reused_len, start)
+            self.input_logprobs = (
+                [TokenLogprob(self.prompt_ids[start], None)] if start < len(self.prompt_ids) else [])
         if self.cached_len is None:
             self.cached_len = reused_len
             self.cached = cached or CachedTokens(device=reused_len)
@@ -131,15 +177,17 @@ class Req:
         self.admit_seq = seq
         self.check()
 
-    def admit_prefilled(self, page_ids: list[int], first_token: int, seq: int) -> None:
+    def admit_prefilled(self, page_ids: list[int], first_token: int, seq: int,
+                        first_logprob: TokenLogprob | None = None) -> None:
         """WAITING → RUNNING in decode state: the K/V of the whole prompt is already in
-        `page_ids` (written by a prefill node) and `first_token` was sampled there."""
+        `page_ids` (written by a prefill node) and `first_token` was sampled there (with
+        `first_logprob`, when it sent one)."""
         assert self.status is ReqStatus.WAITING and not self.output_ids, "not a fresh request"
         assert len(page_ids) == pages_for(len(self.prompt_ids), self.page_size), "page count"
         self.page_ids, self.num_tree_pages, self.last_node = page_ids, 0, None
         self.kv_len = len(self.prompt_ids)
         self.cached_len, self.cached = 0, CachedTokens()
-        self.append_token(first_token)
+        self.append_token(first_token, first_logprob)
         self.prefill_done = True
         self.status = ReqStatus.RUNNING
         self.admit_seq = seq
@@ -152,16 +200,24 @@ class Req:
         self.page_ids, self.num_tree_pages, self.last_node = [], 0, None
         self.kv_len, self.prefill_done = 0, False
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.output_ids.append(token_id)
+        if self.logprobs is not None:
+            self.output_logprobs.append(logprob or TokenLogprob(token_id, None))
 
     def take_new_tokens(self) -> list[int]:
-        """Output tokens not yet emitted; marks them emitted."""
+        """Output tokens not yet emitted; marks them emitted (see `take_new_logprobs`)."""
         new = self.output_ids[self.num_emitted :]
         self.num_emitted = len(self.output_ids)
         return new
+
+    def take_new_logprobs(self, num_new: int) -> list[TokenLogprob]:
+        """The logprobs of the `num_new` tokens `take_new_tokens` just returned."""
+        if self.logprobs is None or num_new == 0:
+            return []
+        return self.output_logprobs[len(self.output_logprobs) - num_new :]
 
     def check(self) -> None:
         """Assert the length invariants that tie tokens, K/V and pages together."""

@@ -34,7 +34,7 @@ class ModelRunner:
 
     def build(self, batch: ScheduledBatch) -> ForwardBatch:
         """Flatten the new tokens of `batch`: `extend_lens[b]` tokens of request b, from its
-        `kv_len` on; logits only for `batch.sample_rows`."""
+        `kv_len` on; logits for `batch.sample_rows`, then for `batch.logprob_spans`."""
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         out_slots: list[torch.Tensor] = []
@@ -45,6 +45,12 @@ class ModelRunner:
             positions.append(pos)
             out_slots.append(self._slots(req, pos))
         ends = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0) - 1
+        rows = ends[batch.sample_rows]
+        if batch.logprob_spans:  # prompt positions whose logits give prompt logprobs
+            starts = ends + 1 - torch.tensor(batch.extend_lens, dtype=torch.long)
+            spans = [torch.arange(first, end, dtype=torch.long) - batch.reqs[row].kv_len
+                     + starts[row] for row, first, end in batch.logprob_spans]
+            rows = torch.cat([rows, *spans])
         return ForwardBatch(
             mode=batch.mode,
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -53,13 +59,14 @@ class ModelRunner:
             page_table=self._page_table(batch.reqs),
             prefix_lens=[req.kv_len for req in batch.reqs],
             extend_lens=list(batch.extend_lens),
-            logits_indices=ends[batch.sample_rows].to(self.device),
+            logits_indices=rows.to(self.device),
             wait_layer=_wait_all(batch.kv_loads) if batch.kv_loads else None,
             kernels=self.kernels,
         )
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """fp32 logits `[len(batch.sample_rows), vocab]`."""
+        """fp32 logits `[len(batch.sample_rows) + span positions, vocab]`: the sample rows',
+        then each of `batch.logprob_spans`' positions in order."""
         forward_batch = self.build(batch)
         with torch.inference_mode():
             logits = self.model.forward(forward_batch, self.pool.device_kv)

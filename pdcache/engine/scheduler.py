@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcache.engine.api import CachedTokens
+from pdcache.engine.api import CachedTokens, TokenLogprob
 from pdcache.engine.config import CacheConfig, SchedulerConfig
 from pdcache.engine.forward import ForwardMode
 from pdcache.engine.kv_pool import DeviceKVPool
@@ -64,13 +64,17 @@ logger = logging.getLogger(__name__)
 class ScheduledBatch:
     """What to run: `reqs[b]` computes `extend_lens[b]` new tokens; `sample_rows` are the
     rows whose logits yield a token (requests whose fill is complete after this batch);
-    `kv_loads` are every pending load (of any running request), finished by this forward."""
+    `kv_loads` are every pending load (of any running request), finished by this forward.
+    `logprob_spans` are `(row, first, end)`: request `reqs[row]` also needs the logits of its
+    positions `[first, end)` (prompt logprobs, `Req.input_logprob_positions`); the runner
+    returns them after the sample rows' logits, in this order."""
 
     mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]
     sample_rows: list[int] = field(default_factory=list)
     kv_loads: list[KVLoad] = field(default_factory=list)  # to complete layer by layer
+    logprob_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -271,7 +275,8 @@ class Scheduler:
             self.allocator.free(page_ids)
         return page_ids is not None
 
-    def add_prefilled(self, req: Req, first_token: int) -> None:
+    def add_prefilled(self, req: Req, first_token: int,
+                      first_logprob: TokenLogprob | None = None) -> None:
         """Start decoding `req` on its reserved pages, which hold its prompt's K/V."""
         page_ids = self.reserved.get(req.rid)
         if page_ids is None:
@@ -283,7 +288,7 @@ class Scheduler:
             )
         del self.reserved[req.rid]
         self.reserved_growth.pop(req.rid, None)
-        req.admit_prefilled(page_ids, first_token, self._admit_seq)
+        req.admit_prefilled(page_ids, first_token, self._admit_seq, first_logprob)
         self._admit_seq += 1
         self.running.append(req)
         self._maybe_finish(req, first_token)
@@ -353,11 +358,14 @@ class Scheduler:
             batch.kv_loads = self.pending_loads()
         return batch
 
-    def commit(self, batch: ScheduledBatch, tokens: list[int]) -> list[Req]:
+    def commit(self, batch: ScheduledBatch, tokens: list[int],
+               logprobs: list[TokenLogprob | None] | None = None) -> list[Req]:
         """Apply a finished forward: advance K/V lengths, append `tokens` (one per
-        `batch.sample_rows` entry) and finish requests. Returns the requests with new
-        tokens or a finish (FINISHED ones are already released)."""
+        `batch.sample_rows` entry, with its `logprobs` entry when given) and finish requests.
+        Returns the requests with new tokens or a finish (FINISHED ones are already
+        released). A request no longer RUNNING (aborted meanwhile) is skipped."""
         sampled = dict(zip(batch.sample_rows, tokens))
+        sampled_logprobs = dict(zip(batch.sample_rows, logprobs or []))
         touched: list[Req] = []
         for row, (req, length) in enumerate(zip(batch.reqs, batch.extend_lens)):
             if req.status is not ReqStatus.RUNNING:
@@ -370,7 +378,7 @@ class Scheduler:
                 self.counters.computed_tokens += length
             if row in sampled:
                 req.prefill_done = True
-                req.append_token(sampled[row])
+                req.append_token(sampled[row], sampled_logprobs.get(row))
                 self._maybe_finish(req, sampled[row])
                 touched.append(req)
             req.check()
@@ -386,7 +394,7 @@ class Scheduler:
                 break
             if pending >= self.config.chunked_prefill_tokens:
                 break
-            if not self.admission_ready(req):
+            if not self.admission_ready(req) or not self._leader_ready(req):
                 continue
             if not self._try_admit(req):
                 break
@@ -403,7 +411,7 @@ class Scheduler:
         if own is None:
             self._unlock(match.last_node)
             return False
-        max_pages = (req.fill_len - 1) // self.page_size
+        max_pages = req.max_reuse_len // self.page_size
         reuse = self.reuse_lower_tiers(req, match, own, max_pages)
         node = match.last_node
         if reuse.tree_pages:
@@ -422,8 +430,51 @@ class Scheduler:
     def _match(self, req: Req) -> MatchResult:
         if self.tree is None:
             return MatchResult([], 0, None)
-        # leave at least one token to compute: its logits give the next token
-        return self.tree.match_prefix(req.fill_ids[: req.fill_len - 1], req.salt)
+        # leave at least one token to compute (its logits give the next token), and every
+        # position whose prompt logprob is wanted
+        return self.tree.match_prefix(req.fill_ids[: req.max_reuse_len], req.salt)
+
+    # ---- n > 1: followers share the leader's prompt pages ---------------------------------
+    def _leader_ready(self, req: Req) -> bool:
+        """A follower (`req.prefill_leader` set) waits until its leader's prompt pages are in
+        the tree (cached now if the leader finished its prefill and still runs) or the leader
+        is gone (finished: its pages were cached; failed: nothing to share)."""
+        if req.prefill_leader is None or self.tree is None:
+            return True
+        held = self.held.get(req.prefill_leader)
+        if held is not None:  # finished, its pages kept (a prefill node's KV transfer reads them)
+            if held.prefill_done:  # not one aborted mid-prefill
+                self.cache_prompt(held)
+            return True
+        leader = next((r for r in self.running if r.rid == req.prefill_leader), None)
+        if leader is None:
+            return all(r.rid != req.prefill_leader for r in self.waiting)
+        if not leader.prefill_done:
+            return False
+        self.cache_prompt(leader)
+        return True
+
+    def cache_prompt(self, req: Req) -> None:
+        """Insert the full prompt pages of prefilled `req` (running, or finished and held)
+        into the tree now (not when it releases its pages), so other requests match them
+        while it decodes or its pages are read. Pages the tree already held
+        are swapped for the tree's copies (same tokens, same K/V) and freed; `req` then
+        borrows all of them from the tree, locking the new last node."""
+        assert self.tree is not None and req.prefill_done, req.rid
+        num_full = min(len(req.prompt_ids), req.kv_len) // self.page_size
+        if num_full <= req.num_tree_pages:
+            return
+        tokens = req.prompt_ids[: num_full * self.page_size]
+        result = self.tree.insert(tokens, req.page_ids[:num_full], req.salt)
+        match = self.tree.match_prefix(tokens, req.salt)
+        assert match.cached_len == len(tokens), (match.cached_len, len(tokens))
+        self._lock(match.last_node)
+        self._unlock(req.last_node)
+        self.allocator.free(result.duplicate_page_ids)
+        req.page_ids[:num_full] = match.page_ids
+        req.num_tree_pages, req.last_node = num_full, match.last_node
+        req.check()
+        self.on_cached(req, result)
 
     def _lock(self, node: RadixNode | None) -> None:
         if self.tree is not None:
@@ -452,6 +503,9 @@ class Scheduler:
                 break
             if req.kv_len + chunk == req.fill_len:
                 batch.sample_rows.append(len(batch.reqs))
+            first, end = req.input_logprob_positions(req.kv_len, req.kv_len + chunk)
+            if end > first:
+                batch.logprob_spans.append((len(batch.reqs), first, end))
             batch.reqs.append(req)
             batch.extend_lens.append(chunk)
             budget -= chunk
@@ -518,6 +572,8 @@ class Scheduler:
         if token in self.eos_token_ids and not params.ignore_eos:
             return "stop"
         if token in params.stop_token_ids:
+            return "stop"
+        if req.constraint is not None and req.constraint.is_terminated():
             return "stop"
         if len(req.output_ids) >= params.max_new_tokens or req.fill_len >= self.max_context:
             return "length"

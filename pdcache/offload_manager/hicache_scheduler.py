@@ -74,8 +74,9 @@ class HiCacheScheduler(Scheduler):
         self.hicache.backup(tokens, req.salt, result.last_node)
 
     def _max_pages(self, req: Req) -> int:
-        # the last prompt token is always computed: its logits give the first output token
-        return (req.fill_len - 1) // self.page_size
+        # the last prompt token is always computed (its logits give the first output token),
+        # and every position whose prompt logprob is wanted
+        return req.max_reuse_len // self.page_size
 
     def _usable_prefetch(self, rid: str, first: int, max_pages: int) -> PrefetchResult | None:
         """The prefetched pages that continue the current match (the match may have grown or

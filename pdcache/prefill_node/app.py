@@ -28,15 +28,15 @@ from fastapi.responses import JSONResponse, Response
 from pdcache.prefill_node.controller import DuplicateRoomError, PrefillController, PrefillOutcome
 from pdcache.prefill_node.metrics import DecodeWaitMetrics
 from pdcache.server.bridge import EngineRequest, Generation, json_ready, resolve_on_loop
+from pdcache.server.generate_api import GenerateRequestBody, single_item
 from pdcache.server.protocol import (
     OVERLOADED,
     SERVER_ERROR,
     ApiError,
-    GenerateRequestBody,
     TextAssembler,
     bad_request,
 )
-from pdcache.server.routes import ServerRoutes
+from pdcache.server.routes import SequenceRun, ServerRoutes
 from pdcache.transfer import KVSender
 
 
@@ -62,23 +62,29 @@ class PrefillApp:
         return config.room_timeout_s + config.bootstrap_timeout_s
 
     async def pd_generate(self, request: Request, body: GenerateRequestBody) -> Response:
-        pd = body.pd
+        pd = body.pd_params("prefill")
         assert pd is not None
         if pd.role != "prefill":
             raise bad_request("this is a prefill node: pd.role must be 'prefill'", code="wrong_role")
+        body.check_supported()
+        item = single_item(body)
         gen = Generation(arrival=time.monotonic())
-        input_ids = self.routes.checked_prompt(body)
-        room, rid = pd.room, body.rid or f"pd-{pd.room}"
+        input_ids = self.routes.checked_prompt(item)
+        room, rid = pd.room, item.rid or f"pd-{pd.room}"
         requested: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         released = self._open(rid, room, requested)
         started = time.monotonic()
         try:
-            first_only = dataclasses.replace(body.sampling_params.to_engine(), max_new_tokens=1)
-            handle = self.bridge.submit(gen, input_ids, first_only, body.cache_salt, rid)
+            sampling = item.sampling.to_engine()
+            # the first token only; min_new_tokens >= 1 still keeps it from being a stop token
+            first_only = dataclasses.replace(sampling, max_new_tokens=1,
+                                             min_new_tokens=min(sampling.min_new_tokens, 1))
+            handle = self.bridge.submit(gen, input_ids, first_only, body.cache_salt, rid,
+                                        logprobs=item.logprobs)
             watchdog = asyncio.ensure_future(self._watch_decode(requested, handle))
             try:
-                await self.bridge.collect(request, handle, gen,
-                                          TextAssembler(self.routes.decode, []))
+                text = self.routes.assembler(item)
+                await self.bridge.collect(request, handle, gen, text)
             finally:
                 if not watchdog.done():
                     watchdog.cancel()
@@ -93,7 +99,9 @@ class PrefillApp:
             outcome = await self._wait_release(released, room)
         finally:
             self.controller.close_room(room)  # no-op once released; else abort (orphan)
-        return self._pd_response(gen, outcome, time.monotonic() - started, pd.decode_node)
+        meta_info = self.routes.meta_info(SequenceRun(item, handle, gen, text), body)
+        return self._pd_response(gen, text, meta_info, outcome, time.monotonic() - started,
+                                 pd.decode_node)
 
     async def _watch_decode(self, requested: asyncio.Future[float],
                             handle: EngineRequest) -> bool:
@@ -138,15 +146,17 @@ class PrefillApp:
                            type=SERVER_ERROR, code="transfer_failed")
         return outcome
 
-    def _pd_response(self, gen: Generation, outcome: PrefillOutcome, elapsed_s: float,
-                     decode_node: str | None) -> Response:
-        """`pd.transfer_s`: the handler's whole time (prefill included); `pd.push_s`: from the
-        prompt's K/V being complete to the room's release (the transfer and its `done`)."""
-        meta = self.bridge.meta(gen).model_dump()
-        meta["decode_node"] = decode_node or ""
+    def _pd_response(self, gen: Generation, text: TextAssembler, meta_info: dict[str, Any],
+                     outcome: PrefillOutcome, elapsed_s: float, decode_node: str | None
+                     ) -> Response:
+        """SGLang's answer of a prefill server (the first token), plus `pd`: `transfer_s`, the
+        handler's whole time (prefill included); `push_s`, from the prompt's K/V being
+        complete to the room's release (the transfer and its `done`)."""
+        meta_info["decode_node"] = decode_node or ""
         pd = {"room": outcome.room, "bytes": outcome.nbytes, "transfer_s": elapsed_s,
               "push_s": outcome.push_s}
-        return JSONResponse({"output_ids": gen.output_ids, "meta": meta, "pd": pd})
+        return JSONResponse({"text": text.text, "output_ids": gen.output_ids,
+                             "meta_info": meta_info, "pd": pd})
 
     def health_extra(self) -> dict[str, Any]:
         return {"role": "prefill", "bootstrap": self.sender.bootstrap_addr,

@@ -25,6 +25,7 @@ from pdcache.prefill_node.controller import PrefillController
 from pdcache.prefill_node.scheduler import PrefillScheduler
 from pdcache.server.app import routes_for
 from pdcache.server.bridge import ServerConfig
+from pdcache.server.metrics import ControlRejectCollector
 from pdcache.server.routes import build_app
 from pdcache.transfer import KVSender
 
@@ -45,9 +46,12 @@ class PrefillRuntime:
         self.sender = KVSender(setup.transfer, self.engine.pool.device_kv, setup.host,
                                setup.bootstrap_port or 0, on_release=self.controller.on_release,
                                prefill_id=setup.name,
-                               on_requested=self.controller.decode_requested)
+                               on_requested=self.controller.decode_requested,
+                               control_key=setup.security.zmq_control_key)
         self.controller.attach(self.engine, self.sender)
         self.routes = routes_for(self.engine, self.config)
+        self.routes.bridge.metrics.registry.register(  # dropped control messages, by kind
+            ControlRejectCollector(self.sender.stats, setup.name))
         self.pd = PrefillApp(self.routes, self.controller, self.sender)
         self._started = False
         self._closed = False

@@ -17,7 +17,7 @@ from typing import Protocol
 from pdcache.engine.api import CachedTokens
 from pdcache.engine.request import Req, pages_for
 from pdcache.offload_manager.hicache_scheduler import HiCacheScheduler
-from pdcache.transfer.messages import PrefillReport
+from pdcache.transfer.messages import PrefillReport, pack_logprobs
 
 
 class PrefilledSink(Protocol):
@@ -43,8 +43,11 @@ class PrefillScheduler(HiCacheScheduler):
 
     def hold_after_finish(self, req: Req) -> bool:
         pages = req.page_ids[: pages_for(len(req.prompt_ids), self.page_size)]
+        # with logprobs asked for, the first token's and the prompt's go to decode too
+        first_logprob = pack_logprobs(req.output_logprobs[:1]) if req.logprobs else b""
         report = PrefillReport(req.output_ids[0], len(req.prompt_ids), req.computed_tokens,
-                               req.cached or CachedTokens())
+                               req.cached or CachedTokens(), first_logprob=first_logprob,
+                               input_logprobs=pack_logprobs(req.input_logprobs))
         return self.pd.take_prefilled(req.rid, list(pages), report)
 
     def abort_releases_held(self, req: Req) -> bool:

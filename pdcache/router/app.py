@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -39,6 +39,7 @@ from pdcache.router.proxy import close_stream
 from pdcache.router.route import Deadline
 from pdcache.router.service import RouterService
 from pdcache.router.tenants import (
+    Tenant,
     TenantDirectory,
     TenantGate,
     scoped_salt,
@@ -46,11 +47,16 @@ from pdcache.router.tenants import (
     tenant_of,
 )
 from pdcache.server.bridge import wait_for_disconnect
+from pdcache.server.generate_api import (
+    GenerateItem,
+    GenerateRequestBody,
+    OutputBuilder,
+    merge_streams,
+)
 from pdcache.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    GenerateRequestBody,
     OpenAIRequestBase,
     TextAssembler,
     bad_request,
@@ -59,6 +65,7 @@ from pdcache.server.protocol import (
     default_max_tokens,
     error_body,
     parse_body,
+    unsupported,
 )
 from pdcache.server.responses import (
     Handler,
@@ -88,42 +95,76 @@ class RouterApp:
         self.router = router
         self.created = now_s()
 
-    # ---- /generate
+    # ---- /generate (SGLang's native API: pdcache.server.generate_api)
 
     async def generate(self, request: Request) -> Response:
+        """Each sequence of the request (batch x n) is routed on its own (cache-aware routing
+        co-locates the samples of one prompt); the answers are SGLang's, built here from the
+        nodes' incremental events."""
         body = parse_body(GenerateRequestBody, await request.body())
-        body.check_one_prompt()
         if body.pd is not None:
             raise bad_request("'pd' is set by the router only", param="pd", code="unknown_field")
-        param = body.prompt_param()
-        new_ids = (body.input_ids if body.input_ids is not None
-                   else self.router.encode(body.text, param))
+        body.check_supported()
+        if body.has_bootstrap():
+            raise unsupported(body.bootstrap_field() or "bootstrap_room", "'bootstrap_*' are for prefill and decode "
+                              "nodes; this is the router")
+        items = body.items()
+        if body.session_id and len(items) > 1:
+            raise unsupported("session_id", "a session continues one sequence: no batch or n > 1")
         tenant = tenant_of(request)
+        preps = [self._generate_prep(item, body, tenant) for item in items]
+        deadline = Deadline(self.router.config.request_timeout_s)
+        listed = body.answers_list
+        incremental = self.incremental(body)
+        builders = [OutputBuilder(incremental, item.index if listed else None) for item in items]
+        if body.stream:
+            opened = await watch(request, asyncio.gather(
+                *(self.router.send_stream(prep, deadline) for prep in preps),
+                return_exceptions=True))
+            streams = _opened_or_raise(opened)
+            sequences = [self._generate_chunks(prep, stream, first, Turn(route), builder)
+                         for prep, (stream, first, route), builder
+                         in zip(preps, streams, builders, strict=True)]
+            chunks = sequences[0] if len(sequences) == 1 else merge_streams(sequences)
+            return streaming_many(_as_sse(chunks), [stream for stream, _, _ in streams])
+        answers = await watch(request, asyncio.gather(
+            *(self._generate_json(prep, deadline, builder)
+              for prep, builder in zip(preps, builders, strict=True))))
+        return JSONResponse(answers if listed else answers[0])
+
+    def incremental(self, body: GenerateRequestBody) -> bool:
+        chosen = body.incremental_streaming_output
+        return self.router.config.incremental_streaming_output if chosen is None else chosen
+
+    def _generate_prep(self, item: GenerateItem, body: GenerateRequestBody,
+                       tenant: Tenant | None) -> Prepared:
+        prompt = item.prompt
+        new_ids = prompt if isinstance(prompt, list) else self.router.encode(prompt, item.param)
         session = session_key(tenant, body.session_id)
         input_ids = self.router.session_prompt(session, new_ids)
-        sampling = body.sampling_params
-        check_prompt(input_ids, sampling.max_new_tokens, self.router.limits, param)
+        sampling = item.sampling
+        check_prompt(input_ids, sampling.max_new_tokens, self.router.limits, item.param)
         check_token_ids(sampling.stop_token_ids, self.router.limits.vocab_size,
                         "sampling_params.stop_token_ids")
-        prep = Prepared(input_ids, sampling.model_dump(), scoped_salt(tenant, body.cache_salt),
-                        session, stream=body.stream)
-        deadline = Deadline(self.router.config.request_timeout_s)
-        if body.stream:
-            stream, first, route = await watch(request, self.router.send_stream(prep, deadline))
-            events = self._generate_events(prep, stream, first, Turn(route))
-            return streaming(events, stream)
-        data, route = await watch(request, self.router.send_json(prep, deadline))
+        return Prepared(input_ids, sampling.forwarded(), scoped_salt(tenant, body.cache_salt),
+                        session, stream=body.stream, extra=_logprob_fields(item, body))
+
+    async def _generate_json(self, prep: Prepared, deadline: Deadline, builder: OutputBuilder
+                             ) -> dict[str, Any]:
+        data, route = await self.router.send_json(prep, deadline)
         turn = Turn(route)
         turn.absorb(data)
         self.router.finish(prep, turn)
-        return JSONResponse(data)
+        builder.add(turn.output_ids, str(data.get("text") or ""), {})
+        return builder.final(data.get("meta_info") or {})
 
-    async def _generate_events(self, prep: Prepared, stream: UpstreamStream,
-                               event: dict[str, Any] | None, turn: Turn) -> AsyncIterator[bytes]:
+    async def _generate_chunks(self, prep: Prepared, stream: UpstreamStream,
+                               event: dict[str, Any] | None, turn: Turn, builder: OutputBuilder
+                               ) -> AsyncIterator[dict[str, Any]]:
         try:
             while event is not None:
-                turn.absorb(event)
-                yield sse(event)
+                ids = turn.absorb(event)
+                yield builder.add(ids, str(event.get("text") or ""), event.get("meta_info") or {})
                 event = await stream.next()
             self.router.finish(prep, turn)
         finally:
@@ -295,6 +336,47 @@ async def watch(request: Request, work: Awaitable[T]) -> T:
 def streaming(events: AsyncIterator[bytes], stream: UpstreamStream) -> Response:
     """SSE response; the background close covers a client gone before the first pull."""
     return event_stream(events, BackgroundTask(close_stream, stream))
+
+
+def streaming_many(events: AsyncIterator[bytes], streams: list[UpstreamStream]) -> Response:
+    """`streaming` for the upstream streams of one /generate's sequences."""
+    async def close_all() -> None:
+        for stream in streams:
+            await close_stream(stream)
+
+    return event_stream(events, BackgroundTask(close_all))
+
+
+def _opened_or_raise(opened: list[Any]) -> list[tuple[UpstreamStream, Any, Any]]:
+    """The opened streams of a batch; if one failed, the others are closed (in the
+    background) and its error raised."""
+    failed = [r for r in opened if isinstance(r, BaseException)]
+    if not failed:
+        return opened
+    for result in opened:
+        if not isinstance(result, BaseException):
+            asyncio.ensure_future(close_stream(result[0]))
+    raise failed[0]
+
+
+async def _as_sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async with aclosing(chunks) as stream:
+        async for chunk in stream:
+            yield sse(chunk)
+
+
+def _logprob_fields(item: GenerateItem, body: GenerateRequestBody) -> dict[str, Any]:
+    """The logprob fields of one sequence's node request (SGLang's names)."""
+    request = item.logprobs
+    if request is None:
+        return {}
+    fields: dict[str, Any] = {"return_logprob": True, "top_logprobs_num": request.top_n,
+                              "return_text_in_logprobs": body.return_text_in_logprobs,
+                              "logprob_start_len": -1 if request.input_start is None
+                              else request.input_start}
+    if request.token_ids:
+        fields["token_ids_logprob"] = list(request.token_ids)
+    return fields
 
 
 # --------------------------------------------------------------------------- factory

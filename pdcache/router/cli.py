@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-attempts", type=int, default=None, metavar="N",
                         help="tries of a request whose node was unreachable or answered 503 "
                              "(default 3)")
+    parser.add_argument("--incremental-streaming-output", action="store_const", const=True,
+                        default=None, help="/generate streams deltas, not SGLang's default "
+                        "cumulative chunks (SGLang's flag)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
 
 
@@ -155,7 +158,9 @@ def _load_settings(args: argparse.Namespace, spec: RouterSpec) -> dict[str, int]
     """RouterConfig's admission/retry fields: the flags, else the topology's `[router]`."""
     return {"max_inflight_per_node": _pick(args.max_inflight_per_node, spec.max_inflight_per_node),
             "max_queue": _pick(args.max_queue, spec.max_queue),
-            "max_attempts": _pick(args.max_attempts, spec.max_attempts)}
+            "max_attempts": _pick(args.max_attempts, spec.max_attempts),
+            "incremental_streaming_output": _pick(args.incremental_streaming_output,
+                                                  spec.incremental_streaming_output)}
 
 
 def _pick(*values: Any) -> Any:

@@ -36,6 +36,7 @@ class RouterConfig:
     session_ttl_s: float = 3600.0
     max_inflight_per_node: int = 0  # router slots per node (NodeEndpoint.max_inflight wins); 0: none
     max_queue: int = 1024  # requests waiting for a slot; 0: a busy router refuses at once
+    incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
     tenants: tuple[Tenant, ...] = ()  # with any (or api_key), every request needs its key
     node_token: str | None = field(default=None, repr=False)  # cluster secret's node credential
     tls_cert: str | None = None  # serve HTTPS with this PEM chain and tls_key

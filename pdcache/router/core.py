@@ -48,11 +48,11 @@ from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.route import Deadline, Route
 from pdcache.router.sessions import ChatContinuation, SessionStore
 from pdcache.router.tenants import TenantLimits
+from pdcache.server.generate_api import GenerateMeta
 from pdcache.server.protocol import (
     OVERLOADED,
     SERVER_ERROR,
     ApiError,
-    GenerateMeta,
     ModelLimits,
     bad_request,
     encode_prompt,
@@ -73,39 +73,46 @@ class Prepared:
     arrival: float = field(default_factory=time.monotonic)
     page_keys: list[bytes] | None = None  # the prompt's, computed once (cache-aware routing)
     stream: bool = False  # the client asked for SSE (SGLang's is_streaming label)
+    extra: dict[str, Any] = field(default_factory=dict)  # more /generate fields (logprobs)
 
 
 @dataclass
 class Turn:
-    """What a routed request produced. `meta` is the answering node's last `meta`, typed
-    (`GenerateMeta`, the model the nodes answer with); None until a node sent one."""
+    """What a routed request produced. `meta` is the answering node's last `meta_info`,
+    typed (`GenerateMeta`, the fields the router reads); None until a node sent one. The
+    router asks nodes for incremental events, so each event's ids and text are new ones."""
 
     route: Route
     output_ids: list[int] = field(default_factory=list)
     meta: GenerateMeta | None = None
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # SGLang's finish_reason type: stop, length, abort
 
     def absorb(self, event: dict[str, Any]) -> list[int]:
-        """Take one node answer or event: its new ids and meta. The event's `meta` (passed on
-        to the client as it is) names the route's nodes; a meta that is not a `GenerateMeta`
-        is a bad gateway."""
+        """Take one node answer or event: its new ids and meta_info. The event's `meta_info`
+        (passed on to the client) is made to name the route's nodes; one without the fields
+        of a `GenerateMeta` is a bad gateway."""
         ids = event.get("output_ids")
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise ApiError(502, f"node answered without a valid 'output_ids': {str(event)[:200]}",
                            type=SERVER_ERROR, code=BAD_GATEWAY)
-        raw = event.get("meta")
+        raw = event.get("meta_info")
         if raw is not None:
             if not isinstance(raw, dict):
-                raise ApiError(502, f"node answered a 'meta' that is not an object: {raw!r:.200}",
-                               type=SERVER_ERROR, code=BAD_GATEWAY)
+                raise ApiError(502, "node answered a 'meta_info' that is not an object: "
+                               f"{raw!r:.200}", type=SERVER_ERROR, code=BAD_GATEWAY)
             raw["prefill_node"] = self.route.prefill_name
             raw["decode_node"] = self.route.decode_name
+            if self.meta is not None and raw.get("finish_reason") is None:
+                # mid-stream: only the first and the final meta_info are read (typed); the
+                # others pass through as they are (no validation per token on the hot path)
+                self.output_ids.extend(ids)
+                return ids
             try:
                 self.meta = GenerateMeta.model_validate(raw)
             except ValidationError as exc:
-                raise ApiError(502, f"node answered an invalid 'meta': {exc.errors()[:2]}",
+                raise ApiError(502, f"node answered an invalid 'meta_info': {exc.errors()[:2]}",
                                type=SERVER_ERROR, code=BAD_GATEWAY) from None
-            self.finish_reason = self.meta.finish_reason or self.finish_reason
+            self.finish_reason = self.meta.finish_type or self.finish_reason
         self.output_ids.extend(ids)
         return ids
 
@@ -210,8 +217,11 @@ class Router:
                    lambda has_room: self.pick(prep, exclude, has_room))
 
     def node_body(self, prep: Prepared) -> dict[str, Any]:
+        # incremental events: the router relays new ids and text, and builds the client's
+        # cumulative chunks itself (OutputBuilder)
         body: dict[str, Any] = {"input_ids": prep.input_ids, "sampling_params": prep.sampling,
-                                "rid": f"router-{uuid.uuid4().hex}"}
+                                "rid": f"router-{uuid.uuid4().hex}",
+                                "incremental_streaming_output": True, **prep.extra}
         if prep.cache_salt is not None:
             body["cache_salt"] = prep.cache_salt
         return body

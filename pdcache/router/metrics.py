@@ -32,8 +32,8 @@ from pdcache.engine.api import CachedTokens
 from pdcache.router.admission import AdmissionObserver
 from pdcache.router.policy import NodeState
 from pdcache.router.route import Route
+from pdcache.server.generate_api import GenerateMeta
 from pdcache.server.metrics import LATENCY_BUCKETS, TIERS
-from pdcache.server.protocol import GenerateMeta
 from pdcache.server.sglang_metrics import SGLangRequestSeries
 
 REJECT_REASONS = ("queue_full", "queue_timeout", "no_healthy_node", "node_overloaded")

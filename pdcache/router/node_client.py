@@ -24,6 +24,7 @@ from typing import Any
 
 import anyio
 import httpx
+import orjson
 
 from pdcache.router.nodes import NodeRegistry
 from pdcache.router.policy import NodeState
@@ -154,8 +155,8 @@ class EventStream:
 
     def _parse(self, payload: bytes) -> dict[str, Any]:
         try:
-            event = json.loads(payload)
-        except ValueError:
+            event = orjson.loads(payload)  # one parse per relayed event: the fast parser
+        except orjson.JSONDecodeError:
             event = None
         if not isinstance(event, dict):
             raise ApiError(502, f"{self.node.role} node {self.node.name} sent a malformed event: "

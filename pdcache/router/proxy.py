@@ -29,7 +29,8 @@ from pdcache.router.node_client import EventStream, NodeClient, NodeOverloadedEr
 from pdcache.router.nodes import NodeRegistry
 from pdcache.router.policy import NodeState
 from pdcache.router.route import Deadline, Route
-from pdcache.server.protocol import OVERLOADED, ApiError, PDParams
+from pdcache.server.generate_api import PDParams
+from pdcache.server.protocol import OVERLOADED, ApiError
 
 log = logging.getLogger(__name__)
 

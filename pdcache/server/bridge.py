@@ -26,16 +26,22 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
-from pdcache.engine.api import CachedTokens, GenerateRequest, RequestOutput, SamplingParams
+from pdcache.engine.api import (
+    CachedTokens,
+    GenerateRequest,
+    LogprobRequest,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
+from pdcache.server.generate_api import finish_reason_object
 from pdcache.server.metrics import ServerMetrics
 from pdcache.server.protocol import (
     OVERLOADED,
     SERVER_ERROR,
     TIMEOUT,
     ApiError,
-    CachedTokensDetails,
-    GenerateMeta,
     TextAssembler,
     bad_request,
 )
@@ -59,6 +65,9 @@ class ServerConfig:
     role: str = "unified"  # unified | prefill | decode (/server_info's disaggregation_mode)
     model_path: str = ""  # preset name or checkpoint path; "" = the model's name
     health_check_timeout_s: float = 20.0  # /health_generate's deadline (SGLang's default)
+    # /generate streams: False = cumulative chunks (SGLang's default), True = deltas (SGLang's
+    # --incremental-streaming-output); a request's `incremental_streaming_output` wins
+    incremental_streaming_output: bool = False
     # Bearer credential every endpoint but /health (and /metrics unless metrics_auth) needs:
     # derived from the cluster secret (`SecuritySettings.node_http_token`); None: open.
     auth_token: str | None = None
@@ -69,6 +78,7 @@ class ServerConfig:
         """The server settings of a node process."""
         return cls(name=setup.name, request_timeout_s=setup.server.request_timeout_s,
                    role=setup.role, model_path=setup.model_path,
+                   incremental_streaming_output=setup.server.incremental_streaming_output,
                    auth_token=setup.security.node_http_token,
                    metrics_auth=setup.security.metrics_auth)
 
@@ -172,6 +182,12 @@ class Generation:
     last_token_at: float | None = None
     done_at: float | None = None
     stream: bool = False  # answered as SSE (`EngineBridge.streaming`): SGLang's is_streaming
+    rid: str = ""  # meta_info.id
+    error: str | None = None  # an abort's reason
+    matched: int | str | None = None  # what stopped it: a stop string, else the last token
+    # logprobs (GenerateRequest.logprobs): output ones not yet sent, the prompt's once
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         if self.report is not None:
@@ -185,12 +201,23 @@ class Generation:
             self.output_ids.extend(out.new_token_ids)
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
+        self.new_logprobs.extend(out.new_logprobs)
+        if out.input_logprobs is not None:
+            self.input_logprobs = out.input_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
+            self.error = out.error
+            if out.finish_reason == "stop" and self.matched is None and self.output_ids:
+                self.matched = self.output_ids[-1]  # EOS or a stop token id
         return gap
 
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The output logprobs absorbed since the previous call (one chunk's)."""
+        taken, self.new_logprobs = self.new_logprobs, []
+        return taken
+
     def absorb_stats(self, out: RequestOutput) -> None:
-        if out.prompt_tokens:  # only final outputs carry the prompt statistics
+        if out.prompt_tokens:  # outputs carry the prompt statistics once the prompt is matched
             self.prompt_tokens = out.prompt_tokens
             if self.report is None:
                 self.cached = out.cached
@@ -223,11 +250,15 @@ class EngineBridge:
         return EngineRequest(self.engine, rid, time.monotonic() + self.config.request_timeout_s)
 
     def submit(self, gen: Generation, input_ids: list[int], sampling: SamplingParams,
-               salt: str | None, rid: str | None = None) -> EngineRequest:
+               salt: str | None, rid: str | None = None, *,
+               logprobs: LogprobRequest | None = None, prefill_leader: str | None = None
+               ) -> EngineRequest:
         """Queue a request in the engine; 503 when full or stopped, 400 when invalid."""
         handle = self._new_handle(rid or uuid.uuid4().hex)
+        gen.rid = handle.rid
         req = GenerateRequest(rid=handle.rid, input_ids=input_ids, sampling=sampling,
-                              cache_salt=salt or "")
+                              cache_salt=salt or "", logprobs=logprobs,
+                              prefill_leader=prefill_leader)
         try:
             self.engine.submit(req, handle.on_output)
         except EngineOverloadedError as exc:
@@ -242,15 +273,22 @@ class EngineBridge:
         return handle
 
     def submit_prefilled(self, gen: Generation, rid: str, input_ids: list[int],
-                         sampling: SamplingParams, salt: str | None, first_token: int
+                         sampling: SamplingParams, salt: str | None, first_token: int, *,
+                         logprobs: LogprobRequest | None = None,
+                         first_logprob: TokenLogprob | None = None,
+                         input_logprobs: list[TokenLogprob] | None = None,
                          ) -> EngineRequest:
         """Start decoding a request whose prompt K/V sits in the pages reserved under `rid`;
-        on failure the reservation is freed and the request answers 500."""
+        on failure the reservation is freed and the request answers 500. `first_logprob` /
+        `input_logprobs`: what prefill's report carried (`Engine.submit_prefilled`)."""
         handle = self._new_handle(rid)
+        gen.rid = rid
         req = GenerateRequest(rid=rid, input_ids=input_ids, sampling=sampling,
-                              cache_salt=salt or "")
+                              cache_salt=salt or "", logprobs=logprobs)
         try:
-            self.engine.submit_prefilled(req, first_token, handle.on_output)
+            self.engine.submit_prefilled(req, first_token, handle.on_output,
+                                         first_logprob=first_logprob,
+                                         input_logprobs=input_logprobs)
         except (ValueError, EngineNotRunningError) as exc:
             self.engine.abort(rid)  # frees the reservation
             raise ApiError(500, f"cannot start decoding: {exc}", type=SERVER_ERROR) from None
@@ -269,6 +307,7 @@ class EngineBridge:
                     self.metrics.observe_tokens(len(out.new_token_ids), gap)
                 delta = text.add(out.new_token_ids) if out.new_token_ids else ""
                 if text.stopped:
+                    gen.matched, gen.finish_reason = text.matched, "stop"
                     yield out.new_token_ids, delta
                     await self._stop_early(handle, gen, disconnected)
                     break
@@ -302,19 +341,45 @@ class EngineBridge:
     async def collect(self, request: Request, handle: EngineRequest, gen: Generation,
                       text: TextAssembler) -> None:
         """Run a non-streaming request to its end, aborting it if the client goes away."""
+        await self.collect_many(request, [(handle, gen, text)])
+
+    async def collect_many(self, request: Request,
+                           runs: list[tuple[EngineRequest, Generation, TextAssembler]]) -> None:
+        """Run non-streaming requests (one /generate's sequences) to their end; the client
+        going away, or one of them failing, aborts them all."""
         disconnected = asyncio.ensure_future(wait_for_disconnect(request))
-        try:
+
+        async def run(handle: EngineRequest, gen: Generation, text: TextAssembler) -> None:
             async with aclosing(self.outputs(handle, gen, text, disconnected)) as stream:
                 async for _ in stream:
                     pass
+
+        tasks = [asyncio.ensure_future(run(*r)) for r in runs]
+        try:
+            await asyncio.gather(*tasks)
         finally:
             disconnected.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for handle, gen, _ in runs:
+                self._cleanup(handle, gen)
 
     def streaming(self, events: AsyncIterator[bytes], handle: EngineRequest, gen: Generation
                   ) -> Response:
         """SSE response whose cleanup aborts the request and counts it (client gone early)."""
-        gen.stream = True
-        return event_stream(events, BackgroundTask(self._cleanup, handle, gen))
+        return self.streaming_many(events, [(handle, gen)])
+
+    def streaming_many(self, events: AsyncIterator[bytes],
+                       runs: list[tuple[EngineRequest, Generation]]) -> Response:
+        """`streaming` for one /generate's sequences."""
+        for _, gen in runs:
+            gen.stream = True
+        return event_stream(events, BackgroundTask(self._cleanup_all, runs))
+
+    def _cleanup_all(self, runs: list[tuple[EngineRequest, Generation]]) -> None:
+        for handle, gen in runs:
+            self._cleanup(handle, gen)
 
     def _cleanup(self, handle: EngineRequest, gen: Generation) -> None:
         handle.abort()
@@ -343,20 +408,30 @@ class EngineBridge:
             decode_s = gen.done_at - gen.first_token_at
         series.observe_latency(gen.ttft_s, decode_s, completion, stream=gen.stream)
 
-    def meta(self, gen: Generation) -> GenerateMeta:
+    def meta_info(self, gen: Generation, logprobs: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+        """SGLang's `meta_info` of `gen` now (in SGLang's key order), then pdcache's fields;
+        `finish_reason` and `e2e_latency` once it ended. `logprobs`: SGLang's logprob keys
+        for this answer or chunk (`pdcache.server.logprobs`)."""
         prefill_node = gen.report.prefill_node if gen.report is not None else self.config.name
-        return GenerateMeta(
-            prompt_tokens=gen.prompt_tokens,
-            completion_tokens=len(gen.output_ids),
-            cached_tokens=gen.cached.total,
-            cached_tokens_details=CachedTokensDetails.of(gen.cached),
-            computed_tokens=gen.computed_tokens,
-            ttft_s=gen.ttft_s,
-            e2e_s=gen.e2e_s,
-            prefill_node=prefill_node,
-            decode_node=self.config.name,
-            finish_reason=gen.finish_reason,
-        )
+        completion = len(gen.output_ids)
+        info: dict[str, Any] = {
+            "id": gen.rid,
+            "finish_reason": finish_reason_object(gen.finish_reason, completion, gen.matched,
+                                                  gen.error),
+            "prompt_tokens": gen.prompt_tokens, "weight_version": "default",
+            "num_retractions": 0}
+        if logprobs:
+            info.update(logprobs)
+        info.update({"reasoning_tokens": 0, "completion_tokens": completion,
+                     "cached_tokens": gen.cached.total,
+                     "cached_tokens_details": gen.cached.as_dict()})
+        if gen.finish_reason is not None:
+            info["e2e_latency"] = time.monotonic() - gen.arrival if gen.done_at is None \
+                else gen.e2e_s
+        info.update({"computed_tokens": gen.computed_tokens, "ttft_s": gen.ttft_s,
+                     "prefill_node": prefill_node, "decode_node": self.config.name})
+        return info
 
     def usage(self, gen: Generation) -> dict[str, Any]:
         return usage_body(gen.prompt_tokens, len(gen.output_ids), gen.cached, gen.computed_tokens)

@@ -87,6 +87,10 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
         "io_task": "storage_errors"}, "storage failures (each a miss or a skipped write)"),
     "pdcache_storage_corrupt_pages": ("counter", "", {"": "storage_corrupt_pages"},
                                       "stored pages that failed header/checksum checks (misses)"),
+    "pdcache_storage_rejected_pages": ("counter", "reason", {
+        reason: f"storage_rejected_{reason}_pages"
+        for reason in ("header", "checksum", "mac", "truncated", "foreign", "wrong_key")},
+        "stored pages found but not served, by reason (mac: unauthenticated or forged)"),
     "pdcache_storage_evicted_pages": ("counter", "", {"": "storage_evictions"},
                                       "pages evicted by the storage tier's LRU"),
     "pdcache_storage_read_bytes": ("counter", "", {"": "storage_bytes_read"},
@@ -139,6 +143,31 @@ class TierStatsCollector(Collector):
                 family.add_metric([self._server_name, value] if label else [self._server_name],
                                   float(number))
             yield family
+
+
+class ControlRejectCollector(Collector):
+    """`pdcache_control_rejected_messages_total{kind}`: control messages a KVSender/KVReceiver
+    dropped (malformed, ..., unauthenticated, stale, replayed: docs/security.md), read from
+    its `stats()["rejected"]` at scrape time. Every kind is exported, zeros included."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], server_name: str) -> None:
+        self._stats = stats
+        self._server_name = server_name
+
+    def collect(self) -> Iterator[Metric]:
+        from pdcache.transfer.messages import REJECT_KINDS
+
+        try:
+            counts = dict(self._stats().get("rejected", {}))
+        except Exception:
+            log.exception("transfer stats() failed during a metrics scrape")
+            return
+        family = CounterMetricFamily("pdcache_control_rejected_messages",
+                                     "control-plane messages dropped, by kind",
+                                     labels=["server", "kind"])
+        for kind in REJECT_KINDS:
+            family.add_metric([self._server_name, kind], float(counts.get(kind, 0)))
+        yield family
 
 
 class EngineStatsCollector(Collector):

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pdcache.engine.api import CachedTokens, SamplingParams
+from pdcache.engine.api import SamplingParams
 
 # --------------------------------------------------------------------------- errors
 
@@ -93,12 +93,14 @@ def _validation_error(exc: ValidationError) -> ApiError:
 
 
 def _loc_to_param(loc: tuple[int | str, ...]) -> str | None:
-    # pydantic adds union member tags ('list[int]', 'str') to the location; keep field names
+    # pydantic adds union member tags ('list[int]', 'str', 'Model') to the location; keep
+    # field names
     parts: list[str] = []
     for item in loc:
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif "[" not in item and item not in ("str", "int", "float", "bool"):
+        elif "[" not in item and item not in ("str", "int", "float", "bool") \
+                and not item[:1].isupper():  # a union member's tag (a model's class name)
             parts.append(("." if parts else "") + item)
     return "".join(parts) or None
 
@@ -162,99 +164,11 @@ def default_max_tokens(prompt_len: int, limits: ModelLimits, param: str) -> int:
 
 
 # --------------------------------------------------------------------------- /generate
+# SGLang's native /generate request and answer: pdcache.server.generate_api
 
 _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 TokenIds = list[int]
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
-
-
-class GenerateSamplingParams(BaseModel):
-    """SGLang's sampling names. Defaults are the engine's (greedy, 128 new tokens)."""
-
-    model_config = _STRICT
-
-    max_new_tokens: int = Field(default=SamplingParams.max_new_tokens, ge=1)
-    temperature: float = Field(default=SamplingParams.temperature, ge=0.0)
-    top_p: float = Field(default=SamplingParams.top_p, gt=0.0, le=1.0)
-    top_k: int = SamplingParams.top_k  # <= 0: no top-k truncation
-    seed: Seed | None = None
-    stop_token_ids: TokenIds = Field(default_factory=list)
-    ignore_eos: bool = False
-
-    def to_engine(self) -> SamplingParams:
-        return SamplingParams(
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop_token_ids=tuple(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-        )
-
-
-class PDParams(BaseModel):
-    """Set only by the router on requests to prefill and decode nodes (docs/pd-protocol.md)."""
-
-    model_config = _STRICT
-
-    room: int = Field(ge=0, lt=1 << 63)
-    role: Literal["prefill", "decode"]
-    bootstrap: str | None = Field(default=None, max_length=256)  # decode: P's bootstrap
-    prefill_node: str | None = Field(default=None, max_length=128)
-    decode_node: str | None = Field(default=None, max_length=128)
-
-
-class GenerateRequestBody(BaseModel):
-    """`POST /generate`: exactly one of `input_ids` or `text`."""
-
-    model_config = _STRICT
-
-    input_ids: TokenIds | None = None
-    text: str | None = None
-    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
-    session_id: str | None = None
-    cache_salt: str | None = None
-    stream: bool = False
-    rid: str | None = Field(default=None, min_length=1, max_length=128)
-    pd: PDParams | None = None
-
-    def prompt_param(self) -> str:
-        return "input_ids" if self.input_ids is not None else "text"
-
-    def check_one_prompt(self) -> None:
-        if (self.input_ids is None) == (self.text is None):
-            raise bad_request("give exactly one of 'input_ids' or 'text'", code="invalid_prompt")
-
-
-class CachedTokensDetails(BaseModel):
-    device: int = 0
-    host: int = 0
-    storage: int = 0
-    storage_from_decode: int = 0
-
-    @classmethod
-    def of(cls, cached: CachedTokens) -> CachedTokensDetails:
-        return cls(**cached.as_dict())
-
-
-class GenerateMeta(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    cached_tokens_details: CachedTokensDetails
-    computed_tokens: int
-    ttft_s: float | None
-    e2e_s: float | None
-    prefill_node: str
-    decode_node: str
-    finish_reason: str | None
-
-
-class GenerateResponse(BaseModel):
-    output_ids: list[int]
-    text: str
-    meta: GenerateMeta
 
 
 # --------------------------------------------------------------------------- OpenAI
@@ -423,9 +337,12 @@ class TextAssembler:
     prefix of a stop string that a later token might complete.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str],
+                 keep_stop: bool = False) -> None:
         self._decode = decode
         self._stops = stops
+        self._keep_stop = keep_stop  # SGLang's no_stop_trim: the text ends with the stop
+        self.matched: str | None = None  # the stop string that ended the text
         self.ids: list[int] = []
         self._text = ""  # decoded text of ids[:_read]
         self._prefix = 0  # ids[_prefix:_read] give context to the next decode
@@ -451,6 +368,11 @@ class TextAssembler:
     def text(self) -> str:
         return self._text
 
+    @property
+    def emitted(self) -> str:
+        """The text released so far (never a stop-string prefix still held back)."""
+        return self._text[: self._emitted]
+
     def _decode_window(self, final: bool) -> str:
         # decoding ids with their predecessors keeps tokenizers that render word boundaries
         # from context (SentencePiece spaces) exact
@@ -463,10 +385,11 @@ class TextAssembler:
 
     def _cut_at_stop(self) -> bool:
         start = max(0, self._emitted - max(len(s) for s in self._stops))
-        hits = [i for i in (self._text.find(s, start) for s in self._stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self._text.find(s, start), s) for s in self._stops) if i >= 0]
         if not hits:
             return False
-        self._text = self._text[: min(hits)]
+        at, self.matched = min(hits, key=lambda hit: hit[0])
+        self._text = self._text[: at + (len(self.matched) if self._keep_stop else 0)]
         self.stopped = True
         return True
 

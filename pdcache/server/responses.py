@@ -9,7 +9,6 @@ byte-identical bodies and streams.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -18,6 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -97,9 +97,12 @@ def model_list(model: str, created: int, context_len: int) -> dict[str, Any]:
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
-    """One server-sent event: `data: <json>` (or a literal such as `[DONE]`)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    """One server-sent event: `data: <json>` (or a literal such as `[DONE]`), encoded as
+    SGLang's HTTP server encodes its events (orjson: compact, UTF-8, non-str keys allowed),
+    so a /generate stream is byte-identical to SGLang's."""
+    if isinstance(payload, str):
+        return f"data: {payload}\n\n".encode()
+    return b"data: " + orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
 
 
 SSE_DONE = sse("[DONE]")

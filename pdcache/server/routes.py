@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -25,13 +26,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdcache.server.auth import node_request_allowed, unauthorized
 from pdcache.server.bridge import EngineBridge, EngineRequest, Generation
+from pdcache.server.generate_api import (
+    GenerateItem,
+    GenerateRequestBody,
+    OutputBuilder,
+    merge_streams,
+)
 from pdcache.server.protocol import (
     SERVER_ERROR,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    GenerateRequestBody,
-    GenerateResponse,
     ModelLimits,
     OpenAIRequestBase,
     TextAssembler,
@@ -41,6 +46,7 @@ from pdcache.server.protocol import (
     default_max_tokens,
     encode_prompt,
     parse_body,
+    unsupported,
 )
 from pdcache.server.responses import (
     Handler,
@@ -61,6 +67,23 @@ from pdcache.server.service import ServiceRoutes
 PDHandler = Callable[[Request, GenerateRequestBody], Awaitable[Response]]
 
 
+@dataclass
+class SequenceRun:
+    """One submitted sequence of a /generate request and what builds its answer."""
+
+    item: GenerateItem
+    handle: EngineRequest
+    gen: Generation
+    text: TextAssembler
+    builder: OutputBuilder | None = None
+
+
+async def _as_sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async with aclosing(chunks) as stream:
+        async for chunk in stream:
+            yield sse(chunk)
+
+
 class ServerRoutes:
     """Request handling of one server around `bridge.engine`; owns no thread or engine."""
 
@@ -73,44 +96,115 @@ class ServerRoutes:
         self.limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
         self.created = now_s()
 
-    # ---- /generate
+    # ---- /generate (SGLang's native API: pdcache.server.generate_api)
 
     async def generate(self, request: Request, body: GenerateRequestBody) -> Response:
-        gen = Generation(arrival=time.monotonic())
-        input_ids = self.checked_prompt(body)
-        sampling = body.sampling_params
-        handle = self.bridge.submit(gen, input_ids, sampling.to_engine(), body.cache_salt,
-                                    body.rid)
-        return await self.respond(request, handle, gen, body.stream)
+        """Every sequence of the request (batch x n) submitted at once; samples of one
+        prompt after its first wait for its prompt pages (`prefill_leader`)."""
+        body.check_supported()
+        if body.has_bootstrap():
+            raise unsupported(body.bootstrap_field() or "bootstrap_room", "'bootstrap_*' are for prefill and decode "
+                              "nodes; this is a unified server")
+        runs: list[SequenceRun] = []
+        try:
+            for item in body.items():
+                runs.append(self.start(item, body, runs))
+        except BaseException:
+            for run in runs:
+                run.handle.abort()
+                self.bridge.finish(run.gen)
+            raise
+        return await self.respond_runs(request, runs, body)
 
-    def checked_prompt(self, body: GenerateRequestBody) -> list[int]:
-        """The request's prompt ids (encoding `text`), after every input check of §4.1."""
-        body.check_one_prompt()
-        param = body.prompt_param()
-        input_ids = body.input_ids if body.input_ids is not None else self.encode(body.text, param)
-        sampling = body.sampling_params
-        check_prompt(input_ids, sampling.max_new_tokens, self.limits, param)
+    def start(self, item: GenerateItem, body: GenerateRequestBody,
+              earlier: list[SequenceRun]) -> SequenceRun:
+        """Check and submit one sequence; a sample's `prefill_leader` is its prompt's first."""
+        gen = Generation(arrival=time.monotonic())
+        input_ids = self.checked_prompt(item)
+        leader = earlier[item.leader].handle.rid if item.leader is not None else None
+        handle = self.bridge.submit(gen, input_ids, item.sampling.to_engine(), body.cache_salt,
+                                    item.rid, logprobs=item.logprobs, prefill_leader=leader)
+        return SequenceRun(item, handle, gen, self.assembler(item))
+
+    def checked_prompt(self, item: GenerateItem) -> list[int]:
+        """The item's prompt ids (encoding text), after every input check of §4.1."""
+        prompt = item.prompt
+        input_ids = prompt if isinstance(prompt, list) else self.encode(prompt, item.param)
+        sampling = item.sampling
+        check_prompt(input_ids, sampling.max_new_tokens, self.limits, item.param)
         check_token_ids(sampling.stop_token_ids, self.limits.vocab_size,
                         "sampling_params.stop_token_ids")
+        if item.logprobs is not None:
+            check_token_ids(list(item.logprobs.token_ids), self.limits.vocab_size,
+                            "token_ids_logprob")
         return input_ids
 
-    async def respond(self, request: Request, handle: EngineRequest, gen: Generation,
-                      stream: bool) -> Response:
-        """A submitted /generate request's answer: SSE events, or one JSON body at the end."""
-        text = TextAssembler(self.decode, [])
-        if stream:
-            return self.bridge.streaming(self._generate_events(handle, gen, text), handle, gen)
-        await self.bridge.collect(request, handle, gen, text)
-        meta = self.bridge.meta(gen)
-        response = GenerateResponse(output_ids=gen.output_ids, text=text.text, meta=meta)
-        return JSONResponse(response.model_dump())
+    def assembler(self, item: GenerateItem) -> TextAssembler:
+        sampling = item.sampling
+        skip = sampling.skip_special_tokens
+        return TextAssembler(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip),
+                             sampling.stop_strings(), keep_stop=sampling.no_stop_trim)
 
-    async def _generate_events(self, handle: EngineRequest, gen: Generation,
-                               text: TextAssembler) -> AsyncIterator[bytes]:
-        async with aclosing(self.bridge.outputs(handle, gen, text)) as stream:
+    def incremental(self, body: GenerateRequestBody) -> bool:
+        chosen = body.incremental_streaming_output
+        return self.bridge.config.incremental_streaming_output if chosen is None else chosen
+
+    async def respond(self, request: Request, handle: EngineRequest, gen: Generation,
+                      body: GenerateRequestBody, item: GenerateItem) -> Response:
+        """A submitted single-sequence request's answer (the P/D nodes')."""
+        run = SequenceRun(item, handle, gen, self.assembler(item))
+        return await self.respond_runs(request, [run], body)
+
+    async def respond_runs(self, request: Request, runs: list[SequenceRun],
+                           body: GenerateRequestBody) -> Response:
+        """SSE chunks (cumulative unless incremental; interleaved with `index` for a list),
+        or one JSON body at the end: an object, or a list for a batch / n > 1."""
+        listed = body.answers_list
+        incremental = self.incremental(body)
+        for run in runs:
+            run.builder = OutputBuilder(incremental, run.item.index if listed else None)
+        if body.stream:
+            events = merge_streams([self._sequence_chunks(run, body) for run in runs])
+            pairs = [(run.handle, run.gen) for run in runs]
+            return self.bridge.streaming_many(_as_sse(events), pairs)
+        await self.bridge.collect_many(request, [(r.handle, r.gen, r.text) for r in runs])
+        answers = []
+        for run in runs:
+            assert run.builder is not None
+            run.builder.text = run.text.text
+            run.builder.output_ids = run.gen.output_ids
+            answers.append(run.builder.final(self.meta_info(run, body)))
+        return JSONResponse(answers if listed else answers[0])
+
+    async def _sequence_chunks(self, run: SequenceRun, body: GenerateRequestBody
+                               ) -> AsyncIterator[dict[str, Any]]:
+        builder = run.builder
+        assert builder is not None
+        outputs = self.bridge.outputs(run.handle, run.gen, run.text)
+        async with aclosing(outputs) as stream:
             async for new_ids, delta in stream:
-                meta = self.bridge.meta(gen).model_dump()
-                yield sse({"output_ids": new_ids, "text": delta, "meta": meta})
+                yield builder.add(new_ids, delta, self.meta_info(run, body))
+
+    def meta_info(self, run: SequenceRun, body: GenerateRequestBody) -> dict[str, Any]:
+        """`meta_info` now, with the logprobs absorbed since the previous chunk."""
+        logprobs = None
+        if run.item.logprobs is not None:
+            logprobs = self.logprob_fields(run, body)
+        return self.bridge.meta_info(run.gen, logprobs)
+
+    def logprob_fields(self, run: SequenceRun, body: GenerateRequestBody) -> dict[str, Any]:
+        from pdcache.server.logprobs import sglang_logprob_fields
+
+        request = run.item.logprobs
+        assert request is not None
+        gen = run.gen
+        decode = (lambda tok: self.tokenizer.decode([tok], skip_special_tokens=False)) \
+            if body.return_text_in_logprobs else None
+        # this chunk's output logprobs (OutputBuilder makes them cumulative); the prompt's in
+        # every chunk, as SGLang sends them
+        return sglang_logprob_fields(gen.take_logprobs(), gen.input_logprobs,
+                                     top_n=request.top_n, token_ids=bool(request.token_ids),
+                                     decode_token=decode)
 
     # ---- OpenAI endpoints
 
@@ -204,9 +298,11 @@ def build_app(routes: ServerRoutes, *, pd_generate: PDHandler | None = None,
 
     async def generate(request: Request) -> Response:
         body = parse_body(GenerateRequestBody, await request.body())
-        if body.pd is None:
+        if body.pd is None and not body.has_bootstrap():
             return await routes.generate(request, body)
         if pd_generate is None:
+            if body.pd is None:
+                return await routes.generate(request, body)  # 400 unsupported_parameter
             raise bad_request("'pd' is set by the router on P/D nodes only", param="pd",
                               code="unknown_field")
         return await pd_generate(request, body)

@@ -6,6 +6,11 @@ Other threads hand it work with `call_soon(fn)` (a queue plus a wake-up pipe pol
 the sockets), so sending a message from the scheduler or a transfer worker never touches a
 socket directly. `on_tick` runs at least every `tick_s` for heartbeats and deadlines.
 Exceptions in handlers are logged and counted; the thread keeps running.
+
+Authentication (docs/security.md): with a cluster secret, every control frame is sealed with
+`pdcache.utils.message_auth.MessageAuth` (a keyed BLAKE3 MAC, a timestamp and a nonce);
+`parse` opens it before decoding and counts a frame that is unauthenticated, stale or
+replayed as a rejection of that kind, like a malformed one: dropped, and the node serves on.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Callable
 import zmq
 
 from pdcache.transfer.messages import Message, MessageError, decode, encode
+from pdcache.utils.message_auth import TRAILER_BYTES, AuthError, MessageAuth
 
 logger = logging.getLogger(__name__)
 
@@ -163,13 +169,44 @@ class RejectCounter:
             return dict(self.counts)
 
 
-def parse(frame: bytes, max_bytes: int, rejects: RejectCounter, origin: str) -> Message | None:
-    """Decode a frame; on MessageError count it and return None (the caller keeps serving)."""
+CONTROL_KEY_PURPOSE = "zmq-control"  # derive_key(secret, CONTROL_KEY_PURPOSE) -> control_key
+
+
+def control_auth(control_key: bytes | None, side: str) -> MessageAuth | None:
+    """The sealer of the side ("prefill" | "decode") that sends, or None without a key."""
+    if control_key is None:
+        return None
+    peer = {"prefill": "decode", "decode": "prefill"}[side]
+    return MessageAuth(control_key, side.encode(), peer.encode())
+
+
+def seal(msg: Message, auth: MessageAuth | None) -> bytes:
+    """`msg` encoded, and sealed when the control plane is authenticated."""
+    frame = encode(msg)
+    return frame if auth is None else auth.seal(frame)
+
+
+def parse(
+    frame: bytes,
+    max_bytes: int,
+    rejects: RejectCounter,
+    origin: str,
+    auth: MessageAuth | None = None,
+) -> Message | None:
+    """Open (when authenticated) and decode a frame; on failure count it and return None (the
+    caller keeps serving)."""
     try:
+        if auth is not None:
+            if len(frame) > max_bytes + TRAILER_BYTES:  # never hash an oversized frame
+                raise MessageError("oversized", f"{len(frame)} bytes > limit {max_bytes}")
+            try:
+                frame = auth.open_(frame)
+            except AuthError as err:
+                raise MessageError(err.kind, str(err)) from None
         return decode(frame, max_bytes)
     except MessageError as err:
         rejects.record(err, origin)
         return None
 
 
-__all__ = ["ControlLoop", "RejectCounter", "encode", "parse"]
+__all__ = ["ControlLoop", "RejectCounter", "control_auth", "encode", "parse", "seal"]

@@ -1,7 +1,7 @@
 """Typed control-plane messages, msgpack-encoded, with strict decoding.
 
-Wire format (protocol version 2): one ZMQ frame holding a msgpack map
-`{"v": 2, "t": "<type>", <field>: <value>, ...}`; a field whose type is a dataclass (`Done`'s
+Wire format (protocol version 3): one ZMQ frame holding a msgpack map
+`{"v": 3, "t": "<type>", <field>: <value>, ...}`; a field whose type is a dataclass (`Done`'s
 `PrefillReport` and its `CachedTokens`) is a nested map of exactly its fields. Decoding
 rejects — with a `MessageError` whose `kind` names the cause — anything oversized, not
 msgpack, not a map, of another version, of an unknown type, with missing or extra fields (at
@@ -9,7 +9,10 @@ any depth), or with a field of the wrong type or out of range. Nothing here touc
 or state; it is pure and thread-safe.
 
 Version 2 replaced version 1's free-form `done.stats` map and `done.first_token` with the
-typed `done.report`.
+typed `done.report`. Version 3 added `report.first_logprob` and `report.input_logprobs`
+(the first token's logprob and the prompt logprobs, packed by `pack_logprobs`); a version 2
+message is still accepted (those two fields absent: no logprobs), and is the only older
+version that is.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-from pdcache.engine.api import CachedTokens
+from pdcache.engine.api import CachedTokens, TokenLogprob
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+ACCEPTED_VERSIONS = (2, 3)
 MAX_ROOM_ID = (1 << 63) - 1
 MAX_CONTAINER_ITEMS = 256  # entries of any msgpack array or map
 _INT64_MAX = (1 << 63) - 1
@@ -39,7 +43,8 @@ class MessageError(ValueError):
         self.detail = detail
 
 
-REJECT_KINDS = ("oversized", "malformed", "version", "unknown_type", "bad_field")
+REJECT_KINDS = ("oversized", "malformed", "version", "unknown_type", "bad_field",
+                "unauthenticated", "stale", "replayed")  # the last three: control.parse
 
 
 @dataclass(frozen=True)
@@ -103,13 +108,25 @@ class PrefillReport:
     prompt was served there (the decode node's response `meta` and metrics use these).
 
     `cached` splits the reused prompt tokens by tier; `computed_tokens` ran through prefill's
-    forward; `prefill_node` names the node. `first_token` -1 means "none" (transfer tests)."""
+    forward; `prefill_node` names the node. `first_token` -1 means "none" (transfer tests).
+    With logprobs asked for, `first_logprob` packs the first token's `TokenLogprob` and
+    `input_logprobs` the prompt's (`pack_logprobs`; empty bytes: none), read back with
+    `first_token_logprob()` / `prompt_logprobs()`."""
 
     first_token: int
     prompt_tokens: int = 0
     computed_tokens: int = 0
     cached: CachedTokens = field(default_factory=CachedTokens)
     prefill_node: str = ""
+    first_logprob: bytes = b""  # since version 3
+    input_logprobs: bytes = b""  # since version 3
+
+    def first_token_logprob(self) -> TokenLogprob | None:
+        entries = unpack_logprobs(self.first_logprob)
+        return entries[0] if entries else None
+
+    def prompt_logprobs(self) -> list[TokenLogprob] | None:
+        return unpack_logprobs(self.input_logprobs)
 
 
 @dataclass(frozen=True)
@@ -157,6 +174,83 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     for cls in (Register, RegisterAck, RoomRequest, Started, Done, Abort, AbortAck, Ping, Pong)
 }
 _NESTED: tuple[type, ...] = (PrefillReport, CachedTokens)  # dataclasses allowed as fields
+# fields a version 2 sender does not send: their defaults apply
+_SINCE_V3: dict[type, frozenset[str]] = {
+    PrefillReport: frozenset({"first_logprob", "input_logprobs"}),
+}
+_LOGPROB_HEADER = np.dtype("<i4")
+
+
+def pack_logprobs(entries: list[TokenLogprob] | None) -> bytes:
+    """`entries` as bytes: an int32 header (count, top width, selected width), then per entry
+    int32 token id, float32 logprob (NaN: None), int16 top / selected lengths, and the top and
+    selected (id, logprob) pairs padded to the widths. b"" for None. Logprobs are float32
+    values (the sampler's), so the round trip is exact."""
+    if entries is None:
+        return b""
+    count = len(entries)
+    top_width = max((len(e.top) for e in entries), default=0)
+    sel_width = max((len(e.selected) for e in entries), default=0)
+    header = np.array([count, top_width, sel_width], dtype=_LOGPROB_HEADER)
+    ids = np.array([e.token_id for e in entries], dtype="<i4")
+    values = np.array([np.nan if e.logprob is None else e.logprob for e in entries], "<f4")
+    lengths = np.array([[len(e.top), len(e.selected)] for e in entries], "<i2").reshape(count, 2)
+    parts = [header.tobytes(), ids.tobytes(), values.tobytes(), lengths.tobytes()]
+    for width, pick in ((top_width, "top"), (sel_width, "selected")):
+        pair_ids = np.zeros((count, width), "<i4")
+        pair_values = np.zeros((count, width), "<f4")
+        for row, entry in enumerate(entries):
+            pairs = getattr(entry, pick)
+            for col, (token, logprob) in enumerate(pairs):
+                pair_ids[row, col], pair_values[row, col] = token, logprob
+        parts += [pair_ids.tobytes(), pair_values.tobytes()]
+    return b"".join(parts)
+
+
+def unpack_logprobs(raw: bytes) -> list[TokenLogprob] | None:
+    """The inverse of `pack_logprobs`; MessageError("bad_field") for bytes it did not write."""
+    if not raw:
+        return None
+    try:
+        return _unpack_logprobs(memoryview(raw))
+    except (ValueError, IndexError) as exc:
+        raise MessageError("bad_field", f"report logprobs: {exc}") from None
+
+
+def _unpack_logprobs(raw: memoryview) -> list[TokenLogprob]:
+    count, top_width, sel_width = (int(v) for v in np.frombuffer(raw[:12], _LOGPROB_HEADER))
+    if min(count, top_width, sel_width) < 0:
+        raise ValueError("negative size")
+    expected = 12 + count * (4 + 4 + 4) + count * 8 * (top_width + sel_width)
+    if len(raw) != expected:
+        raise ValueError(f"{len(raw)} bytes, the header says {expected}")
+    offset = 12
+
+    def take(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        nonlocal offset
+        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        array = np.frombuffer(raw[offset : offset + size], dtype).reshape(shape)
+        offset += size
+        return array
+
+    ids, values = take("<i4", (count,)), take("<f4", (count,))
+    lengths = take("<i2", (count, 2))
+    top_ids, top_values = take("<i4", (count, top_width)), take("<f4", (count, top_width))
+    sel_ids, sel_values = take("<i4", (count, sel_width)), take("<f4", (count, sel_width))
+    if (lengths < 0).any() or (lengths[:, 0] > top_width).any() or (
+            lengths[:, 1] > sel_width).any():
+        raise ValueError("pair counts beyond the widths")
+    entries = []
+    for row in range(count):
+        num_top, num_sel = int(lengths[row, 0]), int(lengths[row, 1])
+        value = float(values[row])
+        entries.append(TokenLogprob(
+            int(ids[row]),
+            None if np.isnan(value) else value,
+            tuple(zip(top_ids[row, :num_top].tolist(), top_values[row, :num_top].tolist())),
+            tuple(zip(sel_ids[row, :num_sel].tolist(), sel_values[row, :num_sel].tolist())),
+        ))
+    return entries
 
 
 def _hints(cls: type) -> dict[str, type]:
@@ -185,13 +279,17 @@ def decode(raw: bytes | memoryview, max_bytes: int) -> Message:
     if not isinstance(body, dict):
         raise MessageError("malformed", f"top level is {type(body).__name__}, not a map")
     version = body.pop("v", None)
-    if version != PROTOCOL_VERSION:
-        raise MessageError("version", f"version {version!r}, expected {PROTOCOL_VERSION}")
+    if isinstance(version, bool) or version not in ACCEPTED_VERSIONS:
+        raise MessageError("version", f"version {version!r}, expected one of "
+                                      f"{ACCEPTED_VERSIONS}")
     type_tag = body.pop("t", None)
     cls = MESSAGE_TYPES.get(type_tag) if isinstance(type_tag, str) else None
     if cls is None:
         raise MessageError("unknown_type", f"message type {type_tag!r}")
-    msg = _build(cls, body, type_tag)
+    msg = _build(cls, body, type_tag, version)
+    if isinstance(msg, Done):  # the packed logprobs must be ones pack_logprobs wrote
+        unpack_logprobs(msg.report.first_logprob)
+        unpack_logprobs(msg.report.input_logprobs)
     _check_ranges(msg)
     return msg
 
@@ -207,10 +305,15 @@ def _unpack(raw: bytes | memoryview, max_bytes: int) -> Any:
         raise MessageError("malformed", f"not a msgpack document ({exc})") from None
 
 
-def _build(cls: type, body: dict[str, Any], where: str) -> Any:
+def _build(cls: type, body: dict[str, Any], where: str, version: int) -> Any:
     """`cls(**body)` once `body` has exactly `cls`'s fields, each of its type (nested
-    dataclass fields are maps, built the same way)."""
-    expected = _FIELDS[cls]
+    dataclass fields are maps, built the same way); a version 2 body may lack the fields
+    version 3 added."""
+    expected = dict(_FIELDS[cls])
+    if version < 3:
+        for name in _SINCE_V3.get(cls, ()):
+            if name not in body:
+                expected.pop(name)
     missing = [name for name in expected if name not in body]
     extra = [name for name in body if name not in expected]
     if missing or extra:
@@ -219,7 +322,7 @@ def _build(cls: type, body: dict[str, Any], where: str) -> Any:
     for name, kind in expected.items():
         value = body[name]
         if kind in _NESTED and isinstance(value, dict):
-            value = _build(kind, value, f"{where}.{name}")
+            value = _build(kind, value, f"{where}.{name}", version)
         elif not _is_instance(value, kind):
             got = type(value).__name__
             raise MessageError("bad_field", f"{where}.{name}: expected {kind.__name__}, got {got}")
@@ -265,8 +368,10 @@ def check_report(report: Any) -> None:
         raise ValueError(f"the report must be a PrefillReport, got {type(report).__name__}")
     body = dataclasses.asdict(report)
     try:
-        _build(PrefillReport, body, "done.report")
+        _build(PrefillReport, body, "done.report", PROTOCOL_VERSION)
         _check_ints(body, "done.report")
+        unpack_logprobs(report.first_logprob)
+        unpack_logprobs(report.input_logprobs)
     except MessageError as err:
         raise ValueError(err.detail) from None
 

@@ -42,7 +42,7 @@ import torch
 import zmq
 
 from pdcache.transfer.config import TransferConfig
-from pdcache.transfer.control import ControlLoop, RejectCounter, parse
+from pdcache.transfer.control import ControlLoop, RejectCounter, control_auth, parse, seal
 from pdcache.transfer.engines.base import create_engine
 from pdcache.transfer.errors import TransferError, TransferTimeout
 from pdcache.transfer.layout import KVLayout
@@ -58,7 +58,6 @@ from pdcache.transfer.messages import (
     RegisterAck,
     RoomRequest,
     Started,
-    encode,
     pack_pages,
 )
 from pdcache.transfer.rooms import (
@@ -118,8 +117,12 @@ class KVReceiver:
     """The decode node's end of the KV transfer; see the module docstring."""
 
     def __init__(self, config: TransferConfig, device_kv: torch.Tensor,
-                 on_release: ReleaseCallback | None = None, decode_id: str = "") -> None:
+                 on_release: ReleaseCallback | None = None, decode_id: str = "",
+                 control_key: bytes | None = None) -> None:
+        """`control_key`: derive_key(cluster secret, "zmq-control") authenticates every
+        control message (docs/security.md); None: unauthenticated (no secret)."""
         self.config = config
+        self._auth = control_auth(control_key, "decode")
         self.layout = KVLayout.from_tensor(device_kv)
         self._kv = device_kv
         self.decode_id = decode_id or f"decode-{uuid.uuid4().hex[:8]}"
@@ -185,7 +188,7 @@ class KVReceiver:
             raise ValueError(f"room {room}: destination pages repeat")
         data = _RecvRoom(bootstrap_addr, dst, int(num_tokens))
         self.rooms.create(room, RoomState.BOOTSTRAPPING, self.config.room_timeout_s, data)
-        frame = encode(RoomRequest(room, pack_pages(dst), int(num_tokens)))
+        frame = seal(RoomRequest(room, pack_pages(dst), int(num_tokens)), self._auth)
         self._loop.call_soon(lambda: self._send_request(room, bootstrap_addr, frame))
 
     def wait(self, room: int, timeout_s: float | None = None) -> TransferResult:
@@ -250,7 +253,7 @@ class KVReceiver:
         current.data.timed_out = code == "timeout"
         if not self._finish(room, RoomState.FAILED, reason, busy=True, code=code):
             return
-        frame = encode(Abort(room, reason, code))
+        frame = seal(Abort(room, reason, code), self._auth)
         self._loop.call_soon(lambda: self._send_abort(room, current.data.peer_addr, frame))
 
     def _released(self, outcome: Outcome) -> None:
@@ -273,7 +276,7 @@ class KVReceiver:
         register = Register(self.decode_id, self.config.engine, self._session,
                             self.layout.base_addr, self.layout.num_layers, self.layout.num_pages,
                             self.layout.page_bytes)
-        sock.send(encode(register), zmq.NOBLOCK)
+        sock.send(seal(register, self._auth), zmq.NOBLOCK)
         return peer
 
     def _send_request(self, room: int, addr: str, frame: bytes) -> None:
@@ -310,7 +313,8 @@ class KVReceiver:
         if len(frames) != 1:
             self.rejects.record(MessageError("malformed", f"{len(frames)} frames"), peer.addr)
             return
-        msg = parse(frames[0], self.config.max_message_bytes, self.rejects, peer.addr)
+        msg = parse(frames[0], self.config.max_message_bytes, self.rejects, peer.addr,
+                    self._auth)
         if msg is None:
             return
         peer.last_seen = time.monotonic()
@@ -395,7 +399,7 @@ class KVReceiver:
                 self._peer_lost(peer, now)
             elif now - peer.last_ping >= self.config.heartbeat_interval_s:
                 peer.last_ping = now
-                self._send_frame(peer, encode(Ping(next(self._seq))))
+                self._send_frame(peer, seal(Ping(next(self._seq)), self._auth))
         for room in self.rooms.select(lambda r: not r.state.terminal and r.deadline < now):
             self._fail_local(room, "room deadline passed", code="timeout")
         ack_limit = self.config.abort_ack_timeout_s
@@ -413,7 +417,7 @@ class KVReceiver:
         reason = f"prefill peer {peer.addr} lost (no heartbeat for {silent:.1f}s)"
         mine = self.rooms.select(lambda r: r.data.peer_addr == peer.addr)
         for room in mine:  # best effort: a peer that only stalled stops writing these pages
-            self._send_frame(peer, encode(Abort(room, reason, "timeout")))
+            self._send_frame(peer, seal(Abort(room, reason, "timeout"), self._auth))
         self._drop_peer(peer, linger_ms=100)
         for room in mine:
             # A dead peer writes nothing more: fail and release at once.

@@ -43,7 +43,7 @@ import torch
 import zmq
 
 from pdcache.transfer.config import TransferConfig
-from pdcache.transfer.control import ControlLoop, RejectCounter, parse
+from pdcache.transfer.control import ControlLoop, RejectCounter, control_auth, parse, seal
 from pdcache.transfer.engines.base import EngineError, EngineTimeout, create_engine
 from pdcache.transfer.layout import KVLayout, page_copy_batch
 from pdcache.transfer.messages import (
@@ -61,7 +61,6 @@ from pdcache.transfer.messages import (
     RoomRequest,
     Started,
     check_report,
-    encode,
 )
 from pdcache.transfer.rooms import Outcome, ReleaseCallback, RoomState, RoomTable
 
@@ -103,8 +102,12 @@ class KVSender:
     def __init__(self, config: TransferConfig, device_kv: torch.Tensor,
                  bind_host: str = "127.0.0.1", port: int = 0,
                  on_release: ReleaseCallback | None = None, prefill_id: str = "",
-                 on_requested: Callable[[int], None] | None = None) -> None:
+                 on_requested: Callable[[int], None] | None = None,
+                 control_key: bytes | None = None) -> None:
+        """`control_key`: derive_key(cluster secret, "zmq-control") authenticates every
+        control message (docs/security.md); None: unauthenticated (no secret)."""
         self.config = config
+        self._auth = control_auth(control_key, "prefill")
         self._on_requested = on_requested
         self.layout = KVLayout.from_tensor(device_kv)
         self._kv = device_kv  # keeps the pool alive while the engine reads it
@@ -334,7 +337,7 @@ class KVSender:
 
     # ---- control thread ------------------------------------------------------------------
     def _send(self, identity: bytes, msg: Message) -> None:
-        frame = encode(msg)
+        frame = seal(msg, self._auth)
 
         def push() -> None:
             assert self._router is not None
@@ -352,7 +355,7 @@ class KVSender:
         if len(frames) != 2:
             self.rejects.record(MessageError("malformed", f"{len(frames) - 1} frames"), "decode")
             return
-        msg = parse(frames[1], self.config.max_message_bytes, self.rejects, "decode")
+        msg = parse(frames[1], self.config.max_message_bytes, self.rejects, "decode", self._auth)
         if msg is None:
             return
         self._count("messages_in")

@@ -78,7 +78,7 @@ def test_stream_state_measures_first_token_and_spreads_chunk_gaps() -> None:
     state.on_chunk({"output_ids": [5, 6]}, now=10.5)
     state.on_chunk({"output_ids": []}, now=10.6)
     state.on_chunk({"output_ids": [7, 8]}, now=11.5)
-    state.on_chunk({"output_ids": [9], "meta": {"completion_tokens": 5}}, now=11.75)
+    state.on_chunk({"output_ids": [9], "meta_info": {"completion_tokens": 5}}, now=11.75)
     assert state.output_ids == [5, 6, 7, 8, 9]
     assert state.first_token_at == 10.5
     assert state.itl_s == [0.0, 0.5, 0.5, 0.25]

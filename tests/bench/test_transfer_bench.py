@@ -19,7 +19,7 @@ def test_transfer_bench_reports_every_path_verified(tmp_path, capsys) -> None:
     out = tmp_path / "transfer.json"
     args = parser.parse_args(["--engines", "zmq,no-such-engine", "--layers", "2",
                               "--pages-per-room", "8", "--rooms", "2", "--repeats", "1",
-                              "--kv-heads", "2", "--head-dim", "16"])
+                              "--kv-heads", "2", "--head-dim", "16", "--control-rounds", "40"])
     args.json_path = str(out)
     assert transfer_bench.run(args) == 0
     report = json.loads(out.read_text())
@@ -30,3 +30,9 @@ def test_transfer_bench_reports_every_path_verified(tmp_path, capsys) -> None:
     assert all(r["verified"] == "yes" and r["GiB/s"] > 0 for r in protocol_rows)
     assert "no-such-engine" in report["skipped"]
     assert "KVSender->KVReceiver" in capsys.readouterr().out
+    control = json.loads((tmp_path / "transfer.control.json").read_text())["rows"]
+    assert [(r["path"], r["auth"].split()[0]) for r in control] == [
+        ("KVSender ping", "none"), ("KVSender ping", "hmac"),
+        ("echo in another process", "none"), ("echo in another process", "hmac"),
+        ("echo in another process", "curve")]
+    assert all(r["rtt_p50_us"] > 0 for r in control)

@@ -205,3 +205,18 @@ def test_secret_create_cli(tmp_path, capsys) -> None:
     os.chmod(path, 0o644)
     assert pdcache_main(["secret", "node-token", str(path)]) == 2
     assert "chmod 600" in capsys.readouterr().err
+
+
+def test_setup_hands_the_derived_keys_to_storage(tmp_path) -> None:
+    path = secret_file(tmp_path)
+    storage = ('[storage]\nbackend = "hf3fs"\nmetadata = "tcp://127.0.0.1:18000"\n'
+               f'path = "{tmp_path}/storage"\n')
+    topology = parse_topology(pd(extra=storage + f'[security]\nsecret_file = "{path}"\n'))
+    secret = load_secret(path)
+    for node in ("p0", "d0"):
+        setup = setup_for(topology, node, load_model_config("tiny"))
+        assert setup.storage is not None
+        assert setup.storage.page_mac_key == derive_key(secret, "page-mac")
+        assert setup.storage.metadata_key == derive_key(secret, "metadata")
+    plain = setup_for(parse_topology(pd(extra=storage)), "p0", load_model_config("tiny"))
+    assert plain.storage is not None and plain.storage.page_mac_key is None

@@ -29,7 +29,7 @@ from pdcache.offload_manager.storage.config import (  # noqa: E402
     StorageConfig,
     storage_keys_from_spec,
 )
-from pdcache.offload_manager.storage.page_format import encode_object  # noqa: E402
+from pdcache.offload_manager.storage.page_format import HEADER_BYTES, encode_object  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 8, 4
 NUM_PAGES = 12
@@ -458,14 +458,14 @@ def test_chain_matches_sglang_hash_functions():
     assert tail == theirs[1:]
 
 
-def pdcache_side(tmp_path: Path, model: str, backend: str):
+def pdcache_side(tmp_path: Path, model: str, backend: str, page_mac_key: bytes | None = None):
     """A pdcache node's view: its own backend over the same storage, its own host pool."""
     fingerprint = kv_fingerprint(model, "float32", PAGE, LAYERS, HEADS, HEAD_DIM)
     host = HostKVPool(4, LAYERS, PAGE, HEADS, HEAD_DIM, torch.float32)
     config = StorageConfig.from_mapping({
         **storage_table(tmp_path, backend), "page_bytes": host.page_nbytes,
         "fingerprint": fingerprint, "num_layers": LAYERS, "page_size": PAGE, "dtype": "float32"})
-    return create_backend(config), host, fingerprint
+    return create_backend(config.replace(page_mac_key=page_mac_key)), host, fingerprint
 
 
 @pytest.mark.parametrize("backend", ["file", "hf3fs"])
@@ -697,3 +697,68 @@ def test_clear_needs_allow_clear(tmp_path, plugins):
     admin.register_mem_pool_host(pool)
     admin.clear()
     assert store.batch_exists(keys) == 0
+
+
+# ---------------------------------------------------------------------------- authenticated pages
+
+
+@pytest.mark.parametrize("mac", [True, False], ids=["mac_on", "mac_off"])
+@pytest.mark.parametrize("backend", ["file", "hf3fs"])
+def test_secret_file_macs_pages_like_pdcache_and_rejects_forgeries(tmp_path, plugins, backend,
+                                                                   mac):
+    from pdcache.utils.secret import create_secret, derive_key, load_secret
+
+    secret = create_secret(tmp_path / "secret")
+    src = SglangLikeHostPool("page_first", seed=21)
+    options = {"secret_file": str(secret)} if mac else {}
+    extra = plugin.extra_config(storage=storage_table(tmp_path, backend), **options)
+    store = backend_factory.StorageBackendFactory.create_backend(
+        "dynamic", sglang_config(json.loads(json.dumps(extra))), src)
+    plugins.append(store)
+    store.register_mem_pool_host(src)
+    assert store.storage_config.page_mac_key == (
+        derive_key(load_secret(secret), "page-mac") if mac else None)
+    keys = hashes(3)
+    assert store.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3
+    # a forgery: another page's payload under keys[1], valid checksum, no MAC (version 1)
+    forged_key, donor_key = store.storage_keys([keys[1], keys[2]])
+    no_mac = store.storage_config.replace(page_mac_key=None).page_spec()
+    donor = store.backend.read_object(donor_key)[HEADER_BYTES:]
+    assert store.backend.write_object(forged_key,
+                                      encode_object(no_mac, forged_key, "prefill", donor))
+    dst = SglangLikeHostPool("page_first")
+    store.mem_pool_host = dst
+    got = store.batch_get_v1(keys, indices([4, 5, 6]))
+    stats = store.pdcache_stats()
+    if mac:
+        assert got == [True, False, True] and stats["rejected_mac_pages"] == 1
+        assert torch.count_nonzero(dst.get_data_page(5 * PAGE)) == 0
+    else:
+        assert got == [True, True, True] and stats["rejected_mac_pages"] == 0
+        assert torch.equal(dst.get_data_page(5 * PAGE), dst.get_data_page(6 * PAGE))
+
+
+def test_plugin_pages_verify_under_the_pdcache_node_key(tmp_path, plugins):
+    """Same secret, same MAC: a pdcache node with the derived key reads what the plugin wrote;
+    one with another secret's key rejects every page."""
+    from pdcache.utils.secret import create_secret, derive_key, load_secret
+
+    secret = create_secret(tmp_path / "secret")
+    tokens = list(range(7, 7 + 3 * PAGE))
+    src = SglangLikeHostPool("page_first", seed=22)
+    extra = plugin.extra_config(storage=storage_table(tmp_path, "file"), secret_file=str(secret))
+    store = backend_factory.StorageBackendFactory.create_backend(
+        "dynamic", sglang_config(extra), src)
+    plugins.append(store)
+    store.register_mem_pool_host(src)
+    assert store.batch_set_v1(plugin.sglang_chain_hashes(tokens, PAGE), indices([2, 0, 5])) == [
+        True] * 3
+    for key, served in ((derive_key(load_secret(secret), "page-mac"), True),
+                        (derive_key(b"another cluster's secret", "page-mac"), False)):
+        native, host, fingerprint = pdcache_side(tmp_path, "org/model", "file", key)
+        try:
+            keys = plugin.sglang_compatible_page_keys(tokens, PAGE, fingerprint)
+            assert native.get_into(keys, host.page_bytes([1, 2, 3])) == [served] * 3
+            assert native.stats()["rejected_mac_pages"] == (0 if served else 3)
+        finally:
+            native.close()

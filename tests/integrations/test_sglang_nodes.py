@@ -88,11 +88,12 @@ def host_indices(pages: list[int]) -> torch.Tensor:
     return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64)
 
 
-def open_plugin(pool: SglangLikeHostPool, root: Path, model_name: str = IDENTITY):
+def open_plugin(pool: SglangLikeHostPool, root: Path, model_name: str = IDENTITY,
+                **options: str):
     """The plugin as SGLang builds it (factory, then register_mem_pool_host), on the `file`
     backend at `root`; SGLang's served model name differs, `model_name` is the override."""
     extra = plugin.extra_config(storage={"backend": "file", "path": str(root)},
-                                model_name=model_name)
+                                model_name=model_name, **options)
     config = hicache_storage.HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
@@ -102,9 +103,11 @@ def open_plugin(pool: SglangLikeHostPool, root: Path, model_name: str = IDENTITY
     return backend
 
 
-def node(tiny, root: Path, scheme: str = "sglang", **hicache) -> TieredEngine:
+def node(tiny, root: Path, scheme: str = "sglang", page_mac_key: bytes | None = None,
+         **hicache) -> TieredEngine:
     """A started tiny engine with host tier and `file` storage at `root`."""
-    return tiered(tiny, storage_config(tiny[0], backend="file", path=str(root)),
+    storage = storage_config(tiny[0], backend="file", path=str(root))
+    return tiered(tiny, storage.replace(page_mac_key=page_mac_key),
                   prefetch_policy="wait_complete", key_scheme=scheme, **hicache)
 
 
@@ -189,6 +192,45 @@ def test_sglang_pages_are_found_by_a_fresh_node(tiny, tmp_path, expected) -> Non
         assert node_b.hicache.stats.prefetch_failed_pages == 0
         assert node_b.hicache.wait_idle(20)
         assert torch.equal(prompt_kv(node_b, PROMPT)[0], device)
+    finally:
+        node_b.close()
+
+
+@needs_sglang
+@pytest.mark.parametrize("reader", ["same_secret", "other_secret", "no_secret"])
+def test_sglang_pages_with_a_secret_are_served_only_under_its_key(tiny, tmp_path, expected,
+                                                                  reader: str) -> None:
+    """The plugin with `secret_file` MACs its pages like a pdcache node: a node on the same
+    secret serves them from storage; a node on another secret rejects every one (counted) and
+    computes the same tokens; a node without a secret (MAC off) accepts them by checksum."""
+    from pdcache.utils.secret import create_secret, derive_key, load_secret
+
+    secret = create_secret(tmp_path / "secret")
+    device, _ = served_by_node_a(tiny, tmp_path / "a")
+    pool = SglangLikeHostPool(tiny[0].config)
+    hashes = sglang_chain_hashes(PROMPT, PAGE)
+    pages = [2 * i + 1 for i in range(PROMPT_PAGES)]
+    source = open_plugin(pool, tmp_path / "a")
+    try:
+        assert source.batch_get_v1(hashes, host_indices(pages)) == [True] * PROMPT_PAGES
+    finally:
+        source.close()
+    writer = open_plugin(pool, tmp_path / "b", secret_file=str(secret))
+    try:
+        assert writer.batch_set_v1(hashes, host_indices(pages)) == [True] * PROMPT_PAGES
+    finally:
+        writer.close()
+    keys = {"same_secret": derive_key(load_secret(secret), "page-mac"),
+            "other_secret": derive_key(b"another cluster's secret file", "page-mac"),
+            "no_secret": None}
+    node_b = node(tiny, tmp_path / "b", page_mac_key=keys[reader])
+    try:
+        tokens, out = generate(node_b.engine, "b", PROMPT)
+        assert tokens == expected
+        served = 0 if reader == "other_secret" else 40
+        assert out.cached.storage == served
+        rejected = node_b.storage.stats()["rejected_mac_pages"]
+        assert rejected == (0 if served else PROMPT_PAGES)  # all prefetched, all refused
     finally:
         node_b.close()
 

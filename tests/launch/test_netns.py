@@ -264,7 +264,7 @@ def test_prefill_and_decode_in_two_namespaces_serve_a_session(namespaces, tmp_pa
         assert len(turns) == 2
         for turn in turns:
             assert turn["body"]["output_ids"] == reference(turn["prompt"], ANSWER)
-        meta1, meta2 = turns[0]["body"]["meta"], turns[1]["body"]["meta"]
+        meta1, meta2 = turns[0]["body"]["meta_info"], turns[1]["body"]["meta_info"]
         print(f"up in {up_s:.1f}s, session in {time.monotonic() - started - up_s:.1f}s; "
               f"turn 1 meta {meta1}; turn 2 meta {meta2}")
         # turn 2 finds the prompt and most of the answer in the shared storage, the answer's

@@ -335,7 +335,7 @@ def test_local_1p1d_serves_two_turns_reusing_decode_pages_then_stops_clean(launc
     time.sleep(1.0)  # decode offload is asynchronous
     second_ids = prompt + answer + [5, 6, 7, 8]
     second = httpx.post(url, json={"input_ids": second_ids, "sampling_params": params}, timeout=120).json()
-    meta_info = second["meta"]
+    meta_info = second["meta_info"]
     reused = (len(prompt) + len(answer)) // page * page
     assert meta_info["cached_tokens"] >= reused - page
     assert meta_info["cached_tokens_details"]["storage_from_decode"] > 0

@@ -149,7 +149,7 @@ def test_kill_decode_mid_offload_leaves_only_whole_pages(env, tmp_path) -> None:
         assert p_fut.result(60).status_code == 200
         d2 = d_fut.result(60).json()
         assert d2["output_ids"] == reference(turn2, 8)
-        meta = d2["meta"]
+        meta = d2["meta_info"]
         print(f"pages of the chain: {len(keys)}, stored at kill: {stored_at_kill}, "
               f"before turn 2: {stored}; turn 2 meta: {meta}")
         assert stored * PAGE - PAGE <= meta["cached_tokens"] <= stored * PAGE, meta

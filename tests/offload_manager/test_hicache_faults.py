@@ -103,7 +103,7 @@ def test_read_only_directory_serves_old_pages_and_recomputes_the_rest(
         with served(built) as client:
             out = post(client, PROMPT)  # reads still work
             assert out["output_ids"] == expected["prompt"]
-            assert out["meta"]["cached_tokens_details"]["storage"] == 40
+            assert out["meta_info"]["cached_tokens_details"]["storage"] == 40
             out = post(client, OTHER)  # its backup fails: counted, nothing else
             assert out["output_ids"] == expected["other"]
             stats = check_every_tier(built)
@@ -132,10 +132,10 @@ def test_file_backend_turned_read_only_mid_run_recovers(tiny, expected, tmp_path
     fresh = tiered(tiny, cfg, prefetch_policy="wait_complete")
     with served(fresh) as client:
         out = post(client, OTHER)
-        assert out["meta"]["cached_tokens_details"]["storage"] == 40
+        assert out["meta_info"]["cached_tokens_details"]["storage"] == 40
         assert out["output_ids"] == expected["other"]
         out = post(client, PROMPT)  # never stored: recomputed
-        assert out["meta"]["cached_tokens"] == 0 and out["output_ids"] == expected["prompt"]
+        assert out["meta_info"]["cached_tokens"] == 0 and out["output_ids"] == expected["prompt"]
         check_every_tier(fresh)
 
 
@@ -158,7 +158,7 @@ def test_full_disk_fails_writes_then_recovers_when_it_grows(tiny, expected) -> N
         fresh = tiered(tiny, cfg, prefetch_policy="wait_complete")
         with served(fresh) as client:
             out = post(client, OTHER)
-            assert out["meta"]["cached_tokens_details"]["storage"] == 40
+            assert out["meta_info"]["cached_tokens_details"]["storage"] == 40
             assert out["output_ids"] == expected["other"]
             check_every_tier(fresh)
 
@@ -177,7 +177,7 @@ def test_storage_pool_smaller_than_a_prompt_evicts_and_stays_exact(
         for name, prompt in (("prompt", PROMPT), ("other", OTHER)):
             out = post(client, prompt)  # at most the 4 pages the pool holds are reused
             assert out["output_ids"] == expected[name]
-            assert out["meta"]["cached_tokens_details"]["storage"] <= 4 * 4
+            assert out["meta_info"]["cached_tokens_details"]["storage"] <= 4 * 4
         check_every_tier(fresh)
 
 
@@ -201,7 +201,7 @@ def test_metadata_service_killed_mid_run_then_restarted(tiny, expected, tmp_path
             with served(down) as down_client:
                 out = post(down_client, PROMPT)  # storage lookup fails: recompute
                 assert out["output_ids"] == expected["prompt"]
-                assert out["meta"]["cached_tokens"] == 0
+                assert out["meta_info"]["cached_tokens"] == 0
                 assert down.hicache.wait_idle(20)
             service.start()  # same port, same state directory
             out = post(client, THIRD)
@@ -211,7 +211,7 @@ def test_metadata_service_killed_mid_run_then_restarted(tiny, expected, tmp_path
         with served(fresh) as client:
             for name, prompt in (("prompt", PROMPT), ("third", THIRD)):
                 out = post(client, prompt)
-                assert out["meta"]["cached_tokens_details"]["storage"] == 40, name
+                assert out["meta_info"]["cached_tokens_details"]["storage"] == 40, name
                 assert out["output_ids"] == expected[name]
             check_every_tier(fresh)
     finally:

@@ -69,7 +69,7 @@ def test_backup_prefetch_and_pool_series(tiny, tmp_path) -> None:
     fresh = tiered(tiny, storage, host_pages=12, prefetch_policy="wait_complete")
     with served(fresh) as client:
         out = post(client, PROMPT, NEW_TOKENS)
-        assert out["meta"]["cached_tokens_details"]["storage"] == PROMPT_PAGES * 4
+        assert out["meta_info"]["cached_tokens_details"]["storage"] == PROMPT_PAGES * 4
         check_every_tier(fresh)
         m = scrape(client)
         assert value(m, "pdcache_prefetch_pages_total") == PROMPT_PAGES
@@ -96,7 +96,7 @@ def test_corrupt_pages_and_storage_errors_are_exported(tiny, tmp_path) -> None:
     fresh = tiered(tiny, storage, prefetch_policy="wait_complete")
     with served(fresh) as client:
         out = post(client, PROMPT, NEW_TOKENS)
-        assert out["meta"]["cached_tokens_details"]["storage"] == 0
+        assert out["meta_info"]["cached_tokens_details"]["storage"] == 0
         check_every_tier(fresh)
         m = scrape(client)
         assert value(m, "pdcache_storage_corrupt_pages_total") >= 1

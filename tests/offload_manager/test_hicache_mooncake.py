@@ -62,14 +62,14 @@ def test_device_host_and_mooncake_hits_are_exact(tiny, master) -> None:
     first = tiered(tiny, cfg, prefetch_policy="wait_complete")
     with served(first) as client:
         out = post(client, PROMPT)
-        assert out["output_ids"] == expected and out["meta"]["cached_tokens"] == 0
+        assert out["output_ids"] == expected and out["meta_info"]["cached_tokens"] == 0
         out = post(client, PROMPT)
         assert out["output_ids"] == expected
-        assert out["meta"]["cached_tokens_details"]["device"] == 40
+        assert out["meta_info"]["cached_tokens_details"]["device"] == 40
         first.engine.flush_cache()  # device pages demoted to their host copies
         out = post(client, PROMPT)
         assert out["output_ids"] == expected
-        details = out["meta"]["cached_tokens_details"]
+        details = out["meta_info"]["cached_tokens_details"]
         assert (details["device"], details["host"]) == (0, 40)
         stats = check_every_tier(first)
         assert first.hicache.stats.backup_storage_pages >= 10 and stats["used_pages"] >= 10
@@ -78,13 +78,13 @@ def test_device_host_and_mooncake_hits_are_exact(tiny, master) -> None:
         with served(second) as other_client:
             out = post(other_client, PROMPT)
             assert out["output_ids"] == expected
-            details = out["meta"]["cached_tokens_details"]
+            details = out["meta_info"]["cached_tokens_details"]
             assert (details["device"], details["host"], details["storage"]) == (0, 0, 40)
             assert second.hicache.stats.prefetch_pages == 10
             longer = PROMPT + expected + [5, 6, 7]
             out = post(other_client, longer)
             assert out["output_ids"] == reference_tokens(tiny, longer)
-            assert out["meta"]["cached_tokens"] >= 40
+            assert out["meta_info"]["cached_tokens"] >= 40
             check_every_tier(second)
             assert second.storage.stats()["corrupt_pages"] == 0
 
@@ -127,6 +127,6 @@ def test_master_killed_mid_run_then_restarted(tiny, master) -> None:
         second = tiered(tiny, mooncake_config(tiny, master), prefetch_policy="wait_complete")
         with served(second) as other_client:
             out = post(other_client, THIRD)
-            assert out["meta"]["cached_tokens_details"]["storage"] == 40
+            assert out["meta_info"]["cached_tokens_details"]["storage"] == 40
             assert out["output_ids"] == expected["third"]
             check_every_tier(second)

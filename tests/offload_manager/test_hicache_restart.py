@@ -56,14 +56,14 @@ def test_server_and_metadata_service_restarts_keep_the_cache(tmp_path) -> None:
         first = serve(storage_dir, service)
         servers.append(first)
         cold = first.generate(PROMPT, NEW_TOKENS)
-        assert cold["meta"]["cached_tokens"] == 0
+        assert cold["meta_info"]["cached_tokens"] == 0
         wait_backed_up(first, STORED_PAGES)
         assert stopped_cleanly(first), "".join(first.log[-30:])
 
         second = serve(storage_dir, service)  # fresh process: empty device and host tiers
         servers.append(second)
         warm = second.generate(PROMPT, NEW_TOKENS)
-        details = warm["meta"]["cached_tokens_details"]
+        details = warm["meta_info"]["cached_tokens_details"]
         assert details["storage"] == 40 and details["device"] == details["host"] == 0
         assert warm["output_ids"] == cold["output_ids"]
         wait_backed_up(second, STORED_PAGES)  # its own write-through (present pages skipped)
@@ -74,7 +74,7 @@ def test_server_and_metadata_service_restarts_keep_the_cache(tmp_path) -> None:
         try:
             assert probe.exists_prefix(prompt_keys(cfg, PROMPT)) == 10  # the index survived
             other = second.generate(OTHER, NEW_TOKENS)  # the server stores through it again
-            assert other["meta"]["cached_tokens"] == 0
+            assert other["meta_info"]["cached_tokens"] == 0
             m = wait_backed_up(second, STORED_PAGES + (len(OTHER) + NEW_TOKENS - 1) // 4)
             assert probe.exists_prefix(prompt_keys(cfg, OTHER)) == 10
             stats = probe.stats()

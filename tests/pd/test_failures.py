@@ -190,7 +190,7 @@ def assert_healthy_pair_serves(cluster: Cluster) -> None:
         ids = [(11 * i + seed) % 250 for i in range(40)]
         r = cluster.http.post(f"{cluster.router.url}/generate", json=generate_body(ids, 5))
         assert r.status_code == 200, r.text
-        meta = r.json()["meta"]
+        meta = r.json()["meta_info"]
         assert len(r.json()["output_ids"]) == 5
         assert {meta["prefill_node"], meta["decode_node"]} <= living, meta
 

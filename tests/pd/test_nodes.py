@@ -54,16 +54,16 @@ def test_two_turns_reuse_prompt_and_answer(tiny, tmp_path, metadata, engine) -> 
         answer = d1["output_ids"]
         assert answer == unified_tokens(tiny, prompt, 13)
         assert p1["output_ids"] == answer[:1]
-        assert d1["meta"]["prefill_node"] == "p0" and d1["meta"]["decode_node"] == "d0"
+        assert d1["meta_info"]["prefill_node"] == "p0" and d1["meta_info"]["decode_node"] == "d0"
         assert stack.offload_idle()
         turn2 = prompt + answer + [9, 8, 7, 6, 5]
         p2, d2 = stack.generate(turn2, 6)
         assert d2["output_ids"] == unified_tokens(tiny, turn2, 6)
-        details = d2["meta"]["cached_tokens_details"]
+        details = d2["meta_info"]["cached_tokens_details"]
         kv_len = len(prompt) + len(answer) - 1  # the last answer token has no KV yet
-        assert d2["meta"]["cached_tokens"] >= (kv_len // PAGE - 1) * PAGE
+        assert d2["meta_info"]["cached_tokens"] >= (kv_len // PAGE - 1) * PAGE
         assert details["storage_from_decode"] > 0
-        assert d2["meta"]["computed_tokens"] <= len(turn2) - d2["meta"]["cached_tokens"]
+        assert d2["meta_info"]["computed_tokens"] <= len(turn2) - d2["meta_info"]["cached_tokens"]
         stack.prefill_server.engine.check_accounting()
         stack.decode_server.engine.check_accounting()
     finally:

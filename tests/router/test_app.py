@@ -50,7 +50,7 @@ def scrape(client: RouterUnderTest) -> dict[tuple[str, tuple[tuple[str, str], ..
 
 def test_round_robin_alternates_and_names_the_node(nodes: list[UnifiedNode]) -> None:
     with router_client(nodes, prefill_policy="round_robin") as client:
-        served = [generate(client, prompt(20, seed=i), 2)["meta"] for i in range(4)]
+        served = [generate(client, prompt(20, seed=i), 2)["meta_info"] for i in range(4)]
     assert [m["prefill_node"] for m in served] == ["u0", "u1", "u0", "u1"]
     assert all(m["decode_node"] == m["prefill_node"] for m in served)
 
@@ -65,7 +65,7 @@ def test_least_load_avoids_the_busy_node(nodes: list[UnifiedNode]) -> None:
             next(lines)  # u0 is now busy with this request
             router = client.app.state.router  # type: ignore[attr-defined]
             assert [n.in_flight for n in router.registry.nodes] == [1, 0]
-            assert generate(client, prompt(20, 2), 2)["meta"]["prefill_node"] == "u1"
+            assert generate(client, prompt(20, 2), 2)["meta_info"]["prefill_node"] == "u1"
         deadline = time.monotonic() + 10
         while nodes[0].running() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -83,15 +83,15 @@ def test_cache_aware_sends_the_next_turn_to_the_node_that_served_the_first(
             turn1 = generate(client, first, 12)
         finally:
             router.registry.nodes[0].in_flight = 0
-        assert turn1["meta"]["prefill_node"] == "u1"
+        assert turn1["meta_info"]["prefill_node"] == "u1"
         history = first + turn1["output_ids"]
         known = router.selector.index.match_len("u1", router.page_keys(history, None))
         assert known == len(history) // PAGE  # the answer's pages are indexed too
         turn2 = generate(client, history + prompt(9, seed=12), 4)
-        assert turn2["meta"]["prefill_node"] == "u1"  # a tie on load, but u1 holds the prefix
-        assert turn2["meta"]["cached_tokens"] >= page_floor(len(history)) - PAGE > 0
+        assert turn2["meta_info"]["prefill_node"] == "u1"  # a tie on load, but u1 holds the prefix
+        assert turn2["meta_info"]["cached_tokens"] >= page_floor(len(history)) - PAGE > 0
         other = generate(client, prompt(70, seed=13), 2)
-        assert other["meta"]["prefill_node"] == "u0" and other["meta"]["cached_tokens"] == 0
+        assert other["meta_info"]["prefill_node"] == "u0" and other["meta_info"]["cached_tokens"] == 0
 
 
 # --------------------------------------------------------------------------- sessions
@@ -104,14 +104,14 @@ def test_session_turn_with_only_the_new_message_equals_the_full_history(
         turn1 = generate(client, first, 15, session_id="s1")
         turn2 = generate(client, new, 6, session_id="s1")
         full = first + turn1["output_ids"] + new
-        assert turn2["meta"]["prompt_tokens"] == len(full)
-        assert turn2["meta"]["cached_tokens"] >= page_floor(len(first) + 15) - PAGE
-        assert turn2["meta"]["prefill_node"] == turn1["meta"]["prefill_node"]
+        assert turn2["meta_info"]["prompt_tokens"] == len(full)
+        assert turn2["meta_info"]["cached_tokens"] >= page_floor(len(first) + 15) - PAGE
+        assert turn2["meta_info"]["prefill_node"] == turn1["meta_info"]["prefill_node"]
         explicit = generate(client, full, 6)  # no session: the whole history spelled out
         assert turn2["output_ids"] == explicit["output_ids"]
         # a client that resends the whole history with its session_id is not doubled
         resent = generate(client, full + turn2["output_ids"] + new, 3, session_id="s1")
-        assert resent["meta"]["prompt_tokens"] == len(full) + 6 + len(new)
+        assert resent["meta_info"]["prompt_tokens"] == len(full) + 6 + len(new)
         assert client.app.state.router.sessions.turns("s1") == 3  # type: ignore[attr-defined]
 
 
@@ -161,12 +161,15 @@ def test_streaming_generate_equals_non_streaming(nodes: list[UnifiedNode]) -> No
         r = client.post("/generate", json=body)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r.text)
-    streamed = [t for e in events for t in e["output_ids"]]
-    assert streamed == plain["output_ids"]
-    assert "".join(e["text"] for e in events) == plain["text"]
-    last = events[-1]["meta"]
-    assert last["finish_reason"] == "length" and last["completion_tokens"] == 20
-    assert last["prefill_node"] != plain["meta"]["prefill_node"]  # round robin moved on
+    # cumulative chunks (SGLang's default), built by the router from the node's deltas
+    assert len(events) > 1 and events[-1]["output_ids"] == plain["output_ids"]
+    assert events[-1]["text"] == plain["text"]
+    for before, after in zip(events, events[1:], strict=False):
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+    last = events[-1]["meta_info"]
+    assert last["finish_reason"] == {"type": "length", "length": 20}
+    assert last["completion_tokens"] == 20
+    assert last["prefill_node"] != plain["meta_info"]["prefill_node"]  # round robin moved on
 
 
 def test_chat_completions_usage_and_stream_equal(nodes: list[UnifiedNode]) -> None:
@@ -256,7 +259,7 @@ def test_metrics_health_and_models(nodes: list[UnifiedNode]) -> None:
         after = scrape(client)
         health = client.get("/health").json()
         models = client.get("/v1/models").json()
-    cached = again["meta"]["cached_tokens"] + again2["meta"]["cached_tokens"]
+    cached = again["meta_info"]["cached_tokens"] + again2["meta_info"]["cached_tokens"]
     assert cached > 0
     key = ("pdcache_router_cached_tokens_total", (("tier", "device"),))
     assert after[key] - before[key] == cached
@@ -299,12 +302,12 @@ def test_streamed_session_turn_commits_and_text_prompts_work(nodes: list[Unified
         body = {"text": "first message. " * 3, "session_id": "st", "stream": True,
                 "sampling_params": {"max_new_tokens": 8, **GREEDY}}
         events = sse_events(client.post("/generate", json=body).text)
-        out1 = [t for e in events for t in e["output_ids"]]
+        out1 = events[-1]["output_ids"]
         first_ids = router.tokenizer.encode(body["text"])
         assert router.sessions.history("st") == first_ids + out1
         body2 = {**body, "text": "second."}
         events = sse_events(client.post("/generate", json=body2).text)
-        meta = events[-1]["meta"]
+        meta = events[-1]["meta_info"]
         assert meta["prompt_tokens"] == len(first_ids) + 8 + len("second.")
         assert meta["cached_tokens"] >= page_floor(len(first_ids) + 8) - PAGE
 

@@ -68,14 +68,14 @@ def test_killed_node_is_avoided_and_none_left_is_503() -> None:
 def check_killed_node(u0: UnifiedNode, u1: ServeProcess) -> None:
     with router_for([("u0", u0.url), ("u1", u1.url)], prefill_policy="round_robin",
                     health_interval_s=0.2) as client:
-        served = [client.post("/generate", json=body(seed=i)).json()["meta"]["prefill_node"]
+        served = [client.post("/generate", json=body(seed=i)).json()["meta_info"]["prefill_node"]
                   for i in range(2)]
         assert served == ["u0", "u1"]
         u1.kill()  # kill -9 of the serve process: no goodbye
         for i in range(4):  # every request succeeds, on u0 (re-routed if it tried u1)
             r = client.post("/generate", json=body(seed=10 + i))
             assert r.status_code == 200, r.text
-            assert r.json()["meta"]["prefill_node"] == "u0"
+            assert r.json()["meta_info"]["prefill_node"] == "u0"
         health = client.get("/health").json()
         assert health["status"] == "ok"
         assert [n["healthy"] for n in health["nodes"]] == [True, False]
@@ -202,14 +202,14 @@ def test_a_meta_that_is_not_generate_meta_is_a_bad_gateway() -> None:
     a node whose meta lacks its fields (here `prompt_tokens` is a string) is a 502, never
     usage numbers made up from whatever keys happen to be there."""
     answer = {"output_ids": [65], "text": "A",
-              "meta": {"prompt_tokens": "4", "completion_tokens": 1}}
+              "meta_info": {"prompt_tokens": "4", "completion_tokens": 1}}
     node = RawServer("reply", http_reply("200 OK", json.dumps(answer).encode()))
     try:
         with router_for([("u0", node.url)], request_timeout_s=5.0) as client:
             r = client.post("/generate", json=body())
             assert r.status_code == 502, r.text
             assert r.json()["error"]["code"] == "bad_gateway"
-            assert "invalid 'meta'" in r.json()["error"]["message"]
+            assert "invalid 'meta_info'" in r.json()["error"]["message"]
     finally:
         node.stop()
 

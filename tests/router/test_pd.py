@@ -88,11 +88,11 @@ def test_pd_outputs_equal_unified_plain_and_streamed(stack: PDStack, reference: 
             ids = [(seed * 7 + 3 * i) % 250 for i in range(23 + seed)]
             out = generate(client, ids, n)
             assert out["output_ids"] == unified_tokens(reference, ids, n)
-            assert (out["meta"]["prefill_node"], out["meta"]["decode_node"]) == ("p0", "d0")
+            assert (out["meta_info"]["prefill_node"], out["meta_info"]["decode_node"]) == ("p0", "d0")
             body = {"input_ids": ids, "stream": True,
                     "sampling_params": {"max_new_tokens": n, **GREEDY}}
             events = sse_events(client.post("/generate", json=body).text)
-            assert [t for e in events for t in e["output_ids"]] == out["output_ids"]
+            assert events[-1]["output_ids"] == out["output_ids"]  # cumulative chunks
     stack.prefill_server.engine.check_accounting()
     stack.decode_server.engine.check_accounting()
 
@@ -105,10 +105,10 @@ def test_pd_three_turn_session_sends_only_new_messages(stack: PDStack, reference
             new = [(11 * turn + 5 * i + 1) % 250 for i in range(18)]
             out = generate(client, new, 7, session_id="pd-s")
             full = history + new
-            assert out["meta"]["prompt_tokens"] == len(full)
+            assert out["meta_info"]["prompt_tokens"] == len(full)
             assert out["output_ids"] == unified_tokens(reference, full, 7)
             if history:  # prefill's cache holds at least the previous prompt
-                assert out["meta"]["cached_tokens"] >= (len(history) - 7) // PAGE * PAGE - PAGE
+                assert out["meta_info"]["cached_tokens"] >= (len(history) - 7) // PAGE * PAGE - PAGE
             history = full + out["output_ids"]
 
 
@@ -152,7 +152,7 @@ def test_dead_prefill_node_fails_fast_and_decode_returns_to_idle(tmp_path: Any, 
     pd = start_pd(tmp_path, tiny)
     try:
         with pd_router(pd, connect_timeout_s=2.0) as client:
-            assert generate(client, list(range(30)), 3)["meta"]["decode_node"] == "d0"
+            assert generate(client, list(range(30)), 3)["meta_info"]["decode_node"] == "d0"
             pd.prefill.stop()
             start = time.monotonic()
             r = client.post("/generate", json={"input_ids": list(range(40)),
@@ -259,14 +259,14 @@ def test_cache_aware_keeps_a_conversation_on_its_prefill_node(
                 turn1 = generate(client, first, 6, session_id="ca")
             finally:
                 router.registry.nodes[0].in_flight = 0
-            assert turn1["meta"]["prefill_node"] == "p1"
+            assert turn1["meta_info"]["prefill_node"] == "p1"
             turn2 = generate(client, [7, 7, 7, 7, 7], 6, session_id="ca")
-            assert turn2["meta"]["prefill_node"] == "p1"  # load tie: the prefix decides
-            assert turn2["meta"]["cached_tokens"] >= len(first) // PAGE * PAGE - PAGE
+            assert turn2["meta_info"]["prefill_node"] == "p1"  # load tie: the prefix decides
+            assert turn2["meta_info"]["cached_tokens"] >= len(first) // PAGE * PAGE - PAGE
             full = first + turn1["output_ids"] + [7, 7, 7, 7, 7]
             assert turn2["output_ids"] == unified_tokens(reference, full, 6)
             fresh = generate(client, [(3 * i) % 250 for i in range(41)], 2)
-            assert fresh["meta"]["prefill_node"] == "p0"
+            assert fresh["meta_info"]["prefill_node"] == "p0"
     finally:
         other.close()
     stack.decode_server.engine.check_accounting()

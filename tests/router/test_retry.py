@@ -83,8 +83,8 @@ def ask(client: httpx.Client, seed: int, stream: bool) -> tuple[int, dict[str, A
     if r.status_code != 200 or not stream:
         return r.status_code, r.json()
     events = sse_events(r.text)
-    return r.status_code, {"output_ids": [t for e in events for t in e["output_ids"]],
-                           "meta": events[-1]["meta"]}
+    return r.status_code, {"output_ids": events[-1]["output_ids"],  # cumulative chunks
+                           "meta_info": events[-1]["meta_info"]}
 
 
 def counter(client: httpx.Client, name: str, reason: str) -> float:
@@ -117,7 +117,7 @@ def test_full_decode_node_is_retried_on_the_other_one(stacks: tuple[PDStack, PDS
                 status, answer = ask(client, seed, stream)
                 assert status == 200, answer
                 assert len(answer["output_ids"]) == 5
-                assert (answer["meta"]["prefill_node"], answer["meta"]["decode_node"]) == (
+                assert (answer["meta_info"]["prefill_node"], answer["meta_info"]["decode_node"]) == (
                     "p0", "d1")
             assert counter(client, "pdcache_router_retries_total", "overloaded") >= 1
             assert counter(client, "pdcache_router_rejected_total", "node_overloaded") == 0
@@ -140,7 +140,7 @@ def test_prefill_node_with_a_full_queue_is_retried_on_the_other_one(
         for seed, stream in enumerate((False, True, False, True)):
             status, answer = ask(client, seed + 10, stream)
             assert status == 200, answer
-            assert answer["meta"]["prefill_node"] == "p1"
+            assert answer["meta_info"]["prefill_node"] == "p1"
         assert counter(client, "pdcache_router_retries_total", "overloaded") >= 1
     for engine in (refusing.prefill_server.engine, normal.prefill_server.engine,
                    normal.decode_server.engine):

@@ -42,7 +42,7 @@ def generate(client: httpx.Client, ids: list[int], n: int, stream: bool = False
             "stream": stream}
     r = client.post("/generate", json=body)
     assert r.status_code == 200, r.text
-    return sse_events(r.text)[-1]["meta"] if stream else r.json()["meta"]
+    return sse_events(r.text)[-1]["meta_info"] if stream else r.json()["meta_info"]
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -51,25 +51,25 @@ def test_b_replaying_a_session_and_salt_gets_nothing_of_a(nodes: list[UnifiedNod
     a_prompt = prompt(70, seed=1400 + tenants)  # its own prompt per case: no hit from the other
     with router(nodes, **overrides) as client:
         first = generate(client, a, a_prompt, 6, session_id="s1", cache_salt="salty")
-        assert first["meta"]["cached_tokens"] == 0
+        assert first["meta_info"]["cached_tokens"] == 0
         replay = generate(client, b, a_prompt, 6, session_id="s1", cache_salt="salty")
         core = client.app.state.router  # type: ignore[attr-defined]
         if tenants:
             # B's s1 is not A's s1: its prompt holds only B's tokens, and A's pages are not
             # B's (another namespace): nothing cached although the node holds A's prompt
-            assert replay["meta"]["prompt_tokens"] == len(a_prompt)
-            assert replay["meta"]["cached_tokens"] == 0
+            assert replay["meta_info"]["prompt_tokens"] == len(a_prompt)
+            assert replay["meta_info"]["cached_tokens"] == 0
             assert core.sessions.history(("bob-corp", "s1")) == a_prompt + replay["output_ids"]
             assert core.sessions.history(("alice-corp", "s1")) == a_prompt + first["output_ids"]
             # A's own next turn still continues A's session, from A's cached pages
             again = generate(client, a, [7, 8, 9], 2, session_id="s1", cache_salt="salty")
-            assert again["meta"]["prompt_tokens"] == len(a_prompt) + 6 + 3
-            assert again["meta"]["cached_tokens"] >= page_floor(len(a_prompt)) - PAGE > 0
+            assert again["meta_info"]["prompt_tokens"] == len(a_prompt) + 6 + 3
+            assert again["meta_info"]["cached_tokens"] >= page_floor(len(a_prompt)) - PAGE > 0
         else:
             # without tenants the "other" client continues the session: A's whole history
             # (prompt + answer) is prepended, and it is served from A's cached pages
-            assert replay["meta"]["prompt_tokens"] == 2 * len(a_prompt) + 6
-            assert replay["meta"]["cached_tokens"] >= page_floor(len(a_prompt)) - PAGE > 0
+            assert replay["meta_info"]["prompt_tokens"] == 2 * len(a_prompt) + 6
+            assert replay["meta_info"]["cached_tokens"] >= page_floor(len(a_prompt)) - PAGE > 0
 
 
 def test_same_salt_hits_within_a_tenant_only(nodes: list[UnifiedNode]) -> None:
@@ -77,10 +77,10 @@ def test_same_salt_hits_within_a_tenant_only(nodes: list[UnifiedNode]) -> None:
     with router(nodes, tenants=(ALICE, BOB)) as client:
         generate(client, ALICE, ids, 2, cache_salt="x")
         own = generate(client, ALICE, ids, 2, cache_salt="x")
-        assert own["meta"]["cached_tokens"] == page_floor(len(ids))  # same tenant, same salt
-        assert generate(client, ALICE, ids, 2, cache_salt="y")["meta"]["cached_tokens"] == 0
-        assert generate(client, BOB, ids, 2, cache_salt="x")["meta"]["cached_tokens"] == 0
-        assert generate(client, BOB, ids, 2)["meta"]["cached_tokens"] == 0  # bare namespace
+        assert own["meta_info"]["cached_tokens"] == page_floor(len(ids))  # same tenant, same salt
+        assert generate(client, ALICE, ids, 2, cache_salt="y")["meta_info"]["cached_tokens"] == 0
+        assert generate(client, BOB, ids, 2, cache_salt="x")["meta_info"]["cached_tokens"] == 0
+        assert generate(client, BOB, ids, 2)["meta_info"]["cached_tokens"] == 0  # bare namespace
 
 
 def test_missing_or_wrong_key_is_401_json(nodes: list[UnifiedNode]) -> None:

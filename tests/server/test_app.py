@@ -89,9 +89,9 @@ def test_generate_input_ids_and_text(client: TestClient, engine: Engine) -> None
     assert len(by_ids["output_ids"]) == 8
     assert by_text["output_ids"] == by_ids["output_ids"]
     assert by_ids["text"] == engine.tokenizer.decode(by_ids["output_ids"])
-    meta = by_text["meta"]
+    meta = by_text["meta_info"]
     assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 8
-    assert meta["finish_reason"] == "length"
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
     assert meta["prefill_node"] == meta["decode_node"] == "u0"
     assert set(meta["cached_tokens_details"]) == {
         "device",
@@ -100,7 +100,7 @@ def test_generate_input_ids_and_text(client: TestClient, engine: Engine) -> None
         "storage_from_decode",
     }
     assert meta["cached_tokens"] + meta["computed_tokens"] == meta["prompt_tokens"]
-    assert 0 < meta["ttft_s"] <= meta["e2e_s"]
+    assert 0 < meta["ttft_s"] <= meta["e2e_latency"]
 
 
 def test_generate_stop_token_and_seeded_sampling(client: TestClient) -> None:
@@ -114,7 +114,7 @@ def test_generate_stop_token_and_seeded_sampling(client: TestClient) -> None:
     stopped = client.post("/generate", json=body).json()
     first = greedy.index(stop_at)
     assert stopped["output_ids"] == greedy[: first + 1]
-    assert stopped["meta"]["finish_reason"] == "stop"
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
     sampled = {"max_new_tokens": 12, "temperature": 1.0, "seed": 7, "ignore_eos": True}
     a = client.post("/generate", json={"input_ids": ids, "sampling_params": sampled}).json()
     b = client.post("/generate", json={"input_ids": ids, "sampling_params": sampled}).json()
@@ -134,19 +134,24 @@ def test_generate_stream_equals_non_stream(client: TestClient) -> None:
     )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     chunks = sse_events(r.text)
-    assert [t for c in chunks for t in c["output_ids"]] == plain["output_ids"]
-    assert "".join(c["text"] for c in chunks) == plain["text"]
-    last = chunks[-1]["meta"]
-    assert last["finish_reason"] == "length" and last["completion_tokens"] == 12
-    assert all(c["meta"]["finish_reason"] is None for c in chunks[:-1])
+    # SGLang's default: cumulative chunks, each the whole output so far
+    assert len(chunks) > 1 and chunks[-1]["output_ids"] == plain["output_ids"]
+    assert chunks[-1]["text"] == plain["text"]
+    for before, after in zip(chunks, chunks[1:], strict=False):
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+        assert after["text"].startswith(before["text"])
+    last = chunks[-1]["meta_info"]
+    assert last["finish_reason"] == {"type": "length", "length": 12}
+    assert last["completion_tokens"] == 12
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert last["cached_tokens"] >= 48  # the non-streaming run cached the prompt's full pages
 
 
 def test_generate_cache_salt_isolates_prefixes(client: TestClient) -> None:
     ids = prompt(64, seed=3)
     generate(client, ids, 2, cache_salt="tenant-a")
-    same = generate(client, ids, 2, cache_salt="tenant-a")["meta"]
-    other = generate(client, ids, 2, cache_salt="tenant-b")["meta"]
+    same = generate(client, ids, 2, cache_salt="tenant-a")["meta_info"]
+    other = generate(client, ids, 2, cache_salt="tenant-b")["meta_info"]
     assert same["cached_tokens"] >= 48
     assert other["cached_tokens"] == 0
 
@@ -432,8 +437,8 @@ def test_engine_failure_is_500_json_and_server_survives(engine: Engine) -> None:
 def test_metrics_exact_deltas(client: TestClient) -> None:
     ids = prompt(40, seed=6)
     before = scrape(client)
-    first = generate(client, ids, 6)["meta"]
-    second = generate(client, ids, 6)["meta"]
+    first = generate(client, ids, 6)["meta_info"]
+    second = generate(client, ids, 6)["meta_info"]
     bad = client.post("/generate", json={"input_ids": [999]})
     assert bad.status_code == 400
     after = scrape(client)

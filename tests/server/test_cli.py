@@ -75,12 +75,12 @@ def test_two_turn_reuse_equals_no_cache(nocache: ServeProcess, cached: TestClien
         ref2 = post_generate(http, nocache.url, turn2, 20)
         got2 = post_generate(cached, "", turn2, 20)
     assert got2["output_ids"] == ref2["output_ids"]
-    meta = got2["meta"]
+    meta = got2["meta_info"]
     assert meta["cached_tokens"] >= len(turn1) // PAGE * PAGE
     assert meta["cached_tokens_details"]["device"] == meta["cached_tokens"]
     assert meta["computed_tokens"] == len(turn2) - meta["cached_tokens"]
-    assert ref2["meta"]["cached_tokens"] == 0 and ref2["meta"]["computed_tokens"] == len(turn2)
-    assert ref2["meta"]["prefill_node"] == "nocache"
+    assert ref2["meta_info"]["cached_tokens"] == 0 and ref2["meta_info"]["computed_tokens"] == len(turn2)
+    assert ref2["meta_info"]["prefill_node"] == "nocache"
 
 
 def test_concurrent_requests_equal_sequential(nocache: ServeProcess) -> None:

@@ -71,9 +71,9 @@ def generate(client: TestClient, ids: list[int], n: int, stream: bool = False) -
     r = client.post("/generate", json=body)
     assert r.status_code == 200, r.text
     if not stream:
-        return r.json()["meta"]
+        return r.json()["meta_info"]
     metas = [line for line in r.text.split("\n") if line.startswith("data: {")]
-    return json.loads(metas[-1][len("data: "):])["meta"]
+    return json.loads(metas[-1][len("data: "):])["meta_info"]
 
 
 def scrape(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

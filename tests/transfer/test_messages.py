@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from pdcache.engine.api import CachedTokens
+from pdcache.engine.api import CachedTokens, TokenLogprob
 from pdcache.transfer.messages import (
     MAX_ROOM_ID,
     PROTOCOL_VERSION,
@@ -19,6 +19,7 @@ from pdcache.transfer.messages import (
     RoomRequest,
     decode,
     encode,
+    pack_logprobs,
     pack_pages,
 )
 
@@ -116,3 +117,40 @@ def test_pack_pages_refuses_ids_outside_int32() -> None:
         pack_pages([1 << 31])
     with pytest.raises(ValueError):
         pack_pages([-1])
+
+
+# ---- version 3: logprobs in the report ----------------------------------------------------
+ENTRIES = [
+    TokenLogprob(5, None),
+    TokenLogprob(7, -1.5, top=((9, -0.5), (7, -1.5), (3, -2.25)), selected=((2, -4.0),)),
+    TokenLogprob(9, float(np.float32(-0.1)), top=((9, float(np.float32(-0.1))),), selected=()),
+]
+
+
+def test_report_logprobs_round_trip_exactly() -> None:
+    report = PrefillReport(7, 3, 3, first_logprob=pack_logprobs(ENTRIES[1:2]),
+                           input_logprobs=pack_logprobs(ENTRIES))
+    got = decode(encode(Done(1, 2, report)), LIMIT).report
+    assert got.first_token_logprob() == ENTRIES[1]
+    assert got.prompt_logprobs() == ENTRIES
+    assert PrefillReport(7).prompt_logprobs() is None
+    assert PrefillReport(7, input_logprobs=pack_logprobs([])).prompt_logprobs() == []
+
+
+def test_a_version_2_done_is_still_accepted_without_logprobs() -> None:
+    raw = _raw({"v": 2, "t": "done", "room": 1, "nbytes": 3, "report": REPORT})
+    msg = decode(raw, LIMIT)
+    assert msg.report == PrefillReport(2, 9, 1, CachedTokens(device=8), "p0")
+    assert msg.report.first_token_logprob() is None
+    # version 3 must send the new fields; version 1 stays refused
+    v3 = {"v": PROTOCOL_VERSION, "t": "done", "room": 1, "nbytes": 3, "report": REPORT}
+    assert _reject_kind(_raw(v3)) == "bad_field"
+    assert _reject_kind(_raw({**v3, "v": 1})) == "version"
+
+
+@pytest.mark.parametrize("blob", [b"\x01\x00", pack_logprobs(ENTRIES)[:-4],
+                                  pack_logprobs(ENTRIES) + b"\x00" * 4])
+def test_corrupt_report_logprobs_are_rejected(blob: bytes) -> None:
+    report = {**REPORT, "first_logprob": b"", "input_logprobs": blob}
+    raw = _raw({"v": PROTOCOL_VERSION, "t": "done", "room": 1, "nbytes": 3, "report": report})
+    assert _reject_kind(raw) == "bad_field"

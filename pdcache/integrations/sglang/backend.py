@@ -72,6 +72,7 @@ class PdcacheStorageImpl:
                  "fingerprint": self.fingerprint, "num_layers": geometry.layer_num,
                  "page_size": geometry.page_size, "dtype": dtype_name(geometry.dtype)}
         config = self._private_files(StorageConfig.from_mapping(table))
+        config = config.replace(page_mac_key=self.settings.page_mac_key())
         self.salt = make_salt(self.fingerprint, self.settings.key_namespace)
         chunk = max(1, min(128, self.settings.chunk_bytes // geometry.page_bytes))
         threads = self.settings.threads
@@ -81,8 +82,9 @@ class PdcacheStorageImpl:
         self.storage_config = config
         self.geometry = geometry
         self.backend = create_backend(config)
-        log.info("pdcache plugin: %s backend at %s, fingerprint %s", config.backend,
-                 config.path, self.fingerprint)
+        log.info("pdcache plugin: %s backend at %s, fingerprint %s, page MAC %s",
+                 config.backend, config.path, self.fingerprint,
+                 "on" if config.page_mac_key else "off")
 
     def _private_files(self, config: Any) -> Any:
         """hf3fs with in-process metadata: one writer process per data file set.

@@ -46,6 +46,10 @@ class PluginSettings:
     payload: str = "pdcache"  # "pdcache": pdcache's page layout; "split": zero-copy K/V objects
     allow_clear: bool = False  # let SGLang's clear-storage admin call empty the shared namespace
     io_threads: int = 0  # threads moving chunks of a batch; 0: min(4, CPU count), at least 2
+    # the cluster secret file (pdcache.utils.secret): pages are MAC'd with the key pdcache
+    # nodes derive from it, so both engines write and accept exactly the same authenticated
+    # pages (docs/security.md); "": checksums only
+    secret_file: str = ""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PluginSettings:
@@ -73,8 +77,18 @@ class PluginSettings:
         threads = int(extra.get("io_threads", 0))
         if threads < 0:
             raise ValueError(f"pdcache plugin: io_threads must be >= 0, got {threads}")
+        secret_file = str(extra.get("secret_file", ""))
         return cls(table, extra.get("model_name"), origin, chunk, timeout, namespace, payload,
-                   allow_clear, threads)
+                   allow_clear, threads, secret_file)
+
+    def page_mac_key(self) -> bytes | None:
+        """The page MAC key derived from `secret_file` (None without one); a secret file that
+        is missing or readable by others is an error (SecretError)."""
+        if not self.secret_file:
+            return None
+        from pdcache.utils.secret import derive_key, load_secret
+
+        return derive_key(load_secret(self.secret_file), "page-mac")
 
     @property
     def threads(self) -> int:

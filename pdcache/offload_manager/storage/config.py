@@ -83,6 +83,14 @@ class StorageConfig:
     page_size: int = 0  # tokens per page, recorded in each header
     dtype: str = "uint8"
     checksum: str = "auto"  # payload checksum of new pages: auto | xxh3 | crc32
+    # Authenticated pages (docs/security.md): derive_key(cluster secret, "page-mac"). With a
+    # key, pages are written with a keyed BLAKE3 MAC and only pages whose MAC verifies are
+    # served; None (no cluster secret): checksums only. Never from a file: set by the process
+    # that loaded the secret.
+    page_mac_key: bytes | None = field(default=None, repr=False, compare=False)
+    # derive_key(cluster secret, "metadata"): authenticates every metadata-service request
+    # (hf3fs with metadata = tcp://...); None: unauthenticated. Set like page_mac_key.
+    metadata_key: bytes | None = field(default=None, repr=False, compare=False)
     # hf3fs
     io_engine: str = "posix"
     io_threads: int = 1
@@ -160,6 +168,7 @@ class StorageConfig:
             page_size=self.page_size,
             dtype=self.dtype,
             checksum=self.checksum,
+            mac_key=self.page_mac_key,
         )
 
     def replace(self, **changes: Any) -> StorageConfig:

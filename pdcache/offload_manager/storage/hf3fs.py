@@ -263,6 +263,7 @@ class Hf3fsBackend(StorageBackend):
             cfg.slot_bytes,
             cfg.timeout_s,
             cfg.retry_interval_s,
+            auth_key=cfg.metadata_key,
         )
 
     def _open_files(self, num_slots: int) -> list[int]:

@@ -23,6 +23,8 @@ from typing import Any, Protocol
 import msgpack
 import zmq
 
+from pdcache.utils.message_auth import AuthError, MessageAuth
+
 log = logging.getLogger(__name__)
 
 # reserve() statuses
@@ -36,6 +38,23 @@ Reservation = tuple[str, int]  # (status, slot or -1)
 
 class MetadataUnavailable(RuntimeError):
     """The metadata service did not answer in time (or recently failed); callers miss."""
+
+
+class MetadataAuthError(MetadataUnavailable):
+    """The metadata service refused this client's credential (another cluster secret, or
+    none), or answered without one. Raised by the RemoteMetadata constructor when the service
+    is reachable; later calls raise it like any unavailability (a miss)."""
+
+
+METADATA_KEY_PURPOSE = "metadata"  # derive_key(secret, METADATA_KEY_PURPOSE) -> auth_key
+CLIENT_LABEL, SERVICE_LABEL = b"metadata-client", b"metadata-service"
+
+
+def client_auth(auth_key: bytes | None) -> MessageAuth | None:
+    """The client's sealer, None without a key."""
+    if auth_key is None:
+        return None
+    return MessageAuth(auth_key, CLIENT_LABEL, SERVICE_LABEL)
 
 
 class Journal(Protocol):
@@ -287,8 +306,12 @@ class RemoteMetadata(MetadataClient):
         slot_bytes: int,
         timeout_s: float = 5.0,
         retry_interval_s: float = 1.0,
+        auth_key: bytes | None = None,
     ) -> None:
+        """`auth_key`: derive_key(cluster secret, "metadata"); every request and reply is then
+        sealed (docs/security.md). None: the service must run without a secret too."""
         self.address = address
+        self._auth = client_auth(auth_key)
         self.namespace = namespace
         self.num_slots = num_slots
         self._slot_bytes = slot_bytes
@@ -303,6 +326,9 @@ class RemoteMetadata(MetadataClient):
         self.failures = 0
         try:
             self._call("ping")
+        except MetadataAuthError:
+            self.close()
+            raise
         except MetadataUnavailable:
             log.warning("metadata service %s not reachable yet; will retry", address)
         except ValueError:
@@ -327,15 +353,52 @@ class RemoteMetadata(MetadataClient):
     def _roundtrip(self, request: dict[str, Any]) -> dict[str, Any]:
         sock = self._socket()
         try:
-            sock.send(msgpack.packb(request, use_bin_type=True))
-            reply = msgpack.unpackb(sock.recv(), raw=False)
+            sock.send(_seal(self._auth, msgpack.packb(request, use_bin_type=True)))
+            raw = sock.recv()
         except zmq.ZMQError as exc:
             # A REQ socket that timed out cannot send again: start a fresh one next time.
             self._drop_socket()
             self.failures += 1
             self._down_until = time.monotonic() + self._retry_interval_s
             raise MetadataUnavailable(f"metadata service {self.address}: {exc}") from exc
+        return self._open_reply(raw)
+
+    def _open_reply(self, raw: bytes) -> dict[str, Any]:
+        if self._auth is not None:
+            try:
+                raw = self._auth.open_(raw)
+            except AuthError as exc:
+                raise MetadataAuthError(self._refusal(raw, exc)) from None
+        try:
+            reply = msgpack.unpackb(raw, raw=False)
+        except (msgpack.UnpackException, ValueError):
+            reply = None
+        if not isinstance(reply, dict):
+            raise MetadataAuthError(
+                f"metadata service {self.address} sent an unreadable reply "
+                "(it may require the cluster secret: configure one)"
+            )
+        if reply.get("error_kind") == "unauthenticated":
+            raise MetadataAuthError(
+                f"metadata service {self.address} refused this client: "
+                f"{reply.get('error')} (configure the cluster secret)"
+            )
         return reply
+
+    def _refusal(self, raw: bytes, exc: Exception) -> str:
+        try:
+            reply = msgpack.unpackb(raw, raw=False)
+        except (msgpack.UnpackException, ValueError):
+            reply = None
+        if isinstance(reply, dict) and reply.get("error_kind") == "unauthenticated":
+            return (
+                f"metadata service {self.address} refused this client's credential "
+                f"({reply.get('error')}): is this node on another cluster secret?"
+            )
+        return (
+            f"metadata service {self.address} answered without a valid credential ({exc}): "
+            "it runs without the cluster secret or with another one"
+        )
 
     def _open_pool(self) -> None:
         reply = self._roundtrip(
@@ -394,6 +457,10 @@ class RemoteMetadata(MetadataClient):
     def stats(self) -> dict[str, int]:
         return dict(self._call("stats"))
 
+    def health(self) -> dict[str, Any]:
+        """The service's own counters: requests served, refused requests by kind."""
+        return dict(self._call("health"))
+
     def ping(self) -> bool:
         try:
             self._call("ping")
@@ -407,16 +474,26 @@ class RemoteMetadata(MetadataClient):
             self._drop_socket()
 
 
-def ping(address: str, timeout_s: float = 1.0) -> bool:
-    """True when a metadata service answers on `address` within `timeout_s`."""
+def _seal(auth: MessageAuth | None, body: bytes) -> bytes:
+    return body if auth is None else auth.seal(body)
+
+
+def ping(address: str, timeout_s: float = 1.0, auth_key: bytes | None = None) -> bool:
+    """True when a metadata service answers on `address` within `timeout_s` (a service that
+    refuses the credential answers too: True, so readiness checks do not hang on it)."""
+    auth = client_auth(auth_key)
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
     sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
     try:
         sock.connect(address)
-        sock.send(msgpack.packb({"op": "ping"}, use_bin_type=True))
-        return msgpack.unpackb(sock.recv(), raw=False).get("ok") is True
+        sock.send(_seal(auth, msgpack.packb({"op": "ping"}, use_bin_type=True)))
+        raw = sock.recv()
+        if auth is not None:
+            return True  # an answer; whether it is authentic is the client's business
+        reply = msgpack.unpackb(raw, raw=False)
+        return reply.get("ok") is True or reply.get("error_kind") == "unauthenticated"
     except zmq.ZMQError:
         return False
     finally:

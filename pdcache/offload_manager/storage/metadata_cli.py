@@ -8,7 +8,11 @@ import signal
 import sys
 import threading
 
-from pdcache.offload_manager.storage.metadata_service import MetadataService, serve
+from pdcache.offload_manager.storage.metadata_service import (
+    MetadataService,
+    metadata_key,
+    serve,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    auth_key = metadata_key(args.secret_file) if args.secret_file else None  # before binding
     service = MetadataService(args.state_dir, args.capacity_pages, args.reservation_ttl)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -48,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         port = "*" if args.port == 0 else str(args.port)  # zmq spells "any free port" as *
-        serve(service, f"tcp://{args.host}:{port}", stop, on_ready=announce)
+        serve(service, f"tcp://{args.host}:{port}", stop, on_ready=announce, auth_key=auth_key)
     finally:
         service.close()
     return 0

@@ -8,6 +8,13 @@ Reservations are not persisted: a writer whose reservation was lost gets False o
 
 Protocol: ZMQ ROUTER, one msgpack map per request `{"op", "ns", ...}` -> `{"ok", "result"}`
 or `{"ok": false, "error"}`. The loop is single-threaded, so the index needs no lock.
+
+Authentication (docs/security.md): with an `auth_key` (derive_key(cluster secret,
+"metadata")) every request must be sealed by `pdcache.utils.message_auth.MessageAuth` (keyed
+BLAKE3 MAC, timestamp, nonce) and every reply is sealed. A request that is unauthenticated,
+stale or replayed is refused with an unsealed `{"ok": false, "error_kind":
+"unauthenticated"}` (so the client can say why), counted in `MetadataService.rejected`, and
+changes nothing. The `health` op reports requests served and those counts.
 """
 
 from __future__ import annotations
@@ -27,7 +34,14 @@ from typing import Any
 import msgpack
 import zmq
 
-from pdcache.offload_manager.storage.metadata import SlotIndex, ping
+from pdcache.offload_manager.storage.metadata import (
+    CLIENT_LABEL,
+    METADATA_KEY_PURPOSE,
+    SERVICE_LABEL,
+    SlotIndex,
+    ping,
+)
+from pdcache.utils.message_auth import AuthError, MessageAuth
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +119,7 @@ class MetadataService:
         self._pools: dict[str, tuple[SlotIndex, SqliteJournal, int]] = {}
         self._last_touch_flush = time.monotonic()
         self.requests = 0
+        self.rejected: dict[str, int] = {}  # refused requests by kind (unauthenticated, ...)
         self._load()
 
     def _next_seq(self) -> int:
@@ -158,6 +173,8 @@ class MetadataService:
         op = req.get("op")
         if op == "ping":
             return "pong"
+        if op == "health":
+            return {"requests": self.requests, "rejected": dict(self.rejected)}
         if op == "open":
             return self._open(str(req["ns"]), int(req["slots"]), int(req["slot_bytes"]))
         index = self._index(req.get("ns"))
@@ -204,8 +221,11 @@ def serve(
     address: str,
     stop: threading.Event,
     on_ready: Callable[[str], None] | None = None,
+    auth_key: bytes | None = None,
 ) -> None:
-    """Answer requests on `address` (a ZMQ ROUTER) until `stop` is set."""
+    """Answer requests on `address` (a ZMQ ROUTER) until `stop` is set; with `auth_key` only
+    authenticated ones (module docstring)."""
+    auth = None if auth_key is None else MessageAuth(auth_key, SERVICE_LABEL, CLIENT_LABEL)
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -216,15 +236,25 @@ def serve(
     try:
         while not stop.is_set():
             if sock.poll(200, zmq.POLLIN):
-                _answer(service, sock)
+                _answer(service, sock, auth)
             service.maybe_flush_touches()
     finally:
         sock.close(linger=0)
 
 
-def _answer(service: MetadataService, sock: zmq.Socket) -> None:
+def _answer(service: MetadataService, sock: zmq.Socket, auth: MessageAuth | None) -> None:
     frames = sock.recv_multipart()
     identity, body = frames[0], frames[-1]
+    if auth is not None:
+        try:
+            body = auth.open_(body)
+        except AuthError as exc:
+            service.rejected[exc.kind] = service.rejected.get(exc.kind, 0) + 1
+            if sum(service.rejected.values()) <= 20:
+                log.warning("metadata service: refused a request: %s", exc)
+            refusal = {"ok": False, "error_kind": "unauthenticated", "error": str(exc)}
+            sock.send_multipart([identity, b"", msgpack.packb(refusal, use_bin_type=True)])
+            return
     try:
         request = msgpack.unpackb(body, raw=False)
         reply = (
@@ -237,7 +267,8 @@ def _answer(service: MetadataService, sock: zmq.Socket) -> None:
     except Exception as exc:  # never let one request kill the service
         log.exception("metadata request failed")
         reply = {"ok": False, "error": f"internal error: {exc!r}"}
-    sock.send_multipart([identity, b"", msgpack.packb(reply, use_bin_type=True)])
+    packed = msgpack.packb(reply, use_bin_type=True)
+    sock.send_multipart([identity, b"", packed if auth is None else auth.seal(packed)])
 
 
 class LocalMetadataService:
@@ -247,8 +278,15 @@ class LocalMetadataService:
     start() after stop() restarts it on the same port and state directory.
     """
 
-    def __init__(self, state_dir: str | Path, port: int = 0, capacity_pages: int = 0) -> None:
+    def __init__(
+        self,
+        state_dir: str | Path,
+        port: int = 0,
+        capacity_pages: int = 0,
+        secret_file: str | Path | None = None,
+    ) -> None:
         self.state_dir = Path(state_dir)
+        self.secret_file = secret_file
         self.port = port or _free_port()
         self.capacity_pages = capacity_pages
         self.proc: subprocess.Popen[bytes] | None = None
@@ -274,12 +312,16 @@ class LocalMetadataService:
             "--log-level",
             "WARNING",
         ]
+        auth_key = None
+        if self.secret_file is not None:
+            argv += ["--secret-file", str(self.secret_file)]
+            auth_key = metadata_key(self.secret_file)
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"metadata-server exited with {self.proc.returncode}")
-            if ping(self.address, timeout_s=0.2):
+            if ping(self.address, timeout_s=0.2, auth_key=auth_key):
                 return self
         self.stop(kill=True)
         raise TimeoutError(f"metadata-server not ready on {self.address} after {timeout_s}s")
@@ -301,6 +343,13 @@ class LocalMetadataService:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def metadata_key(secret_file: str | Path) -> bytes:
+    """The metadata service's key from a cluster secret file."""
+    from pdcache.utils.secret import derive_key, load_secret
+
+    return derive_key(load_secret(secret_file), METADATA_KEY_PURPOSE)
 
 
 def _free_port() -> int:

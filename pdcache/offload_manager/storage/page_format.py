@@ -13,6 +13,20 @@ which would halve storage read throughput. zlib's CRC-32 releases the GIL on lar
 python-xxhash's XXH3 holds it (about 10 us per 512 KiB page: two threads hashing take twice
 as long as one, measured).
 
+Authenticated pages (format version 2): with a page MAC key (`PageSpec.mac_key`, derived from the
+cluster secret with `pdcache.utils.secret.derive_key(secret, "page-mac")`) every new page
+carries a 32-byte keyed BLAKE3 MAC at header offset 88, over header bytes [0, 88) (every field
+above, key and fingerprint included) followed by the payload; the header CRC covers the MAC
+too. A reader with a key serves only version-2 pages whose MAC verifies: a version-1 page, or
+a version-2 page with a forged or other-secret MAC, is `Verdict.BAD_MAC` (a counted miss)
+whatever its checksum. A reader without a key ignores the MAC and checks pages of either
+version by their checksum (today's behaviour, and what lets a forged page through). With a
+key, a verified MAC stands in for the checksum pass (the checksum is still written, for
+keyless readers, and computed on a failed MAC only, to count corruption apart from forgery).
+Keyed BLAKE3 over HMAC-SHA256 by measurement on this CPU (docs/security.md, `pdcache bench
+storage`): 2-6 GB/s against 0.6-1.7 GB/s on 8 KiB-2 MiB pages, single-threaded (blake3's
+`max_threads` was slower on the two shared cores here).
+
 Scatter/gather: a payload may be given as a list of buffers (the runs of a page that is not
 contiguous in host memory, e.g. K and V in an SGLang host pool); the stored object and its
 checksum are exactly those of the runs concatenated in order (checksums are computed
@@ -23,6 +37,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import hmac
 import struct
 import zlib
 from collections.abc import Callable
@@ -31,7 +46,11 @@ from dataclasses import dataclass, field
 import torch
 
 MAGIC = b"PDKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # pages without a MAC
+MAC_FORMAT_VERSION = 2  # pages with a keyed BLAKE3 MAC (module docstring)
+FORMAT_VERSIONS = (FORMAT_VERSION, MAC_FORMAT_VERSION)
+MAC_OFFSET = 88  # the MAC covers header bytes [0, MAC_OFFSET) and then the payload
+MAC_BYTES = 32
 HEADER_BYTES = 128
 KEY_BYTES = 32
 FINGERPRINT_DIGEST_BYTES = 16
@@ -41,6 +60,7 @@ FINGERPRINT_DIGEST_BYTES = 16
 # crc32 of all bytes before them, so no bit of the header goes unchecked.
 _BODY = struct.Struct("<4sHH32s16sIIBBHQQ")
 _HEADER_CRC_OFFSET = HEADER_BYTES - 4
+assert _BODY.size <= MAC_OFFSET and MAC_OFFSET + MAC_BYTES <= _HEADER_CRC_OFFSET
 _CRC = struct.Struct("<I")
 
 ORIGINS: tuple[str, ...] = ("prefill", "decode")
@@ -87,7 +107,9 @@ class Verdict(enum.Enum):
     OK = "ok"
     EMPTY = "empty"  # no page here (zeroed or never written slot)
     TRUNCATED = "truncated"  # fewer bytes than header + payload
-    CORRUPT = "corrupt"  # bad magic/version/header crc/payload crc
+    CORRUPT = "corrupt"  # bad magic/version/header crc
+    BAD_CHECKSUM = "bad_checksum"  # the payload does not match the header's checksum
+    BAD_MAC = "bad_mac"  # no MAC, or one that does not verify under this store's key
     FOREIGN = "foreign"  # another fingerprint, shape or dtype
     WRONG_KEY = "wrong_key"  # a valid page of another key (a reused slot)
 
@@ -102,6 +124,7 @@ class PageSpec:
     page_size: int = 0
     dtype: str = "uint8"
     checksum: str = "auto"  # written into new pages; reads follow each page's header
+    mac_key: bytes | None = field(default=None, repr=False)  # None: pages carry no MAC
     fingerprint_digest: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +135,8 @@ class PageSpec:
         digest = hashlib.blake2b(self.fingerprint.encode(), digest_size=16).digest()
         object.__setattr__(self, "fingerprint_digest", digest)
         object.__setattr__(self, "checksum", resolve_checksum(self.checksum))
+        if self.mac_key is not None and len(self.mac_key) != MAC_BYTES:
+            raise ValueError(f"mac_key must be {MAC_BYTES} bytes, got {len(self.mac_key)}")
 
     @property
     def object_bytes(self) -> int:
@@ -187,7 +212,7 @@ def encode_header(spec: PageSpec, key: bytes, origin: str, payload: Payload) -> 
         )
     body = _BODY.pack(
         MAGIC,
-        FORMAT_VERSION,
+        FORMAT_VERSION if spec.mac_key is None else MAC_FORMAT_VERSION,
         HEADER_BYTES,
         key,
         spec.fingerprint_digest,
@@ -199,8 +224,22 @@ def encode_header(spec: PageSpec, key: bytes, origin: str, payload: Payload) -> 
         spec.payload_bytes,
         payload_checksum(payload, spec.checksum),
     )
+    body += bytes(MAC_OFFSET - len(body))
+    if spec.mac_key is not None:
+        body += page_mac(spec.mac_key, body, payload)
     body += bytes(_HEADER_CRC_OFFSET - len(body))
     return body + _CRC.pack(zlib.crc32(body))
+
+
+def page_mac(mac_key: bytes, head: bytes, payload: Payload) -> bytes:
+    """Keyed BLAKE3 of header bytes [0, MAC_OFFSET) followed by the payload (its runs, in
+    order). blake3 releases the GIL on large buffers, so I/O threads hash in parallel."""
+    import blake3  # a dependency of pdcache; only stores with a secret load it
+
+    state = blake3.blake3(head[:MAC_OFFSET], key=mac_key)
+    for part in payload if isinstance(payload, list) else [payload]:
+        state.update(part)
+    return state.digest()
 
 
 @dataclass(frozen=True)
@@ -210,6 +249,8 @@ class HeaderInfo:
     payload_bytes: int
     checksum: int
     algorithm: str
+    version: int = FORMAT_VERSION
+    head: bytes = b""  # the header's bytes (the MAC is verified over them and the payload)
 
 
 def parse_header(spec: PageSpec, header: memoryview | bytes) -> tuple[Verdict, HeaderInfo | None]:
@@ -225,7 +266,7 @@ def parse_header(spec: PageSpec, header: memoryview | bytes) -> tuple[Verdict, H
         return Verdict.CORRUPT, None
     fields = _BODY.unpack_from(body)
     _, version, header_bytes, key, fp, layers, page_size, dtype, origin, algo, length, crc = fields
-    if version != FORMAT_VERSION or header_bytes != HEADER_BYTES or origin >= len(ORIGINS):
+    if version not in FORMAT_VERSIONS or header_bytes != HEADER_BYTES or origin >= len(ORIGINS):
         return Verdict.CORRUPT, None
     algorithm = _CHECKSUM_NAMES.get(algo)
     if algorithm is None or _CHECKSUM_FNS[algorithm] is None:
@@ -234,7 +275,7 @@ def parse_header(spec: PageSpec, header: memoryview | bytes) -> tuple[Verdict, H
     expected = (spec.num_layers, spec.page_size, DTYPE_CODES[spec.dtype], spec.payload_bytes)
     if fp != spec.fingerprint_digest or shape != expected:
         return Verdict.FOREIGN, None
-    return Verdict.OK, HeaderInfo(key, ORIGINS[origin], length, crc, algorithm)
+    return Verdict.OK, HeaderInfo(key, ORIGINS[origin], length, crc, algorithm, version, head)
 
 
 def verify_page(
@@ -253,9 +294,24 @@ def verify_page(
         return Verdict.WRONG_KEY, None
     if nbytes < spec.object_bytes:
         return Verdict.TRUNCATED, None
+    if spec.mac_key is not None:
+        # A verified MAC covers the payload (and the checksum field), so the checksum pass is
+        # skipped; only a failed MAC pays for it, to tell corruption from forgery.
+        if _mac_ok(spec.mac_key, info, payload):
+            return Verdict.OK, info.origin
+        if payload_checksum(payload, info.algorithm) != info.checksum:
+            return Verdict.BAD_CHECKSUM, None
+        return Verdict.BAD_MAC, None
     if payload_checksum(payload, info.algorithm) != info.checksum:
-        return Verdict.CORRUPT, None
+        return Verdict.BAD_CHECKSUM, None
     return Verdict.OK, info.origin
+
+
+def _mac_ok(mac_key: bytes, info: HeaderInfo, payload: Payload) -> bool:
+    if info.version != MAC_FORMAT_VERSION:
+        return False  # an unauthenticated page: anyone could have written it
+    stored = info.head[MAC_OFFSET : MAC_OFFSET + MAC_BYTES]
+    return hmac.compare_digest(page_mac(mac_key, info.head, payload), stored)
 
 
 def encode_object(spec: PageSpec, key: bytes, origin: str, payload: Payload) -> bytes:

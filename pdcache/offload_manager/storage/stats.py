@@ -29,6 +29,20 @@ COUNTERS = (
     "evictions",
     "rejected_slots",
 )
+# Why a found page was not served -> its reason label (`pdcache_storage_rejected_pages_total`):
+# header (bad magic/version/header CRC), checksum (payload), mac (unauthenticated or forged,
+# docs/security.md), and the page-identity checks.
+REJECT_REASONS: dict[Verdict, str] = {
+    Verdict.CORRUPT: "header",
+    Verdict.BAD_CHECKSUM: "checksum",
+    Verdict.BAD_MAC: "mac",
+    Verdict.TRUNCATED: "truncated",
+    Verdict.FOREIGN: "foreign",
+    Verdict.WRONG_KEY: "wrong_key",
+    Verdict.EMPTY: "empty",
+}
+COUNTERS += tuple(f"rejected_{reason}_pages" for reason in REJECT_REASONS.values())
+_LEGACY_FINER = (Verdict.TRUNCATED, Verdict.FOREIGN, Verdict.WRONG_KEY, Verdict.EMPTY)
 
 
 class StorageCounters:
@@ -47,11 +61,13 @@ class StorageCounters:
             self._values.update(amounts)
 
     def record_failed_read(self, verdict: Verdict) -> None:
-        """A page that was found but failed verification: a miss counted as corrupt."""
+        """A page that was found but failed verification: a miss counted as corrupt (the total)
+        and as rejected for its reason."""
         with self._lock:
             self._values["misses"] += 1
             self._values["corrupt_pages"] += 1
-            if verdict is not Verdict.CORRUPT:  # the finer reason, beside the total
+            self._values[f"rejected_{REJECT_REASONS[verdict]}_pages"] += 1
+            if verdict in _LEGACY_FINER:  # the older finer counters, kept beside the reasons
                 self._values[f"{verdict.value}_pages"] += 1
 
     def snapshot(self) -> dict[str, int | float]:

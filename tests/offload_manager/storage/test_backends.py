@@ -28,6 +28,7 @@ from pdcache.offload_manager.storage.page_format import (  # noqa: E402
     byte_view,
     encode_object,
 )
+from pdcache.utils.secret import derive_key  # noqa: E402
 
 PAGE_BYTES = 4096 + 512  # not a multiple of the 4 KiB slot alignment, on purpose
 FINGERPRINT = "model=test;dtype=uint8;page=4"
@@ -299,3 +300,59 @@ def test_clear_removes_pages_written_by_any_client(make_backend: Factory) -> Non
     # The writer misses too (with in-process hf3fs metadata its stale index still lists the
     # pages, but their slots were invalidated).
     assert writer.get_into(keys, list(torch.zeros_like(pages))) == [False] * 3
+
+
+MAC_KEY = derive_key(b"cluster-secret-one-" * 2, "page-mac")
+OTHER_MAC_KEY = derive_key(b"cluster-secret-two-" * 2, "page-mac")
+
+
+def _forged(spec_key: bytes | None, key: bytes, payload: torch.Tensor) -> bytes:
+    """A well-formed page (valid header CRC and payload checksum) under `key`, MAC'd with
+    `spec_key` (None: no MAC, a version-1 page), as a forger with storage access writes it."""
+    spec = PageSpec(
+        fingerprint=FINGERPRINT,
+        payload_bytes=PAGE_BYTES,
+        num_layers=2,
+        page_size=4,
+        mac_key=spec_key,
+    )
+    return encode_object(spec, key, "prefill", byte_view(payload))
+
+
+@pytest.mark.parametrize("mac", [True, False], ids=["mac_on", "mac_off"])
+def test_forged_page_is_served_only_without_the_mac(make_backend: Factory, mac: bool) -> None:
+    """Pages written straight into the store (hf3fs slots, the page file, the Mooncake object)
+    with a valid checksum but no valid MAC: with a MAC key they are counted misses, never
+    served; with the MAC off the same pages are served (what the protection is for)."""
+    backend = make_backend(page_mac_key=MAC_KEY if mac else None)
+    keys, pages = _keys(3), _pages(3)
+    assert backend.put_from(keys, list(pages)) == [True] * 3
+    evil = _pages(2, seed=7)
+    assert backend.write_object(keys[1], _forged(None, keys[1], evil[0]))  # no MAC at all
+    assert backend.write_object(keys[2], _forged(OTHER_MAC_KEY, keys[2], evil[1]))  # 2nd secret
+    assert backend.exists_prefix(keys) == 3  # existence is not trust: the read decides
+    out = torch.zeros_like(pages)
+    found = backend.get_into(keys, list(out))
+    stats = backend.stats()
+    if mac:
+        assert found == [True, False, False]
+        assert torch.equal(out[0], pages[0])
+        assert (stats["rejected_mac_pages"], stats["rejected_checksum_pages"]) == (2, 0)
+        assert stats["misses"] == 2 and stats["pages_read"] == 1
+    else:
+        assert found == [True, True, True]
+        assert torch.equal(out[1:], evil)  # the forgery is served
+        assert stats["rejected_mac_pages"] == 0
+
+
+def test_mac_pages_detect_corruption_and_read_back_exactly(make_backend: Factory) -> None:
+    backend = make_backend(page_mac_key=MAC_KEY)
+    keys, pages = _keys(2), _pages(2)
+    backend.put_from(keys, list(pages))
+    blob = bytearray(backend.read_object(keys[1]))
+    assert blob[4] == 2  # format version 2: the page carries a MAC
+    _flip_byte(backend, keys[1], HEADER_BYTES + 7)
+    out = torch.zeros_like(pages)
+    assert backend.get_into(keys, list(out)) == [True, False]
+    assert torch.equal(out[0], pages[0])
+    assert backend.stats()["rejected_checksum_pages"] == 1

@@ -204,3 +204,63 @@ def test_registry_and_missing_usrbio_client(tmp_path) -> None:
     )
     with pytest.raises(MissingDependencyError, match="hf3fs-py-usrbio"):
         create_backend(cfg)
+
+
+# ---------------------------------------------------------------- authenticated pages (v2)
+
+MAC_KEY = bytes(range(100, 132))
+MAC_SPEC = dataclasses.replace(SPEC, mac_key=MAC_KEY)
+
+
+def _recrc(blob: bytearray) -> bytes:
+    """Recompute the header CRC after an edit, as a forger with the format (not the key) can."""
+    import zlib
+
+    blob[HEADER_BYTES - 4 : HEADER_BYTES] = zlib.crc32(blob[: HEADER_BYTES - 4]).to_bytes(
+        4, "little"
+    )
+    return bytes(blob)
+
+
+def test_mac_pages_are_version_2_and_read_by_either_reader() -> None:
+    blob = encode_object(MAC_SPEC, KEY, "decode", _payload())
+    assert blob[4] == 2 and any(blob[88:120])  # version 2, a MAC at offset 88
+    assert _verify(blob, MAC_SPEC) == (Verdict.OK, "decode")
+    assert _verify(blob, SPEC) == (Verdict.OK, "decode")  # a keyless reader: checksum only
+    v1 = encode_object(SPEC, KEY, "prefill", _payload())
+    assert v1[4] == 1 and _verify(v1, SPEC) == (Verdict.OK, "prefill")
+    assert _verify(v1, MAC_SPEC)[0] is Verdict.BAD_MAC  # unauthenticated under a key
+    assert repr(MAC_KEY) not in repr(MAC_SPEC)  # the key never shows in logs
+
+
+@pytest.mark.parametrize("where", ["payload", "origin", "mac"])
+def test_a_forgery_with_valid_checksum_and_crc_fails_only_the_mac(where: str) -> None:
+    import xxhash
+
+    blob = bytearray(encode_object(MAC_SPEC, KEY, "prefill", _payload()))
+    if where == "payload":  # new payload, checksum field updated to match
+        blob[HEADER_BYTES + 5] ^= 0xFF
+        new_sum = xxhash.xxh3_64_intdigest(bytes(blob[HEADER_BYTES:]))
+        blob[76:84] = new_sum.to_bytes(8, "little")
+    elif where == "origin":
+        blob[4 + 2 + 2 + 32 + 16 + 4 + 4 + 1] = 1  # prefill -> decode
+    else:
+        blob[100] ^= 0x01  # inside the MAC
+    forged = _recrc(blob)
+    assert _verify(forged, SPEC)[0] is Verdict.OK  # no key: the forgery passes
+    assert _verify(forged, MAC_SPEC) == (Verdict.BAD_MAC, None)
+
+
+def test_another_secrets_mac_and_bad_key_length_are_refused() -> None:
+    other = dataclasses.replace(SPEC, mac_key=bytes(32))
+    assert _verify(encode_object(other, KEY, "prefill", _payload()), MAC_SPEC)[0] is Verdict.BAD_MAC
+    with pytest.raises(ValueError, match="32 bytes"):
+        dataclasses.replace(SPEC, mac_key=b"short")
+
+
+def test_mac_over_runs_equals_mac_over_the_concatenated_page() -> None:
+    payload = bytes(_payload())
+    runs = [memoryview(payload[:100]), memoryview(payload[100:700]), memoryview(payload[700:])]
+    assert encode_header(MAC_SPEC, KEY, "prefill", runs) == encode_header(
+        MAC_SPEC, KEY, "prefill", memoryview(payload)
+    )

@@ -1,0 +1,146 @@
+"""The metadata service with a cluster secret (docs/security.md): every request must carry
+the secret-derived credential. A client with another secret, without one, or replaying a
+captured request is refused (a clear MetadataAuthError on the client, counted on the service)
+and changes nothing; with the secret off the same intruder is served."""
+
+from __future__ import annotations
+
+import uuid
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from pdcache.offload_manager.storage import create_backend
+from pdcache.offload_manager.storage.config import StorageConfig
+from pdcache.offload_manager.storage.metadata import (
+    NEW,
+    MetadataAuthError,
+    RemoteMetadata,
+    client_auth,
+)
+from pdcache.offload_manager.storage.metadata_service import LocalMetadataService, metadata_key
+from pdcache.utils.secret import create_secret
+
+KEY_A = bytes(range(32))
+
+
+@pytest.fixture(scope="module")
+def secrets(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("secrets")
+    return create_secret(root / "a"), create_secret(root / "b")
+
+
+@pytest.fixture(scope="module")
+def secured(secrets, tmp_path_factory: pytest.TempPathFactory):
+    service = LocalMetadataService(tmp_path_factory.mktemp("md-auth"), secret_file=secrets[0])
+    with service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def open_service(tmp_path_factory: pytest.TempPathFactory):
+    with LocalMetadataService(tmp_path_factory.mktemp("md-open")) as service:
+        yield service
+
+
+def _client(address: str, key: bytes | None, ns: str | None = None) -> RemoteMetadata:
+    return RemoteMetadata(
+        address, ns or f"p{uuid.uuid4().hex[:8]}", 8, 4096, timeout_s=3.0, auth_key=key
+    )
+
+
+def _raw_request(address: str, frame: bytes) -> dict:
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    try:
+        sock.connect(address)
+        sock.send(frame)
+        raw = sock.recv()
+    finally:
+        sock.close(linger=0)
+    try:
+        return msgpack.unpackb(raw, raw=False)
+    except ValueError:
+        return {"sealed": raw}
+
+
+def _rejected(service: LocalMetadataService, key: bytes) -> dict[str, int]:
+    client = _client(service.address, key)
+    try:
+        return client.health()["rejected"]
+    finally:
+        client.close()
+
+
+def test_right_secret_works_and_wrong_or_missing_secret_is_refused(secured, secrets) -> None:
+    good_key = metadata_key(secrets[0])
+    before = _rejected(secured, good_key).get("unauthenticated", 0)
+    client = _client(secured.address, good_key, ns="shared")
+    try:
+        key = b"k" * 32
+        status, slot = client.reserve([key])[0]
+        assert status == NEW and client.commit([key], [slot]) == [True]
+        assert client.lookup([key]) == [slot]
+    finally:
+        client.close()
+    for wrong in (metadata_key(secrets[1]), None):
+        with pytest.raises(MetadataAuthError, match="refused this client"):
+            _client(secured.address, wrong, ns="shared")
+    assert _rejected(secured, good_key)["unauthenticated"] == before + 2
+    intruder = _raw_request(
+        secured.address,
+        msgpack.packb({"op": "delete", "ns": "shared.slot4096", "keys": [b"k" * 32]}),
+    )
+    assert intruder["ok"] is False and intruder["error_kind"] == "unauthenticated"
+    client = _client(secured.address, good_key, ns="shared")
+    try:
+        assert client.lookup([b"k" * 32]) == [slot]  # nothing was deleted
+    finally:
+        client.close()
+
+
+def test_replayed_request_is_refused_and_counted(secured, secrets) -> None:
+    good_key = metadata_key(secrets[0])
+    before = _rejected(secured, good_key).get("replayed", 0)
+    captured = client_auth(good_key).seal(msgpack.packb({"op": "ping"}, use_bin_type=True))
+    assert "sealed" in _raw_request(secured.address, captured)  # the genuine one: a sealed reply
+    replay = _raw_request(secured.address, captured)
+    assert replay["ok"] is False and "replayed" in replay["error"]
+    assert _rejected(secured, good_key)["replayed"] == before + 1
+
+
+def test_keyed_client_refuses_an_unauthenticated_service(open_service) -> None:
+    with pytest.raises(MetadataAuthError, match="without a valid credential"):
+        _client(open_service.address, KEY_A)
+
+
+@pytest.mark.parametrize("secret", [True, False], ids=["secret_on", "secret_off"])
+def test_an_intruder_is_served_only_without_the_secret(secret, secured, open_service) -> None:
+    service = secured if secret else open_service
+    reply = _raw_request(service.address, msgpack.packb({"op": "ping"}))
+    assert reply["ok"] is not secret
+
+
+def test_hf3fs_backend_with_the_wrong_secret_fails_at_open(secured, secrets, tmp_path) -> None:
+    config = StorageConfig(
+        backend="hf3fs",
+        path=str(tmp_path),
+        page_bytes=4096,
+        capacity_pages=8,
+        fingerprint="fp",
+        metadata=secured.address,
+        timeout_s=3.0,
+    )
+    with pytest.raises(MetadataAuthError, match="another cluster secret"):
+        create_backend(config.replace(metadata_key=metadata_key(secrets[1])))
+    backend = create_backend(config.replace(metadata_key=metadata_key(secrets[0])))
+    try:
+        page = torch.arange(4096, dtype=torch.int32).to(torch.uint8)
+        assert backend.put_from([b"p" * 32], [page]) == [True]
+        out = torch.zeros(4096, dtype=torch.uint8)
+        assert backend.get_into([b"p" * 32], [out]) == [True] and torch.equal(out, page)
+    finally:
+        backend.close()

@@ -1,0 +1,174 @@
+"""The authenticated control plane (docs/security.md): with a control key every frame between
+KVSender and KVReceiver carries a keyed MAC, a timestamp and a nonce. A frame without a valid
+MAC (no trailer, another secret, reflected), a replayed one and a stale one are dropped and
+counted by kind, and the node keeps serving; with the key off the same intruder is answered."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from prometheus_client import CollectorRegistry
+
+from pdcache.server.metrics import ControlRejectCollector
+from pdcache.transfer import KVReceiver, KVSender, RoomState, TransferError
+from pdcache.transfer.control import control_auth
+from pdcache.transfer.messages import (
+    Ping,
+    Pong,
+    PrefillReport,
+    Register,
+    RegisterAck,
+    decode,
+    encode,
+)
+from pdcache.utils.message_auth import DEFAULT_WINDOW_S, AuthError, MessageAuth
+from pdcache.utils.secret import derive_key
+from tests.transfer_support import fast_config, make_pool, wait_until
+
+KEY = derive_key(b"the cluster secret of this test", "zmq-control")
+OTHER_KEY = derive_key(b"a second cluster's secret......", "zmq-control")
+
+
+class Pair:
+    def __init__(self, sender_key: bytes | None, receiver_key: bytes | None) -> None:
+        self.config = fast_config("zmq")
+        self.src, self.dst = make_pool(64, seed=3), make_pool(96, seed=None)
+        self.sender = KVSender(self.config, self.src, control_key=sender_key).start()
+        self.receiver = KVReceiver(self.config, self.dst, control_key=receiver_key).start()
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.sender.close()
+
+
+@pytest.fixture
+def authed():
+    pair = Pair(KEY, KEY)
+    try:
+        yield pair
+    finally:
+        pair.close()
+
+
+def _dealer(addr: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    return sock
+
+
+def _transfer(pair: Pair, room: int) -> None:
+    pair.receiver.request(room, pair.sender.bootstrap_addr, [3, 1, 4], num_tokens=10)
+    assert pair.sender.send(room, [5, 9, 2], PrefillReport(7))
+    assert pair.receiver.wait(room, 5.0).first_token == 7
+    assert torch.equal(pair.dst[:, :, [3, 1, 4]], pair.src[:, :, [5, 9, 2]])
+
+
+def test_authenticated_rooms_transfer_exactly(authed: Pair) -> None:
+    _transfer(authed, 1)
+    _transfer(authed, 2)
+    assert authed.sender.stats()["rejected"] == {} and authed.receiver.stats()["rejected"] == {}
+
+
+def test_intruders_are_dropped_counted_and_the_node_keeps_serving(authed: Pair) -> None:
+    decode_side = control_auth(KEY, "decode")  # a legitimate decode's sealer (the test's own)
+    other_secret = control_auth(OTHER_KEY, "decode")
+    reflected = control_auth(KEY, "prefill")  # prefill's own label: a message bounced back
+    past = MessageAuth(
+        KEY, b"decode", b"prefill", clock=lambda: time.time_ns() - int(2 * DEFAULT_WINDOW_S * 1e9)
+    )
+    sock = _dealer(authed.sender.bootstrap_addr)
+    try:
+        captured = decode_side.seal(encode(Ping(5)))
+        sock.send(captured)  # genuine: answered
+        assert sock.poll(3000)
+        assert decode(control_auth(KEY, "decode").open_(sock.recv()), 1 << 20) == Pong(5)
+        for frame in (
+            encode(Ping(1)),  # no MAC at all
+            other_secret.seal(encode(Ping(2))),
+            reflected.seal(encode(Ping(3))),
+            captured,  # replayed
+            past.seal(encode(Ping(4))),  # outside the window
+            encode(Register("intruder", "zmq", b"x", 1 << 30, 4, 8, 4096)),
+            bytes(authed.config.max_message_bytes + 100),  # refused before any hashing
+        ):
+            sock.send(frame)
+        expected = {"unauthenticated": 4, "replayed": 1, "stale": 1, "oversized": 1}
+        wait_until(
+            lambda: authed.sender.stats()["rejected"] == expected,
+            3.0,
+            f"rejections {expected}, got {authed.sender.stats()['rejected']}",
+        )
+        assert not sock.poll(200)  # none of them got an answer
+    finally:
+        sock.close(linger=0)
+    _transfer(authed, 3)  # the node still serves its real peer
+    assert authed.sender.stats()["control_errors"] == 0
+    registry = CollectorRegistry()  # what the prefill node's /metrics exports
+    registry.register(ControlRejectCollector(authed.sender.stats, "p0"))
+    for kind, count in (("unauthenticated", 4), ("replayed", 1), ("stale", 1), ("malformed", 0)):
+        labels = {"server": "p0", "kind": kind}
+        assert registry.get_sample_value("pdcache_control_rejected_messages_total", labels) == count
+
+
+@pytest.mark.parametrize("auth", [True, False], ids=["auth_on", "auth_off"])
+def test_unauthenticated_peer_is_answered_only_without_auth(auth: bool) -> None:
+    pair = Pair(KEY if auth else None, KEY if auth else None)
+    sock = _dealer(pair.sender.bootstrap_addr)
+    try:
+        sock.send(encode(Ping(9)))
+        answered = sock.poll(500)
+        assert answered is not auth
+        if not auth:
+            assert decode(sock.recv(), 1 << 20) == Pong(9)
+        assert pair.sender.stats()["rejected"] == ({"unauthenticated": 1} if auth else {})
+    finally:
+        sock.close(linger=0)
+        pair.close()
+
+
+def test_decode_drops_a_fake_prefill_with_another_secret(authed: Pair) -> None:
+    fake = zmq.Context.instance().socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    addr = f"tcp://127.0.0.1:{fake.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        authed.receiver.request(8, addr, [1, 2], num_tokens=5)
+        assert fake.poll(3000)
+        identity, register = fake.recv_multipart()
+        with pytest.raises(AuthError):  # decode's frames do not open under another secret
+            control_auth(OTHER_KEY, "prefill").open_(register)
+        fake.send_multipart(
+            [identity, control_auth(OTHER_KEY, "prefill").seal(encode(RegisterAck("fake", "")))]
+        )
+        fake.send_multipart([identity, encode(RegisterAck("fake", ""))])
+        wait_until(
+            lambda: authed.receiver.stats()["rejected"] == {"unauthenticated": 2},
+            3.0,
+            f"decode rejections, got {authed.receiver.stats()['rejected']}",
+        )
+        assert authed.receiver.poll(8) is RoomState.BOOTSTRAPPING  # the fake ack did nothing
+        authed.receiver.abort(8, "test over")
+    finally:
+        fake.close(linger=0)
+    _transfer(authed, 9)
+
+
+def test_mismatched_secrets_never_transfer() -> None:
+    pair = Pair(KEY, OTHER_KEY)
+    try:
+        pair.receiver.request(4, pair.sender.bootstrap_addr, [1], num_tokens=2)
+        wait_until(
+            lambda: pair.sender.stats()["rejected"].get("unauthenticated", 0) >= 1,
+            3.0,
+            "prefill to drop decode's registration",
+        )
+        pair.sender.send(4, np.array([2]), PrefillReport(1))  # prefill has the KV ready
+        with pytest.raises(TransferError):  # but the rooms never meet
+            pair.receiver.wait(4, 1.0)
+        assert not pair.dst.any()
+    finally:
+        pair.close()
