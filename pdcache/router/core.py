@@ -47,7 +47,7 @@ from pdcache.router.proxy import Proxy, close_stream
 from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.route import Deadline, Route
 from pdcache.router.sessions import ChatContinuation, SessionStore
-from pdcache.router.tenants import TenantLimits
+from pdcache.router.tenants import TenantLimits, node_session_id
 from pdcache.server.generate_api import GenerateMeta
 from pdcache.server.protocol import (
     OVERLOADED,
@@ -225,7 +225,7 @@ class Router:
         if prep.cache_salt is not None:
             body["cache_salt"] = prep.cache_salt
         if prep.session_id:  # the nodes' session-aware eviction policies learn turns from it
-            body["session_id"] = prep.session_id
+            body["session_id"] = node_session_id(prep.session_id)
         return body
 
     async def _routed(self, prep: Prepared, deadline: Deadline,

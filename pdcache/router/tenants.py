@@ -73,6 +73,15 @@ def session_key(tenant: Tenant | None, session_id: str | None) -> SessionKey | N
     return (tenant.name, session_id)
 
 
+def node_session_id(key: SessionKey) -> str:
+    """The session id the nodes' eviction policies see: the tenant's namespace before the
+    client's id, so two tenants' `s1` are two sessions there too."""
+    if isinstance(key, tuple):
+        tenant, session_id = key
+        return f"{NAMESPACE_PREFIX}{tenant}/{session_id}"
+    return key
+
+
 def parse_tenant_flag(text: str) -> tuple[str, str]:
     """`NAME=KEY` of `pdcache router --tenant`. ValueError when malformed."""
     name, sep, key = text.partition("=")
