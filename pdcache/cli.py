@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("pdcache.launch.cli", "start a topology from a TOML config"),
     "metadata-server": ("pdcache.offload_manager.storage.metadata_cli", "run the global KV manager"),
     "storage": ("pdcache.config.storage_cli", "inspect or clear a storage backend"),
+    "secret": ("pdcache.config.secret_cli", "create the cluster secret file"),
     "bench": ("pdcache.bench.cli", "benchmarks: engine, kernels, cache, transfer, replay, compare"),
     "export-model": ("pdcache.engine.export", "write a preset as a Hugging Face checkpoint"),
     "demo": ("pdcache.bench.demo", "launch the default topology and replay a multi-turn trace"),

@@ -129,14 +129,15 @@ def start_stack(prefill: NodeSetup, decode: NodeSetup) -> PDStack:
 class MetadataService:
     """`pdcache metadata-server` as a subprocess on a free loopback port."""
 
-    def __init__(self, state_dir) -> None:
+    def __init__(self, state_dir, secret_file: str | None = None) -> None:
         import subprocess
         import sys
 
         self.port = free_port()
+        secret = ["--secret-file", secret_file] if secret_file else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdcache", "metadata-server", "--host", "127.0.0.1",
-             "--port", str(self.port), "--state-dir", str(state_dir)],
+             "--port", str(self.port), "--state-dir", str(state_dir), *secret],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while True:

@@ -8,7 +8,9 @@ topology, so every node (prefill, decode, unified) is set up by `setup_for`. Err
 
 Modules: `schema` (the sections), `parse` (TOML, `--set`, coercion), `validate` (cross-key
 checks), `args` (`--config/--node/--set`, node flags, `topology_from_flags`), `node_setup`
-(`NodeSetup`, `setup_for`), `storage_cli` (`pdcache storage`).
+(`NodeSetup`, `setup_for`), `security` (`SecuritySettings`: the cluster secret and its derived
+keys, loaded once per process), `storage_cli` (`pdcache storage`), `secret_cli`
+(`pdcache secret create`).
 
 The schema half imports neither torch nor the engine (the launcher stays light); the node
 setup names are loaded on first use.
@@ -39,7 +41,9 @@ from pdcache.config.schema import (
     Role,
     RouterSpec,
     SchedulerSpec,
+    SecuritySpec,
     StorageSpec,
+    TenantSpec,
     Topology,
     TopologyError,
     TransferSpec,
@@ -82,8 +86,10 @@ __all__ = [
     "Role",
     "RouterSpec",
     "SchedulerSpec",
+    "SecuritySpec",
     "ServerSettings",
     "StorageSpec",
+    "TenantSpec",
     "Topology",
     "TopologyError",
     "TransferSpec",

@@ -153,6 +153,8 @@ def topology_from_flags(args: argparse.Namespace, role: str) -> Topology:
     }
     if role != "unified":
         raw["transfer"] = {"engine": args.transfer_engine, "timeout_s": args.transfer_timeout}
+    if getattr(args, "secret_file", None):
+        raw["security"] = {"secret_file": args.secret_file}
     return topology_from_raw(raw, FLAGS_SOURCE, standalone=True)
 
 
@@ -210,6 +212,9 @@ def add_node_flags(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--page-size", type=int, default=cache.page_size)
     parser.add_argument("--device-pages", type=int, default=cache.num_device_pages)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    parser.add_argument("--secret-file", default=None, metavar="PATH",
+                        help="the cluster secret ([security] secret_file): endpoints other than "
+                             "/health need its node credential; required to bind 0.0.0.0")
     _add_setting_flags(parser, role)
     if role != "unified":
         _add_transfer_flags(parser, role)

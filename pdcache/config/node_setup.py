@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdcache.config.schema import NodeSpec, StorageSpec, Topology, TopologyError, TransferSpec
+from pdcache.config.security import SecuritySettings, security_for, tenant_quotas
 from pdcache.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdcache.offload_manager.builder import (
     TierConfig,
@@ -71,6 +72,10 @@ class NodeSetup:
     key_scheme: str = "pdcache"  # how stored pages are named (PageKeyScheme), every node alike
     key_namespace: str = ""
     model_path: str = ""  # `[model]`'s preset name or checkpoint path (/server_info reports it)
+    # The cluster secret and its derived keys (`[security]`), loaded once by setup_for: the
+    # node HTTP credential, and the keys of stored pages, the control plane and the metadata
+    # service. Without a secret every key is None.
+    security: SecuritySettings = SecuritySettings()
 
 
 def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSetup:
@@ -80,14 +85,26 @@ def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSet
     cache = node.cache
     identity = model_identity(topology.model.ref, topology.model.seed)
     fingerprint = fingerprint_for(model, identity, cache.page_size)
-    storage = storage_from_spec(topology.storage, model, cache.page_size, fingerprint, node.host)
+    security = security_for(topology.security, topology.source)
+    storage = with_keys(storage_from_spec(topology.storage, model, cache.page_size, fingerprint,
+                                          node.host), security)
+    quotas = tenant_quotas(topology)
+    if storage is not None and quotas:
+        storage = storage.replace(namespace_quotas=quotas)
     transfer = transfer_from_spec(topology.transfer, node) if node.role != "unified" else None
     return NodeSetup(node.name, node.role, node.host, node.port, engine_for(topology, node, model),
                      tiers_for(node, model, storage), fingerprint, storage, transfer,
                      node.bootstrap_port, offload_for(node),
                      ServerSettings(node.request_timeout_s, tool_call_parser=node.tool_call_parser,
                                     incremental_streaming_output=node.incremental_streaming_output),
-                     cache.key_scheme, cache.key_namespace, topology.model.ref)
+                     cache.key_scheme, cache.key_namespace, topology.model.ref, security)
+
+
+def with_keys(storage: StorageConfig | None, security: SecuritySettings) -> StorageConfig | None:
+    """`storage` with the page MAC and metadata-service keys of the cluster secret."""
+    if storage is None or not security.enabled:
+        return storage
+    return storage.replace(page_mac_key=security.page_mac_key, metadata_key=security.metadata_key)
 
 
 def engine_for(topology: Topology, node: NodeSpec, model: ModelConfig) -> EngineConfig:
@@ -163,7 +180,10 @@ def storage_for(topology: Topology, model: ModelConfig, node_name: str | None = 
     fingerprint = fingerprint_for(model, identity, node.cache.page_size)
     storage = storage_from_spec(topology.storage, model, node.cache.page_size, fingerprint, node.host)
     assert storage is not None  # storage.enabled
-    return storage
+    # `pdcache storage` verifies pages as the nodes do: with the secret's keys
+    keyed = with_keys(storage, security_for(topology.security, topology.source))
+    assert keyed is not None
+    return keyed
 
 
 def transfer_from_spec(spec: TransferSpec, node: NodeSpec) -> TransferConfig:

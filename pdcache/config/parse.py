@@ -9,6 +9,7 @@ and wrong types are `TopologyError`s naming the key (with a close match when the
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import sys
 import types
@@ -25,7 +26,9 @@ from pdcache.config.schema import (
     NodeSpec,
     RouterSpec,
     SchedulerSpec,
+    SecuritySpec,
     StorageSpec,
+    TenantSpec,
     Topology,
     TopologyError,
     TransferSpec,
@@ -132,7 +135,7 @@ def _override_node(raw: dict[str, Any], selector: str, key: str, source: Path) -
 
 def _build_topology(raw: dict[str, Any], ctx: ErrorContext, overrides: tuple[str, ...]) -> Topology:
     _check_unknown(raw, {"model", "cache", "scheduler", "storage", "transfer", "router", "launch",
-                         "node"}, "", ctx)
+                         "node", "security"}, "", ctx)
     if "model" not in raw:
         raise ctx.error("model", "missing required table [model] (expected preset = \"tiny\"|\"small\" or path = \"/dir\")")
     shared = {key: _table(raw, key, "", ctx) for key in _NODE_MERGED}
@@ -147,10 +150,35 @@ def _build_topology(raw: dict[str, Any], ctx: ErrorContext, overrides: tuple[str
         scheduler=_build(SchedulerSpec, shared["scheduler"], "scheduler", ctx),
         storage=_build(StorageSpec, _table(raw, "storage", "", ctx), "storage", ctx),
         transfer=_build(TransferSpec, _table(raw, "transfer", "", ctx), "transfer", ctx),
-        router=_build(RouterSpec, _table(raw, "router", "", ctx), "router", ctx) if "router" in raw else None,
+        router=_build_router(_table(raw, "router", "", ctx), ctx) if "router" in raw else None,
         launch=_build(LaunchSpec, _table(raw, "launch", "", ctx), "launch", ctx),
         nodes=tuple(_build_node(n, i, shared, ctx) for i, n in enumerate(nodes_raw)),
+        security=_build(SecuritySpec, _table(raw, "security", "", ctx), "security", ctx),
     )
+
+
+def _build_router(table: dict[str, Any], ctx: ErrorContext) -> RouterSpec:
+    """`[router]` with its `[[router.tenant]]` array of tables."""
+    table = dict(table)
+    tenants_raw = table.pop("tenant", [])
+    if not isinstance(tenants_raw, list):
+        raise ctx.error("router.tenant", "must be an array of tables ([[router.tenant]])")
+    spec = _build(RouterSpec, table, "router", ctx)
+    tenants = tuple(_build_tenant(t, i, ctx) for i, t in enumerate(tenants_raw))
+    return dataclasses.replace(spec, tenant=tenants)
+
+
+def _build_tenant(raw: Any, index: int, ctx: ErrorContext) -> TenantSpec:
+    """One tenant. `api_key_env` is only named here: the router process reads it
+    (`config.security.tenant_api_key`), so nodes need not hold tenants' keys."""
+    if not isinstance(raw, dict):
+        raise ctx.error(f"router.tenant.{index}", f"expected a table, got {_describe(raw)}")
+    name = raw.get("name")
+    prefix = f"router.tenant.{name}" if isinstance(name, str) else f"router.tenant.{index}"
+    tenant = _build(TenantSpec, raw, prefix, ctx)
+    if (tenant.api_key is None) == (tenant.api_key_env is None):
+        raise ctx.error(prefix, "expected exactly one of api_key or api_key_env")
+    return tenant
 
 
 def _table(raw: Mapping[str, Any], key: str, prefix: str, ctx: ErrorContext) -> dict[str, Any]:

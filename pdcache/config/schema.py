@@ -209,6 +209,37 @@ class TransferSpec:
 
 
 @dataclass(frozen=True)
+class TenantSpec:
+    """One `[[router.tenant]]`: a principal of the router, known by its API key.
+
+    Its key (`api_key`, or the environment variable `api_key_env` names, read by the router
+    process: `config.security.tenant_api_key`) authenticates its requests; its name derives
+    the page-key namespace its requests' `cache_salt` lives in and scopes its `session_id`s."""
+
+    name: str
+    api_key: str | None = None
+    api_key_env: str | None = None
+    max_inflight: int = 0  # requests of this tenant in flight at the router; 0 = no limit
+    storage_quota: int | None = _size(default=None)  # bytes of its stored pages (file backend)
+
+
+@dataclass(frozen=True)
+class SecuritySpec:
+    """`[security]`: the cluster secret every process of the deployment shares.
+
+    With `secret_file`, node HTTP endpoints other than /health (and /metrics unless
+    `metrics_auth`) need the credential derived from it; stored pages, the control plane and
+    the metadata service are authenticated with keys derived from it (docs/design.md §8)."""
+
+    secret_file: str | None = None
+    metrics_auth: bool = False  # /metrics of nodes needs the credential too
+
+    @property
+    def enabled(self) -> bool:
+        return self.secret_file is not None
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     """`[router]`: the OpenAI-compatible front door; absent table = no router."""
 
@@ -226,10 +257,14 @@ class RouterSpec:
     max_attempts: int = 3  # tries of a request whose node was unreachable or answered 503
     tool_call_parser: ToolCallParser = "hermes"  # how model output becomes OpenAI tool_calls
     incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
+    tls_cert: str | None = None  # PEM certificate chain: the router serves HTTPS
+    tls_key: str | None = None  # PEM private key of tls_cert
+    tenant: tuple[TenantSpec, ...] = ()  # [[router.tenant]]; with any, every request needs a key
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        scheme = "https" if self.tls_cert else "http"
+        return f"{scheme}://{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -309,6 +344,7 @@ class Topology:
     router: RouterSpec | None
     launch: LaunchSpec
     nodes: tuple[NodeSpec, ...]
+    security: SecuritySpec = field(default_factory=SecuritySpec)
 
     def node(self, name: str) -> NodeSpec:
         for node in self.nodes:

@@ -7,6 +7,7 @@ kernel backend name is checked against the kernels registry when a node is set u
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import types
 from collections.abc import Iterable
@@ -40,8 +41,11 @@ def validate(topology: Topology, ctx: ErrorContext, standalone: bool = False) ->
     _check_storage(topology.storage, ctx)
     _check_transfer(topology.transfer, ctx)
     _check_nodes(topology, ctx)
+    _check_router(topology, ctx)
+    _check_wildcard_binds(topology, ctx)
     if standalone:
         return
+    _check_multi_host_secret(topology, ctx)
     _check_shape(topology, ctx)
     _check_shared_inproc_metadata(topology, ctx)
     _check_ports(topology, ctx)
@@ -243,6 +247,98 @@ def _mooncake_ports(spec: MooncakeStoreSpec) -> list[tuple[str, int, str]]:
         ports.append((http[0], http[1], "storage.mooncake.metadata_server"))
     return ports
 
+
+
+# ---- security (docs/design.md §8)
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*", "")
+_SECRET_FIX = ("create one with `pdcache secret create PATH` (mode 0600), copy it to every "
+               "host, and set [security] secret_file = \"PATH\"")
+
+
+def is_wildcard(host: str) -> bool:
+    """An address that binds every interface of the machine."""
+    return host.strip() in WILDCARD_HOSTS
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_router(topology: Topology, ctx: ErrorContext) -> None:
+    router = topology.router
+    if router is None:
+        return
+    if (router.tls_cert is None) != (router.tls_key is None):
+        raise ctx.error("router.tls_key" if router.tls_key is None else "router.tls_cert",
+                        "give both tls_cert and tls_key (PEM files) to serve HTTPS, or neither")
+    names: set[str] = set()
+    for tenant in router.tenant:
+        key = f"router.tenant.{tenant.name}"
+        if not _NAME_RE.match(tenant.name):
+            raise ctx.error(f"{key}.name", "expected letters, digits, '_', '-' or '.'")
+        if tenant.name in names:
+            raise ctx.error(f"{key}.name", f"duplicate tenant name '{tenant.name}'")
+        names.add(tenant.name)
+        if tenant.max_inflight < 0:
+            raise ctx.error(f"{key}.max_inflight", f"expected an integer >= 0, got {tenant.max_inflight}")
+        if tenant.storage_quota is not None and tenant.storage_quota < 1:
+            raise ctx.error(f"{key}.storage_quota", "expected a size > 0")
+    keys = [t.api_key for t in router.tenant if t.api_key is not None]
+    keys += [router.api_key] if router.api_key else []
+    if len(set(keys)) != len(keys):
+        raise ctx.error("router.tenant", "two tenants (or a tenant and router.api_key) share an "
+                        "API key: the key is what tells tenants apart")
+
+
+def _internal_binds(topology: Topology) -> list[tuple[str, str]]:
+    """(host, key) of every internal listener: nodes (HTTP and bootstrap), metadata service."""
+    binds = [(n.host, f"node.{n.name}.host") for n in topology.nodes]
+    storage = topology.storage
+    if storage.uses_metadata_service and storage.metadata_service.start:
+        host, _ = storage.metadata_address  # type: ignore[misc]
+        bind = storage.metadata_service.bind_host or host
+        binds.append((bind, "storage.metadata_service.bind_host"))
+    return binds
+
+
+def _check_wildcard_binds(topology: Topology, ctx: ErrorContext) -> None:
+    """A wildcard bind puts an internal port on every network the machine is on: only with
+    the cluster secret, which authenticates what those ports accept."""
+    if topology.security.enabled:
+        return
+    for host, key in _internal_binds(topology):
+        if is_wildcard(host):
+            raise ctx.error(key, f"binds the wildcard address {host!r} (every interface) "
+                            "without a cluster secret: anyone who can reach this machine could "
+                            "drive the node. Bind the node's own address, or " + _SECRET_FIX)
+
+
+def deployment_hosts(topology: Topology) -> list[str]:
+    """Distinct machines the topology runs on (every loopback or wildcard address is 'this
+    machine')."""
+    hosts = list(topology.hosts())
+    storage = topology.storage
+    if storage.uses_metadata_service:
+        hosts.append(storage.metadata_address[0])  # type: ignore[index]
+    if storage.backend == "mooncake":
+        hosts.append(storage.mooncake.master_address[0])
+    machines = ["local" if is_loopback(h) or is_wildcard(h) else h for h in hosts]
+    return list(dict.fromkeys(machines))
+
+
+def _check_multi_host_secret(topology: Topology, ctx: ErrorContext) -> None:
+    machines = deployment_hosts(topology)
+    if len(machines) > 1 and not topology.security.enabled:
+        shown = ", ".join("loopback" if m == "local" else m for m in machines)
+        raise ctx.error("security.secret_file", f"missing: this topology spans {len(machines)} "
+                        f"hosts ({shown}), and without a cluster secret every node, bootstrap "
+                        "and metadata port accepts anyone on the network; " + _SECRET_FIX)
 
 
 def finalize(topology: Topology) -> Topology:

@@ -52,7 +52,8 @@ class DecodeRuntime:
         self.offload: DecodeOffloadManager | None = None  # set by _scheduler
         self.engine = Engine(setup.engine, model, tokenizer, make_scheduler=self._scheduler)
         self.receiver = KVReceiver(setup.transfer, self.engine.pool.device_kv,
-                                   on_release=self.controller.on_release, decode_id=setup.name)
+                                   on_release=self.controller.on_release, decode_id=setup.name,
+                                   control_key=setup.security.zmq_control_key)
         self.controller.attach(self.engine, self.receiver)
         self.routes = routes_for(self.engine, self.config)
         self.routes.bridge.metrics.registry.register(  # dropped control messages, by kind

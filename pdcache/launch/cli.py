@@ -8,13 +8,16 @@ invalid flags (the message names the file, the key and what was expected).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from pdcache.config import Topology, TopologyError, load_topology
 from pdcache.launch.launcher import (
+    SECRET_FILE_NAME,
     ProcessSpec,
     build_process_specs,
+    ensure_secret,
     launcher_for,
     select_host,
     ssh_specs,
@@ -47,15 +50,34 @@ def run(args: argparse.Namespace) -> int:
 
             sys.stdout.write(render_sglang(topology))
             return 0
+        topology = with_cluster_secret(topology, args)
         specs = plan(topology, args)
     except TopologyError as exc:
         print(f"pdcache launch: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except ValueError as exc:  # SecretError: an unusable existing secret file
+        print(f"pdcache launch: error: {exc}", file=sys.stderr)
+        return 2
     if args.dry_run:
         print_plan(specs, Path(args.log_dir))
         return 0
     launcher = launcher_for(topology, specs, Path(args.log_dir), restart=not args.no_restart)
     return launcher.run()
+
+
+def with_cluster_secret(topology: Topology, args: argparse.Namespace) -> Topology:
+    """`topology` with `[security] secret_file` set: as given, or the launcher's own
+    (LOG_DIR/cluster.secret, created mode 0600 unless it exists; a dry run creates nothing).
+    The override travels to every node with the others (`--set security.secret_file=...`).
+    A multi-host topology never gets here without one (validation refuses it); with `--ssh`
+    each host's launcher makes its own (a path on this machine would not exist there)."""
+    if topology.security.enabled or getattr(args, "ssh", False):
+        return topology
+    path = Path(args.log_dir).resolve() / SECRET_FILE_NAME
+    if not args.dry_run:
+        path = ensure_secret(Path(args.log_dir))
+    overrides = [*topology.overrides, f"security.secret_file={json.dumps(str(path))}"]
+    return load_topology(topology.source, overrides)
 
 
 def plan(topology: Topology, args: argparse.Namespace) -> list[ProcessSpec]:

@@ -19,6 +19,7 @@ import os
 import shlex
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -31,7 +32,9 @@ from pdcache.config import NodeSpec, Topology, TopologyError
 
 NODE_SUBCOMMANDS = {"prefill": "prefill", "decode": "decode", "unified": "serve"}
 STAGE_SERVICES, STAGE_NODES, STAGE_ROUTER = 0, 1, 2
-_PLACEHOLDERS = ("python", "config", "node", "host", "port", "bootstrap_port", "model", "page_size")
+_PLACEHOLDERS = ("python", "config", "node", "host", "port", "bootstrap_port", "model", "page_size",
+                 "secret_file")
+SECRET_FILE_NAME = "cluster.secret"
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,12 @@ class HealthCheck:
     host: str
     port: int
     path: str = "/health"
+    token: str | None = field(default=None, repr=False)  # node credential (cluster secret)
+    tls: bool = False  # https (a router serving TLS; its certificate is not verified here)
 
     def describe(self) -> str:
         if self.kind == "http":
-            return f"http://{self.host}:{self.port}{self.path}"
+            return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}{self.path}"
         return f"tcp://{self.host}:{self.port}"
 
 
@@ -90,6 +95,8 @@ def _service_specs(topology: Topology, python: str) -> list[ProcessSpec]:
         bind = storage.metadata_service.bind_host or host
         argv = (python, "-m", "pdcache", "metadata-server", "--host", bind, "--port", str(port),
                 "--state-dir", storage.metadata_service.state_dir)
+        if topology.security.secret_file is not None:
+            argv += ("--secret-file", topology.security.secret_file)
         specs.append(ProcessSpec("metadata", "metadata", host, argv, STAGE_SERVICES,
                                  (HealthCheck("tcp", host, port),), {"metadata": storage.metadata}))
     if storage.backend == "mooncake" and storage.mooncake.start_master:
@@ -137,7 +144,9 @@ def _node_spec(topology: Topology, node: NodeSpec, python: str, config: str) -> 
     else:
         argv = _pdcache_argv(python, NODE_SUBCOMMANDS[node.role], config, node.name, topology)
     argv += list(node.extra_args)
-    checks = () if node.health == "none" else (HealthCheck(node.health, node.host, node.port),)  # type: ignore[arg-type]
+    token = node_token(topology)
+    checks = () if node.health == "none" else (HealthCheck(node.health, node.host, node.port,  # type: ignore[arg-type]
+                                                           token=token),)
     endpoints = {"http": node.url}
     if node.bootstrap_address:
         endpoints["bootstrap"] = node.bootstrap_address
@@ -148,7 +157,8 @@ def _node_spec(topology: Topology, node: NodeSpec, python: str, config: str) -> 
 def _fill(arg: str, topology: Topology, node: NodeSpec, python: str, config: str) -> str:
     values = {"python": python, "config": config, "node": node.name, "host": node.host,
               "port": node.port, "bootstrap_port": node.bootstrap_port or "",
-              "model": topology.model.ref, "page_size": node.cache.page_size}
+              "model": topology.model.ref, "page_size": node.cache.page_size,
+              "secret_file": topology.security.secret_file or ""}
     try:
         return arg.format_map(values)
     except (KeyError, ValueError, IndexError) as exc:
@@ -161,8 +171,33 @@ def _router_spec(topology: Topology, python: str, config: str) -> ProcessSpec:
     router = topology.router
     assert router is not None
     argv = _pdcache_argv(python, "router", config, router.name, topology)
+    check = HealthCheck("http", router.host, router.port, tls=router.tls_cert is not None)
     return ProcessSpec(router.name, "router", router.host, tuple(argv), STAGE_ROUTER,
-                       (HealthCheck("http", router.host, router.port),), {"http": router.url})
+                       (check,), {"http": router.url})
+
+
+def node_token(topology: Topology) -> str | None:
+    """The node credential the launcher's health checks send (None without a secret). The
+    secret file is read only when it exists here: a remote host's copy is that host's."""
+    path = topology.security.secret_file
+    if path is None or not Path(path).exists():
+        return None
+    from pdcache.config.security import security_for
+
+    return security_for(topology.security, topology.source).node_http_token
+
+
+def ensure_secret(log_dir: Path) -> Path:
+    """The launcher's cluster secret in its state directory: created (0600) on first launch,
+    reused afterwards (pages stored under its keys stay valid across restarts). Raises
+    SecretError when an existing file is unusable (e.g. readable by others)."""
+    from pdcache.utils.secret import create_secret, load_secret
+
+    path = (log_dir / SECRET_FILE_NAME).resolve()
+    if path.exists():
+        load_secret(path)  # refuses group/other-readable files
+        return path
+    return create_secret(path)
 
 
 def select_host(specs: Iterable[ProcessSpec], host: str) -> list[ProcessSpec]:
@@ -210,9 +245,15 @@ def check_health(check: HealthCheck, timeout_s: float = 1.0) -> bool:
         if check.kind == "tcp":
             with socket.create_connection((check.host, check.port), timeout=timeout_s):
                 return True
-        conn = http.client.HTTPConnection(check.host, check.port, timeout=timeout_s)
+        if check.tls:  # our own router's certificate may be self-signed: liveness only
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                check.host, check.port, timeout=timeout_s,
+                context=ssl._create_unverified_context())  # noqa: S323
+        else:
+            conn = http.client.HTTPConnection(check.host, check.port, timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {check.token}"} if check.token else {}
         try:
-            conn.request("GET", check.path)
+            conn.request("GET", check.path, headers=headers)
             return conn.getresponse().status == 200
         finally:
             conn.close()

@@ -36,6 +36,7 @@ from pdcache.kernels import KernelSet
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
 from pdcache.offload_manager.storage.base import StorageBackend
+from pdcache.offload_manager.storage.config import tenant_namespace
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class _CopyTask:
     keys: list[bytes]
     device_page_ids: list[int]
     on_released: Callable[[], None] | None = None  # set on the request's last task
+    namespace: str = ""  # the request's tenant namespace (storage quotas)
 
 
 class DecodeOffloadManager:
@@ -203,7 +205,8 @@ class DecodeOffloadManager:
         new_tokens = kv_token_ids[first * self.page_size : full_pages * self.page_size]
         keys, tracked.chain = self.scheme.keys(new_tokens, tracked.tenant, tracked.chain)
         tracked.scheduled_pages = full_pages
-        task = _CopyTask(rid, keys, list(device_page_ids[first:full_pages]), on_released)
+        task = _CopyTask(rid, keys, list(device_page_ids[first:full_pages]), on_released,
+                         tenant_namespace(tracked.tenant))
         self._enqueue(task)
 
     def _enqueue(self, task: _CopyTask) -> None:
@@ -213,7 +216,7 @@ class DecodeOffloadManager:
             self.stats.pages_scheduled += len(task.keys)
             if self._queued_pages + len(task.keys) > self.max_queued_pages:
                 self.stats.pages_dropped += len(task.keys)
-                task = _CopyTask(task.rid, [], [], task.on_released)
+                task = _CopyTask(task.rid, [], [], task.on_released, task.namespace)
                 if task.on_released is None:
                     return
             self._queued_pages += len(task.keys)
@@ -263,7 +266,7 @@ class DecodeOffloadManager:
         device_ids = torch.tensor([task.device_page_ids[i] for i in todo], dtype=torch.long)
         self.kernels.device_to_host(self.device_kv, self.staging.host_kv, device_ids,
                                torch.tensor(staging_ids, dtype=torch.long))
-        self._write([task.keys[i] for i in todo], staging_ids)
+        self._write([task.keys[i] for i in todo], staging_ids, task.namespace)
 
     def _stored_prefix(self, keys: list[bytes]) -> int:
         try:
@@ -272,7 +275,7 @@ class DecodeOffloadManager:
             log.warning("decode offload: exists_prefix failed: %s", exc)
             return 0
 
-    def _write(self, keys: list[bytes], staging_ids: list[int]) -> None:
+    def _write(self, keys: list[bytes], staging_ids: list[int], namespace: str = "") -> None:
         with self._lock:
             self._pending_writes += 1
 
@@ -286,7 +289,8 @@ class DecodeOffloadManager:
                 self.stats.write_seconds_total += result.seconds
                 self.stats.writes += 1
 
-        task = IoTask(IoKind.WRITE, keys, self.staging.page_bytes(staging_ids), done, "decode")
+        task = IoTask(IoKind.WRITE, keys, self.staging.page_bytes(staging_ids), done, "decode",
+                      namespace=namespace)
         assert self.writer is not None, "start() the manager first"
         if not self.writer.submit(task):
             self.staging.free(staging_ids)

@@ -37,6 +37,7 @@ from pdcache.offload_manager.hiradix import HiRadixTree, HostMatch
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
 from pdcache.offload_manager.storage.base import StorageBackend
+from pdcache.offload_manager.storage.config import tenant_namespace
 from pdcache.offload_manager.storage.stats import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -490,9 +491,9 @@ class HiCache:
         node.host_page_ids = host_ids
         self._count(backup_host_pages=len(host_ids))
         if self._writer is not None:
-            self._write(keys, host_ids)
+            self._write(keys, host_ids, tenant_namespace(node.salt))
 
-    def _write(self, keys: list[bytes], host_ids: list[int]) -> None:
+    def _write(self, keys: list[bytes], host_ids: list[int], namespace: str = "") -> None:
         self.host_pool.pin(host_ids)
 
         def done(result: IoResult) -> None:
@@ -501,7 +502,8 @@ class HiCache:
             self._count(backup_storage_pages=ok, backup_failed_pages=len(keys) - ok,
                         storage_errors=1 if result.error else 0)
 
-        task = IoTask(IoKind.WRITE, keys, self.host_pool.page_bytes(host_ids), done, "prefill")
+        task = IoTask(IoKind.WRITE, keys, self.host_pool.page_bytes(host_ids), done, "prefill",
+                      namespace=namespace)
         if not self._writer.submit(task):
             self.host_pool.unpin(host_ids)
             self._count(backup_failed_pages=len(keys))
@@ -531,7 +533,7 @@ class HiCache:
         if self._writer is not None and node.key:
             keys = self._node_keys(node)
             if keys is not None:
-                self._write(keys, host_ids)
+                self._write(keys, host_ids, tenant_namespace(node.salt))
 
     def _node_keys(self, node: RadixNode) -> list[bytes] | None:
         path = node.path_from_root()

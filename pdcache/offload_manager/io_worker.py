@@ -46,6 +46,7 @@ class IoTask:
     on_done: Callable[[IoResult], None]
     origin: str = "prefill"
     cancelled: threading.Event = field(default_factory=threading.Event)
+    namespace: str = ""  # writes: the pages' tenant namespace (storage quotas)
 
 
 @dataclass
@@ -129,7 +130,8 @@ class IoWorker:
             if task.kind is IoKind.READ:
                 ok = self.backend.get_into(task.keys, task.host_pages, origins)
             else:
-                ok = self.backend.put_from(task.keys, task.host_pages, task.origin)
+                ok = self.backend.put_from(task.keys, task.host_pages, task.origin,
+                                           task.namespace)
         except Exception as exc:  # storage down or broken: count, log, survive
             log.warning("io worker %s: %s of %d pages failed: %s", self.name, task.kind.value, n, exc)
             self._count(tasks_failed=1, pages_failed=n)

@@ -46,7 +46,8 @@ class PrefillRuntime:
         self.sender = KVSender(setup.transfer, self.engine.pool.device_kv, setup.host,
                                setup.bootstrap_port or 0, on_release=self.controller.on_release,
                                prefill_id=setup.name,
-                               on_requested=self.controller.decode_requested)
+                               on_requested=self.controller.decode_requested,
+                               control_key=setup.security.zmq_control_key)
         self.controller.attach(self.engine, self.sender)
         self.routes = routes_for(self.engine, self.config)
         self.routes.bridge.metrics.registry.register(  # dropped control messages, by kind

@@ -18,7 +18,6 @@ the core and the app; `app.state.router` is the core.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing, asynccontextmanager
@@ -41,6 +40,14 @@ from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.proxy import close_stream
 from pdcache.router.route import Deadline
 from pdcache.router.service import RouterService
+from pdcache.router.tenants import (
+    Tenant,
+    TenantDirectory,
+    TenantGate,
+    scoped_salt,
+    session_key,
+    tenant_of,
+)
 from pdcache.server.agent import ChoicePlan
 from pdcache.server.bridge import wait_for_disconnect
 from pdcache.server.choices import ChoiceDelta, ChoiceOutput, choice_events
@@ -81,7 +88,6 @@ from pdcache.server.responses import (
 from pdcache.server.routes import mount, service_handlers
 
 T = TypeVar("T")
-OPEN_PATHS = ("/health", "/metrics")  # no API key: probes, scrapers (never a generation)
 
 
 class RouterApp:
@@ -107,7 +113,8 @@ class RouterApp:
         items = body.items()
         if body.session_id and len(items) > 1:
             raise unsupported("session_id", "a session continues one sequence: no batch or n > 1")
-        preps = [self._generate_prep(item, body) for item in items]
+        tenant = tenant_of(request)
+        preps = [self._generate_prep(item, body, tenant) for item in items]
         deadline = Deadline(self.router.config.request_timeout_s)
         listed = body.answers_list
         incremental = self.incremental(body)
@@ -131,16 +138,18 @@ class RouterApp:
         chosen = body.incremental_streaming_output
         return self.router.config.incremental_streaming_output if chosen is None else chosen
 
-    def _generate_prep(self, item: GenerateItem, body: GenerateRequestBody) -> Prepared:
+    def _generate_prep(self, item: GenerateItem, body: GenerateRequestBody,
+                       tenant: Tenant | None) -> Prepared:
         prompt = item.prompt
         new_ids = prompt if isinstance(prompt, list) else self.router.encode(prompt, item.param)
-        input_ids = self.router.session_prompt(body.session_id, new_ids)
+        session = session_key(tenant, body.session_id)
+        input_ids = self.router.session_prompt(session, new_ids)
         sampling = item.sampling
         check_prompt(input_ids, sampling.max_new_tokens, self.router.limits, item.param)
         check_token_ids(sampling.stop_token_ids, self.router.limits.vocab_size,
                         "sampling_params.stop_token_ids")
-        return Prepared(input_ids, sampling.forwarded(), body.cache_salt, body.session_id,
-                        stream=body.stream, extra=_logprob_fields(item, body))
+        return Prepared(input_ids, sampling.forwarded(), scoped_salt(tenant, body.cache_salt),
+                        session, stream=body.stream, extra=_logprob_fields(item, body))
 
     async def _generate_json(self, prep: Prepared, deadline: Deadline, builder: OutputBuilder
                              ) -> dict[str, Any]:
@@ -165,7 +174,7 @@ class RouterApp:
 
     # ---- OpenAI endpoints
 
-    def _openai_prep(self, body: OpenAIRequestBase, input_ids: list[int],
+    def _openai_prep(self, request: Request, body: OpenAIRequestBase, input_ids: list[int],
                      max_tokens: int | None, param: str) -> Prepared:
         if max_tokens is None:
             max_tokens = default_max_tokens(len(input_ids), self.router.limits, param)
@@ -179,16 +188,20 @@ class RouterApp:
                 sampling[name] = getattr(body, name)
         top_n = body.logprobs_top_n()
         extra = {} if top_n is None else {"return_logprob": True, "top_logprobs_num": top_n}
-        return Prepared(input_ids, sampling, body.cache_salt, body.session_id,
-                        stream=bool(body.stream), extra=extra)
+        tenant = tenant_of(request)
+        return Prepared(input_ids, sampling, scoped_salt(tenant, body.cache_salt),
+                        session_key(tenant, body.session_id), stream=bool(body.stream),
+                        extra=extra)
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await request.body())
         body.check_supported()
         stops = body.stop_strings()
-        input_ids = self.router.chat_prompt(body.session_id, body.template_messages(),
+        session = session_key(tenant_of(request), body.session_id)
+        input_ids = self.router.chat_prompt(session, body.template_messages(),
                                             body.template_tools())
-        prep = self._openai_prep(body, input_ids, body.requested_max_tokens(), "messages")
+        prep = self._openai_prep(request, body, input_ids, body.requested_max_tokens(),
+                                 "messages")
         json_schema = self.router.agent.node_json_schema(body)
         if json_schema is not None:
             prep.sampling["json_schema"] = json_schema  # the nodes build the constraint
@@ -203,8 +216,9 @@ class RouterApp:
         stops = body.stop_strings()
         prompt = body.single_prompt()
         new_ids = self.router.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
-        input_ids = self.router.session_prompt(body.session_id, new_ids)
-        prep = self._openai_prep(body, input_ids, body.max_tokens, "prompt")
+        session = session_key(tenant_of(request), body.session_id)
+        input_ids = self.router.session_prompt(session, new_ids)
+        prep = self._openai_prep(request, body, input_ids, body.max_tokens, "prompt")
         head = ResponseHead.new("cmpl", "text_completion", self.router.model_name)
         plan = self.router.agent.completion_plan(body)
         return await self._openai(request, prep, body, stops, head, plan)
@@ -320,28 +334,26 @@ class RouterApp:
 
     # ---- plumbing
 
-    def authorized(self, request: Request) -> bool:
-        key = self.router.config.api_key
-        if not key or request.url.path in OPEN_PATHS:
-            return True
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
-                                                                     key.encode())
-
     async def guarded(self, endpoint: str, handler: Handler, request: Request) -> Response:
-        """Run a handler; map every failure to a JSON error; count status and latency."""
+        """Run a handler (authenticated by `TenantGate` before it gets here); map every
+        failure to a JSON error; count status and latency."""
         start = time.monotonic()
-        if not self.authorized(request):
-            response: Response = JSONResponse(
-                error_body("invalid or missing API key (Authorization: Bearer KEY)",
-                           type="authentication_error", code="invalid_api_key"),
-                status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        else:
-            response = await run_guarded(endpoint, _with_retry_after(handler), request)
+        response = await run_guarded(endpoint, _with_retry_after(handler), request)
         self.router.metrics.observe_request(endpoint, response.status_code,
                                             time.monotonic() - start)
         return response
+
+    def tenant_guarded(self, handler: Handler) -> Handler:
+        """`handler` refused (403) to tenants: it acts on every tenant's cache at once."""
+        async def handle(request: Request) -> Response:
+            if tenant_of(request) is not None:
+                return JSONResponse(error_body(
+                    "flushing the shared caches is an operator action: call the nodes with "
+                    "the cluster's node credential", type="permission_error",
+                    code="forbidden"), status_code=403)
+            return await handler(request)
+
+        return handle
 
 
 # --------------------------------------------------------------------------- helpers
@@ -478,11 +490,18 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None,
 
     app = FastAPI(title="pdcache router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
-    mount(app, [("POST", "/generate", handlers.generate),
-                ("POST", "/v1/chat/completions", handlers.chat_completions),
-                ("POST", "/v1/completions", handlers.completions),
-                ("GET", "/health", handlers.health),
-                ("GET", "/v1/models", handlers.models),
-                ("GET", "/metrics", handlers.metrics_endpoint),
-                *service_handlers(service)], handlers.guarded)
+    table = [(method, path, handlers.tenant_guarded(handler) if "flush" in path else handler)
+             for method, path, handler in service_handlers(service)]
+    routes = [("POST", "/generate", handlers.generate),
+              ("POST", "/v1/chat/completions", handlers.chat_completions),
+              ("POST", "/v1/completions", handlers.completions),
+              ("GET", "/health", handlers.health),
+              ("GET", "/v1/models", handlers.models),
+              ("GET", "/metrics", handlers.metrics_endpoint),
+              *table]
+    mount(app, routes, handlers.guarded)
+    app.add_middleware(TenantGate, directory=TenantDirectory(config.all_tenants()),
+                       limits=router.tenant_limits, known_paths=[r[1] for r in routes],
+                       observe=router.metrics.observe_request,
+                       retry_after_s=router.admission.retry_after_s)
     return app

@@ -23,14 +23,17 @@ from typing import Any, get_args
 
 from pdcache.config import (
     RouterSpec,
+    SecuritySpec,
     Topology,
     add_topology_arguments,
     router_from_args,
 )
 from pdcache.config.schema import ToolCallParser
+from pdcache.config.security import security_for, tenant_api_key
 from pdcache.router.config import RouterConfig
 from pdcache.router.nodes import NodeEndpoint
 from pdcache.router.policy import DECODE_POLICIES, PREFILL_POLICIES
+from pdcache.router.tenants import Tenant, parse_tenant_flag
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None, help="default 8000; 0 picks one")
     parser.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default=None)
     parser.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None)
-    parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY "
+                        "(one tenant, named 'default')")
+    parser.add_argument("--tenant", action="append", default=[], metavar="NAME=KEY",
+                        help="a tenant and its API key (repeatable; adds to [[router.tenant]]): "
+                             "its key names it, and its caches and sessions are its own")
+    parser.add_argument("--secret-file", default=None, metavar="PATH",
+                        help="the cluster secret ([security] secret_file): the router sends "
+                             "the node credential derived from it")
+    parser.add_argument("--tls-cert", default=None, metavar="PEM",
+                        help="serve HTTPS with this certificate chain (with --tls-key)")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="deadline of one request in seconds (default 600)")
     parser.add_argument("--connect-timeout", type=float, default=None)
@@ -126,8 +139,24 @@ def build_config(args: argparse.Namespace) -> tuple[RouterConfig, str, int]:
         health_interval_s=_pick(args.health_interval, spec.health_interval_s),
         tool_call_parser=_pick(args.tool_call_parser, spec.tool_call_parser),
         **_load_settings(args, spec),
+        **_security_settings(args, loaded[0] if loaded else None, spec),
     )
     return config, _pick(args.host, spec.host), _pick(args.port, spec.port)
+
+
+def _security_settings(args: argparse.Namespace, topology: Topology | None,
+                       spec: RouterSpec) -> dict[str, Any]:
+    """RouterConfig's tenants, node credential and TLS files: flags over the topology."""
+    source = topology.source if topology is not None else "<command line>"
+    tenants = [Tenant(t.name, tenant_api_key(t, source), t.max_inflight) for t in spec.tenant]
+    tenants += [Tenant(*parse_tenant_flag(item)) for item in args.tenant]
+    security = topology.security if topology is not None else SecuritySpec()
+    if args.secret_file is not None:
+        security = SecuritySpec(args.secret_file, security.metrics_auth)
+    return {"tenants": tuple(tenants),
+            "node_token": security_for(security, source).node_http_token,
+            "tls_cert": _pick(args.tls_cert, spec.tls_cert),
+            "tls_key": _pick(args.tls_key, spec.tls_key)}
 
 
 def _load_settings(args: argparse.Namespace, spec: RouterSpec) -> dict[str, int]:
@@ -157,4 +186,5 @@ def run(args: argparse.Namespace) -> int:
     sock = listen(host, port, "router")
     if sock is None:
         return 1
-    return serve_app(app, sock, host, args.log_level, "router")
+    return serve_app(app, sock, host, args.log_level, "router",
+                     tls=(config.tls_cert, config.tls_key) if config.tls_cert else None)

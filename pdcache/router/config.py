@@ -7,9 +7,10 @@ router's event loop. Holds no state and does no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdcache.router.nodes import NodeEndpoint
+from pdcache.router.tenants import DEFAULT_TENANT, Tenant
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,32 @@ class RouterConfig:
     max_inflight_per_node: int = 0  # router slots per node (NodeEndpoint.max_inflight wins); 0: none
     max_queue: int = 1024  # requests waiting for a slot; 0: a busy router refuses at once
     incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
+    tenants: tuple[Tenant, ...] = ()  # with any (or api_key), every request needs its key
+    node_token: str | None = field(default=None, repr=False)  # cluster secret's node credential
+    tls_cert: str | None = None  # serve HTTPS with this PEM chain and tls_key
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.max_queue < 0 or self.max_inflight_per_node < 0:
             raise ValueError("max_attempts must be >= 1, max_queue and max_inflight_per_node "
                              ">= 0")
+        names = [t.name for t in self.all_tenants()]
+        keys = [t.api_key for t in self.all_tenants()]
+        if len(set(names)) != len(names) or len(set(keys)) != len(keys):
+            raise ValueError("tenant names and API keys must be unique (the single api_key is "
+                             f"the tenant {DEFAULT_TENANT!r})")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("give both tls_cert and tls_key, or neither")
+
+    def all_tenants(self) -> tuple[Tenant, ...]:
+        """The tenants, with the single `api_key` as the tenant `default`."""
+        if not self.api_key:
+            return self.tenants
+        return (*self.tenants, Tenant(DEFAULT_TENANT, self.api_key))
+
+    def node_headers(self) -> dict[str, str]:
+        """Headers of every call to a node: the node credential, when there is one."""
+        return {"Authorization": f"Bearer {self.node_token}"} if self.node_token else {}
 
     def inflight_limit(self, node: NodeEndpoint) -> int:
         """The router's in-flight limit of `node` (0: none)."""

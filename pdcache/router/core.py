@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -47,6 +47,7 @@ from pdcache.router.proxy import Proxy, close_stream
 from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.route import Deadline, Route
 from pdcache.router.sessions import ChatContinuation, SessionStore
+from pdcache.router.tenants import TenantLimits, node_session_id
 from pdcache.server.agent import AgentFeatures
 from pdcache.server.generate_api import GenerateMeta
 from pdcache.server.protocol import (
@@ -68,8 +69,8 @@ class Prepared:
 
     input_ids: list[int]
     sampling: dict[str, Any]
-    cache_salt: str | None
-    session_id: str | None
+    cache_salt: str | None  # as the nodes see it: inside the tenant's namespace (tenants.py)
+    session_id: Hashable | None  # the router's session key (tenants.session_key)
     arrival: float = field(default_factory=time.monotonic)
     page_keys: list[bytes] | None = None  # the prompt's, computed once (cache-aware routing)
     stream: bool = False  # the client asked for SSE (SGLang's is_streaming label)
@@ -142,9 +143,13 @@ class Router:
         self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
         self.chat = ChatContinuation(self.tokenizer)
         self.agent = AgentFeatures(self.tokenizer, model.vocab_size, config.tool_call_parser)
+        self.tenant_limits = TenantLimits()  # in flight per tenant (`TenantGate` holds them)
         self._salt_base = f"router;model={self.model_name};page={config.page_size}"
-        self.client = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(
-            max_connections=4096, max_keepalive_connections=256))
+        # every call to a node (generate, health, service endpoints) carries the node
+        # credential derived from the cluster secret, when there is one
+        self.client = httpx.AsyncClient(trust_env=False, headers=config.node_headers(),
+                                        limits=httpx.Limits(max_connections=4096,
+                                                            max_keepalive_connections=256))
         self.registry = NodeRegistry(
             config.nodes, self.client, health_interval_s=config.health_interval_s,
             health_timeout_s=config.health_timeout_s, unhealthy_after=config.unhealthy_after,
@@ -222,7 +227,7 @@ class Router:
         if prep.cache_salt is not None:
             body["cache_salt"] = prep.cache_salt
         if prep.session_id:  # the nodes' session-aware eviction policies learn turns from it
-            body["session_id"] = prep.session_id
+            body["session_id"] = node_session_id(prep.session_id)
         return body
 
     async def _routed(self, prep: Prepared, deadline: Deadline,
@@ -310,7 +315,7 @@ class Router:
 
     # ---- prompts
 
-    def session_prompt(self, session_id: str | None, new_ids: list[int]) -> list[int]:
+    def session_prompt(self, session_id: Hashable | None, new_ids: list[int]) -> list[int]:
         """The full prompt: the session's exact history + the new message's ids. A client
         that resends the whole history (it starts with the stored one) is taken as is."""
         history = self.sessions.history(session_id) if session_id else []
@@ -318,7 +323,7 @@ class Router:
             return new_ids
         return history + new_ids
 
-    def chat_prompt(self, session_id: str | None, messages: list[dict[str, Any]],
+    def chat_prompt(self, session_id: Hashable | None, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The chat's prompt ids. With a session: its exact history + the new messages. The
         new messages are all of them (the client sent only those), or, when the client

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,9 @@ class Session:
 
 
 class SessionStore:
-    """LRU map session_id → Session, bounded in count, total tokens and idle time.
+    """LRU map session key → Session, bounded in count, total tokens and idle time. The key is
+    the client's `session_id`, or (tenant, session_id) on a router with tenants
+    (`pdcache.router.tenants.session_key`).
 
     Used from the router's event loop only. A turn is committed only when it finished
     successfully, so a failed turn can be retried from the same history.
@@ -33,14 +35,14 @@ class SessionStore:
         self.idle_ttl_s = idle_ttl_s
         self.max_total_tokens = max_total_tokens  # 64 Mi tokens = 256 MiB of history
         self.total_tokens = 0
-        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._sessions: OrderedDict[Hashable, Session] = OrderedDict()
 
-    def history(self, session_id: str) -> list[int]:
+    def history(self, session_id: Hashable) -> list[int]:
         self._expire()
         session = self._sessions.get(session_id)
         return list(session.token_ids) if session else []
 
-    def commit(self, session_id: str, input_ids: list[int], output_ids: list[int]) -> None:
+    def commit(self, session_id: Hashable, input_ids: list[int], output_ids: list[int]) -> None:
         """Record a finished turn: the session's history becomes input_ids + output_ids."""
         session = self._pop(session_id) or Session()
         session.token_ids = array("I", input_ids)
@@ -53,13 +55,13 @@ class SessionStore:
                                   or self.total_tokens > self.max_total_tokens):
             self._pop(next(iter(self._sessions)))
 
-    def _pop(self, session_id: str) -> Session | None:
+    def _pop(self, session_id: Hashable) -> Session | None:
         session = self._sessions.pop(session_id, None)
         if session is not None:
             self.total_tokens -= len(session.token_ids)
         return session
 
-    def turns(self, session_id: str) -> int:
+    def turns(self, session_id: Hashable) -> int:
         session = self._sessions.get(session_id)
         return session.turns if session else 0
 

@@ -70,6 +70,10 @@ class ServerConfig:
     # /generate streams: False = cumulative chunks (SGLang's default), True = deltas (SGLang's
     # --incremental-streaming-output); a request's `incremental_streaming_output` wins
     incremental_streaming_output: bool = False
+    # Bearer credential every endpoint but /health (and /metrics unless metrics_auth) needs:
+    # derived from the cluster secret (`SecuritySettings.node_http_token`); None: open.
+    auth_token: str | None = None
+    metrics_auth: bool = False
 
     @classmethod
     def of(cls, setup: NodeSetup) -> ServerConfig:
@@ -77,7 +81,9 @@ class ServerConfig:
         return cls(name=setup.name, request_timeout_s=setup.server.request_timeout_s,
                    role=setup.role, model_path=setup.model_path,
                    tool_call_parser=setup.server.tool_call_parser,
-                   incremental_streaming_output=setup.server.incremental_streaming_output)
+                   incremental_streaming_output=setup.server.incremental_streaming_output,
+                   auth_token=setup.security.node_http_token,
+                   metrics_auth=setup.security.metrics_auth)
 
 
 # --------------------------------------------------------------------------- one request

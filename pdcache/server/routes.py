@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdcache.server.agent import AgentFeatures, ChoicePlan, ChoiceRun
+from pdcache.server.auth import node_request_allowed, unauthorized
 from pdcache.server.bridge import EngineBridge, EngineRequest, Generation
 from pdcache.server.choices import ChoiceDelta, choice_events
 from pdcache.server.generate_api import (
@@ -372,9 +373,15 @@ def build_app(routes: ServerRoutes, *, pd_generate: PDHandler | None = None,
     app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.routes = routes
     metrics = routes.bridge.metrics
+    config = routes.bridge.config
 
     async def guard(endpoint: str, handler: Handler, request: Request) -> Response:
-        response = await run_guarded(endpoint, handler, request)
+        if not node_request_allowed(request, config.auth_token, config.metrics_auth):
+            response: Response = unauthorized(
+                "this node needs the cluster's node credential (Authorization: Bearer ..., "
+                "derived from [security] secret_file)", code="invalid_node_credential")
+        else:
+            response = await run_guarded(endpoint, handler, request)
         metrics.observe_request(endpoint, response.status_code)
         return response
 

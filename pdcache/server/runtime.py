@@ -112,15 +112,20 @@ def listen(host: str, port: int, command: str) -> socket.socket | None:
 
 
 def serve_app(app: FastAPI, sock: socket.socket, host: str, log_level: str, command: str,
-              lines: Callable[[], list[str]] = list) -> int:
+              lines: Callable[[], list[str]] = list,
+              tls: tuple[str | None, str | None] | None = None) -> int:
     """Run `app` on the bound `sock` until SIGINT/SIGTERM; once it accepts requests, print
     `lines()` and the ready line `pdcache COMMAND: ready at http://HOST:PORT`. Shared by every
-    node and the router; 0 when it served, 1 when it never started."""
+    node and the router; 0 when it served, 1 when it never started. `tls`: (certificate
+    chain, private key) PEM files: HTTPS (uvicorn's TLS), and the ready line says https."""
     port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    uv_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    cert, key = tls if tls is not None else (None, None)
+    uv_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
+                               ssl_certfile=cert, ssl_keyfile=key)
+    scheme = "https" if cert else "http"
     server = _AnnouncingServer(uv_config, lines,
-                               f"pdcache {command}: ready at http://{shown}:{port}")
+                               f"pdcache {command}: ready at {scheme}://{shown}:{port}")
     try:
         server.run(sockets=[sock])
     finally:

@@ -114,8 +114,26 @@ def test_storage_commands_read_every_shipped_topology(
             assert main(["storage", "verify", *argv[2:]]) == 2  # Mooncake Store cannot list
             assert "cannot list objects" in capsys.readouterr().err
         return
+    service = None
+    if "[security]" in config_text:  # the cluster secret: keyed pages and metadata requests
+        from pdcache.utils.secret import create_secret
+        from tests.pd_harness import MetadataService
+
+        secret = create_secret(tmp_path / "cluster.secret")
+        overrides.append(f'security.secret_file="{secret}"')
+        service = MetadataService(tmp_path / "metadata", str(secret))
+        metadata_service = service.address
     if "tcp://" in config_text:
         overrides.append(f'storage.metadata="{metadata_service}"')
+    try:
+        _stats_and_verify(config, overrides, capsys)
+    finally:
+        if service is not None:
+            service.stop()
+
+
+def _stats_and_verify(config: Path, overrides: list[str],
+                      capsys: pytest.CaptureFixture[str]) -> None:
     for action in ("stats", "verify"):
         argv = ["storage", action, "--config", str(config)]
         for item in overrides:

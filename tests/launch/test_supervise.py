@@ -344,3 +344,34 @@ def test_local_1p1d_serves_two_turns_reusing_decode_pages_then_stops_clean(launc
     assert run.proc.wait(timeout=60) == 0
     assert not [pid for pid in pids if alive(pid)]
     assert all(port_is_free(p) for p in (router, p0, boot, d0, meta))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pdcache.server.cli") is None,
+                    reason="pdcache serve is not in this build yet")
+def test_launched_node_gets_the_launchers_0600_secret_and_refuses_requests_without_it(
+        launch, tmp_path) -> None:
+    import stat
+
+    import httpx
+
+    from pdcache.utils.secret import derive_key, load_secret
+
+    (port,) = free_ports(1)
+    run = launch(LAUNCH.format(timeout=120) + f"""
+[[node]]
+name = "u0"
+role = "unified"
+port = {port}
+""")
+    wait_for(run.all_healthy, 120, "pdcache serve healthy (its /health needs no credential)")
+    secret_path = run.log_dir / "cluster.secret"
+    assert stat.S_IMODE(secret_path.stat().st_mode) == 0o600
+    token = derive_key(load_secret(secret_path), "node-http").hex()
+    body = {"input_ids": list(range(1, 30)), "sampling_params": {"max_new_tokens": 3}}
+    url = f"http://127.0.0.1:{port}/generate"
+    refused = httpx.post(url, json=body, timeout=60)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    served = httpx.post(url, json=body, timeout=60, headers={"Authorization": f"Bearer {token}"})
+    assert served.status_code == 200 and len(served.json()["output_ids"]) == 3
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.proc.wait(timeout=30) == 0

@@ -43,11 +43,14 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def put_from(
-        self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill"
+        self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill",
+        namespace: str = "",
     ) -> list[bool]:
         """Store each page (skipping keys already present, which count as True).
 
-        `origin` ("prefill" | "decode") is recorded in the page header.
+        `origin` ("prefill" | "decode") is recorded in the page header. `namespace`: the
+        tenant namespace the pages belong to (`config.tenant_namespace` of the request's
+        cache_salt; "" for none), which a backend with tenant quotas accounts them to.
         """
 
     @abstractmethod

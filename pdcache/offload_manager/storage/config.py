@@ -47,6 +47,18 @@ def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
     return keys
 
 
+TENANT_PREFIX = "tenant/"  # the router's tenant namespaces in cache_salt (router.tenants)
+
+
+def tenant_namespace(cache_salt: str | None) -> str:
+    """The tenant namespace a request's `cache_salt` lives in: `tenant/NAME` for the salts a
+    router with tenants sends (`tenant/NAME` or `tenant/NAME/CLIENT`), "" for any other."""
+    if not cache_salt or not cache_salt.startswith(TENANT_PREFIX):
+        return ""
+    name = cache_salt[len(TENANT_PREFIX):].split("/", 1)[0]
+    return TENANT_PREFIX + name if name else ""
+
+
 def _align_up(value: int, align: int) -> int:
     return (value + align - 1) // align * align
 
@@ -100,6 +112,11 @@ class StorageConfig:
     # faults
     timeout_s: float = 5.0  # one metadata RPC
     retry_interval_s: float = 1.0  # after a failure, fail fast this long before retrying
+    # Tenant storage quotas: tenant namespace ("tenant/NAME", `tenant_namespace`) -> bytes of
+    # stored pages (headers included). A tenant at its quota evicts its own least recently
+    # used pages, never another's. Enforced by the file backend; hf3fs and Mooncake Store
+    # take the namespace but do not enforce it (docs/design.md §8).
+    namespace_quotas: Mapping[str, int] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         self._check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}")

@@ -4,7 +4,10 @@ Layout: `{path}/{namespace}/{key[:1] hex}/{key hex}.page`. A put writes a tempor
 same directory and renames it into place, so readers never see a partial page (and a crash
 leaves only a temp file). Existence is the file system's, so several processes may share a
 directory; capacity (LRU) is enforced on the pages this process knows about (those present at
-open, then those it writes or reads). Thread-safe: the LRU index has a lock.
+open, then those it writes or reads). Tenant quotas (`StorageConfig.namespace_quotas`): a page
+written for a tenant namespace at its quota first evicts that namespace's least recently used
+page, never another tenant's; the owner of a page is known for the pages this process wrote
+(pages found at open belong to no tenant). Thread-safe: the LRU index has a lock.
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ class FileBackend(StorageBackend):
         self.counters = StorageCounters()
         self._warn = RateLimitedLog(log)
         self._lru: OrderedDict[bytes, None] = OrderedDict()
+        slot = HEADER_BYTES + config.page_bytes  # what one stored page costs a quota
+        self._quota_pages = {ns: max(1, quota // slot)
+                             for ns, quota in config.namespace_quotas.items()}
+        self._owner: dict[bytes, str] = {}  # key -> tenant namespace (quota'd ones only)
+        self._owned: dict[str, OrderedDict[bytes, None]] = {}  # namespace -> its pages, LRU
         self._lock = threading.Lock()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -103,11 +111,13 @@ class FileBackend(StorageBackend):
         return [origin is not None for origin in found]
 
     def put_from(
-        self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill"
+        self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill",
+        namespace: str = "",
     ) -> list[bool]:
         if len(keys) != len(host_pages):
             raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
-        return [self._write(k, p, origin) for k, p in zip(keys, host_pages)]
+        owner = namespace if namespace in self._quota_pages else ""
+        return [self._write(k, p, origin, owner) for k, p in zip(keys, host_pages)]
 
     def delete(self, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -118,6 +128,7 @@ class FileBackend(StorageBackend):
         out = self.counters.snapshot()
         with self._lock:
             out["used_pages"] = len(self._lru)
+        out.setdefault("quota_evictions", 0)
         out.update(_capacity_stats(self.capacity_pages, int(out["used_pages"])))
         return out
 
@@ -178,7 +189,7 @@ class FileBackend(StorageBackend):
         self.counters.add_many(pages_read=1, bytes_read=self.spec.payload_bytes)
         return origin
 
-    def _write(self, key: bytes, page: HostPage, origin: str) -> bool:
+    def _write(self, key: bytes, page: HostPage, origin: str, owner: str = "") -> bool:
         path = self.page_path(key)
         if path.exists():
             self.counters.add("pages_skipped")
@@ -186,6 +197,8 @@ class FileBackend(StorageBackend):
             return True
         payload = payload_views(page)
         header = encode_header(self.spec, key, origin, payload)
+        if owner:
+            self._make_quota_room(owner)
         if not self._make_room():
             self.counters.add("full_rejects")
             return False
@@ -195,7 +208,7 @@ class FileBackend(StorageBackend):
             self._warn.warning("write", "file storage: writing %s failed: %s", path, exc)
             self.counters.add("write_errors")
             return False
-        self._touch(key)
+        self._touch(key, owner)
         self.counters.add_many(pages_written=1, bytes_written=self.spec.payload_bytes)
         return True
 
@@ -229,14 +242,36 @@ class FileBackend(StorageBackend):
             self._unlink(victim)
             self.counters.add("evictions")
 
-    def _touch(self, key: bytes) -> None:
+    def _make_quota_room(self, owner: str) -> None:
+        """Evict `owner`'s least recently used pages until one more of its pages fits its
+        quota: a tenant at its quota makes room from its own pages only."""
+        while True:
+            with self._lock:
+                owned = self._owned.get(owner)
+                if owned is None or len(owned) < self._quota_pages[owner]:
+                    return
+                victim, _ = owned.popitem(last=False)
+            self._unlink(victim)
+            self.counters.add("quota_evictions")
+
+    def _touch(self, key: bytes, owner: str = "") -> None:
         with self._lock:
             self._lru[key] = None
             self._lru.move_to_end(key)
+            if owner:
+                self._owner[key] = owner
+            owner = self._owner.get(key, "")
+            if owner:  # a read or a rewrite refreshes the page in its tenant's LRU too
+                owned = self._owned.setdefault(owner, OrderedDict())
+                owned[key] = None
+                owned.move_to_end(key)
 
     def _unlink(self, key: bytes) -> bool:
         with self._lock:
             self._lru.pop(key, None)
+            owner = self._owner.pop(key, "")
+            if owner:
+                self._owned[owner].pop(key, None)
         try:
             self.page_path(key).unlink()
         except FileNotFoundError:

@@ -351,7 +351,8 @@ class Hf3fsBackend(StorageBackend):
         return results
 
     def put_from(
-        self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill"
+        self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill",
+        namespace: str = "",  # tenant quotas are not enforced here (docs/design.md §8)
     ) -> list[bool]:
         self._check_batch(keys, host_pages)
         try:

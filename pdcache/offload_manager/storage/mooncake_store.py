@@ -171,7 +171,8 @@ class MooncakeStoreBackend(StorageBackend):
         return [origin is not None for origin in found]
 
     def put_from(
-        self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill"
+        self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill",
+        namespace: str = "",  # tenant quotas are not enforced here (docs/design.md §8)
     ) -> list[bool]:
         if len(keys) != len(host_pages):
             raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")

@@ -1,0 +1,201 @@
+"""Tenants of the router: who a request is (its API key), what it may reach, how much it may use.
+
+With tenants configured (`[[router.tenant]]`, `pdcache router --tenant NAME=KEY`, or the one
+`api_key`, which is the tenant `default`), every request but `/health` and `/metrics` needs
+`Authorization: Bearer KEY`; the key names the tenant, and the tenant — never the client —
+decides:
+- the page-key namespace: the `cache_salt` the nodes see is `tenant/NAME` plus, when the client
+  gave one, `/` + its salt (`Tenant.cache_salt`), so a client salt only subdivides its own
+  tenant's namespace and no request of B can hit (or time) a page of A;
+- the session scope: sessions are keyed by (tenant, session_id) (`Tenant.session_key`);
+- the in-flight limit: beyond `max_inflight` generations in flight, 429 with `Retry-After`.
+Without tenants the router is open and `cache_salt` / `session_id` pass as the client sent them.
+
+`TenantGate` is the ASGI middleware that authenticates, sets `request.state.tenant` and holds
+the in-flight slot for the whole response (a stream too: the ASGI call returns only after its
+last byte or the client's disconnect). Event loop only; nothing is locked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pdcache.offload_manager.storage.config import TENANT_PREFIX
+from pdcache.server.auth import bearer_token, unauthorized
+from pdcache.server.protocol import error_body
+
+DEFAULT_TENANT = "default"  # the tenant of the single `api_key`
+NAMESPACE_PREFIX = TENANT_PREFIX  # what the nodes' storage reads back (tenant_namespace)
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: aggregate numbers, no tenant's data
+GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions", "/health_generate")
+RATE_LIMITED = "rate_limit_exceeded"
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One principal of the router. `api_key` is never printed (repr)."""
+
+    name: str
+    api_key: str = field(repr=False)
+    max_inflight: int = 0  # generations in flight at the router; 0 = no limit
+
+    @property
+    def namespace(self) -> str:
+        return NAMESPACE_PREFIX + self.name
+
+    def cache_salt(self, client_salt: str | None) -> str:
+        """The salt the nodes hash this tenant's pages with: its namespace, subdivided by the
+        client's salt. Names hold no '/', so no other tenant can produce the same salt."""
+        return self.namespace if client_salt is None else f"{self.namespace}/{client_salt}"
+
+
+def scoped_salt(tenant: Tenant | None, client_salt: str | None) -> str | None:
+    return client_salt if tenant is None else tenant.cache_salt(client_salt)
+
+
+SessionKey = str | tuple[str, str]
+
+
+def session_key(tenant: Tenant | None, session_id: str | None) -> SessionKey | None:
+    """The router's key of a session: (tenant, id), so B's `s1` is not A's `s1`; the client's
+    id itself on a router without tenants."""
+    if session_id is None or tenant is None:
+        return session_id
+    return (tenant.name, session_id)
+
+
+def node_session_id(key: SessionKey) -> str:
+    """The session id the nodes' eviction policies see: the tenant's namespace before the
+    client's id, so two tenants' `s1` are two sessions there too."""
+    if isinstance(key, tuple):
+        tenant, session_id = key
+        return f"{NAMESPACE_PREFIX}{tenant}/{session_id}"
+    return key
+
+
+def parse_tenant_flag(text: str) -> tuple[str, str]:
+    """`NAME=KEY` of `pdcache router --tenant`. ValueError when malformed."""
+    name, sep, key = text.partition("=")
+    if not sep or not name.strip() or not key.strip():
+        raise ValueError(f"--tenant {text.split('=')[0]}=...: expected NAME=KEY")
+    return name.strip(), key.strip()
+
+
+class TenantDirectory:
+    """The router's tenants, found by key in constant time per tenant."""
+
+    def __init__(self, tenants: Iterable[Tenant]) -> None:
+        self.tenants = tuple(tenants)
+        self._digests = [(t, _digest(t.api_key)) for t in self.tenants]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tenants)
+
+    def authenticate(self, token: str | None) -> Tenant | None:
+        """The tenant whose key is `token`. Fixed-size digests are compared (so not even a
+        key's length shows), every one of them (no early exit) and each in constant time:
+        timing tells nothing about which keys exist or how much of one matched."""
+        if token is None:
+            return None
+        given = _digest(token)
+        found = None
+        for tenant, digest in self._digests:
+            if hmac.compare_digest(given, digest):
+                found = tenant
+        return found
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class TenantLimits:
+    """Generations in flight per tenant. Event loop only."""
+
+    def __init__(self) -> None:
+        self._inflight: dict[str, int] = {}
+
+    def inflight(self, tenant: Tenant) -> int:
+        return self._inflight.get(tenant.name, 0)
+
+    def try_acquire(self, tenant: Tenant) -> bool:
+        count = self.inflight(tenant)
+        if tenant.max_inflight > 0 and count >= tenant.max_inflight:
+            return False
+        self._inflight[tenant.name] = count + 1
+        return True
+
+    def release(self, tenant: Tenant) -> None:
+        self._inflight[tenant.name] = max(0, self.inflight(tenant) - 1)
+
+
+Observe = Callable[[str, int, float], None]
+
+
+class TenantGate:
+    """ASGI middleware: authentication and per-tenant in-flight limits (module docstring).
+
+    `observe(path, status, seconds)` counts its refusals in the request metrics (only for
+    `known_paths`, so unknown paths cannot grow the label set); `retry_after_s()` is the
+    Retry-After of a 429."""
+
+    def __init__(self, app: ASGIApp, directory: TenantDirectory, limits: TenantLimits, *,
+                 known_paths: Iterable[str] = (), observe: Observe | None = None,
+                 retry_after_s: Callable[[], int] = lambda: 1) -> None:
+        self.app = app
+        self.directory = directory
+        self.limits = limits
+        self.known_paths = frozenset(known_paths)
+        self.observe = observe
+        self.retry_after_s = retry_after_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not self.directory.enabled or path in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        tenant = self.directory.authenticate(bearer_token(Request(scope)))
+        if tenant is None:
+            await self._refuse(unauthorized("invalid or missing API key (Authorization: "
+                                            "Bearer KEY)"), scope, receive, send, start)
+            return
+        scope.setdefault("state", {})["tenant"] = tenant
+        if path not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if not self.limits.try_acquire(tenant):
+            await self._refuse(self._too_many(tenant), scope, receive, send, start)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.limits.release(tenant)
+
+    def _too_many(self, tenant: Tenant) -> JSONResponse:
+        body = error_body(f"too many requests in flight for this API key (limit "
+                          f"{tenant.max_inflight})", type=RATE_LIMITED, code=RATE_LIMITED)
+        return JSONResponse(body, status_code=429,
+                            headers={"Retry-After": str(self.retry_after_s())})
+
+    async def _refuse(self, response: JSONResponse, scope: Scope, receive: Receive, send: Send,
+                      start: float) -> None:
+        await response(scope, receive, send)
+        path = scope.get("path", "")
+        if self.observe is not None and path in self.known_paths:
+            self.observe(path, response.status_code, time.monotonic() - start)
+
+
+def tenant_of(request: Any) -> Tenant | None:
+    """The tenant `TenantGate` authenticated for `request` (None: the router has none)."""
+    return getattr(request.state, "tenant", None)
