@@ -113,6 +113,8 @@ def test_forged_pages_are_misses_with_the_mac(
             assert storage_hits == 0
             assert out["output_ids"] == expected
             assert rejected is not None and rejected >= 1
+            replaced = metric(samples, "pdcache_storage_replaced_pages_total", server="u0")
+            assert replaced == PROMPT_PAGES
             # `fresh` refused the forgery, recomputed the prompt, and its write-back replaced
             # the refused pages: a third node is served the genuine pages from storage
             assert again["meta_info"]["cached_tokens_details"]["storage"] == PROMPT_PAGES * 4
