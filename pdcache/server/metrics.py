@@ -97,6 +97,8 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
         reason: f"storage_rejected_{reason}_pages"
         for reason in ("header", "checksum", "mac", "truncated", "foreign", "wrong_key")},
         "stored pages found but not served, by reason (mac: unauthenticated or forged)"),
+    "pdcache_storage_replaced_pages": ("counter", "", {"": "storage_replaced_rejected_pages"},
+                                       "refused stored pages replaced by this node's write"),
     "pdcache_storage_evicted_pages": ("counter", "", {"": "storage_evictions"},
                                       "pages evicted by the storage tier's LRU"),
     "pdcache_storage_read_bytes": ("counter", "", {"": "storage_bytes_read"},

@@ -180,10 +180,16 @@ def control_auth(control_key: bytes | None, side: str) -> MessageAuth | None:
     return MessageAuth(control_key, side.encode(), peer.encode())
 
 
-def seal(msg: Message, auth: MessageAuth | None) -> bytes:
-    """`msg` encoded, and sealed when the control plane is authenticated."""
+LINK_ID_BYTES = 16  # a decode's per-boot random ZMQ routing id, one per prefill peer
+
+
+def seal(msg: Message, auth: MessageAuth | None, link_id: bytes = b"") -> bytes:
+    """`msg` encoded, and sealed when the control plane is authenticated. Prefill seals its
+    frames with `link_id`, the receiving decode socket's routing id (a random per-boot id the
+    decode chose, `LINK_ID_BYTES`), as MAC context: a frame sealed for one decode, or for a
+    decode before its restart, does not open on another (docs/security.md)."""
     frame = encode(msg)
-    return frame if auth is None else auth.seal(frame)
+    return frame if auth is None else auth.seal(frame, context=link_id)
 
 
 def parse(
@@ -192,15 +198,16 @@ def parse(
     rejects: RejectCounter,
     origin: str,
     auth: MessageAuth | None = None,
+    link_id: bytes = b"",
 ) -> Message | None:
-    """Open (when authenticated) and decode a frame; on failure count it and return None (the
-    caller keeps serving)."""
+    """Open (when authenticated, expecting MAC context `link_id`: see `seal`) and decode a
+    frame; on failure count it and return None (the caller keeps serving)."""
     try:
         if auth is not None:
             if len(frame) > max_bytes + TRAILER_BYTES:  # never hash an oversized frame
                 raise MessageError("oversized", f"{len(frame)} bytes > limit {max_bytes}")
             try:
-                frame = auth.open_(frame)
+                frame = auth.open_(frame, context=link_id)
             except AuthError as err:
                 raise MessageError(err.kind, str(err)) from None
         return decode(frame, max_bytes)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -42,7 +43,14 @@ import torch
 import zmq
 
 from pdcache.transfer.config import TransferConfig
-from pdcache.transfer.control import ControlLoop, RejectCounter, control_auth, parse, seal
+from pdcache.transfer.control import (
+    LINK_ID_BYTES,
+    ControlLoop,
+    RejectCounter,
+    control_auth,
+    parse,
+    seal,
+)
 from pdcache.transfer.engines.base import create_engine
 from pdcache.transfer.errors import TransferError, TransferTimeout
 from pdcache.transfer.layout import KVLayout
@@ -106,6 +114,7 @@ class _Peer:
 
     addr: str
     socket: zmq.Socket
+    link_id: bytes  # this socket's random routing id: prefill's frames are MAC'd for it
     ready: threading.Event = field(default_factory=threading.Event)
     error: str = ""
     prefill_id: str = ""
@@ -268,8 +277,11 @@ class KVReceiver:
         sock = self._loop.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 16 * self.config.max_message_bytes)
+        # New per boot and per peer (control.seal); ZMQ reserves ids starting with a zero byte.
+        link_id = b"d" + os.urandom(LINK_ID_BYTES - 1)
+        sock.setsockopt(zmq.ROUTING_ID, link_id)
         sock.connect(addr)
-        peer = _Peer(addr, sock)
+        peer = _Peer(addr, sock, link_id)
         self._peers[addr] = peer
         self._loop.add_socket(sock, lambda s, p=peer: self._on_readable(p))
         assert self.engine is not None
@@ -314,7 +326,7 @@ class KVReceiver:
             self.rejects.record(MessageError("malformed", f"{len(frames)} frames"), peer.addr)
             return
         msg = parse(frames[0], self.config.max_message_bytes, self.rejects, peer.addr,
-                    self._auth)
+                    self._auth, peer.link_id)
         if msg is None:
             return
         peer.last_seen = time.monotonic()

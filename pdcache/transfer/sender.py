@@ -337,7 +337,7 @@ class KVSender:
 
     # ---- control thread ------------------------------------------------------------------
     def _send(self, identity: bytes, msg: Message) -> None:
-        frame = seal(msg, self._auth)
+        frame = seal(msg, self._auth, link_id=identity)  # bound to that decode's socket
 
         def push() -> None:
             assert self._router is not None

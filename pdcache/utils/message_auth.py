@@ -8,7 +8,9 @@ purpose)`. A sealed message is the message followed by a 56-byte trailer:
 
 MAC = keyed BLAKE3 over `label || timestamp || nonce || message`, where `label` names the
 sending side (e.g. b"prefill", b"decode"), so a message cannot be reflected back at its
-sender. `open_` accepts a message only if its MAC verifies, its timestamp is within
+sender. A `context` given to `seal`/`open_` (e.g. the nonce of the request a reply answers,
+`nonce_of`) is MAC'd too, length-prefixed after the label, and is not sent: the receiver
+must expect the same context, so a reply cannot be fed to another request. `open_` accepts a message only if its MAC verifies, its timestamp is within
 `window_s` of this host's clock (hosts must keep their clocks within that, e.g. with NTP) and
 its nonce was not seen in the window (a replay). Chosen over CurveZMQ by measured cost
 (docs/security.md): the per-message cost is a few microseconds, and it needs no handshake,
@@ -48,6 +50,14 @@ class AuthError(ValueError):
 AUTH_REJECT_KINDS = ("unauthenticated", "stale", "replayed")
 
 
+def nonce_of(sealed: bytes | memoryview) -> bytes:
+    """The nonce in the trailer of a sealed message (b"" if it has no trailer): the context a
+    reply to it is sealed with."""
+    if len(sealed) < TRAILER_BYTES:
+        return b""
+    return bytes(memoryview(sealed)[-TRAILER_BYTES + _STAMP.size : -MAC_BYTES])
+
+
 class MessageAuth:
     """Seals messages this side sends (as `label`) and opens those `peer_label` sent."""
 
@@ -74,25 +84,30 @@ class MessageAuth:
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # nonce -> timestamp, oldest first
         self._lock = threading.Lock()
 
-    def _mac(self, label: bytes, stamp_nonce: bytes, message: bytes | memoryview) -> bytes:
+    def _mac(
+        self, label: bytes, stamp_nonce: bytes, message: bytes | memoryview, context: bytes
+    ) -> bytes:
         state = self._blake3(label, key=self._key)
+        if context:  # length-prefixed, so label/context/stamp boundaries cannot shift
+            state.update(_STAMP.pack(len(context)) + context)
         state.update(stamp_nonce)
         state.update(message)
         return state.digest()
 
-    def seal(self, message: bytes) -> bytes:
+    def seal(self, message: bytes, context: bytes = b"") -> bytes:
         stamp_nonce = _STAMP.pack(self._clock()) + os.urandom(NONCE_BYTES)
-        return message + stamp_nonce + self._mac(self._label, stamp_nonce, message)
+        return message + stamp_nonce + self._mac(self._label, stamp_nonce, message, context)
 
-    def open_(self, sealed: bytes | memoryview) -> bytes:
-        """The message inside `sealed`, or AuthError (see the class docstring)."""
+    def open_(self, sealed: bytes | memoryview, context: bytes = b"") -> bytes:
+        """The message inside `sealed` (sealed with this `context`), or AuthError (see the
+        class docstring)."""
         if len(sealed) < TRAILER_BYTES:
             raise AuthError("unauthenticated", f"{len(sealed)} bytes: no authentication trailer")
         view = memoryview(sealed)
         body = view[:-TRAILER_BYTES]
         stamp_nonce = bytes(view[-TRAILER_BYTES:-MAC_BYTES])
         if not hmac.compare_digest(
-            self._mac(self._peer_label, stamp_nonce, body), bytes(view[-MAC_BYTES:])
+            self._mac(self._peer_label, stamp_nonce, body, context), bytes(view[-MAC_BYTES:])
         ):
             raise AuthError("unauthenticated", "MAC does not verify (another secret?)")
         (stamp,) = _STAMP.unpack_from(stamp_nonce)

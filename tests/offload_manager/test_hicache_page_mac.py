@@ -3,6 +3,8 @@ access to the storage tier (file pages, hf3fs slots, Mooncake Store objects) sto
 victim prompt's page keys, well-formed pages (valid header CRC and payload checksum) holding
 another prompt's KV. With the page MAC on they are counted misses and the output tokens equal
 the no-cache run; with it off the same pages are served as storage hits (what the MAC is for).
+With the MAC on, the refusing node's write-back replaces the forged pages, so the next node is
+served the genuine ones (the tier re-warms instead of missing that prefix forever).
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ def test_forged_pages_are_misses_with_the_mac(
             out = post(client, PROMPT, NEW_TOKENS)
             check_every_tier(fresh)
             samples = scrape(client)
+            if mac:  # `fresh` stays open: Mooncake objects live in the writer's segment
+                again = _rewarmed(tiny, storage)
         rejected = metric(
             samples, "pdcache_storage_rejected_pages_total", server="u0", reason="mac"
         )
@@ -109,9 +113,24 @@ def test_forged_pages_are_misses_with_the_mac(
             assert storage_hits == 0
             assert out["output_ids"] == expected
             assert rejected is not None and rejected >= 1
+            replaced = metric(samples, "pdcache_storage_replaced_pages_total", server="u0")
+            assert replaced == PROMPT_PAGES
+            # `fresh` refused the forgery, recomputed the prompt, and its write-back replaced
+            # the refused pages: a third node is served the genuine pages from storage
+            assert again["meta_info"]["cached_tokens_details"]["storage"] == PROMPT_PAGES * 4
+            assert again["output_ids"] == expected
         else:  # the same forgery is served: the prompt's KV comes from OTHER
             assert storage_hits == PROMPT_PAGES * 4
             assert out["output_ids"] != expected
             assert rejected == 0
     finally:
         forger.close()
+
+
+def _rewarmed(tiny, storage: StorageConfig) -> dict:
+    """A new node's answer to PROMPT on the same storage."""
+    node = tiered(tiny, storage, prefetch_policy="wait_complete")
+    with served(node) as client:
+        out = post(client, PROMPT, NEW_TOKENS)
+        check_every_tier(node)
+    return out

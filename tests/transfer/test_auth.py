@@ -54,9 +54,13 @@ def authed():
         pair.close()
 
 
+LINK_ID = b"test-decode-link"  # the routing id of the test's own decode socket
+
+
 def _dealer(addr: str) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, LINK_ID)
     sock.connect(addr)
     return sock
 
@@ -86,7 +90,10 @@ def test_intruders_are_dropped_counted_and_the_node_keeps_serving(authed: Pair) 
         captured = decode_side.seal(encode(Ping(5)))
         sock.send(captured)  # genuine: answered
         assert sock.poll(3000)
-        assert decode(control_auth(KEY, "decode").open_(sock.recv()), 1 << 20) == Pong(5)
+        pong = sock.recv()
+        assert decode(control_auth(KEY, "decode").open_(pong, context=LINK_ID), 1 << 20) == Pong(5)
+        with pytest.raises(AuthError):  # the reply is MAC'd for this socket's link id only
+            control_auth(KEY, "decode").open_(pong, context=b"another-decode!!")
         for frame in (
             encode(Ping(1)),  # no MAC at all
             other_secret.seal(encode(Ping(2))),
@@ -172,3 +179,48 @@ def test_mismatched_secrets_never_transfer() -> None:
         assert not pair.dst.any()
     finally:
         pair.close()
+
+
+def test_a_prefill_frame_sealed_for_one_decode_is_dropped_by_another() -> None:
+    """Prefill frames are MAC'd for the receiving decode socket's per-boot random link id
+    (its ZMQ routing id). A genuine RegisterAck sealed for decode A and replayed to decode B
+    (same role, same secret) is dropped and counted by B, which stays bootstrapping; the same
+    frame opens on A, the decode it was made for."""
+    config = fast_config("zmq")
+    fake = zmq.Context.instance().socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    addr = f"tcp://127.0.0.1:{fake.bind_to_random_port('tcp://127.0.0.1')}"
+    decodes = [KVReceiver(config, make_pool(16, seed=None), control_key=KEY).start()
+               for _ in range(2)]
+    try:
+        links: list[bytes] = []
+        for room, receiver in enumerate(decodes, start=1):
+            receiver.request(room, addr, [1, 2], num_tokens=5)
+            while len(links) < room:  # each decode sends its Register, then its RoomRequest
+                assert fake.poll(3000)
+                identity, frame = fake.recv_multipart()
+                msg = decode(control_auth(KEY, "prefill").open_(frame), 1 << 20)
+                if msg.TYPE == "register":
+                    links.append(identity)
+        assert links[0] != links[1] and all(len(link) == 16 for link in links)
+        ack_for_a = control_auth(KEY, "prefill").seal(
+            encode(RegisterAck("p0", "")), context=links[0]
+        )
+        fake.send_multipart([links[1], ack_for_a])  # replayed to decode B
+        wait_until(
+            lambda: decodes[1].stats()["rejected"] == {"unauthenticated": 1},
+            3.0,
+            f"decode B rejections, got {decodes[1].stats()['rejected']}",
+        )
+        assert decodes[1].poll(2) is RoomState.BOOTSTRAPPING
+        fake.send_multipart([links[0], ack_for_a])  # to decode A, which it was sealed for
+        wait_until(
+            lambda: decodes[0].poll(1) is RoomState.WAITING_FOR_INPUT,
+            3.0,
+            "decode A to accept the ack",
+        )
+        assert decodes[0].stats()["rejected"] == {}
+    finally:
+        for receiver in decodes:
+            receiver.close()
+        fake.close(linger=0)

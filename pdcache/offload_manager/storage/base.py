@@ -48,6 +48,10 @@ class StorageBackend(ABC):
     ) -> list[bool]:
         """Store each page (skipping keys already present, which count as True).
 
+        A key whose stored page this backend read and refused (failed MAC, checksum, header)
+        is not skipped: its stored page is replaced (counter `replaced_rejected_pages`), so a
+        forged or stale-secret page never blocks the genuine one (docs/security.md).
+
         `origin` ("prefill" | "decode") is recorded in the page header. `namespace`: the
         tenant namespace the pages belong to (`config.tenant_namespace` of the request's
         cache_salt; "" for none), which a backend with tenant quotas accounts them to.

@@ -36,7 +36,7 @@ from pdcache.offload_manager.storage.page_format import (
     payload_views,
     verify_page,
 )
-from pdcache.offload_manager.storage.stats import RateLimitedLog, StorageCounters
+from pdcache.offload_manager.storage.stats import RateLimitedLog, RejectedKeys, StorageCounters
 
 log = logging.getLogger(__name__)
 SUFFIX = ".page"
@@ -53,6 +53,7 @@ class FileBackend(StorageBackend):
         self.capacity_pages = config.num_pages  # 0: unlimited
         self.counters = StorageCounters()
         self._warn = RateLimitedLog(log)
+        self._rejected = RejectedKeys()  # keys whose stored page a read here refused
         self._lru: OrderedDict[bytes, None] = OrderedDict()
         slot = HEADER_BYTES + config.page_bytes  # what one stored page costs a quota
         self._quota_pages = {ns: max(1, quota // slot)
@@ -117,7 +118,15 @@ class FileBackend(StorageBackend):
         if len(keys) != len(host_pages):
             raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
         owner = namespace if namespace in self._quota_pages else ""
+        self._replace_rejected(keys)
         return [self._write(k, p, origin, owner) for k, p in zip(keys, host_pages)]
+
+    def _replace_rejected(self, keys: Sequence[bytes]) -> None:
+        """Unlink the pages of `keys` that a read here refused, so the put writes them anew."""
+        stale = self._rejected.take(keys)
+        if stale:
+            self.delete(stale)
+            self.counters.add("replaced_rejected_pages", len(stale))
 
     def delete(self, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -184,6 +193,7 @@ class FileBackend(StorageBackend):
         verdict, origin = verify_page(self.spec, key, header, payload, nbytes)
         if verdict is not Verdict.OK:
             self.counters.record_failed_read(verdict)
+            self._rejected.add(key)
             return None
         self._touch(key)
         self.counters.add_many(pages_read=1, bytes_read=self.spec.payload_bytes)

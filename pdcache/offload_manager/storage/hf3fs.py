@@ -53,7 +53,7 @@ from pdcache.offload_manager.storage.page_format import (
     payload_views,
     verify_page,
 )
-from pdcache.offload_manager.storage.stats import RateLimitedLog, StorageCounters
+from pdcache.offload_manager.storage.stats import RateLimitedLog, RejectedKeys, StorageCounters
 from pdcache.utils.registry import import_optional
 
 log = logging.getLogger(__name__)
@@ -233,6 +233,7 @@ class Hf3fsBackend(StorageBackend):
         self.slot_bytes = config.slot_bytes
         self.counters = StorageCounters()
         self._warn = RateLimitedLog(log)
+        self._rejected = RejectedKeys()  # keys whose stored page a read here refused
         self._closed = False
         self.read_only = False
         self._dir = Path(config.path)
@@ -355,6 +356,7 @@ class Hf3fsBackend(StorageBackend):
         namespace: str = "",  # tenant quotas are not enforced here (docs/design.md §8)
     ) -> list[bool]:
         self._check_batch(keys, host_pages)
+        self._replace_rejected(keys)
         try:
             reservations = self.metadata.reserve(keys)
         except MetadataUnavailable as exc:
@@ -374,6 +376,14 @@ class Hf3fsBackend(StorageBackend):
         written = self._map_chunks(lambda ch: self._write_chunk(ch, keys, host_pages, origin), todo)
         self._publish(keys, todo, written, results)
         return results
+
+    def _replace_rejected(self, keys: Sequence[bytes]) -> None:
+        """Free the slots of `keys` whose page a read here refused, so the put reserves and
+        writes them anew instead of skipping them as PRESENT."""
+        stale = self._rejected.take(keys)
+        if stale:
+            self.delete(stale)
+            self.counters.add("replaced_rejected_pages", len(stale))
 
     def delete(self, keys: Sequence[bytes]) -> None:
         try:
@@ -508,6 +518,7 @@ class Hf3fsBackend(StorageBackend):
         verdict, origin = verify_page(self.spec, key, req.header, req.payload, nbytes)
         if verdict is not Verdict.OK:
             self.counters.record_failed_read(verdict)
+            self._rejected.add(key)
             return None
         self.counters.add_many(pages_read=1, bytes_read=req.payload_bytes)
         return origin

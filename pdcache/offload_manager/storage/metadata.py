@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import msgpack
 import zmq
 
-from pdcache.utils.message_auth import AuthError, MessageAuth
+from pdcache.utils.message_auth import AuthError, MessageAuth, nonce_of
 
 log = logging.getLogger(__name__)
 
@@ -352,8 +352,9 @@ class RemoteMetadata(MetadataClient):
 
     def _roundtrip(self, request: dict[str, Any]) -> dict[str, Any]:
         sock = self._socket()
+        sealed = _seal(self._auth, msgpack.packb(request, use_bin_type=True))
         try:
-            sock.send(_seal(self._auth, msgpack.packb(request, use_bin_type=True)))
+            sock.send(sealed)
             raw = sock.recv()
         except zmq.ZMQError as exc:
             # A REQ socket that timed out cannot send again: start a fresh one next time.
@@ -361,12 +362,14 @@ class RemoteMetadata(MetadataClient):
             self.failures += 1
             self._down_until = time.monotonic() + self._retry_interval_s
             raise MetadataUnavailable(f"metadata service {self.address}: {exc}") from exc
-        return self._open_reply(raw)
+        return self._open_reply(raw, nonce_of(sealed) if self._auth is not None else b"")
 
-    def _open_reply(self, raw: bytes) -> dict[str, Any]:
+    def _open_reply(self, raw: bytes, request_nonce: bytes = b"") -> dict[str, Any]:
+        """The reply to the request whose nonce is `request_nonce`: with a key, a reply sealed
+        for any other request does not verify (MetadataAuthError)."""
         if self._auth is not None:
             try:
-                raw = self._auth.open_(raw)
+                raw = self._auth.open_(raw, context=request_nonce)
             except AuthError as exc:
                 raise MetadataAuthError(self._refusal(raw, exc)) from None
         try:
@@ -397,7 +400,8 @@ class RemoteMetadata(MetadataClient):
             )
         return (
             f"metadata service {self.address} answered without a valid credential ({exc}): "
-            "it runs without the cluster secret or with another one"
+            "it runs without the cluster secret or with another one, or the reply was made "
+            "for another request"
         )
 
     def _open_pool(self) -> None:

@@ -11,7 +11,9 @@ or `{"ok": false, "error"}`. The loop is single-threaded, so the index needs no 
 
 Authentication (docs/security.md): with an `auth_key` (derive_key(cluster secret,
 "metadata")) every request must be sealed by `pdcache.utils.message_auth.MessageAuth` (keyed
-BLAKE3 MAC, timestamp, nonce) and every reply is sealed. A request that is unauthenticated,
+BLAKE3 MAC, timestamp, nonce) and every reply is sealed with the request's nonce as MAC
+context (`message_auth.nonce_of`), so a reply answers only the request it was made for. A
+request that is unauthenticated,
 stale or replayed is refused with an unsealed `{"ok": false, "error_kind":
 "unauthenticated"}` (so the client can say why), counted in `MetadataService.rejected`, and
 changes nothing. The `health` op reports requests served and those counts.
@@ -41,7 +43,7 @@ from pdcache.offload_manager.storage.metadata import (
     SlotIndex,
     ping,
 )
-from pdcache.utils.message_auth import AuthError, MessageAuth
+from pdcache.utils.message_auth import AuthError, MessageAuth, nonce_of
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +247,7 @@ def serve(
 def _answer(service: MetadataService, sock: zmq.Socket, auth: MessageAuth | None) -> None:
     frames = sock.recv_multipart()
     identity, body = frames[0], frames[-1]
+    request_nonce = nonce_of(body)  # the reply's MAC covers it: bound to this request
     if auth is not None:
         try:
             body = auth.open_(body)
@@ -268,7 +271,8 @@ def _answer(service: MetadataService, sock: zmq.Socket, auth: MessageAuth | None
         log.exception("metadata request failed")
         reply = {"ok": False, "error": f"internal error: {exc!r}"}
     packed = msgpack.packb(reply, use_bin_type=True)
-    sock.send_multipart([identity, b"", packed if auth is None else auth.seal(packed)])
+    sealed = packed if auth is None else auth.seal(packed, context=request_nonce)
+    sock.send_multipart([identity, b"", sealed])
 
 
 class LocalMetadataService:

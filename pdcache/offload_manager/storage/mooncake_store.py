@@ -47,7 +47,7 @@ from pdcache.offload_manager.storage.page_format import (
     payload_views,
     verify_page,
 )
-from pdcache.offload_manager.storage.stats import RateLimitedLog, StorageCounters
+from pdcache.offload_manager.storage.stats import RateLimitedLog, RejectedKeys, StorageCounters
 from pdcache.utils.registry import import_optional
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class MooncakeStoreBackend(StorageBackend):
         self.spec = config.page_spec()
         self.counters = StorageCounters()
         self._warn = RateLimitedLog(log)
+        self._rejected = RejectedKeys()  # keys whose stored page a read here refused
         self.capacity_pages = (
             config.capacity_pages or config.capacity_bytes // self.spec.object_bytes
         )
@@ -176,11 +177,20 @@ class MooncakeStoreBackend(StorageBackend):
     ) -> list[bool]:
         if len(keys) != len(host_pages):
             raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
+        self._replace_rejected(keys)
         results: list[bool] = []
         for start in range(0, len(keys), self._batch):
             end = start + self._batch
             results.extend(self._put_chunk(keys[start:end], host_pages[start:end], origin))
         return results
+
+    def _replace_rejected(self, keys: Sequence[bytes]) -> None:
+        """Remove the objects of `keys` whose page a read here refused, so the put writes them
+        anew instead of skipping them as existing."""
+        stale = self._rejected.take(keys)
+        if stale:
+            self.delete(stale)
+            self.counters.add("replaced_rejected_pages", len(stale))
 
     def delete(self, keys: Sequence[bytes]) -> None:
         with self._lock:
@@ -283,6 +293,7 @@ class MooncakeStoreBackend(StorageBackend):
         verdict, origin = verify_page(self.spec, key, header, payload_views(page), code)
         if verdict is not Verdict.OK:
             self.counters.record_failed_read(verdict)
+            self._rejected.add(key)
             return None
         self._touch(key)
         self.counters.add_many(pages_read=1, bytes_read=self.spec.payload_bytes)
@@ -294,6 +305,7 @@ class MooncakeStoreBackend(StorageBackend):
         if code == BUFFER_TOO_SMALL or (size >= 0 and size != self.spec.object_bytes):
             verdict = Verdict.TRUNCATED if 0 <= size < self.spec.object_bytes else Verdict.FOREIGN
             self.counters.record_failed_read(verdict)
+            self._rejected.add(key)
         else:
             log.debug("mooncake: get of %s failed with %d", key.hex(), code)
             self.counters.add_many(misses=1, read_errors=1)

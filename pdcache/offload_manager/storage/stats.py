@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
 
 from pdcache.offload_manager.storage.page_format import Verdict
 
@@ -28,6 +29,7 @@ COUNTERS = (
     "deleted_pages",
     "evictions",
     "rejected_slots",
+    "replaced_rejected_pages",
 )
 # Why a found page was not served -> its reason label (`pdcache_storage_rejected_pages_total`):
 # header (bad magic/version/header CRC), checksum (payload), mac (unauthenticated or forged,
@@ -73,6 +75,33 @@ class StorageCounters:
     def snapshot(self) -> dict[str, int | float]:
         with self._lock:
             return dict(self._values)
+
+
+class RejectedKeys:
+    """Keys whose stored page this process read and refused (failed MAC, checksum, header...),
+    so that its next `put_from` of such a key replaces the stored page instead of skipping it
+    as already present (docs/security.md, "Rejected pages"). Only this process's own reads
+    mark a key, and only its own writes act on the mark: a reader never deletes on its own.
+    Bounded (oldest marks dropped first); thread-safe."""
+
+    def __init__(self, limit: int = 65536) -> None:
+        self._limit = limit
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, key: bytes) -> None:
+        with self._lock:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            if len(self._keys) > self._limit:
+                self._keys.popitem(last=False)
+
+    def take(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The marked keys among `keys` (deduplicated), unmarked: the caller replaces them."""
+        with self._lock:
+            if not self._keys:
+                return []
+            return [k for k in dict.fromkeys(keys) if self._keys.pop(k, 0) is None]
 
 
 class RateLimitedLog:

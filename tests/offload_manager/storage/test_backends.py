@@ -356,3 +356,57 @@ def test_mac_pages_detect_corruption_and_read_back_exactly(make_backend: Factory
     assert backend.get_into(keys, list(out)) == [True, False]
     assert torch.equal(out[0], pages[0])
     assert backend.stats()["rejected_checksum_pages"] == 1
+
+
+@pytest.mark.parametrize("replace", [True, False], ids=["replace_on", "replace_off"])
+def test_rejected_page_is_replaced_by_the_next_genuine_put(
+    make_backend: Factory, replace: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forged page (no MAC) and an other-secret page (a secret rotation) under live keys:
+    the read refuses them, the recomputed genuine pages are put, and the next read serves
+    them. With the replacement off (the old behaviour) the put skips the keys as present and
+    the prefix stays a storage miss for good."""
+    backend = make_backend(page_mac_key=MAC_KEY)
+    if not replace:
+        monkeypatch.setattr(backend, "_replace_rejected", lambda keys: None)
+    keys, pages = _keys(3), _pages(3)
+    evil = _pages(2, seed=7)
+    assert backend.put_from(keys, list(pages)) == [True] * 3
+    # the forger overwrites the stored objects (write_object: hf3fs overwrites a live slot)
+    assert backend.write_object(keys[1], _forged(None, keys[1], evil[0]))
+    assert backend.write_object(keys[2], _forged(OTHER_MAC_KEY, keys[2], evil[1]))
+    assert backend.get_into(keys, list(torch.zeros_like(pages))) == [True, False, False]
+    assert backend.put_from(keys, list(pages)) == [True] * 3  # the prefill recomputed them
+    out = torch.zeros_like(pages)
+    found = backend.get_into(keys, list(out))
+    stats = backend.stats()
+    if replace:
+        assert found == [True] * 3
+        assert torch.equal(out, pages)
+        assert stats["replaced_rejected_pages"] == 2
+        assert (stats["pages_written"], stats["pages_skipped"]) == (5, 1)
+        assert stats["rejected_mac_pages"] == 2  # the first read only
+    else:
+        assert found == [True, False, False]
+        assert stats["replaced_rejected_pages"] == 0
+        assert (stats["pages_written"], stats["pages_skipped"]) == (3, 3)
+        assert stats["rejected_mac_pages"] == 4
+
+
+def test_genuine_page_is_not_replaced_and_a_refused_key_once(make_backend: Factory) -> None:
+    """Only keys a read refused are replaced (a verified or unread page is still skipped),
+    and a refusal replaces one put only."""
+    backend = make_backend(page_mac_key=MAC_KEY)
+    keys, pages = _keys(2), _pages(2)
+    assert backend.put_from(keys, list(pages)) == [True, True]
+    assert backend.write_object(keys[1], _forged(None, keys[1], pages[1]))
+    assert backend.get_into(keys, list(torch.zeros_like(pages))) == [True, False]
+    other = _pages(2, seed=3)
+    assert backend.put_from(keys, list(other)) == [True, True]
+    assert backend.put_from(keys, list(other)) == [True, True]
+    out = torch.zeros_like(pages)
+    assert backend.get_into(keys, list(out)) == [True, True]
+    assert torch.equal(out[0], pages[0]) and torch.equal(out[1], other[1])
+    stats = backend.stats()
+    assert stats["replaced_rejected_pages"] == 1
+    assert (stats["pages_written"], stats["pages_skipped"]) == (3, 3)

@@ -5,6 +5,7 @@ and changes nothing; with the secret off the same intruder is served."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import msgpack
@@ -144,3 +145,83 @@ def test_hf3fs_backend_with_the_wrong_secret_fails_at_open(secured, secrets, tmp
         assert backend.get_into([b"p" * 32], [out]) == [True] and torch.equal(out, page)
     finally:
         backend.close()
+
+
+class _Relay:
+    """A man in the middle between a client and the service: "forward" relays each request
+    and its genuine reply; "replay" answers every request with `captured`, a genuine sealed
+    reply the service made for another request."""
+
+    def __init__(self, service_address: str, mode: str, captured: bytes = b"") -> None:
+        self._ctx = zmq.Context.instance()
+        self._front = self._ctx.socket(zmq.ROUTER)
+        self._front.setsockopt(zmq.LINGER, 0)
+        port = self._front.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self._service_address = service_address
+        self._mode = mode
+        self._captured = captured
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-relay", daemon=True)
+
+    def __enter__(self) -> _Relay:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self._front.close(linger=0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._front.poll(50):
+                continue
+            identity, empty, body = self._front.recv_multipart()
+            if self._mode == "forward":
+                reply = _raw_reply(self._service_address, body)
+            else:
+                reply = self._captured
+            self._front.send_multipart([identity, empty, reply])
+
+
+def _raw_reply(address: str, frame: bytes) -> bytes:
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    try:
+        sock.connect(address)
+        sock.send(frame)
+        return sock.recv()
+    finally:
+        sock.close(linger=0)
+
+
+@pytest.mark.parametrize("mode", ["forward", "replay"])
+def test_a_reply_answers_only_its_own_request(mode, secured, secrets) -> None:
+    """A genuine sealed reply captured for one request (a lookup that found a page) and fed
+    to a fresh client's requests is refused: the reply's MAC covers the request's nonce.
+    Relayed genuine replies (the "forward" case, the same path) are accepted."""
+    good_key = metadata_key(secrets[0])
+    ns = f"r{uuid.uuid4().hex[:8]}"
+    owner = _client(secured.address, good_key, ns=ns)
+    try:
+        key = b"r" * 32
+        status, slot = owner.reserve([key])[0]
+        assert status == NEW and owner.commit([key], [slot]) == [True]
+    finally:
+        owner.close()
+    request = {"op": "ping"}
+    captured = _raw_reply(
+        secured.address, client_auth(good_key).seal(msgpack.packb(request, use_bin_type=True))
+    )
+    with _Relay(secured.address, mode, captured) as relay:
+        if mode == "replay":
+            with pytest.raises(MetadataAuthError, match="another request"):
+                _client(relay.address, good_key, ns=ns)
+            return
+        client = _client(relay.address, good_key, ns=ns)
+        try:
+            assert client.lookup([key]) == [slot]
+        finally:
+            client.close()
