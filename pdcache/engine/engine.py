@@ -541,6 +541,9 @@ class Engine:
             self._record_input_logprobs(batch, logits[num_sampled:])
             rows = [batch.reqs[row] for row in batch.sample_rows]
             result = sample_rows(logits[:num_sampled], [self._sample_row(r) for r in rows])
+            for row, error in result.errors.items():  # failed before commit: token dropped
+                logger.error("sampling %s failed: %s", rows[row].rid, error)
+                self._fail([rows[row]], error=error)
             self._accept(rows, result.tokens)
             touched = self.scheduler.commit(batch, result.tokens, result.logprobs)
             self._num_steps += 1

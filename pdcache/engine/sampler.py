@@ -18,7 +18,9 @@ One batched pass over the fp32 logits `[B, V]`, in this order (SGLang's):
 5. greedy rows take the argmax of these logits; sampled rows are scaled by the temperature,
    truncated (top-k, top-p, min-p) and each draws from its own `torch.Generator` (seeded from
    `SamplingParams.seed` when given), so the same seed and logits give the same tokens,
-   whatever the batch.
+   whatever the batch. NaN/+inf (a tiny repetition penalty or temperature overflowing) are
+   sanitised after the penalties and the scaling; a row that still cannot be drawn from is
+   reported in `SampleResult.errors` and fails alone, never its batch.
 
 Stateless apart from the generators the caller passes in; engine thread only.
 """
@@ -26,13 +28,21 @@ Stateless apart from the generators the caller passes in; engine thread only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pdcache.engine.api import LogprobRequest, SamplingParams, TokenLogprob
 
 _FP32_MIN = torch.finfo(torch.float32).min
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` with NaN and -inf kept out of sampling's way: NaN -> -inf (never chosen),
+    +inf -> the fp32 maximum (a tiny repetition penalty or temperature overflows the
+    division), -inf (a mask) stays. A row holding only -inf still fails its own draw."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=_FP32_MAX, neginf=float("-inf"))
 
 
 @dataclass
@@ -57,6 +67,9 @@ class SampleRow:
 class SampleResult:
     tokens: list[int]
     logprobs: list[TokenLogprob | None]  # per row; None where the row did not ask
+    # row -> why it could not be sampled; its `tokens` entry is a placeholder the caller must
+    # drop (it fails that request alone, the other rows are good)
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
@@ -144,18 +157,23 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor
 def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
     """One token per row of `logits[B, V]` (fp32) following `rows[b]`, with the logprobs the
     rows asked for."""
-    logits = apply_masks(apply_penalties(logits.float(), rows), rows)
+    logits = apply_masks(sanitize_logits(apply_penalties(logits.float(), rows)), rows)
     tokens = logits.argmax(dim=-1)
+    errors: dict[int, str] = {}
     sampled = [b for b, row in enumerate(rows) if not row.params.greedy]
     if sampled:
         index = torch.tensor(sampled, device=logits.device)
         probs = _truncated_probs(logits[index], [rows[b].params for b in sampled])
         for i, b in enumerate(sampled):
             generator = rows[b].generator
-            draw = torch.multinomial(probs[i].to(generator.device), 1, generator=generator)
+            try:  # a row whose probabilities are unusable fails alone, not its batch
+                draw = torch.multinomial(probs[i].to(generator.device), 1, generator=generator)
+            except RuntimeError as exc:
+                errors[b] = f"sampling failed: {exc}"
+                continue
             tokens[b] = draw.to(tokens.device)[0]
     token_list = tokens.tolist()
-    return SampleResult(token_list, _output_logprobs(logits, rows, token_list))
+    return SampleResult(token_list, _output_logprobs(logits, rows, token_list), errors)
 
 
 def sample(
@@ -208,7 +226,7 @@ def _output_logprobs(
         [1.0 if rows[b].params.greedy else rows[b].params.temperature for b in wanted],
         device=logits.device,
     )
-    logprobs = torch.log_softmax(logits[index] / temperature[:, None], dim=-1)
+    logprobs = torch.log_softmax(sanitize_logits(logits[index] / temperature[:, None]), dim=-1)
     logprobs = logprobs.clamp(min=_FP32_MIN)
     for i, b in enumerate(wanted):
         request = rows[b].logprobs
@@ -235,5 +253,5 @@ def _truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     top_k = torch.tensor([p.top_k for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
     min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
-    scaled = logits.float() / temperature[:, None]
+    scaled = sanitize_logits(logits.float() / temperature[:, None])
     return apply_top_k_top_p(scaled, top_k, top_p, min_p).softmax(dim=-1)

@@ -434,3 +434,70 @@ def test_min_new_tokens_keeps_eos_out(tiny) -> None:
     assert tokens_of(stopped) == plain[:2] and stopped[-1].finish_reason == "stop"
     tokens = tokens_of(held)
     assert len(tokens) >= 5 and eos not in tokens[:5] and tokens[0] == plain[0]
+
+
+# ---- one request's degenerate parameters stay its own problem --------------------------------
+def run_together(model, requests: list[GenerateRequest]) -> dict[str, RequestOutput | list[int]]:
+    """Submit `requests` before the first step (so they share every batch) and drive to the
+    end; returns rid -> tokens and rid + "/final" -> the final output."""
+    engine = make_engine(model).start(thread=False)
+    results: dict[str, RequestOutput | list[int]] = {}
+
+    def collect(out: RequestOutput) -> None:
+        tokens = results.setdefault(out.rid, [])
+        assert isinstance(tokens, list)
+        tokens.extend(out.new_token_ids)
+        if out.finished:
+            results[out.rid + "/final"] = out
+
+    for req in requests:
+        engine.submit(req, collect)
+    for _ in range(200):
+        if not engine.step():
+            break
+    assert engine.check_accounting()["requests"] == 0
+    engine.shutdown()
+    return results
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1e-40),
+        SamplingParams(
+            max_new_tokens=6, ignore_eos=True, temperature=1.0, repetition_penalty=1e-39
+        ),
+    ],
+    ids=["temperature=1e-40", "repetition_penalty=1e-39"],
+)
+def test_a_degenerate_co_batched_request_leaves_the_other_untouched(tiny, bad) -> None:
+    prompt = prompt_of(21, 9)
+    normal = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.8, seed=7)
+    alone = run_together(tiny, [GenerateRequest("good", prompt, normal)])
+    both = run_together(
+        tiny,
+        [GenerateRequest("good", prompt, normal), GenerateRequest("bad", prompt_of(22, 7), bad)],
+    )
+    assert both["good"] == alone["good"] and len(alone["good"]) == 6
+    final = both["bad/final"]
+    assert isinstance(final, RequestOutput) and final.error is None
+    assert len(both["bad"]) == 6
+    if bad.temperature < 1e-6:  # as greedy as temperature 0
+        greedy = replace(bad, temperature=0.0)
+        assert (
+            both["bad"]
+            == run_together(tiny, [GenerateRequest("bad", prompt_of(22, 7), greedy)])["bad"]
+        )
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
+    from pdcache.engine.sampler import SampleRow, make_generator, sample_rows
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    logits[1] = float("-inf")  # nothing to draw from
+    params = SamplingParams(temperature=0.7, seed=1)
+    rows = [SampleRow(params, make_generator(b)) for b in range(3)]
+    result = sample_rows(logits, rows)
+    assert set(result.errors) == {1} and "sampling failed" in result.errors[1]
+    alone = sample_rows(logits[[0, 2]], [SampleRow(params, make_generator(b)) for b in (0, 2)])
+    assert [result.tokens[0], result.tokens[2]] == alone.tokens
