@@ -181,6 +181,20 @@ _SINCE_V3: dict[type, frozenset[str]] = {
 _LOGPROB_HEADER = np.dtype("<i4")
 
 
+# what a Done message holds besides its packed logprobs, with room to spare (msgpack framing,
+# the report's numbers, the first token's logprob, the auth trailer)
+DONE_OVERHEAD_BYTES = 4096
+
+
+def prompt_logprobs_bytes(num_positions: int, top_n: int, num_token_ids: int) -> int:
+    """The size `pack_logprobs` gives `num_positions` prompt entries, each with `top_n` top and
+    `num_token_ids` selected pairs: 12 bytes per entry (id, logprob, two lengths) plus 8 per
+    pair, and the 12-byte header. Exact for full rows (rows are padded to the widths)."""
+    if num_positions <= 0:
+        return 0
+    return 12 + num_positions * (12 + 8 * (max(top_n, 0) + max(num_token_ids, 0)))
+
+
 def pack_logprobs(entries: list[TokenLogprob] | None) -> bytes:
     """`entries` as bytes: an int32 header (count, top width, selected width), then per entry
     int32 token id, float32 logprob (NaN: None), int16 top / selected lengths, and the top and
