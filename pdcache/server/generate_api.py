@@ -24,7 +24,15 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from pdcache.engine.api import CachedTokens, LogprobRequest, SamplingParams
 from pdcache.server.protocol import SEED_LIMIT, bad_request, unsupported
@@ -88,6 +96,17 @@ class _SamplingBase(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+    @field_validator("min_new_tokens")
+    @classmethod
+    def _min_within_max(cls, value: int, info: ValidationInfo) -> int:
+        # cross-field, as SGLang's verify(): refused here, before a P/D prefill is wasted on
+        # it (the prefill node caps min_new_tokens to its one token and could not tell);
+        # a field validator (max_new_tokens is validated first) so the 400 names this field
+        top = info.data.get("max_new_tokens")
+        if isinstance(top, int) and value > top:
+            raise ValueError(f"min_new_tokens ({value}) must be <= max_new_tokens ({top})")
+        return value
 
     def check_supported(self, param: str) -> None:
         for name, neutral in UNSUPPORTED_SAMPLING.items():

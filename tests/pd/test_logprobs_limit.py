@@ -1,7 +1,8 @@
 """Prompt logprobs too big for the Done message (the P/D control message that carries them):
 the prefill node refuses them at admission with 400 `logprobs_too_large`, before any compute;
 past that check (disabled here) the sender aborts the room instead of sending a message decode
-would drop, so both nodes answer at once instead of after the room's timeout."""
+would drop, so both nodes answer at once instead of after the room's timeout. Also: a
+`min_new_tokens` above `max_new_tokens` is a 400 on either node before any prefill."""
 
 from __future__ import annotations
 
@@ -89,3 +90,15 @@ def test_the_sender_aborts_a_room_whose_done_is_too_big(stack, monkeypatch) -> N
     assert p.status_code >= 500 and d.status_code >= 500, (p.text, d.text)
     assert "logprobs_too_large" in p.text or "message limit" in p.text, p.text
     assert stack.prefill_server.sender.counters["oversized_done"] == 1
+
+
+@pytest.mark.parametrize("node", ["prefill", "decode"])
+def test_min_new_tokens_above_max_is_refused_before_any_prefill(stack, node: str) -> None:
+    p_body, d_body = bodies(stack, len(PROMPT) - 1, 0)
+    body = p_body if node == "prefill" else d_body
+    body["sampling_params"] = {"max_new_tokens": 2, "min_new_tokens": 5}
+    before = stack.prefill_server.engine.stats()["tokens_computed_total"]
+    answer = stack.client.post(getattr(stack, node).url + "/generate", json=body, timeout=10)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "sampling_params.min_new_tokens"
+    assert stack.prefill_server.engine.stats()["tokens_computed_total"] == before
