@@ -202,16 +202,28 @@ def token_logprob(logprobs: torch.Tensor, token_id: int, request: LogprobRequest
     return TokenLogprob(int(token_id), float(logprobs[token_id]), top, selected)
 
 
+INPUT_LOGPROB_SLICE_ROWS = 512  # rows of [rows, V] fp32 log_softmax alive at once
+
+
 def input_logprobs(
-    logits: torch.Tensor, next_ids: Sequence[int], request: LogprobRequest
+    logits: torch.Tensor,
+    next_ids: Sequence[int],
+    request: LogprobRequest,
+    slice_rows: int = INPUT_LOGPROB_SLICE_ROWS,
 ) -> list[TokenLogprob]:
     """Prompt logprobs: row i of `logits[N, V]` (raw, fp32) is the position before
     `next_ids[i]`; each is the log_softmax of the model's logits (no temperature, penalty or
-    mask: those belong to sampling, as in SGLang)."""
-    if not len(next_ids):
-        return []
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return [token_logprob(logprobs[i], int(t), request) for i, t in enumerate(next_ids)]
+    mask: those belong to sampling, as in SGLang). Computed `slice_rows` rows at a time and
+    only the chosen / top-n / selected values kept, so a long prompt never holds a second
+    `[N, V]` fp32 tensor (log_softmax is per row: slicing changes no value)."""
+    if slice_rows < 1:
+        raise ValueError(f"slice_rows must be >= 1, got {slice_rows}")
+    out: list[TokenLogprob] = []
+    for first in range(0, len(next_ids), slice_rows):
+        logprobs = torch.log_softmax(logits[first : first + slice_rows].float(), dim=-1)
+        ids = next_ids[first : first + slice_rows]
+        out += [token_logprob(logprobs[i], int(t), request) for i, t in enumerate(ids)]
+    return out
 
 
 def _output_logprobs(

@@ -11,9 +11,11 @@ from pdcache.engine.sampler import (
     SampleRow,
     apply_penalties,
     apply_top_k_top_p,
+    input_logprobs,
     make_generator,
     sample,
     sample_rows,
+    token_logprob,
 )
 
 
@@ -121,3 +123,23 @@ def test_logprobs_are_taken_after_masks_and_temperature_before_truncation() -> N
     assert entry.selected == ((3, torch.finfo(torch.float32).min),
                               (0, pytest.approx(float(expected[0]))))
     assert sample_rows(logits, [SampleRow(params, make_generator(1))]).logprobs == [None]
+
+
+@pytest.mark.parametrize("slice_rows", [1, 7, 50, 512])
+def test_prompt_logprobs_in_slices_equal_the_whole_log_softmax(slice_rows, monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(50, 300, generator=gen) * 4
+    next_ids = torch.randint(0, 300, (50,), generator=gen).tolist()
+    request = LogprobRequest(top_n=5, token_ids=(0, 17, 299))
+    whole = torch.log_softmax(logits, dim=-1)
+    expected = [token_logprob(whole[i], t, request) for i, t in enumerate(next_ids)]
+    rows_seen: list[int] = []
+    log_softmax = torch.log_softmax
+
+    def recording(x: torch.Tensor, dim: int) -> torch.Tensor:
+        rows_seen.append(x.shape[0])
+        return log_softmax(x, dim=dim)
+
+    monkeypatch.setattr(torch, "log_softmax", recording)
+    assert input_logprobs(logits, next_ids, request, slice_rows=slice_rows) == expected
+    assert max(rows_seen) == min(slice_rows, 50) and sum(rows_seen) == 50
