@@ -772,6 +772,7 @@ class Engine:
         holders = scheduler.running + list(scheduler.held.values())
         request_pages = sum(r.num_own_pages for r in holders)
         request_pages += sum(len(pages) for pages in scheduler.reserved.values())
+        request_pages += sum(len(r.deferred_free_page_ids) for r in scheduler.held.values())
         for req in self._all_unfinished() + list(scheduler.held.values()):
             req.check()
         numbers = {

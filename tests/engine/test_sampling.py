@@ -501,3 +501,61 @@ def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
     assert set(result.errors) == {1} and "sampling failed" in result.errors[1]
     alone = sample_rows(logits[[0, 2]], [SampleRow(params, make_generator(b)) for b in (0, 2)])
     assert [result.tokens[0], result.tokens[2]] == alone.tokens
+
+
+class RecordingHoldScheduler(Scheduler):
+    """Holds every finished request and records the prompt pages it hands out (what a
+    prefill node gives its KV sender to read)."""
+
+    handed: dict[str, list[int]]
+
+    def hold_after_finish(self, req) -> bool:
+        self.handed = getattr(self, "handed", {})
+        self.handed[req.rid] = list(req.page_ids[: len(req.prompt_ids) // PAGE])
+        return True
+
+
+def test_caching_a_held_leaders_prompt_keeps_its_handed_pages_intact(tiny) -> None:
+    """A follower makes the scheduler cache a held leader's prompt after an equal prompt
+    reached the tree: the leader's own pages are duplicates then, but a reader still has them,
+    so they are freed only when the leader is released (not reused by the next request)."""
+    prompt = prompt_of(14, 14)  # 3 full pages + 2 tokens
+    config = EngineConfig(
+        model=tiny.config,
+        cache=CacheConfig(page_size=PAGE, num_device_pages=64),
+        scheduler=SchedulerConfig(),
+    )
+    engine = Engine(config, tiny, make_scheduler=RecordingHoldScheduler).start(thread=False)
+    finals: dict[str, RequestOutput] = {}
+
+    def collect(out: RequestOutput) -> None:
+        if out.finished:
+            finals[out.rid] = out
+
+    def drain() -> None:
+        for _ in range(50):
+            if not engine.step():
+                break
+
+    first = SamplingParams(max_new_tokens=1)
+    engine.submit(GenerateRequest("twin", prompt, first), collect)
+    engine.submit(GenerateRequest("lead", prompt, first), collect)
+    drain()
+    assert finals["lead"].computed_tokens == finals["twin"].computed_tokens == 14
+    handed = engine.scheduler.handed["lead"]
+    before = engine.pool.device_kv[:, :, handed].clone()
+    engine.release_held("twin")  # the tree now has the prompt's pages: lead's are duplicates
+    engine.submit(GenerateRequest("f1", prompt, first, prefill_leader="lead"), collect)
+    drain()
+    assert finals["f1"].cached.total == 12
+    # a new prompt takes whatever pages are free and writes them
+    engine.submit(GenerateRequest("other", prompt_of(15, 120), first), collect)
+    drain()
+    assert torch.equal(engine.pool.device_kv[:, :, handed], before)
+    held = engine.check_accounting()["requests"]
+    assert held >= len(handed)  # the deferred duplicates are counted as the leader's
+    for rid in ("lead", "f1", "other"):
+        engine.release_held(rid)
+    engine.step()
+    assert engine.check_accounting()["requests"] == 0  # nothing leaked
+    engine.shutdown()
