@@ -289,6 +289,8 @@ class Scheduler:
         del self.reserved[req.rid]
         self.reserved_growth.pop(req.rid, None)
         req.admit_prefilled(page_ids, first_token, self._admit_seq, first_logprob)
+        if self.tree is not None:  # a turn of its session arrived (nodes learn it on release)
+            self.tree.note_session(None, req.session_id, new_turn=True)
         self._admit_seq += 1
         self.running.append(req)
         self._maybe_finish(req, first_token)
