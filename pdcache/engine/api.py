@@ -28,7 +28,7 @@ class SamplingParams:
     min_new_tokens: int = 0  # EOS and stop tokens are masked until this many tokens exist
     frequency_penalty: float = 0.0  # OpenAI: logit -= f * count(token in output)
     presence_penalty: float = 0.0  # OpenAI: logit -= p * (token in output)
-    repetition_penalty: float = 1.0  # CTRL/HF: over prompt + output, 1.0: off
+    repetition_penalty: float = 1.0  # SGLang: scales generated tokens' logits, 1.0: off
 
     @property
     def greedy(self) -> bool:

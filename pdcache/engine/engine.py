@@ -594,7 +594,7 @@ class Engine:
             eos = () if params.ignore_eos else self.config.model.eos_token_ids
             vocab = self.config.model.vocab_size  # a stop id outside it can never be sampled
             stop_ids = tuple(t for t in (*eos, *params.stop_token_ids) if _is_token_id(t, vocab))
-        return SampleRow(params, req.generator, req.prompt_ids, req.output_ids, stop_ids,
+        return SampleRow(params, req.generator, req.output_ids, stop_ids,
                          allowed, req.logprobs)
 
     def _accept(self, reqs: list[Req], tokens: list[int]) -> None:

@@ -2,7 +2,8 @@
 top-p / min-p, per-request seeds, and logprobs.
 
 One batched pass over the fp32 logits `[B, V]`, in this order (SGLang's):
-1. penalties: repetition (HF/CTRL: over prompt + output, a positive logit is divided by the
+1. penalties: repetition (over the output only, as SGLang 0.5.23's BatchedRepetitionPenalizer,
+   not HF/CTRL's prompt + output: a positive logit of a generated token is divided by the
    penalty, a negative one multiplied), then frequency and presence (OpenAI: over the output,
    `logit -= frequency * count + presence * (count > 0)`);
 2. `min_new_tokens`: the row's stop tokens (EOS, `stop_token_ids`) get -inf until the output
@@ -49,14 +50,14 @@ def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
 class SampleRow:
     """What the sampler needs to know of one row besides its logits.
 
-    `prompt_ids`/`output_ids` feed the penalties (read only when a penalty is on);
+    `output_ids` feed the penalties (read only when a penalty is on; the prompt is not
+    penalised, as in SGLang);
     `stop_ids` are the tokens masked while `len(output_ids) < params.min_new_tokens`;
     `allowed` is the constraint's bool mask `[V]` (None: every token); `logprobs` asks for the
     sampled token's `TokenLogprob`."""
 
     params: SamplingParams
     generator: torch.Generator
-    prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     stop_ids: Sequence[int] = ()
     allowed: torch.Tensor | None = None
@@ -116,10 +117,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
         output = torch.tensor(list(rows[b].output_ids), dtype=torch.long, device=device)
         counts = torch.bincount(output, minlength=vocab).to(row_logits.dtype)
         if params.repetition_penalty != 1.0:
-            seen = counts > 0
-            if rows[b].prompt_ids:
-                prompt = torch.tensor(list(rows[b].prompt_ids), dtype=torch.long, device=device)
-                seen |= torch.bincount(prompt, minlength=vocab) > 0
+            seen = counts > 0  # generated tokens only (SGLang), the prompt's are left alone
             scaled = torch.where(
                 row_logits > 0,
                 row_logits / params.repetition_penalty,

@@ -65,18 +65,19 @@ def test_truncation_always_keeps_the_best_token() -> None:
 
 
 # ---- penalties, masks, min-p, logprobs (sample_rows) -------------------------------------
-def test_penalties_match_the_formulas_over_prompt_and_output() -> None:
+def test_penalties_match_the_formulas_over_the_output() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5,
                             presence_penalty=0.25)
-    row = SampleRow(params, make_generator(0), prompt_ids=[0, 1], output_ids=[3, 3, 4])
+    row = SampleRow(params, make_generator(0), output_ids=[3, 3, 4])
     got = apply_penalties(logits, [row])[0].tolist()
-    # repetition (prompt + output: 0, 1, 3, 4): positive / 2, negative * 2;
-    # then frequency (count) and presence over the output only (3 twice, 4 once)
-    expected = [1.0, -2.0, 0.5, 1.5 - 0.5 * 2 - 0.25, -4.0 - 0.5 - 0.25, 1.0]
+    # repetition over the output only (SGLang: 3, 4): positive / 2, negative * 2, the rest
+    # (0 and 1 included, prompt tokens under HF's rule) untouched; then frequency (count) and
+    # presence (3 twice, 4 once)
+    expected = [2.0, -1.0, 0.5, 1.5 - 0.5 * 2 - 0.25, -4.0 - 0.5 - 0.25, 1.0]
     assert got == expected
     assert apply_penalties(logits, [SampleRow(SamplingParams(), make_generator(0),
-                                              [0], [3])]) is logits  # none: untouched
+                                              [3])]) is logits  # none: untouched
 
 
 def test_penalised_greedy_row_changes_its_token() -> None:

@@ -177,9 +177,10 @@ def test_input_start_at_prompt_end_gives_no_input_logprobs(tiny) -> None:
 def penalised(
     row: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams
 ) -> torch.Tensor:
-    """The penalties computed by hand, one token at a time."""
+    """The penalties computed by hand, one token at a time (SGLang's: over the output;
+    `prompt` is not penalised)."""
     out = row.clone()
-    for token in set(prompt) | set(output):
+    for token in set(output):
         if params.repetition_penalty != 1.0:
             value = float(out[token])
             out[token] = (
