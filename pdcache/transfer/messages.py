@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import msgpack
@@ -175,9 +177,9 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }
 _NESTED: tuple[type, ...] = (PrefillReport, CachedTokens)  # dataclasses allowed as fields
 # fields a version 2 sender does not send: their defaults apply
-_SINCE_V3: dict[type, frozenset[str]] = {
+_SINCE_V3: Mapping[type, frozenset[str]] = MappingProxyType({
     PrefillReport: frozenset({"first_logprob", "input_logprobs"}),
-}
+})
 _LOGPROB_HEADER = np.dtype("<i4")
 
 

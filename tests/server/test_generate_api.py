@@ -345,3 +345,9 @@ def test_min_new_tokens_above_max_new_tokens_is_a_400_naming_it(client: TestClie
     sampling["min_new_tokens"] = 3  # equal is fine
     ok = client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": sampling})
     assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3
+
+
+@pytest.mark.parametrize("table", [UNSUPPORTED_FIELDS, UNSUPPORTED_SAMPLING])
+def test_the_unsupported_tables_are_read_only(table) -> None:
+    with pytest.raises(TypeError):
+        table["stream"] = (None,)  # a module-level table no request can change
