@@ -39,7 +39,7 @@ from pdcache.server.protocol import (
 )
 from pdcache.server.routes import SequenceRun, ServerRoutes
 from pdcache.transfer import KVSender
-from pdcache.transfer.messages import DONE_OVERHEAD_BYTES, prompt_logprobs_bytes
+from pdcache.transfer.messages import prompt_logprobs_too_large
 
 
 class PrefillApp:
@@ -110,17 +110,9 @@ class PrefillApp:
     def _check_logprobs_fit(self, logprobs: LogprobRequest | None, prompt_len: int) -> None:
         """400 `logprobs_too_large` before any compute when the prompt logprobs asked for
         cannot ride the Done message to decode (it would drop it and time the room out)."""
-        if logprobs is None or logprobs.input_start is None:
-            return
-        size = prompt_logprobs_bytes(prompt_len - logprobs.input_start, logprobs.top_n,
-                                     len(logprobs.token_ids))
-        limit = self.sender.config.max_message_bytes
-        if size + DONE_OVERHEAD_BYTES > limit:
-            raise bad_request(
-                f"the prompt logprobs asked for take about {size} bytes, over the "
-                f"{limit}-byte limit of the P/D message that carries them: raise "
-                "logprob_start_len or lower top_logprobs_num / token_ids_logprob",
-                code="logprobs_too_large")
+        why = prompt_logprobs_too_large(prompt_len, logprobs, self.sender.config.max_message_bytes)
+        if why:
+            raise bad_request(why, code="logprobs_too_large")
 
     async def _watch_decode(self, requested: asyncio.Future[float],
                             handle: EngineRequest) -> bool:

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-from pdcache.engine.api import CachedTokens, TokenLogprob
+from pdcache.engine.api import CachedTokens, LogprobRequest, TokenLogprob
 
 PROTOCOL_VERSION = 3
 ACCEPTED_VERSIONS = (2, 3)
@@ -195,6 +195,22 @@ def prompt_logprobs_bytes(num_positions: int, top_n: int, num_token_ids: int) ->
     if num_positions <= 0:
         return 0
     return 12 + num_positions * (12 + 8 * (max(top_n, 0) + max(num_token_ids, 0)))
+
+
+def prompt_logprobs_too_large(
+    prompt_len: int, request: LogprobRequest | None, max_message_bytes: int
+) -> str:
+    """Why the prompt logprobs `request` asks of a `prompt_len`-token prompt cannot ride a
+    Done message within `max_message_bytes` ("" when they fit or none are asked for)."""
+    if request is None or request.input_start is None:
+        return ""
+    size = prompt_logprobs_bytes(prompt_len - request.input_start, request.top_n,
+                                 len(request.token_ids))
+    if size + DONE_OVERHEAD_BYTES <= max_message_bytes:
+        return ""
+    return (f"the prompt logprobs asked for take about {size} bytes, over the "
+            f"{max_message_bytes}-byte limit of the P/D message that carries them: raise "
+            "logprob_start_len or lower top_logprobs_num / token_ids_logprob")
 
 
 def pack_logprobs(entries: list[TokenLogprob] | None) -> bytes:
