@@ -31,15 +31,22 @@ import argparse
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from pdcache.config.parse import load_topology, topology_from_raw
-from pdcache.config.schema import RouterSpec, SchedulerSpec, Topology, TopologyError
+from pdcache.config.schema import (
+    RouterSpec,
+    SchedulerSpec,
+    ToolCallParser,
+    Topology,
+    TopologyError,
+)
 
 # flag dest -> the node key it sets (dotted below the node). Their flags default to None, so
 # only flags given on the command line override a topology's values.
 NODE_FLAG_KEYS = {
     "request_timeout": "request_timeout_s",
+    "tool_call_parser": "tool_call_parser",
     "offload_staging_pages": "offload_staging_pages",
     "offload_stride_pages": "offload_stride_pages",
     "kernels": "kernels",
@@ -221,6 +228,9 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
     sched = SchedulerSpec()
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="deadline of one request in seconds (default 600)")
+    parser.add_argument("--tool-call-parser", default=None, choices=list(get_args(ToolCallParser)),
+                        help="how model output becomes OpenAI tool_calls, as SGLang's flag "
+                             "(default hermes: <tool_call>{json}</tool_call>)")
     parser.add_argument("--kernels", default=None, choices=["auto", *KERNEL_BACKENDS.names()],
                         help="KV kernel backend (default auto: by device)")
     parser.add_argument("--incremental-streaming-output", action="store_const", const=True,

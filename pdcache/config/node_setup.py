@@ -36,6 +36,7 @@ class ServerSettings:
     """The HTTP side of one node process."""
 
     request_timeout_s: float = 600.0  # deadline of every wait on the engine, per request
+    tool_call_parser: str = "hermes"  # pdcache.server.tool_calls.TOOL_CALL_PARSERS
     incremental_streaming_output: bool = False  # /generate streams deltas, not cumulative
 
 
@@ -93,7 +94,9 @@ def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSet
     transfer = transfer_from_spec(topology.transfer, node) if node.role != "unified" else None
     return NodeSetup(node.name, node.role, node.host, node.port, engine_for(topology, node, model),
                      tiers_for(node, model, storage), fingerprint, storage, transfer,
-                     node.bootstrap_port, offload_for(node), ServerSettings(node.request_timeout_s, node.incremental_streaming_output),
+                     node.bootstrap_port, offload_for(node),
+                     ServerSettings(node.request_timeout_s, tool_call_parser=node.tool_call_parser,
+                                    incremental_streaming_output=node.incremental_streaming_output),
                      cache.key_scheme, cache.key_namespace, topology.model.ref, security)
 
 

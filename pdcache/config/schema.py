@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 Role = Literal["prefill", "decode", "unified"]
+# output formats of pdcache.server.tool_calls.TOOL_CALL_PARSERS (SGLang's --tool-call-parser
+# names); tests/config checks the two agree
+ToolCallParser = Literal["hermes", "qwen", "qwen25", "llama3"]
 PD_ROLES = ("prefill", "decode")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
@@ -252,6 +255,7 @@ class RouterSpec:
     max_inflight_per_node: int = 0  # requests in flight per node before the router queues; 0 = no limit
     max_queue: int = 1024  # requests the router queues when every node is at its limit
     max_attempts: int = 3  # tries of a request whose node was unreachable or answered 503
+    tool_call_parser: ToolCallParser = "hermes"  # how model output becomes OpenAI tool_calls
     incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
     tls_cert: str | None = None  # PEM certificate chain: the router serves HTTPS
     tls_key: str | None = None  # PEM private key of tls_cert
@@ -291,6 +295,7 @@ class NodeSpec:
     offload_staging_pages: int | None = None  # decode only: host staging pages (default 256)
     offload_stride_pages: int | None = None  # decode only: offload every N full pages (default 1)
     request_timeout_s: float = 600.0  # deadline of one request on this node's HTTP side
+    tool_call_parser: ToolCallParser = "hermes"  # how model output becomes OpenAI tool_calls
     incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
     kernels: str = "auto"  # KV kernel backend (pdcache.kernels): auto, reference, torch, ...
     devices: tuple[str, ...] | None = None  # overrides transfer.devices on this node

@@ -85,6 +85,7 @@ class DecodeApp:
         item = single_item(body)
         arrival = time.monotonic()
         input_ids = self.routes.checked_prompt(item)
+        constraint = self.routes.agent.sampling_constraint(item.sampling)  # a bad schema: 400
         room, rid = pd.room, item.rid or f"pd-{pd.room}"
         report = await self._receive(request, room, rid, pd.bootstrap, len(input_ids),
                                      item.sampling.max_new_tokens,
@@ -96,7 +97,8 @@ class DecodeApp:
         try:
             handle = self.controller.start_decode(room, lambda: self.bridge.submit_prefilled(
                 gen, rid, input_ids, sampling, salt, report.first_token,
-                logprobs=item.logprobs, first_logprob=report.first_token_logprob(),
+                logprobs=item.logprobs, constraint=constraint,
+                first_logprob=report.first_token_logprob(),
                 input_logprobs=report.prompt_logprobs(), session_id=body.session_id))
         except RoomCancelledError as exc:  # the node is closing
             raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,

@@ -28,7 +28,12 @@ import torch
 from pdcache.engine.config import DTYPES, ModelConfig
 from pdcache.engine.loader import load_model
 from pdcache.engine.presets import PRESETS, byte_tokenizer
-from pdcache.engine.tokenizer import BYTE_SPECIAL_TOKENS, ByteTokenizer
+from pdcache.engine.tokenizer import (
+    BYTE_SPECIAL_TOKENS,
+    TOOLS_INTRO,
+    TOOLS_OUTRO,
+    ByteTokenizer,
+)
 
 WEIGHTS_FILE = "model.safetensors"
 # Files of an earlier export (or another checkpoint) that `--force` removes: a stale shard
@@ -36,11 +41,37 @@ WEIGHTS_FILE = "model.safetensors"
 STALE_WEIGHT_GLOBS = ("*.safetensors", "model.safetensors.index.json")
 
 # ChatML as ByteTokenizer.apply_chat_template renders it: <|bos|>, then per message
-# <|im_start|>{role}\n{content}<|im_end|>\n, then <|im_start|>assistant\n when asked.
+# <|im_start|>{role}\n{content}<|im_end|>\n, then <|im_start|>assistant\n when asked; with
+# `tools`, Qwen2.5's tools block in the first system message, and assistant `tool_calls` as
+# <tool_call> blocks (pdcache.engine.tokenizer.render_tools_block / render_tool_calls).
+_TOOLS_BLOCK = (
+    "{% set ns = namespace(block=" + json.dumps(TOOLS_INTRO) + ") %}"
+    "{% for tool in tools %}{% set ns.block = ns.block + '\\n' + (tool | tojson) %}{% endfor %}"
+    "{% set ns.block = ns.block + " + json.dumps(TOOLS_OUTRO) + " %}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ '<|im_start|>system\\n' + (messages[0]['content'] or '') + '\\n\\n' + ns.block"
+    " + '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>system\\n' + ns.block + '<|im_end|>\\n' }}{% endif %}"
+)
+_TOOL_CALLS = (
+    "{% for call in message['tool_calls'] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' }}"
+    "{% if fn['arguments'] is string %}{{ fn['arguments'] }}"
+    "{% else %}{{ fn['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}" + _TOOLS_BLOCK + "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{% if message['tool_calls'] %}" + _TOOL_CALLS + "{% endif %}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

@@ -31,9 +31,13 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def apply_chat_template(
-        self, messages: list[Message], add_generation_prompt: bool = True
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of a chat rendered with the model's template."""
+        """Token ids of a chat rendered with the model's template; `tools` (OpenAI function
+        definitions `{"type": "function", "function": {...}}`) are handed to the template."""
 
 
 BYTE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
@@ -46,6 +50,13 @@ class ByteTokenizer(Tokenizer):
     those bytes), so `decode(encode(t)) == t` for every string. Chat template (ChatML-like):
     `<|bos|>` then per message `<|im_start|>{role}\\n{content}<|im_end|>\\n`, and with
     `add_generation_prompt` a final `<|im_start|>assistant\\n`.
+
+    Tools, Qwen2.5-style (docs/tools.md): with `tools`, the first system message's content (or
+    a new first system message) gets `render_tools_block(tools)` (one `tojson` line per tool in
+    `<tools></tools>`, then the `<tool_call>` instructions); an assistant message's
+    `tool_calls` follow its content as `<tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>`
+    (each after a `\\n` unless it opens an empty content); `tool` messages are ordinary
+    `<|im_start|>tool\\n...` turns. `pdcache.engine.export.CHAT_TEMPLATE` renders the same ids.
     """
 
     def __init__(self) -> None:
@@ -78,12 +89,16 @@ class ByteTokenizer(Tokenizer):
         return "".join(out)
 
     def apply_chat_template(
-        self, messages: list[Message], add_generation_prompt: bool = True
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         ids = [self.bos_token_id]
-        for message in messages:
+        for message in with_tools_system(messages, tools):
             role, content = _role_and_content(message)
-            ids += [self.im_start_id, *self.encode(f"{role}\n{content}"), self.im_end_id]
+            body = content + render_tool_calls(message.get("tool_calls"), content)
+            ids += [self.im_start_id, *self.encode(f"{role}\n{body}"), self.im_end_id]
             ids += self.encode("\n")
         if add_generation_prompt:
             ids += [self.im_start_id, *self.encode("assistant\n")]
@@ -92,9 +107,64 @@ class ByteTokenizer(Tokenizer):
 
 def _role_and_content(message: Message) -> tuple[str, str]:
     role, content = message.get("role"), message.get("content")
+    if content is None and message.get("tool_calls"):
+        content = ""  # OpenAI: an assistant turn that only calls tools has content null
     if not isinstance(role, str) or not isinstance(content, str):
         raise ValueError(f"a chat message needs string 'role' and 'content', got {message!r}")
     return role, content
+
+
+# Qwen2.5's tool prompt (the Hermes format: <tool_call>{json}</tool_call>), shared by the byte
+# tokenizer and the exported jinja template so both render identical ids.
+TOOLS_INTRO = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_OUTRO = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def tojson(value: Any) -> str:
+    """JSON as transformers' chat-template `tojson` filter writes it (keys in order, non-ASCII
+    kept, `", "` / `": "` separators), so our renderer and HF's give the same text."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def render_tools_block(tools: list[dict[str, Any]]) -> str:
+    return TOOLS_INTRO + "".join("\n" + tojson(tool) for tool in tools) + TOOLS_OUTRO
+
+
+def with_tools_system(messages: list[Message], tools: list[dict[str, Any]] | None) -> list[Message]:
+    """`messages` with the tools block appended to the first system message (or added as one)."""
+    if not tools:
+        return messages
+    block = render_tools_block(tools)
+    if messages and messages[0].get("role") == "system":
+        first = messages[0]
+        return [{**first, "content": f"{first.get('content') or ''}\n\n{block}"}, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]
+
+
+def render_tool_calls(tool_calls: Any, content: str) -> str:
+    """The `<tool_call>` blocks of an assistant message (OpenAI `tool_calls`; `arguments` is
+    JSON text, written as it is, or an object, written as its `tojson`)."""
+    if not tool_calls:
+        return ""
+    out = []
+    for i, call in enumerate(tool_calls):
+        function = call.get("function", call)
+        arguments = function.get("arguments")
+        # JSON text (OpenAI's `arguments`) is written as it is, an object as its tojson
+        arguments = arguments if isinstance(arguments, str) else tojson(arguments)
+        sep = "\n" if content or i > 0 else ""
+        out.append(
+            f'{sep}<tool_call>\n{{"name": {tojson(function.get("name"))}, '
+            f'"arguments": {arguments}}}\n</tool_call>'
+        )
+    return "".join(out)
 
 
 class HFTokenizer(Tokenizer):
@@ -124,6 +194,11 @@ class HFTokenizer(Tokenizer):
         self.eos_token_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
         self._path = path
 
+    @property
+    def tokenizer_file(self) -> Path:
+        """The checkpoint's tokenizer.json (grammar libraries read the vocabulary from it)."""
+        return self._path / "tokenizer.json"
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
@@ -134,7 +209,10 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[Message], add_generation_prompt: bool = True
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if self.chat_template is None:
             raise ValueError(
@@ -147,6 +225,7 @@ class HFTokenizer(Tokenizer):
             self.chat_template,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools or None,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
@@ -184,6 +263,7 @@ def _render_template(template: str, **context: Any) -> str:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson  # transformers' filter (jinja's own sorts keys, escapes <>)
     try:
         return env.from_string(template).render(**context)
     except TemplateError as exc:

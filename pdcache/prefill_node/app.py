@@ -79,12 +79,15 @@ class PrefillApp:
         started = time.monotonic()
         try:
             sampling = item.sampling.to_engine()
-            # the first token only; min_new_tokens >= 1 still keeps it from being a stop token
+            # the first token only; min_new_tokens >= 1 still keeps it from being a stop token;
+            # sampled here under the request's grammar (decode rebuilds it)
             first_only = dataclasses.replace(sampling, max_new_tokens=1,
                                              min_new_tokens=min(sampling.min_new_tokens, 1))
             handle = self.bridge.submit(gen, input_ids, first_only, body.cache_salt, rid,
                                         logprobs=item.logprobs,
-                                       session_id=body.session_id)
+                                        constraint=self.routes.agent.sampling_constraint(
+                                            item.sampling),
+                                        session_id=body.session_id)
             watchdog = asyncio.ensure_future(self._watch_decode(requested, handle))
             try:
                 text = self.routes.assembler(item)

@@ -21,6 +21,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -28,12 +29,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
-from pdcache.engine.api import CachedTokens
+from pdcache.engine.api import CachedTokens, TokenLogprob
 from pdcache.engine.config import ModelConfig
 from pdcache.engine.tokenizer import Tokenizer
 from pdcache.router.admission import RouterBusyError
 from pdcache.router.config import RouterConfig
 from pdcache.router.core import Prepared, Router, Turn
+from pdcache.router.node_client import BAD_GATEWAY
 from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.proxy import close_stream
 from pdcache.router.route import Deadline
@@ -46,7 +48,9 @@ from pdcache.router.tenants import (
     session_key,
     tenant_of,
 )
+from pdcache.server.agent import ChoicePlan
 from pdcache.server.bridge import wait_for_disconnect
+from pdcache.server.choices import ChoiceDelta, ChoiceOutput, choice_events
 from pdcache.server.generate_api import (
     GenerateItem,
     GenerateRequestBody,
@@ -54,6 +58,8 @@ from pdcache.server.generate_api import (
     merge_streams,
 )
 from pdcache.server.protocol import (
+    SEED_LIMIT,
+    SERVER_ERROR,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,16 +77,12 @@ from pdcache.server.responses import (
     Handler,
     ResponseHead,
     StreamEnd,
-    chat_choice,
-    chat_events,
-    completion_events,
     drain,
     event_stream,
     model_list,
     now_s,
     run_guarded,
     sse,
-    text_choice,
     usage_body,
 )
 from pdcache.server.routes import mount, service_handlers
@@ -189,21 +191,32 @@ class RouterApp:
         sampling = {"max_new_tokens": max_tokens, "temperature": body.temperature,
                     "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
                     "stop_token_ids": list(body.stop_token_ids), "ignore_eos": body.ignore_eos}
+        for name in ("presence_penalty", "frequency_penalty"):  # SGLang's names too
+            if getattr(body, name):
+                sampling[name] = getattr(body, name)
+        top_n = body.logprobs_top_n()
+        extra = {} if top_n is None else {"return_logprob": True, "top_logprobs_num": top_n}
         tenant = tenant_of(request)
         return Prepared(input_ids, sampling, scoped_salt(tenant, body.cache_salt),
-                        session_key(tenant, body.session_id), stream=bool(body.stream))
+                        session_key(tenant, body.session_id), stream=bool(body.stream),
+                        extra=extra)
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await request.body())
         body.check_supported()
         stops = body.stop_strings()
         session = session_key(tenant_of(request), body.session_id)
-        input_ids = self.router.chat_prompt(session, body.template_messages())
+        input_ids = self.router.chat_prompt(session, body.template_messages(),
+                                            body.template_tools())
         prep = self._openai_prep(request, body, input_ids, body.requested_max_tokens(),
                                  "messages")
+        json_schema = self.router.agent.node_json_schema(body)
+        if json_schema is not None:
+            prep.sampling["json_schema"] = json_schema  # the nodes build the constraint
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
         head = ResponseHead.new("chatcmpl", kind, self.router.model_name)
-        return await self._openai(request, prep, body, stops, head, chat=True)
+        plan = self.router.agent.chat_plan(body, constrain=False)
+        return await self._openai(request, prep, body, stops, head, plan)
 
     async def completions(self, request: Request) -> Response:
         body = parse_body(CompletionRequest, await request.body())
@@ -215,44 +228,84 @@ class RouterApp:
         input_ids = self.router.session_prompt(session, new_ids)
         prep = self._openai_prep(request, body, input_ids, body.max_tokens, "prompt")
         head = ResponseHead.new("cmpl", "text_completion", self.router.model_name)
-        return await self._openai(request, prep, body, stops, head, chat=False)
+        plan = self.router.agent.completion_plan(body)
+        return await self._openai(request, prep, body, stops, head, plan)
 
     async def _openai(self, request: Request, prep: Prepared, body: OpenAIRequestBase,
-                      stops: list[str], head: ResponseHead, chat: bool) -> Response:
+                      stops: list[str], head: ResponseHead, plan: ChoicePlan) -> Response:
+        """Route the request's `n` choices, each its own node request. Choice i > 0 is sent
+        once choice 0's first token arrived and, in PD, its prefill call ended: its prompt
+        pages are then in that prefill node's tree, where the cache-aware policy sends the
+        others (the prompt computed once). A unified node caches the prompt when choice 0
+        ends, so there the others may compute it again. Only choice 0 commits the session."""
         deadline = Deadline(self.router.config.request_timeout_s)
-        stream, first, route = await watch(request, self.router.send_stream(prep, deadline))
-        turn, text = Turn(route), TextAssembler(self.router.decode, stops)
-        deltas = self._deltas(prep, stream, first, turn, text)
+        choices: list[RoutedChoice] = []
+        try:
+            for index in range(body.n):
+                choice_prep = prep if index == 0 else sample_prep(prep, index)
+                stream, first, route = await watch(request,
+                                                   self.router.send_stream(choice_prep, deadline))
+                choices.append(RoutedChoice(choice_prep, stream, first, Turn(route),
+                                            TextAssembler(self.router.decode, stops),
+                                            plan.output(index)))
+                if index == 0 and body.n > 1:
+                    await watch(request, stream.prefill_finished())
+        except BaseException:
+            for choice in choices:
+                await close_stream(choice.stream)
+            raise
+        deltas = merge_streams([self._choice_deltas(choice) for choice in choices])
         if body.stream:
-            end = StreamEnd(lambda: turn.finish_reason, lambda: self.usage(prep, turn),
-                            body.include_usage())
-            events = (chat_events if chat else completion_events)(head, deltas, end)
-            return streaming(events, stream)
+            end = StreamEnd(lambda: self.usage_of(choices), body.include_usage())
+            events = choice_events(head, deltas, body.n, end, plan.chat)
+            return streaming_many(events, [choice.stream for choice in choices])
         try:
             await watch(request, drain(deltas))
         finally:
-            await close_stream(stream)  # idempotent; covers a drain cancelled before it started
-        choice = (chat_choice if chat else text_choice)(text.text, turn.finish_reason)
-        return JSONResponse(head.body([choice], usage=self.usage(prep, turn)))
+            await close_streams(choices)  # idempotent; covers a drain cancelled before it started
+        bodies = [choice.output.body(choice.turn.finish_reason) for choice in choices]
+        return JSONResponse(head.body(bodies, usage=self.usage_of(choices)))
+
+    async def _choice_deltas(self, choice: RoutedChoice) -> AsyncIterator[ChoiceDelta]:
+        texts = self._deltas(choice.prep, choice.stream, choice.first, choice.turn, choice.text)
+        async with aclosing(texts) as stream:
+            async for text, logprobs in stream:
+                delta = choice.output.add(text, logprobs)
+                if not delta.empty():
+                    yield delta
+        yield choice.output.finish(choice.turn.finish_reason)
+
+    def usage_of(self, choices: list[RoutedChoice]) -> dict[str, Any]:
+        """The prompt once (choice 0's numbers), every choice's completion and computed
+        tokens."""
+        usages = [self.usage(c.prep, c.turn) for c in choices]
+        first = usages[0]
+        completion = sum(u["completion_tokens"] for u in usages)
+        return {**first, "completion_tokens": completion,
+                "total_tokens": first["prompt_tokens"] + completion,
+                "computed_tokens": sum(u["computed_tokens"] for u in usages)}
 
     async def _deltas(self, prep: Prepared, stream: UpstreamStream, event: dict[str, Any] | None,
-                      turn: Turn, text: TextAssembler) -> AsyncIterator[str]:
-        """Text deltas of the upstream stream, cut at the first stop string (which closes
-        the upstream request: the node aborts it)."""
+                      turn: Turn, text: TextAssembler
+                      ) -> AsyncIterator[tuple[str, list[TokenLogprob]]]:
+        """(text delta, output logprobs of its event) of the upstream stream, cut at the first
+        stop string (which closes the upstream request: the node aborts it)."""
         try:
+            logprobs: list[TokenLogprob] = []
             while event is not None:
                 ids = turn.absorb(event)
+                logprobs = node_logprobs(event)
                 delta = text.add(ids) if ids else ""
                 if text.stopped:
                     turn.finish_reason = "stop"
                     break
-                if delta:
-                    yield delta
+                if delta or logprobs:
+                    yield delta, logprobs
                 event = await stream.next()
             else:
-                delta = text.flush()
-            if delta:
-                yield delta
+                delta, logprobs = text.flush(), []
+            if delta or logprobs:
+                yield delta, logprobs
             self.router.finish(prep, turn)
         finally:
             await close_stream(stream)
@@ -314,6 +367,48 @@ class RouterApp:
 # --------------------------------------------------------------------------- helpers
 
 
+@dataclass
+class RoutedChoice:
+    """One choice of an OpenAI request: its routed node request and its OpenAI output."""
+
+    prep: Prepared
+    stream: UpstreamStream
+    first: dict[str, Any] | None
+    turn: Turn
+    text: TextAssembler
+    output: ChoiceOutput
+
+
+def sample_prep(prep: Prepared, index: int) -> Prepared:
+    """Choice `index` > 0 of `prep`: its own seed (a given seed + index), no session turn."""
+    seed = prep.sampling.get("seed")
+    sampling = {**prep.sampling, "seed": None if seed is None else (seed + index) % SEED_LIMIT}
+    return replace(prep, sampling=sampling, session_id=None, arrival=time.monotonic())
+
+
+async def close_streams(choices: list[RoutedChoice]) -> None:
+    for choice in choices:
+        await close_stream(choice.stream)
+
+
+def node_logprobs(event: dict[str, Any]) -> list[TokenLogprob]:
+    """The output logprobs of one incremental node event: SGLang's `meta_info`
+    `output_token_logprobs` `[(logprob, id, text)]` and `output_top_logprobs` (per token a
+    list of such, or null)."""
+    info = event.get("meta_info")
+    if not isinstance(info, dict) or not info.get("output_token_logprobs"):
+        return []
+    tokens = info["output_token_logprobs"]
+    tops = info.get("output_top_logprobs") or [None] * len(tokens)
+    try:
+        return [TokenLogprob(int(token[1]), token[0],
+                             top=tuple((int(t[1]), t[0]) for t in top or ()))
+                for token, top in zip(tokens, tops, strict=True)]
+    except (TypeError, ValueError, IndexError) as exc:
+        raise ApiError(502, f"node answered invalid logprobs: {exc}", type=SERVER_ERROR,
+                       code=BAD_GATEWAY) from None
+
+
 def _with_retry_after(handler: Handler) -> Handler:
     """`handler`, with the router's own 503s (admission) rendered with their Retry-After."""
     async def handle(request: Request) -> Response:
@@ -341,13 +436,10 @@ async def watch(request: Request, work: Awaitable[T]) -> T:
         await asyncio.gather(task, gone, return_exceptions=True)
 
 
-def streaming(events: AsyncIterator[bytes], stream: UpstreamStream) -> Response:
-    """SSE response; the background close covers a client gone before the first pull."""
-    return event_stream(events, BackgroundTask(close_stream, stream))
-
-
 def streaming_many(events: AsyncIterator[bytes], streams: list[UpstreamStream]) -> Response:
-    """`streaming` for the upstream streams of one /generate's sequences."""
+    """SSE response over the upstream streams of one answer (a /generate's sequences, an
+    OpenAI request's choices); the background close covers a client gone before the first
+    pull."""
     async def close_all() -> None:
         for stream in streams:
             await close_stream(stream)

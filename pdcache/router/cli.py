@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import Any, get_args
 
 from pdcache.config import (
     RouterSpec,
@@ -28,6 +28,7 @@ from pdcache.config import (
     add_topology_arguments,
     router_from_args,
 )
+from pdcache.config.schema import ToolCallParser
 from pdcache.config.security import security_for, tenant_api_key
 from pdcache.router.config import RouterConfig
 from pdcache.router.nodes import NodeEndpoint
@@ -52,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of the preset's weights (part of its model name; default 0)")
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--tool-call-parser", default=None, choices=list(get_args(ToolCallParser)),
+                        help="how model output becomes OpenAI tool_calls, as SGLang's flag "
+                             "(default hermes: <tool_call>{json}</tool_call>)")
     parser.add_argument("--page-size", type=int, default=None,
                         help="the nodes' page size, for cache-aware routing (default 16)")
     parser.add_argument("--host", default=None, help="default 127.0.0.1")
@@ -133,6 +137,7 @@ def build_config(args: argparse.Namespace) -> tuple[RouterConfig, str, int]:
         request_timeout_s=_pick(args.request_timeout, spec.request_timeout_s),
         connect_timeout_s=_pick(args.connect_timeout, spec.connect_timeout_s),
         health_interval_s=_pick(args.health_interval, spec.health_interval_s),
+        tool_call_parser=_pick(args.tool_call_parser, spec.tool_call_parser),
         **_load_settings(args, spec),
         **_security_settings(args, loaded[0] if loaded else None, spec),
     )

@@ -21,6 +21,7 @@ class RouterConfig:
     model: str = "tiny"  # tokenizer + model config: a preset name or a checkpoint directory
     model_seed: int = 0  # presets: the seed is part of the model's name
     served_model_name: str | None = None
+    tool_call_parser: str = "hermes"  # pdcache.server.tool_calls.TOOL_CALL_PARSERS
     name: str = "router"
     page_size: int = 16  # page size of the nodes' caches (cache-aware routing keys)
     prefill_policy: str = "cache_aware"

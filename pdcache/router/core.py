@@ -48,6 +48,7 @@ from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.route import Deadline, Route
 from pdcache.router.sessions import ChatContinuation, SessionStore
 from pdcache.router.tenants import TenantLimits, node_session_id
+from pdcache.server.agent import AgentFeatures
 from pdcache.server.generate_api import GenerateMeta
 from pdcache.server.protocol import (
     OVERLOADED,
@@ -141,6 +142,7 @@ class Router:
         self.selector = PairSelector(config.prefill_policy, config.decode_policy)
         self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
         self.chat = ChatContinuation(self.tokenizer)
+        self.agent = AgentFeatures(self.tokenizer, model.vocab_size, config.tool_call_parser)
         self.tenant_limits = TenantLimits()  # in flight per tenant (`TenantGate` holds them)
         self._salt_base = f"router;model={self.model_name};page={config.page_size}"
         # every call to a node (generate, health, service endpoints) carries the node
@@ -321,16 +323,36 @@ class Router:
             return new_ids
         return history + new_ids
 
-    def chat_prompt(self, session_id: Hashable | None, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(self, session_id: Hashable | None, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat's prompt ids. With a session: its exact history + the new messages. The
+        new messages are all of them (the client sent only those), or, when the client
+        resent the conversation, those after its last assistant turn, provided the turns
+        before that render to the history's prompt: the assistant turn itself is the ids the
+        model produced, however the client re-wrote it (a tool loop's `tool_calls`)."""
         try:
-            standalone = list(self.tokenizer.apply_chat_template(messages,
-                                                                 add_generation_prompt=True))
+            standalone = self.render_chat(messages, tools)
             history = self.sessions.history(session_id) if session_id else []
             if not history or standalone[: len(history)] == history:
                 return standalone
-            return self.chat.continue_ids(history, messages)
+            return self.chat.continue_ids(history, self._new_messages(history, messages, tools),
+                                          tools)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages", code="chat_template") from None
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                    ) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                       tools=tools))
+
+    def _new_messages(self, history: list[int], messages: list[dict[str, Any]],
+                      tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"),
+                   default=None)
+        if last is None:
+            return messages
+        asked = self.render_chat(messages[:last], tools)  # the prompt that turn answered
+        return messages[last + 1:] if history[: len(asked)] == asked else messages
 
     def encode(self, text: str | None, param: str) -> list[int]:
         return encode_prompt(self.tokenizer, text, param)

@@ -172,6 +172,13 @@ class RouteStream:
         self._ok = False
         self._released = False
 
+    async def prefill_finished(self) -> None:
+        """Wait until P answered (PD: its request ended, so its prompt pages are in P's
+        prefix tree); at once on a unified route. P's failure is not raised here: the
+        stream's `next()` reports it."""
+        if self._prefill is not None:
+            await asyncio.wait({self._prefill})
+
     async def next(self) -> dict[str, Any] | None:
         try:
             if self._started or self._prefill is None:

@@ -91,7 +91,8 @@ class RouterService:
     async def model_info(self, request: Request) -> Response:
         router = self.router
         return JSONResponse(model_info_body(router.model_config, router.config.model,
-                                            router.model_name, self.mode))
+                                            router.model_name, self.mode,
+                                            router.config.tool_call_parser))
 
     # ---- /flush_cache
 

@@ -8,6 +8,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdcache.engine.tokenizer import Message, Tokenizer
 
@@ -108,17 +109,20 @@ class ChatContinuation:
         self._closing = _strip_prefix(rest, answer, "the assistant answer")
         self._turn_prefix = turn
 
-    def continue_ids(self, history: Sequence[int], messages: list[Message]) -> list[int]:
+    def continue_ids(self, history: Sequence[int], messages: list[Message],
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
         """history (ending with the previous answer's ids) + the end of that answer's turn +
-        the new messages + the generation prompt."""
+        the new messages + the generation prompt (`tools`: as the template renders turns
+        after its tools block)."""
         if self._error is not None or self._closing is None or self._turn_prefix is None:
             raise ValueError(f"this model's chat template cannot continue a session "
                              f"({self._error}); send the whole conversation without session_id")
-        full = self._tokenizer.apply_chat_template(
-            [self._USER, {"role": "assistant", "content": self._ANSWER}, *messages],
-            add_generation_prompt=True,
-        )
-        new_turns = _strip_prefix(full, self._turn_prefix, "the new messages")
+        probe = [self._USER, {"role": "assistant", "content": self._ANSWER}]
+        template = self._tokenizer.apply_chat_template
+        full = template([*probe, *messages], add_generation_prompt=True, tools=tools)
+        prefix = self._turn_prefix if not tools else template(probe, add_generation_prompt=False,
+                                                              tools=tools)
+        new_turns = _strip_prefix(full, prefix, "the new messages")
         closing = self._closing
         done = max((k for k in range(len(closing) + 1)
                     if k == 0 or list(history[-k:]) == closing[:k]), default=0)

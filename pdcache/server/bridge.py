@@ -32,6 +32,7 @@ from pdcache.engine.api import (
     LogprobRequest,
     RequestOutput,
     SamplingParams,
+    TokenConstraint,
     TokenLogprob,
 )
 from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
@@ -65,6 +66,7 @@ class ServerConfig:
     role: str = "unified"  # unified | prefill | decode (/server_info's disaggregation_mode)
     model_path: str = ""  # preset name or checkpoint path; "" = the model's name
     health_check_timeout_s: float = 20.0  # /health_generate's deadline (SGLang's default)
+    tool_call_parser: str = "hermes"  # pdcache.server.tool_calls.TOOL_CALL_PARSERS
     # /generate streams: False = cumulative chunks (SGLang's default), True = deltas (SGLang's
     # --incremental-streaming-output); a request's `incremental_streaming_output` wins
     incremental_streaming_output: bool = False
@@ -78,6 +80,7 @@ class ServerConfig:
         """The server settings of a node process."""
         return cls(name=setup.name, request_timeout_s=setup.server.request_timeout_s,
                    role=setup.role, model_path=setup.model_path,
+                   tool_call_parser=setup.server.tool_call_parser,
                    incremental_streaming_output=setup.server.incremental_streaming_output,
                    auth_token=setup.security.node_http_token,
                    metrics_auth=setup.security.metrics_auth)
@@ -252,14 +255,15 @@ class EngineBridge:
     def submit(self, gen: Generation, input_ids: list[int], sampling: SamplingParams,
                salt: str | None, rid: str | None = None, *,
                logprobs: LogprobRequest | None = None, prefill_leader: str | None = None,
-               session_id: str | None = None
+               constraint: TokenConstraint | None = None, session_id: str | None = None
                ) -> EngineRequest:
-        """Queue a request in the engine; 503 when full or stopped, 400 when invalid."""
+        """Queue a request in the engine; 503 when full or stopped, 400 when invalid.
+        `logprobs`, `prefill_leader`, `constraint` and `session_id` are `GenerateRequest`'s."""
         handle = self._new_handle(rid or uuid.uuid4().hex)
         gen.rid = handle.rid
         req = GenerateRequest(rid=handle.rid, input_ids=input_ids, sampling=sampling,
                               cache_salt=salt or "", logprobs=logprobs,
-                              prefill_leader=prefill_leader,
+                              prefill_leader=prefill_leader, constraint=constraint,
                               session_id=session_id or "")
         try:
             self.engine.submit(req, handle.on_output)
@@ -277,18 +281,21 @@ class EngineBridge:
     def submit_prefilled(self, gen: Generation, rid: str, input_ids: list[int],
                          sampling: SamplingParams, salt: str | None, first_token: int, *,
                          logprobs: LogprobRequest | None = None,
+                         constraint: TokenConstraint | None = None,
                          first_logprob: TokenLogprob | None = None,
                          input_logprobs: list[TokenLogprob] | None = None,
                          session_id: str | None = None,
                          ) -> EngineRequest:
         """Start decoding a request whose prompt K/V sits in the pages reserved under `rid`;
         on failure the reservation is freed and the request answers 500. `first_logprob` /
-        `input_logprobs`: what prefill's report carried (`Engine.submit_prefilled`); `session_id`
-        the conversation the turn belongs to (the decode tree's session eviction policy)."""
+        `input_logprobs`: what prefill's report carried; a `constraint` is rebuilt from the
+        request and the engine advances it past `first_token` (`Engine.submit_prefilled`);
+        `session_id`: the conversation the turn belongs to (the decode tree's session
+        eviction policy)."""
         handle = self._new_handle(rid)
         gen.rid = rid
         req = GenerateRequest(rid=rid, input_ids=input_ids, sampling=sampling,
-                              cache_salt=salt or "", logprobs=logprobs,
+                              cache_salt=salt or "", logprobs=logprobs, constraint=constraint,
                               session_id=session_id or "")  # the session eviction policy's
         try:
             self.engine.submit_prefilled(req, first_token, handle.on_output,

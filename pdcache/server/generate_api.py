@@ -59,7 +59,7 @@ INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token
 
 # SGLang sampling parameters pdcache does not implement, with the values that mean "off"
 UNSUPPORTED_SAMPLING: Mapping[str, tuple[Any, ...]] = MappingProxyType({
-    "stop_regex": (None, "", ()), "json_schema": (None,), "regex": (None,), "ebnf": (None,),
+    "stop_regex": (None, "", ()), "regex": (None,), "ebnf": (None,),
     "structural_tag": (None,), "beam_width": (None, 0, 1), "stream_interval": (None,),
     "logit_bias": (None, {}), "custom_params": (None, {}), "watermark": (None, {}),
     "choice": (None, ()), "spaces_between_special_tokens": (True,),
@@ -89,6 +89,7 @@ class _SamplingBase(BaseModel):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = Field(default=1, ge=1, le=MAX_SAMPLES)
+    json_schema: str | None = None  # SGLang's: constrained decoding (server/structured.py)
 
     @model_validator(mode="before")
     @classmethod

@@ -11,6 +11,7 @@ id) and, where a silently ignored field would change results, reject unknown fie
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
@@ -187,17 +188,138 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str  # JSON text of an object (OpenAI's shape)
+
+
+class AssistantToolCall(BaseModel):
+    """A call an earlier assistant turn made (`messages[i].tool_calls[j]`)."""
+
+    model_config = _STRICT
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def template_call(self) -> dict[str, Any]:
+        """The call as chat templates read it: HF templates (Qwen's `tojson`) want the
+        arguments as an object, so JSON text that parses to one is handed over parsed."""
+        try:
+            args: Any = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            args = self.function.arguments
+        if not isinstance(args, dict):
+            args = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": args}}
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # assistant turns only
+    tool_call_id: str | None = None  # tool turns only: the call this answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def check(self, i: int) -> None:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise bad_request("only assistant messages carry 'tool_calls'",
+                              param=f"messages[{i}].tool_calls", code="invalid_message")
+        if self.role == "tool" and not self.tool_call_id:
+            raise bad_request("a 'tool' message needs 'tool_call_id'",
+                              param=f"messages[{i}].tool_call_id", code="invalid_message")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise bad_request("only tool messages carry 'tool_call_id'",
+                              param=f"messages[{i}].tool_call_id", code="invalid_message")
+
+    def template_message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["content"] = self.text() or None
+            message["tool_calls"] = [call.template_call() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def template_tool(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def check(self) -> None:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise bad_request("'response_format.json_schema' is given with (and only with) "
+                              "type 'json_schema'", param="response_format.json_schema",
+                              code="invalid_response_format")
+
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema output must follow; `{}` (any JSON object) for json_object, None
+        for text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "object"}
+        assert self.json_schema is not None
+        return self.json_schema.schema_ or {}
+
+
+MAX_N = 16  # choices per request: each is one engine request
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat
 
 
 class OpenAIRequestBase(BaseModel):
@@ -214,12 +336,12 @@ class OpenAIRequestBase(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: Seed | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     # pdcache / SGLang extensions
     top_k: int = -1
@@ -229,11 +351,6 @@ class OpenAIRequestBase(BaseModel):
     cache_salt: str | None = None
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise unsupported("n", "only n=1 is supported")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                raise unsupported(name, f"'{name}' is not supported (only 0)")
         if self.logit_bias:
             raise unsupported("logit_bias", "'logit_bias' is not supported")
         if self.stream_options is not None and not self.stream:
@@ -248,20 +365,31 @@ class OpenAIRequestBase(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def to_engine(self, max_new_tokens: int) -> SamplingParams:
+    def to_engine(self, max_new_tokens: int, index: int = 0) -> SamplingParams:
+        """The engine's sampling of choice `index` (of `n`): a given seed is offset by the
+        index, so seeded samples differ from each other and are each reproducible."""
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            seed=self.seed,
+            seed=None if self.seed is None else (self.seed + index) % SEED_LIMIT,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
         )
+
+    def logprobs_top_n(self) -> int | None:
+        """How many alternatives per token the request's logprobs want; None: no logprobs."""
+        return None
 
 
 def unsupported(param: str, message: str) -> ApiError:
     return bad_request(message, param=param, code="unsupported_parameter")
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(OpenAIRequestBase):
@@ -269,32 +397,72 @@ class ChatCompletionRequest(OpenAIRequestBase):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise unsupported("logprobs", "'logprobs' is not supported")
-        if self.tools:
-            raise unsupported("tools", "tool calling is not supported")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice", "tool calling is not supported")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise unsupported("response_format", "only response_format type 'text' is supported")
+        for i, message in enumerate(self.messages):
+            message.check(i)
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs",
+                              code="invalid_logprobs")
+        if self.response_format is not None:
+            self.response_format.check()
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise bad_request("'tool_choice' needs 'tools'", param="tool_choice",
+                              code="invalid_tool_choice")
+        name = self.named_tool()
+        if name is not None and name not in self.tool_names():
+            raise bad_request(f"'tool_choice' names the function {name!r}, which is not in "
+                              "'tools'", param="tool_choice.function.name",
+                              code="invalid_tool_choice")
+        if self.forces_tool_call() and self.json_schema() is not None:
+            raise bad_request("'response_format' json and a forced tool call ('tool_choice' "
+                              "required or named) cannot both constrain the output",
+                              param="response_format", code="unsupported_parameter")
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.template_tool() for t in self.tools] if self.tools else None
+
+    def tool_names(self) -> set[str]:
+        return {t.function.name for t in self.tools or []}
+
+    def named_tool(self) -> str | None:
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+    def parses_tool_calls(self) -> bool:
+        """Whether the output is parsed for tool calls (tools given, tool_choice not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forces_tool_call(self) -> bool:
+        return bool(self.tools) and (self.tool_choice == "required"
+                                     or self.named_tool() is not None)
+
+    def forced_tools(self) -> list[ToolDefinition]:
+        """The tools a forced call may use: the named one, or all for 'required'."""
+        name = self.named_tool()
+        return [t for t in self.tools or [] if name is None or t.function.name == name]
+
+    def json_schema(self) -> dict[str, Any] | None:
+        return None if self.response_format is None else self.response_format.schema()
+
+    def logprobs_top_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(OpenAIRequestBase):
@@ -303,7 +471,7 @@ class CompletionRequest(OpenAIRequestBase):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -311,10 +479,11 @@ class CompletionRequest(OpenAIRequestBase):
             raise unsupported("echo", "'echo' is not supported")
         if self.suffix:
             raise unsupported("suffix", "'suffix' is not supported")
-        if self.best_of not in (None, 1):
-            raise unsupported("best_of", "only best_of=1 is supported")
-        if self.logprobs:
-            raise unsupported("logprobs", "'logprobs' is not supported")
+        if self.best_of not in (None, 1, self.n):
+            raise unsupported("best_of", "only best_of = n is supported")
+
+    def logprobs_top_n(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request: a string or token ids (batches are rejected)."""

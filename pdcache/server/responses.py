@@ -73,19 +73,6 @@ class ResponseHead:
         return {**head, "model": self.model, "choices": choices, **extra}
 
 
-def chat_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text}
-    return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-
-
-def chat_delta(delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-
-
-def text_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-
 def model_list(model: str, created: int, context_len: int) -> dict[str, Any]:
     """`GET /v1/models`: the one model this deployment serves."""
     entry = {"id": model, "object": "model", "created": created, "owned_by": "pdcache",
@@ -110,38 +97,14 @@ SSE_DONE = sse("[DONE]")
 
 @dataclass(frozen=True)
 class StreamEnd:
-    """How an OpenAI stream closes: the finish reason and usage once the deltas ran out
-    (callables, read after the last delta), and whether the client asked for the usage chunk."""
+    """How an OpenAI stream closes: the usage once the deltas ran out (a callable, read after
+    the last delta), and whether the client asked for the usage chunk."""
 
-    finish_reason: Callable[[], str | None]
     usage: Callable[[], dict[str, Any]]
     include_usage: bool
 
 
-async def chat_events(head: ResponseHead, deltas: AsyncIterator[str], end: StreamEnd
-                      ) -> AsyncIterator[bytes]:
-    """`chat.completion.chunk` events: the role, one chunk per text delta, the finish, usage."""
-    yield sse(head.body([chat_delta({"role": "assistant", "content": ""}, None)]))
-    async with aclosing(deltas) as texts:  # closing it ends the producer (engine or upstream)
-        async for delta in texts:
-            yield sse(head.body([chat_delta({"content": delta}, None)]))
-    yield sse(head.body([chat_delta({}, end.finish_reason())]))
-    if end.include_usage:
-        yield sse(head.body([], usage=end.usage()))
-
-
-async def completion_events(head: ResponseHead, deltas: AsyncIterator[str], end: StreamEnd
-                            ) -> AsyncIterator[bytes]:
-    """`text_completion` events: one chunk per text delta, the finish, usage."""
-    async with aclosing(deltas) as texts:
-        async for delta in texts:
-            yield sse(head.body([text_choice(delta, None)]))
-    yield sse(head.body([text_choice("", end.finish_reason())]))
-    if end.include_usage:
-        yield sse(head.body([], usage=end.usage()))
-
-
-async def drain(deltas: AsyncIterator[str]) -> None:
+async def drain(deltas: AsyncIterator[Any]) -> None:
     """Run a delta stream to its end (a non-streaming answer is built from what it absorbed)."""
     async with aclosing(deltas) as texts:
         async for _ in texts:

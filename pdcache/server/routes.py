@@ -12,6 +12,7 @@ stats may ask a remote metadata service, a bounded wait).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
@@ -24,8 +25,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdcache.server.agent import AgentFeatures, ChoicePlan, ChoiceRun
 from pdcache.server.auth import node_request_allowed, unauthorized
 from pdcache.server.bridge import EngineBridge, EngineRequest, Generation
+from pdcache.server.choices import ChoiceDelta, choice_events
 from pdcache.server.generate_api import (
     GenerateItem,
     GenerateRequestBody,
@@ -52,15 +55,12 @@ from pdcache.server.responses import (
     Handler,
     ResponseHead,
     StreamEnd,
-    chat_choice,
-    chat_events,
-    completion_events,
     http_error,
     model_list,
     now_s,
     run_guarded,
     sse,
-    text_choice,
+    usage_body,
 )
 from pdcache.server.service import ServiceRoutes
 
@@ -95,6 +95,8 @@ class ServerRoutes:
         self.model_name = model.name
         self.limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
         self.created = now_s()
+        self.agent = AgentFeatures(self.tokenizer, model.vocab_size,
+                                   bridge.config.tool_call_parser)
 
     # ---- /generate (SGLang's native API: pdcache.server.generate_api)
 
@@ -124,6 +126,7 @@ class ServerRoutes:
         leader = earlier[item.leader].handle.rid if item.leader is not None else None
         handle = self.bridge.submit(gen, input_ids, item.sampling.to_engine(), body.cache_salt,
                                     item.rid, logprobs=item.logprobs, prefill_leader=leader,
+                                    constraint=self.agent.sampling_constraint(item.sampling),
                                     session_id=body.session_id)
         return SequenceRun(item, handle, gen, self.assembler(item))
 
@@ -212,11 +215,12 @@ class ServerRoutes:
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await request.body())
         body.check_supported()
-        input_ids = self.apply_chat_template(body.template_messages())
+        input_ids = self.apply_chat_template(body.template_messages(), body.template_tools())
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
         head = ResponseHead.new("chatcmpl", kind, self.model_name)
+        plan = self.agent.chat_plan(body)
         return await self._openai(request, body, input_ids, body.requested_max_tokens(),
-                                  "messages", head, chat=True)
+                                  "messages", head, plan)
 
     async def completions(self, request: Request) -> Response:
         body = parse_body(CompletionRequest, await request.body())
@@ -224,29 +228,65 @@ class ServerRoutes:
         prompt = body.single_prompt()
         input_ids = self.encode(prompt, "prompt") if isinstance(prompt, str) else prompt
         head = ResponseHead.new("cmpl", "text_completion", self.model_name)
+        plan = self.agent.completion_plan(body)
         return await self._openai(request, body, input_ids, body.max_tokens, "prompt", head,
-                                  chat=False)
+                                  plan)
 
     async def _openai(self, request: Request, body: OpenAIRequestBase, input_ids: list[int],
-                      max_tokens: int | None, param: str, head: ResponseHead, chat: bool
+                      max_tokens: int | None, param: str, head: ResponseHead, plan: ChoicePlan
                       ) -> Response:
-        gen = Generation(arrival=time.monotonic())
+        """Submit the request's `n` choices (choice i > 0 waits for choice 0's prompt pages:
+        `prefill_leader`), then answer them as one body or one interleaved stream."""
         if max_tokens is None:
             max_tokens = default_max_tokens(len(input_ids), self.limits, param)
         check_prompt(input_ids, max_tokens, self.limits, param)
         check_token_ids(body.stop_token_ids, self.limits.vocab_size, "stop_token_ids")
-        handle = self.bridge.submit(gen, input_ids, body.to_engine(max_tokens), body.cache_salt,
-                                    session_id=body.session_id)
-        text = TextAssembler(self.decode, body.stop_strings())
+        runs: list[ChoiceRun] = []
+        try:
+            for index in range(body.n):
+                gen = Generation(arrival=time.monotonic())
+                leader = runs[0].handle.rid if runs else None
+                handle = self.bridge.submit(gen, input_ids, body.to_engine(max_tokens, index),
+                                            body.cache_salt, logprobs=plan.logprobs,
+                                            constraint=plan.constraint(),
+                                            prefill_leader=leader,
+                                            session_id=body.session_id)
+                text = TextAssembler(self.decode, body.stop_strings())
+                runs.append(ChoiceRun(handle, gen, text, plan.output(index)))
+        except BaseException:
+            for run in runs:  # a later choice failed to queue: the earlier ones end too
+                run.handle.abort()
+                self.bridge.finish(run.gen)
+            raise
         if body.stream:
-            end = StreamEnd(lambda: gen.finish_reason, lambda: self.bridge.usage(gen),
-                            body.include_usage())
-            deltas = self.bridge.text_deltas(handle, gen, text)
-            events = (chat_events if chat else completion_events)(head, deltas, end)
-            return self.bridge.streaming(events, handle, gen)
-        await self.bridge.collect(request, handle, gen, text)
-        choice = (chat_choice if chat else text_choice)(text.text, gen.finish_reason)
-        return JSONResponse(head.body([choice], usage=self.bridge.usage(gen)))
+            end = StreamEnd(lambda: self._usage(runs), body.include_usage())
+            deltas = merge_streams([self._choice_deltas(run) for run in runs])
+            events = choice_events(head, deltas, body.n, end, plan.chat)
+            return self.bridge.streaming_many(events, [(r.handle, r.gen) for r in runs])
+        await asyncio.gather(*(self._collect_choice(request, run) for run in runs))
+        choices = [run.output.body(run.gen.finish_reason) for run in runs]
+        return JSONResponse(head.body(choices, usage=self._usage(runs)))
+
+    async def _choice_deltas(self, run: ChoiceRun) -> AsyncIterator[ChoiceDelta]:
+        async with aclosing(self.bridge.outputs(run.handle, run.gen, run.text)) as stream:
+            async for _, delta in stream:
+                delta_out = run.output.add(delta, run.new_logprobs())
+                if not delta_out.empty():
+                    yield delta_out
+        yield run.output.finish(run.gen.finish_reason)
+
+    async def _collect_choice(self, request: Request, run: ChoiceRun) -> None:
+        # the whole text at once: the tool-call parse of a whole text equals the streamed one
+        await self.bridge.collect(request, run.handle, run.gen, run.text)
+        run.output.add(run.text.text, run.new_logprobs())
+        run.output.finish(run.gen.finish_reason)
+
+    def _usage(self, runs: list[ChoiceRun]) -> dict[str, Any]:
+        """The prompt once (choice 0's reuse numbers), every choice's completion tokens, and
+        the prompt tokens all choices computed (the prompt once with `prefill_leader`)."""
+        first = runs[0].gen
+        return usage_body(first.prompt_tokens, sum(len(r.gen.output_ids) for r in runs),
+                          first.cached, sum(r.gen.computed_tokens for r in runs))
 
     # ---- informational endpoints
 
@@ -277,8 +317,13 @@ class ServerRoutes:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                           tools=tools))
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages", code="chat_template") from None
 
 
 def _json_safe(stats: dict[str, Any]) -> dict[str, Any]:

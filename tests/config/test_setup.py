@@ -287,6 +287,39 @@ def test_admission_keys_reach_the_node_setup(tmp_path: Path) -> None:
     assert setup.transfer is not None and not setup.transfer.prefill_waits_for_decode
 
 
+def test_tool_call_parser_key_and_flag_reach_the_server(tmp_path: Path) -> None:
+    from pdcache.server.bridge import ServerConfig
+    from pdcache.server.tool_calls import TOOL_CALL_PARSERS
+
+    path = tmp_path / "t.toml"
+    path.write_text(PD.format(path=tmp_path / "s", cache="", prefill="",
+                              decode='tool_call_parser = "llama3"'))
+    args = parser_for("decode").parse_args(["--config", str(path), "--node", "d0"])
+    setup = setup_for(*_topology_and_name(args, "decode"), MODEL)
+    assert ServerConfig.of(setup).tool_call_parser == "llama3"
+    args = parser_for("decode").parse_args(["--config", str(path), "--node", "d0",
+                                             "--tool-call-parser", "qwen25"])
+    assert setup_for(*_topology_and_name(args, "decode"), MODEL).server.tool_call_parser == "qwen25"
+    assert setup_for(*_topology_and_name(parser_for("prefill").parse_args(
+        ["--config", str(path), "--node", "p0"]), "prefill"), MODEL).server.tool_call_parser == (
+        "hermes")
+    with pytest.raises(TopologyError, match="tool_call_parser"):
+        pd(tmp_path, decode='tool_call_parser = "nope"')
+    flag = parser_for("unified")._option_string_actions["--tool-call-parser"]
+    assert set(flag.choices) == set(TOOL_CALL_PARSERS)
+
+
+def test_router_tool_call_parser_flag_and_key(tmp_path: Path) -> None:
+    from pdcache.router.cli import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config, _, _ = build_config(parser.parse_args(["--unified", "127.0.0.1:1"]))
+    assert config.tool_call_parser == "hermes"
+    args = parser.parse_args(["--unified", "127.0.0.1:1", "--tool-call-parser", "llama3"])
+    assert build_config(args)[0].tool_call_parser == "llama3"
+
+
 def test_tier_policy_keys_reach_the_engine_and_hicache(tmp_path: Path) -> None:
     """`[cache] device_eviction / host_eviction / host_mode / session_idle_s` (and their flags)
     land in the engine's CacheConfig and HiCacheConfig; LRU + inclusive stay the defaults."""

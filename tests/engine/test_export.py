@@ -48,6 +48,24 @@ CHATS = [
         {"role": "user", "content": ""},
     ],
 ]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Wéather <now>",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOL_CHATS = [
+    CHATS[0],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "assistant", "content": "ok", "tool_calls": [
+            {"function": {"name": "x", "arguments": {}}}]},
+    ],
+]
 # Text without special-token strings: there both tokenizers give the same ids.
 PLAIN_TEXT = st.text().filter(lambda t: not any(s in t for s in BYTE_SPECIAL_TOKENS))
 
@@ -112,6 +130,19 @@ def test_pdcache_loads_the_preset_weights_and_tokenizer(exported: Path) -> None:
         for gen in (True, False):
             assert tokenizer.apply_chat_template(chat, gen) == TOK.apply_chat_template(chat, gen)
     assert load_model_config(str(exported)).max_position_embeddings == 8192
+
+
+def test_exported_template_renders_tools_and_tool_calls_to_our_ids(exported: Path) -> None:
+    tokenizer = HFTokenizer(exported)
+    for chat in TOOL_CHATS:
+        for tools in (None, TOOLS):
+            for gen in (True, False):
+                ours = TOK.apply_chat_template(chat, gen, tools=tools)
+                assert tokenizer.apply_chat_template(chat, gen, tools=tools) == ours
+    text = TOK.decode(TOK.apply_chat_template(TOOL_CHATS[1], tools=TOOLS), False)
+    assert "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) + "\n</tools>" in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city":"Paris"}}\n</tool_call>\n<tool_call>') in text
 
 
 def test_served_checkpoint_gives_the_presets_greedy_tokens(exported: Path) -> None:
@@ -202,6 +233,10 @@ def test_transformers_chat_template_gives_our_ids(hf_tokenizer: Any) -> None:
             ids = hf_tokenizer.apply_chat_template(chat, add_generation_prompt=gen, tokenize=True,
                                                    return_dict=False)
             assert list(ids) == TOK.apply_chat_template(chat, gen)
+    for chat in TOOL_CHATS:
+        ids = hf_tokenizer.apply_chat_template(chat, tools=TOOLS, add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+        assert list(ids) == TOK.apply_chat_template(chat, True, tools=TOOLS)
 
 
 def test_byte_level_alphabet_is_the_tokenizers_one() -> None:

@@ -284,7 +284,7 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, None),
     (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "x"}], "n": 2},
+        {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 1.0}},
         "unsupported_parameter",
     ),
     (
@@ -304,10 +304,10 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ),
     (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
-        "unsupported_parameter",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        "invalid_logprobs",
     ),
-    ("/v1/completions", {"prompt": "x", "n": 3}, "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, "unsupported_parameter"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "greater_than_equal"),
     ("/v1/completions", {"prompt": []}, "empty_prompt"),
     ("/v1/completions", {"prompt": ""}, "empty_prompt"),

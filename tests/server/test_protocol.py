@@ -136,10 +136,10 @@ def test_chat_request_rules() -> None:
         return info.value
 
     msgs = '"messages": [{"role": "user", "content": "hi"}]'
-    assert rejected(f'{{{msgs}, "n": 2}}').param == "n"
+    assert rejected(f'{{{msgs}, "n": 17}}').param == "n"
     assert rejected(f'{{{msgs}, "max_tokens": 0}}').param == "max_tokens"
-    assert rejected(f'{{{msgs}, "logprobs": true}}').code == "unsupported_parameter"
-    assert rejected(f'{{{msgs}, "presence_penalty": 0.5}}').param == "presence_penalty"
+    assert rejected(f'{{{msgs}, "logit_bias": {{"1": 1}}}}').code == "unsupported_parameter"
+    assert rejected(f'{{{msgs}, "presence_penalty": 2.5}}').param == "presence_penalty"
     assert rejected(f'{{{msgs}, "repetition_penalty": 1.1}}').code == "unknown_field"
     assert rejected(f'{{{msgs}, "stream_options": {{"include_usage": true}}}}').param == (
         "stream_options"
