@@ -99,7 +99,7 @@ class DecodeApp:
                 gen, rid, input_ids, sampling, salt, report.first_token,
                 logprobs=item.logprobs, constraint=constraint,
                 first_logprob=report.first_token_logprob(),
-                input_logprobs=report.prompt_logprobs()))
+                input_logprobs=report.prompt_logprobs(), session_id=body.session_id))
         except RoomCancelledError as exc:  # the node is closing
             raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
                            code="unavailable") from None

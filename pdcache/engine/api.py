@@ -9,9 +9,13 @@ if TYPE_CHECKING:
     import torch
 
 
+GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: a lower temperature samples greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """SGLang-named sampling parameters. `temperature == 0` means greedy."""
+    """SGLang-named sampling parameters. A temperature below `GREEDY_TEMPERATURE` (0
+    included) means greedy, as SGLang's `_SAMPLING_EPS`: dividing by a tinier one overflows."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -24,11 +28,11 @@ class SamplingParams:
     min_new_tokens: int = 0  # EOS and stop tokens are masked until this many tokens exist
     frequency_penalty: float = 0.0  # OpenAI: logit -= f * count(token in output)
     presence_penalty: float = 0.0  # OpenAI: logit -= p * (token in output)
-    repetition_penalty: float = 1.0  # CTRL/HF: over prompt + output, 1.0: off
+    repetition_penalty: float = 1.0  # SGLang: scales generated tokens' logits, 1.0: off
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 @dataclass(frozen=True)

@@ -541,6 +541,9 @@ class Engine:
             self._record_input_logprobs(batch, logits[num_sampled:])
             rows = [batch.reqs[row] for row in batch.sample_rows]
             result = sample_rows(logits[:num_sampled], [self._sample_row(r) for r in rows])
+            for row, error in result.errors.items():  # failed before commit: token dropped
+                logger.error("sampling %s failed: %s", rows[row].rid, error)
+                self._fail([rows[row]], error=error)
             self._accept(rows, result.tokens)
             touched = self.scheduler.commit(batch, result.tokens, result.logprobs)
             self._num_steps += 1
@@ -591,7 +594,7 @@ class Engine:
             eos = () if params.ignore_eos else self.config.model.eos_token_ids
             vocab = self.config.model.vocab_size  # a stop id outside it can never be sampled
             stop_ids = tuple(t for t in (*eos, *params.stop_token_ids) if _is_token_id(t, vocab))
-        return SampleRow(params, req.generator, req.prompt_ids, req.output_ids, stop_ids,
+        return SampleRow(params, req.generator, req.output_ids, stop_ids,
                          allowed, req.logprobs)
 
     def _accept(self, reqs: list[Req], tokens: list[int]) -> None:
@@ -769,6 +772,7 @@ class Engine:
         holders = scheduler.running + list(scheduler.held.values())
         request_pages = sum(r.num_own_pages for r in holders)
         request_pages += sum(len(pages) for pages in scheduler.reserved.values())
+        request_pages += sum(len(r.deferred_free_page_ids) for r in scheduler.held.values())
         for req in self._all_unfinished() + list(scheduler.held.values()):
             req.check()
         numbers = {

@@ -77,6 +77,9 @@ class Req:
     cached: CachedTokens | None = None  # ... split by tier
     kv_load: KVLoad | None = None  # pending load into page_ids; every forward completes it
     holding_pages: bool = False  # finished, but its pages stay until the scheduler releases them
+    # a held request's pages the tree already had copies of: swapped out of page_ids by
+    # cache_prompt but still read by whoever holds them (the KV sender), freed on release
+    deferred_free_page_ids: list[int] = field(default_factory=list)
     computed_tokens: int = 0  # tokens run through an extend forward (recomputation included)
     session_id: str = ""  # the conversation it is a turn of ("" = none; eviction policies)
     num_emitted: int = 0  # output tokens already handed to on_output

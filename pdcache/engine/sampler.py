@@ -2,7 +2,8 @@
 top-p / min-p, per-request seeds, and logprobs.
 
 One batched pass over the fp32 logits `[B, V]`, in this order (SGLang's):
-1. penalties: repetition (HF/CTRL: over prompt + output, a positive logit is divided by the
+1. penalties: repetition (over the output only, as SGLang 0.5.23's BatchedRepetitionPenalizer,
+   not HF/CTRL's prompt + output: a positive logit of a generated token is divided by the
    penalty, a negative one multiplied), then frequency and presence (OpenAI: over the output,
    `logit -= frequency * count + presence * (count > 0)`);
 2. `min_new_tokens`: the row's stop tokens (EOS, `stop_token_ids`) get -inf until the output
@@ -18,7 +19,9 @@ One batched pass over the fp32 logits `[B, V]`, in this order (SGLang's):
 5. greedy rows take the argmax of these logits; sampled rows are scaled by the temperature,
    truncated (top-k, top-p, min-p) and each draws from its own `torch.Generator` (seeded from
    `SamplingParams.seed` when given), so the same seed and logits give the same tokens,
-   whatever the batch.
+   whatever the batch. NaN/+inf (a tiny repetition penalty or temperature overflowing) are
+   sanitised after the penalties and the scaling; a row that still cannot be drawn from is
+   reported in `SampleResult.errors` and fails alone, never its batch.
 
 Stateless apart from the generators the caller passes in; engine thread only.
 """
@@ -26,27 +29,35 @@ Stateless apart from the generators the caller passes in; engine thread only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pdcache.engine.api import LogprobRequest, SamplingParams, TokenLogprob
 
 _FP32_MIN = torch.finfo(torch.float32).min
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` with NaN and -inf kept out of sampling's way: NaN -> -inf (never chosen),
+    +inf -> the fp32 maximum (a tiny repetition penalty or temperature overflows the
+    division), -inf (a mask) stays. A row holding only -inf still fails its own draw."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=_FP32_MAX, neginf=float("-inf"))
 
 
 @dataclass
 class SampleRow:
     """What the sampler needs to know of one row besides its logits.
 
-    `prompt_ids`/`output_ids` feed the penalties (read only when a penalty is on);
+    `output_ids` feed the penalties (read only when a penalty is on; the prompt is not
+    penalised, as in SGLang);
     `stop_ids` are the tokens masked while `len(output_ids) < params.min_new_tokens`;
     `allowed` is the constraint's bool mask `[V]` (None: every token); `logprobs` asks for the
     sampled token's `TokenLogprob`."""
 
     params: SamplingParams
     generator: torch.Generator
-    prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     stop_ids: Sequence[int] = ()
     allowed: torch.Tensor | None = None
@@ -57,6 +68,9 @@ class SampleRow:
 class SampleResult:
     tokens: list[int]
     logprobs: list[TokenLogprob | None]  # per row; None where the row did not ask
+    # row -> why it could not be sampled; its `tokens` entry is a placeholder the caller must
+    # drop (it fails that request alone, the other rows are good)
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
@@ -103,10 +117,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
         output = torch.tensor(list(rows[b].output_ids), dtype=torch.long, device=device)
         counts = torch.bincount(output, minlength=vocab).to(row_logits.dtype)
         if params.repetition_penalty != 1.0:
-            seen = counts > 0
-            if rows[b].prompt_ids:
-                prompt = torch.tensor(list(rows[b].prompt_ids), dtype=torch.long, device=device)
-                seen |= torch.bincount(prompt, minlength=vocab) > 0
+            seen = counts > 0  # generated tokens only (SGLang), the prompt's are left alone
             scaled = torch.where(
                 row_logits > 0,
                 row_logits / params.repetition_penalty,
@@ -144,18 +155,23 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor
 def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
     """One token per row of `logits[B, V]` (fp32) following `rows[b]`, with the logprobs the
     rows asked for."""
-    logits = apply_masks(apply_penalties(logits.float(), rows), rows)
+    logits = apply_masks(sanitize_logits(apply_penalties(logits.float(), rows)), rows)
     tokens = logits.argmax(dim=-1)
+    errors: dict[int, str] = {}
     sampled = [b for b, row in enumerate(rows) if not row.params.greedy]
     if sampled:
         index = torch.tensor(sampled, device=logits.device)
         probs = _truncated_probs(logits[index], [rows[b].params for b in sampled])
         for i, b in enumerate(sampled):
             generator = rows[b].generator
-            draw = torch.multinomial(probs[i].to(generator.device), 1, generator=generator)
+            try:  # a row whose probabilities are unusable fails alone, not its batch
+                draw = torch.multinomial(probs[i].to(generator.device), 1, generator=generator)
+            except RuntimeError as exc:
+                errors[b] = f"sampling failed: {exc}"
+                continue
             tokens[b] = draw.to(tokens.device)[0]
     token_list = tokens.tolist()
-    return SampleResult(token_list, _output_logprobs(logits, rows, token_list))
+    return SampleResult(token_list, _output_logprobs(logits, rows, token_list), errors)
 
 
 def sample(
@@ -184,16 +200,28 @@ def token_logprob(logprobs: torch.Tensor, token_id: int, request: LogprobRequest
     return TokenLogprob(int(token_id), float(logprobs[token_id]), top, selected)
 
 
+INPUT_LOGPROB_SLICE_ROWS = 512  # rows of [rows, V] fp32 log_softmax alive at once
+
+
 def input_logprobs(
-    logits: torch.Tensor, next_ids: Sequence[int], request: LogprobRequest
+    logits: torch.Tensor,
+    next_ids: Sequence[int],
+    request: LogprobRequest,
+    slice_rows: int = INPUT_LOGPROB_SLICE_ROWS,
 ) -> list[TokenLogprob]:
     """Prompt logprobs: row i of `logits[N, V]` (raw, fp32) is the position before
     `next_ids[i]`; each is the log_softmax of the model's logits (no temperature, penalty or
-    mask: those belong to sampling, as in SGLang)."""
-    if not len(next_ids):
-        return []
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return [token_logprob(logprobs[i], int(t), request) for i, t in enumerate(next_ids)]
+    mask: those belong to sampling, as in SGLang). Computed `slice_rows` rows at a time and
+    only the chosen / top-n / selected values kept, so a long prompt never holds a second
+    `[N, V]` fp32 tensor (log_softmax is per row: slicing changes no value)."""
+    if slice_rows < 1:
+        raise ValueError(f"slice_rows must be >= 1, got {slice_rows}")
+    out: list[TokenLogprob] = []
+    for first in range(0, len(next_ids), slice_rows):
+        logprobs = torch.log_softmax(logits[first : first + slice_rows].float(), dim=-1)
+        ids = next_ids[first : first + slice_rows]
+        out += [token_logprob(logprobs[i], int(t), request) for i, t in enumerate(ids)]
+    return out
 
 
 def _output_logprobs(
@@ -208,7 +236,7 @@ def _output_logprobs(
         [1.0 if rows[b].params.greedy else rows[b].params.temperature for b in wanted],
         device=logits.device,
     )
-    logprobs = torch.log_softmax(logits[index] / temperature[:, None], dim=-1)
+    logprobs = torch.log_softmax(sanitize_logits(logits[index] / temperature[:, None]), dim=-1)
     logprobs = logprobs.clamp(min=_FP32_MIN)
     for i, b in enumerate(wanted):
         request = rows[b].logprobs
@@ -235,5 +263,5 @@ def _truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     top_k = torch.tensor([p.top_k for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
     min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
-    scaled = logits.float() / temperature[:, None]
+    scaled = sanitize_logits(logits.float() / temperature[:, None])
     return apply_top_k_top_p(scaled, top_k, top_p, min_p).softmax(dim=-1)

@@ -289,6 +289,8 @@ class Scheduler:
         del self.reserved[req.rid]
         self.reserved_growth.pop(req.rid, None)
         req.admit_prefilled(page_ids, first_token, self._admit_seq, first_logprob)
+        if self.tree is not None:  # a turn of its session arrived (nodes learn it on release)
+            self.tree.note_session(None, req.session_id, new_turn=True)
         self._admit_seq += 1
         self.running.append(req)
         self._maybe_finish(req, first_token)
@@ -298,6 +300,8 @@ class Scheduler:
         req = self.held.pop(rid, None)
         if req is not None:
             req.holding_pages = False
+            self.allocator.free(req.deferred_free_page_ids)  # no reader left
+            req.deferred_free_page_ids = []
             self._release(req, cache=True)
         return req is not None
 
@@ -476,7 +480,10 @@ class Scheduler:
         assert match.cached_len == len(tokens), (match.cached_len, len(tokens))
         self._lock(match.last_node)
         self._unlock(req.last_node)
-        self.allocator.free(result.duplicate_page_ids)
+        if req.holding_pages:  # the pages went to a reader (KV transfer): free on release
+            req.deferred_free_page_ids += result.duplicate_page_ids
+        else:
+            self.allocator.free(result.duplicate_page_ids)
         req.page_ids[:num_full] = match.page_ids
         req.num_tree_pages, req.last_node = num_full, match.last_node
         req.check()

@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pdcache.engine.api import LogprobRequest
 from pdcache.prefill_node.controller import DuplicateRoomError, PrefillController, PrefillOutcome
 from pdcache.prefill_node.metrics import DecodeWaitMetrics
 from pdcache.server.bridge import EngineRequest, Generation, json_ready, resolve_on_loop
@@ -38,6 +39,7 @@ from pdcache.server.protocol import (
 )
 from pdcache.server.routes import SequenceRun, ServerRoutes
 from pdcache.transfer import KVSender
+from pdcache.transfer.messages import prompt_logprobs_too_large
 
 
 class PrefillApp:
@@ -70,6 +72,7 @@ class PrefillApp:
         item = single_item(body)
         gen = Generation(arrival=time.monotonic())
         input_ids = self.routes.checked_prompt(item)
+        self._check_logprobs_fit(item.logprobs, len(input_ids))
         room, rid = pd.room, item.rid or f"pd-{pd.room}"
         requested: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         released = self._open(rid, room, requested)
@@ -106,6 +109,13 @@ class PrefillApp:
         meta_info = self.routes.meta_info(SequenceRun(item, handle, gen, text), body)
         return self._pd_response(gen, text, meta_info, outcome, time.monotonic() - started,
                                  pd.decode_node)
+
+    def _check_logprobs_fit(self, logprobs: LogprobRequest | None, prompt_len: int) -> None:
+        """400 `logprobs_too_large` before any compute when the prompt logprobs asked for
+        cannot ride the Done message to decode (it would drop it and time the room out)."""
+        why = prompt_logprobs_too_large(prompt_len, logprobs, self.sender.config.max_message_bytes)
+        if why:
+            raise bad_request(why, code="logprobs_too_large")
 
     async def _watch_decode(self, requested: asyncio.Future[float],
                             handle: EngineRequest) -> bool:

@@ -86,6 +86,8 @@ from pdcache.server.responses import (
     usage_body,
 )
 from pdcache.server.routes import mount, service_handlers
+from pdcache.transfer.config import TransferConfig
+from pdcache.transfer.messages import prompt_logprobs_too_large
 
 T = TypeVar("T")
 
@@ -148,6 +150,12 @@ class RouterApp:
         check_prompt(input_ids, sampling.max_new_tokens, self.router.limits, item.param)
         check_token_ids(sampling.stop_token_ids, self.router.limits.vocab_size,
                         "sampling_params.stop_token_ids")
+        if self.router.registry.is_pd:  # refused here, before a node spends anything on it
+            # the nodes' limit: the topology has no key for it, every node runs the default
+            limit = TransferConfig().max_message_bytes
+            why = prompt_logprobs_too_large(len(input_ids), item.logprobs, limit)
+            if why:
+                raise bad_request(why, code="logprobs_too_large")
         return Prepared(input_ids, sampling.forwarded(), scoped_salt(tenant, body.cache_salt),
                         session, stream=body.stream, extra=_logprob_fields(item, body))
 

@@ -284,15 +284,19 @@ class EngineBridge:
                          constraint: TokenConstraint | None = None,
                          first_logprob: TokenLogprob | None = None,
                          input_logprobs: list[TokenLogprob] | None = None,
+                         session_id: str | None = None,
                          ) -> EngineRequest:
         """Start decoding a request whose prompt K/V sits in the pages reserved under `rid`;
         on failure the reservation is freed and the request answers 500. `first_logprob` /
         `input_logprobs`: what prefill's report carried; a `constraint` is rebuilt from the
-        request and the engine advances it past `first_token` (`Engine.submit_prefilled`)."""
+        request and the engine advances it past `first_token` (`Engine.submit_prefilled`);
+        `session_id`: the conversation the turn belongs to (the decode tree's session
+        eviction policy)."""
         handle = self._new_handle(rid)
         gen.rid = rid
         req = GenerateRequest(rid=rid, input_ids=input_ids, sampling=sampling,
-                              cache_salt=salt or "", logprobs=logprobs, constraint=constraint)
+                              cache_salt=salt or "", logprobs=logprobs, constraint=constraint,
+                              session_id=session_id or "")  # the session eviction policy's
         try:
             self.engine.submit_prefilled(req, first_token, handle.on_output,
                                          first_logprob=first_logprob,

@@ -19,12 +19,21 @@ incremental (SGLang's `--incremental-streaming-output`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from pdcache.engine.api import CachedTokens, LogprobRequest, SamplingParams
 from pdcache.server.protocol import SEED_LIMIT, bad_request, unsupported
@@ -49,12 +58,12 @@ INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token
 # --------------------------------------------------------------------------- sampling_params
 
 # SGLang sampling parameters pdcache does not implement, with the values that mean "off"
-UNSUPPORTED_SAMPLING: dict[str, tuple[Any, ...]] = {
+UNSUPPORTED_SAMPLING: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "stop_regex": (None, "", ()), "regex": (None,), "ebnf": (None,),
     "structural_tag": (None,), "beam_width": (None, 0, 1), "stream_interval": (None,),
     "logit_bias": (None, {}), "custom_params": (None, {}), "watermark": (None, {}),
     "choice": (None, ()), "spaces_between_special_tokens": (True,),
-}
+})
 
 
 class _SamplingBase(BaseModel):
@@ -89,6 +98,17 @@ class _SamplingBase(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+    @field_validator("min_new_tokens")
+    @classmethod
+    def _min_within_max(cls, value: int, info: ValidationInfo) -> int:
+        # cross-field, as SGLang's verify(): refused here, before a P/D prefill is wasted on
+        # it (the prefill node caps min_new_tokens to its one token and could not tell);
+        # a field validator (max_new_tokens is validated first) so the 400 names this field
+        top = info.data.get("max_new_tokens")
+        if isinstance(top, int) and value > top:
+            raise ValueError(f"min_new_tokens ({value}) must be <= max_new_tokens ({top})")
+        return value
 
     def check_supported(self, param: str) -> None:
         for name, neutral in UNSUPPORTED_SAMPLING.items():
@@ -130,7 +150,7 @@ GenerateSamplingParams = create_model(
 
 # `GenerateReqInput` fields pdcache does not implement, with the values that mean "off".
 # A batch may give one value per item: a list of neutral values is neutral too.
-UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+UNSUPPORTED_FIELDS: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "input_embeds": EMPTY, "image_data": EMPTY, "video_data": EMPTY, "audio_data": EMPTY,
     "mm_hashes": EMPTY, "mm_content_hashes": EMPTY, "use_audio_in_video": (False,),
     "video_config": EMPTY, "watermark": EMPTY, "return_sampling_mask": EMPTY,
@@ -150,7 +170,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "min_dynamic_patch": (None,), "image_max_dynamic_patch": (None,),
     "video_max_dynamic_patch": (None,), "images_config": EMPTY, "mm_processor_kwargs": EMPTY,
     "multi_item_delimiter_indices": EMPTY, "token_indices_to_pool": EMPTY, "kv_hints": EMPTY,
-}
+})
 # accepted with any value, no effect on the answer: request tracking and logging controls
 # (pdcache logs no request contents) — docs/sglang.md
 TRACKING_FIELDS = ("model", "conversation_id", "no_logs", "custom_labels", "external_trace_header",

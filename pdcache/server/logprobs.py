@@ -15,12 +15,37 @@ is [] when no alternatives were asked for. Completions `text_offset` counts char
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from pdcache.engine.api import TokenLogprob
 
 DecodeToken = Callable[[int], str]
 SGLangToken = tuple[float | None, int, str | None]
+
+
+class OpenAIToken(TypedDict):
+    """One alternative of an OpenAI chat logprob entry."""
+
+    token: str
+    logprob: float | None
+    bytes: list[int]
+
+
+class OpenAIChatToken(OpenAIToken):
+    """One position of an OpenAI chat choice's `logprobs.content`."""
+
+    top_logprobs: list[OpenAIToken]
+
+
+class OpenAIChatLogprobs(TypedDict):
+    content: list[OpenAIChatToken]
+
+
+class OpenAICompletionLogprobs(TypedDict):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
 
 
 def sglang_logprob_fields(
@@ -59,20 +84,22 @@ def sglang_logprob_fields(
     return fields
 
 
-def openai_chat_logprobs(output: list[TokenLogprob], decode_token: DecodeToken) -> dict:
+def openai_chat_logprobs(
+    output: list[TokenLogprob], decode_token: DecodeToken
+) -> OpenAIChatLogprobs:
     """A chat choice's `logprobs`: `{"content": [{"token", "logprob", "bytes",
     "top_logprobs": [{"token", "logprob", "bytes"}]}]}`."""
-    content = []
+    content: list[OpenAIChatToken] = []
     for entry in output:
-        item = _openai_token(entry.token_id, entry.logprob, decode_token)
-        item["top_logprobs"] = [_openai_token(t, lp, decode_token) for t, lp in entry.top]
-        content.append(item)
+        token = _openai_token(entry.token_id, entry.logprob, decode_token)
+        top = [_openai_token(t, lp, decode_token) for t, lp in entry.top]
+        content.append(OpenAIChatToken(**token, top_logprobs=top))
     return {"content": content}
 
 
 def openai_completion_logprobs(
     output: list[TokenLogprob], decode_token: DecodeToken, text_offset_start: int = 0
-) -> dict:
+) -> OpenAICompletionLogprobs:
     """A completion choice's `logprobs`: `tokens`, `token_logprobs`, `top_logprobs` (per
     position a `{text: logprob}` dict of its alternatives; None for a position without a
     logprob) and `text_offset` (where each token's text starts)."""
@@ -113,6 +140,6 @@ def _sglang_pairs(
     return [_sglang_token(lp, t, decode_token) for t, lp in pairs]
 
 
-def _openai_token(token_id: int, logprob: float | None, decode_token: DecodeToken) -> dict:
+def _openai_token(token_id: int, logprob: float | None, decode_token: DecodeToken) -> OpenAIToken:
     text = decode_token(token_id)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

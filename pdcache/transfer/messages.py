@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import msgpack
 import numpy as np
 
-from pdcache.engine.api import CachedTokens, TokenLogprob
+from pdcache.engine.api import CachedTokens, LogprobRequest, TokenLogprob
 
 PROTOCOL_VERSION = 3
 ACCEPTED_VERSIONS = (2, 3)
@@ -175,10 +177,40 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }
 _NESTED: tuple[type, ...] = (PrefillReport, CachedTokens)  # dataclasses allowed as fields
 # fields a version 2 sender does not send: their defaults apply
-_SINCE_V3: dict[type, frozenset[str]] = {
+_SINCE_V3: Mapping[type, frozenset[str]] = MappingProxyType({
     PrefillReport: frozenset({"first_logprob", "input_logprobs"}),
-}
+})
 _LOGPROB_HEADER = np.dtype("<i4")
+
+
+# what a Done message holds besides its packed logprobs, with room to spare (msgpack framing,
+# the report's numbers, the first token's logprob, the auth trailer)
+DONE_OVERHEAD_BYTES = 4096
+
+
+def prompt_logprobs_bytes(num_positions: int, top_n: int, num_token_ids: int) -> int:
+    """The size `pack_logprobs` gives `num_positions` prompt entries, each with `top_n` top and
+    `num_token_ids` selected pairs: 12 bytes per entry (id, logprob, two lengths) plus 8 per
+    pair, and the 12-byte header. Exact for full rows (rows are padded to the widths)."""
+    if num_positions <= 0:
+        return 0
+    return 12 + num_positions * (12 + 8 * (max(top_n, 0) + max(num_token_ids, 0)))
+
+
+def prompt_logprobs_too_large(
+    prompt_len: int, request: LogprobRequest | None, max_message_bytes: int
+) -> str:
+    """Why the prompt logprobs `request` asks of a `prompt_len`-token prompt cannot ride a
+    Done message within `max_message_bytes` ("" when they fit or none are asked for)."""
+    if request is None or request.input_start is None:
+        return ""
+    size = prompt_logprobs_bytes(prompt_len - request.input_start, request.top_n,
+                                 len(request.token_ids))
+    if size + DONE_OVERHEAD_BYTES <= max_message_bytes:
+        return ""
+    return (f"the prompt logprobs asked for take about {size} bytes, over the "
+            f"{max_message_bytes}-byte limit of the P/D message that carries them: raise "
+            "logprob_start_len or lower top_logprobs_num / token_ids_logprob")
 
 
 def pack_logprobs(entries: list[TokenLogprob] | None) -> bytes:

@@ -61,6 +61,7 @@ from pdcache.transfer.messages import (
     RoomRequest,
     Started,
     check_report,
+    encode,
 )
 from pdcache.transfer.rooms import Outcome, ReleaseCallback, RoomState, RoomTable
 
@@ -119,7 +120,7 @@ class KVSender:
         self._peers_lock = threading.Lock()
         self.rejects = RejectCounter(f"prefill {self.prefill_id}")
         self.counters = {"bytes_sent": 0, "transfers": 0, "engine_errors": 0, "peers_lost": 0,
-                         "messages_in": 0, "unexpected_messages": 0}
+                         "messages_in": 0, "unexpected_messages": 0, "oversized_done": 0}
         self._counters_lock = threading.Lock()  # workers and the control thread count
         self._jobs: queue.Queue[int | None] = queue.Queue()
         self._workers: list[threading.Thread] = []
@@ -301,7 +302,15 @@ class KVSender:
         self._count("bytes_sent", batch.nbytes)
         self._count("transfers")
         data.nbytes = batch.nbytes
-        self._send(peer.identity, Done(room, batch.nbytes, data.report))
+        done = Done(room, batch.nbytes, data.report)
+        size = len(encode(done))
+        if size > self.config.max_message_bytes:  # decode would drop it and wait in vain
+            self._count("oversized_done")
+            self._fail(room, f"the Done message ({size} bytes, its prompt logprobs) exceeds "
+                             f"the {self.config.max_message_bytes}-byte message limit",
+                       code="logprobs_too_large")
+            return
+        self._send(peer.identity, done)
         self.rooms.finish(room, RoomState.SUCCESS, busy=False)
 
     def _write(self, peer: _Peer, parts: list, room) -> str:

@@ -11,9 +11,11 @@ from pdcache.engine.sampler import (
     SampleRow,
     apply_penalties,
     apply_top_k_top_p,
+    input_logprobs,
     make_generator,
     sample,
     sample_rows,
+    token_logprob,
 )
 
 
@@ -63,18 +65,19 @@ def test_truncation_always_keeps_the_best_token() -> None:
 
 
 # ---- penalties, masks, min-p, logprobs (sample_rows) -------------------------------------
-def test_penalties_match_the_formulas_over_prompt_and_output() -> None:
+def test_penalties_match_the_formulas_over_the_output() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5,
                             presence_penalty=0.25)
-    row = SampleRow(params, make_generator(0), prompt_ids=[0, 1], output_ids=[3, 3, 4])
+    row = SampleRow(params, make_generator(0), output_ids=[3, 3, 4])
     got = apply_penalties(logits, [row])[0].tolist()
-    # repetition (prompt + output: 0, 1, 3, 4): positive / 2, negative * 2;
-    # then frequency (count) and presence over the output only (3 twice, 4 once)
-    expected = [1.0, -2.0, 0.5, 1.5 - 0.5 * 2 - 0.25, -4.0 - 0.5 - 0.25, 1.0]
+    # repetition over the output only (SGLang: 3, 4): positive / 2, negative * 2, the rest
+    # (0 and 1 included, prompt tokens under HF's rule) untouched; then frequency (count) and
+    # presence (3 twice, 4 once)
+    expected = [2.0, -1.0, 0.5, 1.5 - 0.5 * 2 - 0.25, -4.0 - 0.5 - 0.25, 1.0]
     assert got == expected
     assert apply_penalties(logits, [SampleRow(SamplingParams(), make_generator(0),
-                                              [0], [3])]) is logits  # none: untouched
+                                              [3])]) is logits  # none: untouched
 
 
 def test_penalised_greedy_row_changes_its_token() -> None:
@@ -121,3 +124,23 @@ def test_logprobs_are_taken_after_masks_and_temperature_before_truncation() -> N
     assert entry.selected == ((3, torch.finfo(torch.float32).min),
                               (0, pytest.approx(float(expected[0]))))
     assert sample_rows(logits, [SampleRow(params, make_generator(1))]).logprobs == [None]
+
+
+@pytest.mark.parametrize("slice_rows", [1, 7, 50, 512])
+def test_prompt_logprobs_in_slices_equal_the_whole_log_softmax(slice_rows, monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(50, 300, generator=gen) * 4
+    next_ids = torch.randint(0, 300, (50,), generator=gen).tolist()
+    request = LogprobRequest(top_n=5, token_ids=(0, 17, 299))
+    whole = torch.log_softmax(logits, dim=-1)
+    expected = [token_logprob(whole[i], t, request) for i, t in enumerate(next_ids)]
+    rows_seen: list[int] = []
+    log_softmax = torch.log_softmax
+
+    def recording(x: torch.Tensor, dim: int) -> torch.Tensor:
+        rows_seen.append(x.shape[0])
+        return log_softmax(x, dim=dim)
+
+    monkeypatch.setattr(torch, "log_softmax", recording)
+    assert input_logprobs(logits, next_ids, request, slice_rows=slice_rows) == expected
+    assert max(rows_seen) == min(slice_rows, 50) and sum(rows_seen) == 50

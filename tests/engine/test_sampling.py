@@ -177,9 +177,10 @@ def test_input_start_at_prompt_end_gives_no_input_logprobs(tiny) -> None:
 def penalised(
     row: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams
 ) -> torch.Tensor:
-    """The penalties computed by hand, one token at a time."""
+    """The penalties computed by hand, one token at a time (SGLang's: over the output;
+    `prompt` is not penalised)."""
     out = row.clone()
-    for token in set(prompt) | set(output):
+    for token in set(output):
         if params.repetition_penalty != 1.0:
             value = float(out[token])
             out[token] = (
@@ -434,3 +435,128 @@ def test_min_new_tokens_keeps_eos_out(tiny) -> None:
     assert tokens_of(stopped) == plain[:2] and stopped[-1].finish_reason == "stop"
     tokens = tokens_of(held)
     assert len(tokens) >= 5 and eos not in tokens[:5] and tokens[0] == plain[0]
+
+
+# ---- one request's degenerate parameters stay its own problem --------------------------------
+def run_together(model, requests: list[GenerateRequest]) -> dict[str, RequestOutput | list[int]]:
+    """Submit `requests` before the first step (so they share every batch) and drive to the
+    end; returns rid -> tokens and rid + "/final" -> the final output."""
+    engine = make_engine(model).start(thread=False)
+    results: dict[str, RequestOutput | list[int]] = {}
+
+    def collect(out: RequestOutput) -> None:
+        tokens = results.setdefault(out.rid, [])
+        assert isinstance(tokens, list)
+        tokens.extend(out.new_token_ids)
+        if out.finished:
+            results[out.rid + "/final"] = out
+
+    for req in requests:
+        engine.submit(req, collect)
+    for _ in range(200):
+        if not engine.step():
+            break
+    assert engine.check_accounting()["requests"] == 0
+    engine.shutdown()
+    return results
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1e-40),
+        SamplingParams(
+            max_new_tokens=6, ignore_eos=True, temperature=1.0, repetition_penalty=1e-39
+        ),
+    ],
+    ids=["temperature=1e-40", "repetition_penalty=1e-39"],
+)
+def test_a_degenerate_co_batched_request_leaves_the_other_untouched(tiny, bad) -> None:
+    prompt = prompt_of(21, 9)
+    normal = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.8, seed=7)
+    alone = run_together(tiny, [GenerateRequest("good", prompt, normal)])
+    both = run_together(
+        tiny,
+        [GenerateRequest("good", prompt, normal), GenerateRequest("bad", prompt_of(22, 7), bad)],
+    )
+    assert both["good"] == alone["good"] and len(alone["good"]) == 6
+    final = both["bad/final"]
+    assert isinstance(final, RequestOutput) and final.error is None
+    assert len(both["bad"]) == 6
+    if bad.temperature < 1e-6:  # as greedy as temperature 0
+        greedy = replace(bad, temperature=0.0)
+        assert (
+            both["bad"]
+            == run_together(tiny, [GenerateRequest("bad", prompt_of(22, 7), greedy)])["bad"]
+        )
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
+    from pdcache.engine.sampler import SampleRow, make_generator, sample_rows
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    logits[1] = float("-inf")  # nothing to draw from
+    params = SamplingParams(temperature=0.7, seed=1)
+    rows = [SampleRow(params, make_generator(b)) for b in range(3)]
+    result = sample_rows(logits, rows)
+    assert set(result.errors) == {1} and "sampling failed" in result.errors[1]
+    alone = sample_rows(logits[[0, 2]], [SampleRow(params, make_generator(b)) for b in (0, 2)])
+    assert [result.tokens[0], result.tokens[2]] == alone.tokens
+
+
+class RecordingHoldScheduler(Scheduler):
+    """Holds every finished request and records the prompt pages it hands out (what a
+    prefill node gives its KV sender to read)."""
+
+    handed: dict[str, list[int]]
+
+    def hold_after_finish(self, req) -> bool:
+        self.handed = getattr(self, "handed", {})
+        self.handed[req.rid] = list(req.page_ids[: len(req.prompt_ids) // PAGE])
+        return True
+
+
+def test_caching_a_held_leaders_prompt_keeps_its_handed_pages_intact(tiny) -> None:
+    """A follower makes the scheduler cache a held leader's prompt after an equal prompt
+    reached the tree: the leader's own pages are duplicates then, but a reader still has them,
+    so they are freed only when the leader is released (not reused by the next request)."""
+    prompt = prompt_of(14, 14)  # 3 full pages + 2 tokens
+    config = EngineConfig(
+        model=tiny.config,
+        cache=CacheConfig(page_size=PAGE, num_device_pages=64),
+        scheduler=SchedulerConfig(),
+    )
+    engine = Engine(config, tiny, make_scheduler=RecordingHoldScheduler).start(thread=False)
+    finals: dict[str, RequestOutput] = {}
+
+    def collect(out: RequestOutput) -> None:
+        if out.finished:
+            finals[out.rid] = out
+
+    def drain() -> None:
+        for _ in range(50):
+            if not engine.step():
+                break
+
+    first = SamplingParams(max_new_tokens=1)
+    engine.submit(GenerateRequest("twin", prompt, first), collect)
+    engine.submit(GenerateRequest("lead", prompt, first), collect)
+    drain()
+    assert finals["lead"].computed_tokens == finals["twin"].computed_tokens == 14
+    handed = engine.scheduler.handed["lead"]
+    before = engine.pool.device_kv[:, :, handed].clone()
+    engine.release_held("twin")  # the tree now has the prompt's pages: lead's are duplicates
+    engine.submit(GenerateRequest("f1", prompt, first, prefill_leader="lead"), collect)
+    drain()
+    assert finals["f1"].cached.total == 12
+    # a new prompt takes whatever pages are free and writes them
+    engine.submit(GenerateRequest("other", prompt_of(15, 120), first), collect)
+    drain()
+    assert torch.equal(engine.pool.device_kv[:, :, handed], before)
+    held = engine.check_accounting()["requests"]
+    assert held >= len(handed)  # the deferred duplicates are counted as the leader's
+    for rid in ("lead", "f1", "other"):
+        engine.release_held(rid)
+    engine.step()
+    assert engine.check_accounting()["requests"] == 0  # nothing leaked
+    engine.shutdown()

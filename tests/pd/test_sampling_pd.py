@@ -144,13 +144,14 @@ def test_forced_tokens_across_the_pair(stack, seam) -> None:
 
 def test_penalties_count_the_first_token_on_decode(stack, seam, model) -> None:
     penalties = {"frequency_penalty": 2.0, "presence_penalty": 2.0, "repetition_penalty": 2.0}
-    params = SamplingParams(max_new_tokens=8, ignore_eos=True, **penalties)
+    # long enough for greedy to repeat a generated token (SGLang's penalties see only those)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, **penalties)
     seam.penalties = penalties
-    _, d = stack.generate(PROMPT, 8)
+    _, d = stack.generate(PROMPT, 24)
     reference = [t for o in unified(model, params) for t in o.new_token_ids]
     plain = [
         t
-        for o in unified(model, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        for o in unified(model, SamplingParams(max_new_tokens=24, ignore_eos=True))
         for t in o.new_token_ids
     ]
     assert d["output_ids"] == reference != plain

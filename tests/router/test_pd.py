@@ -270,3 +270,27 @@ def test_cache_aware_keeps_a_conversation_on_its_prefill_node(
     finally:
         other.close()
     stack.decode_server.engine.check_accounting()
+
+
+def test_oversized_prompt_logprobs_are_refused_by_the_router(
+    stack: PDStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1000 prompt positions with top 200 need ~1.6 MB, over the nodes' 1 MiB message limit:
+    a 400 from the router itself (the prefill node's own check is off here), no node
+    touched; from the prompt's end they fit."""
+    from pdcache.prefill_node.app import PrefillApp
+
+    monkeypatch.setattr(PrefillApp, "_check_logprobs_fit", lambda self, lp, n: None)
+    ids = [(7 * i + 3) % 250 for i in range(1000)]
+    before = stack.prefill_server.engine.stats()["tokens_computed_total"]
+    with pd_router(stack) as client:
+        fields = {"return_logprob": True, "top_logprobs_num": 200}
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, **GREEDY},
+                "logprob_start_len": 0, **fields}
+        r = client.post("/generate", json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "logprobs_too_large"
+        assert stack.prefill_server.engine.stats()["tokens_computed_total"] == before
+        ok = client.post("/generate", json={**body, "logprob_start_len": 998})
+        assert ok.status_code == 200, ok.text
+        assert len(ok.json()["meta_info"]["input_top_logprobs"]) == 2

@@ -334,3 +334,20 @@ def test_n_samples_compute_the_prompt_once(client: TestClient) -> None:
     full_pages = (53 - 1) // PAGE * PAGE  # followers reuse the leader's full prompt pages
     assert [m["cached_tokens"] for m in metas[1:]] == [full_pages] * 3
     assert [m["computed_tokens"] for m in metas[1:]] == [53 - full_pages] * 3
+
+
+def test_min_new_tokens_above_max_new_tokens_is_a_400_naming_it(client: TestClient) -> None:
+    sampling = {"max_new_tokens": 3, "min_new_tokens": 4}
+    r = client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": sampling})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "sampling_params.min_new_tokens"
+    assert "max_new_tokens" in r.json()["error"]["message"]
+    sampling["min_new_tokens"] = 3  # equal is fine
+    ok = client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": sampling})
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3
+
+
+@pytest.mark.parametrize("table", [UNSUPPORTED_FIELDS, UNSUPPORTED_SAMPLING])
+def test_the_unsupported_tables_are_read_only(table) -> None:
+    with pytest.raises(TypeError):
+        table["stream"] = (None,)  # a module-level table no request can change

@@ -154,3 +154,10 @@ def test_corrupt_report_logprobs_are_rejected(blob: bytes) -> None:
     report = {**REPORT, "first_logprob": b"", "input_logprobs": blob}
     raw = _raw({"v": PROTOCOL_VERSION, "t": "done", "room": 1, "nbytes": 3, "report": report})
     assert _reject_kind(raw) == "bad_field"
+
+
+def test_the_version_table_is_read_only() -> None:
+    from pdcache.transfer import messages
+
+    with pytest.raises(TypeError):
+        messages._SINCE_V3[Abort] = frozenset()  # type: ignore[index]

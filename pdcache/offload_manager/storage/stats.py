@@ -6,7 +6,8 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 from pdcache.offload_manager.storage.page_format import Verdict
 
@@ -34,7 +35,7 @@ COUNTERS = (
 # Why a found page was not served -> its reason label (`pdcache_storage_rejected_pages_total`):
 # header (bad magic/version/header CRC), checksum (payload), mac (unauthenticated or forged,
 # docs/security.md), and the page-identity checks.
-REJECT_REASONS: dict[Verdict, str] = {
+REJECT_REASONS: Mapping[Verdict, str] = MappingProxyType({
     Verdict.CORRUPT: "header",
     Verdict.BAD_CHECKSUM: "checksum",
     Verdict.BAD_MAC: "mac",
@@ -42,7 +43,7 @@ REJECT_REASONS: dict[Verdict, str] = {
     Verdict.FOREIGN: "foreign",
     Verdict.WRONG_KEY: "wrong_key",
     Verdict.EMPTY: "empty",
-}
+})
 COUNTERS += tuple(f"rejected_{reason}_pages" for reason in REJECT_REASONS.values())
 _LEGACY_FINER = (Verdict.TRUNCATED, Verdict.FOREIGN, Verdict.WRONG_KEY, Verdict.EMPTY)
 

@@ -96,3 +96,10 @@ def test_quota_holds_through_the_engine_write_path(tiny: Any, tmp_path, quota: b
             assert a_keys <= stored
     finally:
         built.close()
+
+
+def test_the_reject_reasons_table_is_read_only() -> None:
+    from pdcache.offload_manager.storage.stats import REJECT_REASONS
+
+    with pytest.raises(TypeError):
+        REJECT_REASONS[next(iter(REJECT_REASONS))] = "other"  # type: ignore[index]
