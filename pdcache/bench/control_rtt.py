@@ -22,6 +22,9 @@ from typing import Any
 import zmq
 
 
+BENCH_LINK_ID = b"dbench-link-id00"  # 16 bytes, not starting with 0 (ZMQ reserves those)
+
+
 def _stats(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
@@ -67,6 +70,8 @@ def node_rows(rounds: int, key: bytes) -> list[dict[str, Any]]:
         ).start()
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # as a KVReceiver does: a routing id of its own, which prefill's replies are MAC'd for
+        sock.setsockopt(zmq.ROUTING_ID, BENCH_LINK_ID)
         sock.connect(sender.bootstrap_addr)
         auth = control_auth(control_key, "decode")
         try:
@@ -88,7 +93,7 @@ def _check_pong(reply: bytes, auth: Any, parse: Callable[..., Any]) -> None:
     from pdcache.transfer.control import RejectCounter
     from pdcache.transfer.messages import Pong
 
-    msg = parse(reply, 1 << 20, RejectCounter("bench"), "prefill", auth)
+    msg = parse(reply, 1 << 20, RejectCounter("bench"), "prefill", auth, BENCH_LINK_ID)
     assert isinstance(msg, Pong), f"unexpected reply {msg!r}"
 
 

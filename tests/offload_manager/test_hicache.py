@@ -207,6 +207,7 @@ def test_tenants_never_share() -> None:
     storage = DictBackend()
     st = Stack(storage)
     st.prefill(TOKENS, salt="alice")
+    assert st.cache.wait_idle(10)  # alice's storage writes landed (they are asynchronous)
     fresh = Stack(storage)
     assert fresh.cache.start_prefetch("r", TOKENS, "bob", 0, 3) == 0
     assert fresh.cache.start_prefetch("s", TOKENS, "alice", 0, 3) == 3

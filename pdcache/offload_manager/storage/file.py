@@ -195,7 +195,7 @@ class FileBackend(StorageBackend):
             self.counters.record_failed_read(verdict)
             self._rejected.add(key)
             return None
-        self._touch(key)
+        self._touch_read(key)
         self.counters.add_many(pages_read=1, bytes_read=self.spec.payload_bytes)
         return origin
 
@@ -209,7 +209,7 @@ class FileBackend(StorageBackend):
         header = encode_header(self.spec, key, origin, payload)
         if owner:
             self._make_quota_room(owner)
-        if not self._make_room():
+        if not self._make_room(key):
             self.counters.add("full_rejects")
             return False
         try:
@@ -217,6 +217,9 @@ class FileBackend(StorageBackend):
         except OSError as exc:
             self._warn.warning("write", "file storage: writing %s failed: %s", path, exc)
             self.counters.add("write_errors")
+            with self._lock:  # give back the slot _make_room reserved
+                if not path.exists():
+                    self._lru.pop(key, None)
             return False
         self._touch(key, owner)
         self.counters.add_many(pages_written=1, bytes_written=self.spec.payload_bytes)
@@ -238,19 +241,22 @@ class FileBackend(StorageBackend):
             tmp.unlink(missing_ok=True)
             raise
 
-    def _make_room(self) -> bool:
-        """Evict least recently used pages until one more fits; False if none can go."""
-        if not self.capacity_pages:
-            return True
-        while True:
-            with self._lock:
-                if len(self._lru) < self.capacity_pages:
-                    return True
+    def _make_room(self, key: bytes) -> bool:
+        """Evict least recently used pages until `key` fits, and reserve its slot in the LRU
+        in the same critical section (concurrent writers cannot both take the last slot);
+        False if nothing can go."""
+        with self._lock:
+            if not self.capacity_pages or key in self._lru:
+                self._lru[key] = None
+                return True
+            while len(self._lru) >= self.capacity_pages:
                 if not self._lru:
                     return False
                 victim, _ = self._lru.popitem(last=False)
-            self._unlink(victim)
-            self.counters.add("evictions")
+                self._unlink_locked(victim)
+                self.counters.add("evictions")
+            self._lru[key] = None
+            return True
 
     def _make_quota_room(self, owner: str) -> None:
         """Evict `owner`'s least recently used pages until one more of its pages fits its
@@ -261,27 +267,42 @@ class FileBackend(StorageBackend):
                 if owned is None or len(owned) < self._quota_pages[owner]:
                     return
                 victim, _ = owned.popitem(last=False)
-            self._unlink(victim)
+                self._unlink_locked(victim)
             self.counters.add("quota_evictions")
 
     def _touch(self, key: bytes, owner: str = "") -> None:
         with self._lock:
-            self._lru[key] = None
-            self._lru.move_to_end(key)
-            if owner:
-                self._owner[key] = owner
-            owner = self._owner.get(key, "")
-            if owner:  # a read or a rewrite refreshes the page in its tenant's LRU too
-                owned = self._owned.setdefault(owner, OrderedDict())
-                owned[key] = None
-                owned.move_to_end(key)
+            self._touch_locked(key, owner)
+
+    def _touch_locked(self, key: bytes, owner: str) -> None:
+        self._lru[key] = None
+        self._lru.move_to_end(key)
+        if owner:
+            self._owner[key] = owner
+        owner = self._owner.get(key, "")
+        if owner:  # a read or a rewrite refreshes the page in its tenant's LRU too
+            owned = self._owned.setdefault(owner, OrderedDict())
+            owned[key] = None
+            owned.move_to_end(key)
+
+    def _touch_read(self, key: bytes) -> None:
+        """A read's LRU refresh. Unlinks happen under the lock, so a page evicted while it was
+        being read (its file gone now) is not put back in the index."""
+        with self._lock:
+            if key in self._lru or self.page_path(key).exists():
+                self._touch_locked(key, "")
 
     def _unlink(self, key: bytes) -> bool:
         with self._lock:
-            self._lru.pop(key, None)
-            owner = self._owner.pop(key, "")
-            if owner:
-                self._owned[owner].pop(key, None)
+            return self._unlink_locked(key)
+
+    def _unlink_locked(self, key: bytes) -> bool:
+        # the file goes under the lock: the index and the directory never disagree for long
+        # enough that a reader re-adds an evicted key (see _touch_read)
+        self._lru.pop(key, None)
+        owner = self._owner.pop(key, "")
+        if owner:
+            self._owned[owner].pop(key, None)
         try:
             self.page_path(key).unlink()
         except FileNotFoundError:
