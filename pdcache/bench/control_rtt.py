@@ -21,7 +21,6 @@ from typing import Any
 
 import zmq
 
-
 BENCH_LINK_ID = b"dbench-link-id00"  # 16 bytes, not starting with 0 (ZMQ reserves those)
 
 

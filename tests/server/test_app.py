@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -14,30 +13,12 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdcache.engine.config import CacheConfig, SchedulerConfig
+from pdcache.engine.config import SchedulerConfig
 from pdcache.engine.engine import Engine
 from pdcache.server.app import ServerConfig, create_app
 
-PAGE = 16
+PAGE = 16  # the page size of conftest.py's engine
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    eng = Engine.from_spec("tiny", cache=CacheConfig(page_size=PAGE, num_device_pages=512))
-    eng.start()
-    try:
-        yield eng
-    finally:
-        eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(engine: Engine) -> Iterator[TestClient]:
-    app = create_app(engine, ServerConfig(name="u0", request_timeout_s=60, manage_engine=False))
-    with TestClient(app) as c:
-        yield c
-    engine.check_accounting()
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -8,16 +8,13 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from pdcache.engine.config import CacheConfig
 from pdcache.engine.engine import Engine
-from pdcache.server.app import ServerConfig, create_app
 from pdcache.server.generate_api import (
     TRACKING_FIELDS,
     UNSUPPORTED_FIELDS,
@@ -31,7 +28,7 @@ sglang_sampling = pytest.importorskip("sglang.srt.sampling.sampling_params")
 api_types = pytest.importorskip("sglang.api.v1.api_types")
 json_response = pytest.importorskip("sglang.srt.utils.json_response")
 
-PAGE = 16
+PAGE = 16  # the page size of conftest.py's engine
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 # SamplingParams fields SGLang fills in itself (normalize()), not API parameters
 SGLANG_INTERNAL_SAMPLING = {"stop_strs", "stop_regex_strs", "stop_str_max_len",
@@ -46,24 +43,6 @@ NOT_NEUTRAL: dict[str, Any] = {"decode_tp_size": 2, "routed_dp_rank": 1,
 NOT_NEUTRAL_SAMPLING: dict[str, Any] = {"beam_width": 4, "stream_interval": 2,
                                         "spaces_between_special_tokens": False,
                                         "logit_bias": {"5": 1.0}, "choice": ["a", "b"]}
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    eng = Engine.from_spec("tiny", cache=CacheConfig(page_size=PAGE, num_device_pages=512))
-    eng.start()
-    try:
-        yield eng
-    finally:
-        eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(engine: Engine) -> Iterator[TestClient]:
-    app = create_app(engine, ServerConfig(name="u0", request_timeout_s=60, manage_engine=False))
-    with TestClient(app) as c:
-        yield c
-    engine.check_accounting()
 
 
 def ids_of(n: int, seed: int) -> list[int]:
