@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -74,7 +75,7 @@ class ParsedDelta:
     calls: list[ToolCall] = field(default_factory=list)
 
 
-class ToolCallFormat:
+class ToolCallFormat(ABC):
     """A format: where a call region starts and ends, and how its text becomes calls."""
 
     name: ClassVar[str]
@@ -86,13 +87,13 @@ class ToolCallFormat:
         """Whether the output (stripped of leading space) is a call region without a marker."""
         return False
 
+    @abstractmethod
     def parse_region(self, region: str) -> list[tuple[str, dict[str, Any]]] | None:
         """(name, arguments) of every call in one region's text; None when it is not calls."""
-        raise NotImplementedError
 
+    @abstractmethod
     def wrap(self, call_json: str) -> tuple[str, str]:
         """Text around one call's JSON when the output is constrained to calls."""
-        raise NotImplementedError
 
 
 def _call_of(obj: Any, keys: tuple[str, ...]) -> tuple[str, dict[str, Any]] | None:
