@@ -6,6 +6,7 @@ n > 1 followers sharing the leader's prompt pages (`prefill_leader`)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -390,19 +391,31 @@ class HoldingScheduler(Scheduler):
         return True
 
 
-def test_followers_share_a_held_leaders_prompt(tiny) -> None:
-    prompt = prompt_of(13, 14)  # 3 full pages + 2 tokens
+def held_engine(tiny, make_scheduler: type[Scheduler]) -> Engine:
+    """A tiny engine (64 device pages) stepped by the test, holding finished requests."""
     config = EngineConfig(
         model=tiny.config,
         cache=CacheConfig(page_size=PAGE, num_device_pages=64),
         scheduler=SchedulerConfig(),
     )
-    engine = Engine(config, tiny, make_scheduler=HoldingScheduler).start(thread=False)
-    finals: dict[str, RequestOutput] = {}
+    return Engine(config, tiny, make_scheduler=make_scheduler).start(thread=False)
+
+
+def finals_of(finals: dict[str, RequestOutput]) -> Callable[[RequestOutput], None]:
+    """An output callback that keeps each request's final output in `finals`."""
 
     def collect(out: RequestOutput) -> None:
         if out.finished:
             finals[out.rid] = out
+
+    return collect
+
+
+def test_followers_share_a_held_leaders_prompt(tiny) -> None:
+    prompt = prompt_of(13, 14)  # 3 full pages + 2 tokens
+    engine = held_engine(tiny, HoldingScheduler)
+    finals: dict[str, RequestOutput] = {}
+    collect = finals_of(finals)
 
     first = SamplingParams(max_new_tokens=1)  # prefill's request: the first token only
     engine.submit(GenerateRequest("lead", prompt, first), collect)
@@ -504,7 +517,7 @@ def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
     assert [result.tokens[0], result.tokens[2]] == alone.tokens
 
 
-class RecordingHoldScheduler(Scheduler):
+class RecordingHoldScheduler(HoldingScheduler):
     """Holds every finished request and records the prompt pages it hands out (what a
     prefill node gives its KV sender to read)."""
 
@@ -513,7 +526,7 @@ class RecordingHoldScheduler(Scheduler):
     def hold_after_finish(self, req) -> bool:
         self.handed = getattr(self, "handed", {})
         self.handed[req.rid] = list(req.page_ids[: len(req.prompt_ids) // PAGE])
-        return True
+        return super().hold_after_finish(req)
 
 
 def test_caching_a_held_leaders_prompt_keeps_its_handed_pages_intact(tiny) -> None:
@@ -521,17 +534,9 @@ def test_caching_a_held_leaders_prompt_keeps_its_handed_pages_intact(tiny) -> No
     reached the tree: the leader's own pages are duplicates then, but a reader still has them,
     so they are freed only when the leader is released (not reused by the next request)."""
     prompt = prompt_of(14, 14)  # 3 full pages + 2 tokens
-    config = EngineConfig(
-        model=tiny.config,
-        cache=CacheConfig(page_size=PAGE, num_device_pages=64),
-        scheduler=SchedulerConfig(),
-    )
-    engine = Engine(config, tiny, make_scheduler=RecordingHoldScheduler).start(thread=False)
+    engine = held_engine(tiny, RecordingHoldScheduler)
     finals: dict[str, RequestOutput] = {}
-
-    def collect(out: RequestOutput) -> None:
-        if out.finished:
-            finals[out.rid] = out
+    collect = finals_of(finals)
 
     def drain() -> None:
         for _ in range(50):
