@@ -53,15 +53,7 @@ def _client(address: str, key: bytes | None, ns: str | None = None) -> RemoteMet
 
 
 def _raw_request(address: str, frame: bytes) -> dict:
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 3000)
-    try:
-        sock.connect(address)
-        sock.send(frame)
-        raw = sock.recv()
-    finally:
-        sock.close(linger=0)
+    raw = _raw_reply(address, frame)
     try:
         return msgpack.unpackb(raw, raw=False)
     except ValueError:
