@@ -54,6 +54,8 @@ NODE_FLAG_KEYS = {
     "max_queued": "scheduler.max_queued_requests",
     "chunked_prefill_tokens": "scheduler.chunked_prefill_tokens",
     "no_prefix_cache": "cache.prefix_cache",
+    "no_pending_wait": "cache.pending_wait",
+    "offload_pending_ttl": "offload_pending_ttl_s",
     "incremental_streaming_output": "incremental_streaming_output",
 }
 FLAGS_SOURCE = "<command line>"
@@ -124,7 +126,7 @@ def flag_settings(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for dest, key in NODE_FLAG_KEYS.items():
         value = getattr(args, dest, None)
-        if dest == "no_prefix_cache":
+        if dest in ("no_prefix_cache", "no_pending_wait"):
             value = False if value else None
         if value is not None:
             out[key] = value
@@ -250,6 +252,13 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--offload-staging-pages", type=int, default=None,
                             help="host staging pages between device and storage (full: dropped; "
                                  "default 256)")
+        parser.add_argument("--offload-pending-ttl", type=float, default=None,
+                            help="seconds prefill nodes may wait for a page this node announced "
+                                 "as being written (default 10)")
+    if role == "prefill":
+        parser.add_argument("--no-pending-wait", action="store_true",
+                            help="do not wait for answer pages a decode node is still writing "
+                                 "(recompute them; counted as raced)")
 
 
 def _add_transfer_flags(parser: argparse.ArgumentParser, role: str) -> None:

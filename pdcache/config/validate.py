@@ -153,6 +153,11 @@ def _check_node_server(node: NodeSpec, key: str, ctx: ErrorContext) -> None:
             raise ctx.error(f"{key}.{name}", f"only decode nodes offload (role is {node.role})")
         if value is not None and value < 1:
             raise ctx.error(f"{key}.{name}", f"expected an integer >= 1, got {value}")
+    ttl = node.offload_pending_ttl_s
+    if ttl is not None and node.role != "decode":
+        raise ctx.error(f"{key}.offload_pending_ttl_s", f"only decode nodes offload (role is {node.role})")
+    if ttl is not None and not ttl > 0:
+        raise ctx.error(f"{key}.offload_pending_ttl_s", f"expected a number > 0, got {ttl}")
     if not node.kernels or any(c.isspace() for c in node.kernels):
         raise ctx.error(f"{key}.kernels", f'expected a kernel backend name or "auto", got "{node.kernels}"')
 
