@@ -81,6 +81,8 @@ def _check_scheduler(scheduler: SchedulerSpec, prefix: str, ctx: ErrorContext) -
 
 
 def _check_storage(storage: StorageSpec, ctx: ErrorContext) -> None:
+    if storage.write_delay_s < 0:
+        raise ctx.error("storage.write_delay_s", f"expected a number >= 0, got {storage.write_delay_s}")
     if storage.metadata != "inproc" and not re.match(r"^tcp://[^:/\s]+:\d{1,5}$", storage.metadata):
         raise ctx.error("storage.metadata", f'expected "inproc" or "tcp://HOST:PORT", got "{storage.metadata}"')
     if storage.io_engine == "usrbio" and storage.backend != "hf3fs":
