@@ -180,6 +180,7 @@ def _storage_table(args: argparse.Namespace) -> dict[str, Any]:
         return {"backend": "none"}
     return {"backend": args.storage_backend, "path": args.storage_path,
             "capacity": str(args.storage_capacity), "metadata": args.storage_metadata,
+            "write_delay_s": args.storage_write_delay,
             "mooncake": {"master": args.mooncake_master, "metadata_server": args.mooncake_metadata,
                          "global_segment_size": _FLAG_SEGMENT_BYTES}}
 
@@ -303,6 +304,9 @@ def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> N
     group.add_argument("--storage-backend", default="none", choices=["none", *BACKENDS.names()])
     group.add_argument("--storage-path", default="./.pdcache/storage")
     group.add_argument("--storage-capacity", default="4GiB")
+    group.add_argument("--storage-write-delay", type=float, default=0.0,
+                       help="seconds every storage write waits first: emulates a slow or "
+                            "distant store (storage.write_delay_s)")
     group.add_argument("--storage-metadata", default="inproc",
                        help="'inproc' or tcp://HOST:PORT of pdcache metadata-server")
     group.add_argument("--mooncake-master", default="127.0.0.1:50051")

@@ -114,6 +114,7 @@ class HiCacheStats:
     pending_waited_pages: int = 0  # of those, read from storage after waiting for them
     pending_raced_pages: int = 0  # of those, not read by admission: recomputed
     pending_wait_us: int = 0  # lookup → admission of requests that met pending pages
+    pending_wait_requests: int = 0  # requests that met pending pages (waited or not)
 
 
 @dataclass
@@ -359,7 +360,8 @@ class HiCache:
         if op.awaited:
             waited = max(0, min(pages - op.awaited_first, op.awaited))
             self._count(pending_waited_pages=waited, pending_raced_pages=op.awaited - waited,
-                        pending_wait_us=int((time.monotonic() - op.started) * 1e6))
+                        pending_wait_us=int((time.monotonic() - op.started) * 1e6),
+                        pending_wait_requests=1)
         if pages < len(op.host_page_ids):
             reason = "incomplete at admission" if not op.complete else "read failure or miss"
             log.info("prefetch of %s stopped after %d/%d pages: %s", rid, pages,
@@ -461,7 +463,7 @@ class HiCache:
             if worker is not None:
                 worker.close()
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, int | float]:
         """Every counter and gauge of the host and storage tiers as one flat dict, for metrics.
 
         Safe from any thread: controller counters are copied under their lock; host pool
@@ -482,6 +484,7 @@ class HiCache:
             out["sessions_tracked"] = len(self.tree.sessions)
         if self.pending is not None:
             out.update(self.pending.snapshot())
+        out["pending_wait_s"] = out["pending_wait_us"] / 1e6
         for worker in (self._writer, self._reader):
             if worker is not None:
                 out[f"{worker.name}_queue_depth"] = worker.queue_depth

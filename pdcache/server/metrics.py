@@ -91,6 +91,11 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
                               "pages a decode node was still writing when a lookup needed "
                               "them (found), then read after waiting (waited) or recomputed "
                               "(raced)"),
+    "pdcache_pending_wait_seconds": ("counter", "", {"": "pending_wait_s"},
+                                     "lookup to admission of the requests that waited for "
+                                     "pending pages, summed"),
+    "pdcache_pending_wait_requests": ("counter", "", {"": "pending_wait_requests"},
+                                      "requests that waited for pending pages"),
     "pdcache_pending_keys": ("gauge", "", {"": "pending_keys_tracked"},
                              "decode-announced page writes this node tracks (pending or landed)"),
     "pdcache_sessions_tracked": ("gauge", "", {"": "sessions_tracked"},
