@@ -1,7 +1,7 @@
 """`pdcache bench durable`: does turn t+1 find turn t's answer, with and without the wait for
 pending pages (docs/design.md §4.10)?
 
-One prefill and one decode node (real processes on loopback, file or hf3fs storage), driven
+One prefill and one decode node (real processes on loopback, file storage), driven
 like the router drives them: `--sessions` conversations at once, each turn sent the moment the
 previous one answered (zero think time), answers of `--answer-len` tokens. Decode writes each
 whole answer at its end (`--stride-pages` above the answer: the worst case for the race), to a
@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-pages", type=int, default=2048)
     parser.add_argument("--host-pages", type=int, default=2048)
     parser.add_argument("--stride-pages", type=int, default=256)
-    parser.add_argument("--storage-backend", default="file", choices=["file", "hf3fs"])
+    parser.add_argument("--storage-backend", default="file", choices=["file"],
+                        help="file: shared by both node processes without a metadata service")
     parser.add_argument("--transfer-engine", default="zmq", choices=["mooncake", "zmq"])
     parser.add_argument("--storage-dir", default=None, help="default: a temporary directory")
     parser.add_argument("--timeout", type=float, default=600.0, help="per request (s)")
