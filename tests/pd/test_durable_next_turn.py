@@ -25,6 +25,7 @@ from pdcache.offload_manager.builder import (
 from pdcache.offload_manager.hicache import HiCacheConfig
 from pdcache.transfer import TransferConfig
 from tests.pd_harness import (
+    MetadataService,
     PDStack,
     assert_stack_idle,
     free_port,
@@ -46,10 +47,14 @@ def tiny():
     return load_model("tiny", seed=0)
 
 
-def setups(tmp_path, model, pending_wait: bool) -> tuple[NodeSetup, NodeSetup]:
+def setups(tmp_path, model, pending_wait: bool,
+           metadata: str = "") -> tuple[NodeSetup, NodeSetup]:
+    """File storage, or hf3fs slots shared through the metadata service at `metadata`."""
     fp = fingerprint_for(model.config, model_identity("tiny", 0), PAGE)
-    storage = storage_config_for(model.config, PAGE, fp, backend="file",
-                                 path=str(tmp_path / "storage"))
+    where = {"backend": "hf3fs", "capacity_pages": 8192, "metadata": metadata} if metadata \
+        else {"backend": "file"}
+    storage = storage_config_for(model.config, PAGE, fp, path=str(tmp_path / "storage"),
+                                 **where)
     transfer = TransferConfig(engine="zmq", bootstrap_timeout_s=10, room_timeout_s=60,
                               heartbeat_interval_s=0.5)
     sched = SchedulerConfig(chunked_prefill_tokens=1024, max_running_requests=SESSIONS)
@@ -81,12 +86,13 @@ def session(stack: PDStack, index: int, answers: list[int]) -> list[tuple[list[i
     return turns
 
 
-def run(tmp_path, tiny, pending_wait: bool, answers: list[int]):
-    prefill, decode = setups(tmp_path, tiny[0], pending_wait)
+def run(tmp_path, tiny, pending_wait: bool, answers: list[int], sessions: int = SESSIONS,
+        metadata: str = ""):
+    prefill, decode = setups(tmp_path, tiny[0], pending_wait, metadata)
     stack = start_stack(prefill, decode)
     try:
-        with concurrent.futures.ThreadPoolExecutor(SESSIONS) as pool:
-            futures = [pool.submit(session, stack, i, answers) for i in range(SESSIONS)]
+        with concurrent.futures.ThreadPoolExecutor(sessions) as pool:
+            futures = [pool.submit(session, stack, i, answers) for i in range(sessions)]
             sessions = [f.result(timeout=300) for f in futures]
         metrics = stack.client.get(f"{stack.prefill.url}/metrics").text
         assert_stack_idle(stack)
@@ -105,14 +111,18 @@ def pending(metrics: str, outcome: str) -> float:
     return metric_value(metrics, "pdcache_pending_pages_total", server="p0", outcome=outcome)
 
 
-def test_every_next_turn_finds_the_previous_answer(tmp_path, tiny) -> None:
-    sessions, metrics, receiver = run(tmp_path, tiny, True, [ANSWER, ANSWER, PROBE_ANSWER])
+def assert_every_answer_found(sessions) -> None:
     for turns in sessions:
         for (prev_prompt, prev), (_, turn) in zip(turns, turns[1:]):
             details = turn["meta_info"]["cached_tokens_details"]
             expected = answer_pages_tokens(prev_prompt, prev["output_ids"])
             assert details["storage_from_decode"] == expected, turn["meta_info"]
             assert turn["meta_info"]["computed_tokens"] <= len(MESSAGE) + PAGE
+
+
+def test_every_next_turn_finds_the_previous_answer(tmp_path, tiny) -> None:
+    sessions, metrics, receiver = run(tmp_path, tiny, True, [ANSWER, ANSWER, PROBE_ANSWER])
+    assert_every_answer_found(sessions)
     assert pending(metrics, "raced") == 0
     # the writes really were late: every next turn met its answer pending and waited for it
     answer_pages = sum(answer_pages_tokens(p, a["output_ids"]) // PAGE
@@ -132,3 +142,16 @@ def test_without_pending_wait_the_next_turn_races_the_write(tmp_path, tiny) -> N
     assert short > 0, "every next turn found its answer: the race did not happen"
     assert pending(metrics, "raced") > 0
     assert pending(metrics, "waited") == 0
+
+
+def test_the_wait_does_not_depend_on_the_store(tmp_path, tiny) -> None:
+    """The same contract on hf3fs slots committed through the metadata service (the channel
+    is the control plane, never the store): shorter answers, 4 sessions."""
+    service = MetadataService(tmp_path / "metadata")
+    try:
+        sessions, metrics, _ = run(tmp_path, tiny, True, [256, PROBE_ANSWER], sessions=4,
+                                   metadata=service.address)
+    finally:
+        service.stop()
+    assert_every_answer_found(sessions)
+    assert pending(metrics, "raced") == 0 and pending(metrics, "waited") > 0
