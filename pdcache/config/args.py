@@ -54,6 +54,8 @@ NODE_FLAG_KEYS = {
     "max_queued": "scheduler.max_queued_requests",
     "chunked_prefill_tokens": "scheduler.chunked_prefill_tokens",
     "no_prefix_cache": "cache.prefix_cache",
+    "no_pending_wait": "cache.pending_wait",
+    "offload_pending_ttl": "offload_pending_ttl_s",
     "incremental_streaming_output": "incremental_streaming_output",
 }
 FLAGS_SOURCE = "<command line>"
@@ -124,7 +126,7 @@ def flag_settings(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for dest, key in NODE_FLAG_KEYS.items():
         value = getattr(args, dest, None)
-        if dest == "no_prefix_cache":
+        if dest in ("no_prefix_cache", "no_pending_wait"):
             value = False if value else None
         if value is not None:
             out[key] = value
@@ -178,6 +180,7 @@ def _storage_table(args: argparse.Namespace) -> dict[str, Any]:
         return {"backend": "none"}
     return {"backend": args.storage_backend, "path": args.storage_path,
             "capacity": str(args.storage_capacity), "metadata": args.storage_metadata,
+            "write_delay_s": args.storage_write_delay,
             "mooncake": {"master": args.mooncake_master, "metadata_server": args.mooncake_metadata,
                          "global_segment_size": _FLAG_SEGMENT_BYTES}}
 
@@ -250,6 +253,13 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--offload-staging-pages", type=int, default=None,
                             help="host staging pages between device and storage (full: dropped; "
                                  "default 256)")
+        parser.add_argument("--offload-pending-ttl", type=float, default=None,
+                            help="seconds prefill nodes may wait for a page this node announced "
+                                 "as being written (default 10)")
+    if role == "prefill":
+        parser.add_argument("--no-pending-wait", action="store_true",
+                            help="do not wait for answer pages a decode node is still writing "
+                                 "(recompute them; counted as raced)")
 
 
 def _add_transfer_flags(parser: argparse.ArgumentParser, role: str) -> None:
@@ -294,6 +304,9 @@ def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> N
     group.add_argument("--storage-backend", default="none", choices=["none", *BACKENDS.names()])
     group.add_argument("--storage-path", default="./.pdcache/storage")
     group.add_argument("--storage-capacity", default="4GiB")
+    group.add_argument("--storage-write-delay", type=float, default=0.0,
+                       help="seconds every storage write waits first: emulates a slow or "
+                            "distant store (storage.write_delay_s)")
     group.add_argument("--storage-metadata", default="inproc",
                        help="'inproc' or tcp://HOST:PORT of pdcache metadata-server")
     group.add_argument("--mooncake-master", default="127.0.0.1:50051")

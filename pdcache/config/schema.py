@@ -108,6 +108,9 @@ class CacheSpec:
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_1k_tokens_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
+    # prefill: wait (within the prefetch policy) for pages a decode node announced as being
+    # written instead of recomputing them (docs/design.md §4.10, "A durable next turn")
+    pending_wait: bool = True
     # How stored pages are named: "pdcache", or "sglang" to share pages with SGLang servers
     # running the pdcache storage plugin (whose `key_namespace` must equal this one).
     key_scheme: Literal["pdcache", "sglang"] = "pdcache"
@@ -178,6 +181,9 @@ class StorageSpec:
     io_engine: Literal["posix", "usrbio"] = "posix"
     metadata: str = "inproc"  # "inproc" or "tcp://HOST:PORT" (the shared metadata service)
     namespace: str = "default"
+    # every write call waits this long first: emulates a slow or distant store (benchmarks,
+    # and the tests of the durable next turn); 0 = off
+    write_delay_s: float = 0.0
     metadata_service: MetadataServiceSpec = field(default_factory=MetadataServiceSpec)
     mooncake: MooncakeStoreSpec = field(default_factory=MooncakeStoreSpec)
 
@@ -294,6 +300,7 @@ class NodeSpec:
     offload: bool | None = None  # decode only: write generated KV to storage (default: on)
     offload_staging_pages: int | None = None  # decode only: host staging pages (default 256)
     offload_stride_pages: int | None = None  # decode only: offload every N full pages (default 1)
+    offload_pending_ttl_s: float | None = None  # decode only: TTL of its pending marks (default 10)
     request_timeout_s: float = 600.0  # deadline of one request on this node's HTTP side
     tool_call_parser: ToolCallParser = "hermes"  # how model output becomes OpenAI tool_calls
     incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)

@@ -81,6 +81,8 @@ def _check_scheduler(scheduler: SchedulerSpec, prefix: str, ctx: ErrorContext) -
 
 
 def _check_storage(storage: StorageSpec, ctx: ErrorContext) -> None:
+    if storage.write_delay_s < 0:
+        raise ctx.error("storage.write_delay_s", f"expected a number >= 0, got {storage.write_delay_s}")
     if storage.metadata != "inproc" and not re.match(r"^tcp://[^:/\s]+:\d{1,5}$", storage.metadata):
         raise ctx.error("storage.metadata", f'expected "inproc" or "tcp://HOST:PORT", got "{storage.metadata}"')
     if storage.io_engine == "usrbio" and storage.backend != "hf3fs":
@@ -153,6 +155,11 @@ def _check_node_server(node: NodeSpec, key: str, ctx: ErrorContext) -> None:
             raise ctx.error(f"{key}.{name}", f"only decode nodes offload (role is {node.role})")
         if value is not None and value < 1:
             raise ctx.error(f"{key}.{name}", f"expected an integer >= 1, got {value}")
+    ttl = node.offload_pending_ttl_s
+    if ttl is not None and node.role != "decode":
+        raise ctx.error(f"{key}.offload_pending_ttl_s", f"only decode nodes offload (role is {node.role})")
+    if ttl is not None and not ttl > 0:
+        raise ctx.error(f"{key}.offload_pending_ttl_s", f"expected a number > 0, got {ttl}")
     if not node.kernels or any(c.isspace() for c in node.kernels):
         raise ctx.error(f"{key}.kernels", f'expected a kernel backend name or "auto", got "{node.kernels}"')
 

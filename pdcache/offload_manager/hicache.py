@@ -16,6 +16,10 @@ writes then happen when a page enters the host tier, whatever the write policy).
 Prefetch policies decide how long a queued request waits for its storage reads:
 `best_effort` (never waits: takes what has arrived), `wait_complete` (all reads finished),
 `timeout` (finished, or base + per-1k-token × tokens / 1000 capped at max, elapsed).
+Pages a decode node announced as being written (`PendingPages`, docs/design.md §4.10) extend
+a lookup past storage's committed prefix: with `pending_wait` the request waits for them
+under its prefetch policy (read as each lands; never past the deadline or the mark's TTL)
+instead of recomputing them; without it they are only counted (`pending_raced_pages`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pdcache.kernels import KernelSet
 from pdcache.offload_manager.hiradix import HiRadixTree, HostMatch
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
+from pdcache.offload_manager.pending import PageState, PendingPages
 from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.config import tenant_namespace
 from pdcache.offload_manager.storage.stats import RateLimitedLog
@@ -64,6 +69,9 @@ class HiCacheConfig:
     # "sglang" to share pages with SGLang servers running the pdcache storage plugin
     key_scheme: str = "pdcache"
     key_namespace: str = ""  # the plugin's `key_namespace` (deployment-wide key salt)
+    # wait (within the prefetch policy) for pages decode announced as being written, rather
+    # than recompute them (docs/design.md §4.10); False: count them as raced and recompute
+    pending_wait: bool = True
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
@@ -100,6 +108,13 @@ class HiCacheStats:
     prefetch_read_us: int = 0  # storage reads, on the prefetch worker
     prefetch_wait_us: int = 0  # prefetch start → taken at admission
     load_copy_us: int = 0  # host → device copies, inside the forward
+    # the durable next turn (docs/design.md §4.10): pages past storage's committed prefix that
+    # a decode node had announced as being written, at lookup time
+    pending_found_pages: int = 0
+    pending_waited_pages: int = 0  # of those, read from storage after waiting for them
+    pending_raced_pages: int = 0  # of those, not read by admission: recomputed
+    pending_wait_us: int = 0  # lookup → admission of requests that met pending pages
+    pending_wait_requests: int = 0  # requests that met pending pages (waited or not)
 
 
 @dataclass
@@ -123,10 +138,19 @@ class PrefetchOp:
     deadline: float
     reason: str = ""
     started: float = field(default_factory=time.monotonic)
+    # pages [awaited_first, awaited_first + awaited) were pending at lookup; reads are
+    # submitted up to `submitted` (the rest wait for their keys to land)
+    awaited_first: int = 0
+    awaited: int = 0
+    submitted: int = -1  # -1: every page
+
+    def __post_init__(self) -> None:
+        if self.submitted < 0:
+            self.submitted = len(self.keys)
 
     @property
     def complete(self) -> bool:
-        return all(b.done.is_set() for b in self.batches)
+        return self.submitted == len(self.keys) and all(b.done.is_set() for b in self.batches)
 
     def ready_prefix(self) -> tuple[int, list[str | None]]:
         """Pages readable now: consecutive successes from the start over finished batches."""
@@ -208,8 +232,10 @@ class HiCache:
     layer_load_cls: type[LayerLoad] = LayerLoad
 
     def __init__(self, tree: HiRadixTree, device_kv: torch.Tensor, storage: StorageBackend | None,
-                 config: HiCacheConfig, fingerprint: str, kernels: KernelSet | None = None) -> None:
+                 config: HiCacheConfig, fingerprint: str, kernels: KernelSet | None = None,
+                 pending: PendingPages | None = None) -> None:
         self.tree = tree
+        self.pending = pending  # decode-announced writes (prefill nodes); None: not tracked
         self.kernels = kernels or KernelSet()
         self.host_pool = tree.host_pool
         self.device_kv = device_kv
@@ -282,19 +308,41 @@ class HiCache:
             return 0
         finally:
             self._count(prefetch_lookup_us=int((time.perf_counter() - start) * 1e6))
-        if hits < self.config.prefetch_min_pages:
+        awaited = self._pending_after(keys, hits)
+        total = hits + awaited
+        if total < self.config.prefetch_min_pages:
+            self._count(pending_raced_pages=awaited)
             return 0
-        host_ids = self._alloc_host(hits)
+        host_ids = self._alloc_host(total)
         if host_ids is None:
-            log.info("prefetch of %s stopped: no host room for %d pages", rid, hits)
+            log.info("prefetch of %s stopped: no host room for %d pages", rid, total)
+            self._count(pending_raced_pages=awaited)
             return 0
-        op = self._submit_reads(rid, first_page, keys[:hits], host_ids, len(token_ids))
+        op = self._submit_reads(rid, first_page, keys[:total], host_ids, len(token_ids),
+                                submit=hits)
+        op.awaited_first, op.awaited = hits, awaited
         self._prefetches[rid] = op
-        return hits
+        return total
+
+    def _pending_after(self, keys: list[bytes], hits: int) -> int:
+        """Pages right after storage's `hits` that a decode node announced as being written:
+        how many this prefetch waits for (0 without `pending_wait`: they are counted raced)."""
+        if self.pending is None:
+            return 0
+        found = self.pending.run(keys[hits:])
+        if not found:
+            return 0
+        self._count(pending_found_pages=found)
+        if not self.config.pending_wait:
+            self._count(pending_raced_pages=found)
+            return 0
+        return found
 
     def prefetch_ready(self, rid: str, now: float | None = None) -> bool:
         """Whether the queued request may be admitted now, under the prefetch policy."""
         op = self._prefetches.get(rid)
+        if op is not None and op.submitted < len(op.keys):
+            self._read_landed(op)
         if op is None or self.config.prefetch_policy == "best_effort" or op.complete:
             return True
         if self.config.prefetch_policy == "wait_complete":
@@ -307,7 +355,13 @@ class HiCache:
         op = self._prefetches.pop(rid, None)
         if op is None:
             return None
+        self._stop_waiting(op)
         pages, origins = op.ready_prefix()
+        if op.awaited:
+            waited = max(0, min(pages - op.awaited_first, op.awaited))
+            self._count(pending_waited_pages=waited, pending_raced_pages=op.awaited - waited,
+                        pending_wait_us=int((time.monotonic() - op.started) * 1e6),
+                        pending_wait_requests=1)
         if pages < len(op.host_page_ids):
             reason = "incomplete at admission" if not op.complete else "read failure or miss"
             log.info("prefetch of %s stopped after %d/%d pages: %s", rid, pages,
@@ -328,6 +382,7 @@ class HiCache:
     def cancel_prefetch(self, rid: str) -> None:
         op = self._prefetches.pop(rid, None)
         if op is not None:
+            self._stop_waiting(op)
             self._abandon(op, 0)
 
     # ---- backup ------------------------------------------------------------------------
@@ -408,7 +463,7 @@ class HiCache:
             if worker is not None:
                 worker.close()
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, int | float]:
         """Every counter and gauge of the host and storage tiers as one flat dict, for metrics.
 
         Safe from any thread: controller counters are copied under their lock; host pool
@@ -427,6 +482,9 @@ class HiCache:
                    prefetch_ops_abandoned=len(self._abandoned))
         if self.tree.sessions is not None:
             out["sessions_tracked"] = len(self.tree.sessions)
+        if self.pending is not None:
+            out.update(self.pending.snapshot())
+        out["pending_wait_s"] = out["pending_wait_us"] / 1e6
         for worker in (self._writer, self._reader):
             if worker is not None:
                 out[f"{worker.name}_queue_depth"] = worker.queue_depth
@@ -542,21 +600,70 @@ class HiCache:
         return keys[-node.num_pages :]
 
     def _submit_reads(self, rid: str, first_page: int, keys: list[bytes], host_ids: list[int],
-                      num_tokens: int) -> PrefetchOp:
-        size = self.config.io_batch_pages
-        batches = [_Batch(i, min(size, len(keys) - i)) for i in range(0, len(keys), size)]
+                      num_tokens: int, submit: int | None = None) -> PrefetchOp:
+        """A prefetch of `keys` into `host_ids` whose first `submit` pages (default: all) are
+        read now; the rest wait for their pending keys to land (`_read_landed`)."""
         deadline = time.monotonic() + self.config.prefetch_timeout_s(num_tokens)
-        op = PrefetchOp(rid, first_page, keys, host_ids, batches, deadline)
-        pages = self.host_pool.page_bytes(host_ids)
-        for batch in batches:
+        op = PrefetchOp(rid, first_page, keys, host_ids, [], deadline, submitted=0)
+        self._submit_range(op, len(keys) if submit is None else submit)
+        return op
+
+    def _submit_range(self, op: PrefetchOp, end: int) -> None:
+        """Read pages `op.submitted .. end` of `op` (in batches of `io_batch_pages`)."""
+        size = self.config.io_batch_pages
+        pages = self.host_pool.page_bytes(op.host_page_ids[op.submitted : end])
+        base = op.submitted
+        for first in range(op.submitted, end, size):
+            batch = _Batch(first, min(size, end - first))
+            op.batches.append(batch)
             span = slice(batch.first, batch.first + batch.count)
-            task = IoTask(IoKind.READ, keys[span], pages[span], self._read_done(batch))
+            task = IoTask(IoKind.READ, op.keys[span], pages[first - base : first - base + batch.count],
+                          self._read_done(batch))
             if not self._reader.submit(task):
-                log.info("prefetch of %s: read queue full, %d pages not read", rid, batch.count)
+                log.info("prefetch of %s: read queue full, %d pages not read", op.rid,
+                         batch.count)
                 self._count(prefetch_failed_pages=batch.count)
                 batch.ok, batch.origins = [False] * batch.count, [None] * batch.count
                 batch.done.set()
-        return op
+        op.submitted = max(op.submitted, end)
+
+    def _read_landed(self, op: PrefetchOp) -> None:
+        """Engine thread: start reading the awaited pages that landed since the last look; a
+        page that will not come (failed, dropped, mark expired) ends the wait, after one
+        storage lookup for the ones that landed unannounced."""
+        assert self.pending is not None
+        end = op.submitted
+        while end < len(op.keys):
+            state = self.pending.state(op.keys[end])
+            if state is PageState.PENDING:
+                break
+            if state is PageState.GONE:
+                end += self._stored_prefix(op.keys[end:])
+                self._submit_range(op, end)
+                self._stop_waiting(op)
+                return
+            end += 1
+        if end > op.submitted:
+            self._submit_range(op, end)
+
+    def _stored_prefix(self, keys: list[bytes]) -> int:
+        try:
+            return self.storage.exists_prefix(keys)
+        except Exception as exc:
+            log.warning("pending pages: storage lookup failed: %s", exc)
+            self._count(storage_errors=1)
+            return 0
+
+    def _stop_waiting(self, op: PrefetchOp) -> None:
+        """Give up on the pages of `op` not submitted yet: a finished, failed batch, so that
+        the op is complete and its host pages are freed with the rest."""
+        missing = len(op.keys) - op.submitted
+        if missing <= 0:
+            return
+        batch = _Batch(op.submitted, missing, ok=[False] * missing, origins=[None] * missing)
+        batch.done.set()
+        op.batches.append(batch)
+        op.submitted = len(op.keys)
 
     def _read_done(self, batch: _Batch):
         def done(result: IoResult) -> None:

@@ -55,11 +55,14 @@ from pdcache.transfer.engines.base import create_engine
 from pdcache.transfer.errors import TransferError, TransferTimeout
 from pdcache.transfer.layout import KVLayout
 from pdcache.transfer.messages import (
+    MAX_KEYS_PER_MESSAGE,
     Abort,
     AbortAck,
     Done,
     Message,
     MessageError,
+    PagesPending,
+    PagesSettled,
     Ping,
     Pong,
     PrefillReport,
@@ -67,6 +70,7 @@ from pdcache.transfer.messages import (
     RegisterAck,
     RoomRequest,
     Started,
+    pack_keys,
     pack_pages,
 )
 from pdcache.transfer.rooms import (
@@ -145,7 +149,8 @@ class KVReceiver:
         self._peers: dict[str, _Peer] = {}  # control thread only
         self.rejects = RejectCounter(f"decode {self.decode_id}")
         self.counters = {"bytes_received": 0, "peers_lost": 0, "abort_ack_timeouts": 0,
-                         "messages_in": 0, "unexpected_messages": 0}
+                         "messages_in": 0, "unexpected_messages": 0,
+                         "pending_pages_announced": 0, "settled_pages_announced": 0}
         self._seq = itertools.count(1)
         self._loop = ControlLoop("decode-transfer", _tick_s(config), self._tick)
         self.engine = None
@@ -223,6 +228,35 @@ class KVReceiver:
 
     def abort(self, room: int, reason: str = "aborted by decode") -> None:
         self._fail_local(room, reason, code="aborted")
+
+    def announce_pending(self, keys: list[bytes], ttl_s: float) -> None:
+        """Tell every registered prefill peer that decode's offload will write these page
+        keys to storage within `ttl_s` (`PagesPending`; any thread, never blocks: the frames
+        leave from the control thread). Docs: design.md §4.10."""
+        ttl_ms = max(1, int(ttl_s * 1000))
+        for start in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
+            chunk = keys[start : start + MAX_KEYS_PER_MESSAGE]
+            self._broadcast(PagesPending(pack_keys(chunk), ttl_ms), "pending_pages_announced",
+                            len(chunk))
+
+    def announce_settled(self, keys: list[bytes], landed: list[bool]) -> None:
+        """Tell every registered prefill peer how the write of these keys ended
+        (`PagesSettled`: committed in storage, or not coming); any thread."""
+        for start in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
+            chunk = keys[start : start + MAX_KEYS_PER_MESSAGE]
+            flags = bytes(1 if ok else 0 for ok in landed[start : start + len(chunk)])
+            self._broadcast(PagesSettled(pack_keys(chunk), flags), "settled_pages_announced",
+                            len(chunk))
+
+    def _broadcast(self, msg: PagesPending | PagesSettled, counter: str, pages: int) -> None:
+        def send() -> None:  # control thread: the only one touching `_peers` and sockets
+            peers = [p for p in self._peers.values() if p.ready.is_set() and not p.error]
+            for peer in peers:
+                self._send_frame(peer, msg)  # sealed per peer: each has its own link and boot
+            if peers:
+                self.counters[counter] += pages
+
+        self._loop.call_soon(send)
 
     def stats(self) -> dict[str, Any]:
         return {"rooms": self.rooms.snapshot(), "rejected": self.rejects.snapshot(),

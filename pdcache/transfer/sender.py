@@ -37,7 +37,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -61,6 +61,8 @@ from pdcache.transfer.messages import (
     Done,
     Message,
     MessageError,
+    PagesPending,
+    PagesSettled,
     Ping,
     Pong,
     PrefillReport,
@@ -105,6 +107,15 @@ class _SendRoom:
     nbytes: int = 0
 
 
+class PendingPagesSink(Protocol):
+    """Where the pages decode announces go (the node's `PendingPages`, docs/design.md
+    §4.10); called on the control thread, so it must be thread-safe and quick."""
+
+    def pending(self, keys: list[bytes], ttl_s: float) -> None: ...
+
+    def settled(self, keys: list[bytes], landed: list[bool]) -> None: ...
+
+
 class KVSender:
     """The prefill node's end of the KV transfer; see the module docstring."""
 
@@ -112,10 +123,13 @@ class KVSender:
                  bind_host: str = "127.0.0.1", port: int = 0,
                  on_release: ReleaseCallback | None = None, prefill_id: str = "",
                  on_requested: Callable[[int], None] | None = None,
-                 control_key: bytes | None = None) -> None:
+                 control_key: bytes | None = None,
+                 on_pages: PendingPagesSink | None = None) -> None:
         """`control_key`: derive_key(cluster secret, "zmq-control") authenticates every
-        control message (docs/security.md); None: unauthenticated (no secret)."""
+        control message (docs/security.md); None: unauthenticated (no secret). `on_pages`
+        gets registered decode peers' `pages_pending` / `pages_settled` (None: ignored)."""
         self.config = config
+        self._on_pages = on_pages
         self._auth = control_auth(control_key, "prefill")
         self._on_requested = on_requested
         self.layout = KVLayout.from_tensor(device_kv)
@@ -493,8 +507,23 @@ class KVSender:
     def _on_ping(self, identity: bytes, msg: Ping) -> None:
         self._send(identity, Pong(msg.seq))
 
+    def _on_pages_pending(self, identity: bytes, msg: PagesPending) -> None:
+        peer = self._peer(identity)
+        if peer is None or self._on_pages is None:
+            self._count("unexpected_messages")
+            return
+        self._on_pages.pending(msg.key_list(), msg.ttl_ms / 1000)
+
+    def _on_pages_settled(self, identity: bytes, msg: PagesSettled) -> None:
+        peer = self._peer(identity)
+        if peer is None or self._on_pages is None:
+            self._count("unexpected_messages")
+            return
+        self._on_pages.settled(msg.key_list(), msg.landed_list())
+
     _HANDLERS = {Register: _on_register, RoomRequest: _on_room_request, Abort: _on_abort,
-                 Ping: _on_ping}
+                 Ping: _on_ping, PagesPending: _on_pages_pending,
+                 PagesSettled: _on_pages_settled}
 
     def _tick(self) -> None:
         now = time.monotonic()

@@ -26,8 +26,14 @@ BACKENDS.register(
 
 
 def create_backend(config: StorageConfig) -> StorageBackend:
-    """The backend named by `config.backend`, opened with `config`."""
-    return BACKENDS.get(config.backend)(config)
+    """The backend named by `config.backend`, opened with `config` (its writes delayed by
+    `config.write_delay_s` when that is set: `storage.delay.DelayedWrites`)."""
+    backend = BACKENDS.get(config.backend)(config)
+    if config.write_delay_s > 0:
+        from pdcache.offload_manager.storage.delay import DelayedWrites
+
+        return DelayedWrites(backend, config.write_delay_s)
+    return backend
 
 
 def __getattr__(name: str) -> Any:

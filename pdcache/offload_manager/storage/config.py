@@ -36,6 +36,8 @@ def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
         "backend": spec.backend, "path": spec.path, "capacity_bytes": spec.capacity,
         "io_engine": spec.io_engine, "metadata": spec.metadata, "namespace": spec.namespace,
     }
+    if getattr(spec, "write_delay_s", 0.0):
+        keys["write_delay_s"] = spec.write_delay_s
     if spec.backend == "mooncake":
         mooncake = spec.mooncake
         keys.update(
@@ -117,6 +119,9 @@ class StorageConfig:
     # used pages, never another's. Enforced by the file backend; hf3fs and Mooncake Store
     # take the namespace but do not enforce it (docs/design.md §8).
     namespace_quotas: Mapping[str, int] = field(default_factory=dict, compare=False)
+    # every put_from call starts this much later (`storage.delay.DelayedWrites`): emulates
+    # a slow or distant store; 0 = off
+    write_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         self._check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}")
@@ -127,6 +132,7 @@ class StorageConfig:
         self._check(self.io_threads >= 1, "io_threads", "must be >= 1")
         self._check(self.num_data_files >= 1, "num_data_files", "must be >= 1")
         self._check(self.timeout_s > 0, "timeout_s", "must be > 0")
+        self._check(self.write_delay_s >= 0, "write_delay_s", "must be >= 0")
         ok_meta = self.metadata == "inproc" or self.metadata.startswith("tcp://")
         self._check(ok_meta, "metadata", "must be 'inproc' or 'tcp://host:port'")
         if self.backend == "hf3fs":
