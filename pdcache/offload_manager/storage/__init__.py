@@ -26,8 +26,20 @@ BACKENDS.register(
 
 
 def create_backend(config: StorageConfig) -> StorageBackend:
-    """The backend named by `config.backend`, opened with `config`."""
-    return BACKENDS.get(config.backend)(config)
+    """The backend named by `config.backend`, opened with `config`; wrapped in the chaos-only
+    delay injector when `config.fault_injection` names its control file (docs/chaos.md)."""
+    backend = BACKENDS.get(config.backend)(config)
+    if not config.fault_injection:
+        return backend
+    from pathlib import Path
+
+    from pdcache.offload_manager.storage.fault_injection import DelayInjectingBackend
+
+    try:
+        return DelayInjectingBackend(backend, Path(config.fault_injection))
+    except BaseException:
+        backend.close()
+        raise
 
 
 def __getattr__(name: str) -> Any:
