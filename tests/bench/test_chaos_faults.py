@@ -11,9 +11,13 @@ reason the fault itself gives (`unavailable`), where this machine lacks the capa
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import random
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -321,3 +325,248 @@ def test_storage_fault_counts_are_exact(tmp_path: Path) -> None:
         assert stats["rejected_checksum_pages"] == 5 // 2
     finally:
         backend.close()
+
+
+# --------------------------------------------------------------------------- network faults
+
+# An echo server (prints "ready" once listening) and a client that prints JSON: whether it
+# connected, and the median round trip of a few one-line exchanges.
+ECHO_SERVER = """
+import socket, sys, threading
+srv = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+def serve(conn):
+    with conn, conn.makefile("rwb") as f:
+        for line in f:
+            f.write(line); f.flush()
+while True:
+    threading.Thread(target=serve, args=(srv.accept()[0],), daemon=True).start()
+"""
+RTT_CLIENT = """
+import json, socket, statistics, sys, time
+try:
+    with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])) as s:
+        f, rtts = s.makefile("rwb"), []
+        for _ in range(5):
+            t = time.monotonic(); f.write(b"x\\n"); f.flush(); f.readline()
+            rtts.append(time.monotonic() - t)
+    print(json.dumps({"ok": True, "rtt_ms": statistics.median(rtts) * 1000}))
+except OSError as exc:
+    print(json.dumps({"ok": False, "error": repr(exc)}))
+"""
+ECHO_PORT = 7100  # inside fresh namespaces every port is free
+
+
+def in_namespace(lab, node: str, *argv: str) -> list[str]:
+    return [*lab.launch_prefix(node), sys.executable, *argv]
+
+
+def rtt_from(lab, node: str, host: str, timeout_s: float = 2.0) -> dict:
+    """Connect from `node`'s namespace to an echo server (None node: from this process's)."""
+    argv = [sys.executable, "-c", RTT_CLIENT, host, str(ECHO_PORT), str(timeout_s)]
+    if node is not None:
+        argv = in_namespace(lab, node, *argv[1:])
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s + 20)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.fixture()
+def net_lab(tmp_path: Path) -> Iterator[tuple]:
+    """A lab (NetPartition.prepare) with an echo server in the prefill and the decode
+    namespace; the lab is removed afterwards (cleanup) whatever happened."""
+    from pdcache.bench.chaos.net_faults import NetLab, NetPartition
+
+    fault = NetPartition()
+    ctx = FaultContext(
+        topology=load_topology(CONFIG, ['model.preset="tiny"']),
+        state_dir=tmp_path / "state",
+        work_dir=tmp_path / "work",
+        rng=random.Random(0),
+        say=lambda line: None,
+    )
+    reason = fault.unavailable(ctx)
+    if reason:
+        pytest.skip(f"net faults unavailable here: {reason}")
+    servers: list[subprocess.Popen] = []
+    try:
+        overrides = fault.prepare(ctx)
+        lab = NetLab.for_context(ctx)
+        for node in (lab.prefill, lab.decode):
+            proc = subprocess.Popen(
+                in_namespace(lab, node, "-c", ECHO_SERVER, lab.address(node), str(ECHO_PORT)),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            servers.append(proc)
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield fault, ctx, lab, overrides
+    finally:
+        for proc in servers:
+            proc.kill()
+            proc.wait(10)
+        fault.cleanup(ctx)
+
+
+def test_net_lab_overrides_put_nodes_in_namespaces(net_lab) -> None:
+    fault, ctx, lab, overrides = net_lab
+    assert lab.prefill == "p0" and lab.decode == "d0"
+    assert json.loads(overrides["node.p0.host"]) == lab.address("p0")
+    assert json.loads(overrides["node.d0.launch_prefix"]) == [
+        "nsenter",
+        f"--net=/run/netns/{lab.namespace('d0')}",
+        "--",
+    ]
+    assert json.loads(overrides["storage.metadata"]) == f"tcp://{lab.host_address}:18000"
+    secret = Path(json.loads(overrides["security.secret_file"]))
+    assert secret.parent == ctx.work_dir.resolve() and secret.stat().st_mode & 0o077 == 0
+    topology = load_topology(CONFIG, [f"{k}={v}" for k, v in overrides.items()])
+    assert {n.host for n in topology.nodes} == {lab.address("p0"), lab.address("d0")}
+    assert fault.prepare(ctx) == overrides  # a second prepare (the other net fault) reuses it
+
+
+def test_net_partition_cuts_only_the_pair_and_heal_restores(net_lab) -> None:
+    fault, ctx, lab, _ = net_lab
+    decode, prefill = lab.address(lab.decode), lab.address(lab.prefill)
+    assert rtt_from(lab, lab.prefill, decode)["ok"]
+    assert rtt_from(lab, lab.decode, prefill)["ok"]
+    injection = fault.inject(ctx)
+    assert injection.target == "net:p0-d0"
+    for node, peer in ((lab.prefill, decode), (lab.decode, prefill)):
+        cut = rtt_from(lab, node, peer, timeout_s=1.0)
+        assert not cut["ok"] and "timed out" in cut["error"], cut  # silent drops, no refusal
+    assert rtt_from(lab, None, prefill)["ok"] and rtt_from(lab, None, decode)["ok"]  # router's path
+    fault.heal(ctx)
+    deadline = time.monotonic() + 10
+    while not rtt_from(lab, lab.prefill, decode)["ok"] and time.monotonic() < deadline:
+        pass
+    assert rtt_from(lab, lab.prefill, decode)["ok"] and rtt_from(lab, lab.decode, prefill)["ok"]
+    fault.cleanup(ctx)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert lab.namespace("p0") not in listed and lab.namespace("d0") not in listed
+    links = subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
+    assert lab.main_bridge not in links and lab.pair_bridge not in links
+
+
+def test_net_delay_adds_round_trip_time_and_heal_removes_it(net_lab) -> None:
+    from pdcache.bench.chaos.net_faults import NetDelay
+
+    _, ctx, lab, _ = net_lab
+    fault = NetDelay()
+    reason = fault.unavailable(ctx)
+    if reason:
+        pytest.skip(f"net-delay unavailable here: {reason}")
+    fault.delay_range_ms = (50.0, 50.0)
+    decode = lab.address(lab.decode)
+    before = rtt_from(lab, lab.prefill, decode)["rtt_ms"]
+    assert "50.0ms" in fault.inject(ctx).detail
+    delayed = rtt_from(lab, lab.prefill, decode)["rtt_ms"]
+    assert delayed >= before + 2 * 50.0 * 0.9, (before, delayed)
+    assert rtt_from(lab, None, decode)["rtt_ms"] < 50.0  # only the pair path is slow
+    fault.heal(ctx)
+    assert rtt_from(lab, lab.prefill, decode)["rtt_ms"] < 50.0
+
+
+def test_net_delay_says_why_without_netem(tmp_path: Path) -> None:
+    """Where the kernel lacks sch_netem the reason names it (here or on CI)."""
+    from pdcache.bench.chaos.net_faults import NetDelay, probe_namespaces
+
+    if probe_namespaces(netem=False):
+        pytest.skip(f"no namespaces here: {probe_namespaces(netem=False)}")
+    reason = NetDelay().unavailable(make_ctx(tmp_path, "file"))
+    if reason is None:
+        pytest.skip("this kernel has netem: the delay test runs instead")
+    assert "netem" in reason
+
+
+def pair_rx_bytes(lab, node: str) -> int:
+    """Bytes `node`'s namespace received over the pair path (the kernel's counter)."""
+    shown = subprocess.run(
+        ["ip", "netns", "exec", lab.namespace(node), "ip", "-s", "-j", "link", "show", "pair0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(json.loads(shown.stdout)[0]["stats64"]["rx"]["bytes"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_launched_1p1d_in_the_net_lab_serves_over_the_pair_path_and_survives_a_partition(
+    net_lab, tmp_path: Path
+) -> None:
+    """`pdcache launch` with the lab's overrides: the nodes run in their namespaces (the
+    launcher starts them here, behind launch_prefix), KV crosses the pair path, exact tokens;
+    a partition makes the request fail (an answer, not a hang), and heal brings it back."""
+    pytest.importorskip("mooncake.engine", reason="mooncake wheel not installed")
+    import httpx
+
+    from pdcache.engine.loader import load_model
+    from tests.launch.test_supervise import Run, free_ports, wait_for
+    from tests.pd_harness import UnifiedReference
+
+    fault, ctx, lab, overrides = net_lab
+    router, meta = free_ports(2)
+    sets = [f"{k}={v}" for k, v in overrides.items()]
+    sets += [
+        f"router.port={router}",
+        f'storage.metadata="tcp://{lab.host_address}:{meta}"',
+        f'storage.path="{tmp_path}/storage"',
+        f'storage.metadata_service.state_dir="{tmp_path}/meta"',
+        'storage.capacity="64MiB"',
+        "model.preset=tiny",
+        "launch.health_timeout_s=240",
+        "cache.page_size=4",
+        "cache.device_pages=256",
+        "transfer.timeout_s=5",
+        "router.max_attempts=1",
+    ]
+    run = Run(tmp_path, CONFIG.read_text(), *[x for s in sets for x in ("--set", s)])
+    model, tokenizer = load_model("tiny", seed=0)
+    reference = UnifiedReference(model, tokenizer, 4)
+    try:
+        wait_for(run.all_healthy, 240, "metadata, p0, d0 and router healthy")
+        procs = run.procs()
+        assert procs["p0"]["argv"][:2] == lab.launch_prefix("p0")[:2]
+        assert all(p["role"] != "ssh" for p in procs.values())
+        url = f"http://127.0.0.1:{router}/generate"
+        prompt = [(7 * i) % 200 + 3 for i in range(40)]
+        params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        rx_before = pair_rx_bytes(lab, lab.decode)
+        reply = httpx.post(url, json={"input_ids": prompt, "sampling_params": params}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["output_ids"] == reference(prompt, 8)
+        pushed = len(prompt) // 4 * 4 * model.config.kv_bytes_per_token
+        assert pair_rx_bytes(lab, lab.decode) - rx_before >= pushed  # KV took the pair path
+        fault.inject(ctx)
+        started = time.monotonic()
+        other = [t + 1 for t in prompt]
+        cut = httpx.post(url, json={"input_ids": other, "sampling_params": params}, timeout=120)
+        cut_s = time.monotonic() - started
+        print(f"partitioned request: {cut.status_code} after {cut_s:.1f}s: {cut.text[:300]}")
+        assert cut.status_code >= 500
+        fault.heal(ctx)
+        healed = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            healed = httpx.post(
+                url, json={"input_ids": other, "sampling_params": params}, timeout=120
+            )
+            if healed.status_code == 200:
+                break
+        assert healed is not None and healed.status_code == 200, healed.text
+        assert healed.json()["output_ids"] == reference(other, 8)
+    except Exception:
+        print(run.output()[-4000:])
+        for name in ("p0", "d0"):
+            log = run.log_dir / f"{name}.log"
+            if log.exists():
+                print(f"---- {name} ----\n" + "\n".join(log.read_text().splitlines()[-30:]))
+        raise
+    finally:
+        run.proc.send_signal(signal.SIGTERM)
+        try:
+            run.proc.wait(timeout=60)
+        finally:
+            run.kill_all()
+            reference.close()
