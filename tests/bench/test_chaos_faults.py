@@ -570,3 +570,171 @@ def test_launched_1p1d_in_the_net_lab_serves_over_the_pair_path_and_survives_a_p
         finally:
             run.kill_all()
             reference.close()
+
+
+# --------------------------------------------------------------------------- a launched stack
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (Prometheus text)."""
+    from tests.hicache_support import parse_metrics
+
+    return sum(
+        value
+        for (sample, have), value in parse_metrics(text).items()
+        if sample == name and set(labels.items()) <= set(have)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("backend_name", ["file", "hf3fs"])
+def test_launched_1p1d_answers_exactly_through_every_storage_fault(
+    tmp_path: Path, backend_name: str, cleanups: list
+) -> None:
+    """The storage faults against running nodes: every answer is exact, the failures are
+    counted (write errors, rejected pages), corrupt pages are replaced by genuine ones and
+    served again, and no process crashed (the launcher restarted nothing)."""
+    pytest.importorskip("mooncake.engine", reason="mooncake wheel not installed")
+    import httpx
+
+    from pdcache.engine.loader import load_model
+    from pdcache.utils.secret import derive_key, load_secret
+    from tests.launch.test_supervise import Run, free_ports, wait_for
+    from tests.pd_harness import UnifiedReference
+
+    router, p0, boot, d0, meta = free_ports(5)
+    sets = [
+        f"router.port={router}",
+        f"node.p0.port={p0}",
+        f"node.p0.bootstrap_port={boot}",
+        f"node.d0.port={d0}",
+        f'storage.backend="{backend_name}"',
+        f'storage.metadata="{f"tcp://127.0.0.1:{meta}" if backend_name == "hf3fs" else "inproc"}"',
+        f'storage.metadata_service.state_dir="{tmp_path}/meta"',
+        'storage.capacity="32MiB"',
+        "model.preset=tiny",
+        "launch.health_timeout_s=240",
+        "cache.page_size=4",
+        "cache.device_pages=256",
+    ]
+    ctx = FaultContext(
+        topology=load_topology(CONFIG, sets),
+        state_dir=tmp_path / "logs",
+        work_dir=tmp_path / "work",
+        rng=random.Random(1),
+        say=lambda line: None,
+    )
+    faults: dict[str, Fault] = {}
+    for cls in (StorageFull, StorageReadonly, StorageCorrupt, StorageSlow):
+        fault = cls()
+        if fault.unavailable(ctx) is None:
+            ctx.overrides.update(fault.prepare(ctx))
+            cleanups.append((fault, ctx))
+            faults[fault.kind] = fault
+    if "storage-full" not in faults:
+        pytest.skip(f"storage-full unavailable here: {StorageFull().unavailable(ctx)}")
+    sets += [f"{k}={v}" for k, v in ctx.overrides.items()]
+    run = Run(tmp_path, CONFIG.read_text(), *[x for s in sets for x in ("--set", s)])
+    model, tokenizer = load_model("tiny", seed=0)
+    reference = UnifiedReference(model, tokenizer, 4)
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    def ask(prompt: list[int]) -> dict:
+        reply = httpx.post(
+            f"http://127.0.0.1:{router}/generate",
+            timeout=120,
+            json={"input_ids": prompt, "sampling_params": params},
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["output_ids"] == reference(prompt, 8)
+        return reply.json()["meta_info"]
+
+    def p0_metrics() -> str:
+        return httpx.get(f"http://127.0.0.1:{p0}/metrics", timeout=30).text
+
+    def flush_p0() -> None:
+        token = derive_key(load_secret(run.log_dir / "cluster.secret"), "node-http").hex()
+        done = httpx.post(
+            f"http://127.0.0.1:{p0}/flush_cache?timeout=20",
+            timeout=60,
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        assert done.status_code == 200, done.text
+
+    def wait_metric(name: str, above: float, **labels: str) -> float:
+        return float(
+            wait_for(
+                lambda: (v := metric_sum(p0_metrics(), name, **labels)) > above and v,
+                30,
+                f"{name}{labels} > {above}",
+            )
+        )
+
+    prompts = [[(k * 31 + 7 * i) % 240 + 3 for i in range(40)] for k in range(6)]
+    written = "pdcache_storage_written_bytes_total"
+    try:
+        wait_for(run.all_healthy, 240, "p0, d0 and router healthy")
+        ask(prompts[0])
+        stored = wait_metric(written, 0)
+        for index, kind in ((1, "storage-full"), (2, "storage-readonly")):
+            if kind not in faults:
+                continue
+            failed = metric_sum(p0_metrics(), "pdcache_storage_errors_total", kind="write")
+            faults[kind].inject(ctx)
+            ask(prompts[index])  # served by recompute; its backups fail
+            wait_metric("pdcache_storage_errors_total", failed, kind="write")
+            faults[kind].heal(ctx)
+        backed = "pdcache_backup_pages_total"  # written, or found written by decode's offload
+        before = metric_sum(p0_metrics(), backed, tier="storage")
+        ask(prompts[3])  # healed: pages are stored again
+        wait_metric(backed, before, tier="storage")
+        injection = faults["storage-corrupt"]
+        injection.pages_per_injection = 10_000  # every stored page
+        print(injection.inject(ctx))
+        flush_p0()
+        ask(prompts[0])  # its stored pages are all corrupt now: refused, recomputed
+        header = metric_sum(p0_metrics(), "pdcache_storage_rejected_pages_total", reason="header")
+        payload = metric_sum(
+            p0_metrics(), "pdcache_storage_rejected_pages_total", reason="checksum"
+        )
+        payload += metric_sum(p0_metrics(), "pdcache_storage_rejected_pages_total", reason="mac")
+        assert header > 0 and payload > 0, (header, payload)
+        wait_metric("pdcache_storage_replaced_pages_total", 0)  # the next write replaced them
+        time.sleep(0.5)  # let the write-through finish before dropping the tiers
+        flush_p0()
+        meta_info = ask(prompts[0])
+        assert meta_info["cached_tokens_details"]["storage"] > 0, meta_info  # genuine again
+        slow = faults["storage-slow"]
+        slow.delay_range_s = (0.5, 0.5)
+        slow.inject(ctx)
+        flush_p0()
+        started = time.monotonic()
+        ask(prompts[0])
+        assert time.monotonic() - started >= 0.5
+        slow.heal(ctx)
+        restarts = {name: p["restarts"] for name, p in run.procs().items()}
+        assert restarts == dict.fromkeys(restarts, 0), restarts  # nothing crashed
+        print(
+            f"stored {stored:.0f} bytes before the faults; rejected header={header:.0f} "
+            f"payload={payload:.0f}"
+        )
+    except Exception:
+        print(run.output()[-4000:])
+        print(
+            "\n".join(
+                line for line in p0_metrics().splitlines() if "storage" in line or "backup" in line
+            )
+        )
+        for name in ("p0", "d0"):
+            log = run.log_dir / f"{name}.log"
+            if log.exists():
+                print(f"---- {name} ----\n" + "\n".join(log.read_text().splitlines()[-40:]))
+        raise
+    finally:
+        run.proc.send_signal(signal.SIGTERM)
+        try:
+            run.proc.wait(timeout=60)
+        finally:
+            run.kill_all()
+            reference.close()
