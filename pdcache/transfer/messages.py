@@ -1,7 +1,7 @@
 """Typed control-plane messages, msgpack-encoded, with strict decoding.
 
-Wire format (protocol version 3): one ZMQ frame holding a msgpack map
-`{"v": 3, "t": "<type>", <field>: <value>, ...}`; a field whose type is a dataclass (`Done`'s
+Wire format (protocol version 4): one ZMQ frame holding a msgpack map
+`{"v": 4, "t": "<type>", <field>: <value>, ...}`; a field whose type is a dataclass (`Done`'s
 `PrefillReport` and its `CachedTokens`) is a nested map of exactly its fields. Decoding
 rejects — with a `MessageError` whose `kind` names the cause — anything oversized, not
 msgpack, not a map, of another version, of an unknown type, with missing or extra fields (at
@@ -10,9 +10,11 @@ or state; it is pure and thread-safe.
 
 Version 2 replaced version 1's free-form `done.stats` map and `done.first_token` with the
 typed `done.report`. Version 3 added `report.first_logprob` and `report.input_logprobs`
-(the first token's logprob and the prompt logprobs, packed by `pack_logprobs`); a version 2
-message is still accepted (those two fields absent: no logprobs), and is the only older
-version that is.
+(the first token's logprob and the prompt logprobs, packed by `pack_logprobs`). Version 4
+added `register_ack.boot_id`, the prefill sender's random per-boot id, which an authenticated
+decode binds every later frame to (docs/security.md). Versions 2 and 3 are still accepted
+(the fields they lack take their defaults: no logprobs, no boot id); an authenticated control
+plane needs version 4 on both sides, since its MAC contexts include the boot id.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import numpy as np
 
 from pdcache.engine.api import CachedTokens, LogprobRequest, TokenLogprob
 
-PROTOCOL_VERSION = 3
-ACCEPTED_VERSIONS = (2, 3)
+PROTOCOL_VERSION = 4
+ACCEPTED_VERSIONS = (2, 3, 4)
 MAX_ROOM_ID = (1 << 63) - 1
 MAX_CONTAINER_ITEMS = 256  # entries of any msgpack array or map
 _INT64_MAX = (1 << 63) - 1
@@ -81,6 +83,7 @@ class RegisterAck(Message):
     TYPE: ClassVar[str] = "register_ack"
     prefill_id: str
     error: str
+    boot_id: bytes = b""  # since version 4: the sender's random per-boot id
 
 
 @dataclass(frozen=True)
@@ -176,9 +179,10 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     for cls in (Register, RegisterAck, RoomRequest, Started, Done, Abort, AbortAck, Ping, Pong)
 }
 _NESTED: tuple[type, ...] = (PrefillReport, CachedTokens)  # dataclasses allowed as fields
-# fields a version 2 sender does not send: their defaults apply
-_SINCE_V3: Mapping[type, frozenset[str]] = MappingProxyType({
-    PrefillReport: frozenset({"first_logprob", "input_logprobs"}),
+# fields an older sender does not send, by the version that added them: their defaults apply
+_ADDED_IN: Mapping[int, Mapping[type, frozenset[str]]] = MappingProxyType({
+    3: MappingProxyType({PrefillReport: frozenset({"first_logprob", "input_logprobs"})}),
+    4: MappingProxyType({RegisterAck: frozenset({"boot_id"})}),
 })
 _LOGPROB_HEADER = np.dtype("<i4")
 
@@ -339,13 +343,14 @@ def _unpack(raw: bytes | memoryview, max_bytes: int) -> Any:
 
 def _build(cls: type, body: dict[str, Any], where: str, version: int) -> Any:
     """`cls(**body)` once `body` has exactly `cls`'s fields, each of its type (nested
-    dataclass fields are maps, built the same way); a version 2 body may lack the fields
-    version 3 added."""
+    dataclass fields are maps, built the same way); an older version's body may lack the
+    fields later versions added."""
     expected = dict(_FIELDS[cls])
-    if version < 3:
-        for name in _SINCE_V3.get(cls, ()):
-            if name not in body:
-                expected.pop(name)
+    for added_in, added in _ADDED_IN.items():
+        if version < added_in:
+            for name in added.get(cls, ()):
+                if name not in body:
+                    expected.pop(name)
     missing = [name for name in expected if name not in body]
     extra = [name for name in body if name not in expected]
     if missing or extra:

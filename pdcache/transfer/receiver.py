@@ -58,6 +58,7 @@ from pdcache.transfer.messages import (
     Abort,
     AbortAck,
     Done,
+    Message,
     MessageError,
     Ping,
     Pong,
@@ -116,6 +117,10 @@ class _Peer:
     socket: zmq.Socket
     link_id: bytes  # this socket's random routing id: prefill's frames are MAC'd for it
     ready: threading.Event = field(default_factory=threading.Event)
+    # The prefill's per-boot id from its RegisterAck: with authentication every frame after
+    # Register is MAC'd for link_id + prefill_boot, so frames wait in `held` until it came.
+    prefill_boot: bytes | None = None
+    held: list[Message] = field(default_factory=list)
     error: str = ""
     prefill_id: str = ""
     last_seen: float = field(default_factory=time.monotonic)
@@ -197,8 +202,8 @@ class KVReceiver:
             raise ValueError(f"room {room}: destination pages repeat")
         data = _RecvRoom(bootstrap_addr, dst, int(num_tokens))
         self.rooms.create(room, RoomState.BOOTSTRAPPING, self.config.room_timeout_s, data)
-        frame = seal(RoomRequest(room, pack_pages(dst), int(num_tokens)), self._auth)
-        self._loop.call_soon(lambda: self._send_request(room, bootstrap_addr, frame))
+        request = RoomRequest(room, pack_pages(dst), int(num_tokens))
+        self._loop.call_soon(lambda: self._send_request(room, bootstrap_addr, request))
 
     def wait(self, room: int, timeout_s: float | None = None) -> TransferResult:
         """Block until the room's KV has landed. On failure raise TransferError; on timeout
@@ -262,8 +267,8 @@ class KVReceiver:
         current.data.timed_out = code == "timeout"
         if not self._finish(room, RoomState.FAILED, reason, busy=True, code=code):
             return
-        frame = seal(Abort(room, reason, code), self._auth)
-        self._loop.call_soon(lambda: self._send_abort(room, current.data.peer_addr, frame))
+        abort = Abort(room, reason, code)
+        self._loop.call_soon(lambda: self._send_abort(room, current.data.peer_addr, abort))
 
     def _released(self, outcome: Outcome) -> None:
         if self._user_release is not None:
@@ -288,27 +293,34 @@ class KVReceiver:
         register = Register(self.decode_id, self.config.engine, self._session,
                             self.layout.base_addr, self.layout.num_layers, self.layout.num_pages,
                             self.layout.page_bytes)
-        sock.send(seal(register, self._auth), zmq.NOBLOCK)
+        sock.send(seal(register, self._auth, link_id), zmq.NOBLOCK)
         return peer
 
-    def _send_request(self, room: int, addr: str, frame: bytes) -> None:
+    def _send_request(self, room: int, addr: str, request: RoomRequest) -> None:
         current = self.rooms.get(room)
         if current is None or current.state.terminal:
             return  # aborted before it left
         peer = self._ensure_peer(addr)
-        self._send_frame(peer, frame)
+        self._send_frame(peer, request)
         current.data.request_sent = True
         if peer.ready.is_set() and not peer.error:
             self._advance(room, RoomState.WAITING_FOR_INPUT)
 
-    def _send_abort(self, room: int, addr: str, frame: bytes) -> None:
+    def _send_abort(self, room: int, addr: str, abort: Abort) -> None:
         peer = self._peers.get(addr)
         if peer is None:
             self.rooms.set_idle(room)  # no live peer can write into the pages
             return
-        self._send_frame(peer, frame)
+        self._send_frame(peer, abort)
 
-    def _send_frame(self, peer: _Peer, frame: bytes) -> None:
+    def _send_frame(self, peer: _Peer, msg: Message) -> None:
+        """Seal and send `msg`; authenticated, hold it until the prefill's boot id is known
+        (pings are dropped instead: the RegisterAck itself shows the peer is alive)."""
+        if self._auth is not None and peer.prefill_boot is None:
+            if not isinstance(msg, Ping):
+                peer.held.append(msg)
+            return
+        frame = seal(msg, self._auth, peer.link_id + (peer.prefill_boot or b""))
         try:
             peer.socket.send(frame, zmq.NOBLOCK)
         except zmq.Again:
@@ -347,17 +359,24 @@ class KVReceiver:
 
     def _on_register_ack(self, peer: _Peer, msg: RegisterAck) -> None:
         peer.prefill_id, peer.error = msg.prefill_id, msg.error
+        if self._auth is not None and not msg.boot_id and not msg.error:
+            peer.error = "prefill sent no boot id (protocol < 4): cannot authenticate to it"
+        peer.prefill_boot = msg.boot_id
+        held, peer.held = peer.held, []
+        if not peer.error:
+            for waiting in held:
+                self._send_frame(peer, waiting)
         peer.ready.set()
         # Rooms whose request has not left yet advance when it does (`_send_request`).
         mine = self.rooms.select(lambda r: r.data.peer_addr == peer.addr
                                  and r.state is RoomState.BOOTSTRAPPING and r.data.request_sent)
         for room in mine:
-            if msg.error:
-                self._finish(room, RoomState.FAILED, f"prefill {peer.addr} refused: {msg.error}",
+            if peer.error:
+                self._finish(room, RoomState.FAILED, f"prefill {peer.addr} refused: {peer.error}",
                              code="refused")
             else:
                 self._advance(room, RoomState.WAITING_FOR_INPUT)
-        if msg.error:
+        if peer.error:
             self._drop_peer(peer)
 
     def _on_started(self, peer: _Peer, msg: Started) -> None:
@@ -411,7 +430,7 @@ class KVReceiver:
                 self._peer_lost(peer, now)
             elif now - peer.last_ping >= self.config.heartbeat_interval_s:
                 peer.last_ping = now
-                self._send_frame(peer, seal(Ping(next(self._seq)), self._auth))
+                self._send_frame(peer, Ping(next(self._seq)))
         for room in self.rooms.select(lambda r: not r.state.terminal and r.deadline < now):
             self._fail_local(room, "room deadline passed", code="timeout")
         ack_limit = self.config.abort_ack_timeout_s
@@ -429,7 +448,7 @@ class KVReceiver:
         reason = f"prefill peer {peer.addr} lost (no heartbeat for {silent:.1f}s)"
         mine = self.rooms.select(lambda r: r.data.peer_addr == peer.addr)
         for room in mine:  # best effort: a peer that only stalled stops writing these pages
-            self._send_frame(peer, seal(Abort(room, reason, "timeout"), self._auth))
+            self._send_frame(peer, Abort(room, reason, "timeout"))
         self._drop_peer(peer, linger_ms=100)
         for room in mine:
             # A dead peer writes nothing more: fail and release at once.

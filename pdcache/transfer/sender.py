@@ -30,6 +30,7 @@ SUCCESS or FAILED, the node frees (or keeps in its cache) the source pages then.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -43,7 +44,14 @@ import torch
 import zmq
 
 from pdcache.transfer.config import TransferConfig
-from pdcache.transfer.control import ControlLoop, RejectCounter, control_auth, parse, seal
+from pdcache.transfer.control import (
+    LINK_ID_BYTES,
+    ControlLoop,
+    RejectCounter,
+    control_auth,
+    parse_from_decode,
+    seal,
+)
 from pdcache.transfer.engines.base import EngineError, EngineTimeout, create_engine
 from pdcache.transfer.layout import KVLayout, page_copy_batch
 from pdcache.transfer.messages import (
@@ -114,6 +122,10 @@ class KVSender:
         self._kv = device_kv  # keeps the pool alive while the engine reads it
         self._bind_host, self._port = bind_host, port
         self.prefill_id = prefill_id or f"prefill-{uuid.uuid4().hex[:8]}"
+        # New per boot: decodes bind their frames to it (RegisterAck.boot_id, control.py), so
+        # a frame captured on its way to another prefill, or to this one before a restart,
+        # does not open here.
+        self.boot_id = os.urandom(LINK_ID_BYTES)
         self._user_release = on_release
         self.rooms = RoomTable("prefill", config.finished_rooms_kept, self._released)
         self._peers: dict[bytes, _Peer] = {}
@@ -364,7 +376,8 @@ class KVSender:
         if len(frames) != 2:
             self.rejects.record(MessageError("malformed", f"{len(frames) - 1} frames"), "decode")
             return
-        msg = parse(frames[1], self.config.max_message_bytes, self.rejects, "decode", self._auth)
+        msg = parse_from_decode(frames[1], self.config.max_message_bytes, self.rejects,
+                                self._auth, identity, self.boot_id)
         if msg is None:
             return
         self._count("messages_in")
@@ -399,7 +412,7 @@ class KVSender:
             layout = KVLayout(msg.base_addr, msg.num_layers, msg.num_pages, msg.page_bytes)
             with self._peers_lock:
                 self._peers[identity] = _Peer(identity, msg.decode_id, layout, engine_peer)
-        self._send(identity, RegisterAck(self.prefill_id, error))
+        self._send(identity, RegisterAck(self.prefill_id, error, self.boot_id))
 
     def _check_register(self, msg: Register) -> str:
         if msg.engine != self.config.engine:
