@@ -738,3 +738,38 @@ def test_launched_1p1d_answers_exactly_through_every_storage_fault(
         finally:
             run.kill_all()
             reference.close()
+
+
+@pytest.mark.parametrize("config", ["local-mooncake-store.toml", "local-2p2d.toml"])
+def test_net_lab_overrides_give_a_valid_namespaced_topology(tmp_path: Path, config: str) -> None:
+    """Every node gets its own address and namespace, the services move to the machine's
+    bridge address, and the result validates (multi-host, with the lab's secret)."""
+    from pdcache.bench.chaos.net_faults import NetLab
+
+    path = REPO / "configs" / config
+    ctx = FaultContext(
+        topology=load_topology(path),
+        state_dir=tmp_path / "state",
+        work_dir=tmp_path / "work",
+        rng=random.Random(0),
+        say=lambda line: None,
+    )
+    lab = NetLab.for_context(ctx)
+    overrides = lab.overrides(ctx)
+    topology = load_topology(path, [f"{k}={v}" for k, v in overrides.items()])
+    names = [n.name for n in topology.nodes]
+    assert [n.host for n in topology.nodes] == [f"{lab.subnet}.{i + 1}" for i in range(len(names))]
+    assert all(n.launch_prefix == tuple(lab.launch_prefix(n.name)) for n in topology.nodes)
+    assert (lab.prefill, lab.decode) == (
+        names[0],
+        next(n.name for n in topology.nodes if n.role == "decode"),
+    )
+    assert topology.router is not None and topology.router.host == "127.0.0.1"
+    storage = topology.storage
+    if storage.backend == "mooncake":
+        assert storage.mooncake.master == f"{lab.host_address}:50051"
+        assert storage.mooncake.metadata_server == f"http://{lab.host_address}:8080/metadata"
+    else:
+        assert storage.metadata == f"tcp://{lab.host_address}:18000"
+    assert Path(topology.security.secret_file or "").parent == ctx.work_dir.resolve()
+    assert max(len(lab.main_port(n)) for n in names) <= 15  # Linux device names
