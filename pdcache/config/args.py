@@ -178,11 +178,14 @@ def _cache_table(args: argparse.Namespace, role: str) -> dict[str, Any]:
 def _storage_table(args: argparse.Namespace) -> dict[str, Any]:
     if args.storage_backend == "none":
         return {"backend": "none"}
-    return {"backend": args.storage_backend, "path": args.storage_path,
-            "capacity": str(args.storage_capacity), "metadata": args.storage_metadata,
-            "write_delay_s": args.storage_write_delay,
-            "mooncake": {"master": args.mooncake_master, "metadata_server": args.mooncake_metadata,
-                         "global_segment_size": _FLAG_SEGMENT_BYTES}}
+    table = {"backend": args.storage_backend, "path": args.storage_path,
+             "capacity": str(args.storage_capacity), "metadata": args.storage_metadata,
+             "write_delay_s": args.storage_write_delay,
+             "mooncake": {"master": args.mooncake_master, "metadata_server": args.mooncake_metadata,
+                          "global_segment_size": _FLAG_SEGMENT_BYTES}}
+    if args.storage_fault_injection:
+        table["fault_injection"] = args.storage_fault_injection
+    return table
 
 
 def _put(table: dict[str, Any], dotted: str, value: Any) -> None:
@@ -309,5 +312,8 @@ def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> N
                             "distant store (storage.write_delay_s)")
     group.add_argument("--storage-metadata", default="inproc",
                        help="'inproc' or tcp://HOST:PORT of pdcache metadata-server")
+    group.add_argument("--storage-fault-injection", default="", metavar="CONTROL_FILE",
+                       help="chaos/test only: absolute path of a file whose number is a delay "
+                            "(s) every storage call waits (storage.fault_injection)")
     group.add_argument("--mooncake-master", default="127.0.0.1:50051")
     group.add_argument("--mooncake-metadata", default="P2PHANDSHAKE")

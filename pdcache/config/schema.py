@@ -186,6 +186,9 @@ class StorageSpec:
     write_delay_s: float = 0.0
     metadata_service: MetadataServiceSpec = field(default_factory=MetadataServiceSpec)
     mooncake: MooncakeStoreSpec = field(default_factory=MooncakeStoreSpec)
+    # Chaos/test only, never in a deployment (docs/chaos.md): an absolute path of a control
+    # file whose number is a delay (s) every storage call waits; set by `pdcache bench chaos`.
+    fault_injection: str = ""
 
     @property
     def enabled(self) -> bool:
@@ -309,6 +312,9 @@ class NodeSpec:
     cache: CacheSpec = field(default_factory=CacheSpec)  # [cache] merged with [node.cache]
     scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)  # [scheduler] + [node.scheduler]
     command: tuple[str, ...] | None = None  # replaces the node command ({python} {config} ...)
+    # argv put before the node's command by the launcher: ["ip", "netns", "exec", "NS"],
+    # ["nsenter", "--net=/run/netns/NS", "--"], ["numactl", "-N", "0"], ["taskset", "-c", "2"]
+    launch_prefix: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     health: Literal["http", "tcp", "none"] = "http"

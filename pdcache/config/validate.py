@@ -89,11 +89,24 @@ def _check_storage(storage: StorageSpec, ctx: ErrorContext) -> None:
         raise ctx.error("storage.io_engine", f'"usrbio" is the 3FS client; it needs backend = "hf3fs", not "{storage.backend}"')
     if storage.capacity < 1:
         raise ctx.error("storage.capacity", "expected a size > 0")
+    if storage.fault_injection:
+        _check_fault_injection(storage, ctx)
     if storage.backend == "mooncake":
         try:
             split_host_port(storage.mooncake.master)
         except ValueError as exc:
             raise ctx.error("storage.mooncake.master", f"expected HOST:PORT ({exc})") from exc
+
+
+def _check_fault_injection(storage: StorageSpec, ctx: ErrorContext) -> None:
+    """The chaos-only delay hook: an absolute control-file path, on a real storage backend."""
+    key = "storage.fault_injection"
+    if not storage.enabled:
+        raise ctx.error(key, 'delays storage calls, but storage.backend = "none"')
+    if not storage.fault_injection.startswith("/"):
+        raise ctx.error(key, f"expected an absolute path of the chaos control file, got "
+                        f'"{storage.fault_injection}" (test/chaos only: `pdcache bench chaos` '
+                        "sets it; leave it unset in deployments)")
 
 
 def _check_transfer(transfer: TransferSpec, ctx: ErrorContext) -> None:
@@ -131,6 +144,9 @@ def _check_node_role_keys(node: NodeSpec, key: str, ctx: ErrorContext) -> None:
         raise ctx.error(f"{key}.offload", f"only decode nodes offload (role is {node.role})")
     if node.command is not None and not node.command:
         raise ctx.error(f"{key}.command", "expected a non-empty array of strings")
+    if any(not part for part in node.launch_prefix):
+        raise ctx.error(f"{key}.launch_prefix", "expected non-empty strings (argv put before the "
+                        'node command, e.g. ["numactl", "-N", "0"])')
     if not node.host or any(c.isspace() for c in node.host):
         raise ctx.error(f"{key}.host", f'expected a host name or address, got "{node.host}"')
 

@@ -13,7 +13,7 @@ import torch
 
 from pdcache.config import TopologyError, setup_for
 from pdcache.offload_manager.storage import create_backend
-from pdcache.offload_manager.storage.delay import DelayedWrites
+from pdcache.offload_manager.storage.fault_injection import DelayInjectingBackend
 from tests.config.test_setup import MODEL, from_flags, pd, storage_flags
 
 
@@ -48,7 +48,7 @@ def test_write_delay_wraps_the_configured_backend(tmp_path: Path) -> None:
     assert slow.write_delay_s == 0.05
     backend = create_backend(slow)
     try:
-        assert isinstance(backend, DelayedWrites) and backend.delay_s == 0.05
+        assert isinstance(backend, DelayInjectingBackend) and backend.write_delay_s == 0.05
         page = torch.zeros(slow.page_bytes, dtype=torch.uint8)
         started = time.monotonic()
         assert backend.put_from([b"k" * 32], [page], "decode") == [True]
@@ -56,6 +56,6 @@ def test_write_delay_wraps_the_configured_backend(tmp_path: Path) -> None:
         assert backend.exists_prefix([b"k" * 32]) == 1
     finally:
         backend.close()
-    assert not isinstance(create_backend(plain), DelayedWrites)
+    assert not isinstance(create_backend(plain), DelayInjectingBackend)
     with pytest.raises(TopologyError, match="storage.write_delay_s: expected a number >= 0"):
         pd(tmp_path, overrides=["storage.write_delay_s=-1"])

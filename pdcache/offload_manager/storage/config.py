@@ -25,7 +25,7 @@ def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
     """StorageConfig keys (all but the page geometry) for a topology's `[storage]` table.
 
     `spec` is a `pdcache.config.StorageSpec` or anything with its attributes (backend,
-    path, capacity, io_engine, metadata, namespace, mooncake.*). The one mapping used by pdcache
+    path, capacity, io_engine, metadata, namespace, mooncake.*, fault_injection). The one mapping used by pdcache
     nodes (`pdcache.config.node_setup`), the SGLang plugin and the SGLang renderer, so both
     engines open the same storage. Mooncake keys appear only for the mooncake backend.
     """
@@ -38,6 +38,8 @@ def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
     }
     if getattr(spec, "write_delay_s", 0.0):
         keys["write_delay_s"] = spec.write_delay_s
+    if getattr(spec, "fault_injection", ""):  # chaos/test only: absent from normal configs
+        keys["fault_injection"] = spec.fault_injection
     if spec.backend == "mooncake":
         mooncake = spec.mooncake
         keys.update(
@@ -119,9 +121,12 @@ class StorageConfig:
     # used pages, never another's. Enforced by the file backend; hf3fs and Mooncake Store
     # take the namespace but do not enforce it (docs/design.md §8).
     namespace_quotas: Mapping[str, int] = field(default_factory=dict, compare=False)
-    # every put_from call starts this much later (`storage.delay.DelayedWrites`): emulates
-    # a slow or distant store; 0 = off
+    # every put_from call starts this much later (`fault_injection.DelayInjectingBackend`):
+    # emulates a slow or distant store; 0 = off
     write_delay_s: float = 0.0
+    # Chaos/test only (docs/chaos.md): absolute path of a control file holding a delay in
+    # seconds that every storage call waits (`fault_injection.DelayInjectingBackend`); "" = off.
+    fault_injection: str = ""
 
     def __post_init__(self) -> None:
         self._check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}")

@@ -356,6 +356,14 @@ def parse_header(spec: PageSpec, header: memoryview | bytes) -> tuple[Verdict, H
     return Verdict.OK, HeaderInfo(key, ORIGINS[origin], length, crc, algorithm, version, head)
 
 
+def stored_payload_bytes(header: memoryview | bytes) -> int | None:
+    """The payload length a stored header claims (tools that walk raw stores, e.g. the chaos
+    harness corrupting pages), or None when `header` does not start with the magic."""
+    if len(header) < _BODY.size or bytes(header[:4]) != MAGIC:
+        return None
+    return int(_BODY.unpack_from(bytes(header[: _BODY.size]))[-2])
+
+
 def verify_page(
     spec: PageSpec, key: bytes, header: memoryview | bytes, payload: Payload, nbytes: int
 ) -> tuple[Verdict, str | None]:
