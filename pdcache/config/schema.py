@@ -108,6 +108,12 @@ class CacheSpec:
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_1k_tokens_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
+    # layer-streamed prefetch (docs/design.md §4.10): read stored pages layer-major and start
+    # the forward while later layers are still being read; off by default (measured slower on
+    # a 2-core CPU, where the reads take the forward's core); `prefetch_layers_per_read` layers
+    # per read step of a page
+    prefetch_layerwise: bool = False
+    prefetch_layers_per_read: int = 1
     # How stored pages are named: "pdcache", or "sglang" to share pages with SGLang servers
     # running the pdcache storage plugin (whose `key_namespace` must equal this one).
     key_scheme: Literal["pdcache", "sglang"] = "pdcache"

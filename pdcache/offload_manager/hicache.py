@@ -17,7 +17,7 @@ Prefetch policies decide how long a queued request waits for its storage reads:
 `best_effort` (never waits: takes what has arrived), `wait_complete` (all reads finished),
 `timeout` (finished, or base + per-1k-token × tokens / 1000 capped at max, elapsed).
 
-Layer-streamed prefetch (`layerwise_prefetch`, on by default; backends with `read_layers`:
+Layer-streamed prefetch (`layerwise_prefetch`, off by default; backends with `read_layers`:
 file, hf3fs posix): the prefetch reads its pages layer-major (every page's header, then layer 0
 of all pages, layer 1, ...; storage/layer_reads.py) into their host pages, which serve as the
 staging buffer. A request is ready once the header pass ended (the usable prefix is known), so
@@ -73,8 +73,9 @@ class HiCacheConfig:
     io_batch_pages: int = 64
     max_queued_io: int = 256
     # read prefetches layer-major and start the forward before the last layer is in (module
-    # docstring); backends without `read_layers` read page by page whatever this says
-    layerwise_prefetch: bool = True
+    # docstring); backends without `read_layers` read page by page whatever this says. Off by
+    # default: on the 2-core CPU here it measured slower (README "Measured")
+    layerwise_prefetch: bool = False
     layerwise_read_layers: int = 1  # layers per read step of a page (first step: + header)
     # how stored pages are named (pdcache.engine.page_keys.PageKeyScheme): "pdcache", or
     # "sglang" to share pages with SGLang servers running the pdcache storage plugin

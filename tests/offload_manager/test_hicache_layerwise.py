@@ -1,5 +1,6 @@
-"""Layer-streamed prefetch (HiCacheConfig.layerwise_prefetch) inside the real engine, tiny
-preset, a prompt of 40 pages over 4 layers:
+"""Layer-streamed prefetch (HiCacheConfig.layerwise_prefetch, topology key
+`cache.prefetch_layerwise`) inside the real engine, tiny preset, a prompt of 40 pages over 4
+layers:
 
 - exact: the tokens equal a no-cache run's, and the prompt's device K/V after the storage hit
   is byte-identical with layer streaming on, off, and on the engine that computed it;
@@ -133,6 +134,7 @@ def _prompt_kv(built) -> torch.Tensor:
 def _fresh(tiny, cfg, **hicache: Any):
     """An engine with empty device and host tiers over `cfg`'s storage (device pool zeroed:
     nothing it serves can come from an earlier run)."""
+    hicache.setdefault("layerwise_prefetch", True)
     built = tiered(tiny, cfg, host_pages=64, write_policy="write_back",
                    prefetch_policy="wait_complete", **hicache)
     built.hicache.device_kv.zero_()
@@ -221,7 +223,7 @@ def test_page_failing_verification_after_use_is_recomputed(tiny, expected, tmp_p
         store.write_object(key, blob[:HEADER_BYTES] + struct.pack(f"<{floats}f", *[30.0] * floats))
     scheduler = {} if protected else {"scheduler_cls": NoRequeueScheduler}
     built = tiered(tiny, cfg, host_pages=64, write_policy="write_back",
-                   prefetch_policy="wait_complete", **scheduler)
+                   prefetch_policy="wait_complete", layerwise_prefetch=True, **scheduler)
     try:
         tokens, out = generate(built.engine, "corrupt", PROMPT)
         stats = built.hicache.stats
