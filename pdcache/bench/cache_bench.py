@@ -282,6 +282,8 @@ class PrefixRun:
         already holds the prefix: then it loads it from storage)."""
         keys = self._prefix_keys(built.storage.config)
         stored = built.storage.exists_prefix(keys) == len(keys)
+        if stored:
+            self._forget_suffixes(built.storage)
         sample = _ttft(built.engine, self.prefix + self.seed_suffix)
         if not stored:
             self.points["recompute"].samples.append(sample)
@@ -350,6 +352,19 @@ class PrefixRun:
             finally:
                 writer.close()
         return cfg
+
+    def _forget_suffixes(self, backend) -> None:
+        """`--keep-dir`: drop the stored pages past the prefix that an earlier run's prompts
+        wrote (the seeding engine writes through), so every sample finds only the prefix
+        stored, as in a first run."""
+        from pdcache.engine.page_keys import chain_page_keys, make_salt
+
+        salt = make_salt(backend.config.fingerprint, "")
+        prompts = [self.prefix + self.seed_suffix] + [
+            self.prompt(tier, i) for tier in TIERS for i in range(self.setup.args.repeats)]
+        first = self.n // self.setup.page_size
+        for prompt in prompts:
+            backend.delete(chain_page_keys(prompt, self.setup.page_size, salt)[first:])
 
     def _prefix_keys(self, storage) -> list[bytes]:
         from pdcache.engine.page_keys import chain_page_keys, make_salt
