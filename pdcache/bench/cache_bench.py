@@ -239,8 +239,8 @@ class PrefixRun:
         return self.prefix + self.suffixes[tier][i]
 
     def measure(self) -> None:
-        """Tiers interleaved round by round (device, host, hf3fs, mooncake, then again), so
-        a change of machine load hits them alike."""
+        """Tiers interleaved round by round (device, host, then the storage tiers, in reverse
+        order every other round), so a change of machine load hits them alike."""
         hf3fs = self.setup.storage("hf3fs", self.n, path=str(self.dir / "hf3fs"))
         with ExitStack() as stack:
             seeded = self.setup.tiered(hf3fs)
@@ -261,7 +261,10 @@ class PrefixRun:
                 if "host" in self.tiers:
                     seeded.engine.flush_cache()  # device pages demoted to their host copies
                     self._sample(seeded, "host", i)
-                for tier, storage in readers.items():
+                # odd rounds in reverse: no storage tier always runs first (or right after
+                # another fresh engine's close), which measurably shifts its read times
+                items = list(readers.items())
+                for tier, storage in items if i % 2 == 0 else items[::-1]:
                     self._fresh_engine(tier, storage, i)
             self._device_references(seeded)
         self._recompute()

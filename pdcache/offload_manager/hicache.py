@@ -404,6 +404,8 @@ class HiCache:
             reason = "incomplete at admission" if not op.complete else "read failure or miss"
             log.info("prefetch of %s stopped after %d/%d pages: %s", rid, pages,
                      len(op.host_page_ids), reason)
+            if op.stream is not None and pages == 0:
+                op.stream.cancelled.set()  # admitted before its header pass: nothing to read
             self._abandon(op, pages)
         self.host_pool.commit(op.host_page_ids[:pages])
         with self._stats_lock:
