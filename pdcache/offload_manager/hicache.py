@@ -162,7 +162,11 @@ class PrefetchOp:
         """Pages readable now: consecutive successes from the start over finished batches (a
         streamed read: the pages whose headers are valid; their layers may still arrive)."""
         if self.stream is not None:
-            return self.stream.header_prefix()
+            pages, origins = self.stream.header_prefix()
+            if self.stream.done:  # verified already: only the pages that passed
+                ok = self.stream.wait_done()
+                pages = next((i for i, good in enumerate(ok[:pages]) if not good), pages)
+            return pages, origins[:pages]
         pages, origins = 0, []
         for batch in self.batches:
             if not batch.done.is_set():

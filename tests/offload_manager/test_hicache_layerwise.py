@@ -7,9 +7,10 @@ layers:
 - overlap: with a storage backend (registered in the public backend registry) whose read stops
   after layer 0 until the forward asks for layer 1, layer 0's attention runs before layer 1 is
   read, and the result is still exact;
-- a page that fails verification after its layers were consumed: the request is requeued and
-  recomputed (exact tokens, counted); with the requeue disabled the corrupt K/V reaches the
-  output (so the protection is what keeps it exact);
+- a page that fails verification after its layers were consumed (the read held after layer 0
+  until the forward asks for layer 1, so nothing is verified at admission): the request is
+  requeued and recomputed (exact tokens, counted); with the requeue disabled the corrupt K/V
+  reaches the output (so the protection is what keeps it exact);
 - accounting: a request aborted while its streamed read is held gives every host staging page
   back once the read ends, and the read stops early.
 """
@@ -213,7 +214,8 @@ class NoRequeueScheduler(HiCacheScheduler):
 
 
 @pytest.mark.parametrize("protected", [True, False])
-def test_page_failing_verification_after_use_is_recomputed(tiny, expected, tmp_path, protected):
+def test_page_failing_verification_after_use_is_recomputed(tiny, expected, tmp_path, protected,
+                                                           gated_backend):
     cfg, _ = _seeded_storage(tiny, tmp_path)
     store = FileBackend(cfg)
     floats = (cfg.page_bytes) // 4
@@ -222,8 +224,13 @@ def test_page_failing_verification_after_use_is_recomputed(tiny, expected, tmp_p
         assert blob is not None
         store.write_object(key, blob[:HEADER_BYTES] + struct.pack(f"<{floats}f", *[30.0] * floats))
     scheduler = {} if protected else {"scheduler_cls": NoRequeueScheduler}
-    built = tiered(tiny, cfg, host_pages=64, write_policy="write_back",
-                   prefetch_policy="wait_complete", layerwise_prefetch=True, **scheduler)
+    built = tiered(tiny, cfg.replace(backend=gated_backend), host_pages=64,
+                   write_policy="write_back", prefetch_policy="wait_complete",
+                   layerwise_prefetch=True, **scheduler)
+    backend = built.storage
+    assert isinstance(backend, GatedFileBackend)
+    backend.hold = "layer0"  # the forward starts before any page could be verified
+    built.hicache.layer_load_cls = _recording_load([], backend)
     try:
         tokens, out = generate(built.engine, "corrupt", PROMPT)
         stats = built.hicache.stats
@@ -238,6 +245,7 @@ def test_page_failing_verification_after_use_is_recomputed(tiny, expected, tmp_p
         check_every_tier(built)
         assert built.hicache.host_pool.num_free == built.hicache.host_pool.capacity
     finally:
+        backend.gate.set()
         built.close()
 
 
@@ -271,3 +279,18 @@ def test_abort_during_streamed_read_returns_staging_pages(tiny, tmp_path, gated_
     finally:
         backend.gate.set()
         built.close()
+
+
+def test_streamed_prefetch_offers_headers_then_only_verified_pages() -> None:
+    """Before the read ends, admission may take every page whose header is valid (its layers
+    are still arriving); once it ended, only the consecutive verified pages."""
+    from pdcache.offload_manager.hicache import PrefetchOp
+
+    stream = LayerStream(6, 4)
+    op = PrefetchOp("r", 0, [b"k"] * 6, list(range(6)), [], deadline=0.0, stream=stream)
+    assert not op.ready and op.ready_prefix() == (0, [])
+    stream.headers_read(5, ["prefill"] * 4 + ["decode"])
+    assert op.ready and not op.complete
+    assert op.ready_prefix() == (5, ["prefill"] * 4 + ["decode"])
+    stream.finish([True, True, False, True, True])
+    assert op.complete and op.ready_prefix() == (2, ["prefill"] * 2)
