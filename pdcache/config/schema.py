@@ -111,6 +111,12 @@ class CacheSpec:
     # prefill: wait (within the prefetch policy) for pages a decode node announced as being
     # written instead of recomputing them (docs/design.md §4.10, "A durable next turn")
     pending_wait: bool = True
+    # layer-streamed prefetch (docs/design.md §4.11): read stored pages layer-major and start
+    # the forward while later layers are still being read; off by default (measured slower on
+    # a 2-core CPU, where the reads take the forward's core); `prefetch_layers_per_read` layers
+    # per read step of a page
+    prefetch_layerwise: bool = False
+    prefetch_layers_per_read: int = 1
     # How stored pages are named: "pdcache", or "sglang" to share pages with SGLang servers
     # running the pdcache storage plugin (whose `key_namespace` must equal this one).
     key_scheme: Literal["pdcache", "sglang"] = "pdcache"

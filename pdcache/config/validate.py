@@ -57,7 +57,7 @@ def _check_model(model: ModelSpec, ctx: ErrorContext) -> None:
 
 
 def _check_cache(cache: CacheSpec, prefix: str, ctx: ErrorContext) -> None:
-    for key in ("page_size", "device_pages", "write_through_threshold"):
+    for key in ("page_size", "device_pages", "write_through_threshold", "prefetch_layers_per_read"):
         if getattr(cache, key) < 1:
             raise ctx.error(f"{prefix}.{key}", f"expected an integer >= 1, got {getattr(cache, key)}")
     given = [k for k in ("host_ratio", "host_bytes", "host_pages") if getattr(cache, k) is not None]

@@ -71,6 +71,12 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
                                       "storage reads that missed, failed or were not queued"),
     "pdcache_prefetch_abandoned_pages": ("counter", "", {"": "prefetch_abandoned_pages"},
                                          "prefetched pages not used (late, or after a gap)"),
+    "pdcache_prefetch_streamed_pages": ("counter", "", {"": "prefetch_streamed_pages"},
+                                        "prefetched pages read layer-major while the forward "
+                                        "ran (cache.prefetch_layerwise)"),
+    "pdcache_prefetch_stream_failed_loads": ("counter", "", {"": "stream_failed_loads"},
+                                             "layer-streamed loads whose pages failed "
+                                             "verification after use (request recomputed)"),
     "pdcache_backup_pages": ("counter", "tier", {"host": "backup_host_pages",
                                                  "storage": "backup_storage_pages"},
                              "pages backed up, by destination tier"),

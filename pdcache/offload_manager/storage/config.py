@@ -129,7 +129,10 @@ class StorageConfig:
     fault_injection: str = ""
 
     def __post_init__(self) -> None:
-        self._check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}")
+        from pdcache.offload_manager.storage import BACKENDS as REGISTERED
+
+        # any backend in the registry: the built-in ones, or one a plugin (or test) registered
+        self._check(self.backend in REGISTERED, "backend", f"must be one of {REGISTERED.names()}")
         self._check(self.io_engine in IO_ENGINES, "io_engine", f"must be one of {IO_ENGINES}")
         self._check(self.page_bytes > 0, "page_bytes", "must be > 0")
         self._check(self.capacity_pages >= 0, "capacity_pages", "must be >= 0")
