@@ -29,10 +29,10 @@ ROOM_TIMEOUT_S = 2.0
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[PDStack]:
     model = load_model("tiny", seed=0)[0]
-    prefill, decode = node_setups(tmp_path_factory.mktemp("acct"), model, PAGE, "zmq",
-                                  offload=True)
-    transfer = dataclasses.replace(prefill.transfer, bootstrap_timeout_s=BOOTSTRAP_TIMEOUT_S,
-                                   room_timeout_s=ROOM_TIMEOUT_S)
+    prefill, decode = node_setups(tmp_path_factory.mktemp("acct"), model, PAGE, "zmq", offload=True)
+    transfer = dataclasses.replace(
+        prefill.transfer, bootstrap_timeout_s=BOOTSTRAP_TIMEOUT_S, room_timeout_s=ROOM_TIMEOUT_S
+    )
     stack = start_stack(dataclasses.replace(prefill, transfer=transfer), decode)
     try:
         yield stack
@@ -51,8 +51,11 @@ def test_idle_nodes_report_no_rooms(stack: PDStack) -> None:
 
 
 def test_a_prefill_room_without_decode_shows_until_it_times_out(stack: PDStack) -> None:
-    body = {"input_ids": list(range(40)), "sampling_params": {"max_new_tokens": 4},
-            "pd": {"room": secrets.randbits(63), "role": "prefill", "decode_node": "d0"}}
+    body = {
+        "input_ids": list(range(40)),
+        "sampling_params": {"max_new_tokens": 4},
+        "pd": {"room": secrets.randbits(63), "role": "prefill", "decode_node": "d0"},
+    }
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(httpx.post, f"{stack.prefill.url}/generate", json=body, timeout=60)
         assert wait_for(lambda: health(stack, stack.prefill.url)["pd_rooms_open"] == 1, 10)
@@ -68,5 +71,13 @@ def test_a_whole_request_leaves_no_room_behind(stack: PDStack) -> None:
     assert stack.offload_idle(30)
     assert wait_for(lambda: health(stack, stack.prefill.url)["pd_rooms_open"] == 0, 10)
     decode = health(stack, stack.decode.url)
-    assert wait_for(lambda: (health(stack, stack.decode.url)["pd_rooms_open"],
-                             health(stack, stack.decode.url)["pd_held"]) == (0, 0), 10), decode
+    assert wait_for(
+        lambda: (
+            (
+                health(stack, stack.decode.url)["pd_rooms_open"],
+                health(stack, stack.decode.url)["pd_held"],
+            )
+            == (0, 0)
+        ),
+        10,
+    ), decode
