@@ -47,11 +47,16 @@ def node_accounting(health: Mapping[str, Any], metrics: str) -> dict[str, Any]:
         "pd_held": int(health.get("pd_held", 0)),
         "requests_running": int(engine.get("num_running", 0)) + int(engine.get("queued", 0)),
     }
-    pages = (detail["device_pages_unevictable"] + detail["host_pages_in_flight"]
-             + detail["staging_pages_used"])
-    return {"leaked_pages": pages,
-            "leaked_rooms": detail["transfer_rooms_active"] + detail["pd_rooms_open"],
-            "detail": detail}
+    pages = (
+        detail["device_pages_unevictable"]
+        + detail["host_pages_in_flight"]
+        + detail["staging_pages_used"]
+    )
+    return {
+        "leaked_pages": pages,
+        "leaked_rooms": detail["transfer_rooms_active"] + detail["pd_rooms_open"],
+        "detail": detail,
+    }
 
 
 def read_node(client: httpx.Client, url: str) -> dict[str, Any]:
@@ -69,8 +74,9 @@ def clean(reading: Mapping[str, Any]) -> bool:
     return "error" not in reading and not reading["leaked_pages"] and not reading["leaked_rooms"]
 
 
-def settle(nodes: Mapping[str, str], timeout_s: float, token: str | None = None,
-           poll_s: float = 1.0) -> dict[str, dict[str, Any]]:
+def settle(
+    nodes: Mapping[str, str], timeout_s: float, token: str | None = None, poll_s: float = 1.0
+) -> dict[str, dict[str, Any]]:
     """Every node's accounting, polled until all read clean or `timeout_s` passes; the last
     reading of each (with `settle_s`, how long it took)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -86,7 +92,8 @@ def settle(nodes: Mapping[str, str], timeout_s: float, token: str | None = None,
             time.sleep(poll_s)
 
 
-def pd_nodes(topology: Any, roles: Sequence[str] = ("prefill", "decode", "unified")
-             ) -> dict[str, str]:
+def pd_nodes(
+    topology: Any, roles: Sequence[str] = ("prefill", "decode", "unified")
+) -> dict[str, str]:
     """name -> URL of every node with an HTTP endpoint."""
     return {n.name: n.url for n in topology.nodes if n.role in roles and n.health == "http"}

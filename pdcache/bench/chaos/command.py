@@ -41,41 +41,92 @@ from pdcache.bench.chaos.schedule import (
 from pdcache.bench.chaos.verdict import broken_invariants, verdict
 from pdcache.bench.table import emit
 
-DEFAULT_TRACE = ("synthetic:sessions=16,turns=4,system_prompt=256,user=32,tool_result=48,"
-                 "answer=16,dist=uniform")
-FAULT_COLUMNS = ("fault", "planned", "injected", "overlapped", "max_error_window_s",
-                 "p50_error_window_s", "unrecovered", "errors")
+DEFAULT_TRACE = (
+    "synthetic:sessions=16,turns=4,system_prompt=256,user=32,tool_result=48,answer=16,dist=uniform"
+)
+FAULT_COLUMNS = (
+    "fault",
+    "planned",
+    "injected",
+    "overlapped",
+    "max_error_window_s",
+    "p50_error_window_s",
+    "unrecovered",
+    "errors",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG", help="topology file (configs/)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="topology override (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="topology override (repeatable)",
+    )
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of traffic")
-    parser.add_argument("--faults", default="all",
-                        help=f"comma-separated kinds or 'all' (known: {', '.join(FAULTS)})")
+    parser.add_argument(
+        "--faults",
+        default="all",
+        help=f"comma-separated kinds or 'all' (known: {', '.join(FAULTS)})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds the fault plan and targets")
-    parser.add_argument("--trace", default=DEFAULT_TRACE,
-                        help="trace spec as for bench replay (sessions repeat with new tokens)")
+    parser.add_argument(
+        "--trace",
+        default=DEFAULT_TRACE,
+        help="trace spec as for bench replay (sessions repeat with new tokens)",
+    )
     parser.add_argument("--concurrency", type=int, default=4, help="conversations in flight")
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--mean-gap", type=float, default=8.0,
-                        help="mean seconds between fault arrivals (exponential)")
-    parser.add_argument("--hold", type=float, nargs=2, default=(2.0, 8.0), metavar=("MIN", "MAX"),
-                        help="a fault is healed after a uniform hold in [MIN, MAX] seconds")
+    parser.add_argument(
+        "--mean-gap",
+        type=float,
+        default=8.0,
+        help="mean seconds between fault arrivals (exponential)",
+    )
+    parser.add_argument(
+        "--hold",
+        type=float,
+        nargs=2,
+        default=(2.0, 8.0),
+        metavar=("MIN", "MAX"),
+        help="a fault is healed after a uniform hold in [MIN, MAX] seconds",
+    )
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds before the first fault")
-    parser.add_argument("--quiet-tail", type=float, default=20.0,
-                        help="no fault in the last S seconds: the last outages end under traffic")
-    parser.add_argument("--request-deadline", type=float, default=120.0,
-                        help="an attempt without an answer by then is unanswered")
+    parser.add_argument(
+        "--quiet-tail",
+        type=float,
+        default=20.0,
+        help="no fault in the last S seconds: the last outages end under traffic",
+    )
+    parser.add_argument(
+        "--request-deadline",
+        type=float,
+        default=120.0,
+        help="an attempt without an answer by then is unanswered",
+    )
     parser.add_argument("--retries", type=int, default=3, help="retries of a failed turn")
-    parser.add_argument("--max-tokens-cap", type=int, default=2048,
-                        help="prompt + answer tokens of a session's turn (then a new session)")
+    parser.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=2048,
+        help="prompt + answer tokens of a session's turn (then a new session)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=300.0)
-    parser.add_argument("--idle-timeout", type=float, default=60.0,
-                        help="seconds for every node to hold nothing once the load stopped")
-    parser.add_argument("--oracle-timeout", type=float, default=600.0,
-                        help="seconds for the oracle to finish its checks after the load")
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=60.0,
+        help="seconds for every node to hold nothing once the load stopped",
+    )
+    parser.add_argument(
+        "--oracle-timeout",
+        type=float,
+        default=600.0,
+        help="seconds for the oracle to finish its checks after the load",
+    )
     parser.add_argument("--progress-interval", type=float, default=5.0)
 
 
@@ -84,11 +135,29 @@ def replay_command(args: argparse.Namespace, kinds: list[str]) -> str:
     argv = ["pdcache", "bench", "chaos", str(args.config)]
     for item in args.overrides:
         argv += ["--set", item]
-    argv += ["--duration", f"{args.duration:g}", "--faults", ",".join(kinds), "--seed",
-             str(args.seed), "--trace", args.trace, "--concurrency", str(args.concurrency),
-             "--mean-gap", f"{args.mean_gap:g}", "--hold", f"{args.hold[0]:g}", f"{args.hold[1]:g}",
-             "--warmup", f"{args.warmup:g}", "--quiet-tail", f"{args.quiet_tail:g}",
-             "--out", str(args.out)]
+    argv += [
+        "--duration",
+        f"{args.duration:g}",
+        "--faults",
+        ",".join(kinds),
+        "--seed",
+        str(args.seed),
+        "--trace",
+        args.trace,
+        "--concurrency",
+        str(args.concurrency),
+        "--mean-gap",
+        f"{args.mean_gap:g}",
+        "--hold",
+        f"{args.hold[0]:g}",
+        f"{args.hold[1]:g}",
+        "--warmup",
+        f"{args.warmup:g}",
+        "--quiet-tail",
+        f"{args.quiet_tail:g}",
+        "--out",
+        str(args.out),
+    ]
     return shlex.join(argv)
 
 
@@ -104,9 +173,14 @@ class Soak:
         self.work_dir = self.out / "work"
         self.work_dir.mkdir(parents=True, exist_ok=True)
         topology = load_topology(args.config, args.overrides)
-        self.ctx = FaultContext(topology, self.state_dir, self.work_dir,
-                                random.Random(f"pdcache-chaos-targets:{args.seed}"), self.say,
-                                {})
+        self.ctx = FaultContext(
+            topology,
+            self.state_dir,
+            self.work_dir,
+            random.Random(f"pdcache-chaos-targets:{args.seed}"),
+            self.say,
+            {},
+        )
         self.faults: dict[str, Fault] = {}
         self.unavailable: dict[str, str] = {}
         for kind in kinds:
@@ -175,8 +249,13 @@ class Soak:
                     self.say(f"{fault.kind}: cleanup failed: {exc}")
             if oracle is not None:
                 oracle.close()
-        return {"results": results, "faults": scheduler.records, "plan": plan,
-                "oracle": report, "accounting": accounting}
+        return {
+            "results": results,
+            "faults": scheduler.records,
+            "plan": plan,
+            "oracle": report,
+            "accounting": accounting,
+        }
 
     def _launched_topology(self, overrides: list[str]) -> Any:
         """The topology as the launcher runs it: with its cluster secret in OUT/logs."""
@@ -202,27 +281,42 @@ class Soak:
         model, tokenizer = load_model(spec.ref, dtype=spec.dtype, seed=spec.seed)
         self.max_tokens = min(self.args.max_tokens_cap, model.config.max_position_embeddings)
         self.vocab = (0, int(model.config.vocab_size))
-        return TokenOracle(model, tokenizer, seed=spec.seed, page_size=topology.cache.page_size,
-                           max_tokens=self.max_tokens)
+        return TokenOracle(
+            model,
+            tokenizer,
+            seed=spec.seed,
+            page_size=topology.cache.page_size,
+            max_tokens=self.max_tokens,
+        )
 
-    def _soak(self, front: str, topology: Any, oracle: TokenOracle
-              ) -> tuple[list[RequestResult], FaultScheduler, list[dict[str, Any]]]:
+    def _soak(
+        self, front: str, topology: Any, oracle: TokenOracle
+    ) -> tuple[list[RequestResult], FaultScheduler, list[dict[str, Any]]]:
         from pdcache.bench.traces import load_trace
 
         args = self.args
         trace = load_trace(args.trace)
-        settings = PlanSettings(args.duration, args.mean_gap, tuple(args.hold), args.warmup,
-                                args.quiet_tail)
-        plan = plan_faults(list(self.faults), args.seed, settings,
-                           min_holds(self.faults, self.ctx))
-        self.say(f"plan: {len(plan)} faults over {args.duration:g}s (seed {args.seed}): "
-                 + ", ".join(f"{p.kind}@{p.at_s:.0f}s" for p in plan[:12])
-                 + (" ..." if len(plan) > 12 else ""))
+        settings = PlanSettings(
+            args.duration, args.mean_gap, tuple(args.hold), args.warmup, args.quiet_tail
+        )
+        plan = plan_faults(list(self.faults), args.seed, settings, min_holds(self.faults, self.ctx))
+        self.say(
+            f"plan: {len(plan)} faults over {args.duration:g}s (seed {args.seed}): "
+            + ", ".join(f"{p.kind}@{p.at_s:.0f}s" for p in plan[:12])
+            + (" ..." if len(plan) > 12 else "")
+        )
         load_settings = LoadSettings(
-            url=front, duration_s=args.duration, concurrency=args.concurrency,
-            deadline_s=args.request_deadline, retries=args.retries, max_tokens=self.max_tokens,
-            vocab=self.vocab, token_seed=args.seed, cache_salt=f"chaos-{uuid.uuid4().hex[:12]}",
-            session_prefix=f"chaos{args.seed}-{uuid.uuid4().hex[:6]}")
+            url=front,
+            duration_s=args.duration,
+            concurrency=args.concurrency,
+            deadline_s=args.request_deadline,
+            retries=args.retries,
+            max_tokens=self.max_tokens,
+            vocab=self.vocab,
+            token_seed=args.seed,
+            cache_salt=f"chaos-{uuid.uuid4().hex[:12]}",
+            session_prefix=f"chaos{args.seed}-{uuid.uuid4().hex[:6]}",
+        )
 
         def on_success(rec: RequestResult, prompt: np.ndarray, output: list[int]) -> None:
             oracle.submit(AnswerCheck(rec.request_id, prompt, rec.max_new_tokens, tuple(output)))
@@ -239,8 +333,9 @@ class Soak:
                 scheduler.stop()
         return load.results, scheduler, [asdict(p) for p in plan]
 
-    async def _drive(self, load: SteadyLoad, scheduler: FaultScheduler,
-                     oracle: TokenOracle) -> None:
+    async def _drive(
+        self, load: SteadyLoad, scheduler: FaultScheduler, oracle: TokenOracle
+    ) -> None:
         task = asyncio.ensure_future(load.run())
         while not task.done():
             await asyncio.wait({task}, timeout=self.args.progress_interval)
@@ -254,22 +349,39 @@ class Soak:
         report = oracle.report()
         injected = sum(r.injected_at_s is not None for r in scheduler.records)
         active = ",".join(scheduler.active_kinds()) or "-"
-        self.say(f"t={self.clock():.0f}/{self.args.duration:g}s ok {ok} failed "
-                 f"{len(results) - ok} (unanswered {unanswered}) | oracle checked "
-                 f"{report['checked']} wrong {report['wrong']} pending {report['pending']} | "
-                 f"faults {injected}/{len(scheduler.records)} active {active}")
+        self.say(
+            f"t={self.clock():.0f}/{self.args.duration:g}s ok {ok} failed "
+            f"{len(results) - ok} (unanswered {unanswered}) | oracle checked "
+            f"{report['checked']} wrong {report['wrong']} pending {report['pending']} | "
+            f"faults {injected}/{len(scheduler.records)} active {active}"
+        )
 
 
 def print_verdict(v: dict[str, Any], json_path: str | None) -> None:
     rows = [{"fault": kind, **row} for kind, row in v["faults"].items()]
-    summary = {k: v[k] for k in ("requests_ok", "requests_failed", "unanswered", "wrong_tokens",
-                                 "oracle_checked", "faults_injected", "max_error_window_s",
-                                 "hit_rate")}
+    summary = {
+        k: v[k]
+        for k in (
+            "requests_ok",
+            "requests_failed",
+            "unanswered",
+            "wrong_tokens",
+            "oracle_checked",
+            "faults_injected",
+            "max_error_window_s",
+            "hit_rate",
+        )
+    }
     summary["requests_failed_by_code"] = v["requests_failed_by_code"]
     summary["leaked_pages"] = v["leaked_pages"]
     summary["leaked_rooms"] = v["leaked_rooms"]
-    emit(f"chaos (seed {v['seed']}, {v['duration_s']:g}s)", rows, json_path=None,
-         columns=FAULT_COLUMNS, extra=summary)
+    emit(
+        f"chaos (seed {v['seed']}, {v['duration_s']:g}s)",
+        rows,
+        json_path=None,
+        columns=FAULT_COLUMNS,
+        extra=summary,
+    )
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(v, indent=2, default=str))
@@ -292,10 +404,16 @@ def run(args: argparse.Namespace) -> int:
         return 1
     v = verdict(outcome["results"], outcome["faults"], outcome["oracle"], outcome["accounting"])
     replay = replay_command(args, list(soak.faults))
-    v.update(seed=args.seed, duration_s=args.duration, config=str(args.config),
-             overrides=list(args.overrides), faults_unavailable=soak.unavailable,
-             plan=outcome["plan"], fault_records=[f.as_json() for f in outcome["faults"]],
-             replay=replay)
+    v.update(
+        seed=args.seed,
+        duration_s=args.duration,
+        config=str(args.config),
+        overrides=list(args.overrides),
+        faults_unavailable=soak.unavailable,
+        plan=outcome["plan"],
+        fault_records=[f.as_json() for f in outcome["faults"]],
+        replay=replay,
+    )
     v["broken"] = broken_invariants(v)
     print_verdict(v, str(soak.out / "chaos.json"))
     if args.json_path:

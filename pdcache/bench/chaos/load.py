@@ -73,9 +73,14 @@ class LoadSettings:
 class SteadyLoad:
     """Owns the workers, the HTTP client and the results of one soak's traffic."""
 
-    def __init__(self, settings: LoadSettings, trace: Trace, sink: TextIO,
-                 on_success: Callable[[RequestResult, np.ndarray, list[int]], None],
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        settings: LoadSettings,
+        trace: Trace,
+        sink: TextIO,
+        on_success: Callable[[RequestResult, np.ndarray, list[int]], None],
+        clock: Callable[[], float],
+    ) -> None:
         self.settings = settings
         self.trace = trace
         self.sink = sink
@@ -86,18 +91,26 @@ class SteadyLoad:
 
     def _session_stream(self) -> Iterator[tuple[Session, BlockExpander, str]]:
         for cycle in itertools.count():
-            expander = BlockExpander(self.trace.block_size, vocab_high=self.settings.vocab[1],
-                                     vocab_low=self.settings.vocab[0],
-                                     seed=self.settings.token_seed + cycle)
+            expander = BlockExpander(
+                self.trace.block_size,
+                vocab_high=self.settings.vocab[1],
+                vocab_low=self.settings.vocab[0],
+                seed=self.settings.token_seed + cycle,
+            )
             for session in self.trace.sessions:
-                yield session, expander, f"{self.settings.session_prefix}-c{cycle}-{session.session_id}"
+                yield (
+                    session,
+                    expander,
+                    f"{self.settings.session_prefix}-c{cycle}-{session.session_id}",
+                )
 
     async def run(self) -> list[RequestResult]:
         s = self.settings
         limits = httpx.Limits(max_connections=s.concurrency + 2)
         timeout = httpx.Timeout(s.deadline_s, connect=min(10.0, s.deadline_s))
-        async with httpx.AsyncClient(base_url=s.url, limits=limits, timeout=timeout,
-                                     headers=dict(s.headers)) as client:
+        async with httpx.AsyncClient(
+            base_url=s.url, limits=limits, timeout=timeout, headers=dict(s.headers)
+        ) as client:
             await asyncio.gather(*(self._worker(client) for _ in range(s.concurrency)))
         return self.results
 
@@ -109,8 +122,9 @@ class SteadyLoad:
             session, expander, sid = next(self._sessions)
             await self._play(client, session, expander, sid)
 
-    async def _play(self, client: httpx.AsyncClient, session: Session, expander: BlockExpander,
-                    sid: str) -> None:
+    async def _play(
+        self, client: httpx.AsyncClient, session: Session, expander: BlockExpander, sid: str
+    ) -> None:
         history = np.zeros(0, dtype=np.int32)
         for turn in session.turns:
             new = expander.turn_tokens(turn).astype(np.int32)
@@ -123,16 +137,23 @@ class SteadyLoad:
                 return
             history = np.concatenate([prompt, np.asarray(output, dtype=np.int32)])
 
-    async def _turn(self, client: httpx.AsyncClient, sid: str, turn: int, prompt: np.ndarray,
-                    max_new: int) -> list[int] | None:
+    async def _turn(
+        self, client: httpx.AsyncClient, sid: str, turn: int, prompt: np.ndarray, max_new: int
+    ) -> list[int] | None:
         for attempt in range(self.settings.retries + 1):
             if not self.running():
                 return None
             if attempt:
                 await asyncio.sleep(self.settings.retry_backoff_s * attempt)
-            rec = RequestResult(f"{sid}/{turn}/{attempt}", sid, turn, attempt,
-                                round(self.clock(), 3), prompt_tokens=len(prompt),
-                                max_new_tokens=max_new)
+            rec = RequestResult(
+                f"{sid}/{turn}/{attempt}",
+                sid,
+                turn,
+                attempt,
+                round(self.clock(), 3),
+                prompt_tokens=len(prompt),
+                max_new_tokens=max_new,
+            )
             output = await self._send(client, sid, prompt, max_new, rec)
             rec.done_at_s = round(self.clock(), 3)
             self.results.append(rec)
@@ -142,20 +163,31 @@ class SteadyLoad:
                 return output
         return None
 
-    async def _send(self, client: httpx.AsyncClient, sid: str, prompt: np.ndarray,
-                    max_new: int, rec: RequestResult) -> list[int] | None:
+    async def _send(
+        self,
+        client: httpx.AsyncClient,
+        sid: str,
+        prompt: np.ndarray,
+        max_new: int,
+        rec: RequestResult,
+    ) -> list[int] | None:
         body: dict[str, Any] = {
-            "input_ids": prompt.tolist(), "session_id": sid, "stream": False,
-            "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0,
-                                "ignore_eos": True},
+            "input_ids": prompt.tolist(),
+            "session_id": sid,
+            "stream": False,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True},
         }
         if self.settings.cache_salt:
             body["cache_salt"] = self.settings.cache_salt
         try:
-            resp = await asyncio.wait_for(client.post("/generate", json=body),
-                                          self.settings.deadline_s)
+            resp = await asyncio.wait_for(
+                client.post("/generate", json=body), self.settings.deadline_s
+            )
         except (asyncio.TimeoutError, httpx.TimeoutException) as exc:
-            rec.code, rec.message = UNANSWERED, f"no answer within {self.settings.deadline_s:g}s ({type(exc).__name__})"
+            rec.code, rec.message = (
+                UNANSWERED,
+                f"no answer within {self.settings.deadline_s:g}s ({type(exc).__name__})",
+            )
             return None
         except httpx.ConnectError as exc:
             rec.code, rec.message = "connect_error", str(exc)[:200]
@@ -175,13 +207,18 @@ class SteadyLoad:
             error = (data or {}).get("error") if isinstance(data, dict) else None
             code = (error or {}).get("code") if isinstance(error, dict) else None
             rec.code = f"http_{resp.status_code}:{code or 'no_code'}"
-            rec.message = (error or {}).get("message", resp.text)[:300] if isinstance(
-                error, dict) else resp.text[:300]
+            rec.message = (
+                (error or {}).get("message", resp.text)[:300]
+                if isinstance(error, dict)
+                else resp.text[:300]
+            )
             return None
         meta = data.get("meta_info") or {}
         if int(meta.get("prompt_tokens", rec.prompt_tokens)) != rec.prompt_tokens:
             rec.code = "prompt_mismatch"
-            rec.message = f"sent {rec.prompt_tokens} prompt tokens, the stack saw {meta.get('prompt_tokens')}"
+            rec.message = (
+                f"sent {rec.prompt_tokens} prompt tokens, the stack saw {meta.get('prompt_tokens')}"
+            )
             return None
         output = [int(t) for t in data["output_ids"]]
         rec.ok, rec.output_tokens = True, len(output)

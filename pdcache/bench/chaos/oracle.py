@@ -3,9 +3,11 @@ same input ids, compared token for token with what the stack answered.
 
 `TokenOracle` owns an in-process `Engine` (the topology's model, dtype and seed; prefix cache
 off, so no cached page can agree with a wrong one) and the one thread that drives it
-(`start(thread=False)` + `step()`: the oracle's thread is the engine thread). It runs at the
-lowest CPU priority (nice 19 on that thread), so on a small machine it takes what the soak
-leaves and catches up after the load stops (`drain`). Checks queue as compact int32 arrays;
+(`start(thread=False)` + `step()`: the oracle's thread is the engine thread). While the soak
+runs it has a low CPU priority (nice `SOAK_NICE` on that thread: about a tenth of a core
+against a busy process), so on a small machine it takes what the soak leaves; `drain` puts it
+back to normal priority to catch up once the load stopped (nice 19 would starve it for
+minutes on a machine others load too). Checks queue as compact int32 arrays;
 computed reference answers are kept in a bounded LRU (`cache_entries`), so a retried prompt is
 computed once.
 """
@@ -32,6 +34,8 @@ from pdcache.engine.request import pages_for
 
 log = logging.getLogger(__name__)
 
+SOAK_NICE = 10  # the oracle thread's nice value while the soak's load runs
+
 
 @dataclass(frozen=True)
 class AnswerCheck:
@@ -51,8 +55,12 @@ class WrongAnswer:
     got: tuple[int, ...]
 
     def as_json(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "first_diff": self.first_diff,
-                "expected": list(self.expected), "got": list(self.got)}
+        return {
+            "request_id": self.request_id,
+            "first_diff": self.first_diff,
+            "expected": list(self.expected),
+            "got": list(self.got),
+        }
 
 
 def first_difference(expected: tuple[int, ...], got: tuple[int, ...]) -> int | None:
@@ -80,11 +88,21 @@ def _key(check: AnswerCheck) -> bytes:
 class TokenOracle:
     """Checks answers against the reference engine on its own low-priority thread."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, seed: int, page_size: int,
-                 max_tokens: int, batch: int = 4, cache_entries: int = 1024) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        seed: int,
+        page_size: int,
+        max_tokens: int,
+        batch: int = 4,
+        cache_entries: int = 1024,
+    ) -> None:
         pages = batch * pages_for(max_tokens, page_size) + 1
-        config = EngineConfig(model.config,
-                              CacheConfig(page_size, pages, enable_prefix_cache=False), seed=seed)
+        config = EngineConfig(
+            model.config, CacheConfig(page_size, pages, enable_prefix_cache=False), seed=seed
+        )
         self.engine = Engine(config, model, tokenizer)
         self.batch = batch
         self.cache_entries = cache_entries
@@ -97,6 +115,7 @@ class TokenOracle:
         self._queue: queue.Queue[AnswerCheck] = queue.Queue()
         self._lock = threading.Lock()  # guards the counters and lists above
         self._idle = threading.Event()
+        self._foreground = threading.Event()  # set by drain(): normal priority from then on
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -114,7 +133,9 @@ class TokenOracle:
         return self._queue.qsize()
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until every submitted check is done; False at the deadline."""
+        """Wait until every submitted check is done, the oracle at normal priority; False at
+        the deadline."""
+        self._foreground.set()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._queue.empty() and self._idle.wait(0.5):
@@ -130,20 +151,26 @@ class TokenOracle:
 
     def report(self) -> dict[str, Any]:
         with self._lock:
-            return {"checked": self.checked, "wrong": len(self.wrong), "pending": self.pending(),
-                    "cache_hits": self.cache_hits, "errors": list(self.errors[:10]),
-                    "first_wrong": [w.as_json() for w in self.wrong[:5]]}
+            return {
+                "checked": self.checked,
+                "wrong": len(self.wrong),
+                "pending": self.pending(),
+                "cache_hits": self.cache_hits,
+                "errors": list(self.errors[:10]),
+                "first_wrong": [w.as_json() for w in self.wrong[:5]],
+            }
 
     # ---- the oracle's thread
 
     def _run(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (OSError, AttributeError):
-            pass  # best effort: only this thread's priority
+        _set_thread_nice(SOAK_NICE)
         self.engine.start(thread=False)
+        foreground = False
         try:
             while not self._stop.is_set():
+                if not foreground and self._foreground.is_set():
+                    _set_thread_nice(0)
+                    foreground = True
                 checks = self._take()
                 if not checks:
                     self._idle.set()
@@ -208,8 +235,9 @@ class TokenOracle:
                     if out.error:
                         errors[rid] = out.error
 
-            params = SamplingParams(max_new_tokens=check.max_new_tokens, temperature=0.0,
-                                    ignore_eos=True)
+            params = SamplingParams(
+                max_new_tokens=check.max_new_tokens, temperature=0.0, ignore_eos=True
+            )
             self.engine.submit(GenerateRequest(rid, check.input_ids.tolist(), params), collect)
         while len(finished) < len(checks):
             if self._stop.is_set():
@@ -218,3 +246,13 @@ class TokenOracle:
         if errors:
             raise RuntimeError(f"reference engine failed: {next(iter(errors.values()))}")
         return [tuple(t) for t in tokens.values()]
+
+
+def _set_thread_nice(value: int) -> bool:
+    """Set the calling thread's nice value (Linux: a thread id names one thread); lowering it
+    needs CAP_SYS_NICE or RLIMIT_NICE, so this is best effort. Whether it took."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), value)
+    except (OSError, AttributeError):
+        return False
+    return True

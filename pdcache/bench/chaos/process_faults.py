@@ -125,8 +125,11 @@ class FreezeNode(Fault):
     def min_hold_s(self, ctx: FaultContext) -> float:
         """The longest heartbeat deadline of the topology's PD nodes + FREEZE_MARGIN_S: peers
         declare the frozen node dead before it wakes."""
-        deadlines = [transfer_from_spec(ctx.topology.transfer, n).peer_dead_after_s
-                     for n in ctx.topology.nodes if n.role in self.roles]
+        deadlines = [
+            transfer_from_spec(ctx.topology.transfer, n).peer_dead_after_s
+            for n in ctx.topology.nodes
+            if n.role in self.roles
+        ]
         return max(deadlines, default=0.0) + FREEZE_MARGIN_S
 
     def ready(self, ctx: FaultContext) -> bool:
@@ -157,5 +160,10 @@ def _continue(target: Target) -> None:
         pass  # killed meanwhile (a kill fault, or the launcher's stop)
 
 
-PROCESS_FAULTS: tuple[type[Fault], ...] = (KillPrefill, KillDecode, KillMetadata,
-                                           KillMooncakeMaster, FreezeNode)
+PROCESS_FAULTS: tuple[type[Fault], ...] = (
+    KillPrefill,
+    KillDecode,
+    KillMetadata,
+    KillMooncakeMaster,
+    FreezeNode,
+)

@@ -53,6 +53,8 @@ def parse_fault_list(text: str) -> list[str]:
     kinds = [k.strip() for k in text.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in FAULTS]
     if unknown or not kinds:
-        raise ValueError(f"unknown fault kind(s) {', '.join(unknown) or '(none given)'}; "
-                         f"known: {', '.join(FAULTS)}")
+        raise ValueError(
+            f"unknown fault kind(s) {', '.join(unknown) or '(none given)'}; "
+            f"known: {', '.join(FAULTS)}"
+        )
     return list(dict.fromkeys(kinds))

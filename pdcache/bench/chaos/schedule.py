@@ -5,8 +5,9 @@ The plan: arrivals of a Poisson process (exponential gaps of mean `mean_gap_s`) 
 `warmup_s` to `duration_s - quiet_tail_s` (the tail lets the last faults' outages end while
 traffic still runs, so each one's error window is measured). Each arrival takes a kind that is
 not active then, each held a uniform time in `hold_s` (at least the kind's own minimum, e.g.
-freeze-node's heartbeat deadline); the first arrivals are a seeded permutation of every kind,
-so a soak long enough for them injects each kind once at least. Kinds overlap freely; a kind
+freeze-node's heartbeat deadline). Before those, a first round injects every kind once, in a
+seeded order, one in each of `len(kinds)` equal slots of the span `min(window, len(kinds) *
+mean_gap_s)` at a seeded point of its slot: even a short soak injects every kind. Kinds overlap freely; a kind
 never overlaps itself. The same arguments give the same plan.
 
 The scheduler injects each planned fault at its time, once the fault is `ready()` (a kill
@@ -45,31 +46,42 @@ class PlanSettings:
     quiet_tail_s: float = 20.0
 
 
-def plan_faults(kinds: Sequence[str], seed: int, settings: PlanSettings,
-                min_hold_s: Mapping[str, float] | None = None) -> list[PlannedFault]:
+def plan_faults(
+    kinds: Sequence[str],
+    seed: int,
+    settings: PlanSettings,
+    min_hold_s: Mapping[str, float] | None = None,
+) -> list[PlannedFault]:
     """The soak's faults, sorted by time (module docstring)."""
     rng = random.Random(f"pdcache-chaos-plan:{seed}")
     floors = min_hold_s or {}
-    first_round = list(kinds)
-    rng.shuffle(first_round)
-    end = settings.duration_s - settings.quiet_tail_s
+    start, end = settings.warmup_s, settings.duration_s - settings.quiet_tail_s
+    if not kinds or end <= start:
+        return []
     busy_until = dict.fromkeys(kinds, float("-inf"))
     plan: list[PlannedFault] = []
-    t = settings.warmup_s
-    while kinds and t < end:
-        free = [k for k in kinds if busy_until[k] <= t]
-        if not free:
-            t = min(busy_until.values())
-            continue
-        wanted = [k for k in first_round if k in free]
-        kind = wanted[0] if wanted else rng.choice(free)
-        if kind in first_round:
-            first_round.remove(kind)
+
+    def add(t: float, kind: str) -> None:
         hold = max(rng.uniform(*settings.hold_s), floors.get(kind, 0.0))
         plan.append(PlannedFault(round(t, 3), kind, round(hold, 3)))
         busy_until[kind] = t + hold
+
+    # first round: every kind once, in a seeded order, one per slot of the round's span
+    first_round = list(kinds)
+    rng.shuffle(first_round)
+    span = min(end - start, len(kinds) * settings.mean_gap_s)
+    for i, kind in enumerate(first_round):
+        add(start + (i + rng.random()) * span / len(kinds), kind)
+    t = start + span
+    while True:  # then Poisson arrivals of kinds not active at the time
         t += rng.expovariate(1.0 / settings.mean_gap_s)
-    return plan
+        free = [k for k in kinds if busy_until[k] <= t]
+        if not free:
+            t = min(busy_until.values())
+            free = [k for k in kinds if busy_until[k] <= t]
+        if t >= end:
+            return plan
+        add(t, rng.choice(free))
 
 
 @dataclass
@@ -95,9 +107,14 @@ class FaultScheduler:
     """Carries out a plan on its own thread. Owns the fault instances' calls (inject, heal)
     while running and the records; `clock()` is seconds since the soak's start."""
 
-    def __init__(self, plan: Sequence[PlannedFault], faults: Mapping[str, Fault],
-                 ctx: FaultContext, clock: Callable[[], float],
-                 max_defer_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        plan: Sequence[PlannedFault],
+        faults: Mapping[str, Fault],
+        ctx: FaultContext,
+        clock: Callable[[], float],
+        max_defer_s: float = 120.0,
+    ) -> None:
         self.faults = faults
         self.ctx = ctx
         self.clock = clock
@@ -137,8 +154,9 @@ class FaultScheduler:
                 self._heal(kind)
 
     def _next_wake(self, now: float) -> float:
-        times = [r.injected_at_s + r.hold_s for r in self._active.values()
-                 if r.injected_at_s is not None]
+        times = [
+            r.injected_at_s + r.hold_s for r in self._active.values() if r.injected_at_s is not None
+        ]
         times += [r.planned_at_s for r in self._pending]
         if not times:
             return 1.0
@@ -173,8 +191,10 @@ class FaultScheduler:
         rec.target, rec.detail = injection.target, injection.detail
         with self._lock:
             self._active[rec.kind] = rec
-        self.ctx.say(f"t={rec.injected_at_s:.1f}s inject {rec.kind} on {rec.target} "
-                     f"({rec.detail}); hold {rec.hold_s:.1f}s")
+        self.ctx.say(
+            f"t={rec.injected_at_s:.1f}s inject {rec.kind} on {rec.target} "
+            f"({rec.detail}); hold {rec.hold_s:.1f}s"
+        )
 
     def _heal(self, kind: str) -> None:
         rec = self._active[kind]

@@ -44,24 +44,46 @@ def error_window_s(fault: FaultRecord, results: Sequence[RequestResult]) -> floa
     if fault.injected_at_s is None:
         return None
     t0 = fault.injected_at_s
-    done = [r.done_at_s for r in results
-            if r.ok and r.dispatched_at_s >= t0 and on_path(fault.target, r)]
+    done = [
+        r.done_at_s
+        for r in results
+        if r.ok and r.dispatched_at_s >= t0 and on_path(fault.target, r)
+    ]
     return round(min(done) - t0, 3) if done else None
 
 
-def fault_rows(faults: Sequence[FaultRecord], results: Sequence[RequestResult]
-               ) -> dict[str, dict[str, Any]]:
-    """Per kind: injected, failed/skipped, overlapped, error windows (max, p50), unrecovered."""
+def overlapped(fault: FaultRecord, window_s: float | None, faults: Sequence[FaultRecord]) -> bool:
+    """Whether another fault was active at some point of `fault`'s error window (from its
+    injection to its recovery, or to the end without one): that window is not its alone."""
+    assert fault.injected_at_s is not None
+    start = fault.injected_at_s
+    end = start + window_s if window_s is not None else float("inf")
+    for other in faults:
+        if other is fault or other.injected_at_s is None:
+            continue
+        healed = other.healed_at_s if other.healed_at_s is not None else float("inf")
+        if other.injected_at_s < end and healed > start:
+            return True
+    return False
+
+
+def fault_rows(
+    faults: Sequence[FaultRecord], results: Sequence[RequestResult]
+) -> dict[str, dict[str, Any]]:
+    """Per kind: injected, failed/skipped, how many windows overlapped another fault, error
+    windows (max, p50), unrecovered."""
     out: dict[str, dict[str, Any]] = {}
     for kind in dict.fromkeys(f.kind for f in faults):
         mine = [f for f in faults if f.kind == kind]
         injected = [f for f in mine if f.injected_at_s is not None]
-        windows = [w for w in (error_window_s(f, results) for f in injected) if w is not None]
+        by_fault = [(f, error_window_s(f, results)) for f in injected]
+        windows = [w for _, w in by_fault if w is not None]
         out[kind] = {
-            "planned": len(mine), "injected": len(injected),
+            "planned": len(mine),
+            "injected": len(injected),
             "not_injected": len(mine) - len(injected),
             "errors": sum(1 for f in mine if f.error),
-            "overlapped": sum(1 for f in injected if f.overlapped),
+            "overlapped": sum(overlapped(f, w, faults) for f, w in by_fault),
             "max_error_window_s": max(windows) if windows else None,
             "p50_error_window_s": round(statistics.median(windows), 3) if windows else None,
             "unrecovered": len(injected) - len(windows),
@@ -69,17 +91,21 @@ def fault_rows(faults: Sequence[FaultRecord], results: Sequence[RequestResult]
     return out
 
 
-def verdict(results: Sequence[RequestResult], faults: Sequence[FaultRecord],
-            oracle: Mapping[str, Any], accounting: Mapping[str, Mapping[str, Any]]
-            ) -> dict[str, Any]:
+def verdict(
+    results: Sequence[RequestResult],
+    faults: Sequence[FaultRecord],
+    oracle: Mapping[str, Any],
+    accounting: Mapping[str, Mapping[str, Any]],
+) -> dict[str, Any]:
     """The soak's numbers (module docstring); `accounting`: node -> {"leaked_pages",
     "leaked_rooms", ...} or {"error": why it could not be read}."""
     ok = [r for r in results if r.ok]
     failed = Counter(r.code for r in results if not r.ok)
     prompt = sum(r.prompt_tokens for r in ok)
     per_kind = fault_rows(faults, results)
-    windows = [k["max_error_window_s"] for k in per_kind.values()
-               if k["max_error_window_s"] is not None]
+    windows = [
+        k["max_error_window_s"] for k in per_kind.values() if k["max_error_window_s"] is not None
+    ]
     return {
         "requests_ok": len(ok),
         "requests_failed": sum(failed.values()),
@@ -106,8 +132,9 @@ def broken_invariants(v: Mapping[str, Any]) -> list[str]:
     if v["wrong_tokens"]:
         broken.append(f"wrong_tokens = {v['wrong_tokens']} (first: {v['first_wrong'][:1]})")
     if v["oracle_pending"] or v["oracle_errors"]:
-        broken.append(f"oracle: {v['oracle_pending']} answers unchecked, "
-                      f"errors {v['oracle_errors'][:2]}")
+        broken.append(
+            f"oracle: {v['oracle_pending']} answers unchecked, errors {v['oracle_errors'][:2]}"
+        )
     if v["unanswered"]:
         broken.append(f"unanswered = {v['unanswered']}")
     if v["requests_ok"] == 0:
@@ -116,13 +143,19 @@ def broken_invariants(v: Mapping[str, Any]) -> list[str]:
         if "error" in acct:
             broken.append(f"{node}: accounting unreadable: {acct['error']}")
         elif acct.get("leaked_pages") or acct.get("leaked_rooms"):
-            broken.append(f"{node}: leaked_pages = {acct.get('leaked_pages')}, "
-                          f"leaked_rooms = {acct.get('leaked_rooms')} ({acct.get('detail')})")
+            broken.append(
+                f"{node}: leaked_pages = {acct.get('leaked_pages')}, "
+                f"leaked_rooms = {acct.get('leaked_rooms')} ({acct.get('detail')})"
+            )
     for kind, row in v["faults"].items():
         if row["not_injected"] or row["errors"]:
-            broken.append(f"{kind}: {row['not_injected']} of {row['planned']} planned faults not "
-                          f"injected, {row['errors']} errors")
+            broken.append(
+                f"{kind}: {row['not_injected']} of {row['planned']} planned faults not "
+                f"injected, {row['errors']} errors"
+            )
         if row["unrecovered"]:
-            broken.append(f"{kind}: {row['unrecovered']} injection(s) never followed by a "
-                          "success on the path they hurt")
+            broken.append(
+                f"{kind}: {row['unrecovered']} injection(s) never followed by a "
+                "success on the path they hurt"
+            )
     return broken
