@@ -62,7 +62,7 @@ def _mooncake(tmp_path: Path) -> tuple[str, list[str]]:
 SOAKS = {
     # kinds, duration, quiet tail: the tail outlasts a restart on a loaded 2-core machine
     "hf3fs": (_hf3fs, ["kill-prefill", "kill-decode", "kill-metadata", "freeze-node"], 50, 18),
-    "mooncake": (_mooncake, ["kill-mooncake-master"], 25, 12),
+    "mooncake": (_mooncake, ["kill-mooncake-master"], 20, 10),
 }
 
 

@@ -217,14 +217,15 @@ class Soak:
             stop_launcher,
             wait_ready,
         )
+        from pdcache.config import load_topology
 
-        overrides = self.prepare()
+        overrides = self._secret_overrides(self.prepare())
         run = ConfigRun("chaos", Path(self.args.config), tuple(overrides))
         front, urls = endpoints_of(run)
         busy = [u for u in urls if port_in_use(u)]
         if busy:
             raise RuntimeError(f"already in use before launch (another stack?): {', '.join(busy)}")
-        topology = self._launched_topology(overrides)
+        topology = load_topology(self.args.config, overrides)  # as launched
         self.ctx.topology = topology
         proc = start_launcher(run, self.out, restart=True)
         oracle: TokenOracle | None = None
@@ -257,22 +258,24 @@ class Soak:
             "accounting": accounting,
         }
 
-    def _launched_topology(self, overrides: list[str]) -> Any:
-        """The topology as the launcher runs it: with its cluster secret in OUT/logs."""
+    def _secret_overrides(self, overrides: list[str]) -> list[str]:
+        """`overrides` + a cluster secret of the soak's own (OUT/secret/cluster.secret) unless
+        the topology names one: the harness needs the node credential for /metrics."""
         from pdcache.config import load_topology
-        from pdcache.launch.launcher import SECRET_FILE_NAME
+        from pdcache.utils.secret import create_secret
 
-        topology = load_topology(self.args.config, overrides)
-        if topology.security.enabled:
-            return topology
-        secret = json.dumps(str(self.state_dir / SECRET_FILE_NAME))
-        return load_topology(self.args.config, [*overrides, f"security.secret_file={secret}"])
+        if load_topology(self.args.config, overrides).security.enabled:
+            return overrides
+        path = self.out / "secret" / "cluster.secret"
+        if not path.exists():
+            create_secret(path)
+        return [*overrides, f"security.secret_file={json.dumps(str(path))}"]
 
     @staticmethod
     def _token(topology: Any) -> str | None:
-        from pdcache.launch.launcher import node_token
+        from pdcache.config.security import security_for
 
-        return node_token(topology)
+        return security_for(topology.security, topology.source).node_http_token
 
     def _oracle(self, topology: Any) -> TokenOracle:
         from pdcache.engine.loader import load_model
