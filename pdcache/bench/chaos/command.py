@@ -124,8 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--oracle-timeout",
         type=float,
-        default=600.0,
-        help="seconds for the oracle to finish its checks after the load",
+        default=None,
+        help="seconds for the oracle to finish its checks after the load "
+        "(default: max(600, --duration))",
     )
     parser.add_argument("--progress-interval", type=float, default=5.0)
 
@@ -238,8 +239,7 @@ class Soak:
             self.say("load stopped; waiting for the stack to be healthy and idle ...")
             wait_ready(proc, urls, self.args.startup_timeout)
             accounting = settle(pd_nodes(topology), self.args.idle_timeout, self._token(topology))
-            self.say(f"oracle: finishing {oracle.pending()} pending checks ...")
-            oracle.drain(self.args.oracle_timeout)
+            self._drain(oracle)
             report = oracle.report()
         finally:
             stop_launcher(proc, 60.0)
@@ -257,6 +257,16 @@ class Soak:
             "oracle": report,
             "accounting": accounting,
         }
+
+    def _drain(self, oracle: TokenOracle) -> None:
+        """Let the oracle finish its backlog (bounded), with a progress line every 10 s."""
+        timeout = self.args.oracle_timeout
+        budget = timeout if timeout is not None else max(600.0, self.args.duration)
+        deadline = time.monotonic() + budget
+        while time.monotonic() < deadline:
+            self.say(f"oracle: {oracle.pending()} checks pending ...")
+            if oracle.drain(min(10.0, deadline - time.monotonic())):
+                return
 
     def _secret_overrides(self, overrides: list[str]) -> list[str]:
         """`overrides` + a cluster secret of the soak's own (OUT/secret/cluster.secret) unless
@@ -290,6 +300,7 @@ class Soak:
             seed=spec.seed,
             page_size=topology.cache.page_size,
             max_tokens=self.max_tokens,
+            batch=8,
         )
 
     def _soak(
