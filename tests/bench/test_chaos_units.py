@@ -401,3 +401,10 @@ def test_a_window_with_another_fault_in_it_counts_as_overlapped() -> None:
         0,
         0,
     ]
+
+
+def test_an_answer_to_another_prompt_breaks_the_verdict() -> None:
+    v = _verdict(results=[_ok(1.0), _failed(5.0, "prompt_mismatch"), _ok(12.0)])
+    assert broken_invariants(v) == ["prompt_mismatch = 1"]
+    other = _verdict(results=[_ok(1.0), _failed(5.0, "http_503:no_healthy_node"), _ok(12.0)])
+    assert broken_invariants(other) == []  # an error answer is an answer

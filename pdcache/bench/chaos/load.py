@@ -31,6 +31,7 @@ from pdcache.bench.tokens import BlockExpander
 from pdcache.bench.traces import Session, Trace
 
 UNANSWERED = "unanswered"
+PROMPT_MISMATCH = "prompt_mismatch"
 
 
 @dataclass
@@ -107,7 +108,7 @@ class SteadyLoad:
     async def run(self) -> list[RequestResult]:
         s = self.settings
         limits = httpx.Limits(max_connections=s.concurrency + 2)
-        timeout = httpx.Timeout(s.deadline_s, connect=min(10.0, s.deadline_s))
+        timeout = httpx.Timeout(s.deadline_s)  # connect included: no answer by then = unanswered
         async with httpx.AsyncClient(
             base_url=s.url, limits=limits, timeout=timeout, headers=dict(s.headers)
         ) as client:
@@ -215,7 +216,7 @@ class SteadyLoad:
             return None
         meta = data.get("meta_info") or {}
         if int(meta.get("prompt_tokens", rec.prompt_tokens)) != rec.prompt_tokens:
-            rec.code = "prompt_mismatch"
+            rec.code = PROMPT_MISMATCH
             rec.message = (
                 f"sent {rec.prompt_tokens} prompt tokens, the stack saw {meta.get('prompt_tokens')}"
             )

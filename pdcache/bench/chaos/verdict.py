@@ -7,6 +7,7 @@ every invariant that does not hold (the command exits 1 when there is any):
 - `wrong_tokens == 0`: every successful answer equals the oracle's, token for token;
 - `oracle_pending == 0` and no oracle error: every success was checked;
 - `unanswered == 0`: every attempt got an answer (success or error) within its deadline;
+- no `prompt_mismatch`: the stack never answered another prompt than the one sent;
 - `leaked_pages == 0` and `leaked_rooms == 0` on every node once idle, each node read;
 - every planned fault was injected, and each was followed by a success on its path
   (`unrecovered == 0`): the error window is the time from the injection to the completion of
@@ -22,7 +23,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pdcache.bench.chaos.load import UNANSWERED, RequestResult
+from pdcache.bench.chaos.load import PROMPT_MISMATCH, UNANSWERED, RequestResult
 from pdcache.bench.chaos.schedule import FaultRecord
 
 
@@ -137,6 +138,9 @@ def broken_invariants(v: Mapping[str, Any]) -> list[str]:
         )
     if v["unanswered"]:
         broken.append(f"unanswered = {v['unanswered']}")
+    mismatched = v["requests_failed_by_code"].get(PROMPT_MISMATCH, 0)
+    if mismatched:  # the stack answered another prompt than the one sent
+        broken.append(f"prompt_mismatch = {mismatched}")
     if v["requests_ok"] == 0:
         broken.append("no request succeeded")
     for node, acct in v["accounting"].items():
