@@ -401,6 +401,8 @@ def test_a_window_with_another_fault_in_it_counts_as_overlapped() -> None:
         0,
         0,
     ]
+    assert rows["kill-prefill"]["alone_p50_error_window_s"] is None  # its one window overlapped
+    assert rows["kill-metadata"]["alone_p50_error_window_s"] == 5.5
 
 
 def test_an_answer_to_another_prompt_breaks_the_verdict() -> None:

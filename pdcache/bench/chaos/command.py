@@ -51,6 +51,7 @@ FAULT_COLUMNS = (
     "overlapped",
     "max_error_window_s",
     "p50_error_window_s",
+    "alone_p50_error_window_s",
     "unrecovered",
     "errors",
 )

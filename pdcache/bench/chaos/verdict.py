@@ -68,6 +68,10 @@ def overlapped(fault: FaultRecord, window_s: float | None, faults: Sequence[Faul
     return False
 
 
+def _median(values: Sequence[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
 def fault_rows(
     faults: Sequence[FaultRecord], results: Sequence[RequestResult]
 ) -> dict[str, dict[str, Any]]:
@@ -87,6 +91,10 @@ def fault_rows(
             "overlapped": sum(overlapped(f, w, faults) for f, w in by_fault),
             "max_error_window_s": max(windows) if windows else None,
             "p50_error_window_s": round(statistics.median(windows), 3) if windows else None,
+            # the windows no other fault touched: the outage of this kind on its own
+            "alone_p50_error_window_s": _median(
+                [w for f, w in by_fault if w is not None and not overlapped(f, w, faults)]
+            ),
             "unrecovered": len(injected) - len(windows),
         }
     return out
