@@ -410,3 +410,14 @@ def test_an_answer_to_another_prompt_breaks_the_verdict() -> None:
     assert broken_invariants(v) == ["prompt_mismatch = 1"]
     other = _verdict(results=[_ok(1.0), _failed(5.0, "http_503:no_healthy_node"), _ok(12.0)])
     assert broken_invariants(other) == []  # an error answer is an answer
+
+
+def test_the_markdown_verdict_has_a_row_per_kind_the_totals_and_the_replay() -> None:
+    from pdcache.bench.chaos.command import markdown_verdict
+
+    v = _verdict(faults=[_fault("kill-decode", "decode:d0", 10.0)])
+    v.update(seed=7, duration_s=60.0, replay="pdcache bench chaos X --seed 7")
+    text = markdown_verdict(v)
+    assert "| kill-decode | 1 | 1 | 0 | 2.5 | 2.5 | 2.5 | 0 | 0 |" in text
+    assert "wrong tokens **0** of 2 checked" in text and "leaked pages **0**" in text
+    assert text.rstrip().endswith("`pdcache bench chaos X --seed 7`")

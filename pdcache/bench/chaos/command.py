@@ -372,6 +372,32 @@ class Soak:
         )
 
 
+def markdown_verdict(v: dict[str, Any]) -> str:
+    """The verdict as a README-ready Markdown table, the totals and the replay command."""
+
+    def cell(value: Any) -> str:
+        return "—" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(FAULT_COLUMNS) + " |", "|" + "---|" * len(FAULT_COLUMNS)]
+    for kind, row in v["faults"].items():
+        values = [kind, *(row.get(c) for c in FAULT_COLUMNS[1:])]
+        lines.append("| " + " | ".join(cell(x) for x in values) + " |")
+    pages = sum(n or 0 for n in v["leaked_pages"].values())
+    rooms = sum(n or 0 for n in v["leaked_rooms"].values())
+    failed = ", ".join(f"{k} {n}" for k, n in v["requests_failed_by_code"].items()) or "none"
+    lines += [
+        "",
+        f"{v['duration_s']:g} s, seed {v['seed']}: requests ok {v['requests_ok']}, failed "
+        f"{v['requests_failed']} ({failed}); wrong tokens **{v['wrong_tokens']}** of "
+        f"{v['oracle_checked']} checked; unanswered **{v['unanswered']}**; leaked pages "
+        f"**{pages}**, rooms **{rooms}** on {len(v['leaked_pages'])} nodes; hit rate "
+        f"{v['hit_rate']:.3f}; faults injected {v['faults_injected']}.",
+        "",
+        f"`{v['replay']}`",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def print_verdict(v: dict[str, Any], json_path: str | None) -> None:
     rows = [{"fault": kind, **row} for kind, row in v["faults"].items()]
     summary = {
@@ -400,7 +426,8 @@ def print_verdict(v: dict[str, Any], json_path: str | None) -> None:
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(v, indent=2, default=str))
-        print(f"wrote {json_path}")
+        Path(json_path).with_suffix(".md").write_text(markdown_verdict(v))
+        print(f"wrote {json_path} and {Path(json_path).with_suffix('.md')}")
 
 
 def run(args: argparse.Namespace) -> int:
