@@ -116,6 +116,7 @@ class TokenOracle:
         self._lock = threading.Lock()  # guards the counters and lists above
         self._idle = threading.Event()
         self._foreground = threading.Event()  # set by drain(): normal priority from then on
+        self._foreground_applied = False  # the oracle thread's own flag
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -165,12 +166,9 @@ class TokenOracle:
     def _run(self) -> None:
         _set_thread_nice(SOAK_NICE)
         self.engine.start(thread=False)
-        foreground = False
         try:
             while not self._stop.is_set():
-                if not foreground and self._foreground.is_set():
-                    _set_thread_nice(0)
-                    foreground = True
+                self._priority()
                 checks = self._take()
                 if not checks:
                     self._idle.set()
@@ -178,6 +176,12 @@ class TokenOracle:
                 self._check_batch(checks)
         finally:
             self.engine.shutdown()
+
+    def _priority(self) -> None:
+        """Back to normal priority once `drain` asked (once)."""
+        if self._foreground.is_set() and not self._foreground_applied:
+            _set_thread_nice(0)
+            self._foreground_applied = True
 
     def _take(self) -> list[AnswerCheck]:
         try:
@@ -242,6 +246,7 @@ class TokenOracle:
         while len(finished) < len(checks):
             if self._stop.is_set():
                 raise RuntimeError("oracle stopped with checks in flight")
+            self._priority()  # a batch of long prompts at nice 10 can take a while
             self.engine.step()
         if errors:
             raise RuntimeError(f"reference engine failed: {next(iter(errors.values()))}")
