@@ -59,9 +59,16 @@ def _mooncake(tmp_path: Path) -> tuple[str, list[str]]:
     ]
 
 
+# Kinds every machine runs (no root needed): a soak must inject these, whatever it lacks.
+NEED_NO_PRIVILEGE = {"kill-prefill", "kill-decode", "kill-metadata", "freeze-node",
+                     "storage-corrupt", "storage-slow", "kill-mooncake-master"}
+
 SOAKS = {
-    # kinds, duration, quiet tail: the tail outlasts a restart on a loaded 2-core machine
-    "hf3fs": (_hf3fs, ["kill-prefill", "kill-decode", "kill-metadata", "freeze-node"], 50, 18),
+    # kinds, duration, quiet tail: the tail outlasts a restart on a loaded 2-core machine.
+    # storage-full and net-partition need root (mounts, namespaces): where CI lacks it they
+    # are reported in faults_unavailable with the reason, and the rest still run.
+    "hf3fs": (_hf3fs, ["kill-prefill", "kill-decode", "kill-metadata", "freeze-node",
+                       "storage-full", "storage-corrupt", "storage-slow", "net-partition"], 60, 18),
     "mooncake": (_mooncake, ["kill-mooncake-master"], 20, 10),
 }
 
@@ -116,7 +123,9 @@ def test_seeded_soak_keeps_every_invariant(tmp_path: Path, name: str) -> None:
     assert v["requests_ok"] > 20 and v["oracle_checked"] == v["requests_ok"]
     assert set(v["leaked_pages"]) == {"p0", "d0"} == set(v["leaked_rooms"])
     assert all(n == 0 for n in (*v["leaked_pages"].values(), *v["leaked_rooms"].values()))
-    assert set(v["faults"]) == set(kinds)
+    unavailable = v["faults_unavailable"]
+    assert set(v["faults"]) | set(unavailable) == set(kinds), (v["faults"], unavailable)
+    assert NEED_NO_PRIVILEGE & set(kinds) <= set(v["faults"]), unavailable
     for kind, row in v["faults"].items():
         assert row["injected"] >= 1 and row["injected"] == row["planned"], (kind, row)
         assert row["unrecovered"] == 0 and row["errors"] == 0, (kind, row)
