@@ -55,6 +55,7 @@ class OffloadStats:
 @dataclass
 class _Tracked:
     tenant: str
+    session: str = ""  # the request's session_id (storage lifecycle)
     chain: bytes | None = None  # key scheme's chain state after the last page scheduled
     scheduled_pages: int = 0
 
@@ -66,6 +67,7 @@ class _CopyTask:
     device_page_ids: list[int]
     on_released: Callable[[], None] | None = None  # set on the request's last task
     namespace: str = ""  # the request's tenant namespace (storage quotas)
+    session: str = ""  # the request's session_id (storage lifecycle)
 
 
 class DecodeOffloadManager:
@@ -125,8 +127,8 @@ class DecodeOffloadManager:
         return self
 
     # ---- decode-loop side --------------------------------------------------------------
-    def track(self, rid: str, cache_salt: str = "") -> None:
-        self._requests[rid] = _Tracked(cache_salt)
+    def track(self, rid: str, cache_salt: str = "", session_id: str = "") -> None:
+        self._requests[rid] = _Tracked(cache_salt, session_id)
 
     def due(self, rid: str, kv_len: int) -> bool:
         """Cheap check before `on_step`: has `rid` completed `stride_pages` new pages?"""
@@ -206,7 +208,7 @@ class DecodeOffloadManager:
         keys, tracked.chain = self.scheme.keys(new_tokens, tracked.tenant, tracked.chain)
         tracked.scheduled_pages = full_pages
         task = _CopyTask(rid, keys, list(device_page_ids[first:full_pages]), on_released,
-                         tenant_namespace(tracked.tenant))
+                         tenant_namespace(tracked.tenant), tracked.session)
         self._enqueue(task)
 
     def _enqueue(self, task: _CopyTask) -> None:
@@ -216,7 +218,8 @@ class DecodeOffloadManager:
             self.stats.pages_scheduled += len(task.keys)
             if self._queued_pages + len(task.keys) > self.max_queued_pages:
                 self.stats.pages_dropped += len(task.keys)
-                task = _CopyTask(task.rid, [], [], task.on_released, task.namespace)
+                task = _CopyTask(task.rid, [], [], task.on_released, task.namespace,
+                                 task.session)
                 if task.on_released is None:
                     return
             self._queued_pages += len(task.keys)
@@ -266,7 +269,7 @@ class DecodeOffloadManager:
         device_ids = torch.tensor([task.device_page_ids[i] for i in todo], dtype=torch.long)
         self.kernels.device_to_host(self.device_kv, self.staging.host_kv, device_ids,
                                torch.tensor(staging_ids, dtype=torch.long))
-        self._write([task.keys[i] for i in todo], staging_ids, task.namespace)
+        self._write([task.keys[i] for i in todo], staging_ids, task.namespace, task.session)
 
     def _stored_prefix(self, keys: list[bytes]) -> int:
         try:
@@ -275,7 +278,8 @@ class DecodeOffloadManager:
             log.warning("decode offload: exists_prefix failed: %s", exc)
             return 0
 
-    def _write(self, keys: list[bytes], staging_ids: list[int], namespace: str = "") -> None:
+    def _write(self, keys: list[bytes], staging_ids: list[int], namespace: str = "",
+               session: str = "") -> None:
         with self._lock:
             self._pending_writes += 1
 
@@ -290,7 +294,7 @@ class DecodeOffloadManager:
                 self.stats.writes += 1
 
         task = IoTask(IoKind.WRITE, keys, self.staging.page_bytes(staging_ids), done, "decode",
-                      namespace=namespace)
+                      namespace=namespace, session=session)
         assert self.writer is not None, "start() the manager first"
         if not self.writer.submit(task):
             self.staging.free(staging_ids)

@@ -47,6 +47,7 @@ class IoTask:
     origin: str = "prefill"
     cancelled: threading.Event = field(default_factory=threading.Event)
     namespace: str = ""  # writes: the pages' tenant namespace (storage quotas)
+    session: str = ""  # writes: the conversation that wrote them (storage lifecycle)
 
 
 @dataclass
@@ -131,7 +132,7 @@ class IoWorker:
                 ok = self.backend.get_into(task.keys, task.host_pages, origins)
             else:
                 ok = self.backend.put_from(task.keys, task.host_pages, task.origin,
-                                           task.namespace)
+                                           task.namespace, session=task.session)
         except Exception as exc:  # storage down or broken: count, log, survive
             log.warning("io worker %s: %s of %d pages failed: %s", self.name, task.kind.value, n, exc)
             self._count(tasks_failed=1, pages_failed=n)
