@@ -111,6 +111,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests of the unloaded pass (whole sessions in start order)",
     )
     parser.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=2,
+        help="requests sent (and not measured) before the unloaded pass",
+    )
+    parser.add_argument(
         "--no-reference",
         dest="reference",
         action="store_false",
@@ -279,7 +285,7 @@ class Sweep:
         self.out = out
         self.slo_s: float | None = None if args.slo_ms is None else args.slo_ms / 1000.0
         self.num_requests = _trace_requests(args)
-        passes = 1 + int(args.reference) + args.max_points
+        passes = 2 + int(args.reference) + args.max_points
         self.pbar = tqdm(
             total=passes * len(args.configs),
             unit="pass",
@@ -291,7 +297,7 @@ class Sweep:
     def run_config(self, run: ConfigRun) -> ConfigResult:
         result = ConfigResult(run.label)
         run_dir = self.out / run.label
-        planned = 1 + int(self.args.reference) + self.args.max_points
+        planned = 2 + int(self.args.reference) + self.args.max_points
         start_n = self.pbar.n
         try:
             with launched(self.args, run, run_dir) as front:
@@ -303,6 +309,16 @@ class Sweep:
 
     def _config_passes(self, front: str, run_dir: Path, result: ConfigResult) -> None:
         args = self.args
+        self.pbar.set_postfix_str(f"{result.label}: warm-up")
+        run_pass(
+            args,
+            front,
+            run_dir / "warmup",
+            mode="afap",
+            concurrency=1,
+            max_requests=args.warmup_requests,
+        )  # first forwards of a process are slow
+        self.pbar.update(1)
         self.pbar.set_postfix_str(f"{result.label}: unloaded")
         result.unloaded = run_pass(
             args,
@@ -407,6 +423,8 @@ def summary_rows(results: list[ConfigResult]) -> list[dict[str, Any]]:
                 "goodput_rps": r.goodput_rps,
                 "goodput_x": _ratio(r.goodput_rps, base.goodput_rps),
                 "points": len(r.points),
+                # no failing rate found: the goodput is at least goodput_rps
+                "lower_bound": r.trace_bound or all(p["passed"] for p in r.points),
                 "error": r.error,
             }
         )
@@ -492,7 +510,7 @@ def run(args: argparse.Namespace) -> int:
     extra = {
         "trace": args.trace,
         "requests_per_pass": sweep.num_requests,
-        "slo_ms": None if sweep.slo_s is None else round(sweep.slo_s * 1000, 2),
+        "slo_ms": None if sweep.slo_s is None else sweep.slo_s * 1000,
         "slo_percentile": args.slo_percentile,
         "plot": picture,
     }

@@ -267,3 +267,37 @@ def test_a_closed_sessions_pages_go_first(open_backend) -> None:
     assert stats["lifecycle_evicted_closed_pages"] == 4
     # s9 took the protection s0 gave back
     assert stats["lifecycle_protected_pages"] == 9
+
+
+# ---- through the engine's write path ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from pdcache.engine.loader import load_model
+
+    return load_model("tiny", seed=0)
+
+
+@pytest.mark.parametrize("session_id", ["conv-a", ""], ids=["session", "no-session"])
+def test_the_requests_session_reaches_storage(tiny, tmp_path, session_id: str) -> None:
+    """HiCache writes a request's pages with its `session_id`: protected while it is active
+    (without one, the same pages are unprotected)."""
+    from pdcache.engine.api import GenerateRequest
+    from tests.hicache_support import PARAMS, storage_config, tiered
+
+    storage = storage_config(tiny[0], backend="file", path=str(tmp_path), eviction="session")
+    built = tiered(tiny, storage)
+    try:
+        prompt = [(13 * i + 1) % 250 for i in range(41)]
+        built.engine.generate(GenerateRequest("r0", prompt, PARAMS, session_id=session_id), 120)
+        assert built.hicache.wait_idle(30)
+        stats = built.storage.stats()  # type: ignore[union-attr]
+        written = int(stats["pages_written"])
+        assert written >= 10  # the prompt's full pages at least
+        protected = written if session_id else 0
+        assert stats["lifecycle_protected_pages"] == protected
+        assert stats["lifecycle_unprotected_pages"] == written - protected
+        assert stats["lifecycle_active_sessions"] == (1 if session_id else 0)
+    finally:
+        built.close()
