@@ -44,7 +44,13 @@ from typing import Any
 from tqdm import tqdm
 
 from pdcache.bench import replay
-from pdcache.bench.compare import ConfigRun, LaunchError, launched, parse_config_arg
+from pdcache.bench.compare import (
+    ConfigRun,
+    LaunchError,
+    endpoints_of,
+    launched,
+    parse_config_arg,
+)
 from pdcache.bench.table import emit
 
 TABLE_COLUMNS = (
@@ -259,6 +265,45 @@ def run_pass(args: argparse.Namespace, front: str, out: Path, **changes: Any) ->
     return summary
 
 
+def scrape_latencies(urls: list[str]) -> dict[str, tuple[float, float]]:
+    """Every `*_seconds` histogram and summary of every endpoint's `/metrics`, summed over
+    labels: "HOST:PORT metric" -> (sum, count). Endpoints that do not answer are skipped."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, tuple[float, float]] = {}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        where = url.removeprefix("http://")
+        for family in text_string_to_metric_families(text):
+            if not family.name.endswith("_seconds"):
+                continue
+            acc_sum = acc_count = 0.0
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    acc_sum += sample.value
+                elif sample.name.endswith("_count"):
+                    acc_count += sample.value
+            if acc_count:
+                totals[f"{where} {family.name}"] = (acc_sum, acc_count)
+    return totals
+
+
+def latency_breakdown(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean seconds per observation of every latency that moved between two scrapes."""
+    out = {}
+    for key, (total, count) in after.items():
+        prev_total, prev_count = before.get(key, (0.0, 0.0))
+        if count > prev_count:
+            out[key] = (total - prev_total) / (count - prev_count)
+    return dict(sorted(out.items()))
+
+
 def _trace_requests(args: argparse.Namespace) -> int:
     return replay.prepare_trace(args).num_requests
 
@@ -271,6 +316,8 @@ class ConfigResult:
     label: str
     unloaded: dict[str, Any] = field(default_factory=dict)
     reference: dict[str, Any] = field(default_factory=dict)
+    # mean seconds of each node's latency histograms over the reference pass (the profile)
+    breakdown: dict[str, float] = field(default_factory=dict)
     points: list[dict[str, Any]] = field(default_factory=list)
     goodput_rps: float | None = None
     trace_bound: bool = False  # no failure found: the goodput is at least goodput_rps
@@ -300,14 +347,17 @@ class Sweep:
         planned = 2 + int(self.args.reference) + self.args.max_points
         start_n = self.pbar.n
         try:
+            urls = endpoints_of(run)[1]
             with launched(self.args, run, run_dir) as front:
-                self._config_passes(front, run_dir, result)
-        except (LaunchError, OSError, RuntimeError) as exc:
+                self._config_passes(front, urls, run_dir, result)
+        except (LaunchError, OSError, RuntimeError, ValueError) as exc:
             result.error = str(exc)
         self.pbar.update(start_n + planned - self.pbar.n)  # skipped passes count as done
         return result
 
-    def _config_passes(self, front: str, run_dir: Path, result: ConfigResult) -> None:
+    def _config_passes(
+        self, front: str, urls: list[str], run_dir: Path, result: ConfigResult
+    ) -> None:
         args = self.args
         self.pbar.set_postfix_str(f"{result.label}: warm-up")
         run_pass(
@@ -338,6 +388,7 @@ class Sweep:
             self.slo_s = args.slo_factor * p90
         if args.reference:
             self.pbar.set_postfix_str(f"{result.label}: reference")
+            before = scrape_latencies(urls)
             result.reference = run_pass(
                 args,
                 front,
@@ -345,6 +396,7 @@ class Sweep:
                 mode="afap",
                 concurrency=args.reference_concurrency,
             )
+            result.breakdown = latency_breakdown(before, scrape_latencies(urls))
             self.pbar.update(1)
         search = RateSearch(
             args.rate_start or result.unloaded["request_throughput_rps"],
@@ -520,12 +572,28 @@ def run(args: argparse.Namespace) -> int:
         "points": points,
         "configs": {r.label: {"path": str(r.path), "overrides": list(r.overrides)} for r in runs},
         "summaries": {
-            res.label: {"unloaded": _public(res.unloaded), "reference": _public(res.reference)}
+            res.label: {
+                "unloaded": _public(res.unloaded),
+                "reference": _public(res.reference),
+                "reference_latency_breakdown_s": res.breakdown,
+            }
             for res in results
         },
     }
     (out / "goodput.json").write_text(json.dumps(payload, indent=2, default=str))
     emit("goodput: rate points", points, columns=POINT_COLUMNS, out=sys.stdout)
+    profile = [
+        {"config": res.label, "endpoint metric": key, "mean_s": value}
+        for res in results
+        for key, value in res.breakdown.items()
+        if "inter_token" not in key and "sglang:" not in key
+    ]
+    if profile:
+        emit(
+            "latency breakdown over the reference pass (mean per observation)",
+            profile,
+            out=sys.stdout,
+        )
     emit(
         f"goodput at TTFT p{args.slo_percentile:g} <= SLO (x: to {runs[0].label})",
         rows,

@@ -143,5 +143,8 @@ def test_goodput_sweeps_a_real_server(tmp_path: Path, slo_ms: float, passes: boo
     assert row["goodput_rps"] == (8.0 if passes else None)
     assert row["lower_bound"] is passes and row["error"] == ""
     assert row["ref_hit_rate"] > 0 and result["slo_ms"] == pytest.approx(slo_ms)
+    breakdown = result["summaries"]["u"]["reference_latency_breakdown_s"]
+    node_ttft = f"127.0.0.1:{port} pdcache_time_to_first_token_seconds"
+    assert 0 < breakdown[node_ttft] < 60  # the node's own TTFT over the reference pass
     assert (out / "goodput.png").is_file()
     assert (out / "u" / "rate-4" / "requests.jsonl").is_file()
