@@ -145,7 +145,19 @@ def test_slot_index_evicts_by_lifecycle_with_exact_accounting() -> None:
 
 # ---- backends -------------------------------------------------------------------------------
 
-KINDS = ["file", "hf3fs", "hf3fs_service"]
+KINDS = ["file", "hf3fs", "hf3fs_service", "mooncake"]
+
+
+@pytest.fixture(scope="module")
+def mooncake_master() -> Iterator[str]:
+    pytest.importorskip("mooncake.store")
+    from pdcache.offload_manager.storage.mooncake_store import LocalMooncakeMaster
+
+    master = LocalMooncakeMaster().start()
+    try:
+        yield master.address
+    finally:
+        master.stop()
 
 
 @pytest.fixture(params=KINDS)
@@ -159,7 +171,7 @@ def _keys(session: int, n: int) -> list[bytes]:
 
 
 @pytest.fixture
-def open_backend(kind: str, tmp_path) -> Iterator:
+def open_backend(kind: str, tmp_path, request: pytest.FixtureRequest) -> Iterator:
     """open(eviction) -> a backend of `kind` with CAPACITY pages and that eviction (a
     metadata service of its own for hf3fs_service, since the service owns the policy)."""
     opened: list[StorageBackend] = []
@@ -168,7 +180,7 @@ def open_backend(kind: str, tmp_path) -> Iterator:
     def open_(eviction: str) -> StorageBackend:
         rule = StorageEviction(eviction, protect_share=0.75, protect_bytes=4 * 4096)
         base = StorageConfig(
-            backend="file" if kind == "file" else "hf3fs",
+            backend={"file": "file", "mooncake": "mooncake"}.get(kind, "hf3fs"),
             path=str(tmp_path / eviction),
             page_bytes=PAGE_BYTES,
             capacity_pages=CAPACITY,
@@ -186,6 +198,12 @@ def open_backend(kind: str, tmp_path) -> Iterator:
             service = LocalMetadataService(tmp_path / f"meta-{eviction}", eviction=rule).start()
             services.append(service)
             base = base.replace(metadata=service.address)
+        if kind == "mooncake":  # this client evicts its own view; the master is the backstop
+            base = base.replace(
+                mooncake_master=request.getfixturevalue("mooncake_master"),
+                mooncake_segment_bytes=16 << 20,
+                mooncake_local_buffer_bytes=16 << 20,
+            )
         backend = create_backend(base)
         opened.append(backend)
         return backend
