@@ -13,16 +13,22 @@ For each CONFIG (`[LABEL=]PATH[+KEY=VALUE...]`, as `bench compare`), launched on
 (`compare.launched`), every pass begins with `/flush_cache` (device and host tiers emptied)
 and sends a fresh `cache_salt` and session prefix, so no pass hits pages of another:
 
-1. unloaded: the first `--unloaded-requests` requests, one at a time (also the warm-up). The
-   SLO is `--slo-ms`, or `--slo-factor` x the first config's unloaded TTFT p90.
+0. warm-up: `--warmup-requests` requests, not measured (a process's first forwards are slow).
+1. unloaded: the first `--unloaded-requests` requests, one at a time. The SLO is `--slo-ms`,
+   or `--slo-factor` x the first config's unloaded TTFT p90.
 2. reference (unless `--no-reference`): the whole trace as fast as possible at
    `--reference-concurrency` (hit rate per tier, TTFT p50/p90: `bench compare`'s numbers, with
-   ratios to the first config).
+   ratios to the first config), and the latency breakdown: the mean of every `*_seconds`
+   histogram of every node's `/metrics` over this pass (router, prefill, decode TTFT, the
+   prefill's wait for decode, admission waits).
 3. the sweep: from `--rate-start` (default: the config's unloaded request throughput) the rate
    is multiplied by `--step` while points pass (divided while they fail), then bisected
    (geometric midpoint) between the best pass and the lowest failure until they are within
    `--tolerance` or `--max-points` points ran. An overloaded point is bounded: dispatch stops
-   at `--point-duration-factor` x its arrival span (+10 s), and unsent requests fail it.
+   at `--point-duration-factor` x its arrival span (+10 s), and unsent requests fail it. A
+   passing point whose achieved rate is below TRACE_BOUND x the offered one ends the step-up:
+   the trace's sessions all overlap already and cannot offer more load, so the goodput is
+   only a lower bound (`lower_bound` in the table; use more sessions).
 
 Writes `DIR/goodput.json`, `DIR/goodput.png` (TTFT p90 vs rate per config, the SLO line) and
 one folder per config and pass (`requests.jsonl`, `summary.json`, the replay's tables).
@@ -155,6 +161,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---- the search ---------------------------------------------------------------------------
 
+TRACE_BOUND = 0.5  # achieved / offered rate of a pass below which the trace is the limit
+
 
 @dataclass
 class RateSearch:
@@ -194,9 +202,6 @@ class RateSearch:
             self.best_pass = rate
         if not passed and (self.lowest_fail is None or rate < self.lowest_fail):
             self.lowest_fail = rate
-
-
-TRACE_BOUND = 0.5
 
 
 def point_passes(summary: dict[str, Any], slo_s: float, percentile: float) -> bool:
