@@ -319,3 +319,38 @@ def test_the_requests_session_reaches_storage(tiny, tmp_path, session_id: str) -
         assert stats["lifecycle_active_sessions"] == (1 if session_id else 0)
     finally:
         built.close()
+
+
+@pytest.mark.parametrize("session_id", ["conv-a", ""], ids=["session", "no-session"])
+def test_decode_offload_writes_carry_the_session(tmp_path, session_id: str) -> None:
+    """The answer pages decode offloads are written for the request's session."""
+    import threading
+
+    from pdcache.offload_manager.decode_offload import DecodeOffloadManager
+
+    layers, pages, page, heads, dim = 2, 16, 4, 2, 8
+    kv = torch.randn(layers, 2, pages, page, heads, dim, generator=torch.Generator().manual_seed(0))
+    page_bytes = kv[:, :, 0].numel() * kv.element_size()
+    storage = create_backend(
+        StorageConfig(
+            backend="file",
+            path=str(tmp_path),
+            page_bytes=page_bytes,
+            capacity_pages=64,
+            fingerprint="fp",
+            eviction="session",
+        )
+    )
+    mgr = DecodeOffloadManager(kv, storage, "fp", staging_pages=8).start()
+    try:
+        mgr.track("r", session_id=session_id)
+        released = threading.Event()
+        mgr.finish("r", list(range(3 * page)), [4, 5, 6], released.set)
+        assert released.wait(10) and mgr.wait_idle(10)
+        stats = storage.stats()
+        assert stats["pages_written"] == 3
+        assert stats["lifecycle_protected_pages"] == (3 if session_id else 0)
+        assert stats["lifecycle_unprotected_pages"] == (0 if session_id else 3)
+    finally:
+        mgr.close()
+        storage.close()
