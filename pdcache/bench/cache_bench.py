@@ -6,8 +6,14 @@ holds the N tokens, in one run, in-process (engines, no HTTP, so only the cache 
 - device: the prefix already in the device pool (the ideal);
 - host: the prefix demoted to the host pool (`flush_cache`), loaded back layer by layer;
 - hf3fs: a fresh engine (empty device and host tiers) over the same hf3fs directory;
+- file: a fresh engine over a `file` backend directory holding the prefix's pages;
 - mooncake: a fresh engine over a Mooncake Store (a real `mooncake_master` started here) that
   holds the prefix's pages.
+
+`--layerwise` (default both): hf3fs and file run with the layer-streamed prefetch
+(`HiCacheConfig.layerwise_prefetch`: the forward starts while layer l+1 is still being read)
+and, as `hf3fs-serial` / `file-serial`, with it off (every page read before admission), in the
+same rounds.
 
 Tiers are interleaved round by round, so a change of machine load hits them alike; each
 point is the median of `--repeats` runs. `exact`: the device hits' first tokens equal a
@@ -39,7 +45,10 @@ import torch
 
 from pdcache.bench.table import emit
 
-TIERS = ("recompute", "device", "host", "hf3fs", "mooncake")
+TIERS = ("recompute", "device", "host", "hf3fs", "hf3fs-serial", "file", "file-serial",
+         "mooncake")
+DEFAULT_TIERS = ("recompute", "device", "host", "hf3fs", "file", "mooncake")
+STREAMING = ("hf3fs", "file")  # backends with a layer-major read
 MB = 1 << 20
 
 
@@ -52,7 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per point (median)")
     parser.add_argument("--recompute-repeats", type=int, default=1,
                         help="extra no-cache runs besides the cold seeding one (slow at 16k)")
-    parser.add_argument("--tiers", default=",".join(TIERS), help="comma-separated subset")
+    parser.add_argument("--tiers", default=",".join(DEFAULT_TIERS),
+                        help=f"comma-separated subset of {', '.join(TIERS)}")
+    parser.add_argument("--layerwise", default="both", choices=["on", "off", "both"],
+                        help="hf3fs/file with the layer-streamed prefetch, without it (the "
+                             "-serial rows), or both (default)")
+    parser.add_argument("--layers-per-read", type=int, default=None,
+                        help="layers per read step of the layer-streamed prefetch "
+                             "(default: HiCacheConfig's)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=2048, help="chunked prefill tokens")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -60,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--io-batch-pages", type=int, default=64,
                         help="pages per storage read task of the prefetch")
     parser.add_argument("--dir", default=None, help="directory for storage (default: temp dir)")
+    parser.add_argument("--keep-dir", default=None,
+                        help="persistent storage directory: kept after the run, and a prefix "
+                             "already stored there is not recomputed (its cold run is then a "
+                             "storage hit, so recompute is measured only by "
+                             "--recompute-repeats); seeding 32k tokens of `small` takes minutes")
     parser.add_argument("--no-bandwidth", action="store_true", help="skip the GB/s table")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -80,6 +101,8 @@ BREAKDOWN = {  # column -> HiCacheStats counter (microseconds)
     "read_ms": "prefetch_read_us",
     "wait_ms": "prefetch_wait_us",
     "h2d_ms": "load_copy_us",
+    "layer_wait_ms": "load_stream_wait_us",  # layer-streamed: the forward waiting for a layer
+    "verify_wait_ms": "load_verify_wait_us",  # ... and for page verification after it
 }
 
 
@@ -135,14 +158,18 @@ class Setup:
                                   capacity_pages=capacity, io_threads=self.args.io_threads,
                                   **settings)
 
-    def tiered(self, storage, write_policy: str = "write_through"):
+    def tiered(self, storage, write_policy: str = "write_through", layerwise: bool = True):
         """A started engine with host and storage tiers. Its pools are touched once (as in a
         server that has been up a while), so no run pays first-touch page faults."""
         from pdcache.offload_manager.builder import TierConfig, build_tiered_engine
         from pdcache.offload_manager.hicache import HiCacheConfig
 
+        extra = {}
+        if self.args.layers_per_read is not None:
+            extra["layerwise_read_layers"] = self.args.layers_per_read
         hicache = HiCacheConfig(write_policy=write_policy, prefetch_policy="wait_complete",
-                                io_batch_pages=self.args.io_batch_pages)
+                                io_batch_pages=self.args.io_batch_pages,
+                                layerwise_prefetch=layerwise, **extra)
         host_pages = 2 * (self.max_tokens // self.page_size) + 256
         built = build_tiered_engine(self.engine_config(), self.model, self.tokenizer,
                                     TierConfig(host_pages, hicache, storage))
@@ -212,14 +239,20 @@ class PrefixRun:
         return self.prefix + self.suffixes[tier][i]
 
     def measure(self) -> None:
-        """Tiers interleaved round by round (device, host, hf3fs, mooncake, then again), so
-        a change of machine load hits them alike."""
+        """Tiers interleaved round by round (device, host, then the storage tiers, in reverse
+        order every other round), so a change of machine load hits them alike."""
         hf3fs = self.setup.storage("hf3fs", self.n, path=str(self.dir / "hf3fs"))
         with ExitStack() as stack:
             seeded = self.setup.tiered(hf3fs)
             stack.callback(seeded.close)
             self._seed(seeded)
-            readers = {"hf3fs": hf3fs} if "hf3fs" in self.tiers else {}
+            readers: dict[str, Any] = {}
+            for tier in self.tiers:
+                backend = tier.removesuffix("-serial")
+                if backend == "hf3fs":
+                    readers[tier] = hf3fs
+                elif backend == "file":
+                    readers[tier] = self._file_copy(hf3fs)
             if "mooncake" in self.tiers and self.setup.master is not None:
                 readers["mooncake"] = self._mooncake(hf3fs, stack)
             for i in range(self.setup.args.repeats):
@@ -228,7 +261,10 @@ class PrefixRun:
                 if "host" in self.tiers:
                     seeded.engine.flush_cache()  # device pages demoted to their host copies
                     self._sample(seeded, "host", i)
-                for tier, storage in readers.items():
+                # odd rounds in reverse: no storage tier always runs first (or right after
+                # another fresh engine's close), which measurably shifts its read times
+                items = list(readers.items())
+                for tier, storage in items if i % 2 == 0 else items[::-1]:
                     self._fresh_engine(tier, storage, i)
             self._device_references(seeded)
         self._recompute()
@@ -245,14 +281,20 @@ class PrefixRun:
         self.points[tier].samples.append(sample)
 
     def _seed(self, built) -> None:
-        """The cold request seeds every tier (and is a recompute sample)."""
-        self.points["recompute"].samples.append(
-            _ttft(built.engine, self.prefix + self.seed_suffix))
+        """The cold request seeds every tier (and is a recompute sample, unless `--keep-dir`
+        already holds the prefix: then it loads it from storage)."""
+        keys = self._prefix_keys(built.storage.config)
+        stored = built.storage.exists_prefix(keys) == len(keys)
+        if stored:
+            self._forget_suffixes(built.storage)
+        sample = _ttft(built.engine, self.prefix + self.seed_suffix)
+        if not stored:
+            self.points["recompute"].samples.append(sample)
         if not built.hicache.wait_idle(600):
             raise RuntimeError("storage writes did not finish")
 
     def _device_references(self, built) -> None:
-        for tier in ("host", "hf3fs", "mooncake"):
+        for tier in [t for t in TIERS if t not in ("recompute", "device")]:
             for i, _ in enumerate(self.points[tier].samples):
                 sample = _ttft(built.engine, self.prompt(tier, i))
                 if sample.cached.get("device", 0) >= self.n:
@@ -279,7 +321,8 @@ class PrefixRun:
         """A run on a new engine (empty device and host tiers) over the same storage. It only
         reads (write_back never writes before an eviction): the seeding engine's in-process
         hf3fs index stays the only writer of those files."""
-        built = self.setup.tiered(storage, write_policy="write_back")
+        built = self.setup.tiered(storage, write_policy="write_back",
+                                  layerwise=not tier.endswith("-serial"))
         try:
             self._sample(built, tier, i)
         finally:
@@ -298,6 +341,33 @@ class PrefixRun:
         stack.callback(holder.close)
         _copy_pages(create_backend(hf3fs), holder, self._prefix_keys(hf3fs), hf3fs.page_bytes)
         return cfg.replace(mooncake_segment_bytes=64 * MB)
+
+    def _file_copy(self, hf3fs):
+        """A `file` backend directory holding the prefix's pages (copied from hf3fs once)."""
+        from pdcache.offload_manager.storage import create_backend
+
+        cfg = hf3fs.replace(backend="file", path=str(self.dir / "file"))
+        if not (self.dir / "file").exists():
+            writer = create_backend(cfg)
+            try:
+                _copy_pages(create_backend(hf3fs), writer, self._prefix_keys(hf3fs),
+                            hf3fs.page_bytes)
+            finally:
+                writer.close()
+        return cfg
+
+    def _forget_suffixes(self, backend) -> None:
+        """`--keep-dir`: drop the stored pages past the prefix that an earlier run's prompts
+        wrote (the seeding engine writes through), so every sample finds only the prefix
+        stored, as in a first run."""
+        from pdcache.engine.page_keys import chain_page_keys, make_salt
+
+        salt = make_salt(backend.config.fingerprint, "")
+        prompts = [self.prefix + self.seed_suffix] + [
+            self.prompt(tier, i) for tier in TIERS for i in range(self.setup.args.repeats)]
+        first = self.n // self.setup.page_size
+        for prompt in prompts:
+            backend.delete(chain_page_keys(prompt, self.setup.page_size, salt)[first:])
 
     def _prefix_keys(self, storage) -> list[bytes]:
         from pdcache.engine.page_keys import chain_page_keys, make_salt
@@ -378,7 +448,8 @@ def bandwidth_rows(setup: Setup, tiers: list[str]) -> list[dict[str, Any]]:
         memcpy_s = sb._best(lambda: dst.copy_(src), repeat)
         rows.append(sb._row("memcpy (torch copy_)", nbytes, {"read_s": memcpy_s}, plain_s))
         rows.append(sb._row("plain file preadv", nbytes, {"read_s": plain_s}, plain_s))
-        for name in [t for t in ("hf3fs", "mooncake") if t in tiers]:
+        backends = {t.removesuffix("-serial") for t in tiers}
+        for name in [t for t in ("hf3fs", "mooncake") if t in backends]:
             with sb._open_backend(name, base, page_bytes, pages, setup.args.io_threads) as be:
                 times = sb._run_backend(be, plain, src, dst, repeat)
             rows.append(sb._row(f"storage {name}", nbytes, times, times["plain_read_s"]))
@@ -393,8 +464,12 @@ def bandwidth_rows(setup: Setup, tiers: list[str]) -> list[dict[str, Any]]:
 @contextmanager
 def _environment(args: argparse.Namespace, tiers: list[str]) -> Iterator[tuple[Path, Any]]:
     with ExitStack() as stack:
-        tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir,
-                                                              prefix="pdcache-cache-bench-"))
+        if args.keep_dir:
+            tmp = args.keep_dir
+            Path(tmp).mkdir(parents=True, exist_ok=True)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir,
+                                                                  prefix="pdcache-cache-bench-"))
         master = None
         if "mooncake" in tiers:
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
@@ -403,6 +478,18 @@ def _environment(args: argparse.Namespace, tiers: list[str]) -> Iterator[tuple[P
 
             master = stack.enter_context(LocalMooncakeMaster())
         yield Path(tmp), master
+
+
+def _expand_tiers(tiers: list[str], layerwise: str) -> list[str]:
+    """`--layerwise`: off replaces hf3fs/file by their -serial rows, both adds them."""
+    out: list[str] = []
+    for tier in tiers:
+        if tier in STREAMING and layerwise != "on":
+            out += [tier] if layerwise == "both" else []
+            out.append(f"{tier}-serial")
+        else:
+            out.append(tier)
+    return list(dict.fromkeys(out))
 
 
 def _parse_tokens(text: str, page_size: int) -> list[int]:
@@ -414,7 +501,8 @@ def _parse_tokens(text: str, page_size: int) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from pdcache.engine.loader import load_model
 
-    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    tiers = _expand_tiers([t.strip() for t in args.tiers.split(",") if t.strip()],
+                          args.layerwise)
     unknown = sorted(set(tiers) - set(TIERS))
     if unknown:
         raise SystemExit(f"unknown tiers {unknown}; known: {', '.join(TIERS)}")
@@ -432,7 +520,9 @@ def run(args: argparse.Namespace) -> int:
         "preset": args.model, "new_tokens": args.new_tokens, "repeats": args.repeats,
         "page_size": args.page_size, "chunk": args.chunk, "threads": torch.get_num_threads(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
-        "targets": "storage (hf3fs, mooncake) vs_device <= 1.3 and vs_recompute <= 0.1 at N>=4k",
+        "targets": "storage (hf3fs, mooncake) vs_device <= 1.3 and vs_recompute <= 0.1 at N>=4k;"
+                   " issue 16: storage vs_device <= 1.2 at N = 16k and 32k",
+        "layers_per_read": args.layers_per_read or "default",
     }
     emit("TTFT by the tier holding N cached tokens (+ new tokens), in-process", rows,
          extra=extra)

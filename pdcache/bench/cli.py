@@ -14,6 +14,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tiers": ("pdcache.bench.tier_bench", "hits per cache tier by eviction policy / host mode"),
     "transfer": ("pdcache.bench.transfer_bench", "P->D transfer GB/s per engine vs memcpy"),
     "offload": ("pdcache.bench.offload_bench", "decode offload on vs off: ITL and next-turn TTFT"),
+    "durable": ("pdcache.bench.durable_bench",
+                "next turn finds the previous answer: pending-page wait on vs off"),
     "pd": ("pdcache.bench.pd_bench", "TTFT of PD vs unified, P->D transfer GB/s in that path"),
     "sglang-plugin": ("pdcache.bench.sglang_plugin_bench",
                       "SGLang storage plugin GB/s vs the same backend used natively"),

@@ -73,10 +73,11 @@ def node_rows(rounds: int, key: bytes) -> list[dict[str, Any]]:
         sock.setsockopt(zmq.ROUTING_ID, BENCH_LINK_ID)
         sock.connect(sender.bootstrap_addr)
         auth = control_auth(control_key, "decode")
+        bound = BENCH_LINK_ID + sender.boot_id  # as a decode seals after RegisterAck
         try:
             samples = _rounds(
                 sock,
-                lambda i, a=auth: seal(Ping(i), a),
+                lambda i, a=auth, b=bound: seal(Ping(i), a, b),
                 lambda reply, a=auth: _check_pong(reply, a, parse),
                 rounds,
             )

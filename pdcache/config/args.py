@@ -54,6 +54,8 @@ NODE_FLAG_KEYS = {
     "max_queued": "scheduler.max_queued_requests",
     "chunked_prefill_tokens": "scheduler.chunked_prefill_tokens",
     "no_prefix_cache": "cache.prefix_cache",
+    "no_pending_wait": "cache.pending_wait",
+    "offload_pending_ttl": "offload_pending_ttl_s",
     "incremental_streaming_output": "incremental_streaming_output",
 }
 FLAGS_SOURCE = "<command line>"
@@ -124,7 +126,7 @@ def flag_settings(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for dest, key in NODE_FLAG_KEYS.items():
         value = getattr(args, dest, None)
-        if dest == "no_prefix_cache":
+        if dest in ("no_prefix_cache", "no_pending_wait"):
             value = False if value else None
         if value is not None:
             out[key] = value
@@ -164,7 +166,8 @@ def _cache_table(args: argparse.Namespace, role: str) -> dict[str, Any]:
     if hasattr(args, "write_policy"):
         table.update(write_policy=args.write_policy, prefetch_policy=args.prefetch_policy,
                      device_eviction=args.device_eviction, host_eviction=args.host_eviction,
-                     host_mode=args.host_mode, session_idle_s=args.session_idle_s)
+                     host_mode=args.host_mode, session_idle_s=args.session_idle_s,
+                     prefetch_layerwise=args.prefetch_layerwise)
     host_pages = getattr(args, "host_pages", 0)
     if host_pages > 0:
         table["host_pages"] = host_pages
@@ -176,14 +179,18 @@ def _cache_table(args: argparse.Namespace, role: str) -> dict[str, Any]:
 def _storage_table(args: argparse.Namespace) -> dict[str, Any]:
     if args.storage_backend == "none":
         return {"backend": "none"}
-    return {"backend": args.storage_backend, "path": args.storage_path,
-            "capacity": str(args.storage_capacity), "metadata": args.storage_metadata,
-            "eviction": args.storage_eviction,
-            "session_protect_share": args.storage_session_protect_share,
-            "session_protect_bytes": str(args.storage_session_protect_bytes),
-            "session_idle_s": args.storage_session_idle_s,
-            "mooncake": {"master": args.mooncake_master, "metadata_server": args.mooncake_metadata,
-                         "global_segment_size": _FLAG_SEGMENT_BYTES}}
+    table = {"backend": args.storage_backend, "path": args.storage_path,
+             "capacity": str(args.storage_capacity), "metadata": args.storage_metadata,
+             "write_delay_s": args.storage_write_delay,
+             "eviction": args.storage_eviction,
+             "session_protect_share": args.storage_session_protect_share,
+             "session_protect_bytes": str(args.storage_session_protect_bytes),
+             "session_idle_s": args.storage_session_idle_s,
+             "mooncake": {"master": args.mooncake_master, "metadata_server": args.mooncake_metadata,
+                          "global_segment_size": _FLAG_SEGMENT_BYTES}}
+    if args.storage_fault_injection:
+        table["fault_injection"] = args.storage_fault_injection
+    return table
 
 
 def _put(table: dict[str, Any], dotted: str, value: Any) -> None:
@@ -254,6 +261,13 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--offload-staging-pages", type=int, default=None,
                             help="host staging pages between device and storage (full: dropped; "
                                  "default 256)")
+        parser.add_argument("--offload-pending-ttl", type=float, default=None,
+                            help="seconds prefill nodes may wait for a page this node announced "
+                                 "as being written (default 10)")
+    if role == "prefill":
+        parser.add_argument("--no-pending-wait", action="store_true",
+                            help="do not wait for answer pages a decode node is still writing "
+                                 "(recompute them; counted as raced)")
 
 
 def _add_transfer_flags(parser: argparse.ArgumentParser, role: str) -> None:
@@ -281,6 +295,9 @@ def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> N
                            help="host KV pool in pages; 0 = no host tier unless storage is set")
         group.add_argument("--write-policy", default="write_through", choices=list(WRITE_POLICIES))
         group.add_argument("--prefetch-policy", default="timeout", choices=list(PREFETCH_POLICIES))
+        group.add_argument("--prefetch-layerwise", action="store_true",
+                           help="read storage prefetches layer-major and start the forward "
+                                "before the last layer is in (docs/design.md §4.11)")
         group.add_argument("--device-eviction", default="lru", choices=list(EVICTION_POLICIES),
                            help="which cached pages the device evicts first; 'session': closed "
                                 "sessions first, active ones expected back last next")
@@ -308,7 +325,13 @@ def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> N
                        help="session eviction: protected bytes per session (0: no cap)")
     group.add_argument("--storage-session-idle-s", type=float, default=300.0,
                        help="session eviction: a session without a write this long is closed")
+    group.add_argument("--storage-write-delay", type=float, default=0.0,
+                       help="seconds every storage write waits first: emulates a slow or "
+                            "distant store (storage.write_delay_s)")
     group.add_argument("--storage-metadata", default="inproc",
                        help="'inproc' or tcp://HOST:PORT of pdcache metadata-server")
+    group.add_argument("--storage-fault-injection", default="", metavar="CONTROL_FILE",
+                       help="chaos/test only: absolute path of a file whose number is a delay "
+                            "(s) every storage call waits (storage.fault_injection)")
     group.add_argument("--mooncake-master", default="127.0.0.1:50051")
     group.add_argument("--mooncake-metadata", default="P2PHANDSHAKE")

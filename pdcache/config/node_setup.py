@@ -46,6 +46,7 @@ class OffloadSettings:
 
     staging_pages: int = 256  # host staging pages between device and storage (full: dropped)
     stride_pages: int = 1  # offload every this many completed pages of a request
+    pending_ttl_s: float = 10.0  # prefill nodes wait at most this long for an announced write
 
     def __post_init__(self) -> None:
         if self.staging_pages < 1 or self.stride_pages < 1:
@@ -141,8 +142,11 @@ def tiers_for(node: NodeSpec, model: ModelConfig, storage: StorageConfig | None)
         prefetch_timeout_base_s=cache.prefetch_timeout_base_s,
         prefetch_timeout_per_1k_tokens_s=cache.prefetch_timeout_per_1k_tokens_s,
         prefetch_timeout_max_s=cache.prefetch_timeout_max_s,
+        layerwise_prefetch=cache.prefetch_layerwise,
+        layerwise_read_layers=cache.prefetch_layers_per_read,
         key_scheme=cache.key_scheme, key_namespace=cache.key_namespace,
         host_mode=cache.host_mode, host_eviction=cache.host_eviction,
+        pending_wait=cache.pending_wait,
     )
     return TierConfig(host_pages, hicache, storage)
 
@@ -153,7 +157,8 @@ def offload_for(node: NodeSpec) -> OffloadSettings | None:
     default = OffloadSettings()
     return OffloadSettings(
         staging_pages=node.offload_staging_pages or default.staging_pages,
-        stride_pages=node.offload_stride_pages or default.stride_pages)
+        stride_pages=node.offload_stride_pages or default.stride_pages,
+        pending_ttl_s=node.offload_pending_ttl_s or default.pending_ttl_s)
 
 
 def storage_from_spec(spec: StorageSpec, model: ModelConfig, page_size: int,

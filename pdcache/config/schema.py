@@ -108,6 +108,15 @@ class CacheSpec:
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_1k_tokens_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
+    # prefill: wait (within the prefetch policy) for pages a decode node announced as being
+    # written instead of recomputing them (docs/design.md §4.10, "A durable next turn")
+    pending_wait: bool = True
+    # layer-streamed prefetch (docs/design.md §4.11): read stored pages layer-major and start
+    # the forward while later layers are still being read; off by default (measured slower on
+    # a 2-core CPU, where the reads take the forward's core); `prefetch_layers_per_read` layers
+    # per read step of a page
+    prefetch_layerwise: bool = False
+    prefetch_layers_per_read: int = 1
     # How stored pages are named: "pdcache", or "sglang" to share pages with SGLang servers
     # running the pdcache storage plugin (whose `key_namespace` must equal this one).
     key_scheme: Literal["pdcache", "sglang"] = "pdcache"
@@ -184,8 +193,14 @@ class StorageSpec:
     session_protect_share: float = 0.5  # at most this share of the capacity is protected
     session_protect_bytes: int = _size(default=0)  # per session (0: only the share bounds)
     session_idle_s: float = 300.0  # a session without a write for this long is closed
+    # every write call waits this long first: emulates a slow or distant store (benchmarks,
+    # and the tests of the durable next turn); 0 = off
+    write_delay_s: float = 0.0
     metadata_service: MetadataServiceSpec = field(default_factory=MetadataServiceSpec)
     mooncake: MooncakeStoreSpec = field(default_factory=MooncakeStoreSpec)
+    # Chaos/test only, never in a deployment (docs/chaos.md): an absolute path of a control
+    # file whose number is a delay (s) every storage call waits; set by `pdcache bench chaos`.
+    fault_injection: str = ""
 
     @property
     def enabled(self) -> bool:
@@ -300,6 +315,7 @@ class NodeSpec:
     offload: bool | None = None  # decode only: write generated KV to storage (default: on)
     offload_staging_pages: int | None = None  # decode only: host staging pages (default 256)
     offload_stride_pages: int | None = None  # decode only: offload every N full pages (default 1)
+    offload_pending_ttl_s: float | None = None  # decode only: TTL of its pending marks (default 10)
     request_timeout_s: float = 600.0  # deadline of one request on this node's HTTP side
     tool_call_parser: ToolCallParser = "hermes"  # how model output becomes OpenAI tool_calls
     incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
@@ -308,6 +324,9 @@ class NodeSpec:
     cache: CacheSpec = field(default_factory=CacheSpec)  # [cache] merged with [node.cache]
     scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)  # [scheduler] + [node.scheduler]
     command: tuple[str, ...] | None = None  # replaces the node command ({python} {config} ...)
+    # argv put before the node's command by the launcher: ["ip", "netns", "exec", "NS"],
+    # ["nsenter", "--net=/run/netns/NS", "--"], ["numactl", "-N", "0"], ["taskset", "-c", "2"]
+    launch_prefix: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     health: Literal["http", "tcp", "none"] = "http"

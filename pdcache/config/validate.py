@@ -57,7 +57,7 @@ def _check_model(model: ModelSpec, ctx: ErrorContext) -> None:
 
 
 def _check_cache(cache: CacheSpec, prefix: str, ctx: ErrorContext) -> None:
-    for key in ("page_size", "device_pages", "write_through_threshold"):
+    for key in ("page_size", "device_pages", "write_through_threshold", "prefetch_layers_per_read"):
         if getattr(cache, key) < 1:
             raise ctx.error(f"{prefix}.{key}", f"expected an integer >= 1, got {getattr(cache, key)}")
     given = [k for k in ("host_ratio", "host_bytes", "host_pages") if getattr(cache, k) is not None]
@@ -81,6 +81,8 @@ def _check_scheduler(scheduler: SchedulerSpec, prefix: str, ctx: ErrorContext) -
 
 
 def _check_storage(storage: StorageSpec, ctx: ErrorContext) -> None:
+    if storage.write_delay_s < 0:
+        raise ctx.error("storage.write_delay_s", f"expected a number >= 0, got {storage.write_delay_s}")
     if storage.metadata != "inproc" and not re.match(r"^tcp://[^:/\s]+:\d{1,5}$", storage.metadata):
         raise ctx.error("storage.metadata", f'expected "inproc" or "tcp://HOST:PORT", got "{storage.metadata}"')
     if storage.io_engine == "usrbio" and storage.backend != "hf3fs":
@@ -91,11 +93,24 @@ def _check_storage(storage: StorageSpec, ctx: ErrorContext) -> None:
         raise ctx.error("storage.session_protect_share", f"expected a share in [0, 1], got {storage.session_protect_share}")
     if storage.session_idle_s <= 0:
         raise ctx.error("storage.session_idle_s", f"expected seconds > 0, got {storage.session_idle_s}")
+    if storage.fault_injection:
+        _check_fault_injection(storage, ctx)
     if storage.backend == "mooncake":
         try:
             split_host_port(storage.mooncake.master)
         except ValueError as exc:
             raise ctx.error("storage.mooncake.master", f"expected HOST:PORT ({exc})") from exc
+
+
+def _check_fault_injection(storage: StorageSpec, ctx: ErrorContext) -> None:
+    """The chaos-only delay hook: an absolute control-file path, on a real storage backend."""
+    key = "storage.fault_injection"
+    if not storage.enabled:
+        raise ctx.error(key, 'delays storage calls, but storage.backend = "none"')
+    if not storage.fault_injection.startswith("/"):
+        raise ctx.error(key, f"expected an absolute path of the chaos control file, got "
+                        f'"{storage.fault_injection}" (test/chaos only: `pdcache bench chaos` '
+                        "sets it; leave it unset in deployments)")
 
 
 def _check_transfer(transfer: TransferSpec, ctx: ErrorContext) -> None:
@@ -133,6 +148,9 @@ def _check_node_role_keys(node: NodeSpec, key: str, ctx: ErrorContext) -> None:
         raise ctx.error(f"{key}.offload", f"only decode nodes offload (role is {node.role})")
     if node.command is not None and not node.command:
         raise ctx.error(f"{key}.command", "expected a non-empty array of strings")
+    if any(not part for part in node.launch_prefix):
+        raise ctx.error(f"{key}.launch_prefix", "expected non-empty strings (argv put before the "
+                        'node command, e.g. ["numactl", "-N", "0"])')
     if not node.host or any(c.isspace() for c in node.host):
         raise ctx.error(f"{key}.host", f'expected a host name or address, got "{node.host}"')
 
@@ -157,6 +175,11 @@ def _check_node_server(node: NodeSpec, key: str, ctx: ErrorContext) -> None:
             raise ctx.error(f"{key}.{name}", f"only decode nodes offload (role is {node.role})")
         if value is not None and value < 1:
             raise ctx.error(f"{key}.{name}", f"expected an integer >= 1, got {value}")
+    ttl = node.offload_pending_ttl_s
+    if ttl is not None and node.role != "decode":
+        raise ctx.error(f"{key}.offload_pending_ttl_s", f"only decode nodes offload (role is {node.role})")
+    if ttl is not None and not ttl > 0:
+        raise ctx.error(f"{key}.offload_pending_ttl_s", f"expected a number > 0, got {ttl}")
     if not node.kernels or any(c.isspace() for c in node.kernels):
         raise ctx.error(f"{key}.kernels", f'expected a kernel backend name or "auto", got "{node.kernels}"')
 

@@ -55,6 +55,8 @@ class DecodeRuntime:
                                    on_release=self.controller.on_release, decode_id=setup.name,
                                    control_key=setup.security.zmq_control_key)
         self.controller.attach(self.engine, self.receiver)
+        if self.offload is not None:  # prefill peers hear of the writes (§4.10)
+            self.offload.announce_to(self.receiver)
         self.routes = routes_for(self.engine, self.config)
         self.routes.bridge.metrics.registry.register(  # dropped control messages, by kind
             ControlRejectCollector(self.receiver.stats, setup.name))
@@ -75,7 +77,7 @@ class DecodeRuntime:
                 kwargs["pool"].device_kv, self.storage, setup.fingerprint,
                 settings.staging_pages, settings.stride_pages,
                 key_scheme=setup.key_scheme, key_namespace=setup.key_namespace,
-                kernels=KernelSet(setup.engine.kernels))
+                kernels=KernelSet(setup.engine.kernels), pending_ttl_s=settings.pending_ttl_s)
         return DecodeScheduler(offload=self.offload, holds=self.controller, **kwargs)
 
     def start(self) -> None:

@@ -537,6 +537,9 @@ class Engine:
             if batch is None:
                 return False
             logits = self.runner.forward(batch)
+            kept_rows = self.scheduler.requeue_failed_loads(batch)
+            if kept_rows is not None:  # reused K/V that failed verification: rows discarded
+                logits = logits[torch.tensor(kept_rows, dtype=torch.long, device=logits.device)]
             num_sampled = len(batch.sample_rows)
             self._record_input_logprobs(batch, logits[num_sampled:])
             rows = [batch.reqs[row] for row in batch.sample_rows]

@@ -36,7 +36,10 @@ OutputCallback = Callable[[RequestOutput], None]
 
 class KVLoad(Protocol):
     """A copy of reused K/V into some of a request's device pages that the forward pass
-    waits on layer by layer (HiCache host → device load)."""
+    waits on layer by layer (HiCache host → device load). A load may also have a `failed`
+    attribute, True once done when what it copied turned out not to verify (HiCache's
+    layer-streamed prefetch): `Scheduler.requeue_failed_loads` then discards the request's
+    forward and recomputes it."""
 
     @property
     def done(self) -> bool: ...

@@ -388,6 +388,39 @@ class Scheduler:
             req.check()
         return touched
 
+    def requeue_failed_loads(self, batch: ScheduledBatch) -> list[int] | None:
+        """After `batch`'s forward (which finished every pending load): running requests whose
+        reused K/V failed verification once the forward had read it (a load's `failed`, e.g.
+        HiCache's layer-streamed prefetch) keep nothing of it. Their pages are freed, not
+        cached, and they go back to the head of the queue without a new prefetch, so they
+        recompute what no tier holds verified; their tier split is recorded anew at the next
+        admission. Returns the logits rows of `batch` still to use (its sample rows, then
+        its logprob spans' positions, minus those of the requeued requests) with
+        `batch.sample_rows` and `batch.logprob_spans` cut to match, or None when none failed."""
+        failed = [r for r in self.running
+                  if r.kv_load is not None and r.kv_load.done and getattr(r.kv_load, "failed", False)]
+        if not failed:
+            return None
+        for req in failed:
+            logger.warning("request %s: reused K/V failed verification; recomputing", req.rid)
+            self._release(req, cache=False)
+            self.running.remove(req)
+            req.status = ReqStatus.WAITING
+            req.cached_len, req.cached = None, None
+            self.waiting.appendleft(req)
+        gone = {id(r) for r in failed}
+        samples = [i for i, row in enumerate(batch.sample_rows) if id(batch.reqs[row]) not in gone]
+        rows, offset, spans = list(samples), len(batch.sample_rows), []
+        for span in batch.logprob_spans:
+            width = span[2] - span[1]
+            if id(batch.reqs[span[0]]) not in gone:
+                rows += range(offset, offset + width)
+                spans.append(span)
+            offset += width
+        batch.sample_rows = [batch.sample_rows[i] for i in samples]
+        batch.logprob_spans = spans
+        return rows
+
     # ---- admission ---------------------------------------------------------------------
     def _admit_waiting(self) -> None:
         """FIFO admission; a request whose lower tiers are not ready is skipped, one that does

@@ -147,7 +147,7 @@ def _node_spec(topology: Topology, node: NodeSpec, python: str, config: str) -> 
         argv = [_fill(arg, topology, node, python, config) for arg in node.command]
     else:
         argv = _pdcache_argv(python, NODE_SUBCOMMANDS[node.role], config, node.name, topology)
-    argv += list(node.extra_args)
+    argv = [*node.launch_prefix, *argv, *node.extra_args]
     token = node_token(topology)
     checks = () if node.health == "none" else (HealthCheck(node.health, node.host, node.port,  # type: ignore[arg-type]
                                                            token=token),)

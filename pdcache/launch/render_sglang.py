@@ -216,8 +216,8 @@ def _server_command(topology: Topology, node: NodeSpec) -> Command:
             *_model_args(topology, node.cache), *_role_args(topology, node)]
     if topology.router is not None and topology.router.api_key:
         args += ["--api-key", topology.router.api_key]
-    return Command(f"{node.role} server {node.name}", node.host, SERVER, tuple(args),
-                   _server_env(node, topology))
+    return Command(f"{node.role} server {node.name}", node.host,
+                   (*node.launch_prefix, *SERVER), tuple(args), _server_env(node, topology))
 
 
 def _model_args(topology: Topology, cache: CacheSpec) -> list[str]:

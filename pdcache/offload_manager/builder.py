@@ -18,6 +18,7 @@ from pdcache.offload_manager.hicache import HiCache, HiCacheConfig
 from pdcache.offload_manager.hicache_scheduler import HiCacheScheduler
 from pdcache.offload_manager.hiradix import HiRadixTree
 from pdcache.offload_manager.host_pool import HostKVPool
+from pdcache.offload_manager.pending import PendingPages
 from pdcache.offload_manager.storage import create_backend
 from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.config import StorageConfig
@@ -73,9 +74,11 @@ class TieredEngine:
 
 def build_tiered_engine(config: EngineConfig, model: Any, tokenizer: Any, tiers: TierConfig,
                         scheduler_cls: type[HiCacheScheduler] = HiCacheScheduler,
+                        pending: PendingPages | None = None,
                         **scheduler_kwargs: Any) -> TieredEngine:
     """An Engine (not started) whose scheduler (`scheduler_cls`, given `scheduler_kwargs`)
-    runs HiCache over `tiers`."""
+    runs HiCache over `tiers`; `pending`: the decode-announced writes HiCache may wait for
+    (a prefill node's, docs/design.md §4.10)."""
     if not config.cache.enable_prefix_cache:
         raise ValueError("the hierarchical cache needs the prefix cache enabled")
     page_size = config.cache.page_size
@@ -95,7 +98,7 @@ def build_tiered_engine(config: EngineConfig, model: Any, tokenizer: Any, tiers:
 
     def make_scheduler(**kwargs: Any) -> HiCacheScheduler:
         hicache = HiCache(kwargs["tree"], kwargs["pool"].device_kv, storage, tiers.hicache,
-                          fingerprint, kernels)
+                          fingerprint, kernels, pending)
         built["hicache"] = hicache
         return scheduler_cls(hicache=hicache, **scheduler_kwargs, **kwargs)
 

@@ -18,6 +18,12 @@ engine must not free them until `on_released` is called (on the copy thread), wh
 only after every copy that reads them has finished. Host staging pages are freed only after
 their write finished. When staging or the queue is full, pages are dropped and counted —
 decode is never blocked and nothing leaks.
+
+Announcements (the durable next turn, docs/design.md §4.10): with an `announcer` (the node's
+`KVReceiver`), the keys of every scheduled batch are announced as pending when they are
+scheduled (decode loop, before the request's final output leaves the engine), and settled
+when their fate is known (copy thread or writer: already stored, written, or dropped/failed),
+so the next turn's prefill can wait for them instead of recomputing.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -39,6 +46,15 @@ from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.config import tenant_namespace
 
 log = logging.getLogger(__name__)
+
+
+class PageAnnouncer(Protocol):
+    """Who hears about the keys offload writes (`KVReceiver`: every registered prefill peer).
+    Called from the decode loop, the copy thread and the writer: thread-safe, non-blocking."""
+
+    def announce_pending(self, keys: list[bytes], ttl_s: float) -> None: ...
+
+    def announce_settled(self, keys: list[bytes], landed: list[bool]) -> None: ...
 
 
 @dataclass
@@ -92,6 +108,7 @@ class DecodeOffloadManager:
         key_scheme: str = "pdcache",
         key_namespace: str = "",
         kernels: KernelSet | None = None,
+        pending_ttl_s: float = 10.0,
     ) -> None:
         num_layers, _, _, page_size, heads, dim = device_kv.shape
         self.device_kv = device_kv
@@ -113,6 +130,12 @@ class DecodeOffloadManager:
         self._pending_writes = 0
         self._pending_copies = 0
         self._thread: threading.Thread | None = None
+        self.pending_ttl_s = pending_ttl_s  # how long an announced write may take
+        self._announcer: PageAnnouncer | None = None
+
+    def announce_to(self, announcer: PageAnnouncer | None) -> None:
+        """Announce scheduled and settled keys to `announcer` (set before `start()`)."""
+        self._announcer = announcer
 
     def start(self) -> DecodeOffloadManager:
         """Start the copy thread and the storage writer's (the node's runtime does, with its
@@ -209,6 +232,8 @@ class DecodeOffloadManager:
         tracked.scheduled_pages = full_pages
         task = _CopyTask(rid, keys, list(device_page_ids[first:full_pages]), on_released,
                          tenant_namespace(tracked.tenant), tracked.session)
+        if keys and self._announcer is not None:
+            self._announcer.announce_pending(keys, self.pending_ttl_s)
         self._enqueue(task)
 
     def _enqueue(self, task: _CopyTask) -> None:
@@ -218,6 +243,7 @@ class DecodeOffloadManager:
             self.stats.pages_scheduled += len(task.keys)
             if self._queued_pages + len(task.keys) > self.max_queued_pages:
                 self.stats.pages_dropped += len(task.keys)
+                self._settle(task.keys, False)
                 task = _CopyTask(task.rid, [], [], task.on_released, task.namespace,
                                  task.session)
                 if task.on_released is None:
@@ -235,6 +261,7 @@ class DecodeOffloadManager:
                 self._copy(task)
             except Exception:
                 log.exception("decode offload: copy of %s failed", task.rid)
+                self._settle(task.keys, False)
             finally:
                 if task.on_released is not None:
                     self._release(task)
@@ -255,6 +282,7 @@ class DecodeOffloadManager:
         todo = list(range(stored, len(task.keys)))
         with self._lock:
             self.stats.pages_skipped += stored
+        self._settle(task.keys[:stored], True)
         if not todo:
             return
         # Short of staging: keep the chain's head (only a prefix of a chain is ever found),
@@ -263,6 +291,8 @@ class DecodeOffloadManager:
         staging_ids = self.staging.alloc(fits) if fits else None
         with self._lock:
             self.stats.pages_dropped += len(todo) - (fits if staging_ids else 0)
+        kept = len(staging_ids) if staging_ids else 0
+        self._settle([task.keys[i] for i in todo[kept:]], False)
         if not staging_ids:
             return
         todo = todo[: len(staging_ids)]
@@ -284,6 +314,7 @@ class DecodeOffloadManager:
             self._pending_writes += 1
 
         def done(result: IoResult) -> None:
+            self._settle(keys, result.ok)
             self.staging.free(staging_ids)
             with self._lock:
                 self._pending_writes -= 1
@@ -297,7 +328,18 @@ class DecodeOffloadManager:
                       namespace=namespace, session=session)
         assert self.writer is not None, "start() the manager first"
         if not self.writer.submit(task):
+            self._settle(keys, False)
             self.staging.free(staging_ids)
             with self._lock:
                 self._pending_writes -= 1
                 self.stats.pages_dropped += len(keys)
+
+    def _settle(self, keys: list[bytes], landed: bool | list[bool]) -> None:
+        """Tell the announcer how the write of `keys` ended (never raises)."""
+        if not keys or self._announcer is None:
+            return
+        flags = [landed] * len(keys) if isinstance(landed, bool) else list(landed)
+        try:
+            self._announcer.announce_settled(keys, flags)
+        except Exception:
+            log.exception("decode offload: announcing settled pages failed")

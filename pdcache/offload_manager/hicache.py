@@ -16,6 +16,21 @@ writes then happen when a page enters the host tier, whatever the write policy).
 Prefetch policies decide how long a queued request waits for its storage reads:
 `best_effort` (never waits: takes what has arrived), `wait_complete` (all reads finished),
 `timeout` (finished, or base + per-1k-token × tokens / 1000 capped at max, elapsed).
+Pages a decode node announced as being written (`PendingPages`, docs/design.md §4.10) extend
+a lookup past storage's committed prefix: with `pending_wait` the request waits for them
+under its prefetch policy (read as each lands; never past the deadline or the mark's TTL)
+instead of recomputing them; without it they are only counted (`pending_raced_pages`).
+
+Layer-streamed prefetch (`layerwise_prefetch`, off by default; backends with `read_layers`:
+file, hf3fs posix): the prefetch reads its pages layer-major (every page's header, then layer 0
+of all pages, layer 1, ...; storage/layer_reads.py) into their host pages, which serve as the
+staging buffer. A request is ready once the header pass ended (the usable prefix is known), so
+its forward starts while the layers are still being read: the per-layer load of layer l waits
+for layer l's reads only, and storage reads of layer l+1 overlap the load and compute of layer
+l. Pages are verified (checksum or MAC of the whole page) once their last layer is in; the load
+waits for that after the forward, and a page that fails marks the load `failed`: the scheduler
+then discards the forward's result for that request and requeues it to recompute
+(`Scheduler.requeue_failed_loads`), so unverified K/V never reaches an output.
 """
 
 from __future__ import annotations
@@ -36,8 +51,10 @@ from pdcache.kernels import KernelSet
 from pdcache.offload_manager.hiradix import HiRadixTree, HostMatch
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
+from pdcache.offload_manager.pending import PageState, PendingPages
 from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.config import tenant_namespace
+from pdcache.offload_manager.storage.layer_reads import LayerStream
 from pdcache.offload_manager.storage.stats import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -60,10 +77,18 @@ class HiCacheConfig:
     prefetch_min_pages: int = 1  # fewer storage hits than this: don't bother prefetching
     io_batch_pages: int = 64
     max_queued_io: int = 256
+    # read prefetches layer-major and start the forward before the last layer is in (module
+    # docstring); backends without `read_layers` read page by page whatever this says. Off by
+    # default: on the 2-core CPU here it measured slower (README "Measured")
+    layerwise_prefetch: bool = False
+    layerwise_read_layers: int = 1  # layers per read step of a page (first step: + header)
     # how stored pages are named (pdcache.engine.page_keys.PageKeyScheme): "pdcache", or
     # "sglang" to share pages with SGLang servers running the pdcache storage plugin
     key_scheme: str = "pdcache"
     key_namespace: str = ""  # the plugin's `key_namespace` (deployment-wide key salt)
+    # wait (within the prefetch policy) for pages decode announced as being written, rather
+    # than recompute them (docs/design.md §4.10); False: count them as raced and recompute
+    pending_wait: bool = True
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
@@ -100,6 +125,18 @@ class HiCacheStats:
     prefetch_read_us: int = 0  # storage reads, on the prefetch worker
     prefetch_wait_us: int = 0  # prefetch start → taken at admission
     load_copy_us: int = 0  # host → device copies, inside the forward
+    # the durable next turn (docs/design.md §4.10): pages past storage's committed prefix that
+    # a decode node had announced as being written, at lookup time
+    pending_found_pages: int = 0
+    pending_waited_pages: int = 0  # of those, read from storage after waiting for them
+    pending_raced_pages: int = 0  # of those, not read by admission: recomputed
+    pending_wait_us: int = 0  # lookup → admission of requests that met pending pages
+    pending_wait_requests: int = 0  # requests that met pending pages (waited or not)
+    # layer-streamed prefetch (module docstring)
+    prefetch_streamed_pages: int = 0  # pages taken from layer-streamed reads
+    load_stream_wait_us: int = 0  # the forward waiting for a layer's storage reads
+    load_verify_wait_us: int = 0  # after the forward, waiting for the pages' verification
+    stream_failed_loads: int = 0  # loads whose pages failed verification (request requeued)
 
 
 @dataclass
@@ -123,13 +160,37 @@ class PrefetchOp:
     deadline: float
     reason: str = ""
     started: float = field(default_factory=time.monotonic)
+    # pages [awaited_first, awaited_first + awaited) were pending at lookup; reads are
+    # submitted up to `submitted` (the rest wait for their keys to land)
+    awaited_first: int = 0
+    awaited: int = 0
+    submitted: int = -1  # -1: every page
+    stream: LayerStream | None = None  # a layer-streamed read (then `batches` is empty)
+
+    def __post_init__(self) -> None:
+        if self.submitted < 0:
+            self.submitted = len(self.keys)
 
     @property
     def complete(self) -> bool:
-        return all(b.done.is_set() for b in self.batches)
+        if self.stream is not None:
+            return self.stream.done
+        return self.submitted == len(self.keys) and all(b.done.is_set() for b in self.batches)
+
+    @property
+    def ready(self) -> bool:
+        """Admission may take it now: every read finished, or a streamed read's header pass."""
+        return self.complete or (self.stream is not None and self.stream.headers_done)
 
     def ready_prefix(self) -> tuple[int, list[str | None]]:
-        """Pages readable now: consecutive successes from the start over finished batches."""
+        """Pages readable now: consecutive successes from the start over finished batches (a
+        streamed read: the pages whose headers are valid; their layers may still arrive)."""
+        if self.stream is not None:
+            pages, origins = self.stream.header_prefix()
+            if self.stream.done:  # verified already: only the pages that passed
+                ok = self.stream.wait_done()
+                pages = next((i for i, good in enumerate(ok[:pages]) if not good), pages)
+            return pages, origins[:pages]
         pages, origins = 0, []
         for batch in self.batches:
             if not batch.done.is_set():
@@ -149,17 +210,35 @@ class PrefetchResult:
     host_page_ids: list[int]
     from_decode_pages: int
     origins: list[str | None] = field(default_factory=list)
+    stream: LayerStream | None = None  # still being read into (layer-streamed prefetch)
+    stream_offset: int = 0  # index of host_page_ids[0] among the stream's pages
+
+
+@dataclass(frozen=True)
+class StreamedPages:
+    """The part of a load whose pages a layer-streamed prefetch is still reading: `stream`'s
+    pages `offset .. offset + count`, which are the load's last `count` pages."""
+
+    stream: LayerStream
+    offset: int
+    count: int
 
 
 class LayerLoad:
     """Host → device copy of some pages, one layer at a time, as the forward pass asks for
     them (`wait(layer)`). On CPU the copy runs in the caller's thread; the host pages stay
-    pinned until the last layer is in."""
+    pinned until the load is done.
+
+    With `streamed` pages, layer l is copied once the stream has read layer l of them (the
+    read of layer l+1 goes on meanwhile); `finish()` then waits for their verification and sets
+    `failed` when one did not verify (what was computed from them must be discarded)."""
 
     def __init__(self, host_pool: HostKVPool, device_kv: torch.Tensor, host_page_ids: list[int],
                  device_page_ids: list[int], on_done: Callable[[], None] | None = None,
                  on_copied: Callable[[float], None] | None = None,
-                 kernels: KernelSet | None = None) -> None:
+                 kernels: KernelSet | None = None,
+                 streamed: StreamedPages | None = None,
+                 on_streamed: Callable[[float, float, bool], None] | None = None) -> None:
         self.host_pool = host_pool
         self.device_kv = device_kv
         self.kernels = kernels or KernelSet()
@@ -167,31 +246,53 @@ class LayerLoad:
         self.device_ids = torch.tensor(device_page_ids, dtype=torch.long)
         self.host_page_ids = host_page_ids
         self.num_layers = device_kv.shape[0]
+        self.streamed = streamed
+        self.failed = False  # streamed pages that did not verify (known once done)
         self._next_layer = 0
+        self._finished = False
         self._on_done = on_done
         self._on_copied = on_copied
+        self._on_streamed = on_streamed
         self.copy_s = 0.0
+        self.stream_wait_s = 0.0
         host_pool.pin(host_page_ids)
 
     def wait(self, layer: int) -> None:
         while self._next_layer <= layer:
+            if self.streamed is not None:
+                start = time.perf_counter()
+                self.streamed.stream.wait_layer(self._next_layer)
+                self.stream_wait_s += time.perf_counter() - start
             start = time.perf_counter()
             self.kernels.host_to_device(self.host_pool.host_kv, self.device_kv, self.host_ids,
                                    self.device_ids, layer=self._next_layer)
             self.copy_s += time.perf_counter() - start
             self._next_layer += 1
-            if self._next_layer == self.num_layers:
+            if self._next_layer == self.num_layers and self.streamed is None:
                 self._finish()
 
     def finish(self) -> None:
-        """Load every remaining layer (e.g. when the batch was cancelled)."""
-        self.wait(self.num_layers - 1)
+        """Load every remaining layer (e.g. when the batch was cancelled) and, for streamed
+        pages, wait for their verification."""
+        if self._next_layer < self.num_layers:
+            self.wait(self.num_layers - 1)
+        if not self._finished:
+            self._finish()
 
     @property
     def done(self) -> bool:
-        return self._next_layer >= self.num_layers
+        return self._finished
 
     def _finish(self) -> None:
+        self._finished = True
+        if self.streamed is not None:
+            start = time.perf_counter()
+            ok = self.streamed.stream.wait_done()
+            verify_wait_s = time.perf_counter() - start
+            first = self.streamed.offset
+            self.failed = not all(ok[first : first + self.streamed.count])
+            if self._on_streamed is not None:
+                self._on_streamed(self.stream_wait_s, verify_wait_s, self.failed)
         self.host_pool.unpin(self.host_page_ids)
         if self._on_copied is not None:
             self._on_copied(self.copy_s)
@@ -208,8 +309,10 @@ class HiCache:
     layer_load_cls: type[LayerLoad] = LayerLoad
 
     def __init__(self, tree: HiRadixTree, device_kv: torch.Tensor, storage: StorageBackend | None,
-                 config: HiCacheConfig, fingerprint: str, kernels: KernelSet | None = None) -> None:
+                 config: HiCacheConfig, fingerprint: str, kernels: KernelSet | None = None,
+                 pending: PendingPages | None = None) -> None:
         self.tree = tree
+        self.pending = pending  # decode-announced writes (prefill nodes); None: not tracked
         self.kernels = kernels or KernelSet()
         self.host_pool = tree.host_pool
         self.device_kv = device_kv
@@ -224,6 +327,8 @@ class HiCache:
         self._stats_lock = threading.Lock()
         self._prefetches: dict[str, PrefetchOp] = {}
         self._abandoned: list[PrefetchOp] = []
+        # host pages of streamed prefetches that no load takes, freed once their read ended
+        self._stream_frees: list[tuple[LayerStream, list[int]]] = []
         # Import (and, first time on a machine, compile) the copy kernels now, not inside the
         # first request's per-layer load.
         self.kernels.backend_for(device_kv.device)
@@ -261,9 +366,26 @@ class HiCache:
         def copied(seconds: float) -> None:
             self._count(load_copy_us=int(seconds * 1e6))
 
+        def streamed_done(wait_s: float, verify_s: float, failed: bool) -> None:
+            self._count(load_stream_wait_us=int(wait_s * 1e6),
+                        load_verify_wait_us=int(verify_s * 1e6),
+                        stream_failed_loads=int(failed))
+
+        streamed = None
+        if prefetched is not None and prefetched.stream is not None and pref_ids:
+            streamed = StreamedPages(prefetched.stream, prefetched.stream_offset, len(pref_ids))
         return node, self.layer_load_cls(self.host_pool, self.device_kv, all_host,
                                          device_page_ids[: len(all_host)], release_prefetched,
-                                         copied, self.kernels)
+                                         copied, self.kernels, streamed, streamed_done)
+
+    def release_prefetched(self, prefetched: PrefetchResult, page_ids: list[int]) -> None:
+        """Give back host pages of `prefetched` that will not be loaded: now, or once its
+        stream (still writing into them) ended."""
+        stream = prefetched.stream
+        if stream is None or stream.done:
+            self.host_pool.free(page_ids)
+        else:
+            self._stream_frees.append((stream, page_ids))
 
     # ---- prefetch ----------------------------------------------------------------------
     def start_prefetch(self, rid: str, token_ids: Sequence[int], salt: str, first_page: int,
@@ -282,20 +404,42 @@ class HiCache:
             return 0
         finally:
             self._count(prefetch_lookup_us=int((time.perf_counter() - start) * 1e6))
-        if hits < self.config.prefetch_min_pages:
+        awaited = self._pending_after(keys, hits)
+        total = hits + awaited
+        if total < self.config.prefetch_min_pages:
+            self._count(pending_raced_pages=awaited)
             return 0
-        host_ids = self._alloc_host(hits)
+        host_ids = self._alloc_host(total)
         if host_ids is None:
-            log.info("prefetch of %s stopped: no host room for %d pages", rid, hits)
+            log.info("prefetch of %s stopped: no host room for %d pages", rid, total)
+            self._count(pending_raced_pages=awaited)
             return 0
-        op = self._submit_reads(rid, first_page, keys[:hits], host_ids, len(token_ids))
+        op = self._submit_reads(rid, first_page, keys[:total], host_ids, len(token_ids),
+                                submit=hits)
+        op.awaited_first, op.awaited = hits, awaited
         self._prefetches[rid] = op
-        return hits
+        return total
+
+    def _pending_after(self, keys: list[bytes], hits: int) -> int:
+        """Pages right after storage's `hits` that a decode node announced as being written:
+        how many this prefetch waits for (0 without `pending_wait`: they are counted raced)."""
+        if self.pending is None:
+            return 0
+        found = self.pending.run(keys[hits:])
+        if not found:
+            return 0
+        self._count(pending_found_pages=found)
+        if not self.config.pending_wait:
+            self._count(pending_raced_pages=found)
+            return 0
+        return found
 
     def prefetch_ready(self, rid: str, now: float | None = None) -> bool:
         """Whether the queued request may be admitted now, under the prefetch policy."""
         op = self._prefetches.get(rid)
-        if op is None or self.config.prefetch_policy == "best_effort" or op.complete:
+        if op is not None and op.submitted < len(op.keys):
+            self._read_landed(op)
+        if op is None or self.config.prefetch_policy == "best_effort" or op.ready:
             return True
         if self.config.prefetch_policy == "wait_complete":
             return False
@@ -307,18 +451,28 @@ class HiCache:
         op = self._prefetches.pop(rid, None)
         if op is None:
             return None
+        self._stop_waiting(op)
         pages, origins = op.ready_prefix()
+        if op.awaited:
+            waited = max(0, min(pages - op.awaited_first, op.awaited))
+            self._count(pending_waited_pages=waited, pending_raced_pages=op.awaited - waited,
+                        pending_wait_us=int((time.monotonic() - op.started) * 1e6),
+                        pending_wait_requests=1)
         if pages < len(op.host_page_ids):
             reason = "incomplete at admission" if not op.complete else "read failure or miss"
             log.info("prefetch of %s stopped after %d/%d pages: %s", rid, pages,
                      len(op.host_page_ids), reason)
+            if op.stream is not None and pages == 0:
+                op.stream.cancelled.set()  # admitted before its header pass: nothing to read
             self._abandon(op, pages)
         self.host_pool.commit(op.host_page_ids[:pages])
         with self._stats_lock:
             self.stats.prefetch_wait_us += int((time.monotonic() - op.started) * 1e6)
             self.stats.prefetch_pages += pages
             self.stats.prefetch_bytes += pages * self.host_pool.page_nbytes
-        return PrefetchResult(op.host_page_ids[:pages], origins.count("decode"), origins)
+            self.stats.prefetch_streamed_pages += pages if op.stream is not None else 0
+        return PrefetchResult(op.host_page_ids[:pages], origins.count("decode"), origins,
+                              op.stream)
 
     def prefetch_first_page(self, rid: str) -> int:
         """First prompt page of `rid`'s prefetch (0 when there is none)."""
@@ -328,6 +482,9 @@ class HiCache:
     def cancel_prefetch(self, rid: str) -> None:
         op = self._prefetches.pop(rid, None)
         if op is not None:
+            self._stop_waiting(op)
+            if op.stream is not None:
+                op.stream.cancelled.set()  # nobody will load it: stop reading
             self._abandon(op, 0)
 
     # ---- backup ------------------------------------------------------------------------
@@ -362,6 +519,13 @@ class HiCache:
             else:
                 still.append(op)
         self._abandoned = still
+        waiting = []
+        for stream, page_ids in self._stream_frees:
+            if stream.done:
+                self.host_pool.free(page_ids)
+            else:
+                waiting.append((stream, page_ids))
+        self._stream_frees = waiting
 
     def wait_idle(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -377,8 +541,8 @@ class HiCache:
         self.reap()
         busy = [w for w in (self._writer, self._reader) if w and w.queue_depth]
         pool = self.host_pool
-        return not busy and not self._abandoned and pool.num_in_flight == 0 \
-            and not pool.any_pinned
+        return not busy and not self._abandoned and not self._stream_frees \
+            and pool.num_in_flight == 0 and not pool.any_pinned
 
     def drop_all(self) -> tuple[int, int]:
         """Engine thread, idle engine (`io_idle`, no locked node): free every device page of
@@ -408,7 +572,7 @@ class HiCache:
             if worker is not None:
                 worker.close()
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, int | float]:
         """Every counter and gauge of the host and storage tiers as one flat dict, for metrics.
 
         Safe from any thread: controller counters are copied under their lock; host pool
@@ -427,6 +591,9 @@ class HiCache:
                    prefetch_ops_abandoned=len(self._abandoned))
         if self.tree.sessions is not None:
             out["sessions_tracked"] = len(self.tree.sessions)
+        if self.pending is not None:
+            out.update(self.pending.snapshot())
+        out["pending_wait_s"] = out["pending_wait_us"] / 1e6
         for worker in (self._writer, self._reader):
             if worker is not None:
                 out[f"{worker.name}_queue_depth"] = worker.queue_depth
@@ -543,20 +710,100 @@ class HiCache:
         return keys[-node.num_pages :]
 
     def _submit_reads(self, rid: str, first_page: int, keys: list[bytes], host_ids: list[int],
-                      num_tokens: int) -> PrefetchOp:
-        size = self.config.io_batch_pages
-        batches = [_Batch(i, min(size, len(keys) - i)) for i in range(0, len(keys), size)]
+                      num_tokens: int, submit: int | None = None) -> PrefetchOp:
+        """A prefetch of `keys` into `host_ids` whose first `submit` pages (default: all) are
+        read now; the rest wait for their pending keys to land (`_read_landed`). Without
+        pending pages and with `layerwise_prefetch`, one layer-streamed read of them all."""
         deadline = time.monotonic() + self.config.prefetch_timeout_s(num_tokens)
-        op = PrefetchOp(rid, first_page, keys, host_ids, batches, deadline)
-        pages = self.host_pool.page_bytes(host_ids)
-        for batch in batches:
+        if self._streams_layers and (submit is None or submit == len(keys)):
+            stream = LayerStream(len(keys), self.num_layers, self.config.layerwise_read_layers)
+            op = PrefetchOp(rid, first_page, keys, host_ids, [], deadline, stream=stream)
+            return self._submit_stream(op, self.host_pool.page_bytes(host_ids))
+        op = PrefetchOp(rid, first_page, keys, host_ids, [], deadline, submitted=0)
+        self._submit_range(op, len(keys) if submit is None else submit)
+        return op
+
+    def _submit_range(self, op: PrefetchOp, end: int) -> None:
+        """Read pages `op.submitted .. end` of `op` (in batches of `io_batch_pages`)."""
+        size = self.config.io_batch_pages
+        pages = self.host_pool.page_bytes(op.host_page_ids[op.submitted : end])
+        base = op.submitted
+        for first in range(op.submitted, end, size):
+            batch = _Batch(first, min(size, end - first))
+            op.batches.append(batch)
             span = slice(batch.first, batch.first + batch.count)
-            task = IoTask(IoKind.READ, keys[span], pages[span], self._read_done(batch))
+            task = IoTask(IoKind.READ, op.keys[span], pages[first - base : first - base + batch.count],
+                          self._read_done(batch))
             if not self._reader.submit(task):
-                log.info("prefetch of %s: read queue full, %d pages not read", rid, batch.count)
+                log.info("prefetch of %s: read queue full, %d pages not read", op.rid,
+                         batch.count)
                 self._count(prefetch_failed_pages=batch.count)
                 batch.ok, batch.origins = [False] * batch.count, [None] * batch.count
                 batch.done.set()
+        op.submitted = max(op.submitted, end)
+
+    def _read_landed(self, op: PrefetchOp) -> None:
+        """Engine thread: start reading the awaited pages that landed since the last look; a
+        page that will not come (failed, dropped, mark expired) ends the wait, after one
+        storage lookup for the ones that landed unannounced."""
+        assert self.pending is not None
+        end = op.submitted
+        while end < len(op.keys):
+            state = self.pending.state(op.keys[end])
+            if state is PageState.PENDING:
+                break
+            if state is PageState.GONE:
+                end += self._stored_prefix(op.keys[end:])
+                self._submit_range(op, end)
+                self._stop_waiting(op)
+                return
+            end += 1
+        if end > op.submitted:
+            self._submit_range(op, end)
+
+    def _stored_prefix(self, keys: list[bytes]) -> int:
+        try:
+            return self.storage.exists_prefix(keys)
+        except Exception as exc:
+            log.warning("pending pages: storage lookup failed: %s", exc)
+            self._count(storage_errors=1)
+            return 0
+
+    def _stop_waiting(self, op: PrefetchOp) -> None:
+        """Give up on the pages of `op` not submitted yet: a finished, failed batch, so that
+        the op is complete and its host pages are freed with the rest."""
+        missing = len(op.keys) - op.submitted
+        if missing <= 0:
+            return
+        batch = _Batch(op.submitted, missing, ok=[False] * missing, origins=[None] * missing)
+        batch.done.set()
+        op.batches.append(batch)
+        op.submitted = len(op.keys)
+
+    @property
+    def _streams_layers(self) -> bool:
+        return self.config.layerwise_prefetch and bool(getattr(self.storage, "streams_layers",
+                                                                False))
+
+    @property
+    def num_layers(self) -> int:
+        return self.device_kv.shape[0]
+
+    def _submit_stream(self, op: PrefetchOp, pages: list[torch.Tensor]) -> PrefetchOp:
+        """One layer-major read of all of `op`'s pages (module docstring)."""
+        stream = op.stream
+        assert stream is not None
+
+        def done(result: IoResult) -> None:
+            self._count(prefetch_failed_pages=len(result.ok) - sum(result.ok),
+                        storage_errors=1 if result.error else 0,
+                        prefetch_read_us=int(result.seconds * 1e6))
+
+        task = IoTask(IoKind.READ_LAYERS, op.keys, pages, done, stream=stream)
+        if not self._reader.submit(task):
+            log.info("prefetch of %s: read queue full, %d pages not read", op.rid, len(op.keys))
+            self._count(prefetch_failed_pages=len(op.keys))
+            stream.finish([])
         return op
 
     def _read_done(self, batch: _Batch):

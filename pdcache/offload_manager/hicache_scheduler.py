@@ -88,11 +88,12 @@ class HiCacheScheduler(Scheduler):
         skip = first - op_first
         usable = max(0, min(len(result.host_page_ids), max_pages - op_first) - skip)
         if skip < 0 or usable == 0:
-            self.hicache.host_pool.free(result.host_page_ids)
+            self.hicache.release_prefetched(result, result.host_page_ids)
             return None
         keep = result.host_page_ids[skip : skip + usable]
         drop = result.host_page_ids[:skip] + result.host_page_ids[skip + usable :]
         if drop:
-            self.hicache.host_pool.free(drop)
+            self.hicache.release_prefetched(result, drop)
         from_decode = result.origins[skip : skip + usable].count("decode")
-        return PrefetchResult(keep, from_decode, result.origins[skip : skip + usable])
+        return PrefetchResult(keep, from_decode, result.origins[skip : skip + usable],
+                              result.stream, result.stream_offset + skip)

@@ -21,6 +21,7 @@ from enum import Enum
 import torch
 
 from pdcache.offload_manager.storage.base import StorageBackend
+from pdcache.offload_manager.storage.layer_reads import LayerStream
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 class IoKind(Enum):
     READ = "read"
     WRITE = "write"
+    READ_LAYERS = "read_layers"  # layer-major read reported to `IoTask.stream` (layer_reads.py)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class IoTask:
     cancelled: threading.Event = field(default_factory=threading.Event)
     namespace: str = ""  # writes: the pages' tenant namespace (storage quotas)
     session: str = ""  # writes: the conversation that wrote them (storage lifecycle)
+    stream: LayerStream | None = None  # READ_LAYERS: where the read reports its progress
 
 
 @dataclass
@@ -125,20 +128,28 @@ class IoWorker:
         start = time.perf_counter()
         n = len(task.keys)
         if task.cancelled.is_set():
+            if task.stream is not None:
+                task.stream.finish([])
             return IoResult([False] * n, [None] * n, 0.0, "cancelled")
         origins: list[str | None] = [None] * n
         try:
             if task.kind is IoKind.READ:
                 ok = self.backend.get_into(task.keys, task.host_pages, origins)
+            elif task.kind is IoKind.READ_LAYERS:
+                assert task.stream is not None, "a READ_LAYERS task needs its stream"
+                ok = self.backend.read_layers(task.keys, task.host_pages, task.stream,  # type: ignore[attr-defined]
+                                              origins)
             else:
                 ok = self.backend.put_from(task.keys, task.host_pages, task.origin,
                                            task.namespace, session=task.session)
         except Exception as exc:  # storage down or broken: count, log, survive
             log.warning("io worker %s: %s of %d pages failed: %s", self.name, task.kind.value, n, exc)
+            if task.stream is not None:
+                task.stream.finish([])  # wakes whoever waits on a layer
             self._count(tasks_failed=1, pages_failed=n)
             return IoResult([False] * n, origins, time.perf_counter() - start, str(exc))
         done = sum(ok)
-        key = "pages_read" if task.kind is IoKind.READ else "pages_written"
+        key = "pages_written" if task.kind is IoKind.WRITE else "pages_read"
         self._count(tasks_done=1, pages_failed=n - done, **{key: done})
         return IoResult(list(ok), origins, time.perf_counter() - start)
 

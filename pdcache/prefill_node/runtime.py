@@ -20,6 +20,7 @@ from fastapi import FastAPI
 
 from pdcache.config import NodeSetup
 from pdcache.offload_manager.builder import build_tiered_engine
+from pdcache.offload_manager.pending import PendingPages
 from pdcache.prefill_node.app import PrefillApp
 from pdcache.prefill_node.controller import PrefillController
 from pdcache.prefill_node.scheduler import PrefillScheduler
@@ -40,14 +41,18 @@ class PrefillRuntime:
         self.config = ServerConfig.of(setup)
         self.controller = PrefillController(
             setup.name, wait_for_decode=setup.transfer.prefill_waits_for_decode)
+        # page writes decode nodes announce (KVSender feeds it, HiCache waits on it: §4.10)
+        self.pending = PendingPages()
         self.tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers,
-                                          PrefillScheduler, pd=self.controller)
+                                          PrefillScheduler, pending=self.pending,
+                                          pd=self.controller)
         self.engine = self.tiered.engine
         self.sender = KVSender(setup.transfer, self.engine.pool.device_kv, setup.host,
                                setup.bootstrap_port or 0, on_release=self.controller.on_release,
                                prefill_id=setup.name,
                                on_requested=self.controller.decode_requested,
-                               control_key=setup.security.zmq_control_key)
+                               control_key=setup.security.zmq_control_key,
+                               on_pages=self.pending)
         self.controller.attach(self.engine, self.sender)
         self.routes = routes_for(self.engine, self.config)
         self.routes.bridge.metrics.registry.register(  # dropped control messages, by kind

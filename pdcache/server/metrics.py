@@ -71,6 +71,12 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
                                       "storage reads that missed, failed or were not queued"),
     "pdcache_prefetch_abandoned_pages": ("counter", "", {"": "prefetch_abandoned_pages"},
                                          "prefetched pages not used (late, or after a gap)"),
+    "pdcache_prefetch_streamed_pages": ("counter", "", {"": "prefetch_streamed_pages"},
+                                        "prefetched pages read layer-major while the forward "
+                                        "ran (cache.prefetch_layerwise)"),
+    "pdcache_prefetch_stream_failed_loads": ("counter", "", {"": "stream_failed_loads"},
+                                             "layer-streamed loads whose pages failed "
+                                             "verification after use (request recomputed)"),
     "pdcache_backup_pages": ("counter", "tier", {"host": "backup_host_pages",
                                                  "storage": "backup_storage_pages"},
                              "pages backed up, by destination tier"),
@@ -85,6 +91,19 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
                                    "host copies dropped by host eviction (host_eviction policy)"),
     "pdcache_host_released_pages": ("counter", "", {"": "host_released_pages"},
                                     "exclusive host: host copies freed once loaded on device"),
+    "pdcache_pending_pages": ("counter", "outcome", {"found": "pending_found_pages",
+                                                     "waited": "pending_waited_pages",
+                                                     "raced": "pending_raced_pages"},
+                              "pages a decode node was still writing when a lookup needed "
+                              "them (found), then read after waiting (waited) or recomputed "
+                              "(raced)"),
+    "pdcache_pending_wait_seconds": ("counter", "", {"": "pending_wait_s"},
+                                     "lookup to admission of the requests that waited for "
+                                     "pending pages, summed"),
+    "pdcache_pending_wait_requests": ("counter", "", {"": "pending_wait_requests"},
+                                      "requests that waited for pending pages"),
+    "pdcache_pending_keys": ("gauge", "", {"": "pending_keys_tracked"},
+                             "decode-announced page writes this node tracks (pending or landed)"),
     "pdcache_sessions_tracked": ("gauge", "", {"": "sessions_tracked"},
                                  "conversations the eviction policies know of"),
     "pdcache_storage_errors": ("counter", "kind", {

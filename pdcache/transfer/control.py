@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import zmq
 
-from pdcache.transfer.messages import Message, MessageError, decode, encode
+from pdcache.transfer.messages import Message, MessageError, Register, decode, encode
 from pdcache.utils.message_auth import TRAILER_BYTES, AuthError, MessageAuth
 
 logger = logging.getLogger(__name__)
@@ -184,10 +184,14 @@ LINK_ID_BYTES = 16  # a decode's per-boot random ZMQ routing id, one per prefill
 
 
 def seal(msg: Message, auth: MessageAuth | None, link_id: bytes = b"") -> bytes:
-    """`msg` encoded, and sealed when the control plane is authenticated. Prefill seals its
-    frames with `link_id`, the receiving decode socket's routing id (a random per-boot id the
-    decode chose, `LINK_ID_BYTES`), as MAC context: a frame sealed for one decode, or for a
-    decode before its restart, does not open on another (docs/security.md)."""
+    """`msg` encoded, and sealed when the control plane is authenticated, with MAC context
+    `link_id` (docs/security.md), which binds the frame to one link in one direction:
+    - prefill → decode: the receiving decode socket's routing id (a random per-boot id the
+      decode chose, `LINK_ID_BYTES`);
+    - decode → prefill: that same routing id followed by the prefill's per-boot id (from its
+      RegisterAck). Only `Register`, sent before the decode knows the boot id, is sealed with
+      the routing id alone.
+    So a frame sealed for one node, or for a node before its restart, opens on no other."""
     frame = encode(msg)
     return frame if auth is None else auth.seal(frame, context=link_id)
 
@@ -216,4 +220,38 @@ def parse(
         return None
 
 
-__all__ = ["ControlLoop", "RejectCounter", "control_auth", "encode", "parse", "seal"]
+def parse_from_decode(
+    frame: bytes,
+    max_bytes: int,
+    rejects: RejectCounter,
+    auth: MessageAuth | None,
+    identity: bytes,
+    boot_id: bytes,
+) -> Message | None:
+    """`parse` for the prefill side: a frame must open under this link and boot (`seal`);
+    one that opens under the link alone is accepted only if it is a `Register`."""
+    if auth is None:
+        return parse(frame, max_bytes, rejects, "decode")
+    if len(frame) > max_bytes + TRAILER_BYTES:  # never hash an oversized frame
+        rejects.record(MessageError("oversized", f"{len(frame)} bytes > limit {max_bytes}"),
+                       "decode")
+        return None
+    for context in (identity + boot_id, identity):
+        try:
+            opened = auth.open_(frame, context=context)
+        except AuthError as err:
+            if err.kind == "unauthenticated" and context != identity:
+                continue  # not bound to this boot: perhaps a Register
+            rejects.record(MessageError(err.kind, str(err)), "decode")
+            return None
+        msg = parse(opened, max_bytes, rejects, "decode")
+        if msg is None or context != identity or isinstance(msg, Register):
+            return msg
+        rejects.record(MessageError("unauthenticated", f"{msg.TYPE} not bound to this boot"),
+                       "decode")
+        return None
+    return None
+
+
+__all__ = ["ControlLoop", "RejectCounter", "control_auth", "encode", "parse",
+           "parse_from_decode", "seal"]

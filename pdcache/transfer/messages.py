@@ -1,7 +1,7 @@
 """Typed control-plane messages, msgpack-encoded, with strict decoding.
 
-Wire format (protocol version 3): one ZMQ frame holding a msgpack map
-`{"v": 3, "t": "<type>", <field>: <value>, ...}`; a field whose type is a dataclass (`Done`'s
+Wire format (protocol version 4): one ZMQ frame holding a msgpack map
+`{"v": 4, "t": "<type>", <field>: <value>, ...}`; a field whose type is a dataclass (`Done`'s
 `PrefillReport` and its `CachedTokens`) is a nested map of exactly its fields. Decoding
 rejects — with a `MessageError` whose `kind` names the cause — anything oversized, not
 msgpack, not a map, of another version, of an unknown type, with missing or extra fields (at
@@ -10,9 +10,13 @@ or state; it is pure and thread-safe.
 
 Version 2 replaced version 1's free-form `done.stats` map and `done.first_token` with the
 typed `done.report`. Version 3 added `report.first_logprob` and `report.input_logprobs`
-(the first token's logprob and the prompt logprobs, packed by `pack_logprobs`); a version 2
-message is still accepted (those two fields absent: no logprobs), and is the only older
-version that is.
+(the first token's logprob and the prompt logprobs, packed by `pack_logprobs`). Version 4
+added `register_ack.boot_id`, the prefill sender's random per-boot id, which an authenticated
+decode binds every later frame to (docs/security.md), and two decode → prefill messages,
+`pages_pending` and `pages_settled` (the durable next turn, docs/design.md §4.10). Versions 2
+and 3 are still accepted (the fields they lack take their defaults: no logprobs, no boot id;
+the two new types are refused in them); an authenticated control plane needs version 4 on
+both sides, since its MAC contexts include the boot id.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ import numpy as np
 
 from pdcache.engine.api import CachedTokens, LogprobRequest, TokenLogprob
 
-PROTOCOL_VERSION = 3
-ACCEPTED_VERSIONS = (2, 3)
+PROTOCOL_VERSION = 4
+ACCEPTED_VERSIONS = (2, 3, 4)
 MAX_ROOM_ID = (1 << 63) - 1
 MAX_CONTAINER_ITEMS = 256  # entries of any msgpack array or map
 _INT64_MAX = (1 << 63) - 1
+PAGE_KEY_BYTES = 32  # a stored page's key (SHA-256, docs/design.md §4.2)
+MAX_KEYS_PER_MESSAGE = 4096  # pages_pending / pages_settled: 128 KiB of keys at most
 
 
 class MessageError(ValueError):
@@ -81,6 +87,7 @@ class RegisterAck(Message):
     TYPE: ClassVar[str] = "register_ack"
     prefill_id: str
     error: str
+    boot_id: bytes = b""  # since version 4: the sender's random per-boot id
 
 
 @dataclass(frozen=True)
@@ -171,15 +178,61 @@ class Pong(Message):
     seq: int
 
 
+@dataclass(frozen=True)
+class PagesPending(Message):
+    """Decode → every registered prefill peer (since version 4): decode's offload has
+    scheduled these stored-page keys (`PAGE_KEY_BYTES` each, concatenated) for a storage
+    write; a prefill may wait for them instead of recomputing. The mark is void after
+    `ttl_ms` unless `pages_settled` comes first."""
+
+    TYPE: ClassVar[str] = "pages_pending"
+    keys: bytes
+    ttl_ms: int
+
+    def key_list(self) -> list[bytes]:
+        return split_keys(self.keys)
+
+
+@dataclass(frozen=True)
+class PagesSettled(Message):
+    """Decode → every registered prefill peer (since version 4): the write of these keys
+    ended; `landed[i]` is 1 when key i is committed in storage (readable now), 0 when it will
+    not come (dropped under backpressure, or the write failed)."""
+
+    TYPE: ClassVar[str] = "pages_settled"
+    keys: bytes
+    landed: bytes
+
+    def key_list(self) -> list[bytes]:
+        return split_keys(self.keys)
+
+    def landed_list(self) -> list[bool]:
+        return [bool(b) for b in self.landed]
+
+
+def pack_keys(keys: list[bytes]) -> bytes:
+    """Page keys as the bytes `pages_pending` / `pages_settled` carry."""
+    if any(len(key) != PAGE_KEY_BYTES for key in keys):
+        raise ValueError(f"page keys must be {PAGE_KEY_BYTES} bytes")
+    return b"".join(keys)
+
+
+def split_keys(raw: bytes) -> list[bytes]:
+    return [raw[i : i + PAGE_KEY_BYTES] for i in range(0, len(raw), PAGE_KEY_BYTES)]
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Register, RegisterAck, RoomRequest, Started, Done, Abort, AbortAck, Ping, Pong)
+    for cls in (Register, RegisterAck, RoomRequest, Started, Done, Abort, AbortAck, Ping, Pong,
+                PagesPending, PagesSettled)
 }
 _NESTED: tuple[type, ...] = (PrefillReport, CachedTokens)  # dataclasses allowed as fields
-# fields a version 2 sender does not send: their defaults apply
-_SINCE_V3: Mapping[type, frozenset[str]] = MappingProxyType({
-    PrefillReport: frozenset({"first_logprob", "input_logprobs"}),
+# fields an older sender does not send, by the version that added them: their defaults apply
+_ADDED_IN: Mapping[int, Mapping[type, frozenset[str]]] = MappingProxyType({
+    3: MappingProxyType({PrefillReport: frozenset({"first_logprob", "input_logprobs"})}),
+    4: MappingProxyType({RegisterAck: frozenset({"boot_id"})}),
 })
+_SINCE_V4: frozenset[type] = frozenset({PagesPending, PagesSettled})  # message types
 _LOGPROB_HEADER = np.dtype("<i4")
 
 
@@ -316,8 +369,8 @@ def decode(raw: bytes | memoryview, max_bytes: int) -> Message:
                                       f"{ACCEPTED_VERSIONS}")
     type_tag = body.pop("t", None)
     cls = MESSAGE_TYPES.get(type_tag) if isinstance(type_tag, str) else None
-    if cls is None:
-        raise MessageError("unknown_type", f"message type {type_tag!r}")
+    if cls is None or (version < 4 and cls in _SINCE_V4):
+        raise MessageError("unknown_type", f"message type {type_tag!r} (version {version})")
     msg = _build(cls, body, type_tag, version)
     if isinstance(msg, Done):  # the packed logprobs must be ones pack_logprobs wrote
         unpack_logprobs(msg.report.first_logprob)
@@ -339,13 +392,14 @@ def _unpack(raw: bytes | memoryview, max_bytes: int) -> Any:
 
 def _build(cls: type, body: dict[str, Any], where: str, version: int) -> Any:
     """`cls(**body)` once `body` has exactly `cls`'s fields, each of its type (nested
-    dataclass fields are maps, built the same way); a version 2 body may lack the fields
-    version 3 added."""
+    dataclass fields are maps, built the same way); an older version's body may lack the
+    fields later versions added."""
     expected = dict(_FIELDS[cls])
-    if version < 3:
-        for name in _SINCE_V3.get(cls, ()):
-            if name not in body:
-                expected.pop(name)
+    for added_in, added in _ADDED_IN.items():
+        if version < added_in:
+            for name in added.get(cls, ()):
+                if name not in body:
+                    expected.pop(name)
     missing = [name for name in expected if name not in body]
     extra = [name for name in body if name not in expected]
     if missing or extra:
@@ -372,6 +426,19 @@ def _check_ranges(msg: Message) -> None:
     _check_ints(dataclasses.asdict(msg), msg.TYPE)
     if isinstance(msg, RoomRequest):
         _check_pages(msg)
+    if isinstance(msg, PagesPending | PagesSettled):
+        _check_keys(msg)
+
+
+def _check_keys(msg: PagesPending | PagesSettled) -> None:
+    count, rest = divmod(len(msg.keys), PAGE_KEY_BYTES)
+    if rest or not 0 < count <= MAX_KEYS_PER_MESSAGE:
+        raise MessageError("bad_field", f"{msg.TYPE}.keys: {len(msg.keys)} bytes")
+    if isinstance(msg, PagesPending) and msg.ttl_ms == 0:
+        raise MessageError("bad_field", "pages_pending.ttl_ms: 0")
+    if isinstance(msg, PagesSettled) and (
+            len(msg.landed) != count or any(b > 1 for b in msg.landed)):
+        raise MessageError("bad_field", "pages_settled.landed: one 0/1 byte per key expected")
 
 
 def _check_ints(fields: dict[str, Any], where: str) -> None:

@@ -55,10 +55,14 @@ from pdcache.transfer.engines.base import create_engine
 from pdcache.transfer.errors import TransferError, TransferTimeout
 from pdcache.transfer.layout import KVLayout
 from pdcache.transfer.messages import (
+    MAX_KEYS_PER_MESSAGE,
     Abort,
     AbortAck,
     Done,
+    Message,
     MessageError,
+    PagesPending,
+    PagesSettled,
     Ping,
     Pong,
     PrefillReport,
@@ -66,6 +70,7 @@ from pdcache.transfer.messages import (
     RegisterAck,
     RoomRequest,
     Started,
+    pack_keys,
     pack_pages,
 )
 from pdcache.transfer.rooms import (
@@ -116,6 +121,10 @@ class _Peer:
     socket: zmq.Socket
     link_id: bytes  # this socket's random routing id: prefill's frames are MAC'd for it
     ready: threading.Event = field(default_factory=threading.Event)
+    # The prefill's per-boot id from its RegisterAck: with authentication every frame after
+    # Register is MAC'd for link_id + prefill_boot, so frames wait in `held` until it came.
+    prefill_boot: bytes | None = None
+    held: list[Message] = field(default_factory=list)
     error: str = ""
     prefill_id: str = ""
     last_seen: float = field(default_factory=time.monotonic)
@@ -140,7 +149,8 @@ class KVReceiver:
         self._peers: dict[str, _Peer] = {}  # control thread only
         self.rejects = RejectCounter(f"decode {self.decode_id}")
         self.counters = {"bytes_received": 0, "peers_lost": 0, "abort_ack_timeouts": 0,
-                         "messages_in": 0, "unexpected_messages": 0}
+                         "messages_in": 0, "unexpected_messages": 0,
+                         "pending_pages_announced": 0, "settled_pages_announced": 0}
         self._seq = itertools.count(1)
         self._loop = ControlLoop("decode-transfer", _tick_s(config), self._tick)
         self.engine = None
@@ -197,8 +207,8 @@ class KVReceiver:
             raise ValueError(f"room {room}: destination pages repeat")
         data = _RecvRoom(bootstrap_addr, dst, int(num_tokens))
         self.rooms.create(room, RoomState.BOOTSTRAPPING, self.config.room_timeout_s, data)
-        frame = seal(RoomRequest(room, pack_pages(dst), int(num_tokens)), self._auth)
-        self._loop.call_soon(lambda: self._send_request(room, bootstrap_addr, frame))
+        request = RoomRequest(room, pack_pages(dst), int(num_tokens))
+        self._loop.call_soon(lambda: self._send_request(room, bootstrap_addr, request))
 
     def wait(self, room: int, timeout_s: float | None = None) -> TransferResult:
         """Block until the room's KV has landed. On failure raise TransferError; on timeout
@@ -218,6 +228,35 @@ class KVReceiver:
 
     def abort(self, room: int, reason: str = "aborted by decode") -> None:
         self._fail_local(room, reason, code="aborted")
+
+    def announce_pending(self, keys: list[bytes], ttl_s: float) -> None:
+        """Tell every registered prefill peer that decode's offload will write these page
+        keys to storage within `ttl_s` (`PagesPending`; any thread, never blocks: the frames
+        leave from the control thread). Docs: design.md §4.10."""
+        ttl_ms = max(1, int(ttl_s * 1000))
+        for start in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
+            chunk = keys[start : start + MAX_KEYS_PER_MESSAGE]
+            self._broadcast(PagesPending(pack_keys(chunk), ttl_ms), "pending_pages_announced",
+                            len(chunk))
+
+    def announce_settled(self, keys: list[bytes], landed: list[bool]) -> None:
+        """Tell every registered prefill peer how the write of these keys ended
+        (`PagesSettled`: committed in storage, or not coming); any thread."""
+        for start in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
+            chunk = keys[start : start + MAX_KEYS_PER_MESSAGE]
+            flags = bytes(1 if ok else 0 for ok in landed[start : start + len(chunk)])
+            self._broadcast(PagesSettled(pack_keys(chunk), flags), "settled_pages_announced",
+                            len(chunk))
+
+    def _broadcast(self, msg: PagesPending | PagesSettled, counter: str, pages: int) -> None:
+        def send() -> None:  # control thread: the only one touching `_peers` and sockets
+            peers = [p for p in self._peers.values() if p.ready.is_set() and not p.error]
+            for peer in peers:
+                self._send_frame(peer, msg)  # sealed per peer: each has its own link and boot
+            if peers:
+                self.counters[counter] += pages
+
+        self._loop.call_soon(send)
 
     def stats(self) -> dict[str, Any]:
         return {"rooms": self.rooms.snapshot(), "rejected": self.rejects.snapshot(),
@@ -262,8 +301,8 @@ class KVReceiver:
         current.data.timed_out = code == "timeout"
         if not self._finish(room, RoomState.FAILED, reason, busy=True, code=code):
             return
-        frame = seal(Abort(room, reason, code), self._auth)
-        self._loop.call_soon(lambda: self._send_abort(room, current.data.peer_addr, frame))
+        abort = Abort(room, reason, code)
+        self._loop.call_soon(lambda: self._send_abort(room, current.data.peer_addr, abort))
 
     def _released(self, outcome: Outcome) -> None:
         if self._user_release is not None:
@@ -288,27 +327,34 @@ class KVReceiver:
         register = Register(self.decode_id, self.config.engine, self._session,
                             self.layout.base_addr, self.layout.num_layers, self.layout.num_pages,
                             self.layout.page_bytes)
-        sock.send(seal(register, self._auth), zmq.NOBLOCK)
+        sock.send(seal(register, self._auth, link_id), zmq.NOBLOCK)
         return peer
 
-    def _send_request(self, room: int, addr: str, frame: bytes) -> None:
+    def _send_request(self, room: int, addr: str, request: RoomRequest) -> None:
         current = self.rooms.get(room)
         if current is None or current.state.terminal:
             return  # aborted before it left
         peer = self._ensure_peer(addr)
-        self._send_frame(peer, frame)
+        self._send_frame(peer, request)
         current.data.request_sent = True
         if peer.ready.is_set() and not peer.error:
             self._advance(room, RoomState.WAITING_FOR_INPUT)
 
-    def _send_abort(self, room: int, addr: str, frame: bytes) -> None:
+    def _send_abort(self, room: int, addr: str, abort: Abort) -> None:
         peer = self._peers.get(addr)
         if peer is None:
             self.rooms.set_idle(room)  # no live peer can write into the pages
             return
-        self._send_frame(peer, frame)
+        self._send_frame(peer, abort)
 
-    def _send_frame(self, peer: _Peer, frame: bytes) -> None:
+    def _send_frame(self, peer: _Peer, msg: Message) -> None:
+        """Seal and send `msg`; authenticated, hold it until the prefill's boot id is known
+        (pings are dropped instead: the RegisterAck itself shows the peer is alive)."""
+        if self._auth is not None and peer.prefill_boot is None:
+            if not isinstance(msg, Ping):
+                peer.held.append(msg)
+            return
+        frame = seal(msg, self._auth, peer.link_id + (peer.prefill_boot or b""))
         try:
             peer.socket.send(frame, zmq.NOBLOCK)
         except zmq.Again:
@@ -347,17 +393,24 @@ class KVReceiver:
 
     def _on_register_ack(self, peer: _Peer, msg: RegisterAck) -> None:
         peer.prefill_id, peer.error = msg.prefill_id, msg.error
+        if self._auth is not None and not msg.boot_id and not msg.error:
+            peer.error = "prefill sent no boot id (protocol < 4): cannot authenticate to it"
+        peer.prefill_boot = msg.boot_id
+        held, peer.held = peer.held, []
+        if not peer.error:
+            for waiting in held:
+                self._send_frame(peer, waiting)
         peer.ready.set()
         # Rooms whose request has not left yet advance when it does (`_send_request`).
         mine = self.rooms.select(lambda r: r.data.peer_addr == peer.addr
                                  and r.state is RoomState.BOOTSTRAPPING and r.data.request_sent)
         for room in mine:
-            if msg.error:
-                self._finish(room, RoomState.FAILED, f"prefill {peer.addr} refused: {msg.error}",
+            if peer.error:
+                self._finish(room, RoomState.FAILED, f"prefill {peer.addr} refused: {peer.error}",
                              code="refused")
             else:
                 self._advance(room, RoomState.WAITING_FOR_INPUT)
-        if msg.error:
+        if peer.error:
             self._drop_peer(peer)
 
     def _on_started(self, peer: _Peer, msg: Started) -> None:
@@ -411,7 +464,7 @@ class KVReceiver:
                 self._peer_lost(peer, now)
             elif now - peer.last_ping >= self.config.heartbeat_interval_s:
                 peer.last_ping = now
-                self._send_frame(peer, seal(Ping(next(self._seq)), self._auth))
+                self._send_frame(peer, Ping(next(self._seq)))
         for room in self.rooms.select(lambda r: not r.state.terminal and r.deadline < now):
             self._fail_local(room, "room deadline passed", code="timeout")
         ack_limit = self.config.abort_ack_timeout_s
@@ -429,7 +482,7 @@ class KVReceiver:
         reason = f"prefill peer {peer.addr} lost (no heartbeat for {silent:.1f}s)"
         mine = self.rooms.select(lambda r: r.data.peer_addr == peer.addr)
         for room in mine:  # best effort: a peer that only stalled stops writing these pages
-            self._send_frame(peer, seal(Abort(room, reason, "timeout"), self._auth))
+            self._send_frame(peer, Abort(room, reason, "timeout"))
         self._drop_peer(peer, linger_ms=100)
         for room in mine:
             # A dead peer writes nothing more: fail and release at once.

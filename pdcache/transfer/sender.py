@@ -30,20 +30,28 @@ SUCCESS or FAILED, the node frees (or keeps in its cache) the source pages then.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import zmq
 
 from pdcache.transfer.config import TransferConfig
-from pdcache.transfer.control import ControlLoop, RejectCounter, control_auth, parse, seal
+from pdcache.transfer.control import (
+    LINK_ID_BYTES,
+    ControlLoop,
+    RejectCounter,
+    control_auth,
+    parse_from_decode,
+    seal,
+)
 from pdcache.transfer.engines.base import EngineError, EngineTimeout, create_engine
 from pdcache.transfer.layout import KVLayout, page_copy_batch
 from pdcache.transfer.messages import (
@@ -53,6 +61,8 @@ from pdcache.transfer.messages import (
     Done,
     Message,
     MessageError,
+    PagesPending,
+    PagesSettled,
     Ping,
     Pong,
     PrefillReport,
@@ -97,6 +107,15 @@ class _SendRoom:
     nbytes: int = 0
 
 
+class PendingPagesSink(Protocol):
+    """Where the pages decode announces go (the node's `PendingPages`, docs/design.md
+    §4.10); called on the control thread, so it must be thread-safe and quick."""
+
+    def pending(self, keys: list[bytes], ttl_s: float) -> None: ...
+
+    def settled(self, keys: list[bytes], landed: list[bool]) -> None: ...
+
+
 class KVSender:
     """The prefill node's end of the KV transfer; see the module docstring."""
 
@@ -104,16 +123,23 @@ class KVSender:
                  bind_host: str = "127.0.0.1", port: int = 0,
                  on_release: ReleaseCallback | None = None, prefill_id: str = "",
                  on_requested: Callable[[int], None] | None = None,
-                 control_key: bytes | None = None) -> None:
+                 control_key: bytes | None = None,
+                 on_pages: PendingPagesSink | None = None) -> None:
         """`control_key`: derive_key(cluster secret, "zmq-control") authenticates every
-        control message (docs/security.md); None: unauthenticated (no secret)."""
+        control message (docs/security.md); None: unauthenticated (no secret). `on_pages`
+        gets registered decode peers' `pages_pending` / `pages_settled` (None: ignored)."""
         self.config = config
+        self._on_pages = on_pages
         self._auth = control_auth(control_key, "prefill")
         self._on_requested = on_requested
         self.layout = KVLayout.from_tensor(device_kv)
         self._kv = device_kv  # keeps the pool alive while the engine reads it
         self._bind_host, self._port = bind_host, port
         self.prefill_id = prefill_id or f"prefill-{uuid.uuid4().hex[:8]}"
+        # New per boot: decodes bind their frames to it (RegisterAck.boot_id, control.py), so
+        # a frame captured on its way to another prefill, or to this one before a restart,
+        # does not open here.
+        self.boot_id = os.urandom(LINK_ID_BYTES)
         self._user_release = on_release
         self.rooms = RoomTable("prefill", config.finished_rooms_kept, self._released)
         self._peers: dict[bytes, _Peer] = {}
@@ -364,7 +390,8 @@ class KVSender:
         if len(frames) != 2:
             self.rejects.record(MessageError("malformed", f"{len(frames) - 1} frames"), "decode")
             return
-        msg = parse(frames[1], self.config.max_message_bytes, self.rejects, "decode", self._auth)
+        msg = parse_from_decode(frames[1], self.config.max_message_bytes, self.rejects,
+                                self._auth, identity, self.boot_id)
         if msg is None:
             return
         self._count("messages_in")
@@ -399,7 +426,7 @@ class KVSender:
             layout = KVLayout(msg.base_addr, msg.num_layers, msg.num_pages, msg.page_bytes)
             with self._peers_lock:
                 self._peers[identity] = _Peer(identity, msg.decode_id, layout, engine_peer)
-        self._send(identity, RegisterAck(self.prefill_id, error))
+        self._send(identity, RegisterAck(self.prefill_id, error, self.boot_id))
 
     def _check_register(self, msg: Register) -> str:
         if msg.engine != self.config.engine:
@@ -480,8 +507,23 @@ class KVSender:
     def _on_ping(self, identity: bytes, msg: Ping) -> None:
         self._send(identity, Pong(msg.seq))
 
+    def _on_pages_pending(self, identity: bytes, msg: PagesPending) -> None:
+        peer = self._peer(identity)
+        if peer is None or self._on_pages is None:
+            self._count("unexpected_messages")
+            return
+        self._on_pages.pending(msg.key_list(), msg.ttl_ms / 1000)
+
+    def _on_pages_settled(self, identity: bytes, msg: PagesSettled) -> None:
+        peer = self._peer(identity)
+        if peer is None or self._on_pages is None:
+            self._count("unexpected_messages")
+            return
+        self._on_pages.settled(msg.key_list(), msg.landed_list())
+
     _HANDLERS = {Register: _on_register, RoomRequest: _on_room_request, Abort: _on_abort,
-                 Ping: _on_ping}
+                 Ping: _on_ping, PagesPending: _on_pages_pending,
+                 PagesSettled: _on_pages_settled}
 
     def _tick(self) -> None:
         now = time.monotonic()

@@ -46,6 +46,10 @@ class Registry(Generic[T]):
     def register(self, name: str, target: str, package: str | None = None) -> None:
         self._entries[name] = _Entry(target, package)
 
+    def unregister(self, name: str) -> None:
+        """Forget `name` (a plugin or test that registered it for a while); absent: no-op."""
+        self._entries.pop(name, None)
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 

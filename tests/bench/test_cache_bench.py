@@ -41,9 +41,10 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
     assert "TTFT by the tier" in printed and "storage read GB/s" in printed
     report = json.loads((tmp_path / "out.json").read_text())
     rows = {(r["N"], r["tier"]): r for r in report["rows"]}
-    assert set(rows) == {(n, t) for n in (32, 64) for t in tiers}
+    # --layerwise both (the default): hf3fs with the layer-streamed prefetch and without
+    assert set(rows) == {(n, t) for n in (32, 64) for t in [*tiers, "hf3fs-serial"]}
     expected_tier = {"recompute": "none", "device": "device", "host": "host", "hf3fs": "storage",
-                     "mooncake": "storage"}
+                     "hf3fs-serial": "storage", "mooncake": "storage"}
     for (n, tier), row in rows.items():
         assert row["hit_tier"] == expected_tier[tier], row
         assert row["reused_tokens"] == (0 if tier == "recompute" else n), row
@@ -55,3 +56,23 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
     assert "storage hf3fs" in paths
     assert all(r["read_GBps"] > 0 for r in report["bandwidth"])
     assert not list(tmp_path.glob("pdcache-cache-bench-*"))  # the temp dir is removed
+
+
+def test_keep_dir_reuses_the_stored_prefix(tmp_path) -> None:
+    """`--keep-dir`: a second run finds the prefix stored (its cold run is a storage hit, so
+    no recompute sample but the no-cache ones) and forgets what the first run's prompts
+    wrote past the prefix, so device and storage rows reuse exactly N from their own tier."""
+    keep = tmp_path / "keep"
+    for run in range(2):
+        args = bench_args(tmp_path / f"run{run}", "recompute,device,file")
+        args.keep_dir, args.no_bandwidth = str(keep), True
+        assert cache_bench.run(args) == 0
+        report = json.loads((tmp_path / f"run{run}" / "out.json").read_text())
+        rows = {(r["N"], r["tier"]): r for r in report["rows"]}
+        for n in (32, 64):
+            assert rows[(n, "recompute")]["runs"] == (2 if run == 0 else 1)
+            for tier, where in (("device", "device"), ("file", "storage"),
+                                ("file-serial", "storage")):
+                row = rows[(n, tier)]
+                assert (row["hit_tier"], row["reused_tokens"], row["exact"]) == (where, n, "yes")
+    assert (keep / "n32" / "hf3fs").is_dir()  # kept

@@ -368,3 +368,20 @@ def test_storage_eviction_from_flags_equals_from_topology(tmp_path: Path) -> Non
     assert (storage.session_protect_bytes, storage.session_idle_s) == (1 << 20, 60.0)
     assert from_flags("prefill", "--transfer-engine", "zmq",
                       *storage_flags(tmp_path)).tiers.storage.eviction == "lru"
+
+
+def test_layerwise_prefetch_key_and_flag_reach_hicache(tmp_path: Path) -> None:
+    """`[cache] prefetch_layerwise / prefetch_layers_per_read` (and `--prefetch-layerwise`)
+    land in HiCacheConfig; off by default; a step of 0 layers is refused."""
+    default = setup_for(pd(tmp_path), "p0", MODEL)
+    assert (default.tiers.hicache.layerwise_prefetch,
+            default.tiers.hicache.layerwise_read_layers) == (False, 1)
+    topo = setup_for(pd(tmp_path, cache="prefetch_layerwise = true\nprefetch_layers_per_read = 2"),
+                     "p0", MODEL)
+    assert (topo.tiers.hicache.layerwise_prefetch, topo.tiers.hicache.layerwise_read_layers) == (
+        True, 2)
+    flags = from_flags("prefill", "--name", "p0", "--port", "31001", "--bootstrap-port", "8998",
+                       "--prefetch-layerwise", *storage_flags(tmp_path))
+    assert flags.tiers.hicache.layerwise_prefetch is True
+    with pytest.raises(TopologyError, match="cache.prefetch_layers_per_read"):
+        pd(tmp_path, cache="prefetch_layers_per_read = 0")

@@ -183,6 +183,10 @@ BROKEN = [
     ("rdma over zmq", lambda s: s + '\n[transfer]\nengine = "zmq"\nprotocol = "rdma"\n',
      'transfer.protocol: "rdma" needs engine = "mooncake" or "nixl"'),
     ("not toml", lambda s: s + "\n[[[", "not valid TOML"),
+    ("relative fault_injection", lambda s: s.replace('backend = "hf3fs"', 'backend = "hf3fs"\nfault_injection = "delay"'),
+     'storage.fault_injection: expected an absolute path of the chaos control file, got "delay"'),
+    ("empty launch_prefix part", lambda s: s.replace("port = 30002", 'port = 30002\nlaunch_prefix = ["taskset", ""]'),
+     "node.d0.launch_prefix: expected non-empty strings"),
 ]
 
 
@@ -257,3 +261,15 @@ def test_node_reads_its_own_settings(tmp_path) -> None:
         node_from_args(_node_args("--config", str(path)), ["decode"])
     _, router = router_from_args(_node_args("--config", str(path), "--node", "router"))
     assert router.url == "http://127.0.0.1:8000"
+
+
+def test_chaos_keys_parse_and_default_off() -> None:
+    """`storage.fault_injection` and `launch_prefix` are off unless a topology sets them."""
+    plain = parse_topology(BASE, "x.toml")
+    assert plain.storage.fault_injection == "" and all(not n.launch_prefix for n in plain.nodes)
+    topology = parse_topology(BASE, "x.toml", [
+        'storage.fault_injection="/run/chaos/delay"',
+        'node.p0.launch_prefix=["nsenter", "--net=/run/netns/a", "--"]'])
+    assert topology.storage.fault_injection == "/run/chaos/delay"
+    assert topology.node("p0").launch_prefix == ("nsenter", "--net=/run/netns/a", "--")
+    assert topology.node("d0").launch_prefix == ()

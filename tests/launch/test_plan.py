@@ -131,3 +131,32 @@ def test_bad_placeholder_names_the_key() -> None:
     topology = parse_topology(NODE_WITH_COMMAND.replace("{model}", "{modle}"), "x.toml")
     with pytest.raises(TopologyError, match=r"x.toml: node.u0.command: bad placeholder in '\{modle\}'"):
         build_process_specs(topology, python=PY)
+
+
+def test_launch_prefix_goes_before_the_node_command_only() -> None:
+    topology = load_topology(REPO / "configs/local-1p1d.toml", [
+        'node.p0.launch_prefix=["numactl", "-N", "0"]', "node.d0.extra_args=[\"--log-level\", \"debug\"]"])
+    by_name = {s.name: s for s in build_process_specs(topology, python=PY, config_path="c")}
+    assert by_name["p0"].argv[:5] == ("numactl", "-N", "0", PY, "-m")
+    assert by_name["d0"].argv[0] == PY and by_name["d0"].argv[-2:] == ("--log-level", "debug")
+    assert by_name["metadata"].argv[0] == PY and by_name["router"].argv[0] == PY
+
+
+def test_namespace_hosts_launch_locally_with_their_prefix(tmp_path, capsys) -> None:
+    """Nodes on network-namespace addresses are a multi-host topology (so a secret is needed),
+    but without --ssh the launcher starts them here, each behind its launch_prefix."""
+    secret = tmp_path / "cluster.secret"
+    assert pdcache_main(["secret", "create", str(secret)]) == 0
+    overrides = [f'security.secret_file="{secret}"']
+    for name, addr in (("p0", "10.231.0.1"), ("d0", "10.231.0.2")):
+        overrides += [f'node.{name}.host="{addr}"',
+                      f'node.{name}.launch_prefix=["nsenter", "--net=/run/netns/ns-{name}", "--"]']
+    code = pdcache_main(["launch", str(REPO / "configs/local-1p1d.toml"), "--dry-run",
+                         *[a for o in overrides for a in ("--set", o)]])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "ssh" not in out
+    lines = [line for line in out.splitlines() if not line.startswith("#")]
+    p0 = next(line for line in lines if "prefill" in line)
+    assert shlex.split(p0.split("MC_TCP_BIND_ADDRESS=10.231.0.1 ", 1)[1])[:3] == [
+        "nsenter", "--net=/run/netns/ns-p0", "--"]

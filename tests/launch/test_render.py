@@ -345,3 +345,12 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+def test_launch_prefix_goes_before_the_rendered_server() -> None:
+    topology = load_topology(REPO / "configs/local-1p1d.toml",
+                             ['node.d0.launch_prefix=["numactl", "-N", "1"]'])
+    commands = {c.title: c for c in sglang_commands(topology)}
+    assert commands["decode server d0"].program[:3] == ("numactl", "-N", "1")
+    assert commands["decode server d0"].program[3:] == commands["prefill server p0"].program
+    assert "numactl -N 1 python3 -m sglang.launch_server" in render_sglang(topology)

@@ -85,9 +85,10 @@ def test_intruders_are_dropped_counted_and_the_node_keeps_serving(authed: Pair) 
     past = MessageAuth(
         KEY, b"decode", b"prefill", clock=lambda: time.time_ns() - int(2 * DEFAULT_WINDOW_S * 1e9)
     )
+    bound = LINK_ID + authed.sender.boot_id  # decode frames name the link and prefill's boot
     sock = _dealer(authed.sender.bootstrap_addr)
     try:
-        captured = decode_side.seal(encode(Ping(5)))
+        captured = decode_side.seal(encode(Ping(5)), context=bound)
         sock.send(captured)  # genuine: answered
         assert sock.poll(3000)
         pong = sock.recv()
@@ -99,7 +100,7 @@ def test_intruders_are_dropped_counted_and_the_node_keeps_serving(authed: Pair) 
             other_secret.seal(encode(Ping(2))),
             reflected.seal(encode(Ping(3))),
             captured,  # replayed
-            past.seal(encode(Ping(4))),  # outside the window
+            past.seal(encode(Ping(4)), context=bound),  # outside the window
             encode(Register("intruder", "zmq", b"x", 1 << 30, 4, 8, 4096)),
             bytes(authed.config.max_message_bytes + 100),  # refused before any hashing
         ):
@@ -199,12 +200,12 @@ def test_a_prefill_frame_sealed_for_one_decode_is_dropped_by_another() -> None:
             while len(links) < room:  # each decode sends its Register, then its RoomRequest
                 assert fake.poll(3000)
                 identity, frame = fake.recv_multipart()
-                msg = decode(control_auth(KEY, "prefill").open_(frame), 1 << 20)
+                msg = decode(control_auth(KEY, "prefill").open_(frame, context=identity), 1 << 20)
                 if msg.TYPE == "register":
                     links.append(identity)
         assert links[0] != links[1] and all(len(link) == 16 for link in links)
         ack_for_a = control_auth(KEY, "prefill").seal(
-            encode(RegisterAck("p0", "")), context=links[0]
+            encode(RegisterAck("p0", "", b"boot of fake p0!")), context=links[0]
         )
         fake.send_multipart([links[1], ack_for_a])  # replayed to decode B
         wait_until(
@@ -224,3 +225,44 @@ def test_a_prefill_frame_sealed_for_one_decode_is_dropped_by_another() -> None:
         for receiver in decodes:
             receiver.close()
         fake.close(linger=0)
+
+
+@pytest.mark.parametrize("per_boot", [True, False], ids=["boot_bound", "boot_shared"])
+def test_a_decode_frame_for_one_prefill_is_dropped_by_another(
+    per_boot: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode frames after Register are MAC'd for the link and the receiving prefill's
+    per-boot id (RegisterAck.boot_id). A genuine frame captured on its way to prefill A and
+    replayed to prefill B (same secret, same link id) is dropped and counted by B; a frame
+    bound to the link alone opens only as a Register. With both prefills sharing one boot id
+    (the binding off) the replay is answered: the boot id is what stops it."""
+    config = fast_config("zmq")
+    senders = [KVSender(config, make_pool(16, seed=1), control_key=KEY).start() for _ in range(2)]
+    if not per_boot:
+        monkeypatch.setattr(senders[1], "boot_id", senders[0].boot_id)
+    decode_side = control_auth(KEY, "decode")
+    socks = [_dealer(sender.bootstrap_addr) for sender in senders]
+    try:
+        for_a = decode_side.seal(encode(Ping(1)), context=LINK_ID + senders[0].boot_id)
+        socks[0].send(for_a)
+        assert socks[0].poll(3000)  # genuine for A: answered
+        socks[1].send(for_a)  # the captured frame, replayed to B
+        answered = socks[1].poll(500)
+        assert bool(answered) is not per_boot
+        link_only = decode_side.seal(encode(Ping(2)), context=LINK_ID)
+        socks[0].send(link_only)  # not a Register: must carry the boot id
+        expected_b = {"unauthenticated": 1} if per_boot else {}
+        wait_until(
+            lambda: senders[0].stats()["rejected"] == {"unauthenticated": 1}
+            and senders[1].stats()["rejected"] == expected_b,
+            3.0,
+            f"rejections, got {[s.stats()['rejected'] for s in senders]}",
+        )
+        reply = control_auth(KEY, "decode").open_(socks[0].recv(), context=LINK_ID)
+        assert decode(reply, 1 << 20) == Pong(1)
+        assert not socks[0].poll(200)  # the link-only Ping got no answer
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        for sender in senders:
+            sender.close()

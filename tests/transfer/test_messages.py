@@ -16,6 +16,7 @@ from pdcache.transfer.messages import (
     Ping,
     PrefillReport,
     Register,
+    RegisterAck,
     RoomRequest,
     decode,
     encode,
@@ -160,4 +161,17 @@ def test_the_version_table_is_read_only() -> None:
     from pdcache.transfer import messages
 
     with pytest.raises(TypeError):
-        messages._SINCE_V3[Abort] = frozenset()  # type: ignore[index]
+        messages._ADDED_IN[4][Abort] = frozenset()  # type: ignore[index]
+    with pytest.raises(TypeError):
+        messages._ADDED_IN[5] = {}  # type: ignore[index]
+
+
+# ---- version 4: the prefill's boot id in RegisterAck --------------------------------------
+def test_register_ack_carries_the_boot_id_and_older_acks_default_it() -> None:
+    ack = RegisterAck("p0", "", b"sixteen byte id!")
+    assert decode(encode(ack), LIMIT) == ack
+    for version in (2, 3):  # before version 4: no boot id, accepted with the default
+        raw = _raw({"v": version, "t": "register_ack", "prefill_id": "p0", "error": ""})
+        assert decode(raw, LIMIT) == RegisterAck("p0", "", b"")
+    v4 = {"v": PROTOCOL_VERSION, "t": "register_ack", "prefill_id": "p0", "error": ""}
+    assert _reject_kind(_raw(v4)) == "bad_field"  # version 4 must send it

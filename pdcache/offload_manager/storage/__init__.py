@@ -26,8 +26,22 @@ BACKENDS.register(
 
 
 def create_backend(config: StorageConfig) -> StorageBackend:
-    """The backend named by `config.backend`, opened with `config`."""
-    return BACKENDS.get(config.backend)(config)
+    """The backend named by `config.backend`, opened with `config`; wrapped in
+    `fault_injection.DelayInjectingBackend` when `config.write_delay_s` (an emulated slow
+    store) or `config.fault_injection` (the chaos-only control file, docs/chaos.md) is set."""
+    backend = BACKENDS.get(config.backend)(config)
+    if not config.fault_injection and config.write_delay_s <= 0:
+        return backend
+    from pathlib import Path
+
+    from pdcache.offload_manager.storage.fault_injection import DelayInjectingBackend
+
+    control = Path(config.fault_injection) if config.fault_injection else None
+    try:
+        return DelayInjectingBackend(backend, control, config.write_delay_s)
+    except BaseException:
+        backend.close()
+        raise
 
 
 def __getattr__(name: str) -> Any:

@@ -27,7 +27,7 @@ def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
     """StorageConfig keys (all but the page geometry) for a topology's `[storage]` table.
 
     `spec` is a `pdcache.config.StorageSpec` or anything with its attributes (backend,
-    path, capacity, io_engine, metadata, namespace, mooncake.*). The one mapping used by pdcache
+    path, capacity, io_engine, metadata, namespace, mooncake.*, fault_injection). The one mapping used by pdcache
     nodes (`pdcache.config.node_setup`), the SGLang plugin and the SGLang renderer, so both
     engines open the same storage. Mooncake keys appear only for the mooncake backend.
     """
@@ -45,6 +45,10 @@ def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
             session_protect_bytes=spec.session_protect_bytes,
             session_idle_s=spec.session_idle_s,
         )
+    if getattr(spec, "write_delay_s", 0.0):
+        keys["write_delay_s"] = spec.write_delay_s
+    if getattr(spec, "fault_injection", ""):  # chaos/test only: absent from normal configs
+        keys["fault_injection"] = spec.fault_injection
     if spec.backend == "mooncake":
         mooncake = spec.mooncake
         keys.update(
@@ -135,9 +139,18 @@ class StorageConfig:
     session_protect_share: float = 0.5
     session_protect_bytes: int = 0
     session_idle_s: float = 300.0
+    # every put_from call starts this much later (`fault_injection.DelayInjectingBackend`):
+    # emulates a slow or distant store; 0 = off
+    write_delay_s: float = 0.0
+    # Chaos/test only (docs/chaos.md): absolute path of a control file holding a delay in
+    # seconds that every storage call waits (`fault_injection.DelayInjectingBackend`); "" = off.
+    fault_injection: str = ""
 
     def __post_init__(self) -> None:
-        self._check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}")
+        from pdcache.offload_manager.storage import BACKENDS as REGISTERED
+
+        # any backend in the registry: the built-in ones, or one a plugin (or test) registered
+        self._check(self.backend in REGISTERED, "backend", f"must be one of {REGISTERED.names()}")
         self._check(self.io_engine in IO_ENGINES, "io_engine", f"must be one of {IO_ENGINES}")
         self._check(self.page_bytes > 0, "page_bytes", "must be > 0")
         self._check(self.capacity_pages >= 0, "capacity_pages", "must be >= 0")
@@ -145,6 +158,7 @@ class StorageConfig:
         self._check(self.io_threads >= 1, "io_threads", "must be >= 1")
         self._check(self.num_data_files >= 1, "num_data_files", "must be >= 1")
         self._check(self.timeout_s > 0, "timeout_s", "must be > 0")
+        self._check(self.write_delay_s >= 0, "write_delay_s", "must be >= 0")
         ok_meta = self.metadata == "inproc" or self.metadata.startswith("tcp://")
         self._check(ok_meta, "metadata", "must be 'inproc' or 'tcp://host:port'")
         if self.backend == "hf3fs":

@@ -30,6 +30,12 @@ import torch
 
 from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.config import StorageConfig
+from pdcache.offload_manager.storage.layer_reads import (
+    LayerStream,
+    count_verdicts,
+    page_reads,
+    read_layer_major,
+)
 from pdcache.offload_manager.storage.page_format import (
     HEADER_BYTES,
     HostPage,
@@ -116,6 +122,41 @@ class FileBackend(StorageBackend):
         if origins is not None:
             origins[:] = found
         return [origin is not None for origin in found]
+
+    def read_layers(self, keys: Sequence[bytes], host_pages: Sequence[torch.Tensor],
+                    stream: LayerStream, origins: list[str | None] | None = None) -> list[bool]:
+        """`get_into`, layer-major (`layer_reads.read_layer_major`): headers, then layer 0 of
+        every page, layer 1, ..., reported to `stream`; pages verified once complete. Every
+        page file stays open for the read (an eviction meanwhile unlinks, never changes it)."""
+        if len(keys) != len(host_pages):
+            raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
+        fds: list[int] = []
+
+        def locate(i: int) -> tuple[int, int] | None:
+            if len(fds) < i:  # an earlier page is missing: the usable prefix ended there
+                return None
+            try:
+                fds.append(os.open(self.page_path(keys[i]), os.O_RDONLY))
+            except OSError:
+                return None
+            return fds[-1], 0
+
+        try:
+            reads = page_reads(keys, host_pages, locate)
+            verdicts = read_layer_major(self.spec, reads, stream)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        for key, verdict in zip(keys, verdicts):
+            if verdict is not None and verdict[0] is Verdict.OK:
+                self._touch_read(key)
+        return count_verdicts(self.counters, self._rejected, self.spec.payload_bytes, keys,
+                              verdicts, origins)
+
+    @property
+    def streams_layers(self) -> bool:
+        """`read_layers` works on any directory."""
+        return True
 
     def put_from(
         self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill",

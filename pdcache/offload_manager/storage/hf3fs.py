@@ -32,6 +32,13 @@ import torch
 
 from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.config import StorageConfig
+from pdcache.offload_manager.storage.layer_reads import (
+    LayerStream,
+    PageVerdict,
+    count_verdicts,
+    page_reads,
+    read_layer_major,
+)
 from pdcache.offload_manager.storage.metadata import (
     BUSY,
     FULL,
@@ -351,6 +358,37 @@ class Hf3fsBackend(StorageBackend):
             if origins is not None:
                 origins[i] = origin
         return results
+
+    def read_layers(self, keys: Sequence[bytes], host_pages: Sequence[torch.Tensor],
+                    stream: LayerStream, origins: list[str | None] | None = None) -> list[bool]:
+        """`get_into`, layer-major (`layer_reads.read_layer_major`): headers, then layer 0 of
+        every page, layer 1, ..., reported to `stream`; pages verified once complete. Posix
+        engine only (`streams_layers`)."""
+        self._check_batch(keys, host_pages)
+        try:
+            slots = self.metadata.lookup(keys)
+        except MetadataUnavailable as exc:
+            self._metadata_down(exc)
+            self.counters.add("misses", len(keys))
+            stream.finish([])
+            return [False] * len(keys)
+
+        def locate(i: int) -> tuple[int, int] | None:
+            slot = slots[i]
+            return None if slot is None else self._where(slot)
+
+        verdicts = read_layer_major(self.spec, page_reads(keys, host_pages, locate), stream)
+        return self._count_verdicts(keys, verdicts, origins)
+
+    @property
+    def streams_layers(self) -> bool:
+        """Whether `read_layers` works here: positional reads straight into host pages."""
+        return isinstance(self.engine, PosixEngine)
+
+    def _count_verdicts(self, keys: Sequence[bytes], verdicts: Sequence[PageVerdict],
+                        origins: list[str | None] | None) -> list[bool]:
+        return count_verdicts(self.counters, self._rejected, self.spec.payload_bytes, keys,
+                              verdicts, origins)
 
     def put_from(
         self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill",

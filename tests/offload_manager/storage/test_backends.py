@@ -350,7 +350,7 @@ def test_mac_pages_detect_corruption_and_read_back_exactly(make_backend: Factory
     keys, pages = _keys(2), _pages(2)
     backend.put_from(keys, list(pages))
     blob = bytearray(backend.read_object(keys[1]))
-    assert blob[4] == 2  # format version 2: the page carries a MAC
+    assert blob[4] == 3  # format version 3: the page carries a MAC
     _flip_byte(backend, keys[1], HEADER_BYTES + 7)
     out = torch.zeros_like(pages)
     assert backend.get_into(keys, list(out)) == [True, False]

@@ -206,7 +206,7 @@ def test_registry_and_missing_usrbio_client(tmp_path) -> None:
         create_backend(cfg)
 
 
-# ---------------------------------------------------------------- authenticated pages (v2)
+# ---------------------------------------------------------------- authenticated pages (v3)
 
 MAC_KEY = bytes(range(100, 132))
 MAC_SPEC = dataclasses.replace(SPEC, mac_key=MAC_KEY)
@@ -222,9 +222,9 @@ def _recrc(blob: bytearray) -> bytes:
     return bytes(blob)
 
 
-def test_mac_pages_are_version_2_and_read_by_either_reader() -> None:
+def test_mac_pages_are_version_3_and_read_by_either_reader() -> None:
     blob = encode_object(MAC_SPEC, KEY, "decode", _payload())
-    assert blob[4] == 2 and any(blob[88:120])  # version 2, a MAC at offset 88
+    assert blob[4] == 3 and any(blob[88:124])  # version 3: writer id, nonce, tag at 88
     assert _verify(blob, MAC_SPEC) == (Verdict.OK, "decode")
     assert _verify(blob, SPEC) == (Verdict.OK, "decode")  # a keyless reader: checksum only
     v1 = encode_object(SPEC, KEY, "prefill", _payload())
@@ -245,7 +245,7 @@ def test_a_forgery_with_valid_checksum_and_crc_fails_only_the_mac(where: str) ->
     elif where == "origin":
         blob[4 + 2 + 2 + 32 + 16 + 4 + 4 + 1] = 1  # prefill -> decode
     else:
-        blob[100] ^= 0x01  # inside the MAC
+        blob[110] ^= 0x01  # inside the tag
     forged = _recrc(blob)
     assert _verify(forged, SPEC)[0] is Verdict.OK  # no key: the forgery passes
     assert _verify(forged, MAC_SPEC) == (Verdict.BAD_MAC, None)
@@ -259,8 +259,41 @@ def test_another_secrets_mac_and_bad_key_length_are_refused() -> None:
 
 
 def test_mac_over_runs_equals_mac_over_the_concatenated_page() -> None:
+    """A page sealed from its runs verifies as the whole page and vice versa (the streamed
+    GMAC equals the one-shot one); an edit in any one run fails it."""
     payload = bytes(_payload())
     runs = [memoryview(payload[:100]), memoryview(payload[100:700]), memoryview(payload[700:])]
-    assert encode_header(MAC_SPEC, KEY, "prefill", runs) == encode_header(
-        MAC_SPEC, KEY, "prefill", memoryview(payload)
-    )
+    from_runs = encode_header(MAC_SPEC, KEY, "prefill", runs) + payload
+    whole = encode_header(MAC_SPEC, KEY, "prefill", memoryview(payload)) + payload
+    for blob in (from_runs, whole):
+        assert _verify(blob, MAC_SPEC) == (Verdict.OK, "prefill")
+        head = blob[:HEADER_BYTES]
+        assert verify_page(MAC_SPEC, KEY, head, runs, len(blob)) == (Verdict.OK, "prefill")
+    edited = [runs[0], memoryview(bytes([payload[100] ^ 1]) + payload[101:700]), runs[2]]
+    verdict = verify_page(MAC_SPEC, KEY, from_runs[:HEADER_BYTES], edited, len(from_runs))
+    assert verdict == (Verdict.BAD_CHECKSUM, None)  # corruption, told apart from forgery
+
+
+def test_no_nonce_repeats_and_every_writer_verifies_every_other() -> None:
+    """Two writers of one key (two processes) seal under their own ids with counter nonces:
+    no (writer, nonce) pair repeats, and each reads the other's pages; a page whose writer id
+    is rewritten (to borrow another writer's subkey) fails."""
+    writer_a, writer_b = (dataclasses.replace(SPEC, mac_key=MAC_KEY) for _ in range(2))
+    blobs = [encode_object(w, KEY, "prefill", _payload(i)) for i in range(20) for w in (writer_a, writer_b)]
+    seals = {bytes(blob[88:108]) for blob in blobs}  # writer id + nonce
+    assert len(seals) == len(blobs) and len({bytes(b[88:96]) for b in blobs}) == 2
+    assert all(_verify(blob, writer_a)[0] is Verdict.OK for blob in blobs)
+    assert all(_verify(blob, writer_b)[0] is Verdict.OK for blob in blobs)
+    swapped = bytearray(blobs[0])
+    swapped[88:96] = blobs[1][88:96]
+    assert _verify(_recrc(swapped), writer_a) == (Verdict.BAD_MAC, None)
+
+
+def test_an_earlier_releases_blake3_mac_page_is_a_counted_mac_miss() -> None:
+    """Version-2 pages (keyed BLAKE3, the previous format) are readable without a key, by
+    checksum, and never trusted with one: they are recomputed and replaced."""
+    blob = bytearray(encode_object(MAC_SPEC, KEY, "prefill", _payload()))
+    blob[4] = 2
+    old = _recrc(blob)
+    assert _verify(old, SPEC) == (Verdict.OK, "prefill")
+    assert _verify(old, MAC_SPEC) == (Verdict.BAD_MAC, None)

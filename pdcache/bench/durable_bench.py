@@ -1,0 +1,167 @@
+"""`pdcache bench durable`: does turn t+1 find turn t's answer, with and without the wait for
+pending pages (docs/design.md §4.10)?
+
+One prefill and one decode node (real processes on loopback, file storage), driven
+like the router drives them: `--sessions` conversations at once, each turn sent the moment the
+previous one answered (zero think time), answers of `--answer-len` tokens. Decode writes each
+whole answer at its end (`--stride-pages` above the answer: the worst case for the race), to a
+store whose writes take `--write-delays` seconds longer (`storage.write_delay_s`, given to the
+decode node only; 0 = the store as it is). For every delay, a fresh stack with prefill's
+`pending_wait` on, then one with it off (`--no-pending-wait`); prefill's prefetch policy is
+`timeout` with its default deadline (2 s + 0.1 s per 1k tokens).
+
+Per row: the next turns' hit rate on the previous answers (storage_from_decode over the page
+floor of the answer), pages raced, the mean wait of the requests that met pending pages,
+next-turn TTFT, decode's storage write latency, and what pulling the awaited pages from
+decode's host staging over the transfer engine would have cost instead (their bytes at the
+P→D push rate measured in the same run, plus one control round trip) — the numbers behind
+not building the pull (docs/design.md §4.10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pdcache.bench.pd_bench import NodeProcess, pd_flags, pd_request, random_prompt
+from pdcache.bench.table import emit
+
+CONTROL_RTT_S = 0.0005  # one ZMQ request/answer on loopback (`pdcache bench` control RTT)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="tiny", help="model preset")
+    parser.add_argument("--sessions", type=int, default=8, help="concurrent conversations")
+    parser.add_argument("--turns", type=int, default=2,
+                        help="turns per session (the last one only probes its prompt)")
+    parser.add_argument("--answer-len", type=int, default=1024)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--message-len", type=int, default=8)
+    parser.add_argument("--write-delays", default="0,0.2",
+                        help="decode's storage write delays to run (seconds, comma-separated)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--device-pages", type=int, default=2048)
+    parser.add_argument("--host-pages", type=int, default=2048)
+    parser.add_argument("--stride-pages", type=int, default=256)
+    parser.add_argument("--storage-backend", default="file", choices=["file"],
+                        help="file: shared by both node processes without a metadata service")
+    parser.add_argument("--transfer-engine", default="zmq", choices=["mooncake", "zmq"])
+    parser.add_argument("--storage-dir", default=None, help="default: a temporary directory")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per request (s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = []
+    for delay in [float(x) for x in args.write_delays.split(",") if x.strip()]:
+        for wait in (True, False):
+            with tempfile.TemporaryDirectory(dir=args.storage_dir) as tmp:
+                rows.append(_measure(args, Path(tmp), delay, wait))
+    extra = {"preset": args.preset, "sessions": args.sessions, "turns": args.turns,
+             "answer_len": args.answer_len, "storage_backend": args.storage_backend,
+             "transfer_engine": args.transfer_engine, "stride_pages": args.stride_pages,
+             "pull_est": "awaited bytes / measured P->D push rate + one control RTT"}
+    emit("Durable next turn: next-turn hits on the previous answer, pending wait on vs off",
+         rows, args.json_path, extra=extra)
+    return 0
+
+
+def _measure(args: argparse.Namespace, tmp: Path, delay: float, wait: bool) -> dict[str, Any]:
+    storage = ["--storage-backend", args.storage_backend, "--storage-path", str(tmp / "s"),
+               "--storage-capacity", "4GiB"]
+    common = [*pd_flags(args), *storage]
+    nodes: list[NodeProcess] = []
+    try:
+        nodes.append(NodeProcess("prefill", [
+            *common, "--name", "p0", "--host-pages", str(args.host_pages),
+            "--prefetch-policy", "timeout", *([] if wait else ["--no-pending-wait"])]))
+        nodes.append(NodeProcess("decode", [
+            *common, "--name", "d0", "--storage-write-delay", str(delay),
+            "--offload-stride-pages", str(args.stride_pages),
+            "--offload-staging-pages", str(args.host_pages)]))
+        prefill, decode = nodes
+        with httpx.Client(timeout=args.timeout) as client:
+            with ThreadPoolExecutor(args.sessions) as pool:
+                turns = [t for s in pool.map(lambda i: _session(args, client, prefill, decode, i),
+                                             range(args.sessions)) for t in s]
+            p_metrics = client.get(f"{prefill.url}/metrics").text
+            d_metrics = client.get(f"{decode.url}/metrics").text
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+    return _row(args, delay, wait, turns, p_metrics, d_metrics)
+
+
+def _session(args: argparse.Namespace, client: httpx.Client, prefill: NodeProcess,
+             decode: NodeProcess, index: int) -> list[dict[str, Any]]:
+    rng = random.Random(f"durable-{index}")
+    prompt = random_prompt(rng, args.prompt_len + index)
+    out = []
+    previous: tuple[list[int], list[int]] | None = None
+    for turn in range(args.turns):
+        answer_len = args.answer_len if turn < args.turns - 1 else 1
+        _, p, d = pd_request(client, prefill.url, decode.url, prefill.bootstrap, prompt,
+                             answer_len)
+        meta = d["meta_info"]
+        record = {"ttft_s": meta["ttft_s"], "push_bytes": p["pd"]["bytes"],
+                  "push_s": p["pd"]["push_s"]}
+        if previous is not None:
+            prev_prompt, prev_answer = previous
+            size = args.page_size
+            record["expected"] = ((len(prev_prompt) + len(prev_answer) - 1) // size
+                                  - len(prev_prompt) // size) * size
+            record["found"] = meta["cached_tokens_details"]["storage_from_decode"]
+        out.append(record)
+        previous = (prompt, d["output_ids"])
+        prompt = prompt + d["output_ids"] + random_prompt(rng, args.message_len)
+    return out
+
+
+def _row(args: argparse.Namespace, delay: float, wait: bool, turns: list[dict[str, Any]],
+         p_metrics: str, d_metrics: str) -> dict[str, Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def value(text: str, name: str, **labels: str) -> float:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v
+                                               for k, v in labels.items()):
+                    return float(sample.value)
+        return 0.0
+
+    nexts = [t for t in turns if "expected" in t]
+    expected = sum(t["expected"] for t in nexts)
+    found = sum(t["found"] for t in nexts)
+    waited_requests = value(p_metrics, "pdcache_pending_wait_requests_total")
+    wait_s = value(p_metrics, "pdcache_pending_wait_seconds_total")
+    writes = value(d_metrics, "pdcache_decode_offload_write_latency_seconds_count")
+    write_s = value(d_metrics, "pdcache_decode_offload_write_latency_seconds_sum")
+    push_rate = sum(t["push_bytes"] for t in turns) / max(1e-9, sum(t["push_s"] for t in turns))
+    found_pages = value(p_metrics, "pdcache_pending_pages_total", outcome="found")
+    awaited_bytes = _page_bytes(args) * found_pages / max(1.0, waited_requests)
+    return {
+        "write_delay_s": delay,
+        "pending_wait": "on" if wait else "off",
+        "next_turn_hit": found / expected if expected else 0.0,
+        "pages_found_pending": int(found_pages),
+        "pages_waited": int(value(p_metrics, "pdcache_pending_pages_total", outcome="waited")),
+        "pages_raced": int(value(p_metrics, "pdcache_pending_pages_total", outcome="raced")),
+        "wait_ms_per_req": 1e3 * wait_s / waited_requests if waited_requests else 0.0,
+        "next_ttft_p50_s": statistics.median(t["ttft_s"] for t in nexts) if nexts else 0.0,
+        "decode_write_ms": 1e3 * write_s / writes if writes else 0.0,
+        "pull_est_ms_per_req": 1e3 * (awaited_bytes / push_rate + CONTROL_RTT_S)
+        if waited_requests else 0.0,
+    }
+
+
+def _page_bytes(args: argparse.Namespace) -> int:
+    """Bytes of one KV page of the preset (all layers' K and V)."""
+    from pdcache.engine.presets import PRESETS
+
+    return args.page_size * PRESETS[args.preset].kv_bytes_per_token

@@ -1,0 +1,71 @@
+"""DecodeOffloadManager's announcements (docs/design.md §4.10): every scheduled key is
+announced pending before its copy, and settled once its fate is known — landed when already
+stored or written, not coming when dropped. Fed straight into a prefill's `PendingPages` (the
+nodes put the control plane in between: tests/transfer/test_pending_messages.py)."""
+
+from __future__ import annotations
+
+import threading
+
+from pdcache.engine.page_keys import chain_page_keys, make_salt
+from pdcache.offload_manager.decode_offload import DecodeOffloadManager
+from pdcache.offload_manager.pending import PageState, PendingPages
+from tests.offload_manager.test_decode_offload import FP, PAGE, device_kv
+from tests.storage_doubles import DictBackend
+
+
+class IntoPendingPages:
+    """What KVReceiver + KVSender do, minus the sockets: announcements reach PendingPages."""
+
+    def __init__(self, pages: PendingPages) -> None:
+        self.pages = pages
+        self.ttls: list[float] = []
+
+    def announce_pending(self, keys: list[bytes], ttl_s: float) -> None:
+        self.ttls.append(ttl_s)
+        self.pages.pending(keys, ttl_s)
+
+    def announce_settled(self, keys: list[bytes], landed: list[bool]) -> None:
+        self.pages.settled(keys, landed)
+
+
+def test_scheduled_keys_are_pending_until_written_then_landed() -> None:
+    kv, storage, pages = device_kv(), DictBackend(), PendingPages()
+    tokens = list(range(3 * PAGE + 1))
+    keys = chain_page_keys(tokens, PAGE, make_salt(FP))
+    storage.pages[keys[0]] = b"prefill-wrote-this"  # skipped: settled landed at once
+    storage.origin[keys[0]] = "prefill"
+    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=8, pending_ttl_s=7.0)
+    announcer = IntoPendingPages(pages)
+    mgr.announce_to(announcer)
+    mgr.start()
+    storage.gate.clear()  # the write stalls: its keys stay pending
+    mgr.track("r")
+    released = threading.Event()
+    mgr.finish("r", tokens, [0, 1, 2, 3], released.set)
+    assert released.wait(10)  # device pages go once copied; the write is still stalled
+    assert [pages.state(k) for k in keys] == [PageState.LANDED, PageState.PENDING,
+                                              PageState.PENDING]
+    assert announcer.ttls == [7.0]
+    storage.gate.set()
+    assert mgr.wait_idle(10)
+    assert [pages.state(k) for k in keys] == [PageState.LANDED] * 3
+    assert storage.origin[keys[1]] == "decode"
+    mgr.close()
+
+
+def test_dropped_pages_are_settled_as_not_coming() -> None:
+    kv, storage, pages = device_kv(), DictBackend(), PendingPages()
+    tokens = list(range(4 * PAGE))
+    keys = chain_page_keys(tokens, PAGE, make_salt(FP))
+    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=2)  # room for 2 of 4 pages
+    mgr.announce_to(IntoPendingPages(pages))
+    mgr.start()
+    mgr.track("r")
+    released = threading.Event()
+    mgr.finish("r", tokens, [0, 1, 2, 3], released.set)
+    assert released.wait(10) and mgr.wait_idle(10)
+    assert [pages.state(k) for k in keys] == [PageState.LANDED, PageState.LANDED,
+                                              PageState.GONE, PageState.GONE]
+    assert mgr.stats.pages_dropped == 2 and pages.failed == 2
+    mgr.close()

@@ -1,0 +1,296 @@
+"""Layer-streamed prefetch (HiCacheConfig.layerwise_prefetch, topology key
+`cache.prefetch_layerwise`) inside the real engine, tiny preset, a prompt of 40 pages over 4
+layers:
+
+- exact: the tokens equal a no-cache run's, and the prompt's device K/V after the storage hit
+  is byte-identical with layer streaming on, off, and on the engine that computed it;
+- overlap: with a storage backend (registered in the public backend registry) whose read stops
+  after layer 0 until the forward asks for layer 1, layer 0's attention runs before layer 1 is
+  read, and the result is still exact;
+- a page that fails verification after its layers were consumed (the read held after layer 0
+  until the forward asks for layer 1, so nothing is verified at admission): the request is
+  requeued and recomputed (exact tokens, counted); with the requeue disabled the corrupt K/V
+  reaches the output (so the protection is what keeps it exact);
+- accounting: a request aborted while its streamed read is held gives every host staging page
+  back once the read ends, and the read stops early.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from pdcache.engine.api import GenerateRequest
+from pdcache.engine.loader import load_model
+from pdcache.offload_manager.hicache import LayerLoad
+from pdcache.offload_manager.hicache_scheduler import HiCacheScheduler
+from pdcache.offload_manager.storage import BACKENDS
+from pdcache.offload_manager.storage.file import FileBackend
+from pdcache.offload_manager.storage.layer_reads import LayerStream
+from pdcache.offload_manager.storage.page_format import HEADER_BYTES
+from tests.hicache_support import (
+    PAGE,
+    PARAMS,
+    check_every_tier,
+    generate,
+    prompt_keys,
+    reference_tokens,
+    storage_config,
+    tiered,
+)
+
+PROMPT = [(13 * i + 5) % 250 for i in range(161)]  # 40 full pages + 1 token
+PAGES = 40
+GATED = "gated-file"
+
+
+class GatedFileBackend(FileBackend):
+    """File storage whose layer-major reads stop at a gate: after the header pass
+    (`hold="headers"`) or after reporting layer 0 (`hold="layer0"`), until `gate` is set
+    (bounded wait). `events` records ("read", layer) as layers are reported."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.hold = ""
+        self.gate = threading.Event()
+        self.held = threading.Event()
+        self.events: list[tuple[str, int]] = []
+
+    def read_layers(self, keys: Sequence[bytes], host_pages: Sequence[torch.Tensor],
+                    stream: LayerStream, origins: list[str | None] | None = None) -> list[bool]:
+        return super().read_layers(keys, host_pages, _Gate(stream, self), origins)  # type: ignore[arg-type]
+
+
+class _Gate:
+    """A LayerStream seen through the backend's gate."""
+
+    def __init__(self, stream: LayerStream, backend: GatedFileBackend) -> None:
+        self._stream = stream
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def _stop(self) -> None:
+        self._backend.held.set()
+        assert self._backend.gate.wait(30), "the test never opened the gate"
+
+    def headers_read(self, ok_prefix: int, origins: list[str | None]) -> None:
+        if self._backend.hold == "headers":
+            self._stop()
+        self._stream.headers_read(ok_prefix, origins)
+
+    def layer_read(self, layer: int) -> None:
+        self._backend.events.append(("read", layer))
+        self._stream.layer_read(layer)
+        if layer == 0 and self._backend.hold == "layer0":
+            self._stop()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny) -> list[int]:
+    return reference_tokens(tiny, PROMPT)
+
+
+@pytest.fixture
+def gated_backend() -> Iterator[str]:
+    BACKENDS.register(GATED, f"{__name__}:GatedFileBackend")
+    try:
+        yield GATED
+    finally:
+        BACKENDS.unregister(GATED)
+
+
+def _seeded_storage(tiny, tmp_path, backend: str = "file"):
+    """Storage holding PROMPT's pages (written through by an engine that computed them), and
+    that engine's device K/V of the prompt pages."""
+    cfg = storage_config(tiny[0], backend=backend, path=str(tmp_path / "store"))
+    seeder = tiered(tiny, cfg)
+    try:
+        generate(seeder.engine, "seed", PROMPT)
+        assert seeder.hicache.wait_idle(20)
+        kv = _prompt_kv(seeder)
+    finally:
+        seeder.close()
+    return cfg, kv
+
+
+def _prompt_kv(built) -> torch.Tensor:
+    """Device K/V of PROMPT's full pages, read through the tree (idle engine)."""
+    match = built.hicache.tree.match_prefix(PROMPT[: PAGES * PAGE], "")
+    assert len(match.page_ids) == PAGES
+    return built.hicache.device_kv[:, :, match.page_ids].clone()
+
+
+def _fresh(tiny, cfg, **hicache: Any):
+    """An engine with empty device and host tiers over `cfg`'s storage (device pool zeroed:
+    nothing it serves can come from an earlier run)."""
+    hicache.setdefault("layerwise_prefetch", True)
+    built = tiered(tiny, cfg, host_pages=64, write_policy="write_back",
+                   prefetch_policy="wait_complete", **hicache)
+    built.hicache.device_kv.zero_()
+    return built
+
+
+@pytest.mark.parametrize("backend", ["file", "hf3fs"])
+def test_streamed_storage_hit_is_exact_and_byte_identical(tiny, expected, tmp_path, backend):
+    cfg, seeded_kv = _seeded_storage(tiny, tmp_path, backend)
+    results = {}
+    for layerwise in (True, False):
+        built = _fresh(tiny, cfg, layerwise_prefetch=layerwise)
+        try:
+            tokens, out = generate(built.engine, f"hit-{layerwise}", PROMPT)
+            stats = built.hicache.stats
+            results[layerwise] = (tokens, out.cached.storage, stats.prefetch_streamed_pages,
+                                  _prompt_kv(built))
+            check_every_tier(built)
+            assert built.hicache.host_pool.num_free == built.hicache.host_pool.capacity
+        finally:
+            built.close()
+    for layerwise, (tokens, storage_tokens, streamed, kv) in results.items():
+        assert tokens == expected, layerwise
+        assert storage_tokens == PAGES * PAGE
+        assert streamed == (PAGES if layerwise else 0)
+        assert torch.equal(kv.view(torch.uint8), seeded_kv.view(torch.uint8)), layerwise
+
+
+def _recording_load(events: list[tuple[str, int]], backend: GatedFileBackend) -> type[LayerLoad]:
+    class RecordingLayerLoad(LayerLoad):
+        """Logs ("wait", layer, layers read so far) and opens the backend's gate when the
+        forward asks for layer 1."""
+
+        def wait(self, layer: int) -> None:
+            if self.streamed is not None and layer >= self._next_layer:
+                events.append(("wait", layer, self.streamed.stream.layers_read))
+                if layer == 1:
+                    backend.gate.set()
+            super().wait(layer)
+
+    return RecordingLayerLoad
+
+
+def test_layer_zero_computes_before_layer_one_is_read(tiny, expected, tmp_path, gated_backend):
+    from tests.offload_manager.test_hicache_engine_policies import attention_recorded
+
+    cfg, _ = _seeded_storage(tiny, tmp_path)
+    built = _fresh(tiny, cfg.replace(backend=gated_backend))
+    backend = built.storage
+    assert isinstance(backend, GatedFileBackend)
+    backend.hold = "layer0"
+    events: list = backend.events
+    built.hicache.layer_load_cls = _recording_load(events, backend)
+    try:
+        with attention_recorded(tiny[0], events):
+            tokens, out = generate(built.engine, "slow", PROMPT)
+        assert tokens == expected and out.cached.storage == PAGES * PAGE
+        assert backend.held.is_set()
+        order = [e[:2] for e in events]
+        # layer 0 was read, the forward waited for it and attended with it, then asked for
+        # layer 1 while only layer 0 was read; layer 1's read came after that
+        assert order.index(("read", 0)) < order.index(("attn", 0)) < order.index(("read", 1))
+        assert ("wait", 1, 1) in events
+        assert order.index(("wait", 1)) < order.index(("read", 1)) < order.index(("attn", 1))
+        check_every_tier(built)
+    finally:
+        backend.gate.set()
+        built.close()
+
+
+class NoRequeueScheduler(HiCacheScheduler):
+    """The protection off: a load that failed verification is kept (what it computed too)."""
+
+    def requeue_failed_loads(self, batch):
+        return None
+
+
+@pytest.mark.parametrize("protected", [True, False])
+def test_page_failing_verification_after_use_is_recomputed(tiny, expected, tmp_path, protected,
+                                                           gated_backend):
+    cfg, _ = _seeded_storage(tiny, tmp_path)
+    store = FileBackend(cfg)
+    floats = (cfg.page_bytes) // 4
+    for key in prompt_keys(cfg, PROMPT)[2:]:  # pages 2.. : a valid header, a wrong payload
+        blob = store.read_object(key)
+        assert blob is not None
+        store.write_object(key, blob[:HEADER_BYTES] + struct.pack(f"<{floats}f", *[30.0] * floats))
+    scheduler = {} if protected else {"scheduler_cls": NoRequeueScheduler}
+    built = tiered(tiny, cfg.replace(backend=gated_backend), host_pages=64,
+                   write_policy="write_back", prefetch_policy="wait_complete",
+                   layerwise_prefetch=True, **scheduler)
+    backend = built.storage
+    assert isinstance(backend, GatedFileBackend)
+    backend.hold = "layer0"  # the forward starts before any page could be verified
+    built.hicache.layer_load_cls = _recording_load([], backend)
+    try:
+        tokens, out = generate(built.engine, "corrupt", PROMPT)
+        stats = built.hicache.stats
+        assert stats.prefetch_streamed_pages == PAGES  # headers were valid: all 40 admitted
+        assert stats.stream_failed_loads == 1
+        if protected:
+            assert tokens == expected
+            assert out.cached.storage == 0  # recomputed: nothing of the failed load counted
+            assert built.storage.stats()["rejected_checksum_pages"] == PAGES - 2
+        else:
+            assert tokens != expected  # the corrupt K/V reached the output
+        check_every_tier(built)
+        assert built.hicache.host_pool.num_free == built.hicache.host_pool.capacity
+    finally:
+        backend.gate.set()
+        built.close()
+
+
+def test_abort_during_streamed_read_returns_staging_pages(tiny, tmp_path, gated_backend):
+    cfg, _ = _seeded_storage(tiny, tmp_path)
+    built = _fresh(tiny, cfg.replace(backend=gated_backend))
+    backend = built.storage
+    assert isinstance(backend, GatedFileBackend)
+    backend.hold = "headers"
+    pool = built.hicache.host_pool
+    finals: list = []
+    done = threading.Event()
+
+    def on_output(out) -> None:
+        if out.finished:
+            finals.append(out)
+            done.set()
+
+    try:
+        built.engine.submit(GenerateRequest("gone", PROMPT, PARAMS), on_output)
+        assert backend.held.wait(20), "the streamed read never started"
+        assert pool.num_in_flight == PAGES  # the staging pages, taken for the read
+        built.engine.abort("gone")
+        assert done.wait(20) and finals[-1].finish_reason == "abort"
+        backend.gate.set()
+        check_every_tier(built)
+        assert pool.num_free == pool.capacity
+        assert built.hicache.stats.prefetch_abandoned_pages == PAGES
+        assert ("read", 1) not in backend.events  # cancelled: the layers after 0 not read
+        assert backend.stats().get("pages_read", 0) == 0
+    finally:
+        backend.gate.set()
+        built.close()
+
+
+def test_streamed_prefetch_offers_headers_then_only_verified_pages() -> None:
+    """Before the read ends, admission may take every page whose header is valid (its layers
+    are still arriving); once it ended, only the consecutive verified pages."""
+    from pdcache.offload_manager.hicache import PrefetchOp
+
+    stream = LayerStream(6, 4)
+    op = PrefetchOp("r", 0, [b"k"] * 6, list(range(6)), [], deadline=0.0, stream=stream)
+    assert not op.ready and op.ready_prefix() == (0, [])
+    stream.headers_read(5, ["prefill"] * 4 + ["decode"])
+    assert op.ready and not op.complete
+    assert op.ready_prefix() == (5, ["prefill"] * 4 + ["decode"])
+    stream.finish([True, True, False, True, True])
+    assert op.complete and op.ready_prefix() == (2, ["prefill"] * 2)
