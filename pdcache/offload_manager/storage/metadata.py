@@ -131,9 +131,7 @@ class SlotIndex:
         """`session`: the conversation writing them; a PRESENT key is refreshed for it."""
         return [self._reserve_one(k, session) for k in keys]
 
-    def commit(
-        self, keys: Sequence[bytes], slots: Sequence[int], session: str = ""
-    ) -> list[bool]:
+    def commit(self, keys: Sequence[bytes], slots: Sequence[int], session: str = "") -> list[bool]:
         return [self._commit_one(k, s, session) for k, s in zip(keys, slots)]
 
     def abort(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
@@ -317,9 +315,7 @@ class InProcMetadata(MetadataClient):
     def reserve(self, keys: Sequence[bytes], session: str = "") -> list[Reservation]:
         return self._locked("reserve", keys, session)
 
-    def commit(
-        self, keys: Sequence[bytes], slots: Sequence[int], session: str = ""
-    ) -> list[bool]:
+    def commit(self, keys: Sequence[bytes], slots: Sequence[int], session: str = "") -> list[bool]:
         return self._locked("commit", keys, slots, session)
 
     def abort(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
@@ -494,9 +490,7 @@ class RemoteMetadata(MetadataClient):
         reply = self._call("reserve", keys=list(keys), **extra)
         return [(str(s), int(slot)) for s, slot in reply]
 
-    def commit(
-        self, keys: Sequence[bytes], slots: Sequence[int], session: str = ""
-    ) -> list[bool]:
+    def commit(self, keys: Sequence[bytes], slots: Sequence[int], session: str = "") -> list[bool]:
         extra = {"session": session} if session else {}
         reply = self._call("commit", keys=list(keys), slots=list(slots), **extra)
         return [bool(x) for x in reply]
