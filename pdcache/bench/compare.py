@@ -90,9 +90,12 @@ def healthy(url: str) -> bool:
         return False
 
 
-def start_launcher(run: ConfigRun, run_dir: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pdcache", "launch", str(run.path), "--no-restart",
-           "--log-dir", str(run_dir / "logs")]
+def start_launcher(run: ConfigRun, run_dir: Path, restart: bool = False) -> subprocess.Popen:
+    """`pdcache launch` of `run` (logs and processes.json in RUN_DIR/logs). Without `restart` a
+    process that dies stops the stack (a benchmark must not measure a restart); `bench chaos`
+    kills processes on purpose and wants them back."""
+    cmd = [sys.executable, "-m", "pdcache", "launch", str(run.path),
+           *([] if restart else ["--no-restart"]), "--log-dir", str(run_dir / "logs")]
     for item in run.overrides:
         cmd += ["--set", item]
     env = {**os.environ}

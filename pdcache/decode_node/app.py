@@ -207,7 +207,12 @@ class DecodeApp:
         return outcome
 
     def health_extra(self) -> dict[str, Any]:
-        return {"role": "decode", "transfer": json_ready(self.receiver.stats())}
+        """/health's PD fields: the receiver's counters, `pd_rooms_open` (the controller's rooms
+        not yet closed) and `pd_held` (finished requests whose pages are held for offload); an
+        idle node has neither (`pdcache bench chaos` checks it)."""
+        return {"role": "decode", "transfer": json_ready(self.receiver.stats()),
+                "pd_rooms_open": len(self.controller.rooms()),
+                "pd_held": len(self.controller.held())}
 
     def info_extra(self) -> dict[str, Any]:
         """/server_info's PD fields (SGLang's names)."""

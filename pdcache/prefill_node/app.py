@@ -173,8 +173,11 @@ class PrefillApp:
                              "meta_info": meta_info, "pd": pd})
 
     def health_extra(self) -> dict[str, Any]:
+        """/health's PD fields: the sender's counters and `pd_rooms_open`, the controller's
+        rooms not yet closed (an idle node has none: `pdcache bench chaos` checks it)."""
         return {"role": "prefill", "bootstrap": self.sender.bootstrap_addr,
-                "transfer": json_ready(self.sender.stats())}
+                "transfer": json_ready(self.sender.stats()),
+                "pd_rooms_open": len(self.controller.rooms())}
 
     def info_extra(self) -> dict[str, Any]:
         """/server_info's PD fields (SGLang's names): the KV bootstrap port (once started)."""

@@ -485,9 +485,16 @@ class KVReceiver:
             self._send_frame(peer, Abort(room, reason, "timeout"))
         self._drop_peer(peer, linger_ms=100)
         for room in mine:
-            # A dead peer writes nothing more: fail and release at once.
-            if not self._finish(room, RoomState.FAILED, reason, code="peer_lost"):
-                self.rooms.set_idle(room)
+            # Silent is not dead: a stalled prefill (SIGSTOP, a long GC or swap pause) resumes
+            # the write it was in the middle of. Fail the room now (its request ends), but keep
+            # its pages busy for abort_ack_timeout_s, as for any abort, so they are not handed
+            # to another request while a late write can still land in them (`pdcache bench
+            # chaos` freeze-node found a decode answer corrupted by exactly that).
+            current = self.rooms.get(room)
+            if current is None or current.state.terminal:
+                continue  # already ended: its release is on its way (or on the ack timeout)
+            current.data.failed_at = time.monotonic()
+            self._finish(room, RoomState.FAILED, reason, busy=True, code="peer_lost")
 
     def _release_all_busy(self) -> None:
         for room in self.rooms.select(lambda r: r.busy):

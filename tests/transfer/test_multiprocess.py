@@ -145,7 +145,9 @@ def test_prefill_killed_mid_transfer_makes_wait_raise_within_the_deadline(engine
             receiver.wait(BIG_ROOM, 30.0)
         assert info.value.code == "peer_lost"
         assert time.monotonic() - start < receiver.config.peer_dead_after_s + 2.0
-        wait_until(lambda: len(released) == 1, 5.0, "decode to release the room")
+        # the pages are kept for abort_ack_timeout_s: a stalled prefill could still write them
+        wait_until(lambda: len(released) == 1, receiver.config.abort_ack_timeout_s + 5.0,
+                   "decode to release the room")
         assert released[0].state is RoomState.FAILED
         assert receiver.stats()["rooms"]["active"] == 0
     finally:

@@ -327,6 +327,29 @@ def test_unreachable_prefill_fails_rooms_after_missed_heartbeats(pair: Pair) -> 
 
 
 @pytest.mark.parametrize("pair", ZMQ, indirect=True)
+def test_a_lost_prefill_s_room_keeps_its_pages_for_the_abort_ack_timeout(pair: Pair) -> None:
+    """Silent is not dead: a stalled prefill (SIGSTOP) resumes the write it was in, so decode
+    fails the room at once but releases its pages only abort_ack_timeout_s later. Releasing
+    them at once (the old behaviour) let `pdcache bench chaos` freeze-node corrupt another
+    request's answer: p1's request got d0's freed pages and p0's late write landed in them."""
+    nobody = zmq.Context.instance().socket(zmq.ROUTER)
+    port = nobody.bind_to_random_port("tcp://127.0.0.1")
+    nobody.close(linger=0)  # silent from decode's side, as a stopped process is
+    pair.receiver.request(650, f"tcp://127.0.0.1:{port}", [1, 2], num_tokens=5)
+    with pytest.raises(TransferError, match="lost") as info:
+        pair.receiver.wait(650, pair.config.peer_dead_after_s + 3.0)
+    failed_at = time.monotonic()
+    assert info.value.code == "peer_lost"
+    rooms = pair.receiver.stats()["rooms"]
+    assert pair.received == [] and rooms["busy"] == 1, rooms  # the pages are still held
+    wait_until(lambda: len(pair.received) == 1, pair.config.abort_ack_timeout_s + 3.0,
+               "the release after the abort-ack timeout")
+    assert time.monotonic() - failed_at >= pair.config.abort_ack_timeout_s - 0.5
+    assert pair.received[0].state is RoomState.FAILED and pair.received[0].code == "peer_lost"
+    assert pair.receiver.stats()["rooms"]["busy"] == 0
+
+
+@pytest.mark.parametrize("pair", ZMQ, indirect=True)
 def test_register_refused_on_layout_mismatch(pair: Pair) -> None:
     other = KVSender(pair.config, make_pool(8, seed=1, layers=2))
     other.start()
