@@ -43,7 +43,7 @@ class DictBackend(StorageBackend):
             ok.append(data is not None)
         return ok
 
-    def put_from(self, keys, host_pages, origin="prefill", namespace="") -> list[bool]:
+    def put_from(self, keys, host_pages, origin="prefill", namespace="", session="") -> list[bool]:
         self._check()
         for key, page in zip(keys, host_pages):
             self.pages.setdefault(key, page.numpy().tobytes())

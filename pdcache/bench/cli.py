@@ -23,6 +23,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                "router overhead: the same requests direct to a node and through the router"),
     "replay": ("pdcache.bench.replay", "replay a multi-turn trace against a running stack"),
     "compare": ("pdcache.bench.compare", "launch topologies in turn and replay the same trace"),
+    "goodput": ("pdcache.bench.goodput",
+                "highest Poisson request rate within a TTFT p90 SLO, per topology"),
     "chaos": ("pdcache.bench.chaos.command",
               "soak under random faults; every answer checked against a no-cache oracle"),
 }

@@ -15,6 +15,7 @@ to every config. Each replay sends its own fresh `cache_salt`, so pages that a p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,31 +137,50 @@ def replay_args(args: argparse.Namespace, url: str, out: Path, label: str) -> ar
     return argparse.Namespace(**values)
 
 
+class LaunchError(Exception):
+    """A topology could not be started (bad file, ports taken, not healthy in time)."""
+
+
+@contextlib.contextmanager
+def launched(args: argparse.Namespace, run: ConfigRun, run_dir: Path) -> Iterator[str]:
+    """Start `run`'s topology (`pdcache launch`, logs under `run_dir`), wait until every HTTP
+    endpoint is healthy, yield the front door URL, and stop it on exit. LaunchError names the
+    problem (and the logs) when it cannot start. Shared with `bench goodput`."""
+    try:
+        front, urls = endpoints_of(run)
+    except ValueError as exc:  # TopologyError names file, key and problem
+        raise LaunchError(str(exc)) from exc
+    busy = [u for u in urls if port_in_use(u)]
+    if busy:
+        raise LaunchError(f"already in use before launch (another stack?): {', '.join(busy)}")
+    proc = start_launcher(run, run_dir)
+    try:
+        print(f"[compare] {run.label}: starting {run.path} ...", file=sys.stderr, flush=True)
+        try:
+            wait_ready(proc, urls, args.startup_timeout)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            raise LaunchError(f"{exc} (logs: {run_dir / 'logs'})") from exc
+        yield front
+    finally:
+        stop_launcher(proc, args.stop_timeout)
+
+
 def run_one(args: argparse.Namespace, run: ConfigRun, out: Path) -> dict[str, Any]:
     """Launch, replay, tear down; the summary, or {"error": ...} when the config failed."""
     run_dir = out / run.label
     try:
-        front, urls = endpoints_of(run)
-    except ValueError as exc:  # TopologyError names file, key and problem
+        with launched(args, run, run_dir) as front:
+            summary_path = run_dir / "summary.json"
+            summary_path.unlink(missing_ok=True)  # never report a previous run's numbers
+            code = replay.run(replay_args(args, front, run_dir, run.label))
+            if not summary_path.is_file():
+                return {"error": f"replay exited {code} without a summary"}
+            summary = json.loads(summary_path.read_text())
+            return summary if code == 0 else {**summary, "error": f"replay exited {code}"}
+    except LaunchError as exc:
         return {"error": str(exc)}
-    busy = [u for u in urls if port_in_use(u)]
-    if busy:
-        return {"error": f"already in use before launch (another stack?): {', '.join(busy)}"}
-    proc = start_launcher(run, run_dir)
-    try:
-        print(f"[compare] {run.label}: starting {run.path} ...", file=sys.stderr, flush=True)
-        wait_ready(proc, urls, args.startup_timeout)
-        summary_path = run_dir / "summary.json"
-        summary_path.unlink(missing_ok=True)  # never report a previous run's numbers
-        code = replay.run(replay_args(args, front, run_dir, run.label))
-        if not summary_path.is_file():
-            return {"error": f"replay exited {code} without a summary"}
-        summary = json.loads(summary_path.read_text())
-        return summary if code == 0 else {**summary, "error": f"replay exited {code}"}
-    except (RuntimeError, TimeoutError, OSError) as exc:
+    except OSError as exc:
         return {"error": f"{exc} (logs: {run_dir / 'logs'})"}
-    finally:
-        stop_launcher(proc, args.stop_timeout)
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:

@@ -6,7 +6,10 @@ tokens, so the server sees exactly what a real conversation would send it; `sess
 sent too for the router's affinity. Outputs are forced to the trace's length (`ignore_eos`).
 
 Modes: `afap` (as fast as possible under `--concurrency`; think times ignored), `poisson`
-(requests released at Poisson times of rate `--rate`, think times honoured), `trace` (trace
+(requests released at Poisson times of rate `--rate`, think times honoured), `poisson-sessions`
+(sessions start as a Poisson process of rate `--rate` / mean turns per session, so `--rate` is
+the offered request rate; each next turn is sent its think time after the previous turn
+completed, not gated again: the open-loop multi-turn load of `bench goodput`), `trace` (trace
 timestamps honoured). `--speedup` divides timestamps and think times. `--round-barrier` releases turn k of every
 session only once turn k-1 of every session has finished. The run is bounded by
 `--max-duration` (then in-flight requests get `--drain-timeout` before being cancelled);
@@ -53,7 +56,7 @@ def add_replay_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default=None,
                         help="default: poisson with --rate, else afap")
     parser.add_argument("--concurrency", type=int, default=4, help="max requests in flight")
-    parser.add_argument("--rate", type=float, default=None, help="poisson: requests per second")
+    parser.add_argument("--rate", type=float, default=None, help="poisson, poisson-sessions: offered requests per second")
     parser.add_argument("--speedup", type=float, default=1.0, help="trace: time compression")
     parser.add_argument("--round-barrier", action="store_true",
                         help="turn k of every session waits for turn k-1 of all sessions")

@@ -10,7 +10,7 @@ import argparse
 import secrets
 from dataclasses import dataclass
 
-MODES = ("afap", "poisson", "trace")
+MODES = ("afap", "poisson", "poisson-sessions", "trace")
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ class ReplayConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ReplayConfig:
         mode = args.mode or ("poisson" if args.rate else "afap")
-        if mode == "poisson" and not args.rate:
-            raise ValueError("--mode poisson needs --rate R (requests per second)")
+        if mode in ("poisson", "poisson-sessions") and not args.rate:
+            raise ValueError(f"--mode {mode} needs --rate R (requests per second)")
         if args.concurrency < 1 or args.speedup <= 0:
             raise ValueError("--concurrency must be >= 1 and --speedup > 0")
         return cls(

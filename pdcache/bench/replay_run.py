@@ -52,6 +52,19 @@ class PoissonGate:
             await asyncio.sleep(max(0.0, tick - now))
 
 
+def poisson_session_starts(trace: Trace, request_rate: float, seed: int) -> dict[str, float]:
+    """Start times (s) of the trace's sessions, in trace order, as a Poisson process whose
+    rate is `request_rate` / (mean turns per session): the offered request rate is then
+    `request_rate` when every turn is sent. The first session starts at 0."""
+    sessions = trace.sessions
+    if not sessions:
+        return {}
+    session_rate = request_rate * len(sessions) / trace.num_requests
+    gaps = np.random.default_rng(seed).exponential(1.0 / session_rate, len(sessions))
+    starts = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+    return {s.session_id: float(t) for s, t in zip(sessions, starts)}
+
+
 class RoundBarrier:
     """Round k opens when every session that has a turn k-1 finished (or dropped) it."""
 
@@ -111,6 +124,11 @@ class Replayer:
                 await self.sleep_until(parent_done_s + turn.delay_s / cfg.speedup)
             assert self.gate is not None
             await self.gate.wait()
+        elif cfg.mode == "poisson-sessions":
+            if turn.dependent:
+                await self.sleep_until(parent_done_s + turn.delay_s / cfg.speedup)
+            else:
+                await self.sleep_until(self.session_starts[turn.session_id])
 
     # -- one session --------------------------------------------------------------------------
 
@@ -234,6 +252,9 @@ class Replayer:
         self.t0 = asyncio.get_running_loop().time()
         self.semaphore = asyncio.Semaphore(cfg.concurrency)
         self.gate = PoissonGate(cfg.rate, cfg.seed) if cfg.mode == "poisson" else None
+        self.session_starts = (
+            poisson_session_starts(self.trace, cfg.rate or 0.0, cfg.seed)
+            if cfg.mode == "poisson-sessions" else {})
         self.barrier = RoundBarrier(self.trace.sessions) if cfg.round_barrier else None
         limits = httpx.Limits(max_connections=cfg.concurrency + 4)
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=30.0)

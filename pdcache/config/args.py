@@ -182,6 +182,10 @@ def _storage_table(args: argparse.Namespace) -> dict[str, Any]:
     table = {"backend": args.storage_backend, "path": args.storage_path,
              "capacity": str(args.storage_capacity), "metadata": args.storage_metadata,
              "write_delay_s": args.storage_write_delay,
+             "eviction": args.storage_eviction,
+             "session_protect_share": args.storage_session_protect_share,
+             "session_protect_bytes": str(args.storage_session_protect_bytes),
+             "session_idle_s": args.storage_session_idle_s,
              "mooncake": {"master": args.mooncake_master, "metadata_server": args.mooncake_metadata,
                           "global_segment_size": _FLAG_SEGMENT_BYTES}}
     if args.storage_fault_injection:
@@ -311,6 +315,16 @@ def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> N
     group.add_argument("--storage-backend", default="none", choices=["none", *BACKENDS.names()])
     group.add_argument("--storage-path", default="./.pdcache/storage")
     group.add_argument("--storage-capacity", default="4GiB")
+    group.add_argument("--storage-eviction", default="lru", choices=["lru", "session"],
+                       help="stored pages evicted first: lru, or session (closed/idle "
+                            "conversations' pages first, active ones protected; docs/design.md "
+                            "§4.4)")
+    group.add_argument("--storage-session-protect-share", type=float, default=0.5,
+                       help="session eviction: at most this share of the capacity is protected")
+    group.add_argument("--storage-session-protect-bytes", default="0",
+                       help="session eviction: protected bytes per session (0: no cap)")
+    group.add_argument("--storage-session-idle-s", type=float, default=300.0,
+                       help="session eviction: a session without a write this long is closed")
     group.add_argument("--storage-write-delay", type=float, default=0.0,
                        help="seconds every storage write waits first: emulates a slow or "
                             "distant store (storage.write_delay_s)")

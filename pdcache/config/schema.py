@@ -187,6 +187,12 @@ class StorageSpec:
     io_engine: Literal["posix", "usrbio"] = "posix"
     metadata: str = "inproc"  # "inproc" or "tcp://HOST:PORT" (the shared metadata service)
     namespace: str = "default"
+    # conversation-scoped lifecycle (docs/design.md §4.4): "lru" or "session" (active sessions'
+    # pages protected within the bounds, closed / idle ones evicted first)
+    eviction: Literal["lru", "session"] = "lru"
+    session_protect_share: float = 0.5  # at most this share of the capacity is protected
+    session_protect_bytes: int = _size(default=0)  # per session (0: only the share bounds)
+    session_idle_s: float = 300.0  # a session without a write for this long is closed
     # every write call waits this long first: emulates a slow or distant store (benchmarks,
     # and the tests of the durable next turn); 0 = off
     write_delay_s: float = 0.0

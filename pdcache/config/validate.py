@@ -89,6 +89,10 @@ def _check_storage(storage: StorageSpec, ctx: ErrorContext) -> None:
         raise ctx.error("storage.io_engine", f'"usrbio" is the 3FS client; it needs backend = "hf3fs", not "{storage.backend}"')
     if storage.capacity < 1:
         raise ctx.error("storage.capacity", "expected a size > 0")
+    if not 0.0 <= storage.session_protect_share <= 1.0:
+        raise ctx.error("storage.session_protect_share", f"expected a share in [0, 1], got {storage.session_protect_share}")
+    if storage.session_idle_s <= 0:
+        raise ctx.error("storage.session_idle_s", f"expected seconds > 0, got {storage.session_idle_s}")
     if storage.fault_injection:
         _check_fault_injection(storage, ctx)
     if storage.backend == "mooncake":

@@ -39,7 +39,7 @@ class DecodeScheduler(Scheduler):
     def add_prefilled(self, req: Req, first_token: int,
                       first_logprob: TokenLogprob | None = None) -> None:
         if self.offload is not None:
-            self.offload.track(req.rid, req.salt)
+            self.offload.track(req.rid, req.salt, req.session_id)
         super().add_prefilled(req, first_token, first_logprob)
 
     def commit(self, batch: ScheduledBatch, tokens: list[int],

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Literal
 
 from pdcache.config import NodeSpec, Topology, TopologyError
+from pdcache.offload_manager.storage.lifecycle import StorageEviction
 
 NODE_SUBCOMMANDS = {"prefill": "prefill", "decode": "decode", "unified": "serve"}
 STAGE_SERVICES, STAGE_NODES, STAGE_ROUTER = 0, 1, 2
@@ -97,6 +98,9 @@ def _service_specs(topology: Topology, python: str) -> list[ProcessSpec]:
                 "--state-dir", storage.metadata_service.state_dir)
         if topology.security.secret_file is not None:
             argv += ("--secret-file", topology.security.secret_file)
+        argv += tuple(StorageEviction(
+            storage.eviction, storage.session_protect_share, storage.session_protect_bytes,
+            storage.session_idle_s).server_argv())
         specs.append(ProcessSpec("metadata", "metadata", host, argv, STAGE_SERVICES,
                                  (HealthCheck("tcp", host, port),), {"metadata": storage.metadata}))
     if storage.backend == "mooncake" and storage.mooncake.start_master:

@@ -43,6 +43,7 @@ from typing import Any
 from pdcache.config import CacheSpec, NodeSpec, Topology
 from pdcache.launch.launcher import mooncake_master_argv
 from pdcache.offload_manager.storage.config import storage_keys_from_spec
+from pdcache.offload_manager.storage.lifecycle import StorageEviction
 
 SERVER = ("python3", "-m", "sglang.launch_server")
 ROUTER = ("python3", "-m", "sglang_router.launch_router")
@@ -78,7 +79,9 @@ KNOWN_FLAGS = {
         "--host", "--port", "--pd-disaggregation", "--prefill", "--decode", "--worker-urls",
         "--policy", "--prefill-policy", "--decode-policy", "--request-timeout-secs", "--api-key",
     }),
-    "metadata-server": frozenset({"--host", "--port", "--state-dir"}),  # pdcache metadata-server
+    "metadata-server": frozenset({"--host", "--port", "--state-dir", "--eviction",  # pdcache's
+                                  "--session-protect-share", "--session-protect-bytes",
+                                  "--session-idle-s"}),
     "mooncake_master": frozenset({
         "--rpc_address", "--rpc_port", "--metrics_host", "--metrics_port",
         "--enable_http_metadata_server", "--http_metadata_server_host", "--http_metadata_server_port",
@@ -197,7 +200,9 @@ def _service_commands(topology: Topology) -> list[Command]:
     if storage.uses_metadata_service and storage.metadata_service.start:
         host, port = storage.metadata_address  # type: ignore[misc]
         bind = storage.metadata_service.bind_host or host
-        args = ("--host", bind, "--port", str(port), "--state-dir", storage.metadata_service.state_dir)
+        args = ("--host", bind, "--port", str(port), "--state-dir", storage.metadata_service.state_dir,
+                *StorageEviction(storage.eviction, storage.session_protect_share,
+                                 storage.session_protect_bytes, storage.session_idle_s).server_argv())
         out.append(Command("pdcache metadata service", host, METADATA_SERVER, args))
     if storage.backend == "mooncake" and storage.mooncake.start_master:
         host, _ = storage.mooncake.master_address

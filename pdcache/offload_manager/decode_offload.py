@@ -71,6 +71,7 @@ class OffloadStats:
 @dataclass
 class _Tracked:
     tenant: str
+    session: str = ""  # the request's session_id (storage lifecycle)
     chain: bytes | None = None  # key scheme's chain state after the last page scheduled
     scheduled_pages: int = 0
 
@@ -82,6 +83,7 @@ class _CopyTask:
     device_page_ids: list[int]
     on_released: Callable[[], None] | None = None  # set on the request's last task
     namespace: str = ""  # the request's tenant namespace (storage quotas)
+    session: str = ""  # the request's session_id (storage lifecycle)
 
 
 class DecodeOffloadManager:
@@ -148,8 +150,8 @@ class DecodeOffloadManager:
         return self
 
     # ---- decode-loop side --------------------------------------------------------------
-    def track(self, rid: str, cache_salt: str = "") -> None:
-        self._requests[rid] = _Tracked(cache_salt)
+    def track(self, rid: str, cache_salt: str = "", session_id: str = "") -> None:
+        self._requests[rid] = _Tracked(cache_salt, session_id)
 
     def due(self, rid: str, kv_len: int) -> bool:
         """Cheap check before `on_step`: has `rid` completed `stride_pages` new pages?"""
@@ -229,7 +231,7 @@ class DecodeOffloadManager:
         keys, tracked.chain = self.scheme.keys(new_tokens, tracked.tenant, tracked.chain)
         tracked.scheduled_pages = full_pages
         task = _CopyTask(rid, keys, list(device_page_ids[first:full_pages]), on_released,
-                         tenant_namespace(tracked.tenant))
+                         tenant_namespace(tracked.tenant), tracked.session)
         if keys and self._announcer is not None:
             self._announcer.announce_pending(keys, self.pending_ttl_s)
         self._enqueue(task)
@@ -242,7 +244,8 @@ class DecodeOffloadManager:
             if self._queued_pages + len(task.keys) > self.max_queued_pages:
                 self.stats.pages_dropped += len(task.keys)
                 self._settle(task.keys, False)
-                task = _CopyTask(task.rid, [], [], task.on_released, task.namespace)
+                task = _CopyTask(task.rid, [], [], task.on_released, task.namespace,
+                                 task.session)
                 if task.on_released is None:
                     return
             self._queued_pages += len(task.keys)
@@ -296,7 +299,7 @@ class DecodeOffloadManager:
         device_ids = torch.tensor([task.device_page_ids[i] for i in todo], dtype=torch.long)
         self.kernels.device_to_host(self.device_kv, self.staging.host_kv, device_ids,
                                torch.tensor(staging_ids, dtype=torch.long))
-        self._write([task.keys[i] for i in todo], staging_ids, task.namespace)
+        self._write([task.keys[i] for i in todo], staging_ids, task.namespace, task.session)
 
     def _stored_prefix(self, keys: list[bytes]) -> int:
         try:
@@ -305,7 +308,8 @@ class DecodeOffloadManager:
             log.warning("decode offload: exists_prefix failed: %s", exc)
             return 0
 
-    def _write(self, keys: list[bytes], staging_ids: list[int], namespace: str = "") -> None:
+    def _write(self, keys: list[bytes], staging_ids: list[int], namespace: str = "",
+               session: str = "") -> None:
         with self._lock:
             self._pending_writes += 1
 
@@ -321,7 +325,7 @@ class DecodeOffloadManager:
                 self.stats.writes += 1
 
         task = IoTask(IoKind.WRITE, keys, self.staging.page_bytes(staging_ids), done, "decode",
-                      namespace=namespace)
+                      namespace=namespace, session=session)
         assert self.writer is not None, "start() the manager first"
         if not self.writer.submit(task):
             self._settle(keys, False)

@@ -658,9 +658,10 @@ class HiCache:
         node.host_page_ids = host_ids
         self._count(backup_host_pages=len(host_ids))
         if self._writer is not None:
-            self._write(keys, host_ids, tenant_namespace(node.salt))
+            self._write(keys, host_ids, tenant_namespace(node.salt), node.session_id)
 
-    def _write(self, keys: list[bytes], host_ids: list[int], namespace: str = "") -> None:
+    def _write(self, keys: list[bytes], host_ids: list[int], namespace: str = "",
+               session: str = "") -> None:
         self.host_pool.pin(host_ids)
 
         def done(result: IoResult) -> None:
@@ -670,7 +671,7 @@ class HiCache:
                         storage_errors=1 if result.error else 0)
 
         task = IoTask(IoKind.WRITE, keys, self.host_pool.page_bytes(host_ids), done, "prefill",
-                      namespace=namespace)
+                      namespace=namespace, session=session)
         if not self._writer.submit(task):
             self.host_pool.unpin(host_ids)
             self._count(backup_failed_pages=len(keys))
@@ -700,7 +701,7 @@ class HiCache:
         if self._writer is not None and node.key:
             keys = self._node_keys(node)
             if keys is not None:
-                self._write(keys, host_ids, tenant_namespace(node.salt))
+                self._write(keys, host_ids, tenant_namespace(node.salt), node.session_id)
 
     def _node_keys(self, node: RadixNode) -> list[bytes] | None:
         path = node.path_from_root()

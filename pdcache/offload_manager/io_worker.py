@@ -49,6 +49,7 @@ class IoTask:
     origin: str = "prefill"
     cancelled: threading.Event = field(default_factory=threading.Event)
     namespace: str = ""  # writes: the pages' tenant namespace (storage quotas)
+    session: str = ""  # writes: the conversation that wrote them (storage lifecycle)
     stream: LayerStream | None = None  # READ_LAYERS: where the read reports its progress
 
 
@@ -140,7 +141,7 @@ class IoWorker:
                                               origins)
             else:
                 ok = self.backend.put_from(task.keys, task.host_pages, task.origin,
-                                           task.namespace)
+                                           task.namespace, session=task.session)
         except Exception as exc:  # storage down or broken: count, log, survive
             log.warning("io worker %s: %s of %d pages failed: %s", self.name, task.kind.value, n, exc)
             if task.stream is not None:

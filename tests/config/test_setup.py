@@ -353,6 +353,23 @@ def test_tier_policy_keys_reach_the_engine_and_hicache(tmp_path: Path) -> None:
     assert set(get_args(get_type_hints(CacheSpec)["host_mode"])) == set(HOST_MODES)
 
 
+def test_storage_eviction_from_flags_equals_from_topology(tmp_path: Path) -> None:
+    flags = from_flags("prefill", "--name", "p0", "--port", "31001", "--bootstrap-port", "8998",
+                       "--transfer-engine", "zmq", "--storage-eviction", "session",
+                       "--storage-session-protect-share", "0.25",
+                       "--storage-session-protect-bytes", "1MiB",
+                       "--storage-session-idle-s", "60", *storage_flags(tmp_path))
+    topo = setup_for(pd(tmp_path, overrides=[
+        'storage.eviction="session"', "storage.session_protect_share=0.25",
+        'storage.session_protect_bytes="1MiB"', "storage.session_idle_s=60.0"]), "p0", MODEL)
+    storage = flags.tiers.storage
+    assert storage == topo.tiers.storage
+    assert (storage.eviction, storage.session_protect_share) == ("session", 0.25)
+    assert (storage.session_protect_bytes, storage.session_idle_s) == (1 << 20, 60.0)
+    assert from_flags("prefill", "--transfer-engine", "zmq",
+                      *storage_flags(tmp_path)).tiers.storage.eviction == "lru"
+
+
 def test_layerwise_prefetch_key_and_flag_reach_hicache(tmp_path: Path) -> None:
     """`[cache] prefetch_layerwise / prefetch_layers_per_read` (and `--prefetch-layerwise`)
     land in HiCacheConfig; off by default; a step of 0 layers is refused."""

@@ -526,7 +526,7 @@ class FakeOffload:
     def __init__(self) -> None:
         self.releases: dict[str, Callable[[], None]] = {}
 
-    def track(self, rid: str, salt: str = "") -> None:
+    def track(self, rid: str, salt: str = "", session_id: str = "") -> None:
         pass
 
     def due(self, rid: str, kv_len: int) -> bool:

@@ -44,7 +44,7 @@ class StorageBackend(ABC):
     @abstractmethod
     def put_from(
         self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill",
-        namespace: str = "",
+        namespace: str = "", session: str = "",
     ) -> list[bool]:
         """Store each page (skipping keys already present, which count as True).
 
@@ -55,7 +55,14 @@ class StorageBackend(ABC):
         `origin` ("prefill" | "decode") is recorded in the page header. `namespace`: the
         tenant namespace the pages belong to (`config.tenant_namespace` of the request's
         cache_salt; "" for none), which a backend with tenant quotas accounts them to.
+        `session`: the conversation (`session_id`) whose turn wrote them ("" for none), which
+        a backend with `eviction = "session"` protects while it is active
+        (`storage.lifecycle`); a key already present is refreshed for it.
         """
+
+    def end_session(self, session: str) -> None:  # noqa: B027 - optional, no-op by default
+        """The conversation `session` is over: with `eviction = "session"` its pages are the
+        first to go from now on (they would be after `session_idle_s` without a write)."""
 
     @abstractmethod
     def delete(self, keys: Sequence[bytes]) -> None:

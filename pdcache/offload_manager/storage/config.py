@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # page_format needs torch; this module stays light (renderer, plugin config)
+    from pdcache.offload_manager.storage.lifecycle import SessionLifecycle, StorageEviction
     from pdcache.offload_manager.storage.page_format import PageSpec
 
 try:
@@ -17,6 +18,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 BACKENDS = ("hf3fs", "mooncake", "file")
+STORAGE_EVICTIONS = ("lru", "session")  # storage.lifecycle.STORAGE_EVICTIONS
 IO_ENGINES = ("posix", "usrbio")
 SLOT_ALIGN = 4096
 
@@ -36,6 +38,13 @@ def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
         "backend": spec.backend, "path": spec.path, "capacity_bytes": spec.capacity,
         "io_engine": spec.io_engine, "metadata": spec.metadata, "namespace": spec.namespace,
     }
+    eviction = getattr(spec, "eviction", "lru")
+    if eviction != "lru":  # the session lifecycle's keys (file, hf3fs in-process, mooncake)
+        keys.update(
+            eviction=eviction, session_protect_share=spec.session_protect_share,
+            session_protect_bytes=spec.session_protect_bytes,
+            session_idle_s=spec.session_idle_s,
+        )
     if getattr(spec, "write_delay_s", 0.0):
         keys["write_delay_s"] = spec.write_delay_s
     if getattr(spec, "fault_injection", ""):  # chaos/test only: absent from normal configs
@@ -121,6 +130,15 @@ class StorageConfig:
     # used pages, never another's. Enforced by the file backend; hf3fs and Mooncake Store
     # take the namespace but do not enforce it (docs/design.md §8).
     namespace_quotas: Mapping[str, int] = field(default_factory=dict, compare=False)
+    # Conversation-scoped lifecycle (storage.lifecycle): "lru" | "session". With "session" an
+    # active session's pages are protected (at most `session_protect_share` of the capacity
+    # in all, `session_protect_bytes` per session; 0: no per-session cap) and a session
+    # without a write for `session_idle_s` is closed: its pages are evicted first. Enforced
+    # where the backend owns eviction: file, hf3fs (in-process index or the metadata service).
+    eviction: str = "lru"
+    session_protect_share: float = 0.5
+    session_protect_bytes: int = 0
+    session_idle_s: float = 300.0
     # every put_from call starts this much later (`fault_injection.DelayInjectingBackend`):
     # emulates a slow or distant store; 0 = off
     write_delay_s: float = 0.0
@@ -145,6 +163,12 @@ class StorageConfig:
         self._check(ok_meta, "metadata", "must be 'inproc' or 'tcp://host:port'")
         if self.backend == "hf3fs":
             self._check(self.num_pages > 0, "capacity_pages", "hf3fs needs a capacity")
+        self._check(self.eviction in STORAGE_EVICTIONS, "eviction",
+                    f"must be one of {STORAGE_EVICTIONS}")
+        share_ok = 0.0 <= self.session_protect_share <= 1.0
+        self._check(share_ok, "session_protect_share", "must be in [0, 1]")
+        self._check(self.session_protect_bytes >= 0, "session_protect_bytes", "must be >= 0")
+        self._check(self.session_idle_s > 0, "session_idle_s", "must be > 0")
         self.page_spec()  # validates dtype
 
     def _check(self, ok: bool, key: str, problem: str) -> None:
@@ -184,6 +208,18 @@ class StorageConfig:
             checksum=self.checksum,
             mac_key=self.page_mac_key,
         )
+
+    @property
+    def storage_eviction(self) -> StorageEviction:
+        from pdcache.offload_manager.storage.lifecycle import StorageEviction
+
+        return StorageEviction(self.eviction, self.session_protect_share,
+                               self.session_protect_bytes, self.session_idle_s)
+
+    def make_lifecycle(self, capacity_pages: int, slot_bytes: int) -> SessionLifecycle | None:
+        """The session lifecycle of a store of `capacity_pages` slots of `slot_bytes` (None
+        with `eviction = "lru"`)."""
+        return self.storage_eviction.build(capacity_pages, slot_bytes)
 
     def replace(self, **changes: Any) -> StorageConfig:
         return dataclasses.replace(self, **changes)

@@ -128,9 +128,13 @@ class DelayInjectingBackend(StorageBackend):
         host_pages: Sequence[HostPage],
         origin: str = "prefill",
         namespace: str = "",
+        session: str = "",
     ) -> list[bool]:
         self._wait(write=True)
-        return self.inner.put_from(keys, host_pages, origin, namespace)
+        return self.inner.put_from(keys, host_pages, origin, namespace, session=session)
+
+    def end_session(self, session: str) -> None:
+        self.inner.end_session(session)  # the base's no-op would hide the wrapped backend's
 
     def delete(self, keys: Sequence[bytes]) -> None:
         self._wait()

@@ -7,7 +7,10 @@ directory; capacity (LRU) is enforced on the pages this process knows about (tho
 open, then those it writes or reads). Tenant quotas (`StorageConfig.namespace_quotas`): a page
 written for a tenant namespace at its quota first evicts that namespace's least recently used
 page, never another tenant's; the owner of a page is known for the pages this process wrote
-(pages found at open belong to no tenant). Thread-safe: the LRU index has a lock.
+(pages found at open belong to no tenant). `eviction = "session"`: the capacity evicts by
+conversation (`storage.lifecycle`: closed sessions' pages first, active sessions' protected
+within the bound); quotas still evict a tenant's own LRU page. Thread-safe: the LRU index
+(and the lifecycle) has a lock.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class FileBackend(StorageBackend):
                              for ns, quota in config.namespace_quotas.items()}
         self._owner: dict[bytes, str] = {}  # key -> tenant namespace (quota'd ones only)
         self._owned: dict[str, OrderedDict[bytes, None]] = {}  # namespace -> its pages, LRU
+        self._lifecycle = config.make_lifecycle(self.capacity_pages, slot)
         self._lock = threading.Lock()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -89,6 +93,8 @@ class FileBackend(StorageBackend):
                 continue
         for _, key in sorted(found):
             self._lru[key] = None
+            if self._lifecycle is not None:
+                self._lifecycle.touched(key)  # no session known: unprotected
 
     def page_path(self, key: bytes) -> Path:
         name = key.hex()
@@ -155,12 +161,13 @@ class FileBackend(StorageBackend):
     def put_from(
         self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill",
         namespace: str = "",
+        session: str = "",
     ) -> list[bool]:
         if len(keys) != len(host_pages):
             raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
         owner = namespace if namespace in self._quota_pages else ""
         self._replace_rejected(keys)
-        return [self._write(k, p, origin, owner) for k, p in zip(keys, host_pages)]
+        return [self._write(k, p, origin, owner, session) for k, p in zip(keys, host_pages)]
 
     def _replace_rejected(self, keys: Sequence[bytes]) -> None:
         """Unlink the pages of `keys` that a read here refused, so the put writes them anew."""
@@ -174,10 +181,17 @@ class FileBackend(StorageBackend):
             if self._unlink(key):
                 self.counters.add("deleted_pages")
 
+    def end_session(self, session: str) -> None:
+        if self._lifecycle is not None:
+            with self._lock:
+                self._lifecycle.end_session(session)
+
     def stats(self) -> dict[str, int | float]:
         out = self.counters.snapshot()
         with self._lock:
             out["used_pages"] = len(self._lru)
+            if self._lifecycle is not None:
+                out.update({f"lifecycle_{k}": v for k, v in self._lifecycle.stats().items()})
         out.setdefault("quota_evictions", 0)
         out.update(_capacity_stats(self.capacity_pages, int(out["used_pages"])))
         return out
@@ -240,11 +254,13 @@ class FileBackend(StorageBackend):
         self.counters.add_many(pages_read=1, bytes_read=self.spec.payload_bytes)
         return origin
 
-    def _write(self, key: bytes, page: HostPage, origin: str, owner: str = "") -> bool:
+    def _write(
+        self, key: bytes, page: HostPage, origin: str, owner: str = "", session: str = ""
+    ) -> bool:
         path = self.page_path(key)
         if path.exists():
             self.counters.add("pages_skipped")
-            self._touch(key)
+            self._touch(key, session=session)
             return True
         payload = payload_views(page)
         header = encode_header(self.spec, key, origin, payload)
@@ -262,7 +278,7 @@ class FileBackend(StorageBackend):
                 if not path.exists():
                     self._lru.pop(key, None)
             return False
-        self._touch(key, owner)
+        self._touch(key, owner, session)
         self.counters.add_many(pages_written=1, bytes_written=self.spec.payload_bytes)
         return True
 
@@ -291,13 +307,20 @@ class FileBackend(StorageBackend):
                 self._lru[key] = None
                 return True
             while len(self._lru) >= self.capacity_pages:
-                if not self._lru:
+                victim = self._victim_locked()
+                if victim is None:
                     return False
-                victim, _ = self._lru.popitem(last=False)
                 self._unlink_locked(victim)
                 self.counters.add("evictions")
             self._lru[key] = None
             return True
+
+    def _victim_locked(self) -> bytes | None:
+        """The next page the capacity evicts: the lifecycle's (closed sessions first), or the
+        least recently used; None when nothing can go (only reserved slots left)."""
+        if self._lifecycle is not None:
+            return self._lifecycle.evict()
+        return next(iter(self._lru), None)
 
     def _make_quota_room(self, owner: str) -> None:
         """Evict `owner`'s least recently used pages until one more of its pages fits its
@@ -311,9 +334,12 @@ class FileBackend(StorageBackend):
                 self._unlink_locked(victim)
             self.counters.add("quota_evictions")
 
-    def _touch(self, key: bytes, owner: str = "") -> None:
+    def _touch(self, key: bytes, owner: str = "", session: str = "") -> None:
+        """A write's refresh (the page was written, or found present, for `session`)."""
         with self._lock:
             self._touch_locked(key, owner)
+            if self._lifecycle is not None:
+                self._lifecycle.stored(key, session)
 
     def _touch_locked(self, key: bytes, owner: str) -> None:
         self._lru[key] = None
@@ -332,6 +358,8 @@ class FileBackend(StorageBackend):
         with self._lock:
             if key in self._lru or self.page_path(key).exists():
                 self._touch_locked(key, "")
+                if self._lifecycle is not None:
+                    self._lifecycle.touched(key)
 
     def _unlink(self, key: bytes) -> bool:
         with self._lock:
@@ -341,6 +369,8 @@ class FileBackend(StorageBackend):
         # the file goes under the lock: the index and the directory never disagree for long
         # enough that a reader re-adds an evicted key (see _touch_read)
         self._lru.pop(key, None)
+        if self._lifecycle is not None:
+            self._lifecycle.removed(key)
         owner = self._owner.pop(key, "")
         if owner:
             self._owned[owner].pop(key, None)

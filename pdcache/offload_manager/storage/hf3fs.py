@@ -263,7 +263,8 @@ class Hf3fsBackend(StorageBackend):
     def _make_metadata(self) -> MetadataClient:
         cfg = self.config
         if cfg.metadata == "inproc":
-            return InProcMetadata(cfg.num_pages, cfg.reservation_ttl_s)
+            lifecycle = cfg.make_lifecycle(cfg.num_pages, cfg.slot_bytes)
+            return InProcMetadata(cfg.num_pages, cfg.reservation_ttl_s, lifecycle)
         return RemoteMetadata(
             cfg.metadata,
             cfg.pool_name,
@@ -392,11 +393,12 @@ class Hf3fsBackend(StorageBackend):
     def put_from(
         self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill",
         namespace: str = "",  # tenant quotas are not enforced here (docs/design.md §8)
+        session: str = "",  # the metadata index's lifecycle (eviction = "session") uses it
     ) -> list[bool]:
         self._check_batch(keys, host_pages)
         self._replace_rejected(keys)
         try:
-            reservations = self.metadata.reserve(keys)
+            reservations = self.metadata.reserve(keys, session)
         except MetadataUnavailable as exc:
             self._metadata_down(exc)
             self.counters.add("write_errors", len(keys))
@@ -412,7 +414,7 @@ class Hf3fsBackend(StorageBackend):
             elif status == NEW:
                 todo.append((i, slot))
         written = self._map_chunks(lambda ch: self._write_chunk(ch, keys, host_pages, origin), todo)
-        self._publish(keys, todo, written, results)
+        self._publish(keys, todo, written, results, session)
         return results
 
     def _replace_rejected(self, keys: Sequence[bytes]) -> None:
@@ -422,6 +424,12 @@ class Hf3fsBackend(StorageBackend):
         if stale:
             self.delete(stale)
             self.counters.add("replaced_rejected_pages", len(stale))
+
+    def end_session(self, session: str) -> None:
+        try:
+            self.metadata.end_session(session)
+        except MetadataUnavailable:
+            self.counters.add("metadata_errors")
 
     def delete(self, keys: Sequence[bytes]) -> None:
         try:
@@ -588,14 +596,17 @@ class Hf3fsBackend(StorageBackend):
         todo: list[tuple[int, int]],
         written: list[bool],
         results: list[bool],
+        session: str = "",
     ) -> None:
-        """Commit the slots that were written, abort the others."""
+        """Commit the slots that were written (for `session`), abort the others."""
         done = [(i, s) for (i, s), ok in zip(todo, written) if ok]
         failed = [(i, s) for (i, s), ok in zip(todo, written) if not ok]
         try:
             if failed:
                 self.metadata.abort([keys[i] for i, _ in failed], [s for _, s in failed])
-            committed = self.metadata.commit([keys[i] for i, _ in done], [s for _, s in done])
+            committed = self.metadata.commit(
+                [keys[i] for i, _ in done], [s for _, s in done], session
+            )
         except MetadataUnavailable as exc:
             self._metadata_down(exc)
             self.counters.add("write_errors", len(done))

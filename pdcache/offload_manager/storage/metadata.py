@@ -7,7 +7,12 @@ committed nor aborted within its TTL is reclaimed, so a crashed writer leaks not
 A reader racing with the eviction of its slot reads another page's header or a torn payload;
 the page header (key + checksum) turns that into a miss, never wrong KV.
 
-Accounting invariant, per pool: free + used + reserved == capacity.
+With a `SessionLifecycle` (`[storage] eviction = "session"`, storage.lifecycle) the page a
+full pool evicts is the lifecycle's instead of the least recently used: writes carry the
+session (`reserve`/`commit(..., session=SID)`), closed sessions' pages go first.
+
+Accounting invariant, per pool: free + used + reserved == capacity (and, with a lifecycle,
+its groups hold exactly the committed keys).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any, Protocol
 import msgpack
 import zmq
 
+from pdcache.offload_manager.storage.lifecycle import SessionLifecycle
 from pdcache.utils.message_auth import AuthError, MessageAuth, nonce_of
 
 log = logging.getLogger(__name__)
@@ -77,6 +83,7 @@ class SlotIndex:
         reservation_ttl_s: float = 60.0,
         journal: Journal | None = None,
         clock: Callable[[], float] = time.monotonic,
+        lifecycle: SessionLifecycle | None = None,
     ) -> None:
         if num_slots <= 0:
             raise ValueError(f"a pool needs at least one slot, got {num_slots}")
@@ -88,6 +95,7 @@ class SlotIndex:
         self._reserved: dict[int, tuple[bytes, float]] = {}  # slot -> (key, deadline)
         self._reserved_keys: dict[bytes, int] = {}
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._lifecycle = lifecycle
         self.evictions = 0
         self.expired_reservations = 0
 
@@ -98,6 +106,8 @@ class SlotIndex:
             if 0 <= slot < self.num_slots and slot not in taken and key not in self._committed:
                 self._committed[key] = slot
                 taken.add(slot)
+                if self._lifecycle is not None:
+                    self._lifecycle.touched(key)  # no session known after a restart
         self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]
 
     def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
@@ -105,6 +115,8 @@ class SlotIndex:
         for key, slot in zip(keys, slots):
             if slot is not None:
                 self._touch(key)
+                if self._lifecycle is not None:
+                    self._lifecycle.touched(key)
         return slots
 
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
@@ -115,11 +127,12 @@ class SlotIndex:
             count += 1
         return count
 
-    def reserve(self, keys: Sequence[bytes]) -> list[Reservation]:
-        return [self._reserve_one(k) for k in keys]
+    def reserve(self, keys: Sequence[bytes], session: str = "") -> list[Reservation]:
+        """`session`: the conversation writing them; a PRESENT key is refreshed for it."""
+        return [self._reserve_one(k, session) for k in keys]
 
-    def commit(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
-        return [self._commit_one(k, s) for k, s in zip(keys, slots)]
+    def commit(self, keys: Sequence[bytes], slots: Sequence[int], session: str = "") -> list[bool]:
+        return [self._commit_one(k, s, session) for k, s in zip(keys, slots)]
 
     def abort(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         for key, slot in zip(keys, slots):
@@ -134,6 +147,8 @@ class SlotIndex:
             if slot is not None:
                 self._free.append(slot)
                 freed.append(slot)
+                if self._lifecycle is not None:
+                    self._lifecycle.removed(key)
                 if self._journal:
                     self._journal.remove(key)
         return freed
@@ -145,7 +160,7 @@ class SlotIndex:
         return list(self._committed.items())
 
     def stats(self) -> dict[str, int]:
-        return {
+        out = {
             "capacity_pages": self.num_slots,
             "used_pages": len(self._committed),
             "reserved_pages": len(self._reserved),
@@ -153,6 +168,14 @@ class SlotIndex:
             "evictions": self.evictions,
             "expired_reservations": self.expired_reservations,
         }
+        if self._lifecycle is not None:
+            out.update({f"lifecycle_{k}": v for k, v in self._lifecycle.stats().items()})
+        return out
+
+    def end_session(self, session: str) -> None:
+        """The conversation is over: its pages are evicted first (no-op without a lifecycle)."""
+        if self._lifecycle is not None:
+            self._lifecycle.end_session(session)
 
     # internals
 
@@ -161,9 +184,11 @@ class SlotIndex:
         if self._journal:
             self._journal.touch(key)
 
-    def _reserve_one(self, key: bytes) -> Reservation:
+    def _reserve_one(self, key: bytes, session: str = "") -> Reservation:
         if key in self._committed:
             self._touch(key)
+            if self._lifecycle is not None:
+                self._lifecycle.stored(key, session)
             return PRESENT, -1
         held = self._reserved_keys.get(key)
         if held is not None and self._reserved[held][1] > self._clock():
@@ -181,7 +206,12 @@ class SlotIndex:
         if not self._free:
             self._reclaim_expired()
         if not self._free and self._committed:
-            key, slot = self._committed.popitem(last=False)
+            if self._lifecycle is not None:
+                key = self._lifecycle.evict()
+                assert key is not None, "the lifecycle lost committed pages"
+                slot = self._committed.pop(key)
+            else:
+                key, slot = self._committed.popitem(last=False)
             self.evictions += 1
             if self._journal:
                 self._journal.remove(key)
@@ -202,11 +232,13 @@ class SlotIndex:
         key, _ = self._reserved.pop(slot)
         self._reserved_keys.pop(key, None)
 
-    def _commit_one(self, key: bytes, slot: int) -> bool:
+    def _commit_one(self, key: bytes, slot: int, session: str = "") -> bool:
         if self._reserved.get(slot, (None,))[0] != key:
             return False  # expired and reclaimed, or never reserved
         self._release_reservation(slot)
         self._committed[key] = slot
+        if self._lifecycle is not None:
+            self._lifecycle.stored(key, session)
         if self._journal:
             self._journal.put(key, slot)
         return True
@@ -225,10 +257,12 @@ class MetadataClient(ABC):
     def exists_prefix(self, keys: Sequence[bytes]) -> int: ...
 
     @abstractmethod
-    def reserve(self, keys: Sequence[bytes]) -> list[Reservation]: ...
+    def reserve(self, keys: Sequence[bytes], session: str = "") -> list[Reservation]: ...
 
     @abstractmethod
-    def commit(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]: ...
+    def commit(
+        self, keys: Sequence[bytes], slots: Sequence[int], session: str = ""
+    ) -> list[bool]: ...
 
     @abstractmethod
     def abort(self, keys: Sequence[bytes], slots: Sequence[int]) -> None: ...
@@ -245,6 +279,9 @@ class MetadataClient(ABC):
     @abstractmethod
     def stats(self) -> dict[str, int]: ...
 
+    def end_session(self, session: str) -> None:  # noqa: B027 - optional (plain LRU: no-op)
+        """The conversation is over: its pages are evicted first (`SlotIndex.end_session`)."""
+
     def close(self) -> None:  # noqa: B027 - the in-process index holds no connection
         """Release connections. Idempotent."""
 
@@ -252,8 +289,13 @@ class MetadataClient(ABC):
 class InProcMetadata(MetadataClient):
     """The index in this process, behind one lock."""
 
-    def __init__(self, num_slots: int, reservation_ttl_s: float = 60.0) -> None:
-        self._index = SlotIndex(num_slots, reservation_ttl_s)
+    def __init__(
+        self,
+        num_slots: int,
+        reservation_ttl_s: float = 60.0,
+        lifecycle: SessionLifecycle | None = None,
+    ) -> None:
+        self._index = SlotIndex(num_slots, reservation_ttl_s, lifecycle=lifecycle)
         self._lock = threading.Lock()
         self.num_slots = num_slots
 
@@ -270,11 +312,11 @@ class InProcMetadata(MetadataClient):
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         return self._locked("exists_prefix", keys)
 
-    def reserve(self, keys: Sequence[bytes]) -> list[Reservation]:
-        return self._locked("reserve", keys)
+    def reserve(self, keys: Sequence[bytes], session: str = "") -> list[Reservation]:
+        return self._locked("reserve", keys, session)
 
-    def commit(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
-        return self._locked("commit", keys, slots)
+    def commit(self, keys: Sequence[bytes], slots: Sequence[int], session: str = "") -> list[bool]:
+        return self._locked("commit", keys, slots, session)
 
     def abort(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         self._locked("abort", keys, slots)
@@ -290,6 +332,9 @@ class InProcMetadata(MetadataClient):
 
     def stats(self) -> dict[str, int]:
         return self._locked("stats")
+
+    def end_session(self, session: str) -> None:
+        self._locked("end_session", session)
 
 
 class RemoteMetadata(MetadataClient):
@@ -440,11 +485,15 @@ class RemoteMetadata(MetadataClient):
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         return int(self._call("exists_prefix", keys=list(keys)))
 
-    def reserve(self, keys: Sequence[bytes]) -> list[Reservation]:
-        return [(str(s), int(slot)) for s, slot in self._call("reserve", keys=list(keys))]
+    def reserve(self, keys: Sequence[bytes], session: str = "") -> list[Reservation]:
+        extra = {"session": session} if session else {}  # older services take no session
+        reply = self._call("reserve", keys=list(keys), **extra)
+        return [(str(s), int(slot)) for s, slot in reply]
 
-    def commit(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
-        return [bool(x) for x in self._call("commit", keys=list(keys), slots=list(slots))]
+    def commit(self, keys: Sequence[bytes], slots: Sequence[int], session: str = "") -> list[bool]:
+        extra = {"session": session} if session else {}
+        reply = self._call("commit", keys=list(keys), slots=list(slots), **extra)
+        return [bool(x) for x in reply]
 
     def abort(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         self._call("abort", keys=list(keys), slots=list(slots))
@@ -460,6 +509,9 @@ class RemoteMetadata(MetadataClient):
 
     def stats(self) -> dict[str, int]:
         return dict(self._call("stats"))
+
+    def end_session(self, session: str) -> None:
+        self._call("end_session", session=session)
 
     def health(self) -> dict[str, Any]:
         """The service's own counters: requests served, refused requests by kind."""

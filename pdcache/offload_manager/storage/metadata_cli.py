@@ -8,6 +8,8 @@ import signal
 import sys
 import threading
 
+from pdcache.offload_manager.storage.config import STORAGE_EVICTIONS
+from pdcache.offload_manager.storage.lifecycle import StorageEviction
 from pdcache.offload_manager.storage.metadata_service import (
     MetadataService,
     metadata_key,
@@ -37,13 +39,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cluster secret file: every request must carry its derived credential "
         "(docs/security.md); default: unauthenticated",
     )
+    parser.add_argument(
+        "--eviction",
+        choices=STORAGE_EVICTIONS,
+        default="lru",
+        help="which page a full pool evicts: lru, or session (closed conversations' pages "
+        "first, active ones protected within the bound; `[storage] eviction`)",
+    )
+    parser.add_argument(
+        "--session-protect-share",
+        type=float,
+        default=0.5,
+        help="session eviction: at most this share of a pool is protected",
+    )
+    parser.add_argument(
+        "--session-protect-bytes",
+        type=int,
+        default=0,
+        help="session eviction: protected bytes per session (0: no per-session cap)",
+    )
+    parser.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=300.0,
+        help="session eviction: a session without a write for this long is closed",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     auth_key = metadata_key(args.secret_file) if args.secret_file else None  # before binding
-    service = MetadataService(args.state_dir, args.capacity_pages, args.reservation_ttl)
+    eviction = StorageEviction(
+        args.eviction, args.session_protect_share, args.session_protect_bytes, args.session_idle_s
+    )
+    service = MetadataService(
+        args.state_dir, args.capacity_pages, args.reservation_ttl, eviction=eviction
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

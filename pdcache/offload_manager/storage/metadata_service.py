@@ -36,6 +36,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from pdcache.offload_manager.storage.lifecycle import StorageEviction
 from pdcache.offload_manager.storage.metadata import (
     CLIENT_LABEL,
     METADATA_KEY_PURPOSE,
@@ -108,8 +109,14 @@ class MetadataService:
     """Pools of key -> slot indexes, persisted under `state_dir`. Not thread-safe: one loop."""
 
     def __init__(
-        self, state_dir: str | Path, capacity_pages: int = 0, reservation_ttl_s: float = 60.0
+        self,
+        state_dir: str | Path,
+        capacity_pages: int = 0,
+        reservation_ttl_s: float = 60.0,
+        eviction: StorageEviction | None = None,
     ) -> None:
+        """`eviction`: how full pools choose their victim (`[storage] eviction`; default
+        LRU); each pool gets its own lifecycle, sized by its capacity."""
         Path(state_dir).mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(Path(state_dir) / "index.sqlite3"), isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -117,6 +124,7 @@ class MetadataService:
         self._db.executescript(_SCHEMA)
         self._capacity_pages = capacity_pages
         self._ttl = reservation_ttl_s
+        self._eviction = eviction or StorageEviction()
         self._seq = int(self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM entries").fetchone()[0])
         self._pools: dict[str, tuple[SlotIndex, SqliteJournal, int]] = {}
         self._last_touch_flush = time.monotonic()
@@ -130,7 +138,8 @@ class MetadataService:
 
     def _new_pool(self, ns: str, num_slots: int, slot_bytes: int) -> SlotIndex:
         journal = SqliteJournal(ns, self._next_seq)
-        index = SlotIndex(num_slots, self._ttl, journal=journal)
+        lifecycle = self._eviction.build(num_slots, slot_bytes)
+        index = SlotIndex(num_slots, self._ttl, journal=journal, lifecycle=lifecycle)
         self._pools[ns] = (index, journal, slot_bytes)
         return index
 
@@ -180,10 +189,17 @@ class MetadataService:
         if op == "open":
             return self._open(str(req["ns"]), int(req["slots"]), int(req["slot_bytes"]))
         index = self._index(req.get("ns"))
-        if op in ("lookup", "exists_prefix", "reserve", "delete"):
+        if op in ("lookup", "exists_prefix", "delete"):
             return getattr(index, op)([bytes(k) for k in req["keys"]])
-        if op in ("commit", "abort"):
-            return getattr(index, op)([bytes(k) for k in req["keys"]], list(req["slots"]))
+        if op == "reserve":
+            return index.reserve([bytes(k) for k in req["keys"]], str(req.get("session", "")))
+        if op == "commit":
+            keys, slots = [bytes(k) for k in req["keys"]], list(req["slots"])
+            return index.commit(keys, slots, str(req.get("session", "")))
+        if op == "abort":
+            return index.abort([bytes(k) for k in req["keys"]], list(req["slots"]))
+        if op == "end_session":
+            return index.end_session(str(req["session"]))
         if op in ("entries", "stats", "clear"):
             return getattr(index, op)()
         raise ValueError(f"unknown op {op!r}")
@@ -288,8 +304,10 @@ class LocalMetadataService:
         port: int = 0,
         capacity_pages: int = 0,
         secret_file: str | Path | None = None,
+        eviction: StorageEviction | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.eviction = eviction or StorageEviction()
         self.secret_file = secret_file
         self.port = port or _free_port()
         self.capacity_pages = capacity_pages
@@ -315,6 +333,7 @@ class LocalMetadataService:
             str(self.capacity_pages),
             "--log-level",
             "WARNING",
+            *self.eviction.server_argv(),
         ]
         auth_key = None
         if self.secret_file is not None:

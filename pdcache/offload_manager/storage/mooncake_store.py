@@ -14,7 +14,10 @@ fast for `retry_interval_s`, so a dead master costs one RPC timeout (about 4 s) 
 
 Capacity: with `capacity_pages` (or `capacity_bytes`) set, this client keeps an LRU of the pages
 it wrote or read and removes the least recently used when full; the master's own eviction
-stays the backstop. Thread-safe: one lock around store calls (the header arena is shared).
+stays the backstop. `eviction = "session"` (storage.lifecycle) picks this client's victims by
+conversation instead (closed sessions' pages first, active ones protected within the bound);
+the master's backstop eviction knows nothing of sessions (its soft pin, a TTL'd per-object
+flag, is not used here). Thread-safe: one lock around store calls (the header arena is shared).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class MooncakeStoreBackend(StorageBackend):
         self._prefix = f"pdkv/{config.namespace}/"
         self._lock = threading.Lock()
         self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self._lifecycle = config.make_lifecycle(self.capacity_pages, self.spec.object_bytes)
         self._regions: list[tuple[int, int]] = []
         self._down_until = 0.0
         self._closed = False
@@ -174,6 +178,7 @@ class MooncakeStoreBackend(StorageBackend):
     def put_from(
         self, keys: Sequence[bytes], host_pages: Sequence[HostPage], origin: str = "prefill",
         namespace: str = "",  # tenant quotas are not enforced here (docs/design.md §8)
+        session: str = "",  # this client's lifecycle (eviction = "session") uses it
     ) -> list[bool]:
         if len(keys) != len(host_pages):
             raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
@@ -181,7 +186,8 @@ class MooncakeStoreBackend(StorageBackend):
         results: list[bool] = []
         for start in range(0, len(keys), self._batch):
             end = start + self._batch
-            results.extend(self._put_chunk(keys[start:end], host_pages[start:end], origin))
+            chunk = self._put_chunk(keys[start:end], host_pages[start:end], origin, session)
+            results.extend(chunk)
         return results
 
     def _replace_rejected(self, keys: Sequence[bytes]) -> None:
@@ -192,10 +198,17 @@ class MooncakeStoreBackend(StorageBackend):
             self.delete(stale)
             self.counters.add("replaced_rejected_pages", len(stale))
 
+    def end_session(self, session: str) -> None:
+        if self._lifecycle is not None:
+            with self._lock:
+                self._lifecycle.end_session(session)
+
     def delete(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             for key in keys:
                 self._lru.pop(key, None)
+                if self._lifecycle is not None:
+                    self._lifecycle.removed(key)
             codes = self._call("batch_remove", [self._object_key(k) for k in keys], True)
         if codes is not None:
             self.counters.add("deleted_pages", sum(1 for c in codes if c == 0))
@@ -204,6 +217,8 @@ class MooncakeStoreBackend(StorageBackend):
         out = self.counters.snapshot()
         with self._lock:
             out["used_pages"] = len(self._lru)
+            if self._lifecycle is not None:
+                out.update({f"lifecycle_{k}": v for k, v in self._lifecycle.stats().items()})
         free = max(0, self.capacity_pages - len(self._lru)) if self.capacity_pages else 0
         out.update(capacity_pages=self.capacity_pages, free_pages=free, reserved_pages=0)
         return out
@@ -228,6 +243,9 @@ class MooncakeStoreBackend(StorageBackend):
     def clear(self) -> int:
         """Remove every page of this namespace, by any client; the number removed."""
         with self._lock:
+            for key in self._lru:
+                if self._lifecycle is not None:
+                    self._lifecycle.removed(key)
             self._lru.clear()
             removed = self._call("remove_by_regex", f"^{re.escape(self._prefix)}", True)
         return max(0, removed or 0)
@@ -312,7 +330,7 @@ class MooncakeStoreBackend(StorageBackend):
         return None
 
     def _put_chunk(
-        self, keys: Sequence[bytes], pages: Sequence[HostPage], origin: str
+        self, keys: Sequence[bytes], pages: Sequence[HostPage], origin: str, session: str = ""
     ) -> list[bool]:
         with self._lock:
             exist = self._call("batch_is_exist", [self._object_key(k) for k in keys])
@@ -323,14 +341,19 @@ class MooncakeStoreBackend(StorageBackend):
             for key, present in zip(keys, results):
                 if present:
                     self.counters.add("pages_skipped")
-                    self._touch(key)
+                    self._touch(key, session)
             todo = [j for j, present in enumerate(results) if not present]
-            for j, ok in zip(todo, self._write(todo, keys, pages, origin)):
+            for j, ok in zip(todo, self._write(todo, keys, pages, origin, session)):
                 results[j] = ok
         return results
 
     def _write(
-        self, todo: list[int], keys: Sequence[bytes], pages: Sequence[HostPage], origin: str
+        self,
+        todo: list[int],
+        keys: Sequence[bytes],
+        pages: Sequence[HostPage],
+        origin: str,
+        session: str = "",
     ) -> list[bool]:
         if not todo:
             return []
@@ -345,7 +368,9 @@ class MooncakeStoreBackend(StorageBackend):
             again = self._put_objects(retry, keys, pages) or [RPC_FAILED] * len(retry)
             by_index = dict(zip(retry, again))
             codes = [by_index.get(j, c) for j, c in zip(todo, codes)]
-        written = [self._check_write(keys[j], c) for j, c in zip(todo, codes or [-1] * len(todo))]
+        written = [
+            self._check_write(keys[j], c, session) for j, c in zip(todo, codes or [-1] * len(todo))
+        ]
         self._make_room(0)  # a batch larger than the capacity keeps only its newest pages
         return written
 
@@ -357,25 +382,40 @@ class MooncakeStoreBackend(StorageBackend):
         return self._call("batch_put_from_multi_buffers", okeys, [p for p, _ in buffers],
                           [s for _, s in buffers])
 
-    def _check_write(self, key: bytes, code: int) -> bool:
+    def _check_write(self, key: bytes, code: int, session: str = "") -> bool:
         if code != 0:
             self.counters.add("full_rejects" if code == NO_SPACE else "write_errors")
             self._warn.warning("write", "mooncake: put of %s failed with %d", key.hex(), code)
             return False
-        self._touch(key)
+        self._touch(key, session)
         self.counters.add_many(pages_written=1, bytes_written=self.spec.payload_bytes)
         return True
 
-    def _touch(self, key: bytes) -> None:
+    def _touch(self, key: bytes, session: str | None = None) -> None:
+        """LRU refresh; `session` (a str, "" for none) marks a write, None a read."""
         self._lru[key] = None
         self._lru.move_to_end(key)
+        if self._lifecycle is not None:
+            if session is None:
+                self._lifecycle.touched(key)
+            else:
+                self._lifecycle.stored(key, session)
+
+    def _pop_victim(self) -> bytes:
+        """The next page this client evicts (lifecycle order, else LRU), out of the index."""
+        if self._lifecycle is not None:
+            key = self._lifecycle.evict()
+            if key is not None:
+                self._lru.pop(key, None)
+                return key
+        return self._lru.popitem(last=False)[0]
 
     def _make_room(self, incoming: int) -> None:
         if self.capacity_pages:
             self._evict(len(self._lru) + incoming - self.capacity_pages)
 
     def _evict(self, count: int) -> None:
-        victims = [self._lru.popitem(last=False)[0] for _ in range(min(count, len(self._lru)))]
+        victims = [self._pop_victim() for _ in range(min(count, len(self._lru)))]
         if victims:
             self._call("batch_remove", [self._object_key(k) for k in victims], True)
             self.counters.add("evictions", len(victims))
