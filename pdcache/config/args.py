@@ -167,7 +167,8 @@ def _cache_table(args: argparse.Namespace, role: str) -> dict[str, Any]:
         table.update(write_policy=args.write_policy, prefetch_policy=args.prefetch_policy,
                      device_eviction=args.device_eviction, host_eviction=args.host_eviction,
                      host_mode=args.host_mode, session_idle_s=args.session_idle_s,
-                     prefetch_layerwise=args.prefetch_layerwise)
+                     prefetch_layerwise=args.prefetch_layerwise,
+                     prefetch_layers_per_read=args.prefetch_layers_per_read)
     host_pages = getattr(args, "host_pages", 0)
     if host_pages > 0:
         table["host_pages"] = host_pages
@@ -298,6 +299,9 @@ def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> N
         group.add_argument("--prefetch-layerwise", action="store_true",
                            help="read storage prefetches layer-major and start the forward "
                                 "before the last layer is in (docs/design.md §4.11)")
+        group.add_argument("--prefetch-layers-per-read", type=int, default=1,
+                           help="with --prefetch-layerwise: layers read per page per step "
+                                "(fewer, larger reads; the first step carries the header)")
         group.add_argument("--device-eviction", default="lru", choices=list(EVICTION_POLICIES),
                            help="which cached pages the device evicts first; 'session': closed "
                                 "sessions first, active ones expected back last next")

@@ -627,9 +627,16 @@ class Scheduler:
 
     def _release(self, req: Req, cache: bool) -> None:
         """Give back every page of `req`: with `cache`, its computed full pages go to the tree
-        (the tree keeps one copy; duplicates are freed), everything else is freed."""
+        (the tree keeps one copy; duplicates are freed), everything else is freed. A pending
+        load is finished first; one that then reports `failed` (K/V that did not verify, e.g.
+        a retraction before `requeue_failed_loads` saw it) caches nothing."""
         if req.kv_load is not None:
             req.kv_load.finish()  # its pages are about to be cached or freed
+            if getattr(req.kv_load, "failed", False):
+                # the reused K/V did not verify (or its read timed out): nothing computed on
+                # it may enter the tree, where a backup would re-write it with a fresh MAC
+                cache = False
+                req.cached_len, req.cached = None, None  # its tier split is recorded anew
         to_free = req.own_page_ids
         num_full = req.kv_len // self.page_size
         result = None

@@ -137,6 +137,7 @@ class HiCacheStats:
     load_stream_wait_us: int = 0  # the forward waiting for a layer's storage reads
     load_verify_wait_us: int = 0  # after the forward, waiting for the pages' verification
     stream_failed_loads: int = 0  # loads whose pages failed verification (request requeued)
+    stream_timed_out_loads: int = 0  # of those, the read had not ended by the deadline
 
 
 @dataclass
@@ -357,8 +358,9 @@ class HiCache:
             self.stats.load_pages += len(all_host)
 
         def release_prefetched() -> None:
-            if pref_ids:
-                self.host_pool.free(pref_ids)
+            if pref_ids:  # a timed-out stream may still be writing into them: freed later
+                assert prefetched is not None
+                self.release_prefetched(prefetched, pref_ids)
             if host_ids and self.config.host_mode == "exclusive":
                 released = self.tree.drop_host_copies(node, host_ids)
                 self._count(host_released_pages=released)
@@ -367,9 +369,10 @@ class HiCache:
             self._count(load_copy_us=int(seconds * 1e6))
 
         def streamed_done(wait_s: float, verify_s: float, failed: bool) -> None:
+            timed_out = streamed is not None and streamed.stream.timed_out
             self._count(load_stream_wait_us=int(wait_s * 1e6),
                         load_verify_wait_us=int(verify_s * 1e6),
-                        stream_failed_loads=int(failed))
+                        stream_failed_loads=int(failed), stream_timed_out_loads=int(timed_out))
 
         streamed = None
         if prefetched is not None and prefetched.stream is not None and pref_ids:
@@ -714,9 +717,15 @@ class HiCache:
         """A prefetch of `keys` into `host_ids` whose first `submit` pages (default: all) are
         read now; the rest wait for their pending keys to land (`_read_landed`). Without
         pending pages and with `layerwise_prefetch`, one layer-streamed read of them all."""
-        deadline = time.monotonic() + self.config.prefetch_timeout_s(num_tokens)
+        now = time.monotonic()
+        deadline = now + self.config.prefetch_timeout_s(num_tokens)
         if self._streams_layers and (submit is None or submit == len(keys)):
-            stream = LayerStream(len(keys), self.num_layers, self.config.layerwise_read_layers)
+            # the load waits for the layers on the engine thread: never past the prefetch's
+            # deadline (wait_complete, which admits whenever the reads end, at the cap)
+            waits_until = (now + self.config.prefetch_timeout_max_s
+                           if self.config.prefetch_policy == "wait_complete" else deadline)
+            stream = LayerStream(len(keys), self.num_layers, self.config.layerwise_read_layers,
+                                 deadline=waits_until)
             op = PrefetchOp(rid, first_page, keys, host_ids, [], deadline, stream=stream)
             return self._submit_stream(op, self.host_pool.page_bytes(host_ids))
         op = PrefetchOp(rid, first_page, keys, host_ids, [], deadline, submitted=0)
@@ -817,8 +826,10 @@ class HiCache:
         return done
 
     def _abandon(self, op: PrefetchOp, keep_pages: int) -> None:
+        # a streamed read may still write into the rest: they are free once it ended
         rest = PrefetchOp(op.rid, op.first_page + keep_pages, op.keys[keep_pages:],
-                          op.host_page_ids[keep_pages:], op.batches, op.deadline)
+                          op.host_page_ids[keep_pages:], op.batches, op.deadline,
+                          stream=op.stream)
         self._count(prefetch_abandoned_pages=len(rest.host_page_ids))
         self._abandoned.append(rest)
         self.reap()

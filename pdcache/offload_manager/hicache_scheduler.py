@@ -80,7 +80,8 @@ class HiCacheScheduler(Scheduler):
 
     def _usable_prefetch(self, rid: str, first: int, max_pages: int) -> PrefetchResult | None:
         """The prefetched pages that continue the current match (the match may have grown or
-        shrunk since the prefetch started); pages that don't fit are freed."""
+        shrunk since the prefetch started); pages that don't fit are freed (once a streamed
+        read ended; one of which no page fits is cancelled)."""
         op_first = self.hicache.prefetch_first_page(rid)
         result = self.hicache.take_prefetch(rid)
         if result is None or not result.host_page_ids:
@@ -88,6 +89,8 @@ class HiCacheScheduler(Scheduler):
         skip = first - op_first
         usable = max(0, min(len(result.host_page_ids), max_pages - op_first) - skip)
         if skip < 0 or usable == 0:
+            if result.stream is not None:
+                result.stream.cancelled.set()  # no page of it will be loaded: stop reading
             self.hicache.release_prefetched(result, result.host_page_ids)
             return None
         keep = result.host_page_ids[skip : skip + usable]

@@ -371,8 +371,9 @@ def test_storage_eviction_from_flags_equals_from_topology(tmp_path: Path) -> Non
 
 
 def test_layerwise_prefetch_key_and_flag_reach_hicache(tmp_path: Path) -> None:
-    """`[cache] prefetch_layerwise / prefetch_layers_per_read` (and `--prefetch-layerwise`)
-    land in HiCacheConfig; off by default; a step of 0 layers is refused."""
+    """`[cache] prefetch_layerwise / prefetch_layers_per_read` (and `--prefetch-layerwise`,
+    `--prefetch-layers-per-read`) land in HiCacheConfig, flags as the keys do; off by default;
+    a step of 0 layers is refused (key and flag)."""
     default = setup_for(pd(tmp_path), "p0", MODEL)
     assert (default.tiers.hicache.layerwise_prefetch,
             default.tiers.hicache.layerwise_read_layers) == (False, 1)
@@ -383,5 +384,13 @@ def test_layerwise_prefetch_key_and_flag_reach_hicache(tmp_path: Path) -> None:
     flags = from_flags("prefill", "--name", "p0", "--port", "31001", "--bootstrap-port", "8998",
                        "--prefetch-layerwise", *storage_flags(tmp_path))
     assert flags.tiers.hicache.layerwise_prefetch is True
+    assert flags.tiers.hicache.layerwise_read_layers == 1
+    both = from_flags("prefill", "--name", "p0", "--port", "31001", "--bootstrap-port", "8998",
+                      "--prefetch-layerwise", "--prefetch-layers-per-read", "2",
+                      *storage_flags(tmp_path))
+    assert both.tiers.hicache == topo.tiers.hicache
     with pytest.raises(TopologyError, match="cache.prefetch_layers_per_read"):
         pd(tmp_path, cache="prefetch_layers_per_read = 0")
+    with pytest.raises(TopologyError, match="cache.prefetch_layers_per_read"):
+        from_flags("prefill", "--name", "p0", "--port", "31001", "--bootstrap-port", "8998",
+                   "--prefetch-layers-per-read", "0", *storage_flags(tmp_path))

@@ -9,8 +9,9 @@ Two keys turn it on, for two uses:
 `pdcache bench chaos` (its `storage-slow` fault) and tests set: the key is off by default, it
 must name an absolute path, and the control file must exist when the backend opens (else the
 node refuses to start), so a config cannot turn it on by accident. The control file holds one
-number, the delay in seconds each data call (`exists_prefix`, `get_into`, `put_from`, `delete`)
-waits before it reaches the wrapped backend; the harness rewrites it to inject and to heal.
+number, the delay in seconds each data call (`exists_prefix`, `get_into`, `read_layers`,
+`put_from`, `delete`) waits before it reaches the wrapped backend; the harness rewrites it to
+inject and to heal.
 It is re-read at most every `REREAD_S` (a missing or unreadable file reads as 0: no delay).
 
 Thread-safety: the cached delay is behind a lock; the wrapped backend is thread-safe itself.
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcache.offload_manager.storage.base import StorageBackend
+from pdcache.offload_manager.storage.layer_reads import LayerStream
 from pdcache.offload_manager.storage.page_format import HostPage
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,24 @@ class DelayInjectingBackend(StorageBackend):
     ) -> list[bool]:
         self._wait(write=True)
         return self.inner.put_from(keys, host_pages, origin, namespace, session=session)
+
+    @property
+    def streams_layers(self) -> bool:
+        """Whether the wrapped backend reads layer-major (`read_layers`); explicit so that
+        the layer-streamed prefetch never bypasses the delay through `__getattr__`."""
+        return bool(getattr(self.inner, "streams_layers", False))
+
+    def read_layers(
+        self,
+        keys: Sequence[bytes],
+        host_pages: Sequence[HostPage],
+        stream: LayerStream,
+        origins: list[str | None] | None = None,
+    ) -> list[bool]:
+        """The wrapped backend's layer-major read (storage/layer_reads.py), delayed like
+        `get_into`: a slow store is slow for streamed prefetches too."""
+        self._wait()
+        return self.inner.read_layers(keys, host_pages, stream, origins)  # type: ignore[attr-defined]
 
     def end_session(self, session: str) -> None:
         self.inner.end_session(session)  # the base's no-op would hide the wrapped backend's

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,14 +38,22 @@ class LayerStream:
     """Progress of one layer-major read: headers checked, layers read, pages verified.
 
     The IO thread calls `headers_read`, `layer_read` (in layer order) and `finish` (always,
-    also after a failure: it wakes every waiter). Waiters block on a condition variable.
+    also after a failure: it wakes every waiter). Waiters block on a condition variable, at
+    most until `deadline`; `done` means the IO thread finished (its host buffers are free
+    to reuse), which a timed-out stream may reach only later.
     `layers_per_read`: layers read per page per step (fewer, larger reads; the first step
     carries the headers)."""
 
-    def __init__(self, num_pages: int, num_layers: int, layers_per_read: int = 1) -> None:
+    def __init__(self, num_pages: int, num_layers: int, layers_per_read: int = 1,
+                 deadline: float | None = None) -> None:
         self.num_pages = num_pages
         self.num_layers = num_layers
         self.layers_per_read = layers_per_read
+        # `time.monotonic()` past which a consumer stops waiting (None: never): the read is
+        # then cancelled and every page counts as failed, so a hung read cannot stall the
+        # consumer's thread (the engine's) for longer than its prefetch may take
+        self.deadline = deadline
+        self.timed_out = False
         self._cond = threading.Condition()
         self._headers_ok: int | None = None
         self._origins: list[str | None] = []
@@ -95,17 +104,32 @@ class LayerStream:
         with self._cond:
             return self._cond.wait_for(lambda: self._headers_ok is not None, timeout_s)
 
-    def wait_layer(self, layer: int) -> None:
-        """Until layer `layer` of every page in the header prefix is read (or the read ended)."""
+    def wait_layer(self, layer: int) -> bool:
+        """Until layer `layer` of every page in the header prefix is read (or the read ended);
+        False when the deadline passed first (`timed_out`: the read is cancelled)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._layers_read > layer or self._ok is not None)
+            return self._wait(lambda: self._layers_read > layer or self._ok is not None)
 
     def wait_done(self) -> list[bool]:
-        """Per page: read and verified. Blocks until the read ended."""
+        """Per page: read and verified. Blocks until the read ended, or the deadline passed
+        (`timed_out`: every page False, whatever the read reports later)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._ok is not None)
+            if not self._wait(lambda: self._ok is not None):
+                return [False] * self.num_pages
             assert self._ok is not None
             return list(self._ok)
+
+    def _wait(self, predicate: Callable[[], bool]) -> bool:
+        """Wait (holding `_cond`) for `predicate` until the deadline; past it, time the
+        stream out (once) and return False."""
+        if self.timed_out:
+            return False
+        remaining = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        if self._cond.wait_for(predicate, remaining):
+            return True
+        self.timed_out = True
+        self.cancelled.set()  # the IO thread stops at its next step; `done` waits for it
+        return False
 
 
 PageVerdict = tuple[Verdict, str | None] | None  # None: not read (past the first bad page)

@@ -156,3 +156,41 @@ port = 30001
     assert keys_["fault_injection"] == "/tmp/chaos/delay"
     plain = parse_topology(text.replace('fault_injection = "/tmp/chaos/delay"\n', ""), "t.toml")
     assert "fault_injection" not in storage_keys_from_spec(plain.storage)
+
+
+def test_layer_major_reads_are_delayed_too(tmp_path: Path) -> None:
+    """The layer-streamed prefetch reads through `read_layers` (storage/layer_reads.py): the
+    wrapper says whether the wrapped backend streams layers and delays those reads like
+    `get_into`, not forwarding them undelayed through `__getattr__`."""
+    from pdcache.offload_manager.storage.layer_reads import LayerStream
+
+    layers = 4
+    path = control(tmp_path, "0")
+    backend = create_backend(
+        config(tmp_path, fault_injection=str(path), num_layers=layers, page_size=4, dtype="uint8")
+    )
+    try:
+        assert isinstance(backend, DelayInjectingBackend) and backend.streams_layers
+        ks, ps = keys(2), pages(2)
+        assert all(backend.put_from(ks, ps))
+        path.write_text(f"{DELAY_S}\n")
+        deadline = time.monotonic() + 20 * REREAD_S
+        while backend.current_delay_s() != DELAY_S and time.monotonic() < deadline:
+            time.sleep(REREAD_S / 5)
+        out = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in ks]
+        stream = LayerStream(len(ks), layers)
+        assert timed(backend.read_layers, ks, out, stream) >= DELAY_S
+        assert stream.wait_done() == [True, True]
+        assert all(torch.equal(a, b) for a, b in zip(out, ps))  # delayed, not changed
+        assert backend.stats()["injected_delays"] == 1
+    finally:
+        backend.close()
+
+
+def test_streams_layers_follows_the_wrapped_backend(tmp_path: Path) -> None:
+    class PageOnly(FileBackend):
+        streams_layers = False  # e.g. a backend without positional reads
+
+    inner = PageOnly(config(tmp_path))
+    assert DelayInjectingBackend(inner).streams_layers is False
+    assert DelayInjectingBackend(FileBackend(config(tmp_path))).streams_layers is True

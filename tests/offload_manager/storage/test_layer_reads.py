@@ -127,3 +127,25 @@ def test_cancelled_stream_stops_reading(kind, tmp_path):
         assert torch.equal(dest[:, :layer], pages[:, :layer]) and not dest[:, layer:].any()
     finally:
         backend.close()
+
+
+def test_waits_end_at_the_deadline_and_cancel_the_read():
+    """A consumer (the engine thread) waits for a hung read at most until the stream's
+    deadline: then the stream is timed out, cancelled, and every page counts as failed, even
+    if the read reports success later; `done` stays the IO thread's (its buffers in use)."""
+    import time
+
+    stream = LayerStream(3, LAYERS, deadline=time.monotonic() + 0.2)
+    stream.headers_read(3, ["prefill"] * 3)
+    stream.layer_read(0)
+    assert stream.wait_layer(0)
+    started = time.monotonic()
+    assert not stream.wait_layer(1)  # nobody reads layer 1
+    assert 0.1 <= time.monotonic() - started < 5
+    assert stream.timed_out and stream.cancelled.is_set() and not stream.done
+    assert not stream.wait_layer(2)  # no second wait
+    stream.finish([True, True, True])  # the read ends late
+    assert stream.done and stream.wait_done() == [False] * 3
+    unbounded = LayerStream(1, LAYERS)
+    threading.Timer(0.2, unbounded.finish, [[True]]).start()
+    assert unbounded.wait_done() == [True] and not unbounded.timed_out
