@@ -12,13 +12,19 @@ layers:
   requeued and recomputed (exact tokens, counted); with the requeue disabled the corrupt K/V
   reaches the output (so the protection is what keeps it exact);
 - accounting: a request aborted while its streamed read is held gives every host staging page
-  back once the read ends, and the read stops early.
+  back once the read ends, and the read stops early;
+- a request retracted while holding a streamed load that then fails verification caches
+  nothing and writes nothing to host or storage (then recomputes exactly);
+- a read that hangs after layer 0: the forward stops waiting at the prefetch's deadline, the
+  request recomputes (exact, bounded time) and the read is cancelled;
+- a stream none of whose pages continue the match at admission is cancelled (reads stop).
 """
 
 from __future__ import annotations
 
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -52,13 +58,17 @@ GATED = "gated-file"
 class GatedFileBackend(FileBackend):
     """File storage whose layer-major reads stop at a gate: after the header pass
     (`hold="headers"`) or after reporting layer 0 (`hold="layer0"`), until `gate` is set
-    (bounded wait). `events` records ("read", layer) as layers are reported."""
+    (bounded wait); `hold="both"` stops at both, after layer 0 until `layer0_gate` is set
+    (`layer0_held` tells it got there). `events` records ("read", layer) as layers are
+    reported."""
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.hold = ""
         self.gate = threading.Event()
         self.held = threading.Event()
+        self.layer0_gate = threading.Event()
+        self.layer0_held = threading.Event()
         self.events: list[tuple[str, int]] = []
 
     def read_layers(self, keys: Sequence[bytes], host_pages: Sequence[torch.Tensor],
@@ -76,20 +86,23 @@ class _Gate:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 
-    def _stop(self) -> None:
-        self._backend.held.set()
-        assert self._backend.gate.wait(30), "the test never opened the gate"
+    def _stop(self, gate: threading.Event, held: threading.Event) -> None:
+        held.set()
+        assert gate.wait(30), "the test never opened the gate"
 
     def headers_read(self, ok_prefix: int, origins: list[str | None]) -> None:
-        if self._backend.hold == "headers":
-            self._stop()
+        if self._backend.hold in ("headers", "both"):
+            self._stop(self._backend.gate, self._backend.held)
         self._stream.headers_read(ok_prefix, origins)
 
     def layer_read(self, layer: int) -> None:
-        self._backend.events.append(("read", layer))
+        backend = self._backend
+        backend.events.append(("read", layer))
         self._stream.layer_read(layer)
-        if layer == 0 and self._backend.hold == "layer0":
-            self._stop()
+        if layer == 0 and backend.hold == "layer0":
+            self._stop(backend.gate, backend.held)
+        elif layer == 0 and backend.hold == "both":
+            self._stop(backend.layer0_gate, backend.layer0_held)
 
 
 @pytest.fixture(scope="module")
@@ -294,3 +307,166 @@ def test_streamed_prefetch_offers_headers_then_only_verified_pages() -> None:
     assert op.ready_prefix() == (5, ["prefill"] * 4 + ["decode"])
     stream.finish([True, True, False, True, True])
     assert op.complete and op.ready_prefix() == (2, ["prefill"] * 2)
+
+
+def _corrupt_payloads(cfg, first_page: int) -> None:
+    """Pages `first_page..` of PROMPT in storage: a valid header, a payload that fails
+    verification."""
+    store = FileBackend(cfg)
+    floats = cfg.page_bytes // 4
+    for key in prompt_keys(cfg, PROMPT)[first_page:]:
+        blob = store.read_object(key)
+        assert blob is not None
+        store.write_object(key, blob[:HEADER_BYTES] + struct.pack(f"<{floats}f", *[30.0] * floats))
+
+
+def _driven(tiny, storage, **hicache: Any):
+    """A tiered engine the test drives with `engine.step()` (no engine thread), its device
+    pool zeroed."""
+    from pdcache.offload_manager.builder import TierConfig, build_tiered_engine
+    from pdcache.offload_manager.hicache import HiCacheConfig
+    from tests.hicache_support import engine_config
+
+    model, tokenizer = tiny
+    tiers = TierConfig(64, HiCacheConfig(layerwise_prefetch=True, **hicache), storage)
+    built = build_tiered_engine(engine_config(model), model, tokenizer, tiers)
+    built.engine.start(thread=False)
+    built.hicache.device_kv.zero_()
+    return built
+
+
+def _submit(built, rid: str, prompt: list[int]) -> list:
+    outputs: list = []
+    built.engine.submit(GenerateRequest(rid, prompt, PARAMS), outputs.append)
+    return outputs
+
+
+def _run_to_end(built, limit_s: float = 120.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while built.engine.step():
+        assert time.monotonic() < deadline, "the driven engine did not finish"
+        time.sleep(0.001)  # a step stalled on a prefetch returns at once: don't spin hot
+
+
+def _wait_until(predicate, limit_s: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+def test_retracted_request_holding_a_failed_stream_caches_and_writes_nothing(
+        tiny, expected, tmp_path, gated_backend):
+    """A request retracted (the decode side short of a page retracts the newest request)
+    after its admission took streamed pages, before any forward consumed them: finishing its
+    load finds pages that fail verification, so none of its pages may enter the device tree
+    (where write_through would back them up to host and re-write them to storage with a
+    fresh checksum/MAC). It then recomputes: exact tokens."""
+    cfg, _ = _seeded_storage(tiny, tmp_path)
+    _corrupt_payloads(cfg, first_page=2)
+    built = _driven(tiny, cfg.replace(backend=gated_backend), write_policy="write_through",
+                    prefetch_policy="wait_complete")
+    backend = built.storage
+    assert isinstance(backend, GatedFileBackend)
+    backend.hold = "both"  # admission happens when the test says, before any verification
+    sched, stats = built.engine.scheduler, built.hicache.stats
+    try:
+        outputs = _submit(built, "retracted", PROMPT)
+        assert built.engine.step()  # queued, prefetching; not ready
+        assert backend.held.wait(20)
+        req = sched.waiting[0]
+        backend.gate.set()
+        assert backend.layer0_held.wait(20)
+        _wait_until(lambda: sched.admission_ready(req))
+        assert sched.schedule() is not None  # admitted; its forward has not run
+        assert req in sched.running and req.kv_len == PAGES * PAGE and req.kv_load is not None
+        backend.layer0_gate.set()
+        sched._retract(req)  # what _ensure_decode_page does to the newest running request
+        assert req in sched.waiting and stats.stream_failed_loads == 1
+        assert built.hicache.tree.match_prefix(PROMPT, "").page_ids == []
+        assert built.hicache.wait_idle(20)
+        assert (stats.backup_host_pages, stats.backup_storage_pages) == (0, 0)
+        assert backend.stats().get("pages_written", 0) == 0
+        _run_to_end(built)
+        assert [t for o in outputs for t in o.new_token_ids] == expected
+        assert outputs[-1].cached.storage == 0
+        check_every_tier(built)
+    finally:
+        backend.gate.set()
+        backend.layer0_gate.set()
+        built.close()
+
+
+def test_hung_layer_read_times_out_and_the_request_recomputes(tiny, expected, tmp_path,
+                                                             gated_backend):
+    """The read stops after layer 0 and does not go on for 30 s (the gate's own bound): the
+    forward, waiting for layer 1 on the engine thread, gives up at the prefetch's deadline
+    (1 s here), the load fails and the request recomputes: exact tokens, in far less than
+    the read's hang, and the read is cancelled (layer 1 never read)."""
+    cfg, _ = _seeded_storage(tiny, tmp_path)
+    built = tiered(tiny, cfg.replace(backend=gated_backend), host_pages=64,
+                   write_policy="write_back", prefetch_policy="timeout", layerwise_prefetch=True,
+                   prefetch_timeout_base_s=1.0, prefetch_timeout_per_1k_tokens_s=0.0)
+    built.hicache.device_kv.zero_()
+    backend = built.storage
+    assert isinstance(backend, GatedFileBackend)
+    backend.hold = "layer0"  # nobody opens the gate while the request runs
+    try:
+        started = time.monotonic()
+        tokens, out = generate(built.engine, "hung", PROMPT)
+        elapsed = time.monotonic() - started
+        assert backend.held.is_set() and elapsed < 20, elapsed  # unbounded: the gate's 30 s
+        assert tokens == expected and out.cached.storage == 0
+        stats = built.hicache.stats
+        assert (stats.stream_failed_loads, stats.stream_timed_out_loads) == (1, 1)
+        backend.gate.set()  # the read ends now: its staging pages come back
+        check_every_tier(built)
+        assert built.hicache.host_pool.num_free == built.hicache.host_pool.capacity
+        assert ("read", 1) not in backend.events
+        assert backend.stats().get("pages_read", 0) == 0
+    finally:
+        backend.gate.set()
+        built.close()
+
+
+def test_stream_none_of_whose_pages_fit_is_cancelled(tiny, tmp_path, gated_backend):
+    """The match moved between the prefetch's start and the admission (here the first 10
+    pages, on device when the request queued, are dropped), so no prefetched page continues
+    it: the pages are given back and the still running read is cancelled (layer 1 never
+    read, nothing verified)."""
+    cfg, _ = _seeded_storage(tiny, tmp_path)
+    built = _driven(tiny, cfg.replace(backend=gated_backend), write_policy="write_back",
+                    prefetch_policy="wait_complete")
+    backend = built.storage
+    assert isinstance(backend, GatedFileBackend)
+    sched = built.engine.scheduler
+    try:
+        first = _submit(built, "first", PROMPT[:41])  # puts pages 0..9 on device
+        _run_to_end(built)
+        assert first[-1].finished and built.hicache.wait_idle(20)
+        read_before = backend.stats()["pages_read"]
+        streamed_before = built.hicache.stats.prefetch_streamed_pages
+        backend.events.clear()
+        backend.hold = "both"
+        outputs = _submit(built, "moved", PROMPT)
+        assert built.engine.step()  # queued: prefetching pages 10..39, held before headers
+        assert built.hicache.prefetch_first_page("moved") == 10
+        assert backend.held.wait(20)
+        sched.drop_cache()  # pages 0..9 leave device and host
+        backend.gate.set()
+        assert backend.layer0_held.wait(20)  # headers and layer 0 read, the rest to come
+        _wait_until(lambda: built.hicache.prefetch_ready("moved"))
+        assert built.engine.step()  # admitted: the match is now 0 pages, before the prefetch
+        # taken (headers valid), then given back
+        assert built.hicache.stats.prefetch_streamed_pages - streamed_before == 30
+        backend.layer0_gate.set()
+        _run_to_end(built)
+        assert outputs[-1].finished and outputs[-1].cached.storage == 0
+        check_every_tier(built)
+        assert ("read", 0) in backend.events and ("read", 1) not in backend.events
+        assert backend.stats()["pages_read"] == read_before  # nothing of it verified
+        assert built.hicache.host_pool.num_free == built.hicache.host_pool.capacity
+    finally:
+        backend.gate.set()
+        backend.layer0_gate.set()
+        built.close()
