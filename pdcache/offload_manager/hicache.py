@@ -28,9 +28,16 @@ staging buffer. A request is ready once the header pass ended (the usable prefix
 its forward starts while the layers are still being read: the per-layer load of layer l waits
 for layer l's reads only, and storage reads of layer l+1 overlap the load and compute of layer
 l. Pages are verified (checksum or MAC of the whole page) once their last layer is in; the load
-waits for that after the forward, and a page that fails marks the load `failed`: the scheduler
-then discards the forward's result for that request and requeues it to recompute
-(`Scheduler.requeue_failed_loads`), so unverified K/V never reaches an output.
+waits for that after the forward, and a page that fails marks the load `failed`. Unverified K/V
+never reaches an output or a tier: after the forward the scheduler discards that request's rows
+and requeues it to recompute (`Scheduler.requeue_failed_loads`); a request released before its
+forward (retracted, aborted) finishes the load first and, when it failed, caches none of its
+pages (`Scheduler._release`), so nothing of it is inserted into the tree or backed up to host
+or storage. The engine thread never waits on a read without bound: `LayerStream.wait_layer` /
+`wait_done` stop at the prefetch's deadline (`wait_complete`: at `prefetch_timeout_max_s`),
+then the stream is cancelled and every page of it counts as failed (the same requeue); its
+host pages are freed only once the IO thread's read has ended. A stream none of whose pages
+continue the match at admission is cancelled too.
 """
 
 from __future__ import annotations

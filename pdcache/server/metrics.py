@@ -77,6 +77,9 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
     "pdcache_prefetch_stream_failed_loads": ("counter", "", {"": "stream_failed_loads"},
                                              "layer-streamed loads whose pages failed "
                                              "verification after use (request recomputed)"),
+    "pdcache_prefetch_stream_timed_out_loads": ("counter", "", {"": "stream_timed_out_loads"},
+                                                "of those, loads whose read had not ended by "
+                                                "the prefetch deadline (read cancelled)"),
     "pdcache_backup_pages": ("counter", "tier", {"host": "backup_host_pages",
                                                  "storage": "backup_storage_pages"},
                              "pages backed up, by destination tier"),
