@@ -12,7 +12,8 @@ layers:
   requeued and recomputed (exact tokens, counted); with the requeue disabled the corrupt K/V
   reaches the output (so the protection is what keeps it exact);
 - accounting: a request aborted while its streamed read is held gives every host staging page
-  back once the read ends, and the read stops early;
+  back once the read ends (not before: the read still writes into them), and the read stops
+  early;
 - a request retracted while holding a streamed load that then fails verification caches
   nothing and writes nothing to host or storage (then recomputes exactly);
 - a read that hangs after layer 0: the forward stops waiting at the prefetch's deadline, the
@@ -283,6 +284,8 @@ def test_abort_during_streamed_read_returns_staging_pages(tiny, tmp_path, gated_
         assert pool.num_in_flight == PAGES  # the staging pages, taken for the read
         built.engine.abort("gone")
         assert done.wait(20) and finals[-1].finish_reason == "abort"
+        built.engine.check_accounting()  # a step of the engine thread since the abort (reap)
+        assert pool.num_in_flight == PAGES  # the held read still owns them: not freed yet
         backend.gate.set()
         check_every_tier(built)
         assert pool.num_free == pool.capacity
