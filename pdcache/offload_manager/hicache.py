@@ -556,6 +556,29 @@ class HiCache:
             tree.on_evict = on_evict
         return device, tree.evict_host(tree.host_pages)
 
+    def _host_pages_outside_tree(self) -> dict[str, int]:
+        """Host pages held but not by the tree's nodes, for the idle-leak check of `pdcache
+        bench chaos`: `host_pages_untracked` = USED pages no node holds (orphans awaiting a
+        storage write, stream-deferred frees, or a leak), `host_pages_pinned_in_tree` = node
+        pages a backup or load still pins, and (already counted in those or in IN_FLIGHT)
+        the pages of abandoned prefetches and stream-deferred frees. An idle node has 0 of
+        each. The tree walk races the engine thread when called from a scrape: a torn walk is
+        retried, then the ownership keys are left out rather than guessed."""
+        out = {
+            "host_pages_abandoned_prefetch": sum(len(op.host_page_ids) for op in
+                                                 list(self._abandoned)),
+            "host_pages_stream_deferred": sum(len(ids) for _, ids in list(self._stream_frees)),
+        }
+        for _ in range(3):
+            used = self.host_pool.num_used
+            try:
+                owned, pinned = self.tree.host_ownership()
+            except RuntimeError:  # a node's children changed mid-walk
+                continue
+            out.update(host_pages_untracked=max(used - owned, 0), host_pages_pinned_in_tree=pinned)
+            break
+        return out
+
     def check(self) -> None:
         self.tree.check()
         self.host_pool.check()
@@ -589,6 +612,7 @@ class HiCache:
                    host_orphan_pages=self.tree.num_orphan_pages,
                    prefetch_ops_pending=len(self._prefetches),
                    prefetch_ops_abandoned=len(self._abandoned))
+        out.update(self._host_pages_outside_tree())
         if self.tree.sessions is not None:
             out["sessions_tracked"] = len(self.tree.sessions)
         if self.pending is not None:
