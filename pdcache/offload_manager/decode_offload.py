@@ -43,7 +43,7 @@ from pdcache.kernels import KernelSet
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
 from pdcache.offload_manager.storage.base import StorageBackend
-from pdcache.offload_manager.storage.config import tenant_namespace
+from pdcache.offload_manager.storage.config import storage_session, tenant_namespace
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,8 @@ class DecodeOffloadManager:
                 self.stats.writes += 1
 
         task = IoTask(IoKind.WRITE, keys, self.staging.page_bytes(staging_ids), done, "decode",
-                      namespace=namespace, session=session)
+                      namespace=namespace,
+                      session=storage_session(namespace, session))
         assert self.writer is not None, "start() the manager first"
         if not self.writer.submit(task):
             self._settle(keys, False)

@@ -53,7 +53,7 @@ from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
 from pdcache.offload_manager.pending import PageState, PendingPages
 from pdcache.offload_manager.storage.base import StorageBackend
-from pdcache.offload_manager.storage.config import tenant_namespace
+from pdcache.offload_manager.storage.config import storage_session, tenant_namespace
 from pdcache.offload_manager.storage.layer_reads import LayerStream
 from pdcache.offload_manager.storage.stats import RateLimitedLog
 
@@ -695,7 +695,8 @@ class HiCache:
                         storage_errors=1 if result.error else 0)
 
         task = IoTask(IoKind.WRITE, keys, self.host_pool.page_bytes(host_ids), done, "prefill",
-                      namespace=namespace, session=session)
+                      namespace=namespace,
+                      session=storage_session(namespace, session))
         if not self._writer.submit(task):
             self.host_pool.unpin(host_ids)
             self._count(backup_failed_pages=len(keys))
