@@ -38,6 +38,7 @@ from pdcache.bench.chaos.schedule import (
     plan_faults,
     wall_clock,
 )
+from pdcache.bench.chaos.stale import clean_stale
 from pdcache.bench.chaos.verdict import broken_invariants, verdict
 from pdcache.bench.compare import add_launch_options
 from pdcache.bench.table import emit
@@ -167,6 +168,8 @@ class Soak:
         self.state_dir = self.out / "logs"
         self.work_dir = self.out / "work"
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in clean_stale(self.work_dir):  # of a soak on this OUT that was SIGKILLed
+            self.say(f"removed the leftover {leftover}")
         topology = load_topology(args.config, args.overrides)
         self.ctx = FaultContext(
             topology,
