@@ -150,6 +150,14 @@ class DecodeOffloadManager:
         return self
 
     # ---- decode-loop side --------------------------------------------------------------
+    def end_session(self, session_id: str, cache_salt: str) -> bool:
+        """Close the storage session this node's offload writes for (`cache_salt`,
+        `session_id`) used (`storage_session`). Any thread: backends are thread-safe."""
+        if not session_id:
+            return False
+        self.storage.end_session(storage_session(tenant_namespace(cache_salt), session_id))
+        return True
+
     def track(self, rid: str, cache_salt: str = "", session_id: str = "") -> None:
         self._requests[rid] = _Tracked(cache_salt, session_id)
 

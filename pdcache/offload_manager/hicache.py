@@ -556,6 +556,15 @@ class HiCache:
             tree.on_evict = on_evict
         return device, tree.evict_host(tree.host_pages)
 
+    def end_session(self, session_id: str, cache_salt: str) -> bool:
+        """Close the storage session this node's writes for (`cache_salt`, `session_id`) used
+        (`storage_session`): the store evicts its pages first. Any thread: backends are
+        thread-safe. False without storage; a backend error propagates."""
+        if self.storage is None or not session_id:
+            return False
+        self.storage.end_session(storage_session(tenant_namespace(cache_salt), session_id))
+        return True
+
     def _host_pages_outside_tree(self) -> dict[str, int]:
         """Host pages held but not by the tree's nodes, for the idle-leak check of `pdcache
         bench chaos`: `host_pages_untracked` = USED pages no node holds (orphans awaiting a
