@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from pdcache.offload_manager.decode_offload import DecodeOffloadManager
 from pdcache.offload_manager.storage.config import storage_session
 from pdcache.offload_manager.storage.lifecycle import LifecycleConfig, SessionLifecycle
+from tests.offload_manager.test_decode_offload import FP, PAGE, device_kv, released_event
 from tests.offload_manager.test_hicache import S, Stack
 from tests.storage_doubles import DictBackend
 
@@ -19,6 +21,10 @@ class SessionRecorder(DictBackend):
     def __init__(self) -> None:
         super().__init__()
         self.sessions: list[tuple[str, str]] = []
+        self.ended: list[str] = []
+
+    def end_session(self, session: str) -> None:
+        self.ended.append(session)
 
     def put_from(self, keys, host_pages, origin="prefill", namespace="", session="") -> list[bool]:
         self.sessions.extend((namespace, session) for _ in keys)
@@ -73,3 +79,19 @@ def test_another_tenant_reusing_a_session_id_does_not_spend_its_protection(scope
     assert stats["protected_pages"] == (4 if scoped else 2)
     lifecycle.end_session(storage_session("tenant/A", "s1") if scoped else "s1")
     assert lifecycle.stats()["protected_pages"] == (2 if scoped else 0)  # B's stay protected
+
+
+def test_decode_offload_and_hicache_close_the_session_they_wrote_with() -> None:
+    storage = SessionRecorder()
+    mgr = DecodeOffloadManager(device_kv(), storage, FP, staging_pages=8).start()
+    mgr.track("r", cache_salt="tenant/A", session_id="s1")
+    done, release = released_event()
+    mgr.finish("r", list(range(2 * PAGE)), [0, 1], release)
+    assert done.wait(10) and mgr.wait_idle(10)
+    assert set(storage.sessions) == {("tenant/A", "tenant/A/s1")}
+    assert mgr.end_session("s1", "tenant/A") and not mgr.end_session("", "tenant/A")
+    mgr.close()
+    st = Stack(storage)
+    assert st.cache.end_session("s1", "tenant/A")
+    st.close()
+    assert storage.ended == ["tenant/A/s1", "tenant/A/s1"]
