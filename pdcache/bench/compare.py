@@ -42,12 +42,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="[LABEL=]PATH[+KEY=VALUE...] topology file to launch; the first one "
                              "is the baseline of the ratios")
     parser.add_argument("--out", required=True, help="output directory (one folder per config)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override for every config (repeatable)")
-    parser.add_argument("--startup-timeout", type=float, default=600.0,
-                        help="seconds for a topology to become healthy")
-    parser.add_argument("--stop-timeout", type=float, default=60.0)
+    add_launch_options(parser)
     replay.add_replay_options(parser)
+
+
+def add_launch_options(parser: argparse.ArgumentParser, startup_timeout_s: float = 600.0,
+                       set_help: str = "override for every config (repeatable)") -> None:
+    """The options of every bench that launches topologies (`launched`): `--set` overrides
+    (args.overrides), `--startup-timeout`, `--stop-timeout`."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help=set_help)
+    parser.add_argument("--startup-timeout", type=float, default=startup_timeout_s,
+                        help="seconds for a topology to become healthy")
+    parser.add_argument("--stop-timeout", type=float, default=60.0,
+                        help="seconds for the launcher to stop the topology")
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from pdcache.bench import replay
 from pdcache.bench.compare import (
     ConfigRun,
     LaunchError,
+    add_launch_options,
     endpoints_of,
     launched,
     parse_config_arg,
@@ -98,16 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is the ideal: the SLO and the ratios refer to it",
     )
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override for every config (repeatable)",
-    )
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--stop-timeout", type=float, default=60.0)
+    add_launch_options(parser)
     parser.add_argument(
         "--slo-ms",
         type=float,

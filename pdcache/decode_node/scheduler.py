@@ -52,6 +52,11 @@ class DecodeScheduler(Scheduler):
                     self.offload.on_step(req.rid, req.fill_ids[: req.kv_len], req.page_ids)
         return touched
 
+    def end_session(self, session_id: str, cache_salt: str) -> bool:
+        if self.offload is None:
+            return False
+        return self.offload.end_session(session_id, cache_salt)
+
     def can_retract(self, req: Req) -> bool:
         # retraction frees pages at once, but offload copies may be reading them
         return self.offload is None

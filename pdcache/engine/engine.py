@@ -393,6 +393,12 @@ class Engine:
         """Evict every unlocked page of the prefix cache; returns the pages freed."""
         return self._call(lambda: self.tree.flush() if self.tree else 0, timeout)
 
+    def end_session(self, session_id: str, cache_salt: str = "") -> bool:
+        """The client closed conversation `session_id` (`/close_session`): the lower tiers
+        close its storage session (`Scheduler.end_session`). Any thread, not the engine
+        thread's queue: only thread-safe storage backends are called. True when one did."""
+        return self.scheduler.end_session(session_id, cache_salt)
+
     def drop_cache(self, timeout: float = 30.0) -> CacheFlush:
         """Drop every cached page of the memory tiers (the device tree and, with HiCache, the
         host copies; storage is never touched, and nothing is backed up on the way), only when

@@ -187,6 +187,13 @@ class Scheduler:
         host pages) freed. The device-only cache flushes its tree."""
         return (self.tree.flush() if self.tree is not None else 0), 0
 
+    def end_session(self, session_id: str, cache_salt: str) -> bool:
+        """The client closed conversation `session_id` (of tenant salt `cache_salt`): the
+        lower tiers' session lifecycle closes it (its stored pages are evicted first). Any
+        thread (it only calls the thread-safe storage backend). True when a tier closed it;
+        the device-only cache has none (False)."""
+        return False
+
     def can_retract(self, req: Req) -> bool:
         """False protects running `req` from retraction (e.g. while something else reads
         its pages); the request short of a page then waits."""

@@ -43,7 +43,7 @@ from pdcache.kernels import KernelSet
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
 from pdcache.offload_manager.storage.base import StorageBackend
-from pdcache.offload_manager.storage.config import tenant_namespace
+from pdcache.offload_manager.storage.config import storage_session, tenant_namespace
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,14 @@ class DecodeOffloadManager:
         return self
 
     # ---- decode-loop side --------------------------------------------------------------
+    def end_session(self, session_id: str, cache_salt: str) -> bool:
+        """Close the storage session this node's offload writes for (`cache_salt`,
+        `session_id`) used (`storage_session`). Any thread: backends are thread-safe."""
+        if not session_id:
+            return False
+        self.storage.end_session(storage_session(tenant_namespace(cache_salt), session_id))
+        return True
+
     def track(self, rid: str, cache_salt: str = "", session_id: str = "") -> None:
         self._requests[rid] = _Tracked(cache_salt, session_id)
 
@@ -325,7 +333,8 @@ class DecodeOffloadManager:
                 self.stats.writes += 1
 
         task = IoTask(IoKind.WRITE, keys, self.staging.page_bytes(staging_ids), done, "decode",
-                      namespace=namespace, session=session)
+                      namespace=namespace,
+                      session=storage_session(namespace, session))
         assert self.writer is not None, "start() the manager first"
         if not self.writer.submit(task):
             self._settle(keys, False)

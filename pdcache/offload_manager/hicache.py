@@ -60,7 +60,7 @@ from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
 from pdcache.offload_manager.pending import PageState, PendingPages
 from pdcache.offload_manager.storage.base import StorageBackend
-from pdcache.offload_manager.storage.config import tenant_namespace
+from pdcache.offload_manager.storage.config import storage_session, tenant_namespace
 from pdcache.offload_manager.storage.layer_reads import LayerStream
 from pdcache.offload_manager.storage.stats import RateLimitedLog
 
@@ -566,6 +566,38 @@ class HiCache:
             tree.on_evict = on_evict
         return device, tree.evict_host(tree.host_pages)
 
+    def end_session(self, session_id: str, cache_salt: str) -> bool:
+        """Close the storage session this node's writes for (`cache_salt`, `session_id`) used
+        (`storage_session`): the store evicts its pages first. Any thread: backends are
+        thread-safe. False without storage; a backend error propagates."""
+        if self.storage is None or not session_id:
+            return False
+        self.storage.end_session(storage_session(tenant_namespace(cache_salt), session_id))
+        return True
+
+    def _host_pages_outside_tree(self) -> dict[str, int]:
+        """Host pages held but not by the tree's nodes, for the idle-leak check of `pdcache
+        bench chaos`: `host_pages_untracked` = USED pages no node holds (orphans awaiting a
+        storage write, stream-deferred frees, or a leak), `host_pages_pinned_in_tree` = node
+        pages a backup or load still pins, and (already counted in those or in IN_FLIGHT)
+        the pages of abandoned prefetches and stream-deferred frees. An idle node has 0 of
+        each. The tree walk races the engine thread when called from a scrape: a torn walk is
+        retried, then the ownership keys are left out rather than guessed."""
+        out = {
+            "host_pages_abandoned_prefetch": sum(len(op.host_page_ids) for op in
+                                                 list(self._abandoned)),
+            "host_pages_stream_deferred": sum(len(ids) for _, ids in list(self._stream_frees)),
+        }
+        for _ in range(3):
+            used = self.host_pool.num_used
+            try:
+                owned, pinned = self.tree.host_ownership()
+            except RuntimeError:  # a node's children changed mid-walk
+                continue
+            out.update(host_pages_untracked=max(used - owned, 0), host_pages_pinned_in_tree=pinned)
+            break
+        return out
+
     def check(self) -> None:
         self.tree.check()
         self.host_pool.check()
@@ -599,6 +631,7 @@ class HiCache:
                    host_orphan_pages=self.tree.num_orphan_pages,
                    prefetch_ops_pending=len(self._prefetches),
                    prefetch_ops_abandoned=len(self._abandoned))
+        out.update(self._host_pages_outside_tree())
         if self.tree.sessions is not None:
             out["sessions_tracked"] = len(self.tree.sessions)
         if self.pending is not None:
@@ -681,7 +714,8 @@ class HiCache:
                         storage_errors=1 if result.error else 0)
 
         task = IoTask(IoKind.WRITE, keys, self.host_pool.page_bytes(host_ids), done, "prefill",
-                      namespace=namespace, session=session)
+                      namespace=namespace,
+                      session=storage_session(namespace, session))
         if not self._writer.submit(task):
             self.host_pool.unpin(host_ids)
             self._count(backup_failed_pages=len(keys))

@@ -37,6 +37,9 @@ class HiCacheScheduler(Scheduler):
     def drop_cache(self) -> tuple[int, int]:
         return self.hicache.drop_all()
 
+    def end_session(self, session_id: str, cache_salt: str) -> bool:
+        return self.hicache.end_session(session_id, cache_salt)
+
     def on_queued(self, req: Req) -> None:
         max_pages = self._max_pages(req)
         device, host = self.hicache.match(req.fill_ids, req.salt, max_pages)

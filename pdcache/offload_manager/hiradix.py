@@ -145,6 +145,17 @@ class HiRadixTree(RadixTree):
     def num_orphan_pages(self) -> int:
         return len(self._orphans)
 
+    def host_ownership(self) -> tuple[int, int]:
+        """(host pages the tree's nodes hold, how many of those are pinned). Engine thread; a
+        metrics scrape may call it racily (`HiCache.snapshot` retries a torn walk)."""
+        owned = pinned = 0
+        for node in self._iter_nodes():
+            ids = node.host_page_ids
+            if ids is not None:
+                owned += len(ids)
+                pinned += sum(1 for p in ids if self.host_pool.is_pinned(p))
+        return owned, pinned
+
     def host_admits(self, victim: RadixNode, num_pages: int) -> bool:
         """Exclusive host tier: whether a device victim is worth `num_pages` host pages, i.e.
         there is room, or some host leaf ranks below it under `host_policy` (it would be

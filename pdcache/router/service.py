@@ -29,14 +29,21 @@ from pdcache import __version__
 from pdcache.router.core import Prepared, Router
 from pdcache.router.policy import NodeState
 from pdcache.router.route import Deadline
+from pdcache.router.tenants import node_session_id, scoped_salt, session_key, tenant_of
 from pdcache.server.protocol import SERVER_ERROR, ApiError
-from pdcache.server.service import TIER_IO_GRACE_S, model_info_body, timeout_param
+from pdcache.server.service import (
+    TIER_IO_GRACE_S,
+    close_session_body,
+    model_info_body,
+    timeout_param,
+)
 
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT
 
 
 class RouterService:
-    """The router's `/server_info`, `/get_model_info`, `/flush_cache`, `/health_generate`."""
+    """The router's `/server_info`, `/get_model_info`, `/flush_cache`, `/close_session`,
+    `/health_generate`."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -117,6 +124,40 @@ class RouterService:
             return {**report, "status": 502,
                     "message": f"POST /flush_cache failed: {type(exc).__name__}: {exc}"}
         return {**report, "status": resp.status_code, "message": resp.text.strip()}
+
+    # ---- /close_session
+
+    async def close_session(self, request: Request) -> Response:
+        """`{"session_id": SID, "cache_salt": SALT?}`: every node closes the storage session
+        its writes for this conversation used, with the ids the router gave them (the
+        tenant's namespace: `node_session_id`, `scoped_salt`), so a tenant closes only its
+        own sessions. 200 when every node answered 200, 502 otherwise; per-node reports."""
+        session_id, client_salt = await close_session_body(request)
+        tenant = tenant_of(request)
+        key = session_key(tenant, session_id)
+        assert key is not None
+        forgot = self.router.sessions.close(key)  # its history: the next turn starts anew
+        body: dict[str, Any] = {"session_id": node_session_id(key)}
+        salt = scoped_salt(tenant, client_salt or None)
+        if salt:
+            body["cache_salt"] = salt
+        nodes = self.router.registry.nodes
+        reports = await asyncio.gather(*(self._close(n, body) for n in nodes))
+        ok = all(r["status"] == 200 for r in reports)
+        return JSONResponse({"success": ok, "router_history_dropped": forgot, "nodes": reports},
+                            status_code=200 if ok else 502)
+
+    async def _close(self, node: NodeState, body: dict[str, Any]) -> dict[str, Any]:
+        report: dict[str, Any] = {"name": node.name, "role": node.role}
+        try:
+            resp = await self.router.client.post(f"{node.url}/close_session", json=body,
+                                                 timeout=self.router.config.health_timeout_s)
+            answer = resp.json() if resp.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError) as exc:
+            return {**report, "status": 502,
+                    "message": f"POST /close_session failed: {type(exc).__name__}: {exc}"}
+        closed = bool(answer.get("closed")) if isinstance(answer, dict) else False
+        return {**report, "status": resp.status_code, "closed": closed}
 
     # ---- /health_generate
 

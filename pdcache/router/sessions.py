@@ -55,6 +55,10 @@ class SessionStore:
                                   or self.total_tokens > self.max_total_tokens):
             self._pop(next(iter(self._sessions)))
 
+    def close(self, session_id: Hashable) -> bool:
+        """Forget a session the client closed (`/close_session`); False if none was known."""
+        return self._pop(session_id) is not None
+
     def _pop(self, session_id: Hashable) -> Session | None:
         session = self._sessions.pop(session_id, None)
         if session is not None:

@@ -138,6 +138,13 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
                                               "in_flight": "host_pages_in_flight"},
                            "host KV pool pages by state"),
     "pdcache_host_pages_total": ("gauge", "", {"": "host_pages_total"}, "host KV pool pages"),
+    "pdcache_host_pages_outside_tree": ("gauge", "held", {
+        "untracked": "host_pages_untracked",
+        "pinned_in_tree": "host_pages_pinned_in_tree",
+        "abandoned_prefetch": "host_pages_abandoned_prefetch",
+        "stream_deferred": "host_pages_stream_deferred"},
+        "host pages not (only) owned by the radix tree: USED pages no node holds, node pages "
+        "still pinned, pages of abandoned prefetches and of stream-deferred frees (0 when idle)"),
     "pdcache_storage_pages": ("gauge", "state", {"used": "storage_used_pages",
                                                  "free": "storage_free_pages",
                                                  "reserved": "storage_reserved_pages"},

@@ -403,6 +403,7 @@ class ServiceEndpoints(Protocol):
     async def model_info(self, request: Request) -> Response: ...
     async def health_generate(self, request: Request) -> Response: ...
     async def flush_cache(self, request: Request) -> Response: ...
+    async def close_session(self, request: Request) -> Response: ...
 
 
 def service_handlers(service: ServiceEndpoints) -> list[tuple[str, str, Handler]]:
@@ -415,7 +416,8 @@ def service_handlers(service: ServiceEndpoints) -> list[tuple[str, str, Handler]
             ("GET", "/health_generate", service.health_generate),
             ("POST", "/health_generate", service.health_generate),
             ("GET", "/flush_cache", service.flush_cache),
-            ("POST", "/flush_cache", service.flush_cache)]
+            ("POST", "/flush_cache", service.flush_cache),
+            ("POST", "/close_session", service.close_session)]
 
 
 Guard = Callable[[str, Handler, Request], Awaitable[Response]]

@@ -159,6 +159,20 @@ class ServiceRoutes:
             raise _unhealthy(f"the health request failed: {out.error or 'aborted'}")
         return Response(status_code=200)
 
+    # ---- /close_session
+
+    async def close_session(self, request: Request) -> Response:
+        """SGLang's `/close_session` for our request-field sessions: `{"session_id": SID,
+        "cache_salt": SALT?}` closes the storage session this node's writes for them used
+        (`Engine.end_session`: its stored pages are evicted first). 200 `{"closed": bool}`
+        (false: no storage tier here), 400 on a bad body, 503 when storage refused."""
+        session_id, cache_salt = await close_session_body(request)
+        try:
+            closed = await run_in_threadpool(self.engine.end_session, session_id, cache_salt)
+        except Exception as exc:  # noqa: BLE001 - the backend's error, reported to the caller
+            raise _unhealthy(f"storage could not close the session: {exc}") from None
+        return JSONResponse({"closed": closed})
+
     # ---- /flush_cache
 
     async def flush_cache(self, request: Request) -> Response:
@@ -194,6 +208,22 @@ def flush_when_idle(engine: Engine, timeout_s: float) -> CacheFlush:
         if result.flushed or time.monotonic() - start >= limit:
             return result
         time.sleep(FLUSH_POLL_S)
+
+
+async def close_session_body(request: Request) -> tuple[str, str]:
+    """(session_id, cache_salt) of a `/close_session` body; 400 unless session_id is a
+    non-empty string and cache_salt, when given, a string."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise bad_request("the body must be a JSON object") from None
+    session_id = body.get("session_id") if isinstance(body, dict) else None
+    if not isinstance(session_id, str) or not session_id:
+        raise bad_request("session_id must be a non-empty string", param="session_id")
+    cache_salt = body.get("cache_salt") or ""
+    if not isinstance(cache_salt, str):
+        raise bad_request("cache_salt must be a string", param="cache_salt")
+    return session_id, cache_salt
 
 
 def timeout_param(request: Request) -> float:

@@ -8,31 +8,20 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 
 from pdcache.cli import main as pdcache_main
+from tests.net_support import free_ports
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _hf3fs(tmp_path: Path) -> tuple[str, list[str]]:
-    router, p0, boot, d0, meta = _free_ports(5)
+    router, p0, boot, d0, meta = free_ports(5)
     return "configs/local-1p1d.toml", [
         f"router.port={router}",
         f"node.p0.port={p0}",
@@ -46,7 +35,7 @@ def _hf3fs(tmp_path: Path) -> tuple[str, list[str]]:
 
 
 def _mooncake(tmp_path: Path) -> tuple[str, list[str]]:
-    router, p0, boot, d0, master, http, metrics = _free_ports(7)
+    router, p0, boot, d0, master, http, metrics = free_ports(7)
     return "configs/local-mooncake-store.toml", [
         f"router.port={router}",
         f"node.p0.port={p0}",

@@ -4,44 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 from pathlib import Path
 
 import pytest
 
 from pdcache.bench.compare import compare_rows, parse_config_arg, port_in_use
 from pdcache.cli import main as pdcache_main
+from tests.net_support import free_ports, unified_topology
 
 NEEDED = ("pdcache.server.app", "pdcache.launch.launcher")
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _unified_topology(tmp_path: Path, name: str, port: int, *extra: str) -> Path:
-    extra_args = ", ".join(f'"{a}"' for a in extra)
-    path = tmp_path / f"{name}.toml"
-    path.write_text(f"""
-[model]
-preset = "tiny"
-
-[launch]
-health_timeout_s = 120
-stop_grace_s = 5.0
-
-[[node]]
-name = "u0"
-role = "unified"
-port = {port}
-command = ["{{python}}", "-m", "pdcache", "serve", "--model", "{{model}}", "--host", "{{host}}",
-           "--port", "{{port}}", "--page-size", "{{page_size}}", "--log-level", "warning"]
-extra_args = [{extra_args}]
-""")
-    return path
 
 
 def test_config_args_and_ratio_rows() -> None:
@@ -63,9 +35,9 @@ def test_config_args_and_ratio_rows() -> None:
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in NEEDED),
                     reason="needs pdcache.server.app and pdcache.launch.launcher")
 def test_compare_launches_each_config_and_tears_it_down(tmp_path: Path) -> None:
-    port = _free_port()  # both configs use the same port: the first must be gone for the second
-    nocache = _unified_topology(tmp_path, "nocache", port, "--no-prefix-cache")
-    cached = _unified_topology(tmp_path, "cached", port)
+    port = free_ports(1)[0]  # both configs use the same port: the first must be gone for the second
+    nocache = unified_topology(tmp_path, "nocache", port, "--no-prefix-cache")
+    cached = unified_topology(tmp_path, "cached", port)
     out = tmp_path / "out"
     trace = "synthetic:sessions=2,turns=3,system_prompt=48,user=16,tool_result=16,answer=4"
     code = pdcache_main(["bench", "compare", f"nocache={nocache}", f"cached={cached}",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ from pdcache.bench.goodput import RateSearch, point_passes
 from pdcache.bench.replay_run import poisson_session_starts
 from pdcache.bench.traces import SyntheticSpec, synthetic_trace
 from pdcache.cli import main as pdcache_main
+from tests.net_support import free_ports, unified_topology
 
 
 def _run_search(search: RateSearch, capacity: float) -> list[float]:
@@ -74,32 +74,6 @@ def test_poisson_sessions_offer_the_request_rate() -> None:
 NEEDED = ("pdcache.server.app", "pdcache.launch.launcher")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _unified(tmp_path: Path, port: int) -> Path:
-    path = tmp_path / "u.toml"
-    path.write_text(f"""
-[model]
-preset = "tiny"
-
-[launch]
-health_timeout_s = 120
-stop_grace_s = 5.0
-
-[[node]]
-name = "u0"
-role = "unified"
-port = {port}
-command = ["{{python}}", "-m", "pdcache", "serve", "--model", "{{model}}", "--host", "{{host}}",
-           "--port", "{{port}}", "--page-size", "{{page_size}}", "--log-level", "warning"]
-""")
-    return path
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in NEEDED),
@@ -109,14 +83,14 @@ command = ["{{python}}", "-m", "pdcache", "serve", "--model", "{{model}}", "--ho
     ("slo_ms", "passes"), [(60_000.0, True), (0.001, False)], ids=["loose-slo", "impossible-slo"]
 )
 def test_goodput_sweeps_a_real_server(tmp_path: Path, slo_ms: float, passes: bool) -> None:
-    port = _free_port()
+    port = free_ports(1)[0]
     out = tmp_path / "out"
     trace = "synthetic:sessions=6,turns=2,system_prompt=32,user=16,tool_result=16,answer=4"
     code = pdcache_main(
         [
             "bench",
             "goodput",
-            f"u={_unified(tmp_path, port)}",
+            f"u={unified_topology(tmp_path, 'u', port)}",
             "--trace",
             trace,
             "--out",

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 from pathlib import Path
 
 import pytest
 
 from pdcache.bench.compare import ConfigRun, endpoints_of, start_launcher, stop_launcher, wait_ready
 from pdcache.cli import main as pdcache_main
+from tests.net_support import free_ports
 
 PD_MODULES = ("pdcache.prefill_node.cli", "pdcache.decode_node.cli", "pdcache.router.cli")
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-1p1d.toml"
@@ -22,19 +22,8 @@ pytestmark = [
 ]
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def test_pd_with_offload_reaches_theoretical_hit_rate(tmp_path: Path) -> None:
-    router, p0, boot, d0, meta = _free_ports(5)
+    router, p0, boot, d0, meta = free_ports(5)
     sets = (f"router.port={router}", f"node.p0.port={p0}", f"node.p0.bootstrap_port={boot}",
             f"node.d0.port={d0}", f'storage.metadata="tcp://127.0.0.1:{meta}"',
             f'storage.path="{tmp_path}/storage"',

@@ -22,21 +22,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.net_support import free_ports
+
 STUB = Path(__file__).resolve().parents[1] / "launch_stub_node.py"
 PY = sys.executable
 
 pytestmark = pytest.mark.slow
-
-
-def free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def port_is_free(port: int) -> bool:

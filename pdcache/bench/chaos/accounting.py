@@ -6,7 +6,9 @@ decode offload's staging pages):
 
 - `leaked_pages` = device pages in use that eviction could not free (`pages_used -
   pages_evictable`: pages of requests, reservations, held requests, locked tree nodes) + host
-  pages still in flight + decode staging pages in use;
+  pages still in flight + host pages held outside the radix tree (`pdcache_host_pages_outside_
+  tree`: USED pages no tree node holds, i.e. orphans, stream-deferred frees or a leak, and
+  node pages still pinned) + decode staging pages in use;
 - `leaked_rooms` = transfer rooms still active + PD rooms the controller has not closed.
 
 An idle node has 0 of both. Some of it drains asynchronously (offload writes, abort acks), so
@@ -21,6 +23,8 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+OUTSIDE_TREE = "pdcache_host_pages_outside_tree"
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
@@ -41,6 +45,10 @@ def node_accounting(health: Mapping[str, Any], metrics: str) -> dict[str, Any]:
         "device_pages_unevictable": int(engine.get("pages_used", 0))
         - int(engine.get("pages_evictable", 0)),
         "host_pages_in_flight": int(metric_sum(metrics, "pdcache_host_pages", state="in_flight")),
+        **{
+            f"host_pages_{held}": int(metric_sum(metrics, OUTSIDE_TREE, held=held))
+            for held in ("untracked", "pinned_in_tree", "abandoned_prefetch", "stream_deferred")
+        },
         "staging_pages_used": int(metric_sum(metrics, "pdcache_decode_offload_staging_pages_used")),
         "transfer_rooms_active": int(rooms.get("active", 0)),
         "pd_rooms_open": int(health.get("pd_rooms_open", 0)),
@@ -50,6 +58,8 @@ def node_accounting(health: Mapping[str, Any], metrics: str) -> dict[str, Any]:
     pages = (
         detail["device_pages_unevictable"]
         + detail["host_pages_in_flight"]
+        + detail["host_pages_untracked"]  # abandoned/stream-deferred pages are in these two
+        + detail["host_pages_pinned_in_tree"]
         + detail["staging_pages_used"]
     )
     return {

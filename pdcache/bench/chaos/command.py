@@ -38,7 +38,9 @@ from pdcache.bench.chaos.schedule import (
     plan_faults,
     wall_clock,
 )
+from pdcache.bench.chaos.stale import clean_stale
 from pdcache.bench.chaos.verdict import broken_invariants, verdict
+from pdcache.bench.compare import add_launch_options
 from pdcache.bench.table import emit
 
 DEFAULT_TRACE = (
@@ -59,14 +61,7 @@ FAULT_COLUMNS = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG", help="topology file (configs/)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="topology override (repeatable)",
-    )
+    add_launch_options(parser, startup_timeout_s=300.0, set_help="topology override (repeatable)")
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of traffic")
     parser.add_argument(
         "--faults",
@@ -115,7 +110,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2048,
         help="prompt + answer tokens of a session's turn (then a new session)",
     )
-    parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument(
         "--idle-timeout",
         type=float,
@@ -174,6 +168,8 @@ class Soak:
         self.state_dir = self.out / "logs"
         self.work_dir = self.out / "work"
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in clean_stale(self.work_dir):  # of a soak on this OUT that was SIGKILLed
+            self.say(f"removed the leftover {leftover}")
         topology = load_topology(args.config, args.overrides)
         self.ctx = FaultContext(
             topology,
@@ -243,7 +239,7 @@ class Soak:
             self._drain(oracle)
             report = oracle.report()
         finally:
-            stop_launcher(proc, 60.0)
+            stop_launcher(proc, self.args.stop_timeout)
             for fault in self.faults.values():
                 try:
                     fault.cleanup(self.ctx)

@@ -50,9 +50,15 @@ class NetLab:
     prefill: str  # the pair whose path the faults hit
     decode: str
 
+    @staticmethod
+    def digest_of(work_dir: Path) -> str:
+        """The hash of the work directory the lab's names and subnet derive from (its first 5
+        hex digits are the tag)."""
+        return hashlib.sha256(str(work_dir.resolve()).encode()).hexdigest()
+
     @classmethod
     def for_context(cls, ctx: FaultContext) -> NetLab:
-        digest = hashlib.sha256(str(ctx.work_dir.resolve()).encode()).hexdigest()
+        digest = cls.digest_of(ctx.work_dir)
         nodes = tuple(n.name for n in ctx.topology.nodes)
         prefills = [n.name for n in ctx.topology.nodes if n.role == "prefill"]
         decodes = [n.name for n in ctx.topology.nodes if n.role == "decode"]

@@ -72,6 +72,20 @@ def tenant_namespace(cache_salt: str | None) -> str:
     return TENANT_PREFIX + name if name else ""
 
 
+def storage_session(namespace: str, session: str) -> str:
+    """The storage lifecycle's id of a write's session: the client's `session_id` inside the
+    write's tenant namespace, so tenant A reusing tenant B's id neither spends B's per-session
+    protection nor keeps B's session open. An id a router with tenants already scoped to this
+    namespace (`tenant/NAME/SID`, router.tenants.node_session_id) is kept; any other is put
+    under the namespace (`tenant/A/tenant/B/s1` when A forges B's scoped id); a write without
+    a namespace may not claim a tenant's id (`-/tenant/B/s1`)."""
+    if not session:
+        return ""
+    if namespace:
+        return session if session.startswith(f"{namespace}/") else f"{namespace}/{session}"
+    return f"-/{session}" if session.startswith(TENANT_PREFIX) else session
+
+
 def _align_up(value: int, align: int) -> int:
     return (value + align - 1) // align * align
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,16 +57,21 @@ class DelayInjectingBackend(StorageBackend):
     """
 
     def __init__(
-        self, inner: StorageBackend, control_file: Path | None = None, write_delay_s: float = 0.0
+        self,
+        inner: StorageBackend,
+        control_file: Path | None = None,
+        write_delay_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.inner = inner
+        self._clock = clock  # when the control file is stale (tests pass a fake one)
         self.control_file = control_file
         self.write_delay_s = write_delay_s
         self._lock = threading.Lock()
         self._delayed_calls = 0
         self._delayed_ms = 0
         self._delay_s = 0.0
-        self._read_at = time.monotonic()
+        self._read_at = clock()
         if control_file is not None:
             self._open_control(control_file)
 
@@ -91,7 +96,7 @@ class DelayInjectingBackend(StorageBackend):
         """The control file's delay now, re-read when the cached value is stale (0 without)."""
         if self.control_file is None:
             return 0.0
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             if now - self._read_at < REREAD_S:
                 return self._delay_s

@@ -105,20 +105,35 @@ def test_without_the_key_there_is_no_wrapper(tmp_path: Path) -> None:
 
 def test_control_file_is_reread_at_most_every_reread_s(tmp_path: Path) -> None:
     path = control(tmp_path, "0")
+    now = [100.0]
+    backend = DelayInjectingBackend(create_backend(config(tmp_path)), path, clock=lambda: now[0])
+    try:
+        assert backend.current_delay_s() == 0.0
+        path.write_text("0.25")
+        now[0] += REREAD_S * 0.9
+        assert backend.current_delay_s() == 0.0  # cached value still served
+        now[0] += REREAD_S * 0.2
+        assert backend.current_delay_s() == 0.25  # stale: re-read
+        path.write_text("0.5")
+        now[0] += REREAD_S * 0.5
+        assert backend.current_delay_s() == 0.25
+        now[0] += REREAD_S * 0.6
+        assert backend.current_delay_s() == 0.5
+        assert backend.keys() == []  # tools pass through to the wrapped backend
+    finally:
+        backend.close()
+
+
+def test_the_wrapper_created_from_config_rereads_the_control_file(tmp_path: Path) -> None:
+    path = control(tmp_path, "0")
     backend = create_backend(config(tmp_path, fault_injection=str(path)))
     try:
         assert isinstance(backend, DelayInjectingBackend)
-        assert backend.current_delay_s() == 0.0
         path.write_text("0.25")
-        changed_at = time.monotonic()
-        seen = backend.current_delay_s()
-        if time.monotonic() - changed_at < REREAD_S:  # cached value still served
-            assert seen == 0.0
         deadline = time.monotonic() + 20 * REREAD_S
         while backend.current_delay_s() != 0.25 and time.monotonic() < deadline:
             time.sleep(REREAD_S / 5)
         assert backend.current_delay_s() == 0.25
-        assert backend.keys() == []  # tools pass through to the wrapped backend
     finally:
         backend.close()
 
