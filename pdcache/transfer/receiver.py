@@ -355,8 +355,11 @@ class KVReceiver:
                 peer.held.append(msg)
             return
         frame = seal(msg, self._auth, peer.link_id + (peer.prefill_boot or b""))
+        # With auth, the boot id sealed for goes along in clear: a restarted prefill at this
+        # address tells a genuine stale frame from a forgery and answers "unregistered".
+        frames = [frame] if self._auth is None else [frame, peer.prefill_boot or b""]
         try:
-            peer.socket.send(frame, zmq.NOBLOCK)
+            peer.socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("decode: control queue to %s is full; message dropped", peer.addr)
 

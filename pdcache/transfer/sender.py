@@ -48,6 +48,7 @@ from pdcache.transfer.control import (
     LINK_ID_BYTES,
     ControlLoop,
     RejectCounter,
+    StaleBoot,
     control_auth,
     parse_from_decode,
     seal,
@@ -387,12 +388,16 @@ class KVSender:
     def _on_readable(self, sock: zmq.Socket) -> None:
         frames = sock.recv_multipart()
         identity = frames[0]
-        if len(frames) != 2:
+        if len(frames) not in (2, 3):  # [sealed] or [sealed, the boot id decode sealed for]
             self.rejects.record(MessageError("malformed", f"{len(frames) - 1} frames"), "decode")
             return
+        claimed_boot = frames[2] if len(frames) == 3 else None
         msg = parse_from_decode(frames[1], self.config.max_message_bytes, self.rejects,
-                                self._auth, identity, self.boot_id)
+                                self._auth, identity, self.boot_id, claimed_boot)
         if msg is None:
+            return
+        if isinstance(msg, StaleBoot):
+            self._on_stale_boot(identity, msg.msg)
             return
         self._count("messages_in")
         self._touch(identity)
@@ -503,6 +508,15 @@ class KVSender:
             self._send(identity, AbortAck(msg.room))
             return
         self._fail(msg.room, f"aborted by decode: {msg.reason}", code=msg.code, notify="ack")
+
+    def _on_stale_boot(self, identity: bytes, msg: Message) -> None:
+        """A genuine frame for an earlier boot (counted `stale_boot` by parse_from_decode):
+        the decode does not know this process. Answer a room request as from an unregistered
+        peer, so the decode registers again; sealed for the link, it tells a replayer nothing
+        it can use. Everything else is dropped."""
+        if isinstance(msg, RoomRequest):
+            self._send(identity, Abort(msg.room, "decode peer is not registered (its frames "
+                                                 "are for another prefill boot)", "unregistered"))
 
     def _on_ping(self, identity: bytes, msg: Ping) -> None:
         self._send(identity, Pong(msg.seq))
