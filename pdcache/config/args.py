@@ -155,6 +155,8 @@ def topology_from_flags(args: argparse.Namespace, role: str) -> Topology:
     }
     if role != "unified":
         raw["transfer"] = {"engine": args.transfer_engine, "timeout_s": args.transfer_timeout}
+        if getattr(args, "lost_peer_hold", None) is not None:
+            raw["transfer"]["lost_peer_hold_s"] = args.lost_peer_hold
     if getattr(args, "secret_file", None):
         raw["security"] = {"secret_file": args.secret_file}
     return topology_from_raw(raw, FLAGS_SOURCE, standalone=True)
@@ -280,6 +282,9 @@ def _add_transfer_flags(parser: argparse.ArgumentParser, role: str) -> None:
     if role == "decode":
         parser.add_argument("--no-offload", action="store_true",
                             help="do not write generated KV back to storage")
+        parser.add_argument("--lost-peer-hold", type=float, default=None,
+                            help="seconds a lost prefill's pages stay fenced at most "
+                                 "(transfer.lost_peer_hold_s, default 120)")
 
 
 def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> None:

@@ -197,7 +197,8 @@ def transfer_from_spec(spec: TransferSpec, node: NodeSpec) -> TransferConfig:
                           device_names=",".join(devices), local_host=node.host,
                           bootstrap_timeout_s=spec.timeout_s,
                           room_timeout_s=4 * spec.timeout_s,
-                          prefill_waits_for_decode=spec.prefill_waits_for_decode)
+                          prefill_waits_for_decode=spec.prefill_waits_for_decode,
+                          lost_peer_hold_s=spec.lost_peer_hold_s)
 
 
 def process_environment(setup: NodeSetup, inherited: Mapping[str, str]) -> dict[str, str]:

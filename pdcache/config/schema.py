@@ -227,6 +227,9 @@ class TransferSpec:
     devices: tuple[str, ...] = ()  # RDMA NICs, e.g. ["mlx5_0", "mlx5_1"]
     timeout_s: float = 30.0  # bootstrap and per-room transfer deadline
     prefill_waits_for_decode: bool = True  # no prefill compute before decode reserved the pages
+    # decode: a lost prefill peer's pages stay fenced (busy) until its AbortAck, its address
+    # re-registering with another boot id, or this (docs/design.md §4.5)
+    lost_peer_hold_s: float = 120.0
 
 
 @dataclass(frozen=True)

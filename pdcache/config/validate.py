@@ -118,6 +118,8 @@ def _check_transfer(transfer: TransferSpec, ctx: ErrorContext) -> None:
         raise ctx.error("transfer.protocol", '"rdma" needs engine = "mooncake" or "nixl"; the zmq engine is tcp only')
     if transfer.timeout_s <= 0:
         raise ctx.error("transfer.timeout_s", f"expected a number > 0, got {transfer.timeout_s}")
+    if not transfer.lost_peer_hold_s > 0:
+        raise ctx.error("transfer.lost_peer_hold_s", f"expected a number > 0, got {transfer.lost_peer_hold_s}")
 
 
 def _check_nodes(topology: Topology, ctx: ErrorContext) -> None:

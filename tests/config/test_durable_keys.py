@@ -59,3 +59,14 @@ def test_write_delay_wraps_the_configured_backend(tmp_path: Path) -> None:
     assert not isinstance(create_backend(plain), DelayInjectingBackend)
     with pytest.raises(TopologyError, match="storage.write_delay_s: expected a number >= 0"):
         pd(tmp_path, overrides=["storage.write_delay_s=-1"])
+
+
+def test_lost_peer_hold_reaches_the_transfer_config_and_is_validated(tmp_path: Path) -> None:
+    assert setup_for(pd(tmp_path), "d0", MODEL).transfer.lost_peer_hold_s == 120.0
+    topo = setup_for(pd(tmp_path, overrides=["transfer.lost_peer_hold_s=30"]), "d0", MODEL)
+    flags = from_flags("decode", "--name", "d0", "--port", "31002", "--transfer-engine", "zmq",
+                       "--transfer-timeout", "7.5", "--lost-peer-hold", "30",
+                       *storage_flags(tmp_path))
+    assert topo.transfer.lost_peer_hold_s == flags.transfer.lost_peer_hold_s == 30.0
+    with pytest.raises(TopologyError, match="transfer.lost_peer_hold_s: expected a number > 0"):
+        pd(tmp_path, overrides=["transfer.lost_peer_hold_s=0"])
