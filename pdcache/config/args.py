@@ -55,6 +55,7 @@ NODE_FLAG_KEYS = {
     "chunked_prefill_tokens": "scheduler.chunked_prefill_tokens",
     "no_prefix_cache": "cache.prefix_cache",
     "no_pending_wait": "cache.pending_wait",
+    "pending_max_ttl": "cache.pending_max_ttl_s",
     "offload_pending_ttl": "offload_pending_ttl_s",
     "incremental_streaming_output": "incremental_streaming_output",
 }
@@ -270,6 +271,9 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--no-pending-wait", action="store_true",
                             help="do not wait for answer pages a decode node is still writing "
                                  "(recompute them; counted as raced)")
+        parser.add_argument("--pending-max-ttl", type=float, default=None,
+                            help="seconds a decode's pending-page mark lives here at most, "
+                                 "whatever TTL it announced (default 30)")
 
 
 def _add_transfer_flags(parser: argparse.ArgumentParser, role: str) -> None:

@@ -146,7 +146,7 @@ def tiers_for(node: NodeSpec, model: ModelConfig, storage: StorageConfig | None)
         layerwise_read_layers=cache.prefetch_layers_per_read,
         key_scheme=cache.key_scheme, key_namespace=cache.key_namespace,
         host_mode=cache.host_mode, host_eviction=cache.host_eviction,
-        pending_wait=cache.pending_wait,
+        pending_wait=cache.pending_wait, pending_max_ttl_s=cache.pending_max_ttl_s,
     )
     return TierConfig(host_pages, hicache, storage)
 

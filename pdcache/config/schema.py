@@ -111,6 +111,9 @@ class CacheSpec:
     # prefill: wait (within the prefetch policy) for pages a decode node announced as being
     # written instead of recomputing them (docs/design.md §4.10, "A durable next turn")
     pending_wait: bool = True
+    # prefill: a decode's pending mark lives at most this long here, whatever TTL it announced
+    # (bounds the wait under `wait_complete`, which has no deadline of its own)
+    pending_max_ttl_s: float = 30.0
     # layer-streamed prefetch (docs/design.md §4.11): read stored pages layer-major and start
     # the forward while later layers are still being read; off by default (measured slower on
     # a 2-core CPU, where the reads take the forward's core); `prefetch_layers_per_read` layers

@@ -110,11 +110,14 @@ class _SendRoom:
 
 class PendingPagesSink(Protocol):
     """Where the pages decode announces go (the node's `PendingPages`, docs/design.md
-    §4.10); called on the control thread, so it must be thread-safe and quick."""
+    §4.10); called on the control thread, so it must be thread-safe and quick. `source` is
+    the announcing decode link (its ROUTER identity); the sink clamps `ttl_s` to its own cap."""
 
-    def pending(self, keys: list[bytes], ttl_s: float) -> None: ...
+    def pending(self, keys: list[bytes], ttl_s: float, source: bytes = b"") -> None: ...
 
     def settled(self, keys: list[bytes], landed: list[bool]) -> None: ...
+
+    def forget_source(self, source: bytes) -> int: ...
 
 
 class KVSender:
@@ -526,7 +529,7 @@ class KVSender:
         if peer is None or self._on_pages is None:
             self._count("unexpected_messages")
             return
-        self._on_pages.pending(msg.key_list(), msg.ttl_ms / 1000)
+        self._on_pages.pending(msg.key_list(), msg.ttl_ms / 1000, source=identity)
 
     def _on_pages_settled(self, identity: bytes, msg: PagesSettled) -> None:
         peer = self._peer(identity)
@@ -563,6 +566,8 @@ class KVSender:
                                  f"{limit:.1f}s)", code="peer_lost")  # heard if it lives
             if self.engine is not None:  # after the rooms' workers were told to stop
                 self.engine.remove_peer(peer.engine_peer)
+            if self._on_pages is not None:  # its writes will not be announced as settled
+                self._on_pages.forget_source(peer.identity)
 
 
 class _Cancelled(Exception):
