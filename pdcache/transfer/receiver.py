@@ -17,8 +17,8 @@ Release rule (pages are never reused while prefill may still write them): a room
 on SUCCESS or on prefill's Abort is released at once; a room decode fails itself (abort,
 timeout) is released when prefill acks the abort or after `abort_ack_timeout_s` (counted).
 A room of a peer declared lost (silent for `peer_dead_after_s`) is a fence: released only on
-that link's AbortAck/Abort, when the address re-registers with another boot id, or after
-`lost_peer_hold_s` (counted). `on_release(outcome)` runs then; on FAILED the node frees
+that link's AbortAck/Abort, when the address re-registers with another boot id (decode
+registers again there at once, as a probe), or after `lost_peer_hold_s` (counted). `on_release(outcome)` runs then; on FAILED the node frees
 the room's pages, on SUCCESS it owns the filled pages.
 
 Threads and what they mutate:
@@ -495,6 +495,10 @@ class KVReceiver:
             self.counters["lost_peer_hold_timeouts"] += 1
             self.rooms.set_idle(room)
         self._close_unfenced_lost_peers()
+        # Register again where fenced pages wait (a probe, not waiting for the next request
+        # there): a RegisterAck with another boot id lifts the fence at once (`_release_rebooted`)
+        for addr in {lost.addr for lost in self._lost.values()} - self._peers.keys():
+            self._ensure_peer(addr)
 
     def _peer_lost(self, peer: _Peer, now: float) -> None:
         self.counters["peers_lost"] += 1
@@ -513,9 +517,10 @@ class KVReceiver:
         # their pages stay busy — a fence — until this link's AbortAck/Abort arrives, the
         # address re-registers with another boot id (the old process is gone), or
         # lost_peer_hold_s passes. The socket stays open meanwhile to hear that answer.
-        # A request that never left (or, authenticated, waits for the boot id) let no write
-        # start: such a room is released at once.
-        reached = self._auth is None or peer.prefill_boot is not None
+        # A request that never left, or went to a peer that never answered our Register (an
+        # address nobody serves; a prefill acks a Register before it can start any room of
+        # ours), let no write start: such a room is released at once.
+        reached = peer.ready.is_set() and not peer.error and peer.prefill_boot is not None
         fenced = False
         for room in mine:
             current = self.rooms.get(room)

@@ -391,7 +391,8 @@ class KVSender:
     def _on_readable(self, sock: zmq.Socket) -> None:
         frames = sock.recv_multipart()
         identity = frames[0]
-        if len(frames) not in (2, 3):  # [sealed] or [sealed, the boot id decode sealed for]
+        # [frame], or authenticated [sealed frame, the boot id decode sealed for]
+        if len(frames) != 2 and not (len(frames) == 3 and self._auth is not None):
             self.rejects.record(MessageError("malformed", f"{len(frames) - 1} frames"), "decode")
             return
         claimed_boot = frames[2] if len(frames) == 3 else None
