@@ -18,7 +18,8 @@ on SUCCESS or on prefill's Abort is released at once; a room decode fails itself
 timeout) is released when prefill acks the abort or after `abort_ack_timeout_s` (counted).
 A room of a peer declared lost (silent for `peer_dead_after_s`) is a fence: released only on
 that link's AbortAck/Abort, when the address re-registers with another boot id (decode
-registers again there at once, as a probe), or after `lost_peer_hold_s` (counted). `on_release(outcome)` runs then; on FAILED the node frees
+registers again there at once, as a probe), when the prefill's end closed the control
+connection (the process exited: a stopped one keeps it), or after `lost_peer_hold_s` (counted). `on_release(outcome)` runs then; on FAILED the node frees
 the room's pages, on SUCCESS it owns the filled pages.
 
 Threads and what they mutate:
@@ -135,6 +136,10 @@ class _Peer:
     prefill_id: str = ""
     last_seen: float = field(default_factory=time.monotonic)
     last_ping: float = 0.0
+    # The socket's monitor (EVENT_DISCONNECTED): the prefill's end closed the connection. A
+    # stopped (SIGSTOP) or stalled process keeps its connections; one that exited does not.
+    monitor: zmq.Socket | None = None
+    closed_by_peer: bool = False
 
 
 class KVReceiver:
@@ -160,6 +165,7 @@ class KVReceiver:
         self.counters = {"bytes_received": 0, "peers_lost": 0, "abort_ack_timeouts": 0,
                          "messages_in": 0, "unexpected_messages": 0,
                          "lost_peer_hold_timeouts": 0, "lost_peer_rebooted": 0,
+                         "lost_peer_closed": 0,
                          "pending_pages_announced": 0, "settled_pages_announced": 0}
         self._seq = itertools.count(1)
         self._loop = ControlLoop("decode-transfer", _tick_s(config), self._tick)
@@ -333,6 +339,8 @@ class KVReceiver:
         peer = _Peer(addr, sock, link_id)
         self._peers[addr] = peer
         self._loop.add_socket(sock, lambda s, p=peer: self._on_readable(p))
+        peer.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._loop.add_socket(peer.monitor, lambda s, p=peer: self._on_monitor(p))
         assert self.engine is not None
         register = Register(self.decode_id, self.config.engine, self._session,
                             self.layout.base_addr, self.layout.num_layers, self.layout.num_pages,
@@ -470,8 +478,36 @@ class KVReceiver:
     def _drop_peer(self, peer: _Peer, linger_ms: int = 0) -> None:
         if self._peers.get(peer.addr) is peer:
             del self._peers[peer.addr]
-            self._loop.remove_socket(peer.socket, linger_ms)
+            self._close_sockets(peer, linger_ms)
         peer.ready.set()
+
+    def _close_sockets(self, peer: _Peer, linger_ms: int) -> None:
+        if peer.monitor is not None:
+            peer.socket.disable_monitor()
+            self._loop.remove_socket(peer.monitor, 0)
+            peer.monitor = None
+        self._loop.remove_socket(peer.socket, linger_ms)
+
+    def _on_monitor(self, peer: _Peer) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert peer.monitor is not None
+        event = recv_monitor_message(peer.monitor, zmq.NOBLOCK)
+        if event["event"] == zmq.EVENT_CONNECTED:  # (re)connected: whoever listens now
+            peer.closed_by_peer = False
+            return
+        if event["event"] != zmq.EVENT_DISCONNECTED:
+            return
+        peer.closed_by_peer = True
+        if peer.link_id in self._lost:
+            self._release_fence(peer, "lost_peer_closed")
+
+    def _release_fence(self, lost: _Peer, counter: str) -> None:
+        """The process behind lost link `lost` is gone: its fenced pages can be reused."""
+        for room in self.rooms.select(lambda r, link=lost.link_id: r.busy
+                                      and r.data.held_for == link):
+            self.counters[counter] += 1
+            self.rooms.set_idle(room)
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -538,8 +574,10 @@ class KVReceiver:
         peer.ready.set()
         if fenced:
             self._lost[peer.link_id] = peer
+            if peer.closed_by_peer:  # it closed the connection: exited, not stalled
+                self._release_fence(peer, "lost_peer_closed")
         else:
-            self._loop.remove_socket(peer.socket, 100)
+            self._close_sockets(peer, 100)
 
     def _release_rebooted(self, peer: _Peer) -> None:
         """`peer` registered with boot id B: a lost peer at the same address that had another
@@ -547,10 +585,7 @@ class KVReceiver:
         for lost in list(self._lost.values()):
             if lost.addr != peer.addr or lost.prefill_boot in (None, peer.prefill_boot):
                 continue  # unknown boot, or the same process (it only stalled): keep the fence
-            for room in self.rooms.select(lambda r, link=lost.link_id: r.busy
-                                          and r.data.held_for == link):
-                self.counters["lost_peer_rebooted"] += 1
-                self.rooms.set_idle(room)
+            self._release_fence(lost, "lost_peer_rebooted")
         self._close_unfenced_lost_peers()
 
     def _close_unfenced_lost_peers(self) -> None:
@@ -559,7 +594,7 @@ class KVReceiver:
         fencing = {r.data.held_for for r in (self.rooms.get(room) for room in self.rooms.select(
             lambda r: r.busy and bool(r.data.held_for))) if r is not None}
         for link_id in [link for link in self._lost if link not in fencing]:
-            self._loop.remove_socket(self._lost.pop(link_id).socket, 0)
+            self._close_sockets(self._lost.pop(link_id), 0)
 
     def _release_all_busy(self) -> None:
         for room in self.rooms.select(lambda r: r.busy):

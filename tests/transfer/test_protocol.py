@@ -355,7 +355,7 @@ class _SilentPrefill:
         self.sock.send_multipart([identity, encode(msg)])
 
 
-@pytest.mark.parametrize("release", ["abort_ack", "rebooted", "same_boot", "hold_cap"])
+@pytest.mark.parametrize("release", ["abort_ack", "rebooted", "same_boot", "closed", "hold_cap"])
 def test_a_lost_prefill_s_pages_stay_fenced_until_it_answers_reboots_or_the_cap(
     release: str,
 ) -> None:
@@ -363,8 +363,8 @@ def test_a_lost_prefill_s_pages_stay_fenced_until_it_answers_reboots_or_the_cap(
     fails a lost peer's room at once but keeps its pages busy past abort_ack_timeout_s (the
     old 10 s timer let `pdcache bench chaos` freeze-node corrupt another request's answer):
     until that link's AbortAck, the address re-registering with another boot id (the old
-    process is gone; the same boot id is the same process: still fenced), or
-    lost_peer_hold_s. Exactly one release, and the room/busy accounting returns to zero."""
+    process is gone; the same boot id is the same process: still fenced), the prefill closing
+    the connection (it exited; a stopped process keeps it), or lost_peer_hold_s. Exactly one release, and the room/busy accounting returns to zero."""
     hold_s = 1.5 if release == "hold_cap" else 60.0
     config = fast_config("zmq", heartbeat_misses=8, abort_ack_timeout_s=0.3,
                          lost_peer_hold_s=hold_s)
@@ -391,6 +391,8 @@ def test_a_lost_prefill_s_pages_stay_fenced_until_it_answers_reboots_or_the_cap(
             # decode registers again by itself (a probe, on a new link), no request needed
             boot = b"boot-of-p0-two!!" if release == "rebooted" else b"boot-of-p0-one!!"
             assert fake.register(boot) != old_link
+        elif release == "closed":
+            fake.sock.close(linger=0)  # what the kernel does to a killed process's sockets
         if release == "same_boot":
             time.sleep(1.0)  # the same process (it only stalled) might still write: no release
             assert released == [] and receiver.stats()["rooms"]["busy"] == 1
@@ -402,6 +404,7 @@ def test_a_lost_prefill_s_pages_stay_fenced_until_it_answers_reboots_or_the_cap(
             assert time.monotonic() - failed_at >= hold_s - 0.3
             assert stats["lost_peer_hold_timeouts"] == 1
         assert stats["lost_peer_rebooted"] == (1 if release == "rebooted" else 0)
+        assert stats["lost_peer_closed"] == (1 if release == "closed" else 0)
         assert stats["abort_ack_timeouts"] == 0
         assert stats["rooms"]["busy"] == 0 and stats["rooms"]["active"] == 0
         assert stats["rooms"]["released"] == stats["rooms"]["created"] == 1
