@@ -447,6 +447,9 @@ class KVReceiver:
             return
         current = self.rooms.get(msg.room)
         assert current is not None
+        if current.state.terminal:  # failed here first (abort, lost peer): no result, but
+            self.rooms.set_idle(msg.room)  # prefill's write is over, so the pages are free
+            return
         if current.state is RoomState.WAITING_FOR_INPUT:
             self._advance(msg.room, RoomState.TRANSFERRING)
         data.result = TransferResult(msg.room, msg.report, msg.nbytes,

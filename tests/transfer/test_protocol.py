@@ -25,6 +25,7 @@ from pdcache.transfer.messages import (
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
+    Done,
     Ping,
     Pong,
     PrefillReport,
@@ -355,7 +356,8 @@ class _SilentPrefill:
         self.sock.send_multipart([identity, encode(msg)])
 
 
-@pytest.mark.parametrize("release", ["abort_ack", "rebooted", "same_boot", "closed", "hold_cap"])
+@pytest.mark.parametrize("release", ["abort_ack", "late_done", "rebooted", "same_boot", "closed",
+                                     "hold_cap"])
 def test_a_lost_prefill_s_pages_stay_fenced_until_it_answers_reboots_or_the_cap(
     release: str,
 ) -> None:
@@ -387,6 +389,8 @@ def test_a_lost_prefill_s_pages_stay_fenced_until_it_answers_reboots_or_the_cap(
         if release == "abort_ack":
             fake.next_of(Abort)  # decode's best-effort abort, on the lost link
             fake.send(old_link, AbortAck(650))
+        elif release == "late_done":  # the stalled prefill resumed and finished its write
+            fake.send(old_link, Done(650, 4096, REPORT))
         elif release in ("rebooted", "same_boot"):
             # decode registers again by itself (a probe, on a new link), no request needed
             boot = b"boot-of-p0-two!!" if release == "rebooted" else b"boot-of-p0-one!!"
@@ -399,6 +403,8 @@ def test_a_lost_prefill_s_pages_stay_fenced_until_it_answers_reboots_or_the_cap(
             return
         wait_until(lambda: len(released) == 1, hold_s + 3.0, "the fenced pages' release")
         assert released[0].room_id == 650 and released[0].code == "peer_lost"
+        with pytest.raises(TransferError):  # failed stays failed, even after a late Done
+            receiver.wait(650, 0.1)
         stats = receiver.stats()
         if release == "hold_cap":
             assert time.monotonic() - failed_at >= hold_s - 0.3
