@@ -55,6 +55,7 @@ NODE_FLAG_KEYS = {
     "chunked_prefill_tokens": "scheduler.chunked_prefill_tokens",
     "no_prefix_cache": "cache.prefix_cache",
     "no_pending_wait": "cache.pending_wait",
+    "pending_max_ttl": "cache.pending_max_ttl_s",
     "offload_pending_ttl": "offload_pending_ttl_s",
     "incremental_streaming_output": "incremental_streaming_output",
 }
@@ -155,6 +156,8 @@ def topology_from_flags(args: argparse.Namespace, role: str) -> Topology:
     }
     if role != "unified":
         raw["transfer"] = {"engine": args.transfer_engine, "timeout_s": args.transfer_timeout}
+        if getattr(args, "lost_peer_hold", None) is not None:
+            raw["transfer"]["lost_peer_hold_s"] = args.lost_peer_hold
     if getattr(args, "secret_file", None):
         raw["security"] = {"secret_file": args.secret_file}
     return topology_from_raw(raw, FLAGS_SOURCE, standalone=True)
@@ -269,6 +272,9 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--no-pending-wait", action="store_true",
                             help="do not wait for answer pages a decode node is still writing "
                                  "(recompute them; counted as raced)")
+        parser.add_argument("--pending-max-ttl", type=float, default=None,
+                            help="seconds a decode's pending-page mark lives here at most, "
+                                 "whatever TTL it announced (default 30)")
 
 
 def _add_transfer_flags(parser: argparse.ArgumentParser, role: str) -> None:
@@ -281,6 +287,9 @@ def _add_transfer_flags(parser: argparse.ArgumentParser, role: str) -> None:
     if role == "decode":
         parser.add_argument("--no-offload", action="store_true",
                             help="do not write generated KV back to storage")
+        parser.add_argument("--lost-peer-hold", type=float, default=None,
+                            help="seconds a lost prefill's pages stay fenced at most "
+                                 "(transfer.lost_peer_hold_s, default 120)")
 
 
 def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> None:

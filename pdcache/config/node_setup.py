@@ -146,7 +146,7 @@ def tiers_for(node: NodeSpec, model: ModelConfig, storage: StorageConfig | None)
         layerwise_read_layers=cache.prefetch_layers_per_read,
         key_scheme=cache.key_scheme, key_namespace=cache.key_namespace,
         host_mode=cache.host_mode, host_eviction=cache.host_eviction,
-        pending_wait=cache.pending_wait,
+        pending_wait=cache.pending_wait, pending_max_ttl_s=cache.pending_max_ttl_s,
     )
     return TierConfig(host_pages, hicache, storage)
 
@@ -197,7 +197,8 @@ def transfer_from_spec(spec: TransferSpec, node: NodeSpec) -> TransferConfig:
                           device_names=",".join(devices), local_host=node.host,
                           bootstrap_timeout_s=spec.timeout_s,
                           room_timeout_s=4 * spec.timeout_s,
-                          prefill_waits_for_decode=spec.prefill_waits_for_decode)
+                          prefill_waits_for_decode=spec.prefill_waits_for_decode,
+                          lost_peer_hold_s=spec.lost_peer_hold_s)
 
 
 def process_environment(setup: NodeSetup, inherited: Mapping[str, str]) -> dict[str, str]:

@@ -111,6 +111,9 @@ class CacheSpec:
     # prefill: wait (within the prefetch policy) for pages a decode node announced as being
     # written instead of recomputing them (docs/design.md §4.10, "A durable next turn")
     pending_wait: bool = True
+    # prefill: a decode's pending mark lives at most this long here, whatever TTL it announced
+    # (bounds the wait under `wait_complete`, which has no deadline of its own)
+    pending_max_ttl_s: float = 30.0
     # layer-streamed prefetch (docs/design.md §4.11): read stored pages layer-major and start
     # the forward while later layers are still being read; off by default (measured slower on
     # a 2-core CPU, where the reads take the forward's core); `prefetch_layers_per_read` layers
@@ -227,6 +230,9 @@ class TransferSpec:
     devices: tuple[str, ...] = ()  # RDMA NICs, e.g. ["mlx5_0", "mlx5_1"]
     timeout_s: float = 30.0  # bootstrap and per-room transfer deadline
     prefill_waits_for_decode: bool = True  # no prefill compute before decode reserved the pages
+    # decode: a lost prefill peer's pages stay fenced (busy) until its AbortAck, its address
+    # re-registering with another boot id, or this (docs/design.md §4.5)
+    lost_peer_hold_s: float = 120.0
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from pdcache.config.schema import (
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _LOCAL_ALIASES = {"localhost": "127.0.0.1"}
+MAX_PENDING_TTL_S = 600.0  # bound of a pending-page mark's TTL (decode's announce, prefill's cap)
 
 
 def validate(topology: Topology, ctx: ErrorContext, standalone: bool = False) -> None:
@@ -69,6 +70,9 @@ def _check_cache(cache: CacheSpec, prefix: str, ctx: ErrorContext) -> None:
         raise ctx.error(f"{prefix}.host_ratio", f"expected a number > 0, got {cache.host_ratio}")
     if cache.session_idle_s <= 0:
         raise ctx.error(f"{prefix}.session_idle_s", f"expected a number > 0, got {cache.session_idle_s}")
+    if not 0 < cache.pending_max_ttl_s <= MAX_PENDING_TTL_S:
+        raise ctx.error(f"{prefix}.pending_max_ttl_s",
+                        f"expected a number in (0, {MAX_PENDING_TTL_S:g}], got {cache.pending_max_ttl_s}")
     for key in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s", "prefetch_timeout_max_s"):
         if getattr(cache, key) < 0:
             raise ctx.error(f"{prefix}.{key}", f"expected a number >= 0, got {getattr(cache, key)}")
@@ -118,6 +122,8 @@ def _check_transfer(transfer: TransferSpec, ctx: ErrorContext) -> None:
         raise ctx.error("transfer.protocol", '"rdma" needs engine = "mooncake" or "nixl"; the zmq engine is tcp only')
     if transfer.timeout_s <= 0:
         raise ctx.error("transfer.timeout_s", f"expected a number > 0, got {transfer.timeout_s}")
+    if not transfer.lost_peer_hold_s > 0:
+        raise ctx.error("transfer.lost_peer_hold_s", f"expected a number > 0, got {transfer.lost_peer_hold_s}")
 
 
 def _check_nodes(topology: Topology, ctx: ErrorContext) -> None:
@@ -178,8 +184,9 @@ def _check_node_server(node: NodeSpec, key: str, ctx: ErrorContext) -> None:
     ttl = node.offload_pending_ttl_s
     if ttl is not None and node.role != "decode":
         raise ctx.error(f"{key}.offload_pending_ttl_s", f"only decode nodes offload (role is {node.role})")
-    if ttl is not None and not ttl > 0:
-        raise ctx.error(f"{key}.offload_pending_ttl_s", f"expected a number > 0, got {ttl}")
+    if ttl is not None and not 0 < ttl <= MAX_PENDING_TTL_S:
+        raise ctx.error(f"{key}.offload_pending_ttl_s",
+                        f"expected a number > 0 and <= {MAX_PENDING_TTL_S:g}, got {ttl}")
     if not node.kernels or any(c.isspace() for c in node.kernels):
         raise ctx.error(f"{key}.kernels", f'expected a kernel backend name or "auto", got "{node.kernels}"')
 

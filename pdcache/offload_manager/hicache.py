@@ -96,6 +96,7 @@ class HiCacheConfig:
     # wait (within the prefetch policy) for pages decode announced as being written, rather
     # than recompute them (docs/design.md §4.10); False: count them as raced and recompute
     pending_wait: bool = True
+    pending_max_ttl_s: float = 30.0  # cap on a decode's pending-mark TTL (PendingPages)
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:

@@ -9,8 +9,12 @@ when it schedules the write (`pending(keys, ttl_s)`) and again when the write en
 
 An entry is PENDING until settled: then LANDED (readable from storage) or forgotten (it will
 not come). Every entry expires `ttl_s` after it was announced (a landed one `ttl_s` after it
-landed), so a decode node that dies mid-write never makes a prefill wait past the TTL. At
-most `max_keys` entries are kept (the oldest go first). Thread-safe: one lock, O(1) per key.
+landed), so a decode node that dies mid-write never makes a prefill wait past the TTL. The
+TTL is the announcing peer's, clamped to this node's `max_ttl_s` (`[cache] pending_max_ttl_s`),
+so a peer cannot make prefill wait longer than prefill allows. Each mark remembers its
+`source` (the announcing decode link); `forget_source` drops that peer's still-pending marks
+when the prefill loses it. At most `max_keys` entries are kept (the oldest go first).
+Thread-safe: one lock, O(1) per key.
 """
 
 from __future__ import annotations
@@ -33,35 +37,67 @@ class PageState(Enum):
 class _Entry:
     expires: float
     ttl_s: float
+    source: bytes = b""
     landed: bool = False
+
+
+DEFAULT_MAX_TTL_S = 30.0  # `[cache] pending_max_ttl_s`: the prefetch policy's default cap
 
 
 class PendingPages:
     """Decode-announced page keys and their write state; see the module docstring."""
 
     def __init__(self, max_keys: int = 1 << 18,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_ttl_s: float = DEFAULT_MAX_TTL_S) -> None:
+        if not max_ttl_s > 0:
+            raise ValueError(f"max_ttl_s must be > 0, got {max_ttl_s}")
         self.max_keys = max_keys
+        self.max_ttl_s = max_ttl_s
         self._clock = clock
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._by_source: dict[bytes, set[bytes]] = {}  # source -> its unlanded keys
         self._lock = threading.Lock()
         self.marked = 0  # keys announced pending, ever
         self.landed = 0  # keys settled as committed
         self.failed = 0  # keys settled as not coming
+        self.forgotten = 0  # pending keys dropped because their decode peer was lost
 
     # ---- fed by the transfer control thread ------------------------------------------------
-    def pending(self, keys: Sequence[bytes], ttl_s: float) -> None:
+    def pending(self, keys: Sequence[bytes], ttl_s: float, source: bytes = b"") -> None:
+        ttl_s = min(ttl_s, self.max_ttl_s)  # the peer's TTL, never past this node's cap
         expires = self._clock() + ttl_s
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is not None and entry.landed:
                     continue  # already in storage: a late duplicate mark changes nothing
-                self._entries[key] = _Entry(expires, ttl_s)
+                if entry is not None:
+                    self._unlink(key, entry)
+                self._entries[key] = _Entry(expires, ttl_s, source)
                 self._entries.move_to_end(key)
+                self._by_source.setdefault(source, set()).add(key)
             self.marked += len(keys)
             while len(self._entries) > self.max_keys:
-                self._entries.popitem(last=False)
+                self._unlink(*self._entries.popitem(last=False))
+
+    def forget_source(self, source: bytes) -> int:
+        """Drop the still-pending marks `source` announced (the prefill lost that decode peer:
+        its writes are not coming, or not announced as settled); returns how many."""
+        with self._lock:
+            keys = self._by_source.pop(source, set())
+            for key in keys:
+                self._entries.pop(key, None)
+            self.forgotten += len(keys)
+            return len(keys)
+
+    def _unlink(self, key: bytes, entry: _Entry) -> None:
+        """Under the lock: `key` leaves its source's set (entry dropped, replaced or landed)."""
+        keys = self._by_source.get(entry.source)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._by_source[entry.source]
 
     def settled(self, keys: Sequence[bytes], landed: Sequence[bool]) -> None:
         now = self._clock()
@@ -69,7 +105,8 @@ class PendingPages:
             for key, ok in zip(keys, landed):
                 entry = self._entries.get(key)
                 if not ok:
-                    self._entries.pop(key, None)
+                    if entry is not None:
+                        self._unlink(key, self._entries.pop(key))
                     self.failed += 1
                     continue
                 self.landed += 1
@@ -78,6 +115,7 @@ class PendingPages:
                 # a landed entry lives one more TTL, for the lookups already waiting on it
                 entry.expires = now + entry.ttl_s
                 entry.landed = True
+                self._unlink(key, entry)  # in storage now: losing its peer changes nothing
 
     # ---- asked by HiCache (engine thread) --------------------------------------------------
     def state(self, key: bytes) -> PageState:
@@ -87,7 +125,7 @@ class PendingPages:
             if entry is None:
                 return PageState.GONE
             if entry.expires <= now:
-                del self._entries[key]
+                self._unlink(key, self._entries.pop(key))
                 return PageState.GONE
             return PageState.LANDED if entry.landed else PageState.PENDING
 
@@ -108,4 +146,5 @@ class PendingPages:
         with self._lock:
             return {"pending_keys_tracked": len(self._entries),
                     "pending_keys_marked": self.marked, "pending_keys_landed": self.landed,
-                    "pending_keys_failed": self.failed}
+                    "pending_keys_failed": self.failed,
+                    "pending_keys_forgotten": self.forgotten}

@@ -42,7 +42,7 @@ class PrefillRuntime:
         self.controller = PrefillController(
             setup.name, wait_for_decode=setup.transfer.prefill_waits_for_decode)
         # page writes decode nodes announce (KVSender feeds it, HiCache waits on it: §4.10)
-        self.pending = PendingPages()
+        self.pending = PendingPages(max_ttl_s=setup.tiers.hicache.pending_max_ttl_s)
         self.tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers,
                                           PrefillScheduler, pending=self.pending,
                                           pd=self.controller)

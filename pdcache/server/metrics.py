@@ -184,7 +184,7 @@ class TierStatsCollector(Collector):
 
 class ControlRejectCollector(Collector):
     """`pdcache_control_rejected_messages_total{kind}`: control messages a KVSender/KVReceiver
-    dropped (malformed, ..., unauthenticated, stale, replayed: docs/security.md), read from
+    dropped (malformed, ..., unauthenticated, stale, replayed, stale_boot: docs/security.md), read from
     its `stats()["rejected"]` at scrape time. Every kind is exported, zeros included."""
 
     def __init__(self, stats: Callable[[], Mapping[str, Any]], server_name: str) -> None:

@@ -33,6 +33,9 @@ class TransferConfig:
     # above scheduling stalls: a live peer declared dead may still write pages decode freed.
     heartbeat_misses: int = 5
     abort_ack_timeout_s: float = 10.0  # decode keeps aborted pages until prefill acks (or this)
+    # A lost peer's rooms keep their pages until its AbortAck, its address re-registering with
+    # another boot id, or this: a stalled prefill that resumes may still write them.
+    lost_peer_hold_s: float = 120.0
     # Limits.
     max_message_bytes: int = 1 << 20  # control messages; larger ones are rejected and counted
     max_batch_entries: int = 1024  # entries per engine batch (Mooncake TCP lanes queue ~2048)
@@ -49,7 +52,7 @@ class TransferConfig:
         if self.engine not in ENGINE_NAMES:
             raise ValueError(f"transfer.engine: unknown '{self.engine}', choose {ENGINE_NAMES}")
         for name in ("bootstrap_timeout_s", "room_timeout_s", "heartbeat_interval_s",
-                     "abort_ack_timeout_s"):
+                     "abort_ack_timeout_s", "lost_peer_hold_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"transfer.{name} must be > 0, got {getattr(self, name)}")
         for name in ("heartbeat_misses", "max_message_bytes", "max_batch_entries",

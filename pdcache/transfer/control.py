@@ -20,6 +20,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
@@ -220,6 +221,17 @@ def parse(
         return None
 
 
+@dataclass(frozen=True)
+class StaleBoot:
+    """A genuine decode frame (its MAC verifies) bound to another boot of a prefill than this
+    one: the decode still believes in a prefill process that is gone (a fast restart on the
+    same address) or captured for another prefill. The prefill answers only as to an
+    unregistered peer (docs/security.md "Transfer: prefill binding")."""
+
+    msg: Message
+    claimed_boot: bytes
+
+
 def parse_from_decode(
     frame: bytes,
     max_bytes: int,
@@ -227,15 +239,23 @@ def parse_from_decode(
     auth: MessageAuth | None,
     identity: bytes,
     boot_id: bytes,
-) -> Message | None:
+    claimed_boot: bytes | None = None,
+) -> Message | StaleBoot | None:
     """`parse` for the prefill side: a frame must open under this link and boot (`seal`);
-    one that opens under the link alone is accepted only if it is a `Register`."""
+    one that opens under the link alone is accepted only if it is a `Register`.
+
+    `claimed_boot` is the boot id the decode sent in clear next to the sealed frame (the
+    boot it sealed for, `claimed_boot_frame`). Another boot than `boot_id`: the frame is
+    opened under link + claimed boot; if it verifies it is counted `stale_boot` and returned
+    as `StaleBoot` (the caller answers "unregistered"), else `unauthenticated` as any forgery."""
     if auth is None:
         return parse(frame, max_bytes, rejects, "decode")
     if len(frame) > max_bytes + TRAILER_BYTES:  # never hash an oversized frame
         rejects.record(MessageError("oversized", f"{len(frame)} bytes > limit {max_bytes}"),
                        "decode")
         return None
+    if claimed_boot is not None and claimed_boot != boot_id:
+        return _parse_stale_boot(frame, max_bytes, rejects, auth, identity, claimed_boot)
     for context in (identity + boot_id, identity):
         try:
             opened = auth.open_(frame, context=context)
@@ -253,5 +273,25 @@ def parse_from_decode(
     return None
 
 
-__all__ = ["ControlLoop", "RejectCounter", "control_auth", "encode", "parse",
+def _parse_stale_boot(frame: bytes, max_bytes: int, rejects: RejectCounter,
+                      auth: MessageAuth, identity: bytes, claimed_boot: bytes,
+                      ) -> StaleBoot | None:
+    if len(claimed_boot) != LINK_ID_BYTES:
+        rejects.record(MessageError("malformed", f"boot id of {len(claimed_boot)} bytes"),
+                       "decode")
+        return None
+    try:
+        opened = auth.open_(frame, context=identity + claimed_boot)
+    except AuthError as err:
+        rejects.record(MessageError(err.kind, str(err)), "decode")
+        return None
+    msg = parse(opened, max_bytes, rejects, "decode")
+    if msg is None:
+        return None
+    rejects.record(MessageError("stale_boot", f"{msg.TYPE} sealed for another prefill boot"),
+                   "decode")
+    return StaleBoot(msg, claimed_boot)
+
+
+__all__ = ["ControlLoop", "RejectCounter", "StaleBoot", "control_auth", "encode", "parse",
            "parse_from_decode", "seal"]

@@ -52,7 +52,8 @@ class MessageError(ValueError):
 
 
 REJECT_KINDS = ("oversized", "malformed", "version", "unknown_type", "bad_field",
-                "unauthenticated", "stale", "replayed")  # the last three: control.parse
+                "unauthenticated", "stale", "replayed",  # these three: control.parse
+                "stale_boot")  # a genuine decode frame for another prefill boot (control.py)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,11 @@ declared dead and its rooms fail.
 
 Release rule (pages are never reused while prefill may still write them): a room released
 on SUCCESS or on prefill's Abort is released at once; a room decode fails itself (abort,
-timeout) is released when prefill acks the abort, when the peer is declared dead, or after
-`abort_ack_timeout_s` (counted). `on_release(outcome)` runs then; on FAILED the node frees
+timeout) is released when prefill acks the abort or after `abort_ack_timeout_s` (counted).
+A room of a peer declared lost (silent for `peer_dead_after_s`) is a fence: released only on
+that link's AbortAck/Abort, when the address re-registers with another boot id (decode
+registers again there at once, as a probe), when the prefill's end closed the control
+connection (the process exited: a stopped one keeps it), or after `lost_peer_hold_s` (counted). `on_release(outcome)` runs then; on FAILED the node frees
 the room's pages, on SUCCESS it owns the filled pages.
 
 Threads and what they mutate:
@@ -111,6 +114,10 @@ class _RecvRoom:
     failed_at: float = 0.0  # when decode failed it while prefill might still write
     timed_out: bool = False
     request_sent: bool = False  # set on the control thread once the RoomRequest left
+    # Link id of a lost peer whose late write these pages are fenced against ("" = none):
+    # released only on that peer's AbortAck/Abort, its address re-registering with another
+    # boot id, or lost_peer_hold_s (`KVReceiver._peer_lost`).
+    held_for: bytes = b""
 
 
 @dataclass
@@ -129,6 +136,10 @@ class _Peer:
     prefill_id: str = ""
     last_seen: float = field(default_factory=time.monotonic)
     last_ping: float = 0.0
+    # The socket's monitor (EVENT_DISCONNECTED): the prefill's end closed the connection. A
+    # stopped (SIGSTOP) or stalled process keeps its connections; one that exited does not.
+    monitor: zmq.Socket | None = None
+    closed_by_peer: bool = False
 
 
 class KVReceiver:
@@ -147,9 +158,14 @@ class KVReceiver:
         self._user_release = on_release
         self.rooms = RoomTable("decode", config.finished_rooms_kept, self._released)
         self._peers: dict[str, _Peer] = {}  # control thread only
+        # Peers declared lost whose rooms still fence pages, by link id; their sockets stay
+        # open so a late AbortAck / Abort from a prefill that only stalled still arrives.
+        self._lost: dict[bytes, _Peer] = {}  # control thread only
         self.rejects = RejectCounter(f"decode {self.decode_id}")
         self.counters = {"bytes_received": 0, "peers_lost": 0, "abort_ack_timeouts": 0,
                          "messages_in": 0, "unexpected_messages": 0,
+                         "lost_peer_hold_timeouts": 0, "lost_peer_rebooted": 0,
+                         "lost_peer_closed": 0,
                          "pending_pages_announced": 0, "settled_pages_announced": 0}
         self._seq = itertools.count(1)
         self._loop = ControlLoop("decode-transfer", _tick_s(config), self._tick)
@@ -323,6 +339,8 @@ class KVReceiver:
         peer = _Peer(addr, sock, link_id)
         self._peers[addr] = peer
         self._loop.add_socket(sock, lambda s, p=peer: self._on_readable(p))
+        peer.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._loop.add_socket(peer.monitor, lambda s, p=peer: self._on_monitor(p))
         assert self.engine is not None
         register = Register(self.decode_id, self.config.engine, self._session,
                             self.layout.base_addr, self.layout.num_layers, self.layout.num_pages,
@@ -355,8 +373,11 @@ class KVReceiver:
                 peer.held.append(msg)
             return
         frame = seal(msg, self._auth, peer.link_id + (peer.prefill_boot or b""))
+        # With auth, the boot id sealed for goes along in clear: a restarted prefill at this
+        # address tells a genuine stale frame from a forgery and answers "unregistered".
+        frames = [frame] if self._auth is None else [frame, peer.prefill_boot or b""]
         try:
-            peer.socket.send(frame, zmq.NOBLOCK)
+            peer.socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("decode: control queue to %s is full; message dropped", peer.addr)
 
@@ -389,6 +410,8 @@ class KVReceiver:
         current = self.rooms.get(room)
         if current is None or current.data.peer_addr != peer.addr:
             return None
+        if current.data.held_for and current.data.held_for != peer.link_id:
+            return None  # fenced against the lost link: only that link's answer counts
         return current.data
 
     def _on_register_ack(self, peer: _Peer, msg: RegisterAck) -> None:
@@ -396,6 +419,7 @@ class KVReceiver:
         if self._auth is not None and not msg.boot_id and not msg.error:
             peer.error = "prefill sent no boot id (protocol < 4): cannot authenticate to it"
         peer.prefill_boot = msg.boot_id
+        self._release_rebooted(peer)
         held, peer.held = peer.held, []
         if not peer.error:
             for waiting in held:
@@ -423,6 +447,9 @@ class KVReceiver:
             return
         current = self.rooms.get(msg.room)
         assert current is not None
+        if current.state.terminal:  # failed here first (abort, lost peer): no result, but
+            self.rooms.set_idle(msg.room)  # prefill's write is over, so the pages are free
+            return
         if current.state is RoomState.WAITING_FOR_INPUT:
             self._advance(msg.room, RoomState.TRANSFERRING)
         data.result = TransferResult(msg.room, msg.report, msg.nbytes,
@@ -454,8 +481,36 @@ class KVReceiver:
     def _drop_peer(self, peer: _Peer, linger_ms: int = 0) -> None:
         if self._peers.get(peer.addr) is peer:
             del self._peers[peer.addr]
-            self._loop.remove_socket(peer.socket, linger_ms)
+            self._close_sockets(peer, linger_ms)
         peer.ready.set()
+
+    def _close_sockets(self, peer: _Peer, linger_ms: int) -> None:
+        if peer.monitor is not None:
+            peer.socket.disable_monitor()
+            self._loop.remove_socket(peer.monitor, 0)
+            peer.monitor = None
+        self._loop.remove_socket(peer.socket, linger_ms)
+
+    def _on_monitor(self, peer: _Peer) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert peer.monitor is not None
+        event = recv_monitor_message(peer.monitor, zmq.NOBLOCK)
+        if event["event"] == zmq.EVENT_CONNECTED:  # (re)connected: whoever listens now
+            peer.closed_by_peer = False
+            return
+        if event["event"] != zmq.EVENT_DISCONNECTED:
+            return
+        peer.closed_by_peer = True
+        if peer.link_id in self._lost:
+            self._release_fence(peer, "lost_peer_closed")
+
+    def _release_fence(self, lost: _Peer, counter: str) -> None:
+        """The process behind lost link `lost` is gone: its fenced pages can be reused."""
+        for room in self.rooms.select(lambda r, link=lost.link_id: r.busy
+                                      and r.data.held_for == link):
+            self.counters[counter] += 1
+            self.rooms.set_idle(room)
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -469,9 +524,20 @@ class KVReceiver:
             self._fail_local(room, "room deadline passed", code="timeout")
         ack_limit = self.config.abort_ack_timeout_s
         for room in self.rooms.select(lambda r: r.busy and r.state.terminal
+                                      and not r.data.held_for
                                       and now - r.data.failed_at > ack_limit):
             self.counters["abort_ack_timeouts"] += 1
             self.rooms.set_idle(room)
+        hold_limit = self.config.lost_peer_hold_s
+        for room in self.rooms.select(lambda r: r.busy and bool(r.data.held_for)
+                                      and now - r.data.failed_at > hold_limit):
+            self.counters["lost_peer_hold_timeouts"] += 1
+            self.rooms.set_idle(room)
+        self._close_unfenced_lost_peers()
+        # Register again where fenced pages wait (a probe, not waiting for the next request
+        # there): a RegisterAck with another boot id lifts the fence at once (`_release_rebooted`)
+        for addr in {lost.addr for lost in self._lost.values()} - self._peers.keys():
+            self._ensure_peer(addr)
 
     def _peer_lost(self, peer: _Peer, now: float) -> None:
         self.counters["peers_lost"] += 1
@@ -480,21 +546,58 @@ class KVReceiver:
         if not peer.ready.is_set():
             peer.error = f"no answer for {silent:.1f}s"
         reason = f"prefill peer {peer.addr} lost (no heartbeat for {silent:.1f}s)"
-        mine = self.rooms.select(lambda r: r.data.peer_addr == peer.addr)
+        mine = self.rooms.select(lambda r: r.data.peer_addr == peer.addr
+                                 and not r.data.held_for)
         for room in mine:  # best effort: a peer that only stalled stops writing these pages
             self._send_frame(peer, Abort(room, reason, "timeout"))
-        self._drop_peer(peer, linger_ms=100)
+        # Silent is not dead: a stalled prefill (SIGSTOP, a long GC or swap pause) resumes
+        # the write it was in the middle of (`pdcache bench chaos` freeze-node found a decode
+        # answer corrupted by exactly that). So the rooms fail now (their requests end) but
+        # their pages stay busy — a fence — until this link's AbortAck/Abort arrives, the
+        # address re-registers with another boot id (the old process is gone), or
+        # lost_peer_hold_s passes. The socket stays open meanwhile to hear that answer.
+        # A request that never left, or went to a peer that never answered our Register (an
+        # address nobody serves; a prefill acks a Register before it can start any room of
+        # ours), let no write start: such a room is released at once.
+        reached = peer.ready.is_set() and not peer.error and peer.prefill_boot is not None
+        fenced = False
         for room in mine:
-            # Silent is not dead: a stalled prefill (SIGSTOP, a long GC or swap pause) resumes
-            # the write it was in the middle of. Fail the room now (its request ends), but keep
-            # its pages busy for abort_ack_timeout_s, as for any abort, so they are not handed
-            # to another request while a late write can still land in them (`pdcache bench
-            # chaos` freeze-node found a decode answer corrupted by exactly that).
             current = self.rooms.get(room)
-            if current is None or current.state.terminal:
-                continue  # already ended: its release is on its way (or on the ack timeout)
-            current.data.failed_at = time.monotonic()
-            self._finish(room, RoomState.FAILED, reason, busy=True, code="peer_lost")
+            if current is None:
+                continue  # released meanwhile
+            fence = current.busy or (current.data.request_sent and reached)
+            if fence:
+                current.data.held_for = peer.link_id
+                fenced = True
+            if not current.state.terminal:
+                current.data.failed_at = time.monotonic()
+                self._finish(room, RoomState.FAILED, reason, busy=fence, code="peer_lost")
+        if self._peers.get(peer.addr) is peer:
+            del self._peers[peer.addr]
+        peer.ready.set()
+        if fenced:
+            self._lost[peer.link_id] = peer
+            if peer.closed_by_peer:  # it closed the connection: exited, not stalled
+                self._release_fence(peer, "lost_peer_closed")
+        else:
+            self._close_sockets(peer, 100)
+
+    def _release_rebooted(self, peer: _Peer) -> None:
+        """`peer` registered with boot id B: a lost peer at the same address that had another
+        boot id is a process that is gone; its fenced pages can be reused."""
+        for lost in list(self._lost.values()):
+            if lost.addr != peer.addr or lost.prefill_boot in (None, peer.prefill_boot):
+                continue  # unknown boot, or the same process (it only stalled): keep the fence
+            self._release_fence(lost, "lost_peer_rebooted")
+        self._close_unfenced_lost_peers()
+
+    def _close_unfenced_lost_peers(self) -> None:
+        if not self._lost:
+            return
+        fencing = {r.data.held_for for r in (self.rooms.get(room) for room in self.rooms.select(
+            lambda r: r.busy and bool(r.data.held_for))) if r is not None}
+        for link_id in [link for link in self._lost if link not in fencing]:
+            self._close_sockets(self._lost.pop(link_id), 0)
 
     def _release_all_busy(self) -> None:
         for room in self.rooms.select(lambda r: r.busy):

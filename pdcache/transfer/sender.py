@@ -48,6 +48,7 @@ from pdcache.transfer.control import (
     LINK_ID_BYTES,
     ControlLoop,
     RejectCounter,
+    StaleBoot,
     control_auth,
     parse_from_decode,
     seal,
@@ -109,11 +110,14 @@ class _SendRoom:
 
 class PendingPagesSink(Protocol):
     """Where the pages decode announces go (the node's `PendingPages`, docs/design.md
-    §4.10); called on the control thread, so it must be thread-safe and quick."""
+    §4.10); called on the control thread, so it must be thread-safe and quick. `source` is
+    the announcing decode link (its ROUTER identity); the sink clamps `ttl_s` to its own cap."""
 
-    def pending(self, keys: list[bytes], ttl_s: float) -> None: ...
+    def pending(self, keys: list[bytes], ttl_s: float, source: bytes = b"") -> None: ...
 
     def settled(self, keys: list[bytes], landed: list[bool]) -> None: ...
+
+    def forget_source(self, source: bytes) -> int: ...
 
 
 class KVSender:
@@ -387,12 +391,17 @@ class KVSender:
     def _on_readable(self, sock: zmq.Socket) -> None:
         frames = sock.recv_multipart()
         identity = frames[0]
-        if len(frames) != 2:
+        # [frame], or authenticated [sealed frame, the boot id decode sealed for]
+        if len(frames) != 2 and not (len(frames) == 3 and self._auth is not None):
             self.rejects.record(MessageError("malformed", f"{len(frames) - 1} frames"), "decode")
             return
+        claimed_boot = frames[2] if len(frames) == 3 else None
         msg = parse_from_decode(frames[1], self.config.max_message_bytes, self.rejects,
-                                self._auth, identity, self.boot_id)
+                                self._auth, identity, self.boot_id, claimed_boot)
         if msg is None:
+            return
+        if isinstance(msg, StaleBoot):
+            self._on_stale_boot(identity, msg.msg)
             return
         self._count("messages_in")
         self._touch(identity)
@@ -504,6 +513,15 @@ class KVSender:
             return
         self._fail(msg.room, f"aborted by decode: {msg.reason}", code=msg.code, notify="ack")
 
+    def _on_stale_boot(self, identity: bytes, msg: Message) -> None:
+        """A genuine frame for an earlier boot (counted `stale_boot` by parse_from_decode):
+        the decode does not know this process. Answer a room request as from an unregistered
+        peer, so the decode registers again; sealed for the link, it tells a replayer nothing
+        it can use. Everything else is dropped."""
+        if isinstance(msg, RoomRequest):
+            self._send(identity, Abort(msg.room, "decode peer is not registered (its frames "
+                                                 "are for another prefill boot)", "unregistered"))
+
     def _on_ping(self, identity: bytes, msg: Ping) -> None:
         self._send(identity, Pong(msg.seq))
 
@@ -512,7 +530,7 @@ class KVSender:
         if peer is None or self._on_pages is None:
             self._count("unexpected_messages")
             return
-        self._on_pages.pending(msg.key_list(), msg.ttl_ms / 1000)
+        self._on_pages.pending(msg.key_list(), msg.ttl_ms / 1000, source=identity)
 
     def _on_pages_settled(self, identity: bytes, msg: PagesSettled) -> None:
         peer = self._peer(identity)
@@ -549,6 +567,8 @@ class KVSender:
                                  f"{limit:.1f}s)", code="peer_lost")  # heard if it lives
             if self.engine is not None:  # after the rooms' workers were told to stop
                 self.engine.remove_peer(peer.engine_peer)
+            if self._on_pages is not None:  # its writes will not be announced as settled
+                self._on_pages.forget_source(peer.identity)
 
 
 class _Cancelled(Exception):

@@ -59,3 +59,31 @@ def test_write_delay_wraps_the_configured_backend(tmp_path: Path) -> None:
     assert not isinstance(create_backend(plain), DelayInjectingBackend)
     with pytest.raises(TopologyError, match="storage.write_delay_s: expected a number >= 0"):
         pd(tmp_path, overrides=["storage.write_delay_s=-1"])
+
+
+def test_lost_peer_hold_reaches_the_transfer_config_and_is_validated(tmp_path: Path) -> None:
+    assert setup_for(pd(tmp_path), "d0", MODEL).transfer.lost_peer_hold_s == 120.0
+    topo = setup_for(pd(tmp_path, overrides=["transfer.lost_peer_hold_s=30"]), "d0", MODEL)
+    flags = from_flags("decode", "--name", "d0", "--port", "31002", "--transfer-engine", "zmq",
+                       "--transfer-timeout", "7.5", "--lost-peer-hold", "30",
+                       *storage_flags(tmp_path))
+    assert topo.transfer.lost_peer_hold_s == flags.transfer.lost_peer_hold_s == 30.0
+    with pytest.raises(TopologyError, match="transfer.lost_peer_hold_s: expected a number > 0"):
+        pd(tmp_path, overrides=["transfer.lost_peer_hold_s=0"])
+
+
+def test_pending_ttls_are_bounded(tmp_path: Path) -> None:
+    """Prefill caps a decode's pending-mark TTL (`[cache] pending_max_ttl_s`, 30 s by default;
+    `--pending-max-ttl`), and decode's own `offload_pending_ttl_s` has an upper bound too."""
+    assert setup_for(pd(tmp_path), "p0", MODEL).tiers.hicache.pending_max_ttl_s == 30.0
+    topo = setup_for(pd(tmp_path, cache="pending_max_ttl_s = 4.0"), "p0", MODEL)
+    flags = ["--name", "p0", "--port", "31001", "--bootstrap-port", "8998",
+             "--transfer-engine", "zmq", "--transfer-timeout", "7.5", *storage_flags(tmp_path)]
+    flagged = from_flags("prefill", *flags, "--pending-max-ttl", "4")
+    assert topo.tiers.hicache.pending_max_ttl_s == flagged.tiers.hicache.pending_max_ttl_s == 4.0
+    for bad in ("0.0", "601.0"):
+        with pytest.raises(TopologyError, match=r"cache.pending_max_ttl_s: expected a number in \(0, 600\]"):
+            pd(tmp_path, cache=f"pending_max_ttl_s = {bad}")
+    assert setup_for(pd(tmp_path, decode="offload_pending_ttl_s = 600.0"), "d0", MODEL)
+    with pytest.raises(TopologyError, match="node.d0.offload_pending_ttl_s: expected a number > 0 and <= 600"):
+        pd(tmp_path, decode="offload_pending_ttl_s = 3600.0")

@@ -158,3 +158,38 @@ def test_a_request_that_leaves_while_waiting_frees_its_host_pages() -> None:
     assert st.cache.wait_idle(10)
     assert st.host.num_in_flight == 0 and not st.host.any_pinned
     st.close()
+
+
+def test_a_peer_ttl_is_clamped_to_the_prefill_cap() -> None:
+    """A decode announcing a huge TTL cannot make prefill wait past its own cap: the mark
+    expires `max_ttl_s` after it was announced (and a landed one a cap after it landed)."""
+    clock = Clock()
+    pages = PendingPages(clock=clock, max_ttl_s=2.0)
+    pages.pending([b"a", b"b"], ttl_s=3600.0, source=b"d0")
+    clock.now += 1.9
+    assert pages.run([b"a", b"b"]) == 2
+    pages.settled([b"b"], [True])
+    clock.now += 0.2  # a: 2.1 s after its mark, past the cap
+    assert pages.state(b"a") is PageState.GONE
+    assert pages.state(b"b") is PageState.LANDED  # landed at +1.9: kept one capped TTL
+    clock.now += 1.9
+    assert pages.state(b"b") is PageState.GONE
+    pages.pending([b"c"], ttl_s=0.5)  # a shorter peer TTL stays as announced
+    clock.now += 0.6
+    assert pages.state(b"c") is PageState.GONE
+    with pytest.raises(ValueError, match="max_ttl_s"):
+        PendingPages(max_ttl_s=0.0)
+
+
+def test_losing_a_decode_peer_drops_only_its_pending_marks() -> None:
+    clock = Clock()
+    pages = PendingPages(clock=clock)
+    pages.pending([b"a", b"b", b"c"], ttl_s=10.0, source=b"link-d0")
+    pages.pending([b"x", b"c"], ttl_s=10.0, source=b"link-d1")  # c: re-announced by d1
+    pages.settled([b"b"], [True])  # landed: stays readable whoever announced it
+    assert pages.forget_source(b"link-d0") == 1  # a (b landed, c now d1's)
+    assert [pages.state(k) for k in (b"a", b"b", b"c", b"x")] == [
+        PageState.GONE, PageState.LANDED, PageState.PENDING, PageState.PENDING]
+    assert pages.forget_source(b"link-d0") == 0
+    assert pages.forget_source(b"link-d1") == 2
+    assert len(pages) == 1 and pages.snapshot()["pending_keys_forgotten"] == 3

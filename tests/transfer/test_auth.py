@@ -17,13 +17,16 @@ from pdcache.server.metrics import ControlRejectCollector
 from pdcache.transfer import KVReceiver, KVSender, RoomState, TransferError
 from pdcache.transfer.control import control_auth
 from pdcache.transfer.messages import (
+    Abort,
     Ping,
     Pong,
     PrefillReport,
     Register,
     RegisterAck,
+    RoomRequest,
     decode,
     encode,
+    pack_pages,
 )
 from pdcache.utils.message_auth import DEFAULT_WINDOW_S, AuthError, MessageAuth
 from pdcache.utils.secret import derive_key
@@ -264,5 +267,75 @@ def test_a_decode_frame_for_one_prefill_is_dropped_by_another(
     finally:
         for sock in socks:
             sock.close(linger=0)
+        for sender in senders:
+            sender.close()
+
+
+def test_a_fast_prefill_restart_makes_decode_register_again() -> None:
+    """A prefill restarted on the same address (a new boot id) before decode noticed gets the
+    decode's frames sealed for its old boot. It opens them under the boot id decode names in
+    clear, counts them `stale_boot` (not `unauthenticated`) and answers a room request with
+    `Abort(unregistered)`: decode registers again and the next room transfers, well before
+    the peer would be declared dead."""
+    config = fast_config("zmq")
+    src, dst = make_pool(64, seed=3), make_pool(96, seed=None)
+    sender = KVSender(config, src, control_key=KEY).start()
+    receiver = KVReceiver(config, dst, control_key=KEY).start()
+    restarted = None
+    try:
+        port = int(sender.bootstrap_addr.rsplit(":", 1)[1])
+        pair = Pair.__new__(Pair)
+        pair.config, pair.src, pair.dst, pair.sender, pair.receiver = config, src, dst, sender, receiver
+        _transfer(pair, 1)
+        old_boot = sender.boot_id
+        sender.close()
+        restarted = KVSender(config, src, "127.0.0.1", port, control_key=KEY).start()
+        assert restarted.boot_id != old_boot
+        pair.sender = restarted
+        # decode's socket reconnected once its pings (still for the old boot) arrive; a frame
+        # sent before that can go down the dead connection, lost as on any restart
+        wait_until(lambda: restarted.stats()["rejected"].get("stale_boot", 0) >= 1,
+                   config.peer_dead_after_s / 2, "decode's pings at the restarted prefill")
+        started = time.monotonic()
+        receiver.request(2, restarted.bootstrap_addr, [6, 7], num_tokens=4)
+        with pytest.raises(TransferError) as failed:  # its request went to the old boot
+            receiver.wait(2, config.peer_dead_after_s)
+        assert failed.value.code == "unregistered"
+        dst.zero_()
+        _transfer(pair, 3)  # registered again: exact KV
+        assert time.monotonic() - started < config.peer_dead_after_s / 2
+        rejected = restarted.stats()["rejected"]
+        assert rejected.get("stale_boot", 0) >= 1 and "unauthenticated" not in rejected
+    finally:
+        receiver.close()
+        (restarted or sender).close()
+
+
+def test_a_stale_boot_frame_replayed_to_another_prefill_gains_nothing() -> None:
+    """A genuine RoomRequest for prefill A, replayed to prefill B with A's boot id named: B
+    counts it `stale_boot` and only answers `Abort(unregistered)` sealed for the link; no room
+    opens on B. A forged frame naming a boot id is `unauthenticated`, unanswered."""
+    config = fast_config("zmq")
+    senders = [KVSender(config, make_pool(16, seed=1), control_key=KEY).start() for _ in range(2)]
+    decode_side = control_auth(KEY, "decode")
+    sock = _dealer(senders[1].bootstrap_addr)
+    try:
+        boot_a = senders[0].boot_id
+        request = RoomRequest(5, pack_pages(np.array([1, 2])), 3)
+        sock.send_multipart([decode_side.seal(encode(request), context=LINK_ID + boot_a), boot_a])
+        assert sock.poll(3000)
+        reply = decode(control_auth(KEY, "decode").open_(sock.recv(), context=LINK_ID), 1 << 20)
+        assert isinstance(reply, Abort) and (reply.room, reply.code) == (5, "unregistered")
+        forged = control_auth(OTHER_KEY, "decode").seal(encode(request), context=LINK_ID + boot_a)
+        sock.send_multipart([forged, boot_a])
+        wait_until(
+            lambda: senders[1].stats()["rejected"] == {"stale_boot": 1, "unauthenticated": 1},
+            3.0,
+            f"rejections, got {senders[1].stats()['rejected']}",
+        )
+        assert not sock.poll(200)
+        assert senders[1].rooms.get(5) is None and senders[1].stats()["peers"] == 0
+    finally:
+        sock.close(linger=0)
         for sender in senders:
             sender.close()

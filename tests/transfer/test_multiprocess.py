@@ -35,7 +35,8 @@ def _digest(pool: torch.Tensor, pages) -> str:
 
 
 def _config(engine: str):
-    return fast_config(engine, max_batch_bytes=512 << 10, room_timeout_s=20.0)
+    return fast_config(engine, max_batch_bytes=512 << 10, room_timeout_s=20.0,
+                       lost_peer_hold_s=3.0)
 
 
 def _decode_main(engine: str, addr: str, conn) -> None:
@@ -145,10 +146,13 @@ def test_prefill_killed_mid_transfer_makes_wait_raise_within_the_deadline(engine
             receiver.wait(BIG_ROOM, 30.0)
         assert info.value.code == "peer_lost"
         assert time.monotonic() - start < receiver.config.peer_dead_after_s + 2.0
-        # the pages are kept for abort_ack_timeout_s: a stalled prefill could still write them
-        wait_until(lambda: len(released) == 1, receiver.config.abort_ack_timeout_s + 5.0,
+        # the pages stay fenced (a stalled prefill could still write them) until the prefill
+        # answers, re-registers with a new boot, closes the connection (a killed process's
+        # kernel does) or lost_peer_hold_s
+        wait_until(lambda: len(released) == 1, receiver.config.lost_peer_hold_s + 5.0,
                    "decode to release the room")
         assert released[0].state is RoomState.FAILED
+        assert receiver.stats()["lost_peer_closed"] == 1
         assert receiver.stats()["rooms"]["active"] == 0
     finally:
         _kill(proc)

@@ -73,8 +73,12 @@ def test_announcements_reach_a_registered_prefill_peer(secret: bytes | None) -> 
     got: dict[str, list] = {"pending": [], "settled": []}
 
     class Collect:
-        def pending(self, keys: list[bytes], ttl_s: float) -> None:
+        def pending(self, keys: list[bytes], ttl_s: float, source: bytes = b"") -> None:
             got["pending"].append((keys, ttl_s))
+            got.setdefault("sources", []).append(source)
+
+        def forget_source(self, source: bytes) -> int:
+            return 0
 
         def settled(self, keys: list[bytes], landed: list[bool]) -> None:
             got["settled"].append((keys, landed))
@@ -92,10 +96,41 @@ def test_announcements_reach_a_registered_prefill_peer(secret: bytes | None) -> 
         while len(got["settled"]) < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert got["pending"] == [(KEYS, 1.5)]
+        assert [len(source) for source in got["sources"]] == [16]  # the decode's link id
         assert got["settled"] == [(KEYS[:3], [True, False, True])]
         stats = receiver.stats()
         assert stats["pending_pages_announced"] == 5 and stats["settled_pages_announced"] == 3
         assert sender.stats()["rejected"] == {}
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_lost_decode_peer_s_pending_marks_are_dropped() -> None:
+    """A decode that announced writes and then went silent will never settle them: when the
+    prefill declares it lost, its pending marks go (no lookup waits out their TTL for it)."""
+    from pdcache.offload_manager.pending import PageState, PendingPages
+
+    marks = PendingPages()
+    config = TransferConfig(engine="zmq", bootstrap_timeout_s=5, room_timeout_s=5,
+                            heartbeat_interval_s=0.25, heartbeat_misses=4)
+    kv = torch.zeros(2, 2, 4, 4, 2, 8)
+    sender = KVSender(config, kv, on_pages=marks).start()
+    receiver = KVReceiver(config, kv).start()
+    try:
+        receiver.connect(sender.bootstrap_addr)
+        receiver.announce_pending(KEYS, 60.0)
+        deadline = time.monotonic() + 5
+        while marks.run(KEYS) < len(KEYS) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert marks.run(KEYS) == len(KEYS)
+        receiver.close()  # silent from now on
+        deadline = time.monotonic() + config.peer_dead_after_s + 5
+        while sender.stats()["peers_lost"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sender.stats()["peers_lost"] == 1
+        assert [marks.state(key) for key in KEYS] == [PageState.GONE] * len(KEYS)
+        assert marks.snapshot()["pending_keys_forgotten"] == len(KEYS)
     finally:
         receiver.close()
         sender.close()

@@ -25,12 +25,14 @@ from pdcache.transfer.messages import (
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
+    Done,
     Ping,
     Pong,
     PrefillReport,
     Register,
     RegisterAck,
     RoomRequest,
+    Started,
     decode,
     encode,
     pack_pages,
@@ -326,27 +328,100 @@ def test_unreachable_prefill_fails_rooms_after_missed_heartbeats(pair: Pair) -> 
         pair.receiver.connect(addr, timeout_s=0.3)
 
 
-@pytest.mark.parametrize("pair", ZMQ, indirect=True)
-def test_a_lost_prefill_s_room_keeps_its_pages_for_the_abort_ack_timeout(pair: Pair) -> None:
+class _SilentPrefill:
+    """A fake prefill bootstrap endpoint (unauthenticated): it registers decodes with a boot
+    id the test picks, says Started for a room, then answers nothing (a stopped process)."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def next_of(self, msg_type: type) -> tuple[bytes, object]:
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                identity, frame = self.sock.recv_multipart()
+                msg = decode(frame, 1 << 20)
+                if isinstance(msg, msg_type):
+                    return identity, msg
+        raise AssertionError(f"no {msg_type.__name__} from decode")
+
+    def register(self, boot: bytes) -> bytes:
+        identity, _ = self.next_of(Register)
+        self.sock.send_multipart([identity, encode(RegisterAck("fake-p0", "", boot))])
+        return identity
+
+    def send(self, identity: bytes, msg) -> None:
+        self.sock.send_multipart([identity, encode(msg)])
+
+
+@pytest.mark.parametrize("release", ["abort_ack", "late_done", "rebooted", "same_boot", "closed",
+                                     "hold_cap"])
+def test_a_lost_prefill_s_pages_stay_fenced_until_it_answers_reboots_or_the_cap(
+    release: str,
+) -> None:
     """Silent is not dead: a stalled prefill (SIGSTOP) resumes the write it was in, so decode
-    fails the room at once but releases its pages only abort_ack_timeout_s later. Releasing
-    them at once (the old behaviour) let `pdcache bench chaos` freeze-node corrupt another
-    request's answer: p1's request got d0's freed pages and p0's late write landed in them."""
-    nobody = zmq.Context.instance().socket(zmq.ROUTER)
-    port = nobody.bind_to_random_port("tcp://127.0.0.1")
-    nobody.close(linger=0)  # silent from decode's side, as a stopped process is
-    pair.receiver.request(650, f"tcp://127.0.0.1:{port}", [1, 2], num_tokens=5)
-    with pytest.raises(TransferError, match="lost") as info:
-        pair.receiver.wait(650, pair.config.peer_dead_after_s + 3.0)
-    failed_at = time.monotonic()
-    assert info.value.code == "peer_lost"
-    rooms = pair.receiver.stats()["rooms"]
-    assert pair.received == [] and rooms["busy"] == 1, rooms  # the pages are still held
-    wait_until(lambda: len(pair.received) == 1, pair.config.abort_ack_timeout_s + 3.0,
-               "the release after the abort-ack timeout")
-    assert time.monotonic() - failed_at >= pair.config.abort_ack_timeout_s - 0.5
-    assert pair.received[0].state is RoomState.FAILED and pair.received[0].code == "peer_lost"
-    assert pair.receiver.stats()["rooms"]["busy"] == 0
+    fails a lost peer's room at once but keeps its pages busy past abort_ack_timeout_s (the
+    old 10 s timer let `pdcache bench chaos` freeze-node corrupt another request's answer):
+    until that link's AbortAck, the address re-registering with another boot id (the old
+    process is gone; the same boot id is the same process: still fenced), the prefill closing
+    the connection (it exited; a stopped process keeps it), or lost_peer_hold_s. Exactly one release, and the room/busy accounting returns to zero."""
+    hold_s = 1.5 if release == "hold_cap" else 60.0
+    config = fast_config("zmq", heartbeat_misses=8, abort_ack_timeout_s=0.3,
+                         lost_peer_hold_s=hold_s)
+    released: list[Outcome] = []
+    receiver = KVReceiver(config, make_pool(DST_PAGES, seed=None),
+                          on_release=released.append).start()
+    fake = _SilentPrefill()
+    try:
+        receiver.request(650, fake.addr, [1, 2], num_tokens=5)
+        old_link = fake.register(b"boot-of-p0-one!!")
+        fake.next_of(RoomRequest)
+        fake.send(old_link, Started(650))
+        with pytest.raises(TransferError, match="lost") as info:
+            receiver.wait(650, config.peer_dead_after_s + 3.0)
+        failed_at = time.monotonic()
+        assert info.value.code == "peer_lost"
+        time.sleep(config.abort_ack_timeout_s + 0.7)  # past the abort-ack timer
+        rooms = receiver.stats()["rooms"]
+        assert released == [] and rooms["busy"] == 1 and rooms["active"] == 1, rooms
+        if release == "abort_ack":
+            fake.next_of(Abort)  # decode's best-effort abort, on the lost link
+            fake.send(old_link, AbortAck(650))
+        elif release == "late_done":  # the stalled prefill resumed and finished its write
+            fake.send(old_link, Done(650, 4096, REPORT))
+        elif release in ("rebooted", "same_boot"):
+            # decode registers again by itself (a probe, on a new link), no request needed
+            boot = b"boot-of-p0-two!!" if release == "rebooted" else b"boot-of-p0-one!!"
+            assert fake.register(boot) != old_link
+        elif release == "closed":
+            fake.sock.close(linger=0)  # what the kernel does to a killed process's sockets
+        if release == "same_boot":
+            time.sleep(1.0)  # the same process (it only stalled) might still write: no release
+            assert released == [] and receiver.stats()["rooms"]["busy"] == 1
+            return
+        wait_until(lambda: len(released) == 1, hold_s + 3.0, "the fenced pages' release")
+        assert released[0].room_id == 650 and released[0].code == "peer_lost"
+        with pytest.raises(TransferError):  # failed stays failed, even after a late Done
+            receiver.wait(650, 0.1)
+        stats = receiver.stats()
+        if release == "hold_cap":
+            assert time.monotonic() - failed_at >= hold_s - 0.3
+            assert stats["lost_peer_hold_timeouts"] == 1
+        assert stats["lost_peer_rebooted"] == (1 if release == "rebooted" else 0)
+        assert stats["lost_peer_closed"] == (1 if release == "closed" else 0)
+        assert stats["abort_ack_timeouts"] == 0
+        assert stats["rooms"]["busy"] == 0 and stats["rooms"]["active"] == 0
+        assert stats["rooms"]["released"] == stats["rooms"]["created"] == 1
+    finally:
+        receiver.close()
+        fake.sock.close(linger=0)
+
+
+def test_lost_peer_hold_is_validated() -> None:
+    with pytest.raises(ValueError, match="lost_peer_hold_s"):
+        fast_config("zmq", lost_peer_hold_s=0)
 
 
 @pytest.mark.parametrize("pair", ZMQ, indirect=True)
