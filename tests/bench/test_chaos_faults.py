@@ -701,8 +701,7 @@ def test_launched_1p1d_answers_exactly_through_every_storage_fault(
         payload += metric_sum(p0_metrics(), "pdcache_storage_rejected_pages_total", reason="mac")
         assert header > 0 and payload > 0, (header, payload)
         wait_metric("pdcache_storage_replaced_pages_total", 0)  # the next write replaced them
-        time.sleep(0.5)  # let the write-through finish before dropping the tiers
-        flush_p0()
+        flush_p0()  # waits for the write-through still in flight (tier I/O) before dropping
         meta_info = ask(prompts[0])
         assert meta_info["cached_tokens_details"]["storage"] > 0, meta_info  # genuine again
         slow = faults["storage-slow"]

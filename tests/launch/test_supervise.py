@@ -323,7 +323,8 @@ def test_local_1p1d_serves_two_turns_reusing_decode_pages_then_stops_clean(launc
     url = f"http://127.0.0.1:{router}/generate"
     first = httpx.post(url, json={"input_ids": prompt, "sampling_params": params}, timeout=120).json()
     answer = first["output_ids"]
-    time.sleep(1.0)  # decode offload is asynchronous
+    # No pause: decode writes the answer asynchronously, and pending_wait (on in this config)
+    # makes the next turn wait for the pages still being written (design §4.10).
     second_ids = prompt + answer + [5, 6, 7, 8]
     second = httpx.post(url, json={"input_ids": second_ids, "sampling_params": params}, timeout=120).json()
     meta_info = second["meta_info"]
