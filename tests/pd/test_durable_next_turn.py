@@ -10,7 +10,9 @@ the raced counter shows it."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
+import httpx
 import pytest
 
 from pdcache.config import NodeSetup, OffloadSettings
@@ -86,14 +88,29 @@ def session(stack: PDStack, index: int, answers: list[int]) -> list[tuple[list[i
     return turns
 
 
+BASELINE_TOKENS = 32
+
+
+def measured_timeout_s(stack: PDStack, sessions: int, answers: list[int]) -> float:
+    """Per-request HTTP timeout scaled from how fast this machine is right now: one short
+    answer timed alone, times the decode steps and concurrency of the longest turn, with 4×
+    room (load slows every request alike); never under the harness's 120 s."""
+    start = time.monotonic()
+    stack.generate(list(range(1, 41)), BASELINE_TOKENS, salt="baseline")
+    per_token_s = (time.monotonic() - start) / BASELINE_TOKENS
+    return max(120.0, 4 * per_token_s * max(answers) * sessions)
+
+
 def run(tmp_path, tiny, pending_wait: bool, answers: list[int], sessions: int = SESSIONS,
         metadata: str = ""):
     prefill, decode = setups(tmp_path, tiny[0], pending_wait, metadata)
     stack = start_stack(prefill, decode)
     try:
+        timeout_s = measured_timeout_s(stack, sessions, answers)
+        stack.client.timeout = httpx.Timeout(timeout_s)
         with concurrent.futures.ThreadPoolExecutor(sessions) as pool:
             futures = [pool.submit(session, stack, i, answers) for i in range(sessions)]
-            sessions = [f.result(timeout=300) for f in futures]
+            sessions = [f.result(timeout=timeout_s * len(answers) + 60) for f in futures]
         metrics = stack.client.get(f"{stack.prefill.url}/metrics").text
         assert_stack_idle(stack)
         return sessions, metrics, stack.decode_server.receiver.stats()
