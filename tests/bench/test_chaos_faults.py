@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -39,6 +40,10 @@ from pdcache.config import load_topology
 from pdcache.offload_manager.storage import create_backend
 from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.config import StorageConfig
+
+if TYPE_CHECKING:  # imported lazily by the launched tests (they start real stacks)
+    from tests.launch.test_supervise import Run
+    from tests.pd_harness import UnifiedReference
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "local-1p1d.toml"
@@ -557,19 +562,29 @@ def test_launched_1p1d_in_the_net_lab_serves_over_the_pair_path_and_survives_a_p
         assert healed is not None and healed.status_code == 200, healed.text
         assert healed.json()["output_ids"] == reference(other, 8)
     except Exception:
-        print(run.output()[-4000:])
-        for name in ("p0", "d0"):
-            log = run.log_dir / f"{name}.log"
-            if log.exists():
-                print(f"---- {name} ----\n" + "\n".join(log.read_text().splitlines()[-30:]))
+        _print_logs(run, 30)
         raise
     finally:
-        run.proc.send_signal(signal.SIGTERM)
-        try:
-            run.proc.wait(timeout=60)
-        finally:
-            run.kill_all()
-            reference.close()
+        _stop(run, reference)
+
+
+def _print_logs(run: Run, lines: int) -> None:
+    """What a failed launched test shows: the launcher's output and each node's last lines."""
+    print(run.output()[-4000:])
+    for name in ("p0", "d0"):
+        log = run.log_dir / f"{name}.log"
+        if log.exists():
+            print(f"---- {name} ----\n" + "\n".join(log.read_text().splitlines()[-lines:]))
+
+
+def _stop(run: Run, reference: UnifiedReference) -> None:
+    """Stop the launcher (SIGTERM, then whatever is left) and the reference engine."""
+    run.proc.send_signal(signal.SIGTERM)
+    try:
+        run.proc.wait(timeout=60)
+    finally:
+        run.kill_all()
+        reference.close()
 
 
 # --------------------------------------------------------------------------- a launched stack
@@ -719,24 +734,15 @@ def test_launched_1p1d_answers_exactly_through_every_storage_fault(
             f"payload={payload:.0f}"
         )
     except Exception:
-        print(run.output()[-4000:])
         print(
             "\n".join(
                 line for line in p0_metrics().splitlines() if "storage" in line or "backup" in line
             )
         )
-        for name in ("p0", "d0"):
-            log = run.log_dir / f"{name}.log"
-            if log.exists():
-                print(f"---- {name} ----\n" + "\n".join(log.read_text().splitlines()[-40:]))
+        _print_logs(run, 40)
         raise
     finally:
-        run.proc.send_signal(signal.SIGTERM)
-        try:
-            run.proc.wait(timeout=60)
-        finally:
-            run.kill_all()
-            reference.close()
+        _stop(run, reference)
 
 
 @pytest.mark.parametrize("config", ["local-mooncake-store.toml", "local-2p2d.toml"])

@@ -10,7 +10,6 @@ served the genuine ones (the tier re-warms instead of missing that prefix foreve
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -49,18 +48,6 @@ def tiny():
 @pytest.fixture(scope="module")
 def expected(tiny) -> list[int]:
     return reference_tokens(tiny, PROMPT)
-
-
-@pytest.fixture(scope="module")
-def mooncake_master() -> Iterator[str]:
-    pytest.importorskip("mooncake.store")
-    from pdcache.offload_manager.storage.mooncake_store import LocalMooncakeMaster
-
-    master = LocalMooncakeMaster().start()
-    try:
-        yield master.address
-    finally:
-        master.stop()
 
 
 def _storage(tiny, backend: str, tmp_path, request: pytest.FixtureRequest) -> StorageConfig:

@@ -36,18 +36,6 @@ KINDS = ["hf3fs", "hf3fs_service", "file", "mooncake"]
 
 
 @pytest.fixture(scope="session")
-def mooncake_master() -> Iterator[str]:
-    pytest.importorskip("mooncake.store")
-    from pdcache.offload_manager.storage.mooncake_store import LocalMooncakeMaster
-
-    master = LocalMooncakeMaster().start()
-    try:
-        yield master.address
-    finally:
-        master.stop()
-
-
-@pytest.fixture(scope="session")
 def metadata_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     service = LocalMetadataService(tmp_path_factory.mktemp("metadata-state")).start()
     try:

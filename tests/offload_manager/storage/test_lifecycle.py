@@ -148,18 +148,6 @@ def test_slot_index_evicts_by_lifecycle_with_exact_accounting() -> None:
 KINDS = ["file", "hf3fs", "hf3fs_service", "mooncake"]
 
 
-@pytest.fixture(scope="module")
-def mooncake_master() -> Iterator[str]:
-    pytest.importorskip("mooncake.store")
-    from pdcache.offload_manager.storage.mooncake_store import LocalMooncakeMaster
-
-    master = LocalMooncakeMaster().start()
-    try:
-        yield master.address
-    finally:
-        master.stop()
-
-
 @pytest.fixture(params=KINDS)
 def kind(request: pytest.FixtureRequest) -> str:
     return request.param
