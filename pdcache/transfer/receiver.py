@@ -565,13 +565,15 @@ class KVReceiver:
             current = self.rooms.get(room)
             if current is None:
                 continue  # released meanwhile
-            fence = current.busy or (current.data.request_sent and reached)
+            fence = reached and (current.busy or current.data.request_sent)
             if fence:
                 current.data.held_for = peer.link_id
                 fenced = True
             if not current.state.terminal:
                 current.data.failed_at = time.monotonic()
                 self._finish(room, RoomState.FAILED, reason, busy=fence, code="peer_lost")
+            elif current.busy and not fence:
+                self.rooms.set_idle(room)  # aborted, but no write can have started
         if self._peers.get(peer.addr) is peer:
             del self._peers[peer.addr]
         peer.ready.set()
