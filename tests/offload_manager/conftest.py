@@ -6,6 +6,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from pdcache.engine.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny preset's model and tokenizer (random weights, seed 0), loaded once per module."""
+    return load_model("tiny", seed=0)
+
 
 @pytest.fixture(scope="module")
 def mooncake_master() -> Iterator[str]:

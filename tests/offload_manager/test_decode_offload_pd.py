@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from pdcache.engine.loader import load_model
 from pdcache.engine.page_keys import chain_page_keys, make_salt
 from pdcache.offload_manager.storage import create_backend
 from tests.pd_harness import (
@@ -38,11 +37,6 @@ def mooncake_env():
     mp.setenv("MC_LOG_LEVEL", "ERROR")
     yield
     mp.undo()
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny", seed=0)
 
 
 @pytest.fixture(scope="module")

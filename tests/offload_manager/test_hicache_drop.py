@@ -6,13 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdcache.engine.api import GenerateRequest, SamplingParams
-from pdcache.engine.loader import load_model
 from tests.hicache_support import PROMPT, PROMPT_PAGES, generate, storage_config, tiered
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny", seed=0)
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])

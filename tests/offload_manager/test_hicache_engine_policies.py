@@ -16,7 +16,6 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from pdcache.engine.loader import load_model
 from pdcache.offload_manager.hicache import LayerLoad
 from tests.hicache_support import (
     PROMPT,
@@ -28,11 +27,6 @@ from tests.hicache_support import (
 )
 
 Event = tuple[str, int]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from pdcache.engine.loader import load_model
 from pdcache.offload_manager.storage.metadata_service import LocalMetadataService
 from tests.hicache_support import (
     OTHER,
@@ -34,11 +33,6 @@ from tests.hicache_support import (
 pytestmark = pytest.mark.slow
 
 THIRD = [(13 * i + 1) % 250 for i in range(41)]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,6 @@ import pytest
 import torch
 
 from pdcache.engine.api import GenerateRequest
-from pdcache.engine.loader import load_model
 from pdcache.offload_manager.hicache import LayerLoad
 from pdcache.offload_manager.hicache_scheduler import HiCacheScheduler
 from pdcache.offload_manager.storage import BACKENDS
@@ -104,11 +103,6 @@ class _Gate:
             self._stop(backend.gate, backend.held)
         elif layer == 0 and backend.hold == "both":
             self._stop(backend.layer0_gate, backend.layer0_held)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny", seed=0)
 
 
 @pytest.fixture(scope="module")

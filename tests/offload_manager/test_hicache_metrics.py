@@ -4,10 +4,8 @@ pages by state, host evictions, I/O queue depths, storage pages and corrupt page
 
 from __future__ import annotations
 
-import pytest
 from fastapi.testclient import TestClient
 
-from pdcache.engine.loader import load_model
 from pdcache.server.app import ServerConfig, create_app
 from tests.hicache_support import (
     OTHER,
@@ -27,11 +25,6 @@ SERVER = "u0"
 NEW_TOKENS = 4
 # the prompt and the answer's KV (all but the last token) go into the tree: 44 tokens
 FINISHED_PAGES = (len(PROMPT) + NEW_TOKENS - 1) // 4
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny", seed=0)
 
 
 def value(samples: dict, name: str, **labels: str) -> float:

@@ -13,7 +13,6 @@ import pytest
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-from pdcache.engine.loader import load_model  # noqa: E402
 from tests.hicache_support import (  # noqa: E402
     OTHER,
     PROMPT,
@@ -34,11 +33,6 @@ pytestmark = pytest.mark.slow
 
 THIRD = [(13 * i + 1) % 250 for i in range(41)]
 MB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny", seed=0)
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import torch
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-from pdcache.engine.loader import load_model  # noqa: E402
 from pdcache.offload_manager.storage import create_backend  # noqa: E402
 from pdcache.offload_manager.storage.config import StorageConfig  # noqa: E402
 from pdcache.utils.secret import derive_key  # noqa: E402
@@ -38,11 +37,6 @@ from tests.hicache_support import (  # noqa: E402
 
 NEW_TOKENS = 8
 MAC_KEY = derive_key(b"a cluster secret of this test", "page-mac")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny", seed=0)
 
 
 @pytest.fixture(scope="module")

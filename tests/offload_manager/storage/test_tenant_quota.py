@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 
-from pdcache.engine.loader import load_model
 from pdcache.engine.page_keys import chain_page_keys, make_salt
 from pdcache.offload_manager.storage import create_backend
 from pdcache.offload_manager.storage.config import StorageConfig, tenant_namespace
@@ -59,11 +58,6 @@ def test_a_tenant_over_quota_evicts_only_its_own_pages(tmp_path, quota: bool) ->
         assert set(a_keys) <= stored and backend.stats()["quota_evictions"] == 0
     assert backend.stats()["evictions"] == 0  # the global capacity was never the reason
     backend.close()
-
-
-@pytest.fixture(scope="module")
-def tiny() -> Any:
-    return load_model("tiny", seed=0)
 
 
 @pytest.mark.parametrize("quota", [True, False], ids=["quota", "protection-off"])
