@@ -56,6 +56,7 @@ NODE_FLAG_KEYS = {
     "no_prefix_cache": "cache.prefix_cache",
     "no_pending_wait": "cache.pending_wait",
     "pending_max_ttl": "cache.pending_max_ttl_s",
+    "pending_pull": "cache.pending_pull",
     "offload_pending_ttl": "offload_pending_ttl_s",
     "incremental_streaming_output": "incremental_streaming_output",
 }
@@ -275,6 +276,10 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--pending-max-ttl", type=float, default=None,
                             help="seconds a decode's pending-page mark lives here at most, "
                                  "whatever TTL it announced (default 30)")
+        parser.add_argument("--pending-pull", choices=("auto", "never", "always"), default=None,
+                            help="pull pending pages from decode's host staging: when faster "
+                                 "than waiting by measured costs (auto, the default), never, "
+                                 "or always")
 
 
 def _add_transfer_flags(parser: argparse.ArgumentParser, role: str) -> None:

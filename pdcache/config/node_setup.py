@@ -147,6 +147,7 @@ def tiers_for(node: NodeSpec, model: ModelConfig, storage: StorageConfig | None)
         key_scheme=cache.key_scheme, key_namespace=cache.key_namespace,
         host_mode=cache.host_mode, host_eviction=cache.host_eviction,
         pending_wait=cache.pending_wait, pending_max_ttl_s=cache.pending_max_ttl_s,
+        pending_pull=cache.pending_pull,
     )
     return TierConfig(host_pages, hicache, storage)
 

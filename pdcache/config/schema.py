@@ -114,6 +114,10 @@ class CacheSpec:
     # prefill: a decode's pending mark lives at most this long here, whatever TTL it announced
     # (bounds the wait under `wait_complete`, which has no deadline of its own)
     pending_max_ttl_s: float = 30.0
+    # prefill: pull pending pages from the announcing decode's host staging when that beats
+    # waiting for the write by measured costs ("auto"), never ("never": wait), or whenever the
+    # decode offers it ("always", for tests) (docs/design.md §4.10)
+    pending_pull: Literal["auto", "never", "always"] = "auto"
     # layer-streamed prefetch (docs/design.md §4.11): read stored pages layer-major and start
     # the forward while later layers are still being read; off by default (measured slower on
     # a 2-core CPU, where the reads take the forward's core); `prefetch_layers_per_read` layers

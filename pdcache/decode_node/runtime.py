@@ -55,8 +55,9 @@ class DecodeRuntime:
                                    on_release=self.controller.on_release, decode_id=setup.name,
                                    control_key=setup.security.zmq_control_key)
         self.controller.attach(self.engine, self.receiver)
-        if self.offload is not None:  # prefill peers hear of the writes (§4.10)
+        if self.offload is not None:  # prefill peers hear of the writes, may pull (§4.10)
             self.offload.announce_to(self.receiver)
+            self.receiver.serve_pulls(self.offload)
         self.routes = routes_for(self.engine, self.config)
         self.routes.bridge.metrics.registry.register(  # dropped control messages, by kind
             ControlRejectCollector(self.receiver.stats, setup.name))

@@ -23,7 +23,15 @@ Announcements (the durable next turn, docs/design.md §4.10): with an `announcer
 `KVReceiver`), the keys of every scheduled batch are announced as pending when they are
 scheduled (decode loop, before the request's final output leaves the engine), and settled
 when their fate is known (copy thread or writer: already stored, written, or dropped/failed),
-so the next turn's prefill can wait for them instead of recomputing.
+so the next turn's prefill can wait for them instead of recomputing. Each pending mark carries
+the expected time until the batch lands (`write_eta_s`: the writes queued ahead of it and
+itself, times the mean measured write latency; 0 before the first write is measured).
+
+Pulls (docs/design.md §4.10): from the end of a batch's device → staging copy until its write
+ends, `staged_objects(keys)` serves its pages as stored page objects (`page_format`, sealed
+with the store's page MAC key), for `KVReceiver.serve_pulls`. A page being sent is pinned: the
+write's end does not free it until the sender unpinned it (`_staged`, `_pins`,
+`_free_unpinned`, all under `self._lock`).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
 from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.config import storage_session, tenant_namespace
+from pdcache.offload_manager.storage.page_format import encode_object, payload_views
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +61,7 @@ class PageAnnouncer(Protocol):
     """Who hears about the keys offload writes (`KVReceiver`: every registered prefill peer).
     Called from the decode loop, the copy thread and the writer: thread-safe, non-blocking."""
 
-    def announce_pending(self, keys: list[bytes], ttl_s: float) -> None: ...
+    def announce_pending(self, keys: list[bytes], ttl_s: float, eta_s: float = 0.0) -> None: ...
 
     def announce_settled(self, keys: list[bytes], landed: list[bool]) -> None: ...
 
@@ -132,6 +141,13 @@ class DecodeOffloadManager:
         self._thread: threading.Thread | None = None
         self.pending_ttl_s = pending_ttl_s  # how long an announced write may take
         self._announcer: PageAnnouncer | None = None
+        # staged pages servable to a pull (under self._lock): key -> staging page, from the
+        # end of its copy to the end of its write; pins of pages being sent, and the pages
+        # whose write ended while pinned (freed by the last unpin)
+        self._staged: dict[bytes, int] = {}
+        self._pins: dict[int, int] = {}
+        self._free_unpinned: set[int] = set()
+        self.pull_pages_served = 0
 
     def announce_to(self, announcer: PageAnnouncer | None) -> None:
         """Announce scheduled and settled keys to `announcer` (set before `start()`)."""
@@ -212,6 +228,7 @@ class DecodeOffloadManager:
             stats = dict(vars(self.stats))
             stats.update(pending_copies=self._pending_copies,
                          pending_writes=self._pending_writes, queued_pages=self._queued_pages)
+            stats["pull_pages_served"] = self.pull_pages_served
         stats["staging_pages_total"] = self.staging.capacity
         stats["staging_pages_used"] = self.staging.capacity - self.staging.num_free
         return stats
@@ -241,8 +258,70 @@ class DecodeOffloadManager:
         task = _CopyTask(rid, keys, list(device_page_ids[first:full_pages]), on_released,
                          tenant_namespace(tracked.tenant), tracked.session)
         if keys and self._announcer is not None:
-            self._announcer.announce_pending(keys, self.pending_ttl_s)
+            self._announcer.announce_pending(keys, self.pending_ttl_s, self.write_eta_s())
         self._enqueue(task)
+
+    def write_eta_s(self) -> float:
+        """How long a batch scheduled now is expected to take to land: the copies and writes
+        ahead of it and itself, one writer, at the mean measured write latency (0: no write
+        measured yet)."""
+        with self._lock:
+            if not self.stats.writes:
+                return 0.0
+            mean_s = self.stats.write_seconds_total / self.stats.writes
+            return (self._pending_copies + self._pending_writes + 1) * mean_s
+
+    # ---- pulls (transfer control plane, docs/design.md §4.10) ----------------------------
+    @property
+    def object_bytes(self) -> int:
+        return self.storage.spec.object_bytes
+
+    def staged_objects(self, keys: list[bytes]) -> list[bytes | None]:
+        """The stored page object of each key still in staging (its write has not ended), or
+        None; any thread. The pages are pinned while they are encoded (the copy)."""
+        with self._lock:
+            ids = [self._staged.get(key) for key in keys]
+            for page in ids:
+                if page is not None:
+                    self._pins[page] = self._pins.get(page, 0) + 1
+        try:
+            spec = self.storage.spec
+            pages = self.staging.page_bytes([p for p in ids if p is not None])
+            objects: list[bytes | None] = []
+            it = iter(pages)
+            for key, page in zip(keys, ids):
+                objects.append(None if page is None else
+                               encode_object(spec, key, "decode", payload_views(next(it))))
+        finally:
+            self._unpin([p for p in ids if p is not None])
+        with self._lock:
+            self.pull_pages_served += sum(obj is not None for obj in objects)
+        return objects
+
+    def _unpin(self, pages: list[int]) -> None:
+        free = []
+        with self._lock:
+            for page in pages:
+                left = self._pins[page] - 1
+                if left:
+                    self._pins[page] = left
+                    continue
+                del self._pins[page]
+                if page in self._free_unpinned:
+                    self._free_unpinned.discard(page)
+                    free.append(page)
+        if free:
+            self.staging.free(free)
+
+    def _unstage(self, keys: list[bytes], staging_ids: list[int]) -> None:
+        """The write of these pages ended: no more pulls of them; free those not being sent."""
+        with self._lock:
+            for key in keys:
+                self._staged.pop(key, None)
+            free = [p for p in staging_ids if p not in self._pins]
+            self._free_unpinned.update(p for p in staging_ids if p in self._pins)
+        if free:
+            self.staging.free(free)
 
     def _enqueue(self, task: _CopyTask) -> None:
         """Queue a copy; beyond `max_queued_pages` the pages are dropped (counted) but a release
@@ -321,9 +400,12 @@ class DecodeOffloadManager:
         with self._lock:
             self._pending_writes += 1
 
+        with self._lock:
+            self._staged.update(zip(keys, staging_ids))  # copied: a pull may take them
+
         def done(result: IoResult) -> None:
             self._settle(keys, result.ok)
-            self.staging.free(staging_ids)
+            self._unstage(keys, staging_ids)
             with self._lock:
                 self._pending_writes -= 1
                 ok = sum(result.ok)
@@ -338,7 +420,7 @@ class DecodeOffloadManager:
         assert self.writer is not None, "start() the manager first"
         if not self.writer.submit(task):
             self._settle(keys, False)
-            self.staging.free(staging_ids)
+            self._unstage(keys, staging_ids)
             with self._lock:
                 self._pending_writes -= 1
                 self.stats.pages_dropped += len(keys)

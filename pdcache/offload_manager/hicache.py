@@ -20,6 +20,10 @@ Pages a decode node announced as being written (`PendingPages`, docs/design.md �
 a lookup past storage's committed prefix: with `pending_wait` the request waits for them
 under its prefetch policy (read as each lands; never past the deadline or the mark's TTL)
 instead of recomputing them; without it they are only counted (`pending_raced_pages`).
+When decode offers it and `pending_pull` allows (`page_pull.PagePulls.should_pull`: decode's
+expected remaining write time against the awaited bytes at the measured pull rate), the
+awaited pages are pulled from decode's host staging instead: verified like storage reads, they
+fill the prefetch's host pages; a failed, rejected or late pull falls back to the wait.
 
 Layer-streamed prefetch (`layerwise_prefetch`, off by default; backends with `read_layers`:
 file, hf3fs posix): the prefetch reads its pages layer-major (every page's header, then layer 0
@@ -58,6 +62,7 @@ from pdcache.kernels import KernelSet
 from pdcache.offload_manager.hiradix import HiRadixTree, HostMatch
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
+from pdcache.offload_manager.page_pull import PULL_MODES, PullTicket
 from pdcache.offload_manager.pending import PageState, PendingPages
 from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.config import storage_session, tenant_namespace
@@ -97,6 +102,9 @@ class HiCacheConfig:
     # than recompute them (docs/design.md §4.10); False: count them as raced and recompute
     pending_wait: bool = True
     pending_max_ttl_s: float = 30.0  # cap on a decode's pending-mark TTL (PendingPages)
+    # pull awaited pages from decode's host staging: "auto" (when faster than the wait, by
+    # measured costs), "never" (wait), "always" (whenever decode offers it; tests)
+    pending_pull: str = "auto"
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
@@ -107,6 +115,8 @@ class HiCacheConfig:
             raise ValueError(f"host_mode must be one of {HOST_MODES}")
         if self.prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch_policy must be one of {PREFETCH_POLICIES}")
+        if self.pending_pull not in PULL_MODES:
+            raise ValueError(f"pending_pull must be one of {PULL_MODES}")
         check_key_scheme(self.key_scheme)
 
     def prefetch_timeout_s(self, num_tokens: int) -> float:
@@ -137,6 +147,7 @@ class HiCacheStats:
     # a decode node had announced as being written, at lookup time
     pending_found_pages: int = 0
     pending_waited_pages: int = 0  # of those, read from storage after waiting for them
+    pending_pulled_pages: int = 0  # of those, pulled from decode's host staging
     pending_raced_pages: int = 0  # of those, not read by admission: recomputed
     pending_wait_us: int = 0  # lookup → admission of requests that met pending pages
     pending_wait_requests: int = 0  # requests that met pending pages (waited or not)
@@ -175,6 +186,8 @@ class PrefetchOp:
     awaited: int = 0
     submitted: int = -1  # -1: every page
     stream: LayerStream | None = None  # a layer-streamed read (then `batches` is empty)
+    pull: PullTicket | None = None  # pulling pages `submitted ..` from decode's staging
+    pulled: int = 0  # pages taken from pulls
 
     def __post_init__(self) -> None:
         if self.submitted < 0:
@@ -428,8 +441,56 @@ class HiCache:
         op = self._submit_reads(rid, first_page, keys[:total], host_ids, len(token_ids),
                                 submit=hits)
         op.awaited_first, op.awaited = hits, awaited
+        if awaited:
+            self._maybe_pull(op)
         self._prefetches[rid] = op
         return total
+
+    def _maybe_pull(self, op: PrefetchOp) -> None:
+        """Pull the awaited pages from the decode that announced them, when `pending_pull`
+        and the measured costs say it beats waiting for the write (docs/design.md §4.10)."""
+        pulls = self.pending.pulls if self.pending is not None else None
+        spec = getattr(self.storage, "spec", None)
+        if pulls is None or not pulls.enabled or spec is None:
+            return
+        first = op.submitted
+        keys = op.keys[first : op.awaited_first + op.awaited]
+        assert self.pending is not None
+        source, count, lands_by = self.pending.pull_run(keys)
+        if not count:
+            return
+        now = time.monotonic()
+        nbytes = count * spec.object_bytes
+        remaining = lands_by - now if lands_by else 0.0
+        if not pulls.should_pull(nbytes, remaining):
+            return
+        # a pull that has not ended in 4x its estimate is not coming: wait as without it
+        timeout = min(max(0.25, 4 * pulls.estimate_s(nbytes)), max(0.0, op.deadline - now))
+        pages = self.host_pool.page_bytes(op.host_page_ids[first : first + count])
+        op.pull = pulls.start(source, keys[:count], pages, spec, timeout)
+
+    def _pull_settled(self, op: PrefetchOp) -> bool:
+        """Engine thread: whether `op` has no pull in flight now. A pull that ended (or timed
+        out) is closed; its verified prefix becomes a finished batch, the rest is waited for."""
+        ticket = op.pull
+        if ticket is None:
+            return True
+        if not ticket.finished and time.monotonic() < ticket.deadline:
+            return False
+        self._end_pull(op)
+        return True
+
+    def _end_pull(self, op: PrefetchOp) -> None:
+        ticket = op.pull
+        assert ticket is not None and self.pending is not None and self.pending.pulls is not None
+        self.pending.pulls.finish(ticket)  # closed: no answer writes into the pages now
+        op.pull = None
+        got = ticket.ok_prefix()
+        if got:
+            op.batches.append(_Batch(op.submitted, got, _done_event(), [True] * got,
+                                     ["decode"] * got))
+            op.submitted += got
+            op.pulled += got
 
     def _pending_after(self, keys: list[bytes], hits: int) -> int:
         """Pages right after storage's `hits` that a decode node announced as being written:
@@ -465,8 +526,10 @@ class HiCache:
         self._stop_waiting(op)
         pages, origins = op.ready_prefix()
         if op.awaited:
-            waited = max(0, min(pages - op.awaited_first, op.awaited))
-            self._count(pending_waited_pages=waited, pending_raced_pages=op.awaited - waited,
+            taken = max(0, min(pages - op.awaited_first, op.awaited))
+            pulled = min(op.pulled, taken)
+            self._count(pending_waited_pages=taken - pulled, pending_pulled_pages=pulled,
+                        pending_raced_pages=op.awaited - taken,
                         pending_wait_us=int((time.monotonic() - op.started) * 1e6),
                         pending_wait_requests=1)
         if pages < len(op.host_page_ids):
@@ -798,6 +861,8 @@ class HiCache:
         page that will not come (failed, dropped, mark expired) ends the wait, after one
         storage lookup for the ones that landed unannounced."""
         assert self.pending is not None
+        if not self._pull_settled(op):
+            return  # the pull fills these pages: no storage read into them meanwhile
         end = op.submitted
         while end < len(op.keys):
             state = self.pending.state(op.keys[end])
@@ -823,6 +888,8 @@ class HiCache:
     def _stop_waiting(self, op: PrefetchOp) -> None:
         """Give up on the pages of `op` not submitted yet: a finished, failed batch, so that
         the op is complete and its host pages are freed with the rest."""
+        if op.pull is not None:
+            self._end_pull(op)  # what it verified so far is kept
         missing = len(op.keys) - op.submitted
         if missing <= 0:
             return
@@ -880,3 +947,9 @@ class HiCache:
         with self._stats_lock:
             for name, delta in deltas.items():
                 setattr(self.stats, name, getattr(self.stats, name) + delta)
+
+
+def _done_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event

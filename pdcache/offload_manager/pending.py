@@ -14,7 +14,10 @@ TTL is the announcing peer's, clamped to this node's `max_ttl_s` (`[cache] pendi
 so a peer cannot make prefill wait longer than prefill allows. Each mark remembers its
 `source` (the announcing decode link); `forget_source` drops that peer's still-pending marks
 when the prefill loses it. At most `max_keys` entries are kept (the oldest go first).
-Thread-safe: one lock, O(1) per key.
+A mark may also say when decode expects the write to land (`eta_s`, measured on decode) and
+that decode serves a pull of the still-staged page (`pullable`): `pull_run` gives HiCache what
+it needs to decide whether to pull (`page_pull.PagePulls`, which `pulls` holds and `pulled`
+feeds). Thread-safe: one lock, O(1) per key.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdcache.offload_manager.page_pull import PagePulls
 
 
 class PageState(Enum):
@@ -39,6 +46,8 @@ class _Entry:
     ttl_s: float
     source: bytes = b""
     landed: bool = False
+    lands_by: float = 0.0  # when decode expects the write to land (this clock; 0: unknown)
+    pullable: bool = False  # decode serves a pull of this page while it is staged
 
 
 DEFAULT_MAX_TTL_S = 30.0  # `[cache] pending_max_ttl_s`: the prefetch policy's default cap
@@ -49,7 +58,10 @@ class PendingPages:
 
     def __init__(self, max_keys: int = 1 << 18,
                  clock: Callable[[], float] = time.monotonic,
-                 max_ttl_s: float = DEFAULT_MAX_TTL_S) -> None:
+                 max_ttl_s: float = DEFAULT_MAX_TTL_S,
+                 pulls: PagePulls | None = None) -> None:
+        """`pulls`: the node's pulls of staged pages (answers reach it through `pulled`);
+        None: this node never pulls."""
         if not max_ttl_s > 0:
             raise ValueError(f"max_ttl_s must be > 0, got {max_ttl_s}")
         self.max_keys = max_keys
@@ -62,11 +74,15 @@ class PendingPages:
         self.landed = 0  # keys settled as committed
         self.failed = 0  # keys settled as not coming
         self.forgotten = 0  # pending keys dropped because their decode peer was lost
+        self.pulls = pulls
 
     # ---- fed by the transfer control thread ------------------------------------------------
-    def pending(self, keys: Sequence[bytes], ttl_s: float, source: bytes = b"") -> None:
+    def pending(self, keys: Sequence[bytes], ttl_s: float, source: bytes = b"",
+                eta_s: float = 0.0, pullable: bool = False) -> None:
         ttl_s = min(ttl_s, self.max_ttl_s)  # the peer's TTL, never past this node's cap
-        expires = self._clock() + ttl_s
+        now = self._clock()
+        expires = now + ttl_s
+        lands_by = now + min(eta_s, ttl_s) if eta_s > 0 else 0.0
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
@@ -74,12 +90,41 @@ class PendingPages:
                     continue  # already in storage: a late duplicate mark changes nothing
                 if entry is not None:
                     self._unlink(key, entry)
-                self._entries[key] = _Entry(expires, ttl_s, source)
+                self._entries[key] = _Entry(expires, ttl_s, source, False, lands_by, pullable)
                 self._entries.move_to_end(key)
                 self._by_source.setdefault(source, set()).add(key)
             self.marked += len(keys)
             while len(self._entries) > self.max_keys:
                 self._unlink(*self._entries.popitem(last=False))
+
+    def pulled(self, source: bytes, pull_id: int, keys: list[bytes], found: list[bool],
+               object_bytes: int, objects: bytes) -> None:
+        """A decode's answer to a pull (transfer control thread): to `pulls`, if any."""
+        if self.pulls is not None:
+            self.pulls.pulled(source, pull_id, keys, found, object_bytes, objects)
+
+    def pull_run(self, keys: Sequence[bytes]) -> tuple[bytes, int, float]:
+        """(source, count, lands_by) of the pullable run at the head of `keys`: the first
+        `count` keys are still PENDING, announced by one decode `source` that serves pulls;
+        `lands_by` is the latest time decode expects their writes to land (0: unknown for one
+        of them). count 0: nothing to pull."""
+        now = self._clock()
+        source, count, lands_by = b"", 0, 0.0
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or entry.landed or entry.expires <= now or not entry.pullable:
+                    break
+                if count and entry.source != source:
+                    break
+                if not count:
+                    source, lands_by = entry.source, entry.lands_by
+                elif lands_by and entry.lands_by:
+                    lands_by = max(lands_by, entry.lands_by)
+                else:
+                    lands_by = 0.0
+                count += 1
+        return source, count, lands_by
 
     def forget_source(self, source: bytes) -> int:
         """Drop the still-pending marks `source` announced (the prefill lost that decode peer:
@@ -142,9 +187,12 @@ class PendingPages:
         with self._lock:
             return len(self._entries)
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, float]:
         with self._lock:
-            return {"pending_keys_tracked": len(self._entries),
-                    "pending_keys_marked": self.marked, "pending_keys_landed": self.landed,
-                    "pending_keys_failed": self.failed,
-                    "pending_keys_forgotten": self.forgotten}
+            out: dict[str, float] = {
+                "pending_keys_tracked": len(self._entries), "pending_keys_marked": self.marked,
+                "pending_keys_landed": self.landed, "pending_keys_failed": self.failed,
+                "pending_keys_forgotten": self.forgotten}
+        if self.pulls is not None:
+            out.update(self.pulls.snapshot())
+        return out

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 
 from pdcache.config import NodeSetup
 from pdcache.offload_manager.builder import build_tiered_engine
+from pdcache.offload_manager.page_pull import PagePulls
 from pdcache.offload_manager.pending import PendingPages
 from pdcache.prefill_node.app import PrefillApp
 from pdcache.prefill_node.controller import PrefillController
@@ -41,8 +42,11 @@ class PrefillRuntime:
         self.config = ServerConfig.of(setup)
         self.controller = PrefillController(
             setup.name, wait_for_decode=setup.transfer.prefill_waits_for_decode)
-        # page writes decode nodes announce (KVSender feeds it, HiCache waits on it: §4.10)
-        self.pending = PendingPages(max_ttl_s=setup.tiers.hicache.pending_max_ttl_s)
+        # page writes decode nodes announce (KVSender feeds it, HiCache waits on it or pulls
+        # the pages from decode's staging through the sender: §4.10)
+        self.pulls = PagePulls(setup.tiers.hicache.pending_pull)
+        self.pending = PendingPages(max_ttl_s=setup.tiers.hicache.pending_max_ttl_s,
+                                    pulls=self.pulls)
         self.tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers,
                                           PrefillScheduler, pending=self.pending,
                                           pd=self.controller)
@@ -53,6 +57,7 @@ class PrefillRuntime:
                                on_requested=self.controller.decode_requested,
                                control_key=setup.security.zmq_control_key,
                                on_pages=self.pending)
+        self.pulls.attach(self.sender)
         self.controller.attach(self.engine, self.sender)
         self.routes = routes_for(self.engine, self.config)
         self.routes.bridge.metrics.registry.register(  # dropped control messages, by kind

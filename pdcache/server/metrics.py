@@ -96,10 +96,19 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
                                     "exclusive host: host copies freed once loaded on device"),
     "pdcache_pending_pages": ("counter", "outcome", {"found": "pending_found_pages",
                                                      "waited": "pending_waited_pages",
+                                                     "pulled": "pending_pulled_pages",
                                                      "raced": "pending_raced_pages"},
                               "pages a decode node was still writing when a lookup needed "
-                              "them (found), then read after waiting (waited) or recomputed "
-                              "(raced)"),
+                              "them (found), then read after waiting (waited), pulled from "
+                              "decode's host staging (pulled) or recomputed (raced)"),
+    "pdcache_pending_pull_pages": ("counter", "outcome", {
+        "requested": "pull_pages_requested", "received": "pull_pages_received",
+        "rejected": "pull_pages_rejected", "unavailable": "pull_pages_unavailable"},
+        "pages this prefill pulled from decode staging: asked for, received verified, refused "
+        "by verification (bad MAC/checksum/header), not staged any more"),
+    "pdcache_pending_pulls": ("counter", "outcome", {"sent": "pulls",
+                                                     "timed_out": "pull_timeouts"},
+                              "pulls of pending pages sent, and those not answered in time"),
     "pdcache_pending_wait_seconds": ("counter", "", {"": "pending_wait_s"},
                                      "lookup to admission of the requests that waited for "
                                      "pending pages, summed"),

@@ -17,6 +17,13 @@ decode binds every later frame to (docs/security.md), and two decode → prefill
 and 3 are still accepted (the fields they lack take their defaults: no logprobs, no boot id;
 the two new types are refused in them); an authenticated control plane needs version 4 on
 both sides, since its MAC contexts include the boot id.
+
+Version 5 (the pull of pending pages, docs/design.md §4.10) added `pages_pending.eta_ms` and
+`pages_pending.pull` (decode's expected time until the batch's write lands, and whether decode
+serves `pull_pages` for it) and two messages: `pull_pages` (prefill → decode) and
+`pages_pulled` (decode → prefill, the stored page objects). A frame is written in the lowest
+version >= 4 that has its type and its non-default fields (`wire_version`), so a version-4
+peer still reads every frame but the new ones (and a `pages_pending` that offers a pull).
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ import numpy as np
 
 from pdcache.engine.api import CachedTokens, LogprobRequest, TokenLogprob
 
-PROTOCOL_VERSION = 4
-ACCEPTED_VERSIONS = (2, 3, 4)
+PROTOCOL_VERSION = 5
+ACCEPTED_VERSIONS = (2, 3, 4, 5)
+BASE_WIRE_VERSION = 4  # the lowest version a frame is written in (`wire_version`)
 MAX_ROOM_ID = (1 << 63) - 1
 MAX_CONTAINER_ITEMS = 256  # entries of any msgpack array or map
 _INT64_MAX = (1 << 63) - 1
@@ -189,6 +197,11 @@ class PagesPending(Message):
     TYPE: ClassVar[str] = "pages_pending"
     keys: bytes
     ttl_ms: int
+    # since version 5: decode's expected time until this batch's write lands (its writer's
+    # queue ahead of it plus itself, times its mean measured write latency; 0 = unknown), and
+    # 1 when decode serves `pull_pages` for these keys while they are in its host staging
+    eta_ms: int = 0
+    pull: int = 0
 
     def key_list(self) -> list[bytes]:
         return split_keys(self.keys)
@@ -211,6 +224,45 @@ class PagesSettled(Message):
         return [bool(b) for b in self.landed]
 
 
+@dataclass(frozen=True)
+class PullPages(Message):
+    """Prefill → decode (since version 5): send me the stored page objects of these keys
+    (`PAGE_KEY_BYTES` each) from your host staging, while their storage write has not landed.
+    Answered by one or more `pages_pulled` with the same `pull_id`."""
+
+    TYPE: ClassVar[str] = "pull_pages"
+    pull_id: int
+    keys: bytes
+
+    def key_list(self) -> list[bytes]:
+        return split_keys(self.keys)
+
+
+@dataclass(frozen=True)
+class PagesPulled(Message):
+    """Decode → prefill (since version 5): part of the answer to `pull_pages` `pull_id`. For
+    key i, `found[i]` is 1 when its page object (the storage format of page_format.py: header
+    and payload, MAC'd with the page key when one is configured) is in `objects`, 0 when decode
+    no longer (or never) had it staged. `objects` holds the found pages' objects, in key
+    order, each `object_bytes` long. The prefill verifies each as it would a storage read."""
+
+    TYPE: ClassVar[str] = "pages_pulled"
+    pull_id: int
+    keys: bytes
+    found: bytes
+    object_bytes: int
+    objects: bytes
+
+    def key_list(self) -> list[bytes]:
+        return split_keys(self.keys)
+
+    def found_list(self) -> list[bool]:
+        return [bool(b) for b in self.found]
+
+
+PULLED_OVERHEAD_BYTES = 1024  # a pages_pulled frame besides its keys and objects (+ auth)
+
+
 def pack_keys(keys: list[bytes]) -> bytes:
     """Page keys as the bytes `pages_pending` / `pages_settled` carry."""
     if any(len(key) != PAGE_KEY_BYTES for key in keys):
@@ -225,15 +277,18 @@ def split_keys(raw: bytes) -> list[bytes]:
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (Register, RegisterAck, RoomRequest, Started, Done, Abort, AbortAck, Ping, Pong,
-                PagesPending, PagesSettled)
+                PagesPending, PagesSettled, PullPages, PagesPulled)
 }
 _NESTED: tuple[type, ...] = (PrefillReport, CachedTokens)  # dataclasses allowed as fields
 # fields an older sender does not send, by the version that added them: their defaults apply
 _ADDED_IN: Mapping[int, Mapping[type, frozenset[str]]] = MappingProxyType({
     3: MappingProxyType({PrefillReport: frozenset({"first_logprob", "input_logprobs"})}),
     4: MappingProxyType({RegisterAck: frozenset({"boot_id"})}),
+    5: MappingProxyType({PagesPending: frozenset({"eta_ms", "pull"})}),
 })
-_SINCE_V4: frozenset[type] = frozenset({PagesPending, PagesSettled})  # message types
+# message types by the version that added them (older versions refuse them)
+_TYPE_SINCE: Mapping[type, int] = MappingProxyType({
+    PagesPending: 4, PagesSettled: 4, PullPages: 5, PagesPulled: 5})
 _LOGPROB_HEADER = np.dtype("<i4")
 
 
@@ -350,9 +405,25 @@ _FIELDS: dict[type, dict[str, type]] = {
 }
 
 
+def wire_version(msg: Message) -> int:
+    """The lowest version (>= BASE_WIRE_VERSION) that has `msg`'s type and every field of it
+    that is not at its default: older peers read what they can."""
+    version = max(BASE_WIRE_VERSION, _TYPE_SINCE.get(type(msg), 0))
+    for added_in, added in _ADDED_IN.items():
+        for name in added.get(type(msg), ()):
+            if getattr(msg, name) != _FIELD_DEFAULTS[type(msg)][name]:
+                version = max(version, added_in)
+    return version
+
+
+_FIELD_DEFAULTS: dict[type, dict[str, Any]] = {
+    cls: {f.name: f.default for f in dataclasses.fields(cls)} for cls in MESSAGE_TYPES.values()
+}
+
+
 def encode(msg: Message) -> bytes:
-    """Serialise `msg` (version and type tag included)."""
-    body: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": msg.TYPE}
+    """Serialise `msg` (version and type tag included; `wire_version`)."""
+    body: dict[str, Any] = {"v": wire_version(msg), "t": msg.TYPE}
     body.update(dataclasses.asdict(msg))
     return msgpack.packb(body, use_bin_type=True)
 
@@ -370,7 +441,7 @@ def decode(raw: bytes | memoryview, max_bytes: int) -> Message:
                                       f"{ACCEPTED_VERSIONS}")
     type_tag = body.pop("t", None)
     cls = MESSAGE_TYPES.get(type_tag) if isinstance(type_tag, str) else None
-    if cls is None or (version < 4 and cls in _SINCE_V4):
+    if cls is None or version < _TYPE_SINCE.get(cls, 0):
         raise MessageError("unknown_type", f"message type {type_tag!r} (version {version})")
     msg = _build(cls, body, type_tag, version)
     if isinstance(msg, Done):  # the packed logprobs must be ones pack_logprobs wrote
@@ -427,16 +498,30 @@ def _check_ranges(msg: Message) -> None:
     _check_ints(dataclasses.asdict(msg), msg.TYPE)
     if isinstance(msg, RoomRequest):
         _check_pages(msg)
-    if isinstance(msg, PagesPending | PagesSettled):
+    if isinstance(msg, PagesPending | PagesSettled | PullPages | PagesPulled):
         _check_keys(msg)
+    if isinstance(msg, PagesPulled):
+        _check_pulled(msg)
 
 
-def _check_keys(msg: PagesPending | PagesSettled) -> None:
+def _check_pulled(msg: PagesPulled) -> None:
+    count = len(msg.keys) // PAGE_KEY_BYTES
+    if len(msg.found) != count or any(b > 1 for b in msg.found):
+        raise MessageError("bad_field", "pages_pulled.found: one 0/1 byte per key expected")
+    found = sum(msg.found)
+    if (found and msg.object_bytes == 0) or len(msg.objects) != found * msg.object_bytes:
+        raise MessageError("bad_field", f"pages_pulled.objects: {len(msg.objects)} bytes for "
+                                        f"{found} pages of {msg.object_bytes}")
+
+
+def _check_keys(msg: PagesPending | PagesSettled | PullPages | PagesPulled) -> None:
     count, rest = divmod(len(msg.keys), PAGE_KEY_BYTES)
     if rest or not 0 < count <= MAX_KEYS_PER_MESSAGE:
         raise MessageError("bad_field", f"{msg.TYPE}.keys: {len(msg.keys)} bytes")
     if isinstance(msg, PagesPending) and msg.ttl_ms == 0:
         raise MessageError("bad_field", "pages_pending.ttl_ms: 0")
+    if isinstance(msg, PagesPending) and msg.pull > 1:
+        raise MessageError("bad_field", f"pages_pending.pull: {msg.pull}, expected 0 or 1")
     if isinstance(msg, PagesSettled) and (
             len(msg.landed) != count or any(b > 1 for b in msg.landed)):
         raise MessageError("bad_field", "pages_settled.landed: one 0/1 byte per key expected")

@@ -27,7 +27,11 @@ Threads and what they mutate:
   messages, heartbeats and deadlines.
 - caller threads (`request`, `wait`, `abort`, `connect`): room creation and local failure via
   RoomTable (locked); they reach sockets only through `ControlLoop.call_soon`.
-`counters` are written by the control thread only (`stats()` copies them).
+- pull worker (`serve_pulls`, docs/design.md §4.10): answers prefill's `PullPages` with the
+  staged page objects of the node's `StagedPageSource`, off the control thread (it copies and
+  MACs pages); its frames leave through `call_soon`.
+`counters` are written by the control thread only, the `pull_*` ones by the pull worker only
+(`stats()` copies them).
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -59,16 +64,20 @@ from pdcache.transfer.errors import TransferError, TransferTimeout
 from pdcache.transfer.layout import KVLayout
 from pdcache.transfer.messages import (
     MAX_KEYS_PER_MESSAGE,
+    PAGE_KEY_BYTES,
+    PULLED_OVERHEAD_BYTES,
     Abort,
     AbortAck,
     Done,
     Message,
     MessageError,
     PagesPending,
+    PagesPulled,
     PagesSettled,
     Ping,
     Pong,
     PrefillReport,
+    PullPages,
     Register,
     RegisterAck,
     RoomRequest,
@@ -142,6 +151,17 @@ class _Peer:
     closed_by_peer: bool = False
 
 
+class StagedPageSource(Protocol):
+    """Pages decode still holds in host staging while their storage write runs (the node's
+    `DecodeOffloadManager`): `staged_objects(keys)` gives each key's stored page object
+    (page_format: header + payload, MAC'd when the store has a page key) or None when it is not
+    staged; it pins the pages it reads against free-on-write-end. Thread-safe."""
+
+    object_bytes: int
+
+    def staged_objects(self, keys: list[bytes]) -> list[bytes | None]: ...
+
+
 class KVReceiver:
     """The decode node's end of the KV transfer; see the module docstring."""
 
@@ -166,8 +186,13 @@ class KVReceiver:
                          "messages_in": 0, "unexpected_messages": 0,
                          "lost_peer_hold_timeouts": 0, "lost_peer_rebooted": 0,
                          "lost_peer_closed": 0,
-                         "pending_pages_announced": 0, "settled_pages_announced": 0}
+                         "pending_pages_announced": 0, "settled_pages_announced": 0,
+                         "pull_requests": 0, "pull_pages_refused": 0,  # control thread
+                         "pull_pages_served": 0, "pull_pages_unavailable": 0}  # pull worker
         self._seq = itertools.count(1)
+        self._page_source: StagedPageSource | None = None
+        self._pulls: queue.Queue[tuple[_Peer, PullPages] | None] = queue.Queue(maxsize=64)
+        self._pull_worker: threading.Thread | None = None
         self._loop = ControlLoop("decode-transfer", _tick_s(config), self._tick)
         self.engine = None
 
@@ -177,13 +202,30 @@ class KVReceiver:
         self.engine.register_target(self.layout.base_addr, self.layout.nbytes)
         self._session = self.engine.session()
         self._loop.start()
+        if self._page_source is not None:
+            self._pull_worker = threading.Thread(target=self._serve_pulls,
+                                                 name="pdcache-decode-pull", daemon=True)
+            self._pull_worker.start()
         return self
+
+    def serve_pulls(self, source: StagedPageSource | None) -> None:
+        """Answer prefill peers' `PullPages` from `source` (set before `start()`); pending
+        marks then offer the pull (`PagesPending.pull`). docs/design.md §4.10."""
+        self._page_source = source
 
     def close(self) -> None:
         """Abort every active room (prefill is told), stop the thread, release the engine."""
         for room in self.rooms.select(lambda r: not r.state.terminal):
             self.abort(room, "decode node shutting down")
         self._loop.call_soon(self._release_all_busy)
+        if self._pull_worker is not None:
+            while True:  # drop queued pulls (their prefill falls back to waiting), then stop
+                try:
+                    self._pulls.get_nowait()
+                except queue.Empty:
+                    break
+            self._pulls.put(None)
+            self._pull_worker.join(5.0)
         self._loop.stop()
         if self.engine is not None:
             self.engine.close()
@@ -245,15 +287,18 @@ class KVReceiver:
     def abort(self, room: int, reason: str = "aborted by decode") -> None:
         self._fail_local(room, reason, code="aborted")
 
-    def announce_pending(self, keys: list[bytes], ttl_s: float) -> None:
+    def announce_pending(self, keys: list[bytes], ttl_s: float, eta_s: float = 0.0) -> None:
         """Tell every registered prefill peer that decode's offload will write these page
-        keys to storage within `ttl_s` (`PagesPending`; any thread, never blocks: the frames
-        leave from the control thread). Docs: design.md §4.10."""
+        keys to storage within `ttl_s`, expectedly in `eta_s` (0: unknown) (`PagesPending`;
+        any thread, never blocks: the frames leave from the control thread). Docs: design.md
+        §4.10."""
         ttl_ms = max(1, int(ttl_s * 1000))
+        eta_ms = max(1, round(eta_s * 1000)) if eta_s > 0 else 0
+        pull = int(self._page_source is not None)
         for start in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
             chunk = keys[start : start + MAX_KEYS_PER_MESSAGE]
-            self._broadcast(PagesPending(pack_keys(chunk), ttl_ms), "pending_pages_announced",
-                            len(chunk))
+            self._broadcast(PagesPending(pack_keys(chunk), ttl_ms, eta_ms, pull),
+                            "pending_pages_announced", len(chunk))
 
     def announce_settled(self, keys: list[bytes], landed: list[bool]) -> None:
         """Tell every registered prefill peer how the write of these keys ended
@@ -475,8 +520,61 @@ class KVReceiver:
     def _on_pong(self, peer: _Peer, msg: Pong) -> None:
         pass  # last_seen already refreshed
 
+    def _on_pull_pages(self, peer: _Peer, msg: PullPages) -> None:
+        """A registered prefill asks for staged pages: the pull worker answers (control
+        thread: queue it, never block; a full queue answers "not available" at once)."""
+        if not peer.ready.is_set() or peer.error:
+            return
+        self.counters["pull_requests"] += 1
+        try:
+            if self._page_source is None:
+                raise queue.Full
+            self._pulls.put_nowait((peer, msg))
+        except queue.Full:
+            keys = msg.key_list()
+            self.counters["pull_pages_refused"] += len(keys)
+            self._send_frame(peer, PagesPulled(msg.pull_id, msg.keys, bytes(len(keys)), 0, b""))
+
     _HANDLERS = {RegisterAck: _on_register_ack, Started: _on_started, Done: _on_done,
-                 Abort: _on_abort, AbortAck: _on_abort_ack, Pong: _on_pong}
+                 Abort: _on_abort, AbortAck: _on_abort_ack, Pong: _on_pong,
+                 PullPages: _on_pull_pages}
+
+    # ---- pull worker -----------------------------------------------------------------------
+    def _serve_pulls(self) -> None:
+        while True:
+            job = self._pulls.get()
+            if job is None:
+                return
+            peer, msg = job
+            try:
+                self._serve_pull(peer, msg)
+            except Exception:  # never lose the worker: the prefill falls back to waiting
+                logger.exception("decode: serving pull %d failed", msg.pull_id)
+
+    def _serve_pull(self, peer: _Peer, msg: PullPages) -> None:
+        """Answer in frames of at most `max_message_bytes`: as many pages as fit in each."""
+        assert self._page_source is not None
+        keys = msg.key_list()
+        objects = self._page_source.staged_objects(keys)
+        size = self._page_source.object_bytes
+        room = self.config.max_message_bytes - PULLED_OVERHEAD_BYTES
+        per_frame = max(1, room // (size + PAGE_KEY_BYTES + 1))
+        fits = size + PAGE_KEY_BYTES + 1 <= room
+        served = 0
+        for start in range(0, len(keys), per_frame):
+            chunk = objects[start : start + per_frame] if fits else [None] * min(
+                per_frame, len(keys) - start)
+            found = bytes(obj is not None for obj in chunk)
+            answer = PagesPulled(msg.pull_id, pack_keys(keys[start : start + len(chunk)]),
+                                 found, size, b"".join(obj for obj in chunk if obj is not None))
+            served += sum(found)
+            self._loop.call_soon(lambda a=answer: self._send_pulled(peer, a))
+        self.counters["pull_pages_served"] += served
+        self.counters["pull_pages_unavailable"] += len(keys) - served
+
+    def _send_pulled(self, peer: _Peer, answer: PagesPulled) -> None:
+        if self._peers.get(peer.addr) is peer:  # control thread: still this link
+            self._send_frame(peer, answer)
 
     def _drop_peer(self, peer: _Peer, linger_ms: int = 0) -> None:
         if self._peers.get(peer.addr) is peer:

@@ -56,6 +56,7 @@ from pdcache.transfer.control import (
 from pdcache.transfer.engines.base import EngineError, EngineTimeout, create_engine
 from pdcache.transfer.layout import KVLayout, page_copy_batch
 from pdcache.transfer.messages import (
+    MAX_KEYS_PER_MESSAGE,
     MAX_ROOM_ID,
     Abort,
     AbortAck,
@@ -63,16 +64,19 @@ from pdcache.transfer.messages import (
     Message,
     MessageError,
     PagesPending,
+    PagesPulled,
     PagesSettled,
     Ping,
     Pong,
     PrefillReport,
+    PullPages,
     Register,
     RegisterAck,
     RoomRequest,
     Started,
     check_report,
     encode,
+    pack_keys,
 )
 from pdcache.transfer.rooms import Outcome, ReleaseCallback, RoomState, RoomTable
 
@@ -111,9 +115,15 @@ class _SendRoom:
 class PendingPagesSink(Protocol):
     """Where the pages decode announces go (the node's `PendingPages`, docs/design.md
     §4.10); called on the control thread, so it must be thread-safe and quick. `source` is
-    the announcing decode link (its ROUTER identity); the sink clamps `ttl_s` to its own cap."""
+    the announcing decode link (its ROUTER identity); the sink clamps `ttl_s` to its own cap.
+    `eta_s` is decode's expected time until the write lands (0: unknown), `pullable` whether
+    that decode serves `request_pull` for the keys; `pulled` gets its answers to a pull."""
 
-    def pending(self, keys: list[bytes], ttl_s: float, source: bytes = b"") -> None: ...
+    def pending(self, keys: list[bytes], ttl_s: float, source: bytes = b"",
+                eta_s: float = 0.0, pullable: bool = False) -> None: ...
+
+    def pulled(self, source: bytes, pull_id: int, keys: list[bytes], found: list[bool],
+               object_bytes: int, objects: bytes) -> None: ...
 
     def settled(self, keys: list[bytes], landed: list[bool]) -> None: ...
 
@@ -150,7 +160,8 @@ class KVSender:
         self._peers_lock = threading.Lock()
         self.rejects = RejectCounter(f"prefill {self.prefill_id}")
         self.counters = {"bytes_sent": 0, "transfers": 0, "engine_errors": 0, "peers_lost": 0,
-                         "messages_in": 0, "unexpected_messages": 0, "oversized_done": 0}
+                         "messages_in": 0, "unexpected_messages": 0, "oversized_done": 0,
+                         "pull_requests": 0}
         self._counters_lock = threading.Lock()  # workers and the control thread count
         self._jobs: queue.Queue[int | None] = queue.Queue()
         self._workers: list[threading.Thread] = []
@@ -228,6 +239,18 @@ class KVSender:
             self.rooms.tombstone(room, reason)
             return
         self._fail(room, reason, code="aborted")
+
+    def request_pull(self, source: bytes, pull_id: int, keys: list[bytes]) -> bool:
+        """Ask decode link `source` for the staged page objects of `keys` (`PullPages`; any
+        thread, never blocks); False when that decode is not registered here. Its answers go
+        to the sink's `pulled`. docs/design.md §4.10."""
+        if self._peer(source) is None or not keys:
+            return False
+        for start in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
+            self._send(source, PullPages(pull_id,
+                                         pack_keys(keys[start : start + MAX_KEYS_PER_MESSAGE])))
+        self._count("pull_requests")
+        return True
 
     def stats(self) -> dict[str, Any]:
         with self._peers_lock:
@@ -530,7 +553,8 @@ class KVSender:
         if peer is None or self._on_pages is None:
             self._count("unexpected_messages")
             return
-        self._on_pages.pending(msg.key_list(), msg.ttl_ms / 1000, source=identity)
+        self._on_pages.pending(msg.key_list(), msg.ttl_ms / 1000, source=identity,
+                               eta_s=msg.eta_ms / 1000, pullable=bool(msg.pull))
 
     def _on_pages_settled(self, identity: bytes, msg: PagesSettled) -> None:
         peer = self._peer(identity)
@@ -539,9 +563,17 @@ class KVSender:
             return
         self._on_pages.settled(msg.key_list(), msg.landed_list())
 
+    def _on_pages_pulled(self, identity: bytes, msg: PagesPulled) -> None:
+        peer = self._peer(identity)
+        if peer is None or self._on_pages is None:
+            self._count("unexpected_messages")
+            return
+        self._on_pages.pulled(identity, msg.pull_id, msg.key_list(), msg.found_list(),
+                              msg.object_bytes, msg.objects)
+
     _HANDLERS = {Register: _on_register, RoomRequest: _on_room_request, Abort: _on_abort,
                  Ping: _on_ping, PagesPending: _on_pages_pending,
-                 PagesSettled: _on_pages_settled}
+                 PagesSettled: _on_pages_settled, PagesPulled: _on_pages_pulled}
 
     def _tick(self) -> None:
         now = time.monotonic()

@@ -35,7 +35,7 @@ def _reject_kind(body: dict) -> str:
 
 
 def test_version_4_round_trips_and_keeps_2_and_3() -> None:
-    assert PROTOCOL_VERSION == 4 and ACCEPTED_VERSIONS == (2, 3, 4)
+    assert PROTOCOL_VERSION == 5 and ACCEPTED_VERSIONS == (2, 3, 4, 5)
     pending = decode(encode(PagesPending(pack_keys(KEYS), 2500)), LIMIT)
     assert pending.key_list() == KEYS and pending.ttl_ms == 2500
     settled = decode(encode(PagesSettled(pack_keys(KEYS), bytes([1, 0, 1, 1, 0]))), LIMIT)
@@ -73,7 +73,8 @@ def test_announcements_reach_a_registered_prefill_peer(secret: bytes | None) -> 
     got: dict[str, list] = {"pending": [], "settled": []}
 
     class Collect:
-        def pending(self, keys: list[bytes], ttl_s: float, source: bytes = b"") -> None:
+        def pending(self, keys: list[bytes], ttl_s: float, source: bytes = b"",
+                    eta_s: float = 0.0, pullable: bool = False) -> None:
             got["pending"].append((keys, ttl_s))
             got.setdefault("sources", []).append(source)
 
@@ -82,6 +83,9 @@ def test_announcements_reach_a_registered_prefill_peer(secret: bytes | None) -> 
 
         def settled(self, keys: list[bytes], landed: list[bool]) -> None:
             got["settled"].append((keys, landed))
+
+        def pulled(self, *args: object) -> None:
+            got.setdefault("pulled", []).append(args)
 
     config = TransferConfig(engine="zmq", bootstrap_timeout_s=5, room_timeout_s=5)
     kv = torch.zeros(2, 2, 4, 4, 2, 8)
