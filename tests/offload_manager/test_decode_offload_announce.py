@@ -20,10 +20,12 @@ class IntoPendingPages:
     def __init__(self, pages: PendingPages) -> None:
         self.pages = pages
         self.ttls: list[float] = []
+        self.etas: list[float] = []
 
-    def announce_pending(self, keys: list[bytes], ttl_s: float) -> None:
+    def announce_pending(self, keys: list[bytes], ttl_s: float, eta_s: float = 0.0) -> None:
         self.ttls.append(ttl_s)
-        self.pages.pending(keys, ttl_s)
+        self.etas.append(eta_s)
+        self.pages.pending(keys, ttl_s, eta_s=eta_s)
 
     def announce_settled(self, keys: list[bytes], landed: list[bool]) -> None:
         self.pages.settled(keys, landed)
@@ -68,4 +70,33 @@ def test_dropped_pages_are_settled_as_not_coming() -> None:
     assert [pages.state(k) for k in keys] == [PageState.LANDED, PageState.LANDED,
                                               PageState.GONE, PageState.GONE]
     assert mgr.stats.pages_dropped == 2 and pages.failed == 2
+    mgr.close()
+
+
+def test_marks_carry_the_expected_write_time_measured_on_decode() -> None:
+    """0 before any write was measured; then (writes queued ahead + 1) x the mean latency."""
+    kv, storage, pages = device_kv(), DictBackend(), PendingPages()
+    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=8)
+    announcer = IntoPendingPages(pages)
+    mgr.announce_to(announcer)
+    mgr.start()
+
+    def request(rid: str, first: int) -> None:
+        tokens = list(range(first, first + PAGE))
+        released = threading.Event()
+        mgr.track(rid)
+        mgr.finish(rid, tokens, [first // PAGE], released.set)
+        assert released.wait(10)
+
+    request("a", 0)
+    assert mgr.wait_idle(10)
+    mean_s = mgr.stats.write_seconds_total / mgr.stats.writes
+    storage.gate.clear()  # b's write stalls: c queues behind it
+    request("b", PAGE)
+    request("c", 2 * PAGE)
+    assert announcer.etas == [0.0, mean_s, 2 * mean_s]
+    assert pages.pull_run([chain_page_keys(list(range(PAGE, 2 * PAGE)), PAGE,
+                                           make_salt(FP))[0]])[1] == 0  # no pull offered
+    storage.gate.set()
+    assert mgr.wait_idle(10)
     mgr.close()

@@ -1,0 +1,84 @@
+"""The pull of pending pages from decode's host staging (docs/design.md §4.10, "Pull") on a
+1 prefill + 1 decode stack (tiny preset, file storage, zmq transfer): 2 sessions, zero think
+time, whole answers written at their end into a store whose writes take `WRITE_DELAY_S`
+longer. With `pending_pull = "auto"`, decode's marks carry the expected write time it
+measured (0.25 s a write and more, queued) and the next turn pulls the answer pages instead
+of waiting for the write: every next turn's `storage_from_decode` is still the page
+floor of the previous answer, nothing races, and the outputs equal those of the same run with
+`pending_pull = "never"`, which waits for every page (pulled = 0)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+import httpx
+import pytest
+
+from pdcache.engine.loader import load_model
+from tests.pd.test_durable_next_turn import (
+    PROBE_ANSWER,
+    answer_pages_tokens,
+    assert_every_answer_found,
+    measured_timeout_s,
+    pending,
+    session,
+    setups,
+)
+from tests.pd_harness import assert_stack_idle, metric_value, start_stack
+
+ANSWER = 256
+PAGE = 16
+SESSIONS = 2
+ANSWERS = [ANSWER, ANSWER, PROBE_ANSWER]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", seed=0)
+
+
+def run(tmp_path, tiny, mode: str):
+    prefill, decode = setups(tmp_path, tiny[0], True)
+    tiers = prefill.tiers
+    hicache = dataclasses.replace(tiers.hicache, pending_pull=mode)
+    prefill = dataclasses.replace(prefill, tiers=dataclasses.replace(tiers, hicache=hicache))
+    stack = start_stack(prefill, decode)
+    try:
+        timeout_s = measured_timeout_s(stack, SESSIONS, ANSWERS)
+        stack.client.timeout = httpx.Timeout(timeout_s)
+        with concurrent.futures.ThreadPoolExecutor(SESSIONS) as pool:
+            futures = [pool.submit(session, stack, i, ANSWERS) for i in range(SESSIONS)]
+            sessions = [f.result(timeout=timeout_s * len(ANSWERS) + 60) for f in futures]
+        metrics = stack.client.get(f"{stack.prefill.url}/metrics").text
+        assert_stack_idle(stack)
+        return sessions, metrics, stack.decode_server.receiver.stats()
+    finally:
+        stack.close()
+
+
+def outputs(sessions) -> list[list[int]]:
+    return [turn["output_ids"] for turns in sessions for _, turn in turns]
+
+
+def test_auto_pulls_the_next_turn_s_pages_and_never_waits_for_them(tmp_path, tiny) -> None:
+    pulled_run, metrics, receiver = run(tmp_path / "auto", tiny, "auto")
+    assert_every_answer_found(pulled_run)
+    assert pending(metrics, "raced") == 0
+    # decode measured its writes on the harness's baseline request: every answer's mark
+    # carries its expected write time (>= 0.25 s), far above a pull of 16 pages
+    answer_pages = sum(answer_pages_tokens(p, a["output_ids"]) // PAGE
+                       for turns in pulled_run for (p, a) in turns[:-1])
+    assert pending(metrics, "pulled") >= answer_pages // 2
+    assert pending(metrics, "found") == pending(metrics, "waited") + pending(metrics, "pulled")
+    assert receiver["pull_pages_served"] == pending(metrics, "pulled")
+    rejected = metric_value(metrics, "pdcache_pending_pull_pages_total", server="p0",
+                            outcome="rejected")
+    assert rejected == 0
+
+    waited_run, metrics, receiver = run(tmp_path / "never", tiny, "never")
+    assert_every_answer_found(waited_run)
+    assert pending(metrics, "pulled") == 0 and pending(metrics, "raced") == 0
+    assert pending(metrics, "waited") == pending(metrics, "found") > 0
+    assert receiver["pull_requests"] == 0
+    assert outputs(pulled_run) == outputs(waited_run)  # the pulled KV is the written KV
