@@ -87,3 +87,15 @@ def test_pending_ttls_are_bounded(tmp_path: Path) -> None:
     assert setup_for(pd(tmp_path, decode="offload_pending_ttl_s = 600.0"), "d0", MODEL)
     with pytest.raises(TopologyError, match="node.d0.offload_pending_ttl_s: expected a number > 0 and <= 600"):
         pd(tmp_path, decode="offload_pending_ttl_s = 3600.0")
+
+
+def test_pending_pull_is_auto_by_default_and_set_by_key_or_flag(tmp_path: Path) -> None:
+    assert setup_for(pd(tmp_path), "p0", MODEL).tiers.hicache.pending_pull == "auto"
+    never = setup_for(pd(tmp_path, cache='pending_pull = "never"'), "p0", MODEL)
+    assert never.tiers.hicache.pending_pull == "never"
+    flags = ["--name", "p0", "--port", "31001", "--bootstrap-port", "8998",
+             "--transfer-engine", "zmq", "--transfer-timeout", "7.5", *storage_flags(tmp_path)]
+    assert from_flags("prefill", *flags, "--pending-pull", "always").tiers.hicache.pending_pull \
+        == "always"
+    with pytest.raises(TopologyError, match="pending_pull"):
+        pd(tmp_path, cache='pending_pull = "sometimes"')
