@@ -6,16 +6,23 @@ like the router drives them: `--sessions` conversations at once, each turn sent 
 previous one answered (zero think time), answers of `--answer-len` tokens. Decode writes each
 whole answer at its end (`--stride-pages` above the answer: the worst case for the race), to a
 store whose writes take `--write-delays` seconds longer (`storage.write_delay_s`, given to the
-decode node only; 0 = the store as it is). For every delay, a fresh stack with prefill's
-`pending_wait` on, then one with it off (`--no-pending-wait`); prefill's prefetch policy is
-`timeout` with its default deadline (2 s + 0.1 s per 1k tokens).
+decode node only; 0 = the store as it is). For every delay, a fresh stack per
+`--pending-pulls` mode with prefill's `pending_wait` on (`never`: wait for the writes; `auto`:
+pull the awaited pages from decode's host staging when decode's expected write time exceeds
+the pull's estimate, docs/design.md §4.10), then one with the wait off (`--no-pending-wait`);
+prefill's prefetch policy is `timeout` with its default deadline (2 s + 0.1 s per 1k tokens).
+Each stack first serves one short warm-up request and waits for decode to have written it,
+so decode's marks carry a measured write latency from the first session on (a node that has
+served anything has; one that has not announces "unknown" and its first answers are waited
+for).
 
 Per row: the next turns' hit rate on the previous answers (storage_from_decode over the page
-floor of the answer), pages raced, the mean wait of the requests that met pending pages,
+floor of the answer), pages waited, pulled and raced, the mean wait of the requests that met
+pending pages,
 next-turn TTFT, decode's storage write latency, and what pulling the awaited pages from
 decode's host staging over the transfer engine would have cost instead (their bytes at the
-P→D push rate measured in the same run, plus one control round trip) — the numbers behind
-not building the pull (docs/design.md §4.10).
+P→D push rate measured in the same run, plus one control round trip), the estimate the
+pull rule started from.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import argparse
 import random
 import statistics
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -55,24 +63,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-engine", default="zmq", choices=["mooncake", "zmq"])
     parser.add_argument("--storage-dir", default=None, help="default: a temporary directory")
     parser.add_argument("--timeout", type=float, default=600.0, help="per request (s)")
+    parser.add_argument("--pending-pulls", default="never,auto",
+                        help="prefill's pending_pull modes to run with the wait on "
+                             "(comma-separated: never, auto, always)")
 
 
 def run(args: argparse.Namespace) -> int:
     rows = []
+    pulls = [x.strip() for x in args.pending_pulls.split(",") if x.strip()]
     for delay in [float(x) for x in args.write_delays.split(",") if x.strip()]:
-        for wait in (True, False):
+        for wait, pull in [*((True, mode) for mode in pulls), (False, "never")]:
             with tempfile.TemporaryDirectory(dir=args.storage_dir) as tmp:
-                rows.append(_measure(args, Path(tmp), delay, wait))
+                rows.append(_measure(args, Path(tmp), delay, wait, pull))
     extra = {"preset": args.preset, "sessions": args.sessions, "turns": args.turns,
              "answer_len": args.answer_len, "storage_backend": args.storage_backend,
              "transfer_engine": args.transfer_engine, "stride_pages": args.stride_pages,
              "pull_est": "awaited bytes / measured P->D push rate + one control RTT"}
-    emit("Durable next turn: next-turn hits on the previous answer, pending wait on vs off",
+    emit("Durable next turn: next-turn hits on the previous answer; pending wait on (pull "
+         "never / auto) vs off",
          rows, args.json_path, extra=extra)
     return 0
 
 
-def _measure(args: argparse.Namespace, tmp: Path, delay: float, wait: bool) -> dict[str, Any]:
+def _measure(args: argparse.Namespace, tmp: Path, delay: float, wait: bool,
+             pull: str) -> dict[str, Any]:
     storage = ["--storage-backend", args.storage_backend, "--storage-path", str(tmp / "s"),
                "--storage-capacity", "4GiB"]
     common = [*pd_flags(args), *storage]
@@ -80,13 +94,15 @@ def _measure(args: argparse.Namespace, tmp: Path, delay: float, wait: bool) -> d
     try:
         nodes.append(NodeProcess("prefill", [
             *common, "--name", "p0", "--host-pages", str(args.host_pages),
-            "--prefetch-policy", "timeout", *([] if wait else ["--no-pending-wait"])]))
+            "--prefetch-policy", "timeout", "--pending-pull", pull,
+            *([] if wait else ["--no-pending-wait"])]))
         nodes.append(NodeProcess("decode", [
             *common, "--name", "d0", "--storage-write-delay", str(delay),
             "--offload-stride-pages", str(args.stride_pages),
             "--offload-staging-pages", str(args.host_pages)]))
         prefill, decode = nodes
         with httpx.Client(timeout=args.timeout) as client:
+            _warm_up(args, client, prefill, decode)
             with ThreadPoolExecutor(args.sessions) as pool:
                 turns = [t for s in pool.map(lambda i: _session(args, client, prefill, decode, i),
                                              range(args.sessions)) for t in s]
@@ -95,7 +111,33 @@ def _measure(args: argparse.Namespace, tmp: Path, delay: float, wait: bool) -> d
     finally:
         for node in reversed(nodes):
             node.stop()
-    return _row(args, delay, wait, turns, p_metrics, d_metrics)
+    return _row(args, delay, wait, pull, turns, p_metrics, d_metrics)
+
+
+def _warm_up(args: argparse.Namespace, client: httpx.Client, prefill: NodeProcess,
+             decode: NodeProcess) -> None:
+    """One short request (not measured) whose pages decode writes, waited for until decode
+    has measured that write (bounded: the store's delay plus a minute)."""
+    rng = random.Random("durable-warm-up")
+    pd_request(client, prefill.url, decode.url, prefill.bootstrap,
+               random_prompt(rng, args.page_size * 2), args.page_size + 1)
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        text = client.get(f"{decode.url}/metrics").text
+        if _metric(text, "pdcache_decode_offload_write_latency_seconds_count") >= 1:
+            return
+        time.sleep(0.05)  # polled: a write of the emulated slow store takes delay_s
+    raise RuntimeError("decode did not write the warm-up request's pages")
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
 
 
 def _session(args: argparse.Namespace, client: httpx.Client, prefill: NodeProcess,
@@ -123,17 +165,9 @@ def _session(args: argparse.Namespace, client: httpx.Client, prefill: NodeProces
     return out
 
 
-def _row(args: argparse.Namespace, delay: float, wait: bool, turns: list[dict[str, Any]],
-         p_metrics: str, d_metrics: str) -> dict[str, Any]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def value(text: str, name: str, **labels: str) -> float:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v
-                                               for k, v in labels.items()):
-                    return float(sample.value)
-        return 0.0
+def _row(args: argparse.Namespace, delay: float, wait: bool, pull: str,
+         turns: list[dict[str, Any]], p_metrics: str, d_metrics: str) -> dict[str, Any]:
+    value = _metric
 
     nexts = [t for t in turns if "expected" in t]
     expected = sum(t["expected"] for t in nexts)
@@ -148,10 +182,14 @@ def _row(args: argparse.Namespace, delay: float, wait: bool, turns: list[dict[st
     return {
         "write_delay_s": delay,
         "pending_wait": "on" if wait else "off",
+        "pending_pull": pull if wait else "-",
         "next_turn_hit": found / expected if expected else 0.0,
         "pages_found_pending": int(found_pages),
         "pages_waited": int(value(p_metrics, "pdcache_pending_pages_total", outcome="waited")),
+        "pages_pulled": int(value(p_metrics, "pdcache_pending_pages_total", outcome="pulled")),
         "pages_raced": int(value(p_metrics, "pdcache_pending_pages_total", outcome="raced")),
+        "pull_rejected": int(value(p_metrics, "pdcache_pending_pull_pages_total",
+                                   outcome="rejected")),
         "wait_ms_per_req": 1e3 * wait_s / waited_requests if waited_requests else 0.0,
         "next_ttft_p50_s": statistics.median(t["ttft_s"] for t in nexts) if nexts else 0.0,
         "decode_write_ms": 1e3 * write_s / writes if writes else 0.0,

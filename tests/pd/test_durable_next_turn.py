@@ -49,9 +49,11 @@ def tiny():
     return load_model("tiny", seed=0)
 
 
-def setups(tmp_path, model, pending_wait: bool,
-           metadata: str = "") -> tuple[NodeSetup, NodeSetup]:
-    """File storage, or hf3fs slots shared through the metadata service at `metadata`."""
+def setups(tmp_path, model, pending_wait: bool, metadata: str = "",
+           pending_pull: str = "never") -> tuple[NodeSetup, NodeSetup]:
+    """File storage, or hf3fs slots shared through the metadata service at `metadata`. The
+    wait is what this file tests: no pull from decode's staging unless `pending_pull` says
+    (tests/pd/test_durable_pull.py)."""
     fp = fingerprint_for(model.config, model_identity("tiny", 0), PAGE)
     where = {"backend": "hf3fs", "capacity_pages": 8192, "metadata": metadata} if metadata \
         else {"backend": "file"}
@@ -61,7 +63,7 @@ def setups(tmp_path, model, pending_wait: bool,
                               heartbeat_interval_s=0.5)
     sched = SchedulerConfig(chunked_prefill_tokens=1024, max_running_requests=SESSIONS)
     hicache = HiCacheConfig(prefetch_policy="timeout", prefetch_timeout_base_s=20.0,
-                            pending_wait=pending_wait)
+                            pending_wait=pending_wait, pending_pull=pending_pull)
     p_engine = EngineConfig(model.config, CacheConfig(PAGE, 2048), sched)
     d_engine = EngineConfig(model.config, CacheConfig(PAGE, 2048, enable_prefix_cache=False),
                             sched)

@@ -10,7 +10,6 @@ floor of the previous answer, nothing races, and the outputs equal those of the 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 
 import httpx
 import pytest
@@ -39,10 +38,7 @@ def tiny():
 
 
 def run(tmp_path, tiny, mode: str):
-    prefill, decode = setups(tmp_path, tiny[0], True)
-    tiers = prefill.tiers
-    hicache = dataclasses.replace(tiers.hicache, pending_pull=mode)
-    prefill = dataclasses.replace(prefill, tiers=dataclasses.replace(tiers, hicache=hicache))
+    prefill, decode = setups(tmp_path, tiny[0], True, pending_pull=mode)
     stack = start_stack(prefill, decode)
     try:
         timeout_s = measured_timeout_s(stack, SESSIONS, ANSWERS)

@@ -126,8 +126,8 @@ class Pair:
         released = threading.Event()
         self.offload.track("r")
         self.offload.finish("r", tokens, list(range(pages)), released.set)
-        assert released.wait(5)  # copied: staged now
-        assert wait_for(lambda: self.pending.pull_run(keys)[1] == pages)
+        assert released.wait(30)  # copied (the first copy may build the kernels): staged now
+        assert wait_for(lambda: self.pending.pull_run(keys)[1] == pages, 30)
         self.source = self.pending.pull_run(keys)[0]  # the decode's link
         return keys
 
@@ -135,7 +135,7 @@ class Pair:
         pages = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in keys]
         ticket = self.pulls.start(self.source, keys, pages, self.spec, timeout_s=5.0)
         assert ticket is not None
-        assert wait_for(lambda: ticket.finished)
+        assert wait_for(lambda: ticket.finished, 30)
         self.pulls.finish(ticket)
         return ticket, pages
 
