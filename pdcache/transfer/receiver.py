@@ -224,7 +224,10 @@ class KVReceiver:
                     self._pulls.get_nowait()
                 except queue.Empty:
                     break
-            self._pulls.put(None)
+            try:
+                self._pulls.put(None, timeout=5.0)
+            except queue.Full:
+                pass  # refilled meanwhile: the daemon worker ends with the process
             self._pull_worker.join(5.0)
         self._loop.stop()
         if self.engine is not None:
@@ -552,21 +555,23 @@ class KVReceiver:
                 logger.exception("decode: serving pull %d failed", msg.pull_id)
 
     def _serve_pull(self, peer: _Peer, msg: PullPages) -> None:
-        """Answer in frames of at most `max_message_bytes`: as many pages as fit in each."""
+        """Answer in frames of at most `max_message_bytes`, as many whole pages as fit in
+        each; pages are read (pinned, encoded) one frame at a time."""
         assert self._page_source is not None
         keys = msg.key_list()
-        objects = self._page_source.staged_objects(keys)
         size = self._page_source.object_bytes
+        per_page = size + PAGE_KEY_BYTES + 1
         room = self.config.max_message_bytes - PULLED_OVERHEAD_BYTES
-        per_frame = max(1, room // (size + PAGE_KEY_BYTES + 1))
-        fits = size + PAGE_KEY_BYTES + 1 <= room
+        per_frame = max(1, room // per_page)
         served = 0
         for start in range(0, len(keys), per_frame):
-            chunk = objects[start : start + per_frame] if fits else [None] * min(
-                per_frame, len(keys) - start)
-            found = bytes(obj is not None for obj in chunk)
-            answer = PagesPulled(msg.pull_id, pack_keys(keys[start : start + len(chunk)]),
-                                 found, size, b"".join(obj for obj in chunk if obj is not None))
+            chunk = keys[start : start + per_frame]
+            # a page larger than a frame is never sent: "not available", the prefill waits
+            objects = (self._page_source.staged_objects(chunk) if per_page <= room
+                       else [None] * len(chunk))
+            found = bytes(obj is not None for obj in objects)
+            answer = PagesPulled(msg.pull_id, pack_keys(chunk), found, size,
+                                 b"".join(obj for obj in objects if obj is not None))
             served += sum(found)
             self._loop.call_soon(lambda a=answer: self._send_pulled(peer, a))
         self.counters["pull_pages_served"] += served
