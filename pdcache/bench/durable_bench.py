@@ -195,6 +195,8 @@ def _row(args: argparse.Namespace, delay: float, wait: bool, pull: str,
         "decode_write_ms": 1e3 * write_s / writes if writes else 0.0,
         "pull_est_ms_per_req": 1e3 * (awaited_bytes / push_rate + CONTROL_RTT_S)
         if waited_requests else 0.0,
+        "pull_MBps": value(p_metrics, "pdcache_pending_pull_rate_bytes_per_second") / 1e6
+        if value(p_metrics, "pdcache_pending_pulls_total", outcome="sent") else 0.0,
     }
 
 

@@ -109,6 +109,9 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
     "pdcache_pending_pulls": ("counter", "outcome", {"sent": "pulls",
                                                      "timed_out": "pull_timeouts"},
                               "pulls of pending pages sent, and those not answered in time"),
+    "pdcache_pending_pull_rate_bytes_per_second": (
+        "gauge", "", {"": "pull_rate_bytes_s"},
+        "the pull rate the pull rule estimates with (measured from completed pulls)"),
     "pdcache_pending_wait_seconds": ("counter", "", {"": "pending_wait_s"},
                                      "lookup to admission of the requests that waited for "
                                      "pending pages, summed"),
