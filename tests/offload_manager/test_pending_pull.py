@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from pdcache.offload_manager.page_pull import PagePulls
+from pdcache.offload_manager.page_pull import DEFAULT_PULL_RATE_BYTES_S, PagePulls
 from pdcache.offload_manager.pending import PendingPages
 from pdcache.offload_manager.storage import create_backend
 from pdcache.offload_manager.storage.config import StorageConfig
@@ -109,7 +109,7 @@ def test_always_pulls_the_awaited_pages_byte_exact(tmp_path) -> None:
     assert outcome(st) == (2, 0, 2, 0)
     counters = pulls.snapshot()
     assert (counters["pull_pages_received"], counters["pull_pages_rejected"]) == (2, 0)
-    assert counters["pull_rate_bytes_s"] != 100e6  # learnt from the completed pull
+    assert counters["pull_rate_bytes_s"] != DEFAULT_PULL_RATE_BYTES_S  # learnt from the pull
     st.close()
 
 
