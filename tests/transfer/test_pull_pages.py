@@ -188,3 +188,26 @@ def test_pages_of_another_page_key_are_rejected_and_counted(tmp_path) -> None:
         assert (counters["pull_pages_rejected"], counters["pull_pages_received"]) == (2, 0)
     finally:
         pair.close()
+
+
+def test_a_pull_from_a_decode_gone_mid_pull_is_never_answered_and_times_out(tmp_path) -> None:
+    """Decode exits after announcing: the pull leaves (its link is still registered) but no
+    answer comes; the ticket ends at its deadline (HiCache then waits as before:
+    tests/offload_manager/test_pending_pull.py), and a late answer would find it closed."""
+    pair = Pair(tmp_path, None, None, None)
+    try:
+        keys = pair.write_answer(2)
+        pair.receiver.close()
+        pages = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in keys]
+        started = time.monotonic()
+        ticket = pair.pulls.start(pair.source, keys, pages, pair.spec, timeout_s=0.3)
+        assert ticket is not None
+        assert not wait_for(lambda: ticket.finished, 0.5)
+        pair.pulls.finish(ticket)
+        assert time.monotonic() - started < 5
+        assert pair.pulls.snapshot()["pull_timeouts"] == 1 and ticket.ok == [False, False]
+        assert all(not page.any() for page in pages)
+    finally:
+        pair.sender.close()
+        assert pair.offload.wait_idle(10)
+        pair.offload.close()
