@@ -35,6 +35,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "pages_skipped": ("pages_skipped", "pages already in storage (not copied)"),
     "pages_dropped": ("pages_dropped", "pages dropped: staging or queue full (backpressure)"),
     "pages_failed": ("pages_failed", "pages whose storage write failed"),
+    "pages_pulled": ("pull_pages_served", "staged pages sent to prefill pulls before their "
+                                          "write landed (docs/design.md §4.10)"),
 }
 GAUGES: dict[str, tuple[str, str]] = {
     "staging_pages_used": ("staging_pages_used", "host staging pages in use"),

@@ -465,7 +465,9 @@ class HiCache:
         if not pulls.should_pull(nbytes, remaining):
             return
         # a pull that has not ended in 4x its estimate is not coming: wait as without it
-        timeout = min(max(0.25, 4 * pulls.estimate_s(nbytes)), max(0.0, op.deadline - now))
+        timeout = min(max(0.25, 4 * pulls.estimate_s(nbytes)), op.deadline - now)
+        if timeout <= 0:
+            return  # the prefetch's deadline has passed already
         pages = self.host_pool.page_bytes(op.host_page_ids[first : first + count])
         op.pull = pulls.start(source, keys[:count], pages, spec, timeout)
 
