@@ -15,8 +15,16 @@ holds the N tokens, in one run, in-process (engines, no HTTP, so only the cache 
 and, as `hf3fs-serial` / `file-serial`, with it off (every page read before admission), in the
 same rounds.
 
-Tiers are interleaved round by round, so a change of machine load hits them alike; each
-point is the median of `--repeats` runs. `exact`: the device hits' first tokens equal a
+Tiers are interleaved round by round (device first, then the others: d, s, d, s, ...), so a
+change of machine load hits them alike; each point is the median of `--repeats` runs (5).
+`vs_device` of a tier the rounds interleave with the device hit is the median over rounds of
+that round's ratio, its sample over the mean of the device samples on either side of it (the
+same round's and the next one's), with `vs_device_min` / `vs_device_max` beside it: a ratio
+of two medians swung 1.01-1.32x from run to run under the shared machine's load, the paired
+one is what one load level gives. `recompute` (not interleaved) is a ratio of medians. The device row's
+own min-max (each device sample over it and the next) is the run's noise floor. `seeding`
+says how each N's cold request got the prefix into the tiers (recomputed, or loaded from
+`--keep-dir`) and how long it took; `elapsed_s` is the whole run's (model load excluded). `exact`: the device hits' first tokens equal a
 no-prefix-cache run's, the other tiers' equal a device hit's of the same prompts. Where a
 lower tier's time goes: `lookup_ms` (keys + exists_prefix), `read_ms` (storage reads),
 `wait_ms` (prefetch start to admission), `h2d_ms` (host → device copies). A second table gives
@@ -58,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default="1024,4096,16384",
                         help="cached prefix lengths N, comma-separated (rounded to pages)")
     parser.add_argument("--new-tokens", type=int, default=64, help="uncached tokens after N")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per point (median)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="rounds: each runs every tier once, device first (median; the "
+                             "ratios to device pair the samples of a round)")
     parser.add_argument("--recompute-repeats", type=int, default=1,
                         help="extra no-cache runs besides the cold seeding one (slow at 16k)")
     parser.add_argument("--tiers", default=",".join(DEFAULT_TIERS),
@@ -231,6 +241,7 @@ class PrefixRun:
         self.points: dict[str, Point] = {t: Point() for t in TIERS}
         self.reference: dict[str, list[int | None]] = {t: [None] * reps for t in TIERS}
         self.dir = setup.base / f"n{n_tokens}"
+        self.seeding = ""  # how the cold request got the prefix into the tiers, and its time
 
     def _random(self, length: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(length)]
@@ -287,11 +298,14 @@ class PrefixRun:
         stored = built.storage.exists_prefix(keys) == len(keys)
         if stored:
             self._forget_suffixes(built.storage)
+        start = time.perf_counter()
         sample = _ttft(built.engine, self.prefix + self.seed_suffix)
         if not stored:
             self.points["recompute"].samples.append(sample)
         if not built.hicache.wait_idle(600):
             raise RuntimeError("storage writes did not finish")
+        how = "loaded from --keep-dir" if stored else "recomputed and written"
+        self.seeding = f"{how} in {time.perf_counter() - start:.1f} s"
 
     def _device_references(self, built) -> None:
         for tier in [t for t in TIERS if t not in ("recompute", "device")]:
@@ -388,6 +402,10 @@ class PrefixRun:
     def _row(self, tier: str, point: Point, device: float | None,
              recompute: float | None) -> dict[str, Any]:
         ttft = point.ttft_s
+        ratios = [] if tier == "recompute" else paired_ratios(
+            [s.ttft_s for s in point.samples],
+            [s.ttft_s for s in self.points["device"].samples])
+        vs_device = statistics.median(ratios) if ratios else (ttft / device if device else "")
         reused = [sum(v for k, v in s.cached.items() if k != "storage_from_decode")
                   for s in point.samples]
         where = _tier_of(point.samples[-1].cached)
@@ -396,7 +414,9 @@ class PrefixRun:
                    if i < len(refs) and refs[i] is not None]
         return {
             "N": self.n, "tier": tier, "ttft_ms": ttft * 1e3,
-            "vs_device": ttft / device if device else "",
+            "vs_device": vs_device,
+            "vs_device_min": min(ratios) if ratios else "",
+            "vs_device_max": max(ratios) if ratios else "",
             "vs_recompute": ttft / recompute if recompute else "",
             "reused_tokens": min(reused), "hit_tier": where,
             "exact": ("yes" if all(checked) else "NO") if checked else "",
@@ -404,6 +424,18 @@ class PrefixRun:
             **{col: statistics.median(s.breakdown_ms.get(col, 0.0) for s in point.samples)
                for col in BREAKDOWN},
         }
+
+
+def paired_ratios(samples_s: list[float], device_s: list[float]) -> list[float]:
+    """Per round i: `samples_s[i]` over the mean of the device samples next to it (round i's,
+    which ran just before it, and round i+1's, just after, when there is one). Rounds without
+    a device sample are left out."""
+    ratios = []
+    for i, value in enumerate(samples_s):
+        around = device_s[i : i + 2]
+        if around:
+            ratios.append(value / statistics.fmean(around))
+    return ratios
 
 
 def _tier_of(cached: dict[str, int]) -> str:
@@ -509,12 +541,15 @@ def run(args: argparse.Namespace) -> int:
     sizes = _parse_tokens(args.tokens, args.page_size)
     model, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
     rows: list[dict[str, Any]] = []
+    seeding: dict[int, str] = {}
+    started = time.perf_counter()
     with _environment(args, tiers) as (base, master):
         setup = Setup(model, tokenizer, args, base, max(sizes) + args.new_tokens + 64, master)
         for n in sizes:
             run_n = PrefixRun(setup, n, tiers)
             run_n.measure()
             rows.extend(run_n.rows())
+            seeding[n] = run_n.seeding
         bandwidth = [] if args.no_bandwidth else bandwidth_rows(setup, tiers)
     extra = {
         "preset": args.model, "new_tokens": args.new_tokens, "repeats": args.repeats,
@@ -523,6 +558,7 @@ def run(args: argparse.Namespace) -> int:
         "targets": "storage (hf3fs, mooncake) vs_device <= 1.3 and vs_recompute <= 0.1 at N>=4k;"
                    " issue 16: storage vs_device <= 1.2 at N = 16k and 32k",
         "layers_per_read": args.layers_per_read or "default",
+        "seeding": seeding, "elapsed_s": round(time.perf_counter() - started, 1),
     }
     emit("TTFT by the tier holding N cached tokens (+ new tokens), in-process", rows,
          extra=extra)

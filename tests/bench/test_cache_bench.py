@@ -49,6 +49,8 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
         assert row["hit_tier"] == expected_tier[tier], row
         assert row["reused_tokens"] == (0 if tier == "recompute" else n), row
         assert row["ttft_ms"] > 0 and row["vs_device"] > 0
+        if tier != "recompute":  # a paired ratio per round: the median lies in its range
+            assert row["vs_device_min"] <= row["vs_device"] <= row["vs_device_max"], row
         if tier != "recompute":
             assert row["exact"] == "yes", row
     paths = [r["path"] for r in report["bandwidth"]]
@@ -56,6 +58,8 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
     assert "storage hf3fs" in paths
     assert all(r["read_GBps"] > 0 for r in report["bandwidth"])
     assert not list(tmp_path.glob("pdcache-cache-bench-*"))  # the temp dir is removed
+    assert set(report["seeding"]) == {"32", "64"}
+    assert all(v.startswith("recomputed and written in ") for v in report["seeding"].values())
 
 
 def test_keep_dir_reuses_the_stored_prefix(tmp_path) -> None:
@@ -75,4 +79,17 @@ def test_keep_dir_reuses_the_stored_prefix(tmp_path) -> None:
                                 ("file-serial", "storage")):
                 row = rows[(n, tier)]
                 assert (row["hit_tier"], row["reused_tokens"], row["exact"]) == (where, n, "yes")
+        how = "recomputed and written" if run == 0 else "loaded from --keep-dir"
+        assert all(v.startswith(how) for v in report["seeding"].values()), report["seeding"]
     assert (keep / "n32" / "hf3fs").is_dir()  # kept
+
+
+def test_paired_ratios_divide_each_round_by_the_device_hits_around_it() -> None:
+    # a load step between rounds 1 and 2 doubles every time: the median paired ratio stays
+    # 1.2 (the round at the step reads 0.8, inside min-max); a ratio of medians taken over a
+    # run whose device rounds fell more before the step than its storage rounds would not
+    device = [1.0, 1.0, 2.0, 2.0]
+    storage = [1.2, 1.2, 2.4, 2.4]
+    assert cache_bench.paired_ratios(storage, device) == pytest.approx([1.2, 0.8, 1.2, 1.2])
+    assert cache_bench.paired_ratios([1.0, 1.0], [2.0]) == [0.5]  # no device hit: left out
+    assert cache_bench.paired_ratios([1.0], []) == []

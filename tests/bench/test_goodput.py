@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pdcache.bench.goodput import RateSearch, point_passes
+from pdcache.bench.goodput import (
+    ConfigResult,
+    RateSearch,
+    live_sessions,
+    one_noisy_window,
+    point_passes,
+    point_sessions,
+    summary_rows,
+    trace_rate_cap,
+    windows_over_slo,
+)
 from pdcache.bench.replay_run import poisson_session_starts
 from pdcache.bench.traces import SyntheticSpec, synthetic_trace
 from pdcache.cli import main as pdcache_main
@@ -19,7 +30,7 @@ from tests.net_support import free_ports, unified_topology
 def _run_search(search: RateSearch, capacity: float) -> list[float]:
     """Drive the search against a server that passes every rate <= capacity."""
     while (rate := search.next_rate()) is not None:
-        search.record(rate, rate <= capacity, achieved=rate)
+        search.record(rate, rate <= capacity)
     return [r for r, _ in search.tried]
 
 
@@ -31,7 +42,7 @@ def test_search_steps_up_then_bisects_to_the_tolerance() -> None:
     assert search.best_pass is not None and search.lowest_fail is not None
     assert search.best_pass <= 5.0 < search.lowest_fail
     assert search.lowest_fail / search.best_pass <= 1.15
-    assert len(tried) < 10
+    assert len(tried) < 10 and search.bound(trace_cap=100.0) == ""
 
 
 def test_search_steps_down_when_the_first_rate_fails_and_honours_max_points() -> None:
@@ -41,11 +52,106 @@ def test_search_steps_down_when_the_first_rate_fails_and_honours_max_points() ->
     assert len(tried) == 4 and search.best_pass == 1.0
 
 
-def test_search_stops_stepping_up_when_the_trace_cannot_offer_more() -> None:
-    search = RateSearch(start=1.0, step=2.0, max_points=10)
-    search.record(1.0, True, achieved=0.9)
-    search.record(2.0, True, achieved=0.8)  # all sessions overlap already: far below 2.0
-    assert search.trace_bound and search.next_rate() is None
+def test_search_steps_down_no_lower_than_the_minimum_rate() -> None:
+    search = RateSearch(start=8.0, step=2.0, max_points=10, min_rate=1.0)
+    assert _run_search(search, capacity=0.1) == [8.0, 4.0, 2.0, 1.0]
+    assert search.best_pass is None and search.bound(trace_cap=100.0) == ""
+
+
+@pytest.mark.parametrize(
+    ("trace_cap", "expected", "bound"),
+    [(10.0, [3.0, 6.0, 10.0], "trace"), (1000.0, [3.0, 6.0, 12.0, 20.0], "max-rate")],
+    ids=["trace", "max-rate"],
+)
+def test_search_stops_at_the_rate_cap_and_names_it(
+    trace_cap: float, expected: list[float], bound: str
+) -> None:
+    """A config that passes everything is stepped up to the cap (not past it), tried there
+    once, and its goodput is flagged as a lower bound set by whichever cap was lower
+    (`--max-rate` 20 here)."""
+    search = RateSearch(start=3.0, step=2.0, max_points=10, max_rate=min(trace_cap, 20.0))
+    assert _run_search(search, capacity=math.inf) == expected
+    assert search.best_pass == expected[-1] and search.bound(trace_cap) == bound
+
+
+def test_search_flags_a_lower_bound_when_points_run_out_before_a_failure() -> None:
+    search = RateSearch(start=1.0, step=2.0, max_points=3)
+    assert _run_search(search, capacity=100.0) == [1.0, 2.0, 4.0]
+    assert search.bound(trace_cap=1000.0) == "max-points"
+    search.record(8.0, False)  # a failure brackets it: an exact goodput, no bound
+    assert search.bound(trace_cap=1000.0) == ""
+
+
+def test_a_point_replays_enough_sessions_to_span_its_seconds() -> None:
+    turns = [5] * 100
+    # 10 req/s at 5 turns a session: 2 sessions/s, 20 s of starts = 40 sessions
+    assert point_sessions(turns, rate=10.0, seconds=20.0, minimum=4) == 40
+    assert point_sessions(turns, rate=0.5, seconds=20.0, minimum=4) == 4  # the floor
+    assert point_sessions(turns, rate=100.0, seconds=20.0, minimum=4) == 100  # all there is
+    assert trace_rate_cap(turns, seconds=20.0) == 25.0  # 500 requests over 20 s
+    assert point_sessions(turns, trace_rate_cap(turns, 20.0), 20.0, 4) == 100
+
+
+def _windows(p90s: list[float], per_window: int = 10) -> tuple[list[float], list[float]]:
+    """Requests dispatched through consecutive 5 s windows, the TTFTs of window w all p90s[w]."""
+    dispatch = [5.0 * w + 5.0 * i / per_window for w in range(len(p90s)) for i in range(per_window)]
+    ttfts = [p90s[w] for w in range(len(p90s)) for _ in range(per_window)]
+    return dispatch, ttfts
+
+
+def test_one_stalled_window_is_told_from_a_growing_queue() -> None:
+    # one ~5 s stall in the middle: 1 of 4 windows over, the p90 over all requests fails
+    dispatch, ttfts = _windows([0.1, 0.1, 3.0, 0.1])
+    assert not point_passes(
+        {"requests_ok": 40, "requests_total": 40, "requests_failed": 0, "_ttfts": ttfts}, 0.3, 90
+    )
+    assert one_noisy_window(dispatch, ttfts, slo_s=0.3, percentile=90, window_s=5.0) == 2
+    assert windows_over_slo(dispatch, ttfts, 0.3, 90, 5.0) == 1
+    # a queue that grows: every window from the second on is over the SLO, no retry
+    dispatch, ttfts = _windows([0.1, 0.5, 1.0, 2.0])
+    assert one_noisy_window(dispatch, ttfts, 0.3, 90, 5.0) is None
+    assert windows_over_slo(dispatch, ttfts, 0.3, 90, 5.0) == 3
+    # one window over, but the rest also fails the SLO on its own: not one window's doing
+    dispatch, ttfts = _windows([0.25, 0.25, 3.0, 0.25])
+    ttfts[0:2] = [1.0, 1.0]  # two slow requests in window 0 (its p90 is 1.0 > 0.3)
+    assert one_noisy_window(dispatch, ttfts, 0.3, 90, 5.0) is None
+
+
+def test_live_sessions_is_the_mean_number_of_sessions_in_flight() -> None:
+    def rec(sid: str, t: float, e2e: float) -> dict[str, object]:
+        return {"session_id": sid, "dispatch_s": t, "e2e_s": e2e}
+
+    # a: 0-4 s (two turns), b: 2-6 s; over 6 s of pass: 8 session-seconds / 6 s
+    records = [rec("a", 0.0, 1.0), rec("a", 3.0, 1.0), rec("b", 2.0, 4.0)]
+    assert live_sessions(records) == pytest.approx(8.0 / 6.0)
+    assert live_sessions([]) is None
+
+
+def test_summary_rows_give_ratios_to_the_ideal_and_the_baseline_and_tier_shares() -> None:
+    def result(label: str, goodput: float | None, p50: float, tiers: dict[str, float]):
+        ref = {"ttft_p50_s": p50, "ttft_p90_s": 2 * p50, "hit_rate_by_tier": tiers}
+        return ConfigResult(label, reference=ref, goodput_rps=goodput)
+
+    rows = summary_rows(
+        [
+            result("ideal", 10.0, 0.1, {"device": 0.8, "host": 0.0, "storage": 0.0}),
+            result("pd-device", 2.0, 0.4, {"device": 0.5, "host": 0.0, "storage": 0.0}),
+            result("new", 9.0, 0.11, {"device": 0.6, "host": 0.15, "storage": 0.05}),
+        ],
+        baseline="pd-device",
+    )
+    new = rows[2]
+    assert new["goodput_x"] == pytest.approx(0.9) and new["goodput_x_baseline"] == 4.5
+    assert new["ref_ttft_p50_x"] == pytest.approx(1.1) and new["ref_ttft_p90_x"] == pytest.approx(
+        1.1
+    )
+    assert (new["ref_device_share"], new["ref_host_share"], new["ref_storage_share"]) == (
+        pytest.approx(0.75),
+        pytest.approx(0.1875),
+        pytest.approx(0.0625),
+    )
+    assert rows[1]["goodput_x_baseline"] == 1.0 and rows[0]["bound"] == ""
+    assert summary_rows([result("a", 1.0, 0.1, {})])[0]["goodput_x_baseline"] is None
 
 
 def test_a_point_passes_only_complete_and_within_the_slo() -> None:
@@ -101,6 +207,10 @@ def test_goodput_sweeps_a_real_server(tmp_path: Path, slo_ms: float, passes: boo
             "2",
             "--rate-start",
             "4",
+            "--point-seconds",
+            "1",
+            "--min-point-sessions",
+            "6",
             "--unloaded-requests",
             "2",
             "--no-progress",
@@ -115,7 +225,11 @@ def test_goodput_sweeps_a_real_server(tmp_path: Path, slo_ms: float, passes: boo
     assert [p["rate_rps"] for p in points] == ([4.0, 8.0] if passes else [4.0, 2.0])
     assert all(p["passed"] is passes and p["ok"] == 12 for p in points)
     assert row["goodput_rps"] == (8.0 if passes else None)
-    assert row["lower_bound"] is passes and row["error"] == ""
+    assert row["failed_at_rps"] == (None if passes else 2.0)
+    assert all(p["sessions"] == 6 and p["retry"] is False for p in points)
+    # all passed: the points ran out before a failure (12 requests / 1 s caps rates at 12)
+    assert row["bound"] == ("max-points" if passes else "") and row["error"] == ""
+    assert result["trace_rate_cap_rps"] == 12.0 and result["estimated_max_s"] > 0
     assert row["ref_hit_rate"] > 0 and result["slo_ms"] == pytest.approx(slo_ms)
     breakdown = result["summaries"]["u"]["reference_latency_breakdown_s"]
     node_ttft = f"127.0.0.1:{port} pdcache_time_to_first_token_seconds"
