@@ -693,6 +693,60 @@ def summary_rows(results: list[ConfigResult], baseline: str | None = None) -> li
     return rows
 
 
+def _ratio_at_least(value: float | None, target: float, own_bound: bool, other_bound: bool) -> str:
+    """ "yes"/"no" for a goodput ratio >= target, "?" where bounds leave it open: a lower bound
+    in the numerator (own) makes the ratio a lower bound (a "yes" holds), one in the
+    denominator (other) an upper bound (a "no" holds), both: nothing holds."""
+    if value is None or (own_bound and other_bound):
+        return "?"
+    met = value >= target
+    if (own_bound and not met) or (other_bound and met):
+        return "?"
+    return "yes" if met else "no"
+
+
+def _goodput_target(row: dict[str, Any], other: dict[str, Any], key: str, target: float) -> str:
+    """`row`'s goodput over `other`'s >= target? With no passing rate at all, the goodput is
+    below `failed_at_rps`, so failed_at / other's goodput bounds the ratio from above."""
+    if row["goodput_rps"] is None:
+        fail, theirs = row["failed_at_rps"], other["goodput_rps"]
+        return "no" if fail and theirs and fail / theirs < target else "?"
+    return _ratio_at_least(row[key], target, bool(row["bound"]), bool(other["bound"]))
+
+
+def _mark(ok: bool | None) -> str:
+    return "?" if ok is None else ("yes" if ok else "no")
+
+
+def target_rows(rows: list[dict[str, Any]], baseline: str | None) -> list[dict[str, Any]]:
+    """Issue 16's targets per config but the first (the ideal): hit rate >= 0.98 x the
+    theoretical, TTFT p50 <= 1.05x and p90 <= 1.2x the ideal's (reference pass), host share
+    of hits > 0, goodput >= 2x the baseline's and >= 0.9x the ideal's. A goodput that is only
+    a lower bound (`bound`) makes its ratios bounds too: "?" where that leaves it open."""
+    ideal = rows[0]
+    base = next((r for r in rows if r["config"] == baseline), None)
+
+    def check(value: float | None, test: Any) -> bool | None:
+        return None if value is None else bool(test(value))
+
+    out = []
+    for row in rows[1:]:
+        out.append(
+            {
+                "config": row["config"],
+                "hit>=0.98x_theory": _mark(check(row["ref_of_theoretical"], lambda v: v >= 0.98)),
+                "p50<=1.05x": _mark(check(row["ref_ttft_p50_x"], lambda v: v <= 1.05)),
+                "p90<=1.2x": _mark(check(row["ref_ttft_p90_x"], lambda v: v <= 1.2)),
+                "host_share>0": _mark(check(row["ref_host_share"], lambda v: v > 0)),
+                "goodput>=2x_baseline": "-"
+                if base is None or base is row
+                else _goodput_target(row, base, "goodput_x_baseline", 2.0),
+                "goodput>=0.9x_ideal": _goodput_target(row, ideal, "goodput_x", 0.9),
+            }
+        )
+    return out
+
+
 def plot(
     out: Path, results: list[ConfigResult], slo_s: float | None, percentile: float
 ) -> str | None:
@@ -801,6 +855,7 @@ def run(args: argparse.Namespace) -> int:
     payload = {
         **extra,
         "rows": rows,
+        "targets": target_rows(rows, baseline) if len(rows) > 1 else [],
         "points": points,
         "configs": {r.label: {"path": str(r.path), "overrides": list(r.overrides)} for r in runs},
         "summaries": {
@@ -834,6 +889,12 @@ def run(args: argparse.Namespace) -> int:
         extra=extra,
         out=sys.stdout,
     )
+    if len(rows) > 1:
+        emit(
+            "issue 16 targets (reference pass; goodput from the sweep)",
+            target_rows(rows, baseline),
+            out=sys.stdout,
+        )
     for row in rows:
         if row["error"]:
             print(f"{row['config']}: {row['error']}")
