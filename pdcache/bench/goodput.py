@@ -16,9 +16,10 @@ and sends a fresh `cache_salt` and session prefix, so no pass hits pages of anot
 0. warm-up: `--warmup-requests` requests, not measured (a process's first forwards are slow).
 1. unloaded: the first `--unloaded-requests` requests, one at a time. The SLO is `--slo-ms`,
    or `--slo-factor` x the first config's unloaded TTFT p90.
-2. reference (unless `--no-reference`): the whole trace as fast as possible at
-   `--reference-concurrency` (hit rate per tier, TTFT p50/p90: `bench compare`'s numbers, with
-   ratios to the first config), and the latency breakdown: the mean of every `*_seconds`
+2. reference (unless `--no-reference`): the first `--reference-requests` requests (default:
+   the whole trace) as fast as possible at `--reference-concurrency` (hit rate per tier and
+   its share of the hits, TTFT p50/p90: `bench compare`'s numbers, with ratios to the first
+   config), and the latency breakdown: the mean of every `*_seconds`
    histogram of every node's `/metrics` over this pass (router, prefill, decode TTFT, the
    prefill's wait for decode, admission waits).
 3. the sweep: from `--rate-start` (default: the config's unloaded request throughput) the rate
@@ -41,6 +42,9 @@ requests fail it. When a config still passes at the top rate it may offer (`--ma
 trace's cap) or at its last point, its goodput is a lower bound: `bound` names why
 (`max-rate`, `trace`, `max-points`), else it is empty. The run prints its estimated duration
 first (every config using all its points; and the most, if every point overloads).
+
+The table gives goodput ratios to the first config (`goodput_x`) and to `--baseline`
+(`goodput_x_baseline`), and a last table checks issue 16's targets per config.
 
 Writes `DIR/goodput.json`, `DIR/goodput.png` (TTFT p90 vs rate per config, the SLO line) and
 one folder per config and pass (`requests.jsonl`, `summary.json`, the replay's tables).
@@ -560,7 +564,7 @@ class Sweep:
                 run_dir / "reference",
                 mode="afap",
                 concurrency=args.reference_concurrency,
-                max_requests=args.reference_requests,
+                max_requests=args.reference_requests or args.max_requests,
             )
             result.breakdown = latency_breakdown(before, scrape_latencies(urls))
             self.pbar.update(1)
