@@ -15,14 +15,14 @@ holds the N tokens, in one run, in-process (engines, no HTTP, so only the cache 
 and, as `hf3fs-serial` / `file-serial`, with it off (every page read before admission), in the
 same rounds.
 
-Tiers are interleaved round by round (device first, then the others: d, s, d, s, ...), so a
-change of machine load hits them alike; each point is the median of `--repeats` runs (5).
-`vs_device` of a tier the rounds interleave with the device hit is the median over rounds of
-that round's ratio, its sample over the mean of the device samples on either side of it (the
-same round's and the next one's), with `vs_device_min` / `vs_device_max` beside it: a ratio
-of two medians swung 1.01-1.32x from run to run under the shared machine's load, the paired
-one is what one load level gives. `recompute` (not interleaved) is a ratio of medians. The device row's
-own min-max (each device sample over it and the next) is the run's noise floor. `seeding`
+Tiers are interleaved round by round with a device hit before every other sample (d, host,
+d, hf3fs, d, file, ..., d), so a change of machine load hits them alike; each point is the
+median of its `--repeats` runs (5). `vs_device` of a tier is the median of its samples'
+paired ratios, each sample's TTFT over the mean of the device hits just before and just after
+it, with `vs_device_min` / `vs_device_max` beside it: a ratio of two medians swung 1.01-1.32x
+from run to run under the shared machine's load, a paired one compares at one load level.
+`recompute` (not interleaved) is a ratio of medians. The device row's own min-max (each
+device hit over their median) is the run's noise floor. `seeding`
 says how each N's cold request got the prefix into the tiers (recomputed, or loaded from
 `--keep-dir`) and how long it took; `elapsed_s` is the whole run's (model load excluded). `exact`: the device hits' first tokens equal a
 no-prefix-cache run's, the other tiers' equal a device hit's of the same prompts. Where a
@@ -67,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cached prefix lengths N, comma-separated (rounded to pages)")
     parser.add_argument("--new-tokens", type=int, default=64, help="uncached tokens after N")
     parser.add_argument("--repeats", type=int, default=5,
-                        help="rounds: each runs every tier once, device first (median; the "
-                             "ratios to device pair the samples of a round)")
+                        help="rounds: each runs every tier once, a device hit before each "
+                             "(median; the ratios to device pair each sample with the device "
+                             "hits around it)")
     parser.add_argument("--recompute-repeats", type=int, default=1,
                         help="extra no-cache runs besides the cold seeding one (slow at 16k)")
     parser.add_argument("--tiers", default=",".join(DEFAULT_TIERS),
@@ -235,11 +236,15 @@ class PrefixRun:
         self.vocab = min(setup.model.config.vocab_size, 256)
         self.prefix = self._random(n_tokens)
         reps = setup.args.repeats
-        self.suffixes = {t: [self._random(setup.args.new_tokens) for _ in range(reps)]
+        # a device hit before every other tier's sample of a round, and one after the last
+        others = [t for t in tiers if t not in ("recompute", "device")]
+        counts = dict.fromkeys(TIERS, reps) | {"device": reps * max(1, len(others)) + 1}
+        self.suffixes = {t: [self._random(setup.args.new_tokens) for _ in range(counts[t])]
                          for t in TIERS}
         self.seed_suffix = self._random(setup.args.new_tokens)
         self.points: dict[str, Point] = {t: Point() for t in TIERS}
-        self.reference: dict[str, list[int | None]] = {t: [None] * reps for t in TIERS}
+        self.reference: dict[str, list[int | None]] = {t: [None] * counts[t] for t in TIERS}
+        self.sequence: list[tuple[str, float]] = []  # (tier, TTFT s) of every sample, in order
         self.dir = setup.base / f"n{n_tokens}"
         self.seeding = ""  # how the cold request got the prefix into the tiers, and its time
 
@@ -250,8 +255,10 @@ class PrefixRun:
         return self.prefix + self.suffixes[tier][i]
 
     def measure(self) -> None:
-        """Tiers interleaved round by round (device, host, then the storage tiers, in reverse
-        order every other round), so a change of machine load hits them alike."""
+        """Tiers interleaved round by round, a device hit before each other tier's sample
+        (d, host, d, s1, d, s2, ...; the storage tiers in reverse order every other round) and
+        one after the last, so a change of machine load hits them alike and every sample has
+        a device hit on either side."""
         hf3fs = self.setup.storage("hf3fs", self.n, path=str(self.dir / "hf3fs"))
         with ExitStack() as stack:
             seeded = self.setup.tiered(hf3fs)
@@ -266,19 +273,28 @@ class PrefixRun:
                     readers[tier] = self._file_copy(hf3fs)
             if "mooncake" in self.tiers and self.setup.master is not None:
                 readers["mooncake"] = self._mooncake(hf3fs, stack)
+            device = "device" in self.tiers
             for i in range(self.setup.args.repeats):
-                if "device" in self.tiers:
-                    self._sample(seeded, "device", i)  # on device: seeded, or restored
                 if "host" in self.tiers:
+                    self._device_hit(seeded, device)
                     seeded.engine.flush_cache()  # device pages demoted to their host copies
                     self._sample(seeded, "host", i)
                 # odd rounds in reverse: no storage tier always runs first (or right after
                 # another fresh engine's close), which measurably shifts its read times
                 items = list(readers.items())
                 for tier, storage in items if i % 2 == 0 else items[::-1]:
+                    self._device_hit(seeded, device)
                     self._fresh_engine(tier, storage, i)
+                if not readers and "host" not in self.tiers:
+                    self._device_hit(seeded, device)
+            self._device_hit(seeded, device)  # the last sample's device hit after it
             self._device_references(seeded)
         self._recompute()
+
+    def _device_hit(self, built, wanted: bool) -> None:
+        """The next device sample (on device: seeded, or restored by the last host hit)."""
+        if wanted:
+            self._sample(built, "device", len(self.points["device"].samples))
 
     def _sample(self, built, tier: str, i: int) -> None:
         """One timed request, with no storage I/O of earlier requests still running."""
@@ -290,6 +306,7 @@ class PrefixRun:
         sample.breakdown_ms = {col: (after[key] - before[key]) / 1e3
                                for col, key in BREAKDOWN.items()}
         self.points[tier].samples.append(sample)
+        self.sequence.append((tier, sample.ttft_s))
 
     def _seed(self, built) -> None:
         """The cold request seeds every tier (and is a recompute sample, unless `--keep-dir`
@@ -378,7 +395,7 @@ class PrefixRun:
 
         salt = make_salt(backend.config.fingerprint, "")
         prompts = [self.prefix + self.seed_suffix] + [
-            self.prompt(tier, i) for tier in TIERS for i in range(self.setup.args.repeats)]
+            self.prompt(tier, i) for tier in TIERS for i in range(len(self.suffixes[tier]))]
         first = self.n // self.setup.page_size
         for prompt in prompts:
             backend.delete(chain_page_keys(prompt, self.setup.page_size, salt)[first:])
@@ -402,9 +419,12 @@ class PrefixRun:
     def _row(self, tier: str, point: Point, device: float | None,
              recompute: float | None) -> dict[str, Any]:
         ttft = point.ttft_s
-        ratios = [] if tier == "recompute" else paired_ratios(
-            [s.ttft_s for s in point.samples],
-            [s.ttft_s for s in self.points["device"].samples])
+        if tier == "recompute":
+            ratios = []
+        elif tier == "device":  # the noise floor: each device hit over their median
+            ratios = [s.ttft_s / ttft for s in point.samples]
+        else:
+            ratios = paired_ratios(self.sequence, tier)
         vs_device = statistics.median(ratios) if ratios else (ttft / device if device else "")
         reused = [sum(v for k, v in s.cached.items() if k != "storage_from_decode")
                   for s in point.samples]
@@ -426,15 +446,19 @@ class PrefixRun:
         }
 
 
-def paired_ratios(samples_s: list[float], device_s: list[float]) -> list[float]:
-    """Per round i: `samples_s[i]` over the mean of the device samples next to it (round i's,
-    which ran just before it, and round i+1's, just after, when there is one). Rounds without
-    a device sample are left out."""
+def paired_ratios(sequence: list[tuple[str, float]], tier: str) -> list[float]:
+    """Per sample of `tier` in `sequence` ((tier, TTFT) in run order): its TTFT over the mean
+    of the device hits next to it (the last one before it and the first one after it; one of
+    them at the ends). Samples with no device hit on either side are left out."""
+    device_at = [i for i, (t, _) in enumerate(sequence) if t == "device"]
     ratios = []
-    for i, value in enumerate(samples_s):
-        around = device_s[i : i + 2]
-        if around:
-            ratios.append(value / statistics.fmean(around))
+    for i, (t, value) in enumerate(sequence):
+        if t != tier:
+            continue
+        before = [sequence[j][1] for j in device_at if j < i][-1:]
+        after = [sequence[j][1] for j in device_at if j > i][:1]
+        if before or after:
+            ratios.append(value / statistics.fmean(before + after))
     return ratios
 
 

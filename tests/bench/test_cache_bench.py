@@ -84,12 +84,13 @@ def test_keep_dir_reuses_the_stored_prefix(tmp_path) -> None:
     assert (keep / "n32" / "hf3fs").is_dir()  # kept
 
 
-def test_paired_ratios_divide_each_round_by_the_device_hits_around_it() -> None:
-    # a load step between rounds 1 and 2 doubles every time: the median paired ratio stays
-    # 1.2 (the round at the step reads 0.8, inside min-max); a ratio of medians taken over a
-    # run whose device rounds fell more before the step than its storage rounds would not
-    device = [1.0, 1.0, 2.0, 2.0]
-    storage = [1.2, 1.2, 2.4, 2.4]
-    assert cache_bench.paired_ratios(storage, device) == pytest.approx([1.2, 0.8, 1.2, 1.2])
-    assert cache_bench.paired_ratios([1.0, 1.0], [2.0]) == [0.5]  # no device hit: left out
-    assert cache_bench.paired_ratios([1.0], []) == []
+def test_paired_ratios_divide_each_sample_by_the_device_hits_around_it() -> None:
+    # d, s, d, s, d with a load step that doubles every time after the first storage sample:
+    # each pair stays at 1.2x (a ratio of medians would mix load levels: 2.4 / 1.0 or 1.2 / 2.0)
+    sequence = [("device", 1.0), ("hf3fs", 1.2), ("device", 1.0), ("file", 2.4),
+                ("device", 2.0), ("hf3fs", 2.4), ("device", 2.0)]
+    assert cache_bench.paired_ratios(sequence, "hf3fs") == pytest.approx([1.2, 1.2])
+    assert cache_bench.paired_ratios(sequence, "file") == pytest.approx([2.4 / 1.5])
+    # at the ends one neighbour is enough; without any device hit a sample is left out
+    assert cache_bench.paired_ratios([("file", 3.0), ("device", 2.0)], "file") == [1.5]
+    assert cache_bench.paired_ratios([("file", 3.0)], "file") == []
