@@ -38,7 +38,8 @@ window of `--window-seconds` explains alone (that window's p90 is over the SLO, 
 window's and the rest's p90 within it: a stall of the machine, not a queue that grows) is run
 again once (`--noisy-retries` per config); the retry's verdict counts. An overloaded point is
 bounded: dispatch stops at `--point-duration-factor` x its arrival span (+10 s), and unsent
-requests fail it. When a config still passes at the top rate it may offer (`--max-rate` or the
+requests fail it; and a point stops early (`stopped_early`; `--no-early-stop` to run it out)
+once so many of its requests missed the SLO that its TTFT p90 must exceed it. When a config still passes at the top rate it may offer (`--max-rate` or the
 trace's cap) or at its last point, its goodput is a lower bound: `bound` names why
 (`max-rate`, `trace`, `max-points`), else it is empty. The run prints its estimated duration
 first (every config using all its points; and the most, if every point overloads).
@@ -110,6 +111,7 @@ POINT_COLUMNS = (
     "ttft_p99_s",
     "hit_rate",
     "windows_over_slo",
+    "stopped_early",
     "retry",
     "passed",
 )
@@ -198,6 +200,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="window of the one-noisy-window check (requests by dispatch time)",
     )
     parser.add_argument(
+        "--no-early-stop",
+        dest="early_stop",
+        action="store_false",
+        help="run failing points to the end (default: a point stops once enough of its "
+        "requests missed the SLO that it cannot pass)",
+    )
+    parser.add_argument(
         "--noisy-retries",
         type=int,
         default=1,
@@ -273,6 +282,13 @@ def point_sessions(session_turns: list[int], rate: float, seconds: float, minimu
     mean_turns = sum(session_turns) / len(session_turns)
     wanted = max(minimum, math.ceil(rate * seconds / mean_turns))
     return min(wanted, len(session_turns))
+
+
+def slow_requests_to_fail(requests: int, percentile: float) -> int:
+    """How many of `requests` TTFTs over the SLO make the TTFT at `percentile` (numpy's
+    linear interpolation) over the SLO whatever the others are: the sorted values at both
+    ends of its interpolation are then slow ones."""
+    return requests - math.floor(percentile / 100.0 * (requests - 1))
 
 
 def trace_rate_cap(session_turns: list[int], seconds: float) -> float:
@@ -598,6 +614,7 @@ class Sweep:
         )
         requests = sum(self.session_turns[:sessions])
         self.pbar.set_postfix_str(f"{label}: {rate:.3g} req/s{' (retry)' if retry else ''}")
+        assert self.slo_s is not None  # set by the first config's unloaded pass
         summary = run_pass(
             self.args,
             front,
@@ -607,8 +624,12 @@ class Sweep:
             max_requests=requests,
             max_duration=args.point_duration_factor * requests / rate + 10,
             drain_timeout=10.0,
+            # the verdict is settled once this many missed the SLO: stop there
+            stop_after_slow=slow_requests_to_fail(requests, args.slo_percentile)
+            if args.early_stop
+            else None,
+            slow_ttft=self.slo_s,
         )
-        assert self.slo_s is not None  # set by the first config's unloaded pass
         passed = not summary.get("error") and point_passes(summary, self.slo_s, args.slo_percentile)
         row = point_row(label, rate, summary, passed)
         dispatch, ttfts = summary.get("_dispatch") or [], summary.get("_ttfts") or []
@@ -619,8 +640,12 @@ class Sweep:
             windows_over_slo=windows_over_slo(
                 dispatch, ttfts, self.slo_s, args.slo_percentile, args.window_seconds
             ),
+            stopped_early=bool(summary.get("stopped_early")),
+            # cancelled requests of an early stop are no failures of the stack
             noisy_window=None
-            if passed or summary.get("error") or summary.get("requests_failed")
+            if passed
+            or summary.get("error")
+            or (summary.get("requests_failed") and not summary.get("stopped_early"))
             else one_noisy_window(
                 dispatch, ttfts, self.slo_s, args.slo_percentile, args.window_seconds
             ),

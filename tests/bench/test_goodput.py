@@ -17,6 +17,7 @@ from pdcache.bench.goodput import (
     one_noisy_window,
     point_passes,
     point_sessions,
+    slow_requests_to_fail,
     summary_rows,
     target_rows,
     trace_rate_cap,
@@ -81,6 +82,19 @@ def test_search_flags_a_lower_bound_when_points_run_out_before_a_failure() -> No
     assert search.bound(trace_cap=1000.0) == "max-points"
     search.record(8.0, False)  # a failure brackets it: an exact goodput, no bound
     assert search.bound(trace_cap=1000.0) == ""
+
+
+@pytest.mark.parametrize("requests", [1, 2, 3, 9, 10, 11, 12, 20, 57, 100])
+@pytest.mark.parametrize("percentile", [50.0, 90.0, 99.0])
+def test_slow_requests_to_fail_is_the_fewest_that_settle_the_percentile(
+    requests: int, percentile: float
+) -> None:
+    slow = slow_requests_to_fail(requests, percentile)
+    fast_rest = [0.0] * (requests - slow) + [1.0] * slow  # the rest as fast as can be
+    assert np.percentile(fast_rest, percentile) > 0.5  # slow ones alone fail it
+    if slow > 1:  # one fewer, and fast others can still pass it
+        fewer = [0.0] * (requests - slow + 1) + [1.0] * (slow - 1)
+        assert np.percentile(fewer, percentile) < 1.0
 
 
 def test_a_point_replays_enough_sessions_to_span_its_seconds() -> None:
@@ -187,9 +201,13 @@ NEEDED = ("pdcache.server.app", "pdcache.launch.launcher")
     reason="needs pdcache.server.app and pdcache.launch.launcher",
 )
 @pytest.mark.parametrize(
-    ("slo_ms", "passes"), [(60_000.0, True), (0.001, False)], ids=["loose-slo", "impossible-slo"]
+    ("slo_ms", "passes", "early_stop"),
+    [(60_000.0, True, True), (0.001, False, True), (0.001, False, False)],
+    ids=["loose-slo", "impossible-slo", "impossible-slo-no-early-stop"],
 )
-def test_goodput_sweeps_a_real_server(tmp_path: Path, slo_ms: float, passes: bool) -> None:
+def test_goodput_sweeps_a_real_server(
+    tmp_path: Path, slo_ms: float, passes: bool, early_stop: bool
+) -> None:
     port = free_ports(1)[0]
     out = tmp_path / "out"
     trace = "synthetic:sessions=6,turns=2,system_prompt=32,user=16,tool_result=16,answer=4"
@@ -217,6 +235,7 @@ def test_goodput_sweeps_a_real_server(tmp_path: Path, slo_ms: float, passes: boo
             "--no-progress",
             "--startup-timeout",
             "120",
+            *([] if early_stop else ["--no-early-stop"]),
         ]
     )
     assert code == 0
@@ -224,7 +243,11 @@ def test_goodput_sweeps_a_real_server(tmp_path: Path, slo_ms: float, passes: boo
     [row] = result["rows"]
     points = result["points"]
     assert [p["rate_rps"] for p in points] == ([4.0, 8.0] if passes else [4.0, 2.0])
-    assert all(p["passed"] is passes and p["ok"] == 12 for p in points)
+    assert all(p["passed"] is passes for p in points)
+    if passes or not early_stop:  # every request answered
+        assert all(p["ok"] == 12 and p["stopped_early"] is False for p in points)
+    else:  # 3 TTFTs over the SLO settle a p90 of 12 (12 - floor(0.9 x 11)): the point stops
+        assert all(p["stopped_early"] and 3 <= p["ok"] < 12 for p in points), points
     assert row["goodput_rps"] == (8.0 if passes else None)
     assert row["failed_at_rps"] == (None if passes else 2.0)
     assert all(p["sessions"] == 6 and p["retry"] is False for p in points)
