@@ -1,23 +1,44 @@
 #!/bin/bash
 # The README's issue-16 measurement: goodput + hit rate + TTFT of four topologies in one run,
-# under pressure (16 agentic sessions x 5 turns; the prefill device pool = half the working
-# set, host pool = device pool), on free ports. usage: scripts/bench_goodput.sh OUTDIR [ARGS]
+# under pressure, on free ports. usage: scripts/bench_goodput.sh OUTDIR [ARGS] (ARGS override)
+#
+# Trace: agentic sessions x 5 turns (system prompt 512 shared, user 128, tool result 256,
+# answer 32 tokens, think 0.5 s). The reference pass (hit rates, TTFT ratios) replays the first
+# REF_SESSIONS sessions as fast as possible at concurrency 4; their working set (every final
+# context, in 16-token pages) is 2x the prefill device pool: DEVICE_PAGES = working set / 2,
+# host pool = device pool. The sweep's points replay as many sessions as their rate needs for
+# POINT_SECONDS of session starts, so the trace holds SESSIONS = MAX_RATE x POINT_SECONDS / 5.
+# Budget on the 2-core machine: the run prints its estimate (an upper bound) first; ~15 min.
 set -e
 OUT=${1:?outdir}; shift
 export MC_TCP_BIND_ADDRESS=${MC_TCP_BIND_ADDRESS:-127.0.0.1} MC_LOG_LEVEL=${MC_LOG_LEVEL:-ERROR}
+TURNS=5 SYSTEM=512 USER=128 TOOL=256 ANSWER=32 THINK=0.5 PAGE=16
+REF_SESSIONS=16 POINT_SECONDS=15 MAX_RATE=64
+SESSIONS=$(( MAX_RATE * POINT_SECONDS / TURNS ))
+SESSION_PAGES=$(( (USER + (TURNS - 1) * TOOL + TURNS * ANSWER) / PAGE ))
+WORKING_SET=$(( SYSTEM / PAGE + REF_SESSIONS * SESSION_PAGES ))
+DEVICE_PAGES=$(( WORKING_SET / 2 ))
+# the ideal (and the decode node, so it never bounds PD) holds everything live at any rate
+# tried: 8192 pages = 99 sessions' final contexts
+IDEAL_PAGES=8192
+echo "bench_goodput: reference working set $WORKING_SET pages ($REF_SESSIONS sessions);" \
+     "prefill device pool $DEVICE_PAGES pages, host $DEVICE_PAGES; ideal $IDEAL_PAGES;" \
+     "trace $SESSIONS sessions" >&2
 rm -rf .pdcache/goodput
-PD="+node.p0.port=18301+node.p0.bootstrap_port=18302+node.d0.port=18303"
-PD="$PD+storage.metadata=tcp://127.0.0.1:18304+node.p0.cache.device_pages=672"
+PD="+node.p0.port=18301+node.p0.bootstrap_port=18302+node.d0.port=18303+node.d0.cache.device_pages=$IDEAL_PAGES"
+PD="$PD+storage.metadata=tcp://127.0.0.1:18304+node.p0.cache.device_pages=$DEVICE_PAGES"
 NEW="+node.p0.cache.device_eviction=session+node.p0.cache.host_eviction=session"
 NEW="$NEW+node.p0.cache.host_mode=exclusive+storage.eviction=session"
 exec python -m pdcache bench goodput \
-  "ideal=configs/unified.toml+node.u0.port=18305" \
+  "ideal=configs/unified.toml+node.u0.port=18305+node.u0.cache.device_pages=$IDEAL_PAGES+node.u0.cache.host_pages=$IDEAL_PAGES" \
   "pd-device=configs/local-1p1d.toml$PD+storage.backend=none+node.p0.cache.host_pages=1+node.d0.offload=false" \
-  "pd-hicache-lru=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=672" \
-  "pd-hicache-session=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=672$NEW" \
+  "pd-hicache-lru=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$DEVICE_PAGES" \
+  "pd-hicache-session=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$DEVICE_PAGES$NEW" \
   --set model.preset=tiny --set router.port=18300 \
   --set storage.path=./.pdcache/goodput/storage \
   --set storage.metadata_service.state_dir=./.pdcache/goodput/metadata \
-  --trace synthetic:sessions=16,turns=5,system_prompt=512,user=128,tool_result=256,answer=32,think=0.5 \
-  --reference-concurrency 4 --unloaded-requests 10 --slo-factor 5 --max-points 4 --tolerance 0.3 \
-  --out "$OUT" "$@"
+  --trace "synthetic:sessions=$SESSIONS,turns=$TURNS,system_prompt=$SYSTEM,user=$USER,tool_result=$TOOL,answer=$ANSWER,think=$THINK" \
+  --reference-requests $(( REF_SESSIONS * TURNS )) --reference-concurrency 4 \
+  --unloaded-requests 10 --slo-factor 5 --baseline pd-device \
+  --point-seconds $POINT_SECONDS --max-rate $MAX_RATE --max-points 6 --tolerance 0.3 \
+  --noisy-retries 1 --out "$OUT" "$@"

@@ -15,8 +15,16 @@ holds the N tokens, in one run, in-process (engines, no HTTP, so only the cache 
 and, as `hf3fs-serial` / `file-serial`, with it off (every page read before admission), in the
 same rounds.
 
-Tiers are interleaved round by round, so a change of machine load hits them alike; each
-point is the median of `--repeats` runs. `exact`: the device hits' first tokens equal a
+Tiers are interleaved round by round with a device hit before every other sample (d, host,
+d, hf3fs, d, file, ..., d), so a change of machine load hits them alike; each point is the
+median of its `--repeats` runs (5). `vs_device` of a tier is the median of its samples'
+paired ratios, each sample's TTFT over the mean of the device hits just before and just after
+it, with `vs_device_min` / `vs_device_max` beside it: a ratio of two medians swung 1.01-1.32x
+from run to run under the shared machine's load, a paired one compares at one load level.
+`recompute` (not interleaved) is a ratio of medians. The device row's own min-max (each
+device hit over their median) is the run's noise floor. `seeding`
+says how each N's cold request got the prefix into the tiers (recomputed, or loaded from
+`--keep-dir`) and how long it took; `elapsed_s` is the whole run's (model load excluded). `exact`: the device hits' first tokens equal a
 no-prefix-cache run's, the other tiers' equal a device hit's of the same prompts. Where a
 lower tier's time goes: `lookup_ms` (keys + exists_prefix), `read_ms` (storage reads),
 `wait_ms` (prefetch start to admission), `h2d_ms` (host → device copies). A second table gives
@@ -58,7 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default="1024,4096,16384",
                         help="cached prefix lengths N, comma-separated (rounded to pages)")
     parser.add_argument("--new-tokens", type=int, default=64, help="uncached tokens after N")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per point (median)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="rounds: each runs every tier once, a device hit before each "
+                             "(median; the ratios to device pair each sample with the device "
+                             "hits around it)")
     parser.add_argument("--recompute-repeats", type=int, default=1,
                         help="extra no-cache runs besides the cold seeding one (slow at 16k)")
     parser.add_argument("--tiers", default=",".join(DEFAULT_TIERS),
@@ -225,12 +236,17 @@ class PrefixRun:
         self.vocab = min(setup.model.config.vocab_size, 256)
         self.prefix = self._random(n_tokens)
         reps = setup.args.repeats
-        self.suffixes = {t: [self._random(setup.args.new_tokens) for _ in range(reps)]
+        # a device hit before every other tier's sample of a round, and one after the last
+        others = [t for t in tiers if t not in ("recompute", "device")]
+        counts = dict.fromkeys(TIERS, reps) | {"device": reps * max(1, len(others)) + 1}
+        self.suffixes = {t: [self._random(setup.args.new_tokens) for _ in range(counts[t])]
                          for t in TIERS}
         self.seed_suffix = self._random(setup.args.new_tokens)
         self.points: dict[str, Point] = {t: Point() for t in TIERS}
-        self.reference: dict[str, list[int | None]] = {t: [None] * reps for t in TIERS}
+        self.reference: dict[str, list[int | None]] = {t: [None] * counts[t] for t in TIERS}
+        self.sequence: list[tuple[str, float]] = []  # (tier, TTFT s) of every sample, in order
         self.dir = setup.base / f"n{n_tokens}"
+        self.seeding = ""  # how the cold request got the prefix into the tiers, and its time
 
     def _random(self, length: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(length)]
@@ -239,8 +255,10 @@ class PrefixRun:
         return self.prefix + self.suffixes[tier][i]
 
     def measure(self) -> None:
-        """Tiers interleaved round by round (device, host, then the storage tiers, in reverse
-        order every other round), so a change of machine load hits them alike."""
+        """Tiers interleaved round by round, a device hit before each other tier's sample
+        (d, host, d, s1, d, s2, ...; the storage tiers in reverse order every other round) and
+        one after the last, so a change of machine load hits them alike and every sample has
+        a device hit on either side."""
         hf3fs = self.setup.storage("hf3fs", self.n, path=str(self.dir / "hf3fs"))
         with ExitStack() as stack:
             seeded = self.setup.tiered(hf3fs)
@@ -255,19 +273,28 @@ class PrefixRun:
                     readers[tier] = self._file_copy(hf3fs)
             if "mooncake" in self.tiers and self.setup.master is not None:
                 readers["mooncake"] = self._mooncake(hf3fs, stack)
+            device = "device" in self.tiers
             for i in range(self.setup.args.repeats):
-                if "device" in self.tiers:
-                    self._sample(seeded, "device", i)  # on device: seeded, or restored
                 if "host" in self.tiers:
+                    self._device_hit(seeded, device)
                     seeded.engine.flush_cache()  # device pages demoted to their host copies
                     self._sample(seeded, "host", i)
                 # odd rounds in reverse: no storage tier always runs first (or right after
                 # another fresh engine's close), which measurably shifts its read times
                 items = list(readers.items())
                 for tier, storage in items if i % 2 == 0 else items[::-1]:
+                    self._device_hit(seeded, device)
                     self._fresh_engine(tier, storage, i)
+                if not readers and "host" not in self.tiers:
+                    self._device_hit(seeded, device)
+            self._device_hit(seeded, device)  # the last sample's device hit after it
             self._device_references(seeded)
         self._recompute()
+
+    def _device_hit(self, built, wanted: bool) -> None:
+        """The next device sample (on device: seeded, or restored by the last host hit)."""
+        if wanted:
+            self._sample(built, "device", len(self.points["device"].samples))
 
     def _sample(self, built, tier: str, i: int) -> None:
         """One timed request, with no storage I/O of earlier requests still running."""
@@ -279,6 +306,7 @@ class PrefixRun:
         sample.breakdown_ms = {col: (after[key] - before[key]) / 1e3
                                for col, key in BREAKDOWN.items()}
         self.points[tier].samples.append(sample)
+        self.sequence.append((tier, sample.ttft_s))
 
     def _seed(self, built) -> None:
         """The cold request seeds every tier (and is a recompute sample, unless `--keep-dir`
@@ -287,11 +315,14 @@ class PrefixRun:
         stored = built.storage.exists_prefix(keys) == len(keys)
         if stored:
             self._forget_suffixes(built.storage)
+        start = time.perf_counter()
         sample = _ttft(built.engine, self.prefix + self.seed_suffix)
         if not stored:
             self.points["recompute"].samples.append(sample)
         if not built.hicache.wait_idle(600):
             raise RuntimeError("storage writes did not finish")
+        how = "loaded from --keep-dir" if stored else "recomputed and written"
+        self.seeding = f"{how} in {time.perf_counter() - start:.1f} s"
 
     def _device_references(self, built) -> None:
         for tier in [t for t in TIERS if t not in ("recompute", "device")]:
@@ -364,7 +395,7 @@ class PrefixRun:
 
         salt = make_salt(backend.config.fingerprint, "")
         prompts = [self.prefix + self.seed_suffix] + [
-            self.prompt(tier, i) for tier in TIERS for i in range(self.setup.args.repeats)]
+            self.prompt(tier, i) for tier in TIERS for i in range(len(self.suffixes[tier]))]
         first = self.n // self.setup.page_size
         for prompt in prompts:
             backend.delete(chain_page_keys(prompt, self.setup.page_size, salt)[first:])
@@ -388,6 +419,13 @@ class PrefixRun:
     def _row(self, tier: str, point: Point, device: float | None,
              recompute: float | None) -> dict[str, Any]:
         ttft = point.ttft_s
+        if tier == "recompute":
+            ratios = []
+        elif tier == "device":  # the noise floor: each device hit over their median
+            ratios = [s.ttft_s / ttft for s in point.samples]
+        else:
+            ratios = paired_ratios(self.sequence, tier)
+        vs_device = statistics.median(ratios) if ratios else (ttft / device if device else "")
         reused = [sum(v for k, v in s.cached.items() if k != "storage_from_decode")
                   for s in point.samples]
         where = _tier_of(point.samples[-1].cached)
@@ -396,7 +434,9 @@ class PrefixRun:
                    if i < len(refs) and refs[i] is not None]
         return {
             "N": self.n, "tier": tier, "ttft_ms": ttft * 1e3,
-            "vs_device": ttft / device if device else "",
+            "vs_device": vs_device,
+            "vs_device_min": min(ratios) if ratios else "",
+            "vs_device_max": max(ratios) if ratios else "",
             "vs_recompute": ttft / recompute if recompute else "",
             "reused_tokens": min(reused), "hit_tier": where,
             "exact": ("yes" if all(checked) else "NO") if checked else "",
@@ -404,6 +444,22 @@ class PrefixRun:
             **{col: statistics.median(s.breakdown_ms.get(col, 0.0) for s in point.samples)
                for col in BREAKDOWN},
         }
+
+
+def paired_ratios(sequence: list[tuple[str, float]], tier: str) -> list[float]:
+    """Per sample of `tier` in `sequence` ((tier, TTFT) in run order): its TTFT over the mean
+    of the device hits next to it (the last one before it and the first one after it; one of
+    them at the ends). Samples with no device hit on either side are left out."""
+    device_at = [i for i, (t, _) in enumerate(sequence) if t == "device"]
+    ratios = []
+    for i, (t, value) in enumerate(sequence):
+        if t != tier:
+            continue
+        before = [sequence[j][1] for j in device_at if j < i][-1:]
+        after = [sequence[j][1] for j in device_at if j > i][:1]
+        if before or after:
+            ratios.append(value / statistics.fmean(before + after))
+    return ratios
 
 
 def _tier_of(cached: dict[str, int]) -> str:
@@ -509,12 +565,15 @@ def run(args: argparse.Namespace) -> int:
     sizes = _parse_tokens(args.tokens, args.page_size)
     model, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
     rows: list[dict[str, Any]] = []
+    seeding: dict[int, str] = {}
+    started = time.perf_counter()
     with _environment(args, tiers) as (base, master):
         setup = Setup(model, tokenizer, args, base, max(sizes) + args.new_tokens + 64, master)
         for n in sizes:
             run_n = PrefixRun(setup, n, tiers)
             run_n.measure()
             rows.extend(run_n.rows())
+            seeding[n] = run_n.seeding
         bandwidth = [] if args.no_bandwidth else bandwidth_rows(setup, tiers)
     extra = {
         "preset": args.model, "new_tokens": args.new_tokens, "repeats": args.repeats,
@@ -523,6 +582,7 @@ def run(args: argparse.Namespace) -> int:
         "targets": "storage (hf3fs, mooncake) vs_device <= 1.3 and vs_recompute <= 0.1 at N>=4k;"
                    " issue 16: storage vs_device <= 1.2 at N = 16k and 32k",
         "layers_per_read": args.layers_per_read or "default",
+        "seeding": seeding, "elapsed_s": round(time.perf_counter() - started, 1),
     }
     emit("TTFT by the tier holding N cached tokens (+ new tokens), in-process", rows,
          extra=extra)

@@ -16,19 +16,36 @@ and sends a fresh `cache_salt` and session prefix, so no pass hits pages of anot
 0. warm-up: `--warmup-requests` requests, not measured (a process's first forwards are slow).
 1. unloaded: the first `--unloaded-requests` requests, one at a time. The SLO is `--slo-ms`,
    or `--slo-factor` x the first config's unloaded TTFT p90.
-2. reference (unless `--no-reference`): the whole trace as fast as possible at
-   `--reference-concurrency` (hit rate per tier, TTFT p50/p90: `bench compare`'s numbers, with
-   ratios to the first config), and the latency breakdown: the mean of every `*_seconds`
+2. reference (unless `--no-reference`): the first `--reference-requests` requests (default:
+   the whole trace) as fast as possible at `--reference-concurrency` (hit rate per tier and
+   its share of the hits, TTFT p50/p90: `bench compare`'s numbers, with ratios to the first
+   config), and the latency breakdown: the mean of every `*_seconds`
    histogram of every node's `/metrics` over this pass (router, prefill, decode TTFT, the
    prefill's wait for decode, admission waits).
 3. the sweep: from `--rate-start` (default: the config's unloaded request throughput) the rate
-   is multiplied by `--step` while points pass (divided while they fail), then bisected
-   (geometric midpoint) between the best pass and the lowest failure until they are within
-   `--tolerance` or `--max-points` points ran. An overloaded point is bounded: dispatch stops
-   at `--point-duration-factor` x its arrival span (+10 s), and unsent requests fail it. A
-   passing point whose achieved rate is below TRACE_BOUND x the offered one ends the step-up:
-   the trace's sessions all overlap already and cannot offer more load, so the goodput is
-   only a lower bound (`lower_bound` in the table; use more sessions).
+   is multiplied by `--step` while points pass (divided while they fail), up to `--max-rate`,
+   then bisected (geometric midpoint) between the best pass and the lowest failure until they
+   are within `--tolerance` or `--max-points` points ran.
+
+A point is sized by time, not by the trace: at rate R it replays the first k sessions of the
+trace, k = max(`--min-point-sessions`, R x `--point-seconds` / mean turns per session), so its
+session starts span `--point-seconds` at every rate and the offered rate is sustained that
+long (a 16-session trace could not: at 14 req/s all its sessions overlapped and the point
+measured a ramp, not a load). The trace must hold enough sessions for the top rate: the rates
+a point may offer are capped at (trace requests / `--point-seconds`). A point's verdict is
+the TTFT p90 over *all* its successful requests (not a per-window p90), and a failure that one
+window of `--window-seconds` explains alone (that window's p90 is over the SLO, every other
+window's and the rest's p90 within it: a stall of the machine, not a queue that grows) is run
+again once (`--noisy-retries` per config); the retry's verdict counts. An overloaded point is
+bounded: dispatch stops at `--point-duration-factor` x its arrival span (+10 s), and unsent
+requests fail it; and a point stops early (`stopped_early`; `--no-early-stop` to run it out)
+once so many of its requests missed the SLO that its TTFT p90 must exceed it. When a config still passes at the top rate it may offer (`--max-rate` or the
+trace's cap) or at its last point, its goodput is a lower bound: `bound` names why
+(`max-rate`, `trace`, `max-points`), else it is empty. The run prints its estimated duration
+first (every config using all its points; and the most, if every point overloads).
+
+The table gives goodput ratios to the first config (`goodput_x`) and to `--baseline`
+(`goodput_x_baseline`), and a last table checks issue 16's targets per config.
 
 Writes `DIR/goodput.json`, `DIR/goodput.png` (TTFT p90 vs rate per config, the SLO line) and
 one folder per config and pass (`requests.jsonl`, `summary.json`, the replay's tables).
@@ -41,6 +58,7 @@ import contextlib
 import json
 import math
 import sys
+import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
@@ -65,19 +83,25 @@ TABLE_COLUMNS = (
     "unloaded_ttft_p90_s",
     "ref_hit_rate",
     "ref_of_theoretical",
+    "ref_device_share",
     "ref_host_share",
+    "ref_storage_share",
     "ref_ttft_p50_s",
     "ref_ttft_p90_s",
     "ref_ttft_p50_x",
     "ref_ttft_p90_x",
     "goodput_rps",
+    "failed_at_rps",
     "goodput_x",
-    "lower_bound",
+    "goodput_x_baseline",
+    "bound",
     "points",
 )
 POINT_COLUMNS = (
     "config",
     "rate_rps",
+    "sessions",
+    "live_sessions",
     "achieved_rps",
     "ok",
     "failed",
@@ -86,6 +110,9 @@ POINT_COLUMNS = (
     "ttft_p90_s",
     "ttft_p99_s",
     "hit_rate",
+    "windows_over_slo",
+    "stopped_early",
+    "retry",
     "passed",
 )
 
@@ -128,6 +155,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--reference-concurrency", type=int, default=4)
     parser.add_argument(
+        "--reference-requests",
+        type=int,
+        default=None,
+        help="requests of the reference pass (whole sessions in start order; default: all)",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="LABEL",
+        help="config the goodput_x_baseline column refers to (default: pd-device if present)",
+    )
+    parser.add_argument(
         "--rate-start",
         type=float,
         default=None,
@@ -142,6 +181,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-points", type=int, default=6, help="rate points per config")
     parser.add_argument(
+        "--max-rate", type=float, default=64.0, help="highest offered rate tried, requests/s"
+    )
+    parser.add_argument(
+        "--point-seconds",
+        type=float,
+        default=20.0,
+        help="a point's session starts span this long at every rate (sessions it replays: "
+        "rate x this / mean turns per session)",
+    )
+    parser.add_argument(
+        "--min-point-sessions", type=int, default=4, help="sessions of a point at least"
+    )
+    parser.add_argument(
+        "--window-seconds",
+        type=float,
+        default=5.0,
+        help="window of the one-noisy-window check (requests by dispatch time)",
+    )
+    parser.add_argument(
+        "--no-early-stop",
+        dest="early_stop",
+        action="store_false",
+        help="run failing points to the end (default: a point stops once enough of its "
+        "requests missed the SLO that it cannot pass)",
+    )
+    parser.add_argument(
+        "--noisy-retries",
+        type=int,
+        default=1,
+        help="per config: failed points that one noisy window explains, run again",
+    )
+    parser.add_argument(
         "--point-duration-factor",
         type=float,
         default=2.0,
@@ -153,47 +224,129 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---- the search ---------------------------------------------------------------------------
 
-TRACE_BOUND = 0.5  # achieved / offered rate of a pass below which the trace is the limit
-
 
 @dataclass
 class RateSearch:
     """Step up (or down) by `step` until a pass and a failure bracket the goodput, then bisect
-    geometrically; `next_rate()` is None when done. Pure: the caller runs each point."""
+    geometrically; `next_rate()` is None when done. Rates stay within [`min_rate`,
+    `max_rate`]. Pure: the caller runs each point and `record`s its verdict."""
 
     start: float
     step: float = 2.0
     tolerance: float = 0.15
     max_points: int = 6
+    max_rate: float = math.inf
+    min_rate: float = 0.0
     best_pass: float | None = None
     lowest_fail: float | None = None
-    trace_bound: bool = False  # a pass whose achieved rate fell far short of the offered one
     tried: list[tuple[float, bool]] = field(default_factory=list)
 
     def next_rate(self) -> float | None:
-        if len(self.tried) >= self.max_points or (self.trace_bound and self.lowest_fail is None):
+        if len(self.tried) >= self.max_points:
             return None
         if not self.tried:
-            return self.start
+            return min(self.start, self.max_rate)
         lo, hi = self.best_pass, self.lowest_fail
-        if lo is None:
-            return hi / self.step if hi is not None else self.start
-        if hi is None:
-            return lo * self.step
+        if lo is None:  # failures only: step down
+            down = hi / self.step if hi is not None else self.start
+            return down if down >= self.min_rate else None
+        if hi is None:  # passes only: step up, to the cap at most
+            return min(lo * self.step, self.max_rate) if lo < self.max_rate else None
         if hi / lo <= 1.0 + self.tolerance:
             return None
         return math.sqrt(lo * hi)
 
-    def record(self, rate: float, passed: bool, achieved: float | None = None) -> None:
-        """`achieved` (requests/s): a pass below TRACE_BOUND x `rate` means the trace's
-        sessions cannot offer more load (they all overlap already): stepping up stops."""
+    def record(self, rate: float, passed: bool) -> None:
         self.tried.append((rate, passed))
-        if passed and achieved is not None and achieved < TRACE_BOUND * rate:
-            self.trace_bound = True
         if passed and (self.best_pass is None or rate > self.best_pass):
             self.best_pass = rate
         if not passed and (self.lowest_fail is None or rate < self.lowest_fail):
             self.lowest_fail = rate
+
+    def bound(self, trace_cap: float) -> str:
+        """Why the goodput is only a lower bound ("" when a failure brackets it): it passed
+        at the highest rate allowed, set by the trace ("trace") or `--max-rate`, or the
+        points ran out while it still passed ("max-points")."""
+        if self.best_pass is None or self.lowest_fail is not None:
+            return ""
+        if self.best_pass >= self.max_rate * (1 - 1e-9):
+            return "trace" if trace_cap <= self.max_rate * (1 + 1e-9) else "max-rate"
+        return "max-points"
+
+
+def point_sessions(session_turns: list[int], rate: float, seconds: float, minimum: int) -> int:
+    """Sessions a point at `rate` replays so that its session starts (at rate / mean turns
+    per session) span `seconds`: at least `minimum`, at most the trace's."""
+    if not session_turns:
+        return 0
+    mean_turns = sum(session_turns) / len(session_turns)
+    wanted = max(minimum, math.ceil(rate * seconds / mean_turns))
+    return min(wanted, len(session_turns))
+
+
+def slow_requests_to_fail(requests: int, percentile: float) -> int:
+    """How many of `requests` TTFTs over the SLO make the TTFT at `percentile` (numpy's
+    linear interpolation) over the SLO whatever the others are: the sorted values at both
+    ends of its interpolation are then slow ones."""
+    return requests - math.floor(percentile / 100.0 * (requests - 1))
+
+
+def trace_rate_cap(session_turns: list[int], seconds: float) -> float:
+    """The highest rate at which the whole trace still spans `seconds` of session starts."""
+    return sum(session_turns) / seconds
+
+
+def one_noisy_window(
+    dispatch_s: list[float], ttfts: list[float], slo_s: float, percentile: float, window_s: float
+) -> int | None:
+    """The window (index of `window_s` slices of dispatch time) that alone fails the point:
+    its TTFT percentile is over the SLO, no other window's is, and the percentile over all
+    requests outside it is within the SLO. None when the failure is not one window's (a
+    queue that grows fails every later window)."""
+    import numpy as np
+
+    windows: dict[int, list[float]] = {}
+    for t, ttft in zip(dispatch_s, ttfts):
+        windows.setdefault(int(t // window_s), []).append(ttft)
+    over = [w for w, vals in windows.items() if float(np.percentile(vals, percentile)) > slo_s]
+    if len(over) != 1:
+        return None
+    rest = [v for w, vals in windows.items() if w != over[0] for v in vals]
+    if not rest or float(np.percentile(rest, percentile)) > slo_s:
+        return None
+    return over[0]
+
+
+def windows_over_slo(
+    dispatch_s: list[float], ttfts: list[float], slo_s: float, percentile: float, window_s: float
+) -> int:
+    """How many `window_s` windows of dispatch time have a TTFT percentile over the SLO."""
+    import numpy as np
+
+    windows: dict[int, list[float]] = {}
+    for t, ttft in zip(dispatch_s, ttfts):
+        windows.setdefault(int(t // window_s), []).append(ttft)
+    return sum(float(np.percentile(v, percentile)) > slo_s for v in windows.values())
+
+
+def estimate_seconds(
+    args: argparse.Namespace, num_configs: int, session_turns: list[int], think_s: float
+) -> tuple[float, float]:
+    """The run's duration when every config uses all its points and retries: (estimate, most).
+    Per config: startup ~12 s, ~0.5 s per warm-up and unloaded request, ~0.3 s per reference
+    request / its concurrency, and per point its span + one session's think times + ~0.6 s
+    per turn (the tail after the last start) + 2 s (flush, replay start); at most, a point
+    runs `--point-duration-factor` x its span + 10 s + the 10 s drain (calibrated on the
+    2-core machine, tiny preset, 2026-12: a 3 s point took 8.5 s, a startup 9 s)."""
+    mean_turns = sum(session_turns) / max(1, len(session_turns))
+    reference = args.reference_requests or sum(session_turns)
+    fixed = 12 + 0.5 * (args.unloaded_requests + args.warmup_requests)
+    if args.reference:
+        fixed += 0.3 * reference / max(1, args.reference_concurrency)
+    points = args.max_points + args.noisy_retries
+    typical = args.point_seconds + think_s + 0.6 * mean_turns + 2
+    longest = args.point_duration_factor * args.point_seconds + 22
+    return num_configs * (fixed + points * typical), num_configs * (fixed + points * longest)
 
 
 def point_passes(summary: dict[str, Any], slo_s: float, percentile: float) -> bool:
@@ -256,10 +409,28 @@ def run_pass(args: argparse.Namespace, front: str, out: Path, **changes: Any) ->
         for line in (out / "requests.jsonl").read_text().splitlines()
         if line.strip()
     ]
-    summary["_ttfts"] = [r["ttft_s"] for r in records if r["ok"] and r["ttft_s"] is not None]
+    timed = [r for r in records if r["ok"] and r["ttft_s"] is not None]
+    summary["_ttfts"] = [r["ttft_s"] for r in timed]
+    summary["_dispatch"] = [r["dispatch_s"] for r in timed]
+    summary["_live_sessions"] = live_sessions(records)
     if code != 0:
         summary["error"] = f"replay exited {code}"
     return summary
+
+
+def live_sessions(records: list[dict[str, Any]]) -> float | None:
+    """Mean sessions in flight over the pass (Little's law: the sessions' spans from first
+    dispatch to last answer, summed, over the pass's span): with the pages per session, the
+    live working set the device pool had to hold."""
+    spans: dict[str, list[float]] = {}
+    for r in records:
+        end = r["dispatch_s"] + (r.get("e2e_s") or 0.0)
+        span = spans.setdefault(r["session_id"], [r["dispatch_s"], end])
+        span[0], span[1] = min(span[0], r["dispatch_s"]), max(span[1], end)
+    if not spans:
+        return None
+    wall = max(e for _, e in spans.values()) - min(b for b, _ in spans.values())
+    return sum(e - b for b, e in spans.values()) / wall if wall > 0 else None
 
 
 def scrape_latencies(urls: list[str]) -> dict[str, tuple[float, float]]:
@@ -301,8 +472,13 @@ def latency_breakdown(
     return dict(sorted(out.items()))
 
 
-def _trace_requests(args: argparse.Namespace) -> int:
-    return replay.prepare_trace(args).num_requests
+def _trace_shape(args: argparse.Namespace) -> tuple[list[int], float]:
+    """Turns of every session of the trace, in start order, and the mean think time a
+    session spends (seconds, summed over its turns)."""
+    trace = replay.prepare_trace(args)
+    turns = [len(s.turns) for s in trace.sessions]
+    think = sum(t.delay_s for s in trace.sessions for t in s.turns) / max(1, len(turns))
+    return turns, think
 
 
 # ---- one config -------------------------------------------------------------------------------
@@ -317,7 +493,8 @@ class ConfigResult:
     breakdown: dict[str, float] = field(default_factory=dict)
     points: list[dict[str, Any]] = field(default_factory=list)
     goodput_rps: float | None = None
-    trace_bound: bool = False  # no failure found: the goodput is at least goodput_rps
+    lowest_fail_rps: float | None = None  # the goodput is below this (None: none failed)
+    bound: str = ""  # why the goodput is only a lower bound (RateSearch.bound), "" if not
     error: str = ""
 
 
@@ -328,20 +505,31 @@ class Sweep:
         self.args = args
         self.out = out
         self.slo_s: float | None = None if args.slo_ms is None else args.slo_ms / 1000.0
-        self.num_requests = _trace_requests(args)
-        passes = 2 + int(args.reference) + args.max_points
+        self.session_turns, self.think_s = _trace_shape(args)
+        self.num_requests = sum(self.session_turns)
+        self.trace_cap = trace_rate_cap(self.session_turns, args.point_seconds)
+        self.max_rate = min(args.max_rate, self.trace_cap)
+        self.estimate_s = estimate_seconds(
+            args, len(args.configs), self.session_turns, self.think_s
+        )
         self.pbar = tqdm(
-            total=passes * len(args.configs),
+            total=self.planned * len(args.configs),
             unit="pass",
             file=sys.stderr,
             disable=not args.progress,
             desc="goodput",
         )
 
+    @property
+    def planned(self) -> int:
+        """Passes of one config at most: warm-up, unloaded, reference, points, retries."""
+        args = self.args
+        return 2 + int(args.reference) + args.max_points + args.noisy_retries
+
     def run_config(self, run: ConfigRun) -> ConfigResult:
         result = ConfigResult(run.label)
         run_dir = self.out / run.label
-        planned = 2 + int(self.args.reference) + self.args.max_points
+        planned = self.planned
         start_n = self.pbar.n
         try:
             urls = endpoints_of(run)[1]
@@ -392,6 +580,7 @@ class Sweep:
                 run_dir / "reference",
                 mode="afap",
                 concurrency=args.reference_concurrency,
+                max_requests=args.reference_requests or args.max_requests,
             )
             result.breakdown = latency_breakdown(before, scrape_latencies(urls))
             self.pbar.update(1)
@@ -400,27 +589,69 @@ class Sweep:
             args.step,
             args.tolerance,
             args.max_points,
+            max_rate=self.max_rate,
         )
+        retries = args.noisy_retries
         while (rate := search.next_rate()) is not None:
-            self.pbar.set_postfix_str(f"{result.label}: {rate:.3g} req/s")
-            span_s = self.num_requests / rate
-            summary = run_pass(
-                args,
-                front,
-                run_dir / f"rate-{rate:.4g}",
-                mode="poisson-sessions",
-                rate=rate,
-                max_duration=args.point_duration_factor * span_s + 10,
-                drain_timeout=10.0,
-            )
-            passed = not summary.get("error") and point_passes(
-                summary, self.slo_s, args.slo_percentile
-            )
-            search.record(rate, passed, summary.get("request_throughput_rps"))
-            result.points.append(point_row(result.label, rate, summary, passed))
-            self.pbar.update(1)
+            summary, row = self._point(front, run_dir, result.label, rate, retry=False)
+            if not row["passed"] and row["noisy_window"] is not None and retries > 0:
+                retries -= 1  # one stalled window alone failed it: run it again
+                result.points.append(row)
+                summary, row = self._point(front, run_dir, result.label, rate, retry=True)
+            search.record(rate, row["passed"])
+            result.points.append(row)
         result.goodput_rps = search.best_pass
-        result.trace_bound = search.trace_bound and search.lowest_fail is None
+        result.lowest_fail_rps = search.lowest_fail
+        result.bound = search.bound(self.trace_cap)
+
+    def _point(
+        self, front: str, run_dir: Path, label: str, rate: float, retry: bool
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One rate point: the first sessions of the trace that span --point-seconds."""
+        args = self.args
+        sessions = point_sessions(
+            self.session_turns, rate, args.point_seconds, args.min_point_sessions
+        )
+        requests = sum(self.session_turns[:sessions])
+        self.pbar.set_postfix_str(f"{label}: {rate:.3g} req/s{' (retry)' if retry else ''}")
+        assert self.slo_s is not None  # set by the first config's unloaded pass
+        summary = run_pass(
+            self.args,
+            front,
+            run_dir / f"rate-{rate:.4g}{'-retry' if retry else ''}",
+            mode="poisson-sessions",
+            rate=rate,
+            max_requests=requests,
+            max_duration=args.point_duration_factor * requests / rate + 10,
+            drain_timeout=10.0,
+            # the verdict is settled once this many missed the SLO: stop there
+            stop_after_slow=slow_requests_to_fail(requests, args.slo_percentile)
+            if args.early_stop
+            else None,
+            slow_ttft=self.slo_s,
+        )
+        passed = not summary.get("error") and point_passes(summary, self.slo_s, args.slo_percentile)
+        row = point_row(label, rate, summary, passed)
+        dispatch, ttfts = summary.get("_dispatch") or [], summary.get("_ttfts") or []
+        row.update(
+            sessions=sessions,
+            live_sessions=summary.get("_live_sessions"),
+            retry=retry,
+            windows_over_slo=windows_over_slo(
+                dispatch, ttfts, self.slo_s, args.slo_percentile, args.window_seconds
+            ),
+            stopped_early=bool(summary.get("stopped_early")),
+            # cancelled requests of an early stop are no failures of the stack
+            noisy_window=None
+            if passed
+            or summary.get("error")
+            or (summary.get("requests_failed") and not summary.get("stopped_early"))
+            else one_noisy_window(
+                dispatch, ttfts, self.slo_s, args.slo_percentile, args.window_seconds
+            ),
+        )
+        self.pbar.update(1)
+        return summary, row
 
 
 def point_row(label: str, rate: float, s: dict[str, Any], passed: bool) -> dict[str, Any]:
@@ -447,14 +678,21 @@ def _ratio(value: float | None, base: float | None) -> float | None:
     return value / base if value is not None and base else None
 
 
-def _host_share(summary: dict[str, Any]) -> float | None:
+def _tier_share(summary: dict[str, Any], tier: str) -> float | None:
+    """The share of the pass's hits (cached prompt tokens) that `tier` served."""
     tiers = summary.get("hit_rate_by_tier") or {}
     total = sum(tiers.values())
-    return tiers.get("host", 0.0) / total if total else None
+    return tiers.get(tier, 0.0) / total if total else None
 
 
-def summary_rows(results: list[ConfigResult]) -> list[dict[str, Any]]:
+def summary_rows(results: list[ConfigResult], baseline: str | None = None) -> list[dict[str, Any]]:
+    """One row per config; the `_x` ratios refer to the first config (the ideal), and
+    `goodput_x_baseline` to the config labelled `baseline` (PD with a device-only cache). The
+    goodput is the best passing rate; the true one lies below `failed_at_rps`, the lowest
+    failing one (within 1 + --tolerance of it when the search converged)."""
     base = results[0]
+    by_label = {r.label: r for r in results}
+    base_goodput = by_label[baseline].goodput_rps if baseline in by_label else None
     rows = []
     for r in results:
         ref, ref_base = r.reference, base.reference
@@ -463,21 +701,79 @@ def summary_rows(results: list[ConfigResult]) -> list[dict[str, Any]]:
                 "config": r.label,
                 "unloaded_ttft_p90_s": ttft_percentile(r.unloaded, 90.0) if r.unloaded else None,
                 "ref_hit_rate": ref.get("hit_rate"),
+                "ref_theoretical_hit_rate": ref.get("theoretical_hit_rate"),
                 "ref_of_theoretical": ref.get("achieved_over_theoretical"),
-                "ref_host_share": _host_share(ref),
+                **{f"ref_{t}_share": _tier_share(ref, t) for t in ("device", "host", "storage")},
                 "ref_ttft_p50_s": ref.get("ttft_p50_s"),
                 "ref_ttft_p90_s": ref.get("ttft_p90_s"),
                 "ref_ttft_p50_x": _ratio(ref.get("ttft_p50_s"), ref_base.get("ttft_p50_s")),
                 "ref_ttft_p90_x": _ratio(ref.get("ttft_p90_s"), ref_base.get("ttft_p90_s")),
                 "goodput_rps": r.goodput_rps,
+                "failed_at_rps": r.lowest_fail_rps,
                 "goodput_x": _ratio(r.goodput_rps, base.goodput_rps),
+                "goodput_x_baseline": _ratio(r.goodput_rps, base_goodput),
                 "points": len(r.points),
-                # no failing rate found: the goodput is at least goodput_rps
-                "lower_bound": r.trace_bound or all(p["passed"] for p in r.points),
+                # passed at the highest rate it could be offered: the goodput is at least this
+                "bound": r.bound,
+                "lower_bound": bool(r.bound),
                 "error": r.error,
             }
         )
     return rows
+
+
+def _ratio_at_least(value: float | None, target: float, own_bound: bool, other_bound: bool) -> str:
+    """ "yes"/"no" for a goodput ratio >= target, "?" where bounds leave it open: a lower bound
+    in the numerator (own) makes the ratio a lower bound (a "yes" holds), one in the
+    denominator (other) an upper bound (a "no" holds), both: nothing holds."""
+    if value is None or (own_bound and other_bound):
+        return "?"
+    met = value >= target
+    if (own_bound and not met) or (other_bound and met):
+        return "?"
+    return "yes" if met else "no"
+
+
+def _goodput_target(row: dict[str, Any], other: dict[str, Any], key: str, target: float) -> str:
+    """`row`'s goodput over `other`'s >= target? With no passing rate at all, the goodput is
+    below `failed_at_rps`, so failed_at / other's goodput bounds the ratio from above."""
+    if row["goodput_rps"] is None:
+        fail, theirs = row["failed_at_rps"], other["goodput_rps"]
+        return "no" if fail and theirs and fail / theirs < target else "?"
+    return _ratio_at_least(row[key], target, bool(row["bound"]), bool(other["bound"]))
+
+
+def _mark(ok: bool | None) -> str:
+    return "?" if ok is None else ("yes" if ok else "no")
+
+
+def target_rows(rows: list[dict[str, Any]], baseline: str | None) -> list[dict[str, Any]]:
+    """Issue 16's targets per config but the first (the ideal): hit rate >= 0.98 x the
+    theoretical, TTFT p50 <= 1.05x and p90 <= 1.2x the ideal's (reference pass), host share
+    of hits > 0, goodput >= 2x the baseline's and >= 0.9x the ideal's. A goodput that is only
+    a lower bound (`bound`) makes its ratios bounds too: "?" where that leaves it open."""
+    ideal = rows[0]
+    base = next((r for r in rows if r["config"] == baseline), None)
+
+    def check(value: float | None, test: Any) -> bool | None:
+        return None if value is None else bool(test(value))
+
+    out = []
+    for row in rows[1:]:
+        out.append(
+            {
+                "config": row["config"],
+                "hit>=0.98x_theory": _mark(check(row["ref_of_theoretical"], lambda v: v >= 0.98)),
+                "p50<=1.05x": _mark(check(row["ref_ttft_p50_x"], lambda v: v <= 1.05)),
+                "p90<=1.2x": _mark(check(row["ref_ttft_p90_x"], lambda v: v <= 1.2)),
+                "host_share>0": _mark(check(row["ref_host_share"], lambda v: v > 0)),
+                "goodput>=2x_baseline": "-"
+                if base is None or base is row
+                else _goodput_target(row, base, "goodput_x_baseline", 2.0),
+                "goodput>=0.9x_ideal": _goodput_target(row, ideal, "goodput_x", 0.9),
+            }
+        )
+    return out
 
 
 def plot(
@@ -546,14 +842,28 @@ def run(args: argparse.Namespace) -> int:
             "pdcache bench goodput: config labels must be unique (use LABEL=PATH)", file=sys.stderr
         )
         return 2
+    labels = [r.label for r in runs]
+    baseline = args.baseline or ("pd-device" if "pd-device" in labels else None)
+    if baseline is not None and baseline not in labels:
+        print(f"pdcache bench goodput: --baseline {baseline!r} is no config label", file=sys.stderr)
+        return 2
     try:
         sweep = Sweep(args, out)
     except ValueError as exc:
         print(f"pdcache bench goodput: {exc}", file=sys.stderr)
         return 2
+    print(
+        f"goodput: {len(runs)} configs x at most {sweep.planned} passes; rates up to "
+        f"{sweep.max_rate:.3g} req/s (trace cap {sweep.trace_cap:.3g}); estimated "
+        f"{sweep.estimate_s[0] / 60:.1f} min (at most {sweep.estimate_s[1] / 60:.1f} if every "
+        "point overloads)",
+        file=sys.stderr,
+    )
+    started = time.monotonic()
     results = [sweep.run_config(r) for r in runs]
     sweep.pbar.close()
-    rows = summary_rows(results)
+    elapsed_s = time.monotonic() - started
+    rows = summary_rows(results, baseline)
     points = [p for r in results for p in r.points]
     picture = plot(out, results, sweep.slo_s, args.slo_percentile)
     extra = {
@@ -561,11 +871,20 @@ def run(args: argparse.Namespace) -> int:
         "requests_per_pass": sweep.num_requests,
         "slo_ms": None if sweep.slo_s is None else sweep.slo_s * 1000,
         "slo_percentile": args.slo_percentile,
+        "baseline": baseline,
+        "point_seconds": args.point_seconds,
+        "max_rate_rps": sweep.max_rate,
+        "trace_rate_cap_rps": sweep.trace_cap,
+        "reference_requests": args.reference_requests or sweep.num_requests,
+        "estimated_s": round(sweep.estimate_s[0]),
+        "estimated_max_s": round(sweep.estimate_s[1]),
+        "elapsed_s": round(elapsed_s),
         "plot": picture,
     }
     payload = {
         **extra,
         "rows": rows,
+        "targets": target_rows(rows, baseline) if len(rows) > 1 else [],
         "points": points,
         "configs": {r.label: {"path": str(r.path), "overrides": list(r.overrides)} for r in runs},
         "summaries": {
@@ -599,6 +918,12 @@ def run(args: argparse.Namespace) -> int:
         extra=extra,
         out=sys.stdout,
     )
+    if len(rows) > 1:
+        emit(
+            "issue 16 targets (reference pass; goodput from the sweep)",
+            target_rows(rows, baseline),
+            out=sys.stdout,
+        )
     for row in rows:
         if row["error"]:
             print(f"{row['config']}: {row['error']}")

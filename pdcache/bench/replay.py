@@ -12,7 +12,9 @@ the offered request rate; each next turn is sent its think time after the previo
 completed, not gated again: the open-loop multi-turn load of `bench goodput`), `trace` (trace
 timestamps honoured). `--speedup` divides timestamps and think times. `--round-barrier` releases turn k of every
 session only once turn k-1 of every session has finished. The run is bounded by
-`--max-duration` (then in-flight requests get `--drain-timeout` before being cancelled);
+`--max-duration` (then in-flight requests get `--drain-timeout` before being cancelled), or
+ends at once after `--stop-after-slow N` requests had a TTFT over `--slow-ttft` (in-flight
+requests cancelled, `stopped_early` in the summary: `bench goodput` settling a point);
 failures are recorded and counted, never fatal. Writes `DIR/requests.jsonl` as requests
 complete, then `DIR/summary.json`, a table and plots (`pdcache.bench.report`).
 
@@ -94,6 +96,11 @@ def add_replay_options(parser: argparse.ArgumentParser) -> None:
                         help="send this cache_salt (a fresh one isolates the run from pages "
                              "earlier runs left in the stack's caches)")
     parser.add_argument("--seed", type=int, default=0, help="poisson arrivals seed")
+    parser.add_argument("--stop-after-slow", type=int, default=None, metavar="N",
+                        help="stop the run once N requests had a TTFT over --slow-ttft "
+                             "(in-flight requests are cancelled, the rest not sent)")
+    parser.add_argument("--slow-ttft", type=float, default=None, metavar="S",
+                        help="seconds: the TTFT that --stop-after-slow counts")
     parser.add_argument("--no-plots", dest="plots", action="store_false")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
 

@@ -33,6 +33,10 @@ class ReplayConfig:
     seed: int = 0
     progress: bool = True
     session_prefix: str = ""  # "" sends the trace's session ids as they are
+    # stop the run (cancel what is in flight, send nothing more) once this many requests
+    # had a TTFT over slow_ttft_s: `bench goodput` ends a point whose verdict is settled
+    stop_after_slow: int | None = None
+    slow_ttft_s: float | None = None
 
     def session_id_for(self, trace_session_id: str) -> str:
         """The `session_id` sent for a trace session: `PREFIX-SID`, or SID without a prefix."""
@@ -56,6 +60,8 @@ class ReplayConfig:
             seed=args.seed,
             progress=args.progress,
             session_prefix=new_run_id() if args.session_prefix is None else args.session_prefix,
+            stop_after_slow=getattr(args, "stop_after_slow", None),
+            slow_ttft_s=getattr(args, "slow_ttft", None),
         )
 
 

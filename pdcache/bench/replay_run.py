@@ -101,6 +101,12 @@ class Replayer:
         self.first_mismatch: str | None = None  # "REQUEST_ID: message" of the first one
         self.skip_reasons: dict[str, int] = {}
         self.stopping = False
+        self.slow = 0  # requests with a TTFT over cfg.slow_ttft_s (--stop-after-slow)
+        self.stopped_early = False
+
+    @property
+    def stop_reason(self) -> str:
+        return "stop_after_slow" if self.stopped_early else "max_duration"
 
     # -- timing -------------------------------------------------------------------------------
 
@@ -161,7 +167,7 @@ class Replayer:
             if built is None:
                 return self.skip(session, index, "max_tokens_cap")
             if self.stopping or self.now() >= self.cfg.max_duration_s:
-                return self.skip(session, index, "max_duration")
+                return self.skip(session, index, self.stop_reason)
             async with self.semaphore:
                 if self.now() >= self.cfg.max_duration_s:
                     return self.skip(session, index, "max_duration")
@@ -194,7 +200,8 @@ class Replayer:
             full = np.concatenate([prompt, np.asarray(output, dtype=np.int64)])
             self.tracker.add(self.tracker.extend_keys(keys, full[:-1]))  # last token: no KV
         except asyncio.CancelledError:
-            rec.error = "cancelled: --max-duration + --drain-timeout reached"
+            rec.error = ("cancelled: --stop-after-slow reached" if self.stopped_early
+                         else "cancelled: --max-duration + --drain-timeout reached")
             self.write(rec)
             self.counts["failed"] += 1
             raise
@@ -237,6 +244,13 @@ class Replayer:
     def finish(self, turn: Turn, rec: RequestRecord) -> None:
         self.counts["ok" if rec.ok else "failed"] += 1
         self.write(rec)
+        cfg = self.cfg
+        if cfg.stop_after_slow is not None and cfg.slow_ttft_s is not None:
+            if rec.ttft_s is not None and rec.ttft_s > cfg.slow_ttft_s:
+                self.slow += 1
+            if self.slow >= cfg.stop_after_slow and not self.stopped_early:
+                self.stopped_early = self.stopping = True
+                self.stop_event.set()
         if self.barrier is not None:
             self.barrier.finish(turn.turn)
         self.pbar.update(1)
@@ -250,6 +264,7 @@ class Replayer:
     async def run(self) -> dict[str, Any]:
         cfg = self.cfg
         self.t0 = asyncio.get_running_loop().time()
+        self.stop_event = asyncio.Event()
         self.semaphore = asyncio.Semaphore(cfg.concurrency)
         self.gate = PoissonGate(cfg.rate, cfg.seed) if cfg.mode == "poisson" else None
         self.session_starts = (
@@ -264,12 +279,17 @@ class Replayer:
         async with httpx.AsyncClient(base_url=cfg.url, limits=limits, timeout=timeout) as client:
             self.client = client
             tasks = [asyncio.create_task(self.run_session(s)) for s in self.trace.sessions]
-            _, pending = await asyncio.wait(
-                tasks, timeout=cfg.max_duration_s + cfg.drain_timeout_s)
+            # every session done, the deadline, or an early stop (finish sets stop_event)
+            everything = asyncio.ensure_future(asyncio.wait(tasks))
+            stopped = asyncio.ensure_future(self.stop_event.wait())
+            await asyncio.wait([everything, stopped], return_when=asyncio.FIRST_COMPLETED,
+                               timeout=cfg.max_duration_s + cfg.drain_timeout_s)
             self.stopping = True
-            for task in pending:
-                task.cancel()
+            for task in (*tasks, stopped, everything):
+                if not task.done():
+                    task.cancel()
             results = await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(stopped, everything, return_exceptions=True)
         self.pbar.close()
         errors = [r for r in results if isinstance(r, BaseException)
                   and not isinstance(r, asyncio.CancelledError)]
@@ -286,4 +306,5 @@ class Replayer:
             "session_prefix": cfg.session_prefix,
             "requests_prompt_mismatch": self.counts[PROMPT_MISMATCH],
             "first_prompt_mismatch": self.first_mismatch,
+            "stopped_early": self.stopped_early,
         }

@@ -49,6 +49,8 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
         assert row["hit_tier"] == expected_tier[tier], row
         assert row["reused_tokens"] == (0 if tier == "recompute" else n), row
         assert row["ttft_ms"] > 0 and row["vs_device"] > 0
+        if tier != "recompute":  # a paired ratio per round: the median lies in its range
+            assert row["vs_device_min"] <= row["vs_device"] <= row["vs_device_max"], row
         if tier != "recompute":
             assert row["exact"] == "yes", row
     paths = [r["path"] for r in report["bandwidth"]]
@@ -56,6 +58,8 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
     assert "storage hf3fs" in paths
     assert all(r["read_GBps"] > 0 for r in report["bandwidth"])
     assert not list(tmp_path.glob("pdcache-cache-bench-*"))  # the temp dir is removed
+    assert set(report["seeding"]) == {"32", "64"}
+    assert all(v.startswith("recomputed and written in ") for v in report["seeding"].values())
 
 
 def test_keep_dir_reuses_the_stored_prefix(tmp_path) -> None:
@@ -75,4 +79,18 @@ def test_keep_dir_reuses_the_stored_prefix(tmp_path) -> None:
                                 ("file-serial", "storage")):
                 row = rows[(n, tier)]
                 assert (row["hit_tier"], row["reused_tokens"], row["exact"]) == (where, n, "yes")
+        how = "recomputed and written" if run == 0 else "loaded from --keep-dir"
+        assert all(v.startswith(how) for v in report["seeding"].values()), report["seeding"]
     assert (keep / "n32" / "hf3fs").is_dir()  # kept
+
+
+def test_paired_ratios_divide_each_sample_by_the_device_hits_around_it() -> None:
+    # d, s, d, s, d with a load step that doubles every time after the first storage sample:
+    # each pair stays at 1.2x (a ratio of medians would mix load levels: 2.4 / 1.0 or 1.2 / 2.0)
+    sequence = [("device", 1.0), ("hf3fs", 1.2), ("device", 1.0), ("file", 2.4),
+                ("device", 2.0), ("hf3fs", 2.4), ("device", 2.0)]
+    assert cache_bench.paired_ratios(sequence, "hf3fs") == pytest.approx([1.2, 1.2])
+    assert cache_bench.paired_ratios(sequence, "file") == pytest.approx([2.4 / 1.5])
+    # at the ends one neighbour is enough; without any device hit a sample is left out
+    assert cache_bench.paired_ratios([("file", 3.0), ("device", 2.0)], "file") == [1.5]
+    assert cache_bench.paired_ratios([("file", 3.0)], "file") == []

@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pdcache.bench.goodput import RateSearch, point_passes
+from pdcache.bench.goodput import (
+    ConfigResult,
+    RateSearch,
+    live_sessions,
+    one_noisy_window,
+    point_passes,
+    point_sessions,
+    slow_requests_to_fail,
+    summary_rows,
+    target_rows,
+    trace_rate_cap,
+    windows_over_slo,
+)
 from pdcache.bench.replay_run import poisson_session_starts
 from pdcache.bench.traces import SyntheticSpec, synthetic_trace
 from pdcache.cli import main as pdcache_main
@@ -19,7 +32,7 @@ from tests.net_support import free_ports, unified_topology
 def _run_search(search: RateSearch, capacity: float) -> list[float]:
     """Drive the search against a server that passes every rate <= capacity."""
     while (rate := search.next_rate()) is not None:
-        search.record(rate, rate <= capacity, achieved=rate)
+        search.record(rate, rate <= capacity)
     return [r for r, _ in search.tried]
 
 
@@ -31,7 +44,7 @@ def test_search_steps_up_then_bisects_to_the_tolerance() -> None:
     assert search.best_pass is not None and search.lowest_fail is not None
     assert search.best_pass <= 5.0 < search.lowest_fail
     assert search.lowest_fail / search.best_pass <= 1.15
-    assert len(tried) < 10
+    assert len(tried) < 10 and search.bound(trace_cap=100.0) == ""
 
 
 def test_search_steps_down_when_the_first_rate_fails_and_honours_max_points() -> None:
@@ -41,11 +54,119 @@ def test_search_steps_down_when_the_first_rate_fails_and_honours_max_points() ->
     assert len(tried) == 4 and search.best_pass == 1.0
 
 
-def test_search_stops_stepping_up_when_the_trace_cannot_offer_more() -> None:
-    search = RateSearch(start=1.0, step=2.0, max_points=10)
-    search.record(1.0, True, achieved=0.9)
-    search.record(2.0, True, achieved=0.8)  # all sessions overlap already: far below 2.0
-    assert search.trace_bound and search.next_rate() is None
+def test_search_steps_down_no_lower_than_the_minimum_rate() -> None:
+    search = RateSearch(start=8.0, step=2.0, max_points=10, min_rate=1.0)
+    assert _run_search(search, capacity=0.1) == [8.0, 4.0, 2.0, 1.0]
+    assert search.best_pass is None and search.bound(trace_cap=100.0) == ""
+
+
+@pytest.mark.parametrize(
+    ("trace_cap", "expected", "bound"),
+    [(10.0, [3.0, 6.0, 10.0], "trace"), (1000.0, [3.0, 6.0, 12.0, 20.0], "max-rate")],
+    ids=["trace", "max-rate"],
+)
+def test_search_stops_at_the_rate_cap_and_names_it(
+    trace_cap: float, expected: list[float], bound: str
+) -> None:
+    """A config that passes everything is stepped up to the cap (not past it), tried there
+    once, and its goodput is flagged as a lower bound set by whichever cap was lower
+    (`--max-rate` 20 here)."""
+    search = RateSearch(start=3.0, step=2.0, max_points=10, max_rate=min(trace_cap, 20.0))
+    assert _run_search(search, capacity=math.inf) == expected
+    assert search.best_pass == expected[-1] and search.bound(trace_cap) == bound
+
+
+def test_search_flags_a_lower_bound_when_points_run_out_before_a_failure() -> None:
+    search = RateSearch(start=1.0, step=2.0, max_points=3)
+    assert _run_search(search, capacity=100.0) == [1.0, 2.0, 4.0]
+    assert search.bound(trace_cap=1000.0) == "max-points"
+    search.record(8.0, False)  # a failure brackets it: an exact goodput, no bound
+    assert search.bound(trace_cap=1000.0) == ""
+
+
+@pytest.mark.parametrize("requests", [1, 2, 3, 9, 10, 11, 12, 20, 57, 100])
+@pytest.mark.parametrize("percentile", [50.0, 90.0, 99.0])
+def test_slow_requests_to_fail_is_the_fewest_that_settle_the_percentile(
+    requests: int, percentile: float
+) -> None:
+    slow = slow_requests_to_fail(requests, percentile)
+    fast_rest = [0.0] * (requests - slow) + [1.0] * slow  # the rest as fast as can be
+    assert np.percentile(fast_rest, percentile) > 0.5  # slow ones alone fail it
+    if slow > 1:  # one fewer, and fast others can still pass it
+        fewer = [0.0] * (requests - slow + 1) + [1.0] * (slow - 1)
+        assert np.percentile(fewer, percentile) < 1.0
+
+
+def test_a_point_replays_enough_sessions_to_span_its_seconds() -> None:
+    turns = [5] * 100
+    # 10 req/s at 5 turns a session: 2 sessions/s, 20 s of starts = 40 sessions
+    assert point_sessions(turns, rate=10.0, seconds=20.0, minimum=4) == 40
+    assert point_sessions(turns, rate=0.5, seconds=20.0, minimum=4) == 4  # the floor
+    assert point_sessions(turns, rate=100.0, seconds=20.0, minimum=4) == 100  # all there is
+    assert trace_rate_cap(turns, seconds=20.0) == 25.0  # 500 requests over 20 s
+    assert point_sessions(turns, trace_rate_cap(turns, 20.0), 20.0, 4) == 100
+
+
+def _windows(p90s: list[float], per_window: int = 10) -> tuple[list[float], list[float]]:
+    """Requests dispatched through consecutive 5 s windows, the TTFTs of window w all p90s[w]."""
+    dispatch = [5.0 * w + 5.0 * i / per_window for w in range(len(p90s)) for i in range(per_window)]
+    ttfts = [p90s[w] for w in range(len(p90s)) for _ in range(per_window)]
+    return dispatch, ttfts
+
+
+def test_one_stalled_window_is_told_from_a_growing_queue() -> None:
+    # one ~5 s stall in the middle: 1 of 4 windows over, the p90 over all requests fails
+    dispatch, ttfts = _windows([0.1, 0.1, 3.0, 0.1])
+    assert not point_passes(
+        {"requests_ok": 40, "requests_total": 40, "requests_failed": 0, "_ttfts": ttfts}, 0.3, 90
+    )
+    assert one_noisy_window(dispatch, ttfts, slo_s=0.3, percentile=90, window_s=5.0) == 2
+    assert windows_over_slo(dispatch, ttfts, 0.3, 90, 5.0) == 1
+    # a queue that grows: every window from the second on is over the SLO, no retry
+    dispatch, ttfts = _windows([0.1, 0.5, 1.0, 2.0])
+    assert one_noisy_window(dispatch, ttfts, 0.3, 90, 5.0) is None
+    assert windows_over_slo(dispatch, ttfts, 0.3, 90, 5.0) == 3
+    # one window over, but the rest also fails the SLO on its own: not one window's doing
+    dispatch, ttfts = _windows([0.25, 0.25, 3.0, 0.25])
+    ttfts[0:2] = [1.0, 1.0]  # two slow requests in window 0 (its p90 is 1.0 > 0.3)
+    assert one_noisy_window(dispatch, ttfts, 0.3, 90, 5.0) is None
+
+
+def test_live_sessions_is_the_mean_number_of_sessions_in_flight() -> None:
+    def rec(sid: str, t: float, e2e: float) -> dict[str, object]:
+        return {"session_id": sid, "dispatch_s": t, "e2e_s": e2e}
+
+    # a: 0-4 s (two turns), b: 2-6 s; over 6 s of pass: 8 session-seconds / 6 s
+    records = [rec("a", 0.0, 1.0), rec("a", 3.0, 1.0), rec("b", 2.0, 4.0)]
+    assert live_sessions(records) == pytest.approx(8.0 / 6.0)
+    assert live_sessions([]) is None
+
+
+def test_summary_rows_give_ratios_to_the_ideal_and_the_baseline_and_tier_shares() -> None:
+    def result(label: str, goodput: float | None, p50: float, tiers: dict[str, float]):
+        ref = {"ttft_p50_s": p50, "ttft_p90_s": 2 * p50, "hit_rate_by_tier": tiers}
+        return ConfigResult(label, reference=ref, goodput_rps=goodput)
+
+    rows = summary_rows(
+        [
+            result("ideal", 10.0, 0.1, {"device": 0.8, "host": 0.0, "storage": 0.0}),
+            result("pd-device", 2.0, 0.4, {"device": 0.5, "host": 0.0, "storage": 0.0}),
+            result("new", 9.0, 0.11, {"device": 0.6, "host": 0.15, "storage": 0.05}),
+        ],
+        baseline="pd-device",
+    )
+    new = rows[2]
+    assert new["goodput_x"] == pytest.approx(0.9) and new["goodput_x_baseline"] == 4.5
+    assert new["ref_ttft_p50_x"] == pytest.approx(1.1) and new["ref_ttft_p90_x"] == pytest.approx(
+        1.1
+    )
+    assert (new["ref_device_share"], new["ref_host_share"], new["ref_storage_share"]) == (
+        pytest.approx(0.75),
+        pytest.approx(0.1875),
+        pytest.approx(0.0625),
+    )
+    assert rows[1]["goodput_x_baseline"] == 1.0 and rows[0]["bound"] == ""
+    assert summary_rows([result("a", 1.0, 0.1, {})])[0]["goodput_x_baseline"] is None
 
 
 def test_a_point_passes_only_complete_and_within_the_slo() -> None:
@@ -80,9 +201,13 @@ NEEDED = ("pdcache.server.app", "pdcache.launch.launcher")
     reason="needs pdcache.server.app and pdcache.launch.launcher",
 )
 @pytest.mark.parametrize(
-    ("slo_ms", "passes"), [(60_000.0, True), (0.001, False)], ids=["loose-slo", "impossible-slo"]
+    ("slo_ms", "passes", "early_stop"),
+    [(60_000.0, True, True), (0.001, False, True), (0.001, False, False)],
+    ids=["loose-slo", "impossible-slo", "impossible-slo-no-early-stop"],
 )
-def test_goodput_sweeps_a_real_server(tmp_path: Path, slo_ms: float, passes: bool) -> None:
+def test_goodput_sweeps_a_real_server(
+    tmp_path: Path, slo_ms: float, passes: bool, early_stop: bool
+) -> None:
     port = free_ports(1)[0]
     out = tmp_path / "out"
     trace = "synthetic:sessions=6,turns=2,system_prompt=32,user=16,tool_result=16,answer=4"
@@ -101,11 +226,16 @@ def test_goodput_sweeps_a_real_server(tmp_path: Path, slo_ms: float, passes: boo
             "2",
             "--rate-start",
             "4",
+            "--point-seconds",
+            "1",
+            "--min-point-sessions",
+            "6",
             "--unloaded-requests",
             "2",
             "--no-progress",
             "--startup-timeout",
             "120",
+            *([] if early_stop else ["--no-early-stop"]),
         ]
     )
     assert code == 0
@@ -113,12 +243,64 @@ def test_goodput_sweeps_a_real_server(tmp_path: Path, slo_ms: float, passes: boo
     [row] = result["rows"]
     points = result["points"]
     assert [p["rate_rps"] for p in points] == ([4.0, 8.0] if passes else [4.0, 2.0])
-    assert all(p["passed"] is passes and p["ok"] == 12 for p in points)
+    assert all(p["passed"] is passes for p in points)
+    if passes or not early_stop:  # every request answered
+        assert all(p["ok"] == 12 and p["stopped_early"] is False for p in points)
+    else:  # 3 TTFTs over the SLO settle a p90 of 12 (12 - floor(0.9 x 11)): the point stops
+        assert all(p["stopped_early"] and 3 <= p["ok"] < 12 for p in points), points
     assert row["goodput_rps"] == (8.0 if passes else None)
-    assert row["lower_bound"] is passes and row["error"] == ""
+    assert row["failed_at_rps"] == (None if passes else 2.0)
+    assert all(p["sessions"] == 6 and p["retry"] is False for p in points)
+    # all passed: the points ran out before a failure (12 requests / 1 s caps rates at 12)
+    assert row["bound"] == ("max-points" if passes else "") and row["error"] == ""
+    assert result["trace_rate_cap_rps"] == 12.0 and result["estimated_max_s"] > 0
     assert row["ref_hit_rate"] > 0 and result["slo_ms"] == pytest.approx(slo_ms)
     breakdown = result["summaries"]["u"]["reference_latency_breakdown_s"]
     node_ttft = f"127.0.0.1:{port} pdcache_time_to_first_token_seconds"
     assert 0 < breakdown[node_ttft] < 60  # the node's own TTFT over the reference pass
     assert (out / "goodput.png").is_file()
     assert (out / "u" / "rate-4" / "requests.jsonl").is_file()
+
+
+@pytest.mark.parametrize(
+    ("ideal_bound", "new_bound", "new_goodput", "verdict"),
+    [
+        ("", "", 9.5, "yes"),
+        ("", "", 8.0, "no"),
+        ("trace", "", 9.5, "?"),  # the ideal may do better: 0.95 is an upper bound of the ratio
+        ("trace", "", 8.0, "no"),  # ... so below 0.9 stays below
+        ("", "max-rate", 9.5, "yes"),  # the config may do better: 0.95 is a lower bound
+        ("", "max-rate", 8.0, "?"),
+        ("trace", "trace", 9.5, "?"),
+    ],
+)
+def test_targets_respect_goodputs_that_are_only_lower_bounds(
+    ideal_bound: str, new_bound: str, new_goodput: float, verdict: str
+) -> None:
+    def result(label: str, goodput: float, bound: str, p50: float, host: float):
+        tiers = {"device": 0.7, "host": host, "storage": 0.0}
+        ref = {"ttft_p50_s": p50, "ttft_p90_s": p50, "hit_rate_by_tier": tiers}
+        ref["achieved_over_theoretical"] = 0.99
+        return ConfigResult(label, reference=ref, goodput_rps=goodput, bound=bound)
+
+    rows = summary_rows(
+        [
+            result("ideal", 10.0, ideal_bound, 0.100, 0.0),
+            result("pd-device", 4.0, "", 0.300, 0.0),
+            result("new", new_goodput, new_bound, 0.104, 0.1),
+        ],
+        baseline="pd-device",
+    )
+    pd_device, new = target_rows(rows, "pd-device")
+    assert new["goodput>=0.9x_ideal"] == verdict
+    assert new["goodput>=2x_baseline"] == ("yes" if new_goodput >= 8.0 else "no")
+    assert (new["p50<=1.05x"], new["p90<=1.2x"], new["host_share>0"]) == ("yes", "yes", "yes")
+    assert new["hit>=0.98x_theory"] == "yes"
+    assert (pd_device["p50<=1.05x"], pd_device["host_share>0"]) == ("no", "no")
+    assert pd_device["goodput>=2x_baseline"] == "-"
+    # nothing passed, the lowest failure 1.0 req/s: below 0.1x the ideal's and 0.25x pd-device's
+    nothing = ConfigResult("none", reference={}, goodput_rps=None, lowest_fail_rps=1.0)
+    rows = summary_rows([result("ideal", 10.0, ideal_bound, 0.1, 0.0), nothing])
+    [none] = target_rows(rows, None)
+    assert none["goodput>=0.9x_ideal"] == "no" and none["goodput>=2x_baseline"] == "-"
+    assert none["p50<=1.05x"] == "?"
