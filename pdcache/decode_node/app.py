@@ -103,7 +103,8 @@ class DecodeApp:
         except RoomCancelledError as exc:  # the node is closing
             raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
                            code="unavailable") from None
-        return await self.routes.respond(request, handle, gen, body, item)
+        streamed_first = report.first_token if pd.first_token_streamed else None
+        return await self.routes.respond(request, handle, gen, body, item, streamed_first)
 
     async def _receive(self, request: Request, room: int, rid: str, bootstrap: str,
                        num_tokens: int, max_new_tokens: int, deadline: float) -> PrefillReport:
