@@ -9,6 +9,10 @@ client gets D's error (P's, if P failed too; a D that refused with 503 never rea
 not waited for). Cancelling a call (client disconnect) closes every upstream connection it
 holds. Everything runs on the router's event loop.
 
+First token from prefill (`first_token_from_prefill`, streaming only): P is asked to stream
+too, and the client's first event is P's (the first token, sent before the K/V push); D,
+told `first_token_streamed`, streams the rest (docs/pd-protocol.md).
+
 Slots: a `Route` may carry the router-side slots its request holds (`SlotHolder`,
 `pdcache.router.admission`). The proxy frees them as the work ends: P's when P's call is over,
 the answering node's (D or unified) when the JSON answer is in or the stream is closed.
