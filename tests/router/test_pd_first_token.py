@@ -304,3 +304,59 @@ def test_topology_key_and_flag_set_first_token_from_prefill() -> None:
     assert build_config(flag)[0].first_token_from_prefill is False
     with pytest.raises(TopologyError, match="first_token_from_prefill"):
         build_config(parser.parse_args([*base, "--set", "router.first_token_from_prefill=3"]))
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["from_prefill", "from_decode"])
+def test_decode_failing_after_token_1_is_a_mid_stream_error(
+    stack: PDStack, on: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode gives up on the room once the K/V arrived (frees it, answers 502
+    `transfer_failed`, as for a failed transfer): with the first token from prefill the
+    client already has token 1, so it gets a 200 stream with that token, then the error
+    event, then [DONE]; without, a plain HTTP 502. Decode's pages return either way."""
+    from pdcache.server.protocol import SERVER_ERROR, ApiError
+    from tests.router.test_pd import wait_idle
+
+    gate = GatedReceipt(stack, monkeypatch)
+    pd = stack.decode_server.pd
+    gated = pd._wait
+
+    async def failing(released: Any, room: int, request: Any) -> Any:
+        await gated(released, room, request)
+        pd.controller.leave(room, "test: decode gives up after the K/V arrived")
+        raise ApiError(
+            502,
+            f"KV transfer of room {room} failed: injected",
+            type=SERVER_ERROR,
+            code="transfer_failed",
+        )
+
+    monkeypatch.setattr(pd, "_wait", failing)
+    body = {
+        "input_ids": PROMPT,
+        "stream": True,
+        "incremental_streaming_output": True,
+        "sampling_params": {"max_new_tokens": 5, **GREEDY},
+    }
+    with pd_router(stack, first_token_from_prefill=on) as client:
+        if not on:
+            gate.open()
+        with client.stream("POST", "/generate", json=body) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    gate.open()  # on: the client has token 1 now; decode may go on (and fail)
+        if on:
+            assert r.status_code == 200
+            (first, error) = sse_events("\n".join(lines))
+            assert len(first["output_ids"]) == 1 and first["meta_info"]["finish_reason"] is None
+            assert error["error"]["code"] == "transfer_failed", error
+        else:
+            assert (
+                r.status_code == 502 and json.loads(lines[0])["error"]["code"] == "transfer_failed"
+            )
+        router = client.app.state.router  # type: ignore[attr-defined]
+        assert [n.in_flight for n in router.registry.nodes] == [0, 0]
+    wait_idle(stack.decode_server.engine)
+    stack.decode_server.engine.check_accounting()
