@@ -360,3 +360,41 @@ def test_decode_failing_after_token_1_is_a_mid_stream_error(
         assert [n.in_flight for n in router.registry.nodes] == [0, 0]
     wait_idle(stack.decode_server.engine)
     stack.decode_server.engine.check_accounting()
+
+
+def tool_call_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed chat answer's content, tool calls (name and arguments reassembled per
+    index) and finish reason."""
+    content, calls, finish = "", {}, None
+    for event in events:
+        for choice in event.get("choices") or []:
+            delta = choice.get("delta") or {}
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                slot = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+                function = call.get("function") or {}
+                slot["name"] += function.get("name") or ""
+                slot["arguments"] += function.get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    return {"content": content, "calls": calls, "finish": finish}
+
+
+def test_forced_tool_call_stream_is_the_same_on_and_off(stack: PDStack) -> None:
+    """A forced tool call (the nodes' JSON constraint; P samples token 1 under it, D goes on
+    from it) streams the same call with the first token from prefill and without."""
+    from tests.agent_support import TOOLS
+
+    body = {
+        "messages": [{"role": "user", "content": "what time is it in Paris?"}],
+        "tools": [tool for tool in TOOLS if tool["function"]["name"] == "get_time"],
+        "temperature": 1.0,
+        "seed": 5,
+        "max_tokens": 120,  # the tools' prompt is long on the tiny tokenizer; D holds 1024
+        "stream": True,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+    }
+    events = stream_both_ways(stack, body, "/v1/chat/completions")
+    on, off = tool_call_stream(events[True]), tool_call_stream(events[False])
+    assert on == off
+    assert on["finish"] == "tool_calls" and on["calls"][0]["name"] == "get_time", on
+    json.loads(on["calls"][0]["arguments"])
