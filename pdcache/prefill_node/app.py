@@ -191,7 +191,9 @@ class PrefillApp:
         async def events() -> AsyncIterator[bytes]:
             try:
                 first_text = self.routes.first_token_text(item, gen.output_ids[0])
-                yield sse(first_token_chunk(first_text, gen.output_ids, meta_info))
+                first = first_token_chunk(first_text, gen.output_ids, meta_info)
+                first["meta_info"]["decode_node"] = decode_node or ""  # as in the answer
+                yield sse(first)
                 outcome = await self._wait_release(released, room)
                 yield sse(self._pd_answer(gen, text, dict(meta_info), outcome,
                                           time.monotonic() - started, decode_node))
