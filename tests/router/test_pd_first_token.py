@@ -195,9 +195,15 @@ def test_openai_streams_are_the_same_on_and_off(stack: PDStack, path: str) -> No
         body = {"prompt": "once upon a time", "n": 2, **common}
     events = stream_both_ways(stack, body, path)
     on, off = openai_result(events[True]), openai_result(events[False])
+    n = body.get("n", 1)
+    if n > 1:  # the choices decode in one batch, whose make-up per step is timing's: the
+        # logprob values may differ in the last float32 digits (not the tokens or the text)
+        for i in range(n):
+            on_lp, off_lp = on[i].pop("logprobs"), off[i].pop("logprobs")
+            assert on_lp == pytest.approx(off_lp, abs=1e-4) and len(on_lp) == 7
     assert on == off
-    assert on["usage"]["completion_tokens"] == 7 * body.get("n", 1)
-    assert all(len(on[i]["logprobs"]) == 7 for i in range(body.get("n", 1)))
+    assert on["usage"]["completion_tokens"] == 7 * n
+    assert all(len(on[i].get("logprobs", [0] * 7)) == 7 for i in range(n))
 
 
 class GatedReceipt:
