@@ -288,6 +288,7 @@ class RouterSpec:
     max_attempts: int = 3  # tries of a request whose node was unreachable or answered 503
     tool_call_parser: ToolCallParser = "hermes"  # how model output becomes OpenAI tool_calls
     incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
+    first_token_from_prefill: bool = True  # PD streams: the first token is prefill's (early)
     tls_cert: str | None = None  # PEM certificate chain: the router serves HTTPS
     tls_key: str | None = None  # PEM private key of tls_cert
     tenant: tuple[TenantSpec, ...] = ()  # [[router.tenant]]; with any, every request needs a key

@@ -4,7 +4,8 @@
 Such a request reserves device pages for its prompt, asks the prefill node named by
 `pd.bootstrap` to write the prompt's K/V into them, and once that is done decodes from the
 first token prefill sampled, answering like any `/generate` (streaming or not); its `meta`
-carries prefill's cache statistics (`Generation.report`). A failed or timed-out transfer is a
+carries prefill's cache statistics (`Generation.report`). With `pd.first_token_streamed` (the
+router streamed prefill's first token already) its stream starts after that token. A failed or timed-out transfer is a
 502/504 JSON error; a caller that leaves while the K/V is awaited aborts the room. Which
 pages are freed when is the controller's business.
 
@@ -103,7 +104,8 @@ class DecodeApp:
         except RoomCancelledError as exc:  # the node is closing
             raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
                            code="unavailable") from None
-        return await self.routes.respond(request, handle, gen, body, item)
+        streamed_first = report.first_token if pd.first_token_streamed else None
+        return await self.routes.respond(request, handle, gen, body, item, streamed_first)
 
     async def _receive(self, request: Request, room: int, rid: str, bootstrap: str,
                        num_tokens: int, max_new_tokens: int, deadline: float) -> PrefillReport:

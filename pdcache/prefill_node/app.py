@@ -4,6 +4,9 @@
 Such a request is computed up to its first token (HiCache reuse on the way); the controller
 hands its prompt pages to the decode node through the sender, and the answer goes out once
 the room is released: success with the first token and cache statistics, or a JSON error.
+A `stream: true` body (the router's, with `[router] first_token_from_prefill`) is answered
+in SSE instead: the first token's chunk as soon as it is sampled, before the K/V push, then
+that same answer (or the error) as the last event once the room is released.
 Requests without `pd` are the shared routes' (served like a unified server's).
 
 Admission (docs/pd-protocol.md, "Decode admission"): the request is queued in the engine at
@@ -20,16 +23,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from starlette.background import BackgroundTask
 
 from pdcache.engine.api import LogprobRequest
 from pdcache.prefill_node.controller import DuplicateRoomError, PrefillController, PrefillOutcome
 from pdcache.prefill_node.metrics import DecodeWaitMetrics
 from pdcache.server.bridge import EngineRequest, Generation, json_ready, resolve_on_loop
-from pdcache.server.generate_api import GenerateRequestBody, single_item
+from pdcache.server.generate_api import GenerateItem, GenerateRequestBody, single_item
 from pdcache.server.protocol import (
     OVERLOADED,
     SERVER_ERROR,
@@ -37,6 +42,7 @@ from pdcache.server.protocol import (
     TextAssembler,
     bad_request,
 )
+from pdcache.server.responses import event_stream, sse
 from pdcache.server.routes import SequenceRun, ServerRoutes
 from pdcache.transfer import KVSender
 from pdcache.transfer.messages import prompt_logprobs_too_large
@@ -77,6 +83,7 @@ class PrefillApp:
         requested: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         released = self._open(rid, room, requested)
         started = time.monotonic()
+        streamed = False
         try:
             sampling = item.sampling.to_engine()
             # the first token only; min_new_tokens >= 1 still keeps it from being a stop token;
@@ -103,12 +110,18 @@ class PrefillApp:
                 self.controller.close_room(room, f"prefill failed: {gen.finish_reason}")
                 raise ApiError(500, f"prefill of room {room} failed ({gen.finish_reason})",
                                type=SERVER_ERROR, code="prefill_failed")
+            # taken once (it consumes the chunk's logprobs): the first event's and the answer's
+            meta_info = self.routes.meta_info(SequenceRun(item, handle, gen, text), body)
+            if body.stream and body.pd is not None:  # sglang-router's bodies: JSON, as ever
+                streamed = True
+                return self._pd_stream(item, gen, text, meta_info, released, room, started,
+                                       pd.decode_node)
             outcome = await self._wait_release(released, room)
         finally:
-            self.controller.close_room(room)  # no-op once released; else abort (orphan)
-        meta_info = self.routes.meta_info(SequenceRun(item, handle, gen, text), body)
-        return self._pd_response(gen, text, meta_info, outcome, time.monotonic() - started,
-                                 pd.decode_node)
+            if not streamed:  # the stream closes its room itself, once it ends
+                self.controller.close_room(room)  # no-op once released; else abort (orphan)
+        return JSONResponse(self._pd_answer(gen, text, meta_info, outcome,
+                                            time.monotonic() - started, pd.decode_node))
 
     def _check_logprobs_fit(self, logprobs: LogprobRequest | None, prompt_len: int) -> None:
         """400 `logprobs_too_large` before any compute when the prompt logprobs asked for
@@ -160,17 +173,46 @@ class PrefillApp:
                            type=SERVER_ERROR, code="transfer_failed")
         return outcome
 
-    def _pd_response(self, gen: Generation, text: TextAssembler, meta_info: dict[str, Any],
-                     outcome: PrefillOutcome, elapsed_s: float, decode_node: str | None
-                     ) -> Response:
+    def _pd_stream(self, item: GenerateItem, gen: Generation, text: TextAssembler,
+                   meta_info: dict[str, Any], released: asyncio.Future[PrefillOutcome],
+                   room: int, started: float, decode_node: str | None) -> Response:
+        """The SSE answer of a `stream: true` PD body (docs/pd-protocol.md, "First token from
+        prefill"): the first token's chunk at once, as a unified node's stream sends it, then
+        once the room is released the JSON answer (`_pd_answer`) as the last event, or an
+        error event; then [DONE]. The room is closed when the stream ends or is dropped."""
+        closed = False
+
+        def close_room() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                self.controller.close_room(room)  # no-op once released; else abort (orphan)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                first_text = self.routes.first_token_text(item, gen.output_ids[0])
+                first = first_token_chunk(first_text, gen.output_ids, meta_info)
+                first["meta_info"]["decode_node"] = decode_node or ""  # as in the answer
+                yield sse(first)
+                outcome = await self._wait_release(released, room)
+                yield sse(self._pd_answer(gen, text, dict(meta_info), outcome,
+                                          time.monotonic() - started, decode_node))
+            finally:
+                close_room()
+
+        return event_stream(events(), BackgroundTask(close_room))
+
+    def _pd_answer(self, gen: Generation, text: TextAssembler, meta_info: dict[str, Any],
+                   outcome: PrefillOutcome, elapsed_s: float, decode_node: str | None
+                   ) -> dict[str, Any]:
         """SGLang's answer of a prefill server (the first token), plus `pd`: `transfer_s`, the
         handler's whole time (prefill included); `push_s`, from the prompt's K/V being
         complete to the room's release (the transfer and its `done`)."""
         meta_info["decode_node"] = decode_node or ""
         pd = {"room": outcome.room, "bytes": outcome.nbytes, "transfer_s": elapsed_s,
               "push_s": outcome.push_s}
-        return JSONResponse({"text": text.text, "output_ids": gen.output_ids,
-                             "meta_info": meta_info, "pd": pd})
+        return {"text": text.text, "output_ids": gen.output_ids, "meta_info": meta_info,
+                "pd": pd}
 
     def health_extra(self) -> dict[str, Any]:
         """/health's PD fields: the sender's counters and `pd_rooms_open`, the controller's
@@ -185,3 +227,15 @@ class PrefillApp:
         port = int(addr.rsplit(":", 1)[1]) if addr else None
         return {"disaggregation_bootstrap_port": port, "disaggregation_bootstrap_addr": addr,
                 "disaggregation_transfer_backend": self.sender.config.engine}
+
+
+def first_token_chunk(first_text: str, output_ids: list[int], meta_info: dict[str, Any]
+                      ) -> dict[str, Any]:
+    """The chunk a unified node's stream sends for the first token (cumulative and
+    incremental chunks agree on it): `first_text`, its text as released after that token
+    alone (held-back partial characters and stop-string prefixes come with decode's later
+    events), and a mid-stream `meta_info` (no `finish_reason`, no `e2e_latency`: the
+    request's end is decode's final event, even for one that ends at the first token)."""
+    mid_stream = {k: v for k, v in meta_info.items() if k != "e2e_latency"}
+    mid_stream["finish_reason"] = None
+    return {"text": first_text, "output_ids": list(output_ids), "meta_info": mid_stream}

@@ -89,6 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--incremental-streaming-output", action="store_const", const=True,
                         default=None, help="/generate streams deltas, not SGLang's default "
                         "cumulative chunks (SGLang's flag)")
+    parser.add_argument("--no-first-token-from-prefill", dest="first_token_from_prefill",
+                        action="store_const", const=False, default=None,
+                        help="PD streams: the client's first token comes from decode once the "
+                             "K/V is in ([router] first_token_from_prefill = false), not from "
+                             "prefill as soon as it is sampled")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
 
 
@@ -160,12 +165,15 @@ def _security_settings(args: argparse.Namespace, topology: Topology | None,
 
 
 def _load_settings(args: argparse.Namespace, spec: RouterSpec) -> dict[str, int]:
-    """RouterConfig's admission/retry fields: the flags, else the topology's `[router]`."""
+    """RouterConfig's admission/retry/streaming fields: the flags, else the topology's
+    `[router]`."""
     return {"max_inflight_per_node": _pick(args.max_inflight_per_node, spec.max_inflight_per_node),
             "max_queue": _pick(args.max_queue, spec.max_queue),
             "max_attempts": _pick(args.max_attempts, spec.max_attempts),
             "incremental_streaming_output": _pick(args.incremental_streaming_output,
-                                                  spec.incremental_streaming_output)}
+                                                  spec.incremental_streaming_output),
+            "first_token_from_prefill": _pick(args.first_token_from_prefill,
+                                              spec.first_token_from_prefill)}
 
 
 def _pick(*values: Any) -> Any:

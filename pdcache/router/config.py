@@ -38,6 +38,8 @@ class RouterConfig:
     max_inflight_per_node: int = 0  # router slots per node (NodeEndpoint.max_inflight wins); 0: none
     max_queue: int = 1024  # requests waiting for a slot; 0: a busy router refuses at once
     incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
+    # PD streams: the client's first token is prefill's (sent before the K/V push), not decode's
+    first_token_from_prefill: bool = True
     tenants: tuple[Tenant, ...] = ()  # with any (or api_key), every request needs its key
     node_token: str | None = field(default=None, repr=False)  # cluster secret's node credential
     tls_cert: str | None = None  # serve HTTPS with this PEM chain and tls_key

@@ -164,7 +164,8 @@ class Router:
                                      queue, model_name=self.model_name)
         admission.observer = self.metrics
         self.proxy = Proxy(self.client, self.registry, connect_timeout_s=config.connect_timeout_s,
-                           on_node_result=self.metrics.observe_node)
+                           on_node_result=self.metrics.observe_node,
+                           first_token_from_prefill=config.first_token_from_prefill)
 
     # ---- lifecycle
 

@@ -261,6 +261,31 @@ class NodeClient:
             raise error_from_response(node, resp.status_code, content[:MAX_ERROR_BYTES])
         return EventStream(node, resp, deadline)
 
+    async def stream_to_end(self, node: NodeState, body: dict[str, Any], deadline: Deadline,
+                            on_first: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Streaming `/generate` on `node` read to its end (a prefill node's stream,
+        docs/pd-protocol.md "First token from prefill"): `on_first` gets the first event as
+        soon as it arrives; the result is the last one (the node's answer), or ApiError.
+        Keeps the node's in-flight count like `post_json`."""
+        with self._registry.in_flight(node):
+            try:
+                events = await self.open_stream(node, body, deadline)
+                try:
+                    last = await events.next()
+                    if last is None:
+                        raise ApiError(502, f"{node.role} node {node.name} ended its stream "
+                                       "without an event", type=SERVER_ERROR, code=BAD_GATEWAY)
+                    on_first(last)
+                    while (event := await events.next()) is not None:
+                        last = event
+                finally:
+                    await events.aclose()
+            except ApiError:
+                self.result(node, False)
+                raise
+        self.result(node, True)
+        return last
+
     def _timeout(self, deadline: Deadline) -> httpx.Timeout:
         remaining = max(deadline.remaining(), 0.001)
         return httpx.Timeout(remaining, connect=min(self._connect_timeout_s, remaining))

@@ -9,6 +9,10 @@ client gets D's error (P's, if P failed too; a D that refused with 503 never rea
 not waited for). Cancelling a call (client disconnect) closes every upstream connection it
 holds. Everything runs on the router's event loop.
 
+First token from prefill (`first_token_from_prefill`, streaming only): P is asked to stream
+too, and the client's first event is P's (the first token, sent before the K/V push); D,
+told `first_token_streamed`, streams the rest (docs/pd-protocol.md).
+
 Slots: a `Route` may carry the router-side slots its request holds (`SlotHolder`,
 `pdcache.router.admission`). The proxy frees them as the work ends: P's when P's call is over,
 the answering node's (D or unified) when the JSON answer is in or the stream is closed.
@@ -25,12 +29,17 @@ from typing import Any
 import anyio
 import httpx
 
-from pdcache.router.node_client import EventStream, NodeClient, NodeOverloadedError
+from pdcache.router.node_client import (
+    BAD_GATEWAY,
+    EventStream,
+    NodeClient,
+    NodeOverloadedError,
+)
 from pdcache.router.nodes import NodeRegistry
 from pdcache.router.policy import NodeState
 from pdcache.router.route import Deadline, Route
 from pdcache.server.generate_api import PDParams
-from pdcache.server.protocol import OVERLOADED, ApiError
+from pdcache.server.protocol import OVERLOADED, SERVER_ERROR, ApiError
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +58,12 @@ class Proxy:
         *,
         connect_timeout_s: float = 5.0,
         on_node_result: Callable[[NodeState, bool], None] | None = None,
+        first_token_from_prefill: bool = True,
     ) -> None:
         self._client = NodeClient(client, registry, connect_timeout_s=connect_timeout_s,
                                   on_node_result=on_node_result)
+        # PD streams: the client's first token is prefill's, sent before the K/V push
+        self.first_token_from_prefill = first_token_from_prefill
 
     # ---- a route (unified node or P + D)
 
@@ -102,11 +114,14 @@ class Proxy:
             raise ApiError(503, f"prefill node {prefill.name} has no known bootstrap address",
                            type=OVERLOADED, code="no_bootstrap")
         room = secrets.randbits(63)
+        # streaming with the first token from prefill: P streams it, D's stream starts after it
+        first_from_p = stream and self.first_token_from_prefill
         p_pd = PDParams(room=room, role="prefill", decode_node=decode.name)
         d_pd = PDParams(room=room, role="decode", bootstrap=prefill.bootstrap,
-                        prefill_node=prefill.name)
-        p_body = {**body, "stream": False, "pd": p_pd.model_dump(exclude_none=True)}
-        d_body = {**body, "stream": stream, "pd": d_pd.model_dump(exclude_none=True)}
+                        prefill_node=prefill.name, first_token_streamed=first_from_p)
+        p_body = {**body, "stream": first_from_p, "pd": p_pd.model_dump(exclude_none=True)}
+        d_body = {**body, "stream": stream,
+                  "pd": d_pd.model_dump(exclude_none=True, exclude_defaults=True)}
         return p_body, d_body
 
     async def _pd_generate(self, route: Route, body: dict[str, Any], deadline: Deadline
@@ -132,6 +147,8 @@ class Proxy:
         p_body, d_body = self._pd_bodies(route, body, stream=True)
         prefill, decode = route.prefill, route.decode
         assert prefill is not None and decode is not None
+        if self.first_token_from_prefill:
+            return self._pd_stream_first_from_prefill(route, p_body, d_body, deadline)
         p_task = self._prefill_task(route, p_body, deadline)
         decode.in_flight += 1
         try:
@@ -144,13 +161,36 @@ class Proxy:
             raise
         return RouteStream(self._client, events, p_task, route)
 
-    def _prefill_task(self, route: Route, p_body: dict[str, Any], deadline: Deadline
+    def _pd_stream_first_from_prefill(self, route: Route, p_body: dict[str, Any],
+                                      d_body: dict[str, Any], deadline: Deadline
+                                      ) -> RouteStream:
+        """P's stream and D's at once, neither awaited here: D's response starts only once
+        the K/V is in, P's first event (the first token) comes before the K/V push. The
+        `RouteStream` yields P's first event, then D's."""
+        decode = route.decode
+        assert decode is not None
+        first: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        p_task = self._prefill_task(route, p_body, deadline, first)
+        decode.in_flight += 1
+        opening = asyncio.create_task(self._client.open_stream(decode, d_body, deadline))
+        return RouteStream(self._client, None, p_task, route,
+                           decode_opening=(decode, opening), prefill_first=first)
+
+    def _prefill_task(self, route: Route, p_body: dict[str, Any], deadline: Deadline,
+                      first: asyncio.Future[dict[str, Any]] | None = None
                       ) -> asyncio.Task[dict[str, Any]]:
         """P's call as a task; its slot frees as soon as the call is over (P's work is done
-        once the KV is pushed, while D still decodes)."""
+        once the KV is pushed, while D still decodes). With `first`, P streams (its body has
+        `stream: true`): `first` gets its first event, the task's result is its last (the
+        answer P's JSON call gives)."""
         prefill = route.prefill
         assert prefill is not None
-        task = asyncio.create_task(self._client.post_json(prefill, p_body, deadline))
+        if first is None:
+            call = self._client.post_json(prefill, p_body, deadline)
+        else:
+            call = self._client.stream_to_end(prefill, p_body, deadline,
+                                              lambda event: _resolve(first, event))
+        task = asyncio.create_task(call)
         task.add_done_callback(lambda _task: route.release(prefill))
         return task
 
@@ -159,14 +199,27 @@ class RouteStream:
     """The event stream of one routed request (D's, or the unified node's), plus P's call.
 
     Until the first event arrives a failure of P wins (D is closed, P's error raised). After
-    the stream ends P gets a short grace to answer; `aclose()` cancels whatever is left."""
+    the stream ends P gets a short grace to answer; `aclose()` cancels whatever is left.
 
-    def __init__(self, client: NodeClient, events: EventStream,
-                 prefill: asyncio.Task[dict[str, Any]] | None, route: Route | None = None
-                 ) -> None:
+    With the first token from prefill (`prefill_first`, `decode_opening`): the first event is
+    P's first event, then D's events follow (D's stream is opened meanwhile and read only
+    after P's first event was given out). P failing before its first event raises P's
+    error; D failing first raises the root cause (`_root_cause`), as before."""
+
+    def __init__(self, client: NodeClient, events: EventStream | None,
+                 prefill: asyncio.Task[dict[str, Any]] | None, route: Route | None = None,
+                 *, decode_opening: tuple[NodeState, asyncio.Task[EventStream]] | None = None,
+                 prefill_first: asyncio.Future[dict[str, Any]] | None = None) -> None:
         self._client = client
         self._events = events
+        self._opening = decode_opening[1] if decode_opening is not None else None
+        if events is not None:
+            self._node = events.node
+        else:
+            assert decode_opening is not None
+            self._node = decode_opening[0]
         self._prefill = prefill
+        self._prefill_first = prefill_first
         self._route = route
         self._started = False
         self._ok = False
@@ -181,10 +234,14 @@ class RouteStream:
 
     async def next(self) -> dict[str, Any] | None:
         try:
-            if self._started or self._prefill is None:
-                event = await self._events.next()
+            if not self._started and self._prefill_first is not None:
+                event: dict[str, Any] | None = await self._first_from_prefill()
             else:
-                event = await _race_prefill(self._prefill, self._events.next())
+                events = await self._opened()
+                if self._started or self._prefill is None:
+                    event = await events.next()
+                else:
+                    event = await _race_prefill(self._prefill, events.next())
         except BaseException as exc:
             if isinstance(exc, ApiError) and self._prefill is not None:
                 raise await _root_cause(self._prefill, exc) from None
@@ -196,14 +253,50 @@ class RouteStream:
                 await _settle(self._prefill, PREFILL_FINISH_GRACE_S)
         return event
 
+    async def _first_from_prefill(self) -> dict[str, Any]:
+        """P's first event, unless P or D's stream (still opening) fails before it."""
+        first, prefill, opening = self._prefill_first, self._prefill, self._opening
+        assert first is not None and prefill is not None
+        waiting: set[asyncio.Future[Any]] = {first, prefill}
+        if opening is not None:
+            waiting.add(opening)
+        while not first.done():
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            p_error = _failure(prefill)
+            if p_error is not None and not first.done():
+                raise p_error
+            if opening is not None and opening.done():
+                waiting.discard(opening)
+                d_error = _failure(opening)
+                if d_error is not None and not first.done():
+                    raise d_error
+            if prefill.done() and not first.done():  # cannot be: P's result is after its first
+                raise ApiError(502, "prefill node answered without its first event",
+                               type=SERVER_ERROR, code=BAD_GATEWAY)
+        return first.result()
+
+    async def _opened(self) -> EventStream:
+        """D's event stream, once its response began (the first token from prefill: D opens
+        it once the K/V is in); a failure of P meanwhile wins, as before the first event."""
+        if self._events is None:
+            assert self._opening is not None and self._prefill is not None
+            self._events = await _race_prefill(self._prefill, self._opening)
+        return self._events
+
     async def aclose(self) -> None:
-        await self._events.aclose()
+        if self._opening is not None:
+            await _cancel(self._opening)
+            if self._events is None and self._opening.done() and not self._opening.cancelled() \
+                    and self._opening.exception() is None:
+                self._events = self._opening.result()  # opened, never read: close it
+        if self._events is not None:
+            await self._events.aclose()
         if self._prefill is not None:
             await _cancel(self._prefill)
         if not self._released:
             self._released = True
-            self._events.node.in_flight -= 1
-            self._client.result(self._events.node, self._ok)
+            self._node.in_flight -= 1
+            self._client.result(self._node, self._ok)
             if self._route is not None:
                 self._route.release_all()
 
@@ -257,6 +350,11 @@ async def _settle(task: asyncio.Task[Any], grace_s: float) -> None:
     error = _failure(task)
     if error is not None:
         log.warning("prefill call failed after decode succeeded: %s", error)
+
+
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _failure(task: asyncio.Future[Any]) -> BaseException | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -196,6 +196,9 @@ class PDParams(BaseModel):
     bootstrap: str | None = Field(default=None, max_length=256)  # decode: P's bootstrap
     prefill_node: str | None = Field(default=None, max_length=128)
     decode_node: str | None = Field(default=None, max_length=128)
+    # decode: the router already streamed the first token (prefill's stream), so decode's
+    # stream starts after it (docs/pd-protocol.md, "First token from prefill")
+    first_token_streamed: bool = False
 
 
 Rid = Annotated[str, Field(min_length=1, max_length=128)]
@@ -517,6 +520,56 @@ class OutputBuilder:
         if self.index is not None:
             chunk["index"] = self.index
         return chunk
+
+
+@dataclass
+class FirstTokenSkip:
+    """A decode node's stream whose first token the router already sent (prefill's stream,
+    `PDParams.first_token_streamed`): `trim` takes each chunk `OutputBuilder.add` made and
+    returns it without that token, or None when nothing is left to send. Incremental chunks
+    lose the token's id, the `first_text` prefill sent with it and its output logprob
+    entries; a cumulative chunk is dropped while it holds the first token alone (the next
+    one holds everything again). A final chunk (`finish_reason` set) is always sent."""
+
+    incremental: bool
+    first_text: str
+    _ids_left: int = field(default=1, init=False)
+    _text_left: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self._text_left = len(self.first_text)
+
+    def trim(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        meta_info = chunk["meta_info"]
+        final = meta_info.get("finish_reason") is not None
+        if not self.incremental:
+            return chunk if final or len(chunk["output_ids"]) > 1 else None
+        ids, text = chunk["output_ids"], chunk["text"]
+        drop_ids = min(self._ids_left, len(ids))
+        drop_text = min(self._text_left, len(text))
+        if not drop_ids and not drop_text:
+            return chunk
+        self._ids_left -= drop_ids
+        self._text_left -= drop_text
+        trimmed = {**chunk, "text": text[drop_text:], "output_ids": ids[drop_ids:],
+                   "meta_info": _without_first_logprobs(meta_info, drop_ids)}
+        if not final and not trimmed["output_ids"] and not trimmed["text"]:
+            return None
+        return trimmed
+
+
+def _without_first_logprobs(meta_info: dict[str, Any], count: int) -> dict[str, Any]:
+    """`meta_info` without the first `count` entries of its output logprob lists (the
+    tokens taken out of the chunk), keeping `output_token_logprobs_length` in step."""
+    if not count or not any(isinstance(meta_info.get(k), list) for k in OUTPUT_LOGPROB_KEYS):
+        return meta_info
+    trimmed = dict(meta_info)
+    for key in OUTPUT_LOGPROB_KEYS:
+        if isinstance(trimmed.get(key), list):
+            trimmed[key] = trimmed[key][count:]
+    if "output_token_logprobs" in trimmed:
+        trimmed["output_token_logprobs_length"] = len(trimmed["output_token_logprobs"])
+    return trimmed
 
 
 async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:

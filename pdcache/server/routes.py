@@ -30,6 +30,7 @@ from pdcache.server.auth import node_request_allowed, unauthorized
 from pdcache.server.bridge import EngineBridge, EngineRequest, Generation
 from pdcache.server.choices import ChoiceDelta, choice_events
 from pdcache.server.generate_api import (
+    FirstTokenSkip,
     GenerateItem,
     GenerateRequestBody,
     OutputBuilder,
@@ -76,6 +77,7 @@ class SequenceRun:
     gen: Generation
     text: TextAssembler
     builder: OutputBuilder | None = None
+    skip: FirstTokenSkip | None = None  # the first token was streamed by prefill already
 
 
 async def _as_sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -154,10 +156,21 @@ class ServerRoutes:
         return self.bridge.config.incremental_streaming_output if chosen is None else chosen
 
     async def respond(self, request: Request, handle: EngineRequest, gen: Generation,
-                      body: GenerateRequestBody, item: GenerateItem) -> Response:
-        """A submitted single-sequence request's answer (the P/D nodes')."""
+                      body: GenerateRequestBody, item: GenerateItem,
+                      streamed_first: int | None = None) -> Response:
+        """A submitted single-sequence request's answer (the P/D nodes'). `streamed_first`:
+        the first token, which the client already has (the decode node's
+        `first_token_streamed`): a stream then starts after it (`FirstTokenSkip`)."""
         run = SequenceRun(item, handle, gen, self.assembler(item))
+        if streamed_first is not None and body.stream:
+            run.skip = FirstTokenSkip(self.incremental(body),
+                                      self.first_token_text(item, streamed_first))
         return await self.respond_runs(request, [run], body)
+
+    def first_token_text(self, item: GenerateItem, token: int) -> str:
+        """The text a stream releases with `item`'s first token alone (prefill's first
+        event; decode's `FirstTokenSkip` leaves it out)."""
+        return self.assembler(item).add([token])
 
     async def respond_runs(self, request: Request, runs: list[SequenceRun],
                            body: GenerateRequestBody) -> Response:
@@ -187,7 +200,10 @@ class ServerRoutes:
         outputs = self.bridge.outputs(run.handle, run.gen, run.text)
         async with aclosing(outputs) as stream:
             async for new_ids, delta in stream:
-                yield builder.add(new_ids, delta, self.meta_info(run, body))
+                chunk = builder.add(new_ids, delta, self.meta_info(run, body))
+                if run.skip is not None and (chunk := run.skip.trim(chunk)) is None:
+                    continue
+                yield chunk
 
     def meta_info(self, run: SequenceRun, body: GenerateRequestBody) -> dict[str, Any]:
         """`meta_info` now, with the logprobs absorbed since the previous chunk."""
