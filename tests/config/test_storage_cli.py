@@ -204,6 +204,17 @@ def test_storage_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     ]
     assert all(row["read_GBps"] > 0 for row in result["rows"])
     mac_rows = [row for row in result["rows"] if row["path"].endswith("+mac")]
-    assert all(row["mac_read_ratio"] > 0 and row["mac_write_ratio"] > 0 for row in mac_rows)
+    assert all(row["read_mac_ratio"] > 0 and row["write_mac_ratio"] > 0 for row in mac_rows)
+    assert all(row["write_GBps"] > 0 and "-" in row["read_spread"] for row in result["rows"][2:])
+    direct = json.loads((tmp_path / "bench.direct.json").read_text())
+    assert [row["path"] for row in direct["rows"]] == [
+        "O_DIRECT read only",
+        "O_DIRECT read + checksum verify",
+        "O_DIRECT read + MAC verify",
+        "O_DIRECT write only",
+        "O_DIRECT write + checksum seal",
+        "O_DIRECT write + MAC seal",
+    ]
+    assert all(row["GBps"] > 0 and row["cpu_us_per_page"] > 0 for row in direct["rows"])
     assert result["rows"][1]["read_vs_file"] == 1.0
     assert "read_vs_file" in capsys.readouterr().out

@@ -296,12 +296,14 @@ OTHER_MAC_KEY = derive_key(b"cluster-secret-two-" * 2, "page-mac")
 
 def _forged(spec_key: bytes | None, key: bytes, payload: torch.Tensor) -> bytes:
     """A well-formed page (valid header CRC and payload checksum) under `key`, MAC'd with
-    `spec_key` (None: no MAC, a version-1 page), as a forger with storage access writes it."""
+    `spec_key` (None: no MAC, a version-1 page), as a forger with storage access writes it.
+    It keeps the xxh3 checksum even when sealed, so a keyless reader can check (and serve) it."""
     spec = PageSpec(
         fingerprint=FINGERPRINT,
         payload_bytes=PAGE_BYTES,
         num_layers=2,
         page_size=4,
+        checksum="xxh3",
         mac_key=spec_key,
     )
     return encode_object(spec, key, "prefill", byte_view(payload))
