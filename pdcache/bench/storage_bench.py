@@ -113,14 +113,17 @@ class DirectIO:
     submission ring would: a reader thread has page i+1's read in flight while page i is
     verified; page i+1 is sealed while page i's write is in flight.
 
-    One file of 4 KiB-aligned slots: page i without the MAC in slot 2i, with it in 2i+1, so
-    both modes hit the same stretch of disk. Writes go from a staging mmap that holds every
+    One file of 4 KiB-aligned slots, one per page and mode, interleaved (page i's are
+    adjacent), so every mode hits the same stretch of disk. Modes: the I/O alone, the xxh3
+    checksum (no MAC), the MAC as sealed pages are written by default (no checksum,
+    page_format.py), and the MAC with the xxh3 checksum kept (`checksum = "xxh3"`). Writes go from a staging mmap that holds every
     slot (the pages already in DMA-able memory, as in a registered iovec); a write pass seals
     the header in place and writes the slot. "io only" reads and writes the MAC slots without
     verifying or sealing. Every mode runs the same code with the same threads (`threads`
     shares, each its own pipeline); only what is computed per page differs."""
 
-    MODES = ("io only", "checksum", "mac")
+    MODES = ("io only", "checksum", "mac", "mac+xxh3")
+    SLOTS = ("checksum", "mac", "mac+xxh3")  # the modes with pages of their own
 
     def __init__(self, path: Path, src: torch.Tensor, mac_key: bytes, threads: int = 1) -> None:
         import mmap
@@ -130,15 +133,16 @@ class DirectIO:
         self.path, self.pages = path, src.shape[0]
         without = PageSpec("bench", src.shape[1])
         self.specs = {"io only": without, "checksum": without,
-                      "mac": PageSpec("bench", src.shape[1], mac_key=mac_key)}
+                      "mac": PageSpec("bench", src.shape[1], mac_key=mac_key),
+                      "mac+xxh3": PageSpec("bench", src.shape[1], checksum="xxh3", mac_key=mac_key)}
         self.slot_bytes = -(-self.specs["mac"].object_bytes // 4096) * 4096
         self.keys = [uuid.uuid4().bytes * 2 for _ in range(self.pages)]
         self.threads = max(1, threads)
         # read buffers: two per thread (one in flight, one being verified)
         self.read_buffers = [mmap.mmap(-1, self.slot_bytes) for _ in range(2 * self.threads)]
-        self.staging = mmap.mmap(-1, 2 * self.pages * self.slot_bytes)
+        self.staging = mmap.mmap(-1, len(self.SLOTS) * self.pages * self.slot_bytes)
         for i, (key, page) in enumerate(zip(self.keys, src, strict=True)):
-            for name in ("checksum", "mac"):
+            for name in self.SLOTS:
                 blob = encode_object(self.specs[name], key, "prefill", page.numpy().data)
                 at = self._slot(i, name) * self.slot_bytes
                 self.staging[at : at + len(blob)] = blob
@@ -152,9 +156,10 @@ class DirectIO:
         self.pool = ThreadPoolExecutor(self.threads)  # runs the shares (threads > 1)
         self.io = [ThreadPoolExecutor(1) for _ in range(self.threads)]  # one I/O thread each
 
-    @staticmethod
-    def _slot(page: int, mode: str) -> int:
-        return 2 * page + (mode != "checksum")
+    @classmethod
+    def _slot(cls, page: int, mode: str) -> int:
+        """Page `page`'s slot for `mode` ("io only" uses the MAC pages')."""
+        return len(cls.SLOTS) * page + cls.SLOTS.index("mac" if mode == "io only" else mode)
 
     def read(self, mode: str, pages: list[int]) -> None:
         self._shares(self._read_share, mode, pages)
@@ -253,7 +258,7 @@ def direct_io_rows(base: Path, src: torch.Tensor, repeat: int, threads: int) -> 
                         cpu[(op, mode)] = cpu.get((op, mode), 0.0) + used
                 for mode in modes:
                     wall.setdefault((op, mode), []).append(spent[mode])
-        for mode in ("checksum", "mac"):  # what the write passes left reads back OK
+        for mode in DirectIO.SLOTS:  # what the write passes left reads back OK
             direct.read(mode, pages)
     finally:
         direct.close()
@@ -261,11 +266,12 @@ def direct_io_rows(base: Path, src: torch.Tensor, repeat: int, threads: int) -> 
     for op in ("read", "write"):
         verb = {"read": "verify", "write": "seal"}[op]
         for mode in modes:
-            what = {"io only": "only", "checksum": f"+ checksum {verb}", "mac": f"+ MAC {verb}"}
+            what = {"io only": "only", "checksum": f"+ checksum {verb}", "mac": f"+ MAC {verb}",
+                    "mac+xxh3": f"+ MAC {verb}, xxh3 kept"}
             row = {"path": f"O_DIRECT {op} {what[mode]}", **_gbps_stats(nbytes, wall[(op, mode)]),
                    "cpu_us_per_page": cpu[(op, mode)] / (repeat * len(pages)) * 1e6}
-            if mode == "mac":
-                row.update(_ratio_stats(wall[(op, "checksum")], wall[(op, "mac")]))
+            if mode.startswith("mac"):
+                row.update(_ratio_stats(wall[(op, "checksum")], wall[(op, mode)]))
             rows.append(row)
     return rows
 

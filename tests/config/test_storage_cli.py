@@ -211,9 +211,11 @@ def test_storage_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         "O_DIRECT read only",
         "O_DIRECT read + checksum verify",
         "O_DIRECT read + MAC verify",
+        "O_DIRECT read + MAC verify, xxh3 kept",
         "O_DIRECT write only",
         "O_DIRECT write + checksum seal",
         "O_DIRECT write + MAC seal",
+        "O_DIRECT write + MAC seal, xxh3 kept",
     ]
     assert all(row["GBps"] > 0 and row["cpu_us_per_page"] > 0 for row in direct["rows"])
     assert result["rows"][1]["read_vs_file"] == 1.0
