@@ -329,40 +329,45 @@ def _run_backend_modes(
             backend.register_host_memory(src)
             backend.register_host_memory(dst)
     batches = list(zip(_batches(keys, src), _batches(keys, dst), strict=True))
-    times = {mode: {"write_s": [], "read_s": [], "plain_read_s": []} for mode in backends}
+    times = {mode: {"write_s": [], "read_s": [], "plain_read_s": [], "write_cpu_s": [],
+                    "read_cpu_s": []} for mode in backends}
     modes = list(backends)
     for r in range(repeat + 1):
         plain_s = _timed(plain.read)
         dst.zero_()  # the plain read filled it: a read that wrote nothing must not pass
-        spent = {mode: [0.0, 0.0] for mode in modes}
+        spent = {mode: [0.0, 0.0, 0.0, 0.0] for mode in modes}  # write, read: wall, CPU
         for b, ((batch_keys, src_pages), (_, dst_pages)) in enumerate(batches):
             turn = (r + b) % len(modes)
             for mode in modes[turn:] + modes[:turn]:
                 backend = backends[mode]
                 backend.delete(batch_keys)
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 assert all(backend.put_from(batch_keys, src_pages)), "put failed"
-                written = time.perf_counter()
+                written, cpu_written = time.perf_counter(), time.process_time()
                 assert all(backend.get_into(batch_keys, dst_pages)), "get missed"
                 spent[mode][0] += written - start
                 spent[mode][1] += time.perf_counter() - written
+                spent[mode][2] += cpu_written - cpu_start
+                spent[mode][3] += time.process_time() - cpu_written
                 span = slice(b * BATCH_PAGES, b * BATCH_PAGES + len(batch_keys))
                 assert torch.equal(src[span], dst[span]), f"{mode} read is not byte-exact"
                 dst[span].zero_()
         for mode in modes:
             if r > 0:  # round 0 is the warm-up
-                times[mode]["write_s"].append(spent[mode][0])
-                times[mode]["read_s"].append(spent[mode][1])
+                for n, name in enumerate(("write_s", "read_s", "write_cpu_s", "read_cpu_s")):
+                    times[mode][name].append(spent[mode][n])
                 times[mode]["plain_read_s"].append(plain_s)
     return times
 
 
-def _mode_row(path: str, nbytes: int, times: dict[str, list[float]]) -> dict[str, Any]:
+def _mode_row(path: str, nbytes: int, pages: int, times: dict[str, list[float]]) -> dict:
     plain = statistics.median(times["plain_read_s"])
     read = statistics.median(times["read_s"])
     return {"path": path, **_gbps_stats(nbytes, times["write_s"], "write_"),
             **_gbps_stats(nbytes, times["read_s"], "read_"),
-            "plain_file_read_GBps": _gbps(nbytes, plain), "read_vs_file": plain / read}
+            "plain_file_read_GBps": _gbps(nbytes, plain), "read_vs_file": plain / read,
+            "write_cpu_us": statistics.median(times["write_cpu_s"]) / pages * 1e6,
+            "read_cpu_us": statistics.median(times["read_cpu_s"]) / pages * 1e6}
 
 
 @contextmanager
@@ -487,7 +492,8 @@ def run(args: argparse.Namespace) -> int:
                     }
                     times = _run_backend_modes(backends, plain, src, dst, args.repeat)
                 for label in backends:
-                    rows.append(_mode_row(f"storage {name}{label}", nbytes, times[label]))
+                    row = _mode_row(f"storage {name}{label}", nbytes, args.pages, times[label])
+                    rows.append(row)
                 if len(times) == 2:
                     off, on = times[""], times[" +mac"]
                     rows[-1].update(_ratio_stats(off["read_s"], on["read_s"], "read_"))
@@ -500,14 +506,14 @@ def run(args: argparse.Namespace) -> int:
         "io_threads": args.io_threads,
         "rounds": args.repeat,
         "load_avg_1m": f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after",
-        "note": "medians of the rounds (spread: slowest-fastest); modes interleaved per round; "
-        "read_vs_file = plain file read time / this read time; *_mac_ratio = GB/s with the "
-        "MAC / without, paired per round",
+        "note": "medians of the rounds (spread: slowest-fastest); modes interleaved batch by "
+        "batch; read_vs_file = plain file read time / this read time; *_mac_ratio = GB/s with "
+        "the MAC / without, paired per round; *_cpu_us = process CPU per page",
         "target": "storage read_vs_file >= 0.5; +mac rows *_mac_ratio >= 0.95",
         "mac": args.mac,
     }
     columns = ["path", "write_GBps", "write_spread", "read_GBps", "read_spread",
-               "plain_file_read_GBps", "read_vs_file"]
+               "plain_file_read_GBps", "read_vs_file", "write_cpu_us", "read_cpu_us"]
     if any("read_mac_ratio" in row for row in rows):
         columns += ["read_mac_ratio", "read_mac_ratio_spread", "write_mac_ratio",
                     "write_mac_ratio_spread"]
