@@ -462,6 +462,74 @@ def mac_algorithm_rows(page_bytes: int, hashed_bytes: int = 64 << 20) -> list[di
     return rows
 
 
+def _cpu_us(fn: Callable[[], Any], calls: int, repeat: int = 5) -> float:
+    """Median CPU µs per call of `fn` on this thread (thread CPU time: what the step costs,
+    not how long other jobs on the machine kept it waiting)."""
+    samples = []
+    for _ in range(repeat):
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        samples.append((time.thread_time() - start) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def step_cost_rows(base: Path, page_bytes: int, calls: int = 64) -> list[dict[str, Any]]:
+    """CPU per page of each step of a storage read and write, one thread, one page-cache-warm
+    page: the copy (preadv / pwritev, the page cache's memcpy), the checksum, the MAC, and the
+    whole seal (`encode_header`) and verify (`verify_page`) with and without the MAC. From
+    them, the best ratio a copy-bound page-cache read or write can reach with the MAC: (copy +
+    verify without) / (copy + verify with)."""
+    import xxhash
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from pdcache.offload_manager.storage.page_format import (
+        PageSpec,
+        encode_header,
+        verify_page,
+    )
+
+    key, mac_key = uuid.uuid4().bytes * 2, os.urandom(32)
+    specs = {"checksum": PageSpec("bench", page_bytes),
+             "MAC": PageSpec("bench", page_bytes, mac_key=mac_key),
+             "MAC, xxh3 kept": PageSpec("bench", page_bytes, checksum="xxh3", mac_key=mac_key)}
+    payload = memoryview(bytearray(os.urandom(page_bytes)))
+    heads = {name: encode_header(spec, key, "prefill", payload) for name, spec in specs.items()}
+    path = base / "steps.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, payload, 0)
+        into = memoryview(bytearray(page_bytes))
+        gcm, nonce = AESGCM(mac_key), os.urandom(12)
+        cost = {
+            "memcpy": _cpu_us(lambda: into.__setitem__(slice(None), payload), calls),
+            "preadv (page cache)": _cpu_us(lambda: os.preadv(fd, [into], 0), calls),
+            "pwritev (page cache)": _cpu_us(lambda: os.pwritev(fd, [payload], 0), calls),
+            "xxh3": _cpu_us(lambda: xxhash.xxh3_64_intdigest(payload), calls),
+            "GMAC": _cpu_us(lambda: gcm.encrypt(nonce, b"h" * 88, payload), calls),
+        }
+        for name, spec in specs.items():
+            cost[f"seal, {name}"] = _cpu_us(
+                lambda s=spec: encode_header(s, key, "prefill", payload), calls)
+            cost[f"verify, {name}"] = _cpu_us(
+                lambda s=spec, h=heads[name]: verify_page(s, key, h, payload, s.object_bytes),
+                calls)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    rows: list[dict[str, Any]] = [
+        {"step": name, "cpu_us_per_page": us, "GBps": page_bytes / us / 1e3}
+        for name, us in cost.items()
+    ]
+    read, write = cost["preadv (page cache)"], cost["pwritev (page cache)"]
+    for name in ("MAC", "MAC, xxh3 kept"):
+        rows.append({"step": f"bound: page-cache read, {name} / checksum", "ratio":
+                     (read + cost["verify, checksum"]) / (read + cost[f"verify, {name}"])})
+        rows.append({"step": f"bound: page-cache write, {name} / checksum", "ratio":
+                     (write + cost["seal, checksum"]) / (write + cost[f"seal, {name}"])})
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     page_bytes = args.page_kib * 1024
     nbytes = page_bytes * args.pages
@@ -531,6 +599,18 @@ def run(args: argparse.Namespace) -> int:
             ["path", "GBps", "spread", "cpu_us_per_page", "mac_ratio", "mac_ratio_spread"],
             extra={"target": "mac_ratio >= 0.95", "threads": args.io_threads,
                    "rounds": args.repeat, "load_avg_1m": round(os.getloadavg()[0], 2)},
+        )
+    if args.mac == "both":
+        with tempfile.TemporaryDirectory(dir=args.dir, prefix="pdcache-bench-") as tmp:
+            step_rows = step_cost_rows(Path(tmp), page_bytes)
+        steps_json = args.json_path and args.json_path.replace(".json", "") + ".steps.json"
+        emit(
+            "CPU per page of each step (one thread, thread CPU time, page cache warm)",
+            step_rows,
+            steps_json,
+            ["step", "cpu_us_per_page", "GBps", "ratio"],
+            extra={"note": "bound = (copy + verify or seal without the MAC) / (copy + with it)",
+                   "load_avg_1m": round(os.getloadavg()[0], 2)},
         )
     if args.mac != "off":
         mac_json = args.json_path and args.json_path.replace(".json", "") + ".mac.json"

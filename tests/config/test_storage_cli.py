@@ -218,5 +218,8 @@ def test_storage_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         "O_DIRECT write + MAC seal, xxh3 kept",
     ]
     assert all(row["GBps"] > 0 and row["cpu_us_per_page"] > 0 for row in direct["rows"])
+    steps = {row["step"]: row for row in json.loads((tmp_path / "bench.steps.json").read_text())["rows"]}
+    assert steps["verify, MAC"]["cpu_us_per_page"] > 0
+    assert 0 < steps["bound: page-cache read, MAC / checksum"]["ratio"] < 2
     assert result["rows"][1]["read_vs_file"] == 1.0
     assert "read_vs_file" in capsys.readouterr().out
