@@ -25,11 +25,12 @@ A reader with a key serves only version-3 pages whose MAC verifies: a version-1 
 version-2 page (the keyed BLAKE3 MAC of an earlier release), or a version-3 page with a forged or
 other-secret MAC, is `Verdict.BAD_MAC` (a counted miss) whatever its checksum. A reader without
 a key ignores the MAC and checks pages of any version by their checksum (what lets a forged page
-through). With a key, a verified MAC stands in for the checksum pass.
+through), and refuses sealed pages that carry none (below). With a key, a verified MAC stands in for the checksum pass.
 
 Sealed pages carry no payload checksum by default (checksum algorithm "none", `checksum =
-"auto"` with a key): the MAC already covers every byte, and the xxh3 pass cost a sealing writer
-30-40 % of the MAC's own CPU on top of it. The checksum field then holds the writer's key check
+"auto"` with a key): the MAC already covers every byte, and the xxh3 pass nearly doubled a
+sealing writer's CPU on host pages not in cache (52-56 vs 30-31 us per 512 KiB page, the step
+table of `pdcache bench storage`). The checksum field then holds the writer's key check
 (`PageSealer.key_check`: keyed BLAKE3 of the writer id, cached per writer), covered by the MAC
 and the header CRC, so a failed MAC is still labelled: the key check matches (the page was
 sealed under this key and altered since) -> `BAD_CHECKSUM`, corruption; it does not (another
@@ -37,8 +38,10 @@ secret, a forger without the key, no MAC) -> `BAD_MAC`. What is given up: a read
 key cannot check such a page (`FOREIGN`, a counted miss); `checksum = "xxh3"` with a key keeps
 the checksum in sealed pages for such readers (mixed deployments). As before, a forger who
 controls the bytes also controls the label (copying a genuine key check makes a forgery read
-as corruption, as a wrong checksum did): either way it is a miss, never served. GMAC over keyed BLAKE3 by measurement on this CPU (VAES/VPCLMULQDQ, `pdcache bench
-storage`): about 22 GB/s against 6.4 GB/s on 512 KiB-2 MiB pages, single-threaded, and it
+as corruption, as a wrong checksum did): either way it is a miss, never served.
+
+GMAC over keyed BLAKE3 by measurement on this CPU (VAES/VPCLMULQDQ, `pdcache bench storage`):
+about 22 GB/s against 6.4 GB/s on 512 KiB-2 MiB pages, single-threaded, and it
 releases the GIL; HMAC-SHA256 runs at 0.6-1.7 GB/s and AES-GCM-SIV at 1 GB/s in OpenSSL 4.
 
 Scatter/gather: a payload may be given as a list of buffers (the runs of a page that is not
@@ -282,8 +285,8 @@ class PageSealer:
     associated data and header bytes [0, MAC_OFFSET) as the (discarded) plaintext.
 
     Owns this writer's random id, its subkey (keyed BLAKE3 of key and id) and nonce counter, and
-    a bounded cache of other writers' ciphers (and key checks) for verifying; one lock guards the counter and
-    the cache, never a MAC computation (OpenSSL releases the GIL, so I/O threads MAC in
+    a bounded cache of other writers' ciphers and key checks for verifying; one lock guards the
+    counter and the cache, never a MAC computation (OpenSSL releases the GIL, so I/O threads MAC in
     parallel). Thread-safe.
     """
 
@@ -303,7 +306,9 @@ class PageSealer:
         it in the checksum field, so a reader whose MAC check fails can tell a page sealed
         under its own key and altered since (corruption) from one sealed under another key
         or none (forgery, another secret). Costs nothing per page: cached per writer."""
-        return self._cipher(writer_id or self._writer_id)[2]
+        if writer_id is None or writer_id == self._writer_id:
+            return self._own[2]  # never evicted: held apart from the cache
+        return self._cipher(writer_id)[2]
 
     def seal(self, head: bytes, payload: Payload) -> bytes:
         """The MAC field (writer id, nonce, tag) for header bytes `head[:MAC_OFFSET]` + payload."""

@@ -347,3 +347,26 @@ def test_a_failed_mac_is_labelled_corruption_or_forgery_with_or_without_a_checks
     tag[110] ^= 0x01  # the tag itself damaged: still sealed under this key
     assert _verify(_recrc(tag), SEALED) == (Verdict.BAD_CHECKSUM if checksum == "none"
                                             else Verdict.BAD_MAC, None)
+
+
+def test_the_writers_own_key_check_survives_a_flood_of_other_writers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Verifying pages of more writers than the cipher cache holds (a forger cycling writer
+    ids) evicts them from the cache, never the writer's own key check: sealing still needs
+    no derivation (no keyed BLAKE3 per write) and its pages carry the same check."""
+    writer = dataclasses.replace(SEALED)
+    own = writer.sealer.key_check()
+    for i in range(writer.sealer.CACHED_WRITERS + 8):
+        forged = bytearray(encode_object(SEALED, KEY, "prefill", _payload()))
+        forged[88:96] = i.to_bytes(8, "little")  # another writer id each time
+        assert _verify(_recrc(forged), writer)[0] is Verdict.BAD_MAC
+
+    def no_derivation(writer_id: bytes) -> None:
+        raise AssertionError("the sealing path derived a cipher")
+
+    monkeypatch.setattr(writer.sealer, "_cipher", no_derivation)
+    blob = encode_object(writer, KEY, "prefill", _payload())
+    monkeypatch.undo()
+    assert int.from_bytes(blob[CHECK_AT : CHECK_AT + 8], "little") == own
+    assert _verify(blob, writer) == (Verdict.OK, "prefill")
