@@ -120,9 +120,9 @@ class DirectIO:
     One file of 4 KiB-aligned slots, one per page and mode, interleaved (page i's are
     adjacent), so every mode hits the same stretch of disk. Modes: the I/O alone, the xxh3
     checksum (no MAC), the MAC as sealed pages are written by default (no checksum,
-    page_format.py), and the MAC with the xxh3 checksum kept (`checksum = "xxh3"`). Writes go from a staging mmap that holds every
-    slot (the pages already in DMA-able memory, as in a registered iovec); a write pass seals
-    the header in place and writes the slot. "io only" reads and writes the MAC slots without
+    page_format.py), and the MAC with the xxh3 checksum kept (`checksum = "xxh3"`). Writes go
+    from a staging mmap that holds every slot (the pages already in DMA-able memory, as in a
+    registered iovec); a write pass seals the header in place and writes the slot. "io only" reads and writes the MAC slots without
     verifying or sealing. Every mode runs the same code with the same threads (`threads`
     shares, each its own pipeline); only what is computed per page differs."""
 
@@ -237,7 +237,7 @@ DIRECT_CHUNK_PAGES = 8  # modes alternate every this many pages (the disk's spee
 
 
 def direct_io_rows(base: Path, src: torch.Tensor, repeat: int, threads: int) -> list[dict]:
-    """O_DIRECT reads then writes: I/O alone, + checksum, + MAC. Each of `repeat` rounds goes
+    """O_DIRECT reads then writes: I/O alone, + checksum, + MAC, + MAC with xxh3. Each of `repeat` rounds goes
     through the pages in chunks of DIRECT_CHUNK_PAGES, every chunk in every mode back to back
     (the order rotating chunk by chunk), so a disk whose speed drifts second to second slows
     all modes alike; a mode's round time is the sum over its chunks. Reported: median GB/s,
