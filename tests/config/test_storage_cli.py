@@ -204,6 +204,22 @@ def test_storage_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     ]
     assert all(row["read_GBps"] > 0 for row in result["rows"])
     mac_rows = [row for row in result["rows"] if row["path"].endswith("+mac")]
-    assert all(row["mac_read_ratio"] > 0 and row["mac_write_ratio"] > 0 for row in mac_rows)
+    assert all(row["read_mac_ratio"] > 0 and row["write_mac_ratio"] > 0 for row in mac_rows)
+    assert all(row["write_GBps"] > 0 and "-" in row["read_spread"] for row in result["rows"][2:])
+    direct = json.loads((tmp_path / "bench.direct.json").read_text())
+    assert [row["path"] for row in direct["rows"]] == [
+        "O_DIRECT read only",
+        "O_DIRECT read + checksum verify",
+        "O_DIRECT read + MAC verify",
+        "O_DIRECT read + MAC verify, xxh3 kept",
+        "O_DIRECT write only",
+        "O_DIRECT write + checksum seal",
+        "O_DIRECT write + MAC seal",
+        "O_DIRECT write + MAC seal, xxh3 kept",
+    ]
+    assert all(row["GBps"] > 0 and row["cpu_us_per_page"] > 0 for row in direct["rows"])
+    steps = {row["step"]: row for row in json.loads((tmp_path / "bench.steps.json").read_text())["rows"]}
+    assert steps["verify, MAC"]["cpu_us_per_page"] > 0
+    assert 0 < steps["bound: page-cache read, MAC / checksum"]["ratio"] < 2
     assert result["rows"][1]["read_vs_file"] == 1.0
     assert "read_vs_file" in capsys.readouterr().out

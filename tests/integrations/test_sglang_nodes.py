@@ -202,7 +202,8 @@ def test_sglang_pages_with_a_secret_are_served_only_under_its_key(tiny, tmp_path
                                                                   reader: str) -> None:
     """The plugin with `secret_file` MACs its pages like a pdcache node: a node on the same
     secret serves them from storage; a node on another secret rejects every one (counted) and
-    computes the same tokens; a node without a secret (MAC off) accepts them by checksum."""
+    computes the same tokens; a node without a secret (MAC off) cannot check them (sealed pages
+    carry no checksum by default, page_format.py) and refuses them as foreign, same tokens."""
     from pdcache.utils.secret import create_secret, derive_key, load_secret
 
     secret = create_secret(tmp_path / "secret")
@@ -227,10 +228,13 @@ def test_sglang_pages_with_a_secret_are_served_only_under_its_key(tiny, tmp_path
     try:
         tokens, out = generate(node_b.engine, "b", PROMPT)
         assert tokens == expected
-        served = 0 if reader == "other_secret" else 40
+        served = 40 if reader == "same_secret" else 0
         assert out.cached.storage == served
-        rejected = node_b.storage.stats()["rejected_mac_pages"]
-        assert rejected == (0 if served else PROMPT_PAGES)  # all prefetched, all refused
+        stats = node_b.storage.stats()
+        reason = "foreign" if reader == "no_secret" else "mac"
+        assert stats[f"rejected_{reason}_pages"] == (0 if served else PROMPT_PAGES)  # all refused
+        assert stats["rejected_mac_pages"] + stats["rejected_foreign_pages"] == (
+            0 if served else PROMPT_PAGES)
     finally:
         node_b.close()
 

@@ -25,10 +25,23 @@ A reader with a key serves only version-3 pages whose MAC verifies: a version-1 
 version-2 page (the keyed BLAKE3 MAC of an earlier release), or a version-3 page with a forged or
 other-secret MAC, is `Verdict.BAD_MAC` (a counted miss) whatever its checksum. A reader without
 a key ignores the MAC and checks pages of any version by their checksum (what lets a forged page
-through). With a key, a verified MAC stands in for the checksum pass (the checksum is still
-written, for keyless readers, and computed on a failed MAC only, to count corruption apart from
-forgery). GMAC over keyed BLAKE3 by measurement on this CPU (VAES/VPCLMULQDQ, `pdcache bench
-storage`): about 22 GB/s against 6.4 GB/s on 512 KiB-2 MiB pages, single-threaded, and it
+through), and refuses sealed pages that carry none (below). With a key, a verified MAC stands in for the checksum pass.
+
+Sealed pages carry no payload checksum by default (checksum algorithm "none", `checksum =
+"auto"` with a key): the MAC already covers every byte, and the xxh3 pass nearly doubled a
+sealing writer's CPU on host pages not in cache (52-56 vs 30-31 us per 512 KiB page, the step
+table of `pdcache bench storage`). The checksum field then holds the writer's key check
+(`PageSealer.key_check`: keyed BLAKE3 of the writer id, cached per writer), covered by the MAC
+and the header CRC, so a failed MAC is still labelled: the key check matches (the page was
+sealed under this key and altered since) -> `BAD_CHECKSUM`, corruption; it does not (another
+secret, a forger without the key, no MAC) -> `BAD_MAC`. What is given up: a reader without the
+key cannot check such a page (`FOREIGN`, a counted miss); `checksum = "xxh3"` with a key keeps
+the checksum in sealed pages for such readers (mixed deployments). As before, a forger who
+controls the bytes also controls the label (copying a genuine key check makes a forgery read
+as corruption, as a wrong checksum did): either way it is a miss, never served.
+
+GMAC over keyed BLAKE3 by measurement on this CPU (VAES/VPCLMULQDQ, `pdcache bench storage`):
+about 22 GB/s against 6.4 GB/s on 512 KiB-2 MiB pages, single-threaded, and it
 releases the GIL; HMAC-SHA256 runs at 0.6-1.7 GB/s and AES-GCM-SIV at 1 GB/s in OpenSSL 4.
 
 Scatter/gather: a payload may be given as a list of buffers (the runs of a page that is not
@@ -94,14 +107,26 @@ def _xxh3() -> Callable[..., int] | None:
 
 
 _CHECKSUM_FNS: dict[str, Callable[..., int] | None] = {"crc32": zlib.crc32, "xxh3": _xxh3()}
-CHECKSUM_CODES: dict[str, int] = {"crc32": 0, "xxh3": 1}
+# "none": a sealed (version-3) page without a payload checksum; its checksum field holds the
+# writer's key check instead (PageSealer.key_check): the MAC alone covers the payload.
+NO_CHECKSUM = "none"
+CHECKSUM_CODES: dict[str, int] = {"crc32": 0, "xxh3": 1, NO_CHECKSUM: 2}
 _CHECKSUM_NAMES = {code: name for name, code in CHECKSUM_CODES.items()}
 
 
-def resolve_checksum(name: str) -> str:
-    """ "auto" -> the fastest available algorithm; an unavailable one is an error."""
+def resolve_checksum(name: str, sealed: bool = False) -> str:
+    """ "auto" -> "none" for sealed pages (the MAC covers the payload), else the fastest
+    available algorithm; an unavailable one is an error, and so is "none" without a MAC."""
     if name == "auto":
+        if sealed:
+            return NO_CHECKSUM
         return "xxh3" if _CHECKSUM_FNS["xxh3"] is not None else "crc32"
+    if name == NO_CHECKSUM:
+        if not sealed:
+            raise ValueError(
+                "checksum 'none' needs a page MAC key: a page without a MAC must carry a checksum"
+            )
+        return name
     if name not in CHECKSUM_CODES:
         raise ValueError(f"unknown checksum '{name}'; choose one of {sorted(CHECKSUM_CODES)}")
     if _CHECKSUM_FNS[name] is None:
@@ -133,7 +158,10 @@ class PageSpec:
     num_layers: int = 0
     page_size: int = 0
     dtype: str = "uint8"
-    checksum: str = "auto"  # written into new pages; reads follow each page's header
+    # written into new pages; reads follow each page's header. "auto": xxh3 (crc32 without
+    # xxhash), or "none" with a mac_key (module docstring); "xxh3" with a mac_key keeps a
+    # checksum in sealed pages, for readers without the key
+    checksum: str = "auto"
     mac_key: bytes | None = field(default=None, repr=False)  # None: pages carry no MAC
     fingerprint_digest: bytes = field(init=False, repr=False)
     sealer: PageSealer | None = field(init=False, repr=False, compare=False)
@@ -145,7 +173,8 @@ class PageSpec:
             raise ValueError(f"unknown dtype '{self.dtype}'; choose one of {sorted(DTYPE_CODES)}")
         digest = hashlib.blake2b(self.fingerprint.encode(), digest_size=16).digest()
         object.__setattr__(self, "fingerprint_digest", digest)
-        object.__setattr__(self, "checksum", resolve_checksum(self.checksum))
+        sealed = self.mac_key is not None
+        object.__setattr__(self, "checksum", resolve_checksum(self.checksum, sealed))
         if self.mac_key is not None and len(self.mac_key) != MAC_KEY_BYTES:
             raise ValueError(f"mac_key must be {MAC_KEY_BYTES} bytes, got {len(self.mac_key)}")
         sealer = PageSealer(self.mac_key) if self.mac_key is not None else None
@@ -235,7 +264,7 @@ def encode_header(spec: PageSpec, key: bytes, origin: str, payload: Payload) -> 
         ORIGINS.index(origin),
         CHECKSUM_CODES[spec.checksum],
         spec.payload_bytes,
-        payload_checksum(payload, spec.checksum),
+        _checksum_field(spec, payload),
     )
     body += bytes(MAC_OFFSET - len(body))
     if spec.sealer is not None:
@@ -244,13 +273,20 @@ def encode_header(spec: PageSpec, key: bytes, origin: str, payload: Payload) -> 
     return body + _CRC.pack(zlib.crc32(body))
 
 
+def _checksum_field(spec: PageSpec, payload: Payload) -> int:
+    if spec.checksum == NO_CHECKSUM:
+        assert spec.sealer is not None  # resolve_checksum allows "none" only with a key
+        return spec.sealer.key_check()
+    return payload_checksum(payload, spec.checksum)
+
+
 class PageSealer:
     """Computes and checks page MACs under one key: GMAC, i.e. AES-256-GCM with the payload as
     associated data and header bytes [0, MAC_OFFSET) as the (discarded) plaintext.
 
     Owns this writer's random id, its subkey (keyed BLAKE3 of key and id) and nonce counter, and
-    a bounded cache of other writers' ciphers for verifying; one lock guards the counter and
-    the cache, never a MAC computation (OpenSSL releases the GIL, so I/O threads MAC in
+    a bounded cache of other writers' ciphers and key checks for verifying; one lock guards the
+    counter and the cache, never a MAC computation (OpenSSL releases the GIL, so I/O threads MAC in
     parallel). Thread-safe.
     """
 
@@ -261,8 +297,18 @@ class PageSealer:
         self._writer_id = secrets.token_bytes(WRITER_ID_BYTES)
         self._next_nonce = int.from_bytes(secrets.token_bytes(NONCE_BYTES), "little")
         self._lock = threading.Lock()
-        self._ciphers: dict[bytes, tuple[bytes, Any]] = {}
+        self._ciphers: dict[bytes, tuple[bytes, Any, int]] = {}
         self._own = self._cipher(self._writer_id)
+
+    def key_check(self, writer_id: bytes | None = None) -> int:
+        """A 64-bit value that only this key gives for `writer_id` (default: this writer's):
+        keyed BLAKE3 of the id, apart from the subkey. A sealed page without a checksum stores
+        it in the checksum field, so a reader whose MAC check fails can tell a page sealed
+        under its own key and altered since (corruption) from one sealed under another key
+        or none (forgery, another secret). Costs nothing per page: cached per writer."""
+        if writer_id is None or writer_id == self._writer_id:
+            return self._own[2]  # never evicted: held apart from the cache
+        return self._cipher(writer_id)[2]
 
     def seal(self, head: bytes, payload: Payload) -> bytes:
         """The MAC field (writer id, nonce, tag) for header bytes `head[:MAC_OFFSET]` + payload."""
@@ -271,6 +317,11 @@ class PageSealer:
             self._next_nonce = (counter + 1) % (1 << (8 * NONCE_BYTES))
         nonce = counter.to_bytes(NONCE_BYTES, "little")
         return self._writer_id + nonce + self._tag(self._own, nonce, head, payload)
+
+    @staticmethod
+    def writer_of(head: bytes) -> bytes:
+        """The writer id stored in a sealed header."""
+        return head[MAC_OFFSET : MAC_OFFSET + WRITER_ID_BYTES]
 
     def verify(self, head: bytes, payload: Payload) -> bool:
         """Whether the MAC field stored in `head` is this key's MAC of head + payload."""
@@ -281,7 +332,7 @@ class PageSealer:
         tag = self._tag(self._cipher(writer_id), nonce, head, payload)
         return hmac.compare_digest(tag, stored_tag)
 
-    def _cipher(self, writer_id: bytes) -> tuple[bytes, Any]:
+    def _cipher(self, writer_id: bytes) -> tuple[bytes, Any, int]:
         with self._lock:
             cipher = self._ciphers.get(writer_id)
         if cipher is not None:
@@ -290,7 +341,8 @@ class PageSealer:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         subkey = blake3.blake3(b"pdcache page writer " + writer_id, key=self._mac_key).digest()
-        cipher = (subkey, AESGCM(subkey))
+        check = blake3.blake3(b"pdcache page key check " + writer_id, key=self._mac_key)
+        cipher = (subkey, AESGCM(subkey), int.from_bytes(check.digest(8), "little"))
         with self._lock:
             if len(self._ciphers) >= self.CACHED_WRITERS:
                 self._ciphers.pop(next(iter(self._ciphers)))  # oldest first: ids are random
@@ -298,8 +350,8 @@ class PageSealer:
         return cipher
 
     @staticmethod
-    def _tag(cipher: tuple[bytes, Any], nonce: bytes, head: bytes, payload: Payload) -> bytes:
-        subkey, aead = cipher
+    def _tag(cipher: tuple[bytes, Any, int], nonce: bytes, head: bytes, payload: Payload) -> bytes:
+        subkey, aead, _ = cipher
         covered = head[:MAC_OFFSET]
         if not isinstance(payload, list) or len(payload) == 1:
             data = payload[0] if isinstance(payload, list) else payload
@@ -347,7 +399,12 @@ def parse_header(spec: PageSpec, header: memoryview | bytes) -> tuple[Verdict, H
     if version not in FORMAT_VERSIONS or header_bytes != HEADER_BYTES or origin >= len(ORIGINS):
         return Verdict.CORRUPT, None
     algorithm = _CHECKSUM_NAMES.get(algo)
-    if algorithm is None or _CHECKSUM_FNS[algorithm] is None:
+    if algorithm == NO_CHECKSUM:
+        if version != MAC_FORMAT_VERSION:
+            return Verdict.CORRUPT, None  # only a sealed page may go without a checksum
+        if spec.sealer is None:
+            return Verdict.FOREIGN, None  # nothing this keyless reader can check it with
+    elif algorithm is None or _CHECKSUM_FNS[algorithm] is None:
         return Verdict.FOREIGN, None  # a page this process cannot verify
     shape = (layers, page_size, dtype, length)
     expected = (spec.num_layers, spec.page_size, DTYPE_CODES[spec.dtype], spec.payload_bytes)
@@ -383,11 +440,14 @@ def verify_page(
     if spec.sealer is not None:
         # A verified MAC covers the payload (and the checksum field), so the checksum pass is
         # skipped; only a failed MAC pays for it, to tell corruption from forgery.
-        if info.version == MAC_FORMAT_VERSION and spec.sealer.verify(info.head, payload):
+        sealer = spec.sealer
+        if info.version == MAC_FORMAT_VERSION and sealer.verify(info.head, payload):
             return Verdict.OK, info.origin
-        if payload_checksum(payload, info.algorithm) != info.checksum:
-            return Verdict.BAD_CHECKSUM, None
-        return Verdict.BAD_MAC, None
+        if info.algorithm == NO_CHECKSUM:  # sealed under this key (key check) and altered since?
+            corrupt = info.checksum == sealer.key_check(sealer.writer_of(info.head))
+        else:
+            corrupt = payload_checksum(payload, info.algorithm) != info.checksum
+        return (Verdict.BAD_CHECKSUM if corrupt else Verdict.BAD_MAC), None
     if payload_checksum(payload, info.algorithm) != info.checksum:
         return Verdict.BAD_CHECKSUM, None
     return Verdict.OK, info.origin

@@ -296,12 +296,14 @@ OTHER_MAC_KEY = derive_key(b"cluster-secret-two-" * 2, "page-mac")
 
 def _forged(spec_key: bytes | None, key: bytes, payload: torch.Tensor) -> bytes:
     """A well-formed page (valid header CRC and payload checksum) under `key`, MAC'd with
-    `spec_key` (None: no MAC, a version-1 page), as a forger with storage access writes it."""
+    `spec_key` (None: no MAC, a version-1 page), as a forger with storage access writes it.
+    It keeps the xxh3 checksum even when sealed, so a keyless reader can check (and serve) it."""
     spec = PageSpec(
         fingerprint=FINGERPRINT,
         payload_bytes=PAGE_BYTES,
         num_layers=2,
         page_size=4,
+        checksum="xxh3",
         mac_key=spec_key,
     )
     return encode_object(spec, key, "prefill", byte_view(payload))
@@ -344,6 +346,32 @@ def test_mac_pages_detect_corruption_and_read_back_exactly(make_backend: Factory
     assert backend.get_into(keys, list(out)) == [True, False]
     assert torch.equal(out[0], pages[0])
     assert backend.stats()["rejected_checksum_pages"] == 1
+
+
+@pytest.mark.parametrize("checksum", ["auto", "xxh3"], ids=["no_checksum", "xxh3_kept"])
+def test_a_forgery_inside_a_genuine_sealed_header_is_a_counted_miss(
+    make_backend: Factory, checksum: str
+) -> None:
+    """A forger who keeps a genuine sealed page's header (writer id, nonce, tag, key check or
+    checksum) and swaps in its own payload, header CRC intact: the MAC fails, so it is a
+    counted miss on every backend, never served, whether sealed pages carry no checksum (the
+    default: labelled corruption, as its key check is genuine) or keep the xxh3 (labelled
+    corruption too: the payload no longer matches the checksum). Pages of the same store
+    that were not touched are served byte-exact."""
+    backend = make_backend(page_mac_key=MAC_KEY, checksum=checksum)
+    keys, pages = _keys(2), _pages(2)
+    assert backend.put_from(keys, list(pages)) == [True, True]
+    blob = backend.read_object(keys[1])  # type: ignore[attr-defined]
+    assert blob[66] == (2 if checksum == "auto" else 1)  # checksum algorithm: none / xxh3
+    evil = _pages(1, seed=9)[0]
+    forged = blob[:HEADER_BYTES] + bytes(evil.numpy())
+    assert backend.write_object(keys[1], forged)  # type: ignore[attr-defined]
+    out = torch.zeros_like(pages)
+    assert backend.get_into(keys, list(out)) == [True, False]
+    assert torch.equal(out[0], pages[0])  # page 1 reported missing: never served
+    stats = backend.stats()
+    assert (stats["rejected_checksum_pages"], stats["rejected_mac_pages"]) == (1, 0)
+    assert stats["misses"] == 1 and stats["pages_read"] == 1
 
 
 @pytest.mark.parametrize("replace", [True, False], ids=["replace_on", "replace_off"])

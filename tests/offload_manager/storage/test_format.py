@@ -297,3 +297,76 @@ def test_an_earlier_releases_blake3_mac_page_is_a_counted_mac_miss() -> None:
     old = _recrc(blob)
     assert _verify(old, SPEC) == (Verdict.OK, "prefill")
     assert _verify(old, MAC_SPEC) == (Verdict.BAD_MAC, None)
+
+
+SEALED = PageSpec(fingerprint="fp-a", payload_bytes=1024, num_layers=4, page_size=16,
+                  dtype="bfloat16", mac_key=MAC_KEY)  # checksum "auto": none when sealed
+ALGO_AT, CHECK_AT = 66, 76  # header offsets: checksum algorithm (u16), checksum field (u64)
+
+
+def test_sealed_pages_skip_the_checksum_and_store_the_writers_key_check() -> None:
+    """By default a sealed page has no payload checksum (algorithm 2, "none"): its checksum
+    field is the writer's key check. The key's readers verify it by MAC alone; a keyless
+    reader cannot check it and refuses it; `checksum = "xxh3"` keeps it readable there."""
+    assert SEALED.checksum == "none"
+    blob = encode_object(SEALED, KEY, "decode", _payload())
+    assert blob[4] == 3 and blob[ALGO_AT] == 2
+    check = int.from_bytes(blob[CHECK_AT : CHECK_AT + 8], "little")
+    assert check == SEALED.sealer.key_check() and check != 0
+    assert _verify(blob, SEALED) == (Verdict.OK, "decode")
+    assert _verify(blob, dataclasses.replace(SEALED)) == (Verdict.OK, "decode")  # another writer
+    assert _verify(blob, SPEC) == (Verdict.FOREIGN, None)  # no key: nothing to check it with
+    keeps = PageSpec(fingerprint="fp-a", payload_bytes=1024, num_layers=4, page_size=16,
+                     dtype="bfloat16", checksum="xxh3", mac_key=MAC_KEY)
+    assert _verify(encode_object(keeps, KEY, "decode", _payload()), SPEC) == (Verdict.OK, "decode")
+    with pytest.raises(ValueError, match="needs a page MAC key"):
+        dataclasses.replace(SPEC, checksum="none")
+    v1_none = bytearray(encode_object(SPEC, KEY, "prefill", _payload()))
+    v1_none[ALGO_AT] = 2  # an unsealed page may not go without a checksum
+    assert _verify(_recrc(v1_none), SEALED) == (Verdict.CORRUPT, None)
+
+
+@pytest.mark.parametrize("checksum", ["none", "xxh3"])
+def test_a_failed_mac_is_labelled_corruption_or_forgery_with_or_without_a_checksum(
+    checksum: str,
+) -> None:
+    """Sealed with the checksum or without it (key check), a failed MAC is still told apart:
+    a page sealed under this key and altered since is `BAD_CHECKSUM`; one sealed under another
+    secret, or carrying no MAC, is `BAD_MAC`. Neither is ever served."""
+    spec = dataclasses.replace(SEALED, checksum=checksum)
+    blob = bytearray(encode_object(spec, KEY, "prefill", _payload()))
+    flipped = bytearray(blob)
+    flipped[HEADER_BYTES + 300] ^= 0x04  # corruption in the payload
+    assert _verify(bytes(flipped), SEALED) == (Verdict.BAD_CHECKSUM, None)
+    other = dataclasses.replace(spec, mac_key=bytes(32))  # another cluster's secret
+    assert _verify(encode_object(other, KEY, "prefill", _payload()), SEALED) == (
+        Verdict.BAD_MAC, None)
+    unsealed = encode_object(SPEC, KEY, "prefill", _payload())
+    assert _verify(unsealed, SEALED) == (Verdict.BAD_MAC, None)
+    tag = bytearray(blob)
+    tag[110] ^= 0x01  # the tag itself damaged: still sealed under this key
+    assert _verify(_recrc(tag), SEALED) == (Verdict.BAD_CHECKSUM if checksum == "none"
+                                            else Verdict.BAD_MAC, None)
+
+
+def test_the_writers_own_key_check_survives_a_flood_of_other_writers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Verifying pages of more writers than the cipher cache holds (a forger cycling writer
+    ids) evicts them from the cache, never the writer's own key check: sealing still needs
+    no derivation (no keyed BLAKE3 per write) and its pages carry the same check."""
+    writer = dataclasses.replace(SEALED)
+    own = writer.sealer.key_check()
+    for i in range(writer.sealer.CACHED_WRITERS + 8):
+        forged = bytearray(encode_object(SEALED, KEY, "prefill", _payload()))
+        forged[88:96] = i.to_bytes(8, "little")  # another writer id each time
+        assert _verify(_recrc(forged), writer)[0] is Verdict.BAD_MAC
+
+    def no_derivation(writer_id: bytes) -> None:
+        raise AssertionError("the sealing path derived a cipher")
+
+    monkeypatch.setattr(writer.sealer, "_cipher", no_derivation)
+    blob = encode_object(writer, KEY, "prefill", _payload())
+    monkeypatch.undo()
+    assert int.from_bytes(blob[CHECK_AT : CHECK_AT + 8], "little") == own
+    assert _verify(blob, writer) == (Verdict.OK, "prefill")
