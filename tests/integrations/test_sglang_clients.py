@@ -128,13 +128,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         router = start(["router", "--model", str(model_dir), "--page-size", str(PAGE),
                         "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
                         "--prefill", f"{prefill.url}@{bootstrap}", "--decode", decode.url],
-                       "router")
+                       "router", wait=False)
         procs.append(router)
-        log = base / "sglang-router.log"
+        log = base / "sglang-router.log"  # SGLang's router starts beside ours
         sgl_proc, sgl_url = start_sglang_router(
             prefill.url, int(info["disaggregation_bootstrap_port"]), decode.url, log)
         if sgl_proc is not None:
             extra.append(sgl_proc)
+        router.wait_ready()
         yield Stack(model_dir, sharegpt_file(base / "kit.json", 5),
                     sharegpt_file(base / "bench.json", 6), unified.url, router.url, sgl_url, log)
     finally:
