@@ -14,18 +14,28 @@ import time
 class PdcacheProcess:
     """Starts `python -m pdcache ARGS`, waits up to `timeout_s` for a line starting with
     `ready_prefix`; `url` is the rest of that line. AssertionError (with the last output) if
-    the process exits or stays silent instead."""
+    the process exits or stays silent instead. With `wait=False` the constructor only starts
+    the process (several then start side by side); `wait_ready()` waits and sets `url`."""
 
     def __init__(self, args: list[str], ready_prefix: str, timeout_s: float,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, wait: bool = True) -> None:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "pdcache", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=full_env)
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
+        self._ready = (ready_prefix, timeout_s)
+        self.url = ""
         threading.Thread(target=self._pump, daemon=True).start()
-        self.url = self._wait_ready(ready_prefix, timeout_s)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> str:
+        """Waits for the ready line (at most the constructor's `timeout_s` from now)."""
+        if not self.url:
+            self.url = self._wait_ready(*self._ready)
+        return self.url
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None

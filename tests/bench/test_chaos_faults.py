@@ -523,7 +523,10 @@ def test_launched_1p1d_in_the_net_lab_serves_over_the_pair_path_and_survives_a_p
         "launch.health_timeout_s=240",
         "cache.page_size=4",
         "cache.device_pages=256",
-        "transfer.timeout_s=5",
+        # the partitioned request fails when prefill's wait for its decode ends: room timeout
+        # (4 x this) + bootstrap (this) = 15 s; a healthy 40-token request meets in well under
+        # 3 s even on a loaded 2-core machine (the first request below asserts it)
+        "transfer.timeout_s=3",
         "router.max_attempts=1",
     ]
     run = Run(tmp_path, CONFIG.read_text(), *[x for s in sets for x in ("--set", s)])

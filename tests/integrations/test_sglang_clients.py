@@ -3,16 +3,20 @@ server, a 1P1D stack behind pdcache's router, and the same P/D pair behind SGLan
 router (`sglang-router` from PyPI, PD mode). `sglang.bench_serving` (backends `sglang` and
 `sglang-oai`, a local ShareGPT-format file: no downloads) completes with 0 failures, and
 `sglang.test.kits.cache_hit_kit`'s multi-turn test passes its own assertions (round r caches
-the previous prompt and answer, never more than the prompt). Slow: starts processes."""
+the previous prompt and answer, never more than the prompt). Slow: starts processes (the
+servers side by side; the clients all in one `sglang_client_runner.py serve` process, which
+imports SGLang once and runs each client invocation as its own process would)."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +27,7 @@ import pytest
 
 from pdcache.engine.export import export_preset
 from tests.process_support import PdcacheProcess
+from tests.sglang_client_runner import DONE, READY
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("sglang.benchmark.datasets.random")  # SGLang's client code (no-deps install)
@@ -42,8 +47,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: list[str], command: str) -> PdcacheProcess:
-    return PdcacheProcess(args, f"pdcache {command}: ready at ", 180, env=ENV)
+def start(args: list[str], command: str, wait: bool = True) -> PdcacheProcess:
+    return PdcacheProcess(args, f"pdcache {command}: ready at ", 180, env=ENV, wait=wait)
 
 
 @dataclass
@@ -107,26 +112,30 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     procs: list[PdcacheProcess] = []
     extra: list[subprocess.Popen[bytes]] = []
     try:
-        unified = start(["serve", *common, "--device-pages", "1024"], "serve")
+        # the three servers start side by side (each waits on its own ready line)
+        unified = start(["serve", *common, "--device-pages", "1024"], "serve", wait=False)
         procs.append(unified)
         prefill = start(["prefill", *common, "--name", "p0", "--transfer-engine", "zmq",
-                         "--host-pages", "256", *tiers], "prefill")
+                         "--host-pages", "256", *tiers], "prefill", wait=False)
         procs.append(prefill)
         decode = start(["decode", *common, "--name", "d0", "--transfer-engine", "zmq",
-                        *tiers], "decode")
+                        *tiers], "decode", wait=False)
         procs.append(decode)
+        for proc in procs:
+            proc.wait_ready()
         info = httpx.get(f"{prefill.url}/server_info", trust_env=False).json()
         bootstrap = info["disaggregation_bootstrap_addr"]
         router = start(["router", "--model", str(model_dir), "--page-size", str(PAGE),
                         "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
                         "--prefill", f"{prefill.url}@{bootstrap}", "--decode", decode.url],
-                       "router")
+                       "router", wait=False)
         procs.append(router)
-        log = base / "sglang-router.log"
+        log = base / "sglang-router.log"  # SGLang's router starts beside ours
         sgl_proc, sgl_url = start_sglang_router(
             prefill.url, int(info["disaggregation_bootstrap_port"]), decode.url, log)
         if sgl_proc is not None:
             extra.append(sgl_proc)
+        router.wait_ready()
         yield Stack(model_dir, sharegpt_file(base / "kit.json", 5),
                     sharegpt_file(base / "bench.json", 6), unified.url, router.url, sgl_url, log)
     finally:
@@ -137,17 +146,83 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             node.stop()
 
 
-def run_client(*args: str) -> str:
-    done = subprocess.run([sys.executable, str(RUNNER), *args], capture_output=True, text=True,
-                          timeout=CLIENT_TIMEOUT_S, env={**os.environ, **ENV}, cwd=ROOT)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
-    return out
+class ClientRunner:
+    """One `sglang_client_runner.py serve` process for the module: SGLang's clients are
+    imported once, and each `run` is one client invocation, as a process of its own would
+    run it (its output, its exit status). Started before the servers so its imports overlap
+    their start-up; `run` restarts it if an earlier run timed out."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir, self.count = out_dir, 0
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(RUNNER), "serve"], text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env={**os.environ, **ENV}, cwd=ROOT)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._pump, args=(self.proc, self.lines), daemon=True).start()
+        self.ready = False
+
+    @staticmethod
+    def _pump(proc: subprocess.Popen[str], lines: queue.Queue[str | None]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)  # exited
+
+    def _line(self, prefix: str, deadline: float, out: Path | None) -> str:
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                self.close()
+                line = None
+            if line is None:
+                text = out.read_text()[-4000:] if out is not None and out.exists() else ""
+                raise AssertionError(f"client runner gave no {prefix.strip()}:\n{text}")
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+
+    def run(self, *args: str) -> str:
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        assert self.proc is not None and self.proc.stdin is not None
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S
+        if not self.ready:
+            self._line(READY, deadline, None)
+            self.ready = True
+        self.count += 1
+        out = self.out_dir / f"client-{self.count}.log"
+        self.proc.stdin.write(json.dumps({"argv": list(args), "out": str(out)}) + "\n")
+        self.proc.stdin.flush()
+        status = int(self._line(DONE, deadline, out))
+        text = out.read_text()
+        assert status == 0, text[-4000:]
+        return text
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait(10)
 
 
-def bench_serving(stack: Stack, url: str, backend: str, tmp_path: Path) -> dict:
+@pytest.fixture(scope="module")
+def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClientRunner]:
+    runner = ClientRunner(tmp_path_factory.mktemp("sglang-client-runs"))
+    try:
+        yield runner
+    finally:
+        runner.close()
+
+
+def bench_serving(clients: ClientRunner, stack: Stack, url: str, backend: str,
+                  tmp_path: Path) -> dict:
     result = tmp_path / f"{backend}.jsonl"
-    run_client("bench_serving", "--backend", backend, "--base-url", url,
+    clients.run("bench_serving", "--backend", backend, "--base-url", url,
                "--dataset-name", "random", "--dataset-path", str(stack.bench_dataset),
                "--tokenizer", str(stack.model_dir), "--model", str(stack.model_dir),
                "--num-prompts", "6", "--random-input-len", "48", "--random-output-len", "8",
@@ -159,17 +234,18 @@ def bench_serving(stack: Stack, url: str, backend: str, tmp_path: Path) -> dict:
 
 @pytest.mark.parametrize("backend", ["sglang", "sglang-oai"])
 @pytest.mark.parametrize("target", ["unified", "router"])
-def test_bench_serving_completes_without_failures(stack: Stack, backend: str, target: str,
+def test_bench_serving_completes_without_failures(clients: ClientRunner, stack: Stack,
+                                                  backend: str, target: str,
                                                   tmp_path: Path) -> None:
-    summary = bench_serving(stack, getattr(stack, target), backend, tmp_path)
+    summary = bench_serving(clients, stack, getattr(stack, target), backend, tmp_path)
     assert summary["completed"] == 6, summary
     assert summary["total_output_tokens"] == 6 * 8, summary  # bench_serving sets ignore_eos
     assert summary.get("failed", 0) in (0, None) or summary["failed"] == 0
 
 
 @pytest.mark.parametrize("target", ["unified", "router"])
-def test_cache_hit_kit_multiturn(stack: Stack, target: str) -> None:
-    out = run_client("cache_hit", getattr(stack, target), str(stack.model_dir),
+def test_cache_hit_kit_multiturn(clients: ClientRunner, stack: Stack, target: str) -> None:
+    out = clients.run("cache_hit", getattr(stack, target), str(stack.model_dir),
                      str(stack.dataset))
     result = json.loads(out.split("CACHE_HIT_RESULT ", 1)[1].splitlines()[0])
     rounds = result["rounds"]
@@ -177,7 +253,8 @@ def test_cache_hit_kit_multiturn(stack: Stack, target: str) -> None:
     assert rounds["round_1"]["cache_hit_rate"] > 0.3 and rounds["round_2"]["cache_hit_rate"] > 0.3
 
 
-def test_sglang_router_drives_a_pdcache_pair(stack: Stack, tmp_path: Path) -> None:
+def test_sglang_router_drives_a_pdcache_pair(clients: ClientRunner, stack: Stack,
+                                            tmp_path: Path) -> None:
     """SGLang's router in PD mode (the same body to P and D, bootstrap_* injected) answers
     what pdcache's own router answers, JSON and stream; bench_serving through it: 0 failures."""
     if stack.sglang_router is None:
@@ -196,5 +273,5 @@ def test_sglang_router_drives_a_pdcache_pair(stack: Stack, tmp_path: Path) -> No
         datas = [line[6:] for line in streamed.text.split("\n") if line.startswith("data: ")]
         assert datas[-1] == "[DONE]"
         assert json.loads(datas[-2])["output_ids"] == ours["output_ids"]
-    summary = bench_serving(stack, stack.sglang_router, "sglang", tmp_path)
+    summary = bench_serving(clients, stack, stack.sglang_router, "sglang", tmp_path)
     assert summary["completed"] == 6, summary
