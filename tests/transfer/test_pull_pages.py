@@ -266,7 +266,8 @@ def test_a_pull_right_behind_the_mark_waits_for_the_copy_and_late_answers_copy_n
     them until the pages are staged, within each pull's ttl. Pull A is given up by prefill
     meanwhile: its answer, served once the copy ended, is late (counted, its pages untouched);
     pull B, whose ttl runs out while it queues behind A, is dropped by decode, unanswered;
-    pull C, sent once the copy ended, gets the pages byte-exact."""
+    pull D names a page twice (and no ticket of prefill's): served once each; pull C, sent
+    once the copy ended, gets the pages byte-exact."""
     page_key = derive_key(SECRET, "page-mac")
     gate = threading.Event()
     pair = Pair(tmp_path, SECRET, page_key, page_key, gate=gate)
@@ -278,22 +279,23 @@ def test_a_pull_right_behind_the_mark_waits_for_the_copy_and_late_answers_copy_n
         b = pair.pulls.start(pair.source, keys, [torch.zeros(PAGE_BYTES, dtype=torch.uint8)
                                                   for _ in keys], pair.spec, timeout_s=0.05)
         assert a is not None and b is not None
-        assert wait_for(lambda: pair.receiver.stats()["pull_requests"] == 2)
+        assert pair.sender.request_pull(pair.source, 10**6, keys + keys[:1], 10.0)  # D
+        assert wait_for(lambda: pair.receiver.stats()["pull_requests"] == 3)
         pair.pulls.finish(a)  # prefill gave A up (admitted, cancelled) before any answer
         assert wait_for(lambda: time.monotonic() > b.deadline)
         pair.pulls.finish(b)
         gate.set()
         assert pair.released.wait(30)
-        assert wait_for(lambda: pair.pulls.snapshot()["pull_answers_unexpected"] == 1)
+        assert wait_for(lambda: pair.pulls.snapshot()["pull_answers_unexpected"] == 2)  # A, D
         assert all(not page.any() for page in pages_a)
         stats = pair.receiver.stats()
-        assert (stats["pull_pages_served"], stats["pull_pages_expired"]) == (2, 2)
+        assert (stats["pull_pages_served"], stats["pull_pages_expired"]) == (2 + 2, 2)
         counters = pair.pulls.snapshot()
         assert (counters["pull_abandoned"], counters["pull_timeouts"]) == (1, 1)
         c, pages_c = pair.pull(keys)
         assert c.ok == [True, True]
         assert all(torch.equal(page, pair.expected(i)) for i, page in enumerate(pages_c))
-        assert pair.pulls.snapshot()["pull_answers_unexpected"] == 1  # B was never answered
+        assert pair.pulls.snapshot()["pull_answers_unexpected"] == 2  # B was never answered
     finally:
         gate.set()
         pair.close()
@@ -320,3 +322,16 @@ def test_a_pull_from_a_decode_gone_mid_pull_is_never_answered(tmp_path) -> None:
         pair.sender.close()
         assert pair.offload.wait_idle(10)
         pair.offload.close()
+
+
+def test_serve_pulls_after_start_is_refused() -> None:
+    """The pull worker starts with the receiver: a source set later would accept pulls that
+    nobody answers."""
+    config = TransferConfig(engine="zmq", bootstrap_timeout_s=5, room_timeout_s=5)
+    kv = torch.zeros(LAYERS, 2, PAGES, PAGE, HEADS, DIM)
+    receiver = KVReceiver(config, kv, control_key=derive_key(SECRET, "zmq-control")).start()
+    try:
+        with pytest.raises(RuntimeError, match="before start"):
+            receiver.serve_pulls(None)
+    finally:
+        receiver.close()
