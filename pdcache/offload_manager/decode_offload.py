@@ -134,9 +134,9 @@ class DecodeOffloadManager:
         self.stats = OffloadStats()
         self._requests: dict[str, _Tracked] = {}
         self._tasks: queue.Queue[_CopyTask | None] = queue.Queue()
-        # re-entrant: `_settle` takes it and `_enqueue` settles dropped keys while holding it
+        # re-entrant: `_enqueue` unschedules the keys it drops while holding it
         self._lock = threading.RLock()
-        self._staged_changed = threading.Condition(self._lock)  # a key staged or settled
+        self._staged_changed = threading.Condition(self._lock)  # a copy task ended
         self._queued_pages = 0
         self._pending_writes = 0
         self._pending_copies = 0
