@@ -57,7 +57,7 @@ def storage_config(tmp_path, mac: bool) -> StorageConfig:
                          dtype="float32", page_mac_key=MAC_KEY if mac else None)
 
 
-def pending_stack(tmp_path, mode: str, mac: bool = True, **cfg):
+def pending_stack(tmp_path, mode: str, mac: bool = True, clock=time.monotonic, **cfg):
     """Storage holds page 0 of TOKENS; pages 1-2 were written, taken out again (their stored
     objects kept: what decode's staging would serve) and announced pending by SOURCE."""
     config = storage_config(tmp_path, mac)
@@ -69,7 +69,7 @@ def pending_stack(tmp_path, mode: str, mac: bool = True, **cfg):
     objects = {key: storage.read_object(key) for key in keys[1:]}
     storage.delete(keys[1:])
     pulls = PagePulls(mode)
-    pending = PendingPages(pulls=pulls)
+    pending = PendingPages(pulls=pulls, clock=clock)
     st = Stack(storage, **{"prefetch_policy": "timeout", **cfg})
     st.cache.pending = pending
     return st, storage, config, pending, pulls, keys, objects
@@ -267,16 +267,15 @@ def test_answers_for_other_keys_are_not_verified_and_late_ones_copy_nothing(tmp_
     ("auto", -1.0, True),  # overdue (expected 1 s ago) and still pending: the store is slow
 ])
 def test_the_per_request_rule(tmp_path, mode: str, eta_s: float, pulled: bool) -> None:
-    st, storage, _, pending, pulls, keys, objects = pending_stack(tmp_path, mode)
+    skew = [1.5 if eta_s < 0 else 0.0]  # the overdue case: marked 1.5 s "ago"
+    st, storage, _, pending, pulls, keys, objects = pending_stack(
+        tmp_path, mode, clock=lambda: time.monotonic() - skew[0])
     decode = Decode(pulls, objects)
     pulls.attach(decode)
-    if eta_s < 0:  # announced 1.5 s ago, expected to land after 0.5 s
-        clock = [time.monotonic() - 1.5]
-        pending._clock = lambda: clock[0]
-        pending.pending(keys[1:], ttl_s=30.0, source=SOURCE, eta_s=0.5, pullable=True)
-        pending._clock = time.monotonic
-    else:
-        pending.pending(keys[1:], ttl_s=30.0, source=SOURCE, eta_s=eta_s, pullable=True)
+    # overdue: announced 1.5 s ago expecting the write to land 0.5 s later
+    pending.pending(keys[1:], ttl_s=30.0, source=SOURCE, eta_s=0.5 if eta_s < 0 else eta_s,
+                    pullable=True)
+    skew[0] = 0.0
     assert st.cache.start_prefetch("r", TOKENS + [1], "", 0, PAGES) == PAGES
     assert bool(decode.requests) == pulled
     if not pulled:
