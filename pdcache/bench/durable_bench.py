@@ -11,6 +11,7 @@ decode node only; 0 = the store as it is). For every delay, a fresh stack per
 pull the awaited pages from decode's host staging when decode's expected write time exceeds
 the pull's estimate, docs/design.md §4.10), then one with the wait off (`--no-pending-wait`);
 prefill's prefetch policy is `timeout` with its default deadline (2 s + 0.1 s per 1k tokens).
+Every stack shares a fresh cluster secret (`--secret-file`: a pull needs one, docs/security.md).
 Each stack first serves one short warm-up request and waits for decode to have written it,
 so decode's marks carry a measured write latency from the first session on (a node that has
 served anything has; one that has not announces "unknown" and its first answers are waited
@@ -40,6 +41,8 @@ import httpx
 
 from pdcache.bench.pd_bench import NodeProcess, pd_flags, pd_request, random_prompt
 from pdcache.bench.table import emit
+from pdcache.config.security import SecuritySettings
+from pdcache.utils.secret import create_secret, load_secret
 
 CONTROL_RTT_S = 0.0005  # one ZMQ request/answer on loopback (`pdcache bench` control RTT)
 
@@ -89,7 +92,11 @@ def _measure(args: argparse.Namespace, tmp: Path, delay: float, wait: bool,
              pull: str) -> dict[str, Any]:
     storage = ["--storage-backend", args.storage_backend, "--storage-path", str(tmp / "s"),
                "--storage-capacity", "4GiB"]
-    common = [*pd_flags(args), *storage]
+    # a cluster secret, as a pull needs one (docs/security.md): MAC'd pages, an authenticated
+    # control plane, and the node credential on every request (the same for both modes)
+    secret_file = create_secret(tmp / "cluster.secret")
+    headers = SecuritySettings.from_secret(load_secret(secret_file)).node_headers()
+    common = [*pd_flags(args), *storage, "--secret-file", str(secret_file)]
     nodes: list[NodeProcess] = []
     try:
         nodes.append(NodeProcess("prefill", [
@@ -101,8 +108,8 @@ def _measure(args: argparse.Namespace, tmp: Path, delay: float, wait: bool,
             "--offload-stride-pages", str(args.stride_pages),
             "--offload-staging-pages", str(args.host_pages)]))
         prefill, decode = nodes
-        with httpx.Client(timeout=args.timeout) as client:
-            _warm_up(args, client, prefill, decode)
+        with httpx.Client(timeout=args.timeout, headers=headers) as client:
+            _warm_up(args, client, prefill, decode, delay)
             with ThreadPoolExecutor(args.sessions) as pool:
                 turns = [t for s in pool.map(lambda i: _session(args, client, prefill, decode, i),
                                              range(args.sessions)) for t in s]
@@ -115,13 +122,13 @@ def _measure(args: argparse.Namespace, tmp: Path, delay: float, wait: bool,
 
 
 def _warm_up(args: argparse.Namespace, client: httpx.Client, prefill: NodeProcess,
-             decode: NodeProcess) -> None:
+             decode: NodeProcess, delay_s: float) -> None:
     """One short request (not measured) whose pages decode writes, waited for until decode
     has measured that write (bounded: the store's delay plus a minute)."""
     rng = random.Random("durable-warm-up")
     pd_request(client, prefill.url, decode.url, prefill.bootstrap,
                random_prompt(rng, args.page_size * 2), args.page_size + 1)
-    deadline = time.monotonic() + args.timeout
+    deadline = time.monotonic() + delay_s + 60.0
     while time.monotonic() < deadline:
         text = client.get(f"{decode.url}/metrics").text
         if _metric(text, "pdcache_decode_offload_write_latency_seconds_count") >= 1:

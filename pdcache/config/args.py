@@ -279,7 +279,7 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--pending-pull", choices=("auto", "never", "always"), default=None,
                             help="pull pending pages from decode's host staging: when faster "
                                  "than waiting by measured costs (auto, the default), never, "
-                                 "or always")
+                                 "or always; only with a cluster secret (--secret-file)")
 
 
 def _add_transfer_flags(parser: argparse.ArgumentParser, role: str) -> None:

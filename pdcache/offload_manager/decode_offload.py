@@ -134,7 +134,9 @@ class DecodeOffloadManager:
         self.stats = OffloadStats()
         self._requests: dict[str, _Tracked] = {}
         self._tasks: queue.Queue[_CopyTask | None] = queue.Queue()
-        self._lock = threading.Lock()
+        # re-entrant: `_enqueue` unschedules the keys it drops while holding it
+        self._lock = threading.RLock()
+        self._staged_changed = threading.Condition(self._lock)  # a copy task ended
         self._queued_pages = 0
         self._pending_writes = 0
         self._pending_copies = 0
@@ -145,6 +147,8 @@ class DecodeOffloadManager:
         # end of its copy to the end of its write; pins of pages being sent, and the pages
         # whose write ended while pinned (freed by the last unpin)
         self._staged: dict[bytes, int] = {}
+        # keys scheduled (announced) whose copy to staging has not ended: a pull waits for them
+        self._scheduled: dict[bytes, int] = {}  # key -> batches scheduling it
         self._pins: dict[int, int] = {}
         self._free_unpinned: set[int] = set()
         self.pull_pages_served = 0
@@ -211,8 +215,11 @@ class DecodeOffloadManager:
     # ---- observability -----------------------------------------------------------------
     @property
     def idle(self) -> bool:
+        """No copy or write in flight, and no staging page held by a pull's send (a pinned
+        page whose write ended is freed only at its unpin)."""
         with self._lock:
-            return self._pending_copies == 0 and self._pending_writes == 0
+            return (self._pending_copies == 0 and self._pending_writes == 0
+                    and not self._pins and not self._free_unpinned)
 
     def wait_idle(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -258,6 +265,9 @@ class DecodeOffloadManager:
         task = _CopyTask(rid, keys, list(device_page_ids[first:full_pages]), on_released,
                          tenant_namespace(tracked.tenant), tracked.session)
         if keys and self._announcer is not None:
+            with self._lock:
+                for key in keys:
+                    self._scheduled[key] = self._scheduled.get(key, 0) + 1
             self._announcer.announce_pending(keys, self.pending_ttl_s, self.write_eta_s())
         self._enqueue(task)
 
@@ -276,10 +286,22 @@ class DecodeOffloadManager:
     def object_bytes(self) -> int:
         return self.storage.spec.object_bytes
 
-    def staged_objects(self, keys: list[bytes]) -> list[bytes | None]:
+    @property
+    def sealed(self) -> bool:
+        """The objects `staged_objects` gives carry the store's page MAC."""
+        return self.storage.spec.sealer is not None
+
+    def staged_objects(self, keys: list[bytes], until: float = 0.0) -> list[bytes | None]:
         """The stored page object of each key still in staging (its write has not ended), or
-        None; any thread. The pages are pinned while they are encoded (the copy)."""
+        None; any thread. A key scheduled whose copy to staging has not ended yet (a pull
+        right behind the announcement) is waited for, until `until` (time.monotonic) at the
+        latest. The pages are pinned while they are encoded (the copy)."""
         with self._lock:
+            while any(k in self._scheduled and k not in self._staged for k in keys):
+                left_s = until - time.monotonic()
+                if left_s <= 0:
+                    break
+                self._staged_changed.wait(left_s)
             ids = [self._staged.get(key) for key in keys]
             for page in ids:
                 if page is not None:
@@ -331,6 +353,7 @@ class DecodeOffloadManager:
             if self._queued_pages + len(task.keys) > self.max_queued_pages:
                 self.stats.pages_dropped += len(task.keys)
                 self._settle(task.keys, False)
+                self._unschedule(task.keys)
                 task = _CopyTask(task.rid, [], [], task.on_released, task.namespace,
                                  task.session)
                 if task.on_released is None:
@@ -350,6 +373,7 @@ class DecodeOffloadManager:
                 log.exception("decode offload: copy of %s failed", task.rid)
                 self._settle(task.keys, False)
             finally:
+                self._unschedule(task.keys)  # staged by now, or never will be
                 if task.on_released is not None:
                     self._release(task)
                 with self._lock:
@@ -424,6 +448,20 @@ class DecodeOffloadManager:
             with self._lock:
                 self._pending_writes -= 1
                 self.stats.pages_dropped += len(keys)
+
+    def _unschedule(self, keys: list[bytes]) -> None:
+        """These keys' copy task ended (staged, or settled without a copy): wake waiting
+        pulls."""
+        if not keys:
+            return
+        with self._lock:
+            for key in keys:
+                left = self._scheduled.get(key, 0) - 1
+                if left > 0:
+                    self._scheduled[key] = left
+                else:
+                    self._scheduled.pop(key, None)
+            self._staged_changed.notify_all()
 
     def _settle(self, keys: list[bytes], landed: bool | list[bool]) -> None:
         """Tell the announcer how the write of `keys` ended (never raises)."""

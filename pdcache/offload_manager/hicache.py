@@ -47,6 +47,7 @@ continue the match at admission is cancelled too.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -441,8 +442,8 @@ class HiCache:
         op = self._submit_reads(rid, first_page, keys[:total], host_ids, len(token_ids),
                                 submit=hits)
         op.awaited_first, op.awaited = hits, awaited
-        if awaited:
-            self._maybe_pull(op)
+        if awaited and self.config.prefetch_policy != "best_effort":
+            self._maybe_pull(op)  # best_effort admits at once: a pull would be abandoned
         self._prefetches[rid] = op
         return total
 
@@ -451,8 +452,8 @@ class HiCache:
         and the measured costs say it beats waiting for the write (docs/design.md §4.10)."""
         pulls = self.pending.pulls if self.pending is not None else None
         spec = getattr(self.storage, "spec", None)
-        if pulls is None or not pulls.enabled or spec is None:
-            return
+        if pulls is None or not pulls.enabled or spec is None or not pulls.secure_for(spec):
+            return  # no pull without the page MAC (nor an authenticated control plane)
         first = op.submitted
         keys = op.keys[first : op.awaited_first + op.awaited]
         assert self.pending is not None
@@ -462,10 +463,15 @@ class HiCache:
         now = time.monotonic()
         nbytes = count * spec.object_bytes
         remaining = lands_by - now if lands_by else 0.0
+        if lands_by and remaining <= 0:
+            remaining = math.inf  # overdue and still pending: the store is slower than usual
         if not pulls.should_pull(nbytes, remaining):
             return
-        # a pull that has not ended in 4x its estimate is not coming: wait as without it
-        timeout = min(max(0.25, 4 * pulls.estimate_s(nbytes)), op.deadline - now)
+        # a pull that has not ended in 4x its estimate is not coming: wait as without it; nor
+        # past the prefetch's deadline, nor much past when decode expects the write to land
+        estimate = pulls.estimate_s(nbytes)
+        expected = remaining + estimate if remaining > 0 else math.inf
+        timeout = min(max(0.25, 4 * estimate), op.deadline - now, expected)
         if timeout <= 0:
             return  # the prefetch's deadline has passed already
         pages = self.host_pool.page_bytes(op.host_page_ids[first : first + count])
@@ -478,14 +484,27 @@ class HiCache:
         if ticket is None:
             return True
         if not ticket.finished and time.monotonic() < ticket.deadline:
-            return False
+            if not self._pull_overtaken(ticket):
+                return False
+            self._end_pull(op)  # every page it still lacks is in storage (or not coming)
+            return True
         self._end_pull(op)
         return True
 
+    def _pull_overtaken(self, ticket: PullTicket) -> bool:
+        """Every page the pull has not delivered yet is no longer pending (landed, or not
+        coming): the storage read, or the end of the wait, takes over."""
+        assert self.pending is not None
+        return all(ok or self.pending.state(key) is not PageState.PENDING
+                   for key, ok in zip(ticket.keys, list(ticket.ok)))
+
     def _end_pull(self, op: PrefetchOp) -> None:
+        """Close `op`'s pull (no answer writes into its pages from now on) and keep its
+        verified prefix. Unfinished before its deadline (admitted, cancelled, overtaken by
+        the write) it counts as abandoned, not timed out."""
         ticket = op.pull
         assert ticket is not None and self.pending is not None and self.pending.pulls is not None
-        self.pending.pulls.finish(ticket)  # closed: no answer writes into the pages now
+        self.pending.pulls.finish(ticket)
         op.pull = None
         got = ticket.ok_prefix()
         if got:
@@ -891,7 +910,7 @@ class HiCache:
         """Give up on the pages of `op` not submitted yet: a finished, failed batch, so that
         the op is complete and its host pages are freed with the rest."""
         if op.pull is not None:
-            self._end_pull(op)  # what it verified so far is kept
+            self._end_pull(op)  # what it verified so far is kept (abandoned if unfinished)
         missing = len(op.keys) - op.submitted
         if missing <= 0:
             return

@@ -5,6 +5,9 @@ When a prefetch meets pages a decode announced as pending (`PendingPages`), HiCa
 `should_pull` with the awaited bytes and how long decode expects the write to take still: pull
 when that is longer than the bytes at the measured pull rate plus one control round trip
 (`[cache] pending_pull = "auto"`; "always" pulls whenever decode offers it, "never" waits).
+Whatever the mode, nothing is pulled unless the control plane is authenticated
+(`PullRequester.authenticated`) and the store MACs pages (`secure_for`): both come with the
+cluster secret, and without them a forged answer could not be told from decode's.
 `start` sends one `PullPages` over the transfer control plane (`PullRequester`, the node's
 `KVSender`) and returns a `PullTicket` whose host pages the answers fill: each pulled object
 is verified exactly like a storage read (`page_format.verify_page` under the store's
@@ -17,7 +20,8 @@ Threads: `start`, `finish` and the ticket's `close` / `ok_prefix` run on the eng
 `pulled` on the transfer control thread. A ticket's host pages are written only under its
 lock and only while it is open, so once the engine thread closed it (done, timed out, or the
 request admitted or cancelled) no late answer touches pages it may have freed. The pull rate
-and round trip are measured from completed pulls (the first pull uses conservative defaults).
+and round trip are measured from completed pulls (the first pull uses conservative defaults);
+a timed-out pull lowers the rate to what it got in the time it took.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from enum import Enum
 from typing import Protocol
 
 from pdcache.offload_manager.storage.page_format import (
@@ -48,12 +53,28 @@ PULL_MODES = ("auto", "never", "always")
 DEFAULT_PULL_RATE_BYTES_S = 25e6
 DEFAULT_PULL_RTT_S = 0.002
 _EWMA = 0.5  # weight of a new measurement
+# the estimate never falls below this (timed-out pulls halve it each): a decode that timed
+# out keeps being tried, rarely, once its writes are slow enough to make even this worth it
+MIN_PULL_RATE_BYTES_S = 1e5
 
 
 class PullRequester(Protocol):
-    """Sends a pull to a decode link (`KVSender.request_pull`); False: that decode is gone."""
+    """Sends a pull to a decode link (`KVSender.request_pull`); False: that decode is gone.
+    `authenticated`: the control plane MACs every frame (a cluster secret is set)."""
 
-    def request_pull(self, source: bytes, pull_id: int, keys: list[bytes]) -> bool: ...
+    authenticated: bool
+
+    def request_pull(self, source: bytes, pull_id: int, keys: list[bytes],
+                     ttl_s: float) -> bool: ...
+
+
+class Fill(Enum):
+    """What `PullTicket.fill` did with an answer."""
+
+    STALE = "stale"  # not this ticket's key, or answered already
+    CLOSED = "closed"  # counted as answered, but the ticket was closed: nothing copied
+    COPIED = "copied"  # verified payload copied into its host page
+    NONE = "none"  # answered "not available" / rejected
 
 
 class PullTicket:
@@ -101,26 +122,35 @@ class PullTicket:
         with self._lock:
             return next((i for i, ok in enumerate(self.ok) if not ok), len(self.ok))
 
-    def fill(self, key: bytes, payload: memoryview | None, now: float) -> bool:
+    def wants(self, key: bytes) -> bool:
+        """Whether an answer for `key` would be used: this ticket's, unanswered, open (checked
+        before the object is verified, so nobody else's answer costs a MAC)."""
+        with self._lock:
+            index = self._index.get(key)
+            return index is not None and not self._answered[index] and not self.closed
+
+    def fill(self, key: bytes, payload: memoryview | None, now: float) -> Fill:
         """Record key's answer: its verified payload (copied into its host page) or None (not
-        available, or rejected). False when the key is not this ticket's or already answered."""
+        available, or rejected)."""
         with self._lock:
             index = self._index.get(key)
             if index is None or self._answered[index]:
-                return False
+                return Fill.STALE
             self._answered[index] = True
             self.answers += 1
             self.first_answer = self.first_answer or now
             self.last_answer = now
-            if payload is None or self.closed:
-                return True
+            if self.closed:
+                return Fill.CLOSED
+            if payload is None:
+                return Fill.NONE
             offset = 0
             for view in payload_views(self.pages[index]):
                 view[:] = payload[offset : offset + len(view)]
                 offset += len(view)
             self.ok[index] = True
             self.received_bytes += len(payload) + HEADER_BYTES
-            return True
+            return Fill.COPIED
 
 
 class PagePulls:
@@ -141,7 +171,8 @@ class PagePulls:
         self._warn = RateLimitedLog(log)
         self.counters = {
             "pulls": 0,
-            "pull_timeouts": 0,
+            "pull_timeouts": 0,  # not answered by their deadline
+            "pull_abandoned": 0,  # closed unfinished before it: admitted, cancelled, landed
             "pull_send_failures": 0,
             "pull_pages_requested": 0,
             "pull_pages_received": 0,
@@ -156,7 +187,17 @@ class PagePulls:
 
     @property
     def enabled(self) -> bool:
-        return self.mode != "never" and self._requester is not None
+        """A pull may be sent: the mode allows it and the control plane is authenticated
+        (without a cluster secret anyone who can register on the bootstrap port could answer
+        with forged pages: no pull then, whatever the mode; `secure_for` adds the page MAC)."""
+        requester = self._requester
+        return (self.mode != "never" and requester is not None
+                and bool(getattr(requester, "authenticated", False)))
+
+    @staticmethod
+    def secure_for(spec: PageSpec) -> bool:
+        """Pulled pages of this store can be trusted: they carry the page MAC."""
+        return spec.sealer is not None
 
     def estimate_s(self, nbytes: int) -> float:
         """What pulling `nbytes` is expected to take: at the measured rate, plus a round trip."""
@@ -182,7 +223,7 @@ class PagePulls:
     ) -> PullTicket | None:
         """Send a pull of `keys` (to fill `pages`) to decode link `source`; None when it could
         not be sent (the caller waits as without a pull). Engine thread."""
-        if not self.enabled or not keys:
+        if not self.enabled or not keys or not self.secure_for(spec):
             return None
         assert self._requester is not None
         now = self._clock()
@@ -190,7 +231,7 @@ class PagePulls:
             pull_id = next(self._ids)
             ticket = PullTicket(pull_id, source, keys, pages, spec, now, now + timeout_s)
             self._tickets[pull_id] = ticket
-        if not self._requester.request_pull(source, pull_id, keys):
+        if not self._requester.request_pull(source, pull_id, keys, timeout_s):
             with self._lock:
                 self._tickets.pop(pull_id, None)
                 self.counters["pull_send_failures"] += 1
@@ -201,19 +242,33 @@ class PagePulls:
         return ticket
 
     def finish(self, ticket: PullTicket) -> None:
-        """The engine is done with `ticket` (finished, timed out or given up): close it, count
-        it, and learn the rate from it when every page came. Engine thread."""
+        """The engine is done with `ticket`: close it, count it, and learn from it. A complete
+        pull gives the rate and round trip; one that ran past its deadline gives an upper
+        bound on the rate (what it got over the time it took, 0 when nothing came), folded in
+        the same way, so a slow or unreachable decode is pulled from less. One closed
+        unfinished before its deadline (the request admitted or cancelled, the pages landed)
+        is counted abandoned, and nothing is learnt from it. Engine thread."""
         ticket.close()
+        now = self._clock()
         with self._lock:
             self._tickets.pop(ticket.pull_id, None)
             if not ticket.finished:
+                if now < ticket.deadline:
+                    self.counters["pull_abandoned"] += 1
+                    return
                 self.counters["pull_timeouts"] += 1
+                observed = ticket.received_bytes / max(now - ticket.started, 1e-6)
+                self._learn_rate(min(observed, self.rate_bytes_s))
                 return
             if ticket.received_bytes and ticket.last_answer > ticket.started:
                 rtt = max(ticket.first_answer - ticket.started, 1e-6)
                 rate = ticket.received_bytes / max(ticket.last_answer - ticket.started, 1e-6)
                 self.rtt_s += _EWMA * (rtt - self.rtt_s)
-                self.rate_bytes_s += _EWMA * (rate - self.rate_bytes_s)
+                self._learn_rate(rate)
+
+    def _learn_rate(self, rate: float) -> None:
+        self.rate_bytes_s = max(MIN_PULL_RATE_BYTES_S,
+                                self.rate_bytes_s + _EWMA * (rate - self.rate_bytes_s))
 
     def pulled(
         self,
@@ -240,12 +295,15 @@ class PagePulls:
             if present:
                 obj = raw[offset : offset + object_bytes]
                 offset += object_bytes
+            if not ticket.wants(key):  # not ours, answered already or closed: never verified
+                ticket.fill(key, None, now)
+                continue
+            if present:
                 payload = self._verified(ticket.spec, key, obj)
                 rejected += payload is None
             else:
                 unavailable += 1
-            if ticket.fill(key, payload, now):
-                received += payload is not None
+            received += ticket.fill(key, payload, now) is Fill.COPIED
         self._add(
             pull_pages_rejected=rejected,
             pull_pages_unavailable=unavailable,

@@ -14,6 +14,7 @@ then the engine and its tiers.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI
@@ -30,6 +31,8 @@ from pdcache.server.bridge import ServerConfig
 from pdcache.server.metrics import ControlRejectCollector
 from pdcache.server.routes import build_app
 from pdcache.transfer import KVSender
+
+log = logging.getLogger(__name__)
 
 
 class PrefillRuntime:
@@ -58,6 +61,9 @@ class PrefillRuntime:
                                control_key=setup.security.zmq_control_key,
                                on_pages=self.pending)
         self.pulls.attach(self.sender)
+        if self.pulls.mode != "never" and not self.sender.authenticated:
+            log.info("pending_pull = %r pulls nothing without a cluster secret "
+                     "(docs/security.md): pending pages are waited for", self.pulls.mode)
         self.controller.attach(self.engine, self.sender)
         self.routes = routes_for(self.engine, self.config)
         self.routes.bridge.metrics.registry.register(  # dropped control messages, by kind

@@ -107,8 +107,11 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
         "pages this prefill pulled from decode staging: asked for, received verified, refused "
         "by verification (bad MAC/checksum/header), not staged any more"),
     "pdcache_pending_pulls": ("counter", "outcome", {"sent": "pulls",
-                                                     "timed_out": "pull_timeouts"},
-                              "pulls of pending pages sent, and those not answered in time"),
+                                                     "timed_out": "pull_timeouts",
+                                                     "abandoned": "pull_abandoned"},
+                              "pulls of pending pages sent, those not answered in time, and "
+                              "those closed unfinished before it (request admitted or "
+                              "cancelled, or the pages landed in storage first)"),
     "pdcache_pending_pull_rate_bytes_per_second": (
         "gauge", "", {"": "pull_rate_bytes_s"},
         "the pull rate the pull rule estimates with (measured from completed pulls)"),

@@ -22,8 +22,10 @@ Version 5 (the pull of pending pages, docs/design.md §4.10) added `pages_pendin
 `pages_pending.pull` (decode's expected time until the batch's write lands, and whether decode
 serves `pull_pages` for it) and two messages: `pull_pages` (prefill → decode) and
 `pages_pulled` (decode → prefill, the stored page objects). A frame is written in the lowest
-version >= 4 that has its type and its non-default fields (`wire_version`), so a version-4
-peer still reads every frame but the new ones (and a `pages_pending` that offers a pull).
+version >= 4 that has its type and its non-default fields (`wire_version`), without the
+fields later versions added (`encode`: a decoder refuses fields it does not know), so a
+version-4 peer still reads every frame but the new ones (and a `pages_pending` that offers a
+pull, which a decode does only with a cluster secret).
 """
 
 from __future__ import annotations
@@ -233,6 +235,9 @@ class PullPages(Message):
     TYPE: ClassVar[str] = "pull_pages"
     pull_id: int
     keys: bytes
+    # how long the prefill waits for the answer (ms, >= 1): decode drops a pull it could not
+    # start serving in time (the prefill has fallen back to the wait by then)
+    ttl_ms: int = 1000
 
     def key_list(self) -> list[bytes]:
         return split_keys(self.keys)
@@ -422,9 +427,16 @@ _FIELD_DEFAULTS: dict[type, dict[str, Any]] = {
 
 
 def encode(msg: Message) -> bytes:
-    """Serialise `msg` (version and type tag included; `wire_version`)."""
-    body: dict[str, Any] = {"v": wire_version(msg), "t": msg.TYPE}
+    """Serialise `msg` in its `wire_version` (version and type tag included): the fields a
+    later version added are left out, so a peer of that version, which refuses unknown
+    fields, reads the frame."""
+    version = wire_version(msg)
+    body: dict[str, Any] = {"v": version, "t": msg.TYPE}
     body.update(dataclasses.asdict(msg))
+    for added_in, added in _ADDED_IN.items():
+        if added_in > version:
+            for name in added.get(type(msg), ()):
+                body.pop(name, None)  # at its default (wire_version): the peer assumes it
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -518,8 +530,8 @@ def _check_keys(msg: PagesPending | PagesSettled | PullPages | PagesPulled) -> N
     count, rest = divmod(len(msg.keys), PAGE_KEY_BYTES)
     if rest or not 0 < count <= MAX_KEYS_PER_MESSAGE:
         raise MessageError("bad_field", f"{msg.TYPE}.keys: {len(msg.keys)} bytes")
-    if isinstance(msg, PagesPending) and msg.ttl_ms == 0:
-        raise MessageError("bad_field", "pages_pending.ttl_ms: 0")
+    if isinstance(msg, PagesPending | PullPages) and msg.ttl_ms == 0:
+        raise MessageError("bad_field", f"{msg.TYPE}.ttl_ms: 0")
     if isinstance(msg, PagesPending) and msg.pull > 1:
         raise MessageError("bad_field", f"pages_pending.pull: {msg.pull}, expected 0 or 1")
     if isinstance(msg, PagesSettled) and (

@@ -149,17 +149,28 @@ class _Peer:
     # stopped (SIGSTOP) or stalled process keeps its connections; one that exited does not.
     monitor: zmq.Socket | None = None
     closed_by_peer: bool = False
+    # pull answer frames handed to the control thread and not sent yet (the pull worker takes
+    # one before it queues a frame, `_send_pulled` gives it back): a pull backlog can never
+    # hold more than this many frames ahead of a heartbeat on this link
+    pull_credit: threading.Semaphore = field(
+        default_factory=lambda: threading.Semaphore(PULL_FRAMES_PER_LINK))
+
+
+PULL_FRAMES_PER_LINK = 4  # pull answer frames queued per link at most (`_Peer.pull_credit`)
 
 
 class StagedPageSource(Protocol):
     """Pages decode still holds in host staging while their storage write runs (the node's
-    `DecodeOffloadManager`): `staged_objects(keys)` gives each key's stored page object
+    `DecodeOffloadManager`): `staged_objects(keys, until)` gives each key's stored page object
     (page_format: header + payload, MAC'd when the store has a page key) or None when it is not
-    staged; it pins the pages it reads against free-on-write-end. Thread-safe."""
+    staged; a key scheduled but not copied yet is waited for until `until` (monotonic). It
+    pins the pages it reads against free-on-write-end. `sealed`: the objects carry the page
+    MAC. Thread-safe."""
 
     object_bytes: int
+    sealed: bool
 
-    def staged_objects(self, keys: list[bytes]) -> list[bytes | None]: ...
+    def staged_objects(self, keys: list[bytes], until: float = 0.0) -> list[bytes | None]: ...
 
 
 class KVReceiver:
@@ -188,11 +199,16 @@ class KVReceiver:
                          "lost_peer_closed": 0,
                          "pending_pages_announced": 0, "settled_pages_announced": 0,
                          "pull_requests": 0, "pull_pages_refused": 0,  # control thread
-                         "pull_pages_served": 0, "pull_pages_unavailable": 0}  # pull worker
+                         "pull_pages_served": 0, "pull_pages_unavailable": 0,  # pull worker
+                         "pull_pages_expired": 0}  # pull worker: past the pull's ttl
         self._seq = itertools.count(1)
         self._page_source: StagedPageSource | None = None
-        self._pulls: queue.Queue[tuple[_Peer, PullPages] | None] = queue.Queue(maxsize=64)
+        self.pull_offered = False  # pending marks offer the pull (`serve_pulls`)
+        self._pulls: queue.Queue[tuple[_Peer, PullPages, float] | None] = queue.Queue(
+            maxsize=64)
         self._pull_worker: threading.Thread | None = None
+        self._started = False
+        self._closing = threading.Event()  # close() began: pulls are refused
         self._loop = ControlLoop("decode-transfer", _tick_s(config), self._tick)
         self.engine = None
 
@@ -201,20 +217,42 @@ class KVReceiver:
         self.engine = create_engine(self.config)
         self.engine.register_target(self.layout.base_addr, self.layout.nbytes)
         self._session = self.engine.session()
+        self._started = True
         self._loop.start()
-        if self._page_source is not None:
+        if self.pull_offered:
             self._pull_worker = threading.Thread(target=self._serve_pulls,
                                                  name="pdcache-decode-pull", daemon=True)
             self._pull_worker.start()
         return self
 
     def serve_pulls(self, source: StagedPageSource | None) -> None:
-        """Answer prefill peers' `PullPages` from `source` (set before `start()`); pending
-        marks then offer the pull (`PagesPending.pull`). docs/design.md §4.10."""
+        """Answer prefill peers' `PullPages` from `source` (before `start()`, which starts the
+        pull worker; RuntimeError after). Pending marks offer the pull (`PagesPending.pull`)
+        only when it can be served safely: the control plane is authenticated and `source`'s
+        pages carry the page MAC (both keyed by the cluster secret; without them a forged
+        answer could not be told from decode's), and one page object fits in an answer frame
+        (`max_message_bytes`). Otherwise every pull is answered "not available" in one frame.
+        docs/design.md §4.10."""
+        if self._started:
+            raise RuntimeError("serve_pulls must be called before start()")
         self._page_source = source
+        self.pull_offered = False
+        if source is None:
+            return
+        room = self.config.max_message_bytes - PULLED_OVERHEAD_BYTES
+        if source.object_bytes + PAGE_KEY_BYTES + 1 > room:
+            logger.warning("decode: pulls not offered: a page object (%d bytes) does not fit "
+                           "in one control frame (max_message_bytes %d)", source.object_bytes,
+                           self.config.max_message_bytes)
+        elif self._auth is None or not source.sealed:
+            logger.info("decode: pulls not offered: they need the cluster secret (an "
+                        "authenticated control plane and MAC'd pages)")
+        else:
+            self.pull_offered = True
 
     def close(self) -> None:
         """Abort every active room (prefill is told), stop the thread, release the engine."""
+        self._closing.set()  # from here `_on_pull_pages` answers "not available"
         for room in self.rooms.select(lambda r: not r.state.terminal):
             self.abort(room, "decode node shutting down")
         self._loop.call_soon(self._release_all_busy)
@@ -229,6 +267,8 @@ class KVReceiver:
             except queue.Full:
                 pass  # refilled meanwhile: the daemon worker ends with the process
             self._pull_worker.join(5.0)
+            if self._pull_worker.is_alive():
+                logger.warning("decode: the pull worker did not stop within 5 s")
         self._loop.stop()
         if self.engine is not None:
             self.engine.close()
@@ -296,8 +336,10 @@ class KVReceiver:
         any thread, never blocks: the frames leave from the control thread). Docs: design.md
         §4.10."""
         ttl_ms = max(1, int(ttl_s * 1000))
-        eta_ms = max(1, round(eta_s * 1000)) if eta_s > 0 else 0
-        pull = int(self._page_source is not None)
+        pull = int(self.pull_offered)
+        # the expected write time only serves the pull rule: sent with the offer, so a mark
+        # without one stays a version-4 frame (`wire_version`)
+        eta_ms = max(1, round(eta_s * 1000)) if eta_s > 0 and pull else 0
         for start in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
             chunk = keys[start : start + MAX_KEYS_PER_MESSAGE]
             self._broadcast(PagesPending(pack_keys(chunk), ttl_ms, eta_ms, pull),
@@ -525,18 +567,19 @@ class KVReceiver:
 
     def _on_pull_pages(self, peer: _Peer, msg: PullPages) -> None:
         """A registered prefill asks for staged pages: the pull worker answers (control
-        thread: queue it, never block; a full queue answers "not available" at once)."""
+        thread: queue it, never block). Refused — every key "not available", one frame — when
+        no pull is offered, the node is closing, or the queue is full."""
         if not peer.ready.is_set() or peer.error:
             return
         self.counters["pull_requests"] += 1
+        deadline = time.monotonic() + msg.ttl_ms / 1000
         try:
-            if self._page_source is None:
+            if not self.pull_offered or self._closing.is_set():
                 raise queue.Full
-            self._pulls.put_nowait((peer, msg))
+            self._pulls.put_nowait((peer, msg, deadline))
         except queue.Full:
-            keys = msg.key_list()
-            self.counters["pull_pages_refused"] += len(keys)
-            self._send_frame(peer, PagesPulled(msg.pull_id, msg.keys, bytes(len(keys)), 0, b""))
+            self.counters["pull_pages_refused"] += len(msg.keys) // PAGE_KEY_BYTES
+            self._send_frame(peer, _unavailable(msg.pull_id, msg.key_list()))
 
     _HANDLERS = {RegisterAck: _on_register_ack, Started: _on_started, Done: _on_done,
                  Abort: _on_abort, AbortAck: _on_abort_ack, Pong: _on_pong,
@@ -548,36 +591,38 @@ class KVReceiver:
             job = self._pulls.get()
             if job is None:
                 return
-            peer, msg = job
+            peer, msg, deadline = job
             try:
-                self._serve_pull(peer, msg)
+                self._serve_pull(peer, msg, deadline)
             except Exception:  # never lose the worker: the prefill falls back to waiting
                 logger.exception("decode: serving pull %d failed", msg.pull_id)
 
-    def _serve_pull(self, peer: _Peer, msg: PullPages) -> None:
+    def _serve_pull(self, peer: _Peer, msg: PullPages, deadline: float) -> None:
         """Answer in frames of at most `max_message_bytes`, as many whole pages as fit in
-        each; pages are read (pinned, encoded) one frame at a time."""
+        each; pages are read (pinned, encoded) one frame at a time, and each frame waits for
+        a credit of its link (`_Peer.pull_credit`). What is left at the pull's deadline is
+        dropped: the prefill has gone back to waiting for the write by then."""
         assert self._page_source is not None
-        keys = msg.key_list()
+        keys = list(dict.fromkeys(msg.key_list()))  # a repeated key is served once
         size = self._page_source.object_bytes
-        per_page = size + PAGE_KEY_BYTES + 1
-        room = self.config.max_message_bytes - PULLED_OVERHEAD_BYTES
-        per_frame = max(1, room // per_page)
-        served = 0
+        per_frame = max(1, (self.config.max_message_bytes - PULLED_OVERHEAD_BYTES)
+                        // (size + PAGE_KEY_BYTES + 1))
         for start in range(0, len(keys), per_frame):
+            left_s = deadline - time.monotonic()
+            if left_s <= 0 or not peer.pull_credit.acquire(timeout=left_s):
+                self.counters["pull_pages_expired"] += len(keys) - start
+                return
             chunk = keys[start : start + per_frame]
-            # a page larger than a frame is never sent: "not available", the prefill waits
-            objects = (self._page_source.staged_objects(chunk) if per_page <= room
-                       else [None] * len(chunk))
+            objects = self._page_source.staged_objects(chunk, until=deadline)
             found = bytes(obj is not None for obj in objects)
             answer = PagesPulled(msg.pull_id, pack_keys(chunk), found, size,
                                  b"".join(obj for obj in objects if obj is not None))
-            served += sum(found)
+            self.counters["pull_pages_served"] += sum(found)  # counted before it can arrive
+            self.counters["pull_pages_unavailable"] += len(chunk) - sum(found)
             self._loop.call_soon(lambda a=answer: self._send_pulled(peer, a))
-        self.counters["pull_pages_served"] += served
-        self.counters["pull_pages_unavailable"] += len(keys) - served
 
     def _send_pulled(self, peer: _Peer, answer: PagesPulled) -> None:
+        peer.pull_credit.release()
         if self._peers.get(peer.addr) is peer:  # control thread: still this link
             self._send_frame(peer, answer)
 
@@ -707,6 +752,11 @@ class KVReceiver:
     def _release_all_busy(self) -> None:
         for room in self.rooms.select(lambda r: r.busy):
             self.rooms.set_idle(room)
+
+
+def _unavailable(pull_id: int, keys: list[bytes]) -> PagesPulled:
+    """The answer "none of these is available" (one frame: 33 bytes a key)."""
+    return PagesPulled(pull_id, pack_keys(keys), bytes(len(keys)), 0, b"")
 
 
 def _tick_s(config: TransferConfig) -> float:

@@ -240,15 +240,22 @@ class KVSender:
             return
         self._fail(room, reason, code="aborted")
 
-    def request_pull(self, source: bytes, pull_id: int, keys: list[bytes]) -> bool:
+    @property
+    def authenticated(self) -> bool:
+        """Every control frame is MAC'd with the cluster secret's key (pulls need it)."""
+        return self._auth is not None
+
+    def request_pull(self, source: bytes, pull_id: int, keys: list[bytes],
+                     ttl_s: float) -> bool:
         """Ask decode link `source` for the staged page objects of `keys` (`PullPages`; any
-        thread, never blocks); False when that decode is not registered here. Its answers go
-        to the sink's `pulled`. docs/design.md §4.10."""
+        thread, never blocks), answered within `ttl_s` or not at all; False when that decode
+        is not registered here. Its answers go to the sink's `pulled`. docs/design.md §4.10."""
         if self._peer(source) is None or not keys:
             return False
+        ttl_ms = max(1, int(ttl_s * 1000))
         for start in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
-            self._send(source, PullPages(pull_id,
-                                         pack_keys(keys[start : start + MAX_KEYS_PER_MESSAGE])))
+            chunk = pack_keys(keys[start : start + MAX_KEYS_PER_MESSAGE])
+            self._send(source, PullPages(pull_id, chunk, ttl_ms))
         self._count("pull_requests")
         return True
 

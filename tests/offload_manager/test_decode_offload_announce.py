@@ -6,6 +6,7 @@ nodes put the control plane in between: tests/transfer/test_pending_messages.py)
 from __future__ import annotations
 
 import threading
+import time
 
 from pdcache.engine.page_keys import chain_page_keys, make_salt
 from pdcache.offload_manager.decode_offload import DecodeOffloadManager
@@ -15,17 +16,19 @@ from tests.storage_doubles import DictBackend
 
 
 class IntoPendingPages:
-    """What KVReceiver + KVSender do, minus the sockets: announcements reach PendingPages."""
+    """What KVReceiver + KVSender do, minus the sockets: announcements reach PendingPages
+    (`pullable`: as a decode that offers the pull)."""
 
-    def __init__(self, pages: PendingPages) -> None:
+    def __init__(self, pages: PendingPages, pullable: bool = False) -> None:
         self.pages = pages
+        self.pullable = pullable
         self.ttls: list[float] = []
         self.etas: list[float] = []
 
     def announce_pending(self, keys: list[bytes], ttl_s: float, eta_s: float = 0.0) -> None:
         self.ttls.append(ttl_s)
         self.etas.append(eta_s)
-        self.pages.pending(keys, ttl_s, eta_s=eta_s)
+        self.pages.pending(keys, ttl_s, eta_s=eta_s, pullable=self.pullable)
 
     def announce_settled(self, keys: list[bytes], landed: list[bool]) -> None:
         self.pages.settled(keys, landed)
@@ -77,7 +80,7 @@ def test_marks_carry_the_expected_write_time_measured_on_decode() -> None:
     """0 before any write was measured; then (writes queued ahead + 1) x the mean latency."""
     kv, storage, pages = device_kv(), DictBackend(), PendingPages()
     mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=8)
-    announcer = IntoPendingPages(pages)
+    announcer = IntoPendingPages(pages, pullable=True)
     mgr.announce_to(announcer)
     mgr.start()
 
@@ -92,11 +95,15 @@ def test_marks_carry_the_expected_write_time_measured_on_decode() -> None:
     assert mgr.wait_idle(10)
     mean_s = mgr.stats.write_seconds_total / mgr.stats.writes
     storage.gate.clear()  # b's write stalls: c queues behind it
+    before = time.monotonic()
     request("b", PAGE)
+    after = time.monotonic()
     request("c", 2 * PAGE)
     assert announcer.etas == [0.0, mean_s, 2 * mean_s]
-    assert pages.pull_run([chain_page_keys(list(range(PAGE, 2 * PAGE)), PAGE,
-                                           make_salt(FP))[0]])[1] == 0  # no pull offered
+    # prefill's mark of b's page expects it to land mean_s after the announcement
+    key_b = chain_page_keys(list(range(PAGE, 2 * PAGE)), PAGE, make_salt(FP))[0]
+    _, count, lands_by = pages.pull_run([key_b])
+    assert count == 1 and before + mean_s <= lands_by <= after + mean_s
     storage.gate.set()
     assert mgr.wait_idle(10)
     mgr.close()

@@ -51,6 +51,8 @@ def test_a_page_under_a_send_outlives_its_write(tmp_path, monkeypatch) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert mgr.staging.num_free == mgr.staging.capacity - 1  # pinned: not freed
+    assert not mgr.idle  # a page still held by the send: check() must not call it leaked
+    assert not mgr.wait_idle(0.05)
     release.set()
     sender.join(10)
     obj = got[0]

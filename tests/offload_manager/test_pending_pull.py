@@ -28,14 +28,17 @@ SOURCE = b"d" * 16  # the decode link that announced the pages
 
 class Decode:
     """Answers pulls with `objects` (key -> stored page object), as the decode node would,
-    on its own thread; `reachable=False`: requests vanish (decode gone mid-pull)."""
+    on its own thread; `reachable=False`: requests vanish (decode gone mid-pull).
+    `authenticated`: the control plane's (a KVSender with the cluster secret's key)."""
 
     def __init__(self, pulls: PagePulls, objects: dict[bytes, bytes],
-                 reachable: bool = True) -> None:
+                 reachable: bool = True, authenticated: bool = True) -> None:
         self.pulls, self.objects, self.reachable = pulls, objects, reachable
+        self.authenticated = authenticated
         self.requests: list[list[bytes]] = []
 
-    def request_pull(self, source: bytes, pull_id: int, keys: list[bytes]) -> bool:
+    def request_pull(self, source: bytes, pull_id: int, keys: list[bytes],
+                     ttl_s: float = 0.0) -> bool:
         self.requests.append(keys)
         if self.reachable:
             threading.Thread(target=self._answer, args=(source, pull_id, keys)).start()
@@ -54,7 +57,7 @@ def storage_config(tmp_path, mac: bool) -> StorageConfig:
                          dtype="float32", page_mac_key=MAC_KEY if mac else None)
 
 
-def pending_stack(tmp_path, mode: str, mac: bool = True, **cfg):
+def pending_stack(tmp_path, mode: str, mac: bool = True, clock=time.monotonic, **cfg):
     """Storage holds page 0 of TOKENS; pages 1-2 were written, taken out again (their stored
     objects kept: what decode's staging would serve) and announced pending by SOURCE."""
     config = storage_config(tmp_path, mac)
@@ -66,8 +69,8 @@ def pending_stack(tmp_path, mode: str, mac: bool = True, **cfg):
     objects = {key: storage.read_object(key) for key in keys[1:]}
     storage.delete(keys[1:])
     pulls = PagePulls(mode)
-    pending = PendingPages(pulls=pulls)
-    st = Stack(storage, prefetch_policy="timeout", **cfg)
+    pending = PendingPages(pulls=pulls, clock=clock)
+    st = Stack(storage, **{"prefetch_policy": "timeout", **cfg})
     st.cache.pending = pending
     return st, storage, config, pending, pulls, keys, objects
 
@@ -113,13 +116,12 @@ def test_always_pulls_the_awaited_pages_byte_exact(tmp_path) -> None:
     st.close()
 
 
-@pytest.mark.parametrize("mac", [True, False], ids=["mac_on", "mac_off"])
-def test_a_forged_pulled_page_is_rejected_with_the_mac(tmp_path, mac: bool) -> None:
+def test_a_forged_pulled_page_is_rejected_with_the_mac(tmp_path) -> None:
     """The forger (no secret) rewraps page 2's genuine KV as another page's under page 1's
-    key with a valid checksum; page 2 has a flipped payload bit. With the page MAC both are
+    key with a valid checksum; page 2 has a flipped payload bit. The page MAC makes both
     counted rejects and the wait falls back to storage (the genuine pages land later): the KV
-    is exact. Without it (protection off) the checksum-valid forgery is served."""
-    st, storage, config, pending, pulls, keys, objects = pending_stack(tmp_path, "always", mac)
+    is exact."""
+    st, storage, config, pending, pulls, keys, objects = pending_stack(tmp_path, "always")
     forger_spec = config.replace(page_mac_key=None).page_spec()
     payload_2 = objects[keys[2]][128:]
     forged = {keys[1]: encode_object(forger_spec, keys[1], "decode", payload_2),
@@ -138,32 +140,122 @@ def test_a_forged_pulled_page_is_rejected_with_the_mac(tmp_path, mac: bool) -> N
     assert ready_within(st, 5)
     pages, kv = load_prefetch(st)
     counters = pulls.snapshot()
-    if mac:
-        assert counters["pull_pages_rejected"] == 2 and counters["pull_pages_received"] == 0
-        assert pages == PAGES and torch.equal(kv, st.expected(TOKENS))
-        assert outcome(st) == (2, 2, 0, 0)
-    else:  # the forgery passes a checksum-only check: page 1 holds page 2's KV
-        assert counters["pull_pages_received"] == 1 and counters["pull_pages_rejected"] == 1
-        assert not torch.equal(kv, st.expected(TOKENS))
+    assert counters["pull_pages_rejected"] == 2 and counters["pull_pages_received"] == 0
+    assert pages == PAGES and torch.equal(kv, st.expected(TOKENS))
+    assert outcome(st) == (2, 2, 0, 0)
     st.close()
 
 
-def test_an_unanswered_pull_falls_back_to_the_wait(tmp_path) -> None:
+@pytest.mark.parametrize("mac, authenticated, pulled", [
+    (True, True, True),  # the cluster secret: MAC'd pages over an authenticated control plane
+    (False, True, False),  # no page MAC: a checksum-valid forgery could not be told apart
+    (True, False, False),  # unauthenticated control plane: anyone may answer as decode
+])
+def test_no_pull_without_the_secret_s_protections(tmp_path, mac: bool, authenticated: bool,
+                                                   pulled: bool) -> None:
+    """Even on "always": without the page MAC or an authenticated control plane (no cluster
+    secret) the awaited pages are waited for, never pulled (docs/security.md)."""
+    st, storage, _, pending, pulls, keys, objects = pending_stack(tmp_path, "always", mac)
+    decode = Decode(pulls, objects, authenticated=authenticated)
+    pulls.attach(decode)
+    pending.pending(keys[1:], ttl_s=30.0, source=SOURCE, pullable=True)
+    assert st.cache.start_prefetch("r", TOKENS + [1], "", 0, PAGES) == PAGES
+    assert bool(decode.requests) == pulled
+    if not pulled:
+        for key, blob in objects.items():
+            assert storage.write_object(key, blob)
+        pending.settled(keys[1:], [True, True])
+    assert ready_within(st, 5)
+    pages, kv = load_prefetch(st)
+    assert pages == PAGES and torch.equal(kv, st.expected(TOKENS))
+    assert outcome(st) == ((2, 0, 2, 0) if pulled else (2, 2, 0, 0))
+    st.close()
+
+
+def test_an_unanswered_pull_times_out_and_lowers_the_rate(tmp_path) -> None:
+    """Decode never answers: the pull ends at its deadline (0.25 s), the wait takes over, and
+    the rate estimate falls (nothing came), so the next pull needs a longer wait to pay."""
     st, storage, _, pending, pulls, keys, objects = pending_stack(tmp_path, "always")
     decode = Decode(pulls, objects, reachable=False)
     pulls.attach(decode)
     pending.pending(keys[1:], ttl_s=30.0, source=SOURCE, pullable=True)
     started = time.monotonic()
     assert st.cache.start_prefetch("r", TOKENS + [1], "", 0, PAGES) == PAGES
-    for key, blob in objects.items():  # the write lands while the pull hangs
+    assert not ready_within(st, 0.15)  # the pull holds the pages
+    for key, blob in objects.items():  # the write lands, announced only once the pull ended
         assert storage.write_object(key, blob)
+    while pulls.snapshot()["pulls_in_flight"]:
+        st.cache.prefetch_ready("r")
+        assert time.monotonic() - started < 2.0
+        time.sleep(0.005)
+    assert time.monotonic() - started >= 0.2  # its deadline
     pending.settled(keys[1:], [True, True])
     assert ready_within(st, 5)
-    assert 0.2 <= time.monotonic() - started < 2.0  # the pull's timeout (0.25 s), then reads
     pages, kv = load_prefetch(st)
     assert pages == PAGES and torch.equal(kv, st.expected(TOKENS))
     assert outcome(st) == (2, 2, 0, 0)
-    assert pulls.snapshot()["pull_timeouts"] == 1 and decode.requests == [keys[1:]]
+    counters = pulls.snapshot()
+    assert (counters["pull_timeouts"], counters["pull_abandoned"]) == (1, 0)
+    assert counters["pull_rate_bytes_s"] == DEFAULT_PULL_RATE_BYTES_S / 2
+    assert decode.requests == [keys[1:]]
+    st.close()
+
+
+def test_a_pull_overtaken_by_the_write_ends_at_once(tmp_path) -> None:
+    """The write lands while the pull hangs: the storage read takes over at once (the pull is
+    closed as abandoned, not waited out to its deadline nor counted timed out)."""
+    st, storage, _, pending, pulls, keys, objects = pending_stack(tmp_path, "always")
+    decode = Decode(pulls, objects, reachable=False)
+    pulls.attach(decode)
+    pending.pending(keys[1:], ttl_s=30.0, source=SOURCE, pullable=True)
+    before = time.monotonic()
+    assert st.cache.start_prefetch("r", TOKENS + [1], "", 0, PAGES) == PAGES
+    for key, blob in objects.items():
+        assert storage.write_object(key, blob)
+    pending.settled(keys[1:], [True, True])
+    assert ready_within(st, 5)
+    assert time.monotonic() < before + 0.25  # did not wait for the pull's deadline
+    pages, kv = load_prefetch(st)
+    assert pages == PAGES and torch.equal(kv, st.expected(TOKENS))
+    assert outcome(st) == (2, 2, 0, 0)
+    counters = pulls.snapshot()
+    assert (counters["pull_timeouts"], counters["pull_abandoned"]) == (0, 1)
+    assert counters["pull_rate_bytes_s"] == DEFAULT_PULL_RATE_BYTES_S
+    st.close()
+
+
+def test_best_effort_never_starts_a_pull(tmp_path) -> None:
+    """best_effort admits without waiting: a pull would be abandoned the moment it left."""
+    st, _, _, pending, pulls, keys, objects = pending_stack(tmp_path, "always",
+                                                            prefetch_policy="best_effort")
+    decode = Decode(pulls, objects)
+    pulls.attach(decode)
+    pending.pending(keys[1:], ttl_s=30.0, source=SOURCE, pullable=True)
+    st.cache.start_prefetch("r", TOKENS + [1], "", 0, PAGES)
+    assert decode.requests == [] and pulls.snapshot()["pulls"] == 0
+    st.cache.cancel_prefetch("r")
+    st.close()
+
+
+def test_answers_for_other_keys_are_not_verified_and_late_ones_copy_nothing(tmp_path) -> None:
+    """An answer naming keys the ticket does not hold costs no verification (no reject is
+    counted for its garbage object); one after the ticket closed copies nothing."""
+    st, _, config, pending, pulls, keys, objects = pending_stack(tmp_path, "always")
+    pulls.attach(Decode(pulls, {}, reachable=False))
+    spec = config.page_spec()
+    pages = [torch.zeros(spec.payload_bytes, dtype=torch.uint8) for _ in keys[1:]]
+    ticket = pulls.start(SOURCE, keys[1:], pages, spec, timeout_s=5.0)
+    assert ticket is not None
+    size = spec.object_bytes
+    pulls.pulled(SOURCE, ticket.pull_id, [keys[0]], [True], size, b"x" * size)
+    assert pulls.snapshot()["pull_pages_rejected"] == 0 and ticket.answers == 0
+    pulls.finish(ticket)  # closed unfinished, before its deadline
+    assert pulls.snapshot()["pull_abandoned"] == 1 and pulls.snapshot()["pull_timeouts"] == 0
+    pulls.pulled(SOURCE, ticket.pull_id, keys[1:], [True, True], size,
+                 objects[keys[1]] + objects[keys[2]])
+    counters = pulls.snapshot()
+    assert counters["pull_pages_received"] == 0 and counters["pull_answers_unexpected"] == 1
+    assert all(not page.any() for page in pages)
     st.close()
 
 
@@ -172,12 +264,18 @@ def test_an_unanswered_pull_falls_back_to_the_wait(tmp_path) -> None:
     ("auto", 10.0, True),  # decode expects 10 s more: a pull of 2 small pages is faster
     ("auto", 0.001, False),  # the write lands sooner than a pull's round trip
     ("auto", 0.0, False),  # unknown (no write measured on decode yet): wait
+    ("auto", -1.0, True),  # overdue (expected 1 s ago) and still pending: the store is slow
 ])
 def test_the_per_request_rule(tmp_path, mode: str, eta_s: float, pulled: bool) -> None:
-    st, storage, _, pending, pulls, keys, objects = pending_stack(tmp_path, mode)
+    skew = [1.5 if eta_s < 0 else 0.0]  # the overdue case: marked 1.5 s "ago"
+    st, storage, _, pending, pulls, keys, objects = pending_stack(
+        tmp_path, mode, clock=lambda: time.monotonic() - skew[0])
     decode = Decode(pulls, objects)
     pulls.attach(decode)
-    pending.pending(keys[1:], ttl_s=30.0, source=SOURCE, eta_s=eta_s, pullable=True)
+    # overdue: announced 1.5 s ago expecting the write to land 0.5 s later
+    pending.pending(keys[1:], ttl_s=30.0, source=SOURCE, eta_s=0.5 if eta_s < 0 else eta_s,
+                    pullable=True)
+    skew[0] = 0.0
     assert st.cache.start_prefetch("r", TOKENS + [1], "", 0, PAGES) == PAGES
     assert bool(decode.requests) == pulled
     if not pulled:

@@ -16,6 +16,8 @@ import httpx
 import pytest
 
 from pdcache.config import NodeSetup, OffloadSettings
+from pdcache.config.node_setup import with_keys
+from pdcache.config.security import SecuritySettings
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdcache.engine.loader import load_model
 from pdcache.offload_manager.builder import (
@@ -50,15 +52,18 @@ def tiny():
 
 
 def setups(tmp_path, model, pending_wait: bool, metadata: str = "",
-           pending_pull: str = "never") -> tuple[NodeSetup, NodeSetup]:
+           pending_pull: str = "never",
+           security: SecuritySettings | None = None) -> tuple[NodeSetup, NodeSetup]:
     """File storage, or hf3fs slots shared through the metadata service at `metadata`. The
     wait is what this file tests: no pull from decode's staging unless `pending_pull` says
-    (tests/pd/test_durable_pull.py)."""
+    and `security` has the cluster secret a pull needs (tests/pd/test_durable_pull.py)."""
+    security = security or SecuritySettings()
     fp = fingerprint_for(model.config, model_identity("tiny", 0), PAGE)
     where = {"backend": "hf3fs", "capacity_pages": 8192, "metadata": metadata} if metadata \
         else {"backend": "file"}
-    storage = storage_config_for(model.config, PAGE, fp, path=str(tmp_path / "storage"),
-                                 **where)
+    storage = with_keys(storage_config_for(model.config, PAGE, fp,
+                                           path=str(tmp_path / "storage"), **where), security)
+    assert storage is not None
     transfer = TransferConfig(engine="zmq", bootstrap_timeout_s=10, room_timeout_s=60,
                               heartbeat_interval_s=0.5)
     sched = SchedulerConfig(chunked_prefill_tokens=1024, max_running_requests=SESSIONS)
@@ -68,11 +73,12 @@ def setups(tmp_path, model, pending_wait: bool, metadata: str = "",
     d_engine = EngineConfig(model.config, CacheConfig(PAGE, 2048, enable_prefix_cache=False),
                             sched)
     prefill = NodeSetup("p0", "prefill", "127.0.0.1", 0, p_engine,
-                        TierConfig(2048, hicache, storage), fp, storage, transfer, free_port())
+                        TierConfig(2048, hicache, storage), fp, storage, transfer, free_port(),
+                        security=security)
     slow = storage.replace(write_delay_s=WRITE_DELAY_S)
     decode = NodeSetup("d0", "decode", "127.0.0.1", 0, d_engine, None, fp, slow, transfer,
                        offload=OffloadSettings(staging_pages=2048, stride_pages=256,
-                                               pending_ttl_s=30.0))
+                                               pending_ttl_s=30.0), security=security)
     return prefill, decode
 
 

@@ -5,7 +5,8 @@ longer. With `pending_pull = "auto"`, decode's marks carry the expected write ti
 measured (0.25 s a write and more, queued) and the next turn pulls the answer pages instead
 of waiting for the write: every next turn's `storage_from_decode` is still the page
 floor of the previous answer, nothing races, and the outputs equal those of the same run with
-`pending_pull = "never"`, which waits for every page (pulled = 0)."""
+`pending_pull = "never"`, which waits for every page (pulled = 0). Both run with a cluster
+secret: without one no pull is offered nor sent (docs/security.md)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import concurrent.futures
 import httpx
 import pytest
 
+from pdcache.config.security import SecuritySettings
 from pdcache.engine.loader import load_model
 from tests.pd.test_durable_next_turn import (
     PROBE_ANSWER,
@@ -30,6 +32,7 @@ ANSWER = 256
 PAGE = 16
 SESSIONS = 2
 ANSWERS = [ANSWER, ANSWER, PROBE_ANSWER]
+SECRET = b"0123456789abcdef0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +41,10 @@ def tiny():
 
 
 def run(tmp_path, tiny, mode: str):
-    prefill, decode = setups(tmp_path, tiny[0], True, pending_pull=mode)
+    security = SecuritySettings.from_secret(SECRET)  # a pull needs the cluster secret
+    prefill, decode = setups(tmp_path, tiny[0], True, pending_pull=mode, security=security)
     stack = start_stack(prefill, decode)
+    stack.client.headers.update(security.node_headers())
     try:
         timeout_s = measured_timeout_s(stack, SESSIONS, ANSWERS)
         stack.client.timeout = httpx.Timeout(timeout_s)
@@ -67,7 +72,8 @@ def test_auto_pulls_the_next_turn_s_pages_and_never_waits_for_them(tmp_path, tin
                        for turns in pulled_run for (p, a) in turns[:-1])
     assert pending(metrics, "pulled") >= answer_pages // 2
     assert pending(metrics, "found") == pending(metrics, "waited") + pending(metrics, "pulled")
-    assert receiver["pull_pages_served"] == pending(metrics, "pulled")
+    # a late answer (after its pull's deadline on a loaded machine) is served, not pulled
+    assert receiver["pull_pages_served"] >= pending(metrics, "pulled")
     rejected = metric_value(metrics, "pdcache_pending_pull_pages_total", server="p0",
                             outcome="rejected")
     assert rejected == 0
