@@ -70,3 +70,44 @@ def test_registry_names_engines_and_reports_missing_packages() -> None:
     ghosts.register("ghost", "pdcache.transfer.engines.no_such_module:Ghost", package="ghost-pkg")
     with pytest.raises(MissingDependencyError, match="pip install ghost-pkg"):
         ghosts.get("ghost")
+
+
+def test_mooncake_rate_estimate_sleeps_only_once_measured_and_never_past_the_batch() -> None:
+    from pdcache.transfer.engines.mooncake_engine import _RateEstimate
+
+    rate = _RateEstimate()
+    big = 8 << 20
+    assert rate.sleep_s(big, 0.0) == 0.0  # nothing measured: spin at once
+    rate.observe(4096, 1.0)  # a small batch measures the round trip, not the rate
+    assert rate.sleep_s(big, 0.0) == 0.0
+    rate.observe(big, 0.1)  # 80 MiB/s
+    assert rate.sleep_s(big, 0.0) == pytest.approx(0.8 * 0.1)
+    assert rate.sleep_s(big, 0.05) == pytest.approx(0.03)  # time since submit counts
+    assert rate.sleep_s(big, 1.0) == 0.0
+    assert rate.sleep_s(4096, 0.0) == 0.0  # small batches are always spun for
+    rate.observe(big, 0.4)  # slower: believed at once
+    assert rate.sleep_s(big, 0.0) == pytest.approx(0.8 * 0.4)
+    rate.observe(big, 0.1)  # faster: only a fifth of the way
+    expected_rate = big / 0.4 + 0.2 * (big / 0.1 - big / 0.4)
+    assert rate.sleep_s(big, 0.0) == pytest.approx(0.8 * big / expected_rate)
+
+
+@pytest.mark.parametrize("engine_pair", engine_params(("mooncake",)), indirect=True)
+def test_mooncake_waits_that_sleep_first_still_return_complete_pages(engine_pair) -> None:
+    """Once the engine has measured a rate, `wait` sleeps before it spins: every batch must
+    still be whole when it returns (the sleep is a share of the expected time, the rest is
+    Mooncake's own blocking wait)."""
+    initiator, target = engine_pair
+    pages = 1024  # 512 KiB a page pool of 4 layers: batches of 512 KiB+ teach the rate
+    src, dst = make_pool(pages, seed=3), make_pool(pages, seed=None)
+    target.register_target(dst.data_ptr(), dst.numel() * dst.element_size())
+    initiator.register_source(src.data_ptr(), src.numel() * src.element_size())
+    peer = initiator.add_peer(target.session())
+    layout_src, layout_dst = KVLayout.from_tensor(src), KVLayout.from_tensor(dst)
+    for round_ in range(4):
+        ids = np.arange(round_ * 256, (round_ + 1) * 256)
+        batch = page_copy_batch(layout_src, layout_dst, ids, ids)
+        assert batch.nbytes >= 256 << 10
+        initiator.wait(initiator.submit(peer, batch), 10.0)
+        assert torch.equal(dst[:, :, ids], src[:, :, ids])
+    assert initiator._rate.sleep_s(batch.nbytes, 0.0) > 0.0  # it did learn a rate
