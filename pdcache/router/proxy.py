@@ -106,6 +106,14 @@ class Proxy:
 
     # ---- PD
 
+    def first_token_from_prefill_on(self, route: Route) -> bool:
+        """Whether a stream on `route` takes its first token from P: the setting is on and
+        both nodes advertise it in /health (`first_token_stream`); an older node (a rolling
+        upgrade) gets the old bodies, which it understands."""
+        prefill, decode = route.prefill, route.decode
+        return (self.first_token_from_prefill and prefill is not None and decode is not None
+                and prefill.first_token_stream and decode.first_token_stream)
+
     def _pd_bodies(self, route: Route, body: dict[str, Any], stream: bool
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
         prefill, decode = route.prefill, route.decode
@@ -115,7 +123,7 @@ class Proxy:
                            type=OVERLOADED, code="no_bootstrap")
         room = secrets.randbits(63)
         # streaming with the first token from prefill: P streams it, D's stream starts after it
-        first_from_p = stream and self.first_token_from_prefill
+        first_from_p = stream and self.first_token_from_prefill_on(route)
         p_pd = PDParams(room=room, role="prefill", decode_node=decode.name)
         d_pd = PDParams(room=room, role="decode", bootstrap=prefill.bootstrap,
                         prefill_node=prefill.name, first_token_streamed=first_from_p)
@@ -147,7 +155,7 @@ class Proxy:
         p_body, d_body = self._pd_bodies(route, body, stream=True)
         prefill, decode = route.prefill, route.decode
         assert prefill is not None and decode is not None
-        if self.first_token_from_prefill:
+        if self.first_token_from_prefill_on(route):
             return self._pd_stream_first_from_prefill(route, p_body, d_body, deadline)
         p_task = self._prefill_task(route, p_body, deadline)
         decode.in_flight += 1
@@ -254,25 +262,30 @@ class RouteStream:
         return event
 
     async def _first_from_prefill(self) -> dict[str, Any]:
-        """P's first event, unless P or D's stream (still opening) fails before it."""
+        """P's first event, once D's stream opened too (D answers its headers once it
+        admitted the request: pages reserved, P asked), so that every refusal of D's
+        admission (503 `queue_full` / `queue_timeout` / `unavailable`) is still an HTTP error
+        the routing core retries; a failure of P or of D's opening before that is raised."""
         first, prefill, opening = self._prefill_first, self._prefill, self._opening
-        assert first is not None and prefill is not None
-        waiting: set[asyncio.Future[Any]] = {first, prefill}
-        if opening is not None:
-            waiting.add(opening)
-        while not first.done():
+        assert first is not None and prefill is not None and opening is not None
+        waiting: set[asyncio.Future[Any]] = {first, prefill, opening}
+        while not (first.done() and opening.done()):
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             p_error = _failure(prefill)
             if p_error is not None and not first.done():
                 raise p_error
-            if opening is not None and opening.done():
+            if opening.done():
                 waiting.discard(opening)
                 d_error = _failure(opening)
-                if d_error is not None and not first.done():
+                if d_error is not None:
                     raise d_error
-            if prefill.done() and not first.done():  # cannot be: P's result is after its first
+            if first.done():
+                waiting.discard(first)
+                waiting.discard(prefill)  # P's outcome after its first event: D's business
+            elif prefill.done():  # cannot be: P's result comes after its first event
                 raise ApiError(502, "prefill node answered without its first event",
                                type=SERVER_ERROR, code=BAD_GATEWAY)
+        self._events = opening.result()
         return first.result()
 
     async def _opened(self) -> EventStream:
