@@ -4,10 +4,14 @@
 Such a request reserves device pages for its prompt, asks the prefill node named by
 `pd.bootstrap` to write the prompt's K/V into them, and once that is done decodes from the
 first token prefill sampled, answering like any `/generate` (streaming or not); its `meta`
-carries prefill's cache statistics (`Generation.report`). With `pd.first_token_streamed` (the
-router streamed prefill's first token already) its stream starts after that token. A failed or timed-out transfer is a
+carries prefill's cache statistics (`Generation.report`). A failed or timed-out transfer is a
 502/504 JSON error; a caller that leaves while the K/V is awaited aborts the room. Which
 pages are freed when is the controller's business.
+
+With `pd.first_token_streamed` (the router streams prefill's first token) a streaming answer
+starts as soon as the request is admitted: headers and an SSE comment (`ADMITTED`), so every
+admission refusal is still an HTTP error the router can retry, while anything after (the
+transfer failing, the node closing) is an error event; its events start after token 1.
 
 Admission (docs/pd-protocol.md, "Decode admission"): a request whose pages the pool cannot
 give now waits in the engine's admission queue, in arrival order, until running requests free

@@ -9,9 +9,11 @@ client gets D's error (P's, if P failed too; a D that refused with 503 never rea
 not waited for). Cancelling a call (client disconnect) closes every upstream connection it
 holds. Everything runs on the router's event loop.
 
-First token from prefill (`first_token_from_prefill`, streaming only): P is asked to stream
-too, and the client's first event is P's (the first token, sent before the K/V push); D,
-told `first_token_streamed`, streams the rest (docs/pd-protocol.md).
+First token from prefill (`first_token_from_prefill`, streaming only, for a pair whose nodes
+both advertise `first_token_stream` in /health): P is asked to stream too, and the client's
+first event is P's (the first token, sent before the K/V push), released once D admitted the
+request (its stream opened); D, told `first_token_streamed`, streams the rest
+(docs/pd-protocol.md).
 
 Slots: a `Route` may carry the router-side slots its request holds (`SlotHolder`,
 `pdcache.router.admission`). The proxy frees them as the work ends: P's when P's call is over,
@@ -210,9 +212,11 @@ class RouteStream:
     the stream ends P gets a short grace to answer; `aclose()` cancels whatever is left.
 
     With the first token from prefill (`prefill_first`, `decode_opening`): the first event is
-    P's first event, then D's events follow (D's stream is opened meanwhile and read only
-    after P's first event was given out). P failing before its first event raises P's
-    error; D failing first raises the root cause (`_root_cause`), as before."""
+    P's first event, given out only once D's stream opened (D answers its headers when it
+    admitted the request), then D's events follow. P failing before its first event raises
+    P's error; D's opening failing raises the root cause (`_root_cause`), as before: either
+    way an HTTP error the routing core may retry. D failing after it opened is a mid-stream
+    error (docs/pd-protocol.md, "First token from prefill")."""
 
     def __init__(self, client: NodeClient, events: EventStream | None,
                  prefill: asyncio.Task[dict[str, Any]] | None, route: Route | None = None,
