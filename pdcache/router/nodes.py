@@ -97,6 +97,7 @@ class NodeRegistry:
                 "name": n.name, "role": n.role, "url": n.url, "bootstrap": n.bootstrap,
                 "healthy": n.healthy, "in_flight": n.in_flight,
                 "consecutive_failures": n.consecutive_failures, "last_error": n.last_error,
+                "first_token_stream": n.first_token_stream,  # what its /health advertised
             }
             for n in self.nodes
         ]

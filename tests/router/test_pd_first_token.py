@@ -564,6 +564,10 @@ def test_a_node_not_advertising_first_token_stream_gets_the_old_bodies(
     with pd_router(stack) as client:
         router = client.app.state.router  # type: ignore[attr-defined]
         assert [n.first_token_stream for n in router.registry.nodes] == [True, True]
+        assert [n["first_token_stream"] for n in client.get("/health").json()["nodes"]] == [
+            True,
+            True,
+        ]
         fresh = lambda: {**STREAM_BODY, "cache_salt": uuid.uuid4().hex}  # noqa: E731
         events["new"] = sse_events(client.post("/generate", json=fresh()).text)
         assert len(sse_answers) == 1
