@@ -7,8 +7,9 @@ arrives while decode's handler is still held before the K/V receipt (off: only a
 
 The router always asks the nodes for incremental events and renders the client's cumulative
 chunks itself: the "cumulative" cases here test that rendering, not the decode node's
-cumulative branch of `FirstTokenSkip`, which `test_decode_cumulative_stream_after_token_1`
-drives directly (and tests/server/test_generate_api.py at the unit level). Decode refusing
+cumulative branch of `FirstTokenSkip`, which tests/prefill_node/test_pd_stream.py
+(`test_decode_after_a_streamed_first_token_cumulative_and_one_token`) drives directly, and
+tests/server/test_generate_api.py at the unit level. Decode refusing
 after P streamed token 1, a client leaving before D's stream opened and nodes that do not
 advertise `first_token_stream` (a rolling upgrade) are tested at the end."""
 
@@ -575,52 +576,3 @@ def test_a_node_not_advertising_first_token_stream_gets_the_old_bodies(
         events["old"] = sse_events(client.post("/generate", json=fresh()).text)
         assert len(sse_answers) == 1  # P was not asked to stream
     assert assembled(events["old"], True) == assembled(events["new"], True)
-
-
-def test_decode_cumulative_stream_after_token_1(stack: PDStack) -> None:
-    """The decode node's own cumulative stream with `first_token_streamed` (P and D driven
-    directly, as the router would but cumulative): it opens with the admission comment, sends
-    no chunk of token 1 alone, and its last chunk holds the whole answer, the same as the
-    JSON answer of the same request without the flag."""
-    import secrets
-
-    def bodies(first_streamed: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-        room, salt = secrets.randbits(63), uuid.uuid4().hex
-        base = {
-            "input_ids": PROMPT,
-            "cache_salt": salt,
-            "sampling_params": {"max_new_tokens": 4, **GREEDY},
-        }
-        d_pd = {
-            "room": room,
-            "role": "decode",
-            "bootstrap": stack.bootstrap,
-            "prefill_node": "p0",
-            "first_token_streamed": first_streamed,
-        }
-        return (
-            {**base, "pd": {"room": room, "role": "prefill", "decode_node": "d0"}},
-            {**base, "stream": first_streamed, "pd": d_pd},
-        )
-
-    def run(first_streamed: bool) -> str:
-        p_body, d_body = bodies(first_streamed)
-        with httpx.Client(timeout=60) as http:
-            result: dict[str, str] = {}
-            decode = threading.Thread(
-                target=lambda: result.update(
-                    d=http.post(f"{stack.decode.url}/generate", json=d_body).text
-                )
-            )
-            decode.start()
-            assert http.post(f"{stack.prefill.url}/generate", json=p_body).status_code == 200
-            decode.join(60)
-        return result["d"]
-
-    plain = json.loads(run(False))
-    text = run(True)
-    assert text.startswith(": admitted\n\n")
-    events = sse_events(text)
-    assert all(len(e["output_ids"]) > 1 for e in events), events
-    assert events[-1]["output_ids"] == plain["output_ids"] and len(plain["output_ids"]) == 4
-    assert events[-1]["text"] == plain["text"]
