@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -64,6 +65,8 @@ from pdcache.server.protocol import (
 from pdcache.server.responses import SSE_DONE, sse
 from pdcache.server.routes import ServerRoutes
 from pdcache.transfer import KVReceiver, PrefillReport
+
+log = logging.getLogger(__name__)
 
 # the first bytes of an admitted `first_token_streamed` stream: an SSE comment line, which
 # SSE readers (the router's `EventStream` too) skip; it only makes the response start
@@ -139,7 +142,10 @@ class DecodeApp:
             yield ADMITTED
             try:
                 inner.append(await decode(await self._arrived(released, room, request)))
-            except ApiError as exc:
+            except Exception as exc:  # as `sse_guard` renders a failure: an event, then [DONE]
+                if not isinstance(exc, ApiError):
+                    log.exception("decode stream of room %d failed", room)
+                    exc = ApiError(500, f"internal error: {exc}", type=SERVER_ERROR)
                 yield sse(exc.body())
                 yield SSE_DONE
                 return
