@@ -4,10 +4,14 @@
 Such a request reserves device pages for its prompt, asks the prefill node named by
 `pd.bootstrap` to write the prompt's K/V into them, and once that is done decodes from the
 first token prefill sampled, answering like any `/generate` (streaming or not); its `meta`
-carries prefill's cache statistics (`Generation.report`). With `pd.first_token_streamed` (the
-router streamed prefill's first token already) its stream starts after that token. A failed or timed-out transfer is a
+carries prefill's cache statistics (`Generation.report`). A failed or timed-out transfer is a
 502/504 JSON error; a caller that leaves while the K/V is awaited aborts the room. Which
 pages are freed when is the controller's business.
+
+With `pd.first_token_streamed` (the router streams prefill's first token) a streaming answer
+starts as soon as the request is admitted: headers and an SSE comment (`ADMITTED`), so every
+admission refusal is still an HTTP error the router can retry, while anything after (the
+transfer failing, the node closing) is an error event; its events start after token 1.
 
 Admission (docs/pd-protocol.md, "Decode admission"): a request whose pages the pool cannot
 give now waits in the engine's admission queue, in arrival order, until running requests free
@@ -25,11 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from pdcache.decode_node.controller import (
     Admitted,
@@ -54,8 +62,15 @@ from pdcache.server.protocol import (
     ApiError,
     bad_request,
 )
+from pdcache.server.responses import SSE_DONE, sse
 from pdcache.server.routes import ServerRoutes
 from pdcache.transfer import KVReceiver, PrefillReport
+
+log = logging.getLogger(__name__)
+
+# the first bytes of an admitted `first_token_streamed` stream: an SSE comment line, which
+# SSE readers (the router's `EventStream` too) skip; it only makes the response start
+ADMITTED = b": admitted\n\n"
 
 
 class DecodeApp:
@@ -88,29 +103,80 @@ class DecodeApp:
         input_ids = self.routes.checked_prompt(item)
         constraint = self.routes.agent.sampling_constraint(item.sampling)  # a bad schema: 400
         room, rid = pd.room, item.rid or f"pd-{pd.room}"
-        report = await self._receive(request, room, rid, pd.bootstrap, len(input_ids),
+        released = await self._admit(request, room, rid, pd.bootstrap, len(input_ids),
                                      item.sampling.max_new_tokens,
                                      arrival + self.admission_timeout_s)
-        if pd.prefill_node:
-            report = dataclasses.replace(report, prefill_node=pd.prefill_node)
-        gen = Generation(arrival=arrival, report=report)
-        sampling, salt = item.sampling.to_engine(), body.cache_salt
-        try:
-            handle = self.controller.start_decode(room, lambda: self.bridge.submit_prefilled(
-                gen, rid, input_ids, sampling, salt, report.first_token,
-                logprobs=item.logprobs, constraint=constraint,
-                first_logprob=report.first_token_logprob(),
-                input_logprobs=report.prompt_logprobs(), session_id=body.session_id))
-        except RoomCancelledError as exc:  # the node is closing
-            raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
-                           code="unavailable") from None
-        streamed_first = report.first_token if pd.first_token_streamed else None
-        return await self.routes.respond(request, handle, gen, body, item, streamed_first)
 
-    async def _receive(self, request: Request, room: int, rid: str, bootstrap: str,
-                       num_tokens: int, max_new_tokens: int, deadline: float) -> PrefillReport:
+        async def decode(report: PrefillReport) -> Response:
+            if pd.prefill_node:
+                report = dataclasses.replace(report, prefill_node=pd.prefill_node)
+            gen = Generation(arrival=arrival, report=report)
+            sampling, salt = item.sampling.to_engine(), body.cache_salt
+            try:
+                handle = self.controller.start_decode(room, lambda: self.bridge.submit_prefilled(
+                    gen, rid, input_ids, sampling, salt, report.first_token,
+                    logprobs=item.logprobs, constraint=constraint,
+                    first_logprob=report.first_token_logprob(),
+                    input_logprobs=report.prompt_logprobs(), session_id=body.session_id))
+            except RoomCancelledError as exc:  # the node is closing
+                raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
+                               code="unavailable") from None
+            streamed_first = report.first_token if pd.first_token_streamed else None
+            return await self.routes.respond(request, handle, gen, body, item, streamed_first)
+
+        if pd.first_token_streamed and body.stream:
+            return self._admitted_stream(request, room, released, decode)
+        return await decode(await self._arrived(released, room, request))
+
+    def _admitted_stream(self, request: Request, room: int,
+                         released: asyncio.Future[DecodeOutcome],
+                         decode: Callable[[PrefillReport], Awaitable[Response]]) -> Response:
+        """The stream of an admitted `first_token_streamed` request (docs/pd-protocol.md,
+        "First token from prefill"): its headers and an SSE comment (`ADMITTED`, which SSE
+        readers skip) go out at once, so the router knows it was admitted before it gives
+        out prefill's first token; then, once the K/V is in, decode's own stream. A failure
+        from here on (transfer, timeout, a node closing) is an error event, then [DONE]."""
+        inner: list[Response] = []
+
+        async def events() -> AsyncIterator[bytes]:
+            yield ADMITTED
+            try:
+                inner.append(await decode(await self._arrived(released, room, request)))
+            except Exception as exc:  # as `sse_guard` renders a failure: an event, then [DONE]
+                if not isinstance(exc, ApiError):
+                    log.exception("decode stream of room %d failed", room)
+                    exc = ApiError(500, f"internal error: {exc}", type=SERVER_ERROR)
+                yield sse(exc.body())
+                yield SSE_DONE
+                return
+            stream = inner[0]
+            assert isinstance(stream, StreamingResponse)
+            async with aclosing(stream.body_iterator) as chunks:  # type: ignore[type-var]
+                async for chunk in chunks:
+                    yield chunk
+
+        async def cleanup() -> None:
+            self.controller.leave(room, "decode stream closed before the KV arrived")  # or no-op
+            if inner and inner[0].background is not None:
+                await inner[0].background()  # the decoding request's own cleanup
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 background=BackgroundTask(cleanup),
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _arrived(self, released: asyncio.Future[DecodeOutcome], room: int,
+                       request: Request) -> PrefillReport:
+        """Wait until prefill wrote the prompt's K/V into the room's pages."""
+        outcome = await self._wait(released, room, request)
+        assert outcome.report is not None
+        return outcome.report
+
+    async def _admit(self, request: Request, room: int, rid: str, bootstrap: str,
+                     num_tokens: int, max_new_tokens: int, deadline: float
+                     ) -> asyncio.Future[DecodeOutcome]:
         """Reserve pages (waiting in the admission queue until `deadline` if the pool is short
-        now), then wait until prefill wrote the prompt's K/V into them."""
+        now) and ask prefill for the K/V: the room's release future (`_arrived` awaits it).
+        Every refusal here is an HTTP error (503s the router retries elsewhere)."""
         loop = asyncio.get_running_loop()
         released: asyncio.Future[DecodeOutcome] = loop.create_future()
         admitted: asyncio.Future[Admitted] = loop.create_future()
@@ -132,9 +198,7 @@ class DecodeApp:
             raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
                            code="unavailable") from None
         await self._admitted(admitted, room, request, num_tokens, deadline)
-        outcome = await self._wait(released, room, request)
-        assert outcome.report is not None
-        return outcome.report
+        return released
 
     async def _admitted(self, admitted: asyncio.Future[Admitted], room: int, request: Request,
                         num_tokens: int, deadline: float) -> None:
@@ -214,7 +278,9 @@ class DecodeApp:
         idle node has neither (`pdcache bench chaos` checks it)."""
         return {"role": "decode", "transfer": json_ready(self.receiver.stats()),
                 "pd_rooms_open": len(self.controller.rooms()),
-                "pd_held": len(self.controller.held())}
+                "pd_held": len(self.controller.held()),
+                # the router streams the first token from prefill only when both advertise it
+                "first_token_stream": True}
 
     def info_extra(self) -> dict[str, Any]:
         """/server_info's PD fields (SGLang's names)."""

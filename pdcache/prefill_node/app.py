@@ -219,7 +219,9 @@ class PrefillApp:
         rooms not yet closed (an idle node has none: `pdcache bench chaos` checks it)."""
         return {"role": "prefill", "bootstrap": self.sender.bootstrap_addr,
                 "transfer": json_ready(self.sender.stats()),
-                "pd_rooms_open": len(self.controller.rooms())}
+                "pd_rooms_open": len(self.controller.rooms()),
+                # the router streams the first token from prefill only when both advertise it
+                "first_token_stream": True}
 
     def info_extra(self) -> dict[str, Any]:
         """/server_info's PD fields (SGLang's names): the KV bootstrap port (once started)."""

@@ -97,6 +97,7 @@ class NodeRegistry:
                 "name": n.name, "role": n.role, "url": n.url, "bootstrap": n.bootstrap,
                 "healthy": n.healthy, "in_flight": n.in_flight,
                 "consecutive_failures": n.consecutive_failures, "last_error": n.last_error,
+                "first_token_stream": n.first_token_stream,  # what its /health advertised
             }
             for n in self.nodes
         ]
@@ -163,8 +164,11 @@ class NodeRegistry:
                 log.exception("health loop iteration failed")
 
     def _on_success(self, node: NodeState, resp: httpx.Response) -> None:
+        health = _health_body(resp)
         if node.role == "prefill" and node.bootstrap is None:
-            node.bootstrap = _bootstrap_of(resp)
+            node.bootstrap = _bootstrap_of(health)
+        # every probe: a node replaced by an older build (a rollback) stops advertising it
+        node.first_token_stream = health.get("first_token_stream") is True
         recovered = not node.healthy
         node.healthy, node.consecutive_failures, node.last_error = True, 0, None
         if recovered:
@@ -185,10 +189,16 @@ class NodeRegistry:
         node.healthy = False
 
 
-def _bootstrap_of(resp: httpx.Response) -> str | None:
-    """`{"bootstrap": "HOST:PORT"}` of a prefill node's /health, if present."""
+def _health_body(resp: httpx.Response) -> dict[str, Any]:
+    """A node's /health JSON object ({} if it is not one)."""
     try:
-        value = resp.json().get("bootstrap")
-    except (ValueError, AttributeError):
-        return None
+        body = resp.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _bootstrap_of(health: dict[str, Any]) -> str | None:
+    """`{"bootstrap": "HOST:PORT"}` of a prefill node's /health, if present."""
+    value = health.get("bootstrap")
     return value if isinstance(value, str) and value else None

@@ -25,6 +25,9 @@ class NodeState:
     role: str  # prefill | decode | unified
     bootstrap: str | None = None  # prefill: host:port of its KV bootstrap socket
     healthy: bool = True
+    # its /health advertises `first_token_stream` (docs/pd-protocol.md "First token from
+    # prefill"): a node that does not (an older build) gets the old PD bodies
+    first_token_stream: bool = False
     in_flight: int = 0
     consecutive_failures: int = 0
     last_error: str | None = None

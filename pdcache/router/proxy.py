@@ -9,9 +9,11 @@ client gets D's error (P's, if P failed too; a D that refused with 503 never rea
 not waited for). Cancelling a call (client disconnect) closes every upstream connection it
 holds. Everything runs on the router's event loop.
 
-First token from prefill (`first_token_from_prefill`, streaming only): P is asked to stream
-too, and the client's first event is P's (the first token, sent before the K/V push); D,
-told `first_token_streamed`, streams the rest (docs/pd-protocol.md).
+First token from prefill (`first_token_from_prefill`, streaming only, for a pair whose nodes
+both advertise `first_token_stream` in /health): P is asked to stream too, and the client's
+first event is P's (the first token, sent before the K/V push), released once D admitted the
+request (its stream opened); D, told `first_token_streamed`, streams the rest
+(docs/pd-protocol.md).
 
 Slots: a `Route` may carry the router-side slots its request holds (`SlotHolder`,
 `pdcache.router.admission`). The proxy frees them as the work ends: P's when P's call is over,
@@ -106,6 +108,14 @@ class Proxy:
 
     # ---- PD
 
+    def first_token_from_prefill_on(self, route: Route) -> bool:
+        """Whether a stream on `route` takes its first token from P: the setting is on and
+        both nodes advertise it in /health (`first_token_stream`); an older node (a rolling
+        upgrade) gets the old bodies, which it understands."""
+        prefill, decode = route.prefill, route.decode
+        return (self.first_token_from_prefill and prefill is not None and decode is not None
+                and prefill.first_token_stream and decode.first_token_stream)
+
     def _pd_bodies(self, route: Route, body: dict[str, Any], stream: bool
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
         prefill, decode = route.prefill, route.decode
@@ -115,7 +125,7 @@ class Proxy:
                            type=OVERLOADED, code="no_bootstrap")
         room = secrets.randbits(63)
         # streaming with the first token from prefill: P streams it, D's stream starts after it
-        first_from_p = stream and self.first_token_from_prefill
+        first_from_p = stream and self.first_token_from_prefill_on(route)
         p_pd = PDParams(room=room, role="prefill", decode_node=decode.name)
         d_pd = PDParams(room=room, role="decode", bootstrap=prefill.bootstrap,
                         prefill_node=prefill.name, first_token_streamed=first_from_p)
@@ -147,7 +157,7 @@ class Proxy:
         p_body, d_body = self._pd_bodies(route, body, stream=True)
         prefill, decode = route.prefill, route.decode
         assert prefill is not None and decode is not None
-        if self.first_token_from_prefill:
+        if self.first_token_from_prefill_on(route):
             return self._pd_stream_first_from_prefill(route, p_body, d_body, deadline)
         p_task = self._prefill_task(route, p_body, deadline)
         decode.in_flight += 1
@@ -202,9 +212,11 @@ class RouteStream:
     the stream ends P gets a short grace to answer; `aclose()` cancels whatever is left.
 
     With the first token from prefill (`prefill_first`, `decode_opening`): the first event is
-    P's first event, then D's events follow (D's stream is opened meanwhile and read only
-    after P's first event was given out). P failing before its first event raises P's
-    error; D failing first raises the root cause (`_root_cause`), as before."""
+    P's first event, given out only once D's stream opened (D answers its headers when it
+    admitted the request), then D's events follow. P failing before its first event raises
+    P's error; D's opening failing raises the root cause (`_root_cause`), as before: either
+    way an HTTP error the routing core may retry. D failing after it opened is a mid-stream
+    error (docs/pd-protocol.md, "First token from prefill")."""
 
     def __init__(self, client: NodeClient, events: EventStream | None,
                  prefill: asyncio.Task[dict[str, Any]] | None, route: Route | None = None,
@@ -254,25 +266,30 @@ class RouteStream:
         return event
 
     async def _first_from_prefill(self) -> dict[str, Any]:
-        """P's first event, unless P or D's stream (still opening) fails before it."""
+        """P's first event, once D's stream opened too (D answers its headers once it
+        admitted the request: pages reserved, P asked), so that every refusal of D's
+        admission (503 `queue_full` / `queue_timeout` / `unavailable`) is still an HTTP error
+        the routing core retries; a failure of P or of D's opening before that is raised."""
         first, prefill, opening = self._prefill_first, self._prefill, self._opening
-        assert first is not None and prefill is not None
-        waiting: set[asyncio.Future[Any]] = {first, prefill}
-        if opening is not None:
-            waiting.add(opening)
-        while not first.done():
+        assert first is not None and prefill is not None and opening is not None
+        waiting: set[asyncio.Future[Any]] = {first, prefill, opening}
+        while not (first.done() and opening.done()):
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             p_error = _failure(prefill)
             if p_error is not None and not first.done():
                 raise p_error
-            if opening is not None and opening.done():
+            if opening.done():
                 waiting.discard(opening)
                 d_error = _failure(opening)
-                if d_error is not None and not first.done():
+                if d_error is not None:
                     raise d_error
-            if prefill.done() and not first.done():  # cannot be: P's result is after its first
+            if first.done():
+                waiting.discard(first)
+                waiting.discard(prefill)  # P's outcome after its first event: D's business
+            elif prefill.done():  # cannot be: P's result comes after its first event
                 raise ApiError(502, "prefill node answered without its first event",
                                type=SERVER_ERROR, code=BAD_GATEWAY)
+        self._events = opening.result()
         return first.result()
 
     async def _opened(self) -> EventStream:

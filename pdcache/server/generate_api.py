@@ -19,6 +19,8 @@ incremental (SGLang's `--incremental-streaming-output`).
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ from pydantic import (
 from pdcache.engine.api import CachedTokens, LogprobRequest, SamplingParams
 from pdcache.server.protocol import SEED_LIMIT, bad_request, unsupported
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 TokenIds = list[int]
@@ -534,10 +537,10 @@ class FirstTokenSkip:
     incremental: bool
     first_text: str
     _ids_left: int = field(default=1, init=False)
-    _text_left: int = field(default=0, init=False)
+    _text_left: str = field(default="", init=False)  # of `first_text`, not yet seen in chunks
 
     def __post_init__(self) -> None:
-        self._text_left = len(self.first_text)
+        self._text_left = self.first_text
 
     def trim(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         meta_info = chunk["meta_info"]
@@ -546,16 +549,37 @@ class FirstTokenSkip:
             return chunk if final or len(chunk["output_ids"]) > 1 else None
         ids, text = chunk["output_ids"], chunk["text"]
         drop_ids = min(self._ids_left, len(ids))
-        drop_text = min(self._text_left, len(text))
+        drop_text = self._drop_text(text)
         if not drop_ids and not drop_text:
             return chunk
         self._ids_left -= drop_ids
-        self._text_left -= drop_text
         trimmed = {**chunk, "text": text[drop_text:], "output_ids": ids[drop_ids:],
                    "meta_info": _without_first_logprobs(meta_info, drop_ids)}
         if not final and not trimmed["output_ids"] and not trimmed["text"]:
             return None
         return trimmed
+
+    def _drop_text(self, text: str) -> int:
+        """How many leading characters of `text` the client already has (`first_text`). The
+        text released after token 1 alone is normally a prefix of decode's (it may span
+        chunks); a tokenizer that re-renders earlier text once later tokens come breaks
+        that: then only the common prefix is dropped (the client keeps the rest of what
+        prefill sent, nothing of decode's text is lost) and it is logged."""
+        left = self._text_left
+        if not left or not text:
+            return 0
+        if text.startswith(left):
+            self._text_left = ""
+            return len(left)
+        if left.startswith(text):
+            self._text_left = left[len(text):]
+            return len(text)
+        common = len(os.path.commonprefix([left, text]))
+        log.warning("decode's text does not start with the %d characters prefill streamed "
+                    "with token 1 (%r vs %r): dropping only the %d in common", len(left),
+                    left[:40], text[:40], common)
+        self._text_left = ""
+        return common
 
 
 def _without_first_logprobs(meta_info: dict[str, Any], count: int) -> dict[str, Any]:

@@ -132,7 +132,8 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
                                       "stored pages that failed header/checksum checks (misses)"),
     "pdcache_storage_rejected_pages": ("counter", "reason", {
         reason: f"storage_rejected_{reason}_pages"
-        for reason in ("header", "checksum", "mac", "truncated", "foreign", "wrong_key")},
+        for reason in ("header", "checksum", "mac", "truncated", "foreign", "needs_key",
+                       "wrong_key")},
         "stored pages found but not served, by reason (mac: unauthenticated or forged)"),
     "pdcache_storage_replaced_pages": ("counter", "", {"": "storage_replaced_rejected_pages"},
                                        "refused stored pages replaced by this node's write"),

@@ -203,7 +203,8 @@ def test_sglang_pages_with_a_secret_are_served_only_under_its_key(tiny, tmp_path
     """The plugin with `secret_file` MACs its pages like a pdcache node: a node on the same
     secret serves them from storage; a node on another secret rejects every one (counted) and
     computes the same tokens; a node without a secret (MAC off) cannot check them (sealed pages
-    carry no checksum by default, page_format.py) and refuses them as foreign, same tokens."""
+    carry no checksum by default, page_format.py) and refuses them as `needs_key` (not
+    `foreign`: it lacks the secret, the pages are its model's), same tokens."""
     from pdcache.utils.secret import create_secret, derive_key, load_secret
 
     secret = create_secret(tmp_path / "secret")
@@ -231,10 +232,11 @@ def test_sglang_pages_with_a_secret_are_served_only_under_its_key(tiny, tmp_path
         served = 40 if reader == "same_secret" else 0
         assert out.cached.storage == served
         stats = node_b.storage.stats()
-        reason = "foreign" if reader == "no_secret" else "mac"
+        reason = "needs_key" if reader == "no_secret" else "mac"
         assert stats[f"rejected_{reason}_pages"] == (0 if served else PROMPT_PAGES)  # all refused
-        assert stats["rejected_mac_pages"] + stats["rejected_foreign_pages"] == (
+        assert stats["rejected_mac_pages"] + stats["rejected_needs_key_pages"] == (
             0 if served else PROMPT_PAGES)
+        assert stats["rejected_foreign_pages"] == 0
     finally:
         node_b.close()
 

@@ -106,6 +106,8 @@ def test_decode_after_a_streamed_first_token_cumulative_and_one_token(stack: PDS
     _, d_on = pair(stack, 5, p_stream=True, first_streamed=True, incremental=False)
     _, d_off = pair(stack, 5, p_stream=False, first_streamed=False, incremental=False)
     on, off = sse_events(d_on.text), sse_events(d_off.text)
+    # admitted: D's response began before the K/V (an SSE comment); without the flag it did not
+    assert d_on.text.startswith(": admitted\n\n") and d_off.text.startswith("data: ")
     assert off[0]["output_ids"] == on[-1]["output_ids"][:1]  # without the flag: token 1 alone
     assert all(len(e["output_ids"]) > 1 for e in on)  # with it: that chunk is not sent again
     assert on[-1]["output_ids"] == off[-1]["output_ids"] and on[-1]["text"] == off[-1]["text"]

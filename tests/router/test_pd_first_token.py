@@ -3,7 +3,15 @@ docs/pd-protocol.md "First token from prefill"), through the router on a REAL 1P
 preset, zmq KV transfer): every streamed answer (/generate cumulative and incremental, with
 logprobs, a batch, chat completions, completions with n = 2, answers that end at the first
 token) is the same with the setting on and off, and with it on the client's first event
-arrives while decode's handler is still held before the K/V receipt (off: only after)."""
+arrives while decode's handler is still held before the K/V receipt (off: only after).
+
+The router always asks the nodes for incremental events and renders the client's cumulative
+chunks itself: the "cumulative" cases here test that rendering, not the decode node's
+cumulative branch of `FirstTokenSkip`, which tests/prefill_node/test_pd_stream.py
+(`test_decode_after_a_streamed_first_token_cumulative_and_one_token`) drives directly, and
+tests/server/test_generate_api.py at the unit level. Decode refusing
+after P streamed token 1, a client leaving before D's stream opened and nodes that do not
+advertise `first_token_stream` (a rolling upgrade) are tested at the end."""
 
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ pytest.importorskip("pdcache.decode_node.runtime", reason="the decode node is no
 
 from pdcache.engine.loader import load_model  # noqa: E402
 from tests.pd_harness import PDStack  # noqa: E402
-from tests.router.test_pd import pd_router, start_pd  # noqa: E402
+from tests.router.test_pd import pd_router, start_pd, wait_idle  # noqa: E402
 from tests.router_support import sse_events  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -404,3 +412,167 @@ def test_forced_tool_call_stream_is_the_same_on_and_off(stack: PDStack) -> None:
     assert on == off
     assert on["finish"] == "tool_calls" and on["calls"][0]["name"] == "get_time", on
     json.loads(on["calls"][0]["arguments"])
+
+
+class PrefillFirstSent:
+    """`sent` once the prefill node's SSE answer has sent its first event (the first token)
+    and waits for the room's release. Wraps the real `PrefillApp._wait_release`."""
+
+    def __init__(self, stack: PDStack, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sent = threading.Event()
+        pd = stack.prefill_server.pd
+        real = pd._wait_release
+
+        async def signalled(released: Any, room: int) -> Any:
+            self.sent.set()
+            return await real(released, room)
+
+        monkeypatch.setattr(pd, "_wait_release", signalled)
+
+
+def wait_no_rooms(stack: PDStack, timeout_s: float = 30.0) -> None:
+    """Both nodes' controllers hold no room (bounded poll)."""
+    controllers = (stack.prefill_server.pd.controller, stack.decode_server.pd.controller)
+    deadline = time.monotonic() + timeout_s
+    while any(c.rooms() for c in controllers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [len(c.rooms()) for c in controllers] == [0, 0]
+
+
+STREAM_BODY = {
+    "input_ids": PROMPT,
+    "stream": True,
+    "incremental_streaming_output": True,
+    "sampling_params": {"max_new_tokens": 5, **GREEDY},
+}
+
+
+def test_decode_refusing_after_prefill_streamed_token_1_is_an_http_error(
+    stack: PDStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`prefill_waits_for_decode = false`: P computes and streams token 1 while D's
+    admission still waits; D's queue then answers `queue_full`. The router held P's first
+    event until D's stream opened, so the client gets D's refusal as an HTTP 503 (retried
+    when another decode node exists; here there is none), not a 200 stream ending in an
+    error event. Nothing stays in flight, no room stays open on either node."""
+    from pdcache.engine.engine import Admission
+
+    monkeypatch.setattr(stack.prefill_server.pd.controller, "wait_for_decode", False)
+    first = PrefillFirstSent(stack, monkeypatch)
+    engine = stack.decode_server.engine
+
+    def full_queue(rid: str, num_tokens: int, on_done: Any, max_new_tokens: int = 0) -> None:
+        def answer() -> None:  # the engine's answer of a full queue, once P sent token 1
+            first.sent.wait(30)
+            on_done(Admission(rid, None, "queue_full"))
+
+        threading.Thread(target=answer, daemon=True).start()
+
+    monkeypatch.setattr(engine, "reserve_when_free", full_queue)
+    with pd_router(stack) as client:
+        r = client.post("/generate", json=STREAM_BODY)
+        assert first.sent.is_set()  # P had streamed token 1 before D refused
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "queue_full"
+        router = client.app.state.router  # type: ignore[attr-defined]
+        assert [n.in_flight for n in router.registry.nodes] == [0, 0]
+    wait_no_rooms(stack)
+
+
+def test_client_leaving_before_decode_opened_frees_everything(
+    stack: PDStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client disconnects after P sent token 1 to the router but before D's stream
+    opened (D held after its admission): the router closes both calls, its in-flight counts
+    return to 0 and neither node keeps the room."""
+    import socket
+
+    first = PrefillFirstSent(stack, monkeypatch)
+    pd = stack.decode_server.pd
+    real, hold, held = pd._admitted, threading.Event(), threading.Event()
+
+    async def held_after_admission(*args: Any) -> None:
+        await real(*args)
+        held.set()
+        await asyncio.to_thread(hold.wait, 60)
+
+    monkeypatch.setattr(pd, "_admitted", held_after_admission)
+    with pd_router(stack) as client:
+        router = client.app.state.router  # type: ignore[attr-defined]
+        payload = json.dumps(STREAM_BODY).encode()
+        url = httpx.URL(str(client.base_url))
+        with socket.create_connection((url.host, url.port), timeout=30) as sock:
+            sock.sendall(
+                b"POST /generate HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            assert first.sent.wait(30) and held.is_set()
+        deadline = time.monotonic() + 30
+        while any(n.in_flight for n in router.registry.nodes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        hold.set()
+        assert [n.in_flight for n in router.registry.nodes] == [0, 0]
+    wait_no_rooms(stack)
+    wait_idle(stack.decode_server.engine)
+
+
+def test_health_probe_records_first_token_stream_per_probe() -> None:
+    """The router's /health probe records whether a node advertises `first_token_stream`:
+    an older build's /health (no such key) reads False, a later probe of a node that stopped
+    advertising it (a rollback) turns it off again. The node's answers: httpx's mock
+    transport standing in for two builds' /health bodies."""
+    from pdcache.router.nodes import NodeEndpoint, NodeRegistry
+
+    bodies = [
+        {"status": "ok", "role": "decode", "first_token_stream": True},
+        {"status": "ok", "role": "decode"},
+    ]
+
+    def health(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=bodies[0])
+
+    async def probe() -> list[bool]:
+        seen = []
+        async with httpx.AsyncClient(transport=httpx.MockTransport(health)) as http:
+            registry = NodeRegistry([NodeEndpoint("d0", "decode", "http://d0")], http)
+            for _ in range(2):
+                await registry.check_all()
+                seen.append(registry.nodes[0].first_token_stream)
+                bodies.pop(0)
+        return seen
+
+    assert asyncio.run(probe()) == [True, False]
+
+
+@pytest.mark.parametrize("old", ["prefill", "decode"])
+def test_a_node_not_advertising_first_token_stream_gets_the_old_bodies(
+    stack: PDStack, old: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both real nodes advertise `first_token_stream` in /health (the router's startup probe
+    read it); with one of them taken for an older build (its flag off, as the probe records
+    an older /health) the router sends the old bodies: P answers JSON (its SSE answer is
+    never built), D streams token 1 itself, and the client's stream is the same."""
+    pd = stack.prefill_server.pd
+    real, sse_answers = pd._pd_stream, []
+
+    def counted(*args: Any) -> Any:
+        sse_answers.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(pd, "_pd_stream", counted)
+    events = {}
+    with pd_router(stack) as client:
+        router = client.app.state.router  # type: ignore[attr-defined]
+        assert [n.first_token_stream for n in router.registry.nodes] == [True, True]
+        assert [n["first_token_stream"] for n in client.get("/health").json()["nodes"]] == [
+            True,
+            True,
+        ]
+        fresh = lambda: {**STREAM_BODY, "cache_salt": uuid.uuid4().hex}  # noqa: E731
+        events["new"] = sse_events(client.post("/generate", json=fresh()).text)
+        assert len(sse_answers) == 1
+        next(n for n in router.registry.nodes if n.role == old).first_token_stream = False
+        events["old"] = sse_events(client.post("/generate", json=fresh()).text)
+        assert len(sse_answers) == 1  # P was not asked to stream
+    assert assembled(events["old"], True) == assembled(events["new"], True)

@@ -364,6 +364,24 @@ def test_first_token_skip_trims_incremental_chunks() -> None:
     assert one.trim(_chunk("a", [1], final=True)) == _chunk("", [], final=True)
 
 
+def test_first_token_skip_text_not_a_prefix_drops_only_the_common_part(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Prefill's token-1 text spanning decode's chunks is dropped across them; a first text
+    that is not a prefix of decode's (a tokenizer re-rendering it once token 2 came) drops
+    only the common prefix, keeps the rest of decode's text and logs it."""
+    from pdcache.server.generate_api import FirstTokenSkip
+
+    spans = FirstTokenSkip(incremental=True, first_text="abc")
+    assert spans.trim(_chunk("ab", [1])) is None
+    assert spans.trim(_chunk("cd", [2])) == _chunk("d", [2])
+    skip = FirstTokenSkip(incremental=True, first_text=" ab")
+    with caplog.at_level("WARNING", logger="pdcache.server.generate_api"):
+        out = skip.trim(_chunk(" aX yz", [1, 2]))
+    assert out == _chunk("X yz", [2])  # not " yz": nothing of decode's own text is lost
+    assert "does not start with" in caplog.text
+    assert skip.trim(_chunk(" ab", [3])) == _chunk(" ab", [3])  # later chunks untouched
+
+
 def test_first_token_skip_drops_the_cumulative_chunk_of_token_1_alone() -> None:
     from pdcache.server.generate_api import FirstTokenSkip
 

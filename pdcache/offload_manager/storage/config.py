@@ -109,9 +109,12 @@ class StorageConfig:
     num_layers: int = 0
     page_size: int = 0  # tokens per page, recorded in each header
     dtype: str = "uint8"
-    checksum: str = "auto"  # payload checksum of new pages: auto | xxh3 | crc32
+    # payload checksum of new pages: auto | xxh3 | crc32 | none; "auto": "none" with a page MAC
+    # key (the MAC covers the payload), else xxh3 (crc32 without xxhash); "none" needs a key.
+    # "xxh3" with a key keeps pages readable by keyless and older readers (docs/security.md)
+    checksum: str = "auto"
     # Authenticated pages (docs/security.md): derive_key(cluster secret, "page-mac"). With a
-    # key, pages are written with a keyed BLAKE3 MAC and only pages whose MAC verifies are
+    # key, pages are written with a GMAC (page_format.py) and only pages whose MAC verifies are
     # served; None (no cluster secret): checksums only. Never from a file: set by the process
     # that loaded the secret.
     page_mac_key: bytes | None = field(default=None, repr=False, compare=False)

@@ -35,8 +35,10 @@ table of `pdcache bench storage`). The checksum field then holds the writer's ke
 and the header CRC, so a failed MAC is still labelled: the key check matches (the page was
 sealed under this key and altered since) -> `BAD_CHECKSUM`, corruption; it does not (another
 secret, a forger without the key, no MAC) -> `BAD_MAC`. What is given up: a reader without the
-key cannot check such a page (`FOREIGN`, a counted miss); `checksum = "xxh3"` with a key keeps
-the checksum in sealed pages for such readers (mixed deployments). As before, a forger who
+key cannot check such a page (`NEEDS_KEY`, a counted miss, logged once per store), nor can a
+keyed reader of a release before algorithm "none" (it refuses the unknown algorithm, a miss,
+and overwrites the page); `checksum = "xxh3"` with a key keeps the checksum in sealed pages for
+such readers (mixed deployments, rolling upgrades: docs/security.md). As before, a forger who
 controls the bytes also controls the label (copying a genuine key check makes a forgery read
 as corruption, as a wrong checksum did): either way it is a miss, never served.
 
@@ -146,6 +148,9 @@ class Verdict(enum.Enum):
     BAD_CHECKSUM = "bad_checksum"  # the payload does not match the header's checksum
     BAD_MAC = "bad_mac"  # no MAC, or one that does not verify under this store's key
     FOREIGN = "foreign"  # another fingerprint, shape or dtype
+    # a sealed page without a payload checksum (algorithm "none"), read by a reader without
+    # the page MAC key: nothing it can check the page with (this node lacks the secret)
+    NEEDS_KEY = "needs_key"
     WRONG_KEY = "wrong_key"  # a valid page of another key (a reused slot)
 
 
@@ -403,7 +408,7 @@ def parse_header(spec: PageSpec, header: memoryview | bytes) -> tuple[Verdict, H
         if version != MAC_FORMAT_VERSION:
             return Verdict.CORRUPT, None  # only a sealed page may go without a checksum
         if spec.sealer is None:
-            return Verdict.FOREIGN, None  # nothing this keyless reader can check it with
+            return Verdict.NEEDS_KEY, None  # nothing this keyless reader can check it with
     elif algorithm is None or _CHECKSUM_FNS[algorithm] is None:
         return Verdict.FOREIGN, None  # a page this process cannot verify
     shape = (layers, page_size, dtype, length)

@@ -11,6 +11,8 @@ from types import MappingProxyType
 
 from pdcache.offload_manager.storage.page_format import Verdict
 
+log = logging.getLogger(__name__)
+
 COUNTERS = (
     "pages_read",
     "pages_written",
@@ -34,13 +36,15 @@ COUNTERS = (
 )
 # Why a found page was not served -> its reason label (`pdcache_storage_rejected_pages_total`):
 # header (bad magic/version/header CRC), checksum (payload), mac (unauthenticated or forged,
-# docs/security.md), and the page-identity checks.
+# docs/security.md), needs_key (a sealed page without a checksum, read by a node without the
+# secret), and the page-identity checks.
 REJECT_REASONS: Mapping[Verdict, str] = MappingProxyType({
     Verdict.CORRUPT: "header",
     Verdict.BAD_CHECKSUM: "checksum",
     Verdict.BAD_MAC: "mac",
     Verdict.TRUNCATED: "truncated",
     Verdict.FOREIGN: "foreign",
+    Verdict.NEEDS_KEY: "needs_key",
     Verdict.WRONG_KEY: "wrong_key",
     Verdict.EMPTY: "empty",
 })
@@ -54,6 +58,7 @@ class StorageCounters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+        self._needs_key_logged = False  # the first NEEDS_KEY page of this store is logged
 
     def add(self, name: str, amount: int = 1) -> None:
         with self._lock:
@@ -72,6 +77,14 @@ class StorageCounters:
             self._values[f"rejected_{REJECT_REASONS[verdict]}_pages"] += 1
             if verdict in _LEGACY_FINER:  # the older finer counters, kept beside the reasons
                 self._values[f"{verdict.value}_pages"] += 1
+            first_needs_key = verdict is Verdict.NEEDS_KEY and not self._needs_key_logged
+            if first_needs_key:
+                self._needs_key_logged = True
+        if first_needs_key:  # once per store: a misconfigured node, not a stream of faults
+            log.warning("storage holds sealed pages without a checksum (algorithm 'none') and "
+                        "this node has no page MAC key: every such page is a miss (counted as "
+                        "rejected_needs_key_pages); give this node the cluster secret, or have "
+                        "the writers use [storage] checksum = \"xxh3\" (docs/security.md)")
 
     def snapshot(self) -> dict[str, int | float]:
         with self._lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -315,7 +316,7 @@ def test_sealed_pages_skip_the_checksum_and_store_the_writers_key_check() -> Non
     assert check == SEALED.sealer.key_check() and check != 0
     assert _verify(blob, SEALED) == (Verdict.OK, "decode")
     assert _verify(blob, dataclasses.replace(SEALED)) == (Verdict.OK, "decode")  # another writer
-    assert _verify(blob, SPEC) == (Verdict.FOREIGN, None)  # no key: nothing to check it with
+    assert _verify(blob, SPEC) == (Verdict.NEEDS_KEY, None)  # no key: nothing to check it with
     keeps = PageSpec(fingerprint="fp-a", payload_bytes=1024, num_layers=4, page_size=16,
                      dtype="bfloat16", checksum="xxh3", mac_key=MAC_KEY)
     assert _verify(encode_object(keeps, KEY, "decode", _payload()), SPEC) == (Verdict.OK, "decode")
@@ -370,3 +371,53 @@ def test_the_writers_own_key_check_survives_a_flood_of_other_writers(
     monkeypatch.undo()
     assert int.from_bytes(blob[CHECK_AT : CHECK_AT + 8], "little") == own
     assert _verify(blob, writer) == (Verdict.OK, "prefill")
+
+
+# A sealed page with its xxh3 checksum, as the encoder of the release before algorithm "none"
+# (commit b97f7aa) stored it: bytes written once by that encoder and checked in, not what
+# today's encoder makes. Its MAC key, page key, spec and payload are these.
+OLD_PAGE = Path(__file__).parent / "data" / "b97f7aa_sealed_xxh3.page"
+OLD_MAC_KEY, OLD_KEY = bytes(range(32)), bytes(range(100, 132))
+OLD_PAYLOAD = bytes((7 * i + 3) % 256 for i in range(256))
+
+
+def _old_spec(mac_key: bytes | None) -> PageSpec:
+    return PageSpec(fingerprint="b97f7aa-fixture", payload_bytes=256, num_layers=2, page_size=4,
+                    dtype="bfloat16", mac_key=mac_key)
+
+
+def test_pages_of_the_release_before_still_read() -> None:
+    """The stored b97f7aa page (version 3, GMAC, xxh3 kept) reads OK with the key (MAC) and
+    without it (checksum); a flipped payload byte is BAD_CHECKSUM either way (with the key:
+    the MAC fails, the kept checksum labels it corruption)."""
+    blob = OLD_PAGE.read_bytes()
+    assert len(blob) == HEADER_BYTES + 256 and blob[4] == 3 and blob[ALGO_AT] == 1
+    assert blob[HEADER_BYTES:] == OLD_PAYLOAD
+    keyed, keyless = _old_spec(OLD_MAC_KEY), _old_spec(None)
+    for spec in (keyed, keyless):
+        assert _verify(blob, spec, OLD_KEY) == (Verdict.OK, "prefill")
+        flipped = bytearray(blob)
+        flipped[HEADER_BYTES + 100] ^= 0x01
+        assert _verify(bytes(flipped), spec, OLD_KEY) == (Verdict.BAD_CHECKSUM, None)
+    other_secret = _old_spec(bytes(32))
+    assert _verify(blob, other_secret, OLD_KEY) == (Verdict.BAD_MAC, None)
+
+
+def test_a_keyless_reader_counts_a_sealed_page_without_checksum_as_needs_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not `foreign` (another model's page): `needs_key`, its own reason, logged once per
+    store however many such pages it reads."""
+    from pdcache.offload_manager.storage.stats import StorageCounters
+
+    blob = encode_object(SEALED, KEY, "decode", _payload())
+    verdict = _verify(blob, SPEC)[0]
+    assert verdict is Verdict.NEEDS_KEY
+    counters = StorageCounters()
+    with caplog.at_level("WARNING", logger="pdcache.offload_manager.storage.stats"):
+        for _ in range(3):
+            counters.record_failed_read(verdict)
+    stats = counters.snapshot()
+    assert (stats["rejected_needs_key_pages"], stats["rejected_foreign_pages"]) == (3, 0)
+    assert stats["foreign_pages"] == 0 and stats["corrupt_pages"] == 3
+    assert sum("no page MAC key" in r.getMessage() for r in caplog.records) == 1
