@@ -77,19 +77,23 @@ def test_mooncake_rate_estimate_sleeps_only_once_measured_and_never_past_the_bat
 
     rate = _RateEstimate()
     big = 8 << 20
-    assert rate.sleep_s(big, 0.0) == 0.0  # nothing measured: spin at once
-    rate.observe(4096, 1.0)  # a small batch measures the round trip, not the rate
-    assert rate.sleep_s(big, 0.0) == 0.0
-    rate.observe(big, 0.1)  # 80 MiB/s
-    assert rate.sleep_s(big, 0.0) == pytest.approx(0.8 * 0.1)
-    assert rate.sleep_s(big, 0.05) == pytest.approx(0.03)  # time since submit counts
-    assert rate.sleep_s(big, 1.0) == 0.0
-    assert rate.sleep_s(4096, 0.0) == 0.0  # small batches are always spun for
-    rate.observe(big, 0.4)  # slower: believed at once
-    assert rate.sleep_s(big, 0.0) == pytest.approx(0.8 * 0.4)
-    rate.observe(big, 0.1)  # faster: only a fifth of the way
-    expected_rate = big / 0.4 + 0.2 * (big / 0.1 - big / 0.4)
-    assert rate.sleep_s(big, 0.0) == pytest.approx(0.8 * big / expected_rate)
+    assert rate.sleep_s(big, 0.0, 0.0) == 0.0  # nothing measured: spin at once
+    rate.observe(4096, 0.0, 1.0)  # a small batch measures the round trip, not the rate
+    assert rate.sleep_s(big, 1.0, 1.0) == 0.0
+    rate.observe(big, 10.0, 10.1)  # 80 MiB/s
+    assert rate.sleep_s(big, 20.0, 20.0) == pytest.approx(0.8 * 0.1)
+    assert rate.sleep_s(big, 20.0, 20.05) == pytest.approx(0.03)  # time on the link counts
+    assert rate.sleep_s(big, 20.0, 21.0) == 0.0
+    assert rate.sleep_s(4096, 20.0, 20.0) == 0.0  # small batches are always spun for
+    # a batch queued behind another is timed from when the link was free for it
+    rate.observe(big, 30.0, 30.1)
+    rate.observe(big, 30.0, 30.2)  # submitted with the first, done 0.1 s after it: 80 MiB/s
+    assert rate.sleep_s(big, 40.0, 40.0) == pytest.approx(0.8 * 0.1)
+    rate.observe(big, 50.0, 50.4)  # slower (a stall): only a fifth of the way
+    expected_rate = big / 0.1 + 0.2 * (big / 0.4 - big / 0.1)
+    assert rate.sleep_s(big, 60.0, 60.0) == pytest.approx(0.8 * big / expected_rate)
+    rate.observe(big, 70.0, 70.05)  # faster: believed at once
+    assert rate.sleep_s(big, 80.0, 80.0) == pytest.approx(0.8 * 0.05)
 
 
 @pytest.mark.parametrize("engine_pair", engine_params(("mooncake",)), indirect=True)
@@ -110,4 +114,4 @@ def test_mooncake_waits_that_sleep_first_still_return_complete_pages(engine_pair
         assert batch.nbytes >= 256 << 10
         initiator.wait(initiator.submit(peer, batch), 10.0)
         assert torch.equal(dst[:, :, ids], src[:, :, ids])
-    assert initiator._rate.sleep_s(batch.nbytes, 0.0) > 0.0  # it did learn a rate
+    assert initiator._rate_of(peer).sleep_s(batch.nbytes, 0.0, 0.0) > 0.0  # it learned a rate

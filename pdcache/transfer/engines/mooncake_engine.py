@@ -12,8 +12,9 @@ That call also busy-spins a core until the batch ends, which on a small machine 
 from the engine thread that should be computing the next prompt (measured on 2 cores: the
 prefill node's TTFT under load 0.20 s against 0.10 s with the zmq engine). So `wait()` first
 sleeps through most of the batch's expected duration — its bytes at the rate measured over
-this engine's recent batches (`_RateEstimate`), minus the time since submit — and spins only
-for the rest; until a rate is measured it spins at once.
+that peer's recent batches (`_RateEstimate`), minus the time the link has been busy with it —
+and spins only for the rest; a wait slice that ends before the batch is expected sleeps the
+slice and raises EngineTimeout without spinning; until a rate is measured it spins at once.
 
 Settings Mooncake reads only from the environment: its Python API (`initialize(hostname,
 metadata_server, protocol, device_names)`) takes protocol and devices, but the TCP bind
@@ -57,10 +58,13 @@ class _Ticket:
 
 
 class _RateEstimate:
-    """Bytes per second of this engine's recent batches (submit -> completed), for how long
-    `wait()` may sleep before it spins. Only batches of at least `MIN_BYTES` teach it (small
-    ones measure the round trip, not the rate); a batch slower than expected pulls the
-    estimate down at once (a later wait sleeps less), a faster one raises it slowly. Guarded by
+    """Bytes per second of one peer's recent batches, for how long `wait()` may sleep before
+    it spins. A batch is timed from when the link was free for it (its submit, or the previous
+    batch to that peer completing, whichever is later) to its completion, so a batch queued
+    behind another is not taken for a slow link. Only batches of at least `MIN_BYTES` teach it
+    (small ones measure the round trip, not the rate). A faster batch is believed at once and
+    a slower one only a fifth of the way: an over-estimated rate makes a wait sleep too little
+    and spin the rest (no latency), an under-estimated one would make it oversleep. Guarded by
     its own lock (waiters on several threads)."""
 
     MIN_BYTES = 256 << 10
@@ -69,21 +73,26 @@ class _RateEstimate:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._bytes_per_s = 0.0  # 0: not measured yet
+        self._link_free_at = 0.0  # when the last batch to this peer completed
 
-    def sleep_s(self, nbytes: int, elapsed_s: float) -> float:
+    def sleep_s(self, nbytes: int, submitted: float, now: float) -> float:
+        """How long a wait for a batch of `nbytes` submitted at `submitted` may sleep now."""
         with self._lock:
-            rate = self._bytes_per_s
+            rate, free_at = self._bytes_per_s, self._link_free_at
         if rate <= 0.0 or nbytes < self.MIN_BYTES:
             return 0.0
-        return max(self.SLEEP_SHARE * nbytes / rate - elapsed_s, 0.0)
+        began = max(submitted, free_at)
+        return max(self.SLEEP_SHARE * nbytes / rate - max(now - began, 0.0), 0.0)
 
-    def observe(self, nbytes: int, duration_s: float) -> None:
-        if nbytes < self.MIN_BYTES or duration_s <= 0.0:
-            return
-        measured = nbytes / duration_s
+    def observe(self, nbytes: int, submitted: float, completed: float) -> None:
         with self._lock:
-            current = self._bytes_per_s
-            if current <= 0.0 or measured < current:
+            began = max(submitted, self._link_free_at)
+            self._link_free_at = max(self._link_free_at, completed)
+            duration = completed - began
+            if nbytes < self.MIN_BYTES or duration <= 0.0:
+                return
+            measured, current = nbytes / duration, self._bytes_per_s
+            if current <= 0.0 or measured > current:
                 self._bytes_per_s = measured
             else:
                 self._bytes_per_s = current + 0.2 * (measured - current)
@@ -128,8 +137,12 @@ class MooncakeEngine(KVTransferEngine):
         # get_batch_transfer_status busy-spins a core until the batch ends; one spinning waiter
         # at a time keeps Mooncake's own transfer threads fed on small machines.
         self._wait_lock = threading.Lock()
-        self._rate = _RateEstimate()
+        self._rates: dict[str, _RateEstimate] = {}  # per peer session, under self._lock
         self._closed = False
+
+    def _rate_of(self, session: str) -> _RateEstimate:
+        with self._lock:
+            return self._rates.setdefault(session, _RateEstimate())
 
     def session(self) -> bytes:
         return self._session.encode()
@@ -150,6 +163,10 @@ class MooncakeEngine(KVTransferEngine):
     def add_peer(self, session: bytes) -> str:
         return session.decode()  # Mooncake connects on first write (P2P handshake)
 
+    def remove_peer(self, peer: str) -> None:
+        with self._lock:
+            self._rates.pop(peer, None)
+
     def submit(self, peer: str, batch: WriteBatch) -> _Ticket:
         batch_ids: list[int] = []
         limit = self.config.max_batch_entries
@@ -168,12 +185,14 @@ class MooncakeEngine(KVTransferEngine):
     def wait(self, ticket: _Ticket, timeout_s: float) -> None:
         if ticket.done:
             raise EngineError("mooncake: ticket already completed")
-        started = time.monotonic()
-        nap = self._rate.sleep_s(ticket.nbytes, started - ticket.submitted)
+        rate = self._rate_of(ticket.session)
+        nap = rate.sleep_s(ticket.nbytes, ticket.submitted, time.monotonic())
+        if nap >= timeout_s:  # still far from done: no spin this slice, the ticket stays valid
+            time.sleep(max(timeout_s, 0.0))
+            raise EngineTimeout(f"mooncake → {ticket.session}: batch expected in {nap:.3f}s")
         if nap > 0.0:
-            time.sleep(min(nap, max(timeout_s, 0.0)))
-        left = max(timeout_s - (time.monotonic() - started), 0.0)
-        if not self._wait_lock.acquire(timeout=left):
+            time.sleep(nap)
+        if not self._wait_lock.acquire(timeout=max(timeout_s - nap, 0.0)):
             raise EngineTimeout(f"mooncake → {ticket.session}: another wait is in progress")
         try:
             ticket.done = True  # the status call frees Mooncake's batch descriptors either way
@@ -181,7 +200,7 @@ class MooncakeEngine(KVTransferEngine):
         finally:
             self._wait_lock.release()
         if rc == 0:
-            self._rate.observe(ticket.nbytes, time.monotonic() - ticket.submitted)
+            rate.observe(ticket.nbytes, ticket.submitted, time.monotonic())
         if rc != 0:
             raise EngineError(
                 f"mooncake → {ticket.session}: batch write of {ticket.nbytes} bytes failed "
