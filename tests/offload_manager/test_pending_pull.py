@@ -99,6 +99,24 @@ def outcome(st: Stack) -> tuple[int, int, int, int]:
             s.pending_raced_pages)
 
 
+def prefetch_pulled_or_waited(st: Stack, storage, pending, keys: list[bytes],
+                              objects: dict[bytes, bytes], decode: Decode, pulled: bool) -> None:
+    """Prefetch the 2 awaited pages: pulled from `decode` when `pulled`, else waited for (the
+    write lands, then is read back); either way byte-exact, counted (found, waited, pulled,
+    raced) as the path taken. Closes `st`."""
+    assert st.cache.start_prefetch("r", TOKENS + [1], "", 0, PAGES) == PAGES
+    assert bool(decode.requests) == pulled
+    if not pulled:
+        for key, blob in objects.items():
+            assert storage.write_object(key, blob)
+        pending.settled(keys[1:], [True, True])
+    assert ready_within(st, 5)
+    pages, kv = load_prefetch(st)
+    assert pages == PAGES and torch.equal(kv, st.expected(TOKENS))
+    assert outcome(st) == ((2, 0, 2, 0) if pulled else (2, 2, 0, 0))
+    st.close()
+
+
 def test_always_pulls_the_awaited_pages_byte_exact(tmp_path) -> None:
     st, _, _, pending, pulls, keys, objects = pending_stack(tmp_path, "always")
     decode = Decode(pulls, objects)
@@ -159,17 +177,7 @@ def test_no_pull_without_the_secret_s_protections(tmp_path, mac: bool, authentic
     decode = Decode(pulls, objects, authenticated=authenticated)
     pulls.attach(decode)
     pending.pending(keys[1:], ttl_s=30.0, source=SOURCE, pullable=True)
-    assert st.cache.start_prefetch("r", TOKENS + [1], "", 0, PAGES) == PAGES
-    assert bool(decode.requests) == pulled
-    if not pulled:
-        for key, blob in objects.items():
-            assert storage.write_object(key, blob)
-        pending.settled(keys[1:], [True, True])
-    assert ready_within(st, 5)
-    pages, kv = load_prefetch(st)
-    assert pages == PAGES and torch.equal(kv, st.expected(TOKENS))
-    assert outcome(st) == ((2, 0, 2, 0) if pulled else (2, 2, 0, 0))
-    st.close()
+    prefetch_pulled_or_waited(st, storage, pending, keys, objects, decode, pulled)
 
 
 def test_an_unanswered_pull_times_out_and_lowers_the_rate(tmp_path) -> None:
@@ -276,17 +284,7 @@ def test_the_per_request_rule(tmp_path, mode: str, eta_s: float, pulled: bool) -
     pending.pending(keys[1:], ttl_s=30.0, source=SOURCE, eta_s=0.5 if eta_s < 0 else eta_s,
                     pullable=True)
     skew[0] = 0.0
-    assert st.cache.start_prefetch("r", TOKENS + [1], "", 0, PAGES) == PAGES
-    assert bool(decode.requests) == pulled
-    if not pulled:
-        for key, blob in objects.items():
-            assert storage.write_object(key, blob)
-        pending.settled(keys[1:], [True, True])
-    assert ready_within(st, 5)
-    pages, kv = load_prefetch(st)
-    assert pages == PAGES and torch.equal(kv, st.expected(TOKENS))
-    assert outcome(st) == ((2, 0, 2, 0) if pulled else (2, 2, 0, 0))
-    st.close()
+    prefetch_pulled_or_waited(st, storage, pending, keys, objects, decode, pulled)
 
 
 def test_a_decode_that_does_not_offer_the_pull_is_waited_for(tmp_path) -> None:
