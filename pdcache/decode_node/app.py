@@ -271,6 +271,10 @@ class DecodeApp:
             raise ApiError(504, f"room {room}: {reason}", type=SERVER_ERROR,
                            code="transfer_timeout")
         outcome = released.result()
+        if not outcome.ok and outcome.code == "aborted" and self.receiver.closing:
+            # receiver.close() aborted the room: the node shuts down, another may serve it
+            raise ApiError(503, f"decode node unavailable: room {room}: {outcome.reason}",
+                           type=OVERLOADED, code="unavailable")
         if not outcome.ok:
             code = "transfer_timeout" if outcome.code == "timeout" else "transfer_failed"
             status = 504 if code == "transfer_timeout" else 502
