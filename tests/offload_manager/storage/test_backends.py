@@ -443,7 +443,7 @@ def test_a_keyless_node_never_replaces_a_sealed_page(
     keys, pages = _keys(2), _pages(2)
     assert keyed.put_from(keys, list(pages)) == [True, True]
     keyless = make_backend(page_mac_key=None)
-    if read == "read_layers" and not keyless.streams_layers:
+    if read == "read_layers" and not getattr(keyless, "streams_layers", False):
         pytest.skip("no layer-major reads on this backend")
     dest = list(torch.zeros_like(pages))
     if read == "get_into":
