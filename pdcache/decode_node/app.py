@@ -139,24 +139,30 @@ class DecodeApp:
         inner: list[Response] = []
 
         async def events() -> AsyncIterator[bytes]:
-            yield ADMITTED
+            # the room is left here, not in the background task: under ASGI spec >= 2.4 a
+            # failed send (the caller gone, even at ADMITTED) skips the background, while
+            # this generator's close still runs the finally (leave is idempotent: a no-op
+            # once the K/V arrived and decoding took the room)
             try:
-                inner.append(await decode(await self._arrived(released, room, request)))
-            except Exception as exc:  # as `sse_guard` renders a failure: an event, then [DONE]
-                if not isinstance(exc, ApiError):
-                    log.exception("decode stream of room %d failed", room)
-                    exc = ApiError(500, f"internal error: {exc}", type=SERVER_ERROR)
-                yield sse(exc.body())
-                yield SSE_DONE
-                return
-            stream = inner[0]
-            assert isinstance(stream, StreamingResponse)
-            async with aclosing(stream.body_iterator) as chunks:  # type: ignore[type-var]
-                async for chunk in chunks:
-                    yield chunk
+                yield ADMITTED
+                try:
+                    inner.append(await decode(await self._arrived(released, room, request)))
+                except Exception as exc:  # as `sse_guard` renders a failure: event, [DONE]
+                    if not isinstance(exc, ApiError):
+                        log.exception("decode stream of room %d failed", room)
+                        exc = ApiError(500, f"internal error: {exc}", type=SERVER_ERROR)
+                    yield sse(exc.body())
+                    yield SSE_DONE
+                    return
+                stream = inner[0]
+                assert isinstance(stream, StreamingResponse)
+                async with aclosing(stream.body_iterator) as chunks:  # type: ignore[type-var]
+                    async for chunk in chunks:
+                        yield chunk
+            finally:
+                self.controller.leave(room, "decode stream closed before the KV arrived")
 
         async def cleanup() -> None:
-            self.controller.leave(room, "decode stream closed before the KV arrived")  # or no-op
             if inner and inner[0].background is not None:
                 await inner[0].background()  # the decoding request's own cleanup
 
@@ -265,6 +271,10 @@ class DecodeApp:
             raise ApiError(504, f"room {room}: {reason}", type=SERVER_ERROR,
                            code="transfer_timeout")
         outcome = released.result()
+        if not outcome.ok and outcome.code == "aborted" and self.receiver.closing:
+            # receiver.close() aborted the room: the node shuts down, another may serve it
+            raise ApiError(503, f"decode node unavailable: room {room}: {outcome.reason}",
+                           type=OVERLOADED, code="unavailable")
         if not outcome.ok:
             code = "transfer_timeout" if outcome.code == "timeout" else "transfer_failed"
             status = 504 if code == "transfer_timeout" else 502

@@ -116,16 +116,17 @@ class Proxy:
         return (self.first_token_from_prefill and prefill is not None and decode is not None
                 and prefill.first_token_stream and decode.first_token_stream)
 
-    def _pd_bodies(self, route: Route, body: dict[str, Any], stream: bool
+    def _pd_bodies(self, route: Route, body: dict[str, Any], stream: bool, first_from_p: bool
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """P's and D's bodies; `first_from_p` (streaming only, decided once by the caller from
+        `first_token_from_prefill_on`): P streams the first token, D's stream starts after it."""
         prefill, decode = route.prefill, route.decode
         assert prefill is not None and decode is not None
         if not prefill.bootstrap:
             raise ApiError(503, f"prefill node {prefill.name} has no known bootstrap address",
                            type=OVERLOADED, code="no_bootstrap")
         room = secrets.randbits(63)
-        # streaming with the first token from prefill: P streams it, D's stream starts after it
-        first_from_p = stream and self.first_token_from_prefill_on(route)
+        first_from_p = stream and first_from_p
         p_pd = PDParams(room=room, role="prefill", decode_node=decode.name)
         d_pd = PDParams(room=room, role="decode", bootstrap=prefill.bootstrap,
                         prefill_node=prefill.name, first_token_streamed=first_from_p)
@@ -136,7 +137,7 @@ class Proxy:
 
     async def _pd_generate(self, route: Route, body: dict[str, Any], deadline: Deadline
                            ) -> dict[str, Any]:
-        p_body, d_body = self._pd_bodies(route, body, stream=False)
+        p_body, d_body = self._pd_bodies(route, body, stream=False, first_from_p=False)
         assert route.prefill is not None and route.decode is not None
         p_task = self._prefill_task(route, p_body, deadline)
         d_task = asyncio.create_task(self._client.post_json(route.decode, d_body, deadline))
@@ -154,10 +155,13 @@ class Proxy:
 
     async def _pd_stream(self, route: Route, body: dict[str, Any], deadline: Deadline
                          ) -> RouteStream:
-        p_body, d_body = self._pd_bodies(route, body, stream=True)
+        # decided once: the bodies and the stream's shape must agree even if a health probe
+        # changes a node's `first_token_stream` in between
+        first_from_p = self.first_token_from_prefill_on(route)
+        p_body, d_body = self._pd_bodies(route, body, stream=True, first_from_p=first_from_p)
         prefill, decode = route.prefill, route.decode
         assert prefill is not None and decode is not None
-        if self.first_token_from_prefill_on(route):
+        if first_from_p:
             return self._pd_stream_first_from_prefill(route, p_body, d_body, deadline)
         p_task = self._prefill_task(route, p_body, deadline)
         decode.in_flight += 1
@@ -213,9 +217,10 @@ class RouteStream:
 
     With the first token from prefill (`prefill_first`, `decode_opening`): the first event is
     P's first event, given out only once D's stream opened (D answers its headers when it
-    admitted the request), then D's events follow. P failing before its first event raises
-    P's error; D's opening failing raises the root cause (`_root_cause`), as before: either
-    way an HTTP error the routing core may retry. D failing after it opened is a mid-stream
+    admitted the request), then D's events follow. P failing before its first event is handed
+    out (even after P sent it, while D still opens) raises P's error; D's opening failing
+    raises the root cause (`_root_cause`), as before: either way an HTTP error the routing
+    core may retry. D failing after it opened is a mid-stream
     error (docs/pd-protocol.md, "First token from prefill")."""
 
     def __init__(self, client: NodeClient, events: EventStream | None,
@@ -272,12 +277,20 @@ class RouteStream:
         the routing core retries; a failure of P or of D's opening before that is raised."""
         first, prefill, opening = self._prefill_first, self._prefill, self._opening
         assert first is not None and prefill is not None and opening is not None
+        # P stays watched until its first event is handed out: P failing after that event
+        # but while D is still opening is still an HTTP error, not token 1 and then a
+        # mid-stream error the client cannot retry
         waiting: set[asyncio.Future[Any]] = {first, prefill, opening}
         while not (first.done() and opening.done()):
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            p_error = _failure(prefill)
-            if p_error is not None and not first.done():
-                raise p_error
+            if prefill.done():
+                waiting.discard(prefill)
+                p_error = _failure(prefill)
+                if p_error is not None:
+                    raise p_error
+                if not first.done():  # cannot be: P's result comes after its first event
+                    raise ApiError(502, "prefill node answered without its first event",
+                                   type=SERVER_ERROR, code=BAD_GATEWAY)
             if opening.done():
                 waiting.discard(opening)
                 d_error = _failure(opening)
@@ -285,10 +298,6 @@ class RouteStream:
                     raise d_error
             if first.done():
                 waiting.discard(first)
-                waiting.discard(prefill)  # P's outcome after its first event: D's business
-            elif prefill.done():  # cannot be: P's result comes after its first event
-                raise ApiError(502, "prefill node answered without its first event",
-                               type=SERVER_ERROR, code=BAD_GATEWAY)
         self._events = opening.result()
         return first.result()
 

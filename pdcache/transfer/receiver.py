@@ -250,6 +250,12 @@ class KVReceiver:
         else:
             self.pull_offered = True
 
+    @property
+    def closing(self) -> bool:
+        """`close()` began: a room it aborted (code `aborted`) failed because this node is
+        shutting down (the decode app answers 503 `unavailable` for it)."""
+        return self._closing.is_set()
+
     def close(self) -> None:
         """Abort every active room (prefill is told), stop the thread, release the engine."""
         self._closing.set()  # from here `_on_pull_pages` answers "not available"

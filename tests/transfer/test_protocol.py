@@ -312,6 +312,21 @@ def test_prefill_shutdown_fails_decode_rooms_with_a_clear_error(pair: Pair) -> N
 
 
 @pytest.mark.parametrize("pair", ZMQ, indirect=True)
+def test_decode_shutdown_aborts_its_rooms_and_says_it_is_closing(pair: Pair) -> None:
+    """What the decode app maps to 503 `unavailable` (docs/pd-protocol.md error table): a
+    room `close()` ended is failed with code `aborted` while `closing` is set; before the
+    close a node is not closing."""
+    pair.receiver.request(550, pair.addr, [1, 2], num_tokens=5)
+    wait_until(lambda: pair.sender.rooms.get(550) is not None, 3.0, "prefill to see the room")
+    assert not pair.receiver.closing
+    pair.receiver.close()
+    assert pair.receiver.closing
+    outcome = pair.receiver.rooms.outcome(550)
+    assert outcome is not None and outcome.state is RoomState.FAILED
+    assert (outcome.code, outcome.reason) == ("aborted", "decode node shutting down")
+
+
+@pytest.mark.parametrize("pair", ZMQ, indirect=True)
 def test_unreachable_prefill_fails_rooms_after_missed_heartbeats(pair: Pair) -> None:
     nobody = zmq.Context.instance().socket(zmq.ROUTER)
     port = nobody.bind_to_random_port("tcp://127.0.0.1")

@@ -248,7 +248,7 @@ class FileBackend(StorageBackend):
         verdict, origin = verify_page(self.spec, key, header, payload, nbytes)
         if verdict is not Verdict.OK:
             self.counters.record_failed_read(verdict)
-            self._rejected.add(key)
+            self._rejected.refuse(key, verdict)
             return None
         self._touch_read(key)
         self.counters.add_many(pages_read=1, bytes_read=self.spec.payload_bytes)

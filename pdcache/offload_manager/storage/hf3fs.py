@@ -564,7 +564,7 @@ class Hf3fsBackend(StorageBackend):
         verdict, origin = verify_page(self.spec, key, req.header, req.payload, nbytes)
         if verdict is not Verdict.OK:
             self.counters.record_failed_read(verdict)
-            self._rejected.add(key)
+            self._rejected.refuse(key, verdict)
             return None
         self.counters.add_many(pages_read=1, bytes_read=req.payload_bytes)
         return origin

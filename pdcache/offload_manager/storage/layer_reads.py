@@ -242,7 +242,7 @@ def count_verdicts(counters: StorageCounters, rejected: RejectedKeys, payload_by
                    origins: list[str | None] | None) -> list[bool]:
     """A backend's bookkeeping of a layer-major read, as its `get_into` does per page: reads
     counted, failed reads recorded by verdict and their keys marked rejected (the next put
-    replaces them). Returns per page whether it was read and verified."""
+    replaces them; not a `NEEDS_KEY` page, valid for keyed readers). Returns per page whether it was read and verified."""
     for key, verdict in zip(keys, verdicts):
         if verdict is None:
             continue
@@ -253,7 +253,7 @@ def count_verdicts(counters: StorageCounters, rejected: RejectedKeys, payload_by
             counters.add("misses")
             continue
         counters.record_failed_read(verdict[0])
-        rejected.add(key)
+        rejected.refuse(key, verdict[0])
     ok = [v is not None and v[0] is Verdict.OK for v in verdicts]
     if origins is not None:
         origins[:] = [v[1] if good and v is not None else None for v, good in zip(verdicts, ok)]

@@ -311,7 +311,7 @@ class MooncakeStoreBackend(StorageBackend):
         verdict, origin = verify_page(self.spec, key, header, payload_views(page), code)
         if verdict is not Verdict.OK:
             self.counters.record_failed_read(verdict)
-            self._rejected.add(key)
+            self._rejected.refuse(key, verdict)
             return None
         self._touch(key)
         self.counters.add_many(pages_read=1, bytes_read=self.spec.payload_bytes)
@@ -323,7 +323,7 @@ class MooncakeStoreBackend(StorageBackend):
         if code == BUFFER_TOO_SMALL or (size >= 0 and size != self.spec.object_bytes):
             verdict = Verdict.TRUNCATED if 0 <= size < self.spec.object_bytes else Verdict.FOREIGN
             self.counters.record_failed_read(verdict)
-            self._rejected.add(key)
+            self._rejected.refuse(key, verdict)
         else:
             log.debug("mooncake: get of %s failed with %d", key.hex(), code)
             self.counters.add_many(misses=1, read_errors=1)

@@ -103,7 +103,12 @@ class RejectedKeys:
         self._keys: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
 
-    def add(self, key: bytes) -> None:
+    def refuse(self, key: bytes, verdict: Verdict) -> None:
+        """Marks `key` after a read refused its page for `verdict`. A `NEEDS_KEY` page is not
+        marked: it is valid for the readers that hold the page MAC key, so a keyless node's
+        put must not replace it (nor a keyed node's put then replace the keyless rewrite)."""
+        if verdict is Verdict.NEEDS_KEY:
+            return
         with self._lock:
             self._keys[key] = None
             self._keys.move_to_end(key)

@@ -426,3 +426,34 @@ def test_genuine_page_is_not_replaced_and_a_refused_key_once(make_backend: Facto
     stats = backend.stats()
     assert stats["replaced_rejected_pages"] == 1
     assert (stats["pages_written"], stats["pages_skipped"]) == (3, 3)
+
+
+@pytest.mark.parametrize("read", ["get_into", "read_layers"])
+def test_a_keyless_node_never_replaces_a_sealed_page(
+    make_backend: Factory, kind: str, read: str
+) -> None:
+    """A sealed page without a checksum is a counted `needs_key` miss for a keyless reader,
+    but it is valid for the keyed ones: the keyless node's next put of the key skips it as
+    present instead of replacing it, and a keyed reader still reads the original."""
+    from pdcache.offload_manager.storage.layer_reads import LayerStream
+
+    if kind == "hf3fs":
+        pytest.skip("in-process metadata: a second client's index is its own open's scan")
+    keyed = make_backend(page_mac_key=MAC_KEY)
+    keys, pages = _keys(2), _pages(2)
+    assert keyed.put_from(keys, list(pages)) == [True, True]
+    keyless = make_backend(page_mac_key=None)
+    if read == "read_layers" and not getattr(keyless, "streams_layers", False):
+        pytest.skip("no layer-major reads on this backend")
+    dest = list(torch.zeros_like(pages))
+    if read == "get_into":
+        assert keyless.get_into(keys, dest) == [False, False]
+    else:
+        assert keyless.read_layers(keys, dest, LayerStream(2, 2, 1)) == [False, False]
+    assert keyless.stats()["rejected_needs_key_pages"] >= 1
+    assert keyless.put_from(keys, list(_pages(2, seed=5))) == [True, True]
+    stats = keyless.stats()
+    assert (stats["replaced_rejected_pages"], stats["pages_written"]) == (0, 0)
+    out = torch.zeros_like(pages)
+    assert keyed.get_into(keys, list(out)) == [True, True]
+    assert torch.equal(out, pages)

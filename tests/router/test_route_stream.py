@@ -1,0 +1,92 @@
+"""`proxy.RouteStream` with the first token from prefill, driven through its public `next()`
+and `aclose()` with P's call, P's first event and D's opening as controlled asyncio tasks, so
+the order of events is exact: P failing after its first event but while D is still opening
+is P's HTTP error (retryable), never token 1 followed by a mid-stream error."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from pdcache.router.proxy import RouteStream
+from pdcache.server.protocol import SERVER_ERROR, ApiError
+
+
+class Node:
+    def __init__(self) -> None:
+        self.in_flight = 1  # the proxy counts the stream before it builds the RouteStream
+
+
+class Client:
+    def __init__(self) -> None:
+        self.results: list[bool] = []
+
+    def result(self, node: Node, ok: bool) -> None:
+        self.results.append(ok)
+
+
+class Events:
+    """D's opened event stream: one event, then the end."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self._left: list[dict[str, Any]] = [{"text": "d"}]
+
+    async def next(self) -> dict[str, Any] | None:
+        return self._left.pop(0) if self._left else None
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("p_fails", [True, False], ids=["prefill_fails", "prefill_ok"])
+def test_prefill_failing_while_decode_opens_is_an_http_error(p_fails: bool) -> None:
+    async def scenario() -> tuple[list[Any], Client, Node, Events]:
+        loop = asyncio.get_running_loop()
+        first: asyncio.Future[dict[str, Any]] = loop.create_future()
+        p_may_end, d_may_open = asyncio.Event(), asyncio.Event()
+        events = Events()
+
+        async def prefill() -> dict[str, Any]:
+            first.set_result({"text": "p"})
+            await p_may_end.wait()
+            if p_fails:
+                raise ApiError(502, "prefill died after its first event", type=SERVER_ERROR,
+                               code="prefill_failed")
+            return {"text": "p"}
+
+        async def opening() -> Events:
+            await d_may_open.wait()
+            return events
+
+        node, client = Node(), Client()
+        p_task, d_task = asyncio.create_task(prefill()), asyncio.create_task(opening())
+        stream = RouteStream(client, None, p_task, None,  # type: ignore[arg-type]
+                             decode_opening=(node, d_task), prefill_first=first)  # type: ignore[arg-type]
+        got: list[Any] = []
+        reading = asyncio.create_task(stream.next())
+        await asyncio.wait_for(first, 5)
+        p_may_end.set()  # P ends (or fails) while D has not opened yet
+        await asyncio.wait({p_task}, timeout=5)
+        d_may_open.set()
+        try:
+            while (event := await asyncio.wait_for(reading, 5)) is not None:
+                got.append(event)
+                reading = asyncio.create_task(stream.next())
+            got.append(None)
+        except ApiError as exc:
+            got.append((exc.status_code, exc.code))
+        finally:
+            await stream.aclose()
+        return got, client, node, events
+
+    got, client, node, events = asyncio.run(scenario())
+    if p_fails:
+        assert got == [(502, "prefill_failed")]  # no token 1: an error the router can retry
+        assert client.results == [False]
+    else:
+        assert got == [{"text": "p"}, {"text": "d"}, None]
+        assert client.results == [True]
+    assert node.in_flight == 0 and events.closed
