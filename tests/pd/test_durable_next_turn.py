@@ -110,9 +110,13 @@ def measured_timeout_s(stack: PDStack, sessions: int, answers: list[int]) -> flo
 
 
 def run(tmp_path, tiny, pending_wait: bool, answers: list[int], sessions: int = SESSIONS,
-        metadata: str = ""):
-    prefill, decode = setups(tmp_path, tiny[0], pending_wait, metadata)
+        metadata: str = "", pending_pull: str = "never",
+        security: SecuritySettings | None = None):
+    prefill, decode = setups(tmp_path, tiny[0], pending_wait, metadata,
+                             pending_pull=pending_pull, security=security)
     stack = start_stack(prefill, decode)
+    if security is not None:
+        stack.client.headers.update(security.node_headers())
     try:
         timeout_s = measured_timeout_s(stack, sessions, answers)
         stack.client.timeout = httpx.Timeout(timeout_s)

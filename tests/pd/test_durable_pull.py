@@ -10,9 +10,6 @@ secret: without one no pull is offered nor sent (docs/security.md)."""
 
 from __future__ import annotations
 
-import concurrent.futures
-
-import httpx
 import pytest
 
 from pdcache.config.security import SecuritySettings
@@ -21,12 +18,10 @@ from tests.pd.test_durable_next_turn import (
     PROBE_ANSWER,
     answer_pages_tokens,
     assert_every_answer_found,
-    measured_timeout_s,
     pending,
-    session,
-    setups,
 )
-from tests.pd_harness import assert_stack_idle, metric_value, start_stack
+from tests.pd.test_durable_next_turn import run as run_sessions
+from tests.pd_harness import metric_value
 
 ANSWER = 256
 PAGE = 16
@@ -42,20 +37,8 @@ def tiny():
 
 def run(tmp_path, tiny, mode: str):
     security = SecuritySettings.from_secret(SECRET)  # a pull needs the cluster secret
-    prefill, decode = setups(tmp_path, tiny[0], True, pending_pull=mode, security=security)
-    stack = start_stack(prefill, decode)
-    stack.client.headers.update(security.node_headers())
-    try:
-        timeout_s = measured_timeout_s(stack, SESSIONS, ANSWERS)
-        stack.client.timeout = httpx.Timeout(timeout_s)
-        with concurrent.futures.ThreadPoolExecutor(SESSIONS) as pool:
-            futures = [pool.submit(session, stack, i, ANSWERS) for i in range(SESSIONS)]
-            sessions = [f.result(timeout=timeout_s * len(ANSWERS) + 60) for f in futures]
-        metrics = stack.client.get(f"{stack.prefill.url}/metrics").text
-        assert_stack_idle(stack)
-        return sessions, metrics, stack.decode_server.receiver.stats()
-    finally:
-        stack.close()
+    return run_sessions(tmp_path, tiny, True, ANSWERS, SESSIONS, pending_pull=mode,
+                        security=security)
 
 
 def outputs(sessions) -> list[list[int]]:
