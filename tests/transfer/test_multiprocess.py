@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 PAGES = 512  # [4, 2, 512, 16, 8, 64] float32: 32 KiB pages, 128 MiB per pool
 SMALL_ROOM, BIG_ROOM = 11, 12
-BIG_PAGES = 480  # 120 MiB in 0.5 MiB engine batches: long enough to be killed mid-way
+BIG_PAGES = 480  # 120 MiB in 0.5 MiB engine batches, throttled by _slow_link
 
 
 def _pool(seed: int | None) -> torch.Tensor:
@@ -32,6 +32,20 @@ def _pool(seed: int | None) -> torch.Tensor:
 
 def _digest(pool: torch.Tensor, pages) -> str:
     return hashlib.sha256(pool[:, :, list(pages)].contiguous().numpy().tobytes()).hexdigest()
+
+
+def _slow_link(sender: KVSender, per_batch_s: float = 0.02) -> KVSender:
+    """Delay each engine batch: the big room's write then lasts ~5 s on any machine, so
+    the kill lands mid-transfer (unthrottled, 120 MiB over loopback ends in ~80 ms, less
+    than a loaded CI machine can stall the test between its poll and its kill)."""
+    submit = sender.engine.submit
+
+    def slow_submit(peer, batch):
+        time.sleep(per_batch_s)
+        return submit(peer, batch)
+
+    sender.engine.submit = slow_submit
+    return sender
 
 
 def _config(engine: str):
@@ -58,7 +72,7 @@ def _decode_main(engine: str, addr: str, conn) -> None:
 
 def _prefill_main(engine: str, conn) -> None:
     """Child: a prefill node that sends whatever room the parent names."""
-    sender = KVSender(_config(engine), _pool(9)).start()
+    sender = _slow_link(KVSender(_config(engine), _pool(9)).start())
     try:
         conn.send(sender.bootstrap_addr)
         while True:
@@ -95,7 +109,7 @@ def _kill(proc) -> None:
 def test_remote_decode_gets_exact_kv_and_its_death_mid_transfer_fails_the_room(engine) -> None:
     released: list[Outcome] = []
     src = _pool(1)
-    sender = KVSender(_config(engine), src, on_release=released.append).start()
+    sender = _slow_link(KVSender(_config(engine), src, on_release=released.append).start())
     proc, conn = _spawn(_decode_main, engine, sender.bootstrap_addr)
     try:
         wait_until(lambda: sender.rooms.get(SMALL_ROOM) is not None, 60.0, "decode's request")
