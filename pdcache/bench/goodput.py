@@ -94,6 +94,8 @@ TABLE_COLUMNS = (
     "failed_at_rps",
     "goodput_x",
     "goodput_x_baseline",
+    "goodput_hit_rate",
+    "goodput_live_pages",
     "bound",
     "points",
 )
@@ -102,6 +104,7 @@ POINT_COLUMNS = (
     "rate_rps",
     "sessions",
     "live_sessions",
+    "live_pages",
     "achieved_rps",
     "ok",
     "failed",
@@ -413,6 +416,7 @@ def run_pass(args: argparse.Namespace, front: str, out: Path, **changes: Any) ->
     summary["_ttfts"] = [r["ttft_s"] for r in timed]
     summary["_dispatch"] = [r["dispatch_s"] for r in timed]
     summary["_live_sessions"] = live_sessions(records)
+    summary["_live_pages"] = live_pages(records, values["page_size"])
     if code != 0:
         summary["error"] = f"replay exited {code}"
     return summary
@@ -431,6 +435,32 @@ def live_sessions(records: list[dict[str, Any]]) -> float | None:
         return None
     wall = max(e for _, e in spans.values()) - min(b for b, _ in spans.values())
     return sum(e - b for b, e in spans.values()) / wall if wall > 0 else None
+
+
+def live_pages(records: list[dict[str, Any]], page_size: int) -> float | None:
+    """Mean pages the live sessions' contexts hold over the pass: the working set a cache must
+    keep for every next turn to hit. A session holds its latest request's prompt + answer from
+    that request's dispatch to the next one's (to its answer, for the last); the prefix its
+    first turn shared with earlier sessions (the system prompt) is counted once, not per
+    session, so this is the working set, not the sum of the contexts."""
+    by_session: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_session.setdefault(r["session_id"], []).append(r)
+    held_page_seconds = shared_pages = 0.0
+    begin, end = float("inf"), float("-inf")
+    for turns in by_session.values():
+        turns.sort(key=lambda r: r["dispatch_s"])
+        shared = turns[0].get("theoretical_cached_tokens") or 0
+        shared_pages = max(shared_pages, shared // page_size)
+        for i, r in enumerate(turns):
+            context = r["prompt_tokens"] + (r.get("output_tokens") or 0) - shared
+            until = (turns[i + 1]["dispatch_s"] if i + 1 < len(turns)
+                     else r["dispatch_s"] + (r.get("e2e_s") or 0.0))
+            held_page_seconds += max(context, 0) // page_size * (until - r["dispatch_s"])
+            begin, end = min(begin, r["dispatch_s"]), max(end, until)
+    if end <= begin:
+        return None
+    return shared_pages + held_page_seconds / (end - begin)
 
 
 def scrape_latencies(urls: list[str]) -> dict[str, tuple[float, float]]:
@@ -636,6 +666,7 @@ class Sweep:
         row.update(
             sessions=sessions,
             live_sessions=summary.get("_live_sessions"),
+            live_pages=summary.get("_live_pages"),
             retry=retry,
             windows_over_slo=windows_over_slo(
                 dispatch, ttfts, self.slo_s, args.slo_percentile, args.window_seconds
@@ -696,6 +727,7 @@ def summary_rows(results: list[ConfigResult], baseline: str | None = None) -> li
     rows = []
     for r in results:
         ref, ref_base = r.reference, base.reference
+        at_goodput = _goodput_point(r)
         rows.append(
             {
                 "config": r.label,
@@ -712,6 +744,10 @@ def summary_rows(results: list[ConfigResult], baseline: str | None = None) -> li
                 "failed_at_rps": r.lowest_fail_rps,
                 "goodput_x": _ratio(r.goodput_rps, base.goodput_rps),
                 "goodput_x_baseline": _ratio(r.goodput_rps, base_goodput),
+                # the pressure at the goodput: the hit rate there and the live working set
+                # (`live_pages`) the prefill's pools had to hold
+                "goodput_hit_rate": at_goodput.get("hit_rate"),
+                "goodput_live_pages": at_goodput.get("live_pages"),
                 "points": len(r.points),
                 # passed at the highest rate it could be offered: the goodput is at least this
                 "bound": r.bound,
@@ -720,6 +756,12 @@ def summary_rows(results: list[ConfigResult], baseline: str | None = None) -> li
             }
         )
     return rows
+
+
+def _goodput_point(result: ConfigResult) -> dict[str, Any]:
+    """The passing point at the goodput rate (its last run, if retried); {} when none."""
+    passing = [p for p in result.points if p["passed"] and p["rate_rps"] == result.goodput_rps]
+    return passing[-1] if passing else {}
 
 
 def _ratio_at_least(value: float | None, target: float, own_bound: bool, other_bound: bool) -> str:

@@ -13,6 +13,7 @@ import pytest
 from pdcache.bench.goodput import (
     ConfigResult,
     RateSearch,
+    live_pages,
     live_sessions,
     one_noisy_window,
     point_passes,
@@ -142,6 +143,20 @@ def test_live_sessions_is_the_mean_number_of_sessions_in_flight() -> None:
     assert live_sessions([]) is None
 
 
+def test_live_pages_is_the_time_mean_working_set_with_the_shared_prefix_once() -> None:
+    def rec(sid: str, t: float, e2e: float, prompt: int, out: int, shared: int) -> dict:
+        return {"session_id": sid, "dispatch_s": t, "e2e_s": e2e, "prompt_tokens": prompt,
+                "output_tokens": out, "theoretical_cached_tokens": shared}
+
+    # page 16; a shares nothing: 64+16 tokens (5 pages) 0-3 s, then 128+16 (9 pages) 3-4 s;
+    # b's first turn shares a's 32-token prefix (2 pages, counted once): 96+32-32 = 6 pages
+    # 2-6 s. (5*3 + 9*1 + 6*4) page-seconds over 6 s + 2 shared pages
+    records = [rec("a", 0.0, 1.0, 64, 16, 0), rec("a", 3.0, 1.0, 128, 16, 0),
+               rec("b", 2.0, 4.0, 96, 32, 32)]
+    assert live_pages(records, 16) == pytest.approx(2 + (15 + 9 + 24) / 6.0)
+    assert live_pages([], 16) is None
+
+
 def test_summary_rows_give_ratios_to_the_ideal_and_the_baseline_and_tier_shares() -> None:
     def result(label: str, goodput: float | None, p50: float, tiers: dict[str, float]):
         ref = {"ttft_p50_s": p50, "ttft_p90_s": 2 * p50, "hit_rate_by_tier": tiers}
@@ -166,7 +181,17 @@ def test_summary_rows_give_ratios_to_the_ideal_and_the_baseline_and_tier_shares(
         pytest.approx(0.0625),
     )
     assert rows[1]["goodput_x_baseline"] == 1.0 and rows[0]["bound"] == ""
+    assert new["goodput_live_pages"] is None  # no points: nothing measured at the goodput
     assert summary_rows([result("a", 1.0, 0.1, {})])[0]["goodput_x_baseline"] is None
+
+
+def test_the_goodput_row_reports_the_pressure_at_its_own_passing_point() -> None:
+    points = [{"rate_rps": 2.0, "passed": True, "hit_rate": 0.7, "live_pages": 900.0},
+              {"rate_rps": 4.0, "passed": False, "hit_rate": 0.5, "live_pages": 2000.0},
+              {"rate_rps": 3.0, "passed": False, "hit_rate": 0.6, "live_pages": 1500.0},
+              {"rate_rps": 3.0, "passed": True, "hit_rate": 0.65, "live_pages": 1400.0}]
+    row = summary_rows([ConfigResult("pd", goodput_rps=3.0, points=points)])[0]
+    assert (row["goodput_hit_rate"], row["goodput_live_pages"]) == (0.65, 1400.0)
 
 
 def test_a_point_passes_only_complete_and_within_the_slo() -> None:
