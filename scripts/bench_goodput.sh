@@ -12,12 +12,13 @@
 set -e
 OUT=${1:?outdir}; shift
 export MC_TCP_BIND_ADDRESS=${MC_TCP_BIND_ADDRESS:-127.0.0.1} MC_LOG_LEVEL=${MC_LOG_LEVEL:-ERROR}
-TURNS=5 SYSTEM=512 USER=128 TOOL=256 ANSWER=32 THINK=0.5 PAGE=16
-REF_SESSIONS=16 POINT_SECONDS=15 MAX_RATE=64
+# each of these can be set from the environment (the pressure run: README "Under pressure")
+TURNS=${TURNS:-5} SYSTEM=512 USER=128 TOOL=256 ANSWER=32 THINK=${THINK:-0.5} PAGE=16
+REF_SESSIONS=16 POINT_SECONDS=${POINT_SECONDS:-15} MAX_RATE=${MAX_RATE:-64}
 SESSIONS=$(( MAX_RATE * POINT_SECONDS / TURNS ))
 SESSION_PAGES=$(( (USER + (TURNS - 1) * TOOL + TURNS * ANSWER) / PAGE ))
 WORKING_SET=$(( SYSTEM / PAGE + REF_SESSIONS * SESSION_PAGES ))
-DEVICE_PAGES=$(( WORKING_SET / 2 ))
+DEVICE_PAGES=${DEVICE_PAGES:-$(( WORKING_SET / 2 ))}
 # the ideal (and the decode node, so it never bounds PD) holds everything live at any rate
 # tried: 8192 pages = 99 sessions' final contexts
 IDEAL_PAGES=8192
