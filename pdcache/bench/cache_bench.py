@@ -27,7 +27,10 @@ says how each N's cold request got the prefix into the tiers (recomputed, or loa
 `--keep-dir`) and how long it took; `elapsed_s` is the whole run's (model load excluded). `exact`: the device hits' first tokens equal a
 no-prefix-cache run's, the other tiers' equal a device hit's of the same prompts. Where a
 lower tier's time goes: `lookup_ms` (keys + exists_prefix), `read_ms` (storage reads),
-`wait_ms` (prefetch start to admission), `h2d_ms` (host → device copies). A second table gives
+`wait_ms` (prefetch start to admission), `h2d_ms` (host → device copies), `copy_wait_ms` (the
+forward waiting for them when they run ahead of it on the copier thread, `copy_ahead`).
+`--copy-ahead both` adds `-inline` rows for the page-by-page storage tiers: the same reads
+with the copies on the engine thread (`HiCacheConfig.copy_ahead` off). A second table gives
 storage read GB/s beside a plain memcpy and a plain file read of the same bytes (`pdcache
 bench storage`'s method, pages of this model's size). Targets (issue 3): storage hit ≤ 1.3×
 the device hit and ≤ 0.1× recompute at N ≥ 4k.
@@ -53,10 +56,19 @@ import torch
 
 from pdcache.bench.table import emit
 
-TIERS = ("recompute", "device", "host", "hf3fs", "hf3fs-serial", "file", "file-serial",
+TIERS = ("recompute", "device", "host", "hf3fs", "hf3fs-serial", "hf3fs-serial-inline", "file",
+         "file-serial", "file-serial-inline", "mooncake-inline",
          "mooncake")
 DEFAULT_TIERS = ("recompute", "device", "host", "hf3fs", "file", "mooncake")
 STREAMING = ("hf3fs", "file")  # backends with a layer-major read
+# loads copied host → device ahead of the forward by default; `-inline` rows copy on the
+# engine thread (HiCacheConfig.copy_ahead off). Layer-streamed loads always copy inline.
+COPIED_AHEAD = ("hf3fs-serial", "file-serial", "mooncake")
+
+
+def backend_of(tier: str) -> str:
+    """The storage backend behind a tier row ("hf3fs-serial-inline" -> "hf3fs")."""
+    return tier.removesuffix("-inline").removesuffix("-serial")
 MB = 1 << 20
 
 
@@ -74,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra no-cache runs besides the cold seeding one (slow at 16k)")
     parser.add_argument("--tiers", default=",".join(DEFAULT_TIERS),
                         help=f"comma-separated subset of {', '.join(TIERS)}")
+    parser.add_argument("--copy-ahead", default="on", choices=["on", "off", "both"],
+                        help="page-by-page storage rows (hf3fs-serial, file-serial, mooncake) "
+                             "with the host → device copy ahead of the forward (on, the "
+                             "default), on the engine thread (off: their -inline rows), or both")
     parser.add_argument("--layerwise", default="both", choices=["on", "off", "both"],
                         help="hf3fs/file with the layer-streamed prefetch, without it (the "
                              "-serial rows), or both (default)")
@@ -112,6 +128,7 @@ BREAKDOWN = {  # column -> HiCacheStats counter (microseconds)
     "read_ms": "prefetch_read_us",
     "wait_ms": "prefetch_wait_us",
     "h2d_ms": "load_copy_us",
+    "copy_wait_ms": "load_copy_wait_us",  # copy_ahead: the forward waiting for the copier
     "layer_wait_ms": "load_stream_wait_us",  # layer-streamed: the forward waiting for a layer
     "verify_wait_ms": "load_verify_wait_us",  # ... and for page verification after it
 }
@@ -169,7 +186,8 @@ class Setup:
                                   capacity_pages=capacity, io_threads=self.args.io_threads,
                                   **settings)
 
-    def tiered(self, storage, write_policy: str = "write_through", layerwise: bool = True):
+    def tiered(self, storage, write_policy: str = "write_through", layerwise: bool = True,
+               copy_ahead: bool = True):
         """A started engine with host and storage tiers. Its pools are touched once (as in a
         server that has been up a while), so no run pays first-touch page faults."""
         from pdcache.offload_manager.builder import TierConfig, build_tiered_engine
@@ -180,7 +198,7 @@ class Setup:
             extra["layerwise_read_layers"] = self.args.layers_per_read
         hicache = HiCacheConfig(write_policy=write_policy, prefetch_policy="wait_complete",
                                 io_batch_pages=self.args.io_batch_pages,
-                                layerwise_prefetch=layerwise, **extra)
+                                layerwise_prefetch=layerwise, copy_ahead=copy_ahead, **extra)
         host_pages = 2 * (self.max_tokens // self.page_size) + 256
         built = build_tiered_engine(self.engine_config(), self.model, self.tokenizer,
                                     TierConfig(host_pages, hicache, storage))
@@ -265,14 +283,17 @@ class PrefixRun:
             stack.callback(seeded.close)
             self._seed(seeded)
             readers: dict[str, Any] = {}
+            file_copy = mooncake = None
             for tier in self.tiers:
-                backend = tier.removesuffix("-serial")
+                backend = backend_of(tier)
                 if backend == "hf3fs":
                     readers[tier] = hf3fs
                 elif backend == "file":
-                    readers[tier] = self._file_copy(hf3fs)
-            if "mooncake" in self.tiers and self.setup.master is not None:
-                readers["mooncake"] = self._mooncake(hf3fs, stack)
+                    file_copy = file_copy or self._file_copy(hf3fs)
+                    readers[tier] = file_copy
+                elif backend == "mooncake" and self.setup.master is not None:
+                    mooncake = mooncake or self._mooncake(hf3fs, stack)
+                    readers[tier] = mooncake
             device = "device" in self.tiers
             for i in range(self.setup.args.repeats):
                 if "host" in self.tiers:
@@ -353,7 +374,8 @@ class PrefixRun:
         reads (write_back never writes before an eviction): the seeding engine's in-process
         hf3fs index stays the only writer of those files."""
         built = self.setup.tiered(storage, write_policy="write_back",
-                                  layerwise=not tier.endswith("-serial"))
+                                  layerwise=not tier.removesuffix("-inline").endswith("-serial"),
+                                  copy_ahead=not tier.endswith("-inline"))
         try:
             self._sample(built, tier, i)
         finally:
@@ -504,7 +526,7 @@ def bandwidth_rows(setup: Setup, tiers: list[str]) -> list[dict[str, Any]]:
         memcpy_s = sb._best(lambda: dst.copy_(src), repeat)
         rows.append(sb._row("memcpy (torch copy_)", nbytes, {"read_s": memcpy_s}, plain_s))
         rows.append(sb._row("plain file preadv", nbytes, {"read_s": plain_s}, plain_s))
-        backends = {t.removesuffix("-serial") for t in tiers}
+        backends = {backend_of(t) for t in tiers}
         for name in [t for t in ("hf3fs", "mooncake") if t in backends]:
             with sb._open_backend(name, base, page_bytes, pages, setup.args.io_threads) as be:
                 times = sb._run_backend(be, plain, src, dst, repeat)
@@ -527,7 +549,7 @@ def _environment(args: argparse.Namespace, tiers: list[str]) -> Iterator[tuple[P
             tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir,
                                                                   prefix="pdcache-cache-bench-"))
         master = None
-        if "mooncake" in tiers:
+        if "mooncake" in {backend_of(t) for t in tiers}:
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
             os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
             from pdcache.offload_manager.storage.mooncake_store import LocalMooncakeMaster
@@ -536,8 +558,9 @@ def _environment(args: argparse.Namespace, tiers: list[str]) -> Iterator[tuple[P
         yield Path(tmp), master
 
 
-def _expand_tiers(tiers: list[str], layerwise: str) -> list[str]:
-    """`--layerwise`: off replaces hf3fs/file by their -serial rows, both adds them."""
+def _expand_tiers(tiers: list[str], layerwise: str, copy_ahead: str = "on") -> list[str]:
+    """`--layerwise`: off replaces hf3fs/file by their -serial rows, both adds them;
+    `--copy-ahead`: off replaces the page-by-page rows by their -inline rows, both adds them."""
     out: list[str] = []
     for tier in tiers:
         if tier in STREAMING and layerwise != "on":
@@ -545,7 +568,14 @@ def _expand_tiers(tiers: list[str], layerwise: str) -> list[str]:
             out.append(f"{tier}-serial")
         else:
             out.append(tier)
-    return list(dict.fromkeys(out))
+    expanded: list[str] = []
+    for tier in out:
+        if tier in COPIED_AHEAD and copy_ahead != "on":
+            expanded += [tier] if copy_ahead == "both" else []
+            expanded.append(f"{tier}-inline")
+        else:
+            expanded.append(tier)
+    return list(dict.fromkeys(expanded))
 
 
 def _parse_tokens(text: str, page_size: int) -> list[int]:
@@ -558,7 +588,7 @@ def run(args: argparse.Namespace) -> int:
     from pdcache.engine.loader import load_model
 
     tiers = _expand_tiers([t.strip() for t in args.tiers.split(",") if t.strip()],
-                          args.layerwise)
+                          args.layerwise, args.copy_ahead)
     unknown = sorted(set(tiers) - set(TIERS))
     if unknown:
         raise SystemExit(f"unknown tiers {unknown}; known: {', '.join(TIERS)}")

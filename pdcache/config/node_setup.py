@@ -144,6 +144,7 @@ def tiers_for(node: NodeSpec, model: ModelConfig, storage: StorageConfig | None)
         prefetch_timeout_max_s=cache.prefetch_timeout_max_s,
         layerwise_prefetch=cache.prefetch_layerwise,
         layerwise_read_layers=cache.prefetch_layers_per_read,
+        copy_ahead=cache.load_copy_ahead,
         key_scheme=cache.key_scheme, key_namespace=cache.key_namespace,
         host_mode=cache.host_mode, host_eviction=cache.host_eviction,
         pending_wait=cache.pending_wait, pending_max_ttl_s=cache.pending_max_ttl_s,

@@ -1,5 +1,7 @@
 """HiCache controller: backup (device → host → storage), storage prefetch (storage → host) and
-the per-layer host → device load, on top of `HiRadixTree` (docs/design.md §2, §4.2–4.4).
+the per-layer host → device load, on top of `HiRadixTree` (docs/design.md §2, §4.2–4.4). With a
+CPU device pool the load's copies run ahead of the forward on a `LoadCopier` thread
+(`copy_ahead`, load_copier.py); the forward waits per layer for its copy to have ended.
 
 Engine-thread API (called by the scheduler): `match`, `start_prefetch`, `prefetch_ready`,
 `take_prefetch`, `cancel_prefetch`, `load`, `backup`, `check`. Storage I/O runs on two
@@ -63,6 +65,7 @@ from pdcache.kernels import KernelSet
 from pdcache.offload_manager.hiradix import HiRadixTree, HostMatch
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
+from pdcache.offload_manager.load_copier import CopyJob, LoadCopier
 from pdcache.offload_manager.page_pull import PULL_MODES, PullTicket
 from pdcache.offload_manager.pending import PageState, PendingPages
 from pdcache.offload_manager.storage.base import StorageBackend
@@ -75,6 +78,9 @@ log = logging.getLogger(__name__)
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 HOST_MODES = ("inclusive", "exclusive")
+# Bound on the forward's wait for one layer's copy (copy_ahead): a layer is a few ms of memcpy,
+# so only a wedged machine reaches it, and the request's step fails instead of hanging.
+COPY_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,10 @@ class HiCacheConfig:
     # default: on the 2-core CPU here it measured slower (README "Measured")
     layerwise_prefetch: bool = False
     layerwise_read_layers: int = 1  # layers per read step of a page (first step: + header)
+    # copy loads host → device on a thread of their own, layer l+1 while layer l is computed
+    # (load_copier.py); only for CPU device pools, where the copy is a memcpy on the forward's
+    # core. False: every layer is copied on the engine thread when the forward reaches it
+    copy_ahead: bool = True
     # how stored pages are named (pdcache.engine.page_keys.PageKeyScheme): "pdcache", or
     # "sglang" to share pages with SGLang servers running the pdcache storage plugin
     key_scheme: str = "pdcache"
@@ -143,7 +153,8 @@ class HiCacheStats:
     prefetch_lookup_us: int = 0  # key hashing + exists_prefix, on the engine thread
     prefetch_read_us: int = 0  # storage reads, on the prefetch worker
     prefetch_wait_us: int = 0  # prefetch start → taken at admission
-    load_copy_us: int = 0  # host → device copies, inside the forward
+    load_copy_us: int = 0  # host → device copies (on the copier thread with copy_ahead)
+    load_copy_wait_us: int = 0  # copy_ahead: the forward waiting for the copier's copies
     # the durable next turn (docs/design.md §4.10): pages past storage's committed prefix that
     # a decode node had announced as being written, at lookup time
     pending_found_pages: int = 0
@@ -249,8 +260,11 @@ class StreamedPages:
 
 class LayerLoad:
     """Host → device copy of some pages, one layer at a time, as the forward pass asks for
-    them (`wait(layer)`). On CPU the copy runs in the caller's thread; the host pages stay
-    pinned until the load is done.
+    them (`wait(layer)`). With a `copier` (CPU pools, `copy_ahead`) every layer is handed to
+    it at creation and copied on its thread in order, and `wait(layer)` waits until layer
+    `layer` was copied; without one (or when it is not running) the copy runs in the caller's
+    thread inside `wait`. The host pages stay pinned until the load is done; completion
+    (`_finish`: unpin, callbacks) always runs on the caller's (engine) thread.
 
     With `streamed` pages, layer l is copied once the stream has read layer l of them (the
     read of layer l+1 goes on meanwhile); `finish()` then waits for their verification and sets
@@ -258,10 +272,11 @@ class LayerLoad:
 
     def __init__(self, host_pool: HostKVPool, device_kv: torch.Tensor, host_page_ids: list[int],
                  device_page_ids: list[int], on_done: Callable[[], None] | None = None,
-                 on_copied: Callable[[float], None] | None = None,
+                 on_copied: Callable[[float, float], None] | None = None,
                  kernels: KernelSet | None = None,
                  streamed: StreamedPages | None = None,
-                 on_streamed: Callable[[float, float, bool], None] | None = None) -> None:
+                 on_streamed: Callable[[float, float, bool], None] | None = None,
+                 copier: LoadCopier | None = None) -> None:
         self.host_pool = host_pool
         self.device_kv = device_kv
         self.kernels = kernels or KernelSet()
@@ -276,20 +291,47 @@ class LayerLoad:
         self._on_done = on_done
         self._on_copied = on_copied
         self._on_streamed = on_streamed
-        self.copy_s = 0.0
+        self.copy_s = 0.0  # written by the copier thread; read after its last layer's event
+        self.copy_wait_s = 0.0
         self.stream_wait_s = 0.0
         host_pool.pin(host_page_ids)
+        # streamed pages arrive layer by layer from storage: copied inline, after each layer's
+        # read (a copier thread would only wait on the stream in the engine's place)
+        self._job: CopyJob | None = None
+        if copier is not None and streamed is None:
+            job = CopyJob(self._copy_layer, self.num_layers)
+            self._job = job if copier.submit(job) else None
+
+    def _copy_layer(self, layer: int) -> None:
+        start = time.perf_counter()
+        self.kernels.host_to_device(self.host_pool.host_kv, self.device_kv, self.host_ids,
+                                    self.device_ids, layer=layer)
+        self.copy_s += time.perf_counter() - start
+
+    def _await_copied(self, layer: int) -> None:
+        assert self._job is not None
+        start = time.perf_counter()
+        ended = self._job.ready[layer].wait(COPY_WAIT_S)
+        self.copy_wait_s += time.perf_counter() - start
+        if self._job.error is not None:  # the copier is done with this load: release it
+            self._next_layer = self.num_layers
+            self._finish()
+            raise RuntimeError(f"host → device copy of layer {layer} failed: "
+                               f"{self._job.error}") from self._job.error
+        if not ended:  # still queued or copying: its pages stay pinned and reserved
+            raise RuntimeError(f"host → device copy of layer {layer} did not end in "
+                               f"{COPY_WAIT_S:.0f} s")
 
     def wait(self, layer: int) -> None:
         while self._next_layer <= layer:
-            if self.streamed is not None:
-                start = time.perf_counter()
-                self.streamed.stream.wait_layer(self._next_layer)
-                self.stream_wait_s += time.perf_counter() - start
-            start = time.perf_counter()
-            self.kernels.host_to_device(self.host_pool.host_kv, self.device_kv, self.host_ids,
-                                   self.device_ids, layer=self._next_layer)
-            self.copy_s += time.perf_counter() - start
+            if self._job is not None:
+                self._await_copied(self._next_layer)
+            else:
+                if self.streamed is not None:
+                    start = time.perf_counter()
+                    self.streamed.stream.wait_layer(self._next_layer)
+                    self.stream_wait_s += time.perf_counter() - start
+                self._copy_layer(self._next_layer)
             self._next_layer += 1
             if self._next_layer == self.num_layers and self.streamed is None:
                 self._finish()
@@ -318,7 +360,7 @@ class LayerLoad:
                 self._on_streamed(self.stream_wait_s, verify_wait_s, self.failed)
         self.host_pool.unpin(self.host_page_ids)
         if self._on_copied is not None:
-            self._on_copied(self.copy_s)
+            self._on_copied(self.copy_s, self.copy_wait_s)
         if self._on_done is not None:
             self._on_done()
 
@@ -357,6 +399,8 @@ class HiCache:
         self.kernels.backend_for(device_kv.device)
         self._writer = IoWorker(storage, "backup", config.max_queued_io) if storage else None
         self._reader = IoWorker(storage, "prefetch", config.max_queued_io) if storage else None
+        cpu_pool = device_kv.device.type == "cpu"
+        self._copier = LoadCopier() if config.copy_ahead and cpu_pool else None
         tree.on_evict = self._on_device_evict
 
     # ---- matching and loading ----------------------------------------------------------
@@ -387,8 +431,8 @@ class HiCache:
                 released = self.tree.drop_host_copies(node, host_ids)
                 self._count(host_released_pages=released)
 
-        def copied(seconds: float) -> None:
-            self._count(load_copy_us=int(seconds * 1e6))
+        def copied(seconds: float, waited_s: float) -> None:
+            self._count(load_copy_us=int(seconds * 1e6), load_copy_wait_us=int(waited_s * 1e6))
 
         def streamed_done(wait_s: float, verify_s: float, failed: bool) -> None:
             timed_out = streamed is not None and streamed.stream.timed_out
@@ -401,7 +445,8 @@ class HiCache:
             streamed = StreamedPages(prefetched.stream, prefetched.stream_offset, len(pref_ids))
         return node, self.layer_load_cls(self.host_pool, self.device_kv, all_host,
                                          device_page_ids[: len(all_host)], release_prefetched,
-                                         copied, self.kernels, streamed, streamed_done)
+                                         copied, self.kernels, streamed, streamed_done,
+                                         self._copier)
 
     def release_prefetched(self, prefetched: PrefetchResult, page_ids: list[int]) -> None:
         """Give back host pages of `prefetched` that will not be loaded: now, or once its
@@ -688,16 +733,21 @@ class HiCache:
         self.host_pool.check()
 
     def start(self) -> None:
-        """Start the backup and prefetch IO threads (the engine's `start()` does, through its
-        scheduler); idempotent. Work queued before waits in their queues."""
+        """Start the backup and prefetch IO threads and the load copier (the engine's
+        `start()` does, through its scheduler); idempotent. Work queued before waits in their
+        queues; loads made before it copy on the engine thread."""
         for worker in (self._writer, self._reader):
             if worker is not None:
                 worker.start()
+        if self._copier is not None:
+            self._copier.start()
 
     def close(self) -> None:
         for worker in (self._writer, self._reader):
             if worker is not None:
                 worker.close()
+        if self._copier is not None:
+            self._copier.close()
 
     def snapshot(self) -> dict[str, int | float]:
         """Every counter and gauge of the host and storage tiers as one flat dict, for metrics.

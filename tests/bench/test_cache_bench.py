@@ -15,14 +15,14 @@ from pdcache.bench import cache_bench
 pytestmark = pytest.mark.slow
 
 
-def bench_args(tmp_path, tiers: str) -> argparse.Namespace:
+def bench_args(tmp_path, tiers: str, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     cache_bench.add_arguments(parser)
     parser.add_argument("--json", dest="json_path", default=None)
     return parser.parse_args([
         "--preset", "tiny", "--tokens", "32,64", "--new-tokens", "8", "--repeats", "2",
         "--page-size", "4", "--tiers", tiers, "--dir", str(tmp_path),
-        "--json", str(tmp_path / "out.json"),
+        "--json", str(tmp_path / "out.json"), *extra,
     ])
 
 
@@ -36,15 +36,18 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     except ImportError:
         pass
-    assert cache_bench.run(bench_args(tmp_path, ",".join(tiers))) == 0
+    assert cache_bench.run(bench_args(tmp_path, ",".join(tiers), "--copy-ahead", "both")) == 0
     printed = capsys.readouterr().out
     assert "TTFT by the tier" in printed and "storage read GB/s" in printed
     report = json.loads((tmp_path / "out.json").read_text())
     rows = {(r["N"], r["tier"]): r for r in report["rows"]}
-    # --layerwise both (the default): hf3fs with the layer-streamed prefetch and without
-    assert set(rows) == {(n, t) for n in (32, 64) for t in [*tiers, "hf3fs-serial"]}
+    # --layerwise both (the default): hf3fs with the layer-streamed prefetch and without;
+    # --copy-ahead both: the page-by-page rows also with the copy on the engine thread
+    inline = ["hf3fs-serial-inline"] + (["mooncake-inline"] if "mooncake" in tiers else [])
+    assert set(rows) == {(n, t) for n in (32, 64) for t in [*tiers, "hf3fs-serial", *inline]}
     expected_tier = {"recompute": "none", "device": "device", "host": "host", "hf3fs": "storage",
-                     "hf3fs-serial": "storage", "mooncake": "storage"}
+                     "hf3fs-serial": "storage", "mooncake": "storage",
+                     "hf3fs-serial-inline": "storage", "mooncake-inline": "storage"}
     for (n, tier), row in rows.items():
         assert row["hit_tier"] == expected_tier[tier], row
         assert row["reused_tokens"] == (0 if tier == "recompute" else n), row
@@ -53,6 +56,8 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
             assert row["vs_device_min"] <= row["vs_device"] <= row["vs_device_max"], row
         if tier != "recompute":
             assert row["exact"] == "yes", row
+        if tier.endswith("-inline"):  # copied on the engine thread: nothing waited for a copier
+            assert row["h2d_ms"] > 0 and row["copy_wait_ms"] == 0, row
     paths = [r["path"] for r in report["bandwidth"]]
     assert paths[:2] == ["memcpy (torch copy_)", "plain file preadv"]
     assert "storage hf3fs" in paths

@@ -370,6 +370,19 @@ def test_storage_eviction_from_flags_equals_from_topology(tmp_path: Path) -> Non
                       *storage_flags(tmp_path)).tiers.storage.eviction == "lru"
 
 
+def test_load_copy_ahead_key_and_flag_reach_hicache(tmp_path: Path) -> None:
+    """`[cache] load_copy_ahead` (on by default) and `--no-load-copy-ahead` land in
+    HiCacheConfig.copy_ahead."""
+    assert setup_for(pd(tmp_path), "p0", MODEL).tiers.hicache.copy_ahead is True
+    off = setup_for(pd(tmp_path, cache="load_copy_ahead = false"), "p0", MODEL)
+    assert off.tiers.hicache.copy_ahead is False
+    flags = from_flags("prefill", "--name", "p0", "--port", "31001", "--bootstrap-port", "8998",
+                       "--no-load-copy-ahead", *storage_flags(tmp_path))
+    assert flags.tiers.hicache.copy_ahead is False
+    assert from_flags("prefill", "--name", "p0", "--port", "31001", "--bootstrap-port", "8998",
+                      *storage_flags(tmp_path)).tiers.hicache.copy_ahead is True
+
+
 def test_layerwise_prefetch_key_and_flag_reach_hicache(tmp_path: Path) -> None:
     """`[cache] prefetch_layerwise / prefetch_layers_per_read` (and `--prefetch-layerwise`,
     `--prefetch-layers-per-read`) land in HiCacheConfig, flags as the keys do; off by default;

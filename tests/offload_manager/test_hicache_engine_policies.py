@@ -3,6 +3,8 @@
 - per-layer load: the forward waits for layer i's host → device copy right before layer i's
   attention, and layer i+1 is still not on device at that moment (recorded by a LayerLoad
   subclass and a wrapper of each layer's attention), for host hits and prefetched pages;
+  with `copy_ahead` the copies run on the copier thread, ahead of the forward, and layer i's
+  attention still never runs before layer i's copy ended (a copy held back is waited for);
 - write_back: nothing is backed up while a node is on device; device eviction writes it to
   host and storage, and both serve it back exactly;
 - write_through_selective: a node is backed up only once it was hit `threshold` times.
@@ -10,6 +12,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -83,7 +86,7 @@ def test_forward_waits_for_each_layer_of_host_and_storage_loads(tiny, expected, 
     model = tiny[0]
     layers = model.config.num_hidden_layers
     cfg = storage_config(model, backend="hf3fs", path=str(tmp_path))
-    first = tiered(tiny, cfg)
+    first = tiered(tiny, cfg, copy_ahead=False)
     try:
         generate(first.engine, "cold", PROMPT)
         first.engine.flush_cache()  # demoted to host
@@ -99,7 +102,8 @@ def test_forward_waits_for_each_layer_of_host_and_storage_loads(tiny, expected, 
         check_every_tier(first)
     finally:
         first.close()
-    second = tiered(tiny, cfg, prefetch_policy="wait_complete")  # zeroed device pool
+    second = tiered(tiny, cfg, prefetch_policy="wait_complete",  # zeroed device pool
+                    copy_ahead=False)
     try:
         events, checks = [], []
         second.hicache.layer_load_cls = recording_load(events, checks)
@@ -110,6 +114,76 @@ def test_forward_waits_for_each_layer_of_host_and_storage_loads(tiny, expected, 
         check_every_tier(second)
     finally:
         second.close()
+
+
+class HeldEvents(list):
+    """The events list; `attended` is set once the held layer's attention started."""
+
+    def __init__(self, held_layer: int) -> None:
+        super().__init__()
+        self.held_layer = held_layer
+        self.attended = threading.Event()
+
+    def append(self, item) -> None:
+        super().append(item)
+        if item == ("attn", self.held_layer):
+            self.attended.set()
+
+
+def copy_ahead_load(events: HeldEvents) -> type[LayerLoad]:
+    """Records ("wait", i) on the engine thread and ("copied", i, thread name) when the copier
+    ended layer i. The held layer's copy starts only once the forward waits for it, and then
+    gives a forward that did not wait 0.5 s to run that layer's attention first."""
+    forward_waits = threading.Event()
+    held_layer = events.held_layer
+
+    class HeldLayerLoad(LayerLoad):
+        def wait(self, layer: int) -> None:
+            if not self.done:
+                events.append(("wait", layer))
+                if layer == held_layer:
+                    forward_waits.set()
+            super().wait(layer)
+
+        def _copy_layer(self, layer: int) -> None:
+            if layer == held_layer:
+                assert forward_waits.wait(30), "the forward never waited for the held layer"
+                events.attended.wait(0.5)  # set only if attention ran ahead of this copy
+            super()._copy_layer(layer)
+            events.append(("copied", layer, threading.current_thread().name))
+
+    return HeldLayerLoad
+
+
+def test_copy_ahead_copies_on_its_thread_and_attention_waits_for_each_layer(
+        tiny, expected, tmp_path) -> None:
+    model = tiny[0]
+    layers = model.config.num_hidden_layers
+    held = layers - 1
+    cfg = storage_config(model, backend="hf3fs", path=str(tmp_path))
+    built = tiered(tiny, cfg)  # copy_ahead is the default on a CPU pool
+    try:
+        generate(built.engine, "cold", PROMPT)
+        built.engine.flush_cache()  # demoted to host
+        built.hicache.device_kv.zero_()
+        events = HeldEvents(held)
+        built.hicache.layer_load_cls = copy_ahead_load(events)
+        with attention_recorded(model, events):
+            tokens, out = generate(built.engine, "host", PROMPT)
+        assert tokens == expected and out.cached.host == 40
+        copied = [e for e in events if e[0] == "copied"]
+        assert [e[1] for e in copied] == list(range(layers))
+        assert {e[2] for e in copied} == {"pdcache-h2d"}
+        attn = [e for e in events if e[0] == "attn"]
+        for layer in range(layers):  # no attention before its layer's copy ended
+            assert events.index(("copied", layer, "pdcache-h2d")) < events.index(attn[layer])
+        # the held layer: the forward waited for it, and its copy ended only after that
+        assert events.index(("wait", held)) < events.index(("copied", held, "pdcache-h2d"))
+        stats = built.hicache.snapshot()
+        assert stats["load_copy_us"] > 0 and stats["load_copy_wait_us"] > 0
+        check_every_tier(built)
+    finally:
+        built.close()
 
 
 def test_write_back_backs_up_on_device_eviction(tiny, expected, tmp_path) -> None:

@@ -1,0 +1,76 @@
+"""`LoadCopier`: layer-major order across loads, failures handed to the waiter, close."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from pdcache.offload_manager.load_copier import CopyJob, LoadCopier
+
+
+def _recording(log: list[tuple[str, int]], name: str, fail_at: int | None = None):
+    def copy_layer(layer: int) -> None:
+        if layer == fail_at:
+            raise OSError(f"{name} layer {layer}")
+        log.append((name, layer))
+
+    return copy_layer
+
+
+def _gate(release: threading.Event) -> CopyJob:
+    """A one-layer job that holds the copier until `release`, so the next jobs queue up."""
+    return CopyJob(lambda _layer: None if release.wait(10) else pytest.fail("gate"), 1)
+
+
+@pytest.fixture
+def copier():
+    copier = LoadCopier().start()
+    yield copier
+    copier.close()
+
+
+def test_queued_loads_are_copied_layer_major(copier: LoadCopier) -> None:
+    log: list[tuple[str, int]] = []
+    release = threading.Event()
+    assert copier.submit(_gate(release))
+    a, b = CopyJob(_recording(log, "a"), 3), CopyJob(_recording(log, "b"), 3)
+    assert copier.submit(a) and copier.submit(b)
+    release.set()
+    for job in (a, b):
+        assert all(event.wait(10) for event in job.ready)
+    # the forward consumes layer 0 of every load before layer 1 of any
+    assert log == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert a.error is None and b.error is None
+
+
+def test_a_failed_copy_wakes_its_waiters_and_the_copier_goes_on(copier: LoadCopier) -> None:
+    log: list[tuple[str, int]] = []
+    bad, good = CopyJob(_recording(log, "bad", fail_at=1), 3), CopyJob(_recording(log, "ok"), 2)
+    assert copier.submit(bad) and copier.submit(good)
+    assert all(event.wait(10) for event in bad.ready)  # every layer's waiter wakes
+    assert isinstance(bad.error, OSError)
+    assert all(event.wait(10) for event in good.ready) and good.error is None
+    assert ("ok", 0) in log and ("ok", 1) in log and ("bad", 2) not in log
+
+
+def test_close_fails_queued_jobs_and_refuses_new_ones() -> None:
+    copier = LoadCopier().start()
+    release = threading.Event()
+    assert copier.submit(_gate(release))
+    queued = CopyJob(lambda _layer: None, 2)
+    assert copier.submit(queued)
+    closer = threading.Thread(target=copier.close)
+    closer.start()
+    release.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert all(event.is_set() for event in queued.ready)
+    assert isinstance(queued.error, RuntimeError) and "closed" in str(queued.error)
+    assert not copier.submit(CopyJob(lambda _layer: None, 1))
+    assert not copier.running
+
+
+def test_a_copier_that_was_never_started_takes_nothing() -> None:
+    # LayerLoad then copies on the engine thread (HiCache before start())
+    assert not LoadCopier().submit(CopyJob(lambda _layer: None, 1))
