@@ -12,18 +12,20 @@
 set -e
 OUT=${1:?outdir}; shift
 export MC_TCP_BIND_ADDRESS=${MC_TCP_BIND_ADDRESS:-127.0.0.1} MC_LOG_LEVEL=${MC_LOG_LEVEL:-ERROR}
-# each of these can be set from the environment (the pressure run: README "Under pressure")
+# each of these (and DEVICE_PAGES, HOST_PAGES below) can be set from the environment (the
+# pressure run: README "Under pressure")
 TURNS=${TURNS:-5} SYSTEM=512 USER=128 TOOL=256 ANSWER=32 THINK=${THINK:-0.5} PAGE=16
 REF_SESSIONS=16 POINT_SECONDS=${POINT_SECONDS:-15} MAX_RATE=${MAX_RATE:-64}
 SESSIONS=$(( MAX_RATE * POINT_SECONDS / TURNS ))
 SESSION_PAGES=$(( (USER + (TURNS - 1) * TOOL + TURNS * ANSWER) / PAGE ))
 WORKING_SET=$(( SYSTEM / PAGE + REF_SESSIONS * SESSION_PAGES ))
 DEVICE_PAGES=${DEVICE_PAGES:-$(( WORKING_SET / 2 ))}
+HOST_PAGES=${HOST_PAGES:-$DEVICE_PAGES}
 # the ideal (and the decode node, so it never bounds PD) holds everything live at any rate
 # tried: 8192 pages = 99 sessions' final contexts
 IDEAL_PAGES=8192
 echo "bench_goodput: reference working set $WORKING_SET pages ($REF_SESSIONS sessions);" \
-     "prefill device pool $DEVICE_PAGES pages, host $DEVICE_PAGES; ideal $IDEAL_PAGES;" \
+     "prefill device pool $DEVICE_PAGES pages, host $HOST_PAGES; ideal $IDEAL_PAGES;" \
      "trace $SESSIONS sessions" >&2
 rm -rf .pdcache/goodput
 PD="+node.p0.port=18301+node.p0.bootstrap_port=18302+node.d0.port=18303+node.d0.cache.device_pages=$IDEAL_PAGES"
@@ -33,8 +35,8 @@ NEW="$NEW+node.p0.cache.host_mode=exclusive+storage.eviction=session"
 exec python -m pdcache bench goodput \
   "ideal=configs/unified.toml+node.u0.port=18305+node.u0.cache.device_pages=$IDEAL_PAGES+node.u0.cache.host_pages=$IDEAL_PAGES" \
   "pd-device=configs/local-1p1d.toml$PD+storage.backend=none+node.p0.cache.host_pages=1+node.d0.offload=false" \
-  "pd-hicache-lru=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$DEVICE_PAGES" \
-  "pd-hicache-session=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$DEVICE_PAGES$NEW" \
+  "pd-hicache-lru=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$HOST_PAGES" \
+  "pd-hicache-session=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$HOST_PAGES$NEW" \
   --set model.preset=tiny --set router.port=18300 \
   --set storage.path=./.pdcache/goodput/storage \
   --set storage.metadata_service.state_dir=./.pdcache/goodput/metadata \

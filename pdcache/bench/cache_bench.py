@@ -561,21 +561,20 @@ def _environment(args: argparse.Namespace, tiers: list[str]) -> Iterator[tuple[P
 def _expand_tiers(tiers: list[str], layerwise: str, copy_ahead: str = "on") -> list[str]:
     """`--layerwise`: off replaces hf3fs/file by their -serial rows, both adds them;
     `--copy-ahead`: off replaces the page-by-page rows by their -inline rows, both adds them."""
+    serial = _with_variant(tiers, STREAMING, "-serial", layerwise)
+    return _with_variant(serial, COPIED_AHEAD, "-inline", copy_ahead)
+
+
+def _with_variant(tiers: list[str], names: tuple[str, ...], suffix: str, mode: str) -> list[str]:
+    """Each tier of `names` kept ("on"), replaced by tier+suffix ("off"), or both ("both")."""
     out: list[str] = []
     for tier in tiers:
-        if tier in STREAMING and layerwise != "on":
-            out += [tier] if layerwise == "both" else []
-            out.append(f"{tier}-serial")
+        if tier in names and mode != "on":
+            out += [tier] if mode == "both" else []
+            out.append(f"{tier}{suffix}")
         else:
             out.append(tier)
-    expanded: list[str] = []
-    for tier in out:
-        if tier in COPIED_AHEAD and copy_ahead != "on":
-            expanded += [tier] if copy_ahead == "both" else []
-            expanded.append(f"{tier}-inline")
-        else:
-            expanded.append(tier)
-    return list(dict.fromkeys(expanded))
+    return list(dict.fromkeys(out))
 
 
 def _parse_tokens(text: str, page_size: int) -> list[int]:
