@@ -151,7 +151,9 @@ def test_kill9_is_reported_and_restarted_then_sigterm_leaves_nothing(launch, tmp
     p0, p1 = free_ports(2)
     run = launch(LAUNCH.format(timeout=30) + stub_node("u0", p0, tmp_path) + stub_node("u1", p1, tmp_path))
     wait_for(run.all_healthy, 30, "both nodes healthy")
-    assert "up after" in run.output() and f"http://127.0.0.1:{p0}" in run.output()
+    # the state file says healthy a moment before the launcher prints its summary
+    wait_for(lambda: "up after" in run.output() and f"http://127.0.0.1:{p0}" in run.output(),
+             10, "the launcher's summary with u0's endpoint")
     before = run.procs()
     old_pid, other_pid, old_child = before["u0"]["pid"], before["u1"]["pid"], run.child_pid("u0")
 
