@@ -309,15 +309,16 @@ class LayerLoad:
         self.copy_s += time.perf_counter() - start
 
     def _await_copied(self, layer: int) -> None:
-        assert self._job is not None
+        job = self._job
+        assert job is not None
         start = time.perf_counter()
-        ended = self._job.ready[layer].wait(COPY_WAIT_S)
+        ended = job.ready[layer].wait(COPY_WAIT_S)
         self.copy_wait_s += time.perf_counter() - start
-        if self._job.error is not None:  # the copier is done with this load: release it
+        if job.error is not None:  # the copier is done with this load: release it
             self._next_layer = self.num_layers
             self._finish()
             raise RuntimeError(f"host → device copy of layer {layer} failed: "
-                               f"{self._job.error}") from self._job.error
+                               f"{job.error}") from job.error
         if not ended:  # still queued or copying: its pages stay pinned and reserved
             raise RuntimeError(f"host → device copy of layer {layer} did not end in "
                                f"{COPY_WAIT_S:.0f} s")
@@ -350,6 +351,9 @@ class LayerLoad:
 
     def _finish(self) -> None:
         self._finished = True
+        # the job's copy_layer is a bound method of this load: drop the cycle, so the pools it
+        # references go with the engine, not with the next cyclic garbage collection
+        self._job = None
         if self.streamed is not None:
             start = time.perf_counter()
             ok = self.streamed.stream.wait_done()

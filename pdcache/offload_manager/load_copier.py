@@ -110,14 +110,17 @@ class LoadCopier:
 
     def _run(self) -> None:
         while (item := self._next()) is not None:
-            job, layer = item
-            try:
-                job.copy_layer(layer)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting engine thread
-                log.exception("host → device copy of layer %d failed", layer)
-                with self._cond:
-                    if job in self._jobs:
-                        self._jobs.remove(job)
-                job.fail(exc)
-                continue
-            job.ready[layer].set()
+            self._copy(*item)
+            item = None  # keep no job (nor the load and pools it references) while idle
+
+    def _copy(self, job: CopyJob, layer: int) -> None:
+        try:
+            job.copy_layer(layer)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting engine thread
+            log.exception("host → device copy of layer %d failed", layer)
+            with self._cond:
+                if job in self._jobs:
+                    self._jobs.remove(job)
+            job.fail(exc)
+            return
+        job.ready[layer].set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -74,3 +75,40 @@ def test_close_fails_queued_jobs_and_refuses_new_ones() -> None:
 def test_a_copier_that_was_never_started_takes_nothing() -> None:
     # LayerLoad then copies on the engine thread (HiCache before start())
     assert not LoadCopier().submit(CopyJob(lambda _layer: None, 1))
+
+
+def test_a_finished_load_is_freed_by_reference_counting_alone(copier: LoadCopier) -> None:
+    """A LayerLoad and its CopyJob reference each other while the copy runs; once done, no
+    cycle may keep the load (and the pools it holds) alive until a garbage collection: the
+    copy-ahead bench grew to 24 GB of fresh engines' pools before the cycle was broken."""
+    import gc
+    import weakref
+
+    import torch
+
+    from pdcache.offload_manager.hicache import LayerLoad
+    from pdcache.offload_manager.host_pool import HostKVPool
+
+    pool = HostKVPool(num_pages=4, num_layers=3, page_size=2, num_kv_heads=1, head_dim=4,
+                      dtype=torch.float32)
+    host_ids = pool.alloc(2)
+    assert host_ids is not None
+    pool.commit(host_ids)
+    pool.host_kv[host_ids] = torch.arange(2.0).view(2, 1, 1, 1, 1, 1) + 1
+    device_kv = torch.zeros(3, 2, 5, 2, 1, 4)
+    gc.disable()
+    try:
+        load = LayerLoad(pool, device_kv, host_ids, [3, 1], copier=copier)
+        load.wait(2)
+        assert load.done and not pool.any_pinned
+        assert torch.equal(device_kv[:, :, 3], torch.ones(3, 2, 2, 1, 4))
+        assert torch.equal(device_kv[:, :, 1], torch.full((3, 2, 2, 1, 4), 2.0))
+        ref = weakref.ref(load)
+        del load
+        # the copier thread's frame may hold the job a moment after the last event: bounded
+        deadline = time.monotonic() + 5.0
+        while ref() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ref() is None, "a reference cycle keeps the finished load alive"
+    finally:
+        gc.enable()
