@@ -39,6 +39,7 @@ the device hit and ≤ 0.1× recompute at N ≥ 4k.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -380,6 +381,9 @@ class PrefixRun:
             self._sample(built, tier, i)
         finally:
             built.close()
+            # the engine's object graph has reference cycles, so its pools (1.1 GB at 32k)
+            # would wait for a full collection: dozens of fresh engines exhausted 24 GB
+            gc.collect()
 
     def _mooncake(self, hf3fs, stack: ExitStack):
         """Copy the prefix's pages from hf3fs into the store through a client that stays up
