@@ -29,8 +29,9 @@ no-prefix-cache run's, the other tiers' equal a device hit's of the same prompts
 lower tier's time goes: `lookup_ms` (keys + exists_prefix), `read_ms` (storage reads),
 `wait_ms` (prefetch start to admission), `h2d_ms` (host → device copies), `copy_wait_ms` (the
 forward waiting for them when they run ahead of it on the copier thread, `copy_ahead`).
-`--copy-ahead both` adds `-inline` rows for the page-by-page storage tiers: the same reads
-with the copies on the engine thread (`HiCacheConfig.copy_ahead` off). A second table gives
+`--copy-ahead both` adds `-ahead` rows for the page-by-page storage tiers: the same reads
+with the copies on the copier thread (`HiCacheConfig.copy_ahead`, off by default). A second
+table gives
 storage read GB/s beside a plain memcpy and a plain file read of the same bytes (`pdcache
 bench storage`'s method, pages of this model's size). Targets (issue 3): storage hit ≤ 1.3×
 the device hit and ≤ 0.1× recompute at N ≥ 4k.
@@ -57,19 +58,20 @@ import torch
 
 from pdcache.bench.table import emit
 
-TIERS = ("recompute", "device", "host", "hf3fs", "hf3fs-serial", "hf3fs-serial-inline", "file",
-         "file-serial", "file-serial-inline", "mooncake-inline",
+TIERS = ("recompute", "device", "host", "hf3fs", "hf3fs-serial", "hf3fs-serial-ahead", "file",
+         "file-serial", "file-serial-ahead", "mooncake-ahead",
          "mooncake")
 DEFAULT_TIERS = ("recompute", "device", "host", "hf3fs", "file", "mooncake")
 STREAMING = ("hf3fs", "file")  # backends with a layer-major read
-# loads copied host → device ahead of the forward by default; `-inline` rows copy on the
-# engine thread (HiCacheConfig.copy_ahead off). Layer-streamed loads always copy inline.
+# loads copied host → device on the engine thread, as nodes do by default; `-ahead` rows copy
+# them ahead of the forward on the copier thread (HiCacheConfig.copy_ahead). Layer-streamed
+# loads always copy on the engine thread.
 COPIED_AHEAD = ("hf3fs-serial", "file-serial", "mooncake")
 
 
 def backend_of(tier: str) -> str:
-    """The storage backend behind a tier row ("hf3fs-serial-inline" -> "hf3fs")."""
-    return tier.removesuffix("-inline").removesuffix("-serial")
+    """The storage backend behind a tier row ("hf3fs-serial-ahead" -> "hf3fs")."""
+    return tier.removesuffix("-ahead").removesuffix("-serial")
 MB = 1 << 20
 
 
@@ -87,10 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra no-cache runs besides the cold seeding one (slow at 16k)")
     parser.add_argument("--tiers", default=",".join(DEFAULT_TIERS),
                         help=f"comma-separated subset of {', '.join(TIERS)}")
-    parser.add_argument("--copy-ahead", default="on", choices=["on", "off", "both"],
+    parser.add_argument("--copy-ahead", default="off", choices=["on", "off", "both"],
                         help="page-by-page storage rows (hf3fs-serial, file-serial, mooncake) "
-                             "with the host → device copy ahead of the forward (on, the "
-                             "default), on the engine thread (off: their -inline rows), or both")
+                             "with the host → device copy on the engine thread (off, the nodes' "
+                             "default), ahead of the forward on the copier thread (on: their "
+                             "-ahead rows), or both")
     parser.add_argument("--layerwise", default="both", choices=["on", "off", "both"],
                         help="hf3fs/file with the layer-streamed prefetch, without it (the "
                              "-serial rows), or both (default)")
@@ -188,7 +191,7 @@ class Setup:
                                   **settings)
 
     def tiered(self, storage, write_policy: str = "write_through", layerwise: bool = True,
-               copy_ahead: bool = True):
+               copy_ahead: bool = False):
         """A started engine with host and storage tiers. Its pools are touched once (as in a
         server that has been up a while), so no run pays first-touch page faults."""
         from pdcache.offload_manager.builder import TierConfig, build_tiered_engine
@@ -375,8 +378,8 @@ class PrefixRun:
         reads (write_back never writes before an eviction): the seeding engine's in-process
         hf3fs index stays the only writer of those files."""
         built = self.setup.tiered(storage, write_policy="write_back",
-                                  layerwise=not tier.removesuffix("-inline").endswith("-serial"),
-                                  copy_ahead=not tier.endswith("-inline"))
+                                  layerwise=not tier.removesuffix("-ahead").endswith("-serial"),
+                                  copy_ahead=tier.endswith("-ahead"))
         try:
             self._sample(built, tier, i)
         finally:
@@ -562,20 +565,23 @@ def _environment(args: argparse.Namespace, tiers: list[str]) -> Iterator[tuple[P
         yield Path(tmp), master
 
 
-def _expand_tiers(tiers: list[str], layerwise: str, copy_ahead: str = "on") -> list[str]:
+def _expand_tiers(tiers: list[str], layerwise: str, copy_ahead: str = "off") -> list[str]:
     """`--layerwise`: off replaces hf3fs/file by their -serial rows, both adds them;
-    `--copy-ahead`: off replaces the page-by-page rows by their -inline rows, both adds them."""
-    serial = _with_variant(tiers, STREAMING, "-serial", layerwise)
-    return _with_variant(serial, COPIED_AHEAD, "-inline", copy_ahead)
+    `--copy-ahead`: on replaces the page-by-page rows by their -ahead rows, both adds them."""
+    serial = _with_variant(tiers, STREAMING, "-serial", keep=layerwise != "off",
+                           add=layerwise != "on")
+    return _with_variant(serial, COPIED_AHEAD, "-ahead", keep=copy_ahead != "on",
+                         add=copy_ahead != "off")
 
 
-def _with_variant(tiers: list[str], names: tuple[str, ...], suffix: str, mode: str) -> list[str]:
-    """Each tier of `names` kept ("on"), replaced by tier+suffix ("off"), or both ("both")."""
+def _with_variant(tiers: list[str], names: tuple[str, ...], suffix: str, keep: bool,
+                  add: bool) -> list[str]:
+    """Each tier of `names` kept or not, and followed by tier+suffix or not."""
     out: list[str] = []
     for tier in tiers:
-        if tier in names and mode != "on":
-            out += [tier] if mode == "both" else []
-            out.append(f"{tier}{suffix}")
+        if tier in names:
+            out += [tier] if keep else []
+            out += [f"{tier}{suffix}"] if add else []
         else:
             out.append(tier)
     return list(dict.fromkeys(out))

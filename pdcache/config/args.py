@@ -173,7 +173,7 @@ def _cache_table(args: argparse.Namespace, role: str) -> dict[str, Any]:
                      host_mode=args.host_mode, session_idle_s=args.session_idle_s,
                      prefetch_layerwise=args.prefetch_layerwise,
                      prefetch_layers_per_read=args.prefetch_layers_per_read,
-                     load_copy_ahead=not args.no_load_copy_ahead)
+                     load_copy_ahead=args.load_copy_ahead)
     host_pages = getattr(args, "host_pages", 0)
     if host_pages > 0:
         table["host_pages"] = host_pages
@@ -317,10 +317,10 @@ def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> N
         group.add_argument("--prefetch-layers-per-read", type=int, default=1,
                            help="with --prefetch-layerwise: layers read per page per step "
                                 "(fewer, larger reads; the first step carries the header)")
-        group.add_argument("--no-load-copy-ahead", action="store_true",
-                           help="CPU pools: copy each loaded layer host → device on the engine "
-                                "thread when the forward reaches it, not ahead of it on a "
-                                "thread of its own (docs/design.md §4.11)")
+        group.add_argument("--load-copy-ahead", action="store_true",
+                           help="CPU pools: copy loaded layers host → device ahead of the "
+                                "forward on a thread of their own, not on the engine thread "
+                                "when the forward reaches them (docs/design.md §4.11)")
         group.add_argument("--device-eviction", default="lru", choices=list(EVICTION_POLICIES),
                            help="which cached pages the device evicts first; 'session': closed "
                                 "sessions first, active ones expected back last next")

@@ -125,9 +125,10 @@ class CacheSpec:
     prefetch_layerwise: bool = False
     prefetch_layers_per_read: int = 1
     # CPU device pools: copy loads host → device on a thread of their own, layer l+1 while
-    # layer l is computed (docs/design.md §4.11, "Loads copied ahead"); false: each layer is
-    # copied on the engine thread when the forward reaches it. No effect on CUDA pools.
-    load_copy_ahead: bool = True
+    # layer l is computed (docs/design.md §4.11, "Loads copied ahead"); off by default (no
+    # measured gain on a 2-core CPU); off: each layer is copied on the engine thread when the
+    # forward reaches it. No effect on CUDA pools.
+    load_copy_ahead: bool = False
     # How stored pages are named: "pdcache", or "sglang" to share pages with SGLang servers
     # running the pdcache storage plugin (whose `key_namespace` must equal this one).
     key_scheme: Literal["pdcache", "sglang"] = "pdcache"

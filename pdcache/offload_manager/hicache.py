@@ -1,7 +1,7 @@
 """HiCache controller: backup (device → host → storage), storage prefetch (storage → host) and
 the per-layer host → device load, on top of `HiRadixTree` (docs/design.md §2, §4.2–4.4). With a
-CPU device pool the load's copies run ahead of the forward on a `LoadCopier` thread
-(`copy_ahead`, load_copier.py); the forward waits per layer for its copy to have ended.
+CPU device pool and `copy_ahead` (off by default) the load's copies run ahead of the forward on
+a `LoadCopier` thread (load_copier.py); the forward waits per layer for its copy to have ended.
 
 Engine-thread API (called by the scheduler): `match`, `start_prefetch`, `prefetch_ready`,
 `take_prefetch`, `cancel_prefetch`, `load`, `backup`, `check`. Storage I/O runs on two
@@ -103,8 +103,10 @@ class HiCacheConfig:
     layerwise_read_layers: int = 1  # layers per read step of a page (first step: + header)
     # copy loads host → device on a thread of their own, layer l+1 while layer l is computed
     # (load_copier.py); only for CPU device pools, where the copy is a memcpy on the forward's
-    # core. False: every layer is copied on the engine thread when the forward reaches it
-    copy_ahead: bool = True
+    # core. Off by default: on the 2-core machine here it measured no TTFT gain (the copy and
+    # the attention share memory bandwidth; README "Measured"). Off: every layer is copied on
+    # the engine thread when the forward reaches it
+    copy_ahead: bool = False
     # how stored pages are named (pdcache.engine.page_keys.PageKeyScheme): "pdcache", or
     # "sglang" to share pages with SGLang servers running the pdcache storage plugin
     key_scheme: str = "pdcache"

@@ -42,12 +42,12 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
     report = json.loads((tmp_path / "out.json").read_text())
     rows = {(r["N"], r["tier"]): r for r in report["rows"]}
     # --layerwise both (the default): hf3fs with the layer-streamed prefetch and without;
-    # --copy-ahead both: the page-by-page rows also with the copy on the engine thread
-    inline = ["hf3fs-serial-inline"] + (["mooncake-inline"] if "mooncake" in tiers else [])
-    assert set(rows) == {(n, t) for n in (32, 64) for t in [*tiers, "hf3fs-serial", *inline]}
+    # --copy-ahead both: the page-by-page rows also with the copy ahead on the copier thread
+    ahead = ["hf3fs-serial-ahead"] + (["mooncake-ahead"] if "mooncake" in tiers else [])
+    assert set(rows) == {(n, t) for n in (32, 64) for t in [*tiers, "hf3fs-serial", *ahead]}
     expected_tier = {"recompute": "none", "device": "device", "host": "host", "hf3fs": "storage",
                      "hf3fs-serial": "storage", "mooncake": "storage",
-                     "hf3fs-serial-inline": "storage", "mooncake-inline": "storage"}
+                     "hf3fs-serial-ahead": "storage", "mooncake-ahead": "storage"}
     for (n, tier), row in rows.items():
         assert row["hit_tier"] == expected_tier[tier], row
         assert row["reused_tokens"] == (0 if tier == "recompute" else n), row
@@ -56,7 +56,7 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
             assert row["vs_device_min"] <= row["vs_device"] <= row["vs_device_max"], row
         if tier != "recompute":
             assert row["exact"] == "yes", row
-        if tier.endswith("-inline"):  # copied on the engine thread: nothing waited for a copier
+        if tier in ("hf3fs-serial", "mooncake"):  # on the engine thread: no copier to wait for
             assert row["h2d_ms"] > 0 and row["copy_wait_ms"] == 0, row
     paths = [r["path"] for r in report["bandwidth"]]
     assert paths[:2] == ["memcpy (torch copy_)", "plain file preadv"]

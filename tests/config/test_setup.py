@@ -371,16 +371,16 @@ def test_storage_eviction_from_flags_equals_from_topology(tmp_path: Path) -> Non
 
 
 def test_load_copy_ahead_key_and_flag_reach_hicache(tmp_path: Path) -> None:
-    """`[cache] load_copy_ahead` (on by default) and `--no-load-copy-ahead` land in
+    """`[cache] load_copy_ahead` (off by default) and `--load-copy-ahead` land in
     HiCacheConfig.copy_ahead."""
-    assert setup_for(pd(tmp_path), "p0", MODEL).tiers.hicache.copy_ahead is True
-    off = setup_for(pd(tmp_path, cache="load_copy_ahead = false"), "p0", MODEL)
-    assert off.tiers.hicache.copy_ahead is False
+    assert setup_for(pd(tmp_path), "p0", MODEL).tiers.hicache.copy_ahead is False
+    on = setup_for(pd(tmp_path, cache="load_copy_ahead = true"), "p0", MODEL)
+    assert on.tiers.hicache.copy_ahead is True
     flags = from_flags("prefill", "--name", "p0", "--port", "31001", "--bootstrap-port", "8998",
-                       "--no-load-copy-ahead", *storage_flags(tmp_path))
-    assert flags.tiers.hicache.copy_ahead is False
+                       "--load-copy-ahead", *storage_flags(tmp_path))
+    assert flags.tiers.hicache.copy_ahead is True
     assert from_flags("prefill", "--name", "p0", "--port", "31001", "--bootstrap-port", "8998",
-                      *storage_flags(tmp_path)).tiers.hicache.copy_ahead is True
+                      *storage_flags(tmp_path)).tiers.hicache.copy_ahead is False
 
 
 def test_layerwise_prefetch_key_and_flag_reach_hicache(tmp_path: Path) -> None:

@@ -161,7 +161,7 @@ def test_copy_ahead_copies_on_its_thread_and_attention_waits_for_each_layer(
     layers = model.config.num_hidden_layers
     held = layers - 1
     cfg = storage_config(model, backend="hf3fs", path=str(tmp_path))
-    built = tiered(tiny, cfg)  # copy_ahead is the default on a CPU pool
+    built = tiered(tiny, cfg, copy_ahead=True)
     try:
         generate(built.engine, "cold", PROMPT)
         built.engine.flush_cache()  # demoted to host
