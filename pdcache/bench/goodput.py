@@ -441,17 +441,21 @@ def live_pages(records: list[dict[str, Any]], page_size: int) -> float | None:
     """Mean pages the live sessions' contexts hold over the pass: the working set a cache must
     keep for every next turn to hit. A session holds its latest request's prompt + answer from
     that request's dispatch to the next one's (to its answer, for the last); the prefix its
-    first turn shared with earlier sessions (the system prompt) is counted once, not per
-    session, so this is the working set, not the sum of the contexts."""
+    first turns share (the system prompt: the longest prefix a first turn found cached, taken
+    as common to every session) is counted once, not per session, so this is the working set,
+    not the sum of the contexts."""
     by_session: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_session.setdefault(r["session_id"], []).append(r)
-    held_page_seconds = shared_pages = 0.0
-    begin, end = float("inf"), float("-inf")
     for turns in by_session.values():
         turns.sort(key=lambda r: r["dispatch_s"])
-        shared = turns[0].get("theoretical_cached_tokens") or 0
-        shared_pages = max(shared_pages, shared // page_size)
+    # the prefix first turns found cached before them: the system prompt every session shares
+    # (assumed common to all, the first session's included, which found nothing cached)
+    shared = max((t[0].get("theoretical_cached_tokens") or 0 for t in by_session.values()),
+                 default=0)
+    held_page_seconds = 0.0
+    begin, end = float("inf"), float("-inf")
+    for turns in by_session.values():
         for i, r in enumerate(turns):
             context = r["prompt_tokens"] + (r.get("output_tokens") or 0) - shared
             until = (turns[i + 1]["dispatch_s"] if i + 1 < len(turns)
@@ -460,7 +464,7 @@ def live_pages(records: list[dict[str, Any]], page_size: int) -> float | None:
             begin, end = min(begin, r["dispatch_s"]), max(end, until)
     if end <= begin:
         return None
-    return shared_pages + held_page_seconds / (end - begin)
+    return shared // page_size + held_page_seconds / (end - begin)
 
 
 def scrape_latencies(urls: list[str]) -> dict[str, tuple[float, float]]:

@@ -287,7 +287,8 @@ class LayerLoad:
         self.host_page_ids = host_page_ids
         self.num_layers = device_kv.shape[0]
         self.streamed = streamed
-        self.failed = False  # streamed pages that did not verify (known once done)
+        # streamed pages that did not verify, or a copy-ahead copy that raised (known once done)
+        self.failed = False
         self._next_layer = 0
         self._finished = False
         self._on_done = on_done
@@ -300,6 +301,8 @@ class LayerLoad:
         # streamed pages arrive layer by layer from storage: copied inline, after each layer's
         # read (a copier thread would only wait on the stream in the engine's place)
         self._job: CopyJob | None = None
+        self._copier = copier
+        self._timed_out = False  # a copy outlived COPY_WAIT_S: later waits raise at once
         if copier is not None and streamed is None:
             job = CopyJob(self._copy_layer, self.num_layers)
             self._job = job if copier.submit(job) else None
@@ -313,15 +316,20 @@ class LayerLoad:
     def _await_copied(self, layer: int) -> None:
         job = self._job
         assert job is not None
+        if self._timed_out:
+            raise RuntimeError(f"host → device copy of layer {layer} timed out earlier")
         start = time.perf_counter()
         ended = job.ready[layer].wait(COPY_WAIT_S)
         self.copy_wait_s += time.perf_counter() - start
-        if job.error is not None:  # the copier is done with this load: release it
+        if job.error is not None:  # the copier is done with this load: release it, and mark
+            self.failed = True  # its K/V unusable (recomputed, never cached: the scheduler)
             self._next_layer = self.num_layers
             self._finish()
-            raise RuntimeError(f"host → device copy of layer {layer} failed: "
-                               f"{job.error}") from job.error
+            raise RuntimeError(f"host → device copy failed: {job.error}") from job.error
         if not ended:  # still queued or copying: its pages stay pinned and reserved
+            self._timed_out = True
+            if self._copier is not None:
+                self._copier.mark_wedged()
             raise RuntimeError(f"host → device copy of layer {layer} did not end in "
                                f"{COPY_WAIT_S:.0f} s")
 
@@ -355,7 +363,7 @@ class LayerLoad:
         self._finished = True
         # the job's copy_layer is a bound method of this load: drop the cycle, so the pools it
         # references go with the engine, not with the next cyclic garbage collection
-        self._job = None
+        self._job = self._copier = None
         if self.streamed is not None:
             start = time.perf_counter()
             ok = self.streamed.stream.wait_done()

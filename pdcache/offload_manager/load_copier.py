@@ -43,7 +43,8 @@ class CopyJob:
         self.ready = [threading.Event() for _ in range(self.num_layers)]
 
     def fail(self, error: BaseException) -> None:
-        self.error = error
+        # no traceback: its frames would hold this job, its load and the pools it references
+        self.error = error.with_traceback(None)
         for event in self.ready:
             event.set()
 
@@ -60,6 +61,7 @@ class LoadCopier:
         self._cond = threading.Condition()
         self._jobs: list[CopyJob] = []
         self._stopping = False
+        self._wedged = False  # a waiter gave up on a copy (`mark_wedged`): take no more jobs
         self._thread: threading.Thread | None = None
 
     @property
@@ -78,22 +80,36 @@ class LoadCopier:
         """Queue `job`; False (nothing queued) when the copier is not running, so the caller
         copies on its own thread instead."""
         with self._cond:
-            if self._thread is None or self._stopping:
+            if self._thread is None or self._stopping or self._wedged:
                 return False
             self._jobs.append(job)
             self._cond.notify()
         return True
 
+    def mark_wedged(self) -> None:
+        """A copy did not end within its waiter's bound: later loads copy on the engine
+        thread instead of queueing behind it."""
+        with self._cond:
+            self._wedged = True
+
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop after the layer being copied; jobs still queued fail (their waiters raise)."""
+        """Stop after the layer being copied, then fail the jobs still queued (their waiters
+        raise). Only once the thread has ended: a job's layer in flight is never reported done
+        (or failed) before its copy has, so no waiter frees pages that are still written. If
+        the thread does not end in `timeout_s`, the queued jobs are left for their waiters'
+        own bound."""
         with self._cond:
             self._stopping = True
-            left, self._jobs = self._jobs, []
             self._cond.notify_all()
-        for job in left:
-            job.fail(RuntimeError("the host → device copier was closed"))
         if self._thread is not None:
             self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("the host → device copier did not stop in %.0f s", timeout_s)
+                return
+        with self._cond:
+            left, self._jobs = self._jobs, []
+        for job in left:
+            job.fail(RuntimeError("the host → device copier was closed"))
 
     def _next(self) -> tuple[CopyJob, int] | None:
         with self._cond:

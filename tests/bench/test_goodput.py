@@ -148,12 +148,12 @@ def test_live_pages_is_the_time_mean_working_set_with_the_shared_prefix_once() -
         return {"session_id": sid, "dispatch_s": t, "e2e_s": e2e, "prompt_tokens": prompt,
                 "output_tokens": out, "theoretical_cached_tokens": shared}
 
-    # page 16; a shares nothing: 64+16 tokens (5 pages) 0-3 s, then 128+16 (9 pages) 3-4 s;
-    # b's first turn shares a's 32-token prefix (2 pages, counted once): 96+32-32 = 6 pages
-    # 2-6 s. (5*3 + 9*1 + 6*4) page-seconds over 6 s + 2 shared pages
+    # page 16; b's first turn found a's 32-token prefix cached (2 pages, counted once, a's
+    # included): a holds 64+16-32 tokens (3 pages) 0-3 s, then 128+16-32 (7 pages) 3-4 s;
+    # b 96+32-32 (6 pages) 2-6 s. (3*3 + 7*1 + 6*4) page-seconds over 6 s + 2 shared pages
     records = [rec("a", 0.0, 1.0, 64, 16, 0), rec("a", 3.0, 1.0, 128, 16, 0),
                rec("b", 2.0, 4.0, 96, 32, 32)]
-    assert live_pages(records, 16) == pytest.approx(2 + (15 + 9 + 24) / 6.0)
+    assert live_pages(records, 16) == pytest.approx(2 + (9 + 7 + 24) / 6.0)
     assert live_pages([], 16) is None
 
 

@@ -55,6 +55,13 @@ def test_a_failed_copy_wakes_its_waiters_and_the_copier_goes_on(copier: LoadCopi
     assert ("ok", 0) in log and ("ok", 1) in log and ("bad", 2) not in log
 
 
+def _wait_stopping(copier: LoadCopier) -> None:
+    deadline = time.monotonic() + 10.0
+    while copier.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not copier.running, "close() did not start"
+
+
 def test_close_fails_queued_jobs_and_refuses_new_ones() -> None:
     copier = LoadCopier().start()
     release = threading.Event()
@@ -63,6 +70,7 @@ def test_close_fails_queued_jobs_and_refuses_new_ones() -> None:
     assert copier.submit(queued)
     closer = threading.Thread(target=copier.close)
     closer.start()
+    _wait_stopping(copier)  # the copier is told to stop while the gate's copy runs
     release.set()
     closer.join(10)
     assert not closer.is_alive()
@@ -112,3 +120,79 @@ def test_a_finished_load_is_freed_by_reference_counting_alone(copier: LoadCopier
         assert ref() is None, "a reference cycle keeps the finished load alive"
     finally:
         gc.enable()
+
+
+def test_close_never_reports_a_layer_whose_copy_is_still_running() -> None:
+    """A waiter woken for a layer frees its pages: close() must not wake it mid-copy."""
+    copier = LoadCopier().start()
+    entered, release, log = threading.Event(), threading.Event(), []
+
+    def copy_layer(layer: int) -> None:
+        if layer == 0:
+            entered.set()
+            assert release.wait(10)
+        log.append(("copied", layer))
+
+    job = CopyJob(copy_layer, 3)
+    assert copier.submit(job)
+    assert entered.wait(10)  # layer 0's copy is running
+    closer = threading.Thread(target=copier.close)
+    closer.start()
+    _wait_stopping(copier)
+    assert not job.ready[0].is_set(), "layer 0 reported while its copy runs"
+    release.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert log == [("copied", 0)]  # the layer in flight ended; the rest were not started
+    assert all(event.is_set() for event in job.ready)
+    assert isinstance(job.error, RuntimeError) and "closed" in str(job.error)
+
+
+def _layer_load(copier: LoadCopier, copy_layer):
+    import torch
+
+    from pdcache.offload_manager.hicache import LayerLoad
+    from pdcache.offload_manager.host_pool import HostKVPool
+
+    class Load(LayerLoad):
+        def _copy_layer(self, layer: int) -> None:
+            copy_layer(layer)
+            super()._copy_layer(layer)
+
+    pool = HostKVPool(num_pages=4, num_layers=3, page_size=2, num_kv_heads=1, head_dim=4,
+                      dtype=torch.float32)
+    host_ids = pool.alloc(2)
+    assert host_ids is not None
+    pool.commit(host_ids)
+    return pool, Load(pool, torch.zeros(3, 2, 5, 2, 1, 4), host_ids, [3, 1], copier=copier)
+
+
+def test_a_copy_that_raises_fails_the_load_and_releases_it(copier: LoadCopier) -> None:
+    def copy_layer(layer: int) -> None:
+        if layer == 1:
+            raise OSError("bad page")
+
+    pool, load = _layer_load(copier, copy_layer)
+    with pytest.raises(RuntimeError, match="copy failed: bad page"):
+        load.wait(2)
+    # failed: the scheduler recomputes the request and caches none of its pages
+    assert load.done and load.failed and not pool.any_pinned
+    load.finish()  # the runner's finish() after the forward: nothing left to do
+
+
+def test_a_copy_past_its_bound_keeps_the_pages_and_wedges_the_copier(monkeypatch) -> None:
+    from pdcache.offload_manager import hicache
+
+    monkeypatch.setattr(hicache, "COPY_WAIT_S", 0.2)
+    copier, stuck = LoadCopier().start(), threading.Event()
+    try:
+        pool, load = _layer_load(copier, lambda layer: stuck.wait(10) if layer == 0 else None)
+        with pytest.raises(RuntimeError, match="did not end in"):
+            load.wait(0)
+        with pytest.raises(RuntimeError, match="timed out earlier"):  # no second 0.2 s wait
+            load.finish()
+        assert not load.done and pool.any_pinned  # the copy may still write: nothing freed
+        assert not copier.submit(CopyJob(lambda _layer: None, 1))  # later loads copy inline
+    finally:
+        stuck.set()
+        copier.close()
