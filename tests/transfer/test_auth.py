@@ -271,6 +271,19 @@ def test_a_decode_frame_for_one_prefill_is_dropped_by_another(
             sender.close()
 
 
+def _restart_on(port: int, config, src) -> KVSender:
+    """A new prefill on `port`. close() returns once the old one's sockets are closed, but the
+    kernel can still hold the listening port a moment (CI saw EADDRINUSE): retry, bounded."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            return KVSender(config, src, "127.0.0.1", port, control_key=KEY).start()
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def test_a_fast_prefill_restart_makes_decode_register_again() -> None:
     """A prefill restarted on the same address (a new boot id) before decode noticed gets the
     decode's frames sealed for its old boot. It opens them under the boot id decode names in
@@ -289,7 +302,7 @@ def test_a_fast_prefill_restart_makes_decode_register_again() -> None:
         _transfer(pair, 1)
         old_boot = sender.boot_id
         sender.close()
-        restarted = KVSender(config, src, "127.0.0.1", port, control_key=KEY).start()
+        restarted = _restart_on(port, config, src)
         assert restarted.boot_id != old_boot
         pair.sender = restarted
         # decode's socket reconnected once its pings (still for the old boot) arrive; a frame
