@@ -30,7 +30,10 @@ lower tier's time goes: `lookup_ms` (keys + exists_prefix), `read_ms` (storage r
 `wait_ms` (prefetch start to admission), `h2d_ms` (host → device copies), `copy_wait_ms` (the
 forward waiting for them when they run ahead of it on the copier thread, `copy_ahead`).
 `--copy-ahead both` adds `-ahead` rows for the page-by-page storage tiers: the same reads
-with the copies on the copier thread (`HiCacheConfig.copy_ahead`, off by default). A second
+with the copies on the copier thread (`HiCacheConfig.copy_ahead`, off by default).
+`--storage-pipeline both` adds `-inline` rows for hf3fs-serial and file-serial: the same reads
+verifying every page on the reading thread (`pipeline_pages = 0`) instead of beside the next
+group's reads (storage/page_pipeline.py, the default). A second
 table gives
 storage read GB/s beside a plain memcpy and a plain file read of the same bytes (`pdcache
 bench storage`'s method, pages of this model's size). Targets (issue 3): storage hit ≤ 1.3×
@@ -58,20 +61,28 @@ import torch
 
 from pdcache.bench.table import emit
 
-TIERS = ("recompute", "device", "host", "hf3fs", "hf3fs-serial", "hf3fs-serial-ahead", "file",
-         "file-serial", "file-serial-ahead", "mooncake-ahead",
-         "mooncake")
+TIERS = ("recompute", "device", "host", "hf3fs", "hf3fs-serial", "hf3fs-serial-ahead",
+         "hf3fs-serial-inline", "file", "file-serial", "file-serial-ahead", "file-serial-inline",
+         "mooncake-ahead", "mooncake")
 DEFAULT_TIERS = ("recompute", "device", "host", "hf3fs", "file", "mooncake")
 STREAMING = ("hf3fs", "file")  # backends with a layer-major read
 # loads copied host → device on the engine thread, as nodes do by default; `-ahead` rows copy
 # them ahead of the forward on the copier thread (HiCacheConfig.copy_ahead). Layer-streamed
 # loads always copy on the engine thread.
 COPIED_AHEAD = ("hf3fs-serial", "file-serial", "mooncake")
+# pages verified beside the next group's reads (StorageConfig.pipeline_pages, the default);
+# `-inline` rows verify each page on the reading thread
+PIPELINED = ("hf3fs-serial", "file-serial")
 
 
 def backend_of(tier: str) -> str:
     """The storage backend behind a tier row ("hf3fs-serial-ahead" -> "hf3fs")."""
-    return tier.removesuffix("-ahead").removesuffix("-serial")
+    return _read_mode(tier).removesuffix("-serial")
+
+
+def _read_mode(tier: str) -> str:
+    """A tier row without its copy and verify variants ("file-serial-inline" -> "file-serial")."""
+    return tier.removesuffix("-inline").removesuffix("-ahead")
 MB = 1 << 20
 
 
@@ -97,6 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layerwise", default="both", choices=["on", "off", "both"],
                         help="hf3fs/file with the layer-streamed prefetch, without it (the "
                              "-serial rows), or both (default)")
+    parser.add_argument("--storage-pipeline", default="on", choices=["on", "off", "both"],
+                        help="page-by-page hf3fs/file reads verifying page groups beside the "
+                             "next group's reads (on, the default: storage pipeline_pages), "
+                             "inline on the reading thread (off: their -inline rows), or both")
     parser.add_argument("--layers-per-read", type=int, default=None,
                         help="layers per read step of the layer-streamed prefetch "
                              "(default: HiCacheConfig's)")
@@ -290,11 +305,12 @@ class PrefixRun:
             file_copy = mooncake = None
             for tier in self.tiers:
                 backend = backend_of(tier)
+                inline = {"pipeline_pages": 0} if tier.endswith("-inline") else {}
                 if backend == "hf3fs":
-                    readers[tier] = hf3fs
+                    readers[tier] = hf3fs.replace(**inline)
                 elif backend == "file":
                     file_copy = file_copy or self._file_copy(hf3fs)
-                    readers[tier] = file_copy
+                    readers[tier] = file_copy.replace(**inline)
                 elif backend == "mooncake" and self.setup.master is not None:
                     mooncake = mooncake or self._mooncake(hf3fs, stack)
                     readers[tier] = mooncake
@@ -378,7 +394,7 @@ class PrefixRun:
         reads (write_back never writes before an eviction): the seeding engine's in-process
         hf3fs index stays the only writer of those files."""
         built = self.setup.tiered(storage, write_policy="write_back",
-                                  layerwise=not tier.removesuffix("-ahead").endswith("-serial"),
+                                  layerwise=not _read_mode(tier).endswith("-serial"),
                                   copy_ahead=tier.endswith("-ahead"))
         try:
             self._sample(built, tier, i)
@@ -565,13 +581,17 @@ def _environment(args: argparse.Namespace, tiers: list[str]) -> Iterator[tuple[P
         yield Path(tmp), master
 
 
-def _expand_tiers(tiers: list[str], layerwise: str, copy_ahead: str = "off") -> list[str]:
+def _expand_tiers(tiers: list[str], layerwise: str, copy_ahead: str = "off",
+                  pipeline: str = "on") -> list[str]:
     """`--layerwise`: off replaces hf3fs/file by their -serial rows, both adds them;
-    `--copy-ahead`: on replaces the page-by-page rows by their -ahead rows, both adds them."""
+    `--copy-ahead`: on replaces the page-by-page rows by their -ahead rows, both adds them;
+    `--storage-pipeline`: off replaces hf3fs-serial/file-serial by -inline rows, both adds them."""
     serial = _with_variant(tiers, STREAMING, "-serial", keep=layerwise != "off",
                            add=layerwise != "on")
-    return _with_variant(serial, COPIED_AHEAD, "-ahead", keep=copy_ahead != "on",
-                         add=copy_ahead != "off")
+    ahead = _with_variant(serial, COPIED_AHEAD, "-ahead", keep=copy_ahead != "on",
+                          add=copy_ahead != "off")
+    return _with_variant(ahead, PIPELINED, "-inline", keep=pipeline != "off",
+                         add=pipeline != "on")
 
 
 def _with_variant(tiers: list[str], names: tuple[str, ...], suffix: str, keep: bool,
@@ -597,7 +617,7 @@ def run(args: argparse.Namespace) -> int:
     from pdcache.engine.loader import load_model
 
     tiers = _expand_tiers([t.strip() for t in args.tiers.split(",") if t.strip()],
-                          args.layerwise, args.copy_ahead)
+                          args.layerwise, args.copy_ahead, args.storage_pipeline)
     unknown = sorted(set(tiers) - set(TIERS))
     if unknown:
         raise SystemExit(f"unknown tiers {unknown}; known: {', '.join(TIERS)}")

@@ -51,6 +51,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="both",
         help="authenticated pages (page MAC): off, on, or both side by side",
     )
+    parser.add_argument(
+        "--pipeline",
+        choices=("on", "off", "both"),
+        default="on",
+        help="verify/seal page groups beside the I/O (storage pipeline_pages, the default) "
+        "or inline on the I/O thread; both: side by side in the same run",
+    )
+
+
+def _modes(mac: str, pipeline: str) -> dict[str, tuple[bytes | None, int | None]]:
+    """Row label suffix -> (page MAC key, pipeline_pages; None: the config default), for the
+    chosen MAC and pipeline modes; a " +mac" row is paired with the row without it."""
+    keys = {"off": {"": None}, "on": {" +mac": os.urandom(32)}}
+    keys["both"] = {**keys["off"], **keys["on"]}
+    pipelines = {"on": {"": None}, "off": {" inline": 0}}
+    pipelines["both"] = {**pipelines["on"], **pipelines["off"]}
+    return {f"{mac_label}{pipe_label}": (key, pages)
+            for pipe_label, pages in pipelines[pipeline].items()
+            for mac_label, key in keys[mac].items()}
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -378,6 +397,7 @@ def _open_backend(
     pages: int,
     io_threads: int,
     mac_key: bytes | None = None,
+    pipeline_pages: int | None = None,
 ):
     from pdcache.offload_manager.storage import create_backend
     from pdcache.offload_manager.storage.config import StorageConfig
@@ -392,6 +412,8 @@ def _open_backend(
         namespace=f"bench{uuid.uuid4().hex[:8]}",
         page_mac_key=mac_key,
     )
+    if pipeline_pages is not None:
+        cfg = cfg.replace(pipeline_pages=pipeline_pages)
     with ExitStack() as stack:
         if name == "hf3fs_service":
             from pdcache.offload_manager.storage.metadata_service import LocalMetadataService
@@ -556,23 +578,28 @@ def run(args: argparse.Namespace) -> int:
             rows.append(_row("memcpy (torch copy_)", nbytes, {"read_s": memcpy_s}, plain_read_s))
             plain_times = {"write_s": plain_write_s, "read_s": plain_read_s}
             rows.append(_row("plain file pwrite/preadv", nbytes, plain_times, plain_read_s))
-            macs = {"off": {"": None}, "on": {" +mac": os.urandom(32)}}
-            macs["both"] = {**macs["off"], **macs["on"]}
+            modes = _modes(args.mac, args.pipeline)
             for name in [n.strip() for n in args.backends.split(",") if n.strip()]:
                 with ExitStack() as stack:
                     backends = {
                         label: stack.enter_context(_open_backend(
-                            name, base, page_bytes, args.pages, args.io_threads, mac_key))
-                        for label, mac_key in macs[args.mac].items()
+                            name, base, page_bytes, args.pages, args.io_threads, mac_key,
+                            pipeline_pages))
+                        for label, (mac_key, pipeline_pages) in modes.items()
                     }
                     times = _run_backend_modes(backends, plain, src, dst, args.repeat)
+                by_label = {}
                 for label in backends:
                     row = _mode_row(f"storage {name}{label}", nbytes, args.pages, times[label])
                     rows.append(row)
-                if len(times) == 2:
-                    off, on = times[""], times[" +mac"]
-                    rows[-1].update(_ratio_stats(off["read_s"], on["read_s"], "read_"))
-                    rows[-1].update(_ratio_stats(off["write_s"], on["write_s"], "write_"))
+                    by_label[label] = row
+                for label in backends:
+                    off_label = label.replace(" +mac", "")
+                    if label != off_label and off_label in times:  # the pair of this +mac row
+                        off, on = times[off_label], times[label]
+                        by_label[label].update(_ratio_stats(off["read_s"], on["read_s"], "read_"))
+                        by_label[label].update(
+                            _ratio_stats(off["write_s"], on["write_s"], "write_"))
         finally:
             plain.close()
     extra = {
@@ -586,6 +613,7 @@ def run(args: argparse.Namespace) -> int:
         "the MAC / without, paired per round; *_cpu_us = process CPU per page",
         "target": "storage read_vs_file >= 0.5; +mac rows *_mac_ratio >= 0.95",
         "mac": args.mac,
+        "pipeline": args.pipeline,
     }
     columns = ["path", "write_GBps", "write_spread", "read_GBps", "read_spread",
                "plain_file_read_GBps", "read_vs_file", "write_cpu_us", "read_cpu_us"]

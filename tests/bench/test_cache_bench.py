@@ -36,18 +36,23 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     except ImportError:
         pass
-    assert cache_bench.run(bench_args(tmp_path, ",".join(tiers), "--copy-ahead", "both")) == 0
+    args = bench_args(tmp_path, ",".join(tiers), "--copy-ahead", "both",
+                      "--storage-pipeline", "both")
+    assert cache_bench.run(args) == 0
     printed = capsys.readouterr().out
     assert "TTFT by the tier" in printed and "storage read GB/s" in printed
     report = json.loads((tmp_path / "out.json").read_text())
     rows = {(r["N"], r["tier"]): r for r in report["rows"]}
     # --layerwise both (the default): hf3fs with the layer-streamed prefetch and without;
-    # --copy-ahead both: the page-by-page rows also with the copy ahead on the copier thread
+    # --copy-ahead both: the page-by-page rows also with the copy ahead on the copier thread;
+    # --storage-pipeline both: hf3fs-serial also verifying inline
     ahead = ["hf3fs-serial-ahead"] + (["mooncake-ahead"] if "mooncake" in tiers else [])
-    assert set(rows) == {(n, t) for n in (32, 64) for t in [*tiers, "hf3fs-serial", *ahead]}
+    variants = ["hf3fs-serial", "hf3fs-serial-inline", *ahead]
+    assert set(rows) == {(n, t) for n in (32, 64) for t in [*tiers, *variants]}
     expected_tier = {"recompute": "none", "device": "device", "host": "host", "hf3fs": "storage",
                      "hf3fs-serial": "storage", "mooncake": "storage",
-                     "hf3fs-serial-ahead": "storage", "mooncake-ahead": "storage"}
+                     "hf3fs-serial-ahead": "storage", "mooncake-ahead": "storage",
+                     "hf3fs-serial-inline": "storage"}
     for (n, tier), row in rows.items():
         assert row["hit_tier"] == expected_tier[tier], row
         assert row["reused_tokens"] == (0 if tier == "recompute" else n), row
@@ -56,7 +61,7 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
             assert row["vs_device_min"] <= row["vs_device"] <= row["vs_device_max"], row
         if tier != "recompute":
             assert row["exact"] == "yes", row
-        if tier in ("hf3fs-serial", "mooncake"):  # on the engine thread: no copier to wait for
+        if tier in ("hf3fs-serial", "hf3fs-serial-inline", "mooncake"):  # on the engine thread: no copier to wait for
             assert row["h2d_ms"] > 0 and row["copy_wait_ms"] == 0, row
         if tier.endswith("-ahead"):  # copied by the copier: the forward waited on its events
             assert row["h2d_ms"] > 0 and row["copy_wait_ms"] > 0, row

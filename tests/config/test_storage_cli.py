@@ -190,6 +190,8 @@ def test_storage_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         str(tmp_path),
         "--json",
         str(out),
+        "--pipeline",
+        "both",
     ]
     assert main(args) == 0
     result = json.loads(out.read_text())
@@ -197,14 +199,14 @@ def test_storage_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert paths == [
         "memcpy (torch copy_)",
         "plain file pwrite/preadv",
-        "storage hf3fs",
-        "storage hf3fs +mac",
-        "storage file",
-        "storage file +mac",
+        *[f"storage {name}{mode}" for name in ("hf3fs", "file")
+          for mode in ("", " +mac", " inline", " +mac inline")],
     ]
     assert all(row["read_GBps"] > 0 for row in result["rows"])
-    mac_rows = [row for row in result["rows"] if row["path"].endswith("+mac")]
+    mac_rows = [row for row in result["rows"] if "+mac" in row["path"]]
+    assert len(mac_rows) == 4
     assert all(row["read_mac_ratio"] > 0 and row["write_mac_ratio"] > 0 for row in mac_rows)
+    assert not any("read_mac_ratio" in row for row in result["rows"] if row not in mac_rows)
     assert all(row["write_GBps"] > 0 and "-" in row["read_spread"] for row in result["rows"][2:])
     direct = json.loads((tmp_path / "bench.direct.json").read_text())
     assert [row["path"] for row in direct["rows"]] == [

@@ -124,6 +124,9 @@ class StorageConfig:
     # hf3fs
     io_engine: str = "posix"
     io_threads: int = 1
+    # pages per group verified (reads) or sealed (writes) on a helper thread beside the I/O of
+    # the next group, with one I/O thread (page_pipeline.py); 0: inline on the I/O thread
+    pipeline_pages: int = 4
     num_data_files: int = 4
     metadata: str = "inproc"
     recover_index: bool = True  # inproc metadata: rebuild the index from slot headers on open
@@ -173,6 +176,7 @@ class StorageConfig:
         self._check(self.capacity_pages >= 0, "capacity_pages", "must be >= 0")
         self._check(self.capacity_bytes >= 0, "capacity_bytes", "must be >= 0")
         self._check(self.io_threads >= 1, "io_threads", "must be >= 1")
+        self._check(self.pipeline_pages >= 0, "pipeline_pages", "must be >= 0")
         self._check(self.num_data_files >= 1, "num_data_files", "must be >= 1")
         self._check(self.timeout_s > 0, "timeout_s", "must be > 0")
         self._check(self.write_delay_s >= 0, "write_delay_s", "must be >= 0")

@@ -9,8 +9,9 @@ written for a tenant namespace at its quota first evicts that namespace's least 
 page, never another tenant's; the owner of a page is known for the pages this process wrote
 (pages found at open belong to no tenant). `eviction = "session"`: the capacity evicts by
 conversation (`storage.lifecycle`: closed sessions' pages first, active sessions' protected
-within the bound); quotas still evict a tenant's own LRU page. Thread-safe: the LRU index
-(and the lifecycle) has a lock.
+within the bound); quotas still evict a tenant's own LRU page. A read verifies its pages in
+groups of `pipeline_pages` on the pipeline's helper thread beside the next group's reads
+(page_pipeline.py); writes seal inline. Thread-safe: the LRU index (and the lifecycle) has a lock.
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ from pdcache.offload_manager.storage.page_format import (
     payload_views,
     verify_page,
 )
+from pdcache.offload_manager.storage.page_pipeline import PagePipeline
 from pdcache.offload_manager.storage.stats import RateLimitedLog, RejectedKeys, StorageCounters
 
 log = logging.getLogger(__name__)
 SUFFIX = ".page"
+_RawRead = tuple[bytes, memoryview, list[memoryview], int]  # key, header, payload, bytes read
 STALE_TEMP_S = 600.0  # a temp file this old belongs to no live writer
 
 
@@ -59,6 +62,7 @@ class FileBackend(StorageBackend):
         self.config = config
         self.spec = config.page_spec()
         self.root = Path(config.path) / config.namespace
+        self._root_prefix = f"{self.root}{os.sep}"
         self.capacity_pages = config.num_pages  # 0: unlimited
         self.counters = StorageCounters()
         self._warn = RateLimitedLog(log)
@@ -71,6 +75,8 @@ class FileBackend(StorageBackend):
         self._owned: dict[str, OrderedDict[bytes, None]] = {}  # namespace -> its pages, LRU
         self._lifecycle = config.make_lifecycle(self.capacity_pages, slot)
         self._lock = threading.Lock()
+        # verify page groups on a helper thread beside the next group's reads (page_pipeline.py)
+        self._pipeline = PagePipeline(config.pipeline_pages)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -97,15 +103,19 @@ class FileBackend(StorageBackend):
                 self._lifecycle.touched(key)  # no session known: unprotected
 
     def page_path(self, key: bytes) -> Path:
+        return Path(self._page_file(key))
+
+    def _page_file(self, key: bytes) -> str:
+        """`page_path` as a str, for the per-page hot paths (pathlib costs ~10 us a page)."""
         name = key.hex()
-        return self.root / name[:2] / f"{name}{SUFFIX}"
+        return f"{self._root_prefix}{name[:2]}{os.sep}{name}{SUFFIX}"
 
     # StorageBackend
 
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         count = 0
         for key in keys:
-            if not self.page_path(key).exists():
+            if not os.path.exists(self._page_file(key)):
                 break
             count += 1
         return count
@@ -118,7 +128,11 @@ class FileBackend(StorageBackend):
     ) -> list[bool]:
         if len(keys) != len(host_pages):
             raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
-        found = [self._read(k, p) for k, p in zip(keys, host_pages)]
+        found = self._pipeline.read_then_verify(
+            list(zip(keys, host_pages)),
+            lambda group: [self._read_raw(key, page) for key, page in group],
+            lambda reads: [self._verify_read(read) for read in reads],
+        )
         if origins is not None:
             origins[:] = found
         return [origin is not None for origin in found]
@@ -167,7 +181,10 @@ class FileBackend(StorageBackend):
             raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
         owner = namespace if namespace in self._quota_pages else ""
         self._replace_rejected(keys)
-        return [self._write(k, p, origin, owner, session) for k, p in zip(keys, host_pages)]
+        # inline: a page's create + write + rename costs ~10x its seal, so sealing the next
+        # group beside it measured no faster (`pdcache bench storage --pipeline both`)
+        return [self._write(key, page, origin, owner, session)
+                for key, page in zip(keys, host_pages)]
 
     def _replace_rejected(self, keys: Sequence[bytes]) -> None:
         """Unlink the pages of `keys` that a read here refused, so the put writes them anew."""
@@ -197,7 +214,8 @@ class FileBackend(StorageBackend):
         return out
 
     def close(self) -> None:
-        """Nothing is held open between calls."""
+        """Joins the read pipeline's helper thread; no file is held open between calls."""
+        self._pipeline.close()
 
     def register_host_memory(self, tensor: torch.Tensor) -> None:
         """Nothing to register: positional file IO reads straight into any host memory."""
@@ -228,7 +246,9 @@ class FileBackend(StorageBackend):
 
     # internals
 
-    def _read(self, key: bytes, page: HostPage) -> str | None:
+    def _read_raw(self, key: bytes, page: HostPage) -> _RawRead | None:
+        """Read `key`'s file into `page` (and a header buffer); None: no such page, or an
+        error (both counted misses)."""
         payload = payload_views(page)
         if payload_nbytes(payload) != self.spec.payload_bytes:
             raise ValueError(
@@ -237,14 +257,24 @@ class FileBackend(StorageBackend):
             )
         header = memoryview(bytearray(HEADER_BYTES))
         try:
-            with open(self.page_path(key), "rb", buffering=0) as f:
-                nbytes = os.preadv(f.fileno(), [header, *payload], 0)
+            fd = os.open(self._page_file(key), os.O_RDONLY)
+            try:
+                nbytes = os.preadv(fd, [header, *payload], 0)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             self.counters.add("misses")
             return None
         except OSError:
             self.counters.add_many(read_errors=1, misses=1)
             return None
+        return key, header, payload, nbytes
+
+    def _verify_read(self, read: _RawRead | None) -> str | None:
+        """The origin of a page read by `_read_raw`, or None (refused: counted, remembered)."""
+        if read is None:
+            return None
+        key, header, payload, nbytes = read
         verdict, origin = verify_page(self.spec, key, header, payload, nbytes)
         if verdict is not Verdict.OK:
             self.counters.record_failed_read(verdict)
@@ -257,8 +287,8 @@ class FileBackend(StorageBackend):
     def _write(
         self, key: bytes, page: HostPage, origin: str, owner: str = "", session: str = ""
     ) -> bool:
-        path = self.page_path(key)
-        if path.exists():
+        path = self._page_file(key)
+        if os.path.exists(path):
             self.counters.add("pages_skipped")
             self._touch(key, session=session)
             return True
@@ -270,12 +300,12 @@ class FileBackend(StorageBackend):
             self.counters.add("full_rejects")
             return False
         try:
-            self._write_atomic(path, header, payload)
+            self._write_atomic(Path(path), header, payload)
         except OSError as exc:
             self._warn.warning("write", "file storage: writing %s failed: %s", path, exc)
             self.counters.add("write_errors")
             with self._lock:  # give back the slot _make_room reserved
-                if not path.exists():
+                if not os.path.exists(path):
                     self._lru.pop(key, None)
             return False
         self._touch(key, owner, session)

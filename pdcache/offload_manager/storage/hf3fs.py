@@ -11,6 +11,12 @@ runs: no extra copy) and verifies the checksum there; works on any directory or 
 mount. `usrbio` uses the 3FS native client (`hf3fs_py_usrbio`)
 through a shared-memory iovec and copies into the host page.
 
+With one I/O thread (`io_threads = 1`, the default) a batch moves in groups of
+`pipeline_pages` pages (a usrbio ring's batch, for that engine): the pipeline's helper thread
+verifies group g while this thread reads group g+1, and seals group g+1 while this thread writes
+group g (page_pipeline.py; with a page MAC this takes the MAC off the critical path). With
+several I/O threads each reads and verifies (seals and writes) its own chunk.
+
 Thread-safety: the metadata client and counters lock; file descriptors are only used with
 positional IO, so concurrent batches are safe.
 """
@@ -60,12 +66,15 @@ from pdcache.offload_manager.storage.page_format import (
     payload_views,
     verify_page,
 )
+from pdcache.offload_manager.storage.page_pipeline import PagePipeline
 from pdcache.offload_manager.storage.stats import RateLimitedLog, RejectedKeys, StorageCounters
 from pdcache.utils.registry import import_optional
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
+_ReadGroup = tuple[list[int], list["SlotIO"], list[int]]  # page indexes, their IOs, bytes read
+_SealedGroup = tuple[list[tuple[int, int]], list["SlotIO"]]  # (index, slot) items, their IOs
 
 
 @dataclass
@@ -255,6 +264,10 @@ class Hf3fsBackend(StorageBackend):
             self._close_files()
             raise
         self._pool = ThreadPoolExecutor(config.io_threads) if config.io_threads > 1 else None
+        # one I/O thread: verify/seal page groups on a helper beside the I/O (page_pipeline.py);
+        # a usrbio ring's batch is the group
+        group = max(config.pipeline_pages, self.engine.batch_pages) if config.pipeline_pages else 0
+        self._pipeline = PagePipeline(group)
         if isinstance(self.metadata, InProcMetadata) and config.recover_index:
             self.metadata.load(self._scan_headers())
 
@@ -351,7 +364,7 @@ class Hf3fsBackend(StorageBackend):
             return [False] * len(keys)
         hits = [i for i, s in enumerate(slots) if s is not None]
         self.counters.add("misses", len(keys) - len(hits))
-        found = self._map_chunks(lambda ch: self._read_chunk(ch, keys, slots, host_pages), hits)
+        found = self._read_pages(hits, keys, slots, host_pages)
         results = [False] * len(keys)
         for i, origin in zip(hits, found):
             results[i] = origin is not None
@@ -413,7 +426,7 @@ class Hf3fsBackend(StorageBackend):
                 self.counters.add("full_rejects")
             elif status == NEW:
                 todo.append((i, slot))
-        written = self._map_chunks(lambda ch: self._write_chunk(ch, keys, host_pages, origin), todo)
+        written = self._write_pages(todo, keys, host_pages, origin)
         self._publish(keys, todo, written, results, session)
         return results
 
@@ -461,6 +474,7 @@ class Hf3fsBackend(StorageBackend):
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self._pipeline.close()
         self.engine.close()
         self._close_files()
 
@@ -540,21 +554,32 @@ class Hf3fsBackend(StorageBackend):
         done = self._pool.map(run, _split(items, self.config.io_threads))
         return [r for chunk in done for r in chunk]
 
-    def _read_chunk(
-        self,
-        idxs: list[int],
-        keys: Sequence[bytes],
-        slots: Sequence[int | None],
-        pages: Sequence[HostPage],
-    ) -> list[str | None]:
-        """Read pages `idxs` into their host pages and verify them: origin, or None."""
+    def _read_pages(self, idxs: list[int], keys: Sequence[bytes], slots: Sequence[int | None],
+                    pages: Sequence[HostPage]) -> list[str | None]:
+        """Read pages `idxs` into their host pages and verify them: origin, or None each. Several
+        I/O threads read and verify their own chunks; one verifies beside its reads."""
+        def read(group: list[int]) -> _ReadGroup:
+            return self._read_group(group, slots, pages)
+
+        def verify(done: _ReadGroup) -> list[str | None]:
+            return self._verify_group(done, keys)
+
+        if self._pool is not None:
+            return self._map_chunks(lambda chunk: verify(read(chunk)), idxs)
+        return self._pipeline.read_then_verify(idxs, read, verify)
+
+    def _read_group(self, idxs: list[int], slots: Sequence[int | None],
+                    pages: Sequence[HostPage]) -> _ReadGroup:
         reqs = []
         for i in idxs:
             fd, offset = self._where(slots[i])  # type: ignore[arg-type]
             reqs.append(
                 SlotIO(fd, offset, memoryview(bytearray(HEADER_BYTES)), payload_views(pages[i]))
             )
-        nbytes = self.engine.read_batch(reqs)
+        return idxs, reqs, self.engine.read_batch(reqs)
+
+    def _verify_group(self, done: _ReadGroup, keys: Sequence[bytes]) -> list[str | None]:
+        idxs, reqs, nbytes = done
         return [self._verify(keys[i], req, n) for i, req, n in zip(idxs, reqs, nbytes)]
 
     def _verify(self, key: bytes, req: SlotIO, nbytes: int) -> str | None:
@@ -569,18 +594,28 @@ class Hf3fsBackend(StorageBackend):
         self.counters.add_many(pages_read=1, bytes_read=req.payload_bytes)
         return origin
 
-    def _write_chunk(
-        self,
-        items: list[tuple[int, int]],
-        keys: Sequence[bytes],
-        pages: Sequence[HostPage],
-        origin: str,
-    ) -> list[bool]:
+    def _write_pages(self, items: list[tuple[int, int]], keys: Sequence[bytes],
+                     pages: Sequence[HostPage], origin: str) -> list[bool]:
+        """Seal and write (index, slot) `items`: written or not, each. Several I/O threads seal
+        and write their own chunks; one writes beside the helper's sealing of the next group."""
+        def seal(group: list[tuple[int, int]]) -> _SealedGroup:
+            return self._seal_group(group, keys, pages, origin)
+
+        if self._pool is not None:
+            return self._map_chunks(lambda chunk: self._write_group(seal(chunk)), items)
+        return self._pipeline.seal_then_write(items, seal, self._write_group)
+
+    def _seal_group(self, items: list[tuple[int, int]], keys: Sequence[bytes],
+                    pages: Sequence[HostPage], origin: str) -> _SealedGroup:
         reqs = []
         for i, slot in items:
             payload = payload_views(pages[i])
             header = memoryview(encode_header(self.spec, keys[i], origin, payload))
             reqs.append(SlotIO(*self._where(slot), header, payload))
+        return items, reqs
+
+    def _write_group(self, sealed: _SealedGroup) -> list[bool]:
+        items, reqs = sealed
         nbytes = self.engine.write_batch(reqs)
         want = self.spec.object_bytes
         for (_, slot), n in zip(items, nbytes):

@@ -335,6 +335,30 @@ def test_forged_page_is_served_only_without_the_mac(make_backend: Factory, mac: 
         assert stats["rejected_mac_pages"] == 0
 
 
+@pytest.mark.parametrize("kind", ["hf3fs", "file"])
+@pytest.mark.parametrize("pipeline_pages", [4, 0], ids=["pipelined", "inline"])
+def test_forgeries_in_every_page_group_are_refused_beside_the_read(
+    make_backend: Factory, pipeline_pages: int
+) -> None:
+    """14 sealed pages read in groups of 4 verified on the pipeline's helper thread (and, on
+    hf3fs, written in groups sealed on it; page_pipeline.py): forgeries in the first, a middle
+    and the last group are counted misses and every other page reads back byte-exact; the same
+    with both inline."""
+    backend = make_backend(page_mac_key=MAC_KEY, pipeline_pages=pipeline_pages)
+    count = 14
+    keys, pages, evil = _keys(count), _pages(count), _pages(count, seed=9)
+    assert backend.put_from(keys, list(pages)) == [True] * count
+    forged = {1: None, 6: OTHER_MAC_KEY, 13: None}  # index -> the forger's key (None: no MAC)
+    for i, forger_key in forged.items():
+        assert backend.write_object(keys[i], _forged(forger_key, keys[i], evil[i]))
+    out = torch.zeros_like(pages)
+    assert backend.get_into(keys, list(out)) == [i not in forged for i in range(count)]
+    genuine = [i for i in range(count) if i not in forged]
+    assert torch.equal(out[genuine], pages[genuine])
+    stats = backend.stats()
+    assert (stats["rejected_mac_pages"], stats["pages_read"]) == (3, count - 3)
+
+
 def test_mac_pages_detect_corruption_and_read_back_exactly(make_backend: Factory) -> None:
     backend = make_backend(page_mac_key=MAC_KEY)
     keys, pages = _keys(2), _pages(2)

@@ -1,0 +1,172 @@
+"""PagePipeline (storage/page_pipeline.py): the CPU step of a page group overlaps the I/O of the
+next, results keep item order, and no step of a call still runs once the call has returned."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from pdcache.offload_manager.storage.page_pipeline import THREAD_NAME, PagePipeline
+
+WAIT_S = 10.0  # bounded waits: a step that never overlaps fails the test instead of hanging
+
+
+@pytest.mark.parametrize(("group_pages", "overlaps"), [(2, True), (0, False)])
+def test_verify_of_a_group_runs_on_the_helper_while_the_next_group_is_read(
+    group_pages: int, overlaps: bool
+) -> None:
+    """Group 0's verify waits for group 1's read to start: only an overlapped pipeline lets it
+    see that (inline, the read of group 1 comes after the verify of group 0 returned)."""
+    pipeline = PagePipeline(group_pages)
+    second_read = threading.Event()
+    seen: dict[int, bool] = {}
+    threads: set[str] = set()
+
+    def read(group: list[int]) -> list[int]:
+        if group[0] == 2:
+            second_read.set()
+        return group
+
+    def verify(group: list[int]) -> list[int]:
+        threads.add(threading.current_thread().name)
+        if group[0] == 0:
+            seen[0] = second_read.wait(WAIT_S if overlaps else 0.2)
+        return [10 * i for i in group]
+
+    try:
+        assert pipeline.read_then_verify([0, 1, 2, 3], read, verify) == [0, 10, 20, 30]
+    finally:
+        pipeline.close()
+    assert seen[0] is overlaps
+    assert all(name.startswith(THREAD_NAME) for name in threads) is overlaps
+
+
+def test_a_single_group_runs_inline_without_a_thread() -> None:
+    pipeline = PagePipeline(4)
+    threads: list[str] = []
+
+    def verify(group: list[int]) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return group
+
+    assert pipeline.read_then_verify([1, 2, 3], lambda g: g, verify) == [1, 2, 3]
+    assert threads == [threading.current_thread().name]
+    assert pipeline._helper is None  # noqa: SLF001 - no thread was started for it
+    pipeline.close()
+
+
+def test_a_verify_error_is_raised_after_every_group_ended() -> None:
+    pipeline = PagePipeline(1)
+    release = threading.Event()
+    ended: list[int] = []
+
+    def verify(group: list[int]) -> list[int]:
+        if group == [0]:
+            raise RuntimeError("bad group 0")
+        release.wait(WAIT_S) if group == [2] else None
+        ended.append(group[0])
+        return group
+
+    def read(group: list[int]) -> list[int]:
+        if group == [2]:
+            threading.Timer(0.2, release.set).start()  # group 2's verify ends after the error
+        return group
+
+    with pytest.raises(RuntimeError, match="bad group 0"):
+        pipeline.read_then_verify([0, 1, 2], read, verify)
+    assert sorted(ended) == [1, 2]  # nothing still runs on the caller's pages
+    pipeline.close()
+
+
+def test_a_read_error_is_the_one_raised_and_earlier_verifies_have_ended() -> None:
+    pipeline = PagePipeline(1)
+    ended: list[int] = []
+
+    def read(group: list[int]) -> list[int]:
+        if group == [2]:
+            raise OSError("disk gone")
+        return group
+
+    def verify(group: list[int]) -> list[int]:
+        ended.append(group[0])
+        raise ValueError("verify fails too")
+
+    with pytest.raises(OSError, match="disk gone"):
+        pipeline.read_then_verify([0, 1, 2, 3], read, verify)
+    assert sorted(ended) == [0, 1]
+    pipeline.close()
+
+
+@pytest.mark.parametrize(("group_pages", "overlaps"), [(2, True), (0, False)])
+def test_seal_runs_one_group_ahead_of_the_write(group_pages: int, overlaps: bool) -> None:
+    """The write of group 0 waits for the seal of group 1 to start: only a pipeline that seals
+    ahead lets it see that (inline, group 1 is sealed after group 0's write returned)."""
+    pipeline = PagePipeline(group_pages)
+    second_seal = threading.Event()
+    seen: dict[int, bool] = {}
+    written: list[int] = []
+
+    def seal(group: list[int]) -> list[int]:
+        if group[0] == 2:
+            second_seal.set()
+        return group
+
+    def write(group: list[int]) -> list[bool]:
+        if group[0] == 0:
+            seen[0] = second_seal.wait(WAIT_S if overlaps else 0.2)
+        written.extend(group)
+        return [True] * len(group)
+
+    try:
+        assert pipeline.seal_then_write([0, 1, 2, 3], seal, write) == [True] * 4
+    finally:
+        pipeline.close()
+    assert written == [0, 1, 2, 3]
+    assert seen[0] is overlaps
+
+
+def test_a_write_error_waits_for_the_seal_running_ahead() -> None:
+    pipeline = PagePipeline(1)
+    sealed: list[int] = []
+    release = threading.Event()
+
+    def seal(group: list[int]) -> list[int]:
+        if group == [1]:
+            release.wait(WAIT_S)
+        sealed.append(group[0])
+        return group
+
+    def write(group: list[int]) -> list[bool]:
+        if group == [0]:
+            threading.Timer(0.2, release.set).start()
+            raise OSError("no space")
+        return [True]
+
+    with pytest.raises(OSError, match="no space"):
+        pipeline.seal_then_write([0, 1, 2], seal, write)
+    assert sealed == [0, 1]  # group 1's seal ended before the call raised; group 2 never ran
+    pipeline.close()
+
+
+def test_close_joins_the_helper_and_later_calls_run_inline() -> None:
+    pipeline = PagePipeline(1)
+    helpers: list[threading.Thread] = []
+
+    def verify(group: list[int]) -> list[int]:
+        helpers.append(threading.current_thread())
+        return group
+
+    assert pipeline.read_then_verify([0, 1, 2], lambda g: g, verify) == [0, 1, 2]
+    assert {t.name.startswith(THREAD_NAME) for t in helpers} == {True}
+    pipeline.close()
+    assert not any(t.is_alive() for t in helpers)
+    helpers.clear()
+    assert pipeline.read_then_verify([0, 1, 2], lambda g: g, verify) == [0, 1, 2]
+    assert helpers == [threading.current_thread()]  # one inline group, on the caller
+    pipeline.close()  # idempotent
+
+
+def test_negative_group_is_an_error() -> None:
+    with pytest.raises(ValueError, match="group_pages"):
+        PagePipeline(-1)
