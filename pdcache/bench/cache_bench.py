@@ -31,9 +31,10 @@ lower tier's time goes: `lookup_ms` (keys + exists_prefix), `read_ms` (storage r
 forward waiting for them when they run ahead of it on the copier thread, `copy_ahead`).
 `--copy-ahead both` adds `-ahead` rows for the page-by-page storage tiers: the same reads
 with the copies on the copier thread (`HiCacheConfig.copy_ahead`, off by default).
-`--storage-pipeline both` adds `-inline` rows for hf3fs-serial and file-serial: the same reads
-verifying every page on the reading thread (`pipeline_pages = 0`) instead of beside the next
-group's reads (storage/page_pipeline.py, the default). A second
+`--page-mac on` seals the stored pages (a page MAC, as under a cluster secret); then
+`--storage-pipeline both` adds an `-inline` row for hf3fs-serial: the same reads verifying
+every page on the reading thread (`pipeline_pages = 0`) instead of beside the next group's
+reads (storage/page_pipeline.py, the default for sealed pages). A second
 table gives
 storage read GB/s beside a plain memcpy and a plain file read of the same bytes (`pdcache
 bench storage`'s method, pages of this model's size). Targets (issue 3): storage hit ≤ 1.3×
@@ -62,17 +63,18 @@ import torch
 from pdcache.bench.table import emit
 
 TIERS = ("recompute", "device", "host", "hf3fs", "hf3fs-serial", "hf3fs-serial-ahead",
-         "hf3fs-serial-inline", "file", "file-serial", "file-serial-ahead", "file-serial-inline",
-         "mooncake-ahead", "mooncake")
+         "hf3fs-serial-inline", "file", "file-serial", "file-serial-ahead", "mooncake-ahead",
+         "mooncake")
 DEFAULT_TIERS = ("recompute", "device", "host", "hf3fs", "file", "mooncake")
 STREAMING = ("hf3fs", "file")  # backends with a layer-major read
 # loads copied host → device on the engine thread, as nodes do by default; `-ahead` rows copy
 # them ahead of the forward on the copier thread (HiCacheConfig.copy_ahead). Layer-streamed
 # loads always copy on the engine thread.
 COPIED_AHEAD = ("hf3fs-serial", "file-serial", "mooncake")
-# pages verified beside the next group's reads (StorageConfig.pipeline_pages, the default);
-# `-inline` rows verify each page on the reading thread
-PIPELINED = ("hf3fs-serial", "file-serial")
+# sealed pages verified beside the next group's reads (StorageConfig.pipeline_pages, the
+# default); `-inline` rows verify each page on the reading thread
+PIPELINED = ("hf3fs-serial",)
+BENCH_SECRET = b"pdcache bench cache: a fixed secret, never a deployment's" * 2
 
 
 def backend_of(tier: str) -> str:
@@ -81,7 +83,7 @@ def backend_of(tier: str) -> str:
 
 
 def _read_mode(tier: str) -> str:
-    """A tier row without its copy and verify variants ("file-serial-inline" -> "file-serial")."""
+    """A tier row without its copy and verify variants ("hf3fs-serial-inline" -> "hf3fs-serial")."""
     return tier.removesuffix("-inline").removesuffix("-ahead")
 MB = 1 << 20
 
@@ -108,10 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layerwise", default="both", choices=["on", "off", "both"],
                         help="hf3fs/file with the layer-streamed prefetch, without it (the "
                              "-serial rows), or both (default)")
+    parser.add_argument("--page-mac", default="off", choices=["on", "off"],
+                        help="stored pages sealed with a page MAC (as under a cluster secret; "
+                             "a fixed bench key) or not; a --keep-dir holds one kind")
     parser.add_argument("--storage-pipeline", default="on", choices=["on", "off", "both"],
-                        help="page-by-page hf3fs/file reads verifying page groups beside the "
-                             "next group's reads (on, the default: storage pipeline_pages), "
-                             "inline on the reading thread (off: their -inline rows), or both")
+                        help="page-by-page hf3fs reads of sealed pages (--page-mac on) verifying "
+                             "page groups beside the next group's reads (on, the default: "
+                             "storage pipeline_pages), page by page (off: their -inline rows), "
+                             "or both")
     parser.add_argument("--layers-per-read", type=int, default=None,
                         help="layers per read step of the layer-streamed prefetch "
                              "(default: HiCacheConfig's)")
@@ -201,6 +207,10 @@ class Setup:
         fp = fingerprint_for(self.model.config, model_identity(self.args.model, self.args.seed),
                              self.page_size)
         capacity = 4 * (n_tokens // self.page_size) + 64 * (self.args.repeats + 4)
+        if self.args.page_mac == "on":  # sealed pages, as under a cluster secret
+            from pdcache.utils.secret import derive_key
+
+            settings.setdefault("page_mac_key", derive_key(BENCH_SECRET, "page-mac"))
         return storage_config_for(self.model.config, self.page_size, fp, backend=backend,
                                   capacity_pages=capacity, io_threads=self.args.io_threads,
                                   **settings)
@@ -585,7 +595,7 @@ def _expand_tiers(tiers: list[str], layerwise: str, copy_ahead: str = "off",
                   pipeline: str = "on") -> list[str]:
     """`--layerwise`: off replaces hf3fs/file by their -serial rows, both adds them;
     `--copy-ahead`: on replaces the page-by-page rows by their -ahead rows, both adds them;
-    `--storage-pipeline`: off replaces hf3fs-serial/file-serial by -inline rows, both adds them."""
+    `--storage-pipeline`: off replaces hf3fs-serial by its -inline row, both adds it."""
     serial = _with_variant(tiers, STREAMING, "-serial", keep=layerwise != "off",
                            add=layerwise != "on")
     ahead = _with_variant(serial, COPIED_AHEAD, "-ahead", keep=copy_ahead != "on",
@@ -618,6 +628,9 @@ def run(args: argparse.Namespace) -> int:
 
     tiers = _expand_tiers([t.strip() for t in args.tiers.split(",") if t.strip()],
                           args.layerwise, args.copy_ahead, args.storage_pipeline)
+    if args.copy_ahead == "on" and args.storage_pipeline != "on":
+        raise SystemExit("--storage-pipeline off/both varies the hf3fs-serial rows, which "
+                         "--copy-ahead on replaces; use --copy-ahead off or both")
     unknown = sorted(set(tiers) - set(TIERS))
     if unknown:
         raise SystemExit(f"unknown tiers {unknown}; known: {', '.join(TIERS)}")

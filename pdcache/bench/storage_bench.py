@@ -55,21 +55,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pipeline",
         choices=("on", "off", "both"),
         default="on",
-        help="verify/seal page groups beside the I/O (storage pipeline_pages, the default) "
-        "or inline on the I/O thread; both: side by side in the same run",
+        help="+mac rows of hf3fs (one I/O thread): verify/seal page groups beside the I/O "
+        "(storage pipeline_pages, the default), page by page (' +mac inline'), or both in the "
+        "same run; other backends always go page by page",
     )
 
 
 def _modes(mac: str, pipeline: str) -> dict[str, tuple[bytes | None, int | None]]:
-    """Row label suffix -> (page MAC key, pipeline_pages; None: the config default), for the
-    chosen MAC and pipeline modes; a " +mac" row is paired with the row without it."""
-    keys = {"off": {"": None}, "on": {" +mac": os.urandom(32)}}
-    keys["both"] = {**keys["off"], **keys["on"]}
-    pipelines = {"on": {"": None}, "off": {" inline": 0}}
-    pipelines["both"] = {**pipelines["on"], **pipelines["off"]}
-    return {f"{mac_label}{pipe_label}": (key, pages)
-            for pipe_label, pages in pipelines[pipeline].items()
-            for mac_label, key in keys[mac].items()}
+    """Row label suffix -> (page MAC key, pipeline_pages; None: the config default). Only
+    sealed stores pipeline (page_pipeline.py), so `--pipeline` varies the +mac rows: on (the
+    default), off (" +mac inline": verified and sealed page by page), or both; every +mac row
+    is paired with the row without the MAC."""
+    modes: dict[str, tuple[bytes | None, int | None]] = {}
+    if mac in ("off", "both"):
+        modes[""] = (None, None)
+    if mac in ("on", "both"):
+        key = os.urandom(32)
+        if pipeline in ("on", "both"):
+            modes[" +mac"] = (key, None)
+        if pipeline in ("off", "both"):
+            modes[" +mac inline"] = (key, 0)
+    return modes
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -594,8 +600,8 @@ def run(args: argparse.Namespace) -> int:
                     rows.append(row)
                     by_label[label] = row
                 for label in backends:
-                    off_label = label.replace(" +mac", "")
-                    if label != off_label and off_label in times:  # the pair of this +mac row
+                    off_label = ""  # every +mac row's pair: the same store without the MAC
+                    if label != off_label and off_label in times:
                         off, on = times[off_label], times[label]
                         by_label[label].update(_ratio_stats(off["read_s"], on["read_s"], "read_"))
                         by_label[label].update(

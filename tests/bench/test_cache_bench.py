@@ -37,7 +37,7 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
     except ImportError:
         pass
     args = bench_args(tmp_path, ",".join(tiers), "--copy-ahead", "both",
-                      "--storage-pipeline", "both")
+                      "--storage-pipeline", "both", "--page-mac", "on")
     assert cache_bench.run(args) == 0
     printed = capsys.readouterr().out
     assert "TTFT by the tier" in printed and "storage read GB/s" in printed
@@ -45,7 +45,7 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
     rows = {(r["N"], r["tier"]): r for r in report["rows"]}
     # --layerwise both (the default): hf3fs with the layer-streamed prefetch and without;
     # --copy-ahead both: the page-by-page rows also with the copy ahead on the copier thread;
-    # --storage-pipeline both: hf3fs-serial also verifying inline
+    # --page-mac on, --storage-pipeline both: sealed pages; hf3fs-serial also verifying inline
     ahead = ["hf3fs-serial-ahead"] + (["mooncake-ahead"] if "mooncake" in tiers else [])
     variants = ["hf3fs-serial", "hf3fs-serial-inline", *ahead]
     assert set(rows) == {(n, t) for n in (32, 64) for t in [*tiers, *variants]}

@@ -124,8 +124,9 @@ class StorageConfig:
     # hf3fs
     io_engine: str = "posix"
     io_threads: int = 1
-    # pages per group verified (reads) or sealed (writes) on a helper thread beside the I/O of
-    # the next group, with one I/O thread (page_pipeline.py); 0: inline on the I/O thread
+    # sealed pages (page_mac_key), one I/O thread: at least this many pages per group (and
+    # 2 MiB) verified (reads) or sealed (hf3fs writes) on a helper thread beside the I/O of the
+    # next group (page_pipeline.py); 0: page by page on the I/O thread, as unsealed stores do
     pipeline_pages: int = 4
     num_data_files: int = 4
     metadata: str = "inproc"

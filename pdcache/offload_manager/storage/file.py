@@ -9,9 +9,8 @@ written for a tenant namespace at its quota first evicts that namespace's least 
 page, never another tenant's; the owner of a page is known for the pages this process wrote
 (pages found at open belong to no tenant). `eviction = "session"`: the capacity evicts by
 conversation (`storage.lifecycle`: closed sessions' pages first, active sessions' protected
-within the bound); quotas still evict a tenant's own LRU page. A read verifies its pages in
-groups of `pipeline_pages` on the pipeline's helper thread beside the next group's reads
-(page_pipeline.py); writes seal inline. Thread-safe: the LRU index (and the lifecycle) has a lock.
+within the bound); quotas still evict a tenant's own LRU page. Thread-safe: the LRU index
+(and the lifecycle) has a lock.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ from pdcache.offload_manager.storage.page_format import (
     payload_views,
     verify_page,
 )
-from pdcache.offload_manager.storage.page_pipeline import PagePipeline
 from pdcache.offload_manager.storage.stats import RateLimitedLog, RejectedKeys, StorageCounters
 
 log = logging.getLogger(__name__)
@@ -75,8 +73,6 @@ class FileBackend(StorageBackend):
         self._owned: dict[str, OrderedDict[bytes, None]] = {}  # namespace -> its pages, LRU
         self._lifecycle = config.make_lifecycle(self.capacity_pages, slot)
         self._lock = threading.Lock()
-        # verify page groups on a helper thread beside the next group's reads (page_pipeline.py)
-        self._pipeline = PagePipeline(config.pipeline_pages)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -128,11 +124,9 @@ class FileBackend(StorageBackend):
     ) -> list[bool]:
         if len(keys) != len(host_pages):
             raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
-        found = self._pipeline.read_then_verify(
-            list(zip(keys, host_pages)),
-            lambda group: [self._read_raw(key, page) for key, page in group],
-            lambda reads: [self._verify_read(read) for read in reads],
-        )
+        # page by page: verifying beside the next reads (hf3fs's PagePipeline) measured no
+        # faster here, where each page's open + close holds the GIL (docs/security.md)
+        found = [self._verify_read(self._read_raw(k, p)) for k, p in zip(keys, host_pages)]
         if origins is not None:
             origins[:] = found
         return [origin is not None for origin in found]
@@ -214,8 +208,7 @@ class FileBackend(StorageBackend):
         return out
 
     def close(self) -> None:
-        """Joins the read pipeline's helper thread; no file is held open between calls."""
-        self._pipeline.close()
+        """Nothing is held open between calls."""
 
     def register_host_memory(self, tensor: torch.Tensor) -> None:
         """Nothing to register: positional file IO reads straight into any host memory."""

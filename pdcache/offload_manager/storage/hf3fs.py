@@ -11,11 +11,12 @@ runs: no extra copy) and verifies the checksum there; works on any directory or 
 mount. `usrbio` uses the 3FS native client (`hf3fs_py_usrbio`)
 through a shared-memory iovec and copies into the host page.
 
-With one I/O thread (`io_threads = 1`, the default) a batch moves in groups of
-`pipeline_pages` pages (a usrbio ring's batch, for that engine): the pipeline's helper thread
-verifies group g while this thread reads group g+1, and seals group g+1 while this thread writes
-group g (page_pipeline.py; with a page MAC this takes the MAC off the critical path). With
-several I/O threads each reads and verifies (seals and writes) its own chunk.
+Sealed pages (a page MAC key) with one I/O thread (`io_threads = 1`, the default): a batch
+moves in groups (`page_pipeline.group_pages_for`: `pipeline_pages`, at least 2 MiB; for usrbio
+at least half its ring); the pipeline's helper thread verifies group g while this thread reads
+group g+1, and seals group g+1 while this thread writes group g, taking the MAC off the
+critical path. Otherwise each page is read and verified in turn (a usrbio ring batch at a
+time), and several I/O threads each read and verify (seal and write) their own chunk.
 
 Thread-safety: the metadata client and counters lock; file descriptors are only used with
 positional IO, so concurrent batches are safe.
@@ -66,7 +67,7 @@ from pdcache.offload_manager.storage.page_format import (
     payload_views,
     verify_page,
 )
-from pdcache.offload_manager.storage.page_pipeline import PagePipeline
+from pdcache.offload_manager.storage.page_pipeline import PagePipeline, group_pages_for
 from pdcache.offload_manager.storage.stats import RateLimitedLog, RejectedKeys, StorageCounters
 from pdcache.utils.registry import import_optional
 
@@ -264,10 +265,12 @@ class Hf3fsBackend(StorageBackend):
             self._close_files()
             raise
         self._pool = ThreadPoolExecutor(config.io_threads) if config.io_threads > 1 else None
-        # one I/O thread: verify/seal page groups on a helper beside the I/O (page_pipeline.py);
-        # a usrbio ring's batch is the group
-        group = max(config.pipeline_pages, self.engine.batch_pages) if config.pipeline_pages else 0
-        self._pipeline = PagePipeline(group)
+        # one I/O thread and sealed pages: verify/seal page groups on a helper beside the I/O
+        # (page_pipeline.py); a usrbio group is at least half its ring, so the ring stays full
+        group = group_pages_for(config.pipeline_pages, config.page_bytes, self.spec.sealer is not None)
+        if group:
+            group = max(group, self.engine.batch_pages // 2)
+        self._pipeline = PagePipeline(group, inline_group=self.engine.batch_pages)
         if isinstance(self.metadata, InProcMetadata) and config.recover_index:
             self.metadata.load(self._scan_headers())
 

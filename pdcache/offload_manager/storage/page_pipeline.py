@@ -1,15 +1,15 @@
-"""The CPU pass over stored pages beside their I/O: a group of pages is verified (after a read)
+"""The MAC pass over stored pages beside their I/O: a group of pages is verified (after a read)
 or sealed (before a write) on one helper thread while the calling thread does the I/O of the
 next group (docs/security.md "Verified beside the read").
 
 Why: with a page MAC, verifying a page read from the page cache costs about as much CPU as
 reading it (GMAC ~24 us per 512 KiB page against a ~45 us `preadv` here), and OpenSSL releases
 the GIL while it MACs, so a second core verifies group g while the first copies group g+1 and
-the MAC's cost leaves the critical path. Groups, not single pages: a hand-off costs a few us of
-Python (a future, a queue, a wake-up), so 4 pages of 512 KiB amortise it while the tail (the
-last group's pass, not overlapped) stays short. Measured with `pdcache bench storage --mac
-both` (README "Storage"). python-xxhash holds the GIL, so a checksum-only store gains less: the
-overlap is then only with the `preadv` itself.
+the MAC leaves the critical path. Only sealed stores use it (`group_pages_for`): the xxh3
+checksum of an unsealed store is cheap, hot in cache right after the read, and holds the GIL
+(python-xxhash), and in the HiCache read path the hand-offs made such reads slower (measured,
+docs/security.md). Groups, not pages: a hand-off costs a few us of Python, so a group holds at
+least `MIN_GROUP_BYTES`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from typing import TypeVar
 
 T = TypeVar("T")  # one item (a page's index, its key and slot, ...)
@@ -24,42 +25,60 @@ S = TypeVar("S")  # what the first step of a group hands the second
 R = TypeVar("R")  # one item's result
 
 THREAD_NAME = "pdcache-page-cpu"
+MIN_GROUP_BYTES = 2 << 20  # 4 pages of 512 KiB: amortises a hand-off, keeps the tail short
+
+
+def group_pages_for(pipeline_pages: int, page_bytes: int, sealed: bool) -> int:
+    """Pages per group for a store (`StorageConfig.pipeline_pages`): 0 (inline) unless the
+    store seals its pages, else at least `pipeline_pages` and `MIN_GROUP_BYTES` of pages."""
+    if not pipeline_pages or not sealed:
+        return 0
+    return max(pipeline_pages, -(-MIN_GROUP_BYTES // max(page_bytes, 1)))
 
 
 class PagePipeline:
     """Overlaps a per-group CPU step with a per-group I/O step, in item order.
 
     Owns one helper thread (`pdcache-page-cpu`, a one-worker ThreadPoolExecutor: spawned on
-    the first overlapped call, joined by `close()`). Holds no state between calls; calls from
-    several threads are safe (their groups queue on the one helper). Every group handed to the
-    helper has ended before a call returns or raises, so the caller's pages are never touched
-    after it: the caller may reuse or free them at once.
+    the first overlapped call, joined by `close()`). One call at a time uses the helper: a call
+    that finds it busy with another caller's groups runs inline, as does a call from the helper
+    thread itself, so concurrent callers never queue behind each other (they verify in
+    parallel on their own threads, as before). Every group handed to the helper has ended
+    before a call returns or raises, so the caller's pages are never touched after it.
 
-    `group_pages` 0, or a call with at most one group, runs both steps inline on the caller.
+    Inline (`group_pages` 0, a call with at most one group, a busy helper, after `close()`):
+    both steps run on the caller, `inline_group` items at a time (an engine's own batch, e.g.
+    one page: verified while it is hot in cache).
     """
 
-    def __init__(self, group_pages: int) -> None:
-        if group_pages < 0:
-            raise ValueError(f"group_pages must be >= 0, got {group_pages}")
+    def __init__(self, group_pages: int, inline_group: int = 1) -> None:
+        if group_pages < 0 or inline_group < 1:
+            raise ValueError(f"group_pages must be >= 0 and inline_group >= 1, got "
+                             f"{group_pages}, {inline_group}")
         self.group_pages = group_pages
+        self.inline_group = inline_group
         self._helper: ThreadPoolExecutor | None = None
+        self._helper_thread: threading.Thread | None = None
+        self._busy = False  # a call is using the helper
         self._closed = False
-        self._lock = threading.Lock()  # guards _helper and _closed, never a step
+        self._lock = threading.Lock()  # guards the fields above, never a step
 
     def read_then_verify(self, items: Sequence[T], read: Callable[[list[T]], S],
                          verify: Callable[[S], list[R]]) -> list[R]:
         """`read(group)` here, then `verify(its result)` on the helper while the next group is
         read; one result per item, in order."""
         groups = self._groups(items)
-        if len(groups) <= 1:
-            return [r for group in groups for r in verify(read(group))]
+        if not self._acquire(len(groups)):
+            return [r for g in _split(items, self.inline_group) for r in verify(read(g))]
         pending: list[Future[list[R]]] = []
         try:
             for group in groups:
-                pending.append(self._submit(verify, read(group)))
+                pending.append(self._helper_submit(verify, read(group)))
         except BaseException:
-            _gather(pending, raise_first=False)  # the read's error is the one to report
+            _wait_quietly(pending)  # the read's error is the one to report
             raise
+        finally:
+            self._release_after(pending)
         return _gather(pending)
 
     def seal_then_write(self, items: Sequence[T], seal: Callable[[list[T]], S],
@@ -67,19 +86,21 @@ class PagePipeline:
         """`seal(group)` on the helper, one group ahead of `write(its result)` here; one result
         per item, in order."""
         groups = self._groups(items)
-        if len(groups) <= 1:
-            return [r for group in groups for r in write(seal(group))]
+        if not self._acquire(len(groups)):
+            return [r for g in _split(items, self.inline_group) for r in write(seal(g))]
         results: list[R] = []
-        ahead = self._submit(seal, groups[0])
+        ahead = self._helper_submit(seal, groups[0])
         try:
             for nxt in [*groups[1:], None]:
                 sealed = ahead.result()
                 if nxt is not None:
-                    ahead = self._submit(seal, nxt)
+                    ahead = self._helper_submit(seal, nxt)
                 results.extend(write(sealed))
         except BaseException:
-            _gather([ahead], raise_first=False)  # a write that raised leaves one seal running
+            _wait_quietly([ahead])  # a write that raised leaves one seal running
             raise
+        finally:
+            self._release_after([ahead])
         return results
 
     def close(self) -> None:
@@ -91,17 +112,39 @@ class PagePipeline:
             helper.shutdown(wait=True)
 
     def _groups(self, items: Sequence[T]) -> list[list[T]]:
-        size = self.group_pages if self.group_pages and not self._closed else len(items)
-        size = max(size, 1)
-        return [list(items[i : i + size]) for i in range(0, len(items), size)]
+        return _split(items, self.group_pages) if self.group_pages else [list(items)]
 
-    def _submit(self, fn: Callable[[S], R], arg: S) -> Future[R]:
+    def _acquire(self, groups: int) -> bool:
+        """Take the helper for this call: False (run inline) when there is nothing to overlap,
+        it is closed or busy, or this is the helper thread itself."""
+        if groups <= 1 or not self.group_pages:
+            return False
         with self._lock:
-            if not self._closed:
-                if self._helper is None:
-                    self._helper = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME)
-                return self._helper.submit(fn, arg)
-        done: Future[R] = Future()  # closed meanwhile: run the step here
+            if self._closed or self._busy or threading.current_thread() is self._helper_thread:
+                return False
+            if self._helper is None:
+                self._helper = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME,
+                                                  initializer=self._record_thread)
+            self._busy = True
+            return True
+
+    def _record_thread(self) -> None:
+        self._helper_thread = threading.current_thread()
+
+    def _release_after(self, pending: list[Future]) -> None:
+        _wait_quietly(pending)
+        with self._lock:
+            self._busy = False
+
+    def _helper_submit(self, fn: Callable[[S], R], arg: S) -> Future[R]:
+        """`fn(arg)` on the helper; inline if the helper cannot take it (interpreter exit)."""
+        helper = self._helper
+        if helper is not None:
+            try:
+                return helper.submit(fn, arg)
+            except RuntimeError:  # shut down meanwhile, or the interpreter is exiting
+                pass
+        done: Future[R] = Future()
         try:
             done.set_result(fn(arg))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
@@ -109,16 +152,22 @@ class PagePipeline:
         return done
 
 
-def _gather(pending: list[Future[list[R]]], raise_first: bool = True) -> list[R]:
-    """Wait for every future; then raise the first error (if `raise_first`) or return the
-    concatenated results."""
+def _split(items: Sequence[T], size: int) -> list[list[T]]:
+    return [list(items[i : i + size]) for i in range(0, len(items), max(size, 1))]
+
+
+def _wait_quietly(pending: list[Future]) -> None:
+    """Wait until every future has ended, even through an interrupt (re-raised after)."""
+    try:
+        wait_all(pending)
+    except BaseException:
+        wait_all(pending)
+        raise
+
+
+def _gather(pending: list[Future[list[R]]]) -> list[R]:
+    """The concatenated results of ended futures; the first error is raised."""
     results: list[R] = []
-    error: BaseException | None = None
     for future in pending:
-        try:
-            results.extend(future.result())
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after all have ended
-            error = error or exc
-    if error is not None and raise_first:
-        raise error
+        results.extend(future.result())
     return results

@@ -294,13 +294,14 @@ MAC_KEY = derive_key(b"cluster-secret-one-" * 2, "page-mac")
 OTHER_MAC_KEY = derive_key(b"cluster-secret-two-" * 2, "page-mac")
 
 
-def _forged(spec_key: bytes | None, key: bytes, payload: torch.Tensor) -> bytes:
+def _forged(spec_key: bytes | None, key: bytes, payload: torch.Tensor,
+            payload_bytes: int = PAGE_BYTES) -> bytes:
     """A well-formed page (valid header CRC and payload checksum) under `key`, MAC'd with
     `spec_key` (None: no MAC, a version-1 page), as a forger with storage access writes it.
     It keeps the xxh3 checksum even when sealed, so a keyless reader can check (and serve) it."""
     spec = PageSpec(
         fingerprint=FINGERPRINT,
-        payload_bytes=PAGE_BYTES,
+        payload_bytes=payload_bytes,
         num_layers=2,
         page_size=4,
         checksum="xxh3",
@@ -335,28 +336,33 @@ def test_forged_page_is_served_only_without_the_mac(make_backend: Factory, mac: 
         assert stats["rejected_mac_pages"] == 0
 
 
-@pytest.mark.parametrize("kind", ["hf3fs", "file"])
+@pytest.mark.parametrize("kind", ["hf3fs", "hf3fs_service"])
 @pytest.mark.parametrize("pipeline_pages", [4, 0], ids=["pipelined", "inline"])
 def test_forgeries_in_every_page_group_are_refused_beside_the_read(
     make_backend: Factory, pipeline_pages: int
 ) -> None:
-    """14 sealed pages read in groups of 4 verified on the pipeline's helper thread (and, on
-    hf3fs, written in groups sealed on it; page_pipeline.py): forgeries in the first, a middle
-    and the last group are counted misses and every other page reads back byte-exact; the same
-    with both inline."""
-    backend = make_backend(page_mac_key=MAC_KEY, pipeline_pages=pipeline_pages)
-    count = 14
-    keys, pages, evil = _keys(count), _pages(count), _pages(count, seed=9)
+    """14 sealed 512 KiB pages read in groups of 4 verified on the pipeline's helper thread
+    and written in groups sealed on it (hf3fs, page_pipeline.py): forgeries in the first,
+    a middle and the last group are counted misses and every other page reads back byte-exact;
+    the same page by page (pipeline_pages 0), where no helper thread ever starts."""
+    page_bytes, count = 512 << 10, 14
+    backend = make_backend(page_mac_key=MAC_KEY, pipeline_pages=pipeline_pages,
+                           page_bytes=page_bytes)
+    gen = torch.Generator().manual_seed(3)
+    pages, evil = torch.randint(0, 256, (2, count, page_bytes), dtype=torch.uint8, generator=gen)
+    keys = _keys(count)
     assert backend.put_from(keys, list(pages)) == [True] * count
     forged = {1: None, 6: OTHER_MAC_KEY, 13: None}  # index -> the forger's key (None: no MAC)
     for i, forger_key in forged.items():
-        assert backend.write_object(keys[i], _forged(forger_key, keys[i], evil[i]))
+        assert backend.write_object(keys[i], _forged(forger_key, keys[i], evil[i], page_bytes))
     out = torch.zeros_like(pages)
     assert backend.get_into(keys, list(out)) == [i not in forged for i in range(count)]
     genuine = [i for i in range(count) if i not in forged]
     assert torch.equal(out[genuine], pages[genuine])
     stats = backend.stats()
     assert (stats["rejected_mac_pages"], stats["pages_read"]) == (3, count - 3)
+    helper = backend._pipeline._helper_thread  # type: ignore[attr-defined]  # noqa: SLF001
+    assert (helper is not None) is (pipeline_pages > 0)  # the verify really ran beside the read
 
 
 def test_mac_pages_detect_corruption_and_read_back_exactly(make_backend: Factory) -> None:

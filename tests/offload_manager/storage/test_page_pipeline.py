@@ -7,7 +7,12 @@ import threading
 
 import pytest
 
-from pdcache.offload_manager.storage.page_pipeline import THREAD_NAME, PagePipeline
+from pdcache.offload_manager.storage.page_pipeline import (
+    MIN_GROUP_BYTES,
+    THREAD_NAME,
+    PagePipeline,
+    group_pages_for,
+)
 
 WAIT_S = 10.0  # bounded waits: a step that never overlaps fails the test instead of hanging
 
@@ -51,7 +56,7 @@ def test_a_single_group_runs_inline_without_a_thread() -> None:
         return group
 
     assert pipeline.read_then_verify([1, 2, 3], lambda g: g, verify) == [1, 2, 3]
-    assert threads == [threading.current_thread().name]
+    assert threads == [threading.current_thread().name] * 3  # page by page, on the caller
     assert pipeline._helper is None  # noqa: SLF001 - no thread was started for it
     pipeline.close()
 
@@ -64,7 +69,8 @@ def test_a_verify_error_is_raised_after_every_group_ended() -> None:
     def verify(group: list[int]) -> list[int]:
         if group == [0]:
             raise RuntimeError("bad group 0")
-        release.wait(WAIT_S) if group == [2] else None
+        if group == [2]:
+            release.wait(WAIT_S)
         ended.append(group[0])
         return group
 
@@ -163,10 +169,84 @@ def test_close_joins_the_helper_and_later_calls_run_inline() -> None:
     assert not any(t.is_alive() for t in helpers)
     helpers.clear()
     assert pipeline.read_then_verify([0, 1, 2], lambda g: g, verify) == [0, 1, 2]
-    assert helpers == [threading.current_thread()]  # one inline group, on the caller
+    assert helpers == [threading.current_thread()] * 3  # inline, page by page, on the caller
     pipeline.close()  # idempotent
 
 
 def test_negative_group_is_an_error() -> None:
     with pytest.raises(ValueError, match="group_pages"):
         PagePipeline(-1)
+
+
+def test_inline_runs_both_steps_a_batch_of_inline_group_at_a_time() -> None:
+    """Inline is the engines' own page-by-page (or ring-batch) order, not one big batch: each
+    page is verified right after its read, while it is hot in cache."""
+    steps: list[tuple[str, list[int]]] = []
+
+    def read(group: list[int]) -> list[int]:
+        steps.append(("read", group))
+        return group
+
+    def verify(group: list[int]) -> list[int]:
+        steps.append(("verify", group))
+        return group
+
+    assert PagePipeline(0, inline_group=2).read_then_verify([0, 1, 2], read, verify) == [0, 1, 2]
+    assert steps == [("read", [0, 1]), ("verify", [0, 1]), ("read", [2]), ("verify", [2])]
+
+
+def test_a_second_caller_finds_the_helper_busy_and_verifies_on_its_own_thread() -> None:
+    """Callers never queue behind each other's groups: while one call holds the helper, a
+    concurrent call runs inline (on its own thread, in parallel), and both get their own
+    results."""
+    pipeline = PagePipeline(1)
+    first_verifying, release = threading.Event(), threading.Event()
+    threads: dict[str, set[str]] = {"a": set(), "b": set()}
+
+    def verify_as(who: str) -> object:
+        def verify(group: list[int]) -> list[int]:
+            threads[who].add(threading.current_thread().name)
+            if who == "a" and group == [0]:
+                first_verifying.set()
+                release.wait(WAIT_S)
+            return [f"{who}{i}" for i in group]  # type: ignore[misc]
+        return verify
+
+    results: dict[str, list] = {}
+    first = threading.Thread(target=lambda: results.update(
+        a=pipeline.read_then_verify([0, 1, 2], lambda g: g, verify_as("a"))))
+    first.start()
+    try:
+        assert first_verifying.wait(WAIT_S)
+        results["b"] = pipeline.read_then_verify([0, 1, 2], lambda g: g, verify_as("b"))
+    finally:
+        release.set()
+        first.join(WAIT_S)
+        pipeline.close()
+    assert results == {"a": ["a0", "a1", "a2"], "b": ["b0", "b1", "b2"]}
+    assert {name.startswith(THREAD_NAME) for name in threads["a"]} == {True}
+    assert threads["b"] == {threading.current_thread().name}
+
+
+def test_a_step_on_the_helper_that_calls_the_pipeline_runs_inline_instead_of_deadlocking() -> None:
+    pipeline = PagePipeline(1)
+
+    def verify(group: list[int]) -> list[int]:
+        inner = pipeline.read_then_verify([10, 11], lambda g: g, lambda g: g)  # on the helper
+        return [i + sum(inner) for i in group]
+
+    done: list[list[int]] = []
+    caller = threading.Thread(target=lambda: done.append(
+        pipeline.read_then_verify([0, 1], lambda g: g, verify)))
+    caller.start()
+    caller.join(WAIT_S)
+    pipeline.close()
+    assert done == [[21, 22]]
+
+
+def test_only_sealed_stores_pipeline_and_a_group_holds_at_least_two_mib() -> None:
+    assert group_pages_for(4, 512 << 10, sealed=False) == 0  # xxh3: page by page
+    assert group_pages_for(0, 512 << 10, sealed=True) == 0  # switched off
+    assert group_pages_for(4, 512 << 10, sealed=True) == 4
+    assert group_pages_for(4, 128 << 10, sealed=True) == MIN_GROUP_BYTES // (128 << 10) == 16
+    assert group_pages_for(8, 2 << 20, sealed=True) == 8
