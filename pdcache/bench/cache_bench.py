@@ -32,9 +32,9 @@ forward waiting for them when they run ahead of it on the copier thread, `copy_a
 `--copy-ahead both` adds `-ahead` rows for the page-by-page storage tiers: the same reads
 with the copies on the copier thread (`HiCacheConfig.copy_ahead`, off by default).
 `--page-mac on` seals the stored pages (a page MAC, as under a cluster secret); then
-`--storage-pipeline both` adds an `-inline` row for hf3fs-serial: the same reads verifying
-every page on the reading thread (`pipeline_pages = 0`) instead of beside the next group's
-reads (storage/page_pipeline.py, the default for sealed pages). A second
+`--storage-pipeline both` adds a `-pipelined` row for hf3fs-serial: the same reads verifying
+page groups beside the next group's reads (`pipeline_pages = 4`, storage/page_pipeline.py)
+instead of each page on the reading thread (the default). A second
 table gives
 storage read GB/s beside a plain memcpy and a plain file read of the same bytes (`pdcache
 bench storage`'s method, pages of this model's size). Targets (issue 3): storage hit ≤ 1.3×
@@ -63,7 +63,7 @@ import torch
 from pdcache.bench.table import emit
 
 TIERS = ("recompute", "device", "host", "hf3fs", "hf3fs-serial", "hf3fs-serial-ahead",
-         "hf3fs-serial-inline", "file", "file-serial", "file-serial-ahead", "mooncake-ahead",
+         "hf3fs-serial-pipelined", "file", "file-serial", "file-serial-ahead", "mooncake-ahead",
          "mooncake")
 DEFAULT_TIERS = ("recompute", "device", "host", "hf3fs", "file", "mooncake")
 STREAMING = ("hf3fs", "file")  # backends with a layer-major read
@@ -71,9 +71,10 @@ STREAMING = ("hf3fs", "file")  # backends with a layer-major read
 # them ahead of the forward on the copier thread (HiCacheConfig.copy_ahead). Layer-streamed
 # loads always copy on the engine thread.
 COPIED_AHEAD = ("hf3fs-serial", "file-serial", "mooncake")
-# sealed pages verified beside the next group's reads (StorageConfig.pipeline_pages, the
-# default); `-inline` rows verify each page on the reading thread
+# `-pipelined` rows: sealed pages verified beside the next group's reads (pipeline_pages =
+# PIPELINED_PAGES, page_pipeline.py); the default verifies each page on the reading thread
 PIPELINED = ("hf3fs-serial",)
+PIPELINED_PAGES = 4
 BENCH_SECRET = b"pdcache bench cache: a fixed secret, never a deployment's" * 2
 
 
@@ -83,8 +84,8 @@ def backend_of(tier: str) -> str:
 
 
 def _read_mode(tier: str) -> str:
-    """A tier row without its copy and verify variants ("hf3fs-serial-inline" -> "hf3fs-serial")."""
-    return tier.removesuffix("-inline").removesuffix("-ahead")
+    """A tier row without its copy and verify variants ("hf3fs-serial-pipelined" -> "hf3fs-serial")."""
+    return tier.removesuffix("-pipelined").removesuffix("-ahead")
 MB = 1 << 20
 
 
@@ -113,10 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-mac", default="off", choices=["on", "off"],
                         help="stored pages sealed with a page MAC (as under a cluster secret; "
                              "a fixed bench key) or not; a --keep-dir holds one kind")
-    parser.add_argument("--storage-pipeline", default="on", choices=["on", "off", "both"],
-                        help="page-by-page hf3fs reads of sealed pages (--page-mac on) verifying "
-                             "page groups beside the next group's reads (on, the default: "
-                             "storage pipeline_pages), page by page (off: their -inline rows), "
+    parser.add_argument("--storage-pipeline", default="off", choices=["on", "off", "both"],
+                        help="hf3fs-serial reads of sealed pages (--page-mac on) verified page "
+                             "by page (off, the default), in page groups beside the next "
+                             "group's reads (on: the -pipelined rows, storage pipeline_pages), "
                              "or both")
     parser.add_argument("--layers-per-read", type=int, default=None,
                         help="layers per read step of the layer-streamed prefetch "
@@ -315,12 +316,13 @@ class PrefixRun:
             file_copy = mooncake = None
             for tier in self.tiers:
                 backend = backend_of(tier)
-                inline = {"pipeline_pages": 0} if tier.endswith("-inline") else {}
+                pipelined = {"pipeline_pages": PIPELINED_PAGES} if tier.endswith(
+                    "-pipelined") else {}
                 if backend == "hf3fs":
-                    readers[tier] = hf3fs.replace(**inline)
+                    readers[tier] = hf3fs.replace(**pipelined)
                 elif backend == "file":
                     file_copy = file_copy or self._file_copy(hf3fs)
-                    readers[tier] = file_copy.replace(**inline)
+                    readers[tier] = file_copy
                 elif backend == "mooncake" and self.setup.master is not None:
                     mooncake = mooncake or self._mooncake(hf3fs, stack)
                     readers[tier] = mooncake
@@ -595,13 +597,13 @@ def _expand_tiers(tiers: list[str], layerwise: str, copy_ahead: str = "off",
                   pipeline: str = "on") -> list[str]:
     """`--layerwise`: off replaces hf3fs/file by their -serial rows, both adds them;
     `--copy-ahead`: on replaces the page-by-page rows by their -ahead rows, both adds them;
-    `--storage-pipeline`: off replaces hf3fs-serial by its -inline row, both adds it."""
+    `--storage-pipeline`: on replaces hf3fs-serial by its -pipelined row, both adds it."""
     serial = _with_variant(tiers, STREAMING, "-serial", keep=layerwise != "off",
                            add=layerwise != "on")
     ahead = _with_variant(serial, COPIED_AHEAD, "-ahead", keep=copy_ahead != "on",
                           add=copy_ahead != "off")
-    return _with_variant(ahead, PIPELINED, "-inline", keep=pipeline != "off",
-                         add=pipeline != "on")
+    return _with_variant(ahead, PIPELINED, "-pipelined", keep=pipeline != "on",
+                         add=pipeline != "off")
 
 
 def _with_variant(tiers: list[str], names: tuple[str, ...], suffix: str, keep: bool,
@@ -628,8 +630,8 @@ def run(args: argparse.Namespace) -> int:
 
     tiers = _expand_tiers([t.strip() for t in args.tiers.split(",") if t.strip()],
                           args.layerwise, args.copy_ahead, args.storage_pipeline)
-    if args.copy_ahead == "on" and args.storage_pipeline != "on":
-        raise SystemExit("--storage-pipeline off/both varies the hf3fs-serial rows, which "
+    if args.copy_ahead == "on" and args.storage_pipeline != "off":
+        raise SystemExit("--storage-pipeline on/both varies the hf3fs-serial rows, which "
                          "--copy-ahead on replaces; use --copy-ahead off or both")
     unknown = sorted(set(tiers) - set(TIERS))
     if unknown:

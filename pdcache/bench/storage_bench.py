@@ -36,6 +36,7 @@ from pdcache.offload_manager.storage.page_format import HEADER_BYTES
 
 DEFAULT_BACKENDS = "hf3fs,hf3fs_service,file,mooncake"
 BATCH_PAGES = 64
+PIPELINED_PAGES = 4  # pipeline_pages of the " +mac pipelined" rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,27 +55,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pipeline",
         choices=("on", "off", "both"),
-        default="on",
-        help="+mac rows of hf3fs (one I/O thread): verify/seal page groups beside the I/O "
-        "(storage pipeline_pages, the default), page by page (' +mac inline'), or both in the "
-        "same run; other backends always go page by page",
+        default="off",
+        help="+mac rows of hf3fs (one I/O thread): page by page (off, the default), verifying/"
+        "sealing page groups beside the I/O (on: ' +mac pipelined', storage pipeline_pages = "
+        f"{PIPELINED_PAGES}), or both in the same run; other backends always go page by page",
     )
 
 
 def _modes(mac: str, pipeline: str) -> dict[str, tuple[bytes | None, int | None]]:
-    """Row label suffix -> (page MAC key, pipeline_pages; None: the config default). Only
-    sealed stores pipeline (page_pipeline.py), so `--pipeline` varies the +mac rows: on (the
-    default), off (" +mac inline": verified and sealed page by page), or both; every +mac row
-    is paired with the row without the MAC."""
+    """Row label suffix -> (page MAC key, pipeline_pages; None: the config default, page by
+    page). `--pipeline` varies the +mac rows: off (the default: " +mac"), on (" +mac
+    pipelined": hf3fs verifies/seals groups beside the I/O, page_pipeline.py), or both; every
+    +mac row is paired with the row without the MAC."""
     modes: dict[str, tuple[bytes | None, int | None]] = {}
     if mac in ("off", "both"):
         modes[""] = (None, None)
     if mac in ("on", "both"):
         key = os.urandom(32)
-        if pipeline in ("on", "both"):
-            modes[" +mac"] = (key, None)
         if pipeline in ("off", "both"):
-            modes[" +mac inline"] = (key, 0)
+            modes[" +mac"] = (key, None)
+        if pipeline in ("on", "both"):
+            modes[" +mac pipelined"] = (key, PIPELINED_PAGES)
     return modes
 
 

@@ -45,14 +45,14 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
     rows = {(r["N"], r["tier"]): r for r in report["rows"]}
     # --layerwise both (the default): hf3fs with the layer-streamed prefetch and without;
     # --copy-ahead both: the page-by-page rows also with the copy ahead on the copier thread;
-    # --page-mac on, --storage-pipeline both: sealed pages; hf3fs-serial also verifying inline
+    # --page-mac on, --storage-pipeline both: sealed pages; hf3fs-serial also pipelined
     ahead = ["hf3fs-serial-ahead"] + (["mooncake-ahead"] if "mooncake" in tiers else [])
-    variants = ["hf3fs-serial", "hf3fs-serial-inline", *ahead]
+    variants = ["hf3fs-serial", "hf3fs-serial-pipelined", *ahead]
     assert set(rows) == {(n, t) for n in (32, 64) for t in [*tiers, *variants]}
     expected_tier = {"recompute": "none", "device": "device", "host": "host", "hf3fs": "storage",
                      "hf3fs-serial": "storage", "mooncake": "storage",
                      "hf3fs-serial-ahead": "storage", "mooncake-ahead": "storage",
-                     "hf3fs-serial-inline": "storage"}
+                     "hf3fs-serial-pipelined": "storage"}
     for (n, tier), row in rows.items():
         assert row["hit_tier"] == expected_tier[tier], row
         assert row["reused_tokens"] == (0 if tier == "recompute" else n), row
@@ -61,7 +61,7 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
             assert row["vs_device_min"] <= row["vs_device"] <= row["vs_device_max"], row
         if tier != "recompute":
             assert row["exact"] == "yes", row
-        if tier in ("hf3fs-serial", "hf3fs-serial-inline", "mooncake"):  # on the engine thread: no copier to wait for
+        if tier in ("hf3fs-serial", "hf3fs-serial-pipelined", "mooncake"):  # on the engine thread: no copier to wait for
             assert row["h2d_ms"] > 0 and row["copy_wait_ms"] == 0, row
         if tier.endswith("-ahead"):  # copied by the copier: the forward waited on its events
             assert row["h2d_ms"] > 0 and row["copy_wait_ms"] > 0, row

@@ -200,11 +200,11 @@ def test_storage_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         "memcpy (torch copy_)",
         "plain file pwrite/preadv",
         *[f"storage {name}{mode}" for name in ("hf3fs", "file")
-          for mode in ("", " +mac", " +mac inline")],
+          for mode in ("", " +mac", " +mac pipelined")],
     ]
     assert all(row["read_GBps"] > 0 for row in result["rows"])
     mac_rows = [row for row in result["rows"] if "+mac" in row["path"]]
-    assert len(mac_rows) == 4  # +mac and +mac inline, on both backends
+    assert len(mac_rows) == 4  # +mac and +mac pipelined, on both backends
     assert all(row["read_mac_ratio"] > 0 and row["write_mac_ratio"] > 0 for row in mac_rows)
     assert not any("read_mac_ratio" in row for row in result["rows"] if row not in mac_rows)
     assert all(row["write_GBps"] > 0 and "-" in row["read_spread"] for row in result["rows"][2:])

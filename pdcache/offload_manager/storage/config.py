@@ -124,10 +124,11 @@ class StorageConfig:
     # hf3fs
     io_engine: str = "posix"
     io_threads: int = 1
-    # sealed pages (page_mac_key), one I/O thread: at least this many pages per group (and
-    # 2 MiB) verified (reads) or sealed (hf3fs writes) on a helper thread beside the I/O of the
-    # next group (page_pipeline.py); 0: page by page on the I/O thread, as unsealed stores do
-    pipeline_pages: int = 4
+    # hf3fs with sealed pages (page_mac_key) and one I/O thread: > 0 verifies (reads) and
+    # seals (writes) groups of at least this many pages (and 2 MiB) on a helper thread beside
+    # the I/O of the next group (page_pipeline.py); 0 (default): page by page on the I/O
+    # thread. Off by default: in the HiCache read path it measured slower (docs/security.md)
+    pipeline_pages: int = 0
     num_data_files: int = 4
     metadata: str = "inproc"
     recover_index: bool = True  # inproc metadata: rebuild the index from slot headers on open
