@@ -31,7 +31,9 @@ lower tier's time goes: `lookup_ms` (keys + exists_prefix), `read_ms` (storage r
 forward waiting for them when they run ahead of it on the copier thread, `copy_ahead`).
 `--copy-ahead both` adds `-ahead` rows for the page-by-page storage tiers: the same reads
 with the copies on the copier thread (`HiCacheConfig.copy_ahead`, off by default).
-`--page-mac on` seals the stored pages (a page MAC, as under a cluster secret); then
+`hf3fs-warm` (in `--tiers`): a storage hit on the running seeding engine, whose device and host
+tiers `drop_cache` emptied just before (a long-running node), where the other storage rows
+build a fresh engine per sample. `--page-mac on` seals the stored pages (a page MAC, as under a cluster secret); then
 `--storage-pipeline both` adds a `-pipelined` row for hf3fs-serial: the same reads verifying
 page groups beside the next group's reads (`pipeline_pages = 4`, storage/page_pipeline.py)
 instead of each page on the reading thread (the default). A second
@@ -63,8 +65,12 @@ import torch
 from pdcache.bench.table import emit
 
 TIERS = ("recompute", "device", "host", "hf3fs", "hf3fs-serial", "hf3fs-serial-ahead",
-         "hf3fs-serial-pipelined", "file", "file-serial", "file-serial-ahead", "mooncake-ahead",
-         "mooncake")
+         "hf3fs-serial-pipelined", "hf3fs-warm", "file", "file-serial", "file-serial-ahead",
+         "mooncake-ahead", "mooncake")
+# `hf3fs-warm`: a storage hit on the seeding engine itself, after `drop_cache` emptied its
+# device and host tiers (a long-running node), where every other storage row builds a fresh
+# engine per sample (page by page unless --layerwise on)
+WARM = "hf3fs-warm"
 DEFAULT_TIERS = ("recompute", "device", "host", "hf3fs", "file", "mooncake")
 STREAMING = ("hf3fs", "file")  # backends with a layer-major read
 # loads copied host → device on the engine thread, as nodes do by default; `-ahead` rows copy
@@ -80,7 +86,7 @@ BENCH_SECRET = b"pdcache bench cache: a fixed secret, never a deployment's" * 2
 
 def backend_of(tier: str) -> str:
     """The storage backend behind a tier row ("hf3fs-serial-ahead" -> "hf3fs")."""
-    return _read_mode(tier).removesuffix("-serial")
+    return _read_mode(tier).removesuffix("-warm").removesuffix("-serial")
 
 
 def _read_mode(tier: str) -> str:
@@ -309,12 +315,13 @@ class PrefixRun:
         a device hit on either side."""
         hf3fs = self.setup.storage("hf3fs", self.n, path=str(self.dir / "hf3fs"))
         with ExitStack() as stack:
-            seeded = self.setup.tiered(hf3fs)
+            # the warm row reads with the seeding engine: page by page unless --layerwise on
+            seeded = self.setup.tiered(hf3fs, layerwise=self.setup.args.layerwise == "on")
             stack.callback(seeded.close)
             self._seed(seeded)
             readers: dict[str, Any] = {}
             file_copy = mooncake = None
-            for tier in self.tiers:
+            for tier in [t for t in self.tiers if t != WARM]:
                 backend = backend_of(tier)
                 pipelined = {"pipeline_pages": PIPELINED_PAGES} if tier.endswith(
                     "-pipelined") else {}
@@ -332,6 +339,9 @@ class PrefixRun:
                     self._device_hit(seeded, device)
                     seeded.engine.flush_cache()  # device pages demoted to their host copies
                     self._sample(seeded, "host", i)
+                if WARM in self.tiers:
+                    self._device_hit(seeded, device)
+                    self._warm_storage_hit(seeded, i)
                 # odd rounds in reverse: no storage tier always runs first (or right after
                 # another fresh engine's close), which measurably shifts its read times
                 items = list(readers.items())
@@ -343,6 +353,16 @@ class PrefixRun:
             self._device_hit(seeded, device)  # the last sample's device hit after it
             self._device_references(seeded)
         self._recompute()
+
+    def _warm_storage_hit(self, built, i: int) -> None:
+        """A storage hit on the running seeding engine: its device and host tiers dropped
+        first (storage untouched), so the prefix can only come from storage."""
+        if not built.hicache.wait_idle(600):
+            raise RuntimeError("storage I/O did not finish")
+        dropped = built.engine.drop_cache()
+        if not dropped.flushed:
+            raise RuntimeError(f"drop_cache refused: {dropped.reason}")
+        self._sample(built, WARM, i)
 
     def _device_hit(self, built, wanted: bool) -> None:
         """The next device sample (on device: seeded, or restored by the last host hit)."""

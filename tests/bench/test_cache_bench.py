@@ -27,7 +27,7 @@ def bench_args(tmp_path, tiers: str, *extra: str) -> argparse.Namespace:
 
 
 def test_cache_bench_smoke(tmp_path, capsys) -> None:
-    tiers = ["recompute", "device", "host", "hf3fs"]
+    tiers = ["recompute", "device", "host", "hf3fs", "hf3fs-warm"]
     try:
         import mooncake.store  # noqa: F401
 
@@ -52,7 +52,7 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
     expected_tier = {"recompute": "none", "device": "device", "host": "host", "hf3fs": "storage",
                      "hf3fs-serial": "storage", "mooncake": "storage",
                      "hf3fs-serial-ahead": "storage", "mooncake-ahead": "storage",
-                     "hf3fs-serial-pipelined": "storage"}
+                     "hf3fs-serial-pipelined": "storage", "hf3fs-warm": "storage"}
     for (n, tier), row in rows.items():
         assert row["hit_tier"] == expected_tier[tier], row
         assert row["reused_tokens"] == (0 if tier == "recompute" else n), row
@@ -61,7 +61,7 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
             assert row["vs_device_min"] <= row["vs_device"] <= row["vs_device_max"], row
         if tier != "recompute":
             assert row["exact"] == "yes", row
-        if tier in ("hf3fs-serial", "hf3fs-serial-pipelined", "mooncake"):  # on the engine thread: no copier to wait for
+        if tier in ("hf3fs-serial", "hf3fs-serial-pipelined", "hf3fs-warm", "mooncake"):  # engine thread: no copier to wait for
             assert row["h2d_ms"] > 0 and row["copy_wait_ms"] == 0, row
         if tier.endswith("-ahead"):  # copied by the copier: the forward waited on its events
             assert row["h2d_ms"] > 0 and row["copy_wait_ms"] > 0, row
