@@ -33,12 +33,11 @@ forward waiting for them when they run ahead of it on the copier thread, `copy_a
 with the copies on the copier thread (`HiCacheConfig.copy_ahead`, off by default).
 `hf3fs-warm` (in `--tiers`): a storage hit on the running seeding engine, whose device and host
 tiers `drop_cache` emptied just before (a long-running node), where the other storage rows
-build a fresh engine per sample. `--page-mac on` seals the stored pages (a page MAC, as under a cluster secret); then
-`--storage-pipeline both` adds a `-pipelined` row for hf3fs-serial: the same reads verifying
-page groups beside the next group's reads (`pipeline_pages = 4`, storage/page_pipeline.py)
-instead of each page on the reading thread (the default). A second
-table gives
-storage read GB/s beside a plain memcpy and a plain file read of the same bytes (`pdcache
+build a fresh engine per sample. `--page-mac on` seals the stored pages (a page MAC, as under
+a cluster secret); then `--storage-pipeline both` adds a `-pipelined` row for hf3fs-serial: the
+same reads verifying page groups beside the next group's reads (`pipeline_pages = 4`,
+storage/page_pipeline.py) instead of each page on the reading thread (the default). A second
+table gives storage read GB/s beside a plain memcpy and a plain file read of the same bytes (`pdcache
 bench storage`'s method, pages of this model's size). Targets (issue 3): storage hit ≤ 1.3×
 the device hit and ≤ 0.1× recompute at N ≥ 4k.
 """
@@ -614,7 +613,7 @@ def _environment(args: argparse.Namespace, tiers: list[str]) -> Iterator[tuple[P
 
 
 def _expand_tiers(tiers: list[str], layerwise: str, copy_ahead: str = "off",
-                  pipeline: str = "on") -> list[str]:
+                  pipeline: str = "off") -> list[str]:
     """`--layerwise`: off replaces hf3fs/file by their -serial rows, both adds them;
     `--copy-ahead`: on replaces the page-by-page rows by their -ahead rows, both adds them;
     `--storage-pipeline`: on replaces hf3fs-serial by its -pipelined row, both adds it."""

@@ -600,13 +600,10 @@ def run(args: argparse.Namespace) -> int:
                     row = _mode_row(f"storage {name}{label}", nbytes, args.pages, times[label])
                     rows.append(row)
                     by_label[label] = row
-                for label in backends:
-                    off_label = ""  # every +mac row's pair: the same store without the MAC
-                    if label != off_label and off_label in times:
-                        off, on = times[off_label], times[label]
-                        by_label[label].update(_ratio_stats(off["read_s"], on["read_s"], "read_"))
-                        by_label[label].update(
-                            _ratio_stats(off["write_s"], on["write_s"], "write_"))
+                for label in [m for m in backends if m and "" in times]:  # vs the MAC-less row
+                    off, on = times[""], times[label]
+                    by_label[label].update(_ratio_stats(off["read_s"], on["read_s"], "read_"))
+                    by_label[label].update(_ratio_stats(off["write_s"], on["write_s"], "write_"))
         finally:
             plain.close()
     extra = {

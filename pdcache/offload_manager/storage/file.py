@@ -49,7 +49,6 @@ from pdcache.offload_manager.storage.stats import RateLimitedLog, RejectedKeys, 
 
 log = logging.getLogger(__name__)
 SUFFIX = ".page"
-_RawRead = tuple[bytes, memoryview, list[memoryview], int]  # key, header, payload, bytes read
 STALE_TEMP_S = 600.0  # a temp file this old belongs to no live writer
 
 
@@ -126,7 +125,7 @@ class FileBackend(StorageBackend):
             raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
         # page by page: verifying beside the next reads (hf3fs's PagePipeline) measured no
         # faster here, where each page's open + close holds the GIL (docs/security.md)
-        found = [self._verify_read(self._read_raw(k, p)) for k, p in zip(keys, host_pages)]
+        found = [self._read(k, p) for k, p in zip(keys, host_pages)]
         if origins is not None:
             origins[:] = found
         return [origin is not None for origin in found]
@@ -175,10 +174,7 @@ class FileBackend(StorageBackend):
             raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
         owner = namespace if namespace in self._quota_pages else ""
         self._replace_rejected(keys)
-        # inline: a page's create + write + rename costs ~10x its seal, so sealing the next
-        # group beside it measured no faster (`pdcache bench storage --pipeline both`)
-        return [self._write(key, page, origin, owner, session)
-                for key, page in zip(keys, host_pages)]
+        return [self._write(k, p, origin, owner, session) for k, p in zip(keys, host_pages)]
 
     def _replace_rejected(self, keys: Sequence[bytes]) -> None:
         """Unlink the pages of `keys` that a read here refused, so the put writes them anew."""
@@ -239,9 +235,7 @@ class FileBackend(StorageBackend):
 
     # internals
 
-    def _read_raw(self, key: bytes, page: HostPage) -> _RawRead | None:
-        """Read `key`'s file into `page` (and a header buffer); None: no such page, or an
-        error (both counted misses)."""
+    def _read(self, key: bytes, page: HostPage) -> str | None:
         payload = payload_views(page)
         if payload_nbytes(payload) != self.spec.payload_bytes:
             raise ValueError(
@@ -261,13 +255,6 @@ class FileBackend(StorageBackend):
         except OSError:
             self.counters.add_many(read_errors=1, misses=1)
             return None
-        return key, header, payload, nbytes
-
-    def _verify_read(self, read: _RawRead | None) -> str | None:
-        """The origin of a page read by `_read_raw`, or None (refused: counted, remembered)."""
-        if read is None:
-            return None
-        key, header, payload, nbytes = read
         verdict, origin = verify_page(self.spec, key, header, payload, nbytes)
         if verdict is not Verdict.OK:
             self.counters.record_failed_read(verdict)
@@ -280,8 +267,8 @@ class FileBackend(StorageBackend):
     def _write(
         self, key: bytes, page: HostPage, origin: str, owner: str = "", session: str = ""
     ) -> bool:
-        path = self._page_file(key)
-        if os.path.exists(path):
+        path = self.page_path(key)
+        if path.exists():
             self.counters.add("pages_skipped")
             self._touch(key, session=session)
             return True
@@ -293,12 +280,12 @@ class FileBackend(StorageBackend):
             self.counters.add("full_rejects")
             return False
         try:
-            self._write_atomic(Path(path), header, payload)
+            self._write_atomic(path, header, payload)
         except OSError as exc:
             self._warn.warning("write", "file storage: writing %s failed: %s", path, exc)
             self.counters.add("write_errors")
             with self._lock:  # give back the slot _make_room reserved
-                if not os.path.exists(path):
+                if not path.exists():
                     self._lru.pop(key, None)
             return False
         self._touch(key, owner, session)
