@@ -7,7 +7,12 @@ no gate on later turns, `--concurrency` only a safety cap, 256 by default). **Re
 R is the *offered* rate: sessions start at R / (mean turns per session) per second, so R
 requests/s are offered in the long run; the achieved rate (ok requests / wall time) is
 reported beside it. **Goodput** is the highest R tried at which every request succeeded and
-the TTFT p`--slo-percentile` (90) was <= the SLO.
+the TTFT p`--slo-percentile` (90) was <= the SLO. With a TPOT SLO (`--tpot-slo-ms`, or
+`--tpot-slo-factor` x the first config's unloaded TPOT p90) a point must also keep the TPOT
+(time per output token after the first: (e2e - TTFT) / (output tokens - 1), per request, as
+vLLM's `--goodput tpot:` and DistServe count it) at that percentile within it: a unified server
+that keeps its TTFT by starving its running decodes then fails where it stops serving them.
+Off by default (the TTFT-only goodput of issue 16); every point reports its TPOT p50 / p90.
 
 For each CONFIG (`[LABEL=]PATH[+KEY=VALUE...]`, as `bench compare`), launched once
 (`compare.launched`), every pass begins with `/flush_cache` (device and host tiers emptied)
@@ -81,6 +86,7 @@ from pdcache.bench.table import emit
 TABLE_COLUMNS = (
     "config",
     "unloaded_ttft_p90_s",
+    "unloaded_tpot_p90_s",
     "ref_hit_rate",
     "ref_of_theoretical",
     "ref_device_share",
@@ -112,6 +118,8 @@ POINT_COLUMNS = (
     "ttft_p50_s",
     "ttft_p90_s",
     "ttft_p99_s",
+    "tpot_p50_s",
+    "tpot_p90_s",
     "hit_rate",
     "windows_over_slo",
     "stopped_early",
@@ -137,6 +145,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="TTFT SLO in ms (default: --slo-factor x the first config's unloaded TTFT p90)",
     )
     parser.add_argument("--slo-factor", type=float, default=3.0)
+    parser.add_argument(
+        "--tpot-slo-ms",
+        type=float,
+        default=None,
+        help="also require TPOT (time per output token after the first) p<percentile> <= "
+        "this, in ms (default: no TPOT SLO)",
+    )
+    parser.add_argument(
+        "--tpot-slo-factor",
+        type=float,
+        default=None,
+        help="TPOT SLO = this x the first config's unloaded TPOT p90 (when --tpot-slo-ms is "
+        "not given)",
+    )
     parser.add_argument("--slo-percentile", type=float, default=90.0)
     parser.add_argument(
         "--unloaded-requests",
@@ -352,20 +374,43 @@ def estimate_seconds(
     return num_configs * (fixed + points * typical), num_configs * (fixed + points * longest)
 
 
-def point_passes(summary: dict[str, Any], slo_s: float, percentile: float) -> bool:
-    """Every request of the trace succeeded and the TTFT at `percentile` is within the SLO."""
+def point_passes(
+    summary: dict[str, Any], slo_s: float, percentile: float, tpot_slo_s: float | None = None
+) -> bool:
+    """Every request of the trace succeeded, the TTFT at `percentile` is within the SLO and,
+    with a TPOT SLO, so is the TPOT at `percentile` (a pass without a TPOT, every answer one
+    token long, passes on its TTFT)."""
     ttft = ttft_percentile(summary, percentile)
     complete = summary.get("requests_ok") == summary.get("requests_total") and not summary.get(
         "requests_failed"
     )
-    return complete and ttft is not None and ttft <= slo_s
+    if not (complete and ttft is not None and ttft <= slo_s):
+        return False
+    tpot = tpot_percentile(summary, percentile)
+    return tpot_slo_s is None or tpot is None or tpot <= tpot_slo_s
 
 
 def ttft_percentile(summary: dict[str, Any], percentile: float) -> float | None:
     """TTFT at `percentile` over the pass's successful requests (its requests.jsonl)."""
+    return _percentile(summary.get("_ttfts") or [], percentile)
+
+
+def tpot_percentile(summary: dict[str, Any], percentile: float) -> float | None:
+    """TPOT at `percentile` over the pass's successful requests with two tokens or more."""
+    return _percentile(summary.get("_tpots") or [], percentile)
+
+
+def request_tpot(record: dict[str, Any]) -> float | None:
+    """Seconds per output token after the first: (e2e - TTFT) / (output tokens - 1)."""
+    tokens, ttft, e2e = record.get("output_tokens") or 0, record.get("ttft_s"), record.get("e2e_s")
+    if tokens < 2 or ttft is None or e2e is None:
+        return None
+    return max(0.0, e2e - ttft) / (tokens - 1)
+
+
+def _percentile(values: list[float], percentile: float) -> float | None:
     import numpy as np
 
-    values = summary.get("_ttfts") or []
     return float(np.percentile(values, percentile)) if values else None
 
 
@@ -415,6 +460,7 @@ def run_pass(args: argparse.Namespace, front: str, out: Path, **changes: Any) ->
     timed = [r for r in records if r["ok"] and r["ttft_s"] is not None]
     summary["_ttfts"] = [r["ttft_s"] for r in timed]
     summary["_dispatch"] = [r["dispatch_s"] for r in timed]
+    summary["_tpots"] = [t for r in timed if (t := request_tpot(r)) is not None]
     summary["_live_sessions"] = live_sessions(records)
     summary["_live_pages"] = live_pages(records, values["page_size"])
     if code != 0:
@@ -539,6 +585,9 @@ class Sweep:
         self.args = args
         self.out = out
         self.slo_s: float | None = None if args.slo_ms is None else args.slo_ms / 1000.0
+        self.tpot_slo_s: float | None = (
+            None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000.0
+        )
         self.session_turns, self.think_s = _trace_shape(args)
         self.num_requests = sum(self.session_turns)
         self.trace_cap = trace_rate_cap(self.session_turns, args.point_seconds)
@@ -605,6 +654,12 @@ class Sweep:
             if p90 is None:
                 raise RuntimeError("unloaded pass: no TTFT to derive the SLO from")
             self.slo_s = args.slo_factor * p90
+        if self.tpot_slo_s is None and args.tpot_slo_factor is not None:
+            tpot_p90 = tpot_percentile(result.unloaded, 90.0)
+            if tpot_p90 is None:
+                raise RuntimeError("unloaded pass: no TPOT (answers of 2+ tokens) to derive "
+                                   "the TPOT SLO from")
+            self.tpot_slo_s = args.tpot_slo_factor * tpot_p90
         if args.reference:
             self.pbar.set_postfix_str(f"{result.label}: reference")
             before = scrape_latencies(urls)
@@ -664,8 +719,11 @@ class Sweep:
             else None,
             slow_ttft=self.slo_s,
         )
-        passed = not summary.get("error") and point_passes(summary, self.slo_s, args.slo_percentile)
+        passed = not summary.get("error") and point_passes(
+            summary, self.slo_s, args.slo_percentile, self.tpot_slo_s
+        )
         row = point_row(label, rate, summary, passed)
+        tpot_failed = not passed and point_passes(summary, self.slo_s, args.slo_percentile)
         dispatch, ttfts = summary.get("_dispatch") or [], summary.get("_ttfts") or []
         row.update(
             sessions=sessions,
@@ -679,6 +737,7 @@ class Sweep:
             # cancelled requests of an early stop are no failures of the stack
             noisy_window=None
             if passed
+            or tpot_failed  # the one-window check reads TTFTs only
             or summary.get("error")
             or (summary.get("requests_failed") and not summary.get("stopped_early"))
             else one_noisy_window(
@@ -700,6 +759,8 @@ def point_row(label: str, rate: float, s: dict[str, Any], passed: bool) -> dict[
         "ttft_p50_s": s.get("ttft_p50_s"),
         "ttft_p90_s": s.get("ttft_p90_s"),
         "ttft_p99_s": s.get("ttft_p99_s"),
+        "tpot_p50_s": tpot_percentile(s, 50.0),
+        "tpot_p90_s": tpot_percentile(s, 90.0),
         "hit_rate": s.get("hit_rate"),
         "passed": passed,
         "error": s.get("error", ""),
@@ -736,6 +797,7 @@ def summary_rows(results: list[ConfigResult], baseline: str | None = None) -> li
             {
                 "config": r.label,
                 "unloaded_ttft_p90_s": ttft_percentile(r.unloaded, 90.0) if r.unloaded else None,
+                "unloaded_tpot_p90_s": tpot_percentile(r.unloaded, 90.0) if r.unloaded else None,
                 "ref_hit_rate": ref.get("hit_rate"),
                 "ref_theoretical_hit_rate": ref.get("theoretical_hit_rate"),
                 "ref_of_theoretical": ref.get("achieved_over_theoretical"),
@@ -917,6 +979,7 @@ def run(args: argparse.Namespace) -> int:
         "requests_per_pass": sweep.num_requests,
         "slo_ms": None if sweep.slo_s is None else sweep.slo_s * 1000,
         "slo_percentile": args.slo_percentile,
+        "tpot_slo_ms": None if sweep.tpot_slo_s is None else sweep.tpot_slo_s * 1000,
         "baseline": baseline,
         "point_seconds": args.point_seconds,
         "max_rate_rps": sweep.max_rate,
@@ -956,8 +1019,9 @@ def run(args: argparse.Namespace) -> int:
             profile,
             out=sys.stdout,
         )
+    slos = "TTFT" if sweep.tpot_slo_s is None else "TTFT and TPOT"
     emit(
-        f"goodput at TTFT p{args.slo_percentile:g} <= SLO (x: to {runs[0].label})",
+        f"goodput at {slos} p{args.slo_percentile:g} <= SLO (x: to {runs[0].label})",
         rows,
         columns=TABLE_COLUMNS,
         json_path=args.json_path,

@@ -18,9 +18,11 @@ from pdcache.bench.goodput import (
     one_noisy_window,
     point_passes,
     point_sessions,
+    request_tpot,
     slow_requests_to_fail,
     summary_rows,
     target_rows,
+    tpot_percentile,
     trace_rate_cap,
     windows_over_slo,
 )
@@ -207,6 +209,24 @@ def test_a_point_passes_only_complete_and_within_the_slo() -> None:
     assert not point_passes({**ok, "_ttfts": []}, 1.0, 90)
 
 
+def test_a_tpot_slo_fails_a_point_whose_ttft_passes() -> None:
+    ok = {"requests_ok": 10, "requests_total": 10, "requests_failed": 0, "_ttfts": [0.1] * 10,
+          "_tpots": [0.02] * 9 + [0.5]}
+    assert point_passes(ok, slo_s=0.2, percentile=90, tpot_slo_s=0.1)  # TPOT p90 0.068
+    assert not point_passes(ok, slo_s=0.2, percentile=90, tpot_slo_s=0.05)
+    assert point_passes(ok, slo_s=0.2, percentile=90)  # no TPOT SLO: the TTFT alone
+    assert not point_passes({**ok, "_ttfts": [1.0] * 10}, 0.2, 90, tpot_slo_s=1.0)
+    # one-token answers have no TPOT: the point is judged on its TTFT
+    assert point_passes({**ok, "_tpots": []}, 0.2, 90, tpot_slo_s=0.001)
+    assert tpot_percentile(ok, 50) == pytest.approx(0.02)
+
+
+def test_request_tpot_is_the_time_per_output_token_after_the_first() -> None:
+    assert request_tpot({"output_tokens": 5, "ttft_s": 0.2, "e2e_s": 1.0}) == pytest.approx(0.2)
+    assert request_tpot({"output_tokens": 1, "ttft_s": 0.2, "e2e_s": 0.2}) is None
+    assert request_tpot({"output_tokens": 3, "ttft_s": None, "e2e_s": 1.0}) is None
+
+
 def test_poisson_sessions_offer_the_request_rate() -> None:
     trace = synthetic_trace(SyntheticSpec(sessions=4000, turns=4))
     starts = poisson_session_starts(trace, request_rate=8.0, seed=1)
@@ -226,12 +246,13 @@ NEEDED = ("pdcache.server.app", "pdcache.launch.launcher")
     reason="needs pdcache.server.app and pdcache.launch.launcher",
 )
 @pytest.mark.parametrize(
-    ("slo_ms", "passes", "early_stop"),
-    [(60_000.0, True, True), (0.001, False, True), (0.001, False, False)],
-    ids=["loose-slo", "impossible-slo", "impossible-slo-no-early-stop"],
+    ("slo_ms", "passes", "early_stop", "tpot_slo_ms"),
+    [(60_000.0, True, True, None), (0.001, False, True, None), (0.001, False, False, None),
+     (60_000.0, False, False, 0.001)],
+    ids=["loose-slo", "impossible-slo", "impossible-slo-no-early-stop", "impossible-tpot-slo"],
 )
 def test_goodput_sweeps_a_real_server(
-    tmp_path: Path, slo_ms: float, passes: bool, early_stop: bool
+    tmp_path: Path, slo_ms: float, passes: bool, early_stop: bool, tpot_slo_ms: float | None
 ) -> None:
     port = free_ports(1)[0]
     out = tmp_path / "out"
@@ -261,6 +282,7 @@ def test_goodput_sweeps_a_real_server(
             "--startup-timeout",
             "120",
             *([] if early_stop else ["--no-early-stop"]),
+            *([] if tpot_slo_ms is None else ["--tpot-slo-ms", str(tpot_slo_ms)]),
         ]
     )
     assert code == 0
@@ -276,6 +298,10 @@ def test_goodput_sweeps_a_real_server(
     assert row["goodput_rps"] == (8.0 if passes else None)
     assert row["failed_at_rps"] == (None if passes else 2.0)
     assert all(p["sessions"] == 6 and p["retry"] is False for p in points)
+    # 4-token answers: every point measures a TPOT, and the loose-TTFT, impossible-TPOT run
+    # fails every point on it alone (no retry: the one-window check reads TTFTs)
+    assert all(p["tpot_p50_s"] > 0 and p["tpot_p90_s"] >= p["tpot_p50_s"] for p in points)
+    assert result["tpot_slo_ms"] == tpot_slo_ms and row["unloaded_tpot_p90_s"] > 0
     # all passed: the points ran out before a failure (12 requests / 1 s caps rates at 12)
     assert row["bound"] == ("max-points" if passes else "") and row["error"] == ""
     assert result["trace_rate_cap_rps"] == 12.0 and result["estimated_max_s"] > 0
