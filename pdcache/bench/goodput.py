@@ -52,7 +52,8 @@ first (every config using all its points; and the most, if every point overloads
 The table gives goodput ratios to the first config (`goodput_x`) and to `--baseline`
 (`goodput_x_baseline`), and a last table checks issue 16's targets per config.
 
-Writes `DIR/goodput.json`, `DIR/goodput.png` (TTFT p90 vs rate per config, the SLO line) and
+Writes `DIR/goodput.json`, `DIR/goodput.png` (TTFT p90 vs rate per config, the SLO line; with a
+TPOT SLO, TPOT p90 vs rate beside it) and
 one folder per config and pass (`requests.jsonl`, `summary.json`, the replay's tables).
 """
 
@@ -885,8 +886,14 @@ def target_rows(rows: list[dict[str, Any]], baseline: str | None) -> list[dict[s
 
 
 def plot(
-    out: Path, results: list[ConfigResult], slo_s: float | None, percentile: float
+    out: Path,
+    results: list[ConfigResult],
+    slo_s: float | None,
+    percentile: float,
+    tpot_slo_s: float | None = None,
 ) -> str | None:
+    """`out/goodput.png`: TTFT p90 vs offered rate per config (x: failed points), and beside it
+    TPOT p90 vs rate when the run had a TPOT SLO (a point may fail on either)."""
     try:
         import matplotlib
 
@@ -898,43 +905,49 @@ def plot(
             file=sys.stderr,
         )
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
-        pts = sorted(
-            (p for p in r.points if p["ttft_p90_s"] is not None), key=lambda p: p["rate_rps"]
+    panels = [("ttft_p90_s", "TTFT", slo_s)]
+    if tpot_slo_s is not None:
+        panels.append(("tpot_p90_s", "TPOT", tpot_slo_s))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    for ax, (key, name, slo) in zip(axes[0], panels):
+        _plot_metric(ax, results, key, slo)
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="offered request rate (req/s)",
+            ylabel=f"{name} p{percentile:g} (s)",
+            title=f"{name} vs request rate (x: failed point)",
         )
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "goodput.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def _plot_metric(ax: Any, results: list[ConfigResult], key: str, slo_s: float | None) -> None:
+    for r in results:
+        pts = sorted((p for p in r.points if p.get(key) is not None), key=lambda p: p["rate_rps"])
         if not pts:
             continue
         (line,) = ax.plot(
             [p["rate_rps"] for p in pts],
-            [p["ttft_p90_s"] for p in pts],
+            [p[key] for p in pts],
             marker="o",
             label=f"{r.label} (goodput {r.goodput_rps or 0:.3g} req/s)",
         )
         failed = [p for p in pts if not p["passed"]]
         ax.plot(
             [p["rate_rps"] for p in failed],
-            [p["ttft_p90_s"] for p in failed],
+            [p[key] for p in failed],
             "x",
             color=line.get_color(),
             markersize=9,
         )
     if slo_s is not None:
         ax.axhline(slo_s, color="k", linestyle="--", linewidth=1, label=f"SLO {slo_s * 1e3:.0f} ms")
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="offered request rate (req/s)",
-        ylabel=f"TTFT p{percentile:g} (s)",
-        title="TTFT vs request rate (x: failed point)",
-    )
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "goodput.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return str(path)
 
 
 def _public(summary: dict[str, Any]) -> dict[str, Any]:
@@ -973,7 +986,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed_s = time.monotonic() - started
     rows = summary_rows(results, baseline)
     points = [p for r in results for p in r.points]
-    picture = plot(out, results, sweep.slo_s, args.slo_percentile)
+    picture = plot(out, results, sweep.slo_s, args.slo_percentile, sweep.tpot_slo_s)
     extra = {
         "trace": args.trace,
         "requests_per_pass": sweep.num_requests,
