@@ -126,6 +126,7 @@ POINT_COLUMNS = (
     "stopped_early",
     "retry",
     "passed",
+    "failed_on",
 )
 
 
@@ -373,6 +374,60 @@ def estimate_seconds(
     typical = args.point_seconds + think_s + 0.6 * mean_turns + 2
     longest = args.point_duration_factor * args.point_seconds + 22
     return num_configs * (fixed + points * typical), num_configs * (fixed + points * longest)
+
+
+def derive_slos(
+    unloaded: dict[str, Any],
+    slo_s: float | None,
+    tpot_slo_s: float | None,
+    slo_factor: float,
+    tpot_slo_factor: float | None,
+) -> tuple[float, float | None]:
+    """The TTFT and TPOT SLOs: the given ones, else their factor x the unloaded pass's p90 (no
+    TPOT SLO without a factor). Both from the same pass, or RuntimeError and neither."""
+    if slo_s is None:
+        p90 = ttft_percentile(unloaded, 90.0)
+        if p90 is None:
+            raise RuntimeError("unloaded pass: no TTFT to derive the SLO from")
+        slo_s = slo_factor * p90
+    if tpot_slo_s is None and tpot_slo_factor is not None:
+        tpot_p90 = tpot_percentile(unloaded, 90.0)
+        if tpot_p90 is None:
+            raise RuntimeError(
+                "unloaded pass: no TPOT (answers of 2+ tokens) to derive the TPOT SLO from"
+            )
+        tpot_slo_s = tpot_slo_factor * tpot_p90
+    return slo_s, tpot_slo_s
+
+
+def failed_on(summary: dict[str, Any], passed: bool, tpot_failed: bool) -> str:
+    """Why a point failed: "" (it passed), "error", "incomplete" (a request failed or was not
+    sent), "ttft" or "tpot" (its TTFT was within the SLO, its TPOT not)."""
+    if passed:
+        return ""
+    if summary.get("error"):
+        return "error"
+    if tpot_failed:
+        return "tpot"
+    complete = summary.get("requests_ok") == summary.get("requests_total") and not summary.get(
+        "requests_failed"
+    )
+    return "ttft" if complete or summary.get("stopped_early") else "incomplete"
+
+
+def retry_window(
+    summary: dict[str, Any], failed: str, slo_s: float, percentile: float, window_s: float
+) -> int | None:
+    """The one window of dispatch time that alone failed the point on its TTFT (so the point
+    is run again), or None: it passed, it failed on its TPOT (the one-window check reads
+    TTFTs), on an error, or on requests that failed (cancelled ones of an early stop are no
+    failures of the stack)."""
+    if failed not in ("ttft", "incomplete") or (
+        summary.get("requests_failed") and not summary.get("stopped_early")
+    ):
+        return None
+    dispatch, ttfts = summary.get("_dispatch") or [], summary.get("_ttfts") or []
+    return one_noisy_window(dispatch, ttfts, slo_s, percentile, window_s)
 
 
 def point_passes(
@@ -650,17 +705,9 @@ class Sweep:
         self.pbar.update(1)
         if result.unloaded.get("error"):
             raise RuntimeError(f"unloaded pass: {result.unloaded['error']}")
-        if self.slo_s is None:
-            p90 = ttft_percentile(result.unloaded, 90.0)
-            if p90 is None:
-                raise RuntimeError("unloaded pass: no TTFT to derive the SLO from")
-            self.slo_s = args.slo_factor * p90
-        if self.tpot_slo_s is None and args.tpot_slo_factor is not None:
-            tpot_p90 = tpot_percentile(result.unloaded, 90.0)
-            if tpot_p90 is None:
-                raise RuntimeError("unloaded pass: no TPOT (answers of 2+ tokens) to derive "
-                                   "the TPOT SLO from")
-            self.tpot_slo_s = args.tpot_slo_factor * tpot_p90
+        self.slo_s, self.tpot_slo_s = derive_slos(
+            result.unloaded, self.slo_s, self.tpot_slo_s, args.slo_factor, args.tpot_slo_factor
+        )
         if args.reference:
             self.pbar.set_postfix_str(f"{result.label}: reference")
             before = scrape_latencies(urls)
@@ -725,6 +772,7 @@ class Sweep:
         )
         row = point_row(label, rate, summary, passed)
         tpot_failed = not passed and point_passes(summary, self.slo_s, args.slo_percentile)
+        failed = failed_on(summary, passed, tpot_failed)
         dispatch, ttfts = summary.get("_dispatch") or [], summary.get("_ttfts") or []
         row.update(
             sessions=sessions,
@@ -735,14 +783,9 @@ class Sweep:
                 dispatch, ttfts, self.slo_s, args.slo_percentile, args.window_seconds
             ),
             stopped_early=bool(summary.get("stopped_early")),
-            # cancelled requests of an early stop are no failures of the stack
-            noisy_window=None
-            if passed
-            or tpot_failed  # the one-window check reads TTFTs only
-            or summary.get("error")
-            or (summary.get("requests_failed") and not summary.get("stopped_early"))
-            else one_noisy_window(
-                dispatch, ttfts, self.slo_s, args.slo_percentile, args.window_seconds
+            failed_on=failed,
+            noisy_window=retry_window(
+                summary, failed, self.slo_s, args.slo_percentile, args.window_seconds
             ),
         )
         self.pbar.update(1)
@@ -915,7 +958,7 @@ def plot(
             xscale="log",
             yscale="log",
             xlabel="offered request rate (req/s)",
-            ylabel=f"{name} p{percentile:g} (s)",
+            ylabel=f"{name} p90 (s)",  # the points' p90 columns, whatever --slo-percentile
             title=f"{name} vs request rate (x: failed point)",
         )
         if ax.get_legend_handles_labels()[0]:

@@ -13,12 +13,15 @@ import pytest
 from pdcache.bench.goodput import (
     ConfigResult,
     RateSearch,
+    derive_slos,
+    failed_on,
     live_pages,
     live_sessions,
     one_noisy_window,
     point_passes,
     point_sessions,
     request_tpot,
+    retry_window,
     slow_requests_to_fail,
     summary_rows,
     target_rows,
@@ -221,6 +224,33 @@ def test_a_tpot_slo_fails_a_point_whose_ttft_passes() -> None:
     assert tpot_percentile(ok, 50) == pytest.approx(0.02)
 
 
+def test_both_slos_come_from_the_unloaded_pass_or_neither() -> None:
+    unloaded = {"_ttfts": [0.1] * 10, "_tpots": [0.02] * 10}
+    assert derive_slos(unloaded, None, None, 5.0, None) == (pytest.approx(0.5), None)
+    assert derive_slos(unloaded, None, None, 5.0, 3.0) == (pytest.approx(0.5), pytest.approx(0.06))
+    assert derive_slos(unloaded, 2.0, 0.1, 5.0, 3.0) == (2.0, 0.1)  # given ones win
+    with pytest.raises(RuntimeError, match="no TPOT"):  # one-token answers: no TPOT SLO
+        derive_slos({**unloaded, "_tpots": []}, None, None, 5.0, 3.0)
+    with pytest.raises(RuntimeError, match="no TTFT"):
+        derive_slos({"_ttfts": []}, None, None, 5.0, None)
+
+
+def test_a_point_failing_on_its_tpot_alone_is_not_retried_for_a_slow_window() -> None:
+    # window 0 (dispatch 0-5 s) is slow, the rest fast: the TTFT p90 of all is within 1 s
+    summary = {"requests_ok": 20, "requests_total": 20, "requests_failed": 0,
+               "_dispatch": [0.5] * 2 + [7.0 + i for i in range(18)],
+               "_ttfts": [3.0] * 2 + [0.1] * 18, "_tpots": [0.5] * 20}
+    assert point_passes(summary, 1.0, 90) and not point_passes(summary, 1.0, 90, 0.1)
+    assert failed_on(summary, passed=False, tpot_failed=True) == "tpot"
+    assert retry_window(summary, "tpot", 1.0, 90, 5.0) is None
+    # the same slow window failing the TTFT (a tighter SLO) is one stalled window: retried
+    assert retry_window(summary, "ttft", 0.5, 80, 5.0) == 0
+    assert failed_on(summary, passed=True, tpot_failed=False) == ""
+    assert failed_on({**summary, "requests_ok": 19, "requests_failed": 1}, False, False) == (
+        "incomplete")
+    assert failed_on({"error": "boom"}, False, False) == "error"
+
+
 def test_request_tpot_is_the_time_per_output_token_after_the_first() -> None:
     assert request_tpot({"output_tokens": 5, "ttft_s": 0.2, "e2e_s": 1.0}) == pytest.approx(0.2)
     assert request_tpot({"output_tokens": 1, "ttft_s": 0.2, "e2e_s": 0.2}) is None
@@ -246,13 +276,13 @@ NEEDED = ("pdcache.server.app", "pdcache.launch.launcher")
     reason="needs pdcache.server.app and pdcache.launch.launcher",
 )
 @pytest.mark.parametrize(
-    ("slo_ms", "passes", "early_stop", "tpot_slo_ms"),
+    ("slo_ms", "passes", "early_stop", "tpot_factor"),
     [(60_000.0, True, True, None), (0.001, False, True, None), (0.001, False, False, None),
-     (60_000.0, False, False, 0.001)],
+     (60_000.0, False, False, 1e-6)],
     ids=["loose-slo", "impossible-slo", "impossible-slo-no-early-stop", "impossible-tpot-slo"],
 )
 def test_goodput_sweeps_a_real_server(
-    tmp_path: Path, slo_ms: float, passes: bool, early_stop: bool, tpot_slo_ms: float | None
+    tmp_path: Path, slo_ms: float, passes: bool, early_stop: bool, tpot_factor: float | None
 ) -> None:
     port = free_ports(1)[0]
     out = tmp_path / "out"
@@ -282,7 +312,7 @@ def test_goodput_sweeps_a_real_server(
             "--startup-timeout",
             "120",
             *([] if early_stop else ["--no-early-stop"]),
-            *([] if tpot_slo_ms is None else ["--tpot-slo-ms", str(tpot_slo_ms)]),
+            *([] if tpot_factor is None else ["--tpot-slo-factor", str(tpot_factor)]),
         ]
     )
     assert code == 0
@@ -301,7 +331,13 @@ def test_goodput_sweeps_a_real_server(
     # 4-token answers: every point measures a TPOT, and the loose-TTFT, impossible-TPOT run
     # fails every point on it alone (no retry: the one-window check reads TTFTs)
     assert all(p["tpot_p50_s"] > 0 and p["tpot_p90_s"] >= p["tpot_p50_s"] for p in points)
-    assert result["tpot_slo_ms"] == tpot_slo_ms and row["unloaded_tpot_p90_s"] > 0
+    assert row["unloaded_tpot_p90_s"] > 0
+    if tpot_factor is None:
+        assert result["tpot_slo_ms"] is None
+        assert all(p["failed_on"] == ("" if passes else "ttft") for p in points)
+    else:  # the factor x the unloaded TPOT p90; every point fails on its TPOT alone
+        assert result["tpot_slo_ms"] == pytest.approx(tpot_factor * row["unloaded_tpot_p90_s"] * 1e3)
+        assert all(p["failed_on"] == "tpot" for p in points)
     # all passed: the points ran out before a failure (12 requests / 1 s caps rates at 12)
     assert row["bound"] == ("max-points" if passes else "") and row["error"] == ""
     assert result["trace_rate_cap_rps"] == 12.0 and result["estimated_max_s"] > 0
