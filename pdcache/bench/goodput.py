@@ -409,10 +409,7 @@ def failed_on(summary: dict[str, Any], passed: bool, tpot_failed: bool) -> str:
         return "error"
     if tpot_failed:
         return "tpot"
-    complete = summary.get("requests_ok") == summary.get("requests_total") and not summary.get(
-        "requests_failed"
-    )
-    return "ttft" if complete or summary.get("stopped_early") else "incomplete"
+    return "ttft" if _complete(summary) or summary.get("stopped_early") else "incomplete"
 
 
 def retry_window(
@@ -437,13 +434,17 @@ def point_passes(
     with a TPOT SLO, so is the TPOT at `percentile` (a pass without a TPOT, every answer one
     token long, passes on its TTFT)."""
     ttft = ttft_percentile(summary, percentile)
-    complete = summary.get("requests_ok") == summary.get("requests_total") and not summary.get(
-        "requests_failed"
-    )
-    if not (complete and ttft is not None and ttft <= slo_s):
+    if not (_complete(summary) and ttft is not None and ttft <= slo_s):
         return False
     tpot = tpot_percentile(summary, percentile)
     return tpot_slo_s is None or tpot is None or tpot <= tpot_slo_s
+
+
+def _complete(summary: dict[str, Any]) -> bool:
+    """Every request of the pass was sent and answered."""
+    return summary.get("requests_ok") == summary.get("requests_total") and not summary.get(
+        "requests_failed"
+    )
 
 
 def ttft_percentile(summary: dict[str, Any], percentile: float) -> float | None:
@@ -932,7 +933,6 @@ def plot(
     out: Path,
     results: list[ConfigResult],
     slo_s: float | None,
-    percentile: float,
     tpot_slo_s: float | None = None,
 ) -> str | None:
     """`out/goodput.png`: TTFT p90 vs offered rate per config (x: failed points), and beside it
@@ -1029,7 +1029,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed_s = time.monotonic() - started
     rows = summary_rows(results, baseline)
     points = [p for r in results for p in r.points]
-    picture = plot(out, results, sweep.slo_s, args.slo_percentile, sweep.tpot_slo_s)
+    picture = plot(out, results, sweep.slo_s, sweep.tpot_slo_s)
     extra = {
         "trace": args.trace,
         "requests_per_pass": sweep.num_requests,
