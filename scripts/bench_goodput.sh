@@ -12,8 +12,8 @@
 set -e
 OUT=${1:?outdir}; shift
 export MC_TCP_BIND_ADDRESS=${MC_TCP_BIND_ADDRESS:-127.0.0.1} MC_LOG_LEVEL=${MC_LOG_LEVEL:-ERROR}
-# each of these (and DEVICE_PAGES, HOST_PAGES below) can be set from the environment (the
-# pressure run: README "Under pressure")
+# each of these (and DEVICE_PAGES, HOST_PAGES, DECODE_STEP_MS, PREFILL_THREADS, DECODE_THREADS,
+# CONFIGS below) can be set from the environment (the pressure run: README "Under pressure")
 TURNS=${TURNS:-5} SYSTEM=512 USER=128 TOOL=256 ANSWER=32 THINK=${THINK:-0.5} PAGE=16
 REF_SESSIONS=16 POINT_SECONDS=${POINT_SECONDS:-15} MAX_RATE=${MAX_RATE:-64}
 SESSIONS=$(( MAX_RATE * POINT_SECONDS / TURNS ))
@@ -32,16 +32,31 @@ PD="+node.p0.port=18301+node.p0.bootstrap_port=18302+node.d0.port=18303+node.d0.
 PD="$PD+storage.metadata=tcp://127.0.0.1:18304+node.p0.cache.device_pages=$DEVICE_PAGES"
 NEW="+node.p0.cache.device_eviction=session+node.p0.cache.host_eviction=session"
 NEW="$NEW+node.p0.cache.host_mode=exclusive+storage.eviction=session"
-exec python -m pdcache bench goodput \
-  "ideal=configs/unified.toml+node.u0.port=18305+node.u0.cache.device_pages=$IDEAL_PAGES+node.u0.cache.host_pages=$IDEAL_PAGES" \
-  "pd-device=configs/local-1p1d.toml$PD+storage.backend=none+node.p0.cache.host_pages=1+node.d0.offload=false" \
-  "pd-hicache-lru=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$HOST_PAGES" \
-  "pd-hicache-session=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$HOST_PAGES$NEW" \
+# the decode node's least time between decode steps, ms (0: off; README "Decode pacing")
+PD="$PD+node.d0.scheduler.decode_step_interval_ms=${DECODE_STEP_MS:-0}"
+# torch threads of the PD nodes (unset: torch's default, one per core, for every process)
+if [ -n "${PREFILL_THREADS:-}" ]; then PD="$PD+node.p0.env.OMP_NUM_THREADS=\"$PREFILL_THREADS\""; fi
+if [ -n "${DECODE_THREADS:-}" ]; then PD="$PD+node.d0.env.OMP_NUM_THREADS=\"$DECODE_THREADS\""; fi
+ALL=(
+  "ideal=configs/unified.toml+node.u0.port=18305+node.u0.cache.device_pages=$IDEAL_PAGES+node.u0.cache.host_pages=$IDEAL_PAGES"
+  "pd-device=configs/local-1p1d.toml$PD+storage.backend=none+node.p0.cache.host_pages=1+node.d0.offload=false"
+  "pd-hicache-lru=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$HOST_PAGES"
+  "pd-hicache-session=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$HOST_PAGES$NEW"
+)
+# CONFIGS="ideal pd-hicache-session" runs only those (the first one listed is the ideal)
+RUN=()
+for label in ${CONFIGS:-ideal pd-device pd-hicache-lru pd-hicache-session}; do
+  match=""
+  for config in "${ALL[@]}"; do [ "${config%%=*}" = "$label" ] && match=$config; done
+  [ -n "$match" ] || { echo "bench_goodput: no config named $label" >&2; exit 2; }
+  RUN+=("$match")
+done
+exec python -m pdcache bench goodput "${RUN[@]}" \
   --set model.preset=tiny --set router.port=18300 \
   --set storage.path=./.pdcache/goodput/storage \
   --set storage.metadata_service.state_dir=./.pdcache/goodput/metadata \
   --trace "synthetic:sessions=$SESSIONS,turns=$TURNS,system_prompt=$SYSTEM,user=$USER,tool_result=$TOOL,answer=$ANSWER,think=$THINK" \
   --reference-requests $(( REF_SESSIONS * TURNS )) --reference-concurrency 4 \
-  --unloaded-requests 10 --slo-factor 5 --baseline pd-device \
+  --unloaded-requests 10 --slo-factor 5 \
   --point-seconds $POINT_SECONDS --max-rate $MAX_RATE --max-points 6 --tolerance 0.3 \
   --noisy-retries 1 --out "$OUT" "$@"

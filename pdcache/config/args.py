@@ -53,6 +53,7 @@ NODE_FLAG_KEYS = {
     "max_running": "scheduler.max_running_requests",
     "max_queued": "scheduler.max_queued_requests",
     "chunked_prefill_tokens": "scheduler.chunked_prefill_tokens",
+    "decode_step_interval": "scheduler.decode_step_interval_ms",
     "no_prefix_cache": "cache.prefix_cache",
     "no_pending_wait": "cache.pending_wait",
     "pending_max_ttl": "cache.pending_max_ttl_s",
@@ -270,6 +271,10 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--offload-pending-ttl", type=float, default=None,
                             help="seconds prefill nodes may wait for a page this node announced "
                                  "as being written (default 10)")
+        parser.add_argument("--decode-step-interval", type=int, default=None, metavar="MS",
+                            help="least ms from one decode step's start to the next: less CPU "
+                                 "per token for a host shared with prefill, at that TPOT "
+                                 "(default 0: off)")
     if role == "prefill":
         parser.add_argument("--no-pending-wait", action="store_true",
                             help="do not wait for answer pages a decode node is still writing "

@@ -122,7 +122,8 @@ def engine_for(topology: Topology, node: NodeSpec, model: ModelConfig) -> Engine
                                   chunked_prefill_tokens=sched.chunked_prefill_tokens,
                                   max_queued_requests=sched.max_queued_requests,
                                   max_pending_reservations=sched.max_pending_reservations,
-                                  decode_reserve_tokens=sched.decode_reserve_tokens),
+                                  decode_reserve_tokens=sched.decode_reserve_tokens,
+                                  decode_step_interval_ms=sched.decode_step_interval_ms),
         seed=topology.model.seed, kernels=_kernels(topology, node))
 
 

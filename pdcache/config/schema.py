@@ -145,6 +145,10 @@ class CacheSpec:
         return min(self.prefetch_timeout_max_s, linear)
 
 
+# a paced decode node above it would look hung to its clients (one token a second)
+MAX_DECODE_STEP_INTERVAL_MS = 1000
+
+
 @dataclass(frozen=True)
 class SchedulerSpec:
     """`[scheduler]` (and per-node `[node.scheduler]` overrides): continuous-batching limits."""
@@ -154,6 +158,7 @@ class SchedulerSpec:
     max_queued_requests: int = 1024
     max_pending_reservations: int = 256  # decode: reservations waiting for pages (0: refuse)
     decode_reserve_tokens: int = 512  # decode: answer tokens an admission keeps room for
+    decode_step_interval_ms: int = 0  # least time between decode step starts (0: off)
 
 
 @dataclass(frozen=True)

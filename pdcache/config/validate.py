@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import fields, replace
 
 from pdcache.config.schema import (
+    MAX_DECODE_STEP_INTERVAL_MS,
     PD_ROLES,
     CacheSpec,
     ErrorContext,
@@ -79,8 +80,12 @@ def _check_cache(cache: CacheSpec, prefix: str, ctx: ErrorContext) -> None:
 
 
 def _check_scheduler(scheduler: SchedulerSpec, prefix: str, ctx: ErrorContext) -> None:
+    interval = scheduler.decode_step_interval_ms
+    if not 0 <= interval <= MAX_DECODE_STEP_INTERVAL_MS:
+        raise ctx.error(f"{prefix}.decode_step_interval_ms",
+                        f"expected an integer within 0..{MAX_DECODE_STEP_INTERVAL_MS}, got {interval}")
     for f in fields(scheduler):
-        if getattr(scheduler, f.name) < 1:
+        if f.name != "decode_step_interval_ms" and getattr(scheduler, f.name) < 1:
             raise ctx.error(f"{prefix}.{f.name}", f"expected an integer >= 1, got {getattr(scheduler, f.name)}")
 
 

@@ -103,13 +103,23 @@ class SchedulerConfig:
     context, and keeping room for all of it would admit one such request at a time. Past it,
     decoding takes pages as they free (retraction where offload allows it), as SGLang's
     reserved decode tokens do; with offload on and every request past its reserve, decoding
-    can stall until requests finish or reach their deadline."""
+    can stall until requests finish or reach their deadline.
+
+    `decode_step_interval_ms` (0: off) is the least time from the start of one decode step to
+    the next (`Engine._pace_decode`): a decode node that shares its host's CPU with prefill
+    trades TPOT for the prefill's TTFT, as a unified engine does when it puts prefill chunks
+    between decode steps."""
 
     max_running_requests: int = 64
     chunked_prefill_tokens: int = 2048
     max_queued_requests: int = 1024
     max_pending_reservations: int = 256
     decode_reserve_tokens: int = 512
+    decode_step_interval_ms: int = 0
+
+    def __post_init__(self) -> None:
+        if self.decode_step_interval_ms < 0:
+            raise ValueError("decode_step_interval_ms must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from pdcache.engine.api import (
 )
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdcache.engine.eviction import make_policy
+from pdcache.engine.forward import ForwardMode
 from pdcache.engine.kv_pool import DeviceKVPool
 from pdcache.engine.radix import RadixTree
 from pdcache.engine.request import OutputCallback, Req, ReqStatus, pages_for
@@ -167,6 +168,9 @@ class Engine:
         self._step_errors = 0
         self._callback_errors = 0
         self._num_steps = 0
+        self._paced_steps = 0  # decode steps held back by `decode_step_interval_ms`
+        self._paced_s = 0.0  # and the time they were held back for
+        self._last_decode_start: float | None = None  # monotonic; None: the last step was not decode
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._driven = False  # start(thread=False): the caller runs the loop with step()
@@ -480,6 +484,7 @@ class Engine:
             try:
                 if progressed:
                     self._drain_inbox(timeout=0.0)
+                    self._pace_decode()
                 else:  # idle, or stalled (e.g. no waiting request ready)
                     stalled = self.scheduler.has_work()
                     self._drain_inbox(timeout=_STALLED_WAIT_S if stalled else _IDLE_WAIT_S)
@@ -508,6 +513,29 @@ class Engine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _pace_decode(self) -> None:
+        """With `decode_step_interval_ms`, start the next decode step no sooner than that long
+        after the last one started, handling the inbox meanwhile: requests that arrive join the
+        held-back step. Decode steps of small batches cost nearly what large ones do (the
+        weights are read either way), so a paced node spends less CPU per token and leaves it to
+        the processes it shares the host with (a co-located prefill node). A request waiting
+        for prefill ends the wait at once, so a unified node's TTFT does not pay for it; pages
+        freed meanwhile go to queued reservations at once, as after a step."""
+        interval_s = self.config.scheduler.decode_step_interval_ms / 1000
+        if interval_s <= 0 or self._last_decode_start is None or not self.scheduler.running:
+            return
+        deadline = self._last_decode_start + interval_s
+        started = time.monotonic()
+        if started >= deadline:
+            return
+        now = started
+        while now < deadline and not self.scheduler.waiting and not self._stop.is_set():
+            self._drain_inbox(timeout=deadline - now)
+            self._grant_pending()
+            now = time.monotonic()
+        self._paced_steps += 1
+        self._paced_s += now - started
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, _Submit):
@@ -538,10 +566,12 @@ class Engine:
     def _step(self) -> bool:
         """Schedule and run one batch; False when there was nothing runnable."""
         batch: ScheduledBatch | None = None
+        started = time.monotonic()
         try:
             batch = self.scheduler.schedule()
             if batch is None:
                 return False
+            self._last_decode_start = started if batch.mode is ForwardMode.DECODE else None
             logits = self.runner.forward(batch)
             kept_rows = self.scheduler.requeue_failed_loads(batch)
             if kept_rows is not None:  # reused K/V that failed verification: rows discarded
@@ -820,6 +850,8 @@ class Engine:
             "requests_aborted_total": counters.aborted,
             "requests_retracted_total": counters.retracted,
             "steps_total": self._num_steps,
+            "paced_steps_total": self._paced_steps,
+            "paced_seconds_total": round(self._paced_s, 6),
             "step_errors_total": self._step_errors,
             "callback_errors_total": self._callback_errors,
         }

@@ -56,6 +56,10 @@ ENGINE_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
     "pdcache_requests_retracted": (("requests_retracted_total",), "requests preempted"),
     "pdcache_engine_step_errors": (("step_errors_total",), "engine steps that raised"),
     "pdcache_engine_callback_errors": (("callback_errors_total",), "callbacks that raised"),
+    "pdcache_decode_paced_steps": (("paced_steps_total",),
+                                   "decode steps held back by [scheduler] decode_step_interval_ms"),
+    "pdcache_decode_paced_seconds": (("paced_seconds_total",),
+                                     "time decode steps were held back for"),
 }
 
 

@@ -287,6 +287,17 @@ def test_admission_keys_reach_the_node_setup(tmp_path: Path) -> None:
     assert setup.transfer is not None and not setup.transfer.prefill_waits_for_decode
 
 
+def test_decode_pacing_key_and_flag_reach_the_engine(tmp_path: Path) -> None:
+    """`[node.scheduler] decode_step_interval_ms` (default 0: off) and decode's
+    `--decode-step-interval` reach the frozen engine config."""
+    assert setup_for(pd(tmp_path), "d0", MODEL).engine.scheduler.decode_step_interval_ms == 0
+    paced = setup_for(pd(tmp_path, overrides=("node.d0.scheduler.decode_step_interval_ms=80",)),
+                      "d0", MODEL)
+    assert paced.engine.scheduler.decode_step_interval_ms == 80
+    flags = from_flags("decode", "--decode-step-interval", "40")
+    assert flags.engine.scheduler.decode_step_interval_ms == 40
+
+
 def test_tool_call_parser_key_and_flag_reach_the_server(tmp_path: Path) -> None:
     from pdcache.server.bridge import ServerConfig
     from pdcache.server.tool_calls import TOOL_CALL_PARSERS

@@ -185,6 +185,8 @@ BROKEN = [
     ("not toml", lambda s: s + "\n[[[", "not valid TOML"),
     ("relative fault_injection", lambda s: s.replace('backend = "hf3fs"', 'backend = "hf3fs"\nfault_injection = "delay"'),
      'storage.fault_injection: expected an absolute path of the chaos control file, got "delay"'),
+    ("decode pacing too long", lambda s: s + "\n[scheduler]\ndecode_step_interval_ms = 1001\n",
+     "scheduler.decode_step_interval_ms: expected an integer within 0..1000, got 1001"),
     ("empty launch_prefix part", lambda s: s.replace("port = 30002", 'port = 30002\nlaunch_prefix = ["taskset", ""]'),
      "node.d0.launch_prefix: expected non-empty strings"),
 ]

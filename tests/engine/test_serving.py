@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -354,3 +355,85 @@ def test_shutdown_aborts_unfinished_requests(tiny) -> None:
     assert set(finals) == {"long", "queued"}
     assert all(o.finish_reason == "abort" for o in finals.values())
     assert engine.check_accounting()["used"] == engine.check_accounting()["tree"]
+
+
+# ---- decode pacing ([scheduler] decode_step_interval_ms) --------------------------------
+def _timed_run(engine: Engine, req: GenerateRequest,
+               on_output=None) -> tuple[list[int], list[float]]:
+    """Tokens of `req` and the monotonic time each of its outputs arrived."""
+    outputs: list[RequestOutput] = []
+    times: list[float] = []
+    done = threading.Event()
+
+    def collect(out: RequestOutput) -> None:
+        outputs.append(out)
+        times.append(time.monotonic())
+        if on_output is not None:
+            on_output(out)
+        if out.finished:
+            done.set()
+
+    engine.submit(req, collect)
+    assert done.wait(60), "request never finished"
+    return tokens_of(outputs), times
+
+
+def test_decode_pacing_spaces_decode_steps_and_keeps_the_tokens(tiny) -> None:
+    """With `decode_step_interval_ms`, consecutive decode steps start at least that far apart
+    (so their outputs arrive that far apart), the tokens are those of an unpaced engine, and
+    the engine counts the steps it held back; unpaced, it holds none back."""
+    interval_ms = 150
+    prompt = prompt_of(11, 9)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    paced, unpaced = (make_engine(tiny, decode_step_interval_ms=ms) for ms in (interval_ms, 0))
+    try:
+        tokens, times = _timed_run(paced, GenerateRequest("a", prompt, params))
+        expected, _ = _timed_run(unpaced, GenerateRequest("a", prompt, params))
+        paced_stats, unpaced_stats = paced.stats(), unpaced.stats()
+    finally:
+        paced.shutdown()
+        unpaced.shutdown()
+    assert tokens == expected and len(tokens) == 6
+    gaps = [later - earlier for earlier, later in zip(times[1:], times[2:], strict=False)]
+    # emitted at a step's end: a gap is the interval plus the difference of two step times
+    assert gaps and min(gaps) >= 0.8 * interval_ms / 1000, gaps
+    assert paced_stats["paced_steps_total"] >= len(gaps) - 1
+    assert paced_stats["paced_seconds_total"] > 0
+    assert unpaced_stats["paced_steps_total"] == 0
+
+
+def test_a_request_waiting_for_prefill_ends_the_pacing_wait(tiny) -> None:
+    """A unified engine paced at the longest interval: a request submitted right after a
+    decode step (from that step's output callback, so the wait has just begun) gets its
+    first token long before the interval is up, since prefill does not wait for decode's
+    pacing. Without that exit it would wait out the second."""
+    interval_s = 1.0
+    engine = make_engine(tiny, decode_step_interval_ms=int(interval_s * 1000))
+    submitted: list[float] = []
+    first_token: list[float] = []
+    a_outputs: list[RequestOutput] = []
+    done = threading.Event()
+
+    def second_output(out: RequestOutput) -> None:
+        a_outputs.append(out)
+        if submitted or len(a_outputs) < 2:  # the first came from prefill, the second decoded
+            return
+        submitted.append(time.monotonic())
+        engine.submit(GenerateRequest("b", prompt_of(13, 9), SamplingParams(max_new_tokens=2)),
+                      on_b)
+
+    def on_b(out: RequestOutput) -> None:
+        if out.new_token_ids and not first_token:
+            first_token.append(time.monotonic())
+        if out.finished:
+            done.set()
+
+    try:
+        _timed_run(engine, GenerateRequest("a", prompt_of(12, 9),
+                                           SamplingParams(max_new_tokens=4, ignore_eos=True)),
+                   on_output=second_output)
+        assert done.wait(60)
+    finally:
+        engine.shutdown()
+    assert submitted and first_token
+    assert first_token[0] - submitted[0] < interval_s / 2, first_token[0] - submitted[0]
