@@ -523,13 +523,14 @@ class Engine:
         for prefill ends the wait at once, so a unified node's TTFT does not pay for it; pages
         freed meanwhile go to queued reservations at once, as after a step."""
         interval_s = self.config.scheduler.decode_step_interval_ms / 1000
-        if interval_s <= 0 or self._last_decode_start is None or not self.scheduler.running:
+        if (interval_s <= 0 or self._last_decode_start is None or not self.scheduler.running
+                or self.scheduler.waiting):
             return
         deadline = self._last_decode_start + interval_s
         started = time.monotonic()
         if started >= deadline:
             return
-        now = started
+        now = started  # counted below only when the step was held back
         while now < deadline and not self.scheduler.waiting and not self._stop.is_set():
             self._drain_inbox(timeout=deadline - now)
             self._grant_pending()
