@@ -27,6 +27,7 @@ from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.constraints import ForcedTokens
 from pdcache.engine.engine import Engine
 from pdcache.engine.loader import load_model
+from tests.numeric_support import nested_close
 from tests.pd_harness import PDStack, node_setups, start_stack
 
 PAGE = 4
@@ -124,7 +125,8 @@ def test_first_token_logprob_and_prompt_logprobs_cross_the_pair(stack, seam, mod
     _, again = stack.generate(PROMPT, 6)
     assert again["output_ids"] == expected_tokens
     assert again["meta_info"]["cached_tokens"] == (LOGPROBS.input_start // PAGE) * PAGE == 4
-    assert seam.decode_outputs[0].input_logprobs == reference[0].input_logprobs
+    # computed past 4 reused tokens this time: within fp32 noise (tests/numeric_support.py)
+    assert nested_close(seam.decode_outputs[0].input_logprobs, reference[0].input_logprobs)
     stack.prefill_server.engine.check_accounting()
     stack.decode_server.engine.check_accounting()
 
