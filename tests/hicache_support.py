@@ -3,7 +3,8 @@ no-cache reference tokens, metrics scraping, and `pdcache serve` as a subprocess
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,21 @@ def reference_tokens(tiny: tuple[Any, Any], prompt: list[int]) -> list[int]:
     model, tokenizer = tiny
     with Engine(engine_config(model, prefix_cache=False), model, tokenizer) as engine:
         return generate(engine, "ref", prompt)[0]
+
+
+def run_to_end(built: TieredEngine, limit_s: float = 120.0) -> None:
+    """Step an engine started with `thread=False` until it has no work (bounded)."""
+    deadline = time.monotonic() + limit_s
+    while built.engine.step():
+        assert time.monotonic() < deadline, "the driven engine did not finish"
+        time.sleep(0.001)  # a step stalled on a prefetch returns at once: don't spin hot
+
+
+def wait_until(predicate: Callable[[], bool], limit_s: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
 
 
 def check_every_tier(built: TieredEngine, timeout_s: float = 20.0) -> dict[str, int]:

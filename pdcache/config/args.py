@@ -174,6 +174,7 @@ def _cache_table(args: argparse.Namespace, role: str) -> dict[str, Any]:
                      host_mode=args.host_mode, session_idle_s=args.session_idle_s,
                      prefetch_layerwise=args.prefetch_layerwise,
                      prefetch_layers_per_read=args.prefetch_layers_per_read,
+                     prefetch_restarts=args.prefetch_restarts,
                      load_copy_ahead=args.load_copy_ahead)
     host_pages = getattr(args, "host_pages", 0)
     if host_pages > 0:
@@ -316,6 +317,11 @@ def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> N
                            help="host KV pool in pages; 0 = no host tier unless storage is set")
         group.add_argument("--write-policy", default="write_through", choices=list(WRITE_POLICIES))
         group.add_argument("--prefetch-policy", default="timeout", choices=list(PREFETCH_POLICIES))
+        group.add_argument("--prefetch-restarts", type=int, default=1, metavar="N",
+                           help="restart a queued request's storage prefetch (at most N times) "
+                                "when the device + host match it continues shrank before its "
+                                "admission, instead of recomputing the gap and all after it "
+                                "(0: off)")
         group.add_argument("--prefetch-layerwise", action="store_true",
                            help="read storage prefetches layer-major and start the forward "
                                 "before the last layer is in (docs/design.md §4.11)")

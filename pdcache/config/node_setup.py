@@ -143,6 +143,7 @@ def tiers_for(node: NodeSpec, model: ModelConfig, storage: StorageConfig | None)
         prefetch_timeout_base_s=cache.prefetch_timeout_base_s,
         prefetch_timeout_per_1k_tokens_s=cache.prefetch_timeout_per_1k_tokens_s,
         prefetch_timeout_max_s=cache.prefetch_timeout_max_s,
+        prefetch_restarts=cache.prefetch_restarts,
         layerwise_prefetch=cache.prefetch_layerwise,
         layerwise_read_layers=cache.prefetch_layers_per_read,
         copy_ahead=cache.load_copy_ahead,

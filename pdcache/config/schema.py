@@ -108,6 +108,11 @@ class CacheSpec:
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_1k_tokens_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
+    # a queued request whose device + host match shrank before its admission (tier pressure
+    # evicted pages its storage prefetch continues) has its prefetch restarted from the
+    # shorter match, at most this many times, instead of recomputing the gap and every
+    # prefetched page after it (docs/design.md §4.9, "Prefetch restarts"); 0: off
+    prefetch_restarts: int = 1
     # prefill: wait (within the prefetch policy) for pages a decode node announced as being
     # written instead of recomputing them (docs/design.md §4.10, "A durable next turn")
     pending_wait: bool = True

@@ -31,6 +31,7 @@ from pdcache.config.schema import (
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _LOCAL_ALIASES = {"localhost": "127.0.0.1"}
 MAX_PENDING_TTL_S = 600.0  # bound of a pending-page mark's TTL (decode's announce, prefill's cap)
+MAX_PREFETCH_RESTARTS = 8  # each restart re-reads the prompt's stored pages: a few suffice
 
 
 def validate(topology: Topology, ctx: ErrorContext, standalone: bool = False) -> None:
@@ -74,6 +75,9 @@ def _check_cache(cache: CacheSpec, prefix: str, ctx: ErrorContext) -> None:
     if not 0 < cache.pending_max_ttl_s <= MAX_PENDING_TTL_S:
         raise ctx.error(f"{prefix}.pending_max_ttl_s",
                         f"expected a number in (0, {MAX_PENDING_TTL_S:g}], got {cache.pending_max_ttl_s}")
+    if not 0 <= cache.prefetch_restarts <= MAX_PREFETCH_RESTARTS:
+        raise ctx.error(f"{prefix}.prefetch_restarts",
+                        f"expected an integer within 0..{MAX_PREFETCH_RESTARTS}, got {cache.prefetch_restarts}")
     for key in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s", "prefetch_timeout_max_s"):
         if getattr(cache, key) < 0:
             raise ctx.error(f"{prefix}.{key}", f"expected a number >= 0, got {getattr(cache, key)}")

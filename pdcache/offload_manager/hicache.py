@@ -94,6 +94,9 @@ class HiCacheConfig:
     prefetch_timeout_per_1k_tokens_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
     prefetch_min_pages: int = 1  # fewer storage hits than this: don't bother prefetching
+    # times a queued request's prefetch restarts from a match that shrank under it (tier
+    # pressure evicted pages it continues; `restart_prefetch`); 0: recompute the gap and after
+    prefetch_restarts: int = 1
     io_batch_pages: int = 64
     max_queued_io: int = 256
     # read prefetches layer-major and start the forward before the last layer is in (module
@@ -149,6 +152,7 @@ class HiCacheStats:
     prefetch_bytes: int = 0
     prefetch_failed_pages: int = 0
     prefetch_abandoned_pages: int = 0
+    prefetch_restarts: int = 0  # prefetches restarted from a shrunk match (`restart_prefetch`)
     load_pages: int = 0
     storage_errors: int = 0
     # where a storage hit's time goes (microseconds, summed over requests)
@@ -632,6 +636,17 @@ class HiCache:
         """First prompt page of `rid`'s prefetch (0 when there is none)."""
         op = self._prefetches.get(rid)
         return op.first_page if op else 0
+
+    def restart_prefetch(self, rid: str, token_ids: Sequence[int], salt: str, first_page: int,
+                         max_pages: int) -> int:
+        """Cancel `rid`'s prefetch (if any) and start it anew from `first_page`: the device +
+        host match it continued shrank while the request waited (those tiers evicted pages
+        under pressure), so its pages no longer join the match and a gap would be recomputed
+        along with everything after it. Write-through put the gap's pages in storage, so the
+        new read usually covers them. Returns the pages being read (`start_prefetch`)."""
+        self.cancel_prefetch(rid)
+        self._count(prefetch_restarts=1)
+        return self.start_prefetch(rid, token_ids, salt, first_page, max_pages)
 
     def cancel_prefetch(self, rid: str) -> None:
         op = self._prefetches.pop(rid, None)

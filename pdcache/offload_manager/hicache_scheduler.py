@@ -2,7 +2,9 @@
 (`pdcache.engine.scheduler`) wired to the `HiCache` controller.
 
 - queued: start the storage prefetch of the prompt pages past the device + host match;
-- admission: wait for the prefetch per policy; then restore host hits into the tree and load
+- admission: wait for the prefetch per policy; restart it (`prefetch_restarts` times at most)
+  when the device + host match it continues shrank meanwhile, since its pages would no longer
+  join the match; then restore host hits into the tree and load
   host and prefetched pages into the request's pages (per layer, during the next forward);
 - cached: back the inserted nodes up (write policy);
 - every step: free host pages of abandoned prefetches whose reads ended;
@@ -22,6 +24,9 @@ class HiCacheScheduler(Scheduler):
     def __init__(self, *, hicache: HiCache, **kwargs) -> None:
         super().__init__(**kwargs)
         self.hicache = hicache
+        # queued rid -> (pages its device + host match held when its prefetch started,
+        # prefetch restarts left); entries leave at admission or abort
+        self._queued_match: dict[str, tuple[int, int]] = {}
 
     def start(self) -> None:
         self.hicache.start()
@@ -42,14 +47,16 @@ class HiCacheScheduler(Scheduler):
 
     def on_queued(self, req: Req) -> None:
         max_pages = self._max_pages(req)
-        device, host = self.hicache.match(req.fill_ids, req.salt, max_pages)
-        first = len(device.page_ids) + host.num_pages
+        first = self._tier_match(req, max_pages)
+        if first and self.hicache.config.prefetch_restarts:
+            self._queued_match[req.rid] = (first, self.hicache.config.prefetch_restarts)
         self.hicache.start_prefetch(req.rid, req.fill_ids, req.salt, first, max_pages)
 
     def admission_ready(self, req: Req) -> bool:
-        return self.hicache.prefetch_ready(req.rid)
+        return self.hicache.prefetch_ready(req.rid) and not self._restarted(req)
 
     def on_dequeued(self, req: Req) -> None:
+        self._queued_match.pop(req.rid, None)
         self.hicache.cancel_prefetch(req.rid)
 
     def on_step(self) -> None:
@@ -57,6 +64,7 @@ class HiCacheScheduler(Scheduler):
 
     def reuse_lower_tiers(self, req: Req, match: MatchResult, own_page_ids: list[int],
                           max_pages: int) -> TierReuse:
+        self._queued_match.pop(req.rid, None)
         host = self.hicache.tree.match_host(match, req.fill_ids, max_pages)
         first = len(match.page_ids) + host.num_pages
         prefetched = self._usable_prefetch(req.rid, first, max_pages)
@@ -75,6 +83,32 @@ class HiCacheScheduler(Scheduler):
         num_pages = sum(n.num_pages for n in result.last_node.path_from_root())
         tokens = req.fill_ids[: num_pages * self.page_size]
         self.hicache.backup(tokens, req.salt, result.last_node)
+
+    def _tier_match(self, req: Req, max_pages: int) -> int:
+        """Prompt pages the device and host tiers hold now, from the first."""
+        device, host = self.hicache.match(req.fill_ids, req.salt, max_pages)
+        return len(device.page_ids) + host.num_pages
+
+    def _restarted(self, req: Req) -> bool:
+        """Whether `req`'s prefetch was just restarted: the device + host match it was
+        started after shrank while `req` waited (tier pressure evicted those pages), so its
+        pages no longer continue the match and the gap, with every prefetched page after it,
+        would be recomputed. The new read starts at the shorter match; `req` waits for it
+        under the prefetch policy. False (admit) when nothing shrank, no restart is left, or
+        storage holds none of the pages past the new match."""
+        queued = self._queued_match.get(req.rid)
+        if queued is None:
+            return False
+        max_pages = self._max_pages(req)
+        first = self._tier_match(req, max_pages)
+        queued_first, restarts_left = queued
+        if first >= queued_first:
+            return False
+        if restarts_left > 1 and first:
+            self._queued_match[req.rid] = (first, restarts_left - 1)
+        else:
+            del self._queued_match[req.rid]
+        return self.hicache.restart_prefetch(req.rid, req.fill_ids, req.salt, first, max_pages) > 0
 
     def _max_pages(self, req: Req) -> int:
         # the last prompt token is always computed (its logits give the first output token),

@@ -75,6 +75,9 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
                                       "storage reads that missed, failed or were not queued"),
     "pdcache_prefetch_abandoned_pages": ("counter", "", {"": "prefetch_abandoned_pages"},
                                          "prefetched pages not used (late, or after a gap)"),
+    "pdcache_prefetch_restarts": ("counter", "", {"": "prefetch_restarts"},
+                                  "prefetches restarted because the match they continue "
+                                  "shrank while the request waited (cache.prefetch_restarts)"),
     "pdcache_prefetch_streamed_pages": ("counter", "", {"": "prefetch_streamed_pages"},
                                         "prefetched pages read layer-major while the forward "
                                         "ran (cache.prefetch_layerwise)"),

@@ -18,7 +18,8 @@ layers:
   nothing and writes nothing to host or storage (then recomputes exactly);
 - a read that hangs after layer 0: the forward stops waiting at the prefetch's deadline, the
   request recomputes (exact, bounded time) and the read is cancelled;
-- a stream none of whose pages continue the match at admission is cancelled (reads stop).
+- a stream none of whose pages continue the match at admission (prefetch restarts off) is
+  cancelled (reads stop).
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ from tests.hicache_support import (
     generate,
     prompt_keys,
     reference_tokens,
+    run_to_end,
     storage_config,
     tiered,
+    wait_until,
 )
 
 PROMPT = [(13 * i + 5) % 250 for i in range(161)]  # 40 full pages + 1 token
@@ -338,20 +341,6 @@ def _submit(built, rid: str, prompt: list[int]) -> list:
     return outputs
 
 
-def _run_to_end(built, limit_s: float = 120.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while built.engine.step():
-        assert time.monotonic() < deadline, "the driven engine did not finish"
-        time.sleep(0.001)  # a step stalled on a prefetch returns at once: don't spin hot
-
-
-def _wait_until(predicate, limit_s: float = 20.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
-
-
 def test_retracted_request_holding_a_failed_stream_caches_and_writes_nothing(
         tiny, expected, tmp_path, gated_backend):
     """A request retracted (the decode side short of a page retracts the newest request)
@@ -374,7 +363,7 @@ def test_retracted_request_holding_a_failed_stream_caches_and_writes_nothing(
         req = sched.waiting[0]
         backend.gate.set()
         assert backend.layer0_held.wait(20)
-        _wait_until(lambda: sched.admission_ready(req))
+        wait_until(lambda: sched.admission_ready(req))
         assert sched.schedule() is not None  # admitted; its forward has not run
         assert req in sched.running and req.kv_len == PAGES * PAGE and req.kv_load is not None
         backend.layer0_gate.set()
@@ -384,7 +373,7 @@ def test_retracted_request_holding_a_failed_stream_caches_and_writes_nothing(
         assert built.hicache.wait_idle(20)
         assert (stats.backup_host_pages, stats.backup_storage_pages) == (0, 0)
         assert backend.stats().get("pages_written", 0) == 0
-        _run_to_end(built)
+        run_to_end(built)
         assert [t for o in outputs for t in o.new_token_ids] == expected
         assert outputs[-1].cached.storage == 0
         check_every_tier(built)
@@ -428,18 +417,19 @@ def test_hung_layer_read_times_out_and_the_request_recomputes(tiny, expected, tm
 
 def test_stream_none_of_whose_pages_fit_is_cancelled(tiny, tmp_path, gated_backend):
     """The match moved between the prefetch's start and the admission (here the first 10
-    pages, on device when the request queued, are dropped), so no prefetched page continues
-    it: the pages are given back and the still running read is cancelled (layer 1 never
-    read, nothing verified)."""
+    pages, on device when the request queued, are dropped) and prefetch restarts are off, so
+    no prefetched page continues it: the pages are given back and the still running read is
+    cancelled (layer 1 never read, nothing verified). (With restarts on, the prefetch would
+    start again at page 0: tests/offload_manager/test_prefetch_restart.py.)"""
     cfg, _ = _seeded_storage(tiny, tmp_path)
     built = _driven(tiny, cfg.replace(backend=gated_backend), write_policy="write_back",
-                    prefetch_policy="wait_complete")
+                    prefetch_policy="wait_complete", prefetch_restarts=0)
     backend = built.storage
     assert isinstance(backend, GatedFileBackend)
     sched = built.engine.scheduler
     try:
         first = _submit(built, "first", PROMPT[:41])  # puts pages 0..9 on device
-        _run_to_end(built)
+        run_to_end(built)
         assert first[-1].finished and built.hicache.wait_idle(20)
         read_before = backend.stats()["pages_read"]
         streamed_before = built.hicache.stats.prefetch_streamed_pages
@@ -452,12 +442,12 @@ def test_stream_none_of_whose_pages_fit_is_cancelled(tiny, tmp_path, gated_backe
         sched.drop_cache()  # pages 0..9 leave device and host
         backend.gate.set()
         assert backend.layer0_held.wait(20)  # headers and layer 0 read, the rest to come
-        _wait_until(lambda: built.hicache.prefetch_ready("moved"))
+        wait_until(lambda: built.hicache.prefetch_ready("moved"))
         assert built.engine.step()  # admitted: the match is now 0 pages, before the prefetch
         # taken (headers valid), then given back
         assert built.hicache.stats.prefetch_streamed_pages - streamed_before == 30
         backend.layer0_gate.set()
-        _run_to_end(built)
+        run_to_end(built)
         assert outputs[-1].finished and outputs[-1].cached.storage == 0
         check_every_tier(built)
         assert ("read", 0) in backend.events and ("read", 1) not in backend.events

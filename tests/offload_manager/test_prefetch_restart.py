@@ -1,0 +1,139 @@
+"""Prefetch restarts (`HiCacheConfig.prefetch_restarts`, topology key `[cache]
+prefetch_restarts`) in the real engine, tiny preset, a 40-page prompt whose pages storage holds:
+a request queues with pages 0..9 on device, so its prefetch reads pages 10..39; before its
+admission the device and host tiers lose pages 0..9 (what tier pressure does to a waiting
+request). With a restart the prefetch starts again at page 0 and every prompt page is a
+storage hit; with restarts off (0) the prefetched pages no longer continue the match and the
+whole prompt is recomputed. Both give the no-cache run's tokens; every tier's accounting holds.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from pdcache.engine.api import GenerateRequest
+from pdcache.offload_manager.builder import TierConfig, build_tiered_engine
+from pdcache.offload_manager.hicache import HiCacheConfig
+from pdcache.offload_manager.storage import BACKENDS
+from pdcache.offload_manager.storage.file import FileBackend
+from tests.hicache_support import (
+    PAGE,
+    PARAMS,
+    check_every_tier,
+    engine_config,
+    generate,
+    reference_tokens,
+    run_to_end,
+    storage_config,
+    tiered,
+    wait_until,
+)
+
+PROMPT = [(11 * i + 7) % 250 for i in range(161)]  # 40 full pages + 1 token
+PAGES = 40
+ON_DEVICE = 10  # pages the request finds on device when it queues
+GATED = "gated-reads"
+
+
+class GatedReads(FileBackend):
+    """File storage whose page reads wait at `gate` (bounded) while `hold` is set, telling
+    `held` they got there."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.hold = False
+        self.gate = threading.Event()
+        self.held = threading.Event()
+
+    def get_into(self, keys: Sequence[bytes], host_pages: Sequence[Any],
+                 origins: list[str | None] | None = None) -> list[bool]:
+        if self.hold:
+            self.held.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        return super().get_into(keys, host_pages, origins)
+
+
+@pytest.fixture
+def gated() -> Iterator[str]:
+    BACKENDS.register(GATED, f"{__name__}:GatedReads")
+    try:
+        yield GATED
+    finally:
+        BACKENDS.unregister(GATED)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny) -> list[int]:
+    return reference_tokens(tiny, PROMPT)
+
+
+def _seeded(tiny, tmp_path):
+    """Storage holding PROMPT's pages, written through by an engine that computed them."""
+    cfg = storage_config(tiny[0], backend="file", path=str(tmp_path / "store"))
+    seeder = tiered(tiny, cfg)
+    try:
+        generate(seeder.engine, "seed", PROMPT)
+        assert seeder.hicache.wait_idle(20)
+    finally:
+        seeder.close()
+    return cfg
+
+
+def _driven(tiny, storage, restarts: int):
+    """An engine the test drives with `engine.step()`, reading storage page by page and
+    admitting once a prefetch's reads ended; write-back, so nothing new is written."""
+    model, tokenizer = tiny
+    hicache = HiCacheConfig(prefetch_policy="wait_complete", write_policy="write_back",
+                            prefetch_restarts=restarts)
+    built = build_tiered_engine(engine_config(model), model, tokenizer,
+                                TierConfig(64, hicache, storage))
+    built.engine.start(thread=False)
+    return built
+
+
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_prefetch_restarts_when_the_match_shrinks_before_admission(
+        tiny, expected, tmp_path, gated, restarts: int) -> None:
+    cfg = _seeded(tiny, tmp_path)
+    built = _driven(tiny, cfg.replace(backend=gated), restarts)
+    backend = built.storage
+    assert isinstance(backend, GatedReads)
+    try:
+        first: list = []
+        built.engine.submit(GenerateRequest("first", PROMPT[: ON_DEVICE * PAGE + 1], PARAMS),
+                            first.append)
+        run_to_end(built)
+        assert first[-1].finished and built.hicache.wait_idle(20)
+        backend.hold = True
+        outputs: list = []
+        built.engine.submit(GenerateRequest("moved", PROMPT, PARAMS), outputs.append)
+        assert built.engine.step()  # queued: its prefetch reads pages 10..39, held
+        assert built.hicache.prefetch_first_page("moved") == ON_DEVICE
+        assert backend.held.wait(20)
+        built.engine.scheduler.drop_cache()  # pages 0..9 leave device and host
+        backend.gate.set()
+        wait_until(lambda: built.hicache.prefetch_ready("moved"))
+        assert built.engine.step()
+        waiting = [r.rid for r in built.engine.scheduler.waiting]
+        if restarts:  # read again from page 0: it waits for that read, not admitted yet
+            assert waiting == ["moved"] and built.hicache.prefetch_first_page("moved") == 0
+        else:
+            assert waiting == []
+        run_to_end(built)
+        out = outputs[-1]
+        assert out.finished and [t for o in outputs for t in o.new_token_ids] == expected
+        assert built.hicache.stats.prefetch_restarts == restarts
+        if restarts:
+            assert (out.cached.device, out.cached.host, out.cached.storage) == (0, 0, PAGES * PAGE)
+        else:  # pages 10..39 were read but no longer continue the match: all recomputed
+            assert out.cached.total == 0
+        check_every_tier(built)
+        assert built.hicache.host_pool.num_free + built.hicache.host_pool.num_used \
+            == built.hicache.host_pool.capacity
+    finally:
+        backend.gate.set()
+        built.close()
