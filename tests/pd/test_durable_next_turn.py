@@ -150,7 +150,7 @@ def assert_every_answer_found(sessions) -> None:
 
 
 def test_every_next_turn_finds_the_previous_answer(tmp_path, tiny) -> None:
-    sessions, metrics, receiver = run(tmp_path, tiny, True, [ANSWER, ANSWER, PROBE_ANSWER])
+    sessions, metrics, receiver = run(tmp_path, tiny, True, [ANSWER, PROBE_ANSWER])
     assert_every_answer_found(sessions)
     assert pending(metrics, "raced") == 0
     # the writes really were late: every next turn met its answer pending and waited for it
