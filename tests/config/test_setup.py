@@ -287,6 +287,15 @@ def test_admission_keys_reach_the_node_setup(tmp_path: Path) -> None:
     assert setup.transfer is not None and not setup.transfer.prefill_waits_for_decode
 
 
+def test_max_pending_reservations_zero_refuses_at_once_and_negative_is_refused(tmp_path: Path) -> None:
+    """0 is documented (docs/pd-protocol.md: refuse a reservation that must wait) and accepted;
+    below 0 is a topology error."""
+    zero = setup_for(pd(tmp_path, overrides=("scheduler.max_pending_reservations=0",)), "d0", MODEL)
+    assert zero.engine.scheduler.max_pending_reservations == 0
+    with pytest.raises(TopologyError, match="scheduler.max_pending_reservations: expected an integer >= 0, got -1"):
+        pd(tmp_path, overrides=("scheduler.max_pending_reservations=-1",))
+
+
 def test_decode_pacing_key_and_flag_reach_the_engine(tmp_path: Path) -> None:
     """`[node.scheduler] decode_step_interval_ms` (default 0: off) and decode's
     `--decode-step-interval` reach the frozen engine config."""

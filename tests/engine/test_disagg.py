@@ -219,6 +219,21 @@ def test_admission_queue_grants_in_arrival_order_as_pages_free(tiny) -> None:
     engine.shutdown()
 
 
+def test_admission_queue_of_zero_refuses_what_must_wait(tiny) -> None:
+    """`max_pending_reservations = 0`: a reservation that fits is granted, one that would
+    have to wait for pages is refused at once (`queue_full`), nothing queues."""
+    engine = driven_engine(tiny, pages=8, max_pending=0)
+    answers: dict[str, object] = {}
+    engine.reserve_when_free("a", 17, lambda a: answers.setdefault(a.rid, a))  # 5 of 8 pages
+    engine.reserve_when_free("b", 20, lambda a: answers.setdefault(a.rid, a))  # 5: must wait
+    engine.step()
+    assert answers["a"].ok and answers["b"].reason == "queue_full"
+    assert engine.stats()["reservations_pending"] == 0
+    engine.release_reservation("a")
+    assert engine.check_accounting()["requests"] == 0
+    engine.shutdown()
+
+
 def test_admission_keeps_room_for_a_bounded_part_of_each_answer(tiny) -> None:
     """A client without `max_tokens` asks for the whole context. Keeping room for all of it
     would admit one such request at a time; an admission keeps room for
