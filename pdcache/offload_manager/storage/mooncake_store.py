@@ -64,9 +64,15 @@ RPC_FAILED = -900
 
 
 class MooncakeStoreBackend(StorageBackend):
-    """Pages as Mooncake Store objects (docs/design.md §4.4)."""
+    """Pages as Mooncake Store objects (docs/design.md §4.4).
 
-    def __init__(self, config: StorageConfig) -> None:
+    `client`: an already set-up `MooncakeDistributedStore` to use instead of connecting one of
+    its own (several backends of one process, each its own namespace, on one connection and
+    one mounted segment). Such a backend does not close it: `close()` unregisters the buffers
+    it registered and leaves the client to its owner, so closing costs no Mooncake teardown
+    (~1-2 s per client, holding the GIL)."""
+
+    def __init__(self, config: StorageConfig, client: Any | None = None) -> None:
         self.config = config
         self.spec = config.page_spec()
         self.counters = StorageCounters()
@@ -82,13 +88,16 @@ class MooncakeStoreBackend(StorageBackend):
         self._regions: list[tuple[int, int]] = []
         self._down_until = 0.0
         self._closed = False
-        self._store = self._connect(config)
+        self._owns_client = client is None
+        self._store = self.connect(config) if client is None else client
         self._batch = max(1, config.mooncake_batch_pages)
         self._headers = torch.zeros(self._batch, HEADER_BYTES, dtype=torch.uint8)
         self._register(self._headers.data_ptr(), self._headers.numel())
 
     @staticmethod
-    def _connect(cfg: StorageConfig) -> Any:
+    def connect(cfg: StorageConfig) -> Any:
+        """A `MooncakeDistributedStore` set up with `cfg`'s Mooncake settings (its caller
+        closes it; pass it as `client=` to share it)."""
         store_mod = import_optional(
             "mooncake.store", "storage backend 'mooncake'", MOONCAKE_PACKAGE
         )
@@ -229,7 +238,11 @@ class MooncakeStoreBackend(StorageBackend):
                 return
             self._closed = True
             try:
-                self._store.close()
+                if self._owns_client:
+                    self._store.close()
+                else:  # a borrowed client outlives this backend: drop only what it registered
+                    for addr, _ in self._regions:
+                        self._store.unregister_buffer(addr)
             except Exception as exc:  # closing must not raise; the master may be gone
                 log.warning("mooncake: close failed: %s", exc)
 

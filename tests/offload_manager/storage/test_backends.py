@@ -22,6 +22,7 @@ from pdcache.offload_manager.storage import create_backend  # noqa: E402
 from pdcache.offload_manager.storage.base import StorageBackend  # noqa: E402
 from pdcache.offload_manager.storage.config import StorageConfig  # noqa: E402
 from pdcache.offload_manager.storage.metadata_service import LocalMetadataService  # noqa: E402
+from pdcache.offload_manager.storage.mooncake_store import MooncakeStoreBackend  # noqa: E402
 from pdcache.offload_manager.storage.page_format import (  # noqa: E402
     HEADER_BYTES,
     PageSpec,
@@ -79,14 +80,50 @@ def kind(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+class MooncakeClients:
+    """Set-up Mooncake Store clients that this module's mooncake backends borrow
+    (`MooncakeStoreBackend(client=...)`): a test's k-th backend gets the k-th client, so
+    backends of one test are distinct clients, and the module pays Mooncake's client teardown
+    (1-2 s each, holding the GIL) once per client instead of once per backend."""
+
+    def __init__(self, config: StorageConfig) -> None:
+        self._config = config
+        self._clients: list[object] = []
+
+    def get(self, index: int) -> object:
+        while len(self._clients) <= index:
+            self._clients.append(MooncakeStoreBackend.connect(self._config))
+        return self._clients[index]
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.close()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def mooncake_clients(tmp_path_factory: pytest.TempPathFactory,
+                     request: pytest.FixtureRequest) -> Iterator[MooncakeClients]:
+    clients = MooncakeClients(_config("mooncake", str(tmp_path_factory.mktemp("mc")), request))
+    try:
+        yield clients
+    finally:
+        clients.close()
+
+
 @pytest.fixture
 def make_backend(kind: str, tmp_path, request: pytest.FixtureRequest) -> Iterator[Factory]:
-    """Opens backends of `kind` (same namespace and path unless overridden); closes them all."""
+    """Opens backends of `kind` (same namespace and path unless overridden); closes them all.
+    Mooncake backends borrow the module's clients (`MooncakeClients`), each its own namespace."""
     opened: list[StorageBackend] = []
     defaults = _config(kind, str(tmp_path / "store"), request)
+    clients = request.getfixturevalue("mooncake_clients") if kind == "mooncake" else None
 
     def make(**over: object) -> StorageBackend:
-        backend = create_backend(defaults.replace(**over))
+        config = defaults.replace(**over)
+        if clients is not None:
+            backend: StorageBackend = MooncakeStoreBackend(config, client=clients.get(len(opened)))
+        else:
+            backend = create_backend(config)
         opened.append(backend)
         return backend
 
@@ -487,3 +524,22 @@ def test_a_keyless_node_never_replaces_a_sealed_page(
     out = torch.zeros_like(pages)
     assert keyed.get_into(keys, list(out)) == [True, True]
     assert torch.equal(out, pages)
+
+
+def test_a_backend_on_a_borrowed_mooncake_client_leaves_it_open(
+        tmp_path, request: pytest.FixtureRequest, mooncake_clients: MooncakeClients) -> None:
+    """`MooncakeStoreBackend(client=...)`: closing the backend unregisters its buffers and
+    leaves the client serving: a second backend on the same client (same namespace) reads the
+    first one's pages back byte-exact (with the client closed by the first, it could not)."""
+    config = _config("mooncake", str(tmp_path), request)
+    client = mooncake_clients.get(0)
+    first = MooncakeStoreBackend(config, client=client)
+    keys, pages = _keys(2), _pages(2, seed=5)
+    assert first.put_from(keys, list(pages)) == [True, True]
+    first.close()
+    second = MooncakeStoreBackend(config, client=client)
+    try:
+        out = torch.zeros_like(pages)
+        assert second.get_into(keys, list(out)) == [True, True] and torch.equal(out, pages)
+    finally:
+        second.close()
