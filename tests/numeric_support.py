@@ -17,7 +17,7 @@ def nested_close(got: Any, want: Any, tol: float = FP32_NOISE) -> bool:
     """`got == want`, except that floats may differ by `tol`: lists, tuples, dicts and
     dataclasses compared member by member, everything else exactly."""
     if isinstance(want, float) and isinstance(got, float):
-        return abs(got - want) <= tol
+        return got == want or abs(got - want) <= tol  # equal infinities too
     if dataclasses.is_dataclass(want) and not isinstance(want, type):
         return type(got) is type(want) and nested_close(dataclasses.astuple(got),
                                                         dataclasses.astuple(want), tol)

@@ -643,10 +643,22 @@ class HiCache:
         host match it continued shrank while the request waited (those tiers evicted pages
         under pressure), so its pages no longer join the match and a gap would be recomputed
         along with everything after it. Write-through put the gap's pages in storage, so the
-        new read usually covers them. Returns the pages being read (`start_prefetch`)."""
+        new read usually covers them. The new read keeps the old one's deadline: restarts
+        never stretch a request's wait past its prefetch policy's budget. Not restarted (0):
+        the old read was still running at its deadline (storage that slow gains nothing from
+        a second read), or it waits for pages a decode node announced (their wait and its
+        counters stay as they are). Returns the pages being read (`start_prefetch`)."""
+        old = self._prefetches.get(rid)
+        if old is not None and (old.awaited or (not old.complete and time.monotonic() >= old.deadline)):
+            return 0
         self.cancel_prefetch(rid)
-        self._count(prefetch_restarts=1)
-        return self.start_prefetch(rid, token_ids, salt, first_page, max_pages)
+        pages = self.start_prefetch(rid, token_ids, salt, first_page, max_pages)
+        new = self._prefetches.get(rid)
+        if new is not None and old is not None:
+            new.deadline = min(new.deadline, old.deadline)
+        if pages:
+            self._count(prefetch_restarts=1)
+        return pages
 
     def cancel_prefetch(self, rid: str) -> None:
         op = self._prefetches.pop(rid, None)

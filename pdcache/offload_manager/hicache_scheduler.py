@@ -48,7 +48,7 @@ class HiCacheScheduler(Scheduler):
     def on_queued(self, req: Req) -> None:
         max_pages = self._max_pages(req)
         first = self._tier_match(req, max_pages)
-        if first and self.hicache.config.prefetch_restarts:
+        if first and self._restarts_apply:
             self._queued_match[req.rid] = (first, self.hicache.config.prefetch_restarts)
         self.hicache.start_prefetch(req.rid, req.fill_ids, req.salt, first, max_pages)
 
@@ -84,6 +84,14 @@ class HiCacheScheduler(Scheduler):
         tokens = req.fill_ids[: num_pages * self.page_size]
         self.hicache.backup(tokens, req.salt, result.last_node)
 
+    @property
+    def _restarts_apply(self) -> bool:
+        """Restarts need storage to read from and a policy that waits for the read
+        (`best_effort` admits at once, so a restarted read would be abandoned)."""
+        config = self.hicache.config
+        return (config.prefetch_restarts > 0 and self.hicache.storage is not None
+                and config.prefetch_policy != "best_effort")
+
     def _tier_match(self, req: Req, max_pages: int) -> int:
         """Prompt pages the device and host tiers hold now, from the first."""
         device, host = self.hicache.match(req.fill_ids, req.salt, max_pages)
@@ -94,8 +102,11 @@ class HiCacheScheduler(Scheduler):
         started after shrank while `req` waited (tier pressure evicted those pages), so its
         pages no longer continue the match and the gap, with every prefetched page after it,
         would be recomputed. The new read starts at the shorter match; `req` waits for it
-        under the prefetch policy. False (admit) when nothing shrank, no restart is left, or
-        storage holds none of the pages past the new match."""
+        under the prefetch policy, within the old read's deadline. False (admit) when nothing
+        shrank, no restart is left, the match shrank to nothing (no further shrink to watch
+        for), or `HiCache.restart_prefetch` read nothing (storage holds none of the pages past
+        the new match, the old read had timed out, or it waits for decode's pending pages).
+        This hook acts: it may cancel and start reads (engine thread, like every hook)."""
         queued = self._queued_match.get(req.rid)
         if queued is None:
             return False

@@ -4,7 +4,9 @@ a request queues with pages 0..9 on device, so its prefetch reads pages 10..39; 
 admission the device and host tiers lose pages 0..9 (what tier pressure does to a waiting
 request). With a restart the prefetch starts again at page 0 and every prompt page is a
 storage hit; with restarts off (0) the prefetched pages no longer continue the match and the
-whole prompt is recomputed. Both give the no-cache run's tokens; every tier's accounting holds.
+whole prompt is recomputed; under `wait_complete` and `timeout` alike. Under `timeout`, a read
+still running at its deadline is not read again (restarts would only add reads to a store
+that slow). Every run gives the no-cache run's tokens; every tier's accounting holds.
 """
 
 from __future__ import annotations
@@ -83,32 +85,39 @@ def _seeded(tiny, tmp_path):
     return cfg
 
 
-def _driven(tiny, storage, restarts: int):
-    """An engine the test drives with `engine.step()`, reading storage page by page and
-    admitting once a prefetch's reads ended; write-back, so nothing new is written."""
+def _driven(tiny, storage, restarts: int, policy: str = "wait_complete", host_pages: int = 64,
+            **timeouts: float):
+    """An engine the test drives with `engine.step()`, reading storage page by page;
+    write-back, so nothing new is written."""
     model, tokenizer = tiny
-    hicache = HiCacheConfig(prefetch_policy="wait_complete", write_policy="write_back",
-                            prefetch_restarts=restarts)
+    hicache = HiCacheConfig(prefetch_policy=policy, write_policy="write_back",
+                            prefetch_restarts=restarts, **timeouts)
     built = build_tiered_engine(engine_config(model), model, tokenizer,
-                                TierConfig(64, hicache, storage))
+                                TierConfig(host_pages, hicache, storage))
     built.engine.start(thread=False)
     return built
 
 
+def _hold_reads_with_pages_on_device(built, backend: GatedReads) -> None:
+    """Serve PROMPT's first ON_DEVICE pages (they stay on device), then hold storage reads."""
+    first: list = []
+    built.engine.submit(GenerateRequest("first", PROMPT[: ON_DEVICE * PAGE + 1], PARAMS),
+                        first.append)
+    run_to_end(built)
+    assert first[-1].finished and built.hicache.wait_idle(20)
+    backend.hold = True
+
+
 @pytest.mark.parametrize("restarts", [1, 0])
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
 def test_prefetch_restarts_when_the_match_shrinks_before_admission(
-        tiny, expected, tmp_path, gated, restarts: int) -> None:
+        tiny, expected, tmp_path, gated, restarts: int, policy: str) -> None:
     cfg = _seeded(tiny, tmp_path)
-    built = _driven(tiny, cfg.replace(backend=gated), restarts)
+    built = _driven(tiny, cfg.replace(backend=gated), restarts, policy)
     backend = built.storage
     assert isinstance(backend, GatedReads)
     try:
-        first: list = []
-        built.engine.submit(GenerateRequest("first", PROMPT[: ON_DEVICE * PAGE + 1], PARAMS),
-                            first.append)
-        run_to_end(built)
-        assert first[-1].finished and built.hicache.wait_idle(20)
-        backend.hold = True
+        _hold_reads_with_pages_on_device(built, backend)
         outputs: list = []
         built.engine.submit(GenerateRequest("moved", PROMPT, PARAMS), outputs.append)
         assert built.engine.step()  # queued: its prefetch reads pages 10..39, held
@@ -134,6 +143,36 @@ def test_prefetch_restarts_when_the_match_shrinks_before_admission(
         check_every_tier(built)
         assert built.hicache.host_pool.num_free + built.hicache.host_pool.num_used \
             == built.hicache.host_pool.capacity
+    finally:
+        backend.gate.set()
+        built.close()
+
+
+def test_a_read_still_running_at_its_deadline_is_not_restarted(tiny, expected, tmp_path,
+                                                               gated) -> None:
+    """Under `timeout`, a prefetch whose read has not ended by its deadline is not read again
+    when the match shrank (storage that slow gains nothing from a second read): the request is
+    admitted at the deadline and recomputes, exact, no restart counted."""
+    cfg = _seeded(tiny, tmp_path)
+    # host room for a second read beside the held one: only the deadline rule stops a restart
+    built = _driven(tiny, cfg.replace(backend=gated), 1, "timeout", host_pages=128,
+                    prefetch_timeout_base_s=0.5, prefetch_timeout_per_1k_tokens_s=0.0)
+    backend = built.storage
+    assert isinstance(backend, GatedReads)
+    try:
+        _hold_reads_with_pages_on_device(built, backend)
+        outputs: list = []
+        built.engine.submit(GenerateRequest("slow", PROMPT, PARAMS), outputs.append)
+        assert built.engine.step() and backend.held.wait(20)
+        built.engine.scheduler.drop_cache()
+        wait_until(lambda: built.hicache.prefetch_ready("slow"))  # the deadline, read still held
+        assert built.engine.step()
+        assert [r.rid for r in built.engine.scheduler.waiting] == []  # admitted, not restarted
+        backend.gate.set()
+        run_to_end(built)
+        assert [t for o in outputs for t in o.new_token_ids] == expected
+        assert outputs[-1].cached.total == 0 and built.hicache.stats.prefetch_restarts == 0
+        check_every_tier(built)
     finally:
         backend.gate.set()
         built.close()
