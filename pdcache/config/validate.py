@@ -31,8 +31,8 @@ from pdcache.config.schema import (
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _LOCAL_ALIASES = {"localhost": "127.0.0.1"}
 MAX_PENDING_TTL_S = 600.0  # bound of a pending-page mark's TTL (decode's announce, prefill's cap)
-# scheduler keys for which 0 means something (off; refuse at once): checked on their own
-_SCHEDULER_ZERO_OK = ("decode_step_interval_ms", "max_pending_reservations")
+# scheduler keys whose least value is 0 (off; refuse at once); every other one's is 1
+_SCHEDULER_LEAST = {"decode_step_interval_ms": 0, "max_pending_reservations": 0}
 MAX_PREFETCH_RESTARTS = 8  # each restart re-reads the prompt's stored pages: a few suffice
 
 
@@ -90,12 +90,10 @@ def _check_scheduler(scheduler: SchedulerSpec, prefix: str, ctx: ErrorContext) -
     if not 0 <= interval <= MAX_DECODE_STEP_INTERVAL_MS:
         raise ctx.error(f"{prefix}.decode_step_interval_ms",
                         f"expected an integer within 0..{MAX_DECODE_STEP_INTERVAL_MS}, got {interval}")
-    if scheduler.max_pending_reservations < 0:  # 0: refuse a reservation that must wait
-        raise ctx.error(f"{prefix}.max_pending_reservations",
-                        f"expected an integer >= 0, got {scheduler.max_pending_reservations}")
     for f in fields(scheduler):
-        if f.name not in _SCHEDULER_ZERO_OK and getattr(scheduler, f.name) < 1:
-            raise ctx.error(f"{prefix}.{f.name}", f"expected an integer >= 1, got {getattr(scheduler, f.name)}")
+        least = _SCHEDULER_LEAST.get(f.name, 1)
+        if getattr(scheduler, f.name) < least:
+            raise ctx.error(f"{prefix}.{f.name}", f"expected an integer >= {least}, got {getattr(scheduler, f.name)}")
 
 
 def _check_storage(storage: StorageSpec, ctx: ErrorContext) -> None:

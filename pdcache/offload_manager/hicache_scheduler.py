@@ -4,8 +4,8 @@
 - queued: start the storage prefetch of the prompt pages past the device + host match;
 - admission: wait for the prefetch per policy; restart it (`prefetch_restarts` times at most)
   when the device + host match it continues shrank meanwhile, since its pages would no longer
-  join the match; then restore host hits into the tree and load
-  host and prefetched pages into the request's pages (per layer, during the next forward);
+  join the match; then restore host hits into the tree and load host and prefetched pages
+  into the request's pages (per layer, during the next forward);
 - cached: back the inserted nodes up (write policy);
 - every step: free host pages of abandoned prefetches whose reads ended;
 - `drop_cache` (an idle engine's `/flush_cache`): device and host tiers, storage untouched.

@@ -98,14 +98,23 @@ def _driven(tiny, storage, restarts: int, policy: str = "wait_complete", host_pa
     return built
 
 
-def _hold_reads_with_pages_on_device(built, backend: GatedReads) -> None:
-    """Serve PROMPT's first ON_DEVICE pages (they stay on device), then hold storage reads."""
+def _queue_then_shrink_its_match(built, backend: GatedReads, rid: str) -> list:
+    """Serve PROMPT's first ON_DEVICE pages (they stay on device), hold storage reads, queue
+    `rid` with PROMPT (its prefetch reads pages 10..39, held), then drop pages 0..9 from device
+    and host. Returns `rid`'s outputs (the gate is still closed)."""
     first: list = []
     built.engine.submit(GenerateRequest("first", PROMPT[: ON_DEVICE * PAGE + 1], PARAMS),
                         first.append)
     run_to_end(built)
     assert first[-1].finished and built.hicache.wait_idle(20)
     backend.hold = True
+    outputs: list = []
+    built.engine.submit(GenerateRequest(rid, PROMPT, PARAMS), outputs.append)
+    assert built.engine.step()  # queued
+    assert built.hicache.prefetch_first_page(rid) == ON_DEVICE
+    assert backend.held.wait(20)
+    built.engine.scheduler.drop_cache()
+    return outputs
 
 
 @pytest.mark.parametrize("restarts", [1, 0])
@@ -117,13 +126,7 @@ def test_prefetch_restarts_when_the_match_shrinks_before_admission(
     backend = built.storage
     assert isinstance(backend, GatedReads)
     try:
-        _hold_reads_with_pages_on_device(built, backend)
-        outputs: list = []
-        built.engine.submit(GenerateRequest("moved", PROMPT, PARAMS), outputs.append)
-        assert built.engine.step()  # queued: its prefetch reads pages 10..39, held
-        assert built.hicache.prefetch_first_page("moved") == ON_DEVICE
-        assert backend.held.wait(20)
-        built.engine.scheduler.drop_cache()  # pages 0..9 leave device and host
+        outputs = _queue_then_shrink_its_match(built, backend, "moved")
         backend.gate.set()
         wait_until(lambda: built.hicache.prefetch_ready("moved"))
         assert built.engine.step()
@@ -140,9 +143,7 @@ def test_prefetch_restarts_when_the_match_shrinks_before_admission(
             assert (out.cached.device, out.cached.host, out.cached.storage) == (0, 0, PAGES * PAGE)
         else:  # pages 10..39 were read but no longer continue the match: all recomputed
             assert out.cached.total == 0
-        check_every_tier(built)
-        assert built.hicache.host_pool.num_free + built.hicache.host_pool.num_used \
-            == built.hicache.host_pool.capacity
+        check_every_tier(built)  # host pool too: free + used == capacity, nothing in flight
     finally:
         backend.gate.set()
         built.close()
@@ -160,11 +161,7 @@ def test_a_read_still_running_at_its_deadline_is_not_restarted(tiny, expected, t
     backend = built.storage
     assert isinstance(backend, GatedReads)
     try:
-        _hold_reads_with_pages_on_device(built, backend)
-        outputs: list = []
-        built.engine.submit(GenerateRequest("slow", PROMPT, PARAMS), outputs.append)
-        assert built.engine.step() and backend.held.wait(20)
-        built.engine.scheduler.drop_cache()
+        outputs = _queue_then_shrink_its_match(built, backend, "slow")
         wait_until(lambda: built.hicache.prefetch_ready("slow"))  # the deadline, read still held
         assert built.engine.step()
         assert [r.rid for r in built.engine.scheduler.waiting] == []  # admitted, not restarted
