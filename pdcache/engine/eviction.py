@@ -8,10 +8,12 @@ time once and rank every candidate against the same instant.
 - `lru`: least recently used first (the tree's logical access clock); the default.
 - `session`: uses what the node learns from the requests it serves (`session_id` and turn
   arrivals, `SessionTracker`). Pages of closed sessions go first (LRU among them), then pages
-  of no known session (LRU), then pages of active sessions, the one expected back *last*
-  first. A session's expected return is its last turn plus its mean inter-turn gap, measured
-  in turns served by this node (a logical clock: deterministic, and independent of how fast
-  the node runs); a session is closed after `idle_s` seconds without a turn, or by `end`.
+  of no known session (LRU), then pages of active sessions, the one whose next turn is
+  *farthest* from now first. A session's expected return is its last turn plus its mean
+  inter-turn gap, measured in turns served by this node (a logical clock: deterministic, and
+  independent of how fast the node runs); one overdue by d turns counts as d turns away, so a
+  conversation that ended without saying so sinks as its turns fail to come. A session is
+  closed after `idle_s` seconds without a turn, or by `end`.
 
 Threading: policies and the tracker are engine-thread only, like the trees that call them.
 """
@@ -134,7 +136,8 @@ class SessionTracker:
 
 
 class SessionPolicy:
-    """Closed sessions first, then no session, then active sessions expected back last."""
+    """Closed sessions first, then no session, then active sessions whose next turn is farthest
+    from now (ahead, or overdue)."""
 
     name = "session"
 
@@ -145,13 +148,20 @@ class SessionPolicy:
         tracker = self.tracker
         now_s = tracker.clock()
 
+        now_turn = tracker.turns
+
         def key(node: RadixNode) -> EvictKey:
             sid = node.session_id
             if not sid:
                 return (1.0, 0.0, float(node.last_access))
             if not tracker.is_active(sid, now_s):
                 return (0.0, 0.0, float(node.last_access))
-            return (2.0, -tracker.expected_return(sid), float(node.last_access))
+            # how far the next turn is from now, either way: a session overdue by d turns
+            # ranks as one expected back d turns ahead, so one that stopped without saying so
+            # (a finished conversation) sinks below the live ones as its turns fail to come,
+            # instead of being kept longest for having been due first
+            distance = abs(tracker.expected_return(sid) - now_turn)
+            return (2.0, -distance, float(node.last_access))
 
         return key
 
