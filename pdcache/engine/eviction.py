@@ -146,9 +146,7 @@ class SessionPolicy:
 
     def key_fn(self) -> Callable[[RadixNode], EvictKey]:
         tracker = self.tracker
-        now_s = tracker.clock()
-
-        now_turn = tracker.turns
+        now_s, now_turn = tracker.clock(), tracker.turns
 
         def key(node: RadixNode) -> EvictKey:
             sid = node.session_id

@@ -69,17 +69,22 @@ def session_tokens(session: int, turns: int, pages_per_turn: int = 2) -> list[in
     return list(range(base, base + turns * pages_per_turn * PAGE))
 
 
-def tree_turn(tree: RadixTree, allocator: PageAllocator, session: int, turn: int) -> int:
+def tree_turn(
+    tree: RadixTree, allocator: PageAllocator, session: int, turn: int, named: bool = True
+) -> int:
     """One turn of `session` as the scheduler takes it (match + lock + evict + insert; the
-    accounting checked): its device hits, in pages."""
+    accounting checked): its device hits, in pages. `named=False`: the request names no
+    session, so the tree learns none."""
     tokens = session_tokens(session, turn)
     match = tree.match_prefix(tokens)
     tree.lock(match.last_node)
-    tree.note_session(match.last_node, f"s{session}", new_turn=True)
+    if named:
+        tree.note_session(match.last_node, f"s{session}", new_turn=True)
     need = len(tokens) // PAGE - len(match.page_ids)
     tree.evict(need - allocator.num_free)
     result = tree.insert(tokens, match.page_ids + allocator.alloc(need))
-    tree.note_session(result.last_node, f"s{session}", new_turn=False)
+    if named:
+        tree.note_session(result.last_node, f"s{session}", new_turn=False)
     allocator.free(result.duplicate_page_ids)
     tree.unlock(match.last_node)
     tree.check()
@@ -181,18 +186,9 @@ def test_session_policy_without_session_ids_evicts_like_lru() -> None:
     device keeps exactly what LRU keeps."""
     kept = {}
     for policy in ("lru", "session"):
-        tracker = SessionTracker()
-        allocator = PageAllocator(8)  # 4 of the 6 two-page prompts
-        tree = RadixTree(PAGE, allocator, policy=make_policy(policy, tracker), sessions=tracker)
+        tree, allocator = session_tree(policy, 8)  # 4 of the 6 two-page prompts
         for i in (0, 1, 2, 0, 3, 1, 4, 0, 5):
-            tokens = session_tokens(i, 1)
-            match = tree.match_prefix(tokens)
-            tree.lock(match.last_node)
-            need = len(tokens) // PAGE - len(match.page_ids)
-            tree.evict(need - allocator.num_free)
-            result = tree.insert(tokens, match.page_ids + allocator.alloc(need))
-            allocator.free(result.duplicate_page_ids)
-            tree.unlock(match.last_node)
+            tree_turn(tree, allocator, i, 1, named=False)
         kept[policy] = {i for i in range(6) if tree.match_prefix(session_tokens(i, 1)).page_ids}
     assert kept["lru"] == {0, 1, 4, 5}  # 2 and 3 were least recently used when room ran out
     assert kept["session"] == kept["lru"]
