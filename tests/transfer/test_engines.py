@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +12,7 @@ import torch
 from pdcache.transfer.engines.base import ENGINES, EngineError, create_engine
 from pdcache.transfer.layout import KVLayout, WriteBatch, page_copy_batch
 from pdcache.utils.registry import MissingDependencyError, Registry
-from tests.transfer_support import engine_params, fast_config, make_pool
+from tests.transfer_support import engine_missing, engine_params, fast_config, make_pool
 
 
 @pytest.fixture
@@ -115,3 +118,34 @@ def test_mooncake_waits_that_sleep_first_still_return_complete_pages(engine_pair
         initiator.wait(initiator.submit(peer, batch), 10.0)
         assert torch.equal(dst[:, :, ids], src[:, :, ids])
     assert initiator._rate_of(peer).sleep_s(batch.nbytes, 0.0, 0.0) > 0.0  # it learned a rate
+
+
+def _process_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+@pytest.mark.skipif(engine_missing("nixl") != "", reason=engine_missing("nixl") or "nixl")
+def test_a_closed_nixl_engine_stops_its_progress_thread_while_still_referenced() -> None:
+    """NIXL's UCX progress thread polls with no delay; an agent kept alive past close() (a test
+    framework holding the fixture, a node object not yet collected) spun a core each until the
+    process exited, and two of them starved the 2-core CI machine into transfer timeouts.
+    close() drops the agent, so the process stops using CPU while the engine objects are still
+    referenced."""
+    config = fast_config("nixl")
+    initiator, target = create_engine(config), create_engine(config)
+    src, dst = make_pool(4, seed=3), make_pool(4, seed=None)
+    target.register_target(dst.data_ptr(), dst.numel() * dst.element_size())
+    initiator.register_source(src.data_ptr(), src.numel() * src.element_size())
+    peer = initiator.add_peer(target.session())
+    good = WriteBatch(np.array([src.data_ptr()]), np.array([dst.data_ptr()]), np.array([512]))
+    initiator.write(peer, good, 10.0)
+    initiator.close()
+    target.close()
+    cpu_before, wall_before = _process_cpu_s(), time.monotonic()
+    time.sleep(0.5)
+    # Idle, the process uses almost none of the wall time; one spinning thread uses all of it.
+    assert _process_cpu_s() - cpu_before < 0.25 * (time.monotonic() - wall_before)
+    with pytest.raises(EngineError, match="closed"):
+        initiator.write(peer, good, 1.0)
+    target.close()  # idempotent; keeps the target referenced through the idle check

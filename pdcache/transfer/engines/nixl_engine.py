@@ -6,7 +6,9 @@ the initiator adds it as a remote agent and posts one WRITE request per batch, p
 InfiniBand need UCX_NET_DEVICES=lo when the host is loopback and UCX_MODULES='^ib*'
 (otherwise processes that loaded UCX next to libibverbs crash at exit). `NixlEngine` never
 writes them: `NixlEngine.environment(config, os.environ)` gives them to the process entry
-point, which sets them once before UCX loads.
+point, which sets them once before UCX loads. Each agent runs a UCX progress thread that the
+target needs (TCP is a software transport: the target's worker must progress for data to land)
+and that polls with no delay, so a live engine uses one core; `close()` destroys the agent.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class NixlEngine(KVTransferEngine):
         api = _load_api()
         self._agent_name = f"pdcache-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         agent_config = api.nixl_agent_config(backends=[config.nixl_backend])
-        self._agent = api.nixl_agent(self._agent_name, agent_config)
+        self._agent: Any = api.nixl_agent(self._agent_name, agent_config)
         if config.nixl_backend not in self._agent.backends:
             raise EngineError(f"nixl: backend {config.nixl_backend!r} is not available "
                               f"(plugins: {self._agent.get_plugin_list()})")
@@ -68,9 +70,15 @@ class NixlEngine(KVTransferEngine):
         self._registered: list[Any] = []
         self._closed = False
 
+    def _live(self) -> Any:
+        """The agent; the caller holds `_lock`. After `close()` every call is an EngineError."""
+        if self._agent is None:
+            raise EngineError("nixl: the engine is closed")
+        return self._agent
+
     def session(self) -> bytes:
         with self._lock:
-            return bytes(self._agent.get_agent_metadata())
+            return bytes(self._live().get_agent_metadata())
 
     def register_target(self, addr: int, nbytes: int) -> None:
         self._register(addr, nbytes)
@@ -81,7 +89,7 @@ class NixlEngine(KVTransferEngine):
     def _register(self, addr: int, nbytes: int) -> None:
         with self._lock:
             try:
-                descs = self._agent.register_memory([(addr, nbytes, 0, "")], _DRAM)
+                descs = self._live().register_memory([(addr, nbytes, 0, "")], _DRAM)
             except Exception as exc:
                 raise EngineError(f"nixl: register_memory({addr:#x}, {nbytes}): {exc}") from exc
             self._registered.append(descs)
@@ -89,7 +97,7 @@ class NixlEngine(KVTransferEngine):
     def add_peer(self, session: bytes) -> str:
         with self._lock:
             try:
-                name = self._agent.add_remote_agent(session)
+                name = self._live().add_remote_agent(session)
             except Exception as exc:
                 raise EngineError(f"nixl: bad peer metadata ({exc})") from exc
         return name.decode() if isinstance(name, bytes) else str(name)
@@ -97,7 +105,7 @@ class NixlEngine(KVTransferEngine):
     def remove_peer(self, peer: str) -> None:
         with self._lock:
             try:
-                self._agent.remove_remote_agent(peer)
+                self._live().remove_remote_agent(peer)
             except Exception:
                 pass  # already gone
 
@@ -108,10 +116,11 @@ class NixlEngine(KVTransferEngine):
                           1)
         with self._lock:
             try:
-                local_descs = self._agent.get_xfer_descs(local, _DRAM)
-                remote_descs = self._agent.get_xfer_descs(remote, _DRAM)
-                handle = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, peer)
-                state = self._agent.transfer(handle)
+                agent = self._live()
+                local_descs = agent.get_xfer_descs(local, _DRAM)
+                remote_descs = agent.get_xfer_descs(remote, _DRAM)
+                handle = agent.initialize_xfer("WRITE", local_descs, remote_descs, peer)
+                state = agent.transfer(handle)
             except Exception as exc:
                 raise EngineError(f"nixl → {peer}: posting a write failed ({exc})") from exc
         ticket = _Ticket(peer, handle, batch.nbytes)
@@ -139,7 +148,7 @@ class NixlEngine(KVTransferEngine):
     def _state(self, ticket: _Ticket) -> str:
         with self._lock:
             try:
-                return self._agent.check_xfer_state(ticket.handle)
+                return self._live().check_xfer_state(ticket.handle)
             except Exception:
                 return "ERR"
 
@@ -149,7 +158,7 @@ class NixlEngine(KVTransferEngine):
         ticket.done = True
         with self._lock:
             try:
-                self._agent.release_xfer_handle(ticket.handle)
+                self._live().release_xfer_handle(ticket.handle)
             except Exception:
                 pass  # NIXL could not cancel an active transfer; nothing else to do
 
@@ -167,3 +176,7 @@ class NixlEngine(KVTransferEngine):
                     self._agent.deregister_memory(descs)
                 except Exception:
                     pass
+            # Our reference is the agent's last: dropping it destroys the C++ agent, which joins
+            # its UCX progress thread. That thread polls with no delay (NIXL's Python API sets
+            # none), so an agent kept past close() spins a core until the process exits.
+            self._agent = None
