@@ -12,7 +12,7 @@ import torch
 from pdcache.transfer.engines.base import ENGINES, EngineError, create_engine
 from pdcache.transfer.layout import KVLayout, WriteBatch, page_copy_batch
 from pdcache.utils.registry import MissingDependencyError, Registry
-from tests.transfer_support import engine_missing, engine_params, fast_config, make_pool
+from tests.transfer_support import engine_params, fast_config, make_pool
 
 
 @pytest.fixture
@@ -125,15 +125,14 @@ def _process_cpu_s() -> float:
     return times.user + times.system
 
 
-@pytest.mark.skipif(engine_missing("nixl") != "", reason=engine_missing("nixl") or "nixl")
-def test_a_closed_nixl_engine_stops_its_progress_thread_while_still_referenced() -> None:
+@pytest.mark.parametrize("engine_pair", engine_params(("nixl",)), indirect=True)
+def test_a_closed_nixl_engine_stops_its_progress_thread_while_still_referenced(engine_pair) -> None:
     """NIXL's UCX progress thread polls with no delay; an agent kept alive past close() (a test
     framework holding the fixture, a node object not yet collected) spun a core each until the
     process exited, and two of them starved the 2-core CI machine into transfer timeouts.
     close() drops the agent, so the process stops using CPU while the engine objects are still
-    referenced."""
-    config = fast_config("nixl")
-    initiator, target = create_engine(config), create_engine(config)
+    referenced (the fixture holds both, and closes them again at teardown: idempotent)."""
+    initiator, target = engine_pair
     src, dst = make_pool(4, seed=3), make_pool(4, seed=None)
     target.register_target(dst.data_ptr(), dst.numel() * dst.element_size())
     initiator.register_source(src.data_ptr(), src.numel() * src.element_size())
@@ -148,4 +147,3 @@ def test_a_closed_nixl_engine_stops_its_progress_thread_while_still_referenced()
     assert _process_cpu_s() - cpu_before < 0.25 * (time.monotonic() - wall_before)
     with pytest.raises(EngineError, match="closed"):
         initiator.write(peer, good, 1.0)
-    target.close()  # idempotent; keeps the target referenced through the idle check

@@ -68,7 +68,6 @@ class NixlEngine(KVTransferEngine):
                               f"(plugins: {self._agent.get_plugin_list()})")
         self._lock = threading.Lock()
         self._registered: list[Any] = []
-        self._closed = False
 
     def _live(self) -> Any:
         """The agent; the caller holds `_lock`. After `close()` every call is an EngineError."""
@@ -167,16 +166,17 @@ class NixlEngine(KVTransferEngine):
 
     def close(self) -> None:
         with self._lock:
-            if self._closed:
+            agent = self._agent
+            if agent is None:
                 return
-            self._closed = True
             registered, self._registered = self._registered, []
             for descs in registered:
                 try:
-                    self._agent.deregister_memory(descs)
+                    agent.deregister_memory(descs)
                 except Exception:
                     pass
-            # Our reference is the agent's last: dropping it destroys the C++ agent, which joins
-            # its UCX progress thread. That thread polls with no delay (NIXL's Python API sets
-            # none), so an agent kept past close() spins a core until the process exits.
+            # Our reference is the agent's last (`agent` goes with this frame): dropping it
+            # destroys the C++ agent, which joins its UCX progress thread. That thread polls with
+            # no delay (NIXL's Python API sets none), so an agent kept past close() spins a core
+            # until the process exits.
             self._agent = None
