@@ -37,7 +37,13 @@ from pdcache.transfer.messages import (
     encode,
     pack_pages,
 )
-from tests.transfer_support import engine_params, fast_config, make_pool, wait_until
+from tests.transfer_support import (
+    engine_params,
+    fast_config,
+    make_pool,
+    scaled_limit,
+    wait_until,
+)
 
 REPORT = PrefillReport(1234, prompt_tokens=65, computed_tokens=33, cached=CachedTokens(device=32),
                        prefill_node="p0")
@@ -353,7 +359,7 @@ class _SilentPrefill:
         self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
 
     def next_of(self, msg_type: type) -> tuple[bytes, object]:
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + scaled_limit(5.0)
         while time.monotonic() < deadline:
             if self.sock.poll(100):
                 identity, frame = self.sock.recv_multipart()

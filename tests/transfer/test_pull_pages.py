@@ -45,6 +45,7 @@ from pdcache.transfer.messages import (
     pack_pages,
 )
 from pdcache.utils.secret import derive_key
+from tests.transfer_support import scaled_limit
 
 LIMIT = 1 << 20
 SECRET = b"a cluster secret for this test"
@@ -114,14 +115,14 @@ def test_malformed_or_too_new_pull_messages_are_refused(body: dict, kind: str) -
     assert info.value.kind == kind
 
 
-def storage_config(tmp_path, mac_key: bytes | None, delay_s: float) -> StorageConfig:
+def storage_config(tmp_path, mac_key: bytes | None) -> StorageConfig:
     return StorageConfig(backend="file", path=str(tmp_path / "s"), page_bytes=PAGE_BYTES,
                          capacity_pages=64, fingerprint=FP, num_layers=LAYERS, page_size=PAGE,
-                         dtype="float32", page_mac_key=mac_key, write_delay_s=delay_s)
+                         dtype="float32", page_mac_key=mac_key)
 
 
 def wait_for(cond, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled_limit(timeout_s)
     while not cond():
         if time.monotonic() > deadline:
             return False
@@ -142,7 +143,13 @@ class Pair:
                                 max_message_bytes=max_message_bytes)
         gen = torch.Generator().manual_seed(0)
         self.kv = torch.randn(LAYERS, 2, PAGES, PAGE, HEADS, DIM, generator=gen)
-        self.storage = create_backend(storage_config(tmp_path, decode_page_key, 1.0))
+        self.storage = create_backend(storage_config(tmp_path, decode_page_key))
+        # decode's storage writes wait for land_writes(): staged pages stay pullable however
+        # slowly a loaded machine runs the test (a fixed write delay lost that race)
+        self.writes_land = threading.Event()
+        put_from = self.storage.put_from
+        self.storage.put_from = lambda *args, **kwargs: (
+            self.writes_land.wait(60) and put_from(*args, **kwargs))
         if gate is not None:
             lookup = self.storage.exists_prefix
             self.storage.exists_prefix = lambda keys: gate.wait(30) and lookup(keys)
@@ -156,7 +163,7 @@ class Pair:
         self.sender = KVSender(config, torch.zeros_like(self.kv), on_pages=self.pending,
                                control_key=control_key)
         self.pulls.attach(self.sender)
-        self.spec = storage_config(tmp_path, prefill_page_key, 0.0).page_spec()
+        self.spec = storage_config(tmp_path, prefill_page_key).page_spec()
         self.offload.start()
         self.sender.start()
         self.receiver.start()
@@ -187,7 +194,12 @@ class Pair:
     def expected(self, page: int) -> torch.Tensor:
         return self.kv[:, :, page].contiguous().view(-1).view(torch.uint8)
 
+    def land_writes(self) -> None:
+        """Let decode's held storage writes proceed (staged pages free once they land)."""
+        self.writes_land.set()
+
     def close(self) -> None:
+        self.land_writes()
         self.receiver.close()
         self.sender.close()
         assert self.offload.wait_idle(10)
@@ -211,6 +223,7 @@ def test_staged_pages_are_pulled_byte_exact_in_bounded_answers(tmp_path) -> None
         stats = pair.receiver.stats()
         assert stats["pull_requests"] == 1 and stats["pull_pages_served"] == 3
         assert pair.sender.stats()["rejected"] == {} and pair.receiver.stats()["rejected"] == {}
+        pair.land_writes()
         assert pair.offload.wait_idle(5)  # the write landed: nothing staged to pull any more
         late, _ = pair.pull(keys)
         assert late.ok == [False] * 3
@@ -319,6 +332,7 @@ def test_a_pull_from_a_decode_gone_mid_pull_is_never_answered(tmp_path) -> None:
         assert pair.pulls.snapshot()["pull_timeouts"] == 1 and ticket.ok == [False, False]
         assert all(not page.any() for page in pages)
     finally:
+        pair.land_writes()
         pair.sender.close()
         assert pair.offload.wait_idle(10)
         pair.offload.close()
