@@ -47,6 +47,7 @@ def validate(topology: Topology, ctx: ErrorContext, standalone: bool = False) ->
     _check_transfer(topology.transfer, ctx)
     _check_nodes(topology, ctx)
     _check_router(topology, ctx)
+    _check_tenant_quotas(topology, ctx)
     _check_wildcard_binds(topology, ctx)
     if standalone:
         return
@@ -340,6 +341,24 @@ def _check_router(topology: Topology, ctx: ErrorContext) -> None:
     if len(set(keys)) != len(keys):
         raise ctx.error("router.tenant", "two tenants (or a tenant and router.api_key) share an "
                         "API key: the key is what tells tenants apart")
+
+
+QUOTA_BACKENDS = ("file", "none")  # backends that enforce tenant quotas (none: nothing to fill)
+
+
+def _check_tenant_quotas(topology: Topology, ctx: ErrorContext) -> None:
+    """A quota is a boundary between tenants: a backend that would ignore it is refused rather
+    than leaving one tenant free to evict another's pages while the topology says otherwise."""
+    backend = topology.storage.backend
+    if topology.router is None or backend in QUOTA_BACKENDS:
+        return
+    for tenant in topology.router.tenant:
+        if tenant.storage_quota is not None:
+            raise ctx.error(
+                f"router.tenant.{tenant.name}.storage_quota",
+                f"the {backend} backend does not enforce tenant storage quotas (its slots are "
+                f"allocated without the tenant's namespace), so one tenant could still evict "
+                f"another's pages; use [storage] backend = \"file\", or remove storage_quota")
 
 
 def _internal_binds(topology: Topology) -> list[tuple[str, str]]:

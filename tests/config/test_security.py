@@ -123,6 +123,22 @@ api_key_env = "PDCACHE_TEST_BOB_KEY"
 """
 
 
+@pytest.mark.parametrize("backend", ["hf3fs", "mooncake"])
+def test_a_storage_quota_on_a_backend_that_cannot_enforce_it_is_refused(backend: str) -> None:
+    storage = f'[storage]\nbackend = "{backend}"\npath = "/tmp/s"\n'
+    if backend == "hf3fs":  # its metadata service, shared by the two nodes
+        storage += 'metadata = "tcp://127.0.0.1:18000"\n'
+    with pytest.raises(TopologyError, match=rf"router\.tenant\.alice\.storage_quota: the "
+                                            rf"{backend} backend does not enforce tenant "
+                                            r"storage quotas"):
+        parse_topology(pd(extra=storage) + TENANTS)
+    # the same tenants without the quota, or the quota on the file backend, are accepted
+    parse_topology(pd(extra=storage) + TENANTS.replace('storage_quota = "1MiB"\n', ""))
+    file_storage = '[storage]\nbackend = "file"\npath = "/tmp/s"\n'
+    assert tenant_quotas(parse_topology(pd(extra=file_storage) + TENANTS)) == {
+        "tenant/alice": 2**20}
+
+
 def test_router_tenants_parse_and_the_router_reads_api_key_env() -> None:
     topology = parse_topology(pd() + TENANTS)
     router = topology.router
