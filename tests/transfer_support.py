@@ -63,14 +63,18 @@ def make_pool(num_pages: int, seed: int | None, layers: int = 4) -> torch.Tensor
 # A wait's own bound holds on a quiet machine; its failing limit is that many times it, more
 # when the run queue is deeper than the cores: the 2-core CI machine under the whole suite has
 # stalled a process past a 3 s wait that takes ~10 ms when quiet. The polls return as soon as
-# their condition holds, so the slack costs a passing test nothing.
+# their condition holds, so the slack costs a passing wait nothing (a wait expected to time
+# out takes its bound unscaled). Capped below pytest-timeout's 300 s, so a wait that never
+# ends fails with its own message, not a stack dump.
 WAIT_SLACK = 3.0
+WAIT_CAP_S = 250.0
 
 
 def scaled_limit(timeout_s: float) -> float:
-    """`timeout_s` scaled for this machine's load now (see WAIT_SLACK)."""
-    load_per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
-    return timeout_s * WAIT_SLACK * max(1.0, load_per_core)
+    """`timeout_s` scaled for this machine's load now (see WAIT_SLACK), at most WAIT_CAP_S."""
+    cores = len(os.sched_getaffinity(0)) or 1  # the cores this process may run on
+    load_per_core = os.getloadavg()[0] / cores
+    return min(timeout_s * WAIT_SLACK * max(1.0, load_per_core), max(timeout_s, WAIT_CAP_S))
 
 
 def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> float:

@@ -356,7 +356,7 @@ def _check_tenant_quotas(topology: Topology, ctx: ErrorContext) -> None:
         if tenant.storage_quota is not None:
             raise ctx.error(
                 f"router.tenant.{tenant.name}.storage_quota",
-                f"the {backend} backend does not enforce tenant storage quotas (its slots are "
+                f"the {backend} backend does not enforce tenant storage quotas (its space is "
                 f"allocated without the tenant's namespace), so one tenant could still evict "
                 f"another's pages; use [storage] backend = \"file\", or remove storage_quota")
 

@@ -428,7 +428,9 @@ def test_a_lost_prefill_s_pages_stay_fenced_until_it_answers_reboots_or_the_cap(
             receiver.wait(650, 0.1)
         stats = receiver.stats()
         if release == "hold_cap":
-            assert time.monotonic() - failed_at >= hold_s - 0.3
+            # the cap released the pages, neither early nor (the wait above allows a loaded
+            # machine more) much after the cap
+            assert hold_s - 0.3 <= time.monotonic() - failed_at < hold_s + 3.0
             assert stats["lost_peer_hold_timeouts"] == 1
         assert stats["lost_peer_rebooted"] == (1 if release == "rebooted" else 0)
         assert stats["lost_peer_closed"] == (1 if release == "closed" else 0)

@@ -121,8 +121,9 @@ def storage_config(tmp_path, mac_key: bytes | None) -> StorageConfig:
                          dtype="float32", page_mac_key=mac_key)
 
 
-def wait_for(cond, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + scaled_limit(timeout_s)
+def wait_for(cond, timeout_s: float = 5.0, scaled: bool = True) -> bool:
+    """Poll `cond` for `timeout_s` (load-scaled unless not `scaled`: a wait meant to time out)."""
+    deadline = time.monotonic() + (scaled_limit(timeout_s) if scaled else timeout_s)
     while not cond():
         if time.monotonic() > deadline:
             return False
@@ -148,8 +149,13 @@ class Pair:
         # slowly a loaded machine runs the test (a fixed write delay lost that race)
         self.writes_land = threading.Event()
         put_from = self.storage.put_from
-        self.storage.put_from = lambda *args, **kwargs: (
-            self.writes_land.wait(60) and put_from(*args, **kwargs))
+
+        def held_put_from(*args, **kwargs) -> list[bool]:
+            if not self.writes_land.wait(scaled_limit(60)):  # a failed write, counted
+                raise TimeoutError("the test never let decode's writes land")
+            return put_from(*args, **kwargs)
+
+        self.storage.put_from = held_put_from
         if gate is not None:
             lookup = self.storage.exists_prefix
             self.storage.exists_prefix = lambda keys: gate.wait(30) and lookup(keys)
@@ -224,7 +230,7 @@ def test_staged_pages_are_pulled_byte_exact_in_bounded_answers(tmp_path) -> None
         assert stats["pull_requests"] == 1 and stats["pull_pages_served"] == 3
         assert pair.sender.stats()["rejected"] == {} and pair.receiver.stats()["rejected"] == {}
         pair.land_writes()
-        assert pair.offload.wait_idle(5)  # the write landed: nothing staged to pull any more
+        assert pair.offload.wait_idle(scaled_limit(5))  # the write landed: nothing staged now
         late, _ = pair.pull(keys)
         assert late.ok == [False] * 3
         assert pair.pulls.snapshot()["pull_pages_unavailable"] == 3
@@ -327,7 +333,7 @@ def test_a_pull_from_a_decode_gone_mid_pull_is_never_answered(tmp_path) -> None:
         pages = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in keys]
         ticket = pair.pulls.start(pair.source, keys, pages, pair.spec, timeout_s=0.3)
         assert ticket is not None
-        assert not wait_for(lambda: ticket.finished, 0.5)
+        assert not wait_for(lambda: ticket.finished, 0.5, scaled=False)
         pair.pulls.finish(ticket)
         assert pair.pulls.snapshot()["pull_timeouts"] == 1 and ticket.ok == [False, False]
         assert all(not page.any() for page in pages)

@@ -150,7 +150,8 @@ class StorageConfig:
     # Tenant storage quotas: tenant namespace ("tenant/NAME", `tenant_namespace`) -> bytes of
     # stored pages (headers included). A tenant at its quota evicts its own least recently
     # used pages, never another's. Enforced by the file backend; hf3fs and Mooncake Store
-    # take the namespace but do not enforce it (docs/design.md §8).
+    # take the namespace but cannot enforce it, so quotas with them are refused (here and at
+    # topology parse time, docs/design.md §8).
     namespace_quotas: Mapping[str, int] = field(default_factory=dict, compare=False)
     # Conversation-scoped lifecycle (storage.lifecycle): "lru" | "session". With "session" an
     # active session's pages are protected (at most `session_protect_share` of the capacity
@@ -192,6 +193,9 @@ class StorageConfig:
         self._check(share_ok, "session_protect_share", "must be in [0, 1]")
         self._check(self.session_protect_bytes >= 0, "session_protect_bytes", "must be >= 0")
         self._check(self.session_idle_s > 0, "session_idle_s", "must be > 0")
+        unenforced = self.backend in ("hf3fs", "mooncake") and bool(self.namespace_quotas)
+        self._check(not unenforced, "namespace_quotas",
+                    f"the {self.backend} backend does not enforce tenant quotas (file does)")
         self.page_spec()  # validates dtype
 
     def _check(self, ok: bool, key: str, problem: str) -> None:

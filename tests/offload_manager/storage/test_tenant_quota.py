@@ -97,3 +97,14 @@ def test_the_reject_reasons_table_is_read_only() -> None:
 
     with pytest.raises(TypeError):
         REJECT_REASONS[next(iter(REJECT_REASONS))] = "other"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("backend", ["hf3fs", "mooncake"])
+def test_quotas_on_a_backend_that_cannot_enforce_them_are_refused(tmp_path, backend: str) -> None:
+    """Built without a topology (the topology check: tests/config/test_security.py)."""
+    config: dict[str, Any] = dict(backend=backend, path=str(tmp_path), page_bytes=PAGE_BYTES,
+                                  capacity_pages=8)
+    with pytest.raises(ValueError, match=rf"storage\.namespace_quotas = .*: the {backend} "
+                                         r"backend does not enforce tenant quotas"):
+        StorageConfig(**config, namespace_quotas={"tenant/a": SLOT})
+    assert StorageConfig(**config).namespace_quotas == {}  # no quota: accepted
