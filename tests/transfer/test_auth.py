@@ -30,7 +30,7 @@ from pdcache.transfer.messages import (
 )
 from pdcache.utils.message_auth import DEFAULT_WINDOW_S, AuthError, MessageAuth
 from pdcache.utils.secret import derive_key
-from tests.transfer_support import fast_config, make_pool, wait_until
+from tests.transfer_support import fast_config, make_pool, scaled_limit, wait_until
 
 KEY = derive_key(b"the cluster secret of this test", "zmq-control")
 OTHER_KEY = derive_key(b"a second cluster's secret......", "zmq-control")
@@ -71,7 +71,7 @@ def _dealer(addr: str) -> zmq.Socket:
 def _transfer(pair: Pair, room: int) -> None:
     pair.receiver.request(room, pair.sender.bootstrap_addr, [3, 1, 4], num_tokens=10)
     assert pair.sender.send(room, [5, 9, 2], PrefillReport(7))
-    assert pair.receiver.wait(room, 5.0).first_token == 7
+    assert pair.receiver.wait(room, scaled_limit(5.0)).first_token == 7
     assert torch.equal(pair.dst[:, :, [3, 1, 4]], pair.src[:, :, [5, 9, 2]])
 
 

@@ -119,7 +119,7 @@ def test_rooms_transfer_byte_identical_kv_in_either_order(pair: Pair) -> None:
         else:
             assert pair.sender.send(room, src_pages, REPORT)
             pair.receiver.request(room, pair.addr, dst_pages, num_tokens=65)
-        result = pair.receiver.wait(room, 5.0)
+        result = pair.receiver.wait(room, scaled_limit(5.0))
         assert (result.first_token, result.report) == (1234, REPORT)
         assert result.nbytes == 4 * 2 * 17 * 512
         assert torch.equal(pair.dst[:, :, dst_pages], pair.src[:, :, src_pages])
@@ -143,7 +143,7 @@ def test_32_concurrent_rooms_all_succeed(pair: Pair) -> None:
     def decode_side(i: int) -> None:
         try:
             pair.receiver.request(rooms[i], pair.addr, dst_all[i], num_tokens=12)
-            assert pair.receiver.wait(rooms[i], 10.0).first_token == i
+            assert pair.receiver.wait(rooms[i], scaled_limit(10.0)).first_token == i
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
@@ -210,7 +210,7 @@ def test_hostile_control_messages_are_rejected_counted_and_node_keeps_serving(pa
     # A real room still goes through after all that.
     pair.receiver.request(42, pair.addr, [3, 1, 4], num_tokens=10)
     assert pair.sender.send(42, [5, 9, 2], PrefillReport(7))
-    pair.receiver.wait(42, 5.0)
+    pair.receiver.wait(42, scaled_limit(5.0))
     assert torch.equal(pair.dst[:, :, [3, 1, 4]], pair.src[:, :, [5, 9, 2]])
     assert pair.sender.stats()["control_errors"] == 0
 
@@ -273,7 +273,7 @@ def test_abort_from_decode_reaches_prefill(pair: Pair) -> None:
 def test_abort_from_prefill_reaches_decode(pair: Pair) -> None:
     pair.receiver.request(200, pair.addr, [7, 8], num_tokens=5)
     assert pair.sender.send(200, [1, 2], PrefillReport(3))
-    pair.receiver.wait(200, 5.0)  # a first room works
+    pair.receiver.wait(200, scaled_limit(5.0))  # a first room works
     pair.receiver.request(201, pair.addr, [9, 10], num_tokens=5)
     wait_until(lambda: pair.sender.rooms.get(201) is not None, 3.0, "prefill to see the room")
     pair.sender.abort(201, "prefill out of memory")
@@ -453,10 +453,10 @@ def test_register_refused_on_layout_mismatch(pair: Pair) -> None:
     other.start()
     try:
         with pytest.raises(TransferError, match="layout mismatch"):
-            pair.receiver.connect(other.bootstrap_addr, timeout_s=3.0)
+            pair.receiver.connect(other.bootstrap_addr, timeout_s=scaled_limit(3.0))
         pair.receiver.request(700, other.bootstrap_addr, [1], num_tokens=2)
         with pytest.raises(TransferError, match="layout mismatch|not registered") as info:
-            pair.receiver.wait(700, 3.0)
+            pair.receiver.wait(700, scaled_limit(3.0))
         assert info.value.code in ("refused", "unregistered")
     finally:
         other.close()
