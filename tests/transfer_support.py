@@ -66,8 +66,8 @@ def make_pool(num_pages: int, seed: int | None, layers: int = 4) -> torch.Tensor
 # their condition holds, so the slack costs a passing wait nothing (a wait expected to time
 # out takes its bound unscaled). The same goes for a timeout handed to the code under test
 # where the test expects success (`receiver.wait(room, scaled_limit(5.0))`): beside a CPU hog
-# on both cores a Register went unanswered for 3 s. Capped below pytest-timeout's 300 s, so a wait that never
-# ends fails with its own message, not a stack dump.
+# on both cores a Register went unanswered for 3 s. Capped below pytest-timeout's 300 s, so a
+# wait that never ends fails with its own message, not a stack dump.
 WAIT_SLACK = 3.0
 WAIT_CAP_S = 250.0
 

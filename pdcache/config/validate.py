@@ -27,6 +27,7 @@ from pdcache.config.schema import (
     TransferSpec,
     split_host_port,
 )
+from pdcache.offload_manager.storage.config import QUOTA_UNENFORCED_BACKENDS
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _LOCAL_ALIASES = {"localhost": "127.0.0.1"}
@@ -343,14 +344,11 @@ def _check_router(topology: Topology, ctx: ErrorContext) -> None:
                         "API key: the key is what tells tenants apart")
 
 
-QUOTA_BACKENDS = ("file", "none")  # backends that enforce tenant quotas (none: nothing to fill)
-
-
 def _check_tenant_quotas(topology: Topology, ctx: ErrorContext) -> None:
     """A quota is a boundary between tenants: a backend that would ignore it is refused rather
     than leaving one tenant free to evict another's pages while the topology says otherwise."""
     backend = topology.storage.backend
-    if topology.router is None or backend in QUOTA_BACKENDS:
+    if topology.router is None or backend not in QUOTA_UNENFORCED_BACKENDS:
         return
     for tenant in topology.router.tenant:
         if tenant.storage_quota is not None:

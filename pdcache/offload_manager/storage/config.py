@@ -90,6 +90,12 @@ def _align_up(value: int, align: int) -> int:
     return (value + align - 1) // align * align
 
 
+# Backends that take a page's tenant namespace but keep no per-tenant accounting (their space
+# comes from the metadata service / the Mooncake master): tenant quotas with them are refused,
+# here and when a topology is parsed (pdcache.config.validate).
+QUOTA_UNENFORCED_BACKENDS = ("hf3fs", "mooncake")
+
+
 @dataclass(frozen=True)
 class StorageConfig:
     """Everything a storage client needs; built once per process and passed explicitly.
@@ -193,7 +199,7 @@ class StorageConfig:
         self._check(share_ok, "session_protect_share", "must be in [0, 1]")
         self._check(self.session_protect_bytes >= 0, "session_protect_bytes", "must be >= 0")
         self._check(self.session_idle_s > 0, "session_idle_s", "must be > 0")
-        unenforced = self.backend in ("hf3fs", "mooncake") and bool(self.namespace_quotas)
+        unenforced = self.backend in QUOTA_UNENFORCED_BACKENDS and bool(self.namespace_quotas)
         self._check(not unenforced, "namespace_quotas",
                     f"the {self.backend} backend does not enforce tenant quotas (file does)")
         self.page_spec()  # validates dtype
