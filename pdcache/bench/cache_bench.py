@@ -347,7 +347,7 @@ class PrefixRun:
                 for tier, storage in items if i % 2 == 0 else items[::-1]:
                     self._device_hit(seeded, device)
                     self._fresh_engine(tier, storage, i)
-                if not readers and "host" not in self.tiers:
+                if not readers and "host" not in self.tiers and WARM not in self.tiers:
                     self._device_hit(seeded, device)
             self._device_hit(seeded, device)  # the last sample's device hit after it
             self._device_references(seeded)

@@ -75,6 +75,17 @@ def test_cache_bench_smoke(tmp_path, capsys) -> None:
     assert all(v.startswith("recomputed and written in ") for v in report["seeding"].values())
 
 
+def test_warm_row_alone_beside_the_device_row(tmp_path) -> None:
+    """`--tiers device,hf3fs-warm` (no fresh-engine tier): one device hit before each warm
+    sample and one after the last, no more than the suffixes drawn for them."""
+    args = bench_args(tmp_path, "device,hf3fs-warm", "--layerwise", "off", tokens="32")
+    args.no_bandwidth = True
+    assert cache_bench.run(args) == 0
+    rows = {r["tier"]: r for r in json.loads((tmp_path / "out.json").read_text())["rows"]}
+    assert rows["device"]["runs"] == 3 and rows["hf3fs-warm"]["runs"] == 2
+    assert (rows["hf3fs-warm"]["hit_tier"], rows["hf3fs-warm"]["exact"]) == ("storage", "yes")
+
+
 def test_keep_dir_reuses_the_stored_prefix(tmp_path) -> None:
     """`--keep-dir`: a second run finds the prefix stored (its cold run is a storage hit, so
     no recompute sample but the no-cache ones) and forgets what the first run's prompts

@@ -110,7 +110,7 @@ class IoEngine(ABC):
 
 def _io_full(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int) -> int:
     """Repeat `preadv`/`pwritev` until all of `bufs` is done or the file ends."""
-    want = sum(len(b) for b in bufs)
+    want = sum(map(len, bufs))
     done = 0
     while done < want:
         n = op(fd, bufs, offset + done)
@@ -366,8 +366,12 @@ class Hf3fsBackend(StorageBackend):
             self.counters.add("misses", len(keys))
             return [False] * len(keys)
         hits = [i for i, s in enumerate(slots) if s is not None]
-        self.counters.add("misses", len(keys) - len(hits))
         found = self._read_pages(hits, keys, slots, host_pages)
+        # served pages counted once per call (the lock and the update cost ~2 us a call); a
+        # refused or unread page was counted (as a miss, with its reason) where it was seen
+        served = sum(origin is not None for origin in found)
+        self.counters.add_many(misses=len(keys) - len(hits), pages_read=served,
+                               bytes_read=served * self.spec.payload_bytes)
         results = [False] * len(keys)
         for i, origin in zip(hits, found):
             results[i] = origin is not None
@@ -582,14 +586,10 @@ class Hf3fsBackend(StorageBackend):
         return idxs, reqs, self.engine.read_batch(reqs)
 
     def _verify_group(self, done: _ReadGroup, keys: Sequence[bytes]) -> list[str | None]:
-        """Origins of a read group's pages (None: refused or unread, counted); the pages read
-        are counted once per group (the lock and the counter update cost ~1.5 us a call)."""
+        """Origins of a read group's pages (None: refused or unread, counted here; the pages
+        served are counted by `get_into`)."""
         idxs, reqs, nbytes = done
-        origins = [self._verify(keys[i], req, n) for i, req, n in zip(idxs, reqs, nbytes)]
-        served = sum(origin is not None for origin in origins)
-        if served:
-            self.counters.add_many(pages_read=served, bytes_read=served * self.spec.payload_bytes)
-        return origins
+        return [self._verify(keys[i], req, n) for i, req, n in zip(idxs, reqs, nbytes)]
 
     def _verify(self, key: bytes, req: SlotIO, nbytes: int) -> str | None:
         """The page's origin, or None (a failed read or a refused page: counted here; a served

@@ -63,7 +63,7 @@ import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -169,6 +169,8 @@ class PageSpec:
     checksum: str = "auto"
     mac_key: bytes | None = field(default=None, repr=False)  # None: pages carry no MAC
     fingerprint_digest: bytes = field(init=False, repr=False)
+    # (layers, page size, dtype code, payload bytes) as a header stores them, for parse_header
+    header_shape: tuple[int, int, int, int] = field(init=False, repr=False, compare=False)
     sealer: PageSealer | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -178,6 +180,8 @@ class PageSpec:
             raise ValueError(f"unknown dtype '{self.dtype}'; choose one of {sorted(DTYPE_CODES)}")
         digest = hashlib.blake2b(self.fingerprint.encode(), digest_size=16).digest()
         object.__setattr__(self, "fingerprint_digest", digest)
+        object.__setattr__(self, "header_shape", (self.num_layers, self.page_size,
+                                                  DTYPE_CODES[self.dtype], self.payload_bytes))
         sealed = self.mac_key is not None
         object.__setattr__(self, "checksum", resolve_checksum(self.checksum, sealed))
         if self.mac_key is not None and len(self.mac_key) != MAC_KEY_BYTES:
@@ -382,8 +386,10 @@ def _streamed_tag(subkey: bytes, nonce: bytes, covered: bytes, runs: list[memory
     return encryptor.tag
 
 
-@dataclass(frozen=True)
-class HeaderInfo:
+class HeaderInfo(NamedTuple):
+    """A parsed header (a tuple: built once per page read, ~4x cheaper than a frozen
+    dataclass on this per-page path)."""
+
     key: bytes
     origin: str
     payload_bytes: int
@@ -416,9 +422,7 @@ def parse_header(spec: PageSpec, header: memoryview | bytes) -> tuple[Verdict, H
             return Verdict.NEEDS_KEY, None  # nothing this keyless reader can check it with
     elif algorithm is None or _CHECKSUM_FNS[algorithm] is None:
         return Verdict.FOREIGN, None  # a page this process cannot verify
-    shape = (layers, page_size, dtype, length)
-    expected = (spec.num_layers, spec.page_size, DTYPE_CODES[spec.dtype], spec.payload_bytes)
-    if fp != spec.fingerprint_digest or shape != expected:
+    if fp != spec.fingerprint_digest or (layers, page_size, dtype, length) != spec.header_shape:
         return Verdict.FOREIGN, None
     return Verdict.OK, HeaderInfo(key, ORIGINS[origin], length, crc, algorithm, version, head)
 
