@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -124,7 +124,7 @@ class RouterApp:
         if body.stream:
             opened = await watch(request, asyncio.gather(
                 *(self.router.send_stream(prep, deadline) for prep in preps),
-                return_exceptions=True))
+                return_exceptions=True), discard=_close_opened)
             streams = _opened_or_raise(opened)
             sequences = [self._generate_chunks(prep, stream, first, Turn(route), builder)
                          for prep, (stream, first, route), builder
@@ -243,8 +243,8 @@ class RouterApp:
         try:
             for index in range(body.n):
                 choice_prep = prep if index == 0 else sample_prep(prep, index)
-                stream, first, route = await watch(request,
-                                                   self.router.send_stream(choice_prep, deadline))
+                stream, first, route = await watch(
+                    request, self.router.send_stream(choice_prep, deadline), discard=_close_sent)
                 choices.append(RoutedChoice(choice_prep, stream, first, Turn(route),
                                             TextAssembler(self.router.decode, stops),
                                             plan.output(index)))
@@ -421,19 +421,44 @@ def _with_retry_after(handler: Handler) -> Handler:
     return handle
 
 
-async def watch(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and so its upstream requests) if the client leaves."""
+async def watch(request: Request, work: Awaitable[T],
+                discard: Callable[[T], Awaitable[None]] | None = None) -> T:
+    """Await `work`, cancelling it (and so its upstream requests) if the client leaves.
+
+    `discard` gets a result that `work` produced but no caller will see: the client left
+    (or this call was cancelled) while `work` was finishing, e.g. a gather whose last stream
+    opened just as it was cancelled (a cancel of a gather whose children are done does not
+    stop it). What it holds (open upstream streams, their nodes' in-flight slots) is freed
+    there instead of leaking."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(wait_for_disconnect(request))
+    handed = False
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             raise ApiError(499, "client disconnected", type="client_disconnected")
-        return task.result()
+        result = task.result()
+        handed = True
+        return result
     finally:
         for fut in (task, gone):
             fut.cancel()
         await asyncio.gather(task, gone, return_exceptions=True)
+        if discard is not None and not handed and task.done() and not task.cancelled() \
+                and task.exception() is None:
+            await discard(task.result())
+
+
+async def _close_opened(opened: list[Any]) -> None:
+    """`watch`'s discard for a batch of `send_stream` results (streams, or their errors)."""
+    for result in opened:
+        if not isinstance(result, BaseException):
+            await close_stream(result[0])
+
+
+async def _close_sent(sent: tuple[UpstreamStream, Any, Any]) -> None:
+    """`watch`'s discard for one `send_stream` result."""
+    await close_stream(sent[0])
 
 
 def streaming_many(events: AsyncIterator[bytes], streams: list[UpstreamStream]) -> Response:

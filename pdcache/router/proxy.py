@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 PREFILL_ERROR_GRACE_S = 1.0  # after D failed: how long P gets to report the root cause
 PREFILL_FINISH_GRACE_S = 5.0  # after D succeeded: how long P's answer is awaited (accounting)
+CLOSE_BOUND_S = 10.0  # close_stream: the most a client's cleanup waits on its upstream
 
 
 class Proxy:
@@ -310,27 +311,39 @@ class RouteStream:
         return self._events
 
     async def aclose(self) -> None:
-        if self._opening is not None:
-            await _cancel(self._opening)
-            if self._events is None and self._opening.done() and not self._opening.cancelled() \
-                    and self._opening.exception() is None:
-                self._events = self._opening.result()  # opened, never read: close it
-        if self._events is not None:
-            await self._events.aclose()
-        if self._prefill is not None:
-            await _cancel(self._prefill)
-        if not self._released:
-            self._released = True
-            self._node.in_flight -= 1
-            self._client.result(self._node, self._ok)
-            if self._route is not None:
-                self._route.release_all()
+        """Close D's stream and cancel P's call, then free the route's slots. The slots are
+        freed whatever the closing does (raises, or is cancelled by `close_stream`'s bound):
+        a node's in-flight count that outlived its request would skew routing for good."""
+        try:
+            if self._opening is not None:
+                await _cancel(self._opening)
+                if self._events is None and self._opening.done() \
+                        and not self._opening.cancelled() and self._opening.exception() is None:
+                    self._events = self._opening.result()  # opened, never read: close it
+            if self._events is not None:
+                await self._events.aclose()
+            if self._prefill is not None:
+                await _cancel(self._prefill)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._node.in_flight -= 1
+        self._client.result(self._node, self._ok)
+        if self._route is not None:
+            self._route.release_all()
 
 
 async def close_stream(stream: RouteStream) -> None:
     """Close upstream connections even from a cancelled scope (client disconnect)."""
-    with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-        await stream.aclose()
+    with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_BOUND_S):
+        try:
+            await stream.aclose()
+        except Exception:  # the slots are freed (aclose); the other streams still get closed
+            log.warning("closing an upstream stream failed", exc_info=True)
 
 
 # --------------------------------------------------------------------------- task helpers

@@ -285,7 +285,9 @@ def test_200_mixed_requests_leave_nothing_in_flight(cluster: Cluster) -> None:
         nodes = cluster.http.get(f"{url}/health").json()["nodes"]
         return [n["in_flight"] for n in nodes] == [0] * len(nodes)
 
-    assert wait_for(router_idle, 30.0, 0.1), cluster.http.get(f"{url}/health").json()
+    assert wait_for(router_idle, 30.0, 0.1), [
+        (n["name"], n["role"], n["in_flight"])
+        for n in cluster.http.get(f"{url}/health").json()["nodes"]]
 
 
 def test_kill9_decode_during_transfer(cluster: Cluster) -> None:

@@ -90,3 +90,92 @@ def test_prefill_failing_while_decode_opens_is_an_http_error(p_fails: bool) -> N
         assert got == [{"text": "p"}, {"text": "d"}, None]
         assert client.results == [True]
     assert node.in_flight == 0 and events.closed
+
+
+class BrokenEvents(Events):
+    """D's stream whose close raises, or never ends (`hang`)."""
+
+    def __init__(self, hang: bool) -> None:
+        super().__init__()
+        self.hang = hang
+
+    async def aclose(self) -> None:
+        if self.hang:
+            await asyncio.Event().wait()
+        raise RuntimeError("connection reset while closing")
+
+
+class Route:
+    def __init__(self) -> None:
+        self.released = 0
+
+    def release_all(self) -> None:
+        self.released += 1
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["close_raises", "close_hangs"])
+def test_closing_frees_the_slots_whatever_the_upstream_close_does(
+        hang: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A D stream whose close raises, or outlives `close_stream`'s bound: the node's in-flight
+    count and the route's slots are freed all the same (once), and `close_stream` returns."""
+    from pdcache.router import proxy
+
+    monkeypatch.setattr(proxy, "CLOSE_BOUND_S", 0.2)
+
+    async def scenario() -> tuple[Node, Client, Route]:
+        node, client, route = Node(), Client(), Route()
+        events = BrokenEvents(hang)
+        events.node = node  # type: ignore[attr-defined]
+        stream = RouteStream(client, events, None, route)  # type: ignore[arg-type]
+        await asyncio.wait_for(proxy.close_stream(stream), 5)
+        await asyncio.wait_for(proxy.close_stream(stream), 5)  # a second close frees nothing more
+        return node, client, route
+
+    node, client, route = asyncio.run(scenario())
+    assert (node.in_flight, client.results, route.released) == (0, [False], 1)
+
+
+class DisconnectingRequest:
+    """A request whose client is gone once `gone` is set (all `wait_for_disconnect` reads)."""
+
+    def __init__(self, gone: asyncio.Event) -> None:
+        self._gone = gone
+
+    async def receive(self) -> dict[str, Any]:
+        await self._gone.wait()
+        return {"type": "http.disconnect"}
+
+
+@pytest.mark.parametrize("client_leaves", [True, False], ids=["client_left", "client_stayed"])
+def test_watch_discards_a_result_that_arrived_after_the_client_left(client_leaves: bool) -> None:
+    """The client leaves while `work` finishes anyway (a gather whose last stream opened as it
+    was cancelled): the opened stream goes to `discard` (closed, its slots freed), never lost;
+    a result handed to the caller is not discarded."""
+    from pdcache.router.app import watch
+
+    async def scenario() -> tuple[Any, list[str]]:
+        gone, discarded = asyncio.Event(), []
+
+        async def work() -> str:
+            if not client_leaves:
+                return "stream"
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:  # finished opening just as it was cancelled
+                return "stream"
+            return "late"
+
+        async def discard(result: str) -> None:
+            discarded.append(result)
+
+        if client_leaves:
+            gone.set()
+        try:
+            got: Any = await watch(DisconnectingRequest(gone), work(),  # type: ignore[arg-type]
+                                   discard=discard)
+        except ApiError as exc:
+            got = exc.status_code
+        return got, discarded
+
+    got, discarded = asyncio.run(scenario())
+    assert (got, discarded) == ((499, ["stream"]) if client_leaves else ("stream", []))
