@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import runpy
 import sys
 import traceback
@@ -97,7 +98,17 @@ def serve() -> None:
         print(f"{DONE}{status}", flush=True)
 
 
+def _without_tests_dir_on_path() -> None:
+    """Run as a script, this file's directory (tests/) comes first on sys.path, and there
+    tests/kernels shadows `kernels`, the Hugging Face package that transformers (5.25 on)
+    imports when it finds one: SGLang's client imports then fail. The runner needs only the
+    repository root (PYTHONPATH)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+
+
 def main() -> None:
+    _without_tests_dir_on_path()
     _without_server_side_imports()
     command, args = sys.argv[1], sys.argv[2:]
     if command == "serve":
