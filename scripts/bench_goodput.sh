@@ -42,6 +42,8 @@ ALL=(
   "pd-device=configs/local-1p1d.toml$PD+storage.backend=none+node.p0.cache.host_pages=1+node.d0.offload=false"
   "pd-hicache-lru=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$HOST_PAGES"
   "pd-hicache-session=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$HOST_PAGES$NEW"
+  # the same without decode's prefix cache: prefill sends every prompt page every turn
+  "pd-session-no-decode-cache=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$HOST_PAGES$NEW+node.d0.cache.prefix_cache=false"
 )
 # CONFIGS="ideal pd-hicache-session" runs only those (the first one listed is the ideal)
 RUN=()

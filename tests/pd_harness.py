@@ -93,7 +93,10 @@ class PDStack:
 
 def node_setups(tmp_path, model, page_size: int, engine: str, offload: bool,
                 write_policy: str = "write_through", backend: str = "hf3fs",
-                storage_settings: dict | None = None) -> tuple[NodeSetup, NodeSetup]:
+                storage_settings: dict | None = None,
+                decode_prefix_cache: bool = False) -> tuple[NodeSetup, NodeSetup]:
+    """A prefill and a decode setup over shared storage; decode's prefix cache is off unless
+    asked for (these tests count what prefill sends and what decode frees)."""
     fp = fingerprint_for(model.config, model_identity("tiny", 0), page_size)
     settings = storage_settings or {"path": str(tmp_path / "storage"), "capacity_pages": 4096,
                                     "metadata": "inproc"}
@@ -102,7 +105,8 @@ def node_setups(tmp_path, model, page_size: int, engine: str, offload: bool,
                               heartbeat_interval_s=0.5)
     sched = SchedulerConfig(chunked_prefill_tokens=256)
     p_engine = EngineConfig(model.config, CacheConfig(page_size, 256), sched)
-    d_engine = EngineConfig(model.config, CacheConfig(page_size, 256, enable_prefix_cache=False),
+    d_engine = EngineConfig(model.config, CacheConfig(page_size, 256,
+                                                      enable_prefix_cache=decode_prefix_cache),
                             sched)
     tiers = TierConfig(512, HiCacheConfig(write_policy=write_policy,
                                           prefetch_policy="wait_complete"), storage)

@@ -34,7 +34,8 @@ from pdcache.bench import replay
 from pdcache.bench.table import emit
 
 COLUMNS = ("config", "ok", "failed", "hit_rate", "theoretical", "achieved/theo", "ttft_p50_s",
-           "ttft_p99_s", "itl_p50_s", "e2e_p50_s", "out_tok/s", "ttft_p50_x", "out_tok/s_x")
+           "ttft_p99_s", "itl_p50_s", "e2e_p50_s", "out_tok/s", "kv_MB/req", "decode_had",
+           "ttft_p50_x", "out_tok/s_x")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +89,25 @@ def port_in_use(url: str) -> bool:
     with socket.socket() as s:
         s.settimeout(1.0)
         return s.connect_ex((host, int(port))) == 0
+
+
+def kv_transfer_totals(urls: list[str]) -> dict[str, int]:
+    """What the prefill nodes' KV senders sent (bytes, pages) and left out because the decode
+    node's prefix cache held them (pages), from their `/health` (no credential needed)."""
+    totals = {"kv_bytes_sent": 0, "kv_pages_sent": 0, "kv_pages_decode_had": 0}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=10) as resp:
+                health = json.loads(resp.read())
+        except (OSError, ValueError):
+            continue
+        if health.get("role") != "prefill":
+            continue
+        transfer = health.get("transfer") or {}
+        totals["kv_bytes_sent"] += int(transfer.get("bytes_sent", 0))
+        totals["kv_pages_sent"] += int(transfer.get("pages_sent", 0))
+        totals["kv_pages_decode_had"] += int(transfer.get("pages_decode_had", 0))
+    return totals
 
 
 def healthy(url: str) -> bool:
@@ -183,12 +203,19 @@ def run_one(args: argparse.Namespace, run: ConfigRun, out: Path) -> dict[str, An
             code = replay.run(replay_args(args, front, run_dir, run.label))
             if not summary_path.is_file():
                 return {"error": f"replay exited {code} without a summary"}
-            summary = json.loads(summary_path.read_text())
+            summary = {**json.loads(summary_path.read_text()),
+                       **kv_transfer_totals(endpoints_of(run)[1])}
             return summary if code == 0 else {**summary, "error": f"replay exited {code}"}
     except LaunchError as exc:
         return {"error": str(exc)}
     except OSError as exc:
         return {"error": f"{exc} (logs: {run_dir / 'logs'})"}
+
+
+def _share(had: int | None, sent: int | None) -> float | None:
+    """The share of the prompt pages that decode's prefix cache held (not sent)."""
+    total = (had or 0) + (sent or 0)
+    return had / total if had is not None and total else None
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:
@@ -206,6 +233,9 @@ def compare_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             "ttft_p50_s": s.get("ttft_p50_s"), "ttft_p99_s": s.get("ttft_p99_s"),
             "itl_p50_s": s.get("itl_p50_s"), "e2e_p50_s": s.get("e2e_p50_s"),
             "out_tok/s": s.get("output_token_throughput"),
+            "kv_MB/req": (s["kv_bytes_sent"] / 1e6 / s["requests_ok"]
+                          if s.get("requests_ok") and "kv_bytes_sent" in s else None),
+            "decode_had": _share(s.get("kv_pages_decode_had"), s.get("kv_pages_sent")),
             "ttft_p50_x": _ratio(s.get("ttft_p50_s"), base.get("ttft_p50_s")),
             "out_tok/s_x": _ratio(s.get("output_token_throughput"),
                                   base.get("output_token_throughput")),

@@ -272,6 +272,10 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--offload-pending-ttl", type=float, default=None,
                             help="seconds prefill nodes may wait for a page this node announced "
                                  "as being written (default 10)")
+        parser.add_argument("--no-prefix-cache", action="store_true",
+                            help="keep no finished requests' pages: prefill sends every prompt "
+                                 "page (default: a next turn's prompt pages this node still "
+                                 "holds are not sent again)")
         parser.add_argument("--decode-step-interval", type=int, default=None, metavar="MS",
                             help="least ms from one decode step's start to the next: less CPU "
                                  "per token for a host shared with prefill, at that TPOT "

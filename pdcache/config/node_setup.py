@@ -109,8 +109,10 @@ def with_keys(storage: StorageConfig | None, security: SecuritySettings) -> Stor
 
 
 def engine_for(topology: Topology, node: NodeSpec, model: ModelConfig) -> EngineConfig:
-    # decode nodes are handed their prompts' K/V: a prefix cache there would only hold memory
-    prefix_cache = node.role != "decode" and node.cache.prefix_cache
+    # on decode, the prefix tree keeps finished requests' pages (the prompt prefill wrote and
+    # the answer decode computed), so a next turn's request needs only the pages after them
+    # from prefill (docs/design.md §4.12)
+    prefix_cache = node.cache.prefix_cache
     sched = node.scheduler
     return EngineConfig(
         model=model,

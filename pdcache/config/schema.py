@@ -92,7 +92,9 @@ class CacheSpec:
     host_ratio: float | None = None  # host pool = device pool × ratio (default 2.0)
     host_bytes: int | None = _size(default=None)
     host_pages: int | None = None  # host pool in pages; 0 = none (unified nodes without storage)
-    prefix_cache: bool = True  # false (unified nodes only): no prefix reuse, no lower tiers
+    # false: no prefix reuse (unified: no lower tiers either; decode: prefill sends every
+    # prompt page, decode frees pages once offloaded); prefill nodes always keep it
+    prefix_cache: bool = True
     write_policy: Literal["write_through", "write_through_selective", "write_back"] = (
         "write_through"
     )

@@ -177,8 +177,9 @@ def _check_node_role_keys(node: NodeSpec, key: str, ctx: ErrorContext) -> None:
 
 def _check_node_tiers(node: NodeSpec, storage: StorageSpec, key: str, ctx: ErrorContext) -> None:
     """A prefill node always runs HiCache; storage is reached through the host tier."""
-    if not node.cache.prefix_cache and node.role != "unified":
-        raise ctx.error(f"{key}.cache.prefix_cache", f"only unified nodes run without a prefix cache (role is {node.role})")
+    if not node.cache.prefix_cache and node.role == "prefill":
+        raise ctx.error(f"{key}.cache.prefix_cache", "a prefill node always runs its prefix cache (only unified and "
+                        "decode nodes may turn it off)")
     if node.cache.host_pages == 0 and node.role == "prefill":
         raise ctx.error(f"{key}.cache.host_pages", "a prefill node needs a host tier (expected an integer >= 1)")
     if node.cache.host_pages == 0 and node.role == "unified" and storage.enabled and node.cache.prefix_cache:

@@ -103,8 +103,8 @@ class DecodeApp:
         input_ids = self.routes.checked_prompt(item)
         constraint = self.routes.agent.sampling_constraint(item.sampling)  # a bad schema: 400
         room, rid = pd.room, item.rid or f"pd-{pd.room}"
-        released = await self._admit(request, room, rid, pd.bootstrap, len(input_ids),
-                                     item.sampling.max_new_tokens,
+        released = await self._admit(request, room, rid, pd.bootstrap, input_ids,
+                                     body.cache_salt or "", item.sampling.max_new_tokens,
                                      arrival + self.admission_timeout_s)
 
         async def decode(report: PrefillReport) -> Response:
@@ -178,11 +178,13 @@ class DecodeApp:
         return outcome.report
 
     async def _admit(self, request: Request, room: int, rid: str, bootstrap: str,
-                     num_tokens: int, max_new_tokens: int, deadline: float
+                     input_ids: list[int], salt: str, max_new_tokens: int, deadline: float
                      ) -> asyncio.Future[DecodeOutcome]:
         """Reserve pages (waiting in the admission queue until `deadline` if the pool is short
-        now) and ask prefill for the K/V: the room's release future (`_arrived` awaits it).
-        Every refusal here is an HTTP error (503s the router retries elsewhere)."""
+        now; the leading ones from this node's prefix cache when it has them) and ask prefill
+        for the K/V of the rest: the room's release future (`_arrived` awaits it). Every
+        refusal here is an HTTP error (503s the router retries elsewhere)."""
+        num_tokens = len(input_ids)
         loop = asyncio.get_running_loop()
         released: asyncio.Future[DecodeOutcome] = loop.create_future()
         admitted: asyncio.Future[Admitted] = loop.create_future()
@@ -195,7 +197,8 @@ class DecodeApp:
                            code="unavailable") from None
         try:
             self.controller.request_kv(room, bootstrap, num_tokens, resolve_on_loop(loop, admitted),
-                                       max_new_tokens=max_new_tokens)
+                                       max_new_tokens=max_new_tokens, prefix_ids=input_ids,
+                                       salt=salt)
         except ValueError as exc:  # can never fit this node's pool
             self.admission.observe_rejected("never_fits")
             raise bad_request(f"decode node cannot hold this request: {exc}",
@@ -225,7 +228,8 @@ class DecodeApp:
                            code="queue_timeout")
         result = admitted.result()
         if result.ok:
-            self.admission.observe_admitted(result.waited_s, result.queued)
+            cached = min(result.cached_pages * self.bridge.engine.pool.page_size, num_tokens)
+            self.admission.observe_admitted(result.waited_s, result.queued, num_tokens, cached)
             return
         if result.reason == "queue_full":
             self.admission.observe_rejected("queue_full")

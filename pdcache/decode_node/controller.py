@@ -51,7 +51,7 @@ import enum
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -68,7 +68,7 @@ class Receiver(Protocol):
     """The transfer side (`pdcache.transfer.KVReceiver`)."""
 
     def request(self, room: int, bootstrap_addr: str, dst_page_ids: Any,
-                num_tokens: int) -> None: ...
+                num_tokens: int, first_page: int = 0) -> None: ...
 
     def wait(self, room: int, timeout_s: float | None = None) -> Any: ...
 
@@ -79,7 +79,8 @@ class DecodeEngine(Protocol):
     """The engine side (`pdcache.engine.engine.Engine`)."""
 
     def reserve_when_free(self, rid: str, num_tokens: int, on_done: Callable[[Any], None],
-                          max_new_tokens: int = 0) -> None: ...
+                          max_new_tokens: int = 0, prefix_ids: Sequence[int] = (),
+                          salt: str = "") -> None: ...
 
     def cancel_reservation(self, rid: str) -> None: ...
 
@@ -122,13 +123,15 @@ Notify = Callable[[DecodeOutcome], None]
 class Admitted:
     """`request_kv`'s answer: `ok` (pages reserved, the request is with prefill) or refused
     with `reason` ("queue_full", "bad_room", "shutdown"); `queued`/`waited_s`: whether and
-    how long it waited in the admission queue."""
+    how long it waited in the admission queue; `cached_pages`: the prompt's leading pages
+    this node's prefix cache had, which prefill does not send."""
 
     ok: bool
     reason: str = ""
     message: str = ""
     waited_s: float = 0.0
     queued: bool = False
+    cached_pages: int = 0
 
 
 class Phase(enum.Enum):
@@ -181,10 +184,13 @@ class DecodeController:
             self._rooms[room], self._room_of[rid] = _Room(rid, notify), room
 
     def request_kv(self, room: int, bootstrap: str, num_tokens: int,
-                   on_admitted: Callable[[Admitted], None], max_new_tokens: int = 0) -> None:
+                   on_admitted: Callable[[Admitted], None], max_new_tokens: int = 0,
+                   prefix_ids: Sequence[int] = (), salt: str = "") -> None:
         """Reserve pages for the `num_tokens` prompt tokens of the opened `room` — at once, or
         once running requests free them (the engine's admission queue, in arrival order) —
-        then ask the prefill node at `bootstrap` to write their K/V. Does not block.
+        then ask the prefill node at `bootstrap` to write their K/V. Does not block. With the
+        prompt's `prefix_ids` (tenant `salt`), the leading pages the engine's prefix tree
+        holds are reused and prefill writes only the pages after them.
 
         Raises at once, with nothing reserved and the room forgotten: ValueError (the request
         can never fit this node's pool), EngineNotRunningError, RoomCancelledError (the room
@@ -201,7 +207,8 @@ class DecodeController:
                                  on_admitted)
         try:
             self._require_engine().reserve_when_free(entry.rid, num_tokens, done,
-                                                     max_new_tokens=max_new_tokens)
+                                                     max_new_tokens=max_new_tokens,
+                                                     prefix_ids=prefix_ids, salt=salt)
         except BaseException:
             with self._lock:
                 self._forget(room, entry)
@@ -221,7 +228,8 @@ class DecodeController:
         if self._drop_if_gone(room, entry):
             return
         try:
-            self._require_receiver().request(room, bootstrap, admission.page_ids, num_tokens)
+            self._require_receiver().request(room, bootstrap, admission.page_ids, num_tokens,
+                                             first_page=admission.cached_pages)
         except (ValueError, TransferError) as exc:
             with self._lock:
                 self._forget(room, entry)
@@ -231,7 +239,8 @@ class DecodeController:
             return
         self._requested(room, entry)
         self._admitted(on_admitted, Admitted(True, waited_s=admission.waited_s,
-                                             queued=admission.queued))
+                                             queued=admission.queued,
+                                             cached_pages=admission.cached_pages))
 
     @staticmethod
     def _admitted(on_admitted: Callable[[Admitted], None], result: Admitted) -> None:

@@ -104,6 +104,10 @@ class AdmissionMetrics:
         self.rejected = Counter(
             ADMISSION_PREFIX + "rejected", "PD requests refused by decode admission, by reason "
             "(never_fits: 400; queue_full, deadline: 503)", ["reason"], registry=registry)
+        self.prompt_tokens = Counter(
+            ADMISSION_PREFIX + "prompt_tokens", "prompt tokens of admitted PD requests, by "
+            "where their K/V came from (cache: this node's prefix cache, transfer: prefill)",
+            ["source"], registry=registry)
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
         for queued in ("true", "false"):
@@ -111,9 +115,12 @@ class AdmissionMetrics:
         registry.register(EngineStatsCollector(stats, server_name, gauges=ADMISSION_GAUGES,
                                                counters={}))
 
-    def observe_admitted(self, waited_s: float, queued: bool) -> None:
+    def observe_admitted(self, waited_s: float, queued: bool, num_tokens: int = 0,
+                         cached_tokens: int = 0) -> None:
         self.wait.observe(max(waited_s, 0.0))
         self.admitted.labels("true" if queued else "false").inc()
+        self.prompt_tokens.labels("cache").inc(cached_tokens)
+        self.prompt_tokens.labels("transfer").inc(max(num_tokens - cached_tokens, 0))
 
     def observe_rejected(self, reason: str) -> None:
         self.rejected.labels(reason).inc()

@@ -26,7 +26,7 @@ import numbers
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -71,13 +71,16 @@ class EngineNotRunningError(RuntimeError):
 class Admission:
     """The one answer to `reserve_when_free` (engine thread). `page_ids` is None when no pages
     were reserved: `reason` is "queue_full", "cancelled" (`cancel_reservation` / `abort`) or
-    "shutdown". `queued`: it waited in the admission queue, for `waited_s` seconds."""
+    "shutdown". Granted, the prompt's first `cached_pages` pages are the prefix tree's (they
+    hold its K/V already) and `page_ids` are the pages for the rest, in order: the ones a
+    prefill node writes. `queued`: it waited in the admission queue, for `waited_s` seconds."""
 
     rid: str
     page_ids: list[int] | None
     reason: str = ""
     waited_s: float = 0.0
     queued: bool = False
+    cached_pages: int = 0
 
     @property
     def ok(self) -> bool:
@@ -305,12 +308,16 @@ class Engine:
         return page_ids
 
     def reserve_when_free(self, rid: str, num_tokens: int, on_done: Callable[[Admission], None],
-                          max_new_tokens: int = 0) -> None:
+                          max_new_tokens: int = 0, prefix_ids: Sequence[int] = (),
+                          salt: str = "") -> None:
         """Decode node: reserve the pages of `num_tokens` prompt tokens of `rid` as soon as the
         pool can give them, in arrival order behind the reservations already waiting
         (`SchedulerConfig.max_pending_reservations` of them at most). A grant also keeps back
         the pages that it and every admitted request need to decode `max_new_tokens`, so it is
-        granted only when they all can finish. `on_done(Admission)` runs exactly once, on the
+        granted only when they all can finish. With a prefix tree and the prompt's
+        `prefix_ids` (under tenant `salt`), its leading pages that the tree holds are reused
+        (locked, never the last page: `Admission.cached_pages`) and only the rest reserved.
+        `on_done(Admission)` runs exactly once, on the
         engine thread: at once (granted, or the queue is full) or when the pages free, the
         reservation is cancelled, or the engine stops; it must not block. Raises ValueError at
         once for a request that can never fit the pool, EngineNotRunningError."""
@@ -330,7 +337,7 @@ class Engine:
         total = min(num_tokens + growth, context)
         num_pages = pages_for(num_tokens, page_size)
         pending = PendingReservation(rid, num_pages, pages_for(total, page_size) - num_pages,
-                                     time.monotonic(), on_done)
+                                     time.monotonic(), on_done, tuple(prefix_ids), salt)
         with self._lock:  # as in submit: anything put here is drained, even at shutdown
             if not self.is_running:
                 raise EngineNotRunningError("the engine is not running")
@@ -351,7 +358,8 @@ class Engine:
         input_logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         """Decode node: start decoding `req`, whose prompt K/V a prefill node wrote into the
-        pages `reserve(req.rid, len(req.input_ids))` returned and which sampled `first_token`.
+        pages `reserve(req.rid, len(req.input_ids))` (or `reserve_when_free`) returned, after
+        the tree's prefix pages of a `reserve_when_free` grant, and which sampled `first_token`.
         The first output carries `first_token`; then as `submit`. With `req.logprobs` the
         first output also carries prefill's `first_logprob` (a None logprob when prefill sent
         none) and `input_logprobs`; `req.constraint` accepts `first_token` first (a refusal
@@ -681,7 +689,7 @@ class Engine:
             self._answer(pending, Admission(pending.rid, None, "cancelled"))
             return
         if decision == "granted":
-            self._answer(pending, Admission(pending.rid, list(self.scheduler.reserved[pending.rid])))
+            self._answer(pending, self._granted(pending.rid))
         elif decision == "queue_full":
             self._answer(pending, Admission(pending.rid, None, "queue_full"))
 
@@ -690,9 +698,13 @@ class Engine:
             return
         now = time.monotonic()
         for pending in self.scheduler.grant_pending():
-            pages = list(self.scheduler.reserved[pending.rid])
-            self._answer(pending, Admission(pending.rid, pages, waited_s=now - pending.since,
-                                            queued=True))
+            self._answer(pending, self._granted(pending.rid, waited_s=now - pending.since,
+                                                queued=True))
+
+    def _granted(self, rid: str, waited_s: float = 0.0, queued: bool = False) -> Admission:
+        prefix = self.scheduler.reserved_prefix.get(rid)
+        return Admission(rid, list(self.scheduler.reserved[rid]), waited_s=waited_s,
+                         queued=queued, cached_pages=len(prefix.page_ids) if prefix else 0)
 
     def _cancel_pending(self, rid: str, reason: str = "cancelled") -> None:
         pending = self.scheduler.cancel_pending(rid)
@@ -846,6 +858,8 @@ class Engine:
             "pages_evicted_total": tree.num_evicted_pages if tree else 0,
             "tokens_cached_total": counters.cached_tokens,
             "tokens_computed_total": counters.computed_tokens,
+            # decode: prompt tokens whose K/V its prefix tree had (prefill wrote only the rest)
+            "tokens_reserved_from_cache_total": counters.reserved_prefix_pages * self.pool.page_size,
             "requests_admitted_total": counters.admitted,
             "requests_finished_total": counters.finished,
             "requests_aborted_total": counters.aborted,

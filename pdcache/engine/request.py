@@ -185,13 +185,15 @@ class Req:
         self.check()
 
     def admit_prefilled(self, page_ids: list[int], first_token: int, seq: int,
-                        first_logprob: TokenLogprob | None = None) -> None:
+                        first_logprob: TokenLogprob | None = None, *,
+                        num_tree_pages: int = 0, last_node: RadixNode | None = None) -> None:
         """WAITING → RUNNING in decode state: the K/V of the whole prompt is already in
-        `page_ids` (written by a prefill node) and `first_token` was sampled there (with
-        `first_logprob`, when it sent one)."""
+        `page_ids` (the first `num_tree_pages` the tree's, locked at `last_node`; the rest
+        written by a prefill node) and `first_token` was sampled there (with `first_logprob`,
+        when it sent one)."""
         assert self.status is ReqStatus.WAITING and not self.output_ids, "not a fresh request"
         assert len(page_ids) == pages_for(len(self.prompt_ids), self.page_size), "page count"
-        self.page_ids, self.num_tree_pages, self.last_node = page_ids, 0, None
+        self.page_ids, self.num_tree_pages, self.last_node = page_ids, num_tree_pages, last_node
         self.kv_len = len(self.prompt_ids)
         self.cached_len, self.cached = 0, CachedTokens()
         self.append_token(first_token, first_logprob)

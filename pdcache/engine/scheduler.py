@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +103,10 @@ class PendingReservation:
     growth_pages: int
     since: float
     on_done: Callable[..., Any]
+    # the prompt's leading full pages that the prefix tree may serve (decode's prefix cache:
+    # prefill then writes only the pages after them), under `salt`; empty: reserve them all
+    prefix_ids: Sequence[int] = ()
+    salt: str = ""
 
 
 @dataclass
@@ -113,6 +117,7 @@ class SchedulerCounters:
     aborted: int = 0
     cached_tokens: int = 0  # prompt tokens reused at first admission, over finished requests
     computed_tokens: int = 0  # tokens run through extend forwards
+    reserved_prefix_pages: int = 0  # reserved pages the tree served (decode's prefix cache)
 
 
 class Scheduler:
@@ -138,6 +143,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.counters = SchedulerCounters()
         self.reserved: dict[str, list[int]] = {}  # rid -> pages awaiting a K/V transfer
+        # rid -> the tree's pages that lead a reservation (decode's prefix cache), locked
+        self.reserved_prefix: dict[str, MatchResult] = {}
         self.reserved_growth: dict[str, int] = {}  # rid -> pages its decoding will still need
         self.pending: dict[str, PendingReservation] = {}  # FIFO: waiting for pages
         self.held: dict[str, Req] = {}  # finished requests whose pages are kept
@@ -266,36 +273,62 @@ class Scheduler:
         return need
 
     def _grant(self, pending: PendingReservation) -> bool:
+        """Reserve `pending`'s pages: the tree's leading pages of its prefix (locked, in
+        `reserved_prefix`) and fresh ones for the rest (in `reserved`)."""
+        match = self._match_reserved_prefix(pending)
+        self._lock(match.last_node)  # before allocating: eviction must not take them
         # its own growth too: everything granted can decode its reserved answer tokens
         reserve = self.growth_headroom() + pending.growth_pages
-        page_ids = self._alloc(pending.num_pages, reserve=reserve)
+        page_ids = self._alloc(pending.num_pages - len(match.page_ids), reserve=reserve)
         if page_ids is None:
+            self._unlock(match.last_node)
             return False
         self.reserved[pending.rid] = page_ids
         self.reserved_growth[pending.rid] = pending.growth_pages
+        if match.page_ids:
+            self.reserved_prefix[pending.rid] = match
+            self.counters.reserved_prefix_pages += len(match.page_ids)
+        else:
+            self._unlock(match.last_node)
         return True
+
+    def _match_reserved_prefix(self, pending: PendingReservation) -> MatchResult:
+        """The tree's pages for `pending.prefix_ids`, leaving at least the prompt's last page
+        to prefill (whose forward computes the last token: its page always comes new)."""
+        if self.tree is None or not pending.prefix_ids:
+            return MatchResult([], 0, None)
+        limit = min(len(pending.prefix_ids), (pending.num_pages - 1) * self.page_size)
+        return self.tree.match_prefix(pending.prefix_ids[:limit], pending.salt)
 
     def release_reservation(self, rid: str) -> bool:
         self.reserved_growth.pop(rid, None)
         page_ids = self.reserved.pop(rid, None)
         if page_ids is not None:
             self.allocator.free(page_ids)
+        prefix = self.reserved_prefix.pop(rid, None)
+        if prefix is not None:
+            self._unlock(prefix.last_node)
         return page_ids is not None
 
     def add_prefilled(self, req: Req, first_token: int,
                       first_logprob: TokenLogprob | None = None) -> None:
         """Start decoding `req` on its reserved pages, which hold its prompt's K/V."""
-        page_ids = self.reserved.get(req.rid)
-        if page_ids is None:
+        own = self.reserved.get(req.rid)
+        if own is None:
             raise ValueError(f"request {req.rid!r} has no reserved pages")
+        prefix = self.reserved_prefix.get(req.rid, MatchResult([], 0, None))
+        page_ids = prefix.page_ids + own
         if len(page_ids) != pages_for(len(req.prompt_ids), self.page_size):
             raise ValueError(
                 f"request {req.rid!r} reserved {len(page_ids)} pages, its prompt needs "
                 f"{pages_for(len(req.prompt_ids), self.page_size)}"
             )
         del self.reserved[req.rid]
+        self.reserved_prefix.pop(req.rid, None)
         self.reserved_growth.pop(req.rid, None)
-        req.admit_prefilled(page_ids, first_token, self._admit_seq, first_logprob)
+        # the request now holds the prefix's lock (its release unlocks `last_node`)
+        req.admit_prefilled(page_ids, first_token, self._admit_seq, first_logprob,
+                            num_tree_pages=len(prefix.page_ids), last_node=prefix.last_node)
         if self.tree is not None:  # a turn of its session arrived (nodes learn it on release)
             self.tree.note_session(None, req.session_id, new_turn=True)
         self._admit_seq += 1

@@ -26,6 +26,12 @@ version >= 4 that has its type and its non-default fields (`wire_version`), with
 fields later versions added (`encode`: a decoder refuses fields it does not know), so a
 version-4 peer still reads every frame but the new ones (and a `pages_pending` that offers a
 pull, which a decode does only with a cluster secret).
+
+Version 6 (decode's prefix cache, docs/design.md §4.12) added `room_request.first_page`: the
+prompt's pages before it are in decode's cache, and prefill writes only the pages from it on.
+A request without reuse is still a version-4 frame; one with it needs a version-6 prefill
+(an older one drops the frame, of a version it does not know, and the room fails at its
+timeout): keep decode's prefix cache off while a cluster upgrades.
 """
 
 from __future__ import annotations
@@ -42,8 +48,8 @@ import numpy as np
 
 from pdcache.engine.api import CachedTokens, LogprobRequest, TokenLogprob
 
-PROTOCOL_VERSION = 5
-ACCEPTED_VERSIONS = (2, 3, 4, 5)
+PROTOCOL_VERSION = 6
+ACCEPTED_VERSIONS = (2, 3, 4, 5, 6)
 BASE_WIRE_VERSION = 4  # the lowest version a frame is written in (`wire_version`)
 MAX_ROOM_ID = (1 << 63) - 1
 MAX_CONTAINER_ITEMS = 256  # entries of any msgpack array or map
@@ -103,12 +109,16 @@ class RegisterAck(Message):
 
 @dataclass(frozen=True)
 class RoomRequest(Message):
-    """Decode → prefill, per room: destination pages (int32 little-endian) for `num_tokens`."""
+    """Decode → prefill, per room: destination pages (int32 little-endian) for `num_tokens`.
+    Since version 6, `first_page`: decode holds the prompt's pages before it already (its
+    prefix cache), so `dst_pages` receive the prompt's pages `first_page`, `first_page + 1`,
+    ... (prefill writes only those)."""
 
     TYPE: ClassVar[str] = "room_request"
     room: int
     dst_pages: bytes
     num_tokens: int
+    first_page: int = 0  # since version 6
 
     def page_ids(self) -> np.ndarray:
         return np.frombuffer(self.dst_pages, dtype="<i4").astype(np.int64)
@@ -290,6 +300,7 @@ _ADDED_IN: Mapping[int, Mapping[type, frozenset[str]]] = MappingProxyType({
     3: MappingProxyType({PrefillReport: frozenset({"first_logprob", "input_logprobs"})}),
     4: MappingProxyType({RegisterAck: frozenset({"boot_id"})}),
     5: MappingProxyType({PagesPending: frozenset({"eta_ms", "pull"})}),
+    6: MappingProxyType({RoomRequest: frozenset({"first_page"})}),
 })
 # message types by the version that added them (older versions refuse them)
 _TYPE_SINCE: Mapping[type, int] = MappingProxyType({

@@ -156,6 +156,7 @@ class _Peer:
         default_factory=lambda: threading.Semaphore(PULL_FRAMES_PER_LINK))
 
 
+_INT32_MAX = (1 << 31) - 1  # page indices travel as int32
 PULL_FRAMES_PER_LINK = 4  # pull answer frames queued per link at most (`_Peer.pull_credit`)
 
 
@@ -299,8 +300,10 @@ class KVReceiver:
             raise TransferError(-1, f"prefill {bootstrap_addr} refused: {holder[0].error}")
 
     def request(self, room: int, bootstrap_addr: str, dst_page_ids: Any,
-                num_tokens: int) -> None:
-        """Ask the prefill peer to write this room's KV into `dst_page_ids` (non-blocking).
+                num_tokens: int, first_page: int = 0) -> None:
+        """Ask the prefill peer to write this room's KV into `dst_page_ids` (non-blocking):
+        the prompt's pages `first_page`, `first_page + 1`, ... (the ones before are in this
+        node's prefix cache already).
 
         From here on `on_release` will run once for the room. ValueError on bad arguments,
         DuplicateRoom if the room id is in use.
@@ -312,9 +315,11 @@ class KVReceiver:
             raise ValueError(f"room {room}: need pages, tokens >= 1 and a 63-bit room id")
         if len(np.unique(dst)) != dst.size:
             raise ValueError(f"room {room}: destination pages repeat")
+        if isinstance(first_page, bool) or not 0 <= first_page <= _INT32_MAX:
+            raise ValueError(f"room {room}: first page {first_page!r} is not a page index")
         data = _RecvRoom(bootstrap_addr, dst, int(num_tokens))
         self.rooms.create(room, RoomState.BOOTSTRAPPING, self.config.room_timeout_s, data)
-        request = RoomRequest(room, pack_pages(dst), int(num_tokens))
+        request = RoomRequest(room, pack_pages(dst), int(num_tokens), int(first_page))
         self._loop.call_soon(lambda: self._send_request(room, bootstrap_addr, request))
 
     def wait(self, room: int, timeout_s: float | None = None) -> TransferResult:

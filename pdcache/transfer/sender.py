@@ -103,6 +103,7 @@ class _SendRoom:
     peer: bytes | None = None  # ROUTER identity of the decode peer, once it asked
     dst_pages: np.ndarray | None = None
     num_tokens: int = 0
+    first_page: int = 0  # decode has the source's pages before it: they are not sent
     src_pages: np.ndarray | None = None
     report: PrefillReport = field(default_factory=lambda: PrefillReport(first_token=-1))
     accepted: bool = False  # send() took the pages: on_release owes the node a call
@@ -161,7 +162,8 @@ class KVSender:
         self.rejects = RejectCounter(f"prefill {self.prefill_id}")
         self.counters = {"bytes_sent": 0, "transfers": 0, "engine_errors": 0, "peers_lost": 0,
                          "messages_in": 0, "unexpected_messages": 0, "oversized_done": 0,
-                         "pull_requests": 0}
+                         "pull_requests": 0,
+                         "pages_sent": 0, "pages_decode_had": 0}  # decode's prefix cache
         self._counters_lock = threading.Lock()  # workers and the control thread count
         self._jobs: queue.Queue[int | None] = queue.Queue()
         self._workers: list[threading.Thread] = []
@@ -347,7 +349,11 @@ class KVSender:
             self._fail(room, "decode peer unregistered before the transfer", code="unregistered")
             return
         try:
-            batch = page_copy_batch(self.layout, peer.layout, data.src_pages, data.dst_pages)
+            if data.first_page >= len(data.src_pages):
+                raise ValueError(f"decode holds pages up to {data.first_page}, the prompt has "
+                                 f"{len(data.src_pages)}: the last one always comes new")
+            batch = page_copy_batch(self.layout, peer.layout, data.src_pages[data.first_page:],
+                                    data.dst_pages)
         except ValueError as exc:
             self._fail(room, f"invalid transfer: {exc}", code="invalid")
             return
@@ -360,6 +366,8 @@ class KVSender:
             self._fail(room, error, code="engine")
             return
         self._count("bytes_sent", batch.nbytes)
+        self._count("pages_sent", len(data.dst_pages))
+        self._count("pages_decode_had", data.first_page)
         self._count("transfers")
         data.nbytes = batch.nbytes
         done = Done(room, batch.nbytes, data.report)
@@ -496,7 +504,8 @@ class KVSender:
     def _attach_destination(self, identity: bytes, msg: RoomRequest, dst: np.ndarray) -> None:
         """Record the destination half; start the transfer if the source is already there."""
         if self.rooms.get(msg.room) is None:
-            data = _SendRoom(peer=identity, dst_pages=dst, num_tokens=msg.num_tokens)
+            data = _SendRoom(peer=identity, dst_pages=dst, num_tokens=msg.num_tokens,
+                             first_page=msg.first_page)
             try:
                 self.rooms.create(msg.room, RoomState.WAITING_FOR_INPUT,
                                   self.config.room_timeout_s, data)
@@ -510,6 +519,7 @@ class KVSender:
             if r.data.dst_pages is not None:
                 raise ValueError("duplicate request")
             r.data.peer, r.data.dst_pages, r.data.num_tokens = identity, dst, msg.num_tokens
+            r.data.first_page = msg.first_page
             ready.append(r.data.accepted)
 
         try:

@@ -132,7 +132,10 @@ def test_decode_from_flags_equals_decode_from_topology(tmp_path: Path) -> None:
     assert flags == topo
     assert flags.offload == OffloadSettings(staging_pages=64, stride_pages=2)
     assert flags.engine.kernels == "torch" and flags.tiers is None
-    assert not flags.engine.cache.enable_prefix_cache
+    assert flags.engine.cache.enable_prefix_cache  # decode's prefix cache, on by default
+    off = from_flags("decode", "--name", "d0", "--port", "31002", "--transfer-engine", "zmq",
+                     "--no-prefix-cache", *storage_flags(tmp_path))
+    assert not off.engine.cache.enable_prefix_cache
     no_offload = from_flags("decode", "--no-offload", "--transfer-engine", "zmq",
                             *storage_flags(tmp_path))
     assert no_offload.offload is None
@@ -188,7 +191,7 @@ def test_new_node_keys_are_validated(tmp_path: Path) -> None:
         ("decode", "offload_stride_pages = 0"): "node.d0.offload_stride_pages: expected an integer >= 1",
         ("decode", "request_timeout_s = 0"): "node.d0.request_timeout_s: expected a number > 0",
         ("prefill", "[node.cache]\nhost_pages = 0"): "node.p0.cache.host_pages: a prefill node needs a host tier",
-        ("prefill", "[node.cache]\nprefix_cache = false"): "node.p0.cache.prefix_cache: only unified nodes",
+        ("prefill", "[node.cache]\nprefix_cache = false"): "node.p0.cache.prefix_cache: a prefill node always runs its prefix cache",
         ("prefill", "[node.scheduler]\nmax_running_requests = 0"):
             "node.p0.scheduler.max_running_requests: expected an integer >= 1",
     }

@@ -71,7 +71,8 @@ class FakeEngine:
         self._next = 0
 
     def reserve_when_free(self, rid: str, num_tokens: int,
-                          on_done: Callable[[Admission], None], max_new_tokens: int = 0) -> None:
+                          on_done: Callable[[Admission], None], max_new_tokens: int = 0,
+                          prefix_ids=(), salt: str = "") -> None:
         if num_tokens + max_new_tokens > self.max_tokens:
             raise ValueError(f"needs more than the pool's {self.max_tokens} tokens")
         if self.during_reserve is not None:
@@ -149,7 +150,8 @@ class FakeReceiver:
     ack_inside_abort: bool = False
     during_request: Callable[[], None] | None = None
 
-    def request(self, room: int, bootstrap_addr: str, dst_page_ids, num_tokens: int) -> None:
+    def request(self, room: int, bootstrap_addr: str, dst_page_ids, num_tokens: int,
+                first_page: int = 0) -> None:
         if bootstrap_addr == "bad":
             raise ValueError("bootstrap address must be HOST:PORT")
         if room in self.active or room in self.released:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 
@@ -83,7 +84,8 @@ def test_prefill_hold_transfer_decode_equals_unified(tiny) -> None:
             engine.shutdown()
 
 
-def decode_prefilled(engine: Engine, prompt: list[int], first_token: int) -> list[RequestOutput]:
+def decode_prefilled(engine: Engine, prompt: list[int], first_token: int,
+                     rid: str = "r") -> list[RequestOutput]:
     outputs: list[RequestOutput] = []
     done = threading.Event()
 
@@ -92,7 +94,7 @@ def decode_prefilled(engine: Engine, prompt: list[int], first_token: int) -> lis
         if out.finished:
             done.set()
 
-    engine.submit_prefilled(GenerateRequest("r", prompt, DECODE), first_token, on_output)
+    engine.submit_prefilled(GenerateRequest(rid, prompt, DECODE), first_token, on_output)
     assert done.wait(60)
     return outputs
 
@@ -281,3 +283,78 @@ def test_queued_reservations_leave_on_cancel_abort_and_shutdown(tiny) -> None:
     assert engine.check_accounting()["requests"] == 0
     with pytest.raises(EngineNotRunningError):
         engine.reserve_when_free("late", 4, print)
+
+
+def test_decode_prefix_cache_reuses_a_finished_turn_and_keeps_it_locked(tiny) -> None:
+    """Decode's prefix cache (docs/design.md §4.12): turn 2's reservation takes turn 1's
+    pages (prompt + answer K/V) from the tree, prefill writes only the rest, and the tokens
+    equal a unified run. The reused pages stay locked until the reservation goes: without the
+    lock, the eviction that the second reservation needs takes them (checked below)."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(3, 250) for _ in range(29)]
+    unified = make_engine(tiny)
+    prefill = make_engine(tiny, scheduler=HoldingScheduler)
+    decode = make_engine(tiny, pages=40)
+    try:
+        answer = _prefill_and_decode(prefill, decode, "t1", prompt, 0)
+        assert answer == tokens_of(unified.generate(GenerateRequest("u1", prompt, DECODE), 60))
+        prompt2 = prompt + answer + [rng.randrange(3, 250) for _ in range(9)]  # 50 tokens
+        kept = (len(prompt) + len(answer) - 1) // PAGE  # turn 1's K/V: every token but the last
+        assert decode.stats()["cached_pages"] == kept == 10
+        grant = _reserve(decode, "t2", prompt2)
+        assert grant.cached_pages == kept and len(grant.page_ids) == 13 - kept
+        assert decode.stats()["tokens_reserved_from_cache_total"] == kept * PAGE
+        other_tenant = _reserve(decode, "x", prompt2, salt="tenant/b")
+        assert other_tenant.cached_pages == 0  # another salt never matches
+        decode.release_reservation("x")
+        # one page more than is free: only evicting turn 2's reused prefix could give it,
+        # and that prefix is locked, so it waits in the queue until cancelled
+        answers: list = []
+        free = decode.check_accounting()["free"]
+        decode.reserve_when_free("big", (free + 1) * PAGE, answers.append)
+        assert _wait(lambda: decode.stats()["reservations_pending"] == 1)
+        decode.cancel_reservation("big")
+        assert _wait(lambda: bool(answers)) and answers[0].reason == "cancelled"
+        assert decode.stats()["cached_pages"] == kept and decode.stats()["pages_evictable"] == 0
+        expected = tokens_of(unified.generate(GenerateRequest("u2", prompt2, DECODE), 60))
+        assert _prefill_and_decode(prefill, decode, "t2", prompt2, kept, grant) == expected
+        numbers = decode.check_accounting()
+        assert numbers["requests"] == 0 and numbers["tree"] == numbers["used"]
+    finally:
+        for engine in (unified, prefill, decode):
+            engine.shutdown()
+
+
+def _wait(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _reserve(engine: Engine, rid: str, prompt: list[int], salt: str = ""):
+    answers: list = []
+    done = threading.Event()
+
+    def on_done(admission) -> None:
+        answers.append(admission)
+        done.set()
+
+    engine.reserve_when_free(rid, len(prompt), on_done, prefix_ids=prompt, salt=salt)
+    assert done.wait(30)
+    return answers[0]
+
+
+def _prefill_and_decode(prefill: Engine, decode: Engine, rid: str, prompt: list[int],
+                        cached_pages: int, grant=None) -> list[int]:
+    """Prefill `prompt`, copy its pages from `cached_pages` on into decode's reservation (as
+    the transfer does), decode; the answer's tokens."""
+    first = prefill.generate(GenerateRequest(rid, prompt, SamplingParams(max_new_tokens=1)), 60)
+    src_pages, _ = prefill.scheduler.finished_pages[rid]
+    grant = grant or _reserve(decode, rid, prompt)
+    assert grant.ok and grant.cached_pages == cached_pages
+    decode.pool.device_kv[:, :, grant.page_ids] = prefill.pool.device_kv[:, :, src_pages[cached_pages:]]
+    prefill.release_held(rid)
+    return tokens_of(decode_prefilled(decode, prompt, first[-1].new_token_ids[0], rid))

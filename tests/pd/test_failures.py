@@ -161,10 +161,12 @@ def prefill_idle(health: dict[str, Any]) -> bool:
 
 
 def decode_idle(health: dict[str, Any]) -> bool:
-    """No room in flight, no page reserved for incoming KV, none used at all (no prefix cache)."""
+    """No room in flight, no page reserved for incoming KV or held for offload; every used page
+    belongs to decode's prefix cache (finished turns kept for their next turn)."""
     engine, rooms = health["engine"], health["transfer"]["rooms"]
     return (rooms["active"] == 0 and engine["num_running"] == 0 and engine["queued"] == 0
-            and engine["pages_reserved"] == 0 and engine["pages_used"] == 0)
+            and engine["pages_reserved"] == 0 and engine["requests_held"] == 0
+            and engine["pages_used"] == engine["cached_pages"])
 
 
 def assert_survivors_idle(cluster: Cluster, timeout_s: float = 30.0) -> float:

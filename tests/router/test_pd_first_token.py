@@ -461,7 +461,8 @@ def test_decode_refusing_after_prefill_streamed_token_1_is_an_http_error(
     first = PrefillFirstSent(stack, monkeypatch)
     engine = stack.decode_server.engine
 
-    def full_queue(rid: str, num_tokens: int, on_done: Any, max_new_tokens: int = 0) -> None:
+    def full_queue(rid: str, num_tokens: int, on_done: Any, max_new_tokens: int = 0,
+                   prefix_ids: Any = (), salt: str = "") -> None:
         def answer() -> None:  # the engine's answer of a full queue, once P sent token 1
             first.sent.wait(30)
             on_done(Admission(rid, None, "queue_full"))

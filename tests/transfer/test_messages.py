@@ -52,6 +52,19 @@ def test_round_trip_keeps_every_field(msg) -> None:
     assert decode(encode(msg), LIMIT) == msg
 
 
+def test_room_request_first_page_is_version_6_only_when_set() -> None:
+    plain = RoomRequest(1, pack_pages([4, 5]), 40)
+    reused = RoomRequest(1, pack_pages([4, 5]), 40, first_page=1)
+    plain_body = msgpack.unpackb(encode(plain))
+    assert plain_body["v"] == 4 and "first_page" not in plain_body  # a version-5 peer reads it
+    assert msgpack.unpackb(encode(reused))["v"] == 6
+    assert decode(encode(reused), LIMIT) == reused
+    # an index, and a version-5 frame (which lacks it) means "send every page"
+    body = {"t": "room_request", "room": 1, "dst_pages": pack_pages([4]), "num_tokens": 9}
+    assert _reject_kind(_raw({"v": 6, **body, "first_page": -1})) == "bad_field"
+    assert decode(_raw({"v": 5, **body}), LIMIT).first_page == 0
+
+
 def test_room_request_pages_round_trip() -> None:
     pages = np.array([5, 0, 1 << 20, 77])
     msg = decode(encode(RoomRequest(1, pack_pages(pages), 9)), LIMIT)

@@ -132,6 +132,31 @@ def test_rooms_transfer_byte_identical_kv_in_either_order(pair: Pair) -> None:
 
 
 @pytest.mark.parametrize("pair", ALL, indirect=True)
+def test_first_page_sends_only_the_pages_after_decode_s_prefix(pair: Pair) -> None:
+    """Decode's prefix cache (docs/design.md §4.12): with `first_page` = k, the sender writes
+    source pages k.. into the destination and nothing else; k at or past the source's page
+    count fails the room `invalid` (the prompt's last page always comes new)."""
+    rng = np.random.default_rng(5)
+    pair.receiver.connect(pair.addr)
+    src_pages, dst_all = _pages(rng, 17)
+    pair.dst.zero_()
+    pair.receiver.request(3, pair.addr, dst_all[6:], num_tokens=65, first_page=6)
+    assert pair.sender.send(3, src_pages, REPORT)
+    result = pair.receiver.wait(3, scaled_limit(5.0))
+    assert result.nbytes == 4 * 2 * 11 * 512
+    assert torch.equal(pair.dst[:, :, dst_all[6:]], pair.src[:, :, src_pages[6:]])
+    assert not pair.dst[:, :, dst_all[:6]].any()
+    stats = pair.sender.stats()
+    assert (stats["pages_sent"], stats["pages_decode_had"]) == (11, 6)
+    pair.receiver.request(4, pair.addr, dst_all[:1], num_tokens=65, first_page=17)
+    assert pair.sender.send(4, src_pages, REPORT)
+    with pytest.raises(TransferError, match="the last one always comes new"):
+        pair.receiver.wait(4, scaled_limit(5.0))
+    with pytest.raises(ValueError, match="not a page index"):
+        pair.receiver.request(5, pair.addr, dst_all[:1], num_tokens=65, first_page=-1)
+
+
+@pytest.mark.parametrize("pair", ALL, indirect=True)
 def test_32_concurrent_rooms_all_succeed(pair: Pair) -> None:
     rng = np.random.default_rng(12)
     # 32 rooms × 3 pages use 96 distinct destination pages: any cross-talk shows.
