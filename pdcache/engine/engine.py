@@ -244,8 +244,9 @@ class Engine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread (bounded join); unfinished requests end with "abort", and every
-        reserved or held page is freed: stop whatever reads held pages (transfer, offload)
-        first, so its last `release_held` calls are handled before."""
+        reserved or held page is freed (a reservation's prefix-tree pages are unlocked):
+        stop whatever reads held pages (transfer, offload) first, so its last `release_held`
+        calls are handled before."""
         with self._lock:
             self._stop.set()
         self._inbox.put(None)
@@ -363,7 +364,9 @@ class Engine:
         The first output carries `first_token`; then as `submit`. With `req.logprobs` the
         first output also carries prefill's `first_logprob` (a None logprob when prefill sent
         none) and `input_logprobs`; `req.constraint` accepts `first_token` first (a refusal
-        fails the request) and the penalties count it."""
+        fails the request) and the penalties count it. A request refused on the engine thread
+        (no reservation, the wrong page count, another prompt or salt than its reserved
+        prefix's) ends with "abort" and its reservation is freed."""
         self._validate(req)
         if not _is_token_id(first_token, self.config.model.vocab_size):
             raise ValueError(f"first token {first_token!r} is not in the vocabulary")
@@ -704,7 +707,7 @@ class Engine:
     def _granted(self, rid: str, waited_s: float = 0.0, queued: bool = False) -> Admission:
         prefix = self.scheduler.reserved_prefix.get(rid)
         return Admission(rid, list(self.scheduler.reserved[rid]), waited_s=waited_s,
-                         queued=queued, cached_pages=len(prefix.page_ids) if prefix else 0)
+                         queued=queued, cached_pages=len(prefix.match.page_ids) if prefix else 0)
 
     def _cancel_pending(self, rid: str, reason: str = "cancelled") -> None:
         pending = self.scheduler.cancel_pending(rid)
@@ -733,6 +736,7 @@ class Engine:
                     raise ValueError(f"constraint failed on the first token: {exc}") from exc
             self.scheduler.add_prefilled(req, first_token, first_logprob)
         except ValueError as exc:
+            self.scheduler.release_reservation(req.rid)  # refused: its pages (if any) go back
             req.status, req.finish_reason, req.error = ReqStatus.FINISHED, "abort", str(exc)
             self.scheduler.counters.aborted += 1
         self._emit(req)
@@ -858,7 +862,8 @@ class Engine:
             "pages_evicted_total": tree.num_evicted_pages if tree else 0,
             "tokens_cached_total": counters.cached_tokens,
             "tokens_computed_total": counters.computed_tokens,
-            # decode: prompt tokens whose K/V its prefix tree had (prefill wrote only the rest)
+            # decode: prompt tokens whose K/V its prefix tree had (prefill wrote only the
+            # rest), counted at grant (a grant freed before decoding counts too)
             "tokens_reserved_from_cache_total": counters.reserved_prefix_pages * self.pool.page_size,
             "requests_admitted_total": counters.admitted,
             "requests_finished_total": counters.finished,

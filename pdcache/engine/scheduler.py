@@ -109,6 +109,17 @@ class PendingReservation:
     salt: str = ""
 
 
+@dataclass(frozen=True)
+class ReservedPrefix:
+    """The tree's leading pages of a reservation (locked at `match.last_node`) and what they
+    hold: `tokens` under `salt`. `add_prefilled` checks the request against both, since its
+    release inserts its pages under the request's own tokens and salt."""
+
+    match: MatchResult
+    salt: str
+    tokens: tuple[int, ...]
+
+
 @dataclass
 class SchedulerCounters:
     admitted: int = 0
@@ -144,7 +155,7 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self.reserved: dict[str, list[int]] = {}  # rid -> pages awaiting a K/V transfer
         # rid -> the tree's pages that lead a reservation (decode's prefix cache), locked
-        self.reserved_prefix: dict[str, MatchResult] = {}
+        self.reserved_prefix: dict[str, ReservedPrefix] = {}
         self.reserved_growth: dict[str, int] = {}  # rid -> pages its decoding will still need
         self.pending: dict[str, PendingReservation] = {}  # FIFO: waiting for pages
         self.held: dict[str, Req] = {}  # finished requests whose pages are kept
@@ -286,7 +297,8 @@ class Scheduler:
         self.reserved[pending.rid] = page_ids
         self.reserved_growth[pending.rid] = pending.growth_pages
         if match.page_ids:
-            self.reserved_prefix[pending.rid] = match
+            tokens = tuple(pending.prefix_ids[: match.cached_len])
+            self.reserved_prefix[pending.rid] = ReservedPrefix(match, pending.salt, tokens)
             self.counters.reserved_prefix_pages += len(match.page_ids)
         else:
             self._unlock(match.last_node)
@@ -307,7 +319,7 @@ class Scheduler:
             self.allocator.free(page_ids)
         prefix = self.reserved_prefix.pop(rid, None)
         if prefix is not None:
-            self._unlock(prefix.last_node)
+            self._unlock(prefix.match.last_node)
         return page_ids is not None
 
     def add_prefilled(self, req: Req, first_token: int,
@@ -316,13 +328,20 @@ class Scheduler:
         own = self.reserved.get(req.rid)
         if own is None:
             raise ValueError(f"request {req.rid!r} has no reserved pages")
-        prefix = self.reserved_prefix.get(req.rid, MatchResult([], 0, None))
+        reserved = self.reserved_prefix.get(req.rid)
+        prefix = reserved.match if reserved else MatchResult([], 0, None)
         page_ids = prefix.page_ids + own
         if len(page_ids) != pages_for(len(req.prompt_ids), self.page_size):
             raise ValueError(
                 f"request {req.rid!r} reserved {len(page_ids)} pages, its prompt needs "
                 f"{pages_for(len(req.prompt_ids), self.page_size)}"
             )
+        if reserved is not None and (
+                reserved.salt != req.salt
+                or tuple(req.prompt_ids[: len(reserved.tokens)]) != reserved.tokens):
+            # its release would insert the tree's own pages under other tokens or another
+            # tenant's salt
+            raise ValueError(f"request {req.rid!r} is not the prompt its pages were reserved for")
         del self.reserved[req.rid]
         self.reserved_prefix.pop(req.rid, None)
         self.reserved_growth.pop(req.rid, None)

@@ -117,9 +117,10 @@ def test_reservations_fail_cleanly_and_are_always_freed(tiny) -> None:
         engine.reserve("e", 9)
         engine.submit_prefilled(GenerateRequest("e", [1, 2, 3], DECODE), 7, outputs.append)
         numbers = engine.check_accounting()  # after both submissions were handled
-        assert numbers["requests"] == 3  # e's reservation (3 pages) was not adopted
-        engine.release_reservation("e")
-        assert engine.check_accounting()["used"] == 0
+        # e's reservation (3 pages) was not adopted: the refusal freed it (nobody else would:
+        # the decode controller handed the room to the engine)
+        assert numbers["requests"] == 0 and numbers["used"] == 0
+        assert not engine.release_reservation("e")
     finally:
         engine.shutdown()
     finals = {o.rid: o for o in outputs if o.finished}
@@ -323,6 +324,36 @@ def test_decode_prefix_cache_reuses_a_finished_turn_and_keeps_it_locked(tiny) ->
     finally:
         for engine in (unified, prefill, decode):
             engine.shutdown()
+
+
+def test_decode_prefix_cache_refuses_a_request_of_another_salt(tiny) -> None:
+    """A request submitted on a reservation whose prefix the tree matched under another salt
+    is refused (its release would file the tree's pages under that salt: one page in two
+    nodes) and the reservation is freed; without the check it decodes and the tree breaks."""
+    rng = random.Random(12)
+    prompt = [rng.randrange(3, 250) for _ in range(29)]
+    prefill = make_engine(tiny, scheduler=HoldingScheduler)
+    decode = make_engine(tiny, pages=40)
+    try:
+        answer = _prefill_and_decode(prefill, decode, "t1", prompt, 0)
+        prompt2 = prompt + answer + [5, 6, 7]
+        assert _reserve(decode, "t2", prompt2).cached_pages > 0
+        outputs: list[RequestOutput] = []
+        done = threading.Event()
+
+        def on_output(out: RequestOutput) -> None:
+            outputs.append(out)
+            done.set()
+
+        decode.submit_prefilled(GenerateRequest("t2", prompt2, DECODE, cache_salt="tenant/b"),
+                                7, on_output)
+        assert done.wait(30) and outputs[-1].finish_reason == "abort"
+        assert "not the prompt its pages were reserved for" in (outputs[-1].error or "")
+        numbers = decode.check_accounting()  # the tree's check passes, nothing reserved
+        assert numbers["requests"] == 0 and decode.stats()["pages_evictable"] == numbers["tree"]
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
 
 
 def _wait(predicate, timeout_s: float = 30.0) -> bool:

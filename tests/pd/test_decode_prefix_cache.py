@@ -59,6 +59,7 @@ def test_next_turns_send_only_the_pages_decode_lacks(tiny, tmp_path, decode_cach
         if decode_cache:  # the last turn's pages wait in the tree for a next turn
             assert numbers["tree"] == numbers["used"] == (
                 len(turns[-1].prompt) + len(turns[-1].answer) - 1) // PAGE
+            assert engine.stats()["pages_evictable"] == numbers["tree"]  # every lock let go
         else:
             assert numbers["used"] == 0
     finally:

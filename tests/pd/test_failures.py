@@ -166,7 +166,8 @@ def decode_idle(health: dict[str, Any]) -> bool:
     engine, rooms = health["engine"], health["transfer"]["rooms"]
     return (rooms["active"] == 0 and engine["num_running"] == 0 and engine["queued"] == 0
             and engine["pages_reserved"] == 0 and engine["requests_held"] == 0
-            and engine["pages_used"] == engine["cached_pages"])
+            and engine["pages_used"] == engine["cached_pages"]
+            and engine["pages_evictable"] == engine["cached_pages"])  # no lock left behind
 
 
 def assert_survivors_idle(cluster: Cluster, timeout_s: float = 30.0) -> float:
