@@ -32,6 +32,11 @@ PD="+node.p0.port=18301+node.p0.bootstrap_port=18302+node.d0.port=18303+node.d0.
 PD="$PD+storage.metadata=tcp://127.0.0.1:18304+node.p0.cache.device_pages=$DEVICE_PAGES"
 NEW="+node.p0.cache.device_eviction=session+node.p0.cache.host_eviction=session"
 NEW="$NEW+node.p0.cache.host_mode=exclusive+storage.eviction=session"
+# prefill and decode share this machine's cores: decode steps wait while prefill computes
+# (docs/design.md §4.13), as a unified engine puts prefill between its decode steps; that
+# replaces decode pacing, so DECODE_STEP_MS does not apply to this config
+SHARE="+scheduler.compute_share=\"./.pdcache/goodput/compute.share\""
+SHARE="$SHARE+node.d0.scheduler.decode_step_interval_ms=0"
 # the decode node's least time between decode steps, ms (0: off; README "Decode pacing")
 PD="$PD+node.d0.scheduler.decode_step_interval_ms=${DECODE_STEP_MS:-0}"
 # torch threads of the PD nodes (unset: torch's default, one per core, for every process)
@@ -40,12 +45,16 @@ if [ -n "${DECODE_THREADS:-}" ]; then PD="$PD+node.d0.env.OMP_NUM_THREADS=\"$DEC
 ALL=(
   "ideal=configs/unified.toml+node.u0.port=18305+node.u0.cache.device_pages=$IDEAL_PAGES+node.u0.cache.host_pages=$IDEAL_PAGES"
   "pd-device=configs/local-1p1d.toml$PD+storage.backend=none+node.p0.cache.host_pages=1+node.d0.offload=false"
+  "pd-device-shared=configs/local-1p1d.toml$PD+storage.backend=none+node.p0.cache.host_pages=1+node.d0.offload=false$SHARE"
   "pd-hicache-lru=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$HOST_PAGES"
   "pd-hicache-session=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$HOST_PAGES$NEW"
+  "pd-hicache-shared=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$HOST_PAGES$NEW$SHARE"
   # the same without decode's prefix cache: prefill sends every prompt page every turn
   "pd-session-no-decode-cache=configs/local-1p1d.toml$PD+node.p0.cache.host_pages=$HOST_PAGES$NEW+node.d0.cache.prefix_cache=false"
 )
-# CONFIGS="ideal pd-hicache-session" runs only those (the first one listed is the ideal)
+# CONFIGS="ideal pd-hicache-session" runs only those (the first one listed is the ideal);
+# pd-device-shared and pd-hicache-shared run with the compute share (--baseline LABEL picks the
+# goodput_x_baseline column's config)
 RUN=()
 for label in ${CONFIGS:-ideal pd-device pd-hicache-lru pd-hicache-session}; do
   match=""

@@ -54,6 +54,8 @@ NODE_FLAG_KEYS = {
     "max_queued": "scheduler.max_queued_requests",
     "chunked_prefill_tokens": "scheduler.chunked_prefill_tokens",
     "decode_step_interval": "scheduler.decode_step_interval_ms",
+    "compute_share": "scheduler.compute_share",
+    "decode_yield_max": "scheduler.decode_yield_max_ms",
     "no_prefix_cache": "cache.prefix_cache",
     "no_pending_wait": "cache.pending_wait",
     "pending_max_ttl": "cache.pending_max_ttl_s",
@@ -255,6 +257,14 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--incremental-streaming-output", action="store_const", const=True,
                         default=None, help="/generate streams deltas, not SGLang's default "
                         "cumulative chunks (SGLang's flag)")
+    parser.add_argument("--compute-share", default=None, metavar="PATH",
+                        help="a file every node sharing this node's cores (or GPU) names too: "
+                             "decode steps wait while a prefill computes, as in one unified "
+                             "engine (default: off)")
+    if role != "prefill":
+        parser.add_argument("--decode-yield-max", type=int, default=None, metavar="MS",
+                            help="the longest a decode step waits for prefill on the compute "
+                                 f"share (default {sched.decode_yield_max_ms})")
     if role == "unified":
         parser.add_argument("--max-running", type=int, default=None,
                             help=f"default {sched.max_running_requests}")

@@ -125,7 +125,9 @@ def engine_for(topology: Topology, node: NodeSpec, model: ModelConfig) -> Engine
                                   max_queued_requests=sched.max_queued_requests,
                                   max_pending_reservations=sched.max_pending_reservations,
                                   decode_reserve_tokens=sched.decode_reserve_tokens,
-                                  decode_step_interval_ms=sched.decode_step_interval_ms),
+                                  decode_step_interval_ms=sched.decode_step_interval_ms,
+                                  compute_share=sched.compute_share,
+                                  decode_yield_max_ms=sched.decode_yield_max_ms),
         seed=topology.model.seed, kernels=_kernels(topology, node))
 
 

@@ -152,7 +152,8 @@ class CacheSpec:
         return min(self.prefetch_timeout_max_s, linear)
 
 
-# a paced decode node above it would look hung to its clients (one token a second)
+# a decode node whose steps are held longer (paced, or yielding to prefill) would look hung to
+# its clients (one token a second)
 MAX_DECODE_STEP_INTERVAL_MS = 1000
 
 
@@ -166,6 +167,10 @@ class SchedulerSpec:
     max_pending_reservations: int = 256  # decode: reservations waiting for pages (0: refuse)
     decode_reserve_tokens: int = 512  # decode: answer tokens an admission keeps room for
     decode_step_interval_ms: int = 0  # least time between decode step starts (0: off)
+    # a file every node sharing this node's compute names too: decode steps wait for prefill
+    # (docs/design.md §4.13); unset: off
+    compute_share: str | None = None
+    decode_yield_max_ms: int = 300  # the longest a decode step waits for prefill there
 
 
 @dataclass(frozen=True)

@@ -88,11 +88,16 @@ def _check_cache(cache: CacheSpec, prefix: str, ctx: ErrorContext) -> None:
 
 
 def _check_scheduler(scheduler: SchedulerSpec, prefix: str, ctx: ErrorContext) -> None:
-    interval = scheduler.decode_step_interval_ms
-    if not 0 <= interval <= MAX_DECODE_STEP_INTERVAL_MS:
-        raise ctx.error(f"{prefix}.decode_step_interval_ms",
-                        f"expected an integer within 0..{MAX_DECODE_STEP_INTERVAL_MS}, got {interval}")
+    for key in ("decode_step_interval_ms", "decode_yield_max_ms"):
+        value, least = getattr(scheduler, key), _SCHEDULER_LEAST.get(key, 1)
+        if not least <= value <= MAX_DECODE_STEP_INTERVAL_MS:
+            raise ctx.error(f"{prefix}.{key}",
+                            f"expected an integer within {least}..{MAX_DECODE_STEP_INTERVAL_MS}, got {value}")
+    if scheduler.compute_share == "":
+        raise ctx.error(f"{prefix}.compute_share", "expected a file path (leave it out to turn it off)")
     for f in fields(scheduler):
+        if f.name == "compute_share":
+            continue
         least = _SCHEDULER_LEAST.get(f.name, 1)
         if getattr(scheduler, f.name) < least:
             raise ctx.error(f"{prefix}.{f.name}", f"expected an integer >= {least}, got {getattr(scheduler, f.name)}")

@@ -108,7 +108,13 @@ class SchedulerConfig:
     `decode_step_interval_ms` (0: off) is the least time from the start of one decode step to
     the next (`Engine._pace_decode`): a decode node that shares its host's CPU with prefill
     trades TPOT for the prefill's TTFT, as a unified engine does when it puts prefill chunks
-    between decode steps."""
+    between decode steps.
+
+    `compute_share` (None: off) names the file through which engines that share compute (one
+    host's cores, one GPU) order their work as one unified engine would: an engine announces
+    while it computes prefill batches, and one about to run a decode step holds it back while
+    another announces, at most `decode_yield_max_ms` (`pdcache.engine.compute_share`,
+    docs/design.md §4.13)."""
 
     max_running_requests: int = 64
     chunked_prefill_tokens: int = 2048
@@ -116,10 +122,16 @@ class SchedulerConfig:
     max_pending_reservations: int = 256
     decode_reserve_tokens: int = 512
     decode_step_interval_ms: int = 0
+    compute_share: str | None = None
+    decode_yield_max_ms: int = 300
 
     def __post_init__(self) -> None:
         if self.decode_step_interval_ms < 0:
             raise ValueError("decode_step_interval_ms must be >= 0")
+        if self.decode_yield_max_ms < 1:
+            raise ValueError("decode_yield_max_ms must be >= 1")
+        if self.compute_share == "":
+            raise ValueError("compute_share must name a file (None: off)")
 
 
 @dataclass(frozen=True)

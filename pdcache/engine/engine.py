@@ -41,6 +41,7 @@ from pdcache.engine.api import (
     SamplingParams,
     TokenLogprob,
 )
+from pdcache.engine.compute_share import ComputeShare
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdcache.engine.eviction import make_policy
 from pdcache.engine.forward import ForwardMode
@@ -173,6 +174,10 @@ class Engine:
         self._num_steps = 0
         self._paced_steps = 0  # decode steps held back by `decode_step_interval_ms`
         self._paced_s = 0.0  # and the time they were held back for
+        self._yielded_steps = 0  # decode steps held back while another engine computed prefill
+        self._yielded_s = 0.0  # and the time they were held back for
+        # opened by start(), used and closed by the engine thread ([scheduler] compute_share)
+        self._share: ComputeShare | None = None
         self._last_decode_start: float | None = None  # monotonic; None: the last step was not decode
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -212,6 +217,8 @@ class Engine:
         `generate`, which waits for the thread, is of no use)."""
         if self._thread is not None or self._driven:
             raise RuntimeError("engine already started")
+        if thread and self.config.scheduler.compute_share is not None:  # driven: never shared
+            self._share = ComputeShare(self.config.scheduler.compute_share)
         self.scheduler.start()
         if not thread:
             self._driven = True
@@ -500,7 +507,14 @@ class Engine:
                     stalled = self.scheduler.has_work()
                     self._drain_inbox(timeout=_STALLED_WAIT_S if stalled else _IDLE_WAIT_S)
                 progressed = False
+                if self._share is not None:
+                    # queued prefill work is announced too, not only the batch computing: a
+                    # decode engine held back by it answers its reservations at once
+                    # (`_yield_decode`), so a request gated on its decode node (the prefill
+                    # gate) does not wait for a decode step to end
+                    self._share.announce(self._prefill_pending())
                 if self.scheduler.has_work() and not self._stop.is_set():
+                    self._yield_decode()
                     progressed = self._step()
                 self._grant_pending()  # after anything that may have freed pages
             except Exception:  # never let the loop die: log, count, go on
@@ -509,6 +523,8 @@ class Engine:
             self._update_snapshot()
         self._drain_inbox(timeout=0.0)
         self._finish_all("engine shut down")
+        if self._share is not None:
+            self._share.close()
         self._update_snapshot()
         logger.info("engine thread stopped")
 
@@ -548,6 +564,35 @@ class Engine:
             now = time.monotonic()
         self._paced_steps += 1
         self._paced_s += now - started
+
+    def _yield_decode(self) -> None:
+        """With a compute share (§4.13), hold the next decode step while another engine on the
+        shared compute announces prefill work, at most `decode_yield_max_ms`, handling the inbox
+        meanwhile as `_pace_decode` does. A unified engine puts its prefill batches between its
+        decode steps; this gives prefill and decode processes on one compute that order."""
+        share = self._share
+        if share is None or not self._next_step_decodes() or not share.others_busy():
+            return
+        started = now = time.monotonic()
+        deadline = started + self.config.scheduler.decode_yield_max_ms / 1000
+        while True:
+            self._drain_inbox(timeout=min(_STALLED_WAIT_S, deadline - now))
+            self._grant_pending()
+            now = time.monotonic()
+            if (now >= deadline or not self._next_step_decodes() or self._stop.is_set()
+                    or not share.others_busy()):
+                break
+        self._yielded_steps += 1
+        self._yielded_s += now - started
+
+    def _prefill_pending(self) -> bool:
+        """A request waits, or runs with prompt tokens still to compute."""
+        scheduler = self.scheduler
+        return bool(scheduler.waiting) or any(not req.prefill_done for req in scheduler.running)
+
+    def _next_step_decodes(self) -> bool:
+        """The next batch would be a decode step: requests run, and none prefills."""
+        return bool(self.scheduler.running) and not self._prefill_pending()
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, _Submit):
@@ -872,6 +917,9 @@ class Engine:
             "steps_total": self._num_steps,
             "paced_steps_total": self._paced_steps,
             "paced_seconds_total": round(self._paced_s, 6),
+            "yielded_steps_total": self._yielded_steps,
+            "yielded_seconds_total": round(self._yielded_s, 6),
+            **(self._share.stats() if self._share is not None else {}),
             "step_errors_total": self._step_errors,
             "callback_errors_total": self._callback_errors,
         }

@@ -60,6 +60,14 @@ ENGINE_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
                                    "decode steps held back by [scheduler] decode_step_interval_ms"),
     "pdcache_decode_paced_seconds": (("paced_seconds_total",),
                                      "time decode steps were held back for"),
+    "pdcache_decode_yielded_steps": (("yielded_steps_total",),
+                                     "decode steps held back while another engine on the "
+                                     "compute share computed prefill"),
+    "pdcache_decode_yielded_seconds": (("yielded_seconds_total",),
+                                       "time decode steps were held back for by the compute share"),
+    "pdcache_compute_share_busy_seconds": (("compute_share_busy_seconds_total",),
+                                           "time this engine announced prefill work on the "
+                                           "compute share"),
 }
 
 

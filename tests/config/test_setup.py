@@ -310,6 +310,23 @@ def test_decode_pacing_key_and_flag_reach_the_engine(tmp_path: Path) -> None:
     assert flags.engine.scheduler.decode_step_interval_ms == 40
 
 
+def test_compute_share_keys_and_flags_reach_the_engine(tmp_path: Path) -> None:
+    """`[scheduler] compute_share` / `decode_yield_max_ms` (default: off, 300) and the nodes'
+    `--compute-share` / `--decode-yield-max` reach the frozen engine config."""
+    off = setup_for(pd(tmp_path), "d0", MODEL).engine.scheduler
+    assert off.compute_share is None and off.decode_yield_max_ms == 300
+    share = str(tmp_path / "compute.share")
+    topology = pd(tmp_path, overrides=(f"scheduler.compute_share={share}",
+                                       "node.d0.scheduler.decode_yield_max_ms=120"))
+    for name in ("p0", "d0"):
+        assert setup_for(topology, name, MODEL).engine.scheduler.compute_share == share
+    assert setup_for(topology, "d0", MODEL).engine.scheduler.decode_yield_max_ms == 120
+    flags = from_flags("decode", "--compute-share", share, "--decode-yield-max", "50")
+    assert (flags.engine.scheduler.compute_share, flags.engine.scheduler.decode_yield_max_ms) == (
+        share, 50)
+    assert from_flags("prefill", "--compute-share", share).engine.scheduler.compute_share == share
+
+
 def test_tool_call_parser_key_and_flag_reach_the_server(tmp_path: Path) -> None:
     from pdcache.server.bridge import ServerConfig
     from pdcache.server.tool_calls import TOOL_CALL_PARSERS

@@ -187,6 +187,10 @@ BROKEN = [
      'storage.fault_injection: expected an absolute path of the chaos control file, got "delay"'),
     ("decode pacing too long", lambda s: s + "\n[scheduler]\ndecode_step_interval_ms = 1001\n",
      "scheduler.decode_step_interval_ms: expected an integer within 0..1000, got 1001"),
+    ("decode yield of 0", lambda s: s + "\n[scheduler]\ndecode_yield_max_ms = 0\n",
+     "scheduler.decode_yield_max_ms: expected an integer within 1..1000, got 0"),
+    ("empty compute share", lambda s: s + '\n[scheduler]\ncompute_share = ""\n',
+     "scheduler.compute_share: expected a file path"),
     ("empty launch_prefix part", lambda s: s.replace("port = 30002", 'port = 30002\nlaunch_prefix = ["taskset", ""]'),
      "node.d0.launch_prefix: expected non-empty strings"),
 ]
