@@ -258,9 +258,9 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
                         default=None, help="/generate streams deltas, not SGLang's default "
                         "cumulative chunks (SGLang's flag)")
     parser.add_argument("--compute-share", default=None, metavar="PATH",
-                        help="a file every node sharing this node's cores (or GPU) names too: "
-                             "decode steps wait while a prefill computes, as in one unified "
-                             "engine (default: off)")
+                        help="a file (on a local filesystem) every node sharing this node's "
+                             "cores or GPU names too: decode steps wait while a prefill node "
+                             "has work, as in one unified engine (default: off)")
     if role != "prefill":
         parser.add_argument("--decode-yield-max", type=int, default=None, metavar="MS",
                             help="the longest a decode step waits for prefill on the compute "

@@ -167,8 +167,8 @@ class SchedulerSpec:
     max_pending_reservations: int = 256  # decode: reservations waiting for pages (0: refuse)
     decode_reserve_tokens: int = 512  # decode: answer tokens an admission keeps room for
     decode_step_interval_ms: int = 0  # least time between decode step starts (0: off)
-    # a file every node sharing this node's compute names too: decode steps wait for prefill
-    # (docs/design.md §4.13); unset: off
+    # a file (local filesystem) every node sharing this node's compute names too: decode steps
+    # wait while prefill has work (docs/design.md §4.13); unset: off
     compute_share: str | None = None
     decode_yield_max_ms: int = 300  # the longest a decode step waits for prefill there
 

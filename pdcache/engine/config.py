@@ -112,9 +112,9 @@ class SchedulerConfig:
 
     `compute_share` (None: off) names the file through which engines that share compute (one
     host's cores, one GPU) order their work as one unified engine would: an engine announces
-    while it computes prefill batches, and one about to run a decode step holds it back while
-    another announces, at most `decode_yield_max_ms` (`pdcache.engine.compute_share`,
-    docs/design.md §4.13)."""
+    while it has prefill work (queued or computing), and one about to run a decode step holds
+    it back while another announces, at most `decode_yield_max_ms`
+    (`pdcache.engine.compute_share`, docs/design.md §4.13)."""
 
     max_running_requests: int = 64
     chunked_prefill_tokens: int = 2048

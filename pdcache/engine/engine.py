@@ -219,7 +219,13 @@ class Engine:
             raise RuntimeError("engine already started")
         if thread and self.config.scheduler.compute_share is not None:  # driven: never shared
             self._share = ComputeShare(self.config.scheduler.compute_share)
-        self.scheduler.start()
+        try:
+            self.scheduler.start()
+        except BaseException:
+            if self._share is not None:
+                self._share.close()
+                self._share = None
+            raise
         if not thread:
             self._driven = True
             return self
@@ -507,6 +513,8 @@ class Engine:
                     stalled = self.scheduler.has_work()
                     self._drain_inbox(timeout=_STALLED_WAIT_S if stalled else _IDLE_WAIT_S)
                 progressed = False
+                if self.scheduler.has_work() and not self._stop.is_set():
+                    self._yield_decode()
                 if self._share is not None:
                     # queued prefill work is announced too, not only the batch computing: a
                     # decode engine held back by it answers its reservations at once
@@ -514,17 +522,18 @@ class Engine:
                     # gate) does not wait for a decode step to end
                     self._share.announce(self._prefill_pending())
                 if self.scheduler.has_work() and not self._stop.is_set():
-                    self._yield_decode()
                     progressed = self._step()
                 self._grant_pending()  # after anything that may have freed pages
             except Exception:  # never let the loop die: log, count, go on
                 logger.exception("engine loop error")
                 self._step_errors += 1
             self._update_snapshot()
-        self._drain_inbox(timeout=0.0)
-        self._finish_all("engine shut down")
-        if self._share is not None:
-            self._share.close()
+        try:
+            self._drain_inbox(timeout=0.0)
+            self._finish_all("engine shut down")
+        finally:
+            if self._share is not None:  # nothing of a stopped engine is announced
+                self._share.close()
         self._update_snapshot()
         logger.info("engine thread stopped")
 
@@ -557,13 +566,22 @@ class Engine:
         started = time.monotonic()
         if started >= deadline:
             return
-        now = started  # counted below only when the step was held back
-        while now < deadline and not self.scheduler.waiting and not self._stop.is_set():
-            self._drain_inbox(timeout=deadline - now)
+        self._paced_steps += 1
+        self._paced_s += self._hold_decode(deadline, lambda: not self.scheduler.waiting,
+                                           poll_s=deadline - started)
+
+    def _hold_decode(self, deadline: float, keep_holding: Callable[[], bool],
+                     poll_s: float) -> float:
+        """Hold the next decode step until `deadline` (monotonic), while `keep_holding()` and
+        the engine is not stopping, handling the inbox (at most `poll_s` apart) and granting
+        queued reservations meanwhile: requests that arrive join the held-back step, pages
+        freed go to reservations at once, as after a step. Returns the seconds held."""
+        started = now = time.monotonic()
+        while now < deadline and keep_holding() and not self._stop.is_set():
+            self._drain_inbox(timeout=min(poll_s, deadline - now))
             self._grant_pending()
             now = time.monotonic()
-        self._paced_steps += 1
-        self._paced_s += now - started
+        return now - started
 
     def _yield_decode(self) -> None:
         """With a compute share (§4.13), hold the next decode step while another engine on the
@@ -571,28 +589,26 @@ class Engine:
         meanwhile as `_pace_decode` does. A unified engine puts its prefill batches between its
         decode steps; this gives prefill and decode processes on one compute that order."""
         share = self._share
-        if share is None or not self._next_step_decodes() or not share.others_busy():
+        if share is None or not self._yield_worthwhile() or not share.others_busy():
             return
-        started = now = time.monotonic()
-        deadline = started + self.config.scheduler.decode_yield_max_ms / 1000
-        while True:
-            self._drain_inbox(timeout=min(_STALLED_WAIT_S, deadline - now))
-            self._grant_pending()
-            now = time.monotonic()
-            if (now >= deadline or not self._next_step_decodes() or self._stop.is_set()
-                    or not share.others_busy()):
-                break
+        deadline = time.monotonic() + self.config.scheduler.decode_yield_max_ms / 1000
         self._yielded_steps += 1
-        self._yielded_s += now - started
+        self._yielded_s += self._hold_decode(
+            deadline, lambda: self._yield_worthwhile() and share.others_busy(),
+            poll_s=_STALLED_WAIT_S)
 
     def _prefill_pending(self) -> bool:
         """A request waits, or runs with prompt tokens still to compute."""
         scheduler = self.scheduler
         return bool(scheduler.waiting) or any(not req.prefill_done for req in scheduler.running)
 
-    def _next_step_decodes(self) -> bool:
-        """The next batch would be a decode step: requests run, and none prefills."""
-        return bool(self.scheduler.running) and not self._prefill_pending()
+    def _yield_worthwhile(self) -> bool:
+        """The next batch would be a decode step (requests run, none prefills), and no
+        reservation waits for pages: those free only as decode steps finish requests, so a
+        decode node with a full pool keeps stepping whatever prefill announces."""
+        scheduler = self.scheduler
+        return (bool(scheduler.running) and not self._prefill_pending()
+                and not scheduler.pending)
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, _Submit):

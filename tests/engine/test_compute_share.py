@@ -3,12 +3,14 @@ order their work as one unified engine does, decode steps after prefill batches.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 
 from pdcache.engine.api import GenerateRequest, RequestOutput, SamplingParams
 from pdcache.engine.compute_share import ComputeShare
-from pdcache.engine.engine import Engine
+from pdcache.engine.engine import Admission, Engine
 from pdcache.engine.forward import ForwardBatch, ForwardMode
 from tests.engine.test_serving import make_engine, prompt_of, tokens_of
 from tests.transfer_support import scaled_limit, wait_until
@@ -111,6 +113,27 @@ def test_a_share_that_cannot_be_opened_names_the_key(tmp_path: Path) -> None:
         ComputeShare(blocker / "compute.share")
 
 
+def test_a_failing_flock_turns_the_share_off_instead_of_stalling(share_path, monkeypatch) -> None:
+    """A lock call that fails other than "held" (a filesystem without flock) is counted and
+    turns the share off: announcing and probing go on without raising, holding nothing. A
+    file that takes no lock at all is refused when the share opens, naming the key."""
+    share = ComputeShare(share_path)
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    try:
+        share.announce(True)
+        assert not share.announcing and not share.others_busy()
+        share.announce(True)
+        assert share.stats()["compute_share_errors_total"] == 1
+        with pytest.raises(OSError, match="compute_share"):
+            ComputeShare(share_path)
+    finally:
+        share.close()
+
+
 def test_a_closed_share_refuses_use(share_path) -> None:
     share = ComputeShare(share_path)
     share.close()
@@ -158,7 +181,7 @@ def test_an_engine_announces_exactly_while_it_computes_prefill(tiny, share_path,
     assert stats.get("compute_share_announcements_total", 0) == (1 if shared else 0)
 
 
-def _first_and_rest(engine: Engine, req: GenerateRequest, on_first) -> list[int]:
+def _first_and_rest(engine: Engine, req: GenerateRequest, on_first: Callable[[], None]) -> list[int]:
     """Tokens of `req`; `on_first()` runs on the engine thread when its first token (the
     prefill's) arrives."""
     outputs: list[RequestOutput] = []
@@ -178,15 +201,19 @@ def _first_and_rest(engine: Engine, req: GenerateRequest, on_first) -> list[int]
 
 def _decode_beside_an_announcement(tiny, share_path: str, req: GenerateRequest, hold_s: float,
                                    shared: bool) -> tuple[list[int], int, dict]:
-    """Runs `req` while another engine announces from `req`'s first token (its prefill) for
-    `hold_s`: the tokens, this engine's steps when the announcement ended, its stats."""
+    """Runs `req` while another engine announces from `req`'s first token (its prefill): for
+    `hold_s` with the share, or until this engine has decoded (bounded) without it. Returns
+    the tokens, this engine's steps when the announcement ended, its stats."""
     prefill = ComputeShare(share_path)
     engine = make_engine(tiny, compute_share=share_path if shared else None,
-                         decode_yield_max_ms=1000)
+                         decode_yield_max_ms=10_000)  # far beyond hold_s: only the release ends it
     steps_at_release: list[int] = []
 
     def release() -> None:
-        time.sleep(hold_s)
+        if shared:
+            time.sleep(hold_s)
+        else:
+            wait_until(lambda: engine.stats()["steps_total"] >= 2, 10, "a decode step")
         steps_at_release.append(engine.stats()["steps_total"])
         prefill.announce(False)
 
@@ -198,7 +225,7 @@ def _decode_beside_an_announcement(tiny, share_path: str, req: GenerateRequest, 
 
     try:
         tokens = _first_and_rest(engine, req, announce)
-        releaser.join(scaled_limit(10))
+        releaser.join(scaled_limit(30))
         return tokens, steps_at_release[0], engine.stats()
     finally:
         engine.shutdown()
@@ -207,9 +234,9 @@ def _decode_beside_an_announcement(tiny, share_path: str, req: GenerateRequest, 
 
 def test_decode_steps_wait_while_another_engine_computes_prefill(tiny, share_path) -> None:
     """While another engine announces, this engine's decode steps are held (at most
-    `decode_yield_max_ms`, here longer than the announcement); after it ends they run, and
-    the tokens are those of an engine without a share. Without the share (`compute_share`
-    unset) the same request decodes through the announcement."""
+    `decode_yield_max_ms`, here far longer than the announcement); after it ends they run,
+    and the tokens are those of an engine without a share. Without the share
+    (`compute_share` unset) the same request decodes through the announcement."""
     hold_s = 0.3
     req = GenerateRequest("a", prompt_of(22, 30), PARAMS)
     reference = make_engine(tiny)
@@ -225,6 +252,93 @@ def test_decode_steps_wait_while_another_engine_computes_prefill(tiny, share_pat
     tokens, steps, stats = _decode_beside_an_announcement(tiny, share_path, req, hold_s, False)
     assert tokens == expected
     assert steps >= 2 and stats["yielded_steps_total"] == 0
+
+
+class _HeldEngine:
+    """A threaded engine decoding request "a" (4 tokens) while another engine announces from
+    its first token on, with a bound far beyond any test: only the test's `release()` (or the
+    engine's own reasons to stop holding) lets its decode steps run."""
+
+    def __init__(self, tiny, share_path: str, pages: int = 256) -> None:
+        self.prefill = ComputeShare(share_path)
+        self.engine = make_engine(tiny, pages=pages, compute_share=share_path,
+                                  decode_yield_max_ms=10_000)
+        self.held = threading.Event()
+        self.done = threading.Event()
+        self.tokens: list[int] = []
+
+        def collect(out: RequestOutput) -> None:
+            self.tokens.extend(out.new_token_ids)
+            if not self.held.is_set():  # the first token: announce before the engine looks
+                self.prefill.announce(True)
+                self.held.set()
+            if out.finished:
+                self.done.set()
+
+        self.engine.submit(GenerateRequest("a", prompt_of(25, 30), PARAMS), collect)
+        assert self.held.wait(scaled_limit(30)), "no first token"
+
+    def release(self) -> None:
+        self.prefill.announce(False)
+        assert self.done.wait(scaled_limit(30)), "request a never finished"
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.prefill.close()
+
+
+def test_a_held_decode_engine_answers_reservations_at_once(tiny, share_path) -> None:
+    """A reservation (a prefill request gated on this decode node) is granted during the
+    hold, not after it: the announcing prefill node is waiting for exactly that."""
+    held = _HeldEngine(tiny, share_path)
+    answers: list[Admission] = []
+    try:
+        held.engine.reserve_when_free("b", 8, answers.append, max_new_tokens=4)
+        wait_until(lambda: bool(answers), 3, "the reservation's answer")
+        decoded_meanwhile = len(held.tokens) - 1
+        held.release()
+        held.engine.release_reservation("b")
+    finally:
+        held.close()
+    assert answers[0].ok and not answers[0].queued
+    assert decoded_meanwhile == 0  # still held when it was granted
+
+
+def test_a_held_engine_runs_its_own_prefill_at_once(tiny, share_path) -> None:
+    """A request for this engine's own prefill ends the hold: its first token comes long
+    before the bound, while "a" is still decoding (the scheduler alternates: at most one
+    decode step of "a" before "b"'s prefill, and held again after it)."""
+    held = _HeldEngine(tiny, share_path)
+    first: list[int] = []
+    try:
+        held.engine.submit(GenerateRequest("b", prompt_of(26, 20), PARAMS),
+                           lambda out: first.extend(out.new_token_ids[:1]) if not first else None)
+        wait_until(lambda: bool(first), 3, "b's first token")
+        decoded_meanwhile, a_done = len(held.tokens) - 1, held.done.is_set()
+        held.release()
+    finally:
+        held.close()
+    assert decoded_meanwhile <= 1 and not a_done
+
+
+def test_a_decode_engine_short_of_pages_does_not_hold(tiny, share_path) -> None:
+    """A reservation queued for pages that only this engine's decode steps free (its pool is
+    full) ends the hold and keeps it off: "a" decodes to its end and "b" is granted while the
+    other engine still announces. Holding on would keep both waiting for the announcement."""
+    # 16 pages of 4 tokens: "a" holds 8 and keeps 1 to decode in; "b" needs 7 + 1: it queues
+    held = _HeldEngine(tiny, share_path, pages=16)
+    answers: list[Admission] = []
+    try:
+        held.engine.reserve_when_free("b", 28, answers.append, max_new_tokens=4)
+        wait_until(lambda: bool(answers), 5, "b's grant")
+        finished_first = held.done.is_set()
+        held.release()
+        held.engine.release_reservation("b")
+        stats = held.engine.stats()
+    finally:
+        held.close()
+    assert answers[0].ok and answers[0].queued and finished_first
+    assert stats["reservations_pending"] == 0
 
 
 def test_a_decode_step_waits_no_longer_than_its_bound(tiny, share_path) -> None:
