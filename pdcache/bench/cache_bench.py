@@ -36,7 +36,8 @@ tiers `drop_cache` emptied just before (a long-running node), where the other st
 build a fresh engine per sample. `--page-mac on` seals the stored pages (a page MAC, as under
 a cluster secret); then `--storage-pipeline both` adds a `-pipelined` row for hf3fs-serial: the
 same reads verifying page groups beside the next group's reads (`pipeline_pages = 4`,
-storage/page_pipeline.py) instead of each page on the reading thread (the default). A second
+storage/page_pipeline.py), where the other hf3fs rows read as nodes do (the store's default:
+reads of pages of 1 MiB or more in groups, smaller ones page by page on the reading thread). A second
 table gives storage read GB/s beside a plain memcpy and a plain file read of the same bytes (`pdcache
 bench storage`'s method, pages of this model's size). Targets (issue 3): storage hit ≤ 1.3×
 the device hit and ≤ 0.1× recompute at N ≥ 4k.
@@ -77,7 +78,8 @@ STREAMING = ("hf3fs", "file")  # backends with a layer-major read
 # loads always copy on the engine thread.
 COPIED_AHEAD = ("hf3fs-serial", "file-serial", "mooncake")
 # `-pipelined` rows: sealed pages verified beside the next group's reads (pipeline_pages =
-# PIPELINED_PAGES, page_pipeline.py); the default verifies each page on the reading thread
+# PIPELINED_PAGES, page_pipeline.py); the other rows read as the store's default does (groups
+# for pages of 1 MiB or more, page by page below)
 PIPELINED = ("hf3fs-serial",)
 PIPELINED_PAGES = 4
 BENCH_SECRET = b"pdcache bench cache: a fixed secret, never a deployment's" * 2
@@ -120,10 +122,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stored pages sealed with a page MAC (as under a cluster secret; "
                              "a fixed bench key) or not; a --keep-dir holds one kind")
     parser.add_argument("--storage-pipeline", default="off", choices=["on", "off", "both"],
-                        help="hf3fs-serial reads of sealed pages (--page-mac on) verified page "
-                             "by page (off, the default), in page groups beside the next "
-                             "group's reads (on: the -pipelined rows, storage pipeline_pages), "
-                             "or both")
+                        help="hf3fs-serial reads of sealed pages (--page-mac on) as the store's "
+                             "default does (off: page by page below 1 MiB pages, in groups "
+                             "from 1 MiB), in page groups beside the next group's reads (on: "
+                             "the -pipelined rows, storage pipeline_pages), or both")
     parser.add_argument("--layers-per-read", type=int, default=None,
                         help="layers per read step of the layer-streamed prefetch "
                              "(default: HiCacheConfig's)")

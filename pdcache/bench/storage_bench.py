@@ -54,27 +54,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pipeline",
-        choices=("on", "off", "both"),
-        default="off",
-        help="+mac rows of hf3fs (one I/O thread): page by page (off, the default), verifying/"
-        "sealing page groups beside the I/O (on: ' +mac pipelined', storage pipeline_pages = "
-        f"{PIPELINED_PAGES}), or both in the same run; other backends always go page by page",
+        choices=("default", "on", "off", "both", "all"),
+        default="default",
+        help="+mac rows of hf3fs (one I/O thread): the store's default (' +mac': reads of pages "
+        ">= 1 MiB verified in groups beside the I/O, the rest page by page), verifying/sealing "
+        f"page groups beside the I/O (on: ' +mac pipelined', pipeline_pages = {PIPELINED_PAGES}"
+        "), page by page (off: ' +mac page by page', pipeline_pages = 0), default and on "
+        "(both), or all three, in the same run; other backends always go page by page",
     )
 
 
 def _modes(mac: str, pipeline: str) -> dict[str, tuple[bytes | None, int | None]]:
-    """Row label suffix -> (page MAC key, pipeline_pages; None: the config default, page by
-    page). `--pipeline` varies the +mac rows: off (the default: " +mac"), on (" +mac
-    pipelined": hf3fs verifies/seals groups beside the I/O, page_pipeline.py), or both; every
-    +mac row is paired with the row without the MAC."""
+    """Row label suffix -> (page MAC key, pipeline_pages; None: the store's default, "auto").
+    `--pipeline` picks the +mac rows: the default (" +mac"), on (" +mac pipelined": hf3fs
+    verifies/seals groups beside the I/O, page_pipeline.py), off (" +mac page by page"), both
+    (default and on) or all; every +mac row is paired with the row without the MAC."""
     modes: dict[str, tuple[bytes | None, int | None]] = {}
     if mac in ("off", "both"):
         modes[""] = (None, None)
     if mac in ("on", "both"):
         key = os.urandom(32)
-        if pipeline in ("off", "both"):
+        if pipeline in ("default", "both", "all"):
             modes[" +mac"] = (key, None)
-        if pipeline in ("on", "both"):
+        if pipeline in ("off", "all"):
+            modes[" +mac page by page"] = (key, 0)
+        if pipeline in ("on", "both", "all"):
             modes[" +mac pipelined"] = (key, PIPELINED_PAGES)
     return modes
 

@@ -132,9 +132,11 @@ class StorageConfig:
     io_threads: int = 1
     # hf3fs with sealed pages (page_mac_key) and one I/O thread: > 0 verifies (reads) and
     # seals (writes) groups of at least this many pages (and 2 MiB) on a helper thread beside
-    # the I/O of the next group (page_pipeline.py); 0 (default): page by page on the I/O
-    # thread. Off by default: in the HiCache read path it measured slower (docs/security.md)
-    pipeline_pages: int = 0
+    # the I/O of the next group (page_pipeline.py); 0: page by page on the I/O thread; None
+    # (default, "auto"): reads of pages of at least 1 MiB in groups (faster there, storage
+    # alone and in the HiCache path), smaller pages and every write page by page
+    # (docs/security.md "Verified beside the read")
+    pipeline_pages: int | None = None
     num_data_files: int = 4
     metadata: str = "inproc"
     recover_index: bool = True  # inproc metadata: rebuild the index from slot headers on open
@@ -185,7 +187,8 @@ class StorageConfig:
         self._check(self.capacity_pages >= 0, "capacity_pages", "must be >= 0")
         self._check(self.capacity_bytes >= 0, "capacity_bytes", "must be >= 0")
         self._check(self.io_threads >= 1, "io_threads", "must be >= 1")
-        self._check(self.pipeline_pages >= 0, "pipeline_pages", "must be >= 0")
+        self._check(self.pipeline_pages is None or self.pipeline_pages >= 0, "pipeline_pages",
+                    "must be >= 0, or None (auto)")
         self._check(self.num_data_files >= 1, "num_data_files", "must be >= 1")
         self._check(self.timeout_s > 0, "timeout_s", "must be > 0")
         self._check(self.write_delay_s >= 0, "write_delay_s", "must be >= 0")

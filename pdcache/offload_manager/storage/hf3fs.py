@@ -12,11 +12,12 @@ mount. `usrbio` uses the 3FS native client (`hf3fs_py_usrbio`)
 through a shared-memory iovec and copies into the host page.
 
 Each page is read and verified in turn (a usrbio ring batch at a time); several I/O threads
-each read and verify (seal and write) their own chunk. Opt-in (`pipeline_pages` > 0, sealed
-pages, one I/O thread): a batch moves in groups (`page_pipeline.group_pages_for`: at least
-`pipeline_pages` and 2 MiB; for usrbio at least half its ring); the pipeline's helper thread
-verifies group g while this thread reads group g+1, and seals group g+1 while this thread
-writes group g (docs/security.md "Verified beside the read": faster alone, slower in HiCache).
+each read and verify (seal and write) their own chunk. With sealed pages and one I/O thread a
+batch can move in groups (`page_pipeline.group_pages_for`: at least 2 MiB; for usrbio at least
+half its ring): the pipeline's helper thread verifies group g while this thread reads group
+g+1, and (opted in) seals group g+1 while this thread writes group g. By default
+(`pipeline_pages` None) reads of pages of 1 MiB or more do, where it measured faster, storage
+alone and in the HiCache path (docs/security.md "Verified beside the read").
 
 Thread-safety: the metadata client and counters lock; file descriptors are only used with
 positional IO, so concurrent batches are safe.
@@ -265,12 +266,15 @@ class Hf3fsBackend(StorageBackend):
             self._close_files()
             raise
         self._pool = ThreadPoolExecutor(config.io_threads) if config.io_threads > 1 else None
-        # opt-in, one I/O thread, sealed pages: verify/seal page groups on a helper beside the
-        # I/O (page_pipeline.py); a usrbio group is at least half its ring, so the ring stays full
-        group = group_pages_for(config.pipeline_pages, config.page_bytes, self.spec.sealer is not None)
-        if group:
-            group = max(group, self.engine.batch_pages // 2)
-        self._pipeline = PagePipeline(group, inline_group=self.engine.batch_pages)
+        # one I/O thread, sealed pages: verify (and, opted in, seal) page groups on a helper
+        # beside the I/O (page_pipeline.py; by default reads of pages >= 1 MiB); a usrbio
+        # group is at least half its ring, so the ring stays full
+        groups = group_pages_for(config.pipeline_pages, config.page_bytes,
+                                 self.spec.sealer is not None)
+        read_group, write_group = (max(g, self.engine.batch_pages // 2) if g else 0
+                                   for g in groups)
+        self._pipeline = PagePipeline(read_group, inline_group=self.engine.batch_pages,
+                                      write_group_pages=write_group)
         if isinstance(self.metadata, InProcMetadata) and config.recover_index:
             self.metadata.load(self._scan_headers())
 

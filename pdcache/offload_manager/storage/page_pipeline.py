@@ -5,12 +5,18 @@ next group (docs/security.md "Verified beside the read").
 Why: with a page MAC, verifying a page read from the page cache costs about as much CPU as
 reading it (GMAC ~24 us per 512 KiB page against a ~45 us `preadv` here), and OpenSSL releases
 the GIL while it MACs, so a second core verifies group g while the first copies group g+1 and
-the MAC leaves the critical path: hf3fs's read with the MAC went from 0.80 to 0.96 of the read
-without it, storage alone. Opt-in (`StorageConfig.pipeline_pages`, default 0): in the HiCache
-read path, a third thread on two cores beside the engine and I/O threads, it measured slower.
-Only sealed stores use it (`group_pages_for`): the xxh3 checksum of an unsealed store is cheap,
-hot in cache right after the read, and holds the GIL (python-xxhash). Groups, not pages: a
-hand-off costs a few us of Python, so a group holds at least `MIN_GROUP_BYTES`.
+the MAC leaves the critical path. Whether that pays depends on the page size, since each page
+also costs Python work that holds the GIL on both threads: reads of pages of 1 MiB and more
+(every real model's: a 16-token page of an 8B-class bf16 model is 2 MiB) went from 0.76-0.79
+to 1.03-1.04 of the read without the MAC (storage alone) and 17.0 -> 13.7 ms for 128 MiB in the
+HiCache read path; reads of 128 KiB pages gained nothing there (36.5 vs 32.6 ms), and sealed
+writes pipelined measured slower at every size (0.63-0.85 against 0.86-0.93 page by page). So
+`StorageConfig.pipeline_pages` None (the default, "auto") pipelines sealed reads of pages of at
+least `AUTO_READ_MIN_PAGE_BYTES` and writes page by page; 0 never pipelines; N > 0 pipelines
+reads and writes in groups of at least N pages (docs/security.md). Only sealed stores use it:
+the xxh3 checksum of an unsealed store is cheap, hot in cache right after the read, and holds
+the GIL (python-xxhash). Groups, not pages: a hand-off costs a few us of Python, so a group
+holds at least `MIN_GROUP_BYTES`.
 """
 
 from __future__ import annotations
@@ -27,14 +33,27 @@ R = TypeVar("R")  # one item's result
 
 THREAD_NAME = "pdcache-page-cpu"
 MIN_GROUP_BYTES = 2 << 20  # 4 pages of 512 KiB: amortises a hand-off, keeps the tail short
+AUTO_READ_MIN_PAGE_BYTES = 1 << 20  # "auto": sealed reads of pages this large go in groups
 
 
-def group_pages_for(pipeline_pages: int, page_bytes: int, sealed: bool) -> int:
-    """Pages per group for a store (`StorageConfig.pipeline_pages`): 0 (inline) unless the
-    store seals its pages, else at least `pipeline_pages` and `MIN_GROUP_BYTES` of pages."""
-    if not pipeline_pages or not sealed:
-        return 0
-    return max(pipeline_pages, -(-MIN_GROUP_BYTES // max(page_bytes, 1)))
+def group_pages_for(pipeline_pages: int | None, page_bytes: int,
+                    sealed: bool) -> tuple[int, int]:
+    """(read, write) pages per group for a store (`StorageConfig.pipeline_pages`; 0: inline).
+    Unsealed stores and `pipeline_pages` 0: both inline. None ("auto"): reads of pages of at
+    least `AUTO_READ_MIN_PAGE_BYTES` in groups, writes inline. N: both in groups of at least N
+    pages. A group also holds at least `MIN_GROUP_BYTES`."""
+    if not sealed or pipeline_pages == 0:
+        return 0, 0
+    if pipeline_pages is None:
+        if page_bytes < AUTO_READ_MIN_PAGE_BYTES:
+            return 0, 0
+        return _group_of(1, page_bytes), 0
+    group = _group_of(pipeline_pages, page_bytes)
+    return group, group
+
+
+def _group_of(pages: int, page_bytes: int) -> int:
+    return max(pages, -(-MIN_GROUP_BYTES // max(page_bytes, 1)))
 
 
 class PagePipeline:
@@ -47,16 +66,20 @@ class PagePipeline:
     parallel on their own threads, as before). Every group handed to the helper has ended
     before a call returns or raises, so the caller's pages are never touched after it.
 
-    Inline (`group_pages` 0, a call with at most one group, a busy helper, after `close()`):
+    Inline (a group size of 0, a call with at most one group, a busy helper, after `close()`):
     both steps run on the caller, `inline_group` items at a time (an engine's own batch, e.g.
-    one page: verified while it is hot in cache).
+    one page: verified while it is hot in cache). `group_pages` sizes the read groups,
+    `write_group_pages` the write groups (None: the same).
     """
 
-    def __init__(self, group_pages: int, inline_group: int = 1) -> None:
-        if group_pages < 0 or inline_group < 1:
+    def __init__(self, group_pages: int, inline_group: int = 1,
+                 write_group_pages: int | None = None) -> None:
+        write_group = group_pages if write_group_pages is None else write_group_pages
+        if min(group_pages, write_group) < 0 or inline_group < 1:
             raise ValueError(f"group_pages must be >= 0 and inline_group >= 1, got "
-                             f"{group_pages}, {inline_group}")
+                             f"{group_pages}, {write_group}, {inline_group}")
         self.group_pages = group_pages
+        self.write_group_pages = write_group
         self.inline_group = inline_group
         self._helper: ThreadPoolExecutor | None = None
         self._helper_thread: threading.Thread | None = None
@@ -68,7 +91,7 @@ class PagePipeline:
                          verify: Callable[[S], list[R]]) -> list[R]:
         """`read(group)` here, then `verify(its result)` on the helper while the next group is
         read; one result per item, in order."""
-        groups = self._groups(items)
+        groups = self._groups(items, self.group_pages)
         if not self._acquire(len(groups)):
             return [r for g in _split(items, self.inline_group) for r in verify(read(g))]
         pending: list[Future[list[R]]] = []
@@ -86,7 +109,7 @@ class PagePipeline:
                         write: Callable[[S], list[R]]) -> list[R]:
         """`seal(group)` on the helper, one group ahead of `write(its result)` here; one result
         per item, in order."""
-        groups = self._groups(items)
+        groups = self._groups(items, self.write_group_pages)
         if not self._acquire(len(groups)):
             return [r for g in _split(items, self.inline_group) for r in write(seal(g))]
         results: list[R] = []
@@ -112,13 +135,15 @@ class PagePipeline:
         if helper is not None:
             helper.shutdown(wait=True)
 
-    def _groups(self, items: Sequence[T]) -> list[list[T]]:
-        return _split(items, self.group_pages) if self.group_pages else [list(items)]
+    @staticmethod
+    def _groups(items: Sequence[T], size: int) -> list[list[T]]:
+        """`items` in groups of `size`; one group (run inline) when `size` is 0."""
+        return _split(items, size) if size else [list(items)]
 
     def _acquire(self, groups: int) -> bool:
-        """Take the helper for this call: False (run inline) when there is nothing to overlap,
-        it is closed or busy, or this is the helper thread itself."""
-        if groups <= 1 or not self.group_pages:
+        """Take the helper for this call: False (run inline) when there is nothing to overlap
+        (one group), it is closed or busy, or this is the helper thread itself."""
+        if groups <= 1:
             return False
         with self._lock:
             if self._closed or self._busy or threading.current_thread() is self._helper_thread:

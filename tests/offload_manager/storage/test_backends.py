@@ -402,6 +402,31 @@ def test_forgeries_in_every_page_group_are_refused_beside_the_read(
     assert (helper is not None) is (pipeline_pages > 0)  # the verify really ran beside the read
 
 
+@pytest.mark.parametrize("kind", ["hf3fs"])
+@pytest.mark.parametrize(("page_bytes", "grouped"), [(1 << 20, True), (512 << 10, False)],
+                         ids=["1MiB", "512KiB"])
+def test_by_default_large_sealed_pages_are_verified_beside_the_read(
+    make_backend: Factory, page_bytes: int, grouped: bool
+) -> None:
+    """The store's default (`pipeline_pages` None, "auto"): sealed pages of 1 MiB or more are
+    read in groups verified on the helper thread, a forgery among them still a counted miss;
+    writes, and reads of smaller pages, go page by page on the caller (no helper starts)."""
+    count = 6
+    backend = make_backend(page_mac_key=MAC_KEY, page_bytes=page_bytes)
+    gen = torch.Generator().manual_seed(5)
+    pages, evil = torch.randint(0, 256, (2, count, page_bytes), dtype=torch.uint8, generator=gen)
+    keys = _keys(count)
+    assert backend.put_from(keys, list(pages)) == [True] * count
+    assert backend._pipeline._helper is None  # type: ignore[attr-defined]  # noqa: SLF001
+    assert backend.write_object(keys[4], _forged(None, keys[4], evil[4], page_bytes))
+    out = torch.zeros_like(pages)
+    assert backend.get_into(keys, list(out)) == [i != 4 for i in range(count)]
+    assert torch.equal(out[:4], pages[:4]) and torch.equal(out[5], pages[5])
+    assert backend.stats()["rejected_mac_pages"] == 1
+    helper = backend._pipeline._helper_thread  # type: ignore[attr-defined]  # noqa: SLF001
+    assert (helper is not None) is grouped
+
+
 def test_mac_pages_detect_corruption_and_read_back_exactly(make_backend: Factory) -> None:
     backend = make_backend(page_mac_key=MAC_KEY)
     keys, pages = _keys(2), _pages(2)

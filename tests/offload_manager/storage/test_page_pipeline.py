@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from pdcache.offload_manager.storage.page_pipeline import (
+    AUTO_READ_MIN_PAGE_BYTES,
     MIN_GROUP_BYTES,
     THREAD_NAME,
     PagePipeline,
@@ -245,8 +246,35 @@ def test_a_step_on_the_helper_that_calls_the_pipeline_runs_inline_instead_of_dea
 
 
 def test_only_sealed_stores_pipeline_and_a_group_holds_at_least_two_mib() -> None:
-    assert group_pages_for(4, 512 << 10, sealed=False) == 0  # xxh3: page by page
-    assert group_pages_for(0, 512 << 10, sealed=True) == 0  # switched off
-    assert group_pages_for(4, 512 << 10, sealed=True) == 4
-    assert group_pages_for(4, 128 << 10, sealed=True) == MIN_GROUP_BYTES // (128 << 10) == 16
-    assert group_pages_for(8, 2 << 20, sealed=True) == 8
+    """(read, write) group sizes: an explicit N groups both, 0 neither; auto (None) groups
+    only reads, and only of pages of at least AUTO_READ_MIN_PAGE_BYTES."""
+    assert group_pages_for(4, 512 << 10, sealed=False) == (0, 0)  # xxh3: page by page
+    assert group_pages_for(None, 2 << 20, sealed=False) == (0, 0)
+    assert group_pages_for(0, 2 << 20, sealed=True) == (0, 0)  # switched off
+    assert group_pages_for(4, 512 << 10, sealed=True) == (4, 4)
+    assert group_pages_for(4, 128 << 10, sealed=True) == (16, 16) == (MIN_GROUP_BYTES // (128 << 10),) * 2
+    assert group_pages_for(8, 2 << 20, sealed=True) == (8, 8)
+    assert group_pages_for(None, AUTO_READ_MIN_PAGE_BYTES - 1, sealed=True) == (0, 0)
+    assert group_pages_for(None, AUTO_READ_MIN_PAGE_BYTES, sealed=True) == (2, 0)
+    assert group_pages_for(None, 2 << 20, sealed=True) == (1, 0)  # one 2 MiB page a group
+
+
+def test_reads_and_writes_take_their_own_group_size() -> None:
+    """`write_group_pages` 0 keeps writes on the caller, page by page, while reads overlap."""
+    pipeline = PagePipeline(1, write_group_pages=0)
+    threads: dict[str, set[str]] = {"verify": set(), "seal": set()}
+
+    def record(step: str):
+        def run(group: list[int]) -> list[int]:
+            threads[step].add(threading.current_thread().name)
+            return group
+        return run
+
+    try:
+        assert pipeline.seal_then_write([0, 1, 2], record("seal"), lambda g: g) == [0, 1, 2]
+        assert pipeline._helper is None  # noqa: SLF001 - no helper for page-by-page writes
+        assert pipeline.read_then_verify([0, 1, 2], lambda g: g, record("verify")) == [0, 1, 2]
+    finally:
+        pipeline.close()
+    assert threads["seal"] == {threading.current_thread().name}
+    assert all(name.startswith(THREAD_NAME) for name in threads["verify"])
