@@ -34,10 +34,11 @@ with the copies on the copier thread (`HiCacheConfig.copy_ahead`, off by default
 `hf3fs-warm` (in `--tiers`): a storage hit on the running seeding engine, whose device and host
 tiers `drop_cache` emptied just before (a long-running node), where the other storage rows
 build a fresh engine per sample. `--page-mac on` seals the stored pages (a page MAC, as under
-a cluster secret); then `--storage-pipeline both` adds a `-pipelined` row for hf3fs-serial: the
-same reads verifying page groups beside the next group's reads (`pipeline_pages = 4`,
-storage/page_pipeline.py), where the other hf3fs rows read as nodes do (the store's default:
-reads of pages of 1 MiB or more in groups, smaller ones page by page on the reading thread). A second
+a cluster secret). The hf3fs rows then read as nodes do by default (`--storage-pipeline
+default`: pages of 1 MiB or more verified in groups beside the next group's reads, smaller ones
+page by page); `off` reads them page by page (`pipeline_pages = 0`), and `both` adds a
+`-pipelined` row for hf3fs-serial: the same reads verifying page groups beside the next group's
+reads (`pipeline_pages = 4`, storage/page_pipeline.py) beside the page-by-page rows. A second
 table gives storage read GB/s beside a plain memcpy and a plain file read of the same bytes (`pdcache
 bench storage`'s method, pages of this model's size). Targets (issue 3): storage hit ≤ 1.3×
 the device hit and ≤ 0.1× recompute at N ≥ 4k.
@@ -63,6 +64,7 @@ from typing import Any
 import torch
 
 from pdcache.bench.table import emit
+from pdcache.offload_manager.storage.config import PIPELINE_ON_PAGES
 
 TIERS = ("recompute", "device", "host", "hf3fs", "hf3fs-serial", "hf3fs-serial-ahead",
          "hf3fs-serial-pipelined", "hf3fs-warm", "file", "file-serial", "file-serial-ahead",
@@ -79,9 +81,9 @@ STREAMING = ("hf3fs", "file")  # backends with a layer-major read
 COPIED_AHEAD = ("hf3fs-serial", "file-serial", "mooncake")
 # `-pipelined` rows: sealed pages verified beside the next group's reads (pipeline_pages =
 # PIPELINED_PAGES, page_pipeline.py); the other rows read as the store's default does (groups
-# for pages of 1 MiB or more, page by page below)
+# for pages of 1 MiB or more, page by page below), or page by page (--storage-pipeline off/both)
 PIPELINED = ("hf3fs-serial",)
-PIPELINED_PAGES = 4
+PIPELINED_PAGES = PIPELINE_ON_PAGES  # the "+mac pipelined" / "-pipelined" rows ([storage] page_pipeline = "on")
 BENCH_SECRET = b"pdcache bench cache: a fixed secret, never a deployment's" * 2
 
 
@@ -121,11 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-mac", default="off", choices=["on", "off"],
                         help="stored pages sealed with a page MAC (as under a cluster secret; "
                              "a fixed bench key) or not; a --keep-dir holds one kind")
-    parser.add_argument("--storage-pipeline", default="off", choices=["on", "off", "both"],
-                        help="hf3fs-serial reads of sealed pages (--page-mac on) as the store's "
-                             "default does (off: page by page below 1 MiB pages, in groups "
-                             "from 1 MiB), in page groups beside the next group's reads (on: "
-                             "the -pipelined rows, storage pipeline_pages), or both")
+    parser.add_argument("--storage-pipeline", default="default",
+                        choices=["default", "on", "off", "both"],
+                        help="hf3fs reads of sealed pages (--page-mac on) as the store's default "
+                             "does (default: in groups beside the next group's reads from 1 MiB "
+                             "pages, page by page below), page by page (off: pipeline_pages 0), "
+                             "in groups (on: the hf3fs-serial-pipelined rows, pipeline_pages "
+                             f"{PIPELINED_PAGES}), or page by page and in groups (both)")
     parser.add_argument("--layers-per-read", type=int, default=None,
                         help="layers per read step of the layer-streamed prefetch "
                              "(default: HiCacheConfig's)")
@@ -316,7 +320,9 @@ class PrefixRun:
         a device hit on either side."""
         hf3fs = self.setup.storage("hf3fs", self.n, path=str(self.dir / "hf3fs"))
         with ExitStack() as stack:
-            # the warm row reads with the seeding engine: page by page unless --layerwise on
+            if self.setup.args.storage_pipeline in ("off", "both"):  # the rows page by page
+                hf3fs = hf3fs.replace(pipeline_pages=0)
+            # the warm row reads with the seeding engine: as the store does unless --layerwise on
             seeded = self.setup.tiered(hf3fs, layerwise=self.setup.args.layerwise == "on")
             stack.callback(seeded.close)
             self._seed(seeded)
@@ -615,7 +621,7 @@ def _environment(args: argparse.Namespace, tiers: list[str]) -> Iterator[tuple[P
 
 
 def _expand_tiers(tiers: list[str], layerwise: str, copy_ahead: str = "off",
-                  pipeline: str = "off") -> list[str]:
+                  pipeline: str = "default") -> list[str]:
     """`--layerwise`: off replaces hf3fs/file by their -serial rows, both adds them;
     `--copy-ahead`: on replaces the page-by-page rows by their -ahead rows, both adds them;
     `--storage-pipeline`: on replaces hf3fs-serial by its -pipelined row, both adds it."""
@@ -624,7 +630,7 @@ def _expand_tiers(tiers: list[str], layerwise: str, copy_ahead: str = "off",
     ahead = _with_variant(serial, COPIED_AHEAD, "-ahead", keep=copy_ahead != "on",
                           add=copy_ahead != "off")
     return _with_variant(ahead, PIPELINED, "-pipelined", keep=pipeline != "on",
-                         add=pipeline != "off")
+                         add=pipeline in ("on", "both"))
 
 
 def _with_variant(tiers: list[str], names: tuple[str, ...], suffix: str, keep: bool,
@@ -651,7 +657,7 @@ def run(args: argparse.Namespace) -> int:
 
     tiers = _expand_tiers([t.strip() for t in args.tiers.split(",") if t.strip()],
                           args.layerwise, args.copy_ahead, args.storage_pipeline)
-    if args.copy_ahead == "on" and args.storage_pipeline != "off":
+    if args.copy_ahead == "on" and args.storage_pipeline in ("on", "both"):
         raise SystemExit("--storage-pipeline on/both varies the hf3fs-serial rows, which "
                          "--copy-ahead on replaces; use --copy-ahead off or both")
     unknown = sorted(set(tiers) - set(TIERS))

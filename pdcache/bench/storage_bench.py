@@ -32,11 +32,12 @@ from typing import Any
 import torch
 
 from pdcache.bench.table import emit
+from pdcache.offload_manager.storage.config import PIPELINE_ON_PAGES
 from pdcache.offload_manager.storage.page_format import HEADER_BYTES
 
 DEFAULT_BACKENDS = "hf3fs,hf3fs_service,file,mooncake"
 BATCH_PAGES = 64
-PIPELINED_PAGES = 4  # pipeline_pages of the " +mac pipelined" rows
+PIPELINED_PAGES = PIPELINE_ON_PAGES  # the "+mac pipelined" / "-pipelined" rows ([storage] page_pipeline = "on")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -70,12 +70,12 @@ class ComputeShare:
     def _check_flock(fd: int) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
         except BlockingIOError:
             return  # a probe holds it this instant: flock works
         except OSError:
             os.close(fd)
             raise
-        fcntl.flock(fd, fcntl.LOCK_UN)
 
     @property
     def announcing(self) -> bool:

@@ -68,6 +68,9 @@ ENGINE_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
     "pdcache_compute_share_busy_seconds": (("compute_share_busy_seconds_total",),
                                            "time this engine announced prefill work on the "
                                            "compute share"),
+    "pdcache_compute_share_errors": (("compute_share_errors_total",),
+                                     "compute share lock calls that failed (the first turns "
+                                     "the share off for this engine)"),
 }
 
 

@@ -410,6 +410,24 @@ def test_storage_eviction_from_flags_equals_from_topology(tmp_path: Path) -> Non
                       *storage_flags(tmp_path)).tiers.storage.eviction == "lru"
 
 
+def test_page_pipeline_key_reaches_the_store(tmp_path: Path) -> None:
+    """`[storage] page_pipeline`: "auto" (default) leaves StorageConfig.pipeline_pages at None
+    (reads of sealed pages >= 1 MiB in groups), "off" sets 0, "on" sets PIPELINE_ON_PAGES; an
+    unknown value names the key, and so does a StorageConfig given "auto" as a number."""
+    from pdcache.offload_manager.storage.config import PIPELINE_ON_PAGES, StorageConfig
+
+    def pipeline_pages(value: str | None) -> int | None:
+        overrides = [] if value is None else [f'storage.page_pipeline="{value}"']
+        return setup_for(pd(tmp_path, overrides=overrides), "p0", MODEL).tiers.storage.pipeline_pages
+
+    assert pipeline_pages(None) is None and pipeline_pages("auto") is None
+    assert pipeline_pages("off") == 0 and pipeline_pages("on") == PIPELINE_ON_PAGES
+    with pytest.raises(TopologyError, match="storage.page_pipeline"):
+        pd(tmp_path, overrides=['storage.page_pipeline="sometimes"'])
+    with pytest.raises(ValueError, match="pipeline_pages"):
+        StorageConfig.from_mapping({"backend": "hf3fs", "page_bytes": 4096, "pipeline_pages": "auto"})
+
+
 def test_load_copy_ahead_key_and_flag_reach_hicache(tmp_path: Path) -> None:
     """`[cache] load_copy_ahead` (off by default) and `--load-copy-ahead` land in
     HiCacheConfig.copy_ahead."""

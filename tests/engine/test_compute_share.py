@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -256,12 +257,12 @@ def test_decode_steps_wait_while_another_engine_computes_prefill(tiny, share_pat
 
 class _HeldEngine:
     """A threaded engine decoding request "a" (4 tokens) while another engine announces from
-    its first token on, with a bound far beyond any test: only the test's `release()` (or the
-    engine's own reasons to stop holding) lets its decode steps run."""
+    its `hold_from`-th token on, with a bound far beyond any test: only the test's `release()`
+    (or the engine's own reasons to stop holding) lets its decode steps run."""
 
-    def __init__(self, tiny, share_path: str, pages: int = 256) -> None:
+    def __init__(self, model: Any, share_path: str, pages: int = 256, hold_from: int = 1) -> None:
         self.prefill = ComputeShare(share_path)
-        self.engine = make_engine(tiny, pages=pages, compute_share=share_path,
+        self.engine = make_engine(model, pages=pages, compute_share=share_path,
                                   decode_yield_max_ms=10_000)
         self.held = threading.Event()
         self.done = threading.Event()
@@ -269,8 +270,8 @@ class _HeldEngine:
 
         def collect(out: RequestOutput) -> None:
             self.tokens.extend(out.new_token_ids)
-            if not self.held.is_set():  # the first token: announce before the engine looks
-                self.prefill.announce(True)
+            if not self.held.is_set() and len(self.tokens) >= hold_from:
+                self.prefill.announce(True)  # on the engine thread, before it looks again
                 self.held.set()
             if out.finished:
                 self.done.set()
@@ -319,6 +320,52 @@ def test_a_held_engine_runs_its_own_prefill_at_once(tiny, share_path) -> None:
     finally:
         held.close()
     assert decoded_meanwhile <= 1 and not a_done
+
+
+class AnnouncementModel:
+    """The real model; each forward records its mode and whether its own engine announced."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.config = model, model.config
+        self.engine: Engine | None = None
+        self.seen: list[tuple[ForwardMode, bool]] = []
+
+    def forward(self, batch: ForwardBatch, device_kv: torch.Tensor) -> torch.Tensor:
+        share = self.engine._share if self.engine is not None else None  # noqa: SLF001
+        self.seen.append((batch.mode, share is not None and share.announcing))
+        return self.model.forward(batch, device_kv)
+
+
+def test_a_prefill_that_ends_a_hold_runs_announced(tiny, share_path) -> None:
+    """Held after a decode step (the scheduler's next batch for a new request is then its
+    prefill), the engine's own prefill that ends the hold is announced while it computes: the
+    announcement is set after the hold, right before the step, so other decode engines on the
+    share wait for it too."""
+    model = AnnouncementModel(tiny)
+    held = _HeldEngine(model, share_path, hold_from=2)
+    model.engine = held.engine
+    first: list[int] = []
+    try:
+        held.engine.submit(GenerateRequest("b", prompt_of(27, 20), PARAMS),
+                           lambda out: first.extend(out.new_token_ids[:1]) if not first else None)
+        wait_until(lambda: bool(first), 3, "b's first token")
+        held.release()
+    finally:
+        held.close()
+    prefills = [announced for mode, announced in model.seen if mode is ForwardMode.EXTEND]
+    assert len(prefills) == 2 and prefills[1]  # a's (before the model knew its engine), b's
+
+
+def test_shutdown_ends_a_hold_without_another_step(tiny, share_path) -> None:
+    """Shutdown during a hold: the loop stops without running the held decode step."""
+    held = _HeldEngine(tiny, share_path)
+    try:
+        steps = held.engine.stats()["steps_total"]
+        held.engine.shutdown()
+        after = held.engine._num_steps  # noqa: SLF001 - counted on the stopped engine thread
+    finally:
+        held.close()
+    assert steps == after == 1  # the prefill step only
 
 
 def test_a_decode_engine_short_of_pages_does_not_hold(tiny, share_path) -> None:

@@ -47,6 +47,9 @@ def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
         )
     if getattr(spec, "write_delay_s", 0.0):
         keys["write_delay_s"] = spec.write_delay_s
+    page_pipeline = getattr(spec, "page_pipeline", "auto")
+    if page_pipeline != "auto":  # StorageConfig's default (None) is "auto"
+        keys["pipeline_pages"] = PIPELINE_ON_PAGES if page_pipeline == "on" else 0
     if getattr(spec, "fault_injection", ""):  # chaos/test only: absent from normal configs
         keys["fault_injection"] = spec.fault_injection
     if spec.backend == "mooncake":
@@ -61,6 +64,7 @@ def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
 
 
 TENANT_PREFIX = "tenant/"  # the router's tenant namespaces in cache_salt (router.tenants)
+PIPELINE_ON_PAGES = 4  # `[storage] page_pipeline = "on"`: pipeline_pages (groups >= 2 MiB)
 
 
 def tenant_namespace(cache_salt: str | None) -> str:
@@ -187,8 +191,10 @@ class StorageConfig:
         self._check(self.capacity_pages >= 0, "capacity_pages", "must be >= 0")
         self._check(self.capacity_bytes >= 0, "capacity_bytes", "must be >= 0")
         self._check(self.io_threads >= 1, "io_threads", "must be >= 1")
-        self._check(self.pipeline_pages is None or self.pipeline_pages >= 0, "pipeline_pages",
-                    "must be >= 0, or None (auto)")
+        pipeline = self.pipeline_pages
+        self._check(pipeline is None or (isinstance(pipeline, int) and not isinstance(pipeline, bool)
+                                         and pipeline >= 0),
+                    "pipeline_pages", f"must be an integer >= 0, or None (auto); got {pipeline!r}")
         self._check(self.num_data_files >= 1, "num_data_files", "must be >= 1")
         self._check(self.timeout_s > 0, "timeout_s", "must be > 0")
         self._check(self.write_delay_s >= 0, "write_delay_s", "must be >= 0")

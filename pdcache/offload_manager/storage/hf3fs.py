@@ -269,8 +269,10 @@ class Hf3fsBackend(StorageBackend):
         # one I/O thread, sealed pages: verify (and, opted in, seal) page groups on a helper
         # beside the I/O (page_pipeline.py; by default reads of pages >= 1 MiB); a usrbio
         # group is at least half its ring, so the ring stays full
-        groups = group_pages_for(config.pipeline_pages, config.page_bytes,
-                                 self.spec.sealer is not None)
+        pipeline = config.pipeline_pages
+        if pipeline is None and not isinstance(self.engine, PosixEngine):
+            pipeline = 0  # "auto" was measured with posix reads only (usrbio needs a 3FS mount)
+        groups = group_pages_for(pipeline, config.page_bytes, self.spec.sealer is not None)
         read_group, write_group = (max(g, self.engine.batch_pages // 2) if g else 0
                                    for g in groups)
         self._pipeline = PagePipeline(read_group, inline_group=self.engine.batch_pages,

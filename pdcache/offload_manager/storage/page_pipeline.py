@@ -7,13 +7,14 @@ reading it (GMAC ~24 us per 512 KiB page against a ~45 us `preadv` here), and Op
 the GIL while it MACs, so a second core verifies group g while the first copies group g+1 and
 the MAC leaves the critical path. Whether that pays depends on the page size, since each page
 also costs Python work that holds the GIL on both threads: reads of pages of 1 MiB and more
-(every real model's: a 16-token page of an 8B-class bf16 model is 2 MiB) went from 0.76-0.79
-to 1.03-1.04 of the read without the MAC (storage alone) and 17.0 -> 13.7 ms for 128 MiB in the
-HiCache read path; reads of 128 KiB pages gained nothing there (36.5 vs 32.6 ms), and sealed
-writes pipelined measured slower at every size (0.63-0.85 against 0.86-0.93 page by page). So
+(a 16-token page of an 8B-class bf16 model is 2 MiB) went from 0.77-0.79 to 0.95-1.07 of the
+read without the MAC (storage alone) and 17.0 -> 13.7 ms for 128 MiB in the HiCache read path;
+reads of 128 KiB pages gained nothing there (36.5 vs 32.6 ms), and sealed writes pipelined
+measured slower at every size (0.63-0.85 against 0.86-0.93 page by page). So
 `StorageConfig.pipeline_pages` None (the default, "auto") pipelines sealed reads of pages of at
-least `AUTO_READ_MIN_PAGE_BYTES` and writes page by page; 0 never pipelines; N > 0 pipelines
-reads and writes in groups of at least N pages (docs/security.md). Only sealed stores use it:
+least `AUTO_READ_MIN_PAGE_BYTES` (posix I/O: `Hf3fsBackend` leaves unmeasured usrbio page by
+page) and writes page by page; 0 never pipelines; N > 0 pipelines reads and writes in groups of
+at least N pages (docs/security.md). Only sealed stores use it:
 the xxh3 checksum of an unsealed store is cheap, hot in cache right after the read, and holds
 the GIL (python-xxhash). Groups, not pages: a hand-off costs a few us of Python, so a group
 holds at least `MIN_GROUP_BYTES`.
