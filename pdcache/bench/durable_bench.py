@@ -19,7 +19,8 @@ for).
 
 Per row: the next turns' hit rate on the previous answers (storage_from_decode over the page
 floor of the answer), pages waited, pulled and raced, the mean wait of the requests that met
-pending pages,
+pending pages, how long decode held an answer for prefill to record its marks (mean, and
+how many gave up at `pending_ack_timeout_s`),
 next-turn TTFT, decode's storage write latency, and what pulling the awaited pages from
 decode's host staging over the transfer engine would have cost instead (their bytes at the
 P→D push rate measured in the same run, plus one control round trip), the estimate the
@@ -115,10 +116,11 @@ def _measure(args: argparse.Namespace, tmp: Path, delay: float, wait: bool,
                                              range(args.sessions)) for t in s]
             p_metrics = client.get(f"{prefill.url}/metrics").text
             d_metrics = client.get(f"{decode.url}/metrics").text
+            d_transfer = client.get(f"{decode.url}/health").json()["transfer"]
     finally:
         for node in reversed(nodes):
             node.stop()
-    return _row(args, delay, wait, pull, turns, p_metrics, d_metrics)
+    return _row(args, delay, wait, pull, turns, p_metrics, d_metrics, d_transfer)
 
 
 def _warm_up(args: argparse.Namespace, client: httpx.Client, prefill: NodeProcess,
@@ -173,7 +175,8 @@ def _session(args: argparse.Namespace, client: httpx.Client, prefill: NodeProces
 
 
 def _row(args: argparse.Namespace, delay: float, wait: bool, pull: str,
-         turns: list[dict[str, Any]], p_metrics: str, d_metrics: str) -> dict[str, Any]:
+         turns: list[dict[str, Any]], p_metrics: str, d_metrics: str,
+         d_transfer: dict[str, Any]) -> dict[str, Any]:
     value = _metric
 
     nexts = [t for t in turns if "expected" in t]
@@ -204,6 +207,10 @@ def _row(args: argparse.Namespace, delay: float, wait: bool, pull: str,
         if waited_requests else 0.0,
         "pull_MBps": value(p_metrics, "pdcache_pending_pull_rate_bytes_per_second") / 1e6
         if value(p_metrics, "pdcache_pending_pulls_total", outcome="sent") else 0.0,
+        # what the answers waited for prefill to record their marks (design §4.10, Delivery)
+        "mark_ack_ms": 1e3 * d_transfer["pending_ack_seconds_total"]
+        / max(1, d_transfer["pending_marks_acked"]),
+        "mark_ack_timeouts": int(d_transfer["pending_ack_timeouts"]),
     }
 
 

@@ -64,8 +64,10 @@ class DecodeScheduler(Scheduler):
     def hold_after_finish(self, req: Req) -> bool:
         if self.offload is None:
             return False
-        self.offload.finish(req.rid, req.fill_ids[: req.kv_len], list(req.page_ids),
-                            self.holds.hold_for_offload(req.rid))
+        delivery = self.offload.finish(req.rid, req.fill_ids[: req.kv_len], list(req.page_ids),
+                                       self.holds.hold_for_offload(req.rid))
+        if delivery is not None:  # the answer waits until prefill knows its pages are coming
+            req.output_gate = delivery.add_done_callback
         return True
 
     def hold_on_abort(self, req: Req) -> bool:

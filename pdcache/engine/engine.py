@@ -20,6 +20,7 @@ statistics); concatenating every `new_token_ids` gives the whole completion.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -807,6 +808,10 @@ class Engine:
         if req.finished:
             with self._lock:
                 self._live_rids.discard(req.rid)
+            if req.output_gate is not None:  # the last output waits (Req.output_gate)
+                gate, req.output_gate = req.output_gate, None
+                gate(functools.partial(self._emit_late, req, output))
+                return
         try:
             req.on_output(output)
         except Exception:
@@ -814,6 +819,15 @@ class Engine:
             logger.exception("on_output of request %s raised", req.rid)
             if not req.finished:
                 self._fail([req], error="on_output callback raised")
+
+    def _emit_late(self, req: Req, output: RequestOutput) -> None:
+        """A finished request's gated last output (any thread: the gate's)."""
+        try:
+            req.on_output(output)
+        except Exception:
+            with self._lock:
+                self._callback_errors += 1
+            logger.exception("on_output of request %s raised", req.rid)
 
     def _output_of(self, req: Req) -> RequestOutput:
         new_tokens = req.take_new_tokens()

@@ -80,6 +80,10 @@ class Req:
     cached: CachedTokens | None = None  # ... split by tier
     kv_load: KVLoad | None = None  # pending load into page_ids; every forward completes it
     holding_pages: bool = False  # finished, but its pages stay until the scheduler releases them
+    # set by the scheduler's `hold_after_finish`: the finished request's last output is handed
+    # to `on_output` through it (`gate(deliver)` calls deliver once it may go, on any thread);
+    # decode's answer waits until prefill recorded its pending pages (docs/design.md §4.10)
+    output_gate: Callable[[Callable[[], None]], None] | None = None
     # a held request's pages the tree already had copies of: swapped out of page_ids by
     # cache_prompt but still read by whoever holds them (the KV sender), freed on release
     deferred_free_page_ids: list[int] = field(default_factory=list)

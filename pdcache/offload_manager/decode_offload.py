@@ -57,11 +57,21 @@ from pdcache.offload_manager.storage.page_format import encode_object, payload_v
 log = logging.getLogger(__name__)
 
 
+class MarksDelivered(Protocol):
+    """Whether an announcement reached its listeners (`pdcache.transfer.MarksDelivery`):
+    `add_done_callback(fn)` runs `fn` once it did, or once waiting for it stopped (bounded)."""
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None: ...
+
+
 class PageAnnouncer(Protocol):
     """Who hears about the keys offload writes (`KVReceiver`: every registered prefill peer).
-    Called from the decode loop, the copy thread and the writer: thread-safe, non-blocking."""
+    Called from the decode loop, the copy thread and the writer: thread-safe, non-blocking.
+    `announce_pending` may return how to learn that the marks arrived (None: nothing to
+    wait for)."""
 
-    def announce_pending(self, keys: list[bytes], ttl_s: float, eta_s: float = 0.0) -> None: ...
+    def announce_pending(self, keys: list[bytes], ttl_s: float,
+                         eta_s: float = 0.0) -> MarksDelivered | None: ...
 
     def announce_settled(self, keys: list[bytes], landed: list[bool]) -> None: ...
 
@@ -83,6 +93,7 @@ class _Tracked:
     session: str = ""  # the request's session_id (storage lifecycle)
     chain: bytes | None = None  # key scheme's chain state after the last page scheduled
     scheduled_pages: int = 0
+    delivery: MarksDelivered | None = None  # of the last announcement of its pages
 
 
 @dataclass
@@ -197,15 +208,19 @@ class DecodeOffloadManager:
             self._schedule(rid, tracked, kv_token_ids, device_page_ids, full_pages, None)
 
     def finish(self, rid: str, kv_token_ids: Sequence[int], device_page_ids: Sequence[int],
-               on_released: Callable[[], None]) -> None:
+               on_released: Callable[[], None]) -> MarksDelivered | None:
         """Offload the remaining full pages; `on_released` fires once the device pages are free
-        to reuse (on the copy thread)."""
+        to reuse (on the copy thread). Returns the delivery of the request's last pending
+        marks (None: none announced): its answer should go out only once it is done, so that
+        the next turn's prefill knows the pages are coming (docs/design.md §4.10)."""
         tracked = self._requests.pop(rid, None)
         if tracked is None:
             on_released()
-            return
+            return None
         full_pages = len(kv_token_ids) // self.page_size
         self._schedule(rid, tracked, kv_token_ids, device_page_ids, full_pages, on_released)
+        # one link's frames are handled in order: the last delivery covers the earlier marks
+        return tracked.delivery
 
     def abort(self, rid: str, on_released: Callable[[], None]) -> None:
         """Stop offloading `rid`; already queued copies finish first, then `on_released`."""
@@ -268,7 +283,8 @@ class DecodeOffloadManager:
             with self._lock:
                 for key in keys:
                     self._scheduled[key] = self._scheduled.get(key, 0) + 1
-            self._announcer.announce_pending(keys, self.pending_ttl_s, self.write_eta_s())
+            tracked.delivery = self._announcer.announce_pending(keys, self.pending_ttl_s,
+                                                                self.write_eta_s())
         self._enqueue(task)
 
     def write_eta_s(self) -> float:

@@ -7,12 +7,13 @@ Prefill nodes use `KVSender`, decode nodes `KVReceiver`; both take one frozen
 from __future__ import annotations
 
 from pdcache.transfer.config import TransferConfig
+from pdcache.transfer.delivery import MarksDelivery
 from pdcache.transfer.errors import TransferError, TransferTimeout
 from pdcache.transfer.messages import PrefillReport
 from pdcache.transfer.receiver import KVReceiver, TransferResult
 from pdcache.transfer.rooms import FAILURE_CODES, Outcome, RoomState
 from pdcache.transfer.sender import KVSender
 
-__all__ = ["FAILURE_CODES", "KVReceiver", "KVSender", "Outcome", "PrefillReport", "RoomState",
-           "TransferConfig", "TransferError",
+__all__ = ["FAILURE_CODES", "KVReceiver", "KVSender", "MarksDelivery", "Outcome",
+           "PrefillReport", "RoomState", "TransferConfig", "TransferError",
            "TransferResult", "TransferTimeout"]

@@ -36,6 +36,10 @@ class TransferConfig:
     # A lost peer's rooms keep their pages until its AbortAck, its address re-registering with
     # another boot id, or this: a stalled prefill that resumes may still write them.
     lost_peer_hold_s: float = 120.0
+    # Decode holds a finished request's last output until the prefill peers recorded its
+    # pending marks (docs/design.md §4.10, "Delivery"), at most this long (checked every tick,
+    # <= 0.25 s): a peer that does not answer costs each answer this, until it is declared lost.
+    pending_ack_timeout_s: float = 0.5
     # Limits.
     max_message_bytes: int = 1 << 20  # control messages; larger ones are rejected and counted
     max_batch_entries: int = 1024  # entries per engine batch (Mooncake TCP lanes queue ~2048)
@@ -52,7 +56,7 @@ class TransferConfig:
         if self.engine not in ENGINE_NAMES:
             raise ValueError(f"transfer.engine: unknown '{self.engine}', choose {ENGINE_NAMES}")
         for name in ("bootstrap_timeout_s", "room_timeout_s", "heartbeat_interval_s",
-                     "abort_ack_timeout_s", "lost_peer_hold_s"):
+                     "abort_ack_timeout_s", "lost_peer_hold_s", "pending_ack_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"transfer.{name} must be > 0, got {getattr(self, name)}")
         for name in ("heartbeat_misses", "max_message_bytes", "max_batch_entries",

@@ -59,6 +59,7 @@ from pdcache.transfer.control import (
     parse,
     seal,
 )
+from pdcache.transfer.delivery import MarksDelivery
 from pdcache.transfer.engines.base import create_engine
 from pdcache.transfer.errors import TransferError, TransferTimeout
 from pdcache.transfer.layout import KVLayout
@@ -201,7 +202,11 @@ class KVReceiver:
                          "pending_pages_announced": 0, "settled_pages_announced": 0,
                          "pull_requests": 0, "pull_pages_refused": 0,  # control thread
                          "pull_pages_served": 0, "pull_pages_unavailable": 0,  # pull worker
-                         "pull_pages_expired": 0}  # pull worker: past the pull's ttl
+                         "pull_pages_expired": 0,  # pull worker: past the pull's ttl
+                         # marks deliveries (control thread): answered by every peer, or
+                         # given up at pending_ack_timeout_s, and the answered ones' wait
+                         "pending_marks_acked": 0, "pending_ack_timeouts": 0,
+                         "pending_ack_seconds_total": 0.0}
         self._seq = itertools.count(1)
         self._page_source: StagedPageSource | None = None
         self.pull_offered = False  # pending marks offer the pull (`serve_pulls`)
@@ -210,6 +215,10 @@ class KVReceiver:
         self._pull_worker: threading.Thread | None = None
         self._started = False
         self._closing = threading.Event()  # close() began: pulls are refused
+        # announcements whose delivery is not done (`MarksDelivery`); close() ends them all
+        self._deliveries: set[MarksDelivery] = set()
+        self._deliveries_lock = threading.Lock()
+        self._deliveries_closed = False
         self._loop = ControlLoop("decode-transfer", _tick_s(config), self._tick)
         self.engine = None
 
@@ -277,6 +286,11 @@ class KVReceiver:
             if self._pull_worker.is_alive():
                 logger.warning("decode: the pull worker did not stop within 5 s")
         self._loop.stop()
+        with self._deliveries_lock:  # no answer can come now: nothing waits for one
+            self._deliveries_closed = True
+            left, self._deliveries = list(self._deliveries), set()
+        for delivery in left:
+            delivery.finish()
         if self.engine is not None:
             self.engine.close()
 
@@ -341,39 +355,76 @@ class KVReceiver:
     def abort(self, room: int, reason: str = "aborted by decode") -> None:
         self._fail_local(room, reason, code="aborted")
 
-    def announce_pending(self, keys: list[bytes], ttl_s: float, eta_s: float = 0.0) -> None:
+    def announce_pending(self, keys: list[bytes], ttl_s: float,
+                         eta_s: float = 0.0) -> MarksDelivery:
         """Tell every registered prefill peer that decode's offload will write these page
         keys to storage within `ttl_s`, expectedly in `eta_s` (0: unknown) (`PagesPending`;
-        any thread, never blocks: the frames leave from the control thread). Docs: design.md
+        any thread, never blocks: the frames leave from the control thread). The returned
+        delivery is done once each of those peers recorded the marks (a `Ping` right behind
+        them was answered), was lost, or `pending_ack_timeout_s` passed. Docs: design.md
         §4.10."""
         ttl_ms = max(1, int(ttl_s * 1000))
         pull = int(self.pull_offered)
         # the expected write time only serves the pull rule: sent with the offer, so a mark
         # without one stays a version-4 frame (`wire_version`)
         eta_ms = max(1, round(eta_s * 1000)) if eta_s > 0 and pull else 0
-        for start in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
-            chunk = keys[start : start + MAX_KEYS_PER_MESSAGE]
-            self._broadcast(PagesPending(pack_keys(chunk), ttl_ms, eta_ms, pull),
-                            "pending_pages_announced", len(chunk))
+        marks = [PagesPending(pack_keys(keys[start : start + MAX_KEYS_PER_MESSAGE]), ttl_ms,
+                              eta_ms, pull)
+                 for start in range(0, len(keys), MAX_KEYS_PER_MESSAGE)]
+        delivery = MarksDelivery()
+        with self._deliveries_lock:
+            if self._deliveries_closed:
+                return MarksDelivery.completed()
+            self._deliveries.add(delivery)
+        self._broadcast(marks, "pending_pages_announced", len(keys), delivery)
+        return delivery
 
     def announce_settled(self, keys: list[bytes], landed: list[bool]) -> None:
         """Tell every registered prefill peer how the write of these keys ended
         (`PagesSettled`: committed in storage, or not coming); any thread."""
+        settled = []
         for start in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
             chunk = keys[start : start + MAX_KEYS_PER_MESSAGE]
             flags = bytes(1 if ok else 0 for ok in landed[start : start + len(chunk)])
-            self._broadcast(PagesSettled(pack_keys(chunk), flags), "settled_pages_announced",
-                            len(chunk))
+            settled.append(PagesSettled(pack_keys(chunk), flags))
+        self._broadcast(settled, "settled_pages_announced", len(keys))
 
-    def _broadcast(self, msg: PagesPending | PagesSettled, counter: str, pages: int) -> None:
+    def _broadcast(self, msgs: list[PagesPending] | list[PagesSettled], counter: str,
+                   pages: int, delivery: MarksDelivery | None = None) -> None:
         def send() -> None:  # control thread: the only one touching `_peers` and sockets
             peers = [p for p in self._peers.values() if p.ready.is_set() and not p.error]
             for peer in peers:
-                self._send_frame(peer, msg)  # sealed per peer: each has its own link and boot
+                for msg in msgs:  # sealed per peer: each has its own link and boot
+                    self._send_frame(peer, msg)
+                if delivery is not None:  # answered once the prefill handled the marks
+                    seq = next(self._seq)
+                    delivery.expect(peer.link_id, seq)
+                    self._send_frame(peer, Ping(seq))
             if peers:
                 self.counters[counter] += pages
+            if delivery is not None:
+                delivery.seal()
+                self._settle_delivery(delivery)
 
         self._loop.call_soon(send)
+
+    def _settle_delivery(self, delivery: MarksDelivery) -> None:
+        """Forget a delivery that is done (control thread), counting how it ended."""
+        if not delivery.done:
+            return
+        with self._deliveries_lock:
+            if delivery not in self._deliveries:
+                return
+            self._deliveries.discard(delivery)
+        if delivery.timed_out:
+            self.counters["pending_ack_timeouts"] += 1
+        elif delivery.answered_s is not None:
+            self.counters["pending_marks_acked"] += 1
+            self.counters["pending_ack_seconds_total"] += delivery.answered_s
+
+    def _open_deliveries(self) -> list[MarksDelivery]:
+        with self._deliveries_lock:
+            return list(self._deliveries)
 
     def stats(self) -> dict[str, Any]:
         return {"rooms": self.rooms.snapshot(), "rejected": self.rejects.snapshot(),
@@ -574,7 +625,16 @@ class KVReceiver:
             self.rooms.set_idle(msg.room)
 
     def _on_pong(self, peer: _Peer, msg: Pong) -> None:
-        pass  # last_seen already refreshed
+        # last_seen already refreshed; the pong answers every ping before it on this link
+        for delivery in self._open_deliveries():
+            delivery.answered(peer.link_id, msg.seq)
+            self._settle_delivery(delivery)
+
+    def _forget_link(self, link_id: bytes) -> None:
+        """A peer is dropped or lost: no delivery waits for its answer any more."""
+        for delivery in self._open_deliveries():
+            delivery.drop(link_id)
+            self._settle_delivery(delivery)
 
     def _on_pull_pages(self, peer: _Peer, msg: PullPages) -> None:
         """A registered prefill asks for staged pages: the pull worker answers (control
@@ -638,6 +698,7 @@ class KVReceiver:
             self._send_frame(peer, answer)
 
     def _drop_peer(self, peer: _Peer, linger_ms: int = 0) -> None:
+        self._forget_link(peer.link_id)
         if self._peers.get(peer.addr) is peer:
             del self._peers[peer.addr]
             self._close_sockets(peer, linger_ms)
@@ -681,6 +742,10 @@ class KVReceiver:
                 self._send_frame(peer, Ping(next(self._seq)))
         for room in self.rooms.select(lambda r: not r.state.terminal and r.deadline < now):
             self._fail_local(room, "room deadline passed", code="timeout")
+        for delivery in self._open_deliveries():  # a peer that does not answer costs this
+            if now - delivery.created > self.config.pending_ack_timeout_s:
+                delivery.finish(timed_out=True)
+                self._settle_delivery(delivery)
         ack_limit = self.config.abort_ack_timeout_s
         for room in self.rooms.select(lambda r: r.busy and r.state.terminal
                                       and not r.data.held_for
@@ -700,6 +765,7 @@ class KVReceiver:
 
     def _peer_lost(self, peer: _Peer, now: float) -> None:
         self.counters["peers_lost"] += 1
+        self._forget_link(peer.link_id)
         silent = now - peer.last_seen
         logger.warning("decode: prefill peer %s lost (silent for %.1fs)", peer.addr, silent)
         if not peer.ready.is_set():

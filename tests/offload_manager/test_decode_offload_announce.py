@@ -11,6 +11,7 @@ import time
 from pdcache.engine.page_keys import chain_page_keys, make_salt
 from pdcache.offload_manager.decode_offload import DecodeOffloadManager
 from pdcache.offload_manager.pending import PageState, PendingPages
+from pdcache.transfer import MarksDelivery
 from tests.offload_manager.test_decode_offload import FP, PAGE, device_kv
 from tests.storage_doubles import DictBackend
 
@@ -25,10 +26,18 @@ class IntoPendingPages:
         self.ttls: list[float] = []
         self.etas: list[float] = []
 
-    def announce_pending(self, keys: list[bytes], ttl_s: float, eta_s: float = 0.0) -> None:
+        self.deliveries: list[MarksDelivery] = []
+
+    def announce_pending(self, keys: list[bytes], ttl_s: float,
+                         eta_s: float = 0.0) -> MarksDelivery:
         self.ttls.append(ttl_s)
         self.etas.append(eta_s)
         self.pages.pending(keys, ttl_s, eta_s=eta_s, pullable=self.pullable)
+        delivery = MarksDelivery()  # done when the test answers it
+        delivery.expect(b"prefill", len(self.deliveries))
+        delivery.seal()
+        self.deliveries.append(delivery)
+        return delivery
 
     def announce_settled(self, keys: list[bytes], landed: list[bool]) -> None:
         self.pages.settled(keys, landed)
@@ -105,5 +114,30 @@ def test_marks_carry_the_expected_write_time_measured_on_decode() -> None:
     _, count, lands_by = pages.pull_run([key_b])
     assert count == 1 and before + mean_s <= lands_by <= after + mean_s
     storage.gate.set()
+    assert mgr.wait_idle(10)
+    mgr.close()
+
+
+def test_finish_gives_the_delivery_of_the_request_s_last_marks() -> None:
+    """The answer waits for it (Req.output_gate): the finish's own marks, or, when the finish
+    schedules no new page, the last stride's (one link's frames arrive in order)."""
+    kv, storage, pages = device_kv(), DictBackend(), PendingPages()
+    mgr = DecodeOffloadManager(kv, storage, FP, staging_pages=8, stride_pages=2)
+    announcer = IntoPendingPages(pages)
+    mgr.announce_to(announcer)
+    mgr.start()
+    tokens = list(range(2 * PAGE + 3))
+    mgr.track("r")
+    mgr.on_step("r", tokens, [0, 1, 2])  # two full pages: one stride
+    released = threading.Event()
+    last = mgr.finish("r", tokens, [0, 1, 2], released.set)  # no new full page
+    assert last is announcer.deliveries[0] and len(announcer.deliveries) == 1
+    mgr.track("s")
+    tokens = list(range(100, 100 + 3 * PAGE))
+    mgr.on_step("s", tokens[: 2 * PAGE], [3, 4])
+    other = mgr.finish("s", tokens, [3, 4, 5], released.set)
+    assert other is announcer.deliveries[2] and len(announcer.deliveries) == 3
+    mgr.track("t")
+    assert mgr.finish("t", list(range(PAGE - 1)), [6], released.set) is None  # no full page
     assert mgr.wait_idle(10)
     mgr.close()

@@ -10,6 +10,7 @@ the raced counter shows it."""
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import time
 
 import httpx
@@ -27,7 +28,8 @@ from pdcache.offload_manager.builder import (
     storage_config_for,
 )
 from pdcache.offload_manager.hicache import HiCacheConfig
-from pdcache.transfer import TransferConfig
+from pdcache.offload_manager.pending import PendingPages
+from pdcache.transfer import MarksDelivery, TransferConfig
 from tests.pd_harness import (
     MetadataService,
     PDStack,
@@ -64,8 +66,9 @@ def setups(tmp_path, model, pending_wait: bool, metadata: str = "",
     storage = with_keys(storage_config_for(model.config, PAGE, fp,
                                            path=str(tmp_path / "storage"), **where), security)
     assert storage is not None
+    # the ack bound well above the slow prefill of test_the_answer_waits_for_prefill_...
     transfer = TransferConfig(engine="zmq", bootstrap_timeout_s=10, room_timeout_s=60,
-                              heartbeat_interval_s=0.5)
+                              heartbeat_interval_s=0.5, pending_ack_timeout_s=5.0)
     sched = SchedulerConfig(chunked_prefill_tokens=1024, max_running_requests=SESSIONS)
     hicache = HiCacheConfig(prefetch_policy="timeout", prefetch_timeout_base_s=20.0,
                             pending_wait=pending_wait, pending_pull=pending_pull)
@@ -184,3 +187,38 @@ def test_the_wait_does_not_depend_on_the_store(tmp_path, tiny) -> None:
         service.stop()
     assert_every_answer_found(sessions)
     assert pending(metrics, "raced") == 0 and pending(metrics, "waited") > 0
+
+
+SLOW_MARK_S = 1.0  # a prefill control thread that takes this long to record a mark
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["answer-waits", "no-wait"])
+def test_the_answer_waits_for_prefill_to_record_its_pending_pages(
+        tmp_path, tiny, monkeypatch, gated: bool) -> None:
+    """The mark and the answer race (design §4.10, "Delivery"): the mark goes decode →
+    prefill's control thread, the answer decode → client → prefill's HTTP side. A prefill
+    slow to record marks (its control thread starved on a loaded host: seen in CI) met the
+    next turn first and recomputed the answer. Decode's last output now waits until the
+    prefill answered a ping sent behind the marks; with that wait removed (`gated` False:
+    every delivery counts as done at once) the next turn misses its answer."""
+    record = PendingPages.pending
+
+    def slow_record(self, *args, **kwargs) -> None:
+        time.sleep(SLOW_MARK_S)
+        record(self, *args, **kwargs)
+
+    monkeypatch.setattr(PendingPages, "pending", slow_record)
+    # writes land well after the slow mark, so only the mark can tell the next turn
+    monkeypatch.setattr(sys.modules[__name__], "WRITE_DELAY_S", 4 * SLOW_MARK_S)
+    if not gated:
+        monkeypatch.setattr(MarksDelivery, "add_done_callback", lambda self, fn: fn())
+    sessions, metrics, receiver = run(tmp_path, tiny, True, [64, 64, PROBE_ANSWER], sessions=1)
+    if gated:
+        assert_every_answer_found(sessions)
+        assert pending(metrics, "raced") == 0 and pending(metrics, "waited") > 0
+        assert receiver["pending_marks_acked"] > 0 and receiver["pending_ack_timeouts"] == 0
+        return
+    (turns,) = sessions
+    found = [turn["meta_info"]["cached_tokens_details"]["storage_from_decode"]
+             for _, turn in turns[1:]]
+    assert 0 in found, f"every next turn found its answer without waiting for the mark: {found}"
