@@ -15,7 +15,10 @@ scheduling for synchronous tests and tools).
 
 Outputs: `on_output` gets one `RequestOutput` per step that produced tokens for the request,
 then exactly one with `finished=True` (which carries the last tokens, if any, and the request's
-statistics); concatenating every `new_token_ids` gives the whole completion.
+statistics); concatenating every `new_token_ids` gives the whole completion. The finished
+one may come from another thread: a scheduler hook can gate it (`Req.output_gate`; a decode
+node's answer waits until prefill recorded its pending pages), and then it is handed over on
+the thread that opens the gate (the decode transfer thread).
 """
 
 from __future__ import annotations
@@ -288,7 +291,8 @@ class Engine:
 
     # ---- public API (any thread) -------------------------------------------------------
     def submit(self, req: GenerateRequest, on_output: OutputCallback) -> None:
-        """Queue `req`; `on_output` gets its outputs on the engine thread. Raises ValueError
+        """Queue `req`; `on_output` gets its outputs on the engine thread (a gated last one on
+        the gate's: see Outputs above). Raises ValueError
         for an invalid request, EngineOverloadedError when the queue is full."""
         self._validate(req)
         with self._lock:  # stop is set under this lock: a request put here is always drained
@@ -782,7 +786,8 @@ class Engine:
         try:
             pending.on_done(admission)
         except Exception:  # nobody took the pages: give them back, never leak them
-            self._callback_errors += 1
+            with self._lock:
+                self._callback_errors += 1
             logger.exception("reservation callback of %s raised", pending.rid)
             if admission.ok:
                 self.scheduler.release_reservation(pending.rid)
@@ -815,7 +820,8 @@ class Engine:
         try:
             req.on_output(output)
         except Exception:
-            self._callback_errors += 1
+            with self._lock:  # `_emit_late` counts from other threads
+                self._callback_errors += 1
             logger.exception("on_output of request %s raised", req.rid)
             if not req.finished:
                 self._fail([req], error="on_output callback raised")

@@ -8,7 +8,8 @@ so no engine work or KV page outlives its HTTP request. `EngineBridge.finish` co
 request once in the server's metrics, whichever way it ended.
 
 Threads: everything here runs on the event loop, except `EngineRequest.on_output` (engine
-thread), which only schedules a queue put on the loop.
+thread; a decode answer's gated last output: the decode transfer thread), which only
+schedules a queue put on the loop.
 """
 
 from __future__ import annotations

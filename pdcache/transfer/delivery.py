@@ -9,8 +9,13 @@ right behind the marks on each link; the prefill's control thread handles one li
 in order, so its `Pong` says the marks are recorded. The decode engine holds the request's
 last output until the delivery is done.
 
+A `Pong` says the prefill handled the frames before the ping: a registered decode's marks are
+recorded then; a prefill that no longer knows the decode (it restarted without a cluster
+secret) drops them but still answers, and waiting longer would not bring them back.
+
 A delivery is done once every peer it waits for answered, was dropped or declared lost, at
-the receiver's `pending_ack_timeout_s`, or when the receiver closes: never later. One-shot;
+the receiver's `pending_ack_timeout_s` (seen at its next control tick, <= 0.25 s later), or
+when the receiver closes. One-shot;
 callbacks run once, on the thread that completes it (the decode control thread, or the
 caller of `add_done_callback` when it is already done), and must not block.
 """
@@ -35,6 +40,7 @@ class MarksDelivery:
         self._lock = threading.Lock()
         self._waiting: dict[bytes, int] = {}  # link id -> seq of the ping that answers for it
         self._sealed = False  # every peer it waits for is registered
+        self._expected = False  # some peer was waited for (else nobody was there to answer)
         self._done = False
         self._callbacks: list[Callable[[], None]] = []
         self.answered_s: float | None = None  # creation to the last answer (None: not so)
@@ -56,14 +62,15 @@ class MarksDelivery:
         """Wait for the peer on `link_id` to answer ping `seq` (before `seal`)."""
         with self._lock:
             self._waiting[link_id] = seq
+            self._expected = True
 
     def seal(self) -> None:
         """Every peer is registered: done now if none is waited for."""
         with self._lock:
             self._sealed = True
-            ready = not self._waiting
+            ready, answered = not self._waiting, self._expected
         if ready:
-            self._finish(answered=True)
+            self._finish(answered=answered)
 
     def answered(self, link_id: bytes, seq: int) -> bool:
         """The peer on `link_id` answered ping `seq`: a pong answers every ping sent before it

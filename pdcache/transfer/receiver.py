@@ -206,7 +206,7 @@ class KVReceiver:
                          # marks deliveries (control thread): answered by every peer, or
                          # given up at pending_ack_timeout_s, and the answered ones' wait
                          "pending_marks_acked": 0, "pending_ack_timeouts": 0,
-                         "pending_ack_seconds_total": 0.0}
+                         "pending_ack_seconds_total": 0.0, "pending_marks_dropped": 0}
         self._seq = itertools.count(1)
         self._page_source: StagedPageSource | None = None
         self.pull_offered = False  # pending marks offer the pull (`serve_pulls`)
@@ -394,12 +394,16 @@ class KVReceiver:
         def send() -> None:  # control thread: the only one touching `_peers` and sockets
             peers = [p for p in self._peers.values() if p.ready.is_set() and not p.error]
             for peer in peers:
-                for msg in msgs:  # sealed per peer: each has its own link and boot
-                    self._send_frame(peer, msg)
-                if delivery is not None:  # answered once the prefill handled the marks
-                    seq = next(self._seq)
-                    delivery.expect(peer.link_id, seq)
-                    self._send_frame(peer, Ping(seq))
+                # sealed per peer (its own link and boot); every mark, even after a drop
+                sent = [self._send_frame(peer, msg) for msg in msgs]
+                if delivery is None:
+                    continue
+                if not all(sent):  # a mark dropped (queue full): no answer would bring it
+                    self.counters["pending_marks_dropped"] += 1
+                    continue
+                seq = next(self._seq)  # answered once the prefill handled the marks
+                delivery.expect(peer.link_id, seq)
+                self._send_frame(peer, Ping(seq))
             if peers:
                 self.counters[counter] += pages
             if delivery is not None:
@@ -517,13 +521,14 @@ class KVReceiver:
             return
         self._send_frame(peer, abort)
 
-    def _send_frame(self, peer: _Peer, msg: Message) -> None:
+    def _send_frame(self, peer: _Peer, msg: Message) -> bool:
         """Seal and send `msg`; authenticated, hold it until the prefill's boot id is known
-        (pings are dropped instead: the RegisterAck itself shows the peer is alive)."""
+        (pings are dropped instead: the RegisterAck itself shows the peer is alive). False
+        when it was dropped (the socket's queue is full) or held."""
         if self._auth is not None and peer.prefill_boot is None:
             if not isinstance(msg, Ping):
                 peer.held.append(msg)
-            return
+            return False
         frame = seal(msg, self._auth, peer.link_id + (peer.prefill_boot or b""))
         # With auth, the boot id sealed for goes along in clear: a restarted prefill at this
         # address tells a genuine stale frame from a forgery and answers "unregistered".
@@ -532,6 +537,8 @@ class KVReceiver:
             peer.socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("decode: control queue to %s is full; message dropped", peer.addr)
+            return False
+        return True
 
     def _advance(self, room: int, new: RoomState) -> None:
         try:
@@ -734,6 +741,11 @@ class KVReceiver:
 
     def _tick(self) -> None:
         now = time.monotonic()
+        # first: the only bound on an answer held for a peer that does not answer
+        for delivery in self._open_deliveries():
+            if now - delivery.created > self.config.pending_ack_timeout_s:
+                delivery.finish(timed_out=True)
+                self._settle_delivery(delivery)
         for peer in list(self._peers.values()):
             if now - peer.last_seen > self.config.peer_dead_after_s:
                 self._peer_lost(peer, now)
@@ -742,10 +754,6 @@ class KVReceiver:
                 self._send_frame(peer, Ping(next(self._seq)))
         for room in self.rooms.select(lambda r: not r.state.terminal and r.deadline < now):
             self._fail_local(room, "room deadline passed", code="timeout")
-        for delivery in self._open_deliveries():  # a peer that does not answer costs this
-            if now - delivery.created > self.config.pending_ack_timeout_s:
-                delivery.finish(timed_out=True)
-                self._settle_delivery(delivery)
         ack_limit = self.config.abort_ack_timeout_s
         for room in self.rooms.select(lambda r: r.busy and r.state.terminal
                                       and not r.data.held_for

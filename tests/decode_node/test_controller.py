@@ -26,7 +26,7 @@ from pdcache.engine.api import GenerateRequest, RequestOutput, SamplingParams
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdcache.engine.engine import Admission, Engine
 from pdcache.engine.loader import load_model
-from pdcache.transfer import Outcome, PrefillReport, RoomState
+from pdcache.transfer import MarksDelivery, Outcome, PrefillReport, RoomState
 
 
 class Books:
@@ -523,10 +523,14 @@ def test_the_books_catch_what_the_controller_prevents() -> None:
 # ---- the offload hold, with the real engine and DecodeScheduler ------------------------------
 
 class FakeOffload:
-    """The DecodeOffloadManager's side DecodeScheduler uses; copies end when the test says."""
+    """The DecodeOffloadManager's side DecodeScheduler uses; copies end when the test says.
+    For a rid in `gated`, `finish` returns a delivery of the request's marks that the test
+    answers (`deliveries[rid].answered(PREFILL_LINK, 1)`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gated: frozenset[str] = frozenset()) -> None:
         self.releases: dict[str, Callable[[], None]] = {}
+        self.gated = gated
+        self.deliveries: dict[str, MarksDelivery] = {}
 
     def track(self, rid: str, salt: str = "", session_id: str = "") -> None:
         pass
@@ -534,8 +538,15 @@ class FakeOffload:
     def due(self, rid: str, kv_len: int) -> bool:
         return False
 
-    def finish(self, rid: str, tokens, pages, on_released: Callable[[], None]) -> None:
+    def finish(self, rid: str, tokens, pages,
+               on_released: Callable[[], None]) -> MarksDelivery | None:
         self.releases[rid] = on_released
+        if rid not in self.gated:
+            return None
+        delivery = self.deliveries[rid] = MarksDelivery()
+        delivery.expect(PREFILL_LINK, 1)
+        delivery.seal()
+        return delivery
 
     def abort(self, rid: str, on_released: Callable[[], None]) -> None:
         self.releases[rid] = on_released
@@ -583,6 +594,42 @@ def test_offload_hold_keeps_pages_until_the_copies_are_done(tiny, ending: str) -
         assert controller.held() == []
     finally:
         engine.shutdown()
+
+
+PREFILL_LINK = b"prefill-link"
+
+
+def test_a_gated_answer_ends_only_once_its_marks_were_delivered(tiny) -> None:
+    """Req.output_gate (docs/design.md §4.10, "Delivery"): the finished request's last output
+    waits for the delivery of its pending marks, the engine serves others meanwhile, and the
+    tokens are those of an ungated run."""
+    def run(gated: bool) -> tuple[list[RequestOutput], list[int]]:
+        controller, offload = DecodeController(), FakeOffload(frozenset({"d"} if gated else ()))
+        engine = decode_engine(tiny, controller, offload)
+        controller.attach(engine, FakeReceiver(controller))
+        try:
+            outputs: list[RequestOutput] = []
+            prompt = list(range(3, 12))
+            engine.reserve("d", len(prompt))
+            engine.submit_prefilled(GenerateRequest("d", prompt, SamplingParams(
+                4, ignore_eos=True)), 5, outputs.append)
+            assert _wait(lambda: controller.held() == ["d"])  # finished on the engine
+            if gated:
+                other = engine.generate(GenerateRequest("u", [7, 8, 9], SamplingParams(
+                    3, ignore_eos=True)))  # served while d's answer waits
+                assert other[-1].finished and not any(o.finished for o in outputs)
+                offload.releases["u"]()
+                assert offload.deliveries["d"].answered(PREFILL_LINK, 1)  # the pong
+            assert _wait(lambda: outputs and outputs[-1].finished)
+            offload.releases["d"]()
+            return outputs, [t for o in outputs for t in o.new_token_ids]
+        finally:
+            engine.shutdown()
+
+    gated_outputs, gated_tokens = run(gated=True)
+    _, plain_tokens = run(gated=False)
+    assert gated_tokens == plain_tokens and len(gated_tokens) == 4
+    assert [o.finished for o in gated_outputs].count(True) == 1
 
 
 def _wait(predicate, timeout_s: float = 30.0) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import sys
+import threading
 import time
 
 import httpx
@@ -27,7 +28,7 @@ from pdcache.offload_manager.builder import (
     model_identity,
     storage_config_for,
 )
-from pdcache.offload_manager.hicache import HiCacheConfig
+from pdcache.offload_manager.hicache import HiCache, HiCacheConfig
 from pdcache.offload_manager.pending import PendingPages
 from pdcache.transfer import MarksDelivery, TransferConfig
 from tests.pd_harness import (
@@ -189,7 +190,35 @@ def test_the_wait_does_not_depend_on_the_store(tmp_path, tiny) -> None:
     assert pending(metrics, "raced") == 0 and pending(metrics, "waited") > 0
 
 
-SLOW_MARK_S = 1.0  # a prefill control thread that takes this long to record a mark
+# a prefill control thread records a mark only after the next lookup, or after this: under
+# the nodes' heartbeat deadline (0.5 s x 5), so the mark's delivery ends with a pong
+SLOW_MARK_S = 1.5
+
+
+class LateMarks:
+    """The adversary: `PendingPages.pending` (prefill's control thread) holds each mark until
+    a lookup later than its arrival ran (`HiCache.start_prefetch`), at most SLOW_MARK_S."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.lookups = 0
+        self.changed = threading.Condition()
+        record, lookup = PendingPages.pending, HiCache.start_prefetch
+
+        def late_record(pages, *args, **kwargs) -> None:
+            with self.changed:
+                seen = self.lookups
+                self.changed.wait_for(lambda: self.lookups > seen, SLOW_MARK_S)
+            record(pages, *args, **kwargs)
+
+        def counted_lookup(cache, *args, **kwargs) -> int:
+            found = lookup(cache, *args, **kwargs)
+            with self.changed:
+                self.lookups += 1
+                self.changed.notify_all()
+            return found
+
+        monkeypatch.setattr(PendingPages, "pending", late_record)
+        monkeypatch.setattr(HiCache, "start_prefetch", counted_lookup)
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["answer-waits", "no-wait"])
@@ -201,15 +230,9 @@ def test_the_answer_waits_for_prefill_to_record_its_pending_pages(
     next turn first and recomputed the answer. Decode's last output now waits until the
     prefill answered a ping sent behind the marks; with that wait removed (`gated` False:
     every delivery counts as done at once) the next turn misses its answer."""
-    record = PendingPages.pending
-
-    def slow_record(self, *args, **kwargs) -> None:
-        time.sleep(SLOW_MARK_S)
-        record(self, *args, **kwargs)
-
-    monkeypatch.setattr(PendingPages, "pending", slow_record)
-    # writes land well after the slow mark, so only the mark can tell the next turn
-    monkeypatch.setattr(sys.modules[__name__], "WRITE_DELAY_S", 4 * SLOW_MARK_S)
+    LateMarks(monkeypatch)
+    # writes land well after the late mark, so only the mark can tell the next turn
+    monkeypatch.setattr(sys.modules[__name__], "WRITE_DELAY_S", 3 * SLOW_MARK_S)
     if not gated:
         monkeypatch.setattr(MarksDelivery, "add_done_callback", lambda self, fn: fn())
     sessions, metrics, receiver = run(tmp_path, tiny, True, [64, 64, PROBE_ANSWER], sessions=1)
@@ -221,4 +244,4 @@ def test_the_answer_waits_for_prefill_to_record_its_pending_pages(
     (turns,) = sessions
     found = [turn["meta_info"]["cached_tokens_details"]["storage_from_decode"]
              for _, turn in turns[1:]]
-    assert 0 in found, f"every next turn found its answer without waiting for the mark: {found}"
+    assert found == [0, 0], f"a next turn found its answer without waiting for the mark: {found}"

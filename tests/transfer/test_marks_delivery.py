@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pdcache.transfer import KVReceiver, KVSender, MarksDelivery, TransferConfig
+from pdcache.utils.secret import derive_key
 
 KEYS = [hashlib.sha256(bytes([i])).digest() for i in range(5)]
 HELD_S = 10.0  # bound of the gated sink's wait (the tests release it far sooner)
@@ -44,19 +45,30 @@ class GatedSink:
         pass
 
 
-def pair(sink: GatedSink, ack_timeout_s: float = 5.0) -> tuple[KVSender, KVReceiver]:
+def pair(sink: GatedSink, ack_timeout_s: float = HELD_S, secret: bytes | None = None,
+         **settings: float) -> tuple[KVSender, KVReceiver]:
     config = TransferConfig(engine="zmq", bootstrap_timeout_s=5, room_timeout_s=5,
-                            pending_ack_timeout_s=ack_timeout_s)
+                            pending_ack_timeout_s=ack_timeout_s, **settings)
+    key = derive_key(secret, "zmq-control") if secret else None
     kv = torch.zeros(2, 2, 4, 4, 2, 8)
-    sender = KVSender(config, kv, on_pages=sink).start()
-    receiver = KVReceiver(config, kv).start()
+    sender = KVSender(config, kv, on_pages=sink, control_key=key).start()
+    receiver = KVReceiver(config, kv, control_key=key).start()
     receiver.connect(sender.bootstrap_addr)
     return sender, receiver
 
 
-def test_done_only_once_the_prefill_recorded_the_marks() -> None:
+def counted(receiver: KVReceiver, name: str, value: float) -> bool:
+    """The control thread counts a delivery right after its callbacks ran: wait for it."""
+    deadline = time.monotonic() + 5
+    while receiver.stats()[name] != value and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return receiver.stats()[name] == value
+
+
+@pytest.mark.parametrize("secret", [None, b"a cluster secret for this test"], ids=["plain", "auth"])
+def test_done_only_once_the_prefill_recorded_the_marks(secret: bytes | None) -> None:
     sink = GatedSink()
-    sender, receiver = pair(sink)
+    sender, receiver = pair(sink, secret=secret)
     try:
         delivery = receiver.announce_pending(KEYS, 10.0)
         delivery.add_done_callback(lambda: sink.log.append("delivered"))
@@ -67,8 +79,8 @@ def test_done_only_once_the_prefill_recorded_the_marks() -> None:
         assert delivery.wait(5)
         assert sink.log == ["recorded", "delivered"]
         assert not delivery.timed_out and delivery.answered_s is not None
-        stats = receiver.stats()
-        assert stats["pending_marks_acked"] == 1 and stats["pending_ack_timeouts"] == 0
+        assert counted(receiver, "pending_marks_acked", 1)
+        assert receiver.stats()["pending_ack_timeouts"] == 0
     finally:
         sink.release.set()
         receiver.close()
@@ -84,7 +96,45 @@ def test_a_peer_that_does_not_answer_costs_at_most_the_ack_timeout() -> None:
         assert delivery.wait(5), "the delivery outlived its timeout"
         assert time.monotonic() - start >= 0.3
         assert delivery.timed_out and sink.log == []  # given up on, not answered
-        assert receiver.stats()["pending_ack_timeouts"] == 1
+        assert counted(receiver, "pending_ack_timeouts", 1)
+    finally:
+        sink.release.set()
+        receiver.close()
+        sender.close()
+
+
+def test_every_peer_answers_before_it_is_done() -> None:
+    """Two prefill peers: the delivery waits for the slow one too."""
+    slow, quick = GatedSink(), GatedSink()
+    quick.release.set()
+    sender, receiver = pair(slow)
+    other = KVSender(receiver.config, torch.zeros(2, 2, 4, 4, 2, 8), on_pages=quick).start()
+    try:
+        receiver.connect(other.bootstrap_addr)
+        delivery = receiver.announce_pending(KEYS, 10.0)
+        assert slow.entered.wait(5) and quick.entered.wait(5)
+        assert not delivery.wait(0.2) and quick.log == ["recorded"]
+        slow.release.set()
+        assert delivery.wait(5) and not delivery.timed_out
+        assert delivery.answered_s is not None and slow.log == ["recorded"]
+    finally:
+        slow.release.set()
+        receiver.close()
+        other.close()
+        sender.close()
+
+
+def test_a_peer_declared_lost_is_not_waited_for() -> None:
+    """A prefill that stops answering altogether (here: its control thread stuck in the sink)
+    is declared lost after its heartbeat deadline: the answer waits that long, not the ack
+    bound (HELD_S)."""
+    sink = GatedSink()
+    sender, receiver = pair(sink, heartbeat_interval_s=0.1, heartbeat_misses=3)
+    try:
+        delivery = receiver.announce_pending(KEYS, 10.0)
+        assert delivery.wait(HELD_S / 2), "waited for a lost peer"
+        assert not delivery.timed_out and delivery.answered_s is None and sink.log == []
+        assert receiver.stats()["peers_lost"] >= 1
     finally:
         sink.release.set()
         receiver.close()
@@ -93,12 +143,15 @@ def test_a_peer_that_does_not_answer_costs_at_most_the_ack_timeout() -> None:
 
 def test_without_a_peer_or_once_closed_nothing_waits() -> None:
     sink = GatedSink()
-    config = TransferConfig(engine="zmq", bootstrap_timeout_s=5, room_timeout_s=5)
+    config = TransferConfig(engine="zmq", bootstrap_timeout_s=5, room_timeout_s=5,
+                            pending_ack_timeout_s=HELD_S)
     receiver = KVReceiver(config, torch.zeros(2, 2, 4, 4, 2, 8)).start()
     sender = KVSender(config, torch.zeros(2, 2, 4, 4, 2, 8), on_pages=sink).start()
     try:
         try:
-            assert receiver.announce_pending(KEYS, 10.0).wait(5)  # nobody to hear it
+            alone = receiver.announce_pending(KEYS, 10.0)
+            assert alone.wait(5) and alone.answered_s is None  # nobody to hear it
+            assert receiver.stats()["pending_marks_acked"] == 0
             receiver.connect(sender.bootstrap_addr)
             open_one = receiver.announce_pending(KEYS, 10.0)
             assert sink.entered.wait(5) and not open_one.done
