@@ -10,7 +10,8 @@ page, never another tenant's; the owner of a page is known for the pages this pr
 (pages found at open belong to no tenant). `eviction = "session"`: the capacity evicts by
 conversation (`storage.lifecycle`: closed sessions' pages first, active sessions' protected
 within the bound); quotas still evict a tenant's own LRU page. Thread-safe: the LRU index
-(and the lifecycle) has a lock.
+(and the lifecycle) has a lock; a put reserves its slot before writing the file, and a slot
+whose file is still being written is never the capacity's victim.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class FileBackend(StorageBackend):
         self._warn = RateLimitedLog(log)
         self._rejected = RejectedKeys()  # keys whose stored page a read here refused
         self._lru: OrderedDict[bytes, None] = OrderedDict()
+        # keys whose slot a put reserved and whose file it is still writing (how many puts):
+        # never a victim, or the put's finish would bring back a page that has no room
+        self._writing: dict[bytes, int] = {}
         slot = HEADER_BYTES + config.page_bytes  # what one stored page costs a quota
         self._quota_pages = {ns: max(1, quota // slot)
                              for ns, quota in config.namespace_quotas.items()}
@@ -268,9 +272,8 @@ class FileBackend(StorageBackend):
         self, key: bytes, page: HostPage, origin: str, owner: str = "", session: str = ""
     ) -> bool:
         path = self.page_path(key)
-        if path.exists():
+        if path.exists() and self._refresh_present(key, session):
             self.counters.add("pages_skipped")
-            self._touch(key, session=session)
             return True
         payload = payload_views(page)
         header = encode_header(self.spec, key, origin, payload)
@@ -285,12 +288,35 @@ class FileBackend(StorageBackend):
             self._warn.warning("write", "file storage: writing %s failed: %s", path, exc)
             self.counters.add("write_errors")
             with self._lock:  # give back the slot _make_room reserved
+                self._end_write_locked(key)
                 if not path.exists():
                     self._lru.pop(key, None)
             return False
-        self._touch(key, owner, session)
+        if not self._commit_write(key, owner, session):
+            self.counters.add("full_rejects")
+            return False
         self.counters.add_many(pages_written=1, bytes_written=self.spec.payload_bytes)
         return True
+
+    def _commit_write(self, key: bytes, owner: str, session: str) -> bool:
+        """The page's file is in place: index it. Its reserved slot may have gone meanwhile
+        (a delete of the key): then it needs room again, and without any the page goes."""
+        with self._lock:
+            self._end_write_locked(key)
+            if key not in self._lru and not self._fit_one_locked():
+                self._unlink_locked(key)
+                return False
+            self._touch_locked(key, owner)
+            if self._lifecycle is not None:
+                self._lifecycle.stored(key, session)
+        return True
+
+    def _end_write_locked(self, key: bytes) -> None:
+        left = self._writing[key] - 1
+        if left:
+            self._writing[key] = left
+        else:
+            del self._writing[key]
 
     def _write_atomic(self, path: Path, header: bytes, payload: list[memoryview]) -> None:
         path.parent.mkdir(exist_ok=True)
@@ -313,24 +339,29 @@ class FileBackend(StorageBackend):
         in the same critical section (concurrent writers cannot both take the last slot);
         False if nothing can go."""
         with self._lock:
-            if not self.capacity_pages or key in self._lru:
-                self._lru[key] = None
-                return True
-            while len(self._lru) >= self.capacity_pages:
-                victim = self._victim_locked()
-                if victim is None:
-                    return False
-                self._unlink_locked(victim)
-                self.counters.add("evictions")
+            if key not in self._lru and not self._fit_one_locked():
+                return False
             self._lru[key] = None
+            self._writing[key] = self._writing.get(key, 0) + 1
             return True
 
+    def _fit_one_locked(self) -> bool:
+        """Evict until one more page fits the capacity; False if nothing can go."""
+        while self.capacity_pages and len(self._lru) >= self.capacity_pages:
+            victim = self._victim_locked()
+            if victim is None:
+                return False
+            self._unlink_locked(victim)
+            self.counters.add("evictions")
+        return True
+
     def _victim_locked(self) -> bytes | None:
-        """The next page the capacity evicts: the lifecycle's (closed sessions first), or the
-        least recently used; None when nothing can go (only reserved slots left)."""
+        """The next page the capacity evicts: the lifecycle's (closed sessions first; it
+        knows only stored pages), or the least recently used page not being written; None
+        when nothing can go (only reserved slots left)."""
         if self._lifecycle is not None:
             return self._lifecycle.evict()
-        return next(iter(self._lru), None)
+        return next((key for key in self._lru if key not in self._writing), None)
 
     def _make_quota_room(self, owner: str) -> None:
         """Evict `owner`'s least recently used pages until one more of its pages fits its
@@ -343,6 +374,19 @@ class FileBackend(StorageBackend):
                 victim, _ = owned.popitem(last=False)
                 self._unlink_locked(victim)
             self.counters.add("quota_evictions")
+
+    def _refresh_present(self, key: bytes, session: str) -> bool:
+        """A put of a page found on disk: refresh it, unless it was evicted since (False: the
+        put writes it again). One known only to the directory (another process wrote it)
+        takes a slot like a write."""
+        with self._lock:  # unlinks happen under it: the file's presence is settled here
+            if key not in self._lru and (not self.page_path(key).exists()
+                                         or not self._fit_one_locked()):
+                return False
+            self._touch_locked(key, "")
+            if self._lifecycle is not None:
+                self._lifecycle.stored(key, session)
+        return True
 
     def _touch(self, key: bytes, owner: str = "", session: str = "") -> None:
         """A write's refresh (the page was written, or found present, for `session`)."""

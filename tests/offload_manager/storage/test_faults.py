@@ -384,6 +384,57 @@ def test_concurrent_readers_and_writers_never_see_wrong_bytes(
         backend.close()
 
 
+class StalledWrite:
+    """The file backend's write of `key` stalls until `release` (a slow disk under one put
+    while other puts run): `started` is set once its slot is reserved and its file begun."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, key: bytes) -> None:
+        from pdcache.offload_manager.storage.file import FileBackend
+
+        self.started, self.release = threading.Event(), threading.Event()
+        write = FileBackend._write_atomic
+
+        def stalled(backend, path, header, payload) -> None:
+            if path == backend.page_path(key):
+                self.started.set()
+                self.release.wait(10)
+            write(backend, path, header, payload)
+
+        monkeypatch.setattr(FileBackend, "_write_atomic", stalled)
+
+
+@pytest.mark.parametrize("meanwhile", ["fill", "delete"])
+def test_a_file_put_in_flight_keeps_the_capacity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 meanwhile: str) -> None:
+    """The flake of the concurrent test above, made deterministic: a put whose file is still
+    being written holds a reserved slot. `fill`: others fill the store meanwhile; the reserved
+    slot is never their victim (it was, and the put's finish brought its page back over
+    capacity). `delete`: the key is deleted meanwhile; the finished put takes a slot again."""
+    backend = create_backend(_config(tmp_path, "file", capacity_pages=2))
+    keys, pages = _keys(3), _pages(3)
+    stall = StalledWrite(monkeypatch, keys[0])
+    slow = threading.Thread(target=backend.put_from, args=([keys[0]], [pages[0]]))
+    try:
+        slow.start()
+        assert stall.started.wait(10)
+        assert backend.put_from([keys[1]], [pages[1]]) == [True]
+        if meanwhile == "delete":
+            backend.delete([keys[0]])
+        assert backend.put_from([keys[2]], [pages[2]]) == [True]
+        stall.release.set()
+        slow.join(10)
+        assert not slow.is_alive()
+        stats = backend.stats()
+        assert stats["used_pages"] == 2 and stats["evictions"] == 1
+        out = torch.zeros(3, PAGE_BYTES, dtype=torch.uint8)
+        found = backend.get_into(keys, list(out))
+        assert found == [True, False, True]  # the page written last in each slot, intact
+        assert torch.equal(out[0], pages[0]) and torch.equal(out[2], pages[2])
+    finally:
+        stall.release.set()
+        backend.close()
+
+
 def test_service_capacity_caps_the_pool_and_evicts_lru(tmp_path: Path) -> None:
     with LocalMetadataService(tmp_path / "state", capacity_pages=3) as svc:
         backend = create_backend(
