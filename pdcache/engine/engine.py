@@ -815,25 +815,22 @@ class Engine:
                 self._live_rids.discard(req.rid)
             if req.output_gate is not None:  # the last output waits (Req.output_gate)
                 gate, req.output_gate = req.output_gate, None
-                gate(functools.partial(self._emit_late, req, output))
+                gate(functools.partial(self._deliver, req, output))
                 return
-        try:
-            req.on_output(output)
-        except Exception:
-            with self._lock:  # `_emit_late` counts from other threads
-                self._callback_errors += 1
-            logger.exception("on_output of request %s raised", req.rid)
-            if not req.finished:
-                self._fail([req], error="on_output callback raised")
+        if not self._deliver(req, output) and not req.finished:
+            self._fail([req], error="on_output callback raised")
 
-    def _emit_late(self, req: Req, output: RequestOutput) -> None:
-        """A finished request's gated last output (any thread: the gate's)."""
+    def _deliver(self, req: Req, output: RequestOutput) -> bool:
+        """Hand `output` to the request's callback; False when it raised (counted). Any
+        thread: a gated last output is delivered on the gate's."""
         try:
             req.on_output(output)
         except Exception:
-            with self._lock:
+            with self._lock:  # gated outputs count from other threads
                 self._callback_errors += 1
             logger.exception("on_output of request %s raised", req.rid)
+            return False
+        return True
 
     def _output_of(self, req: Req) -> RequestOutput:
         new_tokens = req.take_new_tokens()

@@ -376,6 +376,8 @@ class KVReceiver:
             if self._deliveries_closed:
                 return MarksDelivery.completed()
             self._deliveries.add(delivery)
+        # first callback: counted before the answer it gates goes out
+        delivery.add_done_callback(lambda: self._settle_delivery(delivery))
         self._broadcast(marks, "pending_pages_announced", len(keys), delivery)
         return delivery
 
@@ -408,14 +410,13 @@ class KVReceiver:
                 self.counters[counter] += pages
             if delivery is not None:
                 delivery.seal()
-                self._settle_delivery(delivery)
 
         self._loop.call_soon(send)
 
     def _settle_delivery(self, delivery: MarksDelivery) -> None:
-        """Forget a delivery that is done (control thread), counting how it ended."""
-        if not delivery.done:
-            return
+        """A delivery is done (its first callback): forget it and count how it ended. Runs on
+        the control thread, except for the deliveries close() ends, which it no longer
+        holds (not counted: the counters are the control thread's)."""
         with self._deliveries_lock:
             if delivery not in self._deliveries:
                 return
@@ -635,13 +636,11 @@ class KVReceiver:
         # last_seen already refreshed; the pong answers every ping before it on this link
         for delivery in self._open_deliveries():
             delivery.answered(peer.link_id, msg.seq)
-            self._settle_delivery(delivery)
 
     def _forget_link(self, link_id: bytes) -> None:
         """A peer is dropped or lost: no delivery waits for its answer any more."""
         for delivery in self._open_deliveries():
             delivery.drop(link_id)
-            self._settle_delivery(delivery)
 
     def _on_pull_pages(self, peer: _Peer, msg: PullPages) -> None:
         """A registered prefill asks for staged pages: the pull worker answers (control
@@ -745,7 +744,6 @@ class KVReceiver:
         for delivery in self._open_deliveries():
             if now - delivery.created > self.config.pending_ack_timeout_s:
                 delivery.finish(timed_out=True)
-                self._settle_delivery(delivery)
         for peer in list(self._peers.values()):
             if now - peer.last_seen > self.config.peer_dead_after_s:
                 self._peer_lost(peer, now)

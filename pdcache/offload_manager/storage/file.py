@@ -306,9 +306,7 @@ class FileBackend(StorageBackend):
             if key not in self._lru and not self._fit_one_locked():
                 self._unlink_locked(key)
                 return False
-            self._touch_locked(key, owner)
-            if self._lifecycle is not None:
-                self._lifecycle.stored(key, session)
+            self._stored_locked(key, owner, session)
         return True
 
     def _end_write_locked(self, key: bytes) -> None:
@@ -383,17 +381,18 @@ class FileBackend(StorageBackend):
             if key not in self._lru and (not self.page_path(key).exists()
                                          or not self._fit_one_locked()):
                 return False
-            self._touch_locked(key, "")
-            if self._lifecycle is not None:
-                self._lifecycle.stored(key, session)
+            self._stored_locked(key, "", session)
         return True
 
     def _touch(self, key: bytes, owner: str = "", session: str = "") -> None:
         """A write's refresh (the page was written, or found present, for `session`)."""
         with self._lock:
-            self._touch_locked(key, owner)
-            if self._lifecycle is not None:
-                self._lifecycle.stored(key, session)
+            self._stored_locked(key, owner, session)
+
+    def _stored_locked(self, key: bytes, owner: str, session: str) -> None:
+        self._touch_locked(key, owner)
+        if self._lifecycle is not None:
+            self._lifecycle.stored(key, session)
 
     def _touch_locked(self, key: bytes, owner: str) -> None:
         self._lru[key] = None
