@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -85,6 +87,15 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> float:
     start, limit_s = time.monotonic(), scaled_limit(timeout_s)
     while not pred():
         if time.monotonic() - start > limit_s:
+            dump_threads()
             pytest.fail(f"timed out after {limit_s:.1f}s (bound {timeout_s}s) waiting for {what}")
         time.sleep(0.005)
     return time.monotonic() - start
+
+
+def dump_threads() -> None:
+    """Every thread's stack to stderr (the test's captured output), for a wait that failed:
+    one CI run saw every control thread of the process stall at once on an idle machine, so
+    the thread holding them up is what the report needs."""
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

@@ -38,6 +38,7 @@ from pdcache.transfer.messages import (
     pack_pages,
 )
 from tests.transfer_support import (
+    dump_threads,
     engine_params,
     fast_config,
     make_pool,
@@ -391,6 +392,7 @@ class _SilentPrefill:
                 msg = decode(frame, 1 << 20)
                 if isinstance(msg, msg_type):
                     return identity, msg
+        dump_threads()
         raise AssertionError(f"no {msg_type.__name__} from decode")
 
     def register(self, boot: bytes) -> bytes:
