@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -145,5 +146,27 @@ def test_a_closed_nixl_engine_stops_its_progress_thread_while_still_referenced(e
     time.sleep(0.5)
     # Idle, the process uses almost none of the wall time; one spinning thread uses all of it.
     assert _process_cpu_s() - cpu_before < 0.25 * (time.monotonic() - wall_before)
+    with pytest.raises(EngineError, match="closed"):
+        initiator.write(peer, good, 1.0)
+
+
+@pytest.mark.parametrize("engine_pair", engine_params(("mooncake",)), indirect=True)
+def test_a_closed_mooncake_engine_is_destroyed_by_close_not_by_a_later_collection(
+        engine_pair) -> None:
+    """Mooncake's TransferEngine destructor holds the GIL about a second. Left to the garbage
+    collector it ran inside whatever later code triggered a collection: in the suite, a later
+    test's every control thread stalled past its heartbeat deadline at once. close() destroys
+    it while the engine objects are still referenced (the fixture holds both)."""
+    initiator, target = engine_pair
+    src, dst = make_pool(4, seed=3), make_pool(4, seed=None)
+    target.register_target(dst.data_ptr(), dst.numel() * dst.element_size())
+    initiator.register_source(src.data_ptr(), src.numel() * src.element_size())
+    peer = initiator.add_peer(target.session())
+    good = WriteBatch(np.array([src.data_ptr()]), np.array([dst.data_ptr()]), np.array([512]))
+    initiator.write(peer, good, 10.0)
+    mooncake_objects = [weakref.ref(side._engine) for side in (initiator, target)]
+    initiator.close()
+    target.close()
+    assert [ref() is None for ref in mooncake_objects] == [True, True]
     with pytest.raises(EngineError, match="closed"):
         initiator.write(peer, good, 1.0)

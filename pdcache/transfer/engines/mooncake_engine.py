@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pdcache.transfer.config import TransferConfig
 from pdcache.transfer.engines.base import EngineError, EngineTimeout, KVTransferEngine
@@ -124,7 +125,7 @@ class MooncakeEngine(KVTransferEngine):
 
     def __init__(self, config: TransferConfig) -> None:
         super().__init__(config)
-        self._engine = _load_engine_class()()
+        self._engine = _load_engine_class()()  # None once closed (close())
         rc = self._engine.initialize(config.local_host, config.metadata_server, config.protocol,
                                      config.device_names)
         if rc != 0:
@@ -140,6 +141,12 @@ class MooncakeEngine(KVTransferEngine):
         self._rates: dict[str, _RateEstimate] = {}  # per peer session, under self._lock
         self._closed = False
 
+    def _live(self) -> Any:  # mooncake.engine.TransferEngine
+        engine = self._engine
+        if engine is None:
+            raise EngineError("mooncake: the engine is closed")
+        return engine
+
     def _rate_of(self, session: str) -> _RateEstimate:
         with self._lock:
             return self._rates.setdefault(session, _RateEstimate())
@@ -154,7 +161,7 @@ class MooncakeEngine(KVTransferEngine):
         self._register(addr, nbytes)
 
     def _register(self, addr: int, nbytes: int) -> None:
-        rc = self._engine.register_memory(addr, nbytes)
+        rc = self._live().register_memory(addr, nbytes)
         if rc != 0:
             raise EngineError(f"mooncake: register_memory({addr:#x}, {nbytes}) failed with {rc}")
         with self._lock:
@@ -172,12 +179,12 @@ class MooncakeEngine(KVTransferEngine):
         limit = self.config.max_batch_entries
         for start in range(0, len(batch), limit):
             stop = start + limit
-            batch_id = self._engine.batch_transfer_async_write(
+            batch_id = self._live().batch_transfer_async_write(
                 peer, batch.srcs[start:stop].tolist(), batch.dsts[start:stop].tolist(),
                 batch.lengths[start:stop].tolist())
             if batch_id <= 0:
                 if batch_ids:
-                    self._engine.get_batch_transfer_status(batch_ids)  # reap what started
+                    self._live().get_batch_transfer_status(batch_ids)  # reap what started
                 raise EngineError(f"mooncake → {peer}: submitting a batch failed ({batch_id})")
             batch_ids.append(batch_id)
         return _Ticket(peer, batch_ids, batch.nbytes, submitted=time.monotonic())
@@ -196,7 +203,7 @@ class MooncakeEngine(KVTransferEngine):
             raise EngineTimeout(f"mooncake → {ticket.session}: another wait is in progress")
         try:
             ticket.done = True  # the status call frees Mooncake's batch descriptors either way
-            rc = self._engine.get_batch_transfer_status(ticket.batch_ids)
+            rc = self._live().get_batch_transfer_status(ticket.batch_ids)
         finally:
             self._wait_lock.release()
         if rc == 0:
@@ -210,13 +217,25 @@ class MooncakeEngine(KVTransferEngine):
         if not ticket.done:
             ticket.done = True
             with self._wait_lock:
-                self._engine.get_batch_transfer_status(ticket.batch_ids)
+                self._live().get_batch_transfer_status(ticket.batch_ids)
 
     def close(self) -> None:
+        """Unregister our memory and destroy Mooncake's TransferEngine now, on this thread.
+
+        Its C++ destructor holds the GIL about a second per engine (measured: 1.0 s, every
+        other Python thread of the process stops meanwhile). Left to the garbage collector
+        (the sender and receiver sit in reference cycles) it ran at whatever allocation
+        triggered the next collection: in the test suite, seconds into a later test, where
+        every control thread missed its heartbeats at once. Dropping our reference here makes
+        that stall part of close(), where the caller expects to wait."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             registered, self._registered = self._registered, []
+            engine, self._engine = self._engine, None
         for addr in registered:
-            self._engine.unregister_memory(addr)
+            engine.unregister_memory(addr)
+        # a straggling worker still inside a Mooncake call holds its own reference; otherwise
+        # ours is the last and the destructor runs when `engine` goes with this frame
+        del engine
