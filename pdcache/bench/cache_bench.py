@@ -35,8 +35,8 @@ with the copies on the copier thread (`HiCacheConfig.copy_ahead`, off by default
 tiers `drop_cache` emptied just before (a long-running node), where the other storage rows
 build a fresh engine per sample. `--page-mac on` seals the stored pages (a page MAC, as under
 a cluster secret). The hf3fs rows then read as nodes do by default (`--storage-pipeline
-default`: pages of 1 MiB or more verified in groups beside the next group's reads, smaller ones
-page by page); `off` reads them page by page (`pipeline_pages = 0`), and `both` adds a
+default`: each read in groups beside the next group's reads or page by page, whichever
+measured faster lately); `off` reads them page by page (`pipeline_pages = 0`), and `both` adds a
 `-pipelined` row for hf3fs-serial: the same reads verifying page groups beside the next group's
 reads (`pipeline_pages = 4`, storage/page_pipeline.py) beside the page-by-page rows. A second
 table gives storage read GB/s beside a plain memcpy and a plain file read of the same bytes (`pdcache
@@ -80,8 +80,8 @@ STREAMING = ("hf3fs", "file")  # backends with a layer-major read
 # loads always copy on the engine thread.
 COPIED_AHEAD = ("hf3fs-serial", "file-serial", "mooncake")
 # `-pipelined` rows: sealed pages verified beside the next group's reads (pipeline_pages =
-# PIPELINED_PAGES, page_pipeline.py); the other rows read as the store's default does (groups
-# for pages of 1 MiB or more, page by page below), or page by page (--storage-pipeline off/both)
+# PIPELINED_PAGES, page_pipeline.py); the other rows read as the store's default does (each
+# batch the way that measured faster), or page by page (--storage-pipeline off/both)
 PIPELINED = ("hf3fs-serial",)
 PIPELINED_PAGES = PIPELINE_ON_PAGES  # the "+mac pipelined" / "-pipelined" rows ([storage] page_pipeline = "on")
 BENCH_SECRET = b"pdcache bench cache: a fixed secret, never a deployment's" * 2
@@ -126,8 +126,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage-pipeline", default="default",
                         choices=["default", "on", "off", "both"],
                         help="hf3fs reads of sealed pages (--page-mac on) as the store's default "
-                             "does (default: in groups beside the next group's reads from 1 MiB "
-                             "pages, page by page below), page by page (off: pipeline_pages 0), "
+                             "does (default: in groups beside the next group's reads or page by "
+                             "page, whichever measured faster), page by page (off: pipeline_pages 0), "
                              "in groups (on: the hf3fs-serial-pipelined rows, pipeline_pages "
                              f"{PIPELINED_PAGES}), or page by page and in groups (both)")
     parser.add_argument("--layers-per-read", type=int, default=None,

@@ -57,8 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pipeline",
         choices=("default", "on", "off", "both", "all"),
         default="default",
-        help="+mac rows of hf3fs (one I/O thread): the store's default (' +mac': reads of pages "
-        ">= 1 MiB verified in groups beside the I/O, the rest page by page), verifying/sealing "
+        help="+mac rows of hf3fs (one I/O thread): the store's default (' +mac': each batch "
+        "pipelined or page by page, whichever measured faster lately), verifying/sealing "
         f"page groups beside the I/O (on: ' +mac pipelined', pipeline_pages = {PIPELINED_PAGES}"
         "), page by page (off: ' +mac page by page', pipeline_pages = 0), default and on "
         "(both), or all three, in the same run; other backends always go page by page",

@@ -225,9 +225,10 @@ class StorageSpec:
     # every write call waits this long first: emulates a slow or distant store (benchmarks,
     # and the tests of the durable next turn); 0 = off
     write_delay_s: float = 0.0
-    # hf3fs with sealed pages (a cluster secret): "auto" verifies reads of pages of 1 MiB or
-    # more in groups on a helper thread beside the next group's read (posix I/O), "on" reads
-    # and writes in groups, "off" page by page (docs/security.md "Verified beside the read")
+    # hf3fs with sealed pages (a cluster secret): "on" verifies (seals) page groups on a helper
+    # thread beside the next group's read (write), "off" goes page by page, "auto" runs each
+    # batch the way that measured faster lately (posix I/O; docs/security.md "Verified beside
+    # the read")
     page_pipeline: Literal["auto", "on", "off"] = "auto"
     metadata_service: MetadataServiceSpec = field(default_factory=MetadataServiceSpec)
     mooncake: MooncakeStoreSpec = field(default_factory=MooncakeStoreSpec)

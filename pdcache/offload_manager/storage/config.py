@@ -137,8 +137,8 @@ class StorageConfig:
     # hf3fs with sealed pages (page_mac_key) and one I/O thread: > 0 verifies (reads) and
     # seals (writes) groups of at least this many pages (and 2 MiB) on a helper thread beside
     # the I/O of the next group (page_pipeline.py); 0: page by page on the I/O thread; None
-    # (default, "auto"): reads of pages of at least 1 MiB in groups (faster there, storage
-    # alone and in the HiCache path), smaller pages and every write page by page
+    # (default, "auto"): each batch pipelined or page by page, whichever measured faster
+    # lately (page_pipeline.AdaptiveChoice: the pipeline wins only with a free core)
     # (docs/security.md "Verified beside the read")
     pipeline_pages: int | None = None
     num_data_files: int = 4

@@ -15,9 +15,9 @@ Each page is read and verified in turn (a usrbio ring batch at a time); several 
 each read and verify (seal and write) their own chunk. With sealed pages and one I/O thread a
 batch can move in groups (`page_pipeline.group_pages_for`: at least 2 MiB; for usrbio at least
 half its ring): the pipeline's helper thread verifies group g while this thread reads group
-g+1, and (opted in) seals group g+1 while this thread writes group g. By default
-(`pipeline_pages` None) reads of pages of 1 MiB or more do, where it measured faster, storage
-alone and in the HiCache path (docs/security.md "Verified beside the read").
+g+1, and seals group g+1 while this thread writes group g. By default (`pipeline_pages`
+None) each batch runs that way or page by page, whichever measured faster lately: the
+pipeline needs a free core (docs/security.md "Verified beside the read").
 
 Thread-safety: the metadata client and counters lock; file descriptors are only used with
 positional IO, so concurrent batches are safe.
@@ -266,17 +266,17 @@ class Hf3fsBackend(StorageBackend):
             self._close_files()
             raise
         self._pool = ThreadPoolExecutor(config.io_threads) if config.io_threads > 1 else None
-        # one I/O thread, sealed pages: verify (and, opted in, seal) page groups on a helper
-        # beside the I/O (page_pipeline.py; by default reads of pages >= 1 MiB); a usrbio
-        # group is at least half its ring, so the ring stays full
+        # one I/O thread, sealed pages: verify and seal page groups on a helper beside the I/O
+        # (page_pipeline.py; by default each call as measured faster); a usrbio group is at
+        # least half its ring, so the ring stays full
         pipeline = config.pipeline_pages
         if pipeline is None and not isinstance(self.engine, PosixEngine):
-            pipeline = 0  # "auto" was measured with posix reads only (usrbio needs a 3FS mount)
-        groups = group_pages_for(pipeline, config.page_bytes, self.spec.sealer is not None)
+            pipeline = 0  # "auto" was measured with posix I/O only (usrbio needs a 3FS mount)
+        grouping = group_pages_for(pipeline, config.page_bytes, self.spec.sealer is not None)
         read_group, write_group = (max(g, self.engine.batch_pages // 2) if g else 0
-                                   for g in groups)
+                                   for g in (grouping.read, grouping.write))
         self._pipeline = PagePipeline(read_group, inline_group=self.engine.batch_pages,
-                                      write_group_pages=write_group)
+                                      write_group_pages=write_group, adaptive=grouping.adaptive)
         if isinstance(self.metadata, InProcMetadata) and config.recover_index:
             self.metadata.load(self._scan_headers())
 
@@ -479,6 +479,7 @@ class Hf3fsBackend(StorageBackend):
         except MetadataUnavailable:
             self.counters.add("metadata_errors")
         out["read_only"] = int(self.read_only)
+        out.update(self._pipeline.stats())
         return out
 
     def close(self) -> None:

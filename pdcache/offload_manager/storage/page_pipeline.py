@@ -5,28 +5,33 @@ next group (docs/security.md "Verified beside the read").
 Why: with a page MAC, verifying a page read from the page cache costs about as much CPU as
 reading it (GMAC ~24 us per 512 KiB page against a ~45 us `preadv` here), and OpenSSL releases
 the GIL while it MACs, so a second core verifies group g while the first copies group g+1 and
-the MAC leaves the critical path. Whether that pays depends on the page size, since each page
-also costs Python work that holds the GIL on both threads: reads of pages of 1 MiB and more
-(a 16-token page of an 8B-class bf16 model is 2 MiB) went from 0.77-0.79 to 0.95-1.07 of the
-read without the MAC (storage alone) and 17.0 -> 13.7 ms for 128 MiB in the HiCache read path;
-reads of 128 KiB pages gained nothing there (36.5 vs 32.6 ms), and sealed writes pipelined
-measured slower at every size (0.63-0.85 against 0.86-0.93 page by page). So
-`StorageConfig.pipeline_pages` None (the default, "auto") pipelines sealed reads of pages of at
-least `AUTO_READ_MIN_PAGE_BYTES` (posix I/O: `Hf3fsBackend` leaves unmeasured usrbio page by
-page) and writes page by page; 0 never pipelines; N > 0 pipelines reads and writes in groups of
-at least N pages (docs/security.md). Only sealed stores use it:
-the xxh3 checksum of an unsealed store is cheap, hot in cache right after the read, and holds
-the GIL (python-xxhash). Groups, not pages: a hand-off costs a few us of Python, so a group
-holds at least `MIN_GROUP_BYTES`.
+the MAC leaves the critical path. Whether that pays depends on whether a second core is free
+and on the page size (each page also costs Python work that holds the GIL on both threads).
+Measured storage alone on 2 cores (2026-12-05, read and write GB/s with the MAC over without):
+on a quiet machine pipelined reads 0.73-0.90 / 0.91-0.93 / 0.85-1.01 / 1.00-1.13 at 128 KiB /
+256 KiB / 512 KiB / 1 MiB pages against 0.76-0.81 page by page, and writes 0.63-0.83 /
+0.98-1.04 / 0.81-1.16 / 1.01-1.16 against 0.88-0.95 (runs of one day: the shared machine
+varies that much); beside one busy core pipelined lost at every size measured
+(reads 0.73 against 0.78 at 512 KiB, 0.73 against 0.78 at 1 MiB; writes 0.83-0.87 against
+0.91-0.94). No fixed rule wins both, so `StorageConfig.pipeline_pages` None (the default,
+"auto") measures: each call that could pipeline runs one way or the other as
+`AdaptiveChoice` says, from the seconds per page both ways have taken lately (posix I/O:
+`Hf3fsBackend` leaves unmeasured usrbio page by page). 0 never pipelines; N > 0 always
+pipelines reads and writes in groups of at least N pages (docs/security.md). Only sealed
+stores use it: the xxh3 checksum of an unsealed store is cheap, hot in cache right after the
+read, and holds the GIL (python-xxhash). Groups, not pages: a hand-off costs a few us of Python,
+so a group holds at least `MIN_GROUP_BYTES`.
 """
+
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 T = TypeVar("T")  # one item (a page's index, its key and slot, ...)
 S = TypeVar("S")  # what the first step of a group hands the second
@@ -34,27 +39,81 @@ R = TypeVar("R")  # one item's result
 
 THREAD_NAME = "pdcache-page-cpu"
 MIN_GROUP_BYTES = 2 << 20  # 4 pages of 512 KiB: amortises a hand-off, keeps the tail short
-AUTO_READ_MIN_PAGE_BYTES = 1 << 20  # "auto": sealed reads of pages this large go in groups
 
 
-def group_pages_for(pipeline_pages: int | None, page_bytes: int,
-                    sealed: bool) -> tuple[int, int]:
-    """(read, write) pages per group for a store (`StorageConfig.pipeline_pages`; 0: inline).
-    Unsealed stores and `pipeline_pages` 0: both inline. None ("auto"): reads of pages of at
-    least `AUTO_READ_MIN_PAGE_BYTES` in groups, writes inline. N: both in groups of at least N
-    pages. A group also holds at least `MIN_GROUP_BYTES`."""
+class Grouping(NamedTuple):
+    """How a store moves its pages (`group_pages_for`): pages per read group and per write
+    group (0: page by page), and whether each call chooses by measurement (`AdaptiveChoice`)."""
+
+    read: int
+    write: int
+    adaptive: bool
+
+
+def group_pages_for(pipeline_pages: int | None, page_bytes: int, sealed: bool) -> Grouping:
+    """How a store moves its pages (`StorageConfig.pipeline_pages`). Unsealed stores and
+    `pipeline_pages` 0: page by page. N > 0: reads and writes in groups of at least N pages.
+    None ("auto"): groups of at least one page, each call pipelined or page by page as
+    measured. A group also holds at least `MIN_GROUP_BYTES`."""
     if not sealed or pipeline_pages == 0:
-        return 0, 0
-    if pipeline_pages is None:
-        if page_bytes < AUTO_READ_MIN_PAGE_BYTES:
-            return 0, 0
-        return _group_of(1, page_bytes), 0
-    group = _group_of(pipeline_pages, page_bytes)
-    return group, group
+        return Grouping(0, 0, adaptive=False)
+    group = _group_of(pipeline_pages or 1, page_bytes)
+    return Grouping(group, group, adaptive=pipeline_pages is None)
 
 
 def _group_of(pages: int, page_bytes: int) -> int:
     return max(pages, -(-MIN_GROUP_BYTES // max(page_bytes, 1)))
+
+
+class AdaptiveChoice:
+    """Whether the next call of one operation (reads, or writes) of a store runs pipelined or
+    page by page, from the seconds per page each way has taken lately.
+
+    Each way is tried `WARMUP` times first (pipelined first); then the faster one runs, the
+    pipeline only when it is at least `MARGIN` faster (it takes a second core), and every
+    `EXPLORE_EVERY`-th call runs the other way once, so a change of load (another job taking
+    the second core, or leaving it) turns the choice within a few dozen calls. A call's cost is
+    its wall time over its pages, folded into an exponential average (`ALPHA`); each way's
+    calls and average are in `stats()`. Thread-safe (one lock around the numbers)."""
+
+    WARMUP = 2
+    EXPLORE_EVERY = 16
+    MARGIN = 0.97
+    ALPHA = 0.25
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls = 0  # choices made
+        self._runs = {True: 0, False: 0}  # calls recorded, by pipelined
+        self._cost = {True: 0.0, False: 0.0}  # average seconds per page, by pipelined
+
+    def pipelined(self) -> bool:
+        """The way the next call should run."""
+        with self._lock:
+            self._calls += 1
+            for way in (True, False):
+                if self._runs[way] < self.WARMUP:
+                    return way
+            faster = self._cost[True] <= self.MARGIN * self._cost[False]
+            return faster if self._calls % self.EXPLORE_EVERY else not faster
+
+    def record(self, pipelined: bool, seconds: float, pages: int) -> None:
+        """A call that ran `pipelined` (or not) moved `pages` in `seconds`."""
+        if pages <= 0:
+            return
+        cost = seconds / pages
+        with self._lock:
+            runs = self._runs[pipelined]
+            self._cost[pipelined] = cost if runs == 0 else (
+                self._cost[pipelined] + self.ALPHA * (cost - self._cost[pipelined]))
+            self._runs[pipelined] = runs + 1
+
+    def stats(self, prefix: str) -> dict[str, float]:
+        with self._lock:
+            return {f"{prefix}_pipelined_calls": self._runs[True],
+                    f"{prefix}_inline_calls": self._runs[False],
+                    f"{prefix}_pipelined_us_per_page": round(self._cost[True] * 1e6, 2),
+                    f"{prefix}_inline_us_per_page": round(self._cost[False] * 1e6, 2)}
 
 
 class PagePipeline:
@@ -67,14 +126,15 @@ class PagePipeline:
     parallel on their own threads, as before). Every group handed to the helper has ended
     before a call returns or raises, so the caller's pages are never touched after it.
 
-    Inline (a group size of 0, a call with at most one group, a busy helper, after `close()`):
-    both steps run on the caller, `inline_group` items at a time (an engine's own batch, e.g.
-    one page: verified while it is hot in cache). `group_pages` sizes the read groups,
-    `write_group_pages` the write groups (None: the same).
+    Inline (a group size of 0, a call with at most one group, a busy helper, after `close()`,
+    or, `adaptive`, when its `AdaptiveChoice` says so): both steps run on the caller,
+    `inline_group` items at a time (an engine's own batch, e.g. one page: verified while it is
+    hot in cache). `group_pages` sizes the read groups, `write_group_pages` the write groups
+    (None: the same).
     """
 
     def __init__(self, group_pages: int, inline_group: int = 1,
-                 write_group_pages: int | None = None) -> None:
+                 write_group_pages: int | None = None, adaptive: bool = False) -> None:
         write_group = group_pages if write_group_pages is None else write_group_pages
         if min(group_pages, write_group) < 0 or inline_group < 1:
             raise ValueError(f"group_pages must be >= 0 and inline_group >= 1, got "
@@ -82,6 +142,9 @@ class PagePipeline:
         self.group_pages = group_pages
         self.write_group_pages = write_group
         self.inline_group = inline_group
+        # reads and writes choose apart: they measured differently (module docstring)
+        self._reads = AdaptiveChoice() if adaptive else None
+        self._writes = AdaptiveChoice() if adaptive else None
         self._helper: ThreadPoolExecutor | None = None
         self._helper_thread: threading.Thread | None = None
         self._busy = False  # a call is using the helper
@@ -93,8 +156,12 @@ class PagePipeline:
         """`read(group)` here, then `verify(its result)` on the helper while the next group is
         read; one result per item, in order."""
         groups = self._groups(items, self.group_pages)
-        if not self._acquire(len(groups)):
-            return [r for g in _split(items, self.inline_group) for r in verify(read(g))]
+        choice = self._reads if len(groups) > 1 else None
+        start = time.perf_counter()
+        if not self._acquire(len(groups), choice):
+            results = [r for g in _split(items, self.inline_group) for r in verify(read(g))]
+            _record(choice, False, start, len(items))
+            return results
         pending: list[Future[list[R]]] = []
         try:
             for group in groups:
@@ -104,16 +171,22 @@ class PagePipeline:
             raise
         finally:
             self._release_after(pending)
-        return _gather(pending)
+        results = _gather(pending)
+        _record(choice, True, start, len(items))
+        return results
 
     def seal_then_write(self, items: Sequence[T], seal: Callable[[list[T]], S],
                         write: Callable[[S], list[R]]) -> list[R]:
         """`seal(group)` on the helper, one group ahead of `write(its result)` here; one result
         per item, in order."""
         groups = self._groups(items, self.write_group_pages)
-        if not self._acquire(len(groups)):
-            return [r for g in _split(items, self.inline_group) for r in write(seal(g))]
-        results: list[R] = []
+        choice = self._writes if len(groups) > 1 else None
+        start = time.perf_counter()
+        if not self._acquire(len(groups), choice):
+            results = [r for g in _split(items, self.inline_group) for r in write(seal(g))]
+            _record(choice, False, start, len(items))
+            return results
+        results = []
         ahead = self._helper_submit(seal, groups[0])
         try:
             for nxt in [*groups[1:], None]:
@@ -126,7 +199,15 @@ class PagePipeline:
             raise
         finally:
             self._release_after([ahead])
+        _record(choice, True, start, len(items))
         return results
+
+    def stats(self) -> dict[str, float]:
+        """Adaptive only: calls each way and their recent µs per page, reads and writes
+        (`pipeline_read_*`, `pipeline_write_*`); empty otherwise."""
+        if self._reads is None or self._writes is None:
+            return {}
+        return {**self._reads.stats("pipeline_read"), **self._writes.stats("pipeline_write")}
 
     def close(self) -> None:
         """Join the helper thread. Idempotent; later calls run inline."""
@@ -141,10 +222,11 @@ class PagePipeline:
         """`items` in groups of `size`; one group (run inline) when `size` is 0."""
         return _split(items, size) if size else [list(items)]
 
-    def _acquire(self, groups: int) -> bool:
+    def _acquire(self, groups: int, choice: AdaptiveChoice | None) -> bool:
         """Take the helper for this call: False (run inline) when there is nothing to overlap
-        (one group), it is closed or busy, or this is the helper thread itself."""
-        if groups <= 1:
+        (one group), `choice` says inline, the helper is closed or busy, or this is the helper
+        thread itself."""
+        if groups <= 1 or (choice is not None and not choice.pipelined()):
             return False
         with self._lock:
             if self._closed or self._busy or threading.current_thread() is self._helper_thread:
@@ -177,6 +259,12 @@ class PagePipeline:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
             done.set_exception(exc)
         return done
+
+
+def _record(choice: AdaptiveChoice | None, pipelined: bool, start: float, pages: int) -> None:
+    """Tell `choice` (if any) how a call that began at `start` went."""
+    if choice is not None:
+        choice.record(pipelined, time.perf_counter() - start, pages)
 
 
 def _split(items: Sequence[T], size: int) -> list[list[T]]:

@@ -403,28 +403,41 @@ def test_forgeries_in_every_page_group_are_refused_beside_the_read(
 
 
 @pytest.mark.parametrize("kind", ["hf3fs"])
-@pytest.mark.parametrize(("page_bytes", "grouped"), [(1 << 20, True), (512 << 10, False)],
-                         ids=["1MiB", "512KiB"])
-def test_by_default_large_sealed_pages_are_verified_beside_the_read(
-    make_backend: Factory, page_bytes: int, grouped: bool
+def test_by_default_sealed_batches_choose_by_measurement_and_refuse_forgeries_either_way(
+    make_backend: Factory
 ) -> None:
-    """The store's default (`pipeline_pages` None, "auto"): sealed pages of 1 MiB or more are
-    read in groups verified on the helper thread, a forgery among them still a counted miss;
-    writes, and reads of smaller pages, go page by page on the caller (no helper starts)."""
-    count = 6
+    """The store's default (`pipeline_pages` None, "auto"): each batch of sealed pages that
+    spans several groups runs beside the I/O or page by page as measured; the first two
+    batches of each operation try the pipeline, the next two page by page (the warm-up), and a
+    forgery is a counted miss, never served, both ways. `stats()` counts the calls each way."""
+    count, page_bytes = 8, 512 << 10  # groups of 4 pages (2 MiB): 2 groups a batch
     backend = make_backend(page_mac_key=MAC_KEY, page_bytes=page_bytes)
     gen = torch.Generator().manual_seed(5)
     pages, evil = torch.randint(0, 256, (2, count, page_bytes), dtype=torch.uint8, generator=gen)
     keys = _keys(count)
-    assert backend.put_from(keys, list(pages)) == [True] * count
-    assert backend._pipeline._helper is None  # type: ignore[attr-defined]  # noqa: SLF001
-    assert backend.write_object(keys[4], _forged(None, keys[4], evil[4], page_bytes))
-    out = torch.zeros_like(pages)
-    assert backend.get_into(keys, list(out)) == [i != 4 for i in range(count)]
-    assert torch.equal(out[:4], pages[:4]) and torch.equal(out[5], pages[5])
-    assert backend.stats()["rejected_mac_pages"] == 1
-    helper = backend._pipeline._helper_thread  # type: ignore[attr-defined]  # noqa: SLF001
-    assert (helper is not None) is grouped
+    for batch in range(4):
+        backend.delete(keys)
+        assert backend.put_from(keys, list(pages)) == [True] * count
+        assert backend.write_object(keys[batch], _forged(None, keys[batch], evil[batch],
+                                                         page_bytes))
+        out = torch.zeros_like(pages)
+        assert backend.get_into(keys, list(out)) == [i != batch for i in range(count)]
+        genuine = [i for i in range(count) if i != batch]
+        assert torch.equal(out[genuine], pages[genuine])
+    stats = backend.stats()
+    assert stats["rejected_mac_pages"] == 4
+    assert [stats[f"pipeline_{op}_{way}_calls"] for op in ("read", "write")
+            for way in ("pipelined", "inline")] == [2, 2, 2, 2]
+    assert min(stats[f"pipeline_{op}_{way}_us_per_page"] for op in ("read", "write")
+               for way in ("pipelined", "inline")) > 0
+
+
+@pytest.mark.parametrize("kind", ["hf3fs"])
+def test_unsealed_and_fixed_pipelines_report_no_adaptive_calls(make_backend: Factory) -> None:
+    """Only the adaptive default measures: an unsealed store and a fixed `pipeline_pages` have
+    no `pipeline_*` stats (nothing to choose)."""
+    for backend in (make_backend(), make_backend(page_mac_key=MAC_KEY, pipeline_pages=4)):
+        assert not [name for name in backend.stats() if name.startswith("pipeline_")]
 
 
 def test_mac_pages_detect_corruption_and_read_back_exactly(make_backend: Factory) -> None:

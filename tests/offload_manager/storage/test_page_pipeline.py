@@ -8,9 +8,9 @@ import threading
 import pytest
 
 from pdcache.offload_manager.storage.page_pipeline import (
-    AUTO_READ_MIN_PAGE_BYTES,
     MIN_GROUP_BYTES,
     THREAD_NAME,
+    AdaptiveChoice,
     PagePipeline,
     group_pages_for,
 )
@@ -246,19 +246,73 @@ def test_a_step_on_the_helper_that_calls_the_pipeline_runs_inline_instead_of_dea
 
 
 def test_only_sealed_stores_pipeline_and_a_group_holds_at_least_two_mib() -> None:
-    """(read, write) group sizes: an explicit N groups both, 0 neither; auto (None) groups
-    only reads, and only of pages of at least AUTO_READ_MIN_PAGE_BYTES."""
-    assert group_pages_for(4, 512 << 10, sealed=False) == (0, 0)  # xxh3: page by page
-    assert group_pages_for(None, 2 << 20, sealed=False) == (0, 0)
-    assert group_pages_for(0, 2 << 20, sealed=True) == (0, 0)  # switched off
-    assert group_pages_for(4, 512 << 10, sealed=True) == (4, 4)
-    assert group_pages_for(4, 128 << 10, sealed=True) == (16, 16) == (MIN_GROUP_BYTES // (128 << 10),) * 2
-    assert group_pages_for(8, 2 << 20, sealed=True) == (8, 8)
-    assert group_pages_for(None, AUTO_READ_MIN_PAGE_BYTES - 1, sealed=True) == (0, 0)
-    assert group_pages_for(None, AUTO_READ_MIN_PAGE_BYTES, sealed=True) == (2, 0)
-    assert group_pages_for(None, 2 << 20, sealed=True) == (1, 0)  # one 2 MiB page a group
+    """(read, write, adaptive): an explicit N groups both, 0 neither; auto (None) groups both
+    and chooses each call by measurement."""
+    assert group_pages_for(4, 512 << 10, sealed=False) == (0, 0, False)  # xxh3: page by page
+    assert group_pages_for(None, 2 << 20, sealed=False) == (0, 0, False)
+    assert group_pages_for(0, 2 << 20, sealed=True) == (0, 0, False)  # switched off
+    assert group_pages_for(4, 512 << 10, sealed=True) == (4, 4, False)
+    assert group_pages_for(4, 128 << 10, sealed=True) == (16, 16, False)
+    assert MIN_GROUP_BYTES // (128 << 10) == 16
+    assert group_pages_for(8, 2 << 20, sealed=True) == (8, 8, False)
+    assert group_pages_for(None, 128 << 10, sealed=True) == (16, 16, True)
+    assert group_pages_for(None, 2 << 20, sealed=True) == (1, 1, True)  # one 2 MiB page a group
 
 
+def test_adaptive_choice_warms_up_both_ways_then_takes_the_faster_and_keeps_exploring() -> None:
+    choice = AdaptiveChoice()
+    ways = []
+    for _ in range(4):
+        ways.append(choice.pipelined())
+        choice.record(ways[-1], 0.010 if ways[-1] else 0.020, pages=10)  # pipelined: 2x fast
+    assert ways == [True, True, False, False]  # the warm-up: pipelined first
+    following = [choice.pipelined() for _ in range(2 * AdaptiveChoice.EXPLORE_EVERY)]
+    # every EXPLORE_EVERY-th choice (counting the warm-up's) tries the slower way once
+    explored = [i for i, way in enumerate(following, start=5) if not way]
+    assert explored == [AdaptiveChoice.EXPLORE_EVERY, 2 * AdaptiveChoice.EXPLORE_EVERY]
+    stats = choice.stats("pipeline_read")
+    assert stats["pipeline_read_pipelined_us_per_page"] == 1000.0
+    assert stats["pipeline_read_inline_us_per_page"] == 2000.0
+
+
+def test_adaptive_choice_turns_when_the_load_changes_and_wants_a_margin() -> None:
+    """Pipelined must be MARGIN faster to be chosen (it takes a second core); once its calls
+    slow down (another job took the core) the average follows and page by page wins."""
+    choice = AdaptiveChoice()
+    for way in (True, True, False, False):
+        choice.record(way, 0.99 if way else 1.0, pages=1)  # 1 % faster: not enough
+    assert choice.pipelined() is False
+    for _ in range(8):
+        choice.record(False, 2.0, pages=1)  # page by page got slower meanwhile
+    assert choice.pipelined() is True
+    for _ in range(8):
+        choice.record(True, 4.0, pages=1)  # and then the pipeline slowed down more
+    assert choice.pipelined() is False
+
+
+@pytest.mark.parametrize("slow_on", ["caller", "helper"])
+def test_an_adaptive_pipeline_runs_the_way_that_measured_faster(slow_on: str) -> None:
+    """Real calls, real clocks: verify sleeps 30 ms a group on the slow side. After the
+    warm-up, an adaptive pipeline runs every call the fast way, but the explored one."""
+    pipeline = PagePipeline(1, adaptive=True)
+    caller = threading.current_thread()
+
+    def verify(group: list[int]) -> list[int]:
+        on_helper = threading.current_thread() is not caller
+        if on_helper is (slow_on == "helper"):
+            threading.Event().wait(0.03)
+        return group
+
+    try:
+        for _ in range(AdaptiveChoice.EXPLORE_EVERY):
+            assert pipeline.read_then_verify([0, 1, 2], lambda g: g, verify) == [0, 1, 2]
+    finally:
+        pipeline.close()
+    stats = pipeline.stats()
+    calls = (stats["pipeline_read_pipelined_calls"], stats["pipeline_read_inline_calls"])
+    runs = AdaptiveChoice.EXPLORE_EVERY
+    assert calls == ((runs - 3, 3) if slow_on == "caller" else (3, runs - 3))
+    assert stats["pipeline_write_pipelined_calls"] == stats["pipeline_write_inline_calls"] == 0
 def test_reads_and_writes_take_their_own_group_size() -> None:
     """`write_group_pages` 0 keeps writes on the caller, page by page, while reads overlap."""
     pipeline = PagePipeline(1, write_group_pages=0)
