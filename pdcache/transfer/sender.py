@@ -201,6 +201,9 @@ class KVSender:
             self._jobs.put(None)
         for worker in self._workers:
             worker.join(timeout=5.0)
+            if worker.is_alive():  # inside an engine wait bounded by the engine's own timeout
+                logger.warning("prefill: transfer worker %s did not stop within 5 s",
+                               worker.name)
         self._loop.stop()
         if self.engine is not None:
             self.engine.close()

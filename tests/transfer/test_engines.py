@@ -170,3 +170,7 @@ def test_a_closed_mooncake_engine_is_destroyed_by_close_not_by_a_later_collectio
     assert [ref() is None for ref in mooncake_objects] == [True, True]
     with pytest.raises(EngineError, match="closed"):
         initiator.write(peer, good, 1.0)
+    # a worker that outlived close() cancels its unfinished batch: quietly, nothing to reap
+    from pdcache.transfer.engines.mooncake_engine import _Ticket
+
+    initiator.cancel(_Ticket(peer, [1], 512))

@@ -276,7 +276,8 @@ class Hf3fsBackend(StorageBackend):
         read_group, write_group = (max(g, self.engine.batch_pages // 2) if g else 0
                                    for g in (grouping.read, grouping.write))
         self._pipeline = PagePipeline(read_group, inline_group=self.engine.batch_pages,
-                                      write_group_pages=write_group, adaptive=grouping.adaptive)
+                                      write_group_pages=write_group,
+                                      adaptive=grouping.adaptive and self._pool is None)
         if isinstance(self.metadata, InProcMetadata) and config.recover_index:
             self.metadata.load(self._scan_headers())
 

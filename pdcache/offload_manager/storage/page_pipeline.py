@@ -74,7 +74,8 @@ class AdaptiveChoice:
     `EXPLORE_EVERY`-th call runs the other way once, so a change of load (another job taking
     the second core, or leaving it) turns the choice within a few dozen calls. A call's cost is
     its wall time over its pages, folded into an exponential average (`ALPHA`); each way's
-    calls and average are in `stats()`. Thread-safe (one lock around the numbers)."""
+    calls and average are in `stats()`; a call that chose the pipeline but found the helper
+    busy is counted apart and measures nothing (`_record`). Thread-safe (one lock around the numbers)."""
 
     WARMUP = 2
     EXPLORE_EVERY = 16
@@ -86,6 +87,7 @@ class AdaptiveChoice:
         self._calls = 0  # choices made
         self._runs = {True: 0, False: 0}  # calls recorded, by pipelined
         self._cost = {True: 0.0, False: 0.0}  # average seconds per page, by pipelined
+        self._forced = 0  # calls that chose the pipeline but found the helper busy
 
     def pipelined(self) -> bool:
         """The way the next call should run."""
@@ -108,12 +110,20 @@ class AdaptiveChoice:
                 self._cost[pipelined] + self.ALPHA * (cost - self._cost[pipelined]))
             self._runs[pipelined] = runs + 1
 
-    def stats(self, prefix: str) -> dict[str, float]:
+    def record_forced(self) -> None:
+        """A call that chose the pipeline ran page by page: the helper was busy or closed."""
+        with self._lock:
+            self._forced += 1
+
+    def stats(self, prefix: str) -> dict[str, int]:
+        """Calls each way (`busy`: chose the pipeline, found the helper taken) and each way's
+        recent cost in ns per page (integers: node stats are exported as ints)."""
         with self._lock:
             return {f"{prefix}_pipelined_calls": self._runs[True],
                     f"{prefix}_inline_calls": self._runs[False],
-                    f"{prefix}_pipelined_us_per_page": round(self._cost[True] * 1e6, 2),
-                    f"{prefix}_inline_us_per_page": round(self._cost[False] * 1e6, 2)}
+                    f"{prefix}_busy_calls": self._forced,
+                    f"{prefix}_pipelined_ns_per_page": round(self._cost[True] * 1e9),
+                    f"{prefix}_inline_ns_per_page": round(self._cost[False] * 1e9)}
 
 
 class PagePipeline:
@@ -157,10 +167,10 @@ class PagePipeline:
         read; one result per item, in order."""
         groups = self._groups(items, self.group_pages)
         choice = self._reads if len(groups) > 1 else None
-        start = time.perf_counter()
-        if not self._acquire(len(groups), choice):
+        start, wanted, took = self._acquire(len(groups), choice)
+        if not took:
             results = [r for g in _split(items, self.inline_group) for r in verify(read(g))]
-            _record(choice, False, start, len(items))
+            _record(choice, wanted, False, start, len(items))
             return results
         pending: list[Future[list[R]]] = []
         try:
@@ -172,7 +182,7 @@ class PagePipeline:
         finally:
             self._release_after(pending)
         results = _gather(pending)
-        _record(choice, True, start, len(items))
+        _record(choice, True, True, start, len(items))
         return results
 
     def seal_then_write(self, items: Sequence[T], seal: Callable[[list[T]], S],
@@ -181,10 +191,10 @@ class PagePipeline:
         per item, in order."""
         groups = self._groups(items, self.write_group_pages)
         choice = self._writes if len(groups) > 1 else None
-        start = time.perf_counter()
-        if not self._acquire(len(groups), choice):
+        start, wanted, took = self._acquire(len(groups), choice)
+        if not took:
             results = [r for g in _split(items, self.inline_group) for r in write(seal(g))]
-            _record(choice, False, start, len(items))
+            _record(choice, wanted, False, start, len(items))
             return results
         results = []
         ahead = self._helper_submit(seal, groups[0])
@@ -199,11 +209,11 @@ class PagePipeline:
             raise
         finally:
             self._release_after([ahead])
-        _record(choice, True, start, len(items))
+        _record(choice, True, True, start, len(items))
         return results
 
-    def stats(self) -> dict[str, float]:
-        """Adaptive only: calls each way and their recent µs per page, reads and writes
+    def stats(self) -> dict[str, int]:
+        """Adaptive only: calls each way and their recent ns per page, reads and writes
         (`pipeline_read_*`, `pipeline_write_*`); empty otherwise."""
         if self._reads is None or self._writes is None:
             return {}
@@ -222,20 +232,23 @@ class PagePipeline:
         """`items` in groups of `size`; one group (run inline) when `size` is 0."""
         return _split(items, size) if size else [list(items)]
 
-    def _acquire(self, groups: int, choice: AdaptiveChoice | None) -> bool:
-        """Take the helper for this call: False (run inline) when there is nothing to overlap
-        (one group), `choice` says inline, the helper is closed or busy, or this is the helper
-        thread itself."""
-        if groups <= 1 or (choice is not None and not choice.pipelined()):
-            return False
+    def _acquire(self, groups: int,
+                 choice: AdaptiveChoice | None) -> tuple[float, bool, bool]:
+        """(start time, whether the call should use the helper, whether it took it). It should
+        when there is something to overlap (more than one group) and `choice`, if any, says
+        so; it cannot when the helper is closed or busy, or this is the helper thread."""
+        wanted = groups > 1 and (choice is None or choice.pipelined())
+        start = time.perf_counter()
+        if not wanted:
+            return start, False, False
         with self._lock:
             if self._closed or self._busy or threading.current_thread() is self._helper_thread:
-                return False
+                return start, True, False
             if self._helper is None:
                 self._helper = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME,
                                                   initializer=self._record_thread)
             self._busy = True
-            return True
+            return start, True, True
 
     def _record_thread(self) -> None:
         self._helper_thread = threading.current_thread()
@@ -261,10 +274,18 @@ class PagePipeline:
         return done
 
 
-def _record(choice: AdaptiveChoice | None, pipelined: bool, start: float, pages: int) -> None:
-    """Tell `choice` (if any) how a call that began at `start` went."""
-    if choice is not None:
-        choice.record(pipelined, time.perf_counter() - start, pages)
+def _record(choice: AdaptiveChoice | None, wanted: bool, pipelined: bool, start: float,
+            pages: int) -> None:
+    """Tell `choice` (if any) how a call that began at `start` went. A call that wanted the
+    helper but found it busy (another caller's groups: e.g. HiCache's write-back beside a
+    prefetch) or closed ran page by page against its choice, beside a second core already at
+    work: counted apart, never a sample of either way."""
+    if choice is None:
+        return
+    if wanted != pipelined:
+        choice.record_forced()
+        return
+    choice.record(pipelined, time.perf_counter() - start, pages)
 
 
 def _split(items: Sequence[T], size: int) -> list[list[T]]:

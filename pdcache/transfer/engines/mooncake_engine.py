@@ -214,10 +214,14 @@ class MooncakeEngine(KVTransferEngine):
                 f"({rc}); the peer may be dead or the destination unregistered")
 
     def cancel(self, ticket: _Ticket) -> None:
-        if not ticket.done:
-            ticket.done = True
-            with self._wait_lock:
-                self._live().get_batch_transfer_status(ticket.batch_ids)
+        if ticket.done:
+            return
+        ticket.done = True
+        engine = self._engine
+        if engine is None:  # closed: the batch went with the engine (a worker past close())
+            return
+        with self._wait_lock:
+            engine.get_batch_transfer_status(ticket.batch_ids)
 
     def close(self) -> None:
         """Unregister our memory and destroy Mooncake's TransferEngine now, on this thread.
@@ -227,7 +231,10 @@ class MooncakeEngine(KVTransferEngine):
         (the sender and receiver sit in reference cycles) it ran at whatever allocation
         triggered the next collection: in the test suite, seconds into a later test, where
         every control thread missed its heartbeats at once. Dropping our reference here makes
-        that stall part of close(), where the caller expects to wait."""
+        that stall part of close(), where the caller expects to wait. A worker still inside
+        a Mooncake call (its wait outlived the sender's bounded join) holds its own reference:
+        the destructor then runs when that call returns, and its later calls fail "closed"
+        (cancel returns quietly)."""
         with self._lock:
             if self._closed:
                 return

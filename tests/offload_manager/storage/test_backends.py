@@ -403,13 +403,14 @@ def test_forgeries_in_every_page_group_are_refused_beside_the_read(
 
 
 @pytest.mark.parametrize("kind", ["hf3fs"])
-def test_by_default_sealed_batches_choose_by_measurement_and_refuse_forgeries_either_way(
+def test_by_default_sealed_batches_try_both_ways_and_refuse_forgeries_either_way(
     make_backend: Factory
 ) -> None:
     """The store's default (`pipeline_pages` None, "auto"): each batch of sealed pages that
-    spans several groups runs beside the I/O or page by page as measured; the first two
-    batches of each operation try the pipeline, the next two page by page (the warm-up), and a
-    forgery is a counted miss, never served, both ways. `stats()` counts the calls each way."""
+    spans several groups runs beside the I/O or page by page as measured (the choice itself:
+    test_page_pipeline.py); its warm-up runs the first two batches of each operation on the
+    helper and the next two page by page, and a forgery is a counted miss, never served,
+    both ways. `stats()` counts the calls each way and their cost."""
     count, page_bytes = 8, 512 << 10  # groups of 4 pages (2 MiB): 2 groups a batch
     backend = make_backend(page_mac_key=MAC_KEY, page_bytes=page_bytes)
     gen = torch.Generator().manual_seed(5)
@@ -427,9 +428,11 @@ def test_by_default_sealed_batches_choose_by_measurement_and_refuse_forgeries_ei
     stats = backend.stats()
     assert stats["rejected_mac_pages"] == 4
     assert [stats[f"pipeline_{op}_{way}_calls"] for op in ("read", "write")
-            for way in ("pipelined", "inline")] == [2, 2, 2, 2]
-    assert min(stats[f"pipeline_{op}_{way}_us_per_page"] for op in ("read", "write")
+            for way in ("pipelined", "inline", "busy")] == [2, 2, 0, 2, 2, 0]
+    assert min(stats[f"pipeline_{op}_{way}_ns_per_page"] for op in ("read", "write")
                for way in ("pipelined", "inline")) > 0
+    helper = backend._pipeline._helper_thread  # type: ignore[attr-defined]  # noqa: SLF001
+    assert helper is not None  # the pipelined batches really ran on the helper
 
 
 @pytest.mark.parametrize("kind", ["hf3fs"])

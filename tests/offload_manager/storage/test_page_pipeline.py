@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from pdcache.offload_manager.storage import page_pipeline
 from pdcache.offload_manager.storage.page_pipeline import (
     MIN_GROUP_BYTES,
     THREAD_NAME,
@@ -271,8 +272,8 @@ def test_adaptive_choice_warms_up_both_ways_then_takes_the_faster_and_keeps_expl
     explored = [i for i, way in enumerate(following, start=5) if not way]
     assert explored == [AdaptiveChoice.EXPLORE_EVERY, 2 * AdaptiveChoice.EXPLORE_EVERY]
     stats = choice.stats("pipeline_read")
-    assert stats["pipeline_read_pipelined_us_per_page"] == 1000.0
-    assert stats["pipeline_read_inline_us_per_page"] == 2000.0
+    assert stats["pipeline_read_pipelined_ns_per_page"] == 1_000_000
+    assert stats["pipeline_read_inline_ns_per_page"] == 2_000_000
 
 
 def test_adaptive_choice_turns_when_the_load_changes_and_wants_a_margin() -> None:
@@ -290,17 +291,38 @@ def test_adaptive_choice_turns_when_the_load_changes_and_wants_a_margin() -> Non
     assert choice.pipelined() is False
 
 
+class _Clock:
+    """The pipeline's clock, advanced only by the steps: timings without the machine's load."""
+
+    def __init__(self) -> None:
+        self._now = 0.0
+        self._lock = threading.Lock()
+
+    def perf_counter(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._now += seconds
+
+
 @pytest.mark.parametrize("slow_on", ["caller", "helper"])
-def test_an_adaptive_pipeline_runs_the_way_that_measured_faster(slow_on: str) -> None:
-    """Real calls, real clocks: verify sleeps 30 ms a group on the slow side. After the
-    warm-up, an adaptive pipeline runs every call the fast way, but the explored one."""
+def test_an_adaptive_pipeline_runs_the_way_that_measured_faster(
+    slow_on: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real calls on real threads, a clock only the steps move: verify costs 30 ms a group on
+    the slow side. After the warm-up an adaptive pipeline runs every call the fast way, but
+    the explored one; it fails if the choice ignores what it measured."""
+    clock = _Clock()
+    monkeypatch.setattr(page_pipeline, "time", clock)
     pipeline = PagePipeline(1, adaptive=True)
     caller = threading.current_thread()
 
     def verify(group: list[int]) -> list[int]:
         on_helper = threading.current_thread() is not caller
         if on_helper is (slow_on == "helper"):
-            threading.Event().wait(0.03)
+            clock.advance(0.03)
         return group
 
     try:
@@ -312,7 +334,39 @@ def test_an_adaptive_pipeline_runs_the_way_that_measured_faster(slow_on: str) ->
     calls = (stats["pipeline_read_pipelined_calls"], stats["pipeline_read_inline_calls"])
     runs = AdaptiveChoice.EXPLORE_EVERY
     assert calls == ((runs - 3, 3) if slow_on == "caller" else (3, runs - 3))
+    assert stats["pipeline_read_busy_calls"] == 0
     assert stats["pipeline_write_pipelined_calls"] == stats["pipeline_write_inline_calls"] == 0
+
+
+def test_a_call_that_chose_the_pipeline_but_found_the_helper_busy_measures_nothing() -> None:
+    """A read that finds a write holding the helper runs page by page beside it, against its
+    choice: it is counted busy, not a sample of page by page (which would then look slower
+    than it is, and fill page by page's warm-up with calls that never chose it)."""
+    pipeline = PagePipeline(1, adaptive=True)
+    sealing, release = threading.Event(), threading.Event()
+
+    def seal(group: list[int]) -> list[int]:
+        if group == [0]:
+            sealing.set()
+            release.wait(WAIT_S)
+        return group
+
+    writer = threading.Thread(
+        target=lambda: pipeline.seal_then_write([0, 1], seal, lambda g: g))
+    writer.start()
+    try:
+        assert sealing.wait(WAIT_S)  # the write's first seal holds the helper
+        assert pipeline.read_then_verify([0, 1], lambda g: g, lambda g: g) == [0, 1]
+    finally:
+        release.set()
+        writer.join(WAIT_S)
+        pipeline.close()
+    stats = pipeline.stats()
+    assert (stats["pipeline_read_busy_calls"], stats["pipeline_read_inline_calls"],
+            stats["pipeline_read_pipelined_calls"]) == (1, 0, 0)
+    assert stats["pipeline_write_pipelined_calls"] == 1
+
+
 def test_reads_and_writes_take_their_own_group_size() -> None:
     """`write_group_pages` 0 keeps writes on the caller, page by page, while reads overlap."""
     pipeline = PagePipeline(1, write_group_pages=0)
