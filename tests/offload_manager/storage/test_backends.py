@@ -373,13 +373,13 @@ def test_forged_page_is_served_only_without_the_mac(make_backend: Factory, mac: 
         assert stats["rejected_mac_pages"] == 0
 
 
-@pytest.mark.parametrize("kind", ["hf3fs", "hf3fs_service"])
+@pytest.mark.parametrize("kind", ["hf3fs", "hf3fs_service", "file"])
 @pytest.mark.parametrize("pipeline_pages", [4, 0], ids=["pipelined", "inline"])
 def test_forgeries_in_every_page_group_are_refused_beside_the_read(
     make_backend: Factory, pipeline_pages: int
 ) -> None:
     """14 sealed 512 KiB pages read in groups of 4 verified on the pipeline's helper thread
-    and written in groups sealed on it (hf3fs, page_pipeline.py): forgeries in the first,
+    and written in groups sealed on it (hf3fs and file, page_pipeline.py): forgeries in the first,
     a middle and the last group are counted misses and every other page reads back byte-exact;
     the same page by page (pipeline_pages 0), where no helper thread ever starts."""
     page_bytes, count = 512 << 10, 14
@@ -402,7 +402,7 @@ def test_forgeries_in_every_page_group_are_refused_beside_the_read(
     assert (helper is not None) is (pipeline_pages > 0)  # the verify really ran beside the read
 
 
-@pytest.mark.parametrize("kind", ["hf3fs"])
+@pytest.mark.parametrize("kind", ["hf3fs", "file"])
 def test_by_default_sealed_batches_try_both_ways_and_refuse_forgeries_either_way(
     make_backend: Factory
 ) -> None:
@@ -435,7 +435,7 @@ def test_by_default_sealed_batches_try_both_ways_and_refuse_forgeries_either_way
     assert helper is not None  # the pipelined batches really ran on the helper
 
 
-@pytest.mark.parametrize("kind", ["hf3fs"])
+@pytest.mark.parametrize("kind", ["hf3fs", "file"])
 def test_unsealed_and_fixed_pipelines_report_no_adaptive_calls(make_backend: Factory) -> None:
     """Only the adaptive default measures: an unsealed store and a fixed `pipeline_pages` have
     no `pipeline_*` stats (nothing to choose)."""
