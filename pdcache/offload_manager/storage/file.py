@@ -11,7 +11,11 @@ page, never another tenant's; the owner of a page is known for the pages this pr
 conversation (`storage.lifecycle`: closed sessions' pages first, active sessions' protected
 within the bound); quotas still evict a tenant's own LRU page. Thread-safe: the LRU index
 (and the lifecycle) has a lock; a put reserves its slot before writing the file, and a slot
-whose file is still being written is never the capacity's victim.
+whose file is still being written is never the capacity's victim. Sealed pages (a page MAC
+key): a batch may verify (seal) page groups on the `PagePipeline` helper thread beside the
+caller's reads (writes) of the next group (page_pipeline.py). Index changes keep batch
+order either way: a put's (skip, evict, store) are all made on the caller, the seal on the
+helper only computes; a read's LRU refresh comes with its verify, group after group.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from pdcache.offload_manager.storage.page_format import (
     HostPage,
     Verdict,
     encode_header,
+    host_page_nbytes,
     payload_nbytes,
     payload_views,
     verify_page,
@@ -52,8 +57,9 @@ from pdcache.offload_manager.storage.stats import RateLimitedLog, RejectedKeys, 
 log = logging.getLogger(__name__)
 # one page read (`FileBackend._read`): key, header buffer, payload views, bytes read (-1: none)
 _PageRead = tuple[bytes, memoryview, list[memoryview], int]
-# one page to write (`FileBackend._seal`): key, sealed header, payload views
-_PageWrite = tuple[bytes, bytes, list[memoryview]]
+# one page to write (`FileBackend._seal`): key, sealed header (None: the page was stored when
+# sealed), payload views
+_PageWrite = tuple[bytes, bytes | None, list[memoryview]]
 SUFFIX = ".page"
 STALE_TEMP_S = 600.0  # a temp file this old belongs to no live writer
 
@@ -136,8 +142,7 @@ class FileBackend(StorageBackend):
         host_pages: Sequence[HostPage],
         origins: list[str | None] | None = None,
     ) -> list[bool]:
-        if len(keys) != len(host_pages):
-            raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
+        self._check_batch(keys, host_pages)
         found = self._pipeline.read_then_verify(
             list(zip(keys, host_pages)), self._read_group, self._verify_group)
         if origins is not None:
@@ -184,19 +189,26 @@ class FileBackend(StorageBackend):
         namespace: str = "",
         session: str = "",
     ) -> list[bool]:
-        if len(keys) != len(host_pages):
-            raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
+        self._check_batch(keys, host_pages)
         owner = namespace if namespace in self._quota_pages else ""
         self._replace_rejected(keys)
 
-        def seal(group: list[tuple[bytes, HostPage]]) -> list[_PageWrite | None]:
-            return [self._seal(key, page, origin, session) for key, page in group]
+        def seal(group: list[tuple[bytes, HostPage]]) -> list[_PageWrite]:
+            return [self._seal(key, page, origin) for key, page in group]
 
-        def write(sealed: list[_PageWrite | None]) -> list[bool]:
-            return [True if page is None else self._write(*page, owner, session)
-                    for page in sealed]
+        def write(sealed: list[_PageWrite]) -> list[bool]:
+            return [self._write(*page, origin, owner, session) for page in sealed]
 
         return self._pipeline.seal_then_write(list(zip(keys, host_pages)), seal, write)
+
+    def _check_batch(self, keys: Sequence[bytes], host_pages: Sequence[HostPage]) -> None:
+        """Before any I/O: a bad page fails the whole call, never half a pipelined group."""
+        if len(keys) != len(host_pages):
+            raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
+        for page in host_pages:
+            if host_page_nbytes(page) != self.spec.payload_bytes:
+                raise ValueError(f"host page of {host_page_nbytes(page)} bytes, store pages "
+                                 f"are {self.spec.payload_bytes} bytes")
 
     def _replace_rejected(self, keys: Sequence[bytes]) -> None:
         """Unlink the pages of `keys` that a read here refused, so the put writes them anew."""
@@ -268,12 +280,7 @@ class FileBackend(StorageBackend):
     def _read(self, key: bytes, page: HostPage) -> _PageRead:
         """The page's file read into (header, `page`): how many bytes, or -1 (counted) when
         there is none or it could not be read."""
-        payload = payload_views(page)
-        if payload_nbytes(payload) != self.spec.payload_bytes:
-            raise ValueError(
-                f"host page of {payload_nbytes(payload)} bytes, store pages are "
-                f"{self.spec.payload_bytes} bytes"
-            )
+        payload = payload_views(page)  # its size checked by _check_batch
         header = memoryview(bytearray(HEADER_BYTES))
         try:
             fd = os.open(self._page_file(key), os.O_RDONLY)
@@ -303,21 +310,27 @@ class FileBackend(StorageBackend):
         self.counters.add_many(pages_read=1, bytes_read=self.spec.payload_bytes)
         return origin
 
-    def _seal(self, key: bytes, page: HostPage, origin: str, session: str) -> _PageWrite | None:
+    def _seal(self, key: bytes, page: HostPage, origin: str) -> _PageWrite:
         """(key, header, payload views) of a page to write, its header carrying the MAC or
-        checksum (the CPU pass over the payload: on the pipeline's helper when pipelined); None
-        for a page already stored (refreshed, counted skipped), before paying for that pass."""
-        if self.page_path(key).exists() and self._refresh_present(key, session):
-            self.counters.add("pages_skipped")
-            return None
+        checksum (the CPU pass over the payload: on the pipeline's helper when pipelined).
+        A page whose file is there gets no header (None): `_write` decides, in batch order on
+        the caller, whether it is skipped, before anyone pays for that pass. Reads nothing but
+        the file system: every index change stays on the caller."""
         payload = payload_views(page)
+        if os.path.exists(self._page_file(key)):
+            return key, None, payload
         return key, encode_header(self.spec, key, origin, payload), payload
 
     def _write(
-        self, key: bytes, header: bytes, payload: list[memoryview], owner: str = "",
-        session: str = ""
+        self, key: bytes, header: bytes | None, payload: list[memoryview], origin: str,
+        owner: str = "", session: str = ""
     ) -> bool:
         path = self.page_path(key)
+        if path.exists() and self._refresh_present(key, session):
+            self.counters.add("pages_skipped")
+            return True
+        if header is None:  # stored when sealed, gone since (evicted, deleted): seal it here
+            header = encode_header(self.spec, key, origin, payload)
         if owner:
             self._make_quota_room(owner)
         if not self._make_room(key):

@@ -157,7 +157,7 @@ class PagePipeline:
         self._reads = AdaptiveChoice() if adaptive else None
         self._writes = AdaptiveChoice() if adaptive else None
         self._helper: ThreadPoolExecutor | None = None
-        self._helper_thread: threading.Thread | None = None
+        self._helper_seen = _ThreadSeen()  # the helper thread, once it started
         self._busy = False  # a call is using the helper
         self._closed = False
         self._lock = threading.Lock()  # guards the fields above, never a step
@@ -247,12 +247,13 @@ class PagePipeline:
                 return start, True, False
             if self._helper is None:
                 self._helper = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME,
-                                                  initializer=self._record_thread)
+                                                  initializer=self._helper_seen.record)
             self._busy = True
             return start, True, True
 
-    def _record_thread(self) -> None:
-        self._helper_thread = threading.current_thread()
+    @property
+    def _helper_thread(self) -> threading.Thread | None:
+        return self._helper_seen.thread
 
     def _release_after(self, pending: list[Future]) -> None:
         _wait_quietly(pending)
@@ -273,6 +274,18 @@ class PagePipeline:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
             done.set_exception(exc)
         return done
+
+
+class _ThreadSeen:
+    """Which thread ran `record` (the helper's initializer). Apart from `PagePipeline` so the
+    helper thread holds no reference to its pipeline: a store dropped without `close()` lets
+    its executor go, and the executor's own cleanup then ends the thread."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+
+    def record(self) -> None:
+        self.thread = threading.current_thread()
 
 
 def _record(choice: AdaptiveChoice | None, wanted: bool, pipelined: bool, start: float,

@@ -435,6 +435,34 @@ def test_by_default_sealed_batches_try_both_ways_and_refuse_forgeries_either_way
     assert helper is not None  # the pipelined batches really ran on the helper
 
 
+@pytest.mark.parametrize("kind", ["file"])
+def test_a_pipelined_file_put_changes_the_store_exactly_as_page_by_page(
+    make_backend: Factory
+) -> None:
+    """The seal of group g+1 runs on the helper before group g is written; every index change
+    (skip an already stored page, evict, store) still happens on the caller in batch order.
+    A full store (capacity 4), a batch of new pages, a duplicate key in another group and the
+    stored pages again: the same pages survive, the same counts, pipelined or not (when the
+    helper decided the skips, the pipelined put wrote and evicted other pages)."""
+    page_bytes = 512 << 10  # groups of 4 pages
+    gen = torch.Generator().manual_seed(9)
+    pages = torch.randint(0, 256, (8, page_bytes), dtype=torch.uint8, generator=gen)
+    old, new = _keys(4), [bytes([0xA0 + i]) * 32 for i in range(3)]
+    batch = [new[0], new[1], new[2], old[0], new[0], old[1], old[2], old[3]]
+    outcomes = []
+    for pipeline_pages in (0, 4):
+        backend = make_backend(page_mac_key=MAC_KEY, capacity_pages=4,
+                               pipeline_pages=pipeline_pages, page_bytes=page_bytes,
+                               namespace=f"mode{pipeline_pages}")  # a store of its own
+        assert backend.put_from(old, list(pages[:4])) == [True] * 4
+        assert backend.put_from(batch, list(pages)) == [True] * 8
+        stats = backend.stats()
+        present = [key in set(backend.keys()) for key in old + new]
+        counts = [stats[name] for name in ("pages_written", "pages_skipped", "evictions")]
+        outcomes.append((present, counts))
+    assert outcomes[1] == outcomes[0]
+
+
 @pytest.mark.parametrize("kind", ["hf3fs", "file"])
 def test_unsealed_and_fixed_pipelines_report_no_adaptive_calls(make_backend: Factory) -> None:
     """Only the adaptive default measures: an unsealed store and a fixed `pipeline_pages` have

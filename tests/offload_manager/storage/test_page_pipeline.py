@@ -3,6 +3,7 @@ next, results keep item order, and no step of a call still runs once the call ha
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -386,3 +387,16 @@ def test_reads_and_writes_take_their_own_group_size() -> None:
         pipeline.close()
     assert threads["seal"] == {threading.current_thread().name}
     assert all(name.startswith(THREAD_NAME) for name in threads["verify"])
+
+
+def test_a_pipeline_dropped_without_close_ends_its_helper_thread() -> None:
+    """The helper thread holds no reference to its pipeline: a store that is never closed
+    (dropped by a test, a failed set-up) does not leave a thread behind for the process."""
+    pipeline = PagePipeline(1)
+    assert pipeline.read_then_verify([0, 1], lambda g: g, lambda g: g) == [0, 1]
+    helper = pipeline._helper_thread  # noqa: SLF001
+    assert helper is not None and helper.is_alive()
+    del pipeline
+    gc.collect()
+    helper.join(WAIT_S)
+    assert not helper.is_alive()
