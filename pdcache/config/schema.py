@@ -225,10 +225,10 @@ class StorageSpec:
     # every write call waits this long first: emulates a slow or distant store (benchmarks,
     # and the tests of the durable next turn); 0 = off
     write_delay_s: float = 0.0
-    # hf3fs and file with sealed pages (a cluster secret): "on" verifies (seals) page groups on a helper
-    # thread beside the next group's read (write), "off" goes page by page, "auto" runs each
-    # batch the way that measured faster lately (posix I/O; docs/security.md "Verified beside
-    # the read")
+    # hf3fs and file with sealed pages (a cluster secret): "on" verifies (seals) page groups
+    # on a helper thread beside the next group's read (write), "off" goes page by page, "auto"
+    # runs each batch the way that measured faster lately (posix I/O; docs/security.md
+    # "Verified beside the read")
     page_pipeline: Literal["auto", "on", "off"] = "auto"
     metadata_service: MetadataServiceSpec = field(default_factory=MetadataServiceSpec)
     mooncake: MooncakeStoreSpec = field(default_factory=MooncakeStoreSpec)

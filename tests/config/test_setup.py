@@ -412,8 +412,9 @@ def test_storage_eviction_from_flags_equals_from_topology(tmp_path: Path) -> Non
 
 def test_page_pipeline_key_reaches_the_store(tmp_path: Path) -> None:
     """`[storage] page_pipeline`: "auto" (default) leaves StorageConfig.pipeline_pages at None
-    (each sealed batch pipelined or page by page as measured), "off" sets 0, "on" sets PIPELINE_ON_PAGES; an
-    unknown value names the key, and so does a StorageConfig given "auto" as a number."""
+    (each sealed batch pipelined or page by page as measured), "off" sets 0, "on" sets
+    PIPELINE_ON_PAGES; an unknown value names the key, and so does a StorageConfig given
+    "auto" as a number."""
     from pdcache.offload_manager.storage.config import PIPELINE_ON_PAGES, StorageConfig
 
     def pipeline_pages(value: str | None) -> int | None:

@@ -121,6 +121,19 @@ def test_mooncake_waits_that_sleep_first_still_return_complete_pages(engine_pair
     assert initiator._rate_of(peer).sleep_s(batch.nbytes, 0.0, 0.0) > 0.0  # it learned a rate
 
 
+def _one_page_written(initiator, target) -> tuple[str, WriteBatch, tuple[torch.Tensor, ...]]:
+    """One 512-byte write from `initiator` into `target`, done: (its peer, that batch, the two
+    registered pools), the state the close tests start from. The caller holds the pools until
+    the engines are closed: their memory is registered with them."""
+    src, dst = make_pool(4, seed=3), make_pool(4, seed=None)
+    target.register_target(dst.data_ptr(), dst.numel() * dst.element_size())
+    initiator.register_source(src.data_ptr(), src.numel() * src.element_size())
+    peer = initiator.add_peer(target.session())
+    good = WriteBatch(np.array([src.data_ptr()]), np.array([dst.data_ptr()]), np.array([512]))
+    initiator.write(peer, good, 10.0)
+    return peer, good, (src, dst)
+
+
 def _process_cpu_s() -> float:
     times = os.times()
     return times.user + times.system
@@ -134,12 +147,7 @@ def test_a_closed_nixl_engine_stops_its_progress_thread_while_still_referenced(e
     close() drops the agent, so the process stops using CPU while the engine objects are still
     referenced (the fixture holds both, and closes them again at teardown: idempotent)."""
     initiator, target = engine_pair
-    src, dst = make_pool(4, seed=3), make_pool(4, seed=None)
-    target.register_target(dst.data_ptr(), dst.numel() * dst.element_size())
-    initiator.register_source(src.data_ptr(), src.numel() * src.element_size())
-    peer = initiator.add_peer(target.session())
-    good = WriteBatch(np.array([src.data_ptr()]), np.array([dst.data_ptr()]), np.array([512]))
-    initiator.write(peer, good, 10.0)
+    peer, good, _pools = _one_page_written(initiator, target)
     initiator.close()
     target.close()
     cpu_before, wall_before = _process_cpu_s(), time.monotonic()
@@ -158,12 +166,7 @@ def test_a_closed_mooncake_engine_is_destroyed_by_close_not_by_a_later_collectio
     test's every control thread stalled past its heartbeat deadline at once. close() destroys
     it while the engine objects are still referenced (the fixture holds both)."""
     initiator, target = engine_pair
-    src, dst = make_pool(4, seed=3), make_pool(4, seed=None)
-    target.register_target(dst.data_ptr(), dst.numel() * dst.element_size())
-    initiator.register_source(src.data_ptr(), src.numel() * src.element_size())
-    peer = initiator.add_peer(target.session())
-    good = WriteBatch(np.array([src.data_ptr()]), np.array([dst.data_ptr()]), np.array([512]))
-    initiator.write(peer, good, 10.0)
+    peer, good, _pools = _one_page_written(initiator, target)
     mooncake_objects = [weakref.ref(side._engine) for side in (initiator, target)]
     initiator.close()
     target.close()

@@ -134,8 +134,8 @@ class StorageConfig:
     # hf3fs
     io_engine: str = "posix"
     io_threads: int = 1
-    # hf3fs (one I/O thread) and file with sealed pages (page_mac_key): > 0 verifies (reads) and
-    # seals (writes) groups of at least this many pages (and 2 MiB) on a helper thread beside
+    # hf3fs (one I/O thread) and file with sealed pages (page_mac_key): > 0 verifies (reads)
+    # and seals (writes) groups of at least this many pages (and 2 MiB) on a helper thread beside
     # the I/O of the next group (page_pipeline.py); 0: page by page on the I/O thread; None
     # (default, "auto"): each batch pipelined or page by page, whichever measured faster
     # lately (page_pipeline.AdaptiveChoice: the pipeline wins only with a free core)

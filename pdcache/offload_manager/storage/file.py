@@ -45,8 +45,8 @@ from pdcache.offload_manager.storage.page_format import (
     HEADER_BYTES,
     HostPage,
     Verdict,
+    check_host_batch,
     encode_header,
-    host_page_nbytes,
     payload_nbytes,
     payload_views,
     verify_page,
@@ -142,7 +142,7 @@ class FileBackend(StorageBackend):
         host_pages: Sequence[HostPage],
         origins: list[str | None] | None = None,
     ) -> list[bool]:
-        self._check_batch(keys, host_pages)
+        check_host_batch(self.spec, keys, host_pages)
         found = self._pipeline.read_then_verify(
             list(zip(keys, host_pages)), self._read_group, self._verify_group)
         if origins is not None:
@@ -189,7 +189,7 @@ class FileBackend(StorageBackend):
         namespace: str = "",
         session: str = "",
     ) -> list[bool]:
-        self._check_batch(keys, host_pages)
+        check_host_batch(self.spec, keys, host_pages)
         owner = namespace if namespace in self._quota_pages else ""
         self._replace_rejected(keys)
 
@@ -200,15 +200,6 @@ class FileBackend(StorageBackend):
             return [self._write(*page, origin, owner, session) for page in sealed]
 
         return self._pipeline.seal_then_write(list(zip(keys, host_pages)), seal, write)
-
-    def _check_batch(self, keys: Sequence[bytes], host_pages: Sequence[HostPage]) -> None:
-        """Before any I/O: a bad page fails the whole call, never half a pipelined group."""
-        if len(keys) != len(host_pages):
-            raise ValueError(f"{len(keys)} keys but {len(host_pages)} host pages")
-        for page in host_pages:
-            if host_page_nbytes(page) != self.spec.payload_bytes:
-                raise ValueError(f"host page of {host_page_nbytes(page)} bytes, store pages "
-                                 f"are {self.spec.payload_bytes} bytes")
 
     def _replace_rejected(self, keys: Sequence[bytes]) -> None:
         """Unlink the pages of `keys` that a read here refused, so the put writes them anew."""
@@ -280,7 +271,7 @@ class FileBackend(StorageBackend):
     def _read(self, key: bytes, page: HostPage) -> _PageRead:
         """The page's file read into (header, `page`): how many bytes, or -1 (counted) when
         there is none or it could not be read."""
-        payload = payload_views(page)  # its size checked by _check_batch
+        payload = payload_views(page)  # its size checked by check_host_batch
         header = memoryview(bytearray(HEADER_BYTES))
         try:
             fd = os.open(self._page_file(key), os.O_RDONLY)

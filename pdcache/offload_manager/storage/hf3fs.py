@@ -62,8 +62,8 @@ from pdcache.offload_manager.storage.page_format import (
     HostPage,
     PageSpec,
     Verdict,
+    check_host_batch,
     encode_header,
-    host_page_nbytes,
     parse_header,
     payload_views,
     verify_page,
@@ -363,7 +363,7 @@ class Hf3fsBackend(StorageBackend):
         host_pages: Sequence[HostPage],
         origins: list[str | None] | None = None,
     ) -> list[bool]:
-        self._check_batch(keys, host_pages)
+        check_host_batch(self.spec, keys, host_pages)
         if origins is not None:
             origins[:] = [None] * len(keys)
         try:
@@ -391,7 +391,7 @@ class Hf3fsBackend(StorageBackend):
         """`get_into`, layer-major (`layer_reads.read_layer_major`): headers, then layer 0 of
         every page, layer 1, ..., reported to `stream`; pages verified once complete. Posix
         engine only (`streams_layers`)."""
-        self._check_batch(keys, host_pages)
+        check_host_batch(self.spec, keys, host_pages)
         try:
             slots = self.metadata.lookup(keys)
         except MetadataUnavailable as exc:
@@ -422,7 +422,7 @@ class Hf3fsBackend(StorageBackend):
         namespace: str = "",  # tenant quotas are not enforced here (docs/design.md §8)
         session: str = "",  # the metadata index's lifecycle (eviction = "session") uses it
     ) -> list[bool]:
-        self._check_batch(keys, host_pages)
+        check_host_batch(self.spec, keys, host_pages)
         self._replace_rejected(keys)
         try:
             reservations = self.metadata.reserve(keys, session)
@@ -546,16 +546,6 @@ class Hf3fsBackend(StorageBackend):
     def _where(self, slot: int) -> tuple[int, int]:
         nfiles = len(self._fds)
         return self._fds[slot % nfiles], (slot // nfiles) * self.slot_bytes
-
-    def _check_batch(self, keys: Sequence[bytes], pages: Sequence[HostPage]) -> None:
-        if len(keys) != len(pages):
-            raise ValueError(f"{len(keys)} keys but {len(pages)} host pages")
-        for page in pages:
-            if host_page_nbytes(page) != self.spec.payload_bytes:
-                raise ValueError(
-                    f"host page of {host_page_nbytes(page)} bytes, store pages are "
-                    f"{self.spec.payload_bytes} bytes"
-                )
 
     def _map_chunks(self, fn: Callable[[list[T]], list[R]], items: list[T]) -> list[R]:
         """`fn` over items in engine-sized sub-batches, spread over the IO threads."""

@@ -61,7 +61,7 @@ import secrets
 import struct
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -226,6 +226,20 @@ def host_page_nbytes(page: HostPage) -> int:
     if isinstance(page, tuple):
         return sum(run.numel() for run in page)
     return page.numel()
+
+
+def check_host_batch(spec: PageSpec, keys: Sequence[bytes], pages: Sequence[HostPage]) -> None:
+    """ValueError unless there is one host page per key, each of the store's payload size: a
+    backend checks a whole batch before any I/O, so a bad page never leaves half a batch (or
+    half a pipelined group) done."""
+    if len(keys) != len(pages):
+        raise ValueError(f"{len(keys)} keys but {len(pages)} host pages")
+    for page in pages:
+        if host_page_nbytes(page) != spec.payload_bytes:
+            raise ValueError(
+                f"host page of {host_page_nbytes(page)} bytes, store pages are "
+                f"{spec.payload_bytes} bytes"
+            )
 
 
 def payload_nbytes(payload: Payload) -> int:

@@ -17,13 +17,13 @@ varies that much); beside one busy core pipelined lost at every size measured
 "auto") measures: each call that could pipeline runs one way or the other as
 `AdaptiveChoice` says, from the seconds per page both ways have taken lately (posix I/O:
 `Hf3fsBackend` leaves unmeasured usrbio page by page; `FileBackend` uses it too, where the
-pipeline lost by most at small pages: 0.44 of the unsealed read at 128 KiB). 0 never pipelines; N > 0 always
-pipelines reads and writes in groups of at least N pages (docs/security.md). Only sealed
+pipeline lost by most at small pages: 0.44 of the unsealed read at 128 KiB). 0 never
+pipelines; N > 0 always pipelines reads and writes in groups of at least N pages
+(docs/security.md). Only sealed
 stores use it: the xxh3 checksum of an unsealed store is cheap, hot in cache right after the
 read, and holds the GIL (python-xxhash). Groups, not pages: a hand-off costs a few us of Python,
 so a group holds at least `MIN_GROUP_BYTES`.
 """
-
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ class AdaptiveChoice:
     the second core, or leaving it) turns the choice within a few dozen calls. A call's cost is
     its wall time over its pages, folded into an exponential average (`ALPHA`); each way's
     calls and average are in `stats()`; a call that chose the pipeline but found the helper
-    busy is counted apart and measures nothing (`_record`). Thread-safe (one lock around the numbers)."""
+    busy is counted apart and measures nothing (`_record`). Thread-safe (one lock around the
+    numbers)."""
 
     WARMUP = 2
     EXPLORE_EVERY = 16
