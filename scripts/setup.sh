@@ -18,12 +18,22 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   "$PY" -m venv .venv
 fi
+# A required install that fails stops the setup here, with pip's own words (a full disk, no
+# network), instead of a later "No module named ..." from the tests.
+pip_required() {
+  local log=.venv/pip-last.log
+  if ! .venv/bin/python -m pip install -q --disable-pip-version-check "$@" > "$log" 2>&1; then
+    grep -v "^WARNING: Location" "$log" >&2 || true
+    echo "[setup] ERROR: 'pip install $*' failed (pip's output above; full log: $log)" >&2
+    df -h . 2>/dev/null | tail -n 1 | awk '{print "[setup] disk: " $4 " free on " $6}' >&2
+    exit 1
+  fi
+  grep -v "^WARNING: Location" "$log" || true
+}
 # torch first, pinned, so the CPU build on this machine is used instead of a multi-GB CUDA one.
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 \
-  | grep -v "^WARNING: Location" || true
+pip_required "torch==2.13.0"
 echo "[setup] installing pdcache and its extras"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[all,test]" 2>&1 \
-  | grep -v "^WARNING: Location" || true
+pip_required -e ".[all,test]"
 # SGLang's storage-plugin interface, for the plugin tests: sglang pins a CUDA torch, so it is
 # installed without its dependencies plus the light packages its storage modules import.
 if [ "${PDCACHE_SKIP_SGLANG:-0}" != 1 ] && ! .venv/bin/python -c "import sglang" 2>/dev/null; then
@@ -40,4 +50,7 @@ if [ "${PDCACHE_SKIP_NIXL:-0}" != 1 ] && ! .venv/bin/python -c "import nixl_cu12
   .venv/bin/python -m pip install -q --disable-pip-version-check "nixl-cu12==1.5.1" \
     > .venv/nixl.log 2>&1 || echo "[setup] WARNING: nixl-cu12 unavailable; its tests skip"
 fi
-.venv/bin/python -c "import pdcache, torch; print('[setup] ok: torch', torch.__version__)"
+# From outside the checkout, so a pdcache that pip did not install is not found by accident.
+(cd / && "$OLDPWD/.venv/bin/python" -c "
+import importlib.metadata as md, pdcache, pytest, torch
+print('[setup] ok: pdcache', md.version('pdcache'), '| torch', torch.__version__)")
