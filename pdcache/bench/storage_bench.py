@@ -391,6 +391,20 @@ def _run_backend_modes(
     return times
 
 
+def _pipelined_calls(stats: dict[str, Any]) -> str:
+    """How a store's default ("auto") ran its calls: "reads P/N, writes P/N" (pipelined of all
+    calls with more than one group, warm-up round included); "" when it does not choose."""
+    ways = []
+    for op in ("read", "write"):
+        pipelined = stats.get(f"pipeline_{op}_pipelined_calls")
+        if pipelined is None:
+            return ""
+        total = (pipelined + stats[f"pipeline_{op}_inline_calls"]
+                 + stats[f"pipeline_{op}_busy_calls"])
+        ways.append(f"{op}s {pipelined}/{total}")
+    return ", ".join(ways)
+
+
 def _mode_row(path: str, nbytes: int, pages: int, times: dict[str, list[float]]) -> dict:
     plain = statistics.median(times["plain_read_s"])
     read = statistics.median(times["read_s"])
@@ -600,9 +614,12 @@ def run(args: argparse.Namespace) -> int:
                         for label, (mac_key, pipeline_pages) in modes.items()
                     }
                     times = _run_backend_modes(backends, plain, src, dst, args.repeat)
+                    chosen = {label: _pipelined_calls(b.stats()) for label, b in backends.items()}
                 by_label = {}
                 for label in backends:
                     row = _mode_row(f"storage {name}{label}", nbytes, args.pages, times[label])
+                    if chosen[label]:
+                        row["pipelined_calls"] = chosen[label]
                     rows.append(row)
                     by_label[label] = row
                 for label in [m for m in backends if m and "" in times]:  # vs the MAC-less row
@@ -619,7 +636,8 @@ def run(args: argparse.Namespace) -> int:
         "load_avg_1m": f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after",
         "note": "medians of the rounds (spread: slowest-fastest); modes interleaved batch by "
         "batch; read_vs_file = plain file read time / this read time; *_mac_ratio = GB/s with "
-        "the MAC / without, paired per round; *_cpu_us = process CPU per page",
+        "the MAC / without, paired per round; *_cpu_us = process CPU per page; pipelined_calls = "
+        "calls the default ran pipelined, of all (warm-up round included)",
         "target": "storage read_vs_file >= 0.5; +mac rows *_mac_ratio >= 0.95",
         "mac": args.mac,
         "pipeline": args.pipeline,
@@ -629,6 +647,8 @@ def run(args: argparse.Namespace) -> int:
     if any("read_mac_ratio" in row for row in rows):
         columns += ["read_mac_ratio", "read_mac_ratio_spread", "write_mac_ratio",
                     "write_mac_ratio_spread"]
+    if any("pipelined_calls" in row for row in rows):
+        columns.append("pipelined_calls")
     emit("storage read/write throughput (same bytes, same run)", rows, args.json_path, columns,
          extra=extra)
     if args.mac == "both" and page_bytes % 4096 == 0:

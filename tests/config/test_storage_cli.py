@@ -181,7 +181,7 @@ def test_storage_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         "--pages",
         "8",
         "--page-kib",
-        "16",
+        "512",  # 2 page groups a call: the default chooses
         "--repeat",
         "1",
         "--backends",
@@ -207,6 +207,11 @@ def test_storage_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert len(mac_rows) == 4  # +mac and +mac pipelined, on both backends
     assert all(row["read_mac_ratio"] > 0 and row["write_mac_ratio"] > 0 for row in mac_rows)
     assert not any("read_mac_ratio" in row for row in result["rows"] if row not in mac_rows)
+    # the default tried both ways, one call each (the warm-up round and the timed one)
+    chosen = {row["path"]: row.get("pipelined_calls") for row in mac_rows}
+    assert chosen == {f"storage {name}{mode}": calls for name in ("hf3fs", "file")
+                      for mode, calls in ((" +mac", "reads 1/2, writes 1/2"),
+                                          (" +mac pipelined", None))}
     assert all(row["write_GBps"] > 0 and "-" in row["read_spread"] for row in result["rows"][2:])
     direct = json.loads((tmp_path / "bench.direct.json").read_text())
     assert [row["path"] for row in direct["rows"]] == [

@@ -27,8 +27,10 @@ so a group holds at least `MIN_GROUP_BYTES`.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
@@ -70,47 +72,57 @@ class AdaptiveChoice:
     """Whether the next call of one operation (reads, or writes) of a store runs pipelined or
     page by page, from the seconds per page each way has taken lately.
 
-    Each way is tried `WARMUP` times first (pipelined first); then the faster one runs, the
-    pipeline only when it is at least `MARGIN` faster (it takes a second core), and every
-    `EXPLORE_EVERY`-th call runs the other way once, so a change of load (another job taking
-    the second core, or leaving it) turns the choice within a few dozen calls. A call's cost is
-    its wall time over its pages, folded into an exponential average (`ALPHA`); each way's
-    calls and average are in `stats()`; a call that chose the pipeline but found the helper
-    busy is counted apart and measures nothing (`_record`). Thread-safe (one lock around the
-    numbers)."""
+    Each way is tried `WARMUP` times first, in turn (pipelined first), so both are measured
+    under the same load; then the faster one runs, the pipeline only when it is at least
+    `MARGIN` faster (it takes a second core), and every `EXPLORE_EVERY`-th call runs the other
+    way once, so a change of load (another job taking the second core, or leaving it) turns
+    the choice within a few dozen calls. A way's cost is the median seconds per page of its
+    calls among the last `EXPLORE_EVERY` choices, or its latest call when it has none there
+    (the way not chosen: its latest exploration). So a burst of slow calls of the way that runs
+    (a page-cache writeback, another job's moment) is outvoted by its other recent calls
+    instead of turning the choice, and the way that does not run is judged by its freshest
+    call, not by calls from before a change of load. Each way's calls and cost are in
+    `stats()`; a call that chose the pipeline but found the helper busy is counted apart and
+    measures nothing (`_record`). Thread-safe (one lock around the numbers)."""
 
-    WARMUP = 2
+    WARMUP = 3
     EXPLORE_EVERY = 16
     MARGIN = 0.97
-    ALPHA = 0.25
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._calls = 0  # choices made
         self._runs = {True: 0, False: 0}  # calls recorded, by pipelined
-        self._cost = {True: 0.0, False: 0.0}  # average seconds per page, by pipelined
+        # (choices made when it was recorded, seconds per page) of the latest calls, by pipelined
+        self._recent: dict[bool, deque[tuple[int, float]]] = {
+            way: deque(maxlen=self.EXPLORE_EVERY) for way in (True, False)}
         self._forced = 0  # calls that chose the pipeline but found the helper busy
 
     def pipelined(self) -> bool:
         """The way the next call should run."""
         with self._lock:
             self._calls += 1
-            for way in (True, False):
-                if self._runs[way] < self.WARMUP:
-                    return way
-            faster = self._cost[True] <= self.MARGIN * self._cost[False]
+            if min(self._runs.values()) < self.WARMUP:
+                return self._runs[True] <= self._runs[False]
+            faster = self._cost(True) <= self.MARGIN * self._cost(False)
             return faster if self._calls % self.EXPLORE_EVERY else not faster
 
     def record(self, pipelined: bool, seconds: float, pages: int) -> None:
         """A call that ran `pipelined` (or not) moved `pages` in `seconds`."""
         if pages <= 0:
             return
-        cost = seconds / pages
         with self._lock:
-            runs = self._runs[pipelined]
-            self._cost[pipelined] = cost if runs == 0 else (
-                self._cost[pipelined] + self.ALPHA * (cost - self._cost[pipelined]))
-            self._runs[pipelined] = runs + 1
+            self._recent[pipelined].append((self._calls, seconds / pages))
+            self._runs[pipelined] += 1
+
+    def _cost(self, pipelined: bool) -> float:
+        """Seconds per page of the way lately (0.0 before its first call). Under the lock."""
+        recent = self._recent[pipelined]
+        if not recent:
+            return 0.0
+        since = self._calls - self.EXPLORE_EVERY
+        window = [cost for call, cost in recent if call > since]
+        return statistics.median(window) if window else recent[-1][1]
 
     def record_forced(self) -> None:
         """A call that chose the pipeline ran page by page: the helper was busy or closed."""
@@ -124,8 +136,8 @@ class AdaptiveChoice:
             return {f"{prefix}_pipelined_calls": self._runs[True],
                     f"{prefix}_inline_calls": self._runs[False],
                     f"{prefix}_busy_calls": self._forced,
-                    f"{prefix}_pipelined_ns_per_page": round(self._cost[True] * 1e9),
-                    f"{prefix}_inline_ns_per_page": round(self._cost[False] * 1e9)}
+                    f"{prefix}_pipelined_ns_per_page": round(self._cost(True) * 1e9),
+                    f"{prefix}_inline_ns_per_page": round(self._cost(False) * 1e9)}
 
 
 class PagePipeline:
