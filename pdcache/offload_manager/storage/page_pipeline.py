@@ -77,13 +77,13 @@ class AdaptiveChoice:
     `MARGIN` faster (it takes a second core), and every `EXPLORE_EVERY`-th call runs the other
     way once, so a change of load (another job taking the second core, or leaving it) turns
     the choice within a few dozen calls. A way's cost is the median seconds per page of its
-    calls among the last `EXPLORE_EVERY` choices, or its latest call when it has none there
-    (the way not chosen: its latest exploration). So a burst of slow calls of the way that runs
-    (a page-cache writeback, another job's moment) is outvoted by its other recent calls
-    instead of turning the choice, and the way that does not run is judged by its freshest
-    call, not by calls from before a change of load. Each way's calls and cost are in
-    `stats()`; a call that chose the pipeline but found the helper busy is counted apart and
-    measures nothing (`_record`). Thread-safe (one lock around the numbers)."""
+    calls among the last `EXPLORE_EVERY` choices, or of its latest call when it has none there
+    (the way not chosen, once its older calls left the window: its latest exploration). So a
+    burst of slow calls of the way that runs (a page-cache writeback, another job's moment) is
+    outvoted by its other recent calls instead of turning the choice, and a way's calls from
+    before a change of load count for at most `EXPLORE_EVERY` choices. Each way's calls and
+    cost are in `stats()`; a call that chose the pipeline but found the helper busy is counted
+    apart and measures nothing (`_record`). Thread-safe (one lock around the numbers)."""
 
     WARMUP = 3
     EXPLORE_EVERY = 16
@@ -93,7 +93,8 @@ class AdaptiveChoice:
         self._lock = threading.Lock()
         self._calls = 0  # choices made
         self._runs = {True: 0, False: 0}  # calls recorded, by pipelined
-        # (choices made when it was recorded, seconds per page) of the latest calls, by pipelined
+        # (choices made when it was recorded, seconds per page) of the latest calls, by
+        # pipelined; with concurrent callers a long call is tagged a little after its choice
         self._recent: dict[bool, deque[tuple[int, float]]] = {
             way: deque(maxlen=self.EXPLORE_EVERY) for way in (True, False)}
         self._forced = 0  # calls that chose the pipeline but found the helper busy
@@ -101,10 +102,12 @@ class AdaptiveChoice:
     def pipelined(self) -> bool:
         """The way the next call should run."""
         with self._lock:
+            warming = min(self._runs.values()) < self.WARMUP
+            # costs over the last EXPLORE_EVERY choices before this one (as stats() shows them)
+            faster = warming or self._cost(True) <= self.MARGIN * self._cost(False)
             self._calls += 1
-            if min(self._runs.values()) < self.WARMUP:
+            if warming:
                 return self._runs[True] <= self._runs[False]
-            faster = self._cost(True) <= self.MARGIN * self._cost(False)
             return faster if self._calls % self.EXPLORE_EVERY else not faster
 
     def record(self, pipelined: bool, seconds: float, pages: int) -> None:

@@ -408,9 +408,9 @@ def test_by_default_sealed_batches_try_both_ways_and_refuse_forgeries_either_way
 ) -> None:
     """The store's default (`pipeline_pages` None, "auto"): each batch of sealed pages that
     spans several groups runs beside the I/O or page by page as measured (the choice itself:
-    test_page_pipeline.py); its warm-up runs the first two batches of each operation on the
-    helper and the next two page by page, and a forgery is a counted miss, never served,
-    both ways. `stats()` counts the calls each way and their cost."""
+    test_page_pipeline.py); its warm-up runs the batches of each operation on the helper and
+    page by page in turn (the 1st and 3rd on the helper, the 2nd and 4th page by page), and a
+    forgery is a counted miss, never served, both ways. `stats()` counts the calls each way and their cost."""
     count, page_bytes = 8, 512 << 10  # groups of 4 pages (2 MiB): 2 groups a batch
     backend = make_backend(page_mac_key=MAC_KEY, page_bytes=page_bytes)
     gen = torch.Generator().manual_seed(5)

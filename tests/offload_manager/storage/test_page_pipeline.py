@@ -314,6 +314,28 @@ def test_slow_calls_neither_decide_the_choice_nor_hold_it() -> None:
     assert choice.stats("r")["r_pipelined_ns_per_page"] == 1_000_000_000
 
 
+def test_calls_from_before_a_change_of_load_leave_the_window() -> None:
+    """The pipeline ran at 1.0 s a page and page by page at 3.0 during the warm-up; then the
+    load changed (pipelined 2.0, page by page 1.0). Page by page's warm-up calls leave the
+    window of the last EXPLORE_EVERY choices by choice 21, so its exploration at 16 decides and
+    page by page runs from then on (but the next exploration). (The median of all the calls
+    kept, without the window, went on pipelining until choice 48.)"""
+    choice = AdaptiveChoice()
+    warmup = 2 * AdaptiveChoice.WARMUP
+    calls = [0]
+
+    def seconds_of(way: bool) -> float:
+        calls[0] += 1
+        if calls[0] <= warmup:
+            return 1.0 if way else 3.0
+        return 2.0 if way else 1.0
+
+    ways = _drive(choice, seconds_of, 40)
+    assert ways[warmup] is True  # right after the warm-up the pipeline was the faster
+    pipelined_from_22 = [i for i, way in enumerate(ways, start=1) if way and i >= 22]
+    assert pipelined_from_22 == [2 * AdaptiveChoice.EXPLORE_EVERY]  # only its exploration
+
+
 class _Clock:
     """The pipeline's clock, advanced only by the steps: timings without the machine's load."""
 
