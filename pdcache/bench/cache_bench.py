@@ -128,8 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hf3fs reads of sealed pages (--page-mac on) as the store's default "
                              "does (default: in groups beside the next group's reads or page by "
                              "page, whichever measured faster), page by page (off: "
-                             "pipeline_pages 0), "
-                             "in groups (on: the hf3fs-serial-pipelined rows, pipeline_pages "
+                             "pipeline_pages 0), in groups (on: the hf3fs-serial-pipelined "
+                             "rows, pipeline_pages "
                              f"{PIPELINED_PAGES}), or page by page and in groups (both)")
     parser.add_argument("--layers-per-read", type=int, default=None,
                         help="layers per read step of the layer-streamed prefetch "

@@ -60,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="+mac rows of hf3fs (one I/O thread) and file: the store's default (' +mac': "
         "each batch pipelined or page by page, whichever measured faster lately), "
         "verifying/sealing page groups beside the I/O (on: ' +mac pipelined', "
-        f"pipeline_pages = {PIPELINED_PAGES}), page by page (off: ' +mac page by page', pipeline_pages = 0), default and on "
-        "(both), or all three, in the same run; Mooncake Store always goes page by page",
+        f"pipeline_pages = {PIPELINED_PAGES}), page by page (off: ' +mac page by page', "
+        "pipeline_pages = 0), default and on (both), or all three, in the same run; Mooncake "
+        "Store always goes page by page",
     )
 
 

@@ -165,8 +165,8 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
         f"{op}_{way}": f"storage_pipeline_{op}_{way}_calls"
         for op in ("read", "write") for way in ("pipelined", "inline", "busy")},
         "hf3fs and file batches of sealed pages moved with the MAC beside the I/O (pipelined) "
-        "or page by page (inline), as the adaptive default chose from their measured speed; busy: "
-        "chose the pipeline, found its helper taken by another batch, went page by page"),
+        "or page by page (inline), as the adaptive default chose from their measured speed; "
+        "busy: chose the pipeline, found its helper taken by another batch, went page by page"),
     "pdcache_io_queue_depth": ("gauge", "queue", {"backup": "backup_queue_depth",
                                                   "prefetch": "prefetch_queue_depth"},
                                "storage I/O tasks waiting in each worker queue"),

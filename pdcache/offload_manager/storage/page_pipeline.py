@@ -183,12 +183,9 @@ class PagePipeline:
         """`read(group)` here, then `verify(its result)` on the helper while the next group is
         read; one result per item, in order."""
         groups = self._groups(items, self.group_pages)
-        choice = self._reads if len(groups) > 1 else None
-        start, wanted, took = self._acquire(len(groups), choice)
-        if not took:
-            results = [r for g in _split(items, self.inline_group) for r in verify(read(g))]
-            _record(choice, wanted, False, start, len(items))
-            return results
+        call = self._acquire(len(groups), self._reads)
+        if not call.took:
+            return self._inline(call, items, read, verify)
         pending: list[Future[list[R]]] = []
         try:
             for group in groups:
@@ -199,7 +196,7 @@ class PagePipeline:
         finally:
             self._release_after(pending)
         results = _gather(pending)
-        _record(choice, True, True, start, len(items))
+        _record(call, True, len(items))
         return results
 
     def seal_then_write(self, items: Sequence[T], seal: Callable[[list[T]], S],
@@ -207,12 +204,9 @@ class PagePipeline:
         """`seal(group)` on the helper, one group ahead of `write(its result)` here; one result
         per item, in order."""
         groups = self._groups(items, self.write_group_pages)
-        choice = self._writes if len(groups) > 1 else None
-        start, wanted, took = self._acquire(len(groups), choice)
-        if not took:
-            results = [r for g in _split(items, self.inline_group) for r in write(seal(g))]
-            _record(choice, wanted, False, start, len(items))
-            return results
+        call = self._acquire(len(groups), self._writes)
+        if not call.took:
+            return self._inline(call, items, seal, write)
         results = []
         ahead = self._helper_submit(seal, groups[0])
         try:
@@ -226,7 +220,7 @@ class PagePipeline:
             raise
         finally:
             self._release_after([ahead])
-        _record(choice, True, True, start, len(items))
+        _record(call, True, len(items))
         return results
 
     def stats(self) -> dict[str, int]:
@@ -249,23 +243,31 @@ class PagePipeline:
         """`items` in groups of `size`; one group (run inline) when `size` is 0."""
         return _split(items, size) if size else [list(items)]
 
-    def _acquire(self, groups: int,
-                 choice: AdaptiveChoice | None) -> tuple[float, bool, bool]:
-        """(start time, whether the call should use the helper, whether it took it). It should
-        when there is something to overlap (more than one group) and `choice`, if any, says
-        so; it cannot when the helper is closed or busy, or this is the helper thread."""
+    def _acquire(self, groups: int, choice: AdaptiveChoice | None) -> _Call:
+        """Start a call of `groups` groups: whether it should use the helper (there is
+        something to overlap, more than one group, and `choice`, if any, says so) and whether it
+        took it (it cannot when the helper is closed or busy, or this is the helper thread)."""
+        choice = choice if groups > 1 else None  # one group overlaps nothing: no sample
         wanted = groups > 1 and (choice is None or choice.pipelined())
         start = time.perf_counter()
         if not wanted:
-            return start, False, False
+            return _Call(choice, start, wanted=False, took=False)
         with self._lock:
             if self._closed or self._busy or threading.current_thread() is self._helper_thread:
-                return start, True, False
+                return _Call(choice, start, wanted=True, took=False)
             if self._helper is None:
                 self._helper = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME,
                                                   initializer=self._helper_seen.record)
             self._busy = True
-            return start, True, True
+            return _Call(choice, start, wanted=True, took=True)
+
+    def _inline(self, call: _Call, items: Sequence[T], first: Callable[[list[T]], S],
+                second: Callable[[S], list[R]]) -> list[R]:
+        """Both steps of a call on the caller, `inline_group` items at a time (read then
+        verify, or seal then write); recorded as page by page."""
+        results = [r for g in _split(items, self.inline_group) for r in second(first(g))]
+        _record(call, False, len(items))
+        return results
 
     @property
     def _helper_thread(self) -> threading.Thread | None:
@@ -304,18 +306,27 @@ class _ThreadSeen:
         self.thread = threading.current_thread()
 
 
-def _record(choice: AdaptiveChoice | None, wanted: bool, pipelined: bool, start: float,
-            pages: int) -> None:
-    """Tell `choice` (if any) how a call that began at `start` went. A call that wanted the
-    helper but found it busy (another caller's groups: e.g. HiCache's write-back beside a
-    prefetch) or closed ran page by page against its choice, beside a second core already at
-    work: counted apart, never a sample of either way."""
-    if choice is None:
+class _Call(NamedTuple):
+    """One call of a `PagePipeline` (`_acquire`): its `AdaptiveChoice` (None: nothing to
+    choose), when it began, whether it wanted the helper and whether it took it."""
+
+    choice: AdaptiveChoice | None
+    start: float
+    wanted: bool
+    took: bool
+
+
+def _record(call: _Call, pipelined: bool, pages: int) -> None:
+    """Tell the call's choice (if any) how it went. A call that wanted the helper but found it
+    busy (another caller's groups: e.g. HiCache's write-back beside a prefetch) or closed ran
+    page by page against its choice, beside a second core already at work: counted apart,
+    never a sample of either way."""
+    if call.choice is None:
         return
-    if wanted != pipelined:
-        choice.record_forced()
+    if call.wanted != pipelined:
+        call.choice.record_forced()
         return
-    choice.record(pipelined, time.perf_counter() - start, pages)
+    call.choice.record(pipelined, time.perf_counter() - call.start, pages)
 
 
 def _split(items: Sequence[T], size: int) -> list[list[T]]:
