@@ -216,8 +216,7 @@ def _manager_cost(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     storage = create_backend(storage_config_for(
         config, page, fingerprint, backend="hf3fs", path=str(tmp / "intrinsic"),
         capacity_pages=2 * pages, metadata="inproc"))
-    device_kv = torch.randn(config.num_hidden_layers, 2, pages, page,
-                            config.num_key_value_heads, config.head_dim)
+    device_kv = torch.randn(config.kv_geometry.device_shape(pages, page))
     manager = DecodeOffloadManager(device_kv, storage, fingerprint, staging_pages=256).start()
     tokens = random_prompt(random.Random(7), pages * page)
     try:

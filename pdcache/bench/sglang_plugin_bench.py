@@ -60,7 +60,6 @@ import numpy as np
 import torch
 
 from pdcache.bench.table import emit
-from pdcache.engine.page_keys import kv_fingerprint
 
 SGLANG_BATCH_PAGES = 128  # sglang.srt.mem_cache.hicache_storage.STORAGE_BATCH_SIZE
 PAYLOAD_LABELS = {
@@ -207,12 +206,12 @@ class Paths:
 
         dtype, n = DTYPES[args.dtype], args.pages
         self.n, self.page_size = n, args.page_size
-        host_args = (n, args.layers, args.page_size, args.kv_heads, args.head_dim, dtype)
-        self.native_src, self.native_dst = HostKVPool(*host_args), HostKVPool(*host_args)
+        geometry = _geometry(args)
+        self.native_src = HostKVPool(n, geometry, args.page_size)
+        self.native_dst = HostKVPool(n, geometry, args.page_size)
         _fill(self.native_src.host_kv, 1)
         self.page_bytes = self.native_src.page_nbytes
-        fingerprint = kv_fingerprint("bench/model", args.dtype, args.page_size, args.layers,
-                                     args.kv_heads, args.head_dim)
+        fingerprint = geometry.fingerprint("bench/model", args.page_size)
         native_cfg = StorageConfig.from_mapping({
             **table, "namespace": table["namespace"] + "n", "page_bytes": self.page_bytes,
             "fingerprint": fingerprint, "num_layers": args.layers, "page_size": args.page_size,
@@ -368,6 +367,13 @@ def _rows(name: str, nbytes: int, samples: Samples, threads: int) -> list[dict[s
     return rows
 
 
+def _geometry(args: argparse.Namespace) -> Any:
+    """The native path's KV geometry (a `KVGeometry`: MHA of the bench's shape)."""
+    from pdcache.engine.kv_geometry import KVGeometry
+
+    return KVGeometry.mha(args.layers, args.kv_heads, args.head_dim, args.dtype)
+
+
 COLUMNS = ["backend", "path", "write_GBps", "write_GBps_med", "read_GBps", "read_GBps_med",
            "write_overhead", "write_overhead_med", "write_overhead_par", "read_overhead",
            "read_overhead_med", "read_overhead_par", "write_cpu_overhead", "write_cpu_overhead_par",
@@ -376,8 +382,7 @@ COLUMNS = ["backend", "path", "write_GBps", "write_GBps_med", "read_GBps", "read
 
 def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
-    itemsize = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
-    page_bytes = 2 * args.layers * args.page_size * args.kv_heads * args.head_dim * itemsize
+    page_bytes = _geometry(args).page_bytes(args.page_size)
     with tempfile.TemporaryDirectory(dir=_storage_dir(args.dir), prefix="pdcache-sglang-bench-") as tmp:
         for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
             capacity = 2 * args.pages  # each round's pages are deleted before the next

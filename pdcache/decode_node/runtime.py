@@ -53,7 +53,9 @@ class DecodeRuntime:
         self.engine = Engine(setup.engine, model, tokenizer, make_scheduler=self._scheduler)
         self.receiver = KVReceiver(setup.transfer, self.engine.pool.device_kv,
                                    on_release=self.controller.on_release, decode_id=setup.name,
-                                   control_key=setup.security.zmq_control_key)
+                                   control_key=setup.security.zmq_control_key,
+                                   kv_geometry=setup.engine.model.kv_geometry.layout_key(
+                                       setup.engine.cache.page_size))
         self.controller.attach(self.engine, self.receiver)
         if self.offload is not None:  # prefill peers hear of the writes, may pull (§4.10)
             self.offload.announce_to(self.receiver)

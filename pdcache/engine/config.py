@@ -7,13 +7,21 @@ from dataclasses import dataclass, field
 import torch
 
 from pdcache.engine.eviction import EVICTION_POLICIES, SessionTracker
+from pdcache.engine.kv_geometry import KVGeometry
+from pdcache.engine.moe import MoEConfig
 
-SUPPORTED_ARCHITECTURES = (
+# Grouped-query attention (a K and a V cache); the MoE ones with sparse MLP blocks.
+GQA_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
+# Multi-head latent attention (one latent cache row) with MoE: DeepSeek-V2/V3, Kimi K2.
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (*GQA_ARCHITECTURES, *MLA_ARCHITECTURES)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -22,19 +30,35 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name `DTYPES` (and `KVGeometry.dtype`) gives a torch dtype: "bfloat16", ..."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """llama3-style RoPE frequency scaling (HF `rope_scaling` with rope_type "llama3")."""
+    """RoPE frequency scaling (HF `rope_scaling` / `rope_parameters`): "llama3" (Llama 3.1+)
+    or "yarn" (DeepSeek-V2/V3, Kimi K2: frequencies blended between `beta_fast` and
+    `beta_slow` rotations, cos/sin scaled by `attention_factor`, and with `mscale_all_dim`
+    the softmax scale by its mscale squared)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
     original_max_position_embeddings: int
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float = 0.0  # yarn: 0 = unset
+    mscale_all_dim: float = 0.0  # yarn: 0 = unset
+    attention_factor: float | None = None  # yarn: None = from factor and the mscales
+    truncate: bool = True  # yarn: round the correction range outwards
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder. Field names follow Hugging Face `config.json`."""
+    """Shape of a decoder: attention (GQA or MLA), its cache (`kv_geometry`) and its MLP
+    blocks (dense, or `moe`). Field names follow Hugging Face `config.json`."""
 
     architecture: str
     vocab_size: int
@@ -52,6 +76,15 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     sliding_window: int | None = None  # Mistral; full attention is used when None
+    # MLA (DeepSeek-V2/V3, Kimi K2): the cache is one latent per token (`kv_lora_rank` 0: not
+    # MLA); queries through a `q_lora_rank` bottleneck (None: one projection)
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # DeepSeek-V3: RoPE on interleaved (even, odd) pairs
+    moe: MoEConfig | None = None  # sparse MLP blocks (None: every layer dense)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
@@ -62,10 +95,22 @@ class ModelConfig:
         return DTYPES[self.dtype]
 
     @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        """What this model caches per token on every layer (every tier's shapes and bytes)."""
+        if self.is_mla:
+            return KVGeometry.mla(self.num_hidden_layers, self.kv_lora_rank,
+                                  self.qk_rope_head_dim, self.dtype)
+        return KVGeometry.mha(self.num_hidden_layers, self.num_key_value_heads, self.head_dim,
+                              self.dtype)
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token across all layers."""
-        elem = torch.tensor([], dtype=self.torch_dtype).element_size()
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+        """Bytes of one token's cache across all layers."""
+        return self.kv_geometry.token_bytes
 
 
 @dataclass(frozen=True)

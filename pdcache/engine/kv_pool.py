@@ -1,7 +1,8 @@
 """Paged device KV pool: the `device_kv` tensor and the allocator of its pages.
 
-Ownership: a `DeviceKVPool` owns one tensor `device_kv[L, 2, P, S, H, D]` (layer-first; see
-`pdcache.kernels`) and one `PageAllocator` over its `P` pages. Every page is at any time
+Ownership: a `DeviceKVPool` owns one tensor `device_kv`, shaped by the model's `KVGeometry`
+(layer-first, `P` pages; see `pdcache.engine.kv_geometry`), and one `PageAllocator` over its
+pages. Every page is at any time
 either free (in the allocator) or used, and a used page has exactly one owner: a running
 request or the radix tree. Neither class locks: both are used from the engine thread only.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from pdcache.engine.config import ModelConfig
+from pdcache.engine.kv_geometry import KVGeometry
 
 
 class PageAllocationError(RuntimeError):
@@ -85,24 +87,20 @@ class PageAllocator:
 def allocate_kv_tensor(
     model_config: ModelConfig, num_pages: int, page_size: int, device: str | torch.device = "cpu"
 ) -> torch.Tensor:
-    """Zeroed `[L, 2, P, S, H_kv, D]` tensor in the model's dtype."""
-    shape = (
-        model_config.num_hidden_layers,
-        2,
-        num_pages,
-        page_size,
-        model_config.num_key_value_heads,
-        model_config.head_dim,
-    )
+    """A zeroed device pool of `num_pages` pages of the model's KV geometry, in its dtype."""
+    shape = model_config.kv_geometry.device_shape(num_pages, page_size)
     return torch.zeros(shape, dtype=model_config.torch_dtype, device=device)
 
 
 class DeviceKVPool:
     """The device tier's memory: `device_kv` plus the allocator of its pages."""
 
-    def __init__(self, device_kv: torch.Tensor) -> None:
-        if device_kv.dim() != 6 or device_kv.shape[1] != 2:
-            raise ValueError(f"device_kv must be [L, 2, P, S, H, D], got {tuple(device_kv.shape)}")
+    def __init__(self, device_kv: torch.Tensor, geometry: KVGeometry | None = None) -> None:
+        if geometry is not None:
+            geometry.check_device_shape(tuple(device_kv.shape))
+        elif device_kv.dim() != 6 or device_kv.shape[1] not in (1, 2):
+            raise ValueError(f"device_kv must be a 6-D pool of 1 or 2 slabs per layer, got "
+                             f"{tuple(device_kv.shape)}")
         self.device_kv = device_kv
         self.allocator = PageAllocator(device_kv.shape[2])
 
@@ -114,7 +112,8 @@ class DeviceKVPool:
         page_size: int,
         device: str | torch.device = "cpu",
     ) -> DeviceKVPool:
-        return cls(allocate_kv_tensor(model_config, num_pages, page_size, device))
+        return cls(allocate_kv_tensor(model_config, num_pages, page_size, device),
+                   model_config.kv_geometry)
 
     @property
     def page_size(self) -> int:
@@ -126,9 +125,8 @@ class DeviceKVPool:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page across all layers, K and V."""
-        per_page = self.device_kv[:, :, 0].numel()
-        return per_page * self.device_kv.element_size()
+        """Bytes of one page across all layers and slabs."""
+        return self.device_kv.numel() // self.num_pages * self.device_kv.element_size()
 
     def slot(self, page_id: int, offset: int) -> int:
         return page_id * self.page_size + offset

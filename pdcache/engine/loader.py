@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pdcache.engine.config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from pdcache.engine.config import (
+    DTYPES,
+    MLA_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    RopeScaling,
+)
+from pdcache.engine.kv_pool import allocate_kv_tensor
 from pdcache.engine.model import CausalLM
+from pdcache.engine.moe import convert_checkpoint_tensors, moe_config_from_hf
 from pdcache.engine.presets import PRESETS, byte_tokenizer, init_preset_weights, preset_config
 from pdcache.engine.tokenizer import HFTokenizer, Tokenizer
 from pdcache.engine.weights import iter_safetensors, load_weights, safetensors_files
@@ -20,7 +29,17 @@ _ARCH_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
 }
+# Architectures we know and do not run, with the feature that stops us.
+_REFUSED_ARCHITECTURES = {
+    "DeepseekV32ForCausalLM": "DeepSeek sparse attention (the DSA indexer of DeepSeek-V3.2)",
+}
+_ROPE_TYPES = ("default", "llama3", "yarn")
 
 
 def load_model(
@@ -62,12 +81,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
 def allocate_device_kv(
     config: ModelConfig, num_pages: int, page_size: int, device: str | torch.device = "cpu"
 ) -> torch.Tensor:
-    """A zeroed device KV pool `[L, 2, P, S, Hkv, D]` in the model's dtype."""
-    shape = (
-        config.num_hidden_layers, 2, num_pages, page_size,
-        config.num_key_value_heads, config.head_dim,
-    )
-    return torch.zeros(shape, dtype=config.torch_dtype, device=device)
+    """A zeroed device KV pool of the model's KV geometry, in its dtype."""
+    return allocate_kv_tensor(config, num_pages, page_size, device)
 
 
 def _checkpoint_dir(spec: str) -> Path:
@@ -106,8 +121,27 @@ def _load_checkpoint(path: Path, dtype: str | None) -> tuple[CausalLM, Tokenizer
     model = model.to_empty(device="cpu").to(config.torch_dtype)
     if config.tie_word_embeddings:  # to_empty re-creates parameters: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
-    load_weights(model, iter_safetensors(safetensors_files(path)))
+    tensors = _decoder_tensors(iter_safetensors(safetensors_files(path)), config)
+    load_weights(model, tensors)
     return model, tokenizer
+
+
+def _decoder_tensors(
+    tensors: Iterator[tuple[str, torch.Tensor]], config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors under our names: multi-token-prediction layers past the
+    decoder's (DeepSeek-V3's layer 61: we do not decode speculatively) left out, per-expert
+    tensors fused (`convert_checkpoint_tensors`)."""
+    kept = (item for item in tensors
+            if _layer_index(item[0]) is None or _layer_index(item[0]) < config.num_hidden_layers)
+    return convert_checkpoint_tensors(kept, config.moe) if config.moe is not None else kept
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2])
+    return None
 
 
 def model_config_from_hf(
@@ -117,7 +151,7 @@ def model_config_from_hf(
     arch = _architecture(hf)
     _check_supported_features(hf, arch)
     heads = hf["num_attention_heads"]
-    return ModelConfig(
+    config = ModelConfig(
         architecture=arch,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -132,18 +166,38 @@ def model_config_from_hf(
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         sliding_window=_sliding_window(hf, arch),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_as_tuple(hf.get("eos_token_id")),
         dtype=dtype or _checkpoint_dtype(hf),
         name=name,
+        moe=moe_config_from_hf(hf, arch),
     )
+    return replace(config, **_mla_fields(hf)) if arch in MLA_ARCHITECTURES else config
+
+
+def _mla_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2/V3's latent attention: ranks, head dims, RoPE layout (V2 always rotates
+    interleaved pairs; V3 says so in `rope_interleave`, default true)."""
+    return {
+        "kv_lora_rank": int(hf["kv_lora_rank"]),
+        "q_lora_rank": hf.get("q_lora_rank"),
+        "qk_nope_head_dim": int(hf["qk_nope_head_dim"]),
+        "qk_rope_head_dim": int(hf["qk_rope_head_dim"]),
+        "v_head_dim": int(hf["v_head_dim"]),
+        "head_dim": int(hf["qk_nope_head_dim"]) + int(hf["qk_rope_head_dim"]),
+        "rope_interleave": bool(hf.get("rope_interleave", True)),
+        "num_key_value_heads": hf["num_attention_heads"],
+    }
 
 
 def _architecture(hf: dict[str, Any]) -> str:
     archs = hf.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(hf.get("model_type", ""), "?")]
     arch = archs[0]
+    if arch in _REFUSED_ARCHITECTURES:
+        raise ValueError(f"architecture {arch!r} needs {_REFUSED_ARCHITECTURES[arch]}, which "
+                         "this engine does not run")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch!r} (model_type {hf.get('model_type')!r}); "
@@ -161,8 +215,17 @@ def _check_supported_features(hf: dict[str, Any], arch: str) -> None:
     if arch in ("LlamaForCausalLM", "MistralForCausalLM") and hf.get("attention_bias"):
         raise ValueError("attention_bias=true (bias on o_proj too) is not supported for Llama")
     rope_type = _rope_params(hf).get("rope_type", _rope_params(hf).get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported ({', '.join(_ROPE_TYPES)})")
+    quant = (hf.get("quantization_config") or {}).get("quant_method")
+    if quant:
+        block = (hf.get("quantization_config") or {}).get("weight_block_size")
+        what = f"{quant} block quantisation {block}" if block else f"{quant} quantisation"
+        raise ValueError(f"quantized checkpoints ({what}) are not supported; use bf16/fp32 "
+                         "weights")
+    if hf.get("index_topk") or hf.get("index_n_heads"):
+        raise ValueError("DeepSeek sparse attention (the DSA indexer: index_topk / "
+                         "index_n_heads) is not supported")
 
 
 def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
@@ -177,7 +240,10 @@ def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
     p = _rope_params(hf)
-    if p.get("rope_type", p.get("type")) != "llama3":
+    rope_type = p.get("rope_type", p.get("type"))
+    if rope_type == "yarn":
+        return _yarn_scaling(hf, p)
+    if rope_type != "llama3":
         return None
     return RopeScaling(
         factor=float(p["factor"]),
@@ -187,9 +253,22 @@ def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
     )
 
 
+def _yarn_scaling(hf: dict[str, Any], p: dict[str, Any]) -> RopeScaling:
+    original = int(p["original_max_position_embeddings"])
+    factor = p.get("factor") or hf.get("max_position_embeddings", original) / original
+    attention_factor = p.get("attention_factor")
+    return RopeScaling(
+        factor=float(factor), original_max_position_embeddings=original, rope_type="yarn",
+        beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1),
+        mscale=float(p.get("mscale") or 0), mscale_all_dim=float(p.get("mscale_all_dim") or 0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(p.get("truncate", True)),
+    )
+
+
 def _sliding_window(hf: dict[str, Any], arch: str) -> int | None:
     window = hf.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return window
     layer_types = hf.get("layer_types") or []
     sliding = [t == "sliding_attention" for t in layer_types]

@@ -1,76 +1,26 @@
-"""A compact Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) that reads and writes paged KV.
+"""A compact decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3) and DeepSeek's MLA
+models (DeepSeek-V2/V3, Kimi K2) that reads and writes paged KV.
 
 Parameter names are exactly Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...), so a
 checkpoint's safetensors load without renaming and our state dict loads into `transformers`.
 
-The model owns no KV memory: every forward stores the new tokens' K/V into the caller's
-`device_kv[L, 2, P, S, Hkv, D]` pool at `batch.out_slots` (through `batch.kernels.store_kv`)
-and reads cached K/V only through the paged-attention kernels.
+The model owns no KV memory: every forward stores the new tokens' cache rows (K and V, or the
+MLA latent: `pdcache.engine.kv_geometry`) into the caller's `device_kv` pool at
+`batch.out_slots` (through `batch.kernels.store_kv`) and reads cached rows only through the
+paged-attention kernels.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcache.engine.config import ModelConfig, RopeScaling
+from pdcache.engine.config import ModelConfig
 from pdcache.engine.forward import ForwardBatch, ForwardMode
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32, as in Hugging Face Llama."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse RoPE frequencies `[head_dim // 2]` (fp32), with llama3 scaling when given."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    if scaling is None:
-        return inv_freq
-    return _llama3_scale(inv_freq, scaling)
-
-
-def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin `[T, 1, head_dim]` for arbitrary (not necessarily contiguous) positions."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x[T, H, D]` by half-split RoPE (the Hugging Face `rotate_half` convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+from pdcache.engine.layers import RMSNorm, apply_rope, model_rope, rope_cos_sin
+from pdcache.engine.mla import LatentAttention
+from pdcache.engine.moe import make_mlp
 
 
 class Attention(nn.Module):
@@ -163,24 +113,12 @@ class Attention(nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_id)
-        self.mlp = MLP(config)
+        self.self_attn = (LatentAttention(config, layer_id) if config.is_mla
+                          else Attention(config, layer_id))
+        self.mlp = make_mlp(config.moe, config.hidden_size, config.intermediate_size, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -209,7 +147,7 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Llama-family causal LM over a paged KV pool.
+    """A causal LM (GQA or MLA attention, dense or MoE MLPs) over a paged KV pool.
 
     `forward` mutates only `device_kv` (the new tokens' slots in every layer) and returns fp32
     logits `[n, vocab]` for the rows `batch.logits_indices` (default: each sequence's last new
@@ -224,11 +162,12 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # A plain attribute, not a buffer: `.to(bfloat16)` must not round the frequencies.
-        self._inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self._inv_freq, self._rope_factor = model_rope(config)
 
     def forward(self, batch: ForwardBatch, device_kv: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
-        cos, sin = rope_cos_sin(batch.positions, self._inv_freq_on(x.device), x.dtype)
+        cos, sin = rope_cos_sin(batch.positions, self._inv_freq_on(x.device), x.dtype,
+                                self._rope_factor)
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch, device_kv)
         rows = batch.logits_indices

@@ -1,11 +1,13 @@
 """Moving and attending over paged KV: one small functional API, several implementations.
 
-Layouts:
-- device pool (layer-first): `device_kv[L, 2, P, S, H, D]`; `device_kv[l, 0]` is layer l's K
-  pages, `device_kv[l, 1]` its V pages. A slot id is `page_id * S + offset`.
-- host pool (page-first): `host_kv[P, L, 2, S, H, D]`; one page, all layers, is contiguous, so
+Layouts (the shapes come from the model's `pdcache.engine.kv_geometry.KVGeometry`; `K` is the
+number of slabs a layer caches per token: 2 for K and V, 1 for an MLA latent):
+- device pool (layer-first): `device_kv[L, K, P, S, H, D]`; `device_kv[l, 0]` is layer l's K
+  pages, `device_kv[l, 1]` its V pages (K = 2), or `device_kv[l, 0]` its latent pages (K = 1).
+  A slot id is `page_id * S + offset`.
+- host pool (page-first): `host_kv[P, L, K, S, H, D]`; one page, all layers, is contiguous, so
   it is exactly the payload of a stored page (docs/design.md §4.3).
-- staging buffer: `staging[N, L, 2, S, H, D]`, the same order as host pages.
+- staging buffer: `staging[N, L, K, S, H, D]`, the same order as host pages.
 
 Ids are 1-D int32/int64 tensors, any order, not necessarily contiguous. Page tables are
 `[B, maxP]` int tensors; columns past a sequence's `ceil(len / S)` pages are padding (any value,
@@ -13,15 +15,17 @@ e.g. -1) and never read. Bad shapes, dtypes or ids raise `KernelArgumentError` (
 
 Ops, methods of a `KernelSet` and functions of each backend module (all mutate only their
 destination argument):
-- `store_kv(device_kv, layer, slot_ids[T], k[T,H,D], v[T,H,D])`
+- `store_kv(device_kv, layer, slot_ids[T], k[T,H,D], v[T,H,D])` (a latent pool: `v` None)
 - `device_to_host(device_kv, host_kv, device_page_ids[N], host_page_ids[N], layer=None)`
 - `host_to_device(host_kv, device_kv, host_page_ids[N], device_page_ids[N], layer=None)`
   (`layer=None`: all layers; an int: that layer only, for the per-layer load)
 - `pack_pages(device_kv, page_ids[N], staging)` / `unpack_pages(staging, device_kv, page_ids[N])`
 - `paged_attention_extend(q[T,Hq,D], device_kv, layer, page_table[B,maxP], prefix_lens,
-  extend_lens, scale, sliding_window=None) -> [T,Hq,D]`
+  extend_lens, scale, sliding_window=None, value_dim=None) -> [T,Hq,Dv]`
 - `paged_attention_decode(q[B,Hq,D], device_kv, layer, page_table, seq_lens, scale,
-  sliding_window=None) -> [B,Hq,D]`
+  sliding_window=None, value_dim=None) -> [B,Hq,Dv]`
+  (on a latent pool, MLA with absorbed weights: K is the latent row, V its first `value_dim`
+  elements, so `Dv = value_dim`; on a K/V pool `Dv = D`)
 
 Backends: "reference" (plain torch, defines correctness; tests compare against it), "torch"
 (fast torch: block copies, batched decode), "numba" (torch's, with page copies compiled by numba

@@ -27,17 +27,18 @@ def as_int_list(values: IntList) -> list[int]:
 
 
 def check_device_pool(op: str, device_kv: torch.Tensor) -> None:
-    if device_kv.dim() != 6 or device_kv.shape[1] != 2:
-        fail(op, f"device_kv must be [L, 2, P, S, H, D], got {tuple(device_kv.shape)}")
+    if device_kv.dim() != 6 or device_kv.shape[1] not in (1, 2):
+        fail(op, f"device_kv must be [L, K, P, S, H, D] with K = 2 (K, V) or 1 (a latent), "
+                 f"got {tuple(device_kv.shape)}")
 
 
 def check_host_pool(op: str, host_kv: torch.Tensor, device_kv: torch.Tensor, name: str) -> None:
-    """`host_kv[P, L, 2, S, H, D]` (or a staging buffer) must match the device pool's page."""
+    """`host_kv[P, L, K, S, H, D]` (or a staging buffer) must match the device pool's page."""
     check_device_pool(op, device_kv)
     if host_kv.dim() != 6:
-        fail(op, f"{name} must be [N, L, 2, S, H, D], got {tuple(host_kv.shape)}")
-    layers, _, _, page_size, heads, dim = device_kv.shape
-    want = (layers, 2, page_size, heads, dim)
+        fail(op, f"{name} must be [N, L, K, S, H, D], got {tuple(host_kv.shape)}")
+    layers, slabs, _, page_size, heads, dim = device_kv.shape
+    want = (layers, slabs, page_size, heads, dim)
     if tuple(host_kv.shape[1:]) != want:
         fail(op, f"{name} page shape {tuple(host_kv.shape[1:])} != device page shape {want}")
     if host_kv.dtype != device_kv.dtype:
@@ -102,16 +103,20 @@ def check_layer(op: str, layer: int | None, device_kv: torch.Tensor) -> None:
 
 
 def check_store(
-    device_kv: torch.Tensor, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    device_kv: torch.Tensor, layer: int, slot_ids: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor | None,
 ) -> None:
+    """A 2-slab pool stores `k` and `v`; a latent (1-slab) pool stores `k` alone (`v` None)."""
     op = "store_kv"
     check_device_pool(op, device_kv)
     check_layer(op, layer, device_kv)
-    _, _, pages, page_size, heads, dim = device_kv.shape
+    _, slabs, pages, page_size, heads, dim = device_kv.shape
     check_ids(op, slot_ids, pages * page_size, "slot_ids")
+    if (v is None) != (slabs == 1):
+        fail(op, "a latent pool (1 slab) takes k only, a K/V pool (2 slabs) both k and v")
     want = (slot_ids.numel(), heads, dim)
     for name, t in (("k", k), ("v", v)):
-        if tuple(t.shape) != want:
+        if t is not None and tuple(t.shape) != want:
             fail(op, f"{name} must be [T, H, D] = {want}, got {tuple(t.shape)}")
 
 
@@ -123,13 +128,17 @@ def check_attention(
     page_table: torch.Tensor,
     seq_lens: list[int],
     num_q: int,
+    value_dim: int | None = None,
 ) -> None:
-    """q `[num_q, Hq, D]`, GQA-compatible heads, and a page table wide enough for every seq."""
+    """q `[num_q, Hq, D]`, GQA-compatible heads, and a page table wide enough for every seq;
+    `value_dim` (latent pools only) within the row."""
     check_device_pool(op, device_kv)
     check_layer(op, layer, device_kv)
-    _, _, _, page_size, kv_heads, dim = device_kv.shape
+    _, slabs, _, page_size, kv_heads, dim = device_kv.shape
     if q.dim() != 3 or q.shape[0] != num_q or q.shape[2] != dim:
         fail(op, f"q must be [{num_q}, Hq, {dim}], got {tuple(q.shape)}")
+    if value_dim is not None and (slabs != 1 or not 0 < value_dim <= dim):
+        fail(op, f"value_dim {value_dim} needs a latent pool (1 slab) of rows >= it")
     if q.shape[1] % kv_heads:
         fail(op, f"query heads {q.shape[1]} not a multiple of kv heads {kv_heads}")
     if page_table.dim() != 2 or page_table.dtype not in _INDEX_DTYPES:
@@ -151,6 +160,7 @@ def check_extend(
     page_table: torch.Tensor,
     prefix_lens: list[int],
     extend_lens: list[int],
+    value_dim: int | None = None,
 ) -> None:
     op = "paged_attention_extend"
     if len(prefix_lens) != len(extend_lens):
@@ -158,12 +168,17 @@ def check_extend(
     if any(n < 0 for n in prefix_lens) or any(n < 1 for n in extend_lens):
         fail(op, "prefix_lens must be >= 0 and extend_lens >= 1")
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    check_attention(op, q, device_kv, layer, page_table, seq_lens, sum(extend_lens))
+    check_attention(op, q, device_kv, layer, page_table, seq_lens, sum(extend_lens), value_dim)
 
 
 def check_decode(
     q: torch.Tensor, device_kv: torch.Tensor, layer: int, page_table: torch.Tensor,
-    seq_lens: list[int],
+    seq_lens: list[int], value_dim: int | None = None,
 ) -> None:
     check_attention("paged_attention_decode", q, device_kv, layer, page_table, seq_lens,
-                    len(seq_lens))
+                    len(seq_lens), value_dim)
+
+
+def value_width(device_kv: torch.Tensor, value_dim: int | None) -> int:
+    """Width of the values attention returns: the V row, or a latent's first `value_dim`."""
+    return device_kv.shape[5] if value_dim is None else value_dim

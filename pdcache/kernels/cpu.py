@@ -53,7 +53,7 @@ def copy_pages(
 
 
 def device_page_view(device_kv: torch.Tensor, layer: int | None) -> torch.Tensor:
-    """Device pool viewed page-major: `[P, L, 2, S, H, D]` or, for one layer, `[P, 2, S, H, D]`."""
+    """Device pool viewed page-major: `[P, L, K, S, H, D]` or, for one layer, `[P, K, S, H, D]`."""
     if layer is None:
         return device_kv.permute(2, 0, 1, 3, 4, 5)
     return device_kv[layer].transpose(0, 1)
@@ -64,12 +64,13 @@ def host_page_view(host_kv: torch.Tensor, layer: int | None) -> torch.Tensor:
 
 
 def store_kv(
-    device_kv: torch.Tensor, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    device_kv: torch.Tensor, layer: int, slot_ids: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor | None = None,
 ) -> None:
     checks.check_store(device_kv, layer, slot_ids, k, v)
-    _, _, pages, page_size, heads, dim = device_kv.shape
+    _, slabs, pages, page_size, heads, dim = device_kv.shape
     slots = slot_ids.to(device_kv.device)
-    for kv, src in ((0, k), (1, v)):
+    for kv, src in enumerate((k, v)[:slabs]):
         flat = device_kv[layer, kv].view(pages * page_size, heads, dim)
         flat.index_copy_(0, slots, src.to(device_kv.device, device_kv.dtype))
 
@@ -117,6 +118,15 @@ def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, num_tokens: int) -> t
     return pool.index_select(0, pages).view(-1, heads, dim)[:num_tokens]
 
 
+def _gather_kv(device_kv: torch.Tensor, layer: int, pages: torch.Tensor, num_tokens: int,
+               value_dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K `[n, H, D]` and V `[n, H, Dv]`; a latent pool's V is a view of its K's first columns."""
+    k = _gather_pages(device_kv[layer, 0], pages, num_tokens)
+    if device_kv.shape[1] == 1:
+        return k, k[..., : checks.value_width(device_kv, value_dim)]
+    return k, _gather_pages(device_kv[layer, 1], pages, num_tokens)
+
+
 def _causal_mask(
     prefix_len: int, num_q: int, num_kv: int, sliding_window: int | None, device: torch.device
 ) -> torch.Tensor | None:
@@ -139,18 +149,18 @@ def paged_attention_extend(
     extend_lens: IntList,
     scale: float,
     sliding_window: int | None = None,
+    value_dim: int | None = None,
 ) -> torch.Tensor:
     prefix_lens, extend_lens = as_int_list(prefix_lens), as_int_list(extend_lens)
-    checks.check_extend(q, device_kv, layer, page_table, prefix_lens, extend_lens)
+    checks.check_extend(q, device_kv, layer, page_table, prefix_lens, extend_lens, value_dim)
     page_size = device_kv.shape[3]
     table = page_table.to(device_kv.device)
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:2], checks.value_width(device_kv, value_dim)))
     start = 0
     for b, (prefix_len, extend_len) in enumerate(zip(prefix_lens, extend_lens)):
         total = prefix_len + extend_len
         pages = table[b, : -(-total // page_size)]
-        k = _gather_pages(device_kv[layer, 0], pages, total).transpose(0, 1)
-        v = _gather_pages(device_kv[layer, 1], pages, total).transpose(0, 1)
+        k, v = (t.transpose(0, 1) for t in _gather_kv(device_kv, layer, pages, total, value_dim))
         qs = q[start : start + extend_len].transpose(0, 1).to(k.dtype)
         mask = _causal_mask(prefix_len, extend_len, total, sliding_window, q.device)
         # 4-D inputs: CPU SDPA takes its flash kernel only for [B, H, T, D] (3-D: math path).
@@ -171,6 +181,7 @@ def _decode_chunk(
     seq_lens: list[int],
     scale: float,
     sliding_window: int | None,
+    value_dim: int | None,
 ) -> torch.Tensor:
     """Padded batched decode of `q[B, Hq, D]` over `table[B, n_pages]` (all valid page ids)."""
     batch, q_heads, dim = q.shape
@@ -179,7 +190,10 @@ def _decode_chunk(
     # index_select on the page dim is a parallel block gather; `pool[table]` is ~10x slower.
     flat = table.reshape(-1)
     k = device_kv[layer, 0].index_select(0, flat).view(batch, num_kv, kv_heads, dim)
-    v = device_kv[layer, 1].index_select(0, flat).view(batch, num_kv, kv_heads, dim)
+    if device_kv.shape[1] == 1:  # a latent: V is its first columns (zeroed with K below)
+        v = k[..., : checks.value_width(device_kv, value_dim)]
+    else:
+        v = device_kv[layer, 1].index_select(0, flat).view(batch, num_kv, kv_heads, dim)
     firsts = [0 if sliding_window is None else max(0, n - sliding_window) for n in seq_lens]
     for b, (first, n) in enumerate(zip(firsts, seq_lens)):
         # Slots outside the attended span may hold anything, even NaN (which a mask would not
@@ -199,7 +213,7 @@ def _decode_chunk(
         grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
         scale=scale,
     )
-    return out.reshape(batch, q_heads, dim)
+    return out.reshape(batch, q_heads, v.shape[-1])
 
 
 def paged_attention_decode(
@@ -210,12 +224,13 @@ def paged_attention_decode(
     seq_lens: IntList,
     scale: float,
     sliding_window: int | None = None,
+    value_dim: int | None = None,
 ) -> torch.Tensor:
     lens = as_int_list(seq_lens)
-    checks.check_decode(q, device_kv, layer, page_table, lens)
+    checks.check_decode(q, device_kv, layer, page_table, lens, value_dim)
     page_size, kv_heads, dim = device_kv.shape[3], device_kv.shape[4], device_kv.shape[5]
     table = page_table.to(device_kv.device)
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:2], checks.value_width(device_kv, value_dim)))
     start = 0
     while start < len(lens):
         end = _chunk_end(lens, start, page_size, kv_heads * dim)
@@ -224,7 +239,7 @@ def paged_attention_decode(
         rows = table[start:end, :n_pages].clamp(0, device_kv.shape[2] - 1)
         out[start:end] = _decode_chunk(
             q[start:end].to(device_kv.dtype), device_kv, layer, rows, lens[start:end], scale,
-            sliding_window,
+            sliding_window, value_dim,
         ).to(q.dtype)
         start = end
     return out

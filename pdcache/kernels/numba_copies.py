@@ -3,8 +3,8 @@
 Why: a one-layer page of 16 tokens is a 32 KiB copy, below torch's intra-op grain, so torch
 copies those one at a time on one thread (about 0.3 of a two-thread memcpy).
 
-Every layout copy is a list of contiguous blocks: one `[S, H, D]` run of K or V of one layer of
-one page, contiguous in every layout (device, host, staging). One compiled loop computes each
+Every layout copy is a list of contiguous blocks: one `[S, H, D]` run of one slab (K, V or a
+latent) of one layer of one page, contiguous in every layout (device, host, staging). One compiled loop computes each
 block's offsets from the page ids and copies it with word-sized loads and stores; copies of at
 least `PARALLEL_MIN_BYTES` spread their blocks over threads. Copies whose per-page view exceeds
 torch's intra-op grain (all-layer copies, large pages) go to the torch backend instead: one
@@ -58,15 +58,15 @@ def _signature(word: int) -> str:
 
 
 @numba.njit(inline="always")
-def _copy_block(device, paged, device_ids, paged_ids, i, first_layer, num_layers, total_layers,
+def _copy_block(device, paged, device_ids, paged_ids, i, first_row, num_rows, total_rows,
                 pool_pages, block, to_device):  # pragma: no cover (compiled)
-    """Block i of a copy: page i // (2 * num_layers), then layer, then K/V."""
-    per_page = 2 * num_layers
-    page = i // per_page
-    layer = first_layer + (i % per_page) // 2
-    kv = i % 2
-    dev = ((layer * 2 + kv) * pool_pages + device_ids[page]) * block
-    pg = ((paged_ids[page] * total_layers + layer) * 2 + kv) * block
+    """Block i of a copy: page i // num_rows, then row (a row = one slab of one layer, layer
+    major: `layer * K + slab`, K slabs per layer, so device rows are `[L * K, P]` blocks and a
+    page-first page is `[L * K]` blocks)."""
+    page = i // num_rows
+    row = first_row + i % num_rows
+    dev = (row * pool_pages + device_ids[page]) * block
+    pg = (paged_ids[page] * total_rows + row) * block
     if to_device:
         device[dev : dev + block] = paged[pg : pg + block]
     else:
@@ -90,19 +90,19 @@ def _compiled(parallel: bool):
 # Two functions, not one jitted twice: numba's on-disk cache keys on the function, so a serial
 # and a parallel compile of the same function would load each other's code.
 @_compiled(parallel=False)
-def _copy_pages_serial(device, paged, device_ids, paged_ids, first_layer, num_layers,
-                       total_layers, pool_pages, block, to_device):  # pragma: no cover
-    for i in range(device_ids.shape[0] * 2 * num_layers):
-        _copy_block(device, paged, device_ids, paged_ids, i, first_layer, num_layers,
-                    total_layers, pool_pages, block, to_device)
+def _copy_pages_serial(device, paged, device_ids, paged_ids, first_row, num_rows,
+                       total_rows, pool_pages, block, to_device):  # pragma: no cover
+    for i in range(device_ids.shape[0] * num_rows):
+        _copy_block(device, paged, device_ids, paged_ids, i, first_row, num_rows,
+                    total_rows, pool_pages, block, to_device)
 
 
 @_compiled(parallel=True)
-def _copy_pages_parallel(device, paged, device_ids, paged_ids, first_layer, num_layers,
-                         total_layers, pool_pages, block, to_device):  # pragma: no cover
-    for i in numba.prange(device_ids.shape[0] * 2 * num_layers):
-        _copy_block(device, paged, device_ids, paged_ids, i, first_layer, num_layers,
-                    total_layers, pool_pages, block, to_device)
+def _copy_pages_parallel(device, paged, device_ids, paged_ids, first_row, num_rows,
+                         total_rows, pool_pages, block, to_device):  # pragma: no cover
+    for i in numba.prange(device_ids.shape[0] * num_rows):
+        _copy_block(device, paged, device_ids, paged_ids, i, first_row, num_rows,
+                    total_rows, pool_pages, block, to_device)
 
 
 def _flat_words(t: torch.Tensor, word: int) -> np.ndarray | None:
@@ -127,22 +127,22 @@ def _copy(device_kv: torch.Tensor, paged: torch.Tensor, device_ids: torch.Tensor
     """Copy pages `device_ids` of the device pool to pages `paged_ids` of a page-first buffer
     (host pool or staging), or back when `to_device`. False (nothing copied) when the torch
     backend does it better or the tensors cannot be addressed as flat words here."""
-    layers, _, pool_pages = device_kv.shape[:3]
+    layers, slabs, pool_pages = device_kv.shape[:3]
     block_elems = math.prod(device_kv.shape[3:])
     first, count = (0, layers) if layer is None else (layer, 1)
-    if 2 * count * block_elems > TORCH_GRAIN_ELEMS:
+    if slabs * count * block_elems > TORCH_GRAIN_ELEMS:
         return False  # big page views: torch copies each in one pass, split over its threads
     block_bytes = block_elems * device_kv.element_size()
     word = 8 if block_bytes % 8 == 0 else 1
     device_words, paged_words = _flat_words(device_kv, word), _flat_words(paged, word)
     if device_words is None or paged_words is None:
         return False
-    total_bytes = len(device_ids) * 2 * count * block_bytes
+    total_bytes = len(device_ids) * slabs * count * block_bytes
     # The compiled loop does no bounds checks; checks.py checks only ids already on the CPU.
     device_rows = _ids(device_ids, pool_pages, "device page ids")
     paged_rows = _ids(paged_ids, len(paged), "page-first buffer page ids")
-    args = (device_words, paged_words, device_rows, paged_rows, first, count, layers,
-            pool_pages, block_bytes // word, to_device)
+    args = (device_words, paged_words, device_rows, paged_rows, first * slabs, count * slabs,
+            layers * slabs, pool_pages, block_bytes // word, to_device)
     if total_bytes < PARALLEL_MIN_BYTES or torch.get_num_threads() == 1:
         _copy_pages_serial(*args)
         return True

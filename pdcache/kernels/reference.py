@@ -3,10 +3,10 @@
 Written to be obviously right, not fast: plain advanced indexing for copies and one SDPA call
 per sequence for attention. Tests compare every other backend against these functions.
 
-Layouts (see `pdcache.kernels` for the full contract):
-- device pool, layer-first: `device_kv[L, 2, P, S, H, D]` (2 = K, V)
-- host pool, page-first:    `host_kv[P, L, 2, S, H, D]` (a page's layers are contiguous)
-- staging buffer:           `staging[N, L, 2, S, H, D]` (same order as a host page)
+Layouts (see `pdcache.kernels` for the full contract; K = 2 slabs K, V or 1 latent slab):
+- device pool, layer-first: `device_kv[L, K, P, S, H, D]`
+- host pool, page-first:    `host_kv[P, L, K, S, H, D]` (a page's layers are contiguous)
+- staging buffer:           `staging[N, L, K, S, H, D]` (same order as a host page)
 """
 
 from __future__ import annotations
@@ -19,15 +19,17 @@ from pdcache.kernels.checks import IntList, as_int_list
 
 
 def store_kv(
-    device_kv: torch.Tensor, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    device_kv: torch.Tensor, layer: int, slot_ids: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor | None = None,
 ) -> None:
-    """Write token t's K/V to slot `slot_ids[t]` (= page * S + offset) of `layer`."""
+    """Write token t's K/V (or latent: `k` alone) to slot `slot_ids[t]` (= page * S + offset)
+    of `layer`."""
     checks.check_store(device_kv, layer, slot_ids, k, v)
     page_size = device_kv.shape[3]
     slots = slot_ids.to(device_kv.device)
     pages, offsets = slots // page_size, slots % page_size
-    device_kv[layer, 0, pages, offsets] = k.to(device_kv.device, device_kv.dtype)
-    device_kv[layer, 1, pages, offsets] = v.to(device_kv.device, device_kv.dtype)
+    for slab, rows in enumerate((k, v)[: device_kv.shape[1]]):
+        device_kv[layer, slab, pages, offsets] = rows.to(device_kv.device, device_kv.dtype)
 
 
 def device_to_host(
@@ -42,7 +44,7 @@ def device_to_host(
     src = device_page_ids.to(device_kv.device)
     dst = host_page_ids.to(host_kv.device)
     if layer is None:
-        # [L, 2, N, S, H, D] -> [N, L, 2, S, H, D]
+        # [L, K, N, S, H, D] -> [N, L, K, S, H, D]
         host_kv[dst] = device_kv[:, :, src].permute(2, 0, 1, 3, 4, 5).to(host_kv.device)
     else:
         host_kv[dst, layer] = device_kv[layer, :, src].transpose(0, 1).to(host_kv.device)
@@ -66,14 +68,14 @@ def host_to_device(
 
 
 def pack_pages(device_kv: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor) -> None:
-    """Gather device pages into `staging[:N]` (`[N, L, 2, S, H, D]`, page-first, as stored)."""
+    """Gather device pages into `staging[:N]` (`[N, L, K, S, H, D]`, page-first, as stored)."""
     checks.check_pack("pack_pages", device_kv, page_ids, staging)
     src = page_ids.to(device_kv.device)
     staging[: len(page_ids)] = device_kv[:, :, src].permute(2, 0, 1, 3, 4, 5).to(staging.device)
 
 
 def unpack_pages(staging: torch.Tensor, device_kv: torch.Tensor, page_ids: torch.Tensor) -> None:
-    """Scatter `staging[:N]` (`[N, L, 2, S, H, D]`) into the device pages `page_ids`."""
+    """Scatter `staging[:N]` (`[N, L, K, S, H, D]`) into the device pages `page_ids`."""
     checks.check_pack("unpack_pages", device_kv, page_ids, staging)
     dst = page_ids.to(device_kv.device)
     n = len(page_ids)
@@ -81,11 +83,16 @@ def unpack_pages(staging: torch.Tensor, device_kv: torch.Tensor, page_ids: torch
 
 
 def gather_kv(
-    device_kv: torch.Tensor, layer: int, page_ids: torch.Tensor, num_tokens: int
+    device_kv: torch.Tensor, layer: int, page_ids: torch.Tensor, num_tokens: int,
+    value_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the first `num_tokens` tokens held in `page_ids`: two `[num_tokens, H, D]`."""
-    _, _, _, _, heads, dim = device_kv.shape
+    """K and V of the first `num_tokens` tokens held in `page_ids`: `[num_tokens, H, D]` and
+    `[num_tokens, H, Dv]`. A latent pool's K is the latent row, its V the row's first
+    `value_dim` elements (all of it when None)."""
+    _, slabs, _, _, heads, dim = device_kv.shape
     k = device_kv[layer, 0, page_ids].reshape(-1, heads, dim)[:num_tokens]
+    if slabs == 1:
+        return k, k[..., : checks.value_width(device_kv, value_dim)]
     v = device_kv[layer, 1, page_ids].reshape(-1, heads, dim)[:num_tokens]
     return k, v
 
@@ -123,6 +130,7 @@ def paged_attention_extend(
     extend_lens: IntList,
     scale: float,
     sliding_window: int | None = None,
+    value_dim: int | None = None,
 ) -> torch.Tensor:
     """Prefill-with-prefix: `q[sum(extend_lens), Hq, D]` of several sequences, concatenated.
 
@@ -130,17 +138,19 @@ def paged_attention_extend(
     K/V are already stored in the pool; its pages are `page_table[b, :ceil(len / S)]` (columns
     past that are padding and never read). A token attends to itself and the
     `sliding_window - 1` tokens before it (all earlier tokens when `sliding_window` is None).
+    On a latent pool (MLA with absorbed weights) the keys are the latent rows and the values
+    their first `value_dim` elements: the output is `[T, Hq, value_dim]`.
     """
     prefix_lens, extend_lens = as_int_list(prefix_lens), as_int_list(extend_lens)
-    checks.check_extend(q, device_kv, layer, page_table, prefix_lens, extend_lens)
-    out = torch.empty_like(q)
+    checks.check_extend(q, device_kv, layer, page_table, prefix_lens, extend_lens, value_dim)
+    out = q.new_empty((*q.shape[:2], checks.value_width(device_kv, value_dim)))
     start = 0
     page_size = device_kv.shape[3]
     table = page_table.to(device_kv.device)
     for b, (prefix_len, extend_len) in enumerate(zip(prefix_lens, extend_lens)):
         total = prefix_len + extend_len
         pages = table[b, : (total + page_size - 1) // page_size]
-        k, v = gather_kv(device_kv, layer, pages, total)
+        k, v = gather_kv(device_kv, layer, pages, total, value_dim)
         qs = q[start : start + extend_len]
         out[start : start + extend_len] = _attend(qs, k, v, prefix_len, scale, sliding_window)
         start += extend_len
@@ -155,12 +165,13 @@ def paged_attention_decode(
     seq_lens: IntList,
     scale: float,
     sliding_window: int | None = None,
+    value_dim: int | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: `q[B, Hq, D]`; sequence b attends to its `seq_lens[b]` tokens
-    (the new token's K/V included)."""
+    (the new token's K/V included). `value_dim`: as for `paged_attention_extend`."""
     seq_lens = as_int_list(seq_lens)
-    checks.check_decode(q, device_kv, layer, page_table, seq_lens)
+    checks.check_decode(q, device_kv, layer, page_table, seq_lens, value_dim)
     return paged_attention_extend(
         q, device_kv, layer, page_table, [n - 1 for n in seq_lens], [1] * len(seq_lens), scale,
-        sliding_window,
+        sliding_window, value_dim,
     )

@@ -2,7 +2,9 @@
 
 `PagedCase` builds a pool whose unused slots hold NaN, writes each sequence's K/V token by
 token at non-contiguous pages, pads the page table with -1, and keeps the dense K/V so an
-attention result can be checked against `dense_attention` (float64, explicit softmax).
+attention result can be checked against `dense_attention` (float64, explicit softmax). With a
+`value_dim` the pool is a latent one (one slab: MLA), whose values are each row's first
+`value_dim` elements.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def dense_attention(
 class PagedCase:
     """A pool holding `len(seq_lens)` sequences of one layer, plus their dense K/V."""
 
-    device_kv: torch.Tensor  # [L, 2, P, S, H, D], NaN where no token was written
+    device_kv: torch.Tensor  # [L, K, P, S, H, D], NaN where no token was written
     layer: int
     page_table: torch.Tensor  # [B, max_pages], padded with -1
     seq_lens: list[int]
@@ -81,10 +83,12 @@ def make_paged_case(
     layers: int = 2,
     spare_pages: int = 3,
     device: str = "cpu",
+    value_dim: int | None = None,
 ) -> PagedCase:
     pages_per_seq = [-(-n // page_size) for n in seq_lens]
     total_pages = sum(pages_per_seq) + spare_pages
-    pool = torch.full((layers, 2, total_pages, page_size, kv_heads, dim), float("nan"))
+    slabs = 2 if value_dim is None else 1
+    pool = torch.full((layers, slabs, total_pages, page_size, kv_heads, dim), float("nan"))
     pool = pool.to(dtype)
     order = torch.randperm(total_pages, generator=gen).tolist()
     table = torch.full((len(seq_lens), max(pages_per_seq) + 1), -1, dtype=torch.int64)
@@ -95,9 +99,12 @@ def make_paged_case(
         table[b, : len(pages)] = torch.tensor(pages)
         k = torch.randn(n, kv_heads, dim, generator=gen).to(dtype)
         v = torch.randn(n, kv_heads, dim, generator=gen).to(dtype)
+        if value_dim is not None:
+            v = k[..., :value_dim]
         for t in range(n):
             pool[layer, 0, pages[t // page_size], t % page_size] = k[t]
-            pool[layer, 1, pages[t // page_size], t % page_size] = v[t]
+            if value_dim is None:
+                pool[layer, 1, pages[t // page_size], t % page_size] = v[t]
         dense_k.append(k)
         dense_v.append(v)
     return PagedCase(pool.to(device), layer, table.to(device), list(seq_lens), dense_k, dense_v)
@@ -130,6 +137,7 @@ class CopyShape:
     heads: int
     dim: int
     num_pages: int  # pages moved (<= both pool sizes)
+    slabs: int = 2  # per layer: 2 (K, V) or 1 (an MLA latent)
 
 
 def check_copies(backend, shape: CopyShape, dtype: torch.dtype, seed: int, device: str = "cpu",
@@ -139,8 +147,8 @@ def check_copies(backend, shape: CopyShape, dtype: torch.dtype, seed: int, devic
     gen = torch.Generator().manual_seed(seed)
     s = shape
     page = (s.page_size, s.heads, s.dim)
-    device_kv = random_pool((s.layers, 2, s.device_pages, *page), dtype, gen, device)
-    host_kv = random_pool((s.host_pages, s.layers, 2, *page), dtype, gen, device="cpu")
+    device_kv = random_pool((s.layers, s.slabs, s.device_pages, *page), dtype, gen, device)
+    host_kv = random_pool((s.host_pages, s.layers, s.slabs, *page), dtype, gen, device="cpu")
     if device != "cpu" and seed % 2 == 0:
         host_kv = host_kv.pin_memory()  # GPU kernels read pinned host memory directly
     dev_ids = random_page_ids(s.num_pages, s.device_pages, gen, device)
@@ -171,9 +179,9 @@ def check_pack_store(backend, shape: CopyShape, dtype: torch.dtype, seed: int,
     gen = torch.Generator().manual_seed(seed)
     s = shape
     page = (s.page_size, s.heads, s.dim)
-    device_kv = random_pool((s.layers, 2, s.device_pages, *page), dtype, gen, device)
+    device_kv = random_pool((s.layers, s.slabs, s.device_pages, *page), dtype, gen, device)
     ids = random_page_ids(s.num_pages, s.device_pages, gen, device)
-    staging = torch.zeros((s.num_pages + 1, s.layers, 2, *page), dtype=dtype, device=device)
+    staging = torch.zeros((s.num_pages + 1, s.layers, s.slabs, *page), dtype=dtype, device=device)
     backend.pack_pages(device_kv, ids, staging)
     for i, d in enumerate(ids.tolist()):
         assert_bytes_equal(staging[i], device_kv[:, :, d], "pack_pages")
@@ -193,30 +201,34 @@ def check_pack_store(backend, shape: CopyShape, dtype: torch.dtype, seed: int,
     lyr = s.layers - 1
     for t, slot in enumerate(slots.tolist()):
         want[lyr, 0, slot // s.page_size, slot % s.page_size] = k[t].to(dtype)
-        want[lyr, 1, slot // s.page_size, slot % s.page_size] = v[t].to(dtype)
-    backend.store_kv(target, lyr, slots, k, v)
+        if s.slabs == 2:
+            want[lyr, 1, slot // s.page_size, slot % s.page_size] = v[t].to(dtype)
+    backend.store_kv(target, lyr, slots, k, v if s.slabs == 2 else None)
     assert_bytes_equal(target, want, "store_kv")
 
 
 def check_attention(backend, seq_lens: list[int], new_tokens: list[int], page_size: int,
                     q_heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int,
-                    sliding_window: int | None = None, device: str = "cpu") -> None:
-    """Extend (and, where every sequence adds one token, decode) against dense float64."""
+                    sliding_window: int | None = None, device: str = "cpu",
+                    value_dim: int | None = None) -> None:
+    """Extend (and, where every sequence adds one token, decode) against dense float64; with
+    `value_dim`, on a latent pool (values: each row's first `value_dim` elements)."""
     gen = torch.Generator().manual_seed(seed)
-    case = make_paged_case(seq_lens, page_size, kv_heads, dim, dtype, gen, device=device)
+    case = make_paged_case(seq_lens, page_size, kv_heads, dim, dtype, gen, device=device,
+                           value_dim=value_dim)
     prefix_lens = [n - e for n, e in zip(seq_lens, new_tokens)]
     q = torch.randn(sum(new_tokens), q_heads, dim, generator=gen).to(dtype)
     scale = dim**-0.5
     want = expected_extend(case, q, prefix_lens, scale, sliding_window)
     got = backend.paged_attention_extend(
         q.to(device), case.device_kv, case.layer, case.page_table, prefix_lens, new_tokens,
-        scale, sliding_window=sliding_window,
+        scale, sliding_window=sliding_window, value_dim=value_dim,
     )
     _assert_close(got, want, dtype, "paged_attention_extend")
     if all(e == 1 for e in new_tokens):
         got = backend.paged_attention_decode(
             q.to(device), case.device_kv, case.layer, case.page_table, seq_lens, scale,
-            sliding_window=sliding_window,
+            sliding_window=sliding_window, value_dim=value_dim,
         )
         _assert_close(got, want, dtype, "paged_attention_decode")
 

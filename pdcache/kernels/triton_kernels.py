@@ -109,9 +109,9 @@ def _on(device: torch.device):
 
 def _pool_strides(device_kv: torch.Tensor) -> tuple[int, int, int]:
     """(device page stride, device block stride, host page stride) in elements."""
-    layers, _, pages, page_size, heads, dim = device_kv.shape
+    layers, slabs, pages, page_size, heads, dim = device_kv.shape
     block = page_size * heads * dim
-    return block, pages * block, layers * 2 * block
+    return block, pages * block, layers * slabs * block
 
 
 def _copy_layout(
@@ -136,7 +136,8 @@ def _copy_layout(
         return
     dev_page, dev_block, host_page = _pool_strides(device_kv)
     block_elems = dev_page
-    first, count = (0, 2 * device_kv.shape[0]) if layer is None else (2 * layer, 2)
+    slabs = device_kv.shape[1]  # a block row is one slab of one layer: `layer * K + slab`
+    first, count = (0, slabs * device_kv.shape[0]) if layer is None else (slabs * layer, slabs)
     if to_host:
         strides = (dev_page, dev_block, host_page, block_elems)
         _launch_copy(device_kv, host_kv, device_ids, host_ids, strides, first, count, block_elems)
@@ -146,15 +147,16 @@ def _copy_layout(
 
 
 def store_kv(
-    device_kv: torch.Tensor, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    device_kv: torch.Tensor, layer: int, slot_ids: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor | None = None,
 ) -> None:
     checks.check_store(device_kv, layer, slot_ids, k, v)
     _require_launchable("store_kv", device_kv)
-    _, _, pages, page_size, heads, dim = device_kv.shape
+    _, slabs, pages, page_size, heads, dim = device_kv.shape
     token_elems = heads * dim
     src_ids = torch.arange(slot_ids.numel(), device=device_kv.device)
     strides = (token_elems, 0, token_elems, 0)
-    for kv, src in ((0, k), (1, v)):
+    for kv, src in enumerate((k, v)[:slabs]):
         src = src.to(device_kv.device, device_kv.dtype).contiguous()
         _launch_copy(src, device_kv[layer, kv], src_ids, slot_ids, strides, 0, 1, token_elems)
 
@@ -200,10 +202,12 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr,
     table_stride, q_stride_b, q_stride_h, out_stride_b, out_stride_h,
     scale, window,
-    GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program per (sequence, query head): online softmax over the sequence's tokens."""
+    """One program per (sequence, query head): online softmax over the sequence's tokens.
+    V rows are the first V_DIM elements of rows of HEAD_DIM (a latent pool passes its one
+    slab as both K and V; a K/V pool has V_DIM == HEAD_DIM)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -229,13 +233,14 @@ def _decode_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         p = tl.exp(s - m_new)
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_ptr + addr, mask=kv_mask, other=0.0).to(tl.float32)
+        v_mask = t_mask[:, None] & (d < V_DIM)[None, :]
+        v = tl.load(v_ptr + addr, mask=v_mask, other=0.0).to(tl.float32)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
     out = acc / l_i
     dst = out_ptr + seq * out_stride_b + head * out_stride_h + d
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d < V_DIM)
 
 
 def paged_attention_decode(
@@ -246,15 +251,16 @@ def paged_attention_decode(
     seq_lens: IntList,
     scale: float,
     sliding_window: int | None = None,
+    value_dim: int | None = None,
 ) -> torch.Tensor:
     lens = as_int_list(seq_lens)
-    checks.check_decode(q, device_kv, layer, page_table, lens)
+    checks.check_decode(q, device_kv, layer, page_table, lens, value_dim)
     _require_launchable("paged_attention_decode", device_kv)
     batch = q.shape[0]
     table = page_table.to(device_kv.device).contiguous()
     lens_t = torch.tensor(lens, dtype=torch.int32, device=device_kv.device)
     q = q.contiguous()
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:2], checks.value_width(device_kv, value_dim)))
     if batch == 0:
         return out
     with _on(device_kv.device):
@@ -268,14 +274,21 @@ def _decode(
 ) -> None:
     _, q_heads, dim = q.shape
     page_size, kv_heads = device_kv.shape[3], device_kv.shape[4]
+    k_pool, v_pool = _key_value_slabs(device_kv, layer)
     _decode_kernel[(q.shape[0], q_heads)](
-        q, device_kv[layer, 0], device_kv[layer, 1], out, table, lens_t,
+        q, k_pool, v_pool, out, table, lens_t,
         table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         scale, window,
-        GROUP=q_heads // kv_heads, KV_HEADS=kv_heads, HEAD_DIM=dim, PAGE=page_size,
+        GROUP=q_heads // kv_heads, KV_HEADS=kv_heads, HEAD_DIM=dim, V_DIM=out.shape[2],
+        PAGE=page_size,
         BLOCK_N=max(16, min(64, triton.next_power_of_2(page_size))),
         BLOCK_D=triton.next_power_of_2(dim),
     )
+
+
+def _key_value_slabs(device_kv: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V slabs of `layer`: one latent slab serves as both."""
+    return device_kv[layer, 0], device_kv[layer, device_kv.shape[1] - 1]
 
 
 @triton.jit
@@ -283,12 +296,13 @@ def _extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, prefix_ptr, extend_ptr, q_start_ptr,
     table_stride, q_stride_t, q_stride_h, out_stride_t, out_stride_h,
     scale, window,
-    GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32: tl.constexpr,  # operands upcast to fp32, exact (ieee) products
 ):
     """One program per (sequence, block of BLOCK_M new tokens, query head): causal flash
-    attention over the prefix and the new tokens, K/V read through the page table."""
+    attention over the prefix and the new tokens, K/V read through the page table (V: the
+    first V_DIM elements of each row, as in `_decode_kernel`)."""
     seq = tl.program_id(0)
     m_block = tl.program_id(1)
     head = tl.program_id(2)
@@ -316,7 +330,7 @@ def _extend_kernel(
         addr = slot[:, None] * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + d[None, :]
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + addr, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + addr, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + addr, mask=t_mask[:, None] & (d < V_DIM)[None, :], other=0.0)
         if FP32:
             qf, kf = q.to(tl.float32), k.to(tl.float32)
             s = tl.dot(qf, tl.trans(kf), input_precision="ieee")
@@ -341,7 +355,7 @@ def _extend_kernel(
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_addr = (q_start + rows)[:, None].to(tl.int64) * out_stride_t + head * out_stride_h
     tl.store(out_ptr + o_addr + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & d_mask[None, :])
+             mask=row_mask[:, None] & (d < V_DIM)[None, :])
 
 
 def _dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -358,16 +372,17 @@ def paged_attention_extend(
     extend_lens: IntList,
     scale: float,
     sliding_window: int | None = None,
+    value_dim: int | None = None,
 ) -> torch.Tensor:
     prefix_lens, extend_lens = as_int_list(prefix_lens), as_int_list(extend_lens)
-    checks.check_extend(q, device_kv, layer, page_table, prefix_lens, extend_lens)
+    checks.check_extend(q, device_kv, layer, page_table, prefix_lens, extend_lens, value_dim)
     _require_launchable("paged_attention_extend", device_kv)
     _, q_heads, dim = q.shape
     page_size, kv_heads = device_kv.shape[3], device_kv.shape[4]
     device = device_kv.device
     q_dtype = q.dtype
     q = q.to(device_kv.dtype).contiguous()  # tl.dot needs matching operand types
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:2], checks.value_width(device_kv, value_dim)))
     if not extend_lens:
         return out.to(q_dtype)
     q_starts = [0]
@@ -379,12 +394,12 @@ def paged_attention_extend(
     grid = (len(extend_lens), triton.cdiv(max(extend_lens), block_m), q_heads)
     with _on(device):
         _extend_kernel[grid](
-            q, device_kv[layer, 0], device_kv[layer, 1], out, table,
+            q, *_key_value_slabs(device_kv, layer), out, table,
             as_dev(prefix_lens), as_dev(extend_lens), as_dev(q_starts),
             table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             float(scale), int(sliding_window or 0),
-            GROUP=q_heads // kv_heads, KV_HEADS=kv_heads, HEAD_DIM=dim, PAGE=page_size,
-            BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+            GROUP=q_heads // kv_heads, KV_HEADS=kv_heads, HEAD_DIM=dim, V_DIM=out.shape[2],
+            PAGE=page_size, BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=max(16, triton.next_power_of_2(dim)),
             FP32=_dot_in_fp32(device_kv.dtype),
         )
     return out.to(q_dtype)
@@ -400,7 +415,8 @@ def compile_all(arch: int = 90) -> dict[str, bytes]:
     attn = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
             "table_ptr": "*i64", "scale": "fp32", "window": "i32"}
     ints = lambda names, ty="i32": dict.fromkeys(names, ty)  # noqa: E731
-    consts = {"GROUP": 4, "KV_HEADS": 8, "HEAD_DIM": 128, "PAGE": 16, "BLOCK_D": 128}
+    consts = {"GROUP": 4, "KV_HEADS": 8, "HEAD_DIM": 128, "V_DIM": 128, "PAGE": 16,
+              "BLOCK_D": 128}
     specs = {
         "copy_blocks": (_copy_blocks_kernel, {
             "src_ptr": "*i16", "dst_ptr": "*i16", "src_ids_ptr": "*i64", "dst_ids_ptr": "*i64",
@@ -419,6 +435,12 @@ def compile_all(arch: int = 90) -> dict[str, bytes]:
     extend_consts = {**consts, "BLOCK_M": 16, "BLOCK_N": 32}
     specs["extend_bf16"] = (_extend_kernel, extend_sig, {**extend_consts, "FP32": False})
     specs["extend_fp32"] = (_extend_kernel, fp32_sig, {**extend_consts, "FP32": True})
+    # MLA with absorbed weights: one latent row of 512 + 64 read as K, its first 512 as V
+    mla = {"GROUP": 16, "KV_HEADS": 1, "HEAD_DIM": 576, "V_DIM": 512, "BLOCK_D": 1024}
+    specs["decode_mla"] = (_decode_kernel, specs["decode"][1],
+                           {**consts, **mla, "BLOCK_N": 16})
+    specs["extend_mla_bf16"] = (_extend_kernel, extend_sig,
+                                {**extend_consts, **mla, "FP32": False})
     out = {}
     for name, (fn, signature, constexprs) in specs.items():
         signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}

@@ -12,7 +12,6 @@ from pdcache.engine.config import EngineConfig, ModelConfig
 from pdcache.engine.engine import Engine
 from pdcache.engine.eviction import make_policy
 from pdcache.engine.kv_pool import DeviceKVPool
-from pdcache.engine.page_keys import kv_fingerprint
 from pdcache.kernels import KernelSet
 from pdcache.offload_manager.hicache import HiCache, HiCacheConfig
 from pdcache.offload_manager.hicache_scheduler import HiCacheScheduler
@@ -35,14 +34,14 @@ def model_identity(model_ref: str, seed: int) -> str:
 
 
 def fingerprint_for(model: ModelConfig, identity: str, page_size: int) -> str:
-    return kv_fingerprint(identity, model.dtype, page_size, model.num_hidden_layers,
-                          model.num_key_value_heads, model.head_dim, layout="page_first")
+    """The KV fingerprint of this model's pages (its KV geometry's, under `identity`)."""
+    return model.kv_geometry.fingerprint(identity, page_size)
 
 
 def storage_config_for(model: ModelConfig, page_size: int, fingerprint: str,
                        **settings: Any) -> StorageConfig:
     """A StorageConfig whose page geometry matches this model's host pages."""
-    page_bytes = page_size * model.kv_bytes_per_token
+    page_bytes = model.kv_geometry.page_bytes(page_size)
     return StorageConfig(page_bytes=page_bytes, fingerprint=fingerprint,
                          num_layers=model.num_hidden_layers, page_size=page_size,
                          dtype=model.dtype, **settings)

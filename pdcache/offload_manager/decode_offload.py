@@ -46,6 +46,8 @@ from typing import Protocol
 
 import torch
 
+from pdcache.engine.config import dtype_name
+from pdcache.engine.kv_geometry import KVGeometry
 from pdcache.engine.page_keys import PageKeyScheme
 from pdcache.kernels import KernelSet
 from pdcache.offload_manager.host_pool import HostKVPool
@@ -130,14 +132,15 @@ class DecodeOffloadManager:
         kernels: KernelSet | None = None,
         pending_ttl_s: float = 10.0,
     ) -> None:
-        num_layers, _, _, page_size, heads, dim = device_kv.shape
+        geometry = KVGeometry.from_device_shape(tuple(device_kv.shape), dtype_name(device_kv.dtype))
+        page_size = device_kv.shape[3]
         self.device_kv = device_kv
         self.kernels = kernels or KernelSet()  # the node's EngineConfig.kernels (default auto)
         self.page_size = page_size
         self.fingerprint = fingerprint
         self.scheme = PageKeyScheme(fingerprint, page_size, key_scheme, key_namespace)
         self.stride_pages = max(1, stride_pages)
-        self.staging = HostKVPool(staging_pages, num_layers, page_size, heads, dim, device_kv.dtype)
+        self.staging = HostKVPool(staging_pages, geometry, page_size)
         self._max_queued_writes = max_queued_writes
         self.writer: IoWorker | None = None  # started with the copy thread
         self.max_queued_pages = max_queued_pages

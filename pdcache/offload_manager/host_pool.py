@@ -1,7 +1,8 @@
 """The host tier: a page-first KV pool in CPU memory and its page allocator.
 
-`host_kv[P, L, 2, S, H, D]`: all layers of K and V of one page are contiguous, so a host page is
-exactly the payload of a stored page (docs/design.md §4.3) and moves to or from storage in one I/O.
+`host_kv` is page-first, shaped by the model's `KVGeometry` (`host_shape`): all layers and slabs
+of one page are contiguous, so a host page is exactly the payload of a stored page
+(docs/design.md §4.3) and moves to or from storage in one I/O.
 
 Page states: FREE → (alloc) → IN_FLIGHT → (commit) → USED → (free) → FREE; an IN_FLIGHT page
 (its I/O still running, or abandoned) can also be freed. USED pages can additionally be
@@ -17,7 +18,8 @@ from enum import IntEnum
 
 import torch
 
-from pdcache.engine.config import ModelConfig
+from pdcache.engine.config import DTYPES, ModelConfig
+from pdcache.engine.kv_geometry import KVGeometry
 
 
 class PageState(IntEnum):
@@ -30,7 +32,7 @@ def host_pages_for(
     model: ModelConfig, page_size: int, device_pages: int, ratio: float = 0.0, nbytes: int = 0
 ) -> int:
     """Host pool size in pages: `nbytes` when given, else `ratio` × the device pool."""
-    page_bytes = page_size * model.kv_bytes_per_token
+    page_bytes = model.kv_geometry.page_bytes(page_size)
     if nbytes > 0:
         return max(1, nbytes // page_bytes)
     return max(1, int(device_pages * ratio))
@@ -44,17 +46,11 @@ class HostKVPool:
     """
 
     def __init__(
-        self,
-        num_pages: int,
-        num_layers: int,
-        page_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        pin_memory: bool = False,
+        self, num_pages: int, geometry: KVGeometry, page_size: int, pin_memory: bool = False
     ) -> None:
-        shape = (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
-        self.host_kv = torch.zeros(shape, dtype=dtype, pin_memory=pin_memory)
+        shape = geometry.host_shape(num_pages, page_size)
+        self.geometry = geometry
+        self.host_kv = torch.zeros(shape, dtype=DTYPES[geometry.dtype], pin_memory=pin_memory)
         self.page_size = page_size
         self._state = [PageState.FREE] * num_pages
         self._pins = [0] * num_pages
@@ -66,15 +62,7 @@ class HostKVPool:
     def for_model(
         cls, model: ModelConfig, num_pages: int, page_size: int, pin_memory: bool = False
     ) -> HostKVPool:
-        return cls(
-            num_pages,
-            model.num_hidden_layers,
-            page_size,
-            model.num_key_value_heads,
-            model.head_dim,
-            model.torch_dtype,
-            pin_memory,
-        )
+        return cls(num_pages, model.kv_geometry, page_size, pin_memory)
 
     # ---- sizes -------------------------------------------------------------------------
     @property

@@ -59,7 +59,8 @@ class PrefillRuntime:
                                prefill_id=setup.name,
                                on_requested=self.controller.decode_requested,
                                control_key=setup.security.zmq_control_key,
-                               on_pages=self.pending)
+                               on_pages=self.pending, kv_geometry=setup.engine.model.kv_geometry.layout_key(
+                                   setup.engine.cache.page_size))
         self.pulls.attach(self.sender)
         if self.pulls.mode != "never" and not self.sender.authenticated:
             log.info("pending_pull = %r pulls nothing without a cluster secret "

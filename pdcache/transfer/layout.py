@@ -1,4 +1,5 @@
-"""Address arithmetic of a paged KV pool `kv[L, 2, P, S, H, D]` and of page-to-page copies."""
+"""Address arithmetic of a paged KV pool `kv[L, K, P, S, H, D]` (K slabs per layer: 2 for K and V,
+1 for an MLA latent; see `pdcache.engine.kv_geometry`) and of page-to-page copies."""
 
 from __future__ import annotations
 
@@ -10,37 +11,44 @@ import torch
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Where each page of a contiguous `[L, 2, P, ...]` pool lives in memory.
+    """Where each page of a contiguous `[L, K, P, ...]` pool lives in memory.
 
-    The page of layer l, K/V k (0 = K, 1 = V), page p starts at
-    `base_addr + ((l * 2 + k) * num_pages + p) * page_bytes`.
+    The page of layer l, slab k (K, V or the latent), page p starts at
+    `base_addr + ((l * K + k) * num_pages + p) * page_bytes`; `page_bytes` is one slab's page.
     """
 
     base_addr: int
     num_layers: int
     num_pages: int
     page_bytes: int
+    num_slabs: int = 2
 
     @classmethod
     def from_tensor(cls, kv: torch.Tensor) -> KVLayout:
-        if kv.dim() < 3 or kv.shape[1] != 2:
-            raise ValueError(f"KV pool must be [L, 2, P, ...], got shape {tuple(kv.shape)}")
+        if kv.dim() < 3 or kv.shape[1] not in (1, 2):
+            raise ValueError(f"KV pool must be [L, K, P, ...] with K = 1 or 2 slabs, got shape "
+                             f"{tuple(kv.shape)}")
         if not kv.is_contiguous():
             raise ValueError("KV pool must be contiguous")
         page_bytes = kv[0, 0, 0].numel() * kv.element_size()
-        return cls(kv.data_ptr(), kv.shape[0], kv.shape[2], page_bytes)
+        return cls(kv.data_ptr(), kv.shape[0], kv.shape[2], page_bytes, kv.shape[1])
+
+    @property
+    def num_rows(self) -> int:
+        """Slabs of all layers: the pool is `num_rows` runs of `num_pages` pages."""
+        return self.num_layers * self.num_slabs
 
     @property
     def nbytes(self) -> int:
-        return self.num_layers * 2 * self.num_pages * self.page_bytes
+        return self.num_rows * self.num_pages * self.page_bytes
 
     def check_pages(self, page_ids: np.ndarray, what: str) -> None:
         if page_ids.size and (page_ids.min() < 0 or page_ids.max() >= self.num_pages):
             raise ValueError(f"{what} page ids outside [0, {self.num_pages})")
 
     def page_addrs(self, page_ids: np.ndarray) -> np.ndarray:
-        """Addresses of every (layer, K/V, page), layer-major: shape [L * 2 * len(page_ids)]."""
-        slabs = np.arange(self.num_layers * 2, dtype=np.int64)[:, None] * self.num_pages
+        """Addresses of every (layer, slab, page), layer-major: shape [L * K * len(page_ids)]."""
+        slabs = np.arange(self.num_rows, dtype=np.int64)[:, None] * self.num_pages
         pages = slabs + np.asarray(page_ids, dtype=np.int64)[None, :]
         return (self.base_addr + pages * self.page_bytes).reshape(-1)
 
@@ -88,11 +96,12 @@ class WriteBatch:
 
 def page_copy_batch(src: KVLayout, dst: KVLayout, src_pages: np.ndarray,
                     dst_pages: np.ndarray) -> WriteBatch:
-    """Every layer's K and V page src_pages[i] → dst_pages[i], coalesced into runs."""
-    if src.page_bytes != dst.page_bytes or src.num_layers != dst.num_layers:
+    """Every layer's slab pages src_pages[i] → dst_pages[i], coalesced into runs."""
+    shape = (src.num_layers, src.num_slabs, src.page_bytes)
+    if shape != (dst.num_layers, dst.num_slabs, dst.page_bytes):
         raise ValueError(
-            f"KV layouts differ: {src.num_layers} layers × {src.page_bytes} B pages vs "
-            f"{dst.num_layers} × {dst.page_bytes}"
+            f"KV layouts differ: {src.num_layers} layers × {src.num_slabs} slabs × "
+            f"{src.page_bytes} B pages vs {dst.num_layers} × {dst.num_slabs} × {dst.page_bytes}"
         )
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")

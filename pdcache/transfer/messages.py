@@ -32,6 +32,12 @@ prompt's pages before it are in decode's cache, and prefill writes only the page
 A request without reuse is still a version-4 frame; one with it needs a version-6 prefill
 (an older one drops the frame, of a version it does not know, and the room fails at its
 timeout): keep decode's prefix cache off while a cluster upgrades.
+
+Version 7 (KV geometries, `pdcache.engine.kv_geometry`) added `register.num_slabs` (slabs per
+layer of decode's pool: 2 for K and V, 1 for an MLA latent) and `register.kv_geometry` (the KV
+fingerprint of decode's pages). A version-7 decode always sends the fingerprint, so its
+Register needs a version-7 prefill: upgrade prefill nodes before decode nodes. A version-7
+prefill still accepts older Registers (two slabs, no fingerprint to compare).
 """
 
 from __future__ import annotations
@@ -48,8 +54,8 @@ import numpy as np
 
 from pdcache.engine.api import CachedTokens, LogprobRequest, TokenLogprob
 
-PROTOCOL_VERSION = 6
-ACCEPTED_VERSIONS = (2, 3, 4, 5, 6)
+PROTOCOL_VERSION = 7
+ACCEPTED_VERSIONS = (2, 3, 4, 5, 6, 7)
 BASE_WIRE_VERSION = 4  # the lowest version a frame is written in (`wire_version`)
 MAX_ROOM_ID = (1 << 63) - 1
 MAX_CONTAINER_ITEMS = 256  # entries of any msgpack array or map
@@ -83,8 +89,12 @@ class Message:
 class Register(Message):
     """Decode → prefill, once per prefill peer: where and how to write into decode's pool.
 
-    The page of layer l, K/V k, page p lives at base_addr + ((l*2+k)*num_pages + p)*page_bytes.
+    The page of layer l, slab k, page p lives at
+    base_addr + ((l*num_slabs + k)*num_pages + p)*page_bytes (`page_bytes`: one slab's page).
     `session` is the engine's address of decode's endpoint (opaque to the control plane).
+    Since version 7, `num_slabs` (2: K and V; 1: an MLA latent) and `kv_geometry`, the KV
+    fingerprint of decode's pages (empty from older peers): prefill refuses a peer whose pages
+    are of another geometry even where the byte counts happen to agree.
     """
 
     TYPE: ClassVar[str] = "register"
@@ -95,6 +105,8 @@ class Register(Message):
     num_layers: int
     num_pages: int
     page_bytes: int
+    num_slabs: int = 2  # since version 7
+    kv_geometry: str = ""  # since version 7
 
 
 @dataclass(frozen=True)
@@ -301,6 +313,7 @@ _ADDED_IN: Mapping[int, Mapping[type, frozenset[str]]] = MappingProxyType({
     4: MappingProxyType({RegisterAck: frozenset({"boot_id"})}),
     5: MappingProxyType({PagesPending: frozenset({"eta_ms", "pull"})}),
     6: MappingProxyType({RoomRequest: frozenset({"first_page"})}),
+    7: MappingProxyType({Register: frozenset({"num_slabs", "kv_geometry"})}),
 })
 # message types by the version that added them (older versions refuse them)
 _TYPE_SINCE: Mapping[type, int] = MappingProxyType({

@@ -180,10 +180,12 @@ class KVReceiver:
 
     def __init__(self, config: TransferConfig, device_kv: torch.Tensor,
                  on_release: ReleaseCallback | None = None, decode_id: str = "",
-                 control_key: bytes | None = None) -> None:
+                 control_key: bytes | None = None, kv_geometry: str = "") -> None:
         """`control_key`: derive_key(cluster secret, "zmq-control") authenticates every
-        control message (docs/security.md); None: unauthenticated (no secret)."""
+        control message (docs/security.md); None: unauthenticated (no secret). `kv_geometry`:
+        the pool's `KVGeometry.layout_key`, sent at registration (prefill refuses another)."""
         self.config = config
+        self.kv_geometry = kv_geometry
         self._auth = control_auth(control_key, "decode")
         self.layout = KVLayout.from_tensor(device_kv)
         self._kv = device_kv
@@ -501,7 +503,7 @@ class KVReceiver:
         assert self.engine is not None
         register = Register(self.decode_id, self.config.engine, self._session,
                             self.layout.base_addr, self.layout.num_layers, self.layout.num_pages,
-                            self.layout.page_bytes)
+                            self.layout.page_bytes, self.layout.num_slabs, self.kv_geometry)
         sock.send(seal(register, self._auth, link_id), zmq.NOBLOCK)
         return peer
 

@@ -139,11 +139,14 @@ class KVSender:
                  on_release: ReleaseCallback | None = None, prefill_id: str = "",
                  on_requested: Callable[[int], None] | None = None,
                  control_key: bytes | None = None,
-                 on_pages: PendingPagesSink | None = None) -> None:
+                 on_pages: PendingPagesSink | None = None, kv_geometry: str = "") -> None:
         """`control_key`: derive_key(cluster secret, "zmq-control") authenticates every
         control message (docs/security.md); None: unauthenticated (no secret). `on_pages`
-        gets registered decode peers' `pages_pending` / `pages_settled` (None: ignored)."""
+        gets registered decode peers' `pages_pending` / `pages_settled` (None: ignored).
+        `kv_geometry`: the pool's `KVGeometry.layout_key`; a decode that registers another
+        is refused (one that sends none, an older peer, is checked by its byte counts)."""
         self.config = config
+        self.kv_geometry = kv_geometry
         self._on_pages = on_pages
         self._auth = control_auth(control_key, "prefill")
         self._on_requested = on_requested
@@ -473,7 +476,8 @@ class KVSender:
             except EngineError as exc:
                 error = str(exc)
         if not error:
-            layout = KVLayout(msg.base_addr, msg.num_layers, msg.num_pages, msg.page_bytes)
+            layout = KVLayout(msg.base_addr, msg.num_layers, msg.num_pages, msg.page_bytes,
+                              msg.num_slabs)
             with self._peers_lock:
                 self._peers[identity] = _Peer(identity, msg.decode_id, layout, engine_peer)
         self._send(identity, RegisterAck(self.prefill_id, error, self.boot_id))
@@ -481,9 +485,13 @@ class KVSender:
     def _check_register(self, msg: Register) -> str:
         if msg.engine != self.config.engine:
             return f"engine mismatch: decode uses {msg.engine!r}, prefill {self.config.engine!r}"
-        if (msg.num_layers, msg.page_bytes) != (self.layout.num_layers, self.layout.page_bytes):
-            return (f"KV layout mismatch: decode {msg.num_layers} layers × {msg.page_bytes} B, "
-                    f"prefill {self.layout.num_layers} × {self.layout.page_bytes} B")
+        ours = (self.layout.num_layers, self.layout.num_slabs, self.layout.page_bytes)
+        if (msg.num_layers, msg.num_slabs, msg.page_bytes) != ours:
+            return (f"KV layout mismatch: decode {msg.num_layers} layers × {msg.num_slabs} "
+                    f"slabs × {msg.page_bytes} B, prefill {ours[0]} × {ours[1]} × {ours[2]} B")
+        if msg.kv_geometry and self.kv_geometry and msg.kv_geometry != self.kv_geometry:
+            return (f"KV geometry mismatch: decode {msg.kv_geometry!r}, "
+                    f"prefill {self.kv_geometry!r}")
         if msg.num_pages < 1 or msg.base_addr == 0:
             return "decode pool is empty"
         return ""

@@ -51,6 +51,30 @@ CASES = {
     "qwen2": (transformers.Qwen2Config, {"rope_theta": 1e6}),
     "qwen3": (transformers.Qwen3Config, {"head_dim": 24, "rope_theta": 1e6}),
     "mistral-sliding": (transformers.MistralConfig, {"sliding_window": 8, "head_dim": 16}),
+    # GQA + MoE: softmax top-k routing (Qwen3-MoE with q/k norm, Mixtral)
+    "qwen3-moe": (transformers.Qwen3MoeConfig, {
+        "head_dim": 16, "rope_theta": 1e6, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "mixtral": (transformers.MixtralConfig, {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1e6}),
+    # MLA + MoE (DeepSeek-V3 / Kimi K2): q and kv LoRA, decoupled RoPE on interleaved pairs
+    # with DeepSeek's YaRN (mscale in cos/sin and in the softmax scale); a dense first layer,
+    # then grouped top-k routing with the correction bias, scaling, a shared expert
+    "deepseek-v3-mla": (transformers.DeepseekV3Config, {
+        "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 1,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+        "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 1.0}}),
+    # DeepSeek-V2-Lite's shape: one q projection (no q LoRA), plain RoPE, greedy softmax top-k
+    "deepseek-v2-mla": (transformers.DeepseekV2Config, {
+        "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "n_shared_experts": 1, "topk_method": "greedy", "rope_theta": 10000.0}),
 }
 
 
@@ -65,13 +89,16 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 1.5 / math.sqrt(p.shape[1]))
+            else:  # fan-in is the last dim (experts' fused weights are [E, out, in])
+                p.copy_(torch.randn(p.shape, generator=gen) * 1.5 / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias
+                b.copy_(0.5 * torch.randn(b.shape, generator=gen))
 
 
 def save_hf_model(path: Path, case: str, seed: int = 0) -> torch.nn.Module:
     config_cls, extra = CASES[case]
-    config = config_cls(**SMALL, **extra)
+    config = config_cls(**{**SMALL, **extra})
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)

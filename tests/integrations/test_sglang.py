@@ -21,6 +21,7 @@ hicache_storage = pytest.importorskip(
 )
 backend_factory = pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
 
+from pdcache.engine.kv_geometry import KVGeometry  # noqa: E402
 from pdcache.engine.page_keys import kv_fingerprint  # noqa: E402
 from pdcache.integrations import sglang as plugin  # noqa: E402
 from pdcache.offload_manager.host_pool import HostKVPool  # noqa: E402
@@ -461,7 +462,7 @@ def test_chain_matches_sglang_hash_functions():
 def pdcache_side(tmp_path: Path, model: str, backend: str, page_mac_key: bytes | None = None):
     """A pdcache node's view: its own backend over the same storage, its own host pool."""
     fingerprint = kv_fingerprint(model, "float32", PAGE, LAYERS, HEADS, HEAD_DIM)
-    host = HostKVPool(4, LAYERS, PAGE, HEADS, HEAD_DIM, torch.float32)
+    host = HostKVPool(4, KVGeometry.mha(LAYERS, HEADS, HEAD_DIM, "float32"), PAGE)
     config = StorageConfig.from_mapping({
         **storage_table(tmp_path, backend), "page_bytes": host.page_nbytes,
         "fingerprint": fingerprint, "num_layers": LAYERS, "page_size": PAGE, "dtype": "float32"})
@@ -643,7 +644,7 @@ def test_live_sharing_through_the_metadata_service(tmp_path, plugins):
         plugins.append(store)
         store.register_mem_pool_host(src)
         fingerprint = kv_fingerprint("org/model", "float32", PAGE, LAYERS, HEADS, HEAD_DIM)
-        host = HostKVPool(4, LAYERS, PAGE, HEADS, HEAD_DIM, torch.float32)
+        host = HostKVPool(4, KVGeometry.mha(LAYERS, HEADS, HEAD_DIM, "float32"), PAGE)
         native = create_backend(StorageConfig.from_mapping({
             **table, "page_bytes": host.page_nbytes, "fingerprint": fingerprint,
             "num_layers": LAYERS, "page_size": PAGE, "dtype": "float32"}))

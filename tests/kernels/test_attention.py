@@ -40,6 +40,22 @@ def test_attention_matches_dense_oracle(name, dtype, seed):
 
 
 @pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(4))
+def test_latent_attention_matches_dense_oracle(name, dtype, seed):
+    """MLA with absorbed weights: one latent slab read as K, its first `value_dim` as V."""
+    rng = random.Random(100 + seed)
+    decode = seed % 2 == 0
+    seq_lens = [rng.randint(1, 40) for _ in range(rng.randint(1, 3))]
+    testing.check_attention(
+        KERNEL_BACKENDS.get(name)(), seq_lens=seq_lens,
+        new_tokens=[1 if decode else rng.randint(1, n) for n in seq_lens],
+        page_size=rng.choice([1, 4, 16]), q_heads=rng.choice([1, 4]), kv_heads=1, dim=24,
+        value_dim=16, dtype=dtype, seed=seed,
+    )
+
+
+@pytest.mark.parametrize("name", BACKENDS)
 def test_decode_batch_with_very_different_lengths(name):
     testing.check_attention(
         KERNEL_BACKENDS.get(name)(), seq_lens=[1, 97, 3, 64], new_tokens=[1, 1, 1, 1],

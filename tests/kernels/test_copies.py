@@ -28,6 +28,7 @@ def copy_shapes(draw) -> testing.CopyShape:
         heads=draw(st.integers(1, 3)),
         dim=draw(st.sampled_from([4, 8, 12])),
         num_pages=draw(st.integers(0, min(device_pages, host_pages))),
+        slabs=draw(st.sampled_from([1, 2])),  # 1: an MLA latent pool
     )
 
 
@@ -127,9 +128,10 @@ def test_numba_parallel_loop_matches_oracle(monkeypatch, dtype):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for seed, page_size in ((4, 16), (5, 1)):
+        for seed, page_size, slabs in ((4, 16, 2), (5, 1, 2), (6, 4, 1)):
             shape = testing.CopyShape(layers=3, device_pages=11, host_pages=9,
-                                      page_size=page_size, heads=2, dim=12, num_pages=7)
+                                      page_size=page_size, heads=2, dim=12, num_pages=7,
+                                      slabs=slabs)
             for layer in (None, 2):
                 testing.check_copies(backend, shape, dtype, seed, layer=layer)
             testing.check_pack_store(backend, shape, dtype, seed)

@@ -52,6 +52,8 @@ SHAPES = [
                       num_pages=3),
     testing.CopyShape(layers=1, device_pages=3, host_pages=6, page_size=16, heads=1, dim=12,
                       num_pages=2),
+    testing.CopyShape(layers=2, device_pages=4, host_pages=5, page_size=4, heads=1, dim=12,
+                      num_pages=3, slabs=1),  # an MLA latent pool
 ]
 
 
@@ -88,10 +90,20 @@ def test_attention(dtype, case):
                             seed=case, sliding_window=window, device=DEVICE)
 
 
+@runs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new", [[1, 1], [5, 2]])
+def test_latent_attention(dtype, new):
+    """A latent pool (MLA, absorbed): K is the row, V its first 16 of 24 elements."""
+    testing.check_attention(_backend(), [9, 18], new, 4, 4, 1, 24, dtype, seed=7,
+                            value_dim=16, device=DEVICE)
+
+
 @pytest.mark.skipif(INTERPRETED, reason="compiles real kernels")
 def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     compiled = _backend().compile_all(arch=90)
-    assert sorted(compiled) == ["copy_blocks", "decode", "extend_bf16", "extend_fp32"]
+    assert sorted(compiled) == ["copy_blocks", "decode", "decode_mla", "extend_bf16", "extend_fp32",
+                                "extend_mla_bf16"]
     assert all(binary for binary in compiled.values())

@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from pdcache.engine.kv_geometry import KVGeometry
 from pdcache.engine.kv_pool import PageAllocator
 from pdcache.offload_manager.hicache import HiCache, HiCacheConfig
 from pdcache.offload_manager.hiradix import HiRadixTree
@@ -21,7 +22,7 @@ class Stack:
     def __init__(self, storage, host_pages: int = 16, **cfg) -> None:
         self.device_kv = torch.zeros(L, 2, P, S, H, D)
         self.alloc = PageAllocator(P)
-        self.host = HostKVPool(host_pages, L, S, H, D, torch.float32)
+        self.host = HostKVPool(host_pages, KVGeometry.mha(L, H, D, "float32"), S)
         self.tree = HiRadixTree(S, self.alloc, self.host)
         self.cache = HiCache(self.tree, self.device_kv, storage, HiCacheConfig(**cfg), FP)
         self.cache.start()

@@ -253,9 +253,10 @@ def test_write_through_selective_waits_for_hits(tiny, expected, tmp_path) -> Non
 
 def test_recording_load_sees_zeroed_pages_as_not_loaded() -> None:
     """The checks above rely on a zeroed device page reading as "not loaded"."""
+    from pdcache.engine.kv_geometry import KVGeometry
     from pdcache.offload_manager.host_pool import HostKVPool
 
-    host = HostKVPool(2, 2, 4, 1, 2, torch.float32)
+    host = HostKVPool(2, KVGeometry.mha(2, 1, 2, "float32"), 4)
     page = host.alloc(1)
     host.commit(page)
     host.host_kv[page[0]] = 1.0

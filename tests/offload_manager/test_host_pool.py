@@ -5,12 +5,12 @@ import threading
 import pytest
 import torch
 
+from pdcache.engine.kv_geometry import KVGeometry
 from pdcache.offload_manager.host_pool import HostKVPool
 
 
 def make_pool(num_pages: int = 8) -> HostKVPool:
-    return HostKVPool(num_pages, num_layers=3, page_size=4, num_kv_heads=2, head_dim=8,
-                      dtype=torch.float16)
+    return HostKVPool(num_pages, KVGeometry.mha(3, 2, 8, "float16"), page_size=4)
 
 
 def test_alloc_commit_free_accounting() -> None:

@@ -94,11 +94,11 @@ def test_a_finished_load_is_freed_by_reference_counting_alone(copier: LoadCopier
 
     import torch
 
+    from pdcache.engine.kv_geometry import KVGeometry
     from pdcache.offload_manager.hicache import LayerLoad
     from pdcache.offload_manager.host_pool import HostKVPool
 
-    pool = HostKVPool(num_pages=4, num_layers=3, page_size=2, num_kv_heads=1, head_dim=4,
-                      dtype=torch.float32)
+    pool = HostKVPool(4, KVGeometry.mha(3, 1, 4, "float32"), page_size=2)
     host_ids = pool.alloc(2)
     assert host_ids is not None
     pool.commit(host_ids)
@@ -151,6 +151,7 @@ def test_close_never_reports_a_layer_whose_copy_is_still_running() -> None:
 def _layer_load(copier: LoadCopier, copy_layer):
     import torch
 
+    from pdcache.engine.kv_geometry import KVGeometry
     from pdcache.offload_manager.hicache import LayerLoad
     from pdcache.offload_manager.host_pool import HostKVPool
 
@@ -159,8 +160,7 @@ def _layer_load(copier: LoadCopier, copy_layer):
             copy_layer(layer)
             super()._copy_layer(layer)
 
-    pool = HostKVPool(num_pages=4, num_layers=3, page_size=2, num_kv_heads=1, head_dim=4,
-                      dtype=torch.float32)
+    pool = HostKVPool(4, KVGeometry.mha(3, 1, 4, "float32"), page_size=2)
     host_ids = pool.alloc(2)
     assert host_ids is not None
     pool.commit(host_ids)

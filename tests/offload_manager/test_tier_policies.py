@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdcache.engine.eviction import SessionTracker, make_policy
+from pdcache.engine.kv_geometry import KVGeometry
 from pdcache.engine.kv_pool import PageAllocator
 from pdcache.offload_manager.hicache import HiCache, HiCacheConfig
 from pdcache.offload_manager.hiradix import HiRadixTree
@@ -48,7 +49,7 @@ class TierSim:
         self.sessions = SessionTracker(idle_s, clock=lambda: self.now)
         self.alloc = PageAllocator(device_pages)
         self.device_kv = torch.zeros(L, 2, device_pages, S, H, D)
-        self.host = HostKVPool(host_pages, L, S, H, D, torch.float32)
+        self.host = HostKVPool(host_pages, KVGeometry.mha(L, H, D, "float32"), S)
         self.tree = HiRadixTree(
             S,
             self.alloc,

@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdcache.engine.kv_geometry import KVGeometry
+
 # --------------------------------------------------------------------------- keys
 
 
@@ -38,6 +40,14 @@ class PageGeometry:
     page_shape: tuple[int, ...]
     perm: tuple[int, ...]
     canonical_shape: tuple[int, ...]
+
+    @functools.cached_property
+    def kv_geometry(self) -> KVGeometry:
+        """pdcache's geometry of the same cache (its stored pages have the canonical bytes)."""
+        if self.kind == "mla":
+            return KVGeometry.from_device_shape((self.layer_num, 1, 0, 0, 1, self.head_dim),
+                                                dtype_name(self.dtype))
+        return KVGeometry.mha(self.layer_num, self.head_num, self.head_dim, dtype_name(self.dtype))
 
     @functools.cached_property
     def page_bytes(self) -> int:

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdcache.engine.page_keys import kv_fingerprint
-from pdcache.integrations.sglang.geometry import PageGeometry, dtype_name
+from pdcache.integrations.sglang.geometry import PageGeometry
 from pdcache.offload_manager.storage.config import storage_keys_from_spec
 
 try:
@@ -136,12 +135,11 @@ class ShardIdentity:
 
     def fingerprint(self, geometry: PageGeometry, payload: str = "pdcache") -> str:
         tp_rank, tp_size = (0, 1) if self.rank_replicated else (self.tp_rank, self.tp_size)
-        layout = PAYLOAD_LAYOUT if geometry.kind == "mha" else "mla"
-        if payload == "split":  # SGLang's own byte order: only SGLang nodes of this layout share
-            layout = f"sglang-{geometry.kind}-{geometry.layout}-split"
-        fp = kv_fingerprint(self.model_name, dtype_name(geometry.dtype), geometry.page_size,
-                            geometry.layer_num, geometry.head_num, geometry.head_dim,
-                            layout, tp_rank, tp_size)
+        # pdcache's page layout: the same fingerprint as a pdcache node's of this model; split
+        # payloads keep SGLang's own byte order: only SGLang nodes of this layout share them
+        order = f"sglang-{geometry.kind}-{geometry.layout}-split" if payload == "split" else None
+        fp = geometry.kv_geometry.fingerprint(self.model_name, geometry.page_size, tp_rank,
+                                              tp_size, order)
         if self.pp_size > 1:
             fp += f";pp={self.pp_rank}/{self.pp_size}"
         if self.cp_size > 1:

@@ -111,7 +111,7 @@ class StorageConfig:
 
     backend: str = "hf3fs"
     path: str = ".pdcache/storage"
-    page_bytes: int = 0  # payload bytes of one page: all layers' K and V, page-first
+    page_bytes: int = 0  # payload bytes of one page: all layers' slabs (K and V or a latent)
     capacity_pages: int = 0
     capacity_bytes: int = 0
     fingerprint: str = ""

@@ -1,6 +1,6 @@
 """Layer-major reads of stored pages, so a load can consume layer l while layer l+1 is read.
 
-A stored page is `header || payload` with the payload in host-page order `[L, 2, S, H, D]`
+A stored page is `header || payload` with the payload in host-page order `[L, K, S, H, D]`
 (page_format.py): layer l of a page is the byte range `[l * layer_bytes, (l+1) * layer_bytes)`
 of its payload. `read_layer_major` reads every page's header first (a page whose header is not
 a valid page of its key ends the usable prefix), then layer 0 of all those pages, then layer 1,
