@@ -2,7 +2,10 @@
 # GPU check of pdcache's KV kernels, one command, a few minutes at most:
 #   1. the kernel tests with CUDA visible (Triton kernels compiled and run on the GPU, not the
 #      interpreter; pinned-host and device pools; compared with the same oracles as on CPU);
-#   2. `pdcache bench kernels --device cuda` (copy GB/s vs device memcpy, attention tokens/s vs
+#      the latent (MLA) pool kernels included (one slab per layer; V = the row's first columns);
+#   2. the tiny / tiny-mla / small-mla forward on CUDA (MLA + MoE through the triton kernels)
+#      against the CPU reference, cold, after a cached prefix and one decode step;
+#   3. `pdcache bench kernels --device cuda` (copy GB/s vs device memcpy, attention tokens/s vs
 #      SDPA), table on stdout, JSON in $GPU_CHECK_OUT (default .gpu_check/).
 # Exits 2 with a message when torch sees no CUDA device, 3 when triton is missing.
 set -euo pipefail
@@ -33,6 +36,9 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 echo "== kernel tests (CUDA) =="
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider -o addopts= \
   tests/kernels/test_copies.py tests/kernels/test_attention.py tests/kernels/test_triton.py
+
+echo "== model forward on CUDA vs CPU (GQA, MLA + MoE) =="
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider -o addopts= tests/engine/test_cuda_forward.py
 
 echo "== pdcache bench kernels --device cuda =="
 timeout 300 "$PY" -m pdcache bench kernels --device cuda --json "$OUT/kernel_bench_cuda.json" "$@"

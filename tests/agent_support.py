@@ -82,12 +82,21 @@ class ScriptedNode:
     `ScriptedBridge`; `script(ids...)` queues outputs."""
 
     def __init__(
-        self, name: str = "u0", device_pages: int = 512, tool_call_parser: str = "hermes"
+        self,
+        name: str = "u0",
+        device_pages: int = 512,
+        tool_call_parser: str = "hermes",
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine = Engine.from_spec(
             "tiny", cache=CacheConfig(page_size=PAGE, num_device_pages=device_pages)
         )
-        config = ServerConfig(name=name, request_timeout_s=60, tool_call_parser=tool_call_parser)
+        config = ServerConfig(
+            name=name,
+            request_timeout_s=60,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
+        )
         self.bridge = ScriptedBridge(self.engine, config)
         self.tokenizer = self.engine.tokenizer
         app = build_app(

@@ -19,6 +19,7 @@ from pdcache.config import NodeSetup, OffloadSettings, process_environment
 from pdcache.decode_node.runtime import DecodeRuntime
 from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdcache.engine.loader import load_model
+from pdcache.engine.presets import PRESETS
 from pdcache.offload_manager.builder import (
     TierConfig,
     fingerprint_for,
@@ -97,7 +98,7 @@ def node_setups(tmp_path, model, page_size: int, engine: str, offload: bool,
                 decode_prefix_cache: bool = False) -> tuple[NodeSetup, NodeSetup]:
     """A prefill and a decode setup over shared storage; decode's prefix cache is off unless
     asked for (these tests count what prefill sends and what decode frees)."""
-    fp = fingerprint_for(model.config, model_identity("tiny", 0), page_size)
+    fp = fingerprint_for(model.config, model_identity(_preset_of(model), 0), page_size)
     settings = storage_settings or {"path": str(tmp_path / "storage"), "capacity_pages": 4096,
                                     "metadata": "inproc"}
     storage = storage_config_for(model.config, page_size, fp, backend=backend, **settings)
@@ -117,8 +118,14 @@ def node_setups(tmp_path, model, page_size: int, engine: str, offload: bool,
     return prefill, decode
 
 
-def start_stack(prefill: NodeSetup, decode: NodeSetup) -> PDStack:
-    model, tokenizer = load_model("tiny", seed=0)
+def _preset_of(model) -> str:
+    """The preset a test model was loaded from ("tiny" unless its config names another)."""
+    name = model.config.name.removeprefix("pdcache-")
+    return name if name in PRESETS else "tiny"
+
+
+def start_stack(prefill: NodeSetup, decode: NodeSetup, preset: str = "tiny") -> PDStack:
+    model, tokenizer = load_model(preset, seed=0)
     os.environ.update(process_environment(prefill, os.environ))  # as a node process's entry does
     p_server = PrefillRuntime(prefill, model, tokenizer)
     d_server = DecodeRuntime(decode, model, tokenizer)

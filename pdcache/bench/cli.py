@@ -8,6 +8,7 @@ import importlib
 # kind -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("pdcache.bench.engine_bench", "prefill/decode tokens/s vs transformers"),
+    "kv-bytes": ("pdcache.bench.kv_bytes", "KV cache bytes per token and page, by model"),
     "kernels": ("pdcache.bench.kernel_bench", "KV copy GB/s vs memcpy, attention tokens/s"),
     "storage": ("pdcache.bench.storage_bench", "storage read/write GB/s vs memcpy and file I/O"),
     "cache": ("pdcache.bench.cache_bench", "TTFT by cache tier vs recompute"),

@@ -148,6 +148,15 @@ def build_hf_model(model: CausalLM, spec: str, attn: str) -> torch.nn.Module:
             spec, dtype=model.config.torch_dtype, attn_implementation=attn
         ).eval()
     c = model.config
+    if c.is_mla:  # DeepSeek-V3 (MLA + MoE): the config.json `pdcache export-model` writes
+        from pdcache.engine.export import hf_config as exported_config
+
+        fields = exported_config(c)
+        hf = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(fields.pop("model_type"), **fields),
+            dtype=c.torch_dtype, attn_implementation=attn)
+        hf.load_state_dict(model.state_dict(), strict=True)
+        return hf.eval()
     hf_config = transformers.LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,

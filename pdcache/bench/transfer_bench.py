@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-tokens", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--presets", default="",
+                        help="comma-separated model presets whose KV geometry to move (e.g. "
+                             "small,small-mla: GQA against an MLA latent at equal tokens); "
+                             "empty: the raw shape of --layers/--kv-heads/--head-dim")
     parser.add_argument("--pages-per-room", type=int, default=256, help="256 × 16 = 4k tokens")
     parser.add_argument("--rooms", type=int, default=2, help="rooms per repeat")
     parser.add_argument("--repeats", type=int, default=3, help="median of this many")
@@ -60,17 +64,21 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     load_before = os.getloadavg()[0]
+    shapes = [x.strip() for x in args.presets.split(",") if x.strip()] or [""]
     for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
         missing = _engine_missing(engine)
         if missing:
             skipped[engine] = missing
             continue
         layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-        print(f"transfer bench: {engine} ({', '.join(layouts)}) ...", flush=True)
-        rows.extend(_bench_engine(args, engine, layouts))
-    extra: dict[str, Any] = {"page_bytes": _page_bytes(args),
-                             "bytes_per_repeat": _page_bytes(args) * 2 * args.layers
-                             * args.pages_per_room * args.rooms}
+        for preset in shapes:
+            print(f"transfer bench: {engine} {preset or 'raw shape'} ({', '.join(layouts)}) ...",
+                  flush=True)
+            rows.extend(_bench_engine(argparse.Namespace(**{**vars(args), "preset": preset}),
+                                      engine, layouts))
+    extra: dict[str, Any] = {"tokens_per_room": args.pages_per_room * args.page_tokens,
+                             "room_bytes": {p or "raw": _geometry(args, p).page_bytes(
+                                 args.page_tokens) * args.pages_per_room for p in shapes}}
     # Shared machines swing a lot: the load shows how much to trust absolute GiB/s (the
     # ratios are measured back to back, so they hold up better).
     extra["load_avg_1m"] = f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
@@ -128,6 +136,9 @@ def _bench_engine(args: argparse.Namespace, engine: str,
             proc.kill()
     for row in rows:
         row["engine"] = engine
+        row["kv"] = getattr(args, "preset", "") or "raw"
+        row["room_MiB"] = round(_geometry(args).page_bytes(args.page_tokens)
+                                * args.pages_per_room / 2**20, 2)
     return rows
 
 
@@ -231,7 +242,8 @@ def _serve(receiver, dst: torch.Tensor, conn) -> None:
         if cmd[0] == "info":
             lay = receiver.layout
             conn.send((receiver.engine.session(),
-                       (lay.base_addr, lay.num_layers, lay.num_pages, lay.page_bytes)))
+                       (lay.base_addr, lay.num_layers, lay.num_pages, lay.page_bytes,
+                        lay.num_slabs)))
         elif cmd[0] == "rooms":
             _serve_rooms(receiver, dst, conn, cmd[1], cmd[2])
         else:
@@ -261,12 +273,19 @@ def _config(args: argparse.Namespace, engine: str):
     return config
 
 
-def _page_bytes(args: argparse.Namespace) -> int:
-    return args.page_tokens * args.kv_heads * args.head_dim * 4
+def _geometry(args: argparse.Namespace, preset: str | None = None) -> Any:
+    """The KV geometry moved (a `KVGeometry`): a preset's (float32), or the raw shape."""
+    from pdcache.engine.kv_geometry import KVGeometry
+    from pdcache.engine.presets import preset_config
+
+    name = getattr(args, "preset", "") if preset is None else preset
+    if name:
+        return preset_config(name).kv_geometry
+    return KVGeometry.mha(args.layers, args.kv_heads, args.head_dim, "float32")
 
 
 def _pool(args: argparse.Namespace, pages: int, seed: int | None) -> torch.Tensor:
-    shape = (args.layers, 2, pages, args.page_tokens, args.kv_heads, args.head_dim)
+    shape = _geometry(args).device_shape(pages, args.page_tokens)
     if seed is None:
         return torch.zeros(shape)
     return torch.empty(shape).uniform_(generator=torch.Generator().manual_seed(seed))

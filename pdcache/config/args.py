@@ -35,6 +35,7 @@ from typing import Any, get_args
 
 from pdcache.config.parse import load_topology, topology_from_raw
 from pdcache.config.schema import (
+    ReasoningParser,
     RouterSpec,
     SchedulerSpec,
     ToolCallParser,
@@ -47,6 +48,7 @@ from pdcache.config.schema import (
 NODE_FLAG_KEYS = {
     "request_timeout": "request_timeout_s",
     "tool_call_parser": "tool_call_parser",
+    "reasoning_parser": "reasoning_parser",
     "offload_staging_pages": "offload_staging_pages",
     "offload_stride_pages": "offload_stride_pages",
     "kernels": "kernels",
@@ -223,7 +225,8 @@ def add_node_flags(parser: argparse.ArgumentParser, role: str) -> None:
     from pdcache.engine.config import DTYPES, CacheConfig
 
     cache = CacheConfig()
-    parser.add_argument("--model", default="tiny", help="preset (tiny, small) or a HF model dir")
+    parser.add_argument("--model", default="tiny",
+                        help="preset (tiny, small, tiny-mla, small-mla) or a HF model dir")
     parser.add_argument("--dtype", default="float32",
                         **({"choices": sorted(DTYPES)} if role == "unified" else {}))
     parser.add_argument("--seed", type=int, default=0, help="seed of preset weights and sampling")
@@ -252,6 +255,10 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--tool-call-parser", default=None, choices=list(get_args(ToolCallParser)),
                         help="how model output becomes OpenAI tool_calls, as SGLang's flag "
                              "(default hermes: <tool_call>{json}</tool_call>)")
+    parser.add_argument("--reasoning-parser", default=None,
+                        choices=list(get_args(ReasoningParser)),
+                        help="split a thinking model's <think>...</think> off as OpenAI "
+                             "reasoning_content, as SGLang's flag (default: off)")
     parser.add_argument("--kernels", default=None, choices=["auto", *KERNEL_BACKENDS.names()],
                         help="KV kernel backend (default auto: by device)")
     parser.add_argument("--incremental-streaming-output", action="store_const", const=True,

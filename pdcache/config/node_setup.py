@@ -37,6 +37,7 @@ class ServerSettings:
 
     request_timeout_s: float = 600.0  # deadline of every wait on the engine, per request
     tool_call_parser: str = "hermes"  # pdcache.server.tool_calls.TOOL_CALL_PARSERS
+    reasoning_parser: str | None = None  # pdcache.server.reasoning.REASONING_PARSERS; None: off
     incremental_streaming_output: bool = False  # /generate streams deltas, not cumulative
 
 
@@ -97,6 +98,7 @@ def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSet
                      tiers_for(node, model, storage), fingerprint, storage, transfer,
                      node.bootstrap_port, offload_for(node),
                      ServerSettings(node.request_timeout_s, tool_call_parser=node.tool_call_parser,
+                                    reasoning_parser=node.reasoning_parser,
                                     incremental_streaming_output=node.incremental_streaming_output),
                      cache.key_scheme, cache.key_namespace, topology.model.ref, security)
 

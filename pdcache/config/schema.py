@@ -16,7 +16,11 @@ from typing import Any, Literal
 Role = Literal["prefill", "decode", "unified"]
 # output formats of pdcache.server.tool_calls.TOOL_CALL_PARSERS (SGLang's --tool-call-parser
 # names); tests/config checks the two agree
-ToolCallParser = Literal["hermes", "qwen", "qwen25", "llama3"]
+ToolCallParser = Literal["hermes", "qwen", "qwen25", "llama3", "deepseekv3", "kimi_k2",
+                         "qwen3_coder"]
+# thinking formats of pdcache.server.reasoning.REASONING_PARSERS (SGLang's --reasoning-parser
+# names); tests/server/test_family_parsers.py checks the two agree
+ReasoningParser = Literal["deepseek-r1", "qwen3"]
 PD_ROLES = ("prefill", "decode")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
@@ -69,7 +73,8 @@ def parse_size(text: str) -> int | None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """`[model]`: a random-initialised preset (`tiny`, `small`) or a checkpoint directory."""
+    """`[model]`: a random-initialised preset (`tiny`, `small`; MLA + MoE: `tiny-mla`,
+    `small-mla`) or a checkpoint directory."""
 
     preset: str | None = None
     path: str | None = None
@@ -314,6 +319,7 @@ class RouterSpec:
     max_queue: int = 1024  # requests the router queues when every node is at its limit
     max_attempts: int = 3  # tries of a request whose node was unreachable or answered 503
     tool_call_parser: ToolCallParser = "hermes"  # how model output becomes OpenAI tool_calls
+    reasoning_parser: ReasoningParser | None = None  # thinking → reasoning_content; None: off
     incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
     first_token_from_prefill: bool = True  # PD streams: the first token is prefill's (early)
     tls_cert: str | None = None  # PEM certificate chain: the router serves HTTPS
@@ -335,6 +341,9 @@ class LaunchSpec:
     stop_grace_s: float = 10.0
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 30.0
+    # a process that dies this many times in a row without becoming healthy (again) stops the
+    # launch with its log's tail, instead of being restarted forever
+    max_failures_in_row: int = 5
     ssh_user: str | None = None
     ssh_options: tuple[str, ...] = ("-o", "BatchMode=yes")
     remote_workdir: str | None = None  # where the repo and config live on remote hosts
@@ -356,6 +365,7 @@ class NodeSpec:
     offload_pending_ttl_s: float | None = None  # decode only: TTL of its pending marks (default 10)
     request_timeout_s: float = 600.0  # deadline of one request on this node's HTTP side
     tool_call_parser: ToolCallParser = "hermes"  # how model output becomes OpenAI tool_calls
+    reasoning_parser: ReasoningParser | None = None  # thinking → reasoning_content; None: off
     incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
     kernels: str = "auto"  # KV kernel backend (pdcache.kernels): auto, reference, torch, ...
     devices: tuple[str, ...] | None = None  # overrides transfer.devices on this node

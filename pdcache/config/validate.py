@@ -60,7 +60,8 @@ def validate(topology: Topology, ctx: ErrorContext, standalone: bool = False) ->
 
 def _check_model(model: ModelSpec, ctx: ErrorContext) -> None:
     if (model.preset is None) == (model.path is None):
-        raise ctx.error("model", 'expected exactly one of preset = "tiny"|"small" or path = "/checkpoint/dir"')
+        raise ctx.error("model", 'expected exactly one of preset = "tiny" (or small, tiny-mla, '
+                                 'small-mla) or path = "/checkpoint/dir"')
 
 
 def _check_cache(cache: CacheSpec, prefix: str, ctx: ErrorContext) -> None:

@@ -85,6 +85,9 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_interleave: bool = False  # DeepSeek-V3: RoPE on interleaved (even, odd) pairs
     moe: MoEConfig | None = None  # sparse MLP blocks (None: every layer dense)
+    # DeepSeek-V3's multi-token-prediction layers, stored after the decoder's: not run (no
+    # speculative decoding), their tensors not loaded
+    num_nextn_predict_layers: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"

@@ -1,4 +1,4 @@
-"""`pdcache export-model tiny|small DIR`: a random-weight preset as a Hugging Face checkpoint.
+"""`pdcache export-model PRESET DIR`: a random-weight preset as a Hugging Face checkpoint.
 
 The directory holds what `--model DIR` (pdcache/engine/loader.py) and Hugging Face clients
 (`AutoConfig`, `AutoModelForCausalLM`, `AutoTokenizer`, SGLang) read:
@@ -27,6 +27,7 @@ import torch
 
 from pdcache.engine.config import DTYPES, ModelConfig
 from pdcache.engine.loader import load_model
+from pdcache.engine.moe import split_expert_tensors
 from pdcache.engine.presets import PRESETS, byte_tokenizer
 from pdcache.engine.tokenizer import (
     BYTE_SPECIAL_TOKENS,
@@ -94,7 +95,8 @@ def export_preset(
     written = [
         _write_json(out / "config.json", hf_config(model.config)),
         _write_json(out / "generation_config.json", generation_config(model.config)),
-        _write_weights(out / WEIGHTS_FILE, model.state_dict(), name, seed),
+        _write_weights(out / WEIGHTS_FILE, dict(split_expert_tensors(model.state_dict())), name,
+                       seed),
         _write_tokenizer_json(out / "tokenizer.json", tokenizer),
         _write_json(out / "tokenizer_config.json", tokenizer_config(tokenizer, model.config)),
         _write_json(out / "special_tokens_map.json", special_tokens_map()),
@@ -122,12 +124,13 @@ def _prepare_dir(name: str, out: Path, dtype: str, force: bool) -> Path:
 
 
 def hf_config(config: ModelConfig) -> dict[str, Any]:
-    """config.json of a preset: LlamaForCausalLM, with the RoPE base both as transformers 5
-    writes it (`rope_parameters`) and as older readers expect it (`rope_theta`)."""
+    """config.json of a preset: LlamaForCausalLM (or DeepseekV3ForCausalLM for the MLA + MoE
+    presets), with the RoPE base both as transformers 5 writes it (`rope_parameters`) and as
+    older readers expect it (`rope_theta`)."""
     tok = byte_tokenizer()
-    return {
+    common = {
         "architectures": [config.architecture],
-        "model_type": "llama",
+        "model_type": "deepseek_v3" if config.is_mla else "llama",
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -139,7 +142,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": _rope_parameters(config),
         "attention_bias": config.attention_bias,
         "attention_dropout": 0.0,
         "mlp_bias": False,
@@ -150,6 +153,40 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "dtype": config.dtype,
         "torch_dtype": config.dtype,
         "use_cache": True,
+    }
+    return {**common, **_deepseek_fields(config)} if config.is_mla else common
+
+
+def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
+    s = config.rope_scaling
+    if s is None:
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    if s.rope_type == "yarn":
+        return {"rope_type": "yarn", "rope_theta": config.rope_theta, "factor": s.factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+                "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "mscale": s.mscale,
+                "mscale_all_dim": s.mscale_all_dim}
+    return {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings}
+
+
+def _deepseek_fields(config: ModelConfig) -> dict[str, Any]:
+    """DeepSeek-V3's attention and MoE keys (the MLA presets' routing: noaux_tc, sigmoid)."""
+    moe = config.moe
+    assert moe is not None and moe.family == "deepseek_v3", "MLA presets are DeepSeek-V3 MoE"
+    return {
+        "kv_lora_rank": config.kv_lora_rank, "q_lora_rank": config.q_lora_rank,
+        "qk_nope_head_dim": config.qk_nope_head_dim,
+        "qk_rope_head_dim": config.qk_rope_head_dim, "v_head_dim": config.v_head_dim,
+        "head_dim": config.qk_rope_head_dim, "rope_interleave": config.rope_interleave,
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "n_shared_experts": moe.n_shared_experts, "n_group": moe.n_group,
+        "topk_group": moe.topk_group, "routed_scaling_factor": moe.routed_scaling_factor,
+        "norm_topk_prob": moe.norm_topk_prob, "topk_method": moe.topk_method,
+        "scoring_func": moe.scoring, "first_k_dense_replace": min(moe.sparse_layer_ids),
+        "moe_layer_freq": 1, "num_nextn_predict_layers": 0,
     }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdcache.engine.config import ModelConfig, RopeScaling
@@ -127,3 +128,19 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     cos, sin = cos[..., :half], sin[..., :half]
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+
+
+def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+                  scale: float) -> torch.Tensor:
+    """Plain causal attention of sequences concatenated along dim 0 (`lens` tokens each), all
+    of whose keys and values are in hand: `q[T, Hq, D]`, `k[T, Hkv, D]`, `v[T, Hkv, Dv]` ->
+    `[T, Hq, Dv]`."""
+    outs = []
+    for qs, ks, vs in zip(*(t.split(lens) for t in (q, k, v))):
+        # 4-D [1, H, T, D] inputs: 3-D ones take torch's slow math path on CPU.
+        o = F.scaled_dot_product_attention(
+            qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=True,
+        )
+        outs.append(o[0].transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -45,7 +45,7 @@ _ROPE_TYPES = ("default", "llama3", "yarn")
 def load_model(
     spec: str, *, dtype: str | None = None, seed: int = 0, device: str = "cpu"
 ) -> tuple[CausalLM, Tokenizer]:
-    """`spec` is a preset name (`tiny`, `small`: random weights from `seed`) or the path of a
+    """`spec` is a preset name (`tiny`, `small`, `tiny-mla`, `small-mla`: random weights from `seed`) or the path of a
     local checkpoint directory (config.json, *.safetensors, tokenizer.json). `dtype` defaults
     to float32 for presets and to the checkpoint's dtype otherwise. The model is in eval mode
     with gradients off."""
@@ -129,11 +129,13 @@ def _load_checkpoint(path: Path, dtype: str | None) -> tuple[CausalLM, Tokenizer
 def _decoder_tensors(
     tensors: Iterator[tuple[str, torch.Tensor]], config: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors under our names: multi-token-prediction layers past the
-    decoder's (DeepSeek-V3's layer 61: we do not decode speculatively) left out, per-expert
-    tensors fused (`convert_checkpoint_tensors`)."""
-    kept = (item for item in tensors
-            if _layer_index(item[0]) is None or _layer_index(item[0]) < config.num_hidden_layers)
+    """The checkpoint's tensors under our names: the multi-token-prediction layers right after
+    the decoder's (`num_nextn_predict_layers`, DeepSeek-V3's layer 61: we do not decode
+    speculatively) left out, per-expert tensors fused (`convert_checkpoint_tensors`). Any
+    other layer past the decoder stays, and fails the load as an unexpected tensor."""
+    mtp = range(config.num_hidden_layers,
+                config.num_hidden_layers + config.num_nextn_predict_layers)
+    kept = (item for item in tensors if _layer_index(item[0]) not in mtp)
     return convert_checkpoint_tensors(kept, config.moe) if config.moe is not None else kept
 
 
@@ -188,6 +190,7 @@ def _mla_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "v_head_dim": int(hf["v_head_dim"]),
         "head_dim": int(hf["qk_nope_head_dim"]) + int(hf["qk_rope_head_dim"]),
         "rope_interleave": bool(hf.get("rope_interleave", True)),
+        "num_nextn_predict_layers": int(hf.get("num_nextn_predict_layers") or 0),
         "num_key_value_heads": hf["num_attention_heads"],
     }
 

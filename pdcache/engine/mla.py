@@ -17,12 +17,17 @@ Two ways to attend, mathematically equal:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdcache.engine.config import ModelConfig
 from pdcache.engine.forward import ForwardBatch, ForwardMode
-from pdcache.engine.layers import RMSNorm, apply_rope, apply_rope_interleaved, yarn_mscale
+from pdcache.engine.layers import (
+    RMSNorm,
+    apply_rope,
+    apply_rope_interleaved,
+    attend_causal,
+    yarn_mscale,
+)
 
 
 def softmax_scale(config: ModelConfig) -> float:
@@ -116,15 +121,7 @@ class LatentAttention(nn.Module):
             [self.nope_dim, self.v_dim], -1)
         k_pe = latent[:, :, self.kv_lora_rank :].expand(-1, self.num_heads, -1)
         q, k = torch.cat((q_nope, q_pe), -1), torch.cat((k_nope, k_pe), -1)
-        outs = []
-        for qs, ks, vs in zip(*(t.split(extend_lens) for t in (q, k, v))):
-            # 4-D [1, H, T, D] inputs: 3-D ones take torch's slow math path on CPU.
-            o = F.scaled_dot_product_attention(
-                qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
-                is_causal=True, scale=self.scale,
-            )
-            outs.append(o[0].transpose(0, 1))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return attend_causal(q, k, v, extend_lens, self.scale)
 
     def _attend_absorbed(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch,

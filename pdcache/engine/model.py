@@ -13,12 +13,11 @@ paged-attention kernels.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdcache.engine.config import ModelConfig
 from pdcache.engine.forward import ForwardBatch, ForwardMode
-from pdcache.engine.layers import RMSNorm, apply_rope, model_rope, rope_cos_sin
+from pdcache.engine.layers import RMSNorm, apply_rope, attend_causal, model_rope, rope_cos_sin
 from pdcache.engine.mla import LatentAttention
 from pdcache.engine.moe import make_mlp
 
@@ -87,7 +86,7 @@ class Attention(nn.Module):
                 self.sliding_window,
             )
         if self._can_attend_fresh(batch):
-            return self._attend_fresh(q, k, v, batch.extend_lens)
+            return attend_causal(q, k, v, batch.extend_lens, self.scale)
         return batch.kernels.paged_attention_extend(
             q, device_kv, self.layer_id, batch.page_table, batch.prefix_lens, batch.extend_lens,
             self.scale, self.sliding_window,
@@ -98,19 +97,6 @@ class Attention(nn.Module):
         if any(batch.prefix_lens):
             return False
         return self.sliding_window is None or max(batch.extend_lens) <= self.sliding_window
-
-    def _attend_fresh(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extend_lens: list[int]
-    ) -> torch.Tensor:
-        outs = []
-        for qs, ks, vs in zip(*(t.split(extend_lens) for t in (q, k, v))):
-            # 4-D [1, H, T, D] inputs: 3-D ones take torch's slow math path on CPU.
-            o = F.scaled_dot_product_attention(
-                qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
-                is_causal=True, scale=self.scale, enable_gqa=True,
-            )
-            outs.append(o[0].transpose(0, 1))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class DecoderLayer(nn.Module):

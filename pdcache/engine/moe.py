@@ -538,3 +538,25 @@ def _builder_for(
     if fused_name not in pending:
         pending[fused_name] = _FusedTensorBuilder(fused_name, num_experts, 1 if is_down else 2)
     return pending[fused_name]
+
+
+def split_expert_tensors(
+    state: dict[str, torch.Tensor],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our state dict under the on-disk names of Qwen3-MoE and DeepSeek checkpoints: each
+    fused `experts.gate_up_proj` / `experts.down_proj` as one tensor per expert and projection
+    (`experts.E.{gate,up,down}_proj.weight`), the inverse of `convert_checkpoint_tensors`;
+    every other tensor unchanged."""
+    for name, tensor in state.items():
+        if name.endswith(".experts.gate_up_proj"):
+            prefix = name.removesuffix("gate_up_proj")
+            for expert, rows in enumerate(tensor):
+                gate, up = rows.chunk(2, dim=0)
+                yield f"{prefix}{expert}.gate_proj.weight", gate
+                yield f"{prefix}{expert}.up_proj.weight", up
+        elif name.endswith(".experts.down_proj"):
+            prefix = name.removesuffix("down_proj")
+            for expert, weight in enumerate(tensor):
+                yield f"{prefix}{expert}.down_proj.weight", weight
+        else:
+            yield name, tensor

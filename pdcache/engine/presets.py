@@ -16,8 +16,9 @@ from dataclasses import replace
 
 import torch
 
-from pdcache.engine.config import ModelConfig
+from pdcache.engine.config import ModelConfig, RopeScaling
 from pdcache.engine.model import CausalLM
+from pdcache.engine.moe import MoEConfig
 from pdcache.engine.tokenizer import ByteTokenizer
 
 _BYTE_TOKENIZER = ByteTokenizer()
@@ -60,11 +61,74 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
+
+def _deepseek_moe(num_layers: int, experts: int, top_k: int, width: int,
+                  dense_width: int) -> MoEConfig:
+    """DeepSeek-V3's routing scaled down: sigmoid scores, 4 groups of which 2 are chosen,
+    the correction bias, a shared expert, scaling 2.5, the first layer dense."""
+    return MoEConfig(
+        family="deepseek_v3", scoring="sigmoid", topk_method="noaux_tc", num_experts=experts,
+        top_k=top_k, moe_intermediate_size=width, dense_intermediate_size=dense_width,
+        norm_topk_prob=True, num_layers=num_layers,
+        sparse_layer_ids=frozenset(range(1, num_layers)), routed_scaling_factor=2.5,
+        n_group=4, topk_group=2, n_shared_experts=1)
+
+
+def _deepseek_yarn(original: int) -> RopeScaling:
+    """DeepSeek-V3's YaRN (factor 40 there, 4 here), mscale 1 in cos/sin and softmax."""
+    return RopeScaling(factor=4.0, original_max_position_embeddings=original, rope_type="yarn",
+                       beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+
+
+_MLA_COMMON = {**_COMMON, "architecture": "DeepseekV3ForCausalLM", "rope_interleave": True}
+
+# MLA + MoE, DeepSeek-V3's shape scaled down (its ratios: latent 512 + 64 rope, nope 128,
+# v 128, 256 experts of which 8 routed + 1 shared, 8 groups of which 4 chosen).
+PRESETS["tiny-mla"] = ModelConfig(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=48,
+    max_position_embeddings=8192,
+    rope_theta=10000.0,
+    rope_scaling=_deepseek_yarn(2048),
+    kv_lora_rank=64,
+    q_lora_rank=96,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    moe=_deepseek_moe(4, experts=8, top_k=2, width=96, dense_width=384),
+    name="pdcache-tiny-mla",
+    **_MLA_COMMON,
+)
+PRESETS["small-mla"] = ModelConfig(
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=96,
+    max_position_embeddings=32768,
+    rope_theta=10000.0,
+    rope_scaling=_deepseek_yarn(8192),
+    kv_lora_rank=256,
+    q_lora_rank=384,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    moe=_deepseek_moe(8, experts=16, top_k=4, width=256, dense_width=1408),
+    name="pdcache-small-mla",
+    **_MLA_COMMON,
+)
+
 # Init scales (multiples of 1/sqrt(fan_in)); see the module docstring for why.
 EMBED_STD = 1.0
 QK_GAIN = 1.0  # sharper attention amplifies fp32 noise (measured: 2.0 doubles it)
 RESIDUAL_GAIN = 1.0  # all 2L residual branches together add about as much as the embedding
 LOGIT_STD = 4.0
+ROUTING_BIAS_STD = 0.1  # DeepSeek-V3's routing bias, against sigmoid scores in (0, 1)
 
 
 def preset_config(name: str, dtype: str = "float32") -> ModelConfig:
@@ -95,13 +159,15 @@ def _init_tensor(
         return torch.ones(shape)
     if name.endswith(".bias"):
         return torch.randn(shape, generator=gen) * 0.02
+    if name.endswith("e_score_correction_bias"):  # moves the expert choice, as trained ones do
+        return torch.randn(shape, generator=gen) * ROUTING_BIAS_STD
     if "embed_tokens" in name:
         return torch.randn(shape, generator=gen) * EMBED_STD
-    fan_in_std = 1.0 / math.sqrt(shape[1])
+    fan_in_std = 1.0 / math.sqrt(shape[-1])  # experts' fused weights are [E, out, in]
     gain = 1.0
     if name.endswith(("q_proj.weight", "k_proj.weight")):
         gain = QK_GAIN
-    elif name.endswith(("o_proj.weight", "down_proj.weight")):
+    elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         gain = residual_gain
     elif name == "lm_head.weight":
         gain = LOGIT_STD

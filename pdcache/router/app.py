@@ -206,7 +206,7 @@ class RouterApp:
         body.check_supported()
         stops = body.stop_strings()
         session = session_key(tenant_of(request), body.session_id)
-        input_ids = self.router.chat_prompt(session, body.template_messages(),
+        input_ids = self.router.chat_prompt(session, self.router.agent.chat_messages(body),
                                             body.template_tools())
         prep = self._openai_prep(request, body, input_ids, body.requested_max_tokens(),
                                  "messages")
@@ -246,7 +246,8 @@ class RouterApp:
                 stream, first, route = await watch(
                     request, self.router.send_stream(choice_prep, deadline), discard=_close_sent)
                 choices.append(RoutedChoice(choice_prep, stream, first, Turn(route),
-                                            TextAssembler(self.router.decode, stops),
+                                            TextAssembler(self.router.agent.text_decoder(plan),
+                                                          stops),
                                             plan.output(index)))
                 if index == 0 and body.n > 1:
                     await watch(request, stream.prefill_finished())

@@ -28,7 +28,7 @@ from pdcache.config import (
     add_topology_arguments,
     router_from_args,
 )
-from pdcache.config.schema import ToolCallParser
+from pdcache.config.schema import ReasoningParser, ToolCallParser
 from pdcache.config.security import security_for, tenant_api_key
 from pdcache.router.config import RouterConfig
 from pdcache.router.nodes import NodeEndpoint
@@ -49,13 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unified", action="append", default=[], metavar="URL",
                         help="a unified node (repeatable)")
     parser.add_argument("--model", default=None,
-                        help="tokenizer: preset (tiny, small) or HF model dir (default tiny)")
+                        help="tokenizer: preset (tiny, small, tiny-mla, small-mla) or HF model dir (default tiny)")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of the preset's weights (part of its model name; default 0)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--tool-call-parser", default=None, choices=list(get_args(ToolCallParser)),
                         help="how model output becomes OpenAI tool_calls, as SGLang's flag "
                              "(default hermes: <tool_call>{json}</tool_call>)")
+    parser.add_argument("--reasoning-parser", default=None,
+                        choices=list(get_args(ReasoningParser)),
+                        help="split a thinking model's <think>...</think> off as OpenAI "
+                             "reasoning_content, as SGLang's flag (default: off)")
     parser.add_argument("--page-size", type=int, default=None,
                         help="the nodes' page size, for cache-aware routing (default 16)")
     parser.add_argument("--host", default=None, help="default 127.0.0.1")
@@ -143,6 +147,7 @@ def build_config(args: argparse.Namespace) -> tuple[RouterConfig, str, int]:
         connect_timeout_s=_pick(args.connect_timeout, spec.connect_timeout_s),
         health_interval_s=_pick(args.health_interval, spec.health_interval_s),
         tool_call_parser=_pick(args.tool_call_parser, spec.tool_call_parser),
+        reasoning_parser=_pick(args.reasoning_parser, spec.reasoning_parser),
         **_load_settings(args, spec),
         **_security_settings(args, loaded[0] if loaded else None, spec),
     )

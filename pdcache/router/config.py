@@ -22,6 +22,7 @@ class RouterConfig:
     model_seed: int = 0  # presets: the seed is part of the model's name
     served_model_name: str | None = None
     tool_call_parser: str = "hermes"  # pdcache.server.tool_calls.TOOL_CALL_PARSERS
+    reasoning_parser: str | None = None  # pdcache.server.reasoning.REASONING_PARSERS; None: off
     name: str = "router"
     page_size: int = 16  # page size of the nodes' caches (cache-aware routing keys)
     prefill_policy: str = "cache_aware"

@@ -142,7 +142,8 @@ class Router:
         self.selector = PairSelector(config.prefill_policy, config.decode_policy)
         self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
         self.chat = ChatContinuation(self.tokenizer)
-        self.agent = AgentFeatures(self.tokenizer, model.vocab_size, config.tool_call_parser)
+        self.agent = AgentFeatures(self.tokenizer, model.vocab_size, config.tool_call_parser,
+                                   config.reasoning_parser)
         self.tenant_limits = TenantLimits()  # in flight per tenant (`TenantGate` holds them)
         self._salt_base = f"router;model={self.model_name};page={config.page_size}"
         # every call to a node (generate, health, service endpoints) carries the node
@@ -358,5 +359,3 @@ class Router:
     def encode(self, text: str | None, param: str) -> list[int]:
         return encode_prompt(self.tokenizer, text, param)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)

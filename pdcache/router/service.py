@@ -99,7 +99,8 @@ class RouterService:
         router = self.router
         return JSONResponse(model_info_body(router.model_config, router.config.model,
                                             router.model_name, self.mode,
-                                            router.config.tool_call_parser))
+                                            router.config.tool_call_parser,
+                                            router.config.reasoning_parser))
 
     # ---- /flush_cache
 

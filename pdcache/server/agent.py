@@ -1,10 +1,11 @@
-"""The agent API's per-request plan: which tool-call format parses a choice, which constraint
-an engine request carries (`response_format` json, a forced tool call), which logprobs it asks
-for and how they are written (docs/tools.md).
+"""The agent API's per-request plan: which reasoning and tool-call formats parse a choice,
+which constraint an engine request carries (`response_format` json, a forced tool call), which
+logprobs it asks for and how they are written (docs/tools.md).
 
 `AgentFeatures` is built once per server (and once in the router, without constraints: the
-nodes build those) from the deployment's `tool_call_parser`; `chat_plan` / `completion_plan`
-turn one validated request into a `ChoicePlan` that makes each of its `n` choices' parts.
+nodes build those) from the deployment's `tool_call_parser` and `reasoning_parser`;
+`chat_plan` / `completion_plan` turn one validated request into a `ChoicePlan` that makes each
+of its `n` choices' parts, and `chat_messages` gives the messages the chat template renders.
 Owns the server's `GrammarBackend` (built on the first constrained request).
 """
 
@@ -26,8 +27,19 @@ from pdcache.server.protocol import (
     TextAssembler,
     bad_request,
 )
+from pdcache.server.reasoning import (
+    ReasoningFormat,
+    reasoning_format,
+    template_reads_reasoning,
+    with_reasoning_history,
+)
 from pdcache.server.structured import GrammarBackend, tool_calls_schema
-from pdcache.server.tool_calls import Llama3Format, ToolCallFormat, tool_call_format
+from pdcache.server.tool_calls import (
+    BareJsonCallFormat,
+    ToolCallFormat,
+    forced_call_format,
+    tool_call_format,
+)
 
 
 @dataclass
@@ -38,10 +50,17 @@ class ChoicePlan:
     chat: bool
     logprobs: LogprobRequest | None = None
     tool_format: ToolCallFormat | None = None
-    tool_names: set[str] = field(default_factory=set)
+    tools: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> arguments schema
     max_calls: int | None = None  # parallel_tool_calls: false -> 1
     make_constraint: Callable[[], TokenConstraint] | None = None
     format_logprobs: LogprobFormatter | None = None
+    reasoning: ReasoningFormat | None = None  # None: the thinking (if any) is content
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output is decoded with special tokens kept (the call markers are
+        special tokens of the model's vocabulary, as kimi_k2's are)."""
+        return self.tool_format is not None and self.tool_format.keeps_special_tokens
 
     def constraint(self) -> TokenConstraint | None:
         return None if self.make_constraint is None else self.make_constraint()
@@ -51,9 +70,10 @@ class ChoicePlan:
             index,
             chat=self.chat,
             tool_format=self.tool_format,
-            tool_names=self.tool_names,
+            tools=self.tools,
             max_calls=self.max_calls,
             format_logprobs=self.format_logprobs,
+            reasoning=self.reasoning,
         )
 
 
@@ -72,39 +92,76 @@ class ChoiceRun:
 
 
 class AgentFeatures:
-    """The deployment's tool-call format and grammar backend, and the plans they make."""
+    """The deployment's tool-call and reasoning formats and grammar backend, and the plans
+    they make. ValueError naming the choices for an unknown parser name."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, tool_call_parser: str) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        tool_call_parser: str,
+        reasoning_parser: str | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.tool_format = tool_call_format(tool_call_parser)
+        self.reasoning = reasoning_format(reasoning_parser)
+        self.template_reads_reasoning = template_reads_reasoning(tokenizer)
         self.grammar = GrammarBackend(tokenizer, vocab_size)
+
+    def chat_messages(self, body: ChatCompletionRequest) -> list[dict[str, Any]]:
+        """The messages the chat template renders: earlier assistant turns' thinking where
+        the template sees it (`with_reasoning_history`)."""
+        return with_reasoning_history(body.template_messages(), self.reasoning,
+                                      self.template_reads_reasoning)
+
+    def text_decoder(self, plan: ChoicePlan) -> Callable[[list[int]], str]:
+        """How a choice's output ids become text: special tokens skipped, or kept (but the
+        end-of-sequence ones) where the plan's call markers are special tokens."""
+        if not plan.keeps_special_tokens:
+            return self.tokenizer.decode
+        ends = set(self.tokenizer.eos_token_ids)
+        return lambda ids: self.tokenizer.decode(
+            [i for i in ids if i not in ends], skip_special_tokens=False
+        )
 
     def chat_plan(self, body: ChatCompletionRequest, constrain: bool = True) -> ChoicePlan:
         """The plan of a chat request. `constrain=False` (the router) skips building the
-        constraint: the node that runs the request builds it from the same fields."""
+        constraint: the node that runs the request builds it from the same fields. A
+        constrained output is the answer from its first token, so its thinking is not split
+        off."""
         plan = ChoicePlan(chat=True, logprobs=logprob_request(body.logprobs_top_n()))
         if plan.logprobs is not None:
             plan.format_logprobs = self.chat_logprobs
         if body.parses_tool_calls():
-            plan.tool_format, plan.tool_names = self.tool_format, body.tool_names()
+            plan.tool_format, plan.tools = self.tool_format, body.tool_parameters()
             plan.max_calls = 1 if body.parallel_tool_calls is False else None
+        constrained = body.forces_tool_call() or body.json_schema() is not None
+        if body.separate_reasoning and not constrained:
+            plan.reasoning = self.reasoning
         if not constrain:
             if body.forces_tool_call():  # the node writes the bare call (node_json_schema)
-                plan.tool_format = Llama3Format()
+                plan.tool_format = BareJsonCallFormat()
             return plan
         schema = body.json_schema()
         if schema is not None:
             self.grammar.json_constraint(schema)  # compile once here: a bad schema is a 400
             plan.make_constraint = lambda: self.grammar.json_constraint(schema)
         elif body.forces_tool_call():
-            tools = [t.template_tool() for t in body.forced_tools()]
-            call_schema = tool_calls_schema(tools, self.tool_format.arguments_key)
-            before, after = self.tool_format.wrap("")
-            self.grammar.tool_call_constraint(call_schema, before, after)
-            plan.make_constraint = lambda: self.grammar.tool_call_constraint(
-                call_schema, before, after
-            )
+            self._force_tool_call(plan, body)
         return plan
+
+    def _force_tool_call(self, plan: ChoicePlan, body: ChatCompletionRequest) -> None:
+        """Constrain the output to one call in the deployment's format (its wrapping around
+        one JSON call), or to the bare JSON call where the format's calls are no JSON."""
+        fmt = forced_call_format(self.tool_format)
+        tools = [t.template_tool() for t in body.forced_tools()]
+        call_schema = tool_calls_schema(tools, fmt.arguments_key)
+        before, after = fmt.wrap("")
+        self.grammar.tool_call_constraint(call_schema, before, after)
+        plan.tool_format = fmt
+        plan.make_constraint = lambda: self.grammar.tool_call_constraint(
+            call_schema, before, after
+        )
 
     def node_json_schema(self, body: ChatCompletionRequest) -> str | None:
         """What the router sends a node as SGLang's `sampling_params.json_schema`: the

@@ -68,6 +68,7 @@ class ServerConfig:
     model_path: str = ""  # preset name or checkpoint path; "" = the model's name
     health_check_timeout_s: float = 20.0  # /health_generate's deadline (SGLang's default)
     tool_call_parser: str = "hermes"  # pdcache.server.tool_calls.TOOL_CALL_PARSERS
+    reasoning_parser: str | None = None  # pdcache.server.reasoning.REASONING_PARSERS; None: off
     # /generate streams: False = cumulative chunks (SGLang's default), True = deltas (SGLang's
     # --incremental-streaming-output); a request's `incremental_streaming_output` wins
     incremental_streaming_output: bool = False
@@ -82,6 +83,7 @@ class ServerConfig:
         return cls(name=setup.name, request_timeout_s=setup.server.request_timeout_s,
                    role=setup.role, model_path=setup.model_path,
                    tool_call_parser=setup.server.tool_call_parser,
+                   reasoning_parser=setup.server.reasoning_parser,
                    incremental_streaming_output=setup.server.incremental_streaming_output,
                    auth_token=setup.security.node_http_token,
                    metrics_auth=setup.security.metrics_auth)

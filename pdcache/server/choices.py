@@ -1,5 +1,6 @@
 """OpenAI choices: one choice's text (and logprobs) → its `message` / `delta` bodies, with
-tool calls parsed out; and the event stream of `n` choices (docs/design.md §4.1).
+the thinking split off (`reasoning_content`) and tool calls parsed out of the answer; and the
+event stream of `n` choices (docs/design.md §4.1).
 
 Shared by the unified server (which produces the text) and the router (which relays a node's
 tokens), so both build byte-identical bodies. Pure: a `ChoiceOutput` holds one choice's parse
@@ -14,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcache.engine.api import TokenLogprob
+from pdcache.server.reasoning import ReasoningFormat, ReasoningStream
 from pdcache.server.responses import ResponseHead, StreamEnd, sse
-from pdcache.server.tool_calls import ToolCallFormat, ToolCallStream
+from pdcache.server.tool_calls import ToolCallFormat, ToolCallStream, ToolSchemas
 
 # (the OpenAI `logprobs` object of a run of tokens, the text offset after them): the int
 # argument is the text offset of the first token (completions' `text_offset`; chat ignores it)
@@ -24,24 +26,30 @@ LogprobFormatter = Callable[[list[TokenLogprob], int], tuple[dict[str, Any], int
 
 @dataclass
 class ChoiceDelta:
-    """What one choice adds to a stream: content, finished tool calls, logprobs, the end."""
+    """What one choice adds to a stream: thinking, content, finished tool calls, logprobs,
+    the end."""
 
     index: int
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    reasoning: str = ""  # `delta.reasoning_content`
 
     def empty(self) -> bool:
-        return not (self.content or self.tool_calls or self.logprobs or self.finish_reason)
+        return not (
+            self.content or self.reasoning or self.tool_calls or self.logprobs
+            or self.finish_reason
+        )
 
 
 class ChoiceOutput:
     """One choice: text deltas (after stop strings) in, OpenAI bodies out.
 
-    With a tool-call format the text goes through `ToolCallStream` (content and completed
-    calls); without, text is content as it is. Logprobs are formatted per delta by
-    `format_logprobs` (None: the request asked for none)."""
+    With a reasoning format the text is first split by `ReasoningStream` (thinking, then the
+    answer); with a tool-call format the answer goes through `ToolCallStream` (content and
+    completed calls); without, the answer is content as it is. Logprobs are formatted per
+    delta by `format_logprobs` (None: the request asked for none)."""
 
     def __init__(
         self,
@@ -49,14 +57,16 @@ class ChoiceOutput:
         *,
         chat: bool,
         tool_format: ToolCallFormat | None = None,
-        tool_names: set[str] | None = None,
+        tools: ToolSchemas | None = None,
         max_calls: int | None = None,
         format_logprobs: LogprobFormatter | None = None,
+        reasoning: ReasoningFormat | None = None,
     ) -> None:
         self.index = index
         self.chat = chat
+        self.thinking = ReasoningStream(reasoning) if reasoning is not None else None
         self.tools = (
-            ToolCallStream(tool_format, tool_names or set(), max_calls)
+            ToolCallStream(tool_format, tools or {}, max_calls)
             if tool_format is not None
             else None
         )
@@ -67,17 +77,28 @@ class ChoiceOutput:
         self._text_offset = 0
 
     def add(self, text: str, logprobs: list[TokenLogprob] | None = None) -> ChoiceDelta:
+        reasoning, answer = "", text
+        if self.thinking is not None:
+            split = self.thinking.feed(text)
+            reasoning, answer = split.reasoning, split.answer
         if self.tools is None:
-            return self._delta(text, [], logprobs)
-        parsed = self.tools.feed(text)
-        return self._delta(parsed.content, parsed.calls, logprobs)
+            return self._delta(reasoning, answer, [], logprobs)
+        parsed = self.tools.feed(answer)
+        return self._delta(reasoning, parsed.content, parsed.calls, logprobs)
 
     def finish(self, engine_reason: str | None) -> ChoiceDelta:
-        """The end of the output: what the parser still held, and the finish reason."""
-        delta = ChoiceDelta(self.index)
-        if self.tools is not None:
-            parsed = self.tools.finish()
-            delta = self._delta(parsed.content, parsed.calls, None)
+        """The end of the output: what the parsers still held, and the finish reason."""
+        reasoning, answer = "", ""
+        if self.thinking is not None:
+            split = self.thinking.finish()
+            reasoning, answer = split.reasoning, split.answer
+        if self.tools is None:
+            delta = self._delta(reasoning, answer, [], None)
+        else:
+            parsed = self.tools.feed(answer)
+            held = self.tools.finish()
+            delta = self._delta(reasoning, parsed.content + held.content,
+                                parsed.calls + held.calls, None)
         delta.finish_reason = self.finish_reason(engine_reason)
         return delta
 
@@ -87,9 +108,9 @@ class ChoiceOutput:
         return engine_reason
 
     def _delta(
-        self, content: str, calls: list[Any], logprobs: list[TokenLogprob] | None
+        self, reasoning: str, content: str, calls: list[Any], logprobs: list[TokenLogprob] | None
     ) -> ChoiceDelta:
-        delta = ChoiceDelta(self.index, content)
+        delta = ChoiceDelta(self.index, content, reasoning=reasoning)
         self.text += content
         for call in calls:
             delta.tool_calls.extend(call.stream_deltas(self._call_count))
@@ -117,6 +138,8 @@ class ChoiceOutput:
                 "finish_reason": reason,
             }
         message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.thinking is not None:
+            message["reasoning_content"] = self.thinking.reasoning or None
         if self.tools is not None and self.tools.calls:
             message["content"] = self.tools.content
             message["tool_calls"] = [call.body() for call in self.tools.calls]
@@ -133,6 +156,8 @@ class ChoiceOutput:
 
 def chat_chunk(delta: ChoiceDelta) -> dict[str, Any]:
     body: dict[str, Any] = {}
+    if delta.reasoning:
+        body["reasoning_content"] = delta.reasoning
     if delta.content:
         body["content"] = delta.content
     if delta.tool_calls:

@@ -225,6 +225,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # assistant turns only
     tool_call_id: str | None = None  # tool turns only: the call this answers
+    # assistant turns only: the thinking the answer's `reasoning_content` returned, sent back
+    # so the turn re-renders as it was produced (pdcache.server.reasoning)
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -241,6 +244,9 @@ class ChatMessage(BaseModel):
         if self.tool_call_id is not None and self.role != "tool":
             raise bad_request("only tool messages carry 'tool_call_id'",
                               param=f"messages[{i}].tool_call_id", code="invalid_message")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise bad_request("only assistant messages carry 'reasoning_content'",
+                              param=f"messages[{i}].reasoning_content", code="invalid_message")
 
     def template_message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
@@ -251,6 +257,8 @@ class ChatMessage(BaseModel):
             message["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             message["name"] = self.name
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
@@ -404,6 +412,8 @@ class ChatCompletionRequest(OpenAIRequestBase):
     response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    # SGLang's: false leaves the deployment's reasoning parser off (thinking stays content)
+    separate_reasoning: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -440,6 +450,10 @@ class ChatCompletionRequest(OpenAIRequestBase):
 
     def tool_names(self) -> set[str]:
         return {t.function.name for t in self.tools or []}
+
+    def tool_parameters(self) -> dict[str, dict[str, Any]]:
+        """Each tool's arguments schema by name (`{}` when it gives none)."""
+        return {t.function.name: t.function.parameters or {} for t in self.tools or []}
 
     def named_tool(self) -> str | None:
         choice = self.tool_choice

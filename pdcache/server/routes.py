@@ -98,7 +98,8 @@ class ServerRoutes:
         self.limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
         self.created = now_s()
         self.agent = AgentFeatures(self.tokenizer, model.vocab_size,
-                                   bridge.config.tool_call_parser)
+                                   bridge.config.tool_call_parser,
+                                   bridge.config.reasoning_parser)
 
     # ---- /generate (SGLang's native API: pdcache.server.generate_api)
 
@@ -231,7 +232,8 @@ class ServerRoutes:
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await request.body())
         body.check_supported()
-        input_ids = self.apply_chat_template(body.template_messages(), body.template_tools())
+        input_ids = self.apply_chat_template(self.agent.chat_messages(body),
+                                             body.template_tools())
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
         head = ResponseHead.new("chatcmpl", kind, self.model_name)
         plan = self.agent.chat_plan(body)
@@ -267,7 +269,7 @@ class ServerRoutes:
                                             constraint=plan.constraint(),
                                             prefill_leader=leader,
                                             session_id=body.session_id)
-                text = TextAssembler(self.decode, body.stop_strings())
+                text = TextAssembler(self.agent.text_decoder(plan), body.stop_strings())
                 runs.append(ChoiceRun(handle, gen, text, plan.output(index)))
         except BaseException:
             for run in runs:  # a later choice failed to queue: the earlier ones end too
@@ -329,9 +331,6 @@ class ServerRoutes:
 
     def encode(self, text: str | None, param: str) -> list[int]:
         return encode_prompt(self.tokenizer, text, param)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             tools: list[dict[str, Any]] | None = None) -> list[int]:

@@ -54,14 +54,15 @@ def disaggregation_mode(role: str) -> str:
 
 
 def model_info_body(model: ModelConfig, model_path: str, served_name: str, mode: str,
-                    tool_call_parser: str | None = None) -> dict[str, Any]:
+                    tool_call_parser: str | None = None,
+                    reasoning_parser: str | None = None) -> dict[str, Any]:
     """`/get_model_info`'s fields (SGLang's names); shared with the router."""
     return {
         "model_path": model_path, "served_model_name": served_name,
         "tokenizer_path": model_path, "is_generation": True,
         "preferred_sampling_params": None, "weight_version": "default",
         "load_format": "dummy" if model_path in PRESETS else "auto",  # presets: random weights
-        "reasoning_parser": None, "tool_call_parser": tool_call_parser,
+        "reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser,
         "disaggregation_mode": mode,
         "has_image_understanding": False, "has_audio_understanding": False,
         "model_type": MODEL_TYPES.get(model.architecture),
@@ -131,7 +132,8 @@ class ServiceRoutes:
     async def model_info(self, request: Request) -> Response:
         return JSONResponse(model_info_body(self.engine.config.model, self.model_path,
                                             self.served_name, self.mode,
-                                            self.config.tool_call_parser))
+                                            self.config.tool_call_parser,
+                                            self.config.reasoning_parser))
 
     # ---- /health_generate
 

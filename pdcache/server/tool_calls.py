@@ -1,7 +1,8 @@
 """Tool-call parsers: a model's text output → OpenAI `tool_calls` (docs/tools.md).
 
 One parser per output format, picked per deployment like SGLang's `--tool-call-parser`
-(`[server] tool_call_parser`, `--tool-call-parser`; `TOOL_CALL_PARSERS` is the registry):
+(`[[node]]` / `[router] tool_call_parser`, `--tool-call-parser`; `TOOL_CALL_PARSERS` is the
+registry):
 
 - `hermes` (also `qwen`, `qwen25`): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
   blocks (Hermes, Qwen2.5/3, and pdcache's own byte-tokenizer template); text outside the
@@ -10,25 +11,44 @@ One parser per output format, picked per deployment like SGLang's `--tool-call-p
   several separated by `;`, either the whole output (it starts with `{`) or after
   `<|python_tag|>` (the text before it is content). The tag is a special token in Llama's
   vocabulary, so it is seen only where the output is decoded with special tokens kept.
+- `deepseekv3`: DeepSeek-V3/R1, `<｜tool▁calls▁begin｜>` then per call
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>`, then
+  `<｜tool▁calls▁end｜>`.
+- `kimi_k2`: Kimi K2, `<|tool_calls_section_begin|>` then per call
+  `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>ARGS<|tool_call_end|>`,
+  then `<|tool_calls_section_end|>`; the call's id is the model's `functions.NAME:IDX` (Kimi's
+  template writes the id back into the next turn's prompt).
+- `qwen3_coder`: Qwen3-Coder, `<tool_call>` blocks of
+  `<function=NAME><parameter=P>VALUE</parameter>...</function>`; each VALUE is text, converted
+  by the type its tool's JSON schema gives P (integer, number, boolean, object/array as JSON,
+  else kept as the string).
 
-A call is taken only when its JSON parses to an object with a string `name` that names one of
-the request's tools and object arguments; anything else stays text (a malformed call is
-content, never a 500). `ToolCallStream` is the streaming form and the only implementation:
-the non-streaming answer is the same machine fed the whole text, so a streamed answer
-reassembles to the non-streamed one exactly. Calls are released when complete (the block
+A call is taken only when it parses to a `name` that names one of the request's tools and
+object arguments; anything else stays text (a malformed call is content, never a 500).
+`ToolCallStream` is the streaming form and the only implementation: the non-streaming answer
+is the same machine fed the whole text, so a streamed answer reassembles to the non-streamed
+one exactly. Calls are released when complete (the block
 closed, or the output ended): one delta with `id`, `type`, `function.name` and empty
 arguments, then the arguments in chunks, as OpenAI streams them.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import math
+import re
 import uuid
+import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 ARGUMENT_CHUNK_CHARS = 16  # streamed arguments come in pieces of this many characters
+
+# a request's tools as the parsers see them: name -> the JSON schema of its arguments
+ToolSchemas = Mapping[str, Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -40,9 +60,11 @@ class ToolCall:
     arguments: str  # JSON text of an object
 
     @staticmethod
-    def new(name: str, arguments: dict[str, Any]) -> ToolCall:
+    def new(name: str, arguments: dict[str, Any], call_id: str | None = None) -> ToolCall:
         return ToolCall(
-            f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False)
+            call_id or f"call_{uuid.uuid4().hex[:24]}",
+            name,
+            json.dumps(arguments, ensure_ascii=False),
         )
 
     def body(self) -> dict[str, Any]:
@@ -67,6 +89,15 @@ class ToolCall:
         return [head, *({"index": index, "function": {"arguments": c}} for c in chunks)]
 
 
+@dataclass(frozen=True)
+class RegionCall:
+    """One call read from a call region, before the request's tools are checked."""
+
+    name: str
+    arguments: dict[str, Any]
+    call_id: str | None = None  # the model's own id (kimi_k2); None: pdcache makes one
+
+
 @dataclass
 class ParsedDelta:
     """What one piece of output added: content text and completed calls."""
@@ -81,6 +112,14 @@ class ToolCallFormat(ABC):
     name: ClassVar[str]
     start: ClassVar[str]  # the marker that opens a call region
     end: ClassVar[str | None]  # the marker that closes it; None: the end of the output
+    # the region may also end with the output: each call inside has its own end marker, so a
+    # complete call is recognisable without the region's
+    end_optional: ClassVar[bool] = False
+    # the markers are special tokens in the model's vocabulary: decode with them kept
+    keeps_special_tokens: ClassVar[bool] = False
+    # a constrained (forced) call can be written as wrap(one JSON call); otherwise the
+    # constrained output is the bare JSON call (`BareJsonCallFormat`)
+    json_calls: ClassVar[bool] = True
     arguments_key: ClassVar[str] = "arguments"  # the key a constrained call is written with
 
     def opens_at_start(self, text: str) -> bool:
@@ -88,24 +127,36 @@ class ToolCallFormat(ABC):
         return False
 
     @abstractmethod
-    def parse_region(self, region: str) -> list[tuple[str, dict[str, Any]]] | None:
-        """(name, arguments) of every call in one region's text; None when it is not calls."""
+    def parse_region(self, region: str, tools: ToolSchemas) -> list[RegionCall] | None:
+        """Every call in one region's text; None when it is not calls."""
 
-    @abstractmethod
     def wrap(self, call_json: str) -> tuple[str, str]:
         """Text around one call's JSON when the output is constrained to calls."""
+        return "", ""
 
 
-def _call_of(obj: Any, keys: tuple[str, ...]) -> tuple[str, dict[str, Any]] | None:
+def _call_of(obj: Any, keys: tuple[str, ...]) -> RegionCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args: Any = next((obj[k] for k in keys if k in obj), {})
-    if isinstance(args, str):  # some models write the arguments as JSON text
+    args = _arguments(next((obj[k] for k in keys if k in obj), {}))
+    return None if args is None else RegionCall(obj["name"], args)
+
+
+def _arguments(value: Any) -> dict[str, Any] | None:
+    """Call arguments as an object: an object, or JSON text of one (some models write the
+    arguments as a string); None otherwise."""
+    if isinstance(value, str):
         try:
-            args = json.loads(args)
+            value = json.loads(value)
         except json.JSONDecodeError:
             return None
-    return (obj["name"], args) if isinstance(args, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def _all_or_none(calls: list[RegionCall | None]) -> list[RegionCall] | None:
+    if not calls or any(c is None for c in calls):
+        return None
+    return calls  # type: ignore[return-value]
 
 
 class HermesFormat(ToolCallFormat):
@@ -113,14 +164,13 @@ class HermesFormat(ToolCallFormat):
     start = "<tool_call>"
     end = "</tool_call>"
 
-    def parse_region(self, region: str) -> list[tuple[str, dict[str, Any]]] | None:
+    def parse_region(self, region: str, tools: ToolSchemas) -> list[RegionCall] | None:
         try:
             obj = json.loads(region)
         except json.JSONDecodeError:
             return None
         objs = obj if isinstance(obj, list) else [obj]
-        calls = [_call_of(o, ("arguments", "parameters")) for o in objs]
-        return None if not calls or any(c is None for c in calls) else calls  # type: ignore[return-value]
+        return _all_or_none([_call_of(o, ("arguments", "parameters")) for o in objs])
 
     def wrap(self, call_json: str) -> tuple[str, str]:
         return "<tool_call>\n", "\n</tool_call>"
@@ -135,7 +185,7 @@ class Llama3Format(ToolCallFormat):
     def opens_at_start(self, text: str) -> bool:
         return text.lstrip().startswith("{")
 
-    def parse_region(self, region: str) -> list[tuple[str, dict[str, Any]]] | None:
+    def parse_region(self, region: str, tools: ToolSchemas) -> list[RegionCall] | None:
         decoder, calls, idx = json.JSONDecoder(), [], 0
         text = region.strip()
         while idx < len(text):
@@ -152,8 +202,247 @@ class Llama3Format(ToolCallFormat):
                 idx += 1
         return calls or None
 
-    def wrap(self, call_json: str) -> tuple[str, str]:
-        return "", ""
+
+class BareJsonCallFormat(Llama3Format):
+    """The constrained output of a forced call in a format whose calls are no JSON object
+    (`json_calls` False): `{"name": N, "arguments": {...}}` alone. Not a deployment's choice."""
+
+    name = "json"
+    arguments_key = "arguments"
+
+
+def _match_all(pattern: re.Pattern[str], region: str) -> list[re.Match[str]] | None:
+    """Consecutive matches of `pattern` covering `region` but for trailing whitespace; None
+    when anything else is in it (then the region is not calls)."""
+    matches, pos = [], 0
+    while region[pos:].strip():
+        found = pattern.match(region, pos)
+        if found is None:
+            return None
+        matches.append(found)
+        pos = found.end()
+    return matches
+
+
+class DeepSeekV3Format(ToolCallFormat):
+    """DeepSeek-V3/R1's calls (SGLang's `deepseekv3`)."""
+
+    name = "deepseekv3"
+    start = "<｜tool▁calls▁begin｜>"
+    end = "<｜tool▁calls▁end｜>"
+    end_optional = True
+    keeps_special_tokens = True
+    json_calls = False
+    CALL: ClassVar[re.Pattern[str]] = re.compile(
+        r"\s*<｜tool▁call▁begin｜>[^<\n]*<｜tool▁sep｜>(?P<name>[^<\n]+?)[ \t]*\n```json\n"
+        r"(?P<args>.*?)\n```\s*<｜tool▁call▁end｜>",
+        re.DOTALL,
+    )
+
+    def parse_region(self, region: str, tools: ToolSchemas) -> list[RegionCall] | None:
+        matches = _match_all(self.CALL, region)
+        if not matches:
+            return None
+        return _all_or_none([_named_call(m["name"].strip(), m["args"]) for m in matches])
+
+
+def _named_call(name: str, args_text: str, call_id: str | None = None) -> RegionCall | None:
+    args = _arguments(args_text)
+    return None if args is None else RegionCall(name, args, call_id)
+
+
+class KimiK2Format(ToolCallFormat):
+    """Kimi K2's calls (SGLang's `kimi_k2`). A call is taken only when its id names the
+    function (`functions.NAME:IDX` or `NAME:IDX`); a bare counter names none."""
+
+    name = "kimi_k2"
+    start = "<|tool_calls_section_begin|>"
+    end = "<|tool_calls_section_end|>"
+    end_optional = True
+    keeps_special_tokens = True
+    json_calls = False
+    CALL: ClassVar[re.Pattern[str]] = re.compile(
+        r"\s*<\|tool_call_begin\|>\s*(?P<id>[^\s<|]+)\s*<\|tool_call_argument_begin\|>"
+        r"(?P<args>.*?)<\|tool_call_end\|>",
+        re.DOTALL,
+    )
+    CALL_ID: ClassVar[re.Pattern[str]] = re.compile(r"(?:functions\.)?(?P<name>[\w.\-]+):\d+")
+
+    def parse_region(self, region: str, tools: ToolSchemas) -> list[RegionCall] | None:
+        matches = _match_all(self.CALL, region)
+        if not matches:
+            return None
+        calls: list[RegionCall | None] = []
+        for found in matches:
+            named = self.CALL_ID.fullmatch(found["id"])
+            if named is None:
+                return None
+            calls.append(_named_call(named["name"], found["args"], found["id"]))
+        return _all_or_none(calls)
+
+
+class Qwen3CoderFormat(ToolCallFormat):
+    """Qwen3-Coder's XML-ish calls (SGLang's `qwen3_coder`). A parameter's value ends at its
+    `</parameter>`, or (as SGLang reads a missing close) at the next `<parameter=` or at the
+    function's end; one newline on each side of it is the layout, not the value."""
+
+    name = "qwen3_coder"
+    start = "<tool_call>"
+    end = "</tool_call>"
+    json_calls = False
+    FUNCTION: ClassVar[re.Pattern[str]] = re.compile(
+        r"\s*<function=(?P<name>[^>\n]+)>(?P<body>.*?)</function>", re.DOTALL
+    )
+    PARAMETER: ClassVar[re.Pattern[str]] = re.compile(
+        r"\s*<parameter=(?P<name>[^>\n]+)>(?P<value>.*?)(?:</parameter>|(?=<parameter=)|\Z)",
+        re.DOTALL,
+    )
+
+    def parse_region(self, region: str, tools: ToolSchemas) -> list[RegionCall] | None:
+        functions = _match_all(self.FUNCTION, region)
+        if not functions:
+            return None
+        calls: list[RegionCall | None] = []
+        for function in functions:
+            name = function["name"].strip()
+            params = _match_all(self.PARAMETER, function["body"])
+            if params is None:
+                return None
+            calls.append(RegionCall(name, _typed_arguments(params, tools.get(name, {}))))
+        return _all_or_none(calls)
+
+
+def _typed_arguments(params: list[re.Match[str]], schema: Mapping[str, Any]) -> dict[str, Any]:
+    properties = schema_properties(schema)
+    arguments: dict[str, Any] = {}
+    for param in params:
+        value = param["value"]
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        name = param["name"].strip()
+        arguments[name] = converted_value(value, properties.get(name))
+    return arguments
+
+
+def schema_properties(schema: Any) -> dict[str, Any]:
+    """The top-level `properties` of an arguments schema; without them, those of its
+    `anyOf`/`oneOf`/`allOf` branches (first wins), as SGLang reads them."""
+    if not isinstance(schema, Mapping):
+        return {}
+    properties = schema.get("properties")
+    if isinstance(properties, Mapping):
+        return dict(properties)
+    merged: dict[str, Any] = {}
+    for keyword in ("anyOf", "oneOf", "allOf"):
+        for branch in schema.get(keyword) or []:
+            for key, value in schema_properties(branch).items():
+                merged.setdefault(key, value)
+    return merged
+
+
+def schema_type(schema: Any) -> str | None:
+    """The primary JSON type a property schema gives (SGLang's `infer_type_from_json_schema`):
+    `type` (the first non-null of a list), one type shared by `anyOf`/`oneOf` branches (string
+    when they differ), the type of `enum` values, a typed `allOf` branch, `properties` →
+    object, `items` → array; None when it says nothing."""
+    if not isinstance(schema, Mapping):
+        return None
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        return declared
+    if isinstance(declared, list) and declared:
+        return next((t for t in declared if t != "null"), "string")
+    branches = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(branches, list):
+        found = _branch_types(branches)
+        if found:
+            return found
+    if isinstance(schema.get("enum"), list):
+        kinds = {_json_kind(v) for v in schema["enum"]}
+        return kinds.pop() if len(kinds) == 1 else "string"
+    if isinstance(schema.get("allOf"), list):
+        typed = [t for t in map(schema_type, schema["allOf"]) if t and t != "string"]
+        return typed[0] if typed else "string"
+    if "properties" in schema:
+        return "object"
+    return "array" if "items" in schema else None
+
+
+def _branch_types(branches: list[Any]) -> str | None:
+    types = [t for t in map(schema_type, branches) if t]
+    distinct = set(types)
+    if not types:
+        return None
+    if len(distinct) == 1:
+        return types[0]
+    if len(distinct) == 2 and "null" in distinct:
+        return next(t for t in types if t != "null")
+    return "string" if "string" in distinct else types[0]
+
+
+def _json_kind(value: Any) -> str:
+    kinds: list[tuple[type | tuple[type, ...], str]] = [
+        (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+        (list, "array"), (dict, "object"),
+    ]
+    if value is None:
+        return "null"
+    return next((kind for cls, kind in kinds if isinstance(value, cls)), "string")
+
+
+def converted_value(text: str, property_schema: Any) -> Any:
+    """A qwen3_coder parameter's text as its schema's type, as SGLang converts it: `null` is
+    None; a parameter the schema does not describe, or a string type, stays text; integer /
+    number / boolean parse (a failed number stays text, a non-`true` boolean is false);
+    object / array (and types the schema leaves open) parse as JSON, then as a Python
+    literal, and stay text when neither reads."""
+    if text.lower() == "null":
+        return None
+    if property_schema is None:
+        return text
+    kind = (schema_type(property_schema) or "string").strip().lower()
+    if kind in ("string", "str", "text", "varchar", "char", "enum"):
+        return text
+    if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+        return _or_text(text, int)
+    if kind.startswith(("num", "float")):
+        return _number(text)
+    if kind in ("boolean", "bool", "binary"):
+        return text.lower() == "true"
+    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass
+    return _literal(text)
+
+
+def _or_text(text: str, parse: Any) -> Any:
+    try:
+        return parse(text)
+    except ValueError:
+        return text
+
+
+def _number(text: str) -> Any:
+    value = _or_text(text, float)
+    if isinstance(value, float) and not math.isfinite(value):
+        return text  # nan / inf are no JSON numbers
+    whole = isinstance(value, float) and value.is_integer()
+    # "3" is the integer 3, "3.0" / "3e0" stay floats, as SGLang writes them
+    return int(value) if whole and "." not in text and "e" not in text.lower() else value
+
+
+def _literal(text: str) -> Any:
+    """`text` as a Python literal (SGLang's fallback) when that is JSON-able, else the text."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escapes in model text are not our news
+            value = ast.literal_eval(text)
+        # through JSON and back: tuples become lists, and what JSON cannot hold is refused
+        return json.loads(json.dumps(value))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return text
 
 
 TOOL_CALL_PARSERS: dict[str, type[ToolCallFormat]] = {
@@ -161,6 +450,9 @@ TOOL_CALL_PARSERS: dict[str, type[ToolCallFormat]] = {
     "qwen": HermesFormat,
     "qwen25": HermesFormat,
     "llama3": Llama3Format,
+    "deepseekv3": DeepSeekV3Format,
+    "kimi_k2": KimiK2Format,
+    "qwen3_coder": Qwen3CoderFormat,
 }
 DEFAULT_TOOL_CALL_PARSER = "hermes"  # the format of pdcache's own chat template
 
@@ -176,6 +468,18 @@ def tool_call_format(name: str) -> ToolCallFormat:
         ) from None
 
 
+def forced_call_format(fmt: ToolCallFormat) -> ToolCallFormat:
+    """The format a forced (constrained) call is written and parsed in."""
+    return fmt if fmt.json_calls else BareJsonCallFormat()
+
+
+def tool_schemas(tools: ToolSchemas | Collection[str]) -> ToolSchemas:
+    """`tools` as name -> arguments schema; a bare collection of names has empty schemas."""
+    if isinstance(tools, Mapping):
+        return tools
+    return {name: {} for name in tools}
+
+
 class ToolCallStream:
     """Incremental parse of one output: `feed` text pieces, then `finish`.
 
@@ -184,10 +488,13 @@ class ToolCallStream:
     until it closes; it becomes calls if it parses, else its text becomes content."""
 
     def __init__(
-        self, fmt: ToolCallFormat, tool_names: set[str], max_calls: int | None = None
+        self,
+        fmt: ToolCallFormat,
+        tools: ToolSchemas | Collection[str],
+        max_calls: int | None = None,
     ) -> None:
         self.fmt = fmt
-        self.tool_names = tool_names
+        self.tools = tool_schemas(tools)
         self.max_calls = max_calls  # `parallel_tool_calls: false`: 1; later calls are dropped
         self._pending = ""  # text not yet classified
         self._region: str | None = None  # the open call region's text (after the marker)
@@ -207,7 +514,10 @@ class ToolCallStream:
         out = ParsedDelta()
         self._advance(out, final=True)
         if self._region is not None:  # the output ended inside a region
-            self._close_region(out, self._region, closed=self.fmt.end is None)
+            readable = self.fmt.end is None or self.fmt.end_optional
+            # what is still pending is the start of an end marker the output never finished
+            self._close_region(out, self._region, closed=False, readable=readable,
+                               held=self._pending)
         elif self._pending:
             self._content(out, self._pending, final=True)
         self._pending = ""
@@ -237,7 +547,7 @@ class ToolCallStream:
                     self._pending[cut + len(fmt.end) :],
                 )
                 self._region = None
-                self._close_region(out, region, closed=True)
+                self._close_region(out, region, closed=True, readable=True)
                 continue
             if not self._seen_text:
                 stripped = self._pending.lstrip()
@@ -250,7 +560,9 @@ class ToolCallStream:
                     continue
             cut = self._pending.find(fmt.start)
             if cut >= 0:
-                self._content(out, self._pending[:cut], final=True)
+                # the space before the marker waits: dropped if the region is calls, content
+                # if it is not (`_close_region`)
+                self._content(out, self._pending[:cut], final=False)
                 self._pending = self._pending[cut + len(fmt.start) :]
                 self._region = ""
                 self._opened_bare = False
@@ -260,20 +572,30 @@ class ToolCallStream:
             self._pending = self._pending[len(self._pending) - keep :]
             return
 
-    def _close_region(self, out: ParsedDelta, region: str, closed: bool) -> None:
-        calls = self.fmt.parse_region(region) if closed else None
-        if calls is None or any(name not in self.tool_names for name, _ in calls):
+    def _close_region(
+        self, out: ParsedDelta, region: str, closed: bool, readable: bool, held: str = ""
+    ) -> None:
+        """End a region: its calls when it parses (`readable`: it may be read at all) and
+        names only the request's tools; else its text, markers and `held` included, is
+        content."""
+        calls = self.fmt.parse_region(region, self.tools) if readable else None
+        if calls is None or any(call.name not in self.tools for call in calls):
             marker = "" if self._opened_bare else self.fmt.start
-            tail = self.fmt.end if closed and self.fmt.end is not None else ""
+            tail = self.fmt.end if closed and self.fmt.end is not None else held
             self._content(out, marker + region + tail, final=False)
             return
         self._space = ""  # whitespace before a call is not content
-        for name, args in calls:
+        for found in calls:
             if self.max_calls is not None and len(self.calls) >= self.max_calls:
                 return
-            call = ToolCall.new(name, args)
+            call = ToolCall.new(found.name, found.arguments, self._unused(found.call_id))
             self.calls.append(call)
             out.calls.append(call)
+
+    def _unused(self, call_id: str | None) -> str | None:
+        """The model's call id unless an earlier call of this output has it (ids are unique
+        per answer; a repeat gets a made one)."""
+        return None if call_id in {call.id for call in self.calls} else call_id
 
     def _content(self, out: ParsedDelta, text: str, final: bool) -> None:
         """Release `text` as content, holding trailing whitespace until more content follows
@@ -300,10 +622,10 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 def parse_tool_calls(
-    fmt: ToolCallFormat, text: str, tool_names: set[str]
+    fmt: ToolCallFormat, text: str, tools: ToolSchemas | Collection[str]
 ) -> tuple[str | None, list[ToolCall]]:
     """The content and calls of a whole output (the streaming machine, fed at once)."""
-    stream = ToolCallStream(fmt, tool_names)
+    stream = ToolCallStream(fmt, tools)
     stream.feed(text)
     stream.finish()
     return stream.content, stream.calls

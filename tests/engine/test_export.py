@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -110,6 +111,12 @@ def test_config_json_describes_the_preset(name: str) -> None:
     preset = preset_config(name)
     hf = hf_config(preset)
     assert model_config_from_hf(hf, preset.name) == preset
+    if preset.is_mla:
+        deepseek = transformers.DeepseekV3Config.from_dict(hf)
+        assert (deepseek.kv_lora_rank, deepseek.qk_rope_head_dim, deepseek.n_routed_experts) == (
+            preset.kv_lora_rank, preset.qk_rope_head_dim, preset.moe.num_experts)
+        assert deepseek.rope_parameters["rope_type"] == "yarn"
+        return
     llama = transformers.LlamaConfig.from_dict(hf)
     assert (llama.hidden_size, llama.num_key_value_heads, llama.head_dim) == (
         preset.hidden_size, preset.num_key_value_heads, preset.head_dim)
@@ -178,6 +185,33 @@ def test_transformers_logits_and_greedy_tokens_match_ours(hf_model: torch.nn.Mod
     theirs_tokens = generated[0, len(ids):].tolist()  # may stop early at an eos id
     with Engine.from_spec("tiny", cache=CacheConfig(page_size=PAGE, num_device_pages=64)) as eng:
         ours_tokens = _greedy(eng, ids, 16)
+    assert theirs_tokens and theirs_tokens == ours_tokens[: len(theirs_tokens)]
+
+
+def test_mla_preset_exports_as_deepseek_v3_that_transformers_runs_as_we_do(
+        tmp_path: Path) -> None:
+    """tiny-mla (MLA + MoE) as a DeepseekV3ForCausalLM checkpoint with per-expert tensors (the
+    Hub's layout): transformers' logits and greedy tokens equal ours, and our loader reads the
+    checkpoint back to the preset's exact weights."""
+    export_preset("tiny-mla", tmp_path)
+    names = load_file(str(tmp_path / "model.safetensors")).keys()
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    assert type(hf_model).__name__ == "DeepseekV3ForCausalLM"
+    model, _ = load_model("tiny-mla")
+    assert _same_weights(load_model(str(tmp_path))[0], model)
+    ids = TOK.apply_chat_template(CHATS[1])
+    kv = allocate_device_kv(model.config, num_pages=64, page_size=PAGE)
+    ours = extend(model, kv, ids, 0, torch.arange(64))
+    theirs = hf_logits(hf_model, ids)
+    assert theirs.abs().max() > 1.0
+    torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=1e-4)
+    generated = hf_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+    theirs_tokens = generated[0, len(ids):].tolist()
+    cache = CacheConfig(page_size=PAGE, num_device_pages=64)
+    with Engine.from_spec("tiny-mla", cache=cache) as engine:
+        ours_tokens = _greedy(engine, ids, 16)
     assert theirs_tokens and theirs_tokens == ours_tokens[: len(theirs_tokens)]
 
 

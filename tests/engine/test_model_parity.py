@@ -295,3 +295,65 @@ def test_config_and_tokenizer_load_without_weights(tmp_path: Path) -> None:
     assert load_model_config("tiny", seed=3) == load_model("tiny", seed=3)[0].config
     with pytest.raises(ValueError, match="neither a preset"):
         load_model_config(str(tmp_path / "nope"))
+
+
+def _edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("changes, feature", [
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     r"fp8 block quantisation \[128, 128\]"),
+    ({"index_topk": 2048, "index_n_heads": 64}, "DSA indexer"),
+    ({"architectures": ["DeepseekV32ForCausalLM"]}, "DeepSeek sparse attention"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}},
+     "rope_type 'longrope'"),
+    ({"scoring_func": "tanh"}, "tanh"),
+])
+def test_a_checkpoint_feature_we_do_not_run_is_refused_by_name(tmp_path: Path, changes,
+                                                                 feature) -> None:
+    save_hf_model(tmp_path, "deepseek-v3-mla")
+    load_model(str(tmp_path))  # loads as saved
+    _edit_config(tmp_path, **changes)
+    with pytest.raises(ValueError, match=feature):
+        load_model(str(tmp_path))
+
+
+def test_mtp_layers_past_the_decoder_are_left_out(tmp_path: Path) -> None:
+    """DeepSeek-V3 checkpoints carry their multi-token-prediction module as layer 61 of 61:
+    its tensors are not loaded (we do not decode speculatively) and the model is unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    hf = save_hf_model(tmp_path, "deepseek-v3-mla")
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(str(file))
+    mtp = {k.replace("model.layers.1.", "model.layers.2."): v.clone() for k, v in tensors.items()
+           if k.startswith("model.layers.1.")}
+    save_file({**tensors, **mtp}, str(file), metadata={"format": "pt"})
+    _edit_config(tmp_path, num_nextn_predict_layers=1)
+    model, _, kv, pages = our_model(tmp_path)
+    assert len(model.model.layers) == 2
+    got = extend(model, kv, PROMPT, 0, pages)
+    torch.testing.assert_close(got, hf_logits(hf, PROMPT), atol=ATOL, rtol=1e-4)
+    # a layer past the decoder that the config does not call MTP fails the load
+    _edit_config(tmp_path, num_nextn_predict_layers=0)
+    with pytest.raises(ValueError, match=r"unexpected tensor model\.layers\.2\."):
+        load_model(str(tmp_path))
+
+
+def test_engine_bench_mla_preset_matches_transformers_tokens(tmp_path: Path) -> None:
+    """`pdcache bench engine --preset tiny-mla` runs transformers' DeepseekV3 on our weights:
+    the same greedy tokens."""
+    from pdcache.bench import engine_bench
+
+    parser = argparse.ArgumentParser()
+    engine_bench.add_arguments(parser)
+    parser.add_argument("--json", dest="json_path")
+    out = tmp_path / "engine.json"
+    args = parser.parse_args(
+        ["--preset", "tiny-mla", "--prompt-len", "40", "--decode-steps", "4", "--repeats", "1",
+         "--chunk", "16", "--margin-steps", "0", "--json", str(out)])
+    assert engine_bench.run(args) == 0
+    assert all(row["same_greedy_tokens"] for row in json.loads(out.read_text())["rows"])

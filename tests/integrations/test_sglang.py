@@ -255,6 +255,19 @@ def test_mla_pages_are_shared_by_tp_ranks_and_written_once(tmp_path, plugins):
                            LAYERS, 2 * PAGE, 1, 24))
 
 
+def test_mla_fingerprint_is_a_pdcache_mla_nodes(tmp_path, plugins):
+    """SGLang's MLA host pages hold pdcache's latent page bytes (one row of kv_cache_dim per
+    token and layer), so the plugin names them as a pdcache MLA node of the same model does:
+    both read each other's pages; an MHA node of the same bytes per page never does."""
+    store = open_plugin(plugins, tmp_path, SglangLikeHostPool("page_first", mla=True), mla=True)
+    latent = KVGeometry.mla(LAYERS, kv_lora_rank=16, rope_dim=8, dtype="float32")
+    assert store.fingerprint == latent.fingerprint("org/model", PAGE)
+    same_bytes = KVGeometry.mha(LAYERS, kv_heads=1, head_dim=12, dtype="float32")
+    assert same_bytes.page_bytes(PAGE) == latent.page_bytes(PAGE)
+    assert store.fingerprint != same_bytes.fingerprint("org/model", PAGE)
+    assert store.storage_config.page_bytes == latent.page_bytes(PAGE)
+
+
 # ---------------------------------------------------------------------------- safety
 
 

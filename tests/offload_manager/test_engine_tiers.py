@@ -1,6 +1,6 @@
-"""HiCache in the real engine (tiny preset): a prompt served from the device, the host and
-the storage tier (a fresh engine over the same hf3fs directory) gives the tokens of a
-no-cache run, and reports where its reused tokens came from."""
+"""HiCache in the real engine (the tiny preset, and tiny-mla: MLA latent pages, MoE): a prompt
+served from the device, the host and the storage tier (a fresh engine over the same hf3fs
+directory) gives the tokens of a no-cache run, and reports where its reused tokens came from."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ PAGE = 4
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    model, tokenizer = load_model("tiny", seed=0)
+@pytest.fixture(scope="module", params=["tiny", "tiny-mla"])
+def tiny(request):
+    model, tokenizer = load_model(request.param, seed=0)
     return model, tokenizer
 
 
@@ -39,7 +39,7 @@ def engine_config(model, prefix_cache: bool = True) -> EngineConfig:
 
 def tiered(tiny, tmp_path, **hicache):
     model, tokenizer = tiny
-    fp = fingerprint_for(model.config, model_identity("tiny", 0), PAGE)
+    fp = fingerprint_for(model.config, model_identity(model.config.name, 0), PAGE)
     storage = storage_config_for(model.config, PAGE, fp, backend="hf3fs", path=str(tmp_path),
                                  capacity_pages=256)
     tiers = TierConfig(host_pages=64, hicache=HiCacheConfig(**hicache), storage=storage)
