@@ -13,6 +13,7 @@ period). The launcher is single-threaded: all state lives in the main loop.
 from __future__ import annotations
 
 import ctypes
+import errno
 import http.client
 import json
 import os
@@ -27,6 +28,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
+
+import psutil
 
 from pdcache.config import NodeSpec, Topology, TopologyError
 from pdcache.offload_manager.storage.lifecycle import StorageEviction
@@ -56,6 +59,15 @@ class HealthCheck:
 
 
 @dataclass(frozen=True)
+class PortUse:
+    """A port a process listens on, and the topology key (for `--set`) that moves it."""
+
+    host: str
+    port: int
+    key: str
+
+
+@dataclass(frozen=True)
 class ProcessSpec:
     """One process to run: command, where it runs, how to tell it is up, what it serves."""
 
@@ -67,6 +79,7 @@ class ProcessSpec:
     health: tuple[HealthCheck, ...] = ()
     endpoints: Mapping[str, str] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)  # added to the launcher's environment
+    ports: tuple[PortUse, ...] = ()  # checked free before a local start
 
     def shell_line(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
@@ -102,7 +115,8 @@ def _service_specs(topology: Topology, python: str) -> list[ProcessSpec]:
             storage.eviction, storage.session_protect_share, storage.session_protect_bytes,
             storage.session_idle_s).server_argv())
         specs.append(ProcessSpec("metadata", "metadata", host, argv, STAGE_SERVICES,
-                                 (HealthCheck("tcp", host, port),), {"metadata": storage.metadata}))
+                                 (HealthCheck("tcp", host, port),), {"metadata": storage.metadata},
+                                 ports=(PortUse(bind, port, "storage.metadata"),)))
     if storage.backend == "mooncake" and storage.mooncake.start_master:
         specs.append(_mooncake_master_spec(topology, python))
     return specs
@@ -127,12 +141,14 @@ def _mooncake_master_spec(topology: Topology, python: str) -> ProcessSpec:
     beside_python = Path(python).parent / "mooncake_master"
     executable = str(beside_python) if beside_python.exists() else "mooncake_master"
     checks = [HealthCheck("tcp", host, port)]
+    ports = [PortUse(host, port, "storage.mooncake.master")]
     if spec.http_metadata_address is not None:
         checks.append(HealthCheck("tcp", *spec.http_metadata_address))
+        ports.append(PortUse(*spec.http_metadata_address, "storage.mooncake.metadata_server"))
     endpoints = {"rpc": spec.master, "metadata": spec.metadata_server}
     return ProcessSpec("mooncake_master", "mooncake_master", host,
                        mooncake_master_argv(topology, executable), STAGE_SERVICES, tuple(checks),
-                       endpoints, {"MC_TCP_BIND_ADDRESS": host})
+                       endpoints, {"MC_TCP_BIND_ADDRESS": host}, tuple(ports))
 
 
 def _pdcache_argv(python: str, sub: str, config: str, name: str, topology: Topology) -> list[str]:
@@ -155,7 +171,11 @@ def _node_spec(topology: Topology, node: NodeSpec, python: str, config: str) -> 
     if node.bootstrap_address:
         endpoints["bootstrap"] = node.bootstrap_address
     env = {"MC_TCP_BIND_ADDRESS": node.host, **node.env}
-    return ProcessSpec(node.name, node.role, node.host, tuple(argv), STAGE_NODES, checks, endpoints, env)
+    ports = [PortUse(node.host, node.port, f"node.{node.name}.port")]
+    if node.bootstrap_port:
+        ports.append(PortUse(node.host, node.bootstrap_port, f"node.{node.name}.bootstrap_port"))
+    return ProcessSpec(node.name, node.role, node.host, tuple(argv), STAGE_NODES, checks,
+                       endpoints, env, tuple(ports))
 
 
 def _fill(arg: str, topology: Topology, node: NodeSpec, python: str, config: str) -> str:
@@ -177,7 +197,8 @@ def _router_spec(topology: Topology, python: str, config: str) -> ProcessSpec:
     argv = _pdcache_argv(python, "router", config, router.name, topology)
     check = HealthCheck("http", router.host, router.port, tls=router.tls_cert is not None)
     return ProcessSpec(router.name, "router", router.host, tuple(argv), STAGE_ROUTER,
-                       (check,), {"http": router.url})
+                       (check,), {"http": router.url},
+                       ports=(PortUse(router.host, router.port, "router.port"),))
 
 
 def node_token(topology: Topology) -> str | None:
@@ -265,6 +286,54 @@ def check_health(check: HealthCheck, timeout_s: float = 1.0) -> bool:
         return False
 
 
+# --------------------------------------------------------------------------- ports
+
+
+def port_taken(use: PortUse) -> bool:
+    """Another socket listens on `use` here (a bind fails with EADDRINUSE). False when the
+    port is free, and when `use.host` is not an address of this host (nothing to check)."""
+    family = socket.AF_INET6 if ":" in use.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # as the servers bind: a connection of an earlier run in TIME_WAIT owns nothing
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((use.host, use.port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def listener_pids(port: int) -> set[int]:
+    """Pids of the processes listening on TCP `port` on this host, as far as this user may see
+    (empty where none can be told)."""
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return set()
+    return {c.pid for c in connections
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid}
+
+
+def process_tree(pid: int) -> set[int]:
+    """`pid` and every process below it (a node's own children may hold its ports)."""
+    try:
+        return {pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))}
+    except psutil.Error:
+        return {pid}
+
+
+def describe_pids(pids: set[int]) -> str:
+    """'pid 123 (python -m pdcache ...)' for each, for messages."""
+    parts = []
+    for pid in sorted(pids):
+        try:
+            command = shlex.join(psutil.Process(pid).cmdline())[:100]
+        except psutil.Error:
+            command = "?"
+        parts.append(f"pid {pid} ({command})")
+    return ", ".join(parts) or "another process"
+
+
 # --------------------------------------------------------------------------- processes
 
 
@@ -321,11 +390,13 @@ class Launcher:
     def __init__(self, specs: list[ProcessSpec], log_dir: Path, *, restart: bool = True,
                  health_timeout_s: float = 300.0, stop_grace_s: float = 10.0,
                  backoff_s: float = 1.0, backoff_max_s: float = 30.0,
-                 out: IO[str] | None = None, poll_s: float = 0.2, config: str = "") -> None:
+                 out: IO[str] | None = None, poll_s: float = 0.2, config: str = "",
+                 max_failures_in_row: int = 5) -> None:
         self.log_dir = Path(log_dir)
         self.procs = [Managed(s, self.log_dir / f"{s.name}.log") for s in specs]
         self.restart, self.health_timeout_s, self.stop_grace_s = restart, health_timeout_s, stop_grace_s
         self.backoff_s, self.backoff_max_s, self.poll_s = backoff_s, backoff_max_s, poll_s
+        self.max_failures_in_row = max_failures_in_row
         self.out = out or sys.stderr
         self.config = config
         self.stop_signal: int | None = None
@@ -348,9 +419,12 @@ class Launcher:
             self._restore_signals(previous)
 
     def start_all(self) -> bool:
-        """Start stage by stage, each waited healthy; False on failure, deadline or signal."""
+        """Start stage by stage, each waited healthy; False on failure, deadline or signal, or
+        when a port a process of the stage is to listen on is taken already."""
         for stage in sorted({p.spec.stage for p in self.procs}):
             group = [p for p in self.procs if p.spec.stage == stage]
+            if not self._ports_free(group):
+                return False
             for proc in group:
                 self._spawn(proc)
             if not self._wait_healthy(group):
@@ -385,6 +459,34 @@ class Launcher:
         self._write_state()
 
     # ---- starting and health
+
+    def _ports_free(self, group: list[Managed]) -> bool:
+        """Every port the group will listen on is free here; else the launch fails, naming the
+        port, who holds it and the key that moves it (a taken port is never waited on: its
+        holder would answer our health checks while our process dies on bind)."""
+        for proc in group:
+            for use in proc.spec.ports:
+                if port_taken(use):
+                    holder = describe_pids(listener_pids(use.port))
+                    self._say(f"{proc.spec.name}: port {use.port} on {use.host} is already in "
+                              f"use by {holder}; stop it or move this one with "
+                              f"--set {use.key}=...")
+                    self.failed = True
+        return not self.failed
+
+    def _identified(self, proc: Managed) -> bool:
+        """The listeners on the process's health-checked ports are its own process tree (where
+        this host can tell). A port held by another process fails the launch."""
+        ours = process_tree(proc.pid) if proc.pid is not None else set()
+        for check in proc.spec.health:
+            holders = listener_pids(check.port)
+            if holders and not holders & ours:
+                self._say(f"{proc.spec.name}: {check.describe()} answers, but from "
+                          f"{describe_pids(holders)}, not from the process started (pid "
+                          f"{proc.pid}); stopping")
+                proc.state, self.failed = "failed", True
+                return False
+        return True
 
     def _spawn(self, proc: Managed) -> None:
         spec = proc.spec
@@ -443,7 +545,8 @@ class Launcher:
             elif proc.state == "backoff" and now >= proc.next_start_at:
                 proc.restarts += 1
                 self._spawn(proc)
-            elif proc.state == "starting" and all(check_health(c) for c in proc.spec.health):
+            elif (proc.state == "starting" and all(check_health(c) for c in proc.spec.health)
+                  and self._identified(proc)):
                 self._on_healthy(proc)
 
     def _on_healthy(self, proc: Managed) -> None:
@@ -461,6 +564,11 @@ class Launcher:
         if not self.restart:
             proc.state, self.failed = "failed", True
             self._say("--no-restart: stopping everything")
+        elif proc.failures_in_row + 1 >= self.max_failures_in_row:
+            proc.state, self.failed = "failed", True
+            self._say(f"{proc.spec.name}: failed {proc.failures_in_row + 1} times in a row "
+                      f"without becoming healthy; stopping everything (its log: "
+                      f"{proc.log_path})")
         else:
             delay = min(self.backoff_max_s, self.backoff_s * 2**proc.failures_in_row)
             proc.failures_in_row += 1
@@ -548,5 +656,6 @@ def launcher_for(topology: Topology, specs: list[ProcessSpec], log_dir: Path, *,
     """A Launcher with the timeouts of the topology's [launch] table."""
     launch = topology.launch
     return Launcher(specs, log_dir, restart=restart, health_timeout_s=launch.health_timeout_s,
+                    max_failures_in_row=launch.max_failures_in_row,
                     stop_grace_s=launch.stop_grace_s, backoff_s=launch.restart_backoff_s,
                     backoff_max_s=launch.restart_backoff_max_s, out=out, config=str(topology.source))

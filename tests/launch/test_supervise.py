@@ -205,6 +205,68 @@ def test_health_deadline_fails_with_the_culprit_named(launch, tmp_path) -> None:
     assert not alive(run.procs()["u0"]["pid"]) and port_is_free(port)
 
 
+def _foreign_health_server(port: int) -> subprocess.Popen:
+    """Another stack's service: answers GET /health with 200 on `port`."""
+    code = ("import http.server as h\n"
+            "class H(h.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')\n"
+            "    def log_message(self, *a): pass\n"
+            f"h.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
+    proc = subprocess.Popen([PY, "-c", code])
+    wait_for(lambda: not port_is_free(port), 10, "the foreign server to listen")
+    return proc
+
+
+def test_a_taken_port_fails_the_launch_naming_port_holder_and_key(launch, tmp_path) -> None:
+    """Another stack answers /health 200 on the node's port (a health check alone would call
+    our node healthy): the launch stops before starting it, naming the port, the holder and
+    the --set key that moves it."""
+    (port,) = free_ports(1)
+    other = _foreign_health_server(port)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+            assert sock.recv(64).startswith(b"HTTP/1.0 200")  # it would pass the check
+        run = launch(LAUNCH.format(timeout=30) + stub_node("u0", port, tmp_path))
+        assert run.proc.wait(timeout=20) == 1
+        out = run.output()
+        assert f"u0: port {port} on 127.0.0.1 is already in use by pid {other.pid}" in out
+        assert "--set node.u0.port=" in out
+        assert "healthy" not in out and "started pid" not in out
+    finally:
+        other.kill()
+        other.wait(5)
+
+
+def test_a_port_answered_by_another_process_is_not_our_node(launch, tmp_path) -> None:
+    """The node started answers nothing itself; a process outside its tree serves its port
+    (what a stray service looks like once our process is up): not healthy, the launch stops
+    naming both pids."""
+    (port,) = free_ports(1)
+    run = launch(LAUNCH.format(timeout=30) + stub_node("u0", port, tmp_path, "--foreign-listener"))
+    try:
+        assert run.proc.wait(timeout=30) == 1
+        out = run.output()
+        orphan = run.child_pid("u0")
+        assert f"answers, but from pid {orphan}" in out and "not from the process started" in out
+        assert "u0: healthy" not in out
+    finally:
+        _killpg(run.child_pid("u0"))
+
+
+def test_a_node_failing_every_start_stops_the_launch_with_its_log(launch, tmp_path) -> None:
+    (port,) = free_ports(1)
+    text = LAUNCH.format(timeout=60) + "max_failures_in_row = 3\n"  # in [launch]
+    run = launch(text + stub_node("u0", port, tmp_path, "--exit-at-once"))
+    assert run.proc.wait(timeout=30) == 1
+    out = run.output()
+    assert out.count("u0 (unified") == 3  # three deaths reported, each with its log tail
+    assert "stub node: failing on start" in out
+    assert "u0: failed 3 times in a row without becoming healthy" in out
+    assert run.procs()["u0"]["state"] == "failed"
+
+
 def test_slow_start_is_waited_for_with_progress(launch, tmp_path) -> None:
     (port,) = free_ports(1)
     run = launch(LAUNCH.format(timeout=30) + stub_node("u0", port, tmp_path, "--ready-after", "5.5"))
