@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Keep N CPU cores busy for D seconds, then exit by itself.
 
-Used to check that the test suite passes on a loaded machine (issue #15): run it beside
+Used to check that the test suite passes on a loaded machine: run it beside
 pytest, e.g. ``python scripts/cpu_hog.py --procs 2 --seconds 3600 & bash scripts/test.sh``.
 Each worker is a separate process spinning a pure-Python loop (no I/O, no memory growth) at
 normal priority, so it competes with the tests for every core. The parent prints what it

@@ -12,7 +12,7 @@ the TTFT p`--slo-percentile` (90) was <= the SLO. With a TPOT SLO (`--tpot-slo-m
 (time per output token after the first: (e2e - TTFT) / (output tokens - 1), per request, as
 vLLM's `--goodput tpot:` and DistServe count it) at that percentile within it: a unified server
 that keeps its TTFT by starving its running decodes then fails where it stops serving them.
-Off by default (the TTFT-only goodput of issue 16); every point reports its TPOT p50 / p90.
+Off by default (a TTFT-only goodput); every point reports its TPOT p50 / p90.
 
 For each CONFIG (`[LABEL=]PATH[+KEY=VALUE...]`, as `bench compare`), launched once
 (`compare.launched`), every pass begins with `/flush_cache` (device and host tiers emptied)
@@ -50,7 +50,7 @@ trace's cap) or at its last point, its goodput is a lower bound: `bound` names w
 first (every config using all its points; and the most, if every point overloads).
 
 The table gives goodput ratios to the first config (`goodput_x`) and to `--baseline`
-(`goodput_x_baseline`), and a last table checks issue 16's targets per config.
+(`goodput_x_baseline`), and a last table checks the targets under pressure per config.
 
 Writes `DIR/goodput.json`, `DIR/goodput.png` (TTFT p90 vs rate per config, the SLO line; with a
 TPOT SLO, TPOT p90 vs rate beside it) and
@@ -901,7 +901,7 @@ def _mark(ok: bool | None) -> str:
 
 
 def target_rows(rows: list[dict[str, Any]], baseline: str | None) -> list[dict[str, Any]]:
-    """Issue 16's targets per config but the first (the ideal): hit rate >= 0.98 x the
+    """The targets under pressure, per config but the first (the ideal): hit rate >= 0.98 x the
     theoretical, TTFT p50 <= 1.05x and p90 <= 1.2x the ideal's (reference pass), host share
     of hits > 0, goodput >= 2x the baseline's and >= 0.9x the ideal's. A goodput that is only
     a lower bound (`bound`) makes its ratios bounds too: "?" where that leaves it open."""
@@ -1086,7 +1086,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if len(rows) > 1:
         emit(
-            "issue 16 targets (reference pass; goodput from the sweep)",
+            "targets under pressure (reference pass; goodput from the sweep)",
             target_rows(rows, baseline),
             out=sys.stdout,
         )

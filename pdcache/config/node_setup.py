@@ -78,6 +78,11 @@ class NodeSetup:
     # node HTTP credential, and the keys of stored pages, the control plane and the metadata
     # service. Without a secret every key is None.
     security: SecuritySettings = SecuritySettings()
+    bind_host: str | None = None  # where it listens when not `host` (NodeSpec.bind_host)
+
+    @property
+    def listen_host(self) -> str:
+        return self.bind_host or self.host
 
 
 def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSetup:
@@ -100,7 +105,8 @@ def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSet
                      ServerSettings(node.request_timeout_s, tool_call_parser=node.tool_call_parser,
                                     reasoning_parser=node.reasoning_parser,
                                     incremental_streaming_output=node.incremental_streaming_output),
-                     cache.key_scheme, cache.key_namespace, topology.model.ref, security)
+                     cache.key_scheme, cache.key_namespace, topology.model.ref, security,
+                     node.bind_host)
 
 
 def with_keys(storage: StorageConfig | None, security: SecuritySettings) -> StorageConfig | None:

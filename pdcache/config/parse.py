@@ -21,6 +21,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 from pdcache.config.schema import (
     CacheSpec,
     ErrorContext,
+    KubernetesSpec,
     LaunchSpec,
     ModelSpec,
     NodeSpec,
@@ -135,7 +136,7 @@ def _override_node(raw: dict[str, Any], selector: str, key: str, source: Path) -
 
 def _build_topology(raw: dict[str, Any], ctx: ErrorContext, overrides: tuple[str, ...]) -> Topology:
     _check_unknown(raw, {"model", "cache", "scheduler", "storage", "transfer", "router", "launch",
-                         "node", "security"}, "", ctx)
+                         "node", "security", "kubernetes"}, "", ctx)
     if "model" not in raw:
         raise ctx.error("model", "missing required table [model] (expected preset = \"tiny\"|\"small\" or path = \"/dir\")")
     shared = {key: _table(raw, key, "", ctx) for key in _NODE_MERGED}
@@ -154,6 +155,7 @@ def _build_topology(raw: dict[str, Any], ctx: ErrorContext, overrides: tuple[str
         launch=_build(LaunchSpec, _table(raw, "launch", "", ctx), "launch", ctx),
         nodes=tuple(_build_node(n, i, shared, ctx) for i, n in enumerate(nodes_raw)),
         security=_build(SecuritySpec, _table(raw, "security", "", ctx), "security", ctx),
+        kubernetes=_build(KubernetesSpec, _table(raw, "kubernetes", "", ctx), "kubernetes", ctx),
     )
 
 

@@ -351,14 +351,44 @@ class LaunchSpec:
 
 
 @dataclass(frozen=True)
+class KubernetesSpec:
+    """`[kubernetes]`: how `pdcache launch --render k8s` lays the topology out on a cluster
+    (docs/kubernetes.md). Nothing here is read by a running process."""
+
+    mode: Literal["rbg", "plain"] = "rbg"  # a RoleBasedGroup, or StatefulSets + Services
+    name: str = "pdcache"  # the group's name: pods, services and DNS names derive from it
+    namespace: str = "default"
+    image: str = "pdcache:0.1.0"  # an image with pdcache installed (docs/kubernetes.md)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    secret_name: str = "pdcache-cluster-secret"  # Secret with key `cluster.secret` (+ tenants')
+    gpus: int = 0  # per prefill / decode / unified pod
+    gpu_resource: str = "nvidia.com/gpu"
+    # "device-plugin": request `rdma_resource`; "host-network": the host's network and
+    # /dev/infiniband (Mooncake's production layout); "none": TCP only
+    rdma: Literal["none", "device-plugin", "host-network"] = "none"
+    rdma_resource: str = "rdma/hca"
+    # shared storage for hf3fs / file: "pvc:NAME" (ReadWriteMany claim) or "hostpath:/DIR"
+    # (a 3FS FUSE mount on every host); "" with storage in use is refused
+    storage_volume: str = ""
+    model_volume: str = ""  # "pvc:NAME" or "hostpath:/DIR" holding [model] path (a checkpoint)
+    cpu: str = "2"  # requests of every pod
+    memory: str = "8Gi"
+    startup_probe_s: int = 600  # how long a node may load its model before liveness counts
+    port_base: int = 30000  # node HTTP port in every pod (bootstrap: port_base + 1)
+
+
+@dataclass(frozen=True)
 class NodeSpec:
     """One `[[node]]`: a prefill, decode or unified server, with its effective cache settings."""
 
     name: str
     role: Role
     port: int
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where others reach it (its URL, bootstrap and transfer address)
     bootstrap_port: int | None = None  # prefill only: ZMQ bootstrap endpoint
+    # where it listens (HTTP, bootstrap) when not `host`: "0.0.0.0" behind a name that resolves
+    # only once the node runs (a Kubernetes pod's DNS name)
+    bind_host: str | None = None
     offload: bool | None = None  # decode only: write generated KV to storage (default: on)
     offload_staging_pages: int | None = None  # decode only: host staging pages (default 256)
     offload_stride_pages: int | None = None  # decode only: offload every N full pages (default 1)
@@ -418,6 +448,7 @@ class Topology:
     launch: LaunchSpec
     nodes: tuple[NodeSpec, ...]
     security: SecuritySpec = field(default_factory=SecuritySpec)
+    kubernetes: KubernetesSpec = field(default_factory=KubernetesSpec)
 
     def node(self, name: str) -> NodeSpec:
         for node in self.nodes:

@@ -30,8 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG", help="topology TOML file (see configs/)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key: model.preset=tiny, node.p0.port=31000 (repeatable)")
-    parser.add_argument("--render", choices=["sglang"],
-                        help="print the equivalent deployment instead of starting it")
+    parser.add_argument("--render", choices=["sglang", "k8s"],
+                        help="print the equivalent deployment instead of starting it: SGLang's "
+                             "commands, or Kubernetes manifests (docs/kubernetes.md)")
+    parser.add_argument("--k8s-mode", choices=["rbg", "plain"], default=None,
+                        help="with --render k8s: a RoleBasedGroup (rbg) or StatefulSets + "
+                             "Services (plain); default [kubernetes] mode")
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help="with --render k8s: one file per manifest in DIR instead of stdout")
     parser.add_argument("--log-dir", default=DEFAULT_LOG_DIR,
                         help=f"per-process logs and processes.json (default {DEFAULT_LOG_DIR})")
     parser.add_argument("--no-restart", action="store_true",
@@ -50,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
             sys.stdout.write(render_sglang(topology))
             return 0
+        if args.render == "k8s":
+            return render_kubernetes(topology, args)
         topology = with_cluster_secret(topology, args)
         specs = plan(topology, args)
     except TopologyError as exc:
@@ -63,6 +71,19 @@ def run(args: argparse.Namespace) -> int:
         return 0
     launcher = launcher_for(topology, specs, Path(args.log_dir), restart=not args.no_restart)
     return launcher.run()
+
+
+def render_kubernetes(topology: Topology, args: argparse.Namespace) -> int:
+    """Print (or write to --out) the manifests of `topology`."""
+    from pdcache.launch.render_k8s import render_k8s, to_yaml, write_manifests
+
+    docs = render_k8s(topology, args.k8s_mode)
+    if args.out is None:
+        sys.stdout.write(to_yaml(docs))
+        return 0
+    for path in write_manifests(docs, Path(args.out)):
+        print(path)
+    return 0
 
 
 def with_cluster_secret(topology: Topology, args: argparse.Namespace) -> Topology:

@@ -54,7 +54,7 @@ class PrefillRuntime:
                                           PrefillScheduler, pending=self.pending,
                                           pd=self.controller)
         self.engine = self.tiered.engine
-        self.sender = KVSender(setup.transfer, self.engine.pool.device_kv, setup.host,
+        self.sender = KVSender(setup.transfer, self.engine.pool.device_kv, setup.listen_host,
                                setup.bootstrap_port or 0, on_release=self.controller.on_release,
                                prefill_id=setup.name,
                                on_requested=self.controller.decode_requested,

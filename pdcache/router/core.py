@@ -10,7 +10,7 @@ the session's previous input + output ids, committing a turn only when it succee
 State (sessions, prefix index, node states, admission queue) lives on the event loop; nothing
 is locked. Every request has a deadline (`request_timeout_s`).
 
-Load (issue 17): with `max_inflight_per_node` a request waits in the router's bounded FIFO
+Load: with `max_inflight_per_node` a request waits in the router's bounded FIFO
 queue until its nodes have a free slot (`pdcache.router.admission`: 503 `queue_full` /
 `queue_timeout` with `Retry-After` otherwise). A request whose node was unreachable, or
 answered 503 (full, queue full) while another healthy node of that role exists, is sent again

@@ -4,7 +4,7 @@ Counters and histograms are updated on the router's event loop by the request ha
 the admission queue; per-node health, in-flight and slot gauges, the queue depth and the
 session count are read at scrape time (`NodeGaugeCollector`), so they are never stale.
 
-Load series (issue 17): `pdcache_router_queue_depth` (requests waiting for a slot now) and
+Load series: `pdcache_router_queue_depth` (requests waiting for a slot now) and
 `_queue_depth_peak` (the most since start), `pdcache_router_queue_wait_seconds{node,role}`
 (time in the queue of every admitted request, per node of its route; 0 when it did not
 wait), `pdcache_router_rejected_total{reason}` (queue_full, queue_timeout, no_healthy_node,

@@ -48,7 +48,7 @@ def run_node(args: argparse.Namespace, role: str, runtime_cls: type[NodeRuntime]
         print(f"pdcache {command}: {exc}", file=sys.stderr)
         return 2
     node = topology.node(name)
-    sock = listen(node.host, node.port, command)
+    sock = listen(node.bind_host or node.host, node.port, command)
     if sock is None:
         return 1
     spec = topology.model

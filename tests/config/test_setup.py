@@ -466,3 +466,29 @@ def test_layerwise_prefetch_key_and_flag_reach_hicache(tmp_path: Path) -> None:
     with pytest.raises(TopologyError, match="cache.prefetch_layers_per_read"):
         from_flags("prefill", "--name", "p0", "--port", "31001", "--bootstrap-port", "8998",
                    "--prefetch-layers-per-read", "0", *storage_flags(tmp_path))
+
+
+def test_a_node_listens_on_bind_host_and_is_reached_at_host(tmp_path: Path) -> None:
+    """A pod's DNS name resolves only once the pod runs: the node listens on 0.0.0.0 (HTTP
+    and the KV bootstrap) while its URL and transfer address stay its name."""
+    import socket
+
+    import torch
+
+    from pdcache.transfer import KVSender
+
+    topology = pd(tmp_path, prefill='host = "localhost"\nbind_host = "0.0.0.0"')
+    setup = setup_for(topology, "p0", MODEL)
+    assert (setup.host, setup.listen_host) == ("localhost", "0.0.0.0")
+    assert topology.node("p0").url == "http://localhost:31001"
+    assert setup_for(topology, "d0", MODEL).listen_host == "127.0.0.1"  # default: its host
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sender = KVSender(setup.transfer, torch.zeros(2, 2, 4, 4, 2, 8), setup.listen_host,
+                      port).start()
+    try:
+        assert sender.bootstrap_addr == f"tcp://0.0.0.0:{port}"
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        sender.close()

@@ -1,0 +1,240 @@
+"""`pdcache launch --render k8s`: every shipped topology renders in both layouts, validates
+offline (Kubernetes' schemas strictly, RBG's CRD schema strictly, probes and secrets), mutants
+fail, output is deterministic, and every setting a process needs reaches its container."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdcache.config import TopologyError, load_topology
+from pdcache.launch.render_k8s import (
+    CONFIG_DIR,
+    DATA_DIR,
+    SECRET_DIR,
+    render_k8s,
+    to_yaml,
+    write_manifests,
+)
+from tests.launch.k8s_support import ManifestError, validate_all, validate_builtin, validate_rbg
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
+VOLUMES = ['kubernetes.storage_volume="pvc:pdcache-kv"', 'kubernetes.model_volume="pvc:model"']
+
+
+def _render(config: Path, mode: str, *overrides: str) -> list[dict[str, Any]]:
+    return render_k8s(load_topology(config, [*VOLUMES, *overrides]), mode)
+
+
+def _kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def _pods(docs: list[dict[str, Any]]) -> dict[str, tuple[int, dict[str, Any]]]:
+    """role -> (replicas, pod spec), from either layout."""
+    out = {}
+    for rbg in _kind(docs, "RoleBasedGroup"):
+        for role in rbg["spec"]["roles"]:
+            out[role["name"]] = (role["replicas"], role["standalonePattern"]["template"]["spec"])
+    for sts in _kind(docs, "StatefulSet"):
+        role = sts["metadata"]["labels"]["app.kubernetes.io/component"]
+        out[role] = (sts["spec"]["replicas"], sts["spec"]["template"]["spec"])
+    return out
+
+
+@pytest.mark.parametrize("mode", ["rbg", "plain"])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_every_shipped_topology_renders_and_validates(config: Path, mode: str) -> None:
+    docs = _render(config, mode)
+    validate_all(docs)
+    topology = load_topology(config, VOLUMES)
+    replicas = {role: n for role, (n, _) in _pods(docs).items()}
+    for role in ("prefill", "decode", "unified"):
+        assert replicas.get(role, 0) == len(topology.nodes_with_role(role))  # the P:D ratio
+
+
+def test_output_is_deterministic(tmp_path: Path) -> None:
+    config = ROOT / "configs" / "local-2p2d.toml"
+    first, second = to_yaml(_render(config, "rbg")), to_yaml(_render(config, "rbg"))
+    assert first == second and "&id" not in first  # no YAML aliases either
+    paths = write_manifests(_render(config, "plain"), tmp_path / "a")
+    again = write_manifests(_render(config, "plain"), tmp_path / "b")
+    assert [p.name for p in paths] == [p.name for p in again]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(paths, again))
+    assert paths[0].name == "00-configmap-pdcache-topology.yaml"
+
+
+# ---- mutants ----------------------------------------------------------------------------------
+
+def _rbg(config: str = "local-1p1d.toml") -> dict[str, Any]:
+    return _kind(_render(ROOT / "configs" / config, "rbg"), "RoleBasedGroup")[0]
+
+
+def test_rbg_mutants_fail_the_crd_schema() -> None:
+    good = _rbg()
+    validate_rbg(good)
+    wrong_type = copy.deepcopy(good)
+    wrong_type["spec"]["roles"][1]["replicas"] = "two"
+    with pytest.raises(ManifestError, match="replicas"):
+        validate_rbg(wrong_type)
+    unknown = copy.deepcopy(good)
+    unknown["spec"]["roles"][1]["replica"] = 2  # a typo the API server would drop silently
+    with pytest.raises(ManifestError, match="replica"):
+        validate_rbg(unknown)
+    bad_pod = copy.deepcopy(good)
+    bad_pod["spec"]["roles"][1]["standalonePattern"]["template"]["spec"]["containerz"] = []
+    with pytest.raises(ManifestError, match="containerz"):
+        validate_rbg(bad_pod)
+
+
+def test_builtin_mutants_fail_kubernetes_schemas() -> None:
+    sts = _kind(_render(ROOT / "configs" / "local-1p1d.toml", "plain"), "StatefulSet")[0]
+    validate_builtin(sts)
+    unknown = copy.deepcopy(sts)
+    unknown["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(ManifestError, match="imagePullPolicyy"):
+        validate_builtin(unknown)
+    wrong_type = copy.deepcopy(sts)
+    wrong_type["spec"]["replicas"] = "one"
+    with pytest.raises(ManifestError):
+        validate_builtin(wrong_type)
+
+
+def test_a_missing_probe_or_a_writable_secret_fails_the_policy() -> None:
+    docs = _render(ROOT / "configs" / "local-1p1d.toml", "plain")
+    validate_all(docs)
+    no_probe = copy.deepcopy(docs)
+    del _kind(no_probe, "StatefulSet")[1]["spec"]["template"]["spec"]["containers"][0][
+        "livenessProbe"]
+    with pytest.raises(ManifestError, match="no livenessProbe"):
+        validate_all(no_probe)
+    writable = copy.deepcopy(docs)
+    pod = _kind(writable, "StatefulSet")[1]["spec"]["template"]["spec"]
+    for mount in pod["containers"][0]["volumeMounts"]:
+        mount.pop("readOnly", None)
+    with pytest.raises(ManifestError, match="writable"):
+        validate_all(writable)
+
+
+# ---- round trip -------------------------------------------------------------------------------
+
+def _command(container: dict[str, Any]) -> list[str]:
+    argv = container["command"]
+    return argv[argv.index("pdcache-node") + 1:] if argv[:2] == ["sh", "-c"] else argv
+
+
+def _sets(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, arg in enumerate(argv) if arg == "--set"]
+
+
+def _env(container: dict[str, Any], name: str) -> str:
+    return next(e["value"] for e in container["env"] if e["name"] == name)
+
+
+@pytest.mark.parametrize("mode", ["rbg", "plain"])
+def test_every_node_gets_its_settings_through_command_config_and_mounts(mode: str,
+                                                                         tmp_path: Path) -> None:
+    """Parse the manifests back: the ConfigMap's topology with each container's --set flags
+    is the original topology but for where things live in the cluster; each pod i of a role
+    runs that role's i-th node; every path a process opens is under one of its mounts."""
+    config = ROOT / "configs" / "local-2p2d.toml"
+    original = load_topology(config, VOLUMES)
+    docs = _render(config, mode)
+    config_map = _kind(docs, "ConfigMap")[0]
+    mounted_config = tmp_path / "topology.toml"
+    mounted_config.write_text(config_map["data"]["topology.toml"])
+    for role, (replicas, pod) in _pods(docs).items():
+        container = pod["containers"][0]
+        argv = _command(container)
+        mounts = [m["mountPath"] for m in container["volumeMounts"]]
+        if "--config" not in argv:  # a service (the metadata service): its flags
+            for flag in ("--state-dir", "--secret-file"):
+                path = argv[argv.index(flag) + 1]
+                assert any(path.startswith(m) for m in mounts), (role, flag, path)
+            assert argv[argv.index("--host") + 1] == "0.0.0.0"
+            continue
+        assert argv[argv.index("--config") + 1] == f"{CONFIG_DIR}/topology.toml"
+        seen = load_topology(mounted_config, _sets(argv))
+        assert seen.security.secret_file.startswith(SECRET_DIR)
+        assert any(seen.security.secret_file.startswith(m) for m in mounts)
+        if role not in ("prefill", "decode", "unified"):
+            continue
+        names = _env(container, "PDCACHE_NODES").split()
+        assert len(names) == replicas
+        assert names == [n.name for n in original.nodes_with_role(role)]
+        assert seen.storage.path.startswith(DATA_DIR) and DATA_DIR in mounts
+        for index, name in enumerate(names):
+            node, before = seen.node(name), original.node(name)
+            assert node.host == f"pdcache-{role}-{index}.s-pdcache-{role}"
+            assert node.bind_host == "0.0.0.0"
+            placement = ("host", "port", "bootstrap_port", "bind_host")
+            assert {f: getattr(node, f) for f in vars(node) if f not in placement} == {
+                f: getattr(before, f) for f in vars(before) if f not in placement}
+            assert node.port in [p["containerPort"] for p in container["ports"]]
+        for key in ("cache", "scheduler", "transfer", "model"):
+            if key != "model":
+                assert getattr(seen, key) == getattr(original, key)
+        assert seen.storage.metadata.startswith("tcp://pdcache-metadata-0.s-pdcache-metadata:")
+
+
+def test_tenant_keys_come_from_the_secret_and_inline_keys_are_refused(tmp_path: Path) -> None:
+    base = (ROOT / "configs" / "local-1p1d.toml").read_text()
+    config = tmp_path / "tenants.toml"
+    config.write_text(base + '\n[[router.tenant]]\nname = "team-a"\napi_key_env = "TEAM_A_KEY"\n')
+    docs = render_k8s(load_topology(config, VOLUMES), "rbg")
+    router = next(r for r in _kind(docs, "RoleBasedGroup")[0]["spec"]["roles"]
+                  if r["name"] == "router")
+    env = router["standalonePattern"]["template"]["spec"]["containers"][0]["env"]
+    ref = next(e for e in env if e["name"] == "TEAM_A_KEY")["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "pdcache-cluster-secret", "key": "tenant-team-a"}
+    config.write_text(base + '\n[[router.tenant]]\nname = "team-a"\napi_key = "sk-1"\n')
+    with pytest.raises(TopologyError, match="readable in the ConfigMap"):
+        render_k8s(load_topology(config, VOLUMES), "rbg")
+
+
+def test_what_cannot_be_laid_out_is_refused_by_key() -> None:
+    config = ROOT / "configs" / "local-1p1d.toml"
+    with pytest.raises(TopologyError, match="kubernetes.storage_volume"):
+        render_k8s(load_topology(config), "rbg")
+    with pytest.raises(TopologyError, match="kubernetes.model_volume"):
+        render_k8s(load_topology(config, [VOLUMES[0], 'model.path="/ckpt"']), "rbg")
+
+
+def test_gpus_and_rdma_as_the_topology_says() -> None:
+    docs = _render(ROOT / "configs" / "local-1p1d.toml", "rbg", "kubernetes.gpus=8",
+                   'kubernetes.rdma="host-network"')
+    validate_all(docs)
+    pods = _pods(docs)
+    prefill = pods["prefill"][1]
+    assert prefill["hostNetwork"] is True
+    assert prefill["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert {"name": "infiniband", "hostPath": {"path": "/dev/infiniband"}} in prefill["volumes"]
+    assert "hostNetwork" not in pods["router"][1]
+    plugin = _pods(_render(ROOT / "configs" / "local-1p1d.toml", "plain",
+                           'kubernetes.rdma="device-plugin"'))["decode"][1]
+    assert plugin["containers"][0]["resources"]["limits"] == {"rdma/hca": 1}
+
+
+def test_cli_writes_the_manifests(tmp_path: Path) -> None:
+    out = tmp_path / "manifests"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdcache", "launch", str(ROOT / "configs" / "local-1p1d.toml"),
+         "--render", "k8s", "--k8s-mode", "plain", "--out", str(out), "--set", VOLUMES[0]],
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    files = sorted(out.iterdir())
+    assert [f.name for f in files] == proc.stdout.split() or len(files) == len(
+        proc.stdout.split())
+    kinds = [yaml.safe_load(f.read_text())["kind"] for f in files]
+    assert kinds[0] == "ConfigMap" and "StatefulSet" in kinds
+    refused = subprocess.run(
+        [sys.executable, "-m", "pdcache", "launch", str(ROOT / "configs" / "local-1p1d.toml"),
+         "--render", "k8s"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "kubernetes.storage_volume" in refused.stderr
