@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +35,17 @@ class Tokenizer(ABC):
         messages: list[Message],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a chat rendered with the model's template; `tools` (OpenAI function
-        definitions `{"type": "function", "function": {...}}`) are handed to the template."""
+        definitions `{"type": "function", "function": {...}}`) and `template_kwargs` (extra
+        template variables, as `chat_template_kwargs`: `enable_thinking`) are handed to the
+        template. A template that reads no such variable renders as without them."""
 
+
+# Variables the server itself gives a chat template: `chat_template_kwargs` may not set them.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 BYTE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 
@@ -93,6 +100,7 @@ class ByteTokenizer(Tokenizer):
         messages: list[Message],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         ids = [self.bos_token_id]
         for message in with_tools_system(messages, tools):
@@ -213,6 +221,7 @@ class HFTokenizer(Tokenizer):
         messages: list[Message],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         if self.chat_template is None:
             raise ValueError(
@@ -221,8 +230,12 @@ class HFTokenizer(Tokenizer):
             )
         for message in messages:
             _role_and_content(message)
+        taken = sorted(RESERVED_TEMPLATE_VARIABLES & set(template_kwargs or {}))
+        if taken:
+            raise ValueError(f"template variables {taken} are the server's to set")
         text = _render_template(
             self.chat_template,
+            **dict(template_kwargs or {}),
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             tools=tools or None,

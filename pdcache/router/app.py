@@ -207,7 +207,7 @@ class RouterApp:
         stops = body.stop_strings()
         session = session_key(tenant_of(request), body.session_id)
         input_ids = self.router.chat_prompt(session, self.router.agent.chat_messages(body),
-                                            body.template_tools())
+                                            body.template_tools(), body.template_kwargs())
         prep = self._openai_prep(request, body, input_ids, body.requested_max_tokens(),
                                  "messages")
         json_schema = self.router.agent.node_json_schema(body)

@@ -326,34 +326,37 @@ class Router:
         return history + new_ids
 
     def chat_prompt(self, session_id: Hashable | None, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The chat's prompt ids. With a session: its exact history + the new messages. The
         new messages are all of them (the client sent only those), or, when the client
         resent the conversation, those after its last assistant turn, provided the turns
         before that render to the history's prompt: the assistant turn itself is the ids the
-        model produced, however the client re-wrote it (a tool loop's `tool_calls`)."""
+        model produced, however the client re-wrote it (a tool loop's `tool_calls`).
+        `template_kwargs`: the request's `chat_template_kwargs`, for every rendering."""
         try:
-            standalone = self.render_chat(messages, tools)
+            standalone = self.render_chat(messages, tools, template_kwargs)
             history = self.sessions.history(session_id) if session_id else []
             if not history or standalone[: len(history)] == history:
                 return standalone
-            return self.chat.continue_ids(history, self._new_messages(history, messages, tools),
-                                          tools)
+            new = self._new_messages(history, messages, tools, template_kwargs)
+            return self.chat.continue_ids(history, new, tools, template_kwargs)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages", code="chat_template") from None
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-                    ) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                       tools=tools))
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tools=tools, template_kwargs=template_kwargs))
 
     def _new_messages(self, history: list[int], messages: list[dict[str, Any]],
-                      tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+                      tools: list[dict[str, Any]] | None,
+                      template_kwargs: dict[str, Any] | None) -> list[dict[str, Any]]:
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"),
                    default=None)
         if last is None:
             return messages
-        asked = self.render_chat(messages[:last], tools)  # the prompt that turn answered
+        asked = self.render_chat(messages[:last], tools, template_kwargs)  # what it answered
         return messages[last + 1:] if history[: len(asked)] == asked else messages
 
     def encode(self, text: str | None, param: str) -> list[int]:

@@ -114,18 +114,22 @@ class ChatContinuation:
         self._turn_prefix = turn
 
     def continue_ids(self, history: Sequence[int], messages: list[Message],
-                     tools: list[dict[str, Any]] | None = None) -> list[int]:
+                     tools: list[dict[str, Any]] | None = None,
+                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """history (ending with the previous answer's ids) + the end of that answer's turn +
-        the new messages + the generation prompt (`tools`: as the template renders turns
-        after its tools block)."""
+        the new messages + the generation prompt (`tools`, `template_kwargs`: as the template
+        renders turns after its tools block and with those variables)."""
         if self._error is not None or self._closing is None or self._turn_prefix is None:
             raise ValueError(f"this model's chat template cannot continue a session "
                              f"({self._error}); send the whole conversation without session_id")
         probe = [self._USER, {"role": "assistant", "content": self._ANSWER}]
         template = self._tokenizer.apply_chat_template
-        full = template([*probe, *messages], add_generation_prompt=True, tools=tools)
-        prefix = self._turn_prefix if not tools else template(probe, add_generation_prompt=False,
-                                                              tools=tools)
+        full = template([*probe, *messages], add_generation_prompt=True, tools=tools,
+                        template_kwargs=template_kwargs)
+        prefix = self._turn_prefix
+        if tools or template_kwargs:
+            prefix = template(probe, add_generation_prompt=False, tools=tools,
+                              template_kwargs=template_kwargs)
         new_turns = _strip_prefix(full, prefix, "the new messages")
         closing = self._closing
         done = max((k for k in range(len(closing) + 1)

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdcache.engine.api import SamplingParams
+from pdcache.engine.tokenizer import RESERVED_TEMPLATE_VARIABLES
 
 # --------------------------------------------------------------------------- errors
 
@@ -414,6 +415,8 @@ class ChatCompletionRequest(OpenAIRequestBase):
     store: bool | None = None
     # SGLang's: false leaves the deployment's reasoning parser off (thinking stays content)
     separate_reasoning: bool = True
+    # extra chat-template variables (SGLang's and vLLM's): {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -447,6 +450,15 @@ class ChatCompletionRequest(OpenAIRequestBase):
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [t.template_tool() for t in self.tools] if self.tools else None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """`chat_template_kwargs`, refused (400) where it would set what the server sets."""
+        kwargs = self.chat_template_kwargs or None
+        taken = sorted(RESERVED_TEMPLATE_VARIABLES & set(kwargs or {}))
+        if taken:
+            raise bad_request(f"chat_template_kwargs may not set {taken}: the server sets them",
+                              param="chat_template_kwargs", code="invalid_value")
+        return kwargs
 
     def tool_names(self) -> set[str]:
         return {t.function.name for t in self.tools or []}

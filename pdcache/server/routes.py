@@ -233,7 +233,7 @@ class ServerRoutes:
         body = parse_body(ChatCompletionRequest, await request.body())
         body.check_supported()
         input_ids = self.apply_chat_template(self.agent.chat_messages(body),
-                                             body.template_tools())
+                                             body.template_tools(), body.template_kwargs())
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
         head = ResponseHead.new("chatcmpl", kind, self.model_name)
         plan = self.agent.chat_plan(body)
@@ -333,10 +333,12 @@ class ServerRoutes:
         return encode_prompt(self.tokenizer, text, param)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         try:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                           tools=tools))
+            return list(self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tools=tools,
+                template_kwargs=template_kwargs))
         except ValueError as exc:
             raise bad_request(str(exc), param="messages", code="chat_template") from None
 

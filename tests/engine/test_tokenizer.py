@@ -134,3 +134,23 @@ def test_hf_chat_template_from_jinja_file(tmp_path: Path) -> None:
 def test_hf_tokenizer_missing_file_names_it(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         HFTokenizer(tmp_path)
+
+
+def test_template_kwargs_reach_the_chat_template(tmp_path: Path) -> None:
+    """`chat_template_kwargs` ({"enable_thinking": false}, read the way Qwen3's template reads
+    it): the generation prompt changes; without it, or with true, it does not; a variable
+    the server sets is refused."""
+    template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                "{% if enable_thinking is defined and enable_thinking is false %}hello "
+                "{% endif %}world")
+    _write_hf_tokenizer(tmp_path, {"chat_template": template})
+    tok = HFTokenizer(tmp_path)
+    chat = [{"role": "user", "content": "hello"}]
+    assert tok.apply_chat_template(chat) == [1, 2]
+    assert tok.apply_chat_template(chat, template_kwargs={"enable_thinking": False}) == [1, 1, 2]
+    assert tok.apply_chat_template(chat, template_kwargs={"enable_thinking": True}) == [1, 2]
+    with pytest.raises(ValueError, match="server's to set"):
+        tok.apply_chat_template(chat, template_kwargs={"add_generation_prompt": False})
+    # the byte tokenizer's fixed template reads no variables: the same ids
+    assert TOK.apply_chat_template(chat, template_kwargs={"enable_thinking": False}) == \
+        TOK.apply_chat_template(chat)

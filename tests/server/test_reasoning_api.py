@@ -383,3 +383,22 @@ def test_router_reasoning_parser_flag_and_key(tmp_path: Any) -> None:
     path.write_text(UNIFIED.format(router='reasoning_parser = "deepseek-r1"', node=""))
     config = build_config(parser.parse_args(["--config", str(path), "--node", "router"]))[0]
     assert config.reasoning_parser == "deepseek-r1"
+
+
+@pytest.mark.parametrize("through", ["node", "router"])
+def test_chat_template_kwargs_are_accepted_and_the_servers_own_refused(
+        qwen3: ScriptedNode, router: httpx.Client, through: str) -> None:
+    """`chat_template_kwargs` ({"enable_thinking": false}) reaches the template (the byte
+    template reads none: the prompt is unchanged) on a node and through the router; a key the
+    server sets itself is a 400 naming the parameter."""
+    client = httpx.Client(base_url=qwen3.url, timeout=60) if through == "node" else router
+    qwen3.script("It is mild.")
+    body = {"model": "m", "messages": ask(f"kwargs-{through}"), "max_tokens": 32,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == "It is mild."
+    bad = client.post("/v1/chat/completions",
+                      json={**body, "chat_template_kwargs": {"messages": []}})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "chat_template_kwargs"
