@@ -215,7 +215,9 @@ class MooncakeStoreSpec:
 class StorageSpec:
     """`[storage]`: the shared storage tier every prefill (and offloading decode) node uses."""
 
-    backend: Literal["hf3fs", "mooncake", "file", "none"] = "none"
+    # "none", or a name in pdcache.offload_manager.storage.BACKENDS: "hf3fs", "file",
+    # "mooncake", or one a plugin registered (checked by validate against the registry)
+    backend: str = "none"
     path: str = "./.pdcache/storage"
     capacity: int = _size(default=4 * 2**30)
     io_engine: Literal["posix", "usrbio"] = "posix"

@@ -105,6 +105,12 @@ def _check_scheduler(scheduler: SchedulerSpec, prefix: str, ctx: ErrorContext) -
 
 
 def _check_storage(storage: StorageSpec, ctx: ErrorContext) -> None:
+    # the registry, not a copied list: a backend a plugin registered is a valid value
+    from pdcache.offload_manager.storage import BACKENDS
+
+    if storage.backend != "none" and storage.backend not in BACKENDS:
+        names = ", ".join(f'"{n}"' for n in ["none", *BACKENDS.names()])
+        raise ctx.error("storage.backend", f'expected one of {names}, got "{storage.backend}"')
     if storage.write_delay_s < 0:
         raise ctx.error("storage.write_delay_s", f"expected a number >= 0, got {storage.write_delay_s}")
     if storage.metadata != "inproc" and not re.match(r"^tcp://[^:/\s]+:\d{1,5}$", storage.metadata):

@@ -14,7 +14,6 @@ from pdcache.config import (
     CacheSpec,
     OffloadSettings,
     ServerSettings,
-    StorageSpec,
     TopologyError,
     TransferSpec,
     add_node_flags,
@@ -217,7 +216,6 @@ def test_choices_come_from_the_registries() -> None:
     def values(cls: type, key: str) -> set[str]:
         return set(get_args(get_type_hints(cls)[key]))
 
-    assert values(StorageSpec, "backend") == {"none", *STORAGE_BACKENDS.names()}
     assert values(TransferSpec, "engine") == set(ENGINES.names())
     assert values(CacheSpec, "key_scheme") == set(KEY_SCHEMES)
     assert values(CacheSpec, "write_policy") == set(WRITE_POLICIES)

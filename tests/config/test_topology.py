@@ -147,7 +147,7 @@ BROKEN = [
     ("wrong bool", lambda s: s.replace("offload = true", 'offload = "yes"'),
      'node.d0.offload: expected true or false, got string "yes"'),
     ("unknown backend", lambda s: s.replace('backend = "hf3fs"', 'backend = "s3"'),
-     'storage.backend: unknown value string "s3"; expected one of: hf3fs, mooncake, file, none'),
+     'storage.backend: expected one of "none", "file", "hf3fs", "mooncake", got "s3"'),
     ("unknown policy", lambda s: s.replace("port = 8000", 'port = 8000\nprefill_policy = "random"'),
      "router.prefill_policy: unknown value string \"random\"; expected one of: round_robin, least_load, cache_aware"),
     ("unknown role", lambda s: s.replace('role = "decode"', 'role = "decoder"'),
@@ -279,3 +279,23 @@ def test_chaos_keys_parse_and_default_off() -> None:
     assert topology.storage.fault_injection == "/run/chaos/delay"
     assert topology.node("p0").launch_prefix == ("nsenter", "--net=/run/netns/a", "--")
     assert topology.node("d0").launch_prefix == ()
+
+
+def test_a_storage_backend_a_plugin_registered_is_a_valid_topology_value(tmp_path) -> None:
+    """The backend names come from the registry (pdcache.offload_manager.storage.BACKENDS),
+    not from a copied list: a name registered by a plugin is accepted, and the refusal of an
+    unknown one lists it."""
+    from pdcache.offload_manager.storage import BACKENDS
+
+    text = BASE.replace('backend = "hf3fs"', 'backend = "s3"')
+    with pytest.raises(TopologyError, match='got "s3"'):
+        parse_topology(text, "t.toml")
+    BACKENDS.register("s3", "tests.storage_doubles:DictBackend")
+    try:
+        topology = parse_topology(text, "t.toml")
+        assert topology.storage.backend == "s3"
+        with pytest.raises(TopologyError, match='"s3", got "s4"'):
+            parse_topology(text.replace('"s3"', '"s4"'), "t.toml")
+    finally:
+        BACKENDS.unregister("s3")
+

@@ -17,7 +17,6 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-BACKENDS = ("hf3fs", "mooncake", "file")
 STORAGE_EVICTIONS = ("lru", "session")  # storage.lifecycle.STORAGE_EVICTIONS
 IO_ENGINES = ("posix", "usrbio")
 SLOT_ALIGN = 4096
@@ -31,9 +30,11 @@ def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
     nodes (`pdcache.config.node_setup`), the SGLang plugin and the SGLang renderer, so both
     engines open the same storage. Mooncake keys appear only for the mooncake backend.
     """
+    from pdcache.offload_manager.storage import BACKENDS
+
     if spec.backend not in BACKENDS:
         raise ValueError(f"storage.backend = {spec.backend!r}: no storage to configure "
-                         f"(one of {BACKENDS} is needed)")
+                         f"(one of {BACKENDS.names()} is needed)")
     keys: dict[str, Any] = {
         "backend": spec.backend, "path": spec.path, "capacity_bytes": spec.capacity,
         "io_engine": spec.io_engine, "metadata": spec.metadata, "namespace": spec.namespace,
