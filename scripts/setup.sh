@@ -14,6 +14,18 @@ if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
   fi
 fi
 
+# Prometheus (and promtool) for the dashboard / alert-rule test (tests/server/test_dashboard.py).
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing prometheus (for the dashboard test)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 \
+      || echo "[setup] WARNING: prometheus unavailable; the dashboard test skips" >&2
+  else
+    echo "[setup] WARNING: prometheus missing and cannot apt-get it; the dashboard test skips" >&2
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   "$PY" -m venv .venv

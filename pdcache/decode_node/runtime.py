@@ -32,7 +32,7 @@ from pdcache.offload_manager.storage import create_backend
 from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.server.app import routes_for
 from pdcache.server.bridge import ServerConfig
-from pdcache.server.metrics import ControlRejectCollector
+from pdcache.server.metrics import TransferCollector
 from pdcache.server.routes import build_app
 from pdcache.transfer import KVReceiver
 
@@ -62,7 +62,7 @@ class DecodeRuntime:
             self.receiver.serve_pulls(self.offload)
         self.routes = routes_for(self.engine, self.config)
         self.routes.bridge.metrics.registry.register(  # dropped control messages, by kind
-            ControlRejectCollector(self.receiver.stats, setup.name))
+            TransferCollector(self.receiver.stats, setup.name))
         if self.offload is not None:  # pdcache_decode_offload_* on this node's /metrics
             self.routes.bridge.metrics.registry.register(
                 OffloadStatsCollector(self.offload, setup.name))

@@ -28,7 +28,7 @@ from pdcache.prefill_node.controller import PrefillController
 from pdcache.prefill_node.scheduler import PrefillScheduler
 from pdcache.server.app import routes_for
 from pdcache.server.bridge import ServerConfig
-from pdcache.server.metrics import ControlRejectCollector
+from pdcache.server.metrics import TransferCollector
 from pdcache.server.routes import build_app
 from pdcache.transfer import KVSender
 
@@ -68,7 +68,7 @@ class PrefillRuntime:
         self.controller.attach(self.engine, self.sender)
         self.routes = routes_for(self.engine, self.config)
         self.routes.bridge.metrics.registry.register(  # dropped control messages, by kind
-            ControlRejectCollector(self.sender.stats, setup.name))
+            TransferCollector(self.sender.stats, setup.name))
         self.pd = PrefillApp(self.routes, self.controller, self.sender)
         self._started = False
         self._closed = False

@@ -222,10 +222,12 @@ class TierStatsCollector(Collector):
             yield family
 
 
-class ControlRejectCollector(Collector):
-    """`pdcache_control_rejected_messages_total{kind}`: control messages a KVSender/KVReceiver
-    dropped (malformed, ..., unauthenticated, stale, replayed, stale_boot: docs/security.md), read from
-    its `stats()["rejected"]` at scrape time. Every kind is exported, zeros included."""
+class TransferCollector(Collector):
+    """A KVSender's / KVReceiver's `stats()` at scrape time:
+    `pdcache_control_rejected_messages_total{kind}`, control messages it dropped (malformed, ...,
+    unauthenticated, stale, replayed, stale_boot: docs/security.md; every kind, zeros
+    included), and `pdcache_kv_transfer_bytes_total{direction}`, the KV bytes it pushed
+    (`sent`, prefill) or received (`received`, decode) through the transfer engine."""
 
     def __init__(self, stats: Callable[[], Mapping[str, Any]], server_name: str) -> None:
         self._stats = stats
@@ -235,7 +237,8 @@ class ControlRejectCollector(Collector):
         from pdcache.transfer.messages import REJECT_KINDS
 
         try:
-            counts = dict(self._stats().get("rejected", {}))
+            stats = self._stats()
+            counts = dict(stats.get("rejected", {}))
         except Exception:
             log.exception("transfer stats() failed during a metrics scrape")
             return
@@ -245,6 +248,14 @@ class ControlRejectCollector(Collector):
         for kind in REJECT_KINDS:
             family.add_metric([self._server_name, kind], float(counts.get(kind, 0)))
         yield family
+        moved = CounterMetricFamily("pdcache_kv_transfer_bytes",
+                                    "KV bytes moved P->D by the transfer engine",
+                                    labels=["server", "direction"])
+        for direction in ("sent", "received"):
+            if f"bytes_{direction}" in stats:
+                moved.add_metric([self._server_name, direction],
+                                 float(stats[f"bytes_{direction}"]))
+        yield moved
 
 
 class EngineStatsCollector(Collector):

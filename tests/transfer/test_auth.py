@@ -13,7 +13,7 @@ import torch
 import zmq
 from prometheus_client import CollectorRegistry
 
-from pdcache.server.metrics import ControlRejectCollector
+from pdcache.server.metrics import TransferCollector
 from pdcache.transfer import KVReceiver, KVSender, RoomState, TransferError
 from pdcache.transfer.control import control_auth
 from pdcache.transfer.messages import (
@@ -120,10 +120,13 @@ def test_intruders_are_dropped_counted_and_the_node_keeps_serving(authed: Pair) 
     _transfer(authed, 3)  # the node still serves its real peer
     assert authed.sender.stats()["control_errors"] == 0
     registry = CollectorRegistry()  # what the prefill node's /metrics exports
-    registry.register(ControlRejectCollector(authed.sender.stats, "p0"))
+    registry.register(TransferCollector(authed.sender.stats, "p0"))
     for kind, count in (("unauthenticated", 4), ("replayed", 1), ("stale", 1), ("malformed", 0)):
         labels = {"server": "p0", "kind": kind}
         assert registry.get_sample_value("pdcache_control_rejected_messages_total", labels) == count
+    sent = registry.get_sample_value("pdcache_kv_transfer_bytes_total",
+                                     {"server": "p0", "direction": "sent"})
+    assert sent == authed.sender.stats()["bytes_sent"] > 0
 
 
 @pytest.mark.parametrize("auth", [True, False], ids=["auth_on", "auth_off"])
