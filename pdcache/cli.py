@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "metadata-server": ("pdcache.offload_manager.storage.metadata_cli", "run the global KV manager"),
     "storage": ("pdcache.config.storage_cli", "inspect or clear a storage backend"),
     "secret": ("pdcache.config.secret_cli", "create the cluster secret file"),
+    "config-reference": ("pdcache.config.reference",
+                         "print every topology key: type, default, meaning"),
     "bench": ("pdcache.bench.cli", "benchmarks: engine, kernels, cache, transfer, replay, compare"),
     "export-model": ("pdcache.engine.export", "write a preset as a Hugging Face checkpoint"),
     "demo": ("pdcache.bench.demo", "launch the default topology and replay a multi-turn trace"),

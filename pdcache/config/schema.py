@@ -76,10 +76,12 @@ class ModelSpec:
     """`[model]`: a random-initialised preset (`tiny`, `small`; MLA + MoE: `tiny-mla`,
     `small-mla`) or a checkpoint directory."""
 
-    preset: str | None = None
+    preset: str | None = None  # random-weight preset: tiny, small, tiny-mla, small-mla (or `path`)
+    # a Hugging Face checkpoint directory (config.json, safetensors, tokenizer)
     path: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and KV cache dtype
+    seed: int = 0  # seed of a preset's weights (and of sampling)
+    # the model name the API reports (default: the preset's or directory's)
     served_name: str | None = None
 
     @property
@@ -92,14 +94,16 @@ class ModelSpec:
 class CacheSpec:
     """`[cache]` (and per-node `[node.cache]` overrides): device/host sizing and policies."""
 
-    page_size: int = 16
-    device_pages: int = 2048
+    page_size: int = 16  # tokens per KV page (every node of a deployment alike)
+    device_pages: int = 2048  # device KV pool size in pages
     host_ratio: float | None = None  # host pool = device pool × ratio (default 2.0)
+    # host pool size in bytes (instead of host_ratio / host_pages)
     host_bytes: int | None = _size(default=None)
     host_pages: int | None = None  # host pool in pages; 0 = none (unified nodes without storage)
     # false: no prefix reuse (unified: no lower tiers either; decode: prefill sends every
     # prompt page, decode frees pages once offloaded); prefill nodes always keep it
     prefix_cache: bool = True
+    # when pages are backed up to host and storage
     write_policy: Literal["write_through", "write_through_selective", "write_back"] = (
         "write_through"
     )
@@ -108,13 +112,17 @@ class CacheSpec:
     # tier evicts first, and whether the host tier mirrors the device (inclusive) or holds
     # what the device evicted (exclusive: host capacity adds to device capacity)
     device_eviction: Literal["lru", "session"] = "lru"
+    # which host pages are evicted first: lru or session
     host_eviction: Literal["lru", "session"] = "lru"
+    # inclusive: host mirrors the device; exclusive: host holds what it evicted
     host_mode: Literal["inclusive", "exclusive"] = "inclusive"
     session_idle_s: float = 300.0  # a session without a turn for this long is closed
+    # how long a request waits for its storage prefetch
     prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
-    prefetch_timeout_base_s: float = 2.0
+    prefetch_timeout_base_s: float = 2.0  # timeout policy: base wait for a prefetch
+    # timeout policy: extra wait per 1k prefetched tokens
     prefetch_timeout_per_1k_tokens_s: float = 0.1
-    prefetch_timeout_max_s: float = 30.0
+    prefetch_timeout_max_s: float = 30.0  # timeout policy: the longest wait
     # a queued request whose device + host match shrank before its admission (tier pressure
     # evicted pages its storage prefetch continues) has its prefetch restarted from the
     # shorter match, at most this many times, instead of recomputing the gap and every
@@ -135,7 +143,7 @@ class CacheSpec:
     # a 2-core CPU, where the reads take the forward's core); `prefetch_layers_per_read` layers
     # per read step of a page
     prefetch_layerwise: bool = False
-    prefetch_layers_per_read: int = 1
+    prefetch_layers_per_read: int = 1  # layer-streamed prefetch: layers per read step of a page
     # CPU device pools: copy loads host → device on a thread of their own, layer l+1 while
     # layer l is computed (docs/design.md §4.11, "Loads copied ahead"); off by default (no
     # measured gain on a 2-core CPU); off: each layer is copied on the engine thread when the
@@ -144,6 +152,7 @@ class CacheSpec:
     # How stored pages are named: "pdcache", or "sglang" to share pages with SGLang servers
     # running the pdcache storage plugin (whose `key_namespace` must equal this one).
     key_scheme: Literal["pdcache", "sglang"] = "pdcache"
+    # appended to the page-key salt: deployments with different ones never share
     key_namespace: str = ""
 
     @property
@@ -166,8 +175,9 @@ MAX_DECODE_STEP_INTERVAL_MS = 1000
 class SchedulerSpec:
     """`[scheduler]` (and per-node `[node.scheduler]` overrides): continuous-batching limits."""
 
-    max_running_requests: int = 64
+    max_running_requests: int = 64  # requests decoding at once
     chunked_prefill_tokens: int = 2048  # token budget of one prefill chunk
+    # requests waiting for admission before new ones are refused (503)
     max_queued_requests: int = 1024
     max_pending_reservations: int = 256  # decode: reservations waiting for pages (0: refuse)
     decode_reserve_tokens: int = 512  # decode: answer tokens an admission keeps room for
@@ -184,7 +194,7 @@ class MetadataServiceSpec:
 
     start: bool = True  # the launcher starts it; false when it runs elsewhere already
     bind_host: str | None = None  # defaults to the host of storage.metadata
-    state_dir: str = "./.pdcache/metadata"
+    state_dir: str = "./.pdcache/metadata"  # where the metadata service keeps its SQLite index
 
 
 @dataclass(frozen=True)
@@ -193,12 +203,12 @@ class MooncakeStoreSpec:
 
     master: str = "127.0.0.1:50051"  # rpc host:port of mooncake_master
     metadata_server: str = "http://127.0.0.1:8080/metadata"  # or "P2PHANDSHAKE"
-    start_master: bool = True
-    metrics_port: int = 9003
-    global_segment_size: int = _size(default=512 * 2**20)
-    local_buffer_size: int = _size(default=64 * 2**20)
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    devices: tuple[str, ...] = ()
+    start_master: bool = True  # the launcher starts mooncake_master (false: it runs elsewhere)
+    metrics_port: int = 9003  # mooncake_master's metrics port
+    global_segment_size: int = _size(default=512 * 2**20)  # bytes each node contributes to the store
+    local_buffer_size: int = _size(default=64 * 2**20)  # each node's local transfer buffer
+    protocol: Literal["tcp", "rdma"] = "tcp"  # the store's transfer protocol
+    devices: tuple[str, ...] = ()  # RDMA NICs for the store (protocol rdma)
 
     @property
     def master_address(self) -> tuple[str, int]:
@@ -218,10 +228,13 @@ class StorageSpec:
     # "none", or a name in pdcache.offload_manager.storage.BACKENDS: "hf3fs", "file",
     # "mooncake", or one a plugin registered (checked by validate against the registry)
     backend: str = "none"
+    # hf3fs / file: directory (or 3FS mount) holding the stored pages
     path: str = "./.pdcache/storage"
-    capacity: int = _size(default=4 * 2**30)
+    capacity: int = _size(default=4 * 2**30)  # bytes of stored pages before eviction
+    # hf3fs: posix files, or usrbio (the 3FS native client)
     io_engine: Literal["posix", "usrbio"] = "posix"
     metadata: str = "inproc"  # "inproc" or "tcp://HOST:PORT" (the shared metadata service)
+    # storage namespace: deployments with different ones never share pages
     namespace: str = "default"
     # conversation-scoped lifecycle (docs/design.md §4.4): "lru" or "session" (active sessions'
     # pages protected within the bounds, closed / idle ones evicted first)
@@ -263,8 +276,9 @@ class StorageSpec:
 class TransferSpec:
     """`[transfer]`: how prefill pushes KV pages into decode memory."""
 
+    # P->D transfer engine: mooncake, zmq (no RDMA), nixl
     engine: Literal["mooncake", "zmq", "nixl"] = "mooncake"
-    protocol: Literal["tcp", "rdma"] = "tcp"
+    protocol: Literal["tcp", "rdma"] = "tcp"  # tcp or rdma (mooncake, nixl)
     devices: tuple[str, ...] = ()  # RDMA NICs, e.g. ["mlx5_0", "mlx5_1"]
     timeout_s: float = 30.0  # bootstrap and per-room transfer deadline
     prefill_waits_for_decode: bool = True  # no prefill compute before decode reserved the pages
@@ -281,9 +295,9 @@ class TenantSpec:
     process: `config.security.tenant_api_key`) authenticates its requests; its name derives
     the page-key namespace its requests' `cache_salt` lives in and scopes its `session_id`s."""
 
-    name: str
-    api_key: str | None = None
-    api_key_env: str | None = None
+    name: str  # the tenant's name (scopes its cache salt, sessions and quota)
+    api_key: str | None = None  # its API key, inline (or api_key_env)
+    api_key_env: str | None = None  # the environment variable the router reads its key from
     max_inflight: int = 0  # requests of this tenant in flight at the router; 0 = no limit
     storage_quota: int | None = _size(default=None)  # bytes of its stored pages (file backend)
 
@@ -296,6 +310,7 @@ class SecuritySpec:
     `metrics_auth`) need the credential derived from it; stored pages, the control plane and
     the metadata service are authenticated with keys derived from it (docs/design.md §8)."""
 
+    # the cluster secret (pdcache secret; the launcher makes one when unset)
     secret_file: str | None = None
     metrics_auth: bool = False  # /metrics of nodes needs the credential too
 
@@ -308,15 +323,17 @@ class SecuritySpec:
 class RouterSpec:
     """`[router]`: the OpenAI-compatible front door; absent table = no router."""
 
-    name: str = "router"
-    host: str = "127.0.0.1"
-    port: int = 8000
+    name: str = "router"  # the router's name (its process and /metrics label)
+    host: str = "127.0.0.1"  # where the router listens
+    port: int = 8000  # the router's HTTP port
+    # how a prefill node is picked (cache_aware: the longest cached prefix)
     prefill_policy: Literal["round_robin", "least_load", "cache_aware"] = "cache_aware"
+    # how a decode node is picked
     decode_policy: Literal["round_robin", "least_load"] = "round_robin"
-    api_key: str | None = None
-    request_timeout_s: float = 600.0
-    connect_timeout_s: float = 5.0
-    health_interval_s: float = 2.0
+    api_key: str | None = None  # one client key for every request (or [[router.tenant]] tables)
+    request_timeout_s: float = 600.0  # deadline of one request at the router
+    connect_timeout_s: float = 5.0  # connecting to a node
+    health_interval_s: float = 2.0  # between health probes of every node
     max_inflight_per_node: int = 0  # requests in flight per node before the router queues; 0 = no limit
     max_queue: int = 1024  # requests the router queues when every node is at its limit
     max_attempts: int = 3  # tries of a request whose node was unreachable or answered 503
@@ -339,17 +356,17 @@ class LaunchSpec:
     """`[launch]`: how the launcher runs and supervises processes."""
 
     python: str | None = None  # interpreter for nodes; default: the launcher's own
-    health_timeout_s: float = 300.0
-    stop_grace_s: float = 10.0
-    restart_backoff_s: float = 1.0
-    restart_backoff_max_s: float = 30.0
+    health_timeout_s: float = 300.0  # how long a process may take to become healthy
+    stop_grace_s: float = 10.0  # SIGTERM to SIGKILL on stop
+    restart_backoff_s: float = 1.0  # first restart delay of a dead process (doubling)
+    restart_backoff_max_s: float = 30.0  # the longest restart delay
     # a process that dies this many times in a row without becoming healthy (again) stops the
     # launch with its log's tail, instead of being restarted forever
     max_failures_in_row: int = 5
-    ssh_user: str | None = None
-    ssh_options: tuple[str, ...] = ("-o", "BatchMode=yes")
+    ssh_user: str | None = None  # --ssh: the remote user (default: ssh's)
+    ssh_options: tuple[str, ...] = ("-o", "BatchMode=yes")  # --ssh: extra ssh options
     remote_workdir: str | None = None  # where the repo and config live on remote hosts
-    remote_python: str = "python3"
+    remote_python: str = "python3"  # --ssh: the interpreter on remote hosts
 
 
 @dataclass(frozen=True)
@@ -359,22 +376,23 @@ class KubernetesSpec:
 
     mode: Literal["rbg", "plain"] = "rbg"  # a RoleBasedGroup, or StatefulSets + Services
     name: str = "pdcache"  # the group's name: pods, services and DNS names derive from it
-    namespace: str = "default"
+    namespace: str = "default"  # the namespace of every manifest
     image: str = "pdcache:0.1.0"  # an image with pdcache installed (docs/kubernetes.md)
+    # the containers' imagePullPolicy
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     secret_name: str = "pdcache-cluster-secret"  # Secret with key `cluster.secret` (+ tenants')
     gpus: int = 0  # per prefill / decode / unified pod
-    gpu_resource: str = "nvidia.com/gpu"
+    gpu_resource: str = "nvidia.com/gpu"  # the GPU resource name requested
     # "device-plugin": request `rdma_resource`; "host-network": the host's network and
     # /dev/infiniband (Mooncake's production layout); "none": TCP only
     rdma: Literal["none", "device-plugin", "host-network"] = "none"
-    rdma_resource: str = "rdma/hca"
+    rdma_resource: str = "rdma/hca"  # rdma device-plugin: the resource requested
     # shared storage for hf3fs / file: "pvc:NAME" (ReadWriteMany claim) or "hostpath:/DIR"
     # (a 3FS FUSE mount on every host); "" with storage in use is refused
     storage_volume: str = ""
     model_volume: str = ""  # "pvc:NAME" or "hostpath:/DIR" holding [model] path (a checkpoint)
     cpu: str = "2"  # requests of every pod
-    memory: str = "8Gi"
+    memory: str = "8Gi"  # memory request of every pod
     startup_probe_s: int = 600  # how long a node may load its model before liveness counts
     port_base: int = 30000  # node HTTP port in every pod (bootstrap: port_base + 1)
 
@@ -383,9 +401,9 @@ class KubernetesSpec:
 class NodeSpec:
     """One `[[node]]`: a prefill, decode or unified server, with its effective cache settings."""
 
-    name: str
-    role: Role
-    port: int
+    name: str  # the node's name (--node NAME, labels, page attribution)
+    role: Role  # prefill, decode or unified
+    port: int  # its HTTP port
     host: str = "127.0.0.1"  # where others reach it (its URL, bootstrap and transfer address)
     bootstrap_port: int | None = None  # prefill only: ZMQ bootstrap endpoint
     # where it listens (HTTP, bootstrap) when not `host`: "0.0.0.0" behind a name that resolves
@@ -407,8 +425,9 @@ class NodeSpec:
     # argv put before the node's command by the launcher: ["ip", "netns", "exec", "NS"],
     # ["nsenter", "--net=/run/netns/NS", "--"], ["numactl", "-N", "0"], ["taskset", "-c", "2"]
     launch_prefix: tuple[str, ...] = ()
-    extra_args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()  # argv appended to the node command
+    env: Mapping[str, str] = field(default_factory=dict)  # environment variables of the node process
+    # the launcher's health check: http /health, tcp connect, or none
     health: Literal["http", "tcp", "none"] = "http"
 
     @property
