@@ -172,9 +172,9 @@ def hf_model(exported: Path) -> torch.nn.Module:
     return model.eval()
 
 
-def test_transformers_logits_and_greedy_tokens_match_ours(hf_model: torch.nn.Module) -> None:
-    assert type(hf_model).__name__ == "LlamaForCausalLM"
-    model, _ = load_model("tiny")
+def _assert_transformers_runs_as_we_do(hf_model: torch.nn.Module, preset: str) -> None:
+    """transformers' logits of a chat prompt equal ours, and its greedy tokens our engine's."""
+    model, _ = load_model(preset)
     ids = TOK.apply_chat_template(CHATS[1])
     kv = allocate_device_kv(model.config, num_pages=64, page_size=PAGE)
     ours = extend(model, kv, ids, 0, torch.arange(64))
@@ -183,9 +183,14 @@ def test_transformers_logits_and_greedy_tokens_match_ours(hf_model: torch.nn.Mod
     torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=1e-4)
     generated = hf_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
     theirs_tokens = generated[0, len(ids):].tolist()  # may stop early at an eos id
-    with Engine.from_spec("tiny", cache=CacheConfig(page_size=PAGE, num_device_pages=64)) as eng:
+    with Engine.from_spec(preset, cache=CacheConfig(page_size=PAGE, num_device_pages=64)) as eng:
         ours_tokens = _greedy(eng, ids, 16)
     assert theirs_tokens and theirs_tokens == ours_tokens[: len(theirs_tokens)]
+
+
+def test_transformers_logits_and_greedy_tokens_match_ours(hf_model: torch.nn.Module) -> None:
+    assert type(hf_model).__name__ == "LlamaForCausalLM"
+    _assert_transformers_runs_as_we_do(hf_model, "tiny")
 
 
 def test_mla_preset_exports_as_deepseek_v3_that_transformers_runs_as_we_do(
@@ -199,20 +204,8 @@ def test_mla_preset_exports_as_deepseek_v3_that_transformers_runs_as_we_do(
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
     assert type(hf_model).__name__ == "DeepseekV3ForCausalLM"
-    model, _ = load_model("tiny-mla")
-    assert _same_weights(load_model(str(tmp_path))[0], model)
-    ids = TOK.apply_chat_template(CHATS[1])
-    kv = allocate_device_kv(model.config, num_pages=64, page_size=PAGE)
-    ours = extend(model, kv, ids, 0, torch.arange(64))
-    theirs = hf_logits(hf_model, ids)
-    assert theirs.abs().max() > 1.0
-    torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=1e-4)
-    generated = hf_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
-    theirs_tokens = generated[0, len(ids):].tolist()
-    cache = CacheConfig(page_size=PAGE, num_device_pages=64)
-    with Engine.from_spec("tiny-mla", cache=cache) as engine:
-        ours_tokens = _greedy(engine, ids, 16)
-    assert theirs_tokens and theirs_tokens == ours_tokens[: len(theirs_tokens)]
+    assert _same_weights(load_model(str(tmp_path))[0], load_model("tiny-mla")[0])
+    _assert_transformers_runs_as_we_do(hf_model, "tiny-mla")
 
 
 @pytest.fixture(scope="module", params=["AutoTokenizer", "PreTrainedTokenizerFast"])
