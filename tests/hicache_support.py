@@ -4,7 +4,7 @@ no-cache reference tokens, metrics scraping, and `pdcache serve` as a subprocess
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -90,13 +90,6 @@ def run_to_end(built: TieredEngine, limit_s: float = 120.0) -> None:
     while built.engine.step():
         assert time.monotonic() < deadline, "the driven engine did not finish"
         time.sleep(0.001)  # a step stalled on a prefetch returns at once: don't spin hot
-
-
-def wait_until(predicate: Callable[[], bool], limit_s: float = 20.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
 
 
 def check_every_tier(built: TieredEngine, timeout_s: float = 20.0) -> dict[str, int]:

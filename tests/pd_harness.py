@@ -29,6 +29,7 @@ from pdcache.offload_manager.builder import (
 from pdcache.offload_manager.hicache import HiCacheConfig
 from pdcache.prefill_node.runtime import PrefillRuntime
 from pdcache.transfer import TransferConfig
+from tests.polling import poll
 
 
 def free_port() -> int:
@@ -207,15 +208,6 @@ def run_session(stack: PDStack, first_prompt: list[int], messages: list[list[int
     return turns
 
 
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval_s)
-    return True
-
-
 def rooms_active(client: httpx.Client, url: str) -> int:
     return int(client.get(f"{url}/health").json()["transfer"]["rooms"]["active"])
 
@@ -231,11 +223,11 @@ def assert_stack_idle(stack: PDStack) -> None:
         assert snap["staging_pages_used"] == 0 and snap["queued_pages"] == 0, snap
     decode_engine = stack.decode_server.engine
     # held pages go back through the engine's inbox: wait until they are free
-    assert wait_for(lambda: decode_engine.check_accounting()["used"] == 0, 10), \
+    assert poll(lambda: decode_engine.check_accounting()["used"] == 0, 10), \
         decode_engine.check_accounting()
     stack.prefill_server.engine.check_accounting()
-    assert wait_for(lambda: rooms_active(stack.client, stack.prefill.url) == 0, 10)
-    assert wait_for(lambda: rooms_active(stack.client, stack.decode.url) == 0, 10)
+    assert poll(lambda: rooms_active(stack.client, stack.prefill.url) == 0, 10)
+    assert poll(lambda: rooms_active(stack.client, stack.decode.url) == 0, 10)
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import faulthandler
 import importlib
 import os
-import sys
-import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,6 +16,7 @@ os.environ.setdefault("UCX_MODULES", "^ib*")
 
 from pdcache.transfer.config import TransferConfig  # noqa: E402
 from pdcache.transfer.engines.base import ENGINES  # noqa: E402
+from tests.polling import dump_threads, scaled_limit, wait_until  # noqa: E402, F401 (re-exported)
 
 _MODULES = {"zmq": "zmq", "mooncake": "mooncake.engine", "nixl": "nixl_cu12._api"}
 _PACKAGES = {"mooncake": "mooncake-transfer-engine-non-cuda (+ libibverbs1)",
@@ -62,40 +59,3 @@ def make_pool(num_pages: int, seed: int | None, layers: int = 4) -> torch.Tensor
     return torch.randn(shape, generator=gen)
 
 
-# A wait's own bound holds on a quiet machine; its failing limit is that many times it, more
-# when the run queue is deeper than the cores: the 2-core CI machine under the whole suite has
-# stalled a process past a 3 s wait that takes ~10 ms when quiet. The polls return as soon as
-# their condition holds, so the slack costs a passing wait nothing (a wait expected to time
-# out takes its bound unscaled). The same goes for a timeout handed to the code under test
-# where the test expects success (`receiver.wait(room, scaled_limit(5.0))`): beside a CPU hog
-# on both cores a Register went unanswered for 3 s. Capped below pytest-timeout's 300 s, so a
-# wait that never ends fails with its own message, not a stack dump.
-WAIT_SLACK = 3.0
-WAIT_CAP_S = 250.0
-
-
-def scaled_limit(timeout_s: float) -> float:
-    """`timeout_s` scaled for this machine's load now (see WAIT_SLACK), at most WAIT_CAP_S."""
-    cores = len(os.sched_getaffinity(0)) or 1  # the cores this process may run on
-    load_per_core = os.getloadavg()[0] / cores
-    return min(timeout_s * WAIT_SLACK * max(1.0, load_per_core), max(timeout_s, WAIT_CAP_S))
-
-
-def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Poll `pred` until true; returns the seconds it took, fails the test once it has waited
-    `scaled_limit(timeout_s)`."""
-    start, limit_s = time.monotonic(), scaled_limit(timeout_s)
-    while not pred():
-        if time.monotonic() - start > limit_s:
-            dump_threads()
-            pytest.fail(f"timed out after {limit_s:.1f}s (bound {timeout_s}s) waiting for {what}")
-        time.sleep(0.005)
-    return time.monotonic() - start
-
-
-def dump_threads() -> None:
-    """Every thread's stack to stderr (the test's captured output), for a wait that failed:
-    one CI run saw every control thread of the process stall at once on an idle machine, so
-    the thread holding them up is what the report needs."""
-    sys.stderr.flush()
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

@@ -507,8 +507,9 @@ def test_launched_1p1d_in_the_net_lab_serves_over_the_pair_path_and_survives_a_p
     import httpx
 
     from pdcache.engine.loader import load_model
-    from tests.launch.test_supervise import Run, free_ports, wait_for
+    from tests.launch.test_supervise import Run, free_ports
     from tests.pd_harness import UnifiedReference
+    from tests.polling import wait_until
 
     fault, ctx, lab, overrides = net_lab
     router, meta = free_ports(2)
@@ -533,7 +534,7 @@ def test_launched_1p1d_in_the_net_lab_serves_over_the_pair_path_and_survives_a_p
     model, tokenizer = load_model("tiny", seed=0)
     reference = UnifiedReference(model, tokenizer, 4)
     try:
-        wait_for(run.all_healthy, 240, "metadata, p0, d0 and router healthy")
+        wait_until(run.all_healthy, 240, "metadata, p0, d0 and router healthy")
         procs = run.procs()
         assert procs["p0"]["argv"][:2] == lab.launch_prefix("p0")[:2]
         assert all(p["role"] != "ssh" for p in procs.values())
@@ -618,8 +619,9 @@ def test_launched_1p1d_answers_exactly_through_every_storage_fault(
 
     from pdcache.engine.loader import load_model
     from pdcache.utils.secret import derive_key, load_secret
-    from tests.launch.test_supervise import Run, free_ports, wait_for
+    from tests.launch.test_supervise import Run, free_ports
     from tests.pd_harness import UnifiedReference
+    from tests.polling import wait_until
 
     router, p0, boot, d0, meta = free_ports(5)
     sets = [
@@ -682,7 +684,7 @@ def test_launched_1p1d_answers_exactly_through_every_storage_fault(
 
     def wait_metric(name: str, above: float, **labels: str) -> float:
         return float(
-            wait_for(
+            wait_until(
                 lambda: (v := metric_sum(p0_metrics(), name, **labels)) > above and v,
                 30,
                 f"{name}{labels} > {above}",
@@ -692,7 +694,7 @@ def test_launched_1p1d_answers_exactly_through_every_storage_fault(
     prompts = [[(k * 31 + 7 * i) % 240 + 3 for i in range(40)] for k in range(6)]
     written = "pdcache_storage_written_bytes_total"
     try:
-        wait_for(run.all_healthy, 240, "p0, d0 and router healthy")
+        wait_until(run.all_healthy, 240, "p0, d0 and router healthy")
         ask(prompts[0])
         stored = wait_metric(written, 0)
         for index, kind in ((1, "storage-full"), (2, "storage-readonly")):

@@ -27,6 +27,7 @@ from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdcache.engine.engine import Admission, Engine
 from pdcache.engine.loader import load_model
 from pdcache.transfer import MarksDelivery, Outcome, PrefillReport, RoomState
+from tests.polling import poll
 
 
 class Books:
@@ -583,7 +584,7 @@ def test_offload_hold_keeps_pages_until_the_copies_are_done(tiny, ending: str) -
                                 5, outputs.append)
         if ending == "aborted":
             engine.abort("d")
-        assert _wait(lambda: outputs and outputs[-1].finished)
+        assert poll(lambda: outputs and outputs[-1].finished)
         assert engine.check_accounting()["requests"] > 0  # held: copies may read them
         assert controller.held() == ["d"]
         engine.abort("d")  # an abort of the held request does not free them
@@ -613,14 +614,14 @@ def test_a_gated_answer_ends_only_once_its_marks_were_delivered(tiny) -> None:
             engine.reserve("d", len(prompt))
             engine.submit_prefilled(GenerateRequest("d", prompt, SamplingParams(
                 4, ignore_eos=True)), 5, outputs.append)
-            assert _wait(lambda: controller.held() == ["d"])  # finished on the engine
+            assert poll(lambda: controller.held() == ["d"])  # finished on the engine
             if gated:
                 other = engine.generate(GenerateRequest("u", [7, 8, 9], SamplingParams(
                     3, ignore_eos=True)))  # served while d's answer waits
                 assert other[-1].finished and not any(o.finished for o in outputs)
                 offload.releases["u"]()
                 assert offload.deliveries["d"].answered(PREFILL_LINK, 1)  # the pong
-            assert _wait(lambda: outputs and outputs[-1].finished)
+            assert poll(lambda: outputs and outputs[-1].finished)
             offload.releases["d"]()
             return outputs, [t for o in outputs for t in o.new_token_ids]
         finally:
@@ -632,12 +633,3 @@ def test_a_gated_answer_ends_only_once_its_marks_were_delivered(tiny) -> None:
     assert [o.finished for o in gated_outputs].count(True) == 1
 
 
-def _wait(predicate, timeout_s: float = 30.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloade
 from pdcache.engine.loader import load_model
 from pdcache.engine.request import Req
 from pdcache.engine.scheduler import Scheduler
+from tests.polling import poll
 
 PAGE = 4
 DECODE = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -313,9 +313,9 @@ def test_decode_prefix_cache_reuses_a_finished_turn_and_keeps_it_locked(tiny) ->
         answers: list = []
         free = decode.check_accounting()["free"]
         decode.reserve_when_free("big", (free + 1) * PAGE, answers.append)
-        assert _wait(lambda: decode.stats()["reservations_pending"] == 1)
+        assert poll(lambda: decode.stats()["reservations_pending"] == 1)
         decode.cancel_reservation("big")
-        assert _wait(lambda: bool(answers)) and answers[0].reason == "cancelled"
+        assert poll(lambda: bool(answers)) and answers[0].reason == "cancelled"
         assert decode.stats()["cached_pages"] == kept and decode.stats()["pages_evictable"] == 0
         expected = tokens_of(unified.generate(GenerateRequest("u2", prompt2, DECODE), 60))
         assert _prefill_and_decode(prefill, decode, "t2", prompt2, kept, grant) == expected
@@ -354,15 +354,6 @@ def test_decode_prefix_cache_refuses_a_request_of_another_salt(tiny) -> None:
     finally:
         prefill.shutdown()
         decode.shutdown()
-
-
-def _wait(predicate, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _reserve(engine: Engine, rid: str, prompt: list[int], salt: str = ""):

@@ -16,13 +16,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.net_support import free_ports
+from tests.polling import wait_until
 
 STUB = Path(__file__).resolve().parents[1] / "launch_stub_node.py"
 PY = sys.executable
@@ -47,16 +47,6 @@ def alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def stub_node(name: str, port: int, tmp: Path, *flags: str) -> str:
@@ -150,15 +140,15 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., Run]]:
 def test_kill9_is_reported_and_restarted_then_sigterm_leaves_nothing(launch, tmp_path) -> None:
     p0, p1 = free_ports(2)
     run = launch(LAUNCH.format(timeout=30) + stub_node("u0", p0, tmp_path) + stub_node("u1", p1, tmp_path))
-    wait_for(run.all_healthy, 30, "both nodes healthy")
+    wait_until(run.all_healthy, 30, "both nodes healthy")
     # the state file says healthy a moment before the launcher prints its summary
-    wait_for(lambda: "up after" in run.output() and f"http://127.0.0.1:{p0}" in run.output(),
+    wait_until(lambda: "up after" in run.output() and f"http://127.0.0.1:{p0}" in run.output(),
              10, "the launcher's summary with u0's endpoint")
     before = run.procs()
     old_pid, other_pid, old_child = before["u0"]["pid"], before["u1"]["pid"], run.child_pid("u0")
 
     os.kill(old_pid, signal.SIGKILL)
-    wait_for(lambda: run.procs()["u0"]["restarts"] == 1 and run.procs()["u0"]["state"] == "healthy",
+    wait_until(lambda: run.procs()["u0"]["restarts"] == 1 and run.procs()["u0"]["state"] == "healthy",
              30, "u0 restarted and healthy")
     out = run.output()
     assert f"u0 (unified, pid {old_pid}) exited with code -9" in out
@@ -167,7 +157,7 @@ def test_kill9_is_reported_and_restarted_then_sigterm_leaves_nothing(launch, tmp
     after = run.procs()
     assert after["u0"]["pid"] != old_pid and after["u0"]["last_exit"] == -9
     assert after["u1"]["pid"] == other_pid and after["u1"]["restarts"] == 0
-    wait_for(lambda: not alive(old_child), 10, "the dead node's child to be killed with its group")
+    wait_until(lambda: not alive(old_child), 10, "the dead node's child to be killed with its group")
     assert (run.log_dir / "u0.log").read_text().count("=== pdcache launch: start") == 2
 
     pids = [after["u0"]["pid"], other_pid, run.child_pid("u0"), run.child_pid("u1")]
@@ -183,7 +173,7 @@ def test_no_restart_stops_everything_and_exits_nonzero(launch, tmp_path) -> None
     p0, p1 = free_ports(2)
     run = launch(LAUNCH.format(timeout=30) + stub_node("u0", p0, tmp_path) + stub_node("u1", p1, tmp_path),
                  "--no-restart")
-    wait_for(run.all_healthy, 30, "both nodes healthy")
+    wait_until(run.all_healthy, 30, "both nodes healthy")
     procs = run.procs()
     survivors = [procs["u0"]["pid"], run.child_pid("u0"), run.child_pid("u1")]
     os.kill(procs["u1"]["pid"], signal.SIGKILL)
@@ -214,7 +204,7 @@ def _foreign_health_server(port: int) -> subprocess.Popen:
             "    def log_message(self, *a): pass\n"
             f"h.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
     proc = subprocess.Popen([PY, "-c", code])
-    wait_for(lambda: not port_is_free(port), 10, "the foreign server to listen")
+    wait_until(lambda: not port_is_free(port), 10, "the foreign server to listen")
     return proc
 
 
@@ -270,7 +260,7 @@ def test_a_node_failing_every_start_stops_the_launch_with_its_log(launch, tmp_pa
 def test_slow_start_is_waited_for_with_progress(launch, tmp_path) -> None:
     (port,) = free_ports(1)
     run = launch(LAUNCH.format(timeout=30) + stub_node("u0", port, tmp_path, "--ready-after", "5.5"))
-    wait_for(run.all_healthy, 30, "u0 healthy")
+    wait_until(run.all_healthy, 30, "u0 healthy")
     assert "waiting for u0 (starting)" in run.output()
     run.proc.send_signal(signal.SIGINT)
     assert run.proc.wait(timeout=20) == 0
@@ -305,7 +295,7 @@ metadata_server = "http://127.0.0.1:{http}/metadata"
 metrics_port = {metrics}
 """ + stub_node("u0", node, tmp_path)
     run = launch(text)
-    wait_for(run.all_healthy, 30, "mooncake_master and u0 healthy")
+    wait_until(run.all_healthy, 30, "mooncake_master and u0 healthy")
     procs = run.procs()
     assert list(procs) == ["mooncake_master", "u0"]
     out = run.output()
@@ -331,7 +321,7 @@ metadata = "tcp://127.0.0.1:{meta}"
 state_dir = "{tmp_path}/metadata"
 """ + stub_node("u0", p0, tmp_path) + stub_node("u1", p1, tmp_path)
     run = launch(text)
-    wait_for(run.all_healthy, 60, "metadata service and nodes healthy")
+    wait_until(run.all_healthy, 60, "metadata service and nodes healthy")
     assert list(run.procs()) == ["metadata", "u0", "u1"]
     meta_pid = run.procs()["metadata"]["pid"]
     run.proc.send_signal(signal.SIGTERM)
@@ -354,7 +344,7 @@ command = ["{{python}}", "-m", "pdcache", "serve", "--model", "{{model}}", "--ho
            "--port", "{{port}}", "--page-size", "{{page_size}}", "--name", "{{node}}"]
 """
     run = launch(text)
-    wait_for(run.all_healthy, 120, "pdcache serve healthy")
+    wait_until(run.all_healthy, 120, "pdcache serve healthy")
     body = {"input_ids": list(range(1, 40)), "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     reply = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
     assert reply.status_code == 200 and len(reply.json()["output_ids"]) == 4
@@ -380,7 +370,7 @@ def test_local_1p1d_serves_two_turns_reusing_decode_pages_then_stops_clean(launc
             f'storage.path="{tmp_path}/storage"', f'storage.metadata_service.state_dir="{tmp_path}/meta"',
             'storage.capacity="256MiB"', "model.preset=tiny", "launch.health_timeout_s=180"]
     run = launch(config, *[x for s in sets for x in ("--set", s)])
-    wait_for(run.all_healthy, 180, "metadata, p0, d0 and router healthy")
+    wait_until(run.all_healthy, 180, "metadata, p0, d0 and router healthy")
     page = 16
     prompt = [(7 * i) % 200 + 3 for i in range(100)]
     params = {"max_new_tokens": 3 * page, "temperature": 0, "ignore_eos": True}
@@ -419,7 +409,7 @@ name = "u0"
 role = "unified"
 port = {port}
 """)
-    wait_for(run.all_healthy, 120, "pdcache serve healthy (its /health needs no credential)")
+    wait_until(run.all_healthy, 120, "pdcache serve healthy (its /health needs no credential)")
     secret_path = run.log_dir / "cluster.secret"
     assert stat.S_IMODE(secret_path.stat().st_mode) == 0o600
     token = derive_key(load_secret(secret_path), "node-http").hex()

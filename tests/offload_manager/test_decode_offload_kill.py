@@ -29,8 +29,8 @@ from tests.pd_harness import (
     UnifiedReference,
     free_port,
     rooms_active,
-    wait_for,
 )
+from tests.polling import poll
 
 pytest.importorskip("mooncake.engine", reason="mooncake wheel not installed")
 
@@ -125,7 +125,7 @@ def test_kill_decode_mid_offload_leaves_only_whole_pages(env, tmp_path) -> None:
         p_fut, d_fut = pd_request(client, prefill.url, decodes[0].url, bootstrap, 1, PROMPT,
                                   ANSWER)
         # decode's own pages are landing in storage: kill it while it is still going
-        assert wait_for(lambda: backend.exists_prefix(keys) >= prompt_pages + 8, 60, 0.005)
+        assert poll(lambda: backend.exists_prefix(keys) >= prompt_pages + 8, 60, 0.005)
         decodes[0].kill()
         stored_at_kill = backend.exists_prefix(keys)
         assert stored_at_kill < len(keys), "decode finished offloading before it was killed"
@@ -160,7 +160,7 @@ def test_kill_decode_mid_offload_leaves_only_whole_pages(env, tmp_path) -> None:
         health = client.get(f"{decodes[1].url}/health").json()
         assert health["transfer"]["rooms"]["active"] == 0
         p_server.engine.check_accounting()
-        assert wait_for(lambda: rooms_active(client, prefill.url) == 0, 30)
+        assert poll(lambda: rooms_active(client, prefill.url) == 0, 30)
     finally:
         client.close()
         for proc in decodes:

@@ -50,8 +50,8 @@ from tests.hicache_support import (
     run_to_end,
     storage_config,
     tiered,
-    wait_until,
 )
+from tests.polling import wait_until
 
 PROMPT = [(13 * i + 5) % 250 for i in range(161)]  # 40 full pages + 1 token
 PAGES = 40

@@ -32,8 +32,8 @@ from tests.hicache_support import (
     run_to_end,
     storage_config,
     tiered,
-    wait_until,
 )
+from tests.polling import wait_until
 
 PROMPT = [(11 * i + 7) % 250 for i in range(161)]  # 40 full pages + 1 token
 PAGES = 40

@@ -30,8 +30,8 @@ from tests.pd_harness import (
     metric_value,
     node_setups,
     start_stack,
-    wait_for,
 )
+from tests.polling import poll
 
 PAGE = 16
 PROMPT_TOKENS = 300  # 19 pages
@@ -161,12 +161,12 @@ def test_queue_bound_caller_gone_and_deadline(tight_stack: PDStack) -> None:
             with pytest.raises(httpx.ReadTimeout):
                 impatient.post(f"{stack.decode.url}/generate",
                                json=decode_body(stack, prompt(2)))
-        assert wait_for(lambda: queue_depth(stack) == 0, 10), metrics(stack)
+        assert poll(lambda: queue_depth(stack) == 0, 10), metrics(stack)
         # 2. the bound: one queued request fills a queue of 1; the next is refused at once.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(stack.client.post, f"{stack.decode.url}/generate",
                                   json=decode_body(stack, prompt(3)))
-            assert wait_for(lambda: queue_depth(stack) == 1, 10)
+            assert poll(lambda: queue_depth(stack) == 1, 10)
             started = time.monotonic()
             full = stack.client.post(f"{stack.decode.url}/generate",
                                      json=decode_body(stack, prompt(4)))
@@ -185,7 +185,7 @@ def test_queue_bound_caller_gone_and_deadline(tight_stack: PDStack) -> None:
                                 reason=reason) == count, text
         # the 503 is answered before the engine thread drops the reservation (leave() aborts
         # it there): on a loaded machine the gauge can still read 1 for a moment
-        assert wait_for(lambda: queue_depth(stack) == 0, 10), metrics(stack)
+        assert poll(lambda: queue_depth(stack) == 0, 10), metrics(stack)
         assert metric_value(text, "pdcache_decode_admission_admitted_total", queued="true") == 0
     finally:
         assert engine.release_reservation(HOG)

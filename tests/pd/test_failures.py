@@ -16,11 +16,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+
+from tests.polling import poll
 
 pytest.importorskip("mooncake.engine", reason="mooncake wheel not installed")
 
@@ -120,7 +122,7 @@ class Cluster:
         def seen() -> bool:
             nodes = self.http.get(f"{self.router.url}/health", timeout=5).json()["nodes"]
             return [n["healthy"] for n in nodes] == expected
-        assert wait_for(seen, 15), self.http.get(f"{self.router.url}/health").json()
+        assert poll(seen, 15), self.http.get(f"{self.router.url}/health").json()
 
     def close(self) -> None:
         self.http.close()
@@ -129,15 +131,6 @@ class Cluster:
                 proc.kill9()
             except Exception:  # keep killing the others
                 pass
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval_s)
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +169,7 @@ def assert_survivors_idle(cluster: Cluster, timeout_s: float = 30.0) -> float:
     checks = [(p, prefill_idle) for p in cluster.alive(cluster.prefills())]
     checks += [(d, decode_idle) for d in cluster.alive(cluster.decodes())]
     for proc, idle in checks:
-        assert wait_for(lambda p=proc, f=idle: f(cluster.health(p)), timeout_s, 0.1), \
+        assert poll(lambda p=proc, f=idle: f(cluster.health(p)), timeout_s, 0.1), \
             (proc.name, cluster.health(proc))
     return time.monotonic() - start
 
@@ -288,7 +281,7 @@ def test_200_mixed_requests_leave_nothing_in_flight(cluster: Cluster) -> None:
         nodes = cluster.http.get(f"{url}/health").json()["nodes"]
         return [n["in_flight"] for n in nodes] == [0] * len(nodes)
 
-    assert wait_for(router_idle, 30.0, 0.1), [
+    assert poll(router_idle, 30.0, 0.1), [
         (n["name"], n["role"], n["in_flight"])
         for n in cluster.http.get(f"{url}/health").json()["nodes"]]
 
@@ -344,7 +337,7 @@ def test_caller_gone_before_kv_frees_decode_room_promptly(cluster: Cluster) -> N
     its request: D must abort the room (telling P) and free its pages, not wait it out."""
     prefill = cluster.alive(cluster.prefills())[0]
     decode = cluster.alive(cluster.decodes())[0]
-    assert wait_for(lambda: decode_idle(cluster.health(decode)), 30, 0.1)
+    assert poll(lambda: decode_idle(cluster.health(decode)), 30, 0.1)
     body = generate_body(list(range(100)), 4)
     body["pd"] = {"room": 4242, "role": "decode", "bootstrap": prefill.bootstrap,
                   "prefill_node": prefill.name}
@@ -352,4 +345,4 @@ def test_caller_gone_before_kv_frees_decode_room_promptly(cluster: Cluster) -> N
         cluster.http.post(f"{decode.url}/generate", json=body, timeout=0.5)
     # D reserved pages and opened the room; it must let both go without waiting for room_timeout
     # well before room_timeout_s (20 s here): at the latest when the abort ack times out (10 s)
-    assert wait_for(lambda: decode_idle(cluster.health(decode)), 15, 0.1), cluster.health(decode)
+    assert poll(lambda: decode_idle(cluster.health(decode)), 15, 0.1), cluster.health(decode)

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from pdcache.engine.loader import load_model
-from tests.pd_harness import PDStack, node_setups, start_stack, wait_for
+from tests.pd_harness import PDStack, node_setups, start_stack
+from tests.polling import poll
 
 pytestmark = pytest.mark.slow
 
@@ -58,20 +59,20 @@ def test_a_prefill_room_without_decode_shows_until_it_times_out(stack: PDStack) 
     }
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(httpx.post, f"{stack.prefill.url}/generate", json=body, timeout=60)
-        assert wait_for(lambda: health(stack, stack.prefill.url)["pd_rooms_open"] == 1, 10)
+        assert poll(lambda: health(stack, stack.prefill.url)["pd_rooms_open"] == 1, 10)
         resp = answer.result()
     assert resp.status_code == 503, resp.text
     assert resp.json()["error"]["code"] == "decode_wait_timeout"
-    assert wait_for(lambda: health(stack, stack.prefill.url)["pd_rooms_open"] == 0, 10)
+    assert poll(lambda: health(stack, stack.prefill.url)["pd_rooms_open"] == 0, 10)
 
 
 def test_a_whole_request_leaves_no_room_behind(stack: PDStack) -> None:
     p, d = stack.generate(list(range(100, 180)), 40)
     assert len(d["output_ids"]) == 40 and p["output_ids"] == d["output_ids"][:1]
     assert stack.offload_idle(30)
-    assert wait_for(lambda: health(stack, stack.prefill.url)["pd_rooms_open"] == 0, 10)
+    assert poll(lambda: health(stack, stack.prefill.url)["pd_rooms_open"] == 0, 10)
     decode = health(stack, stack.decode.url)
-    assert wait_for(
+    assert poll(
         lambda: (
             (
                 health(stack, stack.decode.url)["pd_rooms_open"],

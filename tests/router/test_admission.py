@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from pdcache.router.config import RouterConfig
 from pdcache.router.core import Router
 from pdcache.router.nodes import NodeEndpoint
 from pdcache.router.route import Deadline, Route
+from tests.polling import wait_until
 from tests.router_support import GREEDY, PAGE, RouterUnderTest, UnifiedNode, prompt
 
 pytestmark = pytest.mark.slow
@@ -64,13 +65,6 @@ def release(router: Router, route: Route) -> None:
     router.loop.call_soon_threadsafe(route.release_all)
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def body(seed: int, n: int = 4) -> dict[str, Any]:
     return {"input_ids": prompt(24, seed), "sampling_params": {"max_new_tokens": n, **GREEDY}}
 
@@ -94,14 +88,14 @@ def test_inflight_limit_makes_concurrent_requests_wait_and_all_succeed(node: Uni
         held = hold_slot(router)
         with ThreadPoolExecutor(n) as pool:
             futures = [pool.submit(client.post, "/generate", json=body(i)) for i in range(n)]
-            wait_until(lambda: router.admission.depth == n, f"{n} requests in the queue")
+            wait_until(lambda: router.admission.depth == n, 20.0, f"{n} requests in the queue")
             assert all(not f.done() for f in futures), "nothing may pass a full node"
             during = scrape(client)
             release(router, held)
             answers = [f.result(60) for f in futures]
         assert [a.status_code for a in answers] == [200] * n, [a.text for a in answers]
         assert all(len(a.json()["output_ids"]) == 4 for a in answers)
-        wait_until(lambda: router.admission.held(router.registry.nodes[0]) == 0, "slots freed")
+        wait_until(lambda: router.admission.held(router.registry.nodes[0]) == 0, 20.0, "slots freed")
         after = scrape(client)
     assert metric(during, "pdcache_router_queue_depth") == n
     assert metric(during, "pdcache_router_node_slots_held", node="u0", role="unified") == 1
@@ -124,7 +118,7 @@ def test_full_queue_is_503_with_retry_after_and_the_queued_one_still_succeeds(
         held = hold_slot(router)
         with ThreadPoolExecutor(1) as pool:
             queued = pool.submit(client.post, "/generate", json=body(1))
-            wait_until(lambda: router.admission.depth == 1, "one request in the queue")
+            wait_until(lambda: router.admission.depth == 1, 20.0, "one request in the queue")
             refused = client.post("/generate", json=body(2))
             release(router, held)
             assert queued.result(60).status_code == 200
@@ -153,7 +147,7 @@ def test_deadline_passed_in_the_queue_is_503_queue_timeout_with_retry_after(
             # a client that leaves while queued leaves the queue
             with pytest.raises(httpx.ReadTimeout):
                 client.post("/generate", json=body(5), timeout=httpx.Timeout(60, read=0.3))
-            wait_until(lambda: router.admission.depth == 0, "the gone client left the queue")
+            wait_until(lambda: router.admission.depth == 0, 20.0, "the gone client left the queue")
         finally:
             release(router, held)
         samples = scrape(client)

@@ -22,6 +22,7 @@ from pdcache.router.nodes import NodeEndpoint
 from pdcache.server.app import ServerConfig
 from pdcache.server.app import create_app as create_unified_app
 from pdcache.server.cli import READY_PREFIX as SERVE_READY
+from tests.polling import wait_until
 from tests.router_support import (
     GREEDY,
     PAGE,
@@ -101,26 +102,19 @@ def test_node_that_comes_back_is_healthy_again() -> None:
         assert client.post("/generate", json=body()).status_code == 200
         assert router.selector.index.match_len("u0", router.page_keys(body()["input_ids"], None))
         node.stop()
-        wait_for(lambda: not router.registry.nodes[0].healthy)
+        wait_until(lambda: not router.registry.nodes[0].healthy)
         assert client.post("/generate", json=body()).json()["error"]["code"] == "no_healthy_node"
         engine = Engine.from_spec("tiny", cache=CacheConfig(page_size=PAGE, num_device_pages=64))
         restarted = ThreadedServer(create_unified_app(engine, ServerConfig(name="again")),
                                    port=port)
         try:
-            wait_for(lambda: router.registry.nodes[0].healthy)
+            wait_until(lambda: router.registry.nodes[0].healthy)
             # a restarted node has an empty cache: its prefix index was forgotten
             assert router.selector.index.match_len(
                 "u0", router.page_keys(body()["input_ids"], None)) == 0
             assert client.post("/generate", json=body()).status_code == 200
         finally:
             restarted.stop()
-
-
-def wait_for(condition: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------- bad nodes

@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.polling import wait_until
+
 pytest.importorskip("pdcache.prefill_node.runtime", reason="the prefill node is not in this build")
 pytest.importorskip("pdcache.decode_node.runtime", reason="the decode node is not in this build")
 
@@ -205,13 +207,6 @@ def test_pd_client_disconnect_cancels_decode(stack: PDStack) -> None:
         wait_idle(stack.decode_server.engine)
         router = client.app.state.router  # type: ignore[attr-defined]
         wait_until(lambda: [n.in_flight for n in router.registry.nodes] == [0, 0])
-
-
-def wait_until(condition: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def test_failing_prefill_answer_is_the_clients_error(stack: PDStack) -> None:

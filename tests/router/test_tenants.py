@@ -7,8 +7,6 @@ is shown failing with it off (the same requests on a router without tenants)."""
 from __future__ import annotations
 
 import socket
-import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -18,6 +16,7 @@ from pdcache.router.app import create_app
 from pdcache.router.config import RouterConfig
 from pdcache.router.nodes import NodeEndpoint
 from pdcache.router.tenants import Tenant, parse_tenant_flag
+from tests.polling import wait_until
 from tests.router_support import GREEDY, PAGE, RouterUnderTest, UnifiedNode, page_floor, prompt
 
 ALICE = Tenant("alice-corp", "key-alice-0123456789", max_inflight=1)
@@ -142,13 +141,6 @@ def test_inflight_limit_is_429_with_retry_after(nodes: list[UnifiedNode], limit:
         # the client went away: its slot frees once the handler unwinds
         wait_until(lambda: core.tenant_limits.inflight(alice) == 0)
         assert client.post("/generate", json=short, headers=auth(alice)).status_code == 200
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def test_tenant_flag_parsing() -> None:

@@ -7,10 +7,8 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import httpx
 import pytest
@@ -20,6 +18,7 @@ from pdcache.engine.config import CacheConfig
 from pdcache.engine.engine import Engine
 from pdcache.server.app import ServerConfig, create_app
 from pdcache.server.cli import READY_PREFIX
+from tests.polling import wait_until
 from tests.process_support import PdcacheProcess
 
 pytestmark = pytest.mark.slow
@@ -101,15 +100,6 @@ def metric(text: str, line_prefix: str) -> float:
     return 0.0
 
 
-def wait_for(cond: Any, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
-
-
 def test_client_disconnect_aborts_in_engine(nocache: ServeProcess) -> None:
     aborts = 'pdcache_requests_finished_total{reason="abort"}'
     running = 'pdcache_running_requests{server="nocache"}'
@@ -127,7 +117,7 @@ def test_client_disconnect_aborts_in_engine(nocache: ServeProcess) -> None:
             text = http.get(nocache.url + "/metrics").text
             return metric(text, aborts) == count and metric(text, running) == 0
 
-        wait_for(lambda: aborted(base + 1))
+        wait_until(lambda: aborted(base + 1))
         # non-streaming: the client gives up waiting
         with pytest.raises(httpx.ReadTimeout):
             http.post(
@@ -135,7 +125,7 @@ def test_client_disconnect_aborts_in_engine(nocache: ServeProcess) -> None:
                 json={"prompt": [5, 6], "max_tokens": 6000, **GREEDY},
                 timeout=1.0,
             )
-        wait_for(lambda: aborted(base + 2))
+        wait_until(lambda: aborted(base + 2))
         text = http.get(nocache.url + "/metrics").text
         assert metric(text, used) == 0  # no prefix cache: nothing may hold a page now
         ok = post_generate(http, nocache.url, [7, 8, 9], 3)

@@ -45,6 +45,7 @@ from pdcache.transfer.messages import (
     pack_pages,
 )
 from pdcache.utils.secret import derive_key
+from tests.polling import poll
 from tests.transfer_support import scaled_limit
 
 LIMIT = 1 << 20
@@ -121,16 +122,6 @@ def storage_config(tmp_path, mac_key: bytes | None) -> StorageConfig:
                          dtype="float32", page_mac_key=mac_key)
 
 
-def wait_for(cond, timeout_s: float = 5.0, scaled: bool = True) -> bool:
-    """Poll `cond` for `timeout_s` (load-scaled unless not `scaled`: a wait meant to time out)."""
-    deadline = time.monotonic() + (scaled_limit(timeout_s) if scaled else timeout_s)
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 class Pair:
     """A decode (offload manager over slow file storage, KVReceiver serving its staging) and
     a prefill (KVSender feeding PendingPages + PagePulls), registered with each other."""
@@ -185,7 +176,7 @@ class Pair:
         self.offload.finish("r", tokens, list(range(pages)), self.released.set)
         if copied:  # (the first copy may build the kernels): staged now
             assert self.released.wait(30)
-        assert wait_for(lambda: len(self.pending) == pages, 30)  # the marks arrived
+        assert poll(lambda: len(self.pending) == pages, 30, scaled=True)  # the marks arrived
         self.source = next(iter(self.sender._peers))  # the decode's link
         return keys
 
@@ -193,7 +184,7 @@ class Pair:
         pages = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in keys]
         ticket = self.pulls.start(self.source, keys, pages, self.spec, timeout_s=timeout_s)
         assert ticket is not None
-        assert wait_for(lambda: ticket.finished, 30)
+        assert poll(lambda: ticket.finished, 30, scaled=True)
         self.pulls.finish(ticket)
         return ticket, pages
 
@@ -299,13 +290,13 @@ def test_a_pull_right_behind_the_mark_waits_for_the_copy_and_late_answers_copy_n
                                                   for _ in keys], pair.spec, timeout_s=0.05)
         assert a is not None and b is not None
         assert pair.sender.request_pull(pair.source, 10**6, keys + keys[:1], 10.0)  # D
-        assert wait_for(lambda: pair.receiver.stats()["pull_requests"] == 3)
+        assert poll(lambda: pair.receiver.stats()["pull_requests"] == 3, 5.0, scaled=True)
         pair.pulls.finish(a)  # prefill gave A up (admitted, cancelled) before any answer
-        assert wait_for(lambda: time.monotonic() > b.deadline)
+        assert poll(lambda: time.monotonic() > b.deadline, 5.0, scaled=True)
         pair.pulls.finish(b)
         gate.set()
         assert pair.released.wait(30)
-        assert wait_for(lambda: pair.pulls.snapshot()["pull_answers_unexpected"] == 2)  # A, D
+        assert poll(lambda: pair.pulls.snapshot()["pull_answers_unexpected"] == 2, 5.0, scaled=True)  # A, D
         assert all(not page.any() for page in pages_a)
         stats = pair.receiver.stats()
         assert (stats["pull_pages_served"], stats["pull_pages_expired"]) == (2 + 2, 2)
@@ -333,7 +324,7 @@ def test_a_pull_from_a_decode_gone_mid_pull_is_never_answered(tmp_path) -> None:
         pages = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in keys]
         ticket = pair.pulls.start(pair.source, keys, pages, pair.spec, timeout_s=0.3)
         assert ticket is not None
-        assert not wait_for(lambda: ticket.finished, 0.5, scaled=False)
+        assert not poll(lambda: ticket.finished, 0.5)
         pair.pulls.finish(ticket)
         assert pair.pulls.snapshot()["pull_timeouts"] == 1 and ticket.ok == [False, False]
         assert all(not page.any() for page in pages)
