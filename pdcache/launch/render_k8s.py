@@ -125,7 +125,7 @@ def cluster_overrides(topology: Topology) -> list[str]:
 def _storage_overrides(topology: Topology) -> list[str]:
     storage = topology.storage
     sets = []
-    if storage.backend in ("hf3fs", "file"):
+    if _stores_in_a_directory(topology):
         sets.append(f"storage.path={json.dumps(f'{DATA_DIR}/storage')}")
     if storage.uses_metadata_service:
         _, port = storage.metadata_address  # type: ignore[misc]
@@ -144,6 +144,11 @@ def _storage_overrides(topology: Topology) -> list[str]:
     return sets
 
 
+def _stores_in_a_directory(topology: Topology) -> bool:
+    """hf3fs and file keep pages in a directory every node mounts (Mooncake Store does not)."""
+    return topology.storage.backend in ("hf3fs", "file")
+
+
 def _check_renderable(topology: Topology) -> None:
     k, source = topology.kubernetes, topology.source
     if topology.router is not None and topology.router.api_key is not None:
@@ -158,7 +163,7 @@ def _check_renderable(topology: Topology) -> None:
         if node.command is not None:
             raise TopologyError(source, f"node.{node.name}.command",
                                 "a custom command cannot be rendered for a cluster")
-    if topology.storage.backend in ("hf3fs", "file") and not k.storage_volume:
+    if _stores_in_a_directory(topology) and not k.storage_volume:
         raise TopologyError(source, "kubernetes.storage_volume", f"storage backend "
                             f"'{topology.storage.backend}' needs a volume every node shares: "
                             '"pvc:CLAIM" (ReadWriteMany) or "hostpath:/3fs/mount"')
@@ -236,7 +241,7 @@ def _node_role(topology: Topology, role: str, specs: list[ProcessSpec],
     process = replace(first, argv=_without_node_flag(first.argv))
     return Role(role, len(specs), process, tuple(ports), _http_probe(port), names,
                 tuple(_role_name(s) for s in services), needs_gpu=True,
-                mounts_storage=topology.storage.backend in ("hf3fs", "file"))
+                mounts_storage=_stores_in_a_directory(topology))
 
 
 def _without_node_flag(argv: Sequence[str]) -> tuple[str, ...]:

@@ -10,14 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdcache.engine.config import dtype_name
 from pdcache.engine.kv_geometry import KVGeometry
-
-# --------------------------------------------------------------------------- keys
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
 
 # --------------------------------------------------------------------------- host pool pages
 
