@@ -26,6 +26,19 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
   fi
 fi
 
+# etcd (the replicated hf3fs metadata and Mooncake's master HA: their tests, configs/local-ha.toml)
+# and redis-server (`pdcache bench metadata --redis`).
+if ! command -v etcd >/dev/null || ! command -v redis-server >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing etcd-server and redis-server (replicated metadata tests)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq --no-install-recommends etcd-server redis-server) >/dev/null 2>&1 \
+      || echo "[setup] WARNING: etcd/redis unavailable; the replicated-metadata tests skip" >&2
+  else
+    echo "[setup] WARNING: etcd missing and cannot apt-get it; the replicated-metadata tests skip" >&2
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   "$PY" -m venv .venv

@@ -26,6 +26,7 @@ TABLES: tuple[tuple[str, type], ...] = (
     ("scheduler", schema.SchedulerSpec),
     ("storage", schema.StorageSpec),
     ("storage.metadata_service", schema.MetadataServiceSpec),
+    ("storage.etcd", schema.EtcdSpec),
     ("storage.mooncake", schema.MooncakeStoreSpec),
     ("transfer", schema.TransferSpec),
     ("router", schema.RouterSpec),

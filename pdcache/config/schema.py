@@ -195,6 +195,23 @@ class MetadataServiceSpec:
     start: bool = True  # the launcher starts it; false when it runs elsewhere already
     bind_host: str | None = None  # defaults to the host of storage.metadata
     state_dir: str = "./.pdcache/metadata"  # where the metadata service keeps its SQLite index
+    # where the index lives: "sqlite" (one replica, one host) or "etcd" (every address of
+    # storage.metadata is a replica; they elect a leader on [storage.etcd]; docs/design.md §4.4)
+    store: Literal["sqlite", "etcd"] = "sqlite"
+    lease_ttl_s: int = 3  # store etcd: how long a dead leader keeps the lead (>= 2)
+
+
+@dataclass(frozen=True)
+class EtcdSpec:
+    """`[storage.etcd]`: the etcd cluster the replicated hf3fs metadata (or Mooncake's masters
+    in HA mode) run on."""
+
+    endpoints: tuple[str, ...] = ()  # client HOST:PORT of every member
+    # the launcher starts one local member per endpoint (peer port = client port + 1); false
+    # when the cluster runs elsewhere already
+    start: bool = True
+    data_dir: str = "./.pdcache/etcd"  # members' data (the launcher's members), one dir each
+    prefix: str = "/pdcache/metadata"  # key prefix of this deployment's index
 
 
 @dataclass(frozen=True)
@@ -209,10 +226,21 @@ class MooncakeStoreSpec:
     local_buffer_size: int = _size(default=64 * 2**20)  # each node's local transfer buffer
     protocol: Literal["tcp", "rdma"] = "tcp"  # the store's transfer protocol
     devices: tuple[str, ...] = ()  # RDMA NICs for the store (protocol rdma)
+    # masters elect a leader on [storage.etcd] and replicate through Mooncake's etcd op-log
+    # (mooncake_master --enable_ha --enable_oplog): `master` then lists every master,
+    # comma-separated, and clients find the leader through etcd (metadata_server must be
+    # "P2PHANDSHAKE": an embedded HTTP metadata server would die with its master)
+    ha: bool = False
+    cluster_id: str = "pdcache"  # ha: the masters' --cluster_id, the clients' too
 
     @property
     def master_address(self) -> tuple[str, int]:
-        return split_host_port(self.master)
+        """(host, port) of the (first) master."""
+        return self.master_addresses[0]
+
+    @property
+    def master_addresses(self) -> tuple[tuple[str, int], ...]:
+        return tuple(split_host_port(a.strip()) for a in self.master.split(",") if a.strip())
 
     @property
     def http_metadata_address(self) -> tuple[str, int] | None:
@@ -233,7 +261,9 @@ class StorageSpec:
     capacity: int = _size(default=4 * 2**30)  # bytes of stored pages before eviction
     # hf3fs: posix files, or usrbio (the 3FS native client)
     io_engine: Literal["posix", "usrbio"] = "posix"
-    metadata: str = "inproc"  # "inproc" or "tcp://HOST:PORT" (the shared metadata service)
+    # "inproc" or "tcp://HOST:PORT" (the shared metadata service); with metadata_service.store
+    # "etcd", one address per replica, comma-separated
+    metadata: str = "inproc"
     # storage namespace: deployments with different ones never share pages
     namespace: str = "default"
     # conversation-scoped lifecycle (docs/design.md §4.4): "lru" or "session" (active sessions'
@@ -251,6 +281,7 @@ class StorageSpec:
     # "Verified beside the read")
     page_pipeline: Literal["auto", "on", "off"] = "auto"
     metadata_service: MetadataServiceSpec = field(default_factory=MetadataServiceSpec)
+    etcd: EtcdSpec = field(default_factory=EtcdSpec)
     mooncake: MooncakeStoreSpec = field(default_factory=MooncakeStoreSpec)
     # Chaos/test only, never in a deployment (docs/chaos.md): an absolute path of a control
     # file whose number is a delay (s) every storage call waits; set by `pdcache bench chaos`.
@@ -262,14 +293,29 @@ class StorageSpec:
 
     @property
     def metadata_address(self) -> tuple[str, int] | None:
-        """(host, port) of the metadata service, or None when metadata is in-process."""
+        """(host, port) of the (first) metadata service, or None when metadata is in-process."""
+        addresses = self.metadata_addresses
+        return addresses[0] if addresses else None
+
+    @property
+    def metadata_addresses(self) -> tuple[tuple[str, int], ...]:
+        """(host, port) of every metadata-service replica; () when metadata is in-process."""
         if self.metadata == "inproc":
-            return None
-        return split_host_port(self.metadata.removeprefix("tcp://"))
+            return ()
+        return tuple(split_host_port(a.strip().removeprefix("tcp://"))
+                     for a in self.metadata.split(",") if a.strip())
 
     @property
     def uses_metadata_service(self) -> bool:
         return self.backend == "hf3fs" and self.metadata_address is not None
+
+    @property
+    def uses_etcd(self) -> bool:
+        """Something keeps its state on [storage.etcd]: the hf3fs metadata replicas, or the
+        Mooncake masters in HA mode."""
+        if self.backend == "mooncake":
+            return self.mooncake.ha
+        return self.uses_metadata_service and self.metadata_service.store == "etcd"
 
 
 @dataclass(frozen=True)
@@ -378,6 +424,8 @@ class KubernetesSpec:
     name: str = "pdcache"  # the group's name: pods, services and DNS names derive from it
     namespace: str = "default"  # the namespace of every manifest
     image: str = "pdcache:0.1.0"  # an image with pdcache installed (docs/kubernetes.md)
+    # the etcd members' image, when [storage.etcd] start = true renders them (an etcd 3.4+)
+    etcd_image: str = "quay.io/coreos/etcd:v3.5.17"
     # the containers' imagePullPolicy
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     secret_name: str = "pdcache-cluster-secret"  # Secret with key `cluster.secret` (+ tenants')

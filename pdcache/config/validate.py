@@ -113,8 +113,8 @@ def _check_storage(storage: StorageSpec, ctx: ErrorContext) -> None:
         raise ctx.error("storage.backend", f'expected one of {names}, got "{storage.backend}"')
     if storage.write_delay_s < 0:
         raise ctx.error("storage.write_delay_s", f"expected a number >= 0, got {storage.write_delay_s}")
-    if storage.metadata != "inproc" and not re.match(r"^tcp://[^:/\s]+:\d{1,5}$", storage.metadata):
-        raise ctx.error("storage.metadata", f'expected "inproc" or "tcp://HOST:PORT", got "{storage.metadata}"')
+    _check_metadata_replicas(storage, ctx)
+    _check_etcd(storage, ctx)
     if storage.io_engine == "usrbio" and storage.backend != "hf3fs":
         raise ctx.error("storage.io_engine", f'"usrbio" is the 3FS client; it needs backend = "hf3fs", not "{storage.backend}"')
     if storage.capacity < 1:
@@ -126,8 +126,9 @@ def _check_storage(storage: StorageSpec, ctx: ErrorContext) -> None:
     if storage.fault_injection:
         _check_fault_injection(storage, ctx)
     if storage.backend == "mooncake":
+        _check_mooncake_ha(storage, ctx)
         try:
-            split_host_port(storage.mooncake.master)
+            _ = storage.mooncake.master_addresses
         except ValueError as exc:
             raise ctx.error("storage.mooncake.master", f"expected HOST:PORT ({exc})") from exc
 
@@ -245,6 +246,57 @@ def _check_shape(topology: Topology, ctx: ErrorContext) -> None:
         raise ctx.error("router", "missing [router] table: a PD topology needs a router in front of its nodes")
 
 
+def _check_metadata_replicas(storage: StorageSpec, ctx: ErrorContext) -> None:
+    """`storage.metadata`: "inproc", one tcp address, or (store etcd) one per replica."""
+    addresses = [a.strip() for a in storage.metadata.split(",")]
+    if storage.metadata != "inproc" and not all(
+        re.match(r"^tcp://[^:/\s]+:\d{1,5}$", a) for a in addresses
+    ):
+        raise ctx.error("storage.metadata", f'expected "inproc" or "tcp://HOST:PORT", got '
+                        f'"{storage.metadata}" (replicas on store "etcd": several, comma-separated)')
+    service = storage.metadata_service
+    if len(set(addresses)) != len(addresses):
+        raise ctx.error("storage.metadata", "a replica address is listed twice")
+    if len(addresses) > 1 and service.store != "etcd":
+        raise ctx.error("storage.metadata", f"{len(addresses)} metadata replicas need "
+                        'storage.metadata_service.store = "etcd" (SQLite is one process)')
+    if service.store == "etcd" and service.lease_ttl_s < 2:
+        raise ctx.error("storage.metadata_service.lease_ttl_s",
+                        f"etcd grants leases of 2 s or more, got {service.lease_ttl_s}")
+
+
+def _check_etcd(storage: StorageSpec, ctx: ErrorContext) -> None:
+    """`[storage.etcd]`, when something keeps its state there."""
+    etcd = storage.etcd
+    if not storage.uses_etcd:
+        return
+    if not etcd.endpoints:
+        user = ("storage.mooncake.ha" if storage.backend == "mooncake"
+                else 'storage.metadata_service.store = "etcd"')
+        raise ctx.error("storage.etcd.endpoints", f"{user} needs the etcd members' HOST:PORT "
+                        '(e.g. ["127.0.0.1:2379", "127.0.0.1:2381", "127.0.0.1:2383"])')
+    for endpoint in etcd.endpoints:
+        if not re.match(r"^[^:/\s]+:\d{1,5}$", endpoint):
+            raise ctx.error("storage.etcd.endpoints", f'expected "HOST:PORT", got "{endpoint}"')
+    if not etcd.prefix.startswith("/") or etcd.prefix.rstrip("/") == "":
+        raise ctx.error("storage.etcd.prefix", f'expected a key prefix like "/pdcache/metadata", '
+                        f'got "{etcd.prefix}"')
+
+
+def _check_mooncake_ha(storage: StorageSpec, ctx: ErrorContext) -> None:
+    mooncake = storage.mooncake
+    masters = mooncake.master.split(",")
+    if len(masters) > 1 and not mooncake.ha:
+        raise ctx.error("storage.mooncake.master", f"{len(masters)} masters need "
+                        "storage.mooncake.ha = true (they elect a leader on [storage.etcd])")
+    if mooncake.ha and mooncake.http_metadata_address is not None:
+        raise ctx.error("storage.mooncake.metadata_server", 'with ha = true use "P2PHANDSHAKE": '
+                        "an HTTP metadata server embedded in a master dies with it")
+    if mooncake.ha and not re.match(r"^[A-Za-z0-9_.-]+$", mooncake.cluster_id):
+        raise ctx.error("storage.mooncake.cluster_id",
+                        f'expected letters, digits, "_.-", got "{mooncake.cluster_id}"')
+
+
 def _check_shared_inproc_metadata(topology: Topology, ctx: ErrorContext) -> None:
     """Two processes with private in-process 3FS metadata would hand out the same slots."""
     if topology.storage.backend != "hf3fs" or topology.storage.metadata != "inproc":
@@ -293,16 +345,22 @@ def _listening_ports(topology: Topology) -> list[tuple[str, int, str]]:
             ports.append((node.host, node.bootstrap_port, f"node.{node.name}.bootstrap_port"))
     storage = topology.storage
     if storage.uses_metadata_service and storage.metadata_service.start:
-        host, port = storage.metadata_address  # type: ignore[misc]
-        ports.append((host, port, "storage.metadata"))
+        ports += [(host, port, "storage.metadata") for host, port in storage.metadata_addresses]
+    if storage.uses_etcd and storage.etcd.start:
+        for endpoint in storage.etcd.endpoints:
+            host, port = split_host_port(endpoint)
+            ports += [(host, port, "storage.etcd.endpoints"),
+                      (host, port + 1, "storage.etcd.endpoints (peer port = client port + 1)")]
     if storage.backend == "mooncake" and storage.mooncake.start_master:
         ports.extend(_mooncake_ports(storage.mooncake))
     return ports
 
 
 def _mooncake_ports(spec: MooncakeStoreSpec) -> list[tuple[str, int, str]]:
-    host, port = spec.master_address
-    ports = [(host, port, "storage.mooncake.master"), (host, spec.metrics_port, "storage.mooncake.metrics_port")]
+    ports = []
+    for index, (host, port) in enumerate(spec.master_addresses):  # master i: metrics_port + i
+        ports += [(host, port, "storage.mooncake.master"),
+                  (host, spec.metrics_port + index, "storage.mooncake.metrics_port")]
     http = spec.http_metadata_address
     if http is not None:
         ports.append((http[0], http[1], "storage.mooncake.metadata_server"))
@@ -377,9 +435,9 @@ def _internal_binds(topology: Topology) -> list[tuple[str, str]]:
     binds = [(n.host, f"node.{n.name}.host") for n in topology.nodes]
     storage = topology.storage
     if storage.uses_metadata_service and storage.metadata_service.start:
-        host, _ = storage.metadata_address  # type: ignore[misc]
-        bind = storage.metadata_service.bind_host or host
-        binds.append((bind, "storage.metadata_service.bind_host"))
+        for host, _ in storage.metadata_addresses:
+            bind = storage.metadata_service.bind_host or host
+            binds.append((bind, "storage.metadata_service.bind_host"))
     return binds
 
 
@@ -401,9 +459,11 @@ def deployment_hosts(topology: Topology) -> list[str]:
     hosts = list(topology.hosts())
     storage = topology.storage
     if storage.uses_metadata_service:
-        hosts.append(storage.metadata_address[0])  # type: ignore[index]
+        hosts += [host for host, _ in storage.metadata_addresses]
+    if storage.uses_etcd:
+        hosts += [split_host_port(e)[0] for e in storage.etcd.endpoints]
     if storage.backend == "mooncake":
-        hosts.append(storage.mooncake.master_address[0])
+        hosts += [host for host, _ in storage.mooncake.master_addresses]
     machines = ["local" if is_loopback(h) or is_wildcard(h) else h for h in hosts]
     return list(dict.fromkeys(machines))
 

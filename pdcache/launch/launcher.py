@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import http.client
+import ipaddress
 import json
 import os
 import shlex
@@ -32,6 +33,8 @@ from typing import IO, Literal
 import psutil
 
 from pdcache.config import NodeSpec, Topology, TopologyError
+from pdcache.config.schema import split_host_port
+from pdcache.offload_manager.storage.etcd_cluster import member_argv, member_name
 from pdcache.offload_manager.storage.lifecycle import StorageEviction
 
 NODE_SUBCOMMANDS = {"prefill": "prefill", "decode": "decode", "unified": "serve"}
@@ -72,7 +75,7 @@ class ProcessSpec:
     """One process to run: command, where it runs, how to tell it is up, what it serves."""
 
     name: str
-    role: str  # metadata | mooncake_master | prefill | decode | unified | router | ssh
+    role: str  # etcd | metadata | mooncake_master | prefill | decode | unified | router | ssh
     host: str
     argv: tuple[str, ...]
     stage: int
@@ -104,51 +107,110 @@ def build_process_specs(
 
 def _service_specs(topology: Topology, python: str) -> list[ProcessSpec]:
     storage, specs = topology.storage, []
+    if storage.uses_etcd and storage.etcd.start:
+        specs += etcd_specs(topology)
     if storage.uses_metadata_service and storage.metadata_service.start:
-        host, port = storage.metadata_address  # type: ignore[misc]
-        bind = storage.metadata_service.bind_host or host
-        argv = (python, "-m", "pdcache", "metadata-server", "--host", bind, "--port", str(port),
-                "--state-dir", storage.metadata_service.state_dir)
-        if topology.security.secret_file is not None:
-            argv += ("--secret-file", topology.security.secret_file)
-        argv += tuple(StorageEviction(
-            storage.eviction, storage.session_protect_share, storage.session_protect_bytes,
-            storage.session_idle_s).server_argv())
-        specs.append(ProcessSpec("metadata", "metadata", host, argv, STAGE_SERVICES,
-                                 (HealthCheck("tcp", host, port),), {"metadata": storage.metadata},
-                                 ports=(PortUse(bind, port, "storage.metadata"),)))
+        replicas = storage.metadata_addresses
+        for index, (host, port) in enumerate(replicas):
+            name = "metadata" if len(replicas) == 1 else f"metadata-{index}"
+            specs.append(_metadata_spec(topology, python, name, host, port))
     if storage.backend == "mooncake" and storage.mooncake.start_master:
-        specs.append(_mooncake_master_spec(topology, python))
+        specs += _mooncake_master_specs(topology, python)
     return specs
 
 
-def mooncake_master_argv(topology: Topology, executable: str = "mooncake_master") -> tuple[str, ...]:
-    """mooncake_master flags (its gflags: rpc_address/rpc_port, embedded HTTP metadata server)."""
+def _metadata_spec(topology: Topology, python: str, name: str, host: str, port: int) -> ProcessSpec:
+    """One `pdcache metadata-server` (a replica, with store etcd)."""
+    bind = topology.storage.metadata_service.bind_host or host
+    argv = (python, "-m", "pdcache", "metadata-server", *metadata_server_args(topology, host, port))
+    if topology.security.secret_file is not None:
+        argv += ("--secret-file", topology.security.secret_file)
+    return ProcessSpec(name, "metadata", host, argv, STAGE_SERVICES, (HealthCheck("tcp", host, port),),
+                       {"metadata": f"tcp://{host}:{port}"},
+                       ports=(PortUse(bind, port, "storage.metadata"),))
+
+
+def metadata_server_args(topology: Topology, host: str, port: int) -> tuple[str, ...]:
+    """`pdcache metadata-server` flags of the replica at host:port (no secret)."""
+    storage, service = topology.storage, topology.storage.metadata_service
+    args: tuple[str, ...] = ("--host", service.bind_host or host, "--port", str(port),
+                             "--state-dir", service.state_dir)
+    if service.store == "etcd":
+        args += ("--store", "etcd", "--etcd-endpoints", ",".join(storage.etcd.endpoints),
+                 "--etcd-prefix", storage.etcd.prefix, "--lease-ttl", str(service.lease_ttl_s),
+                 "--advertise", f"tcp://{host}:{port}")
+    return args + tuple(StorageEviction(
+        storage.eviction, storage.session_protect_share, storage.session_protect_bytes,
+        storage.session_idle_s).server_argv())
+
+
+def etcd_specs(topology: Topology) -> list[ProcessSpec]:
+    """One etcd member per `[storage.etcd] endpoints` entry (peer port = client port + 1)."""
+    etcd = topology.storage.etcd
+    endpoints = [split_host_port(e) for e in etcd.endpoints]
+    specs = []
+    for index, (host, port) in enumerate(endpoints):
+        # etcd listens on addresses only: a member named by a host name listens on all
+        listen = host if _is_ip(host) else "0.0.0.0"
+        argv = member_argv(endpoints, index, f"{etcd.data_dir}/{member_name(index)}",
+                           listen_host=listen)
+        specs.append(ProcessSpec(f"etcd-{index}", "etcd", host, tuple(argv), STAGE_SERVICES,
+                                 (HealthCheck("tcp", host, port),), {"client": f"{host}:{port}"},
+                                 ports=(PortUse(host, port, "storage.etcd.endpoints"),
+                                        PortUse(host, port + 1, "storage.etcd.endpoints"))))
+    return specs
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def mooncake_master_argv(topology: Topology, executable: str = "mooncake_master",
+                         index: int = 0) -> tuple[str, ...]:
+    """Master `index`'s flags (its gflags: rpc_address/rpc_port, embedded HTTP metadata server;
+    with ha, leader election and the op-log on [storage.etcd]; master i's metrics port is
+    metrics_port + i)."""
     spec = topology.storage.mooncake
-    host, port = spec.master_address
+    host, port = spec.master_addresses[index]
     argv = [executable, f"--rpc_address={host}", f"--rpc_port={port}",
-            f"--metrics_host={host}", f"--metrics_port={spec.metrics_port}"]
+            f"--metrics_host={host}", f"--metrics_port={spec.metrics_port + index}"]
     http = spec.http_metadata_address
     if http is not None:
         argv += ["--enable_http_metadata_server=true", f"--http_metadata_server_host={http[0]}",
                  f"--http_metadata_server_port={http[1]}"]
+    if spec.ha:
+        argv += ["--enable_ha=true", "--ha_backend_type=etcd",
+                 f"--etcd_endpoints={';'.join(topology.storage.etcd.endpoints)}",
+                 "--enable_oplog=true", f"--cluster_id={spec.cluster_id}"]
     return tuple(argv)
 
 
-def _mooncake_master_spec(topology: Topology, python: str) -> ProcessSpec:
+def _mooncake_master_specs(topology: Topology, python: str) -> list[ProcessSpec]:
     spec = topology.storage.mooncake
-    host, port = spec.master_address
     beside_python = Path(python).parent / "mooncake_master"
     executable = str(beside_python) if beside_python.exists() else "mooncake_master"
-    checks = [HealthCheck("tcp", host, port)]
-    ports = [PortUse(host, port, "storage.mooncake.master")]
-    if spec.http_metadata_address is not None:
-        checks.append(HealthCheck("tcp", *spec.http_metadata_address))
-        ports.append(PortUse(*spec.http_metadata_address, "storage.mooncake.metadata_server"))
-    endpoints = {"rpc": spec.master, "metadata": spec.metadata_server}
-    return ProcessSpec("mooncake_master", "mooncake_master", host,
-                       mooncake_master_argv(topology, executable), STAGE_SERVICES, tuple(checks),
-                       endpoints, {"MC_TCP_BIND_ADDRESS": host}, tuple(ports))
+    masters = spec.master_addresses
+    out = []
+    for index, (host, port) in enumerate(masters):
+        # a standby master (ha) opens its rpc port only once it leads: ready = its metrics port
+        metrics = spec.metrics_port + index
+        checks = [HealthCheck("tcp", host, metrics if spec.ha else port)]
+        ports = [PortUse(host, port, "storage.mooncake.master"),
+                 PortUse(host, metrics, "storage.mooncake.metrics_port")]
+        if spec.http_metadata_address is not None:
+            checks.append(HealthCheck("tcp", *spec.http_metadata_address))
+            ports.append(PortUse(*spec.http_metadata_address, "storage.mooncake.metadata_server"))
+        endpoints = {"rpc": f"{host}:{port}", "metadata": spec.metadata_server}
+        name = "mooncake_master" if len(masters) == 1 else f"mooncake_master-{index}"
+        out.append(ProcessSpec(name, "mooncake_master", host,
+                               mooncake_master_argv(topology, executable, index), STAGE_SERVICES,
+                               tuple(checks), endpoints, {"MC_TCP_BIND_ADDRESS": host},
+                               tuple(ports)))
+    return out
 
 
 def _pdcache_argv(python: str, sub: str, config: str, name: str, topology: Topology) -> list[str]:

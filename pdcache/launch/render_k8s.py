@@ -1,6 +1,7 @@
 """`pdcache launch CONFIG --render k8s`: the topology as Kubernetes manifests (docs/kubernetes.md).
 
-One role per process kind: `metadata` (the hf3fs metadata service), `mooncake-master`,
+One role per process kind: `etcd` (the members of `[storage.etcd]`, when the topology starts
+them), `metadata` (the hf3fs metadata service, one pod per replica), `mooncake-master`,
 `prefill`, `decode`, `unified`, `router`; a role's replicas are the topology's nodes of that
 kind, so the P:D ratio is the topology's by construction. Two layouts of the same roles:
 
@@ -29,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from pdcache.config import NodeSpec, Topology, TopologyError, load_topology
+from pdcache.config.schema import split_host_port
 from pdcache.launch.launcher import ProcessSpec, build_process_specs
+from pdcache.offload_manager.storage.etcd_cluster import member_argv
 
 RBG_API = "workloads.x-k8s.io/v1alpha2"
 CONFIG_DIR = "/etc/pdcache"
@@ -38,6 +41,7 @@ SECRET_DIR = "/etc/pdcache/secret"
 SECRET_KEY = "cluster.secret"
 DATA_DIR = "/var/lib/pdcache"
 MODEL_DIR = "/var/lib/pdcache-model"
+ETCD_DIR = "/var/lib/etcd"
 PYTHON = "python"
 # the pod label carrying a pod's index within its role
 INDEX_LABEL = {"rbg": "rbg.workloads.x-k8s.io/role-instance-index",
@@ -72,6 +76,7 @@ class Role:
     needs_gpu: bool = False
     mounts_storage: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    image: str = ""  # the container image when not `[kubernetes] image` (etcd's own)
 
 
 def render_k8s(topology: Topology, mode: str | None = None) -> list[dict[str, Any]]:
@@ -129,14 +134,23 @@ def _storage_overrides(topology: Topology) -> list[str]:
         sets.append(f"storage.path={json.dumps(f'{DATA_DIR}/storage')}")
     if storage.uses_metadata_service:
         _, port = storage.metadata_address  # type: ignore[misc]
-        address = f"tcp://{dns_name(topology, 'metadata', 0)}:{port}"
+        address = ",".join(f"tcp://{dns_name(topology, 'metadata', i)}:{port}"
+                           for i in range(len(storage.metadata_addresses)))
         sets += [f"storage.metadata={json.dumps(address)}",
                  'storage.metadata_service.bind_host="0.0.0.0"',
                  f"storage.metadata_service.state_dir={json.dumps(f'{DATA_DIR}/metadata')}"]
+    if storage.uses_etcd and storage.etcd.start:
+        port = split_host_port(storage.etcd.endpoints[0])[1]  # every pod: the same ports
+        members = [f"{dns_name(topology, 'etcd', i)}:{port}"
+                   for i in range(len(storage.etcd.endpoints))]
+        sets += [f"storage.etcd.endpoints={json.dumps(members)}",
+                 f"storage.etcd.data_dir={json.dumps(ETCD_DIR)}"]
     if storage.backend == "mooncake" and storage.mooncake.start_master:
         master = dns_name(topology, "mooncake-master", 0)
         _, port = storage.mooncake.master_address
-        sets.append(f"storage.mooncake.master={json.dumps(f'{master}:{port}')}")
+        masters = ",".join(f"{dns_name(topology, 'mooncake-master', i)}:{port}"
+                           for i in range(len(storage.mooncake.master_addresses)))
+        sets.append(f"storage.mooncake.master={json.dumps(masters)}")
         http = storage.mooncake.http_metadata_address
         if http is not None:
             url = f"http://{master}:{http[1]}/metadata"
@@ -196,9 +210,12 @@ def _roles(topology: Topology, placed: Topology) -> list[Role]:
     for spec in specs:
         by_role.setdefault(spec.role, []).append(spec)
     roles = []
-    services = tuple(r for r in ("metadata", "mooncake_master") if r in by_role)
+    services = tuple(r for r in ("etcd", "metadata", "mooncake_master") if r in by_role)
     for name in services:
-        roles.append(_service_role(name, by_role[name][0]))
+        if name == "etcd":
+            roles.append(_etcd_role(placed))
+        else:
+            roles.append(_service_role(topology, name, by_role[name], "etcd" in by_role))
     node_roles = tuple(r for r in NODE_ROLES if r in by_role)
     for name in node_roles:
         roles.append(_node_role(topology, name, by_role[name], services))
@@ -214,13 +231,40 @@ def _role_name(process_role: str) -> str:
     return process_role.replace("_", "-")
 
 
-def _service_role(name: str, spec: ProcessSpec) -> Role:
+def _etcd_role(placed: Topology) -> Role:
+    """The etcd members, pod i = member i: named after its pod, listening on every address,
+    advertising its DNS name; data in the pod's own volume (docs/kubernetes.md)."""
+    k = placed.kubernetes
+    endpoints = [split_host_port(e) for e in placed.storage.etcd.endpoints]
+    names = [f"{k.name}-etcd-{i}" for i in range(len(endpoints))]
+    argv = member_argv(endpoints, 0, f"{ETCD_DIR}/$(POD_NAME)", names=names,
+                       own_name="$(POD_NAME)", own_host=f"$(POD_NAME).s-{k.name}-etcd",
+                       listen_host="0.0.0.0", cluster_token=k.name)
+    port = endpoints[0][1]
+    spec = ProcessSpec("etcd", "etcd", "", tuple(argv), 0)
+    return Role("etcd", len(endpoints), spec, (("client", port), ("peer", port + 1)),
+                {"tcpSocket": {"port": port}}, image=k.etcd_image)
+
+
+def _service_role(topology: Topology, name: str, specs: list[ProcessSpec],
+                  after_etcd: bool = False) -> Role:
+    spec = specs[0]
     if name == "mooncake_master":
         argv = tuple(_bind_all(arg) for arg in spec.argv)
+        if topology.storage.mooncake.ha:  # a leader publishes its rpc address in etcd
+            argv = tuple("--rpc_address=$(POD_IP)" if a.startswith("--rpc_address=") else a
+                         for a in argv)
         spec = replace(spec, argv=argv)
-    ports = tuple((f"p{i}", check.port) for i, check in enumerate(spec.health))
-    return Role(_role_name(name), 1, spec, ports, {"tcpSocket": {"port": ports[0][1]}},
-                mounts_storage=name == "metadata")
+    ports = tuple((f"p{i}", use.port) for i, use in enumerate(spec.ports))
+    probe = {"tcpSocket": {"port": spec.health[0].port}}  # a standby master: its metrics port
+    if "--advertise" in spec.argv:  # metadata replicas on etcd: each pod advertises its name
+        at = spec.argv.index("--advertise") + 1
+        own = f"tcp://$(POD_NAME).s-{topology.kubernetes.name}-metadata:{ports[0][1]}"
+        spec = replace(spec, argv=(*spec.argv[:at], own, *spec.argv[at + 1:]))
+    return Role(_role_name(name), len(specs), spec, ports, probe,
+                depends_on=("etcd",) if after_etcd and name != "etcd" else (),
+                mounts_storage=name == "metadata" and topology.storage.metadata_service.store
+                == "sqlite")
 
 
 def _bind_all(arg: str) -> str:
@@ -347,7 +391,7 @@ def _container(topology: Topology, role: Role, mode: str) -> dict[str, Any]:
     if role.node_names:
         argv = ["sh", "-c", NODE_SCRIPT, "pdcache-node", *argv]
     container: dict[str, Any] = {
-        "name": role.name, "image": k.image, "imagePullPolicy": k.image_pull_policy,
+        "name": role.name, "image": role.image or k.image, "imagePullPolicy": k.image_pull_policy,
         "command": argv, "env": _env(topology, role, mode),
         "ports": [{"name": n, "containerPort": p} for n, p in role.ports],
         "resources": _resources(topology, role), "volumeMounts": _mounts(topology, role),
@@ -365,6 +409,10 @@ def _env(topology: Topology, role: Role, mode: str) -> list[dict[str, Any]]:
     if "MC_TCP_BIND_ADDRESS" in role.process.env:  # Mooncake binds to the pod's own address
         env.append({"name": "MC_TCP_BIND_ADDRESS",
                     "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    if any("$(POD_NAME)" in arg for arg in role.process.argv):  # Kubernetes expands it
+        env.append({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+    if any("$(POD_IP)" in arg for arg in role.process.argv):
+        env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     if role.node_names:
         label = INDEX_LABEL[mode]
         env += [{"name": "PDCACHE_NODES", "value": " ".join(role.node_names)},
@@ -410,6 +458,8 @@ def _volumes(topology: Topology, role: Role) -> list[dict[str, Any]]:
     ]
     if role.mounts_storage:
         volumes.append({"name": "storage", **_volume_source(k.storage_volume)})
+    if role.name == "etcd":
+        volumes.append({"name": "etcd-data", "emptyDir": {}})
     if role.node_names and topology.model.path is not None:
         volumes.append({"name": "model", **_volume_source(k.model_volume)})
     if role.needs_gpu and k.rdma == "host-network":
@@ -432,6 +482,8 @@ def _mounts(topology: Topology, role: Role) -> list[dict[str, Any]]:
               {"name": "cluster-secret", "mountPath": SECRET_DIR, "readOnly": True}]
     if role.mounts_storage:
         mounts.append({"name": "storage", "mountPath": DATA_DIR})
+    if role.name == "etcd":
+        mounts.append({"name": "etcd-data", "mountPath": ETCD_DIR})
     if role.node_names and topology.model.path is not None:
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
     if role.needs_gpu and topology.kubernetes.rdma == "host-network":

@@ -41,9 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcache.config import CacheSpec, NodeSpec, Topology
-from pdcache.launch.launcher import mooncake_master_argv
+from pdcache.launch.launcher import etcd_specs, metadata_server_args, mooncake_master_argv
 from pdcache.offload_manager.storage.config import storage_keys_from_spec
-from pdcache.offload_manager.storage.lifecycle import StorageEviction
 
 SERVER = ("python3", "-m", "sglang.launch_server")
 ROUTER = ("python3", "-m", "sglang_router.launch_router")
@@ -81,10 +80,20 @@ KNOWN_FLAGS = {
     }),
     "metadata-server": frozenset({"--host", "--port", "--state-dir", "--eviction",  # pdcache's
                                   "--session-protect-share", "--session-protect-bytes",
-                                  "--session-idle-s"}),
+                                  "--session-idle-s", "--store", "--etcd-endpoints",
+                                  "--etcd-prefix", "--lease-ttl", "--advertise"}),
+    # etcd 3.4+ (`etcd --help`; the members of [storage.etcd], etcd_cluster.member_argv)
+    "etcd": frozenset({
+        "--name", "--data-dir", "--listen-client-urls", "--advertise-client-urls",
+        "--listen-peer-urls", "--initial-advertise-peer-urls", "--initial-cluster",
+        "--initial-cluster-state", "--initial-cluster-token", "--heartbeat-interval",
+        "--election-timeout", "--log-level", "--auto-compaction-mode",
+        "--auto-compaction-retention",
+    }),
     "mooncake_master": frozenset({
         "--rpc_address", "--rpc_port", "--metrics_host", "--metrics_port",
         "--enable_http_metadata_server", "--http_metadata_server_host", "--http_metadata_server_port",
+        "--enable_ha", "--ha_backend_type", "--etcd_endpoints", "--enable_oplog", "--cluster_id",
     }),
 }
 
@@ -197,17 +206,20 @@ def sglang_commands(topology: Topology) -> list[Command]:
 
 def _service_commands(topology: Topology) -> list[Command]:
     storage, out = topology.storage, []
+    if storage.uses_etcd and storage.etcd.start:
+        for spec in etcd_specs(topology):
+            out.append(Command(f"etcd member {spec.name}", spec.host, spec.argv[:1], spec.argv[1:]))
     if storage.uses_metadata_service and storage.metadata_service.start:
-        host, port = storage.metadata_address  # type: ignore[misc]
-        bind = storage.metadata_service.bind_host or host
-        args = ("--host", bind, "--port", str(port), "--state-dir", storage.metadata_service.state_dir,
-                *StorageEviction(storage.eviction, storage.session_protect_share,
-                                 storage.session_protect_bytes, storage.session_idle_s).server_argv())
-        out.append(Command("pdcache metadata service", host, METADATA_SERVER, args))
+        replicas = storage.metadata_addresses
+        for index, (host, port) in enumerate(replicas):
+            what = "pdcache metadata service" + (f" replica {index}" if len(replicas) > 1 else "")
+            out.append(Command(what, host, METADATA_SERVER, metadata_server_args(topology, host, port)))
     if storage.backend == "mooncake" and storage.mooncake.start_master:
-        host, _ = storage.mooncake.master_address
-        argv = mooncake_master_argv(topology)
-        out.append(Command("Mooncake Store master", host, argv[:1], argv[1:]))
+        masters = storage.mooncake.master_addresses
+        for index, (host, _) in enumerate(masters):
+            argv = mooncake_master_argv(topology, index=index)
+            what = "Mooncake Store master" + (f" {index}" if len(masters) > 1 else "")
+            out.append(Command(what, host, argv[:1], argv[1:]))
     return out
 
 

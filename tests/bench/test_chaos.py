@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 
 from pdcache.cli import main as pdcache_main
+from pdcache.offload_manager.storage.etcd_cluster import free_port_pairs
 from tests.net_support import free_ports
 
 pytestmark = pytest.mark.slow
@@ -48,9 +50,33 @@ def _mooncake(tmp_path: Path) -> tuple[str, list[str]]:
     ]
 
 
+def _hf3fs_ha(tmp_path: Path) -> tuple[str, list[str]]:
+    etcd_ports = free_port_pairs(3)  # a member's peer port is its client port + 1
+    taken = {p + d for p in etcd_ports for d in (0, 1)}
+    ports = [p for p in free_ports(16) if p not in taken][:8]
+    router, p0, boot0, p1, boot1, d0, meta0, meta1 = ports
+    members = [f"127.0.0.1:{port}" for port in etcd_ports]
+    return "configs/local-ha.toml", [
+        f"router.port={router}",
+        f"node.p0.port={p0}",
+        f"node.p0.bootstrap_port={boot0}",
+        f"node.p1.port={p1}",
+        f"node.p1.bootstrap_port={boot1}",
+        f"node.d0.port={d0}",
+        f'storage.metadata="tcp://127.0.0.1:{meta0},tcp://127.0.0.1:{meta1}"',
+        f"storage.etcd.endpoints={json.dumps(members)}",
+        f'storage.etcd.data_dir="{tmp_path / "etcd"}"',
+        f'storage.path="{tmp_path / "storage"}"',
+        'storage.capacity="256MiB"',
+        "storage.metadata_service.lease_ttl_s=2",
+    ]
+
+
 # Kinds every machine runs (no root needed): a soak must inject these, whatever it lacks.
 NEED_NO_PRIVILEGE = {"kill-prefill", "kill-decode", "kill-metadata", "freeze-node",
-                     "storage-corrupt", "storage-slow", "kill-mooncake-master"}
+                     "storage-corrupt", "storage-slow", "kill-mooncake-master",
+                     "kill-store-leader", "freeze-store-leader", "kill-metadata-leader",
+                     "freeze-metadata-leader"}
 
 WARMUP_S = 3
 SOAKS = {
@@ -68,12 +94,18 @@ SOAKS = {
                        "storage-full", "storage-corrupt", "storage-slow", "net-partition"],
               46, 20, 3.0),
     "mooncake": (_mooncake, ["kill-mooncake-master"], 14, 7, 4.0),
+    # 2 prefill + 1 decode on hf3fs whose metadata runs on 2 replicas over 3 etcd members:
+    # the leader of each is killed and frozen (a frozen one past its lease / election)
+    "hf3fs-ha": (_hf3fs_ha, ["kill-store-leader", "freeze-store-leader", "kill-metadata-leader",
+                             "freeze-metadata-leader"], 40, 16, 3.0),
 }
 
 
 @pytest.mark.parametrize("name", list(SOAKS))
 def test_seeded_soak_keeps_every_invariant(tmp_path: Path, name: str) -> None:
     topology, kinds, duration, tail, mean_gap = SOAKS[name]
+    if name == "hf3fs-ha" and (shutil.which("etcd") is None or find_spec("etcd3gw") is None):
+        pytest.skip("etcd or etcd3gw is not installed (scripts/setup.sh installs both)")
     if (
         name == "mooncake"
         and shutil.which("mooncake_master") is None
@@ -121,7 +153,8 @@ def test_seeded_soak_keeps_every_invariant(tmp_path: Path, name: str) -> None:
     # each invariant, from the JSON
     assert v["wrong_tokens"] == 0 and v["unanswered"] == 0
     assert v["requests_ok"] > 20 and v["oracle_checked"] == v["requests_ok"]
-    assert set(v["leaked_pages"]) == {"p0", "d0"} == set(v["leaked_rooms"])
+    nodes = {"p0", "p1", "d0"} if name == "hf3fs-ha" else {"p0", "d0"}
+    assert set(v["leaked_pages"]) == nodes == set(v["leaked_rooms"])
     assert all(n == 0 for n in (*v["leaked_pages"].values(), *v["leaked_rooms"].values()))
     unavailable = v["faults_unavailable"]
     assert set(v["faults"]) | set(unavailable) == set(kinds), (v["faults"], unavailable)

@@ -99,10 +99,13 @@ def test_storage_commands_read_every_shipped_topology(
         from pdcache.offload_manager.storage.mooncake_store import LocalMooncakeMaster
 
         storage = load_config(str(config), overrides)
-        assert (storage.backend, storage.mooncake_master) == ("mooncake", "127.0.0.1:50051")
+        ha = "ha = true" in config_text  # clients find the leading master through etcd
+        master = "etcd://127.0.0.1:2379;127.0.0.1:2381;127.0.0.1:2383" if ha else "127.0.0.1:50051"
+        assert (storage.backend, storage.mooncake_master) == ("mooncake", master)
         assert storage.page_bytes > 0 and storage.fingerprint
         with LocalMooncakeMaster() as master:
-            local = [*overrides, f'storage.mooncake.master="{master.address}"',
+            local = [*overrides, "storage.mooncake.ha=false",
+                     f'storage.mooncake.master="{master.address}"',
                      'storage.mooncake.metadata_server="P2PHANDSHAKE"',
                      'storage.mooncake.global_segment_size="16MiB"',
                      'storage.mooncake.local_buffer_size="16MiB"']

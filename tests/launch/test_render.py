@@ -179,6 +179,7 @@ record() { printf '%s\0' "$@" > "$CAPTURE/$BASHPID"; }
 python3() { if [ "$1" = -c ]; then command "$TEST_PYTHON" "$@"; else record python3 "$@"; fi; }
 pdcache() { record pdcache "$@"; }
 mooncake_master() { record mooncake_master "$@"; }
+etcd() { record etcd "$@"; }
 """
 
 

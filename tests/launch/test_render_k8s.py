@@ -238,3 +238,33 @@ def test_cli_writes_the_manifests(tmp_path: Path) -> None:
         [sys.executable, "-m", "pdcache", "launch", str(ROOT / "configs" / "local-1p1d.toml"),
          "--render", "k8s"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "kubernetes.storage_volume" in refused.stderr
+
+
+@pytest.mark.parametrize("mode", ["rbg", "plain"])
+def test_replicated_metadata_renders_its_etcd_members_and_replicas(mode: str) -> None:
+    """configs/local-ha.toml: an etcd role of 3 members that find each other by pod name, a
+    metadata role of 2 replicas each advertising its own pod name, on those members; every
+    node's topology names both replicas and the members."""
+    docs = _render(ROOT / "configs" / "local-ha.toml", mode)
+    validate_all(docs)
+    pods = _pods(docs)
+    (etcd_n, etcd_pod), (meta_n, meta_pod) = pods["etcd"], pods["metadata"]
+    assert (etcd_n, meta_n) == (3, 2)
+    etcd = _command(etcd_pod["containers"][0])
+    members = [f"pdcache-etcd-{i}.s-pdcache-etcd:2379" for i in range(3)]
+    cluster = etcd[etcd.index("--initial-cluster") + 1].split(",")
+    assert cluster == [f"pdcache-etcd-{i}=http://{m.replace(':2379', ':2380')}"
+                       for i, m in enumerate(members)]
+    assert etcd[etcd.index("--name") + 1] == "$(POD_NAME)"  # = the member name above
+    assert etcd_pod["containers"][0]["image"].startswith("quay.io/coreos/etcd:")
+    meta = _command(meta_pod["containers"][0])
+    assert meta[meta.index("--etcd-endpoints") + 1].split(",") == members
+    assert meta[meta.index("--advertise") + 1] == "tcp://$(POD_NAME).s-pdcache-metadata:18000"
+    for pod in (etcd_pod, meta_pod):  # $(POD_NAME): the pod's own name, expanded by Kubernetes
+        assert any(e["name"] == "POD_NAME" and e["valueFrom"]["fieldRef"]["fieldPath"]
+                   == "metadata.name" for e in pod["containers"][0]["env"])
+    prefill = _command(pods["prefill"][1]["containers"][0])
+    seen = load_topology(ROOT / "configs" / "local-ha.toml", [*VOLUMES, *_sets(prefill)])
+    assert seen.storage.metadata.split(",") == [
+        f"tcp://pdcache-metadata-{i}.s-pdcache-metadata:18000" for i in range(2)]
+    assert list(seen.storage.etcd.endpoints) == members

@@ -1,6 +1,7 @@
 """Every fault kind `pdcache bench chaos --faults` knows: `FAULTS`, kind -> Fault class.
 
-The process faults (`process_faults`), the storage faults (`storage_faults`) and the network
+The process faults (`process_faults`), the leader faults of a replicated store
+(`leader_faults`), the storage faults (`storage_faults`) and the network
 faults (`net_faults`) each export a table of their kinds; this joins them, refusing a kind
 named twice. Whether a kind can run on this machine and topology is each fault's own
 `unavailable(ctx)`, asked by the harness before the soak.
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pdcache.bench.chaos.faults import Fault
+from pdcache.bench.chaos.leader_faults import LEADER_FAULTS
 from pdcache.bench.chaos.net_faults import NET_FAULTS
 from pdcache.bench.chaos.process_faults import PROCESS_FAULTS
 from pdcache.bench.chaos.storage_faults import STORAGE_FAULTS
@@ -26,7 +28,7 @@ def _registry(classes: Iterable[type[Fault]]) -> dict[str, type[Fault]]:
 
 
 FAULTS: dict[str, type[Fault]] = _registry(
-    [*PROCESS_FAULTS, *STORAGE_FAULTS.values(), *NET_FAULTS.values()]
+    [*PROCESS_FAULTS, *LEADER_FAULTS, *STORAGE_FAULTS.values(), *NET_FAULTS.values()]
 )
 
 

@@ -55,8 +55,12 @@ def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
         keys["fault_injection"] = spec.fault_injection
     if spec.backend == "mooncake":
         mooncake = spec.mooncake
+        master = mooncake.master
+        if getattr(mooncake, "ha", False):  # clients find the leading master through etcd
+            master = "etcd://" + ";".join(spec.etcd.endpoints)
+            keys["mooncake_cluster_id"] = mooncake.cluster_id
         keys.update(
-            mooncake_master=mooncake.master, mooncake_metadata=mooncake.metadata_server,
+            mooncake_master=master, mooncake_metadata=mooncake.metadata_server,
             mooncake_protocol=mooncake.protocol, mooncake_device=",".join(mooncake.devices),
             mooncake_segment_bytes=mooncake.global_segment_size,
             mooncake_local_buffer_bytes=mooncake.local_buffer_size,
@@ -149,7 +153,10 @@ class StorageConfig:
     usrbio_mount: str = ""  # 3FS mount point (usrbio engine)
     usrbio_entries: int = 64
     # mooncake
+    # host:port of the master, or "etcd://HOST:PORT;..." (masters in HA mode: the leader is
+    # found through etcd, under `mooncake_cluster_id`)
     mooncake_master: str = "127.0.0.1:50051"
+    mooncake_cluster_id: str = ""
     mooncake_metadata: str = "P2PHANDSHAKE"
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""

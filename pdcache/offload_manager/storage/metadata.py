@@ -23,6 +23,8 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from dataclasses import field as dc_field
 from typing import Any, Protocol
 
 import msgpack
@@ -52,6 +54,14 @@ class MetadataAuthError(MetadataUnavailable):
     is reachable; later calls raise it like any unavailability (a miss)."""
 
 
+class StoreUnavailable(RuntimeError):
+    """A replicated index store did not answer in time (every member tried once)."""
+
+
+class LostLeadership(RuntimeError):
+    """A fenced write failed: another metadata replica leads now (or our lease expired)."""
+
+
 METADATA_KEY_PURPOSE = "metadata"  # derive_key(secret, METADATA_KEY_PURPOSE) -> auth_key
 CLIENT_LABEL, SERVICE_LABEL = b"metadata-client", b"metadata-service"
 
@@ -71,6 +81,23 @@ class Journal(Protocol):
     def remove(self, key: bytes) -> None: ...
 
     def touch(self, key: bytes) -> None: ...
+
+    def reserved_slot(self, slot: int, key: bytes) -> None:
+        """A writer holds `slot` for `key` (a replicated store keeps it across a failover)."""
+
+    def released_slot(self, slot: int) -> None:
+        """The reservation of `slot` ended (committed, aborted or expired)."""
+
+
+@dataclass(frozen=True)
+class StoredPool:
+    """One pool as an index store hands it to a (re)starting or promoted service."""
+
+    ns: str
+    num_slots: int
+    slot_bytes: int
+    entries: list[tuple[bytes, int]]  # LRU (or commit) order, oldest first
+    reservations: list[tuple[int, bytes]] = dc_field(default_factory=list)  # (slot, key)
 
 
 class SlotIndex:
@@ -99,8 +126,14 @@ class SlotIndex:
         self.evictions = 0
         self.expired_reservations = 0
 
-    def load(self, entries: Iterable[tuple[bytes, int]]) -> None:
-        """Add committed entries (LRU first), e.g. from a persisted index or a header scan."""
+    def load(
+        self,
+        entries: Iterable[tuple[bytes, int]],
+        reservations: Iterable[tuple[int, bytes]] = (),
+    ) -> None:
+        """Add committed entries (LRU first), e.g. from a persisted index or a header scan,
+        and reservations (slot, key) a previous leader handed out: each is held a full TTL
+        from now, so its writer can still commit and nobody else gets its slot."""
         taken = set()
         for key, slot in entries:
             if 0 <= slot < self.num_slots and slot not in taken and key not in self._committed:
@@ -108,6 +141,12 @@ class SlotIndex:
                 taken.add(slot)
                 if self._lifecycle is not None:
                     self._lifecycle.touched(key)  # no session known after a restart
+        deadline = self._clock() + self._ttl
+        for slot, key in reservations:
+            if 0 <= slot < self.num_slots and slot not in taken and key not in self._reserved_keys:
+                self._reserved[slot] = (key, deadline)
+                self._reserved_keys[key] = slot
+                taken.add(slot)
         self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]
 
     def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
@@ -200,6 +239,8 @@ class SlotIndex:
             return FULL, -1
         self._reserved[slot] = (key, self._clock() + self._ttl)
         self._reserved_keys[key] = slot
+        if self._journal:
+            self._journal.reserved_slot(slot, key)
         return NEW, slot
 
     def _take_slot(self) -> int | None:
@@ -231,6 +272,8 @@ class SlotIndex:
     def _release_reservation(self, slot: int) -> None:
         key, _ = self._reserved.pop(slot)
         self._reserved_keys.pop(key, None)
+        if self._journal:
+            self._journal.released_slot(slot)
 
     def _commit_one(self, key: bytes, slot: int, session: str = "") -> bool:
         if self._reserved.get(slot, (None,))[0] != key:
@@ -341,7 +384,13 @@ class RemoteMetadata(MetadataClient):
     """Client of `pdcache metadata-server` (ZMQ REQ, msgpack). One request at a time per client
     (a lock); every request has a deadline of `timeout_s`. After a failure the client fails fast
     for `retry_interval_s`, then tries again, so a dead service costs callers at most one
-    timeout per interval and a restarted one is picked up without any action."""
+    timeout per interval and a restarted one is picked up without any action.
+
+    `address` may list several replicas, comma-separated (`[storage] metadata`): a replica that
+    does not lead answers `not_leader` with the leader's address and the client follows it (at
+    most one hop per replica); a replica that times out sends the next call to the next one.
+    While no replica leads (an election), calls raise MetadataUnavailable at once: a miss for
+    readers, a skipped write for writers, never a wait."""
 
     def __init__(
         self,
@@ -355,7 +404,10 @@ class RemoteMetadata(MetadataClient):
     ) -> None:
         """`auth_key`: derive_key(cluster secret, "metadata"); every request and reply is then
         sealed (docs/security.md). None: the service must run without a secret too."""
-        self.address = address
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()]
+        if not self.addresses:
+            raise ValueError("no metadata service address given")
+        self._current = 0
         self._auth = client_auth(auth_key)
         self.namespace = namespace
         self.num_slots = num_slots
@@ -366,9 +418,11 @@ class RemoteMetadata(MetadataClient):
         self._sock: zmq.Socket | None = None
         self._lock = threading.Lock()
         self._down_until = 0.0
+        self._timeouts_in_row = 0
         self._opened = False
         self._closed = False
         self.failures = 0
+        self.redirects = 0  # not_leader answers followed to the leader
         try:
             self._call("ping")
         except MetadataAuthError:
@@ -379,6 +433,11 @@ class RemoteMetadata(MetadataClient):
         except ValueError:
             self.close()
             raise
+
+    @property
+    def address(self) -> str:
+        """The replica this client talks to now."""
+        return self.addresses[self._current]
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -395,6 +454,12 @@ class RemoteMetadata(MetadataClient):
             self._sock.close(linger=0)
             self._sock = None
 
+    def _switch_to(self, address: str) -> None:
+        if address not in self.addresses:
+            self.addresses.append(address)  # the leader advertises itself; follow it
+        self._current = self.addresses.index(address)
+        self._drop_socket()
+
     def _roundtrip(self, request: dict[str, Any]) -> dict[str, Any]:
         sock = self._socket()
         sealed = _seal(self._auth, msgpack.packb(request, use_bin_type=True))
@@ -402,12 +467,36 @@ class RemoteMetadata(MetadataClient):
             sock.send(sealed)
             raw = sock.recv()
         except zmq.ZMQError as exc:
-            # A REQ socket that timed out cannot send again: start a fresh one next time.
+            # A REQ socket that timed out cannot send again: start a fresh one next time, on
+            # the next replica; once every replica failed in a row, fail fast for a while.
+            failed = self.address
             self._drop_socket()
             self.failures += 1
-            self._down_until = time.monotonic() + self._retry_interval_s
-            raise MetadataUnavailable(f"metadata service {self.address}: {exc}") from exc
+            self._timeouts_in_row += 1
+            self._current = (self._current + 1) % len(self.addresses)
+            if self._timeouts_in_row >= len(self.addresses):
+                self._down_until = time.monotonic() + self._retry_interval_s
+            raise MetadataUnavailable(f"metadata service {failed}: {exc}") from exc
+        self._timeouts_in_row = 0
         return self._open_reply(raw, nonce_of(sealed) if self._auth is not None else b"")
+
+    def _request(self, request: dict[str, Any]) -> dict[str, Any]:
+        """One request, following `not_leader` answers to the leader they name."""
+        for _ in range(len(self.addresses) + 1):
+            asked = self.address
+            reply = self._roundtrip(request)
+            if reply.get("error_kind") != "not_leader":
+                return reply
+            leader = str(reply.get("leader") or "")
+            if not leader or leader == asked:
+                # an election is under way (or this replica's hint is stale): the caller
+                # misses now, and its next call asks the next replica
+                self._current = (self._current + 1) % len(self.addresses)
+                self._drop_socket()
+                break
+            self.redirects += 1
+            self._switch_to(leader)
+        raise MetadataUnavailable(f"metadata service {asked}: {reply.get('error')}")
 
     def _open_reply(self, raw: bytes, request_nonce: bytes = b"") -> dict[str, Any]:
         """The reply to the request whose nonce is `request_nonce`: with a key, a reply sealed
@@ -450,7 +539,7 @@ class RemoteMetadata(MetadataClient):
         )
 
     def _open_pool(self) -> None:
-        reply = self._roundtrip(
+        reply = self._request(
             {
                 "op": "open",
                 "ns": self.namespace,
@@ -471,10 +560,10 @@ class RemoteMetadata(MetadataClient):
                 raise MetadataUnavailable(f"metadata service {self.address} recently failed")
             if not self._opened:
                 self._open_pool()
-            reply = self._roundtrip({"op": op, "ns": self.namespace, **args})
+            reply = self._request({"op": op, "ns": self.namespace, **args})
             if not reply.get("ok") and reply.get("error") == "unknown pool":
                 self._open_pool()  # the service lost the pool (fresh state dir): recreate
-                reply = self._roundtrip({"op": op, "ns": self.namespace, **args})
+                reply = self._request({"op": op, "ns": self.namespace, **args})
         if not reply.get("ok"):
             raise MetadataUnavailable(f"metadata service error on {op}: {reply.get('error')}")
         return reply.get("result")
@@ -534,16 +623,43 @@ def _seal(auth: MessageAuth | None, body: bytes) -> bytes:
     return body if auth is None else auth.seal(body)
 
 
-def ping(address: str, timeout_s: float = 1.0, auth_key: bytes | None = None) -> bool:
-    """True when a metadata service answers on `address` within `timeout_s` (a service that
-    refuses the credential answers too: True, so readiness checks do not hang on it)."""
-    auth = client_auth(auth_key)
+def _one_shot_socket(address: str, timeout_s: float) -> zmq.Socket:
+    """A REQ socket to `address` for one request, every send and receive bounded."""
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
     sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+    sock.connect(address)
+    return sock
+
+
+def replica_health(
+    address: str, timeout_s: float = 1.0, auth_key: bytes | None = None
+) -> dict[str, Any] | None:
+    """One replica's `health` answer (requests, store, leading, leader, promotions), or None
+    when it does not answer within `timeout_s` (or refuses the credential)."""
+    auth = client_auth(auth_key)
+    sock = _one_shot_socket(address, timeout_s)
     try:
-        sock.connect(address)
+        sealed = _seal(auth, msgpack.packb({"op": "health"}, use_bin_type=True))
+        sock.send(sealed)
+        raw = sock.recv()
+        if auth is not None:
+            raw = auth.open_(raw, context=nonce_of(sealed))
+        reply = msgpack.unpackb(raw, raw=False)
+    except (zmq.ZMQError, AuthError, ValueError, msgpack.UnpackException):
+        return None
+    finally:
+        sock.close(linger=0)
+    return reply.get("result") if isinstance(reply, dict) and reply.get("ok") else None
+
+
+def ping(address: str, timeout_s: float = 1.0, auth_key: bytes | None = None) -> bool:
+    """True when a metadata service answers on `address` within `timeout_s` (a service that
+    refuses the credential answers too: True, so readiness checks do not hang on it)."""
+    auth = client_auth(auth_key)
+    sock = _one_shot_socket(address, timeout_s)
+    try:
         sock.send(_seal(auth, msgpack.packb({"op": "ping"}, use_bin_type=True)))
         raw = sock.recv()
         if auth is not None:

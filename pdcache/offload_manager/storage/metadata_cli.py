@@ -9,6 +9,7 @@ import sys
 import threading
 
 from pdcache.offload_manager.storage.config import STORAGE_EVICTIONS
+from pdcache.offload_manager.storage.etcd_store import EtcdIndexStore, parse_endpoints
 from pdcache.offload_manager.storage.lifecycle import StorageEviction
 from pdcache.offload_manager.storage.metadata_service import (
     MetadataService,
@@ -20,7 +21,34 @@ from pdcache.offload_manager.storage.metadata_service import (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=18000, help="port to bind (0: any free port)")
-    parser.add_argument("--state-dir", required=True, help="directory of the persisted index")
+    parser.add_argument(
+        "--state-dir", default=None, help="directory of the persisted index (store sqlite)"
+    )
+    parser.add_argument(
+        "--store",
+        choices=("sqlite", "etcd"),
+        default="sqlite",
+        help="where the index lives: sqlite (one host) or etcd (replicated; several "
+        "metadata-server replicas elect a leader on it)",
+    )
+    parser.add_argument(
+        "--etcd-endpoints", default="", help="store etcd: HOST:PORT of the etcd members, comma-separated"
+    )
+    parser.add_argument(
+        "--etcd-prefix", default="/pdcache/metadata", help="store etcd: key prefix of this index"
+    )
+    parser.add_argument(
+        "--advertise",
+        default="",
+        help="store etcd: the address clients reach this replica at (tcp://HOST:PORT; "
+        "default tcp://--host:--port)",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=int,
+        default=3,
+        help="store etcd: seconds a dead leader keeps the lead (its etcd lease TTL)",
+    )
     parser.add_argument(
         "--capacity-pages",
         type=int,
@@ -74,8 +102,10 @@ def run(args: argparse.Namespace) -> int:
         args.eviction, args.session_protect_share, args.session_protect_bytes, args.session_idle_s
     )
     service = MetadataService(
-        args.state_dir, args.capacity_pages, args.reservation_ttl, eviction=eviction
+        args.state_dir, args.capacity_pages, args.reservation_ttl, eviction=eviction,
+        store=_store(args),
     )
+    service.start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -89,6 +119,24 @@ def run(args: argparse.Namespace) -> int:
     finally:
         service.close()
     return 0
+
+
+def _store(args: argparse.Namespace) -> EtcdIndexStore | None:
+    if args.store == "sqlite":
+        if not args.state_dir:
+            raise SystemExit("pdcache metadata-server: --store sqlite needs --state-dir")
+        return None
+    if not args.etcd_endpoints:
+        raise SystemExit("pdcache metadata-server: --store etcd needs --etcd-endpoints")
+    if args.port == 0:
+        raise SystemExit("pdcache metadata-server: --store etcd needs a fixed --port (replicas "
+                         "advertise it to clients)")
+    if not args.advertise and args.host in ("0.0.0.0", "::", "*", ""):
+        raise SystemExit("pdcache metadata-server: --host is a wildcard; give --advertise "
+                         "tcp://ADDRESS:PORT, the address clients reach this replica at")
+    advertise = args.advertise or f"tcp://{args.host}:{args.port}"
+    return EtcdIndexStore(parse_endpoints(args.etcd_endpoints), advertise, args.etcd_prefix,
+                          args.lease_ttl)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,8 @@ class MooncakeStoreBackend(StorageBackend):
         store_mod = import_optional(
             "mooncake.store", "storage backend 'mooncake'", MOONCAKE_PACKAGE
         )
+        if cfg.mooncake_cluster_id:
+            _set_cluster_id(cfg.mooncake_cluster_id)
         store = store_mod.MooncakeDistributedStore()
         rc = store.setup(
             cfg.mooncake_local_hostname,
@@ -438,6 +440,20 @@ def _free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+CLUSTER_ID_ENV = "MC_STORE_CLUSTER_ID"
+
+
+def _set_cluster_id(cluster_id: str) -> None:
+    """Masters in HA mode publish their leader under a cluster id, which the Mooncake client
+    reads only from MC_STORE_CLUSTER_ID: set from `[storage.mooncake] cluster_id` right before
+    setup. One process holds one cluster: another id already set is an error, not a guess."""
+    current = os.environ.get(CLUSTER_ID_ENV)
+    if current not in (None, "", cluster_id):
+        raise ValueError(f"{CLUSTER_ID_ENV}={current} in the environment, but the topology's "
+                         f"storage.mooncake.cluster_id is {cluster_id!r}")
+    os.environ[CLUSTER_ID_ENV] = cluster_id
 
 
 def find_master_binary() -> str:
