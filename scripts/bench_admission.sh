@@ -1,5 +1,5 @@
 #!/bin/bash
-# The README's "burst of long prompts on a small decode pool" bench, on free ports.
+# docs/benchmarks.md's "burst of long prompts on a small decode pool" bench, on free ports.
 # usage: scripts/bench_admission.sh LABEL OUTDIR [--set KEY=VALUE ...]   (run from a checkout)
 # before/after: run it from a worktree of the old commit and from this one, same OUTDIR parent.
 set -e

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The README's issue-16 measurement: goodput + hit rate + TTFT of four topologies in one run,
+# The goodput measurement of docs/benchmarks.md: goodput + hit rate + TTFT of four topologies in one run,
 # under pressure, on free ports. usage: scripts/bench_goodput.sh OUTDIR [ARGS] (ARGS override)
 #
 # Trace: agentic sessions x 5 turns (system prompt 512 shared, user 128, tool result 256,
@@ -13,7 +13,7 @@ set -e
 OUT=${1:?outdir}; shift
 export MC_TCP_BIND_ADDRESS=${MC_TCP_BIND_ADDRESS:-127.0.0.1} MC_LOG_LEVEL=${MC_LOG_LEVEL:-ERROR}
 # each of these (and DEVICE_PAGES, HOST_PAGES, DECODE_STEP_MS, PREFILL_THREADS, DECODE_THREADS,
-# CONFIGS below) can be set from the environment (the pressure run: README "Under pressure")
+# CONFIGS below) can be set from the environment (the pressure run: docs/benchmarks.md "Under pressure")
 TURNS=${TURNS:-5} SYSTEM=512 USER=128 TOOL=256 ANSWER=32 THINK=${THINK:-0.5} PAGE=16
 REF_SESSIONS=16 POINT_SECONDS=${POINT_SECONDS:-15} MAX_RATE=${MAX_RATE:-64}
 SESSIONS=$(( MAX_RATE * POINT_SECONDS / TURNS ))
@@ -37,7 +37,7 @@ NEW="$NEW+node.p0.cache.host_mode=exclusive+storage.eviction=session"
 # replaces decode pacing, so DECODE_STEP_MS does not apply to this config
 SHARE="+scheduler.compute_share=\"./.pdcache/goodput/compute.share\""
 SHARE="$SHARE+node.d0.scheduler.decode_step_interval_ms=0"
-# the decode node's least time between decode steps, ms (0: off; README "Decode pacing")
+# the decode node's least time between decode steps, ms (0: off; docs/benchmarks.md "Decode pacing")
 PD="$PD+node.d0.scheduler.decode_step_interval_ms=${DECODE_STEP_MS:-0}"
 # torch threads of the PD nodes (unset: torch's default, one per core, for every process)
 if [ -n "${PREFILL_THREADS:-}" ]; then PD="$PD+node.p0.env.OMP_NUM_THREADS=\"$PREFILL_THREADS\""; fi

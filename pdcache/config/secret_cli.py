@@ -4,7 +4,7 @@ operator's `curl -H "Authorization: Bearer $(pdcache secret node-token PATH)"` o
 scrape of nodes with `metrics_auth` (`authorization: {credentials_file: ...}`).
 
 Copy the file to the same path on every host of the deployment and set
-`[security] secret_file = "PATH"` in the topology (docs/design.md §8, README "Security model").
+`[security] secret_file = "PATH"` in the topology (docs/design.md §8, docs/usage.md "Security model").
 """
 
 from __future__ import annotations

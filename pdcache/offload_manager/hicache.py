@@ -101,13 +101,13 @@ class HiCacheConfig:
     max_queued_io: int = 256
     # read prefetches layer-major and start the forward before the last layer is in (module
     # docstring); backends without `read_layers` read page by page whatever this says. Off by
-    # default: on the 2-core CPU here it measured slower (README "Measured")
+    # default: on the 2-core CPU here it measured slower (docs/measured.md)
     layerwise_prefetch: bool = False
     layerwise_read_layers: int = 1  # layers per read step of a page (first step: + header)
     # copy loads host → device on a thread of their own, layer l+1 while layer l is computed
     # (load_copier.py); only for CPU device pools, where the copy is a memcpy on the forward's
     # core. Off by default: on the 2-core machine here it measured no TTFT gain (the copy and
-    # the attention share memory bandwidth; README "Measured"). Off: every layer is copied on
+    # the attention share memory bandwidth; docs/measured.md). Off: every layer is copied on
     # the engine thread when the forward reaches it
     copy_ahead: bool = False
     # how stored pages are named (pdcache.engine.page_keys.PageKeyScheme): "pdcache", or

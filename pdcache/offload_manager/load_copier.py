@@ -9,7 +9,7 @@ creation, it copies them in order on its own thread (torch's copy releases the G
 is computed. CUDA pools keep the engine-thread copy (their copies are stream-ordered kernels).
 Off by default (`HiCacheConfig.copy_ahead`): on the 2-core machine here the copy, moved off the
 engine thread, ran 16-50 % slower beside the forward and the TTFT did not improve beyond noise
-(README "Measured"); it is for hosts with spare cores and memory bandwidth.
+(docs/measured.md); it is for hosts with spare cores and memory bandwidth.
 
 Owner: `HiCache` (started in `HiCache.start()`, stopped in `HiCache.close()`). The thread only
 copies pages and sets the loads' per-layer events; everything that touches the tree, the host

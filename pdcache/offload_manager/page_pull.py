@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 PULL_MODES = ("auto", "never", "always")
 # Before any pull was measured: under what 8 concurrent pulls got each on this 2-core machine
-# with the cluster secret pulls need (20 MB/s, MAC'd frames; README "Measured"), so the first
+# with the cluster secret pulls need (20 MB/s, MAC'd frames; docs/measured.md), so the first
 # pulls happen only when the wait would clearly be longer; completed pulls replace it.
 DEFAULT_PULL_RATE_BYTES_S = 15e6
 DEFAULT_PULL_RTT_S = 0.002

@@ -97,7 +97,7 @@ SOAKS = {
     # 2 prefill + 1 decode on hf3fs whose metadata runs on 2 replicas over 3 etcd members:
     # the leader of each is killed and frozen (a frozen one past its lease / election)
     "hf3fs-ha": (_hf3fs_ha, ["kill-store-leader", "freeze-store-leader", "kill-metadata-leader",
-                             "freeze-metadata-leader"], 40, 16, 3.0),
+                             "freeze-metadata-leader"], 32, 12, 3.0),
 }
 
 

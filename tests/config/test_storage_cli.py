@@ -89,7 +89,7 @@ def metadata_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_storage_commands_read_every_shipped_topology(
     config: Path, tmp_path: Path, metadata_service: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`pdcache storage stats|verify --config configs/X.toml` (README): the topology schema
+    """`pdcache storage stats|verify --config configs/X.toml` (docs/usage.md): the topology schema
     every other command reads, on a private storage path and a local metadata service."""
     overrides = ["model.preset=tiny", f'storage.path="{tmp_path / "storage"}"',
                  'storage.capacity="16MiB"']

@@ -203,10 +203,10 @@ def test_etcd_leader_fails_over(etcd, replicas, fault) -> None:
 
 
 def test_clean_stop_hands_over_at_once(etcd, tmp_path) -> None:
-    """A stopped leader revokes its lease: with a 24 s lease the standby leads at its next
-    campaign (every 6 s), long before the lease would have ended."""
+    """A stopped leader revokes its lease: with a 16 s lease the standby leads at its next
+    campaign (every 4 s), long before the lease would have ended."""
     started = [LocalMetadataService(tmp_path / f"long-{i}", etcd_endpoints=etcd.endpoint_list,
-                                    lease_ttl_s=24).start() for i in range(2)]
+                                    lease_ttl_s=16).start() for i in range(2)]
     try:
         leader = _leader(started)
         standby = next(r for r in started if r is not leader)
@@ -214,7 +214,7 @@ def test_clean_stop_hands_over_at_once(etcd, tmp_path) -> None:
         leader.stop()
         wait_until(lambda: (replica_health(standby.address, 0.5) or {}).get("leading"), 30,
                    "the standby to lead")
-        assert time.monotonic() - stopped_at < 18  # before the 24 s lease would end
+        assert time.monotonic() - stopped_at < 12  # before the 16 s lease would end
     finally:
         for replica in started:
             replica.stop(kill=True)

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 ROOT = Path(__file__).resolve().parents[3]
 CONFIG = ROOT / "configs" / "local-mooncake-ha.toml"
 PAGES = 8
-READ_WINDOW_S = 5.0  # reads once the new leader serves (scaled for the machine's load)
+READ_WINDOW_S = 3.0  # reads once the new leader serves (scaled for the machine's load)
 
 # The child: a storage client built from the topology like a node's; stores PAGES pages,
 # waits for "go" (the leader was killed and the standby serves), then reads the pages until
