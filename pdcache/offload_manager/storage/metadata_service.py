@@ -307,10 +307,10 @@ class MetadataService:
                 replies[i] = {"ok": True, "result": self._dispatch(request)}
                 continue
             try:
-                if not self._store.serving():
+                term = self._store.term()  # None once the lease may have lapsed
+                if term is None or not self._store.serving():
                     replies[i] = self._not_leader()
                     continue
-                term = self._store.term()
                 if term != self._term:
                     if applied:  # their changes belong to the state a reload replaces
                         raise LostLeadership(f"term changed to {term} within a batch")
