@@ -262,31 +262,37 @@ class EtcdLeadership:
             if "result" not in reply:  # an error streamed by the gateway (an etcd election)
                 raise StoreUnavailable(f"lease keep-alive: {reply.get('error', reply)}")
             ttl = int(reply["result"].get("TTL", 0))  # 0 (omitted): the lease expired
-            if ttl > 0:
-                with self._lock:
-                    if self._lease_id == lease:  # not abdicated meanwhile
-                        self._valid_until = sent + ttl
-                return
-            log.warning("metadata: lease %x expired", lease)
             with self._lock:
-                if self._lease_id == lease:
+                current = self._lease_id == lease  # else abdicated meanwhile: a new lease
+                if current and ttl > 0:
+                    self._valid_until = sent + ttl
+                    return
+                if current:
                     self._term, self._lease_id = None, 0
+            if ttl <= 0:
+                log.warning("metadata: lease %x expired", lease)
         reply = self._etcd.post("/lease/grant", {"TTL": self.ttl_s, "ID": 0})
         with self._lock:
             self._lease_id = int(reply["ID"])
             self._valid_until = sent + int(reply["TTL"])
 
     def _campaign(self) -> None:
+        with self._lock:
+            lease = self._lease_id
+        if not lease:  # never a leader key without a lease: it would outlive this process
+            return
         key = b64(self.key)
         reply = self._etcd.txn({
             "compare": [{"key": key, "target": "CREATE", "result": "EQUAL",
                          "create_revision": "0"}],
             "success": [{"request_put": {"key": key, "value": b64(self.advertise),
-                                         "lease": str(self._lease_id)}}],
+                                         "lease": str(lease)}}],
             "failure": [{"request_range": {"key": key}}],
         })
         if reply.get("succeeded"):
             with self._lock:
+                if self._lease_id != lease:  # abdicated meanwhile: that lease is revoked
+                    return
                 self._term = int(reply["header"]["revision"])
                 self._hint = self.advertise
             self.promotions += 1
@@ -296,7 +302,7 @@ class EtcdLeadership:
         holder = kvs[0] if kvs else {}
         with self._lock:
             self._hint = unb64(holder.get("value", "")).decode() if holder else ""
-            if holder and int(holder.get("lease", 0)) == self._lease_id != 0:
+            if holder and int(holder.get("lease", 0)) == lease == self._lease_id:
                 # our own key: an earlier campaign won but its answer was lost (a resend)
                 self._term = int(holder["create_revision"])
                 self._hint = self.advertise
