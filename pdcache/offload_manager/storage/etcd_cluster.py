@@ -9,6 +9,7 @@ convention `[storage.etcd]` documents).
 from __future__ import annotations
 
 import json
+import random
 import signal
 import socket
 import subprocess
@@ -170,20 +171,30 @@ class LocalEtcdCluster:
         self.stop()
 
 
-def free_port_pairs(count: int) -> list[int]:
+def free_port_pairs(count: int, seed: int | None = None) -> list[int]:
     """`count` free loopback ports p whose p + 1 is free too (a member's client and peer
-    ports), none adjacent to another."""
+    ports), none adjacent to another, all below the kernel's ephemeral range: a member that
+    is killed and restarted must get its ports back, and peers reconnecting to a dead
+    member's port from an ephemeral port can land on that very port (TCP self-connect) and
+    hold it while it is in the ephemeral range."""
+    low = _ephemeral_low()
+    rng = random.Random(seed)
     ports: list[int] = []
-    for _ in range(200):
+    for _ in range(2000):
         if len(ports) == count:
             return ports
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port + 1 < 65536 and port not in ports and port + 1 not in ports and _free(port + 1) \
-                and all(abs(port - p) > 1 for p in ports):
+        port = rng.randrange(max(1024, low // 2), low - 2)
+        if all(abs(port - p) > 2 for p in ports) and _free(port) and _free(port + 1):
             ports.append(port)
-    raise RuntimeError("no free port pairs for etcd members")
+    raise RuntimeError(f"no free port pairs below {low} for etcd members")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 when it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _free(port: int) -> bool:
