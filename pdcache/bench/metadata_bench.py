@@ -30,13 +30,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pdcache.bench.report import percentiles
 from pdcache.bench.table import emit
 from pdcache.offload_manager.storage.etcd_cluster import LocalEtcdCluster, free_port_pairs
 from pdcache.offload_manager.storage.metadata import (
     NEW,
     MetadataUnavailable,
     RemoteMetadata,
-    replica_health,
+    leading_replica,
 )
 from pdcache.offload_manager.storage.metadata_service import LocalMetadataService
 
@@ -119,17 +120,16 @@ def measure_ops(store: str, address: str, clients: int, ops: int, batch: int) ->
         wall = time.perf_counter() - start
         values = [v for per_client in latencies for v in per_client]
         rows.append({"store": store, "clients": clients, "op": phase, "keys_per_op": batch,
-                     "ops_per_s": round(len(values) / wall, 1),
-                     "p50_ms": round(_quantile(values, 0.5) * 1e3, 2),
-                     "p99_ms": round(_quantile(values, 0.99) * 1e3, 2)})
+                     "ops_per_s": round(len(values) / wall, 1), **_latency_ms(values)})
     for conn in conns:
         conn.close()
     return rows
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def _latency_ms(values: list[float]) -> dict[str, float]:
+    """p50 and p99 of `values` (seconds) in ms, by the replay's own `percentiles`."""
+    stats = percentiles(values, "lat")
+    return {f"{q}_ms": round(float(stats[f"lat_{q}_s"] or 0.0) * 1e3, 2) for q in ("p50", "p99")}
 
 
 # ---- 2. failover --------------------------------------------------------------------------------
@@ -138,10 +138,10 @@ def _quantile(values: list[float], q: float) -> float:
 def _leader(replicas: list[LocalMetadataService], timeout_s: float = 30.0) -> LocalMetadataService:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for replica in replicas:
-            if replica.proc is not None and (replica_health(replica.address, 0.5) or {}).get(
-                    "leading"):
-                return replica
+        index = leading_replica([r.address if r.proc is not None else None for r in replicas],
+                                timeout_s=0.5)
+        if index is not None:
+            return replicas[index]
         time.sleep(0.05)
     raise TimeoutError("no metadata replica leads")
 
@@ -235,8 +235,7 @@ def _time_writes(name: str, writes: int, write: Callable[[int], Any], warmup: in
         latencies.append(time.perf_counter() - t0)
     wall = time.perf_counter() - start
     return {"store": name, "writes": writes, "writes_per_s": round(writes / wall, 1),
-            "p50_ms": round(_quantile(latencies, 0.5) * 1e3, 2),
-            "p99_ms": round(_quantile(latencies, 0.99) * 1e3, 2)}
+            **_latency_ms(latencies)}
 
 
 @contextmanager

@@ -15,25 +15,19 @@ from typing import ClassVar
 from pdcache.bench.chaos.faults import Fault, FaultContext, Injection
 from pdcache.bench.chaos.process_faults import Target, healthy_targets
 from pdcache.config.schema import split_host_port
-from pdcache.offload_manager.storage.etcd_cluster import ELECTION_MS, member_status
-from pdcache.offload_manager.storage.metadata import replica_health
+from pdcache.offload_manager.storage.etcd_cluster import ELECTION_MS, leading_member
+from pdcache.offload_manager.storage.metadata import leading_replica
 
 FREEZE_MARGIN_S = 3.0  # a frozen leader stays stopped this long past the point it lost the lead
 
 
 def etcd_leader(ctx: FaultContext) -> Target | None:
     """The launcher's healthy etcd member that leads the cluster now, or None."""
-    endpoints = [split_host_port(e) for e in ctx.topology.storage.etcd.endpoints]
     targets = {t.name: t for t in healthy_targets(ctx, ("etcd",))}
-    ids: dict[str, Target] = {}
-    leader = ""
-    for index, (host, port) in enumerate(endpoints):
-        target = targets.get(f"etcd-{index}")
-        status = member_status(host, port, timeout_s=1.0) if target else None
-        if status is not None and target is not None:
-            ids[status["member_id"]] = target
-            leader = status["leader"] if status["leader"] not in ("", "0") else leader
-    return ids.get(leader)
+    members = [targets.get(f"etcd-{i}") for i in range(len(ctx.topology.storage.etcd.endpoints))]
+    index = leading_member([split_host_port(e) if member else None
+                            for e, member in zip(ctx.topology.storage.etcd.endpoints, members)])
+    return None if index is None else members[index]
 
 
 def metadata_leader(ctx: FaultContext) -> Target | None:
@@ -44,12 +38,11 @@ def metadata_leader(ctx: FaultContext) -> Target | None:
     auth_key = metadata_key(secret) if secret else None
     addresses = ctx.topology.storage.metadata_addresses
     targets = {t.name: t for t in healthy_targets(ctx, ("metadata",))}
-    for index, (host, port) in enumerate(addresses):
-        target = targets.get("metadata" if len(addresses) == 1 else f"metadata-{index}")
-        health = replica_health(f"tcp://{host}:{port}", 1.0, auth_key) if target else None
-        if target is not None and health and health.get("leading"):
-            return target
-    return None
+    members = [targets.get("metadata" if len(addresses) == 1 else f"metadata-{i}")
+               for i in range(len(addresses))]
+    index = leading_replica([f"tcp://{host}:{port}" if member else None
+                             for (host, port), member in zip(addresses, members)], 1.0, auth_key)
+    return None if index is None else members[index]
 
 
 class LeaderFault(Fault):

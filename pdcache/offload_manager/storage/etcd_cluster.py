@@ -80,6 +80,20 @@ def member_status(host: str, port: int, timeout_s: float = 1.0) -> dict[str, str
             "leader": str(body.get("leader", ""))}
 
 
+def leading_member(endpoints: Sequence[tuple[str, int] | None],
+                   timeout_s: float = 1.0) -> int | None:
+    """The index in `endpoints` of the member that leads the cluster now, asking every member
+    given (None: skip it); None when no member answering names a leader among them."""
+    ids: dict[str, int] = {}
+    leader = ""
+    for index, endpoint in enumerate(endpoints):
+        status = member_status(*endpoint, timeout_s=timeout_s) if endpoint else None
+        if status is not None:
+            ids[status["member_id"]] = index
+            leader = status["leader"] if status["leader"] not in ("", "0") else leader
+    return ids.get(leader)
+
+
 class LocalEtcdCluster:
     """`members` etcd processes on 127.0.0.1 (free ports), data under `base_dir`.
 
@@ -127,16 +141,9 @@ class LocalEtcdCluster:
         raise TimeoutError(f"etcd cluster {self.endpoint_list} elected no leader in {timeout_s}s")
 
     def leader_index(self) -> int | None:
-        ids: dict[str, int] = {}
-        leader = ""
-        for index, (host, port) in enumerate(self.endpoints):
-            if self.procs[index] is None or self.procs[index].poll() is not None:
-                continue
-            status = member_status(host, port, timeout_s=0.5)
-            if status is not None:
-                ids[status["member_id"]] = index
-                leader = status["leader"] if status["leader"] != "0" else leader
-        return ids.get(leader)
+        alive = [endpoint if proc is not None and proc.poll() is None else None
+                 for endpoint, proc in zip(self.endpoints, self.procs)]
+        return leading_member(alive, timeout_s=0.5)
 
     def kill(self, index: int) -> None:
         proc = self.procs[index]

@@ -119,7 +119,6 @@ class EtcdEndpoints:
         self.clients = [etcd3gw.Etcd3Client(host=h, port=p, timeout=timeout_s)
                         for h, p in endpoints]
         self._current = 0
-        self.failovers = 0  # times a request moved to another member
 
     def call(self, op: Callable[[Any], T], resend: bool = True) -> T:
         """`op` on the current member, then on the others until one answers. With
@@ -137,7 +136,6 @@ class EtcdEndpoints:
             except self._unanswered as exc:
                 last = exc
             self._current = (self._current + 1) % len(self.clients)
-            self.failovers += 1
             if not resend and not any(marker in str(last) for marker in _NOT_SENT):
                 raise UncertainWrite(f"etcd did not answer a write: {last}") from last
         raise StoreUnavailable(f"no etcd member answered: {last}")
@@ -190,7 +188,6 @@ class EtcdLeadership:
         self._hint = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.promotions = 0
 
     def start(self, background: bool = True) -> None:
         """The first campaign now (a lone replica leads at once), then the thread; without
@@ -295,7 +292,6 @@ class EtcdLeadership:
                     return
                 self._term = int(reply["header"]["revision"])
                 self._hint = self.advertise
-            self.promotions += 1
             log.warning("metadata: %s leads (term %d)", self.advertise, self._term)
             return
         kvs = reply["responses"][0]["response_range"].get("kvs", [])
@@ -306,7 +302,6 @@ class EtcdLeadership:
                 # our own key: an earlier campaign won but its answer was lost (a resend)
                 self._term = int(holder["create_revision"])
                 self._hint = self.advertise
-                self.promotions += 1
 
     def close(self) -> None:
         self._stop.set()
@@ -382,7 +377,6 @@ class EtcdIndexStore:
         self.leadership = EtcdLeadership(endpoints, self.prefix, advertise, lease_ttl_s,
                                          timeout_s)
         self._etcd = EtcdEndpoints(endpoints, timeout_s=timeout_s)
-        self.fenced_writes = 0
         self.rejected_writes = 0  # fenced writes refused: another replica had taken over
 
     def start(self) -> None:
@@ -444,7 +438,6 @@ class EtcdIndexStore:
             self.rejected_writes += 1
             self.leadership.step_down(term)
             raise LostLeadership("another metadata replica leads now")
-        self.fenced_writes += 1
 
     def _give_up(self, term: int | None) -> None:
         lease = self.leadership.abdicate(term)
@@ -453,11 +446,6 @@ class EtcdIndexStore:
                 self._etcd.post("/kv/lease/revoke", {"ID": str(lease)})
             except StoreUnavailable as exc:
                 log.warning("metadata: could not revoke lease %x (%s); it expires", lease, exc)
-
-    def wipe(self) -> None:
-        """Delete every key under the prefix (tests and `pdcache storage` resets)."""
-        self._etcd.post("/kv/deleterange", {"key": b64(self.prefix + b"/"),
-                                            "range_end": b64(prefix_end(self.prefix + b"/"))})
 
     def close(self) -> None:
         self.leadership.close()

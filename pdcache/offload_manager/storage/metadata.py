@@ -654,6 +654,16 @@ def replica_health(
     return reply.get("result") if isinstance(reply, dict) and reply.get("ok") else None
 
 
+def leading_replica(addresses: Sequence[str | None], timeout_s: float = 1.0,
+                    auth_key: bytes | None = None) -> int | None:
+    """The index in `addresses` of the replica whose `health` says it leads (None: skip that
+    one), or None when none does."""
+    for index, address in enumerate(addresses):
+        if address and (replica_health(address, timeout_s, auth_key) or {}).get("leading"):
+            return index
+    return None
+
+
 def ping(address: str, timeout_s: float = 1.0, auth_key: bytes | None = None) -> bool:
     """True when a metadata service answers on `address` within `timeout_s` (a service that
     refuses the credential answers too: True, so readiness checks do not hang on it)."""

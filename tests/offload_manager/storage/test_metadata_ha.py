@@ -29,6 +29,7 @@ from pdcache.offload_manager.storage.metadata import (
     MetadataUnavailable,
     RemoteMetadata,
     SlotIndex,
+    leading_replica,
     replica_health,
 )
 from pdcache.offload_manager.storage.metadata_service import LocalMetadataService, MetadataService
@@ -58,12 +59,9 @@ def replicas(etcd, tmp_path):
 
 
 def _leader(replicas: list[LocalMetadataService]) -> LocalMetadataService:
-    def leading():
-        for replica in replicas:
-            health = replica_health(replica.address, timeout_s=0.5)
-            if health and health["leading"]:
-                return replica
-        return None
+    def leading() -> LocalMetadataService | None:  # wait_until wants a truthy answer
+        index = leading_replica([r.address for r in replicas], timeout_s=0.5)
+        return None if index is None else replicas[index]
     return wait_until(leading, LEASE_TTL_S * 5, "a leading metadata replica")
 
 
