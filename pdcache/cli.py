@@ -19,9 +19,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config-reference": ("pdcache.config.reference",
                          "print every topology key: type, default, meaning"),
     "bench": ("pdcache.bench.cli", "benchmarks: engine, kernels, cache, transfer, replay, compare"),
+    "chaos": ("pdcache.chaos.command",
+              "soak under random faults; every answer checked against a no-cache oracle"),
     "export-model": ("pdcache.engine.export", "write a preset as a Hugging Face checkpoint"),
     "demo": ("pdcache.bench.demo", "launch the default topology and replay a multi-turn trace"),
 }
+
+# Old spellings kept working: argv prefix -> the command it now is.
+ALIASES: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("bench", "chaos"): ("chaos",),
+}
+
+
+def resolve_alias(argv: list[str]) -> list[str]:
+    """`argv` with an old command spelling (ALIASES) replaced by the command it names now."""
+    for old, new in ALIASES.items():
+        if tuple(argv[: len(old)]) == old:
+            return [*new, *argv[len(old):]]
+    return argv
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -45,7 +60,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = resolve_alias(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     # Benchmarks parse their own options once the kind is known, so unknown options are kept.
     args, rest = parser.parse_known_args(argv)

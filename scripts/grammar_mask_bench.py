@@ -81,7 +81,7 @@ class LLGuidance:
     name = "llguidance"
 
     def __init__(self, tok: Tokenizer) -> None:
-        from pdcache.server.structured import _llguidance, ll_tokenizer
+        from pdcache.wire.structured import _llguidance, ll_tokenizer
 
         self.llg = _llguidance()
         self.lltok = ll_tokenizer(self.llg, tok, VOCAB)

@@ -14,9 +14,10 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcache.engine.api import GenerateRequest, SamplingParams
-from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.engine import Engine
 from pdcache.engine.page_keys import chain_page_keys, make_salt
+from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.offload_manager.builder import (
     TierConfig,
     TieredEngine,
@@ -62,13 +63,12 @@ def prompt_keys(storage: StorageConfig, tokens: list[int], salt: str = "") -> li
 
 
 def tiered(tiny: tuple[Any, Any], storage: StorageConfig | None, host_pages: int = 64,
-           device_pages: int = 96, scheduler_cls: Any = None, **hicache: Any) -> TieredEngine:
+           device_pages: int = 96, **hicache: Any) -> TieredEngine:
     """A started engine (tiny preset) with a host pool and optional storage."""
     model, tokenizer = tiny
     tiers = TierConfig(host_pages=host_pages, hicache=HiCacheConfig(**hicache), storage=storage)
-    extra = {"scheduler_cls": scheduler_cls} if scheduler_cls is not None else {}
     built = build_tiered_engine(engine_config(model, device_pages=device_pages), model, tokenizer,
-                                tiers, **extra)
+                                tiers)
     built.engine.start()
     return built
 

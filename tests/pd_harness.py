@@ -17,9 +17,10 @@ import uvicorn
 
 from pdcache.config import NodeSetup, OffloadSettings, process_environment
 from pdcache.decode_node.runtime import DecodeRuntime
-from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.loader import load_model
 from pdcache.engine.presets import PRESETS
+from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.offload_manager.builder import (
     TierConfig,
     fingerprint_for,
@@ -28,7 +29,7 @@ from pdcache.offload_manager.builder import (
 )
 from pdcache.offload_manager.hicache import HiCacheConfig
 from pdcache.prefill_node.runtime import PrefillRuntime
-from pdcache.transfer import TransferConfig
+from pdcache.transfer.config import TransferConfig
 from tests.polling import poll
 
 

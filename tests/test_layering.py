@@ -8,10 +8,12 @@ strings handed to a registry or to `importlib.import_module` (they are imports, 
     0  kernels, utils           (and pdcache/__init__.py)
     1  engine
     2  offload_manager (its storage/ too), transfer     -- neither imports the other
-    3  config
+    3  config, wire                                    -- neither imports the other
     4  server
-    5  prefill_node, decode_node, router                -- none imports another
-    6  launch, bench, cli (pdcache/cli.py, __main__.py), integrations
+    5  prefill_node, decode_node, router                -- none imports another; the router
+                                                           imports no server module (wire is
+                                                           what it shares with the servers)
+    6  launch, bench, chaos, cli (pdcache/cli.py, __main__.py), integrations
 
 bench's replay (pdcache/bench/replay.py and every bench module it imports, transitively) talks
 to a running stack over HTTP only: it imports nothing of pdcache but bench/, utils/ and the pure
@@ -38,12 +40,14 @@ LEVELS: dict[str, int] = {
     "offload_manager": 2,
     "transfer": 2,
     "config": 3,
+    "wire": 3,
     "server": 4,
     "prefill_node": 5,
     "decode_node": 5,
     "router": 5,
     "launch": 6,
     "bench": 6,
+    "chaos": 6,
     "cli": 6,
     "integrations": 6,
 }
@@ -52,6 +56,14 @@ LEVELS: dict[str, int] = {
 SAME_LEVEL: dict[tuple[str, str], str] = {
     ("kernels", "utils"): "the kernel backends are a utils.registry",
     ("bench", "integrations"): "`pdcache bench sglang-plugin` measures the SGLang plugin",
+    ("chaos", "bench"): "the soak launches with bench's stack launcher and plays sessions with "
+                        "the replay's player",
+}
+
+# Downward pairs that are not allowed all the same, with the rule named in the failure message.
+NEVER: dict[tuple[str, str], str] = {
+    ("router", "server"): "the router imports no server module: server/ is engine-facing, what "
+                          "the router shares with the servers is wire/",
 }
 
 # Same-level pairs with a rule of their own, named in the failure message.
@@ -179,6 +191,9 @@ def layering_violations(imports: Iterable[Import]) -> list[str]:
             unknown = src if src not in LEVELS else dst
             found.append(f"{imp.where()}\n    package {unknown!r} has no level in LEVELS")
             continue
+        if (src, dst) in NEVER:
+            found.append(f"{imp.where()}\n    {NEVER[(src, dst)]}")
+            continue
         if LEVELS[dst] < LEVELS[src] or (src, dst) in SAME_LEVEL:
             continue
         if LEVELS[dst] > LEVELS[src]:
@@ -298,10 +313,14 @@ def test_checker_names_the_node_rule_and_allows_listed_pairs() -> None:
         "pdcache.decode_node.cli": "from pdcache.prefill_node.cli import add_arguments\n",
         "pdcache.kernels.dispatch": "from pdcache.utils.registry import Registry\n",
         "pdcache.cli": "from pdcache.launch import cli\n",
+        "pdcache.router.app": ("from pdcache.wire.protocol import ApiError\n"
+                               "from pdcache.server.routes import mount\n"),
     }))
-    assert len(found) == 2, found
+    assert len(found) == 3, found
     assert "prefill_node and decode_node never import each other" in found[0]
     assert "cli and launch share level 6" in found[1]
+    assert found[2].startswith("pdcache/router/app.py:2: from pdcache.server.routes import")
+    assert "the router imports no server module" in found[2]
 
 
 def test_replay_checker_follows_bench_imports() -> None:

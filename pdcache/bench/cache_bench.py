@@ -198,7 +198,8 @@ class Setup:
         return self.args.page_size
 
     def engine_config(self, prefix_cache: bool = True):
-        from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+        from pdcache.engine.config import CacheConfig, EngineConfig
+        from pdcache.engine.scheduler_config import SchedulerConfig
 
         pages = 2 * (self.max_tokens // self.page_size) + 256
         return EngineConfig(

@@ -28,8 +28,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "compare": ("pdcache.bench.compare", "launch topologies in turn and replay the same trace"),
     "goodput": ("pdcache.bench.goodput",
                 "highest Poisson request rate within a TTFT p90 SLO, per topology"),
-    "chaos": ("pdcache.bench.chaos.command",
-              "soak under random faults; every answer checked against a no-cache oracle"),
 }
 
 

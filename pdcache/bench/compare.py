@@ -1,9 +1,10 @@
 """`pdcache bench compare CONFIG...`: the same trace replayed on several topologies, side by side.
 
-For each CONFIG in turn: start it with `pdcache launch` (its own process group, its own logs),
-wait until every HTTP endpoint of the topology answers `/health`, replay the trace against the
-front door (the router, or the first node without one), stop the launcher (SIGTERM: it tears
-its processes down), and keep the replay summary. Then one table with every config and its
+For each CONFIG in turn: start it with `pdcache launch` (`pdcache.bench.stack.launched`: its
+own process group, its own logs), wait until every HTTP endpoint of the topology answers
+`/health`, replay the trace against the front door (the router, or the first node without
+one; `pdcache.bench.replay.replay`), stop the launcher (SIGTERM: it tears its processes
+down), and keep the replay summary. Then one table with every config and its
 ratios to the first one, `DIR/compare.json` and `DIR/compare.png`.
 
 CONFIG is `[LABEL=]PATH[+KEY=VALUE...]`: a topology file, an optional label (default: the
@@ -15,22 +16,24 @@ to every config. Each replay sends its own fresh `cache_salt`, so pages that a p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pdcache.bench import replay
+from pdcache.bench.replay import add_replay_options, print_report, replay
+from pdcache.bench.replay_config import ReplayConfig
+from pdcache.bench.replay_records import RequestRecord
+from pdcache.bench.stack import (
+    ConfigRun,
+    LaunchError,
+    add_launch_options,
+    launched,
+    parse_config_arg,
+)
 from pdcache.bench.table import emit
 
 COLUMNS = ("config", "ok", "failed", "hit_rate", "theoretical", "achieved/theo", "ttft_p50_s",
@@ -44,51 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "is the baseline of the ratios")
     parser.add_argument("--out", required=True, help="output directory (one folder per config)")
     add_launch_options(parser)
-    replay.add_replay_options(parser)
-
-
-def add_launch_options(parser: argparse.ArgumentParser, startup_timeout_s: float = 600.0,
-                       set_help: str = "override for every config (repeatable)") -> None:
-    """The options of every bench that launches topologies (`launched`): `--set` overrides
-    (args.overrides), `--startup-timeout`, `--stop-timeout`."""
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help=set_help)
-    parser.add_argument("--startup-timeout", type=float, default=startup_timeout_s,
-                        help="seconds for a topology to become healthy")
-    parser.add_argument("--stop-timeout", type=float, default=60.0,
-                        help="seconds for the launcher to stop the topology")
-
-
-@dataclass(frozen=True)
-class ConfigRun:
-    label: str
-    path: Path
-    overrides: tuple[str, ...]
-
-
-def parse_config_arg(text: str, common: list[str]) -> ConfigRun:
-    head, *own = text.split("+")
-    label, sep, path = head.partition("=")
-    if not sep:
-        label, path = Path(head).stem, head
-    return ConfigRun(label, Path(path), (*common, *own))
-
-
-def endpoints_of(run: ConfigRun) -> tuple[str, list[str]]:
-    """(front door URL, every HTTP endpoint URL) of the topology."""
-    from pdcache.config import load_topology
-
-    topology = load_topology(run.path, run.overrides)
-    urls = [n.url for n in topology.nodes if n.health == "http"]
-    front = topology.router.url if topology.router is not None else topology.nodes[0].url
-    return front, sorted({*urls, front})
-
-
-def port_in_use(url: str) -> bool:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    with socket.socket() as s:
-        s.settimeout(1.0)
-        return s.connect_ex((host, int(port))) == 0
+    add_replay_options(parser)
 
 
 def kv_transfer_totals(urls: list[str]) -> dict[str, int]:
@@ -110,106 +69,40 @@ def kv_transfer_totals(urls: list[str]) -> dict[str, int]:
     return totals
 
 
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+@dataclass(frozen=True)
+class ConfigOutcome:
+    """One config's launch and replay: the replay summary with what the prefill nodes sent
+    ({} when the replay never ran), every request's record, and why it failed ("" if not)."""
+
+    summary: dict[str, Any]
+    records: list[RequestRecord] = field(default_factory=list)
+    error: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        """The summary, with `error` when the config failed (compare.json's `summaries`)."""
+        return {**self.summary, "error": self.error} if self.error else self.summary
 
 
-def start_launcher(run: ConfigRun, run_dir: Path, restart: bool = False) -> subprocess.Popen:
-    """`pdcache launch` of `run` (logs and processes.json in RUN_DIR/logs). Without `restart` a
-    process that dies stops the stack (a benchmark must not measure a restart); `bench chaos`
-    kills processes on purpose and wants them back."""
-    cmd = [sys.executable, "-m", "pdcache", "launch", str(run.path),
-           *([] if restart else ["--no-restart"]), "--log-dir", str(run_dir / "logs")]
-    for item in run.overrides:
-        cmd += ["--set", item]
-    env = {**os.environ}
-    env.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    env.setdefault("MC_LOG_LEVEL", "ERROR")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with (run_dir / "launch.log").open("w") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-
-
-def wait_ready(proc: subprocess.Popen, urls: list[str], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"launcher exited with {proc.returncode} before the stack was up")
-        if all(healthy(u) for u in urls):
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"not healthy after {timeout_s:.0f}s: {', '.join(urls)}")
-
-
-def stop_launcher(proc: subprocess.Popen, timeout_s: float) -> None:
-    """SIGTERM lets the launcher stop its own process groups; SIGKILL if it does not exit."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
-def replay_args(args: argparse.Namespace, url: str, out: Path, label: str) -> argparse.Namespace:
-    values = {**vars(args), "url": url, "out": str(out), "json_path": None}
-    if values.get("cache_salt") is None:
-        values["cache_salt"] = f"compare-{label}-{uuid.uuid4().hex[:12]}"
-    return argparse.Namespace(**values)
-
-
-class LaunchError(Exception):
-    """A topology could not be started (bad file, ports taken, not healthy in time)."""
-
-
-@contextlib.contextmanager
-def launched(args: argparse.Namespace, run: ConfigRun, run_dir: Path) -> Iterator[str]:
-    """Start `run`'s topology (`pdcache launch`, logs under `run_dir`), wait until every HTTP
-    endpoint is healthy, yield the front door URL, and stop it on exit. LaunchError names the
-    problem (and the logs) when it cannot start. Shared with `bench goodput`."""
-    try:
-        front, urls = endpoints_of(run)
-    except ValueError as exc:  # TopologyError names file, key and problem
-        raise LaunchError(str(exc)) from exc
-    busy = [u for u in urls if port_in_use(u)]
-    if busy:
-        raise LaunchError(f"already in use before launch (another stack?): {', '.join(busy)}")
-    proc = start_launcher(run, run_dir)
-    try:
-        print(f"[compare] {run.label}: starting {run.path} ...", file=sys.stderr, flush=True)
-        try:
-            wait_ready(proc, urls, args.startup_timeout)
-        except (RuntimeError, TimeoutError, OSError) as exc:
-            raise LaunchError(f"{exc} (logs: {run_dir / 'logs'})") from exc
-        yield front
-    finally:
-        stop_launcher(proc, args.stop_timeout)
-
-
-def run_one(args: argparse.Namespace, run: ConfigRun, out: Path) -> dict[str, Any]:
-    """Launch, replay, tear down; the summary, or {"error": ...} when the config failed."""
+def run_one(args: argparse.Namespace, config: ReplayConfig, run: ConfigRun,
+            out: Path) -> ConfigOutcome:
+    """Launch `run` (`--startup-timeout`, `--stop-timeout` from `args`), replay `config`
+    against it (its report printed), tear it down."""
     run_dir = out / run.label
+    salt = config.cache_salt or f"compare-{run.label}-{uuid.uuid4().hex[:12]}"
     try:
-        with launched(args, run, run_dir) as front:
-            summary_path = run_dir / "summary.json"
-            summary_path.unlink(missing_ok=True)  # never report a previous run's numbers
-            code = replay.run(replay_args(args, front, run_dir, run.label))
-            if not summary_path.is_file():
-                return {"error": f"replay exited {code} without a summary"}
-            summary = {**json.loads(summary_path.read_text()),
-                       **kv_transfer_totals(endpoints_of(run)[1])}
-            return summary if code == 0 else {**summary, "error": f"replay exited {code}"}
+        with launched(run, run_dir, args.startup_timeout, args.stop_timeout) as stack:
+            try:
+                result = replay(replace(config, url=stack.front, cache_salt=salt), run_dir)
+            except ValueError as exc:
+                return ConfigOutcome({}, error=f"replay: {exc}")
+            print_report(result)
+            summary = {**result.summary, **kv_transfer_totals(stack.urls)}
+            error = f"replay failed: {result.failure}" if result.failure else ""
+            return ConfigOutcome(summary, result.records, error)
     except LaunchError as exc:
-        return {"error": str(exc)}
+        return ConfigOutcome({}, error=str(exc))
     except OSError as exc:
-        return {"error": f"{exc} (logs: {run_dir / 'logs'})"}
+        return ConfigOutcome({}, error=f"{exc} (logs: {run_dir / 'logs'})")
 
 
 def _share(had: int | None, sent: int | None) -> float | None:
@@ -283,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
         print("pdcache bench compare: config labels must be unique (use LABEL=PATH)",
               file=sys.stderr)
         return 2
-    results = {r.label: run_one(args, r, out) for r in runs}
+    config = ReplayConfig.from_args(args)
+    results = {r.label: run_one(args, config, r, out).as_json() for r in runs}
     rows = compare_rows(results)
     picture = plot(out, results)
     payload = {"trace": args.trace, "configs": {r.label: {"path": str(r.path),

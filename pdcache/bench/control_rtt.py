@@ -7,7 +7,7 @@ Two measurements, same run, same message (a msgpack `Ping`):
 - `mechanism`: a bare ROUTER echo in a child process (no GIL shared with the client)
   answering the same frames in plain ZMQ, with that HMAC scheme, and with CurveZMQ (keys
   derived from the secret, a ZAP handler admitting only the derived client key): the
-  alternative the issue names, at equal footing. `first_reply_us` is connect + first round
+  standard ZMQ alternative, at equal footing. `first_reply_us` is connect + first round
   trip (Curve's handshake and ZAP check included).
 Each round is one send + one receive, timed individually; rows give the median and p99 µs.
 """
@@ -55,10 +55,10 @@ def node_rows(rounds: int, key: bytes) -> list[dict[str, Any]]:
     """Ping → Pong through a real KVSender, unauthenticated and with `key`."""
     import torch
 
-    from pdcache.transfer import KVSender
     from pdcache.transfer.config import TransferConfig
     from pdcache.transfer.control import control_auth, parse, seal
     from pdcache.transfer.messages import Ping
+    from pdcache.transfer.sender import KVSender
 
     rows = []
     for label, control_key in (("none", None), ("hmac (blake3 MAC + nonce)", key)):

@@ -2,19 +2,22 @@
 decode with offload, 3FS-style storage), replay a multi-turn agentic trace against it, print
 what each turn reused and the replay summary, and tear everything down.
 
-Built from `bench compare`'s pieces: the launcher runs the topology, `bench replay` drives it
-over HTTP only.
+Built from the bench's shared parts: `pdcache.bench.stack` launches the topology,
+`pdcache.bench.replay.replay` drives it over HTTP only and returns every request's record.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+from typing import Any
 
-from pdcache.bench import replay
-from pdcache.bench.compare import ConfigRun, run_one
+from pdcache.bench.compare import run_one
+from pdcache.bench.replay import add_replay_options
+from pdcache.bench.replay_config import ReplayConfig
+from pdcache.bench.replay_records import RequestRecord
+from pdcache.bench.stack import ConfigRun, add_launch_options
 from pdcache.bench.table import emit
 
 DEFAULT_CONFIG = "configs/local-1p1d.toml"
@@ -28,30 +31,23 @@ TURN_COLUMNS = ("session", "turn", "prompt", "cached", "device", "host", "storag
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="topology file to launch")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="topology override (repeatable)")
     parser.add_argument("--out", default=".pdcache/demo", help="replay output directory")
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--stop-timeout", type=float, default=60.0)
-    replay.add_replay_options(parser)
+    add_launch_options(parser, set_help="topology override (repeatable)")
+    add_replay_options(parser)
     parser.set_defaults(trace=DEFAULT_TRACE, concurrency=2)
     for action in parser._actions:  # the demo has a default trace
         if action.dest == "trace":
             action.required = False
 
 
-def turn_rows(run_dir: Path) -> list[dict]:
-    rows = []
-    for line in (run_dir / "requests.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        rows.append({
-            "session": r.get("session_id"), "turn": r.get("turn"),
-            "prompt": r.get("prompt_tokens"), "cached": r.get("cached_tokens"),
-            "device": r.get("cached_device"), "host": r.get("cached_host"),
-            "storage": r.get("cached_storage"), "from_decode": r.get("cached_storage_from_decode"),
-            "computed": r.get("computed_tokens"), "ttft_s": r.get("ttft_s") or 0.0,
-            "P": r.get("prefill_node"), "D": r.get("decode_node"),
-        })
+def turn_rows(records: list[RequestRecord]) -> list[dict[str, Any]]:
+    rows = [{
+        "session": r.session_id, "turn": r.turn, "prompt": r.prompt_tokens,
+        "cached": r.cached_tokens, "device": r.cached_device, "host": r.cached_host,
+        "storage": r.cached_storage, "from_decode": r.cached_storage_from_decode,
+        "computed": r.computed_tokens, "ttft_s": r.ttft_s or 0.0,
+        "P": r.prefill_node, "D": r.decode_node,
+    } for r in records]
     return sorted(rows, key=lambda row: (str(row["session"]), row["turn"] or 0))
 
 
@@ -59,12 +55,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     config = ConfigRun("demo", Path(args.config), tuple(args.overrides))
     print(f"[demo] launching {args.config} and replaying {args.trace}", file=sys.stderr)
-    summary = run_one(args, config, out)
-    if "error" in summary:
-        print(f"[demo] failed: {summary['error']}", file=sys.stderr)
+    result = run_one(args, ReplayConfig.from_args(args), config, out)
+    if result.error:
+        print(f"[demo] failed: {result.error}", file=sys.stderr)
         return 1
+    summary = result.summary
     run_dir = out / "demo"
-    emit("what each turn reused (tokens)", turn_rows(run_dir), columns=TURN_COLUMNS)
+    emit("what each turn reused (tokens)", turn_rows(result.records), columns=TURN_COLUMNS)
     keys = ("requests_ok", "requests_failed", "hit_rate", "theoretical_hit_rate",
             "ttft_p50_s", "ttft_p99_s")
     emit("replay summary", [{k: summary.get(k) for k in keys}],

@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from pdcache.bench.pd_bench import NodeProcess, pd_flags, pd_request, random_prompt
+from pdcache.bench.pd_bench import RunningNode, pd_flags, pd_request, random_prompt, start_node
 from pdcache.bench.table import emit
 from pdcache.config.security import SecuritySettings
 from pdcache.utils.secret import create_secret, load_secret
@@ -98,13 +98,13 @@ def _measure(args: argparse.Namespace, tmp: Path, delay: float, wait: bool,
     secret_file = create_secret(tmp / "cluster.secret")
     headers = SecuritySettings.from_secret(load_secret(secret_file)).node_headers()
     common = [*pd_flags(args), *storage, "--secret-file", str(secret_file)]
-    nodes: list[NodeProcess] = []
+    nodes: list[RunningNode] = []
     try:
-        nodes.append(NodeProcess("prefill", [
+        nodes.append(start_node("prefill", [
             *common, "--name", "p0", "--host-pages", str(args.host_pages),
             "--prefetch-policy", "timeout", "--pending-pull", pull,
             *([] if wait else ["--no-pending-wait"])]))
-        nodes.append(NodeProcess("decode", [
+        nodes.append(start_node("decode", [
             *common, "--name", "d0", "--storage-write-delay", str(delay),
             "--offload-stride-pages", str(args.stride_pages),
             "--offload-staging-pages", str(args.host_pages)]))
@@ -123,8 +123,8 @@ def _measure(args: argparse.Namespace, tmp: Path, delay: float, wait: bool,
     return _row(args, delay, wait, pull, turns, p_metrics, d_metrics, d_transfer)
 
 
-def _warm_up(args: argparse.Namespace, client: httpx.Client, prefill: NodeProcess,
-             decode: NodeProcess, delay_s: float) -> None:
+def _warm_up(args: argparse.Namespace, client: httpx.Client, prefill: RunningNode,
+             decode: RunningNode, delay_s: float) -> None:
     """One short request (not measured) whose pages decode writes, waited for until decode
     has measured that write (bounded: the store's delay plus a minute)."""
     rng = random.Random("durable-warm-up")
@@ -149,8 +149,8 @@ def _metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-def _session(args: argparse.Namespace, client: httpx.Client, prefill: NodeProcess,
-             decode: NodeProcess, index: int) -> list[dict[str, Any]]:
+def _session(args: argparse.Namespace, client: httpx.Client, prefill: RunningNode,
+             decode: RunningNode, index: int) -> list[dict[str, Any]]:
     rng = random.Random(f"durable-{index}")
     prompt = random_prompt(rng, args.prompt_len + index)
     out = []

@@ -15,7 +15,7 @@ that keeps its TTFT by starving its running decodes then fails where it stops se
 Off by default (a TTFT-only goodput); every point reports its TPOT p50 / p90.
 
 For each CONFIG (`[LABEL=]PATH[+KEY=VALUE...]`, as `bench compare`), launched once
-(`compare.launched`), every pass begins with `/flush_cache` (device and host tiers emptied)
+(`pdcache.bench.stack.launched`), every pass begins with `/flush_cache` (device and host tiers emptied)
 and sends a fresh `cache_salt` and session prefix, so no pass hits pages of another:
 
 0. warm-up: `--warmup-requests` requests, not measured (a process's first forwards are slow).
@@ -61,21 +61,29 @@ one folder per config and pass (`requests.jsonl`, `summary.json`, the replay's t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import sys
 import time
 import urllib.request
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from pdcache.bench import replay
-from pdcache.bench.compare import (
+from pdcache.bench.replay import (
+    ReplayResult,
+    add_replay_options,
+    prepare_trace,
+    print_report,
+    replay,
+)
+from pdcache.bench.replay_config import ReplayConfig
+from pdcache.bench.replay_records import RequestRecord
+from pdcache.bench.stack import (
     ConfigRun,
     LaunchError,
     add_launch_options,
@@ -246,7 +254,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         help="a point dispatches for at most this x its arrival span + 10 s",
     )
-    replay.add_replay_options(parser)
+    add_replay_options(parser)
     parser.set_defaults(concurrency=256, mode="poisson-sessions")
 
 
@@ -458,9 +466,9 @@ def tpot_percentile(summary: dict[str, Any], percentile: float) -> float | None:
     return _percentile(summary.get("_tpots") or [], percentile)
 
 
-def request_tpot(record: dict[str, Any]) -> float | None:
+def request_tpot(record: RequestRecord) -> float | None:
     """Seconds per output token after the first: (e2e - TTFT) / (output tokens - 1)."""
-    tokens, ttft, e2e = record.get("output_tokens") or 0, record.get("ttft_s"), record.get("e2e_s")
+    tokens, ttft, e2e = record.output_tokens or 0, record.ttft_s, record.e2e_s
     if tokens < 2 or ttft is None or e2e is None:
         return None
     return max(0.0, e2e - ttft) / (tokens - 1)
@@ -483,89 +491,81 @@ def flush(front: str, timeout_s: float = 60.0) -> None:
             raise RuntimeError(f"/flush_cache answered {resp.status}")
 
 
-def run_pass(args: argparse.Namespace, front: str, out: Path, **changes: Any) -> dict[str, Any]:
-    """One replay against `front` into `out` (its tables go to out/replay.txt): the summary,
-    with `_ttfts` (the successful requests' TTFTs) and `error` when it did not complete."""
+def run_pass(config: ReplayConfig, front: str, out: Path, **changes: Any) -> dict[str, Any]:
+    """One replay of `config` (with `changes`) against `front` into `out` (its tables go to
+    out/replay.txt): the summary, with `_ttfts` (the successful requests' TTFTs) and `error`
+    when it did not complete."""
     flush(front)
-    values = {
-        **vars(args),
-        "url": front,
-        "out": str(out),
-        "json_path": None,
-        "plots": False,
-        "progress": False,
-        "cache_salt": f"goodput-{uuid.uuid4().hex[:12]}",
-        "session_prefix": None,
-        **changes,
-    }
+    pass_config = replace(
+        config, url=front, plots=False, progress=False,
+        cache_salt=f"goodput-{uuid.uuid4().hex[:12]}", session_prefix=None, **changes)
     out.mkdir(parents=True, exist_ok=True)
-    summary_path = out / "summary.json"
-    summary_path.unlink(missing_ok=True)
-    with (
-        (out / "replay.txt").open("w") as log,
-        contextlib.redirect_stdout(log),
-        contextlib.redirect_stderr(log),
-    ):
-        code = replay.run(argparse.Namespace(**values))
-    if not summary_path.is_file():
-        return {"error": f"replay exited {code} without a summary (see {out / 'replay.txt'})"}
-    summary = json.loads(summary_path.read_text())
-    records = [
-        json.loads(line)
-        for line in (out / "requests.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
-    timed = [r for r in records if r["ok"] and r["ttft_s"] is not None]
-    summary["_ttfts"] = [r["ttft_s"] for r in timed]
-    summary["_dispatch"] = [r["dispatch_s"] for r in timed]
+    with (out / "replay.txt").open("w") as log:
+        try:
+            result = replay(pass_config, out)
+        except ValueError as exc:
+            print(f"pdcache bench replay: {exc}", file=log)
+            return {"error": f"replay: {exc} (see {out / 'replay.txt'})"}
+        print_report(result, out=log)
+        if result.failure:
+            print(f"pdcache bench replay: FAILED: {result.failure}", file=log)
+    return pass_summary(result, pass_config.page_size)
+
+
+def pass_summary(result: ReplayResult, page_size: int) -> dict[str, Any]:
+    """The replay's summary with what the verdict and the point's row read from its records
+    (`_ttfts`, `_dispatch`, `_tpots`, `_live_sessions`, `_live_pages`) and `error`."""
+    summary = dict(result.summary)
+    timed = [r for r in result.records if r.ok and r.ttft_s is not None]
+    summary["_ttfts"] = [r.ttft_s for r in timed]
+    summary["_dispatch"] = [r.dispatch_s for r in timed]
     summary["_tpots"] = [t for r in timed if (t := request_tpot(r)) is not None]
-    summary["_live_sessions"] = live_sessions(records)
-    summary["_live_pages"] = live_pages(records, values["page_size"])
-    if code != 0:
-        summary["error"] = f"replay exited {code}"
+    summary["_live_sessions"] = live_sessions(result.records)
+    summary["_live_pages"] = live_pages(result.records, page_size)
+    if result.failure:
+        summary["error"] = f"replay failed: {result.failure}"
     return summary
 
 
-def live_sessions(records: list[dict[str, Any]]) -> float | None:
+def live_sessions(records: Sequence[RequestRecord]) -> float | None:
     """Mean sessions in flight over the pass (Little's law: the sessions' spans from first
     dispatch to last answer, summed, over the pass's span): with the pages per session, the
     live working set the device pool had to hold."""
     spans: dict[str, list[float]] = {}
     for r in records:
-        end = r["dispatch_s"] + (r.get("e2e_s") or 0.0)
-        span = spans.setdefault(r["session_id"], [r["dispatch_s"], end])
-        span[0], span[1] = min(span[0], r["dispatch_s"]), max(span[1], end)
+        end = r.dispatch_s + (r.e2e_s or 0.0)
+        span = spans.setdefault(r.session_id, [r.dispatch_s, end])
+        span[0], span[1] = min(span[0], r.dispatch_s), max(span[1], end)
     if not spans:
         return None
     wall = max(e for _, e in spans.values()) - min(b for b, _ in spans.values())
     return sum(e - b for b, e in spans.values()) / wall if wall > 0 else None
 
 
-def live_pages(records: list[dict[str, Any]], page_size: int) -> float | None:
+def live_pages(records: Sequence[RequestRecord], page_size: int) -> float | None:
     """Mean pages the live sessions' contexts hold over the pass: the working set a cache must
     keep for every next turn to hit. A session holds its latest request's prompt + answer from
     that request's dispatch to the next one's (to its answer, for the last); the prefix its
     first turns share (the system prompt: the longest prefix a first turn found cached, taken
     as common to every session) is counted once, not per session, so this is the working set,
     not the sum of the contexts."""
-    by_session: dict[str, list[dict[str, Any]]] = {}
+    by_session: dict[str, list[RequestRecord]] = {}
     for r in records:
-        by_session.setdefault(r["session_id"], []).append(r)
+        by_session.setdefault(r.session_id, []).append(r)
     for turns in by_session.values():
-        turns.sort(key=lambda r: r["dispatch_s"])
+        turns.sort(key=lambda r: r.dispatch_s)
     # the prefix first turns found cached before them: the system prompt every session shares
     # (assumed common to all, the first session's included, which found nothing cached)
-    shared = max((t[0].get("theoretical_cached_tokens") or 0 for t in by_session.values()),
-                 default=0)
+    shared = max((t[0].theoretical_cached_tokens or 0 for t in by_session.values()), default=0)
     held_page_seconds = 0.0
     begin, end = float("inf"), float("-inf")
     for turns in by_session.values():
         for i, r in enumerate(turns):
-            context = r["prompt_tokens"] + (r.get("output_tokens") or 0) - shared
-            until = (turns[i + 1]["dispatch_s"] if i + 1 < len(turns)
-                     else r["dispatch_s"] + (r.get("e2e_s") or 0.0))
-            held_page_seconds += max(context, 0) // page_size * (until - r["dispatch_s"])
-            begin, end = min(begin, r["dispatch_s"]), max(end, until)
+            context = r.prompt_tokens + (r.output_tokens or 0) - shared
+            until = (turns[i + 1].dispatch_s if i + 1 < len(turns)
+                     else r.dispatch_s + (r.e2e_s or 0.0))
+            held_page_seconds += max(context, 0) // page_size * (until - r.dispatch_s)
+            begin, end = min(begin, r.dispatch_s), max(end, until)
     if end <= begin:
         return None
     return shared // page_size + held_page_seconds / (end - begin)
@@ -610,10 +610,10 @@ def latency_breakdown(
     return dict(sorted(out.items()))
 
 
-def _trace_shape(args: argparse.Namespace) -> tuple[list[int], float]:
+def _trace_shape(config: ReplayConfig) -> tuple[list[int], float]:
     """Turns of every session of the trace, in start order, and the mean think time a
     session spends (seconds, summed over its turns)."""
-    trace = replay.prepare_trace(args)
+    trace = prepare_trace(config)
     turns = [len(s.turns) for s in trace.sessions]
     think = sum(t.delay_s for s in trace.sessions for t in s.turns) / max(1, len(turns))
     return turns, think
@@ -646,7 +646,8 @@ class Sweep:
         self.tpot_slo_s: float | None = (
             None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000.0
         )
-        self.session_turns, self.think_s = _trace_shape(args)
+        self.config = ReplayConfig.from_args(args)
+        self.session_turns, self.think_s = _trace_shape(self.config)
         self.num_requests = sum(self.session_turns)
         self.trace_cap = trace_rate_cap(self.session_turns, args.point_seconds)
         self.max_rate = min(args.max_rate, self.trace_cap)
@@ -674,8 +675,9 @@ class Sweep:
         start_n = self.pbar.n
         try:
             urls = endpoints_of(run)[1]
-            with launched(self.args, run, run_dir) as front:
-                self._config_passes(front, urls, run_dir, result)
+            with launched(run, run_dir, self.args.startup_timeout,
+                          self.args.stop_timeout) as stack:
+                self._config_passes(stack.front, urls, run_dir, result)
         except (LaunchError, OSError, RuntimeError, ValueError) as exc:
             result.error = str(exc)
         self.pbar.update(start_n + planned - self.pbar.n)  # skipped passes count as done
@@ -687,7 +689,7 @@ class Sweep:
         args = self.args
         self.pbar.set_postfix_str(f"{result.label}: warm-up")
         run_pass(
-            args,
+            self.config,
             front,
             run_dir / "warmup",
             mode="afap",
@@ -697,7 +699,7 @@ class Sweep:
         self.pbar.update(1)
         self.pbar.set_postfix_str(f"{result.label}: unloaded")
         result.unloaded = run_pass(
-            args,
+            self.config,
             front,
             run_dir / "unloaded",
             mode="afap",
@@ -714,7 +716,7 @@ class Sweep:
             self.pbar.set_postfix_str(f"{result.label}: reference")
             before = scrape_latencies(urls)
             result.reference = run_pass(
-                args,
+                self.config,
                 front,
                 run_dir / "reference",
                 mode="afap",
@@ -755,19 +757,19 @@ class Sweep:
         self.pbar.set_postfix_str(f"{label}: {rate:.3g} req/s{' (retry)' if retry else ''}")
         assert self.slo_s is not None  # set by the first config's unloaded pass
         summary = run_pass(
-            self.args,
+            self.config,
             front,
             run_dir / f"rate-{rate:.4g}{'-retry' if retry else ''}",
             mode="poisson-sessions",
             rate=rate,
             max_requests=requests,
-            max_duration=args.point_duration_factor * requests / rate + 10,
-            drain_timeout=10.0,
+            max_duration_s=args.point_duration_factor * requests / rate + 10,
+            drain_timeout_s=10.0,
             # the verdict is settled once this many missed the SLO: stop there
             stop_after_slow=slow_requests_to_fail(requests, args.slo_percentile)
             if args.early_stop
             else None,
-            slow_ttft=self.slo_s,
+            slow_ttft_s=self.slo_s,
         )
         passed = not summary.get("error") and point_passes(
             summary, self.slo_s, args.slo_percentile, self.tpot_slo_s

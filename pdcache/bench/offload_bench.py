@@ -34,11 +34,12 @@ from typing import Any
 import httpx
 
 from pdcache.bench.pd_bench import (
-    MetadataProcess,
-    NodeProcess,
+    RunningNode,
     pd_flags,
     pd_request,
     random_prompt,
+    start_metadata,
+    start_node,
 )
 from pdcache.bench.table import emit
 
@@ -68,11 +69,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, tmp: Path) -> int:
     load_before = os.getloadavg()[0]
-    metadata = MetadataProcess(tmp / "metadata")
-    nodes: list[NodeProcess] = []
+    metadata = start_metadata(tmp / "metadata")
+    nodes: list[RunningNode] = []
     try:
         storage = ["--storage-backend", "hf3fs", "--storage-path", str(tmp / "storage"),
-                   "--storage-capacity", "2GiB", "--storage-metadata", metadata.address]
+                   "--storage-capacity", "2GiB", "--storage-metadata", metadata.url]
         prefill = _start(nodes, "prefill", [*pd_flags(args), "--name", "p0", *storage,
                                             "--host-pages", str(args.host_pages),
                                             "--prefetch-policy", args.prefetch_policy])
@@ -98,8 +99,7 @@ def _run(args: argparse.Namespace, tmp: Path) -> int:
              "message_len": args.message_len, "repeats": args.repeats,
              "transfer_engine": args.transfer_engine, "prefetch_policy": args.prefetch_policy,
              **offload, **intrinsic, "load_avg_before": round(load_before, 2),
-             "load_avg_after": round(os.getloadavg()[0], 2),
-             "targets": "ITL overhead <= 5%; next-turn TTFT on/off <= 0.5 at 1024"}
+             "load_avg_after": round(os.getloadavg()[0], 2)}
     emit("Decode offload on vs off: decode ITL and next-turn TTFT", rows, args.json_path,
          extra=extra)
     return 0
@@ -109,13 +109,13 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _start(nodes: list[NodeProcess], command: str, flags: list[str]) -> NodeProcess:
-    nodes.append(NodeProcess(command, flags))
+def _start(nodes: list[RunningNode], command: str, flags: list[str]) -> RunningNode:
+    nodes.append(start_node(command, flags))
     return nodes[-1]
 
 
-def _measure(args: argparse.Namespace, client: httpx.Client, prefill: NodeProcess,
-             decodes: dict[str, NodeProcess], answer_len: int) -> dict[str, Any]:
+def _measure(args: argparse.Namespace, client: httpx.Client, prefill: RunningNode,
+             decodes: dict[str, RunningNode], answer_len: int) -> dict[str, Any]:
     samples: dict[str, list[float]] = collections.defaultdict(list)
     for rep in range(args.repeats):
         order = ("on", "off") if rep % 2 == 0 else ("off", "on")
@@ -144,10 +144,10 @@ def _measure(args: argparse.Namespace, client: httpx.Client, prefill: NodeProces
     }
 
 
-def _session(args: argparse.Namespace, client: httpx.Client, prefill: NodeProcess,
-             decode: NodeProcess, rng: random.Random, answer_len: int) -> dict[str, float]:
+def _session(args: argparse.Namespace, client: httpx.Client, prefill: RunningNode,
+             decode: RunningNode, rng: random.Random, answer_len: int) -> dict[str, float]:
     prompt = random_prompt(rng, args.prompt_len)
-    cpu_before = process_cpu_s(decode.proc.pid)
+    cpu_before = process_cpu_s(decode.process.proc.pid)
     _, _, d1 = pd_request(client, prefill.url, decode.url, prefill.bootstrap, prompt,
                           answer_len)
     meta = d1["meta_info"]
@@ -157,7 +157,7 @@ def _session(args: argparse.Namespace, client: httpx.Client, prefill: NodeProces
     _wait_drained(client, decode, deadline_s=120.0)
     drain = time.perf_counter() - answered
     # all of decode's threads (engine, offload copy, storage writer), drain included
-    cpu_per_token = (process_cpu_s(decode.proc.pid) - cpu_before) / decoded
+    cpu_per_token = (process_cpu_s(decode.process.proc.pid) - cpu_before) / decoded
     turn2 = prompt + d1["output_ids"] + random_prompt(rng, args.message_len)
     ttft, _, d2 = pd_request(client, prefill.url, decode.url, prefill.bootstrap, turn2, 1)
     meta2 = d2["meta_info"]
@@ -173,7 +173,7 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _wait_drained(client: httpx.Client, decode: NodeProcess, deadline_s: float) -> None:
+def _wait_drained(client: httpx.Client, decode: RunningNode, deadline_s: float) -> None:
     """Until the decode node has no offload copy or write in flight (no-op without offload)."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
@@ -184,7 +184,7 @@ def _wait_drained(client: httpx.Client, decode: NodeProcess, deadline_s: float) 
     raise RuntimeError(f"decode offload of {decode.url} did not drain in {deadline_s:.0f}s")
 
 
-def _offload_counters(client: httpx.Client, decode: NodeProcess) -> dict[str, float]:
+def _offload_counters(client: httpx.Client, decode: RunningNode) -> dict[str, float]:
     """pdcache_decode_offload_* of one decode node's /metrics ({} when offload is off)."""
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -21,20 +21,20 @@ import json
 import os
 import random
 import secrets
-import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from pdcache.bench.stack import StackProcess
 from pdcache.bench.table import emit
 
 GIB = float(1 << 30)
@@ -53,83 +53,41 @@ def child_env() -> dict[str, str]:
             "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
 
 
-class NodeProcess:
-    """`python -m pdcache COMMAND FLAGS --port P` until `stop()`; `url` once it is ready.
-
-    Its output is kept (last lines) for error messages; a prefill node's KV bootstrap address
-    is read from its output."""
-
-    def __init__(self, command: str, flags: list[str], timeout_s: float = 300.0) -> None:
-        self.command = command
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdcache", command, *flags, "--port", str(free_port())],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
-        self.lines: collections.deque[str] = collections.deque(maxlen=200)
-        self.url = ""
-        self.bootstrap = ""
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(timeout_s) or not self.url:
-            self.stop()
-            raise RuntimeError(f"pdcache {command} did not start:\n" + self.tail())
-
-    def _read(self) -> None:
-        ready, bootstrap = f"pdcache {self.command}: ready at ", "KV bootstrap at "
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if bootstrap in line:
-                self.bootstrap = line.split(bootstrap, 1)[1].strip()
-            if line.startswith(ready):
-                self.url = line[len(ready):].strip()
-                self._ready.set()
-        self._ready.set()  # exited
-
-    def tail(self) -> str:
-        return "".join(list(self.lines)[-40:])
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+READY_AT, BOOTSTRAP_AT = ": ready at ", "KV bootstrap at "
 
 
-class MetadataProcess:
-    """`pdcache metadata-server` (the global KV manager shared by P and D)."""
+@dataclass(frozen=True)
+class RunningNode:
+    """A started `pdcache` node or service: its process, its URL (a metadata server's
+    `tcp://` address) and, for a prefill node, its KV bootstrap address (from its output)."""
 
-    def __init__(self, state_dir: Path, timeout_s: float = 60.0) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdcache", "metadata-server", "--host", "127.0.0.1",
-             "--port", str(self.port), "--state-dir", str(state_dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while not self._accepts():
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError("pdcache metadata-server did not start")
-            time.sleep(0.1)
-        self.address = f"tcp://127.0.0.1:{self.port}"
+    process: StackProcess
+    url: str
 
-    def _accepts(self) -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-            return True
-        except OSError:
-            return False
+    @property
+    def bootstrap(self) -> str:
+        return self.process.found.get(BOOTSTRAP_AT, "")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        self.process.stop()
+
+
+def start_node(command: str, flags: list[str], timeout_s: float = 300.0) -> RunningNode:
+    """`python -m pdcache COMMAND FLAGS --port P`, once it printed that it is ready (a prefill
+    node's KV bootstrap address is read from its output too)."""
+    process = StackProcess([command, *flags, "--port", str(free_port())],
+                           watch=(f"pdcache {command}{READY_AT}", BOOTSTRAP_AT), env=child_env())
+    url = process.wait_for(f"pdcache {command}{READY_AT}", timeout_s)
+    return RunningNode(process, url)
+
+
+def start_metadata(state_dir: Path, timeout_s: float = 60.0) -> RunningNode:
+    """`pdcache metadata-server` (the global KV manager shared by P and D) on a free port."""
+    port = free_port()
+    process = StackProcess(["metadata-server", "--host", "127.0.0.1", "--port", str(port),
+                            "--state-dir", str(state_dir)], quiet=True)
+    process.wait_port("127.0.0.1", port, timeout_s)
+    return RunningNode(process, f"tcp://127.0.0.1:{port}")
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
@@ -200,7 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]
     load_before = os.getloadavg()[0]
-    nodes: list[NodeProcess] = []
+    nodes: list[RunningNode] = []
     try:
         unified = _start(nodes, "serve", [*model_flags(args), "--name", "unified"])
         prefill = _start(nodes, "prefill", [*pd_flags(args), "--name", "p0"])
@@ -216,20 +174,19 @@ def run(args: argparse.Namespace) -> int:
     extra = {"preset": args.preset, "transfer_engine": args.transfer_engine,
              "page_size": args.page_size, "repeats": args.repeats,
              "load_avg_before": round(load_before, 2),
-             "load_avg_after": round(os.getloadavg()[0], 2),
-             "target": "PD TTFT overhead <= 15% at 4k tokens"}
+             "load_avg_after": round(os.getloadavg()[0], 2)}
     emit("PD vs unified: TTFT and P->D transfer in the PD path", rows, args.json_path,
          extra=extra)
     return 0
 
 
-def _start(nodes: list[NodeProcess], command: str, flags: list[str]) -> NodeProcess:
-    nodes.append(NodeProcess(command, flags))
+def _start(nodes: list[RunningNode], command: str, flags: list[str]) -> RunningNode:
+    nodes.append(start_node(command, flags))
     return nodes[-1]
 
 
 def _measure(args: argparse.Namespace, client: httpx.Client, prompt_len: int,
-             unified: NodeProcess, prefill: NodeProcess, decode: NodeProcess) -> dict[str, Any]:
+             unified: RunningNode, prefill: RunningNode, decode: RunningNode) -> dict[str, Any]:
     rng = random.Random(prompt_len)
     samples: dict[str, list[float]] = collections.defaultdict(list)
     nbytes = 0

@@ -24,9 +24,10 @@ sessions. Every answer's `meta.prompt_tokens` must equal the prompt length the r
 mismatch (the server prepended another history) fails that request (`prompt_mismatch`), is
 counted in the summary, and makes the command exit 1 naming the first one.
 
-This module is the command: its options (shared with `bench compare` and `bench demo`), the
-trace preparation and `run`, which runs the replay on a fresh event loop (`asyncio.run`, main
-thread) and writes the report. The parts: `replay_config` (`ReplayConfig`), `replay_run`
+This module is the command and the call every launching bench uses: its options (shared with
+`bench compare`, `bench goodput` and `pdcache demo`), the trace preparation, `replay` (typed
+settings in, `ReplayResult` out: the records and the summary; it runs the replay on a fresh
+event loop and writes the files) and `run`, the command, which prints the report. The parts: `replay_config` (`ReplayConfig`), `replay_run`
 (`Replayer`, the run loop), `replay_http` (one request over HTTP), `replay_records`
 (`RequestRecord`, the prompt check).
 """
@@ -35,10 +36,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TextIO
 
 from pdcache.bench.replay_config import MODES, ReplayConfig
+from pdcache.bench.replay_records import RequestRecord
 from pdcache.bench.replay_run import Replayer
 from pdcache.bench.tokens import BlockExpander
 from pdcache.bench.traces import Trace, limit_requests, load_trace, rescale_blocks
@@ -105,37 +110,78 @@ def add_replay_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", dest="progress", action="store_false")
 
 
-def prepare_trace(args: argparse.Namespace) -> Trace:
-    trace = load_trace(args.trace, block_size=args.block_size)
-    if args.scale_block_size:
-        trace = rescale_blocks(trace, args.scale_block_size)
-    if args.max_requests is not None:
-        trace = limit_requests(trace, args.max_requests)
+def prepare_trace(config: ReplayConfig) -> Trace:
+    """The trace `config` names, rescaled and cut as it says."""
+    trace = load_trace(config.trace, block_size=config.block_size)
+    if config.scale_block_size:
+        trace = rescale_blocks(trace, config.scale_block_size)
+    if config.max_requests is not None:
+        trace = limit_requests(trace, config.max_requests)
     return trace
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class ReplayResult:
+    """What one replay left: every request's record (also in `out_dir/requests.jsonl`) and
+    the summary (also in `out_dir/summary.json`)."""
+
+    out_dir: Path
+    records: list[RequestRecord]
+    summary: dict[str, Any]
+
+    @property
+    def failure(self) -> str | None:
+        """Why the replay failed as a whole (the command exits 1), or None."""
+        s = self.summary
+        if s["requests_prompt_mismatch"]:
+            return (f"{s['requests_prompt_mismatch']} answer(s) saw another prompt than the one "
+                    f"sent; first: {s['first_prompt_mismatch']}")
+        if s["requests_ok"] == 0 and s["requests_sent"] > 0:
+            return "no request succeeded"
+        return None
+
+
+def replay(config: ReplayConfig, out_dir: Path) -> ReplayResult:
+    """Replay `config.trace` against `config.url` on a fresh event loop (`asyncio.run`, so
+    call it from a thread without a running loop), writing `out_dir/requests.jsonl` as
+    requests complete, then `summary.json` (and plots with `config.plots`). Prints nothing
+    (`print_report` does). ValueError names a bad setting or trace."""
     from pdcache.bench import report
 
+    cfg = config.resolved()
+    trace = prepare_trace(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    expander = BlockExpander(trace.block_size, vocab_high=cfg.vocab_size,
+                             vocab_low=cfg.vocab_low, seed=cfg.token_seed)
+    with (out_dir / "requests.jsonl").open("w") as sink:
+        replayer = Replayer(cfg, trace, expander, sink)
+        run_info = asyncio.run(replayer.run())
+    run_info.update(trace=cfg.trace, trace_name=trace.name, block_size=trace.block_size,
+                    sessions=len(trace.sessions), config=cfg.run_settings())
+    summary = report.write_summary(out_dir, run_info, plots=cfg.plots)
+    return ReplayResult(out_dir, replayer.records, summary)
+
+
+def print_report(result: ReplayResult, out: TextIO | None = None) -> None:
+    """The replay's tables and where its summary is, on `out` (stdout at call time)."""
+    from pdcache.bench import report
+
+    out = out or sys.stdout
+    report.print_tables(result.summary, out=out)
+    print(f"wrote {result.out_dir / 'summary.json'}", file=out)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
-        cfg = ReplayConfig.from_args(args)
-        trace = prepare_trace(args)
+        result = replay(ReplayConfig.from_args(args), Path(args.out))
     except ValueError as exc:
         print(f"pdcache bench replay: {exc}", file=sys.stderr)
         return 2
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    expander = BlockExpander(trace.block_size, vocab_high=args.vocab_size,
-                             vocab_low=args.vocab_low, seed=args.token_seed)
-    with (out_dir / "requests.jsonl").open("w") as sink:
-        run_info = asyncio.run(Replayer(cfg, trace, expander, sink).run())
-    run_info.update(trace=args.trace, trace_name=trace.name, block_size=trace.block_size,
-                    sessions=len(trace.sessions), config=cfg.__dict__)
-    summary = report.write_report(out_dir, run_info, plots=args.plots,
-                                  json_path=getattr(args, "json_path", None))
-    if run_info["requests_prompt_mismatch"]:
-        print(f"pdcache bench replay: FAILED: {run_info['requests_prompt_mismatch']} answer(s) "
-              f"saw another prompt than the one sent; first: {run_info['first_prompt_mismatch']}",
-              file=sys.stderr)
-        return 1
-    return 0 if summary["requests_ok"] > 0 or run_info["requests_sent"] == 0 else 1
+    json_path = getattr(args, "json_path", None)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result.summary, indent=2, default=str))
+    print_report(result)
+    if result.summary["requests_prompt_mismatch"]:
+        print(f"pdcache bench replay: FAILED: {result.failure}", file=sys.stderr)
+    return 1 if result.failure else 0

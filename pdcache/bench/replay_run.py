@@ -1,7 +1,8 @@
 """The run loop of `pdcache bench replay`: `Replayer` drives one replay on one asyncio event
 loop (every session a task; `--concurrency` a semaphore), releasing turns by mode
 (`PoissonGate` for poisson arrivals, trace timestamps, `RoundBarrier` for `--round-barrier`),
-building each turn's token-exact prompt from the session's real history, sending it
+`SessionPlayer` building each turn's token-exact prompt from the session's real history (the
+one session player: `pdcache chaos` plays its sessions with it too), sending it
 (`pdcache.bench.replay_http`), tracking the theoretical reuse, and writing one
 `RequestRecord` per request to `requests.jsonl` as it completes. Returns the run's counts
 (the run part of `summary.json`; `pdcache.bench.report` writes the rest).
@@ -14,7 +15,8 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from dataclasses import dataclass
+from typing import Any, Protocol, TextIO
 
 import httpx
 import numpy as np
@@ -86,8 +88,79 @@ class RoundBarrier:
             self.events[round_index].set()
 
 
+@dataclass(frozen=True)
+class TurnAnswer:
+    """A sent turn the session goes on from: the ids the stack answered ([] when the turn
+    failed but nothing after it needs its answer) and when it completed, on the driver's clock
+    (the next turn's think time counts from then)."""
+
+    output: list[int]
+    done_s: float
+
+
+class TurnDriver(Protocol):
+    """Paces, sends and records the turns a `SessionPlayer` builds: the replay's `Replayer`
+    and the chaos soak's steady load (`pdcache.chaos.load.SteadyLoad`)."""
+
+    async def release(self, turn: Turn, parent_done_s: float) -> None:
+        """Wait until `turn` may be sent (its parent completed at `parent_done_s`)."""
+
+    def drop(self, session: Session, index: int, reason: str) -> None:
+        """The session stops before its turn `index`, for `reason`."""
+
+    async def send(
+        self, session: Session, index: int, turn: Turn, prompt: np.ndarray, max_new: int
+    ) -> TurnAnswer | None:
+        """Send the turn and record it; None ends the session (the driver accounted for the
+        turns left)."""
+
+
+class SessionPlayer:
+    """Plays one session's turns in order, each prompt token-exact: a turn that carries history
+    sends the session's previous prompt + the ids the stack actually answered + its new
+    tokens, so the stack sees what a real conversation would send it. Owns the block expander
+    and the context cap (`max_tokens_cap`: prompt + answer); holds no state between sessions.
+    The driver (`TurnDriver`) paces, sends and records each turn."""
+
+    def __init__(
+        self, expander: BlockExpander, max_tokens_cap: int | None, cut_long_prompts: bool = True
+    ) -> None:
+        self.expander = expander
+        self.max_tokens_cap = max_tokens_cap
+        # a turn without history over the cap is cut to fit (else the session stops there)
+        self.cut_long_prompts = cut_long_prompts
+
+    def build_prompt(self, turn: Turn, history: np.ndarray) -> tuple[np.ndarray, int] | None:
+        """(prompt, max_new_tokens), or None when the turn exceeds the context cap."""
+        new = self.expander.turn_tokens(turn)
+        prompt = np.concatenate([history, new]) if turn.dependent else new
+        max_new = max(1, turn.output_len)
+        cap = self.max_tokens_cap
+        if cap is not None and len(prompt) + max_new > cap:
+            if turn.dependent or turn.with_history or not self.cut_long_prompts:
+                return None
+            max_new = min(max_new, max(1, cap // 2))
+            prompt = prompt[: cap - max_new]
+        return prompt, max_new
+
+    async def play(self, session: Session, driver: TurnDriver) -> None:
+        history, parent_done_s = EMPTY, 0.0
+        for index, turn in enumerate(session.turns):
+            await driver.release(turn, parent_done_s)
+            built = self.build_prompt(turn, history)
+            if built is None:
+                return driver.drop(session, index, "max_tokens_cap")
+            answer = await driver.send(session, index, turn, *built)
+            if answer is None:
+                return None
+            parent_done_s = answer.done_s
+            history = np.concatenate([built[0], np.asarray(answer.output, dtype=np.int64)])
+        return None
+
+
 class Replayer:
-    """Drives one replay: owns the HTTP client, the reuse tracker and the output file."""
+    """Drives one replay: owns the HTTP client, the reuse tracker, the output file and the
+    records written to it (`records`, in completion order)."""
 
     def __init__(
         self, cfg: ReplayConfig, trace: Trace, expander: BlockExpander, sink: TextIO
@@ -96,7 +169,9 @@ class Replayer:
         self.trace = trace
         self.expander = expander
         self.sink = sink
+        self.player = SessionPlayer(expander, cfg.max_tokens_cap)
         self.tracker = ReuseTracker(cfg.page_size)
+        self.records: list[RequestRecord] = []
         self.counts = {"sent": 0, "ok": 0, "failed": 0, "skipped": 0, PROMPT_MISMATCH: 0}
         self.first_mismatch: str | None = None  # "REQUEST_ID: message" of the first one
         self.skip_reasons: dict[str, int] = {}
@@ -116,7 +191,7 @@ class Replayer:
     async def sleep_until(self, t: float) -> None:
         await asyncio.sleep(max(0.0, min(t, self.cfg.max_duration_s) - self.now()))
 
-    async def wait_release(self, turn: Turn, parent_done_s: float) -> None:
+    async def release(self, turn: Turn, parent_done_s: float) -> None:
         cfg = self.cfg
         if self.barrier is not None:
             await self.barrier.wait(turn.turn)
@@ -138,46 +213,30 @@ class Replayer:
 
     # -- one session --------------------------------------------------------------------------
 
-    def skip(self, session: Session, from_turn: int, reason: str) -> None:
-        for turn in session.turns[from_turn:]:
+    def drop(self, session: Session, index: int, reason: str) -> None:
+        """Count the session's turns from `index` on as skipped, for `reason`."""
+        for turn in session.turns[index:]:
             self.counts["skipped"] += 1
             self.skip_reasons[reason] = self.skip_reasons.get(reason, 0) + 1
             if self.barrier is not None:
                 self.barrier.finish(turn.turn)
             self.pbar.update(1)
 
-    def build_prompt(self, turn: Turn, history: np.ndarray) -> tuple[np.ndarray, int] | None:
-        """(prompt, max_new_tokens), or None when the session exceeds --max-tokens-cap."""
-        new = self.expander.turn_tokens(turn)
-        prompt = np.concatenate([history, new]) if turn.dependent else new
-        max_new = max(1, turn.output_len)
-        cap = self.cfg.max_tokens_cap
-        if cap is not None and len(prompt) + max_new > cap:
-            if turn.dependent or turn.with_history:
-                return None
-            max_new = min(max_new, max(1, cap // 2))
-            prompt = prompt[: cap - max_new]
-        return prompt, max_new
-
-    async def run_session(self, session: Session) -> None:
-        history, parent_done_s = EMPTY, 0.0
-        for index, turn in enumerate(session.turns):
-            await self.wait_release(turn, parent_done_s)
-            built = self.build_prompt(turn, history)
-            if built is None:
-                return self.skip(session, index, "max_tokens_cap")
-            if self.stopping or self.now() >= self.cfg.max_duration_s:
-                return self.skip(session, index, self.stop_reason)
-            async with self.semaphore:
-                if self.now() >= self.cfg.max_duration_s:
-                    return self.skip(session, index, "max_duration")
-                rec, output = await self.dispatch(session, turn, *built)
-            parent_done_s = self.now()
-            self.finish(turn, rec)
-            if not rec.ok and index + 1 < len(session.turns):
-                if any(t.dependent for t in session.turns[index + 1 :]):
-                    return self.skip(session, index + 1, "parent_failed")
-            history = np.concatenate([built[0], np.asarray(output, dtype=np.int64)])
+    async def send(
+        self, session: Session, index: int, turn: Turn, prompt: np.ndarray, max_new: int
+    ) -> TurnAnswer | None:
+        if self.stopping or self.now() >= self.cfg.max_duration_s:
+            return self.drop(session, index, self.stop_reason)
+        async with self.semaphore:
+            if self.now() >= self.cfg.max_duration_s:
+                return self.drop(session, index, "max_duration")
+            rec, output = await self.dispatch(session, turn, prompt, max_new)
+        done_s = self.now()
+        self.finish(turn, rec)
+        if not rec.ok and index + 1 < len(session.turns):
+            if any(t.dependent for t in session.turns[index + 1 :]):
+                return self.drop(session, index + 1, "parent_failed")
+        return TurnAnswer(output, done_s)
 
     async def dispatch(
         self, session: Session, turn: Turn, prompt: np.ndarray, max_new: int
@@ -193,7 +252,7 @@ class Replayer:
         output: list[int] = []
         try:
             output = await asyncio.wait_for(
-                self.send(session, prompt, max_new, rec, lambda: self.tracker.add(keys)),
+                self.post(session, prompt, max_new, rec, lambda: self.tracker.add(keys)),
                 self.cfg.request_timeout_s)
             check_prompt_tokens(rec)
             rec.ok, rec.output_tokens = True, len(output)
@@ -221,10 +280,11 @@ class Replayer:
         if self.first_mismatch is None:
             self.first_mismatch = f"{rec.request_id}: {exc}"
 
-    async def send(
+    async def post(
         self, session: Session, prompt: np.ndarray, max_new: int, rec: RequestRecord,
         on_first_token: Callable[[], None],
     ) -> list[int]:
+        """`POST /generate` of one request (streamed or not), filling `rec`; its output ids."""
         body: dict[str, Any] = {
             "input_ids": prompt.tolist(),
             "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True,
@@ -256,6 +316,7 @@ class Replayer:
         self.pbar.update(1)
 
     def write(self, rec: RequestRecord) -> None:
+        self.records.append(rec)
         self.sink.write(json.dumps(rec.__dict__) + "\n")
         self.sink.flush()
 
@@ -278,7 +339,7 @@ class Replayer:
         wall_start = time.perf_counter()
         async with httpx.AsyncClient(base_url=cfg.url, limits=limits, timeout=timeout) as client:
             self.client = client
-            tasks = [asyncio.create_task(self.run_session(s)) for s in self.trace.sessions]
+            tasks = [asyncio.create_task(self.player.play(s, self)) for s in self.trace.sessions]
             # every session done, the deadline, or an early stop (finish sets stop_event)
             everything = asyncio.ensure_future(asyncio.wait(tasks))
             stopped = asyncio.ensure_future(self.stop_event.wait())

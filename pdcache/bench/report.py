@@ -17,7 +17,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -126,16 +126,17 @@ SUMMARY_ROWS = (
 )
 
 
-def print_tables(summary: dict[str, Any], json_path: str | None = None) -> None:
+def print_tables(summary: dict[str, Any], out: TextIO | None = None) -> None:
+    """The replay's summary and per-turn tables on `out` (stdout at call time)."""
+    out = out or sys.stdout
     rows = [{"metric": k, "value": summary.get(k)} for k in SUMMARY_ROWS]
     rows += [{"metric": f"hit_rate[{t}]", "value": v}
              for t, v in {**summary["hit_rate_by_tier"], **summary["hit_rate_by_origin"]}.items()]
-    # sys.stdout at call time (emit's default is bound when table.py is imported)
-    emit(f"replay {summary.get('trace', '')}", rows, json_path=json_path, out=sys.stdout)
+    emit(f"replay {summary.get('trace', '')}", rows, out=out)
     columns = ["turn", "requests", "prompt_tokens_mean", "ttft_p50_s", "hit_rate",
                "theoretical_hit_rate", "hit_device", "hit_host", "hit_storage",
                "hit_storage_from_decode"]
-    emit("per turn", summary["per_turn"], columns=columns, out=sys.stdout)
+    emit("per turn", summary["per_turn"], columns=columns, out=out)
 
 
 def write_plots(
@@ -182,22 +183,23 @@ def write_plots(
     return [str(p) for p in paths]
 
 
-def write_report(
-    out_dir: Path,
-    run_info: dict[str, Any] | None = None,
-    plots: bool = True,
-    json_path: str | None = None,
+def write_summary(
+    out_dir: Path, run_info: dict[str, Any] | None = None, plots: bool = True
 ) -> dict[str, Any]:
-    """Reads `out_dir/requests.jsonl`, writes `summary.json` (+ plots), prints the tables."""
+    """Reads `out_dir/requests.jsonl`, writes `summary.json` (+ plots); prints nothing."""
     records = load_records(out_dir)
     summary = summarize(records, run_info or {})
     if plots:
         summary["plots"] = write_plots(out_dir, summary, records)
-    text = json.dumps(summary, indent=2, default=str)
-    (out_dir / "summary.json").write_text(text)
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(text)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def write_report(
+    out_dir: Path, run_info: dict[str, Any] | None = None, plots: bool = True
+) -> dict[str, Any]:
+    """`write_summary`, then the tables on stdout."""
+    summary = write_summary(out_dir, run_info, plots)
     print_tables(summary)
     print(f"wrote {out_dir / 'summary.json'}")
     return summary

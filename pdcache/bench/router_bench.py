@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import queue
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from pdcache.bench.stack import StackProcess
 from pdcache.bench.table import emit
 from pdcache.utils.secret import create_secret, derive_key, load_secret
 
@@ -42,44 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--node-auth", choices=["off", "both"], default="off",
                         help="both: also measure a node + router pair with a cluster secret")
-
-
-class _Process:
-    """A `python -m pdcache ...` child, ready once it prints `ready_prefix` + its URL."""
-
-    def __init__(self, argv: list[str], ready_prefix: str, timeout_s: float = 180.0) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdcache", *argv], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, args=(lines,), daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        seen: list[str] = []
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                line = lines.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            seen.append(line)
-            if line.startswith(ready_prefix):
-                self.url = line[len(ready_prefix):].strip()
-                return
-        self.stop()
-        raise RuntimeError(f"{' '.join(argv)} did not start:\n{''.join(seen[-20:])}")
-
-    def _pump(self, lines: queue.Queue[str]) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            lines.put(line)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
 
 async def _one(client: httpx.AsyncClient, url: str, ids: list[int], new_tokens: int,
@@ -142,29 +101,31 @@ def run(args: argparse.Namespace) -> int:
     from pdcache.router.cli import READY_PREFIX as ROUTER_READY
     from pdcache.server.cli import READY_PREFIX as SERVE_READY
 
-    started: list[_Process] = []
+    started: list[StackProcess] = []
 
-    def start(argv: list[str], ready: str) -> _Process:
-        started.append(_Process(argv, ready))
-        return started[-1]
+    def start(argv: list[str], ready: str) -> str:
+        """Start `pdcache ARGV`; its URL once it printed `ready` + the URL."""
+        started.append(StackProcess(argv, watch=(ready,), env={"PYTHONUNBUFFERED": "1"}))
+        return started[-1].wait_for(ready, 180.0)
 
-    def pair(name: str, secret_argv: list[str]) -> tuple[_Process, _Process]:
+    def pair(name: str, secret_argv: list[str]) -> tuple[str, str]:
+        """(node URL, router URL) of a unified node and a router in front of it."""
         node = start(["serve", "--model", args.model, "--port", "0", "--name", name,
                       "--log-level", "warning", *secret_argv], SERVE_READY)
-        router = start(["router", "--unified", node.url, "--model", args.model, "--port", "0",
+        router = start(["router", "--unified", node, "--model", args.model, "--port", "0",
                         "--log-level", "warning", *secret_argv], ROUTER_READY)
         return node, router
 
     with tempfile.TemporaryDirectory(prefix="pdcache-bench-") as tmp:
         try:
             node, router = pair("u0", [])
-            paths: dict[str, Target] = {"direct": (node.url, {}), "router": (router.url, {})}
+            paths: dict[str, Target] = {"direct": (node, {}), "router": (router, {})}
             if args.node_auth == "both":
                 secret_file = create_secret(Path(tmp) / "cluster.secret")
                 token = derive_key(load_secret(secret_file), "node-http").hex()
                 node2, router2 = pair("u1", ["--secret-file", str(secret_file)])
-                paths["direct+auth"] = (node2.url, {"Authorization": f"Bearer {token}"})
-                paths["router+auth"] = (router2.url, {})
+                paths["direct+auth"] = (node2, {"Authorization": f"Bearer {token}"})
+                paths["router+auth"] = (router2, {})
             rows = asyncio.run(_measure(paths, args))
         finally:
             for proc in reversed(started):

@@ -394,8 +394,7 @@ def run(args: argparse.Namespace) -> int:
                 threads = paths.threads
             rows += _rows(name, page_bytes * args.pages, samples, threads)
     extra = {"page_bytes": page_bytes, "pages": args.pages, "batch_pages": SGLANG_BATCH_PAGES,
-             "sglang_layout": args.layout, "dtype": args.dtype, "rounds": args.repeat,
-             "target": "plugin overhead <= 0.10"}
+             "sglang_layout": args.layout, "dtype": args.dtype, "rounds": args.repeat}
     emit("SGLang plugin vs native pdcache storage (same backend, same run, same batches)", rows,
          getattr(args, "json_path", None), columns=COLUMNS, extra=extra)
     return 0

@@ -108,8 +108,8 @@ def _control_table(args: argparse.Namespace) -> None:
 def _bench_engine(args: argparse.Namespace, engine: str,
                   layouts: list[str]) -> list[dict[str, Any]]:
     """One decode child and one sender per engine; every layout measured with them."""
-    from pdcache.transfer import KVSender
     from pdcache.transfer.engines.base import create_engine
+    from pdcache.transfer.sender import KVSender
 
     config = _config(args, engine)
     src = _pool(args, args.pages_per_room * args.rooms, seed=1)
@@ -223,7 +223,7 @@ def _memcpy_once(src: torch.Tensor) -> float:
 
 # ---- decode child ------------------------------------------------------------------------
 def _decode_main(arg_values: dict, engine: str, conn) -> None:
-    from pdcache.transfer import KVReceiver
+    from pdcache.transfer.receiver import KVReceiver
 
     args = argparse.Namespace(**arg_values)
     dst = _pool(args, args.pages_per_room * args.rooms, seed=None)
@@ -264,7 +264,7 @@ def _serve_rooms(receiver, dst: torch.Tensor, conn, addr: str, rooms: list) -> N
 def _config(args: argparse.Namespace, engine: str):
     """The benchmark's TransferConfig; as a node's entry point does, it sets (once, before the
     engine's library loads) what that library reads only from the environment."""
-    from pdcache.transfer import TransferConfig
+    from pdcache.transfer.config import TransferConfig
     from pdcache.transfer.engines.base import ENGINES
 
     config = TransferConfig(engine=engine, transfer_workers=args.workers, room_timeout_s=300.0,

@@ -12,8 +12,9 @@ checks), `args` (`--config/--node/--set`, node flags, `topology_from_flags`), `n
 keys, loaded once per process), `storage_cli` (`pdcache storage`), `secret_cli`
 (`pdcache secret create`).
 
-The schema half imports neither torch nor the engine (the launcher stays light); the node
-setup names are loaded on first use.
+The schema half imports no torch (the launcher stays light): of the engine only its torch-free
+`scheduler_config` (the `[scheduler]` table is the engine's `SchedulerConfig`) and
+`cache_settings`; the node setup names are loaded on first use.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pdcache.config.args import (
 from pdcache.config.parse import load_topology, parse_override_value, parse_topology
 from pdcache.config.schema import (
     PD_ROLES,
+    ApiSettings,
     CacheSpec,
     Endpoint,
     EtcdSpec,
@@ -40,8 +42,8 @@ from pdcache.config.schema import (
     MooncakeStoreSpec,
     NodeSpec,
     Role,
+    RouterSettings,
     RouterSpec,
-    SchedulerSpec,
     SecuritySpec,
     StorageSpec,
     TenantSpec,
@@ -55,14 +57,13 @@ if TYPE_CHECKING:
     from pdcache.config.node_setup import (
         NodeSetup,
         OffloadSettings,
-        ServerSettings,
         process_environment,
         setup_for,
         storage_for,
     )
 
-_NODE_SETUP = ("NodeSetup", "OffloadSettings", "ServerSettings", "process_environment",
-               "setup_for", "storage_for")
+_NODE_SETUP = ("NodeSetup", "OffloadSettings", "process_environment", "setup_for",
+               "storage_for")
 
 
 def __getattr__(name: str) -> Any:
@@ -75,6 +76,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "PD_ROLES",
+    "ApiSettings",
     "CacheSpec",
     "Endpoint",
     "LaunchSpec",
@@ -86,10 +88,9 @@ __all__ = [
     "NodeSpec",
     "OffloadSettings",
     "Role",
+    "RouterSettings",
     "RouterSpec",
-    "SchedulerSpec",
     "SecuritySpec",
-    "ServerSettings",
     "StorageSpec",
     "TenantSpec",
     "Topology",

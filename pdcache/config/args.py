@@ -37,11 +37,11 @@ from pdcache.config.parse import load_topology, topology_from_raw
 from pdcache.config.schema import (
     ReasoningParser,
     RouterSpec,
-    SchedulerSpec,
     ToolCallParser,
     Topology,
     TopologyError,
 )
+from pdcache.engine.scheduler_config import SchedulerConfig
 
 # flag dest -> the node key it sets (dotted below the node). Their flags default to None, so
 # only flags given on the command line override a topology's values.
@@ -249,7 +249,7 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
     """The flags of NODE_FLAG_KEYS: default None, so that only given ones override a topology."""
     from pdcache.kernels.dispatch import KERNEL_BACKENDS
 
-    sched = SchedulerSpec()
+    sched = SchedulerConfig()
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="deadline of one request in seconds (default 600)")
     parser.add_argument("--tool-call-parser", default=None, choices=list(get_args(ToolCallParser)),
@@ -329,8 +329,8 @@ def _add_cache_flags(parser: argparse.ArgumentParser, hicache: bool = True) -> N
     """Storage (and, for prefill/unified, host tier) flags shared by the node commands."""
     from pdcache.engine.eviction import EVICTION_POLICIES
     from pdcache.engine.page_keys import KEY_SCHEMES
-    from pdcache.offload_manager.hicache import HOST_MODES, PREFETCH_POLICIES, WRITE_POLICIES
     from pdcache.offload_manager.storage import BACKENDS
+    from pdcache.offload_manager.tier_settings import HOST_MODES, PREFETCH_POLICIES, WRITE_POLICIES
 
     group = parser.add_argument_group("cache tiers (without --config)")
     if hicache:

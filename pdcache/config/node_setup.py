@@ -16,9 +16,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pdcache.config.schema import NodeSpec, StorageSpec, Topology, TopologyError, TransferSpec
+from pdcache.config.schema import (
+    ApiSettings,
+    NodeSpec,
+    StorageSpec,
+    Topology,
+    TopologyError,
+    TransferSpec,
+    field_values,
+)
 from pdcache.config.security import SecuritySettings, security_for, tenant_quotas
-from pdcache.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdcache.engine.cache_settings import DeviceCacheSettings
+from pdcache.engine.config import CacheConfig, EngineConfig, ModelConfig
 from pdcache.offload_manager.builder import (
     TierConfig,
     fingerprint_for,
@@ -27,18 +36,13 @@ from pdcache.offload_manager.builder import (
 )
 from pdcache.offload_manager.hicache import HiCacheConfig
 from pdcache.offload_manager.host_pool import host_pages_for
-from pdcache.offload_manager.storage.config import StorageConfig, storage_keys_from_spec
-from pdcache.transfer.config import TransferConfig
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """The HTTP side of one node process."""
-
-    request_timeout_s: float = 600.0  # deadline of every wait on the engine, per request
-    tool_call_parser: str = "hermes"  # pdcache.server.tool_calls.TOOL_CALL_PARSERS
-    reasoning_parser: str | None = None  # pdcache.server.reasoning.REASONING_PARSERS; None: off
-    incremental_streaming_output: bool = False  # /generate streams deltas, not cumulative
+from pdcache.offload_manager.storage.config import (
+    StorageConfig,
+    StorageKeys,
+    storage_keys_from_spec,
+)
+from pdcache.offload_manager.tier_settings import TierSettings
+from pdcache.transfer.config import TransferConfig, TransferSettings
 
 
 @dataclass(frozen=True)
@@ -70,9 +74,10 @@ class NodeSetup:
     transfer: TransferConfig | None = None  # None on unified nodes
     bootstrap_port: int | None = None  # prefill only (0 picks a free port)
     offload: OffloadSettings | None = None  # decode only; None: generated KV is not stored
-    server: ServerSettings = ServerSettings()
-    key_scheme: str = "pdcache"  # how stored pages are named (PageKeyScheme), every node alike
-    key_namespace: str = ""
+    server: ApiSettings = ApiSettings()  # the HTTP side: this part of the node's NodeSpec
+    # this part of the node's `[cache]`: its tiers' policies and how stored pages are named
+    # (every node alike), which a decode node's offload names its pages with too
+    cache_tiers: TierSettings = TierSettings()
     model_path: str = ""  # `[model]`'s preset name or checkpoint path (/server_info reports it)
     # The cluster secret and its derived keys (`[security]`), loaded once by setup_for: the
     # node HTTP credential, and the keys of stored pages, the control plane and the metadata
@@ -83,6 +88,16 @@ class NodeSetup:
     @property
     def listen_host(self) -> str:
         return self.bind_host or self.host
+
+    @property
+    def key_scheme(self) -> str:
+        """How stored pages are named (`PageKeyScheme`): `[cache] key_scheme`."""
+        return self.cache_tiers.key_scheme
+
+    @property
+    def key_namespace(self) -> str:
+        """The deployment-wide page-key salt: `[cache] key_namespace`."""
+        return self.cache_tiers.key_namespace
 
 
 def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSetup:
@@ -102,18 +117,16 @@ def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSet
     return NodeSetup(node.name, node.role, node.host, node.port, engine_for(topology, node, model),
                      tiers_for(node, model, storage), fingerprint, storage, transfer,
                      node.bootstrap_port, offload_for(node),
-                     ServerSettings(node.request_timeout_s, tool_call_parser=node.tool_call_parser,
-                                    reasoning_parser=node.reasoning_parser,
-                                    incremental_streaming_output=node.incremental_streaming_output),
-                     cache.key_scheme, cache.key_namespace, topology.model.ref, security,
-                     node.bind_host)
+                     ApiSettings(**field_values(node, ApiSettings)),
+                     TierSettings(**field_values(cache, TierSettings)), topology.model.ref,
+                     security, node.bind_host)
 
 
 def with_keys(storage: StorageConfig | None, security: SecuritySettings) -> StorageConfig | None:
     """`storage` with the page MAC and metadata-service keys of the cluster secret."""
     if storage is None or not security.enabled:
         return storage
-    return storage.replace(page_mac_key=security.page_mac_key, metadata_key=security.metadata_key)
+    return storage.replace(**field_values(security, StorageKeys))
 
 
 def engine_for(topology: Topology, node: NodeSpec, model: ModelConfig) -> EngineConfig:
@@ -121,21 +134,12 @@ def engine_for(topology: Topology, node: NodeSpec, model: ModelConfig) -> Engine
     # the answer decode computed), so a next turn's request needs only the pages after them
     # from prefill (docs/design.md §4.12)
     prefix_cache = node.cache.prefix_cache
-    sched = node.scheduler
     return EngineConfig(
         model=model,
-        cache=CacheConfig(node.cache.page_size, node.cache.device_pages,
+        cache=CacheConfig(num_device_pages=node.cache.device_pages,
                           enable_prefix_cache=prefix_cache,
-                          device_eviction=node.cache.device_eviction,
-                          session_idle_s=node.cache.session_idle_s),
-        scheduler=SchedulerConfig(max_running_requests=sched.max_running_requests,
-                                  chunked_prefill_tokens=sched.chunked_prefill_tokens,
-                                  max_queued_requests=sched.max_queued_requests,
-                                  max_pending_reservations=sched.max_pending_reservations,
-                                  decode_reserve_tokens=sched.decode_reserve_tokens,
-                                  decode_step_interval_ms=sched.decode_step_interval_ms,
-                                  compute_share=sched.compute_share,
-                                  decode_yield_max_ms=sched.decode_yield_max_ms),
+                          **field_values(node.cache, DeviceCacheSettings)),
+        scheduler=node.scheduler,  # the topology's [scheduler] section is the engine's config
         seed=topology.model.seed, kernels=_kernels(topology, node))
 
 
@@ -149,20 +153,13 @@ def tiers_for(node: NodeSpec, model: ModelConfig, storage: StorageConfig | None)
         return None
     host_pages = cache.host_pages or host_pages_for(
         model, cache.page_size, cache.device_pages, cache.effective_host_ratio, cache.host_bytes or 0)
+    # the layer-streamed prefetch's and copies ahead's `[cache]` keys have other names in
+    # HiCacheConfig (the tiers' code's); every other policy is TierSettings'
     hicache = HiCacheConfig(
-        write_policy=cache.write_policy, write_through_threshold=cache.write_through_threshold,
-        prefetch_policy=cache.prefetch_policy,
-        prefetch_timeout_base_s=cache.prefetch_timeout_base_s,
-        prefetch_timeout_per_1k_tokens_s=cache.prefetch_timeout_per_1k_tokens_s,
-        prefetch_timeout_max_s=cache.prefetch_timeout_max_s,
-        prefetch_restarts=cache.prefetch_restarts,
         layerwise_prefetch=cache.prefetch_layerwise,
         layerwise_read_layers=cache.prefetch_layers_per_read,
         copy_ahead=cache.load_copy_ahead,
-        key_scheme=cache.key_scheme, key_namespace=cache.key_namespace,
-        host_mode=cache.host_mode, host_eviction=cache.host_eviction,
-        pending_wait=cache.pending_wait, pending_max_ttl_s=cache.pending_max_ttl_s,
-        pending_pull=cache.pending_pull,
+        **field_values(cache, TierSettings),
     )
     return TierConfig(host_pages, hicache, storage)
 
@@ -209,12 +206,10 @@ def storage_for(topology: Topology, model: ModelConfig, node_name: str | None = 
 
 def transfer_from_spec(spec: TransferSpec, node: NodeSpec) -> TransferConfig:
     devices = node.devices if node.devices is not None else spec.devices
-    return TransferConfig(engine=spec.engine, protocol=spec.protocol,
-                          device_names=",".join(devices), local_host=node.host,
+    return TransferConfig(device_names=",".join(devices), local_host=node.host,
                           bootstrap_timeout_s=spec.timeout_s,
                           room_timeout_s=4 * spec.timeout_s,
-                          prefill_waits_for_decode=spec.prefill_waits_for_decode,
-                          lost_peer_hold_s=spec.lost_peer_hold_s)
+                          **field_values(spec, TransferSettings))
 
 
 def process_environment(setup: NodeSetup, inherited: Mapping[str, str]) -> dict[str, str]:

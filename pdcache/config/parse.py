@@ -26,7 +26,6 @@ from pdcache.config.schema import (
     ModelSpec,
     NodeSpec,
     RouterSpec,
-    SchedulerSpec,
     SecuritySpec,
     StorageSpec,
     TenantSpec,
@@ -36,6 +35,7 @@ from pdcache.config.schema import (
     parse_size,
 )
 from pdcache.config.validate import finalize, validate
+from pdcache.engine.scheduler_config import SchedulerConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -46,7 +46,7 @@ else:  # Python 3.10: the same parser, published as `tomli`
 _EXCLUSIVE = {"host_ratio": ("host_bytes", "host_pages"), "host_bytes": ("host_ratio", "host_pages"),
               "host_pages": ("host_ratio", "host_bytes"), "preset": ("path",), "path": ("preset",)}
 # Tables set once for the topology and overridden per node ([cache] + [node.cache], ...).
-_NODE_MERGED = {"cache": CacheSpec, "scheduler": SchedulerSpec}
+_NODE_MERGED = {"cache": CacheSpec, "scheduler": SchedulerConfig}
 
 
 def load_topology(path: str | Path, overrides: Iterable[str] = ()) -> Topology:
@@ -148,7 +148,7 @@ def _build_topology(raw: dict[str, Any], ctx: ErrorContext, overrides: tuple[str
         overrides=overrides,
         model=_build(ModelSpec, _table(raw, "model", "", ctx), "model", ctx),
         cache=_build(CacheSpec, shared["cache"], "cache", ctx),
-        scheduler=_build(SchedulerSpec, shared["scheduler"], "scheduler", ctx),
+        scheduler=_build(SchedulerConfig, shared["scheduler"], "scheduler", ctx),
         storage=_build(StorageSpec, _table(raw, "storage", "", ctx), "storage", ctx),
         transfer=_build(TransferSpec, _table(raw, "transfer", "", ctx), "transfer", ctx),
         router=_build_router(_table(raw, "router", "", ctx), ctx) if "router" in raw else None,

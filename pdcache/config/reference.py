@@ -1,6 +1,7 @@
 """`pdcache config-reference`: the topology's configuration reference, generated from the schema.
 
-Every key of every table (`pdcache.config.schema`): its TOML path, type, default and what the
+Every key of every table (`pdcache.config.schema`, and the engine's `SchedulerConfig` that is
+its `[scheduler]`): its TOML path, type, default and what the
 schema's comments say of it (the comment on its line, or the comment lines right above it).
 docs/configuration.md is this command's output; a test fails when the committed file is
 stale, so the reference cannot drift from the code.
@@ -18,12 +19,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from pdcache.config import schema
+from pdcache.engine.scheduler_config import SchedulerConfig
 
 # (TOML path, schema class), in the order a topology file reads.
 TABLES: tuple[tuple[str, type], ...] = (
     ("model", schema.ModelSpec),
     ("cache", schema.CacheSpec),
-    ("scheduler", schema.SchedulerSpec),
+    ("scheduler", SchedulerConfig),
     ("storage", schema.StorageSpec),
     ("storage.metadata_service", schema.MetadataServiceSpec),
     ("storage.etcd", schema.EtcdSpec),
@@ -52,7 +54,16 @@ be set per node (`[node.cache]`, `[node.scheduler]`). Sizes take bytes or string
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """Field name -> its comment in the class source (same line, else the lines above)."""
+    """Field name -> its comment in the source of the class that declares it (same line,
+    else the lines above): `cls` or a dataclass it inherits (`ApiSettings`, ...)."""
+    comments: dict[str, str] = {}
+    for owner in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(owner):
+            comments.update(_own_field_comments(owner))
+    return comments
+
+
+def _own_field_comments(cls: type) -> dict[str, str]:
     comments: dict[str, str] = {}
     above: list[str] = []
     for line in inspect.getsource(cls).splitlines():
@@ -94,10 +105,22 @@ def _default(field: dataclasses.Field) -> str:
     return f"`{value}`" if value != {} else "`{}`"
 
 
+def reading_order(cls: type) -> list[dataclasses.Field]:
+    """The fields of `cls` as a topology reads: the positional ones in declaration order
+    (`CacheSpec`'s inherited `page_size` first), then the keyword-only ones, its own before
+    those of each class it inherits (`NodeSpec`'s name, role, port before `ApiSettings`')."""
+    depth: dict[str, int] = {}
+    for level, owner in enumerate(cls.__mro__):
+        for name in getattr(owner, "__annotations__", {}):
+            depth.setdefault(name, level)
+    return sorted(dataclasses.fields(cls),
+                  key=lambda f: (f.kw_only, depth[f.name] if f.kw_only else 0))
+
+
 def table_rows(path: str, cls: type) -> Iterator[str]:
     hints = typing.get_type_hints(cls)
     comments = field_comments(cls)
-    for field in dataclasses.fields(cls):
+    for field in reading_order(cls):
         if field.name in _SUBTABLES and dataclasses.is_dataclass(hints[field.name]):
             continue
         if path in ("node", "router") and field.name in _SUBTABLES:

@@ -3,24 +3,48 @@
 Parsing and coercion are in `pdcache.config.parse`, cross-key checks in
 `pdcache.config.validate`; errors are `TopologyError`s naming the file, the key and what was
 expected. Everything here is plain data: no I/O, no torch, so the launcher stays light.
+
+One source per setting: a setting a runtime config also holds is declared once. The
+`[scheduler]` table is the engine's own `SchedulerConfig` (`pdcache.engine.scheduler_config`,
+torch-free). Shared settings are base classes that a section and its runtime config both
+inherit, their keys staying flat in the TOML table, all torch-free:
+
+- here: `ApiSettings` and `RouterSettings` (`NodeSpec` / `RouterSpec` and the processes'
+  `ServerConfig` / `RouterConfig`), `TenantLimits` (`TenantSpec`, the router's `Tenant`),
+  `NodeAuthSettings` (`SecuritySpec`, `ServerConfig`);
+- `pdcache.engine.cache_settings`: `DeviceCacheSettings` (`CacheSpec`, `CacheConfig`) and its
+  `PageGeometry` (the router's `RouterConfig` too);
+- `pdcache.offload_manager.tier_settings`: `TierSettings` (`CacheSpec`, `HiCacheConfig`);
+- `pdcache.offload_manager.storage.config`: `StorageSettings` (`StorageSpec`,
+  `StorageConfig`) and `StorageKeys` (`StorageConfig`, `config.security.SecuritySettings`);
+- `pdcache.transfer.config`: `TransferSettings` (`TransferSpec`, `TransferConfig`).
+
+A runtime object is built from a section with `field_values`, never field by field
+(tests/config/test_one_source.py).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from pdcache.engine.cache_settings import DeviceCacheSettings
+from pdcache.engine.scheduler_config import SchedulerConfig
+from pdcache.offload_manager.storage.config import StorageSettings
+from pdcache.offload_manager.tier_settings import TierSettings
+from pdcache.transfer.config import TransferSettings
+
 Role = Literal["prefill", "decode", "unified"]
-# output formats of pdcache.server.tool_calls.TOOL_CALL_PARSERS (SGLang's --tool-call-parser
-# names); tests/config checks the two agree
+# output formats of pdcache.wire.tool_calls.TOOL_CALL_PARSERS (SGLang's --tool-call-parser
+# names); tests/wire/test_tool_calls.py checks the two agree
 ToolCallParser = Literal["hermes", "qwen", "qwen25", "llama3", "deepseekv3", "kimi_k2",
-                         "qwen3_coder"]
-# thinking formats of pdcache.server.reasoning.REASONING_PARSERS (SGLang's --reasoning-parser
-# names); tests/server/test_family_parsers.py checks the two agree
-ReasoningParser = Literal["deepseek-r1", "qwen3"]
+                         "qwen3_coder", "gpt-oss"]
+# thinking formats of pdcache.wire.reasoning.REASONING_PARSERS (SGLang's --reasoning-parser
+# names); tests/wire/test_family_parsers.py checks the two agree
+ReasoningParser = Literal["deepseek-r1", "qwen3", "gpt-oss"]
 PD_ROLES = ("prefill", "decode")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
@@ -68,7 +92,32 @@ def parse_size(text: str) -> int | None:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+def field_values(source: Any, part: type | None = None) -> dict[str, Any]:
+    """Field name -> value of the dataclass instance `source`; only the fields of `part` (a
+    dataclass `source` is or inherits) when given. How one settings object is made from
+    another (`ApiSettings(**field_values(node, ApiSettings))`) without copying its fields one
+    by one."""
+    return {f.name: getattr(source, f.name) for f in fields(part or source)}
+
+
 # --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApiSettings:
+    """How an HTTP API answers requests: the keys `[[node]]` and `[router]` share.
+
+    Declared once, here: `NodeSpec`, `RouterSpec`, a node's `pdcache.server.bridge.ServerConfig`
+    and the router's `pdcache.router.config.RouterConfig` inherit these fields (flat keys of
+    their TOML tables), and a node's `NodeSetup.server` is this part of its `NodeSpec`."""
+
+    # deadline of one request (a node: every wait on its engine; the router: the whole request)
+    request_timeout_s: float = 600.0
+    tool_call_parser: ToolCallParser = "hermes"  # how model output becomes OpenAI tool_calls
+    reasoning_parser: ReasoningParser | None = None  # thinking → reasoning_content; None: off
+    # /generate streams deltas, not cumulative chunks (SGLang's --incremental-streaming-output);
+    # a request's `incremental_streaming_output` wins
+    incremental_streaming_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,10 +140,14 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class CacheSpec:
-    """`[cache]` (and per-node `[node.cache]` overrides): device/host sizing and policies."""
+class CacheSpec(DeviceCacheSettings, TierSettings):
+    """`[cache]` (and per-node `[node.cache]` overrides): device/host sizing and policies.
 
-    page_size: int = 16  # tokens per KV page (every node of a deployment alike)
+    `page_size`, `device_eviction` and `session_idle_s` are `DeviceCacheSettings`', declared
+    once beside the engine's `CacheConfig`, which inherits them too; the host and storage
+    tiers' policies and the page-key scheme are `TierSettings`', declared once beside the
+    nodes' `HiCacheConfig`."""
+
     device_pages: int = 2048  # device KV pool size in pages
     host_ratio: float | None = None  # host pool = device pool × ratio (default 2.0)
     # host pool size in bytes (instead of host_ratio / host_pages)
@@ -103,41 +156,6 @@ class CacheSpec:
     # false: no prefix reuse (unified: no lower tiers either; decode: prefill sends every
     # prompt page, decode frees pages once offloaded); prefill nodes always keep it
     prefix_cache: bool = True
-    # when pages are backed up to host and storage
-    write_policy: Literal["write_through", "write_through_selective", "write_back"] = (
-        "write_through"
-    )
-    write_through_threshold: int = 2  # hits before backup under write_through_selective
-    # tier policies (pdcache.engine.eviction, docs/design.md "Tier policies"): which pages each
-    # tier evicts first, and whether the host tier mirrors the device (inclusive) or holds
-    # what the device evicted (exclusive: host capacity adds to device capacity)
-    device_eviction: Literal["lru", "session"] = "lru"
-    # which host pages are evicted first: lru or session
-    host_eviction: Literal["lru", "session"] = "lru"
-    # inclusive: host mirrors the device; exclusive: host holds what it evicted
-    host_mode: Literal["inclusive", "exclusive"] = "inclusive"
-    session_idle_s: float = 300.0  # a session without a turn for this long is closed
-    # how long a request waits for its storage prefetch
-    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
-    prefetch_timeout_base_s: float = 2.0  # timeout policy: base wait for a prefetch
-    # timeout policy: extra wait per 1k prefetched tokens
-    prefetch_timeout_per_1k_tokens_s: float = 0.1
-    prefetch_timeout_max_s: float = 30.0  # timeout policy: the longest wait
-    # a queued request whose device + host match shrank before its admission (tier pressure
-    # evicted pages its storage prefetch continues) has its prefetch restarted from the
-    # shorter match, at most this many times, instead of recomputing the gap and every
-    # prefetched page after it (docs/design.md §4.9, "Prefetch restarts"); 0: off
-    prefetch_restarts: int = 1
-    # prefill: wait (within the prefetch policy) for pages a decode node announced as being
-    # written instead of recomputing them (docs/design.md §4.10, "A durable next turn")
-    pending_wait: bool = True
-    # prefill: a decode's pending mark lives at most this long here, whatever TTL it announced
-    # (bounds the wait under `wait_complete`, which has no deadline of its own)
-    pending_max_ttl_s: float = 30.0
-    # prefill: pull pending pages from the announcing decode's host staging when that beats
-    # waiting for the write by measured costs ("auto"), never ("never": wait), or whenever the
-    # decode offers it ("always", for tests) (docs/design.md §4.10)
-    pending_pull: Literal["auto", "never", "always"] = "auto"
     # layer-streamed prefetch (docs/design.md §4.11): read stored pages layer-major and start
     # the forward while later layers are still being read; off by default (measured slower on
     # a 2-core CPU, where the reads take the forward's core); `prefetch_layers_per_read` layers
@@ -149,43 +167,11 @@ class CacheSpec:
     # measured gain on a 2-core CPU); off: each layer is copied on the engine thread when the
     # forward reaches it. No effect on CUDA pools.
     load_copy_ahead: bool = False
-    # How stored pages are named: "pdcache", or "sglang" to share pages with SGLang servers
-    # running the pdcache storage plugin (whose `key_namespace` must equal this one).
-    key_scheme: Literal["pdcache", "sglang"] = "pdcache"
-    # appended to the page-key salt: deployments with different ones never share
-    key_namespace: str = ""
 
     @property
     def effective_host_ratio(self) -> float:
         unset = self.host_ratio is None and self.host_bytes is None and self.host_pages is None
         return 2.0 if unset else self.host_ratio or 0.0
-
-    def prefetch_timeout_s(self, num_tokens: int) -> float:
-        """The `timeout` policy's deadline for a prefetch of `num_tokens` tokens."""
-        linear = self.prefetch_timeout_base_s + self.prefetch_timeout_per_1k_tokens_s * num_tokens / 1024
-        return min(self.prefetch_timeout_max_s, linear)
-
-
-# a decode node whose steps are held longer (paced, or yielding to prefill) would look hung to
-# its clients (one token a second)
-MAX_DECODE_STEP_INTERVAL_MS = 1000
-
-
-@dataclass(frozen=True)
-class SchedulerSpec:
-    """`[scheduler]` (and per-node `[node.scheduler]` overrides): continuous-batching limits."""
-
-    max_running_requests: int = 64  # requests decoding at once
-    chunked_prefill_tokens: int = 2048  # token budget of one prefill chunk
-    # requests waiting for admission before new ones are refused (503)
-    max_queued_requests: int = 1024
-    max_pending_reservations: int = 256  # decode: reservations waiting for pages (0: refuse)
-    decode_reserve_tokens: int = 512  # decode: answer tokens an admission keeps room for
-    decode_step_interval_ms: int = 0  # least time between decode step starts (0: off)
-    # a file (local filesystem) every node sharing this node's compute names too: decode steps
-    # wait while prefill has work (docs/design.md §4.13); unset: off
-    compute_share: str | None = None
-    decode_yield_max_ms: int = 300  # the longest a decode step waits for prefill there
 
 
 @dataclass(frozen=True)
@@ -249,9 +235,12 @@ class MooncakeStoreSpec:
         return (match.group(1), int(match.group(2))) if match else None
 
 
-@dataclass(frozen=True)
-class StorageSpec:
-    """`[storage]`: the shared storage tier every prefill (and offloading decode) node uses."""
+@dataclass(frozen=True, kw_only=True)
+class StorageSpec(StorageSettings):
+    """`[storage]`: the shared storage tier every prefill (and offloading decode) node uses.
+
+    The keys a storage client runs with too (io_engine, metadata, namespace, the session
+    lifecycle, the delays) are `StorageSettings`', declared once beside `StorageConfig`."""
 
     # "none", or a name in pdcache.offload_manager.storage.BACKENDS: "hf3fs", "file",
     # "mooncake", or one a plugin registered (checked by validate against the registry)
@@ -259,22 +248,6 @@ class StorageSpec:
     # hf3fs / file: directory (or 3FS mount) holding the stored pages
     path: str = "./.pdcache/storage"
     capacity: int = _size(default=4 * 2**30)  # bytes of stored pages before eviction
-    # hf3fs: posix files, or usrbio (the 3FS native client)
-    io_engine: Literal["posix", "usrbio"] = "posix"
-    # "inproc" or "tcp://HOST:PORT" (the shared metadata service); with metadata_service.store
-    # "etcd", one address per replica, comma-separated
-    metadata: str = "inproc"
-    # storage namespace: deployments with different ones never share pages
-    namespace: str = "default"
-    # conversation-scoped lifecycle (docs/design.md §4.4): "lru" or "session" (active sessions'
-    # pages protected within the bounds, closed / idle ones evicted first)
-    eviction: Literal["lru", "session"] = "lru"
-    session_protect_share: float = 0.5  # at most this share of the capacity is protected
-    session_protect_bytes: int = _size(default=0)  # per session (0: only the share bounds)
-    session_idle_s: float = 300.0  # a session without a write for this long is closed
-    # every write call waits this long first: emulates a slow or distant store (benchmarks,
-    # and the tests of the durable next turn); 0 = off
-    write_delay_s: float = 0.0
     # hf3fs and file with sealed pages (a cluster secret): "on" verifies (seals) page groups
     # on a helper thread beside the next group's read (write), "off" goes page by page, "auto"
     # runs each batch the way that measured faster lately (posix I/O; docs/security.md
@@ -283,9 +256,6 @@ class StorageSpec:
     metadata_service: MetadataServiceSpec = field(default_factory=MetadataServiceSpec)
     etcd: EtcdSpec = field(default_factory=EtcdSpec)
     mooncake: MooncakeStoreSpec = field(default_factory=MooncakeStoreSpec)
-    # Chaos/test only, never in a deployment (docs/chaos.md): an absolute path of a control
-    # file whose number is a delay (s) every storage call waits; set by `pdcache bench chaos`.
-    fault_injection: str = ""
 
     @property
     def enabled(self) -> bool:
@@ -318,77 +288,96 @@ class StorageSpec:
         return self.uses_metadata_service and self.metadata_service.store == "etcd"
 
 
-@dataclass(frozen=True)
-class TransferSpec:
-    """`[transfer]`: how prefill pushes KV pages into decode memory."""
+@dataclass(frozen=True, kw_only=True)
+class TransferSpec(TransferSettings):
+    """`[transfer]`: how prefill pushes KV pages into decode memory.
 
-    # P->D transfer engine: mooncake, zmq (no RDMA), nixl
-    engine: Literal["mooncake", "zmq", "nixl"] = "mooncake"
-    protocol: Literal["tcp", "rdma"] = "tcp"  # tcp or rdma (mooncake, nixl)
+    `engine`, `protocol`, `prefill_waits_for_decode` and `lost_peer_hold_s` are
+    `TransferSettings`', declared once beside the nodes' `TransferConfig`, which inherits them
+    too."""
+
     devices: tuple[str, ...] = ()  # RDMA NICs, e.g. ["mlx5_0", "mlx5_1"]
     timeout_s: float = 30.0  # bootstrap and per-room transfer deadline
-    prefill_waits_for_decode: bool = True  # no prefill compute before decode reserved the pages
-    # decode: a lost prefill peer's pages stay fenced (busy) until its AbortAck, its address
-    # re-registering with another boot id, or this (docs/design.md §4.5)
-    lost_peer_hold_s: float = 120.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TenantLimits:
+    """What one tenant may use at the router, declared once: `TenantSpec` (a
+    `[[router.tenant]]` table) and the router's `pdcache.router.tenants.Tenant` inherit it."""
+
+    max_inflight: int = 0  # requests of this tenant in flight at the router; 0 = no limit
 
 
 @dataclass(frozen=True)
-class TenantSpec:
+class TenantSpec(TenantLimits):
     """One `[[router.tenant]]`: a principal of the router, known by its API key.
 
     Its key (`api_key`, or the environment variable `api_key_env` names, read by the router
     process: `config.security.tenant_api_key`) authenticates its requests; its name derives
-    the page-key namespace its requests' `cache_salt` lives in and scopes its `session_id`s."""
+    the page-key namespace its requests' `cache_salt` lives in and scopes its `session_id`s.
+    Its limits at the router are `TenantLimits`'."""
 
     name: str  # the tenant's name (scopes its cache salt, sessions and quota)
     api_key: str | None = None  # its API key, inline (or api_key_env)
     api_key_env: str | None = None  # the environment variable the router reads its key from
-    max_inflight: int = 0  # requests of this tenant in flight at the router; 0 = no limit
     storage_quota: int | None = _size(default=None)  # bytes of its stored pages (file backend)
 
 
+@dataclass(frozen=True, kw_only=True)
+class NodeAuthSettings:
+    """Which node HTTP endpoints need the cluster secret's credential besides those that
+    always do, declared once: `SecuritySpec` (`[security]`) and a node's
+    `pdcache.server.bridge.ServerConfig` inherit it."""
+
+    metrics_auth: bool = False  # /metrics of nodes needs the credential too
+
+
 @dataclass(frozen=True)
-class SecuritySpec:
+class SecuritySpec(NodeAuthSettings):
     """`[security]`: the cluster secret every process of the deployment shares.
 
     With `secret_file`, node HTTP endpoints other than /health (and /metrics unless
-    `metrics_auth`) need the credential derived from it; stored pages, the control plane and
-    the metadata service are authenticated with keys derived from it (docs/design.md §8)."""
+    `metrics_auth`, `NodeAuthSettings`') need the credential derived from it; stored pages,
+    the control plane and the metadata service are authenticated with keys derived from it
+    (docs/design.md §8)."""
 
     # the cluster secret (pdcache secret; the launcher makes one when unset)
     secret_file: str | None = None
-    metrics_auth: bool = False  # /metrics of nodes needs the credential too
 
     @property
     def enabled(self) -> bool:
         return self.secret_file is not None
 
 
-@dataclass(frozen=True)
-class RouterSpec:
-    """`[router]`: the OpenAI-compatible front door; absent table = no router."""
+@dataclass(frozen=True, kw_only=True)
+class RouterSettings(ApiSettings):
+    """What a router does with requests: the `[router]` keys its process runs with.
+
+    Declared once, here: `RouterSpec` (the `[router]` table) and the router process's
+    `pdcache.router.config.RouterConfig` inherit these fields."""
 
     name: str = "router"  # the router's name (its process and /metrics label)
-    host: str = "127.0.0.1"  # where the router listens
-    port: int = 8000  # the router's HTTP port
     # how a prefill node is picked (cache_aware: the longest cached prefix)
     prefill_policy: Literal["round_robin", "least_load", "cache_aware"] = "cache_aware"
     # how a decode node is picked
     decode_policy: Literal["round_robin", "least_load"] = "round_robin"
     api_key: str | None = None  # one client key for every request (or [[router.tenant]] tables)
-    request_timeout_s: float = 600.0  # deadline of one request at the router
     connect_timeout_s: float = 5.0  # connecting to a node
     health_interval_s: float = 2.0  # between health probes of every node
     max_inflight_per_node: int = 0  # requests in flight per node before the router queues; 0 = no limit
     max_queue: int = 1024  # requests the router queues when every node is at its limit
     max_attempts: int = 3  # tries of a request whose node was unreachable or answered 503
-    tool_call_parser: ToolCallParser = "hermes"  # how model output becomes OpenAI tool_calls
-    reasoning_parser: ReasoningParser | None = None  # thinking → reasoning_content; None: off
-    incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
     first_token_from_prefill: bool = True  # PD streams: the first token is prefill's (early)
     tls_cert: str | None = None  # PEM certificate chain: the router serves HTTPS
     tls_key: str | None = None  # PEM private key of tls_cert
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterSpec(RouterSettings):
+    """`[router]`: the OpenAI-compatible front door; absent table = no router."""
+
+    host: str = "127.0.0.1"  # where the router listens
+    port: int = 8000  # the router's HTTP port
     tenant: tuple[TenantSpec, ...] = ()  # [[router.tenant]]; with any, every request needs a key
 
     @property
@@ -446,7 +435,7 @@ class KubernetesSpec:
 
 
 @dataclass(frozen=True)
-class NodeSpec:
+class NodeSpec(ApiSettings):
     """One `[[node]]`: a prefill, decode or unified server, with its effective cache settings."""
 
     name: str  # the node's name (--node NAME, labels, page attribution)
@@ -461,14 +450,10 @@ class NodeSpec:
     offload_staging_pages: int | None = None  # decode only: host staging pages (default 256)
     offload_stride_pages: int | None = None  # decode only: offload every N full pages (default 1)
     offload_pending_ttl_s: float | None = None  # decode only: TTL of its pending marks (default 10)
-    request_timeout_s: float = 600.0  # deadline of one request on this node's HTTP side
-    tool_call_parser: ToolCallParser = "hermes"  # how model output becomes OpenAI tool_calls
-    reasoning_parser: ReasoningParser | None = None  # thinking → reasoning_content; None: off
-    incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
     kernels: str = "auto"  # KV kernel backend (pdcache.kernels): auto, reference, torch, ...
     devices: tuple[str, ...] | None = None  # overrides transfer.devices on this node
     cache: CacheSpec = field(default_factory=CacheSpec)  # [cache] merged with [node.cache]
-    scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)  # [scheduler] + [node.scheduler]
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # [scheduler] + [node.scheduler]
     command: tuple[str, ...] | None = None  # replaces the node command ({python} {config} ...)
     # argv put before the node's command by the launcher: ["ip", "netns", "exec", "NS"],
     # ["nsenter", "--net=/run/netns/NS", "--"], ["numactl", "-N", "0"], ["taskset", "-c", "2"]
@@ -510,7 +495,7 @@ class Topology:
     overrides: tuple[str, ...]
     model: ModelSpec
     cache: CacheSpec
-    scheduler: SchedulerSpec
+    scheduler: SchedulerConfig
     storage: StorageSpec
     transfer: TransferSpec
     router: RouterSpec | None

@@ -21,22 +21,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdcache.config.schema import SecuritySpec, TenantSpec, Topology, TopologyError
+from pdcache.offload_manager.storage.config import StorageKeys
 from pdcache.utils.secret import SecretError, derive_key, load_secret
 
 NODE_HTTP, PAGE_MAC, ZMQ_CONTROL, METADATA = "node-http", "page-mac", "zmq-control", "metadata"
 
 
-@dataclass(frozen=True, repr=False)
-class SecuritySettings:
-    """The cluster secret of this process and the keys derived from it (all None without)."""
+@dataclass(frozen=True, repr=False, kw_only=True)
+class SecuritySettings(SecuritySpec, StorageKeys):
+    """`[security]` loaded: the cluster secret of this process and the keys derived from it
+    (all None without). Its `secret_file` (where the secret came from, for messages, never the
+    bytes) and `metrics_auth` are the section's own fields, inherited; the storage client's
+    keys (`page_mac_key`, `metadata_key`) are `StorageKeys`', which `StorageConfig` inherits
+    too."""
 
     secret: bytes | None = None
-    metrics_auth: bool = False  # /metrics needs the node credential too
     node_http_token: str | None = None
-    page_mac_key: bytes | None = None
     zmq_control_key: bytes | None = None
-    metadata_key: bytes | None = None
-    secret_file: str | None = None  # where the secret came from (for messages, never the bytes)
 
     @classmethod
     def from_secret(cls, secret: bytes | None, metrics_auth: bool = False,

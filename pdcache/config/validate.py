@@ -14,23 +14,25 @@ from collections.abc import Iterable
 from dataclasses import fields, replace
 
 from pdcache.config.schema import (
-    MAX_DECODE_STEP_INTERVAL_MS,
     PD_ROLES,
     CacheSpec,
     ErrorContext,
     ModelSpec,
     MooncakeStoreSpec,
     NodeSpec,
-    SchedulerSpec,
     StorageSpec,
     Topology,
     TransferSpec,
     split_host_port,
 )
+from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.offload_manager.storage.config import QUOTA_UNENFORCED_BACKENDS
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _LOCAL_ALIASES = {"localhost": "127.0.0.1"}
+# a decode node whose steps are held longer (paced, or yielding to prefill) would look hung to
+# its clients (one token a second)
+MAX_DECODE_STEP_INTERVAL_MS = 1000
 MAX_PENDING_TTL_S = 600.0  # bound of a pending-page mark's TTL (decode's announce, prefill's cap)
 # scheduler keys whose least value is 0 (off; refuse at once); every other one's is 1
 _SCHEDULER_LEAST = {"decode_step_interval_ms": 0, "max_pending_reservations": 0}
@@ -88,7 +90,7 @@ def _check_cache(cache: CacheSpec, prefix: str, ctx: ErrorContext) -> None:
             raise ctx.error(f"{prefix}.{key}", f"expected a number >= 0, got {getattr(cache, key)}")
 
 
-def _check_scheduler(scheduler: SchedulerSpec, prefix: str, ctx: ErrorContext) -> None:
+def _check_scheduler(scheduler: SchedulerConfig, prefix: str, ctx: ErrorContext) -> None:
     for key in ("decode_step_interval_ms", "decode_yield_max_ms"):
         value, least = getattr(scheduler, key), _SCHEDULER_LEAST.get(key, 1)
         if not least <= value <= MAX_DECODE_STEP_INTERVAL_MS:

@@ -46,25 +46,16 @@ from pdcache.decode_node.controller import (
     DuplicateRoomError,
     RoomCancelledError,
 )
+from pdcache.decode_node.first_token import FirstTokenSkip
 from pdcache.decode_node.metrics import AdmissionMetrics
 from pdcache.engine.engine import EngineNotRunningError
-from pdcache.server.bridge import (
-    CLIENT_DISCONNECTED,
-    Generation,
-    json_ready,
-    resolve_on_loop,
-    wait_for_disconnect,
-)
-from pdcache.server.generate_api import GenerateRequestBody, single_item
-from pdcache.server.protocol import (
-    OVERLOADED,
-    SERVER_ERROR,
-    ApiError,
-    bad_request,
-)
-from pdcache.server.responses import SSE_DONE, sse
+from pdcache.server.bridge import CLIENT_DISCONNECTED, Generation, json_ready, resolve_on_loop
 from pdcache.server.routes import ServerRoutes
-from pdcache.transfer import KVReceiver, PrefillReport
+from pdcache.transfer.messages import PrefillReport
+from pdcache.transfer.receiver import KVReceiver
+from pdcache.wire.generate_api import GenerateRequestBody, single_item
+from pdcache.wire.protocol import OVERLOADED, SERVER_ERROR, ApiError, bad_request
+from pdcache.wire.responses import SSE_DONE, sse, wait_for_disconnect
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +64,37 @@ log = logging.getLogger(__name__)
 ADMITTED = b": admitted\n\n"
 
 
+class DecodeHooks:
+    """The steps of a PD decode request where something outside the node (a test, a fault
+    injector) may hold or fail it: each is awaited on the event loop with the request's
+    room. This base class does nothing at any step; it holds no state."""
+
+    async def admitted(self, room: int) -> None:
+        """The room's pages are reserved and prefill was asked for their K/V; the handler
+        goes on to answer (a `first_token_streamed` stream opens here)."""
+
+    async def awaiting_kv(self, room: int) -> None:
+        """The handler is about to wait for the K/V: holding here is a slow transfer as the
+        handler sees it."""
+
+    async def kv_arrived(self, room: int) -> None:
+        """Prefill wrote the K/V into the room's pages; decoding starts next. An `ApiError`
+        raised here fails the request as a failed transfer does (whoever raises it leaves
+        the room first: `DecodeController.leave`)."""
+
+
 class DecodeApp:
     """`pd_generate`, `health_extra` and `info_extra` of one decode node; holds no state of its own (the
-    rooms and their pages are the controller's)."""
+    rooms and their pages are the controller's). `hooks` (public, replaceable) is awaited at
+    each step of a request (`DecodeHooks`)."""
 
     def __init__(self, routes: ServerRoutes, controller: DecodeController,
-                 receiver: KVReceiver) -> None:
+                 receiver: KVReceiver, hooks: DecodeHooks | None = None) -> None:
         self.routes = routes
         self.bridge = routes.bridge
         self.controller = controller
         self.receiver = receiver
+        self.hooks = hooks if hooks is not None else DecodeHooks()
         self.admission = AdmissionMetrics(self.bridge.metrics.registry, self.bridge.engine.stats,
                                           self.bridge.config.name)
 
@@ -121,8 +133,11 @@ class DecodeApp:
             except RoomCancelledError as exc:  # the node is closing
                 raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
                                code="unavailable") from None
-            streamed_first = report.first_token if pd.first_token_streamed else None
-            return await self.routes.respond(request, handle, gen, body, item, streamed_first)
+            trim = None
+            if pd.first_token_streamed and body.stream:  # the client has token 1 already
+                first_text = self.routes.first_token_text(item, report.first_token)
+                trim = FirstTokenSkip(self.routes.incremental(body), first_text).trim
+            return await self.routes.respond(request, handle, gen, body, item, trim)
 
         if pd.first_token_streamed and body.stream:
             return self._admitted_stream(request, room, released, decode)
@@ -173,8 +188,10 @@ class DecodeApp:
     async def _arrived(self, released: asyncio.Future[DecodeOutcome], room: int,
                        request: Request) -> PrefillReport:
         """Wait until prefill wrote the prompt's K/V into the room's pages."""
+        await self.hooks.awaiting_kv(room)
         outcome = await self._wait(released, room, request)
         assert outcome.report is not None
+        await self.hooks.kv_arrived(room)
         return outcome.report
 
     async def _admit(self, request: Request, room: int, rid: str, bootstrap: str,
@@ -207,6 +224,7 @@ class DecodeApp:
             raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
                            code="unavailable") from None
         await self._admitted(admitted, room, request, num_tokens, deadline)
+        await self.hooks.admitted(room)
         return released
 
     async def _admitted(self, admitted: asyncio.Future[Admitted], room: int, request: Request,

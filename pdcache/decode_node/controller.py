@@ -32,8 +32,8 @@ owns them (a failed start frees them the same way).
 
 The offload hold: a decode request that finishes (or is aborted while running) with the
 DecodeOffloadManager on keeps its pages until the manager's copies that read them are done.
-`DecodeScheduler` asks `hold_for_offload(rid)` for the callback it hands the manager; that
-callback (copy thread) frees the pages once with `Engine.release_held(rid)`.
+The scheduler's `DecodeRole` asks `hold_for_offload(rid)` for the callback it hands the
+manager; that callback (copy thread) frees the pages once with `Engine.release_held(rid)`.
 
 Ownership rule: the thread that removes a room from `_rooms` (under the lock) frees its
 reservation — except `on_release` on success, which keeps the room (KV_READY) for the handler,
@@ -65,7 +65,7 @@ T = TypeVar("T")
 
 
 class Receiver(Protocol):
-    """The transfer side (`pdcache.transfer.KVReceiver`)."""
+    """The transfer side (`pdcache.transfer.receiver.KVReceiver`)."""
 
     def request(self, room: int, bootstrap_addr: str, dst_page_ids: Any,
                 num_tokens: int, first_page: int = 0) -> None: ...

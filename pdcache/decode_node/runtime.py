@@ -2,10 +2,10 @@
 controller, app.
 
 Built in order, each part from the ones before it: the controller (needs nothing), the
-storage backend (with offload), the engine — its `DecodeScheduler` (made by `_scheduler`, a
-method of this runtime, while the engine builds its pool) gets the offload manager over that
-pool and `controller.hold_for_offload` —, the receiver whose releases go to
-`controller.on_release`, then `controller.attach(engine, receiver)`.
+storage backend (with offload), the engine — its `Scheduler` (made by `_scheduler`, a
+method of this runtime, while the engine builds its pool: device-only tiers, `DecodeRole`)
+gets the offload manager over that pool and `controller.hold_for_offload` —, the receiver
+whose releases go to `controller.on_release`, then `controller.attach(engine, receiver)`.
 
 Threads of the node: the engine thread, the offload manager's copy thread and its storage
 writer, the receiver's control thread (all started by `start()`, none by a constructor), the
@@ -24,8 +24,9 @@ from pdcache.config import NodeSetup
 from pdcache.decode_node.app import DecodeApp
 from pdcache.decode_node.controller import DecodeController
 from pdcache.decode_node.metrics import OffloadStatsCollector
-from pdcache.decode_node.scheduler import DecodeScheduler
+from pdcache.decode_node.scheduler import DecodeRole
 from pdcache.engine.engine import Engine
+from pdcache.engine.scheduler import Scheduler
 from pdcache.kernels import KernelSet
 from pdcache.offload_manager.decode_offload import DecodeOffloadManager
 from pdcache.offload_manager.storage import create_backend
@@ -34,7 +35,7 @@ from pdcache.server.app import routes_for
 from pdcache.server.bridge import ServerConfig
 from pdcache.server.metrics import TransferCollector
 from pdcache.server.routes import build_app
-from pdcache.transfer import KVReceiver
+from pdcache.transfer.receiver import KVReceiver
 
 
 class DecodeRuntime:
@@ -70,8 +71,9 @@ class DecodeRuntime:
         self._started = False
         self._closed = False
 
-    def _scheduler(self, **kwargs: Any) -> DecodeScheduler:
-        """`Engine(make_scheduler=...)`: the offload manager needs the engine's pool."""
+    def _scheduler(self, **kwargs: Any) -> Scheduler:
+        """`Engine(make_scheduler=...)`: the device-only scheduler with the decode role (the
+        offload manager needs the engine's pool)."""
         if self.storage is not None:
             setup = self.setup
             settings = setup.offload
@@ -81,7 +83,7 @@ class DecodeRuntime:
                 settings.staging_pages, settings.stride_pages,
                 key_scheme=setup.key_scheme, key_namespace=setup.key_namespace,
                 kernels=KernelSet(setup.engine.kernels), pending_ttl_s=settings.pending_ttl_s)
-        return DecodeScheduler(offload=self.offload, holds=self.controller, **kwargs)
+        return Scheduler(**kwargs, role=DecodeRole(self.offload, self.controller))
 
     def start(self) -> None:
         if self._started:

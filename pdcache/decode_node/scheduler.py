@@ -1,20 +1,21 @@
-"""The decode node's scheduler: decoding requests whose prompt K/V a prefill node wrote, with
-the DecodeOffloadManager writing their pages (prompt + answer) back to storage.
+"""The decode node's role in the scheduler (`DecodeRole`, a `pdcache.engine.roles.RolePolicy`):
+decoding requests whose prompt K/V a prefill node wrote into reserved pages (the scheduler
+keeps a reservation book), with the DecodeOffloadManager writing their pages (prompt +
+answer) back to storage. The node composes it with any cache tiers (default: device only).
 
 The offload hooks stay here because they are scheduling: which pages completed this step
-(`commit`), whether a request may be retracted (`can_retract`) — they read the engine
+(`after_commit`), whether a request may be retracted (`can_retract`) — they read the engine
 thread's request state. When a held request's pages are freed is the `DecodeController`'s
-decision (`hold_for_offload`), as for every other PD page of this node. Engine thread only.
+decision (`hold_for_offload`), as for every other PD page of this node. Engine thread only,
+except `end_session` (any thread).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from pdcache.engine.api import TokenLogprob
 from pdcache.engine.request import Req, ReqStatus
-from pdcache.engine.scheduler import ScheduledBatch, Scheduler
 from pdcache.offload_manager.decode_offload import DecodeOffloadManager
 
 
@@ -24,33 +25,33 @@ class OffloadHolds(Protocol):
     def hold_for_offload(self, rid: str) -> Callable[[], None]: ...
 
 
-class DecodeScheduler(Scheduler):
+class DecodeRole:
     """With `offload`, every tracked request's completed pages are offloaded as decoding goes,
     and a finished or aborted running request keeps its pages until the manager's copies are
     done: the manager then calls the callback `holds.hold_for_offload(rid)` returned (copy
-    thread), which frees them through `Engine.release_held`. An abort never frees them."""
+    thread), which frees them through `Engine.release_held`. An abort never frees them.
+    Holds only `offload` and `holds`."""
 
-    def __init__(self, *, offload: DecodeOffloadManager | None, holds: OffloadHolds,
-                 **kwargs) -> None:
-        super().__init__(**kwargs)
+    takes_reservations = True
+
+    def __init__(self, offload: DecodeOffloadManager | None, holds: OffloadHolds) -> None:
         self.offload = offload
         self.holds = holds
 
-    def add_prefilled(self, req: Req, first_token: int,
-                      first_logprob: TokenLogprob | None = None) -> None:
+    def admission_ready(self, req: Req) -> bool:
+        return True
+
+    def on_prefilled(self, req: Req) -> None:
         if self.offload is not None:
             self.offload.track(req.rid, req.salt, req.session_id)
-        super().add_prefilled(req, first_token, first_logprob)
 
-    def commit(self, batch: ScheduledBatch, tokens: list[int],
-               logprobs: list[TokenLogprob | None] | None = None) -> list[Req]:
-        touched = super().commit(batch, tokens, logprobs)
-        if self.offload is not None:
-            for req in batch.reqs:
-                # fill_ids copies the whole sequence: build it only when a page completed
-                if req.status is ReqStatus.RUNNING and self.offload.due(req.rid, req.kv_len):
-                    self.offload.on_step(req.rid, req.fill_ids[: req.kv_len], req.page_ids)
-        return touched
+    def after_commit(self, reqs: Sequence[Req]) -> None:
+        if self.offload is None:
+            return
+        for req in reqs:
+            # fill_ids copies the whole sequence: build it only when a page completed
+            if req.status is ReqStatus.RUNNING and self.offload.due(req.rid, req.kv_len):
+                self.offload.on_step(req.rid, req.fill_ids[: req.kv_len], req.page_ids)
 
     def end_session(self, session_id: str, cache_salt: str) -> bool:
         if self.offload is None:

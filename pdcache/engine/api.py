@@ -1,7 +1,14 @@
-"""Types exchanged between the serving front ends (HTTP servers, nodes) and the engine."""
+"""Types exchanged between the serving front ends (HTTP servers, nodes) and the engine.
+
+The request types check themselves (`GenerateRequest.validate`, `SamplingParams.validate`,
+`LogprobRequest.validate`: ValueError naming the field); `Engine.submit` and
+`Engine.submit_prefilled` call them on the caller's thread. Plain data: no state, no locks.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -10,6 +17,13 @@ if TYPE_CHECKING:
 
 
 GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: a lower temperature samples greedily
+
+
+def is_token_id(value: object, vocab_size: int) -> bool:
+    """An integer (not a bool) in [0, vocab_size)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return False
+    return 0 <= int(value) < vocab_size
 
 
 @dataclass(frozen=True)
@@ -33,6 +47,27 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    def validate(self) -> None:
+        """SGLang's ranges (`SamplingParams.verify`), with the same messages' meaning;
+        `max_new_tokens` is the request's to check (it knows the context)."""
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got "
+                f"{self.min_new_tokens}")
 
 
 @dataclass(frozen=True)
@@ -91,6 +126,20 @@ class LogprobRequest:
     token_ids: tuple[int, ...] = ()
     input_start: int | None = None
 
+    def validate(self, vocab_size: int, prompt_len: int) -> None:
+        """`top_n` in [0, vocab_size], token ids in the vocabulary, `input_start` within a
+        prompt of `prompt_len` tokens."""
+        if isinstance(self.top_n, bool) or not 0 <= self.top_n <= vocab_size:
+            raise ValueError(f"logprobs top_n must be in [0, {vocab_size}], got {self.top_n!r}")
+        bad = next((t for t in self.token_ids if not is_token_id(t, vocab_size)), None)
+        if bad is not None:
+            raise ValueError(f"logprobs token id {bad!r} is not an integer in [0, {vocab_size})")
+        start = self.input_start
+        if start is not None and not 0 <= start <= prompt_len:
+            raise ValueError(
+                f"logprobs input_start must be in [0, {prompt_len}] (the prompt length), "
+                f"got {start}")
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -142,6 +191,35 @@ class GenerateRequest:
     # the conversation this request is a turn of (router → node `session_id`): session-aware
     # eviction policies keep the pages of sessions expected back soon
     session_id: str = ""
+
+    def validate(self, vocab_size: int, max_context: int, page_size: int,
+                 num_pages: int) -> None:
+        """Raise ValueError unless an engine of this vocabulary, context length and KV pool
+        (`num_pages` pages of `page_size` tokens) can run the request to `max_new_tokens`."""
+        params = self.sampling
+        if not self.input_ids:
+            raise ValueError("the prompt is empty")
+        bad = next((t for t in self.input_ids if not is_token_id(t, vocab_size)), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} is not an integer in [0, {vocab_size})")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        total = len(self.input_ids) + params.max_new_tokens
+        if total > max_context:
+            raise ValueError(
+                f"prompt ({len(self.input_ids)} tokens) + max_new_tokens ({params.max_new_tokens})"
+                f" = {total} exceeds the context length {max_context}"
+            )
+        if -(-total // page_size) > num_pages:  # the pages its K/V needs
+            raise ValueError(
+                f"prompt + max_new_tokens = {total} tokens exceeds the KV pool "
+                f"({num_pages} pages of {page_size} tokens)"
+            )
+        params.validate()
+        if self.logprobs is not None:
+            self.logprobs.validate(vocab_size, len(self.input_ids))
+        if self.prefill_leader is not None and self.prefill_leader == self.rid:
+            raise ValueError("prefill_leader names the request itself")
 
 
 @dataclass(frozen=True)

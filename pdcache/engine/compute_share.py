@@ -11,7 +11,8 @@ The share is one file on a host-local filesystem, named alike by every node that
 compute. An engine *announces* while it has prefill work (a request queued, or a prompt still
 computing) by holding a shared `flock` on it; an engine about to run a decode step *probes*
 with a non-blocking exclusive `flock`, which fails while some other engine announces, and then
-holds its step back (bounded by `[scheduler] decode_yield_max_ms`; `Engine._yield_decode`).
+holds its step back (bounded by `[scheduler] decode_yield_max_ms`;
+`pdcache.engine.pacer.DecodePacer.yield_to_prefill`).
 `flock` locks belong to an open file description: the kernel drops a crashed process's
 announcement with its last file descriptor, so a dead prefill node never holds decode back,
 and two engines of one process (each with its own `open`) see each other as two processes

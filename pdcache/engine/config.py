@@ -1,4 +1,9 @@
-"""Frozen configuration objects of the engine: model shape and KV-cache sizing."""
+"""Frozen configuration objects of the engine: model shape and KV-cache sizing.
+
+The scheduler's limits are `pdcache.engine.scheduler_config.SchedulerConfig`, and the cache
+settings `CacheConfig` shares with `[cache]` are `pdcache.engine.cache_settings`, kept apart
+from this module (which imports torch) because the topology schema embeds them.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdcache.engine.cache_settings import DeviceCacheSettings
 from pdcache.engine.eviction import EVICTION_POLICIES, SessionTracker
 from pdcache.engine.kv_geometry import KVGeometry
 from pdcache.engine.moe import MoEConfig
+from pdcache.engine.scheduler_config import SchedulerConfig
+from pdcache.engine.state_geometry import LinearAttentionConfig, RecurrentStateGeometry
 
 # Grouped-query attention (a K and a V cache); the MoE ones with sparse MLP blocks.
 GQA_ARCHITECTURES = (
@@ -18,6 +26,7 @@ GQA_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "GptOssForCausalLM",  # alternating sliding/full layers, attention sinks, MoE
 )
 # Multi-head latent attention (one latent cache row) with MoE: DeepSeek-V2/V3, Kimi K2.
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -76,6 +85,15 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     sliding_window: int | None = None  # Mistral; full attention is used when None
+    # gpt-oss: each layer's attention (HF `layer_types`: "full_attention" or
+    # "sliding_attention", windowed by `sliding_window`); empty: every layer alike
+    layer_types: tuple[str, ...] = ()
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins every softmax
+    o_proj_bias: bool = False  # gpt-oss: `attention_bias` covers o_proj too
+    # Qwen3-Next: the gated DeltaNet shape of its "linear_attention" layers (None: there are
+    # none) and the share of head_dim its attention rotates (partial RoPE)
+    linear_attention: LinearAttentionConfig | None = None
+    partial_rotary_factor: float = 1.0
     # MLA (DeepSeek-V2/V3, Kimi K2): the cache is one latent per token (`kv_lora_rank` 0: not
     # MLA); queries through a `q_lora_rank` bottleneck (None: one projection)
     kv_lora_rank: int = 0
@@ -101,14 +119,42 @@ class ModelConfig:
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
 
+    def layer_window(self, layer_id: int) -> int | None:
+        """The sliding window of layer `layer_id`'s attention (None: full attention)."""
+        if self.layer_types and self.layer_types[layer_id] != "sliding_attention":
+            return None
+        return self.sliding_window
+
     @property
     def kv_geometry(self) -> KVGeometry:
-        """What this model caches per token on every layer (every tier's shapes and bytes)."""
+        """What this model caches per token on every layer (every tier's shapes and bytes),
+        with the layer kinds ("sliding" with the window, "full", "linear": no KV) when the
+        layers differ."""
         if self.is_mla:
             return KVGeometry.mla(self.num_hidden_layers, self.kv_lora_rank,
                                   self.qk_rope_head_dim, self.dtype)
-        return KVGeometry.mha(self.num_hidden_layers, self.num_key_value_heads, self.head_dim,
-                              self.dtype)
+        geometry = KVGeometry.mha(self.num_hidden_layers, self.num_key_value_heads,
+                                  self.head_dim, self.dtype)
+        windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
+        if not any(windows) and not self.linear_layer_ids:
+            return geometry
+        kinds = tuple("linear" if i in self.linear_layer_ids else "sliding" if w else "full"
+                      for i, w in enumerate(windows))
+        return geometry.with_layer_kinds(kinds, self.sliding_window or 0)
+
+    @property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        """The layers of HF kind "linear_attention" (no KV: a recurrent state per request)."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "linear_attention")
+
+    @property
+    def state_geometry(self) -> RecurrentStateGeometry | None:
+        """Each request's recurrent state on the linear layers (None: the model has none)."""
+        if not self.linear_layer_ids:
+            return None
+        if self.linear_attention is None:
+            raise ValueError("linear_attention layers need ModelConfig.linear_attention")
+        return RecurrentStateGeometry(self.linear_layer_ids, self.linear_attention, self.dtype)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -117,16 +163,12 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class CacheConfig:
-    """Device KV pool sizing and prefix-cache switches."""
+class CacheConfig(DeviceCacheSettings):
+    """Device KV pool sizing and prefix-cache switches: `[cache]`'s `DeviceCacheSettings`
+    (page size, device eviction, session idle time; inherited) and the pool's size."""
 
-    page_size: int = 16
     num_device_pages: int = 2048
     enable_prefix_cache: bool = True
-    # which cached pages the device tree evicts first (`pdcache.engine.eviction`): "lru" or
-    # "session" (closed sessions first, active ones expected back last next)
-    device_eviction: str = "lru"
-    session_idle_s: float = 300.0  # a session without a turn for this long is closed
 
     def __post_init__(self) -> None:
         if self.device_eviction not in EVICTION_POLICIES:
@@ -140,49 +182,6 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    """Continuous batching limits: the token budget bounds each prefill chunk.
-
-    `max_pending_reservations` bounds the decode node's admission queue: PD requests whose
-    pages cannot be reserved yet wait there, in arrival order, until running requests free
-    them (`Engine.reserve_when_free`); 0 refuses at once when the pool is short.
-    `decode_reserve_tokens` is how much of a request's answer an admission keeps room for
-    (at most its `max_new_tokens`): a client that sends no `max_tokens` asks for the whole
-    context, and keeping room for all of it would admit one such request at a time. Past it,
-    decoding takes pages as they free (retraction where offload allows it), as SGLang's
-    reserved decode tokens do; with offload on and every request past its reserve, decoding
-    can stall until requests finish or reach their deadline.
-
-    `decode_step_interval_ms` (0: off) is the least time from the start of one decode step to
-    the next (`Engine._pace_decode`): a decode node that shares its host's CPU with prefill
-    trades TPOT for the prefill's TTFT, as a unified engine does when it puts prefill chunks
-    between decode steps.
-
-    `compute_share` (None: off) names the file through which engines that share compute (one
-    host's cores, one GPU) order their work as one unified engine would: an engine announces
-    while it has prefill work (queued or computing), and one about to run a decode step holds
-    it back while another announces, at most `decode_yield_max_ms`
-    (`pdcache.engine.compute_share`, docs/design.md §4.13)."""
-
-    max_running_requests: int = 64
-    chunked_prefill_tokens: int = 2048
-    max_queued_requests: int = 1024
-    max_pending_reservations: int = 256
-    decode_reserve_tokens: int = 512
-    decode_step_interval_ms: int = 0
-    compute_share: str | None = None
-    decode_yield_max_ms: int = 300
-
-    def __post_init__(self) -> None:
-        if self.decode_step_interval_ms < 0:
-            raise ValueError("decode_step_interval_ms must be >= 0")
-        if self.decode_yield_max_ms < 1:
-            raise ValueError("decode_yield_max_ms must be >= 1")
-        if self.compute_share == "":
-            raise ValueError("compute_share must name a file (None: off)")
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine process needs; built once and passed explicitly."""
 
@@ -192,3 +191,6 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     kernels: str = "auto"  # KV kernel backend (pdcache.kernels.KernelSet): auto = by device
+
+    def __post_init__(self) -> None:
+        self.scheduler.check()

@@ -1,13 +1,21 @@
 """The serving engine: one scheduler thread driving model, pool, radix tree and sampler.
 
+The engine owns the thread loop, its inbox and the public API; the parts it drives live beside
+it: the composed `Scheduler` (its cache tiers, its role policy and, for a role that takes
+reservations, the `ReservationBook`), the `DecodePacer` (decode pacing and compute-share
+yielding, asked before each step), request validation on the request types
+(`GenerateRequest.validate`) and output building on the request (`Req.take_output`).
+
 Threading: the public methods (`submit`, `abort`, `generate`, `stats`, `check_accounting`,
-`flush_cache`, `drop_cache`, `wake`, `shutdown`, and for disaggregation `reserve`, `reserve_when_free`,
-`cancel_reservation`, `release_reservation`, `submit_prefilled`, `release_held`) may be called from any thread; they only touch an inbox
-queue and a lock-protected snapshot, and the ones that return engine state run on the engine
-thread through the inbox. Everything else (scheduler, pool, tree, runner, sampler, request
-state) belongs to the engine thread, which also calls every `on_output` callback. A failure
-inside a step fails the requests of that step (finish_reason "abort" with `error`), is logged
-and counted, and the thread keeps running.
+`flush_cache`, `drop_cache`, `wake`, `shutdown`, and for disaggregation `reserve`,
+`reserve_when_free`, `cancel_reservation`, `release_reservation`, `submit_prefilled`,
+`release_held`) may be called from any thread; they validate on the caller's thread and only
+touch an inbox queue and a lock-protected snapshot, and the ones that return engine state run
+on the engine thread through the inbox. Everything else (scheduler, tiers, role, reservation
+book, pacer, pool, tree, runner, sampler, request state) belongs to the engine thread, which
+also calls every `on_output` callback. A failure inside a step fails the requests of that
+step (finish_reason "abort" with `error`), is logged and counted, and the thread keeps
+running.
 
 Driven without a thread: `start(thread=False)` starts none, and the caller runs the loop one
 iteration at a time with `step()`; its own thread is then the engine thread (deterministic
@@ -16,7 +24,7 @@ scheduling for synchronous tests and tools).
 Outputs: `on_output` gets one `RequestOutput` per step that produced tokens for the request,
 then exactly one with `finished=True` (which carries the last tokens, if any, and the request's
 statistics); concatenating every `new_token_ids` gives the whole completion. The finished
-one may come from another thread: a scheduler hook can gate it (`Req.output_gate`; a decode
+one may come from another thread: the scheduler's role can gate it (`Req.output_gate`; a decode
 node's answer waits until prefill recorded its pending pages), and then it is handed over on
 the thread that opens the gate (the decode transfer thread).
 """
@@ -25,8 +33,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
-import numbers
 import queue
 import threading
 import time
@@ -38,29 +44,29 @@ from typing import Any
 import torch
 
 from pdcache.engine.api import (
-    CachedTokens,
     CacheFlush,
     GenerateRequest,
     RequestOutput,
-    SamplingParams,
     TokenLogprob,
+    is_token_id,
 )
-from pdcache.engine.compute_share import ComputeShare
-from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.eviction import make_policy
-from pdcache.engine.forward import ForwardMode
 from pdcache.engine.kv_pool import DeviceKVPool
+from pdcache.engine.pacer import POLL_S, DecodePacer
 from pdcache.engine.radix import RadixTree
 from pdcache.engine.request import OutputCallback, Req, ReqStatus, pages_for
+from pdcache.engine.reservations import Admission, PendingReservation, ReservationBook
 from pdcache.engine.runner import CausalLMLike, ModelRunner
 from pdcache.engine.sampler import SampleRow, input_logprobs, make_generator, sample_rows
-from pdcache.engine.scheduler import PendingReservation, ScheduledBatch, Scheduler
+from pdcache.engine.scheduler import ScheduledBatch, Scheduler
+from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.kernels import KernelSet
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # nothing to do: wait this long for the inbox (any item wakes at once)
-_STALLED_WAIT_S = 0.002  # work waits on something else (e.g. a prefetch): poll this often
+_STALLED_WAIT_S = POLL_S  # work waits on something else (e.g. a prefetch): poll this often
 
 
 class EngineOverloadedError(RuntimeError):
@@ -70,26 +76,6 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineNotRunningError(RuntimeError):
     """`submit` on an engine that is not started or already shut down."""
-
-
-@dataclass(frozen=True)
-class Admission:
-    """The one answer to `reserve_when_free` (engine thread). `page_ids` is None when no pages
-    were reserved: `reason` is "queue_full", "cancelled" (`cancel_reservation` / `abort`) or
-    "shutdown". Granted, the prompt's first `cached_pages` pages are the prefix tree's (they
-    hold its K/V already) and `page_ids` are the pages for the rest, in order: the ones a
-    prefill node writes. `queued`: it waited in the admission queue, for `waited_s` seconds."""
-
-    rid: str
-    page_ids: list[int] | None
-    reason: str = ""
-    waited_s: float = 0.0
-    queued: bool = False
-    cached_pages: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.page_ids is not None
 
 
 @dataclass
@@ -131,7 +117,11 @@ class _Call:
 
 
 class Engine:
-    """Continuous-batching engine over a paged device KV pool with a radix prefix cache."""
+    """Continuous-batching engine over a paged device KV pool with a radix prefix cache.
+
+    Owns the engine thread, its inbox, the scheduler and pacer it drives, and the snapshot
+    `stats()` reads; `_lock` guards the live request ids, the pending counts, the error
+    counters and the snapshot (see the module docstring for which thread calls what)."""
 
     def __init__(
         self,
@@ -142,9 +132,10 @@ class Engine:
         make_scheduler: Callable[..., Scheduler] | None = None,
     ) -> None:
         """`make_tree` builds the prefix tree over the pool (default: a device-only
-        `RadixTree`); `make_scheduler` is called with `Scheduler`'s keyword arguments (default:
-        `Scheduler`; lower cache tiers pass a subclass with their hooks). Not started: call
-        `start()`."""
+        `RadixTree`); `make_scheduler` is called with `Scheduler`'s keyword arguments (config,
+        cache, pool, tree, max_context, eos_token_ids) and returns the node's composed
+        `Scheduler` (its `tiers` and `role`; default: `Scheduler` itself, device-only and
+        unified). Not started: call `start()`."""
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -176,14 +167,10 @@ class Engine:
         self._step_errors = 0
         self._callback_errors = 0
         self._num_steps = 0
-        self._paced_steps = 0  # decode steps held back by `decode_step_interval_ms`
-        self._paced_s = 0.0  # and the time they were held back for
-        self._yielded_steps = 0  # decode steps held back while another engine computed prefill
-        self._yielded_s = 0.0  # and the time they were held back for
-        # opened by start(), used and closed by the engine thread ([scheduler] compute_share)
-        self._share: ComputeShare | None = None
-        self._last_decode_start: float | None = None  # monotonic; None: the last step was not decode
         self._stop = threading.Event()
+        # asked by the engine thread before each step (decode pacing, compute-share yielding)
+        self.pacer = DecodePacer(config.scheduler, self.scheduler, self._hold_step,
+                                 self._stop.is_set)
         self._thread: threading.Thread | None = None
         self._driven = False  # start(thread=False): the caller runs the loop with step()
         self._update_snapshot()
@@ -216,19 +203,17 @@ class Engine:
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self, *, thread: bool = True) -> Engine:
-        """Start the scheduler's tier threads (`Scheduler.start`), then the engine thread; with
+        """Start the scheduler's tier threads (`CacheTiers.start`), then the engine thread; with
         `thread=False` no engine thread: the caller drives the engine with `step()` (and
-        `generate`, which waits for the thread, is of no use)."""
+        `generate`, which waits for the thread, is of no use). The compute share opens here,
+        for a threaded engine only (driven: never shared)."""
         if self._thread is not None or self._driven:
             raise RuntimeError("engine already started")
-        if thread and self.config.scheduler.compute_share is not None:  # driven: never shared
-            self._share = ComputeShare(self.config.scheduler.compute_share)
+        self.pacer.open(threaded=thread)
         try:
-            self.scheduler.start()
+            self.scheduler.tiers.start()
         except BaseException:
-            if self._share is not None:
-                self._share.close()
-                self._share = None
+            self.pacer.abandon()
             raise
         if not thread:
             self._driven = True
@@ -310,18 +295,20 @@ class Engine:
     def abort(self, rid: str) -> None:
         """Finish request `rid` with "abort" as soon as the engine thread sees it (no-op for an
         unknown or already finished request). Also frees pages reserved under `rid`, and those
-        held under it unless the scheduler leaves them to their holder
-        (`Scheduler.abort_releases_held`)."""
+        held under it unless the scheduler's role leaves them to their holder
+        (`RolePolicy.abort_releases_held`)."""
         self._inbox.put(_Abort(rid))
 
     # ---- disaggregation (any thread) ---------------------------------------------------
     def reserve(self, rid: str, num_tokens: int, timeout: float = 30.0) -> list[int]:
         """Decode node: allocate the device pages a prefill node will write the K/V of
         `num_tokens` prompt tokens of `rid` into (page i holds tokens [i*S, (i+1)*S)). Raises
-        EngineOverloadedError when the pool cannot provide them even after eviction."""
+        EngineOverloadedError when the pool cannot provide them even after eviction; ValueError
+        on an engine whose role takes no reservations."""
         if num_tokens < 1 or pages_for(num_tokens, self.pool.page_size) > self.pool.num_pages:
             raise ValueError(f"cannot reserve pages for {num_tokens} tokens")
-        page_ids = self._call(lambda: self.scheduler.reserve(rid, num_tokens), timeout)
+        book = self._book()
+        page_ids = self._call(lambda: book.reserve(rid, num_tokens), timeout)
         if page_ids is None:
             raise EngineOverloadedError(f"no room for {num_tokens} tokens of K/V")
         return page_ids
@@ -339,7 +326,9 @@ class Engine:
         `on_done(Admission)` runs exactly once, on the
         engine thread: at once (granted, or the queue is full) or when the pages free, the
         reservation is cancelled, or the engine stops; it must not block. Raises ValueError at
-        once for a request that can never fit the pool, EngineNotRunningError."""
+        once for a request that can never fit the pool or an engine whose role takes no
+        reservations, EngineNotRunningError."""
+        self._book()
         page_size, capacity = self.pool.page_size, self.pool.num_pages
         context = self.config.model.max_position_embeddings
         if num_tokens < 1:
@@ -386,7 +375,7 @@ class Engine:
         (no reservation, the wrong page count, another prompt or salt than its reserved
         prefix's) ends with "abort" and its reservation is freed."""
         self._validate(req)
-        if not _is_token_id(first_token, self.config.model.vocab_size):
+        if not is_token_id(first_token, self.config.model.vocab_size):
             raise ValueError(f"first token {first_token!r} is not in the vocabulary")
         if first_logprob is not None and first_logprob.token_id != int(first_token):
             raise ValueError("first_logprob is not the first token's")
@@ -402,10 +391,11 @@ class Engine:
             self._inbox.put(_SubmitPrefilled(new, int(first_token), first_logprob))
 
     def release_held(self, rid: str) -> None:
-        """The pages of finished request `rid`, kept by the scheduler's `hold_after_finish` or
-        `hold_on_abort`, may go (into the prefix cache, the rest freed). Handled on the engine
-        thread after everything queued before it, so a release sent while the request is
-        being held (from the hook itself) still finds it held."""
+        """The pages of finished request `rid`, kept by the scheduler's role
+        (`hold_after_finish` or `hold_on_abort`), may go (into the prefix cache, the rest
+        freed). Handled on the engine thread after everything queued before it, so a release
+        sent while the request is being held (from the role's call itself) still finds it
+        held."""
         self._inbox.put(_ReleaseHeld(rid))
 
     def wake(self) -> None:
@@ -428,8 +418,9 @@ class Engine:
 
     def end_session(self, session_id: str, cache_salt: str = "") -> bool:
         """The client closed conversation `session_id` (`/close_session`): the lower tiers
-        close its storage session (`Scheduler.end_session`). Any thread, not the engine
-        thread's queue: only thread-safe storage backends are called. True when one did."""
+        and the role close its storage session (`Scheduler.end_session`). Any thread, not
+        the engine thread's queue: only thread-safe storage backends are called. True when one
+        did."""
         return self.scheduler.end_session(session_id, cache_salt)
 
     def drop_cache(self, timeout: float = 30.0) -> CacheFlush:
@@ -456,31 +447,20 @@ class Engine:
             raise TimeoutError(f"request {req.rid} did not finish within {timeout}s")
         return outputs
 
-    # ---- validation --------------------------------------------------------------------
+    # ---- validation (caller's thread) ---------------------------------------------------
     def _validate(self, req: GenerateRequest) -> None:
-        model, params = self.config.model, req.sampling
-        if not req.input_ids:
-            raise ValueError("the prompt is empty")
-        bad = next((t for t in req.input_ids if not _is_token_id(t, model.vocab_size)), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad!r} is not an integer in [0, {model.vocab_size})")
-        if params.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
-        total = len(req.input_ids) + params.max_new_tokens
-        if total > model.max_position_embeddings:
-            raise ValueError(
-                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({params.max_new_tokens})"
-                f" = {total} exceeds the context length {model.max_position_embeddings}"
-            )
-        if pages_for(total, self.pool.page_size) > self.pool.num_pages:
-            raise ValueError(
-                f"prompt + max_new_tokens = {total} tokens exceeds the KV pool "
-                f"({self.pool.num_pages} pages of {self.pool.page_size} tokens)"
-            )
-        _validate_sampling(params)
-        _validate_logprobs(req, model.vocab_size)
-        if req.prefill_leader is not None and req.prefill_leader == req.rid:
-            raise ValueError("prefill_leader names the request itself")
+        """`req.validate` against this engine's model and pool (ValueError)."""
+        model = self.config.model
+        req.validate(model.vocab_size, model.max_position_embeddings, self.pool.page_size,
+                     self.pool.num_pages)
+
+    def _book(self) -> ReservationBook:
+        """The scheduler's reservation book; ValueError when its role takes none. Set at
+        construction, never replaced: any thread."""
+        book = self.scheduler.reservations
+        if book is None:
+            raise ValueError("this engine's role takes no reservations")
+        return book
 
     def _generator_for(self, req: GenerateRequest) -> torch.Generator:
         seed = req.sampling.seed
@@ -513,19 +493,14 @@ class Engine:
             try:
                 if progressed:
                     self._drain_inbox(timeout=0.0)
-                    self._pace_decode()
+                    self.pacer.pace()
                 else:  # idle, or stalled (e.g. no waiting request ready)
                     stalled = self.scheduler.has_work()
                     self._drain_inbox(timeout=_STALLED_WAIT_S if stalled else _IDLE_WAIT_S)
                 progressed = False
                 if self.scheduler.has_work() and not self._stop.is_set():
-                    self._yield_decode()
-                if self._share is not None:
-                    # queued prefill work is announced too, not only the batch computing: a
-                    # decode engine held back by it answers its reservations at once
-                    # (`_yield_decode`), so a request gated on its decode node (the prefill
-                    # gate) does not wait for a decode step to end
-                    self._share.announce(self._prefill_pending())
+                    self.pacer.yield_to_prefill()
+                self.pacer.announce()
                 if self.scheduler.has_work() and not self._stop.is_set():
                     progressed = self._step()
                 self._grant_pending()  # after anything that may have freed pages
@@ -537,8 +512,7 @@ class Engine:
             self._drain_inbox(timeout=0.0)
             self._finish_all("engine shut down")
         finally:
-            if self._share is not None:  # nothing of a stopped engine is announced
-                self._share.close()
+            self.pacer.close()  # nothing of a stopped engine is announced
         self._update_snapshot()
         logger.info("engine thread stopped")
 
@@ -555,65 +529,12 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _pace_decode(self) -> None:
-        """With `decode_step_interval_ms`, start the next decode step no sooner than that long
-        after the last one started, handling the inbox meanwhile: requests that arrive join the
-        held-back step. Decode steps of small batches cost nearly what large ones do (the
-        weights are read either way), so a paced node spends less CPU per token and leaves it to
-        the processes it shares the host with (a co-located prefill node). A request waiting
-        for prefill ends the wait at once, so a unified node's TTFT does not pay for it; pages
-        freed meanwhile go to queued reservations at once, as after a step."""
-        interval_s = self.config.scheduler.decode_step_interval_ms / 1000
-        if (interval_s <= 0 or self._last_decode_start is None or not self.scheduler.running
-                or self.scheduler.waiting):
-            return
-        deadline = self._last_decode_start + interval_s
-        started = time.monotonic()
-        if started >= deadline:
-            return
-        self._paced_steps += 1
-        self._paced_s += self._hold_decode(deadline, lambda: not self.scheduler.waiting,
-                                           poll_s=deadline - started)
-
-    def _hold_decode(self, deadline: float, keep_holding: Callable[[], bool],
-                     poll_s: float) -> float:
-        """Hold the next decode step until `deadline` (monotonic), while `keep_holding()` and
-        the engine is not stopping, handling the inbox (at most `poll_s` apart) and granting
-        queued reservations meanwhile: requests that arrive join the held-back step, pages
-        freed go to reservations at once, as after a step. Returns the seconds held."""
-        started = now = time.monotonic()
-        while now < deadline and keep_holding() and not self._stop.is_set():
-            self._drain_inbox(timeout=min(poll_s, deadline - now))
-            self._grant_pending()
-            now = time.monotonic()
-        return now - started
-
-    def _yield_decode(self) -> None:
-        """With a compute share (§4.13), hold the next decode step while another engine on the
-        shared compute announces prefill work, at most `decode_yield_max_ms`, handling the inbox
-        meanwhile as `_pace_decode` does. A unified engine puts its prefill batches between its
-        decode steps; this gives prefill and decode processes on one compute that order."""
-        share = self._share
-        if share is None or not self._yield_worthwhile() or not share.others_busy():
-            return
-        deadline = time.monotonic() + self.config.scheduler.decode_yield_max_ms / 1000
-        self._yielded_steps += 1
-        self._yielded_s += self._hold_decode(
-            deadline, lambda: self._yield_worthwhile() and share.others_busy(),
-            poll_s=_STALLED_WAIT_S)
-
-    def _prefill_pending(self) -> bool:
-        """A request waits, or runs with prompt tokens still to compute."""
-        scheduler = self.scheduler
-        return bool(scheduler.waiting) or any(not req.prefill_done for req in scheduler.running)
-
-    def _yield_worthwhile(self) -> bool:
-        """The next batch would be a decode step (requests run, none prefills), and no
-        reservation waits for pages: those free only as decode steps finish requests, so a
-        decode node with a full pool keeps stepping whatever prefill announces."""
-        scheduler = self.scheduler
-        return (bool(scheduler.running) and not self._prefill_pending()
-                and not scheduler.pending)
+    def _hold_step(self, timeout: float) -> None:
+        """The pacer holds the next decode step: handle the inbox for at most `timeout`, then
+        grant queued reservations (requests that arrive join the held-back step, pages freed
+        go to reservations at once, as after a step). Engine thread."""
+        self._drain_inbox(timeout=timeout)
+        self._grant_pending()
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, _Submit):
@@ -649,7 +570,7 @@ class Engine:
             batch = self.scheduler.schedule()
             if batch is None:
                 return False
-            self._last_decode_start = started if batch.mode is ForwardMode.DECODE else None
+            self.pacer.note_batch(batch.mode, started)
             logits = self.runner.forward(batch)
             kept_rows = self.scheduler.requeue_failed_loads(batch)
             if kept_rows is not None:  # reused K/V that failed verification: rows discarded
@@ -710,7 +631,7 @@ class Engine:
         if params.min_new_tokens > len(req.output_ids):
             eos = () if params.ignore_eos else self.config.model.eos_token_ids
             vocab = self.config.model.vocab_size  # a stop id outside it can never be sampled
-            stop_ids = tuple(t for t in (*eos, *params.stop_token_ids) if _is_token_id(t, vocab))
+            stop_ids = tuple(t for t in (*eos, *params.stop_token_ids) if is_token_id(t, vocab))
         return SampleRow(params, req.generator, req.output_ids, stop_ids,
                          allowed, req.logprobs)
 
@@ -738,51 +659,39 @@ class Engine:
             self._emit(req)
 
     def _finish_all(self, error: str) -> None:
-        for rid in list(self.scheduler.pending):
+        book = self.scheduler.reservations
+        for rid in list(book.pending if book else ()):
             self._cancel_pending(rid, reason="shutdown")
         self._fail(self._all_unfinished(), error=error)
-        for rid in list(self.scheduler.reserved):
+        for rid in list(book.reserved if book else ()):
             self.scheduler.release_reservation(rid)
         for rid in list(self.scheduler.held):
             self.scheduler.release_held(rid)
 
-    # ---- the admission queue (engine thread) --------------------------------------------
+    # ---- the admission queue (engine thread; the scheduler's `ReservationBook`) -----------
     def _queue_reservation(self, pending: PendingReservation) -> None:
         if self._stop.is_set():
             self._answer(pending, Admission(pending.rid, None, "shutdown"))
             return
-        try:
-            decision = self.scheduler.queue_reservation(pending)
-        except ValueError:  # the rid already has pages or a place in the queue
-            logger.exception("reservation of %s refused", pending.rid)
-            self._answer(pending, Admission(pending.rid, None, "cancelled"))
-            return
-        if decision == "granted":
-            self._answer(pending, self._granted(pending.rid))
-        elif decision == "queue_full":
-            self._answer(pending, Admission(pending.rid, None, "queue_full"))
+        admission = self._book().admit(pending)
+        if admission is not None:  # None: queued, answered when granted or cancelled
+            self._answer(pending, admission)
 
     def _grant_pending(self) -> None:
-        if not self.scheduler.pending:
+        book = self.scheduler.reservations
+        if book is None or not book.pending:
             return
-        now = time.monotonic()
-        for pending in self.scheduler.grant_pending():
-            self._answer(pending, self._granted(pending.rid, waited_s=now - pending.since,
-                                                queued=True))
-
-    def _granted(self, rid: str, waited_s: float = 0.0, queued: bool = False) -> Admission:
-        prefix = self.scheduler.reserved_prefix.get(rid)
-        return Admission(rid, list(self.scheduler.reserved[rid]), waited_s=waited_s,
-                         queued=queued, cached_pages=len(prefix.match.page_ids) if prefix else 0)
+        for pending, admission in book.grant_queued():
+            self._answer(pending, admission)
 
     def _cancel_pending(self, rid: str, reason: str = "cancelled") -> None:
-        pending = self.scheduler.cancel_pending(rid)
-        if pending is not None:
-            self._answer(pending, Admission(rid, None, reason,
-                                            waited_s=time.monotonic() - pending.since,
-                                            queued=True))
+        book = self.scheduler.reservations
+        answer = book.cancel(rid, reason) if book is not None else None
+        if answer is not None:
+            self._answer(*answer)
 
     def _answer(self, pending: PendingReservation, admission: Admission) -> None:
+        """Hand `admission` to the reservation's `on_done` (engine thread)."""
         try:
             pending.on_done(admission)
         except Exception:  # nobody took the pages: give them back, never leak them
@@ -809,7 +718,7 @@ class Engine:
         self._emit(req)
 
     def _emit(self, req: Req) -> None:
-        output = self._output_of(req)
+        output = req.take_output()
         if req.finished:
             with self._lock:
                 self._live_rids.discard(req.rid)
@@ -832,40 +741,6 @@ class Engine:
             return False
         return True
 
-    def _output_of(self, req: Req) -> RequestOutput:
-        new_tokens = req.take_new_tokens()
-        new_logprobs = req.take_new_logprobs(len(new_tokens))
-        prompt_logprobs = None
-        if req.input_logprobs is not None and not req.input_logprobs_sent:
-            prompt_logprobs, req.input_logprobs_sent = list(req.input_logprobs), True
-        if not req.finished:
-            if req.cached is None:
-                return RequestOutput(rid=req.rid, new_token_ids=new_tokens,
-                                     new_logprobs=new_logprobs, input_logprobs=prompt_logprobs)
-            # the prompt is matched: its statistics ride along (SGLang's first stream chunk
-            # carries prompt_tokens and cached_tokens; its clients read them there)
-            return RequestOutput(rid=req.rid, new_token_ids=new_tokens,
-                                 new_logprobs=new_logprobs, input_logprobs=prompt_logprobs,
-                                 prompt_tokens=len(req.prompt_ids), cached=req.cached,
-                                 computed_tokens=req.computed_tokens)
-        now = time.perf_counter()
-        first = req.first_token_time
-        return RequestOutput(
-            rid=req.rid,
-            new_token_ids=new_tokens,
-            finished=True,
-            finish_reason=req.finish_reason,
-            error=req.error,
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids),
-            cached=req.cached or CachedTokens(),
-            computed_tokens=req.computed_tokens,
-            ttft_s=None if first is None else first - req.arrival_time,
-            e2e_s=now - req.arrival_time,
-            new_logprobs=new_logprobs,
-            input_logprobs=prompt_logprobs,
-        )
-
     # ---- introspection (engine thread) -------------------------------------------------
     def _call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run `fn` on the engine thread; directly when there is no live engine thread (not
@@ -887,12 +762,12 @@ class Engine:
         scheduler = self.scheduler
         with self._lock:
             busy = len(self._live_rids)  # submitted and not finished (queued, running, held)
-        busy += len(scheduler.reserved) + len(scheduler.pending) + len(scheduler.held)
+        busy += len(scheduler.reservations or ()) + len(scheduler.held)
         if busy:
             return CacheFlush(False, busy_requests=busy)
-        if not scheduler.tiers_idle():
+        if not scheduler.tiers.idle():
             return CacheFlush(False, tier_busy=True)
-        device, host = scheduler.drop_cache()
+        device, host = scheduler.tiers.drop()
         self._update_snapshot()
         return CacheFlush(True, device_pages=device, host_pages=host)
 
@@ -905,7 +780,8 @@ class Engine:
         scheduler = self.scheduler
         holders = scheduler.running + list(scheduler.held.values())
         request_pages = sum(r.num_own_pages for r in holders)
-        request_pages += sum(len(pages) for pages in scheduler.reserved.values())
+        if scheduler.reservations is not None:
+            request_pages += scheduler.reservations.num_reserved_pages
         request_pages += sum(len(r.deferred_free_page_ids) for r in scheduler.held.values())
         for req in self._all_unfinished() + list(scheduler.held.values()):
             req.check()
@@ -922,7 +798,7 @@ class Engine:
 
     def _update_snapshot(self) -> None:
         allocator, counters = self.pool.allocator, self.scheduler.counters
-        tree = self.tree
+        tree, book = self.tree, self.scheduler.reservations
         snapshot = {
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
@@ -932,9 +808,9 @@ class Engine:
             "pages_used": allocator.num_used,
             "cached_pages": tree.total_pages if tree else 0,
             "pages_evictable": tree.evictable_pages if tree else 0,
-            "pages_reserved": sum(len(p) for p in self.scheduler.reserved.values()),
-            "reservations_pending": len(self.scheduler.pending),
-            "reservations_pending_pages": sum(p.num_pages for p in self.scheduler.pending.values()),
+            "pages_reserved": book.num_reserved_pages if book else 0,
+            "reservations_pending": len(book.pending) if book else 0,
+            "reservations_pending_pages": book.num_pending_pages if book else 0,
             "requests_held": len(self.scheduler.held),
             "tokens_in_cache": (tree.total_pages if tree else 0) * self.pool.page_size,
             "pages_evicted_total": tree.num_evicted_pages if tree else 0,
@@ -942,66 +818,20 @@ class Engine:
             "tokens_computed_total": counters.computed_tokens,
             # decode: prompt tokens whose K/V its prefix tree had (prefill wrote only the
             # rest), counted at grant (a grant freed before decoding counts too)
-            "tokens_reserved_from_cache_total": counters.reserved_prefix_pages * self.pool.page_size,
+            "tokens_reserved_from_cache_total":
+                (book.prefix_pages if book else 0) * self.pool.page_size,
             "requests_admitted_total": counters.admitted,
             "requests_finished_total": counters.finished,
             "requests_aborted_total": counters.aborted,
             "requests_retracted_total": counters.retracted,
             "steps_total": self._num_steps,
-            "paced_steps_total": self._paced_steps,
-            "paced_seconds_total": round(self._paced_s, 6),
-            "yielded_steps_total": self._yielded_steps,
-            "yielded_seconds_total": round(self._yielded_s, 6),
-            **(self._share.stats() if self._share is not None else {}),
+            **self.pacer.stats(),  # paced_*, yielded_*, compute_share_*
             "step_errors_total": self._step_errors,
             "callback_errors_total": self._callback_errors,
         }
         with self._lock:
             self._snapshot = snapshot
             self._num_waiting = snapshot["num_waiting"]
-
-
-def _is_token_id(value: object, vocab_size: int) -> bool:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        return False
-    return 0 <= int(value) < vocab_size
-
-
-def _validate_sampling(params: SamplingParams) -> None:
-    """SGLang's ranges (`SamplingParams.verify`), with the same messages' meaning."""
-    if not math.isfinite(params.temperature) or params.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-    if not 0.0 < params.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-    if not 0.0 <= params.min_p <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
-    if not -2.0 <= params.frequency_penalty <= 2.0:
-        raise ValueError(f"frequency_penalty must be in [-2, 2], got {params.frequency_penalty}")
-    if not -2.0 <= params.presence_penalty <= 2.0:
-        raise ValueError(f"presence_penalty must be in [-2, 2], got {params.presence_penalty}")
-    if not 0.0 < params.repetition_penalty <= 2.0:
-        raise ValueError(
-            f"repetition_penalty must be in (0, 2], got {params.repetition_penalty}")
-    if not 0 <= params.min_new_tokens <= params.max_new_tokens:
-        raise ValueError(
-            f"min_new_tokens must be in [0, max_new_tokens={params.max_new_tokens}], got "
-            f"{params.min_new_tokens}")
-
-
-def _validate_logprobs(req: GenerateRequest, vocab_size: int) -> None:
-    request = req.logprobs
-    if request is None:
-        return
-    if isinstance(request.top_n, bool) or not 0 <= request.top_n <= vocab_size:
-        raise ValueError(f"logprobs top_n must be in [0, {vocab_size}], got {request.top_n!r}")
-    bad = next((t for t in request.token_ids if not _is_token_id(t, vocab_size)), None)
-    if bad is not None:
-        raise ValueError(f"logprobs token id {bad!r} is not an integer in [0, {vocab_size})")
-    start = request.input_start
-    if start is not None and not 0 <= start <= len(req.input_ids):
-        raise ValueError(
-            f"logprobs input_start must be in [0, {len(req.input_ids)}] (the prompt length), "
-            f"got {start}")
 
 
 def _device_tree(pool: DeviceKVPool, cache: CacheConfig) -> RadixTree:

@@ -3,7 +3,8 @@
 The directory holds what `--model DIR` (pdcache/engine/loader.py) and Hugging Face clients
 (`AutoConfig`, `AutoModelForCausalLM`, `AutoTokenizer`, SGLang) read:
 
-- `config.json` (LlamaForCausalLM) and `generation_config.json` (bos / eos / pad ids);
+- `config.json` (LlamaForCausalLM; DeepseekV3ForCausalLM for the MLA presets,
+  GptOssForCausalLM for the gpt-oss ones) and `generation_config.json` (bos / eos / pad ids);
 - `model.safetensors`: the preset's weights at `--seed`, under our (= Hugging Face's) names;
 - `tokenizer.json`: a byte-level BPE without merges whose ids are exactly the byte tokenizer's
   (id b is byte b, 256.. are `<|bos|> <|eos|> <|pad|> <|im_start|> <|im_end|>`);
@@ -27,6 +28,7 @@ import torch
 
 from pdcache.engine.config import DTYPES, ModelConfig
 from pdcache.engine.loader import load_model
+from pdcache.engine.model import CausalLM
 from pdcache.engine.moe import split_expert_tensors
 from pdcache.engine.presets import PRESETS, byte_tokenizer
 from pdcache.engine.tokenizer import (
@@ -95,14 +97,23 @@ def export_preset(
     written = [
         _write_json(out / "config.json", hf_config(model.config)),
         _write_json(out / "generation_config.json", generation_config(model.config)),
-        _write_weights(out / WEIGHTS_FILE, dict(split_expert_tensors(model.state_dict())), name,
-                       seed),
+        _write_weights(out / WEIGHTS_FILE, checkpoint_tensors(model), name, seed),
         _write_tokenizer_json(out / "tokenizer.json", tokenizer),
         _write_json(out / "tokenizer_config.json", tokenizer_config(tokenizer, model.config)),
         _write_json(out / "special_tokens_map.json", special_tokens_map()),
         _write_text(out / "chat_template.jinja", CHAT_TEMPLATE),
     ]
     return sorted(written)
+
+
+def checkpoint_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's tensors under the names its family's checkpoints use: per-expert tensors
+    for Qwen3-MoE / DeepSeek layouts; gpt-oss stores its fused experts as held in memory."""
+    state = model.state_dict()
+    moe = model.config.moe
+    if moe is not None and moe.family == "gpt_oss":
+        return state
+    return dict(split_expert_tensors(state))
 
 
 def _prepare_dir(name: str, out: Path, dtype: str, force: bool) -> Path:
@@ -124,13 +135,13 @@ def _prepare_dir(name: str, out: Path, dtype: str, force: bool) -> Path:
 
 
 def hf_config(config: ModelConfig) -> dict[str, Any]:
-    """config.json of a preset: LlamaForCausalLM (or DeepseekV3ForCausalLM for the MLA + MoE
-    presets), with the RoPE base both as transformers 5 writes it (`rope_parameters`) and as
-    older readers expect it (`rope_theta`)."""
+    """config.json of a preset: LlamaForCausalLM (DeepseekV3ForCausalLM for the MLA + MoE
+    presets, GptOssForCausalLM for the gpt-oss ones), with the RoPE base both as transformers
+    5 writes it (`rope_parameters`) and as older readers expect it (`rope_theta`)."""
     tok = byte_tokenizer()
     common = {
         "architectures": [config.architecture],
-        "model_type": "deepseek_v3" if config.is_mla else "llama",
+        "model_type": _model_type(config),
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -154,7 +165,27 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "torch_dtype": config.dtype,
         "use_cache": True,
     }
+    if config.architecture == "GptOssForCausalLM":
+        return {**common, **_gpt_oss_fields(config)}
     return {**common, **_deepseek_fields(config)} if config.is_mla else common
+
+
+def _model_type(config: ModelConfig) -> str:
+    if config.architecture == "GptOssForCausalLM":
+        return "gpt_oss"
+    return "deepseek_v3" if config.is_mla else "llama"
+
+
+def _gpt_oss_fields(config: ModelConfig) -> dict[str, Any]:
+    """gpt-oss's layer kinds, window and MoE keys (`intermediate_size` is the experts')."""
+    moe = config.moe
+    assert moe is not None and moe.family == "gpt_oss", "gpt-oss presets are gpt-oss MoE"
+    return {
+        "layer_types": list(config.layer_types), "sliding_window": config.sliding_window,
+        "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+        "swiglu_alpha": moe.swiglu_alpha, "swiglu_limit": moe.swiglu_limit,
+        "router_aux_loss_coef": 0.0, "output_router_logits": False,
+    }
 
 
 def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
@@ -165,7 +196,9 @@ def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
         return {"rope_type": "yarn", "rope_theta": config.rope_theta, "factor": s.factor,
                 "original_max_position_embeddings": s.original_max_position_embeddings,
                 "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "mscale": s.mscale,
-                "mscale_all_dim": s.mscale_all_dim}
+                "mscale_all_dim": s.mscale_all_dim,
+                # only where it differs from transformers' default (true): gpt-oss
+                **({} if s.truncate else {"truncate": False})}
     return {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": s.factor,
             "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_position_embeddings}

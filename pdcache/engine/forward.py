@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdcache.kernels import KernelSet
+
+if TYPE_CHECKING:
+    from pdcache.engine.state_pool import RecurrentStatePool
 
 
 class ForwardMode(Enum):
@@ -32,6 +36,9 @@ class ForwardBatch:
       can finish while earlier layers compute (HiCache per-layer load). None: nothing to wait.
     - `kernels`: the KV kernels the model stores and attends with (the engine's
       `EngineConfig.kernels`; "auto" when a test builds a batch by hand).
+    - `state_pool`, `state_slots[b]`: hybrid models only (Qwen3-Next): the recurrent-state
+      pool and sequence b's slot in it, holding its state after `prefix_lens[b]` tokens on
+      entry and after its new tokens on return. None for models without linear layers.
     """
 
     mode: ForwardMode
@@ -44,6 +51,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None
     wait_layer: Callable[[int], None] | None = field(default=None, repr=False)
     kernels: KernelSet = field(default_factory=KernelSet, repr=False)
+    state_pool: RecurrentStatePool | None = field(default=None, repr=False)
+    state_slots: list[int] | None = None
 
     @property
     def batch_size(self) -> int:

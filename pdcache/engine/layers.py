@@ -1,5 +1,6 @@
-"""Building blocks every decoder shares: RMSNorm and rotary position embeddings (default,
-llama3 and YaRN frequency scaling; half-split and interleaved rotation)."""
+"""Building blocks every decoder shares: RMSNorm (and Qwen3-Next's zero-centred and gated
+variants) and rotary position embeddings (default, llama3 and YaRN frequency scaling;
+half-split, partial and interleaved rotation)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,37 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """Qwen3-Next's RMSNorm: the weight is stored centred on 0 and scales by `1 + weight`,
+    multiplied in fp32 before the cast back (transformers' `Qwen3NextRMSNorm`)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm then a SiLU gate, `norm(x) * silu(gate)` (transformers'
+    `Qwen3NextRMSNormGated`: norm before gate, the weight applied in the input dtype)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = self.weight * xf.to(x.dtype)
+        return (normed * F.silu(gate.float())).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -118,6 +150,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split RoPE on the first `cos.shape[-1]` dims of `x[T, H, D]`, the rest passed
+    through (Qwen3-Next rotates a quarter of each head)."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

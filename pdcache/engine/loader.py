@@ -20,7 +20,7 @@ from pdcache.engine.config import (
 from pdcache.engine.kv_pool import allocate_kv_tensor
 from pdcache.engine.model import CausalLM
 from pdcache.engine.moe import convert_checkpoint_tensors, moe_config_from_hf
-from pdcache.engine.presets import PRESETS, byte_tokenizer, init_preset_weights, preset_config
+from pdcache.engine.presets import PRESETS, init_preset_weights, preset_config, preset_tokenizer
 from pdcache.engine.tokenizer import HFTokenizer, Tokenizer
 from pdcache.engine.weights import iter_safetensors, load_weights, safetensors_files
 
@@ -34,19 +34,27 @@ _ARCH_BY_MODEL_TYPE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # Architectures we know and do not run, with the feature that stops us.
 _REFUSED_ARCHITECTURES = {
     "DeepseekV32ForCausalLM": "DeepSeek sparse attention (the DSA indexer of DeepSeek-V3.2)",
+    "Qwen3NextForCausalLM": "gated DeltaNet linear-attention layers (layer kind "
+                            "'linear_attention', a recurrent state per request: the model "
+                            "runs, pdcache.engine.qwen3_next, but the scheduler and the cache "
+                            "tiers do not carry its state yet)",
 }
 _ROPE_TYPES = ("default", "llama3", "yarn")
+# HF `layer_types` entries the decoder runs (others, e.g. "linear_attention", are refused).
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+_GPT_OSS = "GptOssForCausalLM"
 
 
 def load_model(
     spec: str, *, dtype: str | None = None, seed: int = 0, device: str = "cpu"
 ) -> tuple[CausalLM, Tokenizer]:
-    """`spec` is a preset name (`tiny`, `small`, `tiny-mla`, `small-mla`: random weights from `seed`) or the path of a
-    local checkpoint directory (config.json, *.safetensors, tokenizer.json). `dtype` defaults
+    """`spec` is a preset name (`tiny`, `small`, `tiny-mla`, `tiny-gpt-oss`, ...: `PRESETS`,
+    random weights from `seed`) or the path of a local checkpoint directory (config.json, *.safetensors, tokenizer.json). `dtype` defaults
     to float32 for presets and to the checkpoint's dtype otherwise. The model is in eval mode
     with gradients off."""
     if dtype is not None and dtype not in DTYPES:
@@ -73,7 +81,7 @@ def load_model_config(spec: str, *, dtype: str | None = None, seed: int = 0) -> 
 def load_tokenizer(spec: str) -> Tokenizer:
     """The tokenizer `load_model(spec)` would return, without loading weights."""
     if spec in PRESETS:
-        return byte_tokenizer()
+        return preset_tokenizer(spec)
     path = _checkpoint_dir(spec)
     return HFTokenizer(path, eos_token_ids=_checkpoint_config(path, None).eos_token_ids)
 
@@ -103,7 +111,7 @@ def _preset_config(name: str, dtype: str, seed: int) -> ModelConfig:
 def _load_preset(name: str, dtype: str, seed: int) -> tuple[CausalLM, Tokenizer]:
     model = CausalLM(_preset_config(name, dtype, seed))
     init_preset_weights(model, seed)
-    return model, byte_tokenizer()
+    return model, preset_tokenizer(name)
 
 
 def _checkpoint_config(path: Path, dtype: str | None) -> ModelConfig:
@@ -163,7 +171,8 @@ def model_config_from_hf(
         num_key_value_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        rope_theta=float(_rope_params(hf).get("rope_theta", 10000.0)),
+        rope_theta=float(_rope_params(hf).get("rope_theta",
+                                              150000.0 if arch == _GPT_OSS else 10000.0)),
         rope_scaling=_rope_scaling(hf),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -176,7 +185,20 @@ def model_config_from_hf(
         name=name,
         moe=moe_config_from_hf(hf, arch),
     )
+    if arch == _GPT_OSS:
+        return replace(config, **_gpt_oss_fields(hf))
     return replace(config, **_mla_fields(hf)) if arch in MLA_ARCHITECTURES else config
+
+
+def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's attention: per-layer kinds (transformers' default when config.json has none:
+    sliding on even layers, full on odd ones), sinks on every layer, `attention_bias` on
+    q/k/v and o_proj."""
+    layers = int(hf["num_hidden_layers"])
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    return {"layer_types": tuple(layer_types), "attention_sinks": True,
+            "o_proj_bias": bool(hf.get("attention_bias", True))}
 
 
 def _mla_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -200,7 +222,8 @@ def _architecture(hf: dict[str, Any]) -> str:
     arch = archs[0]
     if arch in _REFUSED_ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} needs {_REFUSED_ARCHITECTURES[arch]}, which "
-                         "this engine does not run")
+                         f"this engine does not run; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch!r} (model_type {hf.get('model_type')!r}); "
@@ -229,6 +252,19 @@ def _check_supported_features(hf: dict[str, Any], arch: str) -> None:
     if hf.get("index_topk") or hf.get("index_n_heads"):
         raise ValueError("DeepSeek sparse attention (the DSA indexer: index_topk / "
                          "index_n_heads) is not supported")
+    _check_layer_types(hf)
+
+
+def _check_layer_types(hf: dict[str, Any]) -> None:
+    layer_types = hf.get("layer_types") or []
+    unknown = sorted({t for t in layer_types if t not in _LAYER_TYPES})
+    if unknown:
+        first = next(i for i, t in enumerate(layer_types) if t in unknown)
+        raise ValueError(f"layer kind(s) {', '.join(map(repr, unknown))} (layer {first} on) "
+                         f"are not run by this engine; runs: {', '.join(_LAYER_TYPES)}")
+    if len(layer_types) not in (0, hf.get("num_hidden_layers")):
+        raise ValueError(f"{len(layer_types)} layer_types for "
+                         f"{hf.get('num_hidden_layers')} layers")
 
 
 def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
@@ -272,6 +308,11 @@ def _yarn_scaling(hf: dict[str, Any], p: dict[str, Any]) -> RopeScaling:
 def _sliding_window(hf: dict[str, Any], arch: str) -> int | None:
     window = hf.get("sliding_window")
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        return window
+    if arch == _GPT_OSS:
+        layer_types = hf.get("layer_types")
+        if window is None and (not layer_types or "sliding_attention" in layer_types):
+            raise ValueError("gpt-oss sliding_attention layers need a sliding_window")
         return window
     layer_types = hf.get("layer_types") or []
     sliding = [t == "sliding_attention" for t in layer_types]

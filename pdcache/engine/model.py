@@ -1,5 +1,5 @@
-"""A compact decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3) and DeepSeek's MLA
-models (DeepSeek-V2/V3, Kimi K2) that reads and writes paged KV.
+"""A compact decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3), gpt-oss and DeepSeek's
+MLA models (DeepSeek-V2/V3, Kimi K2) that reads and writes paged KV.
 
 Parameter names are exactly Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...), so a
 checkpoint's safetensors load without renaming and our state dict loads into `transformers`.
@@ -23,7 +23,9 @@ from pdcache.engine.moe import make_mlp
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the paged pool; optional q/k/v bias (Qwen2), q/k norm (Qwen3)."""
+    """GQA self-attention over the paged pool; optional q/k/v bias (Qwen2), q/k norm (Qwen3);
+    gpt-oss: a per-layer sliding window (`ModelConfig.layer_window`), o_proj bias and learned
+    attention sinks (`sinks [Hq]`: one more logit per head in every softmax, no value)."""
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -33,12 +35,13 @@ class Attention(nn.Module):
         self.num_kv_heads = c.num_key_value_heads
         self.head_dim = c.head_dim
         self.scale = c.head_dim**-0.5
-        self.sliding_window = c.sliding_window
+        self.sliding_window = c.layer_window(layer_id)
         bias = c.attention_bias
         self.q_proj = nn.Linear(c.hidden_size, self.num_heads * c.head_dim, bias=bias)
         self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=bias)
         self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if c.attention_sinks else None
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -83,18 +86,19 @@ class Attention(nn.Module):
         if batch.mode is ForwardMode.DECODE:
             return batch.kernels.paged_attention_decode(
                 q, device_kv, self.layer_id, batch.page_table, batch.seq_lens, self.scale,
-                self.sliding_window,
+                self.sliding_window, sinks=self.sinks,
             )
         if self._can_attend_fresh(batch):
             return attend_causal(q, k, v, batch.extend_lens, self.scale)
         return batch.kernels.paged_attention_extend(
             q, device_kv, self.layer_id, batch.page_table, batch.prefix_lens, batch.extend_lens,
-            self.scale, self.sliding_window,
+            self.scale, self.sliding_window, sinks=self.sinks,
         )
 
     def _can_attend_fresh(self, batch: ForwardBatch) -> bool:
-        # Without a cached prefix all K/V are in hand: plain causal attention, no pool reads.
-        if any(batch.prefix_lens):
+        # Without a cached prefix all K/V are in hand: plain causal attention, no pool reads
+        # (the kernels add the sinks).
+        if any(batch.prefix_lens) or self.sinks is not None:
             return False
         return self.sliding_window is None or max(batch.extend_lens) <= self.sliding_window
 

@@ -1,4 +1,5 @@
-"""Sparse mixture-of-experts feed-forward blocks: Qwen3-MoE, Mixtral, DeepSeek-V2/V3 (Kimi K2).
+"""Sparse mixture-of-experts feed-forward blocks: Qwen3-MoE, Mixtral, DeepSeek-V2/V3 (Kimi K2),
+gpt-oss, Qwen3-Next.
 
 Each decoder layer's `mlp` is either a dense SwiGLU (`DenseMLP`) or a `SparseMoeBlock`, built
 by `make_mlp`. Parameter names equal those of transformers 5.25's own modules in memory, so
@@ -9,12 +10,22 @@ by `make_mlp`. Parameter names equal those of transformers 5.25's own modules in
 - DeepSeek-V3 / Kimi K2: the same plus `gate.e_score_correction_bias [E]` and
   `shared_experts.{gate,up,down}_proj.weight` (one SwiGLU of width I * n_shared_experts).
 - DeepSeek-V2: as V3 without `e_score_correction_bias`.
+- gpt-oss (`GptOssMoeBlock`): `router.{weight [E, H], bias [E]}`, `experts.gate_up_proj
+  [E, H, 2I]` (transposed: x @ W; gate and up columns interleaved, gate first) with
+  `experts.gate_up_proj_bias [E, 2I]`, `experts.down_proj [E, I, H]` with
+  `experts.down_proj_bias [E, H]`; its checkpoints store exactly these names (bf16 / fp32 ones:
+  MXFP4's `*_blocks` / `*_scales` are refused with the quantisation config).
+- Qwen3-Next (`Qwen3NextMoeBlock`): Qwen3-MoE's `gate` and `experts` plus
+  `shared_expert.{gate,up,down}_proj.weight` (one SwiGLU of `shared_expert_intermediate_size`)
+  and `shared_expert_gate.weight [1, H]`: the shared expert's output is scaled per token by
+  `sigmoid(shared_expert_gate(x))` before it joins the routed experts'.
 - Dense layers: `{gate,up,down}_proj.weight`.
 
 Checkpoints on disk (the Hub's, and what transformers 5.25's `save_pretrained` writes: it
 converts back on save) store one tensor per expert and projection instead:
 
-- Qwen3-MoE, DeepSeek-V2/V3, Kimi K2: `model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`.
+- Qwen3-MoE, Qwen3-Next, DeepSeek-V2/V3, Kimi K2:
+  `model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`.
 - Mixtral: `model.layers.N.block_sparse_moe.experts.E.{w1,w3,w2}.weight` (gate, up, down) and
   `model.layers.N.block_sparse_moe.gate.weight`.
 
@@ -25,14 +36,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-Family = Literal["qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
+Family = Literal["qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_next"]
 Scoring = Literal["softmax", "sigmoid"]
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 ForwardPath = Literal["fast", "reference"]
@@ -42,6 +53,8 @@ FAMILY_BY_ARCHITECTURE: dict[str, Family] = {
     "MixtralForCausalLM": "mixtral",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",  # also Kimi K2 (model_type kimi_k2)
+    "GptOssForCausalLM": "gpt_oss",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 # config.json keys whose positive value marks an architecture as mixture-of-experts.
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -72,6 +85,12 @@ class MoEConfig:
     n_group: int = 1
     topk_group: int = 1
     n_shared_experts: int = 0
+    # gpt-oss's clamped SwiGLU: gate clamped above at `swiglu_limit`, up to +-`swiglu_limit`,
+    # out = (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # Qwen3-Next: the width of the one sigmoid-gated shared expert (0: none)
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -133,8 +152,12 @@ def moe_config_from_hf(hf: dict[str, Any], architecture: str) -> MoEConfig | Non
         raise ValueError(f"{architecture}: mlp_bias=true is not supported")
     if family == "qwen3_moe":
         return _qwen3_moe_config(hf)
+    if family == "qwen3_next":
+        return _qwen3_next_config(hf)
     if family == "mixtral":
         return _mixtral_config(hf)
+    if family == "gpt_oss":
+        return _gpt_oss_config(hf)
     return _deepseek_config(hf, family)
 
 
@@ -172,6 +195,16 @@ def _qwen3_moe_config(hf: dict[str, Any]) -> MoEConfig | None:
     )
 
 
+def _qwen3_next_config(hf: dict[str, Any]) -> MoEConfig | None:
+    # Qwen3NextDecoderLayer picks sparse layers as Qwen3-MoE does; every sparse block adds
+    # one shared expert behind a sigmoid gate.
+    qwen3 = _qwen3_moe_config(hf)
+    if qwen3 is None:
+        return None
+    return replace(qwen3, family="qwen3_next", shared_expert_intermediate_size=_required_int(
+        hf, "shared_expert_intermediate_size"))
+
+
 def _mixtral_config(hf: dict[str, Any]) -> MoEConfig:
     num_layers = _required_int(hf, "num_hidden_layers")
     width = _required_int(hf, "intermediate_size")  # Mixtral's experts use intermediate_size
@@ -186,6 +219,27 @@ def _mixtral_config(hf: dict[str, Any]) -> MoEConfig:
         norm_topk_prob=True,  # MixtralTopKRouter always renormalises the top-k probabilities
         num_layers=num_layers,
         sparse_layer_ids=frozenset(range(num_layers)),
+    )
+
+
+def _gpt_oss_config(hf: dict[str, Any]) -> MoEConfig:
+    # Every layer sparse; the router's softmax runs over the top-k logits only (the same
+    # weights as renormalised top-k probabilities: norm_topk_prob).
+    num_layers = _required_int(hf, "num_hidden_layers")
+    width = _required_int(hf, "intermediate_size")
+    return MoEConfig(
+        family="gpt_oss",
+        scoring="softmax",
+        topk_method="greedy",
+        num_experts=_required_int(hf, "num_local_experts", "num_experts"),
+        top_k=_required_int(hf, "num_experts_per_tok"),
+        moe_intermediate_size=width,
+        dense_intermediate_size=width,
+        norm_topk_prob=True,
+        num_layers=num_layers,
+        sparse_layer_ids=frozenset(range(num_layers)),
+        swiglu_alpha=float(hf.get("swiglu_alpha") or 1.702),
+        swiglu_limit=float(hf.get("swiglu_limit") or 7.0),
     )
 
 
@@ -284,7 +338,7 @@ class TopKRouter(nn.Module):
         weights, expert_ids = torch.topk(probs, self.moe.top_k, dim=-1)
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.moe.family == "qwen3_moe":  # Qwen3 casts back; Mixtral keeps fp32 weights
+        if self.moe.family in ("qwen3_moe", "qwen3_next"):  # cast back; Mixtral keeps fp32
             weights = weights.to(logits.dtype)
         return expert_ids, weights
 
@@ -415,11 +469,94 @@ class SparseMoeBlock(nn.Module):
         return out.view(x.shape)
 
 
+class GptOssRouter(nn.Module):
+    """gpt-oss's router: owns `weight [E, H]` and `bias [E]`; the softmax runs over the top-k
+    logits, in the model dtype (as transformers' `GptOssTopKRouter`)."""
+
+    def __init__(self, moe: MoEConfig, hidden_size: int) -> None:
+        super().__init__()
+        self.top_k = moe.top_k
+        self.weight = nn.Parameter(torch.zeros(moe.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(moe.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, self.bias)
+        top_logits, expert_ids = torch.topk(logits, self.top_k, dim=-1)
+        return expert_ids, torch.softmax(top_logits, dim=-1, dtype=top_logits.dtype)
+
+
+class GptOssExperts(RoutedExperts):
+    """gpt-oss's experts, as transformers holds them: `gate_up_proj [E, H, 2I]` (x @ W, gate
+    and up columns interleaved) + `gate_up_proj_bias [E, 2I]`, `down_proj [E, I, H]` +
+    `down_proj_bias [E, H]`, and the clamped SwiGLU between. Routing and combining: the
+    parent's fast and reference paths."""
+
+    def __init__(self, moe: MoEConfig, hidden_size: int) -> None:
+        nn.Module.__init__(self)
+        self.num_experts = experts = moe.num_experts
+        width = moe.moe_intermediate_size
+        self.alpha, self.limit = moe.swiglu_alpha, moe.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(experts, hidden_size, 2 * width))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * width))
+        self.down_proj = nn.Parameter(torch.zeros(experts, width, hidden_size))
+        self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden_size))
+
+    def expert(self, expert_id: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = x @ self.gate_up_proj[expert_id] + self.gate_up_proj_bias[expert_id]
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        gated = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return gated @ self.down_proj[expert_id] + self.down_proj_bias[expert_id]
+
+
+class GptOssMoeBlock(nn.Module):
+    """Owns one gpt-oss layer's `router` and `experts` (transformers' `GptOssMLP` names).
+    `path` picks the experts' forward: "fast" or "reference"."""
+
+    def __init__(self, moe: MoEConfig, hidden_size: int, path: ForwardPath = "fast") -> None:
+        super().__init__()
+        self.path: ForwardPath = path
+        self.router = GptOssRouter(moe, hidden_size)
+        self.experts = GptOssExperts(moe, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens `[..., H]` in, the same shape out."""
+        tokens = x.reshape(-1, x.shape[-1])
+        expert_ids, weights = self.router(tokens)
+        if self.path == "fast":
+            out = self.experts.forward_fast(tokens, expert_ids, weights)
+        elif self.path == "reference":
+            out = self.experts.forward_reference(tokens, expert_ids, weights)
+        else:
+            raise ValueError(f"unknown MoE forward path {self.path!r} (fast, reference)")
+        return out.view(x.shape)
+
+
+class Qwen3NextMoeBlock(SparseMoeBlock):
+    """Owns one Qwen3-Next sparse layer: the parent's router (`gate`) and routed `experts`,
+    plus `shared_expert` (a SwiGLU) and `shared_expert_gate [1, H]`, its per-token sigmoid
+    gate (transformers' `Qwen3NextSparseMoeBlock` names)."""
+
+    def __init__(self, moe: MoEConfig, hidden_size: int, path: ForwardPath = "fast") -> None:
+        super().__init__(moe, hidden_size, path)
+        self.shared_expert = DenseMLP(hidden_size, moe.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens `[..., H]` in, the same shape out."""
+        tokens = x.reshape(-1, x.shape[-1])
+        routed = super().forward(tokens)
+        shared = torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
+        return (routed + shared).view(x.shape)
+
+
 def make_mlp(
     moe: MoEConfig | None, hidden_size: int, intermediate_size: int, layer_id: int
 ) -> nn.Module:
-    """Layer `layer_id`'s feed-forward: a `SparseMoeBlock` where `moe` says the layer is
-    sparse, else a `DenseMLP` of `intermediate_size` (config.json's `intermediate_size`)."""
+    """Layer `layer_id`'s feed-forward: a `SparseMoeBlock` (gpt-oss: `GptOssMoeBlock`,
+    Qwen3-Next: `Qwen3NextMoeBlock`) where
+    `moe` says the layer is sparse, else a `DenseMLP` of `intermediate_size` (config.json's
+    `intermediate_size`)."""
     if moe is None or not moe.is_sparse(layer_id):
         if moe is not None and moe.dense_intermediate_size != intermediate_size:
             raise ValueError(
@@ -427,13 +564,17 @@ def make_mlp(
                 f"{moe.dense_intermediate_size}"
             )
         return DenseMLP(hidden_size, intermediate_size)
+    if moe.family == "gpt_oss":
+        return GptOssMoeBlock(moe, hidden_size)
+    if moe.family == "qwen3_next":
+        return Qwen3NextMoeBlock(moe, hidden_size)
     return SparseMoeBlock(moe, hidden_size)
 
 
 def set_moe_path(model: nn.Module, path: ForwardPath) -> None:
     """Switch every `SparseMoeBlock` in `model` to the "fast" or "reference" experts path."""
     for module in model.modules():
-        if isinstance(module, SparseMoeBlock):
+        if isinstance(module, (SparseMoeBlock, GptOssMoeBlock)):
             module.path = path
 
 

@@ -17,11 +17,13 @@ from dataclasses import replace
 import torch
 
 from pdcache.engine.config import ModelConfig, RopeScaling
+from pdcache.engine.harmony import HarmonyByteTokenizer
 from pdcache.engine.model import CausalLM
 from pdcache.engine.moe import MoEConfig
 from pdcache.engine.tokenizer import ByteTokenizer
 
 _BYTE_TOKENIZER = ByteTokenizer()
+_HARMONY_BYTE_TOKENIZER = HarmonyByteTokenizer()  # same ids, gpt-oss's harmony chat format
 
 _COMMON = {
     "architecture": "LlamaForCausalLM",
@@ -123,12 +125,74 @@ PRESETS["small-mla"] = ModelConfig(
     **_MLA_COMMON,
 )
 
+
+
+def _gpt_oss_moe(num_layers: int, experts: int, top_k: int, width: int) -> MoEConfig:
+    """gpt-oss's MoE: every layer sparse, softmax over the top-k router logits (with bias),
+    the clamped SwiGLU (alpha 1.702, limit 7) with biases."""
+    return MoEConfig(
+        family="gpt_oss", scoring="softmax", topk_method="greedy", num_experts=experts,
+        top_k=top_k, moe_intermediate_size=width, dense_intermediate_size=width,
+        norm_topk_prob=True, num_layers=num_layers,
+        sparse_layer_ids=frozenset(range(num_layers)))
+
+
+def _gpt_oss_yarn(original: int) -> RopeScaling:
+    """gpt-oss's YaRN (factor 32 over 4096 there, 4 here), without truncating the ramp."""
+    return RopeScaling(factor=4.0, original_max_position_embeddings=original, rope_type="yarn",
+                       beta_fast=32.0, beta_slow=1.0, truncate=False)
+
+
+def _alternating(num_layers: int) -> tuple[str, ...]:
+    """gpt-oss's layer kinds: sliding on even layers, full on odd ones."""
+    return tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                 for i in range(num_layers))
+
+
+_GPT_OSS_COMMON = {**_COMMON, "architecture": "GptOssForCausalLM", "attention_bias": True,
+                   "o_proj_bias": True, "attention_sinks": True, "rms_norm_eps": 1e-5,
+                   "rope_theta": 150000.0}
+
+# gpt-oss's shape scaled down (there: 64 query / 8 kv heads of 64, window 128, 32 or 128
+# experts of which 4 routed, alternating sliding / full layers with sinks).
+PRESETS["tiny-gpt-oss"] = ModelConfig(
+    hidden_size=128,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=8192,
+    rope_scaling=_gpt_oss_yarn(2048),
+    sliding_window=16,
+    layer_types=_alternating(4),
+    moe=_gpt_oss_moe(4, experts=8, top_k=2, width=96),
+    name="pdcache-tiny-gpt-oss",
+    **_GPT_OSS_COMMON,
+)
+PRESETS["small-gpt-oss"] = ModelConfig(
+    hidden_size=512,
+    intermediate_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=32768,
+    rope_scaling=_gpt_oss_yarn(8192),
+    sliding_window=128,
+    layer_types=_alternating(8),
+    moe=_gpt_oss_moe(8, experts=16, top_k=4, width=256),
+    name="pdcache-small-gpt-oss",
+    **_GPT_OSS_COMMON,
+)
+
 # Init scales (multiples of 1/sqrt(fan_in)); see the module docstring for why.
 EMBED_STD = 1.0
 QK_GAIN = 1.0  # sharper attention amplifies fp32 noise (measured: 2.0 doubles it)
 RESIDUAL_GAIN = 1.0  # all 2L residual branches together add about as much as the embedding
 LOGIT_STD = 4.0
 ROUTING_BIAS_STD = 0.1  # DeepSeek-V3's routing bias, against sigmoid scores in (0, 1)
+SINK_STD = 1.0  # gpt-oss's sink logits: a head's sink takes a visible share of its softmax
 
 
 def preset_config(name: str, dtype: str = "float32") -> ModelConfig:
@@ -141,18 +205,29 @@ def byte_tokenizer() -> ByteTokenizer:
     return _BYTE_TOKENIZER
 
 
+def preset_tokenizer(name: str) -> ByteTokenizer:
+    """The byte tokenizer with preset `name`'s chat format: harmony for the gpt-oss presets
+    (pdcache.engine.harmony), ChatML for the others. The ids are the same either way."""
+    if preset_config(name).architecture == "GptOssForCausalLM":
+        return _HARMONY_BYTE_TOKENIZER
+    return _BYTE_TOKENIZER
+
+
 @torch.no_grad()
 def init_preset_weights(model: CausalLM, seed: int) -> None:
     """Fill every parameter of `model` deterministically from `seed` (CPU generator, fp32)."""
     gen = torch.Generator().manual_seed(seed)
     config = model.config
     residual_gain = RESIDUAL_GAIN / math.sqrt(2 * config.num_hidden_layers)
+    # gpt-oss holds its experts' fused weights as [E, in, out], the others as [E, out, in]
+    experts_in_dim = -2 if config.moe is not None and config.moe.family == "gpt_oss" else -1
     for name, param in model.named_parameters():
-        param.copy_(_init_tensor(name, param, gen, residual_gain))
+        param.copy_(_init_tensor(name, param, gen, residual_gain, experts_in_dim))
 
 
 def _init_tensor(
-    name: str, param: torch.Tensor, gen: torch.Generator, residual_gain: float
+    name: str, param: torch.Tensor, gen: torch.Generator, residual_gain: float,
+    experts_in_dim: int = -1,
 ) -> torch.Tensor:
     shape = param.shape
     if name.endswith("norm.weight"):
@@ -161,9 +236,14 @@ def _init_tensor(
         return torch.randn(shape, generator=gen) * 0.02
     if name.endswith("e_score_correction_bias"):  # moves the expert choice, as trained ones do
         return torch.randn(shape, generator=gen) * ROUTING_BIAS_STD
+    if name.endswith("_proj_bias"):  # gpt-oss's fused expert biases
+        return torch.randn(shape, generator=gen) * 0.02
+    if name.endswith("self_attn.sinks"):
+        return torch.randn(shape, generator=gen) * SINK_STD
     if "embed_tokens" in name:
         return torch.randn(shape, generator=gen) * EMBED_STD
-    fan_in_std = 1.0 / math.sqrt(shape[-1])  # experts' fused weights are [E, out, in]
+    in_dim = experts_in_dim if name.endswith(("experts.gate_up_proj", "experts.down_proj")) else -1
+    fan_in_std = 1.0 / math.sqrt(shape[in_dim])
     gain = 1.0
     if name.endswith(("q_proj.weight", "k_proj.weight")):
         gain = QK_GAIN

@@ -1,4 +1,5 @@
-"""Internal per-request state of the engine (`Req`), owned by the scheduler.
+"""Internal per-request state of the engine (`Req`), owned by the scheduler, and the
+`RequestOutput`s built from it (`Req.take_output`).
 
 A request's tokens are `fill_ids = prompt_ids + output_ids`. Its K/V for `fill_ids[:kv_len]`
 lives in `page_ids` (page i holds tokens `[i*S, (i+1)*S)`). The first `num_tree_pages` of
@@ -231,6 +232,43 @@ class Req:
         if self.logprobs is None or num_new == 0:
             return []
         return self.output_logprobs[len(self.output_logprobs) - num_new :]
+
+    def take_output(self) -> RequestOutput:
+        """The output of this step: the tokens (and logprobs) not yet emitted, marked emitted,
+        and the prompt logprobs on the first output that has them. Once the prompt is matched
+        every output carries the prompt's numbers (SGLang's first stream chunk carries
+        prompt_tokens and cached_tokens; its clients read them there); the finished one also
+        the statistics. Engine thread (the thread that owns the request)."""
+        new_tokens = self.take_new_tokens()
+        new_logprobs = self.take_new_logprobs(len(new_tokens))
+        prompt_logprobs = None
+        if self.input_logprobs is not None and not self.input_logprobs_sent:
+            prompt_logprobs, self.input_logprobs_sent = list(self.input_logprobs), True
+        if not self.finished:
+            if self.cached is None:
+                return RequestOutput(rid=self.rid, new_token_ids=new_tokens,
+                                     new_logprobs=new_logprobs, input_logprobs=prompt_logprobs)
+            return RequestOutput(rid=self.rid, new_token_ids=new_tokens,
+                                 new_logprobs=new_logprobs, input_logprobs=prompt_logprobs,
+                                 prompt_tokens=len(self.prompt_ids), cached=self.cached,
+                                 computed_tokens=self.computed_tokens)
+        now = time.perf_counter()
+        first = self.first_token_time
+        return RequestOutput(
+            rid=self.rid,
+            new_token_ids=new_tokens,
+            finished=True,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+            cached=self.cached or CachedTokens(),
+            computed_tokens=self.computed_tokens,
+            ttft_s=None if first is None else first - self.arrival_time,
+            e2e_s=now - self.arrival_time,
+            new_logprobs=new_logprobs,
+            input_logprobs=prompt_logprobs,
+        )
 
     def check(self) -> None:
         """Assert the length invariants that tie tokens, K/V and pages together."""

@@ -15,47 +15,43 @@ its computed full pages go into the tree, the rest is freed, and it waits at the
 queue to re-prefill (mostly from cache).
 
 Every page the scheduler touches is owned by exactly one of: the allocator (free), the tree,
-or one running request (`Req.own_page_ids`). Engine thread only; nothing here locks.
+one running request (`Req.own_page_ids`), or the reservation book. Engine thread only;
+nothing here locks.
 
-Lower cache tiers (HiCache: host, storage) plug in by subclassing and overriding the hooks
-`on_queued` (start a prefetch), `admission_ready` (may this request be admitted yet),
-`reuse_lower_tiers` (fill the pages after the device match with K/V from elsewhere),
-`on_cached` (pages just entered the tree: back them up), `on_dequeued` (a waiting request
-left without running), `on_step` (once per schedule), `can_retract` (protect a running
-request's pages from retraction), and for `Engine.drop_cache` `tiers_idle` / `drop_cache`;
-see `Engine(make_scheduler=...)`.
-The defaults do nothing, which is the device-only cache.
-
-Disaggregated serving uses three more primitives. A decode node `reserve`s the pages a
-prefill node writes a prompt's K/V into, then `add_prefilled` starts decoding on them (or
-`release_reservation` gives them back). Held pages: `hold_after_finish` keeps a finished
-request's pages (prompt K/V, partial last page included) and `hold_on_abort` an aborted
-running one's, until whoever reads them outside the engine (a KV transfer, offload copies)
-calls `release_held`; `abort_releases_held` says whether an abort of a held request frees it
-anyway (the default) or leaves it to that holder. A reservation that cannot be had now
-waits in `pending` (`queue_reservation`, bounded by `SchedulerConfig.max_pending_reservations`)
-and is granted in arrival order by `grant_pending`, which the engine runs after every change
-that can free pages; a grant keeps back, besides its own pages, the pages every running and
-reserved request (itself included) still needs to decode min(`max_new_tokens`,
-`decode_reserve_tokens`) answer tokens, so what is granted never waits for a page within that
-budget, even with retraction off. The node's controller
-(`pdcache.prefill_node.controller`, `pdcache.decode_node.controller`) makes those decisions.
+Composition, not subclassing: the node that builds the scheduler gives it
+- `tiers` (`pdcache.engine.tiers.CacheTiers`): the cache tiers below the device tree, asked
+  when a request is queued (`on_queued`: start a prefetch), before admission
+  (`admission_ready`), at admission (`reuse_lower_tiers`: fill the pages after the device
+  match with K/V from elsewhere), when pages enter the tree (`on_cached`: back them up), when
+  a waiting request leaves (`on_dequeued`) and once per `schedule()` (`on_step`). Default
+  `DeviceOnly`; HiCache's is `pdcache.offload_manager.hicache_tiers.HiCacheTiers`.
+- `role` (`pdcache.engine.roles.RolePolicy`): the node role's decisions: an admission gate,
+  `can_retract`, which finished or aborted requests keep their pages (`hold_after_finish`,
+  `hold_on_abort`, `abort_releases_held`, until `release_held`), what happens around a
+  prefilled start and a commit, and whether the scheduler keeps a reservation book
+  (`pdcache.engine.reservations.ReservationBook`, `reservations`). Default `Unified`;
+  prefill's is `pdcache.prefill_node.scheduler.PrefillRole`, decode's
+  `pdcache.decode_node.scheduler.DecodeRole`.
+Any role may have any tiers. The node's controller (`pdcache.prefill_node.controller`,
+`pdcache.decode_node.controller`) makes the PD decisions those policies relay.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdcache.engine.api import CachedTokens, TokenLogprob
-from pdcache.engine.config import CacheConfig, SchedulerConfig
+from pdcache.engine.config import CacheConfig
 from pdcache.engine.forward import ForwardMode
 from pdcache.engine.kv_pool import DeviceKVPool
-from pdcache.engine.radix import InsertResult, MatchResult, RadixNode, RadixTree
+from pdcache.engine.radix import MatchResult, RadixNode, RadixTree
 from pdcache.engine.request import KVLoad, Req, ReqStatus, pages_for
+from pdcache.engine.reservations import ReservationBook
+from pdcache.engine.roles import RolePolicy, Unified
+from pdcache.engine.scheduler_config import SchedulerConfig
+from pdcache.engine.tiers import CacheTiers, DeviceOnly
 
 logger = logging.getLogger(__name__)
 
@@ -78,49 +74,6 @@ class ScheduledBatch:
 
 
 @dataclass
-class TierReuse:
-    """What a lower cache tier put into the pages allocated after the device match.
-
-    The first `tree_pages` of them now belong to the tree (restored nodes; the request locks
-    `node` instead of the device match's node); the next `own_pages` stay the request's own but
-    hold reused K/V too. `kv_load` fills them (waited per layer by the next forward); `cached`
-    splits the reused tokens by tier."""
-
-    tree_pages: int = 0
-    node: RadixNode | None = None
-    own_pages: int = 0
-    kv_load: KVLoad | None = None
-    cached: CachedTokens | None = None
-
-
-@dataclass
-class PendingReservation:
-    """A reservation waiting for pages: `num_pages` for the prompt, `growth_pages` more that
-    its decoding will need; `on_done` is the engine's, called once when it leaves the queue."""
-
-    rid: str
-    num_pages: int
-    growth_pages: int
-    since: float
-    on_done: Callable[..., Any]
-    # the prompt's leading full pages that the prefix tree may serve (decode's prefix cache:
-    # prefill then writes only the pages after them), under `salt`; empty: reserve them all
-    prefix_ids: Sequence[int] = ()
-    salt: str = ""
-
-
-@dataclass(frozen=True)
-class ReservedPrefix:
-    """The tree's leading pages of a reservation (locked at `match.last_node`) and what they
-    hold: `tokens` under `salt`. `add_prefilled` checks the request against both, since its
-    release inserts its pages under the request's own tokens and salt."""
-
-    match: MatchResult
-    salt: str
-    tokens: tuple[int, ...]
-
-
-@dataclass
 class SchedulerCounters:
     admitted: int = 0
     retracted: int = 0
@@ -128,11 +81,12 @@ class SchedulerCounters:
     aborted: int = 0
     cached_tokens: int = 0  # prompt tokens reused at first admission, over finished requests
     computed_tokens: int = 0  # tokens run through extend forwards
-    reserved_prefix_pages: int = 0  # reserved pages the tree served (decode's prefix cache)
 
 
 class Scheduler:
-    """Waiting queue, running set and their memory; see the module docstring."""
+    """Waiting queue, running set, held requests and their memory; with a role that takes
+    reservations, the reservation book too. Composed with `tiers` and `role` (see the module
+    docstring); engine thread only, except `end_session` (any thread)."""
 
     def __init__(
         self,
@@ -142,6 +96,9 @@ class Scheduler:
         tree: RadixTree | None,
         max_context: int,
         eos_token_ids: tuple[int, ...],
+        *,
+        tiers: CacheTiers | None = None,
+        role: RolePolicy | None = None,
     ) -> None:
         self.config = config
         self.page_size = cache.page_size
@@ -150,14 +107,14 @@ class Scheduler:
         self.tree = tree
         self.max_context = max_context
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.tiers: CacheTiers = tiers if tiers is not None else DeviceOnly(tree)
+        self.role: RolePolicy = role if role is not None else Unified()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.counters = SchedulerCounters()
-        self.reserved: dict[str, list[int]] = {}  # rid -> pages awaiting a K/V transfer
-        # rid -> the tree's pages that lead a reservation (decode's prefix cache), locked
-        self.reserved_prefix: dict[str, ReservedPrefix] = {}
-        self.reserved_growth: dict[str, int] = {}  # rid -> pages its decoding will still need
-        self.pending: dict[str, PendingReservation] = {}  # FIFO: waiting for pages
+        self.reservations: ReservationBook | None = (
+            ReservationBook(config, self.page_size, max_context, self)
+            if self.role.takes_reservations else None)
         self.held: dict[str, Req] = {}  # finished requests whose pages are kept
         self._admit_seq = 0
         self._last_mode: ForwardMode | None = None
@@ -165,186 +122,28 @@ class Scheduler:
     # ---- queue -------------------------------------------------------------------------
     def add(self, req: Req) -> None:
         self.waiting.append(req)
-        self.on_queued(req)
-
-    # ---- hooks for lower cache tiers (defaults: device-only cache) -----------------------
-    def on_queued(self, req: Req) -> None:
-        """`req` entered the waiting queue."""
-
-    def admission_ready(self, req: Req) -> bool:
-        """False keeps `req` waiting (others behind it may still be admitted)."""
-        return True
-
-    def reuse_lower_tiers(
-        self, req: Req, match: MatchResult, own_page_ids: list[int], max_pages: int
-    ) -> TierReuse:
-        """Put reused K/V of the pages after `match` into `own_page_ids` (freshly allocated,
-        in order), at most `max_pages` pages counted from the start of the fill."""
-        return TierReuse()
-
-    def on_cached(self, req: Req, result: InsertResult) -> None:
-        """Pages of `req` up to `result.last_node` were just inserted into the tree."""
-
-    def on_dequeued(self, req: Req) -> None:
-        """A waiting request is leaving without being admitted (abort)."""
-
-    def on_step(self) -> None:
-        """Called at the start of every `schedule()`."""
-
-    def start(self) -> None:
-        """Start the threads the scheduler's lower tiers own (HiCache's IO workers); called
-        once by `Engine.start()`, before the engine thread. The base scheduler has none."""
-
-    def tiers_idle(self) -> bool:
-        """No lower-tier I/O is in flight (`Engine.drop_cache` waits for it); always True for
-        the device-only cache."""
-        return True
-
-    def drop_cache(self) -> tuple[int, int]:
-        """Idle engine: drop every cached page of the memory tiers; returns (device pages,
-        host pages) freed. The device-only cache flushes its tree."""
-        return (self.tree.flush() if self.tree is not None else 0), 0
+        self.tiers.on_queued(req)
 
     def end_session(self, session_id: str, cache_salt: str) -> bool:
         """The client closed conversation `session_id` (of tenant salt `cache_salt`): the
-        lower tiers' session lifecycle closes it (its stored pages are evicted first). Any
-        thread (it only calls the thread-safe storage backend). True when a tier closed it;
-        the device-only cache has none (False)."""
-        return False
-
-    def can_retract(self, req: Req) -> bool:
-        """False protects running `req` from retraction (e.g. while something else reads
-        its pages); the request short of a page then waits."""
-        return True
-
-    def hold_after_finish(self, req: Req) -> bool:
-        """True keeps the pages of the just finished `req` (K/V of `fill_ids[:kv_len]`) until
-        `release_held(req.rid)`."""
-        return False
-
-    def hold_on_abort(self, req: Req) -> bool:
-        """True keeps the pages of running `req`, being aborted, until `release_held(req.rid)`
-        (something outside the engine may be reading them); False frees them now."""
-        return False
-
-    def abort_releases_held(self, req: Req) -> bool:
-        """Whether an abort of held `req` frees its pages (True), or leaves them to its holder's
-        `release_held` (False: they are still read outside the engine)."""
-        return True
+        tiers' and the role's storage sessions close it. Any thread (only thread-safe storage
+        backends are called). True when one closed it."""
+        closed = self.tiers.end_session(session_id, cache_salt)
+        return self.role.end_session(session_id, cache_salt) or closed
 
     # ---- disaggregation primitives -----------------------------------------------------
-    def reserve(self, rid: str, num_tokens: int) -> list[int] | None:
-        """Pages for `num_tokens` tokens of request `rid`, evicting cache when short; None
-        (nothing taken) when they cannot be had."""
-        if rid in self.reserved:
-            raise ValueError(f"request {rid!r} already has reserved pages")
-        page_ids = self._alloc(pages_for(num_tokens, self.page_size))
-        if page_ids is not None:
-            self.reserved[rid] = page_ids
-        return page_ids
-
-    def queue_reservation(self, pending: PendingReservation) -> str:
-        """Reserve `pending`'s pages now ("granted": they are in `reserved`), or queue it
-        behind the others ("queued"), or refuse it ("queue_full"). Nothing is granted out of
-        arrival order: with anyone waiting, a newcomer waits too."""
-        rid = pending.rid
-        if rid in self.reserved or rid in self.pending:
-            raise ValueError(f"request {rid!r} already has reserved or pending pages")
-        if not self.pending and self._grant(pending):
-            return "granted"
-        if len(self.pending) >= self.config.max_pending_reservations:
-            return "queue_full"
-        self.pending[rid] = pending
-        return "queued"
-
-    def grant_pending(self) -> list[PendingReservation]:
-        """Grant waiting reservations in arrival order while the head fits; the granted."""
-        granted: list[PendingReservation] = []
-        while self.pending:
-            head = next(iter(self.pending.values()))
-            if not self._grant(head):
-                break
-            del self.pending[head.rid]
-            granted.append(head)
-        return granted
-
-    def cancel_pending(self, rid: str) -> PendingReservation | None:
-        """Take `rid` out of the queue (its caller left); None if it is not waiting."""
-        return self.pending.pop(rid, None)
-
-    def growth_headroom(self) -> int:
-        """Pages the running and reserved requests still need to decode the answer tokens
-        their admission kept room for (min(max_new_tokens, decode_reserve_tokens))."""
-        need = sum(self.reserved_growth.values())
-        reserve_tokens = self.config.decode_reserve_tokens
-        for req in self.running:
-            answer = min(req.sampling.max_new_tokens, reserve_tokens)
-            target = min(len(req.prompt_ids) + answer, self.max_context)
-            need += max(0, pages_for(target, self.page_size) - len(req.page_ids))
-        return need
-
-    def _grant(self, pending: PendingReservation) -> bool:
-        """Reserve `pending`'s pages: the tree's leading pages of its prefix (locked, in
-        `reserved_prefix`) and fresh ones for the rest (in `reserved`)."""
-        match = self._match_reserved_prefix(pending)
-        self._lock(match.last_node)  # before allocating: eviction must not take them
-        # its own growth too: everything granted can decode its reserved answer tokens
-        reserve = self.growth_headroom() + pending.growth_pages
-        page_ids = self._alloc(pending.num_pages - len(match.page_ids), reserve=reserve)
-        if page_ids is None:
-            self._unlock(match.last_node)
-            return False
-        self.reserved[pending.rid] = page_ids
-        self.reserved_growth[pending.rid] = pending.growth_pages
-        if match.page_ids:
-            tokens = tuple(pending.prefix_ids[: match.cached_len])
-            self.reserved_prefix[pending.rid] = ReservedPrefix(match, pending.salt, tokens)
-            self.counters.reserved_prefix_pages += len(match.page_ids)
-        else:
-            self._unlock(match.last_node)
-        return True
-
-    def _match_reserved_prefix(self, pending: PendingReservation) -> MatchResult:
-        """The tree's pages for `pending.prefix_ids`, leaving at least the prompt's last page
-        to prefill (whose forward computes the last token: its page always comes new)."""
-        if self.tree is None or not pending.prefix_ids:
-            return MatchResult([], 0, None)
-        limit = min(len(pending.prefix_ids), (pending.num_pages - 1) * self.page_size)
-        return self.tree.match_prefix(pending.prefix_ids[:limit], pending.salt)
-
     def release_reservation(self, rid: str) -> bool:
-        self.reserved_growth.pop(rid, None)
-        page_ids = self.reserved.pop(rid, None)
-        if page_ids is not None:
-            self.allocator.free(page_ids)
-        prefix = self.reserved_prefix.pop(rid, None)
-        if prefix is not None:
-            self._unlock(prefix.match.last_node)
-        return page_ids is not None
+        """Free the pages reserved for `rid`; False if there were none (or no book)."""
+        return self.reservations is not None and self.reservations.release(rid)
 
     def add_prefilled(self, req: Req, first_token: int,
                       first_logprob: TokenLogprob | None = None) -> None:
-        """Start decoding `req` on its reserved pages, which hold its prompt's K/V."""
-        own = self.reserved.get(req.rid)
-        if own is None:
-            raise ValueError(f"request {req.rid!r} has no reserved pages")
-        reserved = self.reserved_prefix.get(req.rid)
-        prefix = reserved.match if reserved else MatchResult([], 0, None)
-        page_ids = prefix.page_ids + own
-        if len(page_ids) != pages_for(len(req.prompt_ids), self.page_size):
-            raise ValueError(
-                f"request {req.rid!r} reserved {len(page_ids)} pages, its prompt needs "
-                f"{pages_for(len(req.prompt_ids), self.page_size)}"
-            )
-        if reserved is not None and (
-                reserved.salt != req.salt
-                or tuple(req.prompt_ids[: len(reserved.tokens)]) != reserved.tokens):
-            # its release would insert the tree's own pages under other tokens or another
-            # tenant's salt
-            raise ValueError(f"request {req.rid!r} is not the prompt its pages were reserved for")
-        del self.reserved[req.rid]
-        self.reserved_prefix.pop(req.rid, None)
-        self.reserved_growth.pop(req.rid, None)
+        """Start decoding `req` on its reserved pages, which hold its prompt's K/V. Raises
+        ValueError when the reservation does not fit it (`ReservationBook.take`)."""
+        if self.reservations is None:
+            raise ValueError(f"request {req.rid!r}: this node takes no reservations")
+        page_ids, prefix = self.reservations.take(req)
+        self.role.on_prefilled(req)
         # the request now holds the prefix's lock (its release unlocks `last_node`)
         req.admit_prefilled(page_ids, first_token, self._admit_seq, first_logprob,
                             num_tree_pages=len(prefix.page_ids), last_node=prefix.last_node)
@@ -355,7 +154,7 @@ class Scheduler:
         self._maybe_finish(req, first_token)
 
     def release_held(self, rid: str) -> bool:
-        """Cache and free the pages of a held request (see `hold_after_finish`)."""
+        """Cache and free the pages of a held request (see `RolePolicy.hold_after_finish`)."""
         req = self.held.pop(rid, None)
         if req is not None:
             req.holding_pages = False
@@ -379,32 +178,33 @@ class Scheduler:
 
     def abort(self, req: Req, reason: str = "abort", error: str | None = None) -> None:
         """Finish `req` now, freeing all its pages (nothing of it is cached), unless
-        `hold_on_abort` keeps them."""
+        the role's `hold_on_abort` keeps them."""
         hold = False
         if req.status is ReqStatus.RUNNING:
             self.running.remove(req)
-            hold = self.hold_on_abort(req)
+            hold = self.role.hold_on_abort(req)
             if not hold:
                 self._release(req, cache=False)
         elif req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
-            self.on_dequeued(req)
+            self.tiers.on_dequeued(req)
         req.status, req.finish_reason, req.error = ReqStatus.FINISHED, reason, error
         self.counters.aborted += 1
         if hold:
             self._hold(req)
 
     def abort_held(self, rid: str) -> bool:
-        """An abort reached held request `rid`: free it if `abort_releases_held` says so."""
+        """An abort reached held request `rid`: free it if the role's `abort_releases_held`
+        says so."""
         req = self.held.get(rid)
-        if req is None or not self.abort_releases_held(req):
+        if req is None or not self.role.abort_releases_held(req):
             return False
         return self.release_held(rid)
 
     # ---- scheduling --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         """Admit what fits, then pick the next batch (None: nothing runnable)."""
-        self.on_step()
+        self.tiers.on_step()
         self._admit_waiting()
         prefilling = [r for r in self.running if not r.prefill_done]
         want_decode = any(r.prefill_done for r in self.running)
@@ -445,6 +245,7 @@ class Scheduler:
                 self._maybe_finish(req, sampled[row])
                 touched.append(req)
             req.check()
+        self.role.after_commit(batch.reqs)
         return touched
 
     def requeue_failed_loads(self, batch: ScheduledBatch) -> list[int] | None:
@@ -490,7 +291,7 @@ class Scheduler:
                 break
             if pending >= self.config.chunked_prefill_tokens:
                 break
-            if not self.admission_ready(req) or not self._leader_ready(req):
+            if not self._admission_ready(req) or not self._leader_ready(req):
                 continue
             if not self._try_admit(req):
                 break
@@ -498,21 +299,26 @@ class Scheduler:
             self.running.append(req)
             pending += req.fill_len - req.kv_len
 
+    def _admission_ready(self, req: Req) -> bool:
+        """The role's gate first: a request it cannot take yet costs the tiers nothing (no
+        restarted prefetch)."""
+        return self.role.admission_ready(req) and self.tiers.admission_ready(req)
+
     def _try_admit(self, req: Req) -> bool:
         match = self._match(req)
-        self._lock(match.last_node)
+        self.lock(match.last_node)
         need = pages_for(req.fill_len, self.page_size) - len(match.page_ids)
         headroom = sum(1 for r in self.running if r.prefill_done)  # a page each for decode
-        own = self._alloc(need, reserve=headroom)
+        own = self.alloc_pages(need, reserve=headroom)
         if own is None:
-            self._unlock(match.last_node)
+            self.unlock(match.last_node)
             return False
         max_pages = req.max_reuse_len // self.page_size
-        reuse = self.reuse_lower_tiers(req, match, own, max_pages)
+        reuse = self.tiers.reuse_lower_tiers(req, match, own, max_pages)
         node = match.last_node
         if reuse.tree_pages:
-            self._lock(reuse.node)  # the restored nodes hang below the device match
-            self._unlock(match.last_node)
+            self.lock(reuse.node)  # the restored nodes hang below the device match
+            self.unlock(match.last_node)
             node = reuse.node
         if self.tree is not None:
             # a turn arrives once: not again when a retracted request comes back, nor for the
@@ -570,8 +376,8 @@ class Scheduler:
         self.tree.note_session(result.last_node, req.session_id, new_turn=False)
         match = self.tree.match_prefix(tokens, req.salt)
         assert match.cached_len == len(tokens), (match.cached_len, len(tokens))
-        self._lock(match.last_node)
-        self._unlock(req.last_node)
+        self.lock(match.last_node)
+        self.unlock(req.last_node)
         if req.holding_pages:  # the pages went to a reader (KV transfer): free on release
             req.deferred_free_page_ids += result.duplicate_page_ids
         else:
@@ -579,17 +385,21 @@ class Scheduler:
         req.page_ids[:num_full] = match.page_ids
         req.num_tree_pages, req.last_node = num_full, match.last_node
         req.check()
-        self.on_cached(req, result)
+        self.tiers.on_cached(req, result)
 
-    def _lock(self, node: RadixNode | None) -> None:
+    # ---- memory (also the reservation book's `PageSource`) -----------------------------
+    def lock(self, node: RadixNode | None) -> None:
         if self.tree is not None:
             self.tree.lock(node)
 
-    def _unlock(self, node: RadixNode | None) -> None:
+    def unlock(self, node: RadixNode | None) -> None:
         if self.tree is not None:
             self.tree.unlock(node)
 
-    def _alloc(self, num_pages: int, reserve: int = 0) -> list[int] | None:
+    def free_pages(self, page_ids: list[int]) -> None:
+        self.allocator.free(page_ids)
+
+    def alloc_pages(self, num_pages: int, reserve: int = 0) -> list[int] | None:
         """`num_pages` pages, evicting cache when short, leaving `reserve` more obtainable."""
         short = num_pages + reserve - self.allocator.num_free
         if short > 0 and self.tree is not None:
@@ -633,11 +443,11 @@ class Scheduler:
         if req.kv_len < len(req.page_ids) * self.page_size:
             return True
         while True:
-            page = self._alloc(1)
+            page = self.alloc_pages(1)
             if page is not None:
                 req.page_ids.extend(page)
                 return True
-            victims = [r for r in self.running if r not in batched and self.can_retract(r)]
+            victims = [r for r in self.running if r not in batched and self.role.can_retract(r)]
             if not victims:
                 return False  # nothing may give way now: `req` skips this step
             victim = max(victims, key=lambda r: r.admit_seq)
@@ -663,7 +473,7 @@ class Scheduler:
         req.status, req.finish_reason = ReqStatus.FINISHED, reason
         self.counters.finished += 1
         self.counters.cached_tokens += req.cached_len or 0
-        if self.hold_after_finish(req):
+        if self.role.hold_after_finish(req):
             self._hold(req)
         else:
             self._release(req, cache=True)
@@ -705,7 +515,7 @@ class Scheduler:
             self.tree.note_session(result.last_node, req.session_id, new_turn=False)
             to_free = result.duplicate_page_ids + req.page_ids[num_full:]
         self.allocator.free(to_free)
-        self._unlock(req.last_node)
+        self.unlock(req.last_node)
         req.release_pages()
         if result is not None:
-            self.on_cached(req, result)
+            self.tiers.on_cached(req, result)

@@ -21,11 +21,13 @@ destination argument):
   (`layer=None`: all layers; an int: that layer only, for the per-layer load)
 - `pack_pages(device_kv, page_ids[N], staging)` / `unpack_pages(staging, device_kv, page_ids[N])`
 - `paged_attention_extend(q[T,Hq,D], device_kv, layer, page_table[B,maxP], prefix_lens,
-  extend_lens, scale, sliding_window=None, value_dim=None) -> [T,Hq,Dv]`
+  extend_lens, scale, sliding_window=None, value_dim=None, sinks=None) -> [T,Hq,Dv]`
 - `paged_attention_decode(q[B,Hq,D], device_kv, layer, page_table, seq_lens, scale,
-  sliding_window=None, value_dim=None) -> [B,Hq,Dv]`
+  sliding_window=None, value_dim=None, sinks=None) -> [B,Hq,Dv]`
   (on a latent pool, MLA with absorbed weights: K is the latent row, V its first `value_dim`
-  elements, so `Dv = value_dim`; on a K/V pool `Dv = D`)
+  elements, so `Dv = value_dim`; on a K/V pool `Dv = D`. `sliding_window` W: a token sees
+  itself and the W - 1 before it. `sinks[Hq]`: gpt-oss's attention sinks, one logit per query
+  head that joins every softmax row and carries no value; every backend honours both)
 
 Backends: "reference" (plain torch, defines correctness; tests compare against it), "torch"
 (fast torch: block copies, batched decode), "numba" (torch's, with page copies compiled by numba

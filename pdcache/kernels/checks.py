@@ -179,6 +179,15 @@ def check_decode(
                     len(seq_lens), value_dim)
 
 
+def check_sinks(op: str, sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """`sinks` (gpt-oss's per-head sink logits) is None or a `[Hq]` float tensor."""
+    if sinks is None:
+        return
+    if sinks.dim() != 1 or sinks.shape[0] != q.shape[1] or not sinks.is_floating_point():
+        fail(op, f"sinks must be a float [{q.shape[1]}] (one logit per query head), got "
+                 f"{sinks.dtype} {tuple(sinks.shape)}")
+
+
 def value_width(device_kv: torch.Tensor, value_dim: int | None) -> int:
     """Width of the values attention returns: the V row, or a latent's first `value_dim`."""
     return device_kv.shape[5] if value_dim is None else value_dim

@@ -7,7 +7,9 @@ each moving whole blocks in a single pass with no temporary (index_select into a
 index_copy_ out of it would touch every byte twice).
 Attention runs SDPA in the pool's dtype (fp32 accumulation inside SDPA) with grouped query
 heads handled by SDPA (`enable_gqa`) instead of repeated K/V. Decode is one padded, batched
-SDPA over all sequences, chunked to bound memory.
+SDPA over all sequences, chunked to bound memory. Attention sinks (gpt-oss: one logit per query
+head in every softmax, attached to no value) are one more key column whose K and V are zero
+and whose additive mask entry is the sink: `q . 0 = 0`, so its logit is exactly the sink.
 """
 
 from __future__ import annotations
@@ -128,16 +130,38 @@ def _gather_kv(device_kv: torch.Tensor, layer: int, pages: torch.Tensor, num_tok
 
 
 def _causal_mask(
-    prefix_len: int, num_q: int, num_kv: int, sliding_window: int | None, device: torch.device
+    prefix_len: int, num_q: int, num_kv: int, sliding_window: int | None, device: torch.device,
+    explicit: bool = False,
 ) -> torch.Tensor | None:
-    if prefix_len == 0 and sliding_window is None:
-        return None  # plain causal: SDPA's is_causal path
+    """Bool `[num_q, num_kv]`: which keys each new token sees; None for plain causal attention
+    (SDPA's is_causal path) unless `explicit`."""
+    if prefix_len == 0 and sliding_window is None and not explicit:
+        return None
     q_pos = torch.arange(prefix_len, prefix_len + num_q, device=device)[:, None]
     k_pos = torch.arange(num_kv, device=device)[None, :]
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= q_pos - k_pos < sliding_window
     return mask
+
+
+def _append_sink_column(
+    k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor, seq_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K and V with one zero row more along `seq_dim`, and the additive mask (`allowed`'s last
+    dim over the keys, broadcast against `sinks`' shape before it) whose extra column holds
+    the sinks: the sink column of a softmax row, with no value."""
+    zeros_shape = list(k.shape)
+    zeros_shape[seq_dim] = 1
+    k = torch.cat((k, k.new_zeros(zeros_shape)), dim=seq_dim)
+    zeros_shape[-1] = v.shape[-1]
+    v = torch.cat((v, v.new_zeros(zeros_shape)), dim=seq_dim)
+    blocked = torch.zeros(allowed.shape, dtype=k.dtype, device=k.device)
+    blocked.masked_fill_(~allowed, float("-inf"))
+    sink_column = sinks.to(k.device, k.dtype)[..., None]
+    shape = torch.broadcast_shapes(blocked.shape[:-1], sink_column.shape[:-1])
+    mask = torch.cat((blocked.expand(*shape, -1), sink_column.expand(*shape, 1)), dim=-1)
+    return k, v, mask
 
 
 def paged_attention_extend(
@@ -150,9 +174,11 @@ def paged_attention_extend(
     scale: float,
     sliding_window: int | None = None,
     value_dim: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     prefix_lens, extend_lens = as_int_list(prefix_lens), as_int_list(extend_lens)
     checks.check_extend(q, device_kv, layer, page_table, prefix_lens, extend_lens, value_dim)
+    checks.check_sinks("paged_attention_extend", sinks, q)
     page_size = device_kv.shape[3]
     table = page_table.to(device_kv.device)
     out = q.new_empty((*q.shape[:2], checks.value_width(device_kv, value_dim)))
@@ -162,7 +188,11 @@ def paged_attention_extend(
         pages = table[b, : -(-total // page_size)]
         k, v = (t.transpose(0, 1) for t in _gather_kv(device_kv, layer, pages, total, value_dim))
         qs = q[start : start + extend_len].transpose(0, 1).to(k.dtype)
-        mask = _causal_mask(prefix_len, extend_len, total, sliding_window, q.device)
+        mask = _causal_mask(prefix_len, extend_len, total, sliding_window, q.device,
+                            explicit=sinks is not None)
+        if sinks is not None:
+            # mask [T, N] -> [Hq, T, N + 1], a sink per query head
+            k, v, mask = _append_sink_column(k, v, mask, sinks[:, None], seq_dim=1)
         # 4-D inputs: CPU SDPA takes its flash kernel only for [B, H, T, D] (3-D: math path).
         o = F.scaled_dot_product_attention(
             qs[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale,
@@ -182,6 +212,7 @@ def _decode_chunk(
     scale: float,
     sliding_window: int | None,
     value_dim: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Padded batched decode of `q[B, Hq, D]` over `table[B, n_pages]` (all valid page ids)."""
     batch, q_heads, dim = q.shape
@@ -209,9 +240,12 @@ def _decode_chunk(
     # 1.9 vs 0.7 ms a layer at 6 x 1500 tokens, small preset, measured). Head h of q uses kv
     # head h // group, as GQA does.
     grouped = q.view(batch, kv_heads, q_heads // kv_heads, dim)
+    mask = valid[:, None, None, :]
+    if sinks is not None:
+        # mask [B, Hkv, group, N + 1]: query head h's sink at (h // group, h % group)
+        k, v, mask = _append_sink_column(k, v, mask, sinks.view(kv_heads, -1), seq_dim=1)
     out = F.scaled_dot_product_attention(
-        grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
-        scale=scale,
+        grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
     )
     return out.reshape(batch, q_heads, v.shape[-1])
 
@@ -225,9 +259,11 @@ def paged_attention_decode(
     scale: float,
     sliding_window: int | None = None,
     value_dim: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     lens = as_int_list(seq_lens)
     checks.check_decode(q, device_kv, layer, page_table, lens, value_dim)
+    checks.check_sinks("paged_attention_decode", sinks, q)
     page_size, kv_heads, dim = device_kv.shape[3], device_kv.shape[4], device_kv.shape[5]
     table = page_table.to(device_kv.device)
     out = q.new_empty((*q.shape[:2], checks.value_width(device_kv, value_dim)))
@@ -239,7 +275,7 @@ def paged_attention_decode(
         rows = table[start:end, :n_pages].clamp(0, device_kv.shape[2] - 1)
         out[start:end] = _decode_chunk(
             q[start:end].to(device_kv.dtype), device_kv, layer, rows, lens[start:end], scale,
-            sliding_window, value_dim,
+            sliding_window, value_dim, sinks,
         ).to(q.dtype)
         start = end
     return out

@@ -104,9 +104,11 @@ def _attend(
     prefix_len: int,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of `q[T, Hq, D]` (positions prefix_len..) over
-    `k, v[prefix_len + T, Hkv, D]`."""
+    `k, v[prefix_len + T, Hkv, D]`; `sinks[Hq]`: one more logit per head in each softmax,
+    attached to no value (gpt-oss)."""
     num_q, num_kv = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1).float()
@@ -117,7 +119,13 @@ def _attend(
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= q_pos - k_pos < sliding_window
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    else:
+        scores = (qh @ kh.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
+        sink_column = sinks.float().to(q.device)[:, None, None].expand(-1, num_q, 1)
+        weights = torch.cat((scores, sink_column), dim=-1).softmax(dim=-1)[..., :-1]
+        out = weights @ vh
     return out.transpose(0, 1).to(q.dtype)
 
 
@@ -131,6 +139,7 @@ def paged_attention_extend(
     scale: float,
     sliding_window: int | None = None,
     value_dim: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill-with-prefix: `q[sum(extend_lens), Hq, D]` of several sequences, concatenated.
 
@@ -139,10 +148,13 @@ def paged_attention_extend(
     past that are padding and never read). A token attends to itself and the
     `sliding_window - 1` tokens before it (all earlier tokens when `sliding_window` is None).
     On a latent pool (MLA with absorbed weights) the keys are the latent rows and the values
-    their first `value_dim` elements: the output is `[T, Hq, value_dim]`.
+    their first `value_dim` elements: the output is `[T, Hq, value_dim]`. `sinks[Hq]` (None:
+    none): a learned logit per query head that joins every softmax and carries no value
+    (gpt-oss's attention sinks).
     """
     prefix_lens, extend_lens = as_int_list(prefix_lens), as_int_list(extend_lens)
     checks.check_extend(q, device_kv, layer, page_table, prefix_lens, extend_lens, value_dim)
+    checks.check_sinks("paged_attention_extend", sinks, q)
     out = q.new_empty((*q.shape[:2], checks.value_width(device_kv, value_dim)))
     start = 0
     page_size = device_kv.shape[3]
@@ -152,7 +164,8 @@ def paged_attention_extend(
         pages = table[b, : (total + page_size - 1) // page_size]
         k, v = gather_kv(device_kv, layer, pages, total, value_dim)
         qs = q[start : start + extend_len]
-        out[start : start + extend_len] = _attend(qs, k, v, prefix_len, scale, sliding_window)
+        out[start : start + extend_len] = _attend(qs, k, v, prefix_len, scale, sliding_window,
+                                                  sinks)
         start += extend_len
     return out
 
@@ -166,12 +179,13 @@ def paged_attention_decode(
     scale: float,
     sliding_window: int | None = None,
     value_dim: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: `q[B, Hq, D]`; sequence b attends to its `seq_lens[b]` tokens
-    (the new token's K/V included). `value_dim`: as for `paged_attention_extend`."""
+    (the new token's K/V included). `value_dim`, `sinks`: as for `paged_attention_extend`."""
     seq_lens = as_int_list(seq_lens)
     checks.check_decode(q, device_kv, layer, page_table, seq_lens, value_dim)
     return paged_attention_extend(
         q, device_kv, layer, page_table, [n - 1 for n in seq_lens], [1] * len(seq_lens), scale,
-        sliding_window, value_dim,
+        sliding_window, value_dim, sinks,
     )

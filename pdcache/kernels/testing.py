@@ -43,8 +43,10 @@ def dense_attention(
     first_pos: int,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`q[T, Hq, D]` at positions first_pos.. over `k, v[N, Hkv, D]`, causal, float64."""
+    """`q[T, Hq, D]` at positions first_pos.. over `k, v[N, Hkv, D]`, causal, float64;
+    `sinks[Hq]`: one more logit per head in each softmax row, attached to no value."""
     group = q.shape[1] // k.shape[1]
     qd = q.double().transpose(0, 1)  # [Hq, T, D]
     kd = k.double().transpose(0, 1).repeat_interleave(group, 0)
@@ -56,8 +58,13 @@ def dense_attention(
     if sliding_window is not None:
         allowed &= q_pos - k_pos < sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.double().cpu()[:, None, None].expand(-1, q.shape[0], 1)
+        scores = torch.cat((scores, sink_column), dim=-1)
     weights = torch.exp(scores - scores.amax(-1, keepdim=True))
     weights = weights / weights.sum(-1, keepdim=True)
+    if sinks is not None:
+        weights = weights[..., :-1]
     return (weights @ vd).transpose(0, 1)
 
 
@@ -116,6 +123,7 @@ def expected_extend(
     prefix_lens: list[int],
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense float64 result for `paged_attention_extend` on `case` (new tokens at the end)."""
     outs, start = [], 0
@@ -123,7 +131,7 @@ def expected_extend(
         num_new = total - prefix_lens[b]
         qs = q[start : start + num_new].cpu()
         outs.append(dense_attention(qs, case.dense_k[b], case.dense_v[b], prefix_lens[b], scale,
-                                    sliding_window))
+                                    sliding_window, sinks))
         start += num_new
     return torch.cat(outs)
 
@@ -210,25 +218,29 @@ def check_pack_store(backend, shape: CopyShape, dtype: torch.dtype, seed: int,
 def check_attention(backend, seq_lens: list[int], new_tokens: list[int], page_size: int,
                     q_heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int,
                     sliding_window: int | None = None, device: str = "cpu",
-                    value_dim: int | None = None) -> None:
+                    value_dim: int | None = None, with_sinks: bool = False) -> None:
     """Extend (and, where every sequence adds one token, decode) against dense float64; with
-    `value_dim`, on a latent pool (values: each row's first `value_dim` elements)."""
+    `value_dim`, on a latent pool (values: each row's first `value_dim` elements); with
+    `with_sinks`, random per-head sink logits (gpt-oss's attention sinks)."""
     gen = torch.Generator().manual_seed(seed)
     case = make_paged_case(seq_lens, page_size, kv_heads, dim, dtype, gen, device=device,
                            value_dim=value_dim)
     prefix_lens = [n - e for n, e in zip(seq_lens, new_tokens)]
     q = torch.randn(sum(new_tokens), q_heads, dim, generator=gen).to(dtype)
     scale = dim**-0.5
-    want = expected_extend(case, q, prefix_lens, scale, sliding_window)
+    # sinks in the pool's dtype, as a model holds them; the oracle reads the same values
+    sinks = (2 * torch.randn(q_heads, generator=gen)).to(dtype) if with_sinks else None
+    want = expected_extend(case, q, prefix_lens, scale, sliding_window, sinks)
+    on_device = None if sinks is None else sinks.to(device)
     got = backend.paged_attention_extend(
         q.to(device), case.device_kv, case.layer, case.page_table, prefix_lens, new_tokens,
-        scale, sliding_window=sliding_window, value_dim=value_dim,
+        scale, sliding_window=sliding_window, value_dim=value_dim, sinks=on_device,
     )
     _assert_close(got, want, dtype, "paged_attention_extend")
     if all(e == 1 for e in new_tokens):
         got = backend.paged_attention_decode(
             q.to(device), case.device_kv, case.layer, case.page_table, seq_lens, scale,
-            sliding_window=sliding_window, value_dim=value_dim,
+            sliding_window=sliding_window, value_dim=value_dim, sinks=on_device,
         )
         _assert_close(got, want, dtype, "paged_attention_decode")
 

@@ -199,15 +199,17 @@ def unpack_pages(staging: torch.Tensor, device_kv: torch.Tensor, page_ids: torch
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, sinks_ptr,
     table_stride, q_stride_b, q_stride_h, out_stride_b, out_stride_h,
     scale, window,
     GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """One program per (sequence, query head): online softmax over the sequence's tokens.
     V rows are the first V_DIM elements of rows of HEAD_DIM (a latent pool passes its one
-    slab as both K and V; a K/V pool has V_DIM == HEAD_DIM)."""
+    slab as both K and V; a K/V pool has V_DIM == HEAD_DIM). With HAS_SINKS the softmax starts
+    from the head's sink logit (fp32 `sinks_ptr[head]`) as one term of weight 1 and no value."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -217,8 +219,12 @@ def _decode_kernel(
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + seq * q_stride_b + head * q_stride_h + d, mask=d_mask, other=0.0)
     q = q.to(tl.float32)
-    m_i = tl.full([], float("-inf"), dtype=tl.float32)
-    l_i = tl.full([], 0.0, dtype=tl.float32)
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + head).to(tl.float32)
+        l_i = tl.full([], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([], float("-inf"), dtype=tl.float32)
+        l_i = tl.full([], 0.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for start in range((first // BLOCK_N) * BLOCK_N, seq_len, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
@@ -252,9 +258,11 @@ def paged_attention_decode(
     scale: float,
     sliding_window: int | None = None,
     value_dim: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     lens = as_int_list(seq_lens)
     checks.check_decode(q, device_kv, layer, page_table, lens, value_dim)
+    checks.check_sinks("paged_attention_decode", sinks, q)
     _require_launchable("paged_attention_decode", device_kv)
     batch = q.shape[0]
     table = page_table.to(device_kv.device).contiguous()
@@ -264,25 +272,32 @@ def paged_attention_decode(
     if batch == 0:
         return out
     with _on(device_kv.device):
-        _decode(q, device_kv, layer, table, lens_t, out, float(scale), int(sliding_window or 0))
+        _decode(q, device_kv, layer, table, lens_t, out, float(scale), int(sliding_window or 0),
+                _sinks_arg(sinks, device_kv.device))
     return out
+
+
+def _sinks_arg(sinks: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """The sinks as the kernels read them: fp32, contiguous, on the pool's device."""
+    return None if sinks is None else sinks.to(device, torch.float32).contiguous()
 
 
 def _decode(
     q: torch.Tensor, device_kv: torch.Tensor, layer: int, table: torch.Tensor,
     lens_t: torch.Tensor, out: torch.Tensor, scale: float, window: int,
+    sinks: torch.Tensor | None,
 ) -> None:
     _, q_heads, dim = q.shape
     page_size, kv_heads = device_kv.shape[3], device_kv.shape[4]
     k_pool, v_pool = _key_value_slabs(device_kv, layer)
     _decode_kernel[(q.shape[0], q_heads)](
-        q, k_pool, v_pool, out, table, lens_t,
+        q, k_pool, v_pool, out, table, lens_t, lens_t if sinks is None else sinks,
         table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         scale, window,
         GROUP=q_heads // kv_heads, KV_HEADS=kv_heads, HEAD_DIM=dim, V_DIM=out.shape[2],
         PAGE=page_size,
         BLOCK_N=max(16, min(64, triton.next_power_of_2(page_size))),
-        BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_D=triton.next_power_of_2(dim), HAS_SINKS=sinks is not None,
     )
 
 
@@ -293,16 +308,17 @@ def _key_value_slabs(device_kv: torch.Tensor, layer: int) -> tuple[torch.Tensor,
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, prefix_ptr, extend_ptr, q_start_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, prefix_ptr, extend_ptr, q_start_ptr, sinks_ptr,
     table_stride, q_stride_t, q_stride_h, out_stride_t, out_stride_h,
     scale, window,
     GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32: tl.constexpr,  # operands upcast to fp32, exact (ieee) products
+    HAS_SINKS: tl.constexpr,
 ):
     """One program per (sequence, block of BLOCK_M new tokens, query head): causal flash
     attention over the prefix and the new tokens, K/V read through the page table (V: the
-    first V_DIM elements of each row, as in `_decode_kernel`)."""
+    first V_DIM elements of each row, as in `_decode_kernel`; sinks as there)."""
     seq = tl.program_id(0)
     m_block = tl.program_id(1)
     head = tl.program_id(2)
@@ -319,8 +335,12 @@ def _extend_kernel(
     q = tl.load(q_ptr + q_addr, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     kv_end = tl.minimum(prefix + (m_block + 1) * BLOCK_M, prefix + extend)
     kv_first = tl.where(window > 0, tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0), 0)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sinks_ptr + head).to(tl.float32)
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start in range((kv_first // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
@@ -373,9 +393,11 @@ def paged_attention_extend(
     scale: float,
     sliding_window: int | None = None,
     value_dim: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     prefix_lens, extend_lens = as_int_list(prefix_lens), as_int_list(extend_lens)
     checks.check_extend(q, device_kv, layer, page_table, prefix_lens, extend_lens, value_dim)
+    checks.check_sinks("paged_attention_extend", sinks, q)
     _require_launchable("paged_attention_extend", device_kv)
     _, q_heads, dim = q.shape
     page_size, kv_heads = device_kv.shape[3], device_kv.shape[4]
@@ -392,15 +414,18 @@ def paged_attention_extend(
     table = page_table.to(device).contiguous()
     block_m = 16
     grid = (len(extend_lens), triton.cdiv(max(extend_lens), block_m), q_heads)
+    sinks_t = _sinks_arg(sinks, device)
+    prefix_t = as_dev(prefix_lens)
     with _on(device):
         _extend_kernel[grid](
             q, *_key_value_slabs(device_kv, layer), out, table,
-            as_dev(prefix_lens), as_dev(extend_lens), as_dev(q_starts),
+            prefix_t, as_dev(extend_lens), as_dev(q_starts),
+            prefix_t if sinks_t is None else sinks_t,
             table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             float(scale), int(sliding_window or 0),
             GROUP=q_heads // kv_heads, KV_HEADS=kv_heads, HEAD_DIM=dim, V_DIM=out.shape[2],
             PAGE=page_size, BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=max(16, triton.next_power_of_2(dim)),
-            FP32=_dot_in_fp32(device_kv.dtype),
+            FP32=_dot_in_fp32(device_kv.dtype), HAS_SINKS=sinks_t is not None,
         )
     return out.to(q_dtype)
 
@@ -413,10 +438,10 @@ def compile_all(arch: int = 90) -> dict[str, bytes]:
 
     target = GPUTarget("cuda", arch, 32)
     attn = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
-            "table_ptr": "*i64", "scale": "fp32", "window": "i32"}
+            "table_ptr": "*i64", "sinks_ptr": "*fp32", "scale": "fp32", "window": "i32"}
     ints = lambda names, ty="i32": dict.fromkeys(names, ty)  # noqa: E731
     consts = {"GROUP": 4, "KV_HEADS": 8, "HEAD_DIM": 128, "V_DIM": 128, "PAGE": 16,
-              "BLOCK_D": 128}
+              "BLOCK_D": 128, "HAS_SINKS": False}
     specs = {
         "copy_blocks": (_copy_blocks_kernel, {
             "src_ptr": "*i16", "dst_ptr": "*i16", "src_ids_ptr": "*i64", "dst_ids_ptr": "*i64",
@@ -435,6 +460,12 @@ def compile_all(arch: int = 90) -> dict[str, bytes]:
     extend_consts = {**consts, "BLOCK_M": 16, "BLOCK_N": 32}
     specs["extend_bf16"] = (_extend_kernel, extend_sig, {**extend_consts, "FP32": False})
     specs["extend_fp32"] = (_extend_kernel, fp32_sig, {**extend_consts, "FP32": True})
+    # gpt-oss: attention sinks (64 query heads over 8 kv heads, head_dim 64)
+    sinks = {"GROUP": 8, "HEAD_DIM": 64, "V_DIM": 64, "BLOCK_D": 64, "HAS_SINKS": True}
+    specs["decode_sinks"] = (_decode_kernel, specs["decode"][1],
+                             {**consts, **sinks, "BLOCK_N": 16})
+    specs["extend_sinks_bf16"] = (_extend_kernel, extend_sig,
+                                  {**extend_consts, **sinks, "FP32": False})
     # MLA with absorbed weights: one latent row of 512 + 64 read as K, its first 512 as V
     mla = {"GROUP": 16, "KV_HEADS": 1, "HEAD_DIM": 576, "V_DIM": 512, "BLOCK_D": 1024}
     specs["decode_mla"] = (_decode_kernel, specs["decode"][1],

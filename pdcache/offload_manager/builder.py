@@ -1,4 +1,4 @@
-"""Building an engine with the hierarchical cache (host pool, storage, HiCache scheduler), and
+"""Building an engine with the hierarchical cache (host pool, storage, HiCache tiers), and
 the KV fingerprint every node of a deployment must agree on to share pages."""
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from pdcache.engine.config import EngineConfig, ModelConfig
 from pdcache.engine.engine import Engine
 from pdcache.engine.eviction import make_policy
 from pdcache.engine.kv_pool import DeviceKVPool
+from pdcache.engine.roles import RolePolicy
+from pdcache.engine.scheduler import Scheduler
 from pdcache.kernels import KernelSet
 from pdcache.offload_manager.hicache import HiCache, HiCacheConfig
-from pdcache.offload_manager.hicache_scheduler import HiCacheScheduler
+from pdcache.offload_manager.hicache_tiers import HiCacheTiers
 from pdcache.offload_manager.hiradix import HiRadixTree
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.pending import PendingPages
@@ -72,11 +74,10 @@ class TieredEngine:
 
 
 def build_tiered_engine(config: EngineConfig, model: Any, tokenizer: Any, tiers: TierConfig,
-                        scheduler_cls: type[HiCacheScheduler] = HiCacheScheduler,
-                        pending: PendingPages | None = None,
-                        **scheduler_kwargs: Any) -> TieredEngine:
-    """An Engine (not started) whose scheduler (`scheduler_cls`, given `scheduler_kwargs`)
-    runs HiCache over `tiers`; `pending`: the decode-announced writes HiCache may wait for
+                        role: RolePolicy | None = None,
+                        pending: PendingPages | None = None) -> TieredEngine:
+    """An Engine (not started) whose scheduler has `HiCacheTiers` over `tiers` and `role`'s
+    policy (default: unified); `pending`: the decode-announced writes HiCache may wait for
     (a prefill node's, docs/design.md §4.10)."""
     if not config.cache.enable_prefix_cache:
         raise ValueError("the hierarchical cache needs the prefix cache enabled")
@@ -95,11 +96,11 @@ def build_tiered_engine(config: EngineConfig, model: Any, tokenizer: Any, tiers:
         return HiRadixTree(pool.page_size, pool.allocator, host_pool, policy=device_policy,
                            host_policy=host_policy, sessions=sessions)
 
-    def make_scheduler(**kwargs: Any) -> HiCacheScheduler:
+    def make_scheduler(**kwargs: Any) -> Scheduler:
         hicache = HiCache(kwargs["tree"], kwargs["pool"].device_kv, storage, tiers.hicache,
                           fingerprint, kernels, pending)
         built["hicache"] = hicache
-        return scheduler_cls(hicache=hicache, **scheduler_kwargs, **kwargs)
+        return Scheduler(**kwargs, tiers=HiCacheTiers(hicache, page_size), role=role)
 
     engine = Engine(config, model, tokenizer, make_tree=make_tree, make_scheduler=make_scheduler)
     return TieredEngine(engine, built["hicache"], storage)

@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 
 class MarksDelivered(Protocol):
-    """Whether an announcement reached its listeners (`pdcache.transfer.MarksDelivery`):
+    """Whether an announcement reached its listeners (`pdcache.transfer.delivery.MarksDelivery`):
     `add_done_callback(fn)` runs `fn` once it did, or once waiting for it stopped (bounded)."""
 
     def add_done_callback(self, fn: Callable[[], None]) -> None: ...

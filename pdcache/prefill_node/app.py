@@ -34,30 +34,41 @@ from pdcache.engine.api import LogprobRequest
 from pdcache.prefill_node.controller import DuplicateRoomError, PrefillController, PrefillOutcome
 from pdcache.prefill_node.metrics import DecodeWaitMetrics
 from pdcache.server.bridge import EngineRequest, Generation, json_ready, resolve_on_loop
-from pdcache.server.generate_api import GenerateItem, GenerateRequestBody, single_item
-from pdcache.server.protocol import (
-    OVERLOADED,
-    SERVER_ERROR,
-    ApiError,
-    TextAssembler,
-    bad_request,
-)
-from pdcache.server.responses import event_stream, sse
 from pdcache.server.routes import SequenceRun, ServerRoutes
-from pdcache.transfer import KVSender
 from pdcache.transfer.messages import prompt_logprobs_too_large
+from pdcache.transfer.sender import KVSender
+from pdcache.wire.detokenize import TextAssembler
+from pdcache.wire.generate_api import GenerateItem, GenerateRequestBody, single_item
+from pdcache.wire.protocol import OVERLOADED, SERVER_ERROR, ApiError, bad_request
+from pdcache.wire.responses import event_stream, sse
+
+
+class PrefillHooks:
+    """The steps of a PD prefill request where something outside the node (a test, a fault
+    injector) may hold or fail it: each is awaited on the event loop with the request's
+    room. This base class does nothing at any step; it holds no state."""
+
+    async def streaming(self, room: int) -> None:
+        """The first token is computed and the answer is an SSE stream (the router's
+        `first_token_from_prefill` body): its first event, that token, goes out next."""
+
+    async def awaiting_release(self, room: int) -> None:
+        """The first token is computed (and, in a stream, sent); the handler now waits for
+        the room's release (the K/V push and decode's done)."""
 
 
 class PrefillApp:
     """`pd_generate`, `health_extra` and `info_extra` of one prefill node; holds no state of its own (the
-    rooms are the controller's)."""
+    rooms are the controller's). `hooks` (public, replaceable) is awaited at each step of a
+    request (`PrefillHooks`)."""
 
     def __init__(self, routes: ServerRoutes, controller: PrefillController,
-                 sender: KVSender) -> None:
+                 sender: KVSender, hooks: PrefillHooks | None = None) -> None:
         self.routes = routes
         self.bridge = routes.bridge
         self.controller = controller
         self.sender = sender
+        self.hooks = hooks if hooks is not None else PrefillHooks()
         self.decode_wait = DecodeWaitMetrics(self.bridge.metrics.registry,
                                              controller.waiting_for_decode,
                                              self.bridge.config.name)
@@ -113,6 +124,7 @@ class PrefillApp:
             # taken once (it consumes the chunk's logprobs): the first event's and the answer's
             meta_info = self.routes.meta_info(SequenceRun(item, handle, gen, text), body)
             if body.stream and body.pd is not None:  # sglang-router's bodies: JSON, as ever
+                await self.hooks.streaming(room)
                 streamed = True
                 return self._pd_stream(item, gen, text, meta_info, released, room, started,
                                        pd.decode_node)
@@ -162,6 +174,7 @@ class PrefillApp:
 
     async def _wait_release(self, released: asyncio.Future[PrefillOutcome], room: int
                             ) -> PrefillOutcome:
+        await self.hooks.awaiting_release(room)
         timeout = self.sender.config.room_timeout_s + 5.0
         try:
             outcome = await asyncio.wait_for(asyncio.shield(released), timeout)

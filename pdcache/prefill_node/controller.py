@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 class Sender(Protocol):
-    """The transfer side (`pdcache.transfer.KVSender`)."""
+    """The transfer side (`pdcache.transfer.sender.KVSender`)."""
 
     def send(self, room: int, src_page_ids: Sequence[int], report: PrefillReport) -> bool: ...
 

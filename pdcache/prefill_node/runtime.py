@@ -1,7 +1,7 @@
 """`PrefillRuntime`: one prefill node process — HiCache engine, KV sender, controller, app.
 
 Built in order, each part from the ones before it (no late lookups): the controller (it only
-needs the node's name), the engine whose `PrefillScheduler` hands finished PD requests to
+needs the node's name), the engine whose scheduler's `PrefillRole` hands finished PD requests to
 `controller.take_prefilled`, the sender whose releases go to `controller.on_release`, then
 `controller.attach(engine, sender)`.
 
@@ -25,12 +25,12 @@ from pdcache.offload_manager.page_pull import PagePulls
 from pdcache.offload_manager.pending import PendingPages
 from pdcache.prefill_node.app import PrefillApp
 from pdcache.prefill_node.controller import PrefillController
-from pdcache.prefill_node.scheduler import PrefillScheduler
+from pdcache.prefill_node.scheduler import PrefillRole
 from pdcache.server.app import routes_for
 from pdcache.server.bridge import ServerConfig
 from pdcache.server.metrics import TransferCollector
 from pdcache.server.routes import build_app
-from pdcache.transfer import KVSender
+from pdcache.transfer.sender import KVSender
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ class PrefillRuntime:
         self.pending = PendingPages(max_ttl_s=setup.tiers.hicache.pending_max_ttl_s,
                                     pulls=self.pulls)
         self.tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers,
-                                          PrefillScheduler, pending=self.pending,
-                                          pd=self.controller)
+                                          role=PrefillRole(self.controller),
+                                          pending=self.pending)
         self.engine = self.tiered.engine
         self.sender = KVSender(setup.transfer, self.engine.pool.device_kv, setup.listen_host,
                                setup.bootstrap_port or 0, on_release=self.controller.on_release,

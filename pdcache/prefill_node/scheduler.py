@@ -1,22 +1,23 @@
-"""The prefill node's scheduler: HiCache scheduling, and PD requests that stop after their
-first token and keep their pages while the KV transfer to decode reads them.
+"""The prefill node's role in the scheduler (`PrefillRole`, a `pdcache.engine.roles.RolePolicy`):
+PD requests stop after their first token and keep their pages while the KV transfer to decode
+reads them. The node composes it with HiCache's tiers (`build_tiered_engine(role=...)`).
 
 A PD request is admitted for compute only once its decode node asked for its K/V
-(`admission_ready` -> `PrefillController.decode_ready`): until then it waits in the queue (its
-storage prefetch runs meanwhile) and requests behind it may go first.
+(`admission_ready` -> `PrefillController.decode_ready`, asked before the tiers): until then it
+waits in the queue (its storage prefetch runs meanwhile) and requests behind it may go first.
 
 Whether a finished request is held, and when its pages go, is the `PrefillController`'s
-decision (`pdcache.prefill_node.controller`); this class only turns the engine's hooks into
-its calls. Engine thread only.
+decision (`pdcache.prefill_node.controller`); this class only turns the scheduler's role
+calls into its calls. Engine thread only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from pdcache.engine.api import CachedTokens
 from pdcache.engine.request import Req, pages_for
-from pdcache.offload_manager.hicache_scheduler import HiCacheScheduler
 from pdcache.transfer.messages import PrefillReport, pack_logprobs
 
 
@@ -28,21 +29,26 @@ class PrefilledSink(Protocol):
     def decode_ready(self, rid: str) -> bool: ...
 
 
-class PrefillScheduler(HiCacheScheduler):
+class PrefillRole:
     """A finished request is held when `pd.take_prefilled` takes its prompt pages (a PD
     request whose room is open); held pages are freed only by `Engine.release_held`, which the
-    controller calls once the transfer no longer reads them — never by an abort."""
+    controller calls once the transfer no longer reads them — never by an abort. Takes no
+    reservations. Holds only `pd`."""
 
-    def __init__(self, *, pd: PrefilledSink, **kwargs) -> None:
-        super().__init__(**kwargs)
+    takes_reservations = False
+
+    def __init__(self, pd: PrefilledSink) -> None:
         self.pd = pd
 
     def admission_ready(self, req: Req) -> bool:
         # decode first: a request decode cannot take yet costs no compute and no pages
-        return self.pd.decode_ready(req.rid) and super().admission_ready(req)
+        return self.pd.decode_ready(req.rid)
+
+    def can_retract(self, req: Req) -> bool:
+        return True
 
     def hold_after_finish(self, req: Req) -> bool:
-        pages = req.page_ids[: pages_for(len(req.prompt_ids), self.page_size)]
+        pages = req.page_ids[: pages_for(len(req.prompt_ids), req.page_size)]
         # with logprobs asked for, the first token's and the prompt's go to decode too
         first_logprob = pack_logprobs(req.output_logprobs[:1]) if req.logprobs else b""
         report = PrefillReport(req.output_ids[0], len(req.prompt_ids), req.computed_tokens,
@@ -50,5 +56,17 @@ class PrefillScheduler(HiCacheScheduler):
                                input_logprobs=pack_logprobs(req.input_logprobs))
         return self.pd.take_prefilled(req.rid, list(pages), report)
 
+    def hold_on_abort(self, req: Req) -> bool:
+        return False
+
     def abort_releases_held(self, req: Req) -> bool:
         return False  # the transfer may still read them: the controller frees them
+
+    def on_prefilled(self, req: Req) -> None:
+        pass
+
+    def after_commit(self, reqs: Sequence[Req]) -> None:
+        pass
+
+    def end_session(self, session_id: str, cache_salt: str) -> bool:
+        return False

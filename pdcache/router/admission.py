@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from pdcache.router.policy import NodeState
 from pdcache.router.route import Deadline, Route
-from pdcache.server.protocol import OVERLOADED, ApiError
+from pdcache.wire.protocol import OVERLOADED, ApiError
 
 HasRoom = Callable[[NodeState], bool]
 MAX_RETRY_AFTER_S = 60

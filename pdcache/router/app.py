@@ -4,7 +4,7 @@
 `/v1/completions`, `/v1/models`), `/health` and `/metrics` (SGLang's service endpoints are
 `pdcache.router.service`'s), and the guard around them (API
 key, error mapping, request metrics). They tokenize (chat template included), validate with
-the same models as the unified server (`pdcache.server.protocol`), and hand the request to the
+the same models as the unified server (`pdcache.wire.protocol`), and hand the request to the
 routing core (`pdcache.router.core.Router`: sessions, node or pair picking, dispatch with
 retries). They stream the answering node's events through and build OpenAI responses
 themselves (text, stop strings, usage with the per-tier cached tokens the node reported).
@@ -48,23 +48,25 @@ from pdcache.router.tenants import (
     session_key,
     tenant_of,
 )
-from pdcache.server.agent import ChoicePlan
-from pdcache.server.bridge import wait_for_disconnect
-from pdcache.server.choices import ChoiceDelta, ChoiceOutput, choice_events
-from pdcache.server.generate_api import (
+from pdcache.transfer.config import TransferConfig
+from pdcache.transfer.messages import prompt_logprobs_too_large
+from pdcache.wire.agent import ChoicePlan
+from pdcache.wire.choices import ChoiceDelta, ChoiceOutput, choice_events
+from pdcache.wire.detokenize import TextAssembler
+from pdcache.wire.generate_api import (
     GenerateItem,
     GenerateRequestBody,
     OutputBuilder,
     merge_streams,
 )
-from pdcache.server.protocol import (
+from pdcache.wire.mount import mount
+from pdcache.wire.protocol import (
     SEED_LIMIT,
     SERVER_ERROR,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIRequestBase,
-    TextAssembler,
     bad_request,
     check_prompt,
     check_token_ids,
@@ -73,7 +75,7 @@ from pdcache.server.protocol import (
     parse_body,
     unsupported,
 )
-from pdcache.server.responses import (
+from pdcache.wire.responses import (
     Handler,
     ResponseHead,
     StreamEnd,
@@ -84,10 +86,9 @@ from pdcache.server.responses import (
     run_guarded,
     sse,
     usage_body,
+    wait_for_disconnect,
 )
-from pdcache.server.routes import mount, service_handlers
-from pdcache.transfer.config import TransferConfig
-from pdcache.transfer.messages import prompt_logprobs_too_large
+from pdcache.wire.service import service_handlers
 
 T = TypeVar("T")
 
@@ -99,7 +100,7 @@ class RouterApp:
         self.router = router
         self.created = now_s()
 
-    # ---- /generate (SGLang's native API: pdcache.server.generate_api)
+    # ---- /generate (SGLang's native API: pdcache.wire.generate_api)
 
     async def generate(self, request: Request) -> Response:
         """Each sequence of the request (batch x n) is routed on its own (cache-aware routing

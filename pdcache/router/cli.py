@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import fields, replace
 from typing import Any, get_args
 
 from pdcache.config import (
@@ -28,8 +29,15 @@ from pdcache.config import (
     add_topology_arguments,
     router_from_args,
 )
-from pdcache.config.schema import ReasoningParser, ToolCallParser
+from pdcache.config.schema import (
+    ReasoningParser,
+    RouterSettings,
+    TenantLimits,
+    ToolCallParser,
+    field_values,
+)
 from pdcache.config.security import security_for, tenant_api_key
+from pdcache.engine.cache_settings import PageGeometry
 from pdcache.router.config import RouterConfig
 from pdcache.router.nodes import NodeEndpoint
 from pdcache.router.policy import DECODE_POLICIES, PREFILL_POLICIES
@@ -77,10 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", default=None, metavar="PEM",
                         help="serve HTTPS with this certificate chain (with --tls-key)")
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
-    parser.add_argument("--request-timeout", type=float, default=None,
+    # a flag that sets a RouterSettings field stores under the field's name (_flags_given)
+    parser.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=None,
                         help="deadline of one request in seconds (default 600)")
-    parser.add_argument("--connect-timeout", type=float, default=None)
-    parser.add_argument("--health-interval", type=float, default=None)
+    parser.add_argument("--connect-timeout", dest="connect_timeout_s", type=float, default=None)
+    parser.add_argument("--health-interval", dest="health_interval_s", type=float, default=None)
     parser.add_argument("--max-inflight-per-node", type=int, default=None, metavar="N",
                         help="requests the router has in flight per node; more wait in its "
                              "queue (default 0: no limit)")
@@ -127,58 +136,54 @@ def build_config(args: argparse.Namespace) -> tuple[RouterConfig, str, int]:
     """(RouterConfig, host, port) from the topology and/or the flags. Raises TopologyError
     or ValueError."""
     loaded = router_from_args(args)
+    topology = loaded[0] if loaded else None
     spec = loaded[1] if loaded else RouterSpec()
-    nodes = topology_nodes(loaded[0]) if loaded else []
+    nodes = topology_nodes(topology) if topology is not None else []
     nodes += parse_node_flags(args)
     if not nodes:
         raise ValueError("no nodes: give --config/--node or --prefill/--decode/--unified URLs")
-    model = loaded[0].model if loaded else None
+    model = topology.model if topology is not None else None
     config = RouterConfig(
         nodes=tuple(nodes),
         model=_pick(args.model, model.ref if model else None, "tiny"),
         model_seed=_pick(args.seed, model.seed if model else None, 0),
         served_model_name=_pick(args.served_model_name, model.served_name if model else None),
-        name=spec.name,
-        page_size=_pick(args.page_size, loaded[0].cache.page_size if loaded else None, 16),
-        prefill_policy=_pick(args.prefill_policy, spec.prefill_policy),
-        decode_policy=_pick(args.decode_policy, spec.decode_policy),
-        api_key=_pick(args.api_key, spec.api_key),
-        request_timeout_s=_pick(args.request_timeout, spec.request_timeout_s),
-        connect_timeout_s=_pick(args.connect_timeout, spec.connect_timeout_s),
-        health_interval_s=_pick(args.health_interval, spec.health_interval_s),
-        tool_call_parser=_pick(args.tool_call_parser, spec.tool_call_parser),
-        reasoning_parser=_pick(args.reasoning_parser, spec.reasoning_parser),
-        **_load_settings(args, spec),
-        **_security_settings(args, loaded[0] if loaded else None, spec),
+        **_settings(args, topology, spec),
+        **_security_settings(args, topology, spec),
     )
     return config, _pick(args.host, spec.host), _pick(args.port, spec.port)
 
 
+def _settings(args: argparse.Namespace, topology: Topology | None,
+              spec: RouterSpec) -> dict[str, Any]:
+    """RouterConfig's `RouterSettings` (the topology's `[router]`) and page size (its
+    `[cache]`), each overridden by its flag when given; without a topology, the flags over
+    RouterConfig's defaults."""
+    settings = field_values(spec, RouterSettings)
+    if topology is not None:
+        settings.update(field_values(topology.cache, PageGeometry))
+    return {**settings, **_flags_given(args, RouterSettings, PageGeometry)}
+
+
+def _flags_given(args: argparse.Namespace, *parts: type) -> dict[str, Any]:
+    """Field name -> flag value of the fields of `parts` whose flag was given: such a flag
+    stores under the field's name, and None when not given."""
+    names = [f.name for part in parts for f in fields(part)]
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
 def _security_settings(args: argparse.Namespace, topology: Topology | None,
                        spec: RouterSpec) -> dict[str, Any]:
-    """RouterConfig's tenants, node credential and TLS files: flags over the topology."""
+    """RouterConfig's tenants and node credential: flags over the topology."""
     source = topology.source if topology is not None else "<command line>"
-    tenants = [Tenant(t.name, tenant_api_key(t, source), t.max_inflight) for t in spec.tenant]
+    tenants = [Tenant(t.name, tenant_api_key(t, source), **field_values(t, TenantLimits))
+               for t in spec.tenant]
     tenants += [Tenant(*parse_tenant_flag(item)) for item in args.tenant]
     security = topology.security if topology is not None else SecuritySpec()
     if args.secret_file is not None:
-        security = SecuritySpec(args.secret_file, security.metrics_auth)
+        security = replace(security, secret_file=args.secret_file)
     return {"tenants": tuple(tenants),
-            "node_token": security_for(security, source).node_http_token,
-            "tls_cert": _pick(args.tls_cert, spec.tls_cert),
-            "tls_key": _pick(args.tls_key, spec.tls_key)}
-
-
-def _load_settings(args: argparse.Namespace, spec: RouterSpec) -> dict[str, int]:
-    """RouterConfig's admission/retry/streaming fields: the flags, else the topology's
-    `[router]`."""
-    return {"max_inflight_per_node": _pick(args.max_inflight_per_node, spec.max_inflight_per_node),
-            "max_queue": _pick(args.max_queue, spec.max_queue),
-            "max_attempts": _pick(args.max_attempts, spec.max_attempts),
-            "incremental_streaming_output": _pick(args.incremental_streaming_output,
-                                                  spec.incremental_streaming_output),
-            "first_token_from_prefill": _pick(args.first_token_from_prefill,
-                                              spec.first_token_from_prefill)}
+            "node_token": security_for(security, source).node_http_token}
 
 
 def _pick(*values: Any) -> Any:
@@ -187,7 +192,7 @@ def _pick(*values: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from pdcache.router.app import create_app
-    from pdcache.server.runtime import listen, serve_app
+    from pdcache.wire.serving import listen, serve_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:

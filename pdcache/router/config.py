@@ -9,42 +9,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdcache.config.schema import RouterSettings
+from pdcache.engine.cache_settings import PageGeometry
 from pdcache.router.nodes import NodeEndpoint
 from pdcache.router.tenants import DEFAULT_TENANT, Tenant
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    """Settings of one router process."""
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig(RouterSettings, PageGeometry):
+    """Settings of one router process: the `[router]` keys it runs with (`RouterSettings`,
+    declared once, in the topology schema), the nodes' page size its cache-aware routing keys
+    prompts with (`[cache]`'s `PageGeometry`) and what the process adds (its nodes, model,
+    tenants, node credential, health probing and session limits)."""
 
     nodes: tuple[NodeEndpoint, ...]
     model: str = "tiny"  # tokenizer + model config: a preset name or a checkpoint directory
     model_seed: int = 0  # presets: the seed is part of the model's name
     served_model_name: str | None = None
-    tool_call_parser: str = "hermes"  # pdcache.server.tool_calls.TOOL_CALL_PARSERS
-    reasoning_parser: str | None = None  # pdcache.server.reasoning.REASONING_PARSERS; None: off
-    name: str = "router"
-    page_size: int = 16  # page size of the nodes' caches (cache-aware routing keys)
-    prefill_policy: str = "cache_aware"
-    decode_policy: str = "round_robin"
-    api_key: str | None = None
-    request_timeout_s: float = 600.0
-    connect_timeout_s: float = 5.0
-    health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     unhealthy_after: int = 2  # failed probes in a row before a node is taken out
-    max_attempts: int = 3  # tries of a request whose node was unreachable or answered 503
     max_sessions: int = 10_000
     session_ttl_s: float = 3600.0
-    max_inflight_per_node: int = 0  # router slots per node (NodeEndpoint.max_inflight wins); 0: none
-    max_queue: int = 1024  # requests waiting for a slot; 0: a busy router refuses at once
-    incremental_streaming_output: bool = False  # /generate streams deltas (SGLang's flag)
-    # PD streams: the client's first token is prefill's (sent before the K/V push), not decode's
-    first_token_from_prefill: bool = True
     tenants: tuple[Tenant, ...] = ()  # with any (or api_key), every request needs its key
     node_token: str | None = field(default=None, repr=False)  # cluster secret's node credential
-    tls_cert: str | None = None  # serve HTTPS with this PEM chain and tls_key
-    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.max_queue < 0 or self.max_inflight_per_node < 0:

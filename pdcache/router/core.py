@@ -48,9 +48,9 @@ from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.route import Deadline, Route
 from pdcache.router.sessions import ChatContinuation, SessionStore
 from pdcache.router.tenants import TenantLimits, node_session_id
-from pdcache.server.agent import AgentFeatures
-from pdcache.server.generate_api import GenerateMeta
-from pdcache.server.protocol import (
+from pdcache.wire.agent import AgentFeatures
+from pdcache.wire.generate_api import GenerateMeta
+from pdcache.wire.protocol import (
     OVERLOADED,
     SERVER_ERROR,
     ApiError,

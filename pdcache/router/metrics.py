@@ -15,7 +15,7 @@ node_overloaded: a node's 503 that could not be retried elsewhere),
 
 SGLang's request series (`sglang:prompt_tokens_total`, `sglang:generation_tokens_total`,
 `sglang:cached_tokens_total{cache_source}`, `sglang:num_requests_total`,
-`sglang:e2e_request_latency_seconds`, ...; `pdcache.server.sglang_metrics`) count the
+`sglang:e2e_request_latency_seconds`, ...; `pdcache.wire.metrics`) count the
 router's finished requests with `engine_type="router"`, from the nodes' `meta`.
 """
 
@@ -32,9 +32,8 @@ from pdcache.engine.api import CachedTokens
 from pdcache.router.admission import AdmissionObserver
 from pdcache.router.policy import NodeState
 from pdcache.router.route import Route
-from pdcache.server.generate_api import GenerateMeta
-from pdcache.server.metrics import LATENCY_BUCKETS, TIERS
-from pdcache.server.sglang_metrics import SGLangRequestSeries
+from pdcache.wire.generate_api import GenerateMeta
+from pdcache.wire.metrics import LATENCY_BUCKETS, TIERS, SGLangRequestSeries
 
 REJECT_REASONS = ("queue_full", "queue_timeout", "no_healthy_node", "node_overloaded")
 RETRY_REASONS = ("unreachable", "overloaded")

@@ -29,13 +29,7 @@ import orjson
 from pdcache.router.nodes import NodeRegistry
 from pdcache.router.policy import NodeState
 from pdcache.router.route import Deadline
-from pdcache.server.protocol import (
-    INVALID_REQUEST,
-    OVERLOADED,
-    SERVER_ERROR,
-    TIMEOUT,
-    ApiError,
-)
+from pdcache.wire.protocol import INVALID_REQUEST, OVERLOADED, SERVER_ERROR, TIMEOUT, ApiError
 
 BAD_GATEWAY = "bad_gateway"
 MAX_ERROR_BYTES = 64 * 1024

@@ -40,8 +40,8 @@ from pdcache.router.node_client import (
 from pdcache.router.nodes import NodeRegistry
 from pdcache.router.policy import NodeState
 from pdcache.router.route import Deadline, Route
-from pdcache.server.generate_api import PDParams
-from pdcache.server.protocol import OVERLOADED, SERVER_ERROR, ApiError
+from pdcache.wire.generate_api import PDParams
+from pdcache.wire.protocol import OVERLOADED, SERVER_ERROR, ApiError
 
 log = logging.getLogger(__name__)
 

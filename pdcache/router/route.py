@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdcache.router.policy import NodeState
-from pdcache.server.protocol import TIMEOUT, ApiError
+from pdcache.wire.protocol import TIMEOUT, ApiError
 
 
 class SlotHolder(Protocol):

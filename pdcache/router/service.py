@@ -30,13 +30,8 @@ from pdcache.router.core import Prepared, Router
 from pdcache.router.policy import NodeState
 from pdcache.router.route import Deadline
 from pdcache.router.tenants import node_session_id, scoped_salt, session_key, tenant_of
-from pdcache.server.protocol import SERVER_ERROR, ApiError
-from pdcache.server.service import (
-    TIER_IO_GRACE_S,
-    close_session_body,
-    model_info_body,
-    timeout_param,
-)
+from pdcache.wire.protocol import SERVER_ERROR, ApiError
+from pdcache.wire.service import TIER_IO_GRACE_S, close_session_body, model_info_body, timeout_param
 
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT
 

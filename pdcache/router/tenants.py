@@ -29,9 +29,10 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdcache.config.schema import TenantLimits
 from pdcache.offload_manager.storage.config import TENANT_PREFIX
-from pdcache.server.auth import bearer_token, unauthorized
-from pdcache.server.protocol import error_body
+from pdcache.wire.auth import bearer_token, unauthorized
+from pdcache.wire.protocol import error_body
 
 DEFAULT_TENANT = "default"  # the tenant of the single `api_key`
 NAMESPACE_PREFIX = TENANT_PREFIX  # what the nodes' storage reads back (tenant_namespace)
@@ -41,12 +42,13 @@ RATE_LIMITED = "rate_limit_exceeded"
 
 
 @dataclass(frozen=True)
-class Tenant:
-    """One principal of the router. `api_key` is never printed (repr)."""
+class Tenant(TenantLimits):
+    """One principal of the router. `api_key` is never printed (repr). Its limits
+    (`max_inflight`: generations in flight at the router) are `[[router.tenant]]`'s
+    `TenantLimits`, declared once."""
 
     name: str
     api_key: str = field(repr=False)
-    max_inflight: int = 0  # generations in flight at the router; 0 = no limit
 
     @property
     def namespace(self) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from fastapi import FastAPI
 
 from pdcache.engine.engine import Engine
-from pdcache.offload_manager.hicache_scheduler import HiCacheScheduler
+from pdcache.offload_manager.hicache_tiers import HiCacheTiers
 from pdcache.server.bridge import EngineBridge, ServerConfig
 from pdcache.server.metrics import ServerMetrics
 from pdcache.server.routes import ServerRoutes, build_app
@@ -20,10 +20,10 @@ from pdcache.server.routes import ServerRoutes, build_app
 
 def server_metrics(engine: Engine, name: str, role: str = "unified") -> ServerMetrics:
     """The app's registry: request series, engine gauges, and lower-tier series when the
-    engine's scheduler has `stats()` (HiCache; a device-only scheduler has none); SGLang's
-    series carry the model's name and `role` as `engine_type`."""
-    scheduler = engine.scheduler
-    tier_stats = scheduler.stats if isinstance(scheduler, HiCacheScheduler) else None
+    engine's scheduler has HiCache tiers (their `stats()`; device-only tiers have none);
+    SGLang's series carry the model's name and `role` as `engine_type`."""
+    tiers = engine.scheduler.tiers
+    tier_stats = tiers.stats if isinstance(tiers, HiCacheTiers) else None
     return ServerMetrics(name, stats=engine.stats, tier_stats=tier_stats,
                          model_name=engine.config.model.name, engine_type=role)
 

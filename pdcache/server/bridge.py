@@ -27,6 +27,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
+from pdcache.config.schema import ApiSettings, NodeAuthSettings, field_values
 from pdcache.engine.api import (
     CachedTokens,
     GenerateRequest,
@@ -37,17 +38,11 @@ from pdcache.engine.api import (
     TokenLogprob,
 )
 from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
-from pdcache.server.generate_api import finish_reason_object
 from pdcache.server.metrics import ServerMetrics
-from pdcache.server.protocol import (
-    OVERLOADED,
-    SERVER_ERROR,
-    TIMEOUT,
-    ApiError,
-    TextAssembler,
-    bad_request,
-)
-from pdcache.server.responses import event_stream, usage_body
+from pdcache.wire.detokenize import TextAssembler
+from pdcache.wire.generate_api import finish_reason_object
+from pdcache.wire.protocol import OVERLOADED, SERVER_ERROR, TIMEOUT, ApiError, bad_request
+from pdcache.wire.responses import event_stream, usage_body, wait_for_disconnect
 
 if TYPE_CHECKING:
     from pdcache.config.node_setup import NodeSetup
@@ -57,36 +52,29 @@ log = logging.getLogger(__name__)
 CLIENT_DISCONNECTED = "client_disconnected"
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """Settings of one HTTP server process around an engine."""
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig(ApiSettings, NodeAuthSettings):
+    """Settings of one HTTP server process around an engine: the node's `ApiSettings`
+    (request deadline, parsers, /generate streaming) and `[security]`'s `NodeAuthSettings`
+    (whether /metrics needs the credential; both declared once, in the topology schema) and
+    what the process itself adds."""
 
     name: str = "unified"
-    request_timeout_s: float = 600.0  # deadline of every wait on the engine, per request
     manage_engine: bool = True  # start the engine at app startup and shut it down at exit
     role: str = "unified"  # unified | prefill | decode (/server_info's disaggregation_mode)
     model_path: str = ""  # preset name or checkpoint path; "" = the model's name
     health_check_timeout_s: float = 20.0  # /health_generate's deadline (SGLang's default)
-    tool_call_parser: str = "hermes"  # pdcache.server.tool_calls.TOOL_CALL_PARSERS
-    reasoning_parser: str | None = None  # pdcache.server.reasoning.REASONING_PARSERS; None: off
-    # /generate streams: False = cumulative chunks (SGLang's default), True = deltas (SGLang's
-    # --incremental-streaming-output); a request's `incremental_streaming_output` wins
-    incremental_streaming_output: bool = False
     # Bearer credential every endpoint but /health (and /metrics unless metrics_auth) needs:
     # derived from the cluster secret (`SecuritySettings.node_http_token`); None: open.
     auth_token: str | None = None
-    metrics_auth: bool = False
 
     @classmethod
     def of(cls, setup: NodeSetup) -> ServerConfig:
         """The server settings of a node process."""
-        return cls(name=setup.name, request_timeout_s=setup.server.request_timeout_s,
-                   role=setup.role, model_path=setup.model_path,
-                   tool_call_parser=setup.server.tool_call_parser,
-                   reasoning_parser=setup.server.reasoning_parser,
-                   incremental_streaming_output=setup.server.incremental_streaming_output,
-                   auth_token=setup.security.node_http_token,
-                   metrics_auth=setup.security.metrics_auth)
+        return cls(name=setup.name, role=setup.role, model_path=setup.model_path,
+                   **field_values(setup.server),
+                   **field_values(setup.security, NodeAuthSettings),
+                   auth_token=setup.security.node_http_token)
 
 
 # --------------------------------------------------------------------------- one request
@@ -427,7 +415,7 @@ class EngineBridge:
                   ) -> dict[str, Any]:
         """SGLang's `meta_info` of `gen` now (in SGLang's key order), then pdcache's fields;
         `finish_reason` and `e2e_latency` once it ended. `logprobs`: SGLang's logprob keys
-        for this answer or chunk (`pdcache.server.logprobs`)."""
+        for this answer or chunk (`pdcache.wire.logprobs`)."""
         prefill_node = gen.report.prefill_node if gen.report is not None else self.config.name
         completion = len(gen.output_ids)
         info: dict[str, Any] = {
@@ -453,14 +441,6 @@ class EngineBridge:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    """Returns when the client disconnects (or the ASGI server ends the response cycle)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def set_result_once(future: asyncio.Future, value: Any) -> None:

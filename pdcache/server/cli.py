@@ -13,7 +13,8 @@ import logging
 import os
 import sys
 
-from pdcache.server.runtime import READY_PREFIX, NodeRuntime, listen, serve
+from pdcache.server.runtime import READY_PREFIX, NodeRuntime, serve
+from pdcache.wire.serving import listen
 
 log = logging.getLogger(__name__)
 

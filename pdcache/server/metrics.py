@@ -1,5 +1,5 @@
 """Prometheus collectors of an HTTP server (prefix `pdcache_`, and SGLang's `sglang:` names
-from `pdcache.server.sglang_metrics`), one registry per app.
+from `pdcache.wire.metrics` and `pdcache.server.sglang_metrics`), one registry per app.
 
 `ServerMetrics` owns its `CollectorRegistry` (never the global default one), so several apps
 in one process (tests, a launcher) never share or clash on series. Counters are updated by the
@@ -19,28 +19,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdcache.engine.api import CachedTokens
-from pdcache.server.sglang_metrics import SGLangEngineCollector, SGLangRequestSeries
+from pdcache.server.sglang_metrics import SGLangEngineCollector
+from pdcache.wire.metrics import LATENCY_BUCKETS, TIERS, SGLangRequestSeries
 
 log = logging.getLogger(__name__)
-
-TIERS = ("device", "host", "storage", "storage_from_decode")
-LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
 
 # metric name -> (engine.stats() keys, first present wins; help). Absent keys are skipped.
 ENGINE_GAUGES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -287,7 +269,8 @@ class EngineStatsCollector(Collector):
 
 class ServerMetrics:
     """Request, token and latency series of one server: `pdcache_*`, and SGLang's names
-    (`self.sglang`, `SGLangEngineCollector`; `pdcache.server.sglang_metrics`) with the
+    (`self.sglang`: `pdcache.wire.metrics`; `SGLangEngineCollector`:
+    `pdcache.server.sglang_metrics`) with the
     labels `model_name` and `engine_type` (the node's role)."""
 
     def __init__(self, server_name: str, stats: Callable[[], Mapping[str, Any]] | None = None,

@@ -4,7 +4,8 @@
 `/metrics` for the unified server and for the P/D nodes alike; a node composes it with its own
 handler for the `/generate` bodies that carry `pd` (`build_app(pd_generate=...)`) and its own
 `/health` and `/server_info` fields (`health_extra`, `info_extra`). `build_app` also mounts
-SGLang's service endpoints (`pdcache.server.service`). Nothing subclasses a handler.
+SGLang's service endpoints (`pdcache.server.service`), with `wire.mount.mount`, as the router
+mounts its own. Nothing subclasses a handler.
 
 Threads: every handler runs on the event loop; `/metrics` renders in the thread pool (tier
 stats may ask a remote metadata service, a bounded wait).
@@ -14,36 +15,37 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdcache.server.agent import AgentFeatures, ChoicePlan, ChoiceRun
-from pdcache.server.auth import node_request_allowed, unauthorized
+from pdcache.engine.api import TokenLogprob
 from pdcache.server.bridge import EngineBridge, EngineRequest, Generation
-from pdcache.server.choices import ChoiceDelta, choice_events
-from pdcache.server.generate_api import (
-    FirstTokenSkip,
+from pdcache.server.service import ServiceRoutes
+from pdcache.wire.agent import AgentFeatures, ChoicePlan
+from pdcache.wire.auth import node_request_allowed, unauthorized
+from pdcache.wire.choices import ChoiceDelta, ChoiceOutput, choice_events
+from pdcache.wire.detokenize import TextAssembler
+from pdcache.wire.generate_api import (
     GenerateItem,
     GenerateRequestBody,
     OutputBuilder,
     merge_streams,
 )
-from pdcache.server.protocol import (
+from pdcache.wire.mount import mount
+from pdcache.wire.protocol import (
     SERVER_ERROR,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     ModelLimits,
     OpenAIRequestBase,
-    TextAssembler,
     bad_request,
     check_prompt,
     check_token_ids,
@@ -52,20 +54,21 @@ from pdcache.server.protocol import (
     parse_body,
     unsupported,
 )
-from pdcache.server.responses import (
+from pdcache.wire.responses import (
     Handler,
     ResponseHead,
     StreamEnd,
-    http_error,
     model_list,
     now_s,
     run_guarded,
     sse,
     usage_body,
 )
-from pdcache.server.service import ServiceRoutes
+from pdcache.wire.service import service_handlers
 
 PDHandler = Callable[[Request, GenerateRequestBody], Awaitable[Response]]
+# a filter of one sequence's stream chunks: the chunk to send, or None to send nothing
+ChunkFilter = Callable[[dict[str, Any]], dict[str, Any] | None]
 
 
 @dataclass
@@ -77,7 +80,21 @@ class SequenceRun:
     gen: Generation
     text: TextAssembler
     builder: OutputBuilder | None = None
-    skip: FirstTokenSkip | None = None  # the first token was streamed by prefill already
+    trim: ChunkFilter | None = None  # decode: leaves out the token prefill streamed already
+
+
+@dataclass
+class ChoiceRun:
+    """One submitted choice: its engine request, what it produced, its OpenAI output."""
+
+    handle: EngineRequest
+    gen: Generation
+    text: TextAssembler
+    output: ChoiceOutput
+
+    def new_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs that arrived since the previous call."""
+        return self.gen.take_logprobs()
 
 
 async def _as_sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -101,7 +118,7 @@ class ServerRoutes:
                                    bridge.config.tool_call_parser,
                                    bridge.config.reasoning_parser)
 
-    # ---- /generate (SGLang's native API: pdcache.server.generate_api)
+    # ---- /generate (SGLang's native API: pdcache.wire.generate_api)
 
     async def generate(self, request: Request, body: GenerateRequestBody) -> Response:
         """Every sequence of the request (batch x n) submitted at once; samples of one
@@ -158,19 +175,16 @@ class ServerRoutes:
 
     async def respond(self, request: Request, handle: EngineRequest, gen: Generation,
                       body: GenerateRequestBody, item: GenerateItem,
-                      streamed_first: int | None = None) -> Response:
-        """A submitted single-sequence request's answer (the P/D nodes'). `streamed_first`:
-        the first token, which the client already has (the decode node's
-        `first_token_streamed`): a stream then starts after it (`FirstTokenSkip`)."""
-        run = SequenceRun(item, handle, gen, self.assembler(item))
-        if streamed_first is not None and body.stream:
-            run.skip = FirstTokenSkip(self.incremental(body),
-                                      self.first_token_text(item, streamed_first))
+                      trim: ChunkFilter | None = None) -> Response:
+        """A submitted single-sequence request's answer (the P/D nodes'). `trim` filters a
+        stream's chunks: the decode node's, whose client already has the first token
+        (`first_token_streamed`), starts after it."""
+        run = SequenceRun(item, handle, gen, self.assembler(item), trim=trim)
         return await self.respond_runs(request, [run], body)
 
     def first_token_text(self, item: GenerateItem, token: int) -> str:
         """The text a stream releases with `item`'s first token alone (prefill's first
-        event; decode's `FirstTokenSkip` leaves it out)."""
+        event; the decode node's stream leaves it out)."""
         return self.assembler(item).add([token])
 
     async def respond_runs(self, request: Request, runs: list[SequenceRun],
@@ -202,7 +216,7 @@ class ServerRoutes:
         async with aclosing(outputs) as stream:
             async for new_ids, delta in stream:
                 chunk = builder.add(new_ids, delta, self.meta_info(run, body))
-                if run.skip is not None and (chunk := run.skip.trim(chunk)) is None:
+                if run.trim is not None and (chunk := run.trim(chunk)) is None:
                     continue
                 yield chunk
 
@@ -214,7 +228,7 @@ class ServerRoutes:
         return self.bridge.meta_info(run.gen, logprobs)
 
     def logprob_fields(self, run: SequenceRun, body: GenerateRequestBody) -> dict[str, Any]:
-        from pdcache.server.logprobs import sglang_logprob_fields
+        from pdcache.wire.logprobs import sglang_logprob_fields
 
         request = run.item.logprobs
         assert request is not None
@@ -411,46 +425,3 @@ def build_app(routes: ServerRoutes, *, pd_generate: PDHandler | None = None,
                 ("GET", "/metrics", routes.metrics_endpoint),
                 *service_handlers(service)], guard)
     return app
-
-
-class ServiceEndpoints(Protocol):
-    """SGLang's service endpoints, as a node (`ServiceRoutes`) or the router answers them."""
-
-    async def server_info(self, request: Request) -> Response: ...
-    async def model_info(self, request: Request) -> Response: ...
-    async def health_generate(self, request: Request) -> Response: ...
-    async def flush_cache(self, request: Request) -> Response: ...
-    async def close_session(self, request: Request) -> Response: ...
-
-
-def service_handlers(service: ServiceEndpoints) -> list[tuple[str, str, Handler]]:
-    """SGLang's service endpoints, with the methods SGLang accepts (and POST for health);
-    the servers and the router mount the same table."""
-    return [("GET", "/server_info", service.server_info),
-            ("GET", "/get_server_info", service.server_info),
-            ("GET", "/model_info", service.model_info),
-            ("GET", "/get_model_info", service.model_info),
-            ("GET", "/health_generate", service.health_generate),
-            ("POST", "/health_generate", service.health_generate),
-            ("GET", "/flush_cache", service.flush_cache),
-            ("POST", "/flush_cache", service.flush_cache),
-            ("POST", "/close_session", service.close_session)]
-
-
-Guard = Callable[[str, Handler, Request], Awaitable[Response]]
-
-
-def mount(app: FastAPI, handlers: Sequence[tuple[str, str, Handler]], guard: Guard) -> None:
-    """Add each (method, path, handler) behind `guard`, and JSON bodies for Starlette's own
-    errors (404, 405). Shared by the servers and the router."""
-    for method, path, handler in handlers:
-        app.add_api_route(path, _guarded(guard, path, handler), methods=[method],
-                          include_in_schema=False)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-
-
-def _guarded(guard: Guard, path: str, handler: Handler) -> Handler:
-    async def endpoint(request: Request) -> Response:
-        return await guard(path, handler, request)
-
-    return endpoint

@@ -29,45 +29,29 @@ from starlette.concurrency import run_in_threadpool
 
 from pdcache import __version__
 from pdcache.engine.api import CacheFlush, GenerateRequest, RequestOutput, SamplingParams
-from pdcache.engine.config import ModelConfig
 from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
-from pdcache.engine.presets import PRESETS
-from pdcache.offload_manager.hicache_scheduler import HiCacheScheduler
+from pdcache.offload_manager.hicache_tiers import HiCacheTiers
 from pdcache.server.bridge import EngineBridge, resolve_on_loop
-from pdcache.server.protocol import SERVER_ERROR, ApiError, bad_request
+from pdcache.wire.protocol import SERVER_ERROR, ApiError
+from pdcache.wire.service import (
+    TIER_IO_GRACE_S,
+    close_session_body,
+    model_info_body,
+    timeout_param,
+)
 
 InfoExtra = Callable[[], dict[str, Any]]
 
 # what SGLang's `--disaggregation-mode` says for each of our roles
 DISAGGREGATION_MODES = {"unified": "null", "prefill": "prefill", "decode": "decode"}
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-               "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's prefix for its health requests
 FLUSHED_TEXT = ("Cache flushed.\nPlease check backend logs for more details. (When there are "
                 "running or waiting requests, the operation will not be performed.)\n")
-TIER_IO_GRACE_S = 5.0  # an idle engine's flush waits this long for storage writes to end
 FLUSH_POLL_S = 0.02
 
 
 def disaggregation_mode(role: str) -> str:
     return DISAGGREGATION_MODES.get(role, "null")
-
-
-def model_info_body(model: ModelConfig, model_path: str, served_name: str, mode: str,
-                    tool_call_parser: str | None = None,
-                    reasoning_parser: str | None = None) -> dict[str, Any]:
-    """`/get_model_info`'s fields (SGLang's names); shared with the router."""
-    return {
-        "model_path": model_path, "served_model_name": served_name,
-        "tokenizer_path": model_path, "is_generation": True,
-        "preferred_sampling_params": None, "weight_version": "default",
-        "load_format": "dummy" if model_path in PRESETS else "auto",  # presets: random weights
-        "reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser,
-        "disaggregation_mode": mode,
-        "has_image_understanding": False, "has_audio_understanding": False,
-        "model_type": MODEL_TYPES.get(model.architecture),
-        "architectures": [model.architecture],
-    }
 
 
 class ServiceRoutes:
@@ -115,10 +99,10 @@ class ServiceRoutes:
         return body
 
     def _hicache_fields(self) -> dict[str, Any]:
-        scheduler = self.engine.scheduler
-        if not isinstance(scheduler, HiCacheScheduler):
+        tiers = self.engine.scheduler.tiers
+        if not isinstance(tiers, HiCacheTiers):
             return {"enable_hierarchical_cache": False}
-        hicache = scheduler.hicache
+        hicache = tiers.hicache
         return {"enable_hierarchical_cache": True,
                 "hicache_write_policy": hicache.config.write_policy,
                 "hicache_storage_prefetch_policy": hicache.config.prefetch_policy,
@@ -210,35 +194,6 @@ def flush_when_idle(engine: Engine, timeout_s: float) -> CacheFlush:
         if result.flushed or time.monotonic() - start >= limit:
             return result
         time.sleep(FLUSH_POLL_S)
-
-
-async def close_session_body(request: Request) -> tuple[str, str]:
-    """(session_id, cache_salt) of a `/close_session` body; 400 unless session_id is a
-    non-empty string and cache_salt, when given, a string."""
-    try:
-        body = await request.json()
-    except ValueError:
-        raise bad_request("the body must be a JSON object") from None
-    session_id = body.get("session_id") if isinstance(body, dict) else None
-    if not isinstance(session_id, str) or not session_id:
-        raise bad_request("session_id must be a non-empty string", param="session_id")
-    cache_salt = body.get("cache_salt") or ""
-    if not isinstance(cache_salt, str):
-        raise bad_request("cache_salt must be a string", param="cache_salt")
-    return session_id, cache_salt
-
-
-def timeout_param(request: Request) -> float:
-    """`?timeout=S` of /flush_cache (SGLang's; default 0); 400 unless a number >= 0."""
-    raw = request.query_params.get("timeout", "0")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0.0 or value == float("inf"):
-        raise bad_request(f"timeout must be a number of seconds >= 0, got {raw!r}",
-                          param="timeout", code="invalid_timeout")
-    return value
 
 
 def _unhealthy(message: str) -> ApiError:

@@ -27,11 +27,11 @@ Threads and what they mutate:
   messages, heartbeats and deadlines.
 - caller threads (`request`, `wait`, `abort`, `connect`): room creation and local failure via
   RoomTable (locked); they reach sockets only through `ControlLoop.call_soon`.
-- pull worker (`serve_pulls`, docs/design.md §4.10): answers prefill's `PullPages` with the
-  staged page objects of the node's `StagedPageSource`, off the control thread (it copies and
-  MACs pages); its frames leave through `call_soon`.
-`counters` are written by the control thread only, the `pull_*` ones by the pull worker only
-(`stats()` copies them).
+- pull worker (`serve_pulls`, docs/design.md §4.10): the `PullServer` (pull_server.py) answers
+  prefill's `PullPages` with the staged page objects of the node's `StagedPageSource`, off the
+  control thread (it copies and MACs pages); its frames leave through `call_soon`.
+`counters` are written by the control thread only, the `pull_pages_served`/`_unavailable`/
+`_expired` ones by the pull worker only (`stats()` copies them).
 """
 
 from __future__ import annotations
@@ -39,12 +39,11 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,7 +65,6 @@ from pdcache.transfer.layout import KVLayout
 from pdcache.transfer.messages import (
     MAX_KEYS_PER_MESSAGE,
     PAGE_KEY_BYTES,
-    PULLED_OVERHEAD_BYTES,
     Abort,
     AbortAck,
     Done,
@@ -85,6 +83,13 @@ from pdcache.transfer.messages import (
     Started,
     pack_keys,
     pack_pages,
+)
+from pdcache.transfer.pull_server import (
+    PULL_FRAMES_PER_LINK,
+    PullLink,
+    PullServer,
+    StagedPageSource,
+    unavailable,
 )
 from pdcache.transfer.rooms import (
     FAILURE_CODES,
@@ -151,28 +156,12 @@ class _Peer:
     monitor: zmq.Socket | None = None
     closed_by_peer: bool = False
     # pull answer frames handed to the control thread and not sent yet (the pull worker takes
-    # one before it queues a frame, `_send_pulled` gives it back): a pull backlog can never
-    # hold more than this many frames ahead of a heartbeat on this link
+    # one before it queues a frame, `_send_pulled` gives it back; pull_server.PullLink)
     pull_credit: threading.Semaphore = field(
         default_factory=lambda: threading.Semaphore(PULL_FRAMES_PER_LINK))
 
 
 _INT32_MAX = (1 << 31) - 1  # page indices travel as int32
-PULL_FRAMES_PER_LINK = 4  # pull answer frames queued per link at most (`_Peer.pull_credit`)
-
-
-class StagedPageSource(Protocol):
-    """Pages decode still holds in host staging while their storage write runs (the node's
-    `DecodeOffloadManager`): `staged_objects(keys, until)` gives each key's stored page object
-    (page_format: header + payload, MAC'd when the store has a page key) or None when it is not
-    staged; a key scheduled but not copied yet is waited for until `until` (monotonic). It
-    pins the pages it reads against free-on-write-end. `sealed`: the objects carry the page
-    MAC. Thread-safe."""
-
-    object_bytes: int
-    sealed: bool
-
-    def staged_objects(self, keys: list[bytes], until: float = 0.0) -> list[bytes | None]: ...
 
 
 class KVReceiver:
@@ -210,12 +199,7 @@ class KVReceiver:
                          "pending_marks_acked": 0, "pending_ack_timeouts": 0,
                          "pending_ack_seconds_total": 0.0, "pending_marks_dropped": 0}
         self._seq = itertools.count(1)
-        self._page_source: StagedPageSource | None = None
-        self.pull_offered = False  # pending marks offer the pull (`serve_pulls`)
-        self._pulls: queue.Queue[tuple[_Peer, PullPages, float] | None] = queue.Queue(
-            maxsize=64)
-        self._pull_worker: threading.Thread | None = None
-        self._started = False
+        self._pulls = PullServer(config.max_message_bytes, self._queue_pulled, self.counters)
         self._closing = threading.Event()  # close() began: pulls are refused
         # announcements whose delivery is not done (`MarksDelivery`); close() ends them all
         self._deliveries: set[MarksDelivery] = set()
@@ -229,12 +213,8 @@ class KVReceiver:
         self.engine = create_engine(self.config)
         self.engine.register_target(self.layout.base_addr, self.layout.nbytes)
         self._session = self.engine.session()
-        self._started = True
         self._loop.start()
-        if self.pull_offered:
-            self._pull_worker = threading.Thread(target=self._serve_pulls,
-                                                 name="pdcache-decode-pull", daemon=True)
-            self._pull_worker.start()
+        self._pulls.start()  # the pull worker (when pulls are offered); serve_pulls is refused now
         return self
 
     def serve_pulls(self, source: StagedPageSource | None) -> None:
@@ -245,22 +225,12 @@ class KVReceiver:
         answer could not be told from decode's), and one page object fits in an answer frame
         (`max_message_bytes`). Otherwise every pull is answered "not available" in one frame.
         docs/design.md §4.10."""
-        if self._started:
-            raise RuntimeError("serve_pulls must be called before start()")
-        self._page_source = source
-        self.pull_offered = False
-        if source is None:
-            return
-        room = self.config.max_message_bytes - PULLED_OVERHEAD_BYTES
-        if source.object_bytes + PAGE_KEY_BYTES + 1 > room:
-            logger.warning("decode: pulls not offered: a page object (%d bytes) does not fit "
-                           "in one control frame (max_message_bytes %d)", source.object_bytes,
-                           self.config.max_message_bytes)
-        elif self._auth is None or not source.sealed:
-            logger.info("decode: pulls not offered: they need the cluster secret (an "
-                        "authenticated control plane and MAC'd pages)")
-        else:
-            self.pull_offered = True
+        self._pulls.serve(source, authenticated=self._auth is not None)
+
+    @property
+    def pull_offered(self) -> bool:
+        """Pending marks offer the pull (`serve_pulls`)."""
+        return self._pulls.offered
 
     @property
     def closing(self) -> bool:
@@ -274,19 +244,7 @@ class KVReceiver:
         for room in self.rooms.select(lambda r: not r.state.terminal):
             self.abort(room, "decode node shutting down")
         self._loop.call_soon(self._release_all_busy)
-        if self._pull_worker is not None:
-            while True:  # drop queued pulls (their prefill falls back to waiting), then stop
-                try:
-                    self._pulls.get_nowait()
-                except queue.Empty:
-                    break
-            try:
-                self._pulls.put(None, timeout=5.0)
-            except queue.Full:
-                pass  # refilled meanwhile: the daemon worker ends with the process
-            self._pull_worker.join(5.0)
-            if self._pull_worker.is_alive():
-                logger.warning("decode: the pull worker did not stop within 5 s")
+        self._pulls.close()  # queued pulls dropped: their prefill falls back to waiting
         self._loop.stop()
         with self._deliveries_lock:  # no answer can come now: nothing waits for one
             self._deliveries_closed = True
@@ -652,53 +610,19 @@ class KVReceiver:
             return
         self.counters["pull_requests"] += 1
         deadline = time.monotonic() + msg.ttl_ms / 1000
-        try:
-            if not self.pull_offered or self._closing.is_set():
-                raise queue.Full
-            self._pulls.put_nowait((peer, msg, deadline))
-        except queue.Full:
+        if self._closing.is_set() or not self._pulls.submit(peer, msg, deadline):
             self.counters["pull_pages_refused"] += len(msg.keys) // PAGE_KEY_BYTES
-            self._send_frame(peer, _unavailable(msg.pull_id, msg.key_list()))
+            self._send_frame(peer, unavailable(msg.pull_id, msg.key_list()))
 
     _HANDLERS = {RegisterAck: _on_register_ack, Started: _on_started, Done: _on_done,
                  Abort: _on_abort, AbortAck: _on_abort_ack, Pong: _on_pong,
                  PullPages: _on_pull_pages}
 
-    # ---- pull worker -----------------------------------------------------------------------
-    def _serve_pulls(self) -> None:
-        while True:
-            job = self._pulls.get()
-            if job is None:
-                return
-            peer, msg, deadline = job
-            try:
-                self._serve_pull(peer, msg, deadline)
-            except Exception:  # never lose the worker: the prefill falls back to waiting
-                logger.exception("decode: serving pull %d failed", msg.pull_id)
-
-    def _serve_pull(self, peer: _Peer, msg: PullPages, deadline: float) -> None:
-        """Answer in frames of at most `max_message_bytes`, as many whole pages as fit in
-        each; pages are read (pinned, encoded) one frame at a time, and each frame waits for
-        a credit of its link (`_Peer.pull_credit`). What is left at the pull's deadline is
-        dropped: the prefill has gone back to waiting for the write by then."""
-        assert self._page_source is not None
-        keys = list(dict.fromkeys(msg.key_list()))  # a repeated key is served once
-        size = self._page_source.object_bytes
-        per_frame = max(1, (self.config.max_message_bytes - PULLED_OVERHEAD_BYTES)
-                        // (size + PAGE_KEY_BYTES + 1))
-        for start in range(0, len(keys), per_frame):
-            left_s = deadline - time.monotonic()
-            if left_s <= 0 or not peer.pull_credit.acquire(timeout=left_s):
-                self.counters["pull_pages_expired"] += len(keys) - start
-                return
-            chunk = keys[start : start + per_frame]
-            objects = self._page_source.staged_objects(chunk, until=deadline)
-            found = bytes(obj is not None for obj in objects)
-            answer = PagesPulled(msg.pull_id, pack_keys(chunk), found, size,
-                                 b"".join(obj for obj in objects if obj is not None))
-            self.counters["pull_pages_served"] += sum(found)  # counted before it can arrive
-            self.counters["pull_pages_unavailable"] += len(chunk) - sum(found)
-            self._loop.call_soon(lambda a=answer: self._send_pulled(peer, a))
+    # ---- pull answers --------------------------------------------------------------------
+    def _queue_pulled(self, link: PullLink, answer: PagesPulled) -> None:
+        """The pull worker's answer: sent from the control thread (`_send_pulled`)."""
+        assert isinstance(link, _Peer)  # the only links `_on_pull_pages` submits
+        self._loop.call_soon(lambda: self._send_pulled(link, answer))
 
     def _send_pulled(self, peer: _Peer, answer: PagesPulled) -> None:
         peer.pull_credit.release()
@@ -837,11 +761,6 @@ class KVReceiver:
     def _release_all_busy(self) -> None:
         for room in self.rooms.select(lambda r: r.busy):
             self.rooms.set_idle(room)
-
-
-def _unavailable(pull_id: int, keys: list[bytes]) -> PagesPulled:
-    """The answer "none of these is available" (one frame: 33 bytes a key)."""
-    return PagesPulled(pull_id, pack_keys(keys), bytes(len(keys)), 0, b"")
 
 
 def _tick_s(config: TransferConfig) -> float:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pdcache.bench.compare import compare_rows, parse_config_arg, port_in_use
+from pdcache.bench.compare import compare_rows
+from pdcache.bench.stack import parse_config_arg, port_in_use
 from pdcache.cli import main as pdcache_main
 from tests.net_support import free_ports, unified_topology
 

@@ -28,6 +28,7 @@ from pdcache.bench.goodput import (
     trace_rate_cap,
     windows_over_slo,
 )
+from pdcache.bench.replay_records import RequestRecord
 from pdcache.bench.replay_run import poisson_session_starts
 from pdcache.bench.traces import SyntheticSpec, synthetic_trace
 from pdcache.cli import main as pdcache_main
@@ -138,8 +139,8 @@ def test_one_stalled_window_is_told_from_a_growing_queue() -> None:
 
 
 def test_live_sessions_is_the_mean_number_of_sessions_in_flight() -> None:
-    def rec(sid: str, t: float, e2e: float) -> dict[str, object]:
-        return {"session_id": sid, "dispatch_s": t, "e2e_s": e2e}
+    def rec(sid: str, t: float, e2e: float) -> RequestRecord:
+        return RequestRecord("r", sid, 0, dispatch_s=t, e2e_s=e2e)
 
     # a: 0-4 s (two turns), b: 2-6 s; over 6 s of pass: 8 session-seconds / 6 s
     records = [rec("a", 0.0, 1.0), rec("a", 3.0, 1.0), rec("b", 2.0, 4.0)]
@@ -148,9 +149,9 @@ def test_live_sessions_is_the_mean_number_of_sessions_in_flight() -> None:
 
 
 def test_live_pages_is_the_time_mean_working_set_with_the_shared_prefix_once() -> None:
-    def rec(sid: str, t: float, e2e: float, prompt: int, out: int, shared: int) -> dict:
-        return {"session_id": sid, "dispatch_s": t, "e2e_s": e2e, "prompt_tokens": prompt,
-                "output_tokens": out, "theoretical_cached_tokens": shared}
+    def rec(sid: str, t: float, e2e: float, prompt: int, out: int, shared: int) -> RequestRecord:
+        return RequestRecord("r", sid, 0, dispatch_s=t, e2e_s=e2e, prompt_tokens=prompt,
+                             output_tokens=out, theoretical_cached_tokens=shared)
 
     # page 16; b's first turn found a's 32-token prefix cached (2 pages, counted once, a's
     # included): a holds 64+16-32 tokens (3 pages) 0-3 s, then 128+16-32 (7 pages) 3-4 s;
@@ -251,9 +252,12 @@ def test_a_point_failing_on_its_tpot_alone_is_not_retried_for_a_slow_window() ->
 
 
 def test_request_tpot_is_the_time_per_output_token_after_the_first() -> None:
-    assert request_tpot({"output_tokens": 5, "ttft_s": 0.2, "e2e_s": 1.0}) == pytest.approx(0.2)
-    assert request_tpot({"output_tokens": 1, "ttft_s": 0.2, "e2e_s": 0.2}) is None
-    assert request_tpot({"output_tokens": 3, "ttft_s": None, "e2e_s": 1.0}) is None
+    def rec(tokens: int, ttft: float | None, e2e: float) -> RequestRecord:
+        return RequestRecord("r", "s", 0, output_tokens=tokens, ttft_s=ttft, e2e_s=e2e)
+
+    assert request_tpot(rec(5, 0.2, 1.0)) == pytest.approx(0.2)
+    assert request_tpot(rec(1, 0.2, 0.2)) is None
+    assert request_tpot(rec(3, None, 1.0)) is None
 
 
 def test_poisson_sessions_offer_the_request_rate() -> None:

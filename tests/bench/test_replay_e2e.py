@@ -19,7 +19,7 @@ from pdcache.cli import main as pdcache_main
 
 try:
     import pdcache.server.app  # noqa: F401
-except ImportError as exc:  # the server is built in parallel (issue 2)
+except ImportError as exc:  # a build without the server
     pytest.skip(f"pdcache.server.app is not importable yet: {exc}", allow_module_level=True)
 
 pytestmark = pytest.mark.slow

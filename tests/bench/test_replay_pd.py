@@ -1,5 +1,5 @@
 """Replay on the local 1P1D topology (tiny preset): with decode offload the stack reaches 90% of
-the theoretical hit rate, answers included (issue 8's acceptance check)."""
+the theoretical hit rate, answers included."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdcache.bench.compare import ConfigRun, endpoints_of, start_launcher, stop_launcher, wait_ready
+from pdcache.bench.stack import ConfigRun, launched
 from pdcache.cli import main as pdcache_main
 from tests.net_support import free_ports
 
@@ -30,19 +30,14 @@ def test_pd_with_offload_reaches_theoretical_hit_rate(tmp_path: Path) -> None:
             f'storage.metadata_service.state_dir="{tmp_path}/meta"',
             'storage.capacity="256MiB"', "model.preset=tiny", "launch.health_timeout_s=180")
     run = ConfigRun("pd", CONFIG, sets)
-    front, urls = endpoints_of(run)
-    proc = start_launcher(run, tmp_path / "pd")
-    try:
-        wait_ready(proc, urls, 180)
+    with launched(run, tmp_path / "pd", startup_timeout_s=180, stop_timeout_s=60) as stack:
         out = tmp_path / "replay"
         # think time lets the asynchronous decode offload land before the next turn
         trace = ("synthetic:sessions=3,turns=3,system_prompt=96,user=16,tool_result=32,"
                  "answer=48,think_time=1.0,think_dist=constant")
-        code = pdcache_main(["bench", "replay", "--url", front, "--trace", trace, "--out",
-                             str(out), "--mode", "trace", "--concurrency", "2", "--no-progress",
-                             "--no-plots", "--max-duration", "240"])
-    finally:
-        stop_launcher(proc, 60)
+        code = pdcache_main(["bench", "replay", "--url", stack.front, "--trace", trace,
+                             "--out", str(out), "--mode", "trace", "--concurrency", "2",
+                             "--no-progress", "--no-plots", "--max-duration", "240"])
     summary = json.loads((out / "summary.json").read_text())
     assert code == 0
     assert (summary["requests_ok"], summary["requests_failed"]) == (9, 0), summary["errors"]

@@ -1,4 +1,4 @@
-"""Replay hygiene (issue 17): two `pdcache bench replay` runs against ONE running stack (a
+"""Replay hygiene: two `pdcache bench replay` runs against ONE running stack (a
 router in front of a real `tiny` unified node, both in-process on 127.0.0.1 free ports).
 
 - Default: each run gets its own session-id prefix, so the second run's prompts on the server

@@ -11,9 +11,9 @@ from typing import get_args, get_type_hints
 import pytest
 
 from pdcache.config import (
+    ApiSettings,
     CacheSpec,
     OffloadSettings,
-    ServerSettings,
     TopologyError,
     TransferSpec,
     add_node_flags,
@@ -24,9 +24,9 @@ from pdcache.config import (
     setup_for,
     topology_from_flags,
 )
-from pdcache.engine.config import SchedulerConfig
 from pdcache.engine.loader import load_model_config
 from pdcache.engine.page_keys import KEY_SCHEMES
+from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.kernels.dispatch import KERNEL_BACKENDS
 from pdcache.offload_manager.hicache import PREFETCH_POLICIES, WRITE_POLICIES
 from pdcache.offload_manager.storage import BACKENDS as STORAGE_BACKENDS
@@ -117,7 +117,7 @@ def test_prefill_from_flags_equals_prefill_from_topology(tmp_path: Path) -> None
     topo = setup_for(pd(tmp_path, cache='write_policy = "write_back"',
                         prefill="request_timeout_s = 30"), "p0", MODEL)
     assert flags == topo
-    assert flags.server == ServerSettings(30.0) and flags.tiers.hicache.write_policy == "write_back"
+    assert flags.server == ApiSettings(request_timeout_s=30.0) and flags.tiers.hicache.write_policy == "write_back"
     assert flags.tiers.host_pages == 256  # 2 x the device pool, as before
     assert (flags.transfer.bootstrap_timeout_s, flags.transfer.room_timeout_s) == (7.5, 30.0)
 
@@ -159,7 +159,7 @@ def test_unified_from_flags_equals_unified_from_topology(tmp_path: Path) -> None
 def test_flags_keep_their_defaults() -> None:
     setup = from_flags("prefill")
     assert (setup.name, setup.port, setup.bootstrap_port, setup.transfer.engine) == ("p0", 0, 0, "mooncake")
-    assert setup.server == ServerSettings() and setup.engine.kernels == "auto"
+    assert setup.server == ApiSettings() and setup.engine.kernels == "auto"
     assert setup.engine.scheduler == SchedulerConfig()
     unified = from_flags("unified")
     assert (unified.name, unified.port, unified.tiers) == ("unified", 30000, None)
@@ -327,7 +327,7 @@ def test_compute_share_keys_and_flags_reach_the_engine(tmp_path: Path) -> None:
 
 def test_tool_call_parser_key_and_flag_reach_the_server(tmp_path: Path) -> None:
     from pdcache.server.bridge import ServerConfig
-    from pdcache.server.tool_calls import TOOL_CALL_PARSERS
+    from pdcache.wire.tool_calls import TOOL_CALL_PARSERS
 
     path = tmp_path / "t.toml"
     path.write_text(PD.format(path=tmp_path / "s", cache="", prefill="",
@@ -473,7 +473,7 @@ def test_a_node_listens_on_bind_host_and_is_reached_at_host(tmp_path: Path) -> N
 
     import torch
 
-    from pdcache.transfer import KVSender
+    from pdcache.transfer.sender import KVSender
 
     topology = pd(tmp_path, prefill='host = "localhost"\nbind_host = "0.0.0.0"')
     setup = setup_for(topology, "p0", MODEL)

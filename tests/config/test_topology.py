@@ -133,7 +133,7 @@ def test_sizes() -> None:
 
 def test_prefetch_timeout_is_linear_and_capped() -> None:
     cache = parse_topology(BASE, "x.toml").cache
-    assert cache.prefetch_timeout_s(1024) == pytest.approx(2.1)
+    assert cache.prefetch_timeout_s(1000) == pytest.approx(2.1)
     assert cache.prefetch_timeout_s(10**9) == 30.0
 
 

@@ -1,5 +1,5 @@
 """DecodeController without HTTP: a fake receiver, a fake engine that keeps exact books of
-reserved pages, and the real tiny engine with DecodeScheduler for the offload hold.
+reserved pages, and the real tiny engine with DecodeRole for the offload hold.
 
 The fake engine models the real one's ordering: `abort` (which frees a reservation) and the
 prefilled submission go to an inbox drained by `step()` (the engine thread). `Books` fails on
@@ -21,12 +21,17 @@ from pdcache.decode_node.controller import (
     DuplicateRoomError,
     RoomCancelledError,
 )
-from pdcache.decode_node.scheduler import DecodeScheduler
+from pdcache.decode_node.scheduler import DecodeRole
 from pdcache.engine.api import GenerateRequest, RequestOutput, SamplingParams
-from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdcache.engine.engine import Admission, Engine
+from pdcache.engine.config import CacheConfig, EngineConfig
+from pdcache.engine.engine import Engine
 from pdcache.engine.loader import load_model
-from pdcache.transfer import MarksDelivery, Outcome, PrefillReport, RoomState
+from pdcache.engine.reservations import Admission
+from pdcache.engine.scheduler import Scheduler
+from pdcache.engine.scheduler_config import SchedulerConfig
+from pdcache.transfer.delivery import MarksDelivery
+from pdcache.transfer.messages import PrefillReport
+from pdcache.transfer.rooms import Outcome, RoomState
 from tests.polling import poll
 
 
@@ -521,10 +526,10 @@ def test_the_books_catch_what_the_controller_prevents() -> None:
         books.check_empty()
 
 
-# ---- the offload hold, with the real engine and DecodeScheduler ------------------------------
+# ---- the offload hold, with the real engine and DecodeRole -----------------------------------
 
 class FakeOffload:
-    """The DecodeOffloadManager's side DecodeScheduler uses; copies end when the test says.
+    """The DecodeOffloadManager's side DecodeRole uses; copies end when the test says.
     For a rid in `gated`, `finish` returns a delivery of the request's marks that the test
     answers (`deliveries[rid].answered(PREFILL_LINK, 1)`)."""
 
@@ -563,8 +568,8 @@ def decode_engine(tiny, controller: DecodeController, offload: FakeOffload) -> E
     config = EngineConfig(model.config, CacheConfig(4, 64, enable_prefix_cache=False),
                           SchedulerConfig())
 
-    def make_scheduler(**kwargs) -> DecodeScheduler:
-        return DecodeScheduler(offload=offload, holds=controller, **kwargs)
+    def make_scheduler(**kwargs) -> Scheduler:
+        return Scheduler(**kwargs, role=DecodeRole(offload, controller))
 
     return Engine(config, model, tokenizer, make_scheduler=make_scheduler).start()
 

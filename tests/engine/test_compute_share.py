@@ -19,8 +19,9 @@ import torch
 
 from pdcache.engine.api import GenerateRequest, RequestOutput, SamplingParams
 from pdcache.engine.compute_share import ComputeShare
-from pdcache.engine.engine import Admission, Engine
+from pdcache.engine.engine import Engine
 from pdcache.engine.forward import ForwardBatch, ForwardMode
+from pdcache.engine.reservations import Admission
 from tests.engine.test_serving import make_engine, prompt_of, tokens_of
 from tests.transfer_support import scaled_limit, wait_until
 
@@ -331,7 +332,7 @@ class AnnouncementModel:
         self.seen: list[tuple[ForwardMode, bool]] = []
 
     def forward(self, batch: ForwardBatch, device_kv: torch.Tensor) -> torch.Tensor:
-        share = self.engine._share if self.engine is not None else None  # noqa: SLF001
+        share = self.engine.pacer.share if self.engine is not None else None
         self.seen.append((batch.mode, share is not None and share.announcing))
         return self.model.forward(batch, device_kv)
 

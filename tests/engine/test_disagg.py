@@ -4,28 +4,30 @@ continues from the first token. Tokens must equal a unified run; accounting stay
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 
 import pytest
 
 from pdcache.engine.api import GenerateRequest, RequestOutput, SamplingParams
-from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
 from pdcache.engine.loader import load_model
 from pdcache.engine.request import Req
+from pdcache.engine.roles import RolePolicy, Unified
 from pdcache.engine.scheduler import Scheduler
+from pdcache.engine.scheduler_config import SchedulerConfig
 from tests.polling import poll
 
 PAGE = 4
 DECODE = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
-class HoldingScheduler(Scheduler):
+class HoldingRole(Unified):
     """Prefill side: keeps every finished request's pages, remembering which they are."""
 
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
+    def __init__(self) -> None:
         self.finished_pages: dict[str, tuple[list[int], int]] = {}
 
     def hold_after_finish(self, req: Req) -> bool:
@@ -39,13 +41,13 @@ def tiny():
     return model
 
 
-def make_engine(model, pages: int = 128, scheduler=None) -> Engine:
+def make_engine(model, pages: int = 128, role: RolePolicy | None = None) -> Engine:
     config = EngineConfig(
         model=model.config,
         cache=CacheConfig(page_size=PAGE, num_device_pages=pages),
         scheduler=SchedulerConfig(chunked_prefill_tokens=64),
     )
-    return Engine(config, model, make_scheduler=scheduler).start()
+    return Engine(config, model, make_scheduler=functools.partial(Scheduler, role=role)).start()
 
 
 def tokens_of(outputs: list[RequestOutput]) -> list[int]:
@@ -56,13 +58,13 @@ def test_prefill_hold_transfer_decode_equals_unified(tiny) -> None:
     rng = random.Random(5)
     prompt = [rng.randrange(3, 250) for _ in range(29)]  # 7 full pages + a partial one
     unified = make_engine(tiny)
-    prefill = make_engine(tiny, scheduler=HoldingScheduler)
+    prefill = make_engine(tiny, role=HoldingRole())
     decode = make_engine(tiny, pages=64)
     try:
         expected = tokens_of(unified.generate(GenerateRequest("r", prompt, DECODE), 60))
         first = prefill.generate(GenerateRequest("r", prompt, SamplingParams(max_new_tokens=1)), 60)
         first_token = first[-1].new_token_ids[0]
-        src_pages, kv_len = prefill.scheduler.finished_pages["r"]
+        src_pages, kv_len = prefill.scheduler.role.finished_pages["r"]
         assert kv_len == len(prompt) and len(src_pages) == 8
         assert prefill.stats()["requests_held"] == 1
         assert prefill.check_accounting()["requests"] == 8  # held pages count as the request's
@@ -131,7 +133,7 @@ def test_reservations_fail_cleanly_and_are_always_freed(tiny) -> None:
 
 
 def test_held_pages_freed_by_abort_and_shutdown(tiny) -> None:
-    engine = make_engine(tiny, scheduler=HoldingScheduler)
+    engine = make_engine(tiny, role=HoldingRole())
     try:
         for rid in ("x", "y"):
             engine.generate(GenerateRequest(rid, list(range(5, 15)), SamplingParams(3)), 60)
@@ -294,7 +296,7 @@ def test_decode_prefix_cache_reuses_a_finished_turn_and_keeps_it_locked(tiny) ->
     rng = random.Random(11)
     prompt = [rng.randrange(3, 250) for _ in range(29)]
     unified = make_engine(tiny)
-    prefill = make_engine(tiny, scheduler=HoldingScheduler)
+    prefill = make_engine(tiny, role=HoldingRole())
     decode = make_engine(tiny, pages=40)
     try:
         answer = _prefill_and_decode(prefill, decode, "t1", prompt, 0)
@@ -332,7 +334,7 @@ def test_decode_prefix_cache_refuses_a_request_of_another_salt(tiny) -> None:
     nodes) and the reservation is freed; without the check it decodes and the tree breaks."""
     rng = random.Random(12)
     prompt = [rng.randrange(3, 250) for _ in range(29)]
-    prefill = make_engine(tiny, scheduler=HoldingScheduler)
+    prefill = make_engine(tiny, role=HoldingRole())
     decode = make_engine(tiny, pages=40)
     try:
         answer = _prefill_and_decode(prefill, decode, "t1", prompt, 0)
@@ -374,7 +376,7 @@ def _prefill_and_decode(prefill: Engine, decode: Engine, rid: str, prompt: list[
     """Prefill `prompt`, copy its pages from `cached_pages` on into decode's reservation (as
     the transfer does), decode; the answer's tokens."""
     first = prefill.generate(GenerateRequest(rid, prompt, SamplingParams(max_new_tokens=1)), 60)
-    src_pages, _ = prefill.scheduler.finished_pages[rid]
+    src_pages, _ = prefill.scheduler.role.finished_pages[rid]
     grant = grant or _reserve(decode, rid, prompt)
     assert grant.ok and grant.cached_pages == cached_pages
     decode.pool.device_kv[:, :, grant.page_ids] = prefill.pool.device_kv[:, :, src_pages[cached_pages:]]

@@ -26,6 +26,7 @@ ALLOWED: dict[str, str] = {
     "engine/config.py": "the model config the geometry is derived from",
     "engine/model.py": "the attention computes with its heads",
     "engine/mla.py": "the latent attention computes with its ranks",
+    "engine/qwen3_next.py": "the gated attention computes with its heads; reads config.json",
     "engine/layers.py": "RoPE over the rotated head dims",
     "engine/loader.py": "reads Hugging Face config.json",
     "engine/export.py": "writes Hugging Face config.json",
@@ -148,7 +149,9 @@ def test_the_mha_fingerprint_is_unchanged_so_stored_pages_stay_valid() -> None:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(kind="gqa"), "unknown KV kind"),
     (dict(dtype="float8"), "not supported"),
-    (dict(layer_kinds=("full", "sliding")), "not run by this engine"),
+    (dict(layer_kinds=("full", "recurrent")), "not run by this engine"),
+    (dict(layer_kinds=("full", "sliding")), "positive sliding_window"),
+    (dict(layer_kinds=("full", "full"), sliding_window=8), "needs sliding layers"),
     (dict(heads=0), "positive sizes"),
 ])
 def test_bad_geometries_are_refused_naming_the_problem(kwargs, message) -> None:

@@ -5,6 +5,7 @@ n > 1 followers sharing the leader's prompt pages (`prefill_leader`)."""
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import replace
@@ -18,12 +19,14 @@ from pdcache.engine.api import (
     RequestOutput,
     SamplingParams,
 )
-from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.constraints import ForcedTokens
 from pdcache.engine.engine import Engine
 from pdcache.engine.forward import ForwardBatch, ForwardMode
 from pdcache.engine.loader import allocate_device_kv, load_model
+from pdcache.engine.roles import RolePolicy, Unified
 from pdcache.engine.scheduler import Scheduler
+from pdcache.engine.scheduler_config import SchedulerConfig
 
 PAGE = 4
 ATOL = 1e-4
@@ -384,21 +387,22 @@ def test_a_follower_of_a_failed_leader_computes_its_own_prompt(tiny) -> None:
     assert finals["follow"].computed_tokens == 10
 
 
-class HoldingScheduler(Scheduler):
+class HoldingRole(Unified):
     """A prefill node's pattern: finished requests keep their pages until `release_held`."""
 
     def hold_after_finish(self, req) -> bool:
         return True
 
 
-def held_engine(tiny, make_scheduler: type[Scheduler]) -> Engine:
+def held_engine(tiny, role: RolePolicy) -> Engine:
     """A tiny engine (64 device pages) stepped by the test, holding finished requests."""
     config = EngineConfig(
         model=tiny.config,
         cache=CacheConfig(page_size=PAGE, num_device_pages=64),
         scheduler=SchedulerConfig(),
     )
-    return Engine(config, tiny, make_scheduler=make_scheduler).start(thread=False)
+    return Engine(config, tiny,
+                  make_scheduler=functools.partial(Scheduler, role=role)).start(thread=False)
 
 
 def finals_of(finals: dict[str, RequestOutput]) -> Callable[[RequestOutput], None]:
@@ -413,7 +417,7 @@ def finals_of(finals: dict[str, RequestOutput]) -> Callable[[RequestOutput], Non
 
 def test_followers_share_a_held_leaders_prompt(tiny) -> None:
     prompt = prompt_of(13, 14)  # 3 full pages + 2 tokens
-    engine = held_engine(tiny, HoldingScheduler)
+    engine = held_engine(tiny, HoldingRole())
     finals: dict[str, RequestOutput] = {}
     collect = finals_of(finals)
 
@@ -517,14 +521,14 @@ def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
     assert [result.tokens[0], result.tokens[2]] == alone.tokens
 
 
-class RecordingHoldScheduler(HoldingScheduler):
+class RecordingHoldRole(HoldingRole):
     """Holds every finished request and records the prompt pages it hands out (what a
     prefill node gives its KV sender to read)."""
 
-    handed: dict[str, list[int]]
+    def __init__(self) -> None:
+        self.handed: dict[str, list[int]] = {}
 
     def hold_after_finish(self, req) -> bool:
-        self.handed = getattr(self, "handed", {})
         self.handed[req.rid] = list(req.page_ids[: len(req.prompt_ids) // PAGE])
         return super().hold_after_finish(req)
 
@@ -534,7 +538,8 @@ def test_caching_a_held_leaders_prompt_keeps_its_handed_pages_intact(tiny) -> No
     reached the tree: the leader's own pages are duplicates then, but a reader still has them,
     so they are freed only when the leader is released (not reused by the next request)."""
     prompt = prompt_of(14, 14)  # 3 full pages + 2 tokens
-    engine = held_engine(tiny, RecordingHoldScheduler)
+    role = RecordingHoldRole()
+    engine = held_engine(tiny, role)
     finals: dict[str, RequestOutput] = {}
     collect = finals_of(finals)
 
@@ -548,7 +553,7 @@ def test_caching_a_held_leaders_prompt_keeps_its_handed_pages_intact(tiny) -> No
     engine.submit(GenerateRequest("lead", prompt, first), collect)
     drain()
     assert finals["lead"].computed_tokens == finals["twin"].computed_tokens == 14
-    handed = engine.scheduler.handed["lead"]
+    handed = role.handed["lead"]
     before = engine.pool.device_kv[:, :, handed].clone()
     engine.release_held("twin")  # the tree now has the prompt's pages: lead's are duplicates
     engine.submit(GenerateRequest("f1", prompt, first, prefill_leader="lead"), collect)

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from pdcache.engine.api import GenerateRequest, RequestOutput, SamplingParams
-from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
 from pdcache.engine.forward import ForwardBatch
 from pdcache.engine.loader import load_model
+from pdcache.engine.scheduler_config import SchedulerConfig
 
 PAGE = 4
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)

@@ -10,9 +10,10 @@ import random
 import pytest
 
 from pdcache.engine.api import GenerateRequest, RequestOutput, SamplingParams
-from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.engine import Engine
 from pdcache.engine.loader import load_model
+from pdcache.engine.scheduler_config import SchedulerConfig
 
 PAGE = 4
 

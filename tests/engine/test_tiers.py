@@ -1,6 +1,7 @@
-"""The scheduler's lower-tier hooks, driven by a minimal host tier written here: pages the tree
-caches are copied to host memory, and later requests load them back (per layer) either as
-their own pages or restored into the tree. Tokens must equal a no-cache run."""
+"""The scheduler's cache tiers (`CacheTiers`, composed into `Scheduler(tiers=...)`), driven by a
+minimal host tier written here: pages the tree caches are copied to host memory, and later
+requests load them back (per layer) either as their own pages or restored into the tree.
+Tokens must equal a no-cache run."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ import pytest
 import torch
 
 from pdcache.engine.api import CachedTokens, GenerateRequest, SamplingParams
-from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.engine import Engine
+from pdcache.engine.kv_pool import DeviceKVPool
 from pdcache.engine.loader import load_model
-from pdcache.engine.radix import InsertResult, MatchResult
+from pdcache.engine.radix import InsertResult, MatchResult, RadixTree
 from pdcache.engine.request import Req
-from pdcache.engine.scheduler import Scheduler, TierReuse
+from pdcache.engine.roles import RolePolicy, Unified
+from pdcache.engine.scheduler import Scheduler
+from pdcache.engine.scheduler_config import SchedulerConfig
+from pdcache.engine.tiers import DeviceOnly, TierReuse
 
 PAGE = 4
 PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)
@@ -46,11 +51,12 @@ class LayerCopy:
         self.wait(self.device_kv.shape[0] - 1)
 
 
-class HostSnapshotScheduler(Scheduler):
+class HostSnapshotTiers(DeviceOnly):
     """A host tier keyed by token prefix (one entry per full page)."""
 
-    def __init__(self, *, restore_into_tree: bool, **kwargs) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, tree: RadixTree, pool: DeviceKVPool, *, restore_into_tree: bool) -> None:
+        super().__init__(tree)
+        self.pool = pool
         self.restore_into_tree = restore_into_tree
         self.host: dict[tuple[int, ...], torch.Tensor] = {}
         self.loads: list[LayerCopy] = []
@@ -103,13 +109,23 @@ def tiny():
     return model
 
 
-def make_engine(model, scheduler=None, prefix_cache: bool = True) -> Engine:
+def composed(make_tiers=None, role: RolePolicy | None = None):
+    """`Engine(make_scheduler=...)`: a `Scheduler` with `make_tiers(tree, pool)` and `role`."""
+
+    def make_scheduler(**kwargs) -> Scheduler:
+        tiers = make_tiers(kwargs["tree"], kwargs["pool"]) if make_tiers is not None else None
+        return Scheduler(**kwargs, tiers=tiers, role=role)
+
+    return make_scheduler
+
+
+def make_engine(model, make_tiers=None, prefix_cache: bool = True) -> Engine:
     config = EngineConfig(
         model=model.config,
         cache=CacheConfig(page_size=PAGE, num_device_pages=128, enable_prefix_cache=prefix_cache),
         scheduler=SchedulerConfig(chunked_prefill_tokens=16),
     )
-    return Engine(config, model, make_scheduler=scheduler).start()
+    return Engine(config, model, make_scheduler=composed(make_tiers)).start()
 
 
 def run(engine: Engine, rid: str, prompt: list[int]):
@@ -121,9 +137,10 @@ def run(engine: Engine, rid: str, prompt: list[int]):
 def test_host_tier_hooks_reuse_exactly(tiny, restore_into_tree: bool) -> None:
     rng = random.Random(3)
     turn1 = [rng.randrange(3, 250) for _ in range(30)]
-    factory = functools.partial(HostSnapshotScheduler, restore_into_tree=restore_into_tree)
+    factory = functools.partial(HostSnapshotTiers, restore_into_tree=restore_into_tree)
     engine = make_engine(tiny, factory)
-    tier: HostSnapshotScheduler = engine.scheduler
+    tier = engine.scheduler.tiers
+    assert isinstance(tier, HostSnapshotTiers)
     try:
         answer, _ = run(engine, "t1", turn1)
         turn2 = turn1 + answer + [7, 8, 9, 10, 11]
@@ -151,9 +168,10 @@ def test_host_tier_hooks_reuse_exactly(tiny, restore_into_tree: bool) -> None:
 
 
 def test_not_ready_request_waits_while_others_run(tiny) -> None:
-    factory = functools.partial(HostSnapshotScheduler, restore_into_tree=False)
+    factory = functools.partial(HostSnapshotTiers, restore_into_tree=False)
     engine = make_engine(tiny, factory)
-    tier: HostSnapshotScheduler = engine.scheduler
+    tier = engine.scheduler.tiers
+    assert isinstance(tier, HostSnapshotTiers)
     finished = threading.Event()
     tier.blocked.add("slow")
     try:
@@ -174,19 +192,25 @@ def test_not_ready_request_waits_while_others_run(tiny) -> None:
         engine.shutdown()
 
 
-class ProtectingScheduler(Scheduler):
-    """Never retracts the requests named in `protected`; remembers every request it saw."""
+class ProtectingRole(Unified):
+    """Never retracts the requests named in `protected`."""
 
-    def __init__(self, *, protected: set[str], **kwargs) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, protected: set[str]) -> None:
         self.protected = protected
+
+    def can_retract(self, req: Req) -> bool:
+        return req.rid not in self.protected
+
+
+class SeeingTiers(DeviceOnly):
+    """Remembers every request queued."""
+
+    def __init__(self, tree: RadixTree | None, pool: DeviceKVPool) -> None:
+        super().__init__(tree)
         self.seen: dict[str, Req] = {}
 
     def on_queued(self, req: Req) -> None:
         self.seen[req.rid] = req
-
-    def can_retract(self, req: Req) -> bool:
-        return req.rid not in self.protected
 
 
 def run_sync(engine: Engine, reqs: list[GenerateRequest]) -> dict[str, list[int]]:
@@ -222,20 +246,22 @@ def test_protected_requests_are_never_retracted(tiny) -> None:
     )
     retractions = {}
     for protected in (set(), {"p2"}):  # unprotected, p2 is the one retracted under pressure
-        factory = functools.partial(ProtectingScheduler, protected=protected)
+        factory = composed(SeeingTiers, ProtectingRole(protected))
         engine = Engine(config, tiny, make_scheduler=factory)
         assert run_sync(engine, reqs) == expected
-        seen = engine.scheduler.seen
+        tiers = engine.scheduler.tiers
+        assert isinstance(tiers, SeeingTiers)
+        seen = tiers.seen
         retractions[frozenset(protected)] = {rid: r.num_retractions for rid, r in seen.items()}
     assert retractions[frozenset()]["p2"] > 0
     assert retractions[frozenset({"p2"})]["p2"] == 0
 
 
-class FailingBackupScheduler(Scheduler):
+class FailingBackupTiers(DeviceOnly):
     """`on_cached` raises once, as a broken backup path would."""
 
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, tree: RadixTree | None, pool: DeviceKVPool) -> None:
+        super().__init__(tree)
         self.failures_left = 1
 
     def on_cached(self, req: Req, result: InsertResult) -> None:
@@ -245,7 +271,7 @@ class FailingBackupScheduler(Scheduler):
 
 
 def test_hook_failure_after_finish_still_delivers_the_final_output(tiny) -> None:
-    engine = make_engine(tiny, FailingBackupScheduler)
+    engine = make_engine(tiny, FailingBackupTiers)
     try:
         first = engine.generate(GenerateRequest("a", list(range(5, 30)), PARAMS), 30)
         assert first[-1].finish_reason == "length" and first[-1].completion_tokens == 10

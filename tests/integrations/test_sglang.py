@@ -1,4 +1,4 @@
-"""The SGLang HiCache storage plugin, loaded by SGLang's own backend factory (issue 9).
+"""The SGLang HiCache storage plugin, loaded by SGLang's own backend factory.
 
 Needs `sglang` installed without its dependencies (see scripts/setup.sh / cpu-deps-notes.md).
 SGLang's real host pool classes import torchvision and CUDA-only modules, so the host pool
@@ -9,6 +9,7 @@ MHATokenToKVPoolHost / MLATokenToKVPoolHost, nothing else (what the plugin reads
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -25,15 +26,17 @@ from pdcache.engine.kv_geometry import KVGeometry  # noqa: E402
 from pdcache.engine.page_keys import kv_fingerprint  # noqa: E402
 from pdcache.integrations import sglang as plugin  # noqa: E402
 from pdcache.offload_manager.host_pool import HostKVPool  # noqa: E402
-from pdcache.offload_manager.storage import create_backend  # noqa: E402
+from pdcache.offload_manager.storage import BACKENDS, create_backend  # noqa: E402
 from pdcache.offload_manager.storage.config import (  # noqa: E402
     StorageConfig,
     storage_keys_from_spec,
 )
 from pdcache.offload_manager.storage.page_format import HEADER_BYTES, encode_object  # noqa: E402
+from tests.storage_doubles import FaultyFileBackend  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 8, 4
 NUM_PAGES = 12
+FAULTY = "faulty-file"  # FaultyFileBackend's registry name (`faulty_backend`)
 
 
 class SglangLikeHostPool:
@@ -103,10 +106,12 @@ def sglang_config(extra: dict, model: str = "org/model", tp_rank: int = 0, tp_si
 
 
 def storage_table(tmp_path: Path, backend: str) -> dict:
+    """A storage table: hf3fs, or a directory backend (`file`, or `FAULTY`: the file backend
+    with switchable faults, registered by the `faulty_backend` fixture)."""
     if backend == "hf3fs":
         return {"backend": "hf3fs", "path": str(tmp_path / "hf3fs"), "capacity_pages": 64,
                 "io_engine": "posix", "metadata": "inproc", "num_data_files": 2}
-    return {"backend": "file", "path": str(tmp_path / "file")}
+    return {"backend": backend, "path": str(tmp_path / "file")}
 
 
 def make_plugin(tmp_path: Path, pool: SglangLikeHostPool, backend: str = "file", **kw):
@@ -117,6 +122,16 @@ def make_plugin(tmp_path: Path, pool: SglangLikeHostPool, backend: str = "file",
     backend_obj = backend_factory.StorageBackendFactory.create_backend("dynamic", config, pool)
     backend_obj.register_mem_pool_host(pool)
     return backend_obj
+
+
+@pytest.fixture
+def faulty_backend() -> Iterator[str]:
+    """The name of `FaultyFileBackend` in the storage registry, for a test's storage table."""
+    BACKENDS.register(FAULTY, "tests.storage_doubles:FaultyFileBackend")
+    try:
+        yield FAULTY
+    finally:
+        BACKENDS.unregister(FAULTY)
 
 
 @pytest.fixture
@@ -317,9 +332,9 @@ def test_tp_shards_never_collide(tmp_path, plugins):
     assert not torch.equal(fresh.kv_buffer[:, : 2 * PAGE], shard1.kv_buffer[:, : 2 * PAGE])
 
 
-def test_v1_failures_are_per_key_false_never_none(tmp_path, plugins, monkeypatch):
+def test_v1_failures_are_per_key_false_never_none(tmp_path, plugins, faulty_backend):
     pool = SglangLikeHostPool("page_first", seed=10)
-    store = open_plugin(plugins, tmp_path, pool)
+    store = open_plugin(plugins, tmp_path, pool, backend=faulty_backend)
     keys = hashes(2)
     assert store.batch_set_v1(keys, indices([0, 1])) == [True, True]
     assert store.batch_get_v1(keys, indices([0])) == [False, False]  # wrong index count
@@ -328,12 +343,8 @@ def test_v1_failures_are_per_key_false_never_none(tmp_path, plugins, monkeypatch
     assert store.batch_set_v1(["not-hex"], indices([2])) == [False]
     assert store.batch_exists(["not-hex", keys[1]]) == 0
 
-    def broken(*args, **kwargs):
-        raise OSError("storage is down")
-
-    monkeypatch.setattr(store.backend, "get_into", broken)
-    monkeypatch.setattr(store.backend, "put_from", broken)
-    monkeypatch.setattr(store.backend, "exists_prefix", broken)
+    assert isinstance(store.backend, FaultyFileBackend)
+    store.backend.down = True  # get_into, put_from and exists_prefix raise OSError
     assert store.batch_get_v1(keys, indices([2, 3])) == [False, False]
     assert store.batch_set_v1(keys, indices([2, 3])) == [False, False]
     assert store.batch_exists(keys) == 0
@@ -362,25 +373,21 @@ def test_batches_move_in_parallel_chunks_byte_exact(tmp_path, plugins):
         assert torch.equal(dst.get_data_page(last * PAGE), src.get_data_page(page * PAGE))
 
 
-def test_read_past_its_deadline_never_touches_the_host_pool(tmp_path, plugins, monkeypatch):
+def test_read_past_its_deadline_never_touches_the_host_pool(tmp_path, plugins, faulty_backend):
     """SGLang reuses the host pages of a failed read at once: a backend read that finishes
     after the plugin gave up must not copy into them."""
     import threading
 
     src = SglangLikeHostPool("page_first", seed=23)
-    extra = plugin.extra_config(storage=storage_table(tmp_path, "file"), io_timeout_s=0.2)
+    extra = plugin.extra_config(storage=storage_table(tmp_path, faulty_backend), io_timeout_s=0.2)
     store = backend_factory.StorageBackendFactory.create_backend("dynamic", sglang_config(extra), src)
     plugins.append(store)
     store.register_mem_pool_host(src)
     keys = hashes(2)
     assert store.batch_set_v1(keys, indices([0, 1])) == [True, True]
-    release, real_get = threading.Event(), store.backend.get_into
-
-    def slow_get(*args, **kwargs):
-        assert release.wait(10)
-        return real_get(*args, **kwargs)
-
-    monkeypatch.setattr(store.backend, "get_into", slow_get)
+    release = threading.Event()
+    assert isinstance(store.backend, FaultyFileBackend)
+    store.backend.read_gate = release  # every read waits for it (10 s at most)
     dst = SglangLikeHostPool("page_first")
     store.mem_pool_host = dst
     assert store.batch_get_v1(keys, indices([2, 3])) == [False, False]
@@ -390,59 +397,46 @@ def test_read_past_its_deadline_never_touches_the_host_pool(tmp_path, plugins, m
     assert store.pdcache_stats()["plugin_errors"] == 1
 
 
-def test_split_read_past_its_deadline_is_waited_for(tmp_path, plugins, monkeypatch):
+def test_split_read_past_its_deadline_is_waited_for(tmp_path, plugins, faulty_backend):
     """Zero-copy IO cannot be held back: a split read running past io_timeout_s is a miss,
     and the call returns only once it stopped touching the pool."""
     import time
 
     src = SglangLikeHostPool("page_first", seed=29)
-    extra = plugin.extra_config(storage=storage_table(tmp_path, "file"), payload="split",
+    extra = plugin.extra_config(storage=storage_table(tmp_path, faulty_backend), payload="split",
                                 io_timeout_s=0.2)
     store = backend_factory.StorageBackendFactory.create_backend("dynamic", sglang_config(extra), src)
     plugins.append(store)
     store.register_mem_pool_host(src)
     keys = hashes(2)
     assert store.batch_set_v1(keys, indices([0, 1])) == [True, True]
-    calls = {"started": 0, "finished": 0}
-    real_get = store.backend.get_into
-
-    def slow_get(*args, **kwargs):
-        calls["started"] += 1
-        time.sleep(0.6)
-        try:
-            return real_get(*args, **kwargs)
-        finally:
-            calls["finished"] += 1
-
-    monkeypatch.setattr(store.backend, "get_into", slow_get)
+    backend = store.backend
+    assert isinstance(backend, FaultyFileBackend)
+    backend.read_delay_s = 0.6
     started = time.monotonic()
     found = store.batch_get_v1(keys, indices([2, 3]))
     # The first chunk ran past the deadline: a miss; any IO that started has ended by now.
-    assert found[0] is False and calls["finished"] == calls["started"] >= 1
+    assert found[0] is False and backend.reads_finished == backend.reads_started >= 1
     assert time.monotonic() - started >= 0.6
     assert store.pdcache_stats()["plugin_errors"] == 1
 
 
-def test_one_deadline_per_call_not_per_chunk(tmp_path, plugins, monkeypatch):
+def test_one_deadline_per_call_not_per_chunk(tmp_path, plugins, faulty_backend):
     """A hung backend holds SGLang's thread for io_timeout_s once, not once per chunk."""
     import threading
     import time
 
     src = SglangLikeHostPool("page_first", seed=31)
-    extra = plugin.extra_config(storage=storage_table(tmp_path, "file"), io_timeout_s=0.3,
+    extra = plugin.extra_config(storage=storage_table(tmp_path, faulty_backend), io_timeout_s=0.3,
                                 chunk_bytes=1, io_threads=2)
     store = backend_factory.StorageBackendFactory.create_backend("dynamic", sglang_config(extra), src)
     plugins.append(store)
     store.register_mem_pool_host(src)
     keys = hashes(NUM_PAGES)
     assert store.batch_set_v1(keys, indices(list(range(NUM_PAGES)))) == [True] * NUM_PAGES
-    release, real_get = threading.Event(), store.backend.get_into
-
-    def hung_get(*args, **kwargs):
-        release.wait(10)
-        return real_get(*args, **kwargs)
-
-    monkeypatch.setattr(store.backend, "get_into", hung_get)
+    release = threading.Event()
+    assert isinstance(store.backend, FaultyFileBackend)
+    store.backend.read_gate = release  # every read hangs until the test ends (10 s at most)
     assert len(store._chunks(keys)) > 2
     started = time.monotonic()
     try:

@@ -1,4 +1,4 @@
-"""Running pdcache nodes and SGLang servers (the pdcache storage plugin) share pages (issue 9).
+"""Running pdcache nodes and SGLang servers (the pdcache storage plugin) share pages.
 
 With `key_scheme = "sglang"` a pdcache node names its stored pages the way the plugin does,
 and the plugin's `model_name` equals the node's model identity (`model_identity()`, here
@@ -268,8 +268,10 @@ def test_decode_offloaded_answer_pages_are_found_by_sglang(tiny, tmp_path, expec
     prefill, decode = node_setups(tmp_path, tiny[0], PAGE, "zmq", offload=True, backend="file",
                                   storage_settings={"path": str(tmp_path / "s")})
     hicache = replace(prefill.tiers.hicache, key_scheme="sglang")
-    prefill = replace(prefill, tiers=replace(prefill.tiers, hicache=hicache), key_scheme="sglang")
-    stack = start_stack(prefill, replace(decode, key_scheme="sglang"))
+    sglang_keys = replace(prefill.cache_tiers, key_scheme="sglang")
+    prefill = replace(prefill, tiers=replace(prefill.tiers, hicache=hicache),
+                      cache_tiers=sglang_keys)
+    stack = start_stack(prefill, replace(decode, cache_tiers=sglang_keys))
     try:
         answer = stack.generate(PROMPT, 8)[1]["output_ids"]
         assert answer == expected

@@ -56,6 +56,30 @@ def test_latent_attention_matches_dense_oracle(name, dtype, seed):
 
 
 @pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(4))
+def test_attention_with_sinks_matches_dense_oracle(name, dtype, seed):
+    """gpt-oss: a sink logit per query head joins every softmax, with or without a window."""
+    params = _random_case(200 + seed, decode=seed % 2 == 0)
+    params["sliding_window"] = [None, 5][seed // 2]
+    testing.check_attention(KERNEL_BACKENDS.get(name)(), dtype=dtype, seed=seed,
+                            with_sinks=True, **params)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_attention_rejects_bad_sinks(name):
+    backend = KERNEL_BACKENDS.get(name)()
+    pool = torch.zeros(1, 2, 4, 4, 2, 8)
+    table = torch.zeros(2, 2, dtype=torch.int64)
+    q = torch.zeros(2, 4, 8)
+    with pytest.raises(checks.KernelArgumentError, match=r"sinks must be a float \[4\]"):
+        backend.paged_attention_decode(q, pool, 0, table, [3, 4], 1.0, sinks=torch.zeros(2))
+    with pytest.raises(checks.KernelArgumentError, match="sinks must be"):
+        backend.paged_attention_extend(q, pool, 0, table, [2, 3], [1, 1], 1.0,
+                                       sinks=torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
 def test_decode_batch_with_very_different_lengths(name):
     testing.check_attention(
         KERNEL_BACKENDS.get(name)(), seq_lens=[1, 97, 3, 64], new_tokens=[1, 1, 1, 1],

@@ -92,6 +92,16 @@ def test_attention(dtype, case):
 
 @runs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [0, 1, 3])
+def test_attention_with_sinks(dtype, case):
+    """gpt-oss's sinks: the online softmax starts from the sink logit."""
+    seq_lens, new, page_size, q_heads, kv_heads, dim, window = ATTENTION_CASES[case]
+    testing.check_attention(_backend(), seq_lens, new, page_size, q_heads, kv_heads, dim, dtype,
+                            seed=case, sliding_window=window, device=DEVICE, with_sinks=True)
+
+
+@runs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("new", [[1, 1], [5, 2]])
 def test_latent_attention(dtype, new):
     """A latent pool (MLA, absorbed): K is the row, V its first 16 of 24 elements."""
@@ -104,6 +114,7 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     compiled = _backend().compile_all(arch=90)
-    assert sorted(compiled) == ["copy_blocks", "decode", "decode_mla", "extend_bf16", "extend_fp32",
-                                "extend_mla_bf16"]
+    assert sorted(compiled) == ["copy_blocks", "decode", "decode_mla", "decode_sinks",
+                                "extend_bf16", "extend_fp32", "extend_mla_bf16",
+                                "extend_sinks_bf16"]
     assert all(binary for binary in compiled.values())

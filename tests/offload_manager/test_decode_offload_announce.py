@@ -11,7 +11,7 @@ import time
 from pdcache.engine.page_keys import chain_page_keys, make_salt
 from pdcache.offload_manager.decode_offload import DecodeOffloadManager
 from pdcache.offload_manager.pending import PageState, PendingPages
-from pdcache.transfer import MarksDelivery
+from pdcache.transfer.delivery import MarksDelivery
 from tests.offload_manager.test_decode_offload import FP, PAGE, device_kv
 from tests.storage_doubles import DictBackend
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from pdcache.engine.api import GenerateRequest, SamplingParams
-from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.engine import Engine
 from pdcache.engine.loader import load_model
+from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.offload_manager.builder import (
     TierConfig,
     build_tiered_engine,

@@ -10,6 +10,7 @@ from pdcache.engine.kv_pool import PageAllocator
 from pdcache.offload_manager.hicache import HiCache, HiCacheConfig
 from pdcache.offload_manager.hiradix import HiRadixTree
 from pdcache.offload_manager.host_pool import HostKVPool
+from pdcache.offload_manager.pending import PendingPages
 from tests.storage_doubles import DictBackend
 
 L, P, S, H, D = 2, 16, 4, 2, 8
@@ -19,12 +20,14 @@ FP = "fp"
 class Stack:
     """Device pool + host pool + HiCache over one storage backend."""
 
-    def __init__(self, storage, host_pages: int = 16, **cfg) -> None:
+    def __init__(self, storage, host_pages: int = 16, pending: PendingPages | None = None,
+                 **cfg) -> None:
         self.device_kv = torch.zeros(L, 2, P, S, H, D)
         self.alloc = PageAllocator(P)
         self.host = HostKVPool(host_pages, KVGeometry.mha(L, H, D, "float32"), S)
         self.tree = HiRadixTree(S, self.alloc, self.host)
-        self.cache = HiCache(self.tree, self.device_kv, storage, HiCacheConfig(**cfg), FP)
+        self.cache = HiCache(self.tree, self.device_kv, storage, HiCacheConfig(**cfg), FP,
+                             pending=pending)
         self.cache.start()
 
     def prefill(self, tokens: list[int], salt: str = "") -> list[int]:
@@ -129,7 +132,7 @@ def test_prefetch_from_storage_in_a_fresh_process(policy: str) -> None:
     st = Stack(storage, prefetch_policy=policy)  # new tiers, same storage
     assert st.cache.start_prefetch("r", TOKENS + [1], "", first_page=0, max_pages=3) == 3
     deadline = time.monotonic() + 10
-    while not st.cache._prefetches["r"].complete and time.monotonic() < deadline:
+    while not st.cache.prefetches.complete("r") and time.monotonic() < deadline:
         time.sleep(0.01)
     assert st.cache.prefetch_ready("r")
     result = st.cache.take_prefetch("r")

@@ -2,7 +2,7 @@
 
 - per-layer load: the forward waits for layer i's host → device copy right before layer i's
   attention, and layer i+1 is still not on device at that moment (recorded by a LayerLoad
-  subclass and a wrapper of each layer's attention), for host hits and prefetched pages;
+  subclass and a hook on each layer's attention output), for host hits and prefetched pages;
   with `copy_ahead` the copies run on the copier thread, ahead of the forward, and layer i's
   attention still never runs before layer i's copy ended (a copy held back is waited for);
 - write_back: nothing is backed up while a node is on device; device eviction writes it to
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from pdcache.offload_manager.hicache import LayerLoad
+from pdcache.offload_manager.layer_loads import LayerLoad
 from tests.hicache_support import (
     PROMPT,
     check_every_tier,
@@ -56,21 +56,23 @@ def recording_load(events: list[Event], checks: list[tuple[int, bool, bool]]) ->
 
 @contextmanager
 def attention_recorded(model, events: list[Event]) -> Iterator[None]:
-    """Wraps every layer's attention step so it logs ("attn", layer) as it runs."""
-    attns = [layer.self_attn for layer in model.model.layers]
-    for attn in attns:
-        inner = attn._attend
+    """Logs ("attn", layer) as each layer's attention has run: a forward pre-hook on the
+    layer's output projection, which takes the attention's result (and runs after the
+    layer's load wait)."""
 
-        def attend(*args, _inner=inner, _layer=attn.layer_id, **kwargs):
-            events.append(("attn", _layer))
-            return _inner(*args, **kwargs)
+    def recorder(layer: int):
+        def record(_module, _inputs) -> None:
+            events.append(("attn", layer))
 
-        attn._attend = attend
+        return record
+
+    handles = [layer.self_attn.o_proj.register_forward_pre_hook(recorder(layer.self_attn.layer_id))
+               for layer in model.model.layers]
     try:
         yield
     finally:
-        for attn in attns:
-            del attn._attend
+        for handle in handles:
+            handle.remove()
 
 
 def assert_layer_by_layer(events: list[Event], checks: list, num_layers: int) -> None:
@@ -117,7 +119,7 @@ def test_forward_waits_for_each_layer_of_host_and_storage_loads(tiny, expected, 
 
 
 class HeldEvents(list):
-    """The events list; `attended` is set once the held layer's attention started."""
+    """The events list; `attended` is set once the held layer's attention ran."""
 
     def __init__(self, held_layer: int) -> None:
         super().__init__()
@@ -145,11 +147,11 @@ def copy_ahead_load(events: HeldEvents) -> type[LayerLoad]:
                     forward_waits.set()
             super().wait(layer)
 
-        def _copy_layer(self, layer: int) -> None:
+        def copy_layer(self, layer: int) -> None:
             if layer == held_layer:
                 assert forward_waits.wait(30), "the forward never waited for the held layer"
                 events.attended.wait(0.5)  # set only if attention ran ahead of this copy
-            super()._copy_layer(layer)
+            super().copy_layer(layer)
             events.append(("copied", layer, threading.current_thread().name))
 
     return HeldLayerLoad

@@ -34,8 +34,7 @@ import pytest
 import torch
 
 from pdcache.engine.api import GenerateRequest
-from pdcache.offload_manager.hicache import LayerLoad
-from pdcache.offload_manager.hicache_scheduler import HiCacheScheduler
+from pdcache.offload_manager.layer_loads import LayerLoad
 from pdcache.offload_manager.storage import BACKENDS
 from pdcache.offload_manager.storage.file import FileBackend
 from pdcache.offload_manager.storage.layer_reads import LayerStream
@@ -80,32 +79,35 @@ class GatedFileBackend(FileBackend):
 
 
 class _Gate:
-    """A LayerStream seen through the backend's gate."""
+    """The reporting side of a LayerStream (what the layer-major read calls) seen through the
+    backend's gate: each report goes on to `stream`, held at `backend`'s gates."""
 
     def __init__(self, stream: LayerStream, backend: GatedFileBackend) -> None:
-        self._stream = stream
-        self._backend = backend
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
+        self.stream = stream
+        self.backend = backend
+        self.layers_per_read = stream.layers_per_read
+        self.cancelled = stream.cancelled
 
     def _stop(self, gate: threading.Event, held: threading.Event) -> None:
         held.set()
         assert gate.wait(30), "the test never opened the gate"
 
     def headers_read(self, ok_prefix: int, origins: list[str | None]) -> None:
-        if self._backend.hold in ("headers", "both"):
-            self._stop(self._backend.gate, self._backend.held)
-        self._stream.headers_read(ok_prefix, origins)
+        if self.backend.hold in ("headers", "both"):
+            self._stop(self.backend.gate, self.backend.held)
+        self.stream.headers_read(ok_prefix, origins)
 
     def layer_read(self, layer: int) -> None:
-        backend = self._backend
+        backend = self.backend
         backend.events.append(("read", layer))
-        self._stream.layer_read(layer)
+        self.stream.layer_read(layer)
         if layer == 0 and backend.hold == "layer0":
             self._stop(backend.gate, backend.held)
         elif layer == 0 and backend.hold == "both":
             self._stop(backend.layer0_gate, backend.layer0_held)
+
+    def finish(self, ok: Sequence[bool]) -> None:
+        self.stream.finish(ok)
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +183,7 @@ def _recording_load(events: list[tuple[str, int]], backend: GatedFileBackend) ->
         forward asks for layer 1."""
 
         def wait(self, layer: int) -> None:
-            if self.streamed is not None and layer >= self._next_layer:
+            if self.streamed is not None and layer >= self.layers_loaded:
                 events.append(("wait", layer, self.streamed.stream.layers_read))
                 if layer == 1:
                     backend.gate.set()
@@ -217,13 +219,6 @@ def test_layer_zero_computes_before_layer_one_is_read(tiny, expected, tmp_path, 
         built.close()
 
 
-class NoRequeueScheduler(HiCacheScheduler):
-    """The protection off: a load that failed verification is kept (what it computed too)."""
-
-    def requeue_failed_loads(self, batch):
-        return None
-
-
 @pytest.mark.parametrize("protected", [True, False])
 def test_page_failing_verification_after_use_is_recomputed(tiny, expected, tmp_path, protected,
                                                            gated_backend):
@@ -234,10 +229,11 @@ def test_page_failing_verification_after_use_is_recomputed(tiny, expected, tmp_p
         blob = store.read_object(key)
         assert blob is not None
         store.write_object(key, blob[:HEADER_BYTES] + struct.pack(f"<{floats}f", *[30.0] * floats))
-    scheduler = {} if protected else {"scheduler_cls": NoRequeueScheduler}
     built = tiered(tiny, cfg.replace(backend=gated_backend), host_pages=64,
                    write_policy="write_back", prefetch_policy="wait_complete",
-                   layerwise_prefetch=True, **scheduler)
+                   layerwise_prefetch=True)
+    if not protected:  # the protection off: a load that failed verification is kept
+        built.engine.scheduler.requeue_failed_loads = lambda batch: None
     backend = built.storage
     assert isinstance(backend, GatedFileBackend)
     backend.hold = "layer0"  # the forward starts before any page could be verified
@@ -297,7 +293,7 @@ def test_abort_during_streamed_read_returns_staging_pages(tiny, tmp_path, gated_
 def test_streamed_prefetch_offers_headers_then_only_verified_pages() -> None:
     """Before the read ends, admission may take every page whose header is valid (its layers
     are still arriving); once it ended, only the consecutive verified pages."""
-    from pdcache.offload_manager.hicache import PrefetchOp
+    from pdcache.offload_manager.prefetch_ops import PrefetchOp
 
     stream = LayerStream(6, 4)
     op = PrefetchOp("r", 0, [b"k"] * 6, list(range(6)), [], deadline=0.0, stream=stream)
@@ -363,7 +359,7 @@ def test_retracted_request_holding_a_failed_stream_caches_and_writes_nothing(
         req = sched.waiting[0]
         backend.gate.set()
         assert backend.layer0_held.wait(20)
-        wait_until(lambda: sched.admission_ready(req))
+        wait_until(lambda: sched.tiers.admission_ready(req))
         assert sched.schedule() is not None  # admitted; its forward has not run
         assert req in sched.running and req.kv_len == PAGES * PAGE and req.kv_load is not None
         backend.layer0_gate.set()
@@ -439,7 +435,7 @@ def test_stream_none_of_whose_pages_fit_is_cancelled(tiny, tmp_path, gated_backe
         assert built.engine.step()  # queued: prefetching pages 10..39, held before headers
         assert built.hicache.prefetch_first_page("moved") == 10
         assert backend.held.wait(20)
-        sched.drop_cache()  # pages 0..9 leave device and host
+        sched.tiers.drop()  # pages 0..9 leave device and host
         backend.gate.set()
         assert backend.layer0_held.wait(20)  # headers and layer 0 read, the rest to come
         wait_until(lambda: built.hicache.prefetch_ready("moved"))

@@ -95,8 +95,8 @@ def test_a_finished_load_is_freed_by_reference_counting_alone(copier: LoadCopier
     import torch
 
     from pdcache.engine.kv_geometry import KVGeometry
-    from pdcache.offload_manager.hicache import LayerLoad
     from pdcache.offload_manager.host_pool import HostKVPool
+    from pdcache.offload_manager.layer_loads import LayerLoad
 
     pool = HostKVPool(4, KVGeometry.mha(3, 1, 4, "float32"), page_size=2)
     host_ids = pool.alloc(2)
@@ -148,23 +148,24 @@ def test_close_never_reports_a_layer_whose_copy_is_still_running() -> None:
     assert isinstance(job.error, RuntimeError) and "closed" in str(job.error)
 
 
-def _layer_load(copier: LoadCopier, copy_layer):
+def _layer_load(copier: LoadCopier, copy_layer, copy_timeout_s: float | None = None):
     import torch
 
     from pdcache.engine.kv_geometry import KVGeometry
-    from pdcache.offload_manager.hicache import LayerLoad
     from pdcache.offload_manager.host_pool import HostKVPool
+    from pdcache.offload_manager.layer_loads import COPY_WAIT_S, LayerLoad
 
     class Load(LayerLoad):
-        def _copy_layer(self, layer: int) -> None:
+        def copy_layer(self, layer: int) -> None:
             copy_layer(layer)
-            super()._copy_layer(layer)
+            super().copy_layer(layer)
 
     pool = HostKVPool(4, KVGeometry.mha(3, 1, 4, "float32"), page_size=2)
     host_ids = pool.alloc(2)
     assert host_ids is not None
     pool.commit(host_ids)
-    return pool, Load(pool, torch.zeros(3, 2, 5, 2, 1, 4), host_ids, [3, 1], copier=copier)
+    return pool, Load(pool, torch.zeros(3, 2, 5, 2, 1, 4), host_ids, [3, 1], copier=copier,
+                      copy_timeout_s=copy_timeout_s or COPY_WAIT_S)
 
 
 def test_a_copy_that_raises_fails_the_load_and_releases_it(copier: LoadCopier) -> None:
@@ -180,13 +181,11 @@ def test_a_copy_that_raises_fails_the_load_and_releases_it(copier: LoadCopier) -
     load.finish()  # the runner's finish() after the forward: nothing left to do
 
 
-def test_a_copy_past_its_bound_keeps_the_pages_and_wedges_the_copier(monkeypatch) -> None:
-    from pdcache.offload_manager import hicache
-
-    monkeypatch.setattr(hicache, "COPY_WAIT_S", 0.2)
+def test_a_copy_past_its_bound_keeps_the_pages_and_wedges_the_copier() -> None:
     copier, stuck = LoadCopier().start(), threading.Event()
     try:
-        pool, load = _layer_load(copier, lambda layer: stuck.wait(10) if layer == 0 else None)
+        pool, load = _layer_load(copier, lambda layer: stuck.wait(10) if layer == 0 else None,
+                                 copy_timeout_s=0.2)
         with pytest.raises(RuntimeError, match="did not end in"):
             load.wait(0)
         with pytest.raises(RuntimeError, match="timed out earlier"):  # no second 0.2 s wait

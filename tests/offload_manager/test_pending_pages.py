@@ -58,8 +58,7 @@ def committed_and_pending(policy: str, **cfg):
     keys = writer.cache.page_keys(TOKENS, "")
     stored = {key: storage.pages.pop(key) for key in keys[1:]}
     pending = PendingPages()
-    st = Stack(storage, prefetch_policy=policy, **cfg)
-    st.cache.pending = pending
+    st = Stack(storage, pending=pending, prefetch_policy=policy, **cfg)
     return st, storage, pending, keys, stored
 
 

@@ -70,8 +70,7 @@ def pending_stack(tmp_path, mode: str, mac: bool = True, clock=time.monotonic, *
     storage.delete(keys[1:])
     pulls = PagePulls(mode)
     pending = PendingPages(pulls=pulls, clock=clock)
-    st = Stack(storage, **{"prefetch_policy": "timeout", **cfg})
-    st.cache.pending = pending
+    st = Stack(storage, pending=pending, **{"prefetch_policy": "timeout", **cfg})
     return st, storage, config, pending, pulls, keys, objects
 
 

@@ -113,7 +113,7 @@ def _queue_then_shrink_its_match(built, backend: GatedReads, rid: str) -> list:
     assert built.engine.step()  # queued
     assert built.hicache.prefetch_first_page(rid) == ON_DEVICE
     assert backend.held.wait(20)
-    built.engine.scheduler.drop_cache()
+    built.engine.scheduler.tiers.drop()
     return outputs
 
 

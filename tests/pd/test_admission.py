@@ -1,4 +1,4 @@
-"""Decode admission that waits (issue 17), on real tiny-preset nodes over HTTP with the zmq
+"""Decode admission that waits, on real tiny-preset nodes over HTTP with the zmq
 transfer engine (tests/pd_harness.py).
 
 - a burst of N = pool / prompt + 2 concurrent long prompts on a small decode pool: all

@@ -20,8 +20,9 @@ import pytest
 from pdcache.config import NodeSetup, OffloadSettings
 from pdcache.config.node_setup import with_keys
 from pdcache.config.security import SecuritySettings
-from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.loader import load_model
+from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.offload_manager.builder import (
     TierConfig,
     fingerprint_for,
@@ -30,7 +31,8 @@ from pdcache.offload_manager.builder import (
 )
 from pdcache.offload_manager.hicache import HiCache, HiCacheConfig
 from pdcache.offload_manager.pending import PendingPages
-from pdcache.transfer import MarksDelivery, TransferConfig
+from pdcache.transfer.config import TransferConfig
+from pdcache.transfer.delivery import MarksDelivery
 from tests.pd_harness import (
     MetadataService,
     PDStack,

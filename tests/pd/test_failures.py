@@ -1,4 +1,4 @@
-"""Failure semantics of the whole PD stack with real processes (issue 4, "Show"): kill -9 of a
+"""Failure semantics of the whole PD stack with real processes: kill -9 of a
 decode process during a KV transfer and of a prefill process before `done`, and 200 mixed
 requests, all through `pdcache router` in front of `pdcache prefill` / `pdcache decode`
 (tiny preset, page size 16, Mooncake TE over loopback TCP).

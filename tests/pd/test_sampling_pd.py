@@ -4,7 +4,7 @@ the first token prefill samples travels with its logprob (and the prompt logprob
 `ForcedTokens` constraint gives the exact tokens across the pair, the decode node's copy
 accepting prefill's first token; penalties count that token.
 
-The HTTP request models do not carry logprobs or constraints yet (issue 13's /generate work),
+The HTTP request models do not carry logprobs or constraints yet,
 so each test adds them where the node hands its request to its engine (`Engine.submit` on
 prefill, `Engine.submit_prefilled` on decode); everything after that is the real path.
 """

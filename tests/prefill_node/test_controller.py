@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 import pytest
 
 from pdcache.engine.api import GenerateRequest, SamplingParams
-from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.loader import load_model
+from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.offload_manager.builder import TierConfig, build_tiered_engine
 from pdcache.offload_manager.hicache import HiCacheConfig
 from pdcache.prefill_node.controller import DuplicateRoomError, PrefillController, PrefillOutcome
-from pdcache.prefill_node.scheduler import PrefillScheduler
-from pdcache.transfer import Outcome, PrefillReport, RoomState
+from pdcache.prefill_node.scheduler import PrefillRole
+from pdcache.transfer.messages import PrefillReport
+from pdcache.transfer.rooms import Outcome, RoomState
 
 
 class Ledger:
@@ -130,7 +132,7 @@ class Node:
         self.controller.open_room(f"r{room}", room, self.outcomes[room].append)
 
     def prefilled(self, rid: str) -> bool:
-        """What PrefillScheduler.hold_after_finish does, then the scheduler's own step."""
+        """What PrefillRole.hold_after_finish does, then the scheduler's own step."""
         pages = [self._next_page, self._next_page + 1]
         self._next_page += 2
         held = self.controller.take_prefilled(rid, pages, PrefillReport(7, prompt_tokens=5))
@@ -309,7 +311,7 @@ def test_the_ledger_catches_what_the_controller_prevents() -> None:
         ledger.check_empty()  # what a release that never came would leave
 
 
-# ---- the real engine: PrefillScheduler holds exactly what the controller takes ------------------
+# ---- the real engine: PrefillRole holds exactly what the controller takes -----------------------
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -322,7 +324,7 @@ def real_node(tiny):
                           SchedulerConfig(chunked_prefill_tokens=64))
     controller = PrefillController("p0")
     tiered = build_tiered_engine(config, model, tokenizer, TierConfig(128, HiCacheConfig()),
-                                 PrefillScheduler, pd=controller)
+                                 role=PrefillRole(controller))
     return controller, tiered
 
 
@@ -353,8 +355,8 @@ def test_real_engine_holds_until_release(tiny, inside_send: bool) -> None:
 
 
 def test_the_gate_holds_a_pd_request_out_of_compute_until_decode_asks(tiny) -> None:
-    # Protection: PrefillScheduler.admission_ready asks decode_ready. Without it (return
-    # super().admission_ready(req) only), "g" is computed at once and `num_waiting == 1`
+    # Protection: PrefillRole.admission_ready asks decode_ready. Without it (return True),
+    # "g" is computed at once and `num_waiting == 1`
     # fails.
     controller, tiered = real_node(tiny)
     engine = tiered.engine

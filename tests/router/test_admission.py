@@ -1,4 +1,4 @@
-"""The router's own admission (issue 17): per-node in-flight limits and a bounded FIFO queue
+"""The router's own admission: per-node in-flight limits and a bounded FIFO queue
 in front of REAL `tiny` unified nodes (in-process uvicorn on 127.0.0.1 free ports).
 
 The node's slot is occupied deterministically by a lease the test takes through the router's

@@ -267,17 +267,23 @@ def test_cache_aware_keeps_a_conversation_on_its_prefill_node(
     stack.decode_server.engine.check_accounting()
 
 
-def test_oversized_prompt_logprobs_are_refused_by_the_router(
-    stack: PDStack, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """1000 prompt positions with top 200 need ~1.6 MB, over the nodes' 1 MiB message limit:
-    a 400 from the router itself (the prefill node's own check is off here), no node
-    touched; from the prompt's end they fit."""
-    from pdcache.prefill_node.app import PrefillApp
+def generate_calls(server: Any) -> float:
+    """The /generate requests a node answered so far, every status, by its own
+    `pdcache_requests_total{endpoint, status}` series."""
+    registry = server.pd.bridge.metrics.registry
+    return sum(sample.value for metric in registry.collect() for sample in metric.samples
+               if sample.name == "pdcache_requests_total"
+               and sample.labels.get("endpoint") == "/generate")
 
-    monkeypatch.setattr(PrefillApp, "_check_logprobs_fit", lambda self, lp, n: None)
+
+def test_oversized_prompt_logprobs_are_refused_by_the_router(stack: PDStack) -> None:
+    """1000 prompt positions with top 200 need ~1.6 MB, over the nodes' 1 MiB message limit:
+    a 400 from the router itself (no node answered a /generate for it, by the nodes' own
+    request counters: the prefill node would refuse it the same way), no node touched;
+    from the prompt's end they fit."""
     ids = [(7 * i + 3) % 250 for i in range(1000)]
     before = stack.prefill_server.engine.stats()["tokens_computed_total"]
+    calls = [generate_calls(stack.prefill_server), generate_calls(stack.decode_server)]
     with pd_router(stack) as client:
         fields = {"return_logprob": True, "top_logprobs_num": 200}
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, **GREEDY},
@@ -286,6 +292,9 @@ def test_oversized_prompt_logprobs_are_refused_by_the_router(
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "logprobs_too_large"
         assert stack.prefill_server.engine.stats()["tokens_computed_total"] == before
+        assert [generate_calls(stack.prefill_server),
+                generate_calls(stack.decode_server)] == calls  # the router answered alone
         ok = client.post("/generate", json={**body, "logprob_start_len": 998})
         assert ok.status_code == 200, ok.text
         assert len(ok.json()["meta_info"]["input_top_logprobs"]) == 2
+        assert generate_calls(stack.prefill_server) > calls[0]  # the counter sees a call

@@ -9,7 +9,7 @@ The router always asks the nodes for incremental events and renders the client's
 chunks itself: the "cumulative" cases here test that rendering, not the decode node's
 cumulative branch of `FirstTokenSkip`, which tests/prefill_node/test_pd_stream.py
 (`test_decode_after_a_streamed_first_token_cumulative_and_one_token`) drives directly, and
-tests/server/test_generate_api.py at the unit level. Decode refusing
+tests/decode_node/test_first_token.py at the unit level. Decode refusing
 after P streamed token 1, a client leaving before D's stream opened and nodes that do not
 advertise `first_token_stream` (a rolling upgrade) are tested at the end."""
 
@@ -29,7 +29,9 @@ import pytest
 pytest.importorskip("pdcache.prefill_node.runtime", reason="the prefill node is not in this build")
 pytest.importorskip("pdcache.decode_node.runtime", reason="the decode node is not in this build")
 
+from pdcache.decode_node.app import DecodeHooks  # noqa: E402
 from pdcache.engine.loader import load_model  # noqa: E402
+from pdcache.prefill_node.app import PrefillHooks  # noqa: E402
 from tests.pd_harness import PDStack  # noqa: E402
 from tests.router.test_pd import pd_router, start_pd, wait_idle  # noqa: E402
 from tests.router_support import sse_events  # noqa: E402
@@ -214,24 +216,20 @@ def test_openai_streams_are_the_same_on_and_off(stack: PDStack, path: str) -> No
     assert all(len(on[i].get("logprobs", [0] * 7)) == 7 for i in range(n))
 
 
-class GatedReceipt:
+class GatedReceipt(DecodeHooks):
     """Holds the decode node's handler before it learns that the K/V arrived (a slow
     transfer, as decode sees it): `arrived` once a request waits there, `opened_at` once
-    the test lets it through. Wraps the real `DecodeApp._wait` of the running node."""
+    the test lets it through. The running node's hooks (`DecodeApp.hooks`) for the test."""
 
     def __init__(self, stack: PDStack, monkeypatch: pytest.MonkeyPatch) -> None:
         self.arrived = threading.Event()
         self.gate = threading.Event()
         self.opened_at = 0.0
-        pd = stack.decode_server.pd
-        real = pd._wait
+        monkeypatch.setattr(stack.decode_server.pd, "hooks", self)
 
-        async def gated(released: Any, room: int, request: Any) -> Any:
-            self.arrived.set()
-            await asyncio.to_thread(self.gate.wait, 60)
-            return await real(released, room, request)
-
-        monkeypatch.setattr(pd, "_wait", gated)
+    async def awaiting_kv(self, room: int) -> None:
+        self.arrived.set()
+        await asyncio.to_thread(self.gate.wait, 60)
 
     def open(self) -> None:
         self.opened_at = time.monotonic()
@@ -328,24 +326,22 @@ def test_decode_failing_after_token_1_is_a_mid_stream_error(
     `transfer_failed`, as for a failed transfer): with the first token from prefill the
     client already has token 1, so it gets a 200 stream with that token, then the error
     event, then [DONE]; without, a plain HTTP 502. Decode's pages return either way."""
-    from pdcache.server.protocol import SERVER_ERROR, ApiError
+    from pdcache.wire.protocol import SERVER_ERROR, ApiError
     from tests.router.test_pd import wait_idle
 
-    gate = GatedReceipt(stack, monkeypatch)
     pd = stack.decode_server.pd
-    gated = pd._wait
 
-    async def failing(released: Any, room: int, request: Any) -> Any:
-        await gated(released, room, request)
-        pd.controller.leave(room, "test: decode gives up after the K/V arrived")
-        raise ApiError(
-            502,
-            f"KV transfer of room {room} failed: injected",
-            type=SERVER_ERROR,
-            code="transfer_failed",
-        )
+    class FailingAfterReceipt(GatedReceipt):
+        async def kv_arrived(self, room: int) -> None:
+            pd.controller.leave(room, "test: decode gives up after the K/V arrived")
+            raise ApiError(
+                502,
+                f"KV transfer of room {room} failed: injected",
+                type=SERVER_ERROR,
+                code="transfer_failed",
+            )
 
-    monkeypatch.setattr(pd, "_wait", failing)
+    gate = FailingAfterReceipt(stack, monkeypatch)
     body = {
         "input_ids": PROMPT,
         "stream": True,
@@ -414,20 +410,16 @@ def test_forced_tool_call_stream_is_the_same_on_and_off(stack: PDStack) -> None:
     json.loads(on["calls"][0]["arguments"])
 
 
-class PrefillFirstSent:
+class PrefillFirstSent(PrefillHooks):
     """`sent` once the prefill node's SSE answer has sent its first event (the first token)
-    and waits for the room's release. Wraps the real `PrefillApp._wait_release`."""
+    and waits for the room's release. The running node's hooks (`PrefillApp.hooks`)."""
 
     def __init__(self, stack: PDStack, monkeypatch: pytest.MonkeyPatch) -> None:
         self.sent = threading.Event()
-        pd = stack.prefill_server.pd
-        real = pd._wait_release
+        monkeypatch.setattr(stack.prefill_server.pd, "hooks", self)
 
-        async def signalled(released: Any, room: int) -> Any:
-            self.sent.set()
-            return await real(released, room)
-
-        monkeypatch.setattr(pd, "_wait_release", signalled)
+    async def awaiting_release(self, room: int) -> None:
+        self.sent.set()
 
 
 def wait_no_rooms(stack: PDStack, timeout_s: float = 30.0) -> None:
@@ -455,29 +447,45 @@ def test_decode_refusing_after_prefill_streamed_token_1_is_an_http_error(
     event until D's stream opened, so the client gets D's refusal as an HTTP 503 (retried
     when another decode node exists; here there is none), not a 200 stream ending in an
     error event. Nothing stays in flight, no room stays open on either node."""
-    from pdcache.engine.engine import Admission
-
     monkeypatch.setattr(stack.prefill_server.pd.controller, "wait_for_decode", False)
     first = PrefillFirstSent(stack, monkeypatch)
+    decode = stack.decode_server.pd
     engine = stack.decode_server.engine
+    decode.controller.attach(FullQueueEngine(engine, first.sent), decode.receiver)
+    try:
+        with pd_router(stack) as client:
+            r = client.post("/generate", json=STREAM_BODY)
+            assert first.sent.is_set()  # P had streamed token 1 before D refused
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "queue_full"
+            router = client.app.state.router  # type: ignore[attr-defined]
+            assert [n.in_flight for n in router.registry.nodes] == [0, 0]
+    finally:
+        decode.controller.attach(engine, decode.receiver)
+    wait_no_rooms(stack)
 
-    def full_queue(rid: str, num_tokens: int, on_done: Any, max_new_tokens: int = 0,
-                   prefix_ids: Any = (), salt: str = "") -> None:
-        def answer() -> None:  # the engine's answer of a full queue, once P sent token 1
-            first.sent.wait(30)
+
+class FullQueueEngine:
+    """The decode engine as its controller uses it (`DecodeEngine`, handed over with
+    `DecodeController.attach`), with its admission queue full: every reservation is answered
+    `queue_full`, once `answer_after` is set; everything else is the real engine's."""
+
+    def __init__(self, engine: Any, answer_after: threading.Event) -> None:
+        self.engine = engine
+        self.answer_after = answer_after
+
+    def reserve_when_free(self, rid: str, num_tokens: int, on_done: Any,
+                          max_new_tokens: int = 0, prefix_ids: Any = (), salt: str = "") -> None:
+        from pdcache.engine.reservations import Admission
+
+        def answer() -> None:  # the engine's answer of a full queue (its own thread)
+            self.answer_after.wait(30)
             on_done(Admission(rid, None, "queue_full"))
 
         threading.Thread(target=answer, daemon=True).start()
 
-    monkeypatch.setattr(engine, "reserve_when_free", full_queue)
-    with pd_router(stack) as client:
-        r = client.post("/generate", json=STREAM_BODY)
-        assert first.sent.is_set()  # P had streamed token 1 before D refused
-        assert r.status_code == 503, r.text
-        assert r.json()["error"]["code"] == "queue_full"
-        router = client.app.state.router  # type: ignore[attr-defined]
-        assert [n.in_flight for n in router.registry.nodes] == [0, 0]
-    wait_no_rooms(stack)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
 
 
 def test_client_leaving_before_decode_opened_frees_everything(
@@ -489,15 +497,14 @@ def test_client_leaving_before_decode_opened_frees_everything(
     import socket
 
     first = PrefillFirstSent(stack, monkeypatch)
-    pd = stack.decode_server.pd
-    real, hold, held = pd._admitted, threading.Event(), threading.Event()
+    hold, held = threading.Event(), threading.Event()
 
-    async def held_after_admission(*args: Any) -> None:
-        await real(*args)
-        held.set()
-        await asyncio.to_thread(hold.wait, 60)
+    class HeldAfterAdmission(DecodeHooks):
+        async def admitted(self, room: int) -> None:
+            held.set()
+            await asyncio.to_thread(hold.wait, 60)
 
-    monkeypatch.setattr(pd, "_admitted", held_after_admission)
+    monkeypatch.setattr(stack.decode_server.pd, "hooks", HeldAfterAdmission())
     with pd_router(stack) as client:
         router = client.app.state.router  # type: ignore[attr-defined]
         payload = json.dumps(STREAM_BODY).encode()
@@ -554,14 +561,13 @@ def test_a_node_not_advertising_first_token_stream_gets_the_old_bodies(
     read it); with one of them taken for an older build (its flag off, as the probe records
     an older /health) the router sends the old bodies: P answers JSON (its SSE answer is
     never built), D streams token 1 itself, and the client's stream is the same."""
-    pd = stack.prefill_server.pd
-    real, sse_answers = pd._pd_stream, []
+    sse_answers: list[int] = []
 
-    def counted(*args: Any) -> Any:
-        sse_answers.append(1)
-        return real(*args)
+    class CountedStreams(PrefillHooks):
+        async def streaming(self, room: int) -> None:
+            sse_answers.append(room)
 
-    monkeypatch.setattr(pd, "_pd_stream", counted)
+    monkeypatch.setattr(stack.prefill_server.pd, "hooks", CountedStreams())
     events = {}
     with pd_router(stack) as client:
         router = client.app.state.router  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""The router retries a node's 503 on another healthy node of its role (issue 17), in front of
+"""The router retries a node's 503 on another healthy node of its role, in front of
 REAL prefill and decode nodes (tiny preset, zmq KV transfer, in-process uvicorn servers from
 tests/pd_harness.py on 127.0.0.1 free ports).
 

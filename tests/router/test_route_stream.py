@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from pdcache.router.proxy import RouteStream
-from pdcache.server.protocol import SERVER_ERROR, ApiError
+from pdcache.wire.protocol import SERVER_ERROR, ApiError
 
 
 class Node:

@@ -13,8 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdcache.engine.config import SchedulerConfig
 from pdcache.engine.engine import Engine
+from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.server.app import ServerConfig, create_app
 
 PAGE = 16  # the page size of conftest.py's engine

@@ -26,10 +26,10 @@ from pdcache.engine.tokenizer import ByteTokenizer  # noqa: E402
 from pdcache.router.app import create_app  # noqa: E402
 from pdcache.router.config import RouterConfig  # noqa: E402
 from pdcache.router.nodes import NodeEndpoint  # noqa: E402
-from pdcache.server.agent import AgentFeatures  # noqa: E402
 from pdcache.server.bridge import ServerConfig  # noqa: E402
-from pdcache.server.protocol import ChatCompletionRequest  # noqa: E402
-from pdcache.server.reasoning import (  # noqa: E402
+from pdcache.wire.agent import AgentFeatures  # noqa: E402
+from pdcache.wire.protocol import ChatCompletionRequest  # noqa: E402
+from pdcache.wire.reasoning import (  # noqa: E402
     reasoning_format,
     template_reads_reasoning,
     with_reasoning_history,
@@ -346,7 +346,7 @@ def test_reasoning_parser_key_and_flag_reach_the_server(tmp_path: Any) -> None:
     args = node_parser().parse_args(["--config", str(path), "--node", "u0"])
     assert setup_for(*_topology_and_name(args), model).server.reasoning_parser is None
     flag = node_parser()._option_string_actions["--reasoning-parser"]
-    assert set(flag.choices) == {"deepseek-r1", "qwen3"}
+    assert set(flag.choices) == {"deepseek-r1", "qwen3", "gpt-oss"}
 
 
 def _topology_and_name(args: argparse.Namespace) -> tuple[Any, str]:
@@ -365,7 +365,7 @@ def test_unknown_parser_names_fail_the_server_and_the_flags() -> None:
     with pytest.raises(SystemExit):
         node_parser().parse_args(["--reasoning-parser", "qwen2"])
     tokenizer = ByteTokenizer()
-    with pytest.raises(ValueError, match="deepseek-r1, qwen3"):
+    with pytest.raises(ValueError, match="deepseek-r1, gpt-oss, qwen3"):
         AgentFeatures(tokenizer, tokenizer.vocab_size, "hermes", "qwen2")
 
 

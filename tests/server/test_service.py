@@ -15,9 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdcache import __version__
 from pdcache.engine.api import GenerateRequest, SamplingParams
-from pdcache.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.engine import Engine
 from pdcache.engine.loader import load_model
+from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.offload_manager.builder import TierConfig, TieredEngine, build_tiered_engine
 from pdcache.offload_manager.hicache import HiCacheConfig
 from pdcache.server.app import ServerConfig, create_app

@@ -14,8 +14,8 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from pdcache.server.metrics import TransferCollector
-from pdcache.transfer import KVReceiver, KVSender, RoomState, TransferError
 from pdcache.transfer.control import control_auth
+from pdcache.transfer.errors import TransferError
 from pdcache.transfer.messages import (
     Abort,
     Ping,
@@ -28,6 +28,9 @@ from pdcache.transfer.messages import (
     encode,
     pack_pages,
 )
+from pdcache.transfer.receiver import KVReceiver
+from pdcache.transfer.rooms import RoomState
+from pdcache.transfer.sender import KVSender
 from pdcache.utils.message_auth import DEFAULT_WINDOW_S, AuthError, MessageAuth
 from pdcache.utils.secret import derive_key
 from tests.transfer_support import fast_config, make_pool, scaled_limit, wait_until

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from pdcache.engine.kv_geometry import KVGeometry
-from pdcache.transfer import KVReceiver, KVSender, PrefillReport
 from pdcache.transfer.errors import TransferError
-from pdcache.transfer.messages import Register, decode, encode, wire_version
+from pdcache.transfer.messages import PrefillReport, Register, decode, encode, wire_version
+from pdcache.transfer.receiver import KVReceiver
 from pdcache.transfer.rooms import RoomState
+from pdcache.transfer.sender import KVSender
 from tests.transfer_support import engine_params, fast_config, make_pool, scaled_limit, wait_until
 
 LAYERS, PAGE, LATENT = 4, 4, 32  # 512-byte slab pages, as tests.transfer_support's MHA pool

@@ -12,7 +12,10 @@ import time
 import pytest
 import torch
 
-from pdcache.transfer import KVReceiver, KVSender, MarksDelivery, TransferConfig
+from pdcache.transfer.config import TransferConfig
+from pdcache.transfer.delivery import MarksDelivery
+from pdcache.transfer.receiver import KVReceiver
+from pdcache.transfer.sender import KVSender
 from pdcache.utils.secret import derive_key
 
 KEYS = [hashlib.sha256(bytes([i])).digest() for i in range(5)]

@@ -13,7 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from pdcache.transfer import KVReceiver, KVSender, Outcome, PrefillReport, RoomState, TransferError
+from pdcache.transfer.errors import TransferError
+from pdcache.transfer.messages import PrefillReport
+from pdcache.transfer.receiver import KVReceiver
+from pdcache.transfer.rooms import Outcome, RoomState
+from pdcache.transfer.sender import KVSender
 from tests.transfer_support import engine_params, fast_config, wait_until
 
 pytestmark = pytest.mark.slow
@@ -86,8 +90,8 @@ def _spawn(target, *args):
     # forkserver: a clean single-threaded server imports torch once, then forks each child —
     # as safe as spawn (no threads or engine state inherited) but without the import cost.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy", "zmq", "pdcache.transfer",
-                                "tests.transfer_support"])
+    ctx.set_forkserver_preload(["torch", "numpy", "zmq", "pdcache.transfer.sender",
+                                "pdcache.transfer.receiver", "tests.transfer_support"])
     parent_conn, child_conn = ctx.Pipe()
     proc = ctx.Process(target=target, args=(*args, child_conn), daemon=True)
     proc.start()

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import torch
 
-from pdcache.transfer import KVReceiver, KVSender, TransferConfig
+from pdcache.transfer.config import TransferConfig
 from pdcache.transfer.messages import (
     ACCEPTED_VERSIONS,
     PROTOCOL_VERSION,
@@ -22,6 +22,8 @@ from pdcache.transfer.messages import (
     encode,
     pack_keys,
 )
+from pdcache.transfer.receiver import KVReceiver
+from pdcache.transfer.sender import KVSender
 from pdcache.utils.secret import derive_key
 
 LIMIT = 1 << 20

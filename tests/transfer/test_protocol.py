@@ -13,14 +13,7 @@ import torch
 import zmq
 
 from pdcache.engine.api import CachedTokens
-from pdcache.transfer import (
-    KVReceiver,
-    KVSender,
-    Outcome,
-    RoomState,
-    TransferError,
-    TransferTimeout,
-)
+from pdcache.transfer.errors import TransferError, TransferTimeout
 from pdcache.transfer.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -37,6 +30,9 @@ from pdcache.transfer.messages import (
     encode,
     pack_pages,
 )
+from pdcache.transfer.receiver import KVReceiver
+from pdcache.transfer.rooms import Outcome, RoomState
+from pdcache.transfer.sender import KVSender
 from tests.transfer_support import (
     dump_threads,
     engine_params,

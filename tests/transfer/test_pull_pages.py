@@ -22,7 +22,7 @@ from pdcache.offload_manager.page_pull import PagePulls
 from pdcache.offload_manager.pending import PendingPages
 from pdcache.offload_manager.storage import create_backend
 from pdcache.offload_manager.storage.config import StorageConfig
-from pdcache.transfer import KVReceiver, KVSender, TransferConfig
+from pdcache.transfer.config import TransferConfig
 from pdcache.transfer.messages import (
     Abort,
     AbortAck,
@@ -44,6 +44,8 @@ from pdcache.transfer.messages import (
     pack_keys,
     pack_pages,
 )
+from pdcache.transfer.receiver import KVReceiver
+from pdcache.transfer.sender import KVSender
 from pdcache.utils.secret import derive_key
 from tests.polling import poll
 from tests.transfer_support import scaled_limit

@@ -1,4 +1,10 @@
-"""The frozen configuration of one storage backend client (docs/design.md §4.4, §4.6)."""
+"""The frozen configuration of one storage backend client (docs/design.md §4.4, §4.6).
+
+`StorageSettings` declares, once, the settings a topology's `[storage]` table
+(`pdcache.config.schema.StorageSpec`) and a client's `StorageConfig` share; both inherit it.
+`StorageKeys`, the keys derived from the cluster secret, is shared the same way by
+`StorageConfig` and the process's `pdcache.config.security.SecuritySettings`.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:  # page_format needs torch; this module stays light (renderer, plugin config)
     from pdcache.offload_manager.storage.lifecycle import SessionLifecycle, StorageEviction
@@ -17,8 +23,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-STORAGE_EVICTIONS = ("lru", "session")  # storage.lifecycle.STORAGE_EVICTIONS
-IO_ENGINES = ("posix", "usrbio")
+StorageEviction = Literal["lru", "session"]
+IoEngine = Literal["posix", "usrbio"]
+STORAGE_EVICTIONS: tuple[str, ...] = get_args(StorageEviction)  # storage.lifecycle's policies
+IO_ENGINES: tuple[str, ...] = get_args(IoEngine)
 SLOT_ALIGN = 4096
 
 
@@ -105,13 +113,65 @@ def _align_up(value: int, align: int) -> int:
 QUOTA_UNENFORCED_BACKENDS = ("hf3fs", "mooncake")
 
 
-@dataclass(frozen=True)
-class StorageConfig:
+@dataclass(frozen=True, kw_only=True)
+class StorageSettings:
+    """Storage settings a topology names and a storage client runs with, declared once:
+    `[storage]` (`pdcache.config.schema.StorageSpec`) and `StorageConfig` inherit them."""
+
+    # hf3fs: posix files, or usrbio (the 3FS native client)
+    io_engine: IoEngine = "posix"
+    # "inproc" or "tcp://HOST:PORT" (the shared metadata service); with metadata_service.store
+    # "etcd", one address per replica, comma-separated
+    metadata: str = "inproc"
+    # storage namespace: deployments with different ones never share pages
+    namespace: str = "default"
+    # conversation-scoped lifecycle (docs/design.md §4.4): "lru" or "session" (active sessions'
+    # pages protected within the bounds, closed / idle ones evicted first)
+    eviction: StorageEviction = "lru"
+    session_protect_share: float = 0.5  # at most this share of the capacity is protected
+    # metadata "size": a topology may give it as "64MiB" (pdcache.config.parse)
+    session_protect_bytes: int = field(default=0, metadata={"size": True})  # per session (0: only the share bounds)
+    session_idle_s: float = 300.0  # a session without a write for this long is closed
+    # every write call waits this long first: emulates a slow or distant store (benchmarks,
+    # and the tests of the durable next turn); 0 = off
+    write_delay_s: float = 0.0
+    # Chaos/test only, never in a deployment (docs/chaos.md): an absolute path of a control
+    # file whose number is a delay (s) every storage call waits; set by `pdcache bench chaos`.
+    fault_injection: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageKeys:
+    """The keys a storage client authenticates with, derived from the cluster secret, declared
+    once: the process's `pdcache.config.security.SecuritySettings` (which derives them) and
+    `StorageConfig` (which a node's is handed, `pdcache.config.node_setup.with_keys`) inherit
+    them. Never from a file: set by the process that loaded the secret; never printed."""
+
+    # Authenticated pages (docs/security.md): derive_key(cluster secret, "page-mac"). With a
+    # key, pages are written with a GMAC (page_format.py) and only pages whose MAC verifies are
+    # served; None (no cluster secret): checksums only.
+    page_mac_key: bytes | None = field(default=None, repr=False, compare=False)
+    # derive_key(cluster secret, "metadata"): authenticates every metadata-service request
+    # (hf3fs with metadata = tcp://...); None: unauthenticated.
+    metadata_key: bytes | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageConfig(StorageSettings, StorageKeys):
     """Everything a storage client needs; built once per process and passed explicitly.
 
     Capacity is `capacity_pages` or, when that is 0, `capacity_bytes` divided by the slot size;
     0 for both means "the backend's own limit" (mooncake) and is an error for hf3fs.
-    `metadata` is "inproc" or "tcp://host:port" of `pdcache metadata-server`.
+    `metadata` is "inproc" or "tcp://host:port" of `pdcache metadata-server`; `namespace`
+    names the storage pool (data files, metadata pool, object prefix).
+
+    Of the inherited `StorageSettings`, `eviction` and `session_*` set the conversation-scoped
+    lifecycle (storage.lifecycle): with "session" an active session's pages are protected (at
+    most `session_protect_share` of the capacity in all, `session_protect_bytes` per session;
+    0: no per-session cap) and a session without a write for `session_idle_s` is closed: its
+    pages are evicted first. Enforced where the backend owns eviction: file, hf3fs (in-process
+    index or the metadata service). `write_delay_s` delays every put_from and
+    `fault_injection` every call (`fault_injection.DelayInjectingBackend`).
     """
 
     backend: str = "hf3fs"
@@ -120,7 +180,6 @@ class StorageConfig:
     capacity_pages: int = 0
     capacity_bytes: int = 0
     fingerprint: str = ""
-    namespace: str = "default"  # storage pool name: data files, metadata pool, object prefix
     num_layers: int = 0
     page_size: int = 0  # tokens per page, recorded in each header
     dtype: str = "uint8"
@@ -128,16 +187,7 @@ class StorageConfig:
     # key (the MAC covers the payload), else xxh3 (crc32 without xxhash); "none" needs a key.
     # "xxh3" with a key keeps pages readable by keyless and older readers (docs/security.md)
     checksum: str = "auto"
-    # Authenticated pages (docs/security.md): derive_key(cluster secret, "page-mac"). With a
-    # key, pages are written with a GMAC (page_format.py) and only pages whose MAC verifies are
-    # served; None (no cluster secret): checksums only. Never from a file: set by the process
-    # that loaded the secret.
-    page_mac_key: bytes | None = field(default=None, repr=False, compare=False)
-    # derive_key(cluster secret, "metadata"): authenticates every metadata-service request
-    # (hf3fs with metadata = tcp://...); None: unauthenticated. Set like page_mac_key.
-    metadata_key: bytes | None = field(default=None, repr=False, compare=False)
     # hf3fs
-    io_engine: str = "posix"
     io_threads: int = 1
     # hf3fs (one I/O thread) and file with sealed pages (page_mac_key): > 0 verifies (reads)
     # and seals (writes) groups of at least this many pages (and 2 MiB) on a helper thread beside
@@ -147,7 +197,6 @@ class StorageConfig:
     # (docs/security.md "Verified beside the read")
     pipeline_pages: int | None = None
     num_data_files: int = 4
-    metadata: str = "inproc"
     recover_index: bool = True  # inproc metadata: rebuild the index from slot headers on open
     reservation_ttl_s: float = 60.0
     usrbio_mount: str = ""  # 3FS mount point (usrbio engine)
@@ -173,21 +222,6 @@ class StorageConfig:
     # take the namespace but cannot enforce it, so quotas with them are refused (here and at
     # topology parse time, docs/design.md §8).
     namespace_quotas: Mapping[str, int] = field(default_factory=dict, compare=False)
-    # Conversation-scoped lifecycle (storage.lifecycle): "lru" | "session". With "session" an
-    # active session's pages are protected (at most `session_protect_share` of the capacity
-    # in all, `session_protect_bytes` per session; 0: no per-session cap) and a session
-    # without a write for `session_idle_s` is closed: its pages are evicted first. Enforced
-    # where the backend owns eviction: file, hf3fs (in-process index or the metadata service).
-    eviction: str = "lru"
-    session_protect_share: float = 0.5
-    session_protect_bytes: int = 0
-    session_idle_s: float = 300.0
-    # every put_from call starts this much later (`fault_injection.DelayInjectingBackend`):
-    # emulates a slow or distant store; 0 = off
-    write_delay_s: float = 0.0
-    # Chaos/test only (docs/chaos.md): absolute path of a control file holding a delay in
-    # seconds that every storage call waits (`fault_injection.DelayInjectingBackend`); "" = off.
-    fault_injection: str = ""
 
     def __post_init__(self) -> None:
         from pdcache.offload_manager.storage import BACKENDS as REGISTERED

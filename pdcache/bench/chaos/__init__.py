@@ -1,1 +1,0 @@
-"""`pdcache bench chaos`: a fault-injecting soak checked token by token against an oracle."""

@@ -1,0 +1,157 @@
+"""HiCache as the scheduler's cache tiers: `HiCacheTiers` implements
+`pdcache.engine.tiers.CacheTiers` over the `HiCache` controller (host pool, storage). Any node
+role composes it into its `Scheduler` (`Scheduler(tiers=HiCacheTiers(...))`; built by
+`pdcache.offload_manager.builder.build_tiered_engine`).
+
+- queued: start the storage prefetch of the prompt pages past the device + host match;
+- admission: wait for the prefetch per policy; restart it (`prefetch_restarts` times at most)
+  when the device + host match it continues shrank meanwhile, since its pages would no longer
+  join the match; then restore host hits into the tree and load host and prefetched pages
+  into the request's pages (per layer, during the next forward);
+- cached: back the inserted nodes up (write policy);
+- every step: free host pages of abandoned prefetches whose reads ended;
+- `drop` (an idle engine's `/flush_cache`): device and host tiers, storage untouched.
+Engine thread only, like the scheduler itself, except `start()` (the thread calling
+`Engine.start()`), `end_session()` and `stats()` (any thread).
+"""
+
+from __future__ import annotations
+
+from pdcache.engine.radix import InsertResult, MatchResult
+from pdcache.engine.request import Req
+from pdcache.engine.tiers import TierReuse
+from pdcache.offload_manager.hicache import HiCache
+from pdcache.offload_manager.prefetch_ops import PrefetchResult
+
+
+class HiCacheTiers:
+    """Owns the queued requests' prefetch-restart bookkeeping; `hicache` owns the rest. Only
+    HiCache's public methods are called."""
+
+    def __init__(self, hicache: HiCache, page_size: int) -> None:
+        self.hicache = hicache
+        self.page_size = page_size
+        # queued rid -> (pages its device + host match held when its prefetch started,
+        # prefetch restarts left); entries leave at admission or abort
+        self._queued_match: dict[str, tuple[int, int]] = {}
+
+    def start(self) -> None:
+        self.hicache.start()
+
+    def stats(self) -> dict[str, int]:
+        """Lower-tier counters and gauges (`HiCache.snapshot`); callable from any thread,
+        e.g. the metrics scrape."""
+        return self.hicache.snapshot()
+
+    def idle(self) -> bool:
+        return self.hicache.io_idle()
+
+    def drop(self) -> tuple[int, int]:
+        return self.hicache.drop_all()
+
+    def end_session(self, session_id: str, cache_salt: str) -> bool:
+        return self.hicache.end_session(session_id, cache_salt)
+
+    def on_queued(self, req: Req) -> None:
+        max_pages = self._max_pages(req)
+        first = self._tier_match(req, max_pages)
+        if first and self._restarts_apply:
+            self._queued_match[req.rid] = (first, self.hicache.config.prefetch_restarts)
+        self.hicache.start_prefetch(req.rid, req.fill_ids, req.salt, first, max_pages)
+
+    def admission_ready(self, req: Req) -> bool:
+        return self.hicache.prefetch_ready(req.rid) and not self._restarted(req)
+
+    def on_dequeued(self, req: Req) -> None:
+        self._queued_match.pop(req.rid, None)
+        self.hicache.cancel_prefetch(req.rid)
+
+    def on_step(self) -> None:
+        self.hicache.reap()
+
+    def reuse_lower_tiers(self, req: Req, match: MatchResult, own_page_ids: list[int],
+                          max_pages: int) -> TierReuse:
+        self._queued_match.pop(req.rid, None)
+        host = self.hicache.tree.match_host(match, req.fill_ids, max_pages)
+        first = len(match.page_ids) + host.num_pages
+        prefetched = self._usable_prefetch(req.rid, first, max_pages)
+        if not host.nodes and prefetched is None:
+            return TierReuse(cached=self.hicache.cached_tokens(len(match.page_ids), 0, None))
+        node, load = self.hicache.load(host, prefetched, own_page_ids)
+        return TierReuse(
+            tree_pages=host.num_pages,
+            node=node,
+            own_pages=len(prefetched.host_page_ids) if prefetched else 0,
+            kv_load=load,
+            cached=self.hicache.cached_tokens(len(match.page_ids), host.num_pages, prefetched),
+        )
+
+    def on_cached(self, req: Req, result: InsertResult) -> None:
+        num_pages = sum(n.num_pages for n in result.last_node.path_from_root())
+        tokens = req.fill_ids[: num_pages * self.page_size]
+        self.hicache.backup(tokens, req.salt, result.last_node)
+
+    @property
+    def _restarts_apply(self) -> bool:
+        """Restarts need storage to read from and a policy that waits for the read
+        (`best_effort` admits at once, so a restarted read would be abandoned)."""
+        config = self.hicache.config
+        return (config.prefetch_restarts > 0 and self.hicache.storage is not None
+                and config.prefetch_policy != "best_effort")
+
+    def _tier_match(self, req: Req, max_pages: int) -> int:
+        """Prompt pages the device and host tiers hold now, from the first."""
+        device, host = self.hicache.match(req.fill_ids, req.salt, max_pages)
+        return len(device.page_ids) + host.num_pages
+
+    def _restarted(self, req: Req) -> bool:
+        """Whether `req`'s prefetch was just restarted: the device + host match it was
+        started after shrank while `req` waited (tier pressure evicted those pages), so its
+        pages no longer continue the match and the gap, with every prefetched page after it,
+        would be recomputed. The new read starts at the shorter match; `req` waits for it
+        under the prefetch policy, within the old read's deadline. False (admit) when nothing
+        shrank, no restart is left, the match shrank to nothing (no further shrink to watch
+        for), or `HiCache.restart_prefetch` read nothing (storage holds none of the pages past
+        the new match, the old read had timed out, or it waits for decode's pending pages).
+        This hook acts: it may cancel and start reads (engine thread, like every hook)."""
+        queued = self._queued_match.get(req.rid)
+        if queued is None:
+            return False
+        max_pages = self._max_pages(req)
+        first = self._tier_match(req, max_pages)
+        queued_first, restarts_left = queued
+        if first >= queued_first:
+            return False
+        if restarts_left > 1 and first:
+            self._queued_match[req.rid] = (first, restarts_left - 1)
+        else:
+            del self._queued_match[req.rid]
+        return self.hicache.restart_prefetch(req.rid, req.fill_ids, req.salt, first, max_pages) > 0
+
+    def _max_pages(self, req: Req) -> int:
+        # the last prompt token is always computed (its logits give the first output token),
+        # and every position whose prompt logprob is wanted
+        return req.max_reuse_len // self.page_size
+
+    def _usable_prefetch(self, rid: str, first: int, max_pages: int) -> PrefetchResult | None:
+        """The prefetched pages that continue the current match (the match may have grown or
+        shrunk since the prefetch started); pages that don't fit are freed (once a streamed
+        read ended; one of which no page fits is cancelled)."""
+        op_first = self.hicache.prefetch_first_page(rid)
+        result = self.hicache.take_prefetch(rid)
+        if result is None or not result.host_page_ids:
+            return None
+        skip = first - op_first
+        usable = max(0, min(len(result.host_page_ids), max_pages - op_first) - skip)
+        if skip < 0 or usable == 0:
+            if result.stream is not None:
+                result.stream.cancelled.set()  # no page of it will be loaded: stop reading
+            self.hicache.release_prefetched(result, result.host_page_ids)
+            return None
+        keep = result.host_page_ids[skip : skip + usable]
+        drop = result.host_page_ids[:skip] + result.host_page_ids[skip + usable :]
+        if drop:
+            self.hicache.release_prefetched(result, drop)
+        from_decode = result.origins[skip : skip + usable].count("decode")
+        return PrefetchResult(keep, from_decode, result.origins[skip : skip + usable],
+                              result.stream, result.stream_offset + skip)

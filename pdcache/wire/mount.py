@@ -1,0 +1,32 @@
+"""How an app mounts its handlers: each behind one guard (authentication, metrics), and
+Starlette's own errors (404, 405) as JSON error bodies. The servers (`server.routes.build_app`)
+and the router (`router.app.create_app`) mount their tables with it. Pure; no state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdcache.wire.responses import Handler, http_error
+
+Guard = Callable[[str, Handler, Request], Awaitable[Response]]
+
+
+def mount(app: FastAPI, handlers: Sequence[tuple[str, str, Handler]], guard: Guard) -> None:
+    """Add each (method, path, handler) behind `guard`, and JSON bodies for Starlette's own
+    errors (404, 405). Shared by the servers and the router."""
+    for method, path, handler in handlers:
+        app.add_api_route(path, _guarded(guard, path, handler), methods=[method],
+                          include_in_schema=False)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+def _guarded(guard: Guard, path: str, handler: Handler) -> Handler:
+    async def endpoint(request: Request) -> Response:
+        return await guard(path, handler, request)
+
+    return endpoint

@@ -1,0 +1,62 @@
+"""Running an app: binding its socket before anything slow, then uvicorn on it until
+SIGINT/SIGTERM with a ready line scripts can wait for. Shared by every node
+(`server.runtime.serve`) and the router (`pdcache router`); holds no state between calls.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Callable
+
+import uvicorn
+from fastapi import FastAPI
+
+
+class _AnnouncingServer(uvicorn.Server):
+    """Prints the runtime's lines and the URL once the listening socket is up, so scripts
+    can wait for the ready line."""
+
+    def __init__(self, config: uvicorn.Config, lines: Callable[[], list[str]],
+                 ready: str) -> None:
+        super().__init__(config)
+        self._lines = lines
+        self._ready = ready
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            for line in self._lines():
+                print(line, flush=True)
+            print(self._ready, flush=True)
+
+
+def listen(host: str, port: int, command: str) -> socket.socket | None:
+    """Bind the HTTP socket first, so a busy port fails before the model loads."""
+    try:
+        return socket.create_server((host, port))
+    except OSError as exc:
+        print(f"pdcache {command}: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        return None
+
+
+def serve_app(app: FastAPI, sock: socket.socket, host: str, log_level: str, command: str,
+              lines: Callable[[], list[str]] = list,
+              tls: tuple[str | None, str | None] | None = None) -> int:
+    """Run `app` on the bound `sock` until SIGINT/SIGTERM; once it accepts requests, print
+    `lines()` and the ready line `pdcache COMMAND: ready at http://HOST:PORT`. Shared by every
+    node and the router; 0 when it served, 1 when it never started. `tls`: (certificate
+    chain, private key) PEM files: HTTPS (uvicorn's TLS), and the ready line says https."""
+    port = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    cert, key = tls if tls is not None else (None, None)
+    uv_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
+                               ssl_certfile=cert, ssl_keyfile=key)
+    scheme = "https" if cert else "http"
+    server = _AnnouncingServer(uv_config, lines,
+                               f"pdcache {command}: ready at {scheme}://{shown}:{port}")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0 if server.started else 1

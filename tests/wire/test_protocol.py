@@ -1,0 +1,224 @@
+"""HTTP contract models: strict parsing, OpenAI-style errors, prompt limits, text assembly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdcache.engine.api import CachedTokens
+from pdcache.wire.detokenize import TextAssembler
+from pdcache.wire.generate_api import GenerateRequestBody
+from pdcache.wire.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelLimits,
+    check_prompt,
+    default_max_tokens,
+    parse_body,
+)
+from pdcache.wire.responses import sse, usage_body
+
+LIMITS = ModelLimits(vocab_size=100, context_len=64)
+
+
+def parse_error(model, body: str | bytes) -> ApiError:
+    raw = body.encode() if isinstance(body, str) else body
+    with pytest.raises(ApiError) as info:
+        parse_body(model, raw)
+    err = info.value
+    assert err.status_code == 400
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_generate_body_parses_sglang_names() -> None:
+    body = parse_body(
+        GenerateRequestBody,
+        json.dumps(
+            {
+                "input_ids": [1, 2, 3],
+                "sampling_params": {
+                    "max_new_tokens": 7,
+                    "temperature": 0,
+                    "top_p": 0.9,
+                    "top_k": 5,
+                    "seed": 11,
+                    "stop_token_ids": [4],
+                    "ignore_eos": True,
+                },
+                "session_id": "s",
+                "cache_salt": "tenant",
+                "stream": True,
+            }
+        ).encode(),
+    )
+    sp = body.sampling_params.to_engine()
+    assert (sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k) == (7, 0.0, 0.9, 5)
+    assert (sp.seed, sp.stop_token_ids, sp.ignore_eos) == (11, (4,), True)
+    assert body.stream and body.cache_salt == "tenant" and body.prompt_param() == "input_ids"
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ("{not json", "invalid_json", None),
+        ("[1, 2]", "model_type", None),
+        ('{"input_ids": [1, "2"]}', "int_type", "input_ids[1]"),
+        ('{"input_ids": [1, 2.5]}', "int_type", "input_ids[1]"),
+        ('{"input_ids": "1 2"}', "list_type", "input_ids"),
+        ('{"text": 5}', "string_type", "text"),
+        ('{"text": "a", "stream": "yes"}', "bool_type", "stream"),
+        ('{"text": "a", "bogus": 1}', "unknown_field", "bogus"),
+        ('{"text": "a", "sampling_params": {"max_tokens": 3}}', "unknown_field", None),
+        ('{"text": "a", "sampling_params": {"max_new_tokens": 0}}', "greater_than_equal", None),
+        ('{"text": "a", "sampling_params": {"max_new_tokens": "3"}}', "int_type", None),
+        ('{"text": "a", "sampling_params": {"temperature": -1}}', "greater_than_equal", None),
+        ('{"text": "a", "sampling_params": {"top_p": 0}}', "greater_than", None),
+        ('{"text": "a", "sampling_params": {"seed": -1}}', "greater_than_equal", None),
+    ],
+)
+def test_generate_body_rejects(body: str, code: str, param: str | None) -> None:
+    err = parse_error(GenerateRequestBody, body)
+    assert err.code == code
+    if param is not None:
+        assert err.param == param
+    if "sampling_params" in body and code != "invalid_json":
+        assert err.param is not None and err.param.startswith("sampling_params.")
+
+
+def test_generate_needs_exactly_one_prompt() -> None:
+    for body in ("{}", '{"text": "a", "input_ids": [1]}'):
+        with pytest.raises(ApiError) as info:
+            parse_body(GenerateRequestBody, body.encode()).check_one_prompt()
+        assert info.value.status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("ids", "max_new", "code"),
+    [
+        ([], 1, "empty_prompt"),
+        ([1, 100], 1, "token_id_out_of_range"),
+        ([-1], 1, "token_id_out_of_range"),
+        ([1] * 60, 5, "context_length_exceeded"),
+        ([1] * 64, 1, "context_length_exceeded"),
+    ],
+)
+def test_check_prompt_rejects(ids: list[int], max_new: int, code: str) -> None:
+    with pytest.raises(ApiError) as info:
+        check_prompt(ids, max_new, LIMITS, "input_ids")
+    assert info.value.code == code and info.value.param == "input_ids"
+
+
+def test_check_prompt_accepts_exact_fit_and_default_max_tokens() -> None:
+    check_prompt([99] * 60, 4, LIMITS, "input_ids")
+    assert default_max_tokens(60, LIMITS, "messages") == 4
+    with pytest.raises(ApiError):
+        default_max_tokens(64, LIMITS, "messages")
+
+
+def test_chat_request_rules() -> None:
+    ok = parse_body(
+        ChatCompletionRequest,
+        b'{"model": "x", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],'
+        b' "max_completion_tokens": 3, "max_tokens": 9, "stream": true,'
+        b' "stream_options": {"include_usage": true}, "seed": 1, "user": "u"}',
+    )
+    ok.check_supported()
+    assert ok.requested_max_tokens() == 3 and ok.include_usage()
+    assert ok.template_messages() == [{"role": "user", "content": "hi"}]
+
+    def rejected(body: str) -> ApiError:
+        with pytest.raises(ApiError) as info:
+            parse_body(ChatCompletionRequest, body.encode()).check_supported()
+        assert info.value.status_code == 400
+        return info.value
+
+    msgs = '"messages": [{"role": "user", "content": "hi"}]'
+    assert rejected(f'{{{msgs}, "n": 17}}').param == "n"
+    assert rejected(f'{{{msgs}, "max_tokens": 0}}').param == "max_tokens"
+    assert rejected(f'{{{msgs}, "logit_bias": {{"1": 1}}}}').code == "unsupported_parameter"
+    assert rejected(f'{{{msgs}, "presence_penalty": 2.5}}').param == "presence_penalty"
+    assert rejected(f'{{{msgs}, "repetition_penalty": 1.1}}').code == "unknown_field"
+    assert rejected(f'{{{msgs}, "stream_options": {{"include_usage": true}}}}').param == (
+        "stream_options"
+    )
+    assert rejected('{"messages": []}').param == "messages"
+    assert rejected(f'{{{msgs}, "temperature": Infinity}}').param == "temperature"
+    assert rejected(f'{{{msgs}, "stop": {json.dumps(["x"] * 17)}}}').param == "stop"
+    assert rejected('{"messages": [{"role": "robot", "content": "x"}]}').param == (
+        "messages[0].role"
+    )
+    image = '{"type": "image_url", "image_url": {"url": "x"}}'
+    assert (
+        rejected(f'{{"messages": [{{"role": "user", "content": [{image}]}}]}}').status_code == 400
+    )
+
+
+def test_completion_prompt_forms() -> None:
+    def prompt(body: str) -> str | list[int]:
+        req = parse_body(CompletionRequest, body.encode())
+        req.check_supported()
+        return req.single_prompt()
+
+    assert prompt('{"prompt": "abc"}') == "abc"
+    assert prompt('{"prompt": [1, 2]}') == [1, 2]
+    assert prompt('{"prompt": ["abc"]}') == "abc"
+    assert prompt('{"prompt": [[3, 4]]}') == [3, 4]
+    for bad in ('{"prompt": ["a", "b"]}', '{"prompt": "a", "echo": true}', '{"prompt": [1.5]}'):
+        with pytest.raises(ApiError):
+            prompt(bad)
+    assert parse_body(CompletionRequest, b'{"prompt": "a"}').max_tokens == 16
+
+
+def byte_decode(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_assembler_holds_partial_utf8() -> None:
+    asm = TextAssembler(byte_decode, [])
+    euro = list("€".encode())
+    assert asm.add([ord("a")]) == "a"
+    assert asm.add([euro[0]]) == ""
+    assert asm.add([euro[1]]) == ""
+    assert asm.add([euro[2], ord("b")]) == "€b"
+    assert asm.add([euro[0]]) == ""
+    assert asm.flush() == "\ufffd" and asm.text == "a€b\ufffd"
+
+
+def test_text_assembler_stop_strings() -> None:
+    asm = TextAssembler(byte_decode, ["END", "xy"])
+    out = [asm.add(list(b"hello E")), asm.add(list(b"N")), asm.add(list(b"X more"))]
+    assert out == ["hello ", "", "ENX more"] and not asm.stopped
+    assert asm.add(list(b" EN")) == " "
+    assert asm.add(list(b"D tail")) == "" and asm.stopped
+    assert asm.text == "hello ENX more "
+    asm2 = TextAssembler(byte_decode, ["xy"])
+    assert asm2.add(list(b"abxyc")) == "ab" and asm2.stopped
+
+
+def test_text_assembler_decodes_in_context() -> None:
+    # a SentencePiece-like decoder: a leading word-boundary marker is dropped at the start
+    vocab = {1: "\u2581Hello", 2: "\u2581world", 3: "!"}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(vocab[i] for i in ids).replace("\u2581", " ").lstrip(" ")
+
+    asm = TextAssembler(decode, [])
+    assert [asm.add([1]), asm.add([2]), asm.add([3])] == ["Hello", " world", "!"]
+    assert asm.text == decode([1, 2, 3])
+
+
+def test_usage_body_and_sse() -> None:
+    usage = usage_body(10, 3, CachedTokens(device=4, storage=2, storage_from_decode=1), 4)
+    assert usage["total_tokens"] == 13
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 6}
+    assert usage["cached_tokens_details"] == {
+        "device": 4,
+        "host": 0,
+        "storage": 2,
+        "storage_from_decode": 1,
+    }
+    assert sse({"a": 1}) == b'data: {"a":1}\n\n'
+    assert sse("[DONE]") == b"data: [DONE]\n\n"
