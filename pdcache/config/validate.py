@@ -142,7 +142,7 @@ def _check_fault_injection(storage: StorageSpec, ctx: ErrorContext) -> None:
         raise ctx.error(key, 'delays storage calls, but storage.backend = "none"')
     if not storage.fault_injection.startswith("/"):
         raise ctx.error(key, f"expected an absolute path of the chaos control file, got "
-                        f'"{storage.fault_injection}" (test/chaos only: `pdcache bench chaos` '
+                        f'"{storage.fault_injection}" (test/chaos only: `pdcache chaos` '
                         "sets it; leave it unset in deployments)")
 
 

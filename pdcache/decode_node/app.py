@@ -307,7 +307,7 @@ class DecodeApp:
     def health_extra(self) -> dict[str, Any]:
         """/health's PD fields: the receiver's counters, `pd_rooms_open` (the controller's rooms
         not yet closed) and `pd_held` (finished requests whose pages are held for offload); an
-        idle node has neither (`pdcache bench chaos` checks it)."""
+        idle node has neither (`pdcache chaos` checks it)."""
         return {"role": "decode", "transfer": json_ready(self.receiver.stats()),
                 "pd_rooms_open": len(self.controller.rooms()),
                 "pd_held": len(self.controller.held()),

@@ -27,6 +27,7 @@ GQA_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     "GptOssForCausalLM",  # alternating sliding/full layers, attention sinks, MoE
+    "Qwen3NextForCausalLM",  # gated DeltaNet linear layers (a recurrent state) + gated attention
 )
 # Multi-head latent attention (one latent cache row) with MoE: DeepSeek-V2/V3, Kimi K2.
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -169,8 +170,14 @@ class CacheConfig(DeviceCacheSettings):
 
     num_device_pages: int = 2048
     enable_prefix_cache: bool = True
+    # hybrid models (linear layers): recurrent-state slots the prefix cache may hold as state
+    # checkpoints, beside one slot per running request (pdcache.engine.state_cache); each is
+    # `RecurrentStateGeometry.state_bytes()` of device memory (Qwen3-Next-80B: 73.7 MiB)
+    state_checkpoint_slots: int = 32
 
     def __post_init__(self) -> None:
+        if self.state_checkpoint_slots < 0:
+            raise ValueError("state_checkpoint_slots must be >= 0")
         if self.device_eviction not in EVICTION_POLICIES:
             raise ValueError(f"device_eviction must be one of {EVICTION_POLICIES}")
         if self.session_idle_s <= 0:

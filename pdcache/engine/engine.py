@@ -54,13 +54,14 @@ from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.eviction import make_policy
 from pdcache.engine.kv_pool import DeviceKVPool
 from pdcache.engine.pacer import POLL_S, DecodePacer
-from pdcache.engine.radix import RadixTree
+from pdcache.engine.radix import RadixTree, StateCheckpointRule
 from pdcache.engine.request import OutputCallback, Req, ReqStatus, pages_for
 from pdcache.engine.reservations import Admission, PendingReservation, ReservationBook
 from pdcache.engine.runner import CausalLMLike, ModelRunner
 from pdcache.engine.sampler import SampleRow, input_logprobs, make_generator, sample_rows
-from pdcache.engine.scheduler import ScheduledBatch, Scheduler
+from pdcache.engine.scheduler import NO_STATE_TIERS, ScheduledBatch, Scheduler
 from pdcache.engine.scheduler_config import SchedulerConfig
+from pdcache.engine.state_cache import StateSlots
 from pdcache.kernels import KernelSet
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,10 @@ class Engine:
         `RadixTree`); `make_scheduler` is called with `Scheduler`'s keyword arguments (config,
         cache, pool, tree, max_context, eos_token_ids) and returns the node's composed
         `Scheduler` (its `tiers` and `role`; default: `Scheduler` itself, device-only and
-        unified). Not started: call `start()`."""
+        unified). A hybrid model (linear layers: `ModelConfig.state_geometry`) also gets the
+        recurrent-state slots (`pdcache.engine.state_cache.StateSlots`), device only: a
+        `make_tree` (HiCache's host/storage tiers) is refused with it. Not started: call
+        `start()`."""
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -143,10 +147,16 @@ class Engine:
         self.pool = DeviceKVPool.create(
             config.model, cache.num_device_pages, cache.page_size, config.device
         )
+        self.states = _state_slots(config)
+        if self.states is not None and make_tree is not None:
+            raise ValueError(f"{NO_STATE_TIERS}: {config.model.name} has linear-attention "
+                             f"layers ({self.states.pool.describe()}); serve it without "
+                             f"host/storage tiers")
         self.tree: RadixTree | None = None
         if cache.enable_prefix_cache:
-            factory = make_tree or (lambda pool: _device_tree(pool, cache))
+            factory = make_tree or (lambda pool: _device_tree(pool, cache, self.states))
             self.tree = factory(self.pool)
+        extra = {} if self.states is None else {"states": self.states}
         self.scheduler = (make_scheduler or Scheduler)(
             config=config.scheduler,
             cache=cache,
@@ -154,9 +164,11 @@ class Engine:
             tree=self.tree,
             max_context=config.model.max_position_embeddings,
             eos_token_ids=config.model.eos_token_ids,
+            **extra,
         )
         self.kernels = KernelSet(config.kernels)  # the model's, HiCache's and offload's KV kernels
-        self.runner = ModelRunner(model, self.pool, self.kernels)
+        self.runner = ModelRunner(model, self.pool, self.kernels,
+                                  None if self.states is None else self.states.pool)
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards the fields below
         self._live_rids: set[str] = set()
@@ -794,6 +806,28 @@ class Engine:
         }
         assert allocator.num_free + allocator.num_used == allocator.capacity, numbers
         assert tree_pages + request_pages == allocator.num_used, numbers
+        if self.states is not None:
+            numbers.update(self._check_states())
+        return numbers
+
+    def _check_states(self) -> dict[str, int]:
+        """Recurrent-state slots: each running request holds one, a pending decode
+        checkpoint or a tree node holds each other used one (§5.1)."""
+        assert self.states is not None
+        pool = self.states.pool
+        pool.check()
+        running = self.scheduler.running
+        slots = [r.state_slot for r in running]
+        pending = [r.pending_checkpoint for r in running if r.pending_checkpoint is not None]
+        assert None not in slots, "a running hybrid request without a state slot"
+        tree_slots = self.tree.num_checkpoints if self.tree is not None else 0
+        numbers = {"state_capacity": pool.capacity, "state_free": pool.num_free,
+                   "state_requests": len(slots), "state_pending": len(pending),
+                   "state_tree": tree_slots}
+        held = [*slots, *pending]
+        assert len(set(held)) == len(held) and all(pool.is_used(s) for s in held), numbers
+        assert self.states.num_checkpoints == len(pending) + tree_slots, numbers
+        assert pool.num_free + len(held) + tree_slots == pool.capacity, numbers
         return numbers
 
     def _update_snapshot(self) -> None:
@@ -829,13 +863,39 @@ class Engine:
             "step_errors_total": self._step_errors,
             "callback_errors_total": self._callback_errors,
         }
+        if self.states is not None:
+            snapshot.update(self.states.stats(tree.num_checkpoints if tree else 0))
+            limited = tree.limited_matches if tree else {}
+            snapshot["prefix_hits_limited_by_state_total"] = limited.get("state", 0)
+            snapshot["tokens_limited_by_state_total"] = (
+                tree.limited_tokens.get("state", 0) if tree else 0)
+            snapshot["state_checkpoints_evicted_total"] = (
+                tree.num_evicted_checkpoints if tree else 0)
+            snapshot["state_checkpoints_dropped_total"] = (
+                tree.num_dropped_checkpoints if tree else 0)
         with self._lock:
             self._snapshot = snapshot
             self._num_waiting = snapshot["num_waiting"]
 
 
-def _device_tree(pool: DeviceKVPool, cache: CacheConfig) -> RadixTree:
-    """The device-only prefix tree, evicting by `cache.device_eviction`."""
+def _device_tree(pool: DeviceKVPool, cache: CacheConfig,
+                 states: StateSlots | None) -> RadixTree:
+    """The device-only prefix tree, evicting by `cache.device_eviction`; with `states` (a
+    hybrid model) its hits need a state checkpoint (`StateCheckpointRule`)."""
     sessions = cache.make_sessions()
     policy = make_policy(cache.device_eviction, sessions)
-    return RadixTree(pool.page_size, pool.allocator, policy=policy, sessions=sessions)
+    rules = () if states is None else (StateCheckpointRule(),)
+    return RadixTree(pool.page_size, pool.allocator, policy=policy, sessions=sessions,
+                     restore_rules=rules, checkpoints=states)
+
+
+def _state_slots(config: EngineConfig) -> StateSlots | None:
+    """A hybrid model's state slots: one per running request plus the checkpoints' share
+    (`CacheConfig.state_checkpoint_slots`, none without a prefix cache); None otherwise."""
+    geometry = config.model.state_geometry
+    if geometry is None:
+        return None
+    cache = config.cache
+    checkpoints = cache.state_checkpoint_slots if cache.enable_prefix_cache else 0
+    return StateSlots.create(geometry, config.scheduler.max_running_requests, checkpoints,
+                             config.device)

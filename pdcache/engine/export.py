@@ -4,7 +4,7 @@ The directory holds what `--model DIR` (pdcache/engine/loader.py) and Hugging Fa
 (`AutoConfig`, `AutoModelForCausalLM`, `AutoTokenizer`, SGLang) read:
 
 - `config.json` (LlamaForCausalLM; DeepseekV3ForCausalLM for the MLA presets,
-  GptOssForCausalLM for the gpt-oss ones) and `generation_config.json` (bos / eos / pad ids);
+  GptOssForCausalLM for the gpt-oss ones, Qwen3NextForCausalLM for the qwen3-next ones) and `generation_config.json` (bos / eos / pad ids);
 - `model.safetensors`: the preset's weights at `--seed`, under our (= Hugging Face's) names;
 - `tokenizer.json`: a byte-level BPE without merges whose ids are exactly the byte tokenizer's
   (id b is byte b, 256.. are `<|bos|> <|eos|> <|pad|> <|im_start|> <|im_end|>`);
@@ -28,7 +28,6 @@ import torch
 
 from pdcache.engine.config import DTYPES, ModelConfig
 from pdcache.engine.loader import load_model
-from pdcache.engine.model import CausalLM
 from pdcache.engine.moe import split_expert_tensors
 from pdcache.engine.presets import PRESETS, byte_tokenizer
 from pdcache.engine.tokenizer import (
@@ -106,7 +105,7 @@ def export_preset(
     return sorted(written)
 
 
-def checkpoint_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors under the names its family's checkpoints use: per-expert tensors
     for Qwen3-MoE / DeepSeek layouts; gpt-oss stores its fused experts as held in memory."""
     state = model.state_dict()
@@ -167,13 +166,43 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     }
     if config.architecture == "GptOssForCausalLM":
         return {**common, **_gpt_oss_fields(config)}
+    if config.architecture == "Qwen3NextForCausalLM":
+        return {**common, **_qwen3_next_fields(config)}
     return {**common, **_deepseek_fields(config)} if config.is_mla else common
 
 
 def _model_type(config: ModelConfig) -> str:
     if config.architecture == "GptOssForCausalLM":
         return "gpt_oss"
+    if config.architecture == "Qwen3NextForCausalLM":
+        return "qwen3_next"
     return "deepseek_v3" if config.is_mla else "llama"
+
+
+def _qwen3_next_fields(config: ModelConfig) -> dict[str, Any]:
+    """Qwen3-Next's layer kinds, DeltaNet shape, partial RoPE and MoE keys (every layer
+    sparse, one shared expert)."""
+    moe, lin = config.moe, config.linear_attention
+    assert moe is not None and moe.family == "qwen3_next" and lin is not None
+    full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    return {
+        "layer_types": list(config.layer_types),
+        "full_attention_interval": full[0] + 1 if full else config.num_hidden_layers,
+        "partial_rotary_factor": config.partial_rotary_factor,
+        "rope_parameters": {**_rope_parameters(config),
+                            "partial_rotary_factor": config.partial_rotary_factor},
+        "linear_conv_kernel_dim": lin.conv_kernel, "linear_key_head_dim": lin.key_head_dim,
+        "linear_value_head_dim": lin.value_head_dim,
+        "linear_num_key_heads": lin.num_key_heads,
+        "linear_num_value_heads": lin.num_value_heads,
+        "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": sorted(set(range(moe.num_layers)) - set(moe.sparse_layer_ids)),
+        "norm_topk_prob": moe.norm_topk_prob, "router_aux_loss_coef": 0.0,
+        "output_router_logits": False,
+    }
 
 
 def _gpt_oss_fields(config: ModelConfig) -> dict[str, Any]:

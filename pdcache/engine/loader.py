@@ -21,6 +21,8 @@ from pdcache.engine.kv_pool import allocate_kv_tensor
 from pdcache.engine.model import CausalLM
 from pdcache.engine.moe import convert_checkpoint_tensors, moe_config_from_hf
 from pdcache.engine.presets import PRESETS, init_preset_weights, preset_config, preset_tokenizer
+from pdcache.engine.qwen3_next import ARCHITECTURE as QWEN3_NEXT
+from pdcache.engine.qwen3_next import Qwen3NextForCausalLM, qwen3_next_config_from_hf
 from pdcache.engine.tokenizer import HFTokenizer, Tokenizer
 from pdcache.engine.weights import iter_safetensors, load_weights, safetensors_files
 
@@ -35,24 +37,23 @@ _ARCH_BY_MODEL_TYPE = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "qwen3_next": QWEN3_NEXT,
 }
 # Architectures we know and do not run, with the feature that stops us.
 _REFUSED_ARCHITECTURES = {
     "DeepseekV32ForCausalLM": "DeepSeek sparse attention (the DSA indexer of DeepSeek-V3.2)",
-    "Qwen3NextForCausalLM": "gated DeltaNet linear-attention layers (layer kind "
-                            "'linear_attention', a recurrent state per request: the model "
-                            "runs, pdcache.engine.qwen3_next, but the scheduler and the cache "
-                            "tiers do not carry its state yet)",
 }
 _ROPE_TYPES = ("default", "llama3", "yarn")
-# HF `layer_types` entries the decoder runs (others, e.g. "linear_attention", are refused).
+# HF `layer_types` entries the decoder runs (others, e.g. "linear_attention" outside
+# Qwen3-Next, are refused; Qwen3-Next checks its own in `qwen3_next_config_from_hf`).
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+DecoderModel = CausalLM | Qwen3NextForCausalLM
 _GPT_OSS = "GptOssForCausalLM"
 
 
 def load_model(
     spec: str, *, dtype: str | None = None, seed: int = 0, device: str = "cpu"
-) -> tuple[CausalLM, Tokenizer]:
+) -> tuple[DecoderModel, Tokenizer]:
     """`spec` is a preset name (`tiny`, `small`, `tiny-mla`, `tiny-gpt-oss`, ...: `PRESETS`,
     random weights from `seed`) or the path of a local checkpoint directory (config.json, *.safetensors, tokenizer.json). `dtype` defaults
     to float32 for presets and to the checkpoint's dtype otherwise. The model is in eval mode
@@ -108,8 +109,14 @@ def _preset_config(name: str, dtype: str, seed: int) -> ModelConfig:
     return config
 
 
-def _load_preset(name: str, dtype: str, seed: int) -> tuple[CausalLM, Tokenizer]:
-    model = CausalLM(_preset_config(name, dtype, seed))
+def model_class(config: ModelConfig) -> type[CausalLM] | type[Qwen3NextForCausalLM]:
+    """The module that runs `config`'s architecture (Qwen3-Next has its own decoder)."""
+    return Qwen3NextForCausalLM if config.architecture == QWEN3_NEXT else CausalLM
+
+
+def _load_preset(name: str, dtype: str, seed: int) -> tuple[DecoderModel, Tokenizer]:
+    config = _preset_config(name, dtype, seed)
+    model = model_class(config)(config)
     init_preset_weights(model, seed)
     return model, preset_tokenizer(name)
 
@@ -121,11 +128,11 @@ def _checkpoint_config(path: Path, dtype: str | None) -> ModelConfig:
     return model_config_from_hf(json.loads(config_file.read_text()), path.name, dtype)
 
 
-def _load_checkpoint(path: Path, dtype: str | None) -> tuple[CausalLM, Tokenizer]:
+def _load_checkpoint(path: Path, dtype: str | None) -> tuple[DecoderModel, Tokenizer]:
     config = _checkpoint_config(path, dtype)
     tokenizer = HFTokenizer(path, eos_token_ids=config.eos_token_ids)
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = model_class(config)(config)
     model = model.to_empty(device="cpu").to(config.torch_dtype)
     if config.tie_word_embeddings:  # to_empty re-creates parameters: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -159,6 +166,9 @@ def model_config_from_hf(
 ) -> ModelConfig:
     """Translate a Hugging Face config.json dict; ValueError for what this engine can't run."""
     arch = _architecture(hf)
+    if arch == QWEN3_NEXT:  # its layer kinds, partial RoPE and DeltaNet keys
+        _check_quantization(hf)
+        return qwen3_next_config_from_hf(hf, name, dtype)
     _check_supported_features(hf, arch)
     heads = hf["num_attention_heads"]
     config = ModelConfig(
@@ -243,16 +253,20 @@ def _check_supported_features(hf: dict[str, Any], arch: str) -> None:
     rope_type = _rope_params(hf).get("rope_type", _rope_params(hf).get("type", "default"))
     if rope_type not in _ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported ({', '.join(_ROPE_TYPES)})")
+    _check_quantization(hf)
+    if hf.get("index_topk") or hf.get("index_n_heads"):
+        raise ValueError("DeepSeek sparse attention (the DSA indexer: index_topk / "
+                         "index_n_heads) is not supported")
+    _check_layer_types(hf)
+
+
+def _check_quantization(hf: dict[str, Any]) -> None:
     quant = (hf.get("quantization_config") or {}).get("quant_method")
     if quant:
         block = (hf.get("quantization_config") or {}).get("weight_block_size")
         what = f"{quant} block quantisation {block}" if block else f"{quant} quantisation"
         raise ValueError(f"quantized checkpoints ({what}) are not supported; use bf16/fp32 "
                          "weights")
-    if hf.get("index_topk") or hf.get("index_n_heads"):
-        raise ValueError("DeepSeek sparse attention (the DSA indexer: index_topk / "
-                         "index_n_heads) is not supported")
-    _check_layer_types(hf)
 
 
 def _check_layer_types(hf: dict[str, Any]) -> None:

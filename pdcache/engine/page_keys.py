@@ -77,6 +77,35 @@ def key_hex(key: bytes) -> str:
     return key.hex()
 
 
+# --------------------------------------------------------------------------- state checkpoints
+
+_STATE_KEY_TAG = b"pdcache recurrent state v1"
+
+
+def state_key(page_key: bytes, geometry_key: str) -> bytes:
+    """The storage key of a recurrent-state checkpoint taken right after the page whose
+    storage key is `page_key` (docs/design.md §4.2), for states of `geometry_key`
+    (`RecurrentStateGeometry.key()`).
+
+    `SHA256(tag ‖ len(geometry) ‖ geometry ‖ page_key)`. The page key already binds the
+    fingerprint, the tenant salt and every token up to that page (either scheme), so the state
+    key inherits those bindings; the geometry makes states of other shapes or dtypes never
+    share a key. Never a page key: a page key hashes a 32-byte key (or a length-prefixed salt)
+    followed by token ids, this starts with a fixed tag that is neither.
+    """
+    if len(page_key) != KEY_BYTES:
+        raise ValueError(f"page keys are {KEY_BYTES} bytes, got {len(page_key)}")
+    geometry = geometry_key.encode()
+    return hashlib.sha256(
+        _STATE_KEY_TAG + struct.pack("<I", len(geometry)) + geometry + page_key
+    ).digest()
+
+
+def state_keys(page_keys: Sequence[bytes], geometry_key: str) -> list[bytes]:
+    """`state_key` of each page key: the checkpoints a chain of pages can have."""
+    return [state_key(key, geometry_key) for key in page_keys]
+
+
 # --------------------------------------------------------------------------- sglang scheme
 
 _SGLANG_SEED_TAG = b"sglang-cache-namespace-v1"

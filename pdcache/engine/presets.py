@@ -18,8 +18,8 @@ import torch
 
 from pdcache.engine.config import ModelConfig, RopeScaling
 from pdcache.engine.harmony import HarmonyByteTokenizer
-from pdcache.engine.model import CausalLM
 from pdcache.engine.moe import MoEConfig
+from pdcache.engine.state_geometry import LinearAttentionConfig
 from pdcache.engine.tokenizer import ByteTokenizer
 
 _BYTE_TOKENIZER = ByteTokenizer()
@@ -186,6 +186,63 @@ PRESETS["small-gpt-oss"] = ModelConfig(
     **_GPT_OSS_COMMON,
 )
 
+
+
+def _qwen3_next_moe(num_layers: int, experts: int, top_k: int, width: int,
+                    shared_width: int) -> MoEConfig:
+    """Qwen3-Next's MoE: every layer sparse, softmax top-k (normalised), one shared expert
+    behind a sigmoid gate."""
+    return MoEConfig(
+        family="qwen3_next", scoring="softmax", topk_method="greedy", num_experts=experts,
+        top_k=top_k, moe_intermediate_size=width, dense_intermediate_size=width,
+        norm_topk_prob=True, num_layers=num_layers,
+        sparse_layer_ids=frozenset(range(num_layers)),
+        shared_expert_intermediate_size=shared_width)
+
+
+def _every_fourth_full(num_layers: int) -> tuple[str, ...]:
+    """Qwen3-Next's layer kinds: gated full attention on every 4th layer, DeltaNet between."""
+    return tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                 for i in range(num_layers))
+
+
+_QWEN3_NEXT_COMMON = {**_COMMON, "architecture": "Qwen3NextForCausalLM", "qk_norm": True,
+                      "partial_rotary_factor": 0.25, "rope_theta": 10000.0}
+
+# Qwen3-Next-80B's shape scaled down (there: 48 layers, 16 query / 2 kv heads of 256, DeltaNet
+# with 16 key heads / 32 value heads of 128, conv kernel 4, 512 experts of which 10 routed plus
+# a shared one, partial RoPE over a quarter of each head).
+PRESETS["tiny-qwen3-next"] = ModelConfig(
+    hidden_size=128,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=8192,
+    layer_types=_every_fourth_full(4),
+    linear_attention=LinearAttentionConfig(conv_kernel=4, key_head_dim=32, value_head_dim=32,
+                                           num_key_heads=2, num_value_heads=4),
+    moe=_qwen3_next_moe(4, experts=8, top_k=2, width=96, shared_width=96),
+    name="pdcache-tiny-qwen3-next",
+    **_QWEN3_NEXT_COMMON,
+)
+PRESETS["small-qwen3-next"] = ModelConfig(
+    hidden_size=512,
+    intermediate_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=32768,
+    layer_types=_every_fourth_full(8),
+    linear_attention=LinearAttentionConfig(conv_kernel=4, key_head_dim=64, value_head_dim=64,
+                                           num_key_heads=4, num_value_heads=8),
+    moe=_qwen3_next_moe(8, experts=16, top_k=4, width=256, shared_width=256),
+    name="pdcache-small-qwen3-next",
+    **_QWEN3_NEXT_COMMON,
+)
+
 # Init scales (multiples of 1/sqrt(fan_in)); see the module docstring for why.
 EMBED_STD = 1.0
 QK_GAIN = 1.0  # sharper attention amplifies fp32 noise (measured: 2.0 doubles it)
@@ -214,15 +271,36 @@ def preset_tokenizer(name: str) -> ByteTokenizer:
 
 
 @torch.no_grad()
-def init_preset_weights(model: CausalLM, seed: int) -> None:
-    """Fill every parameter of `model` deterministically from `seed` (CPU generator, fp32)."""
+def init_preset_weights(model: torch.nn.Module, seed: int) -> None:
+    """Fill every parameter of `model` (a `CausalLM` or `Qwen3NextForCausalLM`, with its
+    `config`) deterministically from `seed` (CPU generator, fp32)."""
     gen = torch.Generator().manual_seed(seed)
-    config = model.config
+    config: ModelConfig = model.config  # type: ignore[assignment]
     residual_gain = RESIDUAL_GAIN / math.sqrt(2 * config.num_hidden_layers)
     # gpt-oss holds its experts' fused weights as [E, in, out], the others as [E, out, in]
     experts_in_dim = -2 if config.moe is not None and config.moe.family == "gpt_oss" else -1
+    zero_centred = config.architecture == "Qwen3NextForCausalLM"
     for name, param in model.named_parameters():
-        param.copy_(_init_tensor(name, param, gen, residual_gain, experts_in_dim))
+        tensor = _qwen3_next_tensor(name, param, gen) if zero_centred else None
+        if tensor is None:
+            tensor = _init_tensor(name, param, gen, residual_gain, experts_in_dim)
+        param.copy_(tensor)
+
+
+def _qwen3_next_tensor(name: str, param: torch.Tensor,
+                       gen: torch.Generator) -> torch.Tensor | None:
+    """Qwen3-Next's own parameters (None: as any model's). Its norms scale by `1 + weight`
+    (zero here: gain 1), except the DeltaNet output's gated norm (`weight`, one); the decay
+    `A_log` and `dt_bias` as transformers initialises them (A uniform in (0, 16))."""
+    if name.endswith("linear_attn.norm.weight"):
+        return torch.ones(param.shape)
+    if name.endswith("norm.weight"):
+        return torch.zeros(param.shape)
+    if name.endswith("A_log"):
+        return torch.log(torch.rand(param.shape, generator=gen) * 16 + 1e-3)
+    if name.endswith("dt_bias"):
+        return torch.ones(param.shape)
+    return None
 
 
 def _init_tensor(

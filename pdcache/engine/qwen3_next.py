@@ -9,9 +9,9 @@ Parameter names are transformers' (`model.layers.0.linear_attn.in_proj_qkvz.weig
 tokens' K/V rows of the attention layers, at `batch.out_slots`, in the pool's rows
 `KVGeometry.kv_layer_index`: linear layers have none) and the batch's state slots.
 
-Not wired into the engine yet: `pdcache.engine.loader` still refuses the architecture (the
-scheduler, the tiers and P→D do not carry a recurrent state); tests drive this model with a
-`ForwardBatch`, a KV pool and a state pool directly.
+The engine runs it on the device tier (`pdcache.engine.loader` builds it; the scheduler gives
+each running request a state slot and the prefix cache state checkpoints:
+`pdcache.engine.state_cache`); host/storage tiers and P→D do not carry the state yet.
 """
 
 from __future__ import annotations

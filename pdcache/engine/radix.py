@@ -20,6 +20,17 @@ top sub-tree: a node on device has its parent on device. `match_prefix` stops at
 node that is not on device; `_on_device_evicted(node)` decides whether a node whose device
 pages were freed is removed (here: when it has no host copy and no children) and
 `on_evict(node, page_ids)` observes every device eviction before the pages are freed.
+
+Layer kinds (docs/design.md §4.14): a match is a hit only at a point where the cache of every
+layer kind can be restored. Full attention needs the matched pages, which the walk itself
+guarantees. Other kinds add a `RestoreRule` (`restore_rules`): a linear layer
+(`StateCheckpointRule`) needs the recurrent state after exactly the hit's last token, i.e. a
+node end carrying a state checkpoint (`node.state_slot`, a slot of the engine's
+`RecurrentStatePool` that the tree owns until it frees it through `checkpoints`, exactly once:
+with the node's device pages, or before them when `drop_lru_checkpoint` makes room); a
+sliding-window rule would need the window's pages before the point. The hit is the deepest
+point every rule accepts (the minimum over kinds); `MatchResult.limited_by` names the rule that
+refused the deeper page match, and `count_match` counts it.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pdcache.engine.eviction import EvictionPolicy, LruPolicy, SessionTracker
 from pdcache.engine.kv_pool import PageAllocator
@@ -50,6 +62,9 @@ class RadixNode:
     last_access: int = 0
     session_id: str = ""  # the conversation that last used this node ("" = none known)
     children: dict[PageKey, RadixNode] = field(default_factory=dict)
+    # hybrid models: the pool slot holding the recurrent state after this node's last token
+    # (owned by the tree; None = no checkpoint here)
+    state_slot: int | None = None
 
     @property
     def on_device(self) -> bool:
@@ -83,12 +98,49 @@ class MatchResult:
 
     `last_node` is the deepest node the match touched (it may extend past `cached_len` when the
     match ended inside it); lock it to keep `page_ids` alive. It is the salt's root (or None
-    when the salt has no tree yet) for an empty match.
+    when the salt has no tree yet) for an empty match. `matched_len` is the device pages'
+    match before the restore rules cut it to `cached_len`; `limited_by` names the rule that
+    refused the deeper point (e.g. "state": no checkpoint of a linear layer's state there).
     """
 
     page_ids: list[int]
     cached_len: int
     last_node: RadixNode | None
+    matched_len: int = 0
+    limited_by: str | None = None
+
+    def __post_init__(self) -> None:
+        self.matched_len = max(self.matched_len, self.cached_len)
+
+
+class RestoreRule(Protocol):
+    """Whether one layer kind's cache can be restored after the first `num_pages` pages of
+    `node` (its pages on device). `kind` is the geometry's layer kind ("linear", later
+    "sliding"); `reason` what `MatchResult.limited_by` says when it refuses."""
+
+    kind: str
+    reason: str
+
+    def restorable(self, node: RadixNode, num_pages: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class StateCheckpointRule:
+    """Linear layers: the recurrent state exists only at a node end with a checkpoint."""
+
+    kind: str = "linear"
+    reason: str = "state"
+
+    def restorable(self, node: RadixNode, num_pages: int) -> bool:
+        return num_pages == node.num_pages and node.state_slot is not None
+
+
+class CheckpointSlots(Protocol):
+    """Who takes back a checkpoint slot the tree frees (`pdcache.engine.state_cache`)."""
+
+    def free_checkpoint(self, slot: int) -> None: ...
+
+    def is_used(self, slot: int) -> bool: ...
 
 
 @dataclass
@@ -115,9 +167,14 @@ class RadixTree:
         on_evict: EvictCallback | None = None,
         policy: EvictionPolicy | None = None,
         sessions: SessionTracker | None = None,
+        *,
+        restore_rules: Sequence[RestoreRule] = (),
+        checkpoints: CheckpointSlots | None = None,
     ) -> None:
         """`policy` ranks device evictions (default LRU); `sessions` (shared with the
-        policies that read it) learns conversations from `note_session`."""
+        policies that read it) learns conversations from `note_session`; `restore_rules`
+        cut matches to restorable points (none: every matched page is a hit);
+        `checkpoints` takes back the state checkpoints nodes carry (hybrid models)."""
         self.page_size = page_size
         self.allocator = allocator
         self.on_evict = on_evict
@@ -128,6 +185,13 @@ class RadixTree:
         self._device_pages = 0  # device pages owned by the tree
         self._locked_pages = 0  # ... of which in nodes with lock_ref > 0
         self.num_evicted_pages = 0
+        self.restore_rules: tuple[RestoreRule, ...] = tuple(restore_rules)
+        self.checkpoints = checkpoints
+        self._num_checkpoints = 0  # nodes with a state_slot
+        self.num_evicted_checkpoints = 0  # freed with their node's pages
+        self.num_dropped_checkpoints = 0  # freed alone, to make room for a newer one
+        self.limited_matches: dict[str, int] = {}  # admissions cut by a rule, by reason
+        self.limited_tokens: dict[str, int] = {}  # ... and the matched tokens they lost
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -144,21 +208,82 @@ class RadixTree:
         """Device pages `evict` could free now (all pages of unlocked nodes)."""
         return self._device_pages - self._locked_pages
 
+    @property
+    def num_checkpoints(self) -> int:
+        """State checkpoints (pool slots) the tree owns."""
+        return self._num_checkpoints
+
     # ---- lookup ------------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int], salt: str = "") -> MatchResult:
-        """Longest device-resident prefix of `token_ids`' full pages under `salt`.
+        """Longest prefix of `token_ids`' full pages under `salt` that is on device and
+        restorable for every layer kind (`restore_rules`; see the module docstring).
 
         Read-only: mutates nothing, not even LRU clocks (`lock` touches the path)."""
+        path = self._device_path(token_ids, salt)
+        match = self._pages_of(path, salt)
+        if not self.restore_rules or not path:
+            return match
+        limited_by = self._refusal(*path[-1])
+        if limited_by is None:
+            return match
+        done = match.cached_len // self.page_size
+        for node, matched in reversed(path):  # the deepest point every rule accepts
+            done -= matched
+            for num_pages in range(matched, 0, -1):
+                if self._refusal(node, num_pages) is None:
+                    hit = done + num_pages
+                    return MatchResult(match.page_ids[:hit], hit * self.page_size, node,
+                                       match.cached_len, limited_by)
+        return MatchResult([], 0, self._roots.get(salt), match.cached_len, limited_by)
+
+    def match_pages(self, token_ids: Sequence[int], salt: str = "") -> MatchResult:
+        """Longest device-resident prefix of `token_ids`' full pages under `salt`, whatever
+        the restore rules say (where a request's own pages went: `Scheduler.cache_prompt`).
+        Read-only."""
+        return self._pages_of(self._device_path(token_ids, salt), salt)
+
+    def _pages_of(self, path: list[tuple[RadixNode, int]], salt: str) -> MatchResult:
+        """The match of a device path (`_device_path`)."""
         last_node = self._roots.get(salt)
-        if last_node is None:
-            return MatchResult([], 0, None)
         page_ids: list[int] = []
-        for node, matched in self.walk(token_ids, salt):
-            if not node.on_device:
-                break
+        for node, matched in path:
             page_ids.extend(node.device_page_ids[:matched])
             last_node = node
         return MatchResult(page_ids, len(page_ids) * self.page_size, last_node)
+
+    def node_at(self, token_ids: Sequence[int], salt: str = "") -> RadixNode | None:
+        """The on-device node whose last token is exactly the last of `token_ids` (whole
+        pages), or None when the device path does not end at a node boundary there."""
+        path = self._device_path(token_ids, salt)
+        matched = sum(pages for _, pages in path) * self.page_size
+        if not path or matched != len(token_ids) or path[-1][1] != path[-1][0].num_pages:
+            return None
+        return path[-1][0]
+
+    def count_match(self, match: MatchResult) -> None:
+        """Count an admission's match that a restore rule cut (stats: `limited_matches`)."""
+        if match.limited_by is None:
+            return
+        reason = match.limited_by
+        self.limited_matches[reason] = self.limited_matches.get(reason, 0) + 1
+        lost = match.matched_len - match.cached_len
+        self.limited_tokens[reason] = self.limited_tokens.get(reason, 0) + lost
+
+    def _device_path(self, token_ids: Sequence[int],
+                     salt: str) -> list[tuple[RadixNode, int]]:
+        path: list[tuple[RadixNode, int]] = []
+        for node, matched in self.walk(token_ids, salt):
+            if not node.on_device:
+                break
+            path.append((node, matched))
+        return path
+
+    def _refusal(self, node: RadixNode, num_pages: int) -> str | None:
+        """The reason of the first rule that cannot restore after `num_pages` of `node`."""
+        for rule in self.restore_rules:
+            if not rule.restorable(node, num_pages):
+                return rule.reason
+        return None
 
     def walk(self, token_ids: Sequence[int], salt: str = "") -> list[tuple[RadixNode, int]]:
         """The nodes `token_ids`' full pages run through, whatever their residency, each with
@@ -260,18 +385,56 @@ class RadixTree:
         """Evict everything that is not locked; returns the pages freed."""
         return self.evict(self._device_pages)
 
+    # ---- state checkpoints (hybrid models) ---------------------------------------------
+    def set_checkpoint(self, node: RadixNode, slot: int) -> bool:
+        """`slot` holds the recurrent state after `node`'s last token: the tree owns it now.
+        False (the caller keeps `slot`) when `node` already has one (the same state)."""
+        assert node.on_device and not node.is_root, "a checkpoint needs an on-device node"
+        if node.state_slot is not None:
+            return False
+        node.state_slot = slot
+        self._num_checkpoints += 1
+        return True
+
+    def drop_lru_checkpoint(self) -> bool:
+        """Free the least recently used checkpoint (unlocked nodes first); the node stays, a
+        prefix of deeper checkpoints. False when the tree holds none."""
+        holders = [n for n in self._iter_nodes() if n.state_slot is not None]
+        if not holders:
+            return False
+        victim = min(holders, key=lambda n: (n.lock_ref > 0, n.last_access))
+        self._free_checkpoint(victim)
+        self.num_dropped_checkpoints += 1
+        return True
+
+    def _free_checkpoint(self, node: RadixNode) -> None:
+        slot, node.state_slot = node.state_slot, None
+        if slot is None:
+            return
+        self._num_checkpoints -= 1
+        assert self.checkpoints is not None, "a checkpoint without its slots' owner"
+        self.checkpoints.free_checkpoint(slot)
+
     # ---- checks ------------------------------------------------------------------------
     def check(self) -> None:
         """Raise AssertionError on any broken invariant (page ownership, counters, shape)."""
         seen: set[int] = set()
+        slots: set[int] = set()
         device_pages = locked_pages = 0
         for node in self._iter_nodes():
             self._check_node(node, seen)
             device_pages += node.num_device_pages
             if node.lock_ref > 0:
                 locked_pages += node.num_device_pages
+            if node.state_slot is not None:
+                assert node.on_device, "a checkpoint on a node without device pages"
+                assert node.state_slot not in slots, f"state slot {node.state_slot} held twice"
+                assert self.checkpoints is not None and self.checkpoints.is_used(
+                    node.state_slot), f"tree holds free state slot {node.state_slot}"
+                slots.add(node.state_slot)
         assert device_pages == self._device_pages, (device_pages, self._device_pages)
         assert locked_pages == self._locked_pages, (locked_pages, self._locked_pages)
+        assert len(slots) == self._num_checkpoints, (len(slots), self._num_checkpoints)
 
     def num_nodes(self) -> int:
         return sum(1 for _ in self._iter_nodes())
@@ -368,6 +531,9 @@ class RadixTree:
         return not any(child.on_device for child in node.children.values())
 
     def _evict_device(self, node: RadixNode) -> int:
+        if node.state_slot is not None:  # the state after pages about to go: freed first
+            self._free_checkpoint(node)
+            self.num_evicted_checkpoints += 1
         page_ids = node.device_page_ids or []
         if self.on_evict is not None:
             self.on_evict(node, page_ids)

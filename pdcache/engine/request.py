@@ -102,6 +102,14 @@ class Req:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # with `logprobs`
     input_logprobs: list[TokenLogprob] | None = None  # filled by the first prefill
     input_logprobs_sent: bool = False
+    # hybrid models (pdcache.engine.state_cache): its recurrent-state slot while running (the
+    # state after `kv_len` tokens), the page-aligned lengths where a prefill chunk ends to
+    # take a checkpoint (ascending), and its pending decode checkpoint (a slot holding the
+    # state after `pending_checkpoint_len` tokens, its last full page so far)
+    state_slot: int | None = None
+    checkpoint_at: list[int] = field(default_factory=list)
+    pending_checkpoint: int | None = None
+    pending_checkpoint_len: int = 0
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -282,5 +290,12 @@ class Req:
             assert len(self.page_ids) <= pages_for(self.fill_len, size), "over-allocated"
             if self.prefill_done:
                 assert self.kv_len == self.fill_len - 1, "decode state out of step"
-        elif not self.holding_pages:
-            assert not self.page_ids and self.last_node is None, "pages held while not running"
+        else:
+            assert self.state_slot is None and self.pending_checkpoint is None, (
+                "a state slot held while not running")
+            if not self.holding_pages:
+                assert not self.page_ids and self.last_node is None, (
+                    "pages held while not running")
+        if self.pending_checkpoint is not None:
+            assert self.pending_checkpoint_len % size == 0, "unaligned decode checkpoint"
+            assert 0 < self.pending_checkpoint_len <= self.kv_len, "checkpoint past the K/V"

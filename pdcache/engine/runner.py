@@ -1,7 +1,8 @@
 """Turns a `ScheduledBatch` into a `ForwardBatch` and runs the model on it.
 
-Owns nothing but references to the model and the pool; it reads request state and never
-mutates it (the scheduler commits results). Engine thread only.
+Owns nothing but references to the model, the KV pool and (hybrid models) the recurrent-state
+pool; it reads request state and never mutates it (the scheduler commits results; the model
+advances each request's state slot in place). Engine thread only.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pdcache.engine.forward import ForwardBatch
 from pdcache.engine.kv_pool import DeviceKVPool
 from pdcache.engine.request import KVLoad, Req
 from pdcache.engine.scheduler import ScheduledBatch
+from pdcache.engine.state_pool import RecurrentStatePool
 from pdcache.kernels import KernelSet
 
 
@@ -26,9 +28,11 @@ class ModelRunner:
     """Builds batch tensors (positions, K/V slots, page table) and calls the model."""
 
     def __init__(self, model: CausalLMLike, pool: DeviceKVPool,
-                 kernels: KernelSet | None = None) -> None:
+                 kernels: KernelSet | None = None,
+                 state_pool: RecurrentStatePool | None = None) -> None:
         self.model = model
         self.pool = pool
+        self.state_pool = state_pool
         self.device = pool.device_kv.device
         self.kernels = kernels or KernelSet()
 
@@ -62,7 +66,17 @@ class ModelRunner:
             logits_indices=rows.to(self.device),
             wait_layer=_wait_all(batch.kv_loads) if batch.kv_loads else None,
             kernels=self.kernels,
+            state_pool=self.state_pool,
+            state_slots=self._state_slots(batch.reqs),
         )
+
+    def _state_slots(self, reqs: list[Req]) -> list[int] | None:
+        """Each request's state slot (hybrid models), holding its state after `kv_len`."""
+        if self.state_pool is None:
+            return None
+        slots = [req.state_slot for req in reqs]
+        assert all(slot is not None for slot in slots), "a hybrid request without a state slot"
+        return [int(slot) for slot in slots if slot is not None]
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """fp32 logits `[len(batch.sample_rows) + span positions, vocab]`: the sample rows',

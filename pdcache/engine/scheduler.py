@@ -32,6 +32,14 @@ Composition, not subclassing: the node that builds the scheduler gives it
   (`pdcache.engine.reservations.ReservationBook`, `reservations`). Default `Unified`;
   prefill's is `pdcache.prefill_node.scheduler.PrefillRole`, decode's
   `pdcache.decode_node.scheduler.DecodeRole`.
+- `states` (`pdcache.engine.state_cache.StateSlots`): hybrid models only (Qwen3-Next), the
+  recurrent-state slots: a request holds one while running (allocated at admission,
+  initialised from the checkpoint of its prefix hit, freed exactly once when it finishes, is
+  aborted or retracted: a retracted request drops its state and recomputes from its deepest
+  checkpoint, which its retraction may just have added); the scheduler ends prefill chunks at
+  the request's checkpoint points and hands checkpoints to the tree (see `state_cache`).
+  Device only for now: lower tiers do not carry the state, so `states` with any tiers but
+  `DeviceOnly` is refused.
 Any role may have any tiers. The node's controller (`pdcache.prefill_node.controller`,
 `pdcache.decode_node.controller`) makes the PD decisions those policies relay.
 """
@@ -51,7 +59,12 @@ from pdcache.engine.request import KVLoad, Req, ReqStatus, pages_for
 from pdcache.engine.reservations import ReservationBook
 from pdcache.engine.roles import RolePolicy, Unified
 from pdcache.engine.scheduler_config import SchedulerConfig
+from pdcache.engine.state_cache import StateSlots
 from pdcache.engine.tiers import CacheTiers, DeviceOnly
+
+# `add_prefilled` of a hybrid model: P→D moves pages, not the recurrent state (yet)
+NO_STATE_TRANSFER = "P→D transfer does not carry a hybrid model's recurrent state yet"
+NO_STATE_TIERS = "host/storage tiers do not carry recurrent state yet"
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +112,7 @@ class Scheduler:
         *,
         tiers: CacheTiers | None = None,
         role: RolePolicy | None = None,
+        states: StateSlots | None = None,
     ) -> None:
         self.config = config
         self.page_size = cache.page_size
@@ -109,6 +123,10 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tiers: CacheTiers = tiers if tiers is not None else DeviceOnly(tree)
         self.role: RolePolicy = role if role is not None else Unified()
+        if states is not None and not isinstance(self.tiers, DeviceOnly):
+            raise ValueError(f"{NO_STATE_TIERS}: a hybrid model ({states.pool.describe()}) "
+                             f"runs with device-only caching (no host/storage tiers)")
+        self.states = states
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.counters = SchedulerCounters()
@@ -142,6 +160,8 @@ class Scheduler:
         ValueError when the reservation does not fit it (`ReservationBook.take`)."""
         if self.reservations is None:
             raise ValueError(f"request {req.rid!r}: this node takes no reservations")
+        if self.states is not None:
+            raise ValueError(f"request {req.rid!r}: {NO_STATE_TRANSFER}")
         page_ids, prefix = self.reservations.take(req)
         self.role.on_prefilled(req)
         # the request now holds the prefix's lock (its release unlocks `last_node`)
@@ -239,6 +259,8 @@ class Scheduler:
             if batch.mode is ForwardMode.EXTEND:
                 req.computed_tokens += length
                 self.counters.computed_tokens += length
+            if self.states is not None:
+                self._after_forward(req, batch.mode)
             if row in sampled:
                 req.prefill_done = True
                 req.append_token(sampled[row], sampled_logprobs.get(row))
@@ -313,6 +335,10 @@ class Scheduler:
         if own is None:
             self.unlock(match.last_node)
             return False
+        if self.states is not None and not self._admit_state(req, match):
+            self.allocator.free(own)
+            self.unlock(match.last_node)
+            return False
         max_pages = req.max_reuse_len // self.page_size
         reuse = self.tiers.reuse_lower_tiers(req, match, own, max_pages)
         node = match.last_node
@@ -332,6 +358,8 @@ class Scheduler:
                   cached, reuse.kv_load)
         self._admit_seq += 1
         self.counters.admitted += 1
+        if self.tree is not None:
+            self.tree.count_match(match)
         return True
 
     def _match(self, req: Req) -> MatchResult:
@@ -368,13 +396,18 @@ class Scheduler:
         are swapped for the tree's copies (same tokens, same K/V) and freed; `req` then
         borrows all of them from the tree, locking the new last node."""
         assert self.tree is not None and req.prefill_done, req.rid
-        num_full = min(len(req.prompt_ids), req.kv_len) // self.page_size
+        self._cache_pages(req, min(len(req.prompt_ids), req.kv_len) // self.page_size)
+
+    def _cache_pages(self, req: Req, num_full: int) -> None:
+        """Insert the first `num_full` pages of `req` (computed) into the tree; `req` then
+        borrows them (see `cache_prompt`). No-op when the tree has them from `req` already."""
+        assert self.tree is not None
         if num_full <= req.num_tree_pages:
             return
-        tokens = req.prompt_ids[: num_full * self.page_size]
+        tokens = req.fill_slice(0, num_full * self.page_size)
         result = self.tree.insert(tokens, req.page_ids[:num_full], req.salt)
         self.tree.note_session(result.last_node, req.session_id, new_turn=False)
-        match = self.tree.match_prefix(tokens, req.salt)
+        match = self.tree.match_pages(tokens, req.salt)
         assert match.cached_len == len(tokens), (match.cached_len, len(tokens))
         self.lock(match.last_node)
         self.unlock(req.last_node)
@@ -414,6 +447,8 @@ class Scheduler:
         batch = ScheduledBatch(ForwardMode.EXTEND, [], [])
         for req in prefilling:
             chunk = min(req.fill_len - req.kv_len, budget)
+            if req.checkpoint_at:  # end the chunk where a state checkpoint is taken
+                chunk = min(chunk, req.checkpoint_at[0] - req.kv_len)
             if chunk <= 0:
                 break
             if req.kv_len + chunk == req.fill_len:
@@ -479,6 +514,7 @@ class Scheduler:
             self._release(req, cache=True)
 
     def _hold(self, req: Req) -> None:
+        self._free_state(req)  # the held pages go to a reader; the state goes nowhere yet
         req.holding_pages = True
         self.held[req.rid] = req
 
@@ -514,8 +550,116 @@ class Scheduler:
             result = self.tree.insert(tokens, req.page_ids[:num_full], req.salt)
             self.tree.note_session(result.last_node, req.session_id, new_turn=False)
             to_free = result.duplicate_page_ids + req.page_ids[num_full:]
+        if cache and self.states is not None:
+            self._attach_pending_checkpoint(req, num_full)
+        self._free_state(req)
         self.allocator.free(to_free)
         self.unlock(req.last_node)
         req.release_pages()
         if result is not None:
             self.tiers.on_cached(req, result)
+
+    # ---- recurrent state (hybrid models; pdcache.engine.state_cache) -------------------
+    def _admit_state(self, req: Req, match: MatchResult) -> bool:
+        """Give admitted `req` a state slot holding the state after the hit (`match` is
+        restorable: its end carries a checkpoint) and its checkpoint points; False when no
+        request slot is free."""
+        assert self.states is not None
+        slot = self.states.alloc_request()
+        if slot is None:
+            return False
+        req.state_slot = slot
+        if match.cached_len > 0:
+            node = match.last_node
+            assert node is not None and node.state_slot is not None, "hit without a state"
+            self.states.pool.copy_slot(node.state_slot, slot)
+            self.states.counters.checkpoints_restored += 1
+        req.checkpoint_at = self._checkpoint_points(req, match) if self.tree is not None else []
+        return True
+
+    def _checkpoint_points(self, req: Req, match: MatchResult) -> list[int]:
+        """Page-aligned fill lengths past the hit where `req`'s prefill stops for a
+        checkpoint: the branch point its page match reached beyond its deepest checkpoint,
+        and its prompt's last full page; not where the tree has one already."""
+        assert self.tree is not None
+        prompt_end = len(req.prompt_ids) // self.page_size * self.page_size
+        points = sorted({match.matched_len, prompt_end})
+        return [n for n in points if match.cached_len < n <= req.fill_len
+                and not self._has_checkpoint(req, n)]
+
+    def _has_checkpoint(self, req: Req, num_tokens: int) -> bool:
+        assert self.tree is not None
+        node = self.tree.node_at(req.fill_slice(0, num_tokens), req.salt)
+        return node is not None and node.state_slot is not None
+
+    def _after_forward(self, req: Req, mode: ForwardMode) -> None:
+        """`req`'s slot now holds the state after `kv_len` tokens: a prefill chunk that
+        ended at a checkpoint point gives the tree a checkpoint; a decode step that filled a
+        page renews the pending decode checkpoint."""
+        if self.tree is None:
+            return
+        if req.checkpoint_at and req.kv_len == req.checkpoint_at[0]:
+            req.checkpoint_at.pop(0)
+            self._checkpoint_now(req)
+        elif mode is ForwardMode.DECODE and req.kv_len % self.page_size == 0:
+            self._renew_pending_checkpoint(req)
+
+    def _checkpoint_now(self, req: Req) -> None:
+        """Cache `req`'s pages up to `kv_len` (page-aligned) and give their last node a copy
+        of its state."""
+        assert self.tree is not None and self.states is not None
+        assert req.state_slot is not None and req.kv_len % self.page_size == 0
+        self._cache_pages(req, req.kv_len // self.page_size)
+        node = self.tree.node_at(req.fill_slice(0, req.kv_len), req.salt)
+        if node is None or node.state_slot is not None:
+            return
+        slot = self._checkpoint_slot()
+        if slot is None:
+            return
+        self.states.pool.copy_slot(req.state_slot, slot)
+        self.tree.set_checkpoint(node, slot)
+
+    def _renew_pending_checkpoint(self, req: Req) -> None:
+        assert self.states is not None and req.state_slot is not None
+        if req.pending_checkpoint is None:
+            req.pending_checkpoint = self._checkpoint_slot()
+            if req.pending_checkpoint is None:
+                return
+        else:
+            self.states.counters.checkpoints_taken += 1  # the previous copy is overwritten
+        self.states.pool.copy_slot(req.state_slot, req.pending_checkpoint)
+        req.pending_checkpoint_len = req.kv_len
+
+    def _checkpoint_slot(self) -> int | None:
+        """A checkpoint slot, dropping the least recently used checkpoint when the share is
+        used up; None (counted) when there is none to drop."""
+        assert self.states is not None and self.tree is not None
+        slot = self.states.alloc_checkpoint()
+        if slot is None and self.tree.drop_lru_checkpoint():
+            slot = self.states.alloc_checkpoint()
+        if slot is None:
+            self.states.counters.checkpoints_skipped += 1
+        else:
+            self.states.counters.checkpoints_taken += 1
+        return slot
+
+    def _attach_pending_checkpoint(self, req: Req, num_full: int) -> None:
+        """`req`'s pages are in the tree up to `num_full` pages: its pending decode
+        checkpoint, when it is the state there, goes to that node (else it is freed)."""
+        slot, length = req.pending_checkpoint, req.pending_checkpoint_len
+        if slot is None or self.tree is None or length != num_full * self.page_size:
+            return
+        node = self.tree.node_at(req.fill_slice(0, length), req.salt)
+        if node is not None and self.tree.set_checkpoint(node, slot):
+            req.pending_checkpoint = None
+
+    def _free_state(self, req: Req) -> None:
+        """Free `req`'s state slot and pending checkpoint (exactly once: both are cleared)."""
+        if self.states is None:
+            return
+        if req.pending_checkpoint is not None:
+            self.states.free_checkpoint(req.pending_checkpoint)
+        if req.state_slot is not None:
+            self.states.free_request(req.state_slot)
+        req.state_slot, req.pending_checkpoint, req.pending_checkpoint_len = None, None, 0
+        req.checkpoint_at = []

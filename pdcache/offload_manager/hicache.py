@@ -363,7 +363,7 @@ class HiCache:
 
     def _host_pages_outside_tree(self, prefetch: dict[str, int]) -> dict[str, int]:
         """Host pages held but not by the tree's nodes, for the idle-leak check of `pdcache
-        bench chaos`: `host_pages_untracked` = USED pages no node holds (orphans awaiting a
+        chaos`: `host_pages_untracked` = USED pages no node holds (orphans awaiting a
         storage write, stream-deferred frees, or a leak), `host_pages_pinned_in_tree` = node
         pages a backup or load still pins, and (already counted in those or in IN_FLIGHT)
         the pages of abandoned prefetches and stream-deferred frees (`prefetch`: the

@@ -229,7 +229,7 @@ class PrefillApp:
 
     def health_extra(self) -> dict[str, Any]:
         """/health's PD fields: the sender's counters and `pd_rooms_open`, the controller's
-        rooms not yet closed (an idle node has none: `pdcache bench chaos` checks it)."""
+        rooms not yet closed (an idle node has none: `pdcache chaos` checks it)."""
         return {"role": "prefill", "bootstrap": self.sender.bootstrap_addr,
                 "transfer": json_ready(self.sender.stats()),
                 "pd_rooms_open": len(self.controller.rooms()),

@@ -142,11 +142,11 @@ def test_config_reads_layer_kinds_window_sinks_and_moe(checkpoint) -> None:
 def test_an_architecture_we_do_not_run_is_refused_naming_it_and_what_runs(tmp_path) -> None:
     save_gpt_oss(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next")
+    config.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32")
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="Qwen3NextForCausalLM") as err:
+    with pytest.raises(ValueError, match="DeepseekV32ForCausalLM") as err:
         load_model(str(tmp_path))
-    assert "linear_attention" in str(err.value)
+    assert "DSA indexer" in str(err.value)
     assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
     assert "GptOssForCausalLM" in SUPPORTED_ARCHITECTURES
 

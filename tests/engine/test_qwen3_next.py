@@ -4,7 +4,7 @@ A tiny checkpoint built by transformers (fp32, fixed seed): 4 layers, linear / f
 alternating (`full_attention_interval` 2), gated DeltaNet with 2 key heads over 4 value heads,
 gated attention with partial RoPE, MoE of 4 experts (top 2) with a sigmoid-gated shared expert
 and one dense layer. Our model runs over a paged KV pool and a `RecurrentStatePool`, driven
-through `ForwardBatch` directly (the engine still refuses the architecture).
+through `ForwardBatch` directly (the engine's runs: tests/engine/test_qwen3_next_engine.py).
 
 Tolerance: logits within atol 2e-4 / rtol 1e-4 of transformers' (|logits| up to ~13). A cold
 prompt in one forward is the same computation and lands within ~1e-5; chunked prefill and
@@ -190,9 +190,12 @@ def test_real_qwen3_next_shapes_give_the_reference_byte_counts() -> None:
     assert round(state.state_bytes() / 2**20, 1) == 73.7
 
 
-def test_the_engine_still_refuses_the_architecture(checkpoint) -> None:
-    with pytest.raises(ValueError, match="Qwen3NextForCausalLM.*linear_attention"):
-        load_model(str(checkpoint[0]))
+def test_the_loader_builds_the_model_and_refuses_unknown_layer_kinds(checkpoint) -> None:
+    loaded, _ = load_model(str(checkpoint[0]))
+    assert isinstance(loaded, Qwen3NextForCausalLM)
+    config = json.loads((checkpoint[0] / "config.json").read_text())
+    with pytest.raises(ValueError, match="'mamba'"):
+        qwen3_next_config_from_hf({**config, "layer_types": ["mamba"] * 4})
 
 
 # ---- parity with transformers ----------------------------------------------------------------

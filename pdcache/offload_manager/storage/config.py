@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 if TYPE_CHECKING:  # page_format needs torch; this module stays light (renderer, plugin config)
     from pdcache.offload_manager.storage.lifecycle import SessionLifecycle, StorageEviction
     from pdcache.offload_manager.storage.page_format import PageSpec
+    from pdcache.offload_manager.storage.state_format import StateSpec
 
 try:
     import tomllib
@@ -136,7 +137,7 @@ class StorageSettings:
     # and the tests of the durable next turn); 0 = off
     write_delay_s: float = 0.0
     # Chaos/test only, never in a deployment (docs/chaos.md): an absolute path of a control
-    # file whose number is a delay (s) every storage call waits; set by `pdcache bench chaos`.
+    # file whose number is a delay (s) every storage call waits; set by `pdcache chaos`.
     fault_injection: str = ""
 
 
@@ -222,6 +223,14 @@ class StorageConfig(StorageSettings, StorageKeys):
     # take the namespace but cannot enforce it, so quotas with them are refused (here and at
     # topology parse time, docs/design.md §8).
     namespace_quotas: Mapping[str, int] = field(default_factory=dict, compare=False)
+    # Recurrent-state objects (state_format.py, docs/design.md §4.3-4.4): the state geometry
+    # (`RecurrentStateGeometry.key()`) and bytes (`state_bytes()`) of this store's states; ""
+    # and 0: no state objects (the `*_state` methods refuse). `state_capacity`: state objects
+    # kept (LRU among states, apart from the page capacity); 0: unbounded for file and
+    # mooncake, required for hf3fs (its own slot pool, one state per slot).
+    state_geometry: str = ""
+    state_bytes: int = 0
+    state_capacity: int = 0
 
     def __post_init__(self) -> None:
         from pdcache.offload_manager.storage import BACKENDS as REGISTERED
@@ -254,6 +263,16 @@ class StorageConfig(StorageSettings, StorageKeys):
         self._check(not unenforced, "namespace_quotas",
                     f"the {self.backend} backend does not enforce tenant quotas (file does)")
         self.page_spec()  # validates dtype
+        self._check_states()
+
+    def _check_states(self) -> None:
+        self._check(self.state_bytes >= 0, "state_bytes", "must be >= 0")
+        self._check(self.state_capacity >= 0, "state_capacity", "must be >= 0")
+        self._check(bool(self.state_geometry) == (self.state_bytes > 0), "state_bytes",
+                    "state objects need both state_geometry and state_bytes > 0")
+        if self.state_geometry and self.backend == "hf3fs":
+            self._check(self.state_capacity > 0, "state_capacity",
+                        "hf3fs keeps states in a slot pool of its own: give it a size")
 
     def _check(self, ok: bool, key: str, problem: str) -> None:
         if not ok:
@@ -292,6 +311,28 @@ class StorageConfig(StorageSettings, StorageKeys):
             checksum=self.checksum,
             mac_key=self.page_mac_key,
         )
+
+    def state_spec(self) -> StateSpec | None:
+        """What this store's state objects must match; None without `state_geometry`."""
+        if not self.state_geometry:
+            return None
+        from pdcache.offload_manager.storage.state_format import StateSpec
+
+        return StateSpec(fingerprint=self.fingerprint, geometry=self.state_geometry,
+                         state_bytes=self.state_bytes, checksum=self.checksum,
+                         mac_key=self.page_mac_key)
+
+    @property
+    def state_slot_bytes(self) -> int:
+        """Bytes of one hf3fs state slot: state header + state, rounded up to 4 KiB."""
+        from pdcache.offload_manager.storage.state_format import STATE_HEADER_BYTES
+
+        return _align_up(STATE_HEADER_BYTES + self.state_bytes, SLOT_ALIGN)
+
+    @property
+    def state_pool_name(self) -> str:
+        """hf3fs state data files and metadata pool: never a page pool's name (`.state`)."""
+        return f"{self.namespace}.state{self.state_slot_bytes}"
 
     @property
     def storage_eviction(self) -> StorageEviction:

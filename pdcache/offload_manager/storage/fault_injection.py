@@ -6,11 +6,12 @@ Two keys turn it on, for two uses:
   Store across a WAN) on a laptop, so benchmarks and the tests of the durable next turn
   (docs/design.md §4.10) can make decode's storage write lose the race deterministically.
 - `[storage] fault_injection = "/abs/path/control"` (chaos only), which only
-`pdcache bench chaos` (its `storage-slow` fault) and tests set: the key is off by default, it
+`pdcache chaos` (its `storage-slow` fault) and tests set: the key is off by default, it
 must name an absolute path, and the control file must exist when the backend opens (else the
 node refuses to start), so a config cannot turn it on by accident. The control file holds one
 number, the delay in seconds each data call (`exists_prefix`, `get_into`, `read_layers`,
-`put_from`, `delete`) waits before it reaches the wrapped backend; the harness rewrites it to
+`put_from`, `delete`, and the state objects' `put_state`, `get_state_into`, `exists_state`,
+`delete_states`) waits before it reaches the wrapped backend; the harness rewrites it to
 inject and to heal.
 It is re-read at most every `REREAD_S` (a missing or unreadable file reads as 0: no delay).
 
@@ -26,9 +27,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.layer_reads import LayerStream
 from pdcache.offload_manager.storage.page_format import HostPage
+from pdcache.offload_manager.storage.state_format import StateBuffer, StateSpec
 
 log = logging.getLogger(__name__)
 REREAD_S = 0.1  # the control file is read at most this often
@@ -84,7 +88,7 @@ class DelayInjectingBackend(StorageBackend):
         if not control_file.is_file():
             raise ValueError(
                 f"storage.fault_injection = {str(control_file)!r}: no such control "
-                "file; this key is for `pdcache bench chaos` and tests only, which "
+                "file; this key is for `pdcache chaos` and tests only, which "
                 "create the file before the node starts"
             )
         self._delay_s = read_delay_file(control_file)
@@ -160,6 +164,34 @@ class DelayInjectingBackend(StorageBackend):
 
     def end_session(self, session: str) -> None:
         self.inner.end_session(session)  # the base's no-op would hide the wrapped backend's
+
+    # state objects: explicit, so the base's refusals never hide the wrapped backend's calls
+
+    @property
+    def state_spec(self) -> StateSpec | None:  # type: ignore[override]
+        return self.inner.state_spec
+
+    @property
+    def supports_states(self) -> bool:
+        return self.inner.supports_states
+
+    def put_state(self, key: bytes, state: StateBuffer, tokens: int, origin: str = "prefill",
+                  namespace: str = "", session: str = "") -> bool:
+        self._wait(write=True)
+        return self.inner.put_state(key, state, tokens, origin, namespace, session)
+
+    def get_state_into(self, key: bytes, out: torch.Tensor, tokens: int | None = None
+                       ) -> str | None:
+        self._wait()
+        return self.inner.get_state_into(key, out, tokens)
+
+    def exists_state(self, key: bytes) -> bool:
+        self._wait()
+        return self.inner.exists_state(key)
+
+    def delete_states(self, keys: Sequence[bytes]) -> None:
+        self._wait()
+        self.inner.delete_states(keys)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         self._wait()

@@ -1,12 +1,14 @@
 """The `file` backend: one file per page (`header || payload`), for debugging and small setups.
 
-Layout: `{path}/{namespace}/{key[:1] hex}/{key hex}.page`. A put writes a temporary file in the
-same directory and renames it into place, so readers never see a partial page (and a crash
+Layout: `{path}/{namespace}/{key[:1] hex}/{key hex}.page`, and state objects (state_format.py)
+beside them as `{key hex}.state` (their own LRU of `state_capacity` objects). A put writes a
+temporary file in the same directory and renames it into place, so readers never see a partial page (and a crash
 leaves only a temp file). Existence is the file system's, so several processes may share a
 directory; capacity (LRU) is enforced on the pages this process knows about (those present at
-open, then those it writes or reads). Tenant quotas (`StorageConfig.namespace_quotas`): a page
-written for a tenant namespace at its quota first evicts that namespace's least recently used
-page, never another tenant's; the owner of a page is known for the pages this process wrote
+open, then those it writes or reads). Tenant quotas (`StorageConfig.namespace_quotas`, bytes
+of stored objects, headers included: pages and state objects alike): an object written for a
+tenant namespace at its quota first evicts that namespace's least recently used objects, never
+another tenant's; the owner of a page is known for the pages this process wrote
 (pages found at open belong to no tenant). `eviction = "session"`: the capacity evicts by
 conversation (`storage.lifecycle`: closed sessions' pages first, active sessions' protected
 within the bound); quotas still evict a tenant's own LRU page. Thread-safe: the LRU index
@@ -52,6 +54,15 @@ from pdcache.offload_manager.storage.page_format import (
     verify_page,
 )
 from pdcache.offload_manager.storage.page_pipeline import PagePipeline, group_pages_for
+from pdcache.offload_manager.storage.state_format import (
+    STATE_HEADER_BYTES,
+    StateBuffer,
+    StateVerdict,
+    check_state,
+    encode_state_header,
+    state_view,
+    verify_state,
+)
 from pdcache.offload_manager.storage.stats import RateLimitedLog, RejectedKeys, StorageCounters
 
 log = logging.getLogger(__name__)
@@ -61,6 +72,7 @@ _PageRead = tuple[bytes, memoryview, list[memoryview], int]
 # sealed), payload views
 _PageWrite = tuple[bytes, bytes | None, list[memoryview]]
 SUFFIX = ".page"
+STATE_SUFFIX = ".state"
 STALE_TEMP_S = 600.0  # a temp file this old belongs to no live writer
 
 
@@ -81,10 +93,16 @@ class FileBackend(StorageBackend):
         # never a victim, or the put's finish would bring back a page that has no room
         self._writing: dict[bytes, int] = {}
         slot = HEADER_BYTES + config.page_bytes  # what one stored page costs a quota
-        self._quota_pages = {ns: max(1, quota // slot)
-                             for ns, quota in config.namespace_quotas.items()}
+        self._page_cost = slot
+        self._quotas = dict(config.namespace_quotas)  # tenant namespace -> bytes
         self._owner: dict[bytes, str] = {}  # key -> tenant namespace (quota'd ones only)
-        self._owned: dict[str, OrderedDict[bytes, None]] = {}  # namespace -> its pages, LRU
+        # namespace -> its objects (pages and states) and their bytes, LRU; and their sum
+        self._owned: dict[str, OrderedDict[bytes, int]] = {}
+        self._owned_bytes: dict[str, int] = {}
+        self.state_spec = config.state_spec()
+        self.state_capacity = config.state_capacity  # 0: unlimited
+        self._state_lru: OrderedDict[bytes, None] = OrderedDict()
+        self._rejected_states = RejectedKeys()  # state keys whose object a read here refused
         self._lifecycle = config.make_lifecycle(self.capacity_pages, slot)
         self._lock = threading.Lock()
         # sealed pages: the MAC of a page group on a helper beside the next group's I/O, each
@@ -117,6 +135,14 @@ class FileBackend(StorageBackend):
             self._lru[key] = None
             if self._lifecycle is not None:
                 self._lifecycle.touched(key)  # no session known: unprotected
+        states = []
+        for path in self.root.glob(f"*/*{STATE_SUFFIX}"):
+            try:
+                states.append((path.stat().st_mtime_ns, bytes.fromhex(path.stem)))
+            except (OSError, ValueError):
+                continue
+        for _, key in sorted(states):
+            self._state_lru[key] = None
 
     def page_path(self, key: bytes) -> Path:
         return Path(self._page_file(key))
@@ -190,7 +216,7 @@ class FileBackend(StorageBackend):
         session: str = "",
     ) -> list[bool]:
         check_host_batch(self.spec, keys, host_pages)
-        owner = namespace if namespace in self._quota_pages else ""
+        owner = namespace if namespace in self._quotas else ""
         self._replace_rejected(keys)
 
         def seal(group: list[tuple[bytes, HostPage]]) -> list[_PageWrite]:
@@ -224,6 +250,8 @@ class FileBackend(StorageBackend):
             out["used_pages"] = len(self._lru)
             if self._lifecycle is not None:
                 out.update({f"lifecycle_{k}": v for k, v in self._lifecycle.stats().items()})
+            out["used_states"] = len(self._state_lru)
+        out["state_capacity"] = self.state_capacity
         out.setdefault("quota_evictions", 0)
         out.update(_capacity_stats(self.capacity_pages, int(out["used_pages"])))
         out.update(self._pipeline.stats())
@@ -235,6 +263,149 @@ class FileBackend(StorageBackend):
 
     def register_host_memory(self, tensor: torch.Tensor) -> None:
         """Nothing to register: positional file IO reads straight into any host memory."""
+
+    # state objects (state_format.py)
+
+    @property
+    def supports_states(self) -> bool:
+        return self.state_spec is not None
+
+    def put_state(self, key: bytes, state: StateBuffer, tokens: int, origin: str = "prefill",
+                  namespace: str = "", session: str = "") -> bool:
+        spec = self._state_spec()
+        payload = state_view(state)
+        check_state(spec, payload)
+        if self._rejected_states.take([key]):
+            self.delete_states([key])
+            self.counters.add("replaced_rejected_states")
+        path = self.state_path(key)
+        if path.exists():  # before the seal: a skipped state costs no pass over its bytes
+            with self._lock:
+                self._touch_state_locked(key, "")
+            self.counters.add("states_skipped")
+            return True
+        header = encode_state_header(spec, key, tokens, origin, payload)
+        owner = namespace if namespace in self._quotas else ""
+        if owner:
+            self._make_quota_room(owner, spec.object_bytes)
+        if not self._make_state_room(key):
+            self.counters.add("state_full_rejects")
+            return False
+        return self._write_state(key, path, header, payload, owner)
+
+    def _write_state(self, key: bytes, path: Path, header: bytes, payload: memoryview,
+                     owner: str) -> bool:
+        """Write a state whose place `_make_state_room` reserved; index it, or give it back."""
+        assert self.state_spec is not None
+        try:
+            self._write_atomic(path, header, [payload])
+        except OSError as exc:
+            self._warn.warning("write", "file storage: writing %s failed: %s", path, exc)
+            self.counters.add("state_write_errors")
+            with self._lock:
+                self._end_write_locked(key)
+                if not path.exists():
+                    self._state_lru.pop(key, None)
+            return False
+        with self._lock:
+            self._end_write_locked(key)
+            self._touch_state_locked(key, owner)
+        self.counters.add_many(states_written=1, state_bytes_written=self.state_spec.state_bytes)
+        return True
+
+    def get_state_into(self, key: bytes, out: torch.Tensor, tokens: int | None = None
+                       ) -> str | None:
+        spec = self._state_spec()
+        payload = state_view(out)
+        check_state(spec, payload)
+        header = memoryview(bytearray(STATE_HEADER_BYTES))
+        try:
+            fd = os.open(self.state_path(key), os.O_RDONLY)
+            try:
+                nbytes = os.preadv(fd, [header, payload], 0)
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            self.counters.add("state_misses")
+            return None
+        except OSError:
+            self.counters.add_many(state_read_errors=1, state_misses=1)
+            return None
+        verdict, origin = verify_state(spec, key, header, payload, nbytes, tokens)
+        if verdict is not StateVerdict.OK:
+            self.counters.record_failed_state_read(verdict)
+            if verdict is not StateVerdict.NEEDS_KEY:  # valid for keyed readers: keep it
+                self._rejected_states.mark(key)
+            return None
+        with self._lock:
+            if key in self._state_lru:  # not put back when evicted meanwhile
+                self._touch_state_locked(key, "")
+        self.counters.add_many(states_read=1, state_bytes_read=spec.state_bytes)
+        return origin
+
+    def exists_state(self, key: bytes) -> bool:
+        return self.state_path(key).exists()
+
+    def delete_states(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            with self._lock:
+                removed = self._unlink_state_locked(key)
+            if removed:
+                self.counters.add("deleted_states")
+
+    def state_path(self, key: bytes) -> Path:
+        name = key.hex()
+        return Path(f"{self._root_prefix}{name[:2]}{os.sep}{name}{STATE_SUFFIX}")
+
+    def _make_state_room(self, key: bytes) -> bool:
+        """Evict least recently used states (never one being written) until `key` fits
+        `state_capacity`, and reserve its place; False if nothing can go."""
+        with self._lock:
+            while (self.state_capacity and key not in self._state_lru
+                   and len(self._state_lru) >= self.state_capacity):
+                victim = next((k for k in self._state_lru if k not in self._writing), None)
+                if victim is None:
+                    return False
+                self._unlink_state_locked(victim)
+                self.counters.add("state_evictions")
+            self._state_lru[key] = None
+            self._writing[key] = self._writing.get(key, 0) + 1
+            return True
+
+    def _touch_state_locked(self, key: bytes, owner: str) -> None:
+        self._state_lru[key] = None
+        self._state_lru.move_to_end(key)
+        assert self.state_spec is not None
+        self._own_locked(key, owner, self.state_spec.object_bytes)
+
+    def _unlink_state_locked(self, key: bytes) -> bool:
+        self._state_lru.pop(key, None)
+        self._disown_locked(key)
+        try:
+            self.state_path(key).unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            log.debug("file storage: cannot delete state %s: %s", key.hex(), exc)
+            return False
+        return True
+
+    def read_state_object(self, key: bytes) -> bytes | None:
+        """The raw stored state object of `key` (tools, fault tests)."""
+        try:
+            return self.state_path(key).read_bytes()
+        except OSError:
+            return None
+
+    def write_state_object(self, key: bytes, blob: bytes) -> bool:
+        """Replace the stored state object of `key` with raw bytes (fault tests, repair)."""
+        try:
+            self._write_atomic(self.state_path(key), blob, [])
+        except OSError:
+            return False
+        with self._lock:
+            self._touch_state_locked(key, "")
+        return True
 
     # tools
 
@@ -323,7 +494,7 @@ class FileBackend(StorageBackend):
         if header is None:  # stored when sealed, gone since (evicted, deleted): seal it here
             header = encode_header(self.spec, key, origin, payload)
         if owner:
-            self._make_quota_room(owner)
+            self._make_quota_room(owner, self._page_cost)
         if not self._make_room(key):
             self.counters.add("full_rejects")
             return False
@@ -406,16 +577,20 @@ class FileBackend(StorageBackend):
             return self._lifecycle.evict()
         return next((key for key in self._lru if key not in self._writing), None)
 
-    def _make_quota_room(self, owner: str) -> None:
-        """Evict `owner`'s least recently used pages until one more of its pages fits its
-        quota: a tenant at its quota makes room from its own pages only."""
+    def _make_quota_room(self, owner: str, incoming: int) -> None:
+        """Evict `owner`'s least recently used objects (pages, states) until `incoming` more
+        bytes fit its quota: a tenant at its quota makes room from its own objects only (an
+        object larger than the whole quota is still stored, alone)."""
         while True:
             with self._lock:
                 owned = self._owned.get(owner)
-                if owned is None or len(owned) < self._quota_pages[owner]:
+                if not owned or self._owned_bytes[owner] + incoming <= self._quotas[owner]:
                     return
-                victim, _ = owned.popitem(last=False)
-                self._unlink_locked(victim)
+                victim = next(iter(owned))
+                if victim in self._state_lru:
+                    self._unlink_state_locked(victim)
+                else:
+                    self._unlink_locked(victim)
             self.counters.add("quota_evictions")
 
     def _refresh_present(self, key: bytes, session: str) -> bool:
@@ -442,13 +617,30 @@ class FileBackend(StorageBackend):
     def _touch_locked(self, key: bytes, owner: str) -> None:
         self._lru[key] = None
         self._lru.move_to_end(key)
+        self._own_locked(key, owner, self._page_cost)
+
+    def _own_locked(self, key: bytes, owner: str, cost: int) -> None:
+        """A write for `owner` ("": none) or a read: the object's place in its tenant's LRU
+        (a read or a rewrite refreshes it there too) and its bytes in the tenant's sum."""
+        if owner and self._owner.get(key, owner) != owner:
+            self._disown_locked(key)  # rewritten for another tenant: it owns it now
         if owner:
             self._owner[key] = owner
         owner = self._owner.get(key, "")
-        if owner:  # a read or a rewrite refreshes the page in its tenant's LRU too
-            owned = self._owned.setdefault(owner, OrderedDict())
-            owned[key] = None
-            owned.move_to_end(key)
+        if not owner:
+            return
+        owned = self._owned.setdefault(owner, OrderedDict())
+        if key not in owned:
+            self._owned_bytes[owner] = self._owned_bytes.get(owner, 0) + cost
+        owned[key] = cost
+        owned.move_to_end(key)
+
+    def _disown_locked(self, key: bytes) -> None:
+        owner = self._owner.pop(key, "")
+        if owner:
+            cost = self._owned[owner].pop(key, None)
+            if cost is not None:
+                self._owned_bytes[owner] -= cost
 
     def _touch_read(self, key: bytes) -> None:
         """A read's LRU refresh. Unlinks happen under the lock, so a page evicted while it was
@@ -469,9 +661,7 @@ class FileBackend(StorageBackend):
         self._lru.pop(key, None)
         if self._lifecycle is not None:
             self._lifecycle.removed(key)
-        owner = self._owner.pop(key, "")
-        if owner:
-            self._owned[owner].pop(key, None)
+        self._disown_locked(key)
         try:
             self.page_path(key).unlink()
         except FileNotFoundError:

@@ -8,7 +8,8 @@ map is a MetadataClient: in-process (rebuilt from the slot headers on open) or t
 IO engines: `posix` reads with one `preadv` per page straight into the host page (header into
 a small buffer, payload into the page, or into its runs when the page is given as a tuple of
 runs: no extra copy) and verifies the checksum there; works on any directory or a 3FS FUSE
-mount. `usrbio` uses the 3FS native client (`hf3fs_py_usrbio`)
+mount. State objects (state_format.py) live in a slot pool of their own
+(`hf3fs_states.Hf3fsStateSlots`). `usrbio` uses the 3FS native client (`hf3fs_py_usrbio`)
 through a shared-memory iovec and copies into the host page.
 
 Each page is read and verified in turn (a usrbio ring batch at a time); several I/O threads
@@ -34,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -69,8 +70,12 @@ from pdcache.offload_manager.storage.page_format import (
     verify_page,
 )
 from pdcache.offload_manager.storage.page_pipeline import PagePipeline, group_pages_for
+from pdcache.offload_manager.storage.state_format import StateBuffer
 from pdcache.offload_manager.storage.stats import RateLimitedLog, RejectedKeys, StorageCounters
 from pdcache.utils.registry import import_optional
+
+if TYPE_CHECKING:
+    from pdcache.offload_manager.storage.hf3fs_states import Hf3fsStateSlots
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,7 +114,7 @@ class IoEngine(ABC):
         """Release rings and buffers. Idempotent."""
 
 
-def _io_full(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int) -> int:
+def io_full(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int) -> int:
     """Repeat `preadv`/`pwritev` until all of `bufs` is done or the file ends."""
     want = sum(map(len, bufs))
     done = 0
@@ -148,7 +153,7 @@ class PosixEngine(IoEngine):
     @staticmethod
     def _one(op: Callable[..., int], req: SlotIO) -> int:
         try:
-            return _io_full(op, req.fd, [req.header, *req.payload], req.offset)
+            return io_full(op, req.fd, [req.header, *req.payload], req.offset)
         except OSError as exc:
             return -(exc.errno or errno.EIO)
 
@@ -280,6 +285,17 @@ class Hf3fsBackend(StorageBackend):
                                       adaptive=grouping.adaptive and self._pool is None)
         if isinstance(self.metadata, InProcMetadata) and config.recover_index:
             self.metadata.load(self._scan_headers())
+        self.state_spec = config.state_spec()
+        self._states: Hf3fsStateSlots | None = None
+        if self.state_spec is not None:
+            from pdcache.offload_manager.storage.hf3fs_states import Hf3fsStateSlots
+
+            try:
+                self._states = Hf3fsStateSlots(config, self.state_spec, self.counters,
+                                               self.read_only)
+            except BaseException:
+                self.close()
+                raise
 
     # setup
 
@@ -481,6 +497,8 @@ class Hf3fsBackend(StorageBackend):
             self.counters.add("metadata_errors")
         out["read_only"] = int(self.read_only)
         out.update(self._pipeline.stats())
+        if self._states is not None:
+            out.update(self._states.stats())
         return out
 
     def close(self) -> None:
@@ -492,6 +510,8 @@ class Hf3fsBackend(StorageBackend):
         self._pipeline.close()
         self.engine.close()
         self._close_files()
+        if self._states is not None:
+            self._states.close()
 
     def _close_files(self) -> None:
         for fd in self._fds:
@@ -502,6 +522,40 @@ class Hf3fsBackend(StorageBackend):
 
     def register_host_memory(self, tensor: torch.Tensor) -> None:
         """Nothing to register: positional file IO reads straight into any host memory."""
+
+    # state objects: their own slot pool (hf3fs_states.py)
+
+    @property
+    def supports_states(self) -> bool:
+        return self._states is not None
+
+    def put_state(self, key: bytes, state: StateBuffer, tokens: int, origin: str = "prefill",
+                  namespace: str = "",  # tenant quotas are not enforced here (§8)
+                  session: str = "") -> bool:
+        return self._state_slots().put(key, state, tokens, origin, session)
+
+    def get_state_into(self, key: bytes, out: torch.Tensor, tokens: int | None = None
+                       ) -> str | None:
+        return self._state_slots().get_into(key, out, tokens)
+
+    def exists_state(self, key: bytes) -> bool:
+        return self._state_slots().exists(key)
+
+    def delete_states(self, keys: Sequence[bytes]) -> None:
+        self._state_slots().delete(list(keys))
+
+    def read_state_object(self, key: bytes) -> bytes | None:
+        """The raw stored state object of `key` (tools, fault tests)."""
+        return self._state_slots().read_object(key)
+
+    def write_state_object(self, key: bytes, blob: bytes) -> bool:
+        """Overwrite the start of `key`'s committed state slot with raw bytes (fault tests)."""
+        return self._state_slots().write_object(key, blob)
+
+    def _state_slots(self) -> Hf3fsStateSlots:
+        self._state_spec()  # ValueError without a state geometry
+        assert self._states is not None
+        return self._states
 
     # tools: raw access for `pdcache storage`, fault tests and debugging
 

@@ -18,6 +18,14 @@ stays the backstop. `eviction = "session"` (storage.lifecycle) picks this client
 conversation instead (closed sessions' pages first, active ones protected within the bound);
 the master's backstop eviction knows nothing of sessions (its soft pin, a TTL'd per-object
 flag, is not used here). Thread-safe: one lock around store calls (the header arena is shared).
+
+State objects (state_format.py) are objects `pdst/{namespace}/{key hex}` (`header || state`),
+put from the header and the state's buffer in one `put_parts` and read back whole with `get`,
+then verified and copied into the caller's buffer: one copy each way, where pages move
+zero-copy (a state is one large object per call, not a batch; a registered host state pool
+could move them zero-copy later). The store's segments must hold one whole state (73.7 MiB
+on the real Qwen3-Next). This client keeps an LRU of `state_capacity` states (0: the master's
+eviction only), apart from the pages'.
 """
 
 from __future__ import annotations
@@ -49,6 +57,14 @@ from pdcache.offload_manager.storage.page_format import (
     host_page_nbytes,
     payload_views,
     verify_page,
+)
+from pdcache.offload_manager.storage.state_format import (
+    StateBuffer,
+    StateVerdict,
+    check_state,
+    decode_state_object,
+    encode_state_header,
+    state_view,
 )
 from pdcache.offload_manager.storage.stats import RateLimitedLog, RejectedKeys, StorageCounters
 from pdcache.utils.registry import import_optional
@@ -93,6 +109,11 @@ class MooncakeStoreBackend(StorageBackend):
         self._batch = max(1, config.mooncake_batch_pages)
         self._headers = torch.zeros(self._batch, HEADER_BYTES, dtype=torch.uint8)
         self._register(self._headers.data_ptr(), self._headers.numel())
+        self.state_spec = config.state_spec()
+        self.state_capacity = config.state_capacity  # 0: the master's eviction only
+        self._state_prefix = f"pdst/{config.namespace}/"
+        self._state_lru: OrderedDict[bytes, None] = OrderedDict()
+        self._rejected_states = RejectedKeys()
 
     @staticmethod
     def connect(cfg: StorageConfig) -> Any:
@@ -230,8 +251,10 @@ class MooncakeStoreBackend(StorageBackend):
             out["used_pages"] = len(self._lru)
             if self._lifecycle is not None:
                 out.update({f"lifecycle_{k}": v for k, v in self._lifecycle.stats().items()})
+            out["used_states"] = len(self._state_lru)
         free = max(0, self.capacity_pages - len(self._lru)) if self.capacity_pages else 0
         out.update(capacity_pages=self.capacity_pages, free_pages=free, reserved_pages=0)
+        out["state_capacity"] = self.state_capacity
         return out
 
     def close(self) -> None:
@@ -247,6 +270,116 @@ class MooncakeStoreBackend(StorageBackend):
                         self._store.unregister_buffer(addr)
             except Exception as exc:  # closing must not raise; the master may be gone
                 log.warning("mooncake: close failed: %s", exc)
+
+    # state objects
+
+    @property
+    def supports_states(self) -> bool:
+        return self.state_spec is not None
+
+    def put_state(self, key: bytes, state: StateBuffer, tokens: int, origin: str = "prefill",
+                  namespace: str = "",  # tenant quotas are not enforced here (§8)
+                  session: str = "") -> bool:
+        spec = self._state_spec()
+        payload = state_view(state)
+        check_state(spec, payload)
+        okey = self._state_key(key)
+        if self._rejected_states.take([key]):
+            self.delete_states([key])
+            self.counters.add("replaced_rejected_states")
+        with self._lock:
+            present = self._call("is_exist", okey)
+            if present == 1:
+                self._touch_state(key)
+        if present is None:
+            self.counters.add("state_write_errors")
+            return False
+        if present == 1:
+            self.counters.add("states_skipped")
+            return True
+        # sealed outside the lock: the pass over a whole state must not hold up page calls
+        header = encode_state_header(spec, key, tokens, origin, payload)
+        with self._lock:
+            self._make_state_room()
+            code = self._call("put_parts", okey, header, payload)
+            if code == NO_SPACE and self._state_lru:
+                self._evict_states(1)
+                code = self._call("put_parts", okey, header, payload)
+            if code != 0:
+                self.counters.add("state_full_rejects" if code == NO_SPACE else
+                                  "state_write_errors")
+                self._warn.warning("write", "mooncake: put of state %s failed with %s",
+                                   key.hex(), code)
+                return False
+            self._touch_state(key)
+        self.counters.add_many(states_written=1, state_bytes_written=spec.state_bytes)
+        return True
+
+    def get_state_into(self, key: bytes, out: torch.Tensor, tokens: int | None = None
+                       ) -> str | None:
+        spec = self._state_spec()
+        view = state_view(out)
+        check_state(spec, view)
+        with self._lock:
+            blob = self._call("get", self._state_key(key))
+        if blob is None or len(blob) == 0:
+            self.counters.add("state_misses")
+            return None
+        verdict, origin = decode_state_object(spec, key, blob, tokens)
+        if verdict is not StateVerdict.OK:
+            self.counters.record_failed_state_read(verdict)
+            if verdict is not StateVerdict.NEEDS_KEY:
+                self._rejected_states.mark(key)
+            return None
+        view[:] = memoryview(blob)[len(blob) - spec.state_bytes:]
+        with self._lock:
+            self._touch_state(key)
+        self.counters.add_many(states_read=1, state_bytes_read=spec.state_bytes)
+        return origin
+
+    def exists_state(self, key: bytes) -> bool:
+        self._state_spec()
+        with self._lock:
+            return self._call("is_exist", self._state_key(key)) == 1
+
+    def delete_states(self, keys: Sequence[bytes]) -> None:
+        self._state_spec()
+        with self._lock:
+            for key in keys:
+                self._state_lru.pop(key, None)
+            codes = self._call("batch_remove", [self._state_key(k) for k in keys], True)
+        if codes is not None:
+            self.counters.add("deleted_states", sum(1 for c in codes if c == 0))
+
+    def read_state_object(self, key: bytes) -> bytes | None:
+        """The raw stored state object of `key` (tools, fault tests)."""
+        with self._lock:
+            blob = self._call("get", self._state_key(key))
+        return bytes(blob) if blob else None
+
+    def write_state_object(self, key: bytes, blob: bytes) -> bool:
+        """Replace the stored state object of `key` with raw bytes (fault tests, repair)."""
+        with self._lock:
+            self._call("remove", self._state_key(key), True)
+            return self._call("put", self._state_key(key), blob) == 0
+
+    def _state_key(self, key: bytes) -> str:
+        return self._state_prefix + key.hex()
+
+    def _touch_state(self, key: bytes) -> None:
+        self._state_lru[key] = None
+        self._state_lru.move_to_end(key)
+
+    def _make_state_room(self) -> None:
+        if self.state_capacity:
+            self._evict_states(len(self._state_lru) + 1 - self.state_capacity)
+
+    def _evict_states(self, count: int) -> None:
+        victims = [self._state_lru.popitem(last=False)[0]
+                   for _ in range(min(count, len(self._state_lru)))]
+        if victims:
+            self._call("batch_remove", [self._state_key(k) for k in victims], True)
+            self.counters.add("state_evictions", len(victims))
 
     # tools
 

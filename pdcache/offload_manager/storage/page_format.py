@@ -338,26 +338,29 @@ class PageSealer:
             return self._own[2]  # never evicted: held apart from the cache
         return self._cipher(writer_id)[2]
 
-    def seal(self, head: bytes, payload: Payload) -> bytes:
-        """The MAC field (writer id, nonce, tag) for header bytes `head[:MAC_OFFSET]` + payload."""
+    def seal(self, head: bytes, payload: Payload, mac_offset: int = MAC_OFFSET) -> bytes:
+        """The MAC field (writer id, nonce, tag) for header bytes `head[:mac_offset]` + payload.
+        `mac_offset`: where the covered header bytes end and the MAC field starts (pages:
+        `MAC_OFFSET`; state objects, state_format.py, have a longer header)."""
         with self._lock:
             counter = self._next_nonce
             self._next_nonce = (counter + 1) % (1 << (8 * NONCE_BYTES))
         nonce = counter.to_bytes(NONCE_BYTES, "little")
-        return self._writer_id + nonce + self._tag(self._own, nonce, head, payload)
+        return self._writer_id + nonce + self._tag(self._own, nonce, head[:mac_offset], payload)
 
     @staticmethod
-    def writer_of(head: bytes) -> bytes:
+    def writer_of(head: bytes, mac_offset: int = MAC_OFFSET) -> bytes:
         """The writer id stored in a sealed header."""
-        return head[MAC_OFFSET : MAC_OFFSET + WRITER_ID_BYTES]
+        return head[mac_offset : mac_offset + WRITER_ID_BYTES]
 
-    def verify(self, head: bytes, payload: Payload) -> bool:
-        """Whether the MAC field stored in `head` is this key's MAC of head + payload."""
-        field_bytes = head[MAC_OFFSET : MAC_OFFSET + MAC_FIELD_BYTES]
+    def verify(self, head: bytes, payload: Payload, mac_offset: int = MAC_OFFSET) -> bool:
+        """Whether the MAC field stored in `head` (at `mac_offset`) is this key's MAC of
+        `head[:mac_offset]` + payload."""
+        field_bytes = head[mac_offset : mac_offset + MAC_FIELD_BYTES]
         writer_id = field_bytes[:WRITER_ID_BYTES]
         nonce = field_bytes[WRITER_ID_BYTES : WRITER_ID_BYTES + NONCE_BYTES]
         stored_tag = field_bytes[WRITER_ID_BYTES + NONCE_BYTES :]
-        tag = self._tag(self._cipher(writer_id), nonce, head, payload)
+        tag = self._tag(self._cipher(writer_id), nonce, head[:mac_offset], payload)
         return hmac.compare_digest(tag, stored_tag)
 
     def _cipher(self, writer_id: bytes) -> tuple[bytes, Any, int]:
@@ -378,9 +381,9 @@ class PageSealer:
         return cipher
 
     @staticmethod
-    def _tag(cipher: tuple[bytes, Any, int], nonce: bytes, head: bytes, payload: Payload) -> bytes:
+    def _tag(cipher: tuple[bytes, Any, int], nonce: bytes, covered: bytes,
+             payload: Payload) -> bytes:
         subkey, aead, _ = cipher
-        covered = head[:MAC_OFFSET]
         if not isinstance(payload, list) or len(payload) == 1:
             data = payload[0] if isinstance(payload, list) else payload
             return aead.encrypt(nonce, covered, data)[-TAG_BYTES:]

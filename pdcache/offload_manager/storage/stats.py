@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from pdcache.offload_manager.storage.page_format import Verdict
+from pdcache.offload_manager.storage.state_format import STATE_REJECT_REASONS, StateVerdict
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,24 @@ REJECT_REASONS: Mapping[Verdict, str] = MappingProxyType({
     Verdict.EMPTY: "empty",
 })
 COUNTERS += tuple(f"rejected_{reason}_pages" for reason in REJECT_REASONS.values())
+# State objects (state_format.py), counted apart from pages: `bytes_*` stay the KV pages'
+# payload bytes (`kv_bytes_*` in `snapshot()`, beside `state_bytes_*`), so every tier reports
+# state vs KV bytes; a refused state object counts as a state miss and by its reason.
+STATE_COUNTERS = (
+    "states_read",
+    "states_written",
+    "states_skipped",
+    "state_misses",
+    "state_read_errors",
+    "state_write_errors",
+    "state_full_rejects",
+    "state_bytes_read",
+    "state_bytes_written",
+    "deleted_states",
+    "state_evictions",
+    "replaced_rejected_states",
+) + tuple(f"rejected_{reason}_states" for reason in STATE_REJECT_REASONS.values())
+COUNTERS += STATE_COUNTERS
 _LEGACY_FINER = (Verdict.TRUNCATED, Verdict.FOREIGN, Verdict.WRONG_KEY, Verdict.EMPTY)
 
 
@@ -86,9 +105,17 @@ class StorageCounters:
                         "rejected_needs_key_pages); give this node the cluster secret, or have "
                         "the writers use [storage] checksum = \"xxh3\" (docs/security.md)")
 
+    def record_failed_state_read(self, verdict: StateVerdict) -> None:
+        """A state object that was found but refused: a state miss, counted by its reason."""
+        with self._lock:
+            self._values["state_misses"] += 1
+            self._values[f"rejected_{STATE_REJECT_REASONS[verdict]}_states"] += 1
+
     def snapshot(self) -> dict[str, int | float]:
         with self._lock:
-            return dict(self._values)
+            out: dict[str, int | float] = dict(self._values)
+        out["kv_bytes_read"], out["kv_bytes_written"] = out["bytes_read"], out["bytes_written"]
+        return out
 
 
 class RejectedKeys:
@@ -109,6 +136,10 @@ class RejectedKeys:
         put must not replace it (nor a keyed node's put then replace the keyless rewrite)."""
         if verdict is Verdict.NEEDS_KEY:
             return
+        self.mark(key)
+
+    def mark(self, key: bytes) -> None:
+        """Marks `key` unconditionally (state objects: their reader decides, as `refuse`)."""
         with self._lock:
             self._keys[key] = None
             self._keys.move_to_end(key)
