@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "soak under random faults; every answer checked against a no-cache oracle"),
     "export-model": ("pdcache.engine.export", "write a preset as a Hugging Face checkpoint"),
     "demo": ("pdcache.bench.demo", "launch the default topology and replay a multi-turn trace"),
+    "sim": ("pdcache.sim.command", "simulate a topology on a trace (discrete-event, modelled costs)"),
 }
 
 # Old spellings kept working: argv prefix -> the command it now is.

@@ -14,6 +14,9 @@ strings handed to a registry or to `importlib.import_module` (they are imports, 
                                                            imports no server module (wire is
                                                            what it shares with the servers)
     6  launch, bench, chaos, cli (pdcache/cli.py, __main__.py), integrations
+    7  sim                                              -- drives the real trees, policies and
+                                                           router code; reads traces with bench's
+                                                           own code
 
 bench's replay (pdcache/bench/replay.py and every bench module it imports, transitively) talks
 to a running stack over HTTP only: it imports nothing of pdcache but bench/, utils/ and the pure
@@ -50,6 +53,7 @@ LEVELS: dict[str, int] = {
     "chaos": 6,
     "cli": 6,
     "integrations": 6,
+    "sim": 7,
 }
 
 # (importer, imported) pairs on one level that are allowed, with the reason.

@@ -1,0 +1,91 @@
+"""The I/O the simulator charges for: bandwidth pipes, the shared store's bandwidth and each
+node's link to it, and the byte counts over time.
+
+A `Pipe` is a FIFO resource of one bandwidth: an operation of `n` bytes occupies it for
+`n / bandwidth` seconds, after the operations queued before it. A storage operation of a node
+occupies two pipes at once, the store's (read or write, shared by every node) and the node's
+link (one per direction); it completes when the later of the two is through, plus the
+profile's per-operation latency. That is an approximation of a fair-shared network (a FIFO
+per resource, not processor sharing), chosen because it is deterministic and cheap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdcache.sim.profile import StorageCost
+
+
+@dataclass
+class Pipe:
+    """One bandwidth resource, FIFO: `free_at` is when the operations queued so far end."""
+
+    bandwidth_Bps: float  # noqa: N815
+    free_at: float = 0.0
+    busy_s: float = 0.0
+
+    def occupy(self, now: float, nbytes: int) -> float:
+        """Queue `nbytes`; returns when they are through."""
+        start = max(now, self.free_at)
+        duration = nbytes / self.bandwidth_Bps
+        self.free_at = start + duration
+        self.busy_s += duration
+        return self.free_at
+
+
+@dataclass
+class Timeline:
+    """Bytes per kind in buckets of `bucket_s` of simulated time (by completion time)."""
+
+    bucket_s: float
+    buckets: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    def add(self, when: float, kind: str, nbytes: int) -> None:
+        bucket = self.buckets.setdefault(int(when // self.bucket_s), {})
+        bucket[kind] = bucket.get(kind, 0) + nbytes
+
+    def rows(self, kinds: tuple[str, ...]) -> list[dict[str, float]]:
+        """One row per bucket from 0 to the last: its start and each kind's bytes/s."""
+        last = max(self.buckets, default=-1)
+        rows = []
+        for index in range(last + 1):
+            bucket = self.buckets.get(index, {})
+            row: dict[str, float] = {"t_s": index * self.bucket_s}
+            row.update({f"{k}_Bps": bucket.get(k, 0) / self.bucket_s for k in kinds})
+            rows.append(row)
+        return rows
+
+
+STORAGE_KINDS = ("read", "write_prefill", "write_decode")
+
+
+class StorageIO:
+    """The shared store's bandwidth, every node's links to it, and the bytes moved; the
+    simulation's only owner of storage time."""
+
+    def __init__(self, cost: StorageCost, bucket_s: float) -> None:
+        self.cost = cost
+        self.read = Pipe(cost.read_bandwidth_Bps)
+        self.write = Pipe(cost.write_bandwidth_Bps)
+        self._links: dict[tuple[str, str], Pipe] = {}
+        self.timeline = Timeline(bucket_s)
+        self.totals = dict.fromkeys(STORAGE_KINDS, 0)
+        self.operations = 0
+
+    def _link(self, node: str, direction: str) -> Pipe:
+        key = (node, direction)
+        if key not in self._links:
+            self._links[key] = Pipe(self.cost.node_nic_Bps)
+        return self._links[key]
+
+    def transfer(self, now: float, node: str, nbytes: int, kind: str) -> float:
+        """Move `nbytes` between `node` and the store (`kind`: one of `STORAGE_KINDS`);
+        returns when the operation completes."""
+        store = self.read if kind == "read" else self.write
+        direction = "in" if kind == "read" else "out"
+        through = max(store.occupy(now, nbytes), self._link(node, direction).occupy(now, nbytes))
+        done = through + self.cost.op_latency_s + self.cost.metadata_op_s
+        self.timeline.add(done, kind, nbytes)
+        self.totals[kind] += nbytes
+        self.operations += 1
+        return done

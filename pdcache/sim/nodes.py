@@ -1,0 +1,313 @@
+"""Simulated nodes: a prefill, decode or unified server as one compute resource that runs one
+step at a time, over its real cache (`pdcache.sim.cache.NodeCache`).
+
+- Prefill work (prefill and unified nodes): at arrival the prompt's device + host prefix is
+  looked up and the rest is looked up in the store (pages stored, or still being written:
+  `pending_wait`); the stored run is read (shared store bandwidth, the node's link) and the
+  request waits for it as `[cache] prefetch_policy` says (`wait_complete`: until read;
+  `timeout`: at most `prefetch_timeout_s(tokens)`, else without the pages; `best_effort`:
+  not at all, the pages count only if read by admission). Admission takes device pages for
+  the prompt (evicting by the device policy; head-of-line when none free), restores host
+  pages, and charges the host -> device load of host and stored pages to its first chunk.
+  Each step fills `[scheduler] chunked_prefill_tokens` with chunks of the admitted requests
+  in order (at most `max_running_requests` at once). A prompt done is inserted in the tree
+  (the write policy backs it up).
+- Decode work (decode and unified nodes): each step generates one token for up to
+  `max_running_requests` running requests. A decode node reserves device pages for prompt and
+  answer when the request is routed (its own prefix tree reused: only the pages it lacks are
+  pushed); a finished request's prompt + answer pages are written back to the store (origin
+  decode) through the node's link and kept in its tree.
+- Unified nodes run prefill steps first while any prefill work is admitted or admissible,
+  then decode steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdcache.config.schema import NodeSpec
+from pdcache.sim.cache import NodeCache
+from pdcache.sim.events import EventLoop
+from pdcache.sim.io import Pipe, StorageIO
+from pdcache.sim.profile import Profile
+from pdcache.sim.request import SimRequest
+from pdcache.sim.store import SimStore
+
+Hook = Callable[[SimRequest], None]
+
+
+@dataclass
+class Cluster:
+    """What every node shares: the clock, the costs, the store and the hooks back to the
+    driver (`prefill_done`, `finished`, `released`: the named node let go of pages or
+    slots)."""
+
+    loop: EventLoop
+    profile: Profile
+    page_bytes: int
+    store: SimStore | None
+    io: StorageIO | None
+    prefill_done: Hook
+    finished: Hook
+    released: Callable[[str], None]
+
+    def write_pages(self, node: str, pages: list[int], origin: str) -> float:
+        """Write the pages not stored yet from `node` (after their device -> host copy);
+        returns when the write completes (now, when nothing needs writing)."""
+        assert self.store is not None and self.io is not None
+        todo = self.store.to_write(pages)
+        now = self.loop.now
+        if not todo:
+            return now
+        nbytes = len(todo) * self.page_bytes
+        copied = now + nbytes / self.profile.host.d2h_bandwidth_Bps
+        kind = "write_decode" if origin == "decode" else "write_prefill"
+        done = self.io.transfer(copied, node, nbytes, kind)
+        store = self.store
+        store.begin_write(todo, origin, done)
+        self.loop.at(done, lambda: store.end_write(todo, origin))
+        return done
+
+
+class SimNode:
+    """One node: its cache, its queues and its compute; owns all of them."""
+
+    def __init__(self, spec: NodeSpec, cache: NodeCache, cluster: Cluster) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.role = spec.role
+        self.cache = cache
+        self.cluster = cluster
+        self.loop = cluster.loop
+        self.scheduler = spec.scheduler
+        self.offload = spec.role == "decode" and spec.offload is not False \
+            and cluster.store is not None
+        self.ready: deque[SimRequest] = deque()  # prefill work, prefetched, not admitted
+        self.prefilling: list[SimRequest] = []
+        self.decoding: list[SimRequest] = []
+        self.reserving: deque[SimRequest] = deque()  # decode: waiting for device pages
+        self.push = Pipe(cluster.profile.transfer.bandwidth_Bps)  # prefill -> decode KV
+        self.busy = False
+        self.busy_s = 0.0
+        self.prefill_steps = self.decode_steps = self.prefill_tokens = 0
+        self.write_back_peak_s = 0.0  # decode: the longest a finished request's write took
+
+    # ---- prefill side -------------------------------------------------------------------
+    def submit_prefill(self, req: SimRequest) -> None:
+        """A routed prompt arrives: look its pages up, prefetch the stored run, queue it."""
+        cluster, now = self.cluster, self.loop.now
+        ready = now
+        if cluster.store is not None and self.cache.hierarchical:
+            ready = self._prefetch(req, now) + cluster.profile.storage.metadata_op_s
+        req.ready_s = ready
+        self.loop.at(ready, lambda: self._queue(req))
+
+    def _queue(self, req: SimRequest) -> None:
+        self.ready.append(req)
+        self.kick()
+
+    def _prefetch(self, req: SimRequest, now: float) -> float:
+        """Start reading the stored run after the cached prefix; returns when the request
+        may be scheduled under the prefetch policy."""
+        cluster, cache = self.cluster, self.cache
+        assert cluster.store is not None and cluster.io is not None
+        cap = req.reuse_cap
+        match = cache.tree.match_prefix(req.pages)
+        start = len(match.page_ids)
+        if cache.hierarchical and start < cap:
+            start += cache.tree.match_host(match, req.pages, cap).num_pages  # type: ignore[attr-defined]
+        run = cluster.store.lookup(req.pages, min(start, cap), cap, now,
+                                   pending=self.spec.cache.pending_wait)
+        req.stored_start = req.stored_end = run.start
+        if run.count == 0:
+            return now
+        done = cluster.io.transfer(run.ready_s, self.name, run.count * cluster.page_bytes, "read")
+        cluster.store.touch(req.pages[run.start: run.start + run.count])
+        policy = self.spec.cache.prefetch_policy
+        deadline = now + self.spec.cache.prefetch_timeout_s(run.count * req.page_size)
+        if policy == "timeout" and done > deadline:
+            return deadline  # scheduled without the pages
+        req.stored_end = run.start + run.count
+        req.stored_decode_flags = run.decode_flags
+        if policy == "best_effort":
+            req.prefetch_done_s = done
+            return now
+        return done
+
+    def _admit(self, req: SimRequest) -> bool:
+        """Device pages for the request (its prefix locked); False when none can be freed."""
+        total = req.total_pages if self.role == "unified" else req.total_prompt_pages
+        got = self.cache.reserve(req.pages, total, req.reuse_cap, req.session.session_id)
+        if got is None:
+            return False
+        hold, reuse = got
+        req.prefill_hold = hold
+        covered = reuse.device + reuse.host
+        stored = self._stored_pages(req, covered)
+        ps, rec = req.page_size, req.rec
+        rec.cached_device, rec.cached_host = reuse.device * ps, reuse.host * ps
+        rec.cached_storage = stored * ps
+        if stored:
+            first = covered - req.stored_start
+            rec.cached_storage_from_decode = ps * sum(req.stored_decode_flags[first:first + stored])
+        rec.cached_tokens = (reuse.device + reuse.host + stored) * ps
+        req.to_compute = req.prompt_len - rec.cached_tokens
+        rec.computed_tokens = req.to_compute
+        rec.prefill_node = self.name
+        req.load_s = (reuse.host + stored) * self.cluster.page_bytes \
+            / self.cluster.profile.host.h2d_bandwidth_Bps
+        return True
+
+    def _stored_pages(self, req: SimRequest, covered: int) -> int:
+        """Stored pages the request uses: those its prefetch read, right after what device
+        and host cover (a gap, when tiers lost pages since, leaves the rest computed)."""
+        if req.prefetch_done_s is not None and req.prefetch_done_s > self.loop.now:
+            return 0  # best_effort: the read has not ended yet
+        if covered < req.stored_start:
+            return 0
+        return max(0, min(req.stored_end, req.reuse_cap) - covered)
+
+    def _prefill_step(self) -> tuple[float, list[tuple[SimRequest, int]]] | None:
+        budget = self.scheduler.chunked_prefill_tokens
+        chunks: list[tuple[SimRequest, int]] = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            chunk = min(req.to_compute - req.computed, budget)
+            chunks.append((req, chunk))
+            budget -= chunk
+        limit = self.scheduler.max_running_requests
+        while budget > 0 and self.ready and len(self.prefilling) + len(self.decoding) < limit:
+            req = self.ready[0]
+            if not self._admit(req):
+                break
+            self.ready.popleft()
+            self.prefilling.append(req)
+            chunk = min(req.to_compute, budget)
+            chunks.append((req, chunk))
+            budget -= chunk
+        if not chunks:
+            return None
+        tokens = sum(chunk for _, chunk in chunks)
+        token_context = sum(chunk * (req.prompt_len - req.to_compute + req.computed + chunk)
+                            for req, chunk in chunks)
+        loads = sum(req.load_s for req, _ in chunks if req.computed == 0)
+        return self.cluster.profile.prefill.step_s(tokens, token_context) + loads, chunks
+
+    def _after_prefill_step(self, chunks: list[tuple[SimRequest, int]]) -> None:
+        self.prefill_steps += 1
+        for req, chunk in chunks:
+            req.computed += chunk
+            self.prefill_tokens += chunk
+            if req.computed < req.to_compute:
+                continue
+            self.prefilling.remove(req)
+            assert req.prefill_hold is not None
+            self.cache.insert(req.prefill_hold, req.pages, req.session.session_id)
+            req.prefill_done_s = self.loop.now
+            self.cluster.prefill_done(req)
+            if self.role == "unified":
+                self.start_decode(req)
+
+    # ---- decode side --------------------------------------------------------------------
+    def reserve(self, req: SimRequest) -> bool:
+        """Decode node: device pages for prompt + answer (its tree's prefix reused); False
+        queues the request until pages free."""
+        if not self.reserving and self._reserve(req):
+            return True
+        self.reserving.append(req)
+        return False
+
+    def _reserve(self, req: SimRequest) -> bool:
+        got = self.cache.reserve(req.pages, req.total_pages, len(req.pages),
+                                 req.session.session_id)
+        if got is None:
+            return False
+        req.decode_hold, reuse = got
+        req.decode_held_pages = reuse.device
+        req.rec.decode_node = self.name
+        return True
+
+    def retry_reservations(self) -> list[SimRequest]:
+        """Reserve for the queued requests, in order, while pages allow; those reserved."""
+        done = []
+        while self.reserving and self._reserve(self.reserving[0]):
+            done.append(self.reserving.popleft())
+        return done
+
+    def start_decode(self, req: SimRequest) -> None:
+        """The prompt's KV is here and the first token sampled: decode the rest."""
+        req.generated = 1
+        if req.generated >= req.max_new:
+            self._finish(req)
+            return
+        self.decoding.append(req)
+        self.kick()
+
+    def _decode_step(self) -> tuple[float, list[SimRequest]] | None:
+        batch = self.decoding[: self.scheduler.max_running_requests]
+        if not batch:
+            return None
+        context = sum(req.context for req in batch)
+        return self.cluster.profile.decode.step_s(len(batch), context), batch
+
+    def _after_decode_step(self, batch: list[SimRequest]) -> None:
+        self.decode_steps += 1
+        for req in batch:
+            req.generated += 1
+            if req.first_token_s is None:
+                req.first_token_s = self.loop.now
+            if req.generated >= req.max_new:
+                self.decoding.remove(req)
+                self._finish(req)
+
+    def _finish(self, req: SimRequest) -> None:
+        if self.role == "unified":
+            assert req.prefill_hold is not None
+            self.cache.insert(req.prefill_hold, req.answer_pages, req.session.session_id)
+            self.cache.release(req.prefill_hold)
+        else:
+            assert req.decode_hold is not None
+            if self.offload:
+                done = self.cluster.write_pages(self.name, req.answer_pages, "decode")
+                self.write_back_peak_s = max(self.write_back_peak_s, done - self.loop.now)
+            self.cache.insert(req.decode_hold, req.answer_pages, req.session.session_id)
+            self.cache.release(req.decode_hold)
+        req.finished = True
+        self.cluster.finished(req)
+        self.cluster.released(self.name)
+
+    # ---- the compute loop ---------------------------------------------------------------
+    def kick(self) -> None:
+        """Start the next step if the node is idle and has work."""
+        if self.busy:
+            return
+        if self.role in ("prefill", "unified"):
+            step = self._prefill_step()
+            if step is not None:
+                self._run(step[0], lambda: self._after_prefill_step(step[1]))
+                return
+        if self.role in ("decode", "unified"):
+            decode = self._decode_step()
+            if decode is not None:
+                self._run(decode[0], lambda: self._after_decode_step(decode[1]))
+
+    def _run(self, duration: float, after: Callable[[], None]) -> None:
+        self.busy = True
+        self.busy_s += duration
+
+        def end() -> None:
+            after()  # still busy: a kick from inside `after` must not start a step
+            self.busy = False
+            self.kick()
+
+        self.loop.after(duration, end)
+
+    def stats(self, duration_s: float) -> dict[str, object]:
+        return {"name": self.name, "role": self.role, "busy_s": self.busy_s,
+                "utilisation": self.busy_s / duration_s if duration_s else 0.0,
+                "prefill_steps": self.prefill_steps, "prefill_tokens": self.prefill_tokens,
+                "decode_steps": self.decode_steps, "write_back_peak_s": self.write_back_peak_s,
+                **self.cache.stats()}

@@ -1,0 +1,169 @@
+"""The simulator's cost profile: how long compute and I/O take on some hardware.
+
+A profile is a TOML file with five tables; every key is required (a missing or unknown key is
+a `ProfileError` naming it), so no number is ever made up by the simulator. pdcache ships no
+profile: measure one on your hardware (docs/simulator.md says how each field is read) and
+write it down. Units are seconds and bytes per second.
+
+```toml
+[prefill]                     # one prefill step (a chunked-prefill batch) takes
+base_s = 0.004                #   base_s
+per_token_s = 2e-5            # + per_token_s * tokens computed in the step
+per_token_context_s = 1e-10   # + per_token_context_s * sum(chunk tokens * context after chunk)
+
+[decode]                      # one decode step (one token for each running request) takes
+base_s = 0.006                #   base_s
+per_request_s = 1e-4          # + per_request_s * requests in the batch
+per_context_token_s = 1e-8    # + per_context_token_s * sum of the requests' context tokens
+
+[transfer]                    # prefill -> decode KV push of one request (one "room")
+bandwidth_Bps = 1.0e10        # bytes per second out of one prefill node
+per_room_s = 0.001            # fixed cost per request (handshake, completion notice)
+
+[host]                        # host <-> device copies on one node
+h2d_bandwidth_Bps = 2.0e10    # host pages loaded to device before the prefill uses them
+d2h_bandwidth_Bps = 2.0e10    # device pages copied to host (backup, decode write-back)
+
+[storage]                     # the storage tier every node shares
+read_bandwidth_Bps = 5.0e9    # the whole store's read bandwidth, shared by every node
+write_bandwidth_Bps = 3.0e9   # the whole store's write bandwidth, shared by every node
+node_nic_Bps = 1.25e9         # one node's link to the store (each direction)
+op_latency_s = 0.0005         # per read or write operation (one batch of pages)
+metadata_op_s = 0.0002        # per metadata operation (an existence lookup, an index update)
+```
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, published as `tomli`
+    import tomli as tomllib
+
+
+class ProfileError(ValueError):
+    """A profile file is missing, unreadable, or has a missing, unknown or bad key."""
+
+
+NO_PROFILE = (
+    "pdcache sim needs --profile FILE: the measured costs of compute and I/O on the hardware "
+    "to simulate. pdcache ships no profile (its numbers would be invented); write one from "
+    "your own measurements (docs/simulator.md, 'The profile', lists every field)."
+)
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """`[prefill]`: seconds of one prefill step."""
+
+    base_s: float
+    per_token_s: float
+    per_token_context_s: float
+
+    def step_s(self, tokens: int, token_context: int) -> float:
+        """A step computing `tokens` tokens whose chunk-tokens x context sum is
+        `token_context` (attention reads every earlier token of its request)."""
+        return self.base_s + self.per_token_s * tokens + self.per_token_context_s * token_context
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """`[decode]`: seconds of one decode step."""
+
+    base_s: float
+    per_request_s: float
+    per_context_token_s: float
+
+    def step_s(self, requests: int, context_tokens: int) -> float:
+        return (self.base_s + self.per_request_s * requests
+                + self.per_context_token_s * context_tokens)
+
+
+@dataclass(frozen=True)
+class TransferCost:
+    """`[transfer]`: the prefill -> decode KV push."""
+
+    bandwidth_Bps: float  # noqa: N815 - the unit in the name, as in the file
+    per_room_s: float
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """`[host]`: copies between a node's device and host memory."""
+
+    h2d_bandwidth_Bps: float  # noqa: N815
+    d2h_bandwidth_Bps: float  # noqa: N815
+
+
+@dataclass(frozen=True)
+class StorageCost:
+    """`[storage]`: the shared store and each node's link to it."""
+
+    read_bandwidth_Bps: float  # noqa: N815
+    write_bandwidth_Bps: float  # noqa: N815
+    node_nic_Bps: float  # noqa: N815
+    op_latency_s: float
+    metadata_op_s: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Every cost the simulator charges; plain data, read once per run."""
+
+    prefill: PrefillCost
+    decode: DecodeCost
+    transfer: TransferCost
+    host: HostCost
+    storage: StorageCost
+
+
+_SECTIONS: dict[str, type] = {"prefill": PrefillCost, "decode": DecodeCost,
+                              "transfer": TransferCost, "host": HostCost, "storage": StorageCost}
+
+
+def _section(name: str, cls: type, table: Any, source: str) -> Any:
+    if not isinstance(table, dict):
+        raise ProfileError(f"{source}: [{name}] is missing (every table is required)")
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(set(table) - set(names))
+    if unknown:
+        raise ProfileError(f"{source}: {name}.{unknown[0]}: unknown key; keys: {', '.join(names)}")
+    values = {}
+    for key in names:
+        if key not in table:
+            raise ProfileError(f"{source}: {name}.{key} is missing (every key is required)")
+        value = table[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ProfileError(f"{source}: {name}.{key}: expected a number >= 0, got {value!r}")
+        if key.endswith("Bps") and value <= 0:
+            raise ProfileError(f"{source}: {name}.{key}: a bandwidth must be > 0")
+        values[key] = float(value)
+    return cls(**values)
+
+
+def profile_from_dict(raw: dict[str, Any], source: str = "<profile>") -> Profile:
+    """A `Profile` from a parsed TOML tree; ProfileError names the first bad key."""
+    unknown = sorted(set(raw) - set(_SECTIONS))
+    if unknown:
+        raise ProfileError(f"{source}: [{unknown[0]}]: unknown table; tables: "
+                           f"{', '.join(_SECTIONS)}")
+    parts = {name: _section(name, cls, raw.get(name), source) for name, cls in _SECTIONS.items()}
+    return Profile(**parts)
+
+
+def load_profile(path: str | Path | None) -> Profile:
+    """The profile in `path`; ProfileError (with `NO_PROFILE` when `path` is None)."""
+    if path is None:
+        raise ProfileError(NO_PROFILE)
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read the profile ({exc.strerror or exc})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{path}: not valid TOML ({exc})") from exc
+    return profile_from_dict(raw, str(path))
