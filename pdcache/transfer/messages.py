@@ -38,6 +38,17 @@ layer of decode's pool: 2 for K and V, 1 for an MLA latent) and `register.kv_geo
 fingerprint of decode's pages). A version-7 decode always sends the fingerprint, so its
 Register needs a version-7 prefill: upgrade prefill nodes before decode nodes. A version-7
 prefill still accepts older Registers (two slabs, no fingerprint to compare).
+
+Version 8 (hybrid models' recurrent state, docs/design.md §4.5) added `register.state_base` /
+`register.state_area_bytes` (decode's registered host state area; 0: none),
+`room_request.state_offset` / `.state_bytes` / `.state_geometry` (where in that area the
+room's state goes, its length and its `RecurrentStateGeometry.key()`; 0 bytes: no state
+wanted) and `report.state_bytes` / `report.state_geometry` (the state prefill wrote with the
+pages). A decode without a state area still writes version-7 Registers and version-4 room
+requests; one with a state area needs a version-8 prefill (an older one drops its Register,
+and `connect` times out). A version-8 prefill refuses (`state_mismatch`) a room whose two
+sides disagree on the state: one without a state request when its model has a state (every
+older decode), a geometry key or length other than its own.
 """
 
 from __future__ import annotations
@@ -54,8 +65,8 @@ import numpy as np
 
 from pdcache.engine.api import CachedTokens, LogprobRequest, TokenLogprob
 
-PROTOCOL_VERSION = 7
-ACCEPTED_VERSIONS = (2, 3, 4, 5, 6, 7)
+PROTOCOL_VERSION = 8
+ACCEPTED_VERSIONS = (2, 3, 4, 5, 6, 7, 8)
 BASE_WIRE_VERSION = 4  # the lowest version a frame is written in (`wire_version`)
 MAX_ROOM_ID = (1 << 63) - 1
 MAX_CONTAINER_ITEMS = 256  # entries of any msgpack array or map
@@ -94,7 +105,9 @@ class Register(Message):
     `session` is the engine's address of decode's endpoint (opaque to the control plane).
     Since version 7, `num_slabs` (2: K and V; 1: an MLA latent) and `kv_geometry`, the KV
     fingerprint of decode's pages (empty from older peers): prefill refuses a peer whose pages
-    are of another geometry even where the byte counts happen to agree.
+    are of another geometry even where the byte counts happen to agree. Since version 8,
+    `state_base` / `state_area_bytes`: decode's registered host area for recurrent states
+    (`transfer.state_area.StateArea`; 0: none), where room requests point their state.
     """
 
     TYPE: ClassVar[str] = "register"
@@ -107,6 +120,8 @@ class Register(Message):
     page_bytes: int
     num_slabs: int = 2  # since version 7
     kv_geometry: str = ""  # since version 7
+    state_base: int = 0  # since version 8
+    state_area_bytes: int = 0  # since version 8
 
 
 @dataclass(frozen=True)
@@ -124,13 +139,18 @@ class RoomRequest(Message):
     """Decode → prefill, per room: destination pages (int32 little-endian) for `num_tokens`.
     Since version 6, `first_page`: decode holds the prompt's pages before it already (its
     prefix cache), so `dst_pages` receive the prompt's pages `first_page`, `first_page + 1`,
-    ... (prefill writes only those)."""
+    ... (prefill writes only those). Since version 8, `state_bytes` > 0 asks for the request's
+    recurrent state too: `state_bytes` bytes of geometry `state_geometry` (its
+    `RecurrentStateGeometry.key()`) at `state_offset` in decode's registered state area."""
 
     TYPE: ClassVar[str] = "room_request"
     room: int
     dst_pages: bytes
     num_tokens: int
     first_page: int = 0  # since version 6
+    state_offset: int = 0  # since version 8
+    state_bytes: int = 0  # since version 8; 0: no state wanted
+    state_geometry: str = ""  # since version 8
 
     def page_ids(self) -> np.ndarray:
         return np.frombuffer(self.dst_pages, dtype="<i4").astype(np.int64)
@@ -153,7 +173,8 @@ class PrefillReport:
     forward; `prefill_node` names the node. `first_token` -1 means "none" (transfer tests).
     With logprobs asked for, `first_logprob` packs the first token's `TokenLogprob` and
     `input_logprobs` the prompt's (`pack_logprobs`; empty bytes: none), read back with
-    `first_token_logprob()` / `prompt_logprobs()`."""
+    `first_token_logprob()` / `prompt_logprobs()`. `state_bytes` / `state_geometry`: the
+    recurrent state the sender wrote with the pages (0 / "": none); the sender sets them."""
 
     first_token: int
     prompt_tokens: int = 0
@@ -162,6 +183,8 @@ class PrefillReport:
     prefill_node: str = ""
     first_logprob: bytes = b""  # since version 3
     input_logprobs: bytes = b""  # since version 3
+    state_bytes: int = 0  # since version 8
+    state_geometry: str = ""  # since version 8
 
     def first_token_logprob(self) -> TokenLogprob | None:
         entries = unpack_logprobs(self.first_logprob)
@@ -314,6 +337,10 @@ _ADDED_IN: Mapping[int, Mapping[type, frozenset[str]]] = MappingProxyType({
     5: MappingProxyType({PagesPending: frozenset({"eta_ms", "pull"})}),
     6: MappingProxyType({RoomRequest: frozenset({"first_page"})}),
     7: MappingProxyType({Register: frozenset({"num_slabs", "kv_geometry"})}),
+    8: MappingProxyType({
+        Register: frozenset({"state_base", "state_area_bytes"}),
+        RoomRequest: frozenset({"state_offset", "state_bytes", "state_geometry"}),
+        PrefillReport: frozenset({"state_bytes", "state_geometry"})}),
 })
 # message types by the version that added them (older versions refuse them)
 _TYPE_SINCE: Mapping[type, int] = MappingProxyType({
@@ -436,32 +463,54 @@ _FIELDS: dict[type, dict[str, type]] = {
 
 def wire_version(msg: Message) -> int:
     """The lowest version (>= BASE_WIRE_VERSION) that has `msg`'s type and every field of it
-    that is not at its default: older peers read what they can."""
-    version = max(BASE_WIRE_VERSION, _TYPE_SINCE.get(type(msg), 0))
+    (nested ones too: `done.report`) that is not at its default: older peers read what they
+    can."""
+    return max(BASE_WIRE_VERSION, _TYPE_SINCE.get(type(msg), 0), _fields_version(msg))
+
+
+def _fields_version(obj: Any) -> int:
+    """The newest version that added a field of `obj` (or of a nested dataclass) that is not
+    at its default; 0 when none is."""
+    version = 0
     for added_in, added in _ADDED_IN.items():
-        for name in added.get(type(msg), ()):
-            if getattr(msg, name) != _FIELD_DEFAULTS[type(msg)][name]:
+        for name in added.get(type(obj), ()):
+            if getattr(obj, name) != _FIELD_DEFAULTS[type(obj)][name]:
                 version = max(version, added_in)
+    for item in dataclasses.fields(obj):
+        value = getattr(obj, item.name)
+        if isinstance(value, _NESTED):
+            version = max(version, _fields_version(value))
     return version
 
 
 _FIELD_DEFAULTS: dict[type, dict[str, Any]] = {
-    cls: {f.name: f.default for f in dataclasses.fields(cls)} for cls in MESSAGE_TYPES.values()
+    cls: {f.name: f.default for f in dataclasses.fields(cls)}
+    for cls in (*MESSAGE_TYPES.values(), *_NESTED)
 }
 
 
 def encode(msg: Message) -> bytes:
     """Serialise `msg` in its `wire_version` (version and type tag included): the fields a
-    later version added are left out, so a peer of that version, which refuses unknown
-    fields, reads the frame."""
+    later version added are left out, at any depth, so a peer of that version, which refuses
+    unknown fields, reads the frame."""
     version = wire_version(msg)
     body: dict[str, Any] = {"v": version, "t": msg.TYPE}
-    body.update(dataclasses.asdict(msg))
+    body.update(_body_for(msg, version))
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _body_for(obj: Any, version: int) -> dict[str, Any]:
+    """`obj`'s fields as a map without those a version after `version` added (they are at
+    their defaults, `wire_version`: the peer assumes them); nested dataclasses likewise."""
+    body = {}
+    for item in dataclasses.fields(obj):
+        value = getattr(obj, item.name)
+        body[item.name] = _body_for(value, version) if isinstance(value, _NESTED) else value
     for added_in, added in _ADDED_IN.items():
         if added_in > version:
-            for name in added.get(type(msg), ()):
-                body.pop(name, None)  # at its default (wire_version): the peer assumes it
-    return msgpack.packb(body, use_bin_type=True)
+            for name in added.get(type(obj), ()):
+                body.pop(name, None)
+    return body
 
 
 def decode(raw: bytes | memoryview, max_bytes: int) -> Message:
@@ -534,10 +583,24 @@ def _check_ranges(msg: Message) -> None:
     _check_ints(dataclasses.asdict(msg), msg.TYPE)
     if isinstance(msg, RoomRequest):
         _check_pages(msg)
+        _check_state_fields(msg.state_bytes, msg.state_geometry, "room_request")
+        if not msg.state_bytes and msg.state_offset:
+            raise MessageError("bad_field", "room_request.state_offset without a state")
+    if isinstance(msg, Register) and (msg.state_base == 0) != (msg.state_area_bytes == 0):
+        raise MessageError("bad_field", "register: a state area needs its address and size")
+    if isinstance(msg, Done):
+        _check_state_fields(msg.report.state_bytes, msg.report.state_geometry, "done.report")
     if isinstance(msg, PagesPending | PagesSettled | PullPages | PagesPulled):
         _check_keys(msg)
     if isinstance(msg, PagesPulled):
         _check_pulled(msg)
+
+
+def _check_state_fields(state_bytes: int, state_geometry: str, where: str) -> None:
+    """A state is announced by both its length and its geometry key, or by neither."""
+    if (state_bytes == 0) != (state_geometry == ""):
+        raise MessageError("bad_field", f"{where}: state_bytes={state_bytes} with state "
+                                        f"geometry {state_geometry!r}")
 
 
 def _check_pulled(msg: PagesPulled) -> None:
@@ -591,6 +654,7 @@ def check_report(report: Any) -> None:
     try:
         _build(PrefillReport, body, "done.report", PROTOCOL_VERSION)
         _check_ints(body, "done.report")
+        _check_state_fields(report.state_bytes, report.state_geometry, "done.report")
         unpack_logprobs(report.first_logprob)
         unpack_logprobs(report.input_logprobs)
     except MessageError as err:

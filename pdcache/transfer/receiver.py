@@ -8,14 +8,25 @@ Usage by the decode node::
     result = receiver.wait(room, timeout_s)          # TransferResult, or raises TransferError
     receiver.abort(room, "client disconnected"); receiver.close()
 
+A hybrid model's receiver (`state_geometry`, `state_slots`) owns `receiver.states`, a
+registered host `StateArea`; the node holds a slot per room like its pages::
+
+    slot = receiver.states.alloc()                   # None: all held (wait, as for pages)
+    receiver.request(room, addr, dst_page_ids, num_tokens, dst_state=slot)
+    result = receiver.wait(room)                     # result.state_arrived
+    state_pool.restore(engine_slot, receiver.states.snapshot(slot)); receiver.states.free(slot)
+
+On FAILED, `on_release(outcome)` frees `outcome.data.dst_state` with the pages.
+
 Per prefill peer there is one DEALER socket: `Register` (engine session, base address and
 page geometry of the pool) goes first, then every room's `RoomRequest`; ZeroMQ keeps their
 order. Pings go out every heartbeat interval; a peer silent for `peer_dead_after_s` is
 declared dead and its rooms fail.
 
-Release rule (pages are never reused while prefill may still write them): a room released
-on SUCCESS or on prefill's Abort is released at once; a room decode fails itself (abort,
-timeout) is released when prefill acks the abort or after `abort_ack_timeout_s` (counted).
+Release rule (pages and the state slot are never reused while prefill may still write them):
+a room released on SUCCESS or on prefill's Abort is released at once; a room decode fails
+itself (abort, timeout) is released when prefill acks the abort or after
+`abort_ack_timeout_s` (counted).
 A room of a peer declared lost (silent for `peer_dead_after_s`) is a fence: released only on
 that link's AbortAck/Abort, when the address re-registers with another boot id (decode
 registers again there at once, as a probe), when the prefill's end closed the control
@@ -49,6 +60,7 @@ import numpy as np
 import torch
 import zmq
 
+from pdcache.engine.state_geometry import RecurrentStateGeometry
 from pdcache.transfer.config import TransferConfig
 from pdcache.transfer.control import (
     LINK_ID_BYTES,
@@ -99,22 +111,32 @@ from pdcache.transfer.rooms import (
     RoomTable,
     UnknownRoom,
 )
+from pdcache.transfer.state_area import StateArea
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class TransferResult:
-    """What prefill reported with `done`: its report and how many bytes landed."""
+    """What prefill reported with `done`: its report and how many KV bytes landed; with a
+    state requested, `state_slot` (the request's `dst_state`) holds the `state_bytes` of the
+    recurrent state that landed with them (checked against the request: geometry and
+    length)."""
 
     room: int
     report: PrefillReport
     nbytes: int
     elapsed_s: float
+    state_slot: int | None = None
+    state_bytes: int = 0
 
     @property
     def first_token(self) -> int:
         return self.report.first_token
+
+    @property
+    def state_arrived(self) -> bool:
+        return self.state_bytes > 0
 
 
 @dataclass
@@ -124,6 +146,7 @@ class _RecvRoom:
     peer_addr: str
     dst_pages: np.ndarray
     num_tokens: int
+    dst_state: int | None = None  # the node's slot of `KVReceiver.states` for the state
     done: threading.Event = field(default_factory=threading.Event)
     result: TransferResult | None = None
     failed_at: float = 0.0  # when decode failed it while prefill might still write
@@ -169,12 +192,20 @@ class KVReceiver:
 
     def __init__(self, config: TransferConfig, device_kv: torch.Tensor,
                  on_release: ReleaseCallback | None = None, decode_id: str = "",
-                 control_key: bytes | None = None, kv_geometry: str = "") -> None:
+                 control_key: bytes | None = None, kv_geometry: str = "",
+                 state_geometry: RecurrentStateGeometry | None = None,
+                 state_slots: int = 0) -> None:
         """`control_key`: derive_key(cluster secret, "zmq-control") authenticates every
         control message (docs/security.md); None: unauthenticated (no secret). `kv_geometry`:
-        the pool's `KVGeometry.layout_key`, sent at registration (prefill refuses another)."""
+        the pool's `KVGeometry.layout_key`, sent at registration (prefill refuses another).
+        `state_geometry` and `state_slots` > 0: a hybrid model's receiver owns `states`, a
+        host `StateArea` of that many recurrent-state slots registered with the engine, which
+        requests name as `dst_state` (its Register then needs a protocol-8 prefill)."""
         self.config = config
         self.kv_geometry = kv_geometry
+        self.states: StateArea | None = (
+            StateArea(state_geometry, state_slots)
+            if state_geometry is not None and state_slots > 0 else None)
         self._auth = control_auth(control_key, "decode")
         self.layout = KVLayout.from_tensor(device_kv)
         self._kv = device_kv
@@ -187,6 +218,10 @@ class KVReceiver:
         self._lost: dict[bytes, _Peer] = {}  # control thread only
         self.rejects = RejectCounter(f"decode {self.decode_id}")
         self.counters = {"bytes_received": 0, "peers_lost": 0, "abort_ack_timeouts": 0,
+                         # recurrent states (`bytes_received` counts KV bytes only), and
+                         # rooms whose Done reported another state than their request's
+                         "state_bytes_received": 0, "states_received": 0,
+                         "state_mismatches": 0,
                          "messages_in": 0, "unexpected_messages": 0,
                          "lost_peer_hold_timeouts": 0, "lost_peer_rebooted": 0,
                          "lost_peer_closed": 0,
@@ -212,6 +247,8 @@ class KVReceiver:
     def start(self) -> KVReceiver:
         self.engine = create_engine(self.config)
         self.engine.register_target(self.layout.base_addr, self.layout.nbytes)
+        if self.states is not None:  # before session(): NIXL's metadata lists the regions
+            self.engine.register_target(self.states.base_addr, self.states.nbytes)
         self._session = self.engine.session()
         self._loop.start()
         self._pulls.start()  # the pull worker (when pulls are offered); serve_pulls is refused now
@@ -269,15 +306,18 @@ class KVReceiver:
 
         self._loop.call_soon(ensure)
         if not created.wait(timeout_s) or not holder[0].ready.wait(deadline - time.monotonic()):
-            raise TransferTimeout(-1, f"prefill {bootstrap_addr} did not answer in {timeout_s}s")
+            raise TransferTimeout(-1, f"prefill {bootstrap_addr} did not answer in "
+                                      f"{timeout_s}s{self._old_prefill_hint()}")
         if holder[0].error:
             raise TransferError(-1, f"prefill {bootstrap_addr} refused: {holder[0].error}")
 
     def request(self, room: int, bootstrap_addr: str, dst_page_ids: Any,
-                num_tokens: int, first_page: int = 0) -> None:
+                num_tokens: int, first_page: int = 0, dst_state: int | None = None) -> None:
         """Ask the prefill peer to write this room's KV into `dst_page_ids` (non-blocking):
         the prompt's pages `first_page`, `first_page + 1`, ... (the ones before are in this
-        node's prefix cache already).
+        node's prefix cache already). `dst_state`: a slot of `states` the caller holds, where
+        the request's recurrent state at the end of its prefill lands (None: no state; a
+        hybrid prefill then refuses the room, `state_mismatch`).
 
         From here on `on_release` will run once for the room. ValueError on bad arguments,
         DuplicateRoom if the room id is in use.
@@ -291,10 +331,28 @@ class KVReceiver:
             raise ValueError(f"room {room}: destination pages repeat")
         if isinstance(first_page, bool) or not 0 <= first_page <= _INT32_MAX:
             raise ValueError(f"room {room}: first page {first_page!r} is not a page index")
-        data = _RecvRoom(bootstrap_addr, dst, int(num_tokens))
+        state_fields = self._state_destination(room, dst_state)
+        data = _RecvRoom(bootstrap_addr, dst, int(num_tokens), dst_state)
         self.rooms.create(room, RoomState.BOOTSTRAPPING, self.config.room_timeout_s, data)
-        request = RoomRequest(room, pack_pages(dst), int(num_tokens), int(first_page))
+        request = RoomRequest(room, pack_pages(dst), int(num_tokens), int(first_page),
+                              *state_fields)
         self._loop.call_soon(lambda: self._send_request(room, bootstrap_addr, request))
+
+    def _old_prefill_hint(self) -> str:
+        """What an unanswered Register may mean for a decode with a state area."""
+        if self.states is None:
+            return ""
+        return (" (a prefill older than control protocol 8 drops the Register of a decode "
+                "with a state area: upgrade prefill nodes first)")
+
+    def _state_destination(self, room: int, slot: int | None) -> tuple[int, int, str]:
+        """The RoomRequest's (state_offset, state_bytes, state_geometry) for `slot`."""
+        if slot is None:
+            return 0, 0, ""
+        if self.states is None or not self.states.is_held(slot):
+            raise ValueError(f"room {room}: dst_state {slot!r} is not a held slot of this "
+                             "receiver's state area")
+        return self.states.offset(slot), self.states.state_bytes, self.states.geometry_key
 
     def wait(self, room: int, timeout_s: float | None = None) -> TransferResult:
         """Block until the room's KV has landed. On failure raise TransferError; on timeout
@@ -459,9 +517,11 @@ class KVReceiver:
         peer.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._loop.add_socket(peer.monitor, lambda s, p=peer: self._on_monitor(p))
         assert self.engine is not None
+        states = self.states
         register = Register(self.decode_id, self.config.engine, self._session,
                             self.layout.base_addr, self.layout.num_layers, self.layout.num_pages,
-                            self.layout.page_bytes, self.layout.num_slabs, self.kv_geometry)
+                            self.layout.page_bytes, self.layout.num_slabs, self.kv_geometry,
+                            states.base_addr if states else 0, states.nbytes if states else 0)
         sock.send(seal(register, self._auth, link_id), zmq.NOBLOCK)
         return peer
 
@@ -572,10 +632,35 @@ class KVReceiver:
             return
         if current.state is RoomState.WAITING_FOR_INPUT:
             self._advance(msg.room, RoomState.TRANSFERRING)
+        mismatch = self._state_mismatch(data, msg.report)
+        if mismatch:  # prefill's write is over: the pages and the slot are free at once
+            self.counters["state_mismatches"] += 1
+            self._finish(msg.room, RoomState.FAILED, mismatch, code="state_mismatch")
+            return
+        state_bytes = msg.report.state_bytes
         data.result = TransferResult(msg.room, msg.report, msg.nbytes,
-                                     time.monotonic() - current.created_at)
+                                     time.monotonic() - current.created_at,
+                                     data.dst_state, state_bytes)
         if self._finish(msg.room, RoomState.SUCCESS):
             self.counters["bytes_received"] += msg.nbytes
+            self.counters["state_bytes_received"] += state_bytes
+            self.counters["states_received"] += int(state_bytes > 0)
+
+    def _state_mismatch(self, data: _RecvRoom, report: PrefillReport) -> str:
+        """Why the state `Done` reports is not the one the room asked for ('' when it is):
+        decode's own check, behind prefill's (which refuses before writing)."""
+        if data.dst_state is None:
+            if report.state_bytes:
+                return (f"prefill reports a recurrent state ({report.state_bytes} bytes) the "
+                        "room did not ask for")
+            return ""
+        assert self.states is not None  # request() accepts dst_state only with an area
+        wanted = (self.states.state_bytes, self.states.geometry_key)
+        if (report.state_bytes, report.state_geometry) != wanted:
+            return (f"prefill reports a recurrent state of {report.state_bytes} bytes of "
+                    f"{report.state_geometry!r}; the room asked for {wanted[0]} bytes of "
+                    f"{wanted[1]!r}")
+        return ""
 
     def _on_abort(self, peer: _Peer, msg: Abort) -> None:
         if self._owned(peer, msg.room) is None:
@@ -700,15 +785,16 @@ class KVReceiver:
         self._forget_link(peer.link_id)
         silent = now - peer.last_seen
         logger.warning("decode: prefill peer %s lost (silent for %.1fs)", peer.addr, silent)
-        if not peer.ready.is_set():
-            peer.error = f"no answer for {silent:.1f}s"
         reason = f"prefill peer {peer.addr} lost (no heartbeat for {silent:.1f}s)"
+        if not peer.ready.is_set():
+            peer.error = f"no answer for {silent:.1f}s{self._old_prefill_hint()}"
+            reason += self._old_prefill_hint()
         mine = self.rooms.select(lambda r: r.data.peer_addr == peer.addr
                                  and not r.data.held_for)
         for room in mine:  # best effort: a peer that only stalled stops writing these pages
             self._send_frame(peer, Abort(room, reason, "timeout"))
         # Silent is not dead: a stalled prefill (SIGSTOP, a long GC or swap pause) resumes
-        # the write it was in the middle of (`pdcache bench chaos` freeze-node found a decode
+        # the write it was in the middle of (`pdcache chaos` freeze-node found a decode
         # answer corrupted by exactly that). So the rooms fail now (their requests end) but
         # their pages stay busy — a fence — until this link's AbortAck/Abort arrives, the
         # address re-registers with another boot id (the old process is gone), or

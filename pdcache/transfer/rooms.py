@@ -92,9 +92,11 @@ class Outcome:
 
 
 # Why a room failed: deadline passed | aborted by either node | peer declared dead by
-# heartbeats | the data engine failed | bad pages or layouts | the peer refused registration.
+# heartbeats | the data engine failed | bad pages or layouts | the peer refused registration |
+# the two sides disagree on the request's recurrent state (one expects a state the other does
+# not send, or another geometry or length: never a silent wrong state, docs/design.md §4.5).
 FAILURE_CODES = ("timeout", "aborted", "peer_lost", "engine", "invalid", "refused",
-                 "unregistered")
+                 "unregistered", "state_mismatch")
 
 
 ReleaseCallback = Callable[[Outcome], None]

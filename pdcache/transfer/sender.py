@@ -5,12 +5,17 @@ Usage by the prefill node::
     sender = KVSender(config, device_kv, "127.0.0.1", port, on_release=free_pages)
     sender.start()                       # bootstrap ROUTER at sender.bootstrap_addr
     sender.send(room, src_page_ids, report)   # PrefillReport, when the room's prefill is done
+    sender.send(room, src_page_ids, report, state=snapshot)   # a hybrid model's StateSnapshot
     sender.poll(room); sender.abort(room, "client gone"); sender.close()
 
 A room meets its two halves in either order: decode's `RoomRequest` (destination pages) and
 the node's `send()` (source pages, first token). When both are there, a transfer worker
 writes every layer's K and V pages with the engine, then `Done` (with the node's
-`PrefillReport`) goes to decode.
+`PrefillReport`) goes to decode. A hybrid model's sender (`state_geometry`) also writes the
+room's recurrent state (`send(..., state=)`, a `StateSnapshot`) into the state slot decode's
+request names, staged through the worker's slot of a registered `StateArea`; the two sides
+must agree on the state (both or neither, same geometry key and length), otherwise the room
+fails `state_mismatch` before anything is written (docs/design.md §4.5).
 
 Threads and what they mutate:
 - control thread (ControlLoop): the ROUTER socket, `_peers` (under `_peers_lock`), room
@@ -36,13 +41,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 import zmq
 
+from pdcache.engine.state_geometry import RecurrentStateGeometry
+from pdcache.engine.state_pool import StateSnapshot
 from pdcache.transfer.config import TransferConfig
 from pdcache.transfer.control import (
     LINK_ID_BYTES,
@@ -54,7 +61,7 @@ from pdcache.transfer.control import (
     seal,
 )
 from pdcache.transfer.engines.base import EngineError, EngineTimeout, create_engine
-from pdcache.transfer.layout import KVLayout, page_copy_batch
+from pdcache.transfer.layout import KVLayout, WriteBatch, page_copy_batch
 from pdcache.transfer.messages import (
     MAX_KEYS_PER_MESSAGE,
     MAX_ROOM_ID,
@@ -79,6 +86,7 @@ from pdcache.transfer.messages import (
     pack_keys,
 )
 from pdcache.transfer.rooms import Outcome, ReleaseCallback, RoomState, RoomTable
+from pdcache.transfer.state_area import StateArea, check_snapshot
 
 logger = logging.getLogger(__name__)
 _WAIT_SLICE_S = 0.05  # engine waits are sliced so cancellation is seen quickly
@@ -94,6 +102,8 @@ class _Peer:
     layout: KVLayout
     engine_peer: Any
     last_seen: float = field(default_factory=time.monotonic)
+    state_base: int = 0  # decode's registered state area (Register v8; 0: none)
+    state_area_bytes: int = 0
 
 
 @dataclass
@@ -106,6 +116,10 @@ class _SendRoom:
     first_page: int = 0  # decode has the source's pages before it: they are not sent
     src_pages: np.ndarray | None = None
     report: PrefillReport = field(default_factory=lambda: PrefillReport(first_token=-1))
+    state: StateSnapshot | None = None  # send()'s recurrent state, read until release
+    dst_state_offset: int = 0  # decode's request: where its state goes in its state area,
+    dst_state_bytes: int = 0  # how long (0: decode wants no state) and of which geometry
+    dst_state_geometry: str = ""
     accepted: bool = False  # send() took the pages: on_release owes the node a call
     cancel: threading.Event = field(default_factory=threading.Event)
     notify_peer: str = ""  # at release: "" | "abort" | "ack"
@@ -139,14 +153,19 @@ class KVSender:
                  on_release: ReleaseCallback | None = None, prefill_id: str = "",
                  on_requested: Callable[[int], None] | None = None,
                  control_key: bytes | None = None,
-                 on_pages: PendingPagesSink | None = None, kv_geometry: str = "") -> None:
+                 on_pages: PendingPagesSink | None = None, kv_geometry: str = "",
+                 state_geometry: RecurrentStateGeometry | None = None) -> None:
         """`control_key`: derive_key(cluster secret, "zmq-control") authenticates every
         control message (docs/security.md); None: unauthenticated (no secret). `on_pages`
         gets registered decode peers' `pages_pending` / `pages_settled` (None: ignored).
         `kv_geometry`: the pool's `KVGeometry.layout_key`; a decode that registers another
-        is refused (one that sends none, an older peer, is checked by its byte counts)."""
+        is refused (one that sends none, an older peer, is checked by its byte counts).
+        `state_geometry`: a hybrid model's recurrent state, which `send(..., state=)` then
+        carries (one registered staging slot per transfer worker); None: no state."""
         self.config = config
         self.kv_geometry = kv_geometry
+        self.state_geometry = state_geometry
+        self._staging: StateArea | None = None  # start(): worker i stages its room's state
         self._on_pages = on_pages
         self._auth = control_auth(control_key, "prefill")
         self._on_requested = on_requested
@@ -166,7 +185,10 @@ class KVSender:
         self.counters = {"bytes_sent": 0, "transfers": 0, "engine_errors": 0, "peers_lost": 0,
                          "messages_in": 0, "unexpected_messages": 0, "oversized_done": 0,
                          "pull_requests": 0,
-                         "pages_sent": 0, "pages_decode_had": 0}  # decode's prefix cache
+                         "pages_sent": 0, "pages_decode_had": 0,  # decode's prefix cache
+                         # recurrent states (`bytes_sent` counts KV bytes only), and rooms
+                         # refused because the two sides disagreed on the state
+                         "state_bytes_sent": 0, "states_sent": 0, "state_mismatches": 0}
         self._counters_lock = threading.Lock()  # workers and the control thread count
         self._jobs: queue.Queue[int | None] = queue.Queue()
         self._workers: list[threading.Thread] = []
@@ -179,6 +201,9 @@ class KVSender:
     def start(self) -> KVSender:
         self.engine = create_engine(self.config)
         self.engine.register_source(self.layout.base_addr, self.layout.nbytes)
+        if self.state_geometry is not None:
+            self._staging = StateArea(self.state_geometry, self.config.transfer_workers)
+            self.engine.register_source(self._staging.base_addr, self._staging.nbytes)
         router = self._loop.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, 16 * self.config.max_message_bytes)
@@ -191,7 +216,10 @@ class KVSender:
         self._loop.add_socket(router, self._on_readable)
         self._loop.start()
         for i in range(self.config.transfer_workers):
-            worker = threading.Thread(target=self._work, name=f"pdcache-kv-send-{i}", daemon=True)
+            if self._staging is not None:
+                self._staging.alloc()  # slot i, worker i's staging slot for good
+            worker = threading.Thread(target=self._work, args=(i,), name=f"pdcache-kv-send-{i}",
+                                      daemon=True)
             worker.start()
             self._workers.append(worker)
         return self
@@ -212,19 +240,27 @@ class KVSender:
             self.engine.close()
 
     # ---- node API (any thread) -----------------------------------------------------------
-    def send(self, room: int, src_page_ids: Any, report: PrefillReport) -> bool:
-        """Hand the room's KV to the transfer layer; False if the room already finished.
+    def send(self, room: int, src_page_ids: Any, report: PrefillReport,
+             state: StateSnapshot | None = None) -> bool:
+        """Hand the room's KV (and a hybrid model's recurrent state at the end of its prefill)
+        to the transfer layer; False if the room already finished.
 
-        When True, `on_release` will run for this room once; the pages must stay untouched
-        until then. `report` travels to decode in `Done`. Raises ValueError for page ids
-        outside this node's pool or a report the wire format refuses.
+        When True, `on_release` will run for this room once; the pages and `state.data` must
+        stay untouched until then. `report` travels to decode in `Done`, its `state_bytes` /
+        `state_geometry` set by the sender to the state it wrote. Raises ValueError for page
+        ids outside this node's pool, a report the wire format refuses, or a state that is
+        not a host snapshot of this sender's `state_geometry`.
         """
         src = np.asarray(src_page_ids, dtype=np.int64).reshape(-1)
         self.layout.check_pages(src, "source")
         if src.size == 0 or not 0 <= room <= MAX_ROOM_ID:
             raise ValueError(f"send(room={room}) needs a 63-bit room id and at least one page")
         check_report(report)
-        payload = {"src_pages": src, "report": report}
+        if state is not None:
+            if self.state_geometry is None:
+                raise ValueError("this sender carries no recurrent state (no state_geometry)")
+            check_snapshot(state, self.state_geometry)
+        payload = {"src_pages": src, "report": report, "state": state}
         room_state = self._attach_source(room, payload)
         if room_state is None:
             return False
@@ -287,6 +323,7 @@ class KVSender:
                 return None
             r.data.src_pages = payload["src_pages"]
             r.data.report = payload["report"]
+            r.data.state = payload["state"]
             r.data.accepted = True
             return r.state
 
@@ -330,22 +367,23 @@ class KVSender:
                 self._send(data.peer, Abort(outcome.room_id, outcome.reason, data.code))
         if data.accepted and self._user_release is not None:
             self._user_release(outcome)
+        data.state = None  # the outcome is remembered (bounded): not its state's bytes
 
     # ---- transfer workers ------------------------------------------------------------------
-    def _work(self) -> None:
+    def _work(self, worker: int) -> None:
         while True:
             room = self._jobs.get()
             if room is None:
                 return
             try:
-                self._transfer(room)
+                self._transfer(room, worker)
             except Exception as exc:  # never lose a room: fail it and keep the worker alive
                 logger.exception("prefill: transfer of room %d crashed", room)
                 self._fail(room, f"transfer crashed: {exc}", code="engine")
             finally:
                 self.rooms.set_idle(room)
 
-    def _transfer(self, room: int) -> None:
+    def _transfer(self, room: int, worker: int) -> None:
         current = self.rooms.get(room)
         if current is None or current.state is not RoomState.TRANSFERRING:
             return
@@ -363,20 +401,33 @@ class KVSender:
         except ValueError as exc:
             self._fail(room, f"invalid transfer: {exc}", code="invalid")
             return
+        mismatch = self._state_mismatch(data)
+        if mismatch:  # before any byte moves: never a silent wrong state
+            self._count("state_mismatches")
+            self._fail(room, mismatch, code="state_mismatch")
+            return
+        parts = batch.split(self.config.max_batch_entries, self.config.max_batch_bytes)
+        state_batch = self._stage_state(data, peer, worker)
+        if state_batch is not None:
+            parts.append(state_batch)
         self._send(peer.identity, Started(room))
-        error = self._write(peer, batch.split(self.config.max_batch_entries,
-                                              self.config.max_batch_bytes), current)
+        error = self._write(peer, parts, current)
         if error:
             if error.startswith("engine"):
                 self._count("engine_errors")
             self._fail(room, error, code="engine")
             return
+        state_bytes = state_batch.nbytes if state_batch is not None else 0
         self._count("bytes_sent", batch.nbytes)
+        self._count("state_bytes_sent", state_bytes)
+        self._count("states_sent", int(state_batch is not None))
         self._count("pages_sent", len(data.dst_pages))
         self._count("pages_decode_had", data.first_page)
         self._count("transfers")
         data.nbytes = batch.nbytes
-        done = Done(room, batch.nbytes, data.report)
+        report = replace(data.report, state_bytes=state_bytes,
+                         state_geometry=data.state.geometry.key() if data.state else "")
+        done = Done(room, batch.nbytes, report)
         size = len(encode(done))
         if size > self.config.max_message_bytes:  # decode would drop it and wait in vain
             self._count("oversized_done")
@@ -386,6 +437,42 @@ class KVSender:
             return
         self._send(peer.identity, done)
         self.rooms.finish(room, RoomState.SUCCESS, busy=False)
+
+    def _state_mismatch(self, data: _SendRoom) -> str:
+        """Why the room's two halves disagree on its recurrent state ('' when they agree):
+        decode's request (a destination of some geometry key and length, or none) against
+        send()'s state. A room of a hybrid model that an older decode (protocol < 8, which
+        cannot ask for a state) requested is refused here too."""
+        state = data.state
+        if state is None and not data.dst_state_bytes:
+            return ""
+        if state is None:
+            return (f"decode expects a recurrent state ({data.dst_state_bytes} bytes of "
+                    f"{data.dst_state_geometry!r}), this room carries none")
+        key = state.geometry.key()
+        if not data.dst_state_bytes:
+            return (f"decode asked for no recurrent state, this room carries {state.nbytes} "
+                    f"bytes of {key!r} (a decode without a state area, or older than "
+                    "control protocol 8)")
+        if data.dst_state_geometry != key:
+            return (f"recurrent state geometry mismatch: decode {data.dst_state_geometry!r}, "
+                    f"prefill {key!r}")
+        if data.dst_state_bytes != state.nbytes:
+            return (f"recurrent state length mismatch: decode's buffer takes "
+                    f"{data.dst_state_bytes} bytes, the state is {state.nbytes}")
+        return ""
+
+    def _stage_state(self, data: _SendRoom, peer: _Peer, worker: int) -> WriteBatch | None:
+        """Copy the room's state into worker `worker`'s registered staging slot and return
+        the one-entry write of it to decode's state slot (None: the room has no state)."""
+        if data.state is None:
+            return None
+        assert self._staging is not None  # send() accepts a state only with a geometry
+        self._staging.write(worker, data.state)
+        src = self._staging.base_addr + self._staging.offset(worker)
+        dst = peer.state_base + data.dst_state_offset
+        return WriteBatch(np.array([src], dtype=np.int64), np.array([dst], dtype=np.int64),
+                          np.array([data.state.nbytes], dtype=np.int64))
 
     def _write(self, peer: _Peer, parts: list, room) -> str:
         """Submit parts with a small window; '' on success, else why it stopped."""
@@ -479,7 +566,9 @@ class KVSender:
             layout = KVLayout(msg.base_addr, msg.num_layers, msg.num_pages, msg.page_bytes,
                               msg.num_slabs)
             with self._peers_lock:
-                self._peers[identity] = _Peer(identity, msg.decode_id, layout, engine_peer)
+                self._peers[identity] = _Peer(identity, msg.decode_id, layout, engine_peer,
+                                              state_base=msg.state_base,
+                                              state_area_bytes=msg.state_area_bytes)
         self._send(identity, RegisterAck(self.prefill_id, error, self.boot_id))
 
     def _check_register(self, msg: Register) -> str:
@@ -505,6 +594,10 @@ class KVSender:
         if dst.max() >= peer.layout.num_pages:
             self._send(identity, Abort(msg.room, "destination page out of range", "invalid"))
             return
+        if msg.state_bytes and msg.state_offset + msg.state_bytes > peer.state_area_bytes:
+            self._send(identity, Abort(msg.room, "destination state buffer outside decode's "
+                                                 "registered state area", "invalid"))
+            return
         finished = self.rooms.outcome(msg.room)
         if finished is not None:
             self._send(identity, Abort(msg.room, f"room already {finished.state.name}: "
@@ -517,6 +610,7 @@ class KVSender:
         if self.rooms.get(msg.room) is None:
             data = _SendRoom(peer=identity, dst_pages=dst, num_tokens=msg.num_tokens,
                              first_page=msg.first_page)
+            _set_state_destination(data, msg)
             try:
                 self.rooms.create(msg.room, RoomState.WAITING_FOR_INPUT,
                                   self.config.room_timeout_s, data)
@@ -531,6 +625,7 @@ class KVSender:
                 raise ValueError("duplicate request")
             r.data.peer, r.data.dst_pages, r.data.num_tokens = identity, dst, msg.num_tokens
             r.data.first_page = msg.first_page
+            _set_state_destination(r.data, msg)
             ready.append(r.data.accepted)
 
         try:
@@ -633,6 +728,11 @@ class KVSender:
 
 class _Cancelled(Exception):
     pass
+
+
+def _set_state_destination(data: _SendRoom, msg: RoomRequest) -> None:
+    data.dst_state_offset, data.dst_state_bytes = msg.state_offset, msg.state_bytes
+    data.dst_state_geometry = msg.state_geometry
 
 
 def _tick_s(config: TransferConfig) -> float:
