@@ -13,6 +13,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "storage": ("pdcache.bench.storage_bench", "storage read/write GB/s vs memcpy and file I/O"),
     "cache": ("pdcache.bench.cache_bench", "TTFT by cache tier vs recompute"),
     "tiers": ("pdcache.bench.tier_bench", "hits per cache tier by eviction policy / host mode"),
+    "hybrid": ("pdcache.bench.hybrid_bench",
+               "hybrid models: hits, TTFT and state vs KV bytes by state checkpoint policy"),
     "metadata": ("pdcache.bench.metadata_bench",
                  "hf3fs metadata ops/s and failover: SQLite vs replicated on etcd"),
     "transfer": ("pdcache.bench.transfer_bench", "P->D transfer GB/s per engine vs memcpy"),

@@ -286,3 +286,39 @@ def _extra(model: CausalLM, args: argparse.Namespace) -> dict:
     if args.margin_steps:
         extra.update(measure_margin(model, args.margin_steps, args.page_size, args.seed))
     return extra
+
+
+def batch_step_seconds(model: CausalLM, new_tokens: int, prefix_len: int, batch: int,
+                       page_size: int, repeats: int = 3) -> float:
+    """Median wall seconds of one forward step of `batch` sequences, each computing
+    `new_tokens` tokens after `prefix_len` tokens already in the pool (a decode step when
+    `new_tokens` is 1 and there is a prefix), on the model's device: the engine's step shape
+    for `pdcache sim calibrate`. One untimed step first."""
+    device = next(model.parameters()).device
+    per_seq = -(-(prefix_len + new_tokens) // page_size)
+    kv = allocate_device_kv(model.config, batch * per_seq, page_size, device)
+    table = torch.arange(batch * per_seq).view(batch, per_seq)
+    pos = torch.arange(prefix_len, prefix_len + new_tokens)
+    slots = torch.cat([table[b, pos // page_size] * page_size + pos % page_size
+                       for b in range(batch)])
+    decode = new_tokens == 1 and prefix_len > 0
+    ids = torch.randint(1, model.config.vocab_size, (batch * new_tokens,),
+                        generator=torch.Generator().manual_seed(batch))
+    fb = ForwardBatch(
+        mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+        input_ids=ids.to(device), positions=pos.repeat(batch).to(device),
+        out_slots=slots.to(device), page_table=table.to(device),
+        prefix_lens=[prefix_len] * batch, extend_lens=[new_tokens] * batch)
+
+    def step() -> None:
+        model(fb, kv)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -686,3 +686,31 @@ def run(args: argparse.Namespace) -> int:
             extra={"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)},
         )
     return 0
+
+
+def backend_op_seconds(name: str, page_bytes: int, batch_pages: list[int], repeat: int = 3,
+                       io_threads: int = 2, base: Path | None = None) -> list[dict[str, float]]:
+    """Per batch size in `batch_pages`: the median seconds of one `put_from`, one `get_into`
+    and one `exists_prefix` of that many pages on backend `name` (one client), in a
+    temporary directory under `base`: what `pdcache sim calibrate` fits the storage
+    bandwidth and per-operation latency from. Every read is checked byte for byte."""
+    most = max(batch_pages)
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (most, page_bytes), dtype=torch.uint8, generator=gen)
+    dst = torch.zeros_like(src)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=base, prefix="pdcache-bench-") as tmp, \
+            _open_backend(name, Path(tmp), page_bytes, most * (repeat + 2), io_threads) as backend:
+        for n in batch_pages:
+            times: dict[str, list[float]] = {"write_s": [], "read_s": [], "exists_s": []}
+            src_pages, dst_pages = list(src[:n]), list(dst[:n])
+            for _ in range(repeat):
+                keys = [uuid.uuid4().bytes * 2 for _ in range(n)]
+                times["write_s"].append(_timed(lambda k=keys, s=src_pages: backend.put_from(k, s)))
+                times["read_s"].append(_timed(lambda k=keys, d=dst_pages: backend.get_into(k, d)))
+                times["exists_s"].append(_timed(lambda k=keys: backend.exists_prefix(k)))
+                assert torch.equal(src[:n], dst[:n]), "storage read is not byte-exact"
+                backend.delete(keys)
+            rows.append({"pages": float(n), "bytes": float(n * page_bytes),
+                         **{k: statistics.median(v) for k, v in times.items()}})
+    return rows

@@ -343,3 +343,39 @@ def _expect(conn, what: str) -> None:
 def _ask(conn, cmd: tuple):
     conn.send(cmd)
     return _recv(conn)
+
+
+def room_push_seconds(engine: str, preset: str, page_tokens: int, room_pages: list[int],
+                      repeats: int = 3) -> list[tuple[int, float]]:
+    """(bytes, seconds) of single-room pushes through KVSender -> KVReceiver (the decode side
+    in a child process, as in `run`), `repeats` per room size in `room_pages`: what `pdcache
+    sim calibrate` fits the P->D bandwidth and per-room cost from."""
+    from pdcache.transfer.sender import KVSender
+
+    args = argparse.Namespace(preset=preset, page_tokens=page_tokens, layers=8, kv_heads=8,
+                              head_dim=64, pages_per_room=max(room_pages), rooms=1, workers=2)
+    config = _config(args, engine)
+    src = _pool(args, args.pages_per_room, seed=1)
+    page_bytes = _geometry(args).page_bytes(page_tokens)
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_decode_main, args=(vars(args), engine, child_conn), daemon=True)
+    proc.start()
+    sender = KVSender(config, src).start()
+    out: list[tuple[int, float]] = []
+    try:
+        _ask(conn, ("info",))
+        pages = np.arange(args.pages_per_room)
+        room = 1
+        for n in room_pages:
+            for _ in range(repeats):
+                gbs, _ok = _protocol_once(sender, src, conn, [(room, pages[:n], pages[:n])])
+                out.append((n * page_bytes, n * page_bytes / (gbs * GIB)))
+                room += 1
+        _ask(conn, ("stop",))
+    finally:
+        sender.close()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return out

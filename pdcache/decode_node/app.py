@@ -125,11 +125,13 @@ class DecodeApp:
             gen = Generation(arrival=arrival, report=report)
             sampling, salt = item.sampling.to_engine(), body.cache_salt
             try:
-                handle = self.controller.start_decode(room, lambda: self.bridge.submit_prefilled(
-                    gen, rid, input_ids, sampling, salt, report.first_token,
-                    logprobs=item.logprobs, constraint=constraint,
-                    first_logprob=report.first_token_logprob(),
-                    input_logprobs=report.prompt_logprobs(), session_id=body.session_id))
+                handle = self.controller.start_decode(room, lambda state: (
+                    self.bridge.submit_prefilled(
+                        gen, rid, input_ids, sampling, salt, report.first_token,
+                        logprobs=item.logprobs, constraint=constraint,
+                        first_logprob=report.first_token_logprob(),
+                        input_logprobs=report.prompt_logprobs(), session_id=body.session_id,
+                        state=state)))
             except RoomCancelledError as exc:  # the node is closing
                 raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
                                code="unavailable") from None

@@ -35,6 +35,14 @@ DecodeOffloadManager on keeps its pages until the manager's copies that read the
 The scheduler's `DecodeRole` asks `hold_for_offload(rid)` for the callback it hands the
 manager; that callback (copy thread) frees the pages once with `Engine.release_held(rid)`.
 
+A hybrid model's recurrent state (`attach(..., states=KVReceiver.states)`): each room also
+holds a slot of the receiver's state area, allocated once its pages are reserved (none free:
+the room is refused "queue_full", a 503 the router retries) and named in its request as
+`dst_state`. It is freed exactly once (`_free_state_slot` clears `state_slot` under the lock)
+wherever the room's reservation is, and on success by `start_decode`, which hands the engine
+an owned copy of the state and frees the slot at once. A success whose state did not arrive
+in its slot is a failed room; prefill's `state_mismatch` fails it like any transfer error.
+
 Ownership rule: the thread that removes a room from `_rooms` (under the lock) frees its
 reservation — except `on_release` on success, which keeps the room (KV_READY) for the handler,
 and `start_decode`, which hands the pages to the engine.
@@ -55,6 +63,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from pdcache.engine.state_pool import StateSnapshot
 from pdcache.transfer.errors import TransferError
 from pdcache.transfer.messages import PrefillReport
 from pdcache.transfer.rooms import Outcome, RoomState
@@ -68,7 +77,7 @@ class Receiver(Protocol):
     """The transfer side (`pdcache.transfer.receiver.KVReceiver`)."""
 
     def request(self, room: int, bootstrap_addr: str, dst_page_ids: Any,
-                num_tokens: int, first_page: int = 0) -> None: ...
+                num_tokens: int, first_page: int = 0, dst_state: int | None = None) -> None: ...
 
     def wait(self, room: int, timeout_s: float | None = None) -> Any: ...
 
@@ -87,6 +96,17 @@ class DecodeEngine(Protocol):
     def abort(self, rid: str) -> None: ...
 
     def release_held(self, rid: str) -> None: ...
+
+
+class StateSlots(Protocol):
+    """A hybrid model's receiver state area (`pdcache.transfer.state_area.StateArea`): the
+    host slots prefill writes a room's recurrent state into. Locked: any thread."""
+
+    def alloc(self) -> int | None: ...
+
+    def free(self, slot: int) -> None: ...
+
+    def snapshot(self, slot: int) -> StateSnapshot: ...
 
 
 class DuplicateRoomError(ValueError):
@@ -147,6 +167,7 @@ class _Room:
     phase: Phase = Phase.STARTING
     requesting: bool = False  # request_kv runs (STARTING): it cleans up after a leave()
     caller_gone: bool = False  # leave() came: nobody waits, free as soon as allowed
+    state_slot: int | None = None  # the receiver's state slot (hybrid), freed with the pages
 
 
 class DecodeController:
@@ -159,14 +180,19 @@ class DecodeController:
     def __init__(self) -> None:
         self._engine: DecodeEngine | None = None
         self._receiver: Receiver | None = None
+        self._states: StateSlots | None = None
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
         self._room_of: dict[str, int] = {}
         self._held: set[str] = set()  # rids whose pages offload copies may still read
         self._closed = False
 
-    def attach(self, engine: DecodeEngine, receiver: Receiver) -> None:
-        self._engine, self._receiver = engine, receiver
+    def attach(self, engine: DecodeEngine, receiver: Receiver,
+               states: StateSlots | None = None) -> None:
+        """`states`: a hybrid model's receiver state area (`KVReceiver.states`): each room
+        then holds one of its slots from its request to prefill until its state is handed to
+        the engine (`start_decode`) or the room fails, freed exactly once."""
+        self._engine, self._receiver, self._states = engine, receiver, states
 
     # ---- event loop, then a worker thread (blocking) -------------------------------------------
     def open_room(self, rid: str, room: int, notify: Notify) -> None:
@@ -227,12 +253,19 @@ class DecodeController:
             return
         if self._drop_if_gone(room, entry):
             return
+        if not self._hold_state_slot(room, entry):  # every state slot is in flight: 503
+            self._free_reservation(entry.rid)
+            self._admitted(on_admitted, Admitted(False, "queue_full", "no free state slot",
+                                                 admission.waited_s))
+            return
         try:
             self._require_receiver().request(room, bootstrap, admission.page_ids, num_tokens,
-                                             first_page=admission.cached_pages)
+                                             first_page=admission.cached_pages,
+                                             **self._state_destination(entry))
         except (ValueError, TransferError) as exc:
             with self._lock:
                 self._forget(room, entry)
+            self._free_state_slot(entry)
             self._free_reservation(entry.rid)
             self._admitted(on_admitted, Admitted(False, "bad_room", f"room {room}: {exc}",
                                                  admission.waited_s))
@@ -241,6 +274,44 @@ class DecodeController:
         self._admitted(on_admitted, Admitted(True, waited_s=admission.waited_s,
                                              queued=admission.queued,
                                              cached_pages=admission.cached_pages))
+
+    def _hold_state_slot(self, room: int, entry: _Room) -> bool:
+        """A hybrid room's state slot (always True without a state area); False, the room
+        forgotten, when every slot is held by a room in flight."""
+        if self._states is None:
+            return True
+        slot = self._states.alloc()
+        with self._lock:
+            entry.state_slot = slot
+            if slot is None:
+                self._forget(room, entry)
+        return slot is not None
+
+    @staticmethod
+    def _state_destination(entry: _Room) -> dict[str, int]:
+        return {} if entry.state_slot is None else {"dst_state": entry.state_slot}
+
+    def _free_state_slot(self, entry: _Room) -> None:
+        """Give the room's state slot back, exactly once (the slot is cleared under the lock
+        by whoever frees it); call only once nothing writes it (as for the pages)."""
+        with self._lock:
+            slot, entry.state_slot = entry.state_slot, None
+        if slot is not None and self._states is not None:
+            try:
+                self._states.free(slot)
+            except Exception:
+                log.exception("decode: freeing state slot %d failed", slot)
+
+    def _take_state(self, entry: _Room) -> StateSnapshot | None:
+        """The room's arrived state as an owned host copy, its slot freed (start_decode)."""
+        with self._lock:
+            slot = entry.state_slot
+        if slot is None or self._states is None:
+            return None
+        view = self._states.snapshot(slot)
+        state = StateSnapshot(view.geometry, view.data.clone())  # the slot is reused at once
+        self._free_state_slot(entry)
+        return state
 
     @staticmethod
     def _admitted(on_admitted: Callable[[Admitted], None], result: Admitted) -> None:
@@ -268,6 +339,7 @@ class DecodeController:
                 entry.phase = Phase.AWAITING_KV
             abort = entry.caller_gone and not closed
         if closed:
+            self._free_state_slot(entry)
             self._free_reservation(entry.rid)
         elif abort:  # left while the request was going out: abort now that the room exists
             self._receiver_abort(room, "decode request ended before the KV arrived")
@@ -276,11 +348,12 @@ class DecodeController:
     def on_release(self, outcome: Outcome) -> None:
         """Nothing writes the room's pages any more: on success they hold the prompt's K/V
         (the handler decodes from them), otherwise the reservation is freed."""
-        report = self._report(outcome) if outcome.state is RoomState.SUCCESS else None
+        result = self._result(outcome) if outcome.state is RoomState.SUCCESS else None
         with self._lock:
             entry = self._rooms.get(outcome.room_id)
             if entry is None or entry.phase is Phase.KV_READY:
                 return  # not ours, or released already
+            report = self._usable_report(entry, result)
             keep = report is not None and not entry.caller_gone
             if keep:
                 entry.phase = Phase.KV_READY
@@ -288,26 +361,43 @@ class DecodeController:
                 self._forget(outcome.room_id, entry)
             gone = entry.caller_gone
         if not keep:
+            self._free_state_slot(entry)
             self._free_reservation(entry.rid)
         if not gone:
             unreadable = outcome.state is RoomState.SUCCESS and report is None
             state = RoomState.FAILED if unreadable else outcome.state
-            reason = "prefill's report could not be read" if unreadable else outcome.reason
+            reason = ("prefill's report (or the room's state) could not be read" if unreadable
+                      else outcome.reason)
             self._notify(entry, DecodeOutcome(outcome.room_id, state, reason, outcome.code,
                                               report))
 
-    def _report(self, outcome: Outcome) -> PrefillReport | None:
+    def _result(self, outcome: Outcome) -> Any:
         try:  # the room is released: wait() returns its result at once
-            return self._require_receiver().wait(outcome.room_id, 0.0).report
+            return self._require_receiver().wait(outcome.room_id, 0.0)
         except Exception:
             log.exception("decode: no report for room %d", outcome.room_id)
             return None
 
+    @staticmethod
+    def _usable_report(entry: _Room, result: Any) -> PrefillReport | None:
+        """Under `_lock`: prefill's report, when the room has everything decoding needs — a
+        hybrid room also its state, in its slot (the receiver checked its geometry)."""
+        if result is None or result.report is None:
+            return None
+        if entry.state_slot is not None and not (
+                getattr(result, "state_arrived", False)
+                and getattr(result, "state_slot", None) == entry.state_slot):
+            log.error("decode: room of %s succeeded without its recurrent state", entry.rid)
+            return None
+        return result.report
+
     # ---- event loop ---------------------------------------------------------------------------
-    def start_decode(self, room: int, start: Callable[[], T]) -> T:
-        """Hand the room's filled pages to the engine: `start()` submits the prefilled request
-        (`Engine.submit_prefilled` adopts the reservation). If the room is no longer ready
-        (RoomCancelledError) or `start()` raises, the reservation is freed."""
+    def start_decode(self, room: int, start: Callable[[StateSnapshot | None], T]) -> T:
+        """Hand the room's filled pages to the engine: `start(state)` submits the prefilled
+        request (`Engine.submit_prefilled` adopts the reservation; a hybrid model's `state`
+        is the room's recurrent state, an owned copy — its receiver slot is freed here — and
+        None otherwise). If the room is no longer ready (RoomCancelledError) or `start`
+        raises, the reservation is freed."""
         with self._lock:
             entry = self._rooms.get(room)
             ready = entry is not None and entry.phase is Phase.KV_READY and not entry.caller_gone
@@ -316,7 +406,7 @@ class DecodeController:
         if not ready:
             raise RoomCancelledError(f"room {room} has no K/V ready")
         try:
-            return start()
+            return start(self._take_state(entry))
         except BaseException:
             self._free_reservation(entry.rid)
             raise
@@ -336,6 +426,7 @@ class DecodeController:
         if phase is Phase.AWAITING_KV:
             self._receiver_abort(room, reason)
         elif phase is Phase.KV_READY:
+            self._free_state_slot(entry)
             self._free_reservation(entry.rid)
         elif queued:  # waiting for pages: leave the queue ("cancelled" comes back), or, if
             # they were granted meanwhile, the grant's answer sees caller_gone and frees them
@@ -364,12 +455,13 @@ class DecodeController:
         is still reserved or held — nothing writes or reads those pages any more."""
         with self._lock:
             self._closed = True
-            reserved = [e.rid for e in self._rooms.values() if e.phase is not Phase.STARTING]
+            reserved = [e for e in self._rooms.values() if e.phase is not Phase.STARTING]
             self._rooms.clear()  # STARTING rooms: request_kv frees what it reserved
             self._room_of.clear()
             held, self._held = list(self._held), set()
-        for rid in reserved:
-            self._free_reservation(rid)
+        for entry in reserved:
+            self._free_state_slot(entry)
+            self._free_reservation(entry.rid)
         for rid in held:
             self._require_engine().release_held(rid)
 

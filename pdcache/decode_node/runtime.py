@@ -38,6 +38,16 @@ from pdcache.server.routes import build_app
 from pdcache.transfer.receiver import KVReceiver
 
 
+def state_slots_for(setup: NodeSetup) -> int:
+    """The receiver's recurrent-state slots of a hybrid model (0: none): one per PD room in
+    flight (requested until decoding starts). Twice the running requests: the rooms being
+    transferred beside a full batch; a room finding none is refused 503 `queue_full`, as
+    when the admission queue is full (the router retries it elsewhere)."""
+    if setup.engine.model.state_geometry is None:
+        return 0
+    return 2 * max(1, setup.engine.scheduler.max_running_requests)
+
+
 class DecodeRuntime:
     """A decode node: see the module docstring. Nothing runs until `start()`."""
 
@@ -52,12 +62,15 @@ class DecodeRuntime:
             create_backend(setup.storage) if settings is not None and setup.storage else None)
         self.offload: DecodeOffloadManager | None = None  # set by _scheduler
         self.engine = Engine(setup.engine, model, tokenizer, make_scheduler=self._scheduler)
+        state_geometry = setup.engine.model.state_geometry  # a hybrid model's (else None)
         self.receiver = KVReceiver(setup.transfer, self.engine.pool.device_kv,
                                    on_release=self.controller.on_release, decode_id=setup.name,
                                    control_key=setup.security.zmq_control_key,
                                    kv_geometry=setup.engine.model.kv_geometry.layout_key(
-                                       setup.engine.cache.page_size))
-        self.controller.attach(self.engine, self.receiver)
+                                       setup.engine.cache.page_size),
+                                   state_geometry=state_geometry,
+                                   state_slots=state_slots_for(setup))
+        self.controller.attach(self.engine, self.receiver, self.receiver.states)
         if self.offload is not None:  # prefill peers hear of the writes, may pull (§4.10)
             self.offload.announce_to(self.receiver)
             self.receiver.serve_pulls(self.offload)
@@ -83,7 +96,8 @@ class DecodeRuntime:
                 settings.staging_pages, settings.stride_pages,
                 key_scheme=setup.key_scheme, key_namespace=setup.key_namespace,
                 kernels=KernelSet(setup.engine.kernels), pending_ttl_s=settings.pending_ttl_s)
-        return Scheduler(**kwargs, role=DecodeRole(self.offload, self.controller))
+        role = DecodeRole(self.offload, self.controller, kwargs.get("states"))
+        return Scheduler(**kwargs, role=role)
 
     def start(self) -> None:
         if self._started:

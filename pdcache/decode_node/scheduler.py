@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from pdcache.engine.request import Req, ReqStatus
-from pdcache.offload_manager.decode_offload import DecodeOffloadManager
+from pdcache.engine.state_cache import StateSlots
+from pdcache.offload_manager.decode_offload import AnswerState, DecodeOffloadManager
 
 
 class OffloadHolds(Protocol):
@@ -30,13 +31,22 @@ class DecodeRole:
     and a finished or aborted running request keeps its pages until the manager's copies are
     done: the manager then calls the callback `holds.hold_for_offload(rid)` returned (copy
     thread), which frees them through `Engine.release_held`. An abort never frees them.
-    Holds only `offload` and `holds`."""
+
+    A hybrid model (`states`, the engine's state slots) with offload also writes each
+    finished request's answer-end state: the state after its last full page, taken from the
+    scheduler's pending decode checkpoint (decode's prefix cache on: a device copy per page,
+    one host copy per request) or, without a tree, from the host copy this role keeps of the
+    request's state at each page it completes (`_page_states`, one per request: a host copy
+    per page). Holds `offload`, `holds`, `states` and `_page_states`."""
 
     takes_reservations = True
 
-    def __init__(self, offload: DecodeOffloadManager | None, holds: OffloadHolds) -> None:
+    def __init__(self, offload: DecodeOffloadManager | None, holds: OffloadHolds,
+                 states: StateSlots | None = None) -> None:
         self.offload = offload
         self.holds = holds
+        self.states = states if offload is not None else None
+        self._page_states: dict[str, AnswerState] = {}  # rid -> state at its last full page
 
     def admission_ready(self, req: Req) -> bool:
         return True
@@ -52,6 +62,34 @@ class DecodeRole:
             # fill_ids copies the whole sequence: build it only when a page completed
             if req.status is ReqStatus.RUNNING and self.offload.due(req.rid, req.kv_len):
                 self.offload.on_step(req.rid, req.fill_ids[: req.kv_len], req.page_ids)
+            if self.states is not None:
+                self._keep_page_state(req)
+
+    def _keep_page_state(self, req: Req) -> None:
+        """Without the scheduler's pending checkpoint (no tree), keep a host copy of the
+        state of a request that just completed a page: its answer-end state, if it ends
+        before the next."""
+        assert self.states is not None and self.offload is not None
+        if (req.status is not ReqStatus.RUNNING or req.state_slot is None or req.kv_len == 0
+                or req.kv_len % self.offload.page_size or req.pending_checkpoint is not None):
+            return
+        self._page_states[req.rid] = AnswerState(req.kv_len,
+                                                 self.states.pool.snapshot(req.state_slot))
+
+    def _answer_state(self, req: Req) -> AnswerState | None:
+        """`req`'s state after its last full page, as a host copy (None: not kept)."""
+        kept = self._page_states.pop(req.rid, None)
+        if self.states is None or self.offload is None:
+            return None
+        end = req.kv_len // self.offload.page_size * self.offload.page_size
+        if end == 0:
+            return None
+        pool = self.states.pool
+        if req.pending_checkpoint is not None and req.pending_checkpoint_len == end:
+            return AnswerState(end, pool.snapshot(req.pending_checkpoint))
+        if req.state_slot is not None and req.kv_len == end:
+            return AnswerState(end, pool.snapshot(req.state_slot))
+        return kept if kept is not None and kept.tokens == end else None
 
     def end_session(self, session_id: str, cache_salt: str) -> bool:
         if self.offload is None:
@@ -65,8 +103,10 @@ class DecodeRole:
     def hold_after_finish(self, req: Req) -> bool:
         if self.offload is None:
             return False
+        state = self._answer_state(req)  # a hybrid model's answer-end state (else None)
+        extra = {} if state is None else {"state": state}
         delivery = self.offload.finish(req.rid, req.fill_ids[: req.kv_len], list(req.page_ids),
-                                       self.holds.hold_for_offload(req.rid))
+                                       self.holds.hold_for_offload(req.rid), **extra)
         if delivery is not None:  # the answer waits until prefill knows its pages are coming
             req.output_gate = delivery.add_done_callback
         return True
@@ -75,6 +115,7 @@ class DecodeRole:
         if self.offload is None:
             return False
         # copies of its pages may be running: hold them until the manager lets go
+        self._page_states.pop(req.rid, None)
         self.offload.abort(req.rid, self.holds.hold_for_offload(req.rid))
         return True
 

@@ -12,9 +12,12 @@ schema stays free of torch.
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 EvictionPolicy = Literal["lru", "session"]  # pdcache.engine.eviction.EVICTION_POLICIES
+# where a hybrid model's recurrent state is checkpointed (docs/design.md §4.14)
+StateCheckpointPolicy = Literal["hit_points", "every_page", "chunk_ends"]
+STATE_CHECKPOINT_POLICIES: tuple[str, ...] = get_args(StateCheckpointPolicy)
 
 
 @dataclass(frozen=True)
@@ -38,3 +41,14 @@ class DeviceCacheSettings(PageGeometry):
     # last next); the host tier's are [cache] host_eviction and host_mode
     device_eviction: EvictionPolicy = "lru"
     session_idle_s: float = 300.0  # a session without a turn for this long is closed
+    # hybrid models (linear layers): recurrent-state slots the prefix cache may hold as state
+    # checkpoints, beside one slot per running request (pdcache.engine.state_cache); each is
+    # `RecurrentStateGeometry.state_bytes()` of device memory (Qwen3-Next-80B: 73.7 MiB). The
+    # host tier keeps twice as many host state slots (docs/design.md §4.14)
+    state_checkpoint_slots: int = 32
+    # hybrid models: where the scheduler checkpoints a request's state (docs/design.md §4.14):
+    # hit_points (the prompt's last full page, branch points, the answer's last full page),
+    # every_page (every page boundary of prompt and answer: vLLM's mamba_cache_mode "all"),
+    # chunk_ends (the end of every prefill chunk, cut to its last full page, and the
+    # request's end: SGLang's default no_buffer)
+    state_checkpoints: StateCheckpointPolicy = "hit_points"

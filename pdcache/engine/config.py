@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdcache.engine.cache_settings import DeviceCacheSettings
+from pdcache.engine.cache_settings import STATE_CHECKPOINT_POLICIES, DeviceCacheSettings
 from pdcache.engine.eviction import EVICTION_POLICIES, SessionTracker
 from pdcache.engine.kv_geometry import KVGeometry
 from pdcache.engine.moe import MoEConfig
@@ -166,20 +166,19 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig(DeviceCacheSettings):
     """Device KV pool sizing and prefix-cache switches: `[cache]`'s `DeviceCacheSettings`
-    (page size, device eviction, session idle time; inherited) and the pool's size."""
+    (page size, device eviction, session idle time, state checkpoint slots; inherited) and
+    the pool's size."""
 
     num_device_pages: int = 2048
     enable_prefix_cache: bool = True
-    # hybrid models (linear layers): recurrent-state slots the prefix cache may hold as state
-    # checkpoints, beside one slot per running request (pdcache.engine.state_cache); each is
-    # `RecurrentStateGeometry.state_bytes()` of device memory (Qwen3-Next-80B: 73.7 MiB)
-    state_checkpoint_slots: int = 32
 
     def __post_init__(self) -> None:
         if self.state_checkpoint_slots < 0:
             raise ValueError("state_checkpoint_slots must be >= 0")
         if self.device_eviction not in EVICTION_POLICIES:
             raise ValueError(f"device_eviction must be one of {EVICTION_POLICIES}")
+        if self.state_checkpoints not in STATE_CHECKPOINT_POLICIES:
+            raise ValueError(f"state_checkpoints must be one of {STATE_CHECKPOINT_POLICIES}")
         if self.session_idle_s <= 0:
             raise ValueError("session_idle_s must be > 0")
 

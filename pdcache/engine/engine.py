@@ -54,7 +54,7 @@ from pdcache.engine.config import CacheConfig, EngineConfig
 from pdcache.engine.eviction import make_policy
 from pdcache.engine.kv_pool import DeviceKVPool
 from pdcache.engine.pacer import POLL_S, DecodePacer
-from pdcache.engine.radix import RadixTree, StateCheckpointRule
+from pdcache.engine.radix import RadixTree, RestoreRule, SlidingWindowRule, StateCheckpointRule
 from pdcache.engine.request import OutputCallback, Req, ReqStatus, pages_for
 from pdcache.engine.reservations import Admission, PendingReservation, ReservationBook
 from pdcache.engine.runner import CausalLMLike, ModelRunner
@@ -62,6 +62,8 @@ from pdcache.engine.sampler import SampleRow, input_logprobs, make_generator, sa
 from pdcache.engine.scheduler import NO_STATE_TIERS, ScheduledBatch, Scheduler
 from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.engine.state_cache import StateSlots
+from pdcache.engine.state_pool import StateSnapshot
+from pdcache.engine.window_pages import WindowPages, can_split
 from pdcache.kernels import KernelSet
 
 logger = logging.getLogger(__name__)
@@ -99,6 +101,7 @@ class _SubmitPrefilled:
     req: Req
     first_token: int
     first_logprob: TokenLogprob | None = None
+    state: StateSnapshot | None = None  # a hybrid model's recurrent state from prefill
 
 
 @dataclass
@@ -129,7 +132,7 @@ class Engine:
         config: EngineConfig,
         model: CausalLMLike,
         tokenizer: Any = None,
-        make_tree: Callable[[DeviceKVPool], RadixTree] | None = None,
+        make_tree: Callable[..., RadixTree] | None = None,
         make_scheduler: Callable[..., Scheduler] | None = None,
     ) -> None:
         """`make_tree` builds the prefix tree over the pool (default: a device-only
@@ -137,26 +140,42 @@ class Engine:
         cache, pool, tree, max_context, eos_token_ids) and returns the node's composed
         `Scheduler` (its `tiers` and `role`; default: `Scheduler` itself, device-only and
         unified). A hybrid model (linear layers: `ModelConfig.state_geometry`) also gets the
-        recurrent-state slots (`pdcache.engine.state_cache.StateSlots`), device only: a
-        `make_tree` (HiCache's host/storage tiers) is refused with it. Not started: call
-        `start()`."""
+        recurrent-state slots (`pdcache.engine.state_cache.StateSlots`): `make_tree` is then
+        called as `make_tree(pool, states=...)` and must return a tree whose hits need a state
+        checkpoint (HiCache's tiers carry the checkpoints; a tree without a restore rule is
+        refused). Not started: call `start()`."""
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         cache = config.cache
-        self.pool = DeviceKVPool.create(
-            config.model, cache.num_device_pages, cache.page_size, config.device
-        )
+        # a sliding-window model served device-only by a unified node keeps its sliding
+        # layers' pages apart and frees those out of every window (window pages, §4.14);
+        # host/storage tiers and P→D nodes keep every page of every layer, as before
+        self.window = (_window_pages(config) if make_tree is None and make_scheduler is None
+                       else None)
+        if self.window is not None:
+            self.pool = self.window.full_pool(cache.num_device_pages, config.model.torch_dtype,
+                                              config.device)
+        else:
+            self.pool = DeviceKVPool.create(
+                config.model, cache.num_device_pages, cache.page_size, config.device
+            )
         self.states = _state_slots(config)
-        if self.states is not None and make_tree is not None:
-            raise ValueError(f"{NO_STATE_TIERS}: {config.model.name} has linear-attention "
-                             f"layers ({self.states.pool.describe()}); serve it without "
-                             f"host/storage tiers")
         self.tree: RadixTree | None = None
         if cache.enable_prefix_cache:
-            factory = make_tree or (lambda pool: _device_tree(pool, cache, self.states))
-            self.tree = factory(self.pool)
-        extra = {} if self.states is None else {"states": self.states}
+            if make_tree is None:
+                self.tree = _device_tree(self.pool, cache, self.states, self.window)
+            elif self.states is None:
+                self.tree = make_tree(self.pool)
+            else:
+                self.tree = make_tree(self.pool, states=self.states)
+                if not self.tree.restore_rules or self.tree.checkpoints is not self.states:
+                    raise ValueError(f"{NO_STATE_TIERS}: {config.model.name} has "
+                                     f"linear-attention layers ({self.states.pool.describe()}) "
+                                     f"and its tree does not restore them")
+        extra: dict[str, Any] = {} if self.states is None else {"states": self.states}
+        if self.window is not None:
+            extra["window"] = self.window
         self.scheduler = (make_scheduler or Scheduler)(
             config=config.scheduler,
             cache=cache,
@@ -168,7 +187,8 @@ class Engine:
         )
         self.kernels = KernelSet(config.kernels)  # the model's, HiCache's and offload's KV kernels
         self.runner = ModelRunner(model, self.pool, self.kernels,
-                                  None if self.states is None else self.states.pool)
+                                  None if self.states is None else self.states.pool,
+                                  self.window)
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards the fields below
         self._live_rids: set[str] = set()
@@ -376,6 +396,7 @@ class Engine:
         self, req: GenerateRequest, first_token: int, on_output: OutputCallback, *,
         first_logprob: TokenLogprob | None = None,
         input_logprobs: list[TokenLogprob] | None = None,
+        state: StateSnapshot | None = None,
     ) -> None:
         """Decode node: start decoding `req`, whose prompt K/V a prefill node wrote into the
         pages `reserve(req.rid, len(req.input_ids))` (or `reserve_when_free`) returned, after
@@ -385,7 +406,9 @@ class Engine:
         none) and `input_logprobs`; `req.constraint` accepts `first_token` first (a refusal
         fails the request) and the penalties count it. A request refused on the engine thread
         (no reservation, the wrong page count, another prompt or salt than its reserved
-        prefix's) ends with "abort" and its reservation is freed."""
+        prefix's; a hybrid model without prefill's recurrent `state` after the prompt, or
+        with one of another geometry) ends with "abort" and its reservation is freed. `state`
+        is read on the engine thread: the caller must not change it after this call."""
         self._validate(req)
         if not is_token_id(first_token, self.config.model.vocab_size):
             raise ValueError(f"first token {first_token!r} is not in the vocabulary")
@@ -400,7 +423,7 @@ class Engine:
             new = self._new_req(req, on_output, self._generator_for(req))
             if req.logprobs is not None and input_logprobs is not None:
                 new.input_logprobs = list(input_logprobs)
-            self._inbox.put(_SubmitPrefilled(new, int(first_token), first_logprob))
+            self._inbox.put(_SubmitPrefilled(new, int(first_token), first_logprob, state))
 
     def release_held(self, rid: str) -> None:
         """The pages of finished request `rid`, kept by the scheduler's role
@@ -554,7 +577,7 @@ class Engine:
                 self._num_pending -= 1
             self.scheduler.add(item.req)
         elif isinstance(item, _SubmitPrefilled):
-            self._start_prefilled(item.req, item.first_token, item.first_logprob)
+            self._start_prefilled(item.req, item.first_token, item.first_logprob, item.state)
         elif isinstance(item, _Abort):
             req = self.scheduler.find(item.rid)
             if req is not None:
@@ -713,8 +736,8 @@ class Engine:
             if admission.ok:
                 self.scheduler.release_reservation(pending.rid)
 
-    def _start_prefilled(self, req: Req, first_token: int,
-                         first_logprob: TokenLogprob | None) -> None:
+    def _start_prefilled(self, req: Req, first_token: int, first_logprob: TokenLogprob | None,
+                         state: StateSnapshot | None = None) -> None:
         try:
             if req.constraint is not None:
                 try:
@@ -722,7 +745,7 @@ class Engine:
                 except Exception as exc:
                     self.scheduler.release_reservation(req.rid)  # nothing will decode on it
                     raise ValueError(f"constraint failed on the first token: {exc}") from exc
-            self.scheduler.add_prefilled(req, first_token, first_logprob)
+            self.scheduler.add_prefilled(req, first_token, first_logprob, state)
         except ValueError as exc:
             self.scheduler.release_reservation(req.rid)  # refused: its pages (if any) go back
             req.status, req.finish_reason, req.error = ReqStatus.FINISHED, "abort", str(exc)
@@ -808,6 +831,23 @@ class Engine:
         assert tree_pages + request_pages == allocator.num_used, numbers
         if self.states is not None:
             numbers.update(self._check_states())
+        if self.window is not None:
+            numbers.update(self._check_window(holders))
+        return numbers
+
+    def _check_window(self, holders: list[Req]) -> dict[str, int]:
+        """Window pages: the sliding layers' pages are free, the tree's, or a running
+        request's own, each exactly once (§5.1)."""
+        assert self.window is not None
+        allocator = self.window.allocator
+        allocator.check()
+        owned = [page for req in holders for page in req.own_window_page_ids]
+        tree_pages = self.tree.window_pages if self.tree is not None else 0
+        numbers = {"window_capacity": allocator.capacity, "window_free": allocator.num_free,
+                   "window_tree": tree_pages, "window_requests": len(owned)}
+        assert len(set(owned)) == len(owned), numbers
+        assert all(allocator.is_used(page) for page in owned), numbers
+        assert tree_pages + len(owned) == allocator.num_used, numbers
         return numbers
 
     def _check_states(self) -> dict[str, int]:
@@ -873,20 +913,52 @@ class Engine:
                 tree.num_evicted_checkpoints if tree else 0)
             snapshot["state_checkpoints_dropped_total"] = (
                 tree.num_dropped_checkpoints if tree else 0)
+        if self.window is not None:
+            snapshot.update(self._window_stats())
         with self._lock:
             self._snapshot = snapshot
             self._num_waiting = snapshot["num_waiting"]
 
+    def _window_stats(self) -> dict[str, int]:
+        """Window pages: the sliding layers' page space and the hits the window cut."""
+        assert self.window is not None
+        allocator, tree = self.window.allocator, self.tree
+        return {
+            "window_pages_total": allocator.capacity,
+            "window_pages_free": allocator.num_free,
+            "window_pages_cached": tree.window_pages if tree else 0,
+            "window_pages_freed_total": self.window.freed_by_window,
+            "prefix_hits_limited_by_window_total":
+                tree.limited_matches.get("window", 0) if tree else 0,
+            "tokens_limited_by_window_total":
+                tree.limited_tokens.get("window", 0) if tree else 0,
+        }
 
-def _device_tree(pool: DeviceKVPool, cache: CacheConfig,
-                 states: StateSlots | None) -> RadixTree:
+
+def _device_tree(pool: DeviceKVPool, cache: CacheConfig, states: StateSlots | None,
+                 window: WindowPages | None = None) -> RadixTree:
     """The device-only prefix tree, evicting by `cache.device_eviction`; with `states` (a
-    hybrid model) its hits need a state checkpoint (`StateCheckpointRule`)."""
+    hybrid model) its hits need a state checkpoint (`StateCheckpointRule`), with `window`
+    (window pages) the sliding pages of the window before them (`SlidingWindowRule`)."""
     sessions = cache.make_sessions()
     policy = make_policy(cache.device_eviction, sessions)
-    rules = () if states is None else (StateCheckpointRule(),)
+    rules: list[RestoreRule] = [] if states is None else [StateCheckpointRule()]
+    if window is not None:
+        rules.append(SlidingWindowRule(window.window, pool.page_size))
     return RadixTree(pool.page_size, pool.allocator, policy=policy, sessions=sessions,
-                     restore_rules=rules, checkpoints=states)
+                     restore_rules=rules, checkpoints=states,
+                     window_allocator=None if window is None else window.allocator)
+
+
+def _window_pages(config: EngineConfig) -> WindowPages | None:
+    """The sliding layers' own page space of a model mixing full and sliding layers (as
+    many pages as the full layers'; §4.14); None for every other model."""
+    geometry = config.model.kv_geometry
+    if not can_split(geometry):
+        return None
+    cache = config.cache
+    return WindowPages(geometry, cache.num_device_pages, cache.page_size,
+                       config.model.torch_dtype, config.device)
 
 
 def _state_slots(config: EngineConfig) -> StateSlots | None:

@@ -15,6 +15,21 @@ if TYPE_CHECKING:
     from pdcache.engine.state_pool import RecurrentStatePool
 
 
+@dataclass
+class WindowBatch:
+    """A model whose sliding layers keep their own pages (`pdcache.engine.window_pages`):
+    their pool `device_kv`, each sequence's sliding pages `page_table[B, max_pages]` (pages
+    out of the window point anywhere: the kernels mask them), the new tokens' slots
+    `out_slots[T]` there, and every attention layer's row in its own pool (`full_rows`: in
+    the model's `device_kv`; `sliding_rows`: in this one)."""
+
+    device_kv: torch.Tensor = field(repr=False)
+    page_table: torch.Tensor
+    out_slots: torch.Tensor
+    full_rows: dict[int, int]
+    sliding_rows: dict[int, int]
+
+
 class ForwardMode(Enum):
     EXTEND = "extend"  # prefill (possibly chunked, possibly after a cached prefix)
     DECODE = "decode"  # one new token per sequence
@@ -39,6 +54,8 @@ class ForwardBatch:
     - `state_pool`, `state_slots[b]`: hybrid models only (Qwen3-Next): the recurrent-state
       pool and sequence b's slot in it, holding its state after `prefix_lens[b]` tokens on
       entry and after its new tokens on return. None for models without linear layers.
+    - `window`: the sliding layers' own pages (window pages); None: every layer reads
+      `device_kv` row `layer_id` through `page_table`.
     """
 
     mode: ForwardMode
@@ -53,6 +70,7 @@ class ForwardBatch:
     kernels: KernelSet = field(default_factory=KernelSet, repr=False)
     state_pool: RecurrentStatePool | None = field(default=None, repr=False)
     state_slots: list[int] | None = None
+    window: WindowBatch | None = None
 
     @property
     def batch_size(self) -> int:

@@ -18,10 +18,11 @@ kernels (`pdcache.kernels`) take the tensors and read `K`, `H`, `D` from their s
 `layer_kinds` is where per-layer mixes go: "full" (attends to every earlier token),
 "sliding" (attends to the last `sliding_window` tokens: gpt-oss's alternate layers, Mistral's
 every layer) and "linear" (no KV at all: a linear-attention layer whose per-request recurrent
-state lives in `pdcache.engine.state_pool`, Qwen3-Next's gated DeltaNet). For now a sliding
-layer still keeps every page of its sequence on every tier (the same `[L, K, S, H, D]` page
-as a full layer): freeing the pages that fell out of every live window is a later step, so
-today the kinds change what attention reads and the fingerprint, not the bytes. A linear
+state lives in `pdcache.engine.state_pool`, Qwen3-Next's gated DeltaNet). A sliding layer
+keeps every page of its sequence on every tier (the same `[L, K, S, H, D]` page as a full
+layer), except on the device tier of a unified device-only engine, which splits the layers
+into two page spaces (`pdcache.engine.window_pages`: each a geometry of one kind, the other
+layers marked "linear") and frees the sliding pages out of every live window. A linear
 layer has no row in any page: `L` in every shape below is `num_kv_layers` (the layers with
 KV, in layer order; `kv_layer_index` maps a model layer to its row), and `token_bytes` /
 `page_bytes` count only those layers. Other kinds are refused.

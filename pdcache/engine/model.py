@@ -60,9 +60,22 @@ class Attention(nn.Module):
         if batch.wait_layer is not None:
             # Before the store too: a per-layer host->device load may still be writing pages.
             batch.wait_layer(self.layer_id)
-        batch.kernels.store_kv(device_kv, self.layer_id, batch.out_slots, k, v)
-        out = self._attend(q, k, v, batch, device_kv)
+        pool, row, table, slots = self._cache_of(batch, device_kv)
+        batch.kernels.store_kv(pool, row, slots, k, v)
+        out = self._attend(q, k, v, batch, pool, row, table)
         return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def _cache_of(self, batch: ForwardBatch, device_kv: torch.Tensor
+                  ) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+        """The pool, row, page table and new slots of this layer's K/V: row `layer_id` of
+        `device_kv`, unless the sliding layers keep their own pages (`batch.window`)."""
+        window = batch.window
+        if window is None:
+            return device_kv, self.layer_id, batch.page_table, batch.out_slots
+        if self.sliding_window is None:
+            return device_kv, window.full_rows[self.layer_id], batch.page_table, batch.out_slots
+        return (window.device_kv, window.sliding_rows[self.layer_id], window.page_table,
+                window.out_slots)
 
     def _project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -82,16 +95,22 @@ class Attention(nn.Module):
         v: torch.Tensor,
         batch: ForwardBatch,
         device_kv: torch.Tensor,
+        row: int | None = None,
+        page_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Attention over `device_kv` row `row` through `page_table` (by default row
+        `layer_id` through `batch.page_table`)."""
+        row = self.layer_id if row is None else row
+        page_table = batch.page_table if page_table is None else page_table
         if batch.mode is ForwardMode.DECODE:
             return batch.kernels.paged_attention_decode(
-                q, device_kv, self.layer_id, batch.page_table, batch.seq_lens, self.scale,
+                q, device_kv, row, page_table, batch.seq_lens, self.scale,
                 self.sliding_window, sinks=self.sinks,
             )
         if self._can_attend_fresh(batch):
             return attend_causal(q, k, v, batch.extend_lens, self.scale)
         return batch.kernels.paged_attention_extend(
-            q, device_kv, self.layer_id, batch.page_table, batch.prefix_lens, batch.extend_lens,
+            q, device_kv, row, page_table, batch.prefix_lens, batch.extend_lens,
             self.scale, self.sliding_window, sinks=self.sinks,
         )
 

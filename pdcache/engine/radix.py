@@ -28,7 +28,10 @@ guarantees. Other kinds add a `RestoreRule` (`restore_rules`): a linear layer
 node end carrying a state checkpoint (`node.state_slot`, a slot of the engine's
 `RecurrentStatePool` that the tree owns until it frees it through `checkpoints`, exactly once:
 with the node's device pages, or before them when `drop_lru_checkpoint` makes room); a
-sliding-window rule would need the window's pages before the point. The hit is the deepest
+sliding layer whose pages out of every window are freed (`SlidingWindowRule`, window pages:
+`pdcache.engine.window_pages`) needs the sliding pages of the `window - 1` tokens before the
+point (`node.window_page_ids`, owned by the tree and freed through `window_allocator` with
+the node's device pages; None entries are tombstones). The hit is the deepest
 point every rule accepts (the minimum over kinds); `MatchResult.limited_by` names the rule that
 refused the deeper page match, and `count_match` counts it.
 """
@@ -65,6 +68,13 @@ class RadixNode:
     # hybrid models: the pool slot holding the recurrent state after this node's last token
     # (owned by the tree; None = no checkpoint here)
     state_slot: int | None = None
+    # HiCache (hybrid models): the host state pool slot holding the same checkpoint, kept with
+    # the node's host pages (owned by `HiRadixTree`; None = no host checkpoint)
+    host_state_slot: int | None = None
+    # sliding-window models with window pages (pdcache.engine.window_pages): the sliding
+    # layers' page of each page of the node, None where it was freed (a tombstone); None for
+    # other models and for a node without device pages
+    window_page_ids: list[int | None] | None = None
 
     @property
     def on_device(self) -> bool:
@@ -108,6 +118,8 @@ class MatchResult:
     last_node: RadixNode | None
     matched_len: int = 0
     limited_by: str | None = None
+    # sliding-window models: the sliding layers' pages of `page_ids` (None: a tombstone)
+    window_page_ids: list[int | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.matched_len = max(self.matched_len, self.cached_len)
@@ -135,6 +147,41 @@ class StateCheckpointRule:
         return num_pages == node.num_pages and node.state_slot is not None
 
 
+@dataclass(frozen=True)
+class SlidingWindowRule:
+    """Sliding layers whose pages out of every live window were freed: a point is
+    restorable when the sliding pages of its last `window - 1` tokens (all that attention
+    from it reads) are still there, in the node or its ancestors."""
+
+    window: int
+    page_size: int
+    kind: str = "sliding"
+    reason: str = "window"
+
+    def restorable(self, node: RadixNode, num_pages: int) -> bool:
+        end = _node_start(node) // self.page_size + num_pages  # the point, in pages
+        first = max(0, end * self.page_size - self.window + 1) // self.page_size
+        needed, index, item = end - first, num_pages, node
+        while needed > 0 and item is not None and not item.is_root:
+            pages = item.window_page_ids
+            for page in range(index - 1, max(index - needed, 0) - 1, -1):
+                if pages is None or pages[page] is None:
+                    return False
+            needed -= index
+            item = item.parent
+            index = item.num_pages if item is not None else 0
+        return True
+
+
+def _node_start(node: RadixNode) -> int:
+    """Tokens before `node`'s first one."""
+    start, item = 0, node.parent
+    while item is not None and not item.is_root:
+        start += len(item.key)
+        item = item.parent
+    return start
+
+
 class CheckpointSlots(Protocol):
     """Who takes back a checkpoint slot the tree frees (`pdcache.engine.state_cache`)."""
 
@@ -152,6 +199,8 @@ class InsertResult:
     duplicate_page_ids: list[int]
     last_node: RadixNode
     num_new_pages: int
+    # window pages: the caller's sliding pages the tree already had (freed by the caller)
+    duplicate_window_page_ids: list[int] = field(default_factory=list)
 
 
 EvictCallback = Callable[[RadixNode, list[int]], None]
@@ -170,11 +219,13 @@ class RadixTree:
         *,
         restore_rules: Sequence[RestoreRule] = (),
         checkpoints: CheckpointSlots | None = None,
+        window_allocator: PageAllocator | None = None,
     ) -> None:
         """`policy` ranks device evictions (default LRU); `sessions` (shared with the
         policies that read it) learns conversations from `note_session`; `restore_rules`
         cut matches to restorable points (none: every matched page is a hit);
-        `checkpoints` takes back the state checkpoints nodes carry (hybrid models)."""
+        `checkpoints` takes back the state checkpoints nodes carry (hybrid models);
+        `window_allocator` the sliding layers' pages nodes carry (window pages)."""
         self.page_size = page_size
         self.allocator = allocator
         self.on_evict = on_evict
@@ -188,6 +239,8 @@ class RadixTree:
         self.restore_rules: tuple[RestoreRule, ...] = tuple(restore_rules)
         self.checkpoints = checkpoints
         self._num_checkpoints = 0  # nodes with a state_slot
+        self.window_allocator = window_allocator
+        self._window_pages = 0  # sliding pages owned by the tree (tombstones not counted)
         self.num_evicted_checkpoints = 0  # freed with their node's pages
         self.num_dropped_checkpoints = 0  # freed alone, to make room for a newer one
         self.limited_matches: dict[str, int] = {}  # admissions cut by a rule, by reason
@@ -207,6 +260,11 @@ class RadixTree:
     def evictable_pages(self) -> int:
         """Device pages `evict` could free now (all pages of unlocked nodes)."""
         return self._device_pages - self._locked_pages
+
+    @property
+    def window_pages(self) -> int:
+        """Sliding-layer pages the tree owns (window pages)."""
+        return self._window_pages
 
     @property
     def num_checkpoints(self) -> int:
@@ -233,7 +291,8 @@ class RadixTree:
                 if self._refusal(node, num_pages) is None:
                     hit = done + num_pages
                     return MatchResult(match.page_ids[:hit], hit * self.page_size, node,
-                                       match.cached_len, limited_by)
+                                       match.cached_len, limited_by,
+                                       match.window_page_ids[:hit])
         return MatchResult([], 0, self._roots.get(salt), match.cached_len, limited_by)
 
     def match_pages(self, token_ids: Sequence[int], salt: str = "") -> MatchResult:
@@ -246,10 +305,14 @@ class RadixTree:
         """The match of a device path (`_device_path`)."""
         last_node = self._roots.get(salt)
         page_ids: list[int] = []
+        window_page_ids: list[int | None] = []
         for node, matched in path:
             page_ids.extend(node.device_page_ids[:matched])
+            if node.window_page_ids is not None:
+                window_page_ids.extend(node.window_page_ids[:matched])
             last_node = node
-        return MatchResult(page_ids, len(page_ids) * self.page_size, last_node)
+        return MatchResult(page_ids, len(page_ids) * self.page_size, last_node,
+                           window_page_ids=window_page_ids)
 
     def node_at(self, token_ids: Sequence[int], salt: str = "") -> RadixNode | None:
         """The on-device node whose last token is exactly the last of `token_ids` (whole
@@ -306,29 +369,36 @@ class RadixTree:
 
     # ---- insert ------------------------------------------------------------------------
     def insert(
-        self, token_ids: Sequence[int], page_ids: Sequence[int], salt: str = ""
+        self, token_ids: Sequence[int], page_ids: Sequence[int], salt: str = "",
+        window_page_ids: Sequence[int | None] | None = None,
     ) -> InsertResult:
-        """Record that `page_ids[i]` holds the K/V of full page i of `token_ids`.
+        """Record that `page_ids[i]` holds the K/V of full page i of `token_ids` (and
+        `window_page_ids[i]` its sliding layers', None where freed: window pages).
 
         Mutates the tree (may split nodes, create one leaf) and the LRU clocks of the path.
-        Takes ownership of every given page except the returned duplicates."""
+        Takes ownership of every given page except the returned duplicates; a tombstone of
+        the tree takes the caller's sliding page for it."""
         tokens = tuple(token_ids)
         num_pages = min(len(page_ids), len(tokens) // self.page_size)
         node = self._root_for(salt)
         done, duplicates, now = 0, [], next(self._clock)
+        window_duplicates: list[int] = []
         while done < num_pages:
             child = node.children.get(self._page_at(tokens, done))
             if child is None:
-                node = self._add_leaf(node, tokens, page_ids, done, num_pages)
+                node = self._add_leaf(node, tokens, page_ids, done, num_pages, window_page_ids)
                 node.last_access = now
-                return InsertResult(duplicates, node, num_pages - done)
+                return InsertResult(duplicates, node, num_pages - done, window_duplicates)
             matched = self._count_matching_pages(child.key, tokens, done, num_pages - done)
             if matched < child.num_pages:
                 child = self._split(child, matched)
             duplicates += self._adopt_or_dedupe(child, page_ids[done : done + matched])
+            if window_page_ids is not None:
+                window_duplicates += self._merge_window(
+                    child, window_page_ids[done : done + matched])
             child.last_access = now
             node, done = child, done + matched
-        return InsertResult(duplicates, node, 0)
+        return InsertResult(duplicates, node, 0, window_duplicates)
 
     # ---- lock refs ---------------------------------------------------------------------
     def lock(self, node: RadixNode | None) -> None:
@@ -420,9 +490,11 @@ class RadixTree:
         """Raise AssertionError on any broken invariant (page ownership, counters, shape)."""
         seen: set[int] = set()
         slots: set[int] = set()
+        window_seen: set[int] = set()
         device_pages = locked_pages = 0
         for node in self._iter_nodes():
             self._check_node(node, seen)
+            self._check_window(node, window_seen)
             device_pages += node.num_device_pages
             if node.lock_ref > 0:
                 locked_pages += node.num_device_pages
@@ -435,6 +507,7 @@ class RadixTree:
         assert device_pages == self._device_pages, (device_pages, self._device_pages)
         assert locked_pages == self._locked_pages, (locked_pages, self._locked_pages)
         assert len(slots) == self._num_checkpoints, (len(slots), self._num_checkpoints)
+        assert len(window_seen) == self._window_pages, (len(window_seen), self._window_pages)
 
     def num_nodes(self) -> int:
         return sum(1 for _ in self._iter_nodes())
@@ -475,7 +548,8 @@ class RadixTree:
             node = node.parent
 
     def _add_leaf(
-        self, parent: RadixNode, tokens: PageKey, page_ids: Sequence[int], first: int, end: int
+        self, parent: RadixNode, tokens: PageKey, page_ids: Sequence[int], first: int, end: int,
+        window_page_ids: Sequence[int | None] | None = None,
     ) -> RadixNode:
         size = self.page_size
         leaf = RadixNode(
@@ -485,9 +559,30 @@ class RadixTree:
             num_pages=end - first,
             device_page_ids=list(page_ids[first:end]),
         )
+        if window_page_ids is not None:
+            leaf.window_page_ids = list(window_page_ids[first:end])
+            self._window_pages += _count_present(leaf.window_page_ids)
         parent.children[self._page_at(leaf.key, 0)] = leaf
         self._device_pages += leaf.num_pages
         return leaf
+
+    def _merge_window(self, node: RadixNode, window_page_ids: Sequence[int | None]) -> list[int]:
+        """`window_page_ids` hold the sliding layers of `node`'s pages: a tombstone (or a
+        node without them) takes the caller's page; where both have one, the caller's is a
+        duplicate (returned)."""
+        held = node.window_page_ids
+        if held is None:
+            held = node.window_page_ids = [None] * node.num_pages
+        duplicates: list[int] = []
+        for index, mine in enumerate(window_page_ids):
+            if mine is None or held[index] == mine:
+                continue
+            if held[index] is None:
+                held[index] = mine
+                self._window_pages += 1
+            else:
+                duplicates.append(mine)
+        return duplicates
 
     def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
         """Cut `node` after `num_pages` pages; returns the new upper part (the parent of
@@ -500,6 +595,7 @@ class RadixTree:
             num_pages=num_pages,
             device_page_ids=_head(node.device_page_ids, num_pages),
             host_page_ids=_head(node.host_page_ids, num_pages),
+            window_page_ids=_head(node.window_page_ids, num_pages),
             lock_ref=node.lock_ref,
             hit_count=node.hit_count,
             last_access=node.last_access,
@@ -509,6 +605,7 @@ class RadixTree:
         node.num_pages -= num_pages
         node.device_page_ids = _tail(node.device_page_ids, num_pages)
         node.host_page_ids = _tail(node.host_page_ids, num_pages)
+        node.window_page_ids = _tail(node.window_page_ids, num_pages)
         upper.parent.children[self._page_at(upper.key, 0)] = upper
         upper.children[self._page_at(node.key, 0)] = node
         node.parent = upper
@@ -531,18 +628,28 @@ class RadixTree:
         return not any(child.on_device for child in node.children.values())
 
     def _evict_device(self, node: RadixNode) -> int:
+        page_ids = node.device_page_ids or []
+        if self.on_evict is not None:  # sees the checkpoint too (HiCache backs it up)
+            self.on_evict(node, page_ids)
         if node.state_slot is not None:  # the state after pages about to go: freed first
             self._free_checkpoint(node)
             self.num_evicted_checkpoints += 1
-        page_ids = node.device_page_ids or []
-        if self.on_evict is not None:
-            self.on_evict(node, page_ids)
         self.allocator.free(page_ids)
+        self._free_window_pages(node)
         node.device_page_ids = None
         self._device_pages -= len(page_ids)
         self.num_evicted_pages += len(page_ids)
         self._on_device_evicted(node)
         return len(page_ids)
+
+    def _free_window_pages(self, node: RadixNode) -> None:
+        """Free the sliding pages of a node whose device pages go (tombstones skipped)."""
+        window, node.window_page_ids = node.window_page_ids, None
+        present = [page for page in window or [] if page is not None]
+        if present:
+            assert self.window_allocator is not None, "window pages without their allocator"
+            self.window_allocator.free(present)
+            self._window_pages -= len(present)
 
     def _on_device_evicted(self, node: RadixNode) -> None:
         """Drop a node whose device copy is gone unless it still has a host copy or
@@ -580,9 +687,28 @@ class RadixTree:
             assert node.lock_ref == 0, "locked node without device pages"
 
 
-def _head(page_ids: list[int] | None, n: int) -> list[int] | None:
+    def _check_window(self, node: RadixNode, seen: set[int]) -> None:
+        """A node's sliding pages: one per page, on device only, each held once and used."""
+        if node.window_page_ids is None:
+            return
+        assert node.on_device, "window pages on a node without device pages"
+        assert len(node.window_page_ids) == node.num_pages, "window page count != key pages"
+        for page_id in node.window_page_ids:
+            if page_id is None:
+                continue
+            assert page_id not in seen, f"window page {page_id} held twice by the tree"
+            assert self.window_allocator is not None and self.window_allocator.is_used(
+                page_id), f"tree holds free window page {page_id}"
+            seen.add(page_id)
+
+
+def _count_present(page_ids: Sequence[int | None]) -> int:
+    return sum(1 for page in page_ids if page is not None)
+
+
+def _head(page_ids: list | None, n: int) -> list | None:
     return None if page_ids is None else page_ids[:n]
 
 
-def _tail(page_ids: list[int] | None, n: int) -> list[int] | None:
+def _tail(page_ids: list | None, n: int) -> list | None:
     return None if page_ids is None else page_ids[n:]

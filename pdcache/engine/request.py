@@ -110,6 +110,10 @@ class Req:
     checkpoint_at: list[int] = field(default_factory=list)
     pending_checkpoint: int | None = None
     pending_checkpoint_len: int = 0
+    # window pages (pdcache.engine.window_pages): the sliding layers' page of each of
+    # `page_ids` (the first `num_tree_pages` the tree's), None where no window needs it any
+    # more and it was freed; empty for other models
+    window_page_ids: list[int | None] = field(default_factory=list)
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -164,6 +168,11 @@ class Req:
         return self.page_ids[self.num_tree_pages :]
 
     @property
+    def own_window_page_ids(self) -> list[int]:
+        """The sliding pages this request owns (present ones after the tree's)."""
+        return [page for page in self.window_page_ids[self.num_tree_pages :] if page is not None]
+
+    @property
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
 
@@ -176,12 +185,15 @@ class Req:
         seq: int,
         cached: CachedTokens | None = None,
         kv_load: KVLoad | None = None,
+        window_page_ids: list[int | None] | None = None,
     ) -> None:
         """WAITING → RUNNING holding `page_ids`, the first `num_tree_pages` borrowed from the
-        tree (alive while `node` is locked), with the K/V of `reused_len` tokens reused."""
+        tree (alive while `node` is locked), with the K/V of `reused_len` tokens reused (and
+        `window_page_ids`, the sliding layers' pages, with window pages)."""
         assert self.status is ReqStatus.WAITING and not self.page_ids, "admit of a running req"
         assert reused_len % self.page_size == 0 and reused_len < self.fill_len, reused_len
         self.page_ids, self.num_tree_pages, self.last_node = page_ids, num_tree_pages, node
+        self.window_page_ids = list(window_page_ids or [])
         self.kv_len = reused_len
         self.kv_load = kv_load
         if self.wants_input_logprobs and self.logprobs is not None:
@@ -220,6 +232,7 @@ class Req:
         assert self.kv_load is None or self.kv_load.done, "pages released under a pending load"
         self.kv_load = None
         self.page_ids, self.num_tree_pages, self.last_node = [], 0, None
+        self.window_page_ids = []
         self.kv_len, self.prefill_done = 0, False
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
@@ -296,6 +309,10 @@ class Req:
             if not self.holding_pages:
                 assert not self.page_ids and self.last_node is None, (
                     "pages held while not running")
+        if self.window_page_ids:
+            assert len(self.window_page_ids) == len(self.page_ids), "window pages != pages"
+            assert None not in self.window_page_ids[self.kv_len // size :], (
+                "a sliding page freed inside the window")
         if self.pending_checkpoint is not None:
             assert self.pending_checkpoint_len % size == 0, "unaligned decode checkpoint"
             assert 0 < self.pending_checkpoint_len <= self.kv_len, "checkpoint past the K/V"

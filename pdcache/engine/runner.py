@@ -12,11 +12,12 @@ from typing import Protocol
 
 import torch
 
-from pdcache.engine.forward import ForwardBatch
+from pdcache.engine.forward import ForwardBatch, WindowBatch
 from pdcache.engine.kv_pool import DeviceKVPool
 from pdcache.engine.request import KVLoad, Req
 from pdcache.engine.scheduler import ScheduledBatch
 from pdcache.engine.state_pool import RecurrentStatePool
+from pdcache.engine.window_pages import ABSENT_PAGE, WindowPages
 from pdcache.kernels import KernelSet
 
 
@@ -29,10 +30,14 @@ class ModelRunner:
 
     def __init__(self, model: CausalLMLike, pool: DeviceKVPool,
                  kernels: KernelSet | None = None,
-                 state_pool: RecurrentStatePool | None = None) -> None:
+                 state_pool: RecurrentStatePool | None = None,
+                 window: WindowPages | None = None) -> None:
+        """`window`: the sliding layers' own pages (window pages; `pool` then holds the full
+        layers only)."""
         self.model = model
         self.pool = pool
         self.state_pool = state_pool
+        self.window = window
         self.device = pool.device_kv.device
         self.kernels = kernels or KernelSet()
 
@@ -47,7 +52,7 @@ class ModelRunner:
             input_ids += req.fill_slice(start, start + length)
             pos = torch.arange(start, start + length, dtype=torch.long)
             positions.append(pos)
-            out_slots.append(self._slots(req, pos))
+            out_slots.append(self._slots(req.page_ids, pos))
         ends = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0) - 1
         rows = ends[batch.sample_rows]
         if batch.logprob_spans:  # prompt positions whose logits give prompt logprobs
@@ -68,7 +73,27 @@ class ModelRunner:
             kernels=self.kernels,
             state_pool=self.state_pool,
             state_slots=self._state_slots(batch.reqs),
+            window=self._window_batch(batch.reqs, positions),
         )
+
+    def _window_batch(self, reqs: list[Req], positions: list[torch.Tensor]
+                      ) -> WindowBatch | None:
+        """The sliding layers' pages of `reqs` (window pages), None without them. The new
+        tokens' sliding pages are always there; freed ones read as `ABSENT_PAGE`."""
+        if self.window is None:
+            return None
+        tables = [[ABSENT_PAGE if page is None else page for page in req.window_page_ids]
+                  for req in reqs]
+        size, slots = self.pool.page_size, []
+        for req, table, pos in zip(reqs, tables, positions):
+            first, last = int(pos[0]) // size, int(pos[-1]) // size
+            assert None not in req.window_page_ids[first : last + 1], (
+                f"request {req.rid}: a new token without its sliding page")
+            slots.append(self._slots(table, pos))
+        window = self.window
+        return WindowBatch(window.pool.device_kv, _table(tables).to(self.device),
+                           torch.cat(slots).to(self.device), window.full_rows,
+                           window.sliding_rows)
 
     def _state_slots(self, reqs: list[Req]) -> list[int] | None:
         """Each request's state slot (hybrid models), holding its state after `kv_len`."""
@@ -88,19 +113,23 @@ class ModelRunner:
             load.finish()
         return logits
 
-    def _slots(self, req: Req, positions: torch.Tensor) -> torch.Tensor:
+    def _slots(self, page_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
         """Pool slot of each position: page_ids[pos // S] * S + pos % S."""
         size = self.pool.page_size
         first, last = int(positions[0]) // size, int(positions[-1]) // size
-        pages = torch.tensor(req.page_ids[first : last + 1], dtype=torch.long)
+        pages = torch.tensor(page_ids[first : last + 1], dtype=torch.long)
         return pages[positions // size - first] * size + positions % size
 
     def _page_table(self, reqs: list[Req]) -> torch.Tensor:
-        width = max(len(req.page_ids) for req in reqs)
-        table = torch.zeros((len(reqs), width), dtype=torch.long)
-        for row, req in enumerate(reqs):
-            table[row, : len(req.page_ids)] = torch.tensor(req.page_ids, dtype=torch.long)
-        return table.to(self.device)
+        return _table([req.page_ids for req in reqs]).to(self.device)
+
+
+def _table(rows: list[list[int]]) -> torch.Tensor:
+    """A page table `[len(rows), longest]`, zero-padded."""
+    table = torch.zeros((len(rows), max(len(row) for row in rows)), dtype=torch.long)
+    for index, row in enumerate(rows):
+        table[index, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return table
 
 
 def _wait_all(loads: list[KVLoad]) -> Callable[[int], None]:

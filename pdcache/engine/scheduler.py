@@ -38,8 +38,16 @@ Composition, not subclassing: the node that builds the scheduler gives it
   aborted or retracted: a retracted request drops its state and recomputes from its deepest
   checkpoint, which its retraction may just have added); the scheduler ends prefill chunks at
   the request's checkpoint points and hands checkpoints to the tree (see `state_cache`).
-  Device only for now: lower tiers do not carry the state, so `states` with any tiers but
-  `DeviceOnly` is refused.
+  Lower tiers must carry the state (`carries_state`: HiCache's back checkpoints up with their
+  pages and restore the state of a lower-tier hit into the request's slot at admission);
+  other tiers are refused with `states`. A checkpoint taken after its pages were cached is
+  shown to the tiers again (`on_cached` of its node), so they back it up too.
+- `window` (`pdcache.engine.window_pages.WindowPages`): sliding-window models on a unified,
+  device-only engine: the sliding layers' own page space. Each request also holds one
+  sliding page per page (`Req.window_page_ids`), allocated with its full pages, and frees
+  those no window of it needs after every forward (tombstones go to the tree with its
+  pages); the tree serves hits only where the window's sliding pages are there. With any
+  tiers but `DeviceOnly`, or a prefilled start, it is refused.
 Any role may have any tiers. The node's controller (`pdcache.prefill_node.controller`,
 `pdcache.decode_node.controller`) makes the PD decisions those policies relay.
 """
@@ -54,17 +62,22 @@ from pdcache.engine.api import CachedTokens, TokenLogprob
 from pdcache.engine.config import CacheConfig
 from pdcache.engine.forward import ForwardMode
 from pdcache.engine.kv_pool import DeviceKVPool
-from pdcache.engine.radix import MatchResult, RadixNode, RadixTree
+from pdcache.engine.radix import InsertResult, MatchResult, RadixNode, RadixTree
 from pdcache.engine.request import KVLoad, Req, ReqStatus, pages_for
 from pdcache.engine.reservations import ReservationBook
 from pdcache.engine.roles import RolePolicy, Unified
 from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.engine.state_cache import StateSlots
+from pdcache.engine.state_pool import StateSnapshot
 from pdcache.engine.tiers import CacheTiers, DeviceOnly
+from pdcache.engine.window_pages import WindowPages
 
-# `add_prefilled` of a hybrid model: P→D moves pages, not the recurrent state (yet)
-NO_STATE_TRANSFER = "P→D transfer does not carry a hybrid model's recurrent state yet"
-NO_STATE_TIERS = "host/storage tiers do not carry recurrent state yet"
+# `add_prefilled` of a hybrid model without the recurrent state prefill sent with its pages
+NO_STATE_TRANSFER = "a hybrid model's prefilled request needs its recurrent state from prefill"
+NO_STATE_TIERS = "these host/storage tiers do not carry recurrent state"
+# window pages (a sliding-window model's sliding layers in their own page space)
+NO_WINDOW_TIERS = "host/storage tiers do not carry sliding-window pages yet"
+NO_WINDOW_TRANSFER = "P→D transfer does not carry sliding-window pages yet"
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +126,7 @@ class Scheduler:
         tiers: CacheTiers | None = None,
         role: RolePolicy | None = None,
         states: StateSlots | None = None,
+        window: WindowPages | None = None,
     ) -> None:
         self.config = config
         self.page_size = cache.page_size
@@ -123,10 +137,19 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tiers: CacheTiers = tiers if tiers is not None else DeviceOnly(tree)
         self.role: RolePolicy = role if role is not None else Unified()
-        if states is not None and not isinstance(self.tiers, DeviceOnly):
+        if (states is not None and not isinstance(self.tiers, DeviceOnly)
+                and not getattr(self.tiers, "carries_state", False)):
             raise ValueError(f"{NO_STATE_TIERS}: a hybrid model ({states.pool.describe()}) "
                              f"runs with device-only caching (no host/storage tiers)")
         self.states = states
+        # where states are checkpointed: [cache] state_checkpoints (docs/design.md §4.14)
+        self.checkpoint_policy = cache.state_checkpoints
+        if window is not None and not isinstance(self.tiers, DeviceOnly):
+            raise ValueError(f"{NO_WINDOW_TIERS}: a model whose sliding layers keep only "
+                             f"their window runs with device-only caching")
+        # window pages (pdcache.engine.window_pages): each request also holds the sliding
+        # layers' pages, freeing those out of its windows after every forward
+        self.window = window
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.counters = SchedulerCounters()
@@ -155,14 +178,25 @@ class Scheduler:
         return self.reservations is not None and self.reservations.release(rid)
 
     def add_prefilled(self, req: Req, first_token: int,
-                      first_logprob: TokenLogprob | None = None) -> None:
-        """Start decoding `req` on its reserved pages, which hold its prompt's K/V. Raises
-        ValueError when the reservation does not fit it (`ReservationBook.take`)."""
+                      first_logprob: TokenLogprob | None = None,
+                      state: StateSnapshot | None = None) -> None:
+        """Start decoding `req` on its reserved pages, which hold its prompt's K/V; a hybrid
+        model's `state` is its recurrent state after the last prompt token (prefill's, P→D),
+        restored into the request's state slot. Raises ValueError when the reservation does
+        not fit it (`ReservationBook.take`), or for a hybrid model without a state of this
+        pool's geometry (or no free request slot), nothing taken."""
         if self.reservations is None:
             raise ValueError(f"request {req.rid!r}: this node takes no reservations")
-        if self.states is not None:
-            raise ValueError(f"request {req.rid!r}: {NO_STATE_TRANSFER}")
-        page_ids, prefix = self.reservations.take(req)
+        if self.window is not None:
+            raise ValueError(f"request {req.rid!r}: {NO_WINDOW_TRANSFER}")
+        state_slot = self._prefilled_state_slot(req, state)
+        try:
+            page_ids, prefix = self.reservations.take(req)
+        except BaseException:
+            if state_slot is not None:
+                self.states.free_request(state_slot)  # type: ignore[union-attr]
+            raise
+        req.state_slot = state_slot
         self.role.on_prefilled(req)
         # the request now holds the prefix's lock (its release unlocks `last_node`)
         req.admit_prefilled(page_ids, first_token, self._admit_seq, first_logprob,
@@ -172,6 +206,27 @@ class Scheduler:
         self._admit_seq += 1
         self.running.append(req)
         self._maybe_finish(req, first_token)
+
+    def _prefilled_state_slot(self, req: Req, state: StateSnapshot | None) -> int | None:
+        """A hybrid model's request slot holding prefill's `state` (None: not hybrid)."""
+        if self.states is None:
+            if state is not None:
+                raise ValueError(f"request {req.rid!r}: a recurrent state for a model without one")
+            return None
+        if state is None:
+            raise ValueError(f"request {req.rid!r}: {NO_STATE_TRANSFER}")
+        if state.geometry != self.states.pool.geometry:
+            raise ValueError(f"request {req.rid!r}: recurrent state of another geometry "
+                             f"({state.geometry.key()} != {self.states.pool.geometry.key()})")
+        slot = self.states.alloc_request()
+        if slot is None:
+            raise ValueError(f"request {req.rid!r}: no free recurrent-state slot")
+        try:
+            self.states.pool.restore(slot, state)  # ValueError: wrong length, nothing written
+        except BaseException:
+            self.states.free_request(slot)
+            raise
+        return slot
 
     def release_held(self, rid: str) -> bool:
         """Cache and free the pages of a held request (see `RolePolicy.hold_after_finish`)."""
@@ -256,14 +311,17 @@ class Scheduler:
             if req.kv_load is not None and req.kv_load.done:
                 req.kv_load = None
             req.kv_len += length
+            if self.window is not None:
+                self._drop_out_of_window(req)
             if batch.mode is ForwardMode.EXTEND:
                 req.computed_tokens += length
                 self.counters.computed_tokens += length
-            if self.states is not None:
-                self._after_forward(req, batch.mode)
             if row in sampled:
                 req.prefill_done = True
                 req.append_token(sampled[row], sampled_logprobs.get(row))
+            if self.states is not None:  # after the token (caching pages checks `req`)
+                self._after_forward(req, batch.mode)
+            if row in sampled:
                 self._maybe_finish(req, sampled[row])
                 touched.append(req)
             req.check()
@@ -335,8 +393,11 @@ class Scheduler:
         if own is None:
             self.unlock(match.last_node)
             return False
-        if self.states is not None and not self._admit_state(req, match):
+        window_own = self._alloc_window(need)
+        if window_own is None or (self.states is not None
+                                  and not self._admit_state(req, match)):
             self.allocator.free(own)
+            self._free_window(window_own or [])
             self.unlock(match.last_node)
             return False
         max_pages = req.max_reuse_len // self.page_size
@@ -354,8 +415,11 @@ class Scheduler:
         num_tree_pages = len(match.page_ids) + reuse.tree_pages
         reused_len = (num_tree_pages + reuse.own_pages) * self.page_size
         cached = reuse.cached or CachedTokens(device=match.cached_len)
+        window_ids = None if self.window is None else match.window_page_ids + window_own
         req.admit(match.page_ids + own, num_tree_pages, node, reused_len, self._admit_seq,
-                  cached, reuse.kv_load)
+                  cached, reuse.kv_load, window_ids)
+        if self.states is not None:  # a lower tier's hit went past some checkpoint points
+            req.checkpoint_at = [n for n in req.checkpoint_at if n > req.kv_len]
         self._admit_seq += 1
         self.counters.admitted += 1
         if self.tree is not None:
@@ -405,7 +469,8 @@ class Scheduler:
         if num_full <= req.num_tree_pages:
             return
         tokens = req.fill_slice(0, num_full * self.page_size)
-        result = self.tree.insert(tokens, req.page_ids[:num_full], req.salt)
+        result = self.tree.insert(tokens, req.page_ids[:num_full], req.salt,
+                                  self._window_of(req, num_full))
         self.tree.note_session(result.last_node, req.session_id, new_turn=False)
         match = self.tree.match_pages(tokens, req.salt)
         assert match.cached_len == len(tokens), (match.cached_len, len(tokens))
@@ -416,6 +481,9 @@ class Scheduler:
         else:
             self.allocator.free(result.duplicate_page_ids)
         req.page_ids[:num_full] = match.page_ids
+        if self.window is not None:  # the tree's sliding pages, its tombstones included
+            self._free_window(result.duplicate_window_page_ids)
+            req.window_page_ids[:num_full] = match.window_page_ids
         req.num_tree_pages, req.last_node = num_full, match.last_node
         req.check()
         self.tiers.on_cached(req, result)
@@ -449,6 +517,7 @@ class Scheduler:
             chunk = min(req.fill_len - req.kv_len, budget)
             if req.checkpoint_at:  # end the chunk where a state checkpoint is taken
                 chunk = min(chunk, req.checkpoint_at[0] - req.kv_len)
+            chunk = self._chunk_for_policy(req, chunk)
             if chunk <= 0:
                 break
             if req.kv_len + chunk == req.fill_len:
@@ -479,9 +548,14 @@ class Scheduler:
             return True
         while True:
             page = self.alloc_pages(1)
-            if page is not None:
+            window_page = [] if self.window is None or page is None else self._alloc_window(1)
+            if page is not None and window_page is not None:
                 req.page_ids.extend(page)
+                if self.window is not None:
+                    req.window_page_ids.extend(window_page)
                 return True
+            if page is not None:  # no sliding page for it
+                self.allocator.free(page)
             victims = [r for r in self.running if r not in batched and self.role.can_retract(r)]
             if not victims:
                 return False  # nothing may give way now: `req` skips this step
@@ -543,21 +617,61 @@ class Scheduler:
                 cache = False
                 req.cached_len, req.cached = None, None  # its tier split is recorded anew
         to_free = req.own_page_ids
+        window_free = req.own_window_page_ids
         num_full = req.kv_len // self.page_size
         result = None
         if cache and self.tree is not None and num_full > req.num_tree_pages:
             tokens = req.fill_ids[: num_full * self.page_size]
-            result = self.tree.insert(tokens, req.page_ids[:num_full], req.salt)
+            result = self.tree.insert(tokens, req.page_ids[:num_full], req.salt,
+                                      self._window_of(req, num_full))
             self.tree.note_session(result.last_node, req.session_id, new_turn=False)
             to_free = result.duplicate_page_ids + req.page_ids[num_full:]
+            window_free = result.duplicate_window_page_ids + [
+                page for page in req.window_page_ids[num_full:] if page is not None]
+        attached = None  # a node that got `req`'s pending decode checkpoint
         if cache and self.states is not None:
-            self._attach_pending_checkpoint(req, num_full)
+            attached = self._attach_pending_checkpoint(req, num_full)
         self._free_state(req)
         self.allocator.free(to_free)
+        self._free_window(window_free)
         self.unlock(req.last_node)
         req.release_pages()
         if result is not None:
             self.tiers.on_cached(req, result)
+        elif attached is not None:  # a checkpoint on pages cached before: the tiers see it
+            self.tiers.on_cached(req, InsertResult([], attached, 0))
+
+    # ---- window pages (sliding layers' own pages; pdcache.engine.window_pages) ---------
+    def _alloc_window(self, num_pages: int) -> list[int] | None:
+        """`num_pages` sliding pages (none without window pages), evicting cache when short;
+        None when even that leaves too few."""
+        if self.window is None:
+            return []
+        allocator = self.window.allocator
+        while allocator.num_free < num_pages and self.tree is not None and self.tree.evict(1):
+            pass  # whole nodes go, each with its sliding pages
+        return allocator.alloc(num_pages)
+
+    def _free_window(self, page_ids: list[int]) -> None:
+        if self.window is not None and page_ids:
+            self.window.allocator.free(page_ids)
+
+    def _window_of(self, req: Req, num_pages: int) -> list[int | None] | None:
+        """The sliding pages of `req`'s first `num_pages` pages (None without window pages)."""
+        return None if self.window is None else req.window_page_ids[:num_pages]
+
+    def _drop_out_of_window(self, req: Req) -> None:
+        """Free `req`'s own sliding pages that no window of it needs any more (see
+        `WindowPages.droppable`), leaving tombstones."""
+        assert self.window is not None
+        drop = self.window.droppable(req.window_page_ids, req.num_tree_pages, req.kv_len,
+                                     len(req.prompt_ids))
+        if not drop:
+            return
+        self.window.allocator.free([req.window_page_ids[i] for i in drop])
+        for index in drop:
+            req.window_page_ids[index] = None
+        self.window.freed_by_window += len(drop)
 
     # ---- recurrent state (hybrid models; pdcache.engine.state_cache) -------------------
     def _admit_state(self, req: Req, match: MatchResult) -> bool:
@@ -579,11 +693,18 @@ class Scheduler:
 
     def _checkpoint_points(self, req: Req, match: MatchResult) -> list[int]:
         """Page-aligned fill lengths past the hit where `req`'s prefill stops for a
-        checkpoint: the branch point its page match reached beyond its deepest checkpoint,
-        and its prompt's last full page; not where the tree has one already."""
+        checkpoint, by `checkpoint_policy`: hit_points, the branch point its page match
+        reached beyond its deepest checkpoint and its prompt's last full page; every_page,
+        every page boundary of its fill; chunk_ends, its prompt's last full page (the other
+        chunk ends are taken as they come, `_after_forward`). Not where the tree has one."""
         assert self.tree is not None
         prompt_end = len(req.prompt_ids) // self.page_size * self.page_size
-        points = sorted({match.matched_len, prompt_end})
+        if self.checkpoint_policy == "every_page":
+            points = list(range(self.page_size, req.fill_len + 1, self.page_size))
+        elif self.checkpoint_policy == "chunk_ends":
+            points = [prompt_end]
+        else:
+            points = sorted({match.matched_len, prompt_end})
         return [n for n in points if match.cached_len < n <= req.fill_len
                 and not self._has_checkpoint(req, n)]
 
@@ -593,16 +714,35 @@ class Scheduler:
         return node is not None and node.state_slot is not None
 
     def _after_forward(self, req: Req, mode: ForwardMode) -> None:
-        """`req`'s slot now holds the state after `kv_len` tokens: a prefill chunk that
-        ended at a checkpoint point gives the tree a checkpoint; a decode step that filled a
-        page renews the pending decode checkpoint."""
+        """`req`'s slot now holds the state after `kv_len` tokens (its sampled token, if
+        any, appended): a prefill chunk that ended at a checkpoint point (chunk_ends: at any
+        page boundary) gives the tree a checkpoint; a decode step that filled a page renews
+        the pending decode checkpoint (every_page: gives the tree one)."""
         if self.tree is None:
             return
+        aligned = req.kv_len % self.page_size == 0
         if req.checkpoint_at and req.kv_len == req.checkpoint_at[0]:
             req.checkpoint_at.pop(0)
             self._checkpoint_now(req)
-        elif mode is ForwardMode.DECODE and req.kv_len % self.page_size == 0:
-            self._renew_pending_checkpoint(req)
+        elif (mode is ForwardMode.EXTEND and aligned and not req.prefill_done
+              and self.checkpoint_policy == "chunk_ends"):
+            self._checkpoint_now(req)  # a chunk's end (`_chunk_for_policy` aligned it)
+        elif mode is ForwardMode.DECODE and aligned:
+            if self.checkpoint_policy == "every_page":
+                self._checkpoint_now(req)  # every page of the answer goes to the tree
+            else:
+                self._renew_pending_checkpoint(req)
+
+    def _chunk_for_policy(self, req: Req, chunk: int) -> int:
+        """`chunk` cut to its last full page under chunk_ends when the prefill goes on after
+        it (vLLM's `align`: one state per chunk, at its last full block), so the state at
+        its end can be checkpointed; unchanged otherwise, or when no page boundary is in it."""
+        end = req.kv_len + chunk
+        if (self.states is None or self.checkpoint_policy != "chunk_ends"
+                or end >= req.fill_len):
+            return chunk
+        aligned = end // self.page_size * self.page_size - req.kv_len
+        return aligned if aligned > 0 else chunk
 
     def _checkpoint_now(self, req: Req) -> None:
         """Cache `req`'s pages up to `kv_len` (page-aligned) and give their last node a copy
@@ -618,6 +758,8 @@ class Scheduler:
             return
         self.states.pool.copy_slot(req.state_slot, slot)
         self.tree.set_checkpoint(node, slot)
+        # its pages reached the tiers before the checkpoint did: show them the node again
+        self.tiers.on_cached(req, InsertResult([], node, 0))
 
     def _renew_pending_checkpoint(self, req: Req) -> None:
         assert self.states is not None and req.state_slot is not None
@@ -643,15 +785,18 @@ class Scheduler:
             self.states.counters.checkpoints_taken += 1
         return slot
 
-    def _attach_pending_checkpoint(self, req: Req, num_full: int) -> None:
+    def _attach_pending_checkpoint(self, req: Req, num_full: int) -> RadixNode | None:
         """`req`'s pages are in the tree up to `num_full` pages: its pending decode
-        checkpoint, when it is the state there, goes to that node (else it is freed)."""
+        checkpoint, when it is the state there, goes to that node (returned; else it is
+        freed)."""
         slot, length = req.pending_checkpoint, req.pending_checkpoint_len
         if slot is None or self.tree is None or length != num_full * self.page_size:
-            return
+            return None
         node = self.tree.node_at(req.fill_slice(0, length), req.salt)
         if node is not None and self.tree.set_checkpoint(node, slot):
             req.pending_checkpoint = None
+            return node
+        return None
 
     def _free_state(self, req: Req) -> None:
         """Free `req`'s state slot and pending checkpoint (exactly once: both are cleared)."""

@@ -22,6 +22,8 @@ count, attached to the radix node that ends there. The scheduler takes one
   request's one pending checkpoint each time its K/V fills a page, and the last copy goes to
   the tree when the request's pages do, so the next turn of a conversation restores the
   state decode produced.
+Those are `[cache] state_checkpoints = "hit_points"` (the default; the scheduler's other
+policies, every_page and chunk_ends, rebuild vLLM's and SGLang's, docs/design.md §4.14).
 Not at every chunk end or every page: a checkpoint costs `state_bytes()` (Qwen3-Next-80B:
 73.7 MiB, the KV of 3,144 tokens) and a mid-prompt point is only hit by a prompt that diverges
 exactly there. When no checkpoint slot is free the least recently used checkpoint is dropped

@@ -10,6 +10,11 @@ Threads: every method runs on the engine thread (the scheduler calls them from `
 `schedule`, admission, caching and abort), except `start` (the thread calling
 `Engine.start()`, before the engine thread runs) and `end_session` (any thread: it only
 calls thread-safe storage).
+
+Hybrid models (recurrent state, docs/design.md §4.14): tiers other than `DeviceOnly` must say
+`carries_state = True` (a class attribute: they back state checkpoints up with their pages and
+restore the state of their hits into `req.state_slot` in `reuse_lower_tiers`); the scheduler
+refuses any others with a model's state slots.
 """
 
 from __future__ import annotations

@@ -12,13 +12,16 @@ from pdcache.engine.config import EngineConfig, ModelConfig
 from pdcache.engine.engine import Engine
 from pdcache.engine.eviction import make_policy
 from pdcache.engine.kv_pool import DeviceKVPool
+from pdcache.engine.radix import StateCheckpointRule
 from pdcache.engine.roles import RolePolicy
 from pdcache.engine.scheduler import Scheduler
+from pdcache.engine.state_cache import StateSlots
 from pdcache.kernels import KernelSet
 from pdcache.offload_manager.hicache import HiCache, HiCacheConfig
 from pdcache.offload_manager.hicache_tiers import HiCacheTiers
 from pdcache.offload_manager.hiradix import HiRadixTree
 from pdcache.offload_manager.host_pool import HostKVPool
+from pdcache.offload_manager.host_state_pool import HostStatePool
 from pdcache.offload_manager.pending import PendingPages
 from pdcache.offload_manager.storage import create_backend
 from pdcache.offload_manager.storage.base import StorageBackend
@@ -42,10 +45,16 @@ def fingerprint_for(model: ModelConfig, identity: str, page_size: int) -> str:
 
 def storage_config_for(model: ModelConfig, page_size: int, fingerprint: str,
                        **settings: Any) -> StorageConfig:
-    """A StorageConfig whose page geometry matches this model's host pages."""
-    page_bytes = model.kv_geometry.page_bytes(page_size)
-    return StorageConfig(page_bytes=page_bytes, fingerprint=fingerprint,
-                         num_layers=model.num_hidden_layers, page_size=page_size,
+    """A StorageConfig whose page geometry matches this model's host pages (a page has the
+    KV layers only: `num_kv_layers`) and, for a hybrid model, whose state objects are this
+    model's recurrent states (`state_geometry`, `state_bytes`)."""
+    geometry = model.kv_geometry
+    state = model.state_geometry
+    if state is not None:
+        settings = {"state_geometry": state.key(), "state_bytes": state.state_bytes(),
+                    **settings}
+    return StorageConfig(page_bytes=geometry.page_bytes(page_size), fingerprint=fingerprint,
+                         num_layers=geometry.num_kv_layers, page_size=page_size,
                          dtype=model.dtype, **settings)
 
 
@@ -56,6 +65,9 @@ class TierConfig:
     host_pages: int
     hicache: HiCacheConfig
     storage: StorageConfig | None = None
+    # hybrid models: host state slots (one checkpoint each, beside the host pages); 0: twice
+    # the device's checkpoint share (`CacheConfig.state_checkpoint_slots`), at least 1
+    host_state_slots: int = 0
 
 
 @dataclass
@@ -92,13 +104,19 @@ def build_tiered_engine(config: EngineConfig, model: Any, tokenizer: Any, tiers:
     device_policy = make_policy(config.cache.device_eviction, sessions)
     host_policy = make_policy(tiers.hicache.host_eviction, sessions)
 
-    def make_tree(pool: DeviceKVPool) -> HiRadixTree:
+    def make_tree(pool: DeviceKVPool, states: StateSlots | None = None) -> HiRadixTree:
+        if states is None:
+            return HiRadixTree(pool.page_size, pool.allocator, host_pool, policy=device_policy,
+                               host_policy=host_policy, sessions=sessions)
+        slots = tiers.host_state_slots or max(1, 2 * config.cache.state_checkpoint_slots)
         return HiRadixTree(pool.page_size, pool.allocator, host_pool, policy=device_policy,
-                           host_policy=host_policy, sessions=sessions)
+                           host_policy=host_policy, sessions=sessions,
+                           restore_rules=(StateCheckpointRule(),), checkpoints=states,
+                           host_states=HostStatePool(states.pool.geometry, slots))
 
     def make_scheduler(**kwargs: Any) -> Scheduler:
         hicache = HiCache(kwargs["tree"], kwargs["pool"].device_kv, storage, tiers.hicache,
-                          fingerprint, kernels, pending)
+                          fingerprint, kernels, pending, states=kwargs.get("states"))
         built["hicache"] = hicache
         return Scheduler(**kwargs, tiers=HiCacheTiers(hicache, page_size), role=role)
 

@@ -27,6 +27,13 @@ so the next turn's prefill can wait for them instead of recomputing. Each pendin
 the expected time until the batch lands (`write_eta_s`: the writes queued ahead of it and
 itself, times the mean measured write latency; 0 before the first write is measured).
 
+Hybrid models (docs/design.md §4.14): `finish(..., state=AnswerState)` also writes the
+answer's end state — the recurrent state after the request's last full page, which the
+scheduler's `DecodeRole` hands over — as a stored state object under
+`state_key(key of that page, geometry key)`, origin "decode", after the request's last pages
+(same writer, same order), so turn t+1 on a prefill node restores the state decode produced.
+Only that one checkpoint: it is the point the next turn's prompt reaches.
+
 Pulls (docs/design.md §4.10): from the end of a batch's device → staging copy until its write
 ends, `staged_objects(keys)` serves its pages as stored page objects (`page_format`, sealed
 with the store's page MAC key), for `KVReceiver.serve_pulls`. A page being sent is pinned: the
@@ -48,7 +55,8 @@ import torch
 
 from pdcache.engine.config import dtype_name
 from pdcache.engine.kv_geometry import KVGeometry
-from pdcache.engine.page_keys import PageKeyScheme
+from pdcache.engine.page_keys import PageKeyScheme, state_key
+from pdcache.engine.state_pool import StateSnapshot
 from pdcache.kernels import KernelSet
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
@@ -87,6 +95,18 @@ class OffloadStats:
     pages_failed: int = 0  # storage write failed
     write_seconds_total: float = 0.0
     writes: int = 0
+    states_offloaded: int = 0  # hybrid models: answer-end states written as state objects
+    states_failed: int = 0  # their write failed (or its pages' copy did)
+    state_bytes_offloaded: int = 0
+
+
+@dataclass(frozen=True)
+class AnswerState:
+    """A hybrid request's recurrent state after its first `tokens` tokens (a whole number of
+    pages, the last full page of its K/V), as an owned host snapshot."""
+
+    tokens: int
+    snapshot: StateSnapshot
 
 
 @dataclass
@@ -94,6 +114,7 @@ class _Tracked:
     tenant: str
     session: str = ""  # the request's session_id (storage lifecycle)
     chain: bytes | None = None  # key scheme's chain state after the last page scheduled
+    last_key: bytes | None = None  # the key of the last page scheduled
     scheduled_pages: int = 0
     delivery: MarksDelivered | None = None  # of the last announcement of its pages
 
@@ -106,6 +127,7 @@ class _CopyTask:
     on_released: Callable[[], None] | None = None  # set on the request's last task
     namespace: str = ""  # the request's tenant namespace (storage quotas)
     session: str = ""  # the request's session_id (storage lifecycle)
+    state: tuple[bytes, AnswerState] | None = None  # written after the pages: (key, state)
 
 
 class DecodeOffloadManager:
@@ -211,17 +233,22 @@ class DecodeOffloadManager:
             self._schedule(rid, tracked, kv_token_ids, device_page_ids, full_pages, None)
 
     def finish(self, rid: str, kv_token_ids: Sequence[int], device_page_ids: Sequence[int],
-               on_released: Callable[[], None]) -> MarksDelivered | None:
+               on_released: Callable[[], None], state: AnswerState | None = None
+               ) -> MarksDelivered | None:
         """Offload the remaining full pages; `on_released` fires once the device pages are free
         to reuse (on the copy thread). Returns the delivery of the request's last pending
         marks (None: none announced): its answer should go out only once it is done, so that
-        the next turn's prefill knows the pages are coming (docs/design.md §4.10)."""
+        the next turn's prefill knows the pages are coming (docs/design.md §4.10). `state`:
+        a hybrid model's state after the last full page, written after the pages (ignored
+        unless it is the state there)."""
         tracked = self._requests.pop(rid, None)
         if tracked is None:
             on_released()
             return None
         full_pages = len(kv_token_ids) // self.page_size
-        self._schedule(rid, tracked, kv_token_ids, device_page_ids, full_pages, on_released)
+        self._schedule(rid, tracked, kv_token_ids, device_page_ids, full_pages, on_released,
+                       state if state is not None and state.tokens == full_pages * self.page_size
+                       else None)
         # one link's frames are handled in order: the last delivery covers the earlier marks
         return tracked.delivery
 
@@ -275,13 +302,18 @@ class DecodeOffloadManager:
     # ---- internals ---------------------------------------------------------------------
     def _schedule(self, rid: str, tracked: _Tracked, kv_token_ids: Sequence[int],
                   device_page_ids: Sequence[int], full_pages: int,
-                  on_released: Callable[[], None] | None) -> None:
+                  on_released: Callable[[], None] | None,
+                  state: AnswerState | None = None) -> None:
         first = tracked.scheduled_pages
         new_tokens = kv_token_ids[first * self.page_size : full_pages * self.page_size]
         keys, tracked.chain = self.scheme.keys(new_tokens, tracked.tenant, tracked.chain)
         tracked.scheduled_pages = full_pages
+        tracked.last_key = keys[-1] if keys else tracked.last_key
+        state_entry = None
+        if state is not None and tracked.last_key is not None:
+            state_entry = (state_key(tracked.last_key, state.snapshot.geometry.key()), state)
         task = _CopyTask(rid, keys, list(device_page_ids[first:full_pages]), on_released,
-                         tenant_namespace(tracked.tenant), tracked.session)
+                         tenant_namespace(tracked.tenant), tracked.session, state_entry)
         if keys and self._announcer is not None:
             with self._lock:
                 for key in keys:
@@ -374,7 +406,7 @@ class DecodeOffloadManager:
                 self._settle(task.keys, False)
                 self._unschedule(task.keys)
                 task = _CopyTask(task.rid, [], [], task.on_released, task.namespace,
-                                 task.session)
+                                 task.session)  # its pages dropped: so is its state
                 if task.on_released is None:
                     return
             self._queued_pages += len(task.keys)
@@ -388,6 +420,9 @@ class DecodeOffloadManager:
                 return
             try:
                 self._copy(task)
+                if task.state is not None:
+                    self._write_state(task.state[0], task.state[1], task.namespace,
+                                      task.session)
             except Exception:
                 log.exception("decode offload: copy of %s failed", task.rid)
                 self._settle(task.keys, False)
@@ -467,6 +502,31 @@ class DecodeOffloadManager:
             with self._lock:
                 self._pending_writes -= 1
                 self.stats.pages_dropped += len(keys)
+
+    def _write_state(self, key: bytes, state: AnswerState, namespace: str,
+                     session: str) -> None:
+        """Queue the answer's end state behind its pages (copy thread); the snapshot is the
+        manager's own host copy, read by the writer until its write ends."""
+        with self._lock:
+            self._pending_writes += 1
+        nbytes = state.snapshot.nbytes
+
+        def done(result: IoResult) -> None:  # writer thread
+            ok = sum(result.ok)
+            with self._lock:
+                self._pending_writes -= 1
+                self.stats.states_offloaded += ok
+                self.stats.states_failed += 1 - ok
+                self.stats.state_bytes_offloaded += ok * nbytes
+
+        task = IoTask(IoKind.WRITE_STATE, [key], [state.snapshot.data], done, "decode",
+                      namespace=namespace, session=storage_session(namespace, session),
+                      tokens=[state.tokens])
+        assert self.writer is not None, "start() the manager first"
+        if not self.writer.submit(task):
+            with self._lock:
+                self._pending_writes -= 1
+                self.stats.states_failed += 1
 
     def _unschedule(self, keys: list[bytes]) -> None:
         """These keys' copy task ended (staged, or settled without a copy): wake waiting

@@ -8,9 +8,16 @@
   on a `LoadCopier` thread), layer-streamed from an unfinished prefetch.
 
 Engine-thread API (called by the scheduler): `match`, `start_prefetch`, `prefetch_ready`,
-`take_prefetch`, `cancel_prefetch`, `load`, `backup`, `check`; `snapshot` from any thread.
+`take_prefetch`, `cancel_prefetch`, `load`, `restore_state`, `backup`, `check`; `snapshot`
+from any thread.
 The IO threads' completions only touch thread-safe state (the host pool's pins, an op's flags,
 the counters under `_stats_lock`).
+
+Hybrid models (Qwen3-Next, docs/design.md §4.14): with the engine's `StateSlots` (`states`) and
+the tree's host state pool, state checkpoints travel with their pages (`backup`: device → host
+state slot → storage state object; `prefetch`: the state object with the pages) and a hit from
+a lower tier is served only where the state is restored with it (`restore_state`: host state
+slot → the request's device slot). The counters split each tier's bytes into KV and state.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from pdcache.engine.api import CachedTokens
 from pdcache.engine.eviction import EVICTION_POLICIES
 from pdcache.engine.page_keys import PageKeyScheme, check_key_scheme
 from pdcache.engine.radix import MatchResult, RadixNode
+from pdcache.engine.state_cache import StateSlots
 from pdcache.kernels import KernelSet
 from pdcache.offload_manager.backup import Backup
 from pdcache.offload_manager.hiradix import HiRadixTree, HostMatch
@@ -120,6 +128,22 @@ class HiCacheStats:
     load_verify_wait_us: int = 0  # after the forward, waiting for the pages' verification
     stream_failed_loads: int = 0  # loads whose pages failed verification (request requeued)
     stream_timed_out_loads: int = 0  # of those, the read had not ended by the deadline
+    # bytes per tier, KV pages vs recurrent states (hybrid models; states are 0 otherwise)
+    backup_host_kv_bytes: int = 0  # device → host
+    backup_storage_kv_bytes: int = 0  # host → storage (written)
+    load_host_kv_bytes: int = 0  # host → device (host hits and prefetched pages)
+    backup_host_states: int = 0  # device checkpoints copied into host state slots
+    backup_host_state_bytes: int = 0
+    backup_skipped_states: int = 0  # no host state slot: the state stayed on device only
+    backup_storage_states: int = 0  # state objects written
+    backup_storage_state_bytes: int = 0
+    backup_failed_states: int = 0
+    prefetch_states: int = 0  # state objects read with a storage hit
+    prefetch_state_bytes: int = 0
+    prefetch_state_misses: int = 0  # missing / refused state objects: the hit was shortened
+    load_host_states: int = 0  # admissions whose state came from a host checkpoint
+    load_storage_states: int = 0  # ... from a state object read from storage
+    load_state_bytes: int = 0  # host state slot → device state slot
 
 
 class HiCache:
@@ -135,8 +159,12 @@ class HiCache:
 
     def __init__(self, tree: HiRadixTree, device_kv: torch.Tensor, storage: StorageBackend | None,
                  config: HiCacheConfig, fingerprint: str, kernels: KernelSet | None = None,
-                 pending: PendingPages | None = None) -> None:
+                 pending: PendingPages | None = None, states: StateSlots | None = None) -> None:
+        if states is not None and tree.host_states is None:
+            raise ValueError("a hybrid model's HiCache needs a host state pool in its tree")
         self.tree = tree
+        self.states = states
+        self.host_states = tree.host_states if states is not None else None
         self.kernels = kernels or KernelSet()
         self.host_pool = tree.host_pool
         self.device_kv = device_kv
@@ -154,10 +182,11 @@ class HiCache:
         self.kernels.backend_for(device_kv.device)
         self.backups = Backup(tree, device_kv, self.kernels, storage, config.write_policy,
                               config.write_through_threshold, config.host_mode,
-                              config.max_queued_io, self.page_keys, self._alloc_host, self._count)
+                              config.max_queued_io, self.page_keys, self._alloc_host, self._count,
+                              states, self._alloc_host_state)
         self.prefetches = Prefetcher(self.host_pool, storage, config, self.page_size,
                                      self.num_layers, pending, self.page_keys, self._alloc_host,
-                                     self._count)
+                                     self._count, self.host_states, self._alloc_host_state)
         cpu_pool = device_kv.device.type == "cpu"
         self._copier = LoadCopier() if config.copy_ahead and cpu_pool else None
         tree.on_evict = self.backups.on_device_evict
@@ -189,7 +218,8 @@ class HiCache:
         all_host = host_ids + pref_ids
         if not all_host:
             return node, None
-        self._count(load_pages=len(all_host))
+        self._count(load_pages=len(all_host),
+                    load_host_kv_bytes=len(all_host) * self.host_pool.page_nbytes)
 
         def release_prefetched() -> None:
             if pref_ids:  # a timed-out stream may still be writing into them: freed later
@@ -215,6 +245,48 @@ class HiCache:
                                          device_page_ids[: len(all_host)], release_prefetched,
                                          copied, self.kernels, streamed, streamed_done,
                                          self._copier)
+
+    def restore_state(self, request_slot: int, host: HostMatch, node: RadixNode | None,
+                      prefetched: PrefetchResult | None) -> None:
+        """Hybrid models, at admission after `load`: the request's device state slot gets the
+        state after its lower-tier hit: the prefetch's state object (its pages end the hit)
+        or else the host checkpoint of the deepest host node (`node`, restored on device now,
+        which also gets a device checkpoint when a slot is free, for the next hit). Frees the
+        prefetch's host state slot. Nothing without a lower-tier hit: the device checkpoint
+        the scheduler restored stays."""
+        assert self.states is not None and self.host_states is not None
+        host_states, pool = self.host_states, self.states.pool
+        if prefetched is not None and prefetched.host_page_ids:
+            assert prefetched.state_slot is not None, "a storage hit without its state"
+            pool.restore(request_slot, host_states.snapshot(prefetched.state_slot))
+            self._count(load_storage_states=1, load_state_bytes=host_states.slot_nbytes)
+        elif host.nodes:
+            assert node is not None and node.host_state_slot is not None, "host hit, no state"
+            pool.restore(request_slot, host_states.snapshot(node.host_state_slot))
+            self._count(load_host_states=1, load_state_bytes=host_states.slot_nbytes)
+            self._checkpoint_restored(node, request_slot)
+        if prefetched is not None:
+            self.prefetches.release_state(prefetched.state_slot)
+            prefetched.state_slot = None
+
+    def _checkpoint_restored(self, node: RadixNode, request_slot: int) -> None:
+        """A node restored from host gets its state back on device too (when the checkpoint
+        share has a free slot), so the next request hits it there."""
+        assert self.states is not None
+        if node.state_slot is not None:
+            return
+        slot = self.states.alloc_checkpoint()
+        if slot is None:
+            self.states.counters.checkpoints_skipped += 1
+            return
+        self.states.pool.copy_slot(request_slot, slot)
+        self.tree.set_checkpoint(node, slot)
+        self.states.counters.checkpoints_taken += 1
+
+    def release_prefetched_state(self, prefetched: PrefetchResult) -> None:
+        """Give back the host state slot of a prefetch that will not be restored."""
+        self.prefetches.release_state(prefetched.state_slot)
+        prefetched.state_slot = None
 
     def release_prefetched(self, prefetched: PrefetchResult, page_ids: list[int]) -> None:
         """Give back host pages of `prefetched` that will not be loaded: now, or once its
@@ -288,8 +360,10 @@ class HiCache:
         self.reap()
         busy = [w for w in self._workers if w.queue_depth]
         pool = self.host_pool
+        states_pinned = (self.host_states is not None
+                         and self.host_states.stats()["host_state_slots_pinned"] > 0)
         return not busy and not self.prefetches.reads_outstanding \
-            and pool.num_in_flight == 0 and not pool.any_pinned
+            and pool.num_in_flight == 0 and not pool.any_pinned and not states_pinned
 
     def drop_all(self) -> tuple[int, int]:
         """Engine thread, idle engine (`io_idle`, no locked node): free every device page of
@@ -301,7 +375,9 @@ class HiCache:
             device = tree.flush()
         finally:
             tree.on_evict = on_evict
-        return device, tree.evict_host(tree.host_pages)
+        host = tree.evict_host(tree.host_pages)
+        tree.release_orphans()
+        return device, host
 
     def end_session(self, session_id: str, cache_salt: str) -> bool:
         """Close the storage session this node's writes for (`cache_salt`, `session_id`) used
@@ -313,8 +389,19 @@ class HiCache:
         return True
 
     def check(self) -> None:
+        """Every tier's accounting: the tree (device pages and checkpoints, host pages and
+        host checkpoints), the host pool and the host state pool."""
         self.tree.check()
         self.host_pool.check()
+        if self.host_states is not None:
+            self.host_states.check()
+
+    def host_states_untracked(self) -> int:
+        """Host state slots held but not by the tree (prefetches in flight, orphans awaiting
+        a storage write, or a leak): 0 on an idle node."""
+        if self.host_states is None:
+            return 0
+        return self.host_states.num_used - self.tree.host_checkpoints()
 
     def start(self) -> None:
         """Start the backup and prefetch IO threads and the load copier (the engine's
@@ -350,6 +437,16 @@ class HiCache:
                    prefetch_ops_pending=prefetch["prefetch_ops_pending"],
                    prefetch_ops_abandoned=prefetch["prefetch_ops_abandoned"])
         out.update(self._host_pages_outside_tree(prefetch))
+        if self.host_states is not None:
+            out.update(self.host_states.stats())
+            out["host_state_orphans"] = self.tree.num_orphan_states
+            out["host_states_evicted"] = self.tree.num_host_evicted_states
+            for _ in range(3):  # a scrape's tree walk races the engine thread: retried
+                try:
+                    out["host_state_slots_untracked"] = self.host_states_untracked()
+                    break
+                except RuntimeError:
+                    continue
         if self.tree.sessions is not None:
             out["sessions_tracked"] = len(self.tree.sessions)
         if self.pending is not None:
@@ -422,6 +519,15 @@ class HiCache:
             self.tree.evict_host(num_pages - self.host_pool.num_free, keep)
             page_ids = self.host_pool.alloc(num_pages)
         return page_ids
+
+    def _alloc_host_state(self, keep: frozenset[RadixNode] = frozenset()) -> int | None:
+        """A host state slot, dropping the least recently used host checkpoint (never one of
+        `keep`) when the pool is full; None when none can be had."""
+        assert self.host_states is not None
+        slot = self.host_states.alloc()
+        if slot is None and self.tree.drop_lru_host_checkpoint(keep):
+            slot = self.host_states.alloc()
+        return slot
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:

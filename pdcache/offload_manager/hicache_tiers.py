@@ -11,6 +11,9 @@ role composes it into its `Scheduler` (`Scheduler(tiers=HiCacheTiers(...))`; bui
 - cached: back the inserted nodes up (write policy);
 - every step: free host pages of abandoned prefetches whose reads ended;
 - `drop` (an idle engine's `/flush_cache`): device and host tiers, storage untouched.
+Hybrid models (`carries_state`): the host and prefetch hits end where a state checkpoint is
+(`HiRadixTree.match_host`, `Prefetcher`), a prefetch is used only whole up to its state, and
+admission restores that state into the request's slot (`HiCache.restore_state`).
 Engine thread only, like the scheduler itself, except `start()` (the thread calling
 `Engine.start()`), `end_session()` and `stats()` (any thread).
 """
@@ -27,6 +30,9 @@ from pdcache.offload_manager.prefetch_ops import PrefetchResult
 class HiCacheTiers:
     """Owns the queued requests' prefetch-restart bookkeeping; `hicache` owns the rest. Only
     HiCache's public methods are called."""
+
+    # the scheduler refuses a hybrid model's state slots with tiers that cannot restore them
+    carries_state = True
 
     def __init__(self, hicache: HiCache, page_size: int) -> None:
         self.hicache = hicache
@@ -78,6 +84,9 @@ class HiCacheTiers:
         if not host.nodes and prefetched is None:
             return TierReuse(cached=self.hicache.cached_tokens(len(match.page_ids), 0, None))
         node, load = self.hicache.load(host, prefetched, own_page_ids)
+        if self.hicache.states is not None:
+            assert req.state_slot is not None, "a hybrid request admitted without a state slot"
+            self.hicache.restore_state(req.state_slot, host, node, prefetched)
         return TierReuse(
             tree_pages=host.num_pages,
             node=node,
@@ -146,12 +155,18 @@ class HiCacheTiers:
         if skip < 0 or usable == 0:
             if result.stream is not None:
                 result.stream.cancelled.set()  # no page of it will be loaded: stop reading
+            self.hicache.release_prefetched_state(result)
             self.hicache.release_prefetched(result, result.host_page_ids)
             return None
+        if result.state_slot is not None:  # hybrid: only whole, up to the state it read
+            if skip != 0 or usable < len(result.host_page_ids):
+                self.hicache.release_prefetched_state(result)
+                self.hicache.release_prefetched(result, result.host_page_ids)
+                return None
         keep = result.host_page_ids[skip : skip + usable]
         drop = result.host_page_ids[:skip] + result.host_page_ids[skip + usable :]
         if drop:
             self.hicache.release_prefetched(result, drop)
         from_decode = result.origins[skip : skip + usable].count("decode")
         return PrefetchResult(keep, from_decode, result.origins[skip : skip + usable],
-                              result.stream, result.stream_offset + skip)
+                              result.stream, result.stream_offset + skip, result.state_slot)

@@ -7,6 +7,13 @@ Host eviction ranks host leaves by `host_policy` (`pdcache.engine.eviction`; LRU
 and never touches a node whose host pages are pinned
 (being loaded to device or written to storage).
 
+Hybrid models (docs/design.md §4.14): with `host_states` a node's host copy may carry the
+state checkpoint after its last token (`RadixNode.host_state_slot`, a `HostStatePool` slot the
+tree owns; only on a node with host pages, so it leaves exactly when they do: host eviction,
+an exclusive tier's release after a load, a dropped sub-tree; a slot a storage write still
+pins is orphaned and freed once unpinned, like host pages). The host continuation of a match
+then ends at the deepest host node carrying one (every layer kind restorable there).
+
 Threading: like the base tree, engine thread only. Host pages are freed through the
 `HostKVPool`, which is thread-safe.
 """
@@ -20,8 +27,16 @@ from dataclasses import dataclass, field
 
 from pdcache.engine.eviction import EvictionPolicy, EvictKey, LruPolicy, SessionTracker
 from pdcache.engine.kv_pool import PageAllocator
-from pdcache.engine.radix import EvictCallback, MatchResult, RadixNode, RadixTree
+from pdcache.engine.radix import (
+    CheckpointSlots,
+    EvictCallback,
+    MatchResult,
+    RadixNode,
+    RadixTree,
+    RestoreRule,
+)
 from pdcache.offload_manager.host_pool import HostKVPool
+from pdcache.offload_manager.host_state_pool import HostStatePool
 
 
 @dataclass
@@ -45,9 +60,16 @@ class HiRadixTree(RadixTree):
     def __init__(self, page_size: int, allocator: PageAllocator, host_pool: HostKVPool,
                  on_evict: EvictCallback | None = None, policy: EvictionPolicy | None = None,
                  host_policy: EvictionPolicy | None = None,
-                 sessions: SessionTracker | None = None) -> None:
-        super().__init__(page_size, allocator, on_evict, policy, sessions)
+                 sessions: SessionTracker | None = None, *,
+                 restore_rules: Sequence[RestoreRule] = (),
+                 checkpoints: CheckpointSlots | None = None,
+                 host_states: HostStatePool | None = None) -> None:
+        super().__init__(page_size, allocator, on_evict, policy, sessions,
+                         restore_rules=restore_rules, checkpoints=checkpoints)
         self.host_pool = host_pool
+        self.host_states = host_states  # hybrid models: host copies of state checkpoints
+        self._state_orphans: list[int] = []  # host state slots a storage write still pins
+        self.num_host_evicted_states = 0
         self.host_policy: EvictionPolicy = host_policy or LruPolicy()
         # host pages of nodes cut off from the tree while a storage write still read them
         self._orphans: list[int] = []
@@ -75,7 +97,18 @@ class HiRadixTree(RadixTree):
             node, done = child, done + matched
             if matched < child.num_pages:
                 break
+        if self.host_states is not None:
+            self._cut_to_host_checkpoint(match)
         return match
+
+    def _cut_to_host_checkpoint(self, match: HostMatch) -> None:
+        """Hybrid models: the host continuation ends at its deepest node end carrying a host
+        state checkpoint (the linear layers restore only there); nothing without one."""
+        while match.nodes:
+            node, matched = match.nodes[-1]
+            if matched == node.num_pages and node.host_state_slot is not None:
+                return
+            match.nodes.pop()
 
     def restore(self, match: HostMatch, device_page_ids: Sequence[int]) -> RadixNode | None:
         """Give the matched host-only nodes device pages (already filled, or being filled, by
@@ -139,7 +172,51 @@ class HiRadixTree(RadixTree):
         if free:
             self.host_pool.free(free)
         self._orphans = pinned
+        if self.host_states is not None and self._state_orphans:
+            states = self.host_states
+            for slot in [s for s in self._state_orphans if not states.is_pinned(s)]:
+                states.free(slot)
+                self._state_orphans.remove(slot)
         return len(free)
+
+    # ---- host state checkpoints (hybrid models) ----------------------------------------
+    @property
+    def num_orphan_states(self) -> int:
+        return len(self._state_orphans)
+
+    def host_checkpoints(self) -> int:
+        """Host state slots the tree's nodes hold."""
+        return sum(1 for n in self._iter_nodes() if n.host_state_slot is not None)
+
+    def set_host_checkpoint(self, node: RadixNode, slot: int) -> None:
+        """`slot` (held in `host_states`) is `node`'s host checkpoint now; the tree owns it."""
+        assert node.host_page_ids is not None and node.host_state_slot is None, \
+            "a host checkpoint needs a node with host pages and none yet"
+        node.host_state_slot = slot
+
+    def drop_lru_host_checkpoint(self, keep: frozenset[RadixNode] = frozenset()) -> bool:
+        """Free the least recently used host checkpoint no storage write pins (its node and
+        pages stay); False when there is none."""
+        assert self.host_states is not None
+        states = self.host_states
+        holders = [n for n in self._iter_nodes() if n.host_state_slot is not None
+                   and n not in keep and not states.is_pinned(n.host_state_slot)]
+        if not holders:
+            return False
+        self._free_host_state(min(holders, key=lambda n: n.last_access))
+        self.num_host_evicted_states += 1
+        return True
+
+    def _free_host_state(self, node: RadixNode) -> None:
+        """Free `node`'s host checkpoint exactly once (orphaned while a write pins it)."""
+        slot, node.host_state_slot = node.host_state_slot, None
+        if slot is None:
+            return
+        assert self.host_states is not None
+        if self.host_states.is_pinned(slot):
+            self._state_orphans.append(slot)
+        else:
+            self.host_states.free(slot)
 
     @property
     def num_orphan_pages(self) -> int:
@@ -180,6 +257,7 @@ class HiRadixTree(RadixTree):
                 continue
             self.host_pool.free(ids)
             item.host_page_ids = None
+            self._free_host_state(item)
             freed += len(ids)
         return freed
 
@@ -200,6 +278,27 @@ class HiRadixTree(RadixTree):
             assert self.host_pool.is_used(page_id), f"orphaned host page {page_id} not USED"
             seen.add(page_id)
         assert len(seen) <= self.host_pool.num_used, (len(seen), self.host_pool.num_used)
+        self._check_host_states()
+
+    def _check_host_states(self) -> None:
+        slots: set[int] = set()
+        for node in self._iter_nodes():
+            slot = node.host_state_slot
+            if slot is None:
+                continue
+            assert node.host_page_ids is not None, "a host checkpoint without host pages"
+            assert self.host_states is not None and self.host_states.is_used(slot), \
+                f"tree holds free host state slot {slot}"
+            assert slot not in slots, f"host state slot {slot} held twice by the tree"
+            slots.add(slot)
+        for slot in self._state_orphans:
+            assert slot not in slots, f"orphaned host state slot {slot} still held by the tree"
+            assert self.host_states is not None and self.host_states.is_used(slot)
+            slots.add(slot)
+        if self.host_states is not None:
+            self.host_states.check()
+            assert len(slots) <= self.host_states.num_used, (len(slots),
+                                                             self.host_states.num_used)
 
     # ---- internals ---------------------------------------------------------------------
     def _on_device_evicted(self, node: RadixNode) -> None:
@@ -212,6 +311,7 @@ class HiRadixTree(RadixTree):
                     self._release_host(item.host_page_ids)
                     self.num_host_evicted_pages += len(item.host_page_ids)
                     item.host_page_ids = None
+                    self._free_host_state(item)
             node.children.clear()
         super()._on_device_evicted(node)
 
@@ -244,6 +344,7 @@ class HiRadixTree(RadixTree):
         page_ids = node.host_page_ids or []
         self.host_pool.free(page_ids)
         node.host_page_ids = None
+        self._free_host_state(node)
         self.num_host_evicted_pages += len(page_ids)
         if not node.on_device and not node.children:
             parent = node.parent

@@ -30,6 +30,10 @@ class IoKind(Enum):
     READ = "read"
     WRITE = "write"
     READ_LAYERS = "read_layers"  # layer-major read reported to `IoTask.stream` (layer_reads.py)
+    # recurrent-state objects (hybrid models; storage `put_state` / `get_state_into`): one host
+    # state slot (`host_pages[0]`); `keys[i]` is the state after `tokens[i]` tokens
+    WRITE_STATE = "write_state"  # every key stored from the one slot
+    READ_STATE = "read_state"  # candidates, deepest first: the first that verifies is read
 
 
 @dataclass
@@ -51,6 +55,7 @@ class IoTask:
     namespace: str = ""  # writes: the pages' tenant namespace (storage quotas)
     session: str = ""  # writes: the conversation that wrote them (storage lifecycle)
     stream: LayerStream | None = None  # READ_LAYERS: where the read reports its progress
+    tokens: list[int] = field(default_factory=list)  # *_STATE: each key's token position
 
 
 @dataclass
@@ -61,6 +66,8 @@ class IoStats:
     pages_read: int = 0
     pages_written: int = 0
     pages_failed: int = 0
+    states_read: int = 0
+    states_written: int = 0
     callback_errors: int = 0
 
 
@@ -135,6 +142,8 @@ class IoWorker:
         try:
             if task.kind is IoKind.READ:
                 ok = self.backend.get_into(task.keys, task.host_pages, origins)
+            elif task.kind in (IoKind.WRITE_STATE, IoKind.READ_STATE):
+                ok = self._run_state(task, origins)
             elif task.kind is IoKind.READ_LAYERS:
                 assert task.stream is not None, "a READ_LAYERS task needs its stream"
                 ok = self.backend.read_layers(task.keys, task.host_pages, task.stream,  # type: ignore[attr-defined]
@@ -150,8 +159,28 @@ class IoWorker:
             return IoResult([False] * n, origins, time.perf_counter() - start, str(exc))
         done = sum(ok)
         key = "pages_written" if task.kind is IoKind.WRITE else "pages_read"
-        self._count(tasks_done=1, pages_failed=n - done, **{key: done})
+        if task.kind in (IoKind.WRITE_STATE, IoKind.READ_STATE):
+            key = "states_written" if task.kind is IoKind.WRITE_STATE else "states_read"
+            self._count(tasks_done=1, **{key: done})
+        else:
+            self._count(tasks_done=1, pages_failed=n - done, **{key: done})
         return IoResult(list(ok), origins, time.perf_counter() - start)
+
+    def _run_state(self, task: IoTask, origins: list[str | None]) -> list[bool]:
+        """A state task: write every key from the slot, or read the first candidate that
+        verifies (a refused or missing one is the backend's counted miss; try the next)."""
+        slot = task.host_pages[0]
+        ok = [False] * len(task.keys)
+        for i, (key, tokens) in enumerate(zip(task.keys, task.tokens, strict=True)):
+            if task.kind is IoKind.WRITE_STATE:
+                ok[i] = self.backend.put_state(key, slot, tokens, task.origin, task.namespace,
+                                               task.session)
+                continue
+            origin = self.backend.get_state_into(key, slot, tokens)
+            if origin is not None:
+                ok[i], origins[i] = True, origin
+                break
+        return ok
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:

@@ -24,6 +24,16 @@ With `layerwise_prefetch` (backends with `read_layers`) a prefetch without pendi
 layer-major read (`LayerStream`, §4.11): ready once its header pass ended; the load then waits
 per layer (`layer_loads.LayerLoad`). A stream is cancelled when nobody will load it.
 
+Hybrid models (docs/design.md §4.14, `host_states` set): a storage hit must end where the
+linear layers' state can be restored too. The lookup probes, among the stored pages, the state
+objects of their ends (`exists_state(state_key(page key, geometry))`, deepest first) and reads
+the pages up to the deepest one plus, into one host state slot, the first candidate state that
+verifies (`get_state_into`; a missing or refused object is the backend's counted miss and the
+next shallower candidate is tried). `take` cuts the hit to the state read (`state_pages`): no
+state, no storage hit (the request starts from its device/host checkpoint), never pages
+without their state. No layer-streamed reads and no pending (decode-announced) pages for them
+yet.
+
 Threads: every method runs on the engine thread. Read completions run on the prefetch IO
 thread and only set an op's batch results and `Event`, or report to its `LayerStream` (its
 own condition variable), and count through `count` (the owner's stats lock). No lock of its
@@ -34,13 +44,16 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from pdcache.engine.page_keys import state_key
 from pdcache.offload_manager.host_pool import HostKVPool
+from pdcache.offload_manager.host_state_pool import HostStatePool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
 from pdcache.offload_manager.page_pull import PullTicket
 from pdcache.offload_manager.pending import PageState, PendingPages
@@ -49,7 +62,7 @@ from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.layer_reads import LayerStream
 
 if TYPE_CHECKING:
-    from pdcache.offload_manager.backup import AllocHost, Count, PageKeys
+    from pdcache.offload_manager.backup import AllocHost, AllocHostState, Count, PageKeys
     from pdcache.offload_manager.hicache import HiCacheConfig
 
 log = logging.getLogger(__name__)
@@ -62,8 +75,11 @@ class Prefetcher:
     def __init__(self, host_pool: HostKVPool, storage: StorageBackend | None,
                  config: HiCacheConfig, page_size: int, num_layers: int,
                  pending: PendingPages | None, page_keys: PageKeys, alloc_host: AllocHost,
-                 count: Count) -> None:
+                 count: Count, host_states: HostStatePool | None = None,
+                 alloc_host_state: AllocHostState | None = None) -> None:
         self.host_pool = host_pool
+        self.host_states = host_states  # hybrid models: hits need their state object
+        self._alloc_host_state = alloc_host_state
         self.storage = storage
         self.config = config
         self.page_size = page_size
@@ -96,6 +112,8 @@ class Prefetcher:
             return 0
         finally:
             self._count(prefetch_lookup_us=int((time.perf_counter() - start) * 1e6))
+        if self.host_states is not None:
+            return self._start_hybrid(rid, first_page, keys, hits, len(token_ids))
         awaited = self._pending_after(keys, hits)
         total = hits + awaited
         if total < self.config.prefetch_min_pages:
@@ -113,6 +131,68 @@ class Prefetcher:
             self._maybe_pull(op)  # best_effort admits at once: a pull would be abandoned
         self._ops[rid] = op
         return total
+
+    def _start_hybrid(self, rid: str, first_page: int, keys: list[bytes], hits: int,
+                      num_tokens: int) -> int:
+        """`start` for a hybrid model: the pages up to the deepest stored state object among
+        the `hits` pages, and that state (or a shallower one) into a host state slot."""
+        assert self.storage is not None and self.host_states is not None
+        if not self.storage.supports_states:
+            return 0
+        geometry = self.host_states.geometry.key()
+        candidates: list[tuple[int, bytes]] = []  # (pages of the op, state key), deepest first
+        try:
+            for pages in range(hits, 0, -1):
+                key = state_key(keys[pages - 1], geometry)
+                if self.storage.exists_state(key):
+                    candidates.append((pages, key))
+        except Exception as exc:
+            log.warning("prefetch of %s: state lookup failed: %s", rid, exc)
+            self._count(storage_errors=1)
+            return 0
+        if not candidates:
+            self._count(prefetch_state_misses=1 if hits else 0)
+            return 0
+        total = candidates[0][0]
+        if total < self.config.prefetch_min_pages:
+            return 0
+        assert self._alloc_host_state is not None
+        slot = self._alloc_host_state(frozenset())
+        host_ids = self._alloc_host(total, frozenset()) if slot is not None else None
+        if host_ids is None:
+            if slot is not None:
+                self.host_states.free(slot)
+            log.info("prefetch of %s stopped: no host room for %d pages and a state", rid, total)
+            return 0
+        now = time.monotonic()
+        op = PrefetchOp(rid, first_page, keys[:total], host_ids, [],
+                        now + self.config.prefetch_timeout_s(num_tokens), submitted=0)
+        self._submit_range(op, total)
+        self._submit_state_read(op, slot, candidates)
+        self._ops[rid] = op
+        return total
+
+    def _submit_state_read(self, op: PrefetchOp, slot: int,
+                           candidates: list[tuple[int, bytes]]) -> None:
+        assert self.worker is not None and self.host_states is not None
+        host_states = self.host_states
+        op.state_slot, op.state_done = slot, threading.Event()
+        op.state_pages = [pages for pages, _ in candidates]
+        tokens = [(op.first_page + pages) * self.page_size for pages, _ in candidates]
+
+        def done(result: IoResult) -> None:  # prefetch IO thread
+            hit = next((i for i, ok in enumerate(result.ok) if ok), -1)
+            op.state_ok = hit
+            self._count(prefetch_state_misses=hit if hit >= 0 else len(result.ok),
+                        storage_errors=1 if result.error else 0)
+            assert op.state_done is not None
+            op.state_done.set()
+
+        task = IoTask(IoKind.READ_STATE, [key for _, key in candidates],
+                      [host_states.data[slot]], done, tokens=tokens)
+        if not self.worker.submit(task):
+            op.state_ok = -1
+            op.state_done.set()
 
     def ready(self, rid: str, now: float | None = None) -> bool:
         """Whether the queued request may be admitted now, under the prefetch policy."""
@@ -138,6 +218,10 @@ class Prefetcher:
             return None
         self._stop_waiting(op)
         pages, origins = op.ready_prefix()
+        state_slot = None
+        if op.state_done is not None:
+            pages, state_slot = self._state_cut(op, pages)
+            origins = origins[:pages]
         if op.awaited:
             taken = max(0, min(pages - op.awaited_first, op.awaited))
             pulled = min(op.pulled, taken)
@@ -156,8 +240,30 @@ class Prefetcher:
         self._count(prefetch_wait_us=int((time.monotonic() - op.started) * 1e6),
                     prefetch_pages=pages, prefetch_bytes=pages * self.host_pool.page_nbytes,
                     prefetch_streamed_pages=pages if op.stream is not None else 0)
+        if state_slot is not None:
+            assert self.host_states is not None
+            self._count(prefetch_states=1, prefetch_state_bytes=self.host_states.slot_nbytes)
         return PrefetchResult(op.host_page_ids[:pages], origins.count("decode"), origins,
-                              op.stream)
+                              op.stream, state_slot=state_slot)
+
+    def _state_cut(self, op: PrefetchOp, pages: int) -> tuple[int, int | None]:
+        """The pages of a hybrid op that end at the state it read, and the host state slot
+        now the caller's; (0, None) when no state was read by now, or its pages were not."""
+        assert op.state_done is not None
+        if not op.state_done.is_set() or op.state_ok < 0:
+            return 0, None
+        state_pages = op.state_pages[op.state_ok]
+        if pages < state_pages:
+            self._count(prefetch_state_misses=1)
+            return 0, None
+        slot, op.state_slot = op.state_slot, None
+        return state_pages, slot
+
+    def release_state(self, slot: int | None) -> None:
+        """Give back the host state slot of a taken prefetch (restored, or not used)."""
+        if slot is not None:
+            assert self.host_states is not None
+            self.host_states.free(slot)
 
     def first_page(self, rid: str) -> int:
         """First prompt page of `rid`'s prefetch (0 when there is none)."""
@@ -205,6 +311,10 @@ class Prefetcher:
         for op in self._abandoned:
             if op.complete:
                 self.host_pool.free(op.host_page_ids)
+                if op.state_slot is not None:  # its state read ended too: nobody writes it
+                    assert self.host_states is not None
+                    self.host_states.free(op.state_slot)
+                    op.state_slot = None
             else:
                 still.append(op)
         self._abandoned = still
@@ -235,8 +345,8 @@ class Prefetcher:
     # ---- reads ---------------------------------------------------------------------------
     @property
     def _streams_layers(self) -> bool:
-        return self.config.layerwise_prefetch and bool(getattr(self.storage, "streams_layers",
-                                                                False))
+        return (self.config.layerwise_prefetch and self.host_states is None
+                and bool(getattr(self.storage, "streams_layers", False)))
 
     def _submit_reads(self, rid: str, first_page: int, keys: list[bytes], host_ids: list[int],
                       num_tokens: int, submit: int | None = None) -> PrefetchOp:
@@ -310,7 +420,8 @@ class Prefetcher:
         # a streamed read may still write into the rest: they are free once it ended
         rest = PrefetchOp(op.rid, op.first_page + keep_pages, op.keys[keep_pages:],
                           op.host_page_ids[keep_pages:], op.batches, op.deadline,
-                          stream=op.stream)
+                          stream=op.stream, state_done=op.state_done, state_slot=op.state_slot)
+        op.state_slot = None  # the abandoned rest frees it once its read ended
         self._count(prefetch_abandoned_pages=len(rest.host_page_ids))
         self._abandoned.append(rest)
         self.reap()

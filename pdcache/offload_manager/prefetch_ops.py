@@ -55,6 +55,13 @@ class PrefetchOp:
     stream: LayerStream | None = None  # a layer-streamed read (then `batches` is empty)
     pull: PullTicket | None = None  # pulling pages `submitted ..` from decode's staging
     pulled: int = 0  # pages taken from pulls
+    # hybrid models: the state read into host state slot `state_slot` (None: given away or
+    # none); candidates' page counts deepest first, `state_ok` the one read (-1: none); the
+    # read has ended once `state_done` is set (None: no state read)
+    state_slot: int | None = None
+    state_pages: list[int] = field(default_factory=list)
+    state_ok: int = -1
+    state_done: threading.Event | None = None
 
     def __post_init__(self) -> None:
         if self.submitted < 0:
@@ -62,6 +69,8 @@ class PrefetchOp:
 
     @property
     def complete(self) -> bool:
+        if self.state_done is not None and not self.state_done.is_set():
+            return False
         if self.stream is not None:
             return self.stream.done
         return self.submitted == len(self.keys) and all(b.done.is_set() for b in self.batches)
@@ -101,3 +110,6 @@ class PrefetchResult:
     origins: list[str | None] = field(default_factory=list)
     stream: LayerStream | None = None  # still being read into (layer-streamed prefetch)
     stream_offset: int = 0  # index of host_page_ids[0] among the stream's pages
+    # hybrid models: the host state slot holding the state after the last page (the
+    # caller's: restored then released through `HiCache.release_prefetched_state`)
+    state_slot: int | None = None

@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdcache.engine.state_pool import StateSnapshot
 from pdcache.transfer.messages import PrefillReport
 from pdcache.transfer.rooms import Outcome, RoomState
 
@@ -56,7 +57,8 @@ log = logging.getLogger(__name__)
 class Sender(Protocol):
     """The transfer side (`pdcache.transfer.sender.KVSender`)."""
 
-    def send(self, room: int, src_page_ids: Sequence[int], report: PrefillReport) -> bool: ...
+    def send(self, room: int, src_page_ids: Sequence[int], report: PrefillReport,
+             state: StateSnapshot | None = None) -> bool: ...
 
     def has_destination(self, room: int) -> bool: ...
 
@@ -206,10 +208,13 @@ class PrefillController:
             self._sender_abort(room, reason)
 
     # ---- engine thread -----------------------------------------------------------------------
-    def take_prefilled(self, rid: str, page_ids: Sequence[int], report: PrefillReport) -> bool:
-        """The prompt K/V of `rid` is complete in `page_ids`. True: the sender took them and
-        the engine must hold them until `release_held(rid)`; False: not a PD request, or its
-        room is over — the engine caches/frees the pages as usual."""
+    def take_prefilled(self, rid: str, page_ids: Sequence[int], report: PrefillReport,
+                       state: StateSnapshot | None = None) -> bool:
+        """The prompt K/V of `rid` is complete in `page_ids` (and a hybrid model's recurrent
+        `state` after the prompt, a host snapshot the sender reads until the room's release).
+        True: the sender took them and the engine must hold the pages until
+        `release_held(rid)`; False: not a PD request, or its room is over — the engine
+        caches/frees the pages as usual."""
         with self._lock:
             room = self._room_of.get(rid)
             entry = self._rooms.get(room) if room is not None else None
@@ -218,7 +223,9 @@ class PrefillController:
             entry.phase, entry.sent_at = Phase.SENDING, time.monotonic()
         report = dataclasses.replace(report, prefill_node=self.node_name)
         try:
-            accepted = self._require_sender().send(room, page_ids, report)
+            sender = self._require_sender()
+            accepted = (sender.send(room, page_ids, report) if state is None
+                        else sender.send(room, page_ids, report, state=state))
         except Exception:  # a bad report or pages: fail the room, never the engine thread
             log.exception("prefill: send of room %d failed", room)
             accepted = False

@@ -50,17 +50,19 @@ class PrefillRuntime:
         self.pulls = PagePulls(setup.tiers.hicache.pending_pull)
         self.pending = PendingPages(max_ttl_s=setup.tiers.hicache.pending_max_ttl_s,
                                     pulls=self.pulls)
+        role = PrefillRole(self.controller)
         self.tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers,
-                                          role=PrefillRole(self.controller),
-                                          pending=self.pending)
+                                          role=role, pending=self.pending)
         self.engine = self.tiered.engine
+        role.use_states(self.engine.states)  # a hybrid model's state goes with its pages
         self.sender = KVSender(setup.transfer, self.engine.pool.device_kv, setup.listen_host,
                                setup.bootstrap_port or 0, on_release=self.controller.on_release,
                                prefill_id=setup.name,
                                on_requested=self.controller.decode_requested,
                                control_key=setup.security.zmq_control_key,
                                on_pages=self.pending, kv_geometry=setup.engine.model.kv_geometry.layout_key(
-                                   setup.engine.cache.page_size))
+                                   setup.engine.cache.page_size),
+                               state_geometry=setup.engine.model.state_geometry)
         self.pulls.attach(self.sender)
         if self.pulls.mode != "never" and not self.sender.authenticated:
             log.info("pending_pull = %r pulls nothing without a cluster secret "

@@ -18,13 +18,16 @@ from typing import Protocol
 
 from pdcache.engine.api import CachedTokens
 from pdcache.engine.request import Req, pages_for
+from pdcache.engine.state_cache import StateSlots
+from pdcache.engine.state_pool import StateSnapshot
 from pdcache.transfer.messages import PrefillReport, pack_logprobs
 
 
 class PrefilledSink(Protocol):
     """`PrefillController.take_prefilled`'s side of the scheduler."""
 
-    def take_prefilled(self, rid: str, page_ids: list[int], report: PrefillReport) -> bool: ...
+    def take_prefilled(self, rid: str, page_ids: list[int], report: PrefillReport,
+                       state: StateSnapshot | None = None) -> bool: ...
 
     def decode_ready(self, rid: str) -> bool: ...
 
@@ -33,12 +36,23 @@ class PrefillRole:
     """A finished request is held when `pd.take_prefilled` takes its prompt pages (a PD
     request whose room is open); held pages are freed only by `Engine.release_held`, which the
     controller calls once the transfer no longer reads them — never by an abort. Takes no
-    reservations. Holds only `pd`."""
+    reservations. Holds `pd` and, for a hybrid model, the engine's `states` (`use_states`,
+    set once the engine is built): a held request's recurrent state goes with its pages.
+
+    The state sent is the one after the last prompt token: `hold_after_finish` runs before
+    the scheduler frees the request's slot, and prefill's extend forward never feeds the
+    first token it sampled (decode's first step does), so the slot holds exactly the state
+    that matches the prompt K/V decode receives."""
 
     takes_reservations = False
 
     def __init__(self, pd: PrefilledSink) -> None:
         self.pd = pd
+        self.states: StateSlots | None = None
+
+    def use_states(self, states: StateSlots | None) -> None:
+        """The engine's recurrent-state slots (None: not a hybrid model)."""
+        self.states = states
 
     def admission_ready(self, req: Req) -> bool:
         # decode first: a request decode cannot take yet costs no compute and no pages
@@ -54,7 +68,17 @@ class PrefillRole:
         report = PrefillReport(req.output_ids[0], len(req.prompt_ids), req.computed_tokens,
                                req.cached or CachedTokens(), first_logprob=first_logprob,
                                input_logprobs=pack_logprobs(req.input_logprobs))
-        return self.pd.take_prefilled(req.rid, list(pages), report)
+        state = self._prompt_state(req)
+        if state is None:
+            return self.pd.take_prefilled(req.rid, list(pages), report)
+        return self.pd.take_prefilled(req.rid, list(pages), report, state=state)
+
+    def _prompt_state(self, req: Req) -> StateSnapshot | None:
+        """A host copy of `req`'s state after its prompt (None: not a hybrid model). A fresh
+        tensor: the sender reads it until the room's release, long after the slot is freed."""
+        if self.states is None or req.state_slot is None or req.kv_len != len(req.prompt_ids):
+            return None  # not hybrid, or decoded past its prompt: not a PD prefill's end
+        return self.states.pool.snapshot(req.state_slot)
 
     def hold_on_abort(self, req: Req) -> bool:
         return False

@@ -38,6 +38,7 @@ from pdcache.engine.api import (
     TokenLogprob,
 )
 from pdcache.engine.engine import Engine, EngineNotRunningError, EngineOverloadedError
+from pdcache.engine.state_pool import StateSnapshot
 from pdcache.server.metrics import ServerMetrics
 from pdcache.wire.detokenize import TextAssembler
 from pdcache.wire.generate_api import finish_reason_object
@@ -276,8 +277,10 @@ class EngineBridge:
                          first_logprob: TokenLogprob | None = None,
                          input_logprobs: list[TokenLogprob] | None = None,
                          session_id: str | None = None,
+                         state: StateSnapshot | None = None,
                          ) -> EngineRequest:
-        """Start decoding a request whose prompt K/V sits in the pages reserved under `rid`;
+        """Start decoding a request whose prompt K/V sits in the pages reserved under `rid`
+        (and, for a hybrid model, whose recurrent `state` prefill sent);
         on failure the reservation is freed and the request answers 500. `first_logprob` /
         `input_logprobs`: what prefill's report carried; a `constraint` is rebuilt from the
         request and the engine advances it past `first_token` (`Engine.submit_prefilled`);
@@ -291,7 +294,7 @@ class EngineBridge:
         try:
             self.engine.submit_prefilled(req, first_token, handle.on_output,
                                          first_logprob=first_logprob,
-                                         input_logprobs=input_logprobs)
+                                         input_logprobs=input_logprobs, state=state)
         except (ValueError, EngineNotRunningError) as exc:
             self.engine.abort(rid)  # frees the reservation
             raise ApiError(500, f"cannot start decoding: {exc}", type=SERVER_ERROR) from None

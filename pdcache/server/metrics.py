@@ -32,6 +32,13 @@ ENGINE_GAUGES: dict[str, tuple[tuple[str, ...], str]] = {
     "pdcache_device_pages_free": (("pages_free",), "free device KV pages"),
     "pdcache_device_pages_used": (("pages_used",), "device pages held by requests or the cache"),
     "pdcache_device_pages_cached": (("cached_pages", "pages_cached"), "pages in the prefix tree"),
+    # hybrid models (recurrent state, docs/design.md §4.14); absent for other models
+    "pdcache_state_slots_total": (("state_slots_total",),
+                                  "device recurrent-state slots (requests' and checkpoints')"),
+    "pdcache_state_slots_free": (("state_slots_free",), "free device recurrent-state slots"),
+    "pdcache_state_slot_bytes": (("state_slot_bytes",), "bytes of one recurrent state"),
+    "pdcache_state_checkpoints": (("state_checkpoints",),
+                                  "state checkpoints the device prefix tree holds"),
 }
 ENGINE_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
     "pdcache_device_pages_evicted": (("pages_evicted_total",), "prefix-cache pages evicted"),
@@ -53,6 +60,26 @@ ENGINE_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
     "pdcache_compute_share_errors": (("compute_share_errors_total",),
                                      "compute share lock calls that failed (the first turns "
                                      "the share off for this engine)"),
+    "pdcache_state_checkpoints_taken": (("state_checkpoints_taken_total",),
+                                        "state checkpoints copied on device ([cache] "
+                                        "state_checkpoints; a renewed decode one each time)"),
+    "pdcache_state_checkpoints_skipped": (("state_checkpoints_skipped_total",),
+                                          "state checkpoints not taken: no checkpoint slot"),
+    "pdcache_state_checkpoints_restored": (("state_checkpoints_restored_total",),
+                                           "admissions whose state came from a device "
+                                           "checkpoint"),
+    "pdcache_state_checkpoints_evicted": (("state_checkpoints_evicted_total",),
+                                          "state checkpoints freed with their node's pages"),
+    "pdcache_state_checkpoints_dropped": (("state_checkpoints_dropped_total",),
+                                          "state checkpoints dropped alone (LRU) to make "
+                                          "room for a newer one"),
+    "pdcache_state_checkpoint_bytes": (("state_checkpoint_bytes_total",),
+                                       "device bytes copied into state checkpoints"),
+    "pdcache_state_limited_hits": (("prefix_hits_limited_by_state_total",),
+                                   "admissions whose page match was cut to an earlier point "
+                                   "because no state checkpoint was at its end"),
+    "pdcache_state_limited_tokens": (("tokens_limited_by_state_total",),
+                                     "matched tokens not reused for want of a state checkpoint"),
 }
 
 
@@ -173,6 +200,36 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
                               "storage slots by state (as seen by this node)"),
     "pdcache_storage_pages_total": ("gauge", "", {"": "storage_capacity_pages"},
                                     "storage capacity in pages"),
+    # hybrid models: each tier hop's bytes, KV pages beside recurrent states (state series
+    # are 0 for other models); path: device_to_host, host_to_storage (backups, written),
+    # storage_to_host (prefetched, read), host_to_device (loads)
+    "pdcache_kv_bytes": ("counter", "path", {"device_to_host": "backup_host_kv_bytes",
+                                             "host_to_storage": "backup_storage_kv_bytes",
+                                             "storage_to_host": "prefetch_bytes",
+                                             "host_to_device": "load_host_kv_bytes"},
+                         "KV page bytes moved between the tiers, by path"),
+    "pdcache_state_bytes": ("counter", "path", {"device_to_host": "backup_host_state_bytes",
+                                                "host_to_storage": "backup_storage_state_bytes",
+                                                "storage_to_host": "prefetch_state_bytes",
+                                                "host_to_device": "load_state_bytes"},
+                            "recurrent-state checkpoint bytes moved between the tiers, by path"),
+    "pdcache_state_tier_checkpoints": ("counter", "event", {
+        "host_backup": "backup_host_states", "host_skipped": "backup_skipped_states",
+        "host_evicted": "host_states_evicted", "storage_written": "backup_storage_states",
+        "storage_failed": "backup_failed_states", "storage_read": "prefetch_states",
+        "storage_missed": "prefetch_state_misses", "loaded_from_host": "load_host_states",
+        "loaded_from_storage": "load_storage_states"},
+        "state checkpoints on the host and storage tiers: backed up to host, skipped (no host "
+        "state slot), dropped by host eviction, written to / failed on storage, read from "
+        "storage, missing or refused there (hit shortened), restored to device from host or "
+        "storage"),
+    "pdcache_state_host_slots": ("gauge", "state", {"used": "host_state_slots_used",
+                                                    "pinned": "host_state_slots_pinned"},
+                                 "host state pool slots in use, and those pinned by a write"),
+    "pdcache_state_host_slots_total": ("gauge", "", {"": "host_state_slots"},
+                                       "host state pool slots"),
+    "pdcache_state_host_bytes_used": ("gauge", "", {"": "host_state_bytes_used"},
+                                      "host memory held by state checkpoints"),
 }
 
 
@@ -209,7 +266,9 @@ class TransferCollector(Collector):
     `pdcache_control_rejected_messages_total{kind}`, control messages it dropped (malformed, ...,
     unauthenticated, stale, replayed, stale_boot: docs/security.md; every kind, zeros
     included), and `pdcache_kv_transfer_bytes_total{direction}`, the KV bytes it pushed
-    (`sent`, prefill) or received (`received`, decode) through the transfer engine."""
+    (`sent`, prefill) or received (`received`, decode) through the transfer engine; with a
+    hybrid model's states, `pdcache_state_transfer_bytes_total{direction}` beside it (a
+    sibling, not a `kind` label: the KV series keeps its meaning and its sums)."""
 
     def __init__(self, stats: Callable[[], Mapping[str, Any]], server_name: str) -> None:
         self._stats = stats
@@ -238,6 +297,14 @@ class TransferCollector(Collector):
                 moved.add_metric([self._server_name, direction],
                                  float(stats[f"bytes_{direction}"]))
         yield moved
+        states = CounterMetricFamily("pdcache_state_transfer_bytes",
+                                     "recurrent-state bytes moved P->D with their pages",
+                                     labels=["server", "direction"])
+        for direction in ("sent", "received"):
+            if f"state_bytes_{direction}" in stats:
+                states.add_metric([self._server_name, direction],
+                                  float(stats[f"state_bytes_{direction}"]))
+        yield states
 
 
 class EngineStatsCollector(Collector):

@@ -12,7 +12,7 @@ The device tier is the real `RadixTree` (or `HiRadixTree` with a host tier) over
 `pdcache.engine.eviction`'s; the write policy (write_through, write_through_selective,
 write_back, the exclusive host tier) is `pdcache.offload_manager.backup.Backup` itself, with
 the KV copy skipped (`NoCopy`: only its time is modelled) and its storage writes handed to
-the simulated store (`SimBackup._write`). The host pool is a real `HostKVPool` whose pages
+the simulated store through `Backup`'s public seam (`SimStorageWriter`, a `StorageWriter`). The host pool is a real `HostKVPool` whose pages
 hold 4 bytes each (`PAGE_GEOMETRY`): its page states and pins are what the tree checks.
 """
 
@@ -56,43 +56,51 @@ class NoCopy:
         return None
 
 
-class SimBackup(Backup):
-    """`Backup` whose storage writes go to the simulated store: the host pages stay pinned
-    until the simulated write completes, as the real backup IO thread keeps them."""
+class SimStorageWriter:
+    """The `StorageWriter` of a simulated node: a backup's pages go to the simulated store;
+    the host pages stay pinned until the simulated write completes, as the real backup IO
+    thread keeps them. Owns nothing but the pins it takes."""
 
-    def __init__(self, tree: HiRadixTree, spec: CacheSpec, node: str,
-                 write: StorageWrite | None, later: Later, counts: Counter[str]) -> None:
-        super().__init__(
-            tree, torch.empty(0), NoCopy(), None, spec.write_policy, spec.write_through_threshold,
-            spec.host_mode, 0, page_keys=lambda tokens, salt: list(tokens),
-            alloc_host=self._alloc_host_pages, count=lambda **kw: counts.update(kw))
+    def __init__(self, tree: HiRadixTree, node: str, write: StorageWrite, later: Later) -> None:
+        self.tree = tree
         self.node = node
         self._store_write = write
         self._later = later
-        if write is not None:
-            # `Backup` writes to storage when it has a worker: this object stands in for it
-            # (`_write` below is the only thing that uses it)
-            self.worker = self  # type: ignore[assignment]
 
-    def _alloc_host_pages(self, num_pages: int, keep: frozenset[RadixNode]) -> list[int] | None:
-        """Host pages, evicting host copies by the host policy when short (HiCache's)."""
-        page_ids = self.host_pool.alloc(num_pages)
-        if page_ids is None:
-            self.tree.evict_host(num_pages - self.host_pool.num_free, keep)
-            page_ids = self.host_pool.alloc(num_pages)
-        return page_ids
-
-    def _write(self, keys: list[bytes], host_ids: list[int], namespace: str = "",
-               session: str = "") -> None:
-        assert self._store_write is not None
-        self.host_pool.pin(host_ids)
+    def write_pages(self, keys: list[bytes], host_ids: list[int], namespace: str,
+                    session: str) -> None:
+        host_pool = self.tree.host_pool
+        host_pool.pin(host_ids)
+        # the backup's page keys are page tokens here (`sim_backup`'s `page_keys`)
         done_s = self._store_write(self.node, [int(k) for k in keys], "prefill")
 
         def done() -> None:
-            self.host_pool.unpin(host_ids)
+            host_pool.unpin(host_ids)
             self.tree.release_orphans()
 
         self._later(done_s, done)
+
+
+def alloc_host_pages(tree: HiRadixTree, num_pages: int,
+                     keep: frozenset[RadixNode]) -> list[int] | None:
+    """Host pages, evicting host copies by the host policy when short (HiCache's)."""
+    page_ids = tree.host_pool.alloc(num_pages)
+    if page_ids is None:
+        tree.evict_host(num_pages - tree.host_pool.num_free, keep)
+        page_ids = tree.host_pool.alloc(num_pages)
+    return page_ids
+
+
+def sim_backup(tree: HiRadixTree, spec: CacheSpec, node: str, write: StorageWrite | None,
+               later: Later, counts: Counter[str]) -> Backup:
+    """pdcache's own `Backup` over a simulated node's tree: no KV copy (`NoCopy`), page
+    tokens as page keys, storage writes to the simulated store (none without storage)."""
+    writer = SimStorageWriter(tree, node, write, later) if write is not None else None
+    return Backup(
+        tree, torch.empty(0), NoCopy(), None, spec.write_policy, spec.write_through_threshold,
+        spec.host_mode, 0, page_keys=lambda tokens, salt: list(tokens),
+        alloc_host=lambda num_pages, keep: alloc_host_pages(tree, num_pages, keep),
+        count=lambda **kw: counts.update(kw), storage_writer=writer)
 
 
 @dataclass
@@ -128,14 +136,14 @@ class NodeCache:
         self.allocator = PageAllocator(spec.device_pages)
         policy = make_policy(spec.device_eviction, self.sessions)
         self.prefix_cache = prefix_cache
-        self.backup: SimBackup | None = None
+        self.backup: Backup | None = None
         self.tree: RadixTree
         if host_pages > 0:
             host_pool = HostKVPool(host_pages, PAGE_GEOMETRY, 1)
             host_policy = make_policy(spec.host_eviction, self.sessions)
             tree = HiRadixTree(1, self.allocator, host_pool, policy=policy,
                                host_policy=host_policy, sessions=self.sessions)
-            self.backup = SimBackup(tree, spec, name, write, later, self.counts)
+            self.backup = sim_backup(tree, spec, name, write, later, self.counts)
             if self.backup.writes_on_evict:
                 tree.on_evict = self.backup.on_device_evict
             self.tree = tree

@@ -5,11 +5,16 @@ rescaling and limits, read by the same code); `--set KEY=VALUE` changes the topo
 `pdcache launch`, and `--set sim.prefill=N` / `sim.decode=N` / `sim.unified=N` scales a role
 to N nodes (copies of its first node). Prints the replay's tables and the simulator's, writes
 `requests.jsonl` and `summary.json` to `--out` (docs/simulator.md).
+
+`pdcache sim calibrate|plan|validate ...` are the subcommands of `SUBCOMMANDS` (their own
+modules). The command's options are parsed here, once the first word says which one it is
+(`add_arguments` only collects the words), as `pdcache bench` does.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,8 +32,36 @@ from pdcache.sim.simulation import (
     seeded_trace_spec,
 )
 
+# name -> (module, help); each module defines `add_arguments(parser)` and `run(args) -> int`
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "calibrate": ("pdcache.sim.calibrate", "measure this machine's profile and write it"),
+    "plan": ("pdcache.sim.plan", "search P:D counts and tier sizes for the cheapest topology "
+                                 "meeting an SLO"),
+    "validate": ("pdcache.sim.validate", "run bench compare and the simulator on the same "
+                                         "trace and report every error"),
+}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `pdcache` entry point: the words are kept and parsed by `run` (`simulate_parser`
+    or a subcommand's parser); the help shows every form."""
+    parser.set_defaults(_accepts_extra=True)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.usage = "pdcache sim TOPOLOGY --trace T --profile P ... | pdcache sim SUBCOMMAND ..."
+    parser.epilog = simulate_parser().format_help() + "\nsubcommands:\n" + "".join(
+        f"  pdcache sim {name}: {text}\n" for name, (_, text) in SUBCOMMANDS.items())
+    parser.add_argument("argv", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+
+def simulate_parser(prog: str = "pdcache sim") -> argparse.ArgumentParser:
+    """The parser of one simulation's command line."""
+    parser = argparse.ArgumentParser(prog=prog)
+    add_run_arguments(parser)
+    return parser
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of one simulation (`pdcache sim TOPOLOGY ...`)."""
     parser.add_argument("topology", help="topology TOML (as for pdcache launch)")
     parser.add_argument("--profile", default=None,
                         help="the cost profile TOML (docs/simulator.md); none ships with pdcache")
@@ -76,6 +109,20 @@ def build(args: argparse.Namespace) -> Simulation:
 
 
 def run(args: argparse.Namespace) -> int:
+    argv = [*getattr(args, "_rest", []), *args.argv]
+    if argv and argv[0] in SUBCOMMANDS:
+        name = argv[0]
+        mod = importlib.import_module(SUBCOMMANDS[name][0])
+        parser = argparse.ArgumentParser(prog=f"pdcache sim {name}")
+        mod.add_arguments(parser)
+        sub_args = parser.parse_args(argv[1:])
+        sub_args.argv = argv
+        return int(mod.run(sub_args) or 0)
+    return simulate(simulate_parser().parse_args(argv))
+
+
+def simulate(args: argparse.Namespace) -> int:
+    """One simulation: tables printed, `--out` written."""
     from pdcache.sim import report
 
     try:
@@ -89,4 +136,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         report.write(Path(args.out), sim, summary)
         print(f"wrote {Path(args.out) / 'summary.json'}")
+        if args.plots:
+            from pdcache.sim.plots import write_plots
+
+            plots = write_plots(Path(args.out), summary, sim.records)
+            print(plots if isinstance(plots, str) else f"wrote {', '.join(plots)}")
     return 0

@@ -93,6 +93,7 @@ class SimNode:
         self.busy_s = 0.0
         self.prefill_steps = self.decode_steps = self.prefill_tokens = 0
         self.write_back_peak_s = 0.0  # decode: the longest a finished request's write took
+        self._kick_pending = False  # a step start is scheduled for this instant (`kick`)
 
     # ---- prefill side -------------------------------------------------------------------
     def submit_prefill(self, req: SimRequest) -> None:
@@ -281,7 +282,16 @@ class SimNode:
 
     # ---- the compute loop ---------------------------------------------------------------
     def kick(self) -> None:
-        """Start the next step if the node is idle and has work."""
+        """Start the next step, if the node is idle and has work, once every event of this
+        instant has run: a scheduler's loop takes every request that has arrived by the time
+        it forms a step, so requests arriving together are batched together."""
+        if self.busy or self._kick_pending:
+            return
+        self._kick_pending = True
+        self.loop.at(self.loop.now, self._start_step)
+
+    def _start_step(self) -> None:
+        self._kick_pending = False
         if self.busy:
             return
         if self.role in ("prefill", "unified"):
@@ -301,7 +311,7 @@ class SimNode:
         def end() -> None:
             after()  # still busy: a kick from inside `after` must not start a step
             self.busy = False
-            self.kick()
+            self._start_step()  # the next step follows at once (as the scheduler's loop)
 
         self.loop.after(duration, end)
 

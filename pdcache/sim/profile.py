@@ -30,6 +30,9 @@ write_bandwidth_Bps = 3.0e9   # the whole store's write bandwidth, shared by eve
 node_nic_Bps = 1.25e9         # one node's link to the store (each direction)
 op_latency_s = 0.0005         # per read or write operation (one batch of pages)
 metadata_op_s = 0.0002        # per metadata operation (an existence lookup, an index update)
+
+[source]                      # optional, not a cost: where the numbers come from (strings)
+machine = "..."               # `pdcache sim calibrate` writes machine, preset, date, command
 ```
 """
 
@@ -146,9 +149,17 @@ def _section(name: str, cls: type, table: Any, source: str) -> Any:
     return cls(**values)
 
 
+SOURCE_TABLE = "source"  # optional provenance table (strings), never a cost
+
+
 def profile_from_dict(raw: dict[str, Any], source: str = "<profile>") -> Profile:
-    """A `Profile` from a parsed TOML tree; ProfileError names the first bad key."""
-    unknown = sorted(set(raw) - set(_SECTIONS))
+    """A `Profile` from a parsed TOML tree; ProfileError names the first bad key. The
+    optional `[source]` table (provenance) must hold strings and is not part of the costs."""
+    provenance = raw.get(SOURCE_TABLE, {})
+    if not isinstance(provenance, dict) or not all(isinstance(v, str)
+                                                   for v in provenance.values()):
+        raise ProfileError(f"{source}: [{SOURCE_TABLE}] must be a table of strings")
+    unknown = sorted(set(raw) - set(_SECTIONS) - {SOURCE_TABLE})
     if unknown:
         raise ProfileError(f"{source}: [{unknown[0]}]: unknown table; tables: "
                            f"{', '.join(_SECTIONS)}")

@@ -21,8 +21,10 @@ from pdcache.sim.io import STORAGE_KINDS
 from pdcache.sim.simulation import Simulation
 
 
-def _goodput(ok: list[dict[str, Any]], duration: float, ttft_slo: float | None,
-             tpot_slo: float | None) -> dict[str, Any]:
+def goodput(ok: list[dict[str, Any]], duration: float, ttft_slo: float | None,
+            tpot_slo: float | None) -> dict[str, Any]:
+    """Requests per second within the SLOs (`ok`: the successful records, as dicts), and
+    their share; both None without an SLO."""
     if ttft_slo is None and tpot_slo is None:
         return {"goodput_rps": None, "slo_attainment": None}
     good = [r for r in ok
@@ -66,7 +68,7 @@ def summarize(sim: Simulation) -> dict[str, Any]:
     ok = [r for r in records if r["ok"]]
     opts = sim.options
     summary.update(report.percentiles((r["tpot_s"] for r in ok), "tpot"))
-    summary.update(_goodput(ok, duration, opts.ttft_slo_s, opts.tpot_slo_s))
+    summary.update(goodput(ok, duration, opts.ttft_slo_s, opts.tpot_slo_s))
     summary["simulated"] = {
         "topology": str(sim.topology.source), "overrides": list(sim.topology.overrides),
         "mode": sim.cfg.mode, "concurrency": sim.cfg.concurrency, "rate": sim.cfg.rate,

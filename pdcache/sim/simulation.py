@@ -38,6 +38,7 @@ from pdcache.bench.replay_run import SessionPlayer, poisson_session_starts
 from pdcache.bench.tokens import BlockExpander, ReuseTracker
 from pdcache.bench.traces import Session, Trace
 from pdcache.config.schema import NodeSpec, RouterSpec, Topology
+from pdcache.engine.config import ModelConfig
 from pdcache.engine.loader import load_model_config
 from pdcache.offload_manager.host_pool import host_pages_for
 from pdcache.router.policy import NodeState
@@ -80,6 +81,17 @@ def scale_roles(topology: Topology, counts: dict[str, int]) -> Topology:
         keep = {id(n) for n in of_role[:count]}
         nodes = [n for n in nodes if n.role != role or id(n) in keep] + copies
     return replace(topology, nodes=tuple(nodes))
+
+
+def node_host_pages(spec: NodeSpec, model: ModelConfig, page_size: int) -> int:
+    """The host tier's pages of a simulated node (0: none; decode nodes and nodes without a
+    prefix cache have none), sized as the node sizes its `HostKVPool`."""
+    cache = spec.cache
+    prefix_cache = cache.prefix_cache or spec.role == "prefill"
+    if spec.role == "decode" or cache.host_pages == 0 or not prefix_cache:
+        return 0
+    return cache.host_pages or host_pages_for(model, page_size, cache.device_pages,
+                                              cache.effective_host_ratio, cache.host_bytes or 0)
 
 
 def seeded_trace_spec(spec: str, seed: int) -> str:
@@ -144,15 +156,10 @@ class Simulation:
 
     # ---- building ---------------------------------------------------------------------
     def _cache_for(self, spec: NodeSpec) -> NodeCache:
-        cache = spec.cache
-        prefix_cache = cache.prefix_cache or spec.role == "prefill"
-        host = 0
-        if spec.role != "decode" and cache.host_pages != 0 and prefix_cache:
-            host = cache.host_pages or host_pages_for(
-                self.model, self.page_size, cache.device_pages, cache.effective_host_ratio,
-                cache.host_bytes or 0)
+        prefix_cache = spec.cache.prefix_cache or spec.role == "prefill"
+        host = node_host_pages(spec, self.model, self.page_size)
         write = self.cluster.write_pages if self.store is not None else None
-        return NodeCache(spec.name, cache, host, self.loop.clock, write, self.loop.at,
+        return NodeCache(spec.name, spec.cache, host, self.loop.clock, write, self.loop.at,
                          prefix_cache=prefix_cache)
 
     # ---- pacing (the replay's modes) ---------------------------------------------------

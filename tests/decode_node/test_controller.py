@@ -230,7 +230,8 @@ class Node:
 
     def start(self, room: int) -> bool:
         try:
-            self.controller.start_decode(room, lambda: self.engine.submit_prefilled(f"r{room}"))
+            self.controller.start_decode(room,
+                                         lambda _state: self.engine.submit_prefilled(f"r{room}"))
             return True
         except RoomCancelledError:
             return False
@@ -419,7 +420,7 @@ def test_failed_start_frees_the_reservation() -> None:
     assert node.request(11)
     node.receiver.finish(11, RoomState.SUCCESS)
 
-    def start() -> None:
+    def start(_state: object) -> None:
         raise ValueError("first token out of the vocabulary")
 
     with pytest.raises(ValueError):

@@ -231,17 +231,19 @@ def test_bfloat16_load_runs_close_to_fp32(checkpoint) -> None:
 
 @pytest.mark.parametrize("kernels", ["reference", "torch"])
 def test_engine_greedy_tokens_and_logits_equal_transformers(checkpoint, kernels: str) -> None:
-    """A cold 40-token prompt (5 windows), then a prompt sharing its first 32 tokens: the
-    second reuses 8 cached pages. Both decode 12 steps, every one past the window; prefill
-    runs in chunks of 12 so chunks start mid-window on cached keys."""
+    """A cold 40-token prompt (5 windows), then a prompt extending it: the second reuses its
+    10 cached pages (the sliding layers' pages of the window before the prompt's end are
+    kept; a hit inside the prompt is `test_sliding_window_pages.py`'s). Both decode 12
+    steps, every one past the window; prefill runs in chunks of 12 so chunks start
+    mid-window on cached keys."""
     path, hf = checkpoint
     first = prompt_of(7, 40)
-    second = first[:32] + prompt_of(8, 8)
+    second = first + prompt_of(8, 8)
     with make_engine(path, kernels, chunk=12) as engine:
         cold = generate(engine, "cold", first)
         assert cold[-1].cached.total == 0
         hit = generate(engine, "hit", second)
-        assert hit[-1].cached.device == 32
+        assert hit[-1].cached.device == 40
         short = generate(engine, "short", prompt_of(9, 5))  # decode crosses the window
     assert_matches_transformers(hf, first, cold)
     assert_matches_transformers(hf, second, hit)

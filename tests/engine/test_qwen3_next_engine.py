@@ -289,13 +289,16 @@ def test_a_state_snapshot_of_another_geometry_is_refused(model) -> None:
     pool.free(slot)
 
 
-def test_host_and_storage_tiers_are_refused_for_a_hybrid_model(model) -> None:
+def test_tiers_that_do_not_carry_state_are_refused_for_a_hybrid_model(model) -> None:
+    """A tree without the state restore rule, or tiers that cannot restore a state, would
+    serve hits without the linear layers' state: refused. HiCache's tiers carry it
+    (tests/offload_manager/test_hybrid_tiers.py)."""
     config = EngineConfig(model=model.config, cache=CacheConfig(page_size=PAGE,
                                                                 num_device_pages=16))
-    with pytest.raises(ValueError, match="host/storage tiers do not carry recurrent state yet"):
-        Engine(config, model, make_tree=lambda pool: RadixTree(PAGE, pool.allocator))
+    with pytest.raises(ValueError, match="tiers do not carry recurrent state"):
+        Engine(config, model, make_tree=lambda pool, states=None: RadixTree(PAGE, pool.allocator))
 
-    class OtherTiers:  # any tiers but DeviceOnly (HiCache's in production)
+    class OtherTiers:  # any tiers but DeviceOnly that do not say they carry the state
         def __init__(self, tree: RadixTree | None) -> None:
             self.inner = DeviceOnly(tree)
 
@@ -305,15 +308,8 @@ def test_host_and_storage_tiers_are_refused_for_a_hybrid_model(model) -> None:
     def make_scheduler(**kwargs) -> Scheduler:
         return Scheduler(**kwargs, tiers=OtherTiers(kwargs["tree"]))
 
-    with pytest.raises(ValueError, match="host/storage tiers do not carry recurrent state yet"):
+    with pytest.raises(ValueError, match="tiers do not carry recurrent state"):
         Engine(config, model, make_scheduler=make_scheduler)
-
-    from pdcache.offload_manager.builder import TierConfig, build_tiered_engine
-    from pdcache.offload_manager.hicache import HiCacheConfig
-
-    tiers = TierConfig(host_pages=16, hicache=HiCacheConfig())
-    with pytest.raises(ValueError, match="host/storage tiers do not carry recurrent state yet"):
-        build_tiered_engine(config, model, None, tiers)
 
 
 def test_a_prefilled_start_is_refused_without_state_transfer(model) -> None:

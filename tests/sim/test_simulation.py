@@ -14,7 +14,7 @@ from pdcache.engine.eviction import LruPolicy, SessionPolicy
 from pdcache.offload_manager.hiradix import HiRadixTree
 from pdcache.router.policy import PairSelector
 from pdcache.sim import report
-from pdcache.sim.command import add_arguments, build, split_overrides
+from pdcache.sim.command import add_run_arguments, build, split_overrides
 from pdcache.sim.profile import NO_PROFILE, ProfileError, load_profile
 from pdcache.sim.simulation import Simulation, seeded_trace_spec
 
@@ -57,7 +57,7 @@ def profile_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def simulate(profile_path: str, argv: list[str]) -> tuple[Simulation, dict]:
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    add_run_arguments(parser)
     args = parser.parse_args([*argv, "--profile", profile_path, "--no-progress"])
     sim = build(args)
     sim.run()
@@ -230,7 +230,7 @@ def test_router_admission_limits_queue_and_refuse(profile_path: str) -> None:
     assert summary["router"]["peak_queue"] > 0 and summary["requests_ok"] == 24
     refusing = [*argv[:-len(RANDOM)], "--set", "router.max_queue=0", *RANDOM]
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    add_run_arguments(parser)
     sim = build(parser.parse_args([*refusing, "--profile", profile_path, "--no-progress"]))
     sim.run()
     summary = report.summarize(sim)

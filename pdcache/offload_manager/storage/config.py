@@ -60,6 +60,8 @@ def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
     page_pipeline = getattr(spec, "page_pipeline", "auto")
     if page_pipeline != "auto":  # StorageConfig's default (None) is "auto"
         keys["pipeline_pages"] = PIPELINE_ON_PAGES if page_pipeline == "on" else 0
+    if getattr(spec, "state_capacity", 0):  # hybrid models' state objects
+        keys["state_capacity"] = spec.state_capacity
     if getattr(spec, "fault_injection", ""):  # chaos/test only: absent from normal configs
         keys["fault_injection"] = spec.fault_injection
     if spec.backend == "mooncake":
@@ -139,6 +141,10 @@ class StorageSettings:
     # Chaos/test only, never in a deployment (docs/chaos.md): an absolute path of a control
     # file whose number is a delay (s) every storage call waits; set by `pdcache chaos`.
     fault_injection: str = ""
+    # hybrid models (recurrent-state checkpoints as stored objects, docs/design.md §4.14):
+    # state objects kept (LRU among states, apart from the page capacity); 0: unbounded for
+    # file and mooncake; hf3fs keeps states in a slot pool of their own and needs a size
+    state_capacity: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,12 +231,10 @@ class StorageConfig(StorageSettings, StorageKeys):
     namespace_quotas: Mapping[str, int] = field(default_factory=dict, compare=False)
     # Recurrent-state objects (state_format.py, docs/design.md §4.3-4.4): the state geometry
     # (`RecurrentStateGeometry.key()`) and bytes (`state_bytes()`) of this store's states; ""
-    # and 0: no state objects (the `*_state` methods refuse). `state_capacity`: state objects
-    # kept (LRU among states, apart from the page capacity); 0: unbounded for file and
-    # mooncake, required for hf3fs (its own slot pool, one state per slot).
+    # and 0: no state objects (the `*_state` methods refuse). Set from the model
+    # (`builder.storage_config_for`); `state_capacity` is `StorageSettings`'.
     state_geometry: str = ""
     state_bytes: int = 0
-    state_capacity: int = 0
 
     def __post_init__(self) -> None:
         from pdcache.offload_manager.storage import BACKENDS as REGISTERED

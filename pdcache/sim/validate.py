@@ -1,0 +1,148 @@
+"""`pdcache sim validate NAME=CONFIG... --trace T --profile P --out DIR`: the simulator's
+fidelity, measured against real runs.
+
+For each CONFIG (`[LABEL=]PATH[+KEY=VALUE...]`, as `bench compare` takes them) in turn: the
+real `bench compare` path (`pdcache.bench.compare.run_one`: launch, replay, tear down), then
+the simulator on the same topology, overrides, trace and seed with the given profile; one row
+per config with every error, never only the best:
+
+- `hit_rate_abs_err`: |simulated hit rate - measured hit rate|;
+- `ttft_p50_rel_err`, `ttft_p90_rel_err`: (simulated - measured) / measured;
+- `goodput_rel_err`: the same for goodput (requests per second within `--ttft-slo`; without
+  an SLO, every successful request counts).
+
+A synthetic trace without its own `seed=` is drawn with `--seed` for both runs. Writes
+`DIR/validate.json` (both summaries per config) and each side's outputs under `DIR/LABEL/`
+(the replay's) and `DIR/LABEL/sim/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pdcache.bench.table import emit
+from pdcache.config.parse import load_topology
+from pdcache.config.schema import TopologyError
+from pdcache.sim.profile import ProfileError, load_profile
+
+COLUMNS = ("config", "hit_rate_real", "hit_rate_sim", "hit_rate_abs_err", "ttft_p50_real_s",
+           "ttft_p50_sim_s", "ttft_p50_rel_err", "ttft_p90_real_s", "ttft_p90_sim_s",
+           "ttft_p90_rel_err", "goodput_real_rps", "goodput_sim_rps", "goodput_rel_err")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pdcache.bench.compare import add_arguments as add_compare_arguments
+
+    add_compare_arguments(parser)
+    parser.add_argument("--profile", required=True, help="the cost profile TOML")
+    parser.add_argument("--ttft-slo", type=float, default=None, metavar="S",
+                        help="goodput counts requests with a TTFT of at most S seconds")
+
+
+def rel_err(sim: float | None, real: float | None) -> float | None:
+    if sim is None or real is None or real == 0:
+        return None
+    return (sim - real) / real
+
+
+def measured_goodput(summary: dict[str, Any], records: list[dict[str, Any]],
+                     ttft_slo: float | None) -> float | None:
+    """Requests per second within the TTFT SLO (every successful one without an SLO)."""
+    duration = summary.get("duration_s")
+    if not duration:
+        return None
+    ok = [r for r in records if r.get("ok")]
+    good = [r for r in ok if ttft_slo is None or (r.get("ttft_s") is not None
+                                                  and r["ttft_s"] <= ttft_slo)]
+    return len(good) / duration
+
+
+def error_row(label: str, real: dict[str, Any], real_records: list[dict[str, Any]],
+              sim: dict[str, Any], sim_records: list[dict[str, Any]],
+              ttft_slo: float | None) -> dict[str, Any]:
+    """One config's measured and simulated values and every error between them."""
+    row: dict[str, Any] = {"config": label}
+    hit_real, hit_sim = real.get("hit_rate"), sim.get("hit_rate")
+    row.update(hit_rate_real=hit_real, hit_rate_sim=hit_sim,
+               hit_rate_abs_err=(abs(hit_sim - hit_real) if hit_real is not None
+                                 and hit_sim is not None else None))
+    for p in ("p50", "p90"):
+        real_v, sim_v = real.get(f"ttft_{p}_s"), sim.get(f"ttft_{p}_s")
+        row.update({f"ttft_{p}_real_s": real_v, f"ttft_{p}_sim_s": sim_v,
+                    f"ttft_{p}_rel_err": rel_err(sim_v, real_v)})
+    good_real = measured_goodput(real, real_records, ttft_slo)
+    good_sim = measured_goodput(sim, sim_records, ttft_slo)
+    row.update(goodput_real_rps=good_real, goodput_sim_rps=good_sim,
+               goodput_rel_err=rel_err(good_sim, good_real))
+    return row
+
+
+def simulate(args: argparse.Namespace, path: Path, overrides: tuple[str, ...],
+             out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The simulator on one config (progress off): its summary and records."""
+    from pdcache.bench.replay_config import ReplayConfig
+    from pdcache.sim import report
+    from pdcache.sim.command import split_overrides
+    from pdcache.sim.simulation import SimOptions, Simulation, scale_roles
+
+    topo_overrides, counts = split_overrides(overrides)
+    topology = scale_roles(load_topology(path, topo_overrides), counts)
+    sim = Simulation(topology, load_profile(args.profile), ReplayConfig.from_args(args),
+                     SimOptions(ttft_slo_s=args.ttft_slo, progress=False))
+    sim.run()
+    summary = report.summarize(sim)
+    report.write(out, sim, summary)
+    return summary, sim.records
+
+
+def validate(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from pdcache.bench.compare import run_one
+    from pdcache.bench.replay_config import ReplayConfig
+    from pdcache.bench.stack import parse_config_arg
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [parse_config_arg(c, args.overrides) for c in args.configs]
+    if len({r.label for r in runs}) != len(runs):
+        raise ValueError("config labels must be unique (use LABEL=PATH)")
+    load_profile(args.profile)  # a bad profile stops before anything is launched
+    config = ReplayConfig.from_args(args)
+    rows, summaries = [], {}
+    for run in runs:
+        print(f"validate: {run.label}: real run ...", file=sys.stderr, flush=True)
+        outcome = run_one(args, config, run, out)
+        print(f"validate: {run.label}: simulation ...", file=sys.stderr, flush=True)
+        sim_summary, sim_records = simulate(args, run.path, run.overrides, out / run.label / "sim")
+        real_records = [dict(r.__dict__) for r in outcome.records]
+        row = error_row(run.label, outcome.summary, real_records, sim_summary, sim_records,
+                        args.ttft_slo)
+        row["error"] = outcome.error
+        rows.append(row)
+        summaries[run.label] = {"real": outcome.as_json(), "sim": sim_summary}
+    payload = {"trace": args.trace, "profile": args.profile, "ttft_slo_s": args.ttft_slo,
+               "rows": rows, "summaries": summaries}
+    (out / "validate.json").write_text(json.dumps(payload, indent=2, default=str))
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdcache.sim.simulation import seeded_trace_spec
+
+    args.trace = seeded_trace_spec(args.trace, args.seed)  # the same trace for both runs
+    try:
+        rows = validate(args)
+    except (ValueError, TopologyError, ProfileError) as exc:
+        print(f"pdcache sim validate: {exc}", file=sys.stderr)
+        return 2
+    emit(f"simulator fidelity on {args.trace} (every config, every error)", rows,
+         columns=COLUMNS)
+    for row in rows:
+        if row["error"]:
+            print(f"{row['config']}: {row['error']}")
+    print(f"wrote {Path(args.out) / 'validate.json'}")
+    return 0 if all(not row["error"] for row in rows) else 1
+

@@ -1,0 +1,299 @@
+"""Window pages: gpt-oss's sliding layers keep only their window on device
+(`pdcache.engine.window_pages`, docs/design.md §4.14).
+
+A tiny gpt-oss checkpoint built by transformers (fp32, fixed seed; window 8, pages of 4
+tokens): greedy tokens and logprobs equal transformers' while the sliding layers' pages in
+use stay bounded; a prefix hit is served only where the sliding pages of the window before it
+are still there (the deepest such point otherwise, `limited_by="window"`), and serving one
+without them gives other logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from pdcache.engine.api import (  # noqa: E402
+    GenerateRequest,
+    LogprobRequest,
+    RequestOutput,
+    SamplingParams,
+)
+from pdcache.engine.config import CacheConfig, EngineConfig  # noqa: E402
+from pdcache.engine.engine import Engine  # noqa: E402
+from pdcache.engine.kv_pool import PageAllocator  # noqa: E402
+from pdcache.engine.loader import load_model  # noqa: E402
+from pdcache.engine.radix import RadixTree, SlidingWindowRule  # noqa: E402
+from pdcache.engine.scheduler import NO_WINDOW_TIERS, Scheduler  # noqa: E402
+from pdcache.engine.scheduler_config import SchedulerConfig  # noqa: E402
+from tests.engine.test_gpt_oss import PAGE, WINDOW, prompt_of, save_gpt_oss  # noqa: E402
+
+PROMPT = 60
+STEPS = 30
+LOGPROB_ATOL = 2e-4
+# the sliding pages a decoding request keeps: the window before its prompt's last token (the
+# point below a page-aligned prompt end too) and the one before its own position (and the
+# page being filled), each at most ceil((W - 1) / S) + 2 pages
+WINDOW_BOUND = 2 * ((WINDOW - 1 + PAGE - 1) // PAGE + 2)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("gpt-oss-window")
+    return path, save_gpt_oss(path, seed=11)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint) -> torch.nn.Module:
+    return load_model(str(checkpoint[0]))[0]
+
+
+def make_engine(model: torch.nn.Module) -> Engine:
+    config = EngineConfig(
+        model=model.config,
+        cache=CacheConfig(page_size=PAGE, num_device_pages=96),
+        scheduler=SchedulerConfig(chunked_prefill_tokens=2048),
+        kernels="torch",
+    )
+    return Engine(config, model).start(thread=False)
+
+
+def run(engine: Engine, rid: str, prompt: list[int],
+        watch: list[int] | None = None) -> tuple[list[int], list[float], RequestOutput]:
+    """Greedy `STEPS` tokens; `watch` gets the sliding pages in use after every step."""
+    outputs: list[RequestOutput] = []
+    engine.submit(GenerateRequest(
+        rid=rid, input_ids=prompt,
+        sampling=SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True),
+        logprobs=LogprobRequest()), outputs.append)
+    assert engine.window is not None
+    while engine.step():
+        if watch is not None:
+            watch.append(engine.window.allocator.num_used)
+    assert outputs[-1].finished and outputs[-1].error is None, outputs[-1]
+    tokens = [t for out in outputs for t in out.new_token_ids]
+    logprobs = [float(lp.logprob) for out in outputs for lp in out.new_logprobs]
+    return tokens, logprobs, outputs[-1]
+
+
+def hf_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    ids, logprobs = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+            token = int(logits.argmax())
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            ids.append(token)
+    return ids[len(prompt):], logprobs
+
+
+def assert_like_hf(hf: torch.nn.Module, prompt: list[int], tokens: list[int],
+                   logprobs: list[float]) -> None:
+    expected, expected_logprobs = hf_greedy(hf, prompt, len(tokens))
+    assert tokens == expected
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected_logprobs),
+                               atol=LOGPROB_ATOL, rtol=0)
+
+
+def assert_idle(engine: Engine) -> None:
+    """Nothing runs: the sliding pages in use are the tree's; a flush frees both spaces."""
+    numbers = engine.check_accounting()
+    assert numbers["window_requests"] == 0, numbers
+    assert numbers["window_free"] + numbers["window_tree"] == numbers["window_capacity"]
+    engine.flush_cache()
+    numbers = engine.check_accounting()
+    assert numbers["free"] == numbers["capacity"], numbers
+    assert numbers["window_free"] == numbers["window_capacity"], numbers
+
+
+def test_cold_prompt_and_decode_equal_transformers_with_bounded_window_pages(
+        checkpoint, model) -> None:
+    _, hf = checkpoint
+    engine = make_engine(model)
+    assert engine.window is not None and engine.window.window == WINDOW
+    # two page spaces: the full layers' pool has rows for layers 1 and 3 only
+    assert engine.pool.device_kv.shape[0] == 2 and engine.window.pool.device_kv.shape[0] == 2
+    prompt = prompt_of(21, PROMPT)
+    watch: list[int] = []
+    tokens, logprobs, last = run(engine, "cold", prompt, watch)
+    assert last.cached.total == 0
+    assert_like_hf(hf, prompt, tokens, logprobs)
+    # the prefill step holds the whole prompt's sliding pages until its forward ends; every
+    # later step (decode, 30 tokens past the window) at most the two windows
+    assert max(watch[:-1]) <= WINDOW_BOUND, watch
+    assert engine.pool.allocator.num_used >= (PROMPT + STEPS - 1) // PAGE  # full: everything
+    stats = engine.stats()
+    assert stats["window_pages_freed_total"] >= (PROMPT + STEPS) // PAGE - WINDOW_BOUND
+    assert stats["window_pages_cached"] <= WINDOW_BOUND
+    assert_idle(engine)
+
+
+def test_hits_need_the_window_pages_before_them(checkpoint, model) -> None:
+    """After a 60-token prompt and its 30-token answer, the tree holds the sliding pages of
+    the windows before 60 (the prompt's end) and 88 (the answer's last full page) only: a
+    prompt diverging at 80 hits 60 (limited by the window), one extending the answer hits 88."""
+    _, hf = checkpoint
+    engine = make_engine(model)
+    first = prompt_of(22, PROMPT)
+    answer = run(engine, "first", first)[0]
+    tree = engine.tree
+    assert tree is not None
+
+    diverging = first + answer[:20] + prompt_of(23, 10)
+    match = tree.match_prefix(diverging[:-1])
+    assert (match.matched_len, match.cached_len, match.limited_by) == (80, 60, "window")
+    assert None not in match.window_page_ids[-2:]  # the window before 60
+    tokens, logprobs, last = run(engine, "diverging", diverging)
+    assert last.cached.device == 60
+    assert_like_hf(hf, diverging, tokens, logprobs)
+    stats = engine.stats()
+    assert stats["prefix_hits_limited_by_window_total"] == 1
+    assert stats["tokens_limited_by_window_total"] == 20
+
+    extending = first + answer + prompt_of(24, 6)
+    match = tree.match_prefix(extending[:-1])
+    assert (match.cached_len, match.limited_by) == (88, None)
+    tokens, logprobs, last = run(engine, "extending", extending)
+    assert last.cached.device == 88
+    assert_like_hf(hf, extending, tokens, logprobs)
+    again = run(engine, "again", first)  # a hit leaves the last token: 56 of 60
+    assert again[2].cached.device == 56 and again[0] == answer
+    assert engine.stats()["prefix_hits_limited_by_window_total"] == 1
+    assert_idle(engine)
+
+
+def test_a_turn_parting_right_after_the_prompt_hits_the_next_page_boundary(
+        checkpoint, model) -> None:
+    """A 58-token prompt keeps the page it ends in: a next turn that renders the answer
+    otherwise from token 60 on hits 60 (its window, tokens 53-59, straddles the prompt end)."""
+    _, hf = checkpoint
+    engine = make_engine(model)
+    first = prompt_of(25, 58)
+    answer = run(engine, "first", first)[0]
+    parting = first + answer[:2] + prompt_of(26, 9)
+    tokens, logprobs, last = run(engine, "parting", parting)
+    assert last.cached.device == 60
+    assert_like_hf(hf, parting, tokens, logprobs)
+    assert engine.stats()["prefix_hits_limited_by_window_total"] == 0
+    assert_idle(engine)
+
+
+def test_a_hit_without_its_window_pages_gives_other_logits(checkpoint, model) -> None:
+    """Protection off (the tree without its `SlidingWindowRule`): the hit at 80 reads freed
+    sliding pages (tombstones) and the logits are wrong."""
+    _, hf = checkpoint
+    engine = make_engine(model)
+    first = prompt_of(22, PROMPT)
+    answer = run(engine, "first", first)[0]
+    tree = engine.tree
+    assert tree is not None and any(isinstance(r, SlidingWindowRule) for r in tree.restore_rules)
+    tree.restore_rules = ()
+    diverging = first + answer[:20] + prompt_of(23, 10)
+    tokens, logprobs, last = run(engine, "unprotected", diverging)
+    assert last.cached.device == 80
+    expected, expected_logprobs = hf_greedy(hf, diverging, STEPS)
+    gap = (torch.tensor(logprobs) - torch.tensor(expected_logprobs)).abs().max()
+    assert tokens != expected or gap > 1e-2, gap
+    assert_idle(engine)
+
+
+def test_tiers_and_prefilled_starts_keep_every_page_or_are_refused(model) -> None:
+    """A node with host/storage tiers or a P→D role (its own `make_scheduler`) keeps every
+    page of every layer, as before; a scheduler given window pages refuses lower tiers and
+    a prefilled start."""
+    config = EngineConfig(model=model.config,
+                          cache=CacheConfig(page_size=PAGE, num_device_pages=32))
+    plain = Engine(config, model, make_scheduler=Scheduler)
+    assert plain.window is None and plain.pool.device_kv.shape[0] == 4
+    engine = make_engine(model)
+    scheduler = engine.scheduler
+    with pytest.raises(ValueError, match=NO_WINDOW_TIERS):
+        Scheduler(scheduler.config, config.cache, engine.pool, engine.tree, 512, (),
+                  tiers=object(), window=engine.window)  # type: ignore[arg-type]
+
+
+def test_retraction_and_a_follower_keep_both_spaces_exact(checkpoint, model) -> None:
+    """Three requests decode together in a pool too small for them (the newest are
+    retracted: their pages, tombstones included, go to the tree and they re-prefill from
+    the deepest restorable point), one a follower of another's prompt (`prefill_leader`:
+    the leader's prompt pages enter the tree while it decodes). Accounting holds after every
+    step; every answer is transformers'."""
+    _, hf = checkpoint
+    config = EngineConfig(
+        model=model.config,
+        cache=CacheConfig(page_size=PAGE, num_device_pages=30),
+        scheduler=SchedulerConfig(chunked_prefill_tokens=64),
+        kernels="torch",
+    )
+    engine = Engine(config, model).start(thread=False)
+    shared = prompt_of(31, 33)
+    prompts = {"a": shared, "b": shared, "c": prompt_of(32, 27)}
+    outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in prompts}
+    for rid, prompt in prompts.items():
+        engine.submit(GenerateRequest(
+            rid=rid, input_ids=prompt,
+            sampling=SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True),
+            logprobs=LogprobRequest(), prefill_leader="a" if rid == "b" else None),
+            outputs[rid].append)
+    while engine.step():
+        engine.check_accounting()
+    assert engine.stats()["requests_retracted_total"] >= 1
+    for rid, prompt in prompts.items():
+        outs = outputs[rid]
+        assert outs[-1].finished and outs[-1].error is None, outs[-1]
+        tokens = [t for out in outs for t in out.new_token_ids]
+        logprobs = [float(lp.logprob) for out in outs for lp in out.new_logprobs]
+        assert_like_hf(hf, prompt, tokens, logprobs)
+    assert outputs["b"][-1].cached.device == 32
+    assert_idle(engine)
+
+
+# ---- the tree alone ------------------------------------------------------------------------
+
+def make_tree() -> tuple[RadixTree, PageAllocator, PageAllocator]:
+    full, window = PageAllocator(32), PageAllocator(32)
+    tree = RadixTree(PAGE, full, restore_rules=[SlidingWindowRule(WINDOW, PAGE)],
+                     window_allocator=window)
+    return tree, full, window
+
+
+def test_the_rule_reads_the_window_across_nodes_and_tombstones_fill_and_free() -> None:
+    tree, full, window = make_tree()
+    tokens = list(range(40))  # 10 pages
+    pages = full.alloc(10)
+    sliding = window.alloc(10)
+    held: list[int | None] = [None] * 5 + sliding[5:]  # pages 0-4 freed by the window
+    window.free(sliding[:5])
+    tree.insert(tokens, pages, window_page_ids=held)
+    tree.check()
+    assert tree.window_pages == 5
+    # a hit at 24 needs tokens 17-23: pages 4 (a tombstone) and 5
+    match = tree.match_prefix(tokens[:24])
+    assert (match.cached_len, match.matched_len, match.limited_by) == (0, 24, "window")
+    # at 28: pages 5 and 6, both there; the deepest restorable point of a 36-token match is 36
+    assert tree.match_prefix(tokens[:28]).cached_len == 28
+    assert tree.match_prefix(tokens[:36]).limited_by is None
+    # a split (another sequence branching at 28) cuts both lists; the rule reads across it
+    other = tokens[:28] + [99] * 8
+    result = tree.insert(other, pages[:7] + full.alloc(2),
+                         window_page_ids=held[:7] + window.alloc(2))
+    assert result.duplicate_page_ids == [] and result.duplicate_window_page_ids == []
+    tree.check()
+    assert tree.match_prefix(other).cached_len == 36
+    assert tree.match_prefix(tokens[:32]).cached_len == 32  # pages 6 (upper node) and 7
+    # a second copy of pages 3-5 fills the tombstone of page 3 and 4; page 5's is a duplicate
+    mine = window.alloc(3)
+    result = tree.insert(tokens[:24], pages[:6], window_page_ids=[None] * 3 + mine)
+    assert result.duplicate_window_page_ids == [mine[2]]
+    window.free(result.duplicate_window_page_ids)
+    tree.check()
+    assert tree.match_prefix(tokens[:24]).cached_len == 24  # pages 4 and 5 now there
+    assert tree.match_prefix(tokens[:16]).limited_by == "window"  # page 2 is still gone
+    # eviction frees both spaces, tombstones skipped
+    tree.flush()
+    tree.check()
+    assert full.num_used == window.num_used == tree.window_pages == 0
