@@ -852,13 +852,15 @@ class Engine:
 
     def _check_states(self) -> dict[str, int]:
         """Recurrent-state slots: each running request holds one, a pending decode
-        checkpoint or a tree node holds each other used one (§5.1)."""
+        checkpoint (of a running or held request) or a tree node holds each other used one
+        (§5.1)."""
         assert self.states is not None
         pool = self.states.pool
         pool.check()
         running = self.scheduler.running
         slots = [r.state_slot for r in running]
-        pending = [r.pending_checkpoint for r in running if r.pending_checkpoint is not None]
+        pending = [r.pending_checkpoint for r in [*running, *self.scheduler.held.values()]
+                   if r.pending_checkpoint is not None]
         assert None not in slots, "a running hybrid request without a state slot"
         tree_slots = self.tree.num_checkpoints if self.tree is not None else 0
         numbers = {"state_capacity": pool.capacity, "state_free": pool.num_free,

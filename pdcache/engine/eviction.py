@@ -3,7 +3,9 @@
 A policy turns a node into a sort key (lower = evicted first); the device tree
 (`RadixTree.evict`) and the host tier (`HiRadixTree.evict_host`) pop leaves in key order.
 `EvictionPolicy.key_fn()` is called once per eviction pass, so a policy may snapshot the
-time once and rank every candidate against the same instant.
+time once and rank every candidate against the same instant; a policy with `stable_keys` (a
+key that only the node's own fields decide: `lru`) lets the device tree keep its ranked leaves
+across passes instead (same order, ranked once per leaf).
 
 - `lru`: least recently used first (the tree's logical access clock); the default.
 - `session`: uses what the node learns from the requests it serves (`session_id` and turn
@@ -38,6 +40,9 @@ class EvictionPolicy(Protocol):
     """Ranks evictable nodes; lower keys are evicted first."""
 
     name: str
+    # a node's key changes only when the tree touches the node (its own fields): a tree may
+    # then keep its ranked leaves across passes instead of ranking all of them per pass
+    stable_keys: bool
 
     def key_fn(self) -> Callable[[RadixNode], EvictKey]: ...
 
@@ -46,6 +51,7 @@ class LruPolicy:
     """Least recently used first (`RadixNode.last_access`, the tree's logical clock)."""
 
     name = "lru"
+    stable_keys = True  # `last_access` only
 
     def key_fn(self) -> Callable[[RadixNode], EvictKey]:
         return lambda node: (float(node.last_access),)
@@ -140,6 +146,7 @@ class SessionPolicy:
     from now (ahead, or overdue)."""
 
     name = "session"
+    stable_keys = False  # the tracker's clock and sessions move every key
 
     def __init__(self, tracker: SessionTracker) -> None:
         self.tracker = tracker

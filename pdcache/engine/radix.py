@@ -8,7 +8,10 @@ salts never share a node (nor a page).
 
 Ownership: a page listed in a node belongs to the tree until `evict` frees it back to the
 `PageAllocator`. Requests that reuse a prefix `lock` its last node (lock refs count up the
-whole path); a node with `lock_ref > 0` is never evicted.
+whole path); a node with `lock_ref > 0` is never evicted. `evict` frees unlocked leaves in
+`policy` order; under a policy with `stable_keys` (LRU) it keeps them ranked across passes
+(`_LeafHeap`, lazily invalidated: every change that may make a node evictable re-pushes it,
+`_note_leaf`), so a pass costs its victims, not a walk of the tree.
 
 Threading: nothing here locks. Every method must be called from the engine thread (the one
 that owns the allocator and the requests).
@@ -40,11 +43,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pdcache.engine.eviction import EvictionPolicy, LruPolicy, SessionTracker
+from pdcache.engine.eviction import EvictionPolicy, EvictKey, LruPolicy, SessionTracker
 from pdcache.engine.kv_pool import PageAllocator
 
 PageKey = tuple[int, ...]
@@ -245,6 +248,8 @@ class RadixTree:
         self.num_dropped_checkpoints = 0  # freed alone, to make room for a newer one
         self.limited_matches: dict[str, int] = {}  # admissions cut by a rule, by reason
         self.limited_tokens: dict[str, int] = {}  # ... and the matched tokens they lost
+        # stable-key policies: the evictable leaves, ranked, kept across passes (`evict`)
+        self._leaf_heap: _LeafHeap | None = None
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -388,6 +393,7 @@ class RadixTree:
             if child is None:
                 node = self._add_leaf(node, tokens, page_ids, done, num_pages, window_page_ids)
                 node.last_access = now
+                self._note_leaf(node)
                 return InsertResult(duplicates, node, num_pages - done, window_duplicates)
             matched = self._count_matching_pages(child.key, tokens, done, num_pages - done)
             if matched < child.num_pages:
@@ -398,6 +404,7 @@ class RadixTree:
                     child, window_page_ids[done : done + matched])
             child.last_access = now
             node, done = child, done + matched
+        self._note_leaf(node)  # the nodes above it have it as an on-device child
         return InsertResult(duplicates, node, 0, window_duplicates)
 
     # ---- lock refs ---------------------------------------------------------------------
@@ -419,6 +426,7 @@ class RadixTree:
             item.lock_ref -= 1
             if item.lock_ref == 0:
                 self._locked_pages -= item.num_device_pages
+                self._note_leaf(item)
 
     # ---- sessions ----------------------------------------------------------------------
     def note_session(self, node: RadixNode | None, session_id: str, new_turn: bool) -> None:
@@ -438,18 +446,60 @@ class RadixTree:
         the pages freed (whole nodes are freed, so it may exceed `num_pages`)."""
         if num_pages <= 0 or self.evictable_pages == 0:
             return 0
-        key = self.policy.key_fn()
-        order = itertools.count()
-        heap = [(key(n), next(order), n) for n in self._iter_nodes() if self._evictable(n)]
-        heapq.heapify(heap)
+        heap = self._eviction_heap()
         freed = 0
-        while freed < num_pages and heap:
-            node = heapq.heappop(heap)[2]
+        while freed < num_pages:
+            node = heap.pop_evictable(self._evictable)
+            if node is None:
+                break
             parent = node.parent
             freed += self._evict_device(node)
             if parent is not None and self._evictable(parent):
-                heapq.heappush(heap, (key(parent), next(order), parent))
+                heap.push(parent)
         return freed
+
+    def _eviction_heap(self) -> _LeafHeap:
+        """The ranked device leaves of this pass. A policy with stable keys keeps one heap
+        across passes (`_leaf_heap`, fed by `_note_leaf`, rebuilt when garbage outgrows the
+        tree); any other policy ranks every leaf afresh against one `key_fn()` snapshot."""
+        if not self.policy.stable_keys:
+            self._leaf_heap = None
+            return _LeafHeap(self.policy, self._device_leaves(), check_keys=False)
+        heap = self._leaf_heap
+        if heap is None or heap.policy is not self.policy:
+            heap = self._leaf_heap = _LeafHeap(self.policy, self._device_leaves(),
+                                               check_keys=True)
+        return heap
+
+    def _device_leaves(self) -> list[RadixNode]:
+        """The `_evictable` nodes in `_iter_nodes` order, in one inlined walk (it runs on
+        every pass of a policy without stable keys) that skips the sub-trees off device:
+        nothing below a node off device is on device."""
+        found: list[RadixNode] = []
+        stack = [child for root in self._roots.values() for child in root.children.values()]
+        while stack:
+            node = stack.pop()
+            if node.device_page_ids is None:
+                continue
+            children = node.children
+            leaf = True
+            if children:
+                stack.extend(children.values())
+                leaf = all(child.device_page_ids is None for child in children.values())
+            if leaf and node.lock_ref == 0:
+                found.append(node)
+        return found
+
+    def _note_leaf(self, node: RadixNode) -> None:
+        """`node` may have become evictable or changed its key: the kept heap must rank it
+        (a stale entry is skipped when it surfaces)."""
+        heap = self._leaf_heap
+        if heap is None or not self._evictable(node):
+            return
+        if len(heap) > 2 * self._device_pages + 64:  # mostly stale: rebuilt by the next pass
+            self._leaf_heap = None
+            return
+        heap.push(node)
 
     def flush(self) -> int:
         """Evict everything that is not locked; returns the pages freed."""
@@ -508,6 +558,16 @@ class RadixTree:
         assert locked_pages == self._locked_pages, (locked_pages, self._locked_pages)
         assert len(slots) == self._num_checkpoints, (len(slots), self._num_checkpoints)
         assert len(window_seen) == self._window_pages, (len(window_seen), self._window_pages)
+        self._check_leaf_heap()
+
+    def _check_leaf_heap(self) -> None:
+        """The kept heap ranks every evictable leaf under its current key."""
+        heap = self._leaf_heap
+        if heap is None or heap.policy is not self.policy:
+            return
+        ranked = heap.entries()
+        for node in self._device_leaves():
+            assert (id(node), heap.key(node)) in ranked, "an evictable leaf the heap lost"
 
     def num_nodes(self) -> int:
         return sum(1 for _ in self._iter_nodes())
@@ -700,6 +760,39 @@ class RadixTree:
             assert self.window_allocator is not None and self.window_allocator.is_used(
                 page_id), f"tree holds free window page {page_id}"
             seen.add(page_id)
+
+
+class _LeafHeap:
+    """Device leaves ranked by `policy` (lower key first; ties in insertion order). Entries
+    are checked when they surface (lazy deletion): one whose node is no longer evictable, or
+    (`check_keys`: a heap kept across passes) whose key changed since, is dropped - the tree
+    pushes the node again whenever it may have become evictable or been re-keyed."""
+
+    def __init__(self, policy: EvictionPolicy, nodes: Iterable[RadixNode], *,
+                 check_keys: bool) -> None:
+        self.policy = policy
+        self.key = policy.key_fn()
+        self._check_keys = check_keys
+        self._order = itertools.count()
+        self._heap = [(self.key(n), next(self._order), n) for n in nodes]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, node: RadixNode) -> None:
+        heapq.heappush(self._heap, (self.key(node), next(self._order), node))
+
+    def pop_evictable(self, evictable: Callable[[RadixNode], bool]) -> RadixNode | None:
+        while self._heap:
+            key, _, node = heapq.heappop(self._heap)
+            if evictable(node) and (not self._check_keys or key == self.key(node)):
+                return node
+        return None
+
+    def entries(self) -> set[tuple[int, EvictKey]]:
+        """(node id, key) of every entry (`RadixTree.check`)."""
+        return {(id(node), key) for key, _, node in self._heap}
 
 
 def _count_present(page_ids: Sequence[int | None]) -> int:

@@ -304,7 +304,9 @@ class Req:
             if self.prefill_done:
                 assert self.kv_len == self.fill_len - 1, "decode state out of step"
         else:
-            assert self.state_slot is None and self.pending_checkpoint is None, (
+            # a held request keeps its pending decode checkpoint until its pages go
+            assert self.state_slot is None and (
+                self.pending_checkpoint is None or self.holding_pages), (
                 "a state slot held while not running")
             if not self.holding_pages:
                 assert not self.page_ids and self.last_node is None, (

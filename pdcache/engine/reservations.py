@@ -8,7 +8,15 @@ grant keeps back, besides its own pages, the pages every running and reserved re
 included) still needs to decode min(`max_new_tokens`, `decode_reserve_tokens`) answer tokens,
 so what is granted never waits for a page within that budget, even with retraction off.
 With a prefix tree, a grant's leading prompt pages that the tree holds are reused (locked in
-`prefix`; decode's prefix cache, docs/design.md §4.12) and only the rest allocated.
+`prefix`; decode's prefix cache, docs/design.md §4.12) and only the rest allocated. That
+match is page-only (`RadixTree.match_pages`): a hybrid model's restore rule (a state
+checkpoint at the hit's end) does not apply, since a prefilled request's recurrent state
+comes from prefill with its pages, never from the tree.
+
+A hybrid model (`PageSource.states`) has only `max_running_requests` request state slots: a
+grant (or `reserve`) also needs one left for it beside those of the running, waiting and
+already reserved requests, so every granted request finds a slot at `add_prefilled`; until
+then it waits in the queue as it does for pages (backpressure, never a failed start).
 
 Each reservation gets exactly one answer, an `Admission` (`admit`, `grant_queued`, `cancel`
 build them; the engine hands them to the reservation's `on_done`).
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,6 +38,7 @@ from typing import Any, Protocol
 from pdcache.engine.radix import MatchResult, RadixNode, RadixTree
 from pdcache.engine.request import Req, pages_for
 from pdcache.engine.scheduler_config import SchedulerConfig
+from pdcache.engine.state_cache import StateSlots
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +96,8 @@ class PageSource(Protocol):
 
     tree: RadixTree | None
     running: list[Req]
+    waiting: deque[Req]
+    states: StateSlots | None  # a hybrid model's recurrent-state slots
 
     def alloc_pages(self, num_pages: int, reserve: int = 0) -> list[int] | None: ...
 
@@ -171,6 +183,8 @@ class ReservationBook:
         (nothing taken) when they cannot be had."""
         if rid in self.reserved:
             raise ValueError(f"request {rid!r} already has reserved pages")
+        if not self._state_slot_left():
+            return None
         page_ids = self.memory.alloc_pages(pages_for(num_tokens, self.page_size))
         if page_ids is not None:
             self.reserved[rid] = page_ids
@@ -220,6 +234,8 @@ class ReservationBook:
         """Reserve `pending`'s pages: the tree's leading pages of its prefix (locked, in
         `prefix`) and fresh ones for the rest (in `reserved`)."""
         memory = self.memory
+        if not self._state_slot_left():
+            return False
         match = self._match_prefix(pending)
         memory.lock(match.last_node)  # before allocating: eviction must not take them
         # its own growth too: everything granted can decode its reserved answer tokens
@@ -238,14 +254,24 @@ class ReservationBook:
             memory.unlock(match.last_node)
         return True
 
+    def _state_slot_left(self) -> bool:
+        """Whether a hybrid model has a request state slot for one more reservation: one
+        that no waiting request (re-admitted first) or reservation will take. Always True
+        without recurrent state."""
+        states = self.memory.states
+        if states is None:
+            return True
+        return states.free_request_slots > len(self.reserved) + len(self.memory.waiting)
+
     def _match_prefix(self, pending: PendingReservation) -> MatchResult:
         """The tree's pages for `pending.prefix_ids`, leaving at least the prompt's last page
-        to prefill (whose forward computes the last token: its page always comes new)."""
+        to prefill (whose forward computes the last token: its page always comes new).
+        Page-only: no restore rule applies (a hybrid model's state comes from prefill)."""
         tree = self.memory.tree
         if tree is None or not pending.prefix_ids:
             return MatchResult([], 0, None)
         limit = min(len(pending.prefix_ids), (pending.num_pages - 1) * self.page_size)
-        return tree.match_prefix(pending.prefix_ids[:limit], pending.salt)
+        return tree.match_pages(pending.prefix_ids[:limit], pending.salt)
 
     # ---- leaving the book ------------------------------------------------------------------
     def release(self, rid: str) -> bool:

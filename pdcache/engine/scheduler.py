@@ -182,9 +182,10 @@ class Scheduler:
                       state: StateSnapshot | None = None) -> None:
         """Start decoding `req` on its reserved pages, which hold its prompt's K/V; a hybrid
         model's `state` is its recurrent state after the last prompt token (prefill's, P→D),
-        restored into the request's state slot. Raises ValueError when the reservation does
-        not fit it (`ReservationBook.take`), or for a hybrid model without a state of this
-        pool's geometry (or no free request slot), nothing taken."""
+        restored into the request's state slot (its reservation was granted only with one
+        left for it). Raises ValueError when the reservation does not fit it
+        (`ReservationBook.take`), or for a hybrid model without a state of this pool's
+        geometry (or, defensively, no free request slot), nothing taken."""
         if self.reservations is None:
             raise ValueError(f"request {req.rid!r}: this node takes no reservations")
         if self.window is not None:
@@ -588,7 +589,9 @@ class Scheduler:
             self._release(req, cache=True)
 
     def _hold(self, req: Req) -> None:
-        self._free_state(req)  # the held pages go to a reader; the state goes nowhere yet
+        # the held pages go to a reader; the state goes nowhere, but the pending decode
+        # checkpoint stays with them: `release_held` gives the tree both (`_release`)
+        self._free_request_slot(req)
         req.holding_pages = True
         self.held[req.rid] = req
 
@@ -679,6 +682,9 @@ class Scheduler:
         restorable: its end carries a checkpoint) and its checkpoint points; False when no
         request slot is free."""
         assert self.states is not None
+        book = self.reservations
+        if book is not None and self.states.free_request_slots <= len(book.reserved):
+            return False  # the slots left are the reserved requests' (`ReservationBook`)
         slot = self.states.alloc_request()
         if slot is None:
             return False
@@ -804,7 +810,14 @@ class Scheduler:
             return
         if req.pending_checkpoint is not None:
             self.states.free_checkpoint(req.pending_checkpoint)
+        req.pending_checkpoint, req.pending_checkpoint_len = None, 0
+        self._free_request_slot(req)
+
+    def _free_request_slot(self, req: Req) -> None:
+        """Free `req`'s state slot (exactly once: it is cleared); its pending checkpoint stays."""
+        if self.states is None:
+            return
         if req.state_slot is not None:
             self.states.free_request(req.state_slot)
-        req.state_slot, req.pending_checkpoint, req.pending_checkpoint_len = None, None, 0
+        req.state_slot = None
         req.checkpoint_at = []

@@ -4,11 +4,14 @@ beside the KV pool, its slots shared by running requests and state checkpoints.
 Sizing (`StateSlots.create`): `SchedulerConfig.max_running_requests` request slots (one per
 running request: admission never waits for one) plus `CacheConfig.state_checkpoint_slots`
 checkpoint slots (0 without a prefix cache). Checkpoints never take more than their share, so
-requests always find a slot.
+requests always find a slot. A decode node's prefilled requests get theirs through their
+reservation: the `ReservationBook` grants a hybrid reservation only while a request slot is
+left for it beside those of the running, waiting and reserved requests.
 
 Ownership: every used slot has exactly one owner: a running request (`Req.state_slot`, from
-admission until it finishes, is aborted or retracted), a running request's pending decode
-checkpoint (`Req.pending_checkpoint`), or a radix node (`RadixNode.state_slot`, until the tree
+admission until it finishes, is aborted or retracted), a running or held request's pending
+decode checkpoint (`Req.pending_checkpoint`; a held one attaches it to the tree, or frees it,
+when its pages are released), or a radix node (`RadixNode.state_slot`, until the tree
 frees it with the node's pages or to make room). `Engine.check_accounting` checks
 `free + requests + pending + tree == capacity`. Not locked: engine thread only.
 
@@ -75,10 +78,15 @@ class StateSlots:
     def num_request_slots(self) -> int:
         return self.pool.num_used - self.num_checkpoints
 
+    @property
+    def free_request_slots(self) -> int:
+        """Request slots `alloc_request` can still give (the checkpoints' share aside)."""
+        return self.pool.capacity - self.checkpoint_slots - self.num_request_slots
+
     # ---- request slots ---------------------------------------------------------------------
     def alloc_request(self) -> int | None:
         """A zeroed slot for a request being admitted (None: every request slot is held)."""
-        if self.num_request_slots >= self.pool.capacity - self.checkpoint_slots:
+        if self.free_request_slots <= 0:
             return None
         return self.pool.alloc()
 

@@ -120,6 +120,8 @@ class HiRadixTree(RadixTree):
             node.device_page_ids = list(device_page_ids[offset : offset + matched])
             self._device_pages += matched
             offset, last = offset + matched, node
+        if last is not None:
+            self._note_leaf(last)  # on device again; the restored ones above it are not leaves
         return last
 
     # ---- host eviction -----------------------------------------------------------------
@@ -333,12 +335,36 @@ class HiRadixTree(RadixTree):
     def _fully_matched(self, node: RadixNode, done_pages: int) -> bool:
         return node.is_root or sum(n.num_pages for n in node.path_from_root()) == done_pages
 
-    def _host_evictable(self, node: RadixNode) -> bool:
+    def _host_leaves(self, keep: frozenset[RadixNode]) -> list[RadixNode]:
+        """`_host_leaf` nodes not in `keep`, in `_iter_nodes` order: one walk, inlined (it
+        runs on every host eviction)."""
+        found: list[RadixNode] = []
+        stack = [child for root in self._roots.values() for child in root.children.values()]
+        while stack:
+            node = stack.pop()
+            children = node.children
+            if children:
+                stack.extend(children.values())
+            if node.host_page_ids is None or node.lock_ref > 0 or node in keep:
+                continue
+            for child in children.values():
+                if child.host_page_ids is not None:
+                    break
+            else:
+                found.append(node)
+        return found
+
+    def _host_leaf(self, node: RadixNode) -> bool:
+        """Unlocked, with host pages, and no child with host pages (pins not checked)."""
         if node.host_page_ids is None or node.lock_ref > 0:
             return False
-        if any(self.host_pool.is_pinned(p) for p in node.host_page_ids):
-            return False
         return not any(c.host_page_ids is not None for c in node.children.values())
+
+    def _host_evictable(self, node: RadixNode) -> bool:
+        if not self._host_leaf(node):
+            return False
+        is_pinned = self.host_pool.is_pinned
+        return not any(is_pinned(p) for p in node.host_page_ids)
 
     def _drop_host(self, node: RadixNode) -> int:
         page_ids = node.host_page_ids or []
@@ -357,14 +383,16 @@ class HiRadixTree(RadixTree):
 class _HostHeap:
     """Host leaves ranked by the tree's `host_policy` (keys taken once, at build or push).
     Entries are checked when they surface: a node that lost its host copy, gained a host
-    child, got pinned or joined `keep` since is skipped (lazy deletion)."""
+    child, is pinned or joined `keep` since is skipped (lazy deletion). Pins are checked
+    only there, not at build: a pinned leaf is skipped wherever it ranks, so the order of the
+    others is the same, and only the leaves that surface pay a scan of their pages (a leaf
+    that another thread unpins meanwhile competes again, where a scan at build left it out)."""
 
     def __init__(self, tree: HiRadixTree, keep: frozenset[RadixNode]) -> None:
         self.tree = tree
         self.key = tree.host_policy.key_fn()
         self._order = itertools.count()
-        self._heap = [(self.key(n), next(self._order), n) for n in tree._iter_nodes()
-                      if n not in keep and tree._host_evictable(n)]
+        self._heap = [(self.key(n), next(self._order), n) for n in tree._host_leaves(keep)]
         heapq.heapify(self._heap)
 
     def push(self, node: RadixNode) -> None:

@@ -11,6 +11,7 @@ The checkpoint is the tiny one of `tests/engine/test_qwen3_next.py` (transformer
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 from pathlib import Path
@@ -296,6 +297,25 @@ def prompt_state(reference: UnifiedReference, prompt: list[int]) -> tuple[int, S
     return first, captured[0]
 
 
+def prompt_kv(model: Any, prompt: list[int]) -> torch.Tensor:
+    """The K/V of `prompt`'s pages as a prefill node writes them (pages on dim 2 of the
+    pool's `device_kv`), computed by another engine."""
+    from pdcache.engine.api import GenerateRequest, SamplingParams
+    from pdcache.engine.config import CacheConfig, EngineConfig
+    from pdcache.engine.engine import Engine
+
+    reference = Engine(EngineConfig(model.config, CacheConfig(PAGE, 64,
+                                                              enable_prefix_cache=False)),
+                       model).start(thread=False)
+    held: list[list[int]] = []
+    reference.scheduler.role.hold_after_finish = lambda req: held.append(req.page_ids) or True
+    reference.submit(GenerateRequest("p", prompt, SamplingParams(max_new_tokens=1)), lambda _out: None)
+    while reference.step():
+        pass
+    src = torch.tensor(held[0][: pages_for(len(prompt), PAGE)])
+    return reference.pool.device_kv[:, :, src].clone()
+
+
 def prefilled_tokens(model: Any, prompt: list[int], first: int,
                      state: StateSnapshot | None) -> tuple[list[int], str | None]:
     """Decode `prompt` from prefill's pages (copied in) and `state` on a fresh engine."""
@@ -305,18 +325,9 @@ def prefilled_tokens(model: Any, prompt: list[int], first: int,
 
     engine = Engine(EngineConfig(model.config, CacheConfig(PAGE, 64, enable_prefix_cache=False)),
                     model).start(thread=False)
-    reference = Engine(EngineConfig(model.config, CacheConfig(PAGE, 64,
-                                                              enable_prefix_cache=False)),
-                       model).start(thread=False)
     # the prompt's K/V as a prefill node writes it: computed by another engine, copied over
     pages = engine.reserve("pd", len(prompt))
-    held: list[list[int]] = []
-    reference.scheduler.role.hold_after_finish = lambda req: held.append(req.page_ids) or True
-    reference.submit(GenerateRequest("p", prompt, SamplingParams(max_new_tokens=1)), lambda _out: None)
-    while reference.step():
-        pass
-    src = torch.tensor(held[0][: len(pages)])
-    engine.pool.device_kv[:, :, pages] = reference.pool.device_kv[:, :, src]
+    engine.pool.device_kv[:, :, pages] = prompt_kv(model, prompt)
     outs: list[Any] = []
     engine.submit_prefilled(GenerateRequest("pd", prompt, SamplingParams(
         max_new_tokens=ANSWER, ignore_eos=True)), first, outs.append, state=state)
@@ -361,3 +372,126 @@ def test_three_turns_restore_the_state_decode_wrote(hybrid, reference, tmp_path)
     finally:
         stack.close()
         service.stop()
+
+
+def test_prefilled_starts_beyond_the_state_slots_wait_for_one(hybrid, reference) -> None:
+    """Decode under load: a hybrid engine has `max_running_requests` request state slots, so
+    reservations beyond them wait in the admission queue until a slot frees (backpressure,
+    as for pages), never a start that fails for want of a slot; each decodes the reference's
+    tokens."""
+    from pdcache.engine.api import GenerateRequest, SamplingParams
+    from pdcache.engine.config import CacheConfig, EngineConfig
+    from pdcache.engine.engine import Engine
+    from pdcache.engine.reservations import Admission
+    from pdcache.engine.scheduler_config import SchedulerConfig
+
+    model = hybrid[0]
+    first, state = prompt_state(reference, PROMPT)
+    kv = prompt_kv(model, PROMPT)
+    engine = Engine(EngineConfig(model.config, CacheConfig(PAGE, 96, enable_prefix_cache=False),
+                                 SchedulerConfig(max_running_requests=2)),
+                    model).start(thread=False)
+    admissions: list[Admission] = []
+    outs: dict[str, list[Any]] = {}
+    for i in range(5):
+        engine.reserve_when_free(f"r{i}", len(PROMPT), admissions.append, max_new_tokens=ANSWER)
+    engine.step()
+    assert [a.rid for a in admissions] == ["r0", "r1"]  # the rest wait for a state slot
+    assert engine.stats()["reservations_pending"] == 3
+    started = 0
+    while engine.step() or started < len(admissions):
+        for admission in admissions[started:]:
+            assert admission.ok, admission
+            engine.pool.device_kv[:, :, admission.page_ids] = kv
+            outs[admission.rid] = []
+            engine.submit_prefilled(GenerateRequest(admission.rid, PROMPT, SamplingParams(
+                max_new_tokens=ANSWER, ignore_eos=True)), first, outs[admission.rid].append,
+                state=state)
+            started += 1
+        assert len(engine.scheduler.running) <= 2
+    assert sorted(outs) == [f"r{i}" for i in range(5)]
+    for rid, out in outs.items():
+        assert out[-1].finished and out[-1].error is None, (rid, out[-1])
+        assert [t for o in out for t in o.new_token_ids] == reference(PROMPT, ANSWER), rid
+    numbers = engine.check_accounting()
+    assert numbers["used"] == 0 and numbers["state_free"] == numbers["state_capacity"], numbers
+
+
+def test_more_pd_requests_than_running_slots_all_decode(hybrid, reference, tmp_path) -> None:
+    """1P1D with one running request on decode: concurrent rooms queue for its one state
+    slot and all decode exactly (none fails 500, none is refused)."""
+    prefill, decode = setups(tmp_path, hybrid[0])
+    decode = dataclasses.replace(decode, engine=dataclasses.replace(
+        decode.engine, scheduler=dataclasses.replace(decode.engine.scheduler,
+                                                     max_running_requests=1)))
+    stack = start(prefill, decode, hybrid)
+    prompts = [PROMPT[i:] + PROMPT[:i] for i in range(4)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda prompt: stack.generate(prompt, ANSWER)[1], prompts))
+        for prompt, answer in zip(prompts, answers):
+            assert answer.get("output_ids") == reference(prompt, ANSWER), answer
+        assert_stack_idle(stack)
+        state_accounting_exact(stack)
+    finally:
+        stack.close()
+
+
+def test_decode_reuses_pages_beyond_its_last_checkpoint(hybrid, reference, tmp_path) -> None:
+    """Decode's reservations match pages only (the state comes from prefill): a prompt that
+    shares 5 pages with a cached one, where decode's tree has no checkpoint, reuses them."""
+    prefill, decode = setups(tmp_path, hybrid[0], decode_prefix_cache=True)
+    stack = start(prefill, decode, hybrid)
+    try:
+        _, first = stack.generate(PROMPT, ANSWER)
+        assert first["output_ids"] == reference(PROMPT, ANSWER)
+        tree = stack.decode_server.engine.tree
+        assert tree is not None and poll(lambda: tree.num_checkpoints >= 1, 10)
+        other = PROMPT[:20] + MESSAGE + PROMPT[:4]  # 5 shared pages, then another branch
+        assert tree.node_at(other[:20]) is None  # no checkpoint can end there
+        received = stack.decode_server.receiver.stats()["bytes_received"]
+        page_bytes = received // pages_for(len(PROMPT), PAGE)
+        _, second = stack.generate(other, ANSWER)
+        assert second["output_ids"] == reference(other, ANSWER)
+        sent = stack.decode_server.receiver.stats()["bytes_received"] - received
+        assert sent == (pages_for(len(other), PAGE) - 5) * page_bytes, sent
+        assert_idle(stack)
+    finally:
+        stack.close()
+
+
+def test_offload_keeps_the_answer_end_checkpoint_for_decodes_tree(hybrid, reference,
+                                                                  tmp_path) -> None:
+    """With offload on, a finished request's pages are held until its copies are done; its
+    pending decode checkpoint is held with them and reaches decode's tree on release, so a
+    second turn through decode's prefix cache restores the state there."""
+    prefill, decode = setups(tmp_path, hybrid[0], offload=True, decode_prefix_cache=True)
+    stack = start(prefill, decode, hybrid)
+    try:
+        _, first = stack.generate(PROMPT, ANSWER)
+        assert first["output_ids"] == reference(PROMPT, ANSWER)
+        assert stack.offload_idle(30)
+        engine = stack.decode_server.engine
+        assert poll(lambda: not engine.stats()["requests_held"], 10)
+        end = (len(PROMPT) + ANSWER - 1) // PAGE * PAGE  # the answer's last full page
+        tree = engine.tree
+        assert tree is not None
+        node = tree.node_at((PROMPT + first["output_ids"])[:end])
+        assert node is not None and node.state_slot is not None
+        turn = PROMPT + first["output_ids"] + MESSAGE
+        _, second = stack.generate(turn, ANSWER)
+        assert second["output_ids"] == reference(turn, ANSWER)
+        # decode's own admission of the turn hits the checkpoint (its state restored)
+        from pdcache.engine.api import GenerateRequest, SamplingParams
+
+        restored = engine.states.counters.checkpoints_restored
+        outs = engine.generate(GenerateRequest("local", turn, SamplingParams(
+            max_new_tokens=ANSWER, ignore_eos=True)))
+        assert outs[-1].error is None and outs[-1].cached.device >= end, outs[-1]
+        assert engine.states.counters.checkpoints_restored == restored + 1
+        assert [t for o in outs for t in o.new_token_ids] == reference(turn, ANSWER)
+        assert stack.offload_idle(30)
+        assert poll(lambda: not engine.stats()["requests_held"], 10)
+        assert_idle(stack)
+    finally:
+        stack.close()
