@@ -11,7 +11,9 @@ cost profile with the benches' own code paths and write it as a profile file.
 - storage: `bench.storage_bench.backend_op_seconds` on the `file` backend (one client):
   read / write bytes/s and per-operation latency;
 - metadata: `bench.metadata_bench.measure_ops` on the SQLite hf3fs metadata service: the
-  mean p50 of reserve, commit and lookup.
+  mean p50 of reserve, commit and lookup;
+- with `--serving-unified` (and `--serving-pd`): the optional `[serving]` table, from real
+  running stacks on a trivial trace (`pdcache.sim.calibrate_serving`).
 
 Every fit's error (root mean square of the relative residuals) is printed and written to the
 profile's `[source]` table. On one machine the store and a node's link to it are the same
@@ -54,6 +56,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="where the model and the device KV pool live (default: cuda when "
                              "available, else cpu)")
+    parser.add_argument("--serving-unified", default=None, metavar="CONFIG",
+                        help="also measure [serving] (sim.calibrate_serving): launch this "
+                             "unified topology ([LABEL=]PATH[+KEY=VALUE...]) on a trivial trace")
+    parser.add_argument("--serving-pd", default=None, metavar="CONFIG",
+                        help="... and this PD topology, for [serving] handoff_s")
+    parser.add_argument("--serving-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override for the serving topologies (e.g. model.preset=tiny)")
+    parser.add_argument("--serving-out", default=None,
+                        help="where the serving runs write (default: next to --out)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0,
+                        help="seconds for a serving topology to become healthy")
+    parser.add_argument("--stop-timeout", type=float, default=60.0,
+                        help="seconds for the launcher to stop a serving topology")
 
 
 @dataclass(frozen=True)
@@ -253,6 +268,13 @@ FIELD_NOTES = {
         "h2d_bandwidth_Bps": "host -> device copy bytes per second",
         "d2h_bandwidth_Bps": "device -> host copy bytes per second",
     },
+    "serving": {
+        "request_s": "per request before its first token: HTTP, router, tokeniser",
+        "step_s": "per engine step: the step loop (scheduling, sampling, output)",
+        "handoff_s": "per PD request: decode's reservation to the prefill computing",
+        "warmup_s": "once per prefill / unified node: its first step (warm-up)",
+        "decode_warmup_s": "once per decode node: its first step (first receive + forward)",
+    },
     "storage": {
         "read_bandwidth_Bps": "the store's read bytes/s (one client here)",
         "write_bandwidth_Bps": "the store's write bytes/s (one client here)",
@@ -268,6 +290,8 @@ def profile_text(tables: dict[str, dict[str, float]], source: dict[str, str]) ->
     lines = ["# A pdcache sim profile measured by `pdcache sim calibrate` (docs/simulator.md).",
              "# Seconds and bytes per second."]
     for table, notes in FIELD_NOTES.items():
+        if table not in tables:
+            continue  # [serving] is optional
         lines.append(f"\n[{table}]")
         for key, note in notes.items():
             lines.append(f"{key} = {tables[table][key]:.6e}  # {note}")
@@ -324,6 +348,14 @@ def run(args: argparse.Namespace) -> int:
                              Path(args.dir) if args.dir else None, device, log)
     for name, fit in fits.items():
         print(f"fit {name}: rms relative error {fit.rms_rel_error:.3f} over {fit.points} points")
+    if args.serving_unified:
+        from pdcache.sim.calibrate_serving import measure_serving
+        from pdcache.sim.profile import profile_from_dict
+
+        serving_out = Path(args.serving_out or Path(args.out).with_suffix(".serving"))
+        tables["serving"] = measure_serving(args, profile_from_dict(tables), serving_out, log)
+        log("serving: " + ", ".join(f"{k} {v * 1e3:.2f} ms"
+                                    for k, v in tables["serving"].items()))
     source = {
         "machine": _machine(), "preset": args.preset, "device": device,
         "page_size": str(args.page_size),

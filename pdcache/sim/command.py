@@ -76,6 +76,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="goodput: ... and a TPOT of at most S seconds")
     parser.add_argument("--bucket", type=float, default=1.0, metavar="S",
                         help="storage bandwidth over time: bucket width (simulated seconds)")
+    parser.add_argument("--shared-host", type=int, default=0, metavar="SLOTS",
+                        help="every node runs on the one host the profile was measured on, "
+                             "SLOTS of them computing at once at full speed (cores / threads "
+                             "per node); 0 (default): each node has compute of its own")
     add_replay_options(parser)
 
 
@@ -104,7 +108,8 @@ def build(args: argparse.Namespace) -> Simulation:
     replay = ReplayConfig(**{**replay.__dict__, "trace": seeded_trace_spec(replay.trace,
                                                                            replay.seed)})
     options = SimOptions(ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo,
-                         bucket_s=args.bucket, progress=args.progress)
+                         bucket_s=args.bucket, progress=args.progress,
+                         shared_host_slots=args.shared_host)
     return Simulation(topology, profile, replay, options)
 
 

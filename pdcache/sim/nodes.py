@@ -14,11 +14,20 @@ step at a time, over its real cache (`pdcache.sim.cache.NodeCache`).
   (the write policy backs it up).
 - Decode work (decode and unified nodes): each step generates one token for up to
   `max_running_requests` running requests. A decode node reserves device pages for prompt and
-  answer when the request is routed (its own prefix tree reused: only the pages it lacks are
-  pushed); a finished request's prompt + answer pages are written back to the store (origin
-  decode) through the node's link and kept in its tree.
-- Unified nodes run prefill steps first while any prefill work is admitted or admissible,
-  then decode steps.
+  answer when it reads the routed request, at its next step boundary (its own prefix tree
+  reused: only the pages it lacks are pushed); a finished request's prompt + answer pages are
+  written back to the store (origin decode) through the node's link and kept in its tree.
+- Unified nodes alternate a prefill step and a decode step while both have work, as the
+  engine's scheduler does.
+- Every step also costs the profile's `[serving] step_s` (the engine's step loop), and a
+  node's first step its `warmup_s` (`decode_warmup_s` on a decode node). A PD prompt is
+  computed only once its decode node reserved its pages and asked for the K/V
+  (`open_gate`): the decode node reads that request at its next step boundary
+  (`at_step_boundary`), the ask reaches the prefill node `handoff_s` later.
+- With `Cluster.shared_host_slots` = S > 0, every node runs on the one host the profile was
+  measured on and S nodes can compute at once at full speed (its cores / the threads a node
+  uses): a step that starts while k other nodes are mid-step takes max(1, (1 + k) / S) times
+  as long (a fair share of the cores; not re-shared when others start or end mid-step).
 """
 
 from __future__ import annotations
@@ -52,6 +61,19 @@ class Cluster:
     prefill_done: Hook
     finished: Hook
     released: Callable[[str], None]
+    # every node on one host (the local topologies): how many nodes may compute at once at
+    # full speed there (cores / threads per node); 0: each node has compute of its own
+    shared_host_slots: int = 0
+    busy_nodes: int = 0  # nodes mid-step now (the contention `SimNode._run` charges)
+
+    def step_seconds(self, compute_s: float, first_s: float) -> float:
+        """A step's duration: its modelled compute, the step loop's cost and `first_s` (the
+        node's warm-up, on its first step), stretched by the nodes computing beside it on a
+        shared host."""
+        seconds = compute_s + self.profile.serving.step_s + first_s
+        if not self.shared_host_slots:
+            return seconds
+        return seconds * max(1.0, (1 + self.busy_nodes) / self.shared_host_slots)
 
     def write_pages(self, node: str, pages: list[int], origin: str) -> float:
         """Write the pages not stored yet from `node` (after their device -> host copy);
@@ -88,16 +110,22 @@ class SimNode:
         self.prefilling: list[SimRequest] = []
         self.decoding: list[SimRequest] = []
         self.reserving: deque[SimRequest] = deque()  # decode: waiting for device pages
+        self.parked: list[SimRequest] = []  # prefill: prefetched, waiting for decode's gate
+        self._at_boundary: list[Callable[[], None]] = []  # inbox items for the next step edge
         self.push = Pipe(cluster.profile.transfer.bandwidth_Bps)  # prefill -> decode KV
         self.busy = False
         self.busy_s = 0.0
         self.prefill_steps = self.decode_steps = self.prefill_tokens = 0
         self.write_back_peak_s = 0.0  # decode: the longest a finished request's write took
         self._kick_pending = False  # a step start is scheduled for this instant (`kick`)
+        self._last_was_prefill = False  # unified: the step order alternates (`_start_step`)
 
     # ---- prefill side -------------------------------------------------------------------
-    def submit_prefill(self, req: SimRequest) -> None:
-        """A routed prompt arrives: look its pages up, prefetch the stored run, queue it."""
+    def submit_prefill(self, req: SimRequest, gated: bool = False) -> None:
+        """A routed prompt arrives: look its pages up, prefetch the stored run, queue it.
+        `gated` (PD): it is computed only once `open_gate` says its decode node asked for
+        the K/V, as the real prefill scheduler's decode-admission gate does."""
+        req.gated = gated
         cluster, now = self.cluster, self.loop.now
         ready = now
         if cluster.store is not None and self.cache.hierarchical:
@@ -106,8 +134,19 @@ class SimNode:
         self.loop.at(ready, lambda: self._queue(req))
 
     def _queue(self, req: SimRequest) -> None:
+        if req.gated:
+            self.parked.append(req)  # prefetched; waits for its decode node's K/V request
+            return
         self.ready.append(req)
         self.kick()
+
+    def open_gate(self, req: SimRequest) -> None:
+        """Its decode node reserved pages and asked for the K/V: the prompt may compute."""
+        req.gated = False
+        if req in self.parked:
+            self.parked.remove(req)
+            self.ready.append(req)
+            self.kick()
 
     def _prefetch(self, req: SimRequest, now: float) -> float:
         """Start reading the stored run after the cached prefix; returns when the request
@@ -213,6 +252,14 @@ class SimNode:
                 self.start_decode(req)
 
     # ---- decode side --------------------------------------------------------------------
+    def at_step_boundary(self, action: Callable[[], None]) -> None:
+        """Run `action` when the node's loop next reads its inbox: now when idle, else when
+        the step in progress ends (before the next step forms)."""
+        if self.busy:
+            self._at_boundary.append(action)
+        else:
+            action()
+
     def reserve(self, req: SimRequest) -> bool:
         """Decode node: device pages for prompt + answer (its tree's prefix reused); False
         queues the request until pages free."""
@@ -294,22 +341,42 @@ class SimNode:
         self._kick_pending = False
         if self.busy:
             return
-        if self.role in ("prefill", "unified"):
+        # a unified node alternates prefill and decode steps while both have work (the
+        # engine scheduler's order: a long prefill does not stall streaming)
+        decode_first = self.role == "unified" and self._last_was_prefill and self.decoding
+        if self.role in ("prefill", "unified") and not decode_first:
             step = self._prefill_step()
             if step is not None:
+                self._last_was_prefill = True
                 self._run(step[0], lambda: self._after_prefill_step(step[1]))
                 return
         if self.role in ("decode", "unified"):
             decode = self._decode_step()
             if decode is not None:
+                self._last_was_prefill = False
                 self._run(decode[0], lambda: self._after_decode_step(decode[1]))
 
-    def _run(self, duration: float, after: Callable[[], None]) -> None:
+    def _first_step_s(self) -> float:
+        """The warm-up a node's first step pays: `decode_warmup_s` on a decode node (its
+        first K/V receive and decode forward), `warmup_s` on the others."""
+        if self.prefill_steps + self.decode_steps:
+            return 0.0
+        serving = self.cluster.profile.serving
+        return serving.decode_warmup_s if self.role == "decode" else serving.warmup_s
+
+    def _run(self, compute_s: float, after: Callable[[], None]) -> None:
+        cluster = self.cluster
+        duration = cluster.step_seconds(compute_s, self._first_step_s())
         self.busy = True
         self.busy_s += duration
+        cluster.busy_nodes += 1
 
         def end() -> None:
+            cluster.busy_nodes -= 1
             after()  # still busy: a kick from inside `after` must not start a step
+            inbox, self._at_boundary = self._at_boundary, []
+            for action in inbox:
+                action()
             self.busy = False
             self._start_step()  # the next step follows at once (as the scheduler's loop)
 

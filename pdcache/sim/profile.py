@@ -1,7 +1,9 @@
 """The simulator's cost profile: how long compute and I/O take on some hardware.
 
-A profile is a TOML file with five tables; every key is required (a missing or unknown key is
-a `ProfileError` naming it), so no number is ever made up by the simulator. pdcache ships no
+A profile is a TOML file with five required tables and an optional sixth, `[serving]`; every
+key of a table is required (a missing or unknown key is a `ProfileError` naming it), so no
+number is ever made up by the simulator (without `[serving]`, the serving path's own costs
+are not modelled: zero). pdcache ships no
 profile: measure one on your hardware (docs/simulator.md says how each field is read) and
 write it down. Units are seconds and bytes per second.
 
@@ -30,6 +32,15 @@ write_bandwidth_Bps = 3.0e9   # the whole store's write bandwidth, shared by eve
 node_nic_Bps = 1.25e9         # one node's link to the store (each direction)
 op_latency_s = 0.0005         # per read or write operation (one batch of pages)
 metadata_op_s = 0.0002        # per metadata operation (an existence lookup, an index update)
+
+[serving]                     # optional: the serving path around the steps (all seconds)
+request_s = 0.004             # per request: client HTTP, router hop, node HTTP, tokenisation,
+                              #   queueing into the engine, streaming the first token back
+step_s = 0.001                # per engine step: the step loop (scheduling, sampling, output)
+handoff_s = 0.005             # per PD request: from the decode node's page reservation to
+                              #   the prefill node computing (decode asks for the K/V)
+warmup_s = 0.03               # once per prefill / unified node: its first step (warm-up)
+decode_warmup_s = 0.3         # once per decode node: its first step (first receive + forward)
 
 [source]                      # optional, not a cost: where the numbers come from (strings)
 machine = "..."               # `pdcache sim calibrate` writes machine, preset, date, command
@@ -115,6 +126,18 @@ class StorageCost:
 
 
 @dataclass(frozen=True)
+class ServingCost:
+    """`[serving]` (optional; zero when absent): the real serving path's costs around the
+    model's steps, which the compute tables do not hold."""
+
+    request_s: float = 0.0  # per request, before its first token (HTTP, router, tokeniser)
+    step_s: float = 0.0  # per engine step, prefill or decode (the step loop itself)
+    handoff_s: float = 0.0  # per PD request: decode's K/V ask reaching the prefill node
+    warmup_s: float = 0.0  # once per prefill or unified node, on its first step
+    decode_warmup_s: float = 0.0  # once per decode node, on its first step
+
+
+@dataclass(frozen=True)
 class Profile:
     """Every cost the simulator charges; plain data, read once per run."""
 
@@ -123,10 +146,12 @@ class Profile:
     transfer: TransferCost
     host: HostCost
     storage: StorageCost
+    serving: ServingCost = ServingCost()
 
 
 _SECTIONS: dict[str, type] = {"prefill": PrefillCost, "decode": DecodeCost,
                               "transfer": TransferCost, "host": HostCost, "storage": StorageCost}
+OPTIONAL_SECTIONS: dict[str, type] = {"serving": ServingCost}
 
 
 def _section(name: str, cls: type, table: Any, source: str) -> Any:
@@ -159,11 +184,13 @@ def profile_from_dict(raw: dict[str, Any], source: str = "<profile>") -> Profile
     if not isinstance(provenance, dict) or not all(isinstance(v, str)
                                                    for v in provenance.values()):
         raise ProfileError(f"{source}: [{SOURCE_TABLE}] must be a table of strings")
-    unknown = sorted(set(raw) - set(_SECTIONS) - {SOURCE_TABLE})
+    unknown = sorted(set(raw) - set(_SECTIONS) - set(OPTIONAL_SECTIONS) - {SOURCE_TABLE})
     if unknown:
         raise ProfileError(f"{source}: [{unknown[0]}]: unknown table; tables: "
-                           f"{', '.join(_SECTIONS)}")
+                           f"{', '.join([*_SECTIONS, *OPTIONAL_SECTIONS])}")
     parts = {name: _section(name, cls, raw.get(name), source) for name, cls in _SECTIONS.items()}
+    parts.update({name: _section(name, cls, raw[name], source)
+                  for name, cls in OPTIONAL_SECTIONS.items() if name in raw})
     return Profile(**parts)
 
 

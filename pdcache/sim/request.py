@@ -38,6 +38,7 @@ class SimRequest:
     stored_decode_flags: tuple[bool, ...] = ()  # per page read: written by a decode node
     prefetch_done_s: float | None = None  # best_effort: when the read ends
     ready_s: float = 0.0  # when its prefetch let it be scheduled
+    gated: bool = False  # PD: waits for its decode node's K/V request before computing
     prefill_hold: Hold | None = None
     computed: int = 0  # prompt tokens computed so far
     to_compute: int = 0

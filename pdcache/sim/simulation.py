@@ -15,9 +15,13 @@ requests are in flight from the client, as in the replay; no request is sent aft
 to their end (no drain timeout). `--round-barrier` and `--stop-after-slow` are refused.
 
 A request's life: router (admission FIFO, `PairSelector`) -> prefill node (lookup, storage
-prefetch, chunked prefill) and, at once, the decode node's page reservation -> KV push
+prefetch) and the decode node's page reservation (at its next step boundary), which lets the
+prefill compute (the real prefill scheduler's decode-admission gate) -> chunked prefill -> KV push
 (`[transfer]` cost of the pages the decode node lacks) -> decode steps -> decode write-back
-(origin decode) and the router's completion. Unified nodes do both halves themselves.
+(origin decode) and the router's completion. Unified nodes do both halves themselves. The
+profile's `[serving]` costs sit on that path: `request_s` before the router, `handoff_s`
+between the decode reservation and the prefill gate, `step_s` and the warm-ups on the nodes'
+steps.
 """
 
 from __future__ import annotations
@@ -55,6 +59,18 @@ from pdcache.sim.store import SimStore
 ROLE_KEYS = ("prefill", "decode", "unified")  # `--set sim.ROLE=N`
 
 
+def local_host_slots() -> int:
+    """How many nodes launched here compute at once at full speed: this host's cores over
+    the threads each node's torch uses (`OMP_NUM_THREADS`, which launched nodes inherit;
+    unset: all cores, so one at a time)."""
+    import os
+
+    cores = os.cpu_count() or 1
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    per_node = int(threads) if threads.isdigit() and int(threads) > 0 else cores
+    return max(1, cores // per_node)
+
+
 @dataclass(frozen=True)
 class SimOptions:
     """The simulator's own settings (the trace and pacing are the `ReplayConfig`'s)."""
@@ -62,6 +78,7 @@ class SimOptions:
     ttft_slo_s: float | None = None  # goodput counts requests with TTFT at most this
     tpot_slo_s: float | None = None  # ... and TPOT at most this
     bucket_s: float = 1.0  # storage bandwidth over time: bucket width (simulated seconds)
+    shared_host_slots: int = 0  # nodes computing at once at full speed on one host (`Cluster`)
     progress: bool = False  # a throttled progress line on stderr
 
 
@@ -135,7 +152,8 @@ class Simulation:
         self.store = SimStore(storage.capacity // self.page_bytes) if storage.enabled else None
         self.io = StorageIO(profile.storage, options.bucket_s) if storage.enabled else None
         self.cluster = Cluster(self.loop, profile, self.page_bytes, self.store, self.io,
-                               self._prefill_done, self._finished, self._released)
+                               self._prefill_done, self._finished, self._released,
+                               shared_host_slots=options.shared_host_slots)
         self.nodes = {spec.name: SimNode(spec, self._cache_for(spec), self.cluster)
                       for spec in topology.nodes}
         states = [NodeState(n.name, n.url, n.role) for n in topology.nodes]
@@ -234,15 +252,30 @@ class Simulation:
         self._answer_keys[id(req)] = answer_keys
         self.counts["sent"] += 1
         self.requests.append(req)
-        self.router.submit(req)
+        # the serving path before the router queues it (HTTP, router hop, tokeniser): its
+        # cost is the profile's `[serving] request_s`, paid by every request
+        self.loop.after(self.profile.serving.request_s, lambda: self.router.submit(req))
 
     def _start(self, req: SimRequest, route: Route) -> None:
         if route.unified is not None:
             self.nodes[route.unified.name].submit_prefill(req)
             return
         assert route.prefill is not None and route.decode is not None
-        self.nodes[route.prefill.name].submit_prefill(req)
-        self.nodes[route.decode.name].reserve(req)
+        prefill, decode = self.nodes[route.prefill.name], self.nodes[route.decode.name]
+        prefill.submit_prefill(req, gated=True)
+        decode.at_step_boundary(lambda: self._reserve(req, decode))
+
+    def _reserve(self, req: SimRequest, decode: SimNode) -> None:
+        """The decode node reads the request: pages reserved now, or queued until free."""
+        if decode.reserve(req):
+            self._open_gate(req)
+
+    def _open_gate(self, req: SimRequest) -> None:
+        """Decode reserved: its K/V request reaches the prefill node `handoff_s` later."""
+        route = req.route
+        assert route is not None and route.prefill is not None
+        prefill = self.nodes[route.prefill.name]
+        self.loop.after(self.profile.serving.handoff_s, lambda: prefill.open_gate(req))
 
     def _prefill_done(self, req: SimRequest) -> None:
         self.tracker.add(req.keys)  # the prompt is cacheable once its first token exists
@@ -276,8 +309,7 @@ class Simulation:
         admissions, and the router's queue, may go on."""
         node = self.nodes[name]
         for req in node.retry_reservations():
-            if req.prefill_done_s is not None:
-                self._push(req)
+            self._open_gate(req)
         node.kick()
         self.router.pump()
 
@@ -373,6 +405,7 @@ class Simulation:
         assert all(req.finished for req in self.requests), "a request never finished"
         assert len(self.records) == self.counts["sent"], (len(self.records), self.counts)
         for node in self.nodes.values():
-            assert not (node.ready or node.prefilling or node.decoding or node.reserving), (
+            assert not (node.ready or node.prefilling or node.decoding or node.reserving
+                        or node.parked), (
                 f"{node.name}: work left")
             node.cache.check(idle=True)

@@ -11,7 +11,9 @@ per config with every error, never only the best:
 - `goodput_rel_err`: the same for goodput (requests per second within `--ttft-slo`; without
   an SLO, every successful request counts).
 
-A synthetic trace without its own `seed=` is drawn with `--seed` for both runs. Writes
+The real runs are local: every node of the topology on this host, sharing its cores; the
+simulator models that (`SimOptions.shared_host_slots` = `local_host_slots()`). A synthetic
+trace without its own `seed=` is drawn with `--seed` for both runs. Writes
 `DIR/validate.json` (both summaries per config) and each side's outputs under `DIR/LABEL/`
 (the replay's) and `DIR/LABEL/sim/`.
 """
@@ -87,12 +89,13 @@ def simulate(args: argparse.Namespace, path: Path, overrides: tuple[str, ...],
     from pdcache.bench.replay_config import ReplayConfig
     from pdcache.sim import report
     from pdcache.sim.command import split_overrides
-    from pdcache.sim.simulation import SimOptions, Simulation, scale_roles
+    from pdcache.sim.simulation import SimOptions, Simulation, local_host_slots, scale_roles
 
     topo_overrides, counts = split_overrides(overrides)
     topology = scale_roles(load_topology(path, topo_overrides), counts)
     sim = Simulation(topology, load_profile(args.profile), ReplayConfig.from_args(args),
-                     SimOptions(ttft_slo_s=args.ttft_slo, progress=False))
+                     SimOptions(ttft_slo_s=args.ttft_slo, progress=False,
+                                shared_host_slots=local_host_slots()))
     sim.run()
     summary = report.summarize(sim)
     report.write(out, sim, summary)
