@@ -154,28 +154,46 @@ class NodeCache:
     def hierarchical(self) -> bool:
         return isinstance(self.tree, HiRadixTree)
 
-    def reserve(self, pages: Sequence[int], total_pages: int, cap: int, session_id: str
-                ) -> tuple[Hold, Reuse] | None:
+    def reserve(self, pages: Sequence[int], total_pages: int, cap: int, session_id: str,
+                headroom: int = 0, new_turn: bool = True) -> tuple[Hold, Reuse] | None:
         """Lock the prompt's cached prefix and take device pages for the rest of
         `total_pages` (host-resident pages are restored into the tree); None (nothing held)
-        when the pool cannot make room. `cap`: pages that may count as reused."""
+        when the pool cannot make room. `cap`: pages that may count as reused. `headroom`:
+        pages that must stay obtainable beside them (the engine's `alloc_pages(reserve=)`)."""
         tree = self.tree
         match = tree.match_prefix(pages) if self.prefix_cache else None
         matched = match.page_ids if match is not None else []
         last = match.last_node if match is not None else None
         tree.lock(last)
         need = max(0, total_pages - len(matched))
-        if self.allocator.num_free < need:
-            tree.evict(need - self.allocator.num_free)
-        page_ids = self.allocator.alloc(need)
+        page_ids = self._alloc(need, headroom)
         if page_ids is None:
             tree.unlock(last)
             return None
-        tree.note_session(last, session_id, new_turn=True)
+        tree.note_session(last, session_id, new_turn=new_turn)
         host = 0
         if self.hierarchical and match is not None and len(matched) < cap:
             last, host = self._restore(match, pages, page_ids, cap, last)
         return Hold(last, matched + page_ids), Reuse(min(len(matched), cap), host)
+
+    def _alloc(self, num_pages: int, headroom: int = 0) -> list[int] | None:
+        """`num_pages` pages, evicting cache when short, leaving `headroom` more free: the
+        engine's `Scheduler.alloc_pages` (pdcache/engine/scheduler.py, "memory")."""
+        short = num_pages + headroom - self.allocator.num_free
+        if short > 0:
+            self.tree.evict(short)
+        if self.allocator.num_free < num_pages + headroom:
+            return None
+        return self.allocator.alloc(num_pages)
+
+    def grow(self, hold: Hold) -> bool:
+        """One more page for a decoding request (it crossed a page boundary), evicting
+        cache when short; False when none can be had (`_ensure_decode_page`)."""
+        page = self._alloc(1)
+        if page is None:
+            return False
+        hold.page_ids.extend(page)
+        return True
 
     def _restore(self, match: Any, pages: Sequence[int], page_ids: list[int], cap: int,
                  locked: RadixNode | None) -> tuple[RadixNode | None, int]:

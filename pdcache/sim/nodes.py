@@ -6,17 +6,24 @@ step at a time, over its real cache (`pdcache.sim.cache.NodeCache`).
   `pending_wait`); the stored run is read (shared store bandwidth, the node's link) and the
   request waits for it as `[cache] prefetch_policy` says (`wait_complete`: until read;
   `timeout`: at most `prefetch_timeout_s(tokens)`, else without the pages; `best_effort`:
-  not at all, the pages count only if read by admission). Admission takes device pages for
-  the prompt (evicting by the device policy; head-of-line when none free), restores host
-  pages, and charges the host -> device load of host and stored pages to its first chunk.
-  Each step fills `[scheduler] chunked_prefill_tokens` with chunks of the admitted requests
-  in order (at most `max_running_requests` at once). A prompt done is inserted in the tree
-  (the write policy backs it up).
+  not at all, the pages count only if read by admission); a read whose device + host match
+  shrank while the request waited restarts at the shorter match (`_restarted`). The page
+  accounting is the engine's (pdcache/engine/scheduler.py; each method cites its engine
+  twin): FIFO admission at every step's forming takes device pages for the fill (evicting by
+  the device policy; head-of-line when none free) while keeping a page obtainable per
+  decoding request, restores host pages, and charges the host -> device load of host and
+  stored pages to its first chunk. Each step fills `[scheduler] chunked_prefill_tokens` with
+  chunks of the admitted requests in order (at most `max_running_requests` at once). Pages
+  enter the tree (the write policy backs them up) when the request releases them: a prefill
+  node's after the K/V push, a unified node's at finish or retraction.
 - Decode work (decode and unified nodes): each step generates one token for up to
-  `max_running_requests` running requests. A decode node reserves device pages for prompt and
-  answer when it reads the routed request, at its next step boundary (its own prefix tree
-  reused: only the pages it lacks are pushed); a finished request's prompt + answer pages are
-  written back to the store (origin decode) through the node's link and kept in its tree.
+  `max_running_requests` running requests, giving a request crossing a page boundary one more
+  page; on a unified node, when none can be had, the newest running request is retracted
+  (its full pages cached, re-prefilled later). A decode node reserves device pages for the
+  prompt when it reads the routed request, at its next step boundary (its own prefix tree
+  reused: only the pages it lacks are pushed), keeping every reserved and running request's
+  answer growth obtainable (`ReservationBook`); a finished request's prompt + answer pages
+  are written back to the store (origin decode) through the node's link and kept in its tree.
 - Unified nodes alternate a prefill step and a decode step while both have work, as the
   engine's scheduler does.
 - Every step also costs the profile's `[serving] step_s` (the engine's step loop), and a
@@ -37,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdcache.config.schema import NodeSpec
-from pdcache.sim.cache import NodeCache
+from pdcache.sim.cache import Hold, NodeCache
 from pdcache.sim.events import EventLoop
 from pdcache.sim.io import Pipe, StorageIO
 from pdcache.sim.profile import Profile
@@ -111,6 +118,9 @@ class SimNode:
         self.decoding: list[SimRequest] = []
         self.reserving: deque[SimRequest] = deque()  # decode: waiting for device pages
         self.parked: list[SimRequest] = []  # prefill: prefetched, waiting for decode's gate
+        self.reserved: list[SimRequest] = []  # decode: pages reserved, K/V not here yet
+        self.retracted = 0  # unified: requests retracted for a decode page
+        self._admit_seq = 0  # admission order (retraction takes the newest)
         self._at_boundary: list[Callable[[], None]] = []  # inbox items for the next step edge
         self.push = Pipe(cluster.profile.transfer.bandwidth_Bps)  # prefill -> decode KV
         self.busy = False
@@ -158,7 +168,18 @@ class SimNode:
         start = len(match.page_ids)
         if cache.hierarchical and start < cap:
             start += cache.tree.match_host(match, req.pages, cap).num_pages  # type: ignore[attr-defined]
-        run = cluster.store.lookup(req.pages, min(start, cap), cap, now,
+        policy = self.spec.cache.prefetch_policy
+        start = min(start, cap)
+        if start and policy != "best_effort" and self.spec.cache.prefetch_restarts > 0:
+            req.queued_first, req.restarts_left = start, self.spec.cache.prefetch_restarts
+        return self._read_stored(req, start, now, first_read=True)
+
+    def _read_stored(self, req: SimRequest, start: int, now: float, first_read: bool) -> float:
+        """Read the stored run after page `start`; returns when the request may be scheduled
+        under the prefetch policy (a restarted read keeps the first read's deadline)."""
+        cluster, cap = self.cluster, req.reuse_cap
+        assert cluster.store is not None and cluster.io is not None
+        run = cluster.store.lookup(req.pages, start, cap, now,
                                    pending=self.spec.cache.pending_wait)
         req.stored_start = req.stored_end = run.start
         if run.count == 0:
@@ -166,8 +187,12 @@ class SimNode:
         done = cluster.io.transfer(run.ready_s, self.name, run.count * cluster.page_bytes, "read")
         cluster.store.touch(req.pages[run.start: run.start + run.count])
         policy = self.spec.cache.prefetch_policy
-        deadline = now + self.spec.cache.prefetch_timeout_s(run.count * req.page_size)
+        if first_read or req.prefetch_deadline_s == float("inf"):
+            req.prefetch_deadline_s = now + self.spec.cache.prefetch_timeout_s(
+                run.count * req.page_size)
+        deadline = req.prefetch_deadline_s
         if policy == "timeout" and done > deadline:
+            req.prefetch_late = True
             return deadline  # scheduled without the pages
         req.stored_end = run.start + run.count
         req.stored_decode_flags = run.decode_flags
@@ -176,14 +201,24 @@ class SimNode:
             return now
         return done
 
+    def _next_seq(self) -> int:
+        self._admit_seq += 1
+        return self._admit_seq
+
     def _admit(self, req: SimRequest) -> bool:
-        """Device pages for the request (its prefix locked); False when none can be freed."""
-        total = req.total_pages if self.role == "unified" else req.total_prompt_pages
-        got = self.cache.reserve(req.pages, total, req.reuse_cap, req.session.session_id)
+        """Device pages for the prompt (its prefix locked), keeping a page free for each
+        decoding request (engine `Scheduler._try_admit`: `alloc_pages(need,
+        reserve=headroom)`, headroom = running requests past prefill); False when the pool
+        cannot make room. A retracted request re-prefills its whole fill (`_readmit`)."""
+        if req.retractions:
+            return self._readmit(req)
+        got = self.cache.reserve(req.pages, req.total_prompt_pages, req.reuse_cap,
+                                 req.session.session_id, headroom=len(self.decoding))
         if got is None:
             return False
         hold, reuse = got
         req.prefill_hold = hold
+        req.admit_seq = self._next_seq()
         covered = reuse.device + reuse.host
         stored = self._stored_pages(req, covered)
         ps, rec = req.page_size, req.rec
@@ -200,6 +235,27 @@ class SimNode:
             / self.cluster.profile.host.h2d_bandwidth_Bps
         return True
 
+    def _readmit(self, req: SimRequest) -> bool:
+        """A retracted request back at the head of the queue: its fill (prompt + answer so
+        far) from the tree where its retraction cached the full pages, the rest recomputed
+        (engine `_try_admit` on `fill_ids[:max_reuse_len]`; its record keeps the first
+        admission's cache split, as `Req.cached_len` does)."""
+        ps, fill = req.page_size, req.fill_len
+        cap = (fill - 1) // ps
+        got = self.cache.reserve(req.answer_pages[:cap], -(-fill // ps), cap,
+                                 req.session.session_id, headroom=len(self.decoding),
+                                 new_turn=False)
+        if got is None:
+            return False
+        hold, reuse = got
+        req.prefill_hold = hold
+        req.admit_seq = self._next_seq()
+        req.to_compute = fill - (reuse.device + reuse.host) * ps
+        req.computed = 0
+        req.load_s = reuse.host * self.cluster.page_bytes \
+            / self.cluster.profile.host.h2d_bandwidth_Bps
+        return True
+
     def _stored_pages(self, req: SimRequest, covered: int) -> int:
         """Stored pages the request uses: those its prefetch read, right after what device
         and host cover (a gap, when tiers lost pages since, leaves the rest computed)."""
@@ -208,6 +264,57 @@ class SimNode:
         if covered < req.stored_start:
             return 0
         return max(0, min(req.stored_end, req.reuse_cap) - covered)
+
+    def _admit_ready(self) -> None:
+        """FIFO admission at every step's forming (engine `Scheduler._admit_waiting`): stops
+        at `max_running_requests` running, at a chunk budget's worth of prefill pending, or
+        at the first request that does not fit; skips one whose (restarted) prefetch is not
+        ready."""
+        limit = self.scheduler.max_running_requests
+        pending = sum(req.to_compute - req.computed for req in self.prefilling)
+        now = self.loop.now
+        for req in list(self.ready):
+            if len(self.prefilling) + len(self.decoding) >= limit:
+                break
+            if pending >= self.scheduler.chunked_prefill_tokens:
+                break
+            if req.ready_s > now:
+                continue
+            if self._restarted(req):
+                self.loop.at(req.ready_s, self.kick)
+                continue
+            if not self._admit(req):
+                break
+            self.ready.remove(req)
+            self.prefilling.append(req)
+            pending += req.to_compute
+
+    def _restarted(self, req: SimRequest) -> bool:
+        """HiCache's prefetch restart (`HiCacheTiers._restarted`,
+        `HiCache.restart_prefetch`): the device + host match the read was started after
+        shrank while the request waited, so the read starts anew at the shorter match
+        (within the first read's deadline); False (admit) when nothing shrank, no restart is
+        left, the first read was late, or the new read finds nothing stored."""
+        if req.restarts_left == 0 or req.retractions or not self.cache.hierarchical:
+            return False
+        tree, cap = self.cache.tree, req.reuse_cap
+        match = tree.match_prefix(req.pages)
+        first = min(len(match.page_ids), cap)
+        if first < cap:
+            first += tree.match_host(match, req.pages, cap).num_pages  # type: ignore[attr-defined]
+        first = min(first, cap)
+        if first >= req.queued_first:
+            return False
+        if req.restarts_left > 1 and first:
+            req.queued_first, req.restarts_left = first, req.restarts_left - 1
+        else:
+            req.restarts_left = 0
+        if req.prefetch_late:
+            return False
+        now = self.loop.now
+        req.prefetch_done_s = None
+        req.ready_s = self._read_stored(req, first, now, first_read=False)
+        return req.stored_end > req.stored_start or req.ready_s > now
 
     def _prefill_step(self) -> tuple[float, list[tuple[SimRequest, int]]] | None:
         budget = self.scheduler.chunked_prefill_tokens
@@ -218,20 +325,10 @@ class SimNode:
             chunk = min(req.to_compute - req.computed, budget)
             chunks.append((req, chunk))
             budget -= chunk
-        limit = self.scheduler.max_running_requests
-        while budget > 0 and self.ready and len(self.prefilling) + len(self.decoding) < limit:
-            req = self.ready[0]
-            if not self._admit(req):
-                break
-            self.ready.popleft()
-            self.prefilling.append(req)
-            chunk = min(req.to_compute, budget)
-            chunks.append((req, chunk))
-            budget -= chunk
         if not chunks:
             return None
         tokens = sum(chunk for _, chunk in chunks)
-        token_context = sum(chunk * (req.prompt_len - req.to_compute + req.computed + chunk)
+        token_context = sum(chunk * (req.fill_len - req.to_compute + req.computed + chunk)
                             for req, chunk in chunks)
         loads = sum(req.load_s for req, _ in chunks if req.computed == 0)
         return self.cluster.profile.prefill.step_s(tokens, token_context) + loads, chunks
@@ -244,8 +341,12 @@ class SimNode:
             if req.computed < req.to_compute:
                 continue
             self.prefilling.remove(req)
-            assert req.prefill_hold is not None
-            self.cache.insert(req.prefill_hold, req.pages, req.session.session_id)
+            # its pages enter the tree when it releases them (engine `_release(cache=True)`:
+            # a unified node's at finish or retraction, a prefill node's after the K/V push)
+            if req.generated:  # a retracted request re-prefilled: one more token sampled
+                req.generated += 1
+                self._continue_decode(req)
+                continue
             req.prefill_done_s = self.loop.now
             self.cluster.prefill_done(req)
             if self.role == "unified":
@@ -268,11 +369,32 @@ class SimNode:
         self.reserving.append(req)
         return False
 
+    def _growth_pages(self, req: SimRequest) -> int:
+        """Pages past the prompt's that min(max_new, `decode_reserve_tokens`) answer tokens
+        need (engine `Engine.reserve_when_free`'s `growth_pages`; no context cap)."""
+        answer = min(req.max_new, self.scheduler.decode_reserve_tokens)
+        return -(-(req.prompt_len + answer) // req.page_size) - req.total_prompt_pages
+
+    def _growth_headroom(self) -> int:
+        """`ReservationBook.growth_headroom`: the reserved requests' growth pages and the
+        pages the running ones still lack for their reserved answer tokens."""
+        need = sum(self._growth_pages(req) for req in self.reserved)
+        for req in self.decoding:
+            assert req.decode_hold is not None
+            answer = min(req.max_new, self.scheduler.decode_reserve_tokens)
+            target = -(-(req.prompt_len + answer) // req.page_size)
+            need += max(0, target - len(req.decode_hold.page_ids))
+        return need
+
     def _reserve(self, req: SimRequest) -> bool:
-        got = self.cache.reserve(req.pages, req.total_pages, len(req.pages),
-                                 req.session.session_id)
+        """The prompt's pages (its cached prefix reused), keeping every reserved and running
+        request's answer growth obtainable (engine `ReservationBook._grant`)."""
+        headroom = self._growth_headroom() + self._growth_pages(req)
+        got = self.cache.reserve(req.pages, req.total_prompt_pages, len(req.pages),
+                                 req.session.session_id, headroom=headroom)
         if got is None:
             return False
+        self.reserved.append(req)
         req.decode_hold, reuse = got
         req.decode_held_pages = reuse.device
         req.rec.decode_node = self.name
@@ -287,19 +409,78 @@ class SimNode:
 
     def start_decode(self, req: SimRequest) -> None:
         """The prompt's KV is here and the first token sampled: decode the rest."""
+        if req in self.reserved:  # `add_prefilled` takes the reservation
+            self.reserved.remove(req)
+            req.admit_seq = self._next_seq()
         req.generated = 1
+        self._continue_decode(req)
+
+    def _continue_decode(self, req: SimRequest) -> None:
         if req.generated >= req.max_new:
             self._finish(req)
             return
         self.decoding.append(req)
         self.kick()
 
+    def _hold_of(self, req: SimRequest) -> Hold:
+        hold = req.prefill_hold if self.role == "unified" else req.decode_hold
+        assert hold is not None
+        return hold
+
     def _decode_step(self) -> tuple[float, list[SimRequest]] | None:
-        batch = self.decoding[: self.scheduler.max_running_requests]
+        """One token per decoding request that has a page for it (engine `_decode_batch`)."""
+        batch: list[SimRequest] = []
+        running = sorted(self.decoding, key=lambda r: r.admit_seq)
+        for req in running[: self.scheduler.max_running_requests]:
+            if req in self.decoding and self._ensure_decode_page(req, batch):
+                batch.append(req)
         if not batch:
             return None
         context = sum(req.context for req in batch)
         return self.cluster.profile.decode.step_s(len(batch), context), batch
+
+    def _ensure_decode_page(self, req: SimRequest, batched: list[SimRequest]) -> bool:
+        """A page for the K/V of position `req.kv_len` when it crossed a page boundary,
+        evicting cache, else retracting the newest running request not in `batched` (engine
+        `Scheduler._ensure_decode_page`); False if `req` got retracted or waits a step. A
+        decode node retracts nothing here: with offload on (`DecodeRole.can_retract`) the
+        engine's does not either, and without it the request waits (re-prefill on a decode
+        node is not modelled)."""
+        hold = self._hold_of(req)
+        if req.kv_len < len(hold.page_ids) * req.page_size:
+            return True
+        while True:
+            if self.cache.grow(hold):
+                return True
+            if self.role != "unified":
+                return False
+            victims = [r for r in self.prefilling + self.decoding if r not in batched]
+            if not victims:
+                return False
+            victim = max(victims, key=lambda r: r.admit_seq)
+            self._retract(victim)
+            if victim is req:
+                return False
+
+    def _retract(self, req: SimRequest) -> None:
+        """Engine `Scheduler._retract`: its computed full pages go into the tree, the rest
+        is freed, and it waits at the head of the queue to re-prefill."""
+        hold = req.prefill_hold
+        assert hold is not None
+        if req in self.prefilling:
+            kv_len = req.fill_len - req.to_compute + req.computed
+            self.prefilling.remove(req)
+        else:
+            kv_len = req.kv_len
+            self.decoding.remove(req)
+        self.cache.insert(hold, req.answer_pages[: kv_len // req.page_size],
+                          req.session.session_id)
+        self.cache.release(hold)
+        req.prefill_hold = None
+        req.retractions += 1
+        req.computed = req.to_compute = 0
+        self.retracted += 1
+        self.ready.appendleft(req)
 
     def _after_decode_step(self, batch: list[SimRequest]) -> None:
         self.decode_steps += 1
@@ -341,20 +522,28 @@ class SimNode:
         self._kick_pending = False
         if self.busy:
             return
-        # a unified node alternates prefill and decode steps while both have work (the
-        # engine scheduler's order: a long prefill does not stall streaming)
-        decode_first = self.role == "unified" and self._last_was_prefill and self.decoding
-        if self.role in ("prefill", "unified") and not decode_first:
-            step = self._prefill_step()
-            if step is not None:
-                self._last_was_prefill = True
-                self._run(step[0], lambda: self._after_prefill_step(step[1]))
-                return
-        if self.role in ("decode", "unified"):
+        # the engine's `Scheduler.schedule`: admit, then a prefill step unless a decode step
+        # is due after one (a unified node alternates while both have work), else a decode
+        # step; a decode step with no runnable request falls back to prefill
+        if self.role in ("prefill", "unified"):
+            self._admit_ready()
+        if self.prefilling and not (self.decoding and self._last_was_prefill):
+            self._run_prefill()
+            return
+        if self.decoding:
             decode = self._decode_step()
             if decode is not None:
                 self._last_was_prefill = False
                 self._run(decode[0], lambda: self._after_decode_step(decode[1]))
+                return
+        if self.prefilling:
+            self._run_prefill()
+
+    def _run_prefill(self) -> None:
+        step = self._prefill_step()
+        if step is not None:
+            self._last_was_prefill = True
+            self._run(step[0], lambda: self._after_prefill_step(step[1]))
 
     def _first_step_s(self) -> float:
         """The warm-up a node's first step pays: `decode_warmup_s` on a decode node (its
@@ -386,5 +575,6 @@ class SimNode:
         return {"name": self.name, "role": self.role, "busy_s": self.busy_s,
                 "utilisation": self.busy_s / duration_s if duration_s else 0.0,
                 "prefill_steps": self.prefill_steps, "prefill_tokens": self.prefill_tokens,
-                "decode_steps": self.decode_steps, "write_back_peak_s": self.write_back_peak_s,
+                "decode_steps": self.decode_steps, "retracted": self.retracted,
+                "write_back_peak_s": self.write_back_peak_s,
                 **self.cache.stats()}

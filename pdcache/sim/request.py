@@ -38,6 +38,10 @@ class SimRequest:
     stored_decode_flags: tuple[bool, ...] = ()  # per page read: written by a decode node
     prefetch_done_s: float | None = None  # best_effort: when the read ends
     ready_s: float = 0.0  # when its prefetch let it be scheduled
+    queued_first: int = 0  # device + host pages its prefetch started after (restarts)
+    restarts_left: int = 0  # prefetch restarts left (`[cache] prefetch_restarts`)
+    prefetch_deadline_s: float = float("inf")  # the first read's deadline (`timeout`)
+    prefetch_late: bool = False  # the read was still running at its deadline
     gated: bool = False  # PD: waits for its decode node's K/V request before computing
     prefill_hold: Hold | None = None
     computed: int = 0  # prompt tokens computed so far
@@ -51,6 +55,9 @@ class SimRequest:
     first_token_s: float | None = None
     tpot_s: float | None = None
     finished: bool = False
+    # the engine's page accounting (unified and decode nodes)
+    admit_seq: int = 0  # admission order on its node: retraction takes the newest
+    retractions: int = 0  # times a unified node retracted it (it re-prefills its fill)
 
     @property
     def total_prompt_pages(self) -> int:
@@ -65,6 +72,16 @@ class SimRequest:
     def reuse_cap(self) -> int:
         """Pages that may count as reused: the last prompt token is always computed."""
         return max(0, (self.prompt_len - 1) // self.page_size)
+
+    @property
+    def fill_len(self) -> int:
+        """Tokens a (re-)prefill computes K/V for: the prompt and the answer so far."""
+        return self.prompt_len + self.generated
+
+    @property
+    def kv_len(self) -> int:
+        """Decoding: tokens with K/V (the newest sampled token's is computed next)."""
+        return self.prompt_len + self.generated - 1
 
     @property
     def context(self) -> int:

@@ -297,6 +297,9 @@ class Simulation:
 
         def pushed() -> None:
             assert req.prefill_hold is not None
+            # the prefill engine's `release_held` -> `_release(cache=True)`: the prompt's
+            # pages enter its tree once the K/V has gone
+            prefill.cache.insert(req.prefill_hold, req.pages, req.session.session_id)
             prefill.cache.release(req.prefill_hold)
             self.router.release(req, route.prefill)
             decode.start_decode(req)
@@ -406,6 +409,6 @@ class Simulation:
         assert len(self.records) == self.counts["sent"], (len(self.records), self.counts)
         for node in self.nodes.values():
             assert not (node.ready or node.prefilling or node.decoding or node.reserving
-                        or node.parked), (
+                        or node.parked or node.reserved), (
                 f"{node.name}: work left")
             node.cache.check(idle=True)
