@@ -9,9 +9,13 @@ decode offload's staging pages):
   pages still in flight + host pages held outside the radix tree (`pdcache_host_pages_outside_
   tree`: USED pages no tree node holds, i.e. orphans, stream-deferred frees or a leak, and
   node pages still pinned) + decode staging pages in use;
-- `leaked_rooms` = transfer rooms still active + PD rooms the controller has not closed.
+- `leaked_rooms` = transfer rooms still active + PD rooms the controller has not closed;
+- `leaked_states` (hybrid models, docs/design.md §4.14; 0 for others) = device recurrent-state
+  slots neither free nor a tree checkpoint (`state_slots_total - state_slots_free -
+  state_checkpoints`: slots of requests or pending decode checkpoints) + host state slots
+  still pinned by a write (`pdcache_state_host_slots{state="pinned"}`).
 
-An idle node has 0 of both. Some of it drains asynchronously (offload writes, abort acks), so
+An idle node has 0 of all three. Some of it drains asynchronously (offload writes, abort acks), so
 `settle` polls until every node reads 0 or the deadline passes, and keeps the last reading.
 """
 
@@ -54,6 +58,10 @@ def node_accounting(health: Mapping[str, Any], metrics: str) -> dict[str, Any]:
         "pd_rooms_open": int(health.get("pd_rooms_open", 0)),
         "pd_held": int(health.get("pd_held", 0)),
         "requests_running": int(engine.get("num_running", 0)) + int(engine.get("queued", 0)),
+        "device_state_slots_held": int(engine.get("state_slots_total", 0))
+        - int(engine.get("state_slots_free", 0)) - int(engine.get("state_checkpoints", 0)),
+        "host_state_slots_pinned": int(
+            metric_sum(metrics, "pdcache_state_host_slots", state="pinned")),
     }
     pages = (
         detail["device_pages_unevictable"]
@@ -65,6 +73,7 @@ def node_accounting(health: Mapping[str, Any], metrics: str) -> dict[str, Any]:
     return {
         "leaked_pages": pages,
         "leaked_rooms": detail["transfer_rooms_active"] + detail["pd_rooms_open"],
+        "leaked_states": detail["device_state_slots_held"] + detail["host_state_slots_pinned"],
         "detail": detail,
     }
 
@@ -81,7 +90,8 @@ def read_node(client: httpx.Client, url: str) -> dict[str, Any]:
 
 
 def clean(reading: Mapping[str, Any]) -> bool:
-    return "error" not in reading and not reading["leaked_pages"] and not reading["leaked_rooms"]
+    return "error" not in reading and not any(
+        reading[leak] for leak in ("leaked_pages", "leaked_rooms", "leaked_states"))
 
 
 def settle(

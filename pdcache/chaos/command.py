@@ -380,13 +380,15 @@ def markdown_verdict(v: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cell(x) for x in values) + " |")
     pages = sum(n or 0 for n in v["leaked_pages"].values())
     rooms = sum(n or 0 for n in v["leaked_rooms"].values())
+    states = sum(n or 0 for n in v.get("leaked_states", {}).values())
     failed = ", ".join(f"{k} {n}" for k, n in v["requests_failed_by_code"].items()) or "none"
     lines += [
         "",
         f"{v['duration_s']:g} s, seed {v['seed']}: requests ok {v['requests_ok']}, failed "
         f"{v['requests_failed']} ({failed}); wrong tokens **{v['wrong_tokens']}** of "
         f"{v['oracle_checked']} checked; unanswered **{v['unanswered']}**; leaked pages "
-        f"**{pages}**, rooms **{rooms}** on {len(v['leaked_pages'])} nodes; hit rate "
+        f"**{pages}**, rooms **{rooms}**, state slots **{states}** on "
+        f"{len(v['leaked_pages'])} nodes; hit rate "
         f"{v['hit_rate']:.3f}; faults injected {v['faults_injected']}.",
         "",
         f"`{v['replay']}`",
@@ -412,6 +414,7 @@ def print_verdict(v: dict[str, Any], json_path: str | None) -> None:
     summary["requests_failed_by_code"] = v["requests_failed_by_code"]
     summary["leaked_pages"] = v["leaked_pages"]
     summary["leaked_rooms"] = v["leaked_rooms"]
+    summary["leaked_states"] = v["leaked_states"]
     emit(
         f"chaos (seed {v['seed']}, {v['duration_s']:g}s)",
         rows,

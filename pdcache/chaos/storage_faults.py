@@ -9,11 +9,13 @@ All of them are real (docs/chaos.md, "Storage and network faults"):
   page write fails with ENOSPC; heal deletes the filler and restores the size. Read-only:
   `mount -o remount,ro,bind` of WORK_DIR/storage (EROFS for every write through it); heal
   remounts it rw. Root ignores file modes, hence mounts; both need root and `mount`.
-- `storage-corrupt` flips bytes of stored pages where they lie (page files of the `file`
-  backend, slots of the `hf3fs` data files): in the header of some, in the payload of others.
-  Nothing heals it: readers must refuse those pages (a counted miss,
-  `pdcache_storage_rejected_pages_total{reason="header"|"checksum"|"mac"}`) and the next
-  genuine write of the key replaces them (`RejectedKeys`).
+- `storage-corrupt` flips bytes of stored objects where they lie (`.page` and `.state` files of
+  the `file` backend, slots of the `hf3fs` page and state data files): in the header of some,
+  in the payload of others; recurrent-state checkpoints (hybrid models) get half the picks
+  while any is stored, so a store of thousands of pages and a few states still sees them hit.
+  Nothing heals it: readers must refuse those objects (a counted miss,
+  `pdcache_storage_rejected_pages_total{reason="header"|"checksum"|"mac"}`, `rejected_*_states`
+  for states) and the next genuine write of the key replaces them (`RejectedKeys`).
 - `storage-slow` writes a delay into the control file named by `[storage] fault_injection`
   (`pdcache.offload_manager.storage.fault_injection`); heal writes 0.
 
@@ -27,9 +29,12 @@ import errno
 import json
 import os
 import re
+import struct
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from pdcache.chaos.faults import Fault, FaultContext, Injection
 from pdcache.chaos.os_tools import (
@@ -40,6 +45,7 @@ from pdcache.chaos.os_tools import (
     storage_root,
 )
 from pdcache.offload_manager.storage.page_format import HEADER_BYTES, MAGIC, stored_payload_bytes
+from pdcache.offload_manager.storage.state_format import STATE_HEADER_BYTES, STATE_MAGIC
 
 TMPFS_DIR = "storage-tmpfs"  # WORK_DIR/storage-tmpfs: the tmpfs (its root holds the filler)
 DATA_DIR = "data"  # the directory of the tmpfs that nodes store into
@@ -265,7 +271,8 @@ class StorageReadonly(_MountedStorageFault):
 
 
 class StorageCorrupt(Fault):
-    """Flip bytes of stored pages in place: headers of some, payloads of others."""
+    """Flip bytes of stored objects in place (pages and recurrent states): headers of some,
+    payloads of others."""
 
     kind = "storage-corrupt"
     pages_per_injection = 4
@@ -274,26 +281,30 @@ class StorageCorrupt(Fault):
         return _file_backend_problem(ctx)
 
     def inject(self, ctx: FaultContext) -> Injection:
-        stored = find_stored_pages(ctx)
-        chosen = ctx.rng.sample(stored, min(self.pages_per_injection, len(stored)))
+        pages, states = find_stored_pages(ctx), find_stored_states(ctx)
+        # states are few next to pages: half the picks go to them, or a sample would miss them
+        state_picks = min(len(states), self.pages_per_injection // 2)
+        chosen = ctx.rng.sample(states, state_picks)
+        chosen += ctx.rng.sample(pages, min(self.pages_per_injection - state_picks, len(pages)))
         headers = payloads = 0
-        for index, (path, offset, payload_bytes) in enumerate(chosen):
+        for index, stored in enumerate(chosen):
             if index % 2 == 0:
-                where = offset + ctx.rng.randrange(HEADER_BYTES)
+                where = stored.offset + ctx.rng.randrange(stored.header_bytes)
                 headers += 1
             else:
-                where = offset + HEADER_BYTES + ctx.rng.randrange(payload_bytes)
+                where = stored.offset + stored.header_bytes + ctx.rng.randrange(stored.payload_bytes)
                 payloads += 1
-            flip_byte(path, where)
+            flip_byte(stored.path, where)
         return Injection(
             self.kind,
             "storage",
-            f"flipped a header byte of {headers} and a "
-            f"payload byte of {payloads} of {len(stored)} stored pages",
+            f"flipped a header byte of {headers} and a payload byte of {payloads} of "
+            f"{len(pages)} stored pages and {len(states)} stored states ({state_picks} "
+            "of them states)",
         )
 
     def heal(self, ctx: FaultContext) -> None:
-        """Nothing: corrupt pages are refused on read and replaced by the next write."""
+        """Nothing: corrupt objects are refused on read and replaced by the next write."""
 
 
 def flip_byte(path: Path, offset: int) -> None:
@@ -307,47 +318,95 @@ def flip_byte(path: Path, offset: int) -> None:
         os.close(fd)
 
 
-StoredPage = tuple[Path, int, int]  # (file, offset of the header, payload bytes)
+class StoredObject(NamedTuple):
+    """Where one stored object lies: its file, the offset of its header, and the sizes of its
+    header (pages and states have their own) and payload."""
+
+    path: Path
+    offset: int
+    header_bytes: int
+    payload_bytes: int
 
 
-def find_stored_pages(ctx: FaultContext, limit: int = 100_000) -> list[StoredPage]:
+class _ObjectFormat(NamedTuple):
+    """How to recognise one kind of stored object: its magic, header size, and how to read
+    the payload size from a header (None: not a valid header of this kind)."""
+
+    magic: bytes
+    header_bytes: int
+    payload_bytes: Callable[[bytes], int | None]
+
+
+def _state_payload_bytes(head: bytes) -> int | None:
+    """Payload bytes a state header declares (state_format's `_BODY`: 4s H H 32s 16s 16s Q
+    then Q), or None when it is not a state header."""
+    if len(head) < _STATE_LENGTH.size + _STATE_LENGTH_OFFSET or head[:4] != STATE_MAGIC:
+        return None
+    (length,) = _STATE_LENGTH.unpack_from(head, _STATE_LENGTH_OFFSET)
+    return length or None
+
+
+_STATE_LENGTH = struct.Struct("<Q")
+_STATE_LENGTH_OFFSET = 80  # 4 + 2 + 2 + 32 + 16 + 16 + 8 (magic .. tokens)
+PAGE_FORMAT = _ObjectFormat(MAGIC, HEADER_BYTES, stored_payload_bytes)
+STATE_FORMAT = _ObjectFormat(STATE_MAGIC, STATE_HEADER_BYTES, _state_payload_bytes)
+
+
+def find_stored_pages(ctx: FaultContext, limit: int = 100_000) -> list[StoredObject]:
     """Every page stored under the nodes' storage path now (file pages, hf3fs slots)."""
-    root = storage_root(ctx)
-    namespace = str(override(ctx, "storage.namespace", ctx.topology.storage.namespace))
-    backend = override(ctx, "storage.backend", ctx.topology.storage.backend)
+    root, namespace, backend = _storage_layout(ctx)
     if backend == "file":
-        return _file_pages(root / namespace, limit)
-    return _hf3fs_slots(root, namespace, limit)
+        return _file_objects(root / namespace, "*/*.page", PAGE_FORMAT, limit)
+    return _hf3fs_slots(root, rf"{re.escape(namespace)}\.slot(\d+)", PAGE_FORMAT, limit)
 
 
-def _file_pages(root: Path, limit: int) -> list[StoredPage]:
-    found: list[StoredPage] = []
-    for path in sorted(root.glob("*/*.page")):
+def find_stored_states(ctx: FaultContext, limit: int = 100_000) -> list[StoredObject]:
+    """Every recurrent-state checkpoint stored now: the `file` backend's `.state` files, the
+    hf3fs state pool's slots (`{namespace}.state{slot bytes}.{i}.bin`)."""
+    root, namespace, backend = _storage_layout(ctx)
+    if backend == "file":
+        return _file_objects(root / namespace, "*/*.state", STATE_FORMAT, limit)
+    return _hf3fs_slots(root, rf"{re.escape(namespace)}\.state(\d+)", STATE_FORMAT, limit)
+
+
+def _storage_layout(ctx: FaultContext) -> tuple[Path, str, str]:
+    """(storage root, namespace, backend) of the nodes, overrides applied."""
+    namespace = str(override(ctx, "storage.namespace", ctx.topology.storage.namespace))
+    backend = str(override(ctx, "storage.backend", ctx.topology.storage.backend))
+    return storage_root(ctx), namespace, backend
+
+
+def _file_objects(root: Path, pattern: str, fmt: _ObjectFormat, limit: int
+                  ) -> list[StoredObject]:
+    found: list[StoredObject] = []
+    for path in sorted(root.glob(pattern)):
         try:
             size = path.stat().st_size
         except OSError:
             continue  # evicted meanwhile
-        if size > HEADER_BYTES:
-            found.append((path, 0, size - HEADER_BYTES))
+        if size > fmt.header_bytes:
+            found.append(StoredObject(path, 0, fmt.header_bytes, size - fmt.header_bytes))
         if len(found) >= limit:
             break
     return found
 
 
-def _hf3fs_slots(root: Path, namespace: str, limit: int) -> list[StoredPage]:
-    """Slots whose header starts with the magic, in the data files of every slot size."""
-    pattern = re.compile(rf"^{re.escape(namespace)}\.slot(\d+)\.\d+\.bin$")
-    found: list[StoredPage] = []
-    for path in sorted(root.glob(f"{namespace}.slot*.bin")):
+def _hf3fs_slots(root: Path, pool: str, fmt: _ObjectFormat, limit: int) -> list[StoredObject]:
+    """Slots whose header starts with the magic, in the data files of every slot size of the
+    pools matching `pool` (a regex whose group is the slot size)."""
+    pattern = re.compile(rf"^{pool}\.\d+\.bin$")
+    found: list[StoredObject] = []
+    for path in sorted(root.glob("*.bin")):
         match = pattern.match(path.name)
         if match:
-            found += _magic_slots(path, int(match.group(1)), limit - len(found))
+            found += _magic_slots(path, int(match.group(1)), fmt, limit - len(found))
     return found
 
 
-def _magic_slots(path: Path, slot_bytes: int, limit: int) -> list[StoredPage]:
+def _magic_slots(path: Path, slot_bytes: int, fmt: _ObjectFormat, limit: int
+                 ) -> list[StoredObject]:
     """Only allocated extents are read (SEEK_DATA): the data files are sparse."""
-    found: list[StoredPage] = []
+    found: list[StoredObject] = []
     fd = os.open(path, os.O_RDONLY)
     try:
         size, offset = os.fstat(fd).st_size, 0
@@ -359,10 +418,11 @@ def _magic_slots(path: Path, slot_bytes: int, limit: int) -> list[StoredPage]:
             end = os.lseek(fd, start, os.SEEK_HOLE)
             slot = start // slot_bytes * slot_bytes
             while slot < end and len(found) < limit:
-                head = os.pread(fd, HEADER_BYTES, slot)
-                payload = stored_payload_bytes(head) if head[:4] == MAGIC else None
+                head = os.pread(fd, fmt.header_bytes, slot)
+                payload = fmt.payload_bytes(head) if head[:4] == fmt.magic else None
                 if payload:
-                    found.append((path, slot, min(payload, slot_bytes - HEADER_BYTES)))
+                    room = slot_bytes - fmt.header_bytes
+                    found.append(StoredObject(path, slot, fmt.header_bytes, min(payload, room)))
                 slot += slot_bytes
             offset = max(end, slot)
     finally:

@@ -8,7 +8,8 @@ every invariant that does not hold (the command exits 1 when there is any):
 - `oracle_pending == 0` and no oracle error: every success was checked;
 - `unanswered == 0`: every attempt got an answer (success or error) within its deadline;
 - no `prompt_mismatch`: the stack never answered another prompt than the one sent;
-- `leaked_pages == 0` and `leaked_rooms == 0` on every node once idle, each node read;
+- `leaked_pages == 0`, `leaked_rooms == 0` and `leaked_states == 0` (hybrid models' state
+  slots) on every node once idle, each node read;
 - every planned fault was injected, and each was followed by a success on its path
   (`unrecovered == 0`): the error window is the time from the injection to the completion of
   the first successful request dispatched after it on the path the fault hurt
@@ -130,6 +131,7 @@ def verdict(
         "max_error_window_s": max(windows) if windows else None,
         "leaked_pages": {n: a.get("leaked_pages") for n, a in accounting.items()},
         "leaked_rooms": {n: a.get("leaked_rooms") for n, a in accounting.items()},
+        "leaked_states": {n: a.get("leaked_states", 0) for n, a in accounting.items()},
         "accounting": {n: dict(a) for n, a in accounting.items()},
         "hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else 0.0,
     }
@@ -154,10 +156,11 @@ def broken_invariants(v: Mapping[str, Any]) -> list[str]:
     for node, acct in v["accounting"].items():
         if "error" in acct:
             broken.append(f"{node}: accounting unreadable: {acct['error']}")
-        elif acct.get("leaked_pages") or acct.get("leaked_rooms"):
+        elif acct.get("leaked_pages") or acct.get("leaked_rooms") or acct.get("leaked_states"):
             broken.append(
                 f"{node}: leaked_pages = {acct.get('leaked_pages')}, "
-                f"leaked_rooms = {acct.get('leaked_rooms')} ({acct.get('detail')})"
+                f"leaked_rooms = {acct.get('leaked_rooms')}, "
+                f"leaked_states = {acct.get('leaked_states', 0)} ({acct.get('detail')})"
             )
     for kind, row in v["faults"].items():
         if row["not_injected"] or row["errors"]:

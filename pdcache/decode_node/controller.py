@@ -77,7 +77,8 @@ class Receiver(Protocol):
     """The transfer side (`pdcache.transfer.receiver.KVReceiver`)."""
 
     def request(self, room: int, bootstrap_addr: str, dst_page_ids: Any,
-                num_tokens: int, first_page: int = 0, dst_state: int | None = None) -> None: ...
+                num_tokens: int, first_page: int = 0, dst_state: int | None = None,
+                dst_window_pages: Any = None, window_first_page: int = 0) -> None: ...
 
     def wait(self, room: int, timeout_s: float | None = None) -> Any: ...
 
@@ -261,7 +262,8 @@ class DecodeController:
         try:
             self._require_receiver().request(room, bootstrap, admission.page_ids, num_tokens,
                                              first_page=admission.cached_pages,
-                                             **self._state_destination(entry))
+                                             **self._state_destination(entry),
+                                             **_window_destination(admission))
         except (ValueError, TransferError) as exc:
             with self._lock:
                 self._forget(room, entry)
@@ -516,3 +518,10 @@ class DecodeController:
         except Exception:  # the handler's adapter must not break a transfer thread
             log.exception("decode: notifying the handler of room %d failed", outcome.room)
 
+
+def _window_destination(admission: Any) -> dict[str, Any]:
+    """The receiver's window-tail arguments of a grant (none without window pages)."""
+    window = getattr(admission, "window_page_ids", None)
+    if not window:
+        return {}
+    return {"dst_window_pages": window, "window_first_page": admission.window_first_page}

@@ -61,7 +61,11 @@ class DecodeRuntime:
         self.storage: StorageBackend | None = (
             create_backend(setup.storage) if settings is not None and setup.storage else None)
         self.offload: DecodeOffloadManager | None = None  # set by _scheduler
-        self.engine = Engine(setup.engine, model, tokenizer, make_scheduler=self._scheduler)
+        # a sliding-window model keeps its sliding layers' pages apart (window pages,
+        # docs/design.md §4.14) unless decode offload reads the pool as one space
+        self.engine = Engine(setup.engine, model, tokenizer, make_scheduler=self._scheduler,
+                             window_pages=self.storage is None)
+        window = self.engine.window
         state_geometry = setup.engine.model.state_geometry  # a hybrid model's (else None)
         self.receiver = KVReceiver(setup.transfer, self.engine.pool.device_kv,
                                    on_release=self.controller.on_release, decode_id=setup.name,
@@ -69,7 +73,8 @@ class DecodeRuntime:
                                    kv_geometry=setup.engine.model.kv_geometry.layout_key(
                                        setup.engine.cache.page_size),
                                    state_geometry=state_geometry,
-                                   state_slots=state_slots_for(setup))
+                                   state_slots=state_slots_for(setup),
+                                   window_kv=None if window is None else window.pool.device_kv)
         self.controller.attach(self.engine, self.receiver, self.receiver.states)
         if self.offload is not None:  # prefill peers hear of the writes, may pull (§4.10)
             self.offload.announce_to(self.receiver)

@@ -134,6 +134,8 @@ class Engine:
         tokenizer: Any = None,
         make_tree: Callable[..., RadixTree] | None = None,
         make_scheduler: Callable[..., Scheduler] | None = None,
+        *,
+        window_pages: bool = False,
     ) -> None:
         """`make_tree` builds the prefix tree over the pool (default: a device-only
         `RadixTree`); `make_scheduler` is called with `Scheduler`'s keyword arguments (config,
@@ -143,15 +145,20 @@ class Engine:
         recurrent-state slots (`pdcache.engine.state_cache.StateSlots`): `make_tree` is then
         called as `make_tree(pool, states=...)` and must return a tree whose hits need a state
         checkpoint (HiCache's tiers carry the checkpoints; a tree without a restore rule is
-        refused). Not started: call `start()`."""
+        refused). `window_pages`: a sliding-window model keeps its sliding layers' pages
+        apart (§4.14) under `make_scheduler` too (a decode node: its reservations then hold
+        the prompt's window tail, `Admission.window_page_ids`); without `make_tree` and
+        `make_scheduler` it always does. Not started: call `start()`."""
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         cache = config.cache
         # a sliding-window model served device-only by a unified node keeps its sliding
         # layers' pages apart and frees those out of every window (window pages, §4.14);
-        # host/storage tiers and P→D nodes keep every page of every layer, as before
-        self.window = (_window_pages(config) if make_tree is None and make_scheduler is None
+        # host/storage tiers and P→D nodes keep every page of every layer unless a decode
+        # node asks (`window_pages`: prefill then sends the sliding layers' window tail only)
+        self.window = (_window_pages(config)
+                       if make_tree is None and (make_scheduler is None or window_pages)
                        else None)
         if self.window is not None:
             self.pool = self.window.full_pool(cache.num_device_pages, config.model.torch_dtype,
@@ -377,7 +384,8 @@ class Engine:
         total = min(num_tokens + growth, context)
         num_pages = pages_for(num_tokens, page_size)
         pending = PendingReservation(rid, num_pages, pages_for(total, page_size) - num_pages,
-                                     time.monotonic(), on_done, tuple(prefix_ids), salt)
+                                     time.monotonic(), on_done, tuple(prefix_ids), salt,
+                                     num_tokens)
         with self._lock:  # as in submit: anything put here is drained, even at shutdown
             if not self.is_running:
                 raise EngineNotRunningError("the engine is not running")
@@ -842,6 +850,9 @@ class Engine:
         allocator = self.window.allocator
         allocator.check()
         owned = [page for req in holders for page in req.own_window_page_ids]
+        if self.scheduler.reservations is not None:  # window tails awaiting their transfer
+            owned += [page for pages in self.scheduler.reservations.reserved_window.values()
+                      for page in pages]
         tree_pages = self.tree.window_pages if self.tree is not None else 0
         numbers = {"window_capacity": allocator.capacity, "window_free": allocator.num_free,
                    "window_tree": tree_pages, "window_requests": len(owned)}

@@ -106,6 +106,34 @@ def state_keys(page_keys: Sequence[bytes], geometry_key: str) -> list[bytes]:
     return [state_key(key, geometry_key) for key in page_keys]
 
 
+# --------------------------------------------------------------------------- window pages
+
+_WINDOW_KEY_TAG = b"pdcache window page v1"
+
+
+def window_page_key(page_key: bytes, layers_key: str) -> bytes:
+    """The storage key of a page's sliding-window layers stored as their own object (window
+    pages, docs/design.md §4.14), for the page whose storage key is `page_key` and the
+    sliding layers named by `layers_key` (the sliding geometry's fingerprint or layout key).
+
+    `SHA256(tag ‖ len(layers) ‖ layers ‖ page_key)`, as `state_key`: it inherits the page
+    key's bindings (fingerprint, tenant salt, every token up to that page), the layers key
+    keeps other layer mixes or windows apart, and its own tag keeps it from ever equalling
+    a page key or a state key.
+    """
+    if len(page_key) != KEY_BYTES:
+        raise ValueError(f"page keys are {KEY_BYTES} bytes, got {len(page_key)}")
+    layers = layers_key.encode()
+    return hashlib.sha256(
+        _WINDOW_KEY_TAG + struct.pack("<I", len(layers)) + layers + page_key
+    ).digest()
+
+
+def window_page_keys(page_keys: Sequence[bytes], layers_key: str) -> list[bytes]:
+    """`window_page_key` of each page key."""
+    return [window_page_key(key, layers_key) for key in page_keys]
+
+
 # --------------------------------------------------------------------------- sglang scheme
 
 _SGLANG_SEED_TAG = b"sglang-cache-namespace-v1"

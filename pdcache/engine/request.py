@@ -211,14 +211,17 @@ class Req:
 
     def admit_prefilled(self, page_ids: list[int], first_token: int, seq: int,
                         first_logprob: TokenLogprob | None = None, *,
-                        num_tree_pages: int = 0, last_node: RadixNode | None = None) -> None:
+                        num_tree_pages: int = 0, last_node: RadixNode | None = None,
+                        window_page_ids: list[int | None] | None = None) -> None:
         """WAITING → RUNNING in decode state: the K/V of the whole prompt is already in
         `page_ids` (the first `num_tree_pages` the tree's, locked at `last_node`; the rest
         written by a prefill node) and `first_token` was sampled there (with `first_logprob`,
-        when it sent one)."""
+        when it sent one); with window pages, its sliding layers' in `window_page_ids`
+        (None: a tombstone; the prompt's window tail is there)."""
         assert self.status is ReqStatus.WAITING and not self.output_ids, "not a fresh request"
         assert len(page_ids) == pages_for(len(self.prompt_ids), self.page_size), "page count"
         self.page_ids, self.num_tree_pages, self.last_node = page_ids, num_tree_pages, last_node
+        self.window_page_ids = list(window_page_ids or [])
         self.kv_len = len(self.prompt_ids)
         self.cached_len, self.cached = 0, CachedTokens()
         self.append_token(first_token, first_logprob)

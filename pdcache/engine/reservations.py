@@ -32,13 +32,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdcache.engine.radix import MatchResult, RadixNode, RadixTree
 from pdcache.engine.request import Req, pages_for
 from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.engine.state_cache import StateSlots
+from pdcache.engine.window_pages import WindowPages
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,10 @@ class Admission:
     `abort`) or "shutdown". Granted, the prompt's first `cached_pages` pages are the prefix
     tree's (they hold its K/V already) and `page_ids` are the pages for the rest, in order: the
     ones a prefill node writes. `queued`: it waited in the admission queue, for `waited_s`
-    seconds."""
+    seconds. With window pages (a sliding-window model, docs/design.md §4.14)
+    `window_page_ids` are the sliding layers' pages of the prompt's window tail, its pages
+    from `window_first_page` on (`WindowPages.tail_pages`): the only sliding pages a prefill
+    node writes; empty otherwise."""
 
     rid: str
     page_ids: list[int] | None
@@ -58,6 +62,8 @@ class Admission:
     waited_s: float = 0.0
     queued: bool = False
     cached_pages: int = 0
+    window_page_ids: list[int] = field(default_factory=list)
+    window_first_page: int = 0
 
     @property
     def ok(self) -> bool:
@@ -78,6 +84,7 @@ class PendingReservation:
     # prefill then writes only the pages after them), under `salt`; empty: reserve them all
     prefix_ids: Sequence[int] = ()
     salt: str = ""
+    num_tokens: int = 0  # the prompt's tokens: where its window tail is (window pages)
 
 
 @dataclass(frozen=True)
@@ -98,10 +105,15 @@ class PageSource(Protocol):
     running: list[Req]
     waiting: deque[Req]
     states: StateSlots | None  # a hybrid model's recurrent-state slots
+    window: WindowPages | None  # a sliding-window model's sliding layers' own pages
 
     def alloc_pages(self, num_pages: int, reserve: int = 0) -> list[int] | None: ...
 
     def free_pages(self, page_ids: list[int]) -> None: ...
+
+    def alloc_window_pages(self, num_pages: int) -> list[int] | None: ...
+
+    def free_window_pages(self, page_ids: list[int]) -> None: ...
 
     def lock(self, node: RadixNode | None) -> None: ...
 
@@ -120,10 +132,13 @@ class ReservationBook:
         self.max_context = max_context
         self.memory = memory
         self.reserved: dict[str, list[int]] = {}  # rid -> pages awaiting a K/V transfer
+        # rid -> the sliding pages of its prompt's window tail (window pages), awaiting it too
+        self.reserved_window: dict[str, list[int]] = {}
         # rid -> the tree's pages that lead a reservation (decode's prefix cache), locked
         self.prefix: dict[str, ReservedPrefix] = {}
         self.growth: dict[str, int] = {}  # rid -> pages its decoding will still need
         self.pending: dict[str, PendingReservation] = {}  # FIFO: waiting for pages
+        self.num_tokens: dict[str, int] = {}  # rid -> prompt tokens (window pages only)
         self.prefix_pages = 0
 
     # ---- what the engine reports -------------------------------------------------------
@@ -174,8 +189,11 @@ class ReservationBook:
 
     def _granted(self, rid: str, waited_s: float = 0.0, queued: bool = False) -> Admission:
         prefix = self.prefix.get(rid)
+        window = self.reserved_window.get(rid)
         return Admission(rid, list(self.reserved[rid]), waited_s=waited_s, queued=queued,
-                         cached_pages=len(prefix.match.page_ids) if prefix else 0)
+                         cached_pages=len(prefix.match.page_ids) if prefix else 0,
+                         window_page_ids=list(window or []),
+                         window_first_page=self._tail(self.num_tokens.get(rid, 0)).start)
 
     # ---- reserving -----------------------------------------------------------------------
     def reserve(self, rid: str, num_tokens: int) -> list[int] | None:
@@ -183,6 +201,9 @@ class ReservationBook:
         (nothing taken) when they cannot be had."""
         if rid in self.reserved:
             raise ValueError(f"request {rid!r} already has reserved pages")
+        if self.memory.window is not None:  # its window tail's pages need an Admission
+            raise ValueError(f"request {rid!r}: a sliding-window model with window pages "
+                             f"reserves through reserve_when_free")
         if not self._state_slot_left():
             return None
         page_ids = self.memory.alloc_pages(pages_for(num_tokens, self.page_size))
@@ -244,7 +265,15 @@ class ReservationBook:
         if page_ids is None:
             memory.unlock(match.last_node)
             return False
+        window_ids = memory.alloc_window_pages(len(self._tail(pending.num_tokens)))
+        if window_ids is None:
+            memory.free_pages(page_ids)
+            memory.unlock(match.last_node)
+            return False
         self.reserved[pending.rid] = page_ids
+        if memory.window is not None:
+            self.reserved_window[pending.rid] = window_ids
+            self.num_tokens[pending.rid] = pending.num_tokens
         self.growth[pending.rid] = pending.growth_pages
         if match.page_ids:
             tokens = tuple(pending.prefix_ids[: match.cached_len])
@@ -266,11 +295,15 @@ class ReservationBook:
     def _match_prefix(self, pending: PendingReservation) -> MatchResult:
         """The tree's pages for `pending.prefix_ids`, leaving at least the prompt's last page
         to prefill (whose forward computes the last token: its page always comes new).
-        Page-only: no restore rule applies (a hybrid model's state comes from prefill)."""
+        Page-only: no restore rule applies (a hybrid model's state comes from prefill).
+        With window pages it stops before the prompt's window tail, whose sliding pages
+        prefill sends (the tree's may be tombstones there)."""
         tree = self.memory.tree
         if tree is None or not pending.prefix_ids:
             return MatchResult([], 0, None)
         limit = min(len(pending.prefix_ids), (pending.num_pages - 1) * self.page_size)
+        if self.memory.window is not None:
+            limit = min(limit, self._tail(pending.num_tokens).start * self.page_size)
         return tree.match_pages(pending.prefix_ids[:limit], pending.salt)
 
     # ---- leaving the book ------------------------------------------------------------------
@@ -280,14 +313,18 @@ class ReservationBook:
         page_ids = self.reserved.pop(rid, None)
         if page_ids is not None:
             self.memory.free_pages(page_ids)
+        self.num_tokens.pop(rid, None)
+        self.memory.free_window_pages(self.reserved_window.pop(rid, []))
         prefix = self.prefix.pop(rid, None)
         if prefix is not None:
             self.memory.unlock(prefix.match.last_node)
         return page_ids is not None
 
-    def take(self, req: Req) -> tuple[list[int], MatchResult]:
+    def take(self, req: Req) -> tuple[list[int], MatchResult, list[int | None]]:
         """Hand `req` its reservation to decode on: all its prompt's pages (the tree's prefix,
-        then the reserved ones) and the tree's prefix match, whose lock `req` now holds.
+        then the reserved ones), the tree's prefix match, whose lock `req` now holds, and
+        with window pages the sliding page of each (the prefix's, tombstones up to the
+        window tail, the tail's reserved ones; empty without window pages).
         Raises ValueError, leaving the reservation in place, when `rid` has none, the page
         count is not the prompt's, or the prompt or salt is not the one its prefix was
         reserved for."""
@@ -307,7 +344,28 @@ class ReservationBook:
             # its release would insert the tree's own pages under other tokens or another
             # tenant's salt
             raise ValueError(f"request {req.rid!r} is not the prompt its pages were reserved for")
+        window_ids = self._window_ids(req, prefix)
         del self.reserved[req.rid]
+        self.reserved_window.pop(req.rid, None)
+        self.num_tokens.pop(req.rid, None)
         self.prefix.pop(req.rid, None)
         self.growth.pop(req.rid, None)
-        return page_ids, prefix
+        return page_ids, prefix, window_ids
+
+    def _window_ids(self, req: Req, prefix: MatchResult) -> list[int | None]:
+        """`req`'s sliding pages at `take` (empty without window pages). Raises ValueError
+        when its prompt is not as long as the one its window tail was reserved for."""
+        if self.memory.window is None:
+            return []
+        reserved_tokens = self.num_tokens.get(req.rid, 0)
+        if reserved_tokens != len(req.prompt_ids):
+            raise ValueError(f"request {req.rid!r}: its window tail was reserved for "
+                             f"{reserved_tokens} tokens, its prompt has {len(req.prompt_ids)}")
+        tail = self._tail(reserved_tokens)
+        gap = tail.start - len(prefix.page_ids)
+        return [*prefix.window_page_ids, *([None] * gap), *self.reserved_window[req.rid]]
+
+    def _tail(self, num_tokens: int) -> range:
+        """The window tail of a prompt of `num_tokens` tokens (empty without window pages)."""
+        window = self.memory.window
+        return range(0) if window is None else window.tail_pages(num_tokens)

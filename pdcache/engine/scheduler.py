@@ -42,12 +42,13 @@ Composition, not subclassing: the node that builds the scheduler gives it
   pages and restore the state of a lower-tier hit into the request's slot at admission);
   other tiers are refused with `states`. A checkpoint taken after its pages were cached is
   shown to the tiers again (`on_cached` of its node), so they back it up too.
-- `window` (`pdcache.engine.window_pages.WindowPages`): sliding-window models on a unified,
+- `window` (`pdcache.engine.window_pages.WindowPages`): sliding-window models on a
   device-only engine: the sliding layers' own page space. Each request also holds one
   sliding page per page (`Req.window_page_ids`), allocated with its full pages, and frees
   those no window of it needs after every forward (tombstones go to the tree with its
-  pages); the tree serves hits only where the window's sliding pages are there. With any
-  tiers but `DeviceOnly`, or a prefilled start, it is refused.
+  pages); the tree serves hits only where the window's sliding pages are there. A
+  prefilled start (decode) holds sliding pages of its prompt's window tail only, reserved
+  with its pages (`ReservationBook`); tiers other than `DeviceOnly` are refused.
 Any role may have any tiers. The node's controller (`pdcache.prefill_node.controller`,
 `pdcache.decode_node.controller`) makes the PD decisions those policies relay.
 """
@@ -77,7 +78,6 @@ NO_STATE_TRANSFER = "a hybrid model's prefilled request needs its recurrent stat
 NO_STATE_TIERS = "these host/storage tiers do not carry recurrent state"
 # window pages (a sliding-window model's sliding layers in their own page space)
 NO_WINDOW_TIERS = "host/storage tiers do not carry sliding-window pages yet"
-NO_WINDOW_TRANSFER = "P→D transfer does not carry sliding-window pages yet"
 
 logger = logging.getLogger(__name__)
 
@@ -188,11 +188,9 @@ class Scheduler:
         geometry (or, defensively, no free request slot), nothing taken."""
         if self.reservations is None:
             raise ValueError(f"request {req.rid!r}: this node takes no reservations")
-        if self.window is not None:
-            raise ValueError(f"request {req.rid!r}: {NO_WINDOW_TRANSFER}")
         state_slot = self._prefilled_state_slot(req, state)
         try:
-            page_ids, prefix = self.reservations.take(req)
+            page_ids, prefix, window_ids = self.reservations.take(req)
         except BaseException:
             if state_slot is not None:
                 self.states.free_request(state_slot)  # type: ignore[union-attr]
@@ -201,7 +199,8 @@ class Scheduler:
         self.role.on_prefilled(req)
         # the request now holds the prefix's lock (its release unlocks `last_node`)
         req.admit_prefilled(page_ids, first_token, self._admit_seq, first_logprob,
-                            num_tree_pages=len(prefix.page_ids), last_node=prefix.last_node)
+                            num_tree_pages=len(prefix.page_ids), last_node=prefix.last_node,
+                            window_page_ids=window_ids)
         if self.tree is not None:  # a turn of its session arrived (nodes learn it on release)
             self.tree.note_session(None, req.session_id, new_turn=True)
         self._admit_seq += 1
@@ -394,11 +393,11 @@ class Scheduler:
         if own is None:
             self.unlock(match.last_node)
             return False
-        window_own = self._alloc_window(need)
+        window_own = self.alloc_window_pages(need)
         if window_own is None or (self.states is not None
                                   and not self._admit_state(req, match)):
             self.allocator.free(own)
-            self._free_window(window_own or [])
+            self.free_window_pages(window_own or [])
             self.unlock(match.last_node)
             return False
         max_pages = req.max_reuse_len // self.page_size
@@ -483,7 +482,7 @@ class Scheduler:
             self.allocator.free(result.duplicate_page_ids)
         req.page_ids[:num_full] = match.page_ids
         if self.window is not None:  # the tree's sliding pages, its tombstones included
-            self._free_window(result.duplicate_window_page_ids)
+            self.free_window_pages(result.duplicate_window_page_ids)
             req.window_page_ids[:num_full] = match.window_page_ids
         req.num_tree_pages, req.last_node = num_full, match.last_node
         req.check()
@@ -549,7 +548,7 @@ class Scheduler:
             return True
         while True:
             page = self.alloc_pages(1)
-            window_page = [] if self.window is None or page is None else self._alloc_window(1)
+            window_page = [] if self.window is None or page is None else self.alloc_window_pages(1)
             if page is not None and window_page is not None:
                 req.page_ids.extend(page)
                 if self.window is not None:
@@ -636,7 +635,7 @@ class Scheduler:
             attached = self._attach_pending_checkpoint(req, num_full)
         self._free_state(req)
         self.allocator.free(to_free)
-        self._free_window(window_free)
+        self.free_window_pages(window_free)
         self.unlock(req.last_node)
         req.release_pages()
         if result is not None:
@@ -645,7 +644,7 @@ class Scheduler:
             self.tiers.on_cached(req, InsertResult([], attached, 0))
 
     # ---- window pages (sliding layers' own pages; pdcache.engine.window_pages) ---------
-    def _alloc_window(self, num_pages: int) -> list[int] | None:
+    def alloc_window_pages(self, num_pages: int) -> list[int] | None:
         """`num_pages` sliding pages (none without window pages), evicting cache when short;
         None when even that leaves too few."""
         if self.window is None:
@@ -655,7 +654,7 @@ class Scheduler:
             pass  # whole nodes go, each with its sliding pages
         return allocator.alloc(num_pages)
 
-    def _free_window(self, page_ids: list[int]) -> None:
+    def free_window_pages(self, page_ids: list[int]) -> None:
         if self.window is not None and page_ids:
             self.window.allocator.free(page_ids)
 

@@ -90,14 +90,22 @@ class WindowPages:
         boundary = length // self.page_size * self.page_size
         return max(0, boundary - self.window + 1) // self.page_size
 
+    def tail_pages(self, num_tokens: int) -> range:
+        """The pages whose sliding layers a sequence of `num_tokens` tokens keeps at its end:
+        from the first one a hit at its last token's page boundary reads to the page it
+        ends in. Everything a continuation reads (attention at `num_tokens`, a hit at the
+        boundary below its end or at the first one after) is in it: the *window tail* that
+        P→D and the host/storage tiers carry for a prompt's or an answer's end."""
+        return range(self.first_needed_page(max(num_tokens - 1, 0)),
+                     -(-num_tokens // self.page_size))
+
     def droppable(self, window_page_ids: list[int | None], first_own: int, kv_len: int,
                   prompt_len: int) -> list[int]:
         """Indices of own present pages (from `first_own` on) that no window of the request
-        needs any more: before its current one and outside its prompt end's. Scans down
+        needs any more: before its current one and outside its prompt end's tail. Scans down
         from the current window to the first page freed before (everything older went
         then too), so a step costs the pages it frees, not the sequence's length."""
-        keep = range(self.first_needed_page(max(prompt_len - 1, 0)),
-                     -(-prompt_len // self.page_size))
+        keep = self.tail_pages(prompt_len)
         drop: list[int] = []
         for index in range(min(self.first_needed_page(kv_len), len(window_page_ids)) - 1,
                            first_own - 1, -1):

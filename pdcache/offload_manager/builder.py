@@ -53,9 +53,19 @@ def storage_config_for(model: ModelConfig, page_size: int, fingerprint: str,
     if state is not None:
         settings = {"state_geometry": state.key(), "state_bytes": state.state_bytes(),
                     **settings}
+        if settings.get("backend", "hf3fs") == "hf3fs" and not settings.get("state_capacity"):
+            settings["state_capacity"] = _default_state_capacity(
+                settings, geometry.page_bytes(page_size), state.state_bytes())
     return StorageConfig(page_bytes=geometry.page_bytes(page_size), fingerprint=fingerprint,
                          num_layers=geometry.num_kv_layers, page_size=page_size,
                          dtype=model.dtype, **settings)
+
+
+def _default_state_capacity(settings: dict[str, Any], page_bytes: int, state_bytes: int) -> int:
+    """hf3fs keeps states in a slot pool of its own, which needs a size: unset, it gets a
+    quarter of the pages' bytes (on top of them), at least one state."""
+    pages_bytes = settings.get("capacity_bytes") or settings.get("capacity_pages", 0) * page_bytes
+    return max(1, pages_bytes // 4 // state_bytes)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,9 @@ answer's end state — the recurrent state after the request's last full page, w
 scheduler's `DecodeRole` hands over — as a stored state object under
 `state_key(key of that page, geometry key)`, origin "decode", after the request's last pages
 (same writer, same order), so turn t+1 on a prefill node restores the state decode produced.
-Only that one checkpoint: it is the point the next turn's prompt reaches.
+Only that one checkpoint: it is the point the next turn's prompt reaches. Its key is announced
+with the last batch's page keys (the next turn's prefill waits for it as for pending pages)
+and settled when its write ends; it is never staged, so a pull never serves it.
 
 Pulls (docs/design.md §4.10): from the end of a batch's device → staging copy until its write
 ends, `staged_objects(keys)` serves its pages as stored page objects (`page_format`, sealed
@@ -128,6 +130,10 @@ class _CopyTask:
     namespace: str = ""  # the request's tenant namespace (storage quotas)
     session: str = ""  # the request's session_id (storage lifecycle)
     state: tuple[bytes, AnswerState] | None = None  # written after the pages: (key, state)
+
+    def state_keys(self) -> list[bytes]:
+        """The announced state key of this task, if it writes one (to settle it)."""
+        return [self.state[0]] if self.state is not None else []
 
 
 class DecodeOffloadManager:
@@ -314,11 +320,14 @@ class DecodeOffloadManager:
             state_entry = (state_key(tracked.last_key, state.snapshot.geometry.key()), state)
         task = _CopyTask(rid, keys, list(device_page_ids[first:full_pages]), on_released,
                          tenant_namespace(tracked.tenant), tracked.session, state_entry)
-        if keys and self._announcer is not None:
+        # the answer-end state is announced with its pages (the next turn waits for both)
+        # and settled when its own write ends; never pulled: pulls serve staged pages only
+        announced = keys + ([state_entry[0]] if state_entry is not None else [])
+        if announced and self._announcer is not None:
             with self._lock:
                 for key in keys:
                     self._scheduled[key] = self._scheduled.get(key, 0) + 1
-            tracked.delivery = self._announcer.announce_pending(keys, self.pending_ttl_s,
+            tracked.delivery = self._announcer.announce_pending(announced, self.pending_ttl_s,
                                                                 self.write_eta_s())
         self._enqueue(task)
 
@@ -403,7 +412,7 @@ class DecodeOffloadManager:
             self.stats.pages_scheduled += len(task.keys)
             if self._queued_pages + len(task.keys) > self.max_queued_pages:
                 self.stats.pages_dropped += len(task.keys)
-                self._settle(task.keys, False)
+                self._settle(task.keys + task.state_keys(), False)
                 self._unschedule(task.keys)
                 task = _CopyTask(task.rid, [], [], task.on_released, task.namespace,
                                  task.session)  # its pages dropped: so is its state
@@ -418,14 +427,16 @@ class DecodeOffloadManager:
             task = self._tasks.get()
             if task is None:
                 return
+            state_queued = False
             try:
                 self._copy(task)
                 if task.state is not None:
+                    state_queued = True  # settled by its write from here on
                     self._write_state(task.state[0], task.state[1], task.namespace,
                                       task.session)
             except Exception:
                 log.exception("decode offload: copy of %s failed", task.rid)
-                self._settle(task.keys, False)
+                self._settle(task.keys + ([] if state_queued else task.state_keys()), False)
             finally:
                 self._unschedule(task.keys)  # staged by now, or never will be
                 if task.on_released is not None:
@@ -513,6 +524,7 @@ class DecodeOffloadManager:
 
         def done(result: IoResult) -> None:  # writer thread
             ok = sum(result.ok)
+            self._settle([key], result.ok)
             with self._lock:
                 self._pending_writes -= 1
                 self.stats.states_offloaded += ok
@@ -524,6 +536,7 @@ class DecodeOffloadManager:
                       tokens=[state.tokens])
         assert self.writer is not None, "start() the manager first"
         if not self.writer.submit(task):
+            self._settle([key], False)
             with self._lock:
                 self._pending_writes -= 1
                 self.stats.states_failed += 1

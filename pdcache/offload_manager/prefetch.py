@@ -31,8 +31,13 @@ the pages up to the deepest one plus, into one host state slot, the first candid
 verifies (`get_state_into`; a missing or refused object is the backend's counted miss and the
 next shallower candidate is tried). `take` cuts the hit to the state read (`state_pages`): no
 state, no storage hit (the request starts from its device/host checkpoint), never pages
-without their state. No layer-streamed reads and no pending (decode-announced) pages for them
-yet.
+without their state. No layer-streamed reads for them. Decode announces the answer-end state
+object it will write with the answer's pages (§4.10): with `pending_wait`, the deepest
+announced state key at the end of a stored or pending page (`_pending_state`) makes the op wait
+for the pending pages before it and for that state under the prefetch policy, like pending
+pages; its read is submitted once its key LANDED (`_read_awaited_state`), else (GONE, deadline)
+the stored candidates are read. Pulls bring pending pages, never the state: decode stages
+pages, not states, and a state is one object of its own size (so the state is waited for).
 
 Threads: every method runs on the engine thread. Read completions run on the prefetch IO
 thread and only set an op's batch results and `Event`, or report to its `LayerStream` (its
@@ -93,6 +98,9 @@ class Prefetcher:
         self._abandoned: list[PrefetchOp] = []
         # host pages of streamed prefetches that no load takes, freed once their read ended
         self._stream_frees: list[tuple[LayerStream, list[int]]] = []
+        # hybrid ops waiting for an announced state object: rid -> ((pages, state key) awaited,
+        # stored candidates deepest first); the read is submitted once the key settles
+        self._state_waits: dict[str, tuple[tuple[int, bytes], list[tuple[int, bytes]]]] = {}
 
     # ---- the request's prefetch ----------------------------------------------------------
     def start(self, rid: str, token_ids: Sequence[int], salt: str, first_page: int,
@@ -135,7 +143,8 @@ class Prefetcher:
     def _start_hybrid(self, rid: str, first_page: int, keys: list[bytes], hits: int,
                       num_tokens: int) -> int:
         """`start` for a hybrid model: the pages up to the deepest stored state object among
-        the `hits` pages, and that state (or a shallower one) into a host state slot."""
+        the `hits` pages, and that state (or a shallower one) into a host state slot; or, past
+        them, up to a state decode announced (awaited with its pending pages)."""
         assert self.storage is not None and self.host_states is not None
         if not self.storage.supports_states:
             return 0
@@ -150,11 +159,14 @@ class Prefetcher:
             log.warning("prefetch of %s: state lookup failed: %s", rid, exc)
             self._count(storage_errors=1)
             return 0
-        if not candidates:
+        awaited = self._pending_state(keys, hits, candidates[0][0] if candidates else 0,
+                                      geometry)
+        if not candidates and awaited is None:
             self._count(prefetch_state_misses=1 if hits else 0)
             return 0
-        total = candidates[0][0]
+        total = awaited[0] if awaited is not None else candidates[0][0]
         if total < self.config.prefetch_min_pages:
+            self._count(pending_raced_pages=max(0, total - hits) if awaited else 0)
             return 0
         assert self._alloc_host_state is not None
         slot = self._alloc_host_state(frozenset())
@@ -163,41 +175,75 @@ class Prefetcher:
             if slot is not None:
                 self.host_states.free(slot)
             log.info("prefetch of %s stopped: no host room for %d pages and a state", rid, total)
+            self._count(pending_raced_pages=max(0, total - hits) if awaited else 0)
             return 0
         now = time.monotonic()
         op = PrefetchOp(rid, first_page, keys[:total], host_ids, [],
                         now + self.config.prefetch_timeout_s(num_tokens), submitted=0)
-        self._submit_range(op, total)
-        self._submit_state_read(op, slot, candidates)
+        self._submit_range(op, min(hits, total))
+        op.state_slot, op.state_done = slot, threading.Event()
         self._ops[rid] = op
+        if awaited is None:
+            self._read_state(op, candidates)
+            return total
+        op.awaited_first, op.awaited = min(hits, total), max(0, total - hits)
+        self._state_waits[rid] = (awaited, candidates)
+        if op.awaited and self.config.prefetch_policy != "best_effort":
+            self._maybe_pull(op)  # the pages only: the state is waited for (module docstring)
+        self._read_landed(op)  # landed already (a late lookup): read it now
         return total
 
-    def _submit_state_read(self, op: PrefetchOp, slot: int,
-                           candidates: list[tuple[int, bytes]]) -> None:
+    def _pending_state(self, keys: list[bytes], hits: int, stored: int, geometry: str
+                       ) -> tuple[int, bytes] | None:
+        """(pages, state key) of the deepest state object a decode announced as being written
+        (pending or landed) at the end of page `stored + 1 ..` of the committed `hits` pages
+        and the pending pages after them; None without one, or without `pending_wait` (the
+        pending pages found are then counted raced: recomputed)."""
+        if self.pending is None or not len(self.pending):
+            return None  # nothing announced: no key to hash
+        found = self.pending.run(keys[hits:])
+        for pages in range(hits + found, stored, -1):
+            key = state_key(keys[pages - 1], geometry)
+            if self.pending.state(key) is PageState.GONE:
+                continue
+            self._count(pending_found_pages=pages - hits if pages > hits else 0)
+            if not self.config.pending_wait:
+                self._count(pending_raced_pages=max(0, pages - hits))
+                return None
+            return pages, key
+        return None
+
+    def _read_state(self, op: PrefetchOp, candidates: list[tuple[int, bytes]]) -> None:
+        """Read the first of `candidates` that verifies into `op`'s host state slot (set
+        with `state_done` beforehand); none: the op ends without a state."""
         assert self.worker is not None and self.host_states is not None
+        assert op.state_slot is not None and op.state_done is not None
         host_states = self.host_states
-        op.state_slot, op.state_done = slot, threading.Event()
         op.state_pages = [pages for pages, _ in candidates]
         tokens = [(op.first_page + pages) * self.page_size for pages, _ in candidates]
+        state_done = op.state_done
+        if not candidates:
+            op.state_ok = -1
+            state_done.set()
+            return
 
         def done(result: IoResult) -> None:  # prefetch IO thread
             hit = next((i for i, ok in enumerate(result.ok) if ok), -1)
             op.state_ok = hit
             self._count(prefetch_state_misses=hit if hit >= 0 else len(result.ok),
                         storage_errors=1 if result.error else 0)
-            assert op.state_done is not None
-            op.state_done.set()
+            state_done.set()
 
         task = IoTask(IoKind.READ_STATE, [key for _, key in candidates],
-                      [host_states.data[slot]], done, tokens=tokens)
+                      [host_states.data[op.state_slot]], done, tokens=tokens)
         if not self.worker.submit(task):
             op.state_ok = -1
-            op.state_done.set()
+            state_done.set()
 
     def ready(self, rid: str, now: float | None = None) -> bool:
         """Whether the queued request may be admitted now, under the prefetch policy."""
         op = self._ops.get(rid)
-        if op is not None and op.submitted < len(op.keys):
+        if op is not None and (op.submitted < len(op.keys) or rid in self._state_waits):
             self._read_landed(op)
         if op is None or self.config.prefetch_policy == "best_effort" or op.ready:
             return True
@@ -456,11 +502,44 @@ class Prefetcher:
             if state is PageState.GONE:
                 end += self._stored_prefix(op.keys[end:])
                 self._submit_range(op, end)
-                self._stop_waiting(op)
-                return
+                if end < len(op.keys):
+                    self._end_state_wait(op, read_stored=True)  # the pages before it are not
+                    self._stop_waiting(op)
+                    return
+                break
             end += 1
         if end > op.submitted:
             self._submit_range(op, end)
+        if op.submitted == len(op.keys):
+            self._read_awaited_state(op)
+
+    def _read_awaited_state(self, op: PrefetchOp) -> None:
+        """Every page of a hybrid op is being read: read the announced state once its key is
+        no longer PENDING (landed, or stored unannounced), else the stored candidates."""
+        wait = self._state_waits.get(op.rid)
+        if wait is None:
+            return
+        assert self.pending is not None and self.storage is not None
+        (pages, key), stored = wait
+        state = self.pending.state(key)
+        if state is PageState.PENDING:
+            return
+        del self._state_waits[op.rid]
+        landed = state is PageState.LANDED
+        if not landed:
+            try:
+                landed = self.storage.exists_state(key)  # written, its mark lost or expired
+            except Exception as exc:
+                log.warning("pending state: storage lookup failed: %s", exc)
+                self._count(storage_errors=1)
+        self._read_state(op, [(pages, key), *stored] if landed else stored)
+
+    def _end_state_wait(self, op: PrefetchOp, read_stored: bool) -> None:
+        """Give up on `op`'s announced state: read its stored candidates instead
+        (`read_stored`), or end its state read without one."""
+        wait = self._state_waits.pop(op.rid, None)
+        if wait is not None:
+            self._read_state(op, wait[1] if read_stored else [])
 
     def _stored_prefix(self, keys: list[bytes]) -> int:
         assert self.storage is not None
@@ -476,6 +555,7 @@ class Prefetcher:
         the op is complete and its host pages are freed with the rest."""
         if op.pull is not None:
             self._end_pull(op)  # what it verified so far is kept (abandoned if unfinished)
+        self._end_state_wait(op, read_stored=False)  # admitted or cancelled: no state read
         missing = len(op.keys) - op.submitted
         if missing <= 0:
             return

@@ -20,6 +20,8 @@ from typing import Any
 from fastapi import FastAPI
 
 from pdcache.config import NodeSetup
+from pdcache.engine.kv_geometry import KVGeometry
+from pdcache.engine.window_pages import can_split
 from pdcache.offload_manager.builder import build_tiered_engine
 from pdcache.offload_manager.page_pull import PagePulls
 from pdcache.offload_manager.pending import PendingPages
@@ -62,7 +64,8 @@ class PrefillRuntime:
                                control_key=setup.security.zmq_control_key,
                                on_pages=self.pending, kv_geometry=setup.engine.model.kv_geometry.layout_key(
                                    setup.engine.cache.page_size),
-                               state_geometry=setup.engine.model.state_geometry)
+                               state_geometry=setup.engine.model.state_geometry,
+                               layer_kinds=_row_kinds(setup.engine.model.kv_geometry))
         self.pulls.attach(self.sender)
         if self.pulls.mode != "never" and not self.sender.authenticated:
             log.info("pending_pull = %r pulls nothing without a cluster secret "
@@ -102,3 +105,9 @@ class PrefillRuntime:
 
     def ready_lines(self) -> list[str]:
         return [f"pdcache prefill: KV bootstrap at {self.sender.bootstrap_addr}"]
+
+
+def _row_kinds(geometry: KVGeometry) -> tuple[str, ...]:
+    """The layer kind of each row of the pool, which a decode with window pages needs
+    (full and sliding layers: every layer has a row); () for every other model."""
+    return geometry.layer_kinds if can_split(geometry) else ()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,8 +49,17 @@ class KVLayout:
 
     def page_addrs(self, page_ids: np.ndarray) -> np.ndarray:
         """Addresses of every (layer, slab, page), layer-major: shape [L * K * len(page_ids)]."""
-        slabs = np.arange(self.num_rows, dtype=np.int64)[:, None] * self.num_pages
-        pages = slabs + np.asarray(page_ids, dtype=np.int64)[None, :]
+        return self.layer_page_addrs(range(self.num_layers), page_ids)
+
+    def layer_page_addrs(self, layers: Sequence[int], page_ids: np.ndarray) -> np.ndarray:
+        """Addresses of every (layer, slab, page) of `layers` (rows of this pool, in that
+        order), layer-major: shape [len(layers) * K * len(page_ids)]."""
+        rows = np.asarray(layers, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.num_layers):
+            raise ValueError(f"layer rows outside [0, {self.num_layers})")
+        slabs = (rows[:, None] * self.num_slabs
+                 + np.arange(self.num_slabs, dtype=np.int64)[None, :]).reshape(-1)
+        pages = slabs[:, None] * self.num_pages + np.asarray(page_ids, dtype=np.int64)[None, :]
         return (self.base_addr + pages * self.page_bytes).reshape(-1)
 
 
@@ -110,3 +120,51 @@ def page_copy_batch(src: KVLayout, dst: KVLayout, src_pages: np.ndarray,
     srcs = src.page_addrs(src_pages)
     lengths = np.full(srcs.size, src.page_bytes, dtype=np.int64)
     return WriteBatch(srcs, dst.page_addrs(dst_pages), lengths).coalesced()
+
+
+def layer_copy_batch(src: KVLayout, src_layers: Sequence[int], dst: KVLayout,
+                     dst_layers: Sequence[int], src_pages: np.ndarray,
+                     dst_pages: np.ndarray) -> WriteBatch:
+    """Layer rows `src_layers[j]` of pages src_pages[i] → rows `dst_layers[j]` of
+    dst_pages[i], every slab, coalesced into runs: a copy between pools that hold different
+    layer sets (window pages: the full layers in one space, the sliding ones in another)."""
+    if (src.num_slabs, src.page_bytes) != (dst.num_slabs, dst.page_bytes):
+        raise ValueError(f"KV layouts differ: {src.num_slabs} slabs × {src.page_bytes} B pages "
+                         f"vs {dst.num_slabs} × {dst.page_bytes}")
+    if len(src_layers) != len(dst_layers):
+        raise ValueError(f"{len(src_layers)} source layers for {len(dst_layers)} destination "
+                         f"layers")
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    src.check_pages(src_pages, "source")
+    dst.check_pages(dst_pages, "destination")
+    srcs = src.layer_page_addrs(src_layers, src_pages)
+    lengths = np.full(srcs.size, src.page_bytes, dtype=np.int64)
+    return WriteBatch(srcs, dst.layer_page_addrs(dst_layers, dst_pages), lengths).coalesced()
+
+
+def window_tail_copy_batch(src: KVLayout, dst_full: KVLayout, dst_window: KVLayout,
+                           layer_kinds: Sequence[str], src_pages: np.ndarray,
+                           dst_pages: np.ndarray, tail: range,
+                           dst_window_pages: np.ndarray) -> WriteBatch:
+    """A sequence's pages from a one-space pool `src` (every KV layer of `layer_kinds`, in
+    order) to a split one (window pages): the full layers of every page into `dst_full`
+    (its rows: the full layers in order), the sliding layers into `dst_window` (the sliding
+    layers in order) for the pages of `tail` only (indices into `src_pages`, landing on
+    `dst_window_pages`). The rest of the sliding pages never move: the receiver records
+    them as tombstones."""
+    full = [i for i, kind in enumerate(layer_kinds) if kind == "full"]
+    sliding = [i for i, kind in enumerate(layer_kinds) if kind == "sliding"]
+    if len(full) + len(sliding) != len(layer_kinds) or len(layer_kinds) != src.num_layers:
+        raise ValueError(f"a window-tail copy needs full and sliding layers only, one per "
+                         f"source row: {''.join(k[0].upper() for k in layer_kinds)} over "
+                         f"{src.num_layers} rows")
+    if tail.step != 1 or (len(tail) and (tail.start < 0 or tail.stop > len(src_pages))):
+        raise ValueError(f"window tail {tail} outside the {len(src_pages)} pages sent")
+    pages = np.asarray(src_pages, dtype=np.int64)
+    full_batch = layer_copy_batch(src, full, dst_full, range(len(full)), pages, dst_pages)
+    tail_batch = layer_copy_batch(src, sliding, dst_window, range(len(sliding)),
+                                  pages[tail.start:tail.stop], dst_window_pages)
+    return WriteBatch(np.concatenate((full_batch.srcs, tail_batch.srcs)),
+                      np.concatenate((full_batch.dsts, tail_batch.dsts)),
+                      np.concatenate((full_batch.lengths, tail_batch.lengths)))

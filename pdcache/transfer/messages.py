@@ -49,6 +49,14 @@ requests; one with a state area needs a version-8 prefill (an older one drops it
 and `connect` times out). A version-8 prefill refuses (`state_mismatch`) a room whose two
 sides disagree on the state: one without a state request when its model has a state (every
 older decode), a geometry key or length other than its own.
+
+Version 9 (window pages of sliding-window models, docs/design.md §4.14) added
+`register.window_base` / `.window_num_layers` / `.window_num_pages` (decode keeps its sliding
+layers' pages in a pool of their own: `base_addr` then holds the full layers only and
+`kv_geometry` still names the model's geometry; 0: one pool) and `room_request.window_pages`
+/ `.window_first_page` (the sliding pages of the prompt's window tail, its pages from
+`window_first_page` to its last: prefill writes the full layers of every page and the
+sliding layers of those only). A decode with a window pool needs a version-9 prefill.
 """
 
 from __future__ import annotations
@@ -65,8 +73,8 @@ import numpy as np
 
 from pdcache.engine.api import CachedTokens, LogprobRequest, TokenLogprob
 
-PROTOCOL_VERSION = 8
-ACCEPTED_VERSIONS = (2, 3, 4, 5, 6, 7, 8)
+PROTOCOL_VERSION = 9
+ACCEPTED_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9)
 BASE_WIRE_VERSION = 4  # the lowest version a frame is written in (`wire_version`)
 MAX_ROOM_ID = (1 << 63) - 1
 MAX_CONTAINER_ITEMS = 256  # entries of any msgpack array or map
@@ -122,6 +130,9 @@ class Register(Message):
     kv_geometry: str = ""  # since version 7
     state_base: int = 0  # since version 8
     state_area_bytes: int = 0  # since version 8
+    window_base: int = 0  # since version 9: decode's sliding layers' own pool (0: none)
+    window_num_layers: int = 0  # since version 9
+    window_num_pages: int = 0  # since version 9
 
 
 @dataclass(frozen=True)
@@ -151,9 +162,14 @@ class RoomRequest(Message):
     state_offset: int = 0  # since version 8
     state_bytes: int = 0  # since version 8; 0: no state wanted
     state_geometry: str = ""  # since version 8
+    window_pages: bytes = b""  # since version 9: the window tail's sliding pages (int32)
+    window_first_page: int = 0  # since version 9: the prompt page the first of them holds
 
     def page_ids(self) -> np.ndarray:
         return np.frombuffer(self.dst_pages, dtype="<i4").astype(np.int64)
+
+    def window_page_ids(self) -> np.ndarray:
+        return np.frombuffer(self.window_pages, dtype="<i4").astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -341,6 +357,9 @@ _ADDED_IN: Mapping[int, Mapping[type, frozenset[str]]] = MappingProxyType({
         Register: frozenset({"state_base", "state_area_bytes"}),
         RoomRequest: frozenset({"state_offset", "state_bytes", "state_geometry"}),
         PrefillReport: frozenset({"state_bytes", "state_geometry"})}),
+    9: MappingProxyType({
+        Register: frozenset({"window_base", "window_num_layers", "window_num_pages"}),
+        RoomRequest: frozenset({"window_pages", "window_first_page"})}),
 })
 # message types by the version that added them (older versions refuse them)
 _TYPE_SINCE: Mapping[type, int] = MappingProxyType({
@@ -588,6 +607,10 @@ def _check_ranges(msg: Message) -> None:
             raise MessageError("bad_field", "room_request.state_offset without a state")
     if isinstance(msg, Register) and (msg.state_base == 0) != (msg.state_area_bytes == 0):
         raise MessageError("bad_field", "register: a state area needs its address and size")
+    if isinstance(msg, Register) and len({msg.window_base == 0, msg.window_num_layers == 0,
+                                          msg.window_num_pages == 0}) > 1:
+        raise MessageError("bad_field", "register: a window pool needs its address, layers "
+                                        "and pages")
     if isinstance(msg, Done):
         _check_state_fields(msg.report.state_bytes, msg.report.state_geometry, "done.report")
     if isinstance(msg, PagesPending | PagesSettled | PullPages | PagesPulled):
@@ -644,6 +667,13 @@ def _check_pages(msg: RoomRequest) -> None:
         raise MessageError("bad_field", "room_request: no pages or no tokens")
     if msg.page_ids().min() < 0:
         raise MessageError("bad_field", "room_request.dst_pages: negative page id")
+    if len(msg.window_pages) % 4:
+        raise MessageError("bad_field",
+                           f"room_request.window_pages: {len(msg.window_pages)} bytes")
+    if msg.window_pages and msg.window_page_ids().min() < 0:
+        raise MessageError("bad_field", "room_request.window_pages: negative page id")
+    if not msg.window_pages and msg.window_first_page:
+        raise MessageError("bad_field", "room_request.window_first_page without window pages")
 
 
 def check_report(report: Any) -> None:

@@ -194,13 +194,18 @@ class KVReceiver:
                  on_release: ReleaseCallback | None = None, decode_id: str = "",
                  control_key: bytes | None = None, kv_geometry: str = "",
                  state_geometry: RecurrentStateGeometry | None = None,
-                 state_slots: int = 0) -> None:
+                 state_slots: int = 0, window_kv: torch.Tensor | None = None) -> None:
         """`control_key`: derive_key(cluster secret, "zmq-control") authenticates every
         control message (docs/security.md); None: unauthenticated (no secret). `kv_geometry`:
         the pool's `KVGeometry.layout_key`, sent at registration (prefill refuses another).
         `state_geometry` and `state_slots` > 0: a hybrid model's receiver owns `states`, a
         host `StateArea` of that many recurrent-state slots registered with the engine, which
-        requests name as `dst_state` (its Register then needs a protocol-8 prefill)."""
+        requests name as `dst_state` (its Register then needs a protocol-8 prefill).
+        `window_kv`: the sliding layers' own pool of a sliding-window model with window pages
+        (`device_kv` then holds its full layers only, `kv_geometry` names the model's
+        geometry): registered too, requests name the window tail's pages in it
+        (`dst_window_pages`; its Register then needs a protocol-9 prefill, docs/design.md
+        §4.14)."""
         self.config = config
         self.kv_geometry = kv_geometry
         self.states: StateArea | None = (
@@ -209,6 +214,8 @@ class KVReceiver:
         self._auth = control_auth(control_key, "decode")
         self.layout = KVLayout.from_tensor(device_kv)
         self._kv = device_kv
+        self.window_layout = None if window_kv is None else KVLayout.from_tensor(window_kv)
+        self._window_kv = window_kv  # kept alive while the engine writes it
         self.decode_id = decode_id or f"decode-{uuid.uuid4().hex[:8]}"
         self._user_release = on_release
         self.rooms = RoomTable("decode", config.finished_rooms_kept, self._released)
@@ -249,6 +256,8 @@ class KVReceiver:
         self.engine.register_target(self.layout.base_addr, self.layout.nbytes)
         if self.states is not None:  # before session(): NIXL's metadata lists the regions
             self.engine.register_target(self.states.base_addr, self.states.nbytes)
+        if self.window_layout is not None:
+            self.engine.register_target(self.window_layout.base_addr, self.window_layout.nbytes)
         self._session = self.engine.session()
         self._loop.start()
         self._pulls.start()  # the pull worker (when pulls are offered); serve_pulls is refused now
@@ -312,12 +321,15 @@ class KVReceiver:
             raise TransferError(-1, f"prefill {bootstrap_addr} refused: {holder[0].error}")
 
     def request(self, room: int, bootstrap_addr: str, dst_page_ids: Any,
-                num_tokens: int, first_page: int = 0, dst_state: int | None = None) -> None:
+                num_tokens: int, first_page: int = 0, dst_state: int | None = None,
+                dst_window_pages: Any = None, window_first_page: int = 0) -> None:
         """Ask the prefill peer to write this room's KV into `dst_page_ids` (non-blocking):
         the prompt's pages `first_page`, `first_page + 1`, ... (the ones before are in this
         node's prefix cache already). `dst_state`: a slot of `states` the caller holds, where
         the request's recurrent state at the end of its prefill lands (None: no state; a
-        hybrid prefill then refuses the room, `state_mismatch`).
+        hybrid prefill then refuses the room, `state_mismatch`). `dst_window_pages` (with
+        `window_kv`, required then): pages of the window pool for the sliding layers of the
+        prompt's pages `window_first_page`, ... to its last (the window tail).
 
         From here on `on_release` will run once for the room. ValueError on bad arguments,
         DuplicateRoom if the room id is in use.
@@ -332,11 +344,33 @@ class KVReceiver:
         if isinstance(first_page, bool) or not 0 <= first_page <= _INT32_MAX:
             raise ValueError(f"room {room}: first page {first_page!r} is not a page index")
         state_fields = self._state_destination(room, dst_state)
+        window = self._window_destination(room, dst_window_pages, first_page,
+                                          window_first_page, len(dst))
         data = _RecvRoom(bootstrap_addr, dst, int(num_tokens), dst_state)
         self.rooms.create(room, RoomState.BOOTSTRAPPING, self.config.room_timeout_s, data)
         request = RoomRequest(room, pack_pages(dst), int(num_tokens), int(first_page),
-                              *state_fields)
+                              *state_fields, window, int(window_first_page) if window else 0)
         self._loop.call_soon(lambda: self._send_request(room, bootstrap_addr, request))
+
+    def _window_destination(self, room: int, pages: Any, first_page: int,
+                            window_first_page: int, num_pages: int) -> bytes:
+        """The RoomRequest's `window_pages` (b"" without a window pool); ValueError for a
+        window tail that does not end the prompt's pages or lies outside the pool."""
+        if self.window_layout is None:
+            if pages is not None:
+                raise ValueError(f"room {room}: window pages without a window pool")
+            return b""
+        window = np.asarray([] if pages is None else pages, dtype=np.int64).reshape(-1)
+        if window.size == 0:
+            raise ValueError(f"room {room}: a window pool needs the window tail's pages")
+        self.window_layout.check_pages(window, "window")
+        if len(np.unique(window)) != window.size:
+            raise ValueError(f"room {room}: window pages repeat")
+        if (isinstance(window_first_page, bool) or window_first_page < first_page
+                or window_first_page + window.size != first_page + num_pages):
+            raise ValueError(f"room {room}: a window tail of {window.size} pages from page "
+                             f"{window_first_page!r} does not end the prompt's pages")
+        return pack_pages(window)
 
     def _old_prefill_hint(self) -> str:
         """What an unanswered Register may mean for a decode with a state area."""
@@ -521,9 +555,17 @@ class KVReceiver:
         register = Register(self.decode_id, self.config.engine, self._session,
                             self.layout.base_addr, self.layout.num_layers, self.layout.num_pages,
                             self.layout.page_bytes, self.layout.num_slabs, self.kv_geometry,
-                            states.base_addr if states else 0, states.nbytes if states else 0)
+                            states.base_addr if states else 0, states.nbytes if states else 0,
+                            *self._window_register())
         sock.send(seal(register, self._auth, link_id), zmq.NOBLOCK)
         return peer
+
+    def _window_register(self) -> tuple[int, int, int]:
+        """Register's (window_base, window_num_layers, window_num_pages); zeros: none."""
+        window = self.window_layout
+        if window is None:
+            return 0, 0, 0
+        return window.base_addr, window.num_layers, window.num_pages
 
     def _send_request(self, room: int, addr: str, request: RoomRequest) -> None:
         current = self.rooms.get(room)

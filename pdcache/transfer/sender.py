@@ -61,7 +61,7 @@ from pdcache.transfer.control import (
     seal,
 )
 from pdcache.transfer.engines.base import EngineError, EngineTimeout, create_engine
-from pdcache.transfer.layout import KVLayout, WriteBatch, page_copy_batch
+from pdcache.transfer.layout import KVLayout, WriteBatch, page_copy_batch, window_tail_copy_batch
 from pdcache.transfer.messages import (
     MAX_KEYS_PER_MESSAGE,
     MAX_ROOM_ID,
@@ -104,6 +104,9 @@ class _Peer:
     last_seen: float = field(default_factory=time.monotonic)
     state_base: int = 0  # decode's registered state area (Register v8; 0: none)
     state_area_bytes: int = 0
+    # decode's sliding layers' own pool (Register v9, window pages): `layout` then holds
+    # its full layers only, and rooms write the sliding layers of their window tail here
+    window_layout: KVLayout | None = None
 
 
 @dataclass
@@ -120,6 +123,8 @@ class _SendRoom:
     dst_state_offset: int = 0  # decode's request: where its state goes in its state area,
     dst_state_bytes: int = 0  # how long (0: decode wants no state) and of which geometry
     dst_state_geometry: str = ""
+    dst_window_pages: np.ndarray | None = None  # decode's window pool: the tail's pages,
+    window_first_page: int = 0  # holding the prompt's pages from this one on
     accepted: bool = False  # send() took the pages: on_release owes the node a call
     cancel: threading.Event = field(default_factory=threading.Event)
     notify_peer: str = ""  # at release: "" | "abort" | "ack"
@@ -154,16 +159,22 @@ class KVSender:
                  on_requested: Callable[[int], None] | None = None,
                  control_key: bytes | None = None,
                  on_pages: PendingPagesSink | None = None, kv_geometry: str = "",
-                 state_geometry: RecurrentStateGeometry | None = None) -> None:
+                 state_geometry: RecurrentStateGeometry | None = None,
+                 layer_kinds: tuple[str, ...] = ()) -> None:
         """`control_key`: derive_key(cluster secret, "zmq-control") authenticates every
         control message (docs/security.md); None: unauthenticated (no secret). `on_pages`
         gets registered decode peers' `pages_pending` / `pages_settled` (None: ignored).
         `kv_geometry`: the pool's `KVGeometry.layout_key`; a decode that registers another
         is refused (one that sends none, an older peer, is checked by its byte counts).
         `state_geometry`: a hybrid model's recurrent state, which `send(..., state=)` then
-        carries (one registered staging slot per transfer worker); None: no state."""
+        carries (one registered staging slot per transfer worker); None: no state.
+        `layer_kinds`: the kind of each row of the pool (`KVGeometry.layer_kinds` of a
+        model without linear layers); with full and sliding ones, a decode with window pages
+        (its own sliding pool, Register v9) gets the full layers of every page and the
+        sliding layers of each room's window tail only (docs/design.md §4.14)."""
         self.config = config
         self.kv_geometry = kv_geometry
+        self.layer_kinds = tuple(layer_kinds)
         self.state_geometry = state_geometry
         self._staging: StateArea | None = None  # start(): worker i stages its room's state
         self._on_pages = on_pages
@@ -188,7 +199,9 @@ class KVSender:
                          "pages_sent": 0, "pages_decode_had": 0,  # decode's prefix cache
                          # recurrent states (`bytes_sent` counts KV bytes only), and rooms
                          # refused because the two sides disagreed on the state
-                         "state_bytes_sent": 0, "states_sent": 0, "state_mismatches": 0}
+                         "state_bytes_sent": 0, "states_sent": 0, "state_mismatches": 0,
+                         # window pages: the sliding pages of window tails sent
+                         "window_pages_sent": 0}
         self._counters_lock = threading.Lock()  # workers and the control thread count
         self._jobs: queue.Queue[int | None] = queue.Queue()
         self._workers: list[threading.Thread] = []
@@ -396,8 +409,7 @@ class KVSender:
             if data.first_page >= len(data.src_pages):
                 raise ValueError(f"decode holds pages up to {data.first_page}, the prompt has "
                                  f"{len(data.src_pages)}: the last one always comes new")
-            batch = page_copy_batch(self.layout, peer.layout, data.src_pages[data.first_page:],
-                                    data.dst_pages)
+            batch = self._page_batch(data, peer)
         except ValueError as exc:
             self._fail(room, f"invalid transfer: {exc}", code="invalid")
             return
@@ -422,6 +434,8 @@ class KVSender:
         self._count("state_bytes_sent", state_bytes)
         self._count("states_sent", int(state_batch is not None))
         self._count("pages_sent", len(data.dst_pages))
+        if data.dst_window_pages is not None:
+            self._count("window_pages_sent", len(data.dst_window_pages))
         self._count("pages_decode_had", data.first_page)
         self._count("transfers")
         data.nbytes = batch.nbytes
@@ -437,6 +451,25 @@ class KVSender:
             return
         self._send(peer.identity, done)
         self.rooms.finish(room, RoomState.SUCCESS, busy=False)
+
+    def _page_batch(self, data: _SendRoom, peer: _Peer) -> WriteBatch:
+        """The room's page writes: every layer of each page sent, or for a decode with
+        window pages the full layers of each page and the sliding layers of its window tail
+        (which must end at the prompt's last page). ValueError for pages that do not fit."""
+        src = data.src_pages[data.first_page:]
+        if peer.window_layout is None:
+            return page_copy_batch(self.layout, peer.layout, src, data.dst_pages)
+        window = data.dst_window_pages
+        if window is None or not len(window):
+            raise ValueError("decode keeps window pages and sent no window tail")
+        start = data.window_first_page - data.first_page
+        if start < 0 or data.window_first_page + len(window) != len(data.src_pages):
+            raise ValueError(f"window tail of {len(window)} pages from page "
+                             f"{data.window_first_page} does not end the prompt's "
+                             f"{len(data.src_pages)} pages after decode's {data.first_page}")
+        return window_tail_copy_batch(self.layout, peer.layout, peer.window_layout,
+                                      self.layer_kinds, src, data.dst_pages,
+                                      range(start, start + len(window)), window)
 
     def _state_mismatch(self, data: _SendRoom) -> str:
         """Why the room's two halves disagree on its recurrent state ('' when they agree):
@@ -565,17 +598,24 @@ class KVSender:
         if not error:
             layout = KVLayout(msg.base_addr, msg.num_layers, msg.num_pages, msg.page_bytes,
                               msg.num_slabs)
+            window = (KVLayout(msg.window_base, msg.window_num_layers, msg.window_num_pages,
+                               msg.page_bytes, msg.num_slabs) if msg.window_base else None)
             with self._peers_lock:
                 self._peers[identity] = _Peer(identity, msg.decode_id, layout, engine_peer,
                                               state_base=msg.state_base,
-                                              state_area_bytes=msg.state_area_bytes)
+                                              state_area_bytes=msg.state_area_bytes,
+                                              window_layout=window)
         self._send(identity, RegisterAck(self.prefill_id, error, self.boot_id))
 
     def _check_register(self, msg: Register) -> str:
         if msg.engine != self.config.engine:
             return f"engine mismatch: decode uses {msg.engine!r}, prefill {self.config.engine!r}"
         ours = (self.layout.num_layers, self.layout.num_slabs, self.layout.page_bytes)
-        if (msg.num_layers, msg.num_slabs, msg.page_bytes) != ours:
+        if msg.window_base:
+            window_error = self._check_window_register(msg)
+            if window_error:
+                return window_error
+        if (msg.num_layers + msg.window_num_layers, msg.num_slabs, msg.page_bytes) != ours:
             return (f"KV layout mismatch: decode {msg.num_layers} layers × {msg.num_slabs} "
                     f"slabs × {msg.page_bytes} B, prefill {ours[0]} × {ours[1]} × {ours[2]} B")
         if msg.kv_geometry and self.kv_geometry and msg.kv_geometry != self.kv_geometry:
@@ -583,6 +623,19 @@ class KVSender:
                     f"prefill {self.kv_geometry!r}")
         if msg.num_pages < 1 or msg.base_addr == 0:
             return "decode pool is empty"
+        return ""
+
+    def _check_window_register(self, msg: Register) -> str:
+        """Why a decode with a window pool cannot be served ('' when it can): its pools
+        must split this pool's rows into the full and the sliding layers."""
+        kinds = self.layer_kinds
+        full, sliding = kinds.count("full"), kinds.count("sliding")
+        if not full or not sliding or full + sliding != len(kinds):
+            return ("decode keeps window pages, this prefill's layers are not full and "
+                    f"sliding ones ({''.join(k[0].upper() for k in kinds) or 'unknown'})")
+        if (msg.num_layers, msg.window_num_layers) != (full, sliding):
+            return (f"window pages mismatch: decode {msg.num_layers} full + "
+                    f"{msg.window_num_layers} sliding layers, prefill {full} + {sliding}")
         return ""
 
     def _on_room_request(self, identity: bytes, msg: RoomRequest) -> None:
@@ -593,6 +646,12 @@ class KVSender:
         dst = msg.page_ids()
         if dst.max() >= peer.layout.num_pages:
             self._send(identity, Abort(msg.room, "destination page out of range", "invalid"))
+            return
+        window = peer.window_layout
+        if msg.window_pages and (window is None
+                                 or msg.window_page_ids().max() >= window.num_pages):
+            self._send(identity, Abort(msg.room, "window pages outside decode's registered "
+                                                 "window pool", "invalid"))
             return
         if msg.state_bytes and msg.state_offset + msg.state_bytes > peer.state_area_bytes:
             self._send(identity, Abort(msg.room, "destination state buffer outside decode's "
@@ -611,6 +670,7 @@ class KVSender:
             data = _SendRoom(peer=identity, dst_pages=dst, num_tokens=msg.num_tokens,
                              first_page=msg.first_page)
             _set_state_destination(data, msg)
+            _set_window_destination(data, msg)
             try:
                 self.rooms.create(msg.room, RoomState.WAITING_FOR_INPUT,
                                   self.config.room_timeout_s, data)
@@ -626,6 +686,7 @@ class KVSender:
             r.data.peer, r.data.dst_pages, r.data.num_tokens = identity, dst, msg.num_tokens
             r.data.first_page = msg.first_page
             _set_state_destination(r.data, msg)
+            _set_window_destination(r.data, msg)
             ready.append(r.data.accepted)
 
         try:
@@ -733,6 +794,13 @@ class _Cancelled(Exception):
 def _set_state_destination(data: _SendRoom, msg: RoomRequest) -> None:
     data.dst_state_offset, data.dst_state_bytes = msg.state_offset, msg.state_bytes
     data.dst_state_geometry = msg.state_geometry
+
+
+def _set_window_destination(data: _SendRoom, msg: RoomRequest) -> None:
+    """The window tail's sliding pages decode asked for (window pages; none: every layer)."""
+    if msg.window_pages:
+        data.dst_window_pages = msg.window_page_ids()
+        data.window_first_page = msg.window_first_page
 
 
 def _tick_s(config: TransferConfig) -> float:

@@ -2,7 +2,8 @@
 (`pdcache launch`, router, prefill, decode) with every process fault this machine supports,
 asserting every invariant from the JSON it writes. The hf3fs soak kills prefill, decode and
 the metadata service and freezes a node; the Mooncake Store soak kills `mooncake_master`
-(the two services never run in one topology)."""
+(the two services never run in one topology). The hybrid soak runs the hf3fs topology with
+the tiny Qwen3-Next preset: corrupt state objects, slow state writes, a killed decode."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ def _hf3fs(tmp_path: Path) -> tuple[str, list[str]]:
         f'storage.metadata_service.state_dir="{tmp_path / "meta"}"',
         'storage.capacity="256MiB"',
     ]
+
+
+def _hf3fs_hybrid(tmp_path: Path) -> tuple[str, list[str]]:
+    """The hf3fs soak's topology serving a hybrid model (Qwen3-Next: recurrent-state
+    checkpoints as stored objects in their own slot pool)."""
+    config, overrides = _hf3fs(tmp_path)
+    return config, [*overrides, "model.preset=tiny-qwen3-next", "storage.state_capacity=512"]
 
 
 def _mooncake(tmp_path: Path) -> tuple[str, list[str]]:
@@ -94,6 +102,10 @@ SOAKS = {
                        "storage-full", "storage-corrupt", "storage-slow", "net-partition"],
               46, 20, 3.0),
     "mooncake": (_mooncake, ["kill-mooncake-master"], 14, 7, 4.0),
+    # a hybrid model: corrupt state objects are refused, slow state writes are waited for by
+    # the next turn, a killed decode's announced states are forgotten; no state slot leaks
+    "hf3fs-hybrid": (_hf3fs_hybrid, ["storage-corrupt", "storage-slow", "kill-decode"],
+                     24, 10, 3.0),
     # 2 prefill + 1 decode on hf3fs whose metadata runs on 2 replicas over 3 etcd members:
     # the leader of each is killed and frozen (a frozen one past its lease / election)
     "hf3fs-ha": (_hf3fs_ha, ["kill-store-leader", "freeze-store-leader", "kill-metadata-leader",
@@ -156,6 +168,7 @@ def test_seeded_soak_keeps_every_invariant(tmp_path: Path, name: str) -> None:
     nodes = {"p0", "p1", "d0"} if name == "hf3fs-ha" else {"p0", "d0"}
     assert set(v["leaked_pages"]) == nodes == set(v["leaked_rooms"])
     assert all(n == 0 for n in (*v["leaked_pages"].values(), *v["leaked_rooms"].values()))
+    assert set(v["leaked_states"]) == nodes and not any(v["leaked_states"].values())
     unavailable = v["faults_unavailable"]
     assert set(v["faults"]) | set(unavailable) == set(kinds), (v["faults"], unavailable)
     assert NEED_NO_PRIVILEGE & set(kinds) <= set(v["faults"]), unavailable
@@ -164,3 +177,6 @@ def test_seeded_soak_keeps_every_invariant(tmp_path: Path, name: str) -> None:
         assert row["unrecovered"] == 0 and row["errors"] == 0, (kind, row)
         assert 0 < row["max_error_window_s"] < duration, (kind, row)
     assert "--seed 3" in v["replay"] and "--faults " + ",".join(kinds) in v["replay"]
+    if name == "hf3fs-hybrid":  # the corruption hit state objects, not only pages
+        corrupt = next(r["detail"] for r in v["fault_records"] if r["kind"] == "storage-corrupt")
+        assert "(0 of them states)" not in corrupt, corrupt

@@ -263,6 +263,45 @@ def test_storage_corrupt_pages_are_rejected_counted_and_replaced(
         backend.close()
 
 
+@pytest.mark.parametrize("backend_name", ["file", "hf3fs"])
+def test_storage_corrupt_hits_state_objects_too(tmp_path: Path, backend_name: str) -> None:
+    """Recurrent-state checkpoints (hybrid models) are stored objects of their own (`.state`
+    files, the hf3fs state pool): among many pages and few states, half the picks are states,
+    which readers then refuse (counted) and the next genuine write replaces."""
+    from pdcache.engine.state_geometry import LinearAttentionConfig, RecurrentStateGeometry
+
+    linear = LinearAttentionConfig(conv_kernel=4, key_head_dim=8, value_head_dim=8,
+                                   num_key_heads=2, num_value_heads=4)
+    geometry = RecurrentStateGeometry((0, 2), linear, "float32")
+    fault = StorageCorrupt()
+    ctx = prepared(fault, make_ctx(tmp_path, backend_name, seed=11))
+    backend = open_backend(ctx, backend_name, state_geometry=geometry.key(),
+                           state_bytes=geometry.state_bytes(), state_capacity=8)
+    nbytes = geometry.state_bytes()
+    try:
+        page_keys, state_keys = keys(40, 9), keys(2, 10)
+        assert backend.put_from(page_keys, list(pages(40, seed=9))) == [True] * 40
+        states = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                                generator=torch.Generator().manual_seed(i)) for i in range(2)]
+        for key, state in zip(state_keys, states):
+            assert backend.put_state(key, state, tokens=16)
+        detail = fault.inject(ctx).detail
+        assert "of 40 stored pages and 2 stored states (2 of them states)" in detail, detail
+        out = torch.zeros(nbytes, dtype=torch.uint8)
+        assert [backend.get_state_into(key, out) for key in state_keys] == [None, None]
+        stats = backend.stats()
+        rejected = sum(v for k, v in stats.items() if k.startswith("rejected_")
+                       and k.endswith("_states"))
+        assert rejected == 2 and stats["state_misses"] == 2, stats
+        for key, state in zip(state_keys, states):  # a genuine write replaces them
+            assert backend.put_state(key, state, tokens=16)
+        assert backend.stats()["replaced_rejected_states"] == 2
+        for key, state in zip(state_keys, states):
+            assert backend.get_state_into(key, out) is not None and torch.equal(out, state)
+    finally:
+        backend.close()
+
+
 def test_storage_corrupt_without_pages_injects_nothing(tmp_path: Path) -> None:
     fault = StorageCorrupt()
     ctx = prepared(fault, make_ctx(tmp_path, "file"))

@@ -298,6 +298,24 @@ def test_node_accounting_counts_what_an_idle_node_still_holds() -> None:
     assert node_accounting(_health(40, 40, 0, 0), METRICS % (0, 0))["leaked_pages"] == 0
     leaked = node_accounting(_health(40, 33, 1, 2), METRICS % (4, 2))
     assert (leaked["leaked_pages"], leaked["leaked_rooms"]) == (7 + 4 + 2, 1 + 2)
+    assert leaked["leaked_states"] == 0  # not a hybrid model: no state slots at all
+
+
+HYBRID_METRICS = METRICS + """# TYPE pdcache_state_host_slots gauge
+pdcache_state_host_slots{server="p0",state="used"} 6.0
+pdcache_state_host_slots{server="p0",state="pinned"} %d
+"""
+
+
+def test_node_accounting_counts_state_slots_of_hybrid_models() -> None:
+    """Device state slots that are neither free nor a tree checkpoint, and host state slots
+    still pinned by a write, are leaks once idle; tree checkpoints and used host slots are
+    the cache."""
+    health = _health(40, 40, 0, 0)
+    health["engine"].update(state_slots_total=16, state_slots_free=10, state_checkpoints=6)
+    assert node_accounting(health, HYBRID_METRICS % (0, 0, 0))["leaked_states"] == 0
+    health["engine"]["state_slots_free"] = 8  # two slots held by nothing idle
+    assert node_accounting(health, HYBRID_METRICS % (0, 0, 1))["leaked_states"] == 2 + 1
 
 
 def _ok(t: float, prefill: str = "p0", decode: str = "d0") -> AttemptRecord:
@@ -361,7 +379,7 @@ def test_an_unchecked_answer_breaks_the_verdict() -> None:
     assert any("unchecked" in b for b in broken_invariants(_verdict(oracle={"checked": 1})))
 
 
-@pytest.mark.parametrize("leak", ["leaked_pages", "leaked_rooms"])
+@pytest.mark.parametrize("leak", ["leaked_pages", "leaked_rooms", "leaked_states"])
 def test_a_leak_on_any_node_breaks_the_verdict(leak: str) -> None:
     accounting = {**CLEAN_ACCOUNTING, "d0": {"leaked_pages": 0, "leaked_rooms": 0, leak: 3}}
     assert any(

@@ -333,3 +333,23 @@ def test_topology_keys_reach_the_tiers(hybrid, tmp_path) -> None:
     assert storage.num_layers == model.kv_geometry.num_kv_layers < model.num_hidden_layers
     cache = field_values(CacheSpec(state_checkpoint_slots=5), DeviceCacheSettings)
     assert cache["state_checkpoint_slots"] == 5
+
+
+def test_hf3fs_state_pool_is_sized_when_unset() -> None:
+    """hf3fs keeps states in a slot pool of its own: a hybrid topology that names no
+    `state_capacity` gets a quarter of the page capacity's bytes (a model without state gets
+    none, and an explicit size wins)."""
+    from pdcache.engine.presets import preset_config
+    from pdcache.offload_manager.builder import storage_config_for
+
+    hybrid = preset_config("tiny-qwen3-next")
+    state_bytes = hybrid.state_geometry.state_bytes()
+    capacity = 64 * state_bytes
+    auto = storage_config_for(hybrid, 16, "fp", backend="hf3fs", capacity_bytes=capacity)
+    assert auto.state_capacity == capacity // 4 // state_bytes == 16
+    given = storage_config_for(hybrid, 16, "fp", backend="hf3fs", capacity_bytes=capacity,
+                               state_capacity=3)
+    assert given.state_capacity == 3
+    dense = storage_config_for(preset_config("tiny"), 16, "fp", backend="hf3fs",
+                               capacity_bytes=capacity)
+    assert dense.state_capacity == 0

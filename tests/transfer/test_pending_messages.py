@@ -37,7 +37,7 @@ def _reject_kind(body: dict) -> str:
 
 
 def test_version_4_round_trips_and_keeps_2_and_3() -> None:
-    assert PROTOCOL_VERSION == 8 and ACCEPTED_VERSIONS == (2, 3, 4, 5, 6, 7, 8)
+    assert PROTOCOL_VERSION == 9 and ACCEPTED_VERSIONS == (2, 3, 4, 5, 6, 7, 8, 9)
     pending = decode(encode(PagesPending(pack_keys(KEYS), 2500)), LIMIT)
     assert pending.key_list() == KEYS and pending.ttl_ms == 2500
     settled = decode(encode(PagesSettled(pack_keys(KEYS), bytes([1, 0, 1, 1, 0]))), LIMIT)

@@ -143,7 +143,8 @@ class StorageSettings:
     fault_injection: str = ""
     # hybrid models (recurrent-state checkpoints as stored objects, docs/design.md §4.14):
     # state objects kept (LRU among states, apart from the page capacity); 0: unbounded for
-    # file and mooncake; hf3fs keeps states in a slot pool of their own and needs a size
+    # file and mooncake; hf3fs keeps states in a slot pool of their own: 0 sizes it to a
+    # quarter of the page capacity's bytes (on top of it)
     state_capacity: int = 0
 
 
