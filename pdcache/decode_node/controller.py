@@ -310,10 +310,11 @@ class DecodeController:
             slot = entry.state_slot
         if slot is None or self._states is None:
             return None
-        view = self._states.snapshot(slot)
-        state = StateSnapshot(view.geometry, view.data.clone())  # the slot is reused at once
-        self._free_state_slot(entry)
-        return state
+        try:
+            view = self._states.snapshot(slot)
+            return StateSnapshot(view.geometry, view.data.clone())  # the slot is reused at once
+        finally:  # copied or not, the slot goes back exactly once
+            self._free_state_slot(entry)
 
     @staticmethod
     def _admitted(on_admitted: Callable[[Admitted], None], result: Admitted) -> None:

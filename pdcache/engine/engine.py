@@ -838,49 +838,18 @@ class Engine:
         assert allocator.num_free + allocator.num_used == allocator.capacity, numbers
         assert tree_pages + request_pages == allocator.num_used, numbers
         if self.states is not None:
-            numbers.update(self._check_states())
+            running = scheduler.running
+            pending = [r.pending_checkpoint for r in holders if r.pending_checkpoint is not None]
+            numbers.update(self.states.check_accounting(
+                [r.state_slot for r in running], pending,
+                self.tree.num_checkpoints if self.tree is not None else 0))
         if self.window is not None:
-            numbers.update(self._check_window(holders))
-        return numbers
-
-    def _check_window(self, holders: list[Req]) -> dict[str, int]:
-        """Window pages: the sliding layers' pages are free, the tree's, or a running
-        request's own, each exactly once (§5.1)."""
-        assert self.window is not None
-        allocator = self.window.allocator
-        allocator.check()
-        owned = [page for req in holders for page in req.own_window_page_ids]
-        if self.scheduler.reservations is not None:  # window tails awaiting their transfer
-            owned += [page for pages in self.scheduler.reservations.reserved_window.values()
-                      for page in pages]
-        tree_pages = self.tree.window_pages if self.tree is not None else 0
-        numbers = {"window_capacity": allocator.capacity, "window_free": allocator.num_free,
-                   "window_tree": tree_pages, "window_requests": len(owned)}
-        assert len(set(owned)) == len(owned), numbers
-        assert all(allocator.is_used(page) for page in owned), numbers
-        assert tree_pages + len(owned) == allocator.num_used, numbers
-        return numbers
-
-    def _check_states(self) -> dict[str, int]:
-        """Recurrent-state slots: each running request holds one, a pending decode
-        checkpoint (of a running or held request) or a tree node holds each other used one
-        (§5.1)."""
-        assert self.states is not None
-        pool = self.states.pool
-        pool.check()
-        running = self.scheduler.running
-        slots = [r.state_slot for r in running]
-        pending = [r.pending_checkpoint for r in [*running, *self.scheduler.held.values()]
-                   if r.pending_checkpoint is not None]
-        assert None not in slots, "a running hybrid request without a state slot"
-        tree_slots = self.tree.num_checkpoints if self.tree is not None else 0
-        numbers = {"state_capacity": pool.capacity, "state_free": pool.num_free,
-                   "state_requests": len(slots), "state_pending": len(pending),
-                   "state_tree": tree_slots}
-        held = [*slots, *pending]
-        assert len(set(held)) == len(held) and all(pool.is_used(s) for s in held), numbers
-        assert self.states.num_checkpoints == len(pending) + tree_slots, numbers
-        assert pool.num_free + len(held) + tree_slots == pool.capacity, numbers
+            owned = [page for req in holders for page in req.own_window_page_ids]
+            if scheduler.reservations is not None:  # window tails awaiting their transfer
+                owned += [page for pages in scheduler.reservations.reserved_window.values()
+                          for page in pages]
+            numbers.update(self.window.check_accounting(
+                owned, self.tree.window_pages if self.tree is not None else 0))
         return numbers
 
     def _update_snapshot(self) -> None:
@@ -927,25 +896,10 @@ class Engine:
             snapshot["state_checkpoints_dropped_total"] = (
                 tree.num_dropped_checkpoints if tree else 0)
         if self.window is not None:
-            snapshot.update(self._window_stats())
+            snapshot.update(self.window.stats(self.tree))
         with self._lock:
             self._snapshot = snapshot
             self._num_waiting = snapshot["num_waiting"]
-
-    def _window_stats(self) -> dict[str, int]:
-        """Window pages: the sliding layers' page space and the hits the window cut."""
-        assert self.window is not None
-        allocator, tree = self.window.allocator, self.tree
-        return {
-            "window_pages_total": allocator.capacity,
-            "window_pages_free": allocator.num_free,
-            "window_pages_cached": tree.window_pages if tree else 0,
-            "window_pages_freed_total": self.window.freed_by_window,
-            "prefix_hits_limited_by_window_total":
-                tree.limited_matches.get("window", 0) if tree else 0,
-            "tokens_limited_by_window_total":
-                tree.limited_tokens.get("window", 0) if tree else 0,
-        }
 
 
 def _device_tree(pool: DeviceKVPool, cache: CacheConfig, states: StateSlots | None,

@@ -769,13 +769,30 @@ class Scheduler:
     def _renew_pending_checkpoint(self, req: Req) -> None:
         assert self.states is not None and req.state_slot is not None
         if req.pending_checkpoint is None:
-            req.pending_checkpoint = self._checkpoint_slot()
+            req.pending_checkpoint = self._pending_checkpoint_slot()
             if req.pending_checkpoint is None:
                 return
         else:
             self.states.counters.checkpoints_taken += 1  # the previous copy is overwritten
         self.states.pool.copy_slot(req.state_slot, req.pending_checkpoint)
         req.pending_checkpoint_len = req.kv_len
+
+    def _pending_checkpoint_slot(self) -> int | None:
+        """A slot for a decoding request's pending answer-end checkpoint: at most half the
+        checkpoint share goes to pending ones, and none is taken from the tree (with many
+        requests decoding, pending copies would otherwise push out every prompt and branch
+        checkpoint the next requests hit); None (counted) when that half is used up."""
+        assert self.states is not None
+        holders = [*self.running, *self.held.values()]
+        pending = sum(r.pending_checkpoint is not None for r in holders)
+        slot = None
+        if pending < max(1, self.states.checkpoint_slots // 2):
+            slot = self.states.alloc_checkpoint()
+        if slot is None:
+            self.states.counters.checkpoints_skipped += 1
+        else:
+            self.states.counters.checkpoints_taken += 1
+        return slot
 
     def _checkpoint_slot(self) -> int | None:
         """A checkpoint slot, dropping the least recently used checkpoint when the share is

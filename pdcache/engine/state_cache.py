@@ -124,3 +124,21 @@ class StateSlots:
             "state_checkpoints_restored_total": counters.checkpoints_restored,
             "state_checkpoint_bytes_total": counters.checkpoints_taken * self.state_bytes,
         }
+
+    def check_accounting(self, request_slots: list[int | None], pending: list[int],
+                         tree_checkpoints: int) -> dict[str, int]:
+        """Each running request holds one slot (`request_slots`), a pending decode
+        checkpoint (of a running or held request: `pending`) or a tree node
+        (`tree_checkpoints` of them) each other used one (docs/design.md §5.1). Engine
+        thread. The numbers checked, for `Engine.check_accounting`."""
+        pool = self.pool
+        pool.check()
+        assert None not in request_slots, "a running hybrid request without a state slot"
+        numbers = {"state_capacity": pool.capacity, "state_free": pool.num_free,
+                   "state_requests": len(request_slots), "state_pending": len(pending),
+                   "state_tree": tree_checkpoints}
+        held = [*request_slots, *pending]
+        assert len(set(held)) == len(held) and all(pool.is_used(s) for s in held), numbers
+        assert self.num_checkpoints == len(pending) + tree_checkpoints, numbers
+        assert pool.num_free + len(held) + tree_checkpoints == pool.capacity, numbers
+        return numbers

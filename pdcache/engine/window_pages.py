@@ -27,10 +27,15 @@ Ownership: a used sliding page has exactly one owner, as a full page does: a run
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from pdcache.engine.kv_geometry import KVGeometry
 from pdcache.engine.kv_pool import DeviceKVPool, PageAllocator
+
+if TYPE_CHECKING:
+    from pdcache.engine.radix import RadixTree
 
 # A page-table entry for a sliding page that is gone: the kernels mask every position out of
 # the window before its value counts, and any page of the pool holds finite numbers.
@@ -115,3 +120,30 @@ class WindowPages:
                 break
             drop.append(index)
         return drop
+
+    def check_accounting(self, owned: list[int], tree_pages: int) -> dict[str, int]:
+        """Every sliding page is free, the tree's (`tree_pages` of them) or a request's own
+        (`owned`: running and held requests', reserved window tails), each exactly once
+        (docs/design.md §5.1). Engine thread. The numbers checked."""
+        allocator = self.allocator
+        allocator.check()
+        numbers = {"window_capacity": allocator.capacity, "window_free": allocator.num_free,
+                   "window_tree": tree_pages, "window_requests": len(owned)}
+        assert len(set(owned)) == len(owned), numbers
+        assert all(allocator.is_used(page) for page in owned), numbers
+        assert tree_pages + len(owned) == allocator.num_used, numbers
+        return numbers
+
+    def stats(self, tree: RadixTree | None) -> dict[str, int]:
+        """The sliding layers' page space and the hits the window cut (`Engine.stats`)."""
+        allocator = self.allocator
+        return {
+            "window_pages_total": allocator.capacity,
+            "window_pages_free": allocator.num_free,
+            "window_pages_cached": tree.window_pages if tree else 0,
+            "window_pages_freed_total": self.freed_by_window,
+            "prefix_hits_limited_by_window_total":
+                tree.limited_matches.get("window", 0) if tree else 0,
+            "tokens_limited_by_window_total":
+                tree.limited_tokens.get("window", 0) if tree else 0,
+        }

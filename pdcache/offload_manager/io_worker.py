@@ -68,6 +68,7 @@ class IoStats:
     pages_failed: int = 0
     states_read: int = 0
     states_written: int = 0
+    state_read_errors: int = 0  # a candidate state whose read raised (the next was tried)
     callback_errors: int = 0
 
 
@@ -176,7 +177,13 @@ class IoWorker:
                 ok[i] = self.backend.put_state(key, slot, tokens, task.origin, task.namespace,
                                                task.session)
                 continue
-            origin = self.backend.get_state_into(key, slot, tokens)
+            try:
+                origin = self.backend.get_state_into(key, slot, tokens)
+            except Exception as exc:  # a fault on one candidate: the next may still serve
+                log.warning("io worker %s: reading state %s failed: %s", self.name,
+                            key.hex()[:16], exc)
+                self._count(state_read_errors=1)
+                continue
             if origin is not None:
                 ok[i], origins[i] = True, origin
                 break

@@ -61,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "unified topology ([LABEL=]PATH[+KEY=VALUE...]) on a trivial trace")
     parser.add_argument("--serving-pd", default=None, metavar="CONFIG",
                         help="... and this PD topology, for [serving] handoff_s")
+    parser.add_argument("--node-threads", type=int, default=1, metavar="N",
+                        help="torch threads each launched node uses (the OMP_NUM_THREADS it "
+                             "runs with; scripts/test.sh and the demo use 1): how many nodes "
+                             "compute at once on this host's cores")
     parser.add_argument("--serving-set", action="append", default=[], metavar="KEY=VALUE",
                         help="override for the serving topologies (e.g. model.preset=tiny)")
     parser.add_argument("--serving-out", default=None,

@@ -94,7 +94,7 @@ def _simulated(args: argparse.Namespace, config_arg: str, profile: Profile
     from pdcache.sim.simulation import SimOptions, Simulation, local_host_slots
 
     run = parse_config_arg(config_arg, args.serving_set)
-    options = SimOptions(shared_host_slots=local_host_slots())
+    options = SimOptions(shared_host_slots=local_host_slots(args.node_threads))
     sim = Simulation(load_topology(run.path, list(run.overrides)), profile,
                      serving_replay(args.page_size), options)
     sim.run()

@@ -26,6 +26,7 @@ steps.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import deque
@@ -59,16 +60,12 @@ from pdcache.sim.store import SimStore
 ROLE_KEYS = ("prefill", "decode", "unified")  # `--set sim.ROLE=N`
 
 
-def local_host_slots() -> int:
+def local_host_slots(node_threads: int) -> int:
     """How many nodes launched here compute at once at full speed: this host's cores over
-    the threads each node's torch uses (`OMP_NUM_THREADS`, which launched nodes inherit;
-    unset: all cores, so one at a time)."""
-    import os
-
+    the torch threads each node uses (`node_threads`: the `OMP_NUM_THREADS` the caller
+    launches its nodes with, given explicitly: `--node-threads`)."""
     cores = os.cpu_count() or 1
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    per_node = int(threads) if threads.isdigit() and int(threads) > 0 else cores
-    return max(1, cores // per_node)
+    return max(1, cores // max(1, node_threads))
 
 
 @dataclass(frozen=True)

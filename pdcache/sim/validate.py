@@ -12,7 +12,7 @@ per config with every error, never only the best:
   an SLO, every successful request counts).
 
 The real runs are local: every node of the topology on this host, sharing its cores; the
-simulator models that (`SimOptions.shared_host_slots` = `local_host_slots()`). A synthetic
+simulator models that (`SimOptions.shared_host_slots` = `local_host_slots(args.node_threads)`). A synthetic
 trace without its own `seed=` is drawn with `--seed` for both runs. Writes
 `DIR/validate.json` (both summaries per config) and each side's outputs under `DIR/LABEL/`
 (the replay's) and `DIR/LABEL/sim/`.
@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_compare_arguments(parser)
     parser.add_argument("--profile", required=True, help="the cost profile TOML")
+    parser.add_argument("--node-threads", type=int, default=1, metavar="N",
+                        help="torch threads each launched node uses (the OMP_NUM_THREADS it "
+                             "runs with; scripts/test.sh and the demo use 1): how many nodes "
+                             "compute at once on this host's cores")
     parser.add_argument("--ttft-slo", type=float, default=None, metavar="S",
                         help="goodput counts requests with a TTFT of at most S seconds")
 
@@ -95,7 +99,7 @@ def simulate(args: argparse.Namespace, path: Path, overrides: tuple[str, ...],
     topology = scale_roles(load_topology(path, topo_overrides), counts)
     sim = Simulation(topology, load_profile(args.profile), ReplayConfig.from_args(args),
                      SimOptions(ttft_slo_s=args.ttft_slo, progress=False,
-                                shared_host_slots=local_host_slots()))
+                                shared_host_slots=local_host_slots(args.node_threads)))
     sim.run()
     summary = report.summarize(sim)
     report.write(out, sim, summary)

@@ -28,8 +28,10 @@ class StateSlotError(RuntimeError):
 class StateArea:
     """Owns the host tensor of `num_slots` state slots and their accounting. A slot is free or
     held by one owner from `alloc` to `free` (exactly once); `alloc` / `free` / `is_held` are
-    locked (the decode node allocates on its request path and frees from `on_release`, on the
-    receiver's control thread); contents are written by whoever holds the slot."""
+    locked: the decode node allocates on the engine thread (when a room's pages are reserved)
+    and frees from whichever thread ends the slot's use — the event loop once the state is
+    copied into the engine (`start_decode`), the receiver's control thread (`on_release` of
+    a failed room), a leave or close; contents are written by whoever holds the slot."""
 
     def __init__(self, geometry: RecurrentStateGeometry, num_slots: int) -> None:
         if num_slots < 1:

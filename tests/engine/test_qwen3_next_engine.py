@@ -257,6 +257,24 @@ def test_checkpoint_slots_count_in_capacity(model) -> None:
     assert_idle(engine)
 
 
+def test_decoding_requests_never_push_out_the_prompt_checkpoints(model) -> None:
+    """Four requests decode long answers at once with four checkpoint slots: their pending
+    answer-end copies take at most half the share and no tree checkpoint, so the shared
+    prompt's checkpoint still serves the next request (before that cap, the pending copies
+    dropped every tree checkpoint and the hit fell to nothing)."""
+    engine = make_engine(model, running=4, checkpoints=4)
+    outputs: dict[str, list[RequestOutput]] = {}
+    shared = PROMPT[:16]
+    for i in range(4):
+        submit(engine, f"r{i}", shared + [(7 * i + 3) % VOCAB, 11], 20, outputs)
+    while engine.step():
+        numbers = engine.check_accounting()
+        assert numbers["state_pending"] <= 2, numbers
+    _, _, last = generate(engine, shared + [5, 6, 7], 2, "next")
+    assert last.cached.device == 16, last.cached
+    assert_idle(engine)
+
+
 def test_evicting_pages_frees_their_checkpoints(checkpoint, model) -> None:
     engine = make_engine(model, pages=24)
     for i in range(4):

@@ -37,6 +37,7 @@ import torch
 
 from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.config import StorageConfig
+from pdcache.offload_manager.storage.hf3fs import io_full
 from pdcache.offload_manager.storage.layer_reads import (
     LayerStream,
     count_verdicts,
@@ -322,7 +323,9 @@ class FileBackend(StorageBackend):
         try:
             fd = os.open(self.state_path(key), os.O_RDONLY)
             try:
-                nbytes = os.preadv(fd, [header, payload], 0)
+                # a state is tens of MiB: one preadv may return short; a short object is
+                # refused as truncated (and its key rejected), so read until done or EOF
+                nbytes = io_full(os.preadv, fd, [header, payload], 0)
             finally:
                 os.close(fd)
         except FileNotFoundError:

@@ -30,7 +30,6 @@ from pdcache.offload_manager.storage.config import StorageConfig
 from pdcache.offload_manager.storage.hf3fs import io_full
 from pdcache.offload_manager.storage.metadata import (
     BUSY,
-    FULL,
     NEW,
     PRESENT,
     InProcMetadata,
@@ -145,7 +144,7 @@ class Hf3fsStateSlots:
         if status in (PRESENT, BUSY):
             self.counters.add("states_skipped")
             return True
-        if status == FULL or status != NEW:
+        if status != NEW:  # FULL (an unknown status is refused alike)
             self.counters.add("state_full_rejects")
             return False
         try:  # sealed once the slot is ours: a skipped state costs no pass over its bytes

@@ -457,13 +457,14 @@ def test_the_fault_injection_wrapper_delays_and_forwards_state_calls(tmp_path: P
     inner = create_backend(StorageConfig(
         backend="file", path=str(tmp_path / "store"), page_bytes=PAGE_BYTES,
         fingerprint=FINGERPRINT, state_geometry=GEOMETRY.key(), state_bytes=STATE_BYTES))
-    backend = DelayInjectingBackend(inner, control, write_delay_s=0.001)
+    now = [0.0]  # the wrapper's clock: advanced past its re-read interval below
+    backend = DelayInjectingBackend(inner, control, write_delay_s=0.001, clock=lambda: now[0])
     try:
         assert backend.supports_states and backend.state_spec == inner.state_spec
         assert backend.put_state(KEY, _state(), tokens=4)  # delayed: write_delay_s
         assert backend.stats()["injected_delays"] == 1
         control.write_text("0.001")
-        backend._read_at = -1e9  # the cached delay is stale now
+        now[0] += 3600.0  # the cached delay is stale now: the control file is re-read
         assert backend.get_state(KEY) == _state().numpy().tobytes()
         assert backend.exists_state(KEY)
         backend.delete_states([KEY])
