@@ -105,6 +105,7 @@ from pdcache.transfer.pull_server import (
 )
 from pdcache.transfer.rooms import (
     FAILURE_CODES,
+    IllegalTransition,
     Outcome,
     ReleaseCallback,
     RoomState,
@@ -604,10 +605,12 @@ class KVReceiver:
         return True
 
     def _advance(self, room: int, new: RoomState) -> None:
+        # a room failed here meanwhile (abort, lost peer) is not advanced and not counted:
+        # prefill's Started or RegisterAck crossing decode's Abort is an expected race
         try:
-            self.rooms.advance(room, new)
-        except (KeyError, RuntimeError):
-            pass  # failed or finished meanwhile (races with aborts are expected)
+            self.rooms.advance_unless_ended(room, new)
+        except IllegalTransition:
+            pass  # counted: a live room told to go back (a repeated or hostile message)
 
     def _on_readable(self, peer: _Peer) -> None:
         frames = peer.socket.recv_multipart()

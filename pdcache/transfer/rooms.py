@@ -194,6 +194,18 @@ class RoomTable:
                 room.busy = busy
             return room
 
+    def advance_unless_ended(self, room_id: int, new: RoomState) -> bool:
+        """`advance` for a peer's message that may race a local end (an abort, a lost peer):
+        False, and nothing counted, when the room is gone or already terminal; a transition a
+        live room may not take still raises IllegalTransition (and is counted)."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None or room.state.terminal:
+                return False
+            self._check(room, new)
+            room.state = new
+            return True
+
     def finish(self, room_id: int, new: RoomState, reason: str = "",
                busy: bool | None = None, code: str = "") -> bool:
         """Make the room terminal; False if it already was (or is unknown). Releases if idle."""

@@ -58,6 +58,28 @@ def test_illegal_transitions_are_rejected_and_counted(path: list[RoomState]) -> 
     assert table.counters["illegal_transitions"] == 1
 
 
+def test_a_message_crossing_a_local_abort_is_not_an_illegal_transition() -> None:
+    """Prefill's Started can reach decode after decode aborted the room (still busy until
+    prefill acks): `advance_unless_ended` leaves it failed and counts nothing, where `advance`
+    (the receiver's path before) counted an illegal transition; a live room's bad move is
+    still refused and counted."""
+    table = _table([])
+    for room in (1, 2):
+        table.create(room, S.WAITING_FOR_INPUT, 10.0)
+        table.finish(room, S.FAILED, "client disconnected", busy=True)
+    assert table.advance_unless_ended(1, S.TRANSFERRING) is False
+    assert table.advance_unless_ended(99, S.TRANSFERRING) is False  # already released
+    assert table.state(1) is S.FAILED and table.counters["illegal_transitions"] == 0
+    with pytest.raises(IllegalTransition):
+        table.advance(2, S.TRANSFERRING)
+    assert table.counters["illegal_transitions"] == 1
+    table.create(3, S.WAITING_FOR_INPUT, 10.0)
+    assert table.advance_unless_ended(3, S.TRANSFERRING) is True
+    with pytest.raises(IllegalTransition):
+        table.advance_unless_ended(3, S.WAITING_FOR_INPUT)
+    assert table.counters["illegal_transitions"] == 2
+
+
 def test_failed_room_with_engine_in_flight_waits_for_idle() -> None:
     released: list[Outcome] = []
     table = _table(released)
