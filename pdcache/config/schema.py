@@ -361,6 +361,9 @@ class RouterSettings(ApiSettings):
     prefill_policy: Literal["round_robin", "least_load", "cache_aware"] = "cache_aware"
     # how a decode node is picked
     decode_policy: Literal["round_robin", "least_load"] = "round_robin"
+    # cache_aware: a prefix match wins only while its node has at most this many more requests
+    # in flight than the least loaded one (else least load); 0 = no bound
+    cache_aware_balance: int = 32
     api_key: str | None = None  # one client key for every request (or [[router.tenant]] tables)
     connect_timeout_s: float = 5.0  # connecting to a node
     health_interval_s: float = 2.0  # between health probes of every node

@@ -139,7 +139,8 @@ class Router:
         self.model_config = model
         self.model_name = config.served_model_name or model.name
         self.limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
-        self.selector = PairSelector(config.prefill_policy, config.decode_policy)
+        self.selector = PairSelector(config.prefill_policy, config.decode_policy,
+                                     balance=config.cache_aware_balance)
         self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
         self.chat = ChatContinuation(self.tokenizer)
         self.agent = AgentFeatures(self.tokenizer, model.vocab_size, config.tool_call_parser,

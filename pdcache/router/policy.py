@@ -2,7 +2,10 @@
 
 Prefill policies: `round_robin`, `least_load` (fewest requests in flight), `cache_aware` (the
 node whose recently routed prompts share the longest page prefix with this one; ties and
-misses fall back to least load). Decode policies: `round_robin`, `least_load`.
+misses fall back to least load, and so does a match whose node has more than `balance`
+requests in flight beyond the least loaded one: a prefix every prompt shares, an agent's system
+prompt, would otherwise send all traffic to one node). Decode policies: `round_robin`,
+`least_load`.
 Only healthy nodes are candidates. Called from the router's event loop only (no locking).
 """
 
@@ -74,13 +77,18 @@ class PairSelector:
     """Picks (prefill, decode) among healthy nodes according to the configured policies."""
 
     def __init__(self, prefill_policy: str = "round_robin", decode_policy: str = "round_robin",
-                 index: PrefixIndex | None = None) -> None:
+                 index: PrefixIndex | None = None, balance: int = 0) -> None:
+        """`balance` (cache_aware): the most requests in flight a matching node may have
+        beyond the least loaded node and still win; 0: no bound."""
         if prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"prefill policy must be one of {PREFILL_POLICIES}, got {prefill_policy!r}")
         if decode_policy not in DECODE_POLICIES:
             raise ValueError(f"decode policy must be one of {DECODE_POLICIES}, got {decode_policy!r}")
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
+        if balance < 0:
+            raise ValueError(f"cache_aware balance must be >= 0, got {balance}")
+        self.balance = balance
         self.index = index or PrefixIndex()
         self._turns: dict[str, int] = {}
 
@@ -91,10 +99,14 @@ class PairSelector:
         healthy = _healthy(nodes, role)
         if self.prefill_policy == "cache_aware" and page_keys:
             best = max(healthy, key=lambda n: (self.index.match_len(n.name, page_keys), -n.in_flight))
-            if self.index.match_len(best.name, page_keys) > 0:
+            least = min(healthy, key=lambda n: n.in_flight)
+            if self.index.match_len(best.name, page_keys) > 0 and not self._overloaded(best, least):
                 return best
-            return min(healthy, key=lambda n: n.in_flight)
+            return least
         return self._pick(healthy, role, self.prefill_policy)
+
+    def _overloaded(self, node: NodeState, least: NodeState) -> bool:
+        return self.balance > 0 and node.in_flight - least.in_flight > self.balance
 
     def pick_decode(self, nodes: Sequence[NodeState]) -> NodeState:
         return self._pick(_healthy(nodes, "decode"), "decode", self.decode_policy)

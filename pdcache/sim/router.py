@@ -43,7 +43,8 @@ class SimRouter:
         self.nodes = list(nodes)
         self.pd = any(n.role == "prefill" for n in self.nodes)
         self.roles = ("prefill", "decode") if self.pd else ("unified",)
-        self.selector = PairSelector(settings.prefill_policy, settings.decode_policy)
+        self.selector = PairSelector(settings.prefill_policy, settings.decode_policy,
+                                     balance=settings.cache_aware_balance)
         limit = settings.max_inflight_per_node
         self.admission = Admission(lambda node: limit, settings.max_queue)
         self.queue: deque[SimRequest] = deque()

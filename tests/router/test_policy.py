@@ -51,6 +51,34 @@ def test_cache_aware_prefers_longest_known_prefix() -> None:
     assert sel.pick_prefill(ns, conv_a).name == "p0"
 
 
+@pytest.mark.parametrize("balance", [0, 3])
+def test_cache_aware_spreads_a_prefix_every_prompt_shares(balance: int) -> None:
+    """Every session opens with one system prompt: without a bound (balance 0, the policy
+    before it) each new session matches the node that served the first one and all traffic
+    lands there; with balance 3 a match wins only while its node has at most 3 requests in
+    flight beyond the least loaded one, so the load spreads, and a session's next turn still
+    goes where its prefix is while that node is within the bound."""
+    ns = nodes()
+    sel = PairSelector("cache_aware", "round_robin", balance=balance)
+    salt = make_salt("fp")
+    system = list(range(32))
+    picked = []
+    for session in range(10):  # none finishes: each adds one request in flight
+        keys = chain_page_keys(system + [1000 + session] * 16, 16, salt)
+        node = sel.pick_prefill(ns, keys)
+        node.in_flight += 1
+        sel.index.record(node.name, keys)
+        picked.append(node.name)
+    if balance == 0:
+        assert picked == ["p0"] * 10
+        return
+    counts = {name: picked.count(name) for name in ("p0", "p1")}
+    assert abs(counts["p0"] - counts["p1"]) <= balance + 1 and counts["p1"] >= 3
+    ns[0].in_flight = ns[1].in_flight = 0
+    next_turn = chain_page_keys(system + [1000 + 9] * 16 + [7] * 16, 16, salt)
+    assert sel.pick_prefill(ns, next_turn).name == picked[9]
+
+
 def test_prefix_index_is_bounded_lru() -> None:
     index = PrefixIndex(capacity=3)
     keys = [bytes([i]) * 32 for i in range(5)]
