@@ -52,3 +52,9 @@ class DeviceCacheSettings(PageGeometry):
     # chunk_ends (the end of every prefill chunk, cut to its last full page, and the
     # request's end: SGLang's default no_buffer)
     state_checkpoints: StateCheckpointPolicy = "hit_points"
+    # sliding-window models with window pages (gpt-oss; docs/design.md §4.14): pages of the
+    # sliding layers' own device pool, allocated a prefill chunk at a time and freed as the
+    # window moves; 0 = as many as the full layers' device pages. Smaller saves device memory
+    # (a page of the sliding layers each) at the cost of cached windows: at least
+    # max_running_requests x (2 window tails + 2) + one chunk's pages
+    sliding_pages: int = 0

@@ -175,6 +175,9 @@ class CacheConfig(DeviceCacheSettings):
     def __post_init__(self) -> None:
         if self.state_checkpoint_slots < 0:
             raise ValueError("state_checkpoint_slots must be >= 0")
+        if not 0 <= self.sliding_pages <= self.num_device_pages:
+            raise ValueError(f"sliding_pages must be 0 (as many as device pages) to "
+                             f"{self.num_device_pages} (device pages), got {self.sliding_pages}")
         if self.device_eviction not in EVICTION_POLICIES:
             raise ValueError(f"device_eviction must be one of {EVICTION_POLICIES}")
         if self.state_checkpoints not in STATE_CHECKPOINT_POLICIES:

@@ -63,7 +63,7 @@ from pdcache.engine.scheduler import NO_STATE_TIERS, ScheduledBatch, Scheduler
 from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.engine.state_cache import StateSlots
 from pdcache.engine.state_pool import StateSnapshot
-from pdcache.engine.window_pages import WindowPages, can_split
+from pdcache.engine.window_pages import WindowPages, can_split, min_sliding_pages
 from pdcache.kernels import KernelSet
 
 logger = logging.getLogger(__name__)
@@ -918,14 +918,26 @@ def _device_tree(pool: DeviceKVPool, cache: CacheConfig, states: StateSlots | No
 
 
 def _window_pages(config: EngineConfig) -> WindowPages | None:
-    """The sliding layers' own page space of a model mixing full and sliding layers (as
-    many pages as the full layers'; §4.14); None for every other model."""
+    """The sliding layers' own page space of a model mixing full and sliding layers
+    (`[cache] sliding_pages`, 0: as many as the full layers'; §4.14); None for every other
+    model. ValueError for a pool too small for every running request to progress."""
     geometry = config.model.kv_geometry
     if not can_split(geometry):
         return None
-    cache = config.cache
-    return WindowPages(geometry, cache.num_device_pages, cache.page_size,
-                       config.model.torch_dtype, config.device)
+    cache, scheduler = config.cache, config.scheduler
+    num_pages = cache.sliding_pages or cache.num_device_pages
+    floor = min_sliding_pages(geometry.sliding_window, cache.page_size,
+                              scheduler.max_running_requests, scheduler.chunked_prefill_tokens)
+    # as many as the full layers' never run short first (a request's and the tree's
+    # sliding pages are among their full pages); a smaller pool must let everyone progress
+    if cache.sliding_pages and num_pages < floor:
+        raise ValueError(
+            f"[cache] sliding_pages = {num_pages} is too small for this model's window of "
+            f"{geometry.sliding_window} tokens: at least {floor} (max_running_requests "
+            f"{scheduler.max_running_requests} x (2 window tails + 2 pages) + one chunk of "
+            f"{scheduler.chunked_prefill_tokens} tokens)")
+    return WindowPages(geometry, num_pages, cache.page_size, config.model.torch_dtype,
+                       config.device)
 
 
 def _state_slots(config: EngineConfig) -> StateSlots | None:

@@ -111,7 +111,8 @@ class Req:
     pending_checkpoint: int | None = None
     pending_checkpoint_len: int = 0
     # window pages (pdcache.engine.window_pages): the sliding layers' page of each of
-    # `page_ids` (the first `num_tree_pages` the tree's), None where no window needs it any
+    # `page_ids` up to the last page scheduled (given a prefill chunk at a time; the first
+    # `num_tree_pages` the tree's), None where no window needs it any
     # more and it was freed; empty for other models
     window_page_ids: list[int | None] = field(default_factory=list)
 
@@ -314,8 +315,9 @@ class Req:
             if not self.holding_pages:
                 assert not self.page_ids and self.last_node is None, (
                     "pages held while not running")
-        if self.window_page_ids:
-            assert len(self.window_page_ids) == len(self.page_ids), "window pages != pages"
+        if self.window_page_ids:  # allocated a chunk at a time: every computed page has one
+            assert len(self.window_page_ids) <= len(self.page_ids), "window pages > pages"
+            assert len(self.window_page_ids) * size >= self.kv_len, "K/V without sliding pages"
             assert None not in self.window_page_ids[self.kv_len // size :], (
                 "a sliding page freed inside the window")
         if self.pending_checkpoint is not None:

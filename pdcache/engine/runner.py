@@ -87,8 +87,8 @@ class ModelRunner:
         size, slots = self.pool.page_size, []
         for req, table, pos in zip(reqs, tables, positions):
             first, last = int(pos[0]) // size, int(pos[-1]) // size
-            assert None not in req.window_page_ids[first : last + 1], (
-                f"request {req.rid}: a new token without its sliding page")
+            assert last < len(req.window_page_ids) and None not in req.window_page_ids[
+                first : last + 1], f"request {req.rid}: a new token without its sliding page"
             slots.append(self._slots(table, pos))
         window = self.window
         return WindowBatch(window.pool.device_kv, _table(tables).to(self.device),

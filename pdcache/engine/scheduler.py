@@ -393,11 +393,9 @@ class Scheduler:
         if own is None:
             self.unlock(match.last_node)
             return False
-        window_own = self.alloc_window_pages(need)
-        if window_own is None or (self.states is not None
-                                  and not self._admit_state(req, match)):
+        # window pages: the sliding pages come a chunk at a time (`_chunk_window`)
+        if self.states is not None and not self._admit_state(req, match):
             self.allocator.free(own)
-            self.free_window_pages(window_own or [])
             self.unlock(match.last_node)
             return False
         max_pages = req.max_reuse_len // self.page_size
@@ -415,7 +413,7 @@ class Scheduler:
         num_tree_pages = len(match.page_ids) + reuse.tree_pages
         reused_len = (num_tree_pages + reuse.own_pages) * self.page_size
         cached = reuse.cached or CachedTokens(device=match.cached_len)
-        window_ids = None if self.window is None else match.window_page_ids + window_own
+        window_ids = None if self.window is None else match.window_page_ids
         req.admit(match.page_ids + own, num_tree_pages, node, reused_len, self._admit_seq,
                   cached, reuse.kv_load, window_ids)
         if self.states is not None:  # a lower tier's hit went past some checkpoint points
@@ -518,8 +516,10 @@ class Scheduler:
             if req.checkpoint_at:  # end the chunk where a state checkpoint is taken
                 chunk = min(chunk, req.checkpoint_at[0] - req.kv_len)
             chunk = self._chunk_for_policy(req, chunk)
-            if chunk <= 0:
-                break
+            if chunk <= 0 or req.status is not ReqStatus.RUNNING:
+                break  # (a request retracted for a chunk's sliding pages ends the batch too)
+            if not self._chunk_window(req, chunk, batch.reqs):
+                break  # in order: the requests behind it wait too
             if req.kv_len + chunk == req.fill_len:
                 batch.sample_rows.append(len(batch.reqs))
             first, end = req.input_logprob_positions(req.kv_len, req.kv_len + chunk)
@@ -653,6 +653,26 @@ class Scheduler:
         while allocator.num_free < num_pages and self.tree is not None and self.tree.evict(1):
             pass  # whole nodes go, each with its sliding pages
         return allocator.alloc(num_pages)
+
+    def _chunk_window(self, req: Req, chunk: int, batched: list[Req]) -> bool:
+        """Give `req` the sliding pages its next `chunk` tokens write (window pages come a
+        chunk at a time, so the sliding pool can be smaller than the full one): evicting
+        cache, then retracting the newest request admitted after it and not in `batched`
+        (the floor `min_sliding_pages` keeps that rare). False: `req` waits a step."""
+        if self.window is None:
+            return True
+        missing = pages_for(req.kv_len + chunk, self.page_size) - len(req.window_page_ids)
+        while missing > 0:
+            pages = self.alloc_window_pages(missing)
+            if pages is not None:
+                req.window_page_ids.extend(pages)
+                return True
+            victims = [r for r in self.running if r not in batched
+                       and r.admit_seq > req.admit_seq and self.role.can_retract(r)]
+            if not victims:
+                return False
+            self._retract(max(victims, key=lambda r: r.admit_seq))
+        return True
 
     def free_window_pages(self, page_ids: list[int]) -> None:
         if self.window is not None and page_ids:

@@ -21,6 +21,11 @@ renders the answer differently parts right after the prompt: harmony without the
 a template's assistant header). Everything older is freed as the window moves
 (`droppable`; counted in `freed_by_window`).
 
+Allocation: a request gets its sliding pages a prefill chunk at a time (the scheduler's
+`_extend_batch`) and one a decode step, so the pool can be smaller than the full layers'
+(`[cache] sliding_pages`, at least `min_sliding_pages`): `Req.window_page_ids` covers its
+pages up to the last one scheduled, fewer than `Req.page_ids` while a prompt is prefilling.
+
 Ownership: a used sliding page has exactly one owner, as a full page does: a running request
 (its own pages, after `num_tree_pages`) or the radix tree. Engine thread only; nothing locks.
 """
@@ -53,6 +58,16 @@ def can_split(geometry: KVGeometry) -> bool:
     """A geometry with both full and sliding layers (and no linear ones) runs two spaces."""
     kinds = set(geometry.layer_kinds)
     return kinds == {"full", "sliding"}
+
+
+def min_sliding_pages(window: int, page_size: int, max_running: int, chunk_tokens: int) -> int:
+    """The smallest sliding pool every running request can always progress in: each holds
+    at most its prompt end's window tail, its current window's and one more page (a decode
+    step, or a chunk not starting on a page boundary), and a step's chunks add at most
+    `chunk_tokens` worth of pages. A window tail is `ceil((window - 1) / page_size) + 2`
+    pages (`WindowPages.tail_pages`)."""
+    tail = -(-(window - 1) // page_size) + 2
+    return max_running * (2 * tail + 2) + -(-chunk_tokens // page_size)
 
 
 class WindowPages:

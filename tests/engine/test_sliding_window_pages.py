@@ -297,3 +297,58 @@ def test_the_rule_reads_the_window_across_nodes_and_tombstones_fill_and_free() -
     tree.flush()
     tree.check()
     assert full.num_used == window.num_used == tree.window_pages == 0
+
+
+SMALL_CHUNK = 16  # 4 pages: the 60-token prompts prefill in 4 chunks
+
+
+def small_pool_engine(model: torch.nn.Module, sliding_pages: int) -> Engine:
+    config = EngineConfig(
+        model=model.config,
+        cache=CacheConfig(page_size=PAGE, num_device_pages=96, sliding_pages=sliding_pages),
+        scheduler=SchedulerConfig(chunked_prefill_tokens=SMALL_CHUNK, max_running_requests=2),
+        kernels="torch",
+    )
+    return Engine(config, model).start(thread=False)
+
+
+def test_a_sliding_pool_smaller_than_the_prompts_serves_them_exactly(checkpoint, model) -> None:
+    """`[cache] sliding_pages` at its floor (2 running x (2 tails of 4 pages + 2) + a 16-token
+    chunk's 4 = 24 pages, against 96 full ones): sliding pages come a chunk at a time, so two
+    concurrent 60-token prompts (15 pages each, 46 full pages in use at the end) run in it,
+    and then a 120-token prompt, 30 pages, more than the whole sliding pool (which a
+    request given its whole prompt's sliding pages at admission could never start), every
+    token and logprob equal to transformers'."""
+    _, hf = checkpoint
+    floor = 2 * (2 * ((WINDOW - 1 + PAGE - 1) // PAGE + 2) + 2) + SMALL_CHUNK // PAGE
+    engine = small_pool_engine(model, floor)
+    assert engine.window is not None and engine.window.allocator.capacity == floor == 24
+    prompts = [prompt_of(31 + i, PROMPT) for i in range(2)] + [prompt_of(33, 2 * PROMPT)]
+    outputs: dict[str, list[RequestOutput]] = {f"r{i}": [] for i in range(3)}
+    for i in range(2):
+        engine.submit(GenerateRequest(
+            rid=f"r{i}", input_ids=prompts[i],
+            sampling=SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True),
+            logprobs=LogprobRequest()), outputs[f"r{i}"].append)
+    peak_full, peak_sliding = 0, 0
+    while engine.step():
+        peak_full = max(peak_full, engine.pool.allocator.num_used)
+        peak_sliding = max(peak_sliding, engine.window.allocator.num_used)
+    assert peak_sliding <= floor < peak_full, (peak_sliding, peak_full)
+    assert peak_full >= 2 * ((PROMPT + STEPS - 1) // PAGE)  # both sequences' full pages
+    tokens, logprobs, _ = run(engine, "r2", prompts[2])
+    assert_like_hf(hf, prompts[2], tokens, logprobs)
+    for i in range(2):
+        out = outputs[f"r{i}"]
+        assert out[-1].finished and out[-1].error is None, out[-1]
+        assert_like_hf(hf, prompts[i], [t for o in out for t in o.new_token_ids],
+                       [float(lp.logprob) for o in out for lp in o.new_logprobs])
+    assert engine.stats()["window_pages_total"] == floor
+    assert_idle(engine)
+
+
+def test_a_sliding_pool_below_its_floor_is_refused_naming_it(model) -> None:
+    with pytest.raises(ValueError, match=r"sliding_pages = 23 .* at least 24"):
+        small_pool_engine(model, 23)
+    with pytest.raises(ValueError, match="sliding_pages must be 0 .* to 96"):
+        CacheConfig(page_size=PAGE, num_device_pages=96, sliding_pages=97)
