@@ -60,17 +60,23 @@ QWEN3_NEXT = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    path = tmp_path_factory.mktemp("qwen3-next")
+def save_qwen3_next(path: Path, seed: int = 7) -> torch.nn.Module:
+    """A tiny Qwen3-Next checkpoint built by transformers (fp32, random weights from `seed`)
+    with the byte tokenizer, saved at `path`; returns the transformers model."""
     config = transformers.Qwen3NextConfig(**QWEN3_NEXT)
     config._attn_implementation = "eager"
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(hf, 7)
+    _randomize(hf, seed)
     hf.eval()
     hf.save_pretrained(path)
     write_byte_tokenizer(path)
-    return path, hf
+    return hf
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("qwen3-next")
+    return path, save_qwen3_next(path)
 
 
 @pytest.fixture(scope="module")

@@ -36,8 +36,7 @@ from pdcache.engine.scheduler_config import SchedulerConfig  # noqa: E402
 from pdcache.engine.state_geometry import RecurrentStateGeometry  # noqa: E402
 from pdcache.engine.state_pool import StateSnapshot  # noqa: E402
 from pdcache.engine.tiers import DeviceOnly  # noqa: E402
-from tests.engine.test_model_parity import _randomize, write_byte_tokenizer  # noqa: E402
-from tests.engine.test_qwen3_next import QWEN3_NEXT, VOCAB  # noqa: E402
+from tests.engine.test_qwen3_next import VOCAB, save_qwen3_next  # noqa: E402
 
 PAGE = 4
 LOGPROB_ATOL = 2e-3
@@ -48,14 +47,7 @@ OTHER = [(i * 53 + 7) % VOCAB for i in range(12)]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     path = tmp_path_factory.mktemp("qwen3-next-engine")
-    config = transformers.Qwen3NextConfig(**QWEN3_NEXT)
-    config._attn_implementation = "eager"
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(hf, 7)
-    hf.eval()
-    hf.save_pretrained(path)
-    write_byte_tokenizer(path)
-    return path, hf
+    return path, save_qwen3_next(path)
 
 
 @pytest.fixture(scope="module")

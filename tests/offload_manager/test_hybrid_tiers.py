@@ -36,8 +36,7 @@ from pdcache.offload_manager.builder import (  # noqa: E402
     storage_config_for,
 )
 from pdcache.offload_manager.hicache import HiCache, HiCacheConfig  # noqa: E402
-from tests.engine.test_model_parity import _randomize, write_byte_tokenizer  # noqa: E402
-from tests.engine.test_qwen3_next import QWEN3_NEXT, VOCAB  # noqa: E402
+from tests.engine.test_qwen3_next import VOCAB, save_qwen3_next  # noqa: E402
 
 PAGE = 4
 STEPS = 6
@@ -48,14 +47,7 @@ LOGPROB_ATOL = 2e-3
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     path = tmp_path_factory.mktemp("qwen3-next-tiers")
-    config = transformers.Qwen3NextConfig(**QWEN3_NEXT)
-    config._attn_implementation = "eager"
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(hf, 7)
-    hf.eval()
-    hf.save_pretrained(path)
-    write_byte_tokenizer(path)
-    return path, hf
+    return path, save_qwen3_next(path)
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,7 @@ from pdcache.engine.page_keys import PageKeyScheme, state_key  # noqa: E402
 from pdcache.engine.request import pages_for  # noqa: E402
 from pdcache.engine.state_pool import StateSnapshot  # noqa: E402
 from pdcache.prefill_node.runtime import PrefillRuntime  # noqa: E402
-from tests.engine.test_model_parity import _randomize, write_byte_tokenizer  # noqa: E402
-from tests.engine.test_qwen3_next import QWEN3_NEXT, VOCAB  # noqa: E402
+from tests.engine.test_qwen3_next import VOCAB, save_qwen3_next  # noqa: E402
 from tests.pd_harness import (  # noqa: E402
     MetadataService,
     PDStack,
@@ -53,14 +52,7 @@ MESSAGE = [(i * 53 + 7) % VOCAB for i in range(6)]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     path = tmp_path_factory.mktemp("qwen3-next-pd")
-    config = transformers.Qwen3NextConfig(**QWEN3_NEXT)
-    config._attn_implementation = "eager"
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(hf, 7)
-    hf.eval()
-    hf.save_pretrained(path)
-    write_byte_tokenizer(path)
-    return path, hf
+    return path, save_qwen3_next(path)
 
 
 @pytest.fixture(scope="module")
