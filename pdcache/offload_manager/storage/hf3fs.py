@@ -247,7 +247,45 @@ def _split(items: list[T], parts: int) -> list[list[T]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-class Hf3fsBackend(StorageBackend):
+class SlotFileAccess:
+    """Raw access to a committed slot of a pool striped over data files (tools, fault
+    tests, repair): `Hf3fsBackend`'s page slots and `Hf3fsStateSlots`' state slots. Needs
+    `metadata` (the pool's index), `_paths` (its data files), `slot_bytes` and
+    `spec.object_bytes`; reads and writes outside the caller's own I/O path."""
+
+    metadata: MetadataClient
+    _paths: list[Path]
+    slot_bytes: int
+    spec: Any
+
+    def locate(self, key: bytes) -> tuple[Path, int] | None:
+        """(data file, byte offset) of the committed slot of `key`."""
+        slot = self.metadata.lookup([key])[0]
+        if slot is None:
+            return None
+        return self._paths[slot % len(self._paths)], (slot // len(self._paths)) * self.slot_bytes
+
+    def read_object(self, key: bytes) -> bytes | None:
+        where = self.locate(key)
+        if where is None:
+            return None
+        with open(where[0], "rb") as f:
+            f.seek(where[1])
+            return f.read(self.spec.object_bytes)
+
+    def write_object(self, key: bytes, blob: bytes) -> bool:
+        """Overwrite the start of `key`'s committed slot with raw bytes (fault tests, repair)."""
+        where = self.locate(key)
+        if where is None:
+            return False
+        fd = os.open(where[0], os.O_WRONLY)
+        try:
+            return os.pwrite(fd, blob, where[1]) == len(blob)
+        finally:
+            os.close(fd)
+
+
+class Hf3fsBackend(SlotFileAccess, StorageBackend):
     """Page slots in large data files + key -> slot metadata (docs/design.md §4.4)."""
 
     def __init__(self, config: StorageConfig, metadata: MetadataClient | None = None) -> None:
@@ -564,32 +602,6 @@ class Hf3fsBackend(StorageBackend):
 
     def clear(self) -> None:
         self.delete(self.keys())
-
-    def locate(self, key: bytes) -> tuple[Path, int] | None:
-        """(data file, byte offset) of the committed slot of `key`."""
-        slot = self.metadata.lookup([key])[0]
-        if slot is None:
-            return None
-        return self._paths[slot % len(self._paths)], (slot // len(self._paths)) * self.slot_bytes
-
-    def read_object(self, key: bytes) -> bytes | None:
-        where = self.locate(key)
-        if where is None:
-            return None
-        with open(where[0], "rb") as f:
-            f.seek(where[1])
-            return f.read(self.spec.object_bytes)
-
-    def write_object(self, key: bytes, blob: bytes) -> bool:
-        """Overwrite the start of `key`'s committed slot with raw bytes (fault tests, repair)."""
-        where = self.locate(key)
-        if where is None:
-            return False
-        fd = os.open(where[0], os.O_WRONLY)
-        try:
-            return os.pwrite(fd, blob, where[1]) == len(blob)
-        finally:
-            os.close(fd)
 
     # internals
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from pdcache.offload_manager.storage.config import StorageConfig
-from pdcache.offload_manager.storage.hf3fs import io_full
+from pdcache.offload_manager.storage.hf3fs import SlotFileAccess, io_full
 from pdcache.offload_manager.storage.metadata import (
     BUSY,
     NEW,
@@ -53,7 +53,7 @@ from pdcache.offload_manager.storage.stats import RateLimitedLog, RejectedKeys, 
 log = logging.getLogger(__name__)
 
 
-class Hf3fsStateSlots:
+class Hf3fsStateSlots(SlotFileAccess):
     """The state slot pool of one `Hf3fsBackend` (module docstring). Owns its data files and
     its metadata client; counts into the backend's `counters`."""
 
@@ -249,32 +249,6 @@ class Hf3fsStateSlots:
                 os.close(fd)
         self._fds = []
         self.metadata.close()
-
-    # raw access (tools, fault tests)
-
-    def locate(self, key: bytes) -> tuple[Path, int] | None:
-        slot = self.metadata.lookup([key])[0]
-        if slot is None:
-            return None
-        return self._paths[slot % len(self._paths)], (slot // len(self._paths)) * self.slot_bytes
-
-    def read_object(self, key: bytes) -> bytes | None:
-        where = self.locate(key)
-        if where is None:
-            return None
-        with open(where[0], "rb") as f:
-            f.seek(where[1])
-            return f.read(self.spec.object_bytes)
-
-    def write_object(self, key: bytes, blob: bytes) -> bool:
-        where = self.locate(key)
-        if where is None:
-            return False
-        fd = os.open(where[0], os.O_WRONLY)
-        try:
-            return os.pwrite(fd, blob, where[1]) == len(blob)
-        finally:
-            os.close(fd)
 
     def _metadata_down(self, exc: MetadataUnavailable) -> None:
         self.counters.add("metadata_errors")
