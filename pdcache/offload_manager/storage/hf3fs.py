@@ -552,10 +552,12 @@ class Hf3fsBackend(SlotFileAccess, StorageBackend):
             self._states.close()
 
     def _close_files(self) -> None:
-        for fd in self._fds:
+        # taken before closing: a second close (another thread's) finds none, and never
+        # closes a number the kernel has given to someone else's socket since
+        fds, self._fds = self._fds, []
+        for fd in fds:
             if fd >= 0:
                 os.close(fd)
-        self._fds = []
         self.metadata.close()
 
     def register_host_memory(self, tensor: torch.Tensor) -> None:

@@ -244,10 +244,10 @@ class Hf3fsStateSlots(SlotFileAccess):
         return {names.get(name, f"state_{name}"): value for name, value in index.items()}
 
     def close(self) -> None:
-        for fd in self._fds:
+        fds, self._fds = self._fds, []  # as Hf3fsBackend._close_files: never closed twice
+        for fd in fds:
             if fd >= 0:
                 os.close(fd)
-        self._fds = []
         self.metadata.close()
 
     def _metadata_down(self, exc: MetadataUnavailable) -> None:
