@@ -12,7 +12,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # page and a sliding page weigh the same). The trace's working set is ~990 full pages (8
 # sessions x 4 turns: 512-token system prompt, 256 user, 512 tool result, 32 answer tokens),
 # ~2x the split config's full pages; the windows its restorable points keep, ~380 sliding
-BUDGET=${BUDGET:-320}
+BUDGET=${BUDGET:-1000}
 RUNNING=4 CHUNK=256 PAGE=16 WINDOW=128
 TAIL=$(( (WINDOW - 1 + PAGE - 1) / PAGE + 2 ))
 FLOOR=$(( RUNNING * (2 * TAIL + 2) + CHUNK / PAGE ))
