@@ -285,6 +285,8 @@ class Scheduler:
         want_decode = any(r.prefill_done for r in self.running)
         if prefilling and not (want_decode and self._last_mode is ForwardMode.EXTEND):
             batch = self._extend_batch(prefilling)
+            if batch is None and want_decode:  # no prefill can go on (a chunk short of
+                batch = self._decode_batch()  # sliding pages): decoding frees them
         elif want_decode:
             batch = self._decode_batch()
         else:

@@ -352,3 +352,41 @@ def test_a_sliding_pool_below_its_floor_is_refused_naming_it(model) -> None:
         small_pool_engine(model, 23)
     with pytest.raises(ValueError, match="sliding_pages must be 0 .* to 96"):
         CacheConfig(page_size=PAGE, num_device_pages=96, sliding_pages=97)
+
+
+def test_a_prefill_short_of_sliding_pages_lets_the_decoding_go_on(checkpoint, model) -> None:
+    """Sliding pages held elsewhere leave four spare: the decoding request lives on them (a
+    new page at each boundary, its oldest freed once out of the window), so the next
+    prompt's 4-page chunk cannot get its pages, and no newer request can give way. The scheduler then runs the decode
+    step (without that fallback it formed no batch at all, forever); once the first request
+    finishes, its cached pages are evicted for the chunk, and both answers equal
+    transformers'."""
+    _, hf = checkpoint
+    engine = small_pool_engine(model, 24)
+    assert engine.window is not None
+    prompts = [prompt_of(41, 20), prompt_of(42, PROMPT)]
+    outputs: dict[str, list[RequestOutput]] = {"a": [], "b": []}
+
+    def submit(rid: str, prompt: list[int]) -> None:
+        engine.submit(GenerateRequest(
+            rid=rid, input_ids=prompt,
+            sampling=SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True),
+            logprobs=LogprobRequest()), outputs[rid].append)
+
+    submit("a", prompts[0])
+    while not outputs["a"]:
+        assert engine.step()
+    allocator = engine.window.allocator
+    held = allocator.alloc(allocator.num_free - SMALL_CHUNK // PAGE)
+    assert held is not None
+    submit("b", prompts[1])
+    for _ in range(50 * STEPS):  # bounded: a scheduler that forms no batch never ends
+        if not engine.step():
+            break
+    for rid, prompt in zip(("a", "b"), prompts):
+        out = outputs[rid]
+        assert out and out[-1].finished and out[-1].error is None, (rid, out[-1:])
+        assert_like_hf(hf, prompt, [t for o in out for t in o.new_token_ids],
+                       [float(lp.logprob) for o in out for lp in o.new_logprobs])
+    allocator.free(held)
+    assert_idle(engine)
