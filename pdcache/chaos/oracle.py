@@ -139,7 +139,9 @@ class TokenOracle:
         self._foreground.set()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._queue.empty() and self._idle.wait(0.5):
+            # wait, never spin: a loop polling the queue at normal priority starved the
+            # oracle's niced thread (three checks took 40 s instead of 0.5)
+            if self._idle.wait(0.5) and self._queue.empty():
                 return True
             if self._thread is not None and not self._thread.is_alive():
                 return False
