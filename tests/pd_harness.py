@@ -128,9 +128,15 @@ def _preset_of(model) -> str:
 
 def start_stack(prefill: NodeSetup, decode: NodeSetup, preset: str = "tiny") -> PDStack:
     model, tokenizer = load_model(preset, seed=0)
+    return start_model_stack(prefill, decode, model, tokenizer)
+
+
+def start_model_stack(prefill: NodeSetup, decode: NodeSetup, model: Any, tokenizer: Any,
+                      decode_model: Any = None) -> PDStack:
+    """A PD stack serving `model` (decode: `decode_model` when given) on uvicorn threads."""
     os.environ.update(process_environment(prefill, os.environ))  # as a node process's entry does
     p_server = PrefillRuntime(prefill, model, tokenizer)
-    d_server = DecodeRuntime(decode, model, tokenizer)
+    d_server = DecodeRuntime(decode, decode_model or model, tokenizer)
     p_app, d_app = p_server.app(), d_server.app()
     p_thread = ServerThread(p_app, free_port())
     d_thread = ServerThread(d_app, free_port())

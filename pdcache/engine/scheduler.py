@@ -810,11 +810,7 @@ class Scheduler:
         slot = None
         if pending < max(1, self.states.checkpoint_slots // 2):
             slot = self.states.alloc_checkpoint()
-        if slot is None:
-            self.states.counters.checkpoints_skipped += 1
-        else:
-            self.states.counters.checkpoints_taken += 1
-        return slot
+        return self._counted_checkpoint(slot)
 
     def _checkpoint_slot(self) -> int | None:
         """A checkpoint slot, dropping the least recently used checkpoint when the share is
@@ -823,6 +819,11 @@ class Scheduler:
         slot = self.states.alloc_checkpoint()
         if slot is None and self.tree.drop_lru_checkpoint():
             slot = self.states.alloc_checkpoint()
+        return self._counted_checkpoint(slot)
+
+    def _counted_checkpoint(self, slot: int | None) -> int | None:
+        """`slot`, counted as a checkpoint taken (or, None, skipped)."""
+        assert self.states is not None
         if slot is None:
             self.states.counters.checkpoints_skipped += 1
         else:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,24 +21,21 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from pdcache.config import NodeSetup, process_environment  # noqa: E402
-from pdcache.decode_node.runtime import DecodeRuntime  # noqa: E402
+from pdcache.config import NodeSetup  # noqa: E402
 from pdcache.engine.loader import load_model  # noqa: E402
 from pdcache.engine.page_keys import PageKeyScheme, state_key  # noqa: E402
 from pdcache.engine.request import pages_for  # noqa: E402
 from pdcache.engine.state_pool import StateSnapshot  # noqa: E402
-from pdcache.prefill_node.runtime import PrefillRuntime  # noqa: E402
 from tests.engine.test_qwen3_next import VOCAB, save_qwen3_next  # noqa: E402
 from tests.pd_harness import (  # noqa: E402
     MetadataService,
     PDStack,
-    ServerThread,
     UnifiedReference,
     assert_answers_reused,
     assert_stack_idle,
-    free_port,
     node_setups,
     run_session,
+    start_model_stack,
 )
 from tests.polling import poll  # noqa: E402
 
@@ -89,14 +85,7 @@ def setups(tmp_path: Path, model: Any, offload: bool = False,
 def start(prefill: NodeSetup, decode: NodeSetup, hybrid, decode_model=None) -> PDStack:
     """`tests.pd_harness.start_stack` for a model loaded from a checkpoint directory."""
     model, tokenizer = hybrid
-    os.environ.update(process_environment(prefill, os.environ))
-    p_server = PrefillRuntime(prefill, model, tokenizer)
-    d_server = DecodeRuntime(decode, decode_model or model, tokenizer)
-    p_app, d_app = p_server.app(), d_server.app()
-    stack = PDStack(ServerThread(p_app, free_port()), ServerThread(d_app, free_port()),
-                    p_server, d_server, p_server.sender.bootstrap_addr)
-    stack.decode_server_app = d_app
-    return stack
+    return start_model_stack(prefill, decode, model, tokenizer, decode_model)
 
 
 def state_accounting_exact(stack: PDStack) -> None:

@@ -12,7 +12,6 @@ The checkpoint is the tiny one of `tests/engine/test_gpt_oss.py` (transformers, 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +20,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from pdcache.config import process_environment  # noqa: E402
 from pdcache.decode_node import controller as decode_controller  # noqa: E402
-from pdcache.decode_node.runtime import DecodeRuntime  # noqa: E402
 from pdcache.engine.loader import load_model  # noqa: E402
 from pdcache.engine.request import pages_for  # noqa: E402
-from pdcache.prefill_node.runtime import PrefillRuntime  # noqa: E402
 from tests.engine.test_gpt_oss import PAGE, prompt_of, save_gpt_oss  # noqa: E402
 from tests.pd_harness import (  # noqa: E402
     PDStack,
-    ServerThread,
     assert_stack_idle,
-    free_port,
     node_setups,
+    start_model_stack,
 )
 
 PROMPT = prompt_of(5, 41)  # 10 full pages and one token
@@ -64,14 +59,7 @@ def start(tmp_path: Path, gpt_oss, decode_prefix_cache: bool = False) -> PDStack
     model, tokenizer = gpt_oss
     prefill, decode = node_setups(tmp_path, model, PAGE, "zmq", offload=False,
                                   decode_prefix_cache=decode_prefix_cache)
-    os.environ.update(process_environment(prefill, os.environ))
-    p_server = PrefillRuntime(prefill, model, tokenizer)
-    d_server = DecodeRuntime(decode, model, tokenizer)
-    p_app, d_app = p_server.app(), d_server.app()
-    stack = PDStack(ServerThread(p_app, free_port()), ServerThread(d_app, free_port()),
-                    p_server, d_server, p_server.sender.bootstrap_addr)
-    stack.decode_server_app = d_app
-    return stack
+    return start_model_stack(prefill, decode, model, tokenizer)
 
 
 def assert_window_idle(stack: PDStack) -> None:
