@@ -179,11 +179,13 @@ class Backup:
         self.host_pool.pin(host_ids)
 
         def done(result: IoResult) -> None:  # backup IO thread
-            self.host_pool.unpin(host_ids)
             ok = sum(result.ok)
+            # counted before the unpin: `HiCache.io_idle` (no page pinned) must imply that
+            # every finished write's counters are final
             self._count(backup_storage_pages=ok, backup_failed_pages=len(keys) - ok,
                         backup_storage_kv_bytes=ok * self.host_pool.page_nbytes,
                         storage_errors=1 if result.error else 0)
+            self.host_pool.unpin(host_ids)
 
         task = IoTask(IoKind.WRITE, keys, self.host_pool.page_bytes(host_ids), done, "prefill",
                       namespace=namespace, session=storage_session(namespace, session))
@@ -230,11 +232,11 @@ class Backup:
         host_states.pin(slot)
 
         def done(result: IoResult) -> None:  # backup IO thread
-            host_states.unpin(slot)
             ok = sum(result.ok)
             self._count(backup_storage_states=ok, backup_failed_states=1 - ok,
                         backup_storage_state_bytes=ok * host_states.slot_nbytes,
                         storage_errors=1 if result.error else 0)
+            host_states.unpin(slot)  # after counting, as for pages
 
         task = IoTask(IoKind.WRITE_STATE, [key], [host_states.data[slot]], done, "prefill",
                       namespace=namespace, session=storage_session(namespace, session),

@@ -374,10 +374,10 @@ class DecodeOffloadManager:
             for key, page in zip(keys, ids):
                 objects.append(None if page is None else
                                encode_object(spec, key, "decode", payload_views(next(it))))
+            with self._lock:  # counted before the unpin: `idle` implies final counters
+                self.pull_pages_served += sum(obj is not None for obj in objects)
         finally:
             self._unpin([p for p in ids if p is not None])
-        with self._lock:
-            self.pull_pages_served += sum(obj is not None for obj in objects)
         return objects
 
     def _unpin(self, pages: list[int]) -> None:

@@ -278,6 +278,9 @@ FIELD_NOTES = {
         "handoff_s": "per PD request: decode's reservation to the prefill computing",
         "warmup_s": "once per prefill / unified node: its first step (warm-up)",
         "decode_warmup_s": "once per decode node: its first step (first receive + forward)",
+        "token_s": "per token a step streams: the node's output path (under load)",
+        "relay_token_s": "CPU per streamed token in the router and the client",
+        "prefill_warmup_s": "once per prefill node: its first step (warm-up)",
     },
     "storage": {
         "read_bandwidth_Bps": "the store's read bytes/s (one client here)",
@@ -298,7 +301,8 @@ def profile_text(tables: dict[str, dict[str, float]], source: dict[str, str]) ->
             continue  # [serving] is optional
         lines.append(f"\n[{table}]")
         for key, note in notes.items():
-            lines.append(f"{key} = {tables[table][key]:.6e}  # {note}")
+            if key in tables[table]:  # an optional key calibration did not measure is left out
+                lines.append(f"{key} = {tables[table][key]:.6e}  # {note}")
     lines.append("\n[source]  # where these numbers come from")
     lines.extend(f"{key} = {_toml_string(value)}" for key, value in source.items())
     return "\n".join(lines) + "\n"

@@ -27,25 +27,29 @@ step at a time, over its real cache (`pdcache.sim.cache.NodeCache`).
 - Unified nodes alternate a prefill step and a decode step while both have work, as the
   engine's scheduler does.
 - Every step also costs the profile's `[serving] step_s` (the engine's step loop), and a
-  node's first step its `warmup_s` (`decode_warmup_s` on a decode node). A PD prompt is
+  node's first step its warm-up (`warmup_s`; `prefill_warmup_s`, `decode_warmup_s` on
+  prefill and decode nodes). A PD prompt is
   computed only once its decode node reserved its pages and asked for the K/V
   (`open_gate`): the decode node reads that request at its next step boundary
   (`at_step_boundary`), the ask reaches the prefill node `handoff_s` later.
 - With `Cluster.shared_host_slots` = S > 0, every node runs on the one host the profile was
-  measured on and S nodes can compute at once at full speed (its cores / the threads a node
-  uses): a step that starts while k other nodes are mid-step takes max(1, (1 + k) / S) times
-  as long (a fair share of the cores; not re-shared when others start or end mid-step).
+  measured on (`host.SharedHost`): S jobs run at once at full speed (its cores / the threads
+  a node uses), more share the cores (processor sharing, re-shared at every start and end).
+  The jobs: the nodes' steps, each request's trip to the router (`request_s`) and the
+  handoff (`handoff_s`), and the router's and the client's relay of the streamed tokens
+  (`relay_token_s` each).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdcache.config.schema import NodeSpec
 from pdcache.sim.cache import Hold, NodeCache
 from pdcache.sim.events import EventLoop
+from pdcache.sim.host import OwnCompute, SharedHost
 from pdcache.sim.io import Pipe, StorageIO
 from pdcache.sim.profile import Profile
 from pdcache.sim.request import SimRequest
@@ -71,16 +75,31 @@ class Cluster:
     # every node on one host (the local topologies): how many nodes may compute at once at
     # full speed there (cores / threads per node); 0: each node has compute of its own
     shared_host_slots: int = 0
-    busy_nodes: int = 0  # nodes mid-step now (the contention `SimNode._run` charges)
+    host: SharedHost | OwnCompute = field(init=False)
 
-    def step_seconds(self, compute_s: float, first_s: float) -> float:
-        """A step's duration: its modelled compute, the step loop's cost and `first_s` (the
-        node's warm-up, on its first step), stretched by the nodes computing beside it on a
-        shared host."""
-        seconds = compute_s + self.profile.serving.step_s + first_s
-        if not self.shared_host_slots:
-            return seconds
-        return seconds * max(1.0, (1 + self.busy_nodes) / self.shared_host_slots)
+    def __post_init__(self) -> None:
+        self.host = (SharedHost(self.loop, self.shared_host_slots) if self.shared_host_slots
+                     else OwnCompute(self.loop))
+
+    def step_work(self, compute_s: float, first_s: float, tokens: int) -> float:
+        """A step's work at full speed: its modelled compute, the step loop's cost, the
+        output path of the `tokens` it streams (`[serving] token_s` each: the node's own
+        process does it, between its steps) and `first_s` (the node's warm-up, on its first
+        step)."""
+        serving = self.profile.serving
+        return compute_s + serving.step_s + tokens * serving.token_s + first_s
+
+    def run(self, work_s: float, done: Callable[[], None] | None) -> None:
+        """Run `work_s` of work on the nodes' host: shared with whatever else runs there on a
+        shared host, at full speed on compute of its own."""
+        self.host.run(work_s, done)
+
+    def relay(self, tokens: int) -> None:
+        """The router's and the client's work for `tokens` streamed tokens
+        (`[serving] relay_token_s` each): on a shared host it takes cores from the steps;
+        elsewhere the router and the clients have machines of their own."""
+        if tokens and isinstance(self.host, SharedHost):
+            self.host.run(tokens * self.profile.serving.relay_token_s)
 
     def write_pages(self, node: str, pages: list[int], origin: str) -> float:
         """Write the pages not stored yet from `node` (after their device -> host copy);
@@ -534,7 +553,8 @@ class SimNode:
             decode = self._decode_step()
             if decode is not None:
                 self._last_was_prefill = False
-                self._run(decode[0], lambda: self._after_decode_step(decode[1]))
+                self._run(decode[0], lambda: self._after_decode_step(decode[1]),
+                          len(decode[1]))
                 return
         if self.prefilling:
             self._run_prefill()
@@ -543,25 +563,30 @@ class SimNode:
         step = self._prefill_step()
         if step is not None:
             self._last_was_prefill = True
-            self._run(step[0], lambda: self._after_prefill_step(step[1]))
+            first_tokens = sum(1 for req, chunk in step[1]
+                               if req.computed + chunk >= req.to_compute)
+            self._run(step[0], lambda: self._after_prefill_step(step[1]), first_tokens)
 
     def _first_step_s(self) -> float:
         """The warm-up a node's first step pays: `decode_warmup_s` on a decode node (its
-        first K/V receive and decode forward), `warmup_s` on the others."""
+        first K/V receive and decode forward), `prefill_warmup_s` on a prefill node,
+        `warmup_s` on a unified one."""
         if self.prefill_steps + self.decode_steps:
             return 0.0
         serving = self.cluster.profile.serving
-        return serving.decode_warmup_s if self.role == "decode" else serving.warmup_s
+        if self.role == "decode":
+            return serving.decode_warmup_s
+        return serving.prefill_warmup if self.role == "prefill" else serving.warmup_s
 
-    def _run(self, compute_s: float, after: Callable[[], None]) -> None:
+    def _run(self, compute_s: float, after: Callable[[], None], tokens: int) -> None:
         cluster = self.cluster
-        duration = cluster.step_seconds(compute_s, self._first_step_s())
+        work = cluster.step_work(compute_s, self._first_step_s(), tokens)
         self.busy = True
-        self.busy_s += duration
-        cluster.busy_nodes += 1
+        started = self.loop.now
 
         def end() -> None:
-            cluster.busy_nodes -= 1
+            self.busy_s += self.loop.now - started
+            cluster.relay(tokens)
             after()  # still busy: a kick from inside `after` must not start a step
             inbox, self._at_boundary = self._at_boundary, []
             for action in inbox:
@@ -569,7 +594,7 @@ class SimNode:
             self.busy = False
             self._start_step()  # the next step follows at once (as the scheduler's loop)
 
-        self.loop.after(duration, end)
+        cluster.run(work, end)
 
     def stats(self, duration_s: float) -> dict[str, object]:
         return {"name": self.name, "role": self.role, "busy_s": self.busy_s,

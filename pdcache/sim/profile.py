@@ -1,8 +1,9 @@
 """The simulator's cost profile: how long compute and I/O take on some hardware.
 
 A profile is a TOML file with five required tables and an optional sixth, `[serving]`; every
-key of a table is required (a missing or unknown key is a `ProfileError` naming it), so no
-number is ever made up by the simulator (without `[serving]`, the serving path's own costs
+key of a table is required but `[serving]`'s later ones — `token_s`, `relay_token_s` (absent:
+0, not modelled) and `prefill_warmup_s` (absent: `warmup_s`) — and a missing or unknown key is
+a `ProfileError` naming it, so no number is ever made up by the simulator (without `[serving]`, the serving path's own costs
 are not modelled: zero). pdcache ships no
 profile: measure one on your hardware (docs/simulator.md says how each field is read) and
 write it down. Units are seconds and bytes per second.
@@ -39,8 +40,14 @@ request_s = 0.004             # per request: client HTTP, router hop, node HTTP,
 step_s = 0.001                # per engine step: the step loop (scheduling, sampling, output)
 handoff_s = 0.005             # per PD request: from the decode node's page reservation to
                               #   the prefill node computing (decode asks for the K/V)
-warmup_s = 0.03               # once per prefill / unified node: its first step (warm-up)
+warmup_s = 0.03               # once per unified node (and prefill node, unless below): its
+                              #   first step (warm-up)
 decode_warmup_s = 0.3         # once per decode node: its first step (first receive + forward)
+token_s = 0.0004              # optional (0): per token a step streams, added to that step
+                              #   (the node's output path shares the engine's process)
+relay_token_s = 0.0005        # optional (0): CPU per streamed token outside the nodes (the
+                              #   router's relay, the client): work on a shared host's cores
+prefill_warmup_s = 0.03       # optional (= warmup_s): a prefill node's first step (warm-up)
 
 [source]                      # optional, not a cost: where the numbers come from (strings)
 machine = "..."               # `pdcache sim calibrate` writes machine, preset, date, command
@@ -52,7 +59,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -133,8 +140,20 @@ class ServingCost:
     request_s: float = 0.0  # per request, before its first token (HTTP, router, tokeniser)
     step_s: float = 0.0  # per engine step, prefill or decode (the step loop itself)
     handoff_s: float = 0.0  # per PD request: decode's K/V ask reaching the prefill node
-    warmup_s: float = 0.0  # once per prefill or unified node, on its first step
+    warmup_s: float = 0.0  # once per unified node (prefill too, unless prefill_warmup_s)
     decode_warmup_s: float = 0.0  # once per decode node, on its first step
+    # optional keys (older profiles lack them: 0, not modelled)
+    token_s: float = 0.0  # per token a step streams, added to that step
+    relay_token_s: float = 0.0  # shared host: the router's and the client's CPU per token
+    prefill_warmup_s: float | None = None  # a prefill node's first step; None: warmup_s
+
+    OPTIONAL_KEYS: ClassVar[tuple[str, ...]] = ("token_s", "relay_token_s",
+                                                "prefill_warmup_s")
+
+    @property
+    def prefill_warmup(self) -> float:
+        """A prefill node's warm-up: `prefill_warmup_s`, else `warmup_s`."""
+        return self.warmup_s if self.prefill_warmup_s is None else self.prefill_warmup_s
 
 
 @dataclass(frozen=True)
@@ -162,7 +181,10 @@ def _section(name: str, cls: type, table: Any, source: str) -> Any:
     if unknown:
         raise ProfileError(f"{source}: {name}.{unknown[0]}: unknown key; keys: {', '.join(names)}")
     values = {}
+    optional = getattr(cls, "OPTIONAL_KEYS", ())
     for key in names:
+        if key not in table and key in optional:
+            continue
         if key not in table:
             raise ProfileError(f"{source}: {name}.{key} is missing (every key is required)")
         value = table[key]

@@ -250,8 +250,9 @@ class Simulation:
         self.counts["sent"] += 1
         self.requests.append(req)
         # the serving path before the router queues it (HTTP, router hop, tokeniser): its
-        # cost is the profile's `[serving] request_s`, paid by every request
-        self.loop.after(self.profile.serving.request_s, lambda: self.router.submit(req))
+        # cost is the profile's `[serving] request_s`, paid by every request (work on the
+        # nodes' host: slower on a busy shared one, whose cores run router, client and steps)
+        self.cluster.run(self.profile.serving.request_s, lambda: self.router.submit(req))
 
     def _start(self, req: SimRequest, route: Route) -> None:
         if route.unified is not None:
@@ -272,7 +273,7 @@ class Simulation:
         route = req.route
         assert route is not None and route.prefill is not None
         prefill = self.nodes[route.prefill.name]
-        self.loop.after(self.profile.serving.handoff_s, lambda: prefill.open_gate(req))
+        self.cluster.run(self.profile.serving.handoff_s, lambda: prefill.open_gate(req))
 
     def _prefill_done(self, req: SimRequest) -> None:
         self.tracker.add(req.keys)  # the prompt is cacheable once its first token exists

@@ -11,6 +11,12 @@ per config with every error, never only the best:
 - `goodput_rel_err`: the same for goodput (requests per second within `--ttft-slo`; without
   an SLO, every successful request counts).
 
+With `--repeat N` the real side runs N times (`DIR/LABEL`, `DIR/LABEL.2`, ...): the row
+compares the simulation with the **median** of the N real values of each metric (the column
+`real_runs` says how many ran; a failed run is left out and named), and a second table gives
+every real run's own errors, so the spread of the real runs themselves is in view: on a
+loaded 2-core host two identical runs differ by more than the 15 % a TTFT target allows.
+
 The real runs are local: every node of the topology on this host, sharing its cores; the
 simulator models that (`SimOptions.shared_host_slots` = `local_host_slots(args.node_threads)`). A synthetic
 trace without its own `seed=` is drawn with `--seed` for both runs. Writes
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +40,9 @@ from pdcache.sim.profile import ProfileError, load_profile
 
 COLUMNS = ("config", "hit_rate_real", "hit_rate_sim", "hit_rate_abs_err", "ttft_p50_real_s",
            "ttft_p50_sim_s", "ttft_p50_rel_err", "ttft_p90_real_s", "ttft_p90_sim_s",
-           "ttft_p90_rel_err", "goodput_real_rps", "goodput_sim_rps", "goodput_rel_err")
+           "ttft_p90_rel_err", "goodput_real_rps", "goodput_sim_rps", "goodput_rel_err",
+           "real_runs")
+REAL_KEYS = ("hit_rate_real", "ttft_p50_real_s", "ttft_p90_real_s", "goodput_real_rps")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "compute at once on this host's cores")
     parser.add_argument("--ttft-slo", type=float, default=None, metavar="S",
                         help="goodput counts requests with a TTFT of at most S seconds")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run each real config N times: errors against the median of "
+                             "the N real values, and every run's own errors in a second table")
 
 
 def rel_err(sim: float | None, real: float | None) -> float | None:
@@ -87,6 +99,23 @@ def error_row(label: str, real: dict[str, Any], real_records: list[dict[str, Any
     return row
 
 
+def median_row(label: str, run_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row of a repeated config: each real value the median over `run_rows` (the runs'
+    rows against the one simulation; None values left out), its errors recomputed."""
+    import statistics
+
+    row = dict(run_rows[0], config=label, real_runs=len(run_rows))
+    for key in REAL_KEYS:
+        values = [r[key] for r in run_rows if r.get(key) is not None]
+        row[key] = statistics.median(values) if values else None
+    if row["hit_rate_real"] is not None and row["hit_rate_sim"] is not None:
+        row["hit_rate_abs_err"] = abs(row["hit_rate_sim"] - row["hit_rate_real"])
+    for p in ("p50", "p90"):
+        row[f"ttft_{p}_rel_err"] = rel_err(row[f"ttft_{p}_sim_s"], row[f"ttft_{p}_real_s"])
+    row["goodput_rel_err"] = rel_err(row["goodput_sim_rps"], row["goodput_real_rps"])
+    return row
+
+
 def simulate(args: argparse.Namespace, path: Path, overrides: tuple[str, ...],
              out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The simulator on one config (progress off): its summary and records."""
@@ -118,35 +147,52 @@ def validate(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise ValueError("config labels must be unique (use LABEL=PATH)")
     load_profile(args.profile)  # a bad profile stops before anything is launched
     config = ReplayConfig.from_args(args)
-    rows, summaries = [], {}
+    repeat = max(1, getattr(args, "repeat", 1))
+    rows, every_run, summaries = [], [], {}
     for run in runs:
-        print(f"validate: {run.label}: real run ...", file=sys.stderr, flush=True)
-        outcome = run_one(args, config, run, out)
         print(f"validate: {run.label}: simulation ...", file=sys.stderr, flush=True)
         sim_summary, sim_records = simulate(args, run.path, run.overrides, out / run.label / "sim")
-        real_records = [dict(r.__dict__) for r in outcome.records]
-        row = error_row(run.label, outcome.summary, real_records, sim_summary, sim_records,
-                        args.ttft_slo)
-        row["error"] = outcome.error
+        run_rows, errors, reals = [], [], []
+        for index in range(repeat):
+            label = run.label if index == 0 else f"{run.label}.{index + 1}"
+            print(f"validate: {label}: real run ...", file=sys.stderr, flush=True)
+            outcome = run_one(args, config, replace(run, label=label), out)
+            reals.append(outcome.as_json())
+            if outcome.error:
+                errors.append(f"{label}: {outcome.error}")
+                continue
+            run_rows.append(error_row(label, outcome.summary,
+                                      [dict(r.__dict__) for r in outcome.records],
+                                      sim_summary, sim_records, args.ttft_slo))
+        every_run.extend(run_rows)
+        row = median_row(run.label, run_rows) if run_rows else {"config": run.label,
+                                                                   "real_runs": 0}
+        row["error"] = "; ".join(errors)
         rows.append(row)
-        summaries[run.label] = {"real": outcome.as_json(), "sim": sim_summary}
+        summaries[run.label] = {"real": reals[0] if repeat == 1 else reals, "sim": sim_summary}
     payload = {"trace": args.trace, "profile": args.profile, "ttft_slo_s": args.ttft_slo,
-               "rows": rows, "summaries": summaries}
+               "repeat": repeat, "rows": rows, "every_run": every_run, "summaries": summaries}
     (out / "validate.json").write_text(json.dumps(payload, indent=2, default=str))
-    return rows
+    return rows, every_run
 
 
 def run(args: argparse.Namespace) -> int:
     from pdcache.sim.simulation import seeded_trace_spec
 
     args.trace = seeded_trace_spec(args.trace, args.seed)  # the same trace for both runs
+    if args.repeat < 1:
+        print("pdcache sim validate: --repeat must be at least 1", file=sys.stderr)
+        return 2
     try:
-        rows = validate(args)
+        rows, every_run = validate(args)
     except (ValueError, TopologyError, ProfileError) as exc:
         print(f"pdcache sim validate: {exc}", file=sys.stderr)
         return 2
-    emit(f"simulator fidelity on {args.trace} (every config, every error)", rows,
-         columns=COLUMNS)
+    against = "the median of the real runs" if args.repeat > 1 else "the real run"
+    emit(f"simulator fidelity on {args.trace} (every config, every error; against {against})",
+         rows, columns=COLUMNS)
+    if args.repeat > 1:
+        emit("every real run against the same simulation", every_run, columns=COLUMNS[:-1])
     for row in rows:
         if row["error"]:
             print(f"{row['config']}: {row['error']}")

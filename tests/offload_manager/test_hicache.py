@@ -187,6 +187,28 @@ def test_storage_down_is_survived() -> None:
     fresh.close()
 
 
+@pytest.mark.parametrize("down", [False, True])
+def test_backup_is_counted_before_its_pages_are_unpinned(down: bool) -> None:
+    """`wait_idle` returns once no host page is pinned: a storage write's counters must be
+    final by then (they were counted after the unpin, and a test reading them right after
+    `wait_idle` once saw `backup_failed_pages` 0)."""
+    storage = DictBackend()
+    storage.down = down
+    st = Stack(storage)
+    seen: list[tuple[int, int]] = []
+    unpin = st.host.unpin
+
+    def unpin_and_look(ids):  # the IO thread's completion unpins the written pages
+        seen.append((st.cache.stats.backup_storage_pages, st.cache.stats.backup_failed_pages))
+        return unpin(ids)
+
+    st.host.unpin = unpin_and_look  # type: ignore[method-assign]
+    st.prefill(TOKENS)
+    assert st.cache.wait_idle(10)
+    assert seen == [(0, 3) if down else (3, 0)]
+    st.close()
+
+
 def test_host_eviction_is_lru_and_skips_pinned() -> None:
     st = Stack(DictBackend(), host_pages=6)
     a, b, c, d = (list(range(k, k + 3 * S)) for k in (100, 200, 300, 400))

@@ -120,11 +120,20 @@ def test_validate_runs_the_real_compare_and_the_simulator(profile_path: str,
     trace = "synthetic:sessions=2,turns=3,system_prompt=48,user=16,tool_result=16,answer=4"
     code = main(["sim", "validate", f"u={topology}", "--profile", profile_path, "--trace", trace,
                  "--out", str(out), "--concurrency", "2", "--no-progress",
-                 "--startup-timeout", "120", "--max-duration", "120", "--ttft-slo", "0.5"])
+                 "--startup-timeout", "120", "--max-duration", "120", "--ttft-slo", "0.5",
+                 "--repeat", "2"])
     result = json.loads((out / "validate.json").read_text())
     assert code == 0, [r["error"] for r in result["rows"]]
     (row,) = result["rows"]
     for key in ("ttft_p50_rel_err", "ttft_p90_rel_err", "goodput_rel_err"):
         assert isinstance(row[key], float)
+    # two real runs, each with its own errors; the row compares against their median
+    first, second = result["every_run"]
+    assert (first["config"], second["config"], row["real_runs"]) == ("u", "u.2", 2)
+    assert (out / "u.2" / "requests.jsonl").is_file()
+    median = (first["ttft_p50_real_s"] + second["ttft_p50_real_s"]) / 2
+    assert row["ttft_p50_real_s"] == pytest.approx(median)
+    assert row["ttft_p50_rel_err"] == pytest.approx(
+        (row["ttft_p50_sim_s"] - median) / median)
     # a roomy cache: the simulator reaches the theoretical rate, as the real server does
     assert row["hit_rate_abs_err"] <= 0.01
