@@ -254,12 +254,47 @@ def start_topology(run: ConfigRun, run_dir: Path, restart: bool = False) -> Stac
     return StackProcess(argv, env=env, log_path=run_dir / "launch.log", own_group=True)
 
 
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+
+
+@contextlib.contextmanager
+def sigterm_raises_exit() -> Iterator[None]:
+    """While inside: SIGTERM raises SystemExit(143) in the main thread, so the `finally`
+    blocks on the way out run — a stack started in its own process group (`StackProcess`,
+    `own_group`) would otherwise outlive a `timeout` or a supervisor stopping its owner.
+    Does nothing off the main thread (Python delivers signals there) or when a handler of
+    the caller's own is installed; the previous handler comes back on exit."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def exit_now(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def launched(run: ConfigRun, run_dir: Path, startup_timeout_s: float, stop_timeout_s: float,
              restart: bool = False, announce: bool = True) -> Iterator[LaunchedStack]:
     """Start `run`'s topology (logs under `run_dir`), wait until every HTTP endpoint is
-    healthy, yield it, and stop it on exit. LaunchError names the problem (and the logs)
-    when it cannot start. `announce`: say on stderr that it is starting."""
+    healthy, yield it, and stop it on exit — a SIGTERM to this process included
+    (`sigterm_raises_exit`). LaunchError names the problem (and the logs) when it cannot
+    start. `announce`: say on stderr that it is starting."""
+    with sigterm_raises_exit():
+        with _launched(run, run_dir, startup_timeout_s, stop_timeout_s, restart,
+                       announce) as stack:
+            yield stack
+
+
+@contextlib.contextmanager
+def _launched(run: ConfigRun, run_dir: Path, startup_timeout_s: float, stop_timeout_s: float,
+              restart: bool, announce: bool) -> Iterator[LaunchedStack]:
     try:
         front, urls = endpoints_of(run)
     except ValueError as exc:  # TopologyError names file, key and problem

@@ -241,7 +241,8 @@ class RadixTree:
         self.num_evicted_pages = 0
         self.restore_rules: tuple[RestoreRule, ...] = tuple(restore_rules)
         self.checkpoints = checkpoints
-        self._num_checkpoints = 0  # nodes with a state_slot
+        # the nodes with a state_slot, by id: the LRU drop looks at these, not the whole tree
+        self._checkpoint_nodes: dict[int, RadixNode] = {}
         self.window_allocator = window_allocator
         self._window_pages = 0  # sliding pages owned by the tree (tombstones not counted)
         self.num_evicted_checkpoints = 0  # freed with their node's pages
@@ -274,7 +275,7 @@ class RadixTree:
     @property
     def num_checkpoints(self) -> int:
         """State checkpoints (pool slots) the tree owns."""
-        return self._num_checkpoints
+        return len(self._checkpoint_nodes)
 
     # ---- lookup ------------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int], salt: str = "") -> MatchResult:
@@ -513,16 +514,16 @@ class RadixTree:
         if node.state_slot is not None:
             return False
         node.state_slot = slot
-        self._num_checkpoints += 1
+        self._checkpoint_nodes[id(node)] = node
         return True
 
     def drop_lru_checkpoint(self) -> bool:
         """Free the least recently used checkpoint (unlocked nodes first); the node stays, a
         prefix of deeper checkpoints. False when the tree holds none."""
-        holders = [n for n in self._iter_nodes() if n.state_slot is not None]
-        if not holders:
+        if not self._checkpoint_nodes:
             return False
-        victim = min(holders, key=lambda n: (n.lock_ref > 0, n.last_access))
+        victim = min(self._checkpoint_nodes.values(),
+                     key=lambda n: (n.lock_ref > 0, n.last_access))
         self._free_checkpoint(victim)
         self.num_dropped_checkpoints += 1
         return True
@@ -531,7 +532,7 @@ class RadixTree:
         slot, node.state_slot = node.state_slot, None
         if slot is None:
             return
-        self._num_checkpoints -= 1
+        del self._checkpoint_nodes[id(node)]
         assert self.checkpoints is not None, "a checkpoint without its slots' owner"
         self.checkpoints.free_checkpoint(slot)
 
@@ -556,7 +557,9 @@ class RadixTree:
                 slots.add(node.state_slot)
         assert device_pages == self._device_pages, (device_pages, self._device_pages)
         assert locked_pages == self._locked_pages, (locked_pages, self._locked_pages)
-        assert len(slots) == self._num_checkpoints, (len(slots), self._num_checkpoints)
+        assert len(slots) == len(self._checkpoint_nodes), (len(slots), len(self._checkpoint_nodes))
+        assert all(n.state_slot is not None for n in self._checkpoint_nodes.values()), \
+            "a node left among the checkpoint holders without its slot"
         assert len(window_seen) == self._window_pages, (len(window_seen), self._window_pages)
         self._check_leaf_heap()
 

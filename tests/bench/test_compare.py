@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from pdcache.bench.compare import compare_rows
-from pdcache.bench.stack import parse_config_arg, port_in_use
+from pdcache.bench.stack import healthy, parse_config_arg, port_in_use
 from pdcache.cli import main as pdcache_main
 from tests.net_support import free_ports, unified_topology
+from tests.polling import poll, scaled_limit
 
 NEEDED = ("pdcache.server.app", "pdcache.launch.launcher")
 pytestmark = pytest.mark.slow
@@ -56,3 +62,58 @@ def test_compare_launches_each_config_and_tears_it_down(tmp_path: Path) -> None:
     assert rows["nocache"]["ttft_p50_x"] == 1.0
     assert (out / "compare.png").is_file() and (out / "cached" / "requests.jsonl").is_file()
     assert not port_in_use(f"http://127.0.0.1:{port}"), "the last stack was torn down"
+
+
+# the owner of a launched stack: SIGTERM to it must stop the stack (its own process group)
+_OWNER = """
+import os, signal, sys, time
+from pathlib import Path
+from pdcache.bench.stack import launched, parse_config_arg
+if sys.argv[3] == "dies-at-once":  # the protection not in effect: a handler of its own
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+with launched(parse_config_arg(sys.argv[1], []), Path(sys.argv[2]), 120, 30, announce=False):
+    print("up", flush=True)
+    time.sleep(600)
+"""
+
+
+def _stack_pids(run_dir: Path) -> list[int]:
+    listing = json.loads((run_dir / "logs" / "processes.json").read_text())
+    return [listing["launcher_pid"], *(p["pid"] for p in listing["processes"] if p["pid"])]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("owner", ["default", "dies-at-once"])
+def test_sigterm_to_the_owner_stops_the_launched_stack(tmp_path: Path, owner: str) -> None:
+    port = free_ports(1)[0]
+    config = unified_topology(tmp_path, "u", port)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", _OWNER, str(config), str(run_dir), owner],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        pids = _stack_pids(run_dir)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=scaled_limit(60)) == 143
+        launcher, stopped_line = pids[0], "stopped 1 of 1 processes"
+        if owner == "default":  # its `finally` stopped the stack before it exited
+            assert not _alive(launcher)
+            assert poll(lambda: not any(_alive(p) for p in pids), 30, scaled=True)
+            assert not port_in_use(f"http://127.0.0.1:{port}")
+            assert stopped_line in (run_dir / "launch.log").read_text()
+        else:  # an owner that dies without its `finally`: nothing stopped the stack
+            assert _alive(launcher) and healthy(f"http://127.0.0.1:{port}")
+            assert stopped_line not in (run_dir / "launch.log").read_text()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        for pid in _stack_pids(run_dir) if (run_dir / "logs").is_dir() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
