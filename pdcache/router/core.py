@@ -40,7 +40,12 @@ from pdcache.engine.tokenizer import Tokenizer
 from pdcache.router.admission import Admission, Ask, HasRoom
 from pdcache.router.config import RouterConfig
 from pdcache.router.metrics import QueueView, RouterMetrics
-from pdcache.router.node_client import BAD_GATEWAY, NodeOverloadedError, NodeUnreachableError
+from pdcache.router.node_client import (
+    BAD_GATEWAY,
+    NodeOverloadedError,
+    NodeUnreachableError,
+    node_transport,
+)
 from pdcache.router.nodes import NodeRegistry
 from pdcache.router.policy import NoHealthyNodeError, PairSelector
 from pdcache.router.proxy import Proxy, close_stream
@@ -150,8 +155,7 @@ class Router:
         # every call to a node (generate, health, service endpoints) carries the node
         # credential derived from the cluster secret, when there is one
         self.client = httpx.AsyncClient(trust_env=False, headers=config.node_headers(),
-                                        limits=httpx.Limits(max_connections=4096,
-                                                            max_keepalive_connections=256))
+                                        transport=node_transport())
         self.registry = NodeRegistry(
             config.nodes, self.client, health_interval_s=config.health_interval_s,
             health_timeout_s=config.health_timeout_s, unhealthy_after=config.unhealthy_after,

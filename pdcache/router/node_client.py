@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -110,6 +111,9 @@ def _transport_error(node: NodeState, exc: httpx.HTTPError, deadline: Deadline) 
 
 # --------------------------------------------------------------------------- SSE stream
 
+_DRAIN_S = 1.0  # at most this long reading a stream's end after [DONE]
+_DRAIN_CHUNKS = 4  # ... and at most this many chunks
+
 
 class EventStream:
     """The `data:` events of one node's streaming `/generate` response, under a deadline.
@@ -124,6 +128,7 @@ class EventStream:
         self._buffer = b""
         self._payloads: deque[bytes] = deque()
         self._deadline = deadline
+        self._ended = False  # [DONE] came: the node finished, the connection may be reused
         self.closed = False
 
     async def next(self) -> dict[str, Any] | None:
@@ -139,7 +144,10 @@ class EventStream:
                 break
             self._split(chunk)
         payload = self._payloads.popleft()
-        return None if payload == b"[DONE]" else self._parse(payload)
+        if payload == b"[DONE]":
+            self._ended = True
+            return None
+        return self._parse(payload)
 
     def _split(self, chunk: bytes) -> None:
         *lines, self._buffer = (self._buffer + chunk).split(b"\n")
@@ -172,14 +180,38 @@ class EventStream:
             raise _transport_error(self.node, exc, self._deadline) from None
 
     async def aclose(self) -> None:
-        """Close the connection (the node sees a disconnect and aborts the request)."""
-        if not self.closed:
-            self.closed = True
-            with contextlib.suppress(Exception):
-                await self._response.aclose()
+        """Before [DONE]: close the connection (the node sees a disconnect and aborts the
+        request). After it: read the body's end first (the chunked encoding's last chunk), so
+        the connection goes back to the pool instead of being closed — without that every
+        streamed request cost the router a new TCP connection to each node."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):
+            if self._ended:
+                await self._drain()
+            await self._response.aclose()
+
+    async def _drain(self) -> None:
+        """What follows [DONE] (nothing but the body's end, from our nodes), bounded in time
+        and size: a node that keeps sending loses its connection instead."""
+        with anyio.move_on_after(min(self._deadline.remaining(), _DRAIN_S)):
+            for _ in range(_DRAIN_CHUNKS):
+                if await anext(self._chunks, None) is None:
+                    return
 
 
 # --------------------------------------------------------------------------- the client
+
+
+def node_transport() -> httpx.AsyncHTTPTransport:
+    """The connection pool to the nodes: connections are kept and reused (`EventStream`
+    drains a finished stream for that), with TCP_NODELAY, so a request's body, written after
+    its headers, never waits for the node's delayed ACK (the nodes set it on their side too:
+    `wire.serving.listen`)."""
+    return httpx.AsyncHTTPTransport(
+        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256),
+        socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
 
 
 class NodeClient:
