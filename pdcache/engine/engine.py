@@ -152,7 +152,6 @@ class Engine:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
-        cache = config.cache
         # a sliding-window model served device-only by a unified node keeps its sliding
         # layers' pages apart and frees those out of every window (window pages, §4.14);
         # host/storage tiers and P→D nodes keep every page of every layer unless a decode
@@ -160,32 +159,15 @@ class Engine:
         self.window = (_window_pages(config)
                        if make_tree is None and (make_scheduler is None or window_pages)
                        else None)
-        if self.window is not None:
-            self.pool = self.window.full_pool(cache.num_device_pages, config.model.torch_dtype,
-                                              config.device)
-        else:
-            self.pool = DeviceKVPool.create(
-                config.model, cache.num_device_pages, cache.page_size, config.device
-            )
+        self.pool = _device_pool(config, self.window)
         self.states = _state_slots(config)
-        self.tree: RadixTree | None = None
-        if cache.enable_prefix_cache:
-            if make_tree is None:
-                self.tree = _device_tree(self.pool, cache, self.states, self.window)
-            elif self.states is None:
-                self.tree = make_tree(self.pool)
-            else:
-                self.tree = make_tree(self.pool, states=self.states)
-                if not self.tree.restore_rules or self.tree.checkpoints is not self.states:
-                    raise ValueError(f"{NO_STATE_TIERS}: {config.model.name} has "
-                                     f"linear-attention layers ({self.states.pool.describe()}) "
-                                     f"and its tree does not restore them")
+        self.tree = _prefix_tree(config, self.pool, self.states, self.window, make_tree)
         extra: dict[str, Any] = {} if self.states is None else {"states": self.states}
         if self.window is not None:
             extra["window"] = self.window
         self.scheduler = (make_scheduler or Scheduler)(
             config=config.scheduler,
-            cache=cache,
+            cache=config.cache,
             pool=self.pool,
             tree=self.tree,
             max_context=config.model.max_position_embeddings,
@@ -900,6 +882,34 @@ class Engine:
         with self._lock:
             self._snapshot = snapshot
             self._num_waiting = snapshot["num_waiting"]
+
+
+def _device_pool(config: EngineConfig, window: WindowPages | None) -> DeviceKVPool:
+    """The device KV pool: every layer's pages, or only the full layers' with window pages
+    (the sliding layers then have a pool of their own, `window.pool`)."""
+    cache = config.cache
+    if window is not None:
+        return window.full_pool(cache.num_device_pages, config.model.torch_dtype, config.device)
+    return DeviceKVPool.create(config.model, cache.num_device_pages, cache.page_size,
+                               config.device)
+
+
+def _prefix_tree(config: EngineConfig, pool: DeviceKVPool, states: StateSlots | None,
+                 window: WindowPages | None,
+                 make_tree: Callable[..., RadixTree] | None) -> RadixTree | None:
+    """The prefix tree over `pool` (None without a prefix cache): the device-only one, or
+    `make_tree`'s, which for a hybrid model must restore its recurrent states."""
+    if not config.cache.enable_prefix_cache:
+        return None
+    if make_tree is None:
+        return _device_tree(pool, config.cache, states, window)
+    if states is None:
+        return make_tree(pool)
+    tree = make_tree(pool, states=states)
+    if not tree.restore_rules or tree.checkpoints is not states:
+        raise ValueError(f"{NO_STATE_TIERS}: {config.model.name} has linear-attention layers "
+                         f"({states.pool.describe()}) and its tree does not restore them")
+    return tree
 
 
 def _device_tree(pool: DeviceKVPool, cache: CacheConfig, states: StateSlots | None,
