@@ -145,11 +145,15 @@ def test_a_closed_nixl_engine_stops_its_progress_thread_while_still_referenced(e
     framework holding the fixture, a node object not yet collected) spun a core each until the
     process exited, and two of them starved the 2-core CI machine into transfer timeouts.
     close() drops the agent, so the process stops using CPU while the engine objects are still
-    referenced (the fixture holds both, and closes them again at teardown: idempotent)."""
+    referenced (the fixture holds both, and closes them again at teardown: idempotent) — and
+    while NIXL's own agent objects are (a failed test's traceback keeps the frames that used
+    them: ten such agents spun a CI run's 2 cores into a cascade of timeouts)."""
     initiator, target = engine_pair
     peer, good, _pools = _one_page_written(initiator, target)
+    kept = [initiator._agent, target._agent]  # what a kept traceback's frames hold
     initiator.close()
     target.close()
+    assert all(wrapper is not None for wrapper in kept)
     cpu_before, wall_before = _process_cpu_s(), time.monotonic()
     time.sleep(0.5)
     # Idle, the process uses almost none of the wall time; one spinning thread uses all of it.

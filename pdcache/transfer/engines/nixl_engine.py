@@ -13,6 +13,7 @@ and that polls with no delay, so a live engine uses one core; `close()` destroys
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -175,8 +176,11 @@ class NixlEngine(KVTransferEngine):
                     agent.deregister_memory(descs)
                 except Exception:
                     pass
-            # Our reference is the agent's last (`agent` goes with this frame): dropping it
-            # destroys the C++ agent, which joins its UCX progress thread. That thread polls with
-            # no delay (NIXL's Python API sets none), so an agent kept past close() spins a core
-            # until the process exits.
+            # Dropping the C++ agent joins its UCX progress thread, which polls with no delay
+            # (NIXL's Python API sets none): an agent kept past close() spins a core until
+            # the process exits. Our reference to the Python wrapper is not always its last
+            # (a traceback, a failed test's frames keep `agent` locals: ten such agents at
+            # 100 % each starved a whole CI run), so the wrapper lets go of the C++ agent too.
             self._agent = None
+            with contextlib.suppress(Exception):  # a wrapper without the attribute
+                agent.agent = None  # the wrapper is never used after this
