@@ -130,13 +130,14 @@ class MatchResult:
 
 class RestoreRule(Protocol):
     """Whether one layer kind's cache can be restored after the first `num_pages` pages of
-    `node` (its pages on device). `kind` is the geometry's layer kind ("linear", later
+    `node` (its pages on device; `start_page`: the pages before `node` on its path, which
+    the caller walking the path knows). `kind` is the geometry's layer kind ("linear",
     "sliding"); `reason` what `MatchResult.limited_by` says when it refuses."""
 
     kind: str
     reason: str
 
-    def restorable(self, node: RadixNode, num_pages: int) -> bool: ...
+    def restorable(self, node: RadixNode, num_pages: int, start_page: int) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class StateCheckpointRule:
     kind: str = "linear"
     reason: str = "state"
 
-    def restorable(self, node: RadixNode, num_pages: int) -> bool:
+    def restorable(self, node: RadixNode, num_pages: int, start_page: int) -> bool:
         return num_pages == node.num_pages and node.state_slot is not None
 
 
@@ -161,8 +162,8 @@ class SlidingWindowRule:
     kind: str = "sliding"
     reason: str = "window"
 
-    def restorable(self, node: RadixNode, num_pages: int) -> bool:
-        end = _node_start(node) // self.page_size + num_pages  # the point, in pages
+    def restorable(self, node: RadixNode, num_pages: int, start_page: int) -> bool:
+        end = start_page + num_pages  # the point, in pages
         first = max(0, end * self.page_size - self.window + 1) // self.page_size
         needed, index, item = end - first, num_pages, node
         while needed > 0 and item is not None and not item.is_root:
@@ -174,15 +175,6 @@ class SlidingWindowRule:
             item = item.parent
             index = item.num_pages if item is not None else 0
         return True
-
-
-def _node_start(node: RadixNode) -> int:
-    """Tokens before `node`'s first one."""
-    start, item = 0, node.parent
-    while item is not None and not item.is_root:
-        start += len(item.key)
-        item = item.parent
-    return start
 
 
 class CheckpointSlots(Protocol):
@@ -287,14 +279,14 @@ class RadixTree:
         match = self._pages_of(path, salt)
         if not self.restore_rules or not path:
             return match
-        limited_by = self._refusal(*path[-1])
+        done = match.cached_len // self.page_size
+        limited_by = self._refusal(path[-1][0], path[-1][1], done - path[-1][1])
         if limited_by is None:
             return match
-        done = match.cached_len // self.page_size
         for node, matched in reversed(path):  # the deepest point every rule accepts
             done -= matched
             for num_pages in range(matched, 0, -1):
-                if self._refusal(node, num_pages) is None:
+                if self._refusal(node, num_pages, done) is None:
                     hit = done + num_pages
                     return MatchResult(match.page_ids[:hit], hit * self.page_size, node,
                                        match.cached_len, limited_by,
@@ -347,10 +339,11 @@ class RadixTree:
             path.append((node, matched))
         return path
 
-    def _refusal(self, node: RadixNode, num_pages: int) -> str | None:
-        """The reason of the first rule that cannot restore after `num_pages` of `node`."""
+    def _refusal(self, node: RadixNode, num_pages: int, start_page: int) -> str | None:
+        """The reason of the first rule that cannot restore after `num_pages` of `node`
+        (`start_page` pages before it on its path)."""
         for rule in self.restore_rules:
-            if not rule.restorable(node, num_pages):
+            if not rule.restorable(node, num_pages, start_page):
                 return rule.reason
         return None
 

@@ -247,6 +247,12 @@ def measure_serving(args: argparse.Namespace, profile: Profile, out: Path,
     return table
 
 
+def _run_totals(records: list[dict[str, Any]], relay_cpu: float) -> tuple[int, int, float]:
+    """(requests answered, tokens streamed, router + client CPU seconds) of one real run:
+    what `relay_per_token` solves the per-token relay cost from."""
+    return sum(1 for r in records if r.get("ok")), _streamed_tokens(records), relay_cpu
+
+
 def _measure_load(args: argparse.Namespace, profile: Profile, out: Path, log: Any,
                   idle_run: tuple[list[dict[str, Any]], float], idle: ServingCost
                   ) -> tuple[float, float]:
@@ -255,9 +261,7 @@ def _measure_load(args: argparse.Namespace, profile: Profile, out: Path, log: An
     config_arg = args.serving_pd or args.serving_unified
     records, relay_cpu = _real(args, config_arg, out, loaded=True)
     idle_records, idle_cpu = idle_run
-    relay = relay_per_token(
-        (sum(1 for r in idle_records if r.get("ok")), _streamed_tokens(idle_records), idle_cpu),
-        (sum(1 for r in records if r.get("ok")), _streamed_tokens(records), relay_cpu))
+    relay = relay_per_token(_run_totals(idle_records, idle_cpu), _run_totals(records, relay_cpu))
     _, real_ttft, real_tpot = _medians(records)
 
     def simulate_tpot(token: float, step: float) -> float:

@@ -42,11 +42,13 @@ def test_pd_nodes_on_a_compute_share_announce_yield_and_export_it(tiny, tmp_path
         other.announce(False)
         p_metrics = stack.client.get(f"{stack.prefill.url}/metrics").text
         d_metrics = stack.client.get(f"{stack.decode.url}/metrics").text
+        expected = [reference(prompt, ANSWER), reference(prompt[:-3], ANSWER)]
     finally:
         other.close()
         stack.close()
-    assert quiet["output_ids"] == reference(prompt, ANSWER)
-    assert held["output_ids"] == reference(prompt[:-3], ANSWER)
+        reference.close()
+    assert quiet["output_ids"] == expected[0]
+    assert held["output_ids"] == expected[1]
     # prefill computed two prompts under its announcement; decode was never held by it (its
     # steps came after prefill's batch), but by the other engine's, every decode step of the
     # second request, each let through at the 50 ms bound
