@@ -263,20 +263,26 @@ def sigterm_raises_exit() -> Iterator[None]:
     blocks on the way out run — a stack started in its own process group (`StackProcess`,
     `own_group`) would otherwise outlive a `timeout` or a supervisor stopping its owner.
     Does nothing off the main thread (Python delivers signals there) or when a handler of
-    the caller's own is installed; the previous handler comes back on exit."""
+    the caller's own is installed; the default comes back on exit (unless the body installed
+    a handler of its own). Only the first SIGTERM raises: later ones are ignored until the
+    exit, so they cannot cut the stop short."""
     if threading.current_thread() is not threading.main_thread() \
             or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
 
     def exit_now(signum: int, _frame: Any) -> None:
+        # once: a second SIGTERM (a supervisor repeating itself) must not interrupt the
+        # stop the first one started — it would skip stopping the stack's group
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, exit_now)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if signal.getsignal(signal.SIGTERM) in (exit_now, signal.SIG_IGN):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager

@@ -698,6 +698,28 @@ class RadixTree:
         self._on_device_evicted(node)
         return len(page_ids)
 
+    def reclaim_window_pages(self, keep: set[int], wanted: int) -> list[int]:
+        """Free up to `wanted` of the tree's sliding pages that are not in `keep`, leaving
+        tombstones, in nodes eviction cannot take (a running request's locked path: every
+        earlier turn's window tails on it stay there otherwise, however far behind the
+        request's window they are). Hits needing them are cut to an earlier restorable
+        point by `SlidingWindowRule`. Returns the pages freed; the caller drops its own
+        copies of them (`Scheduler._reclaim_window_pages`)."""
+        freed: list[int] = []
+        for node in self._iter_nodes():
+            pages = node.window_page_ids
+            for index, page in enumerate(pages or []):
+                if len(freed) == wanted:
+                    break
+                if page is not None and page not in keep:
+                    pages[index] = None  # type: ignore[index]
+                    freed.append(page)
+        if freed:
+            assert self.window_allocator is not None, "window pages without their allocator"
+            self.window_allocator.free(freed)
+            self._window_pages -= len(freed)
+        return freed
+
     def _free_window_pages(self, node: RadixNode) -> None:
         """Free the sliding pages of a node whose device pages go (tombstones skipped)."""
         window, node.window_page_ids = node.window_page_ids, None

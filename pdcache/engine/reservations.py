@@ -352,6 +352,12 @@ class ReservationBook:
         self.growth.pop(req.rid, None)
         return page_ids, prefix, window_ids
 
+    def prefix_window_pages(self) -> set[int]:
+        """The tree's sliding pages the reserved prefixes hold (window pages): they reach
+        their requests at `take`, so the tree keeps them (`Scheduler._reclaim_window_pages`)."""
+        return {page for reserved in self.prefix.values()
+                for page in reserved.match.window_page_ids if page is not None}
+
     def _window_ids(self, req: Req, prefix: MatchResult) -> list[int | None]:
         """`req`'s sliding pages at `take` (empty without window pages). Raises ValueError
         when its prompt is not as long as the one its window tail was reserved for."""

@@ -654,7 +654,37 @@ class Scheduler:
         allocator = self.window.allocator
         while allocator.num_free < num_pages and self.tree is not None and self.tree.evict(1):
             pass  # whole nodes go, each with its sliding pages
+        if allocator.num_free < num_pages and self.tree is not None:
+            self._reclaim_window_pages(num_pages - allocator.num_free)
         return allocator.alloc(num_pages)
+
+    def _reclaim_window_pages(self, wanted: int) -> None:
+        """Free locked tree sliding pages nothing reads any more: a running request reads
+        its tree pages from its window on (`first_needed_page(kv_len)`; those behind it
+        never again: kv_len only grows, a retracted request matches anew), a held request
+        or a reservation's prefix may still read all of theirs. Without this, a multi-turn
+        hit locked every earlier turn's window tails on its path and a small sliding pool
+        stalled the request that held them for good. The running requests' copies of the
+        freed pages become tombstones too, so that caching them later adopts nothing."""
+        assert self.window is not None and self.tree is not None
+        window = self.window
+        keep = {page for req in self.held.values()
+                for page in req.window_page_ids[: req.num_tree_pages] if page is not None}
+        if self.reservations is not None:
+            keep.update(self.reservations.prefix_window_pages())
+        for req in self.running:
+            first = window.first_needed_page(req.kv_len)
+            keep.update(page for page in req.window_page_ids[first : req.num_tree_pages]
+                        if page is not None)
+        freed = set(self.tree.reclaim_window_pages(keep, wanted))
+        if not freed:
+            return
+        for req in self.running:
+            ids = req.window_page_ids
+            for index in range(min(req.num_tree_pages, len(ids))):
+                if ids[index] in freed:
+                    ids[index] = None
+        window.reclaimed_from_tree += len(freed)
 
     def _chunk_window(self, req: Req, chunk: int, batched: list[Req]) -> bool:
         """Give `req` the sliding pages its next `chunk` tokens write (window pages come a

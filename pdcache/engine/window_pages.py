@@ -93,6 +93,9 @@ class WindowPages:
         self.sliding_rows = {i: self.sliding_geometry.kv_layer_index(i) for i in layers
                              if geometry.layer_kind(i) == "sliding"}
         self.freed_by_window = 0  # sliding pages freed because no window needed them
+        # the tree's sliding pages on locked paths freed because no request read them
+        # (`Scheduler._reclaim_window_pages`)
+        self.reclaimed_from_tree = 0
 
     @property
     def allocator(self) -> PageAllocator:
@@ -157,6 +160,7 @@ class WindowPages:
             "window_pages_free": allocator.num_free,
             "window_pages_cached": tree.window_pages if tree else 0,
             "window_pages_freed_total": self.freed_by_window,
+            "window_pages_reclaimed_total": self.reclaimed_from_tree,
             "prefix_hits_limited_by_window_total":
                 tree.limited_matches.get("window", 0) if tree else 0,
             "tokens_limited_by_window_total":

@@ -31,6 +31,7 @@ from pdcache.router.nodes import NodeRegistry
 from pdcache.router.policy import NodeState
 from pdcache.router.route import Deadline
 from pdcache.wire.protocol import INVALID_REQUEST, OVERLOADED, SERVER_ERROR, TIMEOUT, ApiError
+from pdcache.wire.serving import POOL_IDLE_S
 
 BAD_GATEWAY = "bad_gateway"
 MAX_ERROR_BYTES = 64 * 1024
@@ -111,7 +112,10 @@ def _transport_error(node: NodeState, exc: httpx.HTTPError, deadline: Deadline) 
 
 # --------------------------------------------------------------------------- SSE stream
 
-_DRAIN_S = 1.0  # at most this long reading a stream's end after [DONE]
+# At most this long reading a stream's end after [DONE]: our nodes send it with [DONE]; an
+# upstream that keeps its body open must not hold the client's own end (the drain runs
+# before it) for long — its connection is closed instead
+_DRAIN_S = 0.05
 _DRAIN_CHUNKS = 4  # ... and at most this many chunks
 
 
@@ -208,9 +212,11 @@ def node_transport() -> httpx.AsyncHTTPTransport:
     """The connection pool to the nodes: connections are kept and reused (`EventStream`
     drains a finished stream for that), with TCP_NODELAY, so a request's body, written after
     its headers, never waits for the node's delayed ACK (the nodes set it on their side too:
-    `wire.serving.listen`)."""
+    `wire.serving.listen`). An idle connection is dropped after `POOL_IDLE_S`, well before
+    the node closes it (`KEEP_ALIVE_S`)."""
     return httpx.AsyncHTTPTransport(
-        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256),
+        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256,
+                            keepalive_expiry=POOL_IDLE_S),
         socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
 
 

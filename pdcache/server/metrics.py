@@ -39,6 +39,12 @@ ENGINE_GAUGES: dict[str, tuple[tuple[str, ...], str]] = {
     "pdcache_state_slot_bytes": (("state_slot_bytes",), "bytes of one recurrent state"),
     "pdcache_state_checkpoints": (("state_checkpoints",),
                                   "state checkpoints the device prefix tree holds"),
+    # sliding-window models with window pages (docs/design.md §4.14); absent otherwise
+    "pdcache_window_pages_total": (("window_pages_total",),
+                                   "device pages of the sliding layers' own pool"),
+    "pdcache_window_pages_free": (("window_pages_free",), "free sliding-layer pages"),
+    "pdcache_window_pages_cached": (("window_pages_cached",),
+                                    "sliding-layer pages the prefix tree holds"),
 }
 ENGINE_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
     "pdcache_device_pages_evicted": (("pages_evicted_total",), "prefix-cache pages evicted"),
@@ -80,6 +86,16 @@ ENGINE_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
                                    "because no state checkpoint was at its end"),
     "pdcache_state_limited_tokens": (("tokens_limited_by_state_total",),
                                      "matched tokens not reused for want of a state checkpoint"),
+    "pdcache_window_pages_freed": (("window_pages_freed_total",),
+                                   "sliding-layer pages freed as requests' windows moved"),
+    "pdcache_window_pages_reclaimed": (("window_pages_reclaimed_total",),
+                                       "the prefix tree's sliding-layer pages on locked paths "
+                                       "freed for a request short of them (no reader left)"),
+    "pdcache_window_limited_hits": (("prefix_hits_limited_by_window_total",),
+                                    "admissions whose page match was cut to an earlier point "
+                                    "because the sliding pages before it were freed"),
+    "pdcache_window_limited_tokens": (("tokens_limited_by_window_total",),
+                                      "matched tokens not reused for want of sliding pages"),
 }
 
 

@@ -47,6 +47,23 @@ def listen(host: str, port: int, command: str) -> socket.socket | None:
     return sock
 
 
+# An idle kept-alive connection: the server closes it after KEEP_ALIVE_S; a pooling client
+# must drop it well before (the router's node pool: POOL_IDLE_S). With both at the same
+# value (uvicorn's and httpx's default, 5 s) a request sent as the server closes the
+# connection fails as "disconnected without a response", which no retry may cover (the node
+# could have received it): an agentic session thinking ~5 s between turns hit that race.
+KEEP_ALIVE_S = 30
+POOL_IDLE_S = 10.0
+
+
+def server_config(app: FastAPI, log_level: str,
+                  tls: tuple[str | None, str | None] | None = None) -> uvicorn.Config:
+    """The uvicorn settings every node and the router serve with (`serve_app`)."""
+    cert, key = tls if tls is not None else (None, None)
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
+                          timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=cert, ssl_keyfile=key)
+
+
 def serve_app(app: FastAPI, sock: socket.socket, host: str, log_level: str, command: str,
               lines: Callable[[], list[str]] = list,
               tls: tuple[str | None, str | None] | None = None) -> int:
@@ -56,10 +73,8 @@ def serve_app(app: FastAPI, sock: socket.socket, host: str, log_level: str, comm
     chain, private key) PEM files: HTTPS (uvicorn's TLS), and the ready line says https."""
     port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    cert, key = tls if tls is not None else (None, None)
-    uv_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
-                               ssl_certfile=cert, ssl_keyfile=key)
-    scheme = "https" if cert else "http"
+    uv_config = server_config(app, log_level, tls)
+    scheme = "https" if uv_config.ssl_certfile else "http"
     server = _AnnouncingServer(uv_config, lines,
                                f"pdcache {command}: ready at {scheme}://{shown}:{port}")
     try:

@@ -390,3 +390,58 @@ def test_a_prefill_short_of_sliding_pages_lets_the_decoding_go_on(checkpoint, mo
                        [float(lp.logprob) for o in out for lp in o.new_logprobs])
     allocator.free(held)
     assert_idle(engine)
+
+
+def test_a_long_conversation_in_a_small_sliding_pool_reclaims_its_path_s_old_tails(
+        checkpoint, model) -> None:
+    """Each turn hits the whole conversation before it, locking its path, and every earlier
+    turn left window tails on that path (its prompt end's, its answer end's): with one
+    request at a time and the pool at its floor (14 pages), the third turn found every
+    sliding page on its own locked path and stalled (sliding pages 0 free, the request
+    retracted and re-admitted forever). The tree now frees locked sliding pages behind
+    every reader's window (`window_pages_reclaimed_total`): every turn ends, its tokens and
+    logprobs equal transformers', and a later hit is cut where they were freed, never wrong."""
+    _, hf = checkpoint
+    config = EngineConfig(
+        model=model.config,
+        cache=CacheConfig(page_size=PAGE, num_device_pages=96, sliding_pages=14),
+        scheduler=SchedulerConfig(chunked_prefill_tokens=SMALL_CHUNK, max_running_requests=1),
+        kernels="torch")
+    engine = Engine(config, model).start(thread=False)
+    conversation: list[int] = []
+    for turn in range(5):
+        conversation = conversation + prompt_of(40 + turn, 20)
+        outputs: list[RequestOutput] = []
+        engine.submit(GenerateRequest(
+            rid=f"t{turn}", input_ids=conversation,
+            sampling=SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True),
+            logprobs=LogprobRequest()), outputs.append)
+        for _ in range(500):  # bounded: the stalled turn stepped forever
+            if not engine.step():
+                break
+        assert outputs and outputs[-1].finished and outputs[-1].error is None, (
+            turn, outputs[-1:])
+        tokens = [t for o in outputs for t in o.new_token_ids]
+        assert_like_hf(hf, conversation, tokens,
+                       [float(lp.logprob) for o in outputs for lp in o.new_logprobs])
+        if turn:  # the turn before is still hit (where its last window is)
+            assert outputs[-1].cached.device > 0, turn
+        engine.check_accounting()
+        conversation = conversation + tokens[:-1]
+    stats = engine.stats()
+    assert stats["window_pages_reclaimed_total"] > 0
+    # what an operator sees of it on /metrics
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdcache.server.metrics import EngineStatsCollector
+
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(engine.stats, "w"))
+    text = generate_latest(registry).decode()
+    for line in (f'pdcache_window_pages_reclaimed_total{{server="w"}} '
+                 f'{float(stats["window_pages_reclaimed_total"])}',
+                 'pdcache_window_pages_total{server="w"} 14.0',
+                 f'pdcache_window_pages_freed_total{{server="w"}} '
+                 f'{float(stats["window_pages_freed_total"])}'):
+        assert line in text, text
+    assert_idle(engine)

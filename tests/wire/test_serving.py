@@ -26,3 +26,43 @@ def test_accepted_connections_send_at_once() -> None:
     assert taken is not None
     with taken:
         assert listen("127.0.0.1", taken.getsockname()[1], "test") is None  # a busy port
+
+
+def _get(conn: socket.socket) -> bytes:
+    """One keep-alive GET on `conn`: the response's bytes (b"" when the server closed)."""
+    conn.sendall(b"GET /ping HTTP/1.1\r\nHost: test\r\n\r\n")
+    return conn.recv(4096)
+
+
+def test_an_idle_connection_outlives_a_pooling_client_s_idle_time() -> None:
+    """A connection idle longer than a pooling client keeps it (httpx's default 5 s, the
+    router's POOL_IDLE_S) is still served: with the server closing at the same time
+    (uvicorn's default, 5 s) a request sent at that moment found the connection closing
+    and failed without a response. With the old keep-alive it fails here (b"")."""
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from pdcache.wire.serving import KEEP_ALIVE_S, POOL_IDLE_S, server_config
+
+    app = FastAPI()
+    app.get("/ping")(lambda: {"ok": True})
+    idle_s = 5.5  # past the old keep-alive, the clients' default expiry
+    assert POOL_IDLE_S < KEEP_ALIVE_S and idle_s < KEEP_ALIVE_S
+    sock = listen("127.0.0.1", 0, "test")
+    assert sock is not None
+    server = uvicorn.Server(server_config(app, "warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        with socket.create_connection(sock.getsockname()[:2], timeout=30) as conn:
+            first = _get(conn)
+            assert first.startswith(b"HTTP/1.1 200"), first
+            threading.Event().wait(idle_s)  # the idle period itself is what is tested
+            again = _get(conn)
+            assert again.startswith(b"HTTP/1.1 200"), again
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
