@@ -37,6 +37,12 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "pages_failed": ("pages_failed", "pages whose storage write failed"),
     "pages_pulled": ("pull_pages_served", "staged pages sent to prefill pulls before their "
                                           "write landed (docs/design.md §4.10)"),
+    # hybrid models: the answer-end recurrent state, one object per request
+    "states_offloaded": ("states_offloaded", "answer-end states written as state objects"),
+    "states_failed": ("states_failed", "answer-end states whose write failed"),
+    "states_dropped": ("states_dropped", "answer-end states not written: pages of theirs "
+                                         "were dropped (staging short), none could be hit"),
+    "state_bytes_offloaded": ("state_bytes_offloaded", "bytes of the states written"),
 }
 GAUGES: dict[str, tuple[str, str]] = {
     "staging_pages_used": ("staging_pages_used", "host staging pages in use"),

@@ -270,12 +270,16 @@ class HiCache:
             prefetched.state_slot = None
 
     def _checkpoint_restored(self, node: RadixNode, request_slot: int) -> None:
-        """A node restored from host gets its state back on device too (when the checkpoint
-        share has a free slot), so the next request hits it there."""
+        """A node restored from host gets its state back on device too, so the next request
+        hits it there: with the checkpoint share used up, the least recently used checkpoint
+        gives way, as for one the scheduler takes (without a device checkpoint the node,
+        now on device, was served by neither the device rule nor the host match)."""
         assert self.states is not None
         if node.state_slot is not None:
             return
         slot = self.states.alloc_checkpoint()
+        if slot is None and self.tree.drop_lru_checkpoint():
+            slot = self.states.alloc_checkpoint()
         if slot is None:
             self.states.counters.checkpoints_skipped += 1
             return
@@ -297,8 +301,11 @@ class HiCache:
     def start_prefetch(self, rid: str, token_ids: Sequence[int], salt: str, first_page: int,
                        max_pages: int) -> int:
         """Look up pages `first_page .. max_pages` of the prompt in storage and start reading
-        the consecutive hits into host pages; returns the number of pages being read."""
-        return self.prefetches.start(rid, token_ids, salt, first_page, max_pages)
+        the consecutive hits into host pages; returns the number of pages being read. The
+        read makes room on host without evicting the request's own match before
+        `first_page` (it would cut the hit the read continues)."""
+        return self.prefetches.start(rid, token_ids, salt, first_page, max_pages,
+                                     self._path_nodes(token_ids, salt, first_page))
 
     def prefetch_ready(self, rid: str, now: float | None = None) -> bool:
         """Whether the queued request may be admitted now, under the prefetch policy."""
@@ -324,7 +331,14 @@ class HiCache:
         the old read was still running at its deadline (storage that slow gains nothing from
         a second read), or it waits for pages a decode node announced (their wait and its
         counters stay as they are). Returns the pages being read (`start_prefetch`)."""
-        return self.prefetches.restart(rid, token_ids, salt, first_page, max_pages)
+        return self.prefetches.restart(rid, token_ids, salt, first_page, max_pages,
+                                       self._path_nodes(token_ids, salt, first_page))
+
+    def _path_nodes(self, token_ids: Sequence[int], salt: str,
+                    num_pages: int) -> frozenset[RadixNode]:
+        """The tree's nodes holding the first `num_pages` pages of `token_ids` (any tier)."""
+        prefix = token_ids[: num_pages * self.tree.page_size]
+        return frozenset(node for node, _ in self.tree.walk(prefix, salt))
 
     def cancel_prefetch(self, rid: str) -> None:
         self.prefetches.cancel(rid)

@@ -67,6 +67,7 @@ from pdcache.offload_manager.storage.base import StorageBackend
 from pdcache.offload_manager.storage.layer_reads import LayerStream
 
 if TYPE_CHECKING:
+    from pdcache.engine.radix import RadixNode
     from pdcache.offload_manager.backup import AllocHost, AllocHostState, Count, PageKeys
     from pdcache.offload_manager.hicache import HiCacheConfig
 
@@ -104,9 +105,11 @@ class Prefetcher:
 
     # ---- the request's prefetch ----------------------------------------------------------
     def start(self, rid: str, token_ids: Sequence[int], salt: str, first_page: int,
-              max_pages: int) -> int:
+              max_pages: int, keep: frozenset[RadixNode] = frozenset()) -> int:
         """Look up pages `first_page .. max_pages` of the prompt in storage and start reading
-        the consecutive hits into host pages; returns the number of pages being read."""
+        the consecutive hits into host pages; returns the number of pages being read. Room
+        on host is made without evicting `keep`'s host copies (nor dropping their host
+        checkpoints): the request's own device + host match, which the read continues."""
         if self.worker is None or max_pages - first_page < self.config.prefetch_min_pages:
             return 0
         assert self.storage is not None
@@ -121,13 +124,13 @@ class Prefetcher:
         finally:
             self._count(prefetch_lookup_us=int((time.perf_counter() - start) * 1e6))
         if self.host_states is not None:
-            return self._start_hybrid(rid, first_page, keys, hits, len(token_ids))
+            return self._start_hybrid(rid, first_page, keys, hits, len(token_ids), keep)
         awaited = self._pending_after(keys, hits)
         total = hits + awaited
         if total < self.config.prefetch_min_pages:
             self._count(pending_raced_pages=awaited)
             return 0
-        host_ids = self._alloc_host(total, frozenset())
+        host_ids = self._alloc_host(total, keep)
         if host_ids is None:
             log.info("prefetch of %s stopped: no host room for %d pages", rid, total)
             self._count(pending_raced_pages=awaited)
@@ -141,7 +144,7 @@ class Prefetcher:
         return total
 
     def _start_hybrid(self, rid: str, first_page: int, keys: list[bytes], hits: int,
-                      num_tokens: int) -> int:
+                      num_tokens: int, keep: frozenset[RadixNode]) -> int:
         """`start` for a hybrid model: the pages up to the deepest stored state object among
         the `hits` pages, and that state (or a shallower one) into a host state slot; or, past
         them, up to a state decode announced (awaited with its pending pages)."""
@@ -169,8 +172,8 @@ class Prefetcher:
             self._count(pending_raced_pages=max(0, total - hits) if awaited else 0)
             return 0
         assert self._alloc_host_state is not None
-        slot = self._alloc_host_state(frozenset())
-        host_ids = self._alloc_host(total, frozenset()) if slot is not None else None
+        slot = self._alloc_host_state(keep)
+        host_ids = self._alloc_host(total, keep) if slot is not None else None
         if host_ids is None:
             if slot is not None:
                 self.host_states.free(slot)
@@ -317,7 +320,7 @@ class Prefetcher:
         return op.first_page if op else 0
 
     def restart(self, rid: str, token_ids: Sequence[int], salt: str, first_page: int,
-                max_pages: int) -> int:
+                max_pages: int, keep: frozenset[RadixNode] = frozenset()) -> int:
         """`HiCache.restart_prefetch`: cancel `rid`'s prefetch and start it anew from
         `first_page`, keeping the old deadline; 0 (not restarted) when the old read was still
         running at its deadline or waits for pending pages."""
@@ -325,7 +328,7 @@ class Prefetcher:
         if old is not None and (old.awaited or (not old.complete and time.monotonic() >= old.deadline)):
             return 0
         self.cancel(rid)
-        pages = self.start(rid, token_ids, salt, first_page, max_pages)
+        pages = self.start(rid, token_ids, salt, first_page, max_pages, keep)
         new = self._ops.get(rid)
         if new is not None and old is not None:
             new.deadline = min(new.deadline, old.deadline)

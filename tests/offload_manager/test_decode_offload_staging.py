@@ -34,3 +34,46 @@ def test_short_staging_keeps_the_chain_head_and_drops_the_tail() -> None:
     snap = mgr.snapshot()
     assert snap["staging_pages_used"] == 0 and snap["pending_copies"] == 0
     mgr.close()
+
+
+def test_an_answer_state_whose_pages_were_dropped_is_not_written(tmp_path) -> None:
+    """A hybrid answer's end state can only be hit with every page before it: with staging
+    short (3 of 6 pages written), it is not written (`states_dropped`; it was, as a whole
+    state object no request could reach), and with room it is."""
+    from pdcache.engine.loader import load_model
+    from pdcache.engine.page_keys import state_key
+    from pdcache.engine.state_pool import StateSnapshot
+    from pdcache.offload_manager.builder import fingerprint_for, storage_config_for
+    from pdcache.offload_manager.decode_offload import AnswerState
+    from pdcache.offload_manager.storage import create_backend
+
+    model = load_model("tiny-qwen3-next", seed=0)[0]
+    config = model.config
+    fingerprint = fingerprint_for(config, "m", PAGE)
+    storage = create_backend(storage_config_for(config, PAGE, fingerprint, backend="file",
+                                                path=str(tmp_path), capacity_pages=64))
+    kv = torch.randn(config.kv_geometry.device_shape(PAGES, PAGE))
+    geometry = config.state_geometry
+    tokens = list(range(6 * PAGE))
+    state_at_end = state_key(chain_page_keys(tokens, PAGE, make_salt(fingerprint))[-1],
+                             geometry.key())
+    for staging, written in ((3, False), (8, True)):
+        mgr = DecodeOffloadManager(kv, storage, fingerprint, staging_pages=staging).start()
+        try:
+            mgr.track("r")
+            released = threading.Event()
+            snapshot = StateSnapshot(geometry, torch.zeros(geometry.state_bytes(),
+                                                           dtype=torch.uint8))
+            mgr.finish("r", tokens, [9, 1, 4, 12, 3, 7], released.set,
+                       AnswerState(len(tokens), snapshot))
+            assert released.wait(10) and mgr.wait_idle(10)
+            stats = mgr.stats
+            assert storage.exists_state(state_at_end) is written
+            assert (stats.states_offloaded, stats.states_dropped) == (int(written),
+                                                                       int(not written))
+            assert stats.states_failed == 0
+            mgr.check()
+        finally:
+            mgr.close()
+        storage.delete(chain_page_keys(tokens, PAGE, make_salt(fingerprint)))
+    storage.close()

@@ -55,17 +55,19 @@ def hybrid(checkpoint) -> torch.nn.Module:
     return load_model(str(checkpoint[0]))[0]
 
 
-def engine_config(model: torch.nn.Module, prefix_cache: bool = True) -> EngineConfig:
+def engine_config(model: torch.nn.Module, prefix_cache: bool = True,
+                  checkpoint_slots: int = 8) -> EngineConfig:
     return EngineConfig(
         model=model.config,
-        cache=CacheConfig(page_size=PAGE, num_device_pages=96, state_checkpoint_slots=8,
+        cache=CacheConfig(page_size=PAGE, num_device_pages=96,
+                          state_checkpoint_slots=checkpoint_slots,
                           enable_prefix_cache=prefix_cache),
         scheduler=SchedulerConfig(chunked_prefill_tokens=2048, max_running_requests=4),
     )
 
 
 def tiered(model: torch.nn.Module, path: Path, backend: str | None = "file",
-           host_state_slots: int = 0, **hicache: str) -> TieredEngine:
+           host_state_slots: int = 0, checkpoint_slots: int = 8, **hicache: str) -> TieredEngine:
     """A driven engine over HiCache: host tier, and a `backend` storage tier (None: none)."""
     fingerprint = fingerprint_for(model.config, "qwen3-next-test", PAGE)
     extra = {"state_capacity": 32} if backend == "hf3fs" else {}
@@ -74,7 +76,8 @@ def tiered(model: torch.nn.Module, path: Path, backend: str | None = "file",
         **extra)
     tiers = TierConfig(host_pages=64, storage=storage, host_state_slots=host_state_slots,
                        hicache=HiCacheConfig(prefetch_policy="wait_complete", **hicache))
-    built = build_tiered_engine(engine_config(model), model, None, tiers)
+    built = build_tiered_engine(engine_config(model, checkpoint_slots=checkpoint_slots), model,
+                                None, tiers)
     built.engine.start(thread=False)
     return built
 
@@ -182,6 +185,32 @@ def test_cold_then_host_hit_is_exact(hybrid, checkpoint, reference, tmp_path) ->
         assert_same(third, reference(PROMPT))
         assert third[2].cached.device == 28
         drop_memory_tiers(built)
+    finally:
+        built.close()
+
+
+@pytest.mark.parametrize("host_mode", ["inclusive", "exclusive"])
+def test_a_host_hit_gets_its_device_checkpoint_back_with_the_share_full(
+        hybrid, reference, tmp_path, host_mode: str) -> None:
+    """Two device checkpoint slots, both held by another prompt's checkpoints when a host hit
+    restores PROMPT's node: the least recently used checkpoint gives way, as for one the
+    scheduler takes, so the next identical request hits the device. It took none before: the
+    node sat on device without a checkpoint, neither the device rule nor the host match
+    served it, and the next request recomputed it (exclusive: its host copy was gone too)."""
+    built = tiered(hybrid, tmp_path / "store", backend=None, checkpoint_slots=2,
+                   host_mode=host_mode)
+    other = [(i * 53 + 7) % VOCAB for i in range(30)]
+    try:
+        generate(built.engine, PROMPT, "a")
+        assert built.engine.flush_cache() > 0  # device evicted; host (or exclusive host) keeps it
+        generate(built.engine, other, "x")  # its prompt's and answer's checkpoints: 2 of 2
+        restored = generate(built.engine, PROMPT, "b")
+        assert (restored[2].cached.device, restored[2].cached.host) == (0, 28)
+        again = generate(built.engine, PROMPT, "c")
+        assert again[2].cached.device == 28
+        for run in (restored, again):
+            assert_same(run, reference(PROMPT))
+        idle_and_exact(built)
     finally:
         built.close()
 

@@ -173,3 +173,31 @@ def test_a_read_still_running_at_its_deadline_is_not_restarted(tiny, expected, t
     finally:
         backend.gate.set()
         built.close()
+
+
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_a_prefetch_makes_host_room_without_evicting_the_match_it_continues(
+        tiny, expected, tmp_path, restarts: int) -> None:
+    """The request's first 10 pages are on host only, the least recently used there, and the
+    host pool is nearly full; its prefetch of pages 10..39 evicts host copies for room — the
+    other prompt's, never its own match (those went first: the match shrank before
+    admission, so the whole prompt was read again with a restart, recomputed without one)."""
+    cfg = _seeded(tiny, tmp_path)
+    other = [(13 * i + 5) % 250 for i in range(35 * PAGE + 1)]
+    # write-through: 12 + 37 pages (prompts and answers) on host, 1 free
+    built = tiered(tiny, cfg, host_pages=50, write_policy="write_through",
+                   prefetch_policy="wait_complete", prefetch_restarts=restarts)
+    try:
+        generate(built.engine, "first", PROMPT[: ON_DEVICE * PAGE + 1])
+        generate(built.engine, "other", other)
+        assert built.hicache.wait_idle(20)
+        assert built.engine.flush_cache() > 0  # device copies only: host keeps them
+        assert built.hicache.host_pool.num_free < PAGES - ON_DEVICE  # the read must evict
+        tokens, out = generate(built.engine, "back", PROMPT)
+        assert tokens == expected
+        assert (out.cached.device, out.cached.host, out.cached.storage) == (
+            0, ON_DEVICE * PAGE, (PAGES - ON_DEVICE) * PAGE)
+        assert built.hicache.stats.prefetch_restarts == 0
+        check_every_tier(built)
+    finally:
+        built.close()
