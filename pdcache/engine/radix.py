@@ -224,6 +224,9 @@ class RadixTree:
         self.page_size = page_size
         self.allocator = allocator
         self.on_evict = on_evict
+        # sees a checkpoint `drop_lru_checkpoint` is about to free (HiCache under write_back
+        # backs it up: the last chance to keep the state there)
+        self.on_checkpoint_drop: Callable[[RadixNode], None] | None = None
         self.policy: EvictionPolicy = policy or LruPolicy()
         self.sessions = sessions
         self._roots: dict[str, RadixNode] = {}
@@ -517,6 +520,8 @@ class RadixTree:
             return False
         victim = min(self._checkpoint_nodes.values(),
                      key=lambda n: (n.lock_ref > 0, n.last_access))
+        if self.on_checkpoint_drop is not None:
+            self.on_checkpoint_drop(victim)
         self._free_checkpoint(victim)
         self.num_dropped_checkpoints += 1
         return True

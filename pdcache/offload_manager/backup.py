@@ -141,6 +141,20 @@ class Backup:
         if self._state_pending(node) and node.key:
             self._backup_state_of(node)
 
+    def on_checkpoint_drop(self, node: RadixNode) -> None:
+        """write_back: a device checkpoint dropped for room (the least recently used) is the
+        last chance to keep the state at `node` — its pages reach host at their eviction, the
+        state would not. Backed up now, with the node's pages when they have no host copy
+        yet. An exclusive host keeps a node on one tier only: there the state goes up only
+        with pages already on host. write_through backed it up when it was taken."""
+        if not self.writes_on_evict or self.states is None or not node.key:
+            return
+        if node.host_page_ids is None and self.host_mode != "exclusive":
+            assert node.device_page_ids is not None
+            self.on_device_evict(node, node.device_page_ids)  # pages, then the state
+        elif self._state_pending(node):
+            self._backup_state_of(node)
+
     def _wants_backup(self, node: RadixNode) -> bool:
         if self.write_policy == "write_through_selective":
             return node.hit_count >= self.write_through_threshold

@@ -190,6 +190,7 @@ class HiCache:
         cpu_pool = device_kv.device.type == "cpu"
         self._copier = LoadCopier() if config.copy_ahead and cpu_pool else None
         tree.on_evict = self.backups.on_device_evict
+        tree.on_checkpoint_drop = self.backups.on_checkpoint_drop
 
     @property
     def num_layers(self) -> int:

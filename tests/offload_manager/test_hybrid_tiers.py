@@ -309,6 +309,29 @@ def test_hit_without_its_state_gives_wrong_tokens(hybrid, reference, tmp_path,
         built.close()
 
 
+def test_write_back_backs_a_dropped_checkpoint_up_before_it_is_freed(hybrid, reference,
+                                                                      tmp_path) -> None:
+    """write_back with two device checkpoint slots and three prompts: taking the later
+    prompts' checkpoints drops the earlier ones (least recently used). Each is backed up as
+    it is dropped (with its node's pages, not on host yet); before, only the pages reached
+    storage, at their eviction, and the first prompts' storage hits were recomputed."""
+    built = tiered(hybrid, tmp_path / "store", checkpoint_slots=2, host_state_slots=16,
+                   write_policy="write_back")
+    prompts = [[(i * 37 + 11 + k) % VOCAB for i in range(30)] for k in range(3)]
+    try:
+        for k, prompt in enumerate(prompts):
+            generate(built.engine, prompt, f"a{k}")
+        assert built.engine.flush_cache() > 0  # write_back: the rest goes up now
+        drop_memory_tiers(built)
+        for k, prompt in enumerate(prompts):
+            got = generate(built.engine, prompt, f"b{k}")
+            assert_same(got, reference(prompt))
+            assert got[2].cached.storage == 28, k  # the prompt's checkpoint, from storage
+        idle_and_exact(built)
+    finally:
+        built.close()
+
+
 def test_write_back_backs_states_up_at_eviction_and_frees_them_once(hybrid, reference,
                                                                      tmp_path) -> None:
     """write_back: the device eviction hook sees the checkpoint before it is freed and backs it
