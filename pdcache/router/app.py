@@ -38,7 +38,7 @@ from pdcache.router.core import Prepared, Router, Turn
 from pdcache.router.node_client import BAD_GATEWAY
 from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.proxy import close_stream
-from pdcache.router.route import Deadline
+from pdcache.router.route import Deadline, Route
 from pdcache.router.service import RouterService
 from pdcache.router.tenants import (
     Tenant,
@@ -123,19 +123,28 @@ class RouterApp:
         incremental = self.incremental(body)
         builders = [OutputBuilder(incremental, item.index if listed else None) for item in items]
         if body.stream:
-            opened = await watch(request, asyncio.gather(
-                *(self.router.send_stream(prep, deadline) for prep in preps),
-                return_exceptions=True), discard=_close_opened)
+            opened = await watch(request, open_all(
+                [self._open(prep, deadline, ahead=len(preps) > 1) for prep in preps],
+                _close_opened), discard=_close_opened)
             streams = _opened_or_raise(opened)
             sequences = [self._generate_chunks(prep, stream, first, Turn(route), builder)
                          for prep, (stream, first, route), builder
                          in zip(preps, streams, builders, strict=True)]
             chunks = sequences[0] if len(sequences) == 1 else merge_streams(sequences)
             return streaming_many(_as_sse(chunks), [stream for stream, _, _ in streams])
-        answers = await watch(request, asyncio.gather(
-            *(self._generate_json(prep, deadline, builder)
-              for prep, builder in zip(preps, builders, strict=True))))
+        answers = await watch(request, all_or_none(
+            [self._generate_json(prep, deadline, builder)
+             for prep, builder in zip(preps, builders, strict=True)]))
         return JSONResponse(answers if listed else answers[0])
+
+    async def _open(self, prep: Prepared, deadline: Deadline, ahead: bool
+                    ) -> tuple[UpstreamStream, dict[str, Any] | None, Route]:
+        """One sequence's stream, read ahead (`RouteStream.read_ahead`) when the request has
+        others: its events go out once they all opened, its node slot must not wait for it."""
+        stream, first, route = await self.router.send_stream(prep, deadline)
+        if ahead:
+            stream.read_ahead()
+        return stream, first, route
 
     def incremental(self, body: GenerateRequestBody) -> bool:
         chosen = body.incremental_streaming_output
@@ -245,7 +254,8 @@ class RouterApp:
             for index in range(body.n):
                 choice_prep = prep if index == 0 else sample_prep(prep, index)
                 stream, first, route = await watch(
-                    request, self.router.send_stream(choice_prep, deadline), discard=_close_sent)
+                    request, self._open(choice_prep, deadline, ahead=body.n > 1),
+                    discard=_close_sent)
                 choices.append(RoutedChoice(choice_prep, stream, first, Turn(route),
                                             TextAssembler(self.router.agent.text_decoder(plan),
                                                           stops),
@@ -449,6 +459,37 @@ async def watch(request: Request, work: Awaitable[T],
         if discard is not None and not handed and task.done() and not task.cancelled() \
                 and task.exception() is None:
             await discard(task.result())
+
+
+async def open_all(opens: list[Awaitable[T]],
+                   close: Callable[[list[Any]], Awaitable[None]]) -> list[T | BaseException]:
+    """Every sequence's stream opened concurrently: their results or errors. Cancelled (the
+    client left while some were still opening): every open is cancelled and awaited, and
+    `close` gets the streams that did open — a cancelled gather throws its finished
+    children's results away, and with them the node slots their streams hold, for good."""
+    tasks = [asyncio.ensure_future(opening) for opening in opens]
+    try:
+        return await asyncio.gather(*tasks, return_exceptions=True)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await close([task.result() for task in tasks
+                     if not task.cancelled() and task.exception() is None])
+        raise
+
+
+async def all_or_none(works: list[Awaitable[T]]) -> list[T]:
+    """Every sequence's answer; on the first failure (or a cancel) the others are cancelled
+    and awaited: no node goes on computing an answer nobody will read (and a tenant's
+    in-flight bound, released with the response, keeps bounding the work behind it)."""
+    tasks = [asyncio.ensure_future(work) for work in works]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()  # nothing for those done
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _close_opened(opened: list[Any]) -> None:

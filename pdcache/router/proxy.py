@@ -36,6 +36,7 @@ from pdcache.router.node_client import (
     EventStream,
     NodeClient,
     NodeOverloadedError,
+    NodeUnreachableError,
 )
 from pdcache.router.nodes import NodeRegistry
 from pdcache.router.policy import NodeState
@@ -242,6 +243,9 @@ class RouteStream:
         self._started = False
         self._ok = False
         self._released = False
+        # read_ahead(): the events read so far, (event, error) pairs, and the reading task
+        self._ahead: asyncio.Queue[tuple[dict[str, Any] | None, Exception | None]] | None = None
+        self._pump: asyncio.Task[None] | None = None
 
     async def prefill_finished(self) -> None:
         """Wait until P answered (PD: its request ended, so its prompt pages are in P's
@@ -250,7 +254,40 @@ class RouteStream:
         if self._prefill is not None:
             await asyncio.wait({self._prefill})
 
+    def read_ahead(self) -> None:
+        """From now on read the stream to its end in the background, keeping its events for
+        `next()`, and close it (its route's slots freed) at its end or error. A request of
+        several sequences (n > 1, a batch) gives out their events only once all of them
+        opened: an opened one must not hold its node slot meanwhile — with a per-node limit
+        the others waited for the slot it held until their deadline, and so did other
+        requests' sequences. Event loop only."""
+        if self._ahead is None:
+            self._ahead = asyncio.Queue()
+            self._pump = asyncio.ensure_future(self._read_all(self._ahead))
+
+    async def _read_all(self, out: asyncio.Queue[tuple[dict[str, Any] | None,
+                                                      Exception | None]]) -> None:
+        try:
+            while (event := await self._read()) is not None:
+                out.put_nowait((event, None))
+            out.put_nowait((None, None))
+        except Exception as exc:  # given out by next(), where a direct read raises it
+            out.put_nowait((None, exc))
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_BOUND_S):
+                await self._close_upstream()
+
     async def next(self) -> dict[str, Any] | None:
+        if self._ahead is None:
+            return await self._read()
+        event, error = await self._ahead.get()
+        if event is None:  # the end stays the end for a later call
+            self._ahead.put_nowait((event, error))
+        if error is not None:
+            raise error
+        return event
+
+    async def _read(self) -> dict[str, Any] | None:
         try:
             if not self._started and self._prefill_first is not None:
                 event: dict[str, Any] | None = await self._first_from_prefill()
@@ -313,7 +350,14 @@ class RouteStream:
     async def aclose(self) -> None:
         """Close D's stream and cancel P's call, then free the route's slots. The slots are
         freed whatever the closing does (raises, or is cancelled by `close_stream`'s bound):
-        a node's in-flight count that outlived its request would skew routing for good."""
+        a node's in-flight count that outlived its request would skew routing for good. A
+        read ahead still running stops first."""
+        if self._pump is not None:
+            self._pump.cancel()
+            await asyncio.gather(self._pump, return_exceptions=True)
+        await self._close_upstream()
+
+    async def _close_upstream(self) -> None:
         try:
             if self._opening is not None:
                 await _cancel(self._opening)
@@ -373,9 +417,10 @@ async def _race_prefill(prefill: asyncio.Task[Any], work: Any) -> Any:
 async def _root_cause(prefill: asyncio.Task[Any], decode_error: BaseException) -> BaseException:
     """D failed: if P failed too (now or within a short grace), P's error is the cause. A D
     that refused the request (503, or a 4xx such as `kv_exceeds_pool`) never asked P for the
-    KV, and P (held out of compute until D asks) has nothing to report: no grace then."""
+    KV, and P (held out of compute until D asks) has nothing to report: no grace then; nor
+    for an unreachable D (nothing reached it, so it asked P for nothing either)."""
     refused = isinstance(decode_error, ApiError) and decode_error.status_code < 500
-    if isinstance(decode_error, NodeOverloadedError) or refused:
+    if isinstance(decode_error, NodeOverloadedError | NodeUnreachableError) or refused:
         return _failure(prefill) or decode_error
     if not prefill.done():
         await asyncio.wait({prefill}, timeout=PREFILL_ERROR_GRACE_S)

@@ -26,7 +26,7 @@ from pdcache.router.core import Router
 from pdcache.router.nodes import NodeEndpoint
 from pdcache.router.route import Deadline, Route
 from tests.polling import wait_until
-from tests.router_support import GREEDY, PAGE, RouterUnderTest, UnifiedNode, prompt
+from tests.router_support import GREEDY, PAGE, RouterUnderTest, UnifiedNode, prompt, sse_events
 
 pytestmark = pytest.mark.slow
 
@@ -108,6 +108,33 @@ def test_inflight_limit_makes_concurrent_requests_wait_and_all_succeed(node: Uni
     assert metric(after, "pdcache_router_queue_wait_seconds_bucket", le="0.0", **labels) == 1
     assert metric(after, "pdcache_router_queue_wait_seconds_sum", **labels) > 0
     assert metric(after, "pdcache_router_rejected_total", reason="queue_full") == 0
+
+
+def test_a_request_of_more_sequences_than_the_node_s_slots_still_succeeds(
+        node: UnifiedNode) -> None:
+    """One slot on the node, requests of two sequences (a streamed batch; OpenAI n = 2): the
+    first sequence is read ahead once it opened, so it ends and frees the slot the second
+    waits for. Its stream was read only once every sequence had opened, so the second
+    waited for the slot the first held: 503 `queue_timeout` at the request's deadline."""
+    single = body(7)
+    with router_for(node, max_inflight_per_node=1, request_timeout_s=8) as client:
+        router = router_of(client)
+        want = client.post("/generate", json=single).json()["output_ids"]
+        batch = {**single, "input_ids": [single["input_ids"]] * 2, "stream": True}
+        streamed = client.post("/generate", json=batch)
+        assert streamed.status_code == 200, streamed.text
+        events = [e for e in sse_events(streamed.text) if isinstance(e, dict)]
+        for index in range(2):  # each event carries the sequence's tokens so far
+            got = [e["output_ids"] for e in events if e.get("index") == index]
+            assert got and got[-1] == want, (index, got)
+        choices = client.post("/v1/completions", json={
+            "prompt": single["input_ids"], "max_tokens": 4, "n": 2, **GREEDY})
+        assert choices.status_code == 200, choices.text
+        texts = [c["text"] for c in choices.json()["choices"]]
+        assert len(texts) == 2 and texts[0] == texts[1]
+        wait_until(lambda: router.admission.held(router.registry.nodes[0]) == 0, 20.0,
+                   "slots freed")
+        assert router.registry.nodes[0].in_flight == 0
 
 
 def test_full_queue_is_503_with_retry_after_and_the_queued_one_still_succeeds(

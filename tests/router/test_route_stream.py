@@ -179,3 +179,78 @@ def test_watch_discards_a_result_that_arrived_after_the_client_left(client_leave
 
     got, discarded = asyncio.run(scenario())
     assert (got, discarded) == ((499, ["stream"]) if client_leaves else ("stream", []))
+
+
+@pytest.mark.parametrize("opener", ["open_all", "gather"])
+def test_a_batch_whose_client_leaves_while_it_opens_closes_what_opened(opener: str) -> None:
+    """A streamed batch of two: sequence A's stream is open, B still waits for its first
+    event when the client leaves. `open_all` closes A (its node slot and in-flight count
+    freed); a plain gather, cancelled, threw A away with its slot held for good (the
+    router's `/generate` used one: that node's limit then refused everything behind it)."""
+    from pdcache.router.app import open_all, watch
+
+    async def scenario() -> tuple[Any, list[Any]]:
+        gone, closed, a_open = asyncio.Event(), [], asyncio.Event()
+
+        async def open_a() -> tuple[str, None, None]:
+            a_open.set()
+            return ("A", None, None)
+
+        async def open_b() -> tuple[str, None, None]:
+            await asyncio.sleep(30)
+            return ("B", None, None)
+
+        async def close(opened: list[Any]) -> None:
+            closed.extend(result[0] for result in opened)
+
+        async def leave() -> None:
+            await a_open.wait()
+            await asyncio.sleep(0.05)
+            gone.set()
+
+        work = (open_all([open_a(), open_b()], close) if opener == "open_all" else
+                asyncio.gather(open_a(), open_b(), return_exceptions=True))
+        leaving = asyncio.ensure_future(leave())
+        try:
+            got: Any = await watch(DisconnectingRequest(gone), work,  # type: ignore[arg-type]
+                                   discard=close)
+        except ApiError as exc:
+            got = exc.status_code
+        await leaving
+        return got, closed
+
+    got, closed = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert got == 499
+    assert closed == (["A"] if opener == "open_all" else [])
+
+
+@pytest.mark.parametrize("runner", ["all_or_none", "gather"])
+def test_a_failed_sequence_of_a_batch_stops_the_others(runner: str) -> None:
+    """One sequence of a non-streamed batch fails: the client gets the error, and the other
+    sequences are cancelled (their node requests with them) — a plain gather left them
+    running, holding node slots past a tenant's in-flight bound."""
+    from pdcache.router.app import all_or_none
+
+    async def scenario() -> bool:
+        cancelled = asyncio.Event()
+
+        async def fails() -> str:
+            await asyncio.sleep(0.01)
+            raise ApiError(400, "refused")
+
+        async def slow() -> str:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            return "late"
+
+        work = (all_or_none([fails(), slow()]) if runner == "all_or_none"
+                else asyncio.gather(fails(), slow()))
+        with pytest.raises(ApiError):
+            await work
+        await asyncio.sleep(0.05)
+        return cancelled.is_set()
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 10)) is (runner == "all_or_none")
