@@ -209,8 +209,8 @@ class DecodeApp:
         admitted: asyncio.Future[Admitted] = loop.create_future()
         try:
             self.controller.open_room(rid, room, resolve_on_loop(loop, released))
-        except DuplicateRoomError:
-            raise bad_request(f"room {room} is already in use", code="duplicate_room") from None
+        except DuplicateRoomError as exc:
+            raise bad_request(str(exc), code=exc.code) from None
         except RuntimeError as exc:  # shutting down
             raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
                            code="unavailable") from None

@@ -98,6 +98,8 @@ class DecodeEngine(Protocol):
 
     def release_held(self, rid: str) -> None: ...
 
+    def in_flight(self, rid: str) -> bool: ...
+
 
 class StateSlots(Protocol):
     """A hybrid model's receiver state area (`pdcache.transfer.state_area.StateArea`): the
@@ -111,7 +113,11 @@ class StateSlots(Protocol):
 
 
 class DuplicateRoomError(ValueError):
-    """The room id (or the request id) is already in use on this node."""
+    """The room id (or the request id) is already in use on this node; `code` says which."""
+
+    def __init__(self, message: str, code: str = "duplicate_room") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class BadRoomError(ValueError):
@@ -207,7 +213,14 @@ class DecodeController:
             if room in self._rooms:
                 raise DuplicateRoomError(f"room {room} is already in use")
             if rid in self._room_of:
-                raise DuplicateRoomError(f"request {rid!r} already has room {self._room_of[rid]}")
+                raise DuplicateRoomError(
+                    f"request {rid!r} already has room {self._room_of[rid]}", "duplicate_rid")
+            # a request of that id decoding here: freeing this room's pages later aborts by rid,
+            # which would end that request (a client retrying with its rid; SGLang's router
+            # passes the client's rid through)
+            if self._engine is not None and self._engine.in_flight(rid):
+                raise DuplicateRoomError(f"request {rid!r} is already in flight on this node",
+                                         "duplicate_rid")
             self._rooms[room], self._room_of[rid] = _Room(rid, notify), room
 
     def request_kv(self, room: int, bootstrap: str, num_tokens: int,
@@ -264,13 +277,16 @@ class DecodeController:
                                              first_page=admission.cached_pages,
                                              **self._state_destination(entry),
                                              **_window_destination(admission))
-        except (ValueError, TransferError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure: the room must not stay open
+            refused = isinstance(exc, ValueError | TransferError)  # else a bug: 503, logged
+            if not refused:
+                log.exception("decode: room %d: the K/V request failed", room)
             with self._lock:
                 self._forget(room, entry)
             self._free_state_slot(entry)
             self._free_reservation(entry.rid)
-            self._admitted(on_admitted, Admitted(False, "bad_room", f"room {room}: {exc}",
-                                                 admission.waited_s))
+            self._admitted(on_admitted, Admitted(False, "bad_room" if refused else "error",
+                                                 f"room {room}: {exc}", admission.waited_s))
             return
         self._requested(room, entry)
         self._admitted(on_admitted, Admitted(True, waited_s=admission.waited_s,

@@ -282,6 +282,12 @@ class Engine:
             self._finish_all("engine shut down")
             self._update_snapshot()
 
+    def in_flight(self, rid: str) -> bool:
+        """Whether request `rid` is submitted and not finished (queued, running or held).
+        Any thread."""
+        with self._lock:
+            return rid in self._live_rids
+
     @property
     def is_running(self) -> bool:
         """Accepting requests: started (with a live thread, or `thread=False`), not shut down."""

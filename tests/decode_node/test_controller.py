@@ -111,6 +111,9 @@ class FakeEngine:
     def release_held(self, rid: str) -> None:
         raise AssertionError("no offload hold in these tests")
 
+    def in_flight(self, rid: str) -> bool:
+        return rid in self.books.adopted  # decoding: these tests never finish one
+
     def step(self, grant_first: bool = False) -> None:
         """Drain the inbox, then grant; `grant_first`: grant before draining (the real engine
         grants after a step, while a cancel may already wait in its inbox)."""
@@ -160,6 +163,8 @@ class FakeReceiver:
                 first_page: int = 0) -> None:
         if bootstrap_addr == "bad":
             raise ValueError("bootstrap address must be HOST:PORT")
+        if bootstrap_addr == "broken":
+            raise RuntimeError("a bug in the receiver")
         if room in self.active or room in self.released:
             raise ValueError(f"room {room} already exists")
         self.active.add(room)
@@ -436,6 +441,38 @@ def test_duplicate_room_or_rid_is_refused() -> None:
         node.controller.open_room("other", 12, print)
     with pytest.raises(DuplicateRoomError):
         node.controller.open_room("r12", 13, print)
+
+
+def test_an_unexpected_receiver_error_fails_the_room_and_frees_it_once() -> None:
+    """The K/V request raising something other than a refusal (a bug): the room is answered
+    (503 `unavailable`, logged), its reservation freed once, room and rid usable again. The
+    room stayed open before, its caller waiting for its deadline and the rid held for good."""
+    node = Node()
+    node.open(16)
+    assert not node.request(16, "broken")
+    assert [a.reason for a in node.admissions[16]] == ["error"]
+    node.engine.step()
+    assert node.books.frees == {"r16": 1}
+    node.open(16)  # forgotten: the same room and rid open again
+    assert node.request(16)
+
+
+def test_a_room_for_the_rid_of_a_decoding_request_is_refused() -> None:
+    """A client retrying with the rid of a request still decoding here (SGLang's router passes
+    the client's rid through): its room is refused (400 `duplicate_rid`). Opened, freeing its
+    reservation later aborted by rid — the running request, someone else's answer."""
+    node = Node()
+    node.open(14)
+    assert node.request(14)
+    node.receiver.finish(14, RoomState.SUCCESS)
+    node.controller.start_decode(14, lambda _state: node.engine.submit_prefilled("r14"))
+    node.engine.step()
+    assert node.books.adopted == {"r14"}  # decoding
+    with pytest.raises(DuplicateRoomError) as refused:
+        node.controller.open_room("r14", 15, print)
+    assert refused.value.code == "duplicate_rid"
+    node.engine.step()
+    assert not node.books.frees  # nothing freed by rid
 
 
 def test_shutdown_with_rooms_open_frees_everything_once() -> None:
