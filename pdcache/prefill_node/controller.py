@@ -228,6 +228,8 @@ class PrefillController:
                         else sender.send(room, page_ids, report, state=state))
         except Exception:  # a bad report or pages: fail the room, never the engine thread
             log.exception("prefill: send of room %d failed", room)
+            # decode hears of it now (else its room waits for room_timeout_s: a late 504)
+            self._sender_abort(room, "prefill could not send the K/V")
             accepted = False
         return self._after_send(room, entry, accepted)
 

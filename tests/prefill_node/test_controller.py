@@ -83,6 +83,8 @@ class FakeSender:
         return self.decode_asked
 
     def send(self, room: int, src_page_ids, report: PrefillReport) -> bool:
+        if report.prompt_tokens < 0:
+            raise ValueError("a report decode cannot read")
         if room in self.over or room in self.accepted:
             return False
         self.accepted[room] = report
@@ -200,6 +202,18 @@ def test_release_inside_send_is_not_a_double_free() -> None:
     assert node.ledger.frees == {"r4": 1} and not node.outcomes[4][0].ok
     node.sender.replay(4)
     node.engine.step()
+    node.ledger.check_empty()
+
+
+def test_a_send_that_raises_tells_decode_at_once() -> None:
+    """The sender refusing the pages with an error (a report or pages it cannot send): the
+    room fails here, holds nothing, and decode is told (an abort): it waited for its
+    room_timeout_s before, to answer a late 504."""
+    node = Node()
+    node.open(8)
+    assert not node.controller.take_prefilled("r8", [0, 1], PrefillReport(7, prompt_tokens=-1))
+    assert 8 in node.sender.over  # the abort reached the sender: decode hears of it
+    assert node.outcomes[8][0].state is RoomState.FAILED
     node.ledger.check_empty()
 
 
