@@ -77,6 +77,16 @@ STATE_SUFFIX = ".state"
 STALE_TEMP_S = 600.0  # a temp file this old belongs to no live writer
 
 
+
+def _present(path: Path) -> bool:
+    """Whether `path` exists. An error looking (EACCES on a shard directory, a stale NFS
+    handle) is "not here": the write or read that follows fails counted, never raises out of
+    the backend (`Path.exists` re-raises every error but a missing file)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
 class FileBackend(StorageBackend):
     """One file per page with atomic rename (docs/design.md §4.4)."""
 
@@ -280,7 +290,7 @@ class FileBackend(StorageBackend):
             self.delete_states([key])
             self.counters.add("replaced_rejected_states")
         path = self.state_path(key)
-        if path.exists():  # before the seal: a skipped state costs no pass over its bytes
+        if _present(path):  # before the seal: a skipped state costs no pass over its bytes
             with self._lock:
                 self._touch_state_locked(key, "")
             self.counters.add("states_skipped")
@@ -305,7 +315,7 @@ class FileBackend(StorageBackend):
             self.counters.add("state_write_errors")
             with self._lock:
                 self._end_write_locked(key)
-                if not path.exists():
+                if not _present(path):
                     self._state_lru.pop(key, None)
             return False
         with self._lock:
@@ -347,7 +357,7 @@ class FileBackend(StorageBackend):
         return origin
 
     def exists_state(self, key: bytes) -> bool:
-        return self.state_path(key).exists()
+        return _present(self.state_path(key))
 
     def delete_states(self, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -491,7 +501,7 @@ class FileBackend(StorageBackend):
         owner: str = "", session: str = ""
     ) -> bool:
         path = self.page_path(key)
-        if path.exists() and self._refresh_present(key, session):
+        if _present(path) and self._refresh_present(key, session):
             self.counters.add("pages_skipped")
             return True
         if header is None:  # stored when sealed, gone since (evicted, deleted): seal it here
@@ -508,7 +518,7 @@ class FileBackend(StorageBackend):
             self.counters.add("write_errors")
             with self._lock:  # give back the slot _make_room reserved
                 self._end_write_locked(key)
-                if not path.exists():
+                if not _present(path):
                     self._lru.pop(key, None)
             return False
         if not self._commit_write(key, owner, session):
@@ -601,7 +611,7 @@ class FileBackend(StorageBackend):
         put writes it again). One known only to the directory (another process wrote it)
         takes a slot like a write."""
         with self._lock:  # unlinks happen under it: the file's presence is settled here
-            if key not in self._lru and (not self.page_path(key).exists()
+            if key not in self._lru and (not _present(self.page_path(key))
                                          or not self._fit_one_locked()):
                 return False
             self._stored_locked(key, "", session)
@@ -649,7 +659,7 @@ class FileBackend(StorageBackend):
         """A read's LRU refresh. Unlinks happen under the lock, so a page evicted while it was
         being read (its file gone now) is not put back in the index."""
         with self._lock:
-            if key in self._lru or self.page_path(key).exists():
+            if key in self._lru or _present(self.page_path(key)):
                 self._touch_locked(key, "")
                 if self._lifecycle is not None:
                     self._lifecycle.touched(key)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -162,7 +163,10 @@ class UsrbioEngine(IoEngine):
     """3FS native client (hf3fs_py_usrbio): IO through a registered shared-memory iovec.
 
     The host page cannot be the iovec (3FS needs its own shared memory), so a read lands in
-    the iovec and is copied into the host page; a write copies the other way.
+    the iovec and is copied into the host page; a write copies the other way. One iovec and
+    one ring pair per backend: a batch holds `_lock` from its copies in to its copies out
+    (the backup and prefetch workers call one backend at once; sharing the iovec's slots,
+    writes reported success for pages whose bytes another batch had overwritten).
     """
 
     name = "usrbio"
@@ -181,6 +185,7 @@ class UsrbioEngine(IoEngine):
         self._iov = self._mod.make_iovec(self._shm, mount_point)
         self._read_ring = self._mod.make_ioring(mount_point, entries, for_read=True)
         self._write_ring = self._mod.make_ioring(mount_point, entries, for_read=False)
+        self._lock = threading.Lock()  # the iovec's slots and the rings: one batch at a time
         for fd in self._fds:
             self._mod.register_fd(fd)
 
@@ -188,10 +193,11 @@ class UsrbioEngine(IoEngine):
         results: list[int] = []
         for start in range(0, len(reqs), self._entries):
             chunk = reqs[start : start + self._entries]
-            done = self._submit(self._read_ring, chunk, for_read=True)
-            for i, (req, n) in enumerate(zip(chunk, done)):
-                if n > 0:
-                    self._copy_out(i, req, n)
+            with self._lock:
+                done = self._submit(self._read_ring, chunk, for_read=True)
+                for i, (req, n) in enumerate(zip(chunk, done)):
+                    if n > 0:
+                        self._copy_out(i, req, n)
             results.extend(done)
         return results
 
@@ -199,9 +205,10 @@ class UsrbioEngine(IoEngine):
         results: list[int] = []
         for start in range(0, len(reqs), self._entries):
             chunk = reqs[start : start + self._entries]
-            for i, req in enumerate(chunk):
-                self._copy_in(i, req)
-            results.extend(self._submit(self._write_ring, chunk, for_read=False))
+            with self._lock:
+                for i, req in enumerate(chunk):
+                    self._copy_in(i, req)
+                results.extend(self._submit(self._write_ring, chunk, for_read=False))
         return results
 
     def _submit(self, ring: Any, chunk: Sequence[SlotIO], for_read: bool) -> list[int]:
@@ -477,6 +484,9 @@ class Hf3fsBackend(SlotFileAccess, StorageBackend):
         session: str = "",  # the metadata index's lifecycle (eviction = "session") uses it
     ) -> list[bool]:
         check_host_batch(self.spec, keys, host_pages)
+        if self.read_only:  # a reservation would evict another node's page for nothing
+            self.counters.add("write_errors", len(keys))
+            return [False] * len(keys)
         self._replace_rejected(keys)
         try:
             reservations = self.metadata.reserve(keys, session)
@@ -513,6 +523,8 @@ class Hf3fsBackend(SlotFileAccess, StorageBackend):
             self.counters.add("metadata_errors")
 
     def delete(self, keys: Sequence[bytes]) -> None:
+        if self.read_only:  # the header stays (no write access): keep the slot its owner's
+            return
         try:
             slots = self.metadata.lookup(keys)
             live = [(k, s) for k, s in zip(keys, slots) if s is not None]
@@ -572,6 +584,9 @@ class Hf3fsBackend(SlotFileAccess, StorageBackend):
     def put_state(self, key: bytes, state: StateBuffer, tokens: int, origin: str = "prefill",
                   namespace: str = "",  # tenant quotas are not enforced here (§8)
                   session: str = "") -> bool:
+        if self.read_only:  # as `put_from`: no reservation, a counted failure
+            self.counters.add("write_errors")
+            return False
         return self._state_slots().put(key, state, tokens, origin, session)
 
     def get_state_into(self, key: bytes, out: torch.Tensor, tokens: int | None = None
@@ -582,7 +597,8 @@ class Hf3fsBackend(SlotFileAccess, StorageBackend):
         return self._state_slots().exists(key)
 
     def delete_states(self, keys: Sequence[bytes]) -> None:
-        self._state_slots().delete(list(keys))
+        if not self.read_only:
+            self._state_slots().delete(list(keys))
 
     def read_state_object(self, key: bytes) -> bytes | None:
         """The raw stored state object of `key` (tools, fault tests)."""

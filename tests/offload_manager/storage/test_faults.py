@@ -225,6 +225,45 @@ def test_read_only_directory_reads_work_puts_fail(tmp_path: Path, backend_name: 
         assert stats["read_only"] == 1 and stats["reserved_pages"] == 0
 
 
+def test_a_read_only_node_on_a_shared_full_pool_evicts_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hf3fs, one metadata index shared by a writer and a node that can only read (its data
+    files opened read-only): with the pool full, the read-only node's puts fail counted and
+    leave every stored page alone. They reserved slots before — evicting the writer's least
+    recently used pages for writes that then failed (4 of 8 pages gone for 4 puts)."""
+    import errno as errnos
+
+    from pdcache.offload_manager.storage.hf3fs import Hf3fsBackend
+    from pdcache.offload_manager.storage.metadata import InProcMetadata
+
+    cfg = _config(tmp_path / "store", "hf3fs", capacity_pages=8)
+    shared = InProcMetadata(8)
+    keys, pages = _keys(12), _pages(12)
+    writer = Hf3fsBackend(cfg, shared)
+    assert writer.put_from(keys[:8], list(pages[:8])) == [True] * 8  # the pool is full
+    real_open = os.open
+
+    def no_write_access(path, flags, *args):  # what a read-only mount answers
+        if flags & os.O_RDWR:
+            raise OSError(errnos.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_write_access)
+    reader = Hf3fsBackend(cfg.replace(recover_index=False), shared)
+    monkeypatch.setattr(os, "open", real_open)
+    try:
+        assert reader.stats()["read_only"] == 1
+        assert reader.put_from(keys[8:], list(pages[8:])) == [False] * 4
+        reader.delete(keys[:2])  # nor does its delete free the writer's slots
+        out = torch.zeros_like(pages[:8])
+        assert writer.get_into(keys[:8], list(out)) == [True] * 8
+        assert torch.equal(out, pages[:8])
+        assert reader.stats()["write_errors"] == 4
+    finally:
+        reader.close()
+        writer.close()
+
+
 @pytest.mark.parametrize("backend_name", ["hf3fs", "file"])
 def test_empty_read_only_directory_only_misses(tmp_path: Path, backend_name: str) -> None:
     (tmp_path / "store").mkdir()
@@ -470,3 +509,33 @@ def test_service_survives_malformed_requests(service) -> None:
         assert client.ping() and client.reserve(_keys(1))[0][0] == "new"
     finally:
         client.close()
+
+
+def test_a_file_store_that_cannot_look_at_a_shard_counts_it_never_raises(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard directory whose stat fails with something other than "missing" (EACCES when it
+    lost its x bit, ESTALE on NFS): reads are counted misses and writes answer, instead of the
+    error escaping `put_from` / `put_state` (failing the writer's whole batch)."""
+    import errno as errnos
+
+    cfg = StorageConfig(backend="file", path=str(tmp_path / "store"), page_bytes=4096,
+                        fingerprint="fp", state_geometry="g", state_bytes=4096)
+    backend = create_backend(cfg)
+    key = bytes([0xAB]) * 32
+    real_stat = os.stat
+
+    def stale(path, *args, **kwargs):
+        if f"{os.sep}ab{os.sep}" in os.fspath(path):
+            raise OSError(errnos.ESTALE, "Stale file handle", os.fspath(path))
+        return real_stat(path, *args, **kwargs)
+
+    page = torch.zeros(4096, dtype=torch.uint8)
+    monkeypatch.setattr(os, "stat", stale)
+    try:
+        assert backend.get_into([key], [page]) == [False]
+        assert isinstance(backend.put_from([key], [page])[0], bool)
+        assert isinstance(backend.put_state(key, page, 16), bool)
+        assert isinstance(backend.exists_state(key), bool)
+    finally:
+        monkeypatch.setattr(os, "stat", real_stat)
+        backend.close()
