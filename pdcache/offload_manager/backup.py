@@ -116,8 +116,10 @@ class Backup:
 
     def on_device_evict(self, node: RadixNode, page_ids: list[int]) -> None:
         """write_back / exclusive host: the last chance to keep this node's KV is before its
-        pages are freed. write_back never evicts host pages here; the exclusive host tier
-        makes room by its host policy when the victim ranks above what it would evict."""
+        pages are freed. Room on host is made by the host eviction policy (an exclusive
+        tier only when the victim ranks above what it would evict). A write_back host that
+        never evicted here froze once full: every later victim was dropped, not even
+        written to storage."""
         if not self.writes_on_evict:
             return
         if node.backed_up:
@@ -128,9 +130,7 @@ class Backup:
             if not self.tree.host_admits(node, len(page_ids)):
                 self._count(victim_dropped_pages=len(page_ids))
                 return
-            host_ids = self._alloc_host(len(page_ids), frozenset())
-        else:
-            host_ids = self.host_pool.alloc(len(page_ids))
+        host_ids = self._alloc_host(len(page_ids), frozenset())
         if host_ids is None:
             self._count(backup_skipped_pages=len(page_ids))
             return

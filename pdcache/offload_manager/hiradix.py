@@ -169,17 +169,15 @@ class HiRadixTree(RadixTree):
     def release_orphans(self) -> int:
         """Free the orphaned host pages (`_on_device_evicted`) no storage write pins any
         more; returns how many."""
-        pinned = [p for p in self._orphans if self.host_pool.is_pinned(p)]
-        free = [p for p in self._orphans if not self.host_pool.is_pinned(p)]
-        if free:
-            self.host_pool.free(free)
-        self._orphans = pinned
+        before = len(self._orphans)
+        self._orphans = self.host_pool.free_unpinned(self._orphans)
+        freed = before - len(self._orphans)
         if self.host_states is not None and self._state_orphans:
             states = self.host_states
             for slot in [s for s in self._state_orphans if not states.is_pinned(s)]:
                 states.free(slot)
                 self._state_orphans.remove(slot)
-        return len(free)
+        return freed
 
     # ---- host state checkpoints (hybrid models) ----------------------------------------
     @property
@@ -327,10 +325,7 @@ class HiRadixTree(RadixTree):
         return found
 
     def _release_host(self, page_ids: list[int]) -> None:
-        free = [p for p in page_ids if not self.host_pool.is_pinned(p)]
-        self._orphans.extend(p for p in page_ids if self.host_pool.is_pinned(p))
-        if free:
-            self.host_pool.free(free)
+        self._orphans.extend(self.host_pool.free_unpinned(page_ids))
 
     def _fully_matched(self, node: RadixNode, done_pages: int) -> bool:
         return node.is_root or sum(n.num_pages for n in node.path_from_root()) == done_pages

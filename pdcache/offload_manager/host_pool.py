@@ -114,6 +114,23 @@ class HostKVPool:
                 self._set(p, PageState.FREE)
                 self._free.append(p)
 
+    def free_unpinned(self, page_ids: Iterable[int]) -> list[int]:
+        """Free those of `page_ids` no I/O pins, in one step under the lock; returns the
+        pinned rest. Two separate `is_pinned` passes raced the I/O threads' unpins: a page
+        unpinned between them was freed and kept as pinned (freed again later, maybe from
+        its next owner), or neither (leaked)."""
+        pinned: list[int] = []
+        with self._lock:
+            for p in page_ids:
+                if self._pins[p]:
+                    pinned.append(p)
+                    continue
+                if self._state[p] == PageState.FREE:
+                    raise ValueError(f"host page {p} freed twice")
+                self._set(p, PageState.FREE)
+                self._free.append(p)
+        return pinned
+
     def pin(self, page_ids: Iterable[int]) -> None:
         with self._lock:
             for p in page_ids:

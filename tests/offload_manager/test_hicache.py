@@ -240,3 +240,32 @@ def test_tenants_never_share() -> None:
     fresh.cache.cancel_prefetch("s")
     st.close()
     fresh.close()
+
+
+@pytest.mark.parametrize("host_mode", ["inclusive", "exclusive"])
+def test_write_back_keeps_backing_up_once_the_host_is_full(host_mode: str) -> None:
+    """write_back, a 4-page host, six 2-page nodes evicted from device one after another:
+    each is copied to host (the host evicting its least recently used copies, already in
+    storage) and written to storage. The inclusive host never evicted there: once full,
+    every later victim was dropped, not even written (4 of 12 pages stored)."""
+    storage = DictBackend()
+    device_kv = torch.zeros(L, 2, P, S, H, D)
+    allocator = PageAllocator(P)
+    host = HostKVPool(4, KVGeometry.mha(L, H, D, "float32"), S)
+    tree = HiRadixTree(S, allocator, host)
+    cache = HiCache(tree, device_kv, storage,
+                    HiCacheConfig(write_policy="write_back", host_mode=host_mode), FP)
+    cache.start()
+    try:
+        for turn in range(6):
+            tokens = list(range(1000 * turn, 1000 * turn + 2 * S))
+            pages = allocator.alloc(2)
+            assert pages is not None
+            cache.backup(tokens, "", tree.insert(tokens, pages, "").last_node)
+            tree.evict(2)
+            assert cache.wait_idle(5)
+        assert len(storage.pages) == 12
+        assert cache.stats.backup_storage_pages == 12 and cache.stats.backup_skipped_pages == 0
+        cache.check()
+    finally:
+        cache.close()

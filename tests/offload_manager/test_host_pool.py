@@ -77,3 +77,43 @@ def test_concurrent_alloc_free_keeps_invariant() -> None:
     assert not errors
     assert pool.num_free == 64
     pool.check()
+
+
+class UnpinWhileLooking(HostKVPool):
+    """A pool whose pin check lets the storage write of `page` end right after it answered
+    "pinned" (what the backup IO thread can do between two looks of the engine thread)."""
+
+    page: int | None = None
+
+    def is_pinned(self, page_id: int) -> bool:
+        pinned = super().is_pinned(page_id)
+        if pinned and page_id == self.page:
+            self.page = None
+            self.unpin([page_id])  # the write's completion, on the IO thread
+        return pinned
+
+
+def test_orphans_are_released_exactly_once_while_writes_end() -> None:
+    """Orphaned host pages (their node gone while a storage write pinned them) are freed
+    once their write ends, exactly once, even when a write ends while the tree looks at its
+    pins: two separate looks freed such a page and kept it as an orphan too (freed again
+    later, from whoever owned it by then), or kept it as neither (leaked)."""
+    from pdcache.engine.kv_pool import PageAllocator
+    from pdcache.offload_manager.hiradix import HiRadixTree
+
+    pool = UnpinWhileLooking(4, KVGeometry.mha(1, 1, 4, "float32"), 4)
+    tree = HiRadixTree(4, PageAllocator(4), pool)
+    orphan = pool.alloc(1)
+    assert orphan is not None
+    pool.commit(orphan)
+    pool.pin(orphan)
+    tree._orphans = list(orphan)  # its node was dropped while the write pinned it
+    pool.page = orphan[0]
+    tree.release_orphans()
+    assert pool.num_free + len(tree._orphans) == 4  # free, or still an orphan: not both
+    if pool.page is not None:  # the write did not end while the tree looked: it ends now
+        pool.page = None
+        pool.unpin(orphan)
+    tree.release_orphans()  # freed now if not before
+    assert tree._orphans == [] and pool.num_free == 4
+    pool.check()
