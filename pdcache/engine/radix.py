@@ -712,13 +712,15 @@ class RadixTree:
         copies of them (`Scheduler._reclaim_window_pages`)."""
         freed: list[int] = []
         for node in self._iter_nodes():
-            pages = node.window_page_ids
-            for index, page in enumerate(pages or []):
-                if len(freed) == wanted:
-                    break
+            pages = node.window_page_ids or []
+            for index, page in enumerate(pages):
                 if page is not None and page not in keep:
-                    pages[index] = None  # type: ignore[index]
+                    pages[index] = None
                     freed.append(page)
+                    if len(freed) == wanted:
+                        break
+            if len(freed) == wanted:
+                break
         if freed:
             assert self.window_allocator is not None, "window pages without their allocator"
             self.window_allocator.free(freed)

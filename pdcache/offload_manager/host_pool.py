@@ -107,12 +107,9 @@ class HostKVPool:
         """USED or IN_FLIGHT → FREE. Freeing a pinned or already free page is a bug."""
         with self._lock:
             for p in page_ids:
-                if self._state[p] == PageState.FREE:
-                    raise ValueError(f"host page {p} freed twice")
                 if self._pins[p]:
                     raise ValueError(f"host page {p} freed while pinned ({self._pins[p]})")
-                self._set(p, PageState.FREE)
-                self._free.append(p)
+                self._free_locked(p)
 
     def free_unpinned(self, page_ids: Iterable[int]) -> list[int]:
         """Free those of `page_ids` no I/O pins, in one step under the lock; returns the
@@ -124,12 +121,15 @@ class HostKVPool:
             for p in page_ids:
                 if self._pins[p]:
                     pinned.append(p)
-                    continue
-                if self._state[p] == PageState.FREE:
-                    raise ValueError(f"host page {p} freed twice")
-                self._set(p, PageState.FREE)
-                self._free.append(p)
+                else:
+                    self._free_locked(p)
         return pinned
+
+    def _free_locked(self, p: int) -> None:
+        if self._state[p] == PageState.FREE:
+            raise ValueError(f"host page {p} freed twice")
+        self._set(p, PageState.FREE)
+        self._free.append(p)
 
     def pin(self, page_ids: Iterable[int]) -> None:
         with self._lock:

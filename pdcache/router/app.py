@@ -453,9 +453,7 @@ async def watch(request: Request, work: Awaitable[T],
         handed = True
         return result
     finally:
-        for fut in (task, gone):
-            fut.cancel()
-        await asyncio.gather(task, gone, return_exceptions=True)
+        await _cancel_all([task, gone])
         if discard is not None and not handed and task.done() and not task.cancelled() \
                 and task.exception() is None:
             await discard(task.result())
@@ -471,9 +469,7 @@ async def open_all(opens: list[Awaitable[T]],
     try:
         return await asyncio.gather(*tasks, return_exceptions=True)
     except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(tasks)
         await close([task.result() for task in tasks
                      if not task.cancelled() and task.exception() is None])
         raise
@@ -487,9 +483,14 @@ async def all_or_none(works: list[Awaitable[T]]) -> list[T]:
     try:
         return await asyncio.gather(*tasks)
     finally:
-        for task in tasks:
-            task.cancel()  # nothing for those done
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(tasks)
+
+
+async def _cancel_all(tasks: list[asyncio.Future[Any]]) -> None:
+    """Cancel `tasks` (nothing for those done) and wait until each has ended."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _close_opened(opened: list[Any]) -> None:

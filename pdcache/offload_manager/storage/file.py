@@ -77,7 +77,6 @@ STATE_SUFFIX = ".state"
 STALE_TEMP_S = 600.0  # a temp file this old belongs to no live writer
 
 
-
 def _present(path: Path) -> bool:
     """Whether `path` exists. An error looking (EACCES on a shard directory, a stale NFS
     handle) is "not here": the write or read that follows fails counted, never raises out of
@@ -86,6 +85,7 @@ def _present(path: Path) -> bool:
         return path.exists()
     except OSError:
         return False
+
 
 class FileBackend(StorageBackend):
     """One file per page with atomic rename (docs/design.md §4.4)."""
