@@ -251,7 +251,9 @@ class Prefetcher:
         if op is None or self.config.prefetch_policy == "best_effort" or op.ready:
             return True
         if self.config.prefetch_policy == "wait_complete":
-            return False
+            # no deadline of its own, but a read that hangs (a wedged store) must not hold
+            # the request for good: admitted at the cap, what arrived by then is used
+            return (now or time.monotonic()) >= op.started + self.config.prefetch_timeout_max_s
         return (now or time.monotonic()) >= op.deadline
 
     def complete(self, rid: str) -> bool:
@@ -330,8 +332,9 @@ class Prefetcher:
         self.cancel(rid)
         pages = self.start(rid, token_ids, salt, first_page, max_pages, keep)
         new = self._ops.get(rid)
-        if new is not None and old is not None:
+        if new is not None and old is not None:  # the request has waited since the first
             new.deadline = min(new.deadline, old.deadline)
+            new.started = min(new.started, old.started)
         if pages:
             self._count(prefetch_restarts=1)
         return pages

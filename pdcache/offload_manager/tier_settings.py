@@ -43,7 +43,8 @@ class TierSettings:
     prefetch_timeout_base_s: float = 2.0  # timeout policy: base wait for a prefetch
     # timeout policy: extra wait per 1k prefetched tokens
     prefetch_timeout_per_1k_tokens_s: float = 0.1
-    prefetch_timeout_max_s: float = 30.0  # timeout policy: the longest wait
+    # timeout policy: the longest wait; wait_complete: admitted at this whatever is still read
+    prefetch_timeout_max_s: float = 30.0
     # a queued request whose device + host match shrank before its admission (tier pressure
     # evicted pages its storage prefetch continues) has its prefetch restarted from the
     # shorter match, at most this many times, instead of recomputing the gap and every

@@ -170,6 +170,27 @@ def test_prefetch_policies_when_storage_stalls() -> None:
     assert times_out.host.num_free == times_out.host.capacity
 
 
+def test_wait_complete_admits_at_its_cap_when_a_read_hangs() -> None:
+    """`wait_complete` has no deadline of its own: a read that never ends (a wedged store)
+    held the request in the queue for good. It is admitted at `prefetch_timeout_max_s`,
+    with what arrived (nothing here), and the pages still being read are abandoned."""
+    storage = DictBackend()
+    writer = Stack(storage)
+    writer.prefill(TOKENS)
+    writer.close()
+    storage.gate.clear()
+    st = Stack(storage, prefetch_policy="wait_complete", prefetch_timeout_max_s=0.2)
+    started = time.monotonic()
+    assert st.cache.start_prefetch("r", TOKENS, "", 0, 3) == 3
+    assert not st.cache.prefetch_ready("r", now=started + 0.1)
+    assert st.cache.prefetch_ready("r", now=time.monotonic() + 0.2)
+    assert st.cache.take_prefetch("r").host_page_ids == []
+    assert st.cache.stats.prefetch_abandoned_pages == 3
+    storage.gate.set()
+    st.close()
+    assert st.host.num_free == st.host.capacity
+
+
 def test_storage_down_is_survived() -> None:
     storage = DictBackend()
     storage.down = True
