@@ -26,7 +26,7 @@ per layer (`layer_loads.LayerLoad`). A stream is cancelled when nobody will load
 
 Hybrid models (docs/design.md §4.14, `host_states` set): a storage hit must end where the
 linear layers' state can be restored too. The lookup probes, among the stored pages, the state
-objects of their ends (`exists_state(state_key(page key, geometry))`, deepest first) and reads
+objects of their ends (`exists_states` of `state_key(page key, geometry)`, one batched call, deepest first) and reads
 the pages up to the deepest one plus, into one host state slot, the first candidate state that
 verifies (`get_state_into`; a missing or refused object is the backend's counted miss and the
 next shallower candidate is tried). `take` cuts the hit to the state read (`state_pages`): no
@@ -152,12 +152,12 @@ class Prefetcher:
         if not self.storage.supports_states:
             return 0
         geometry = self.host_states.geometry.key()
-        candidates: list[tuple[int, bytes]] = []  # (pages of the op, state key), deepest first
+        # (pages of the op, state key), deepest first; one batched lookup (engine thread: a
+        # call per page was one metadata round trip per stored page on a remote store)
+        probed = [(pages, state_key(keys[pages - 1], geometry)) for pages in range(hits, 0, -1)]
         try:
-            for pages in range(hits, 0, -1):
-                key = state_key(keys[pages - 1], geometry)
-                if self.storage.exists_state(key):
-                    candidates.append((pages, key))
+            found = self.storage.exists_states([key for _, key in probed])
+            candidates = [probe for probe, present in zip(probed, found) if present]
         except Exception as exc:
             log.warning("prefetch of %s: state lookup failed: %s", rid, exc)
             self._count(storage_errors=1)

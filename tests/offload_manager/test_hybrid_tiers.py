@@ -67,10 +67,12 @@ def engine_config(model: torch.nn.Module, prefix_cache: bool = True,
 
 
 def tiered(model: torch.nn.Module, path: Path, backend: str | None = "file",
-           host_state_slots: int = 0, checkpoint_slots: int = 8, **hicache: str) -> TieredEngine:
+           host_state_slots: int = 0, checkpoint_slots: int = 8,
+           storage_extra: dict[str, str] | None = None, **hicache: str) -> TieredEngine:
     """A driven engine over HiCache: host tier, and a `backend` storage tier (None: none)."""
     fingerprint = fingerprint_for(model.config, "qwen3-next-test", PAGE)
     extra = {"state_capacity": 32} if backend == "hf3fs" else {}
+    extra.update(storage_extra or {})
     storage = None if backend is None else storage_config_for(
         model.config, PAGE, fingerprint, backend=backend, path=str(path), capacity_pages=256,
         **extra)
@@ -287,6 +289,32 @@ def test_missing_or_refused_state_shortens_the_hit(hybrid, reference, tmp_path) 
         assert built.hicache.stats.prefetch_state_misses == misses + 1
         idle_and_exact(built)
         drop_memory_tiers(built)
+    finally:
+        built.close()
+
+
+def test_the_state_probe_is_one_storage_call(hybrid, reference, tmp_path) -> None:
+    """A storage hit probes the state object at each stored page's end on the engine thread;
+    that is one batched call now (`exists_states`): it was a call per page, on a remote
+    store a metadata round trip each while every running request waited. Calls counted by
+    the delay wrapper (1 ms each): the page probe, the state probe, then on the IO thread
+    one page read and one state read."""
+    control = tmp_path / "delay"
+    control.write_text("0.001")
+    built = tiered(hybrid, tmp_path / "store", storage_extra={"fault_injection": str(control)})
+    try:
+        answer = generate(built.engine, PROMPT, "t1")[0]
+        idle_and_exact(built)
+        drop_memory_tiers(built)
+        turn2 = PROMPT + answer + [5, 9, 13, 17, 21]
+        before = built.storage.stats()["injected_delays"]
+        # the test's thread is the engine's (`start(thread=False)`)
+        assert built.hicache.start_prefetch("probe", turn2, "", 0, len(turn2) // PAGE) == 8
+        assert built.storage.stats()["injected_delays"] - before <= 4  # 1 + 8 page by page
+        built.hicache.cancel_prefetch("probe")
+        got = generate(built.engine, turn2, "t2")
+        assert_same(got, reference(turn2))
+        assert got[2].cached.storage == 32
     finally:
         built.close()
 

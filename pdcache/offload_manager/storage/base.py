@@ -116,6 +116,12 @@ class StorageBackend(ABC):
         """Whether a state object of `key` is stored (not verified: a read may still refuse)."""
         raise NotImplementedError(f"{type(self).__name__} stores no state objects")
 
+    def exists_states(self, keys: Sequence[bytes]) -> list[bool]:
+        """`exists_state` of each key. Backends with a remote index answer in one batched
+        call per chunk (a hybrid prefetch probes every stored page's end on the engine
+        thread); this default asks key by key."""
+        return [self.exists_state(key) for key in keys]
+
     def delete_states(self, keys: Sequence[bytes]) -> None:
         """Remove these state objects if present."""
         raise NotImplementedError(f"{type(self).__name__} stores no state objects")

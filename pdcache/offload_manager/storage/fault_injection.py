@@ -189,6 +189,10 @@ class DelayInjectingBackend(StorageBackend):
         self._wait()
         return self.inner.exists_state(key)
 
+    def exists_states(self, keys: Sequence[bytes]) -> list[bool]:
+        self._wait()
+        return self.inner.exists_states(keys)
+
     def delete_states(self, keys: Sequence[bytes]) -> None:
         self._wait()
         self.inner.delete_states(keys)

@@ -596,6 +596,9 @@ class Hf3fsBackend(SlotFileAccess, StorageBackend):
     def exists_state(self, key: bytes) -> bool:
         return self._state_slots().exists(key)
 
+    def exists_states(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._state_slots().exists_many(list(keys))
+
     def delete_states(self, keys: Sequence[bytes]) -> None:
         if not self.read_only:
             self._state_slots().delete(list(keys))

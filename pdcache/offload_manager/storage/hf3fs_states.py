@@ -207,11 +207,15 @@ class Hf3fsStateSlots(SlotFileAccess):
         return origin
 
     def exists(self, key: bytes) -> bool:
+        return self.exists_many([key])[0]
+
+    def exists_many(self, keys: list[bytes]) -> list[bool]:
+        """One metadata lookup for all `keys` (all False while the metadata is down)."""
         try:
-            return self.metadata.lookup([key])[0] is not None
+            return [slot is not None for slot in self.metadata.lookup(keys)]
         except MetadataUnavailable as exc:
             self._metadata_down(exc)
-            return False
+            return [False] * len(keys)
 
     def delete(self, keys: list[bytes]) -> None:
         """Zero each header first (a header scan never resurrects it), then free the slot."""

@@ -342,6 +342,16 @@ class MooncakeStoreBackend(StorageBackend):
         with self._lock:
             return self._call("is_exist", self._state_key(key)) == 1
 
+    def exists_states(self, keys: Sequence[bytes]) -> list[bool]:
+        self._state_spec()
+        out: list[bool] = []
+        for start in range(0, len(keys), self._batch):
+            chunk = keys[start : start + self._batch]
+            with self._lock:
+                found = self._call("batch_is_exist", [self._state_key(k) for k in chunk])
+            out += [flag == 1 for flag in found] if found is not None else [False] * len(chunk)
+        return out
+
     def delete_states(self, keys: Sequence[bytes]) -> None:
         self._state_spec()
         with self._lock:

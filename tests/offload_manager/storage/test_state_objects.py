@@ -375,6 +375,7 @@ def test_state_capacity_evicts_least_recently_used_states_only(make_backend: Fac
     assert backend.get_state(keys[0]) is not None  # keys[0] is the most recent now
     assert backend.put_state(keys[2], _state(2), tokens=12)
     assert [backend.exists_state(k) for k in keys] == [True, False, True]
+    assert backend.exists_states(keys) == [True, False, True]  # one batched lookup
     assert backend.exists_prefix([page_key]) == 1  # pages are not states' victims
     stats = backend.stats()
     assert stats["state_evictions"] == 1 and stats["used_states"] == 2
