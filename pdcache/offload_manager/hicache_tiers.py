@@ -158,8 +158,9 @@ class HiCacheTiers:
             self.hicache.release_prefetched_state(result)
             self.hicache.release_prefetched(result, result.host_page_ids)
             return None
-        if result.state_slot is not None:  # hybrid: only whole, up to the state it read
-            if skip != 0 or usable < len(result.host_page_ids):
+        if result.state_slot is not None:  # hybrid: only up to the state it read (pages the
+            # match covers meanwhile are dropped: the state still ends the pages kept)
+            if skip + usable < len(result.host_page_ids):
                 self.hicache.release_prefetched_state(result)
                 self.hicache.release_prefetched(result, result.host_page_ids)
                 return None

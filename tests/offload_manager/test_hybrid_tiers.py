@@ -319,6 +319,42 @@ def test_the_state_probe_is_one_storage_call(hybrid, reference, tmp_path) -> Non
         built.close()
 
 
+def test_a_storage_hit_continues_a_device_match_that_grew_while_it_was_read(
+        hybrid, reference, tmp_path) -> None:
+    """Turn 2 waits for its storage read (pages 0-7 and the state at 32) while a shorter
+    request sharing its first 20 tokens runs and caches them on device with a checkpoint. At
+    turn 2's admission the device match covers the read's first 5 pages: the read's last 3
+    pages and its state continue it (the whole read was thrown away, 12 tokens recomputed)."""
+    control = tmp_path / "delay"
+    control.write_text("0")
+    built = tiered(hybrid, tmp_path / "store", storage_extra={"fault_injection": str(control)})
+    try:
+        answer = generate(built.engine, PROMPT, "t1")[0]
+        idle_and_exact(built)
+        drop_memory_tiers(built)
+        # every storage call from now on: turn 2's read (pages, then state) takes 0.6 s,
+        # the shorter request's few steps (its storage probe finds no state: no read) ~50 ms
+        control.write_text("0.3")
+        turn2, shorter = PROMPT + answer + [5, 9, 13, 17, 21], PROMPT[:21]
+        outs: dict[str, list[RequestOutput]] = {"b": [], "t2": []}
+        for rid, prompt in (("b", shorter), ("t2", turn2)):
+            built.engine.submit(GenerateRequest(
+                rid=rid, input_ids=prompt,
+                sampling=SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True),
+                logprobs=LogprobRequest()), outs[rid].append)
+        while built.engine.step() or not outs["t2"] or not outs["t2"][-1].finished:
+            pass
+        assert outs["b"][-1].finished and outs["b"][-1].cached.device == 0
+        last = outs["t2"][-1]
+        tokens = [t for out in outs["t2"] for t in out.new_token_ids]
+        assert tokens == reference(turn2)[0]
+        assert (last.cached.device, last.cached.storage) == (20, 12)
+        control.write_text("0")
+        idle_and_exact(built)
+    finally:
+        built.close()
+
+
 def test_hit_without_its_state_gives_wrong_tokens(hybrid, reference, tmp_path,
                                                    monkeypatch) -> None:
     """The protection shown off: pages from storage served with a zero state (no restore)."""
