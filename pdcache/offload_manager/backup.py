@@ -97,7 +97,10 @@ class Backup:
 
     def backup(self, token_ids: Sequence[int], salt: str, last_node: RadixNode | None) -> None:
         """Apply the write policy to the nodes on the path to `last_node` (just inserted or
-        hit): copy them to host and write them to storage."""
+        hit): copy them to host and write them to storage. An exclusive host frees the host
+        copies of the path's nodes that are on device again (`_release_host_copies`)."""
+        if last_node is not None and self.host_mode == "exclusive":
+            self._release_host_copies(last_node)
         if last_node is None or self.writes_on_evict:
             return
         path = last_node.path_from_root()
@@ -113,6 +116,19 @@ class Backup:
                 self._backup_state(node, keys[offset + node.num_pages - 1],
                                    (offset + node.num_pages) * self.tree.page_size, keep)
             offset += node.num_pages
+
+    def _release_host_copies(self, last_node: RadixNode) -> None:
+        """Exclusive host: a node holds its pages on one tier. A request that recomputed
+        pages whose node was on host only (its host match cut short: a prompt logprob
+        span, a hybrid point without a host checkpoint) gave the node device pages on
+        insert; its host copy then only took room (kept until host eviction reached it).
+        A node whose host state has no device checkpoint beside it keeps its host copy."""
+        ids = [page for node in last_node.path_from_root()
+               if node.on_device and node.host_page_ids is not None
+               and (node.host_state_slot is None or node.state_slot is not None)
+               for page in node.host_page_ids]
+        if ids:
+            self._count(host_released_pages=self.tree.drop_host_copies(last_node, ids))
 
     def on_device_evict(self, node: RadixNode, page_ids: list[int]) -> None:
         """write_back / exclusive host: the last chance to keep this node's KV is before its

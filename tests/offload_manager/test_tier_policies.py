@@ -143,6 +143,25 @@ def test_exclusive_host_serves_hits_where_inclusive_serves_none() -> None:
     assert exclusive.computed < inclusive.computed
 
 
+def test_exclusive_host_frees_the_copy_of_a_node_recomputed_on_device() -> None:
+    """A request that recomputes pages whose node is on host only (its host match was cut
+    short) gives the node device pages on insert; an exclusive host then frees its copy
+    (it kept both, its room wasted until host eviction reached it)."""
+    sim = TierSim(8, 8, host_mode="exclusive")
+    tokens = session_tokens(0, 1)
+    sim.turn("a", tokens)
+    assert sim.tree.evict(PAGES_PER_TURN) == PAGES_PER_TURN
+    assert sim.host.num_used == PAGES_PER_TURN  # the victim cache took it
+    result = sim.tree.insert(tokens, sim._alloc(PAGES_PER_TURN), "")  # recomputed
+    assert result.duplicate_page_ids == []  # the host-only node adopted the new pages
+    sim.cache.backup(tokens, "", result.last_node)
+    assert sim.host.num_used == 0
+    assert sim.cache.snapshot()["host_released_pages"] == PAGES_PER_TURN
+    sim.check()
+    sim.turn("a", tokens)  # served from device
+    assert sim.hits.device == PAGES_PER_TURN and sim.hits.host == 0
+
+
 def test_session_policy_with_exclusive_host_beats_lru_inclusive() -> None:
     base = round_robin(TierSim(DEVICE, HOST), N_SESSIONS, N_TURNS)
     best = round_robin(
