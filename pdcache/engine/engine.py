@@ -858,6 +858,7 @@ class Engine:
             "requests_held": len(self.scheduler.held),
             "tokens_in_cache": (tree.total_pages if tree else 0) * self.pool.page_size,
             "pages_evicted_total": tree.num_evicted_pages if tree else 0,
+            "suspect_pages_dropped_total": tree.num_dropped_suspect_pages if tree else 0,
             "tokens_cached_total": counters.cached_tokens,
             "tokens_computed_total": counters.computed_tokens,
             # decode: prompt tokens whose K/V its prefix tree had (prefill wrote only the

@@ -78,6 +78,9 @@ class RadixNode:
     # layers' page of each page of the node, None where it was freed (a tombstone); None for
     # other models and for a node without device pages
     window_page_ids: list[int | None] | None = None
+    # its device pages may not hold its tokens' K/V (a host → device load into them failed
+    # after the node was restored): never matched, dropped once unlocked (`drop_suspects`)
+    suspect: bool = False
 
     @property
     def on_device(self) -> bool:
@@ -246,6 +249,8 @@ class RadixTree:
         self.limited_tokens: dict[str, int] = {}  # ... and the matched tokens they lost
         # stable-key policies: the evictable leaves, ranked, kept across passes (`evict`)
         self._leaf_heap: _LeafHeap | None = None
+        self._suspects: list[RadixNode] = []  # `mark_suspect`, until `drop_suspects`
+        self.num_dropped_suspect_pages = 0
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -337,7 +342,7 @@ class RadixTree:
                      salt: str) -> list[tuple[RadixNode, int]]:
         path: list[tuple[RadixNode, int]] = []
         for node, matched in self.walk(token_ids, salt):
-            if not node.on_device:
+            if not node.on_device or node.suspect:
                 break
             path.append((node, matched))
         return path
@@ -424,6 +429,54 @@ class RadixTree:
             if item.lock_ref == 0:
                 self._locked_pages -= item.num_device_pages
                 self._note_leaf(item)
+
+    # ---- suspect device pages ------------------------------------------------------------
+    def mark_suspect(self, nodes: Iterable[RadixNode]) -> None:
+        """The device pages of `nodes` may not hold their K/V (a load into them failed): no
+        match goes into them from now on; `drop_suspects` frees them."""
+        for node in nodes:
+            if not node.suspect:
+                node.suspect = True
+                self._suspects.append(node)
+
+    @property
+    def has_suspects(self) -> bool:
+        return bool(self._suspects)
+
+    def on_suspect_path(self, node: RadixNode | None) -> bool:
+        """Whether `node` or an ancestor is suspect (a request locking it read them)."""
+        return any(item.suspect for item in self._ancestors(node))
+
+    def drop_suspects(self) -> int:
+        """Free the device copies of the suspect nodes and of everything on device below
+        them (computed on top of them), without the eviction hook: none of it may reach a
+        lower tier. A node keeps its host copy (HiCache: the host pages the failed load read
+        are intact). Nodes still locked wait for a later call. Returns the pages freed."""
+        freed, left = 0, []
+        on_evict, self.on_evict = self.on_evict, None
+        try:
+            for node in self._suspects:
+                below = [item for item in [node, *self._descendants(node)] if item.on_device]
+                if any(item.lock_ref > 0 for item in below):
+                    left.append(node)
+                    continue
+                for item in reversed(below):  # children first: device nodes stay a top tree
+                    freed += self._evict_device(item)
+                node.suspect = False
+        finally:
+            self.on_evict = on_evict
+        self._suspects = [node for node in left if node.suspect]
+        self.num_dropped_suspect_pages += freed
+        return freed
+
+    def _descendants(self, node: RadixNode) -> list[RadixNode]:
+        """Every node below `node`, parents before children."""
+        found, stack = [], list(node.children.values())
+        while stack:
+            item = stack.pop()
+            found.append(item)
+            stack.extend(item.children.values())
+        return found
 
     # ---- sessions ----------------------------------------------------------------------
     def note_session(self, node: RadixNode | None, session_id: str, new_turn: bool) -> None:
@@ -662,6 +715,8 @@ class RadixTree:
             last_access=node.last_access,
             session_id=node.session_id,
         )
+        if node.suspect:
+            self.mark_suspect([upper])
         node.key = node.key[num_pages * size :]
         node.num_pages -= num_pages
         node.device_page_ids = _tail(node.device_page_ids, num_pages)

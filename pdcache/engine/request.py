@@ -39,8 +39,8 @@ class KVLoad(Protocol):
     """A copy of reused K/V into some of a request's device pages that the forward pass
     waits on layer by layer (HiCache host → device load). A load may also have a `failed`
     attribute, True once done when what it copied turned out not to verify (HiCache's
-    layer-streamed prefetch): `Scheduler.requeue_failed_loads` then discards the request's
-    forward and recomputes it."""
+    layer-streamed prefetch) or its copy raised (`copy_error`): `Scheduler.requeue_failed_loads`
+    then discards the request's forward and recomputes it."""
 
     @property
     def done(self) -> bool: ...
@@ -93,6 +93,9 @@ class Req:
     num_emitted: int = 0  # output tokens already handed to on_output
     admit_seq: int = -1
     num_retractions: int = 0
+    # a copy of lower-tier K/V into its pages raised: it recomputes instead of loading again
+    # (a copy that fails every time would requeue it for good)
+    skip_lower_tiers: bool = False
     first_token_time: float | None = None
     finish_reason: str | None = None
     error: str | None = None

@@ -70,7 +70,7 @@ from pdcache.engine.roles import RolePolicy, Unified
 from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.engine.state_cache import StateSlots
 from pdcache.engine.state_pool import StateSnapshot
-from pdcache.engine.tiers import CacheTiers, DeviceOnly
+from pdcache.engine.tiers import CacheTiers, DeviceOnly, TierReuse
 from pdcache.engine.window_pages import WindowPages
 
 # `add_prefilled` of a hybrid model without the recurrent state prefill sent with its pages
@@ -280,6 +280,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """Admit what fits, then pick the next batch (None: nothing runnable)."""
         self.tiers.on_step()
+        if self.tree is not None and self.tree.has_suspects:  # left by a step that failed
+            self.tree.drop_suspects()
         self._admit_waiting()
         prefilling = [r for r in self.running if not r.prefill_done]
         want_decode = any(r.prefill_done for r in self.running)
@@ -341,15 +343,25 @@ class Scheduler:
         `batch.sample_rows` and `batch.logprob_spans` cut to match, or None when none failed."""
         failed = [r for r in self.running
                   if r.kv_load is not None and r.kv_load.done and getattr(r.kv_load, "failed", False)]
-        if not failed:
+        readers = self._suspect_readers(failed)
+        if not failed and not readers:
             return None
-        for req in failed:
-            logger.warning("request %s: reused K/V failed verification; recomputing", req.rid)
+        reader_ids = {id(r) for r in readers}
+        for req in failed + readers:
+            copy_error = getattr(req.kv_load, "copy_error", None) if req.kv_load else None
+            logger.warning("request %s: %s; recomputing", req.rid,
+                           "read K/V a failed copy left" if id(req) in reader_ids else
+                           "reused K/V failed verification" if copy_error is None else
+                           f"the copy of its reused K/V failed ({copy_error!r})")
+            req.skip_lower_tiers = req.skip_lower_tiers or copy_error is not None
             self._release(req, cache=False)
             self.running.remove(req)
             req.status = ReqStatus.WAITING
             req.cached_len, req.cached = None, None
             self.waiting.appendleft(req)
+        if self.tree is not None:
+            self.tree.drop_suspects()
+        failed += readers
         gone = {id(r) for r in failed}
         samples = [i for i, row in enumerate(batch.sample_rows) if id(batch.reqs[row]) not in gone]
         rows, offset, spans = list(samples), len(batch.sample_rows), []
@@ -362,6 +374,15 @@ class Scheduler:
         batch.sample_rows = [batch.sample_rows[i] for i in samples]
         batch.logprob_spans = spans
         return rows
+
+    def _suspect_readers(self, failed: list[Req]) -> list[Req]:
+        """Running requests (besides `failed`) whose locked path runs through a node a failed
+        load left suspect: they read its junk in this forward (admitted beside the load)."""
+        if self.tree is None or not self.tree.has_suspects:
+            return []
+        known = {id(r) for r in failed}
+        return [r for r in self.running if id(r) not in known and r.last_node is not None
+                and self.tree.on_suspect_path(r.last_node)]
 
     # ---- admission ---------------------------------------------------------------------
     def _admit_waiting(self) -> None:
@@ -401,7 +422,8 @@ class Scheduler:
             self.unlock(match.last_node)
             return False
         max_pages = req.max_reuse_len // self.page_size
-        reuse = self.tiers.reuse_lower_tiers(req, match, own, max_pages)
+        reuse = TierReuse() if req.skip_lower_tiers else \
+            self.tiers.reuse_lower_tiers(req, match, own, max_pages)
         node = match.last_node
         if reuse.tree_pages:
             self.lock(reuse.node)  # the restored nodes hang below the device match

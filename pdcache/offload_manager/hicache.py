@@ -107,6 +107,7 @@ class HiCacheStats:
     prefetch_abandoned_pages: int = 0
     prefetch_restarts: int = 0  # prefetches restarted from a shrunk match (`restart_prefetch`)
     load_pages: int = 0
+    load_failed_copies: int = 0  # host → device loads whose copy raised (requests recomputed)
     storage_errors: int = 0
     # where a storage hit's time goes (microseconds, summed over requests)
     prefetch_lookup_us: int = 0  # key hashing + exists_prefix, on the engine thread
@@ -215,6 +216,9 @@ class HiCache:
         per layer."""
         host_ids = host.host_page_ids
         node = self.tree.restore(host, device_page_ids[: len(host_ids)]) if host.nodes else None
+        # one restored node per host match entry (a split restores its upper part), ending at
+        # `node`: suspect if the copy into their pages fails
+        restored = node.path_from_root()[-len(host.nodes):] if node is not None else []
         pref_ids = prefetched.host_page_ids if prefetched else []
         all_host = host_ids + pref_ids
         if not all_host:
@@ -223,10 +227,14 @@ class HiCache:
                     load_host_kv_bytes=len(all_host) * self.host_pool.page_nbytes)
 
         def release_prefetched() -> None:
+            copy_failed = load.copy_error is not None
+            if copy_failed:  # their host copies stay: intact, and no longer on device
+                self.tree.mark_suspect(restored)
+                self._count(load_failed_copies=1)
             if pref_ids:  # a timed-out stream may still be writing into them: freed later
                 assert prefetched is not None
                 self.release_prefetched(prefetched, pref_ids)
-            if host_ids and self.config.host_mode == "exclusive":
+            if host_ids and self.config.host_mode == "exclusive" and not copy_failed:
                 released = self.tree.drop_host_copies(node, host_ids)
                 self._count(host_released_pages=released)
 
@@ -242,10 +250,10 @@ class HiCache:
         streamed = None
         if prefetched is not None and prefetched.stream is not None and pref_ids:
             streamed = StreamedPages(prefetched.stream, prefetched.stream_offset, len(pref_ids))
-        return node, self.layer_load_cls(self.host_pool, self.device_kv, all_host,
-                                         device_page_ids[: len(all_host)], release_prefetched,
-                                         copied, self.kernels, streamed, streamed_done,
-                                         self._copier)
+        load = self.layer_load_cls(self.host_pool, self.device_kv, all_host,
+                                   device_page_ids[: len(all_host)], release_prefetched, copied,
+                                   self.kernels, streamed, streamed_done, self._copier)
+        return node, load
 
     def restore_state(self, request_slot: int, host: HostMatch, node: RadixNode | None,
                       prefetched: PrefetchResult | None) -> None:

@@ -18,11 +18,13 @@ the load and compute of layer l. `finish()` waits for the pages' verification (c
 of the whole page) after the forward; a page that failed (or a stream that timed out) marks the
 load `failed`, and the scheduler discards what was computed from it and recomputes the request
 (`Scheduler.requeue_failed_loads`; a request released before its forward caches none of its
-pages, `Scheduler._release`).
+pages, `Scheduler._release`). A copy that raises fails the load the same way (`copy_error`),
+not the forward: the owner's `on_done` sees it (HiCache marks the nodes it restored suspect).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +35,8 @@ from pdcache.kernels import KernelSet
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.load_copier import CopyJob, LoadCopier
 from pdcache.offload_manager.storage.layer_reads import LayerStream
+
+log = logging.getLogger(__name__)
 
 # Bound on the forward's wait for one layer's copy (copy_ahead): a layer is a few ms of memcpy,
 # so only a wedged machine reaches it, and the request's step fails instead of hanging.
@@ -77,8 +81,9 @@ class LayerLoad:
         self.host_page_ids = host_page_ids
         self.num_layers = device_kv.shape[0]
         self.streamed = streamed
-        # streamed pages that did not verify, or a copy-ahead copy that raised (known once done)
+        # streamed pages that did not verify, or a copy that raised (known once done)
         self.failed = False
+        self.copy_error: BaseException | None = None  # the copy that raised (its pages hold junk)
         self._next_layer = 0
         self._finished = False
         self._on_done = on_done
@@ -119,11 +124,9 @@ class LayerLoad:
         start = time.perf_counter()
         ended = job.ready[layer].wait(self._copy_timeout_s)
         self.copy_wait_s += time.perf_counter() - start
-        if job.error is not None:  # the copier is done with this load: release it, and mark
-            self.failed = True  # its K/V unusable (recomputed, never cached: the scheduler)
-            self._next_layer = self.num_layers
-            self._finish()
-            raise RuntimeError(f"host → device copy failed: {job.error}") from job.error
+        if job.error is not None:  # the copier is done with this load
+            self._copy_failed(layer, job.error)
+            return
         if not ended:  # still queued or copying: its pages stay pinned and reserved
             self._timed_out = True
             if self._copier is not None:
@@ -132,7 +135,9 @@ class LayerLoad:
                                f"{self._copy_timeout_s:.0f} s")
 
     def wait(self, layer: int) -> None:
-        while self._next_layer <= layer:
+        """Layers up to `layer` are on device, or the load failed (`failed`: the forward goes
+        on over junk, and the scheduler recomputes whoever read it)."""
+        while self._next_layer <= layer and not self._finished:
             if self._job is not None:
                 self._await_copied(self._next_layer)
             else:
@@ -140,10 +145,26 @@ class LayerLoad:
                     start = time.perf_counter()
                     self.streamed.stream.wait_layer(self._next_layer)
                     self.stream_wait_s += time.perf_counter() - start
-                self.copy_layer(self._next_layer)
+                try:
+                    self.copy_layer(self._next_layer)
+                except Exception as exc:  # noqa: BLE001 - the load fails, not the step
+                    self._copy_failed(self._next_layer, exc)
+            if self._finished:  # the copy failed
+                return
             self._next_layer += 1
             if self._next_layer == self.num_layers and self.streamed is None:
                 self._finish()
+
+    def _copy_failed(self, layer: int, error: BaseException) -> None:
+        """A copy raised: the device pages hold junk from `layer` on. The load ends failed
+        (host pages unpinned, the owner told through its callbacks: HiCache marks the
+        restored nodes suspect); the scheduler requeues every request that read them
+        (`Scheduler.requeue_failed_loads`) instead of the whole step failing."""
+        log.error("host → device copy of layer %d failed: %r", layer, error)
+        self.copy_error = error.with_traceback(None)
+        self.failed = True
+        self._next_layer = self.num_layers
+        self._finish()
 
     def finish(self) -> None:
         """Load every remaining layer (e.g. when the batch was cancelled) and, for streamed
@@ -167,7 +188,7 @@ class LayerLoad:
             ok = self.streamed.stream.wait_done()
             verify_wait_s = time.perf_counter() - start
             first = self.streamed.offset
-            self.failed = not all(ok[first : first + self.streamed.count])
+            self.failed = self.failed or not all(ok[first : first + self.streamed.count])
             if self._on_streamed is not None:
                 self._on_streamed(self.stream_wait_s, verify_wait_s, self.failed)
         self.host_pool.unpin(self.host_page_ids)

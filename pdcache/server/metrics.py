@@ -48,6 +48,9 @@ ENGINE_GAUGES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 ENGINE_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
     "pdcache_device_pages_evicted": (("pages_evicted_total",), "prefix-cache pages evicted"),
+    "pdcache_device_suspect_pages_dropped": (("suspect_pages_dropped_total",),
+                                             "prefix-cache pages dropped because a host → "
+                                             "device copy into them failed"),
     "pdcache_requests_retracted": (("requests_retracted_total",), "requests preempted"),
     "pdcache_engine_step_errors": (("step_errors_total",), "engine steps that raised"),
     "pdcache_engine_callback_errors": (("callback_errors_total",), "callbacks that raised"),
@@ -133,10 +136,13 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
                                     "pages not backed up"),
     "pdcache_load_pages": ("counter", "", {"": "load_pages"},
                            "host pages loaded to device (host hits and prefetched pages)"),
+    "pdcache_load_failed_copies": ("counter", "", {"": "load_failed_copies"},
+                                   "host → device loads whose copy raised (their requests "
+                                   "recomputed)"),
     "pdcache_host_evicted_pages": ("counter", "", {"": "host_evicted_pages"},
                                    "host copies dropped by host eviction (host_eviction policy)"),
     "pdcache_host_released_pages": ("counter", "", {"": "host_released_pages"},
-                                    "exclusive host: host copies freed once loaded on device"),
+                                    "exclusive host: host copies freed once loaded (or recomputed) on device"),
     "pdcache_pending_pages": ("counter", "outcome", {"found": "pending_found_pages",
                                                      "waited": "pending_waited_pages",
                                                      "pulled": "pending_pulled_pages",

@@ -19,12 +19,18 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from pdcache.engine.api import GenerateRequest
+from pdcache.offload_manager.builder import TierConfig, build_tiered_engine
+from pdcache.offload_manager.hicache import HiCacheConfig
 from pdcache.offload_manager.layer_loads import LayerLoad
 from tests.hicache_support import (
+    PARAMS,
     PROMPT,
     check_every_tier,
+    engine_config,
     generate,
     reference_tokens,
+    run_to_end,
     storage_config,
     tiered,
 )
@@ -116,6 +122,79 @@ def test_forward_waits_for_each_layer_of_host_and_storage_loads(tiny, expected, 
         check_every_tier(second)
     finally:
         second.close()
+
+
+def failing_load(layer: int, times: list[int]) -> type[LayerLoad]:
+    """A load whose copy of `layer` raises, while `times` holds a count (a copy fault)."""
+
+    class FailingLayerLoad(LayerLoad):
+        def copy_layer(self, at: int) -> None:
+            if at == layer and times and times[0] > 0:
+                times[0] -= 1
+                raise RuntimeError("injected host → device copy fault")
+            super().copy_layer(at)
+
+    return FailingLayerLoad
+
+
+@pytest.mark.parametrize("copy_ahead", [False, True], ids=["inline", "copy_ahead"])
+def test_a_failed_host_load_is_recomputed_and_leaves_no_junk_in_the_tree(
+        tiny, expected, copy_ahead) -> None:
+    """A host hit's copy raises at layer 1 (layers 1+ of the restored nodes' device pages
+    keep what they held). The step failed with the request (an error to the client), and
+    the restored nodes stayed on device over those pages: the next request hit them and
+    read junk. Now the load fails, not the step: the request recomputes (no lower tier this
+    time) and the nodes' device copies are dropped (`RadixTree.drop_suspects`; with them
+    kept, the recompute itself hits them: other tokens); the next request is exact."""
+    built = tiered(tiny, None, copy_ahead=copy_ahead)
+    try:
+        generate(built.engine, "cold", PROMPT)
+        built.engine.flush_cache()  # demoted to host
+        junk = torch.Generator().manual_seed(0)  # what a page held before (any other K/V)
+        built.hicache.device_kv.copy_(torch.randn(built.hicache.device_kv.shape, generator=junk))
+        built.hicache.layer_load_cls = failing_load(1, [1])
+        tokens, out = generate(built.engine, "host", PROMPT)
+        assert tokens == expected and out.error is None
+        assert (out.cached.device, out.cached.host) == (0, 0)  # recomputed
+        assert built.hicache.stats.load_failed_copies == 1
+        assert built.engine.scheduler.tree.num_dropped_suspect_pages == 10
+        built.hicache.layer_load_cls = LayerLoad
+        tokens, out = generate(built.engine, "again", PROMPT)
+        assert tokens == expected and out.cached.device == 40
+        check_every_tier(built)
+    finally:
+        built.close()
+
+
+def test_a_request_that_read_a_failed_load_beside_it_is_recomputed_too(tiny, expected) -> None:
+    """Two requests admitted in one step: the first restores the host hit onto device, the
+    second matches those nodes there and reads them in the same forward. The first's copy
+    fails at layer 1: both are recomputed (with only the loader requeued, the other kept
+    what it computed from the pages' old contents: other tokens)."""
+    model, tokenizer = tiny
+    longer = PROMPT + [7, 8, 9, 10, 11, 12]
+    want_longer = reference_tokens(tiny, longer)
+    built = build_tiered_engine(engine_config(model), model, tokenizer,
+                                TierConfig(host_pages=64, hicache=HiCacheConfig()))
+    built.engine.start(thread=False)
+    try:
+        outs: dict[str, list] = {"cold": []}
+        built.engine.submit(GenerateRequest("cold", PROMPT, PARAMS), outs["cold"].append)
+        run_to_end(built)
+        built.engine.flush_cache()
+        junk = torch.Generator().manual_seed(0)  # what a page held before (any other K/V)
+        built.hicache.device_kv.copy_(torch.randn(built.hicache.device_kv.shape, generator=junk))
+        built.hicache.layer_load_cls = failing_load(1, [1])
+        for rid, prompt in (("a", PROMPT), ("b", longer)):
+            outs[rid] = []
+            built.engine.submit(GenerateRequest(rid, prompt, PARAMS), outs[rid].append)
+        run_to_end(built)
+        tokens = {rid: [t for o in outs[rid] for t in o.new_token_ids] for rid in ("a", "b")}
+        assert tokens == {"a": expected, "b": want_longer}
+        assert built.hicache.stats.load_failed_copies == 1
+        check_every_tier(built)
+    finally:
+        built.close()
 
 
 class HeldEvents(list):
