@@ -283,10 +283,18 @@ class Engine:
             self._update_snapshot()
 
     def in_flight(self, rid: str) -> bool:
-        """Whether request `rid` is submitted and not finished (queued, running or held).
-        Any thread."""
+        """Whether request `rid` is submitted and not finished (queued, running), or finished
+        with its pages held (decode's offload copies still read them; prefill's transfer).
+        Any thread: a held rid is added before the finished one leaves `_live_rids`, so
+        no moment shows neither."""
         with self._lock:
-            return rid in self._live_rids
+            return self._rid_taken(rid)
+
+    def _rid_taken(self, rid: str) -> bool:
+        """Under `_lock`. `scheduler.held` is the engine thread's; a dict lookup from here
+        is atomic. Reusing a held rid replaced the held request in the scheduler: its
+        pages leaked, and its release freed the new one's pages under its copies."""
+        return rid in self._live_rids or rid in self.scheduler.held
 
     @property
     def is_running(self) -> bool:
@@ -310,7 +318,7 @@ class Engine:
         with self._lock:  # stop is set under this lock: a request put here is always drained
             if not self.is_running:
                 raise EngineNotRunningError("the engine is not running")
-            if req.rid in self._live_rids:
+            if self._rid_taken(req.rid):
                 raise ValueError(f"request id {req.rid!r} is already in flight")
             queued = self._num_pending + self._num_waiting
             if queued >= self.config.scheduler.max_queued_requests:
@@ -413,7 +421,7 @@ class Engine:
         with self._lock:
             if not self.is_running:
                 raise EngineNotRunningError("the engine is not running")
-            if req.rid in self._live_rids:
+            if self._rid_taken(req.rid):
                 raise ValueError(f"request id {req.rid!r} is already in flight")
             self._live_rids.add(req.rid)
             new = self._new_req(req, on_output, self._generator_for(req))

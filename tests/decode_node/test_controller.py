@@ -630,10 +630,18 @@ def test_offload_hold_keeps_pages_until_the_copies_are_done(tiny, ending: str) -
         assert poll(lambda: outputs and outputs[-1].finished)
         assert engine.check_accounting()["requests"] > 0  # held: copies may read them
         assert controller.held() == ["d"]
+        # its rid stays taken while held: a client retrying with it is refused (it replaced
+        # the held request: those pages leaked, and its release freed the new one's)
+        assert engine.in_flight("d")
+        with pytest.raises(DuplicateRoomError):
+            controller.open_room("d", 99, print)
+        with pytest.raises(ValueError, match="already in flight"):
+            engine.submit_prefilled(GenerateRequest("d", prompt, SamplingParams(4)), 5, print)
         engine.abort("d")  # an abort of the held request does not free them
         assert engine.check_accounting()["requests"] > 0
         offload.releases["d"]()  # copy thread: the copies are done
         offload.releases["d"]()  # a second call frees nothing more
+        assert poll(lambda: not engine.in_flight("d"))
         assert engine.check_accounting()["used"] == 0
         assert controller.held() == []
     finally:
