@@ -821,7 +821,7 @@ class Engine:
         request_pages = sum(r.num_own_pages for r in holders)
         if scheduler.reservations is not None:
             request_pages += scheduler.reservations.num_reserved_pages
-        request_pages += sum(len(r.deferred_free_page_ids) for r in scheduler.held.values())
+        request_pages += sum(len(r.deferred_free_page_ids) for r in holders)
         for req in self._all_unfinished() + list(scheduler.held.values()):
             req.check()
         numbers = {

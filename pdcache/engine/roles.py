@@ -39,7 +39,8 @@ class RolePolicy(Protocol):
 
     def can_retract(self, req: Req) -> bool:
         """False protects running `req` from retraction (something else reads its pages);
-        the request short of a page then waits."""
+        the request short of a page then waits. Its pages the tree already had copies of
+        (caching a checkpoint's pages) are then freed only with its other pages."""
 
     def hold_after_finish(self, req: Req) -> bool:
         """True keeps the pages of the just finished `req` (K/V of `fill_ids[:kv_len]`) until

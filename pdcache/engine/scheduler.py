@@ -498,7 +498,11 @@ class Scheduler:
         assert match.cached_len == len(tokens), (match.cached_len, len(tokens))
         self.lock(match.last_node)
         self.unlock(req.last_node)
-        if req.holding_pages:  # the pages went to a reader (KV transfer): free on release
+        # the pages went to a reader (a held request's KV transfer; a running decode request's
+        # offload copies, queued with these page ids, when the role lets none of its pages go
+        # early): freed when the request's pages are (they were freed at once, and a copy
+        # then read whatever the page held next: served by pulls, written to storage)
+        if req.holding_pages or not self.role.can_retract(req):
             req.deferred_free_page_ids += result.duplicate_page_ids
         else:
             self.allocator.free(result.duplicate_page_ids)
@@ -658,7 +662,8 @@ class Scheduler:
         if cache and self.states is not None:
             attached = self._attach_pending_checkpoint(req, num_full)
         self._free_state(req)
-        self.allocator.free(to_free)
+        self.allocator.free(to_free + req.deferred_free_page_ids)  # none held: no reader left
+        req.deferred_free_page_ids = []
         self.free_window_pages(window_free)
         self.unlock(req.last_node)
         req.release_pages()

@@ -77,3 +77,74 @@ def test_an_answer_state_whose_pages_were_dropped_is_not_written(tmp_path) -> No
             mgr.close()
         storage.delete(chain_page_keys(tokens, PAGE, make_salt(fingerprint)))
     storage.close()
+
+
+def test_a_decoding_requests_duplicate_pages_outlive_its_queued_copies() -> None:
+    """Hybrid decode node with a prefix tree and `state_checkpoints = "every_page"`: two
+    requests of one prompt; at each page boundary the second's pages go to the tree, which
+    has the first's already. The second's offload copies, queued with its own page ids (the
+    storage lookup ahead of them is slow), read them later. They were freed at once and went
+    to the next reservation meanwhile: its K/V was staged, served to pulls and stored under
+    the prompt's keys. Now they are freed with the request's other pages."""
+    from pdcache.decode_node.scheduler import DecodeRole
+    from pdcache.engine.api import GenerateRequest, SamplingParams
+    from pdcache.engine.config import CacheConfig, EngineConfig
+    from pdcache.engine.engine import Engine
+    from pdcache.engine.loader import load_model
+    from pdcache.engine.scheduler import Scheduler
+    from pdcache.engine.scheduler_config import SchedulerConfig
+    from pdcache.engine.state_pool import StateSnapshot
+
+    class SlowLookup(DictBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lookups = threading.Event()
+
+        def exists_prefix(self, keys):  # type: ignore[no-untyped-def]
+            assert self.lookups.wait(30)
+            return super().exists_prefix(keys)
+
+    model = load_model("tiny-qwen3-next", seed=0)[0]
+    storage, built = SlowLookup(), {}
+
+    class Holds:
+        def hold_for_offload(self, rid: str):  # type: ignore[no-untyped-def]
+            return lambda: built["engine"].release_held(rid)
+
+    def make_scheduler(**kwargs):  # type: ignore[no-untyped-def]
+        mgr = built["mgr"] = DecodeOffloadManager(kwargs["pool"].device_kv, storage, FP,
+                                                  staging_pages=64, stride_pages=1)
+        return Scheduler(**kwargs, role=DecodeRole(mgr, Holds(), kwargs.get("states")))
+
+    config = EngineConfig(model=model.config, cache=CacheConfig(
+        page_size=PAGE, num_device_pages=40, state_checkpoint_slots=16,
+        state_checkpoints="every_page"), scheduler=SchedulerConfig(max_running_requests=8))
+    engine = built["engine"] = Engine(config, model, make_scheduler=make_scheduler)
+    mgr = built["mgr"].start()
+    engine.start(thread=False)
+    try:
+        geometry = engine.states.pool.geometry
+        state = StateSnapshot(geometry, torch.zeros(geometry.state_bytes(), dtype=torch.uint8))
+        prompt = [(i * 37 + 11) % model.config.vocab_size for i in range(10)]
+        reserved = {}
+        for rid in ("a", "b"):
+            reserved[rid] = engine.reserve(rid, len(prompt))
+            engine.submit_prefilled(GenerateRequest(rid, prompt, SamplingParams(
+                max_new_tokens=8, temperature=0.0, ignore_eos=True)), 5, lambda _out: None,
+                state=state)
+        for _ in range(4):  # both past the page boundary at 12 tokens, copies queued
+            engine.step()
+        allocator = engine.scheduler.allocator
+        assert all(allocator.is_used(page) for page in reserved["b"])
+        storage.lookups.set()
+        while engine.step():
+            pass
+        assert mgr.wait_idle(10)
+        while engine.step():  # the copies' releases
+            pass
+        numbers = engine.check_accounting()
+        assert numbers["requests"] == 0 and not engine.scheduler.held
+    finally:
+        storage.lookups.set()
+        mgr.close()
+        engine.shutdown()
