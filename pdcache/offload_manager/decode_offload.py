@@ -17,7 +17,8 @@ Ownership: a request's device pages stay owned by the engine; after `finish`/`ab
 engine must not free them until `on_released` is called (on the copy thread), which happens
 only after every copy that reads them has finished. Host staging pages are freed only after
 their write finished. When staging or the queue is full, pages are dropped and counted —
-decode is never blocked and nothing leaks.
+decode is never blocked and nothing leaks; the request's later pages and answer state are
+dropped too (`_broken`: a lookup finds only a chain's prefix).
 
 Announcements (the durable next turn, docs/design.md §4.10): with an `announcer` (the node's
 `KVReceiver`), the keys of every scheduled batch are announced as pending when they are
@@ -196,6 +197,11 @@ class DecodeOffloadManager:
         self._scheduled: dict[bytes, int] = {}  # key -> batches scheduling it
         self._pins: dict[int, int] = {}
         self._free_unpinned: set[int] = set()
+        # requests a page of which was dropped (queue, staging or writer full): a lookup finds
+        # only a chain's prefix, so their later pages and answer state are dropped too (they
+        # were written, unreachable, the state's 73.7 MiB on Qwen3-Next-80B included); until
+        # their last task
+        self._broken: set[str] = set()
         self.pull_pages_served = 0
 
     def announce_to(self, announcer: PageAnnouncer | None) -> None:
@@ -415,6 +421,8 @@ class DecodeOffloadManager:
             self.stats.pages_scheduled += len(task.keys)
             if self._queued_pages + len(task.keys) > self.max_queued_pages:
                 self.stats.pages_dropped += len(task.keys)
+                self.stats.states_dropped += len(task.state_keys())
+                self._broken.add(task.rid)
                 self._settle(task.keys + task.state_keys(), False)
                 self._unschedule(task.keys)
                 task = _CopyTask(task.rid, [], [], task.on_released, task.namespace,
@@ -446,7 +454,9 @@ class DecodeOffloadManager:
                 self._settle(task.keys + ([] if state_queued else task.state_keys()), False)
             finally:
                 self._unschedule(task.keys)  # staged by now, or never will be
-                if task.on_released is not None:
+                if task.on_released is not None:  # the request's last task
+                    with self._lock:
+                        self._broken.discard(task.rid)
                     self._release(task)
                 with self._lock:
                     self._pending_copies -= 1
@@ -462,7 +472,10 @@ class DecodeOffloadManager:
         """Stage `task`'s pages not stored yet and submit their write. True when every page
         is stored or on its way: only then can the state at their end be hit."""
         if not task.keys:
-            return True
+            return task.rid not in self._broken
+        if task.rid in self._broken:  # a page before these was dropped: unreachable
+            self._drop(task.keys)
+            return False
         stored = self._stored_prefix(task.keys)
         todo = list(range(stored, len(task.keys)))
         with self._lock:
@@ -474,19 +487,30 @@ class DecodeOffloadManager:
         # drop the tail. Only this thread allocates, so the free count can only grow here.
         fits = min(len(todo), self.staging.num_free)
         staging_ids = self.staging.alloc(fits) if fits else None
-        with self._lock:
-            self.stats.pages_dropped += len(todo) - (fits if staging_ids else 0)
         kept = len(staging_ids) if staging_ids else 0
-        self._settle([task.keys[i] for i in todo[kept:]], False)
+        self._drop([task.keys[i] for i in todo[kept:]])
+        if kept < len(todo):
+            with self._lock:
+                self._broken.add(task.rid)
         if not staging_ids:
             return False
-        whole = kept == len(todo)
         todo = todo[: len(staging_ids)]
         device_ids = torch.tensor([task.device_page_ids[i] for i in todo], dtype=torch.long)
         self.kernels.device_to_host(self.device_kv, self.staging.host_kv, device_ids,
                                torch.tensor(staging_ids, dtype=torch.long))
-        self._write([task.keys[i] for i in todo], staging_ids, task.namespace, task.session)
-        return whole
+        if not self._write([task.keys[i] for i in todo], staging_ids, task.namespace,
+                           task.session):
+            with self._lock:
+                self._broken.add(task.rid)
+        return task.rid not in self._broken
+
+    def _drop(self, keys: list[bytes]) -> None:
+        """Pages not written (counted dropped): their pending marks settle as not landed."""
+        if not keys:
+            return
+        with self._lock:
+            self.stats.pages_dropped += len(keys)
+        self._settle(keys, False)
 
     def _stored_prefix(self, keys: list[bytes]) -> int:
         try:
@@ -496,7 +520,9 @@ class DecodeOffloadManager:
             return 0
 
     def _write(self, keys: list[bytes], staging_ids: list[int], namespace: str = "",
-               session: str = "") -> None:
+               session: str = "") -> bool:
+        """Submit the write of staged pages; False when the writer refused it (full or
+        closed: the pages are dropped, their staging freed)."""
         with self._lock:
             self._pending_writes += 1
 
@@ -524,6 +550,8 @@ class DecodeOffloadManager:
             with self._lock:
                 self._pending_writes -= 1
                 self.stats.pages_dropped += len(keys)
+            return False
+        return True
 
     def _write_state(self, key: bytes, state: AnswerState, namespace: str,
                      session: str) -> None:

@@ -79,6 +79,46 @@ def test_an_answer_state_whose_pages_were_dropped_is_not_written(tmp_path) -> No
     storage.close()
 
 
+def test_after_a_dropped_page_the_chain_rest_and_its_state_are_not_written(tmp_path) -> None:
+    """Staging short for a mid-answer batch (3 of 6 pages kept): the answer's last batch
+    fits, but a lookup finds only the chain's first 3 pages, so its page and the answer's
+    end state (a whole state object; 73.7 MiB on Qwen3-Next-80B) were written for nothing,
+    and `states_dropped` said 0. They are dropped now, counted."""
+    from pdcache.engine.loader import load_model
+    from pdcache.engine.page_keys import state_key
+    from pdcache.engine.state_pool import StateSnapshot
+    from pdcache.offload_manager.builder import fingerprint_for, storage_config_for
+    from pdcache.offload_manager.decode_offload import AnswerState
+    from pdcache.offload_manager.storage import create_backend
+
+    config = load_model("tiny-qwen3-next", seed=0)[0].config
+    fingerprint = fingerprint_for(config, "m", PAGE)
+    storage = create_backend(storage_config_for(config, PAGE, fingerprint, backend="file",
+                                                path=str(tmp_path), capacity_pages=64))
+    kv = torch.randn(config.kv_geometry.device_shape(PAGES, PAGE))
+    geometry = config.state_geometry
+    tokens, pages = list(range(7 * PAGE)), [9, 1, 4, 12, 3, 7, 2]
+    keys = chain_page_keys(tokens, PAGE, make_salt(fingerprint))
+    mgr = DecodeOffloadManager(kv, storage, fingerprint, staging_pages=3).start()
+    try:
+        mgr.track("r")
+        mgr.on_step("r", tokens[: 6 * PAGE], pages[:6])  # pages 3-5 find no staging
+        assert mgr.wait_idle(10)
+        released = threading.Event()
+        snapshot = StateSnapshot(geometry, torch.zeros(geometry.state_bytes(), dtype=torch.uint8))
+        mgr.finish("r", tokens, pages, released.set, AnswerState(len(tokens), snapshot))
+        assert released.wait(10) and mgr.wait_idle(10)
+        assert storage.exists_prefix(keys) == 3 and keys[6] not in set(storage.keys())
+        assert not storage.exists_state(state_key(keys[-1], geometry.key()))
+        stats = mgr.stats
+        assert (stats.pages_offloaded, stats.pages_dropped) == (3, 4)
+        assert (stats.states_offloaded, stats.states_dropped) == (0, 1)
+        mgr.check()
+    finally:
+        mgr.close()
+        storage.close()
+
+
 def test_a_decoding_requests_duplicate_pages_outlive_its_queued_copies() -> None:
     """Hybrid decode node with a prefix tree and `state_checkpoints = "every_page"`: two
     requests of one prompt; at each page boundary the second's pages go to the tree, which
