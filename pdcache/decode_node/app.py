@@ -135,11 +135,13 @@ class DecodeApp:
             except RoomCancelledError as exc:  # the node is closing
                 raise ApiError(503, f"decode node unavailable: {exc}", type=OVERLOADED,
                                code="unavailable") from None
-            trim = None
-            if pd.first_token_streamed and body.stream:  # the client has token 1 already
-                first_text = self.routes.first_token_text(item, report.first_token)
-                trim = FirstTokenSkip(self.routes.incremental(body), first_text).trim
-            return await self.routes.respond(request, handle, gen, body, item, trim)
+            # decoding runs: anything failing before its answer takes it over must end it
+            with self.routes.ended_on_error(lambda: [(handle, gen)]):
+                trim = None
+                if pd.first_token_streamed and body.stream:  # the client has token 1 already
+                    first_text = self.routes.first_token_text(item, report.first_token)
+                    trim = FirstTokenSkip(self.routes.incremental(body), first_text).trim
+                return await self.routes.respond(request, handle, gen, body, item, trim)
 
         if pd.first_token_streamed and body.stream:
             return self._admitted_stream(request, room, released, decode)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,27 +128,38 @@ class ServerRoutes:
             raise unsupported(body.bootstrap_field() or "bootstrap_room", "'bootstrap_*' are for prefill and decode "
                               "nodes; this is a unified server")
         runs: list[SequenceRun] = []
-        try:
+        with self.ended_on_error(lambda: [(run.handle, run.gen) for run in runs]):
             for item in body.items():
                 runs.append(self.start(item, body, runs))
-        except BaseException:
-            for run in runs:
-                run.handle.abort()
-                self.bridge.finish(run.gen)
-            raise
-        return await self.respond_runs(request, runs, body)
+            return await self.respond_runs(request, runs, body)
 
     def start(self, item: GenerateItem, body: GenerateRequestBody,
               earlier: list[SequenceRun]) -> SequenceRun:
-        """Check and submit one sequence; a sample's `prefill_leader` is its prompt's first."""
+        """Check and submit one sequence; a sample's `prefill_leader` is its prompt's first.
+        Whatever may refuse it comes first: a request submitted but not returned would run on
+        with nothing to abort it."""
         gen = Generation(arrival=time.monotonic())
         input_ids = self.checked_prompt(item)
+        text = self.assembler(item)
+        constraint = self.agent.sampling_constraint(item.sampling)
         leader = earlier[item.leader].handle.rid if item.leader is not None else None
         handle = self.bridge.submit(gen, input_ids, item.sampling.to_engine(), body.cache_salt,
                                     item.rid, logprobs=item.logprobs, prefill_leader=leader,
-                                    constraint=self.agent.sampling_constraint(item.sampling),
-                                    session_id=body.session_id)
-        return SequenceRun(item, handle, gen, self.assembler(item))
+                                    constraint=constraint, session_id=body.session_id)
+        return SequenceRun(item, handle, gen, text)
+
+    @contextmanager
+    def ended_on_error(self, submitted: Callable[[], Iterable[tuple[EngineRequest, Generation]]]
+                       ) -> Iterator[None]:
+        """Any exception inside aborts and counts the requests `submitted()` lists then (the
+        ones already in the engine): nothing else would end them."""
+        try:
+            yield
+        except BaseException:
+            for handle, gen in submitted():
+                handle.abort()
+                self.bridge.finish(gen)
+            raise
 
     def checked_prompt(self, item: GenerateItem) -> list[int]:
         """The item's prompt ids (encoding text), after every input check of §4.1."""
@@ -179,8 +190,9 @@ class ServerRoutes:
         """A submitted single-sequence request's answer (the P/D nodes'). `trim` filters a
         stream's chunks: the decode node's, whose client already has the first token
         (`first_token_streamed`), starts after it."""
-        run = SequenceRun(item, handle, gen, self.assembler(item), trim=trim)
-        return await self.respond_runs(request, [run], body)
+        with self.ended_on_error(lambda: [(handle, gen)]):
+            run = SequenceRun(item, handle, gen, self.assembler(item), trim=trim)
+            return await self.respond_runs(request, [run], body)
 
     def first_token_text(self, item: GenerateItem, token: int) -> str:
         """The text a stream releases with `item`'s first token alone (prefill's first
@@ -274,30 +286,32 @@ class ServerRoutes:
         check_prompt(input_ids, max_tokens, self.limits, param)
         check_token_ids(body.stop_token_ids, self.limits.vocab_size, "stop_token_ids")
         runs: list[ChoiceRun] = []
-        try:
+        # a later choice failing to queue (or anything else) ends the earlier ones too
+        with self.ended_on_error(lambda: [(run.handle, run.gen) for run in runs]):
             for index in range(body.n):
-                gen = Generation(arrival=time.monotonic())
-                leader = runs[0].handle.rid if runs else None
-                handle = self.bridge.submit(gen, input_ids, body.to_engine(max_tokens, index),
-                                            body.cache_salt, logprobs=plan.logprobs,
-                                            constraint=plan.constraint(),
-                                            prefill_leader=leader,
-                                            session_id=body.session_id)
-                text = TextAssembler(self.agent.text_decoder(plan), body.stop_strings())
-                runs.append(ChoiceRun(handle, gen, text, plan.output(index)))
-        except BaseException:
-            for run in runs:  # a later choice failed to queue: the earlier ones end too
-                run.handle.abort()
-                self.bridge.finish(run.gen)
-            raise
-        if body.stream:
-            end = StreamEnd(lambda: self._usage(runs), body.include_usage())
-            deltas = merge_streams([self._choice_deltas(run) for run in runs])
-            events = choice_events(head, deltas, body.n, end, plan.chat)
-            return self.bridge.streaming_many(events, [(r.handle, r.gen) for r in runs])
-        await asyncio.gather(*(self._collect_choice(request, run) for run in runs))
+                runs.append(self._submit_choice(body, input_ids, max_tokens, plan, index,
+                                                runs[0].handle.rid if runs else None))
+            if body.stream:
+                end = StreamEnd(lambda: self._usage(runs), body.include_usage())
+                deltas = merge_streams([self._choice_deltas(run) for run in runs])
+                events = choice_events(head, deltas, body.n, end, plan.chat)
+                return self.bridge.streaming_many(events, [(r.handle, r.gen) for r in runs])
+            await asyncio.gather(*(self._collect_choice(request, run) for run in runs))
         choices = [run.output.body(run.gen.finish_reason) for run in runs]
         return JSONResponse(head.body(choices, usage=self._usage(runs)))
+
+    def _submit_choice(self, body: OpenAIRequestBase, input_ids: list[int], max_tokens: int,
+                       plan: ChoicePlan, index: int, leader: str | None) -> ChoiceRun:
+        """Submit choice `index`; whatever may refuse it comes first: a request submitted but
+        not returned would run on with nothing to abort it."""
+        gen = Generation(arrival=time.monotonic())
+        text = TextAssembler(self.agent.text_decoder(plan), body.stop_strings())
+        output, constraint = plan.output(index), plan.constraint()
+        handle = self.bridge.submit(gen, input_ids, body.to_engine(max_tokens, index),
+                                    body.cache_salt, logprobs=plan.logprobs,
+                                    constraint=constraint, prefill_leader=leader,
+                                    session_id=body.session_id)
+        return ChoiceRun(handle, gen, text, output)
 
     async def _choice_deltas(self, run: ChoiceRun) -> AsyncIterator[ChoiceDelta]:
         async with aclosing(self.bridge.outputs(run.handle, run.gen, run.text)) as stream:

@@ -28,6 +28,7 @@ from pdcache.wire.reasoning import (
     with_reasoning_history,
 )
 from pdcache.wire.structured import GrammarBackend, tool_calls_schema
+from pdcache.wire.token_bytes import TokenBytes
 from pdcache.wire.tool_calls import (
     BareJsonCallFormat,
     ToolCallFormat,
@@ -90,6 +91,7 @@ class AgentFeatures:
         self.reasoning = reasoning_format(reasoning_parser)
         self.template_reads_reasoning = template_reads_reasoning(tokenizer)
         self.grammar = GrammarBackend(tokenizer, vocab_size)
+        self.token_bytes = TokenBytes(tokenizer)
 
     def chat_messages(self, body: ChatCompletionRequest) -> list[dict[str, Any]]:
         """The messages the chat template renders: earlier assistant turns' thinking where
@@ -190,7 +192,7 @@ class AgentFeatures:
     def chat_logprobs(
         self, logprobs: list[TokenLogprob], offset: int
     ) -> tuple[dict[str, Any], int]:
-        return openai_chat_logprobs(logprobs, self.token_text), offset
+        return openai_chat_logprobs(logprobs, self.token_text, self.token_bytes), offset
 
     def completion_logprobs(
         self, logprobs: list[TokenLogprob], offset: int

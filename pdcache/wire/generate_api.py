@@ -36,7 +36,7 @@ from pydantic import (
 )
 
 from pdcache.engine.api import CachedTokens, LogprobRequest, SamplingParams
-from pdcache.wire.protocol import SEED_LIMIT, bad_request, unsupported
+from pdcache.wire.protocol import SEED_LIMIT, bad_request, checked_stop_strings, unsupported
 
 T = TypeVar("T")
 _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -118,12 +118,11 @@ class _SamplingBase(BaseModel):
         if self.seed is not None and self.sampling_seed not in (None, self.seed):
             raise bad_request("give 'seed' or 'sampling_seed', not both",
                               param=f"{param}.sampling_seed")
+        # refused here, before anything is submitted: every node checks a body first
+        checked_stop_strings(self.stop, f"{param}.stop")
 
     def stop_strings(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(s == "" for s in stops):
-            raise bad_request("stop strings must be non-empty", param="sampling_params.stop")
-        return stops
+        return checked_stop_strings(self.stop, "sampling_params.stop")
 
     def to_engine(self) -> SamplingParams:
         top_k = -1 if self.top_k >= TOP_K_ALL else self.top_k

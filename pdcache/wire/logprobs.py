@@ -7,7 +7,8 @@ a position's alternatives are a list of such tuples, or None when the position h
 first prompt position, which SGLang never scores). Lists are cumulative over the request; JSON
 turns the tuples into arrays.
 
-OpenAI: `bytes` is the UTF-8 encoding of the token's text; a chat position's `top_logprobs`
+OpenAI: `bytes` is the token's own bytes (one byte of a multi-byte character is that byte,
+not U+FFFD's encoding: `pdcache.wire.token_bytes`); a chat position's `top_logprobs`
 is [] when no alternatives were asked for. Completions `text_offset` counts characters from
 `text_offset_start` (OpenAI's meaning; SGLang itself writes -1 there).
 """
@@ -20,6 +21,7 @@ from typing import Any, TypedDict
 from pdcache.engine.api import TokenLogprob
 
 DecodeToken = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 SGLangToken = tuple[float | None, int, str | None]
 
 
@@ -85,14 +87,16 @@ def sglang_logprob_fields(
 
 
 def openai_chat_logprobs(
-    output: list[TokenLogprob], decode_token: DecodeToken
+    output: list[TokenLogprob], decode_token: DecodeToken, token_bytes: TokenBytes | None = None
 ) -> OpenAIChatLogprobs:
     """A chat choice's `logprobs`: `{"content": [{"token", "logprob", "bytes",
-    "top_logprobs": [{"token", "logprob", "bytes"}]}]}`."""
+    "top_logprobs": [{"token", "logprob", "bytes"}]}]}`. `token_bytes`: a token's raw bytes
+    (`pdcache.wire.token_bytes`); without it, the UTF-8 of its text."""
+    raw = token_bytes or (lambda token_id: decode_token(token_id).encode("utf-8"))
     content: list[OpenAIChatToken] = []
     for entry in output:
-        token = _openai_token(entry.token_id, entry.logprob, decode_token)
-        top = [_openai_token(t, lp, decode_token) for t, lp in entry.top]
+        token = _openai_token(entry.token_id, entry.logprob, decode_token, raw)
+        top = [_openai_token(t, lp, decode_token, raw) for t, lp in entry.top]
         content.append(OpenAIChatToken(**token, top_logprobs=top))
     return {"content": content}
 
@@ -140,6 +144,7 @@ def _sglang_pairs(
     return [_sglang_token(lp, t, decode_token) for t, lp in pairs]
 
 
-def _openai_token(token_id: int, logprob: float | None, decode_token: DecodeToken) -> OpenAIToken:
-    text = decode_token(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+def _openai_token(token_id: int, logprob: float | None, decode_token: DecodeToken,
+                  token_bytes: TokenBytes) -> OpenAIToken:
+    return {"token": decode_token(token_id), "logprob": logprob,
+            "bytes": list(token_bytes(token_id))}

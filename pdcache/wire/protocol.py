@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdcache.engine.api import SamplingParams
 from pdcache.engine.tokenizer import RESERVED_TEMPLATE_VARIABLES
@@ -151,6 +151,14 @@ def check_prompt(
         )
 
 
+def checked_stop_strings(stop: str | list[str] | None, param: str) -> list[str]:
+    """`stop` as a list; an empty stop string (it would match before any text) is a 400."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(s == "" for s in stops):
+        raise bad_request("stop strings must be non-empty", param=param)
+    return stops
+
+
 def default_max_tokens(prompt_len: int, limits: ModelLimits, param: str) -> int:
     """OpenAI chat semantics: no `max_tokens` means 'up to the end of the context'."""
     room = limits.context_len - prompt_len
@@ -228,13 +236,23 @@ class ChatMessage(BaseModel):
     # assistant turns only: the thinking the answer's `reasoning_content` returned, sent back
     # so the turn re-renders as it was produced (pdcache.wire.reasoning)
     reasoning_content: str | None = None
+    # the rest of an OpenAI assistant message, as SDKs send a returned one back
+    # (`message.model_dump()`): `refusal` is what the assistant said instead of an answer
+    # (its text when `content` is empty); `annotations` (url citations of text already in
+    # `content`) do not change the prompt; `audio` and the deprecated `function_call` are
+    # refused unless null (`check`)
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
-        return self.content or ""
+        return self.content or self.refusal or ""
 
     def check(self, i: int) -> None:
+        self._check_openai_assistant_fields(i)
         if self.tool_calls is not None and self.role != "assistant":
             raise bad_request("only assistant messages carry 'tool_calls'",
                               param=f"messages[{i}].tool_calls", code="invalid_message")
@@ -247,6 +265,21 @@ class ChatMessage(BaseModel):
         if self.reasoning_content is not None and self.role != "assistant":
             raise bad_request("only assistant messages carry 'reasoning_content'",
                               param=f"messages[{i}].reasoning_content", code="invalid_message")
+
+    def _check_openai_assistant_fields(self, i: int) -> None:
+        given = [name for name in ("refusal", "annotations", "audio", "function_call")
+                 if getattr(self, name) is not None]
+        for name in given:
+            if self.role != "assistant":
+                raise bad_request(f"only assistant messages carry '{name}'",
+                                  param=f"messages[{i}].{name}", code="invalid_message")
+        if self.audio is not None:
+            raise unsupported(f"messages[{i}].audio", "audio messages are not supported")
+        if self.function_call is not None:
+            raise unsupported(f"messages[{i}].function_call",
+                              "'function_call' (OpenAI's deprecated functions API) is not "
+                              "supported: send the call in 'tool_calls' and its result as a "
+                              "'tool' message")
 
     def template_message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
@@ -358,17 +391,27 @@ class OpenAIRequestBase(BaseModel):
     session_id: str | None = None
     cache_salt: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        # OpenAI's spec lets every optional field be null, meaning "not given" (the SDKs and
+        # agent frameworks send e.g. temperature=None); a required field or an unknown one
+        # keeps its null, so it is still refused
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required()}
+
     def check_supported(self) -> None:
         if self.logit_bias:
             raise unsupported("logit_bias", "'logit_bias' is not supported")
         if self.stream_options is not None and not self.stream:
             raise bad_request("'stream_options' needs 'stream': true", param="stream_options")
+        self.stop_strings()  # refused here, before anything is submitted
 
     def stop_strings(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(s == "" for s in stops):
-            raise bad_request("stop strings must be non-empty", param="stop")
-        return stops
+        return checked_stop_strings(self.stop, "stop")
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

@@ -191,6 +191,28 @@ def test_chat_completion_matches_generate(client: TestClient, engine: Engine) ->
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
 
 
+def byte_tokenizer_bytes(engine: Engine, token_id: int) -> list[int]:
+    """A byte tokenizer token's own bytes: ids 0..255 are bytes, the rest special tokens."""
+    if token_id < 256:
+        return [token_id]
+    return list(engine.tokenizer.decode([token_id], skip_special_tokens=False).encode())
+
+
+def test_chat_logprob_bytes_are_each_tokens_own_bytes(
+    client: TestClient, engine: Engine
+) -> None:
+    ids = engine.tokenizer.apply_chat_template(MESSAGES[:1], add_generation_prompt=True)
+    ref = generate(client, ids, 24)["output_ids"]
+    assert any(0x80 <= t < 256 for t in ref), ref  # bytes of multi-byte characters
+    body = {"messages": MESSAGES[:1], "max_tokens": 24, "logprobs": True, "top_logprobs": 2,
+            **GREEDY}
+    content = client.post("/v1/chat/completions", json=body).json()["choices"][0][
+        "logprobs"]["content"]
+    assert [e["bytes"] for e in content] == [byte_tokenizer_bytes(engine, t) for t in ref]
+    # greedy: each position's first alternative is the chosen token
+    assert [e["top_logprobs"][0]["bytes"] for e in content] == [e["bytes"] for e in content]
+
+
 def test_completions_text_ids_stream_and_stop(client: TestClient, engine: Engine) -> None:
     ids = prompt(40, seed=4)
     ref = generate(client, ids, 24)
@@ -325,6 +347,34 @@ def test_unknown_route_and_method_are_json(client: TestClient) -> None:
     r = client.get("/generate")
     assert r.status_code == 405 and "error" in r.json()
 
+
+LONG = {"ignore_eos": True, "temperature": 0.0}  # each would run ~8000 tokens if submitted
+EMPTY_STOP_STRINGS: list[tuple[str, dict[str, Any], str]] = [
+    ("/generate", {"input_ids": [1, 2, 3],
+                   "sampling_params": {"max_new_tokens": 8000, "stop": [""], **LONG}},
+     "sampling_params.stop"),
+    # the batch's second sequence is refused: its first must not be left running either
+    ("/generate", {"input_ids": [[1, 2, 3], [4, 5, 6]],
+                   "sampling_params": [{"max_new_tokens": 8000, **LONG},
+                                       {"max_new_tokens": 8000, "stop": "", **LONG}]},
+     "sampling_params[1].stop"),
+    ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 8000, "n": 2, "stop": [""],
+                         **LONG}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                              "max_tokens": 8000, "stop": ["a", ""], **LONG}, "stop"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), EMPTY_STOP_STRINGS)
+def test_a_refused_stop_string_leaves_nothing_in_the_engine(
+    client: TestClient, engine: Engine, path: str, body: dict[str, Any], param: str
+) -> None:
+    admitted = wait_idle(engine)["requests_admitted_total"]
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    # refused before any submit: the engine is idle at once and admitted nothing
+    assert wait_idle(engine, timeout=2.0)["requests_admitted_total"] == admitted
 
 # --------------------------------------------------------------------------- deadlines, overload
 

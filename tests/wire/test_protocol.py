@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -170,6 +171,112 @@ def test_completion_prompt_forms() -> None:
         with pytest.raises(ApiError):
             prompt(bad)
     assert parse_body(CompletionRequest, b'{"prompt": "a"}').max_tokens == 16
+
+
+def checked_error(model, body: dict[str, Any]) -> ApiError:
+    """The 400 of a body that parses but that `check_supported` refuses."""
+    parsed = parse_body(model, json.dumps(body).encode())
+    with pytest.raises(ApiError) as info:
+        parsed.check_supported()
+    assert info.value.status_code == 400
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input_ids": [1], "sampling_params": {"stop": ""}}, "sampling_params.stop"),
+        ({"input_ids": [[1], [2]], "sampling_params": [{}, {"stop": ["a", ""]}]},
+         "sampling_params[1].stop"),
+        # a P/D node's body: the node checks it before it reserves pages or submits anything
+        ({"input_ids": [1], "sampling_params": {"stop": [""]},
+          "pd": {"role": "decode", "room": 1, "bootstrap": "tcp://p:1"}},
+         "sampling_params.stop"),
+    ],
+)
+def test_generate_check_refuses_an_empty_stop_string(body: dict[str, Any], param: str) -> None:
+    err = checked_error(GenerateRequestBody, body)
+    assert (err.param, err.message) == (param, "stop strings must be non-empty")
+
+
+@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
+def test_openai_check_refuses_an_empty_stop_string(model: type) -> None:
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} \
+        if model is ChatCompletionRequest else {"prompt": "hi"}
+    err = checked_error(model, {**prompt, "stop": ["a", ""]})
+    assert (err.param, err.message) == ("stop", "stop strings must be non-empty")
+
+
+# the assistant message of a chat answer as the OpenAI SDK dumps it (`message.model_dump()`)
+SDK_ASSISTANT = {"role": "assistant", "content": "yo", "refusal": None, "annotations": None,
+                 "audio": None, "function_call": None, "tool_calls": None}
+
+
+def chat(messages: list[dict[str, Any]], **extra: Any) -> ChatCompletionRequest:
+    body = parse_body(ChatCompletionRequest,
+                      json.dumps({"messages": messages, **extra}).encode())
+    body.check_supported()
+    return body
+
+
+def test_an_sdk_dumped_assistant_message_renders_as_the_plain_one() -> None:
+    user = {"role": "user", "content": "hi"}
+    plain = chat([user, {"role": "assistant", "content": "yo"}]).template_messages()
+    assert chat([user, SDK_ASSISTANT]).template_messages() == plain
+    cited = {**SDK_ASSISTANT, "annotations": [{"type": "url_citation", "url_citation": {}}]}
+    assert chat([user, cited]).template_messages() == plain
+    # a refusal is what the assistant said instead of an answer
+    refused = {**SDK_ASSISTANT, "content": None, "refusal": "I can't."}
+    assert chat([user, refused]).template_messages()[1] == {"role": "assistant",
+                                                            "content": "I can't."}
+
+
+@pytest.mark.parametrize(
+    ("message", "param", "code"),
+    [
+        ({**SDK_ASSISTANT, "function_call": {"name": "f", "arguments": "{}"}},
+         "messages[0].function_call", "unsupported_parameter"),
+        ({**SDK_ASSISTANT, "audio": {"id": "a1"}}, "messages[0].audio", "unsupported_parameter"),
+        ({"role": "user", "content": "x", "refusal": "no"}, "messages[0].refusal",
+         "invalid_message"),
+        ({"role": "user", "content": "x", "annotations": []}, "messages[0].annotations",
+         "invalid_message"),
+    ],
+)
+def test_assistant_message_fields_pdcache_cannot_honour_are_400(
+    message: dict[str, Any], param: str, code: str
+) -> None:
+    err = checked_error(ChatCompletionRequest, {"messages": [message]})
+    assert (err.param, err.code) == (param, code)
+
+
+def test_a_genuinely_unknown_message_field_is_still_refused() -> None:
+    err = parse_error(ChatCompletionRequest,
+                      json.dumps({"messages": [{**SDK_ASSISTANT, "mood": None}]}))
+    assert (err.code, err.param) == ("unknown_field", "messages[0].mood")
+
+
+CHAT_NULLABLE = ("temperature", "top_p", "n", "stream", "max_tokens", "top_k", "ignore_eos",
+                 "stop_token_ids", "separate_reasoning", "stop", "seed", "logprobs")
+
+
+def test_null_openai_fields_mean_not_given() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    nulls = chat(messages, **dict.fromkeys(CHAT_NULLABLE))
+    bare = chat(messages)
+    assert nulls == bare and nulls.to_engine(8) == bare.to_engine(8)
+    assert (nulls.temperature, nulls.n, nulls.stream, nulls.separate_reasoning) == (
+        1.0, 1, False, True)
+    completion = parse_body(CompletionRequest, b'{"prompt": "a", "max_tokens": null, '
+                                               b'"n": null, "top_k": null}')
+    assert (completion.max_tokens, completion.n, completion.top_k) == (16, 1, -1)
+
+
+def test_null_required_or_unknown_fields_are_still_refused() -> None:
+    assert parse_error(ChatCompletionRequest, b'{"messages": null}').param == "messages"
+    assert parse_error(CompletionRequest, b'{"prompt": null}').param == "prompt"
+    err = parse_error(CompletionRequest, b'{"prompt": "a", "temprature": null}')
+    assert (err.code, err.param) == ("unknown_field", "temprature")
 
 
 def byte_decode(ids: list[int]) -> str:
