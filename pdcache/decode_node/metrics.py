@@ -35,6 +35,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "pages_skipped": ("pages_skipped", "pages already in storage (not copied)"),
     "pages_dropped": ("pages_dropped", "pages dropped: staging or queue full (backpressure)"),
     "pages_failed": ("pages_failed", "pages whose storage write failed"),
+    "pages_left_to_prefill": ("pages_left_to_prefill", "window pages: prompt pages whose "
+                              "sliding layers never came here (only the window tail does); "
+                              "prefill stores them"),
     "pages_pulled": ("pull_pages_served", "staged pages sent to prefill pulls before their "
                                           "write landed (docs/design.md §4.10)"),
     # hybrid models: the answer-end recurrent state, one object per request

@@ -62,9 +62,9 @@ class DecodeRuntime:
             create_backend(setup.storage) if settings is not None and setup.storage else None)
         self.offload: DecodeOffloadManager | None = None  # set by _scheduler
         # a sliding-window model keeps its sliding layers' pages apart (window pages,
-        # docs/design.md §4.14) unless decode offload reads the pool as one space
+        # docs/design.md §4.14); decode offload then stages pages from both spaces
         self.engine = Engine(setup.engine, model, tokenizer, make_scheduler=self._scheduler,
-                             window_pages=self.storage is None)
+                             window_pages=True)
         window = self.engine.window
         state_geometry = setup.engine.model.state_geometry  # a hybrid model's (else None)
         self.receiver = KVReceiver(setup.transfer, self.engine.pool.device_kv,
@@ -100,7 +100,8 @@ class DecodeRuntime:
                 kwargs["pool"].device_kv, self.storage, setup.fingerprint,
                 settings.staging_pages, settings.stride_pages,
                 key_scheme=setup.key_scheme, key_namespace=setup.key_namespace,
-                kernels=KernelSet(setup.engine.kernels), pending_ttl_s=settings.pending_ttl_s)
+                kernels=KernelSet(setup.engine.kernels), pending_ttl_s=settings.pending_ttl_s,
+                window=kwargs.get("window"), geometry=setup.engine.model.kv_geometry)
         role = DecodeRole(self.offload, self.controller, kwargs.get("states"))
         return Scheduler(**kwargs, role=role)
 

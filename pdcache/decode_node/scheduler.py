@@ -61,7 +61,8 @@ class DecodeRole:
         for req in reqs:
             # fill_ids copies the whole sequence: build it only when a page completed
             if req.status is ReqStatus.RUNNING and self.offload.due(req.rid, req.kv_len):
-                self.offload.on_step(req.rid, req.fill_ids[: req.kv_len], req.page_ids)
+                self.offload.on_step(req.rid, req.fill_ids[: req.kv_len], req.page_ids,
+                                     self._window_of(req))
             if self.states is not None:
                 self._keep_page_state(req)
 
@@ -100,13 +101,23 @@ class DecodeRole:
         # retraction frees pages at once, but offload copies may be reading them
         return self.offload is None
 
+    def pages_read_from(self, req: Req) -> int | None:
+        # window pages: copies not ended yet read the sliding pages of the pages they cover
+        return None if self.offload is None else self.offload.copied_pages(req.rid)
+
+    def _window_of(self, req: Req) -> list[int | None] | None:
+        """`req`'s sliding pages, for an offload manager over window pages (else None)."""
+        assert self.offload is not None
+        return None if self.offload.window is None else list(req.window_page_ids)
+
     def hold_after_finish(self, req: Req) -> bool:
         if self.offload is None:
             return False
         state = self._answer_state(req)  # a hybrid model's answer-end state (else None)
         extra = {} if state is None else {"state": state}
         delivery = self.offload.finish(req.rid, req.fill_ids[: req.kv_len], list(req.page_ids),
-                                       self.holds.hold_for_offload(req.rid), **extra)
+                                       self.holds.hold_for_offload(req.rid), **extra,
+                                       window_page_ids=self._window_of(req))
         if delivery is not None:  # the answer waits until prefill knows its pages are coming
             req.output_gate = delivery.add_done_callback
         return True

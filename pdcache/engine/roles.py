@@ -42,6 +42,11 @@ class RolePolicy(Protocol):
         the request short of a page then waits. Its pages the tree already had copies of
         (caching a checkpoint's pages) are then freed only with its other pages."""
 
+    def pages_read_from(self, req: Req) -> int | None:
+        """The first page of running `req` that something outside the engine may still read
+        (decode offload's queued copies), None when nothing does: window pages free sliding
+        pages out of the window only below it."""
+
     def hold_after_finish(self, req: Req) -> bool:
         """True keeps the pages of the just finished `req` (K/V of `fill_ids[:kv_len]`) until
         `release_held(req.rid)`."""
@@ -75,6 +80,9 @@ class Unified:
 
     def can_retract(self, req: Req) -> bool:
         return True
+
+    def pages_read_from(self, req: Req) -> int | None:
+        return None
 
     def hold_after_finish(self, req: Req) -> bool:
         return False

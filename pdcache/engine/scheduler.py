@@ -746,7 +746,7 @@ class Scheduler:
         `WindowPages.droppable`), leaving tombstones."""
         assert self.window is not None
         drop = self.window.droppable(req.window_page_ids, req.num_tree_pages, req.kv_len,
-                                     len(req.prompt_ids))
+                                     len(req.prompt_ids), self.role.pages_read_from(req))
         if not drop:
             return
         self.window.allocator.free([req.window_page_ids[i] for i in drop])

@@ -123,15 +123,18 @@ class WindowPages:
                      -(-num_tokens // self.page_size))
 
     def droppable(self, window_page_ids: list[int | None], first_own: int, kv_len: int,
-                  prompt_len: int) -> list[int]:
+                  prompt_len: int, read_from: int | None = None) -> list[int]:
         """Indices of own present pages (from `first_own` on) that no window of the request
-        needs any more: before its current one and outside its prompt end's tail. Scans down
-        from the current window to the first page freed before (everything older went
-        then too), so a step costs the pages it frees, not the sequence's length."""
+        needs any more: before its current one and outside its prompt end's tail, and below
+        `read_from` (pages something else still reads from there on: decode offload's
+        copies). Scans down from there to the first page freed before (everything older
+        went then too), so a step costs the pages it frees, not the sequence's length."""
         keep = self.tail_pages(prompt_len)
         drop: list[int] = []
-        for index in range(min(self.first_needed_page(kv_len), len(window_page_ids)) - 1,
-                           first_own - 1, -1):
+        top = min(self.first_needed_page(kv_len), len(window_page_ids))
+        if read_from is not None:
+            top = min(top, read_from)
+        for index in range(top - 1, first_own - 1, -1):
             if index in keep:
                 continue
             if window_page_ids[index] is None:

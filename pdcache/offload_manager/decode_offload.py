@@ -60,6 +60,7 @@ from pdcache.engine.config import dtype_name
 from pdcache.engine.kv_geometry import KVGeometry
 from pdcache.engine.page_keys import PageKeyScheme, state_key
 from pdcache.engine.state_pool import StateSnapshot
+from pdcache.engine.window_pages import WindowPages
 from pdcache.kernels import KernelSet
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
@@ -96,6 +97,8 @@ class OffloadStats:
     pages_skipped: int = 0  # already in storage
     pages_dropped: int = 0  # backpressure: staging or queue full
     pages_failed: int = 0  # storage write failed
+    # window pages: prompt pages whose sliding layers never came here (prefill stores them)
+    pages_left_to_prefill: int = 0
     write_seconds_total: float = 0.0
     writes: int = 0
     states_offloaded: int = 0  # hybrid models: answer-end states written as state objects
@@ -134,6 +137,9 @@ class _CopyTask:
     namespace: str = ""  # the request's tenant namespace (storage quotas)
     session: str = ""  # the request's session_id (storage lifecycle)
     state: tuple[bytes, AnswerState] | None = None  # written after the pages: (key, state)
+    # window pages: the sliding layers' page of each device page (None: not on this node)
+    window_page_ids: list[int | None] | None = None
+    end_page: int = 0  # the request's leading pages this task and those before it cover
 
     def state_keys(self) -> list[bytes]:
         """The announced state key of this task, if it writes one (to settle it)."""
@@ -163,10 +169,19 @@ class DecodeOffloadManager:
         key_namespace: str = "",
         kernels: KernelSet | None = None,
         pending_ttl_s: float = 10.0,
+        window: WindowPages | None = None,
+        geometry: KVGeometry | None = None,
     ) -> None:
-        geometry = KVGeometry.from_device_shape(tuple(device_kv.shape), dtype_name(device_kv.dtype))
+        """`device_kv` is the engine's pool; with `window` (a sliding-window model's window
+        pages) it holds the full layers only and `window.pool` the sliding ones, and
+        `geometry` (the model's, every layer) is what pages are staged and stored as."""
+        if geometry is None:
+            geometry = KVGeometry.from_device_shape(tuple(device_kv.shape),
+                                                    dtype_name(device_kv.dtype))
         page_size = device_kv.shape[3]
         self.device_kv = device_kv
+        self.window = window
+        self.geometry = geometry
         self.kernels = kernels or KernelSet()  # the node's EngineConfig.kernels (default auto)
         self.page_size = page_size
         self.fingerprint = fingerprint
@@ -202,6 +217,9 @@ class DecodeOffloadManager:
         # were written, unreachable, the state's 73.7 MiB on Qwen3-Next-80B included); until
         # their last task
         self._broken: set[str] = set()
+        # rid -> its leading pages whose copies ended (window pages: the engine frees sliding
+        # pages out of the window only below it, `copied_pages`)
+        self._copied: dict[str, int] = {}
         self.pull_pages_served = 0
 
     def announce_to(self, announcer: PageAnnouncer | None) -> None:
@@ -238,17 +256,27 @@ class DecodeOffloadManager:
         return tracked is not None and (
             kv_len // self.page_size - tracked.scheduled_pages >= self.stride_pages)
 
-    def on_step(self, rid: str, kv_token_ids: Sequence[int], device_page_ids: Sequence[int]) -> None:
-        """`kv_token_ids`: every token of the request whose KV is in `device_page_ids` now."""
+    def on_step(self, rid: str, kv_token_ids: Sequence[int], device_page_ids: Sequence[int],
+                window_page_ids: Sequence[int | None] | None = None) -> None:
+        """`kv_token_ids`: every token of the request whose KV is in `device_page_ids` now
+        (and, with window pages, whose sliding layers are in `window_page_ids`)."""
         tracked = self._requests.get(rid)
         if tracked is None:
             return
         full_pages = len(kv_token_ids) // self.page_size
         if full_pages - tracked.scheduled_pages >= self.stride_pages:
-            self._schedule(rid, tracked, kv_token_ids, device_page_ids, full_pages, None)
+            self._schedule(rid, tracked, kv_token_ids, device_page_ids, full_pages, None,
+                           window_page_ids=window_page_ids)
+
+    def copied_pages(self, rid: str) -> int:
+        """How many leading pages of `rid` no queued copy reads any more (any thread): the
+        engine may free their sliding pages as the window moves (window pages)."""
+        with self._lock:
+            return self._copied.get(rid, 0)
 
     def finish(self, rid: str, kv_token_ids: Sequence[int], device_page_ids: Sequence[int],
-               on_released: Callable[[], None], state: AnswerState | None = None
+               on_released: Callable[[], None], state: AnswerState | None = None,
+               window_page_ids: Sequence[int | None] | None = None
                ) -> MarksDelivered | None:
         """Offload the remaining full pages; `on_released` fires once the device pages are free
         to reuse (on the copy thread). Returns the delivery of the request's last pending
@@ -263,7 +291,7 @@ class DecodeOffloadManager:
         full_pages = len(kv_token_ids) // self.page_size
         self._schedule(rid, tracked, kv_token_ids, device_page_ids, full_pages, on_released,
                        state if state is not None and state.tokens == full_pages * self.page_size
-                       else None)
+                       else None, window_page_ids)
         # one link's frames are handled in order: the last delivery covers the earlier marks
         return tracked.delivery
 
@@ -318,7 +346,8 @@ class DecodeOffloadManager:
     def _schedule(self, rid: str, tracked: _Tracked, kv_token_ids: Sequence[int],
                   device_page_ids: Sequence[int], full_pages: int,
                   on_released: Callable[[], None] | None,
-                  state: AnswerState | None = None) -> None:
+                  state: AnswerState | None = None,
+                  window_page_ids: Sequence[int | None] | None = None) -> None:
         first = tracked.scheduled_pages
         new_tokens = kv_token_ids[first * self.page_size : full_pages * self.page_size]
         keys, tracked.chain = self.scheme.keys(new_tokens, tracked.tenant, tracked.chain)
@@ -327,8 +356,13 @@ class DecodeOffloadManager:
         state_entry = None
         if state is not None and tracked.last_key is not None:
             state_entry = (state_key(tracked.last_key, state.snapshot.geometry.key()), state)
+        window = None
+        if self.window is not None:
+            assert window_page_ids is not None, "window pages: the sliding pages are needed"
+            window = list(window_page_ids[first:full_pages])
         task = _CopyTask(rid, keys, list(device_page_ids[first:full_pages]), on_released,
-                         tenant_namespace(tracked.tenant), tracked.session, state_entry)
+                         tenant_namespace(tracked.tenant), tracked.session, state_entry,
+                         window, full_pages)
         # the answer-end state is announced with its pages (the next turn waits for both)
         # and settled when its own write ends; never pulled: pulls serve staged pages only
         announced = keys + ([state_entry[0]] if state_entry is not None else [])
@@ -454,9 +488,13 @@ class DecodeOffloadManager:
                 self._settle(task.keys + ([] if state_queued else task.state_keys()), False)
             finally:
                 self._unschedule(task.keys)  # staged by now, or never will be
-                if task.on_released is not None:  # the request's last task
-                    with self._lock:
+                with self._lock:
+                    if task.on_released is not None:  # the request's last task
                         self._broken.discard(task.rid)
+                        self._copied.pop(task.rid, None)
+                    elif task.end_page:
+                        self._copied[task.rid] = task.end_page
+                if task.on_released is not None:
                     self._release(task)
                 with self._lock:
                     self._pending_copies -= 1
@@ -481,6 +519,7 @@ class DecodeOffloadManager:
         with self._lock:
             self.stats.pages_skipped += stored
         self._settle(task.keys[:stored], True)
+        todo = self._without_absent_windows(task, todo)
         if not todo:
             return True
         # Short of staging: keep the chain's head (only a prefix of a chain is ever found),
@@ -495,14 +534,46 @@ class DecodeOffloadManager:
         if not staging_ids:
             return False
         todo = todo[: len(staging_ids)]
-        device_ids = torch.tensor([task.device_page_ids[i] for i in todo], dtype=torch.long)
-        self.kernels.device_to_host(self.device_kv, self.staging.host_kv, device_ids,
-                               torch.tensor(staging_ids, dtype=torch.long))
+        self._stage(task, todo, staging_ids)
         if not self._write([task.keys[i] for i in todo], staging_ids, task.namespace,
                            task.session):
             with self._lock:
                 self._broken.add(task.rid)
         return task.rid not in self._broken
+
+    def _without_absent_windows(self, task: _CopyTask, todo: list[int]) -> list[int]:
+        """Window pages: a prompt page whose sliding layers this node never received (only
+        the prompt's window tail comes from prefill) cannot be stored from here; prefill,
+        which computed it, stores it (its write may still be on its way: settled as not
+        landed here, not a break of the chain decode writes after it)."""
+        if task.window_page_ids is None:
+            return todo
+        absent = [i for i in todo if task.window_page_ids[i] is None]
+        if absent:
+            self._settle([task.keys[i] for i in absent], False)
+            with self._lock:
+                self.stats.pages_left_to_prefill += len(absent)
+        return [i for i in todo if task.window_page_ids[i] is not None]
+
+    def _stage(self, task: _CopyTask, todo: list[int], staging_ids: list[int]) -> None:
+        """Copy pages `todo` of `task` into staging pages `staging_ids`, as stored pages (every
+        KV layer). With window pages the full layers come from the engine's pool and the
+        sliding ones from the window pool, each layer into its row of the staged page."""
+        host_ids = torch.tensor(staging_ids, dtype=torch.long)
+        device_ids = torch.tensor([task.device_page_ids[i] for i in todo], dtype=torch.long)
+        window = self.window
+        if window is None:
+            self.kernels.device_to_host(self.device_kv, self.staging.host_kv, device_ids,
+                                        host_ids)
+            return
+        assert task.window_page_ids is not None
+        window_ids = torch.tensor([task.window_page_ids[i] for i in todo], dtype=torch.long)
+        host_kv = self.staging.host_kv  # [P, L, K, S, H, D]
+        for rows, pool, ids in ((window.full_rows, self.device_kv, device_ids),
+                                (window.sliding_rows, window.pool.device_kv, window_ids)):
+            for layer, row in rows.items():  # pool [L', K, P, S, H, D] -> staged [n, K, S, H, D]
+                pages = pool[row].index_select(1, ids.to(pool.device)).transpose(0, 1)
+                host_kv[host_ids, self.geometry.kv_layer_index(layer)] = pages.to(host_kv.device)
 
     def _drop(self, keys: list[bytes]) -> None:
         """Pages not written (counted dropped): their pending marks settle as not landed."""

@@ -61,6 +61,9 @@ class PrefillRole:
     def can_retract(self, req: Req) -> bool:
         return True
 
+    def pages_read_from(self, req: Req) -> int | None:
+        return None  # the transfer reads a request's pages once it finished (held)
+
     def hold_after_finish(self, req: Req) -> bool:
         pages = req.page_ids[: pages_for(len(req.prompt_ids), req.page_size)]
         # with logprobs asked for, the first token's and the prompt's go to decode too

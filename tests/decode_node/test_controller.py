@@ -571,6 +571,8 @@ class FakeOffload:
     For a rid in `gated`, `finish` returns a delivery of the request's marks that the test
     answers (`deliveries[rid].answered(PREFILL_LINK, 1)`)."""
 
+    window = None  # no window pages
+
     def __init__(self, gated: frozenset[str] = frozenset()) -> None:
         self.releases: dict[str, Callable[[], None]] = {}
         self.gated = gated
@@ -582,8 +584,11 @@ class FakeOffload:
     def due(self, rid: str, kv_len: int) -> bool:
         return False
 
-    def finish(self, rid: str, tokens, pages,
-               on_released: Callable[[], None]) -> MarksDelivery | None:
+    def copied_pages(self, rid: str) -> int:
+        return 0
+
+    def finish(self, rid: str, tokens, pages, on_released: Callable[[], None],
+               window_page_ids=None) -> MarksDelivery | None:
         self.releases[rid] = on_released
         if rid not in self.gated:
             return None

@@ -188,3 +188,109 @@ def test_a_decoding_requests_duplicate_pages_outlive_its_queued_copies() -> None
         storage.lookups.set()
         mgr.close()
         engine.shutdown()
+
+
+def test_window_pages_stage_every_layer_from_both_spaces_and_leave_absent_ones() -> None:
+    """A sliding-window model's decode with window pages (docs/design.md §4.14): the full
+    layers in the engine's pool, the sliding ones in the window pool. Offload stages each
+    page as a stored page of every layer (byte-equal to the one-space page), and a prompt
+    page whose sliding layers never came here (beyond the window tail prefill sends) is not
+    written: prefill, which computed it, stores it; the pages after it still are."""
+    from pdcache.engine.kv_geometry import KVGeometry
+    from pdcache.engine.window_pages import WindowPages
+
+    kinds = ("sliding", "full", "sliding", "full")
+    geometry = KVGeometry.mha(4, HEADS, DIM, "float32").with_layer_kinds(kinds, 8)
+    window = WindowPages(geometry, PAGES, PAGE, torch.float32)
+    full_kv = window.full_pool(PAGES, torch.float32).device_kv
+    generator = torch.Generator().manual_seed(3)
+    full_kv.copy_(torch.randn(full_kv.shape, generator=generator))
+    window.pool.device_kv.copy_(torch.randn(window.pool.device_kv.shape, generator=generator))
+    storage = DictBackend()
+    mgr = DecodeOffloadManager(full_kv, storage, FP, staging_pages=8, window=window,
+                               geometry=geometry).start()
+    tokens = list(range(5 * PAGE))
+    pages, sliding = [9, 1, 4, 12, 3], [None, None, 6, 2, 11]  # prompt pages 0-1: tail only
+    mgr.track("r")
+    released = threading.Event()
+    mgr.finish("r", tokens, pages, released.set, window_page_ids=sliding)
+    assert released.wait(10) and mgr.wait_idle(10)
+    keys = chain_page_keys(tokens, PAGE, make_salt(FP))
+    assert [key in storage.pages for key in keys] == [False, False, True, True, True]
+    for key, page, slide in zip(keys[2:], pages[2:], sliding[2:]):
+        rows = [window.pool.device_kv[window.sliding_rows[layer], :, slide] if kind == "sliding"
+                else full_kv[window.full_rows[layer], :, page] for layer, kind in enumerate(kinds)]
+        assert storage.pages[key] == torch.stack(rows).contiguous().numpy().tobytes()
+    stats = mgr.stats
+    assert (stats.pages_offloaded, stats.pages_left_to_prefill, stats.pages_dropped) == (3, 2, 0)
+    mgr.check()
+    mgr.close()
+
+
+def test_window_pages_behind_the_window_wait_for_their_copies() -> None:
+    """Decode with window pages and offload: the engine frees a decoding request's sliding
+    pages as its window moves, but only below the pages whose copies ended
+    (`DecodeRole.pages_read_from`): with the copies held back by a slow storage lookup,
+    nothing is freed; once they ran, the pages behind the window go."""
+    from pdcache.decode_node.scheduler import DecodeRole
+    from pdcache.engine.api import GenerateRequest, SamplingParams
+    from pdcache.engine.config import CacheConfig, EngineConfig
+    from pdcache.engine.engine import Engine
+    from pdcache.engine.loader import load_model
+    from pdcache.engine.scheduler import Scheduler
+    from pdcache.engine.scheduler_config import SchedulerConfig
+
+    class SlowLookup(DictBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lookups = threading.Event()
+
+        def exists_prefix(self, keys):  # type: ignore[no-untyped-def]
+            assert self.lookups.wait(30)
+            return super().exists_prefix(keys)
+
+    model = load_model("tiny-gpt-oss", seed=0)[0]
+    storage, built = SlowLookup(), {}
+
+    class Holds:
+        def hold_for_offload(self, rid: str):  # type: ignore[no-untyped-def]
+            return lambda: built["engine"].release_held(rid)
+
+    def make_scheduler(**kwargs):  # type: ignore[no-untyped-def]
+        mgr = built["mgr"] = DecodeOffloadManager(
+            kwargs["pool"].device_kv, storage, FP, staging_pages=64, window=kwargs["window"],
+            geometry=model.config.kv_geometry)
+        return Scheduler(**kwargs, role=DecodeRole(mgr, Holds()))
+
+    config = EngineConfig(model=model.config, cache=CacheConfig(page_size=PAGE,
+                                                                num_device_pages=64),
+                          scheduler=SchedulerConfig(max_running_requests=2))
+    engine = built["engine"] = Engine(config, model, make_scheduler=make_scheduler,
+                                      window_pages=True)
+    mgr = built["mgr"].start()
+    engine.start(thread=False)
+    try:
+        prompt = list(range(3, 43))
+        admissions = []
+        engine.reserve_when_free("r", len(prompt), admissions.append, max_new_tokens=24)
+        engine.step()
+        assert admissions and admissions[0].ok and admissions[0].window_page_ids
+        done = []
+        engine.submit_prefilled(GenerateRequest("r", prompt, SamplingParams(
+            max_new_tokens=24, ignore_eos=True)), 5, lambda out: done.append(out.finished))
+        for _ in range(20):  # 60 tokens: the window (16) left answer page 10 behind
+            engine.step()
+        assert engine.stats()["window_pages_freed_total"] == 0  # their copies still queued
+        storage.lookups.set()
+        while not (done and done[-1]) or engine.step():
+            engine.step()
+        assert mgr.wait_idle(10)
+        while engine.step():
+            pass
+        assert engine.stats()["window_pages_freed_total"] > 0
+        numbers = engine.check_accounting()
+        assert numbers["requests"] == 0 and numbers["window_requests"] == 0, numbers
+    finally:
+        storage.lookups.set()
+        mgr.close()
+        engine.shutdown()
