@@ -52,6 +52,7 @@ def validate(topology: Topology, ctx: ErrorContext, standalone: bool = False) ->
     _check_router(topology, ctx)
     _check_tenant_quotas(topology, ctx)
     _check_wildcard_binds(topology, ctx)
+    _check_tenants_behind_a_secret(topology, ctx)
     if standalone:
         return
     _check_multi_host_secret(topology, ctx)
@@ -453,6 +454,22 @@ def _check_wildcard_binds(topology: Topology, ctx: ErrorContext) -> None:
             raise ctx.error(key, f"binds the wildcard address {host!r} (every interface) "
                             "without a cluster secret: anyone who can reach this machine could "
                             "drive the node. Bind the node's own address, or " + _SECRET_FIX)
+
+
+def _check_tenants_behind_a_secret(topology: Topology, ctx: ErrorContext) -> None:
+    """Client keys at the router protect nothing when the nodes behind it take anyone on a
+    network address: a tenant could call a node directly with another's cache salt (read
+    or time its pages) or close its sessions. Loopback-only nodes are reachable only from
+    this machine."""
+    router = topology.router
+    if topology.security.enabled or router is None or not (router.tenant or router.api_key):
+        return
+    for host, key in _internal_binds(topology):
+        if not is_loopback(host):
+            raise ctx.error(key, f"binds {host!r} while the router authenticates clients "
+                            "([[router.tenant]] / router.api_key) and no cluster secret "
+                            "authenticates the nodes: a client could call a node directly "
+                            "with another tenant's cache salt; " + _SECRET_FIX)
 
 
 def deployment_hosts(topology: Topology) -> list[str]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ from pdcache.wire.auth import bearer_token, unauthorized
 from pdcache.wire.protocol import error_body
 
 DEFAULT_TENANT = "default"  # the tenant of the single `api_key`
+# a tenant's name: no '/', so that no tenant's cache salt or session id (its name, '/', the
+# client's salt or id) is another's (`config.validate` checks topology names the same way)
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 NAMESPACE_PREFIX = TENANT_PREFIX  # what the nodes' storage reads back (tenant_namespace)
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: aggregate numbers, no tenant's data
 GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions", "/health_generate")
@@ -49,6 +53,12 @@ class Tenant(TenantLimits):
 
     name: str
     api_key: str = field(repr=False)
+
+    def __post_init__(self) -> None:
+        # every way to a tenant (topology, `--tenant`, the single api_key) comes through here
+        if not TENANT_NAME.match(self.name):
+            raise ValueError(f"tenant name {self.name!r}: expected letters, digits, '_', '-' "
+                             "or '.' (a '/' would let it share another tenant's namespace)")
 
     @property
     def namespace(self) -> str:

@@ -92,6 +92,24 @@ def test_wildcard_bind_needs_a_secret(host: str, with_secret: bool) -> None:
         parse_topology(text)
 
 
+@pytest.mark.parametrize("case", ["refused", "with-secret", "no-client-keys", "loopback"])
+def test_client_keys_need_a_secret_when_nodes_bind_a_network_address(case: str) -> None:
+    """A router that authenticates clients in front of nodes that take anyone on a network
+    address: a tenant could call a node directly with another's cache salt. One machine
+    (both nodes on its LAN address), so no multi-host rule applies."""
+    host = "127.0.0.1" if case == "loopback" else "10.9.8.7"
+    text = pd(p_host=host, d_host=host, router_host=host,
+              extra='[security]\nsecret_file = "/s"\n' if case == "with-secret" else "")
+    if case != "no-client-keys":
+        text = text.replace("[router]\n", '[router]\napi_key = "k"\n')
+    if case != "refused":
+        parse_topology(text)
+        return
+    with pytest.raises(TopologyError, match=r"node\.p0\.host: binds '10\.9\.8\.7' while the "
+                                            r"router authenticates clients"):
+        parse_topology(text)
+
+
 def test_wildcard_bind_is_refused_for_flag_nodes(capsys) -> None:
     assert pdcache_main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
     assert "binds the wildcard address '0.0.0.0'" in capsys.readouterr().err

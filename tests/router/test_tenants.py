@@ -148,6 +148,11 @@ def test_tenant_flag_parsing() -> None:
     for bad in ("acme", "=key", "acme="):
         with pytest.raises(ValueError, match="NAME=KEY"):
             parse_tenant_flag(bad)
+    # `acme/x`'s salt and session ids were acme's with the client's salt or id "x": its key
+    # read and timed acme's pages and spent acme's storage quota
+    assert Tenant("acme", "a").cache_salt("x") == "tenant/acme/x"
+    with pytest.raises(ValueError, match="tenant name 'acme/x'"):
+        Tenant(*parse_tenant_flag("acme/x=k2"))
     with pytest.raises(ValueError, match="unique"):
         RouterConfig(nodes=(NodeEndpoint("u0", "unified", "http://127.0.0.1:1"),),
                      tenants=(ALICE, Tenant("x", ALICE.api_key)))

@@ -79,6 +79,22 @@ def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
     return keys
 
 
+# Stored K/V is the tenants' prompts in all but name (the MAC authenticates it, nothing
+# encrypts it): files the backends create are the service account's alone, and so are the
+# directories they create (a store shared by several accounts needs its own group setup)
+PRIVATE_FILE_MODE = 0o600
+PRIVATE_DIR_MODE = 0o700
+
+
+def make_private_dir(path: Path) -> None:
+    """Create `path` and its missing ancestors with `PRIVATE_DIR_MODE` (`mkdir(parents=True)`
+    gives the ancestors the default mode); those that exist keep theirs."""
+    missing: list[Path] = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        directory.mkdir(PRIVATE_DIR_MODE, exist_ok=True)
 TENANT_PREFIX = "tenant/"  # the router's tenant namespaces in cache_salt (router.tenants)
 PIPELINE_ON_PAGES = 4  # `[storage] page_pipeline = "on"`: pipeline_pages (groups >= 2 MiB)
 

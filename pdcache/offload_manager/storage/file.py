@@ -36,7 +36,12 @@ from pathlib import Path
 import torch
 
 from pdcache.offload_manager.storage.base import StorageBackend
-from pdcache.offload_manager.storage.config import StorageConfig
+from pdcache.offload_manager.storage.config import (
+    PRIVATE_DIR_MODE,
+    PRIVATE_FILE_MODE,
+    StorageConfig,
+    make_private_dir,
+)
 from pdcache.offload_manager.storage.hf3fs import io_full
 from pdcache.offload_manager.storage.layer_reads import (
     LayerStream,
@@ -123,7 +128,7 @@ class FileBackend(StorageBackend):
         self._pipeline = PagePipeline(grouping.read, write_group_pages=grouping.write,
                                       adaptive=grouping.adaptive)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_private_dir(self.root)
         except OSError as exc:
             log.warning("file storage: cannot create %s (%s); puts will fail", self.root, exc)
         self._load_index()
@@ -546,10 +551,10 @@ class FileBackend(StorageBackend):
             del self._writing[key]
 
     def _write_atomic(self, path: Path, header: bytes, payload: list[memoryview]) -> None:
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(PRIVATE_DIR_MODE, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
             try:
                 want = len(header) + payload_nbytes(payload)
                 if os.writev(fd, [header, *payload]) != want:

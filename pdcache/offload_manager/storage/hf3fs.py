@@ -41,7 +41,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from pdcache.offload_manager.storage.base import StorageBackend
-from pdcache.offload_manager.storage.config import StorageConfig
+from pdcache.offload_manager.storage.config import (
+    PRIVATE_FILE_MODE,
+    StorageConfig,
+    make_private_dir,
+)
 from pdcache.offload_manager.storage.layer_reads import (
     LayerStream,
     PageVerdict,
@@ -362,14 +366,14 @@ class Hf3fsBackend(SlotFileAccess, StorageBackend):
     def _open_files(self, num_slots: int) -> list[int]:
         per_file = -(-num_slots // len(self._paths))
         try:
-            self._dir.mkdir(parents=True, exist_ok=True)
+            make_private_dir(self._dir)
         except OSError as exc:
             log.warning("hf3fs: cannot create %s (%s)", self._dir, exc)
         return [self._open_one(p, per_file * self.slot_bytes) for p in self._paths]
 
     def _open_one(self, path: Path, size: int) -> int:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
         except OSError as exc:
             if exc.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
                 raise

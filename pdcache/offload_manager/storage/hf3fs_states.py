@@ -26,7 +26,11 @@ from pathlib import Path
 
 import torch
 
-from pdcache.offload_manager.storage.config import StorageConfig
+from pdcache.offload_manager.storage.config import (
+    PRIVATE_FILE_MODE,
+    StorageConfig,
+    make_private_dir,
+)
 from pdcache.offload_manager.storage.hf3fs import SlotFileAccess, io_full
 from pdcache.offload_manager.storage.metadata import (
     BUSY,
@@ -89,7 +93,7 @@ class Hf3fsStateSlots(SlotFileAccess):
         """Opens (creating and sizing, sparse) every data file into `self._fds`."""
         per_file = -(-self.metadata.num_slots // len(self._paths))
         try:
-            self._dir.mkdir(parents=True, exist_ok=True)
+            make_private_dir(self._dir)
         except OSError as exc:  # as the page files: opening below says what is wrong
             log.warning("hf3fs: cannot create %s (%s)", self._dir, exc)
         for path in self._paths:
@@ -99,7 +103,7 @@ class Hf3fsStateSlots(SlotFileAccess):
                 except FileNotFoundError:
                     self._fds.append(-1)  # nothing stored: every read fails (EBADF), a miss
                 continue
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
             self._fds.append(fd)
             try:
                 if os.fstat(fd).st_size < per_file * self.slot_bytes:

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import msgpack
 import zmq
 
+from pdcache.offload_manager.storage.config import make_private_dir
 from pdcache.offload_manager.storage.lifecycle import StorageEviction
 from pdcache.offload_manager.storage.metadata import (
     CLIENT_LABEL,
@@ -160,7 +161,7 @@ class SqliteIndexStore:
     kind = "sqlite"
 
     def __init__(self, state_dir: str | Path) -> None:
-        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        make_private_dir(Path(state_dir))  # the index
         self._db = sqlite3.connect(str(Path(state_dir) / "index.sqlite3"), isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -428,6 +429,9 @@ def serve(
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    # anyone who reaches the port could queue frames of any size, each hashed before its MAC
+    # refused it (two of 256 MiB: +800 MB, 3.8 s): libzmq drops a larger one and its sender
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
     sock.bind(address)
     bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     if on_ready:
@@ -442,6 +446,8 @@ def serve(
 
 
 MAX_BATCH = 256  # requests answered per group commit
+# the largest request frame: a lookup of about 490k page keys (a prompt of ~7.8M tokens at 16)
+MAX_REQUEST_BYTES = 16 << 20
 
 
 def _answer(service: MetadataService, sock: zmq.Socket, auth: MessageAuth | None) -> None:

@@ -178,6 +178,21 @@ def test_put_get_byte_exact_and_exists_prefix(make_backend: Factory) -> None:
     assert stats["corrupt_pages"] == 0
 
 
+def test_stored_files_are_the_service_accounts_alone(kind: str, make_backend: Factory,
+                                                     tmp_path) -> None:
+    """Stored K/V is the tenants' prompts in all but name (authenticated, not encrypted):
+    the files and directories a backend creates carry no group or other permission (they
+    were 0644 and 0755: any local account read every tenant's pages)."""
+    if kind == "mooncake":
+        pytest.skip("Mooncake keeps pages in its segments, not in files")
+    backend = make_backend()
+    assert backend.put_from(_keys(3), list(_pages(3))) == [True, True, True]
+    store = tmp_path / "store"
+    created = [store, *store.rglob("*")]
+    assert len(created) > 1
+    assert {oct(path.stat().st_mode & 0o777) for path in created} <= {"0o600", "0o700"}
+
+
 def test_dedup_second_put_is_skipped_and_counted(make_backend: Factory) -> None:
     backend = make_backend()
     keys, pages = _keys(4), _pages(4)

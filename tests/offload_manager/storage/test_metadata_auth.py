@@ -21,7 +21,11 @@ from pdcache.offload_manager.storage.metadata import (
     RemoteMetadata,
     client_auth,
 )
-from pdcache.offload_manager.storage.metadata_service import LocalMetadataService, metadata_key
+from pdcache.offload_manager.storage.metadata_service import (
+    MAX_REQUEST_BYTES,
+    LocalMetadataService,
+    metadata_key,
+)
 from pdcache.utils.secret import create_secret
 
 KEY_A = bytes(range(32))
@@ -93,6 +97,25 @@ def test_right_secret_works_and_wrong_or_missing_secret_is_refused(secured, secr
         assert client.lookup([b"k" * 32]) == [slot]  # nothing was deleted
     finally:
         client.close()
+
+
+def test_an_oversized_frame_is_dropped_before_it_is_hashed(secured, secrets) -> None:
+    """Anyone who reaches the port could queue frames of any size, each hashed whole
+    before its MAC refused it (two of 256 MiB cost the service 800 MB and 3.8 s). A frame
+    past MAX_REQUEST_BYTES is dropped by the socket, never answered nor counted; a small
+    unauthenticated one still is."""
+    good_key = metadata_key(secrets[0])
+    before = _rejected(secured, good_key).get("unauthenticated", 0)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(secured.address)
+        sock.send_multipart([b"", bytes(MAX_REQUEST_BYTES + 1)])
+    finally:
+        sock.close(linger=2000)
+    small = _raw_request(secured.address, b"not a request")
+    assert small["ok"] is False and small["error_kind"] == "unauthenticated"
+    assert _rejected(secured, good_key)["unauthenticated"] == before + 1
 
 
 def test_replayed_request_is_refused_and_counted(secured, secrets) -> None:
