@@ -51,6 +51,7 @@ from pdcache.router.tenants import (
 from pdcache.transfer.config import TransferConfig
 from pdcache.transfer.messages import prompt_logprobs_too_large
 from pdcache.wire.agent import ChoicePlan
+from pdcache.wire.auth import bearer_token
 from pdcache.wire.choices import ChoiceDelta, ChoiceOutput, choice_events
 from pdcache.wire.detokenize import TextAssembler
 from pdcache.wire.generate_api import (
@@ -96,9 +97,12 @@ T = TypeVar("T")
 class RouterApp:
     """The router's HTTP handlers over one routing core (`router`), on its event loop."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, directory: TenantDirectory | None = None) -> None:
         self.router = router
         self.created = now_s()
+        # with tenants, /health is open (probes) but shows the nodes (internal addresses,
+        # their last errors) only to a caller with a key
+        self.directory = directory or TenantDirectory(())
 
     # ---- /generate (SGLang's native API: pdcache.wire.generate_api)
 
@@ -341,8 +345,9 @@ class RouterApp:
         ok = router.registry.can_serve()
         body = {"status": "ok" if ok else "unavailable", "name": router.config.name,
                 "mode": "pd" if router.registry.is_pd else "unified", "model": router.model_name,
-                "sessions": len(router.sessions), "queue_depth": router.admission.depth,
-                "nodes": router.registry.describe()}
+                "sessions": len(router.sessions), "queue_depth": router.admission.depth}
+        if not self.directory.enabled or self.directory.authenticate(bearer_token(request)):
+            body["nodes"] = router.registry.describe()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def models(self, request: Request) -> Response:
@@ -551,7 +556,8 @@ def _logprob_fields(item: GenerateItem, body: GenerateRequestBody) -> dict[str, 
 def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None,
                model_config: ModelConfig | None = None) -> FastAPI:
     router = Router(config, tokenizer, model_config)
-    handlers = RouterApp(router)
+    directory = TenantDirectory(config.all_tenants())
+    handlers = RouterApp(router, directory)
     service = RouterService(router)
 
     @asynccontextmanager
@@ -574,7 +580,7 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None,
               ("GET", "/metrics", handlers.metrics_endpoint),
               *table]
     mount(app, routes, handlers.guarded)
-    app.add_middleware(TenantGate, directory=TenantDirectory(config.all_tenants()),
+    app.add_middleware(TenantGate, directory=directory,
                        limits=router.tenant_limits, known_paths=[r[1] for r in routes],
                        observe=router.metrics.observe_request,
                        retry_after_s=router.admission.retry_after_s)

@@ -97,7 +97,11 @@ def test_missing_or_wrong_key_is_401_json(nodes: list[UnifiedNode]) -> None:
                                                           "invalid_api_key")
                 assert "alice" not in r.text and "bob" not in r.text  # names no tenant
                 assert r.headers["www-authenticate"] == "Bearer"
-        assert client.get("/health").status_code == 200
+        open_health = client.get("/health")
+        assert open_health.status_code == 200
+        # open to probes, but the nodes (internal addresses, their last errors) only with a key
+        assert "nodes" not in open_health.json() and "127.0.0.1" not in open_health.text
+        assert client.get("/health", headers=auth(BOB)).json()["nodes"]
         for tenant in (ALICE, BOB, Tenant("default", "legacy-key-0123")):  # api_key: a tenant
             assert client.post("/generate", json=body, headers=auth(tenant)).status_code == 200
         models = client.get("/v1/models", headers=auth(BOB)).json()
