@@ -71,6 +71,9 @@ class TransferConfig(TransferSettings):
     max_batch_bytes: int = 64 << 20  # bytes per engine batch; bounds abort latency too
     transfer_workers: int = 2  # sender threads running engine writes
     finished_rooms_kept: int = 65536  # outcomes remembered after release, for poll()/late msgs
+    # Of those, decode keeps each successful room's prefill report (for a `wait` after the
+    # release) until the reports' logprob bytes pass this; older ones are dropped first.
+    finished_report_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_NAMES:
@@ -80,7 +83,8 @@ class TransferConfig(TransferSettings):
             if getattr(self, name) <= 0:
                 raise ValueError(f"transfer.{name} must be > 0, got {getattr(self, name)}")
         for name in ("heartbeat_misses", "max_message_bytes", "max_batch_entries",
-                     "max_batch_bytes", "transfer_workers", "finished_rooms_kept"):
+                     "max_batch_bytes", "transfer_workers", "finished_rooms_kept",
+                     "finished_report_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"transfer.{name} must be >= 1, got {getattr(self, name)}")
 

@@ -90,18 +90,36 @@ class WriteBatch:
         return WriteBatch(self.srcs[first], self.dsts[first], lengths)
 
     def split(self, max_entries: int, max_bytes: int) -> list[WriteBatch]:
-        """Consecutive sub-batches of at most `max_entries` entries and about `max_bytes`."""
+        """Consecutive sub-batches of at most `max_entries` entries and `max_bytes` bytes,
+        in order; an entry longer than `max_bytes` (a coalesced run of contiguous pages) is
+        cut into consecutive pieces first, so the byte bound (abort latency, what a
+        cancelled room leaves on the wire) holds for contiguous pages too."""
+        pieces = self.chunked(max_bytes)
         parts: list[WriteBatch] = []
         start = 0
-        cumulative = np.cumsum(self.lengths)
-        while start < len(self):
+        cumulative = np.cumsum(pieces.lengths)
+        while start < len(pieces):
             base = cumulative[start - 1] if start else 0
             by_bytes = int(np.searchsorted(cumulative, base + max_bytes, side="right"))
-            end = min(start + max_entries, max(by_bytes, start + 1), len(self))
-            parts.append(WriteBatch(self.srcs[start:end], self.dsts[start:end],
-                                    self.lengths[start:end]))
+            end = min(start + max_entries, max(by_bytes, start + 1), len(pieces))
+            parts.append(WriteBatch(pieces.srcs[start:end], pieces.dsts[start:end],
+                                    pieces.lengths[start:end]))
             start = end
         return parts
+
+    def chunked(self, max_bytes: int) -> WriteBatch:
+        """The same copy with every entry longer than `max_bytes` cut into consecutive
+        pieces of `max_bytes` (the last one shorter); ValueError for `max_bytes` < 1."""
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        if not len(self) or int(self.lengths.max()) <= max_bytes:
+            return self
+        counts = -(-self.lengths // max_bytes)  # pieces per entry (ceil)
+        entry = np.repeat(np.arange(len(self)), counts)
+        first = np.repeat(np.cumsum(counts) - counts, counts)  # each piece's entry's first
+        offsets = (np.arange(entry.size, dtype=np.int64) - first) * max_bytes
+        lengths = np.minimum(self.lengths[entry] - offsets, max_bytes)
+        return WriteBatch(self.srcs[entry] + offsets, self.dsts[entry] + offsets, lengths)
 
 
 def page_copy_batch(src: KVLayout, dst: KVLayout, src_pages: np.ndarray,

@@ -6,6 +6,8 @@ Usage by the decode node::
     receiver.connect(bootstrap_addr)                 # optional: request() connects lazily
     receiver.request(room, bootstrap_addr, dst_page_ids, num_tokens)
     result = receiver.wait(room, timeout_s)          # TransferResult, or raises TransferError
+                                                     # (after the release too: `expired` once
+                                                     # past finished_report_bytes)
     receiver.abort(room, "client disconnected"); receiver.close()
 
 A hybrid model's receiver (`state_geometry`, `state_slots`) owns `receiver.states`, a
@@ -159,6 +161,24 @@ class _RecvRoom:
     held_for: bytes = b""
 
 
+@dataclass(frozen=True)
+class _Settled:
+    """What a released decode room's remembered outcome keeps once `on_release` returned
+    (`RoomTable` slim): the result a later `wait` returns, or how it failed; never the
+    pages. A result's report counts its logprob bytes against `finished_report_bytes`."""
+
+    result: TransferResult | None
+    timed_out: bool
+
+
+def _settled(data: _RecvRoom | None) -> tuple[_Settled | None, int]:
+    if data is None:
+        return None, 0
+    report = data.result.report if data.result is not None else None
+    nbytes = len(report.input_logprobs) + len(report.first_logprob) if report else 0
+    return _Settled(data.result, data.timed_out), nbytes
+
+
 @dataclass
 class _Peer:
     """A prefill bootstrap endpoint; owned by the control thread."""
@@ -219,7 +239,8 @@ class KVReceiver:
         self._window_kv = window_kv  # kept alive while the engine writes it
         self.decode_id = decode_id or f"decode-{uuid.uuid4().hex[:8]}"
         self._user_release = on_release
-        self.rooms = RoomTable("decode", config.finished_rooms_kept, self._released)
+        self.rooms = RoomTable("decode", config.finished_rooms_kept, self._released,
+                               slim=_settled, keep_bytes=config.finished_report_bytes)
         self._peers: dict[str, _Peer] = {}  # control thread only
         # Peers declared lost whose rooms still fence pages, by link id; their sockets stay
         # open so a late AbortAck / Abort from a prefill that only stalled still arrives.
@@ -490,7 +511,7 @@ class KVReceiver:
                 **dict(self.counters)}
 
     # ---- room outcomes ---------------------------------------------------------------------
-    def _result_of(self, room: int, data: _RecvRoom) -> TransferResult:
+    def _result_of(self, room: int, data: _RecvRoom | _Settled) -> TransferResult:
         if data.result is not None:
             return data.result
         outcome = self.rooms.outcome(room)
@@ -506,9 +527,12 @@ class KVReceiver:
         outcome = self.rooms.outcome(room)
         if outcome is None:
             raise UnknownRoom(f"decode: unknown room {room}")
-        if outcome.data is None:
-            raise TransferError(room, outcome.reason, outcome.code)
-        return self._result_of(room, outcome.data)
+        if outcome.data is not None:
+            return self._result_of(room, outcome.data)
+        if outcome.state is RoomState.SUCCESS:  # its report went past finished_report_bytes
+            raise TransferError(room, "released earlier; its report is no longer kept",
+                                "expired")
+        raise TransferError(room, outcome.reason, outcome.code)
 
     def _finish(self, room: int, state: RoomState, reason: str = "",
                 busy: bool = False, code: str = "") -> bool:

@@ -6,7 +6,10 @@
 A room is *released* exactly once, when it is terminal and no engine write is in flight for
 it (`busy` is false): it leaves the active table, its outcome is remembered (bounded) for
 `state()`, and `on_release(room, outcome)` runs — outside the lock, on the thread that made
-the room releasable — so the node can free or keep the room's pages.
+the room releasable — so the node can free or keep the room's pages. Once the callback
+returned, the remembered outcome keeps only what the side's `slim` hook keeps of its payload
+(pages and reports would otherwise stay for `keep_finished` rooms: GBs over a long run), and
+the payloads kept stay under `keep_bytes` in all, the oldest dropped first.
 
 Thread-safety: a RoomTable is mutated by the owner's control thread, its transfer workers and
 the node's API calls; one internal lock guards everything, callbacks run without it.
@@ -20,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -100,19 +103,31 @@ FAILURE_CODES = ("timeout", "aborted", "peer_lost", "engine", "invalid", "refuse
 
 
 ReleaseCallback = Callable[[Outcome], None]
+# What a released room's outcome keeps of its payload once `on_release` returned, and how many
+# bytes that keeps (counted against the table's `keep_bytes`).
+SlimPayload = Callable[[Any], tuple[Any, int]]
 
 
 class RoomTable:
     """Active rooms of one side, their transitions, release and counters."""
 
     def __init__(self, side: str, keep_finished: int,
-                 on_release: ReleaseCallback | None = None) -> None:
+                 on_release: ReleaseCallback | None = None,
+                 slim: SlimPayload | None = None, keep_bytes: int = 0) -> None:
+        """`keep_finished`: outcomes remembered after release (oldest forgotten first).
+        `slim(data) -> (kept, nbytes)`: what an outcome keeps of its payload once its
+        `on_release` returned (None: all of it, uncounted); the kept payloads' `nbytes` stay
+        under `keep_bytes` in all, the oldest replaced by None first."""
         self.side = side
         self._lock = threading.Lock()
         self._rooms: dict[int, Room] = {}
         self._finished: OrderedDict[int, Outcome] = OrderedDict()
         self._keep_finished = keep_finished
         self._on_release = on_release
+        self._slim = slim
+        self._keep_bytes = keep_bytes
+        self._kept_bytes: OrderedDict[int, int] = OrderedDict()  # room → its payload's bytes
+        self._kept_total = 0
         self.counters = {"created": 0, "succeeded": 0, "failed": 0, "released": 0,
                          "illegal_transitions": 0, "callback_errors": 0}
 
@@ -133,8 +148,15 @@ class RoomTable:
         return outcome.state
 
     def outcome(self, room_id: int) -> Outcome | None:
+        """The remembered outcome of a released room (its payload slimmed once `on_release`
+        returned); None for an active or unknown room."""
         with self._lock:
             return self._finished.get(room_id)
+
+    def kept_payload_bytes(self) -> int:
+        """Bytes the remembered outcomes' payloads keep, as their `slim` counted them."""
+        with self._lock:
+            return self._kept_total
 
     def active_count(self) -> int:
         with self._lock:
@@ -168,6 +190,13 @@ class RoomTable:
             if room is None or room.state.terminal:
                 return None
             return fn(room)
+
+    def inspect(self, room_id: int, fn: Callable[[Room], Any]) -> Any:
+        """Run `fn(room)` under the lock if the room is active, terminal or not (a terminal
+        room is active until released), else None."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            return None if room is None else fn(room)
 
     def tombstone(self, room_id: int, reason: str) -> None:
         """Remember `room_id` as FAILED without it ever being active (abort before creation)."""
@@ -264,15 +293,36 @@ class RoomTable:
     def _remember(self, outcome: Outcome) -> None:
         self._finished[outcome.room_id] = outcome
         while len(self._finished) > self._keep_finished:
-            self._finished.popitem(last=False)
+            room_id, _ = self._finished.popitem(last=False)
+            self._kept_total -= self._kept_bytes.pop(room_id, 0)
 
     def _notify(self, outcome: Outcome | None) -> None:
-        if outcome is None or self._on_release is None:
+        if outcome is None:
             return
         try:
-            self._on_release(outcome)
+            if self._on_release is not None:
+                self._on_release(outcome)
         except Exception:  # a node bug must not kill the transfer threads
             logger.exception("on_release callback failed for room %d",
                                                   outcome.room_id)
             with self._lock:
                 self.counters["callback_errors"] += 1
+        finally:  # delivered (the decode node reads `wait(room)` inside on_release): slim it
+            self._settle(outcome)
+
+    def _settle(self, outcome: Outcome) -> None:
+        """Keep what `slim` keeps of a delivered outcome's payload, within `keep_bytes`."""
+        if self._slim is None:
+            return
+        kept, nbytes = self._slim(outcome.data)
+        with self._lock:
+            if self._finished.get(outcome.room_id) is not outcome:
+                return  # forgotten meanwhile (keep_finished)
+            self._finished[outcome.room_id] = replace(outcome, data=kept)
+            if nbytes:
+                self._kept_bytes[outcome.room_id] = nbytes
+                self._kept_total += nbytes
+            while self._kept_total > self._keep_bytes and self._kept_bytes:
+                oldest, size = self._kept_bytes.popitem(last=False)
+                self._kept_total -= size
+                self._finished[oldest] = replace(self._finished[oldest], data=None)

@@ -20,7 +20,10 @@ fails `state_mismatch` before anything is written (docs/design.md §4.5).
 Threads and what they mutate:
 - control thread (ControlLoop): the ROUTER socket, `_peers` (under `_peers_lock`), room
   transitions caused by decode messages, heartbeat/deadline checks; sends every message.
-- transfer workers: engine submit/wait; room TRANSFERRING → SUCCESS | FAILED and `busy`.
+- transfer workers: engine submit/wait; room TRANSFERRING → SUCCESS | FAILED and `busy`. A
+  room given up on (abort, deadline, engine error, lost peer) turns idle only once its
+  worker drained the tickets still out (`_drain`): its release tells decode it may free the
+  pages, so no byte of it may land after that (docs/design.md §4.5).
 - caller threads (`send`, `abort`, `poll`, `stats`): room creation/transitions via RoomTable.
 `counters` are bumped by the control thread and every worker: only through `_count` (under
 `_counters_lock`); `stats()` copies them under the same lock.
@@ -85,7 +88,7 @@ from pdcache.transfer.messages import (
     encode,
     pack_keys,
 )
-from pdcache.transfer.rooms import Outcome, ReleaseCallback, RoomState, RoomTable
+from pdcache.transfer.rooms import Outcome, ReleaseCallback, Room, RoomState, RoomTable
 from pdcache.transfer.state_area import StateArea, check_snapshot
 
 logger = logging.getLogger(__name__)
@@ -128,6 +131,7 @@ class _SendRoom:
     accepted: bool = False  # send() took the pages: on_release owes the node a call
     cancel: threading.Event = field(default_factory=threading.Event)
     notify_peer: str = ""  # at release: "" | "abort" | "ack"
+    unsettled: bool = False  # a write was given up on without knowing it ended (_drain)
     code: str = "aborted"
     nbytes: int = 0
 
@@ -189,7 +193,8 @@ class KVSender:
         # does not open here.
         self.boot_id = os.urandom(LINK_ID_BYTES)
         self._user_release = on_release
-        self.rooms = RoomTable("prefill", config.finished_rooms_kept, self._released)
+        self.rooms = RoomTable("prefill", config.finished_rooms_kept, self._released,
+                               slim=_forget_payload)
         self._peers: dict[bytes, _Peer] = {}
         self._peers_lock = threading.Lock()
         self.rejects = RejectCounter(f"prefill {self.prefill_id}")
@@ -201,7 +206,10 @@ class KVSender:
                          # refused because the two sides disagreed on the state
                          "state_bytes_sent": 0, "states_sent": 0, "state_mismatches": 0,
                          # window pages: the sliding pages of window tails sent
-                         "window_pages_sent": 0}
+                         "window_pages_sent": 0,
+                         # rooms given up on before their writes were known to be over, and
+                         # decode's Aborts of them left unanswered (`_drain`)
+                         "unsettled_rooms": 0, "unsettled_aborts_unanswered": 0}
         self._counters_lock = threading.Lock()  # workers and the control thread count
         self._jobs: queue.Queue[int | None] = queue.Queue()
         self._workers: list[threading.Thread] = []
@@ -373,14 +381,13 @@ class KVSender:
     def _released(self, outcome: Outcome) -> None:
         """Runs once per room when the engine is done with it: tell decode, then the node."""
         data: _SendRoom = outcome.data
-        if outcome.state is RoomState.FAILED and data.peer is not None:
+        if outcome.state is RoomState.FAILED and data.peer is not None and not data.unsettled:
             if data.notify_peer == "ack":
                 self._send(data.peer, AbortAck(outcome.room_id))
             elif data.notify_peer == "abort":
                 self._send(data.peer, Abort(outcome.room_id, outcome.reason, data.code))
         if data.accepted and self._user_release is not None:
             self._user_release(outcome)
-        data.state = None  # the outcome is remembered (bounded): not its state's bytes
 
     # ---- transfer workers ------------------------------------------------------------------
     def _work(self, worker: int) -> None:
@@ -508,35 +515,69 @@ class KVSender:
                           np.array([data.state.nbytes], dtype=np.int64))
 
     def _write(self, peer: _Peer, parts: list, room) -> str:
-        """Submit parts with a small window; '' on success, else why it stopped."""
+        """Submit parts with a small window; '' on success, else why it stopped. Stopped,
+        the tickets still out are drained first (`_drain`): the room is released, and decode
+        told it may free the pages, only once none of their bytes can land any more."""
         assert self.engine is not None
         pending: list[Any] = []
+        error = ""
         try:
             for part in parts:
                 if room.data.cancel.is_set():
                     break
                 pending.append(self.engine.submit(peer.engine_peer, part))
                 while len(pending) >= _WINDOW:
-                    self._await(pending.pop(0), room)
+                    self._await(pending, room)
             while pending:
-                self._await(pending.pop(0), room)
-        except (EngineError, _Cancelled) as exc:
-            for ticket in pending:
-                self.engine.cancel(ticket)
-            return str(exc) if isinstance(exc, _Cancelled) else f"engine: {exc}"
-        return "cancelled" if room.data.cancel.is_set() else ""
+                self._await(pending, room)
+        except _Cancelled as exc:
+            error = str(exc)
+        except EngineError as exc:
+            error = f"engine: {exc}"
+        if pending:
+            self._drain(pending, room)
+        return error or ("cancelled" if room.data.cancel.is_set() else "")
 
-    def _await(self, ticket: Any, room) -> None:
+    def _await(self, pending: list[Any], room) -> None:
+        """Wait for the oldest ticket and drop it from `pending` once it is finished (landed,
+        or failed: EngineError); one still running stays there (_Cancelled)."""
         assert self.engine is not None
         while True:
             try:
-                self.engine.wait(ticket, _WAIT_SLICE_S)
-                return
+                self.engine.wait(pending[0], _WAIT_SLICE_S)
             except EngineTimeout:
                 if room.data.cancel.is_set() or time.monotonic() > room.deadline:
-                    self.engine.cancel(ticket)
                     raise _Cancelled("cancelled" if room.data.cancel.is_set()
                                      else "transfer deadline passed") from None
+                continue
+            except EngineError:
+                if not self.engine.write_over(pending.pop(0)):
+                    self._unsettled(room)  # failed, yet its bytes may still land
+                raise
+            pending.pop(0)
+            return
+
+    def _drain(self, pending: list[Any], room) -> None:
+        """Give up on the room's tickets still out once their writes are over (zmq: libzmq
+        still delivers frames it queued, and the target copies them in), within half of
+        decode's `abort_ack_timeout_s` (decode's own bound on an answer to its abort). A
+        ticket not known to be over by then leaves the room *unsettled*: its release tells
+        decode nothing (no Abort or AbortAck: decode's abort-ack and lost-peer rules then
+        decide) and a later Abort of it is not acked (counted `unsettled_rooms`)."""
+        assert self.engine is not None
+        deadline = time.monotonic() + self.config.abort_ack_timeout_s / 2
+        settled = [self.engine.drain(ticket, max(deadline - time.monotonic(), 0.0))
+                   for ticket in pending]
+        if not all(settled):
+            self._unsettled(room)
+
+    def _unsettled(self, room) -> None:
+        if room.data.unsettled:
+            return
+        room.data.unsettled = True
+        self._count("unsettled_rooms")
+        logger.warning("prefill: room %d was given up on before its writes were known to be "
+                       "over; decode is not told it may free the pages", room.room_id)
 
     # ---- control thread ------------------------------------------------------------------
     def _send(self, identity: bytes, msg: Message) -> None:
@@ -711,12 +752,17 @@ class KVSender:
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
         current = self.rooms.get(msg.room)
         if current is None or current.data.peer not in (None, identity):
+            finished = self.rooms.outcome(msg.room)
+            if finished is not None and finished.data == _UNSETTLED:
+                self._count("unsettled_aborts_unanswered")  # its writes may still land
+                return
             self.rooms.tombstone(msg.room, f"aborted by decode: {msg.reason}")
             self._send(identity, AbortAck(msg.room))
             return
         current.data.peer = identity
-        if current.state.terminal:  # e.g. Done already sent: nothing will be written
-            self._send(identity, AbortAck(msg.room))
+        if current.state.terminal:
+            if not self.rooms.inspect(msg.room, _ack_at_release):
+                self._send(identity, AbortAck(msg.room))  # released, or Done sent: no write
             return
         self._fail(msg.room, f"aborted by decode: {msg.reason}", code=msg.code, notify="ack")
 
@@ -789,6 +835,27 @@ class KVSender:
 
 class _Cancelled(Exception):
     pass
+
+
+_UNSETTLED = "unsettled"  # a remembered outcome's payload: its writes' end is not known
+
+
+def _forget_payload(data: _SendRoom | None) -> tuple[str | None, int]:
+    """A released prefill room's remembered outcome keeps its state, reason and code, and
+    whether it is unsettled (`_drain`), only (`RoomTable` slim): a late RoomRequest, Abort
+    or poll needs no more, and its pages, report and recurrent state would otherwise stay
+    for `finished_rooms_kept` rooms."""
+    return (_UNSETTLED if data is not None and data.unsettled else None), 0
+
+
+def _ack_at_release(room: Room) -> bool:
+    """Under the table's lock: a failed room whose writes are not over yet (its worker is
+    draining them) answers decode's Abort at its release, never before (an AbortAck frees
+    decode's pages). True when the release will answer."""
+    if not room.busy or room.state is not RoomState.FAILED:
+        return False
+    room.data.notify_peer = room.data.notify_peer or "ack"
+    return True
 
 
 def _set_state_destination(data: _SendRoom, msg: RoomRequest) -> None:

@@ -142,8 +142,16 @@ def test_split_covers_every_byte_once() -> None:
     lengths = np.array([10, 500, 3, 3, 3, 4000, 1], dtype=np.int64)
     batch = WriteBatch(np.arange(7) * 10_000, np.arange(7) * 20_000, lengths)
     parts = batch.split(max_entries=3, max_bytes=512)
-    assert np.concatenate([p.lengths for p in parts]).tolist() == lengths.tolist()
-    assert all(len(p) <= 3 and (p.nbytes <= 512 or len(p) == 1) for p in parts)
+    # the 4000-byte entry is cut into 512-byte pieces (7 × 512 + 416), the rest stay whole
+    assert np.concatenate([p.lengths for p in parts]).tolist() == (
+        [10, 500, 3, 3, 3] + [512] * 7 + [416, 1])
+    assert all(len(p) <= 3 and p.nbytes <= 512 for p in parts)
+    srcs = np.concatenate([p.srcs for p in parts])
+    dsts = np.concatenate([p.dsts for p in parts])
+    pieces = np.concatenate([p.lengths for p in parts])
+    assert (srcs[5:13] == 50_000 + np.arange(8) * 512).all()  # in order, each once
+    assert (dsts - srcs == np.repeat(np.arange(7) * 10_000, [1, 1, 1, 1, 1, 8, 1])).all()
+    assert int(pieces.sum()) == batch.nbytes
 
 
 def test_layout_mismatch_and_out_of_range_pages_are_refused() -> None:

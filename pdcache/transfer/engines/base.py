@@ -7,7 +7,9 @@ An engine moves bytes from this process's memory into a peer's registered memory
 - initiator side (prefill): `register_source(addr, nbytes)` declares local memory it reads;
   `add_peer(session)` returns a handle; `submit(peer, batch)` starts a batched write and
   returns a ticket; `wait(ticket, timeout_s)` blocks until every byte has landed in the
-  peer's memory or raises `EngineError` (failure, dead peer, deadline).
+  peer's memory or raises `EngineError` (failure, dead peer, deadline); `drain(ticket,
+  timeout_s)` gives up on a ticket only once none of its bytes can still land (True), or
+  says it could not know that in time (False).
 
 Completion is notified to the peer over the control plane (`Done`), never by the engine, so
 the same ordering guarantee holds for every engine. Engines are used by one transfer worker
@@ -16,6 +18,7 @@ per ticket; `submit`/`wait`/`add_peer` must be safe to call from several worker 
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
@@ -84,7 +87,36 @@ class KVTransferEngine(ABC):
         """
 
     def cancel(self, ticket: Any) -> None:  # noqa: B027 - optional hook
-        """Give up on a ticket: stop or drop what can still be stopped; never raises."""
+        """Give up on a ticket: stop or drop what can still be stopped; never raises. Bytes
+        already on their way may still land afterwards: see `drain`."""
+
+    def drain(self, ticket: Any, timeout_s: float) -> bool:
+        """Give up on a ticket once no byte of it can land in the peer's memory any more:
+        True when its write is known to be over (landed or failed) within `timeout_s`; False
+        when it is not (the ticket is then cancelled, and its bytes may still land). Never
+        raises. A sender drains a cancelled room's tickets before it tells decode the room is
+        over, because decode frees the pages on that word (docs/design.md §4.5). This default
+        waits for the ticket; an engine whose `wait` can fail while bytes are still on their
+        way says so in `write_over`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.wait(ticket, min(max(deadline - time.monotonic(), 0.0), 0.05))
+                return True
+            except EngineTimeout:
+                if time.monotonic() >= deadline:
+                    self.cancel(ticket)
+                    return False
+            except EngineError:
+                return self.write_over(ticket)
+            except Exception:  # never raises: an unknown failure is an unknown write
+                self.cancel(ticket)
+                return False
+
+    def write_over(self, ticket: Any) -> bool:
+        """After `wait` raised EngineError for `ticket`: whether its write is over (no byte
+        of it can land any more). True unless the engine says otherwise."""
+        return True
 
     @abstractmethod
     def close(self) -> None:

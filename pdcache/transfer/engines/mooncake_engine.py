@@ -7,7 +7,11 @@ reject more than ~2048 queued transfers per peer).
 
 Mooncake's completion call (`get_batch_transfer_status`) blocks until the batch finished or
 its own transfer timeout (`MC_TRANSFER_TIMEOUT`, from `room_timeout_s` unless already set) —
-so `wait()` may overrun its `timeout_s` by that much, and `cancel()` cannot recall writes.
+so `wait()` may overrun its `timeout_s` by that much, and `cancel()` cannot recall writes:
+it reaps the batch, blocking until it ended, which is also what `drain()` is.
+That block is per peer: one spinning status call at a time per peer session (`_spin_lock`),
+never one for the whole process, so a stalled decode (SIGSTOP, a dead link) holds up only the
+waits for batches to that decode, not every transfer of the prefill node.
 That call also busy-spins a core until the batch ends, which on a small machine takes the core
 from the engine thread that should be computing the next prompt (measured on 2 cores: the
 prefill node's TTFT under load 0.20 s against 0.10 s with the zmq engine). So `wait()` first
@@ -29,6 +33,7 @@ MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (room for the batches our workers keep in f
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -42,6 +47,7 @@ from pdcache.transfer.layout import WriteBatch
 from pdcache.utils.registry import import_optional
 
 _PACKAGE = "mooncake-transfer-engine-non-cuda"
+logger = logging.getLogger(__name__)
 
 
 def _load_engine_class():
@@ -136,8 +142,10 @@ class MooncakeEngine(KVTransferEngine):
         self._registered: list[int] = []
         self._lock = threading.Lock()
         # get_batch_transfer_status busy-spins a core until the batch ends; one spinning waiter
-        # at a time keeps Mooncake's own transfer threads fed on small machines.
-        self._wait_lock = threading.Lock()
+        # per peer at a time keeps Mooncake's own transfer threads fed on small machines. Per
+        # peer, not one for the process: the call blocks until the batch ends or
+        # MC_TRANSFER_TIMEOUT, so a stalled peer would hold every other peer's waits behind it.
+        self._spin_locks: dict[str, threading.Lock] = {}  # per peer session, under self._lock
         self._rates: dict[str, _RateEstimate] = {}  # per peer session, under self._lock
         self._closed = False
 
@@ -150,6 +158,12 @@ class MooncakeEngine(KVTransferEngine):
     def _rate_of(self, session: str) -> _RateEstimate:
         with self._lock:
             return self._rates.setdefault(session, _RateEstimate())
+
+    def _spin_lock(self, session: str) -> threading.Lock:
+        """The lock a status call to peer `session` spins under (kept for the engine's life:
+        a waiter may still hold the one of a removed peer)."""
+        with self._lock:
+            return self._spin_locks.setdefault(session, threading.Lock())
 
     def session(self) -> bytes:
         return self._session.encode()
@@ -168,7 +182,24 @@ class MooncakeEngine(KVTransferEngine):
             self._registered.append(addr)
 
     def add_peer(self, session: bytes) -> str:
-        return session.decode()  # Mooncake connects on first write (P2P handshake)
+        peer = session.decode()
+        self._open_segment(peer)
+        return peer
+
+    def _open_segment(self, peer: str) -> None:
+        """Connect to `peer` now (Mooncake's P2P handshake), with an empty batch. Mooncake
+        connects on a peer's first write and holds its binding's one process-wide mutex
+        across that handshake: a decode that stalled between its Register and its first
+        write (SIGSTOP) held every other peer's submits until the handshake timed out. Here
+        the peer has just registered, so it answers; on failure the first write tries again."""
+        engine = self._live()
+        try:
+            batch_id = engine.batch_transfer_async_write(peer, [], [], [])
+            if batch_id > 0:
+                engine.get_batch_transfer_status([batch_id])  # empty: returns at once
+        except Exception:  # noqa: BLE001 - the first write connects (and reports) instead
+            logger.debug("mooncake: connecting to %s ahead of its first write failed", peer,
+                         exc_info=True)
 
     def remove_peer(self, peer: str) -> None:
         with self._lock:
@@ -199,13 +230,15 @@ class MooncakeEngine(KVTransferEngine):
             raise EngineTimeout(f"mooncake → {ticket.session}: batch expected in {nap:.3f}s")
         if nap > 0.0:
             time.sleep(nap)
-        if not self._wait_lock.acquire(timeout=max(timeout_s - nap, 0.0)):
-            raise EngineTimeout(f"mooncake → {ticket.session}: another wait is in progress")
+        spin = self._spin_lock(ticket.session)
+        if not spin.acquire(timeout=max(timeout_s - nap, 0.0)):
+            raise EngineTimeout(f"mooncake → {ticket.session}: another wait for this peer is "
+                                "in progress")
         try:
             ticket.done = True  # the status call frees Mooncake's batch descriptors either way
             rc = self._live().get_batch_transfer_status(ticket.batch_ids)
         finally:
-            self._wait_lock.release()
+            spin.release()
         if rc == 0:
             rate.observe(ticket.nbytes, ticket.submitted, time.monotonic())
         if rc != 0:
@@ -220,8 +253,15 @@ class MooncakeEngine(KVTransferEngine):
         engine = self._engine
         if engine is None:  # closed: the batch went with the engine (a worker past close())
             return
-        with self._wait_lock:
+        with self._spin_lock(ticket.session):
             engine.get_batch_transfer_status(ticket.batch_ids)
+
+    def drain(self, ticket: _Ticket, timeout_s: float) -> bool:
+        """Mooncake cannot recall a batch: reap it (`cancel`), which returns once the batch
+        ended or Mooncake's own transfer timeout passed, so it may overrun `timeout_s` as
+        `wait` does; the batch is over either way."""
+        self.cancel(ticket)
+        return True
 
     def close(self) -> None:
         """Unregister our memory and destroy Mooncake's TransferEngine now, on this thread.

@@ -163,6 +163,9 @@ class NixlEngine(KVTransferEngine):
                 pass  # NIXL could not cancel an active transfer; nothing else to do
 
     def cancel(self, ticket: _Ticket) -> None:
+        """Releasing the handle of a transfer still in PROC asks NIXL to cancel it, which a
+        backend may refuse (the write then goes on): `drain` (the base class's) cancels only
+        after the state left PROC or its bound passed, and says which."""
         self._finish(ticket)
 
     def close(self) -> None:

@@ -7,9 +7,11 @@ peer; source pages are sent zero-copy (libzmq reads them until the ack, which is
 room's pages stay busy until wait() returns).
 
 Limit: a cancelled ticket cannot be recalled — libzmq still delivers frames it queued (the
-socket is shared by every room of that peer). The sender therefore only cancels when the peer
-is dead or the room's deadline passed, and decode keeps aborted pages until prefill's
-AbortAck or the peer's death.
+socket is shared by every room of that peer), and the target copies them in and acks them.
+So a sender that gives up on a room `drain`s its tickets (waits for their acks, bounded)
+before it tells decode the room is over: an ack means the target's memmove is done, and no
+later byte of that batch comes. A ticket whose peer socket was closed (`remove_peer`, a
+lost peer) is not known to be over: frames already handed to the kernel may still arrive.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class _Peer:
     lock: threading.Lock = field(default_factory=threading.Lock)
     results: dict[int, str] = field(default_factory=dict)  # batch id → "" or error
     abandoned: set[int] = field(default_factory=set)
+    closed: bool = False  # remove_peer closed the socket: unacked batches have no known end
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class ZmqEngine(KVTransferEngine):
 
     def remove_peer(self, peer: _Peer) -> None:
         with peer.lock:
+            peer.closed = True
             peer.socket.close(linger=0)
         if peer in self._peers:
             self._peers.remove(peer)
@@ -194,6 +198,11 @@ class ZmqEngine(KVTransferEngine):
                 peer.abandoned.discard(ack["b"])
             else:
                 peer.results[ack["b"]] = ack["e"]
+
+    def write_over(self, ticket: _Ticket) -> bool:
+        """A target's rejection is the end of the batch (it copies nothing of it then); a
+        closed socket is not: its frames in the kernel's buffers may still arrive."""
+        return not ticket.peer.closed
 
     def cancel(self, ticket: _Ticket) -> None:
         peer = ticket.peer
