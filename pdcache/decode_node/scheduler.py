@@ -98,12 +98,18 @@ class DecodeRole:
         return self.offload.end_session(session_id, cache_salt)
 
     def can_retract(self, req: Req) -> bool:
-        # retraction frees pages at once, but offload copies may be reading them
-        return self.offload is None
+        # retraction frees pages at once: only once no offload copy reads them (never
+        # retracting froze decode for good when its pages ran out past the grants' decode
+        # budget: no victim, nobody finishing). Re-admitted, its later pages are offloaded
+        # from where they were.
+        return self.offload is None or self.offload.copies_done(req.rid)
 
     def pages_read_from(self, req: Req) -> int | None:
         # window pages: copies not ended yet read the sliding pages of the pages they cover
-        return None if self.offload is None else self.offload.copied_pages(req.rid)
+        # (a request not offloaded, e.g. a plain one sent to this node, has none)
+        if self.offload is None or not self.offload.tracking(req.rid):
+            return None
+        return self.offload.copied_pages(req.rid)
 
     def _window_of(self, req: Req) -> list[int | None] | None:
         """`req`'s sliding pages, for an offload manager over window pages (else None)."""

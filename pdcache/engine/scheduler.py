@@ -603,7 +603,12 @@ class Scheduler:
 
     # ---- finishing ---------------------------------------------------------------------
     def _maybe_finish(self, req: Req, token: int) -> None:
-        reason = self._finish_reason(req, token)
+        try:
+            reason = self._finish_reason(req, token)
+        except Exception as exc:  # noqa: BLE001 - a constraint's is_terminated: its request
+            # alone ends (raised out of commit, it failed every request of the step)
+            logger.exception("constraint of %s failed", req.rid)
+            req.error, reason = f"constraint failed: {exc}", "abort"
         if reason is None:
             return
         self.running.remove(req)

@@ -268,6 +268,16 @@ class DecodeOffloadManager:
             self._schedule(rid, tracked, kv_token_ids, device_page_ids, full_pages, None,
                            window_page_ids=window_page_ids)
 
+    def tracking(self, rid: str) -> bool:
+        """Whether `rid` is being offloaded (decode loop's thread)."""
+        return rid in self._requests
+
+    def copies_done(self, rid: str) -> bool:
+        """No copy of `rid` scheduled so far still reads its pages (decode loop's thread,
+        which alone schedules them): its pages may go now (a retraction)."""
+        tracked = self._requests.get(rid)
+        return tracked is None or self.copied_pages(rid) >= tracked.scheduled_pages
+
     def copied_pages(self, rid: str) -> int:
         """How many leading pages of `rid` no queued copy reads any more (any thread): the
         engine may free their sliding pages as the window moves (window pages)."""

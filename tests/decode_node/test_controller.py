@@ -584,6 +584,12 @@ class FakeOffload:
     def due(self, rid: str, kv_len: int) -> bool:
         return False
 
+    def tracking(self, rid: str) -> bool:
+        return False
+
+    def copies_done(self, rid: str) -> bool:
+        return False
+
     def copied_pages(self, rid: str) -> int:
         return 0
 

@@ -309,6 +309,36 @@ def test_a_constraint_that_allows_nothing_fails_only_its_request(tiny) -> None:
     assert tokens_of(bad) == [] and len(tokens_of(good)) == 4
 
 
+def test_a_constraint_whose_end_check_raises_fails_only_its_request(tiny) -> None:
+    """`is_terminated` runs in the scheduler's commit of a whole batch: raising there failed
+    every request of the step ("engine step failed"), not just its own."""
+    class BrokenEnd:
+        def allowed_tokens(self, vocab_size: int) -> None:
+            return None
+
+        def accept(self, token_id: int) -> None:
+            pass
+
+        def is_terminated(self) -> bool:
+            raise RuntimeError("grammar matcher broke")
+
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    finals: dict[str, RequestOutput] = {}
+    engine = make_engine(tiny).start(thread=False)  # driven: all three in one step
+    try:
+        for rid, constraint in (("good1", None), ("bad", BrokenEnd()), ("good2", None)):
+            engine.submit(GenerateRequest(rid, prompt_of(11, 6), params, constraint=constraint),
+                          lambda out: finals.__setitem__(out.rid, out) if out.finished else None)
+        while engine.step():
+            pass
+        assert engine.check_accounting()["requests"] == 0
+    finally:
+        engine.shutdown()
+    assert finals["bad"].finish_reason == "abort"
+    assert "grammar matcher broke" in finals["bad"].error
+    assert [finals[rid].finish_reason for rid in ("good1", "good2")] == ["length", "length"]
+
+
 def test_invalid_sampling_and_logprob_requests_are_refused(tiny) -> None:
     prompt = prompt_of(10, 5)
     cases = [

@@ -294,3 +294,63 @@ def test_window_pages_behind_the_window_wait_for_their_copies() -> None:
         storage.lookups.set()
         mgr.close()
         engine.shutdown()
+
+
+def test_decode_with_offload_retracts_once_copies_are_done_instead_of_freezing() -> None:
+    """A grant keeps room for `decode_reserve_tokens` answer tokens only; past them requests
+    take pages as they free. With offload, decode never retracted (copies might read the
+    pages): two requests filling the pool at a page boundary found no victim, and nobody
+    finished, for good. A request whose copies ended may give way now, and both finish."""
+    from pdcache.decode_node.scheduler import DecodeRole
+    from pdcache.engine.api import GenerateRequest, SamplingParams
+    from pdcache.engine.config import CacheConfig, EngineConfig
+    from pdcache.engine.engine import Engine
+    from pdcache.engine.loader import load_model
+    from pdcache.engine.scheduler import Scheduler
+    from pdcache.engine.scheduler_config import SchedulerConfig
+
+    model = load_model("tiny", seed=0)[0]
+    built = {}
+
+    class Holds:
+        def hold_for_offload(self, rid: str):  # type: ignore[no-untyped-def]
+            return lambda: built["engine"].release_held(rid)
+
+    def make_scheduler(**kwargs):  # type: ignore[no-untyped-def]
+        mgr = built["mgr"] = DecodeOffloadManager(kwargs["pool"].device_kv, DictBackend(), FP,
+                                                  staging_pages=16)
+        return Scheduler(**kwargs, role=DecodeRole(mgr, Holds()))
+
+    config = EngineConfig(model=model.config, cache=CacheConfig(page_size=PAGE,
+                                                                num_device_pages=24),
+                          scheduler=SchedulerConfig(decode_reserve_tokens=8))
+    engine = built["engine"] = Engine(config, model, make_scheduler=make_scheduler)
+    mgr = built["mgr"].start()
+    engine.start(thread=False)
+    try:
+        finals: dict[str, object] = {}
+        for rid in ("a", "b"):  # each fits alone (17 pages), not both
+            engine.reserve_when_free(rid, 8, lambda _admission: None, max_new_tokens=60)
+        engine.step()
+        for rid in ("a", "b"):
+            engine.submit_prefilled(
+                GenerateRequest(rid, list(range(3, 11)), SamplingParams(max_new_tokens=60,
+                                                                        ignore_eos=True)),
+                5, lambda out: finals.__setitem__(out.rid, out) if out.finished else None)
+        for _ in range(2000):
+            if len(finals) == 2:
+                break
+            engine.step()
+            mgr.wait_idle(1)  # copies end (the engine retracts a request only after)
+        assert sorted(finals) == ["a", "b"], [(r.rid, len(r.output_ids))
+                                              for r in engine.scheduler.running]
+        assert all(out.error is None and out.completion_tokens == 60 for out in finals.values())
+        assert engine.stats()["requests_retracted_total"] > 0
+        assert mgr.wait_idle(10)
+        while engine.step():
+            pass
+        numbers = engine.check_accounting()
+        assert numbers["requests"] == 0 and not engine.scheduler.held, numbers
+    finally:
+        mgr.close()
+        engine.shutdown()
