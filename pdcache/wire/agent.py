@@ -17,9 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcache.engine.api import LogprobRequest, TokenConstraint, TokenLogprob
-from pdcache.engine.tokenizer import ByteTokenizer, Tokenizer
+from pdcache.engine.tokenizer import Tokenizer
 from pdcache.wire.choices import ChoiceOutput, LogprobFormatter
-from pdcache.wire.logprobs import openai_chat_logprobs, openai_completion_logprobs
+from pdcache.wire.logprobs import (
+    TextOffsets,
+    openai_chat_logprobs,
+    openai_completion_logprobs,
+)
 from pdcache.wire.protocol import ChatCompletionRequest, CompletionRequest, bad_request
 from pdcache.wire.reasoning import (
     ReasoningFormat,
@@ -48,7 +52,7 @@ class ChoicePlan:
     tools: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> arguments schema
     max_calls: int | None = None  # parallel_tool_calls: false -> 1
     make_constraint: Callable[[], TokenConstraint] | None = None
-    format_logprobs: LogprobFormatter | None = None
+    make_logprob_formatter: Callable[[], LogprobFormatter] | None = None  # one per choice
     reasoning: ReasoningFormat | None = None  # None: the thinking (if any) is content
 
     @property
@@ -70,7 +74,9 @@ class ChoicePlan:
             tool_format=self.tool_format,
             tools=self.tools,
             max_calls=self.max_calls,
-            format_logprobs=self.format_logprobs,
+            format_logprobs=(
+                None if self.make_logprob_formatter is None else self.make_logprob_formatter()
+            ),
             reasoning=self.reasoning,
         )
 
@@ -116,7 +122,7 @@ class AgentFeatures:
         off."""
         plan = ChoicePlan(chat=True, logprobs=logprob_request(body.logprobs_top_n()))
         if plan.logprobs is not None:
-            plan.format_logprobs = self.chat_logprobs
+            plan.make_logprob_formatter = lambda: self.chat_logprobs
         if body.parses_tool_calls():
             plan.tool_format, plan.tools = self.tool_format, body.tool_parameters()
             plan.max_calls = 1 if body.parallel_tool_calls is False else None
@@ -181,7 +187,12 @@ class AgentFeatures:
     def completion_plan(self, body: CompletionRequest) -> ChoicePlan:
         plan = ChoicePlan(chat=False, logprobs=logprob_request(body.logprobs_top_n()))
         if plan.logprobs is not None:
-            plan.format_logprobs = self.completion_logprobs
+            # the offsets index the text the choice's TextAssembler releases (server and
+            # router build it from these same two)
+            decode, stops = self.text_decoder(plan), body.stop_strings()
+            plan.make_logprob_formatter = lambda: self.completion_logprobs(
+                TextOffsets(decode, stops)
+            )
         return plan
 
     # ---- OpenAI logprobs objects (pdcache.wire.logprobs)
@@ -189,29 +200,30 @@ class AgentFeatures:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def chat_logprobs(
-        self, logprobs: list[TokenLogprob], offset: int
-    ) -> tuple[dict[str, Any], int]:
-        return openai_chat_logprobs(logprobs, self.token_text, self.token_bytes), offset
+    def chat_logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        return dict(openai_chat_logprobs(logprobs, self.token_text, self.token_bytes))
 
-    def completion_logprobs(
-        self, logprobs: list[TokenLogprob], offset: int
-    ) -> tuple[dict[str, Any], int]:
-        """Completions' logprobs from text offset `offset`, and the offset after them;
-        `top_logprobs` keys are `token_key`s."""
-        body = openai_completion_logprobs(logprobs, self.token_text, offset)
-        body["top_logprobs"] = [{self.token_key(t): v for t, v in lp.top} for lp in logprobs]
-        end = body["text_offset"][-1] + len(body["tokens"][-1]) if logprobs else offset
-        return body, end
+    def completion_logprobs(self, offsets: TextOffsets) -> LogprobFormatter:
+        """One choice's completions logprobs, `text_offset` from its `offsets`; `tokens` and
+        the `top_logprobs` keys are `token_key`s."""
+
+        def format_run(logprobs: list[TokenLogprob]) -> dict[str, Any]:
+            text_offset = offsets.next([entry.token_id for entry in logprobs])
+            return dict(openai_completion_logprobs(logprobs, self.token_key, text_offset))
+
+        return format_run
 
     def token_key(self, token_id: int) -> str:
-        """A token's text as completions' `{text: logprob}` keys: a token that is no whole
-        character (one byte of a multi-byte one) is `bytes:\\xNN`, as OpenAI writes it, so
-        two such alternatives never collide as U+FFFD."""
+        """A token's text as completions' `tokens` and `{text: logprob}` keys: a token that
+        is no whole character (a byte of a multi-byte one) is `bytes:` and its bytes as
+        `\\xNN`, as OpenAI writes it, so two such alternatives never collide as U+FFFD."""
         text = self.token_text(token_id)
-        if "\ufffd" in text and isinstance(self.tokenizer, ByteTokenizer) and token_id < 256:
-            return f"bytes:\\x{token_id:02x}"
-        return text
+        if "\ufffd" not in text:
+            return text
+        raw = self.token_bytes(token_id)
+        if raw == text.encode("utf-8"):  # the token is U+FFFD itself
+            return text
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
 
 
 def logprob_request(top_n: int | None) -> LogprobRequest | None:

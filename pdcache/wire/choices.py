@@ -19,9 +19,9 @@ from pdcache.wire.reasoning import ReasoningFormat, ReasoningStream
 from pdcache.wire.responses import ResponseHead, StreamEnd, sse
 from pdcache.wire.tool_calls import ToolCallFormat, ToolCallStream, ToolSchemas
 
-# (the OpenAI `logprobs` object of a run of tokens, the text offset after them): the int
-# argument is the text offset of the first token (completions' `text_offset`; chat ignores it)
-LogprobFormatter = Callable[[list[TokenLogprob], int], tuple[dict[str, Any], int]]
+# one choice's own: the OpenAI `logprobs` object of the choice's next run of tokens, every
+# value a per-position list; stateful (completions' `text_offset` goes on from the last run)
+LogprobFormatter = Callable[[list[TokenLogprob]], dict[str, Any]]
 
 
 @dataclass
@@ -49,7 +49,8 @@ class ChoiceOutput:
     With a reasoning format the text is first split by `ReasoningStream` (thinking, then the
     answer); with a tool-call format the answer goes through `ToolCallStream` (content and
     completed calls); without, the answer is content as it is. Logprobs are formatted per
-    delta by `format_logprobs` (None: the request asked for none)."""
+    delta by this choice's `format_logprobs` (None: the request asked for none), and the
+    non-streaming body's are those deltas' joined."""
 
     def __init__(
         self,
@@ -72,9 +73,8 @@ class ChoiceOutput:
         )
         self.format_logprobs = format_logprobs
         self.text = ""  # all content released so far (no tool-call text)
-        self.logprobs: list[TokenLogprob] = []
+        self._logprob_runs: list[dict[str, Any]] = []  # each delta's logprobs object
         self._call_count = 0
-        self._text_offset = 0
 
     def add(self, text: str, logprobs: list[TokenLogprob] | None = None) -> ChoiceDelta:
         reasoning, answer = "", text
@@ -116,8 +116,8 @@ class ChoiceOutput:
             delta.tool_calls.extend(call.stream_deltas(self._call_count))
             self._call_count += 1
         if logprobs and self.format_logprobs is not None:
-            self.logprobs.extend(logprobs)
-            delta.logprobs, self._text_offset = self.format_logprobs(logprobs, self._text_offset)
+            delta.logprobs = self.format_logprobs(logprobs)
+            self._logprob_runs.append(delta.logprobs)
         return delta
 
     # ---- non-streaming bodies
@@ -125,7 +125,12 @@ class ChoiceOutput:
     def _all_logprobs(self) -> dict[str, Any] | None:
         if self.format_logprobs is None:
             return None
-        return self.format_logprobs(self.logprobs, 0)[0]
+        # joined, not formatted again: the formatter's text offsets went on past these runs
+        whole = self.format_logprobs([])
+        for run in self._logprob_runs:
+            for key, positions in run.items():
+                whole[key] = whole[key] + positions
+        return whole
 
     def body(self, engine_reason: str | None) -> dict[str, Any]:
         """The choice of a non-streaming answer (call after `finish`)."""

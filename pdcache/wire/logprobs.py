@@ -1,5 +1,6 @@
 """Logprobs in the shapes clients read: SGLang's `meta_info` keys and OpenAI's chat and
-completions `logprobs` objects, from the engine's `TokenLogprob`s (pure functions).
+completions `logprobs` objects, from the engine's `TokenLogprob`s (pure functions, but
+`TextOffsets`: one choice's decoding state).
 
 SGLang (0.5.23, `TokenizerManager.add_logprob_to_meta_info` / `detokenize_logprob_tokens`):
 a token is a `(logprob, token_id, text)` tuple, `text` None unless `return_text_in_logprobs`;
@@ -9,8 +10,10 @@ turns the tuples into arrays.
 
 OpenAI: `bytes` is the token's own bytes (one byte of a multi-byte character is that byte,
 not U+FFFD's encoding: `pdcache.wire.token_bytes`); a chat position's `top_logprobs`
-is [] when no alternatives were asked for. Completions `text_offset` counts characters from
-`text_offset_start` (OpenAI's meaning; SGLang itself writes -1 there).
+is [] when no alternatives were asked for. Completions `text_offset` indexes the choice's
+`text` (OpenAI's meaning; SGLang itself writes -1 there): `TextOffsets` runs the choice's own
+decoding over its ids, so a skipped special token adds nothing and a character split over
+tokens starts where its first byte's token does.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypedDict
 
 from pdcache.engine.api import TokenLogprob
+from pdcache.wire.detokenize import TextAssembler
 
 DecodeToken = Callable[[int], str]
+DecodeIds = Callable[[list[int]], str]
 TokenBytes = Callable[[int], bytes]
 SGLangToken = tuple[float | None, int, str | None]
 
@@ -102,31 +107,77 @@ def openai_chat_logprobs(
 
 
 def openai_completion_logprobs(
-    output: list[TokenLogprob], decode_token: DecodeToken, text_offset_start: int = 0
+    output: list[TokenLogprob], token_key: DecodeToken, text_offset: list[int]
 ) -> OpenAICompletionLogprobs:
-    """A completion choice's `logprobs`: `tokens`, `token_logprobs`, `top_logprobs` (per
-    position a `{text: logprob}` dict of its alternatives; None for a position without a
-    logprob) and `text_offset` (where each token's text starts)."""
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
-    offset = text_offset_start
-    for entry in output:
-        text = decode_token(entry.token_id)
-        tokens.append(text)
-        token_logprobs.append(entry.logprob)
-        top_logprobs.append(
-            None if entry.logprob is None else {decode_token(t): lp for t, lp in entry.top}
-        )
-        text_offset.append(offset)
-        offset += len(text)
+    """A completion choice's `logprobs`: `tokens` (each token's `token_key`), `token_logprobs`,
+    `top_logprobs` (per position a `{token_key: logprob}` dict of its alternatives; None for a
+    position without a logprob) and `text_offset` (where each token's text starts in the
+    choice's text: `TextOffsets.next`), one per position of `output`."""
+    if len(text_offset) != len(output):
+        raise ValueError(f"{len(text_offset)} text offsets for {len(output)} tokens")
     return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
+        "tokens": [token_key(entry.token_id) for entry in output],
+        "token_logprobs": [entry.logprob for entry in output],
+        "top_logprobs": [
+            None if e.logprob is None else {token_key(t): lp for t, lp in e.top} for e in output
+        ],
         "text_offset": text_offset,
     }
+
+
+class TextOffsets:
+    """Completions' `text_offset` of one choice, run by run (a stream's chunks go on where
+    the previous one ended).
+
+    Runs the choice's own decoding (`decode`, `stops`: its `TextAssembler`'s) one token at a
+    time, so each offset indexes the choice's `text` whatever the tokens are: a token starts
+    where its own text does; a skipped special token adds nothing (it points where the text
+    it came after ends, before a character still pending); every byte of a multi-byte
+    character points at the character's start (the bytes pending before a character is
+    complete, at the first of them). No offset is past the text
+    released once its token is in: a token held back as the start of a possible stop string
+    (its second and later ones) points where that start is, and the tokens of the stop string
+    that cut the text (and any after it) at the text's end."""
+
+    def __init__(self, decode: DecodeIds, stops: list[str]) -> None:
+        # one id at a time: per-token offsets, which the choice's own assembler (fed a run of
+        # ids per engine step) cannot give
+        self._text = TextAssembler(decode, stops)
+        self._decode = decode
+        self._decoded_ids = 0  # how many ids the decoded text covers (the rest: pending)
+
+    def next(self, token_ids: list[int]) -> list[int]:
+        """The offsets of the choice's next tokens."""
+        offsets: list[int] = []
+        for token_id in token_ids:
+            start = len(self._text.text)
+            if not self._text.stopped:  # a run may go on past the stop string's token
+                start = self._add(token_id)
+            # the decoded text may end in a stop string's start, which a later token cuts
+            offsets.append(min(start, len(self._text.emitted)))
+        return offsets
+
+    def _add(self, token_id: int) -> int:
+        """Add the token; where its own text starts in the decoded text."""
+        decoded_len = len(self._text.text)
+        self._text.add([token_id])
+        if len(self._text.text) == decoded_len and not self._text.stopped:
+            return decoded_len  # nothing of it decoded yet: a partial character, a skipped token
+        # its text came with the ids pending before it: a character it completed starts at
+        # that character's first byte, invalid bytes before it are U+FFFDs before it. One
+        # decoded id of context, as TextAssembler keeps (SentencePiece's word spaces).
+        context_start = max(0, self._decoded_ids - 1)
+        context = self._decode(self._text.ids[context_start : self._decoded_ids])
+        window = self._text.ids[context_start:]
+        before_own = _common_prefix_len(self._decode(window[:-1]), self._decode(window))
+        self._decoded_ids = len(self._text.ids)
+        own_start = max(decoded_len, decoded_len - len(context) + before_own)
+        # a stop string it completed cut the text: nothing of it is past the cut
+        return min(own_start, len(self._text.text))
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _sglang_token(

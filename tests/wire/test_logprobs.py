@@ -1,6 +1,7 @@
 """Logprob formatting: SGLang's meta_info keys byte-compared with the installed sglang's own
-`TokenizerManager.add_logprob_to_meta_info` (its methods run on our values), and OpenAI's chat
-and completions shapes."""
+`TokenizerManager.add_logprob_to_meta_info` (its methods run on our values), OpenAI's chat
+and completions shapes, and completions' `text_offset` indexing the choice's own text
+(special tokens skipped, characters split over tokens, stop strings, stream chunks)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,18 @@ from typing import Any
 import pytest
 
 from pdcache.engine.api import TokenLogprob
+from pdcache.engine.export import build_hf_tokenizer
+from pdcache.engine.presets import byte_tokenizer
+from pdcache.engine.tokenizer import HFTokenizer
+from pdcache.wire.agent import AgentFeatures
+from pdcache.wire.detokenize import TextAssembler
 from pdcache.wire.logprobs import (
+    TextOffsets,
     openai_chat_logprobs,
     openai_completion_logprobs,
     sglang_logprob_fields,
 )
+from pdcache.wire.protocol import CompletionRequest
 
 TEXTS = {5: "Hel", 7: "lo", 9: " wor", 11: "ld", 13: "é", 2: "!"}
 
@@ -167,9 +175,9 @@ def test_openai_chat_logprobs() -> None:
     assert openai_chat_logprobs(bare, decode)["content"][0]["top_logprobs"] == []
 
 
-def test_openai_completion_logprobs_offsets_count_characters() -> None:
+def test_openai_completion_logprobs_take_their_offsets() -> None:
     echoed = PROMPT + OUTPUT
-    got = openai_completion_logprobs(echoed, decode, text_offset_start=3)
+    got = openai_completion_logprobs(echoed, decode, [3, 6, 8, 12, 14])
     assert got == {
         "tokens": ["Hel", "lo", " wor", "ld", "é"],
         "token_logprobs": [None, -1.5, -0.25, -0.125, -0.75],
@@ -182,9 +190,91 @@ def test_openai_completion_logprobs_offsets_count_characters() -> None:
         ],
         "text_offset": [3, 6, 8, 12, 14],
     }
-    assert openai_completion_logprobs([], decode) == {
+    assert openai_completion_logprobs([], decode, []) == {
         "tokens": [],
         "token_logprobs": [],
         "top_logprobs": [],
         "text_offset": [],
     }
+    with pytest.raises(ValueError, match="2 text offsets for 5 tokens"):
+        openai_completion_logprobs(echoed, decode, [0, 1])
+
+
+# --------------------------------------------------------------------------- text offsets
+
+BYTES = byte_tokenizer()  # ids 0..255 are bytes, 256.. special tokens (skipped in text)
+SPECIAL = BYTES.im_start_id
+EURO = list("€".encode())  # one character over three tokens
+# "a", a special, "€" over three bytes, "b", a special
+SPECIALS_AND_EURO = [*BYTES.encode("a"), SPECIAL, *EURO, *BYTES.encode("b"), SPECIAL]
+
+
+def released_text(ids: list[int], stops: list[str]) -> str:
+    """A choice's text: what its `TextAssembler` releases."""
+    text = TextAssembler(BYTES.decode, stops)
+    return text.add(ids) + text.flush()
+
+
+def test_text_offsets_skip_special_tokens_and_start_a_character_at_its_first_byte() -> None:
+    assert released_text(SPECIALS_AND_EURO, []) == "a€b"
+    offsets = TextOffsets(BYTES.decode, []).next(SPECIALS_AND_EURO)
+    assert offsets == [0, 1, 1, 1, 1, 2, 3]
+
+
+@pytest.mark.parametrize("split", range(len(SPECIALS_AND_EURO) + 1))
+def test_text_offsets_go_on_across_runs(split: int) -> None:
+    # a stream's chunks: "€" may be split over two of them
+    offsets = TextOffsets(BYTES.decode, [])
+    runs = offsets.next(SPECIALS_AND_EURO[:split]) + offsets.next(SPECIALS_AND_EURO[split:])
+    assert runs == [0, 1, 1, 1, 1, 2, 3]
+
+
+def test_text_offsets_of_an_invalid_byte_point_at_its_replacement_character() -> None:
+    ids = [*BYTES.encode("a"), EURO[0], *BYTES.encode("b"), EURO[1]]  # ends mid-character
+    assert released_text(ids, []) == "a\ufffdb\ufffd"
+    assert TextOffsets(BYTES.decode, []).next(ids) == [0, 1, 2, 3]
+
+
+def test_text_offsets_stay_within_a_text_a_stop_string_cut() -> None:
+    ids = BYTES.encode("ab€xyz")
+    assert released_text(ids, ["€x"]) == "ab"
+    # the stop string's tokens, and those after it in the same run, are at the text's end
+    assert TextOffsets(BYTES.decode, ["€x"]).next(ids) == [0, 1, 2, 2, 2, 2, 2, 2]
+
+
+def test_text_offsets_of_a_held_stop_string_start() -> None:
+    ids = BYTES.encode("axyb")
+    assert released_text(ids, ["xyz"]) == "axyb"
+    # "y" arrives while "xy" may still start "xyz": it points where the held text starts
+    assert TextOffsets(BYTES.decode, ["xyz"]).next(ids) == [0, 1, 1, 3]
+
+
+def test_completion_choices_write_tokens_keys_and_offsets_of_their_own_text() -> None:
+    agent = AgentFeatures(BYTES, BYTES.vocab_size, "hermes")
+    plan = agent.completion_plan(CompletionRequest(prompt="x", logprobs=1))
+    first, second = plan.output(0), plan.output(1)
+    runs = [SPECIALS_AND_EURO[:3], SPECIALS_AND_EURO[3:]]  # "€" split over two deltas
+    streamed = [first.add(text, chosen(run)).logprobs for text, run in zip(["a", "€b"], runs,
+                                                                          strict=True)]
+    first.finish("length")
+    assert [run["text_offset"] for run in streamed if run] == [[0, 1, 1], [1, 1, 2, 3]]
+    whole = first.body("length")["logprobs"]
+    keys = ["a", "<|im_start|>", "bytes:\\xe2", "bytes:\\x82", "bytes:\\xac", "b", "<|im_start|>"]
+    assert whole["tokens"] == keys
+    assert [key for top in whole["top_logprobs"] for key in top] == keys
+    assert whole["text_offset"] == [0, 1, 1, 1, 1, 2, 3]
+    # each choice has its own offsets
+    assert second.add("b", chosen(BYTES.encode("b"))).logprobs["text_offset"] == [0]
+
+
+def chosen(ids: list[int]) -> list[TokenLogprob]:
+    return [TokenLogprob(token_id, -1.0, top=((token_id, -1.0),)) for token_id in ids]
+
+
+def test_token_key_of_a_byte_level_bpe_partial_character(tmp_path: Path) -> None:
+    build_hf_tokenizer(BYTES).save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path)
+    agent = AgentFeatures(tokenizer, tokenizer.vocab_size, "hermes")
+    assert [agent.token_key(i) for i in tokenizer.encode("a€")] == [
+        "a", "bytes:\\xe2", "bytes:\\x82", "bytes:\\xac"
+    ]
