@@ -432,6 +432,7 @@ class Managed:
     failures_in_row: int = 0
     next_start_at: float = 0.0
     last_exit: int | None = None
+    started_at: float = 0.0  # time.monotonic() of its last start
 
     @property
     def pid(self) -> int | None:
@@ -538,7 +539,11 @@ class Launcher:
 
     def _identified(self, proc: Managed) -> bool:
         """The listeners on the process's health-checked ports are its own process tree (where
-        this host can tell). A port held by another process fails the launch."""
+        this host can tell). A port held by another process fails the launch. Not for an ssh
+        part: what it starts runs under the remote sshd, never in the ssh client's tree (and
+        a local listener on the same port number is not its, even on one of its hosts)."""
+        if proc.spec.role == "ssh":
+            return True
         ours = process_tree(proc.pid) if proc.pid is not None else set()
         for check in proc.spec.health:
             holders = listener_pids(check.port)
@@ -569,6 +574,7 @@ class Launcher:
                 self._say(f"{spec.name}: cannot start {spec.argv[0]!r}: {exc}")
                 return
         proc.state = "starting" if spec.health else "healthy"
+        proc.started_at = time.monotonic()
         self._say(f"{spec.name}: started pid {proc.pid} ({spec.role} on {spec.host}, log {proc.log_path})")
         self._write_state()
 
@@ -623,6 +629,10 @@ class Launcher:
         self._signal_group(proc, signal.SIGKILL)  # its children must not keep ports bound
         self._say(f"{proc.spec.name} ({proc.spec.role}, pid {proc.pid}) exited with code "
                   f"{proc.last_exit}; last lines of {proc.log_path}:\n{_indent(tail(proc.log_path))}")
+        if not proc.spec.health and now - proc.started_at >= self.backoff_max_s:
+            # no check to pass: one that stayed up longer than the longest backoff ran fine
+            # (its crashes days apart were counted in a row, and stopped everything)
+            proc.failures_in_row = 0
         if not self.restart:
             proc.state, self.failed = "failed", True
             self._say("--no-restart: stopping everything")

@@ -243,7 +243,9 @@ def test_router_command_serves_and_stops() -> None:
         router = ServeProcess(["router", "--unified", node.url, "--port", "0", "--model", "tiny",
                                "--api-key", "k", "--log-level", "warning"], ROUTER_READY)
         with httpx.Client(base_url=router.url, timeout=30, trust_env=False) as http:
-            assert http.get("/health").json()["nodes"][0]["name"] == "u0"
+            assert "nodes" not in http.get("/health").json()  # open: no internal addresses
+            health = http.get("/health", headers={"Authorization": "Bearer k"}).json()
+            assert health["nodes"][0]["name"] == "u0"
             assert http.post("/generate", json=body()).status_code == 401
             r = http.post("/generate", json=body(), headers={"Authorization": "Bearer k"})
             assert r.status_code == 200 and len(r.json()["output_ids"]) == 3
