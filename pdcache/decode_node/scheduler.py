@@ -128,6 +128,12 @@ class DecodeRole:
             req.output_gate = delivery.add_done_callback
         return True
 
+    def on_dropped(self, req: Req) -> None:
+        # aborted while waiting (retracted before): no pages, but offload still tracks it
+        self._page_states.pop(req.rid, None)
+        if self.offload is not None and self.offload.tracking(req.rid):
+            self.offload.abort(req.rid, lambda: None)
+
     def hold_on_abort(self, req: Req) -> bool:
         if self.offload is None:
             return False

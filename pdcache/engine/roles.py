@@ -54,6 +54,9 @@ class RolePolicy(Protocol):
     def hold_on_abort(self, req: Req) -> bool:
         """True keeps the pages of running `req`, being aborted, until `release_held`."""
 
+    def on_dropped(self, req: Req) -> None:
+        """`req` leaves without pages: aborted while waiting (e.g. retracted before)."""
+
     def abort_releases_held(self, req: Req) -> bool:
         """Whether an abort of held `req` frees its pages (True) or leaves them to its
         holder's `release_held` (False)."""
@@ -89,6 +92,9 @@ class Unified:
 
     def hold_on_abort(self, req: Req) -> bool:
         return False
+
+    def on_dropped(self, req: Req) -> None:
+        pass
 
     def abort_releases_held(self, req: Req) -> bool:
         return True

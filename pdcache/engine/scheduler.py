@@ -263,6 +263,7 @@ class Scheduler:
         elif req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
             self.tiers.on_dequeued(req)
+            self.role.on_dropped(req)
         req.status, req.finish_reason, req.error = ReqStatus.FINISHED, reason, error
         self.counters.aborted += 1
         if hold:

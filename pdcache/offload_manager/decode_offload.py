@@ -469,10 +469,11 @@ class DecodeOffloadManager:
                 self._broken.add(task.rid)
                 self._settle(task.keys + task.state_keys(), False)
                 self._unschedule(task.keys)
+                # its pages dropped (so is its state), but queued in order as a marker: the
+                # copies before it end, then the request's copied mark passes its pages
+                # (`copies_done`: nothing stays unretractable for a copy that never runs)
                 task = _CopyTask(task.rid, [], [], task.on_released, task.namespace,
-                                 task.session)  # its pages dropped: so is its state
-                if task.on_released is None:
-                    return
+                                 task.session, end_page=task.end_page)
             self._queued_pages += len(task.keys)
             self._pending_copies += 1
         self._tasks.put(task)  # unbounded queue of small records: never blocks the decode loop

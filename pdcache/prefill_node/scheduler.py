@@ -86,6 +86,9 @@ class PrefillRole:
     def hold_on_abort(self, req: Req) -> bool:
         return False
 
+    def on_dropped(self, req: Req) -> None:
+        pass
+
     def abort_releases_held(self, req: Req) -> bool:
         return False  # the transfer may still read them: the controller frees them
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from pdcache.engine.page_keys import chain_page_keys, make_salt
@@ -296,11 +297,23 @@ def test_window_pages_behind_the_window_wait_for_their_copies() -> None:
         engine.shutdown()
 
 
-def test_decode_with_offload_retracts_once_copies_are_done_instead_of_freezing() -> None:
-    """A grant keeps room for `decode_reserve_tokens` answer tokens only; past them requests
-    take pages as they free. With offload, decode never retracted (copies might read the
-    pages): two requests filling the pool at a page boundary found no victim, and nobody
-    finished, for good. A request whose copies ended may give way now, and both finish."""
+class SlowLookup(DictBackend):
+    """Storage whose lookups wait until `lookups` is set (the copy thread stalls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lookups = threading.Event()
+        self.lookups.set()
+
+    def exists_prefix(self, keys):  # type: ignore[no-untyped-def]
+        assert self.lookups.wait(60)
+        return super().exists_prefix(keys)
+
+
+def two_long_decodes(storage: DictBackend, max_queued_pages: int = 4096):  # type: ignore[no-untyped-def]
+    """A decode engine (tiny, DecodeRole with offload over `storage`) whose pool of 24 pages
+    fits one of two granted requests past their decode budget (8 tokens), not both; the two
+    are started. Returns (engine, manager, finals by rid)."""
     from pdcache.decode_node.scheduler import DecodeRole
     from pdcache.engine.api import GenerateRequest, SamplingParams
     from pdcache.engine.config import CacheConfig, EngineConfig
@@ -317,8 +330,9 @@ def test_decode_with_offload_retracts_once_copies_are_done_instead_of_freezing()
             return lambda: built["engine"].release_held(rid)
 
     def make_scheduler(**kwargs):  # type: ignore[no-untyped-def]
-        mgr = built["mgr"] = DecodeOffloadManager(kwargs["pool"].device_kv, DictBackend(), FP,
-                                                  staging_pages=16)
+        mgr = built["mgr"] = DecodeOffloadManager(kwargs["pool"].device_kv, storage, FP,
+                                                  staging_pages=16,
+                                                  max_queued_pages=max_queued_pages)
         return Scheduler(**kwargs, role=DecodeRole(mgr, Holds()))
 
     config = EngineConfig(model=model.config, cache=CacheConfig(page_size=PAGE,
@@ -327,21 +341,44 @@ def test_decode_with_offload_retracts_once_copies_are_done_instead_of_freezing()
     engine = built["engine"] = Engine(config, model, make_scheduler=make_scheduler)
     mgr = built["mgr"].start()
     engine.start(thread=False)
-    try:
-        finals: dict[str, object] = {}
-        for rid in ("a", "b"):  # each fits alone (17 pages), not both
-            engine.reserve_when_free(rid, 8, lambda _admission: None, max_new_tokens=60)
+    finals: dict[str, object] = {}
+    for rid in ("a", "b"):  # each fits alone (17 pages), not both
+        engine.reserve_when_free(rid, 8, lambda _admission: None, max_new_tokens=60)
+    engine.step()
+    for rid in ("a", "b"):
+        engine.submit_prefilled(
+            GenerateRequest(rid, list(range(3, 11)), SamplingParams(max_new_tokens=60,
+                                                                    ignore_eos=True)),
+            5, lambda out: finals.__setitem__(out.rid, out) if out.finished else None)
+    return engine, mgr, finals
+
+
+def step_until(engine, mgr, done, limit: int = 2000) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(limit):
+        if done():
+            return
         engine.step()
-        for rid in ("a", "b"):
-            engine.submit_prefilled(
-                GenerateRequest(rid, list(range(3, 11)), SamplingParams(max_new_tokens=60,
-                                                                        ignore_eos=True)),
-                5, lambda out: finals.__setitem__(out.rid, out) if out.finished else None)
-        for _ in range(2000):
-            if len(finals) == 2:
-                break
-            engine.step()
-            mgr.wait_idle(1)  # copies end (the engine retracts a request only after)
+        mgr.wait_idle(1)  # copies end (the engine retracts a request only after)
+
+
+@pytest.mark.parametrize("queue", ["roomy", "once_full"])
+def test_decode_with_offload_retracts_once_copies_are_done_instead_of_freezing(queue) -> None:
+    """A grant keeps room for `decode_reserve_tokens` answer tokens only; past them requests
+    take pages as they free. With offload, decode never retracted (copies might read the
+    pages): two requests filling the pool at a page boundary found no victim, and nobody
+    finished, for good. A request whose copies ended may give way now, and both finish;
+    also after copy tasks were dropped with the queue full (their pages were never marked
+    copied: the freeze came back)."""
+    storage = SlowLookup()
+    engine, mgr, finals = two_long_decodes(storage, 4096 if queue == "roomy" else 3)
+    try:
+        if queue == "once_full":
+            storage.lookups.clear()  # the copy thread stalls: the queue fills, tasks drop
+            for _ in range(200):
+                engine.step()
+            storage.lookups.set()
+            assert mgr.stats.pages_dropped > 0
+        step_until(engine, mgr, lambda: len(finals) == 2)
         assert sorted(finals) == ["a", "b"], [(r.rid, len(r.output_ids))
                                               for r in engine.scheduler.running]
         assert all(out.error is None and out.completion_tokens == 60 for out in finals.values())
@@ -351,6 +388,30 @@ def test_decode_with_offload_retracts_once_copies_are_done_instead_of_freezing()
             pass
         numbers = engine.check_accounting()
         assert numbers["requests"] == 0 and not engine.scheduler.held, numbers
+    finally:
+        storage.lookups.set()
+        mgr.close()
+        engine.shutdown()
+
+
+def test_a_retracted_decode_aborted_while_waiting_leaves_offload() -> None:
+    """Retracted, a decode request waits; aborted there it never reached the role (its
+    abort hook runs for running requests): offload tracked it for good."""
+    from pdcache.engine.request import ReqStatus
+
+    engine, mgr, finals = two_long_decodes(DictBackend())
+    try:
+        waiting: list[str] = []
+        step_until(engine, mgr, lambda: waiting.extend(
+            r.rid for r in engine.scheduler.waiting if r.status is ReqStatus.WAITING) or waiting)
+        assert waiting, "no retraction happened"
+        victim = waiting[0]
+        assert mgr.tracking(victim)
+        engine.abort(victim)
+        step_until(engine, mgr, lambda: len(finals) == 2)
+        assert finals[victim].finish_reason == "abort"
+        assert mgr.wait_idle(10) and not mgr.tracking(victim)
+        assert mgr.copies_done(victim) and mgr.copied_pages(victim) == 0  # forgotten
     finally:
         mgr.close()
         engine.shutdown()
