@@ -707,6 +707,9 @@ class Scheduler:
             keep.update(self.reservations.prefix_window_pages())
         for req in self.running:
             first = window.first_needed_page(req.kv_len)
+            read_from = self.role.pages_read_from(req)  # decode offload's queued copies
+            if read_from is not None:
+                first = min(first, read_from)
             keep.update(page for page in req.window_page_ids[first : req.num_tree_pages]
                         if page is not None)
         freed = set(self.tree.reclaim_window_pages(keep, wanted))

@@ -124,7 +124,7 @@ class Backup:
         insert; its host copy then only took room (kept until host eviction reached it).
         A node whose host state has no device checkpoint beside it keeps its host copy."""
         ids = [page for node in last_node.path_from_root()
-               if node.on_device and node.host_page_ids is not None
+               if node.on_device and not node.suspect and node.host_page_ids is not None
                and (node.host_state_slot is None or node.state_slot is not None)
                for page in node.host_page_ids]
         if ids:

@@ -753,7 +753,9 @@ class KVSender:
         current = self.rooms.get(msg.room)
         if current is None or current.data.peer not in (None, identity):
             finished = self.rooms.outcome(msg.room)
-            if finished is not None and finished.data == _UNSETTLED:
+            # slimmed once its release returned; a room still in its release is whole
+            if finished is not None and (finished.data == _UNSETTLED or (
+                    isinstance(finished.data, _SendRoom) and finished.data.unsettled)):
                 self._count("unsettled_aborts_unanswered")  # its writes may still land
                 return
             self.rooms.tombstone(msg.room, f"aborted by decode: {msg.reason}")

@@ -182,8 +182,14 @@ class MooncakeEngine(KVTransferEngine):
             self._registered.append(addr)
 
     def add_peer(self, session: bytes) -> str:
+        """Connects to the peer now, off the caller's thread (the sender's control thread:
+        a handshake to a decode whose transfer port does not answer would stall every
+        peer's control messages until it timed out). Thread: one short-lived daemon per
+        peer (`pdcache-mc-connect`), ended with the handshake; not joined at close: it holds
+        its own engine reference, as a straggling worker does."""
         peer = session.decode()
-        self._open_segment(peer)
+        threading.Thread(target=self._open_segment, args=(peer,), name="pdcache-mc-connect",
+                         daemon=True).start()
         return peer
 
     def _open_segment(self, peer: str) -> None:
