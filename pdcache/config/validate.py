@@ -435,7 +435,9 @@ def _check_tenant_quotas(topology: Topology, ctx: ErrorContext) -> None:
 
 def _internal_binds(topology: Topology) -> list[tuple[str, str]]:
     """(host, key) of every internal listener: nodes (HTTP and bootstrap), metadata service."""
-    binds = [(n.host, f"node.{n.name}.host") for n in topology.nodes]
+    # a node listens on its bind_host when set (0.0.0.0 behind an address it advertises)
+    binds = [(n.bind_host, f"node.{n.name}.bind_host") if n.bind_host else
+             (n.host, f"node.{n.name}.host") for n in topology.nodes]
     storage = topology.storage
     if storage.uses_metadata_service and storage.metadata_service.start:
         for host, _ in storage.metadata_addresses:

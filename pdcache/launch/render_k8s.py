@@ -173,6 +173,10 @@ def _check_renderable(topology: Topology) -> None:
             raise TopologyError(source, f"router.tenant.{tenant.name}.api_key",
                                 "an inline key would be readable in the ConfigMap; use "
                                 "api_key_env (rendered as that Secret key)")
+    if topology.router is not None and topology.router.tls_cert is not None:
+        raise TopologyError(source, "router.tls_cert", "the router's certificate is not "
+                            "rendered (no volume for it, plain HTTP probes): terminate TLS at "
+                            "the cluster's Ingress or Service instead")
     for node in topology.nodes:
         if node.command is not None:
             raise TopologyError(source, f"node.{node.name}.command",

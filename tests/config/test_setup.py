@@ -475,7 +475,13 @@ def test_a_node_listens_on_bind_host_and_is_reached_at_host(tmp_path: Path) -> N
 
     from pdcache.transfer.sender import KVSender
 
-    topology = pd(tmp_path, prefill='host = "localhost"\nbind_host = "0.0.0.0"')
+    from pdcache.utils.secret import create_secret
+
+    with pytest.raises(TopologyError, match=r"node\.p0\.bind_host: binds the wildcard"):
+        pd(tmp_path, prefill='host = "localhost"\nbind_host = "0.0.0.0"')  # no secret
+    secret = create_secret(tmp_path / "cluster.secret")
+    topology = pd(tmp_path, prefill='host = "localhost"\nbind_host = "0.0.0.0"',
+                  overrides=[f"security.secret_file={secret}"])
     setup = setup_for(topology, "p0", MODEL)
     assert (setup.host, setup.listen_host) == ("localhost", "0.0.0.0")
     assert topology.node("p0").url == "http://localhost:31001"

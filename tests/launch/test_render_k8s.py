@@ -205,6 +205,10 @@ def test_what_cannot_be_laid_out_is_refused_by_key() -> None:
         render_k8s(load_topology(config), "rbg")
     with pytest.raises(TopologyError, match="kubernetes.model_volume"):
         render_k8s(load_topology(config, [VOLUMES[0], 'model.path="/ckpt"']), "rbg")
+    # a TLS router's certificate was never mounted and its probes stayed plain HTTP
+    with pytest.raises(TopologyError, match="router.tls_cert"):
+        render_k8s(load_topology(config, [*VOLUMES, 'router.tls_cert="/c.pem"',
+                                          'router.tls_key="/k.pem"']), "rbg")
 
 
 def test_gpus_and_rdma_as_the_topology_says() -> None:
