@@ -301,12 +301,21 @@ def ssh_specs(topology: Topology, specs: list[ProcessSpec], config_arg: str,
               launch_args: Iterable[str] = ()) -> list[ProcessSpec]:
     """One `ssh HOST pdcache launch CONFIG --host HOST` per host, ready when that host's part is.
 
+    The parts start together, one stage: a host's part waits for its own stages (services,
+    nodes, router), and its router's health needs the other hosts' nodes, so a part started
+    only once the one before it was healthy waited for good (the shipped multi-host example:
+    the router's host first, its decode's host never). They start in the order of their
+    earliest process (hosts with the shared services first), and a node that finds a
+    service not up yet is restarted by its host's launcher.
+
     `-tt` gives the remote launcher a terminal, so closing the ssh connection hangs it up
     (SIGHUP) and it stops its processes: the hosts are torn down together.
     """
     launch = topology.launch
     out = []
-    for index, host in enumerate(dict.fromkeys(s.host for s in specs)):
+    first_stage = {host: min(s.stage for s in specs if s.host == host)
+                   for host in dict.fromkeys(s.host for s in specs)}
+    for host in sorted(first_stage, key=lambda h: first_stage[h]):  # stable: topology order
         remote = [launch.remote_python, "-m", "pdcache", "launch", config_arg, "--host", host]
         for item in topology.overrides:
             remote += ["--set", item]
@@ -319,7 +328,7 @@ def ssh_specs(topology: Topology, specs: list[ProcessSpec], config_arg: str,
         part = [s for s in specs if s.host == host]
         checks = tuple(c for s in part for c in s.health)
         endpoints = {s.name: next(iter(s.endpoints.values()), "") for s in part}
-        out.append(ProcessSpec(f"ssh-{host}", "ssh", host, argv, index, checks, endpoints))
+        out.append(ProcessSpec(f"ssh-{host}", "ssh", host, argv, 0, checks, endpoints))
     return out
 
 
