@@ -22,7 +22,8 @@ launcher keeps equal to its own.
 Without `--config`, `topology_from_flags` turns the flags into a topology of one node, so
 both ways reach `pdcache.config.node_setup.setup_for`. The flags of `NODE_FLAG_KEYS` (request
 timeout, offload pages, scheduler limits, prefix cache, kernels) also apply with `--config`
-when given: they override that node's keys, as `--set node.NAME.KEY=VALUE` would.
+when given: they override that node's keys, as `--set node.NAME.KEY=VALUE` would. Every other
+node flag given with `--config` is refused (the topology owns it: `_refuse_owned_flags`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ NODE_FLAG_KEYS = {
     "incremental_streaming_output": "incremental_streaming_output",
 }
 FLAGS_SOURCE = "<command line>"
+_PROCESS_FLAGS = ("log_level", "config", "node", "topology_overrides")  # not topology keys
 _FLAG_SEGMENT_BYTES = 256 << 20  # Mooncake Store segment of a flags-only node (StorageConfig's)
 _DEFAULT_NAMES = {"prefill": "p0", "decode": "d0", "unified": "unified"}
 _DEFAULT_PORTS = {"prefill": 0, "decode": 0, "unified": 30000}
@@ -95,6 +97,7 @@ def node_from_args(args: argparse.Namespace, roles: Iterable[str]) -> tuple[Topo
         node = topology.node(args.node)
     except KeyError:
         raise TopologyError(topology.source, "", f"--node {args.node}: no such node (nodes: {topology.node_names()})") from None
+    _refuse_owned_flags(args, topology)
     roles = tuple(roles)
     if node.role not in roles:
         raise TopologyError(topology.source, f"node.{node.name}.role",
@@ -104,6 +107,17 @@ def node_from_args(args: argparse.Namespace, roles: Iterable[str]) -> tuple[Topo
         topology = load_topology(args.config, overrides + from_flags)
         node = topology.node(node.name)
     return topology, node
+
+
+def _refuse_owned_flags(args: argparse.Namespace, topology: Topology) -> None:
+    """A flag whose setting the topology file owns, given with --config (it was ignored
+    without a word: `--secret-file` left the node without its secret)."""
+    owned: dict[str, Any] = getattr(args, "topology_owned_flags", {})
+    given = [dest for dest, default in owned.items() if getattr(args, dest, default) != default]
+    if given:
+        flags = ", ".join("--" + dest.replace("_", "-") for dest in given)
+        raise TopologyError(topology.source, "", f"{flags}: set by the topology file with "
+                            "--config (its key, or --set KEY=VALUE), not by this flag")
 
 
 def router_from_args(args: argparse.Namespace) -> tuple[Topology, RouterSpec] | None:
@@ -225,6 +239,7 @@ def add_node_flags(parser: argparse.ArgumentParser, role: str) -> None:
     from pdcache.engine.config import DTYPES, CacheConfig
 
     cache = CacheConfig()
+    before = set(vars(parser.parse_known_args([])[0]))
     parser.add_argument("--model", default="tiny",
                         help="preset (tiny, small, tiny-mla, small-mla) or a HF model dir")
     parser.add_argument("--dtype", default="float32",
@@ -243,6 +258,12 @@ def add_node_flags(parser: argparse.ArgumentParser, role: str) -> None:
     if role != "unified":
         _add_transfer_flags(parser, role)
     _add_cache_flags(parser, hicache=role != "decode")
+    # the flags a topology file owns (all but NODE_FLAG_KEYS' and the process's own): given
+    # with --config, they were silently ignored (`node_from_args` refuses them)
+    defaults = vars(parser.parse_known_args([])[0])
+    parser.set_defaults(topology_owned_flags={
+        dest: value for dest, value in defaults.items()
+        if dest not in before and dest not in NODE_FLAG_KEYS and dest not in _PROCESS_FLAGS})
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:

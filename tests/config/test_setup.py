@@ -179,6 +179,22 @@ def test_given_flags_override_the_topology_node(tmp_path: Path) -> None:
     assert setup_for(*_topology_and_name(args, "decode"), MODEL).server.request_timeout_s == 5
 
 
+@pytest.mark.parametrize("flags", [["--secret-file", "/s"], ["--model", "small", "--port", "1234"],
+                                   ["--storage-backend", "file"]])
+def test_flags_the_topology_owns_are_refused_with_config(tmp_path: Path, flags) -> None:
+    """With --config only NODE_FLAG_KEYS' flags apply; the others were ignored without a
+    word (`--secret-file` left the node without its secret)."""
+    path = tmp_path / "t.toml"
+    path.write_text(PD.format(path=tmp_path / "s", cache="", prefill="", decode=""))
+    args = parser_for("prefill").parse_args(["--config", str(path), "--node", "p0", *flags])
+    named = ", ".join(flag for flag in flags if flag.startswith("--"))
+    with pytest.raises(TopologyError, match=f"{named}: set by the topology file"):
+        node_from_args(args, ["prefill"])
+    quiet = parser_for("prefill").parse_args(["--config", str(path), "--node", "p0",
+                                              "--log-level", "debug"])
+    assert node_from_args(quiet, ["prefill"])[1].name == "p0"  # the process's own flag
+
+
 def _topology_and_name(args: argparse.Namespace, role: str):
     topology, node = node_from_args(args, [role])
     return topology, node.name
@@ -474,7 +490,6 @@ def test_a_node_listens_on_bind_host_and_is_reached_at_host(tmp_path: Path) -> N
     import torch
 
     from pdcache.transfer.sender import KVSender
-
     from pdcache.utils.secret import create_secret
 
     with pytest.raises(TopologyError, match=r"node\.p0\.bind_host: binds the wildcard"):
