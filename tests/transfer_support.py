@@ -59,3 +59,17 @@ def make_pool(num_pages: int, seed: int | None, layers: int = 4) -> torch.Tensor
     return torch.randn(shape, generator=gen)
 
 
+def spawn_child(target, *args):  # type: ignore[no-untyped-def]
+    """Run `target(*args, conn)` in a child process; returns (process, the parent's end of
+    its pipe). forkserver: a clean single-threaded server imports torch once, then forks each
+    child, as safe as spawn (no threads or engine state inherited) without the import cost."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy", "zmq", "pdcache.transfer.sender",
+                                "pdcache.transfer.receiver", "tests.transfer_support"])
+    parent_conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(*args, child_conn), daemon=True)
+    proc.start()
+    return proc, parent_conn
+

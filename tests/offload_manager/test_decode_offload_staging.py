@@ -16,6 +16,30 @@ LAYERS, PAGES, PAGE, HEADS, DIM = 2, 16, 4, 2, 8
 FP = "staging-test"
 
 
+class SlowLookup(DictBackend):
+    """Storage whose lookups wait until `lookups` is set (the copy thread stalls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lookups = threading.Event()
+        self.lookups.set()
+
+    def exists_prefix(self, keys):  # type: ignore[no-untyped-def]
+        assert self.lookups.wait(60)
+        return super().exists_prefix(keys)
+
+
+class ReleaseHeld:
+    """The decode controller's `hold_for_offload` for a bare engine (`built["engine"]`):
+    the copies' end releases the held request."""
+
+    def __init__(self, built: dict) -> None:
+        self.built = built
+
+    def hold_for_offload(self, rid: str):  # type: ignore[no-untyped-def]
+        return lambda: self.built["engine"].release_held(rid)
+
+
 def test_short_staging_keeps_the_chain_head_and_drops_the_tail() -> None:
     kv = torch.randn(LAYERS, 2, PAGES, PAGE, HEADS, DIM, generator=torch.Generator().manual_seed(1))
     storage = DictBackend()
@@ -136,26 +160,14 @@ def test_a_decoding_requests_duplicate_pages_outlive_its_queued_copies() -> None
     from pdcache.engine.scheduler_config import SchedulerConfig
     from pdcache.engine.state_pool import StateSnapshot
 
-    class SlowLookup(DictBackend):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lookups = threading.Event()
-
-        def exists_prefix(self, keys):  # type: ignore[no-untyped-def]
-            assert self.lookups.wait(30)
-            return super().exists_prefix(keys)
-
     model = load_model("tiny-qwen3-next", seed=0)[0]
     storage, built = SlowLookup(), {}
-
-    class Holds:
-        def hold_for_offload(self, rid: str):  # type: ignore[no-untyped-def]
-            return lambda: built["engine"].release_held(rid)
+    storage.lookups.clear()  # the copy thread stalls until the test says
 
     def make_scheduler(**kwargs):  # type: ignore[no-untyped-def]
         mgr = built["mgr"] = DecodeOffloadManager(kwargs["pool"].device_kv, storage, FP,
                                                   staging_pages=64, stride_pages=1)
-        return Scheduler(**kwargs, role=DecodeRole(mgr, Holds(), kwargs.get("states")))
+        return Scheduler(**kwargs, role=DecodeRole(mgr, ReleaseHeld(built), kwargs.get("states")))
 
     config = EngineConfig(model=model.config, cache=CacheConfig(
         page_size=PAGE, num_device_pages=40, state_checkpoint_slots=16,
@@ -241,27 +253,15 @@ def test_window_pages_behind_the_window_wait_for_their_copies() -> None:
     from pdcache.engine.scheduler import Scheduler
     from pdcache.engine.scheduler_config import SchedulerConfig
 
-    class SlowLookup(DictBackend):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lookups = threading.Event()
-
-        def exists_prefix(self, keys):  # type: ignore[no-untyped-def]
-            assert self.lookups.wait(30)
-            return super().exists_prefix(keys)
-
     model = load_model("tiny-gpt-oss", seed=0)[0]
     storage, built = SlowLookup(), {}
-
-    class Holds:
-        def hold_for_offload(self, rid: str):  # type: ignore[no-untyped-def]
-            return lambda: built["engine"].release_held(rid)
+    storage.lookups.clear()  # the copy thread stalls until the test says
 
     def make_scheduler(**kwargs):  # type: ignore[no-untyped-def]
         mgr = built["mgr"] = DecodeOffloadManager(
             kwargs["pool"].device_kv, storage, FP, staging_pages=64, window=kwargs["window"],
             geometry=model.config.kv_geometry)
-        return Scheduler(**kwargs, role=DecodeRole(mgr, Holds()))
+        return Scheduler(**kwargs, role=DecodeRole(mgr, ReleaseHeld(built)))
 
     config = EngineConfig(model=model.config, cache=CacheConfig(page_size=PAGE,
                                                                 num_device_pages=64),
@@ -297,19 +297,6 @@ def test_window_pages_behind_the_window_wait_for_their_copies() -> None:
         engine.shutdown()
 
 
-class SlowLookup(DictBackend):
-    """Storage whose lookups wait until `lookups` is set (the copy thread stalls)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lookups = threading.Event()
-        self.lookups.set()
-
-    def exists_prefix(self, keys):  # type: ignore[no-untyped-def]
-        assert self.lookups.wait(60)
-        return super().exists_prefix(keys)
-
-
 def two_long_decodes(storage: DictBackend, max_queued_pages: int = 4096):  # type: ignore[no-untyped-def]
     """A decode engine (tiny, DecodeRole with offload over `storage`) whose pool of 24 pages
     fits one of two granted requests past their decode budget (8 tokens), not both; the two
@@ -325,15 +312,11 @@ def two_long_decodes(storage: DictBackend, max_queued_pages: int = 4096):  # typ
     model = load_model("tiny", seed=0)[0]
     built = {}
 
-    class Holds:
-        def hold_for_offload(self, rid: str):  # type: ignore[no-untyped-def]
-            return lambda: built["engine"].release_held(rid)
-
     def make_scheduler(**kwargs):  # type: ignore[no-untyped-def]
         mgr = built["mgr"] = DecodeOffloadManager(kwargs["pool"].device_kv, storage, FP,
                                                   staging_pages=16,
                                                   max_queued_pages=max_queued_pages)
-        return Scheduler(**kwargs, role=DecodeRole(mgr, Holds()))
+        return Scheduler(**kwargs, role=DecodeRole(mgr, ReleaseHeld(built)))
 
     config = EngineConfig(model=model.config, cache=CacheConfig(page_size=PAGE,
                                                                 num_device_pages=24),

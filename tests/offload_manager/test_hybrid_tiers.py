@@ -293,19 +293,28 @@ def test_missing_or_refused_state_shortens_the_hit(hybrid, reference, tmp_path) 
         built.close()
 
 
+def turn_one_in_storage_only(hybrid, tmp_path: Path,
+                             delay_s: str) -> tuple[TieredEngine, Path, list[int]]:
+    """An engine over a storage tier whose every call the control file delays (`delay_s`
+    now), after turn 1 of PROMPT, with device and host emptied: (engine, control file,
+    turn 1's answer)."""
+    control = tmp_path / "delay"
+    control.write_text(delay_s)
+    built = tiered(hybrid, tmp_path / "store", storage_extra={"fault_injection": str(control)})
+    answer = generate(built.engine, PROMPT, "t1")[0]
+    idle_and_exact(built)
+    drop_memory_tiers(built)
+    return built, control, answer
+
+
 def test_the_state_probe_is_one_storage_call(hybrid, reference, tmp_path) -> None:
     """A storage hit probes the state object at each stored page's end on the engine thread;
     that is one batched call now (`exists_states`): it was a call per page, on a remote
     store a metadata round trip each while every running request waited. Calls counted by
     the delay wrapper (1 ms each): the page probe, the state probe, then on the IO thread
     one page read and one state read."""
-    control = tmp_path / "delay"
-    control.write_text("0.001")
-    built = tiered(hybrid, tmp_path / "store", storage_extra={"fault_injection": str(control)})
+    built, control, answer = turn_one_in_storage_only(hybrid, tmp_path, "0.001")
     try:
-        answer = generate(built.engine, PROMPT, "t1")[0]
-        idle_and_exact(built)
-        drop_memory_tiers(built)
         turn2 = PROMPT + answer + [5, 9, 13, 17, 21]
         before = built.storage.stats()["injected_delays"]
         # the test's thread is the engine's (`start(thread=False)`)
@@ -325,13 +334,8 @@ def test_a_storage_hit_continues_a_device_match_that_grew_while_it_was_read(
     request sharing its first 20 tokens runs and caches them on device with a checkpoint. At
     turn 2's admission the device match covers the read's first 5 pages: the read's last 3
     pages and its state continue it (the whole read was thrown away, 12 tokens recomputed)."""
-    control = tmp_path / "delay"
-    control.write_text("0")
-    built = tiered(hybrid, tmp_path / "store", storage_extra={"fault_injection": str(control)})
+    built, control, answer = turn_one_in_storage_only(hybrid, tmp_path, "0")
     try:
-        answer = generate(built.engine, PROMPT, "t1")[0]
-        idle_and_exact(built)
-        drop_memory_tiers(built)
         # every storage call from now on: turn 2's read (pages, then state) takes 0.6 s,
         # the shorter request's few steps (its storage probe finds no state: no read) ~50 ms
         control.write_text("0.3")

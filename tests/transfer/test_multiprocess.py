@@ -4,7 +4,6 @@ kill -9 of either side in the middle of a transfer."""
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -18,7 +17,7 @@ from pdcache.transfer.messages import PrefillReport
 from pdcache.transfer.receiver import KVReceiver
 from pdcache.transfer.rooms import Outcome, RoomState
 from pdcache.transfer.sender import KVSender
-from tests.transfer_support import engine_params, fast_config, wait_until
+from tests.transfer_support import engine_params, fast_config, spawn_child, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -86,16 +85,6 @@ def _prefill_main(engine: str, conn) -> None:
         sender.close()
 
 
-def _spawn(target, *args):
-    # forkserver: a clean single-threaded server imports torch once, then forks each child —
-    # as safe as spawn (no threads or engine state inherited) but without the import cost.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy", "zmq", "pdcache.transfer.sender",
-                                "pdcache.transfer.receiver", "tests.transfer_support"])
-    parent_conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(*args, child_conn), daemon=True)
-    proc.start()
-    return proc, parent_conn
 
 
 def _recv(conn, timeout_s: float = 60.0):
@@ -114,7 +103,7 @@ def test_remote_decode_gets_exact_kv_and_its_death_mid_transfer_fails_the_room(e
     released: list[Outcome] = []
     src = _pool(1)
     sender = _slow_link(KVSender(_config(engine), src, on_release=released.append).start())
-    proc, conn = _spawn(_decode_main, engine, sender.bootstrap_addr)
+    proc, conn = spawn_child(_decode_main, engine, sender.bootstrap_addr)
     try:
         wait_until(lambda: sender.rooms.get(SMALL_ROOM) is not None, 60.0, "decode's request")
         src_small = np.random.default_rng(6).choice(PAGES, 17, replace=False)
@@ -150,7 +139,7 @@ def test_prefill_killed_mid_transfer_makes_wait_raise_within_the_deadline(engine
     released: list[Outcome] = []
     dst = _pool(None)
     receiver = KVReceiver(_config(engine), dst, on_release=released.append).start()
-    proc, conn = _spawn(_prefill_main, engine)
+    proc, conn = spawn_child(_prefill_main, engine)
     try:
         addr = _recv(conn)
         receiver.connect(addr, timeout_s=30.0)

@@ -5,7 +5,6 @@ the prefill node wait behind the stalled one."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -18,7 +17,13 @@ from pdcache.transfer.messages import PrefillReport
 from pdcache.transfer.receiver import KVReceiver
 from pdcache.transfer.rooms import RoomState
 from pdcache.transfer.sender import KVSender
-from tests.transfer_support import engine_params, fast_config, scaled_limit, wait_until
+from tests.transfer_support import (
+    engine_params,
+    fast_config,
+    scaled_limit,
+    spawn_child,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -47,14 +52,6 @@ def _stalling_decode(engine: str, addr: str, conn) -> None:
         receiver.close()
 
 
-def _spawn(target, *args):
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy", "zmq", "pdcache.transfer.sender",
-                                "pdcache.transfer.receiver", "tests.transfer_support"])
-    parent_conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(*args, child_conn), daemon=True)
-    proc.start()
-    return proc, parent_conn
 
 
 def _healthy_room(sender: KVSender, receiver: KVReceiver, room: int) -> float:
@@ -72,7 +69,7 @@ def test_a_stalled_decode_does_not_hold_up_another_decode_s_room(engine, monkeyp
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", str(STALL_TIMEOUT_S))  # read per engine
     sender = KVSender(_config(engine), _pool(1)).start()
     healthy = KVReceiver(_config(engine), _pool(None, 8)).start()
-    proc, conn = _spawn(_stalling_decode, engine, sender.bootstrap_addr)
+    proc, conn = spawn_child(_stalling_decode, engine, sender.bootstrap_addr)
     try:
         healthy.connect(sender.bootstrap_addr)
         baseline_s = _healthy_room(sender, healthy, HEALTHY_ROOMS[0])
