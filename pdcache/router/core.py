@@ -335,16 +335,19 @@ class Router:
                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The chat's prompt ids. With a session: its exact history + the new messages. The
         new messages are all of them (the client sent only those), or, when the client
-        resent the conversation, those after its last assistant turn, provided the turns
-        before that render to the history's prompt: the assistant turn itself is the ids the
-        model produced, however the client re-wrote it (a tool loop's `tool_calls`).
-        `template_kwargs`: the request's `chat_template_kwargs`, for every rendering."""
+        resent the conversation, those after its last assistant turn (`_new_messages`): the
+        assistant turns are the ids the model produced, however the client re-wrote them (a
+        tool loop's `tool_calls`). A resent conversation that is not the session's (another
+        number of answers, another first prompt: an edited or cut conversation) is rendered
+        as it is. `template_kwargs`: the request's `chat_template_kwargs`, every rendering."""
         try:
             standalone = self.render_chat(messages, tools, template_kwargs)
             history = self.sessions.history(session_id) if session_id else []
             if not history or standalone[: len(history)] == history:
                 return standalone
-            new = self._new_messages(history, messages, tools, template_kwargs)
+            new = self._new_messages(session_id, history, messages, tools, template_kwargs)
+            if new is None:
+                return standalone
             return self.chat.continue_ids(history, new, tools, template_kwargs)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages", code="chat_template") from None
@@ -354,15 +357,25 @@ class Router:
         return list(self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tools=tools, template_kwargs=template_kwargs))
 
-    def _new_messages(self, history: list[int], messages: list[dict[str, Any]],
-                      tools: list[dict[str, Any]] | None,
-                      template_kwargs: dict[str, Any] | None) -> list[dict[str, Any]]:
-        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"),
-                   default=None)
-        if last is None:
+    def _new_messages(self, session_id: Hashable, history: list[int],
+                      messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      template_kwargs: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+        """The messages after the history: all of them when they hold no assistant turn (the
+        client sent only the new ones); after the last assistant turn of a resent
+        conversation that is the session's, with one assistant turn per committed answer and
+        the first prompt the history's; None when it is not the session's. (The turns before
+        the last answer re-rendered never matched once an earlier answer had been re-written:
+        the whole conversation was appended to the history from a tool loop's third turn,
+        and an edited question kept the turn it replaced.)"""
+        answers = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        if not answers:
             return messages
-        asked = self.render_chat(messages[:last], tools, template_kwargs)  # what it answered
-        return messages[last + 1:] if history[: len(asked)] == asked else messages
+        if len(answers) != self.sessions.turns(session_id):
+            return None
+        first = self.render_chat(messages[: answers[0]], tools, template_kwargs)
+        if history[: len(first)] != first:
+            return None
+        return messages[answers[-1] + 1:]
 
     def encode(self, text: str | None, param: str) -> list[int]:
         return encode_prompt(self.tokenizer, text, param)

@@ -97,11 +97,11 @@ class SglangLikeHostPool:
 
 
 def sglang_config(extra: dict, model: str = "org/model", tp_rank: int = 0, tp_size: int = 1,
-                  mla: bool = False):
+                  mla: bool = False, **more: int):
     return hicache_storage.HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True,
-        model_name=model, extra_config=dict(extra),
+        model_name=model, extra_config=dict(extra), **more,
     )
 
 
@@ -268,6 +268,20 @@ def test_mla_pages_are_shared_by_tp_ranks_and_written_once(tmp_path, plugins):
     assert torch.equal(src.kv_buffer[3 * PAGE : 5 * PAGE].permute(1, 0, 2, 3),
                        rank1.mem_pool_host.kv_buffer[5:7].permute(1, 0, 2, 3, 4).reshape(
                            LAYERS, 2 * PAGE, 1, 24))
+
+
+def test_decode_context_parallel_shards_never_read_each_other(tmp_path, plugins):
+    """With DCP each rank holds another shard of an MLA page and SGLang makes one writer per
+    shard; the plugin named them alike (MLA: replicated over TP), so rank 1 found rank 0's
+    shard under its key, read its bytes (verified: another shard's K/V) and skipped its own
+    write. Each DCP rank's pages carry its rank now."""
+    shards = [SglangLikeHostPool("page_first", mla=True, seed=seed) for seed in (1, 2)]
+    ranks = [open_plugin(plugins, tmp_path, shards[r], tp_rank=r, tp_size=2, mla=True,
+                         dcp_rank=r, dcp_size=2, logical_page_size=2 * PAGE) for r in (0, 1)]
+    assert ranks[0].fingerprint != ranks[1].fingerprint
+    keys = hashes(1)
+    assert ranks[0].batch_set_v1(keys, indices([0])) == [True]
+    assert ranks[1].batch_exists(keys) == 0  # rank 0's shard is not rank 1's
 
 
 def test_mla_fingerprint_is_a_pdcache_mla_nodes(tmp_path, plugins):

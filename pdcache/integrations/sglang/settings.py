@@ -124,6 +124,10 @@ class ShardIdentity:
     cp_size: int = 1
     rank_replicated: bool = False  # MLA: every TP rank holds the same KV
     is_writer: bool = True
+    # decode context parallelism (MLA): each DCP rank holds another shard of a page, so the
+    # MLA replication is per DCP rank (SGLang's own Mooncake backend keys them apart too)
+    dcp_rank: int = 0
+    dcp_size: int = 1
 
     @classmethod
     def from_sglang(cls, config: Any, model_name: str | None) -> ShardIdentity:
@@ -131,7 +135,9 @@ class ShardIdentity:
         replicated = bool(config.is_mla_model)
         writer = bool(getattr(config, "is_storage_writer", (not replicated) or config.tp_rank == 0))
         return cls(name, config.tp_rank, config.tp_size, config.pp_rank, config.pp_size,
-                   config.attn_cp_rank, config.attn_cp_size, replicated, writer)
+                   config.attn_cp_rank, config.attn_cp_size, replicated, writer,
+                   int(getattr(config, "dcp_rank", 0) or 0),
+                   int(getattr(config, "dcp_size", 1) or 1))
 
     def fingerprint(self, geometry: PageGeometry, payload: str = "pdcache") -> str:
         tp_rank, tp_size = (0, 1) if self.rank_replicated else (self.tp_rank, self.tp_size)
@@ -144,4 +150,6 @@ class ShardIdentity:
             fp += f";pp={self.pp_rank}/{self.pp_size}"
         if self.cp_size > 1:
             fp += f";cp={self.cp_rank}/{self.cp_size}"
+        if self.dcp_size > 1:  # the same key from two DCP ranks served one's bytes to the other
+            fp += f";dcp={self.dcp_rank}/{self.dcp_size}"
         return fp
