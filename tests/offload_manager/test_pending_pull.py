@@ -269,7 +269,9 @@ def test_answers_for_other_keys_are_not_verified_and_late_ones_copy_nothing(tmp_
 @pytest.mark.parametrize("mode, eta_s, pulled", [
     ("never", 10.0, False),  # waits whatever decode expects
     ("auto", 10.0, True),  # decode expects 10 s more: a pull of 2 small pages is faster
-    ("auto", 0.001, False),  # the write lands sooner than a pull's round trip
+    # the write lands sooner than a pull's round trip (measured at 5 s below; an eta of 1 ms
+    # was overdue, so pulled, whenever the lookup took longer than that on a loaded machine)
+    ("auto", 1.0, False),
     ("auto", 0.0, False),  # unknown (no write measured on decode yet): wait
     ("auto", -1.0, True),  # overdue (expected 1 s ago) and still pending: the store is slow
 ])
@@ -279,6 +281,8 @@ def test_the_per_request_rule(tmp_path, mode: str, eta_s: float, pulled: bool) -
         tmp_path, mode, clock=lambda: time.monotonic() - skew[0])
     decode = Decode(pulls, objects)
     pulls.attach(decode)
+    if eta_s == 1.0:
+        pulls.rtt_s = 5.0  # a slow link's measured round trip: waiting for the write is faster
     # overdue: announced 1.5 s ago expecting the write to land 0.5 s later
     pending.pending(keys[1:], ttl_s=30.0, source=SOURCE, eta_s=0.5 if eta_s < 0 else eta_s,
                     pullable=True)
