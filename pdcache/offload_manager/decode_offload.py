@@ -540,16 +540,14 @@ class DecodeOffloadManager:
         kept = len(staging_ids) if staging_ids else 0
         self._drop([task.keys[i] for i in todo[kept:]])
         if kept < len(todo):
-            with self._lock:
-                self._broken.add(task.rid)
+            self._break_chain(task.rid)
         if not staging_ids:
             return False
         todo = todo[: len(staging_ids)]
         self._stage(task, todo, staging_ids)
         if not self._write([task.keys[i] for i in todo], staging_ids, task.namespace,
                            task.session):
-            with self._lock:
-                self._broken.add(task.rid)
+            self._break_chain(task.rid)
         return task.rid not in self._broken
 
     def _without_absent_windows(self, task: _CopyTask, todo: list[int]) -> list[int]:
@@ -585,6 +583,11 @@ class DecodeOffloadManager:
             for layer, row in rows.items():  # pool [L', K, P, S, H, D] -> staged [n, K, S, H, D]
                 pages = pool[row].index_select(1, ids.to(pool.device)).transpose(0, 1)
                 host_kv[host_ids, self.geometry.kv_layer_index(layer)] = pages.to(host_kv.device)
+
+    def _break_chain(self, rid: str) -> None:
+        """A page of `rid` was dropped: its later pages and state are not written (`_broken`)."""
+        with self._lock:
+            self._broken.add(rid)
 
     def _drop(self, keys: list[bytes]) -> None:
         """Pages not written (counted dropped): their pending marks settle as not landed."""

@@ -306,7 +306,8 @@ class HiRadixTree(RadixTree):
         its host-only descendants are unreachable: drop the whole sub-tree (their host pages
         are freed now, or once the storage write reading them ends)."""
         if node.host_page_ids is None and node.children:
-            for item in self._subtree(node):
+            for item in self._descendants(node):
+                assert not item.on_device, "device node below an evicted one"
                 if item.host_page_ids is not None:
                     self._release_host(item.host_page_ids)
                     self.num_host_evicted_pages += len(item.host_page_ids)
@@ -314,15 +315,6 @@ class HiRadixTree(RadixTree):
                     self._free_host_state(item)
             node.children.clear()
         super()._on_device_evicted(node)
-
-    def _subtree(self, node: RadixNode) -> list[RadixNode]:
-        stack, found = list(node.children.values()), []
-        while stack:
-            item = stack.pop()
-            assert not item.on_device, "device node below an evicted one"
-            found.append(item)
-            stack.extend(item.children.values())
-        return found
 
     def _release_host(self, page_ids: list[int]) -> None:
         self._orphans.extend(self.host_pool.free_unpinned(page_ids))
