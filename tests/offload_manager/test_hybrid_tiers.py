@@ -10,6 +10,7 @@ transformers', `tests/engine/test_qwen3_next_engine.py`) and once with transform
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -334,11 +335,13 @@ def test_a_storage_hit_continues_a_device_match_that_grew_while_it_was_read(
     request sharing its first 20 tokens runs and caches them on device with a checkpoint. At
     turn 2's admission the device match covers the read's first 5 pages: the read's last 3
     pages and its state continue it (the whole read was thrown away, 12 tokens recomputed)."""
-    built, control, answer = turn_one_in_storage_only(hybrid, tmp_path, "0")
+    built, _, answer = turn_one_in_storage_only(hybrid, tmp_path, "0")
+    reads = threading.Event()  # turn 2's storage reads wait until the shorter request ended
+    storage = built.storage
+    for name in ("get_into", "get_state_into"):
+        read = getattr(storage, name)
+        setattr(storage, name, lambda *a, _read=read, **k: reads.wait(30) and _read(*a, **k))
     try:
-        # every storage call from now on: turn 2's read (pages, then state) takes 0.6 s,
-        # the shorter request's few steps (its storage probe finds no state: no read) ~50 ms
-        control.write_text("0.3")
         turn2, shorter = PROMPT + answer + [5, 9, 13, 17, 21], PROMPT[:21]
         outs: dict[str, list[RequestOutput]] = {"b": [], "t2": []}
         for rid, prompt in (("b", shorter), ("t2", turn2)):
@@ -346,16 +349,20 @@ def test_a_storage_hit_continues_a_device_match_that_grew_while_it_was_read(
                 rid=rid, input_ids=prompt,
                 sampling=SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True),
                 logprobs=LogprobRequest()), outs[rid].append)
+        while not outs["b"] or not outs["b"][-1].finished:  # its storage probe: no state
+            assert built.engine.step(), "the shorter request did not finish"
+        assert not outs["t2"]  # still waiting for its read
+        reads.set()
         while built.engine.step() or not outs["t2"] or not outs["t2"][-1].finished:
             pass
-        assert outs["b"][-1].finished and outs["b"][-1].cached.device == 0
+        assert outs["b"][-1].cached.device == 0
         last = outs["t2"][-1]
         tokens = [t for out in outs["t2"] for t in out.new_token_ids]
         assert tokens == reference(turn2)[0]
         assert (last.cached.device, last.cached.storage) == (20, 12)
-        control.write_text("0")
         idle_and_exact(built)
     finally:
+        reads.set()
         built.close()
 
 
