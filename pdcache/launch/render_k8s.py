@@ -31,6 +31,7 @@ from typing import Any
 
 from pdcache.config import NodeSpec, Topology, TopologyError, load_topology
 from pdcache.config.schema import split_host_port
+from pdcache.launch.k8s_names import check_kubernetes_names
 from pdcache.launch.launcher import ProcessSpec, build_process_specs
 from pdcache.offload_manager.storage.etcd_cluster import member_argv
 
@@ -88,6 +89,7 @@ def render_k8s(topology: Topology, mode: str | None = None) -> list[dict[str, An
     _check_renderable(topology)
     placed = load_topology(topology.source, [*topology.overrides, *cluster_overrides(topology)])
     roles = _roles(topology, placed)
+    check_kubernetes_names(topology, [role.name for role in roles])
     docs: list[dict[str, Any]] = [_config_map(topology)]
     docs += [_headless_service(topology, role) for role in roles if mode == "plain"]
     docs += _client_services(topology, roles)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -171,7 +171,8 @@ class RouterApp:
             if why:
                 raise bad_request(why, code="logprobs_too_large")
         return Prepared(input_ids, sampling.forwarded(), scoped_salt(tenant, body.cache_salt),
-                        session, stream=body.stream, extra=_logprob_fields(item, body))
+                        session, self._session_version(session), stream=body.stream,
+                        extra=_logprob_fields(item, body))
 
     async def _generate_json(self, prep: Prepared, deadline: Deadline, builder: OutputBuilder
                              ) -> dict[str, Any]:
@@ -211,9 +212,14 @@ class RouterApp:
         top_n = body.logprobs_top_n()
         extra = {} if top_n is None else {"return_logprob": True, "top_logprobs_num": top_n}
         tenant = tenant_of(request)
-        return Prepared(input_ids, sampling, scoped_salt(tenant, body.cache_salt),
-                        session_key(tenant, body.session_id), stream=bool(body.stream),
-                        extra=extra)
+        session = session_key(tenant, body.session_id)
+        return Prepared(input_ids, sampling, scoped_salt(tenant, body.cache_salt), session,
+                        self._session_version(session), stream=bool(body.stream), extra=extra)
+
+    def _session_version(self, session: Hashable | None) -> int:
+        """The history version the prompt was just built on (no await since: the event
+        loop ran nothing in between)."""
+        return self.router.sessions.version(session) if session else 0
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await request.body())

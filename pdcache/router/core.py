@@ -76,6 +76,9 @@ class Prepared:
     sampling: dict[str, Any]
     cache_salt: str | None  # as the nodes see it: inside the tenant's namespace (tenants.py)
     session_id: Hashable | None  # the router's session key (tenants.session_key)
+    # the session history the prompt was built on (`SessionStore.version`): a turn commits
+    # only onto it
+    session_version: int = 0
     arrival: float = field(default_factory=time.monotonic)
     page_keys: list[bytes] | None = None  # the prompt's, computed once (cache-aware routing)
     stream: bool = False  # the client asked for SSE (SGLang's is_streaming label)
@@ -305,8 +308,10 @@ class Router:
                                     turn.finish_reason)
         if turn.finish_reason not in FINISHED_OK:
             return
-        if prep.session_id:
-            self.sessions.commit(prep.session_id, prep.input_ids, turn.output_ids)
+        if prep.session_id and not self.sessions.commit(
+                prep.session_id, prep.input_ids, turn.output_ids, prep.session_version):
+            # another turn of the session committed while this one ran, or it was closed
+            self.metrics.session_commits_refused.inc()
         if prep.page_keys is not None:
             self.selector.index.record(turn.route.first_node.name, self._answer_keys(prep, turn))
 

@@ -138,6 +138,10 @@ class RouterMetrics(AdmissionObserver):
                                        "prompt tokens computed (from node responses)", registry=reg)
         for tier in TIERS:
             self.cached_tokens.labels(tier)
+        self.session_commits_refused = Counter(
+            "pdcache_router_session_commits_refused",
+            "finished session turns not committed: their session changed while they ran "
+            "(another turn of it committed first, or it was closed)", registry=reg)
         reg.register(NodeGaugeCollector(nodes, sessions, queue))
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:

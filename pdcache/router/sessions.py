@@ -3,6 +3,7 @@ the new message's tokens: no re-tokenisation drift can break the page-key chain.
 
 from __future__ import annotations
 
+import itertools
 import time
 from array import array
 from collections import OrderedDict
@@ -18,6 +19,7 @@ class Session:
     token_ids: array = field(default_factory=lambda: array("I"))  # 4 bytes per token
     turns: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    version: int = 0  # the store's commit that made this history (`SessionStore.version`)
 
 
 class SessionStore:
@@ -26,7 +28,11 @@ class SessionStore:
     (`pdcache.router.tenants.session_key`).
 
     Used from the router's event loop only. A turn is committed only when it finished
-    successfully, so a failed turn can be retried from the same history.
+    successfully, so a failed turn can be retried from the same history, and only onto the
+    history its prompt was built from (`version` when it was built): of two turns of one
+    session in flight at once the first to finish commits, the other is refused (the last
+    one used to win, dropping the other's answer from the history silently), and a turn in
+    flight when its session was closed does not bring the closed history back.
     """
 
     def __init__(self, max_sessions: int = 10_000, idle_ttl_s: float = 3600.0,
@@ -35,25 +41,43 @@ class SessionStore:
         self.idle_ttl_s = idle_ttl_s
         self.max_total_tokens = max_total_tokens  # 64 Mi tokens = 256 MiB of history
         self.total_tokens = 0
+        self.refused_commits = 0  # turns whose session changed while they ran
         self._sessions: OrderedDict[Hashable, Session] = OrderedDict()
+        self._versions = itertools.count(1)  # never reused: a closed session's is gone for good
 
     def history(self, session_id: Hashable) -> list[int]:
         self._expire()
         session = self._sessions.get(session_id)
         return list(session.token_ids) if session else []
 
-    def commit(self, session_id: Hashable, input_ids: list[int], output_ids: list[int]) -> None:
-        """Record a finished turn: the session's history becomes input_ids + output_ids."""
+    def version(self, session_id: Hashable) -> int:
+        """Which history `history` gives now: the commit that wrote it, 0 for none (a new,
+        closed, expired or evicted session). Take it with the history a prompt is built
+        from and give it back to `commit`."""
+        session = self._sessions.get(session_id)
+        return session.version if session else 0
+
+    def commit(self, session_id: Hashable, input_ids: list[int], output_ids: list[int],
+               base_version: int) -> bool:
+        """Record a finished turn whose prompt was built on history `base_version`: the
+        session's history becomes input_ids + output_ids. False, nothing recorded, when the
+        session moved on since (another turn committed, it was closed or dropped)."""
+        self._expire()
+        if self.version(session_id) != base_version:
+            self.refused_commits += 1
+            return False
         session = self._pop(session_id) or Session()
         session.token_ids = array("I", input_ids)
         session.token_ids.extend(output_ids)
         session.turns += 1
         session.last_used = time.monotonic()
+        session.version = next(self._versions)
         self._sessions[session_id] = session
         self.total_tokens += len(session.token_ids)
         while self._sessions and (len(self._sessions) > self.max_sessions
                                   or self.total_tokens > self.max_total_tokens):
             self._pop(next(iter(self._sessions)))
+        return True
 
     def close(self, session_id: Hashable) -> bool:
         """Forget a session the client closed (`/close_session`); False if none was known."""

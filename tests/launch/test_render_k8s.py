@@ -211,6 +211,31 @@ def test_what_cannot_be_laid_out_is_refused_by_key() -> None:
                                           'router.tls_key="/k.pem"']), "rbg")
 
 
+@pytest.mark.parametrize(("override", "key"), [
+    ('kubernetes.name="PD_Cache"', "kubernetes.name"),
+    (f'kubernetes.name="{"a" * 40}"', "kubernetes.name"),  # s-NAME-mooncake-master > 63
+    ('kubernetes.namespace="Team A"', "kubernetes.namespace"),
+    ('kubernetes.secret_name="Cluster_Secret"', "kubernetes.secret_name"),
+    ('kubernetes.storage_volume="pvc:KV Claim"', "kubernetes.storage_volume"),
+    ('kubernetes.memory="8 GB"', "kubernetes.memory"),
+    ('kubernetes.cpu="two"', "kubernetes.cpu"),
+    ('kubernetes.gpu_resource="nvidia com/gpu"', "kubernetes.gpu_resource"),
+    ("kubernetes.gpus=-1", "kubernetes.gpus"),
+    ("kubernetes.startup_probe_s=0", "kubernetes.startup_probe_s"),
+])
+def test_values_the_api_server_refuses_are_refused_by_key(
+        override: str, key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offline schema check passes every one of these (shown with the name check off):
+    the cluster refused the objects one by one."""
+    config = ROOT / "configs" / "local-mooncake-ha.toml"
+    topology = load_topology(config, [*VOLUMES, override])
+    with pytest.raises(TopologyError, match=key.replace(".", r"\.")):
+        render_k8s(topology, "plain")
+    monkeypatch.setattr("pdcache.launch.render_k8s.check_kubernetes_names",
+                        lambda *args: None)
+    validate_all(render_k8s(topology, "plain"))
+
+
 def test_gpus_and_rdma_as_the_topology_says() -> None:
     docs = _render(ROOT / "configs" / "local-1p1d.toml", "rbg", "kubernetes.gpus=8",
                    'kubernetes.rdma="host-network"')

@@ -89,29 +89,50 @@ def test_prefix_index_is_bounded_lru() -> None:
 
 def test_session_history_commits_only_finished_turns() -> None:
     store = SessionStore(max_sessions=2)
-    assert store.history("s") == []
-    store.commit("s", [1, 2, 3], [4, 5])
+    assert store.history("s") == [] and store.version("s") == 0
+    assert store.commit("s", [1, 2, 3], [4, 5], base_version=0)
     assert store.history("s") == [1, 2, 3, 4, 5] and store.turns("s") == 1
-    store.commit("s", [1, 2, 3, 4, 5, 6], [7])
+    assert store.commit("s", [1, 2, 3, 4, 5, 6], [7], store.version("s"))
     assert store.history("s") == [1, 2, 3, 4, 5, 6, 7] and store.turns("s") == 2
-    store.commit("t", [9], [9])
-    store.commit("u", [8], [8])
+    store.commit("t", [9], [9], 0)
+    store.commit("u", [8], [8], 0)
     assert store.history("s") == [] and len(store) == 2  # LRU bound
+
+
+def test_a_session_turn_commits_only_onto_the_history_it_was_built_on() -> None:
+    store = SessionStore()
+    store.commit("s", [1, 2], [3], 0)
+    base = store.version("s")
+    # two turns of "s" in flight at once, both built on [1, 2, 3]: the first to finish
+    # commits; the other is refused (it used to overwrite it, the last finisher winning)
+    assert store.commit("s", [1, 2, 3, 10], [11], base)
+    assert not store.commit("s", [1, 2, 3, 20], [21], base)
+    assert store.history("s") == [1, 2, 3, 10, 11] and store.turns("s") == 2
+    # a turn in flight when its session was closed does not bring the history back
+    in_flight = store.version("s")
+    assert store.close("s")
+    assert not store.commit("s", [1, 2, 3, 10, 11, 12], [13], in_flight)
+    assert store.history("s") == [] and len(store) == 0
+    assert store.refused_commits == 2
+    # ... nor a turn built on it after a new history began (versions are never reused)
+    assert store.commit("s", [5], [6], 0)
+    assert not store.commit("s", [1, 2, 3, 10, 11, 12], [13], in_flight)
+    assert store.history("s") == [5, 6]
 
 
 def test_session_idle_expiry() -> None:
     store = SessionStore(idle_ttl_s=0.0)
-    store.commit("s", [1], [2])
+    store.commit("s", [1], [2], 0)
     assert store.history("s") == []
 
 
 def test_session_store_is_bounded_in_total_tokens() -> None:
     store = SessionStore(max_total_tokens=10)
-    store.commit("a", [1, 2, 3], [4])
-    store.commit("b", [5, 6, 7], [8, 9])
+    store.commit("a", [1, 2, 3], [4], 0)
+    store.commit("b", [5, 6, 7], [8, 9], 0)
     assert store.total_tokens == 9 and len(store) == 2
-    store.commit("c", [10, 11], [12])  # 12 tokens > 10: the least recent session goes
+    store.commit("c", [10, 11], [12], 0)  # 12 tokens > 10: the least recent session goes
     assert store.history("a") == [] and store.history("b") == [5, 6, 7, 8, 9]
     assert store.total_tokens == 8
-    store.commit("b", [5, 6, 7, 8, 9, 1], [2])  # replacing a history frees the old one
+    store.commit("b", [5, 6, 7, 8, 9, 1], [2], store.version("b"))  # frees the old history
     assert store.total_tokens == 10 and store.history("c") == [10, 11, 12]

@@ -33,14 +33,15 @@ def test_a_tool_loops_third_turn_is_the_history_and_the_new_tool_result() -> Non
     r, session = router(), "loop"
     first = r.chat_prompt(session, [ASK], TOOLS)
     r.sessions.commit(session, first, r.tokenizer.encode(
-        "Checking. " + tool_call_text("get_weather", '{"city":"Paris"}')))
+        "Checking. " + tool_call_text("get_weather", '{"city":"Paris"}')), 0)
     turn2 = [ASK, answered("Checking.", "Paris", "c1"),
              {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
     second = r.chat_prompt(session, turn2, TOOLS)
     history = r.sessions.history(session)
     assert second[: len(history)] == history
     r.sessions.commit(session, second, r.tokenizer.encode(
-        "Now Rome. " + tool_call_text("get_weather", '{"city":"Rome"}')))
+        "Now Rome. " + tool_call_text("get_weather", '{"city":"Rome"}')),
+        r.sessions.version(session))
     turn3 = [*turn2, answered("Now Rome.", "Rome", "c2"),
              {"role": "tool", "tool_call_id": "c2", "content": "rainy"}]
     third = r.chat_prompt(session, turn3, TOOLS)
@@ -57,9 +58,9 @@ def test_an_edited_question_replaces_its_turn() -> None:
     r, session = router(), "edit"
     u1, a1 = {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}
     first = r.chat_prompt(session, [u1])
-    r.sessions.commit(session, first, r.tokenizer.encode("4"))
+    r.sessions.commit(session, first, r.tokenizer.encode("4"), 0)
     second = r.chat_prompt(session, [u1, a1, {"role": "user", "content": "And 3+3?"}])
-    r.sessions.commit(session, second, r.tokenizer.encode("6"))
+    r.sessions.commit(session, second, r.tokenizer.encode("6"), r.sessions.version(session))
     edited = [u1, a1, {"role": "user", "content": "Actually, what is 5+5?"}]
     assert r.chat_prompt(session, edited) == r.render_chat(edited, None)
     # only the new message sent (no assistant turn in it): the history, then it
