@@ -133,14 +133,24 @@ class SlotIndex:
     ) -> None:
         """Add committed entries (LRU first), e.g. from a persisted index or a header scan,
         and reservations (slot, key) a previous leader handed out: each is held a full TTL
-        from now, so its writer can still commit and nobody else gets its slot."""
-        taken = set()
+        from now, so its writer can still commit and nobody else gets its slot.
+
+        Two keys claiming one slot: the later one holds it (the slot's bytes are the last
+        write's). A leader whose flush went out as several fenced transactions and lost its
+        leadership between them left a new key's commit in etcd without the delete of the
+        key the slot held before: that older key then read another page."""
+        by_slot: dict[int, bytes] = {}
         for key, slot in entries:
-            if 0 <= slot < self.num_slots and slot not in taken and key not in self._committed:
+            if 0 <= slot < self.num_slots and key not in self._committed:
+                older = by_slot.get(slot)
+                if older is not None:
+                    del self._committed[older]
                 self._committed[key] = slot
-                taken.add(slot)
-                if self._lifecycle is not None:
-                    self._lifecycle.touched(key)  # no session known after a restart
+                by_slot[slot] = key
+        taken = set(by_slot)
+        if self._lifecycle is not None:
+            for key in by_slot.values():
+                self._lifecycle.touched(key)  # no session known after a restart
         deadline = self._clock() + self._ttl
         for slot, key in reservations:
             if 0 <= slot < self.num_slots and slot not in taken and key not in self._reserved_keys:

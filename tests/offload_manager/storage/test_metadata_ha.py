@@ -285,6 +285,16 @@ def test_promoted_leader_keeps_the_old_reservations() -> None:
     assert handed[1] in [slot for _, slot in without.reserve([b"c", b"d", b"e"])]
 
 
+def test_of_two_keys_claiming_one_slot_the_later_commit_holds_it() -> None:
+    """A flush of more than one transaction that lost its leadership half-way can leave a
+    new key's commit without the delete of the key the slot held before (both in etcd, in
+    commit order). The older key used to win the slot and read the newer key's page."""
+    index = SlotIndex(4)
+    index.load([(b"old", 2), (b"kept", 1), (b"new", 2)])
+    assert index.lookup([b"old", b"new", b"kept"]) == [None, 2, 1]
+    assert sorted(slot for _, slot in index.reserve([b"x", b"y"])) == [0, 3]
+
+
 def test_a_batch_whose_group_commit_fails_is_not_acknowledged(etcd) -> None:
     """handle_batch answers nothing `ok` unless the batch's one transaction landed: a deposed
     leader's batch is all `not_leader`, and the new leader sees none of it."""
