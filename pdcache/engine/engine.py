@@ -343,7 +343,21 @@ class Engine:
         if num_tokens < 1 or pages_for(num_tokens, self.pool.page_size) > self.pool.num_pages:
             raise ValueError(f"cannot reserve pages for {num_tokens} tokens")
         book = self._book()
-        page_ids = self._call(lambda: book.reserve(rid, num_tokens), timeout)
+        taken: list[bool] = []  # engine thread: whether this call's reserve took pages
+
+        def reserve() -> list[int] | None:
+            page_ids = book.reserve(rid, num_tokens)
+            taken.append(page_ids is not None)
+            return page_ids
+
+        try:
+            page_ids = self._call(reserve, timeout)
+        except TimeoutError:
+            # the reserve still runs once the engine thread gets to it, and nobody would ever
+            # release what it took (the caller never learnt the pages): a release is queued
+            # behind it, for this call's pages only
+            self._call_later(lambda: any(taken) and book.release(rid))
+            raise
         if page_ids is None:
             raise EngineOverloadedError(f"no room for {num_tokens} tokens of K/V")
         return page_ids
@@ -796,6 +810,13 @@ class Engine:
                 raise EngineNotRunningError("the engine is shutting down")
             self._inbox.put(_Call(fn, future))
         return future.result(timeout)
+
+    def _call_later(self, fn: Callable[[], Any]) -> None:
+        """Queue `fn` for the engine thread without waiting for it (nothing when stopping:
+        the thread's last drain then runs only what was queued before)."""
+        with self._lock:
+            if not self._stop.is_set():
+                self._inbox.put(_Call(fn, Future()))
 
     def _drop_cache(self) -> CacheFlush:
         scheduler = self.scheduler

@@ -54,6 +54,33 @@ def tokens_of(outputs: list[RequestOutput]) -> list[int]:
     return [t for out in outputs for t in out.new_token_ids]
 
 
+def test_a_reserve_that_timed_out_frees_its_pages(tiny) -> None:
+    """`reserve` gave up waiting for a busy engine thread, which took the pages later: the
+    caller never learnt them and nobody released them (a leak, found by review)."""
+    engine = make_engine(tiny, pages=8)
+    busy, go = threading.Event(), threading.Event()
+
+    def hold_the_engine_thread(admission) -> None:  # an `on_done` runs on the engine thread
+        busy.set()
+        go.wait(30)
+
+    try:
+        assert len(engine.reserve("kept", 4)) == 1
+        engine.reserve_when_free("held", 4, hold_the_engine_thread)  # 1 page
+        assert busy.wait(30)
+        with pytest.raises(TimeoutError):
+            engine.reserve("late", 9, timeout=0.05)  # 3 pages, taken once the thread is free
+        with pytest.raises(TimeoutError):  # refused once it runs ("kept" has pages): the
+            engine.reserve("kept", 9, timeout=0.05)  # release queued behind it spares them
+        go.set()
+        numbers = engine.check_accounting()  # after the queued calls ran
+        assert numbers["used"] == 2, numbers  # "held" and "kept": "late"'s 3 pages came back
+        assert engine.release_reservation("kept") and not engine.release_reservation("late")
+    finally:
+        go.set()
+        engine.shutdown()
+
+
 def test_prefill_hold_transfer_decode_equals_unified(tiny) -> None:
     rng = random.Random(5)
     prompt = [rng.randrange(3, 250) for _ in range(29)]  # 7 full pages + a partial one
