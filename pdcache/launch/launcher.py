@@ -123,15 +123,14 @@ def _metadata_spec(topology: Topology, python: str, name: str, host: str, port: 
     """One `pdcache metadata-server` (a replica, with store etcd)."""
     bind = topology.storage.metadata_service.bind_host or host
     argv = (python, "-m", "pdcache", "metadata-server", *metadata_server_args(topology, host, port))
-    if topology.security.secret_file is not None:
-        argv += ("--secret-file", topology.security.secret_file)
     return ProcessSpec(name, "metadata", host, argv, STAGE_SERVICES, (HealthCheck("tcp", host, port),),
                        {"metadata": f"tcp://{host}:{port}"},
                        ports=(PortUse(bind, port, "storage.metadata"),))
 
 
 def metadata_server_args(topology: Topology, host: str, port: int) -> tuple[str, ...]:
-    """`pdcache metadata-server` flags of the replica at host:port (no secret)."""
+    """`pdcache metadata-server` flags of the replica at host:port, its secret file included
+    (`--render sglang` rendered none: a network-reachable service without authentication)."""
     storage, service = topology.storage, topology.storage.metadata_service
     args: tuple[str, ...] = ("--host", service.bind_host or host, "--port", str(port),
                              "--state-dir", service.state_dir)
@@ -139,6 +138,8 @@ def metadata_server_args(topology: Topology, host: str, port: int) -> tuple[str,
         args += ("--store", "etcd", "--etcd-endpoints", ",".join(storage.etcd.endpoints),
                  "--etcd-prefix", storage.etcd.prefix, "--lease-ttl", str(service.lease_ttl_s),
                  "--advertise", f"tcp://{host}:{port}")
+    if topology.security.secret_file is not None:
+        args += ("--secret-file", topology.security.secret_file)
     return args + tuple(StorageEviction(
         storage.eviction, storage.session_protect_share, storage.session_protect_bytes,
         storage.session_idle_s).server_argv())

@@ -81,7 +81,7 @@ KNOWN_FLAGS = {
     "metadata-server": frozenset({"--host", "--port", "--state-dir", "--eviction",  # pdcache's
                                   "--session-protect-share", "--session-protect-bytes",
                                   "--session-idle-s", "--store", "--etcd-endpoints",
-                                  "--etcd-prefix", "--lease-ttl", "--advertise"}),
+                                  "--etcd-prefix", "--lease-ttl", "--advertise", "--secret-file"}),
     # etcd 3.4+ (`etcd --help`; the members of [storage.etcd], etcd_cluster.member_argv)
     "etcd": frozenset({
         "--name", "--data-dir", "--listen-client-urls", "--advertise-client-urls",
@@ -308,6 +308,8 @@ def plugin_extra_config(topology: Topology, node: NodeSpec, origin: str) -> dict
         extra["origin"] = origin
     if topology.cache.key_namespace:  # pdcache nodes salt their keys with it: so must SGLang
         extra["key_namespace"] = topology.cache.key_namespace
+    if topology.security.secret_file is not None:  # sealed pages, authenticated metadata
+        extra["secret_file"] = topology.security.secret_file
     return extra
 
 

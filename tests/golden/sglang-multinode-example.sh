@@ -13,7 +13,8 @@ PDCACHE_MODEL_NAME="${PDCACHE_MODEL_NAME:-$(python3 -c 'import sys; from pdcache
 pdcache metadata-server \
     --host 10.0.0.1 \
     --port 18000 \
-    --state-dir /var/lib/pdcache/metadata &
+    --state-dir /var/lib/pdcache/metadata \
+    --secret-file /etc/pdcache/cluster.secret &
 
 # --- prefill server p0 (on 10.0.0.1)
 MC_FORCE_TCP=1 python3 -m sglang.launch_server \
@@ -35,7 +36,7 @@ MC_FORCE_TCP=1 python3 -m sglang.launch_server \
     --hicache-mem-layout page_first \
     --hicache-storage-prefetch-policy timeout \
     --hicache-storage-backend dynamic \
-    --hicache-storage-backend-extra-config '{"backend_name":"pdcache","module_path":"pdcache.integrations.sglang","class_name":"PdcacheHiCacheStorage","interface_v1":1,"storage":{"backend":"hf3fs","path":"/mnt/3fs/pdcache","capacity_bytes":1099511627776,"io_engine":"posix","metadata":"tcp://10.0.0.1:18000","namespace":"default"},"model_name":"'"$PDCACHE_MODEL_NAME"'","prefetch_timeout_base":2.0,"prefetch_timeout_per_ki_token":0.1,"prefetch_timeout_max":30.0}' &
+    --hicache-storage-backend-extra-config '{"backend_name":"pdcache","module_path":"pdcache.integrations.sglang","class_name":"PdcacheHiCacheStorage","interface_v1":1,"storage":{"backend":"hf3fs","path":"/mnt/3fs/pdcache","capacity_bytes":1099511627776,"io_engine":"posix","metadata":"tcp://10.0.0.1:18000","namespace":"default"},"model_name":"'"$PDCACHE_MODEL_NAME"'","secret_file":"/etc/pdcache/cluster.secret","prefetch_timeout_base":2.0,"prefetch_timeout_per_ki_token":0.1,"prefetch_timeout_max":30.0}' &
 
 # --- decode server d0 (on 10.0.0.2)
 MC_FORCE_TCP=1 python3 -m sglang.launch_server \
@@ -53,7 +54,7 @@ MC_FORCE_TCP=1 python3 -m sglang.launch_server \
     --disaggregation-decode-enable-offload-kvcache \
     --hicache-size 64 \
     --hicache-storage-backend dynamic \
-    --hicache-storage-backend-extra-config '{"backend_name":"pdcache","module_path":"pdcache.integrations.sglang","class_name":"PdcacheHiCacheStorage","interface_v1":1,"storage":{"backend":"hf3fs","path":"/mnt/3fs/pdcache","capacity_bytes":1099511627776,"io_engine":"posix","metadata":"tcp://10.0.0.1:18000","namespace":"default"},"model_name":"'"$PDCACHE_MODEL_NAME"'","origin":"decode"}' &
+    --hicache-storage-backend-extra-config '{"backend_name":"pdcache","module_path":"pdcache.integrations.sglang","class_name":"PdcacheHiCacheStorage","interface_v1":1,"storage":{"backend":"hf3fs","path":"/mnt/3fs/pdcache","capacity_bytes":1099511627776,"io_engine":"posix","metadata":"tcp://10.0.0.1:18000","namespace":"default"},"model_name":"'"$PDCACHE_MODEL_NAME"'","origin":"decode","secret_file":"/etc/pdcache/cluster.secret"}' &
 
 # --- router (on 10.0.0.1)
 python3 -m sglang_router.launch_router \

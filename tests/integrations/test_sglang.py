@@ -651,6 +651,28 @@ def test_hf3fs_inproc_metadata_gives_each_rank_its_own_files(tmp_path, plugins):
                     tp_rank=0, tp_size=2, mla=True)
 
 
+def test_hf3fs_inproc_metadata_gives_each_dp_attention_rank_its_own_files(tmp_path, plugins):
+    """DP-attention ranks are processes with the same tp_rank: they opened one set of files
+    with in-process metadata and overwrote each other's slots (their pages then missed)."""
+    dp0 = open_plugin(plugins, tmp_path, SglangLikeHostPool("page_first", seed=17), "hf3fs",
+                      dp_rank=0)
+    dp1 = open_plugin(plugins, tmp_path, SglangLikeHostPool("page_first", seed=18), "hf3fs",
+                      dp_rank=1)
+    assert dp0.storage_config.namespace != dp1.storage_config.namespace
+    assert dp0.fingerprint == dp1.fingerprint  # the same KV: shared through the service
+    first, second = hashes(2), hashes(2, start=100)
+    assert dp0.batch_set_v1(first, indices([0, 1])) == [True, True]
+    assert dp1.batch_set_v1(second, indices([0, 1])) == [True, True]
+    fresh = SglangLikeHostPool("page_first")
+    dp0.mem_pool_host = fresh
+    assert dp0.batch_get_v1(first, indices([0, 1])) == [True, True]
+    assert torch.equal(fresh.kv_buffer[:, : 2 * PAGE],
+                       SglangLikeHostPool("page_first", seed=17).kv_buffer[:, : 2 * PAGE])
+    with pytest.raises(ValueError, match="metadata service"):
+        make_plugin(tmp_path, SglangLikeHostPool("page_first", mla=True), "hf3fs",
+                    mla=True, dp_rank=1)
+
+
 @pytest.mark.slow
 def test_live_sharing_through_the_metadata_service(tmp_path, plugins):
     """SGLang (plugin) and a pdcache node open the same hf3fs store at once, as in production."""
@@ -758,6 +780,46 @@ def test_secret_file_macs_pages_like_pdcache_and_rejects_forgeries(tmp_path, plu
     else:
         assert got == [True, True, True] and stats["rejected_mac_pages"] == 0
         assert torch.equal(dst.get_data_page(5 * PAGE), dst.get_data_page(6 * PAGE))
+
+
+def test_plugin_authenticates_to_a_secured_metadata_service(tmp_path, plugins):
+    """`pdcache launch` starts the metadata service with the cluster secret: the plugin given
+    that secret derived only the page MAC key, so the service refused its every request and
+    SGLang could not attach its storage (register_mem_pool_host raised)."""
+    from pdcache.offload_manager.storage.metadata_service import LocalMetadataService
+    from pdcache.utils.secret import create_secret
+
+    secret = create_secret(tmp_path / "secret")
+    with LocalMetadataService(tmp_path / "meta", secret_file=secret) as service:
+        table = {**storage_table(tmp_path, "hf3fs"), "metadata": service.address}
+        src = SglangLikeHostPool("page_first", seed=23)
+        extra = plugin.extra_config(storage=table, secret_file=str(secret))
+        store = backend_factory.StorageBackendFactory.create_backend(
+            "dynamic", sglang_config(json.loads(json.dumps(extra))), src)
+        plugins.append(store)
+        store.register_mem_pool_host(src)
+        keys = hashes(2)
+        assert store.batch_set_v1(keys, indices([0, 1])) == [True, True]
+        assert store.batch_exists(keys) == 2
+
+
+def test_a_topology_s_secret_reaches_the_plugin(tmp_path, plugins):
+    """`pdcache_config` naming a topology took its [storage] only: its [security] secret_file
+    was dropped and the plugin wrote unsealed pages the deployment's nodes refuse."""
+    from pdcache.utils.secret import create_secret, derive_key, load_secret
+
+    secret = create_secret(tmp_path / "secret")
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "configs" / "unified.toml").read_text()
+    topology = tmp_path / "topology.toml"
+    topology.write_text(f'[security]\nsecret_file = "{secret}"\n\n{text}')
+    config = sglang_config(plugin.extra_config(pdcache_config=str(topology),
+                                               storage=storage_table(tmp_path, "file")))
+    store = backend_factory.StorageBackendFactory.create_backend("dynamic", config, None)
+    plugins.append(store)
+    store.register_mem_pool_host(SglangLikeHostPool("page_first"))
+    assert store.storage_config.page_mac_key == derive_key(load_secret(secret), "page-mac")
+    assert store.storage_config.metadata_key == derive_key(load_secret(secret), "metadata")
 
 
 def test_plugin_pages_verify_under_the_pdcache_node_key(tmp_path, plugins):

@@ -170,6 +170,22 @@ def test_key_namespace_reaches_the_plugin_config() -> None:
         assert extra.get("key_namespace") == want
 
 
+def test_a_secured_topology_renders_its_secret_for_the_service_and_every_plugin() -> None:
+    """`[security] secret_file` was dropped: the metadata service listened on the network
+    without authentication and the plugins wrote unsealed pages."""
+    topology = load_topology(REPO / "configs/multinode-example.toml")
+    secret = topology.security.secret_file
+    assert secret is not None
+    commands = sglang_commands(topology)
+    service = next(c for c in commands if c.program == ("pdcache", "metadata-server"))
+    assert _flag_values(service.args, "--secret-file") == [secret]
+    servers = [c for c in commands if "--hicache-storage-backend-extra-config" in c.args]
+    assert len(servers) == len(topology.nodes)
+    for server in servers:
+        flag = _flag_values(server.args, "--hicache-storage-backend-extra-config")[0]
+        assert json.loads(flag)["secret_file"] == secret
+
+
 # ---------------------------------------------------------------------------- running the script
 
 # Stand-ins for the programs the script starts: each records its argv (as bash expanded it) in

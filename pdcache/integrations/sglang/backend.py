@@ -72,7 +72,8 @@ class PdcacheStorageImpl:
                  "fingerprint": self.fingerprint, "num_layers": geometry.layer_num,
                  "page_size": geometry.page_size, "dtype": dtype_name(geometry.dtype)}
         config = self._private_files(StorageConfig.from_mapping(table))
-        config = config.replace(page_mac_key=self.settings.page_mac_key())
+        keys = self.settings.storage_keys()
+        config = config.replace(page_mac_key=keys.page_mac_key, metadata_key=keys.metadata_key)
         self.salt = make_salt(self.fingerprint, self.settings.key_namespace)
         chunk = max(1, min(128, self.settings.chunk_bytes // geometry.page_bytes))
         threads = self.settings.threads
@@ -92,16 +93,20 @@ class PdcacheStorageImpl:
         Each SGLang rank is its own process, and two processes allocating slots in the same
         files without the shared metadata service would overwrite each other's pages. Sharded
         (MHA) ranks get their own files; rank-replicated (MLA) ranks read rank 0's pages, which
-        needs the service.
+        needs the service. A DP-attention rank is a process too (SGLang gives no DP size: the
+        rank past 0 tells there are several; every DP rank ran on one set of files before).
         """
         ident = self.identity
         ranks = ident.tp_size * ident.pp_size * ident.cp_size
-        if config.backend != "hf3fs" or config.metadata != "inproc" or ranks == 1:
+        if (config.backend != "hf3fs" or config.metadata != "inproc"
+                or (ranks == 1 and ident.dp_rank == 0)):
             return config
         if ident.rank_replicated:
             raise ValueError("pdcache plugin: hf3fs with several ranks of an MLA model needs the "
                              "shared metadata service (storage.metadata = 'tcp://HOST:PORT')")
         suffix = f"tp{ident.tp_rank}of{ident.tp_size}pp{ident.pp_rank}cp{ident.cp_rank}"
+        if ident.dp_rank:
+            suffix += f"dp{ident.dp_rank}"
         log.warning("pdcache plugin: hf3fs with in-process metadata: rank files %s.%s.*; use the "
                     "metadata service to share pages across processes", config.namespace, suffix)
         return config.replace(namespace=f"{config.namespace}.{suffix}")

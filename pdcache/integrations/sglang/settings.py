@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcache.integrations.sglang.geometry import PageGeometry
-from pdcache.offload_manager.storage.config import storage_keys_from_spec
+from pdcache.offload_manager.storage.config import StorageKeys, storage_keys_from_spec
 
 try:
     import tomllib
@@ -54,8 +54,10 @@ class PluginSettings:
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PluginSettings:
         extra = dict(extra or {})
         table: dict[str, Any] = {}
+        topology_secret = ""
         if extra.get("pdcache_config"):
             table.update(load_storage_table(extra["pdcache_config"]))
+            topology_secret = topology_secret_file(extra["pdcache_config"])
         inline = extra.get("storage", {})
         if not isinstance(inline, Mapping):
             raise ValueError(f"extra-config 'storage' must be an object, got {inline!r}")
@@ -76,18 +78,25 @@ class PluginSettings:
         threads = int(extra.get("io_threads", 0))
         if threads < 0:
             raise ValueError(f"pdcache plugin: io_threads must be >= 0, got {threads}")
-        secret_file = str(extra.get("secret_file", ""))
+        # the topology's cluster secret unless the extra config names one (it was dropped:
+        # the plugin then wrote unsealed pages the deployment's nodes refuse)
+        secret_file = str(extra.get("secret_file", topology_secret))
         return cls(table, extra.get("model_name"), origin, chunk, timeout, namespace, payload,
                    allow_clear, threads, secret_file)
 
-    def page_mac_key(self) -> bytes | None:
-        """The page MAC key derived from `secret_file` (None without one); a secret file that
-        is missing or readable by others is an error (SecretError)."""
+    def storage_keys(self) -> StorageKeys:
+        """The storage client's keys derived from `secret_file` as a pdcache node derives
+        them: the page MAC key and the metadata service's request key (only the MAC key was
+        derived: a metadata service started with the secret, as `pdcache launch` starts it,
+        refused every request of the plugin). None of them without a secret file; one that is
+        missing or readable by others is an error (SecretError)."""
         if not self.secret_file:
-            return None
-        from pdcache.utils.secret import derive_key, load_secret
+            return StorageKeys()
+        from pdcache.config.security import SecuritySettings
+        from pdcache.utils.secret import load_secret
 
-        return derive_key(load_secret(self.secret_file), "page-mac")
+        keys = SecuritySettings.from_secret(load_secret(self.secret_file))
+        return StorageKeys(page_mac_key=keys.page_mac_key, metadata_key=keys.metadata_key)
 
     @property
     def threads(self) -> int:
@@ -95,6 +104,17 @@ class PluginSettings:
 
 
 _TOPOLOGY_ONLY = {"metadata_service", "start_master", "metrics_port"}
+
+
+def topology_secret_file(path: str | Path) -> str:
+    """`[security] secret_file` of a pdcache topology TOML ("" for none, or a file of
+    StorageConfig keys)."""
+    data = tomllib.loads(Path(path).read_text())
+    if "node" not in data and "model" not in data:
+        return ""
+    from pdcache.config import load_topology
+
+    return load_topology(path).security.secret_file or ""
 
 
 def load_storage_table(path: str | Path) -> dict[str, Any]:
@@ -128,6 +148,10 @@ class ShardIdentity:
     # MLA replication is per DCP rank (SGLang's own Mooncake backend keys them apart too)
     dcp_rank: int = 0
     dcp_size: int = 1
+    # data-parallel attention: each DP rank is a process of its own with the same tp_rank
+    # (SGLang passes the attention group's); its pages are interchangeable with the other
+    # DP ranks' (not in the fingerprint), but its writer is another process
+    dp_rank: int = 0
 
     @classmethod
     def from_sglang(cls, config: Any, model_name: str | None) -> ShardIdentity:
@@ -137,7 +161,8 @@ class ShardIdentity:
         return cls(name, config.tp_rank, config.tp_size, config.pp_rank, config.pp_size,
                    config.attn_cp_rank, config.attn_cp_size, replicated, writer,
                    int(getattr(config, "dcp_rank", 0) or 0),
-                   int(getattr(config, "dcp_size", 1) or 1))
+                   int(getattr(config, "dcp_size", 1) or 1),
+                   int(getattr(config, "dp_rank", 0) or 0))
 
     def fingerprint(self, geometry: PageGeometry, payload: str = "pdcache") -> str:
         tp_rank, tp_size = (0, 1) if self.rank_replicated else (self.tp_rank, self.tp_size)
