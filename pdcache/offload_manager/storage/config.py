@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,11 +81,25 @@ def storage_keys_from_spec(spec: Any) -> dict[str, Any]:
     return keys
 
 
+log = logging.getLogger(__name__)
+
 # Stored K/V is the tenants' prompts in all but name (the MAC authenticates it, nothing
 # encrypts it): files the backends create are the service account's alone, and so are the
 # directories they create (a store shared by several accounts needs its own group setup)
 PRIVATE_FILE_MODE = 0o600
 PRIVATE_DIR_MODE = 0o700
+
+
+def make_private_file(fd: int, path: Path | str) -> None:
+    """Narrow an opened data file that others may read to `PRIVATE_FILE_MODE`: an hf3fs data
+    file lives as long as its store, so one created before its mode was private (or by hand)
+    kept every page written into it world-readable. Warns where the mode cannot change (a
+    file of another account)."""
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+    except OSError as exc:
+        log.warning("storage: %s stays readable by others (%s)", path, exc)
 
 
 def make_private_dir(path: Path) -> None:

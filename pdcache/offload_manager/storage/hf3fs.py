@@ -45,6 +45,7 @@ from pdcache.offload_manager.storage.config import (
     PRIVATE_FILE_MODE,
     StorageConfig,
     make_private_dir,
+    make_private_file,
 )
 from pdcache.offload_manager.storage.layer_reads import (
     LayerStream,
@@ -83,6 +84,10 @@ if TYPE_CHECKING:
     from pdcache.offload_manager.storage.hf3fs_states import Hf3fsStateSlots
 
 log = logging.getLogger(__name__)
+
+# a write failing with one of these found no room in the file system for its slot (sparse data
+# files get a slot's blocks on its first write): that slot is retired, not handed out again
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 T = TypeVar("T")
 R = TypeVar("R")
 _ReadGroup = tuple[list[int], list["SlotIO"], list[int]]  # page indexes, their IOs, bytes read
@@ -305,6 +310,10 @@ class Hf3fsBackend(SlotFileAccess, StorageBackend):
         self.slot_bytes = config.slot_bytes
         self.counters = StorageCounters()
         self._warn = RateLimitedLog(log)
+        # slots whose write found the file system full (I/O threads add, `_publish` takes):
+        # aborted as retired, so the index stops handing them out (`SlotIndex.abort`)
+        self._unwritable: set[int] = set()
+        self._unwritable_lock = threading.Lock()
         self._rejected = RejectedKeys()  # keys whose stored page a read here refused
         self._closed = False
         self.read_only = False
@@ -383,6 +392,7 @@ class Hf3fsBackend(SlotFileAccess, StorageBackend):
                 return os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 return -1  # nothing stored here and nothing can be: every IO fails (EBADF)
+        make_private_file(fd, path)
         try:
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)  # sparse: blocks are allocated when slots are written
@@ -722,6 +732,9 @@ class Hf3fsBackend(SlotFileAccess, StorageBackend):
                 reason = os.strerror(-n) if n < 0 else f"short write {n}/{want}"
                 self._warn.warning("write", "hf3fs: write of slot %d failed: %s", slot, reason)
                 self.counters.add("write_errors")
+                if -n in FULL_ERRNOS:
+                    with self._unwritable_lock:
+                        self._unwritable.add(slot)
         return [n == want for n in nbytes]
 
     def _publish(
@@ -735,7 +748,14 @@ class Hf3fsBackend(SlotFileAccess, StorageBackend):
         """Commit the slots that were written (for `session`), abort the others."""
         done = [(i, s) for (i, s), ok in zip(todo, written) if ok]
         failed = [(i, s) for (i, s), ok in zip(todo, written) if not ok]
+        with self._unwritable_lock:
+            full = [(i, s) for i, s in failed if s in self._unwritable]
+            self._unwritable.difference_update(s for _, s in full)
+        failed = [item for item in failed if item not in full]
         try:
+            if full:  # the file system has no room for these slots: the pool shrinks
+                self.metadata.abort([keys[i] for i, _ in full], [s for _, s in full], retire=True)
+                self.counters.add("retired_slots", len(full))
             if failed:
                 self.metadata.abort([keys[i] for i, _ in failed], [s for _, s in failed])
             committed = self.metadata.commit(

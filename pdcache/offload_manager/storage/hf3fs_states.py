@@ -30,8 +30,9 @@ from pdcache.offload_manager.storage.config import (
     PRIVATE_FILE_MODE,
     StorageConfig,
     make_private_dir,
+    make_private_file,
 )
-from pdcache.offload_manager.storage.hf3fs import SlotFileAccess, io_full
+from pdcache.offload_manager.storage.hf3fs import FULL_ERRNOS, SlotFileAccess, io_full
 from pdcache.offload_manager.storage.metadata import (
     BUSY,
     NEW,
@@ -104,6 +105,7 @@ class Hf3fsStateSlots(SlotFileAccess):
                     self._fds.append(-1)  # nothing stored: every read fails (EBADF), a miss
                 continue
             fd = os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
+            make_private_file(fd, path)
             self._fds.append(fd)
             try:
                 if os.fstat(fd).st_size < per_file * self.slot_bytes:
@@ -170,7 +172,8 @@ class Hf3fsStateSlots(SlotFileAccess):
                 self._warn.warning("write", "hf3fs: write of state slot %d failed (%d of %d "
                                    "bytes)", slot, written, self.spec.object_bytes)
                 self.counters.add("state_write_errors")
-                self.metadata.abort([key], [slot])
+                # no room in the file system for this slot: never handed out again
+                self.metadata.abort([key], [slot], retire=-written in FULL_ERRNOS)
                 return False
             committed = self.metadata.commit([key], [slot], session)[0]
         except MetadataUnavailable as exc:

@@ -11,8 +11,13 @@ With a `SessionLifecycle` (`[storage] eviction = "session"`, storage.lifecycle) 
 full pool evicts is the lifecycle's instead of the least recently used: writes carry the
 session (`reserve`/`commit(..., session=SID)`), closed sessions' pages go first.
 
-Accounting invariant, per pool: free + used + reserved == capacity (and, with a lifecycle,
-its groups hold exactly the committed keys).
+Accounting invariant, per pool: free + used + reserved + retired == capacity (and, with a
+lifecycle, its groups hold exactly the committed keys). A *retired* slot is one a write found
+unwritable because the file system is full (hf3fs data files are sparse: a slot gets its
+blocks on its first write): never handed out again while the index lives, so the pool shrinks
+to what the file system holds and evicts from there (it handed the same unwritable slot out
+again and again before, and stopped storing anything for good). Free slots are kept lazily: the
+slots from `_fresh` on were never handed out, `_free` holds the ones given back.
 """
 
 from __future__ import annotations
@@ -121,7 +126,9 @@ class SlotIndex:
         self._committed: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self._reserved: dict[int, tuple[bytes, float]] = {}  # slot -> (key, deadline)
         self._reserved_keys: dict[bytes, int] = {}
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._free: list[int] = []  # slots given back (LIFO); beside every one from `_fresh` on
+        self._fresh = 0  # slots never handed out: a billion-slot pool costs no list up front
+        self.retired = 0  # slots given back unwritable (a full file system): never handed out
         self._lifecycle = lifecycle
         self.evictions = 0
         self.expired_reservations = 0
@@ -157,7 +164,8 @@ class SlotIndex:
                 self._reserved[slot] = (key, deadline)
                 self._reserved_keys[key] = slot
                 taken.add(slot)
-        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]
+        self._fresh = max(taken) + 1 if taken else 0
+        self._free = [s for s in range(self._fresh - 1, -1, -1) if s not in taken]
 
     def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
         slots = [self._committed.get(k) for k in keys]
@@ -183,11 +191,16 @@ class SlotIndex:
     def commit(self, keys: Sequence[bytes], slots: Sequence[int], session: str = "") -> list[bool]:
         return [self._commit_one(k, s, session) for k, s in zip(keys, slots)]
 
-    def abort(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+    def abort(self, keys: Sequence[bytes], slots: Sequence[int], retire: bool = False) -> None:
+        """The writes of `keys` into their reserved `slots` failed: the slots are free again,
+        or, with `retire` (the file system had no room for them), never handed out again."""
         for key, slot in zip(keys, slots):
             if self._reserved.get(slot, (None,))[0] == key:
                 self._release_reservation(slot)
-                self._free.append(slot)
+                if retire:
+                    self.retired += 1
+                else:
+                    self._free.append(slot)
 
     def delete(self, keys: Sequence[bytes]) -> list[int]:
         freed = []
@@ -213,7 +226,8 @@ class SlotIndex:
             "capacity_pages": self.num_slots,
             "used_pages": len(self._committed),
             "reserved_pages": len(self._reserved),
-            "free_pages": len(self._free),
+            "free_pages": self._num_free,
+            "retired_pages": self.retired,
             "evictions": self.evictions,
             "expired_reservations": self.expired_reservations,
         }
@@ -253,10 +267,14 @@ class SlotIndex:
             self._journal.reserved_slot(slot, key)
         return NEW, slot
 
+    @property
+    def _num_free(self) -> int:
+        return len(self._free) + self.num_slots - self._fresh
+
     def _take_slot(self) -> int | None:
-        if not self._free:
+        if not self._num_free:
             self._reclaim_expired()
-        if not self._free and self._committed:
+        if not self._num_free and self._committed:
             if self._lifecycle is not None:
                 key = self._lifecycle.evict()
                 assert key is not None, "the lifecycle lost committed pages"
@@ -267,7 +285,12 @@ class SlotIndex:
             if self._journal:
                 self._journal.remove(key)
             return slot
-        return self._free.pop() if self._free else None
+        if self._free:
+            return self._free.pop()
+        if self._fresh < self.num_slots:
+            self._fresh += 1
+            return self._fresh - 1
+        return None
 
     def _reclaim_expired(self) -> None:
         now = self._clock()
@@ -318,7 +341,8 @@ class MetadataClient(ABC):
     ) -> list[bool]: ...
 
     @abstractmethod
-    def abort(self, keys: Sequence[bytes], slots: Sequence[int]) -> None: ...
+    def abort(self, keys: Sequence[bytes], slots: Sequence[int],
+              retire: bool = False) -> None: ...
 
     @abstractmethod
     def delete(self, keys: Sequence[bytes]) -> list[int]: ...
@@ -371,8 +395,8 @@ class InProcMetadata(MetadataClient):
     def commit(self, keys: Sequence[bytes], slots: Sequence[int], session: str = "") -> list[bool]:
         return self._locked("commit", keys, slots, session)
 
-    def abort(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        self._locked("abort", keys, slots)
+    def abort(self, keys: Sequence[bytes], slots: Sequence[int], retire: bool = False) -> None:
+        self._locked("abort", keys, slots, retire)
 
     def delete(self, keys: Sequence[bytes]) -> list[int]:
         return self._locked("delete", keys)
@@ -594,8 +618,10 @@ class RemoteMetadata(MetadataClient):
         reply = self._call("commit", keys=list(keys), slots=list(slots), **extra)
         return [bool(x) for x in reply]
 
-    def abort(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        self._call("abort", keys=list(keys), slots=list(slots))
+    def abort(self, keys: Sequence[bytes], slots: Sequence[int], retire: bool = False) -> None:
+        # a service that predates `retire` ignores it: the slots are freed, as they were
+        extra = {"retire": True} if retire else {}
+        self._call("abort", keys=list(keys), slots=list(slots), **extra)
 
     def delete(self, keys: Sequence[bytes]) -> list[int]:
         return list(self._call("delete", keys=list(keys)))

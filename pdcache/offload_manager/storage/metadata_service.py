@@ -64,6 +64,9 @@ CREATE TABLE IF NOT EXISTS entries (
     ns TEXT, key BLOB, slot INTEGER, seq INTEGER, PRIMARY KEY (ns, key));
 """
 TOUCH_FLUSH_INTERVAL_S = 1.0
+# a sanity bound on one pool (the index keeps free slots lazily: its memory follows the slots
+# used, not the pool's size)
+MAX_POOL_SLOTS = 1 << 40
 
 
 class UnknownPool(LookupError):
@@ -260,7 +263,11 @@ class MetadataService:
     def _reload(self, term: int | None) -> None:
         self._pools.clear()
         for pool in self._store.load():
-            index = self._new_pool(pool.ns, pool.num_slots, pool.slot_bytes)
+            try:
+                index = self._new_pool(pool.ns, pool.num_slots, pool.slot_bytes)
+            except ValueError as exc:  # a row no index can hold: the other pools still serve
+                log.error("pool %s not restored: %s", pool.ns, exc)
+                continue
             index.load(pool.entries, pool.reservations)
             log.info("pool %s: %d slots, %d entries, %d reservations restored", pool.ns,
                      pool.num_slots, len(pool.entries), len(pool.reservations))
@@ -291,6 +298,11 @@ class MetadataService:
         except (LostLeadership, StoreUnavailable) as exc:
             log.warning("metadata: %s; dropping the in-memory index", exc)
             self._drop()
+        except Exception as exc:  # noqa: BLE001 - a busy or failing SQLite: retried later
+            # (it escaped the serve loop and ended the service: "database is locked")
+            self._last_touch_flush = time.monotonic()
+            log.warning("metadata: recency flush failed (%r); retried in %.0f s", exc,
+                        TOUCH_FLUSH_INTERVAL_S)
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         """Apply one request; durable changes are in the store before this returns."""
@@ -374,7 +386,8 @@ class MetadataService:
             keys, slots = [bytes(k) for k in req["keys"]], list(req["slots"])
             return index.commit(keys, slots, str(req.get("session", "")))
         if op == "abort":
-            return index.abort([bytes(k) for k in req["keys"]], list(req["slots"]))
+            return index.abort([bytes(k) for k in req["keys"]], list(req["slots"]),
+                               bool(req.get("retire", False)))
         if op == "end_session":
             return index.end_session(str(req["session"]))
         if op in ("entries", "stats", "clear"):
@@ -397,8 +410,17 @@ class MetadataService:
                 )
             return index.num_slots
         num_slots = min(slots, self._capacity_pages) if self._capacity_pages else slots
-        self._store.create_pool(ns, num_slots, slot_bytes, self._term)
+        if not 1 <= num_slots <= MAX_POOL_SLOTS or slot_bytes < 1:
+            raise ValueError(f"pool '{ns}': {num_slots} slots of {slot_bytes} bytes (1 to "
+                             f"{MAX_POOL_SLOTS} slots of at least one byte)")
+        # the index first: a pool it refuses must not reach the store, where every later
+        # load (a restart, a promotion) failed on it and no pool served any more
         self._new_pool(ns, num_slots, slot_bytes)
+        try:
+            self._store.create_pool(ns, num_slots, slot_bytes, self._term)
+        except BaseException:
+            del self._pools[ns]
+            raise
         log.info("pool %s created: %d slots of %d bytes", ns, num_slots, slot_bytes)
         return num_slots
 

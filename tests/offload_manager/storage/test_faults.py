@@ -104,15 +104,38 @@ def _in_forked_child(fn: Callable[[], dict], timeout_s: float = 60.0) -> dict:
     return result
 
 
-def test_hf3fs_disk_full_fails_puts_and_frees_slots(tmp_path: Path) -> None:
+def _full_then_more(cfg: StorageConfig, limit: int) -> dict:
+    """`_limited_put_get`'s 4 pages, then 4 more under new keys on the same backend."""
+    backend = create_backend(cfg)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    result: dict = {"put": backend.put_from(_keys(4), list(_pages(4))),
+                    "stats": backend.stats()}
+    keys, pages = _keys(4, tag=1), _pages(4, seed=1)
+    # two at a time: the pool holds 2 pages now (a batch of 4 reserves 2 and finds it full)
+    result["more_put"] = (backend.put_from(keys[:2], list(pages[:2]))
+                          + backend.put_from(keys[2:], list(pages[2:])))
+    out = torch.zeros_like(pages)
+    result["more_got"] = backend.get_into(keys[2:], list(out[2:]))
+    result["more_exact"] = bool(torch.equal(out[2:], pages[2:]))
+    backend.close()
+    return result
+
+
+def test_hf3fs_disk_full_shrinks_the_pool_and_keeps_storing(tmp_path: Path) -> None:
+    """Sparse data files: a slot gets its blocks on its first write. The slots the file
+    system had no room for went back to the free list and were handed out again and again:
+    the store refused every later page for good, though it could evict into written slots."""
     cfg = _config(tmp_path / "store")
-    result = _in_forked_child(lambda: _limited_put_get(cfg, limit=2 * SLOT_BYTES))
+    result = _in_forked_child(lambda: _full_then_more(cfg, limit=2 * SLOT_BYTES))
     assert result["put"] == [True, True, False, False]
-    assert result["got"] == [True, True, False, False]
-    assert result["exact"][:2] == [True, True]
     stats = result["stats"]
-    assert stats["write_errors"] == 2
-    assert (stats["used_pages"], stats["reserved_pages"], stats["free_pages"]) == (2, 0, 2)
+    assert stats["write_errors"] == 2 and stats["retired_slots"] == 2
+    assert (stats["used_pages"], stats["reserved_pages"], stats["free_pages"],
+            stats["retired_pages"]) == (2, 0, 0, 2)
+    # the store keeps storing in the slots it could write (evicting the oldest)
+    assert result["more_put"] == [True] * 4
+    assert result["more_got"] == [True, True] and result["more_exact"]
 
 
 def test_file_disk_full_fails_puts_and_leaves_no_temp_files(tmp_path: Path) -> None:
@@ -488,6 +511,32 @@ def test_service_capacity_caps_the_pool_and_evicts_lru(tmp_path: Path) -> None:
             assert [backend.exists_prefix([k]) for k in keys] == [0, 0, 1, 1, 1]
         finally:
             backend.close()
+
+
+def test_a_pool_the_index_refuses_never_reaches_the_store(tmp_path: Path) -> None:
+    """`open` with 0 slots was written to SQLite before the index refused it: every reload
+    failed on that row after it, so no pool served, and a restarted service crash-looped."""
+    from pdcache.offload_manager.storage.metadata_service import MetadataService
+
+    service = MetadataService(tmp_path / "state")
+    good = {"op": "open", "ns": "good", "slots": 8, "slot_bytes": PAGE_BYTES}
+    assert service.handle(good)["ok"]
+    (status, slot), = service.handle({"op": "reserve", "ns": "good", "keys": [b"k" * 32]})[
+        "result"]
+    assert service.handle({"op": "commit", "ns": "good", "keys": [b"k" * 32],
+                           "slots": [slot]})["result"] == [True]
+    for slots in (0, -3):
+        bad = service.handle({"op": "open", "ns": "bad", "slots": slots,
+                              "slot_bytes": PAGE_BYTES})
+        assert not bad["ok"], bad
+    service.drop_index()  # what the serve loop does after an unexpected error: reload
+    assert service.handle({"op": "lookup", "ns": "good", "keys": [b"k" * 32]})["result"] == [
+        slot]
+    service.close()
+    restarted = MetadataService(tmp_path / "state")
+    assert restarted.handle({"op": "lookup", "ns": "good", "keys": [b"k" * 32]})["result"] == [
+        slot]
+    restarted.close()
 
 
 def test_service_survives_malformed_requests(service) -> None:
