@@ -366,6 +366,9 @@ class RouterSettings(ApiSettings):
     cache_aware_balance: int = 32
     api_key: str | None = None  # one client key for every request (or [[router.tenant]] tables)
     connect_timeout_s: float = 5.0  # connecting to a node
+    # connections to the nodes held at once (requests; health probes have a pool of their
+    # own); a request finding none free within connect_timeout_s is answered 503 router_busy
+    max_node_connections: int = 4096
     health_interval_s: float = 2.0  # between health probes of every node
     max_inflight_per_node: int = 0  # requests in flight per node before the router queues; 0 = no limit
     max_queue: int = 1024  # requests the router queues when every node is at its limit

@@ -8,6 +8,7 @@ kernel backend name is checked against the kernels registry when a node is set u
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 import types
 from collections.abc import Iterable
@@ -28,7 +29,9 @@ from pdcache.config.schema import (
 from pdcache.engine.scheduler_config import SchedulerConfig
 from pdcache.offload_manager.storage.config import QUOTA_UNENFORCED_BACKENDS
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# no '.': a name is one part of a dotted key (`--set node.NAME.port=...`,
+# `router.tenant.NAME.max_inflight`); a node named "p.0" could not be set at all
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _LOCAL_ALIASES = {"localhost": "127.0.0.1"}
 # a decode node whose steps are held longer (paced, or yielding to prefill) would look hung to
 # its clients (one token a second)
@@ -162,7 +165,7 @@ def _check_nodes(topology: Topology, ctx: ErrorContext) -> None:
     for node in topology.nodes:
         key = f"node.{node.name}"
         if not _NAME_RE.match(node.name):
-            raise ctx.error(f"{key}.name", "expected letters, digits, '_', '-' or '.'")
+            raise ctx.error(f"{key}.name", "expected letters, digits, '_' or '-' (a name is one part of a dotted key)")
         if node.name in seen or node.name in names:
             raise ctx.error(f"{key}.name", f"duplicate name '{node.name}' (node and router names must be unique)")
         seen.add(node.name)
@@ -392,10 +395,26 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# the [router] numbers and their least values (positive floats: more than 0); the router
+# process refused a wrong one only once launched, naming no key, and the launcher restarted
+# it until it gave up; a zero health interval probed every node back to back
+_ROUTER_LEAST = {"max_attempts": 1, "max_queue": 0, "max_inflight_per_node": 0,
+                 "cache_aware_balance": 0, "max_node_connections": 1}
+_ROUTER_POSITIVE = ("request_timeout_s", "connect_timeout_s", "health_interval_s")
+
+
 def _check_router(topology: Topology, ctx: ErrorContext) -> None:
     router = topology.router
     if router is None:
         return
+    for key, least in _ROUTER_LEAST.items():
+        if getattr(router, key) < least:
+            raise ctx.error(f"router.{key}", f"expected an integer >= {least}, got "
+                            f"{getattr(router, key)}")
+    for key in _ROUTER_POSITIVE:
+        value = getattr(router, key)
+        if not 0 < value < math.inf:
+            raise ctx.error(f"router.{key}", f"expected a number of seconds > 0, got {value}")
     if (router.tls_cert is None) != (router.tls_key is None):
         raise ctx.error("router.tls_key" if router.tls_key is None else "router.tls_cert",
                         "give both tls_cert and tls_key (PEM files) to serve HTTPS, or neither")
@@ -403,7 +422,7 @@ def _check_router(topology: Topology, ctx: ErrorContext) -> None:
     for tenant in router.tenant:
         key = f"router.tenant.{tenant.name}"
         if not _NAME_RE.match(tenant.name):
-            raise ctx.error(f"{key}.name", "expected letters, digits, '_', '-' or '.'")
+            raise ctx.error(f"{key}.name", "expected letters, digits, '_' or '-' (a name is one part of a dotted key)")
         if tenant.name in names:
             raise ctx.error(f"{key}.name", f"duplicate tenant name '{tenant.name}'")
         names.add(tenant.name)

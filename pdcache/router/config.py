@@ -34,9 +34,10 @@ class RouterConfig(RouterSettings, PageGeometry):
     node_token: str | None = field(default=None, repr=False)  # cluster secret's node credential
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1 or self.max_queue < 0 or self.max_inflight_per_node < 0:
-            raise ValueError("max_attempts must be >= 1, max_queue and max_inflight_per_node "
-                             ">= 0")
+        if (self.max_attempts < 1 or self.max_queue < 0 or self.max_inflight_per_node < 0
+                or self.max_node_connections < 1):
+            raise ValueError("max_attempts and max_node_connections must be >= 1, max_queue "
+                             "and max_inflight_per_node >= 0")
         names = [t.name for t in self.all_tenants()]
         keys = [t.api_key for t in self.all_tenants()]
         if len(set(names)) != len(names) or len(set(keys)) != len(keys):

@@ -66,6 +66,7 @@ from pdcache.wire.protocol import (
 
 T = TypeVar("T")
 FINISHED_OK = ("stop", "length")
+PROBE_CONNECTIONS = 64  # the health probes' own pool: one probe per node at a time
 
 
 @dataclass
@@ -158,9 +159,14 @@ class Router:
         # every call to a node (generate, health, service endpoints) carries the node
         # credential derived from the cluster secret, when there is one
         self.client = httpx.AsyncClient(trust_env=False, headers=config.node_headers(),
-                                        transport=node_transport())
+                                        transport=node_transport(config.max_node_connections))
+        # health probes get a pool of their own: with every request connection in use they
+        # waited for one, timed out, and marked every node unhealthy (a router under load
+        # then refused everything: 503 no_healthy_node)
+        self.probe_client = httpx.AsyncClient(trust_env=False, headers=config.node_headers(),
+                                              transport=node_transport(PROBE_CONNECTIONS))
         self.registry = NodeRegistry(
-            config.nodes, self.client, health_interval_s=config.health_interval_s,
+            config.nodes, self.probe_client, health_interval_s=config.health_interval_s,
             health_timeout_s=config.health_timeout_s, unhealthy_after=config.unhealthy_after,
             on_recovered=lambda node: self.selector.index.forget(node.name),
             on_checked=lambda: self.admission.pump())
@@ -186,6 +192,7 @@ class Router:
     async def shutdown(self) -> None:
         await self.registry.stop()
         await self.client.aclose()
+        await self.probe_client.aclose()
 
     # ---- routing
 

@@ -102,7 +102,11 @@ def _error_object(content: bytes) -> dict[str, Any] | None:
 
 
 def _transport_error(node: NodeState, exc: httpx.HTTPError, deadline: Deadline) -> ApiError:
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+    if isinstance(exc, httpx.PoolTimeout):  # the router's own pool is used up, not the node
+        return ApiError(503, f"the router has no free connection to {node.role} node "
+                        f"{node.name} (every one of [router] max_node_connections is in use)",
+                        type=OVERLOADED, code="router_busy")
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
         return NodeUnreachableError(node, f"{type(exc).__name__}: {exc}")
     if isinstance(exc, httpx.TimeoutException):
         return deadline.error(f"{node.role} node {node.name}")
@@ -208,14 +212,15 @@ class EventStream:
 # --------------------------------------------------------------------------- the client
 
 
-def node_transport() -> httpx.AsyncHTTPTransport:
+def node_transport(max_connections: int = 4096) -> httpx.AsyncHTTPTransport:
     """The connection pool to the nodes: connections are kept and reused (`EventStream`
     drains a finished stream for that), with TCP_NODELAY, so a request's body, written after
     its headers, never waits for the node's delayed ACK (the nodes set it on their side too:
     `wire.serving.listen`). An idle connection is dropped after `POOL_IDLE_S`, well before
     the node closes it (`KEEP_ALIVE_S`)."""
     return httpx.AsyncHTTPTransport(
-        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256,
+        limits=httpx.Limits(max_connections=max_connections,
+                            max_keepalive_connections=min(256, max_connections),
                             keepalive_expiry=POOL_IDLE_S),
         socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
 
@@ -320,7 +325,8 @@ class NodeClient:
 
     def _timeout(self, deadline: Deadline) -> httpx.Timeout:
         remaining = max(deadline.remaining(), 0.001)
-        return httpx.Timeout(remaining, connect=min(self._connect_timeout_s, remaining))
+        connect = min(self._connect_timeout_s, remaining)
+        return httpx.Timeout(remaining, connect=connect, pool=connect)
 
     def _failed(self, node: NodeState, exc: httpx.HTTPError, deadline: Deadline) -> ApiError:
         error = _transport_error(node, exc, deadline)

@@ -7,7 +7,7 @@ import itertools
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,19 +36,28 @@ class SessionStore:
     """
 
     def __init__(self, max_sessions: int = 10_000, idle_ttl_s: float = 3600.0,
-                 max_total_tokens: int = 64 * 2**20) -> None:
+                 max_total_tokens: int = 64 * 2**20,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
         self.max_total_tokens = max_total_tokens  # 64 Mi tokens = 256 MiB of history
+        self._clock = clock
         self.total_tokens = 0
         self.refused_commits = 0  # turns whose session changed while they ran
         self._sessions: OrderedDict[Hashable, Session] = OrderedDict()
         self._versions = itertools.count(1)  # never reused: a closed session's is gone for good
 
     def history(self, session_id: Hashable) -> list[int]:
+        """The session's token history; a turn built on it counts as its use (the idle TTL
+        runs from the last turn's start: a turn that began just inside it and finished past
+        it found its session expired at commit and was refused)."""
         self._expire()
         session = self._sessions.get(session_id)
-        return list(session.token_ids) if session else []
+        if session is None:
+            return []
+        session.last_used = self._clock()
+        self._sessions.move_to_end(session_id)
+        return list(session.token_ids)
 
     def version(self, session_id: Hashable) -> int:
         """Which history `history` gives now: the commit that wrote it, 0 for none (a new,
@@ -62,7 +71,6 @@ class SessionStore:
         """Record a finished turn whose prompt was built on history `base_version`: the
         session's history becomes input_ids + output_ids. False, nothing recorded, when the
         session moved on since (another turn committed, it was closed or dropped)."""
-        self._expire()
         if self.version(session_id) != base_version:
             self.refused_commits += 1
             return False
@@ -70,7 +78,7 @@ class SessionStore:
         session.token_ids = array("I", input_ids)
         session.token_ids.extend(output_ids)
         session.turns += 1
-        session.last_used = time.monotonic()
+        session.last_used = self._clock()
         session.version = next(self._versions)
         self._sessions[session_id] = session
         self.total_tokens += len(session.token_ids)
@@ -97,7 +105,7 @@ class SessionStore:
         return len(self._sessions)
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         while self._sessions:
             sid, oldest = next(iter(self._sessions.items()))
             if now - oldest.last_used <= self.idle_ttl_s:

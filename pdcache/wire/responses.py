@@ -9,6 +9,7 @@ byte-identical bodies and streams.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -22,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Message, Send
 
 from pdcache.engine.api import CachedTokens
 from pdcache.wire.protocol import NOT_FOUND, SERVER_ERROR, ApiError, error_body
@@ -125,14 +127,53 @@ async def sse_guard(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     yield SSE_DONE
 
 
-def event_stream(events: AsyncIterator[bytes], cleanup: BackgroundTask) -> Response:
-    """SSE response; errors become an `error` event and the stream always ends [DONE].
+# How long one write of a stream may wait for the client to read. A client that keeps its
+# connection open but stops reading (a suspended agent, a partition) held its request, the
+# node slot, the upstream and its tenant's slot for good: no deadline covered writes.
+WRITE_STALL_S = 60.0
+
+
+class StallBoundedStream(StreamingResponse):
+    """A StreamingResponse whose every write must end within `stall_timeout_s`; past it the
+    stream ends as if the client had left: the event generator is closed (its `finally`
+    blocks free what the request holds), the background cleanup runs, and the server closes
+    the connection (the response never completed)."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, stall_timeout_s: float,
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.stall_timeout_s = stall_timeout_s
+
+    async def stream_response(self, send: Send) -> None:
+        async def bounded(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.stall_timeout_s)
+            except TimeoutError:
+                raise _ClientStalled from None
+
+        try:
+            await super().stream_response(bounded)
+        except _ClientStalled:
+            log.warning("client read nothing for %.0f s: its stream ends", self.stall_timeout_s)
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class _ClientStalled(Exception):
+    """One write to the client did not end in time (`StallBoundedStream`)."""
+
+
+def event_stream(events: AsyncIterator[bytes], cleanup: BackgroundTask,
+                 stall_timeout_s: float = WRITE_STALL_S) -> Response:
+    """SSE response; errors become an `error` event and the stream always ends [DONE]; a
+    client that reads nothing for `stall_timeout_s` is left (`StallBoundedStream`).
 
     `cleanup` also runs for a client that leaves before the first event is pulled: the event
     generator never ran then, so only it can abort the request (or close the upstream)."""
-    return StreamingResponse(
-        sse_guard(events), media_type="text/event-stream", background=cleanup,
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StallBoundedStream(
+        sse_guard(events), stall_timeout_s=stall_timeout_s, media_type="text/event-stream",
+        background=cleanup, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 # --------------------------------------------------------------------------- errors

@@ -201,6 +201,19 @@ BROKEN = [
      "scheduler.compute_share: expected a file path"),
     ("empty launch_prefix part", lambda s: s.replace("port = 30002", 'port = 30002\nlaunch_prefix = ["taskset", ""]'),
      "node.d0.launch_prefix: expected non-empty strings"),
+    # the router refused these only once launched, naming no key, and was restarted until
+    # the launcher gave up; a zero interval probed every node back to back
+    ("no router attempt", lambda s: s.replace("port = 8000", "port = 8000\nmax_attempts = 0"),
+     "router.max_attempts: expected an integer >= 1, got 0"),
+    ("router probes back to back", lambda s: s.replace("port = 8000", "port = 8000\nhealth_interval_s = 0"),
+     "router.health_interval_s: expected a number of seconds > 0, got 0"),
+    ("router deadline nan", lambda s: s.replace("port = 8000", "port = 8000\nrequest_timeout_s = nan"),
+     "router.request_timeout_s: expected a number of seconds > 0, got nan"),
+    ("no node connection", lambda s: s.replace("port = 8000", "port = 8000\nmax_node_connections = 0"),
+     "router.max_node_connections: expected an integer >= 1, got 0"),
+    # a dotted name is two parts of a dotted key: `--set node.p.0.port=...` found no node 'p'
+    ("dotted node name", lambda s: s.replace('name = "d0"', 'name = "d.0"'),
+     "node.d.0.name: expected letters, digits, '_' or '-'"),
 ]
 
 

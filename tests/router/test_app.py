@@ -336,3 +336,31 @@ def test_streamed_completion_stops_at_stop_string(nodes: list[UnifiedNode]) -> N
     while any(n.running() for n in nodes) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [n.running() for n in nodes] == [0, 0]  # the stop string aborted the node request
+
+
+def test_a_router_out_of_node_connections_is_busy_and_its_probes_still_run(
+        nodes: list[UnifiedNode]) -> None:
+    """Probes shared the requests' connection pool: with every connection in use they timed
+    out and took every node out of service, and a request finding the pool used up marked its
+    (healthy) node unreachable. Now probes have a pool of their own, and an exhausted pool is
+    the router's own overload: 503 router_busy, the node untouched."""
+    import asyncio
+
+    with router_client(nodes[:1], max_node_connections=1, connect_timeout_s=0.3,
+                       health_timeout_s=1.0) as client:
+        router = client.app.state.router  # type: ignore[attr-defined]
+        body = {"input_ids": prompt(20, 1), "stream": True,
+                "sampling_params": {"max_new_tokens": 4000, **GREEDY}}
+        with client.stream("POST", "/generate", json=body) as long_stream:
+            assert long_stream.status_code == 200
+            lines = long_stream.iter_lines()  # kept referenced: dropping it closes the stream
+            next(lines)  # the router's one node connection carries this stream now
+            busy = client.post("/generate", json={"input_ids": prompt(20, 2),
+                                                  "sampling_params": {"max_new_tokens": 2}})
+            assert busy.status_code == 503, busy.text
+            assert busy.json()["error"]["code"] == "router_busy"
+            asyncio.run_coroutine_threadsafe(router.registry.check_all(),
+                                             router.loop).result(10)
+            (node,) = router.registry.nodes
+            assert node.healthy and node.consecutive_failures == 0, node.last_error
+        assert generate(client, prompt(20, 3), 2)["meta_info"]["prefill_node"] == "u0"

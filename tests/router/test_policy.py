@@ -120,6 +120,23 @@ def test_a_session_turn_commits_only_onto_the_history_it_was_built_on() -> None:
     assert store.history("s") == [5, 6]
 
 
+def test_a_session_s_idle_time_runs_from_its_last_turn_s_start() -> None:
+    """A turn that began inside the idle TTL and ended past it found its session expired at
+    commit (the TTL ran from the last commit): refused, and the history gone."""
+    now = [0.0]
+    store = SessionStore(idle_ttl_s=10.0, clock=lambda: now[0])
+    store.commit("s", [1], [2], 0)
+    now[0] = 9.0
+    assert store.history("s") == [1, 2]  # turn 2 starts
+    base = store.version("s")
+    now[0] = 15.0  # a long turn: it ends 15 s after turn 1's commit
+    assert store.commit("s", [1, 2, 3], [4], base)
+    now[0] = 24.0
+    assert store.history("s") == [1, 2, 3, 4]
+    now[0] = 40.0  # idle for 16 s
+    assert store.history("s") == [] and len(store) == 0
+
+
 def test_session_idle_expiry() -> None:
     store = SessionStore(idle_ttl_s=0.0)
     store.commit("s", [1], [2], 0)

@@ -66,3 +66,43 @@ def test_an_idle_connection_outlives_a_pooling_client_s_idle_time() -> None:
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def test_a_client_that_stops_reading_a_stream_is_left() -> None:
+    """A streaming client that keeps its connection open but reads nothing (a suspended
+    agent, a partition) held its request for good: the writes to it waited forever and no
+    deadline covered them, so the event generator never ended and its cleanup never ran.
+    Now a write that waits past the stall bound ends the stream as a client gone would."""
+    import threading
+
+    from fastapi import FastAPI
+    from starlette.background import BackgroundTask
+
+    from pdcache.wire.responses import event_stream
+    from tests.polling import scaled_limit
+    from tests.router_support import ThreadedServer
+
+    generator_closed, cleaned_up = threading.Event(), threading.Event()
+    app = FastAPI()
+
+    @app.get("/stream")
+    async def stream():  # type: ignore[no-untyped-def]
+        async def events():  # endless 64 KiB events: the socket buffers fill at once
+            try:
+                while True:
+                    yield b"data: " + b"x" * 65536 + b"\n\n"
+            finally:
+                generator_closed.set()
+
+        return event_stream(events(), BackgroundTask(cleaned_up.set), stall_timeout_s=0.5)
+
+    server = ThreadedServer(app)
+    try:
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", server.port))
+            client.sendall(b"GET /stream HTTP/1.1\r\nHost: test\r\n\r\n")  # never read
+            assert generator_closed.wait(scaled_limit(20.0))
+            assert cleaned_up.wait(scaled_limit(10.0))
+    finally:
+        server.stop()
