@@ -47,7 +47,7 @@ from pdcache.router.node_client import (
     node_transport,
 )
 from pdcache.router.nodes import NodeRegistry
-from pdcache.router.policy import NoHealthyNodeError, PairSelector
+from pdcache.router.policy import NodeState, NoHealthyNodeError, PairSelector
 from pdcache.router.proxy import Proxy, close_stream
 from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.route import Deadline, Route
@@ -149,7 +149,7 @@ class Router:
         self.model_name = config.served_model_name or model.name
         self.limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
         self.selector = PairSelector(config.prefill_policy, config.decode_policy,
-                                     balance=config.cache_aware_balance)
+                                     balance=config.cache_aware_balance, load=self._load)
         self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
         self.chat = ChatContinuation(self.tokenizer)
         self.agent = AgentFeatures(self.tokenizer, model.vocab_size, config.tool_call_parser,
@@ -181,6 +181,11 @@ class Router:
         self.proxy = Proxy(self.client, self.registry, connect_timeout_s=config.connect_timeout_s,
                            on_node_result=self.metrics.observe_node,
                            first_token_from_prefill=config.first_token_from_prefill)
+
+    def _load(self, node: NodeState) -> int:
+        """A node's requests for the policies: its calls in flight, or the slots the router
+        granted it when more (granted synchronously at the pick: a burst sees its own)."""
+        return max(node.in_flight, self.admission.held(node))
 
     # ---- lifecycle
 

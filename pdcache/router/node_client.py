@@ -62,8 +62,22 @@ class NodeOverloadedError(ApiError):
 
 def error_from_response(node: NodeState, status: int, content: bytes) -> ApiError:
     """A node's non-200 answer: its OpenAI-style error passed through (5xx other than
-    503/504 become 502, as the router is the gateway); garbage becomes a 502."""
+    503/504 become 502, as the router is the gateway); garbage becomes a 502. A 503 is the
+    node's overload whatever its body (an ingress or sidecar in front of a restarting node
+    answers one in HTML): retried elsewhere. A 401 / 403 refused the router's own node
+    credential (a rotated cluster secret): the router's failure, a 502, never the client's
+    authentication error."""
     error = _error_object(content)
+    if status == 503 and error is None:
+        text = content[:200].decode(errors="replace")
+        return NodeOverloadedError(node, ApiError(
+            503, f"{node.role} node {node.name} is unavailable: {text!r}", type=OVERLOADED,
+            code="node_unavailable"))
+    if status in (401, 403):
+        message = (error or {}).get("message") or content[:200].decode(errors="replace")
+        return ApiError(502, f"{node.role} node {node.name} refused the router's credential "
+                        f"({status}: {message}): check the cluster secret both use",
+                        type=SERVER_ERROR, code=BAD_GATEWAY)
     if error is None:
         text = content[:200].decode(errors="replace")
         return ApiError(502, f"{node.role} node {node.name} answered {status} without a JSON "

@@ -12,7 +12,7 @@ Only healthy nodes are candidates. Called from the router's event loop only (no 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 PREFILL_POLICIES = ("round_robin", "least_load", "cache_aware")
@@ -77,9 +77,14 @@ class PairSelector:
     """Picks (prefill, decode) among healthy nodes according to the configured policies."""
 
     def __init__(self, prefill_policy: str = "round_robin", decode_policy: str = "round_robin",
-                 index: PrefixIndex | None = None, balance: int = 0) -> None:
+                 index: PrefixIndex | None = None, balance: int = 0,
+                 load: Callable[[NodeState], int] | None = None) -> None:
         """`balance` (cache_aware): the most requests in flight a matching node may have
-        beyond the least loaded node and still win; 0: no bound."""
+        beyond the least loaded node and still win; 0: no bound. `load`: a node's requests
+        as the policies count them (default its `in_flight`; the router counts the slots it
+        granted too: a PD call counts itself only once its task runs, after the rest of a
+        burst had picked, and every request of the burst went to one prefill node)."""
+        self._load: Callable[[NodeState], int] = load or (lambda node: node.in_flight)
         if prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"prefill policy must be one of {PREFILL_POLICIES}, got {prefill_policy!r}")
         if decode_policy not in DECODE_POLICIES:
@@ -98,22 +103,23 @@ class PairSelector:
         node that serves the whole request, chosen by the prefill policy."""
         healthy = _healthy(nodes, role)
         if self.prefill_policy == "cache_aware" and page_keys:
-            best = max(healthy, key=lambda n: (self.index.match_len(n.name, page_keys), -n.in_flight))
-            least = min(healthy, key=lambda n: n.in_flight)
+            best = max(healthy, key=lambda n: (self.index.match_len(n.name, page_keys),
+                                               -self._load(n)))
+            least = min(healthy, key=self._load)
             if self.index.match_len(best.name, page_keys) > 0 and not self._overloaded(best, least):
                 return best
             return least
         return self._pick(healthy, role, self.prefill_policy)
 
     def _overloaded(self, node: NodeState, least: NodeState) -> bool:
-        return self.balance > 0 and node.in_flight - least.in_flight > self.balance
+        return self.balance > 0 and self._load(node) - self._load(least) > self.balance
 
     def pick_decode(self, nodes: Sequence[NodeState]) -> NodeState:
         return self._pick(_healthy(nodes, "decode"), "decode", self.decode_policy)
 
     def _pick(self, healthy: list[NodeState], role: str, policy: str) -> NodeState:
         if policy == "least_load":
-            return min(healthy, key=lambda n: n.in_flight)
+            return min(healthy, key=self._load)
         turn = self._turns.get(role, 0)
         self._turns[role] = turn + 1
         return healthy[turn % len(healthy)]

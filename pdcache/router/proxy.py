@@ -144,14 +144,21 @@ class Proxy:
         p_task = self._prefill_task(route, p_body, deadline)
         d_task = asyncio.create_task(self._client.post_json(route.decode, d_body, deadline))
         try:
-            await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_EXCEPTION)
-            p_error, d_error = _failure(p_task), _failure(d_task)
+            # until D answers or P fails: once D answered, P gets its grace and its outcome is
+            # only logged (the wait used to end on the first exception only: a D answer then
+            # waited for P to the deadline, and a P failing after it threw the answer away)
+            while not d_task.done() and _failure(p_task) is None:
+                running = {task for task in (p_task, d_task) if not task.done()}
+                await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            d_error = _failure(d_task)
+            if d_task.done() and d_error is None:
+                await _settle(p_task, PREFILL_FINISH_GRACE_S)
+                return d_task.result()
+            p_error = _failure(p_task)
             if p_error is not None:
                 raise p_error
-            if d_error is not None:
-                raise await _root_cause(p_task, d_error)
-            await _settle(p_task, PREFILL_FINISH_GRACE_S)
-            return d_task.result()
+            assert d_error is not None
+            raise await _root_cause(p_task, d_error)
         finally:
             await _cancel(p_task, d_task)
 

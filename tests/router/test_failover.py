@@ -152,8 +152,14 @@ def test_hanging_node_is_a_504_in_bounded_time(stream: bool) -> None:
     (http_reply("400 Bad Request", json.dumps({"error": {
         "message": "bad ids", "type": "invalid_request_error", "param": "input_ids",
         "code": "token_id_out_of_range"}}).encode()), 400, "token_id_out_of_range"),
-    (http_reply("503 Service Unavailable", b"<html>busy</html>", "text/html"), 502,
-     "bad_gateway"),
+    # a node's 503 is its overload whatever the body (an ingress in front of it): retryable,
+    # and with no other node the client gets it as a 503
+    (http_reply("503 Service Unavailable", b"<html>busy</html>", "text/html"), 503,
+     "node_unavailable"),
+    # the node refused the router's credential: not the client's authentication error
+    (http_reply("401 Unauthorized", json.dumps({"error": {
+        "message": "bad token", "type": "authentication_error", "param": None,
+        "code": None}}).encode()), 502, "bad_gateway"),
     (b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"output", 502, "bad_gateway"),
 ])
 def test_node_errors_and_garbage_map_to_json_errors(reply: bytes, status: int,
@@ -256,3 +262,110 @@ def test_router_command_serves_and_stops() -> None:
         if router is not None:
             router.kill()
         node.stop()
+
+
+def _meta(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "cached_tokens": 0, "cached_tokens_details": {}, "computed_tokens": prompt_tokens,
+            "finish_reason": {"type": "length"}}
+
+
+def test_pd_json_answer_survives_a_late_prefill() -> None:
+    """PD without streaming: decode answered, prefill's own call ended later. The router
+    waited for prefill to the deadline when it hung (a 504, the answer lost) and threw the
+    answer away when it failed after it (a 502). Prefill now gets its grace, its outcome
+    only logged, as on the streaming path."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    prefill_app, decode_app = FastAPI(), FastAPI()
+
+    @prefill_app.get("/health")
+    async def prefill_health() -> dict[str, str]:
+        return {"status": "ok", "bootstrap": "127.0.0.1:1"}
+
+    @prefill_app.post("/generate")
+    async def prefill_generate() -> JSONResponse:
+        await asyncio.sleep(0.5)  # decode has answered by then
+        return JSONResponse({"error": {"message": "bookkeeping failed", "type": "server_error"}},
+                            status_code=500)
+
+    @decode_app.get("/health")
+    async def decode_health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @decode_app.post("/generate")
+    async def decode_generate() -> dict[str, Any]:
+        return {"text": "abc", "output_ids": [1, 2, 3], "meta_info": _meta(24, 3)}
+
+    servers = [ThreadedServer(prefill_app), ThreadedServer(decode_app)]
+    endpoints = (NodeEndpoint("p0", "prefill", servers[0].url),
+                 NodeEndpoint("d0", "decode", servers[1].url))
+    config = RouterConfig(nodes=endpoints, page_size=PAGE, request_timeout_s=30,
+                          health_interval_s=30, health_timeout_s=2.0)
+    try:
+        with RouterUnderTest(create_app(config)) as client:
+            start = time.monotonic()
+            r = client.post("/generate", json=body())
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == [1, 2, 3]
+            assert time.monotonic() - start < 20  # within prefill's grace, not the deadline
+    finally:
+        for server in servers:
+            server.stop(3)
+
+
+def test_a_pd_burst_is_spread_over_the_prefill_nodes() -> None:
+    """Requests reaching the router together (an agent's parallel tool calls): a PD call
+    counted itself in its node's load only once its task ran, after the rest of the burst
+    had picked, so least_load (and cache_aware without a match) sent all of it to one
+    prefill node. The slots granted at the pick count now."""
+    import asyncio
+    from collections import Counter
+
+    from fastapi import FastAPI
+
+    from pdcache.router.core import Prepared, Router
+    from pdcache.router.route import Deadline
+
+    def node_app(bootstrap: str | None) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "ok", **({"bootstrap": bootstrap} if bootstrap else {})}
+
+        @app.post("/generate")
+        async def generate() -> dict[str, Any]:
+            await asyncio.sleep(0.2)
+            return {"text": "abc", "output_ids": [1, 2, 3], "meta_info": _meta(24, 3)}
+
+        return app
+
+    servers = [ThreadedServer(node_app(f"127.0.0.1:{40000 + i}")) for i in range(2)]
+    servers += [ThreadedServer(node_app(None)) for _ in range(2)]
+    endpoints = (NodeEndpoint("p0", "prefill", servers[0].url),
+                 NodeEndpoint("p1", "prefill", servers[1].url),
+                 NodeEndpoint("d0", "decode", servers[2].url),
+                 NodeEndpoint("d1", "decode", servers[3].url))
+
+    async def burst(policy: str) -> Counter[str]:
+        router = Router(RouterConfig(nodes=endpoints, page_size=PAGE, prefill_policy=policy,
+                                     decode_policy="least_load", health_interval_s=30))
+        await router.startup()
+        try:
+            preps = [Prepared(prompt(24, seed=i), {"max_new_tokens": 3}, None, None)
+                     for i in range(6)]
+            sent = await asyncio.gather(*(router.send_json(p, Deadline(30)) for p in preps))
+            return Counter(route.prefill_name for _, route in sent)
+        finally:
+            await router.shutdown()
+
+    try:
+        for policy in ("least_load", "cache_aware"):
+            assert asyncio.run(burst(policy)) == {"p0": 3, "p1": 3}, policy
+    finally:
+        for server in servers:
+            server.stop(3)
