@@ -64,6 +64,10 @@ class NodeRegistry:
         if len(set(names)) != len(names):
             raise ValueError(f"node names must be unique, got {names}")
         self.nodes = [NodeState(e.name, e.url.rstrip("/"), e.role, e.bootstrap) for e in endpoints]
+        # prefill nodes whose bootstrap address was configured; the others' is learnt from
+        # every probe (a node restarted on another bootstrap port kept its old one: every PD
+        # request through it failed until the router restarted)
+        self._configured_bootstrap = {e.name for e in endpoints if e.bootstrap}
         self._client = client
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
@@ -165,8 +169,13 @@ class NodeRegistry:
 
     def _on_success(self, node: NodeState, resp: httpx.Response) -> None:
         health = _health_body(resp)
-        if node.role == "prefill" and node.bootstrap is None:
-            node.bootstrap = _bootstrap_of(health)
+        if node.role == "prefill" and node.name not in self._configured_bootstrap:
+            learnt = _bootstrap_of(health)
+            if learnt is not None and learnt != node.bootstrap:
+                if node.bootstrap is not None:
+                    log.warning("prefill node %s: bootstrap now at %s (was %s)", node.name,
+                                learnt, node.bootstrap)
+                node.bootstrap = learnt
         # every probe: a node replaced by an older build (a rollback) stops advertising it
         node.first_token_stream = health.get("first_token_stream") is True
         recovered = not node.healthy

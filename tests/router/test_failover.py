@@ -369,3 +369,40 @@ def test_a_pd_burst_is_spread_over_the_prefill_nodes() -> None:
     finally:
         for server in servers:
             server.stop(3)
+
+
+def test_a_learnt_bootstrap_address_follows_the_prefill_node() -> None:
+    """A prefill node restarted on another bootstrap port advertises it in /health; the
+    router kept the first one it learnt, and every PD request through the node failed until
+    the router restarted. A configured address stays as configured."""
+    import asyncio
+
+    from fastapi import FastAPI
+
+    from pdcache.router.nodes import NodeRegistry
+
+    advertised = ["127.0.0.1:41001"]
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok", "bootstrap": advertised[0]}
+
+    server = ThreadedServer(app)
+
+    async def probe_twice() -> list[str | None]:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            registry = NodeRegistry((NodeEndpoint("learnt", "prefill", server.url),
+                                     NodeEndpoint("set", "prefill", server.url,
+                                                  "127.0.0.1:42000")), client)
+            await registry.check_all()
+            first = [n.bootstrap for n in registry.nodes]
+            advertised[0] = "127.0.0.1:41002"  # restarted on another port
+            await registry.check_all()
+            return first + [n.bootstrap for n in registry.nodes]
+
+    try:
+        assert asyncio.run(probe_twice()) == ["127.0.0.1:41001", "127.0.0.1:42000",
+                                              "127.0.0.1:41002", "127.0.0.1:42000"]
+    finally:
+        server.stop(3)
