@@ -218,8 +218,10 @@ TIER_SERIES: dict[str, tuple[str, str, dict[str, str], str]] = {
         "still pinned, pages of abandoned prefetches and of stream-deferred frees (0 when idle)"),
     "pdcache_storage_pages": ("gauge", "state", {"used": "storage_used_pages",
                                                  "free": "storage_free_pages",
-                                                 "reserved": "storage_reserved_pages"},
-                              "storage slots by state (as seen by this node)"),
+                                                 "reserved": "storage_reserved_pages",
+                                                 "retired": "storage_retired_pages"},
+                              "storage slots by state (as seen by this node; retired: slots "
+                              "a full file system had no room for)"),
     "pdcache_storage_pages_total": ("gauge", "", {"": "storage_capacity_pages"},
                                     "storage capacity in pages"),
     # hybrid models: each tier hop's bytes, KV pages beside recurrent states (state series

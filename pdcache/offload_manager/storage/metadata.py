@@ -40,6 +40,11 @@ from pdcache.utils.message_auth import AuthError, MessageAuth, nonce_of
 
 log = logging.getLogger(__name__)
 
+# RemoteMetadata: the longest fail-fast window after rounds of failures (it doubles from the
+# retry interval), and how long a lookup waits for another call in flight before it misses
+MAX_DOWN_S = 30.0
+LOOKUP_LOCK_WAIT_S = 0.5
+
 # reserve() statuses
 NEW = "new"  # write the page into the returned slot, then commit or abort
 PRESENT = "present"  # already committed: skip
@@ -418,7 +423,11 @@ class RemoteMetadata(MetadataClient):
     """Client of `pdcache metadata-server` (ZMQ REQ, msgpack). One request at a time per client
     (a lock); every request has a deadline of `timeout_s`. After a failure the client fails fast
     for `retry_interval_s`, then tries again, so a dead service costs callers at most one
-    timeout per interval and a restarted one is picked up without any action.
+    timeout per interval and a restarted one is picked up without any action. The interval
+    doubles with every round of failures, up to `MAX_DOWN_S` (back to `retry_interval_s` on a
+    success): a frozen service kept its callers blocked 5 s of every 6 (the timeout, then one
+    interval of failing fast), and every node's engine with them. A lookup (the engine
+    thread's) waits for another call in flight at most `LOOKUP_LOCK_WAIT_S`, then misses.
 
     `address` may list several replicas, comma-separated (`[storage] metadata`): a replica that
     does not lead answers `not_leader` with the leader's address and the client follows it (at
@@ -448,6 +457,7 @@ class RemoteMetadata(MetadataClient):
         self._slot_bytes = slot_bytes
         self._timeout_ms = max(1, int(timeout_s * 1000))
         self._retry_interval_s = retry_interval_s
+        self._down_for_s = retry_interval_s  # the next fail-fast window (doubles, capped)
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._lock = threading.Lock()
@@ -509,9 +519,12 @@ class RemoteMetadata(MetadataClient):
             self._timeouts_in_row += 1
             self._current = (self._current + 1) % len(self.addresses)
             if self._timeouts_in_row >= len(self.addresses):
-                self._down_until = time.monotonic() + self._retry_interval_s
+                self._down_until = time.monotonic() + self._down_for_s
+                self._down_for_s = min(2 * self._down_for_s,
+                                       max(MAX_DOWN_S, self._retry_interval_s))
             raise MetadataUnavailable(f"metadata service {failed}: {exc}") from exc
         self._timeouts_in_row = 0
+        self._down_for_s = self._retry_interval_s
         return self._open_reply(raw, nonce_of(sealed) if self._auth is not None else b"")
 
     def _request(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -586,8 +599,13 @@ class RemoteMetadata(MetadataClient):
         self.num_slots = int(reply["result"])
         self._opened = True
 
-    def _call(self, op: str, **args: Any) -> Any:
-        with self._lock:
+    def _call(self, op: str, lock_wait_s: float | None = None, **args: Any) -> Any:
+        """`lock_wait_s`: how long to wait for another call in flight (None: as long as it
+        takes, at most its timeout); past it MetadataUnavailable."""
+        if not self._lock.acquire(timeout=-1 if lock_wait_s is None else lock_wait_s):
+            raise MetadataUnavailable(f"metadata service {self.address}: another call has "
+                                      f"waited on it for over {lock_wait_s} s")
+        try:
             if self._closed:
                 raise MetadataUnavailable("metadata client is closed")
             if time.monotonic() < self._down_until:
@@ -598,15 +616,17 @@ class RemoteMetadata(MetadataClient):
             if not reply.get("ok") and reply.get("error") == "unknown pool":
                 self._open_pool()  # the service lost the pool (fresh state dir): recreate
                 reply = self._request({"op": op, "ns": self.namespace, **args})
+        finally:
+            self._lock.release()
         if not reply.get("ok"):
             raise MetadataUnavailable(f"metadata service error on {op}: {reply.get('error')}")
         return reply.get("result")
 
     def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
-        return list(self._call("lookup", keys=list(keys)))
+        return list(self._call("lookup", LOOKUP_LOCK_WAIT_S, keys=list(keys)))
 
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
-        return int(self._call("exists_prefix", keys=list(keys)))
+        return int(self._call("exists_prefix", LOOKUP_LOCK_WAIT_S, keys=list(keys)))
 
     def reserve(self, keys: Sequence[bytes], session: str = "") -> list[Reservation]:
         extra = {"session": session} if session else {}  # older services take no session

@@ -13,6 +13,7 @@ import resource
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -31,6 +32,7 @@ from pdcache.offload_manager.storage import create_backend  # noqa: E402
 from pdcache.offload_manager.storage.config import StorageConfig  # noqa: E402
 from pdcache.offload_manager.storage.metadata import RemoteMetadata  # noqa: E402
 from pdcache.offload_manager.storage.metadata_service import LocalMetadataService  # noqa: E402
+from tests.polling import wait_until  # noqa: E402
 
 PAGE_BYTES = 4096
 SLOT_BYTES = 8192  # header + 4096 rounded up to 4 KiB
@@ -588,3 +590,46 @@ def test_a_file_store_that_cannot_look_at_a_shard_counts_it_never_raises(
     finally:
         monkeypatch.setattr(os, "stat", real_stat)
         backend.close()
+
+
+def test_a_silent_metadata_service_is_tried_ever_less_often() -> None:
+    """A frozen service (or an unreachable host) cost each client one full timeout per
+    `retry_interval_s`: callers, the engine's lookups among them, were blocked most of the
+    time. The fail-fast window now doubles with every round of failures."""
+    from pdcache.offload_manager.storage.metadata import MetadataUnavailable
+
+    with socket.socket() as taken:  # a port nothing answers on: every request times out
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        client = RemoteMetadata(f"tcp://127.0.0.1:{port}", "pool", 4, SLOT_BYTES,
+                                timeout_s=0.2, retry_interval_s=1.0)
+        try:
+            attempts = []
+            for pause in (0.0, 1.5, 1.5):  # the first window is 1 s, the second 2 s
+                time.sleep(pause)
+                with pytest.raises(MetadataUnavailable):
+                    client.lookup([b"k" * 32])
+                attempts.append(client.failures)
+            # 1.5 s after the second failure it still fails fast (a 1 s window tried again)
+            assert attempts == [1, 2, 2]
+        finally:
+            client.close()
+        # a lookup (the engine thread's) waits for another call in flight only so long
+        slow = RemoteMetadata(f"tcp://127.0.0.1:{port}", "pool", 4, SLOT_BYTES,
+                              timeout_s=1.2, retry_interval_s=0.01)
+        def reserve() -> None:
+            with contextlib.suppress(MetadataUnavailable):
+                slow.reserve([b"w" * 32])
+
+        writer = threading.Thread(target=reserve)
+        try:
+            time.sleep(0.1)  # past the 10 ms window its first (constructor's) ping opened
+            writer.start()
+            wait_until(lambda: slow._lock.locked(), 10, "the writer's call")
+            start = time.monotonic()
+            with pytest.raises(MetadataUnavailable, match="another call"):
+                slow.lookup([b"k" * 32])
+            assert time.monotonic() - start < 1.0  # not the writer's 1.2 s timeout
+        finally:
+            writer.join(10)
+            slow.close()
