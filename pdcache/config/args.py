@@ -73,6 +73,18 @@ _DEFAULT_NAMES = {"prefill": "p0", "decode": "d0", "unified": "unified"}
 _DEFAULT_PORTS = {"prefill": 0, "decode": 0, "unified": 30000}
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 to 65535 (0: a free one). A port out of range was a
+    bind() traceback at start."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0..65535")
+    return port
+
+
 def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
     """The `--config/--node/--set` flags of the node command contract (module docstring)."""
     parser.add_argument("--config", metavar="TOPOLOGY", help="topology TOML file (see configs/)")
@@ -247,7 +259,8 @@ def add_node_flags(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of preset weights and sampling")
     parser.add_argument("--name", default=_DEFAULT_NAMES[role], help="this node's name in responses")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=_DEFAULT_PORTS[role], help="HTTP port; 0 picks a free one")
+    parser.add_argument("--port", type=port_number, default=_DEFAULT_PORTS[role],
+                        help="HTTP port; 0 picks a free one")
     parser.add_argument("--page-size", type=int, default=cache.page_size)
     parser.add_argument("--device-pages", type=int, default=cache.num_device_pages)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])

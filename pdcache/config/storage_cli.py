@@ -79,11 +79,29 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     try:
+        unreachable = _unreachable_metadata(backend)
+        if unreachable:  # hf3fs connects lazily: stats printed zeros, clear a traceback
+            print(f"pdcache storage: {unreachable}", file=sys.stderr)
+            return 1
         result = _act(args.action, backend)
+    except Exception as exc:  # noqa: BLE001 - a failing store is a one-line error, not a trace
+        print(f"pdcache storage {args.action}: failed: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 1
     finally:
         backend.close()
     print(json.dumps(result, indent=2, sort_keys=True))
     return 1 if result.get("bad") else 0
+
+
+def _unreachable_metadata(backend: Any) -> str:
+    """Why the backend's metadata service cannot be used ('' when it can, or has none)."""
+    ping = getattr(getattr(backend, "metadata", None), "ping", None)
+    if ping is None or ping():
+        return ""
+    address = getattr(backend.metadata, "address", "?")
+    return (f"the metadata service {address} does not answer: is `pdcache metadata-server` "
+            "running (pdcache launch starts it)?")
 
 
 def _act(action: str, backend: Any) -> dict[str, Any]:

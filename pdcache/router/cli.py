@@ -29,6 +29,7 @@ from pdcache.config import (
     add_topology_arguments,
     router_from_args,
 )
+from pdcache.config.args import port_number
 from pdcache.config.schema import (
     ReasoningParser,
     RouterSettings,
@@ -71,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=None,
                         help="the nodes' page size, for cache-aware routing (default 16)")
     parser.add_argument("--host", default=None, help="default 127.0.0.1")
-    parser.add_argument("--port", type=int, default=None, help="default 8000; 0 picks one")
+    parser.add_argument("--port", type=port_number, default=None, help="default 8000; 0 picks one")
     parser.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default=None)
     parser.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None)
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY "

@@ -176,6 +176,31 @@ def test_metadata_server_port_zero_announces_its_endpoint(tmp_path: Path) -> Non
     assert (tmp_path / "state" / "index.sqlite3").exists()
 
 
+def test_metadata_server_mistakes_are_one_line_errors(tmp_path: Path) -> None:
+    """A taken port and a missing secret file were tracebacks (ZMQError, SecretError)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        for extra, message in ((["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+                               (["--secret-file", str(tmp_path / "missing")], "--secret-file")):
+            done = subprocess.run(
+                [sys.executable, "-m", "pdcache", "metadata-server", "--state-dir",
+                 str(tmp_path / "state"), *extra], capture_output=True, text=True, timeout=60)
+            assert done.returncode == 1 and message in done.stderr, done.stderr
+            assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", [["serve"], ["router", "--prefill", "http://x:1"]])
+def test_a_port_out_of_range_is_a_usage_error(command: list[str],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """It was an OverflowError traceback from bind() once the node had loaded its model."""
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--port", "70000"])
+    assert exited.value.code == 2
+    assert "port 70000 is outside 0..65535" in capsys.readouterr().err
+
+
 def test_storage_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     args = [

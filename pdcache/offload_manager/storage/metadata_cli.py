@@ -8,6 +8,8 @@ import signal
 import sys
 import threading
 
+import zmq
+
 from pdcache.offload_manager.storage.config import STORAGE_EVICTIONS
 from pdcache.offload_manager.storage.etcd_store import EtcdIndexStore, parse_endpoints
 from pdcache.offload_manager.storage.lifecycle import StorageEviction
@@ -16,11 +18,12 @@ from pdcache.offload_manager.storage.metadata_service import (
     metadata_key,
     serve,
 )
+from pdcache.utils.secret import SecretError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    parser.add_argument("--port", type=int, default=18000, help="port to bind (0: any free port)")
+    parser.add_argument("--port", type=_port, default=18000, help="port to bind (0: any free port)")
     parser.add_argument(
         "--state-dir", default=None, help="directory of the persisted index (store sqlite)"
     )
@@ -95,9 +98,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0..65535")
+    return port
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    auth_key = metadata_key(args.secret_file) if args.secret_file else None  # before binding
+    try:
+        auth_key = metadata_key(args.secret_file) if args.secret_file else None  # before binding
+    except SecretError as exc:
+        raise SystemExit(f"pdcache metadata-server: --secret-file: {exc}") from None
     eviction = StorageEviction(
         args.eviction, args.session_protect_share, args.session_protect_bytes, args.session_idle_s
     )
@@ -116,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         port = "*" if args.port == 0 else str(args.port)  # zmq spells "any free port" as *
         serve(service, f"tcp://{args.host}:{port}", stop, on_ready=announce, auth_key=auth_key)
+    except zmq.ZMQError as exc:  # the port is taken, the address is not this host's
+        raise SystemExit(f"pdcache metadata-server: cannot listen on {args.host}:{args.port}: "
+                         f"{exc}") from None
     finally:
         service.close()
     return 0
