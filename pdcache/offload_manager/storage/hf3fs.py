@@ -88,6 +88,7 @@ log = logging.getLogger(__name__)
 # a write failing with one of these found no room in the file system for its slot (sparse data
 # files get a slot's blocks on its first write): that slot is retired, not handed out again
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+DELETE_BATCH = 4096  # keys per metadata request of a delete (a clear of a large pool)
 T = TypeVar("T")
 R = TypeVar("R")
 _ReadGroup = tuple[list[int], list["SlotIO"], list[int]]  # page indexes, their IOs, bytes read
@@ -540,18 +541,26 @@ class Hf3fsBackend(SlotFileAccess, StorageBackend):
         if self.read_only:  # the header stays (no write access): keep the slot its owner's
             return
         try:
-            slots = self.metadata.lookup(keys)
-            live = [(k, s) for k, s in zip(keys, slots) if s is not None]
-            # Invalidate the header first so a header scan can never resurrect the page.
-            zero = memoryview(bytearray(HEADER_BYTES))
-            self.engine.write_batch(
-                [SlotIO(*self._where(s), zero, []) for _, s in live]
-            )
-            freed = self.metadata.delete([k for k, _ in live])
+            self._delete_all(keys)
         except MetadataUnavailable:
             self.counters.add("metadata_errors")
-            return
-        self.counters.add("deleted_pages", len(freed))
+
+    def _delete_all(self, keys: Sequence[bytes]) -> int:
+        """Delete `keys` a batch at a time (one request of every key of a large pool passed
+        the service's message limit: dropped, and nothing was deleted); how many were.
+        Raises MetadataUnavailable."""
+        deleted = 0
+        for start in range(0, len(keys), DELETE_BATCH):
+            batch = keys[start : start + DELETE_BATCH]
+            slots = self.metadata.lookup(batch)
+            live = [(k, s) for k, s in zip(batch, slots) if s is not None]
+            # Invalidate the header first so a header scan can never resurrect the page.
+            zero = memoryview(bytearray(HEADER_BYTES))
+            self.engine.write_batch([SlotIO(*self._where(s), zero, []) for _, s in live])
+            freed = self.metadata.delete([k for k, _ in live])
+            self.counters.add("deleted_pages", len(freed))
+            deleted += len(freed)
+        return deleted
 
     def stats(self) -> dict[str, int | float]:
         out = self.counters.snapshot()
@@ -635,8 +644,12 @@ class Hf3fsBackend(SlotFileAccess, StorageBackend):
     def keys(self) -> list[bytes]:
         return [k for k, _ in self.metadata.entries()]
 
-    def clear(self) -> None:
-        self.delete(self.keys())
+    def clear(self) -> int:
+        """Delete every page; how many were. Raises MetadataUnavailable when the index could
+        not be reached (the storage CLI reported a clear that deleted nothing as done)."""
+        if self.read_only:
+            return 0
+        return self._delete_all(self.keys())
 
     # internals
 
