@@ -248,7 +248,9 @@ class RouteStream:
         self._prefill_first = prefill_first
         self._route = route
         self._started = False
-        self._ok = False
+        # a node error ended the stream (an early close by the router or the client is not
+        # one: a stream ended at a client's stop string was counted as the node's error)
+        self._failed = False
         self._released = False
         # read_ahead(): the events read so far, (event, error) pairs, and the reading task
         self._ahead: asyncio.Queue[tuple[dict[str, Any] | None, Exception | None]] | None = None
@@ -305,12 +307,13 @@ class RouteStream:
                 else:
                     event = await _race_prefill(self._prefill, events.next())
         except BaseException as exc:
-            if isinstance(exc, ApiError) and self._prefill is not None:
-                raise await _root_cause(self._prefill, exc) from None
+            if isinstance(exc, ApiError):
+                self._failed = True
+                if self._prefill is not None:
+                    raise await _root_cause(self._prefill, exc) from None
             raise
         self._started = True
         if event is None:
-            self._ok = True
             if self._prefill is not None:
                 await _settle(self._prefill, PREFILL_FINISH_GRACE_S)
         return event
@@ -372,7 +375,11 @@ class RouteStream:
                         and not self._opening.cancelled() and self._opening.exception() is None:
                     self._events = self._opening.result()  # opened, never read: close it
             if self._events is not None:
-                await self._events.aclose()
+                try:
+                    await self._events.aclose()
+                except BaseException:  # a close that raises or hangs: the node's failure
+                    self._failed = True
+                    raise
             if self._prefill is not None:
                 await _cancel(self._prefill)
         finally:
@@ -383,7 +390,7 @@ class RouteStream:
             return
         self._released = True
         self._node.in_flight -= 1
-        self._client.result(self._node, self._ok)
+        self._client.result(self._node, not self._failed)
         if self._route is not None:
             self._route.release_all()
 
