@@ -74,9 +74,13 @@ def test_nodes_refuse_requests_without_the_credential(tmp_path, metrics_auth: bo
             routed = client.post("/generate", json=body)
             assert routed.status_code == 200, routed.text
             assert len(routed.json()["output_ids"]) == 4
-        # a router without the credential is refused by the nodes: the 401 reaches its client
+        # a router without the credential is refused by the nodes: the router's own
+        # misconfiguration, a 502 naming it (the node's 401 reached the client as if its
+        # own key were wrong: SDKs raise AuthenticationError)
         with RouterUnderTest(create_app(RouterConfig(nodes=nodes, page_size=PAGE))) as client:
-            assert client.post("/generate", json=body).status_code == 401
+            refused = client.post("/generate", json=body)
+            assert refused.status_code == 502, refused.text
+            assert "refused the router's credential" in refused.json()["error"]["message"]
     finally:
         stack.close()
 
