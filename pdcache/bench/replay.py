@@ -138,6 +138,11 @@ class ReplayResult:
                     f"sent; first: {s['first_prompt_mismatch']}")
         if s["requests_ok"] == 0 and s["requests_sent"] > 0:
             return "no request succeeded"
+        if s.get("replayer_errors"):  # a session task raised: its turns were never played
+            return f"{s['replayer_errors']} session task(s) failed (see the log above)"
+        if s["requests_sent"] == 0 and s["requests_total"] > 0:
+            reasons = s.get("skip_reasons") or {}
+            return f"no request was sent: every one was skipped ({reasons})"
         return None
 
 

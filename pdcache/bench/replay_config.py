@@ -66,6 +66,8 @@ class ReplayConfig:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
         if mode in ("poisson", "poisson-sessions") and not self.rate:
             raise ValueError(f"--mode {mode} needs --rate R (requests per second)")
+        if self.rate is not None and not self.rate > 0:  # a negative one crashed every session
+            raise ValueError(f"--rate must be > 0 requests per second, not {self.rate}")
         if self.concurrency < 1 or self.speedup <= 0:
             raise ValueError("--concurrency must be >= 1 and --speedup > 0")
         prefix = new_run_id() if self.session_prefix is None else self.session_prefix

@@ -43,6 +43,9 @@ class RequestRecord:
     error: str | None = None
     http_status: int | None = None
     dispatch_s: float = 0.0
+    # waited for --concurrency after its schedule let it go (open-loop modes): latency the
+    # client added, which ttft_s and e2e_s (timed from dispatch) leave out
+    queued_s: float = 0.0
     prompt_tokens: int = 0
     new_input_tokens: int = 0
     max_new_tokens: int = 0

@@ -14,6 +14,7 @@ import asyncio
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
@@ -71,8 +72,12 @@ class RoundBarrier:
     """Round k opens when every session that has a turn k-1 finished (or dropped) it."""
 
     def __init__(self, sessions: tuple[Session, ...]) -> None:
-        rounds = max((len(s.turns) for s in sessions), default=0)
-        self.pending = [sum(len(s.turns) > k for s in sessions) for k in range(rounds)]
+        # keyed by `turn.turn`, as `wait` and `finish` are: a branching trace (Bailian) has
+        # two turns of one depth in a session, and counting by position left a round
+        # pending for good (the run then waited out --max-duration)
+        counts = Counter(turn.turn for s in sessions for turn in s.turns)
+        rounds = max(counts, default=-1) + 1
+        self.pending = [counts.get(k, 0) for k in range(rounds)]
         self.events = [asyncio.Event() for _ in range(rounds)]
         for k, count in enumerate(self.pending):
             if count == 0:
@@ -192,6 +197,11 @@ class Replayer:
         await asyncio.sleep(max(0.0, min(t, self.cfg.max_duration_s) - self.now()))
 
     async def release(self, turn: Turn, parent_done_s: float) -> None:
+        await self._release(turn, parent_done_s)
+        # its schedule lets it go now: a wait for --concurrency from here is the client's
+        self.due_s[turn.request_id] = self.now()
+
+    async def _release(self, turn: Turn, parent_done_s: float) -> None:
         cfg = self.cfg
         if self.barrier is not None:
             await self.barrier.wait(turn.turn)
@@ -241,10 +251,13 @@ class Replayer:
     async def dispatch(
         self, session: Session, turn: Turn, prompt: np.ndarray, max_new: int
     ) -> tuple[RequestRecord, list[int]]:
+        now = self.now()
+        due = self.due_s.pop(turn.request_id, now)
         rec = RequestRecord(
-            turn.request_id, session.session_id, turn.turn, dispatch_s=round(self.now(), 6),
+            turn.request_id, session.session_id, turn.turn, dispatch_s=round(now, 6),
             prompt_tokens=len(prompt), max_new_tokens=max_new,
             new_input_tokens=turn.input_len if turn.dependent else len(prompt),
+            queued_s=round(max(0.0, now - due), 6),
         )
         keys = self.tracker.keys(prompt)
         rec.theoretical_cached_tokens = self.tracker.reusable_tokens(keys, len(prompt))
@@ -332,6 +345,7 @@ class Replayer:
             poisson_session_starts(self.trace, cfg.rate or 0.0, cfg.seed)
             if cfg.mode == "poisson-sessions" else {})
         self.barrier = RoundBarrier(self.trace.sessions) if cfg.round_barrier else None
+        self.due_s: dict[str, float] = {}  # request id -> when its schedule let it go
         limits = httpx.Limits(max_connections=cfg.concurrency + 4)
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=30.0)
         self.pbar = tqdm(total=self.trace.num_requests, file=sys.stderr, unit="req",

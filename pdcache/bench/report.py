@@ -90,6 +90,10 @@ def _duration(records: Sequence[dict[str, Any]], run_info: dict[str, Any]) -> fl
     return max(ends, default=0.0)
 
 
+# what a summary takes from the run (`run_info`) over what its records say
+RUN_FIELDS = ("requests_total", "requests_sent", "requests_skipped", "duration_s")
+
+
 def summarize(records: Sequence[dict[str, Any]], run_info: dict[str, Any]) -> dict[str, Any]:
     ok = [r for r in records if r["ok"]]
     failed = [r for r in records if not r["ok"]]
@@ -109,6 +113,7 @@ def summarize(records: Sequence[dict[str, Any]], run_info: dict[str, Any]) -> di
         **percentiles((r["ttft_s"] for r in ok), "ttft"),
         **percentiles((g for r in ok for g in r["itl_s"]), "itl"),
         **percentiles((r["e2e_s"] for r in ok), "e2e"),
+        **percentiles((r.get("queued_s", 0.0) for r in ok), "client_queue"),
         "server_ttft_p50_s": percentiles((r["server_ttft_s"] for r in ok), "x")["x_p50_s"],
         "errors": dict(errors),
         "per_turn": per_turn(ok),
@@ -213,9 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     previous = out_dir / "summary.json"
     run_info = json.loads(previous.read_text()) if previous.is_file() else {}
-    keep = ("duration_s", "requests_total", "requests_sent", "requests_skipped", "trace",
-            "session_prefix", "requests_prompt_mismatch", "first_prompt_mismatch")
-    write_report(out_dir, {k: run_info[k] for k in keep if k in run_info}, plots=args.plots)
+    # every run field summarize does not compute from the records again (a re-render kept a
+    # short list and lost stopped_early, skip_reasons, replayer_errors, config, ...)
+    computed = set(summarize([], {})) - set(RUN_FIELDS)
+    kept = {k: v for k, v in run_info.items() if k not in computed}
+    write_report(out_dir, kept, plots=args.plots)
     return 0
 
 

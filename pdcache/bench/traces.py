@@ -116,7 +116,9 @@ class BlockIdAllocator:
 
 
 def _sorted_sessions(sessions: Iterable[Session]) -> tuple[Session, ...]:
-    return tuple(sorted(sessions, key=lambda s: (s.start_s, s.session_id)))
+    """By start time; ties keep the file's order (a stable sort: the session ids broke them
+    as strings, "r10" before "r9", and --max-requests then kept r10 over r9)."""
+    return tuple(sorted(sessions, key=lambda s: s.start_s))
 
 
 def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
@@ -159,19 +161,26 @@ def parse_mooncake(path: str | Path, block_size: int = MOONCAKE_BLOCK) -> Trace:
     sessions = []
     for i, row in enumerate(_read_jsonl(path)):
         where = f"{path}:row {i}"
-        input_len = int(_first(row, ("input_length", "input_tokens"), where))
-        hash_ids = [int(h) for h in row.get("hash_ids", [])]
-        _check_blocks(hash_ids, input_len, block_size, where)
-        ts_ms = float(_first(row, ("timestamp", "created_time"), where)) if (
-            "timestamp" in row or "created_time" in row) else 0.0
-        turn = Turn(
-            request_id=f"r{i}", session_id=f"r{i}", turn=0,
-            inputs=(_trace_blocks(hash_ids, input_len, block_size),),
-            output_len=int(_first(row, ("output_length", "output_tokens"), where)),
-            arrival_s=ts_ms / 1000.0,
-        )
+        try:
+            turn = _mooncake_turn(row, i, block_size, where)
+        except (TypeError, AttributeError) as exc:  # a null or a wrong type: name the row
+            raise ValueError(f"{where}: {exc}") from None
         sessions.append(Session(turn.session_id, (turn,)))
     return Trace("mooncake", block_size, _sorted_sessions(sessions), {"path": str(path)})
+
+
+def _mooncake_turn(row: dict[str, Any], i: int, block_size: int, where: str) -> Turn:
+    input_len = int(_first(row, ("input_length", "input_tokens"), where))
+    hash_ids = [int(h) for h in row.get("hash_ids", [])]
+    _check_blocks(hash_ids, input_len, block_size, where)
+    ts_ms = float(_first(row, ("timestamp", "created_time"), where)) if (
+        "timestamp" in row or "created_time" in row) else 0.0
+    return Turn(
+        request_id=f"r{i}", session_id=f"r{i}", turn=0,
+        inputs=(_trace_blocks(hash_ids, input_len, block_size),),
+        output_len=int(_first(row, ("output_length", "output_tokens"), where)),
+        arrival_s=ts_ms / 1000.0,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

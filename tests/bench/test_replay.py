@@ -49,6 +49,25 @@ def test_round_barrier_opens_a_round_when_the_previous_one_is_done() -> None:
     assert asyncio.run(scenario()) == ["round0", "round1", "round2"]
 
 
+def test_round_barrier_counts_the_turns_of_a_branching_trace() -> None:
+    """A Bailian session branches: two turns of one depth. The barrier counted rounds by
+    position and was finished by depth, so a round stayed pending for good."""
+    def branching(sid: str, depths: list[int]) -> Session:
+        return Session(sid, tuple(Turn(f"{sid}/{i}", sid, d, (Blocks((i,), 1),), 1)
+                                  for i, d in enumerate(depths)))
+
+    async def scenario() -> None:
+        sessions = (branching("a", [0, 1, 1]), branching("b", [0, 1, 2, 3]))
+        barrier = RoundBarrier(sessions)
+        assert barrier.pending == [2, 3, 1, 1]
+        for session in sessions:
+            for turn in session.turns:
+                barrier.finish(turn.turn)
+        await asyncio.wait_for(barrier.wait(4), 5)  # every round opened
+
+    asyncio.run(scenario())
+
+
 def test_poisson_gate_releases_in_order_no_earlier_than_its_ticks() -> None:
     rate, n, seed = 400.0, 20, 3
 
@@ -130,9 +149,37 @@ def test_context_cap_stops_sessions_before_sending(tmp_path: Path) -> None:
     code, summary, records = _replay(
         tmp_path, "synthetic:sessions=2,turns=3,system_prompt=64,user=8,answer=8",
         "--max-tokens-cap", "64")
-    assert code == 0 and records == []
+    assert code == 1 and records == []  # nothing measured is a failed run (it exited 0)
     assert summary["requests_sent"] == 0
     assert summary["skip_reasons"] == {"max_tokens_cap": 6}
+
+
+def test_the_client_s_own_queueing_is_recorded(tmp_path: Path) -> None:
+    """Open-loop modes: a turn due while --concurrency is full waits in the client, and its
+    TTFT and e2e (timed from dispatch) leave that wait out; `queued_s` records it (and the
+    summary's client_queue percentiles), so a run that measured its own queue says so."""
+    from tests.router_support import RawServer
+
+    server = RawServer("hang")  # every request takes its whole 0.5 s timeout
+    try:
+        out = tmp_path / "out"
+        pdcache_main(["bench", "replay", "--url", server.url, "--trace",
+                      "synthetic:sessions=3,turns=1,system_prompt=16,user=8", "--mode",
+                      "trace", "--concurrency", "1", "--request-timeout", "0.5", "--out",
+                      str(out), "--no-plots", "--no-progress"])
+        records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    finally:
+        server.stop()
+    queued = sorted(r["queued_s"] for r in records)
+    assert queued[0] < 0.3 and queued[1] >= 0.45 and queued[2] >= 0.95, queued
+
+
+def test_a_negative_rate_is_a_bad_setting(tmp_path: Path) -> None:
+    """--rate -1 crashed every session task (numpy: scale < 0) and exited 0."""
+    code = pdcache_main(["bench", "replay", "--url", "http://127.0.0.1:1", "--trace",
+                         "synthetic:sessions=1,turns=1", "--rate", "-1", "--out",
+                         str(tmp_path), "--no-progress"])
+    assert code == 2
 
 
 def test_bad_trace_spec_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -68,7 +68,9 @@ def test_write_report_files_and_rerender(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
-    summary = write_report(tmp_path, {"duration_s": 2.0, "trace": "unit"}, plots=True)
+    run = {"duration_s": 2.0, "trace": "unit", "stopped_early": True,
+           "skip_reasons": {"max_duration": 2}, "replayer_errors": 0, "config": {"mode": "afap"}}
+    summary = write_report(tmp_path, run, plots=True)
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     for key in ("requests_ok", "requests_failed", "hit_rate", "theoretical_hit_rate",
                 "ttft_p50_s", "ttft_p99_s", "hit_rate_by_tier"):
@@ -78,4 +80,6 @@ def test_write_report_files_and_rerender(
     out = capsys.readouterr().out
     assert "== replay unit ==" in out and "== per turn ==" in out
     assert report_main([str(tmp_path), "--no-plots"]) == 0
-    assert json.loads((tmp_path / "summary.json").read_text())["duration_s"] == 2.0
+    rerendered = json.loads((tmp_path / "summary.json").read_text())
+    # every run field survives a re-render (stopped_early and the rest were lost)
+    assert {k: rerendered[k] for k in run} == run

@@ -48,6 +48,29 @@ def test_mooncake_rejects_too_few_blocks(tmp_path: Path) -> None:
         parse_mooncake(bad)
 
 
+def test_mooncake_ties_keep_the_file_order(tmp_path: Path) -> None:
+    """Ties in time were broken on the session id as a string ("r10" < "r9"): the request
+    order changed, and --max-requests kept r10 over r9."""
+    rows = tmp_path / "ties.jsonl"
+    rows.write_text("".join(json.dumps({"timestamp": 0 if i < 9 else 5, "input_length": 4,
+                                        "output_length": 1, "hash_ids": [i]}) + "\n"
+                            for i in range(11)))
+    trace = parse_mooncake(rows, block_size=4)
+    assert [s.session_id for s in trace.sessions] == [f"r{i}" for i in range(11)]
+    assert [t.request_id for t in limit_requests(trace, 10).turns()][-1] == "r9"
+
+
+@pytest.mark.parametrize("row", [{"timestamp": 0, "input_length": 4, "output_length": 1,
+                                  "hash_ids": None}, None])
+def test_a_mooncake_row_of_wrong_types_names_its_row(tmp_path: Path, row: object) -> None:
+    """A null (or a null field) was a raw TypeError traceback with no location."""
+    bad = tmp_path / "bad.jsonl"
+    good = {"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [0]}
+    bad.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:row 1"):
+        parse_mooncake(bad, block_size=4)
+
+
 def test_bailian_follows_parent_chains_into_sessions() -> None:
     trace = parse_bailian(FIXTURES / "bailian_small.jsonl")
     assert trace.block_size == 16
