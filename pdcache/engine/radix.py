@@ -411,15 +411,21 @@ class RadixTree:
 
     # ---- lock refs ---------------------------------------------------------------------
     def lock(self, node: RadixNode | None) -> None:
-        """Protect `node` and its ancestors from eviction; touches their LRU clocks and hit
-        counts. Every `lock` needs exactly one `unlock` of the same node."""
+        """Protect `node` and its ancestors from eviction; touches their LRU clocks. Every
+        `lock` needs exactly one `unlock` of the same node."""
         now = next(self._clock)
         for item in self._ancestors(node):
             if item.lock_ref == 0:
                 self._locked_pages += item.num_device_pages
             item.lock_ref += 1
-            item.hit_count += 1
             item.last_access = now
+
+    def count_hit(self, node: RadixNode | None) -> None:
+        """A request was admitted on `node`'s path: its and its ancestors' hit counts (the
+        write_through_selective threshold). Counted once per request; `lock` counted the
+        scheduler's own locks too (a prompt seen once counted up to a hit per page)."""
+        for item in self._ancestors(node):
+            item.hit_count += 1
 
     def unlock(self, node: RadixNode | None) -> None:
         for item in self._ancestors(node):

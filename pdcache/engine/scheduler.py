@@ -435,6 +435,8 @@ class Scheduler:
             # other samples (n > 1) of the same prompt
             first = req.cached_len is None and req.prefill_leader is None
             self.tree.note_session(node, req.session_id, new_turn=first)
+            if first and node is not None and not node.is_root:
+                self.tree.count_hit(node)
         num_tree_pages = len(match.page_ids) + reuse.tree_pages
         reused_len = (num_tree_pages + reuse.own_pages) * self.page_size
         cached = reuse.cached or CachedTokens(device=match.cached_len)
@@ -667,6 +669,9 @@ class Scheduler:
         attached = None  # a node that got `req`'s pending decode checkpoint
         if cache and self.states is not None:
             attached = self._attach_pending_checkpoint(req, num_full)
+        hit = None  # a whole-prompt hit inserts nothing: the tiers still see what it read
+        if result is None and attached is None and cache and self.tree is not None:
+            hit = self._hit_node(req)
         self._free_state(req)
         self.allocator.free(to_free + req.deferred_free_page_ids)  # none held: no reader left
         req.deferred_free_page_ids = []
@@ -677,6 +682,19 @@ class Scheduler:
             self.tiers.on_cached(req, result)
         elif attached is not None:  # a checkpoint on pages cached before: the tiers see it
             self.tiers.on_cached(req, InsertResult([], attached, 0))
+        elif hit is not None:
+            # the write policy applies to a hit too (write_through_selective backs a node up
+            # once it was hit enough; a backup skipped for room is tried again): a prompt
+            # repeated exactly (a prefill node's every request: one token) was never backed up
+            self.tiers.on_cached(req, InsertResult([], hit, 0))
+
+    def _hit_node(self, req: Req) -> RadixNode | None:
+        """The tree node ending exactly where `req`'s tree pages end (None when that is
+        inside a node: its other pages are not this request's tokens)."""
+        if not req.num_tree_pages or self.tree is None:
+            return None
+        tokens = req.fill_ids[: req.num_tree_pages * self.page_size]
+        return self.tree.node_at(tokens, req.salt)
 
     # ---- window pages (sliding layers' own pages; pdcache.engine.window_pages) ---------
     def alloc_window_pages(self, num_pages: int) -> list[int] | None:

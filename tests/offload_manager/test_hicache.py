@@ -115,9 +115,13 @@ def test_write_through_selective_waits_for_hits() -> None:
     st.prefill(TOKENS)
     assert st.host.num_used == 0
     node = st.tree.match_prefix(TOKENS, "").last_node
-    for _ in range(2):
+    for _ in range(2):  # two requests admitted on it (a lock alone is no hit)
         st.tree.lock(node)
         st.tree.unlock(node)
+    st.cache.backup(TOKENS, "", node)
+    assert st.host.num_used == 0
+    for _ in range(2):
+        st.tree.count_hit(node)
     st.cache.backup(TOKENS, "", node)
     assert st.host.num_used == 3
     st.close()

@@ -298,6 +298,26 @@ def test_write_back_backs_up_on_device_eviction(tiny, expected, tmp_path) -> Non
         fresh.close()
 
 
+def test_an_exact_repeat_applies_the_write_policy(tiny, tmp_path) -> None:
+    """A prompt repeated exactly inserts nothing (a prefill node's every request: one output
+    token), and only an insert applied the write policy: under write_through_selective a hot
+    prompt was never backed up, however often it was hit."""
+    from pdcache.engine.api import GenerateRequest, SamplingParams
+
+    cfg = storage_config(tiny[0], backend="hf3fs", path=str(tmp_path))
+    built = tiered(tiny, cfg, write_policy="write_through_selective", write_through_threshold=2)
+    one_token = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    try:
+        for i in range(3):  # inserted, then hit twice
+            built.engine.generate(GenerateRequest(f"r{i}", PROMPT, one_token, ""), timeout=120)
+        assert built.hicache.wait_idle(10)
+        stats = built.hicache.stats
+        assert stats.backup_host_pages == 10 and stats.backup_storage_pages == 10
+        check_every_tier(built)
+    finally:
+        built.close()
+
+
 def test_write_through_selective_waits_for_hits(tiny, expected, tmp_path) -> None:
     cfg = storage_config(tiny[0], backend="hf3fs", path=str(tmp_path))
     built = tiered(tiny, cfg, write_policy="write_through_selective", write_through_threshold=2)
