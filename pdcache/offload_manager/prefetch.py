@@ -246,7 +246,7 @@ class Prefetcher:
     def ready(self, rid: str, now: float | None = None) -> bool:
         """Whether the queued request may be admitted now, under the prefetch policy."""
         op = self._ops.get(rid)
-        if op is not None and (op.submitted < len(op.keys) or rid in self._state_waits):
+        if op is not None and self._awaits(op):
             self._read_landed(op)
         if op is None or self.config.prefetch_policy == "best_effort" or op.ready:
             return True
@@ -357,8 +357,19 @@ class Prefetcher:
             self._stream_frees.append((stream, page_ids))
 
     # ---- accounting ----------------------------------------------------------------------
+    def _awaits(self, op: PrefetchOp) -> bool:
+        """`op` still waits for pages (or a state) a decode announced."""
+        return op.submitted < len(op.keys) or op.rid in self._state_waits
+
     def reap(self) -> None:
-        """Free host pages of abandoned prefetches and of unloaded streams whose reads ended."""
+        """Start the reads of announced pages that landed, for every queued op (only `ready`
+        did: while the request's role kept it queued, e.g. a prefill node waiting for decode,
+        landed pages were not read, and once the gate opened past the deadline the request
+        was admitted without them: recomputed); free host pages of abandoned prefetches and
+        of unloaded streams whose reads ended."""
+        if self.pending is not None:
+            for op in [op for op in self._ops.values() if self._awaits(op)]:
+                self._read_landed(op)
         still = []
         for op in self._abandoned:
             if op.complete:

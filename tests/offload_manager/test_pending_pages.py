@@ -192,3 +192,26 @@ def test_losing_a_decode_peer_drops_only_its_pending_marks() -> None:
     assert pages.forget_source(b"link-d0") == 0
     assert pages.forget_source(b"link-d1") == 2
     assert len(pages) == 1 and pages.snapshot()["pending_keys_forgotten"] == 3
+
+
+def test_landed_pages_are_read_while_the_role_keeps_the_request_queued() -> None:
+    """Only `prefetch_ready` started the reads of announced pages that landed, and a role
+    (a prefill node waiting for decode) keeps the tiers from being asked: the reads began
+    when the gate opened and, past the deadline, the request was admitted without them
+    (recomputed). Every engine step (`reap`) starts them now."""
+    st, storage, pending, keys, stored = committed_and_pending(
+        "timeout", prefetch_timeout_base_s=0.3, prefetch_timeout_per_1k_tokens_s=0.0)
+    pending.pending(keys[1:], ttl_s=60.0)
+    started = time.monotonic()
+    assert st.cache.start_prefetch("r", TOKENS + [1], "", 0, PAGES) == PAGES
+    land(storage, pending, stored)
+    st.cache.reap()  # an engine step; the role still holds the request back
+    deadline = time.monotonic() + 10
+    while not st.cache.prefetches.complete("r") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    while time.monotonic() < started + 0.4:  # the gate opens past the prefetch deadline
+        time.sleep(0.01)
+    assert st.cache.prefetch_ready("r")
+    assert len(st.cache.take_prefetch("r").host_page_ids) == PAGES  # every page, none raced
+    assert st.cache.stats.pending_raced_pages == 0
+    st.close()
