@@ -86,6 +86,7 @@ log = logging.getLogger(__name__)
 # Stored K/V is the tenants' prompts in all but name (the MAC authenticates it, nothing
 # encrypts it): files the backends create are the service account's alone, and so are the
 # directories they create (a store shared by several accounts needs its own group setup)
+DEFAULT_DATA_FILES = 4  # hf3fs data files of a pool (the default keeps its old pool name)
 PRIVATE_FILE_MODE = 0o600
 PRIVATE_DIR_MODE = 0o700
 
@@ -236,7 +237,7 @@ class StorageConfig(StorageSettings, StorageKeys):
     # lately (page_pipeline.AdaptiveChoice: the pipeline wins only with a free core)
     # (docs/security.md "Verified beside the read")
     pipeline_pages: int | None = None
-    num_data_files: int = 4
+    num_data_files: int = DEFAULT_DATA_FILES
     recover_index: bool = True  # inproc metadata: rebuild the index from slot headers on open
     reservation_ttl_s: float = 60.0
     usrbio_mount: str = ""  # 3FS mount point (usrbio engine)
@@ -328,7 +329,11 @@ class StorageConfig(StorageSettings, StorageKeys):
         other page geometries (e.g. a `tiny` run after a `small` one on the same state
         directory) get their own pool instead of a refusal; keys of models that share a slot
         size never collide since they are salted with the KV fingerprint."""
-        return f"{self.namespace}.slot{self.slot_bytes}"
+        # a file count other than the default is part of it: a slot's file and offset follow
+        # from the count, and two clients of one pool with different counts overwrote each
+        # other's pages
+        files = "" if self.num_data_files == DEFAULT_DATA_FILES else f".files{self.num_data_files}"
+        return f"{self.namespace}.slot{self.slot_bytes}{files}"
 
     @property
     def num_pages(self) -> int:

@@ -633,3 +633,20 @@ def test_a_silent_metadata_service_is_tried_ever_less_often() -> None:
         finally:
             writer.join(10)
             slow.close()
+
+
+def test_clients_with_other_data_file_counts_never_share_a_pool(tmp_path: Path) -> None:
+    """A slot's file and offset follow from the number of data files: two clients of one
+    pool with different counts wrote each other's pages (every read then missed)."""
+    four = create_backend(_config(tmp_path, num_data_files=4))
+    two = create_backend(_config(tmp_path, num_data_files=2))
+    try:
+        pages = _pages(2)
+        assert four.put_from(_keys(1), [pages[0]]) == [True]
+        assert two.put_from(_keys(1, tag=1), [pages[1]]) == [True]
+        out = torch.zeros(1, PAGE_BYTES, dtype=torch.uint8)
+        assert four.get_into(_keys(1), list(out)) == [True]
+        assert torch.equal(out[0], pages[0])
+    finally:
+        four.close()
+        two.close()
