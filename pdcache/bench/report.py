@@ -114,6 +114,8 @@ def summarize(records: Sequence[dict[str, Any]], run_info: dict[str, Any]) -> di
         **percentiles((g for r in ok for g in r["itl_s"]), "itl"),
         **percentiles((r["e2e_s"] for r in ok), "e2e"),
         **percentiles((r.get("queued_s", 0.0) for r in ok), "client_queue"),
+        **percentiles((r["ttft_s"] + r.get("queued_s", 0.0) for r in ok
+                       if r["ttft_s"] is not None), "ttft_from_due"),
         "server_ttft_p50_s": percentiles((r["server_ttft_s"] for r in ok), "x")["x_p50_s"],
         "errors": dict(errors),
         "per_turn": per_turn(ok),

@@ -174,6 +174,8 @@ class NodeCache:
         host = 0
         if self.hierarchical and match is not None and len(matched) < cap:
             last, host = self._restore(match, pages, page_ids, cap, last)
+        if new_turn and last is not None and not last.is_root:
+            tree.count_hit(last)  # once per request, as `Scheduler._try_admit` counts it
         return Hold(last, matched + page_ids), Reuse(min(len(matched), cap), host)
 
     def _alloc(self, num_pages: int, headroom: int = 0) -> list[int] | None:

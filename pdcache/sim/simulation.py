@@ -203,9 +203,10 @@ class Simulation:
             now = self.loop.now
             tick = now if self._gate_next is None else max(self._gate_next, now)
             self._gate_next = tick + float(self._gate_rng.exponential(1.0 / (self.cfg.rate or 1)))
-            self.loop.at(tick, lambda: self._acquire(lambda: self._send(state, index)))
+            self.loop.at(tick, lambda: self._acquire(lambda: self._send(state, index, tick)))
             return
-        self._acquire(lambda: self._send(state, index))
+        due = self.loop.now
+        self._acquire(lambda: self._send(state, index, due))
 
     def _acquire(self, send: Callable[[], None]) -> None:
         if self._slots > 0:
@@ -221,7 +222,9 @@ class Simulation:
             self._slots += 1
 
     # ---- one request ------------------------------------------------------------------
-    def _send(self, state: _SessionState, index: int) -> None:
+    def _send(self, state: _SessionState, index: int, due_s: float | None = None) -> None:
+        """Send turn `index`, due at `due_s` (its wait for a client slot since then is the
+        record's `queued_s`, as the replay records it)."""
         session, turn = state.session, state.session.turns[index]
         if self.loop.now >= self.cfg.max_duration_s:  # the replay sends nothing after it
             self._drop(session, index, "max_duration")
@@ -237,7 +240,8 @@ class Simulation:
         rec = RequestRecord(turn.request_id, session.session_id, turn.turn,
                             dispatch_s=round(now, 6), prompt_tokens=len(prompt),
                             max_new_tokens=max_new,
-                            new_input_tokens=turn.input_len if turn.dependent else len(prompt))
+                            new_input_tokens=turn.input_len if turn.dependent else len(prompt),
+                            queued_s=round(max(0.0, now - (now if due_s is None else due_s)), 6))
         keys = self.tracker.keys(prompt)
         rec.theoretical_cached_tokens = self.tracker.reusable_tokens(keys, len(prompt))
         full = np.concatenate([prompt, self.expander.placeholder_output(turn.request_id,
@@ -349,6 +353,11 @@ class Simulation:
         session = req.session
         if any(t.dependent for t in session.turns[req.index + 1:]):
             self._drop(session, req.index + 1, "parent_failed")
+        elif req.index + 1 < len(session.turns):  # the session goes on, as the replay's does
+            # (its later turns were neither sent nor counted: lost from every total)
+            state = self._sessions[session.session_id]
+            state.done_s = self.loop.now
+            self._release_next(state, req.index + 1)
 
     def _drop(self, session: Session, index: int, reason: str) -> None:
         for _ in session.turns[index:]:

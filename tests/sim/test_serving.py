@@ -220,3 +220,27 @@ def test_serving_calibration_reads_the_gaps() -> None:
     assert _decode_warmup(records) == pytest.approx(0.70 - 0.07)
     with pytest.raises(ValueError, match="need 3 or more"):
         _medians(records[:2])
+
+
+def test_shared_host_ends_its_jobs_late_in_simulated_time() -> None:
+    """Past ~16,000 s a leftover of ~1e-12 s of work ended at `now` itself (the clock's float
+    resolution): its completion event came back to the same instant, for good (a long
+    simulation with a shared host never ended)."""
+    import random
+
+    from pdcache.sim.events import EventLoop
+    from pdcache.sim.host import SharedHost
+
+    loop = EventLoop()
+    host = SharedHost(loop, 2)
+    rng = random.Random(0)
+    done = []
+    for _ in range(60):
+        loop.at(20000.0 + rng.uniform(0, 5.0),
+                lambda: host.run(rng.uniform(0.01, 1.0), lambda: done.append(loop.now)))
+
+    def bounded() -> None:
+        assert loop.events_run < 100_000, f"stuck at t={loop.now}: {len(done)}/60 jobs done"
+
+    loop.run(bounded)
+    assert len(done) == 60 and host.running == 0

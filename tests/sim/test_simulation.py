@@ -311,3 +311,35 @@ def test_max_duration_stops_sending_and_unsimulated_options_are_refused(
     assert summary["skip_reasons"] == {"max_duration": 24 - summary["requests_ok"]}
     assert main(["sim", PD, *SERIAL, "--profile", profile_path, "--round-barrier"]) == 2
     assert "not simulated" in capsys.readouterr().err
+
+
+def test_a_refused_turn_lets_its_session_go_on(profile_path: str, tmp_path: Path) -> None:
+    """A turn the router refuses (its queue full) in a session whose later turns do not carry
+    its answer: those turns were neither sent nor counted, lost from every total (the replay
+    goes on with them)."""
+    rows = [{"chat_id": 3 * s + t, "parent_chat_id": 3 * s + t - 1 if t else -1, "turn": t,
+             "timestamp": 0.001 * (3 * s + t), "input_length": 64, "output_length": 8,
+             "hash_ids": [1000 * s + i for i in range(4)]} for s in range(2) for t in range(3)]
+    trace = tmp_path / "bailian.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    _, summary = simulate(profile_path, [PD, *TINY, "--trace", f"bailian:{trace}",
+                                         "--set", "router.max_inflight_per_node=1",
+                                         "--set", "router.max_queue=0"])
+    assert summary["requests_failed"] >= 1  # refused: the router's queue holds none
+    assert summary["requests_ok"] + summary["requests_failed"] + summary["requests_skipped"] \
+        == summary["requests_total"] == 6
+
+
+def test_the_client_s_queue_is_recorded_and_counts_against_the_slo(profile_path: str) -> None:
+    """Requests due while every --concurrency slot was busy waited uncounted: TTFT timed from
+    dispatch said 1P1D met an SLO that a far larger cluster misses (`plan` chose it)."""
+    from pdcache.sim.plan import meets
+
+    sim, summary = simulate(profile_path, [PD, *TINY, "--trace",
+                                           "synthetic:sessions=4,turns=1,stagger=0",
+                                           "--mode", "trace", "--concurrency", "1"])
+    queued = sorted(r["queued_s"] for r in sim.records)
+    assert queued[0] == 0.0 and queued[-1] > 0  # the last one waited for three before it
+    assert summary["ttft_from_due_p99_s"] > summary["ttft_p99_s"]
+    slo = (summary["ttft_p99_s"] + summary["ttft_from_due_p99_s"]) / 2
+    assert not meets(summary, slo, None, 99)
