@@ -78,12 +78,20 @@ class StorageIO:
             self._links[key] = Pipe(self.cost.node_nic_Bps)
         return self._links[key]
 
-    def transfer(self, now: float, node: str, nbytes: int, kind: str) -> float:
+    def transfer(self, now: float, node: str, nbytes: int, kind: str,
+                 not_before: float | None = None) -> float:
         """Move `nbytes` between `node` and the store (`kind`: one of `STORAGE_KINDS`);
-        returns when the operation completes."""
+        returns when the operation completes. `not_before`: its data is there only then (a
+        read of pages still being written, a write after its device -> host copy): it is
+        queued now and ends no sooner than that time plus what it took from now. (Queued at
+        that later time, FIFO pipes made every operation booked after it wait for it,
+        earlier-timed ones of other nodes too: a read waiting on a write stalled the
+        store's reads, one TTFT 100x too long.)"""
         store = self.read if kind == "read" else self.write
         direction = "in" if kind == "read" else "out"
         through = max(store.occupy(now, nbytes), self._link(node, direction).occupy(now, nbytes))
+        if not_before is not None and not_before > now:
+            through = max(through, not_before + (through - now))
         done = through + self.cost.op_latency_s + self.cost.metadata_op_s
         self.timeline.add(done, kind, nbytes)
         self.totals[kind] += nbytes

@@ -112,7 +112,7 @@ class Cluster:
         nbytes = len(todo) * self.page_bytes
         copied = now + nbytes / self.profile.host.d2h_bandwidth_Bps
         kind = "write_decode" if origin == "decode" else "write_prefill"
-        done = self.io.transfer(copied, node, nbytes, kind)
+        done = self.io.transfer(now, node, nbytes, kind, not_before=copied)
         store = self.store
         store.begin_write(todo, origin, done)
         self.loop.at(done, lambda: store.end_write(todo, origin))
@@ -203,7 +203,8 @@ class SimNode:
         req.stored_start = req.stored_end = run.start
         if run.count == 0:
             return now
-        done = cluster.io.transfer(run.ready_s, self.name, run.count * cluster.page_bytes, "read")
+        done = cluster.io.transfer(now, self.name, run.count * cluster.page_bytes, "read",
+                                   not_before=run.ready_s)
         cluster.store.touch(req.pages[run.start: run.start + run.count])
         policy = self.spec.cache.prefetch_policy
         if first_read or req.prefetch_deadline_s == float("inf"):

@@ -41,6 +41,18 @@ def test_storage_io_shares_the_store_and_limits_each_link() -> None:
     assert [r["read_Bps"] for r in rows] == [0.0, 200.0, 100.0]  # by completion time
 
 
+def test_a_read_of_pages_still_being_written_does_not_stall_the_store() -> None:
+    """A read waiting for a write was queued at the write's end: the FIFO pipes made every
+    later-booked operation, another node's read due at once included, wait behind it."""
+    cost = StorageCost(read_bandwidth_Bps=1000.0, write_bandwidth_Bps=1000.0,
+                       node_nic_Bps=1000.0, op_latency_s=0.0, metadata_op_s=0.0)
+    io = StorageIO(cost, bucket_s=1.0)
+    # node a reads 100 B of pages that land at t=5: it ends 0.1 s after they do
+    assert io.transfer(0.0, "a", 100, "read", not_before=5.0) == pytest.approx(5.1)
+    # node b's read of stored pages, due now, waits for a's bytes at most, not for t=5
+    assert io.transfer(0.0, "b", 100, "read") == pytest.approx(0.2)
+
+
 def test_store_lookup_pending_writes_origin_and_lru() -> None:
     store = SimStore(capacity_pages=3)
     store.begin_write([1, 2], "prefill", 1.0)
