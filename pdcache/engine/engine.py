@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -352,7 +353,7 @@ class Engine:
 
         try:
             page_ids = self._call(reserve, timeout)
-        except TimeoutError:
+        except FutureTimeout:  # the builtin TimeoutError only from Python 3.11 on
             # the reserve still runs once the engine thread gets to it, and nobody would ever
             # release what it took (the caller never learnt the pages): a release is queued
             # behind it, for this call's pages only

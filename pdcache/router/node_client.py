@@ -115,11 +115,14 @@ def _error_object(content: bytes) -> dict[str, Any] | None:
     return error if isinstance(error, dict) else None
 
 
+ROUTER_BUSY = "router_busy"  # the router's own connection pool is used up (not the node)
+
+
 def _transport_error(node: NodeState, exc: httpx.HTTPError, deadline: Deadline) -> ApiError:
     if isinstance(exc, httpx.PoolTimeout):  # the router's own pool is used up, not the node
         return ApiError(503, f"the router has no free connection to {node.role} node "
                         f"{node.name} (every one of [router] max_node_connections is in use)",
-                        type=OVERLOADED, code="router_busy")
+                        type=OVERLOADED, code=ROUTER_BUSY)
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
         return NodeUnreachableError(node, f"{type(exc).__name__}: {exc}")
     if isinstance(exc, httpx.TimeoutException):
@@ -266,8 +269,8 @@ class NodeClient:
             except asyncio.TimeoutError:
                 self.result(node, False)
                 raise deadline.error(f"{node.role} node {node.name}") from None
-            except ApiError:
-                self.result(node, False)
+            except ApiError as exc:
+                self.result(node, False, exc)
                 raise
         self.result(node, True)
         return data
@@ -331,8 +334,8 @@ class NodeClient:
                         last = event
                 finally:
                     await events.aclose()
-            except ApiError:
-                self.result(node, False)
+            except ApiError as exc:
+                self.result(node, False, exc)
                 raise
         self.result(node, True)
         return last
@@ -348,7 +351,10 @@ class NodeClient:
             self._registry.mark_unreachable(node, error.message)
         return error
 
-    def result(self, node: NodeState, ok: bool) -> None:
-        """Report the outcome of one call to `node` (`on_node_result`: the metrics)."""
+    def result(self, node: NodeState, ok: bool, error: BaseException | None = None) -> None:
+        """Report the outcome of one call to `node` (`on_node_result`: the metrics); a call
+        the router itself could not make (`router_busy`: no free connection) is none."""
+        if isinstance(error, ApiError) and error.code == ROUTER_BUSY:
+            return
         if self._on_node_result is not None:
             self._on_node_result(node, ok)

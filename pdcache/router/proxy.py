@@ -102,9 +102,9 @@ class Proxy:
         node.in_flight += 1
         try:
             events = await self._client.open_stream(node, {**body, "stream": True}, deadline)
-        except BaseException:
+        except BaseException as exc:
             node.in_flight -= 1
-            self._client.result(node, False)
+            self._client.result(node, False, exc)
             raise
         return RouteStream(self._client, events, None, route)
 
@@ -177,9 +177,9 @@ class Proxy:
         try:
             events = await _race_prefill(p_task,
                                          self._client.open_stream(decode, d_body, deadline))
-        except BaseException:
+        except BaseException as exc:
             decode.in_flight -= 1
-            self._client.result(decode, False)
+            self._client.result(decode, False, exc)
             await _cancel(p_task)
             raise
         return RouteStream(self._client, events, p_task, route)

@@ -46,6 +46,9 @@ class SessionStore:
         self.refused_commits = 0  # turns whose session changed while they ran
         self._sessions: OrderedDict[Hashable, Session] = OrderedDict()
         self._versions = itertools.count(1)  # never reused: a closed session's is gone for good
+        # sessions closed since: their version, so that a turn begun before the close (on
+        # no history as on some) does not commit after it; bounded like the sessions
+        self._closed: OrderedDict[Hashable, int] = OrderedDict()
 
     def history(self, session_id: Hashable) -> list[int]:
         """The session's token history; a turn built on it counts as its use (the idle TTL
@@ -64,7 +67,9 @@ class SessionStore:
         closed, expired or evicted session). Take it with the history a prompt is built
         from and give it back to `commit`."""
         session = self._sessions.get(session_id)
-        return session.version if session else 0
+        if session is not None:
+            return session.version
+        return self._closed.get(session_id, 0)
 
     def commit(self, session_id: Hashable, input_ids: list[int], output_ids: list[int],
                base_version: int) -> bool:
@@ -74,6 +79,7 @@ class SessionStore:
         if self.version(session_id) != base_version:
             self.refused_commits += 1
             return False
+        self._closed.pop(session_id, None)
         session = self._pop(session_id) or Session()
         session.token_ids = array("I", input_ids)
         session.token_ids.extend(output_ids)
@@ -88,7 +94,13 @@ class SessionStore:
         return True
 
     def close(self, session_id: Hashable) -> bool:
-        """Forget a session the client closed (`/close_session`); False if none was known."""
+        """Forget a session the client closed (`/close_session`); False if none was known.
+        A turn in flight since before the close does not commit (its first turn included:
+        a new session's version was 0 before and after the close)."""
+        self._closed[session_id] = next(self._versions)
+        self._closed.move_to_end(session_id)
+        while len(self._closed) > self.max_sessions:
+            self._closed.popitem(last=False)
         return self._pop(session_id) is not None
 
     def _pop(self, session_id: Hashable) -> Session | None:

@@ -35,7 +35,8 @@ class Pipe:
 
 @dataclass
 class Timeline:
-    """Bytes per kind in buckets of `bucket_s` of simulated time (by completion time)."""
+    """Bytes per kind in buckets of `bucket_s` of simulated time (each operation's spread over
+    the time its bytes moved)."""
 
     bucket_s: float
     buckets: dict[int, dict[str, int]] = field(default_factory=dict)
@@ -43,6 +44,21 @@ class Timeline:
     def add(self, when: float, kind: str, nbytes: int) -> None:
         bucket = self.buckets.setdefault(int(when // self.bucket_s), {})
         bucket[kind] = bucket.get(kind, 0) + nbytes
+
+    def add_span(self, start: float, end: float, kind: str, nbytes: int) -> None:
+        """`nbytes` moved from `start` to `end`, spread over the buckets in proportion to
+        the time of each (all in one bucket, a long write showed a peak many times the
+        bandwidth it ran at)."""
+        if end <= start:
+            self.add(end, kind, nbytes)
+            return
+        first, last = int(start // self.bucket_s), int(end // self.bucket_s)
+        for index in range(first, last + 1):
+            lo = max(start, index * self.bucket_s)
+            hi = min(end, (index + 1) * self.bucket_s)
+            if hi > lo:
+                bucket = self.buckets.setdefault(index, {})
+                bucket[kind] = bucket.get(kind, 0) + nbytes * (hi - lo) / (end - start)
 
     def rows(self, kinds: tuple[str, ...]) -> list[dict[str, float]]:
         """One row per bucket from 0 to the last: its start and each kind's bytes/s."""
@@ -88,12 +104,14 @@ class StorageIO:
         earlier-timed ones of other nodes too: a read waiting on a write stalled the
         store's reads, one TTFT 100x too long.)"""
         store = self.read if kind == "read" else self.write
-        direction = "in" if kind == "read" else "out"
-        through = max(store.occupy(now, nbytes), self._link(node, direction).occupy(now, nbytes))
+        link = self._link(node, "in" if kind == "read" else "out")
+        through = max(store.occupy(now, nbytes), link.occupy(now, nbytes))
         if not_before is not None and not_before > now:
             through = max(through, not_before + (through - now))
         done = through + self.cost.op_latency_s + self.cost.metadata_op_s
-        self.timeline.add(done, kind, nbytes)
+        # the bytes moved at the slower of the two pipes, up to `through`
+        moving = through - nbytes / min(store.bandwidth_Bps, link.bandwidth_Bps)
+        self.timeline.add_span(max(now, moving), through, kind, nbytes)
         self.totals[kind] += nbytes
         self.operations += 1
         return done

@@ -131,13 +131,15 @@ async def sse_guard(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 # connection open but stops reading (a suspended agent, a partition) held its request, the
 # node slot, the upstream and its tenant's slot for good: no deadline covered writes.
 WRITE_STALL_S = 60.0
+_TIMEOUT = getattr(asyncio, "timeout", None)  # Python 3.11+
 
 
 class StallBoundedStream(StreamingResponse):
     """A StreamingResponse whose every write must end within `stall_timeout_s`; past it the
     stream ends as if the client had left: the event generator is closed (its `finally`
-    blocks free what the request holds), the background cleanup runs, and the server closes
-    the connection (the response never completed)."""
+    blocks free what the request holds) and the background cleanup runs. The response never
+    completed: the server logs it and closes the transport (the socket itself goes once the
+    kernel drops what the client never read)."""
 
     def __init__(self, content: AsyncIterator[bytes], *, stall_timeout_s: float,
                  **kwargs: Any) -> None:
@@ -147,14 +149,18 @@ class StallBoundedStream(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         async def bounded(message: Message) -> None:
             try:
-                await asyncio.wait_for(send(message), self.stall_timeout_s)
-            except TimeoutError:
+                if _TIMEOUT is not None:  # 3.11+: no task per write (wait_for makes one)
+                    async with _TIMEOUT(self.stall_timeout_s):
+                        await send(message)
+                else:
+                    await asyncio.wait_for(send(message), self.stall_timeout_s)
+            except asyncio.TimeoutError:  # the builtin TimeoutError only from 3.11 on
                 raise _ClientStalled from None
 
         try:
             await super().stream_response(bounded)
         except _ClientStalled:
-            log.warning("client read nothing for %.0f s: its stream ends", self.stall_timeout_s)
+            log.warning("client read nothing for %.1f s: its stream ends", self.stall_timeout_s)
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()

@@ -359,6 +359,9 @@ def test_a_router_out_of_node_connections_is_busy_and_its_probes_still_run(
                                                   "sampling_params": {"max_new_tokens": 2}})
             assert busy.status_code == 503, busy.text
             assert busy.json()["error"]["code"] == "router_busy"
+            errors = scrape(client).get(("pdcache_router_node_requests_total", (
+                ("node", "u0"), ("outcome", "error"), ("role", "unified"))), 0.0)
+            assert errors == 0  # the router's own shortage, not the node's error
             asyncio.run_coroutine_threadsafe(router.registry.check_all(),
                                              router.loop).result(10)
             (node,) = router.registry.nodes

@@ -115,9 +115,13 @@ def test_a_session_turn_commits_only_onto_the_history_it_was_built_on() -> None:
     assert store.history("s") == [] and len(store) == 0
     assert store.refused_commits == 2
     # ... nor a turn built on it after a new history began (versions are never reused)
-    assert store.commit("s", [5], [6], 0)
+    assert store.commit("s", [5], [6], store.version("s"))
     assert not store.commit("s", [1, 2, 3, 10, 11, 12], [13], in_flight)
     assert store.history("s") == [5, 6]
+    # a session's first turn in flight when it was closed does not open it again either
+    base = store.version("new")
+    store.close("new")
+    assert not store.commit("new", [7], [8], base) and store.history("new") == []
 
 
 def test_a_session_s_idle_time_runs_from_its_last_turn_s_start() -> None:

@@ -332,8 +332,11 @@ class StorageConfig(StorageSettings, StorageKeys):
         # a file count other than the default is part of it: a slot's file and offset follow
         # from the count, and two clients of one pool with different counts overwrote each
         # other's pages
-        files = "" if self.num_data_files == DEFAULT_DATA_FILES else f".files{self.num_data_files}"
-        return f"{self.namespace}.slot{self.slot_bytes}{files}"
+        return f"{self.namespace}.slot{self.slot_bytes}{self._files_suffix}"
+
+    @property
+    def _files_suffix(self) -> str:
+        return "" if self.num_data_files == DEFAULT_DATA_FILES else f".files{self.num_data_files}"
 
     @property
     def num_pages(self) -> int:
@@ -374,7 +377,7 @@ class StorageConfig(StorageSettings, StorageKeys):
     @property
     def state_pool_name(self) -> str:
         """hf3fs state data files and metadata pool: never a page pool's name (`.state`)."""
-        return f"{self.namespace}.state{self.state_slot_bytes}"
+        return f"{self.namespace}.state{self.state_slot_bytes}{self._files_suffix}"
 
     @property
     def storage_eviction(self) -> StorageEviction:

@@ -691,6 +691,7 @@ class FileBackend(StorageBackend):
 
 
 def _capacity_stats(capacity: int, used: int) -> dict[str, int]:
-    """Accounting keys shared with hf3fs (free + used + reserved == capacity when bounded)."""
+    """Accounting keys shared with hf3fs (free + used + reserved == capacity when bounded; hf3fs
+    adds its retired slots)."""
     free = max(0, capacity - used) if capacity else 0
     return {"capacity_pages": capacity, "free_pages": free, "reserved_pages": 0}

@@ -638,6 +638,9 @@ def test_a_silent_metadata_service_is_tried_ever_less_often() -> None:
 def test_clients_with_other_data_file_counts_never_share_a_pool(tmp_path: Path) -> None:
     """A slot's file and offset follow from the number of data files: two clients of one
     pool with different counts wrote each other's pages (every read then missed)."""
+    state = {"state_geometry": "g", "state_bytes": 4096, "state_capacity": 1 << 20}
+    assert (_config(tmp_path, num_data_files=2, **state).state_pool_name
+            != _config(tmp_path, **state).state_pool_name)  # state slots alike
     four = create_backend(_config(tmp_path, num_data_files=4))
     two = create_backend(_config(tmp_path, num_data_files=2))
     try:
