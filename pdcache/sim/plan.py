@@ -101,15 +101,21 @@ def candidate_cost(topology: Topology) -> tuple[int, int, int]:
 
 def candidates(path: str, overrides: Sequence[str],
                space: dict[str, list[str]]) -> list[Candidate]:
-    """Every point of `space`, cheapest first (ties: the order of the space)."""
+    """Every point of `space`, cheapest first (ties: the order of the space). A role the user
+    fixed (`--set sim.ROLE=N`) keeps its count unless the space searches it (such an override
+    reached the topology loader: `sim: unknown key`)."""
+    from pdcache.sim.command import split_overrides
+
+    topology_overrides, fixed = split_overrides(overrides)
     keys = list(space)
     out = []
     for values in itertools.product(*(space[k] for k in keys)):
         settings = tuple(zip(keys, values, strict=True))
-        counts = {k: int(v) for k, v in settings if k in ROLE_KEYS}
+        counts = {**fixed, **{k: int(v) for k, v in settings if k in ROLE_KEYS}}
         topo_overrides = [f"{SEARCH_KEYS[k]}={_toml_value(k, v)}" for k, v in settings
                           if k not in ROLE_KEYS]
-        topology = scale_roles(load_topology(path, [*overrides, *topo_overrides]), counts)
+        topology = scale_roles(load_topology(path, [*topology_overrides, *topo_overrides]),
+                               counts)
         nodes, host, storage = candidate_cost(topology)
         sim_overrides = [*topo_overrides, *(f"sim.{k}={v}" for k, v in counts.items())]
         out.append(Candidate(settings, tuple(sim_overrides), nodes, host, storage))

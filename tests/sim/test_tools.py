@@ -137,3 +137,12 @@ def test_validate_runs_the_real_compare_and_the_simulator(profile_path: str,
         (row["ttft_p50_sim_s"] - median) / median)
     # a roomy cache: the simulator reaches the theoretical rate, as the real server does
     assert row["hit_rate_abs_err"] <= 0.01
+
+
+def test_plan_keeps_a_role_count_the_user_fixed(profile_path: str, tmp_path: Path) -> None:
+    """`--set sim.decode=2` reached the topology loader: `sim: unknown key`, exit 2."""
+    assert main(["sim", "plan", PD, *TINY, *TRACE, "--profile", profile_path,
+                 "--set", "sim.decode=2", "--search", "prefill=1..2", "--ttft-slo", "1e-9",
+                 "--out", str(tmp_path)]) == 1  # nothing meets it: every candidate is tried
+    tried = json.loads((tmp_path / "plan.json").read_text())
+    assert [r["nodes"] for r in tried["candidates"]] == [3, 4]  # 1P2D, 2P2D
