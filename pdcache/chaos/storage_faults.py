@@ -394,7 +394,8 @@ def _file_objects(root: Path, pattern: str, fmt: _ObjectFormat, limit: int
 def _hf3fs_slots(root: Path, pool: str, fmt: _ObjectFormat, limit: int) -> list[StoredObject]:
     """Slots whose header starts with the magic, in the data files of every slot size of the
     pools matching `pool` (a regex whose group is the slot size)."""
-    pattern = re.compile(rf"^{pool}\.\d+\.bin$")
+    # `.filesN`: a pool of another data file count than the default (`StorageConfig.pool_name`)
+    pattern = re.compile(rf"^{pool}(?:\.files\d+)?\.\d+\.bin$")
     found: list[StoredObject] = []
     for path in sorted(root.glob("*.bin")):
         match = pattern.match(path.name)
