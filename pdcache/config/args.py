@@ -43,6 +43,7 @@ from pdcache.config.schema import (
     TopologyError,
 )
 from pdcache.engine.scheduler_config import SchedulerConfig
+from pdcache.utils.ports import port_number
 
 # flag dest -> the node key it sets (dotted below the node). Their flags default to None, so
 # only flags given on the command line override a topology's values.
@@ -71,18 +72,6 @@ _PROCESS_FLAGS = ("log_level", "config", "node", "topology_overrides")  # not to
 _FLAG_SEGMENT_BYTES = 256 << 20  # Mooncake Store segment of a flags-only node (StorageConfig's)
 _DEFAULT_NAMES = {"prefill": "p0", "decode": "d0", "unified": "unified"}
 _DEFAULT_PORTS = {"prefill": 0, "decode": 0, "unified": 30000}
-
-
-def port_number(text: str) -> int:
-    """An argparse type: a TCP port, 0 to 65535 (0: a free one). A port out of range was a
-    bind() traceback at start."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port {port} is outside 0..65535")
-    return port
 
 
 def add_topology_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,7 +29,6 @@ from pdcache.config import (
     add_topology_arguments,
     router_from_args,
 )
-from pdcache.config.args import port_number
 from pdcache.config.schema import (
     ReasoningParser,
     RouterSettings,
@@ -43,6 +42,7 @@ from pdcache.router.config import RouterConfig
 from pdcache.router.nodes import NodeEndpoint
 from pdcache.router.policy import DECODE_POLICIES, PREFILL_POLICIES
 from pdcache.router.tenants import Tenant, parse_tenant_flag
+from pdcache.utils.ports import port_number
 
 log = logging.getLogger(__name__)
 

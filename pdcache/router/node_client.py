@@ -68,18 +68,17 @@ def error_from_response(node: NodeState, status: int, content: bytes) -> ApiErro
     credential (a rotated cluster secret): the router's failure, a 502, never the client's
     authentication error."""
     error = _error_object(content)
+    text = content[:200].decode(errors="replace")
     if status == 503 and error is None:
-        text = content[:200].decode(errors="replace")
         return NodeOverloadedError(node, ApiError(
             503, f"{node.role} node {node.name} is unavailable: {text!r}", type=OVERLOADED,
             code="node_unavailable"))
     if status in (401, 403):
-        message = (error or {}).get("message") or content[:200].decode(errors="replace")
+        message = (error or {}).get("message") or text
         return ApiError(502, f"{node.role} node {node.name} refused the router's credential "
                         f"({status}: {message}): check the cluster secret both use",
                         type=SERVER_ERROR, code=BAD_GATEWAY)
     if error is None:
-        text = content[:200].decode(errors="replace")
         return ApiError(502, f"{node.role} node {node.name} answered {status} without a JSON "
                         f"error: {text!r}", type=SERVER_ERROR, code=BAD_GATEWAY)
     message = str(error.get("message") or f"{node.role} node {node.name} answered {status}")

@@ -39,10 +39,13 @@ class Timeline:
     the time its bytes moved)."""
 
     bucket_s: float
-    buckets: dict[int, dict[str, int]] = field(default_factory=dict)
+    buckets: dict[int, dict[str, float]] = field(default_factory=dict)
 
-    def add(self, when: float, kind: str, nbytes: int) -> None:
-        bucket = self.buckets.setdefault(int(when // self.bucket_s), {})
+    def add(self, when: float, kind: str, nbytes: float) -> None:
+        self._put(int(when // self.bucket_s), kind, nbytes)
+
+    def _put(self, index: int, kind: str, nbytes: float) -> None:
+        bucket = self.buckets.setdefault(index, {})
         bucket[kind] = bucket.get(kind, 0) + nbytes
 
     def add_span(self, start: float, end: float, kind: str, nbytes: int) -> None:
@@ -57,8 +60,7 @@ class Timeline:
             lo = max(start, index * self.bucket_s)
             hi = min(end, (index + 1) * self.bucket_s)
             if hi > lo:
-                bucket = self.buckets.setdefault(index, {})
-                bucket[kind] = bucket.get(kind, 0) + nbytes * (hi - lo) / (end - start)
+                self._put(index, kind, nbytes * (hi - lo) / (end - start))
 
     def rows(self, kinds: tuple[str, ...]) -> list[dict[str, float]]:
         """One row per bucket from 0 to the last: its start and each kind's bytes/s."""

@@ -222,7 +222,7 @@ class Simulation:
             self._slots += 1
 
     # ---- one request ------------------------------------------------------------------
-    def _send(self, state: _SessionState, index: int, due_s: float | None = None) -> None:
+    def _send(self, state: _SessionState, index: int, due_s: float) -> None:
         """Send turn `index`, due at `due_s` (its wait for a client slot since then is the
         record's `queued_s`, as the replay records it)."""
         session, turn = state.session, state.session.turns[index]
@@ -241,7 +241,7 @@ class Simulation:
                             dispatch_s=round(now, 6), prompt_tokens=len(prompt),
                             max_new_tokens=max_new,
                             new_input_tokens=turn.input_len if turn.dependent else len(prompt),
-                            queued_s=round(max(0.0, now - (now if due_s is None else due_s)), 6))
+                            queued_s=round(max(0.0, now - due_s), 6))
         keys = self.tracker.keys(prompt)
         rec.theoretical_cached_tokens = self.tracker.reusable_tokens(keys, len(prompt))
         full = np.concatenate([prompt, self.expander.placeholder_output(turn.request_id,

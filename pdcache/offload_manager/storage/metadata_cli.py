@@ -18,12 +18,13 @@ from pdcache.offload_manager.storage.metadata_service import (
     metadata_key,
     serve,
 )
+from pdcache.utils.ports import port_number
 from pdcache.utils.secret import SecretError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    parser.add_argument("--port", type=_port, default=18000, help="port to bind (0: any free port)")
+    parser.add_argument("--port", type=port_number, default=18000, help="port to bind (0: any free port)")
     parser.add_argument(
         "--state-dir", default=None, help="directory of the persisted index (store sqlite)"
     )
@@ -96,13 +97,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="session eviction: a session without a write for this long is closed",
     )
     parser.add_argument("--log-level", default="INFO")
-
-
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port {port} is outside 0..65535")
-    return port
 
 
 def run(args: argparse.Namespace) -> int:
