@@ -118,6 +118,8 @@ class ApiSettings:
     # /generate streams deltas, not cumulative chunks (SGLang's --incremental-streaming-output);
     # a request's `incremental_streaming_output` wins
     incremental_streaming_output: bool = False
+    # a larger request body is refused (413) as it is read, never buffered whole
+    max_request_bytes: int = _size(default=32 * 2**20)
 
 
 @dataclass(frozen=True)

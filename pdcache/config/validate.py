@@ -209,6 +209,8 @@ def _check_node_tiers(node: NodeSpec, storage: StorageSpec, key: str, ctx: Error
 def _check_node_server(node: NodeSpec, key: str, ctx: ErrorContext) -> None:
     if node.request_timeout_s <= 0:
         raise ctx.error(f"{key}.request_timeout_s", f"expected a number > 0, got {node.request_timeout_s}")
+    if node.max_request_bytes < 1:
+        raise ctx.error(f"{key}.max_request_bytes", f"expected a size >= 1 byte, got {node.max_request_bytes}")
     for name in ("offload_staging_pages", "offload_stride_pages"):
         value = getattr(node, name)
         if value is not None and node.role != "decode":
@@ -399,7 +401,7 @@ def is_loopback(host: str) -> bool:
 # process refused a wrong one only once launched, naming no key, and the launcher restarted
 # it until it gave up; a zero health interval probed every node back to back
 _ROUTER_LEAST = {"max_attempts": 1, "max_queue": 0, "max_inflight_per_node": 0,
-                 "cache_aware_balance": 0, "max_node_connections": 1}
+                 "cache_aware_balance": 0, "max_node_connections": 1, "max_request_bytes": 1}
 _ROUTER_POSITIVE = ("request_timeout_s", "connect_timeout_s", "health_interval_s")
 
 

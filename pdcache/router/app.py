@@ -585,7 +585,7 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None,
               ("GET", "/v1/models", handlers.models),
               ("GET", "/metrics", handlers.metrics_endpoint),
               *table]
-    mount(app, routes, handlers.guarded)
+    mount(app, routes, handlers.guarded, config.max_request_bytes)
     app.add_middleware(TenantGate, directory=directory,
                        limits=router.tenant_limits, known_paths=[r[1] for r in routes],
                        observe=router.metrics.observe_request,

@@ -437,5 +437,5 @@ def build_app(routes: ServerRoutes, *, pd_generate: PDHandler | None = None,
                 ("GET", "/health", health),
                 ("GET", "/v1/models", routes.models),
                 ("GET", "/metrics", routes.metrics_endpoint),
-                *service_handlers(service)], guard)
+                *service_handlers(service)], guard, config.max_request_bytes)
     return app

@@ -3,10 +3,13 @@ routing policies, sessions, streaming proxy, OpenAI usage, API key, metrics."""
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcache.router.app import create_app
@@ -250,6 +253,40 @@ def test_bad_requests_are_400_without_touching_nodes(nodes: list[UnifiedNode]) -
         after = scrape(client)
     sent = [k for k in after if k[0] == "pdcache_router_node_requests_total"]
     assert all(after[k] == before.get(k, 0.0) for k in sent)
+
+
+@pytest.mark.parametrize("limit", [4096, None], ids=["limited", "protection-off"])
+def test_a_body_over_the_limit_is_413_declared_or_chunked(nodes: list[UnifiedNode],
+                                                          limit: int | None) -> None:
+    """A request body over `max_request_bytes` is refused as it is read, whether its length
+    is declared or it comes chunked (then never buffered past the limit), and counted; off
+    (the default 32 MiB), the same bodies reach the node and are answered."""
+    overrides = {} if limit is None else {"max_request_bytes": limit}
+    body = {"input_ids": prompt(1200, 52), "sampling_params": {"max_new_tokens": 1, **GREEDY}}
+    raw = json.dumps(body).encode()
+    assert len(raw) > 4096
+
+    def chunks() -> Iterator[bytes]:
+        for start in range(0, len(raw), 1000):
+            yield raw[start:start + 1000]
+
+    with router_client(nodes, **overrides) as client:
+        declared = client.post("/generate", content=raw,
+                               headers={"Content-Type": "application/json"})
+        chunked = client.post("/generate", content=chunks(),
+                              headers={"Content-Type": "application/json"})
+        small = client.post("/generate", json={**body, "input_ids": prompt(10, 52)})
+        counted = scrape(client)
+    assert small.status_code == 200, small.text
+    if limit is None:
+        assert declared.status_code == chunked.status_code == 200, (declared.text, chunked.text)
+        return
+    assert declared.status_code == chunked.status_code == 413, (declared.text, chunked.text)
+    assert declared.json()["error"]["code"] == chunked.json()["error"]["code"] == \
+        "request_too_large"
+    assert "4096 bytes" in declared.json()["error"]["message"]
+    key = ("pdcache_router_requests_total", (("endpoint", "/generate"), ("status", "413")))
+    assert counted[key] == 2
 
 
 def test_metrics_health_and_models(nodes: list[UnifiedNode]) -> None:
