@@ -50,7 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        topology = load_topology(args.config, args.overrides)
+        overrides = list(args.overrides)
+        if args.render == "k8s":  # the pods' own secret, mounted (render_k8s): not this host's
+            from pdcache.launch.render_k8s import SECRET_OVERRIDE
+
+            overrides.insert(0, SECRET_OVERRIDE)
+        topology = load_topology(args.config, overrides)
         if args.render == "sglang":
             from pdcache.launch.render_sglang import render_sglang
 

@@ -22,6 +22,7 @@ input; `to_yaml` and `write_manifests` serialise them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Sequence
@@ -44,6 +45,9 @@ DATA_DIR = "/var/lib/pdcache"
 MODEL_DIR = "/var/lib/pdcache-model"
 ETCD_DIR = "/var/lib/etcd"
 PYTHON = "python"
+# every pod's cluster secret: the Secret's key, mounted (a render needs no secret file of its own)
+SECRET_OVERRIDE = f"security.secret_file={json.dumps(f'{SECRET_DIR}/{SECRET_KEY}')}"
+TOPOLOGY_DIGEST = "checksum/topology"  # pod template annotation: sha256 of the ConfigMap's file
 # the pod label carrying a pod's index within its role
 INDEX_LABEL = {"rbg": "rbg.workloads.x-k8s.io/role-instance-index",
                "plain": "apps.kubernetes.io/pod-index"}
@@ -113,7 +117,7 @@ def cluster_overrides(topology: Topology) -> list[str]:
     (listening on 0.0.0.0, on the role's port), services at theirs, storage, model and the
     secret at their mount points."""
     k = topology.kubernetes
-    sets = [f"security.secret_file={json.dumps(f'{SECRET_DIR}/{SECRET_KEY}')}"]
+    sets = [SECRET_OVERRIDE]
     for role in NODE_ROLES:
         for index, node in enumerate(topology.nodes_with_role(role)):
             prefix = f"node.{node.name}"
@@ -134,7 +138,8 @@ def _storage_overrides(topology: Topology) -> list[str]:
     sets = []
     if _stores_in_a_directory(topology):
         sets.append(f"storage.path={json.dumps(f'{DATA_DIR}/storage')}")
-    if storage.uses_metadata_service:
+    if storage.uses_metadata_service and storage.metadata_service.start:
+        # (one that runs elsewhere, `start = false`, keeps the address the topology gives)
         _, port = storage.metadata_address  # type: ignore[misc]
         address = ",".join(f"tcp://{dns_name(topology, 'metadata', i)}:{port}"
                            for i in range(len(storage.metadata_addresses)))
@@ -387,8 +392,15 @@ def _pod_template(topology: Topology, role: Role, mode: str) -> dict[str, Any]:
         spec["hostNetwork"] = True
         spec["dnsPolicy"] = "ClusterFirstWithHostNet"
     labels = _selector(topology, role)
-    return {"metadata": {"labels": {"app.kubernetes.io/name": "pdcache", **labels}},
+    # the topology's digest: a changed ConfigMap rolls the pods (each reads it only at start)
+    annotations = {TOPOLOGY_DIGEST: _topology_digest(topology)}
+    return {"metadata": {"labels": {"app.kubernetes.io/name": "pdcache", **labels},
+                         "annotations": annotations},
             "spec": spec}
+
+
+def _topology_digest(topology: Topology) -> str:
+    return hashlib.sha256(Path(topology.source).read_bytes()).hexdigest()
 
 
 def _container(topology: Topology, role: Role, mode: str) -> dict[str, Any]:
@@ -444,14 +456,19 @@ def _resources(topology: Topology, role: Role) -> dict[str, Any]:
 
 def _probes(topology: Topology, role: Role) -> dict[str, Any]:
     """Readiness and liveness on the role's health handler; a startup probe long enough for
-    a node to load its model (liveness counts only after it)."""
+    a node to load its model (liveness counts only after it). The router's /health is 503
+    while no node can serve (nodes still loading, a role down): its readiness only; startup
+    and liveness ask /liveness (the process answers), or a router waiting for its nodes
+    would be restarted into a crash loop."""
     startup_s = topology.kubernetes.startup_probe_s if role.node_names else 60
+    alive = role.probe
+    if role.name == "router":
+        alive = {"httpGet": {**role.probe["httpGet"], "path": "/liveness"}}
     return {
-        "startupProbe": {**role.probe, "periodSeconds": PROBE_PERIOD_S,
+        "startupProbe": {**alive, "periodSeconds": PROBE_PERIOD_S,
                          "failureThreshold": max(1, math.ceil(startup_s / PROBE_PERIOD_S))},
         "readinessProbe": {**role.probe, "periodSeconds": PROBE_PERIOD_S},
-        "livenessProbe": {**role.probe, "periodSeconds": PROBE_PERIOD_S,
-                          "failureThreshold": 6},
+        "livenessProbe": {**alive, "periodSeconds": PROBE_PERIOD_S, "failureThreshold": 6},
     }
 
 
@@ -466,11 +483,16 @@ def _volumes(topology: Topology, role: Role) -> list[dict[str, Any]]:
         volumes.append({"name": "storage", **_volume_source(k.storage_volume)})
     if role.name == "etcd":
         volumes.append({"name": "etcd-data", "emptyDir": {}})
-    if role.node_names and topology.model.path is not None:
+    if _mounts_model(topology, role):
         volumes.append({"name": "model", **_volume_source(k.model_volume)})
     if role.needs_gpu and k.rdma == "host-network":
         volumes.append({"name": "infiniband", "hostPath": {"path": "/dev/infiniband"}})
     return volumes
+
+
+def _mounts_model(topology: Topology, role: Role) -> bool:
+    """A checkpoint's volume: on the nodes, and on the router (its tokenizer and config)."""
+    return topology.model.path is not None and (bool(role.node_names) or role.name == "router")
 
 
 def _volume_source(spec: str) -> dict[str, Any]:
@@ -490,7 +512,7 @@ def _mounts(topology: Topology, role: Role) -> list[dict[str, Any]]:
         mounts.append({"name": "storage", "mountPath": DATA_DIR})
     if role.name == "etcd":
         mounts.append({"name": "etcd-data", "mountPath": ETCD_DIR})
-    if role.node_names and topology.model.path is not None:
+    if _mounts_model(topology, role):
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
     if role.needs_gpu and topology.kubernetes.rdma == "host-network":
         mounts.append({"name": "infiniband", "mountPath": "/dev/infiniband"})

@@ -356,6 +356,12 @@ class RouterApp:
             body["nodes"] = router.registry.describe()
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    async def liveness(self, request: Request) -> Response:
+        """200 while this process answers, whatever its nodes' health: a cluster restarts a
+        router whose liveness fails, and restarting it cures no node (its /health is the
+        readiness: 503 while no node can serve)."""
+        return JSONResponse({"status": "ok", "name": self.router.config.name})
+
     async def models(self, request: Request) -> Response:
         router = self.router
         return JSONResponse(model_list(router.model_name, self.created, router.limits.context_len))
@@ -582,6 +588,7 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None,
               ("POST", "/v1/chat/completions", handlers.chat_completions),
               ("POST", "/v1/completions", handlers.completions),
               ("GET", "/health", handlers.health),
+              ("GET", "/liveness", handlers.liveness),
               ("GET", "/v1/models", handlers.models),
               ("GET", "/metrics", handlers.metrics_endpoint),
               *table]

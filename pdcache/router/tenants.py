@@ -40,7 +40,7 @@ DEFAULT_TENANT = "default"  # the tenant of the single `api_key`
 # client's salt or id) is another's (`config.validate` checks topology names the same way)
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 NAMESPACE_PREFIX = TENANT_PREFIX  # what the nodes' storage reads back (tenant_namespace)
-OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: aggregate numbers, no tenant's data
+OPEN_PATHS = ("/health", "/liveness", "/metrics")  # probes and scrapers: aggregate numbers, no tenant's data
 GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions", "/health_generate")
 RATE_LIMITED = "rate_limit_exceeded"
 

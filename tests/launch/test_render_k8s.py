@@ -5,6 +5,7 @@ fail, output is deterministic, and every setting a process needs reaches its con
 from __future__ import annotations
 
 import copy
+import hashlib
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +14,13 @@ from typing import Any
 import pytest
 import yaml
 
+from pdcache.cli import main as pdcache_main
 from pdcache.config import TopologyError, load_topology
 from pdcache.launch.render_k8s import (
     CONFIG_DIR,
     DATA_DIR,
     SECRET_DIR,
+    SECRET_OVERRIDE,
     render_k8s,
     to_yaml,
     write_manifests,
@@ -297,3 +300,79 @@ def test_replicated_metadata_renders_its_etcd_members_and_replicas(mode: str) ->
     assert seen.storage.metadata.split(",") == [
         f"tcp://pdcache-metadata-{i}.s-pdcache-metadata:18000" for i in range(2)]
     assert list(seen.storage.etcd.endpoints) == members
+
+
+# ---- what an operator meets on a cluster ------------------------------------------------------
+
+def test_a_checkpoint_reaches_the_router_too(tmp_path: Path) -> None:
+    """The router loads the checkpoint's tokenizer and config from `model.path`: the model
+    volume is mounted on its pod as on the nodes' (without it the rendered router exited 2
+    and no checkpoint could be served)."""
+    docs = _render(ROOT / "configs" / "local-1p1d.toml", "plain", 'model.path="/models/x"')
+    pods = _pods(docs)
+    for role in ("router", "prefill", "decode"):
+        container = pods[role][1]["containers"][0]
+        seen = load_topology(ROOT / "configs" / "local-1p1d.toml", _sets(_command(container)))
+        mounts = [m["mountPath"] for m in container["volumeMounts"]]
+        assert any(seen.model.path.startswith(m) for m in mounts), (role, seen.model.path)
+    assert not any(v["name"] == "model" for v in pods["metadata"][1]["volumes"])
+
+
+def test_the_router_is_restarted_only_when_it_does_not_answer() -> None:
+    """A router's /health is 503 while no node can serve (nodes loading, a role down):
+    readiness only; startup and liveness ask /liveness, or a router waiting for nodes that
+    load for minutes was killed at 60 s into a crash loop. Nodes keep /health throughout."""
+    pods = _pods(_render(ROOT / "configs" / "local-1p1d.toml", "rbg"))
+    router = pods["router"][1]["containers"][0]
+    assert router["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert router["startupProbe"]["httpGet"]["path"] == "/liveness"
+    assert router["livenessProbe"]["httpGet"]["path"] == "/liveness"
+    node = pods["prefill"][1]["containers"][0]
+    assert {node[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe",
+                                                 "readinessProbe")} == {"/health"}
+
+
+def test_an_external_metadata_service_keeps_its_address() -> None:
+    """`storage.metadata_service.start = false`: nothing renders it, so the nodes keep the
+    topology's address (they were pointed at pods that do not exist: every write failed
+    while /health said ok)."""
+    address = "tcp://meta.example.internal:9400"
+    external = ("storage.metadata_service.start=false", f'storage.metadata="{address}"',
+                SECRET_OVERRIDE)  # two hosts now: a secret
+    docs = _render(ROOT / "configs" / "local-1p1d.toml", "plain", *external)
+    pods = _pods(docs)
+    assert "metadata" not in pods
+    seen = load_topology(ROOT / "configs" / "local-1p1d.toml",
+                         [*external, *_sets(_command(pods["prefill"][1]["containers"][0]))])
+    assert seen.storage.metadata == address
+
+
+def test_a_changed_topology_rolls_the_pods(tmp_path: Path) -> None:
+    """Every pod template carries the ConfigMap file's sha256: a change a process reads only
+    at start (a router policy) changes every template, so `kubectl apply` rolls them."""
+    config = tmp_path / "t.toml"
+    base = (ROOT / "configs" / "local-1p1d.toml").read_text()
+    digests = []
+    for text in (base, base.replace('prefill_policy = "cache_aware"', 'prefill_policy = "round_robin"')):
+        config.write_text(text)
+        docs = render_k8s(load_topology(config, VOLUMES), "plain")
+        notes = [s["spec"]["template"]["metadata"]["annotations"] for s in _kind(docs, "StatefulSet")]
+        assert {n["checksum/topology"] for n in notes} == {hashlib.sha256(text.encode()).hexdigest()}
+        digests.append(notes[0]["checksum/topology"])
+    assert base != config.read_text() and digests[0] != digests[1]
+
+
+def test_a_multi_host_render_needs_no_secret_file_here(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The pods read the Secret mounted at SECRET_DIR whatever `secret_file` says: a render
+    does not ask for one on the rendering machine (a launch of the same file still does)."""
+    config = tmp_path / "multi.toml"
+    text = (ROOT / "configs" / "multinode-example.toml").read_text()
+    config.write_text("\n".join(line for line in text.splitlines()
+                                if not line.startswith("secret_file")))
+    args = ["launch", str(config), "--set", VOLUMES[0], "--set", VOLUMES[1]]
+    assert pdcache_main([*args, "--dry-run"]) == 2
+    assert "security.secret_file" in capsys.readouterr().err
+    assert pdcache_main([*args, "--render", "k8s"]) == 0
+    rendered = list(yaml.safe_load_all(capsys.readouterr().out))
+    validate_all(rendered)

@@ -404,3 +404,21 @@ def test_a_router_out_of_node_connections_is_busy_and_its_probes_still_run(
             (node,) = router.registry.nodes
             assert node.healthy and node.consecutive_failures == 0, node.last_error
         assert generate(client, prompt(20, 3), 2)["meta_info"]["prefill_node"] == "u0"
+
+
+def test_liveness_answers_while_no_node_can_serve() -> None:
+    """/health is 503 while no node serves (readiness); /liveness is 200 as long as the
+    router answers, with no key even when tenants are configured (a probe has none)."""
+    from pdcache.router.tenants import Tenant
+    from tests.net_support import free_ports
+    from tests.polling import wait_until
+
+    (dead,) = free_ports(1)
+    endpoints = (NodeEndpoint("u0", "unified", f"http://127.0.0.1:{dead}"),)
+    config = RouterConfig(nodes=endpoints, page_size=PAGE, request_timeout_s=60,
+                          health_interval_s=0.2, tenants=(Tenant("t", "key-t-0123456789"),))
+    with RouterUnderTest(create_app(config)) as client:
+        wait_until(lambda: client.get("/health").status_code == 503, what="the dead node seen")
+        alive = client.get("/liveness")
+        assert alive.status_code == 200 and alive.json()["status"] == "ok"
+        assert client.get("/v1/models").status_code == 401  # the rest still needs a key
