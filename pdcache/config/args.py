@@ -49,6 +49,7 @@ from pdcache.utils.ports import port_number
 # only flags given on the command line override a topology's values.
 NODE_FLAG_KEYS = {
     "request_timeout": "request_timeout_s",
+    "drain": "drain_s",
     "tool_call_parser": "tool_call_parser",
     "reasoning_parser": "reasoning_parser",
     "offload_staging_pages": "offload_staging_pages",
@@ -275,6 +276,8 @@ def _add_setting_flags(parser: argparse.ArgumentParser, role: str) -> None:
     sched = SchedulerConfig()
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="deadline of one request in seconds (default 600)")
+    parser.add_argument("--drain", type=float, default=None, metavar="S",
+                        help="on SIGTERM, how long requests in flight may finish (default 30)")
     parser.add_argument("--tool-call-parser", default=None, choices=list(get_args(ToolCallParser)),
                         help="how model output becomes OpenAI tool_calls, as SGLang's flag "
                              "(default hermes: <tool_call>{json}</tool_call>)")

@@ -118,6 +118,10 @@ class ApiSettings:
     # /generate streams deltas, not cumulative chunks (SGLang's --incremental-streaming-output);
     # a request's `incremental_streaming_output` wins
     incremental_streaming_output: bool = False
+    # on SIGTERM the server stops accepting and lets requests in flight finish this long
+    # before it cuts them (a rollout, a scale-down); the launcher and a rendered pod's grace
+    # period wait for it
+    drain_s: float = 30.0
     # a larger request body is refused (413) as it is read, never buffered whole
     max_request_bytes: int = _size(default=32 * 2**20)
 
@@ -400,7 +404,9 @@ class LaunchSpec:
 
     python: str | None = None  # interpreter for nodes; default: the launcher's own
     health_timeout_s: float = 300.0  # how long a process may take to become healthy
-    stop_grace_s: float = 10.0  # SIGTERM to SIGKILL on stop
+    # SIGTERM to SIGKILL on stop: a process's drain_s (30) and its close (a decode node's
+    # offload flush, up to 20 s)
+    stop_grace_s: float = 60.0
     restart_backoff_s: float = 1.0  # first restart delay of a dead process (doubling)
     restart_backoff_max_s: float = 30.0  # the longest restart delay
     # a process that dies this many times in a row without becoming healthy (again) stops the

@@ -209,6 +209,8 @@ def _check_node_tiers(node: NodeSpec, storage: StorageSpec, key: str, ctx: Error
 def _check_node_server(node: NodeSpec, key: str, ctx: ErrorContext) -> None:
     if node.request_timeout_s <= 0:
         raise ctx.error(f"{key}.request_timeout_s", f"expected a number > 0, got {node.request_timeout_s}")
+    if not 0 <= node.drain_s < math.inf:
+        raise ctx.error(f"{key}.drain_s", f"expected a number of seconds >= 0, got {node.drain_s}")
     if node.max_request_bytes < 1:
         raise ctx.error(f"{key}.max_request_bytes", f"expected a size >= 1 byte, got {node.max_request_bytes}")
     for name in ("offload_staging_pages", "offload_stride_pages"):
@@ -417,6 +419,8 @@ def _check_router(topology: Topology, ctx: ErrorContext) -> None:
         value = getattr(router, key)
         if not 0 < value < math.inf:
             raise ctx.error(f"router.{key}", f"expected a number of seconds > 0, got {value}")
+    if not 0 <= router.drain_s < math.inf:
+        raise ctx.error("router.drain_s", f"expected a number of seconds >= 0, got {router.drain_s}")
     if (router.tls_cert is None) != (router.tls_key is None):
         raise ctx.error("router.tls_key" if router.tls_key is None else "router.tls_cert",
                         "give both tls_cert and tls_key (PEM files) to serve HTTPS, or neither")

@@ -461,7 +461,7 @@ class Launcher:
     """
 
     def __init__(self, specs: list[ProcessSpec], log_dir: Path, *, restart: bool = True,
-                 health_timeout_s: float = 300.0, stop_grace_s: float = 10.0,
+                 health_timeout_s: float = 300.0, stop_grace_s: float = 60.0,
                  backoff_s: float = 1.0, backoff_max_s: float = 30.0,
                  out: IO[str] | None = None, poll_s: float = 0.2, config: str = "",
                  max_failures_in_row: int = 5) -> None:

@@ -53,6 +53,10 @@ INDEX_LABEL = {"rbg": "rbg.workloads.x-k8s.io/role-instance-index",
                "plain": "apps.kubernetes.io/pod-index"}
 NODE_ROLES = ("prefill", "decode", "unified")
 PROBE_PERIOD_S = 10
+# after its drain, what a process's close may take: a decode node joins its offload (10 s)
+# and closes its writer (10 s); the router closes its node connections
+NODE_CLOSE_S = 30
+ROUTER_CLOSE_S = 5
 # pod i runs the i-th of its role's nodes: `$PDCACHE_NODES` in order, `$PDCACHE_NODE_INDEX`
 # from the index label; the command follows the script as "$@"
 NODE_SCRIPT = (
@@ -388,6 +392,9 @@ def _pod_template(topology: Topology, role: Role, mode: str) -> dict[str, Any]:
                             "volumes": _volumes(topology, role)}
     if mode == "plain":  # RBG sets hostname and subdomain itself
         spec["subdomain"] = f"s-{k.name}-{role.name}"
+    grace_s = _termination_grace_s(topology, role)
+    if grace_s is not None:
+        spec["terminationGracePeriodSeconds"] = grace_s
     if role.needs_gpu and k.rdma == "host-network":
         spec["hostNetwork"] = True
         spec["dnsPolicy"] = "ClusterFirstWithHostNet"
@@ -397,6 +404,17 @@ def _pod_template(topology: Topology, role: Role, mode: str) -> dict[str, Any]:
     return {"metadata": {"labels": {"app.kubernetes.io/name": "pdcache", **labels},
                          "annotations": annotations},
             "spec": spec}
+
+
+def _termination_grace_s(topology: Topology, role: Role) -> int | None:
+    """SIGTERM to SIGKILL for a node or the router: its `drain_s` (requests in flight
+    finish) and then its close (a decode node's offload flush); None: Kubernetes' 30 s."""
+    if role.node_names:
+        drain_s = max(node.drain_s for node in topology.nodes_with_role(role.name))
+        return math.ceil(drain_s + NODE_CLOSE_S)
+    if role.name == "router" and topology.router is not None:
+        return math.ceil(topology.router.drain_s + ROUTER_CLOSE_S)
+    return None
 
 
 def _topology_digest(topology: Topology) -> str:

@@ -89,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # a flag that sets a RouterSettings field stores under the field's name (_flags_given)
     parser.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=None,
                         help="deadline of one request in seconds (default 600)")
+    parser.add_argument("--drain", dest="drain_s", type=float, default=None, metavar="S",
+                        help="on SIGTERM, how long requests in flight may finish (default 30)")
     parser.add_argument("--connect-timeout", dest="connect_timeout_s", type=float, default=None)
     parser.add_argument("--health-interval", dest="health_interval_s", type=float, default=None)
     parser.add_argument("--max-inflight-per-node", type=int, default=None, metavar="N",
@@ -206,4 +208,5 @@ def run(args: argparse.Namespace) -> int:
     if sock is None:
         return 1
     return serve_app(app, sock, host, args.log_level, "router",
-                     tls=(config.tls_cert, config.tls_key) if config.tls_cert else None)
+                     tls=(config.tls_cert, config.tls_key) if config.tls_cert else None,
+                     drain_s=config.drain_s)

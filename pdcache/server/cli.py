@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from pdcache.server.runtime import READY_PREFIX, NodeRuntime, serve
@@ -53,6 +54,10 @@ def run_node(args: argparse.Namespace, role: str, runtime_cls: type[NodeRuntime]
     if sock is None:
         return 1
     spec = topology.model
+    # A pod's process is PID 1, for which the kernel ignores a signal with the default
+    # action: without a handler a SIGTERM while the model loads (minutes) was ignored until
+    # the grace period ran out. uvicorn installs its own once it serves.
+    previous = signal.signal(signal.SIGTERM, _stop_while_loading)
     try:
         model, tokenizer = load_model(spec.ref, dtype=spec.dtype, seed=spec.seed)
         setup = setup_for(topology, name, model.config)
@@ -64,4 +69,10 @@ def run_node(args: argparse.Namespace, role: str, runtime_cls: type[NodeRuntime]
         sock.close()
         print(f"pdcache {command}: cannot start {spec.ref!r}: {exc}", file=sys.stderr)
         return 2
-    return serve(runtime, sock, node.host, args.log_level, command)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return serve(runtime, sock, node.host, args.log_level, command, drain_s=node.drain_s)
+
+
+def _stop_while_loading(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

@@ -83,11 +83,12 @@ class UnifiedRuntime:
 
 
 def serve(runtime: NodeRuntime, sock: socket.socket, host: str, log_level: str,
-          command: str = "serve") -> int:
+          command: str = "serve", drain_s: float = 30.0) -> int:
     """`serve_app` of `runtime`'s app, printing its `ready_lines()`; the runtime is closed
     at the end whatever happened (idempotent: the lifespan closed it unless startup failed)."""
     try:
-        return serve_app(runtime.app(), sock, host, log_level, command, runtime.ready_lines)
+        return serve_app(runtime.app(), sock, host, log_level, command, runtime.ready_lines,
+                         drain_s=drain_s)
     finally:
         sock.close()
         runtime.close()

@@ -57,23 +57,26 @@ POOL_IDLE_S = 10.0
 
 
 def server_config(app: FastAPI, log_level: str,
-                  tls: tuple[str | None, str | None] | None = None) -> uvicorn.Config:
-    """The uvicorn settings every node and the router serve with (`serve_app`)."""
+                  tls: tuple[str | None, str | None] | None = None,
+                  drain_s: float = 30.0) -> uvicorn.Config:
+    """The uvicorn settings every node and the router serve with (`serve_app`); `drain_s`:
+    how long requests in flight may finish after SIGTERM (`ApiSettings.drain_s`)."""
     cert, key = tls if tls is not None else (None, None)
-    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_s,
                           timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=cert, ssl_keyfile=key)
 
 
 def serve_app(app: FastAPI, sock: socket.socket, host: str, log_level: str, command: str,
               lines: Callable[[], list[str]] = list,
-              tls: tuple[str | None, str | None] | None = None) -> int:
+              tls: tuple[str | None, str | None] | None = None,
+              drain_s: float = 30.0) -> int:
     """Run `app` on the bound `sock` until SIGINT/SIGTERM; once it accepts requests, print
     `lines()` and the ready line `pdcache COMMAND: ready at http://HOST:PORT`. Shared by every
     node and the router; 0 when it served, 1 when it never started. `tls`: (certificate
     chain, private key) PEM files: HTTPS (uvicorn's TLS), and the ready line says https."""
     port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    uv_config = server_config(app, log_level, tls)
+    uv_config = server_config(app, log_level, tls, drain_s)
     scheme = "https" if uv_config.ssl_certfile else "http"
     server = _AnnouncingServer(uv_config, lines,
                                f"pdcache {command}: ready at {scheme}://{shown}:{port}")

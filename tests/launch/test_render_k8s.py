@@ -19,6 +19,8 @@ from pdcache.config import TopologyError, load_topology
 from pdcache.launch.render_k8s import (
     CONFIG_DIR,
     DATA_DIR,
+    NODE_CLOSE_S,
+    ROUTER_CLOSE_S,
     SECRET_DIR,
     SECRET_OVERRIDE,
     render_k8s,
@@ -376,3 +378,15 @@ def test_a_multi_host_render_needs_no_secret_file_here(tmp_path: Path,
     assert pdcache_main([*args, "--render", "k8s"]) == 0
     rendered = list(yaml.safe_load_all(capsys.readouterr().out))
     validate_all(rendered)
+
+
+def test_a_pod_s_grace_period_covers_its_drain() -> None:
+    """A node's and the router's grace period is their `drain_s` (requests in flight finish
+    after SIGTERM) plus their close; Kubernetes' default 30 s cut a 30 s drain and a decode
+    node's offload flush."""
+    pods = _pods(_render(ROOT / "configs" / "local-1p1d.toml", "plain",
+                         "node.d0.drain_s=100", "router.drain_s=7"))
+    assert pods["decode"][1]["terminationGracePeriodSeconds"] == 100 + NODE_CLOSE_S
+    assert pods["prefill"][1]["terminationGracePeriodSeconds"] == 30 + NODE_CLOSE_S
+    assert pods["router"][1]["terminationGracePeriodSeconds"] == 7 + ROUTER_CLOSE_S
+    assert "terminationGracePeriodSeconds" not in pods["metadata"][1]

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import AsyncIterator
+
+import pytest
 
 from pdcache.wire.serving import listen
+from tests.polling import wait_until
 
 
 def test_accepted_connections_send_at_once() -> None:
@@ -106,3 +111,55 @@ def test_a_client_that_stops_reading_a_stream_is_left() -> None:
             assert cleaned_up.wait(scaled_limit(10.0))
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("drain_s", [10.0, 0.2], ids=["drained", "protection-off"])
+def test_a_stream_in_flight_at_shutdown_finishes_within_the_drain(drain_s: float) -> None:
+    """SIGTERM (uvicorn's `should_exit`) stops the server accepting and lets a request in
+    flight finish for `drain_s` (`ApiSettings.drain_s`): a 1.2 s stream ends whole under a
+    10 s drain; under 0.2 s (uvicorn's hard-coded 5 s was the same for a longer stream:
+    every rollout cut answers mid-way) it is cut."""
+    import asyncio
+    import threading
+
+    import httpx
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from pdcache.wire.serving import server_config
+
+    chunks = 12
+
+    async def ticks() -> AsyncIterator[bytes]:
+        for i in range(chunks):
+            yield f"{i}\n".encode()
+            await asyncio.sleep(0.1)
+
+    app = FastAPI()
+    app.get("/stream")(lambda: StreamingResponse(ticks(), media_type="text/plain"))
+    sock = listen("127.0.0.1", 0, "test")
+    assert sock is not None
+    server = uvicorn.Server(server_config(app, "warning", drain_s=drain_s))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    host, port = sock.getsockname()[:2]
+    got: list[str] = []
+    try:
+        with httpx.Client(timeout=30, trust_env=False) as http:
+            wait_until(lambda: server.started, what="the server up")
+            with http.stream("GET", f"http://{host}:{port}/stream") as r:
+                lines = r.iter_lines()
+                got.append(next(lines))
+                server.should_exit = True  # what uvicorn's SIGTERM handler sets
+                with contextlib.suppress(httpx.HTTPError):
+                    got.extend(lines)
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    finally:
+        server.should_exit = True
+        sock.close()
+    if drain_s > 1:
+        assert got == [str(i) for i in range(chunks)]
+    else:
+        assert len(got) < chunks, got
