@@ -442,8 +442,12 @@ class KubernetesSpec:
     # (a 3FS FUSE mount on every host); "" with storage in use is refused
     storage_volume: str = ""
     model_volume: str = ""  # "pvc:NAME" or "hostpath:/DIR" holding [model] path (a checkpoint)
-    cpu: str = "2"  # requests of every pod
-    memory: str = "8Gi"  # memory request of every pod
+    cpu: str = "2"  # CPU request of every prefill / decode / unified pod
+    memory: str = "8Gi"  # memory request of every prefill / decode / unified pod
+    # requests of the router, metadata service, etcd and Mooncake master pods: a node's
+    # sizing (its host KV pool) is not theirs, and changing it rolls no etcd member
+    service_cpu: str = "1"
+    service_memory: str = "2Gi"
     startup_probe_s: int = 600  # how long a node may load its model before liveness counts
     port_base: int = 30000  # node HTTP port in every pod (bootstrap: port_base + 1)
 

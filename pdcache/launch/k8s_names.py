@@ -47,7 +47,7 @@ def check_kubernetes_names(topology: Topology, role_names: Sequence[str]) -> Non
                             "Secret name (a lowercase DNS subdomain)")
     for key in ("storage_volume", "model_volume"):
         _check_volume(topology, key, getattr(k, key))
-    for key in ("cpu", "memory"):
+    for key in ("cpu", "memory", "service_cpu", "service_memory"):
         value = getattr(k, key)
         if not QUANTITY.fullmatch(value):
             raise TopologyError(source, f"kubernetes.{key}", f"{value!r} is not a Kubernetes "

@@ -398,12 +398,13 @@ def _pod_template(topology: Topology, role: Role, mode: str) -> dict[str, Any]:
     if role.needs_gpu and k.rdma == "host-network":
         spec["hostNetwork"] = True
         spec["dnsPolicy"] = "ClusterFirstWithHostNet"
-    labels = _selector(topology, role)
-    # the topology's digest: a changed ConfigMap rolls the pods (each reads it only at start)
-    annotations = {TOPOLOGY_DIGEST: _topology_digest(topology)}
-    return {"metadata": {"labels": {"app.kubernetes.io/name": "pdcache", **labels},
-                         "annotations": annotations},
-            "spec": spec}
+    metadata: dict[str, Any] = {"labels": {"app.kubernetes.io/name": "pdcache",
+                                           **_selector(topology, role)}}
+    if TOPOLOGY_FILE in role.process.argv:
+        # the topology's digest: a changed ConfigMap rolls the pods that read it (each reads
+        # it only at start); never etcd's (a replaced member comes back empty: no rejoin)
+        metadata["annotations"] = {TOPOLOGY_DIGEST: _topology_digest(topology)}
+    return {"metadata": metadata, "spec": spec}
 
 
 def _termination_grace_s(topology: Topology, role: Role) -> int | None:
@@ -463,7 +464,8 @@ def _env(topology: Topology, role: Role, mode: str) -> list[dict[str, Any]]:
 
 def _resources(topology: Topology, role: Role) -> dict[str, Any]:
     k = topology.kubernetes
-    requests: dict[str, Any] = {"cpu": k.cpu, "memory": k.memory}
+    requests: dict[str, Any] = ({"cpu": k.cpu, "memory": k.memory} if role.node_names
+                                else {"cpu": k.service_cpu, "memory": k.service_memory})
     limits: dict[str, Any] = {}
     if role.needs_gpu and k.gpus:
         limits[k.gpu_resource] = k.gpus

@@ -358,8 +358,12 @@ def test_a_changed_topology_rolls_the_pods(tmp_path: Path) -> None:
     for text in (base, base.replace('prefill_policy = "cache_aware"', 'prefill_policy = "round_robin"')):
         config.write_text(text)
         docs = render_k8s(load_topology(config, VOLUMES), "plain")
-        notes = [s["spec"]["template"]["metadata"]["annotations"] for s in _kind(docs, "StatefulSet")]
+        templates = {s["metadata"]["name"]: s["spec"]["template"]["metadata"]
+                     for s in _kind(docs, "StatefulSet")}
+        notes = [t["annotations"] for n, t in templates.items() if not n.endswith("metadata")]
+        assert len(notes) == 3  # prefill, decode, router: they read the file
         assert {n["checksum/topology"] for n in notes} == {hashlib.sha256(text.encode()).hexdigest()}
+        assert "annotations" not in templates["pdcache-metadata"]  # flags only: no roll
         digests.append(notes[0]["checksum/topology"])
     assert base != config.read_text() and digests[0] != digests[1]
 
@@ -390,3 +394,24 @@ def test_a_pod_s_grace_period_covers_its_drain() -> None:
     assert pods["prefill"][1]["terminationGracePeriodSeconds"] == 30 + NODE_CLOSE_S
     assert pods["router"][1]["terminationGracePeriodSeconds"] == 7 + ROUTER_CLOSE_S
     assert "terminationGracePeriodSeconds" not in pods["metadata"][1]
+
+
+def test_node_sizing_is_the_nodes_and_touches_no_etcd_member(tmp_path: Path) -> None:
+    """`[kubernetes] cpu / memory` size the node pods (their host KV pools); the router,
+    metadata and etcd pods have their own (`service_cpu / service_memory`), and an etcd
+    member's template changes with neither a node's sizing nor the topology (a replaced
+    member comes back on an empty volume and cannot rejoin)."""
+    config = ROOT / "configs" / "local-ha.toml"
+
+    def etcd_and_nodes(*sets: str) -> tuple[Any, dict[str, Any]]:
+        pods = _pods(_render(config, "plain", *sets))
+        return pods["etcd"][1], {role: pods[role][1]["containers"][0]["resources"]["requests"]
+                                 for role in pods}
+
+    etcd, requests = etcd_and_nodes('kubernetes.memory="200Gi"', 'kubernetes.service_memory="3Gi"')
+    assert requests["prefill"]["memory"] == requests["decode"]["memory"] == "200Gi"
+    assert {requests[r]["memory"] for r in ("etcd", "metadata", "router")} == {"3Gi"}
+    assert etcd == etcd_and_nodes('kubernetes.memory="64Gi"', 'kubernetes.service_memory="3Gi"',
+                                  'router.prefill_policy="round_robin"')[0]
+    with pytest.raises(TopologyError, match="kubernetes.service_cpu"):
+        _render(config, "plain", 'kubernetes.service_cpu="lots"')
