@@ -255,20 +255,20 @@ def test_bad_requests_are_400_without_touching_nodes(nodes: list[UnifiedNode]) -
     assert all(after[k] == before.get(k, 0.0) for k in sent)
 
 
-@pytest.mark.parametrize("limit", [4096, None], ids=["limited", "protection-off"])
+@pytest.mark.parametrize("limit", [1024, None], ids=["limited", "protection-off"])
 def test_a_body_over_the_limit_is_413_declared_or_chunked(nodes: list[UnifiedNode],
                                                           limit: int | None) -> None:
     """A request body over `max_request_bytes` is refused as it is read, whether its length
     is declared or it comes chunked (then never buffered past the limit), and counted; off
     (the default 32 MiB), the same bodies reach the node and are answered."""
     overrides = {} if limit is None else {"max_request_bytes": limit}
-    body = {"input_ids": prompt(1200, 52), "sampling_params": {"max_new_tokens": 1, **GREEDY}}
+    body = {"input_ids": prompt(300, 52), "sampling_params": {"max_new_tokens": 1, **GREEDY}}
     raw = json.dumps(body).encode()
-    assert len(raw) > 4096
+    assert len(raw) > 1024
 
     def chunks() -> Iterator[bytes]:
-        for start in range(0, len(raw), 1000):
-            yield raw[start:start + 1000]
+        for start in range(0, len(raw), 200):
+            yield raw[start:start + 200]
 
     with router_client(nodes, **overrides) as client:
         declared = client.post("/generate", content=raw,
@@ -284,7 +284,7 @@ def test_a_body_over_the_limit_is_413_declared_or_chunked(nodes: list[UnifiedNod
     assert declared.status_code == chunked.status_code == 413, (declared.text, chunked.text)
     assert declared.json()["error"]["code"] == chunked.json()["error"]["code"] == \
         "request_too_large"
-    assert "4096 bytes" in declared.json()["error"]["message"]
+    assert "1024 bytes" in declared.json()["error"]["message"]
     key = ("pdcache_router_requests_total", (("endpoint", "/generate"), ("status", "413")))
     assert counted[key] == 2
 
