@@ -57,6 +57,7 @@ from pdcache.wire.detokenize import TextAssembler
 from pdcache.wire.generate_api import (
     GenerateItem,
     GenerateRequestBody,
+    LogprobBudget,
     OutputBuilder,
     merge_streams,
 )
@@ -122,6 +123,9 @@ class RouterApp:
             raise unsupported("session_id", "a session continues one sequence: no batch or n > 1")
         tenant = tenant_of(request)
         preps = [self._generate_prep(item, body, tenant) for item in items]
+        budget = LogprobBudget()
+        for item, prep in zip(items, preps, strict=True):
+            budget.spend(len(prep.input_ids), item.sampling.max_new_tokens, item.logprobs)
         deadline = Deadline(self.router.config.request_timeout_s)
         listed = body.answers_list
         incremental = self.incremental(body)

@@ -35,6 +35,7 @@ from pdcache.wire.detokenize import TextAssembler
 from pdcache.wire.generate_api import (
     GenerateItem,
     GenerateRequestBody,
+    LogprobBudget,
     OutputBuilder,
     merge_streams,
 )
@@ -128,18 +129,21 @@ class ServerRoutes:
             raise unsupported(body.bootstrap_field() or "bootstrap_room", "'bootstrap_*' are for prefill and decode "
                               "nodes; this is a unified server")
         runs: list[SequenceRun] = []
+        budget = LogprobBudget()
         with self.ended_on_error(lambda: [(run.handle, run.gen) for run in runs]):
             for item in body.items():
-                runs.append(self.start(item, body, runs))
+                runs.append(self.start(item, body, runs, budget))
             return await self.respond_runs(request, runs, body)
 
     def start(self, item: GenerateItem, body: GenerateRequestBody,
-              earlier: list[SequenceRun]) -> SequenceRun:
+              earlier: list[SequenceRun], budget: LogprobBudget | None = None) -> SequenceRun:
         """Check and submit one sequence; a sample's `prefill_leader` is its prompt's first.
         Whatever may refuse it comes first: a request submitted but not returned would run on
         with nothing to abort it."""
         gen = Generation(arrival=time.monotonic())
         input_ids = self.checked_prompt(item)
+        (budget or LogprobBudget()).spend(len(input_ids), item.sampling.max_new_tokens,
+                                          item.logprobs)
         text = self.assembler(item)
         constraint = self.agent.sampling_constraint(item.sampling)
         leader = earlier[item.leader].handle.rid if item.leader is not None else None

@@ -21,6 +21,10 @@ class TextAssembler:
                  keep_stop: bool = False) -> None:
         self._decode = decode
         self._stops = stops
+        # per stop string, its prefix lengths (longest first) by their last character: a
+        # token's hold-back check tries only the prefixes that end as the text does (every
+        # prefix of every stop per token cost 0.4 s a token at 32k-character stops)
+        self._stop_ends = [_prefix_ends(stop) for stop in stops]
         self._keep_stop = keep_stop  # SGLang's no_stop_trim: the text ends with the stop
         self.matched: str | None = None  # the stop string that ended the text
         self.ids: list[int] = []
@@ -74,11 +78,17 @@ class TextAssembler:
         return True
 
     def _safe_len(self) -> int:
+        """Where the text may be released up to: before its longest tail that begins a stop."""
         end, hold = len(self._text), 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, end), 0, -1):
-                if self._text.endswith(stop[:k]):
-                    hold = max(hold, k)
+        if not end:
+            return self._emitted
+        last = self._text[-1]
+        for stop, ends in zip(self._stops, self._stop_ends, strict=True):
+            for k in ends.get(last, ()):
+                if k <= hold:
+                    break  # longest first: no longer tail of this stop is left
+                if k <= end and self._text.endswith(stop[:k]):
+                    hold = k
                     break
         return max(end - hold, self._emitted)
 
@@ -86,3 +96,11 @@ class TextAssembler:
         delta = self._text[self._emitted : upto]
         self._emitted = max(self._emitted, upto)
         return delta
+
+
+def _prefix_ends(stop: str) -> dict[str, list[int]]:
+    """The lengths k of `stop`'s proper prefixes, longest first, keyed by `stop[k - 1]`."""
+    ends: dict[str, list[int]] = {}
+    for k in range(len(stop) - 1, 0, -1):
+        ends.setdefault(stop[k - 1], []).append(k)
+    return ends

@@ -36,7 +36,15 @@ from pydantic import (
 )
 
 from pdcache.engine.api import CachedTokens, LogprobRequest, SamplingParams
-from pdcache.wire.protocol import SEED_LIMIT, bad_request, checked_stop_strings, unsupported
+from pdcache.wire.protocol import (
+    SEED_LIMIT,
+    CacheSalt,
+    SessionId,
+    Stop,
+    bad_request,
+    checked_stop_strings,
+    unsupported,
+)
 
 T = TypeVar("T")
 _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -45,6 +53,12 @@ Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 TOP_K_ALL = 1 << 30  # SGLang's "no top-k" default; any k >= this is no truncation
 MAX_SAMPLES = 64  # n per prompt
 MAX_BATCH = 256  # items (prompts x n) per request
+# logprobs: alternatives per position, and what one request may ask for in all (positions x
+# (1 + top_n + token ids) over its sequences): a 256-prompt batch asking every prompt
+# position's whole vocabulary was ~120 GB of answer for one client (~110 bytes an entry as
+# Python objects; the budget is ~0.5 GB)
+MAX_TOP_LOGPROBS = 256
+LOGPROB_ENTRY_BUDGET = 1 << 22
 EMPTY: tuple[Any, ...] = (None, False, "", 0, (), {})  # neutral values of unimplemented fields
 # the meta_info lists that grow with the output: sliced per chunk when streaming
 # incrementally, concatenated by a router that streams cumulatively
@@ -83,7 +97,7 @@ class _SamplingBase(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     seed: Seed | None = None
     sampling_seed: Seed | None = None  # SGLang's name for `seed`
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop: Stop | None = None
     stop_token_ids: TokenIds = Field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -219,8 +233,8 @@ class _GenerateBase(BaseModel):
     top_logprobs_num: int | list[int] | None = None
     token_ids_logprob: TokenIds | list[TokenIds] | None = None
     return_text_in_logprobs: bool = False
-    session_id: str | None = None
-    cache_salt: str | None = None
+    session_id: SessionId | None = None
+    cache_salt: CacheSalt | None = None
     # SGLang's PD fields: on prefill/decode nodes, what sglang-router injects
     bootstrap_host: str | None = Field(default=None, max_length=253)
     bootstrap_port: int | None = Field(default=None, ge=0, lt=65536)
@@ -330,8 +344,9 @@ class _GenerateBase(BaseModel):
             return None
         start = _pick(self.logprob_start_len, i, count, "logprob_start_len")
         top_n = _pick(self.top_logprobs_num, i, count, "top_logprobs_num") or 0
-        if top_n < 0:
-            raise bad_request("'top_logprobs_num' must be >= 0", param="top_logprobs_num")
+        if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"'top_logprobs_num' must be in [0, {MAX_TOP_LOGPROBS}]",
+                              param="top_logprobs_num")
         ids = self.token_ids_logprob
         if ids and isinstance(ids[0], list):
             ids = _pick(ids, i, count, "token_ids_logprob")  # type: ignore[arg-type]
@@ -367,6 +382,31 @@ class _GenerateBase(BaseModel):
 GenerateRequestBody = create_model(
     "GenerateRequestBody", __base__=_GenerateBase,
     **{name: (Any, neutral[0]) for name, neutral in UNSUPPORTED_FIELDS.items()})
+
+
+class LogprobBudget:
+    """What a request's logprobs may cost in all (`LOGPROB_ENTRY_BUDGET` entries); a server
+    `spend`s each sequence's before submitting it. One per request; not thread-safe."""
+
+    def __init__(self, budget: int = LOGPROB_ENTRY_BUDGET) -> None:
+        self.left = budget
+
+    def spend(self, prompt_len: int, max_new_tokens: int, request: LogprobRequest | None) -> None:
+        """400 `logprobs_too_large` once the request's sequences ask for more than the budget:
+        each returned position (the prompt's from `input_start`, every output token) costs
+        1 + top_n + len(token_ids) entries."""
+        if request is None:
+            return
+        positions = max_new_tokens
+        if request.input_start is not None:
+            positions += max(0, prompt_len - request.input_start)
+        self.left -= positions * (1 + request.top_n + len(request.token_ids))
+        if self.left < 0:
+            raise bad_request(
+                f"the logprobs asked for exceed {LOGPROB_ENTRY_BUDGET} entries (positions x "
+                "(1 + top_logprobs_num + token_ids_logprob) over the request's sequences): raise "
+                "logprob_start_len, lower top_logprobs_num or split the batch",
+                param="top_logprobs_num", code="logprobs_too_large")
 
 
 @dataclass(frozen=True)

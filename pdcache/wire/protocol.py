@@ -156,6 +156,9 @@ def checked_stop_strings(stop: str | list[str] | None, param: str) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if any(s == "" for s in stops):
         raise bad_request("stop strings must be non-empty", param=param)
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(f"a stop string is at most {MAX_STOP_CHARS} characters", param=param,
+                          code="stop_too_long")
     return stops
 
 
@@ -178,6 +181,13 @@ def default_max_tokens(prompt_len: int, limits: ModelLimits, param: str) -> int:
 _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 TokenIds = list[int]
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
+# Strings a server keeps per request or per session (router and node session maps, radix
+# roots) or scans per streamed token: bounded, or one client's 1 MiB ids took gigabytes and
+# its 32k-character stop strings 0.4 s of the event loop per token.
+SessionId = Annotated[str, Field(max_length=256)]
+CacheSalt = Annotated[str, Field(max_length=256)]
+MAX_STOP_CHARS = 1024  # checked_stop_strings
+Stop = str | Annotated[list[str], Field(max_length=16)]
 
 
 # --------------------------------------------------------------------------- OpenAI
@@ -376,7 +386,7 @@ class OpenAIRequestBase(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: Seed | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop: Stop | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -388,8 +398,8 @@ class OpenAIRequestBase(BaseModel):
     top_k: int = -1
     stop_token_ids: TokenIds = Field(default_factory=list)
     ignore_eos: bool = False
-    session_id: str | None = None
-    cache_salt: str | None = None
+    session_id: SessionId | None = None
+    cache_salt: CacheSalt | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -255,6 +255,25 @@ def test_bad_requests_are_400_without_touching_nodes(nodes: list[UnifiedNode]) -
     assert all(after[k] == before.get(k, 0.0) for k in sent)
 
 
+def test_a_request_over_the_logprob_budget_never_reaches_a_node(nodes: list[UnifiedNode]) -> None:
+    """The router sums a request's logprobs over its sequences (prompt positions from
+    logprob_start_len, output tokens, 1 + top_logprobs_num each) before routing any: over
+    LOGPROB_ENTRY_BUDGET it is a 400 and no node is asked."""
+    from pdcache.wire.generate_api import LOGPROB_ENTRY_BUDGET
+
+    per_prompt = LOGPROB_ENTRY_BUDGET // (64 * 101) + 1
+    body = {"input_ids": [prompt(per_prompt, 60 + i) for i in range(64)],
+            "sampling_params": {"max_new_tokens": 1, **GREEDY},
+            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 100}
+    with router_client(nodes) as client:
+        before = scrape(client)
+        r = client.post("/generate", json=body)
+        after = scrape(client)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "logprobs_too_large", r.text
+    sent = [k for k in after if k[0] == "pdcache_router_node_requests_total"]
+    assert all(after[k] == before.get(k, 0.0) for k in sent)
+
+
 @pytest.mark.parametrize("limit", [1024, None], ids=["limited", "protection-off"])
 def test_a_body_over_the_limit_is_413_declared_or_chunked(nodes: list[UnifiedNode],
                                                           limit: int | None) -> None:

@@ -332,3 +332,26 @@ def test_min_new_tokens_above_max_new_tokens_is_a_400_naming_it(client: TestClie
 def test_the_unsupported_tables_are_read_only(table) -> None:
     with pytest.raises(TypeError):
         table["stream"] = (None,)  # a module-level table no request can change
+
+
+def test_a_request_s_logprobs_are_bounded(client: TestClient) -> None:
+    """`top_logprobs_num` is at most MAX_TOP_LOGPROBS, and one request's logprobs at most
+    LOGPROB_ENTRY_BUDGET entries over its sequences (checked before any is submitted): a
+    batch asking every prompt position's alternatives took the server's memory. Just under
+    the budget is served."""
+    from pdcache.wire.generate_api import LOGPROB_ENTRY_BUDGET, MAX_TOP_LOGPROBS
+
+    top = MAX_TOP_LOGPROBS
+    per_prompt = LOGPROB_ENTRY_BUDGET // (16 * (1 + top))  # positions each of 16 prompts may ask
+    over = {"input_ids": [[i % 200 + 1] * per_prompt for i in range(16)],
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": top}
+    r = client.post("/generate", json=over)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "logprobs_too_large", r.text
+    under = {**over, "input_ids": over["input_ids"][:1], "top_logprobs_num": 5}
+    r = client.post("/generate", json=under)
+    assert r.status_code == 200, r.text
+    assert len(r.json()[0]["meta_info"]["input_top_logprobs"]) == per_prompt
+    too_wide = {**under, "top_logprobs_num": top + 1}
+    r = client.post("/generate", json=too_wide)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs_num"

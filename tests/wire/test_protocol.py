@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
@@ -78,6 +79,9 @@ def test_generate_body_parses_sglang_names() -> None:
         ('{"text": "a", "sampling_params": {"temperature": -1}}', "greater_than_equal", None),
         ('{"text": "a", "sampling_params": {"top_p": 0}}', "greater_than", None),
         ('{"text": "a", "sampling_params": {"seed": -1}}', "greater_than_equal", None),
+        # kept per session / scanned per token: bounded
+        ('{"text": "a", "session_id": "' + "s" * 257 + '"}', "string_too_long", "session_id"),
+        ('{"text": "a", "cache_salt": "' + "c" * 257 + '"}', "string_too_long", "cache_salt"),
     ],
 )
 def test_generate_body_rejects(body: str, code: str, param: str | None) -> None:
@@ -329,3 +333,50 @@ def test_usage_body_and_sse() -> None:
     }
     assert sse({"a": 1}) == b'data: {"a":1}\n\n'
     assert sse("[DONE]") == b"data: [DONE]\n\n"
+
+
+def test_bounded_strings_at_their_limit_parse() -> None:
+    """The bounds refuse only past them: a 256-character session id and salt, a
+    1,024-character stop string (OpenAI's body too) are accepted."""
+    body = parse_body(GenerateRequestBody, json.dumps({
+        "text": "a", "session_id": "s" * 256, "cache_salt": "c" * 256,
+        "sampling_params": {"stop": ["x" * 1024]}}).encode())
+    assert len(body.session_id or "") == 256
+    body.check_supported()
+    chat = {"messages": [{"role": "user", "content": "hi"}], "stop": "y" * 1024}
+    parse_body(ChatCompletionRequest, json.dumps(chat).encode()).check_supported()
+    for stop in ("y" * 1025, ["ok", "y" * 1025]):
+        with pytest.raises(ApiError) as info:
+            parse_body(ChatCompletionRequest, json.dumps({**chat, "stop": stop}).encode()
+                       ).check_supported()
+        assert info.value.code == "stop_too_long" and info.value.param == "stop"
+    long_stop = {"text": "a", "sampling_params": {"stop": ["ok", "x" * 1025]}}
+    with pytest.raises(ApiError) as info:
+        parse_body(GenerateRequestBody, json.dumps(long_stop).encode()).check_supported()
+    assert info.value.code == "stop_too_long"
+
+
+def _brute_safe_len(text: str, stops: list[str], emitted: int) -> int:
+    hold = max((k for stop in stops for k in range(1, min(len(stop) - 1, len(text)) + 1)
+                if text.endswith(stop[:k])), default=0)
+    return max(len(text) - hold, emitted)
+
+
+def test_text_assembler_holds_back_exactly_the_longest_stop_prefix() -> None:
+    """The hold-back (text a later token may turn into a stop) is the longest tail that
+    begins a stop string, the same as trying every prefix (what it did, at O(stop length^2)
+    a token), on random texts over a small alphabet where tails often begin stops."""
+    rng = random.Random(7)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 9)))
+                 for _ in range(rng.randint(1, 4))]
+        asm = TextAssembler(byte_decode, stops)
+        released = ""
+        for _ in range(12):
+            piece = "".join(rng.choice("abc") for _ in range(rng.randint(1, 3)))
+            before = len(asm.emitted)
+            released += asm.add(list(piece.encode()))
+            if asm.stopped:
+                break
+            assert len(asm.emitted) == _brute_safe_len(asm.text, stops, before)
+        assert asm.emitted == released
