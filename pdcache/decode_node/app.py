@@ -113,7 +113,8 @@ class DecodeApp:
         item = single_item(body)
         arrival = time.monotonic()
         input_ids = self.routes.checked_prompt(item)
-        constraint = self.routes.agent.sampling_constraint(item.sampling)  # a bad schema: 400
+        # a bad schema: 400; compiled on a worker thread
+        constraint = await asyncio.to_thread(self.routes.agent.sampling_constraint, item.sampling)
         room, rid = pd.room, item.rid or f"pd-{pd.room}"
         released = await self._admit(request, room, rid, pd.bootstrap, input_ids,
                                      body.cache_salt or "", item.sampling.max_new_tokens,

@@ -90,6 +90,8 @@ class PrefillApp:
         gen = Generation(arrival=time.monotonic())
         input_ids = self.routes.checked_prompt(item)
         self._check_logprobs_fit(item.logprobs, len(input_ids))
+        # compiled on a worker thread; kept, so the submit below takes a copy
+        await asyncio.to_thread(self.routes.agent.sampling_constraint, item.sampling)
         room, rid = pd.room, item.rid or f"pd-{pd.room}"
         requested: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         released = self._open(rid, room, requested)

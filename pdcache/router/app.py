@@ -234,7 +234,8 @@ class RouterApp:
                                             body.template_tools(), body.template_kwargs())
         prep = self._openai_prep(request, body, input_ids, body.requested_max_tokens(),
                                  "messages")
-        json_schema = self.router.agent.node_json_schema(body)
+        # compiled on a worker thread: a costly schema must not stall the event loop
+        json_schema = await asyncio.to_thread(self.router.agent.node_json_schema, body)
         if json_schema is not None:
             prep.sampling["json_schema"] = json_schema  # the nodes build the constraint
         kind = "chat.completion.chunk" if body.stream else "chat.completion"

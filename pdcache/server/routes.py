@@ -130,8 +130,11 @@ class ServerRoutes:
                               "nodes; this is a unified server")
         runs: list[SequenceRun] = []
         budget = LogprobBudget()
+        items = body.items()
+        # grammars compiled on a worker thread (kept: each sequence then takes a copy)
+        await asyncio.to_thread(lambda: [self.agent.sampling_constraint(i.sampling) for i in items])
         with self.ended_on_error(lambda: [(run.handle, run.gen) for run in runs]):
-            for item in body.items():
+            for item in items:
                 runs.append(self.start(item, body, runs, budget))
             return await self.respond_runs(request, runs, body)
 
@@ -266,7 +269,8 @@ class ServerRoutes:
                                              body.template_tools(), body.template_kwargs())
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
         head = ResponseHead.new("chatcmpl", kind, self.model_name)
-        plan = self.agent.chat_plan(body)
+        # its grammar compiled on a worker thread (the event loop serves on meanwhile)
+        plan = await asyncio.to_thread(self.agent.chat_plan, body)
         return await self._openai(request, body, input_ids, body.requested_max_tokens(),
                                   "messages", head, plan)
 

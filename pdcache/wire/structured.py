@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,9 @@ if TYPE_CHECKING:
 
 GRAMMAR_PACKAGE = "llguidance"
 COMPACT = {"whitespace_flexible": False}
+# compiled grammars kept per backend (a request's n choices, the router's check and a retry
+# compile the same schema): each constraint is a copy of the compiled matcher
+COMPILED_CACHE = 64
 
 
 def _llguidance() -> Any:
@@ -104,6 +109,8 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self._lltok: Any = None
         self._llg: Any = None
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # grammar text -> matcher
+        self._compiled_lock = threading.Lock()
 
     def _ll_tokenizer(self) -> Any:
         with self._lock:
@@ -113,23 +120,42 @@ class GrammarBackend:
                 self._llg = llg
             return self._lltok
 
-    def _constraint(self, grammar: Any, param: str) -> GrammarConstraint:
+    def _constraint(self, key: str, grammar: Callable[[Any], Any], param: str
+                    ) -> GrammarConstraint:
+        """A fresh constraint of the grammar `key` names: a copy of its compiled matcher
+        (compiled once, outside the locks: llguidance releases the GIL while it compiles)."""
         lltok = self._ll_tokenizer()
-        matcher = self._llg.LLMatcher(lltok, grammar(self._llg), log_level=0)
-        if matcher.is_error():
-            raise bad_request(
-                f"the schema cannot be compiled to a grammar: {matcher.get_error()[:500]}",
-                param=param,
-                code="invalid_json_schema",
-            )
+        with self._compiled_lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+        if compiled is None:
+            compiled = self._llg.LLMatcher(lltok, grammar(self._llg), log_level=0)
+            if compiled.is_error():
+                raise bad_request(
+                    f"the schema cannot be compiled to a grammar: {compiled.get_error()[:500]}",
+                    param=param,
+                    code="invalid_json_schema",
+                )
+            with self._compiled_lock:
+                self._compiled[key] = compiled
+                while len(self._compiled) > COMPILED_CACHE:
+                    self._compiled.popitem(last=False)
         return GrammarConstraint(
-            self._llg, matcher, lltok.vocab_size, self._tokenizer.eos_token_ids
+            self._llg, compiled.deep_copy(), lltok.vocab_size, self._tokenizer.eos_token_ids
         )
+
+    @property
+    def compiled_grammars(self) -> int:
+        """Grammars compiled and kept (the cache's size)."""
+        with self._compiled_lock:
+            return len(self._compiled)
 
     def json_constraint(self, schema: dict[str, Any]) -> GrammarConstraint:
         """Output is one JSON value following `schema` (compact)."""
         text = json.dumps(schema)
         return self._constraint(
+            "json:" + text,
             lambda llg: llg.LLMatcher.grammar_from_json_schema(text, defaults=COMPACT),
             "response_format",
         )
@@ -146,7 +172,8 @@ class GrammarBackend:
             else "start: call\n"
         )
         lark += "call: %json " + json.dumps(schema)
-        return self._constraint(lambda llg: llg.LLMatcher.grammar_from_lark(lark), "tools")
+        return self._constraint("lark:" + lark, lambda llg: llg.LLMatcher.grammar_from_lark(lark),
+                                "tools")
 
 
 def ll_tokenizer(llg: Any, tokenizer: Tokenizer, vocab_size: int) -> Any:

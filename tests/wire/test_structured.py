@@ -152,3 +152,21 @@ def test_missing_library_is_a_400_naming_the_package(monkeypatch: pytest.MonkeyP
         GrammarBackend(ByteTokenizer(), VOCAB).json_constraint(SCHEMA)
     assert info.value.status_code == 400 and "'llguidance'" in info.value.message
     assert info.value.code == "structured_output_unavailable"
+
+
+def test_a_schema_compiles_once_and_each_constraint_is_its_own(tokenizer: Tokenizer) -> None:
+    """A request's n choices, the router's check and the node's build compile one schema
+    once (compiling a costly schema took ~1 s each time); each constraint is a copy of the
+    compiled matcher, so one choice's tokens never move another's grammar."""
+    backend = GrammarBackend(tokenizer, VOCAB)
+    first = backend.json_constraint(SCHEMA)
+    ids, done = sample(first, 1)
+    assert done and first.is_terminated()
+    second = backend.json_constraint(json.loads(json.dumps(SCHEMA)))  # an equal schema
+    assert backend.compiled_grammars == 1
+    assert not second.is_terminated() and second.allowed_tokens(VOCAB)[ord("{")]
+    for token in ids:  # the same walk is open to the copy
+        second.accept(token)
+    assert second.is_terminated()
+    backend.json_constraint({"type": "object"})
+    assert backend.compiled_grammars == 2
