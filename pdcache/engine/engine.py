@@ -697,7 +697,10 @@ class Engine:
             try:
                 req.constraint.accept(token)
             except Exception as exc:
-                logger.exception("constraint of %s refused token %d", req.rid, token)
+                # no traceback: the grammar (a client's schema, its tools) is in it, and logs
+                # carry no request contents
+                logger.warning("constraint of %s refused token %d (%s)", req.rid, token,
+                               type(exc).__name__)
                 self._fail([req], error=f"constraint failed: {exc}")
 
     def _all_unfinished(self) -> list[Req]:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, BinaryIO, Literal
 
 import psutil
 
@@ -90,6 +90,18 @@ class ProcessSpec:
 
 
 # --------------------------------------------------------------------------- specs
+
+
+
+# Logs and processes.json hold what processes print (errors may quote requests) and every
+# command line: the owner's only
+LOG_DIR_MODE = 0o700
+LOG_FILE_MODE = 0o600
+
+
+def _private_append(path: Path) -> BinaryIO:
+    """`path` opened for appending, created with LOG_FILE_MODE (an existing file keeps its mode)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, LOG_FILE_MODE), "ab")
 
 
 def build_process_specs(
@@ -482,7 +494,7 @@ class Launcher:
     def run(self) -> int:
         previous = self._install_signals()
         try:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self.log_dir.mkdir(mode=LOG_DIR_MODE, parents=True, exist_ok=True)
             if not self.start_all():
                 return 0 if self.stop_signal is not None else 1
             self.print_endpoints()
@@ -567,8 +579,8 @@ class Launcher:
 
     def _spawn(self, proc: Managed) -> None:
         spec = proc.spec
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with proc.log_path.open("ab") as log:
+        self.log_dir.mkdir(mode=LOG_DIR_MODE, parents=True, exist_ok=True)
+        with _private_append(proc.log_path) as log:
             log.write(f"=== pdcache launch: start #{proc.restarts} at {time.strftime('%Y-%m-%d %H:%M:%S')}:"
                       f" {spec.shell_line()}\n".encode())
             log.flush()
@@ -713,7 +725,9 @@ class Launcher:
         path = self.log_dir / "processes.json"
         tmp = path.with_suffix(".json.tmp")
         try:
-            tmp.write_text(json.dumps(self.state(), indent=2) + "\n")
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, LOG_FILE_MODE),
+                           "w") as out:
+                out.write(json.dumps(self.state(), indent=2) + "\n")
             os.replace(tmp, path)
         except OSError as exc:
             self._say(f"cannot write {path}: {exc}")

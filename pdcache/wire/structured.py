@@ -17,8 +17,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdcache.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer

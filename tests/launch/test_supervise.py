@@ -412,6 +412,9 @@ port = {port}
     wait_until(run.all_healthy, 120, "pdcache serve healthy (its /health needs no credential)")
     secret_path = run.log_dir / "cluster.secret"
     assert stat.S_IMODE(secret_path.stat().st_mode) == 0o600
+    # the logs (errors may quote requests) and every command line: the owner's only
+    for path in (run.log_dir / "u0.log", run.log_dir / "processes.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     token = derive_key(load_secret(secret_path), "node-http").hex()
     body = {"input_ids": list(range(1, 30)), "sampling_params": {"max_new_tokens": 3}}
     url = f"http://127.0.0.1:{port}/generate"
