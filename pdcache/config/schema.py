@@ -311,7 +311,9 @@ class TenantLimits:
     """What one tenant may use at the router, declared once: `TenantSpec` (a
     `[[router.tenant]]` table) and the router's `pdcache.router.tenants.Tenant` inherit it."""
 
-    max_inflight: int = 0  # requests of this tenant in flight at the router; 0 = no limit
+    # sequences (a batch x n; an OpenAI request's n choices) and calls to every node
+    # (/close_session, /server_info) of this tenant in flight at the router; 0 = no limit
+    max_inflight: int = 0
 
 
 @dataclass(frozen=True)

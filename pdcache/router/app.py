@@ -44,6 +44,7 @@ from pdcache.router.tenants import (
     Tenant,
     TenantDirectory,
     TenantGate,
+    hold_sequences,
     scoped_salt,
     session_key,
     tenant_of,
@@ -126,6 +127,7 @@ class RouterApp:
         budget = LogprobBudget()
         for item, prep in zip(items, preps, strict=True):
             budget.spend(len(prep.input_ids), item.sampling.max_new_tokens, item.logprobs)
+        hold_sequences(request, self.router.tenant_limits, len(items))
         deadline = Deadline(self.router.config.request_timeout_s)
         listed = body.answers_list
         incremental = self.incremental(body)
@@ -207,6 +209,7 @@ class RouterApp:
             max_tokens = default_max_tokens(len(input_ids), self.router.limits, param)
         check_prompt(input_ids, max_tokens, self.router.limits, param)
         check_token_ids(body.stop_token_ids, self.router.limits.vocab_size, "stop_token_ids")
+        hold_sequences(request, self.router.tenant_limits, body.n)
         sampling = {"max_new_tokens": max_tokens, "temperature": body.temperature,
                     "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
                     "stop_token_ids": list(body.stop_token_ids), "ignore_eos": body.ignore_eos}

@@ -52,7 +52,7 @@ from pdcache.router.proxy import Proxy, close_stream
 from pdcache.router.proxy import RouteStream as UpstreamStream
 from pdcache.router.route import Deadline, Route
 from pdcache.router.sessions import ChatContinuation, SessionStore
-from pdcache.router.tenants import TenantLimits, node_session_id
+from pdcache.router.tenants import TenantInflight, node_session_id
 from pdcache.wire.agent import AgentFeatures
 from pdcache.wire.generate_api import GenerateMeta
 from pdcache.wire.protocol import (
@@ -154,7 +154,7 @@ class Router:
         self.chat = ChatContinuation(self.tokenizer)
         self.agent = AgentFeatures(self.tokenizer, model.vocab_size, config.tool_call_parser,
                                    config.reasoning_parser)
-        self.tenant_limits = TenantLimits()  # in flight per tenant (`TenantGate` holds them)
+        self.tenant_limits = TenantInflight()  # in flight per tenant (`TenantGate` holds them)
         self._salt_base = f"router;model={self.model_name};page={config.page_size}"
         # every call to a node (generate, health, service endpoints) carries the node
         # credential derived from the cluster secret, when there is one

@@ -8,7 +8,11 @@ decides:
   gave one, `/` + its salt (`Tenant.cache_salt`), so a client salt only subdivides its own
   tenant's namespace and no request of B can hit (or time) a page of A;
 - the session scope: sessions are keyed by (tenant, session_id) (`Tenant.session_key`);
-- the in-flight limit: beyond `max_inflight` generations in flight, 429 with `Retry-After`.
+- the in-flight limit: beyond `max_inflight` units in flight, 429 with `Retry-After`. A unit is
+  one sequence (a `/generate` batch of B prompts with n samples each holds B x n, an OpenAI
+  request its n choices: `hold_sequences`) or one call that goes out to every node
+  (`/close_session`, `/server_info`); counting requests let one batch of 256 prompts in under
+  `max_inflight = 1`.
 Without tenants the router is open and `cache_salt` / `session_id` pass as the client sent them.
 
 `TenantGate` is the ASGI middleware that authenticates, sets `request.state.tenant` and holds
@@ -33,7 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pdcache.config.schema import TenantLimits
 from pdcache.offload_manager.storage.config import TENANT_PREFIX
 from pdcache.wire.auth import bearer_token, unauthorized
-from pdcache.wire.protocol import error_body
+from pdcache.wire.protocol import ApiError, error_body
 
 DEFAULT_TENANT = "default"  # the tenant of the single `api_key`
 # a tenant's name: no '/', so that no tenant's cache salt or session id (its name, '/', the
@@ -42,6 +46,9 @@ TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 NAMESPACE_PREFIX = TENANT_PREFIX  # what the nodes' storage reads back (tenant_namespace)
 OPEN_PATHS = ("/health", "/liveness", "/metrics")  # probes and scrapers: aggregate numbers, no tenant's data
 GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions", "/health_generate")
+# what the in-flight limit counts: generations, and the calls that go out to every node
+LIMITED_PATHS = (*GENERATION_PATHS, "/close_session", "/server_info", "/get_server_info")
+EXTRA_UNITS = "tenant_extra_units"  # request.state: units a handler took beyond the gate's one
 RATE_LIMITED = "rate_limit_exceeded"
 
 
@@ -131,8 +138,8 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-class TenantLimits:
-    """Generations in flight per tenant. Event loop only."""
+class TenantInflight:
+    """Units (sequences, fan-out calls) in flight per tenant. Event loop only."""
 
     def __init__(self) -> None:
         self._inflight: dict[str, int] = {}
@@ -140,15 +147,15 @@ class TenantLimits:
     def inflight(self, tenant: Tenant) -> int:
         return self._inflight.get(tenant.name, 0)
 
-    def try_acquire(self, tenant: Tenant) -> bool:
+    def try_acquire(self, tenant: Tenant, units: int = 1) -> bool:
         count = self.inflight(tenant)
-        if tenant.max_inflight > 0 and count >= tenant.max_inflight:
+        if tenant.max_inflight > 0 and count + units > tenant.max_inflight:
             return False
-        self._inflight[tenant.name] = count + 1
+        self._inflight[tenant.name] = count + units
         return True
 
-    def release(self, tenant: Tenant) -> None:
-        self._inflight[tenant.name] = max(0, self.inflight(tenant) - 1)
+    def release(self, tenant: Tenant, units: int = 1) -> None:
+        self._inflight[tenant.name] = max(0, self.inflight(tenant) - units)
 
 
 Observe = Callable[[str, int, float], None]
@@ -161,7 +168,7 @@ class TenantGate:
     `known_paths`, so unknown paths cannot grow the label set); `retry_after_s()` is the
     Retry-After of a 429."""
 
-    def __init__(self, app: ASGIApp, directory: TenantDirectory, limits: TenantLimits, *,
+    def __init__(self, app: ASGIApp, directory: TenantDirectory, limits: TenantInflight, *,
                  known_paths: Iterable[str] = (), observe: Observe | None = None,
                  retry_after_s: Callable[[], int] = lambda: 1) -> None:
         self.app = app
@@ -183,7 +190,7 @@ class TenantGate:
                                             "Bearer KEY)"), scope, receive, send, start)
             return
         scope.setdefault("state", {})["tenant"] = tenant
-        if path not in GENERATION_PATHS:
+        if path not in LIMITED_PATHS:
             await self.app(scope, receive, send)
             return
         if not self.limits.try_acquire(tenant):
@@ -192,7 +199,8 @@ class TenantGate:
         try:
             await self.app(scope, receive, send)
         finally:
-            self.limits.release(tenant)
+            self.limits.release(tenant, 1 + scope["state"].get(EXTRA_UNITS, 0))
+
 
     def _too_many(self, tenant: Tenant) -> JSONResponse:
         body = error_body(f"too many requests in flight for this API key (limit "
@@ -211,3 +219,18 @@ class TenantGate:
 def tenant_of(request: Any) -> Tenant | None:
     """The tenant `TenantGate` authenticated for `request` (None: the router has none)."""
     return getattr(request.state, "tenant", None)
+
+
+def hold_sequences(request: Request, limits: TenantInflight, sequences: int) -> None:
+    """A handler's request runs `sequences` sequences: it holds one unit each (`TenantGate`
+    took one); 429 (`ApiError`) when its tenant has not that many left. Released with the
+    gate's when the response ends (`EXTRA_UNITS`)."""
+    tenant = tenant_of(request)
+    extra = sequences - 1
+    if tenant is None or extra <= 0:
+        return
+    if not limits.try_acquire(tenant, extra):
+        raise ApiError(429, f"{sequences} sequences is more than this API key may have in "
+                            f"flight now (limit {tenant.max_inflight})",
+                       type=RATE_LIMITED, code=RATE_LIMITED)
+    setattr(request.state, EXTRA_UNITS, extra)

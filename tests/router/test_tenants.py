@@ -147,6 +147,41 @@ def test_inflight_limit_is_429_with_retry_after(nodes: list[UnifiedNode], limit:
         assert client.post("/generate", json=short, headers=auth(alice)).status_code == 200
 
 
+@pytest.mark.parametrize("limit", [3, 0], ids=["limited", "protection-off"])
+def test_the_limit_counts_sequences_and_fan_out_calls(nodes: list[UnifiedNode],
+                                                      limit: int) -> None:
+    """`max_inflight` counts sequences: a batch of 4 prompts (or n = 4 choices) is 4 units,
+    over a limit of 3 a 429 before any node is asked, 3 fit and are released; a call that
+    goes to every node (/close_session) is a unit too. Off (0), all are served."""
+    alice = Tenant(ALICE.name, ALICE.api_key, max_inflight=limit)
+    sampling = {"max_new_tokens": 1, **GREEDY}
+    batch = {"input_ids": [prompt(8, 1500 + i) for i in range(4)], "sampling_params": sampling}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "n": 4,
+            "temperature": 0}
+    with router(nodes, tenants=(alice, BOB)) as client:
+        core = client.app.state.router  # type: ignore[attr-defined]
+        over = [client.post("/generate", json=batch, headers=auth(alice)),
+                client.post("/v1/chat/completions", json=chat, headers=auth(alice))]
+        fits = [client.post("/generate", json={**batch, "input_ids": batch["input_ids"][:3]},
+                            headers=auth(alice)),
+                client.post("/v1/chat/completions", json={**chat, "n": 3}, headers=auth(alice))]
+        assert core.tenant_limits.inflight(alice) == 0  # every unit given back
+        port = int(str(client.base_url).rsplit(":", 1)[1].rstrip("/"))
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as held:
+            held.sendall(f"POST /close_session HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         f"{alice.api_key}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 1000\r\n\r\n{{".encode())
+            wait_until(lambda: core.tenant_limits.inflight(alice) == 1)
+            three = client.post("/v1/chat/completions", json={**chat, "n": 3}, headers=auth(alice))
+    assert all(r.status_code == 200 for r in fits), [r.text for r in fits]
+    if limit:
+        assert [r.status_code for r in over] == [429, 429], [r.text for r in over]
+        assert over[0].json()["error"]["code"] == "rate_limit_exceeded"
+        assert three.status_code == 429  # 1 held by the fan-out call + 3 > 3
+    else:
+        assert [r.status_code for r in over] == [200, 200] and three.status_code == 200
+
+
 def test_tenant_flag_parsing() -> None:
     assert parse_tenant_flag("acme=k3y=with=equals") == ("acme", "k3y=with=equals")
     for bad in ("acme", "=key", "acme="):
