@@ -343,9 +343,21 @@ class Router:
         """The full prompt: the session's exact history + the new message's ids. A client
         that resends the whole history (it starts with the stored one) is taken as is."""
         history = self.sessions.history(session_id) if session_id else []
-        if not history or new_ids[: len(history)] == history:
+        if not history:
+            self._check_not_lost(session_id, new_ids)
+            return new_ids
+        if new_ids[: len(history)] == history:
             return new_ids
         return history + new_ids
+
+    def _check_not_lost(self, session_id: Hashable | None, prompt_ids: list[int]) -> None:
+        """409 `session_expired` when the session's history was evicted or expired and this
+        prompt does not resend it: the turn would run on the new message alone."""
+        if session_id is not None and self.sessions.lost(session_id, prompt_ids):
+            raise ApiError(409, "this session's history is gone (evicted for room, or idle past "
+                                "the router's session TTL): send the whole conversation to "
+                                "continue it, or start a new session_id", param="session_id",
+                           code="session_expired")
 
     def chat_prompt(self, session_id: Hashable | None, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
@@ -360,7 +372,10 @@ class Router:
         try:
             standalone = self.render_chat(messages, tools, template_kwargs)
             history = self.sessions.history(session_id) if session_id else []
-            if not history or standalone[: len(history)] == history:
+            if not history:
+                self._check_not_lost(session_id, standalone)
+                return standalone
+            if standalone[: len(history)] == history:
                 return standalone
             new = self._new_messages(session_id, history, messages, tools, template_kwargs)
             if new is None:

@@ -3,6 +3,7 @@ the new message's tokens: no re-tokenisation drift can break the page-key chain.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from array import array
@@ -33,6 +34,12 @@ class SessionStore:
     session in flight at once the first to finish commits, the other is refused (the last
     one used to win, dropping the other's answer from the history silently), and a turn in
     flight when its session was closed does not bring the closed history back.
+
+    Room is shared fairly: past a bound the least recently used session *of the owner (the
+    key's tenant) holding the most* goes, so one tenant opening sessions by the thousand
+    evicts its own (it used to evict every other tenant's conversations). A history that was
+    evicted or expired leaves a fingerprint (`lost`): a later turn that does not resend it is
+    refused (`lost` True) instead of running on the new message alone without saying so.
     """
 
     def __init__(self, max_sessions: int = 10_000, idle_ttl_s: float = 3600.0,
@@ -49,6 +56,11 @@ class SessionStore:
         # sessions closed since: their version, so that a turn begun before the close (on
         # no history as on some) does not commit after it; bounded like the sessions
         self._closed: OrderedDict[Hashable, int] = OrderedDict()
+        # per owner: its sessions in LRU order and its tokens (the fair eviction)
+        self._owned: dict[Hashable, OrderedDict[Hashable, None]] = {}
+        self._owner_tokens: dict[Hashable, int] = {}
+        # histories evicted or expired: (length, sha256 of their ids), bounded like sessions
+        self._lost: OrderedDict[Hashable, tuple[int, bytes]] = OrderedDict()
 
     def history(self, session_id: Hashable) -> list[int]:
         """The session's token history; a turn built on it counts as its use (the idle TTL
@@ -60,6 +72,7 @@ class SessionStore:
             return []
         session.last_used = self._clock()
         self._sessions.move_to_end(session_id)
+        self._owned[_owner(session_id)].move_to_end(session_id)
         return list(session.token_ids)
 
     def version(self, session_id: Hashable) -> int:
@@ -80,18 +93,31 @@ class SessionStore:
             self.refused_commits += 1
             return False
         self._closed.pop(session_id, None)
+        self._lost.pop(session_id, None)
         session = self._pop(session_id) or Session()
         session.token_ids = array("I", input_ids)
         session.token_ids.extend(output_ids)
         session.turns += 1
         session.last_used = self._clock()
         session.version = next(self._versions)
-        self._sessions[session_id] = session
-        self.total_tokens += len(session.token_ids)
-        while self._sessions and (len(self._sessions) > self.max_sessions
-                                  or self.total_tokens > self.max_total_tokens):
-            self._pop(next(iter(self._sessions)))
+        self._put(session_id, session)
+        while len(self._sessions) > self.max_sessions:
+            self._evict(max(self._owned, key=lambda owner: len(self._owned[owner])))
+        while self.total_tokens > self.max_total_tokens:
+            self._evict(max(self._owner_tokens, key=self._owner_tokens.__getitem__))
         return True
+
+    def lost(self, session_id: Hashable, prompt_ids: Sequence[int]) -> bool:
+        """Whether a turn of `session_id` with prompt `prompt_ids` would run without the
+        history the session had: it was evicted or expired, and the prompt does not begin
+        with it (a client that resends the whole conversation continues)."""
+        if session_id in self._sessions:
+            return False
+        mark = self._lost.get(session_id)
+        if mark is None:
+            return False
+        length, digest = mark
+        return len(prompt_ids) < length or _digest(prompt_ids[:length]) != digest
 
     def close(self, session_id: Hashable) -> bool:
         """Forget a session the client closed (`/close_session`); False if none was known.
@@ -101,13 +127,41 @@ class SessionStore:
         self._closed.move_to_end(session_id)
         while len(self._closed) > self.max_sessions:
             self._closed.popitem(last=False)
+        self._lost.pop(session_id, None)
         return self._pop(session_id) is not None
+
+    def _put(self, session_id: Hashable, session: Session) -> None:
+        owner = _owner(session_id)
+        self._sessions[session_id] = session
+        self._owned.setdefault(owner, OrderedDict())[session_id] = None
+        self._owner_tokens[owner] = self._owner_tokens.get(owner, 0) + len(session.token_ids)
+        self.total_tokens += len(session.token_ids)
 
     def _pop(self, session_id: Hashable) -> Session | None:
         session = self._sessions.pop(session_id, None)
-        if session is not None:
-            self.total_tokens -= len(session.token_ids)
+        if session is None:
+            return None
+        owner = _owner(session_id)
+        owned = self._owned[owner]
+        del owned[session_id]
+        self._owner_tokens[owner] -= len(session.token_ids)
+        if not owned:
+            del self._owned[owner], self._owner_tokens[owner]
+        self.total_tokens -= len(session.token_ids)
         return session
+
+    def _evict(self, owner: Hashable) -> None:
+        """Drop `owner`'s least recently used session, leaving its fingerprint."""
+        self._forget(next(iter(self._owned[owner])))
+
+    def _forget(self, session_id: Hashable) -> None:
+        session = self._pop(session_id)
+        if session is None:
+            return
+        self._lost[session_id] = (len(session.token_ids), _digest(session.token_ids))
+        self._lost.move_to_end(session_id)
+        while len(self._lost) > self.max_sessions:
+            self._lost.popitem(last=False)
 
     def turns(self, session_id: Hashable) -> int:
         session = self._sessions.get(session_id)
@@ -122,7 +176,16 @@ class SessionStore:
             sid, oldest = next(iter(self._sessions.items()))
             if now - oldest.last_used <= self.idle_ttl_s:
                 break
-            self._pop(sid)
+            self._forget(sid)
+
+
+def _owner(session_id: Hashable) -> Hashable:
+    """Whose session it is: the tenant of a (tenant, id) key; one owner without tenants."""
+    return session_id[0] if isinstance(session_id, tuple) else None
+
+
+def _digest(token_ids: Sequence[int]) -> bytes:
+    return hashlib.sha256(array("I", token_ids).tobytes()).digest()
 
 
 class ChatContinuation:

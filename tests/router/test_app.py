@@ -121,6 +121,24 @@ def test_session_turn_with_only_the_new_message_equals_the_full_history(
         assert served.engine.tree.sessions.num_turns("s1") == 3
 
 
+def test_an_evicted_session_s_next_turn_is_409_not_a_turn_without_history(
+        nodes: list[UnifiedNode]) -> None:
+    """The router keeps max_sessions histories; a turn of an evicted one that sends only its
+    new message would run without the conversation (it did, answering 200): 409
+    session_expired. Resending the whole conversation continues it."""
+    with router_client(nodes, max_sessions=1) as client:
+        first = prompt(20, seed=31)
+        turn1 = generate(client, first, 3, session_id="old")
+        generate(client, prompt(10, seed=32), 2, session_id="other")  # evicts "old"
+        body = {"input_ids": prompt(5, seed=33), "session_id": "old",
+                "sampling_params": {"max_new_tokens": 2, **GREEDY}}
+        lost = client.post("/generate", json=body)
+        assert lost.status_code == 409 and lost.json()["error"]["code"] == "session_expired"
+        resent = generate(client, first + turn1["output_ids"] + body["input_ids"], 2,
+                          session_id="old")
+        assert resent["meta_info"]["prompt_tokens"] == 20 + 3 + 5
+
+
 def test_failed_turn_is_not_committed(nodes: list[UnifiedNode]) -> None:
     with router_client(nodes) as client:
         generate(client, prompt(30, 31), 4, session_id="s2")

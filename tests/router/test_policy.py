@@ -157,3 +157,40 @@ def test_session_store_is_bounded_in_total_tokens() -> None:
     assert store.total_tokens == 8
     store.commit("b", [5, 6, 7, 8, 9, 1], [2], store.version("b"))  # frees the old history
     assert store.total_tokens == 10 and store.history("c") == [10, 11, 12]
+
+
+def test_one_owner_s_flood_evicts_its_own_sessions() -> None:
+    """Past the bound the least recently used session of the owner holding the most goes:
+    tenant a opening sessions by the dozen evicts its own, never b's (a shared LRU dropped
+    b's conversation)."""
+    store = SessionStore(max_sessions=4)
+    store.commit(("b", "s"), [1, 2], [3], 0)
+    for i in range(10):
+        store.commit(("a", f"flood-{i}"), [i], [i], 0)
+    assert store.history(("b", "s")) == [1, 2, 3] and len(store) == 4
+    assert store.history(("a", "flood-9")) == [9, 9] and store.history(("a", "flood-0")) == []
+    tokens = SessionStore(max_total_tokens=8)
+    tokens.commit(("b", "s"), [1, 2], [3], 0)
+    for i in range(5):
+        tokens.commit(("a", f"big-{i}"), [i] * 3, [i], 0)
+    assert tokens.history(("b", "s")) == [1, 2, 3] and tokens.total_tokens <= 8
+
+
+def test_a_lost_history_is_not_continued_silently() -> None:
+    """An evicted or expired session's turn that does not resend its history is `lost`
+    (the router answers 409 session_expired); resending the whole history continues; a
+    closed session starts fresh; a new commit clears the mark."""
+    now = [0.0]
+    store = SessionStore(max_sessions=1, idle_ttl_s=100.0, clock=lambda: now[0])
+    store.commit("s", [1, 2, 3], [4], 0)
+    store.commit("t", [7], [8], 0)  # evicts s
+    assert store.history("s") == []
+    assert store.lost("s", [5]) and store.lost("s", [1, 2, 3])
+    assert not store.lost("s", [1, 2, 3, 4, 5])  # the client resent it all
+    assert not store.lost("new", [5])
+    now[0] = 500.0  # t idles past the TTL
+    assert store.history("t") == [] and store.lost("t", [9])
+    store.commit("t", [9], [1], store.version("t"))
+    assert not store.lost("t", [9])
+    store.close("s")
+    assert not store.lost("s", [5])
