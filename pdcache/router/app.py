@@ -358,10 +358,11 @@ class RouterApp:
         router = self.router
         ok = router.registry.can_serve()
         body = {"status": "ok" if ok else "unavailable", "name": router.config.name,
-                "mode": "pd" if router.registry.is_pd else "unified", "model": router.model_name,
-                "sessions": len(router.sessions), "queue_depth": router.admission.depth}
+                "mode": "pd" if router.registry.is_pd else "unified", "model": router.model_name}
+        # what tells of the traffic (other tenants' activity included) only with a key
         if not self.directory.enabled or self.directory.authenticate(bearer_token(request)):
-            body["nodes"] = router.registry.describe()
+            body.update(sessions=len(router.sessions), queue_depth=router.admission.depth,
+                        nodes=router.registry.describe())
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def liveness(self, request: Request) -> Response:

@@ -101,7 +101,10 @@ def test_missing_or_wrong_key_is_401_json(nodes: list[UnifiedNode]) -> None:
         assert open_health.status_code == 200
         # open to probes, but the nodes (internal addresses, their last errors) only with a key
         assert "nodes" not in open_health.json() and "127.0.0.1" not in open_health.text
-        assert client.get("/health", headers=auth(BOB)).json()["nodes"]
+        # ... nor what tells of the traffic (other tenants' sessions, the queue)
+        assert not {"sessions", "queue_depth"} & set(open_health.json())
+        keyed = client.get("/health", headers=auth(BOB)).json()
+        assert keyed["nodes"] and {"sessions", "queue_depth"} <= set(keyed)
         for tenant in (ALICE, BOB, Tenant("default", "legacy-key-0123")):  # api_key: a tenant
             assert client.post("/generate", json=body, headers=auth(tenant)).status_code == 200
         models = client.get("/v1/models", headers=auth(BOB)).json()
