@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import http.client
 import os
 import signal
 import socket
@@ -37,7 +38,7 @@ def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
             return resp.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):  # not up, or not HTTP (another listener)
         return False
 
 

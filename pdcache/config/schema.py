@@ -448,8 +448,8 @@ class KubernetesSpec:
     memory: str = "8Gi"  # memory request of every prefill / decode / unified pod
     # requests of the router, metadata service, etcd and Mooncake master pods: a node's
     # sizing (its host KV pool) is not theirs, and changing it rolls no etcd member
-    service_cpu: str = "1"
-    service_memory: str = "2Gi"
+    service_cpu: str = "1"  # CPU request of the router, metadata, etcd and Mooncake pods
+    service_memory: str = "2Gi"  # memory request of those pods
     startup_probe_s: int = 600  # how long a node may load its model before liveness counts
     port_base: int = 30000  # node HTTP port in every pod (bootstrap: port_base + 1)
 
