@@ -69,7 +69,8 @@ def expected(checkpoint):
 
 
 def tiered(model: torch.nn.Module, path: Path, backend: str | None = "file",
-           window_pages: bool = True, **hicache: str) -> TieredEngine:
+           window_pages: bool = True, host_state_slots: int = 16,
+           **hicache: str) -> TieredEngine:
     """A driven engine over HiCache with window pages: host tier, a `backend` store."""
     fingerprint = fingerprint_for(model.config, "gpt-oss-test", PAGE, window_pages)
     storage = None if backend is None else storage_config_for(
@@ -81,7 +82,7 @@ def tiered(model: torch.nn.Module, path: Path, backend: str | None = "file",
         scheduler=SchedulerConfig(chunked_prefill_tokens=2048, max_running_requests=4),
         kernels="torch",
     )
-    tiers = TierConfig(host_pages=64, storage=storage, host_state_slots=16,
+    tiers = TierConfig(host_pages=64, storage=storage, host_state_slots=host_state_slots,
                        hicache=HiCacheConfig(prefetch_policy="wait_complete", **hicache))
     built = build_tiered_engine(config, model, None, tiers, window_pages=window_pages)
     built.engine.start(thread=False)
@@ -189,3 +190,106 @@ def test_storage_hits_and_next_turn_are_exact(model, expected, tmp_path) -> None
         assert stats.prefetch_state_bytes == 2 * tail_bytes
     finally:
         built.close()
+
+
+def test_a_prompt_diverging_inside_a_window_gets_the_longest_exact_hit(
+        model, expected, tmp_path) -> None:
+    """From host, a hit ends only at a node end carrying its tail: a prompt diverging at
+    token 26 (inside the 28-token node) gets no host hit, one diverging at token 31 (after
+    the answer's first token) the prompt's 28; both exact."""
+    built = tiered(model, tmp_path / "store", backend=None)
+    try:
+        answer = generate(built.engine, PROMPT, "a")[0]
+        for rid, prompt, hit in (("mid-prompt", PROMPT[:26] + prompt_of(3, 6), 0),
+                                 ("mid-answer", PROMPT + answer[:1] + prompt_of(5, 8), 28)):
+            assert built.hicache.wait_idle(10)
+            built.engine.flush_cache()
+            got = generate(built.engine, prompt, rid)
+            assert_same(got, expected(prompt))
+            assert (got[2].cached.device, got[2].cached.host) == (0, hit)
+            idle_and_exact(built)
+    finally:
+        built.close()
+
+
+def test_a_host_hit_without_its_tail_gives_other_logits(model, expected, tmp_path,
+                                                        monkeypatch) -> None:
+    """Shown off: the same host hit served with its tail pages left unwritten (the
+    protection: `WindowTails.restore`) reads stale sliding pages and gives other logits."""
+    from pdcache.engine.window_pages import WindowTails
+
+    built = tiered(model, tmp_path / "store", backend=None)
+    try:
+        generate(built.engine, PROMPT, "a")
+        generate(built.engine, prompt_of(9, 40), "other")  # sliding pages full of its K/V
+        assert built.hicache.wait_idle(10)
+        built.engine.flush_cache()
+        monkeypatch.setattr(WindowTails, "restore", lambda *args: None)
+        tokens, logprobs, last = generate(built.engine, PROMPT, "b")
+        assert last.cached.host == 28
+        want_tokens, want_logprobs = expected(PROMPT)
+        gap = (torch.tensor(logprobs) - torch.tensor(want_logprobs)).abs().max()
+        assert tokens != want_tokens or gap > 1e-2, gap
+    finally:
+        built.close()
+
+
+@pytest.mark.parametrize("write_policy,host_mode", [("write_back", "inclusive"),
+                                                     ("write_through", "exclusive")])
+def test_tails_freed_exactly_once_on_every_tier(model, expected, tmp_path, write_policy,
+                                                host_mode) -> None:
+    """write_back (tails backed up at device eviction) and an exclusive host (host copies
+    and their tails released once loaded): three conversations through a 3-slot host tail
+    pool; every sliding page, host page and host tail slot is accounted for after each."""
+    built = tiered(model, tmp_path / "store", backend=None, host_state_slots=3,
+                   write_policy=write_policy, host_mode=host_mode)
+    try:
+        prompts = [PROMPT, prompt_of(21, 26), PROMPT[:20] + prompt_of(22, 9)]
+        for round_, order in enumerate((prompts, prompts[::-1])):  # newest tails first
+            for index, prompt in enumerate(order):
+                got = generate(built.engine, prompt, f"{round_}-{index}")
+                assert_same(got, expected(prompt))
+                idle_and_exact(built)
+                built.engine.flush_cache()
+                idle_and_exact(built)
+        stats = built.hicache.stats
+        assert stats.load_host_states > 0
+        assert built.hicache.tree.num_host_evicted_states > 0  # 3 slots: tails gave way
+        drop_memory_tiers(built)
+    finally:
+        built.close()
+
+
+def stored_bytes(built: TieredEngine) -> tuple[int, int]:
+    """(full-layer KV bytes, window tail bytes) HiCache wrote to storage."""
+    assert built.hicache.wait_idle(10)
+    stats = built.hicache.stats
+    return stats.backup_storage_kv_bytes, stats.backup_storage_state_bytes
+
+
+def test_storage_holds_full_layer_pages_plus_tails(model, expected, tmp_path) -> None:
+    """Two turns stored with window pages against the one-space format (every layer of
+    every page): pages carry the full layers only (half of gpt-oss's layers), plus one
+    tail object per checkpointed node end; both formats answer the same."""
+    per_format: dict[bool, list[tuple[int, int]]] = {}
+    for window_pages in (False, True):
+        built = tiered(model, tmp_path / f"store-{window_pages}", window_pages=window_pages)
+        try:
+            answer = generate(built.engine, PROMPT, "t1")[0]
+            turns = [stored_bytes(built)]
+            turn2 = PROMPT + answer + prompt_of(7, 5)
+            assert_same(generate(built.engine, turn2, "t2"), expected(turn2))
+            turns.append(stored_bytes(built))
+            per_format[window_pages] = turns
+        finally:
+            built.close()
+    one_space, split = per_format[False], per_format[True]
+    page_bytes = model.config.kv_geometry.page_bytes(PAGE)
+    tail_bytes = TAIL_PAGES * page_bytes // 2  # the sliding half of the layers
+    # turn 1: 8 pages (32 of its 35 K/V tokens), tails at 28 and 32; turn 2 (a 41-token
+    # prompt, 46 K/V tokens): 3 more pages, tails at 40 and 44
+    print(f"stored bytes after each turn (KV, tails): one space {one_space}, split {split}")
+    assert one_space == [(8 * page_bytes, 0), (11 * page_bytes, 0)]
+    assert split == [(8 * page_bytes // 2, 2 * tail_bytes),
+                     (11 * page_bytes // 2, 4 * tail_bytes)]
+    assert sum(split[1]) < one_space[1][0]
