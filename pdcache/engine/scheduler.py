@@ -49,7 +49,7 @@ Composition, not subclassing: the node that builds the scheduler gives it
   pages); the tree serves hits only where the window's sliding pages are there. A
   prefilled start (decode) holds sliding pages of its prompt's window tail only, reserved
   with its pages (`ReservationBook`). Lower tiers must carry window tails as checkpoints
-  (`carries_window`: HiCache's, on a unified node); others are refused.
+  (`carries_window`: HiCache's, on a unified or prefill node); others are refused.
 Any role may have any tiers. The node's controller (`pdcache.prefill_node.controller`,
 `pdcache.decode_node.controller`) makes the PD decisions those policies relay.
 """
@@ -79,8 +79,8 @@ NO_STATE_TRANSFER = "a hybrid model's prefilled request needs its recurrent stat
 NO_STATE_TIERS = "these host/storage tiers do not carry recurrent state"
 # window pages (a sliding-window model's sliding layers in their own page space)
 NO_WINDOW_TIERS = "these host/storage tiers do not carry sliding-window pages"
-# ... and on a P→D node with tiers (its transfer reads one space: not built yet)
-NO_WINDOW_ROLE = "window pages with host/storage tiers run on unified nodes only"
+# ... and on a node taking reservations (decode) with tiers: its tiers are device-only
+NO_WINDOW_ROLE = "window pages with host/storage tiers run on unified and prefill nodes only"
 
 logger = logging.getLogger(__name__)
 
@@ -167,11 +167,11 @@ class Scheduler:
 
     def _check_window_tiers(self) -> None:
         """Window pages over lower tiers: they must carry window tails (`carries_window`)
-        and, for now, the node be unified; the tiers then take the sliding-page allocator."""
+        and the node be unified or prefill; the tiers then take the sliding-page allocator."""
         if not getattr(self.tiers, "carries_window", False):
             raise ValueError(f"{NO_WINDOW_TIERS}: a model whose sliding layers keep only "
                              f"their window runs with device-only caching")
-        if type(self.role) is not Unified:
+        if self.role.takes_reservations and type(self.role) is not Unified:  # decode
             raise ValueError(f"{NO_WINDOW_ROLE} (not {type(self.role).__name__})")
         self.tiers.use_window_pages(self.alloc_window_pages)  # type: ignore[attr-defined]
 
@@ -346,6 +346,9 @@ class Scheduler:
                     self.cache_prompt(req)
             if self.states is not None:  # after the token (caching pages checks `req`)
                 self._after_forward(req, batch.mode)
+            elif req.checkpoint_at and req.kv_len == req.checkpoint_at[0]:  # window tails
+                req.checkpoint_at.pop(0)
+                self._cache_pages(req, req.kv_len // self.page_size)
             if row in sampled:
                 self._maybe_finish(req, sampled[row])
                 touched.append(req)
@@ -468,6 +471,8 @@ class Scheduler:
                   cached, reuse.kv_load, window_ids)
         if self.states is not None:  # a lower tier's hit went past some checkpoint points
             req.checkpoint_at = [n for n in req.checkpoint_at if n > req.kv_len]
+        elif self._tiers_carry_window:
+            req.checkpoint_at = self._window_branch_point(req, match)
         self._admit_seq += 1
         self.counters.admitted += 1
         if self.tree is not None:
@@ -841,6 +846,15 @@ class Scheduler:
             points = sorted({match.matched_len, prompt_end})
         return [n for n in points if match.cached_len < n <= req.fill_len
                 and not self._has_checkpoint(req, n)]
+
+    def _window_branch_point(self, req: Req, match: MatchResult) -> list[int]:
+        """Window tails on lower tiers: where the admission's page match went deeper than
+        its hit (the window cut it, or a lower tier's tail ends short of it), `req`'s
+        prefill stops and caches its pages, so that point ends a node whose tail is on
+        device (backed up with it): the next request with that prefix hits all of it, from
+        any tier. The prompt's last full page is cached at its prefill's end (`commit`)."""
+        prompt_end = len(req.prompt_ids) // self.page_size * self.page_size
+        return [n for n in (match.matched_len,) if req.kv_len < n < prompt_end]
 
     def _has_checkpoint(self, req: Req, num_tokens: int) -> bool:
         assert self.tree is not None

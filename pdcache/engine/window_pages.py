@@ -243,8 +243,17 @@ class WindowTails:
         return None not in self._tail_of(node)
 
     def snapshot_checkpoint(self, node: RadixNode) -> StateSnapshot:
-        pages = self._tail_of(node)
-        assert None not in pages, "no window tail on device at this node"
+        return self._snapshot(self._tail_of(node))
+
+    def snapshot_pages(self, window_page_ids: list[int | None], end_pages: int
+                       ) -> StateSnapshot | None:
+        """The tail after the first `end_pages` of a request's sliding pages (decode
+        offload's answer end), None when one of them was freed."""
+        pages = [window_page_ids[i] for i in self.geometry.tail_range(end_pages)]
+        return None if None in pages else self._snapshot(pages)
+
+    def _snapshot(self, pages: list[int | None]) -> StateSnapshot:
+        assert None not in pages, "no window tail on device at this point"
         pad = self.geometry.num_pages - len(pages)
         kv = self.window.pool.device_kv
         blob = torch.zeros((self.geometry.num_pages, *self._page_shape), dtype=kv.dtype)

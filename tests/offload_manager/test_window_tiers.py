@@ -293,3 +293,32 @@ def test_storage_holds_full_layer_pages_plus_tails(model, expected, tmp_path) ->
     assert split == [(8 * page_bytes // 2, 2 * tail_bytes),
                      (11 * page_bytes // 2, 4 * tail_bytes)]
     assert sum(split[1]) < one_space[1][0]
+
+
+@pytest.mark.parametrize("protected", [True, False])
+def test_a_branch_point_gets_its_tail_for_the_next_request(model, expected, tmp_path,
+                                                           monkeypatch, protected) -> None:
+    """The second of two prompts sharing 20 tokens stops its prefill where its page match
+    went deeper than its hit (the window cut it) and caches its pages there, so the branch
+    point ends a node whose tail is backed up: a third prompt with that prefix, after the
+    device was flushed, hits it from host. Shown off: without the stop, no tail at 20 and
+    no host hit."""
+    if not protected:
+        from pdcache.engine.scheduler import Scheduler
+
+        monkeypatch.setattr(Scheduler, "_window_branch_point", lambda self, req, match: [])
+    built = tiered(model, tmp_path / "store", backend=None)
+    try:
+        shared = PROMPT[:20]
+        for rid, tail_seed in (("first", 31), ("second", 32)):
+            prompt = shared + prompt_of(tail_seed, 10)
+            assert_same(generate(built.engine, prompt, rid), expected(prompt))
+        assert built.hicache.wait_idle(10)
+        built.engine.flush_cache()
+        third = shared + prompt_of(33, 10)
+        got = generate(built.engine, third, "third")
+        assert_same(got, expected(third))
+        assert got[2].cached.host == (20 if protected else 0)
+        idle_and_exact(built)
+    finally:
+        built.close()
