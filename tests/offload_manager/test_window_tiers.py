@@ -164,10 +164,11 @@ def drop_memory_tiers(built: TieredEngine) -> None:
     assert built.hicache.host_states is not None and built.hicache.host_states.num_used == 0
 
 
-def test_storage_hits_and_next_turn_are_exact(model, expected, tmp_path) -> None:
+@pytest.mark.parametrize("backend", ["file", "hf3fs"])
+def test_storage_hits_and_next_turn_are_exact(model, expected, tmp_path, backend) -> None:
     """A prompt's tail object serves a storage hit at its last full page; a second turn
     extending the first's answer hits the answer's tail (32 tokens) from storage."""
-    built = tiered(model, tmp_path / "store")
+    built = tiered(model, tmp_path / backend, backend)
     try:
         answer = generate(built.engine, PROMPT, "t1")[0]
         idle_and_exact(built)
