@@ -309,7 +309,9 @@ class HiCache:
         path = deepest.path_from_root() if deepest is not None else []
         spare = list(pages)
 
-        def take(count: int) -> list[int]:
+        def take(count: int) -> list[int] | None:
+            if count > len(spare):
+                return None
             taken, spare[:] = spare[:count], spare[count:]
             return taken
 
@@ -367,6 +369,10 @@ class HiCache:
         """The ready hits of `rid`'s prefetch (host pages, now the caller's until `load`
         frees them); unfinished or failed pages are released once their reads end."""
         return self.prefetches.take(rid)
+
+    def has_prefetch(self, rid: str) -> bool:
+        """Whether `rid` has a prefetch not taken yet."""
+        return self.prefetches.has(rid)
 
     def prefetch_first_page(self, rid: str) -> int:
         """First prompt page of `rid`'s prefetch (0 when there is none)."""

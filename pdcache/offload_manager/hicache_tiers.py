@@ -96,9 +96,9 @@ class HiCacheTiers:
                           max_pages: int) -> TierReuse:
         self._queued_match.pop(req.rid, None)
         tail_pages: list[int] = []
-        if self.hicache.window_tails is not None:
-            # a whole tail's sliding pages before the host match is taken (making room may
-            # evict); without them no lower-tier hit can be restored
+        if self.hicache.window_tails is not None and self._may_reuse(req, match, max_pages):
+            # a whole tail's sliding pages before the host match is taken for good (making
+            # room may evict); without them no lower-tier hit can be restored
             assert self._alloc_window is not None, "window pages: use_window_pages not called"
             got = self._alloc_window(self.hicache.window_tails.geometry.num_pages)
             if got is None:
@@ -137,6 +137,12 @@ class HiCacheTiers:
         num_pages = sum(n.num_pages for n in result.last_node.path_from_root())
         tokens = req.fill_ids[: num_pages * self.page_size]
         self.hicache.backup(tokens, req.salt, result.last_node)
+
+    def _may_reuse(self, req: Req, match: MatchResult, max_pages: int) -> bool:
+        """A lower tier may serve `req` past `match` (a host continuation or a prefetch):
+        only then are a tail's sliding pages taken (never a cache eviction for nothing)."""
+        return (self.hicache.has_prefetch(req.rid)
+                or bool(self.hicache.tree.match_host(match, req.fill_ids, max_pages).nodes))
 
     def _free_window(self, pages: list[int]) -> None:
         if pages:

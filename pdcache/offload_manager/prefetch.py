@@ -317,6 +317,10 @@ class Prefetcher:
             assert self.host_states is not None
             self.host_states.free(slot)
 
+    def has(self, rid: str) -> bool:
+        """Whether `rid` has a prefetch (running or ended, not taken)."""
+        return rid in self._ops
+
     def first_page(self, rid: str) -> int:
         """First prompt page of `rid`'s prefetch (0 when there is none)."""
         op = self._ops.get(rid)
