@@ -88,7 +88,7 @@ class DecodeRole:
     def _answer_state(self, req: Req) -> AnswerState | None:
         """`req`'s state after its last full page, as a host copy (None: not kept)."""
         kept = self._page_states.pop(req.rid, None)
-        if self.offload is None:
+        if self.offload is None or (self.states is None and self.window_tails is None):
             return None
         end = req.kv_len // self.offload.page_size * self.offload.page_size
         if end == 0:
@@ -97,8 +97,7 @@ class DecodeRole:
             tail = self.window_tails.snapshot_pages(req.window_page_ids,
                                                     end // self.offload.page_size)
             return None if tail is None else AnswerState(end, tail)
-        if self.states is None:
-            return None
+        assert self.states is not None
         pool = self.states.pool
         if req.pending_checkpoint is not None and req.pending_checkpoint_len == end:
             return AnswerState(end, pool.snapshot(req.pending_checkpoint))
