@@ -119,8 +119,10 @@ class DecodeRole:
 
     def pages_read_from(self, req: Req) -> int | None:
         # window pages: copies not ended yet read the sliding pages of the pages they cover
-        # (a request not offloaded, e.g. a plain one sent to this node, has none)
-        if self.offload is None or not self.offload.tracking(req.rid):
+        # (a request not offloaded, e.g. a plain one sent to this node, has none; copies of
+        # full-layer pages, the window-tail format, read none: its tail is read at finish)
+        if (self.offload is None or self.offload.window is None
+                or not self.offload.tracking(req.rid)):
             return None
         return self.offload.copied_pages(req.rid)
 
