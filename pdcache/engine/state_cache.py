@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pdcache.engine.state_geometry import CheckpointGeometry, RecurrentStateGeometry
+from pdcache.engine.state_geometry import RecurrentStateGeometry
 from pdcache.engine.state_pool import RecurrentStatePool, StateSnapshot
 
 if TYPE_CHECKING:
@@ -52,10 +52,6 @@ class DeviceCheckpoints(Protocol):
     """The device tier's checkpoints at radix node ends, as HiCache's backup sees them: a
     hybrid model's state slots (`StateSlots`) or a sliding-window model's window tails
     (`pdcache.engine.window_pages.WindowTails`). Engine thread."""
-
-    @property
-    def checkpoint_geometry(self) -> CheckpointGeometry:
-        """What one checkpoint's snapshot is (the host state pool's geometry)."""
 
     def has_checkpoint(self, node: RadixNode) -> bool:
         """A checkpoint of the point at `node`'s end is on device now."""
@@ -95,10 +91,6 @@ class StateSlots:
         return self.pool.state_bytes()
 
     # ---- DeviceCheckpoints: a node's checkpoint is its state slot ------------------------
-    @property
-    def checkpoint_geometry(self) -> CheckpointGeometry:
-        return self.pool.geometry
-
     def has_checkpoint(self, node: RadixNode) -> bool:
         return node.state_slot is not None
 

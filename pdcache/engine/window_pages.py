@@ -197,8 +197,14 @@ class WindowTailGeometry:
     @classmethod
     def of(cls, geometry: KVGeometry, page_size: int) -> WindowTailGeometry:
         """The window tail of a model mixing full and sliding layers (`can_split`)."""
-        sliding = split_geometry(geometry, "sliding")
-        return cls(sliding.layout_key(page_size), geometry.sliding_window, page_size,
+        return cls.of_sliding(split_geometry(geometry, "sliding"), geometry.sliding_window,
+                              page_size)
+
+    @classmethod
+    def of_sliding(cls, sliding: KVGeometry, window: int, page_size: int
+                   ) -> WindowTailGeometry:
+        """The tail of `sliding` (a sliding-only geometry, `split_geometry`) for `window`."""
+        return cls(sliding.layout_key(page_size), window, page_size,
                    sliding.page_bytes(page_size))
 
     @property
@@ -231,13 +237,8 @@ class WindowTails:
 
     def __init__(self, window: WindowPages) -> None:
         self.window = window
-        self.geometry = WindowTailGeometry(
-            window.sliding_geometry.layout_key(window.page_size), window.window,
-            window.page_size, window.sliding_geometry.page_bytes(window.page_size))
-
-    @property
-    def checkpoint_geometry(self) -> WindowTailGeometry:
-        return self.geometry
+        self.geometry = WindowTailGeometry.of_sliding(window.sliding_geometry, window.window,
+                                                      window.page_size)
 
     def has_checkpoint(self, node: RadixNode) -> bool:
         return None not in self._tail_of(node)
