@@ -323,3 +323,22 @@ def test_a_branch_point_gets_its_tail_for_the_next_request(model, expected, tmp_
         idle_and_exact(built)
     finally:
         built.close()
+
+
+def test_a_host_hit_without_a_tail_at_its_end_is_never_served(model, tmp_path,
+                                                                monkeypatch) -> None:
+    """Shown off: without the host continuation's cut to a node end carrying a tail
+    (`_cut_to_host_checkpoint`), the prompt diverging at token 26 would be served 24 host
+    tokens with no tail to restore: its admission fails instead of guessing."""
+    from pdcache.offload_manager.hiradix import HiRadixTree
+
+    built = tiered(model, tmp_path / "store", backend=None)
+    try:
+        generate(built.engine, PROMPT, "a")
+        assert built.hicache.wait_idle(10)
+        built.engine.flush_cache()
+        monkeypatch.setattr(HiRadixTree, "_cut_to_host_checkpoint", lambda self, match: None)
+        with pytest.raises(AssertionError, match="host hit, no tail"):
+            generate(built.engine, PROMPT[:26] + prompt_of(3, 6), "mid-prompt")
+    finally:
+        built.close()
