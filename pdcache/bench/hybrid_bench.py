@@ -8,7 +8,8 @@ session, a tool result per later turn, each turn's prompt = the previous prompt 
 (hit counts are deterministic). Each row replays it on a fresh engine with one
 `[cache] state_checkpoints` policy (docs/design.md §4.14): hit_points (ours), every_page
 (vLLM's `all`), chunk_ends (SGLang's `no_buffer`); a model without recurrent state (gpt-oss)
-gets one row, the policy does not apply. It reports:
+gets one row, the policy does not apply (its tiers carry window tails, checkpoints at the hit
+points: its state bytes are the tails'). It reports:
 - the prompt tokens served from cache against two theoretical hits (docs/benchmarks.md
   "Theoretical hit, hybrid models"): the dense one (the longest page-aligned prefix computed
   before, what `bench replay` counts; every_page's upper bound) and the hybrid one at hit
@@ -264,8 +265,8 @@ def _row(preset: str, policy: str, tally: Tally, recompute_s: float) -> dict[str
         "preset": preset, "policy": policy,
         "hit_rate": round(tally.cached_tokens / tally.prompt_tokens, 3),
         "of_dense_theoretical": _ratio(tally.cached_tokens, tally.dense_theoretical),
-        "of_hybrid_theoretical": "-" if policy == STATELESS
-        else _ratio(tally.cached_tokens, tally.hybrid_theoretical),
+        # window tails (gpt-oss) are checkpoints at the same hit points as states
+        "of_hybrid_theoretical": _ratio(tally.cached_tokens, tally.hybrid_theoretical),
         "ttft_turn2plus_ms": round(1000 * ttft, 1),
         "recompute_ttft_ms": round(1000 * recompute_s, 1),
         "ttft_speedup": _ratio(recompute_s, ttft),
@@ -303,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
         extra[preset] = {
             "dense_theoretical_hit_rate": _ratio(first.dense_theoretical, first.prompt_tokens),
             "hybrid_theoretical_hit_rate":
-                _ratio(first.hybrid_theoretical, first.prompt_tokens) if hybrid else None,
+                _ratio(first.hybrid_theoretical, first.prompt_tokens),
             "state_bytes": model.config.state_geometry.state_bytes() if hybrid else 0,
             "kv_page_bytes": model.config.kv_geometry.page_bytes(args.page_size),
             "seconds": round(time.perf_counter() - started, 1),

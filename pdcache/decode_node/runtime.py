@@ -27,7 +27,9 @@ from pdcache.decode_node.metrics import OffloadStatsCollector
 from pdcache.decode_node.scheduler import DecodeRole
 from pdcache.engine.engine import Engine
 from pdcache.engine.scheduler import Scheduler
+from pdcache.engine.window_pages import WindowTails
 from pdcache.kernels import KernelSet
+from pdcache.offload_manager.builder import stored_geometry
 from pdcache.offload_manager.decode_offload import DecodeOffloadManager
 from pdcache.offload_manager.storage import create_backend
 from pdcache.offload_manager.storage.base import StorageBackend
@@ -96,13 +98,17 @@ class DecodeRuntime:
             setup = self.setup
             settings = setup.offload
             assert settings is not None  # storage is only opened with offload on
+            # window pages: stored as the full layers' pages plus window tails, as prefill's
+            # tiers store them (docs/design.md §4.14): staged from the full pool only
             self.offload = DecodeOffloadManager(
                 kwargs["pool"].device_kv, self.storage, setup.fingerprint,
                 settings.staging_pages, settings.stride_pages,
                 key_scheme=setup.key_scheme, key_namespace=setup.key_namespace,
                 kernels=KernelSet(setup.engine.kernels), pending_ttl_s=settings.pending_ttl_s,
-                window=kwargs.get("window"), geometry=setup.engine.model.kv_geometry)
-        role = DecodeRole(self.offload, self.controller, kwargs.get("states"))
+                window=None, geometry=stored_geometry(setup.engine.model))
+        window = kwargs.get("window")
+        role = DecodeRole(self.offload, self.controller, kwargs.get("states"),
+                          window_tails=WindowTails(window) if window is not None else None)
         return Scheduler(**kwargs, role=role)
 
     def start(self) -> None:

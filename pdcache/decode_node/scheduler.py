@@ -17,6 +17,7 @@ from typing import Protocol
 
 from pdcache.engine.request import Req, ReqStatus
 from pdcache.engine.state_cache import StateSlots
+from pdcache.engine.window_pages import WindowTails
 from pdcache.offload_manager.decode_offload import AnswerState, DecodeOffloadManager
 
 
@@ -37,15 +38,22 @@ class DecodeRole:
     scheduler's pending decode checkpoint (decode's prefix cache on: a device copy per page,
     one host copy per request) or, without a tree, from the host copy this role keeps of the
     request's state at each page it completes (`_page_states`, one per request: a host copy
-    per page). Holds `offload`, `holds`, `states` and `_page_states`."""
+    per page). With `window_tails` (window pages stored as full-layer pages plus window
+    tails, docs/design.md §4.14) the answer-end "state" is the window tail at the request's
+    last full page, read from its sliding pages at finish. Holds `offload`, `holds`,
+    `states`, `window_tails` and `_page_states`."""
 
     takes_reservations = True
 
     def __init__(self, offload: DecodeOffloadManager | None, holds: OffloadHolds,
-                 states: StateSlots | None = None) -> None:
+                 states: StateSlots | None = None,
+                 window_tails: WindowTails | None = None) -> None:
         self.offload = offload
         self.holds = holds
         self.states = states if offload is not None else None
+        # window pages whose stored format is full-layer pages + window tails (§4.14): the
+        # answer's tail goes to storage as its end "state"
+        self.window_tails = window_tails if offload is not None else None
         self._page_states: dict[str, AnswerState] = {}  # rid -> state at its last full page
 
     def admission_ready(self, req: Req) -> bool:
@@ -80,11 +88,16 @@ class DecodeRole:
     def _answer_state(self, req: Req) -> AnswerState | None:
         """`req`'s state after its last full page, as a host copy (None: not kept)."""
         kept = self._page_states.pop(req.rid, None)
-        if self.states is None or self.offload is None:
+        if self.offload is None or (self.states is None and self.window_tails is None):
             return None
         end = req.kv_len // self.offload.page_size * self.offload.page_size
         if end == 0:
             return None
+        if self.window_tails is not None:  # the sliding pages a hit at `end` reads
+            tail = self.window_tails.snapshot_pages(req.window_page_ids,
+                                                    end // self.offload.page_size)
+            return None if tail is None else AnswerState(end, tail)
+        assert self.states is not None
         pool = self.states.pool
         if req.pending_checkpoint is not None and req.pending_checkpoint_len == end:
             return AnswerState(end, pool.snapshot(req.pending_checkpoint))
@@ -106,8 +119,10 @@ class DecodeRole:
 
     def pages_read_from(self, req: Req) -> int | None:
         # window pages: copies not ended yet read the sliding pages of the pages they cover
-        # (a request not offloaded, e.g. a plain one sent to this node, has none)
-        if self.offload is None or not self.offload.tracking(req.rid):
+        # (a request not offloaded, e.g. a plain one sent to this node, has none; copies of
+        # full-layer pages, the window-tail format, read none: its tail is read at finish)
+        if (self.offload is None or self.offload.window is None
+                or not self.offload.tracking(req.rid)):
             return None
         return self.offload.copied_pages(req.rid)
 

@@ -148,17 +148,20 @@ class Engine:
         checkpoint (HiCache's tiers carry the checkpoints; a tree without a restore rule is
         refused). `window_pages`: a sliding-window model keeps its sliding layers' pages
         apart (§4.14) under `make_scheduler` too (a decode node: its reservations then hold
-        the prompt's window tail, `Admission.window_page_ids`); without `make_tree` and
-        `make_scheduler` it always does. Not started: call `start()`."""
+        the prompt's window tail, `Admission.window_page_ids`) and under `make_tree` (called
+        `make_tree(pool, window=...)`: HiCache's tiers carry window tails,
+        `build_tiered_engine(window_pages=True)`); without `make_tree` and `make_scheduler`
+        it always does. Not started: call `start()`."""
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         # a sliding-window model served device-only by a unified node keeps its sliding
         # layers' pages apart and frees those out of every window (window pages, §4.14);
-        # host/storage tiers and P→D nodes keep every page of every layer unless a decode
-        # node asks (`window_pages`: prefill then sends the sliding layers' window tail only)
+        # host/storage tiers and P→D nodes keep every page of every layer unless the node
+        # asks (`window_pages`: a decode node, prefill then sends the window tail only; a
+        # tiered unified node, its tiers then carry window tails as checkpoints)
         self.window = (_window_pages(config)
-                       if make_tree is None and (make_scheduler is None or window_pages)
+                       if window_pages or (make_tree is None and make_scheduler is None)
                        else None)
         self.pool = _device_pool(config, self.window)
         self.states = _state_slots(config)
@@ -943,6 +946,8 @@ def _prefix_tree(config: EngineConfig, pool: DeviceKVPool, states: StateSlots | 
         return None
     if make_tree is None:
         return _device_tree(pool, config.cache, states, window)
+    if window is not None:  # its hits need the window tail: the tree carries it (HiCache's)
+        return make_tree(pool, window=window)
     if states is None:
         return make_tree(pool)
     tree = make_tree(pool, states=states)

@@ -788,6 +788,15 @@ class RadixTree:
             self._window_pages -= len(freed)
         return freed
 
+    def adopt_window_page(self, node: RadixNode, index: int, page: int) -> None:
+        """`page` (filled by the caller: a window tail restored from a lower tier) is the
+        sliding page of `node`'s page `index`, a tombstone until now; the tree owns it."""
+        if node.window_page_ids is None:
+            node.window_page_ids = [None] * node.num_pages
+        assert node.window_page_ids[index] is None, "a present sliding page overwritten"
+        node.window_page_ids[index] = page
+        self._window_pages += 1
+
     def _free_window_pages(self, node: RadixNode) -> None:
         """Free the sliding pages of a node whose device pages go (tombstones skipped)."""
         window, node.window_page_ids = node.window_page_ids, None

@@ -48,7 +48,8 @@ Composition, not subclassing: the node that builds the scheduler gives it
   those no window of it needs after every forward (tombstones go to the tree with its
   pages); the tree serves hits only where the window's sliding pages are there. A
   prefilled start (decode) holds sliding pages of its prompt's window tail only, reserved
-  with its pages (`ReservationBook`); tiers other than `DeviceOnly` are refused.
+  with its pages (`ReservationBook`). Lower tiers must carry window tails as checkpoints
+  (`carries_window`: HiCache's, on a unified or prefill node); others are refused.
 Any role may have any tiers. The node's controller (`pdcache.prefill_node.controller`,
 `pdcache.decode_node.controller`) makes the PD decisions those policies relay.
 """
@@ -77,7 +78,9 @@ from pdcache.engine.window_pages import WindowPages
 NO_STATE_TRANSFER = "a hybrid model's prefilled request needs its recurrent state from prefill"
 NO_STATE_TIERS = "these host/storage tiers do not carry recurrent state"
 # window pages (a sliding-window model's sliding layers in their own page space)
-NO_WINDOW_TIERS = "host/storage tiers do not carry sliding-window pages yet"
+NO_WINDOW_TIERS = "these host/storage tiers do not carry sliding-window pages"
+# ... and on a node taking reservations (decode) with tiers: its tiers are device-only
+NO_WINDOW_ROLE = "window pages with host/storage tiers run on unified and prefill nodes only"
 
 logger = logging.getLogger(__name__)
 
@@ -145,11 +148,13 @@ class Scheduler:
         # where states are checkpointed: [cache] state_checkpoints (docs/design.md §4.14)
         self.checkpoint_policy = cache.state_checkpoints
         if window is not None and not isinstance(self.tiers, DeviceOnly):
-            raise ValueError(f"{NO_WINDOW_TIERS}: a model whose sliding layers keep only "
-                             f"their window runs with device-only caching")
+            self._check_window_tiers()
         # window pages (pdcache.engine.window_pages): each request also holds the sliding
         # layers' pages, freeing those out of its windows after every forward
         self.window = window
+        # window tails are checkpoints of the lower tiers: taken at node ends (`commit`)
+        self._tiers_carry_window = (window is not None and tree is not None
+                                    and not isinstance(self.tiers, DeviceOnly))
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.counters = SchedulerCounters()
@@ -159,6 +164,16 @@ class Scheduler:
         self.held: dict[str, Req] = {}  # finished requests whose pages are kept
         self._admit_seq = 0
         self._last_mode: ForwardMode | None = None
+
+    def _check_window_tiers(self) -> None:
+        """Window pages over lower tiers: they must carry window tails (`carries_window`)
+        and the node be unified or prefill; the tiers then take the sliding-page allocator."""
+        if not getattr(self.tiers, "carries_window", False):
+            raise ValueError(f"{NO_WINDOW_TIERS}: a model whose sliding layers keep only "
+                             f"their window runs with device-only caching")
+        if self.role.takes_reservations and type(self.role) is not Unified:  # decode
+            raise ValueError(f"{NO_WINDOW_ROLE} (not {type(self.role).__name__})")
+        self.tiers.use_window_pages(self.alloc_window_pages)  # type: ignore[attr-defined]
 
     # ---- queue -------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -322,10 +337,18 @@ class Scheduler:
                 req.computed_tokens += length
                 self.counters.computed_tokens += length
             if row in sampled:
+                prefilled_now = not req.prefill_done
                 req.prefill_done = True
                 req.append_token(sampled[row], sampled_logprobs.get(row))
+                if prefilled_now and self._tiers_carry_window:
+                    # the prompt's last full page ends a node: its window tail is backed up
+                    # there (a repeated prompt's, another sample's, the next turn's hit)
+                    self.cache_prompt(req)
             if self.states is not None:  # after the token (caching pages checks `req`)
                 self._after_forward(req, batch.mode)
+            elif req.checkpoint_at and req.kv_len == req.checkpoint_at[0]:  # window tails
+                req.checkpoint_at.pop(0)
+                self._cache_pages(req, req.kv_len // self.page_size)
             if row in sampled:
                 self._maybe_finish(req, sampled[row])
                 touched.append(req)
@@ -440,11 +463,16 @@ class Scheduler:
         num_tree_pages = len(match.page_ids) + reuse.tree_pages
         reused_len = (num_tree_pages + reuse.own_pages) * self.page_size
         cached = reuse.cached or CachedTokens(device=match.cached_len)
-        window_ids = None if self.window is None else match.window_page_ids
+        window_ids = None
+        if self.window is not None:  # a lower tier's hit brings its window tail's pages
+            window_ids = (match.window_page_ids if reuse.window_page_ids is None
+                          else reuse.window_page_ids)
         req.admit(match.page_ids + own, num_tree_pages, node, reused_len, self._admit_seq,
                   cached, reuse.kv_load, window_ids)
         if self.states is not None:  # a lower tier's hit went past some checkpoint points
             req.checkpoint_at = [n for n in req.checkpoint_at if n > req.kv_len]
+        elif self._tiers_carry_window:
+            req.checkpoint_at = self._window_branch_point(req, match)
         self._admit_seq += 1
         self.counters.admitted += 1
         if self.tree is not None:
@@ -818,6 +846,15 @@ class Scheduler:
             points = sorted({match.matched_len, prompt_end})
         return [n for n in points if match.cached_len < n <= req.fill_len
                 and not self._has_checkpoint(req, n)]
+
+    def _window_branch_point(self, req: Req, match: MatchResult) -> list[int]:
+        """Window tails on lower tiers: where the admission's page match went deeper than
+        its hit (the window cut it, or a lower tier's tail ends short of it), `req`'s
+        prefill stops and caches its pages, so that point ends a node whose tail is on
+        device (backed up with it): the next request with that prefix hits all of it, from
+        any tier. The prompt's last full page is cached at its prefill's end (`commit`)."""
+        prompt_end = len(req.prompt_ids) // self.page_size * self.page_size
+        return [n for n in (match.matched_len,) if req.kv_len < n < prompt_end]
 
     def _has_checkpoint(self, req: Req, num_tokens: int) -> bool:
         assert self.tree is not None

@@ -37,11 +37,27 @@ exactly there. When no checkpoint slot is free the least recently used checkpoin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from pdcache.engine.state_geometry import RecurrentStateGeometry
-from pdcache.engine.state_pool import RecurrentStatePool
+from pdcache.engine.state_pool import RecurrentStatePool, StateSnapshot
+
+if TYPE_CHECKING:
+    from pdcache.engine.radix import RadixNode
+
+
+class DeviceCheckpoints(Protocol):
+    """The device tier's checkpoints at radix node ends, as HiCache's backup sees them: a
+    hybrid model's state slots (`StateSlots`) or a sliding-window model's window tails
+    (`pdcache.engine.window_pages.WindowTails`). Engine thread."""
+
+    def has_checkpoint(self, node: RadixNode) -> bool:
+        """A checkpoint of the point at `node`'s end is on device now."""
+
+    def snapshot_checkpoint(self, node: RadixNode) -> StateSnapshot:
+        """That checkpoint copied to the host (`has_checkpoint(node)` must hold)."""
 
 
 @dataclass
@@ -73,6 +89,14 @@ class StateSlots:
     @property
     def state_bytes(self) -> int:
         return self.pool.state_bytes()
+
+    # ---- DeviceCheckpoints: a node's checkpoint is its state slot ------------------------
+    def has_checkpoint(self, node: RadixNode) -> bool:
+        return node.state_slot is not None
+
+    def snapshot_checkpoint(self, node: RadixNode) -> StateSnapshot:
+        assert node.state_slot is not None, "no device checkpoint at this node"
+        return self.pool.snapshot(node.state_slot)
 
     @property
     def num_request_slots(self) -> int:

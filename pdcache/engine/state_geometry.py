@@ -13,13 +13,20 @@ request carries, per such layer, a fixed-size state that summarises all its toke
 
 A state is "the state at token n": restoring it and running token n on gives the logits of a
 cold run. Torch-free on purpose, as `kv_geometry` is.
+
+`CheckpointGeometry` is what the tiers need of any such fixed-size checkpoint blob (a host
+state slot, a stored state object): its bytes, the key that keeps other shapes apart and the
+storage key of the one after a page. A recurrent state is one; a sliding-window model's
+*window tail* (`pdcache.engine.window_pages.WindowTailGeometry`) is the other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from pdcache.engine.kv_geometry import ELEMENT_BYTES
+from pdcache.engine.page_keys import state_key
 
 SSM_DTYPE = "float32"
 
@@ -59,6 +66,24 @@ class LinearAttentionConfig:
     def conv_dim(self) -> int:
         """Channels of the conv: q, k and v concatenated."""
         return 2 * self.key_dim + self.value_dim
+
+
+class CheckpointGeometry(Protocol):
+    """A fixed-size checkpoint taken after a page-aligned token count: what host state slots
+    hold (`HostStatePool`), storage stores as state objects and the tiers restore. Frozen
+    and comparable: two checkpoints are interchangeable only when their geometries are equal."""
+
+    def state_bytes(self) -> int:
+        """Bytes of one checkpoint."""
+
+    def key(self) -> str:
+        """The string storage binds (`StorageConfig.state_geometry`)."""
+
+    def describe(self) -> str:
+        """One line for logs and errors."""
+
+    def object_key(self, page_key: bytes) -> bytes:
+        """The storage key of the checkpoint after the page whose key is `page_key`."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +152,10 @@ class RecurrentStateGeometry:
         layers = ",".join(map(str, self.layer_ids))
         return (f"state=gdn;layers={layers};conv={rows}x{width}:{self.conv_dtype};"
                 f"ssm={heads}x{k}x{v}:{self.ssm_dtype};key_heads={self.linear.num_key_heads}")
+
+    def object_key(self, page_key: bytes) -> bytes:
+        """`state_key` of the state after the page keyed `page_key`."""
+        return state_key(page_key, self.key())
 
     def describe(self) -> str:
         """One line for logs and errors."""

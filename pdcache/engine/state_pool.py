@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdcache.engine.state_geometry import RecurrentStateGeometry
+from pdcache.engine.state_geometry import CheckpointGeometry, RecurrentStateGeometry
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -44,7 +44,7 @@ class StateSnapshot:
     """One request's state at one point, on the host: `data` is the flat byte layout of the
     module docstring, `geometry` what it fits."""
 
-    geometry: RecurrentStateGeometry
+    geometry: CheckpointGeometry  # a recurrent state's, or a window tail's
     data: torch.Tensor  # uint8 [geometry.state_bytes()], CPU
 
     @property

@@ -14,7 +14,10 @@ calls thread-safe storage).
 Hybrid models (recurrent state, docs/design.md §4.14): tiers other than `DeviceOnly` must say
 `carries_state = True` (a class attribute: they back state checkpoints up with their pages and
 restore the state of their hits into `req.state_slot` in `reuse_lower_tiers`); the scheduler
-refuses any others with a model's state slots.
+refuses any others with a model's state slots. With window pages (a sliding-window model's
+sliding layers in their own space) they must say `carries_window = True` (window tails backed
+up and restored as checkpoints, `TierReuse.window_page_ids`) and take the scheduler's sliding
+page allocator (`use_window_pages`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class TierReuse:
     own_pages: int = 0
     kv_load: KVLoad | None = None
     cached: CachedTokens | None = None
+    # window pages: the request's sliding pages of all `tree_pages + own_pages` reused pages
+    # (the device match's included; None: a tombstone); None: the device match's stand
+    window_page_ids: list[int | None] | None = None
 
 
 class CacheTiers(Protocol):

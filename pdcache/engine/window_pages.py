@@ -28,19 +28,29 @@ pages up to the last one scheduled, fewer than `Req.page_ids` while a prompt is 
 
 Ownership: a used sliding page has exactly one owner, as a full page does: a running request
 (its own pages, after `num_tree_pages`) or the radix tree. Engine thread only; nothing locks.
+
+Below the device tier (host, storage) a window tail is the sliding layers' *checkpoint* at a
+radix node end, as a recurrent state is one (`WindowTails`, `WindowTailGeometry`): host and
+stored pages carry the full layers only, and a node end whose tail is on device when its pages
+are backed up gets a host state slot (then a stored object under `window_page_key`) holding
+the sliding layers of the `ceil((W - 1) / S)` pages a hit there reads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from pdcache.engine.kv_geometry import KVGeometry
 from pdcache.engine.kv_pool import DeviceKVPool, PageAllocator
+from pdcache.engine.page_keys import window_page_key
+from pdcache.engine.state_pool import StateSnapshot
 
 if TYPE_CHECKING:
-    from pdcache.engine.radix import RadixTree
+    from pdcache.engine.radix import RadixNode, RadixTree
 
 # A page-table entry for a sliding page that is gone: the kernels mask every position out of
 # the window before its value counts, and any page of the pool holds finite numbers.
@@ -169,3 +179,141 @@ class WindowPages:
             "tokens_limited_by_window_total":
                 tree.limited_tokens.get("window", 0) if tree else 0,
         }
+
+
+# ------------------------------------------------------------------------- window tails
+@dataclass(frozen=True)
+class WindowTailGeometry:
+    """A window tail as a checkpoint blob (`CheckpointGeometry`): the sliding layers of the
+    `num_pages = ceil((window - 1) / page_size)` pages before a page-aligned point (all a hit
+    there reads), page-first, each `[L_sliding, K, S, H, D]` in the pool's dtype; pages before
+    token 0 (a point closer to the start than the window) are zeros."""
+
+    layers_key: str  # the sliding geometry's layout key: other layer mixes never match
+    window: int
+    page_size: int
+    page_bytes: int  # one page of the sliding layers
+
+    @classmethod
+    def of(cls, geometry: KVGeometry, page_size: int) -> WindowTailGeometry:
+        """The window tail of a model mixing full and sliding layers (`can_split`)."""
+        return cls.of_sliding(split_geometry(geometry, "sliding"), geometry.sliding_window,
+                              page_size)
+
+    @classmethod
+    def of_sliding(cls, sliding: KVGeometry, window: int, page_size: int
+                   ) -> WindowTailGeometry:
+        """The tail of `sliding` (a sliding-only geometry, `split_geometry`) for `window`."""
+        return cls(sliding.layout_key(page_size), window, page_size,
+                   sliding.page_bytes(page_size))
+
+    @property
+    def num_pages(self) -> int:
+        return -(-(self.window - 1) // self.page_size)
+
+    def tail_range(self, end_pages: int) -> range:
+        """Page indices a hit after `end_pages` pages reads on the sliding layers."""
+        return range(max(0, end_pages - self.num_pages), end_pages)
+
+    def state_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def key(self) -> str:
+        return f"window_tail;pages={self.num_pages}x{self.page_size};{self.layers_key}"
+
+    def describe(self) -> str:
+        return (f"window tail of {self.num_pages} sliding pages (window {self.window}) = "
+                f"{self.state_bytes():,} B")
+
+    def object_key(self, page_key: bytes) -> bytes:
+        """`window_page_key` of the tail ending with the page keyed `page_key`."""
+        return window_page_key(page_key, self.key())
+
+
+class WindowTails:
+    """The window tails at radix node ends on device (`DeviceCheckpoints`, for HiCache's
+    backup) and their restore from a host blob into sliding pages. Owns nothing: it reads
+    the tree's sliding pages and writes the pages a restore is given. Engine thread."""
+
+    def __init__(self, window: WindowPages) -> None:
+        self.window = window
+        self.geometry = WindowTailGeometry.of_sliding(window.sliding_geometry, window.window,
+                                                      window.page_size)
+
+    def has_checkpoint(self, node: RadixNode) -> bool:
+        return None not in self._tail_of(node)
+
+    def snapshot_checkpoint(self, node: RadixNode) -> StateSnapshot:
+        return self._snapshot(self._tail_of(node))
+
+    def snapshot_pages(self, window_page_ids: list[int | None], end_pages: int
+                       ) -> StateSnapshot | None:
+        """The tail after the first `end_pages` of a request's sliding pages (decode
+        offload's answer end), None when one of them was freed."""
+        pages = [window_page_ids[i] for i in self.geometry.tail_range(end_pages)]
+        return None if None in pages else self._snapshot(pages)
+
+    def _snapshot(self, pages: list[int | None]) -> StateSnapshot:
+        assert None not in pages, "no window tail on device at this point"
+        pad = self.geometry.num_pages - len(pages)
+        kv = self.window.pool.device_kv
+        blob = torch.zeros((self.geometry.num_pages, *self._page_shape), dtype=kv.dtype)
+        for slot, page in enumerate(pages, start=pad):
+            blob[slot].copy_(kv[:, :, page])
+        return StateSnapshot(self.geometry, blob.reshape(-1).view(torch.uint8))
+
+    def restore(self, blob: torch.Tensor, end_pages: int,
+                targets: list[tuple[int, int]]) -> None:
+        """Write the tail `blob` (a snapshot's bytes) of the point after `end_pages` pages
+        into sliding pages: `targets` are `(page index, sliding page id)` within its range."""
+        kv = self.window.pool.device_kv
+        pages = blob.view(kv.dtype).view(self.geometry.num_pages, *self._page_shape)
+        pad = self.geometry.num_pages - len(self.geometry.tail_range(end_pages))
+        first = self.geometry.tail_range(end_pages).start
+        for index, page in targets:
+            kv[:, :, page].copy_(pages[pad + index - first])
+
+    def fill(self, blob: torch.Tensor, tree: RadixTree, path: list[RadixNode],
+             num_tree_pages: int, end_pages: int, alloc: Callable[[int], list[int] | None]
+             ) -> list[int | None] | None:
+        """The sliding pages of a lower-tier hit after `end_pages` pages whose first
+        `num_tree_pages` are the tree's (`path`, root to its deepest node): its tail pages
+        the tree lacks are allocated (`alloc`), filled from `blob` and given to the tree
+        nodes (tree pages) or returned as the request's own (the rest). Returns the
+        request's sliding page ids of all `end_pages` pages (None: a tombstone), or None,
+        nothing changed, when `alloc` has no pages."""
+        # a device hit may end inside its last node: only its first pages are the hit's
+        slots = [(node, index) for node in path for index in range(node.num_pages)]
+        assert len(slots) >= num_tree_pages, (len(slots), num_tree_pages)
+        slots = slots[:num_tree_pages]
+        tail = self.geometry.tail_range(end_pages)
+        missing = [i for i in tail if i >= num_tree_pages or _window_at(*slots[i]) is None]
+        pages = alloc(len(missing)) if missing else []
+        if pages is None:
+            return None
+        targets = list(zip(missing, pages))
+        self.restore(blob, end_pages, targets)
+        own: dict[int, int] = {}
+        for index, page in targets:
+            if index < num_tree_pages:
+                tree.adopt_window_page(*slots[index], page)
+            else:
+                own[index] = page
+        ids: list[int | None] = [_window_at(*slot) for slot in slots]
+        return ids + [own.get(i) for i in range(num_tree_pages, end_pages)]
+
+    @property
+    def _page_shape(self) -> tuple[int, ...]:
+        return self.window.sliding_geometry.page_shape(self.window.page_size)
+
+    def _tail_of(self, node: RadixNode) -> list[int | None]:
+        """The sliding page ids of the tail at `node`'s end (None: freed)."""
+        path = node.path_from_root()
+        slots = [(item, index) for item in path for index in range(item.num_pages)]
+        return [_window_at(*slots[i]) for i in self.geometry.tail_range(len(slots))]
+
+
+def _window_at(node: RadixNode, index: int) -> int | None:
+    pages = node.window_page_ids
+    return None if pages is None else pages[index]
+

@@ -31,9 +31,8 @@ from typing import Protocol
 
 import torch
 
-from pdcache.engine.page_keys import state_key
 from pdcache.engine.radix import RadixNode
-from pdcache.engine.state_cache import StateSlots
+from pdcache.engine.state_cache import DeviceCheckpoints
 from pdcache.kernels import KernelSet
 from pdcache.offload_manager.hiradix import HiRadixTree
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
@@ -64,12 +63,14 @@ class Backup:
     def __init__(self, tree: HiRadixTree, device_kv: torch.Tensor, kernels: KernelSet,
                  storage: StorageBackend | None, write_policy: str, write_through_threshold: int,
                  host_mode: str, max_queued_io: int, page_keys: PageKeys, alloc_host: AllocHost,
-                 count: Count, states: StateSlots | None = None,
+                 count: Count, states: DeviceCheckpoints | None = None,
                  alloc_host_state: AllocHostState | None = None,
                  storage_writer: StorageWriter | None = None) -> None:
         self.tree = tree
         self.storage_writer = storage_writer  # replaces the IoWorker for page writes
-        self.states = states  # hybrid models: the device's state slots (checkpoints)
+        # the device's checkpoints at node ends: a hybrid model's state slots, or a
+        # sliding-window model's window tails (docs/design.md §4.14)
+        self.states = states
         self._alloc_host_state = alloc_host_state
         self._writes_states = bool(storage is not None and states is not None
                                    and storage.supports_states)
@@ -125,7 +126,8 @@ class Backup:
         A node whose host state has no device checkpoint beside it keeps its host copy."""
         ids = [page for node in last_node.path_from_root()
                if node.on_device and not node.suspect and node.host_page_ids is not None
-               and (node.host_state_slot is None or node.state_slot is not None)
+               and (node.host_state_slot is None
+                    or (self.states is not None and self.states.has_checkpoint(node)))
                for page in node.host_page_ids]
         if ids:
             self._count(host_released_pages=self.tree.drop_host_copies(last_node, ids))
@@ -226,8 +228,8 @@ class Backup:
     # ---- state checkpoints (hybrid models) -----------------------------------------------
     def _state_pending(self, node: RadixNode) -> bool:
         """`node` has a device checkpoint and host pages but no host checkpoint yet."""
-        return (self.states is not None and node.state_slot is not None
-                and node.host_page_ids is not None and node.host_state_slot is None)
+        return (self.states is not None and node.host_page_ids is not None
+                and node.host_state_slot is None and self.states.has_checkpoint(node))
 
     def _backup_state_of(self, node: RadixNode) -> None:
         path = node.path_from_root()
@@ -240,18 +242,17 @@ class Backup:
         """Device checkpoint → a host state slot (the node's host checkpoint) → storage, as
         the state object of the node's last page."""
         assert self.states is not None and self._alloc_host_state is not None
-        assert node.state_slot is not None
         host_states = self.tree.host_states
         assert host_states is not None, "a hybrid model's tiers need a host state pool"
         slot = self._alloc_host_state(keep)
         if slot is None:
             self._count(backup_skipped_states=1)
             return
-        host_states.store(slot, self.states.pool.snapshot(node.state_slot))
+        host_states.store(slot, self.states.snapshot_checkpoint(node))
         self.tree.set_host_checkpoint(node, slot)
         self._count(backup_host_states=1, backup_host_state_bytes=host_states.slot_nbytes)
         if self._writes_states and self.worker is not None:
-            key = state_key(last_page_key, host_states.geometry.key())
+            key = host_states.geometry.object_key(last_page_key)
             self._write_state(key, slot, num_tokens, tenant_namespace(node.salt),
                               node.session_id)
 

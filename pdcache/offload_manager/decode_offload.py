@@ -33,6 +33,10 @@ answer's end state — the recurrent state after the request's last full page, w
 scheduler's `DecodeRole` hands over — as a stored state object under
 `state_key(key of that page, geometry key)`, origin "decode", after the request's last pages
 (same writer, same order), so turn t+1 on a prefill node restores the state decode produced.
+A sliding-window model whose tiers store window tails (docs/design.md §4.14) writes its
+answer's window tail the same way (`AnswerState` of a `WindowTailGeometry` snapshot, under
+`window_page_key`), its pages staged from the full layers' pool only (`geometry`: the full
+layers, `window` None).
 Only that one checkpoint: it is the point the next turn's prompt reaches. Its key is announced
 with the last batch's page keys (the next turn's prefill waits for it as for pending pages)
 and settled when its write ends; it is never staged, so a pull never serves it.
@@ -58,7 +62,7 @@ import torch
 
 from pdcache.engine.config import dtype_name
 from pdcache.engine.kv_geometry import KVGeometry
-from pdcache.engine.page_keys import PageKeyScheme, state_key
+from pdcache.engine.page_keys import PageKeyScheme
 from pdcache.engine.state_pool import StateSnapshot
 from pdcache.engine.window_pages import WindowPages
 from pdcache.kernels import KernelSet
@@ -365,7 +369,7 @@ class DecodeOffloadManager:
         tracked.last_key = keys[-1] if keys else tracked.last_key
         state_entry = None
         if state is not None and tracked.last_key is not None:
-            state_entry = (state_key(tracked.last_key, state.snapshot.geometry.key()), state)
+            state_entry = (state.snapshot.geometry.object_key(tracked.last_key), state)
         window = None
         if self.window is not None:
             assert window_page_ids is not None, "window pages: the sliding pages are needed"

@@ -35,6 +35,7 @@ from pdcache.engine.eviction import EVICTION_POLICIES
 from pdcache.engine.page_keys import PageKeyScheme, check_key_scheme
 from pdcache.engine.radix import MatchResult, RadixNode
 from pdcache.engine.state_cache import StateSlots
+from pdcache.engine.window_pages import WindowTails
 from pdcache.kernels import KernelSet
 from pdcache.offload_manager.backup import Backup
 from pdcache.offload_manager.hiradix import HiRadixTree, HostMatch
@@ -160,12 +161,17 @@ class HiCache:
 
     def __init__(self, tree: HiRadixTree, device_kv: torch.Tensor, storage: StorageBackend | None,
                  config: HiCacheConfig, fingerprint: str, kernels: KernelSet | None = None,
-                 pending: PendingPages | None = None, states: StateSlots | None = None) -> None:
-        if states is not None and tree.host_states is None:
-            raise ValueError("a hybrid model's HiCache needs a host state pool in its tree")
+                 pending: PendingPages | None = None, states: StateSlots | None = None,
+                 window_tails: WindowTails | None = None) -> None:
+        checkpoints = states if states is not None else window_tails
+        if checkpoints is not None and tree.host_states is None:
+            raise ValueError("a hybrid or window-pages model's HiCache needs a host state pool "
+                             "in its tree")
         self.tree = tree
         self.states = states
-        self.host_states = tree.host_states if states is not None else None
+        # window pages (docs/design.md §4.14): window tails are the checkpoints
+        self.window_tails = window_tails
+        self.host_states = tree.host_states if checkpoints is not None else None
         self.kernels = kernels or KernelSet()
         self.host_pool = tree.host_pool
         self.device_kv = device_kv
@@ -184,7 +190,7 @@ class HiCache:
         self.backups = Backup(tree, device_kv, self.kernels, storage, config.write_policy,
                               config.write_through_threshold, config.host_mode,
                               config.max_queued_io, self.page_keys, self._alloc_host, self._count,
-                              states, self._alloc_host_state)
+                              checkpoints, self._alloc_host_state)
         self.prefetches = Prefetcher(self.host_pool, storage, config, self.page_size,
                                      self.num_layers, pending, self.page_keys, self._alloc_host,
                                      self._count, self.host_states, self._alloc_host_state)
@@ -278,6 +284,45 @@ class HiCache:
             self.prefetches.release_state(prefetched.state_slot)
             prefetched.state_slot = None
 
+    def restore_window_tail(self, match: MatchResult, host: HostMatch, node: RadixNode | None,
+                            prefetched: PrefetchResult | None, pages: list[int]
+                            ) -> tuple[list[int | None], list[int]]:
+        """Window pages, at admission after `load`: the sliding pages of a lower-tier hit.
+        Its window tail (the prefetch's object, else the deepest host node's host tail) is
+        written into the tombstones of the restored tree nodes and into request-owned pages
+        after them, taken from `pages` (`WindowTails.geometry.num_pages` free sliding pages).
+        Returns the request's sliding page ids of every reused page and the pages unused.
+        Frees the prefetch's host state slot."""
+        tails, host_states = self.window_tails, self.host_states
+        assert tails is not None and host_states is not None
+        if prefetched is not None and prefetched.host_page_ids:
+            assert prefetched.state_slot is not None, "a storage hit without its window tail"
+            slot = prefetched.state_slot
+            self._count(load_storage_states=1, load_state_bytes=host_states.slot_nbytes)
+        else:
+            assert node is not None and node.host_state_slot is not None, "host hit, no tail"
+            slot = node.host_state_slot
+            self._count(load_host_states=1, load_state_bytes=host_states.slot_nbytes)
+        num_tree = len(match.page_ids) + host.num_pages
+        own = len(prefetched.host_page_ids) if prefetched is not None else 0
+        deepest = node if node is not None else match.last_node
+        path = deepest.path_from_root() if deepest is not None else []
+        spare = list(pages)
+
+        def take(count: int) -> list[int] | None:
+            if count > len(spare):
+                return None
+            taken, spare[:] = spare[:count], spare[count:]
+            return taken
+
+        ids = tails.fill(host_states.slot_bytes(slot), self.tree, path, num_tree,
+                         num_tree + own, take)
+        assert ids is not None  # `pages` covers a whole tail
+        if prefetched is not None:
+            self.prefetches.release_state(prefetched.state_slot)
+            prefetched.state_slot = None
+        return ids, spare
+
     def _checkpoint_restored(self, node: RadixNode, request_slot: int) -> None:
         """A node restored from host gets its state back on device too, so the next request
         hits it there: with the checkpoint share used up, the least recently used checkpoint
@@ -324,6 +369,10 @@ class HiCache:
         """The ready hits of `rid`'s prefetch (host pages, now the caller's until `load`
         frees them); unfinished or failed pages are released once their reads end."""
         return self.prefetches.take(rid)
+
+    def has_prefetch(self, rid: str) -> bool:
+        """Whether `rid` has a prefetch not taken yet."""
+        return self.prefetches.has(rid)
 
     def prefetch_first_page(self, rid: str) -> int:
         """First prompt page of `rid`'s prefetch (0 when there is none)."""

@@ -13,12 +13,18 @@ role composes it into its `Scheduler` (`Scheduler(tiers=HiCacheTiers(...))`; bui
 - `drop` (an idle engine's `/flush_cache`): device and host tiers, storage untouched.
 Hybrid models (`carries_state`): the host and prefetch hits end where a state checkpoint is
 (`HiRadixTree.match_host`, `Prefetcher`), a prefetch is used only whole up to its state, and
-admission restores that state into the request's slot (`HiCache.restore_state`).
+admission restores that state into the request's slot (`HiCache.restore_state`). Window pages
+(`carries_window`, a sliding-window model's sliding layers in their own device space): the same
+with window tails as the checkpoints, restored into sliding pages at admission
+(`HiCache.restore_window_tail`, from pages the scheduler's `alloc_window_pages` gives:
+`use_window_pages`).
 Engine thread only, like the scheduler itself, except `start()` (the thread calling
 `Engine.start()`), `end_session()` and `stats()` (any thread).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from pdcache.engine.radix import InsertResult, MatchResult
 from pdcache.engine.request import Req
@@ -33,6 +39,8 @@ class HiCacheTiers:
 
     # the scheduler refuses a hybrid model's state slots with tiers that cannot restore them
     carries_state = True
+    # ... and window pages: window tails are backed up and restored as checkpoints
+    carries_window = True
 
     def __init__(self, hicache: HiCache, page_size: int) -> None:
         self.hicache = hicache
@@ -40,6 +48,15 @@ class HiCacheTiers:
         # queued rid -> (pages its device + host match held when its prefetch started,
         # prefetch restarts left); entries leave at admission or abort
         self._queued_match: dict[str, tuple[int, int]] = {}
+        # window pages: the scheduler's sliding-page allocator (evicts cache when short)
+        self._alloc_window: Callable[[int], list[int] | None] | None = None
+
+    def use_window_pages(self, alloc: Callable[[int], list[int] | None]) -> None:
+        """Window pages: lower-tier hits restore their window tail into sliding pages from
+        `alloc` (`Scheduler.alloc_window_pages`); called once when the scheduler is built."""
+        if self.hicache.window_tails is None:
+            raise ValueError("window pages need a HiCache built with window_tails")
+        self._alloc_window = alloc
 
     def start(self) -> None:
         self.hicache.start()
@@ -78,16 +95,37 @@ class HiCacheTiers:
     def reuse_lower_tiers(self, req: Req, match: MatchResult, own_page_ids: list[int],
                           max_pages: int) -> TierReuse:
         self._queued_match.pop(req.rid, None)
+        tail_pages: list[int] = []
+        if self.hicache.window_tails is not None and self._may_reuse(req, match, max_pages):
+            # a whole tail's sliding pages before the host match is taken for good (making
+            # room may evict); without them no lower-tier hit can be restored
+            assert self._alloc_window is not None, "window pages: use_window_pages not called"
+            got = self._alloc_window(self.hicache.window_tails.geometry.num_pages)
+            if got is None:
+                self.hicache.cancel_prefetch(req.rid)
+                return TierReuse(cached=self.hicache.cached_tokens(len(match.page_ids), 0, None))
+            tail_pages = got
+        return self._reuse(req, match, own_page_ids, max_pages, tail_pages)
+
+    def _reuse(self, req: Req, match: MatchResult, own_page_ids: list[int], max_pages: int,
+               tail_pages: list[int]) -> TierReuse:
         host = self.hicache.tree.match_host(match, req.fill_ids, max_pages)
         first = len(match.page_ids) + host.num_pages
         prefetched = self._usable_prefetch(req.rid, first, max_pages)
         if not host.nodes and prefetched is None:
+            self._free_window(tail_pages)
             return TierReuse(cached=self.hicache.cached_tokens(len(match.page_ids), 0, None))
         node, load = self.hicache.load(host, prefetched, own_page_ids)
         if self.hicache.states is not None:
             assert req.state_slot is not None, "a hybrid request admitted without a state slot"
             self.hicache.restore_state(req.state_slot, host, node, prefetched)
+        window_ids = None
+        if self.hicache.window_tails is not None:
+            window_ids, unused = self.hicache.restore_window_tail(match, host, node, prefetched,
+                                                                  tail_pages)
+            self._free_window(unused)
         return TierReuse(
+            window_page_ids=window_ids,
             tree_pages=host.num_pages,
             node=node,
             own_pages=len(prefetched.host_page_ids) if prefetched else 0,
@@ -99,6 +137,17 @@ class HiCacheTiers:
         num_pages = sum(n.num_pages for n in result.last_node.path_from_root())
         tokens = req.fill_ids[: num_pages * self.page_size]
         self.hicache.backup(tokens, req.salt, result.last_node)
+
+    def _may_reuse(self, req: Req, match: MatchResult, max_pages: int) -> bool:
+        """A lower tier may serve `req` past `match` (a host continuation or a prefetch):
+        only then are a tail's sliding pages taken (never a cache eviction for nothing)."""
+        return (self.hicache.has_prefetch(req.rid)
+                or bool(self.hicache.tree.match_host(match, req.fill_ids, max_pages).nodes))
+
+    def _free_window(self, pages: list[int]) -> None:
+        if pages:
+            assert self.hicache.window_tails is not None
+            self.hicache.window_tails.window.allocator.free(pages)
 
     @property
     def _restarts_apply(self) -> bool:

@@ -8,7 +8,7 @@ and never touches a node whose host pages are pinned
 (being loaded to device or written to storage).
 
 Hybrid models (docs/design.md §4.14): with `host_states` a node's host copy may carry the
-state checkpoint after its last token (`RadixNode.host_state_slot`, a `HostStatePool` slot the
+state checkpoint (window pages: the window tail, `WindowTails`) after its last token (`RadixNode.host_state_slot`, a `HostStatePool` slot the
 tree owns; only on a node with host pages, so it leaves exactly when they do: host eviction,
 an exclusive tier's release after a load, a dropped sub-tree; a slot a storage write still
 pins is orphaned and freed once unpinned, like host pages). The host continuation of a match
@@ -63,9 +63,11 @@ class HiRadixTree(RadixTree):
                  sessions: SessionTracker | None = None, *,
                  restore_rules: Sequence[RestoreRule] = (),
                  checkpoints: CheckpointSlots | None = None,
-                 host_states: HostStatePool | None = None) -> None:
+                 host_states: HostStatePool | None = None,
+                 window_allocator: PageAllocator | None = None) -> None:
         super().__init__(page_size, allocator, on_evict, policy, sessions,
-                         restore_rules=restore_rules, checkpoints=checkpoints)
+                         restore_rules=restore_rules, checkpoints=checkpoints,
+                         window_allocator=window_allocator)
         self.host_pool = host_pool
         self.host_states = host_states  # hybrid models: host copies of state checkpoints
         self._state_orphans: list[int] = []  # host state slots a storage write still pins

@@ -1,5 +1,7 @@
 """The host tier of recurrent states: fixed slots of one request state each, beside the host
-KV pool (`host_pool.HostKVPool`), for HiCache's host tier of a hybrid model (Qwen3-Next).
+KV pool (`host_pool.HostKVPool`), for HiCache's host tier of a hybrid model (Qwen3-Next), or of
+one window tail each for a sliding-window model with window pages (gpt-oss: any
+`CheckpointGeometry`, docs/design.md §4.14).
 
 A slot holds exactly one state snapshot in its flat byte layout
 (`pdcache.engine.state_pool`: conv states, then SSM states; `geometry.state_bytes()` bytes),
@@ -19,7 +21,7 @@ import threading
 
 import torch
 
-from pdcache.engine.state_geometry import RecurrentStateGeometry
+from pdcache.engine.state_geometry import CheckpointGeometry
 from pdcache.engine.state_pool import StateAllocationError, StateSnapshot
 
 
@@ -33,7 +35,7 @@ class HostStatePool:
     (uint8, pinned when `pin_memory`), their states and pin counts. Thread-safe: the scheduler
     allocates and frees, storage workers pin and unpin; every change takes `self._lock`."""
 
-    def __init__(self, geometry: RecurrentStateGeometry, num_slots: int,
+    def __init__(self, geometry: CheckpointGeometry, num_slots: int,
                  pin_memory: bool | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"a host state pool needs at least 1 slot, got {num_slots}")

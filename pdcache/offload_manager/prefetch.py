@@ -26,7 +26,7 @@ per layer (`layer_loads.LayerLoad`). A stream is cancelled when nobody will load
 
 Hybrid models (docs/design.md §4.14, `host_states` set): a storage hit must end where the
 linear layers' state can be restored too. The lookup probes, among the stored pages, the state
-objects of their ends (`exists_states` of `state_key(page key, geometry)`, one batched call, deepest first) and reads
+objects of their ends (`exists_states` of `geometry.object_key(page key)`, one batched call, deepest first) and reads
 the pages up to the deepest one plus, into one host state slot, the first candidate state that
 verifies (`get_state_into`; a missing or refused object is the backend's counted miss and the
 next shallower candidate is tried). `take` cuts the hit to the state read (`state_pages`): no
@@ -56,7 +56,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdcache.engine.page_keys import state_key
 from pdcache.offload_manager.host_pool import HostKVPool
 from pdcache.offload_manager.host_state_pool import HostStatePool
 from pdcache.offload_manager.io_worker import IoKind, IoResult, IoTask, IoWorker
@@ -68,6 +67,7 @@ from pdcache.offload_manager.storage.layer_reads import LayerStream
 
 if TYPE_CHECKING:
     from pdcache.engine.radix import RadixNode
+    from pdcache.engine.state_geometry import CheckpointGeometry
     from pdcache.offload_manager.backup import AllocHost, AllocHostState, Count, PageKeys
     from pdcache.offload_manager.hicache import HiCacheConfig
 
@@ -151,10 +151,10 @@ class Prefetcher:
         assert self.storage is not None and self.host_states is not None
         if not self.storage.supports_states:
             return 0
-        geometry = self.host_states.geometry.key()
+        geometry = self.host_states.geometry  # a recurrent state's or a window tail's
         # (pages of the op, state key), deepest first; one batched lookup (engine thread: a
         # call per page was one metadata round trip per stored page on a remote store)
-        probed = [(pages, state_key(keys[pages - 1], geometry)) for pages in range(hits, 0, -1)]
+        probed = [(pages, geometry.object_key(keys[pages - 1])) for pages in range(hits, 0, -1)]
         try:
             found = self.storage.exists_states([key for _, key in probed])
             candidates = [probe for probe, present in zip(probed, found) if present]
@@ -196,7 +196,8 @@ class Prefetcher:
         self._read_landed(op)  # landed already (a late lookup): read it now
         return total
 
-    def _pending_state(self, keys: list[bytes], hits: int, stored: int, geometry: str
+    def _pending_state(self, keys: list[bytes], hits: int, stored: int,
+                       geometry: CheckpointGeometry
                        ) -> tuple[int, bytes] | None:
         """(pages, state key) of the deepest state object a decode announced as being written
         (pending or landed) at the end of page `stored + 1 ..` of the committed `hits` pages
@@ -206,7 +207,7 @@ class Prefetcher:
             return None  # nothing announced: no key to hash
         found = self.pending.run(keys[hits:])
         for pages in range(hits + found, stored, -1):
-            key = state_key(keys[pages - 1], geometry)
+            key = geometry.object_key(keys[pages - 1])
             if self.pending.state(key) is PageState.GONE:
                 continue
             self._count(pending_found_pages=pages - hits if pages > hits else 0)
@@ -315,6 +316,10 @@ class Prefetcher:
         if slot is not None:
             assert self.host_states is not None
             self.host_states.free(slot)
+
+    def has(self, rid: str) -> bool:
+        """Whether `rid` has a prefetch (running or ended, not taken)."""
+        return rid in self._ops
 
     def first_page(self, rid: str) -> int:
         """First prompt page of `rid`'s prefetch (0 when there is none)."""

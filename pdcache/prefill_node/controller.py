@@ -58,7 +58,8 @@ class Sender(Protocol):
     """The transfer side (`pdcache.transfer.sender.KVSender`)."""
 
     def send(self, room: int, src_page_ids: Sequence[int], report: PrefillReport,
-             state: StateSnapshot | None = None) -> bool: ...
+             state: StateSnapshot | None = None,
+             window_page_ids: Sequence[int | None] | None = None) -> bool: ...
 
     def has_destination(self, room: int) -> bool: ...
 
@@ -209,9 +210,11 @@ class PrefillController:
 
     # ---- engine thread -----------------------------------------------------------------------
     def take_prefilled(self, rid: str, page_ids: Sequence[int], report: PrefillReport,
-                       state: StateSnapshot | None = None) -> bool:
+                       state: StateSnapshot | None = None,
+                       window_page_ids: Sequence[int | None] | None = None) -> bool:
         """The prompt K/V of `rid` is complete in `page_ids` (and a hybrid model's recurrent
-        `state` after the prompt, a host snapshot the sender reads until the room's release).
+        `state` after the prompt, a host snapshot the sender reads until the room's release;
+        with window pages, `window_page_ids`: the sliding page of each page, None: freed).
         True: the sender took them and the engine must hold the pages until
         `release_held(rid)`; False: not a PD request, or its room is over — the engine
         caches/frees the pages as usual."""
@@ -224,8 +227,12 @@ class PrefillController:
         report = dataclasses.replace(report, prefill_node=self.node_name)
         try:
             sender = self._require_sender()
-            accepted = (sender.send(room, page_ids, report) if state is None
-                        else sender.send(room, page_ids, report, state=state))
+            extra: dict[str, object] = {}
+            if state is not None:
+                extra["state"] = state
+            if window_page_ids is not None:
+                extra["window_page_ids"] = window_page_ids
+            accepted = sender.send(room, page_ids, report, **extra)  # type: ignore[arg-type]
         except Exception:  # a bad report or pages: fail the room, never the engine thread
             log.exception("prefill: send of room %d failed", room)
             # decode hears of it now (else its room waits for room_timeout_s: a late 504)

@@ -57,6 +57,9 @@ class PrefillRuntime:
                                           role=role, pending=self.pending)
         self.engine = self.tiered.engine
         role.use_states(self.engine.states)  # a hybrid model's state goes with its pages
+        # window pages (docs/design.md §4.14): the tails are read from the sliding pool
+        window = self.engine.window
+        role.use_window_pages(window is not None)
         self.sender = KVSender(setup.transfer, self.engine.pool.device_kv, setup.listen_host,
                                setup.bootstrap_port or 0, on_release=self.controller.on_release,
                                prefill_id=setup.name,
@@ -65,7 +68,8 @@ class PrefillRuntime:
                                on_pages=self.pending, kv_geometry=setup.engine.model.kv_geometry.layout_key(
                                    setup.engine.cache.page_size),
                                state_geometry=setup.engine.model.state_geometry,
-                               layer_kinds=_row_kinds(setup.engine.model.kv_geometry))
+                               layer_kinds=_row_kinds(setup.engine.model.kv_geometry),
+                               window_kv=window.pool.device_kv if window is not None else None)
         self.pulls.attach(self.sender)
         if self.pulls.mode != "never" and not self.sender.authenticated:
             log.info("pending_pull = %r pulls nothing without a cluster secret "

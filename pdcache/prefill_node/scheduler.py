@@ -27,7 +27,8 @@ class PrefilledSink(Protocol):
     """`PrefillController.take_prefilled`'s side of the scheduler."""
 
     def take_prefilled(self, rid: str, page_ids: list[int], report: PrefillReport,
-                       state: StateSnapshot | None = None) -> bool: ...
+                       state: StateSnapshot | None = None,
+                       window_page_ids: list[int | None] | None = None) -> bool: ...
 
     def decode_ready(self, rid: str) -> bool: ...
 
@@ -49,6 +50,12 @@ class PrefillRole:
     def __init__(self, pd: PrefilledSink) -> None:
         self.pd = pd
         self.states: StateSlots | None = None
+        self.window_pages = False  # `use_window_pages`
+
+    def use_window_pages(self, window_pages: bool) -> None:
+        """The engine keeps window pages (its sliding layers' windows only, docs/design.md
+        §4.14): a held request's sliding pages go to the sender with its pages."""
+        self.window_pages = window_pages
 
     def use_states(self, states: StateSlots | None) -> None:
         """The engine's recurrent-state slots (None: not a hybrid model)."""
@@ -72,6 +79,9 @@ class PrefillRole:
                                req.cached or CachedTokens(), first_logprob=first_logprob,
                                input_logprobs=pack_logprobs(req.input_logprobs))
         state = self._prompt_state(req)
+        if self.window_pages:  # the sender reads the window tail from the sliding pool
+            return self.pd.take_prefilled(req.rid, list(pages), report,
+                                          window_page_ids=req.window_page_ids[: len(pages)])
         if state is None:
             return self.pd.take_prefilled(req.rid, list(pages), report)
         return self.pd.take_prefilled(req.rid, list(pages), report, state=state)

@@ -43,7 +43,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -64,7 +64,13 @@ from pdcache.transfer.control import (
     seal,
 )
 from pdcache.transfer.engines.base import EngineError, EngineTimeout, create_engine
-from pdcache.transfer.layout import KVLayout, WriteBatch, page_copy_batch, window_tail_copy_batch
+from pdcache.transfer.layout import (
+    KVLayout,
+    WriteBatch,
+    layer_copy_batch,
+    page_copy_batch,
+    window_tail_copy_batch,
+)
 from pdcache.transfer.messages import (
     MAX_KEYS_PER_MESSAGE,
     MAX_ROOM_ID,
@@ -128,6 +134,8 @@ class _SendRoom:
     dst_state_geometry: str = ""
     dst_window_pages: np.ndarray | None = None  # decode's window pool: the tail's pages,
     window_first_page: int = 0  # holding the prompt's pages from this one on
+    # send()'s sliding page of each source page (-1: freed) when prefill keeps window pages
+    src_window_pages: np.ndarray | None = None
     accepted: bool = False  # send() took the pages: on_release owes the node a call
     cancel: threading.Event = field(default_factory=threading.Event)
     notify_peer: str = ""  # at release: "" | "abort" | "ack"
@@ -164,7 +172,8 @@ class KVSender:
                  control_key: bytes | None = None,
                  on_pages: PendingPagesSink | None = None, kv_geometry: str = "",
                  state_geometry: RecurrentStateGeometry | None = None,
-                 layer_kinds: tuple[str, ...] = ()) -> None:
+                 layer_kinds: tuple[str, ...] = (),
+                 window_kv: torch.Tensor | None = None) -> None:
         """`control_key`: derive_key(cluster secret, "zmq-control") authenticates every
         control message (docs/security.md); None: unauthenticated (no secret). `on_pages`
         gets registered decode peers' `pages_pending` / `pages_settled` (None: ignored).
@@ -175,7 +184,10 @@ class KVSender:
         `layer_kinds`: the kind of each row of the pool (`KVGeometry.layer_kinds` of a
         model without linear layers); with full and sliding ones, a decode with window pages
         (its own sliding pool, Register v9) gets the full layers of every page and the
-        sliding layers of each room's window tail only (docs/design.md §4.14)."""
+        sliding layers of each room's window tail only (docs/design.md §4.14). `window_kv`:
+        this prefill keeps window pages too (`device_kv` then holds the full layers only,
+        `window_kv` the sliding ones): each `send` names its pages' sliding pages
+        (`window_page_ids`) and only a decode with window pages is served."""
         self.config = config
         self.kv_geometry = kv_geometry
         self.layer_kinds = tuple(layer_kinds)
@@ -186,6 +198,9 @@ class KVSender:
         self._on_requested = on_requested
         self.layout = KVLayout.from_tensor(device_kv)
         self._kv = device_kv  # keeps the pool alive while the engine reads it
+        # window pages here too: the sliding layers' own pool (the tails are read from it)
+        self.window_layout = None if window_kv is None else KVLayout.from_tensor(window_kv)
+        self._window_kv = window_kv
         self._bind_host, self._port = bind_host, port
         self.prefill_id = prefill_id or f"prefill-{uuid.uuid4().hex[:8]}"
         # New per boot: decodes bind their frames to it (RegisterAck.boot_id, control.py), so
@@ -222,6 +237,8 @@ class KVSender:
     def start(self) -> KVSender:
         self.engine = create_engine(self.config)
         self.engine.register_source(self.layout.base_addr, self.layout.nbytes)
+        if self.window_layout is not None:
+            self.engine.register_source(self.window_layout.base_addr, self.window_layout.nbytes)
         if self.state_geometry is not None:
             self._staging = StateArea(self.state_geometry, self.config.transfer_workers)
             self.engine.register_source(self._staging.base_addr, self._staging.nbytes)
@@ -262,7 +279,8 @@ class KVSender:
 
     # ---- node API (any thread) -----------------------------------------------------------
     def send(self, room: int, src_page_ids: Any, report: PrefillReport,
-             state: StateSnapshot | None = None) -> bool:
+             state: StateSnapshot | None = None,
+             window_page_ids: Sequence[int | None] | None = None) -> bool:
         """Hand the room's KV (and a hybrid model's recurrent state at the end of its prefill)
         to the transfer layer; False if the room already finished.
 
@@ -270,7 +288,9 @@ class KVSender:
         stay untouched until then. `report` travels to decode in `Done`, its `state_bytes` /
         `state_geometry` set by the sender to the state it wrote. Raises ValueError for page
         ids outside this node's pool, a report the wire format refuses, or a state that is
-        not a host snapshot of this sender's `state_geometry`.
+        not a host snapshot of this sender's `state_geometry`. `window_page_ids` (a sender
+        with `window_kv`, required then): the sliding page of each source page (None: freed;
+        the window tail decode asks for must be there).
         """
         src = np.asarray(src_page_ids, dtype=np.int64).reshape(-1)
         self.layout.check_pages(src, "source")
@@ -281,7 +301,8 @@ class KVSender:
             if self.state_geometry is None:
                 raise ValueError("this sender carries no recurrent state (no state_geometry)")
             check_snapshot(state, self.state_geometry)
-        payload = {"src_pages": src, "report": report, "state": state}
+        payload = {"src_pages": src, "report": report, "state": state,
+                   "src_window_pages": self._window_sources(src, window_page_ids)}
         room_state = self._attach_source(room, payload)
         if room_state is None:
             return False
@@ -345,6 +366,7 @@ class KVSender:
             r.data.src_pages = payload["src_pages"]
             r.data.report = payload["report"]
             r.data.state = payload["state"]
+            r.data.src_window_pages = payload["src_window_pages"]
             r.data.accepted = True
             return r.state
 
@@ -465,6 +487,8 @@ class KVSender:
         (which must end at the prompt's last page). ValueError for pages that do not fit."""
         src = data.src_pages[data.first_page:]
         if peer.window_layout is None:
+            if self.window_layout is not None:
+                raise ValueError("this prefill keeps window pages: decode must too")
             return page_copy_batch(self.layout, peer.layout, src, data.dst_pages)
         window = data.dst_window_pages
         if window is None or not len(window):
@@ -474,9 +498,44 @@ class KVSender:
             raise ValueError(f"window tail of {len(window)} pages from page "
                              f"{data.window_first_page} does not end the prompt's "
                              f"{len(data.src_pages)} pages after decode's {data.first_page}")
+        if self.window_layout is not None:
+            return self._split_batch(data, peer, src, window)
         return window_tail_copy_batch(self.layout, peer.layout, peer.window_layout,
                                       self.layer_kinds, src, data.dst_pages,
                                       range(start, start + len(window)), window)
+
+    def _split_batch(self, data: _SendRoom, peer: _Peer, src: np.ndarray,
+                     window: np.ndarray) -> WriteBatch:
+        """Window pages on both sides: the full layers of each page sent from this pool,
+        the sliding layers of the tail from this window pool (its pages must be there)."""
+        assert self.window_layout is not None and peer.window_layout is not None
+        assert data.src_window_pages is not None  # send() requires them with window_kv
+        tail = data.src_window_pages[data.window_first_page:]
+        if (tail < 0).any():
+            raise ValueError(f"the window tail from page {data.window_first_page} has freed "
+                             f"sliding pages on prefill")
+        full = page_copy_batch(self.layout, peer.layout, src, data.dst_pages)
+        rows = range(self.window_layout.num_layers)
+        sliding = layer_copy_batch(self.window_layout, rows, peer.window_layout, rows, tail,
+                                   window)
+        return WriteBatch(np.concatenate((full.srcs, sliding.srcs)),
+                          np.concatenate((full.dsts, sliding.dsts)),
+                          np.concatenate((full.lengths, sliding.lengths)))
+
+    def _window_sources(self, src: np.ndarray,
+                        window_page_ids: Sequence[int | None] | None) -> np.ndarray | None:
+        """`send`'s sliding pages as an array (-1: freed); None without window pages.
+        ValueError for a count that is not the pages' or pages outside the window pool."""
+        if self.window_layout is None:
+            if window_page_ids is not None:
+                raise ValueError("this sender keeps no window pages (no window_kv)")
+            return None
+        if window_page_ids is None or len(window_page_ids) != src.size:
+            raise ValueError("window pages: send() needs the sliding page of each page")
+        ids = np.array([-1 if page is None else page for page in window_page_ids],
+                       dtype=np.int64)
+        self.window_layout.check_pages(ids[ids >= 0], "source window")
+        return ids
 
     def _state_mismatch(self, data: _SendRoom) -> str:
         """Why the room's two halves disagree on its recurrent state ('' when they agree):
@@ -651,7 +710,12 @@ class KVSender:
     def _check_register(self, msg: Register) -> str:
         if msg.engine != self.config.engine:
             return f"engine mismatch: decode uses {msg.engine!r}, prefill {self.config.engine!r}"
-        ours = (self.layout.num_layers, self.layout.num_slabs, self.layout.page_bytes)
+        layers = self.layout.num_layers + (self.window_layout.num_layers
+                                           if self.window_layout is not None else 0)
+        ours = (layers, self.layout.num_slabs, self.layout.page_bytes)
+        if self.window_layout is not None and not msg.window_base:
+            return ("this prefill keeps window pages (its sliding layers' windows only): "
+                    "decode must keep them too (control protocol 9)")
         if msg.window_base:
             window_error = self._check_window_register(msg)
             if window_error:

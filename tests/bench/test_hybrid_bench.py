@@ -4,7 +4,7 @@ tiny-qwen3-next and one for tiny-gpt-oss, in one run.
 
 Session 2's first turn shares the 64-token system prompt with session 1: every_page restores
 all of it (its hit is the dense theoretical one), chunk_ends the 48 before its first chunk's
-end, hit_points nothing (the branch point is checkpointed on the way, for the next session:
+end, hit_points (and gpt-oss's window tails) nothing (the branch point is checkpointed on the way, for the next session:
 its hit is the hybrid theoretical one). Every second turn hits its answer's end under each.
 The tokens are the same under every policy (the bench checks it)."""
 
@@ -38,7 +38,11 @@ def test_hybrid_bench_rows(tmp_path: Path) -> None:
     assert every["of_dense_theoretical"] == 1.0
     assert ours["of_hybrid_theoretical"] == 1.0
     assert ours["hit_rate"] < chunks["hit_rate"] < every["hit_rate"]
-    assert rows[("tiny-gpt-oss", "n/a")]["of_dense_theoretical"] == 1.0
+    # gpt-oss's tiers carry window tails: its hits are the hit points' as hit_points' are
+    # (session 2 misses the shared system prompt's branch point, seen for the first time)
+    oss = rows[("tiny-gpt-oss", "n/a")]
+    assert oss["of_hybrid_theoretical"] == 1.0 and oss["of_dense_theoretical"] < 1.0
+    assert oss["storage_state_B_per_turn"] > 0
     # every page's state is copied and stored: more state bytes than at hit points; the KV
     # pages written are the same under each policy
     assert every["device_state_B_per_turn"] > chunks["device_state_B_per_turn"]

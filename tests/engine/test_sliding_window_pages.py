@@ -28,7 +28,8 @@ from pdcache.engine.engine import Engine  # noqa: E402
 from pdcache.engine.kv_pool import PageAllocator  # noqa: E402
 from pdcache.engine.loader import load_model  # noqa: E402
 from pdcache.engine.radix import RadixTree, SlidingWindowRule  # noqa: E402
-from pdcache.engine.scheduler import NO_WINDOW_TIERS, Scheduler  # noqa: E402
+from pdcache.engine.roles import Unified  # noqa: E402
+from pdcache.engine.scheduler import NO_WINDOW_ROLE, NO_WINDOW_TIERS, Scheduler  # noqa: E402
 from pdcache.engine.scheduler_config import SchedulerConfig  # noqa: E402
 from tests.engine.test_gpt_oss import PAGE, WINDOW, prompt_of, save_gpt_oss  # noqa: E402
 
@@ -202,9 +203,10 @@ def test_a_hit_without_its_window_pages_gives_other_logits(checkpoint, model) ->
 
 
 def test_tiers_and_prefilled_starts_keep_every_page_or_are_refused(model) -> None:
-    """A node with host/storage tiers or a P→D role (its own `make_scheduler`) keeps every
-    page of every layer, as before; a scheduler given window pages refuses lower tiers and
-    a prefilled start."""
+    """A node with its own `make_scheduler` keeps every page of every layer unless it asks
+    for window pages; a scheduler given window pages refuses lower tiers that do not carry
+    window tails (HiCache's do: tests/offload_manager/test_window_tiers.py), and tiers that
+    do on a decode role."""
     config = EngineConfig(model=model.config,
                           cache=CacheConfig(page_size=PAGE, num_device_pages=32))
     plain = Engine(config, model, make_scheduler=Scheduler)
@@ -214,6 +216,17 @@ def test_tiers_and_prefilled_starts_keep_every_page_or_are_refused(model) -> Non
     with pytest.raises(ValueError, match=NO_WINDOW_TIERS):
         Scheduler(scheduler.config, config.cache, engine.pool, engine.tree, 512, (),
                   tiers=object(), window=engine.window)  # type: ignore[arg-type]
+
+    class WindowTiers:
+        carries_window = True
+
+    class DecodeLike(Unified):
+        pass
+
+    with pytest.raises(ValueError, match=NO_WINDOW_ROLE):
+        Scheduler(scheduler.config, config.cache, engine.pool, engine.tree, 512, (),
+                  tiers=WindowTiers(), role=DecodeLike(),  # type: ignore[arg-type]
+                  window=engine.window)
 
 
 def test_retraction_and_a_follower_keep_both_spaces_exact(checkpoint, model) -> None:

@@ -79,7 +79,8 @@ def test_decode_with_window_pages_equals_transformers(gpt_oss, checkpoint, tmp_p
     stack = start(tmp_path, gpt_oss)
     try:
         window = stack.decode_server.engine.window
-        assert window is not None and stack.prefill_server.engine.window is None
+        # both nodes keep window pages: prefill sends the tail from its sliding pool
+        assert window is not None and stack.prefill_server.engine.window is not None
         p, d = stack.generate(PROMPT, ANSWER)
         assert "output_ids" in d, (p, d)
         assert d["output_ids"] == hf_greedy(checkpoint[1], PROMPT, ANSWER)
@@ -177,6 +178,14 @@ def test_decode_offload_with_window_pages_writes_what_the_next_turns_reuse(
         # prompt pages: stored by prefill before decode's lookup, or left to it (a race)
         assert offload["pages_offloaded"] > 0 and offload["pages_dropped"] == 0, offload
         assert stack.decode_server.engine.stats()["window_pages_freed_total"] > 0
+        # stored as prefill's tiers store them: full-layer pages plus each answer's window
+        # tail (the next turn's prefill restores it with the pages it reads)
+        hicache = stack.prefill_server.tiered.hicache
+        tail_bytes = hicache.host_states.slot_nbytes
+        assert offload["states_offloaded"] == len(turns) and offload["pages_left_to_prefill"] == 0
+        assert offload["state_bytes_offloaded"] == len(turns) * tail_bytes
+        assert hicache.stats.load_storage_states >= len(messages)
+        assert hicache.host_pool.page_nbytes * 2 == gpt_oss[0].config.kv_geometry.page_bytes(PAGE)
         assert_window_idle(stack)
     finally:
         stack.close()

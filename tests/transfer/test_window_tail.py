@@ -224,3 +224,71 @@ def test_window_fields_need_version_9_and_round_trip() -> None:
     assert decode(encode(register), 1 << 20) == register
     assert decode(encode(request), 1 << 20).window_page_ids().tolist() == [5, 6]
     assert wire_version(RoomRequest(1, pack_pages([0]), 4)) == 4  # no window: as before
+
+
+def _split_sender(config, num_pages: int) -> tuple[KVSender, torch.Tensor, torch.Tensor]:
+    """A prefill keeping window pages: its full pool and its sliding pool, random."""
+    prefill = _window(num_pages=num_pages)
+    full = prefill.full_pool(num_pages, torch.float32).device_kv
+    gen = torch.Generator().manual_seed(3)
+    full.copy_(torch.randn(full.shape, generator=gen))
+    sliding = prefill.pool.device_kv
+    sliding.copy_(torch.randn(sliding.shape, generator=gen))
+    sender = KVSender(config, full, kv_geometry=GEOMETRY.layout_key(PAGE), layer_kinds=KINDS,
+                      window_kv=sliding).start()
+    return sender, full, sliding
+
+
+@pytest.mark.parametrize("freed_in_tail", [False, True])
+def test_a_prefill_with_window_pages_sends_the_tail_from_its_window_pool(
+        freed_in_tail: bool) -> None:
+    """Both sides keep window pages: the full layers of every page from prefill's full
+    pool, the sliding layers of the tail from its window pool (only those pages need be
+    there). A tail page prefill freed fails the room ("invalid"), nothing guessed."""
+    config = fast_config("zmq")
+    sender, src_full, src_sliding = _split_sender(config, 24)
+    decode = _window(num_pages=40)
+    dst_full = decode.full_pool(40, torch.float32).device_kv
+    receiver = KVReceiver(config, dst_full, kv_geometry=GEOMETRY.layout_key(PAGE),
+                          window_kv=decode.pool.device_kv).start()
+    try:
+        receiver.connect(sender.bootstrap_addr)
+        num_tokens = 37
+        src_pages = np.array([3, 4, 5, 6, 20, 21, 0, 1, 2, 11])
+        dst_pages = np.array([10, 11, 12, 13, 14, 30, 31, 2, 3, 39])
+        tail = decode.tail_pages(num_tokens)
+        src_window: list[int | None] = [None] * tail.start + [5, 9, 17][: len(tail)]
+        if freed_in_tail:
+            src_window[tail.start] = None
+        dst_window = np.array([7, 8, 9][: len(tail)])
+        receiver.request(7, sender.bootstrap_addr, dst_pages, num_tokens=num_tokens,
+                         dst_window_pages=dst_window, window_first_page=tail.start)
+        assert sender.send(7, src_pages, PrefillReport(11, prompt_tokens=num_tokens),
+                           window_page_ids=src_window)
+        if freed_in_tail:
+            wait_until(lambda: sender.poll(7) is RoomState.FAILED, 2.0, "failed")
+            return
+        result = receiver.wait(7, scaled_limit(5.0))
+        assert result.nbytes == 2 * GEOMETRY.slab_page_bytes(PAGE) * (
+            2 * len(src_pages) + 3 * len(tail))
+        assert torch.equal(dst_full[:, :, dst_pages], src_full[:, :, src_pages])
+        sent = [page for page in src_window if page is not None]
+        assert torch.equal(decode.pool.device_kv[:, :, dst_window], src_sliding[:, :, sent])
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_prefill_with_window_pages_refuses_a_decode_without_them() -> None:
+    """Prefill freed the sliding pages behind each window: a decode wanting every page's
+    sliding layers (no window pool) cannot be served."""
+    config = fast_config("zmq")
+    sender, src_full, _ = _split_sender(config, 8)
+    receiver = KVReceiver(config, torch.zeros(GEOMETRY.device_shape(8, PAGE)),
+                          kv_geometry=GEOMETRY.layout_key(PAGE)).start()
+    try:
+        with pytest.raises(TransferError, match="keeps window pages"):
+            receiver.connect(sender.bootstrap_addr, timeout_s=scaled_limit(3.0))
+    finally:
+        receiver.close()
+        sender.close()
