@@ -28,6 +28,7 @@ from pdcache.offload_manager.builder import (
     storage_config_for,
 )
 from pdcache.offload_manager.hicache import HiCacheConfig
+from pdcache.offload_manager.tier_settings import TierSettings
 from pdcache.prefill_node.runtime import PrefillRuntime
 from pdcache.transfer.config import TransferConfig
 from tests.polling import poll
@@ -97,13 +98,18 @@ class PDStack:
 def node_setups(tmp_path, model, page_size: int, engine: str, offload: bool,
                 write_policy: str = "write_through", backend: str = "hf3fs",
                 storage_settings: dict | None = None,
-                decode_prefix_cache: bool = False) -> tuple[NodeSetup, NodeSetup]:
+                decode_prefix_cache: bool = False,
+                window_tiers: bool = False) -> tuple[NodeSetup, NodeSetup]:
     """A prefill and a decode setup over shared storage; decode's prefix cache is off unless
-    asked for (these tests count what prefill sends and what decode frees)."""
-    fp = fingerprint_for(model.config, model_identity(_preset_of(model), 0), page_size)
+    asked for (these tests count what prefill sends and what decode frees). `window_tiers`:
+    `[cache] window_tiers` (a sliding-window model's stored format, both nodes)."""
+    fp = fingerprint_for(model.config, model_identity(_preset_of(model), 0), page_size,
+                         window_tiers)
     settings = storage_settings or {"path": str(tmp_path / "storage"), "capacity_pages": 4096,
                                     "metadata": "inproc"}
-    storage = storage_config_for(model.config, page_size, fp, backend=backend, **settings)
+    storage = storage_config_for(model.config, page_size, fp, window_tiers, backend=backend,
+                                 **settings)
+    cache_tiers = TierSettings(window_tiers=window_tiers)
     transfer = TransferConfig(engine=engine, bootstrap_timeout_s=10, room_timeout_s=20,
                               heartbeat_interval_s=0.5)
     sched = SchedulerConfig(chunked_prefill_tokens=256)
@@ -114,9 +120,10 @@ def node_setups(tmp_path, model, page_size: int, engine: str, offload: bool,
     tiers = TierConfig(512, HiCacheConfig(write_policy=write_policy,
                                           prefetch_policy="wait_complete"), storage)
     prefill = NodeSetup("p0", "prefill", "127.0.0.1", 0, p_engine, tiers, fp, storage, transfer,
-                        free_port())
+                        free_port(), cache_tiers=cache_tiers)
     decode = NodeSetup("d0", "decode", "127.0.0.1", 0, d_engine, None, fp, storage, transfer,
-                       offload=OffloadSettings(staging_pages=64) if offload else None)
+                       offload=OffloadSettings(staging_pages=64) if offload else None,
+                       cache_tiers=cache_tiers)
     return prefill, decode
 
 

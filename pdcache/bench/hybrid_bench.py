@@ -36,6 +36,9 @@ from pdcache.bench.traces import SyntheticSpec, Trace, Turn, synthetic_trace
 
 POLICIES = "hit_points,every_page,chunk_ends"
 STATELESS = "n/a"  # the policy column of a model without recurrent state
+# a sliding-window model's rows (gpt-oss): its tiers' two formats, `[cache] window_tiers` off
+# (every layer of every page) and on (full-layer pages + window tails at the hit points)
+WINDOW_FORMATS = ("one_space", "window_tails")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,7 +124,8 @@ def _engine_config(args: argparse.Namespace, model: Any, policy: str, prefix_cac
 
     cache = CacheConfig(page_size=args.page_size, num_device_pages=4096,
                         state_checkpoint_slots=args.checkpoint_slots,
-                        state_checkpoints=policy if policy != STATELESS else "hit_points",
+                        state_checkpoints=policy if policy in POLICIES.split(",")
+                        else "hit_points",
                         enable_prefix_cache=prefix_cache)
     return EngineConfig(model=model.config, seed=args.seed, cache=cache,
                         scheduler=SchedulerConfig(chunked_prefill_tokens=args.chunk))
@@ -159,13 +163,14 @@ def _replay(args: argparse.Namespace, model: Any, trace: Trace, policy: str,
     reuse = HybridReuse(args.page_size)
     tally = Tally()
     with tempfile.TemporaryDirectory(prefix="pdcache-hybrid-") as path:
-        fingerprint = fingerprint_for(model.config, "bench-hybrid", args.page_size)
-        storage = storage_config_for(model.config, args.page_size, fingerprint, backend="file",
-                                     path=path, capacity_pages=65536)
+        tails = policy == "window_tails"
+        fingerprint = fingerprint_for(model.config, "bench-hybrid", args.page_size, tails)
+        storage = storage_config_for(model.config, args.page_size, fingerprint, tails,
+                                     backend="file", path=path, capacity_pages=65536)
         tiers = TierConfig(host_pages=4096, storage=storage,
                            hicache=HiCacheConfig(prefetch_policy="wait_complete"))
         built = build_tiered_engine(_engine_config(args, model, policy, True), model, None,
-                                    tiers)
+                                    tiers, window_pages=tails)
         built.engine.start()
         try:
             _warm_up(built.engine, expander)
@@ -285,6 +290,7 @@ def _ratio(a: float, b: float) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from pdcache.engine.loader import load_model
+    from pdcache.engine.window_pages import can_split
 
     spec = SyntheticSpec(sessions=args.sessions, turns=args.turns, system_prompt=args.system,
                          user=args.user, tool_result=args.tool, answer=args.answer,
@@ -295,7 +301,9 @@ def run(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         model, _ = load_model(preset, seed=args.seed)
         hybrid = model.config.state_geometry is not None
-        policies = args.policies.split(",") if hybrid else [STATELESS]
+        policies = (args.policies.split(",") if hybrid
+                    else list(WINDOW_FORMATS) if can_split(model.config.kv_geometry)
+                    else [STATELESS])
         answers: dict[str, list[int]] = {}
         tallies = {policy: _replay(args, model, trace, policy, answers) for policy in policies}
         recompute = _recompute_ttft(args, model, trace, answers)

@@ -106,10 +106,10 @@ def setup_for(topology: Topology, node_name: str, model: ModelConfig) -> NodeSet
     node = topology.node(node_name)
     cache = node.cache
     identity = model_identity(topology.model.ref, topology.model.seed)
-    fingerprint = fingerprint_for(model, identity, cache.page_size)
+    fingerprint = fingerprint_for(model, identity, cache.page_size, cache.window_tiers)
     security = security_for(topology.security, topology.source)
     storage = with_keys(storage_from_spec(topology.storage, model, cache.page_size, fingerprint,
-                                          node.host), security)
+                                          node.host, cache.window_tiers), security)
     quotas = tenant_quotas(topology)
     if storage is not None and quotas:
         storage = storage.replace(namespace_quotas=quotas)
@@ -175,14 +175,16 @@ def offload_for(node: NodeSpec) -> OffloadSettings | None:
 
 
 def storage_from_spec(spec: StorageSpec, model: ModelConfig, page_size: int,
-                      fingerprint: str, host: str = "127.0.0.1") -> StorageConfig | None:
-    """`host`: the node's address, which a Mooncake Store client advertises to its peers."""
+                      fingerprint: str, host: str = "127.0.0.1",
+                      window_tiers: bool = False) -> StorageConfig | None:
+    """`host`: the node's address, which a Mooncake Store client advertises to its peers;
+    `window_tiers`: `[cache] window_tiers` (the stored format of a sliding-window model)."""
     if not spec.enabled:
         return None
     keys = storage_keys_from_spec(spec)
     if spec.backend == "mooncake":
         keys["mooncake_local_hostname"] = host
-    return storage_config_for(model, page_size, fingerprint, **keys)
+    return storage_config_for(model, page_size, fingerprint, window_tiers, **keys)
 
 
 def storage_for(topology: Topology, model: ModelConfig, node_name: str | None = None) -> StorageConfig:
@@ -195,8 +197,9 @@ def storage_for(topology: Topology, model: ModelConfig, node_name: str | None = 
         node_name = users[0].name
     node = topology.node(node_name)
     identity = model_identity(topology.model.ref, topology.model.seed)
-    fingerprint = fingerprint_for(model, identity, node.cache.page_size)
-    storage = storage_from_spec(topology.storage, model, node.cache.page_size, fingerprint, node.host)
+    fingerprint = fingerprint_for(model, identity, node.cache.page_size, node.cache.window_tiers)
+    storage = storage_from_spec(topology.storage, model, node.cache.page_size, fingerprint,
+                                node.host, node.cache.window_tiers)
     assert storage is not None  # storage.enabled
     # `pdcache storage` verifies pages as the nodes do: with the secret's keys
     keyed = with_keys(storage, security_for(topology.security, topology.source))

@@ -231,10 +231,11 @@ def _check_node_server(node: NodeSpec, key: str, ctx: ErrorContext) -> None:
 
 def _check_node_keys(node: NodeSpec, cache: CacheSpec, key: str, ctx: ErrorContext) -> None:
     """Nodes naming pages differently would never find each other's pages in storage."""
-    for name in ("key_scheme", "key_namespace"):
+    for name in ("key_scheme", "key_namespace", "window_tiers"):
         if getattr(node.cache, name) != getattr(cache, name):
             raise ctx.error(f"{key}.cache.{name}", f"must equal cache.{name} "
-                            f"({getattr(cache, name)!r}): every node shares one key scheme")
+                            f"({getattr(cache, name)!r}): every node shares one key scheme "
+                            "and stored page format")
 
 
 def _check_node_offload(node: NodeSpec, storage: StorageSpec, key: str, ctx: ErrorContext) -> None:

@@ -98,17 +98,22 @@ class DecodeRuntime:
             setup = self.setup
             settings = setup.offload
             assert settings is not None  # storage is only opened with offload on
-            # window pages: stored as the full layers' pages plus window tails, as prefill's
-            # tiers store them (docs/design.md §4.14): staged from the full pool only
+            # window pages stored as prefill's tiers store them ([cache] window_tiers,
+            # docs/design.md §4.14): the full layers' pages plus window tails, staged from
+            # the full pool only; or every layer of every page, the sliding layers staged
+            # from the window pool
+            tails = setup.cache_tiers.window_tiers
             self.offload = DecodeOffloadManager(
                 kwargs["pool"].device_kv, self.storage, setup.fingerprint,
                 settings.staging_pages, settings.stride_pages,
                 key_scheme=setup.key_scheme, key_namespace=setup.key_namespace,
                 kernels=KernelSet(setup.engine.kernels), pending_ttl_s=settings.pending_ttl_s,
-                window=None, geometry=stored_geometry(setup.engine.model))
+                window=None if tails else kwargs.get("window"),
+                geometry=stored_geometry(setup.engine.model, tails))
         window = kwargs.get("window")
+        tails = window is not None and self.setup.cache_tiers.window_tiers
         role = DecodeRole(self.offload, self.controller, kwargs.get("states"),
-                          window_tails=WindowTails(window) if window is not None else None)
+                          window_tails=WindowTails(window) if tails else None)
         return Scheduler(**kwargs, role=role)
 
     def start(self) -> None:

@@ -46,7 +46,7 @@ def model_identity(model_ref: str, seed: int) -> str:
     return f"preset:{model_ref}:seed={seed}"
 
 
-def stored_geometry(model: ModelConfig, window_pages: bool = True) -> KVGeometry:
+def stored_geometry(model: ModelConfig, window_pages: bool = False) -> KVGeometry:
     """What a host / stored page of this model holds: every KV layer, or with window pages
     (a model mixing full and sliding layers, `build_tiered_engine(window_pages=True)`) its
     full layers only (the sliding ones travel as window tails)."""
@@ -61,14 +61,14 @@ def uses_window_tails(model: ModelConfig, window_pages: bool) -> bool:
 
 
 def fingerprint_for(model: ModelConfig, identity: str, page_size: int,
-                    window_pages: bool = True) -> str:
+                    window_pages: bool = False) -> str:
     """The KV fingerprint of this model's pages (its KV geometry's, under `identity`; with
     window pages the full layers' geometry's: pages of another layer set never match)."""
     return stored_geometry(model, window_pages).fingerprint(identity, page_size)
 
 
 def storage_config_for(model: ModelConfig, page_size: int, fingerprint: str,
-                       window_pages: bool = True, **settings: Any) -> StorageConfig:
+                       window_pages: bool = False, **settings: Any) -> StorageConfig:
     """A StorageConfig whose page geometry matches this model's host pages (a page has the
     KV layers only: `num_kv_layers`; with window pages the full layers only) and, for a
     hybrid model, whose state objects are this model's recurrent states (`state_geometry`,
@@ -124,7 +124,7 @@ class TieredEngine:
 def build_tiered_engine(config: EngineConfig, model: Any, tokenizer: Any, tiers: TierConfig,
                         role: RolePolicy | None = None,
                         pending: PendingPages | None = None,
-                        window_pages: bool = True) -> TieredEngine:
+                        window_pages: bool = False) -> TieredEngine:
     """An Engine (not started) whose scheduler has `HiCacheTiers` over `tiers` and `role`'s
     policy (default: unified); `pending`: the decode-announced writes HiCache may wait for
     (a prefill node's, docs/design.md §4.10). `window_pages` (a unified node of a model

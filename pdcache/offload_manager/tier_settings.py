@@ -66,6 +66,12 @@ class TierSettings:
     key_scheme: KeyScheme = "pdcache"
     # appended to the page-key salt: deployments with different ones never share
     key_namespace: str = ""
+    # a sliding-window model (gpt-oss) under host/storage tiers: true keeps only its windows
+    # on device there too, and stores pages of the full layers plus window tails at hit
+    # points (docs/design.md §4.14); false stores every layer of every page (a hit at any
+    # page, fewer stored bytes on turns under ~256 new tokens). Deployment-wide: the stored
+    # format, prefill's and decode's alike
+    window_tiers: bool = False
 
     def prefetch_timeout_s(self, num_tokens: int) -> float:
         """The `timeout` policy's deadline for a prefetch of `num_tokens` tokens."""

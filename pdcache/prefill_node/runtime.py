@@ -54,7 +54,8 @@ class PrefillRuntime:
                                     pulls=self.pulls)
         role = PrefillRole(self.controller)
         self.tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers,
-                                          role=role, pending=self.pending)
+                                          role=role, pending=self.pending,
+                                          window_pages=setup.cache_tiers.window_tiers)
         self.engine = self.tiered.engine
         role.use_states(self.engine.states)  # a hybrid model's state goes with its pages
         # window pages (docs/design.md §4.14): the tails are read from the sliding pool

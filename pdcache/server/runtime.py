@@ -56,7 +56,8 @@ class UnifiedRuntime:
         self.config = ServerConfig.of(setup)
         self.tiered: TieredEngine | None = None
         if setup.tiers is not None and setup.engine.cache.enable_prefix_cache:
-            self.tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers)
+            self.tiered = build_tiered_engine(setup.engine, model, tokenizer, setup.tiers,
+                                              window_pages=setup.cache_tiers.window_tiers)
             self.engine = self.tiered.engine
         else:
             self.engine = Engine(setup.engine, model, tokenizer)

@@ -32,17 +32,22 @@ def test_hybrid_bench_rows(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     rows = {(r["preset"], r["policy"]): r for r in result["rows"]}
     assert set(rows) == {("tiny-qwen3-next", p) for p in hybrid_bench.POLICIES.split(",")} | {
-        ("tiny-gpt-oss", "n/a")}
+        ("tiny-gpt-oss", f) for f in hybrid_bench.WINDOW_FORMATS}
     ours, every, chunks = (rows[("tiny-qwen3-next", p)]
                            for p in ("hit_points", "every_page", "chunk_ends"))
     assert every["of_dense_theoretical"] == 1.0
     assert ours["of_hybrid_theoretical"] == 1.0
     assert ours["hit_rate"] < chunks["hit_rate"] < every["hit_rate"]
-    # gpt-oss's tiers carry window tails: its hits are the hit points' as hit_points' are
-    # (session 2 misses the shared system prompt's branch point, seen for the first time)
-    oss = rows[("tiny-gpt-oss", "n/a")]
+    # gpt-oss with window tails on its tiers: its hits are the hit points' as hit_points'
+    # are (session 2 misses the shared system prompt's branch point, seen for the first
+    # time); with every layer of every page stored, the dense theoretical hit, no tails
+    oss = rows[("tiny-gpt-oss", "window_tails")]
     assert oss["of_hybrid_theoretical"] == 1.0 and oss["of_dense_theoretical"] < 1.0
     assert oss["storage_state_B_per_turn"] > 0
+    one_space = rows[("tiny-gpt-oss", "one_space")]
+    assert one_space["of_dense_theoretical"] == 1.0 and one_space["storage_state_B_per_turn"] == 0
+    # the window-tail format stores the full layers' half of each page
+    assert oss["storage_kv_B_per_turn"] * 2 == one_space["storage_kv_B_per_turn"]
     # every page's state is copied and stored: more state bytes than at hit points; the KV
     # pages written are the same under each policy
     assert every["device_state_B_per_turn"] > chunks["device_state_B_per_turn"]

@@ -511,3 +511,21 @@ def test_a_node_listens_on_bind_host_and_is_reached_at_host(tmp_path: Path) -> N
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     finally:
         sender.close()
+
+
+def test_window_tiers_is_one_deployment_wide_stored_format(tmp_path: Path) -> None:
+    """`[cache] window_tiers` reaches every node's setup and names its stored pages (a
+    sliding-window model's full-layer pages carry another fingerprint than its one-space
+    ones); a node overriding it would never find the others' pages: refused by key."""
+    from pdcache.engine.loader import load_model_config as config_of
+
+    oss = config_of("tiny-gpt-oss")
+    topology = pd(tmp_path, overrides=("model.preset=\"tiny-gpt-oss\"",))
+    tails = pd(tmp_path, overrides=("model.preset=\"tiny-gpt-oss\"", "cache.window_tiers=true"))
+    off, on = setup_for(topology, "p0", oss), setup_for(tails, "p0", oss)
+    assert not off.cache_tiers.window_tiers and on.cache_tiers.window_tiers
+    assert setup_for(tails, "d0", oss).cache_tiers.window_tiers
+    assert off.fingerprint != on.fingerprint and on.storage is not None
+    assert on.storage.state_bytes > 0 and (off.storage is None or not off.storage.state_bytes)
+    with pytest.raises(TopologyError, match="node.d0.cache.window_tiers"):
+        pd(tmp_path, overrides=("node.d0.cache.window_tiers=true",))

@@ -58,13 +58,14 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
 
 
 def start(tmp_path: Path, gpt_oss, decode_prefix_cache: bool = False,
-          offload: bool = False) -> PDStack:
+          offload: bool = False, window_tiers: bool = False) -> PDStack:
     model, tokenizer = gpt_oss
     # both nodes see each other's writes: a file store (hf3fs with in-process metadata
     # would give each its own index)
     prefill, decode = node_setups(tmp_path, model, PAGE, "zmq", offload=offload,
                                   decode_prefix_cache=decode_prefix_cache,
-                                  backend="file" if offload else "hf3fs")
+                                  backend="file" if offload else "hf3fs",
+                                  window_tiers=window_tiers)
     return start_model_stack(prefill, decode, model, tokenizer)
 
 
@@ -75,12 +76,17 @@ def assert_window_idle(stack: PDStack) -> None:
     assert numbers["window_free"] == numbers["window_capacity"], numbers
 
 
-def test_decode_with_window_pages_equals_transformers(gpt_oss, checkpoint, tmp_path) -> None:
-    stack = start(tmp_path, gpt_oss)
+@pytest.mark.parametrize("window_tiers", [False, True], ids=["one-space", "window-tiers"])
+def test_decode_with_window_pages_equals_transformers(gpt_oss, checkpoint, tmp_path,
+                                                      window_tiers: bool) -> None:
+    """The same bytes cross either way: prefill sends the full layers of every prompt page
+    and the sliding layers of the tail, from its one page space, or (`[cache] window_tiers`,
+    prefill keeps window pages too) the tail from its sliding pool."""
+    stack = start(tmp_path, gpt_oss, window_tiers=window_tiers)
     try:
         window = stack.decode_server.engine.window
-        # both nodes keep window pages: prefill sends the tail from its sliding pool
-        assert window is not None and stack.prefill_server.engine.window is not None
+        assert window is not None
+        assert (stack.prefill_server.engine.window is not None) == window_tiers
         p, d = stack.generate(PROMPT, ANSWER)
         assert "output_ids" in d, (p, d)
         assert d["output_ids"] == hf_greedy(checkpoint[1], PROMPT, ANSWER)
@@ -153,8 +159,9 @@ def test_second_turn_from_decodes_prefix_cache_up_to_the_tail(gpt_oss, checkpoin
         stack.close()
 
 
+@pytest.mark.parametrize("window_tiers", [False, True], ids=["one-space", "window-tiers"])
 def test_decode_offload_with_window_pages_writes_what_the_next_turns_reuse(
-        gpt_oss, checkpoint, tmp_path) -> None:
+        gpt_oss, checkpoint, tmp_path, window_tiers: bool) -> None:
     """Decode offload on a decode node with window pages: it receives the sliding layers of
     each prompt's window tail only (decode offload used to turn window pages off: every
     prompt page's sliding layers sent and kept), stages the answer's pages from both page
@@ -163,7 +170,7 @@ def test_decode_offload_with_window_pages_writes_what_the_next_turns_reuse(
     Turns 2 and 3 on prefill reuse the answers decode wrote (`storage_from_decode`) and every
     turn equals transformers' greedy tokens."""
     hf = checkpoint[1]
-    stack = start(tmp_path, gpt_oss, offload=True)
+    stack = start(tmp_path, gpt_oss, offload=True, window_tiers=window_tiers)
     try:
         window = stack.decode_server.engine.window
         assert window is not None and stack.decode_server_app.state.offload is not None
@@ -178,6 +185,10 @@ def test_decode_offload_with_window_pages_writes_what_the_next_turns_reuse(
         # prompt pages: stored by prefill before decode's lookup, or left to it (a race)
         assert offload["pages_offloaded"] > 0 and offload["pages_dropped"] == 0, offload
         assert stack.decode_server.engine.stats()["window_pages_freed_total"] > 0
+        if not window_tiers:  # every layer of every page, staged from both page spaces
+            assert offload["states_offloaded"] == 0
+            assert_window_idle(stack)
+            return
         # stored as prefill's tiers store them: full-layer pages plus each answer's window
         # tail (the next turn's prefill restores it with the pages it reads)
         hicache = stack.prefill_server.tiered.hicache
