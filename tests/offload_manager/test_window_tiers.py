@@ -342,3 +342,56 @@ def test_a_host_hit_without_a_tail_at_its_end_is_never_served(model, tmp_path,
             generate(built.engine, PROMPT[:26] + prompt_of(3, 6), "mid-prompt")
     finally:
         built.close()
+
+
+def submit(engine: Engine, prompt: list[int], rid: str, steps: int) -> list[RequestOutput]:
+    """`prompt` queued for `steps` greedy tokens; the engine is stepped by the caller."""
+    outs: list[RequestOutput] = []
+    engine.submit(GenerateRequest(
+        rid=rid, input_ids=prompt,
+        sampling=SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True),
+        logprobs=LogprobRequest()), outs.append)
+    return outs
+
+
+def tokens_of(outs: list[RequestOutput]) -> list[int]:
+    assert outs and outs[-1].finished and outs[-1].error is None, outs[-1:]
+    return [t for out in outs for t in out.new_token_ids]
+
+
+def drain(engine: Engine) -> None:
+    while engine.step():
+        pass
+
+
+def test_a_host_hit_restoring_several_nodes_keeps_window_ids_in_line(
+        model, checkpoint, tmp_path) -> None:
+    """A host hit restores two nodes, the tail only in the second: the first gets a window
+    list of tombstones, so a later device hit through both has one window id per page (a
+    short list shifted the tail's sliding pages and wedged admission)."""
+    built = tiered(model, tmp_path / "store", backend=None)
+    try:
+        engine = built.engine
+        outs = submit(engine, PROMPT, "a", 12)
+        drain(engine)
+        answer = tokens_of(outs)
+        assert built.hicache.wait_idle(10)
+        engine.flush_cache()
+        base = PROMPT + answer[:11]  # 10 full pages: nodes [0, 28) and [28, 40) on host
+        first = submit(engine, base + prompt_of(7, 2), "r1", 1)
+        drain(engine)
+        assert tokens_of(first) and first[-1].cached.host == 40
+        match = engine.tree.match_pages(base)
+        assert len(match.page_ids) == 10
+        assert len(match.window_page_ids) == len(match.page_ids)
+        assert match.window_page_ids[-TAIL_PAGES:] != [None] * TAIL_PAGES
+        engine.check_accounting()
+        prompt = base + prompt_of(8, 2)
+        second = submit(engine, prompt, "r2", STEPS)
+        drain(engine)
+        assert tokens_of(second) == hf_greedy(checkpoint[1], prompt, STEPS)[0]
+        assert second[-1].cached.device == 40
+        idle_and_exact(built)
+    finally:
+        built.close()
+
