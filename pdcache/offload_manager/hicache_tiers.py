@@ -24,13 +24,16 @@ Engine thread only, like the scheduler itself, except `start()` (the thread call
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from pdcache.engine.radix import InsertResult, MatchResult
 from pdcache.engine.request import Req
 from pdcache.engine.tiers import TierReuse
 from pdcache.offload_manager.hicache import HiCache
 from pdcache.offload_manager.prefetch_ops import PrefetchResult
+
+# `Scheduler.alloc_window_pages`: (count, tree sliding pages to keep) -> pages or None
+WindowAlloc = Callable[[int, Collection[int]], "list[int] | None"]
 
 
 class HiCacheTiers:
@@ -49,9 +52,9 @@ class HiCacheTiers:
         # prefetch restarts left); entries leave at admission or abort
         self._queued_match: dict[str, tuple[int, int]] = {}
         # window pages: the scheduler's sliding-page allocator (evicts cache when short)
-        self._alloc_window: Callable[[int], list[int] | None] | None = None
+        self._alloc_window: WindowAlloc | None = None
 
-    def use_window_pages(self, alloc: Callable[[int], list[int] | None]) -> None:
+    def use_window_pages(self, alloc: WindowAlloc) -> None:
         """Window pages: lower-tier hits restore their window tail into sliding pages from
         `alloc` (`Scheduler.alloc_window_pages`); called once when the scheduler is built."""
         if self.hicache.window_tails is None:
@@ -100,7 +103,10 @@ class HiCacheTiers:
             # a whole tail's sliding pages before the host match is taken for good (making
             # room may evict); without them no lower-tier hit can be restored
             assert self._alloc_window is not None, "window pages: use_window_pages not called"
-            got = self._alloc_window(self.hicache.window_tails.geometry.num_pages)
+            # the match's own sliding pages stay: the request (not running yet, so no reclaim
+            # keeps them otherwise) reads them whether or not a lower tier then serves it
+            mine = frozenset(page for page in match.window_page_ids if page is not None)
+            got = self._alloc_window(self.hicache.window_tails.geometry.num_pages, mine)
             if got is None:
                 self.hicache.cancel_prefetch(req.rid)
                 return TierReuse(cached=self.hicache.cached_tokens(len(match.page_ids), 0, None))

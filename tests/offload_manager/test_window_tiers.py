@@ -395,3 +395,39 @@ def test_a_host_hit_restoring_several_nodes_keeps_window_ids_in_line(
     finally:
         built.close()
 
+
+def test_taking_a_tails_pages_never_frees_the_admitted_match(model, checkpoint,
+                                                             tmp_path) -> None:
+    """A host-continuable admission takes a tail's sliding pages first; short of them the
+    scheduler reclaims tree sliding pages, but never the admitting request's device match:
+    here the allocation fails (`got is None`) and the request runs on its device hit, whose
+    sliding pages must still be its own."""
+    built = tiered(model, tmp_path / "store", backend=None)
+    try:
+        engine = built.engine
+        alloc = engine.window.allocator
+        outs = submit(engine, PROMPT, "a", STEPS)
+        drain(engine)
+        answer = tokens_of(outs)
+        assert built.hicache.wait_idle(10)
+        assert engine.tree.evict(1)  # the answer's node [28, 32) leaves device (host stays)
+        # a running request locks [0, 28): its tail is reclaimable as far as `keep` knows
+        other = PROMPT[:28] + prompt_of(5, 2)
+        other_outs = submit(engine, other, "r0", 20)
+        while engine.scheduler.find("r0") is None or engine.scheduler.find("r0").kv_len < 33:
+            assert engine.step()
+        busy = alloc.alloc(alloc.num_free)  # the rest of the sliding pool is taken
+        prompt = PROMPT + answer[:2] + prompt_of(6, 1)
+        outs = submit(engine, prompt, "q", STEPS)
+        engine.step()
+        req = engine.scheduler.find("q")
+        assert req is not None and req.cached.device == 28 and req.cached.host == 0
+        held = [page for page in req.window_page_ids if page is not None]
+        assert held and all(alloc.is_used(page) for page in held)
+        alloc.free(busy)
+        drain(engine)
+        assert tokens_of(outs) == hf_greedy(checkpoint[1], prompt, STEPS)[0]
+        assert tokens_of(other_outs) == hf_greedy(checkpoint[1], other, 20)[0]
+        idle_and_exact(built)
+    finally:
+        built.close()
