@@ -10,6 +10,7 @@ pages of 4 tokens): tokens and logprobs are compared with transformers'.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from pdcache.engine.config import CacheConfig, EngineConfig  # noqa: E402
 from pdcache.engine.engine import Engine  # noqa: E402
 from pdcache.engine.loader import load_model  # noqa: E402
 from pdcache.engine.scheduler_config import SchedulerConfig  # noqa: E402
+from pdcache.engine.window_pages import WindowTailGeometry  # noqa: E402
 from pdcache.offload_manager.builder import (  # noqa: E402
     TierConfig,
     TieredEngine,
@@ -431,3 +433,20 @@ def test_taking_a_tails_pages_never_frees_the_admitted_match(model, checkpoint,
         idle_and_exact(built)
     finally:
         built.close()
+
+
+def test_pages_and_tails_of_another_window_never_match(model, tmp_path) -> None:
+    """The stored pages' fingerprint and the tail key name the window: the full layers'
+    K/V depend on it, and windows 8 and 7 over pages of 4 both have 2-page tails."""
+    config = model.config
+    other = replace(config, sliding_window=WINDOW - 1)
+    tail = WindowTailGeometry.of(config.kv_geometry, PAGE)
+    other_tail = WindowTailGeometry.of(other.kv_geometry, PAGE)
+    assert tail.num_pages == other_tail.num_pages
+    assert tail.key() != other_tail.key()
+    fingerprint = fingerprint_for(config, "gpt-oss-test", PAGE)
+    assert fingerprint != fingerprint_for(other, "gpt-oss-test", PAGE)
+    stored = storage_config_for(config, PAGE, fingerprint, backend="file", path=str(tmp_path))
+    assert stored.state_geometry == tail.key()
+    # one-space pages (no window tails) named the window already
+    assert fingerprint_for(config, "id", PAGE, False) != fingerprint_for(other, "id", PAGE, False)
