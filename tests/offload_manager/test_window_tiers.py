@@ -450,3 +450,30 @@ def test_pages_and_tails_of_another_window_never_match(model, tmp_path) -> None:
     assert stored.state_geometry == tail.key()
     # one-space pages (no window tails) named the window already
     assert fingerprint_for(config, "id", PAGE, False) != fingerprint_for(other, "id", PAGE, False)
+
+
+@pytest.mark.parametrize("failing", ["load", "restore_window_tail"])
+def test_a_failed_restore_frees_the_tail_pages_it_was_given(model, tmp_path, monkeypatch,
+                                                            failing: str) -> None:
+    """The tail's sliding pages are taken before the host hit is loaded and its tail
+    restored: when either raises (the engine fails the step's requests), they go back to
+    the pool."""
+    built = tiered(model, tmp_path / "store", backend=None)
+    try:
+        engine = built.engine
+        generate(engine, PROMPT, "a")
+        assert built.hicache.wait_idle(10)
+        assert engine.flush_cache() > 0
+        assert engine.window.allocator.num_used == 0
+
+        def fail(*args: object, **kwargs: object) -> None:
+            raise RuntimeError(f"{failing} failed")
+
+        monkeypatch.setattr(built.hicache, failing, fail)
+        outs = submit(engine, PROMPT, "b", STEPS)
+        engine.step()  # the engine fails the step's requests
+        assert outs and outs[-1].error is not None and f"{failing} failed" in outs[-1].error
+        assert engine.window.allocator.num_used == 0
+    finally:
+        monkeypatch.undo()
+        built.close()
