@@ -852,11 +852,13 @@ class Scheduler:
                 and not self._has_checkpoint(req, n)]
 
     def _window_branch_point(self, req: Req, match: MatchResult) -> list[int]:
-        """Window tails on lower tiers: where the admission's page match went deeper than
-        its hit (the window cut it, or a lower tier's tail ends short of it), `req`'s
-        prefill stops and caches its pages, so that point ends a node whose tail is on
-        device (backed up with it): the next request with that prefix hits all of it, from
-        any tier. The prompt's last full page is cached at its prefill's end (`commit`)."""
+        """Window tails on lower tiers: where the admission's device page match went deeper
+        than its hit (the window rule cut it) and the reused K/V (a lower tier's included)
+        ends before that point, `req`'s prefill stops there once and caches its pages, so
+        that the point gets its tail on device again (backed up with its node). That one
+        point only: no other node end of the prompt (a host node's, a divergence inside a
+        node) gets a tail here. The prompt's last full page is cached at its prefill's end
+        (`commit`)."""
         prompt_end = len(req.prompt_ids) // self.page_size * self.page_size
         return [n for n in (match.matched_len,) if req.kv_len < n < prompt_end]
 
