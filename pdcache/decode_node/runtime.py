@@ -64,7 +64,8 @@ class DecodeRuntime:
             create_backend(setup.storage) if settings is not None and setup.storage else None)
         self.offload: DecodeOffloadManager | None = None  # set by _scheduler
         # a sliding-window model keeps its sliding layers' pages apart (window pages,
-        # docs/design.md §4.14); decode offload then stages pages from both spaces
+        # docs/design.md §4.14); decode offload then stages the full layers' pages only and
+        # writes the answer's window tail beside them (`_scheduler`)
         self.engine = Engine(setup.engine, model, tokenizer, make_scheduler=self._scheduler,
                              window_pages=True)
         window = self.engine.window

@@ -314,8 +314,10 @@ class RadixTree:
         window_page_ids: list[int | None] = []
         for node, matched in path:
             page_ids.extend(node.device_page_ids[:matched])
-            if node.window_page_ids is not None:
-                window_page_ids.extend(node.window_page_ids[:matched])
+            if self.window_allocator is not None:
+                # one window entry per page, whatever the node: a short list would shift
+                # every later node's sliding pages onto the wrong positions
+                window_page_ids.extend(self._window_list(node)[:matched])
             last_node = node
         return MatchResult(page_ids, len(page_ids) * self.page_size, last_node,
                            window_page_ids=window_page_ids)
@@ -682,9 +684,22 @@ class RadixTree:
         if window_page_ids is not None:
             leaf.window_page_ids = list(window_page_ids[first:end])
             self._window_pages += _count_present(leaf.window_page_ids)
+        else:
+            leaf.window_page_ids = self.tombstones(leaf.num_pages)
         parent.children[self._page_at(leaf.key, 0)] = leaf
         self._device_pages += leaf.num_pages
         return leaf
+
+    def tombstones(self, num_pages: int) -> list[int | None] | None:
+        """The window list of `num_pages` device pages without sliding pages: all
+        tombstones on a window model (every device node has one entry per page), None
+        otherwise."""
+        return None if self.window_allocator is None else [None] * num_pages
+
+    def _window_list(self, node: RadixNode) -> list[int | None]:
+        """`node`'s sliding pages, tombstones where it has none (a window model)."""
+        pages = node.window_page_ids
+        return [None] * node.num_pages if pages is None else pages
 
     def _merge_window(self, node: RadixNode, window_page_ids: Sequence[int | None]) -> list[int]:
         """`window_page_ids` hold the sliding layers of `node`'s pages: a tombstone (or a
@@ -843,8 +858,11 @@ class RadixTree:
 
 
     def _check_window(self, node: RadixNode, seen: set[int]) -> None:
-        """A node's sliding pages: one per page, on device only, each held once and used."""
+        """A node's sliding pages: one per page, on device only, each held once and used;
+        every device node of a window model has them (tombstones where freed)."""
         if node.window_page_ids is None:
+            assert self.window_allocator is None or not node.on_device, (
+                "a device node without its window list")
             return
         assert node.on_device, "window pages on a node without device pages"
         assert len(node.window_page_ids) == node.num_pages, "window page count != key pages"

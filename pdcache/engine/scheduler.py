@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pdcache.engine.api import CachedTokens, TokenLogprob
@@ -725,19 +726,21 @@ class Scheduler:
         return self.tree.node_at(tokens, req.salt)
 
     # ---- window pages (sliding layers' own pages; pdcache.engine.window_pages) ---------
-    def alloc_window_pages(self, num_pages: int) -> list[int] | None:
-        """`num_pages` sliding pages (none without window pages), evicting cache when short;
-        None when even that leaves too few."""
+    def alloc_window_pages(self, num_pages: int, keep: Collection[int] = ()
+                           ) -> list[int] | None:
+        """`num_pages` sliding pages (none without window pages), evicting cache when short
+        (never the tree sliding pages in `keep`: an admitting request's match); None when
+        even that leaves too few."""
         if self.window is None:
             return []
         allocator = self.window.allocator
         while allocator.num_free < num_pages and self.tree is not None and self.tree.evict(1):
             pass  # whole nodes go, each with its sliding pages
         if allocator.num_free < num_pages and self.tree is not None:
-            self._reclaim_window_pages(num_pages - allocator.num_free)
+            self._reclaim_window_pages(num_pages - allocator.num_free, keep)
         return allocator.alloc(num_pages)
 
-    def _reclaim_window_pages(self, wanted: int) -> None:
+    def _reclaim_window_pages(self, wanted: int, spare: Collection[int] = ()) -> None:
         """Free locked tree sliding pages nothing reads any more: a running request reads
         its tree pages from its window on (`first_needed_page(kv_len)`; those behind it
         never again: kv_len only grows, a retracted request matches anew), a held request
@@ -747,8 +750,9 @@ class Scheduler:
         freed pages become tombstones too, so that caching them later adopts nothing."""
         assert self.window is not None and self.tree is not None
         window = self.window
-        keep = {page for req in self.held.values()
-                for page in req.window_page_ids[: req.num_tree_pages] if page is not None}
+        keep = set(spare)
+        keep.update(page for req in self.held.values()
+                    for page in req.window_page_ids[: req.num_tree_pages] if page is not None)
         if self.reservations is not None:
             keep.update(self.reservations.prefix_window_pages())
         for req in self.running:
@@ -848,11 +852,13 @@ class Scheduler:
                 and not self._has_checkpoint(req, n)]
 
     def _window_branch_point(self, req: Req, match: MatchResult) -> list[int]:
-        """Window tails on lower tiers: where the admission's page match went deeper than
-        its hit (the window cut it, or a lower tier's tail ends short of it), `req`'s
-        prefill stops and caches its pages, so that point ends a node whose tail is on
-        device (backed up with it): the next request with that prefix hits all of it, from
-        any tier. The prompt's last full page is cached at its prefill's end (`commit`)."""
+        """Window tails on lower tiers: where the admission's device page match went deeper
+        than its hit (the window rule cut it) and the reused K/V (a lower tier's included)
+        ends before that point, `req`'s prefill stops there once and caches its pages, so
+        that the point gets its tail on device again (backed up with its node). That one
+        point only: no other node end of the prompt (a host node's, a divergence inside a
+        node) gets a tail here. The prompt's last full page is cached at its prefill's end
+        (`commit`)."""
         prompt_end = len(req.prompt_ids) // self.page_size * self.page_size
         return [n for n in (match.matched_len,) if req.kv_len < n < prompt_end]
 

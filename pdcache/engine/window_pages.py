@@ -219,7 +219,10 @@ class WindowTailGeometry:
         return self.num_pages * self.page_bytes
 
     def key(self) -> str:
-        return f"window_tail;pages={self.num_pages}x{self.page_size};{self.layers_key}"
+        # the window too: windows with the same page count (7 and 8 over pages of 4) hold
+        # different K/V, and the sliding geometry's key has no window (`split_geometry`)
+        return (f"window_tail;window={self.window};pages={self.num_pages}x{self.page_size};"
+                f"{self.layers_key}")
 
     def describe(self) -> str:
         return (f"window tail of {self.num_pages} sliding pages (window {self.window}) = "

@@ -63,8 +63,14 @@ def uses_window_tails(model: ModelConfig, window_pages: bool) -> bool:
 def fingerprint_for(model: ModelConfig, identity: str, page_size: int,
                     window_pages: bool = False) -> str:
     """The KV fingerprint of this model's pages (its KV geometry's, under `identity`; with
-    window pages the full layers' geometry's: pages of another layer set never match)."""
-    return stored_geometry(model, window_pages).fingerprint(identity, page_size)
+    window pages the full layers' geometry's and the window: pages of another layer set or
+    window never match)."""
+    fingerprint = stored_geometry(model, window_pages).fingerprint(identity, page_size)
+    if uses_window_tails(model, window_pages):
+        # a full layer's K/V depends on the sliding layers below it, so on the window, which
+        # the full layers' geometry lacks (`split_geometry` leaves it 0)
+        fingerprint += f";sliding_window={model.kv_geometry.sliding_window}"
+    return fingerprint
 
 
 def storage_config_for(model: ModelConfig, page_size: int, fingerprint: str,

@@ -24,13 +24,18 @@ Engine thread only, like the scheduler itself, except `start()` (the thread call
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
-from pdcache.engine.radix import InsertResult, MatchResult
+from pdcache.engine.radix import InsertResult, MatchResult, RadixNode
 from pdcache.engine.request import Req
 from pdcache.engine.tiers import TierReuse
 from pdcache.offload_manager.hicache import HiCache
+from pdcache.offload_manager.hiradix import HostMatch
+from pdcache.offload_manager.layer_loads import LayerLoad
 from pdcache.offload_manager.prefetch_ops import PrefetchResult
+
+# `Scheduler.alloc_window_pages`: (count, tree sliding pages to keep) -> pages or None
+WindowAlloc = Callable[[int, Collection[int]], "list[int] | None"]
 
 
 class HiCacheTiers:
@@ -49,9 +54,9 @@ class HiCacheTiers:
         # prefetch restarts left); entries leave at admission or abort
         self._queued_match: dict[str, tuple[int, int]] = {}
         # window pages: the scheduler's sliding-page allocator (evicts cache when short)
-        self._alloc_window: Callable[[int], list[int] | None] | None = None
+        self._alloc_window: WindowAlloc | None = None
 
-    def use_window_pages(self, alloc: Callable[[int], list[int] | None]) -> None:
+    def use_window_pages(self, alloc: WindowAlloc) -> None:
         """Window pages: lower-tier hits restore their window tail into sliding pages from
         `alloc` (`Scheduler.alloc_window_pages`); called once when the scheduler is built."""
         if self.hicache.window_tails is None:
@@ -100,7 +105,10 @@ class HiCacheTiers:
             # a whole tail's sliding pages before the host match is taken for good (making
             # room may evict); without them no lower-tier hit can be restored
             assert self._alloc_window is not None, "window pages: use_window_pages not called"
-            got = self._alloc_window(self.hicache.window_tails.geometry.num_pages)
+            # the match's own sliding pages stay: the request (not running yet, so no reclaim
+            # keeps them otherwise) reads them whether or not a lower tier then serves it
+            mine = frozenset(page for page in match.window_page_ids if page is not None)
+            got = self._alloc_window(self.hicache.window_tails.geometry.num_pages, mine)
             if got is None:
                 self.hicache.cancel_prefetch(req.rid)
                 return TierReuse(cached=self.hicache.cached_tokens(len(match.page_ids), 0, None))
@@ -115,15 +123,15 @@ class HiCacheTiers:
         if not host.nodes and prefetched is None:
             self._free_window(tail_pages)
             return TierReuse(cached=self.hicache.cached_tokens(len(match.page_ids), 0, None))
-        node, load = self.hicache.load(host, prefetched, own_page_ids)
-        if self.hicache.states is not None:
-            assert req.state_slot is not None, "a hybrid request admitted without a state slot"
-            self.hicache.restore_state(req.state_slot, host, node, prefetched)
-        window_ids = None
-        if self.hicache.window_tails is not None:
-            window_ids, unused = self.hicache.restore_window_tail(match, host, node, prefetched,
-                                                                  tail_pages)
-            self._free_window(unused)
+        try:
+            node, load, window_ids, unused = self._restore(req, match, host, prefetched,
+                                                           own_page_ids, tail_pages)
+        except BaseException:
+            # nobody took them: a failed restore gives the tree none (`WindowTails.fill`
+            # adopts last), and the caller never sees them
+            self._free_window(tail_pages)
+            raise
+        self._free_window(unused)
         return TierReuse(
             window_page_ids=window_ids,
             tree_pages=host.num_pages,
@@ -132,6 +140,23 @@ class HiCacheTiers:
             kv_load=load,
             cached=self.hicache.cached_tokens(len(match.page_ids), host.num_pages, prefetched),
         )
+
+    def _restore(self, req: Req, match: MatchResult, host: HostMatch,
+                 prefetched: PrefetchResult | None, own_page_ids: list[int],
+                 tail_pages: list[int]
+                 ) -> tuple[RadixNode | None, LayerLoad | None, list[int | None] | None, list[int]]:
+        """Load a lower-tier hit and restore its state or window tail (from `tail_pages`):
+        the deepest restored node, the load, the request's sliding page ids (None: no window
+        pages) and the tail pages unused."""
+        node, load = self.hicache.load(host, prefetched, own_page_ids)
+        if self.hicache.states is not None:
+            assert req.state_slot is not None, "a hybrid request admitted without a state slot"
+            self.hicache.restore_state(req.state_slot, host, node, prefetched)
+        if self.hicache.window_tails is None:
+            return node, load, None, []
+        window_ids, unused = self.hicache.restore_window_tail(match, host, node, prefetched,
+                                                              tail_pages)
+        return node, load, window_ids, unused
 
     def on_cached(self, req: Req, result: InsertResult) -> None:
         num_pages = sum(n.num_pages for n in result.last_node.path_from_root())

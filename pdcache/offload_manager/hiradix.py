@@ -120,6 +120,8 @@ class HiRadixTree(RadixTree):
             if matched < node.num_pages:
                 node = self._split(node, matched)
             node.device_page_ids = list(device_page_ids[offset : offset + matched])
+            # its sliding pages come later (a window tail, `WindowTails.fill`), if at all
+            node.window_page_ids = self.tombstones(matched)
             self._device_pages += matched
             offset, last = offset + matched, node
         if last is not None:

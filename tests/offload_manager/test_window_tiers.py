@@ -10,6 +10,7 @@ pages of 4 tokens): tokens and logprobs are compared with transformers'.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from pdcache.engine.config import CacheConfig, EngineConfig  # noqa: E402
 from pdcache.engine.engine import Engine  # noqa: E402
 from pdcache.engine.loader import load_model  # noqa: E402
 from pdcache.engine.scheduler_config import SchedulerConfig  # noqa: E402
+from pdcache.engine.window_pages import WindowTailGeometry  # noqa: E402
 from pdcache.offload_manager.builder import (  # noqa: E402
     TierConfig,
     TieredEngine,
@@ -341,4 +343,137 @@ def test_a_host_hit_without_a_tail_at_its_end_is_never_served(model, tmp_path,
         with pytest.raises(AssertionError, match="host hit, no tail"):
             generate(built.engine, PROMPT[:26] + prompt_of(3, 6), "mid-prompt")
     finally:
+        built.close()
+
+
+def submit(engine: Engine, prompt: list[int], rid: str, steps: int) -> list[RequestOutput]:
+    """`prompt` queued for `steps` greedy tokens; the engine is stepped by the caller."""
+    outs: list[RequestOutput] = []
+    engine.submit(GenerateRequest(
+        rid=rid, input_ids=prompt,
+        sampling=SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True),
+        logprobs=LogprobRequest()), outs.append)
+    return outs
+
+
+def tokens_of(outs: list[RequestOutput]) -> list[int]:
+    assert outs and outs[-1].finished and outs[-1].error is None, outs[-1:]
+    return [t for out in outs for t in out.new_token_ids]
+
+
+def drain(engine: Engine) -> None:
+    while engine.step():
+        pass
+
+
+def test_a_host_hit_restoring_several_nodes_keeps_window_ids_in_line(
+        model, checkpoint, tmp_path) -> None:
+    """A host hit restores two nodes, the tail only in the second: the first gets a window
+    list of tombstones, so a later device hit through both has one window id per page (a
+    short list shifted the tail's sliding pages and wedged admission)."""
+    built = tiered(model, tmp_path / "store", backend=None)
+    try:
+        engine = built.engine
+        outs = submit(engine, PROMPT, "a", 12)
+        drain(engine)
+        answer = tokens_of(outs)
+        assert built.hicache.wait_idle(10)
+        engine.flush_cache()
+        base = PROMPT + answer[:11]  # 10 full pages: nodes [0, 28) and [28, 40) on host
+        first = submit(engine, base + prompt_of(7, 2), "r1", 1)
+        drain(engine)
+        assert tokens_of(first) and first[-1].cached.host == 40
+        match = engine.tree.match_pages(base)
+        assert len(match.page_ids) == 10
+        assert len(match.window_page_ids) == len(match.page_ids)
+        assert match.window_page_ids[-TAIL_PAGES:] != [None] * TAIL_PAGES
+        engine.check_accounting()
+        prompt = base + prompt_of(8, 2)
+        second = submit(engine, prompt, "r2", STEPS)
+        drain(engine)
+        assert tokens_of(second) == hf_greedy(checkpoint[1], prompt, STEPS)[0]
+        assert second[-1].cached.device == 40
+        idle_and_exact(built)
+    finally:
+        built.close()
+
+
+def test_taking_a_tails_pages_never_frees_the_admitted_match(model, checkpoint,
+                                                             tmp_path) -> None:
+    """A host-continuable admission takes a tail's sliding pages first; short of them the
+    scheduler reclaims tree sliding pages, but never the admitting request's device match:
+    here the allocation fails (`got is None`) and the request runs on its device hit, whose
+    sliding pages must still be its own."""
+    built = tiered(model, tmp_path / "store", backend=None)
+    try:
+        engine = built.engine
+        alloc = engine.window.allocator
+        outs = submit(engine, PROMPT, "a", STEPS)
+        drain(engine)
+        answer = tokens_of(outs)
+        assert built.hicache.wait_idle(10)
+        assert engine.tree.evict(1)  # the answer's node [28, 32) leaves device (host stays)
+        # a running request locks [0, 28): its tail is reclaimable as far as `keep` knows
+        other = PROMPT[:28] + prompt_of(5, 2)
+        other_outs = submit(engine, other, "r0", 20)
+        while engine.scheduler.find("r0") is None or engine.scheduler.find("r0").kv_len < 33:
+            assert engine.step()
+        busy = alloc.alloc(alloc.num_free)  # the rest of the sliding pool is taken
+        prompt = PROMPT + answer[:2] + prompt_of(6, 1)
+        outs = submit(engine, prompt, "q", STEPS)
+        engine.step()
+        req = engine.scheduler.find("q")
+        assert req is not None and req.cached.device == 28 and req.cached.host == 0
+        held = [page for page in req.window_page_ids if page is not None]
+        assert held and all(alloc.is_used(page) for page in held)
+        alloc.free(busy)
+        drain(engine)
+        assert tokens_of(outs) == hf_greedy(checkpoint[1], prompt, STEPS)[0]
+        assert tokens_of(other_outs) == hf_greedy(checkpoint[1], other, 20)[0]
+        idle_and_exact(built)
+    finally:
+        built.close()
+
+
+def test_pages_and_tails_of_another_window_never_match(model, tmp_path) -> None:
+    """The stored pages' fingerprint and the tail key name the window: the full layers'
+    K/V depend on it, and windows 8 and 7 over pages of 4 both have 2-page tails."""
+    config = model.config
+    other = replace(config, sliding_window=WINDOW - 1)
+    tail = WindowTailGeometry.of(config.kv_geometry, PAGE)
+    other_tail = WindowTailGeometry.of(other.kv_geometry, PAGE)
+    assert tail.num_pages == other_tail.num_pages
+    assert tail.key() != other_tail.key()
+    fingerprint = fingerprint_for(config, "gpt-oss-test", PAGE)
+    assert fingerprint != fingerprint_for(other, "gpt-oss-test", PAGE)
+    stored = storage_config_for(config, PAGE, fingerprint, backend="file", path=str(tmp_path))
+    assert stored.state_geometry == tail.key()
+    # one-space pages (no window tails) named the window already
+    assert fingerprint_for(config, "id", PAGE, False) != fingerprint_for(other, "id", PAGE, False)
+
+
+@pytest.mark.parametrize("failing", ["load", "restore_window_tail"])
+def test_a_failed_restore_frees_the_tail_pages_it_was_given(model, tmp_path, monkeypatch,
+                                                            failing: str) -> None:
+    """The tail's sliding pages are taken before the host hit is loaded and its tail
+    restored: when either raises (the engine fails the step's requests), they go back to
+    the pool."""
+    built = tiered(model, tmp_path / "store", backend=None)
+    try:
+        engine = built.engine
+        generate(engine, PROMPT, "a")
+        assert built.hicache.wait_idle(10)
+        assert engine.flush_cache() > 0
+        assert engine.window.allocator.num_used == 0
+
+        def fail(*args: object, **kwargs: object) -> None:
+            raise RuntimeError(f"{failing} failed")
+
+        monkeypatch.setattr(built.hicache, failing, fail)
+        outs = submit(engine, PROMPT, "b", STEPS)
+        engine.step()  # the engine fails the step's requests
+        assert outs and outs[-1].error is not None and f"{failing} failed" in outs[-1].error
+        assert engine.window.allocator.num_used == 0
+    finally:
+        monkeypatch.undo()
         built.close()
