@@ -444,9 +444,10 @@ def test_pages_and_tails_of_another_window_never_match(model, tmp_path) -> None:
     other_tail = WindowTailGeometry.of(other.kv_geometry, PAGE)
     assert tail.num_pages == other_tail.num_pages
     assert tail.key() != other_tail.key()
-    fingerprint = fingerprint_for(config, "gpt-oss-test", PAGE)
-    assert fingerprint != fingerprint_for(other, "gpt-oss-test", PAGE)
-    stored = storage_config_for(config, PAGE, fingerprint, backend="file", path=str(tmp_path))
+    fingerprint = fingerprint_for(config, "gpt-oss-test", PAGE, True)
+    assert fingerprint != fingerprint_for(other, "gpt-oss-test", PAGE, True)
+    stored = storage_config_for(config, PAGE, fingerprint, True, backend="file",
+                                path=str(tmp_path))
     assert stored.state_geometry == tail.key()
     # one-space pages (no window tails) named the window already
     assert fingerprint_for(config, "id", PAGE, False) != fingerprint_for(other, "id", PAGE, False)
