@@ -6,7 +6,9 @@ is shown failing with it off (the same requests on a router without tenants)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -122,19 +124,25 @@ def test_missing_or_wrong_key_is_401_json(nodes: list[UnifiedNode]) -> None:
         assert client.post("/generate", json=body).status_code == 200
 
 
+@contextlib.contextmanager
+def held_request(client: httpx.Client, tenant: Tenant, path: str) -> Iterator[None]:
+    """A request of `tenant` to `path` in flight whatever the machine's speed: its headers
+    are in (the gate admitted it), its body never completes while the socket stays open."""
+    port = int(str(client.base_url).rsplit(":", 1)[1].rstrip("/"))
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as held:
+        held.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                     f"{tenant.api_key}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: 1000\r\n\r\n{{".encode())
+        yield
+
+
 @pytest.mark.parametrize("limit", [1, 0], ids=["limited", "protection-off"])
 def test_inflight_limit_is_429_with_retry_after(nodes: list[UnifiedNode], limit: int) -> None:
     alice = Tenant(ALICE.name, ALICE.api_key, max_inflight=limit)
     short = {"input_ids": prompt(8, 1431), "sampling_params": {"max_new_tokens": 1, **GREEDY}}
     with router(nodes, tenants=(alice, BOB)) as client:
         core = client.app.state.router  # type: ignore[attr-defined]
-        # A request in flight whatever the machine's speed: its headers are in (the gate
-        # admitted it), its body never completes while the socket stays open.
-        port = int(str(client.base_url).rsplit(":", 1)[1].rstrip("/"))
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as held:
-            held.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
-                         f"{alice.api_key}\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: 1000\r\n\r\n{{".encode())
+        with held_request(client, alice, "/generate"):
             wait_until(lambda: core.tenant_limits.inflight(alice) == 1)
             second = client.post("/generate", json=short, headers=auth(alice))
             other = client.post("/generate", json=short, headers=auth(BOB))
@@ -169,11 +177,7 @@ def test_the_limit_counts_sequences_and_fan_out_calls(nodes: list[UnifiedNode],
                             headers=auth(alice)),
                 client.post("/v1/chat/completions", json={**chat, "n": 3}, headers=auth(alice))]
         assert core.tenant_limits.inflight(alice) == 0  # every unit given back
-        port = int(str(client.base_url).rsplit(":", 1)[1].rstrip("/"))
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as held:
-            held.sendall(f"POST /close_session HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
-                         f"{alice.api_key}\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: 1000\r\n\r\n{{".encode())
+        with held_request(client, alice, "/close_session"):
             wait_until(lambda: core.tenant_limits.inflight(alice) == 1)
             three = client.post("/v1/chat/completions", json={**chat, "n": 3}, headers=auth(alice))
     assert all(r.status_code == 200 for r in fits), [r.text for r in fits]
