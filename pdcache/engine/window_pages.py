@@ -38,7 +38,6 @@ the sliding layers of the `ceil((W - 1) / S)` pages a hit there reads.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -261,40 +260,40 @@ class WindowTails:
         pad = self.geometry.num_pages - len(pages)
         kv = self.window.pool.device_kv
         blob = torch.zeros((self.geometry.num_pages, *self._page_shape), dtype=kv.dtype)
-        for slot, page in enumerate(pages, start=pad):
-            blob[slot].copy_(kv[:, :, page])
+        if pages:  # one gather of every page, page-first (`[L, K, P, ...]` → `[P, L, K, ...]`)
+            blob[pad:] = kv[:, :, pages].movedim(2, 0)
         return StateSnapshot(self.geometry, blob.reshape(-1).view(torch.uint8))
 
     def restore(self, blob: torch.Tensor, end_pages: int,
                 targets: list[tuple[int, int]]) -> None:
         """Write the tail `blob` (a snapshot's bytes) of the point after `end_pages` pages
         into sliding pages: `targets` are `(page index, sliding page id)` within its range."""
+        if not targets:
+            return
         kv = self.window.pool.device_kv
         pages = blob.view(kv.dtype).view(self.geometry.num_pages, *self._page_shape)
-        pad = self.geometry.num_pages - len(self.geometry.tail_range(end_pages))
-        first = self.geometry.tail_range(end_pages).start
-        for index, page in targets:
-            kv[:, :, page].copy_(pages[pad + index - first])
+        tail = self.geometry.tail_range(end_pages)
+        offset = self.geometry.num_pages - len(tail) - tail.start  # page index → blob slot
+        slots = [offset + index for index, _ in targets]
+        kv[:, :, [page for _, page in targets]] = pages[slots].movedim(0, 2)
 
     def fill(self, blob: torch.Tensor, tree: RadixTree, path: list[RadixNode],
-             num_tree_pages: int, end_pages: int, alloc: Callable[[int], list[int] | None]
-             ) -> list[int | None] | None:
+             num_tree_pages: int, end_pages: int, spare: list[int]
+             ) -> tuple[list[int | None], list[int]]:
         """The sliding pages of a lower-tier hit after `end_pages` pages whose first
         `num_tree_pages` are the tree's (`path`, root to its deepest node): its tail pages
-        the tree lacks are allocated (`alloc`), filled from `blob` and given to the tree
-        nodes (tree pages) or returned as the request's own (the rest). Returns the
-        request's sliding page ids of all `end_pages` pages (None: a tombstone), or None,
-        nothing changed, when `alloc` has no pages."""
+        the tree lacks are taken from `spare` (free sliding pages, a whole tail's), filled
+        from `blob` and given to the tree nodes (tree pages) or returned as the request's own
+        (the rest). Returns the request's sliding page ids of all `end_pages` pages (None: a
+        tombstone) and the spare pages not taken."""
         # a device hit may end inside its last node: only its first pages are the hit's
-        slots = [(node, index) for node in path for index in range(node.num_pages)]
+        slots = _page_slots(path)
         assert len(slots) >= num_tree_pages, (len(slots), num_tree_pages)
         slots = slots[:num_tree_pages]
         tail = self.geometry.tail_range(end_pages)
         missing = [i for i in tail if i >= num_tree_pages or _window_at(*slots[i]) is None]
-        pages = alloc(len(missing)) if missing else []
-        if pages is None:
-            return None
-        targets = list(zip(missing, pages))
+        assert len(missing) <= len(spare), "fewer spare sliding pages than a tail"
+        targets = list(zip(missing, spare))
         self.restore(blob, end_pages, targets)
         own: dict[int, int] = {}
         for index, page in targets:
@@ -303,7 +302,7 @@ class WindowTails:
             else:
                 own[index] = page
         ids: list[int | None] = [_window_at(*slot) for slot in slots]
-        return ids + [own.get(i) for i in range(num_tree_pages, end_pages)]
+        return ids + [own.get(i) for i in range(num_tree_pages, end_pages)], spare[len(missing):]
 
     @property
     def _page_shape(self) -> tuple[int, ...]:
@@ -311,9 +310,13 @@ class WindowTails:
 
     def _tail_of(self, node: RadixNode) -> list[int | None]:
         """The sliding page ids of the tail at `node`'s end (None: freed)."""
-        path = node.path_from_root()
-        slots = [(item, index) for item in path for index in range(item.num_pages)]
+        slots = _page_slots(node.path_from_root())
         return [_window_at(*slots[i]) for i in self.geometry.tail_range(len(slots))]
+
+
+def _page_slots(path: list[RadixNode]) -> list[tuple[RadixNode, int]]:
+    """(node, page index in it) of every page along `path`, root first."""
+    return [(node, index) for node in path for index in range(node.num_pages)]
 
 
 def _window_at(node: RadixNode, index: int) -> int | None:

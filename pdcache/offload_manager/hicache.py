@@ -270,19 +270,30 @@ class HiCache:
         prefetch's host state slot. Nothing without a lower-tier hit: the device checkpoint
         the scheduler restored stays."""
         assert self.states is not None and self.host_states is not None
-        host_states, pool = self.host_states, self.states.pool
-        if prefetched is not None and prefetched.host_page_ids:
-            assert prefetched.state_slot is not None, "a storage hit without its state"
-            pool.restore(request_slot, host_states.snapshot(prefetched.state_slot))
-            self._count(load_storage_states=1, load_state_bytes=host_states.slot_nbytes)
-        elif host.nodes:
-            assert node is not None and node.host_state_slot is not None, "host hit, no state"
-            pool.restore(request_slot, host_states.snapshot(node.host_state_slot))
-            self._count(load_host_states=1, load_state_bytes=host_states.slot_nbytes)
-            self._checkpoint_restored(node, request_slot)
+        from_storage = prefetched is not None and bool(prefetched.host_page_ids)
+        if from_storage or host.nodes:
+            slot = self._hit_checkpoint(node, prefetched, "state")
+            self.states.pool.restore(request_slot, self.host_states.snapshot(slot))
+            if not from_storage:
+                assert node is not None
+                self._checkpoint_restored(node, request_slot)
         if prefetched is not None:
-            self.prefetches.release_state(prefetched.state_slot)
-            prefetched.state_slot = None
+            self.release_prefetched_state(prefetched)
+
+    def _hit_checkpoint(self, node: RadixNode | None, prefetched: PrefetchResult | None,
+                        what: str) -> int:
+        """The host state slot holding the checkpoint a lower-tier hit ends at — the
+        prefetch's object (its pages end the hit), else the deepest host node's — counted as
+        loaded. Recurrent states and window tails alike (`what` the assertions name)."""
+        assert self.host_states is not None
+        nbytes = self.host_states.slot_nbytes
+        if prefetched is not None and prefetched.host_page_ids:
+            assert prefetched.state_slot is not None, f"a storage hit without its {what}"
+            self._count(load_storage_states=1, load_state_bytes=nbytes)
+            return prefetched.state_slot
+        assert node is not None and node.host_state_slot is not None, f"host hit, no {what}"
+        self._count(load_host_states=1, load_state_bytes=nbytes)
+        return node.host_state_slot
 
     def restore_window_tail(self, match: MatchResult, host: HostMatch, node: RadixNode | None,
                             prefetched: PrefetchResult | None, pages: list[int]
@@ -295,32 +306,15 @@ class HiCache:
         Frees the prefetch's host state slot."""
         tails, host_states = self.window_tails, self.host_states
         assert tails is not None and host_states is not None
-        if prefetched is not None and prefetched.host_page_ids:
-            assert prefetched.state_slot is not None, "a storage hit without its window tail"
-            slot = prefetched.state_slot
-            self._count(load_storage_states=1, load_state_bytes=host_states.slot_nbytes)
-        else:
-            assert node is not None and node.host_state_slot is not None, "host hit, no tail"
-            slot = node.host_state_slot
-            self._count(load_host_states=1, load_state_bytes=host_states.slot_nbytes)
+        slot = self._hit_checkpoint(node, prefetched, "tail")
         num_tree = len(match.page_ids) + host.num_pages
         own = len(prefetched.host_page_ids) if prefetched is not None else 0
         deepest = node if node is not None else match.last_node
         path = deepest.path_from_root() if deepest is not None else []
-        spare = list(pages)
-
-        def take(count: int) -> list[int] | None:
-            if count > len(spare):
-                return None
-            taken, spare[:] = spare[:count], spare[count:]
-            return taken
-
-        ids = tails.fill(host_states.slot_bytes(slot), self.tree, path, num_tree,
-                         num_tree + own, take)
-        assert ids is not None  # `pages` covers a whole tail
+        ids, spare = tails.fill(host_states.slot_bytes(slot), self.tree, path, num_tree,
+                                num_tree + own, pages)
         if prefetched is not None:
-            self.prefetches.release_state(prefetched.state_slot)
-            prefetched.state_slot = None
+            self.release_prefetched_state(prefetched)
         return ids, spare
 
     def _checkpoint_restored(self, node: RadixNode, request_slot: int) -> None:
