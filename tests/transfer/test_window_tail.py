@@ -151,6 +151,24 @@ def _pools(seed_pages: int, dst_pages: int) -> tuple[torch.Tensor, WindowPages, 
     return src, window, window.full_pool(dst_pages, torch.float32).device_kv
 
 
+NUM_TOKENS = 37  # the room both wire tests move: 10 pages, a tail of the last ones
+
+
+def _ask_for_a_tail(receiver: KVReceiver, sender: KVSender, window: WindowPages
+                    ) -> tuple[np.ndarray, np.ndarray, range, np.ndarray]:
+    """Decode connects and asks room 7 for NUM_TOKENS tokens: every page into its full
+    pool, the window tail into sliding pages 7..; (prefill's pages, decode's pages, the
+    tail's page range, decode's sliding pages)."""
+    receiver.connect(sender.bootstrap_addr)
+    src_pages = np.array([3, 4, 5, 6, 20, 21, 0, 1, 2, 11])
+    dst_pages = np.array([10, 11, 12, 13, 14, 30, 31, 2, 3, 39])
+    tail = window.tail_pages(NUM_TOKENS)
+    dst_window = np.array([7, 8, 9][: len(tail)])
+    receiver.request(7, sender.bootstrap_addr, dst_pages, num_tokens=NUM_TOKENS,
+                     dst_window_pages=dst_window, window_first_page=tail.start)
+    return src_pages, dst_pages, tail, dst_window
+
+
 @pytest.mark.parametrize("engine", engine_params())
 def test_the_window_tail_over_the_wire(engine: str) -> None:
     config = fast_config(engine)
@@ -160,15 +178,8 @@ def test_the_window_tail_over_the_wire(engine: str) -> None:
     receiver = KVReceiver(config, dst_full, kv_geometry=key,
                           window_kv=window.pool.device_kv).start()
     try:
-        receiver.connect(sender.bootstrap_addr)
-        num_tokens = 37
-        src_pages = np.array([3, 4, 5, 6, 20, 21, 0, 1, 2, 11])
-        dst_pages = np.array([10, 11, 12, 13, 14, 30, 31, 2, 3, 39])
-        tail = window.tail_pages(num_tokens)
-        dst_window = np.array([7, 8, 9][: len(tail)])
-        receiver.request(7, sender.bootstrap_addr, dst_pages, num_tokens=num_tokens,
-                         dst_window_pages=dst_window, window_first_page=tail.start)
-        assert sender.send(7, src_pages, PrefillReport(11, prompt_tokens=num_tokens))
+        src_pages, dst_pages, tail, dst_window = _ask_for_a_tail(receiver, sender, window)
+        assert sender.send(7, src_pages, PrefillReport(11, prompt_tokens=NUM_TOKENS))
         result = receiver.wait(7, scaled_limit(5.0))
         slab = GEOMETRY.slab_page_bytes(PAGE)
         assert result.nbytes == 2 * slab * (2 * len(src_pages) + 3 * len(tail))
@@ -252,18 +263,11 @@ def test_a_prefill_with_window_pages_sends_the_tail_from_its_window_pool(
     receiver = KVReceiver(config, dst_full, kv_geometry=GEOMETRY.layout_key(PAGE),
                           window_kv=decode.pool.device_kv).start()
     try:
-        receiver.connect(sender.bootstrap_addr)
-        num_tokens = 37
-        src_pages = np.array([3, 4, 5, 6, 20, 21, 0, 1, 2, 11])
-        dst_pages = np.array([10, 11, 12, 13, 14, 30, 31, 2, 3, 39])
-        tail = decode.tail_pages(num_tokens)
+        src_pages, dst_pages, tail, dst_window = _ask_for_a_tail(receiver, sender, decode)
         src_window: list[int | None] = [None] * tail.start + [5, 9, 17][: len(tail)]
         if freed_in_tail:
             src_window[tail.start] = None
-        dst_window = np.array([7, 8, 9][: len(tail)])
-        receiver.request(7, sender.bootstrap_addr, dst_pages, num_tokens=num_tokens,
-                         dst_window_pages=dst_window, window_first_page=tail.start)
-        assert sender.send(7, src_pages, PrefillReport(11, prompt_tokens=num_tokens),
+        assert sender.send(7, src_pages, PrefillReport(11, prompt_tokens=NUM_TOKENS),
                            window_page_ids=src_window)
         if freed_in_tail:
             wait_until(lambda: sender.poll(7) is RoomState.FAILED, 2.0, "failed")
