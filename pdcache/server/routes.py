@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from pdcache.engine.api import TokenLogprob
+from pdcache.engine.api import TokenConstraint, TokenLogprob
 from pdcache.server.bridge import EngineBridge, EngineRequest, Generation
 from pdcache.server.service import ServiceRoutes
 from pdcache.wire.agent import AgentFeatures, ChoicePlan
@@ -131,24 +131,23 @@ class ServerRoutes:
         runs: list[SequenceRun] = []
         budget = LogprobBudget()
         items = body.items()
-        # grammars compiled on a worker thread (kept: each sequence then takes a copy)
-        await asyncio.to_thread(lambda: [self.agent.sampling_constraint(i.sampling) for i in items])
+        # each sequence's grammar built on a worker thread (the event loop serves on)
+        constraints = await asyncio.to_thread(
+            lambda: [self.agent.sampling_constraint(item.sampling) for item in items])
         with self.ended_on_error(lambda: [(run.handle, run.gen) for run in runs]):
-            for item in items:
-                runs.append(self.start(item, body, runs, budget))
+            for item, constraint in zip(items, constraints, strict=True):
+                runs.append(self.start(item, body, runs, constraint, budget))
             return await self.respond_runs(request, runs, body)
 
-    def start(self, item: GenerateItem, body: GenerateRequestBody,
-              earlier: list[SequenceRun], budget: LogprobBudget | None = None) -> SequenceRun:
+    def start(self, item: GenerateItem, body: GenerateRequestBody, earlier: list[SequenceRun],
+              constraint: TokenConstraint | None, budget: LogprobBudget) -> SequenceRun:
         """Check and submit one sequence; a sample's `prefill_leader` is its prompt's first.
         Whatever may refuse it comes first: a request submitted but not returned would run on
         with nothing to abort it."""
         gen = Generation(arrival=time.monotonic())
         input_ids = self.checked_prompt(item)
-        (budget or LogprobBudget()).spend(len(input_ids), item.sampling.max_new_tokens,
-                                          item.logprobs)
+        budget.spend(len(input_ids), item.sampling.max_new_tokens, item.logprobs)
         text = self.assembler(item)
-        constraint = self.agent.sampling_constraint(item.sampling)
         leader = earlier[item.leader].handle.rid if item.leader is not None else None
         handle = self.bridge.submit(gen, input_ids, item.sampling.to_engine(), body.cache_salt,
                                     item.rid, logprobs=item.logprobs, prefill_leader=leader,
